@@ -1,0 +1,3 @@
+"""treeflow: prefix-tree policy execution for RL on multi-turn agentic episodes."""
+
+__version__ = "0.1.0"

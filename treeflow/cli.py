@@ -1,0 +1,222 @@
+"""`treeflow` command line: synth, inspect, plan, replay.
+
+Each command is a thin shell over the library: it parses options, streams
+windows of episodes through stages, and prints a summary (rich tables, or one
+JSON object with --json). Progress goes to stderr so that stdout stays clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+
+import pyarrow as pa
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr)
+
+
+@contextmanager
+def _progress(description: str, total: int | None, quiet: bool = False):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet:
+        yield lambda n: None
+        return
+    cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*cols, console=_console(stderr=True), transient=True) as prog:
+        task = prog.add_task(description, total=total)
+        yield lambda n: prog.advance(task, n)
+
+
+def _count_rows(paths) -> int:
+    import pyarrow.dataset as pads
+
+    from treeflow.schemas.episode import expand_paths
+
+    total = 0
+    for p in expand_paths(paths):
+        fmt = "parquet" if p.endswith(".parquet") else "ipc"
+        total += pads.dataset(p, format=fmt).count_rows()
+    return total
+
+
+def _table(title: str, rows: list[tuple[str, object]]):
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    for k, v in rows:
+        t.add_row(k, f"{v:,.2f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v)))
+    return t
+
+
+# ---------------------------------------------------------------- synth
+def cmd_synth(args) -> int:
+    from treeflow.pipeline.synth import synth_episodes, write_episodes
+
+    t0 = time.perf_counter()
+    table = synth_episodes(episodes=args.episodes, group_size=args.group_size,
+                           turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
+                           branch_prob=args.branch_prob, routes=args.routes, seed=args.seed)
+    write_episodes(table, args.output)
+    n_calls = sum(len(c) for c in table.column("calls").to_pylist()) if table.num_rows < 5000 else None
+    _console().print(f"wrote {table.num_rows} episodes" + (f" ({n_calls} calls)" if n_calls else "")
+                     + f" to {args.output} in {time.perf_counter() - t0:.2f}s")
+    return 0
+
+
+# ---------------------------------------------------------------- inspect
+def cmd_inspect(args) -> int:
+    import polars as pl
+
+    from treeflow.pipeline.source import Files
+    from treeflow.pipeline.stats import merge_totals, window_stats
+
+    frames, parts = [], []
+    with _progress("inspect", _count_rows(args.files), args.json) as advance:
+        for window in Files(paths=tuple(args.files), window=args.window):
+            frame, totals = window_stats(window, max_tokens=args.max_tokens)
+            frames.append(frame)
+            parts.append(totals)
+            advance(window.num_rows)
+    totals = merge_totals(parts)
+    frame = pl.concat(frames) if frames else pl.DataFrame()
+    if frame.height:
+        frame = frame.with_columns(saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
+    dist_cols = [c for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens",
+                             "tree_episode_tokens", "saving_tree_episode") if c in frame.columns]
+    dist = {}
+    for c in dist_cols:
+        s = frame[c]
+        dist[c] = {"mean": float(s.mean()), "min": float(s.min()), "p50": float(s.quantile(0.5)),
+                   "p90": float(s.quantile(0.9)), "max": float(s.max())}
+    if args.json:
+        print(json.dumps({"totals": totals, "per_episode": dist}))
+        return 0
+    con = _console()
+    con.print(_table("totals", list(totals.items())))
+    from rich.table import Table
+
+    t = Table(title="per episode")
+    for h in ("field", "mean", "min", "p50", "p90", "max"):
+        t.add_column(h, justify="right" if h != "field" else "left")
+    for c, d in dist.items():
+        t.add_row(c, *(f"{d[k]:,.1f}" for k in ("mean", "min", "p50", "p90", "max")))
+    con.print(t)
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+def cmd_plan(args) -> int:
+    import numpy as np
+
+    from treeflow.pipeline.source import Files
+    from treeflow.stages import Fragment, Pack, Shard
+
+    pack = Pack(layout=args.layout, scope=args.scope)
+    frag = Fragment(max_tokens=args.max_tokens, pad_to_multiple=args.ranks)
+    shard = Shard(num_ranks=args.ranks)
+    t0 = time.perf_counter()
+    sums = dict(episodes=0, steps=0, bins=0, exact_tokens=0, layout_tokens=0, executed_tokens=0,
+                repeated_tokens=0, edges=0, occurrences=0)
+    imbalances = []
+    writer = None
+    with _progress("plan", _count_rows(args.files), args.json) as advance:
+        for step, window in enumerate(Files(paths=tuple(args.files), window=args.batch_episodes)):
+            layouts = pack(window, step=step)
+            bins, report = shard.plan(frag(layouts))
+            if args.output:
+                if writer is None:
+                    writer = pa.ipc.new_file(args.output, bins.schema)
+                writer.write_table(bins)
+            sums["episodes"] += window.num_rows
+            sums["steps"] += 1
+            sums["bins"] += bins.num_rows
+            sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
+            sums["layout_tokens"] += _total_len(layouts, "tokens")
+            sums["executed_tokens"] += _total_len(bins, "tokens")
+            sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
+            sums["edges"] += _total_len(bins, "edge_sources")
+            sums["occurrences"] += _total_len(bins, "occ_edge")
+            imbalances.append(report.imbalance)
+            advance(window.num_rows)
+    if writer is not None:
+        writer.close()
+    sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
+    sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
+    sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
+    sums["rank_imbalance_mean"] = float(np.mean(imbalances)) if imbalances else 0.0
+    sums["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(sums))
+    else:
+        _console().print(_table(f"plan: layout={args.layout} max_tokens={args.max_tokens} "
+                                f"ranks={args.ranks}", list(sums.items())))
+        if args.output:
+            _console().print(f"bins written to {args.output}")
+    return 0
+
+
+def _total_len(table: pa.Table, col: str) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(table.column(col))).as_py() or 0)
+
+
+# ---------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("synth", help="write synthetic agentic episodes (.arrow or .parquet)")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--episodes", type=int, default=64)
+    s.add_argument("--group-size", type=int, default=8)
+    s.add_argument("--min-turns", type=int, default=3)
+    s.add_argument("--max-turns", type=int, default=10)
+    s.add_argument("--vocab-size", type=int, default=32000)
+    s.add_argument("--branch-prob", type=float, default=0.1)
+    s.add_argument("--routes", type=int, default=0, help="expert ids per token (MoE routes); 0 = none")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_synth)
+
+    s = sub.add_parser("inspect", help="totals and per-episode distributions of each layout")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--max-tokens", type=int, default=None, help="also plan bins of this budget")
+    s.add_argument("--window", type=int, default=256, help="episodes packed together")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("plan", help="pack, fragment and shard episodes into bins")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--max-tokens", type=int, required=True)
+    s.add_argument("--ranks", type=int, default=1)
+    s.add_argument("--batch-episodes", type=int, default=256, help="episodes per step")
+    s.add_argument("-o", "--output", default=None, help="write the bins (Arrow IPC)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_plan)
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        _console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Layout statistics for `treeflow inspect` and `treeflow plan`: what each layout would cost.
+
+Per episode we count calls, sampled tokens, exact-call tokens, chain tokens
+and episode-scope tree tokens (plus attention pairs, the sum over nodes of
+depth + 1); per window we add group-scope tree tokens and, given a budget,
+the bins and the repeated context that fragmentation costs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.fragment import fragment
+from treeflow.stages.pack import pack
+
+LAYOUT_NAMES = ("exact", "chain", "tree_episode", "tree_group")
+
+
+def _per_layout(layouts: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and attention pairs of each layout row."""
+    pos = layouts.column("positions").combine_chunks()
+    off = list_offsets(pos)
+    csum = np.concatenate([[0], np.cumsum(list_values(pos, np.int64) + 1)])
+    return np.diff(off), csum[off[1:]] - csum[off[:-1]]
+
+
+def window_stats(episodes: pa.Table, *, max_tokens: int | None = None) -> tuple[pl.DataFrame, dict]:
+    """Per-episode frame and window totals."""
+    calls = episodes.column("calls").combine_chunks()
+    flat = calls.flatten()
+    n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False)
+    lens = pc.list_value_length(flat.field("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    row = np.repeat(np.arange(episodes.num_rows), n_calls)
+    per_ep = {
+        "episode_id": episodes.column("episode_id").to_pylist(),
+        "group_id": episodes.column("group_id").to_pylist(),
+        "calls": n_calls.astype(np.int64),
+        "sampled_tokens": np.bincount(row, lens - starts, episodes.num_rows).astype(np.int64),
+    }
+    totals: dict = {}
+    for name, layout, scope in (("exact", "exact", None), ("chain", "chain", None),
+                                ("tree_episode", "tree", "episode"), ("tree_group", "tree", "group")):
+        if name == "tree_group" and all(g is None for g in per_ep["group_id"]):
+            lays = pack(episodes, layout="tree", scope="episode")
+        else:
+            lays = pack(episodes, layout=layout, scope=scope)
+        toks, pairs = _per_layout(lays)
+        totals[f"{name}_tokens"] = int(toks.sum())
+        totals[f"{name}_pairs"] = int(pairs.sum())
+        if name != "tree_group":
+            idx = {e: i for i, e in enumerate(per_ep["episode_id"])}
+            ep_of = [idx[ids[0]] for ids in lays.column("episode_ids").to_pylist()]
+            per_ep[f"{name}_tokens"] = np.bincount(ep_of, toks, episodes.num_rows).astype(np.int64)
+        if max_tokens is not None and name in ("chain", "tree_group", "exact"):
+            bins = fragment(lays, max_tokens=max_tokens)
+            executed = int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)
+            totals[f"{name}_bins"] = bins.num_rows
+            totals[f"{name}_executed_tokens"] = executed
+            totals[f"{name}_repeated_tokens"] = int(pc.sum(bins.column("repeated_tokens")).as_py() or 0)
+    frame = pl.DataFrame(per_ep)
+    totals.update(episodes=episodes.num_rows, calls=int(n_calls.sum()),
+                  sampled_tokens=int(frame["sampled_tokens"].sum()),
+                  groups=frame["group_id"].drop_nulls().n_unique())
+    return frame, totals
+
+
+def merge_totals(parts: list[dict]) -> dict:
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0) + v
+    exact = out.get("exact_tokens", 0)
+    for name in LAYOUT_NAMES[1:]:
+        if out.get(f"{name}_tokens"):
+            out[f"saving_{name}"] = exact / out[f"{name}_tokens"]
+    for name in ("exact", "chain", "tree_group"):
+        ex = out.get(f"{name}_executed_tokens")
+        if ex:
+            out[f"{name}_repeated_share"] = out[f"{name}_repeated_tokens"] / ex
+    return out

@@ -1,0 +1,22 @@
+"""Arrow schemas of treeflow's data, and validation of user input at the boundary."""
+
+from treeflow.schemas.episode import (
+    CALL_TYPE,
+    EPISODE_SCHEMA,
+    expand_paths,
+    iter_episode_batches,
+    read_episodes,
+    validate_episodes,
+)
+from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
+
+__all__ = [
+    "BIN_SCHEMA",
+    "CALL_TYPE",
+    "EPISODE_SCHEMA",
+    "LAYOUT_SCHEMA",
+    "expand_paths",
+    "iter_episode_batches",
+    "read_episodes",
+    "validate_episodes",
+]

@@ -1,0 +1,68 @@
+"""Schemas of the intermediate data: layouts (Pack's output) and bins (Fragment's and Shard's).
+
+Both carry every occurrence with its loss fields, so that a bin is
+self-contained: it can travel through a queue alone and still be turned into
+losses and logical results. Lists are Arrow lists so that a row is one tree or
+one bin and the hot paths work on flat numpy views of the list values.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+
+def _f(name: str, type_: pa.DataType, doc: str, nullable: bool = False) -> pa.Field:
+    return pa.field(name, type_, nullable=nullable, metadata={"doc": doc})
+
+
+I32 = pa.list_(pa.int32())
+I64 = pa.list_(pa.int64())
+F32 = pa.list_(pa.float32())
+ROUTES = pa.list_(pa.list_(pa.int16()))
+
+OCCURRENCE_FIELDS = [
+    _f("occ_sample_index", I64, "per occurrence: sample_index of its episode"),
+    _f("occ_call", I32, "per occurrence: call index inside the episode"),
+    _f("occ_offset", I32, "per occurrence: offset inside the call's sampled span"),
+    _f("occ_edge", I32, "per occurrence: index into this row's edges"),
+    _f("occ_advantage", F32, "per occurrence: advantage (per-token, else the episode's; NaN if none)"),
+    _f("occ_generation_logprob", F32, "per occurrence: engine logprob (NaN if not given)"),
+    _f("occ_loss_mask", pa.list_(pa.bool_()), "per occurrence: whether it counts in the loss"),
+]
+
+LAYOUT_SCHEMA = pa.schema(
+    [
+        _f("step", pa.int64(), "index of the window (logical batch) this layout belongs to"),
+        _f("layout_id", pa.int64(), "index of this layout inside its step"),
+        _f("scope", pa.string(), "episode_id or group_id whose calls this layout holds"),
+        _f("layout", pa.string(), "tree | chain | exact"),
+        _f("episode_ids", pa.list_(pa.string()), "episodes whose calls are in this layout"),
+        _f("sample_indices", I64, "sample_index of each of those episodes"),
+        _f("exact_tokens", pa.int64(), "sum of the calls' lengths (the exact-call cost)"),
+        _f("tokens", I32, "token id per node, DFS pre-order"),
+        _f("parents", I32, "parent node per node; -1 for a root; parent < child"),
+        _f("positions", I32, "depth per node = its position id"),
+        _f("routes", ROUTES, "MoE route per node (null without routed_experts)", nullable=True),
+        _f("edge_nodes", I32, "child node of each loss edge; source = parents[child]"),
+        *OCCURRENCE_FIELDS,
+    ],
+    metadata={"treeflow.schema": "layout/1"},
+)
+
+BIN_SCHEMA = pa.schema(
+    [
+        _f("step", pa.int64(), "index of the step (logical batch) this bin belongs to"),
+        _f("bin_id", pa.int64(), "index of the bin inside its step"),
+        _f("rank", pa.int32(), "data-parallel rank that runs this bin (-1 before Shard)"),
+        _f("tokens", I32, "token id per node, DFS pre-order"),
+        _f("parents", I32, "bin-local parent per node; -1 for a root; parent < child"),
+        _f("positions", I32, "depth per node = its position id"),
+        _f("routes", ROUTES, "MoE route per node (null without routed_experts)", nullable=True),
+        _f("edge_ids", I64, "step-unique id of each loss edge"),
+        _f("edge_sources", I32, "bin-local index of the parent node of each loss edge"),
+        _f("edge_targets", I32, "sampled token id of each loss edge"),
+        *OCCURRENCE_FIELDS,
+        _f("repeated_tokens", pa.int64(), "nodes of this bin that another bin of the step also runs"),
+    ],
+    metadata={"treeflow.schema": "bin/1"},
+)

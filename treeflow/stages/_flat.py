@@ -1,0 +1,137 @@
+"""Flat numpy views of episode and layout tables (zero-copy where Arrow allows).
+
+Legend: R rows, C calls, T tokens (all calls), S sampled tokens, N nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def list_offsets(arr: pa.Array) -> np.ndarray:
+    """int64 offsets of a list array, rebased to zero."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    off = arr.offsets.to_numpy().astype(np.int64)
+    return off - off[0]
+
+
+def list_values(arr: pa.Array, dtype=None) -> np.ndarray:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    vals = arr.flatten().to_numpy(zero_copy_only=False)
+    return vals if dtype is None else vals.astype(dtype, copy=False)
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[i], starts[i] + lengths[i]) without a Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    keep = lengths > 0
+    starts, lengths = np.asarray(starts, dtype=np.int64)[keep], lengths[keep]
+    out = np.ones(total, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    out[0] = starts[0]
+    out[ends[:-1]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(out)
+
+
+def segment_ids(lengths: np.ndarray) -> np.ndarray:
+    return np.repeat(np.arange(len(lengths)), lengths)
+
+
+def _null_mask(arr: pa.Array) -> np.ndarray:
+    return arr.is_null().to_numpy(zero_copy_only=False)
+
+
+@dataclass
+class Calls:
+    """All calls of an episode table, flattened.
+
+    tokens_T / routes_TW are the concatenated executed sequences; call c spans
+    [tok_off[c], tok_off[c+1]). Sampled-span fields are per sampled token S.
+    """
+
+    episode_ids: list
+    group_ids: list
+    sample_index_R: np.ndarray
+    call_row_C: np.ndarray
+    call_k_C: np.ndarray
+    tok_off_C1: np.ndarray
+    tokens_T: np.ndarray
+    routes_TW: np.ndarray | None
+    start_C: np.ndarray
+    len_C: np.ndarray
+    advantage_S: np.ndarray
+    genlp_S: np.ndarray
+    mask_S: np.ndarray
+
+    @property
+    def n_sampled_C(self) -> np.ndarray:
+        return self.len_C - self.start_C
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "Calls":
+        calls = table.column("calls").combine_chunks()
+        n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = calls.flatten()
+        toks = flat.field("token_ids")
+        tok_off = list_offsets(toks)
+        tokens = list_values(toks, np.int32)
+        len_c = np.diff(tok_off)
+        start_c = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
+        n_s = len_c - start_c
+        s_total = int(n_s.sum())
+        call_row = segment_ids(n_calls)
+        s_call = segment_ids(n_s)
+
+        def sampled(name, fill, dtype):
+            arr = flat.field(name)
+            out = np.full(s_total, fill, dtype=dtype)
+            present = ~_null_mask(arr)
+            if present.any():
+                vals = list_values(arr, dtype)
+                out[present[s_call]] = vals
+            return out
+
+        ep_adv = table.column("advantage").combine_chunks()
+        ep_adv_np = ep_adv.fill_null(np.nan).to_numpy(zero_copy_only=False).astype(np.float32)
+        adv = ep_adv_np[call_row[s_call]] if s_total else np.zeros(0, np.float32)
+        per_tok = flat.field("advantages")
+        present = ~_null_mask(per_tok)
+        if present.any():
+            adv = adv.copy()
+            adv[present[s_call]] = list_values(per_tok, np.float32)
+        routes = flat.field("routed_experts")
+        routes_tw = None
+        rpresent = ~_null_mask(routes)
+        if rpresent.any():
+            if not rpresent.all():
+                row = int(call_row[np.flatnonzero(~rpresent)[0]])
+                raise ValueError(
+                    f"episode {table.column('episode_id')[row].as_py()!r}: field 'routed_experts' is "
+                    "null for some calls and set for others; give routes for every call or none")
+            inner = routes.flatten()
+            width = int(pc.list_value_length(inner)[0].as_py()) if len(inner) else 0
+            routes_tw = list_values(inner, np.int16).reshape(-1, width) if width else None
+        return cls(
+            episode_ids=table.column("episode_id").to_pylist(),
+            group_ids=table.column("group_id").to_pylist(),
+            sample_index_R=table.column("sample_index").to_numpy().astype(np.int64),
+            call_row_C=call_row,
+            call_k_C=ranges(np.zeros(len(n_calls), np.int64), n_calls),
+            tok_off_C1=tok_off,
+            tokens_T=tokens,
+            routes_TW=routes_tw,
+            start_C=start_c,
+            len_C=len_c,
+            advantage_S=adv,
+            genlp_S=sampled("generation_logprobs", np.nan, np.float32),
+            mask_S=sampled("loss_mask", True, np.bool_),
+        )

@@ -1,0 +1,255 @@
+"""Pack: episodes -> layouts (prefix trees, merged chains, or exact calls).
+
+Construction is the canonical one: sort a scope's call sequences, take the
+longest common prefix (LCP) of sorted neighbours, and let each sequence add
+the nodes past its LCP. The parent of a sequence's first new node is found by
+a previous-smaller-LCP stack over *calls*, never over tokens; tokens,
+parents and positions are then gathered with vectorised range arithmetic, so
+the cost is a few numpy passes over the exact-call tokens. The DFS pre-order
+is the sorted order, which makes the result deterministic and the subtrees
+contiguous. `chain` is the same construction with sharing allowed only when a
+whole sequence is a prefix of its sorted successor; `exact` allows none.
+
+Legend: C calls, T executed tokens, N nodes, S sampled tokens (occurrences),
+E edges, W route width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+
+from treeflow.schemas.episode import EPISODE_SCHEMA
+from treeflow.schemas.layout import LAYOUT_SCHEMA
+from treeflow.stages._flat import Calls, ranges, segment_ids
+from treeflow.stages.base import Stage
+
+LAYOUTS = ("tree", "chain", "exact")
+SCOPES = ("episode", "group")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pack(Stage):
+    """Lay out the calls of a window of episodes.
+
+    layout: "tree" (radix tree), "chain" (merge calls that are whole prefixes
+    of another call of their episode) or "exact" (every call its own chain).
+    scope: for "tree", share across the episodes of a group ("group") or only
+    inside an episode ("episode"); default: "group" when the window has
+    group ids, else "episode". chain and exact always use episode scope.
+    """
+
+    input_schema = EPISODE_SCHEMA
+    output_schema = LAYOUT_SCHEMA
+
+    layout: Literal["tree", "chain", "exact"] = "tree"
+    scope: Literal["episode", "group"] | None = None
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Pack(layout={self.layout!r}): choose one of {LAYOUTS}")
+        if self.scope is not None and self.scope not in SCOPES:
+            raise ValueError(f"Pack(scope={self.scope!r}): choose one of {SCOPES} or None")
+        if self.scope == "group" and self.layout != "tree":
+            raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
+                             "shares across episodes; use layout='tree' or scope='episode'")
+
+    def __call__(self, episodes: pa.Table, *, step: int = 0) -> pa.Table:
+        return pack(episodes, layout=self.layout, scope=self.scope, step=step)
+
+
+def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarray, list[str]]:
+    """Scope index per row (in order of first appearance) and the scope names."""
+    has_groups = any(g is not None for g in calls.group_ids)
+    use_group = layout == "tree" and (scope == "group" or (scope is None and has_groups))
+    names = [g if (use_group and g is not None) else f"episode:{e}"
+             for e, g in zip(calls.episode_ids, calls.group_ids)]
+    index: dict[str, int] = {}
+    row_scope = np.fromiter((index.setdefault(n, len(index)) for n in names), np.int64, len(names))
+    scope_names = [n if not n.startswith("episode:") else n[len("episode:"):] for n in index]
+    return row_scope, scope_names
+
+
+def _keys_bytes(calls: Calls) -> bytes:
+    """One big-endian byte string per token that compares like (token, route)."""
+    tok = calls.tokens_T.astype(">u4").view(np.uint8).reshape(-1, 4)
+    if calls.routes_TW is None:
+        return tok.tobytes()
+    r = (calls.routes_TW.astype(np.int32) + 32768).astype(">u2").view(np.uint8)
+    r = r.reshape(len(tok), -1)
+    return np.concatenate([tok, r], axis=1).tobytes()
+
+
+def _order_and_lcp(calls: Calls, call_scope: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """Calls in DFS order and each one's shared prefix with its predecessor."""
+    n = len(call_scope)
+    if layout == "exact":
+        return np.argsort(call_scope, kind="stable"), np.zeros(n, dtype=np.int64)
+    width = 4 + (0 if calls.routes_TW is None else 2 * calls.routes_TW.shape[1])
+    blob = _keys_bytes(calls)
+    off = calls.tok_off_C1 * width
+    keys = [blob[off[c]:off[c + 1]] for c in range(n)]
+    order = np.array(sorted(range(n), key=lambda c: (call_scope[c], keys[c], c)), dtype=np.int64)
+    lcp = np.zeros(n, dtype=np.int64)
+    toks = calls.tokens_T if calls.routes_TW is None else None
+    for i in range(1, n):
+        a, b = order[i - 1], order[i]
+        if call_scope[a] != call_scope[b]:
+            continue
+        la, lb = calls.len_C[a], calls.len_C[b]
+        m = min(la, lb)
+        oa, ob = calls.tok_off_C1[a], calls.tok_off_C1[b]
+        if toks is not None:
+            neq = toks[oa:oa + m] != toks[ob:ob + m]
+        else:
+            neq = (np.frombuffer(keys[a], np.uint8)[:m * width].reshape(m, width)
+                   != np.frombuffer(keys[b], np.uint8)[:m * width].reshape(m, width)).any(axis=1)
+        k = int(np.argmax(neq)) if neq.any() else m
+        if layout == "tree":
+            lcp[i] = k
+        elif k == la:  # chain: the predecessor is a whole prefix of this call
+            lcp[i] = la
+    return order, lcp
+
+
+def _prev_smaller(lcp: np.ndarray) -> np.ndarray:
+    """ps[i] = max j < i with lcp[j] < lcp[i] (-1 if none): the owner of node (i, lcp[i]-1)."""
+    ps = np.full(len(lcp), -1, dtype=np.int64)
+    stack: list[int] = []
+    lcp_list = lcp.tolist()
+    for i, v in enumerate(lcp_list):
+        while stack and lcp_list[stack[-1]] >= v:
+            stack.pop()
+        if stack:
+            ps[i] = stack[-1]
+        stack.append(i)
+    return ps
+
+
+def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, step: int = 0) -> pa.Table:
+    if episodes.num_rows == 0:
+        return LAYOUT_SCHEMA.empty_table()
+    calls = Calls.from_table(episodes)
+    row_scope, scope_names = _scope_keys(calls, layout, scope)
+    call_scope = row_scope[calls.call_row_C]
+    order, lcp = _order_and_lcp(calls, call_scope, layout)
+
+    # sequences in DFS order: each adds nodes for depths [lcp, len)
+    len_o = calls.len_C[order]
+    off_o = calls.tok_off_C1[:-1][order]
+    new_o = len_o - lcp
+    start_o = np.concatenate([[0], np.cumsum(new_o)])
+    n_nodes = int(start_o[-1])
+    ps = _prev_smaller(lcp)
+    gather = ranges(off_o + lcp, new_o)
+    tokens = calls.tokens_T[gather]
+    positions = ranges(lcp, new_o).astype(np.int32)
+    routes = calls.routes_TW[gather] if calls.routes_TW is not None else None
+    parents = np.arange(-1, n_nodes - 1, dtype=np.int64)
+    first = np.flatnonzero(new_o > 0)
+    heads = start_o[first]
+    owner = ps[first]
+    head_parent = np.where(lcp[first] > 0, start_o[np.maximum(owner, 0)] + lcp[first] - 1 - lcp[np.maximum(owner, 0)], -1)
+    parents[heads] = head_parent
+
+    # occurrences, in input order (row, call, offset): map each to its child node
+    rank_of_call = np.empty_like(order)
+    rank_of_call[order] = np.arange(len(order))
+    child = _sampled_nodes(calls, rank_of_call, lcp, ps, start_o)
+
+    # scopes are contiguous in DFS order: split nodes and occurrences per scope
+    scope_o = call_scope[order]
+    n_scopes = len(scope_names)
+    node_scope = np.repeat(scope_o, new_o)
+    node_bounds = np.searchsorted(node_scope, np.arange(n_scopes + 1), side="left")
+    s_call = segment_ids(calls.n_sampled_C)
+    occ_scope = call_scope[s_call]
+    occ_order = np.argsort(occ_scope, kind="stable")
+    occ_bounds = np.searchsorted(occ_scope[occ_order], np.arange(n_scopes + 1), side="left")
+    child_sorted = child[occ_order]
+    # edges: unique child nodes per scope (global node ids are unique across scopes)
+    edge_nodes, occ_edge_global = np.unique(child_sorted, return_inverse=True)
+    edge_scope = node_scope[edge_nodes] if len(edge_nodes) else np.zeros(0, np.int64)
+    edge_bounds = np.searchsorted(edge_scope, np.arange(n_scopes + 1), side="left")
+    occ_edge_local = occ_edge_global - edge_bounds[occ_scope[occ_order]]
+    edge_local = edge_nodes - node_bounds[edge_scope]
+    parents_local = np.where(parents >= 0, parents - node_bounds[node_scope], -1)
+
+    occ_k = calls.call_k_C[s_call][occ_order]
+    occ_off = (np.arange(len(s_call)) - np.repeat(np.cumsum(calls.n_sampled_C) - calls.n_sampled_C,
+                                                   calls.n_sampled_C))[occ_order]
+    occ_si = calls.sample_index_R[calls.call_row_C[s_call]][occ_order]
+
+    rows_by_scope = np.argsort(row_scope, kind="stable")
+    row_bounds = np.searchsorted(row_scope[rows_by_scope], np.arange(n_scopes + 1))
+    exact = np.bincount(call_scope, weights=calls.len_C, minlength=n_scopes).astype(np.int64)
+
+    def lst(values, bounds, typ):
+        return pa.ListArray.from_arrays(pa.array(bounds.astype(np.int32)), pa.array(values, typ))
+
+    ids_sorted = [calls.episode_ids[r] for r in rows_by_scope]
+    route_col = pa.nulls(n_scopes, LAYOUT_SCHEMA.field("routes").type)
+    if routes is not None:
+        inner = pa.ListArray.from_arrays(
+            pa.array(np.arange(0, routes.size + 1, routes.shape[1], dtype=np.int32)),
+            pa.array(routes.reshape(-1), pa.int16()))
+        route_col = pa.ListArray.from_arrays(pa.array(node_bounds.astype(np.int32)), inner)
+    cols = {
+        "step": pa.array(np.full(n_scopes, step, np.int64)),
+        "layout_id": pa.array(np.arange(n_scopes, dtype=np.int64)),
+        "scope": pa.array(scope_names, pa.string()),
+        "layout": pa.array([layout] * n_scopes, pa.string()),
+        "episode_ids": lst(ids_sorted, row_bounds, pa.string()),
+        "sample_indices": lst(calls.sample_index_R[rows_by_scope], row_bounds, pa.int64()),
+        "exact_tokens": pa.array(exact),
+        "tokens": lst(tokens.astype(np.int32), node_bounds, pa.int32()),
+        "parents": lst(parents_local.astype(np.int32), node_bounds, pa.int32()),
+        "positions": lst(positions, node_bounds, pa.int32()),
+        "routes": route_col,
+        "edge_nodes": lst(edge_local.astype(np.int32), edge_bounds, pa.int32()),
+        "occ_sample_index": lst(occ_si, occ_bounds, pa.int64()),
+        "occ_call": lst(occ_k.astype(np.int32), occ_bounds, pa.int32()),
+        "occ_offset": lst(occ_off.astype(np.int32), occ_bounds, pa.int32()),
+        "occ_edge": lst(occ_edge_local.astype(np.int32), occ_bounds, pa.int32()),
+        "occ_advantage": lst(calls.advantage_S[occ_order], occ_bounds, pa.float32()),
+        "occ_generation_logprob": lst(calls.genlp_S[occ_order], occ_bounds, pa.float32()),
+        "occ_loss_mask": lst(calls.mask_S[occ_order], occ_bounds, pa.bool_()),
+    }
+    return pa.Table.from_arrays([cols[f.name] for f in LAYOUT_SCHEMA], schema=LAYOUT_SCHEMA)
+
+
+def _sampled_nodes(calls: Calls, rank_of_call, lcp, ps, start_o) -> np.ndarray:
+    """Node id of every sampled token (child of its loss edge), in input order.
+
+    A call's path is a chain of contiguous runs: its own new nodes at depths
+    [lcp, len), then its owner's at [lcp[owner], lcp), and so on. We walk runs
+    per call (a few per call), never tokens.
+    """
+    n_s = calls.n_sampled_C
+    out = np.empty(int(n_s.sum()), dtype=np.int64)
+    pos = 0
+    len_c, start_c = calls.len_C, calls.start_C
+    for c in range(len(len_c)):
+        k = int(n_s[c])
+        if k == 0:
+            continue
+        s, hi = int(start_c[c]), int(len_c[c])
+        i = int(rank_of_call[c])
+        # skip duplicates (no own nodes) up to the sequence that owns depth hi-1
+        while lcp[i] > hi - 1:
+            i = int(ps[i])
+        while True:
+            lo = max(int(lcp[i]), s)
+            if hi > lo:
+                out[pos + lo - s: pos + hi - s] = start_o[i] + np.arange(lo - int(lcp[i]), hi - int(lcp[i]))
+            if lcp[i] <= s:
+                break
+            hi = int(lcp[i])
+            i = int(ps[i])
+            while lcp[i] > hi - 1:
+                i = int(ps[i])
+        pos += k
+    return out
