@@ -102,6 +102,7 @@ def iter_episode_batches(
     from the global row order when a file lacks it.
     """
     seen: set[str] = set()
+    seen_index = np.zeros(0, dtype=np.int64)
     row0 = 0
     for path in expand_paths(paths):
         for batch in _open(path).to_batches(batch_size=batch_rows):
@@ -116,6 +117,14 @@ def iter_episode_batches(
                     f"{path}: episode_id {sorted(dup)[0]!r} appears twice in the input; "
                     "episode ids must be unique across all files")
             seen.update(ids)
+            idx = table.column("sample_index").to_numpy()
+            clash = np.flatnonzero(np.isin(idx, seen_index))
+            if len(clash):
+                raise ValueError(
+                    f"{path}: episode {ids[int(clash[0])]!r} has sample_index {int(idx[clash[0]])}, "
+                    "which an earlier episode already has; sample_index must be unique across all "
+                    "files (drop the column to number episodes by row order)")
+            seen_index = np.union1d(seen_index, idx)
             row0 += table.num_rows
             yield table
 
@@ -181,6 +190,12 @@ def validate_episodes(
         cols[field.name] = col.combine_chunks()
     out = pa.Table.from_arrays([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     _check_calls(out, source, row_offset, vocab_size)
+    si = out.column("sample_index")
+    if pc.count_distinct(si).as_py() != n:
+        vc = pc.value_counts(si)
+        dup = [v["values"] for v in vc.to_pylist() if v["counts"] > 1][0]
+        raise ValueError(f"{source}: sample_index {dup} appears more than once; give unique values "
+                         "or drop the column to number episodes by row order")
     ids = out.column("episode_id")
     if pc.count_distinct(ids).as_py() != n:
         vc = pc.value_counts(ids)

@@ -27,7 +27,7 @@ import pyarrow as pa
 from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
 from treeflow.stages._flat import list_offsets, list_values
 from treeflow.stages.base import Stage
-from treeflow.tree import lca_depths_sorted, subtree_end
+from treeflow.tree import lca_depths_sorted
 
 _OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_advantage",
         "occ_generation_logprob", "occ_loss_mask")
@@ -69,7 +69,7 @@ class _Layout:
     edge_base: int
     episode_ids: list
     sample_indices: list
-    end: np.ndarray | None = None
+    roots: np.ndarray | None = None
 
     @property
     def sources(self) -> np.ndarray:
@@ -125,7 +125,9 @@ class _Columns:
 def _split(lay: _Layout, max_tokens: int) -> list[_Item]:
     if len(lay.edge_nodes) == 0:
         return []
-    us = np.unique(lay.sources)
+    used = np.zeros(len(lay.tokens), dtype=bool)
+    used[lay.sources] = True
+    us = np.flatnonzero(used)
     need = lay.depth[us] + 1
     if need.max() > max_tokens:
         _too_deep(lay, us[int(np.argmax(need))], max_tokens)
@@ -140,6 +142,12 @@ def _split(lay: _Layout, max_tokens: int) -> list[_Item]:
     while a < len(us):
         bound = csum[a] + max_tokens - need[a]
         b = int(np.searchsorted(csum, bound, side="right"))  # sources [a, b) fit
+        if b < len(us):
+            # cut before the k in [lo, b] whose next fragment repeats the least context
+            # (lca[k-1] + 1 nodes), keeping at least half of what fits; ties go to the largest k
+            lo = a + max(1, (b - a) // 2)
+            window = lca[lo - 1:b]
+            b = int(b - np.argmin(window[::-1]))
         size = int(need[a] + csum[b - 1] - csum[a])
         repeated = int(lca[a - 1] + 1) if a > 0 else 0
         items.append(_Item(0, us[a:b], size, repeated))
@@ -159,16 +167,29 @@ def _too_deep(lay: _Layout, source: int, max_tokens: int):
 
 
 def _closure(lay: _Layout, sources: np.ndarray) -> np.ndarray:
-    """Sorted nodes that are ancestors of (or equal to) some node of sorted `sources`."""
-    if lay.end is None:
-        lay.end = subtree_end(lay.depth)
-    roots = np.flatnonzero(lay.parents < 0)
-    lo = int(roots[np.searchsorted(roots, sources[0], side="right") - 1])
-    cand = np.arange(lo, int(sources[-1]) + 1)
-    idx = np.minimum(np.searchsorted(sources, cand, side="left"), len(sources) - 1)
-    keep = sources[idx] >= cand
-    keep &= sources[idx] < lay.end[cand]
-    return cand[keep]
+    """Sorted nodes that are ancestors of (or equal to) some node of sorted `sources`.
+
+    In DFS pre-order the ancestors of s_k that are not ancestors of s_{k-1} all
+    lie in (s_{k-1}, s_k], and they are exactly the strict suffix minima of
+    depth scanned back from s_k. One segmented reverse cumulative minimum over
+    [root of s_1, s_K] finds them all: O(nodes), no per-token loop.
+    """
+    if lay.roots is None:
+        lay.roots = np.flatnonzero(lay.parents < 0)
+    lo = int(lay.roots[np.searchsorted(lay.roots, sources[0], side="right") - 1])
+    hi = int(sources[-1]) + 1
+    depth = lay.depth[lo:hi]
+    marks = np.zeros(hi - lo, dtype=np.int64)
+    marks[sources - lo] = 1
+    seg = np.cumsum(marks) - marks  # sources before x: segment k = (s_{k-1}, s_k]
+    big = int(depth.max()) + 1
+    rev = (depth + seg * big)[::-1]
+    run = np.minimum.accumulate(rev)
+    excl = np.empty_like(run)
+    excl[0] = np.iinfo(np.int64).max
+    excl[1:] = run[:-1]
+    keep = (rev < excl)[::-1]
+    return np.flatnonzero(keep) + lo
 
 
 def _ffd(sizes: list[int], max_tokens: int) -> list[list[int]]:

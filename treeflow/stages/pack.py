@@ -171,7 +171,10 @@ def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, 
     occ_bounds = np.searchsorted(occ_scope[occ_order], np.arange(n_scopes + 1), side="left")
     child_sorted = child[occ_order]
     # edges: unique child nodes per scope (global node ids are unique across scopes)
-    edge_nodes, occ_edge_global = np.unique(child_sorted, return_inverse=True)
+    is_edge = np.zeros(n_nodes, dtype=bool)
+    is_edge[child_sorted] = True
+    edge_nodes = np.flatnonzero(is_edge)
+    occ_edge_global = (np.cumsum(is_edge) - 1)[child_sorted]
     edge_scope = node_scope[edge_nodes] if len(edge_nodes) else np.zeros(0, np.int64)
     edge_bounds = np.searchsorted(edge_scope, np.arange(n_scopes + 1), side="left")
     occ_edge_local = occ_edge_global - edge_bounds[occ_scope[occ_order]]

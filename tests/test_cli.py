@@ -1,0 +1,38 @@
+"""The command line end to end on a small synthetic file."""
+
+import json
+
+import pyarrow as pa
+
+from tests.stages.conftest import check_bins
+from treeflow.cli import main
+from treeflow.schemas import read_episodes
+
+
+def test_synth_inspect_plan(tmp_path, capsys):
+    f = str(tmp_path / "ep.parquet")
+    assert main(["synth", "-o", f, "--episodes", "12", "--group-size", "4", "--max-turns", "5"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", f, "--max-tokens", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tot = out["totals"]
+    assert tot["episodes"] == 12 and tot["groups"] == 3
+    assert tot["exact_tokens"] > tot["chain_tokens"] >= tot["tree_episode_tokens"] >= tot["tree_group_tokens"]
+    assert tot["saving_tree_group"] == tot["exact_tokens"] / tot["tree_group_tokens"]
+    assert out["per_episode"]["calls"]["max"] <= 5
+    bins_path = str(tmp_path / "bins.arrow")
+    assert main(["plan", f, "--max-tokens", "4096", "--ranks", "2", "--batch-episodes", "4",
+                 "-o", bins_path, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    bins = pa.ipc.open_file(bins_path).read_all()
+    assert summary["bins"] == bins.num_rows and bins.num_rows % 2 == 0
+    assert summary["steps"] == 3
+    eps = read_episodes(f)
+    for step in range(3):
+        step_bins = bins.filter(pa.compute.equal(bins.column("step"), step))
+        check_bins(eps.slice(4 * step, 4), step_bins, 4096)
+
+
+def test_bad_input_exits_2_with_message(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope.arrow")]) == 2
+    assert "no such file" in capsys.readouterr().err
