@@ -171,6 +171,89 @@ def _total_len(table: pa.Table, col: str) -> int:
     return int(pc.sum(pc.list_value_length(table.column(col))).as_py() or 0)
 
 
+# ---------------------------------------------------------------- replay
+def cmd_replay(args) -> int:
+    import os
+    import resource
+
+    import numpy as np
+    import torch
+
+    from treeflow.pipeline import Files, Pipeline
+    from treeflow.stages import Forward, Fragment, Pack, Reassemble
+
+    forward = Forward(model=args.model, dtype=args.dtype, device=args.device, kernel=args.kernel,
+                      entropy=args.entropy, chunk_size=args.chunk_size)
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
+                    forward, Reassemble(entropy=args.entropy))
+    source = Files(paths=tuple(args.files), window=args.window, vocab_size=forward.vocab_size_hint())
+    sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0)
+    tmp = args.output + ".partial"
+    writer = None
+    t0 = time.perf_counter()
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with _progress("replay", _count_rows(args.files), args.json) as advance:
+            for episodes, result in _with_inputs(pipe, source):
+                if writer is None:
+                    writer = pa.ipc.new_file(tmp, result.schema)
+                writer.write_table(result)
+                calls = episodes.column("calls").combine_chunks()
+                toks = calls.flatten().field("token_ids")
+                lens = pa.compute.list_value_length(toks).to_numpy(zero_copy_only=False)
+                starts = calls.flatten().field("sampled_start").to_numpy(zero_copy_only=False)
+                sums["episodes"] += episodes.num_rows
+                sums["calls"] += len(lens)
+                sums["sampled_tokens"] += int((lens - starts).sum())
+                sums["exact_tokens"] += int(lens.sum())
+                advance(episodes.num_rows)
+        if writer is None:
+            raise ValueError(f"{args.files}: no episodes to replay")
+        writer.close()
+        os.replace(tmp, args.output)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+            _console(stderr=True).print(f"nothing written: removed the partial output {tmp}")
+        raise
+    wall = time.perf_counter() - t0
+    sums["executed_tokens"] = _EXECUTED[0]
+    sums.update(wall_seconds=round(wall, 3),
+                exact_tokens_per_s=round(sums["exact_tokens"] / wall),
+                executed_tokens_per_s=round(sums["executed_tokens"] / wall),
+                saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
+                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    if args.device.startswith("cuda"):
+        sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if args.json:
+        print(json.dumps(sums))
+    else:
+        _console().print(_table(f"replay: {args.model} layout={args.layout} "
+                                f"max_tokens={args.max_tokens} {args.device}/{args.dtype}",
+                                list(sums.items())))
+        _console().print(f"logprobs written to {args.output}")
+    return 0
+
+
+def _with_inputs(pipe, source):
+    """Pair each window's episodes with its result; count executed tokens from the engine's stats."""
+    pending = []
+
+    def on_window(episodes, output, stats):
+        pending.append(episodes)
+        _EXECUTED[0] += stats.get("executed_tokens", 0)
+
+    _EXECUTED[0] = 0
+    for result in pipe.run(source, on_window=on_window):
+        yield pending.pop(), result
+
+
+_EXECUTED = [0]
+
+
 # ---------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
@@ -187,6 +270,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--routes", type=int, default=0, help="expert ids per token (MoE routes); 0 = none")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_synth)
+
+    s = sub.add_parser("replay", help="compute per-token logprobs of stored episodes")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF checkpoint dir")
+    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"),
+                   default="auto")
+    s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
+    s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
+    s.add_argument("--window", type=int, default=64, help="episodes packed together")
+    s.add_argument("-o", "--output", required=True, help="result file (Arrow IPC)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_replay)
 
     s = sub.add_parser("inspect", help="totals and per-episode distributions of each layout")
     s.add_argument("files", nargs="+")

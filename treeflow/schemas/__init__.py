@@ -8,13 +8,15 @@ from treeflow.schemas.episode import (
     read_episodes,
     validate_episodes,
 )
-from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
+from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA, LAYOUT_SCHEMA, RESULT_SCHEMA
 
 __all__ = [
     "BIN_SCHEMA",
     "CALL_TYPE",
+    "EDGE_VALUES_SCHEMA",
     "EPISODE_SCHEMA",
     "LAYOUT_SCHEMA",
+    "RESULT_SCHEMA",
     "expand_paths",
     "iter_episode_batches",
     "read_episodes",

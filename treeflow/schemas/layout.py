@@ -66,3 +66,28 @@ BIN_SCHEMA = pa.schema(
     ],
     metadata={"treeflow.schema": "bin/1"},
 )
+
+EDGE_VALUES_SCHEMA = pa.schema(
+    [
+        _f("step", pa.int64(), "step of the bin these values come from"),
+        _f("bin_id", pa.int64(), "bin inside the step"),
+        _f("edge_ids", I64, "step-unique id of each edge of the bin"),
+        _f("edge_logprobs", F32, "log p(target | path to source) per edge, float32"),
+        _f("edge_entropies", F32, "entropy of the next-token distribution at the source", nullable=True),
+        _f("occ_sample_index", I64, "per occurrence: sample_index of its episode"),
+        _f("occ_call", I32, "per occurrence: call index inside the episode"),
+        _f("occ_offset", I32, "per occurrence: offset inside the call's sampled span"),
+        _f("occ_edge", I32, "per occurrence: index into this row's edges"),
+    ],
+    metadata={"treeflow.schema": "edge_values/1"},
+)
+
+RESULT_SCHEMA = pa.schema(
+    [
+        _f("episode_id", pa.string(), "the input episode's id"),
+        _f("sample_index", pa.int64(), "the input episode's logical position"),
+        _f("logprobs", pa.list_(F32), "per call, per sampled token: log p under the policy"),
+        _f("entropies", pa.list_(F32), "per call, per sampled token (when asked)", nullable=True),
+    ],
+    metadata={"treeflow.schema": "result/1"},
+)

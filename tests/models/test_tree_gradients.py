@@ -1,0 +1,60 @@
+"""One tree forward+backward gives the gradients of running every path on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from models_helpers import (SMALL, leaves, path_to, random_forest, run_path, small_model,
+                            tree_tensors)
+
+from treeflow.models import AttentionPlan, load_model
+
+
+def _loss(model, hidden_EH, targets_E):
+    return -torch.log_softmax(model.project(hidden_EH), dim=-1).gather(-1, targets_E[:, None]).sum()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_tree_gradients_equal_sum_over_paths():
+    model = small_model()
+    tokens, parents = random_forest(np.random.default_rng(5), 50, extend=0.6)
+    rng = np.random.default_rng(6)
+    # loss edges: every leaf and a few inner nodes, each with a random next token
+    inner = [i for i in range(len(tokens)) if i not in set(leaves(parents))]
+    nodes = sorted(set(leaves(parents)) | set(rng.choice(inner, 5, replace=False).tolist()))
+    targets = torch.as_tensor(rng.integers(0, SMALL.vocab_size, len(nodes)))
+    toks, pos, end = tree_tensors(tokens, parents)
+
+    model.zero_grad()
+    hidden = model(toks, pos, AttentionPlan(end, kernel="dense"))
+    _loss(model, hidden[nodes], targets).backward()
+    tree = _grads(model)
+
+    model.zero_grad()
+    for node, target in zip(nodes, targets):
+        path_hidden = run_path(model, tokens, path_to(parents, node))
+        _loss(model, path_hidden[-1:], target[None]).backward()
+    paths = _grads(model)
+    model.zero_grad()
+
+    assert tree.keys() == paths.keys()
+    for name in tree:
+        scale = paths[name].abs().max()
+        assert scale > 0, name
+        # relative to the tensor's largest entry: summation order differs between the layouts
+        assert (tree[name] - paths[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_untied_head_and_qkv_bias_get_gradients():
+    config = SMALL.__class__(**{**SMALL.__dict__, "attention_bias": True,
+                                "tie_word_embeddings": False, "architecture": "Qwen2ForCausalLM"})
+    model = load_model(config)
+    tokens, parents = random_forest(np.random.default_rng(7), 12)
+    toks, pos, end = tree_tensors(tokens, parents)
+    hidden = model(toks, pos, AttentionPlan(end, kernel="dense"))
+    _loss(model, hidden, torch.as_tensor(tokens)).backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    assert model.model.layers[0].self_attn.q_proj.bias.grad.abs().sum() > 0

@@ -1,0 +1,102 @@
+"""Declaring pipelines: type checks before running; sources; the replay command."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from treeflow.cli import main
+from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+
+
+def test_mismatched_stages_name_both():
+    with pytest.raises(TypeError, match="Fragment produces bin/1 rows but Reassemble takes edge_values/1 rows"):
+        Pipeline(Pack(), Fragment(max_tokens=64), Reassemble())
+    with pytest.raises(TypeError, match="Fragment takes layout/1 rows, but a pipeline starts from episodes"):
+        Pipeline(Fragment(max_tokens=64))
+    with pytest.raises(TypeError, match="not a stage"):
+        Pipeline(Pack(), "Fragment")
+
+
+def test_bad_stage_configs_fail_when_declared():
+    with pytest.raises(ValueError, match="Pack\\(layout='trie'\\)"):
+        Pack(layout="trie")
+    with pytest.raises(ValueError, match="max_tokens"):
+        Fragment(max_tokens=0)
+    with pytest.raises(ValueError, match="dtype"):
+        Forward(dtype="fp8")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        if not __import__("torch").cuda.is_available():
+            Forward(device="cuda")
+        else:
+            raise ValueError("CUDA is not available (skipped on GPU machines)")
+
+
+def test_partial_pipeline_yields_bins_per_window():
+    eps = synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20, seed=0)
+    out = list(Pipeline(Pack(), Fragment(max_tokens=4096), Shard(num_ranks=2)).run(eps, window=4))
+    assert len(out) == 2
+    assert [t.column("step").to_pylist()[0] for t in out] == [0, 1]
+
+
+def test_files_source_streams_windows(tmp_path):
+    eps = synth_episodes(episodes=10, group_size=3, turns=(2, 3), system_tokens=20, seed=0)
+    write_episodes(eps, tmp_path / "a.arrow")
+    wins = list(Files(paths=(str(tmp_path / "a.arrow"),), window=4))
+    # windows end on group boundaries: groups of 3 -> 6, 4 (never a split group)
+    assert [w.num_rows for w in wins] == [6, 4]
+    assert pa.concat_tables(wins).column("episode_id").to_pylist() == eps.column("episode_id").to_pylist()
+
+
+def test_replay_command_writes_rows_in_input_order(tmp_path, capsys):
+    eps = synth_episodes(episodes=6, group_size=3, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
+                         completion_tokens=(3, 9), tool_tokens=(4, 9), seed=4)
+    src = tmp_path / "e.parquet"
+    write_episodes(eps, src)
+    outs = {}
+    for layout in ("tree", "exact"):
+        out = tmp_path / f"{layout}.arrow"
+        assert main(["replay", str(src), "--layout", layout, "--max-tokens", "300", "--window", "3",
+                     "-o", str(out), "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["episodes"] == 6
+        table = pa.ipc.open_file(out).read_all()
+        assert table.column("episode_id").to_pylist() == eps.column("episode_id").to_pylist()
+        outs[layout] = summary, table
+    assert outs["tree"][0]["executed_tokens"] < outs["exact"][0]["executed_tokens"]
+    a = np.concatenate([np.concatenate(e) for e in outs["tree"][1].column("logprobs").to_pylist()])
+    b = np.concatenate([np.concatenate(e) for e in outs["exact"][1].column("logprobs").to_pylist()])
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_replay_bad_vocab_writes_nothing(tmp_path, capsys):
+    eps = synth_episodes(episodes=3, group_size=1, turns=(2, 2), system_tokens=10, seed=0)
+    rows = eps.to_pylist()
+    rows[2]["calls"][0]["token_ids"][3] = 35000  # beyond tiny's 32000
+    src = tmp_path / "e.arrow"
+    write_episodes(pa.Table.from_pylist(rows, schema=eps.schema), src)
+    out = tmp_path / "out.arrow"
+    # window 1: the first episode's result is already written when the second fails
+    assert main(["replay", str(src), "--window", "1", "-o", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("episode 'g2-e0', call 0: field 'token_ids' holds id 35000 >= the model's vocabulary "
+            "size 32000") in err
+    assert "nothing written" in err
+    assert not out.exists() and not (tmp_path / "out.arrow.partial").exists()
+
+
+def test_replay_model_dir_without_weights(tmp_path, capsys):
+    eps = synth_episodes(episodes=2, group_size=1, turns=(2, 2), system_tokens=10, seed=0)
+    write_episodes(eps, tmp_path / "e.arrow")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2}))
+    assert main(["replay", str(tmp_path / "e.arrow"), "--model", str(model),
+                 "-o", str(tmp_path / "o.arrow")]) == 2
+    assert "no model.safetensors or model.safetensors.index.json" in capsys.readouterr().err
+    assert not (tmp_path / "o.arrow").exists()

@@ -1,0 +1,104 @@
+"""Logprobs are the same whatever the layout, the fragmentation and the sharding (fp32, CPU)."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.stages.conftest import episode_tables
+from treeflow.models import AttentionPlan, load_model
+from treeflow.pipeline import Pipeline
+from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def per_call_reference(model, episodes: pa.Table) -> list[list[np.ndarray]]:
+    """Every call alone, as an ordinary causal sequence."""
+    out = []
+    with torch.no_grad():
+        for row in episodes.to_pylist():
+            calls = []
+            for c in row["calls"]:
+                t = torch.tensor(c["token_ids"])
+                n = len(t)
+                hidden = model(t, torch.arange(n), AttentionPlan(np.full(n, n), kernel="causal"))
+                lp = torch.log_softmax(model.project(hidden).float(), -1)
+                s = c["sampled_start"]
+                calls.append(lp[s - 1:n - 1].gather(-1, t[s:, None])[:, 0].numpy())
+            out.append(calls)
+    return out
+
+
+def run(model, episodes, layout, max_tokens, ranks=1, window=64, kernel="auto"):
+    fwd = Forward(model="tiny", kernel=kernel)
+    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=max_tokens, pad_to_multiple=ranks),
+                    Shard(num_ranks=ranks), fwd, Reassemble())
+    import treeflow.pipeline.local as local
+
+    tables = list(local.run_local(pipe, iter([episodes])) if window >= episodes.num_rows
+                  else pipe.run(episodes, window=window))
+    out = pa.concat_tables(tables)
+    assert out.column("episode_id").to_pylist() == episodes.column("episode_id").to_pylist()
+    return out.column("logprobs").to_pylist()
+
+
+def assert_close(a, b, atol=1e-5):
+    assert len(a) == len(b)
+    for ea, eb in zip(a, b):
+        assert len(ea) == len(eb)
+        for ca, cb in zip(ea, eb):
+            np.testing.assert_allclose(np.asarray(ca, np.float64), np.asarray(cb, np.float64),
+                                       atol=atol, rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(episode_tables(max_episodes=4, max_calls=4, vocab=5, routes=False),
+       st.integers(12, 40), st.integers(1, 3))
+def test_layouts_agree_with_each_call_alone(tiny, eps, max_tokens, ranks):
+    deepest = max(len(c["token_ids"]) for r in eps.to_pylist() for c in r["calls"])
+    max_tokens = max(max_tokens, deepest)
+    ref = per_call_reference(tiny, eps)
+    for layout in ("tree", "chain", "exact"):
+        got = run(tiny, eps, layout, max_tokens, ranks)
+        assert_close(got, ref)
+    assert_close(run(tiny, eps, "tree", max_tokens, ranks, kernel="dense"), ref)
+
+
+def test_synthetic_groups_fragmented_and_windowed(tiny):
+    from treeflow.pipeline import synth_episodes
+
+    eps = synth_episodes(episodes=6, group_size=3, turns=(2, 4), system_tokens=40, user_tokens=(5, 15),
+                         completion_tokens=(3, 12), tool_tokens=(4, 20), branch_prob=0.3, seed=7)
+    ref = per_call_reference(tiny, eps)
+    deepest = max(len(c["token_ids"]) for r in eps.to_pylist() for c in r["calls"])
+    for layout in ("tree", "chain", "exact"):
+        # a budget just above the deepest context forces group trees to split
+        assert_close(run(tiny, eps, layout, deepest + 5, ranks=2, window=3), ref)
+    bins = Fragment(max_tokens=deepest + 5)(Pack(layout="tree")(eps))
+    assert sum(bins.column("repeated_tokens").to_pylist()) > 0  # really fragmented
+
+
+@pytest.mark.parametrize("kernel", ["flex", "runs"])
+def test_kernels_match_dense_forward(tiny, kernel):
+    from treeflow.pipeline import synth_episodes
+
+    eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
+                         completion_tokens=(3, 9), tool_tokens=(4, 9), seed=1)
+    dense = run(tiny, eps, "tree", 400, kernel="dense")
+    assert_close(run(tiny, eps, "tree", 400, kernel=kernel), dense)
+
+
+def test_causal_kernel_refuses_tree_bins(tiny):
+    from treeflow.pipeline import synth_episodes
+
+    eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
+                         completion_tokens=(3, 9), tool_tokens=(4, 9), seed=1)
+    with pytest.raises(ValueError, match="kernel 'causal' runs chain-only bins"):
+        run(tiny, eps, "tree", 400, kernel="causal")
+    run(tiny, eps, "chain", 400, kernel="causal")  # chains are fine

@@ -1,0 +1,275 @@
+"""Tree attention: query q sees key kv iff `kv <= q < subtree_end[kv]` (kv is q or its ancestor).
+
+An `AttentionPlan` is built once per bin from the O(N) `subtree_end_N` array and
+then serves every layer. Three kernels trade generality for speed:
+
+- `dense`: the [N, N] boolean ancestor mask through SDPA. Runs everywhere,
+  forward and backward; O(N^2) memory, so it is the reference, not a GPU path.
+- `flex`: FlexAttention with a BlockMask whose mask_mod reads `subtree_end`.
+  The fast general tree kernel on CUDA (compiled); on CPU it runs eager and
+  forward only (torch has no CPU backward), which is refused, not worked around.
+  Block masks cost real time to build, so they are cached by padded length and
+  content; lengths are padded to the block size so compiled kernels are reused.
+- `causal`: bins whose trees are chains (no node has two children) are packed
+  causal sequences, one per root: variable-length FlashAttention on CUDA in
+  fp16/bf16, else one causal SDPA call per root. A bin that branches is refused.
+
+- `runs`: ancestor-run attention (models/runs.py): one causal call per run of
+  the tree over its ancestor path. Exact, forward and backward on any device,
+  memory of one run's scores; needs the bin's parents.
+
+`kernel="auto"` picks causal for chain-only bins, else flex on CUDA, runs on
+CPU (dense when no parents are given). Nothing here ever runs ordinary causal attention over a tree.
+
+Legend: N tokens in the bin, L N padded to the flex block size,
+Q query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import threading
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treeflow.models.runs import AncestorRuns
+from treeflow.tree import ancestor_mask
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch < 2.5
+    create_block_mask = flex_attention = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters  # torch >= 2.12
+except ImportError:  # torch < 2.11
+    varlen_attn, _VARLEN_GQA = None, False
+
+__all__ = ["KERNELS", "AttentionPlan", "Capabilities"]
+
+KERNELS = ("dense", "flex", "causal", "runs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an attention backend can run; `check` raises a ValueError naming what is not."""
+
+    name: str
+    kernels: frozenset[str]
+
+    def check(self, *, kernel: str, device: torch.device | str, requires_grad: bool,
+              branching: bool) -> None:
+        device = torch.device(device)
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; use one of {KERNELS} or 'auto'")
+        if kernel not in self.kernels:
+            raise ValueError(f"{self.name} has no {kernel!r} kernel; it has {sorted(self.kernels)}")
+        if kernel == "causal" and branching:
+            raise ValueError("kernel 'causal' runs chain-only bins, but this bin branches (a node "
+                             "has two or more children); use kernel 'flex', 'dense' or 'auto'")
+        if kernel == "flex":
+            if flex_attention is None:
+                raise ValueError(f"torch {torch.__version__} has no flex_attention (needs "
+                                 ">= 2.5); use kernel 'dense'")
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"kernel 'flex' runs on cpu (forward) and cuda, not {device}")
+            if device.type == "cpu" and requires_grad:
+                raise ValueError("kernel 'flex' has no backward on CPU (a torch limitation); "
+                                 "run under torch.no_grad(), use kernel 'dense', or use CUDA")
+
+    def supports(self, **kwargs) -> bool:
+        try:
+            self.check(**kwargs)
+        except ValueError:
+            return False
+        return True
+
+
+TORCH_KERNELS = Capabilities(name="the reference torch decoder", kernels=frozenset(KERNELS))
+
+
+class AttentionPlan:
+    """Tree attention for one bin; call it as `plan(query_NQD, key_NKD, value_NKD) -> out_NQD`.
+
+    `branching`, when given, is the caller's claim about the bin; it is checked
+    (O(N)), and a wrong claim is an error rather than a silently wrong kernel.
+    """
+
+    def __init__(self, subtree_end_N: np.ndarray, *, kernel: str = "auto",
+                 device: torch.device | str = "cpu", branching: bool | None = None,
+                 block_size: int = 128, parents_N: np.ndarray | None = None) -> None:
+        end_N = np.asarray(subtree_end_N)
+        n = len(end_N)
+        if end_N.ndim != 1 or (n and not np.issubdtype(end_N.dtype, np.integer)):
+            raise ValueError(f"subtree_end_N must be a 1-D int array, "
+                             f"got {end_N.dtype}{end_N.shape}")
+        end_N = end_N.astype(np.int64)
+        bad = np.flatnonzero((end_N <= np.arange(n)) | (end_N > n))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"subtree_end[{i}]={end_N[i]} is outside ({i}, {n}]")
+        self.device = _resolve(torch.device(device))
+        self.num_tokens = n
+        self.branching = _has_branching(end_N)
+        if branching is not None and bool(branching) != self.branching:
+            raise ValueError(f"the bin was declared branching={branching} but its subtree_end "
+                             f"says branching={self.branching}")
+        if kernel == "auto":
+            kernel = ("causal" if not self.branching
+                      else "flex" if self.device.type == "cuda"
+                      else "runs" if parents_N is not None else "dense")
+        TORCH_KERNELS.check(kernel=kernel, device=self.device, requires_grad=False,
+                            branching=self.branching)
+        self.kernel = kernel
+        if kernel == "runs":
+            if parents_N is None or len(parents_N) != n:
+                raise ValueError("kernel 'runs' needs the bin's parents_N (one per token)")
+            self._runs = AncestorRuns(parents_N, device=self.device)
+        elif kernel == "dense":
+            self._mask_NN = torch.from_numpy(ancestor_mask(end_N)).to(self.device)
+        elif kernel == "flex":
+            self._padded = -(-max(n, 1) // block_size) * block_size
+            self._block_mask = _block_mask(end_N, self._padded, block_size, self.device)
+        else:
+            starts = np.append(_root_starts(end_N), n)
+            self._bounds = starts.tolist()
+            self._cu_seqlens = torch.from_numpy(starts.astype(np.int32)).to(self.device)
+            self._max_len = int(np.diff(starts).max(initial=0))
+
+    def __repr__(self) -> str:
+        return (f"AttentionPlan(kernel={self.kernel!r}, num_tokens={self.num_tokens}, "
+                f"branching={self.branching}, device={self.device})")
+
+    def __call__(self, query_NQD: torch.Tensor, key_NKD: torch.Tensor,
+                 value_NKD: torch.Tensor) -> torch.Tensor:
+        if query_NQD.shape[0] != self.num_tokens or query_NQD.device != self.device:
+            raise ValueError(f"plan is for {self.num_tokens} tokens on {self.device}, got "
+                             f"{query_NQD.shape[0]} on {query_NQD.device}")
+        if self.kernel == "dense":
+            return _sdpa(query_NQD, key_NKD, value_NKD, attn_mask=self._mask_NN)
+        if self.kernel == "runs":
+            return self._runs.attend(query_NQD, key_NKD, value_NKD)
+        if self.kernel == "flex":
+            requires_grad = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (query_NQD, key_NKD, value_NKD))
+            TORCH_KERNELS.check(kernel="flex", device=self.device, requires_grad=requires_grad,
+                                branching=True)
+            return self._flex(query_NQD, key_NKD, value_NKD)
+        return self._causal(query_NQD, key_NKD, value_NKD)
+
+    def _flex(self, q_NQD, k_NKD, v_NKD):
+        pad = self._padded - self.num_tokens
+
+        def to_1ALD(x_NAD):
+            return F.pad(x_NAD, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
+
+        if self.device.type == "cuda":
+            if q_NQD.shape[-1] < 16:
+                raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
+                                 f"{q_NQD.shape[-1]}; use kernel 'dense'")
+            out = _compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
+                                   block_mask=self._block_mask, enable_gqa=True)
+        else:  # eager is the only CPU path without a C++ toolchain; it is forward only
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without")
+                out = flex_attention(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
+                                     block_mask=self._block_mask, enable_gqa=True)
+        return out[0].transpose(0, 1)[: self.num_tokens]
+
+    def _causal(self, q_NQD, k_NKD, v_NKD):
+        if (varlen_attn is not None and self.device.type == "cuda"
+                and q_NQD.dtype in (torch.float16, torch.bfloat16)):
+            if _VARLEN_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                gqa, groups = {}, q_NQD.shape[1] // k_NKD.shape[1]
+                k_NKD, v_NKD = (x.repeat_interleave(groups, dim=1) for x in (k_NKD, v_NKD))
+            return varlen_attn(q_NQD, k_NKD, v_NKD, self._cu_seqlens, self._cu_seqlens,
+                               self._max_len, self._max_len, window_size=(-1, 0), **gqa)
+        bounds = self._bounds
+        outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], is_causal=True)
+                for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs) if outs else torch.zeros_like(q_NQD)
+
+
+def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):
+    out = F.scaled_dot_product_attention(q_NQD.transpose(0, 1), k_NKD.transpose(0, 1),
+                                         v_NKD.transpose(0, 1), enable_gqa=True, **kwargs)
+    return out.transpose(0, 1)
+
+
+def _resolve(device: torch.device) -> torch.device:
+    """`cuda` -> `cuda:<current>`, so that the plan compares equal to its tensors' device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _has_branching(end_N: np.ndarray) -> bool:
+    """A node branches iff it has a child (end > i + 1) whose subtree is shorter than its own."""
+    inner = end_N[:-1] > np.arange(1, len(end_N))
+    return bool(np.any(inner & (end_N[1:] != end_N[:-1])))
+
+
+def _root_starts(end_N: np.ndarray) -> np.ndarray:
+    """Node i is a root iff no earlier node's subtree reaches past it."""
+    if not len(end_N):
+        return np.zeros(0, dtype=np.int64)
+    reach = np.concatenate(([0], np.maximum.accumulate(end_N)[:-1]))
+    return np.flatnonzero(reach <= np.arange(len(end_N)))
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    return torch.compile(create_block_mask)
+
+
+class _LRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self._items, self._lock = capacity, OrderedDict(), threading.Lock()
+
+    def get_or_make(self, key, make):
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = make()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        return value
+
+
+_BLOCK_MASKS = _LRU(capacity=32)
+
+
+def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
+    """BlockMask over `padded` tokens; padding tokens attend only to themselves."""
+    n = len(end_N)
+    end_L = np.concatenate((end_N, np.arange(n + 1, padded + 1))).astype(np.int32)
+    key = (str(device), padded, block_size, hashlib.blake2b(end_L.tobytes()).digest())
+
+    def make():
+        end_t = torch.from_numpy(end_L).to(device)
+
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < end_t[kv])
+
+        make_mask = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+        return make_mask(mask_mod, None, None, padded, padded, device=device,
+                         BLOCK_SIZE=block_size)
+
+    return _BLOCK_MASKS.get_or_make(key, make)

@@ -1,0 +1,108 @@
+"""Load and save the reference decoder in Hugging Face's on-disk format.
+
+Only local directories (or the built-in `"tiny"` model) are read; nothing is
+downloaded. The model is built on the meta device and each tensor is read from
+safetensors straight into the target dtype and device, so peak memory is one
+copy of the weights. Every mismatch between the file and the model (a missing,
+unexpected or wrongly shaped tensor) is an error naming the tensor: a partial
+load would silently train a different model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from treeflow.models.config import ModelConfig
+from treeflow.models.decoder import Decoder
+
+__all__ = ["load_model", "save_model"]
+
+_WEIGHTS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Decoder:
+    """`"tiny"` or a ModelConfig: seeded random weights; a directory: its HF checkpoint."""
+    if isinstance(path_or_name, ModelConfig) or path_or_name == "tiny":
+        config = ModelConfig.tiny() if path_or_name == "tiny" else path_or_name
+        model = Decoder(config)
+        _seeded_init(model, seed=0)
+        return model.to(dtype=dtype, device=device)
+    path = os.fspath(path_or_name)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is neither 'tiny' nor a local checkpoint directory "
+                         "(nothing is downloaded)")
+    config = ModelConfig.from_hf_dir(path)
+    with torch.device("meta"):
+        model = Decoder(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = {}
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                state[name] = _read(f, name, expected, config, dtype, device)
+    state = {k: v for k, v in state.items() if v is not None}
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensor(s) {missing}")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def _read(f, name, expected, config, dtype, device):
+    shape = tuple(f.get_slice(name).get_shape())
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # a tied head stored anyway; the embedding is used
+    if name not in expected:
+        raise ValueError(f"unexpected tensor {name!r} {shape} in checkpoint for "
+                         f"{config.architecture} "
+                         f"(tie_word_embeddings={config.tie_word_embeddings})")
+    if shape != expected[name]:
+        raise ValueError(f"tensor {name!r} has shape {shape} in the checkpoint but the "
+                         f"config needs {expected[name]}")
+    return f.get_tensor(name).to(device=device, dtype=dtype)
+
+
+def _weight_files(path: str) -> list[str]:
+    single, index = os.path.join(path, _WEIGHTS), os.path.join(path, _INDEX)
+    if os.path.isfile(single):
+        return [single]
+    if not os.path.isfile(index):
+        raise ValueError(f"no {_WEIGHTS} or {_INDEX} in {path}")
+    with open(index) as f:
+        names = sorted(set(json.load(f)["weight_map"].values()))
+    files = [os.path.join(path, n) for n in names]
+    absent = [n for n, fp in zip(names, files) if not os.path.isfile(fp)]
+    if absent:
+        raise ValueError(f"{_INDEX} in {path} names shard(s) {absent} that are not there")
+    return files
+
+
+def _seeded_init(model: Decoder, seed: int) -> None:
+    """normal(0, 0.02) weights, zero biases, unit norms; on CPU in float32, so runs agree."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=generator))
+
+
+def save_model(model: Decoder, path: str | os.PathLike) -> None:
+    """Write `config.json` + `model.safetensors` that transformers' from_pretrained loads."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
+    save_file(state, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})

@@ -1,0 +1,173 @@
+"""Model shape for the reference decoder, read from a Hugging Face `config.json`.
+
+Only what changes the computation is modelled; everything else in `config.json`
+(token ids, `max_position_embeddings`, ...) is carried through `hf_extras` so
+that a saved checkpoint keeps it. The trade-off is a narrow, explicit surface:
+any feature that would change the numbers and that the decoder does not
+implement (RoPE scaling, sliding windows, softcapping, biases it lacks) is
+refused with a ValueError rather than ignored, because ignoring it would give
+plausible but wrong logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+# Keys ModelConfig models itself (or checks and drops); everything else is an extra.
+_MODELLED = {
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "attention_bias",
+    "tie_word_embeddings", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types",
+    "attn_logit_softcapping", "final_logit_softcapping", "quantization_config",
+    "transformers_version", "dtype", "torch_dtype",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of a Llama/Qwen2-family decoder. `head_dim` defaults to hidden / heads."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2); never on o_proj
+    tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+    hf_extras: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported; "
+                             f"use one of {sorted(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
+                                 f"num_attention_heads={self.num_attention_heads}; set head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """The embedded default: a 2-layer GQA model, small enough for any CPU."""
+        return cls(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                   tie_word_embeddings=True)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"no config.json in {os.fspath(path)}")
+        with open(config_path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Read a LlamaForCausalLM / Qwen2ForCausalLM `config.json` (transformers 4 or 5)."""
+        arch = _architecture(d)
+        _refuse_unsupported(d, arch)
+        rope = d.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim"), rope_theta=float(theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            attention_bias=arch == "Qwen2ForCausalLM",
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            architecture=arch,
+            hf_extras={k: v for k, v in d.items() if k not in _MODELLED},
+        )
+
+    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        """A `config.json` that transformers 4.45+ and 5.x load as the same model."""
+        d: dict[str, Any] = dict(self.hf_extras)
+        d.update(
+            architectures=[self.architecture], model_type=ARCHITECTURES[self.architecture],
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+        if self.architecture == "LlamaForCausalLM":
+            d.update(attention_bias=False, mlp_bias=False)
+        else:
+            d.update(use_sliding_window=False)
+        if dtype is not None:
+            d["torch_dtype"] = dtype
+        return d
+
+
+def _architecture(d: Mapping[str, Any]) -> str:
+    archs = d.get("architectures")
+    if archs:
+        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+            raise ValueError(f"architectures {archs} are not supported; "
+                             f"the reference decoder reads {sorted(ARCHITECTURES)}")
+        return archs[0]
+    by_type = {v: k for k, v in ARCHITECTURES.items()}
+    if d.get("model_type") not in by_type:
+        raise ValueError(f"model_type {d.get('model_type')!r} is not supported; "
+                         f"use one of {sorted(by_type)}")
+    return by_type[d["model_type"]]
+
+
+def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
+    def refuse(what: str) -> None:
+        raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
+                         "implement; running it anyway would give wrong logprobs")
+
+    if d.get("rope_scaling") is not None:
+        refuse(f"rope_scaling={d['rope_scaling']!r} (only null is supported)")
+    rope = d.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        refuse(f"rope_parameters.rope_type={rope['rope_type']!r} (only 'default')")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
+    if d.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act={d['hidden_act']!r} (only 'silu')")
+    if d.get("mlp_bias"):
+        refuse("mlp_bias=true")
+    if arch == "LlamaForCausalLM" and d.get("attention_bias"):
+        refuse("attention_bias=true (q/k/v/o biases)")
+    if d.get("use_sliding_window"):
+        refuse("use_sliding_window=true")
+    if arch == "LlamaForCausalLM" and d.get("sliding_window") is not None:
+        refuse(f"sliding_window={d['sliding_window']}")
+    layer_types = set(d.get("layer_types") or ())
+    if layer_types - {"full_attention"}:
+        refuse(f"layer_types {sorted(layer_types)} (only 'full_attention')")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            refuse(f"{key}={d[key]}")
+    if d.get("quantization_config") is not None:
+        refuse("quantization_config (quantized weights)")

@@ -1,0 +1,137 @@
+"""The reference PyTorch decoder (Llama/Qwen2 family) over one tree bin.
+
+Plain modules, no fused kernels, parameter names identical to Hugging Face's so
+that a state dict loads and saves 1:1. It runs one bin at a time as a single
+unbatched token stream: positions are given per token (tree depths) and
+attention comes from an `AttentionPlan`, so the same code serves trees, packed
+chains and single sequences. `forward` stops at the final norm; `project`
+applies the vocabulary head to whatever rows the caller selects, so memory for
+logits grows with loss edges, not with tokens. Clarity over speed: this is the
+embedded default and the numerical reference for faster backends.
+
+Legend: N tokens, H hidden, I intermediate, Q query heads, K key/value heads,
+D head dim, E selected rows (edges), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities
+from treeflow.models.config import ModelConfig
+from treeflow.models.rope import Rotary, apply_rotary
+
+__all__ = ["Decoder"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
+        dtype = x_NH.dtype
+        x_NH = x_NH.float()
+        x_NH = x_NH * torch.rsqrt(x_NH.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_NH.to(dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (c.num_attention_heads,
+                                                    c.num_key_value_heads, c.head_dim)
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
+        n = x_NH.shape[0]
+        q_NQD = self.q_proj(x_NH).view(n, self.heads, self.head_dim)
+        k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        q_NQD, k_NKD = apply_rotary(q_NQD, cos_ND, sin_ND), apply_rotary(k_NKD, cos_ND, sin_ND)
+        v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        return self.o_proj(attention(q_NQD, k_NKD, v_NKD).reshape(n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x_NH):
+        return self.down_proj(F.silu(self.gate_proj(x_NH)) * self.up_proj(x_NH))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = SelfAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x_NH, cos_ND, sin_ND, attention):
+        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
+        return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+
+
+class _Body(nn.Module):
+    """Holds the `model.*` parameters under Hugging Face's names."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """Llama/Qwen2 decoder: `forward` -> final-normed hidden states, `project` -> logits."""
+
+    capabilities: Capabilities = TORCH_KERNELS
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self._rotary = Rotary(config.head_dim, config.rope_theta)
+
+    @property
+    def output_weight_VH(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def check_supported(self, *, kernel: str, device: torch.device | str, requires_grad: bool,
+                        branching: bool) -> None:
+        """Raise a ValueError if this backend cannot run the combination."""
+        self.capabilities.check(kernel=kernel, device=device, requires_grad=requires_grad,
+                                branching=branching)
+
+    def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
+                attention: AttentionPlan) -> torch.Tensor:
+        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
+            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
+                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
+        if tokens_N.shape[0] != attention.num_tokens:
+            raise ValueError(f"attention plan is for {attention.num_tokens} tokens, "
+                             f"got {tokens_N.shape[0]}")
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        self.check_supported(kernel=attention.kernel, device=attention.device,
+                             requires_grad=requires_grad, branching=attention.branching)
+        x_NH = self.model.embed_tokens(tokens_N)
+        cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
+        for layer in self.model.layers:
+            x_NH = layer(x_NH, cos_ND, sin_ND, attention)
+        return self.model.norm(x_NH)
+
+    def project(self, hidden_EH: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits for the given rows (tied or untied head), in the model dtype."""
+        return F.linear(hidden_EH, self.output_weight_VH)

@@ -1,0 +1,80 @@
+"""Ancestor-run tree attention: one causal call per run of the forest, over its ancestor path.
+
+A *run* is a maximal stretch of consecutive nodes in which each node's parent
+is the one before it (in a DFS-ordered tree, the new tokens of one call). Its
+queries see the run's ancestor path (every node above the run's first node)
+and, causally, the run itself. So attention costs sum_r L_r * (P_r + L_r)
+multiply-adds -- the ancestor pairs, not N^2 -- and memory is one run's
+scores at a time, forward and backward, on any device (plain torch ops, so
+autograd works on CPU too). The price is one kernel call per run per layer,
+which is cheap when runs are calls of hundreds of tokens; the FlexAttention
+path is the faster GPU kernel for trees with many tiny branches. This is the
+scheme Megatron-LM PR 7387 uses for tree training.
+
+Legend: N tokens, R runs, L tokens of a run, P its ancestor path, Q query
+heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def run_starts(parents_N: np.ndarray) -> np.ndarray:
+    """First node of every run: a root, or a node whose parent is not the node before it."""
+    parents_N = np.asarray(parents_N, dtype=np.int64)
+    n = len(parents_N)
+    return np.flatnonzero((parents_N != np.arange(-1, n - 1)) | (parents_N < 0))
+
+
+class AncestorRuns:
+    """Per-run query ranges and key index tensors of one bin, built once, used by every layer."""
+
+    def __init__(self, parents_N: np.ndarray, device: torch.device | str = "cpu"):
+        parents_N = np.asarray(parents_N, dtype=np.int64)
+        n = len(parents_N)
+        starts = run_starts(parents_N)
+        ends = np.append(starts[1:], n)
+        self.bounds: list[tuple[int, int]] = list(zip(starts.tolist(), ends.tolist()))
+        heads = parents_N[starts]
+        owner = np.searchsorted(starts, heads, side="right") - 1  # run holding each run's parent
+        paths: list[list[tuple[int, int]]] = []
+        keys: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        for r, (a, b) in enumerate(self.bounds):
+            p = int(heads[r])
+            path = [] if p < 0 else paths[int(owner[r])] + [(self.bounds[int(owner[r])][0], p + 1)]
+            paths.append(path)
+            idx = np.concatenate([np.arange(lo, hi) for lo, hi in path] + [np.arange(a, b)])
+            keys.append(torch.from_numpy(idx).to(device))
+            prefix = len(idx) - (b - a)
+            # query j sees keys [0, prefix + j]: lower-right causal. An explicit mask measured
+            # faster on CPU than padding the queries for the fused upper-left causal kernel.
+            q = torch.arange(b - a, device=device)[:, None]
+            kv = torch.arange(len(idx), device=device)[None, :]
+            masks.append(kv <= q + prefix)
+        self.keys = keys
+        self.masks = masks
+        # ancestor pairs attended: L * P + L * (L + 1) / 2 per run
+        self.pairs = int(sum((b - a) * (len(k) - (b - a)) + (b - a) * (b - a + 1) // 2
+                             for (a, b), k in zip(self.bounds, keys)))
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def attend(self, q_NQD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor) -> torch.Tensor:
+        """out_NQD = softmax(q k^T / sqrt(D) over ancestors and self) v, GQA by head repetition."""
+        heads, kv_heads = q_NQD.shape[1], k_NKD.shape[1]
+        outs = []
+        for (a, b), idx, mask in zip(self.bounds, self.keys, self.masks):
+            q_QLD = q_NQD[a:b].transpose(0, 1)
+            k_KPD = k_NKD.index_select(0, idx).transpose(0, 1)
+            v_KPD = v_NKD.index_select(0, idx).transpose(0, 1)
+            if kv_heads != heads:
+                k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
+                v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
+            o_QLD = F.scaled_dot_product_attention(q_QLD, k_KPD, v_KPD, attn_mask=mask)
+            outs.append(o_QLD.transpose(0, 1))
+        return torch.cat(outs) if outs else q_NQD.new_zeros(q_NQD.shape)

@@ -1,0 +1,116 @@
+"""Per-occurrence losses and their normalisation weights.
+
+Loss is computed per *occurrence* (episode, call, sampled token), never per
+edge: two identical samples share an edge but keep their own advantages and
+masks. Each occurrence carries a weight fixed from the *logical* batch before
+anything is split, so `sum(weight * loss)` over any set of bins, on any
+number of ranks, adds up to exactly the exact-call layout's loss:
+
+- "token":    1 / N_step                       (token-mean over the step)
+- "seq-mean": 1 / (n_episode * E_step)         (mean over episodes of token-means)
+- "seq-sum":  1 / E_step                       (mean over episodes of token-sums)
+
+where N_step counts the step's loss tokens (loss_mask true), n_episode an
+episode's, and E_step the episodes with at least one loss token.
+
+Legend: O occurrences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+NORMS = ("token", "seq-mean", "seq-sum")
+KINDS = ("nll", "pg")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loss:
+    """Loss configuration.
+
+    kind: "nll" (SFT) or "pg" (PPO/GRPO clipped policy gradient).
+    clip_low / clip_high: ratio clip [1 - low, 1 + high] (asymmetric, DAPO style).
+    tis_cap: truncated importance sampling of the train/inference mismatch,
+        weight min(exp(old - generation), cap); None disables it.
+    kl_coef: coefficient of the k3 KL estimator against reference logprobs.
+    """
+
+    kind: Literal["nll", "pg"] = "pg"
+    norm: Literal["token", "seq-mean", "seq-sum"] = "token"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float | None = None
+    kl_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Loss(kind={self.kind!r}): choose one of {KINDS}")
+        if self.norm not in NORMS:
+            raise ValueError(f"Loss(norm={self.norm!r}): choose one of {NORMS}")
+        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
+            raise ValueError(f"Loss(clip_low={self.clip_low}, clip_high={self.clip_high}): need "
+                             "0 <= clip_low < 1 and clip_high >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"Loss(tis_cap={self.tis_cap}): give a positive cap or None")
+        if self.kl_coef < 0:
+            raise ValueError(f"Loss(kl_coef={self.kl_coef}): give a value >= 0")
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return self.kind == "pg"
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        return self.kl_coef > 0
+
+
+def occurrence_weights(norm: str, episode_O: np.ndarray, mask_O: np.ndarray,
+                       tokens_per_episode: np.ndarray, episodes_with_tokens: int,
+                       step_tokens: int) -> np.ndarray:
+    """Weight of each occurrence from step-level counts (computed before splitting)."""
+    if norm == "token":
+        w = np.full(len(mask_O), 1.0 / max(step_tokens, 1))
+    elif norm == "seq-mean":
+        w = 1.0 / (np.maximum(tokens_per_episode[episode_O], 1) * max(episodes_with_tokens, 1))
+    else:
+        w = np.full(len(mask_O), 1.0 / max(episodes_with_tokens, 1))
+    return np.where(mask_O, w, 0.0)
+
+
+def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tensor,
+                    advantage_O: torch.Tensor | None = None, old_logprob_O: torch.Tensor | None = None,
+                    generation_logprob_O: torch.Tensor | None = None,
+                    ref_logprob_O: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of per-occurrence losses, and summed statistics for metrics."""
+    stats: dict = {}
+    active = weight_O > 0
+    if loss.kind == "nll":
+        per = -logprob_O
+    else:
+        log_ratio = logprob_O - old_logprob_O
+        ratio = torch.exp(log_ratio)
+        clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
+        per = -torch.minimum(ratio * advantage_O, clipped * advantage_O)
+        if loss.tis_cap is not None:
+            tis = torch.exp(old_logprob_O - generation_logprob_O).clamp(max=loss.tis_cap).detach()
+            per = per * tis
+        with torch.no_grad():
+            was_clipped = (ratio * advantage_O > clipped * advantage_O) & active
+            r = ratio[active]
+            stats.update(clipped=int(was_clipped.sum()), ratio_sum=float(r.sum()),
+                         ratio_max=float(r.max()) if len(r) else -math.inf,
+                         ratio_min=float(r.min()) if len(r) else math.inf)
+    if loss.kl_coef > 0:
+        d = ref_logprob_O - logprob_O
+        kl = torch.exp(d) - d - 1.0
+        per = per + loss.kl_coef * kl
+        with torch.no_grad():
+            stats["kl_sum"] = float(kl[active].sum())
+    stats["active"] = int(active.sum())
+    total = (weight_O * per).sum()
+    return total, stats
