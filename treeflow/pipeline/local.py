@@ -15,16 +15,25 @@ import pyarrow.compute as pc
 from treeflow.stages.forward import Forward
 from treeflow.stages.pack import Pack
 from treeflow.stages.reassemble import Reassemble
+from treeflow.stages.reduce import Reduce
+from treeflow.stages.trainer import Trainer
 
 
 def run_local(pipeline, windows: Iterator[pa.Table],
-              on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None
-              ) -> Iterator[pa.Table]:
+              on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None,
+              trainer=None) -> Iterator[pa.Table]:
     """Run every stage per window; `on_window(episodes, output, stats)` after each one.
 
     stats: bins and executed_tokens (nodes of the bins the forward stage ran).
     """
-    bound = {i: s.build() for i, s in enumerate(pipeline.stages) if isinstance(s, Forward)}
+    reduce_at = next((i for i, s in enumerate(pipeline.stages) if isinstance(s, Reduce)), None)
+    if reduce_at is not None:
+        # training: Forward and Reduce run fused in one Trainer (gradients do not travel)
+        fwd = pipeline.stages[reduce_at - 1]
+        if trainer is None:
+            trainer = Trainer(fwd, pipeline.stages[reduce_at])
+    bound = {i: s.build() for i, s in enumerate(pipeline.stages)
+             if isinstance(s, Forward) and reduce_at is None}
     for step, episodes in enumerate(windows):
         data = episodes
         stats: dict = {}
@@ -33,6 +42,14 @@ def run_local(pipeline, windows: Iterator[pa.Table],
                 data = stage(data, step=step)
             elif isinstance(stage, Reassemble):
                 data = stage(data, episodes=episodes)
+            elif isinstance(stage, Forward) and reduce_at is not None:
+                stats["bins"] = data.num_rows
+                step = trainer.open_step(episodes)
+                step.add(data)
+                stats["executed_tokens"] = step.executed_tokens
+                data = step
+            elif isinstance(stage, Reduce):
+                data = data.finish()
             elif i in bound:
                 stats["bins"] = data.num_rows
                 stats["executed_tokens"] = int(pc.sum(pc.list_value_length(data.column("tokens"))).as_py() or 0)

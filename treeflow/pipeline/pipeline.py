@@ -45,6 +45,16 @@ class Pipeline:
                 raise TypeError(f"{a.name} produces {_schema_name(a.output_schema)} rows but "
                                 f"{b.name} takes {_schema_name(b.input_schema)} rows; reorder "
                                 "the stages (Pack, Fragment, Shard, Forward, Reassemble)")
+        for i, s in enumerate(stages):
+            if hasattr(s, "requires"):
+                fwd = next((f for f in reversed(stages[:i]) if hasattr(f, "produces")), None)
+                missing = s.requires() - (fwd.produces() if fwd is not None else set())
+                if missing:
+                    raise ValueError(
+                        f"{s.name}'s loss needs {sorted(missing)}, which "
+                        f"{fwd.name if fwd else 'no forward stage'} does not produce: tree execution "
+                        "gives per-edge logprobs (and entropies with Forward(entropy=True)), never "
+                        "full-vocabulary logits; change the loss or the forward stage")
         self.stages = tuple(stages)
 
     def __repr__(self) -> str:
@@ -55,18 +65,22 @@ class Pipeline:
         return self.stages[-1].output_schema
 
     def run(self, source, *, engine: str = "local", window: int = 256,
-            on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None) -> Iterator[pa.Table]:
+            on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None,
+            trainer=None) -> Iterator[pa.Table]:
         """Yield the last stage's output for each window of episodes.
 
         source: a `Files`, a path/glob/list of paths, an episode table, or an
         iterable of episode tables. `on_window(episodes, output, stats)` is
-        called after each window (progress, metrics).
+        called after each window (progress, metrics). For a training pipeline
+        (ending in Reduce) each window is one optimizer step and the output is
+        its metrics row; pass `trainer` to continue a resumed Trainer.
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
         from treeflow.pipeline.local import run_local
 
-        return run_local(self, _windows(source, window, self._vocab_size()), on_window=on_window)
+        return run_local(self, _windows(source, window, self._vocab_size()), on_window=on_window,
+                         trainer=trainer)
 
     def _vocab_size(self) -> int | None:
         for s in self.stages:

@@ -8,7 +8,7 @@ from treeflow.schemas.episode import (
     read_episodes,
     validate_episodes,
 )
-from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA, LAYOUT_SCHEMA, RESULT_SCHEMA
+from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA, LAYOUT_SCHEMA, RESULT_SCHEMA, STEP_METRICS_SCHEMA
 
 __all__ = [
     "BIN_SCHEMA",
@@ -17,6 +17,7 @@ __all__ = [
     "EPISODE_SCHEMA",
     "LAYOUT_SCHEMA",
     "RESULT_SCHEMA",
+    "STEP_METRICS_SCHEMA",
     "expand_paths",
     "iter_episode_batches",
     "read_episodes",

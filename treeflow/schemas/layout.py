@@ -91,3 +91,24 @@ RESULT_SCHEMA = pa.schema(
     ],
     metadata={"treeflow.schema": "result/1"},
 )
+
+STEP_METRICS_SCHEMA = pa.schema(
+    [
+        _f("step", pa.int64(), "optimizer steps taken, this one included"),
+        _f("loss", pa.float64(), "the step's loss: sum over occurrences of weight * loss"),
+        _f("episodes", pa.int64(), "logical episodes in the step"),
+        _f("sampled_tokens", pa.int64(), "sampled tokens (occurrences) of the step"),
+        _f("loss_tokens", pa.int64(), "occurrences with loss_mask true"),
+        _f("executed_tokens", pa.int64(), "nodes run forward and backward (bins, repeats included)"),
+        _f("bins", pa.int64(), "bins (micro-batches) the step ran"),
+        _f("grad_norm", pa.float64(), "global gradient norm before clipping"),
+        _f("lr", pa.float64(), "learning rate of this optimizer step"),
+        _f("scheduler_episodes", pa.int64(), "episodes the scheduler has counted, cumulative"),
+        _f("clip_fraction", pa.float64(), "share of loss tokens whose ratio was clipped (pg)"),
+        _f("ratio_mean", pa.float64(), "mean importance ratio over loss tokens (pg)"),
+        _f("ratio_min", pa.float64(), "min importance ratio (pg)"),
+        _f("ratio_max", pa.float64(), "max importance ratio (pg)"),
+        _f("kl", pa.float64(), "mean k3 KL to the reference over loss tokens (kl_coef > 0)"),
+    ],
+    metadata={"treeflow.schema": "step_metrics/1"},
+)

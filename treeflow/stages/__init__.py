@@ -1,11 +1,15 @@
-"""Pure stages over Arrow data: Pack, Fragment, Shard, Forward, Reassemble."""
+"""Stages over Arrow data: Pack, Fragment, Shard, Forward, Reassemble, Reduce."""
 
 from treeflow.stages.base import Stage
 from treeflow.stages.forward import Forward
 from treeflow.stages.fragment import Fragment
+from treeflow.stages.losses import Loss
 from treeflow.stages.pack import Pack
 from treeflow.stages.reassemble import Reassemble, Reassembly
+from treeflow.stages.reduce import EpisodeSchedule, Reduce
 from treeflow.stages.shard import CostModel, Shard, ShardReport
+from treeflow.stages.trainer import Step, StepOpenError, Trainer
 
-__all__ = ["CostModel", "Forward", "Fragment", "Pack", "Reassemble", "Reassembly", "Shard",
-           "ShardReport", "Stage"]
+__all__ = ["CostModel", "EpisodeSchedule", "Forward", "Fragment", "Loss", "Pack", "Reassemble",
+           "Reassembly", "Reduce", "Shard", "ShardReport", "Stage", "Step", "StepOpenError",
+           "Trainer"]

@@ -55,6 +55,10 @@ class Forward(Stage):
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"Forward(device={self.device!r}): CUDA is not available here; use cpu")
 
+    def produces(self) -> set[str]:
+        """Per-edge values this forward gives (losses are checked against it)."""
+        return {"edge_logprobs", "edge_entropies"} if self.entropy else {"edge_logprobs"}
+
     def vocab_size_hint(self) -> int:
         """The model's vocabulary size, read from its config, for validating input early."""
         from treeflow.models import ModelConfig

@@ -37,7 +37,11 @@ class Loss:
     clip_low / clip_high: ratio clip [1 - low, 1 + high] (asymmetric, DAPO style).
     tis_cap: truncated importance sampling of the train/inference mismatch,
         weight min(exp(old - generation), cap); None disables it.
-    kl_coef: coefficient of the k3 KL estimator against reference logprobs.
+    kl_coef: coefficient of the KL penalty against reference logprobs.
+    kl_estimator: "k3" (from the sampled tokens' logprobs); "full" (exact KL over the
+        vocabulary) needs full-vocabulary distributions, which edge selection does
+        not produce, and is refused when the pipeline is declared.
+    entropy_coef: entropy bonus (needs Forward(entropy=True)).
     """
 
     kind: Literal["nll", "pg"] = "pg"
@@ -46,6 +50,8 @@ class Loss:
     clip_high: float = 0.28
     tis_cap: float | None = None
     kl_coef: float = 0.0
+    kl_estimator: Literal["k3", "full"] = "k3"
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -59,6 +65,17 @@ class Loss:
             raise ValueError(f"Loss(tis_cap={self.tis_cap}): give a positive cap or None")
         if self.kl_coef < 0:
             raise ValueError(f"Loss(kl_coef={self.kl_coef}): give a value >= 0")
+        if self.kl_estimator not in ("k3", "full"):
+            raise ValueError(f"Loss(kl_estimator={self.kl_estimator!r}): choose 'k3' or 'full'")
+
+    def requires(self) -> set[str]:
+        """What the forward pass must produce for this loss."""
+        need = {"edge_logprobs"}
+        if self.entropy_coef:
+            need.add("edge_entropies")
+        if self.kl_coef > 0 and self.kl_estimator == "full":
+            need.add("full_vocab_logits")
+        return need
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -85,7 +102,8 @@ def occurrence_weights(norm: str, episode_O: np.ndarray, mask_O: np.ndarray,
 def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tensor,
                     advantage_O: torch.Tensor | None = None, old_logprob_O: torch.Tensor | None = None,
                     generation_logprob_O: torch.Tensor | None = None,
-                    ref_logprob_O: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                    ref_logprob_O: torch.Tensor | None = None,
+                    entropy_O: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted sum of per-occurrence losses, and summed statistics for metrics."""
     stats: dict = {}
     active = weight_O > 0
@@ -111,6 +129,10 @@ def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tens
         per = per + loss.kl_coef * kl
         with torch.no_grad():
             stats["kl_sum"] = float(kl[active].sum())
+    if loss.entropy_coef:
+        per = per - loss.entropy_coef * entropy_O
+        with torch.no_grad():
+            stats["entropy_sum"] = float(entropy_O[active].sum())
     stats["active"] = int(active.sum())
     total = (weight_O * per).sum()
     return total, stats

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from treeflow.schemas.episode import EPISODE_SCHEMA
 from treeflow.schemas.layout import EDGE_VALUES_SCHEMA, RESULT_SCHEMA
-from treeflow.stages._flat import Calls, list_offsets, list_values
+from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages._slots import Slots
 from treeflow.stages.base import Stage
 
 
@@ -45,17 +45,8 @@ class Reassembly:
     """The open reassembly buffer of one window of episodes."""
 
     def __init__(self, episodes: pa.Table, *, entropy: bool = False):
-        if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
-            raise TypeError("Reassembly needs the validated episode table (EPISODE_SCHEMA)")
-        calls = Calls.from_table(episodes)
-        self.episode_ids = calls.episode_ids
-        self.sample_index_R = calls.sample_index_R
-        self._si_order = np.argsort(self.sample_index_R, kind="stable")
-        n_calls = np.bincount(calls.call_row_C, minlength=episodes.num_rows)
-        self.call_off_R1 = np.concatenate([[0], np.cumsum(n_calls)])
-        self.n_sampled_C = calls.n_sampled_C
-        self.slot_off_C1 = np.concatenate([[0], np.cumsum(self.n_sampled_C)])
-        n_slots = int(self.slot_off_C1[-1])
+        self.index = Slots(episodes)
+        n_slots = len(self.index)
         self.entropy = entropy
         self.logprobs_S = np.full(n_slots, np.nan, dtype=np.float32)
         self.entropies_S = np.full(n_slots, np.nan, dtype=np.float32) if entropy else None
@@ -75,17 +66,6 @@ class Reassembly:
             self.entropies_S = state["entropies_S"].copy()
 
     # ---------------------------------------------------------------- filling
-    def _name(self, si: int, call: int, offset: int) -> str:
-        r = self._row(np.array([si]))[0]
-        eid = self.episode_ids[r] if r >= 0 else f"<sample_index {si}>"
-        return f"episode {eid!r}, call {call}, sampled token {offset}"
-
-    def _row(self, si: np.ndarray) -> np.ndarray:
-        srt = self.sample_index_R[self._si_order]
-        pos = np.minimum(np.searchsorted(srt, si), max(len(srt) - 1, 0))
-        hit = (srt[pos] == si) if len(srt) else np.zeros(len(si), bool)
-        return np.where(hit, self._si_order[pos], -1)
-
     def add(self, values: pa.Table) -> None:
         """Scatter one or more bins' edge values into their slots."""
         cols = {n: values.column(n).combine_chunks() for n in
@@ -94,33 +74,18 @@ class Reassembly:
         si = list_values(cols["occ_sample_index"], np.int64)
         call = list_values(cols["occ_call"], np.int64)
         offset = list_values(cols["occ_offset"], np.int64)
-        occ_edge = list_values(cols["occ_edge"], np.int64)
         # occ_edge is bin-local: shift by each bin's first edge in the flat edge values
         edge_base = list_offsets(cols["edge_logprobs"])[:-1]
         occ_counts = np.diff(list_offsets(cols["occ_edge"]))
-        flat_edge = occ_edge + np.repeat(edge_base, occ_counts)
-        lp = list_values(cols["edge_logprobs"], np.float32)
-        row = self._row(si)
-        bad = np.flatnonzero(row < 0)
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"edge values name sample_index {si[i]}, which is not in this window "
-                             "of episodes; feed each window's bins to its own reassembly")
-        k = self.call_off_R1[row] + call
-        bad = np.flatnonzero((call < 0) | (k >= self.call_off_R1[row + 1]) | (offset < 0)
-                             | (offset >= self.n_sampled_C[np.minimum(k, len(self.n_sampled_C) - 1)]))
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"{self._name(si[i], call[i], offset[i])}: no such sampled token in the "
-                             "input episodes; the bins do not belong to these episodes")
-        slot = self.slot_off_C1[k] + offset
+        flat_edge = list_values(cols["occ_edge"], np.int64) + np.repeat(edge_base, occ_counts)
+        slot = self.index.slots(si, call, offset)
         np.add.at(self.writes_S, slot, 1)
         twice = np.flatnonzero(self.writes_S[slot] > 1)
         if len(twice):
             i = int(twice[0])
-            raise ValueError(f"{self._name(si[i], call[i], offset[i])}: produced twice (two bins "
-                             "hold the same occurrence); a bin was delivered or planned twice")
-        self.logprobs_S[slot] = lp[flat_edge]
+            raise ValueError(f"{self.index.name(si[i], call[i], offset[i])}: produced twice (two "
+                             "bins hold the same occurrence); a bin was delivered or planned twice")
+        self.logprobs_S[slot] = list_values(cols["edge_logprobs"], np.float32)[flat_edge]
         if self.entropies_S is not None:
             ent = cols["edge_entropies"]
             if ent.null_count == len(ent) and len(ent):
@@ -136,23 +101,12 @@ class Reassembly:
         """The result rows, one per input episode in input order; raises if a slot is empty."""
         empty = np.flatnonzero(self.writes_S == 0)
         if len(empty):
-            s = int(empty[0])
-            k = int(np.searchsorted(self.slot_off_C1, s, side="right") - 1)
-            r = int(np.searchsorted(self.call_off_R1, k, side="right") - 1)
-            raise ValueError(
-                f"episode {self.episode_ids[r]!r}, call {k - self.call_off_R1[r]}, sampled token "
-                f"{s - self.slot_off_C1[k]}: no value was produced ({len(empty)} missing in all); "
-                "a bin was lost before reassembly")
-        slot_offs = pa.array(self.slot_off_C1.astype(np.int32))
-        call_offs = pa.array(self.call_off_R1.astype(np.int32))
-
-        def nested(values):
-            inner = pa.ListArray.from_arrays(slot_offs, pa.array(values, pa.float32()))
-            return pa.ListArray.from_arrays(call_offs, inner)
-
-        n = len(self.episode_ids)
-        cols = [pa.array(self.episode_ids, pa.string()), pa.array(self.sample_index_R, pa.int64()),
-                nested(self.logprobs_S),
-                nested(self.entropies_S) if self.entropies_S is not None
+            raise ValueError(f"{self.index.name_slot(int(empty[0]))}: no value was produced "
+                             f"({len(empty)} missing in all); a bin was lost before reassembly")
+        n = len(self.index.episode_ids)
+        cols = [pa.array(self.index.episode_ids, pa.string()),
+                pa.array(self.index.sample_index_R, pa.int64()),
+                self.index.nested(self.logprobs_S),
+                self.index.nested(self.entropies_S) if self.entropies_S is not None
                 else pa.nulls(n, RESULT_SCHEMA.field("entropies").type)]
         return pa.Table.from_arrays(cols, schema=RESULT_SCHEMA)
