@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import pyarrow as pa
 
+from treeflow.cli_train import add_train_options, cmd_train
+
 
 def _console(stderr: bool = False):
     from rich.console import Console
@@ -54,7 +56,7 @@ def _table(title: str, rows: list[tuple[str, object]]):
     t.add_column(style="bold")
     t.add_column(justify="right")
     for k, v in rows:
-        t.add_row(k, f"{v:,.2f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v)))
+        t.add_row(k, f"{v:,.4g}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v)))
     return t
 
 
@@ -173,6 +175,12 @@ def _total_len(table: pa.Table, col: str) -> int:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(args) -> int:
+    if args.mode == "train":
+        if args.batch_episodes is None:
+            raise ValueError("--mode train needs --batch-episodes B (episodes per optimizer step)")
+        return cmd_train(args)
+    if args.output is None:
+        raise ValueError("--mode logprobs needs -o OUT.arrow for the results")
     import os
     import resource
 
@@ -284,8 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
-    s.add_argument("-o", "--output", required=True, help="result file (Arrow IPC)")
+    s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
+    s.add_argument("-o", "--output", default=None, help="result file (Arrow IPC; logprobs mode)")
     s.add_argument("--json", action="store_true")
+    add_train_options(s)
     s.set_defaults(fn=cmd_replay)
 
     s = sub.add_parser("inspect", help="totals and per-episode distributions of each layout")

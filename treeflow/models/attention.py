@@ -9,7 +9,11 @@ then serves every layer. Three kernels trade generality for speed:
   The fast general tree kernel on CUDA (compiled); on CPU it runs eager and
   forward only (torch has no CPU backward), which is refused, not worked around.
   Block masks cost real time to build, so they are cached by padded length and
-  content; lengths are padded to the block size so compiled kernels are reused.
+  content. A compiled kernel serves one length only, so every bin is padded to a
+  length bucket (the next power of two, or a fixed `pad_to` such as the bins'
+  `max_tokens`): one compile serves all bins of a run. Padding is nearly free:
+  a padding token attends only to itself, so its block-sparse mask adds just
+  the diagonal blocks.
 - `causal`: bins whose trees are chains (no node has two children) are packed
   causal sequences, one per root: variable-length FlashAttention on CUDA in
   fp16/bf16, else one causal SDPA call per root. A bin that branches is refused.
@@ -100,11 +104,15 @@ class AttentionPlan:
 
     `branching`, when given, is the caller's claim about the bin; it is checked
     (O(N)), and a wrong claim is an error rather than a silently wrong kernel.
+    `pad_to` (flex only) is the length every bin is padded to, so that one
+    compiled kernel and one mask shape serve all bins (give the bins'
+    `max_tokens`); by default the next power of two >= max(N, block_size).
     """
 
     def __init__(self, subtree_end_N: np.ndarray, *, kernel: str = "auto",
                  device: torch.device | str = "cpu", branching: bool | None = None,
-                 block_size: int = 128, parents_N: np.ndarray | None = None) -> None:
+                 block_size: int = 128, parents_N: np.ndarray | None = None,
+                 pad_to: int | None = None) -> None:
         end_N = np.asarray(subtree_end_N)
         n = len(end_N)
         if end_N.ndim != 1 or (n and not np.issubdtype(end_N.dtype, np.integer)):
@@ -135,7 +143,7 @@ class AttentionPlan:
         elif kernel == "dense":
             self._mask_NN = torch.from_numpy(ancestor_mask(end_N)).to(self.device)
         elif kernel == "flex":
-            self._padded = -(-max(n, 1) // block_size) * block_size
+            self._padded = _bucket(n, block_size, pad_to)
             self._block_mask = _block_mask(end_N, self._padded, block_size, self.device)
         else:
             starts = np.append(_root_starts(end_N), n)
@@ -203,6 +211,18 @@ def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):
     out = F.scaled_dot_product_attention(q_NQD.transpose(0, 1), k_NKD.transpose(0, 1),
                                          v_NKD.transpose(0, 1), enable_gqa=True, **kwargs)
     return out.transpose(0, 1)
+
+
+def _bucket(n: int, block_size: int, pad_to: int | None) -> int:
+    """The padded flex length: `pad_to` rounded up to the block size, or a power-of-two bucket."""
+    if pad_to is None:
+        length = 1 << max(n - 1, 0).bit_length()
+    elif not isinstance(pad_to, int) or pad_to < n:
+        raise ValueError(f"pad_to={pad_to!r} is less than the bin's {n} tokens; give the bins' "
+                         "max_tokens (or more), or None for power-of-two buckets")
+    else:
+        length = pad_to
+    return -(-max(length, 1) // block_size) * block_size
 
 
 def _resolve(device: torch.device) -> torch.device:

@@ -64,13 +64,15 @@ class Pipeline:
     def output_schema(self) -> pa.Schema:
         return self.stages[-1].output_schema
 
-    def run(self, source, *, engine: str = "local", window: int = 256,
+    def run(self, source, *, engine: str = "local", window: int | None = None,
             on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None,
             trainer=None) -> Iterator[pa.Table]:
         """Yield the last stage's output for each window of episodes.
 
         source: a `Files`, a path/glob/list of paths, an episode table, or an
-        iterable of episode tables. `on_window(episodes, output, stats)` is
+        iterable of episode tables. `window` episodes are packed together
+        (default 256); for an iterable of tables and no `window`, each table
+        is one window (one step in training). `on_window(episodes, output, stats)` is
         called after each window (progress, metrics). For a training pipeline
         (ending in Reduce) each window is one optimizer step and the output is
         its metrics row; pass `trainer` to continue a resumed Trainer.
@@ -89,15 +91,16 @@ class Pipeline:
         return None
 
 
-def _windows(source, window: int, vocab_size: int | None) -> Iterator[pa.Table]:
+def _windows(source, window: int | None, vocab_size: int | None) -> Iterator[pa.Table]:
     if isinstance(source, Files):
         return iter(source)
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return iter(Files(paths=paths, window=window, vocab_size=vocab_size))
+        return iter(Files(paths=paths, window=window or 256, vocab_size=vocab_size))
     if isinstance(source, pa.Table):
-        source = [source]
+        source, window = [source], window or 256
     if isinstance(source, Iterable):
-        return windows((validate_episodes(t, vocab_size=vocab_size) for t in source), window)
+        checked = (validate_episodes(t, vocab_size=vocab_size) for t in source)
+        return checked if window is None else windows(checked, window)
     raise TypeError(f"unknown pipeline source {type(source).__name__}; give files, a table or tables")

@@ -1,0 +1,132 @@
+"""`treeflow replay --mode train`: optimizer steps over stored episodes, with checkpoints and resume.
+
+Each step is one window of `--batch-episodes` episodes (whole groups); the
+data is cycled until `--steps` optimizer steps have run. The checkpoint
+carries the model (HF safetensors), AdamW, the step and scheduler counters
+and the input position (episodes consumed), so `--resume DIR` continues
+exactly where the run stopped and ends with the weights of an uninterrupted
+run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow as pa
+
+
+def train_windows(files, skip: int):
+    """Windows over the data, cycled forever, after skipping `skip` episodes (a window boundary)."""
+    consumed = 0
+    while True:
+        seen_any = False
+        for window in files:
+            seen_any = True
+            if consumed < skip:
+                consumed += window.num_rows
+                if consumed > skip:
+                    raise ValueError(f"the checkpoint's input position ({skip} episodes) is not at a "
+                                     "step boundary of this data; resume with the same "
+                                     "--batch-episodes and files")
+                continue
+            consumed += window.num_rows
+            yield window
+        if not seen_any:
+            raise ValueError("no episodes to train on")
+
+
+def cmd_train(args) -> int:
+    from treeflow.cli import _console, _progress, _table
+    from treeflow.pipeline import Files, Pipeline
+    from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce, Trainer
+
+    forward = Forward(model=args.model, dtype=args.dtype, device=args.device, kernel=args.kernel,
+                      chunk_size=args.chunk_size)
+    reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
+                              clip_high=args.clip_high, tis_cap=args.tis_cap),
+                    schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
+                                             decay_episodes=args.decay_episodes),
+                    max_grad_norm=args.max_grad_norm)
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
+                    forward, reduce)
+    trainer = Trainer.resume(args.resume, forward, reduce) if args.resume else Trainer(forward, reduce)
+    skip = int(trainer.position.get("episodes", 0))
+    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+                  vocab_size=forward.vocab_size_hint())
+    todo = args.steps - trainer.steps
+    if todo <= 0:
+        _console().print(f"nothing to do: the checkpoint has {trainer.steps} steps >= --steps {args.steps}")
+        return 0
+    metrics_file = open(args.metrics, "a") if args.metrics else None
+    consumed = [skip]
+
+    def windows():
+        for w in train_windows(files, skip):
+            yield w
+
+    def on_window(episodes, metrics, stats):
+        consumed[0] += episodes.num_rows
+
+    rows = []
+    t0 = time.perf_counter()
+    try:
+        with _progress("train", todo, args.json) as advance:
+            for metrics in pipe.run(_Limited(windows(), todo), trainer=trainer, on_window=on_window):
+                row = metrics.to_pylist()[0]
+                row["seconds"] = round(time.perf_counter() - t0, 3)
+                rows.append(row)
+                trainer.position = {"episodes": consumed[0]}
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                if args.save and args.save_every and trainer.steps % args.save_every == 0:
+                    trainer.save(args.save)
+                advance(1)
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    if args.save:
+        trainer.save(args.save)
+    if args.json:
+        print(json.dumps({"steps": trainer.steps, "last": rows[-1] if rows else None}))
+    else:
+        last = rows[-1]
+        _console().print(_table(f"train: {args.model} layout={args.layout} loss={args.loss} "
+                                f"norm={args.norm}", list(last.items())))
+        if args.save:
+            _console().print(f"checkpoint written to {args.save}")
+    return 0
+
+
+class _Limited:
+    """Stop a window iterator after n windows (one window = one optimizer step)."""
+
+    def __init__(self, it, n):
+        self.it, self.n = it, n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield next(self.it)
+
+
+def add_train_options(p) -> None:
+    g = p.add_argument_group("training (--mode train)")
+    g.add_argument("--batch-episodes", type=int, default=None, help="episodes per optimizer step")
+    g.add_argument("--steps", type=int, default=1, help="total optimizer steps")
+    g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--warmup-episodes", type=int, default=0)
+    g.add_argument("--decay-episodes", type=int, default=None, help="cosine decay length")
+    g.add_argument("--loss", choices=("nll", "pg"), default="pg")
+    g.add_argument("--norm", choices=("token", "seq-mean", "seq-sum"), default="token")
+    g.add_argument("--clip-low", type=float, default=0.2)
+    g.add_argument("--clip-high", type=float, default=0.28)
+    g.add_argument("--tis-cap", type=float, default=None)
+    g.add_argument("--max-grad-norm", type=float, default=1.0)
+    g.add_argument("--save", default=None, help="checkpoint directory (written at the end)")
+    g.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    g.add_argument("--resume", default=None, help="continue from this checkpoint directory")
+    g.add_argument("--metrics", default=None, help="append one JSON line per step here")
+
+
+__all__ = ["add_train_options", "cmd_train", "train_windows"]
