@@ -203,7 +203,8 @@ def cmd_replay(args) -> int:
         torch.cuda.reset_peak_memory_stats()
     try:
         with _progress("replay", _count_rows(args.files), args.json) as advance:
-            for episodes, result in _with_inputs(pipe, source):
+            for episodes, result, stats in _with_inputs(pipe, source):
+                sums["executed_tokens"] += stats.get("executed_tokens", 0)
                 if writer is None:
                     writer = pa.ipc.new_file(tmp, result.schema)
                 writer.write_table(result)
@@ -228,7 +229,6 @@ def cmd_replay(args) -> int:
             _console(stderr=True).print(f"nothing written: removed the partial output {tmp}")
         raise
     wall = time.perf_counter() - t0
-    sums["executed_tokens"] = _EXECUTED[0]
     sums.update(wall_seconds=round(wall, 3),
                 exact_tokens_per_s=round(sums["exact_tokens"] / wall),
                 executed_tokens_per_s=round(sums["executed_tokens"] / wall),
@@ -247,19 +247,11 @@ def cmd_replay(args) -> int:
 
 
 def _with_inputs(pipe, source):
-    """Pair each window's episodes with its result; count executed tokens from the engine's stats."""
+    """Yield (episodes, result, engine stats) per window."""
     pending = []
-
-    def on_window(episodes, output, stats):
-        pending.append(episodes)
-        _EXECUTED[0] += stats.get("executed_tokens", 0)
-
-    _EXECUTED[0] = 0
-    for result in pipe.run(source, on_window=on_window):
-        yield pending.pop(), result
-
-
-_EXECUTED = [0]
+    for result in pipe.run(source, on_window=lambda eps, out, stats: pending.append((eps, stats))):
+        episodes, stats = pending.pop()
+        yield episodes, result, stats
 
 
 # ---------------------------------------------------------------- main

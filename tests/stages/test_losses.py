@@ -34,7 +34,7 @@ def test_pg_clips_asymmetrically_and_counts_it():
     # token 0: ratio 1.5 clipped to 1.28 for A>0; token 1: ratio 0.5 clipped to 0.8 for A<0 -> min = -0.8
     # token 2: unclipped 1.1; token 3: ratio 1.5 with A<0 -> min(-1.5, -1.28) = -1.5 (not clipped)
     want = -(1.28 * 1 + (-0.8) + 1.1 + (-1.5)) / 4
-    assert float(total) == pytest.approx(want, rel=1e-6)
+    assert float(total.detach()) == pytest.approx(want, rel=1e-6)
     assert stats["clipped"] == 2 and stats["active"] == 4
     assert stats["ratio_max"] == pytest.approx(1.5) and stats["ratio_min"] == pytest.approx(0.5)
 

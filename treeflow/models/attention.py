@@ -8,8 +8,8 @@ then serves every layer. Three kernels trade generality for speed:
 - `flex`: FlexAttention with a BlockMask whose mask_mod reads `subtree_end`.
   The fast general tree kernel on CUDA (compiled); on CPU it runs eager and
   forward only (torch has no CPU backward), which is refused, not worked around.
-  Block masks cost real time to build, so they are cached by padded length and
-  content. A compiled kernel serves one length only, so every bin is padded to a
+  Block masks are built from `subtree_end` block by block (no per-pair mask
+  evaluation, no compile) and cached by padded length and content. A compiled kernel serves one length only, so every bin is padded to a
   length bucket (the next power of two, or a fixed `pad_to` such as the bins'
   `max_tokens`): one compile serves all bins of a run. Padding is nearly free:
   a padding token attends only to itself, so its block-sparse mask adds just
@@ -47,9 +47,9 @@ from treeflow.models.runs import AncestorRuns
 from treeflow.tree import ancestor_mask
 
 try:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # torch < 2.5
-    create_block_mask = flex_attention = None
+    BlockMask = flex_attention = None
 try:
     from torch.nn.attention.varlen import varlen_attn
     _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters  # torch >= 2.12
@@ -182,8 +182,12 @@ class AttentionPlan:
             if q_NQD.shape[-1] < 16:
                 raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
                                  f"{q_NQD.shape[-1]}; use kernel 'dense'")
-            out = _compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
-                                   block_mask=self._block_mask, enable_gqa=True)
+            # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
+            # flex would silently fall back to the unfused kernel that materialises the
+            # [L, L] scores; give it room for every bucket instead
+            with torch._dynamo.config.patch(recompile_limit=_FLEX_RECOMPILE_LIMIT):
+                out = _compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
+                                       block_mask=self._block_mask, enable_gqa=True)
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
@@ -246,14 +250,12 @@ def _root_starts(end_N: np.ndarray) -> np.ndarray:
     return np.flatnonzero(reach <= np.arange(len(end_N)))
 
 
+_FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
-
-
-@functools.cache
-def _compiled_create_block_mask():
-    return torch.compile(create_block_mask)
 
 
 class _LRU:
@@ -277,19 +279,38 @@ _BLOCK_MASKS = _LRU(capacity=32)
 
 
 def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
-    """BlockMask over `padded` tokens; padding tokens attend only to themselves."""
+    """BlockMask over `padded` tokens; padding tokens attend only to themselves.
+
+    The block tables come straight from `subtree_end` in O((L / block)^2) numpy,
+    not from evaluating the mask per token pair (`create_block_mask`, which on
+    CUDA must be compiled per shape to be fast). Query block qb = [q0, q1) and
+    key block kb: some pair is visible iff kb <= qb and some key of kb has
+    end > q0; every pair is visible iff kb < qb and every key of kb has end >= q1.
+    """
     n = len(end_N)
     end_L = np.concatenate((end_N, np.arange(n + 1, padded + 1))).astype(np.int32)
     key = (str(device), padded, block_size, hashlib.blake2b(end_L.tobytes()).digest())
 
     def make():
+        blocks = padded // block_size
+        end_BK = end_L.reshape(blocks, block_size)
+        q0_B1 = (np.arange(blocks) * block_size)[:, None]
+        kb_1B, qb_B1 = np.arange(blocks)[None, :], np.arange(blocks)[:, None]
+        full_BB = (kb_1B < qb_B1) & (end_BK.min(1)[None, :] >= q0_B1 + block_size)
+        partial_BB = (kb_1B <= qb_B1) & (end_BK.max(1)[None, :] > q0_B1) & ~full_BB
         end_t = torch.from_numpy(end_L).to(device)
 
         def mask_mod(b, h, q, kv):
             return (kv <= q) & (q < end_t[kv])
 
-        make_mask = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
-        return make_mask(mask_mod, None, None, padded, padded, device=device,
-                         BLOCK_SIZE=block_size)
+        def tables(m_BB):  # [Q blocks, KV blocks] bool -> counts [1,1,B], indices [1,1,B,B]
+            order = np.argsort(~m_BB, axis=1, kind="stable").astype(np.int32)
+            count = m_BB.sum(1).astype(np.int32)
+            return (torch.from_numpy(count)[None, None].to(device),
+                    torch.from_numpy(order)[None, None].to(device))
+
+        return BlockMask.from_kv_blocks(*tables(partial_BB), *tables(full_BB),
+                                        BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                        seq_lengths=(padded, padded))
 
     return _BLOCK_MASKS.get_or_make(key, make)
