@@ -9,11 +9,12 @@ then serves every layer. Three kernels trade generality for speed:
   The fast general tree kernel on CUDA (compiled); on CPU it runs eager and
   forward only (torch has no CPU backward), which is refused, not worked around.
   Block masks are built from `subtree_end` block by block (no per-pair mask
-  evaluation, no compile) and cached by padded length and content. A compiled kernel serves one length only, so every bin is padded to a
-  length bucket (the next power of two, or a fixed `pad_to` such as the bins'
-  `max_tokens`): one compile serves all bins of a run. Padding is nearly free:
-  a padding token attends only to itself, so its block-sparse mask adds just
-  the diagonal blocks.
+  evaluation, no compile) and cached by padded length and content. A compiled
+  kernel serves one length only, so every bin is padded to a length bucket
+  (the next power of two, or a fixed `pad_to` such as the bins' `max_tokens`):
+  one compile serves all bins of a run. Padding is nearly free: a padding
+  token attends only to itself, so its block-sparse mask adds just the
+  diagonal blocks.
 - `causal`: bins whose trees are chains (no node has two children) are packed
   causal sequences, one per root: variable-length FlashAttention on CUDA in
   fp16/bf16, else one causal SDPA call per root. A bin that branches is refused.
@@ -25,7 +26,7 @@ then serves every layer. Three kernels trade generality for speed:
 `kernel="auto"` picks causal for chain-only bins, else flex on CUDA, runs on
 CPU (dense when no parents are given). Nothing here ever runs ordinary causal attention over a tree.
 
-Legend: N tokens in the bin, L N padded to the flex block size,
+Legend: N tokens in the bin, L N padded to its flex length bucket, B blocks of L,
 Q query heads, K key/value heads, D head dim.
 """
 
@@ -293,7 +294,7 @@ def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.d
 
     def make():
         blocks = padded // block_size
-        end_BK = end_L.reshape(blocks, block_size)
+        end_BK = end_L.reshape(blocks, block_size)  # K: tokens of a block
         q0_B1 = (np.arange(blocks) * block_size)[:, None]
         kb_1B, qb_B1 = np.arange(blocks)[None, :], np.arange(blocks)[:, None]
         full_BB = (kb_1B < qb_B1) & (end_BK.min(1)[None, :] >= q0_B1 + block_size)
