@@ -23,8 +23,9 @@ then serves every layer. Three kernels trade generality for speed:
   the tree over its ancestor path. Exact, forward and backward on any device,
   memory of one run's scores; needs the bin's parents.
 
-`kernel="auto"` picks causal for chain-only bins, else flex on CUDA, runs on
-CPU (dense when no parents are given). Nothing here ever runs ordinary causal attention over a tree.
+`kernel="auto"` picks, on CUDA, causal for chain-only bins and flex for trees;
+on CPU, runs (query-blocked, so memory stays bounded) when the parents are
+given, else causal for chains and dense for trees. Nothing here ever runs ordinary causal attention over a tree.
 
 Legend: N tokens in the bin, L N padded to its flex length bucket, B blocks of L,
 Q query heads, K key/value heads, D head dim.
@@ -131,9 +132,10 @@ class AttentionPlan:
             raise ValueError(f"the bin was declared branching={branching} but its subtree_end "
                              f"says branching={self.branching}")
         if kernel == "auto":
-            kernel = ("causal" if not self.branching
-                      else "flex" if self.device.type == "cuda"
-                      else "runs" if parents_N is not None else "dense")
+            if self.device.type == "cuda":
+                kernel = "flex" if self.branching else "causal"
+            else:  # on CPU the fused causal kernel materialises N^2 scores; runs are blocked
+                kernel = "runs" if parents_N is not None else ("dense" if self.branching else "causal")
         TORCH_KERNELS.check(kernel=kernel, device=self.device, requires_grad=False,
                             branching=self.branching)
         self.kernel = kernel

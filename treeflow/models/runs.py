@@ -30,36 +30,40 @@ def run_starts(parents_N: np.ndarray) -> np.ndarray:
 
 
 class AncestorRuns:
-    """Per-run query ranges and key index tensors of one bin, built once, used by every layer."""
+    """Per-run query blocks and key index tensors of one bin, built once, used by every layer.
 
-    def __init__(self, parents_N: np.ndarray, device: torch.device | str = "cpu"):
+    Runs longer than `block` queries are cut into blocks of `block` queries; a
+    block sees the run's ancestor path plus the run up to its own last query,
+    so peak attention memory is heads x block x (path + run), never N^2.
+    """
+
+    def __init__(self, parents_N: np.ndarray, device: torch.device | str = "cpu", block: int = 1024):
         parents_N = np.asarray(parents_N, dtype=np.int64)
         n = len(parents_N)
         starts = run_starts(parents_N)
         ends = np.append(starts[1:], n)
-        self.bounds: list[tuple[int, int]] = list(zip(starts.tolist(), ends.tolist()))
+        runs = list(zip(starts.tolist(), ends.tolist()))
         heads = parents_N[starts]
         owner = np.searchsorted(starts, heads, side="right") - 1  # run holding each run's parent
         paths: list[list[tuple[int, int]]] = []
-        keys: list[torch.Tensor] = []
-        masks: list[torch.Tensor] = []
-        for r, (a, b) in enumerate(self.bounds):
+        self.bounds: list[tuple[int, int]] = []
+        self.keys: list[torch.Tensor] = []
+        self.seen: list[int] = []
+        self.pairs = 0  # ancestor pairs attended: L * P + L * (L + 1) / 2 per run
+        for r, (a, b) in enumerate(runs):
             p = int(heads[r])
-            path = [] if p < 0 else paths[int(owner[r])] + [(self.bounds[int(owner[r])][0], p + 1)]
+            path = [] if p < 0 else paths[int(owner[r])] + [(runs[int(owner[r])][0], p + 1)]
             paths.append(path)
             idx = np.concatenate([np.arange(lo, hi) for lo, hi in path] + [np.arange(a, b)])
-            keys.append(torch.from_numpy(idx).to(device))
             prefix = len(idx) - (b - a)
-            # query j sees keys [0, prefix + j]: lower-right causal. An explicit mask measured
-            # faster on CPU than padding the queries for the fused upper-left causal kernel.
-            q = torch.arange(b - a, device=device)[:, None]
-            kv = torch.arange(len(idx), device=device)[None, :]
-            masks.append(kv <= q + prefix)
-        self.keys = keys
-        self.masks = masks
-        # ancestor pairs attended: L * P + L * (L + 1) / 2 per run
-        self.pairs = int(sum((b - a) * (len(k) - (b - a)) + (b - a) * (b - a + 1) // 2
-                             for (a, b), k in zip(self.bounds, keys)))
+            self.pairs += (b - a) * prefix + (b - a) * (b - a + 1) // 2
+            idx_t = torch.from_numpy(idx).to(device)
+            for qa in range(a, b, block):
+                qb = min(qa + block, b)
+                seen = prefix + (qa - a)  # keys before this block's first query
+                self.bounds.append((qa, qb))
+                self.keys.append(idx_t[: seen + qb - qa])
+                self.seen.append(seen)
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -68,7 +72,12 @@ class AncestorRuns:
         """out_NQD = softmax(q k^T / sqrt(D) over ancestors and self) v, GQA by head repetition."""
         heads, kv_heads = q_NQD.shape[1], k_NKD.shape[1]
         outs = []
-        for (a, b), idx, mask in zip(self.bounds, self.keys, self.masks):
+        for (a, b), idx, seen in zip(self.bounds, self.keys, self.seen):
+            # query j of the block sees keys [0, seen + j]: lower-right causal. An explicit mask
+            # (rebuilt per call: cheap, and no N x path bools held) measured faster on CPU than
+            # padding the queries for the fused upper-left causal kernel.
+            mask = (torch.arange(len(idx), device=idx.device)[None, :]
+                    <= torch.arange(b - a, device=idx.device)[:, None] + seen)
             q_QLD = q_NQD[a:b].transpose(0, 1)
             k_KPD = k_NKD.index_select(0, idx).transpose(0, 1)
             v_KPD = v_NKD.index_select(0, idx).transpose(0, 1)
