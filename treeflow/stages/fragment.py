@@ -69,11 +69,11 @@ class _Layout:
     edge_base: int
     episode_ids: list
     sample_indices: list
+    sources: np.ndarray | None = None  # parent node of each edge
     roots: np.ndarray | None = None
 
-    @property
-    def sources(self) -> np.ndarray:
-        return self.parents[self.edge_nodes].astype(np.int64)
+    def __post_init__(self):
+        self.sources = self.parents[self.edge_nodes]
 
 
 @dataclass
@@ -82,6 +82,8 @@ class _Item:
     sources: np.ndarray  # sorted unique source nodes owned by this item
     size: int
     repeated: int
+    edges: np.ndarray | None = None  # this layout's edges owned by the item (None: all)
+    occ: np.ndarray | None = None  # this layout's occurrences of those edges (None: all)
 
 
 class _Columns:
@@ -95,6 +97,8 @@ class _Columns:
             col = table.column(name).combine_chunks()
             self.off[name] = list_offsets(col)
             self.val[name] = list_values(col)
+            if name in ("parents", "positions", "edge_nodes", "occ_edge"):
+                self.val[name] = self.val[name].astype(np.int64)  # index arithmetic, once
         routes = table.column("routes").combine_chunks()
         self.routes = None
         if routes.null_count < len(routes):
@@ -112,10 +116,8 @@ class _Columns:
         if self.routes is not None:
             routes = self.routes[self.routes_off[r]:self.routes_off[r + 1]]
         return _Layout(
-            tokens=get("tokens"), parents=get("parents").astype(np.int64),
-            depth=get("positions").astype(np.int64), routes=routes,
-            edge_nodes=get("edge_nodes").astype(np.int64),
-            occ={k: get(k) for k in _OCC}, occ_edge=get("occ_edge").astype(np.int64),
+            tokens=get("tokens"), parents=get("parents"), depth=get("positions"), routes=routes,
+            edge_nodes=get("edge_nodes"), occ={k: get(k) for k in _OCC}, occ_edge=get("occ_edge"),
             edge_base=edge_base,
             episode_ids=self.table.column("episode_ids")[r].as_py(),
             sample_indices=self.table.column("sample_indices")[r].as_py(),
@@ -152,6 +154,16 @@ def _split(lay: _Layout, max_tokens: int) -> list[_Item]:
         repeated = int(lca[a - 1] + 1) if a > 0 else 0
         items.append(_Item(0, us[a:b], size, repeated))
         a = b
+    # group edges and occurrences by owning item, once (never a scan per item)
+    first = np.searchsorted(us, [it.sources[0] for it in items])
+    edge_item = np.searchsorted(first, np.searchsorted(us, lay.sources), side="right") - 1
+    occ_item = edge_item[lay.occ_edge]
+    e_order, o_order = np.argsort(edge_item, kind="stable"), np.argsort(occ_item, kind="stable")
+    e_bounds = np.searchsorted(edge_item[e_order], np.arange(len(items) + 1))
+    o_bounds = np.searchsorted(occ_item[o_order], np.arange(len(items) + 1))
+    for k, it in enumerate(items):
+        it.edges = e_order[e_bounds[k]:e_bounds[k + 1]]
+        it.occ = o_order[o_bounds[k]:o_bounds[k + 1]]
     return items
 
 
@@ -241,19 +253,27 @@ def _assemble(step, lays, items, groups, with_routes) -> pa.Table:
             lay = lays[it.layout]
             nodes = _closure(lay, it.sources)
             assert len(nodes) == it.size, (len(nodes), it.size)
+            lo = int(nodes[0])
+            remap = np.empty(int(nodes[-1]) - lo + 1, dtype=np.int64)
+            remap[nodes - lo] = np.arange(node_off, node_off + len(nodes))
             par = lay.parents[nodes]
-            local_par = np.where(par >= 0, np.searchsorted(nodes, par) + node_off, -1)
-            edges = np.flatnonzero(np.isin(lay.sources, it.sources))
-            occ = np.flatnonzero(np.isin(lay.occ_edge, edges))
+            local_par = np.where(par >= 0, remap[np.maximum(par - lo, 0)], -1)
+            if it.edges is None:  # the whole layout: its edges and occurrences in order
+                edges = np.arange(len(lay.edge_nodes))
+                occ = slice(None)
+                occ_edge = lay.occ_edge + edge_off
+            else:
+                edges, occ = it.edges, it.occ
+                occ_edge = np.searchsorted(edges, lay.occ_edge[occ]) + edge_off
             parts["tokens"].append(lay.tokens[nodes])
             parts["parents"].append(local_par)
             parts["positions"].append(lay.depth[nodes])
             if with_routes:
                 parts["routes"].append(lay.routes[nodes])
             parts["edge_ids"].append(lay.edge_base + edges)
-            parts["edge_sources"].append(np.searchsorted(nodes, lay.sources[edges]) + node_off)
+            parts["edge_sources"].append(remap[lay.sources[edges] - lo])
             parts["edge_targets"].append(lay.tokens[lay.edge_nodes[edges]])
-            parts["occ_edge"].append(np.searchsorted(edges, lay.occ_edge[occ]) + edge_off)
+            parts["occ_edge"].append(occ_edge)
             for k in _OCC:
                 parts[k].append(lay.occ[k][occ])
             node_off += len(nodes)
