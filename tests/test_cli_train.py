@@ -44,6 +44,9 @@ def test_metrics_checkpoint_and_resume(data, tmp_path, capsys):
         assert torch.equal(a[k], b[k]), k
     state = json.load(open(half / "treeflow_trainer.json"))
     assert state == {"steps": 4, "scheduler_episodes": 8, "position": {"episodes": 8}}
+    # the checkpoint is a model directory for replay (and for transformers, see tests/models)
+    assert main(["replay", data, "--model", str(full), "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["episodes"] == 6
 
 
 def test_train_needs_batch_episodes(data, capsys):
