@@ -32,7 +32,8 @@ def episode_tables(draw, max_episodes=5, max_calls=5, vocab=4, routes=None):
                 call["routed_experts"] = [[t % 2, draw(st.integers(0, 1))] for t in toks]
             calls.append(call)
             prev = toks
-        rows.append({"episode_id": f"e{e}", "group_id": f"g{e % n_groups}",
+        group = None if draw(st.integers(0, 4)) == 0 else f"g{e % n_groups}"  # some ungrouped
+        rows.append({"episode_id": f"e{e}", "group_id": group,
                      "advantage": float(e), "calls": calls})
     return validate_episodes(pa.Table.from_pylist(rows))
 
@@ -54,6 +55,8 @@ def check_bins(episodes: pa.Table, bins: pa.Table, max_tokens: int | None = None
     """Every occurrence is in exactly one bin; its edge spells its context; positions are depths."""
     want = occurrences(episodes)
     seen = {}
+    all_edges = [e for ids in bins.column("edge_ids").to_pylist() for e in ids]
+    assert len(all_edges) == len(set(all_edges)), "an edge is owned by two bins"
     for b in bins.to_pylist():
         toks, par, pos = b["tokens"], b["parents"], b["positions"]
         if max_tokens is not None:

@@ -43,7 +43,8 @@ def test_fragmented_bins_cover_every_occurrence_once(eps, layout, max_tokens, ra
     check_bins(eps, bins, max_tokens)
     sharded, report = Shard(num_ranks=ranks).plan(bins)
     assert set(sharded.column("rank").to_pylist()) <= set(range(ranks))
-    assert report.rank_bins.sum() == bins.num_rows
+    # padded bins are spread so that every rank runs the same number of micro-batches
+    assert report.rank_bins.tolist() == [bins.num_rows // ranks] * ranks
 
 
 @SETTINGS
@@ -64,9 +65,10 @@ def test_tree_is_minimal_trie(eps):
     lays = Pack(layout="tree")(eps).to_pylist()
     by_group = {}
     for row in eps.to_pylist():
+        scope = ("g", row["group_id"]) if row["group_id"] is not None else ("e", row["episode_id"])
         for c in row["calls"]:
             t = c["token_ids"]
-            by_group.setdefault(row["group_id"], set()).update(tuple(t[:i + 1]) for i in range(len(t)))
+            by_group.setdefault(scope, set()).update(tuple(t[:i + 1]) for i in range(len(t)))
     assert sum(len(l["tokens"]) for l in lays) == sum(len(s) for s in by_group.values())
 
 
@@ -76,9 +78,10 @@ def test_routes_stop_sharing(eps):
     lays = Pack(layout="tree")(eps).to_pylist()
     by_group = {}
     for row in eps.to_pylist():
+        scope = ("g", row["group_id"]) if row["group_id"] is not None else ("e", row["episode_id"])
         for c in row["calls"]:
             key = list(zip(c["token_ids"], map(tuple, c["routed_experts"])))
-            by_group.setdefault(row["group_id"], set()).update(tuple(key[:i + 1]) for i in range(len(key)))
+            by_group.setdefault(scope, set()).update(tuple(key[:i + 1]) for i in range(len(key)))
     assert sum(len(l["tokens"]) for l in lays) == sum(len(s) for s in by_group.values())
     check_bins(eps, Fragment(max_tokens=10_000)(Pack(layout="tree")(eps)))
 
@@ -137,3 +140,24 @@ def test_subtree_end_matches_definition(raw):
         while j < len(par) and depth[j] > depth[i]:
             j += 1
         assert end[i] == j
+
+
+def test_group_and_episode_ids_never_merge_and_group_scope_without_groups_warns():
+    import pyarrow as pa
+    from treeflow.schemas import validate_episodes
+    call = {"token_ids": [5, 6, 7], "sampled_start": 2}
+    eps = validate_episodes(pa.Table.from_pylist([
+        {"episode_id": "y", "calls": [call]},
+        {"episode_id": "a", "group_id": "episode:y", "calls": [call]},
+        {"episode_id": "b", "group_id": "y", "calls": [call]}]))
+    lays = Pack(layout="tree")(eps)
+    assert lays.column("episode_ids").to_pylist() == [["y"], ["a"], ["b"]]
+    alone = validate_episodes(pa.Table.from_pylist([{"episode_id": "z", "calls": [call]}]))
+    with pytest.warns(UserWarning, match="no group ids"):
+        Pack(layout="tree", scope="group")(alone)
+
+
+def test_pack_refuses_unvalidated_tables():
+    import pyarrow as pa
+    with pytest.raises(TypeError, match="validate_episodes"):
+        Pack()(pa.Table.from_pylist([{"episode_id": "a", "calls": [{"token_ids": [1, 2], "sampled_start": 0}]}]))

@@ -69,3 +69,14 @@ def test_stop_and_resume_gives_the_same_result(setup, stop_after):
     for i in range(stop_after, values.num_rows):
         resumed.add(values.slice(i, 1))
     assert resumed.finish().equals(whole)
+
+
+def test_a_refused_add_changes_nothing(setup):
+    eps, bins, values = setup
+    whole = Reassemble()(values, episodes=eps)
+    buf = Reassemble().open(eps)
+    buf.add(values.slice(0, 1))
+    with pytest.raises(ValueError, match="produced twice"):
+        buf.add(values)  # bin 0 redelivered together with the rest
+    buf.add(values.slice(1))
+    assert buf.finish().equals(whole)

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import numpy as np
+
 import pyarrow as pa
 import pytest
 import torch
@@ -194,4 +196,43 @@ def test_pg_without_advantage_names_the_episode():
     eps = pa.Table.from_pylist(rows, schema=episodes(seed=1, n=3).schema)
     tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg")), model=small_model())
     with pytest.raises(ValueError, match=rf"episode '{rows[1]['episode_id']}', call 0, sampled token 0: field 'advantage'"):
+        tr.open_step(eps)
+
+
+def test_failed_add_breaks_the_step_until_aborted():
+    call_a = {"token_ids": [1, 2, 3, 5], "sampled_start": 1}
+    call_b = {"token_ids": [1, 2, 4, 5], "sampled_start": 1}
+    from treeflow.schemas import validate_episodes
+    eps = validate_episodes(pa.Table.from_pylist([{"episode_id": "br", "calls": [call_a, call_b]}]))
+    tr = Trainer(Forward(kernel="causal"), Reduce(loss=Loss(kind="nll")), model=small_model())
+    step = tr.open_step(eps)
+    with pytest.raises(ValueError, match="kernel 'causal' runs chain-only bins"):
+        step.add(bins_for(eps, "tree", 64))
+    with pytest.raises(StepOpenError, match="cannot go on: bin 0 of the last add"):
+        step.finish()
+    step.abort()
+    assert tr.steps == 0 and tr.scheduler_episodes == 0
+
+
+def test_masked_token_with_extreme_logprob_does_not_poison_the_step():
+    from treeflow.schemas import validate_episodes
+    eps = validate_episodes(pa.Table.from_pylist([{
+        "episode_id": "x", "advantage": -1.0,
+        "calls": [{"token_ids": [1, 2, 3, 4], "sampled_start": 1,
+                   "generation_logprobs": [-2.0, -2.0, -1e4], "loss_mask": [True, True, False]}]}]))
+    tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", kl_coef=0.0)), model=small_model())
+    step = tr.open_step(eps)
+    step.add(bins_for(eps, "tree", 64))
+    row = step.finish().to_pylist()[0]
+    assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["loss_tokens"] == 2
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
+def test_out_of_vocabulary_tokens_are_named_when_the_step_opens():
+    from treeflow.schemas import validate_episodes
+    eps = validate_episodes(pa.Table.from_pylist([{
+        "episode_id": "oov", "advantage": 1.0,
+        "calls": [{"token_ids": [1, 2, VOCAB + 3], "sampled_start": 1}]}]))
+    tr = Trainer(Forward(), Reduce(loss=Loss(kind="nll")), model=small_model())
+    with pytest.raises(ValueError, match=rf"episode 'oov', call 0: field 'token_ids' holds id {VOCAB + 3}"):
         tr.open_step(eps)

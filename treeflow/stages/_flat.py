@@ -87,6 +87,12 @@ class Calls:
         len_c = np.diff(tok_off)
         start_c = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
         n_s = len_c - start_c
+        bad = np.flatnonzero((start_c < 1) | (n_s < 0))
+        if len(bad):  # validate_episodes refuses these; a table that skipped it must not pass
+            row = int(np.repeat(np.arange(len(n_calls)), n_calls)[bad[0]])
+            raise ValueError(f"episode {table.column('episode_id')[row].as_py()!r}: field "
+                             f"'sampled_start' is {start_c[bad[0]]} for {len_c[bad[0]]} tokens; "
+                             "validate the episodes with treeflow.schemas.validate_episodes")
         s_total = int(n_s.sum())
         call_row = segment_ids(n_calls)
         s_call = segment_ids(n_s)

@@ -18,7 +18,6 @@ Legend: O occurrences.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,7 +105,13 @@ def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tens
                     entropy_O: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted sum of per-occurrence losses, and summed statistics for metrics."""
     stats: dict = {}
-    active = weight_O > 0
+    # only occurrences that count enter the arithmetic: a masked token's extreme (finite)
+    # logprob would otherwise overflow exp() and turn 0 * inf into NaN gradients
+    idx = torch.nonzero(weight_O > 0)[:, 0]
+    weight_O, logprob_O = weight_O[idx], logprob_O[idx]
+    advantage_O, old_logprob_O, generation_logprob_O, ref_logprob_O, entropy_O = (
+        None if x is None else x[idx]
+        for x in (advantage_O, old_logprob_O, generation_logprob_O, ref_logprob_O, entropy_O))
     if loss.kind == "nll":
         per = -logprob_O
     else:
@@ -118,21 +123,20 @@ def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tens
             tis = torch.exp(old_logprob_O - generation_logprob_O).clamp(max=loss.tis_cap).detach()
             per = per * tis
         with torch.no_grad():
-            was_clipped = (ratio * advantage_O > clipped * advantage_O) & active
-            r = ratio[active]
-            stats.update(clipped=int(was_clipped.sum()), ratio_sum=float(r.sum()),
-                         ratio_max=float(r.max()) if len(r) else -math.inf,
-                         ratio_min=float(r.min()) if len(r) else math.inf)
+            was_clipped = ratio * advantage_O > clipped * advantage_O
+            stats.update(clipped=int(was_clipped.sum()), ratio_sum=float(ratio.sum()))
+            if len(ratio):
+                stats.update(ratio_max=float(ratio.max()), ratio_min=float(ratio.min()))
     if loss.kl_coef > 0:
         d = ref_logprob_O - logprob_O
         kl = torch.exp(d) - d - 1.0
         per = per + loss.kl_coef * kl
         with torch.no_grad():
-            stats["kl_sum"] = float(kl[active].sum())
+            stats["kl_sum"] = float(kl.sum())
     if loss.entropy_coef:
         per = per - loss.entropy_coef * entropy_O
         with torch.no_grad():
-            stats["entropy_sum"] = float(entropy_O[active].sum())
-    stats["active"] = int(active.sum())
+            stats["entropy_sum"] = float(entropy_O.sum())
+    stats["active"] = len(weight_O)
     total = (weight_O * per).sum()
     return total, stats

@@ -16,6 +16,7 @@ E edges, W route width.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,19 +59,27 @@ class Pack(Stage):
                              "shares across episodes; use layout='tree' or scope='episode'")
 
     def __call__(self, episodes: pa.Table, *, step: int = 0) -> pa.Table:
+        if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
+            raise TypeError("Pack takes validated episodes: pass the table through "
+                            "treeflow.schemas.validate_episodes (or read it with read_episodes)")
         return pack(episodes, layout=self.layout, scope=self.scope, step=step)
 
 
 def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarray, list[str]]:
-    """Scope index per row (in order of first appearance) and the scope names."""
+    """Scope index per row (in order of first appearance) and the scope names.
+
+    Keys are (kind, id) pairs, so a group id can never merge with an episode id.
+    """
     has_groups = any(g is not None for g in calls.group_ids)
+    if scope == "group" and not has_groups:
+        warnings.warn("Pack(scope='group'): this window has no group ids, so every episode is "
+                      "its own scope; set group_id on the episodes to share prompts", stacklevel=3)
     use_group = layout == "tree" and (scope == "group" or (scope is None and has_groups))
-    names = [g if (use_group and g is not None) else f"episode:{e}"
-             for e, g in zip(calls.episode_ids, calls.group_ids)]
-    index: dict[str, int] = {}
-    row_scope = np.fromiter((index.setdefault(n, len(index)) for n in names), np.int64, len(names))
-    scope_names = [n if not n.startswith("episode:") else n[len("episode:"):] for n in index]
-    return row_scope, scope_names
+    keys = [("group", g) if (use_group and g is not None) else ("episode", e)
+            for e, g in zip(calls.episode_ids, calls.group_ids)]
+    index: dict[tuple[str, str], int] = {}
+    row_scope = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
+    return row_scope, [name for _, name in index]
 
 
 def _keys_bytes(calls: Calls) -> bytes:

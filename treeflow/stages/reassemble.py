@@ -79,18 +79,21 @@ class Reassembly:
         occ_counts = np.diff(list_offsets(cols["occ_edge"]))
         flat_edge = list_values(cols["occ_edge"], np.int64) + np.repeat(edge_base, occ_counts)
         slot = self.index.slots(si, call, offset)
-        np.add.at(self.writes_S, slot, 1)
-        twice = np.flatnonzero(self.writes_S[slot] > 1)
+        # check everything before changing anything: a refused add leaves the buffer as it was
+        counts = np.bincount(slot, minlength=len(self.writes_S))
+        twice = np.flatnonzero((self.writes_S[slot] > 0) | (counts[slot] > 1))
         if len(twice):
             i = int(twice[0])
             raise ValueError(f"{self.index.name(si[i], call[i], offset[i])}: produced twice (two "
-                             "bins hold the same occurrence); a bin was delivered or planned twice")
+                             "bins hold the same occurrence); a bin was delivered or planned twice "
+                             "(nothing of this add was kept)")
+        ent = cols["edge_entropies"]
+        if self.entropies_S is not None and ent.null_count:
+            raise ValueError("entropies were asked for but some edge values carry none; run "
+                             "Forward(entropy=True) for every bin")
+        self.writes_S += counts.astype(np.int32)
         self.logprobs_S[slot] = list_values(cols["edge_logprobs"], np.float32)[flat_edge]
         if self.entropies_S is not None:
-            ent = cols["edge_entropies"]
-            if ent.null_count == len(ent) and len(ent):
-                raise ValueError("entropies were asked for but the edge values carry none; "
-                                 "run Forward(entropy=True)")
             self.entropies_S[slot] = list_values(ent, np.float32)[flat_edge]
 
     @property

@@ -73,12 +73,20 @@ class ShardReport:
 
 
 def lpt(costs: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Largest cost first onto the least-loaded rank that still has room for a bin.
+
+    Each rank takes at most ceil(bins / ranks) bins, so when the bin count is a
+    multiple of the rank count (Fragment's padding) every rank runs the same
+    number of micro-batches, as lock-stepped data-parallel ranks must.
+    """
+    cap = -(-len(costs) // num_ranks)
     ranks = np.zeros(len(costs), dtype=np.int32)
     heap = [(0.0, 0, r) for r in range(num_ranks)]  # (load, bins, rank)
     for i in np.argsort(-costs, kind="stable"):
         load, nb, r = heapq.heappop(heap)
         ranks[i] = r
-        heapq.heappush(heap, (load + float(costs[i]), nb + 1, r))
+        if nb + 1 < cap:
+            heapq.heappush(heap, (load + float(costs[i]), nb + 1, r))
     return ranks
 
 

@@ -136,10 +136,13 @@ class Step:
         self.gen_S = calls.genlp_S
         self.old_S = None
         if loss.needs_old_logprobs:
-            self.old_S = (slots.values_from_results(old_logprobs) if old_logprobs is not None
-                          else self.gen_S)
-            self._need_finite(self.old_S, "generation_logprobs",
-                              "give generation logprobs or pass old_logprobs from a logprob phase")
+            if old_logprobs is not None:
+                self.old_S = slots.values_from_results(old_logprobs)
+                self._need_finite(self.old_S, "old_logprobs", "recompute them on these episodes")
+            else:
+                self.old_S = self.gen_S
+                self._need_finite(self.old_S, "generation_logprobs",
+                                  "give generation logprobs or pass old_logprobs from a logprob phase")
             self._need_finite(calls.advantage_S, "advantage",
                               "give the episode an advantage (or per-token advantages)")
         if loss.tis_cap is not None:
@@ -150,7 +153,24 @@ class Step:
                 raise ValueError("Loss(kl_coef > 0) needs reference logprobs: pass ref_logprobs "
                                  "(a result table of the reference policy on these episodes)")
             self.ref_S = slots.values_from_results(ref_logprobs)
+            self._need_finite(self.ref_S, "ref_logprobs", "recompute them on these episodes")
         self.adv_S = calls.advantage_S
+        vocab = trainer.model.config.vocab_size
+        big = np.flatnonzero(calls.tokens_T >= vocab)
+        if len(big):
+            c = int(np.searchsorted(calls.tok_off_C1, big[0], side="right") - 1)
+            raise ValueError(f"episode {calls.episode_ids[int(calls.call_row_C[c])]!r}, call "
+                             f"{int(calls.call_k_C[c])}: field 'token_ids' holds id "
+                             f"{int(calls.tokens_T[big[0]])} >= the model's vocabulary size {vocab}; "
+                             "use the tokenizer of this model")
+        vocab = trainer.model.config.vocab_size
+        big = np.flatnonzero(calls.tokens_T >= vocab)
+        if len(big):
+            c = int(np.searchsorted(calls.tok_off_C1, big[0], side="right") - 1)
+            raise ValueError(f"episode {calls.episode_ids[int(calls.call_row_C[c])]!r}, call "
+                             f"{int(calls.call_k_C[c])}: field 'token_ids' holds id "
+                             f"{int(calls.tokens_T[big[0]])} >= the model's vocabulary size {vocab}; "
+                             "use the tokenizer of this model")
         # values of masked-out slots never count, but a NaN there would poison the gradient
         # through 0 * NaN: zero them once, after the checks above
         for name in ("gen_S", "old_S", "ref_S", "adv_S"):
@@ -162,6 +182,7 @@ class Step:
         self.loss_sum = 0.0
         self.stats: dict = {}
         self._seen = np.zeros(len(slots), dtype=np.int32)
+        self._broken: str | None = None
         device = trainer.runner.device
         self.model = trainer.model
         self._t = {k: (None if v is None else torch.from_numpy(np.ascontiguousarray(v)).to(device))
@@ -178,6 +199,7 @@ class Step:
         """Forward, weighted occurrence loss and backward for each bin (any order, any chunk)."""
         if self.trainer._open is not self:
             raise StepOpenError("this step is closed")
+        self._refuse_if_broken()
         cols = {n: bins.column(n).combine_chunks() for n in (
             "tokens", "parents", "positions", "edge_sources", "edge_targets", "occ_sample_index",
             "occ_call", "occ_offset", "occ_edge")}
@@ -191,24 +213,31 @@ class Step:
                 continue
             slot = self.slots.slots(get("occ_sample_index").astype(np.int64),
                                     get("occ_call").astype(np.int64), get("occ_offset").astype(np.int64))
-            np.add.at(self._seen, slot, 1)
-            if (self._seen[slot] > 1).any():
-                i = int(np.flatnonzero(self._seen[slot] > 1)[0])
+            twice = (self._seen[slot] > 0) | (np.bincount(slot, minlength=len(self._seen))[slot] > 1)
+            if twice.any():
+                i = int(np.flatnonzero(twice)[0])
                 raise ValueError(f"{self.slots.name_slot(int(slot[i]))}: fed to the step twice; a "
-                                 "bin was delivered twice")
-            lp_E, ent_E = self.trainer.runner.edge_logprobs(
-                get("tokens"), get("parents"), get("positions"), get("edge_sources"), get("edge_targets"))
-            occ_edge = torch.from_numpy(get("occ_edge").astype(np.int64)).to(lp_E.device)
-            slot_t = torch.from_numpy(slot).to(lp_E.device)
-            t = self._t
-            total, stats = occurrence_loss(
-                loss, lp_E[occ_edge], weight_O=t["weight"][slot_t],
-                advantage_O=t["adv"][slot_t],
-                old_logprob_O=None if t["old"] is None else t["old"][slot_t],
-                generation_logprob_O=t["gen"][slot_t],
-                ref_logprob_O=None if t["ref"] is None else t["ref"][slot_t],
-                entropy_O=None if ent_E is None else ent_E[occ_edge])
-            total.backward()
+                                 "bin was delivered twice (the step is unchanged)")
+            try:
+                lp_E, ent_E = self.trainer.runner.edge_logprobs(
+                    get("tokens"), get("parents"), get("positions"), get("edge_sources"),
+                    get("edge_targets"))
+                occ_edge = torch.from_numpy(get("occ_edge").astype(np.int64)).to(lp_E.device)
+                slot_t = torch.from_numpy(slot).to(lp_E.device)
+                t = self._t
+                total, stats = occurrence_loss(
+                    loss, lp_E[occ_edge], weight_O=t["weight"][slot_t],
+                    advantage_O=t["adv"][slot_t],
+                    old_logprob_O=None if t["old"] is None else t["old"][slot_t],
+                    generation_logprob_O=t["gen"][slot_t],
+                    ref_logprob_O=None if t["ref"] is None else t["ref"][slot_t],
+                    entropy_O=None if ent_E is None else ent_E[occ_edge])
+                total.backward()
+            except BaseException as e:
+                # gradients may hold part of this bin: the step can only be aborted now
+                self._broken = f"bin {r} of the last add() failed ({type(e).__name__}: {e})"
+                raise
+            self._seen[slot] += 1
             self.loss_sum += float(total.detach())
             for k, v in stats.items():
                 if k == "ratio_max":
@@ -220,6 +249,11 @@ class Step:
             self.bins += 1
             self.executed_tokens += len(get("tokens"))
 
+    def _refuse_if_broken(self) -> None:
+        if self._broken:
+            raise StepOpenError(f"step {self.trainer.steps + 1} cannot go on: {self._broken}; "
+                                "abort() it and run the step again")
+
     def abort(self) -> None:
         """Discard the open step's gradients; weights, optimizer and counters stay as they were."""
         self.trainer.optimizer.zero_grad(set_to_none=True)
@@ -227,6 +261,7 @@ class Step:
 
     def finish(self) -> pa.Table:
         """Clip, optimizer step, scheduler by episodes; one row of STEP_METRICS_SCHEMA."""
+        self._refuse_if_broken()
         missing = np.flatnonzero((self._seen == 0) & (self.weight_S > 0))
         if len(missing):
             raise ValueError(f"{self.slots.name_slot(int(missing[0]))}: no bin of this step held it "
@@ -234,11 +269,15 @@ class Step:
         tr = self.trainer
         params = [p for p in tr.model.parameters() if p.grad is not None]
         max_norm = tr.reduce.max_grad_norm
+        grad_norm = 0.0
         if params:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-            grad_norm = float(norm)
-        else:
-            grad_norm = 0.0
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                params, max_norm if max_norm else float("inf")))
+            if not np.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"step {tr.steps + 1}: the gradient norm is {grad_norm} (loss {self.loss_sum}); "
+                    "the optimizer did not step and the step stays open: abort() it and check the "
+                    "data (advantages, logprobs) or lower the learning rate")
         lr = tr.reduce.schedule(tr.scheduler_episodes)
         for g in tr.optimizer.param_groups:
             g["lr"] = lr
