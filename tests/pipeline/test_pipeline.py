@@ -100,3 +100,12 @@ def test_replay_model_dir_without_weights(tmp_path, capsys):
                  "-o", str(tmp_path / "o.arrow")]) == 2
     assert "no model.safetensors or model.safetensors.index.json" in capsys.readouterr().err
     assert not (tmp_path / "o.arrow").exists()
+
+
+def test_forward_names_the_bin_of_an_out_of_vocabulary_target():
+    from treeflow.schemas import validate_episodes
+
+    eps = validate_episodes(pa.Table.from_pylist(
+        [{"episode_id": "o", "calls": [{"token_ids": [1, 2, 40000], "sampled_start": 1}]}]))
+    with pytest.raises(ValueError, match="bin 0 of step 0 holds token id 40000 >= the model's vocabulary size 32000"):
+        Forward()(Fragment(max_tokens=64)(Pack()(eps)))

@@ -108,14 +108,15 @@ class ForwardRunner:
                                                              "edge_sources", "edge_targets")}
         off = {n: list_offsets(c) for n, c in cols.items()}
         val = {n: list_values(c) for n, c in cols.items()}
-        if len(val["tokens"]) and int(val["tokens"].max()) >= self.vocab_size:
-            i = int(np.argmax(val["tokens"] >= self.vocab_size))
-            r = int(np.searchsorted(off["tokens"], i, side="right") - 1)
-            raise ValueError(f"bin {bins.column('bin_id')[r].as_py()} of step "
-                             f"{bins.column('step')[r].as_py()} holds token id {int(val['tokens'][i])} "
-                             f">= the model's vocabulary size {self.vocab_size}; validate the "
-                             "episodes with vocab_size (treeflow replay does) to find the episode, "
-                             "and use the tokenizer of this model")
+        for name in ("tokens", "edge_targets"):  # a trailing target is not a node of its bin
+            big = np.flatnonzero(val[name] >= self.vocab_size)
+            if len(big):
+                r = int(np.searchsorted(off[name], big[0], side="right") - 1)
+                raise ValueError(
+                    f"bin {bins.column('bin_id')[r].as_py()} of step {bins.column('step')[r].as_py()} "
+                    f"holds token id {int(val[name][big[0]])} >= the model's vocabulary size "
+                    f"{self.vocab_size}; validate the episodes with vocab_size (treeflow replay "
+                    "does) to find the episode, and use the tokenizer of this model")
         logprobs, entropies = [], []
         with torch.no_grad():
             for r in range(bins.num_rows):
