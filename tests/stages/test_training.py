@@ -165,18 +165,19 @@ def test_abort_discards_the_open_step():
     assert any(not torch.equal(p, w0[n]) for n, p in tr.model.named_parameters())
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("stop_after", [1, 2, 3])
+def test_resume_equals_uninterrupted(tmp_path, stop_after):
     eps = episodes(seed=9, n=12)
     red = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=1e-2, warmup_episodes=6))
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), red)
     full = Trainer(Forward(), red, model=small_model())
     list(pipe.run(eps, window=3, trainer=full))
     first = Trainer(Forward(), red, model=small_model())
-    list(pipe.run(eps.slice(0, 6), window=3, trainer=first))
+    list(pipe.run(eps.slice(0, 3 * stop_after), window=3, trainer=first))
     first.save(tmp_path / "ckpt")
     resumed = Trainer.resume(tmp_path / "ckpt", Forward(), red)
-    assert resumed.steps == 2 and resumed.scheduler_episodes == 6
-    list(pipe.run(eps.slice(6), window=3, trainer=resumed))
+    assert resumed.steps == stop_after and resumed.scheduler_episodes == 3 * stop_after
+    list(pipe.run(eps.slice(3 * stop_after), window=3, trainer=resumed))
     for (n, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), n
 
