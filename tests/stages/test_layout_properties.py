@@ -1,5 +1,7 @@
 """Layout invariants over random episodes: every occurrence once, context spelled exactly."""
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -35,8 +37,12 @@ def test_fragmented_bins_cover_every_occurrence_once(eps, layout, max_tokens, ra
     layouts = Pack(layout=layout)(eps)
     deepest = max((len(prefix) for prefix, _, _ in occurrences(eps).values()), default=0)
     if deepest > max_tokens:
-        with pytest.raises(ValueError, match=f"needs a context of {deepest} tokens"):
+        # the first layout with a too-deep edge is named, with its own deepest need
+        with pytest.raises(ValueError, match=r"needs a context of (\d+) tokens, more than "
+                                             rf"max_tokens={max_tokens}") as err:
             Fragment(max_tokens=max_tokens)(layouts)
+        need = int(re.search(r"context of (\d+) tokens", str(err.value)).group(1))
+        assert max_tokens < need <= deepest
         return
     bins = Fragment(max_tokens=max_tokens, pad_to_multiple=ranks)(layouts)
     assert bins.num_rows % ranks == 0
