@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from treeflow.schemas.episode import validate_episodes
 from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.stages._flat import list_offsets, list_values
 from treeflow.stages._slots import Slots
@@ -126,6 +127,8 @@ class Step:
     def __init__(self, trainer: Trainer, episodes: pa.Table, *, old_logprobs=None, ref_logprobs=None):
         self.trainer = trainer
         loss = trainer.reduce.loss
+        # the boundary check, against this model's vocabulary (names episode and call)
+        episodes = validate_episodes(episodes, source="step", vocab_size=trainer.model.config.vocab_size)
         self.slots = slots = Slots(episodes)
         calls = slots.calls
         mask_S = calls.mask_S
@@ -155,28 +158,6 @@ class Step:
             self.ref_S = slots.values_from_results(ref_logprobs)
             self._need_finite(self.ref_S, "ref_logprobs", "recompute them on these episodes")
         self.adv_S = calls.advantage_S
-        vocab = trainer.model.config.vocab_size
-        big = np.flatnonzero(calls.tokens_T >= vocab)
-        if len(big):
-            c = int(np.searchsorted(calls.tok_off_C1, big[0], side="right") - 1)
-            raise ValueError(f"episode {calls.episode_ids[int(calls.call_row_C[c])]!r}, call "
-                             f"{int(calls.call_k_C[c])}: field 'token_ids' holds id "
-                             f"{int(calls.tokens_T[big[0]])} >= the model's vocabulary size {vocab}; "
-                             "use the tokenizer of this model")
-        vocab = trainer.model.config.vocab_size
-        big = np.flatnonzero(calls.tokens_T >= vocab)
-        if len(big):
-            c = int(np.searchsorted(calls.tok_off_C1, big[0], side="right") - 1)
-            raise ValueError(f"episode {calls.episode_ids[int(calls.call_row_C[c])]!r}, call "
-                             f"{int(calls.call_k_C[c])}: field 'token_ids' holds id "
-                             f"{int(calls.tokens_T[big[0]])} >= the model's vocabulary size {vocab}; "
-                             "use the tokenizer of this model")
-        # values of masked-out slots never count, but a NaN there would poison the gradient
-        # through 0 * NaN: zero them once, after the checks above
-        for name in ("gen_S", "old_S", "ref_S", "adv_S"):
-            v = getattr(self, name)
-            if v is not None:
-                setattr(self, name, np.where(np.isfinite(v), v, 0.0).astype(np.float32))
         self.bins = 0
         self.executed_tokens = 0
         self.loss_sum = 0.0
