@@ -10,6 +10,7 @@ run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -61,10 +62,6 @@ def cmd_train(args) -> int:
     metrics_file = open(args.metrics, "a") if args.metrics else None
     consumed = [skip]
 
-    def windows():
-        for w in train_windows(files, skip):
-            yield w
-
     def on_window(episodes, metrics, stats):
         consumed[0] += episodes.num_rows
 
@@ -72,7 +69,7 @@ def cmd_train(args) -> int:
     t0 = time.perf_counter()
     try:
         with _progress("train", todo, args.json) as advance:
-            for metrics in pipe.run(_Limited(windows(), todo), trainer=trainer, on_window=on_window):
+            for metrics in pipe.run(itertools.islice(train_windows(files, skip), todo), trainer=trainer, on_window=on_window):
                 row = metrics.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
                 rows.append(row)
@@ -97,17 +94,6 @@ def cmd_train(args) -> int:
         if args.save:
             _console().print(f"checkpoint written to {args.save}")
     return 0
-
-
-class _Limited:
-    """Stop a window iterator after n windows (one window = one optimizer step)."""
-
-    def __init__(self, it, n):
-        self.it, self.n = it, n
-
-    def __iter__(self):
-        for _ in range(self.n):
-            yield next(self.it)
 
 
 def add_train_options(p) -> None:

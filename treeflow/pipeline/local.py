@@ -44,10 +44,10 @@ def run_local(pipeline, windows: Iterator[pa.Table],
                 data = stage(data, episodes=episodes)
             elif isinstance(stage, Forward) and reduce_at is not None:
                 stats["bins"] = data.num_rows
-                step = trainer.open_step(episodes)
-                step.add(data)
-                stats["executed_tokens"] = step.executed_tokens
-                data = step
+                open_step = trainer.open_step(episodes)
+                open_step.add(data)
+                stats["executed_tokens"] = open_step.executed_tokens
+                data = open_step
             elif isinstance(stage, Reduce):
                 data = data.finish()
             elif i in bound:
