@@ -184,7 +184,6 @@ def cmd_replay(args) -> int:
     import os
     import resource
 
-    import numpy as np
     import torch
 
     from treeflow.pipeline import Files, Pipeline

@@ -14,7 +14,6 @@ import itertools
 import json
 import time
 
-import pyarrow as pa
 
 
 def train_windows(files, skip: int):
