@@ -3,12 +3,11 @@
 import dataclasses
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 from treeflow.models import ModelConfig, load_model
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import synth_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Trainer
 
 pytestmark = [pytest.mark.gpu,

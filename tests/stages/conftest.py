@@ -1,4 +1,3 @@
-import numpy as np
 import pyarrow as pa
 from hypothesis import strategies as st
 
