@@ -11,53 +11,11 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 
 import pyarrow as pa
 
+from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_train import add_train_options, cmd_train
-
-
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    return Console(stderr=stderr)
-
-
-@contextmanager
-def _progress(description: str, total: int | None, quiet: bool = False):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    if quiet:
-        yield lambda n: None
-        return
-    cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*cols, console=_console(stderr=True), transient=True) as prog:
-        task = prog.add_task(description, total=total)
-        yield lambda n: prog.advance(task, n)
-
-
-def _count_rows(paths) -> int:
-    import pyarrow.dataset as pads
-
-    from treeflow.schemas.episode import expand_paths
-
-    total = 0
-    for p in expand_paths(paths):
-        fmt = "parquet" if p.endswith(".parquet") else "ipc"
-        total += pads.dataset(p, format=fmt).count_rows()
-    return total
-
-
-def _table(title: str, rows: list[tuple[str, object]]):
-    from rich.table import Table
-
-    t = Table(title=title, show_header=False)
-    t.add_column(style="bold")
-    t.add_column(justify="right")
-    for k, v in rows:
-        t.add_row(k, f"{v:,.4g}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v)))
-    return t
 
 
 # ---------------------------------------------------------------- synth

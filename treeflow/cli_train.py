@@ -14,6 +14,7 @@ import itertools
 import json
 import time
 
+from treeflow._display import _console, _progress, _table
 
 
 def train_windows(files, skip: int):
@@ -37,9 +38,9 @@ def train_windows(files, skip: int):
 
 
 def cmd_train(args) -> int:
-    from treeflow.cli import _console, _progress, _table
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce, Trainer
+    from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
+    from treeflow.train import Trainer
 
     forward = Forward(model=args.model, dtype=args.dtype, device=args.device, kernel=args.kernel,
                       chunk_size=args.chunk_size)

@@ -8,7 +8,8 @@ import torch
 
 from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
-from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Trainer
+from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
+from treeflow.train import Trainer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -16,7 +16,7 @@ from treeflow.stages.forward import Forward
 from treeflow.stages.pack import Pack
 from treeflow.stages.reassemble import Reassemble
 from treeflow.stages.reduce import Reduce
-from treeflow.stages.trainer import Trainer
+from treeflow.train import Trainer
 
 
 def run_local(pipeline, windows: Iterator[pa.Table],

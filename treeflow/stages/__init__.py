@@ -8,8 +8,6 @@ from treeflow.stages.pack import Pack
 from treeflow.stages.reassemble import Reassemble, Reassembly
 from treeflow.stages.reduce import EpisodeSchedule, Reduce
 from treeflow.stages.shard import CostModel, Shard, ShardReport
-from treeflow.stages.trainer import Step, StepOpenError, Trainer
 
 __all__ = ["CostModel", "EpisodeSchedule", "Forward", "Fragment", "Loss", "Pack", "Reassemble",
-           "Reassembly", "Reduce", "Shard", "ShardReport", "Stage", "Step", "StepOpenError",
-           "Trainer"]
+           "Reassembly", "Reduce", "Shard", "ShardReport", "Stage"]

@@ -7,7 +7,7 @@ optimizer and advances the scheduler by the number of *episodes* in the step
 -- never bins or fragments, so fragmentation cannot change the learning-rate
 schedule. Gradients cannot travel through Arrow, so engines fuse Forward and
 Reduce into one `Trainer` on the worker that holds the model
-(stages/trainer.py); this module only holds the pure configuration.
+(treeflow/train); this module only holds the pure configuration.
 """
 
 from __future__ import annotations

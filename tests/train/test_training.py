@@ -14,7 +14,8 @@ from tests.stages.conftest import episode_tables
 from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import Pipeline, synth_episodes
 from treeflow.stages import (EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce,
-                             Shard, StepOpenError, Trainer)
+                             Shard)
+from treeflow.train import StepOpenError, Trainer
 
 LOSSES = {
     "nll": Loss(kind="nll"),

@@ -1,0 +1,11 @@
+"""The training runtime: a Trainer binds Forward and Reduce to one model and its optimizer.
+
+Stages stay pure configuration (`treeflow.stages.Reduce`, `Loss`,
+`EpisodeSchedule`); this package holds what cannot be pure -- the model,
+AdamW, an open step's accumulated gradients and the counters a checkpoint
+carries.
+"""
+
+from treeflow.train.trainer import Step, StepOpenError, Trainer
+
+__all__ = ["Step", "StepOpenError", "Trainer"]
