@@ -6,6 +6,7 @@ AdamW, an open step's accumulated gradients and the counters a checkpoint
 carries.
 """
 
-from treeflow.train.trainer import Step, StepOpenError, Trainer
+from treeflow.train.step import Step, StepOpenError
+from treeflow.train.trainer import Trainer
 
 __all__ = ["Step", "StepOpenError", "Trainer"]

@@ -1,0 +1,192 @@
+"""Step: one open optimizer step -- bins in, gradients accumulated, then finish or abort.
+
+A step is opened with its logical batch (the episodes), from which every
+occurrence's loss weight is fixed before any bin arrives; bins then come in
+any order and chunks, each running forward, its weighted loss and backward.
+A bin delivered twice, a bin missing at finish, or a failed add that left
+part of a bin in the gradients is refused by name; the step then can only be
+aborted (weights, optimizer and counters unchanged).
+
+Legend: O occurrences of a bin, E its edges, S the step's slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from treeflow.schemas.episode import validate_episodes
+from treeflow.schemas.layout import STEP_METRICS_SCHEMA
+from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages._slots import Slots
+from treeflow.stages.losses import occurrence_loss, occurrence_weights
+
+
+class StepOpenError(RuntimeError):
+    """An action that needs a closed step was asked for while a step is open."""
+
+
+class Step:
+    """One open optimizer step: bins in, gradients accumulated, then finish or abort."""
+
+    def __init__(self, trainer, episodes: pa.Table, *, old_logprobs=None, ref_logprobs=None):
+        self.trainer = trainer
+        loss = trainer.reduce.loss
+        # the boundary check, against this model's vocabulary (names episode and call)
+        episodes = validate_episodes(episodes, source="step", vocab_size=trainer.model.config.vocab_size)
+        self.slots = slots = Slots(episodes)
+        calls = slots.calls
+        mask_S = calls.mask_S
+        per_ep = np.bincount(slots.row_S[mask_S], minlength=episodes.num_rows)
+        self.episodes = episodes.num_rows
+        self.weight_S = occurrence_weights(loss.norm, slots.row_S, mask_S, per_ep,
+                                           int(np.count_nonzero(per_ep)), int(mask_S.sum()))
+        self.gen_S = calls.genlp_S
+        self.old_S = None
+        if loss.needs_old_logprobs:
+            if old_logprobs is not None:
+                self.old_S = slots.values_from_results(old_logprobs)
+                self._need_finite(self.old_S, "old_logprobs", "recompute them on these episodes")
+            else:
+                self.old_S = self.gen_S
+                self._need_finite(self.old_S, "generation_logprobs",
+                                  "give generation logprobs or pass old_logprobs from a logprob phase")
+            self._need_finite(calls.advantage_S, "advantage",
+                              "give the episode an advantage (or per-token advantages)")
+        if loss.tis_cap is not None:
+            self._need_finite(self.gen_S, "generation_logprobs", "TIS needs the engine's logprobs")
+        self.ref_S = None
+        if loss.needs_ref_logprobs:
+            if ref_logprobs is None:
+                raise ValueError("Loss(kl_coef > 0) needs reference logprobs: pass ref_logprobs "
+                                 "(a result table of the reference policy on these episodes)")
+            self.ref_S = slots.values_from_results(ref_logprobs)
+            self._need_finite(self.ref_S, "ref_logprobs", "recompute them on these episodes")
+        self.adv_S = calls.advantage_S
+        self.bins = 0
+        self.executed_tokens = 0
+        self.loss_sum = 0.0
+        self.stats: dict = {}
+        self._seen = np.zeros(len(slots), dtype=np.int32)
+        self._broken: str | None = None
+        device = trainer.runner.device
+        self.model = trainer.model
+        self._t = {k: (None if v is None else torch.from_numpy(np.ascontiguousarray(v)).to(device))
+                   for k, v in (("weight", self.weight_S.astype(np.float32)), ("old", self.old_S),
+                                ("gen", self.gen_S), ("ref", self.ref_S), ("adv", self.adv_S))}
+
+    def _need_finite(self, values_S, field, fix):
+        bad = np.flatnonzero(~np.isfinite(values_S) & (self.weight_S > 0))
+        if len(bad):
+            raise ValueError(f"{self.slots.name_slot(int(bad[0]))}: field {field!r} is missing or "
+                             f"not finite, and the loss needs it; {fix}")
+
+    def add(self, bins: pa.Table) -> None:
+        """Forward, weighted occurrence loss and backward for each bin (any order, any chunk)."""
+        if self.trainer._open is not self:
+            raise StepOpenError("this step is closed")
+        self._refuse_if_broken()
+        cols = {n: bins.column(n).combine_chunks() for n in (
+            "tokens", "parents", "positions", "edge_sources", "edge_targets", "occ_sample_index",
+            "occ_call", "occ_offset", "occ_edge")}
+        off = {n: list_offsets(c) for n, c in cols.items()}
+        val = {n: list_values(c) for n, c in cols.items()}
+        loss = self.trainer.reduce.loss
+        for r in range(bins.num_rows):
+            def get(n):
+                return val[n][off[n][r]:off[n][r + 1]]
+            if len(get("edge_sources")) == 0:
+                continue
+            slot = self.slots.slots(get("occ_sample_index").astype(np.int64),
+                                    get("occ_call").astype(np.int64), get("occ_offset").astype(np.int64))
+            twice = (self._seen[slot] > 0) | (np.bincount(slot, minlength=len(self._seen))[slot] > 1)
+            if twice.any():
+                i = int(np.flatnonzero(twice)[0])
+                raise ValueError(f"{self.slots.name_slot(int(slot[i]))}: fed to the step twice; a "
+                                 "bin was delivered twice (the step is unchanged)")
+            try:
+                lp_E, ent_E = self.trainer.runner.edge_logprobs(
+                    get("tokens"), get("parents"), get("positions"), get("edge_sources"),
+                    get("edge_targets"))
+                occ_edge = torch.from_numpy(get("occ_edge").astype(np.int64)).to(lp_E.device)
+                slot_t = torch.from_numpy(slot).to(lp_E.device)
+                t = self._t
+                total, stats = occurrence_loss(
+                    loss, lp_E[occ_edge], weight_O=t["weight"][slot_t],
+                    advantage_O=t["adv"][slot_t],
+                    old_logprob_O=None if t["old"] is None else t["old"][slot_t],
+                    generation_logprob_O=t["gen"][slot_t],
+                    ref_logprob_O=None if t["ref"] is None else t["ref"][slot_t],
+                    entropy_O=None if ent_E is None else ent_E[occ_edge])
+                total.backward()
+            except BaseException as e:
+                # gradients may hold part of this bin: the step can only be aborted now
+                self._broken = f"bin {r} of the last add() failed ({type(e).__name__}: {e})"
+                raise
+            self._seen[slot] += 1
+            self.loss_sum += float(total.detach())
+            for k, v in stats.items():
+                if k == "ratio_max":
+                    self.stats[k] = max(self.stats.get(k, -np.inf), v)
+                elif k == "ratio_min":
+                    self.stats[k] = min(self.stats.get(k, np.inf), v)
+                else:
+                    self.stats[k] = self.stats.get(k, 0) + v
+            self.bins += 1
+            self.executed_tokens += len(get("tokens"))
+
+    def _refuse_if_broken(self) -> None:
+        if self._broken:
+            raise StepOpenError(f"step {self.trainer.steps + 1} cannot go on: {self._broken}; "
+                                "abort() it and run the step again")
+
+    def abort(self) -> None:
+        """Discard the open step's gradients; weights, optimizer and counters stay as they were."""
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        self.trainer._closed(self)
+
+    def finish(self) -> pa.Table:
+        """Clip, optimizer step, scheduler by episodes; one row of STEP_METRICS_SCHEMA."""
+        self._refuse_if_broken()
+        missing = np.flatnonzero((self._seen == 0) & (self.weight_S > 0))
+        if len(missing):
+            raise ValueError(f"{self.slots.name_slot(int(missing[0]))}: no bin of this step held it "
+                             f"({len(missing)} loss tokens missing); feed every bin before finish()")
+        tr = self.trainer
+        params = [p for p in tr.model.parameters() if p.grad is not None]
+        max_norm = tr.reduce.max_grad_norm
+        grad_norm = 0.0
+        if params:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                params, max_norm if max_norm else float("inf")))
+            if not np.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"step {tr.steps + 1}: the gradient norm is {grad_norm} (loss {self.loss_sum}); "
+                    "the optimizer did not step and the step stays open: abort() it and check the "
+                    "data (advantages, logprobs) or lower the learning rate")
+        lr = tr.reduce.schedule(tr.scheduler_episodes)
+        for g in tr.optimizer.param_groups:
+            g["lr"] = lr
+        tr.optimizer.step()
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr.steps += 1
+        tr.scheduler_episodes += self.episodes
+        tr._closed(self)
+        active = max(self.stats.get("active", 0), 1)
+        pg = tr.reduce.loss.kind == "pg"
+        row = {
+            "step": tr.steps, "loss": self.loss_sum, "episodes": self.episodes,
+            "sampled_tokens": len(self.slots), "loss_tokens": int((self.weight_S > 0).sum()),
+            "executed_tokens": self.executed_tokens, "bins": self.bins, "grad_norm": grad_norm,
+            "lr": lr, "scheduler_episodes": tr.scheduler_episodes,
+            "clip_fraction": self.stats.get("clipped", 0) / active if pg else None,
+            "ratio_mean": self.stats.get("ratio_sum", 0.0) / active if pg else None,
+            "ratio_min": self.stats.get("ratio_min") if pg else None,
+            "ratio_max": self.stats.get("ratio_max") if pg else None,
+            "kl": self.stats["kl_sum"] / active if "kl_sum" in self.stats else None,
+        }
+        return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
+
+
+__all__ = ["Step", "StepOpenError"]
