@@ -147,7 +147,7 @@ def cmd_replay(args) -> int:
     from treeflow.pipeline import Files, Pipeline
     from treeflow.stages import Forward, Fragment, Pack, Reassemble
 
-    forward = Forward(model=args.model, dtype=args.dtype, device=args.device, kernel=args.kernel,
+    forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, kernel=args.kernel,
                       entropy=args.entropy, chunk_size=args.chunk_size)
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     forward, Reassemble(entropy=args.entropy))
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("replay", help="compute per-token logprobs of stored episodes")
     s.add_argument("files", nargs="+")
     s.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF checkpoint dir")
+    s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
+                   help="model backend: treeflow's PyTorch decoder or megatron-core's GPTModel "
+                        "(pip install 'treeflow[megatron]')")
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
     s.add_argument("--max-tokens", type=int, default=16384)

@@ -42,7 +42,7 @@ def cmd_train(args) -> int:
     from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
     from treeflow.train import Trainer
 
-    forward = Forward(model=args.model, dtype=args.dtype, device=args.device, kernel=args.kernel,
+    forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, kernel=args.kernel,
                       chunk_size=args.chunk_size)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),

@@ -1,12 +1,18 @@
-"""Policy backends and tree-attention kernels: the reference PyTorch decoder."""
+"""Policy backends (the backend protocol, the reference PyTorch decoder; megatron-core on
+request) and tree-attention kernels."""
 
 from treeflow.models.attention import KERNELS, AttentionPlan, Capabilities
+from treeflow.models.backend import BACKENDS, Backend, ReferenceBackend, load_backend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.logprobs import selected_logprobs
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
+    "ReferenceBackend",
+    "load_backend",
     "KERNELS",
     "AttentionPlan",
     "Capabilities",

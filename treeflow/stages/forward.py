@@ -32,6 +32,7 @@ class Forward(Stage):
     """Run bins through a policy and give each loss edge its logprob (and entropy).
 
     model: "tiny" (built-in seeded model) or a local Hugging Face checkpoint dir.
+    backend: "reference" (treeflow's PyTorch decoder) or "megatron" (megatron-core GPTModel).
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
     """
 
@@ -39,6 +40,7 @@ class Forward(Stage):
     output_schema = EDGE_VALUES_SCHEMA
 
     model: str = "tiny"
+    backend: str = "reference"
     dtype: str = "float32"
     device: str = "cpu"
     kernel: str = "auto"
@@ -46,6 +48,10 @@ class Forward(Stage):
     entropy: bool = False
 
     def __post_init__(self):
+        from treeflow.models import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Forward(backend={self.backend!r}): choose one of {BACKENDS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"Forward(dtype={self.dtype!r}): choose one of {sorted(DTYPES)}")
         if self.kernel not in ("auto", "dense", "flex", "causal", "runs"):
@@ -68,40 +74,54 @@ class Forward(Stage):
         return ModelConfig.from_hf_dir(self.model).vocab_size
 
     def build(self, model=None) -> "ForwardRunner":
-        """Bind a model (loaded from `self.model` when not given) for running bins."""
-        if model is None:
-            from treeflow.models import load_model
+        """Bind a model backend for running bins.
 
-            model = load_model(self.model, dtype=DTYPES[self.dtype], device=self.device)
-        model.eval()
-        return ForwardRunner(self, model)
+        model: None (load `self.model` into `self.backend`), a loaded Backend, or a
+        reference Decoder (wrapped in the reference backend).
+        """
+        from treeflow.models import Backend, Decoder, ReferenceBackend, load_backend
+
+        if model is None:
+            backend = load_backend(self.backend, self.model, dtype=DTYPES[self.dtype],
+                                   device=self.device)
+        elif isinstance(model, Decoder):
+            backend = ReferenceBackend(model)
+        elif isinstance(model, Backend):
+            backend = model
+        else:
+            raise TypeError(f"Forward.build(model=...) takes a Backend or a Decoder, got "
+                            f"{type(model).__name__}")
+        if backend.name != self.backend:
+            raise ValueError(f"Forward(backend={self.backend!r}) was given a {backend.name!r} "
+                             "model; build it with the matching backend")
+        backend.train(False)
+        return ForwardRunner(self, backend)
 
     def __call__(self, bins: pa.Table) -> pa.Table:
         return self.build()(bins)
 
 
 class ForwardRunner:
-    """A Forward stage bound to a loaded model."""
+    """A Forward stage bound to a loaded model backend (`model` is its torch module)."""
 
-    def __init__(self, config: Forward, model):
+    def __init__(self, config: Forward, backend):
         self.config = config
-        self.model = model
-        self.vocab_size = model.config.vocab_size
+        self.backend = backend
+        self.model = backend.module
+        self.vocab_size = backend.config.vocab_size
         self.device = torch.device(config.device)
 
     def edge_logprobs(self, tokens, parents, positions, sources, targets):
         """Logprobs (and entropies) of one bin's edges; differentiable when grad is enabled."""
-        from treeflow.models import AttentionPlan, selected_logprobs
-
-        end = subtree_end(positions)
-        plan = AttentionPlan(end, kernel=self.config.kernel, device=self.device, parents_N=parents)
+        backend = self.backend
+        plan = backend.attention_plan(parents, subtree_end(positions), kernel=self.config.kernel)
         tok = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(self.device)
         pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(self.device)
-        hidden_NH = self.model(tok, pos, plan)
+        hidden_NH = backend.hidden_states(tok, pos, plan)
         src = torch.from_numpy(np.ascontiguousarray(sources, dtype=np.int64)).to(self.device)
         tgt = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64)).to(self.device)
-        return selected_logprobs(self.model, hidden_NH[src], tgt, chunk_size=self.config.chunk_size,
-                                 with_entropy=self.config.entropy)
+        return backend.edge_logprobs(hidden_NH[src], tgt, chunk_size=self.config.chunk_size,
+                                     with_entropy=self.config.entropy)
 
     def __call__(self, bins: pa.Table) -> pa.Table:
         cols = {n: bins.column(n).combine_chunks() for n in ("tokens", "parents", "positions",

@@ -20,10 +20,8 @@ TRAINER_JSON = "treeflow_trainer.json"
 
 def save_checkpoint(trainer, path: str | os.PathLike) -> None:
     """Write `trainer`'s model, optimizer, counters and position under `path`."""
-    from treeflow.models import save_model
-
     os.makedirs(path, exist_ok=True)
-    save_model(trainer.model, path)
+    trainer.backend.save(path)
     torch.save({"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps,
                 "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position},
                os.path.join(path, TRAINER_STATE))

@@ -34,7 +34,7 @@ class Step:
         self.trainer = trainer
         loss = trainer.reduce.loss
         # the boundary check, against this model's vocabulary (names episode and call)
-        episodes = validate_episodes(episodes, source="step", vocab_size=trainer.model.config.vocab_size)
+        episodes = validate_episodes(episodes, source="step", vocab_size=trainer.backend.config.vocab_size)
         self.slots = slots = Slots(episodes)
         calls = slots.calls
         mask_S = calls.mask_S
@@ -154,17 +154,12 @@ class Step:
             raise ValueError(f"{self.slots.name_slot(int(missing[0]))}: no bin of this step held it "
                              f"({len(missing)} loss tokens missing); feed every bin before finish()")
         tr = self.trainer
-        params = [p for p in tr.model.parameters() if p.grad is not None]
-        max_norm = tr.reduce.max_grad_norm
-        grad_norm = 0.0
-        if params:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                params, max_norm if max_norm else float("inf")))
-            if not np.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"step {tr.steps + 1}: the gradient norm is {grad_norm} (loss {self.loss_sum}); "
-                    "the optimizer did not step and the step stays open: abort() it and check the "
-                    "data (advantages, logprobs) or lower the learning rate")
+        grad_norm = tr.backend.clip_grad_norm(tr.reduce.max_grad_norm)
+        if not np.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"step {tr.steps + 1}: the gradient norm is {grad_norm} (loss {self.loss_sum}); "
+                "the optimizer did not step and the step stays open: abort() it and check the "
+                "data (advantages, logprobs) or lower the learning rate")
         lr = tr.reduce.schedule(tr.scheduler_episodes)
         for g in tr.optimizer.param_groups:
             g["lr"] = lr

@@ -29,11 +29,11 @@ class Trainer:
         self.forward_config = forward
         self.reduce = reduce
         self.runner = forward.build(model)
+        self.backend = self.runner.backend
         self.model = self.runner.model
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=reduce.schedule(0),
-                                           betas=reduce.betas, eps=reduce.eps,
-                                           weight_decay=reduce.weight_decay)
+        self.backend.train(True)
+        self.optimizer = self.backend.optimizer(lr=reduce.schedule(0), betas=reduce.betas,
+                                                eps=reduce.eps, weight_decay=reduce.weight_decay)
         self.steps = 0
         self.scheduler_episodes = 0
         self.position: dict = {}
@@ -80,7 +80,7 @@ class Trainer:
     def offload(self) -> None:
         """Move the model and optimizer state to CPU memory (frees the accelerator)."""
         self._refuse_if_open("offload the model")
-        self.model.to("cpu")
+        self.backend.to("cpu")
         for st in self.optimizer.state.values():
             for k, v in st.items():
                 if torch.is_tensor(v):

@@ -1,0 +1,136 @@
+"""The model-backend protocol: what Forward and the trainer need from a policy implementation.
+
+A backend owns one loaded policy on one device and answers, per bin: an
+attention plan (`attention_plan`), final-normed hidden states
+(`hidden_states`), and the logprobs (and entropies) of selected edges read off
+chosen rows of those hidden states (`edge_logprobs`), so the vocabulary
+projection only ever sees loss edges. For training it gives its optimizer and
+gradient clipping (a tensor-parallel backend must count sharded and replicated
+parameters correctly, so clipping is the backend's job, not the trainer's),
+and it exports Hugging Face safetensors (`save`). Stages hold only the
+backend's *name*; `load_backend` binds it at build time, so nothing outside
+`treeflow.models` imports a backend's library.
+
+Two implementations: `ReferenceBackend` (the plain PyTorch decoder in
+decoder.py, the numerical reference) and `MegatronBackend` (megatron-core's
+GPTModel with a tree core-attention module, models/megatron/), which is
+imported only when asked for.
+
+Legend: N tokens of a bin, E selected rows (edges), H hidden size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from treeflow.models.attention import AttentionPlan
+from treeflow.models.checkpoint import load_model, save_model
+from treeflow.models.config import ModelConfig
+from treeflow.models.decoder import Decoder
+from treeflow.models.logprobs import selected_logprobs
+
+__all__ = ["BACKENDS", "Backend", "ReferenceBackend", "load_backend"]
+
+BACKENDS = ("reference", "megatron")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One loaded policy on one device (for tensor parallelism: this rank's part of it)."""
+
+    name: str
+    config: ModelConfig  # the Hugging Face shape; vocab_size is the full vocabulary
+    device: torch.device
+    module: torch.nn.Module  # what holds the trainable parameters
+
+    def attention_plan(self, parents_N: np.ndarray, subtree_end_N: np.ndarray, *,
+                       kernel: str) -> AttentionPlan: ...
+
+    def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
+                      plan: AttentionPlan) -> torch.Tensor: ...
+
+    def edge_logprobs(self, hidden_EH: torch.Tensor, targets_E: torch.Tensor, *,
+                      chunk_size: int, with_entropy: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def train(self, mode: bool = True) -> None: ...
+
+    def optimizer(self, *, lr: float, betas: tuple[float, float], eps: float,
+                  weight_decay: float) -> torch.optim.Optimizer: ...
+
+    def clip_grad_norm(self, max_norm: float | None) -> float: ...
+
+    def save(self, path: str | os.PathLike) -> None: ...
+
+    def to(self, device: torch.device | str) -> None: ...
+
+
+class ReferenceBackend:
+    """The reference decoder (decoder.py) behind the backend protocol."""
+
+    name = "reference"
+
+    def __init__(self, model: Decoder) -> None:
+        if not isinstance(model, Decoder):
+            raise TypeError(f"ReferenceBackend wraps a treeflow Decoder, got {type(model).__name__}")
+        self.module = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+
+    def attention_plan(self, parents_N, subtree_end_N, *, kernel: str) -> AttentionPlan:
+        return AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N)
+
+    def hidden_states(self, tokens_N, positions_N, plan):
+        return self.module(tokens_N, positions_N, plan)
+
+    def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy):
+        return selected_logprobs(self.module, hidden_EH, targets_E, chunk_size=chunk_size,
+                                 with_entropy=with_entropy)
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def optimizer(self, *, lr, betas, eps, weight_decay):
+        return torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, eps=eps,
+                                 weight_decay=weight_decay)
+
+    def clip_grad_norm(self, max_norm):
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")))
+
+    def save(self, path) -> None:
+        save_model(self.module, path)
+
+    def to(self, device) -> None:
+        self.module.to(device)
+        self.device = torch.device(device)
+
+
+def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 **options) -> Backend:
+    """Load `model` ("tiny", a ModelConfig or a local HF checkpoint dir) into backend `name`.
+
+    options: backend-specific settings (megatron: tensor_parallel, sequence_parallel).
+    """
+    if name == "reference":
+        if options:
+            raise ValueError(f"backend 'reference' takes no options, got {sorted(options)}")
+        return ReferenceBackend(load_model(model, dtype=dtype, device=device))
+    if name == "megatron":
+        from treeflow.models.megatron import MegatronBackend
+
+        return MegatronBackend.load(model, dtype=dtype, device=device, **options)
+    raise ValueError(f"unknown model backend {name!r}; use one of {BACKENDS}")
