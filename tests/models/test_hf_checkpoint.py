@@ -10,9 +10,10 @@ import pytest
 import torch
 from models_helpers import trie, tree_tensors
 
+from tests.deps import require
 from treeflow.models import AttentionPlan, load_model, save_model, selected_logprobs
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")  # fails, not skips, in CI
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)

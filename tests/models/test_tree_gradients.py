@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 import torch
 from models_helpers import (SMALL, leaves, path_to, random_forest, run_path, small_model,
                             tree_tensors)
@@ -18,8 +21,26 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_tree_gradients_equal_sum_over_paths():
-    model = small_model()
+def _untied_with_bias():
+    """Qwen2-style: q/k/v biases and an untied head, seeded and scaled like small_model()."""
+    config = dataclasses.replace(SMALL, attention_bias=True, tie_word_embeddings=False,
+                                 architecture="Qwen2ForCausalLM")
+    model = load_model(config)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):  # zero-initialised: give them values that matter
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.mul_(10.0)
+    return model
+
+
+@pytest.mark.parametrize("which", ["tied", "untied-qkv-bias"])
+def test_tree_gradients_equal_sum_over_paths(which):
+    model = small_model() if which == "tied" else _untied_with_bias()
     tokens, parents = random_forest(np.random.default_rng(5), 50, extend=0.6)
     rng = np.random.default_rng(6)
     # loss edges: every leaf and a few inner nodes, each with a random next token
@@ -27,6 +48,7 @@ def test_tree_gradients_equal_sum_over_paths():
     nodes = sorted(set(leaves(parents)) | set(rng.choice(inner, 5, replace=False).tolist()))
     targets = torch.as_tensor(rng.integers(0, SMALL.vocab_size, len(nodes)))
     toks, pos, end = tree_tensors(tokens, parents)
+    assert (pos.numpy() != np.arange(len(pos))).sum() > len(pos) // 2  # really branching
 
     model.zero_grad()
     hidden = model(toks, pos, AttentionPlan(end, kernel="dense"))
@@ -41,20 +63,10 @@ def test_tree_gradients_equal_sum_over_paths():
     model.zero_grad()
 
     assert tree.keys() == paths.keys()
+    if which != "tied":
+        assert {"lm_head.weight", "model.layers.0.self_attn.q_proj.bias"} <= tree.keys()
     for name in tree:
         scale = paths[name].abs().max()
         assert scale > 0, name
         # relative to the tensor's largest entry: summation order differs between the layouts
         assert (tree[name] - paths[name]).abs().max() <= 1e-5 * scale, name
-
-
-def test_untied_head_and_qkv_bias_get_gradients():
-    config = SMALL.__class__(**{**SMALL.__dict__, "attention_bias": True,
-                                "tie_word_embeddings": False, "architecture": "Qwen2ForCausalLM"})
-    model = load_model(config)
-    tokens, parents = random_forest(np.random.default_rng(7), 12)
-    toks, pos, end = tree_tensors(tokens, parents)
-    hidden = model(toks, pos, AttentionPlan(end, kernel="dense"))
-    _loss(model, hidden, torch.as_tensor(tokens)).backward()
-    assert model.lm_head.weight.grad.abs().sum() > 0
-    assert model.model.layers[0].self_attn.q_proj.bias.grad.abs().sum() > 0
