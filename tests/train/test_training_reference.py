@@ -1,4 +1,4 @@
-"""A training step against an independent per-call reference (tests/stages/reference.py).
+"""A training step against an independent per-call reference (tests/reference.py).
 
 The tree layout -- whole, and fragmented and sharded over ranks that feed
 their bins in reverse order -- must give the loss, every parameter gradient,
@@ -21,12 +21,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from tests.stages.reference import (grad_norm, per_call_values, reference_step, result_table)
+from tests.reference import grad_norm, per_call_values, reference_step, result_table
 from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
 from treeflow.schemas import validate_episodes
-from treeflow.stages import (EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce,
-                             Shard, Trainer)
+from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
+from treeflow.train import Trainer
 
 VOCAB = 512
 # log(ratio) per sampled token: +-0.05 well inside; -0.21 / 0.23 just inside and -0.24 / 0.26
