@@ -1,0 +1,161 @@
+"""Running a converter over JSON-lines logs: batches of validated episodes, and what was seen.
+
+A converter turns one record into one episode dict; this module streams
+records, batches the episodes into Arrow tables validated through the episode
+schema (`validate_episodes`, the same check every treeflow input passes), and
+keeps a `ConvertReport`. When a batch fails validation it is re-checked line
+by line, so the error names the file line, not just the episode -- the cost
+is paid only on failure. Episode ids must be unique across all input files.
+
+The report also counts calls whose whole sequence is not a prefix of the next
+call's prompt in the same episode: such a call starts a new branch or root
+(context compaction, sub-agents -- or retokenisation drift, which is why the
+count matters most for the `chat` format).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+
+from treeflow.io.records import read_jsonl
+from treeflow.io.sink import EpisodeFileWriter
+from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+
+
+@dataclass
+class ConvertReport:
+    """Counts of one conversion (all integers but `seconds`)."""
+
+    format: str = ""
+    lines: int = 0
+    episodes: int = 0
+    calls: int = 0
+    exact_tokens: int = 0
+    sampled_tokens: int = 0
+    calls_with_logprobs: int = 0
+    calls_with_routes: int = 0
+    call_pairs: int = 0
+    non_prefix_calls: int = 0
+    retokenised: bool = False
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _count(report: ConvertReport, ep: dict) -> int:
+    calls = ep["calls"]
+    tokens = 0
+    for k, c in enumerate(calls):
+        n = len(c["token_ids"])
+        tokens += n
+        report.sampled_tokens += n - c["sampled_start"]
+        report.calls_with_logprobs += c["generation_logprobs"] is not None
+        report.calls_with_routes += c["routed_experts"] is not None
+        if k + 1 < len(calls):
+            nxt = calls[k + 1]
+            report.call_pairs += 1
+            report.non_prefix_calls += (n > nxt["sampled_start"]
+                                        or nxt["token_ids"][:n] != c["token_ids"])
+    report.episodes += 1
+    report.calls += len(calls)
+    report.exact_tokens += tokens
+    return tokens
+
+
+def _table(rows: list[dict], wheres: list[str]) -> pa.Table:
+    def build(rs):
+        try:
+            return pa.Table.from_pylist(rs, schema=EPISODE_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+            raise ValueError(str(e)) from e
+
+    try:
+        return validate_episodes(build(rows), source=wheres[0])
+    except ValueError:
+        for row, where in zip(rows, wheres):
+            try:
+                validate_episodes(build([row]), source=where)
+            except ValueError as e:
+                msg = str(e)
+                raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        raise
+
+
+def episodes_from_jsonl(
+    paths: Sequence[str | os.PathLike],
+    converter,
+    *,
+    batch_rows: int = 256,
+    report: ConvertReport | None = None,
+    on_progress: Callable[[int, int, int], None] | None = None,
+) -> Iterator[pa.Table]:
+    """Validated episode tables of at most `batch_rows` rows, one episode per input line.
+
+    `on_progress(bytes, episodes, tokens)` is called after every line.
+    """
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows={batch_rows}: give an int >= 1")
+    report = report if report is not None else ConvertReport()
+    report.format, report.retokenised = converter.name, converter.retokenised
+    seen: dict[str, str] = {}
+    rows: list[dict] = []
+    wheres: list[str] = []
+    for path, line, record, nbytes in read_jsonl(paths):
+        where = f"{path} line {line}"
+        report.lines += 1
+        ep = converter.episode(record, where, path=path, line=line)
+        eid = ep["episode_id"]
+        if eid in seen:
+            raise ValueError(f"{where}: episode_id {eid!r} was already used at {seen[eid]}; ids must be "
+                             "unique: map another field with --episode-id-field, or number episodes "
+                             "by line with --episode-id-field @line")
+        seen[eid] = where
+        ep["sample_index"] = report.episodes
+        tokens = _count(report, ep)
+        rows.append(ep)
+        wheres.append(where)
+        if len(rows) >= batch_rows:
+            yield _table(rows, wheres)
+            rows, wheres = [], []
+        if on_progress is not None:
+            on_progress(nbytes, 1, tokens)
+    if rows:
+        yield _table(rows, wheres)
+
+
+def convert(
+    paths: Sequence[str | os.PathLike],
+    output: str | os.PathLike,
+    converter,
+    *,
+    batch_rows: int = 256,
+    on_progress: Callable[[int, int, int], None] | None = None,
+) -> ConvertReport:
+    """Convert JSON-lines logs to one episode file (`.arrow` or `.parquet`), atomically."""
+    t0 = time.perf_counter()
+    report = ConvertReport()
+    with EpisodeFileWriter(output) as sink:
+        for table in episodes_from_jsonl(paths, converter, batch_rows=batch_rows, report=report,
+                                         on_progress=on_progress):
+            sink.write(table)
+    if converter.retokenised:
+        from treeflow.io.chat_template import RETOKENISE_WARNING
+
+        report.warnings.append(RETOKENISE_WARNING)
+        if report.non_prefix_calls:
+            report.warnings.append(
+                f"{report.non_prefix_calls} of {report.call_pairs} calls are not a prefix of the next "
+                "call's prompt after retokenisation; they start new branches (less sharing) and "
+                "their replayed context differs from what the engine saw")
+    if report.calls_with_logprobs == 0 and not converter.retokenised:
+        report.warnings.append("no call carries engine logprobs (generation_logprobs is null): "
+                               "importance-sampling corrections and logprob checks are unavailable")
+    report.seconds = round(time.perf_counter() - t0, 3)
+    return report

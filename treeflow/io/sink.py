@@ -1,0 +1,65 @@
+"""Writing episode tables to a file as they stream in, so that a file exists only when complete.
+
+Tables go to `PATH.partial` (Arrow IPC for `.arrow`, Parquet for `.parquet`,
+one record batch / row group per table written) and are renamed onto `PATH`
+when the writer is closed without an error. The trade-off: a crashed or
+refused conversion leaves nothing behind rather than a readable prefix, so a
+later command never reads half a dataset as if it were all of it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from treeflow.schemas.episode import EPISODE_SCHEMA
+
+
+class EpisodeFileWriter:
+    """Stream validated episode tables to `.arrow` or `.parquet`; commit on a clean close."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not self.path.endswith((".arrow", ".parquet")):
+            raise ValueError(f"{self.path}: unknown episode file type; use a '.arrow' (Arrow IPC) or "
+                             "'.parquet' suffix")
+        parent = os.path.dirname(self.path) or "."
+        if not os.path.isdir(parent):
+            raise ValueError(f"{self.path}: the directory {parent} does not exist; create it first")
+        self._tmp = self.path + ".partial"
+        self._writer = None
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        if self._writer is None:
+            if self.path.endswith(".arrow"):
+                self._writer = pa.ipc.new_file(self._tmp, EPISODE_SCHEMA)
+            else:
+                self._writer = pq.ParquetWriter(self._tmp, EPISODE_SCHEMA)
+        self._writer.write_table(table.cast(EPISODE_SCHEMA))
+        self.rows += table.num_rows
+
+    def commit(self) -> None:
+        if self._writer is None:
+            raise ValueError(f"{self.path}: no episodes to write; the input held none")
+        self._writer.close()
+        self._writer = None
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+    def __enter__(self) -> "EpisodeFileWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
