@@ -15,17 +15,60 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr)
 
 
+def _si(x: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.1f}{suffix}"
+    return f"{x:.0f}"
+
+
+def _rate_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        """Episodes/s and tokens/s since the start (the fields `advance` keeps)."""
+
+        def render(self, task):
+            t = task.elapsed or 0.0
+            if t <= 0:
+                return Text("")
+            parts = []
+            if task.fields.get("episodes"):
+                parts.append(f"{task.fields['episodes'] / t:,.1f} ep/s")
+            if task.fields.get("tokens"):
+                parts.append(f"{_si(task.fields['tokens'] / t)} tok/s")
+            return Text("  ".join(parts), style="progress.data.speed")
+
+    return RateColumn()
+
+
 @contextmanager
-def _progress(description: str, total: int | None, quiet: bool = False):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress(description: str, total: int | None, quiet: bool = False, *, unit: str = "items"):
+    """A progress bar on stderr with episodes/s, tokens/s and an ETA; a no-op when quiet.
+
+    Yields `advance(n, *, episodes=None, tokens=0)`: `n` moves the bar (items, or
+    bytes with unit="bytes"); `episodes` (default n) and `tokens` feed the rates.
+    """
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
 
     if quiet:
-        yield lambda n: None
+        yield lambda n, **kw: None
         return
-    cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    cols = [TextColumn("{task.description}"), BarColumn(), count, _rate_column(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn()]
+    seen = {"episodes": 0, "tokens": 0}
     with Progress(*cols, console=_console(stderr=True), transient=True) as prog:
-        task = prog.add_task(description, total=total)
-        yield lambda n: prog.advance(task, n)
+        task = prog.add_task(description, total=total, **seen)
+
+        def advance(n: int, *, episodes: int | None = None, tokens: int = 0) -> None:
+            seen["episodes"] += n if episodes is None else episodes
+            seen["tokens"] += tokens
+            prog.update(task, advance=n, **seen)
+
+        yield advance
 
 
 def _count_rows(paths) -> int:

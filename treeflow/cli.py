@@ -1,8 +1,9 @@
-"""`treeflow` command line: synth, inspect, plan, replay.
+"""`treeflow` command line: synth, convert, inspect, plan, replay.
 
 Each command is a thin shell over the library: it parses options, streams
 windows of episodes through stages, and prints a summary (rich tables, or one
-JSON object with --json). Progress goes to stderr so that stdout stays clean.
+JSON object with --json). Progress goes to stderr so that stdout stays clean;
+--quiet prints nothing but errors.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import pyarrow as pa
 
 from treeflow._display import _console, _count_rows, _progress, _table
+from treeflow.cli_convert import add_convert_parser
 from treeflow.cli_train import add_train_options, cmd_train
 
 
@@ -28,8 +30,9 @@ def cmd_synth(args) -> int:
                            branch_prob=args.branch_prob, routes=args.routes, seed=args.seed)
     write_episodes(table, args.output)
     n_calls = sum(len(c) for c in table.column("calls").to_pylist()) if table.num_rows < 5000 else None
-    _console().print(f"wrote {table.num_rows} episodes" + (f" ({n_calls} calls)" if n_calls else "")
-                     + f" to {args.output} in {time.perf_counter() - t0:.2f}s")
+    if not args.quiet:
+        _console().print(f"wrote {table.num_rows} episodes" + (f" ({n_calls} calls)" if n_calls else "")
+                         + f" to {args.output} in {time.perf_counter() - t0:.2f}s")
     return 0
 
 
@@ -38,17 +41,29 @@ def cmd_inspect(args) -> int:
     import polars as pl
 
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.stats import merge_totals, window_stats
+    from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
 
-    frames, parts = [], []
-    with _progress("inspect", _count_rows(args.files), args.json) as advance:
-        for window in Files(paths=tuple(args.files), window=args.window):
+    frames, parts, call_frames, bin_frames = [], [], [], []
+    with _progress("inspect", _count_rows(args.files), args.json or args.quiet) as advance:
+        for step, window in enumerate(Files(paths=tuple(args.files), window=args.window)):
             frame, totals = window_stats(window, max_tokens=args.max_tokens)
             frames.append(frame)
             parts.append(totals)
-            advance(window.num_rows)
+            if args.plot:
+                call_frames.append(call_stats(window))
+                if args.max_tokens:
+                    bin_frames.append(bin_stats(window, max_tokens=args.max_tokens, ranks=args.ranks,
+                                                step=step))
+            advance(window.num_rows, tokens=totals["exact_tokens"])
     totals = merge_totals(parts)
     frame = pl.concat(frames) if frames else pl.DataFrame()
+    plots = []
+    if args.plot:
+        from treeflow.plots import write_inspect_plots
+
+        plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
+                                    totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
+                                    max_tokens=args.max_tokens, ranks=args.ranks)
     if frame.height:
         frame = frame.with_columns(saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
     dist_cols = [c for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens",
@@ -59,7 +74,9 @@ def cmd_inspect(args) -> int:
         dist[c] = {"mean": float(s.mean()), "min": float(s.min()), "p50": float(s.quantile(0.5)),
                    "p90": float(s.quantile(0.9)), "max": float(s.max())}
     if args.json:
-        print(json.dumps({"totals": totals, "per_episode": dist}))
+        print(json.dumps({"totals": totals, "per_episode": dist, "plots": plots}))
+        return 0
+    if args.quiet:
         return 0
     con = _console()
     con.print(_table("totals", list(totals.items())))
@@ -71,6 +88,8 @@ def cmd_inspect(args) -> int:
     for c, d in dist.items():
         t.add_row(c, *(f"{d[k]:,.1f}" for k in ("mean", "min", "p50", "p90", "max")))
     con.print(t)
+    for path in plots:
+        con.print(f"plot written to {path}")
     return 0
 
 
@@ -89,7 +108,7 @@ def cmd_plan(args) -> int:
                 repeated_tokens=0, edges=0, occurrences=0)
     imbalances = []
     writer = None
-    with _progress("plan", _count_rows(args.files), args.json) as advance:
+    with _progress("plan", _count_rows(args.files), args.json or args.quiet) as advance:
         for step, window in enumerate(Files(paths=tuple(args.files), window=args.batch_episodes)):
             layouts = pack(window, step=step)
             bins, report = shard.plan(frag(layouts))
@@ -107,7 +126,7 @@ def cmd_plan(args) -> int:
             sums["edges"] += _total_len(bins, "edge_sources")
             sums["occurrences"] += _total_len(bins, "occ_edge")
             imbalances.append(report.imbalance)
-            advance(window.num_rows)
+            advance(window.num_rows, tokens=int(np.sum(layouts.column("exact_tokens").to_numpy())))
     if writer is not None:
         writer.close()
     sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
@@ -117,7 +136,7 @@ def cmd_plan(args) -> int:
     sums["seconds"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(sums))
-    else:
+    elif not args.quiet:
         _console().print(_table(f"plan: layout={args.layout} max_tokens={args.max_tokens} "
                                 f"ranks={args.ranks}", list(sums.items())))
         if args.output:
@@ -159,7 +178,7 @@ def cmd_replay(args) -> int:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     try:
-        with _progress("replay", _count_rows(args.files), args.json) as advance:
+        with _progress("replay", _count_rows(args.files), args.json or args.quiet) as advance:
             for episodes, result, stats in _with_inputs(pipe, source):
                 sums["executed_tokens"] += stats.get("executed_tokens", 0)
                 if writer is None:
@@ -173,7 +192,7 @@ def cmd_replay(args) -> int:
                 sums["calls"] += len(lens)
                 sums["sampled_tokens"] += int((lens - starts).sum())
                 sums["exact_tokens"] += int(lens.sum())
-                advance(episodes.num_rows)
+                advance(episodes.num_rows, tokens=int(lens.sum()))
         if writer is None:
             raise ValueError(f"{args.files}: no episodes to replay")
         writer.close()
@@ -195,7 +214,7 @@ def cmd_replay(args) -> int:
         sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if args.json:
         print(json.dumps(sums))
-    else:
+    elif not args.quiet:
         _console().print(_table(f"replay: {args.model} layout={args.layout} "
                                 f"max_tokens={args.max_tokens} {args.device}/{args.dtype}",
                                 list(sums.items())))
@@ -226,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--branch-prob", type=float, default=0.1)
     s.add_argument("--routes", type=int, default=0, help="expert ids per token (MoE routes); 0 = none")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="print nothing but errors")
     s.set_defaults(fn=cmd_synth)
+
+    add_convert_parser(sub)
 
     s = sub.add_parser("replay", help="compute per-token logprobs of stored episodes")
     s.add_argument("files", nargs="+")
@@ -247,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
     s.add_argument("-o", "--output", default=None, help="result file (Arrow IPC; logprobs mode)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_train_options(s)
     s.set_defaults(fn=cmd_replay)
 
@@ -254,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("files", nargs="+")
     s.add_argument("--max-tokens", type=int, default=None, help="also plan bins of this budget")
     s.add_argument("--window", type=int, default=256, help="episodes packed together")
+    s.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNGs: savings.png, call_growth.png (+ bins.png with --max-tokens)")
+    s.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the bin plan (--plot)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("plan", help="pack, fragment and shard episodes into bins")
@@ -266,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-episodes", type=int, default=256, help="episodes per step")
     s.add_argument("-o", "--output", default=None, help="write the bins (Arrow IPC)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_plan)
 
     return p

@@ -57,9 +57,14 @@ def cmd_train(args) -> int:
                   vocab_size=forward.vocab_size_hint())
     todo = args.steps - trainer.steps
     if todo <= 0:
-        _console().print(f"nothing to do: the checkpoint has {trainer.steps} steps >= --steps {args.steps}")
+        _console(stderr=True).print(f"nothing to do: the checkpoint has {trainer.steps} steps >= --steps {args.steps}")
         return 0
     metrics_file = open(args.metrics, "a") if args.metrics else None
+    tensorboard = None
+    if args.tensorboard:
+        from treeflow.io import TensorBoardLog
+
+        tensorboard = TensorBoardLog(args.tensorboard)
     consumed = [skip]
 
     def on_window(episodes, metrics, stats):
@@ -68,7 +73,7 @@ def cmd_train(args) -> int:
     rows = []
     t0 = time.perf_counter()
     try:
-        with _progress("train", todo, args.json) as advance:
+        with _progress("train", todo, args.json or args.quiet) as advance:
             for metrics in pipe.run(itertools.islice(train_windows(files, skip), todo), trainer=trainer, on_window=on_window):
                 row = metrics.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
@@ -77,17 +82,21 @@ def cmd_train(args) -> int:
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
+                if tensorboard:
+                    tensorboard.write(row["step"], {**row, "episodes_consumed": consumed[0]})
                 if args.save and args.save_every and trainer.steps % args.save_every == 0:
                     trainer.save(args.save)
-                advance(1)
+                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
     finally:
         if metrics_file:
             metrics_file.close()
+        if tensorboard:
+            tensorboard.close()
     if args.save:
         trainer.save(args.save)
     if args.json:
         print(json.dumps({"steps": trainer.steps, "last": rows[-1] if rows else None}))
-    else:
+    elif not args.quiet:
         last = rows[-1]
         _console().print(_table(f"train: {args.model} layout={args.layout} loss={args.loss} "
                                 f"norm={args.norm}", list(last.items())))
@@ -113,6 +122,8 @@ def add_train_options(p) -> None:
     g.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     g.add_argument("--resume", default=None, help="continue from this checkpoint directory")
     g.add_argument("--metrics", default=None, help="append one JSON line per step here")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also log each step's metrics to TensorBoard event files in DIR")
 
 
 __all__ = ["add_train_options", "cmd_train", "train_windows"]

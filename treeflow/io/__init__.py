@@ -11,6 +11,7 @@ from treeflow.io.nemo_rl import NemoRLMessageLog
 from treeflow.io.openai import OpenAITokens
 from treeflow.io.records import FieldMap, read_jsonl
 from treeflow.io.sink import EpisodeFileWriter
+from treeflow.io.tensorboard import TensorBoardLog
 
 FORMATS = {"openai": OpenAITokens, "chat": ChatTemplateTokens, "nemo-rl": NemoRLMessageLog}
 
@@ -22,6 +23,7 @@ __all__ = [
     "FieldMap",
     "NemoRLMessageLog",
     "OpenAITokens",
+    "TensorBoardLog",
     "convert",
     "episodes_from_jsonl",
     "load_tokenizer",

@@ -83,3 +83,35 @@ def merge_totals(parts: list[dict]) -> dict:
         if ex:
             out[f"{name}_repeated_share"] = out[f"{name}_repeated_tokens"] / ex
     return out
+
+
+def call_stats(episodes: pa.Table) -> pl.DataFrame:
+    """One row per call: episode row, call turn, call length and sampled tokens."""
+    calls = episodes.column("calls").combine_chunks()
+    flat = calls.flatten()
+    n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False).astype(np.int64)
+    lens = pc.list_value_length(flat.field("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    first = np.repeat(np.cumsum(n_calls) - n_calls, n_calls)
+    return pl.DataFrame({"episode": np.repeat(np.arange(episodes.num_rows), n_calls),
+                         "turn": np.arange(len(lens)) - first, "tokens": lens,
+                         "sampled_tokens": lens - starts})
+
+
+def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int = 0) -> pl.DataFrame:
+    """One row per bin of the tree layout's plan for this window: fill, repeated context, rank, cost."""
+    from treeflow.stages import Fragment, Pack, Shard
+    from treeflow.stages.shard import bin_costs
+
+    shard = Shard(num_ranks=ranks)
+    bins, _ = shard.plan(Fragment(max_tokens=max_tokens, pad_to_multiple=ranks)(
+        Pack(layout="tree")(episodes, step=step)))
+    return pl.DataFrame({
+        "step": np.full(bins.num_rows, step, dtype=np.int64),
+        "bin_id": bins.column("bin_id").to_numpy(),
+        "rank": bins.column("rank").to_numpy(),
+        "tokens": pc.list_value_length(bins.column("tokens")).to_numpy(zero_copy_only=False).astype(np.int64),
+        "repeated_tokens": bins.column("repeated_tokens").to_numpy(),
+        "edges": pc.list_value_length(bins.column("edge_sources")).to_numpy(zero_copy_only=False).astype(np.int64),
+        "cost": bin_costs(bins, shard.cost),
+    })

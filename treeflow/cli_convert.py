@@ -1,0 +1,100 @@
+"""`treeflow convert`: chat logs (JSON lines) to an episode file, with a report of what was read.
+
+Parsing and display only; the converters live in `treeflow.io`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from treeflow._display import _console, _progress, _table
+
+_NONE = ("none", "")
+
+
+def _field(value: str | None, default: str | None) -> str | None:
+    if value is None:
+        return default
+    return None if value.lower() in _NONE else value
+
+
+def converter_from_args(args):
+    from treeflow.io import ChatTemplateTokens, FieldMap, NemoRLMessageLog, OpenAITokens
+
+    nemo = args.format == "nemo-rl"
+    fields = FieldMap(episode_id=_field(args.episode_id_field, "@line" if nemo else "episode_id") or "@line",
+                      group_id=_field(args.group_id_field, None),
+                      reward=_field(args.reward_field, "total_reward" if nemo else None),
+                      advantage=_field(args.advantage_field, None),
+                      weight_version=_field(args.weight_version_field, None))
+    if args.tokenizer is not None and args.format != "chat":
+        raise ValueError(f"--tokenizer is only used by --format chat (logs without token ids); the "
+                         f"{args.format!r} format reads the engine's token ids as logged")
+    if args.format == "openai":
+        return OpenAITokens(fields=fields, calls_field=args.calls_field)
+    if args.format == "chat":
+        if args.tokenizer is None:
+            raise ValueError("--format chat needs --tokenizer DIR (a local Hugging Face tokenizer "
+                             "with a chat template) to tokenise the messages")
+        return ChatTemplateTokens(tokenizer=args.tokenizer, fields=fields,
+                                  messages_field=args.messages_field)
+    return NemoRLMessageLog(fields=fields, message_log_field=args.message_log_field,
+                            require_logprobs=not args.no_logprobs)
+
+
+def cmd_convert(args) -> int:
+    from treeflow.io import convert
+
+    converter = converter_from_args(args)
+    for p in args.files:
+        if not os.path.isfile(p):
+            raise ValueError(f"{p}: no such file")
+    total = sum(os.path.getsize(p) for p in args.files)
+    with _progress("convert", total, args.json or args.quiet, unit="bytes") as advance:
+        report = convert(args.files, args.output, converter, batch_rows=args.batch_rows,
+                         on_progress=lambda nbytes, eps, toks: advance(nbytes, episodes=eps, tokens=toks))
+    out = report.as_dict()
+    out["output"] = args.output
+    if not args.quiet:
+        err = _console(stderr=True)
+        for w in report.warnings:
+            err.print(f"[bold yellow]warning:[/] {w}", highlight=False)
+    if args.json:
+        print(json.dumps(out))
+    elif not args.quiet:
+        rows = [(k, v) for k, v in out.items() if k not in ("warnings", "output")]
+        _console().print(_table(f"convert: {args.format} -> {args.output}", rows))
+        _console().print(f"episodes written to {args.output}; next: treeflow inspect {args.output} --plot DIR")
+    return 0
+
+
+def add_convert_parser(sub) -> None:
+    s = sub.add_parser("convert", help="chat logs (JSON lines) -> an episode file (.arrow/.parquet)",
+                       description="Convert chat rollouts, one episode per JSON line, to treeflow "
+                                   "episodes. Formats: openai (vLLM/SGLang responses with token ids "
+                                   "and logprobs), chat (messages only, retokenised with --tokenizer), "
+                                   "nemo-rl (message_log with token_ids / generation_logprobs).")
+    s.add_argument("files", nargs="+", help="JSON-lines logs, one episode per line")
+    s.add_argument("-o", "--output", required=True, help="episode file: .arrow or .parquet")
+    s.add_argument("--format", choices=("openai", "chat", "nemo-rl"), required=True)
+    s.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (--format chat)")
+    g = s.add_argument_group("fields (dotted paths into each line; 'none' to leave unmapped)")
+    g.add_argument("--episode-id-field", default=None,
+                   help="default episode_id ('@line' for nemo-rl: FILE:LINE)")
+    g.add_argument("--group-id-field", default=None, help="GRPO group id (default: unmapped)")
+    g.add_argument("--reward-field", default=None, help="default unmapped (total_reward for nemo-rl)")
+    g.add_argument("--advantage-field", default=None)
+    g.add_argument("--weight-version-field", default=None)
+    g.add_argument("--calls-field", default="calls", help="openai: the list of engine responses")
+    g.add_argument("--messages-field", default="messages", help="chat: the message list")
+    g.add_argument("--message-log-field", default="message_log", help="nemo-rl: the message log")
+    g.add_argument("--no-logprobs", action="store_true",
+                   help="nemo-rl: take assistant messages without generation_logprobs as sampled")
+    s.add_argument("--batch-rows", type=int, default=256, help="episodes per written batch")
+    s.add_argument("--json", action="store_true", help="print one JSON object (the report)")
+    s.add_argument("--quiet", action="store_true", help="no progress, no summary, no warnings")
+    s.set_defaults(fn=cmd_convert)
+
+
+__all__ = ["add_convert_parser", "cmd_convert", "converter_from_args"]
