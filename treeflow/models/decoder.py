@@ -55,6 +55,9 @@ class SelfAttention(nn.Module):
         k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
         q_NQD, k_NKD = apply_rotary(q_NQD, cos_ND, sin_ND), apply_rotary(k_NKD, cos_ND, sin_ND)
         v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        # under autocast RoPE promotes q and k to float32 (cos/sin follow the float32 residual);
+        # fused kernels (flex, varlen) need q, k and v in one dtype: the projections' one
+        q_NQD, k_NKD = q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype)
         return self.o_proj(attention(q_NQD, k_NKD, v_NKD).reshape(n, self.heads * self.head_dim))
 
 

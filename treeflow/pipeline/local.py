@@ -32,6 +32,7 @@ def run_local(pipeline, windows: Iterator[pa.Table],
         fwd = pipeline.stages[reduce_at - 1]
         if trainer is None:
             trainer = Trainer(fwd, pipeline.stages[reduce_at])
+        _check_sharding(pipeline, trainer.dp.world)
     bound = {i: s.build() for i, s in enumerate(pipeline.stages)
              if isinstance(s, Forward) and reduce_at is None}
     for step, episodes in enumerate(windows):
@@ -44,12 +45,11 @@ def run_local(pipeline, windows: Iterator[pa.Table],
                 data = stage(data, episodes=episodes)
             elif isinstance(stage, Forward) and reduce_at is not None:
                 stats["bins"] = data.num_rows
-                open_step = trainer.open_step(episodes)
-                open_step.add(data)
-                stats["executed_tokens"] = open_step.executed_tokens
-                data = open_step
+                # this rank's bins only; on several ranks a failure anywhere fails the step everywhere
+                data = trainer.train_step(episodes, data)
+                stats["executed_tokens"] = data.column("executed_tokens")[0].as_py()
             elif isinstance(stage, Reduce):
-                data = data.finish()
+                pass  # the step finished inside train_step (gradients do not travel)
             elif i in bound:
                 stats["bins"] = data.num_rows
                 stats["executed_tokens"] = int(pc.sum(pc.list_value_length(data.column("tokens"))).as_py() or 0)
@@ -59,3 +59,13 @@ def run_local(pipeline, windows: Iterator[pa.Table],
         if on_window is not None:
             on_window(episodes, data, stats)
         yield data
+
+
+def _check_sharding(pipeline, world: int) -> None:
+    from treeflow.stages.shard import Shard
+
+    shards = [s for s in pipeline.stages if isinstance(s, Shard)]
+    if world > 1 and (not shards or shards[-1].num_ranks != world):
+        have = f"Shard(num_ranks={shards[-1].num_ranks})" if shards else "no Shard stage"
+        raise ValueError(f"the trainer is one of {world} data-parallel ranks but the pipeline has "
+                         f"{have}; put Shard(num_ranks={world}) before Forward")

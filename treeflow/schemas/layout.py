@@ -109,6 +109,12 @@ STEP_METRICS_SCHEMA = pa.schema(
         _f("ratio_min", pa.float64(), "min importance ratio (pg)"),
         _f("ratio_max", pa.float64(), "max importance ratio (pg)"),
         _f("kl", pa.float64(), "mean k3 KL to the reference over loss tokens (kl_coef > 0)"),
+        _f("ranks", pa.int64(), "data-parallel ranks that ran the step"),
+        _f("rank_seconds_max", pa.float64(), "slowest rank's forward+backward seconds"),
+        _f("rank_seconds_mean", pa.float64(), "mean over ranks of forward+backward seconds"),
+        _f("idle_fraction", pa.float64(), "share of rank time spent waiting for the slowest rank"),
+        _f("time_imbalance", pa.float64(), "measured max / mean - 1 of per-rank seconds"),
+        _f("cost_imbalance", pa.float64(), "Shard's modelled max / mean - 1 of per-rank cost"),
     ],
     metadata={"treeflow.schema": "step_metrics/1"},
 )

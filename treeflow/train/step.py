@@ -7,10 +7,17 @@ A bin delivered twice, a bin missing at finish, or a failed add that left
 part of a bin in the gradients is refused by name; the step then can only be
 aborted (weights, optimizer and counters unchanged).
 
+On several data-parallel ranks each rank adds its own bins; `finish` then sums over the ranks
+the occurrence counts (so a bin lost or run twice anywhere is still named), the gradients
+(all-reduce SUM: the weights already hold the logical batch's normalisation), and the metrics,
+and reports the ranks' measured time next to Shard's modelled cost.
+
 Legend: O occurrences of a bin, E its edges, S the step's slots.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +28,11 @@ from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.stages._flat import list_offsets, list_values
 from treeflow.stages._slots import Slots
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
+from treeflow.stages.shard import bin_costs
+
+# metrics summed over ranks, in this order
+_SUMMED = ("loss_sum", "executed_tokens", "bins", "clipped", "ratio_sum", "active", "kl_sum",
+           "entropy_sum", "seconds", "cost")
 
 
 class StepOpenError(RuntimeError):
@@ -68,6 +80,8 @@ class Step:
         self.executed_tokens = 0
         self.loss_sum = 0.0
         self.stats: dict = {}
+        self.seconds = 0.0  # this rank's time in add(), device work included
+        self.cost = 0.0  # this rank's modelled cost (Shard's cost model on this model's shape)
         self._seen = np.zeros(len(slots), dtype=np.int32)
         self._broken: str | None = None
         device = trainer.runner.device
@@ -93,6 +107,16 @@ class Step:
         off = {n: list_offsets(c) for n, c in cols.items()}
         val = {n: list_values(c) for n, c in cols.items()}
         loss = self.trainer.reduce.loss
+        t0 = time.perf_counter()
+        self.cost += float(bin_costs(bins, self.trainer.cost_model).sum()) if bins.num_rows else 0.0
+        try:
+            self._add(bins, cols, off, val, loss)
+        finally:
+            if self.trainer.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.trainer.runner.device)
+            self.seconds += time.perf_counter() - t0
+
+    def _add(self, bins, cols, off, val, loss) -> None:
         for r in range(bins.num_rows):
             def get(n):
                 return val[n][off[n][r]:off[n][r + 1]]
@@ -106,9 +130,10 @@ class Step:
                 raise ValueError(f"{self.slots.name_slot(int(slot[i]))}: fed to the step twice; a "
                                  "bin was delivered twice (the step is unchanged)")
             try:
-                lp_E, ent_E = self.trainer.runner.edge_logprobs(
-                    get("tokens"), get("parents"), get("positions"), get("edge_sources"),
-                    get("edge_targets"))
+                with self.trainer.compute():
+                    lp_E, ent_E = self.trainer.runner.edge_logprobs(
+                        get("tokens"), get("parents"), get("positions"), get("edge_sources"),
+                        get("edge_targets"))
                 occ_edge = torch.from_numpy(get("occ_edge").astype(np.int64)).to(lp_E.device)
                 slot_t = torch.from_numpy(slot).to(lp_E.device)
                 t = self._t
@@ -147,13 +172,31 @@ class Step:
         self.trainer._closed(self)
 
     def finish(self) -> pa.Table:
-        """Clip, optimizer step, scheduler by episodes; one row of STEP_METRICS_SCHEMA."""
+        """Sum over ranks, clip, optimizer step, scheduler by episodes; one STEP_METRICS_SCHEMA row.
+
+        Every rank calls it after add(): it runs the step's collectives.
+        """
         self._refuse_if_broken()
-        missing = np.flatnonzero((self._seen == 0) & (self.weight_S > 0))
+        tr = self.trainer
+        dp = tr.dp
+        seen = dp.sum_array(self._seen)
+        twice = np.flatnonzero(seen > 1)
+        if len(twice):
+            raise ValueError(f"{self.slots.name_slot(int(twice[0]))}: fed to the step by "
+                             f"{int(seen[twice[0]])} bins across the ranks ({len(twice)} tokens); "
+                             "every rank must run only the bins Shard gave it")
+        missing = np.flatnonzero((seen == 0) & (self.weight_S > 0))
         if len(missing):
             raise ValueError(f"{self.slots.name_slot(int(missing[0]))}: no bin of this step held it "
                              f"({len(missing)} loss tokens missing); feed every bin before finish()")
-        tr = self.trainer
+        if dp.distributed:
+            grads = []
+            for _, p in tr.backend.named_parameters():
+                if p.requires_grad:
+                    if p.grad is None:  # a rank whose bins never reached this parameter
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
+            dp.sum_tensors(grads)
         grad_norm = tr.backend.clip_grad_norm(tr.reduce.max_grad_norm)
         if not np.isfinite(grad_norm):
             raise FloatingPointError(
@@ -168,18 +211,38 @@ class Step:
         tr.steps += 1
         tr.scheduler_episodes += self.episodes
         tr._closed(self)
-        active = max(self.stats.get("active", 0), 1)
-        pg = tr.reduce.loss.kind == "pg"
+        return self._metrics(grad_norm, lr)
+
+    def _metrics(self, grad_norm: float, lr: float) -> pa.Table:
+        tr, dp = self.trainer, self.trainer.dp
+        local = {"loss_sum": self.loss_sum, "executed_tokens": self.executed_tokens,
+                 "bins": self.bins, "seconds": self.seconds, "cost": self.cost, **self.stats}
+        s = dict(zip(_SUMMED, dp.sum_array(np.array([local.get(k, 0.0) for k in _SUMMED],
+                                                     dtype=np.float64))))
+        ext = dp.max_array(np.array([self.stats.get("ratio_max", -np.inf),
+                                     -self.stats.get("ratio_min", np.inf)], dtype=np.float64))
+        seconds, costs = dp.gather(self.seconds), dp.gather(self.cost)
+        active = max(s["active"], 1)
+        loss = tr.reduce.loss
+        pg = loss.kind == "pg"
+        slowest = float(seconds.max())
         row = {
-            "step": tr.steps, "loss": self.loss_sum, "episodes": self.episodes,
+            "step": tr.steps, "loss": s["loss_sum"], "episodes": self.episodes,
             "sampled_tokens": len(self.slots), "loss_tokens": int((self.weight_S > 0).sum()),
-            "executed_tokens": self.executed_tokens, "bins": self.bins, "grad_norm": grad_norm,
-            "lr": lr, "scheduler_episodes": tr.scheduler_episodes,
-            "clip_fraction": self.stats.get("clipped", 0) / active if pg else None,
-            "ratio_mean": self.stats.get("ratio_sum", 0.0) / active if pg else None,
-            "ratio_min": self.stats.get("ratio_min") if pg else None,
-            "ratio_max": self.stats.get("ratio_max") if pg else None,
-            "kl": self.stats["kl_sum"] / active if "kl_sum" in self.stats else None,
+            "executed_tokens": int(s["executed_tokens"]), "bins": int(s["bins"]),
+            "grad_norm": grad_norm, "lr": lr, "scheduler_episodes": tr.scheduler_episodes,
+            "clip_fraction": s["clipped"] / active if pg else None,
+            "ratio_mean": s["ratio_sum"] / active if pg else None,
+            "ratio_min": float(-ext[1]) if pg and np.isfinite(ext[1]) else None,
+            "ratio_max": float(ext[0]) if pg and np.isfinite(ext[0]) else None,
+            "kl": s["kl_sum"] / active if loss.kl_coef > 0 else None,
+            "ranks": dp.world,
+            "rank_seconds_max": slowest,
+            "rank_seconds_mean": float(seconds.mean()),
+            "idle_fraction": float(1.0 - seconds.mean() / slowest) if slowest > 0 else 0.0,
+            "time_imbalance": float(slowest / seconds.mean() - 1.0) if slowest > 0 else 0.0,
+            "cost_imbalance": (float(costs.max() / costs.mean() - 1.0) if costs.mean() > 0
+                               else 0.0),
         }
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
 

@@ -6,29 +6,52 @@ step (train/step.py) and the counters a checkpoint must carry
 meanwhile under no_grad and leaves the gradients bit for bit as they were.
 Saving or offloading while a step is open is refused: the accumulated
 gradients would be lost or inconsistent.
+
+Data parallelism (train/distributed.py): a Trainer given `dp=DataParallel.from_env(...)` is
+one rank of several; `train_step` runs this rank's bins, and `Step.finish` sums the gradients
+over ranks before clipping, so every rank steps alike. Mixed precision (train/precision.py):
+`Forward(dtype="bfloat16")` is the compute dtype; the parameters and AdamW stay float32.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pyarrow as pa
 import torch
 
-from treeflow.stages.forward import Forward
+from treeflow.stages.forward import DTYPES, Forward
 from treeflow.stages.reduce import Reduce
+from treeflow.stages.shard import CostModel
 from treeflow.train.checkpoint import load_checkpoint, save_checkpoint
+from treeflow.train.distributed import DataParallel
+from treeflow.train.precision import compute_context, storage_dtype
 from treeflow.train.step import Step, StepOpenError
 
 
 class Trainer:
-    def __init__(self, forward: Forward, reduce: Reduce, model=None):
+    """Forward + Reduce bound to a model backend, its optimizer and counters; one rank of `dp`.
+
+    precision: "mixed" (float32 parameters and AdamW, compute in `forward.dtype`) or "pure"
+    (everything in `forward.dtype`; for comparisons only).
+    dp: this process's data-parallel rank (default: the only one).
+    """
+
+    def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
+                 precision: str = "mixed", dp: DataParallel | None = None):
         missing = reduce.requires() - forward.produces()
         if missing:
             raise ValueError(f"the loss needs {sorted(missing)}, which {forward} does not produce")
+        self.dp = dp if dp is not None else DataParallel(device=forward.device)
+        if self.dp.distributed and torch.device(forward.device) != self.dp.device:
+            raise ValueError(f"{forward} on rank {self.dp.rank}: the rank runs on {self.dp.device}; "
+                             "build the Forward with that device")
         self.forward_config = forward
         self.reduce = reduce
-        self.runner = forward.build(model)
+        self.precision = precision
+        self.compute_dtype = DTYPES[forward.dtype]
+        self.runner = replace(forward, dtype=storage_dtype(forward.dtype, precision)).build(model)
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)
@@ -38,6 +61,15 @@ class Trainer:
         self.scheduler_episodes = 0
         self.position: dict = {}
         self._open: Step | None = None
+        c = self.backend.config
+        self.cost_model = CostModel.from_shape(
+            hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
+            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+            head_dim=c.head_dim)
+
+    def compute(self):
+        """The context every forward of this trainer runs in (autocast under mixed precision)."""
+        return compute_context(self.runner.device, self.compute_dtype, self.precision)
 
     # ---------------------------------------------------------------- steps
     @property
@@ -51,13 +83,35 @@ class Trainer:
         self._open = Step(self, episodes, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         return self._open
 
+    def train_step(self, episodes: pa.Table, bins: pa.Table, *, old_logprobs: pa.Table | None = None,
+                   ref_logprobs: pa.Table | None = None) -> pa.Table:
+        """One whole optimizer step on this rank: open, add this rank's bins, finish.
+
+        `bins` are the step's bins as Shard planned them for `dp.world` ranks (every rank may
+        pass all of them; each runs its own). If any rank fails, every rank raises
+        RankFailedError and the step is aborted everywhere. Returns the step's metrics row.
+        """
+        step = self.open_step(episodes, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+        try:
+            error = None
+            try:
+                step.add(self.dp.local_bins(bins))
+            except Exception as e:  # noqa: BLE001 -- every rank must hear of it before it raises
+                error = e
+            self.dp.agree(error, f"step {self.steps + 1}")
+            return step.finish()
+        except BaseException:
+            if self._open is step:
+                step.abort()
+            raise
+
     def _closed(self, step: Step) -> None:
         assert self._open is step
         self._open = None
 
     def logprobs(self, bins: pa.Table) -> pa.Table:
         """A logprob-only phase (edge values) with the current weights; safe during an open step."""
-        with torch.no_grad():
+        with torch.no_grad(), self.compute():
             return self.runner(bins)
 
     # ---------------------------------------------------------------- state
@@ -73,9 +127,13 @@ class Trainer:
         save_checkpoint(self, path)
 
     @classmethod
-    def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce) -> "Trainer":
-        """A Trainer continued from `save(path)`: weights, optimizer, counters, position."""
-        return load_checkpoint(cls, path, forward, reduce)
+    def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce,
+               **options) -> "Trainer":
+        """A Trainer continued from `save(path)`: weights, optimizer, counters, position.
+
+        options: as for Trainer (precision, dp); a checkpoint saved by N ranks resumes on M.
+        """
+        return load_checkpoint(cls, path, forward, reduce, **options)
 
     def offload(self) -> None:
         """Move the model and optimizer state to CPU memory (frees the accelerator)."""

@@ -1,0 +1,183 @@
+"""Data-parallel ranks as processes: the process group, the gradient sum, and failing together.
+
+A data-parallel rank is a process (one per GPU; one per CPU worker in tests). Every rank runs
+the same CPU stages over the same window -- Pack, Fragment and Shard are deterministic, so all
+ranks compute the same plan without talking -- and then runs only the bins Shard gave it.
+Occurrence loss weights are fixed from the step's logical episodes before anything is split,
+so the step's gradient is the SUM of the ranks' local gradients (an all-reduce SUM, never a
+mean), clipping comes after the reduction (on the global norm), and every rank takes the same
+AdamW step on the same reduced gradient.
+
+Trade-off: gradients are reduced once per step, after the rank's local accumulation, instead
+of bucket by bucket during backward as DDP does. That gives up overlapping communication with
+the last backward (one all-reduce of the parameters per step: ~5 GB of float32 for a 1.2B
+model, a few tens of ms over NVLink against seconds of compute per step) and buys two things:
+no collective runs inside a bin, so a rank that raises mid-bin cannot strand the others in a
+collective; and ranks may run different numbers of bins (no dummy micro-batches). Before the
+gradient all-reduce the ranks all-reduce a failure flag; if any rank failed, every rank raises
+`RankFailedError` naming the rank(s) and their errors, and the step is aborted everywhere.
+The process group's timeout bounds the wait on a rank that dies outright or hangs.
+
+Process groups come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT): NCCL on CUDA devices (one GPU per rank, cuda:LOCAL_RANK), gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.distributed as dist
+
+__all__ = ["DataParallel", "RankFailedError", "rank_device"]
+
+_BUCKET_ELEMENTS = 1 << 26  # 256 MiB of float32 per all-reduce call
+
+
+class RankFailedError(RuntimeError):
+    """A data-parallel step failed on one or more ranks; raised on every rank alike."""
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of a rank: `cuda` -> `cuda:LOCAL_RANK`; cpu stays cpu; an explicit index is refused."""
+    if device == "cuda":
+        return f"cuda:{local_rank}"
+    if device.startswith("cuda:"):
+        raise ValueError(f"device {device!r} with several ranks: give plain 'cuda'; rank r runs "
+                         "on cuda:LOCAL_RANK (set CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    return device
+
+
+class DataParallel:
+    """This process's place among the data-parallel ranks, and the collectives the step needs.
+
+    `DataParallel()` is the single-process case: rank 0 of 1, every collective a no-op.
+    `DataParallel.from_env(device)` joins (or creates) the default process group from
+    torchrun's environment variables.
+    """
+
+    def __init__(self, *, rank: int = 0, world: int = 1, device: str = "cpu", group=None):
+        if not (0 <= rank < world):
+            raise ValueError(f"DataParallel(rank={rank}, world={world}): need 0 <= rank < world")
+        self.rank, self.world, self.group = rank, world, group
+        self.device = torch.device(device)
+
+    def __repr__(self) -> str:
+        return f"DataParallel(rank={self.rank}, world={self.world}, device={self.device})"
+
+    @classmethod
+    def from_env(cls, device: str = "cpu", *, timeout_s: float = 600.0) -> "DataParallel":
+        """Join torchrun's process group: NCCL on cuda (device cuda:LOCAL_RANK), gloo on cpu."""
+        need = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        missing = [k for k in need if k not in os.environ]
+        if missing:
+            raise ValueError(f"no process group environment ({', '.join(missing)} unset): start "
+                             "the ranks with torchrun --nproc-per-node N, or with treeflow's "
+                             "--ranks N, which spawns them")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = rank_device(device, local)
+        cuda = device.startswith("cuda")
+        if cuda:
+            if local >= torch.cuda.device_count():
+                raise ValueError(f"rank {rank} (local rank {local}) needs a GPU but this host has "
+                                 f"{torch.cuda.device_count()}; start at most that many ranks per host")
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=torch.device(device) if cuda else None)
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(f"the process group is rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()} but the environment says {rank} of {world}")
+        return cls(rank=rank, world=world, device=device, group=dist.group.WORLD)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def close(self) -> None:
+        """Leave the process group (only if this object's world is the default group)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+            self.group = None
+
+    # ---------------------------------------------------------------- bins
+    def local_bins(self, bins: pa.Table) -> pa.Table:
+        """This rank's bins of a step, from Shard's `rank` column (all of them on one rank)."""
+        if not self.distributed:
+            return bins
+        ranks = bins.column("rank")
+        if bins.num_rows and int(pc.max(ranks).as_py()) >= self.world:
+            raise ValueError(f"bins were sharded for more ranks ({int(pc.max(ranks).as_py()) + 1}) "
+                             f"than run ({self.world}); use Shard(num_ranks={self.world})")
+        return bins.filter(pc.equal(ranks, self.rank))
+
+    # ---------------------------------------------------------------- agreement
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Every rank calls this; if any rank passes an error, every rank raises RankFailedError."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not int(flag.item()):
+            return
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(every) if m is not None)
+        raise RankFailedError(f"{what} failed on {sum(m is not None for m in every)} of "
+                              f"{self.world} ranks ({failed}); it was aborted on every rank, "
+                              "weights and optimizer unchanged") from error
+
+    # ---------------------------------------------------------------- reductions
+    def sum_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """All-reduce SUM in place, flattened into buckets of one dtype and device."""
+        if not self.distributed or not tensors:
+            return
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for same in groups.values():
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for t in same + [None]:
+                if t is None or (bucket and size + t.numel() > _BUCKET_ELEMENTS):
+                    flat = torch.cat([b.reshape(-1) for b in bucket])
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                    for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                        b.copy_(part.view_as(b))
+                    bucket, size = [], 0
+                if t is not None:
+                    bucket.append(t)
+                    size += t.numel()
+
+    def sum_array(self, values: np.ndarray) -> np.ndarray:
+        """All-reduce SUM of a numpy array (counts, metric sums); float64 or int64."""
+        if not self.distributed:
+            return values
+        t = torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t.cpu().numpy()
+
+    def max_array(self, values: np.ndarray) -> np.ndarray:
+        if not self.distributed:
+            return values
+        t = torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().numpy()
+
+    def gather(self, value: float) -> np.ndarray:
+        """One float from every rank, in rank order."""
+        if not self.distributed:
+            return np.array([value], dtype=np.float64)
+        out = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(out, torch.tensor([value], dtype=torch.float64,
+                                                      device=self.device), group=self.group)
+        return out.cpu().numpy()
