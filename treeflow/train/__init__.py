@@ -6,7 +6,11 @@ AdamW, an open step's accumulated gradients and the counters a checkpoint
 carries.
 """
 
+from treeflow.train.distributed import DataParallel, RankFailedError
+from treeflow.train.launch import spawn
+from treeflow.train.precision import PRECISIONS
 from treeflow.train.step import Step, StepOpenError
 from treeflow.train.trainer import Trainer
 
-__all__ = ["Step", "StepOpenError", "Trainer"]
+__all__ = ["PRECISIONS", "DataParallel", "RankFailedError", "Step", "StepOpenError", "Trainer",
+           "spawn"]

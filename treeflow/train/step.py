@@ -84,6 +84,7 @@ class Step:
         self.cost = 0.0  # this rank's modelled cost (Shard's cost model on this model's shape)
         self._seen = np.zeros(len(slots), dtype=np.int32)
         self._broken: str | None = None
+        self._grad64: dict[str, torch.Tensor] = {}
         device = trainer.runner.device
         self.model = trainer.model
         self._t = {k: (None if v is None else torch.from_numpy(np.ascontiguousarray(v)).to(device))
@@ -145,6 +146,7 @@ class Step:
                     ref_logprob_O=None if t["ref"] is None else t["ref"][slot_t],
                     entropy_O=None if ent_E is None else ent_E[occ_edge])
                 total.backward()
+                self._sum_exactly()
             except BaseException as e:
                 # gradients may hold part of this bin: the step can only be aborted now
                 self._broken = f"bin {r} of the last add() failed ({type(e).__name__}: {e})"
@@ -166,9 +168,24 @@ class Step:
             raise StepOpenError(f"step {self.trainer.steps + 1} cannot go on: {self._broken}; "
                                 "abort() it and run the step again")
 
+    def _sum_exactly(self) -> None:
+        """Under grad_sum="float64": move this bin's gradients into float64 sums."""
+        if self.trainer.grad_sum != "float64":
+            return
+        with torch.no_grad():
+            for name, p in self.trainer.backend.named_parameters():
+                if p.grad is not None:
+                    acc = self._grad64.get(name)
+                    if acc is None:
+                        self._grad64[name] = p.grad.to(torch.float64)
+                    else:
+                        acc.add_(p.grad)
+                    p.grad = None
+
     def abort(self) -> None:
         """Discard the open step's gradients; weights, optimizer and counters stay as they were."""
         self.trainer.optimizer.zero_grad(set_to_none=True)
+        self._grad64.clear()
         self.trainer._closed(self)
 
     def finish(self) -> pa.Table:
@@ -189,14 +206,20 @@ class Step:
         if len(missing):
             raise ValueError(f"{self.slots.name_slot(int(missing[0]))}: no bin of this step held it "
                              f"({len(missing)} loss tokens missing); feed every bin before finish()")
-        if dp.distributed:
-            grads = []
-            for _, p in tr.backend.named_parameters():
-                if p.requires_grad:
+        exact = tr.grad_sum == "float64"
+        if dp.distributed or exact:
+            params = [(n, p) for n, p in tr.backend.named_parameters() if p.requires_grad]
+            if exact:  # sums of float32 bin gradients are exact in float64: any order, any rank count
+                for n, p in params:
+                    self._grad64.setdefault(n, torch.zeros_like(p, dtype=torch.float64))
+                dp.sum_tensors([self._grad64[n] for n, _ in params])
+                for n, p in params:
+                    p.grad = self._grad64.pop(n).to(p.dtype)
+            else:
+                for _, p in params:
                     if p.grad is None:  # a rank whose bins never reached this parameter
                         p.grad = torch.zeros_like(p)
-                    grads.append(p.grad)
-            dp.sum_tensors(grads)
+                dp.sum_tensors([p.grad for _, p in params])
         grad_norm = tr.backend.clip_grad_norm(tr.reduce.max_grad_norm)
         if not np.isfinite(grad_norm):
             raise FloatingPointError(

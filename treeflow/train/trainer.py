@@ -36,10 +36,18 @@ class Trainer:
     precision: "mixed" (float32 parameters and AdamW, compute in `forward.dtype`) or "pure"
     (everything in `forward.dtype`; for comparisons only).
     dp: this process's data-parallel rank (default: the only one).
+    grad_sum: "float32" (accumulate bins' gradients in the parameters' dtype) or "float64"
+    (accumulate and all-reduce in float64: the sum of float32 bin gradients is then exact, so
+    the step's gradient does not depend on the order of bins or the number of ranks; costs
+    8 bytes per parameter).
     """
 
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
-                 precision: str = "mixed", dp: DataParallel | None = None):
+                 precision: str = "mixed", dp: DataParallel | None = None,
+                 grad_sum: str = "float32"):
+        if grad_sum not in ("float32", "float64"):
+            raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
+        self.grad_sum = grad_sum
         missing = reduce.requires() - forward.produces()
         if missing:
             raise ValueError(f"the loss needs {sorted(missing)}, which {forward} does not produce")
