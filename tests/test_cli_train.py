@@ -52,3 +52,25 @@ def test_metrics_checkpoint_and_resume(data, tmp_path, capsys):
 def test_train_needs_batch_episodes(data, capsys):
     assert main(["replay", data, "--mode", "train"]) == 2
     assert "--batch-episodes" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_train_write_one_checkpoint_that_one_rank_resumes(data, tmp_path, capsys):
+    ckpt, metrics = tmp_path / "dp", tmp_path / "m.jsonl"
+    train(data, tmp_path, "--steps", "2", "--ranks", "2", "--save", str(ckpt), "--metrics",
+          str(metrics), "--grad-sum", "float64")
+    rows = [json.loads(line) for line in open(metrics)]  # rank 0 alone writes them
+    assert [(r["step"], r["ranks"]) for r in rows] == [(1, 2), (2, 2)]
+    assert all(r["rank_seconds_max"] >= r["rank_seconds_mean"] > 0 for r in rows)
+    assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "model.safetensors").is_file()
+    assert json.load(open(ckpt / "treeflow_trainer.json"))["position"] == {"episodes": 4}
+    train(data, tmp_path, "--steps", "3", "--resume", str(ckpt), "--save", str(tmp_path / "one"))
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
+    assert main(["replay", data, "--model", str(ckpt), "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
+
+
+def test_ranks_must_match_torchrun(data, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["replay", data, "--mode", "train", "--batch-episodes", "2", "--ranks", "3"]) == 2
+    assert "torchrun started 2 processes" in capsys.readouterr().err
