@@ -1,18 +1,15 @@
 """Fragment: layouts -> bins of at most `max_tokens` physical tokens.
 
-Every item placed in a bin is the ancestor closure of the *parents* of the
-edges it owns: a trailing leaf that is only a target is never executed, so
-even whole trees shrink a little. A tree whose closure fits is kept whole;
-a larger one is cut by a sweep over its edge sources in DFS order. In DFS
-order the closure of sources s_1 < ... < s_k has
-
-    depth(s_1) + 1 + sum_i [depth(s_i) - depth(LCA(s_{i-1}, s_i))]
-
-nodes, and the LCA depths of neighbours are one `minimum.reduceat` over the
-depth array, so fragment sizes are prefix sums and each cut is one
-`searchsorted`: the loop runs per fragment, never per token. Neighbouring
-paths share the longest prefixes, so the sweep keeps repeated context low.
-Items are then packed first-fit decreasing.
+Every fragment placed in a bin is the ancestor closure of the *parents* of
+the edges it owns: a trailing leaf that is only a target is never executed,
+so even whole trees shrink a little. Which sources go to which bin is decided
+by `_fragment_plan` (whole layouts where they fit; otherwise the maximal
+subtrees that fit, packed first-fit decreasing with prefix-aware sizes, one
+fragment per layout and bin; see its docstring for the trade-off); this
+module gathers the bins' nodes, edges and occurrences from the flat layout
+columns and charges repeated context to the bins that repeat it: a bin's
+`repeated_tokens` are its nodes that a bin with a smaller `bin_id` also runs,
+so that they sum to executed minus unique tokens.
 
 Legend: N nodes of a layout, E edges, U unique edge sources, O occurrences.
 """
@@ -25,9 +22,9 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
-from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages._flat import list_offsets, list_values, ranges
 from treeflow.stages.base import Stage
-from treeflow.tree import lca_depths_sorted
+from treeflow.stages._fragment_plan import BinPlan, plan
 
 _OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_advantage",
         "occ_generation_logprob", "occ_loss_mask")
@@ -67,115 +64,82 @@ class _Layout:
     occ: dict
     occ_edge: np.ndarray
     edge_base: int
-    episode_ids: list
-    sample_indices: list
-    sources: np.ndarray | None = None  # parent node of each edge
     roots: np.ndarray | None = None
 
-    def __post_init__(self):
-        self.sources = self.parents[self.edge_nodes]
-
-
-@dataclass
-class _Item:
-    layout: int
-    sources: np.ndarray  # sorted unique source nodes owned by this item
-    size: int
-    repeated: int
-    edges: np.ndarray | None = None  # this layout's edges owned by the item (None: all)
-    occ: np.ndarray | None = None  # this layout's occurrences of those edges (None: all)
+    @property
+    def sources(self) -> np.ndarray:
+        return self.parents[self.edge_nodes]
 
 
 class _Columns:
-    """Flat numpy views of a layout table's list columns."""
+    """Flat numpy views of a layout table's list columns, converted on first use."""
 
     def __init__(self, table: pa.Table):
         self.table = table
-        self.off = {}
-        self.val = {}
-        for name in ("tokens", "parents", "positions", "edge_nodes", "occ_edge", *_OCC):
-            col = table.column(name).combine_chunks()
+        self.off: dict[str, np.ndarray] = {}
+        self.val: dict[str, np.ndarray] = {}
+        self._routes = None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The list values as Arrow stores them (no copy where it allows)."""
+        key = name + ":raw"
+        if key not in self.val:
+            col = self.table.column(name).combine_chunks()
             self.off[name] = list_offsets(col)
-            self.val[name] = list_values(col)
-            if name in ("parents", "positions", "edge_nodes", "occ_edge"):
-                self.val[name] = self.val[name].astype(np.int64)  # index arithmetic, once
-        routes = table.column("routes").combine_chunks()
-        self.routes = None
-        if routes.null_count < len(routes):
-            inner = routes.flatten()
-            width = len(inner[0]) if len(inner) else 0
-            self.routes = list_values(inner, np.int16).reshape(-1, max(width, 1))
-            self.routes_off = list_offsets(routes)
+            self.val[key] = list_values(col)
+        return self.val[key]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.val:
+            vals = self.raw(name)
+            if name in ("parents", "edge_nodes", "occ_edge"):
+                vals = vals.astype(np.int64)  # index arithmetic, once
+            self.val[name] = vals
+        return self.val[name]
+
+    def offsets(self, name: str) -> np.ndarray:
+        self.raw(name)
+        return self.off[name]
+
+    @property
+    def routes(self):
+        """(route matrix over all nodes, per-layout offsets), or None without routes."""
+        if self._routes is None:
+            routes = self.table.column("routes").combine_chunks()
+            self._routes = (None,)
+            if routes.null_count < len(routes):
+                inner = routes.flatten()
+                width = len(inner[0]) if len(inner) else 0
+                self._routes = (list_values(inner, np.int16).reshape(-1, max(width, 1)),
+                                list_offsets(routes))
+        return None if self._routes[0] is None else self._routes
 
     def row(self, r: int, edge_base: int) -> _Layout:
         def get(name):
-            o = self.off[name]
-            return self.val[name][o[r]:o[r + 1]]
+            o = self.offsets(name)
+            return self[name][o[r]:o[r + 1]]
 
         routes = None
         if self.routes is not None:
-            routes = self.routes[self.routes_off[r]:self.routes_off[r + 1]]
+            mat, off = self.routes
+            routes = mat[off[r]:off[r + 1]]
         return _Layout(
             tokens=get("tokens"), parents=get("parents"), depth=get("positions"), routes=routes,
             edge_nodes=get("edge_nodes"), occ={k: get(k) for k in _OCC}, occ_edge=get("occ_edge"),
-            edge_base=edge_base,
-            episode_ids=self.table.column("episode_ids")[r].as_py(),
-            sample_indices=self.table.column("sample_indices")[r].as_py(),
-        )
+            edge_base=edge_base)
 
-
-def _split(lay: _Layout, max_tokens: int) -> list[_Item]:
-    if len(lay.edge_nodes) == 0:
-        return []
-    used = np.zeros(len(lay.tokens), dtype=bool)
-    used[lay.sources] = True
-    us = np.flatnonzero(used)
-    need = lay.depth[us] + 1
-    if need.max() > max_tokens:
-        _too_deep(lay, us[int(np.argmax(need))], max_tokens)
-    lca = lca_depths_sorted(lay.depth, us)
-    inc = lay.depth[us[1:]] - lca  # new nodes when adding us[k] after us[k-1]
-    total = int(need[0] + inc.sum())
-    if total <= max_tokens:
-        return [_Item(0, us, total, 0)]
-    csum = np.concatenate([[0], np.cumsum(inc)])  # csum[k] = sum of inc up to source k
-    items = []
-    a = 0
-    while a < len(us):
-        bound = csum[a] + max_tokens - need[a]
-        b = int(np.searchsorted(csum, bound, side="right"))  # sources [a, b) fit
-        if b < len(us):
-            # cut before the k in [lo, b] whose next fragment repeats the least context
-            # (lca[k-1] + 1 nodes), keeping at least half of what fits; ties go to the largest k
-            lo = a + max(1, (b - a) // 2)
-            window = lca[lo - 1:b]
-            b = int(b - np.argmin(window[::-1]))
-        size = int(need[a] + csum[b - 1] - csum[a])
-        repeated = int(lca[a - 1] + 1) if a > 0 else 0
-        items.append(_Item(0, us[a:b], size, repeated))
-        a = b
-    # group edges and occurrences by owning item, once (never a scan per item)
-    first = np.searchsorted(us, [it.sources[0] for it in items])
-    edge_item = np.searchsorted(first, np.searchsorted(us, lay.sources), side="right") - 1
-    occ_item = edge_item[lay.occ_edge]
-    e_order, o_order = np.argsort(edge_item, kind="stable"), np.argsort(occ_item, kind="stable")
-    e_bounds = np.searchsorted(edge_item[e_order], np.arange(len(items) + 1))
-    o_bounds = np.searchsorted(occ_item[o_order], np.arange(len(items) + 1))
-    for k, it in enumerate(items):
-        it.edges = e_order[e_bounds[k]:e_bounds[k + 1]]
-        it.occ = o_order[o_bounds[k]:o_bounds[k + 1]]
-    return items
-
-
-def _too_deep(lay: _Layout, source: int, max_tokens: int):
-    edges = np.flatnonzero(lay.sources == source)
-    occ = int(np.flatnonzero(np.isin(lay.occ_edge, edges))[0])
-    si = int(lay.occ["occ_sample_index"][occ])
-    eid = lay.episode_ids[lay.sample_indices.index(si)]
-    raise ValueError(
-        f"episode {eid!r}, call {int(lay.occ['occ_call'][occ])}: the sampled token at offset "
-        f"{int(lay.occ['occ_offset'][occ])} needs a context of {int(lay.depth[source]) + 1} tokens, "
-        f"more than max_tokens={max_tokens}; raise max_tokens to at least {int(lay.depth[source]) + 1}")
+    def too_deep(self, r: int, source: int, max_tokens: int):
+        lay = self.row(r, 0)
+        edges = np.flatnonzero(lay.sources == source)
+        occ = int(np.flatnonzero(np.isin(lay.occ_edge, edges))[0])
+        si = int(lay.occ["occ_sample_index"][occ])
+        sample_indices = self.table.column("sample_indices")[r].as_py()
+        eid = self.table.column("episode_ids")[r].as_py()[sample_indices.index(si)]
+        need = int(lay.depth[source]) + 1
+        raise ValueError(
+            f"episode {eid!r}, call {int(lay.occ['occ_call'][occ])}: the sampled token at offset "
+            f"{int(lay.occ['occ_offset'][occ])} needs a context of {need} tokens, "
+            f"more than max_tokens={max_tokens}; raise max_tokens to at least {need}")
 
 
 def _closure(lay: _Layout, sources: np.ndarray) -> np.ndarray:
@@ -190,7 +154,7 @@ def _closure(lay: _Layout, sources: np.ndarray) -> np.ndarray:
         lay.roots = np.flatnonzero(lay.parents < 0)
     lo = int(lay.roots[np.searchsorted(lay.roots, sources[0], side="right") - 1])
     hi = int(sources[-1]) + 1
-    depth = lay.depth[lo:hi]
+    depth = lay.depth[lo:hi].astype(np.int64)
     marks = np.zeros(hi - lo, dtype=np.int64)
     marks[sources - lo] = 1
     seg = np.cumsum(marks) - marks  # sources before x: segment k = (s_{k-1}, s_k]
@@ -204,21 +168,14 @@ def _closure(lay: _Layout, sources: np.ndarray) -> np.ndarray:
     return np.flatnonzero(keep) + lo
 
 
-def _ffd(sizes: list[int], max_tokens: int) -> list[list[int]]:
-    order = np.argsort(-np.asarray(sizes), kind="stable")
-    free = np.zeros(0, dtype=np.int64)
-    bins: list[list[int]] = []
-    for i in order:
-        fits = np.flatnonzero(free >= sizes[i])
-        if len(fits):
-            b = int(fits[0])
-        else:
-            b = len(bins)
-            bins.append([])
-            free = np.append(free, max_tokens)
-        bins[b].append(int(i))
-        free[b] -= sizes[i]
-    return bins
+def plan_bins(layouts: pa.Table, *, max_tokens: int, pad_to_multiple: int = 1,
+              _cols: _Columns | None = None) -> BinPlan:
+    """Fragment's decisions for one step of layouts (which sources each bin runs), no data gathered."""
+    cols = _cols or _Columns(layouts)
+    node_off = cols.offsets("positions")
+    return plan(node_off, cols.raw("parents"), cols.raw("positions"), cols.offsets("edge_nodes"),
+                cols.raw("edge_nodes"), max_tokens=max_tokens, pad_to_multiple=pad_to_multiple,
+                too_deep=lambda r, src: cols.too_deep(r, src, max_tokens))
 
 
 def fragment(layouts: pa.Table, *, max_tokens: int, pad_to_multiple: int = 1) -> pa.Table:
@@ -227,44 +184,77 @@ def fragment(layouts: pa.Table, *, max_tokens: int, pad_to_multiple: int = 1) ->
         raise ValueError(f"Fragment got layouts of {len(steps)} steps; give it one step at a time")
     step = int(steps[0]) if len(steps) else 0
     cols = _Columns(layouts)
-    edge_counts = np.diff(cols.off["edge_nodes"])
-    edge_base = np.concatenate([[0], np.cumsum(edge_counts)])
-    lays = [cols.row(r, int(edge_base[r])) for r in range(layouts.num_rows)]
-    items: list[_Item] = []
-    for r, lay in enumerate(lays):
-        for it in _split(lay, max_tokens):
-            it.layout = r
-            items.append(it)
-    groups = _ffd([it.size for it in items], max_tokens)
-    while len(groups) % pad_to_multiple:
-        groups.append([])
-    return _assemble(step, lays, items, groups, cols.routes is not None)
+    bp = plan_bins(layouts, max_tokens=max_tokens, pad_to_multiple=pad_to_multiple, _cols=cols)
+    return _assemble(step, cols, bp)
 
 
-def _assemble(step, lays, items, groups, with_routes) -> pa.Table:
+def _owned(cols: _Columns, bp: BinPlan):
+    """Edges and occurrences (layout-local indices) of every cut fragment, grouped once."""
+    pid_of_us = np.full(len(bp.us), -1, dtype=np.int64)
+    n_parts = 0
+    for row in bp.parts:
+        for _, rng in row:
+            if rng is not None:
+                pid_of_us[ranges(rng[0], rng[1] - rng[0])] = n_parts
+                n_parts += 1
+    if n_parts == 0:
+        return [], []
+    edge_base = cols.offsets("edge_nodes")
+    edge_pid = pid_of_us[np.searchsorted(bp.us, bp.edge_src)]
+    n_occ = np.diff(cols.offsets("occ_edge"))
+    occ_glob = cols["occ_edge"] + np.repeat(edge_base[:-1], n_occ)
+    occ_pid = edge_pid[occ_glob]
+    occ_base = cols.offsets("occ_edge")
+    out = []
+    for pid, base in ((edge_pid, None), (occ_pid, occ_base)):
+        sel = np.flatnonzero(pid >= 0)
+        order = sel[np.argsort(pid[sel], kind="stable")]
+        bounds = np.searchsorted(pid[order], np.arange(n_parts + 1))
+        out.append((order, bounds))
+    return out
+
+
+def _assemble(step, cols: _Columns, bp: BinPlan) -> pa.Table:
+    edge_base = cols.offsets("edge_nodes")
+    occ_base = cols.offsets("occ_edge")
+    owned = _owned(cols, bp)
+    with_routes = cols.routes is not None
+    lays: dict[int, _Layout] = {}
+    seen: dict[int, np.ndarray] = {}  # per cut layout: nodes that an earlier bin runs
     per_bin = {k: [] for k in ("tokens", "parents", "positions", "routes", "edge_ids", "edge_sources",
                                "edge_targets", "occ_edge", *_OCC)}
     n_nodes, n_edges, n_occ, repeated = [], [], [], []
-    for group in groups:
+    pid = 0
+    for b, row in enumerate(bp.parts):
         parts = {k: [] for k in per_bin}
         node_off = edge_off = rep = 0
-        for i in sorted(group, key=lambda i: (items[i].layout, int(items[i].sources[0]))):
-            it = items[i]
-            lay = lays[it.layout]
-            nodes = _closure(lay, it.sources)
-            assert len(nodes) == it.size, (len(nodes), it.size)
+        for r, rng in row:
+            if r not in lays:
+                lays[r] = cols.row(r, int(edge_base[r]))
+            lay = lays[r]
+            if rng is None:  # the whole layout: its edges and occurrences in order
+                lo, hi = np.searchsorted(bp.us, bp.node_off[r:r + 2])
+                sources = bp.us[lo:hi] - bp.node_off[r]
+                edges = np.arange(len(lay.edge_nodes))
+                occ = slice(None)
+                occ_edge = lay.occ_edge + edge_off
+            else:
+                sources = bp.us[ranges(rng[0], rng[1] - rng[0])] - bp.node_off[r]
+                (e_order, e_bounds), (o_order, o_bounds) = owned
+                edges = e_order[e_bounds[pid]:e_bounds[pid + 1]] - edge_base[r]
+                occ = o_order[o_bounds[pid]:o_bounds[pid + 1]] - occ_base[r]
+                occ_edge = np.searchsorted(edges, lay.occ_edge[occ]) + edge_off
+                pid += 1
+            nodes = _closure(lay, sources)
+            if rng is not None:
+                mask = seen.setdefault(r, np.zeros(len(lay.tokens), dtype=bool))
+                rep += int(np.count_nonzero(mask[nodes]))
+                mask[nodes] = True
             lo = int(nodes[0])
             remap = np.empty(int(nodes[-1]) - lo + 1, dtype=np.int64)
             remap[nodes - lo] = np.arange(node_off, node_off + len(nodes))
             par = lay.parents[nodes]
             local_par = np.where(par >= 0, remap[np.maximum(par - lo, 0)], -1)
-            if it.edges is None:  # the whole layout: its edges and occurrences in order
-                edges = np.arange(len(lay.edge_nodes))
-                occ = slice(None)
-                occ_edge = lay.occ_edge + edge_off
-            else:
-                edges, occ = it.edges, it.occ
-                occ_edge = np.searchsorted(edges, lay.occ_edge[occ]) + edge_off
             parts["tokens"].append(lay.tokens[nodes])
             parts["parents"].append(local_par)
             parts["positions"].append(lay.depth[nodes])
@@ -278,7 +268,7 @@ def _assemble(step, lays, items, groups, with_routes) -> pa.Table:
                 parts[k].append(lay.occ[k][occ])
             node_off += len(nodes)
             edge_off += len(edges)
-            rep += it.repeated
+        assert node_off == bp.sizes[b] <= bp.max_tokens, (node_off, bp.sizes[b], bp.max_tokens)
         for k, v in parts.items():
             per_bin[k].append(np.concatenate(v) if v else np.zeros(0))
         n_nodes.append(node_off)

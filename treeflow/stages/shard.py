@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages._flat import list_offsets, list_values
@@ -50,14 +49,17 @@ class CostModel:
 
 
 def bin_costs(bins: pa.Table, cost: CostModel) -> np.ndarray:
-    tokens = pc.list_value_length(bins.column("tokens")).to_numpy(zero_copy_only=False).astype(np.float64)
-    edges = pc.list_value_length(bins.column("edge_sources")).to_numpy(zero_copy_only=False).astype(np.float64)
     pos = bins.column("positions").combine_chunks()
     off = list_offsets(pos)
-    vals = list_values(pos, np.float64) + 1.0
-    csum = np.concatenate([[0.0], np.cumsum(vals)])
-    pairs = csum[off[1:]] - csum[off[:-1]]
-    return cost.token * tokens + cost.pair * pairs + cost.edge * edges
+    tokens = np.diff(off)
+    edges = np.diff(list_offsets(bins.column("edge_sources").combine_chunks()))
+    vals = list_values(pos)
+    pairs = np.zeros(len(tokens), dtype=np.int64)  # sum of (depth + 1) per bin
+    full = np.flatnonzero(tokens > 0)
+    if len(full):
+        pairs[full] = np.add.reduceat(vals, off[full], dtype=np.int64)
+    pairs += tokens
+    return cost.token * tokens + cost.pair * pairs.astype(np.float64) + cost.edge * edges
 
 
 @dataclass(frozen=True)
