@@ -62,7 +62,8 @@ BIN_SCHEMA = pa.schema(
         _f("edge_sources", I32, "bin-local index of the parent node of each loss edge"),
         _f("edge_targets", I32, "sampled token id of each loss edge"),
         *OCCURRENCE_FIELDS,
-        _f("repeated_tokens", pa.int64(), "nodes of this bin that another bin of the step also runs"),
+        _f("repeated_tokens", pa.int64(), "nodes of this bin that a bin of the step with a smaller bin_id "
+                                          "also runs (summed: executed minus unique nodes)"),
     ],
     metadata={"treeflow.schema": "bin/1"},
 )
