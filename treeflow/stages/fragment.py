@@ -189,29 +189,30 @@ def fragment(layouts: pa.Table, *, max_tokens: int, pad_to_multiple: int = 1) ->
 
 
 def _owned(cols: _Columns, bp: BinPlan):
-    """Edges and occurrences (layout-local indices) of every cut fragment, grouped once."""
-    pid_of_us = np.full(len(bp.us), -1, dtype=np.int64)
+    """Edges and occurrences (global indices) of every cut fragment, grouped once, and each edge's
+    index inside its fragment."""
+    pid_of_node = np.full(int(bp.node_off[-1]), -1, dtype=np.int32)
     n_parts = 0
     for row in bp.parts:
         for _, rng in row:
             if rng is not None:
-                pid_of_us[ranges(rng[0], rng[1] - rng[0])] = n_parts
+                pid_of_node[bp.us[ranges(rng[0], rng[1] - rng[0])]] = n_parts
                 n_parts += 1
     if n_parts == 0:
-        return [], []
+        return None
+    edge_pid = pid_of_node[bp.edge_src]
     edge_base = cols.offsets("edge_nodes")
-    edge_pid = pid_of_us[np.searchsorted(bp.us, bp.edge_src)]
-    n_occ = np.diff(cols.offsets("occ_edge"))
-    occ_glob = cols["occ_edge"] + np.repeat(edge_base[:-1], n_occ)
-    occ_pid = edge_pid[occ_glob]
-    occ_base = cols.offsets("occ_edge")
+    occ_glob = cols["occ_edge"] + np.repeat(edge_base[:-1], np.diff(cols.offsets("occ_edge")))
     out = []
-    for pid, base in ((edge_pid, None), (occ_pid, occ_base)):
+    for pid in (edge_pid, edge_pid[occ_glob]):
         sel = np.flatnonzero(pid >= 0)
-        order = sel[np.argsort(pid[sel], kind="stable")]
-        bounds = np.searchsorted(pid[order], np.arange(n_parts + 1))
-        out.append((order, bounds))
-    return out
+        key = pid[sel].astype(np.int16) if n_parts < 2**15 else pid[sel]  # int16: a radix sort
+        order = sel[np.argsort(key, kind="stable")]
+        out.append((order, np.searchsorted(pid[order], np.arange(n_parts + 1))))
+    (e_order, e_bounds), _ = out
+    pos = np.zeros(len(edge_pid), dtype=np.int64)  # index of an edge inside its fragment
+    pos[e_order] = np.arange(len(e_order)) - np.repeat(e_bounds[:-1], np.diff(e_bounds))
+    return out, pos, occ_glob
 
 
 def _assemble(step, cols: _Columns, bp: BinPlan) -> pa.Table:
@@ -240,10 +241,11 @@ def _assemble(step, cols: _Columns, bp: BinPlan) -> pa.Table:
                 occ_edge = lay.occ_edge + edge_off
             else:
                 sources = bp.us[ranges(rng[0], rng[1] - rng[0])] - bp.node_off[r]
-                (e_order, e_bounds), (o_order, o_bounds) = owned
+                ((e_order, e_bounds), (o_order, o_bounds)), pos, occ_glob = owned
                 edges = e_order[e_bounds[pid]:e_bounds[pid + 1]] - edge_base[r]
-                occ = o_order[o_bounds[pid]:o_bounds[pid + 1]] - occ_base[r]
-                occ_edge = np.searchsorted(edges, lay.occ_edge[occ]) + edge_off
+                occ_g = o_order[o_bounds[pid]:o_bounds[pid + 1]]
+                occ = occ_g - occ_base[r]
+                occ_edge = pos[occ_glob[occ_g]] + edge_off
                 pid += 1
             nodes = _closure(lay, sources)
             if rng is not None:
