@@ -6,10 +6,15 @@ converting are not timed) and the same budget and rank count. NeMo RL's
 planner is our re-implementation in `bench/nrl_planner.py` (see its
 docstring for what it follows). Per row it reports bins, executed tokens,
 repeated context (executed tokens minus the unique tokens each planner must
-run, padding rows apart), bin fill (executed tokens / (bins x budget); NeMo
-RL's padding rows are copies of its smallest fragment and count as executed,
-treeflow's padding bins are empty) and planning time (best of `--repeats`,
-at most `--max-seconds` of repeats per row):
+run, padding rows apart), bin fill (executed tokens / (bins x budget);
+NeMo RL pads the fragment count with copies of its smallest fragment, which
+own no edge: its `fill` counts them, its `fill_without_padding`, which the
+goal uses, does not; treeflow pads with empty bins) and planning time (best
+of `--repeats`, at most `--max-seconds` of repeats per row). By default both
+planners get the nodes that must run (trailing target-only tokens pruned
+from NeMo RL's trees, as treeflow never runs them), so unique tokens,
+repeated context and fill count the same nodes; `--nrl-full-trees` gives
+NeMo RL every token instead (its own layouts' view). Times:
 
 - `nrl_s`: NeMo RL's planning and packing (validation, fragment planning,
   padding, modified first-fit decreasing, round-robin to ranks);
@@ -19,7 +24,8 @@ at most `--max-seconds` of repeats per row):
 - `treeflow_s`: the whole of `Fragment` (bins built as Arrow tables, every
   occurrence carried) plus `Shard`.
 
-    python bench/bench_fragment_vs_nrl.py --out bench/results/fragment_vs_nrl.json
+    python bench/bench_fragment_vs_nrl.py --out bench/results/fragment_vs_nrl.json \
+        --md bench/results/fragment_vs_nrl.md
 
 The goal (issue 11): repeated context <= NeMo RL's and fill >= NeMo RL's on
 every row; `treeflow_plan_s` at least 10x below `nrl_s` on rows that need
@@ -82,6 +88,25 @@ def _treeflow_row(layouts, budget, ranks, repeats, max_seconds):
             "treeflow_plan_s": plan_s + shard_s, "treeflow_s": full_s + shard_s}
 
 
+NAMES = {"synth_defaults": "synth defaults (64 ep., groups of 8)", "e1024_g8": "1024 ep., groups of 8",
+         "long_prompt_g16": "3k system + 1-2k user, groups of 16 (3-6 turns)",
+         "g32_branch0.3": "groups of 32, branch prob. 0.3", "one_tree_128": "one tree of 128 ep."}
+
+
+def markdown(out: dict) -> str:
+    lines = ["| data | budget | ranks | bins tf / NRL | repeated context tf / NRL | fill tf / NRL "
+             "| planning tf / NRL (ms) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in out["rows"]:
+        t, n = r["treeflow"], r["nrl"]
+        lines.append(
+            f"| {NAMES.get(r['data'], r['data'])} | {r['budget']} | {r['ranks']} | {t['bins']} / {n['bins']} "
+            f"| {t['repeated_context']:,} / {n['repeated_context']:,} "
+            f"| {t['fill']:.3f} / {n['fill_without_padding']:.3f} "
+            f"| {t['treeflow_plan_s'] * 1e3:.1f} / {n['nrl_s'] * 1e3:.0f}"
+            f"{'' if r['cuts_needed'] else ' (all fit)'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--datasets", nargs="*", default=list(DATASETS))
@@ -90,6 +115,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=5.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--md", default=None, help="also write the table as Markdown here")
     ap.add_argument("--nrl-full-trees", action="store_true",
                     help="give NeMo RL every token of the trees (as its own layouts hold them), "
                          "not only the nodes treeflow runs; repeated context and fill then count "
@@ -134,6 +160,10 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(f"loadavg {out['loadavg']}, best of {args.repeats}; all goals met: "
+                    f"{out['all_goals_met']}\n\n" + markdown(out))
     print(text)
 
 

@@ -12,21 +12,25 @@ too-deep check), and the closure of runs i..j of one layout is
 with d_r the depth of run r's last source and h_r the depth of its LCA with
 run r-1 (-1 at a root). One `minimum.reduceat` over the depth array gives every
 h, so the whole step reduces to a few numbers per run, found in a few numpy
-passes over the nodes; nothing below loops per token or compares pairs.
+passes over the nodes; nothing below loops per token or over pairs of leaves.
 
-A layout whose closure fits is one item. A larger one is cut into *units*:
-the maximal subtrees of its run hierarchy (the Cartesian tree of h) whose
-closure fits, found top-down by splitting a range at its minimal h. Items are
-then packed first-fit decreasing by closure size, except that a unit first
-tries the bins that already run part of its layout, where it costs only its
-closure minus the prefix it shares with them (the deepest LCA + 1), taking
-the bin where it shares most. So a bin holds at most one fragment per layout
-(two units of one layout in one bin are one fragment, their common ancestors
-run once), neighbouring episodes of a group gather where their prompt
-already is, and no unit ever pays for context it does not need. The
-trade-off: a unit is never split to fill a gap, so a bin can stay a little
-emptier than a finer cut would make it, in exchange for repeating no context
-inside a subtree that fits.
+A layout whose closure fits is one item. A larger one is cut along its run
+hierarchy (the Cartesian tree of h: a range of runs splits at its minimal h,
+i.e. at the branching node its runs share): the maximal subtrees that fit
+are its *units*, and going back up, the pieces below each branching node are
+packed first-fit decreasing into fragments, each piece taking the fragment
+it adds least to. Pieces of different subtrees share exactly the path to the
+branching node, so deep-sharing pieces (an episode's own branches) merge
+before shallow ones (episodes under a group prompt), as in NeMo RL's pairwise
+"most shared tokens first" merge, but in O(pieces x fragments) per node and
+never a scan over pairs of leaves. Where packing the units flat runs fewer
+nodes, that is kept instead. The fragments of all layouts are then packed
+first-fit decreasing into bins, where a fragment joining a bin that already
+runs part of its layout costs only what its closure adds: a bin holds one
+fragment per layout, and two fragments of one tree never run their common
+ancestors twice. The trade-off: a unit (a subtree that fits) is never split
+to fill a gap, so a bin can stay a little emptier than a finer cut would
+make it, in exchange for never repeating context inside a subtree that fits.
 
 Legend: L layouts, N nodes (all layouts, concatenated), E edges, K unique
 sources, R runs (of the layouts that are cut).
