@@ -169,15 +169,17 @@ class _Runs:
 
     def fragments(self, max_tokens: int) -> list:
         """Per cut layout: its fragments, packed bottom-up over the run hierarchy or, where that
-        runs more nodes, its units packed flat."""
+        makes more fragments than ceil(closure / budget) and packing its units flat runs fewer
+        nodes, the flat packing."""
         out = []
         for lay, r0, r1 in self.lay_runs:
             units: list = []
             best = [(size, lay, tuple(spans)) for size, spans in self._solve(r0, r1 - 1, max_tokens, units)]
-            flat = [(size, lay, tuple(spans)) for size, ((_, _, spans),) in
-                    _pack([(size, lay, tuple(spans)) for size, spans in units], self, max_tokens)]
-            if sum(f[0] for f in flat) < sum(f[0] for f in best):
-                best = flat
+            if len(best) > -(-self.size(r0, r1 - 1) // max_tokens):  # more fragments than the bound
+                flat = [(size, lay, tuple(spans)) for size, ((_, _, spans),) in
+                        _pack([(size, lay, tuple(spans)) for size, spans in units], self, max_tokens)]
+                if sum(f[0] for f in flat) < sum(f[0] for f in best):
+                    best = flat
             out.append(best)
         return out
 

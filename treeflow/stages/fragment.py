@@ -65,10 +65,14 @@ class _Layout:
     occ_edge: np.ndarray
     edge_base: int
     roots: np.ndarray | None = None
+    _sources: np.ndarray | None = None
 
     @property
     def sources(self) -> np.ndarray:
-        return self.parents[self.edge_nodes]
+        """Parent node of each edge (computed once)."""
+        if self._sources is None:
+            self._sources = self.parents[self.edge_nodes]
+        return self._sources
 
 
 class _Columns:
@@ -263,7 +267,7 @@ def _assemble(step, cols: _Columns, bp: BinPlan) -> pa.Table:
             if with_routes:
                 parts["routes"].append(lay.routes[nodes])
             parts["edge_ids"].append(lay.edge_base + edges)
-            parts["edge_sources"].append(remap[lay.sources[edges] - lo])
+            parts["edge_sources"].append(remap[lay.parents[lay.edge_nodes[edges]] - lo])
             parts["edge_targets"].append(lay.tokens[lay.edge_nodes[edges]])
             parts["occ_edge"].append(occ_edge)
             for k in _OCC:
