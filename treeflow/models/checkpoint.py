@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 
-__all__ = ["load_model", "save_model"]
+__all__ = ["load_model", "save_model", "save_state"]
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -99,10 +99,15 @@ def _seeded_init(model: Decoder, seed: int) -> None:
 
 def save_model(model: Decoder, path: str | os.PathLike) -> None:
     """Write `config.json` + `model.safetensors` that transformers' from_pretrained loads."""
+    save_state(model.state_dict(), model.config, path)
+
+
+def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike) -> None:
+    """Write a state dict in Hugging Face names (any backend's export) with its config.json."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
+        json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
     save_file(state, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})

@@ -25,13 +25,17 @@ class Rotary:
         self._inv_freq_cpu = 1.0 / (theta ** exponents)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
-    def cos_sin(self, positions_N: torch.Tensor, dtype: torch.dtype):
+    def angles(self, positions_N: torch.Tensor) -> torch.Tensor:
+        """Rotation angles [N, D] in float32 (each frequency twice, for `rotate_half`)."""
         device = positions_N.device
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = self._inv_freq_cpu.to(device)
         freqs_ND2 = positions_N.float()[:, None] * inv_freq[None, :]
-        emb_ND = torch.cat((freqs_ND2, freqs_ND2), dim=-1)
+        return torch.cat((freqs_ND2, freqs_ND2), dim=-1)
+
+    def cos_sin(self, positions_N: torch.Tensor, dtype: torch.dtype):
+        emb_ND = self.angles(positions_N)
         return emb_ND.cos().to(dtype), emb_ND.sin().to(dtype)
 
 

@@ -1,0 +1,283 @@
+"""The megatron-core backend: MCore's GPTModel with tree attention, tensor parallel.
+
+The model is MCore's `GPTModel` built from the Hugging Face config with
+`tree_layer_spec` (spec.py), weights converted by convert.py. treeflow runs
+it piece by piece instead of through `GPTModel.forward`, for two reasons
+that the issue names: `GPTModel.forward` derives RoPE from 0..S-1 and
+ignores `position_ids` (a tree needs depths), and its post-processing
+projects every token onto the vocabulary (treeflow projects only loss edges).
+So `hidden_states` runs `model.embedding`, then `model.decoder` (the layers
+and, with post_process=True, the final norm) with the bin's AttentionPlan
+as the attention mask and the rotary angles of the tree depths; and
+`edge_logprobs` applies the output layer's vocabulary shard to the selected
+rows only (logprobs.py). Multi-token-prediction heads and the rest of
+`_postprocess` are never run.
+
+Tensor parallelism T uses MCore's process groups (parallel_state): launch
+T processes (torchrun) and every rank builds the backend with
+`tensor_parallel=T`. With sequence parallelism the token stream is split
+across ranks between layers, so a bin is padded with single-token roots to a
+multiple of T (they attend only to themselves and are dropped after the
+final norm). A single process with T=1 creates its own one-rank group.
+
+Legend: N tokens of a bin (P padded), H hidden, E selected rows, D head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from treeflow.models.megatron import _cpu
+from treeflow.models.attention import AttentionPlan
+from treeflow.models.checkpoint import load_model, save_state
+from treeflow.models.config import ModelConfig
+from treeflow.models.megatron.convert import hf_to_mcore, mcore_to_hf, shard, unshard
+from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
+from treeflow.models.megatron.spec import tree_layer_spec, uses_tree_attention
+from treeflow.models.rope import Rotary
+
+__all__ = ["MegatronBackend", "build_gpt_model"]
+
+
+def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                    sequence_parallel: bool = False) -> GPTModel:
+    """An MCore GPTModel of the HF config's shape (this rank's shard), parameters on CPU, uninitialised."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if c.vocab_size % tp:
+        raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tensor parallelism {tp}; "
+                         "the vocab-parallel output layer needs equal shards (use another TP size)")
+    config = TransformerConfig(
+        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
+        ffn_hidden_size=c.intermediate_size, kv_channels=c.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
+        add_bias_linear=False, add_qkv_bias=c.attention_bias,
+        gated_linear_unit=True, activation_func=F.silu,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=True, perform_initialization=False,
+        # the unfused PyTorch paths: fused kernels are CUDA/Apex/TE-only
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+    return GPTModel(config, tree_layer_spec(), vocab_size=c.vocab_size,
+                    max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
+                    position_embedding_type="rope", rotary_base=int(c.rope_theta),
+                    share_embeddings_and_output_weights=c.tie_word_embeddings,
+                    parallel_output=True)
+
+
+class MegatronBackend:
+    """A GPTModel (this rank's tensor-parallel shard) behind treeflow's backend protocol."""
+
+    name = "megatron"
+
+    def __init__(self, model: GPTModel, config: ModelConfig) -> None:
+        _refuse_unsupported(model)
+        self.module = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.sequence_parallel = bool(model.config.sequence_parallel)
+        self._rotary = Rotary(config.head_dim, config.rope_theta)
+
+    @classmethod
+    def load(cls, source: str | os.PathLike | ModelConfig, *, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu", tensor_parallel: int = 1,
+             sequence_parallel: bool | None = None) -> "MegatronBackend":
+        """Load "tiny", a ModelConfig or a local HF checkpoint into this rank's GPTModel shard."""
+        device = _resolve(torch.device(device))
+        init_parallel(tensor_parallel, device)
+        reference = load_model(source, dtype=torch.float32, device="cpu")  # HF names, checked
+        config = reference.config
+        full = hf_to_mcore(reference.state_dict(), config)
+        del reference
+        part = shard(full, parallel_state.get_tensor_model_parallel_rank(), tensor_parallel)
+        sp = tensor_parallel > 1 if sequence_parallel is None else sequence_parallel
+        model = build_gpt_model(config, dtype=dtype, sequence_parallel=sp)
+        _load_exact(model, part)
+        return cls(model.to(device=device), config)
+
+    # ------------------------------------------------------------ forward
+    def attention_plan(self, parents_N, subtree_end_N, *, kernel: str) -> AttentionPlan:
+        parents_N, end_N = np.asarray(parents_N), np.asarray(subtree_end_N)
+        pad = -len(end_N) % self.tp if self.sequence_parallel else 0
+        if pad:  # single-token roots: each sees only itself
+            end_N = np.concatenate((end_N, np.arange(len(end_N) + 1, len(end_N) + pad + 1)))
+            parents_N = np.concatenate((parents_N, np.full(pad, -1, dtype=parents_N.dtype)))
+        return AttentionPlan(end_N, kernel=kernel, device=self.device, parents_N=parents_N)
+
+    def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
+                      plan: AttentionPlan) -> torch.Tensor:
+        n, p = tokens_N.shape[0], plan.num_tokens
+        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
+            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
+                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
+        if not 0 <= p - n < (self.tp if self.sequence_parallel else 1):
+            raise ValueError(f"attention plan is for {p} tokens, got {n}; make it with this "
+                             "backend's attention_plan")
+        tokens_P = F.pad(tokens_N, (0, p - n))
+        positions_P = F.pad(positions_N, (0, p - n))
+        model = self.module
+        x_P1H = model.embedding(input_ids=tokens_P[None], position_ids=positions_P[None])
+        angles_P11D = self._rotary.angles(positions_P)[:, None, None, :]
+        x_P1H = model.decoder(hidden_states=x_P1H, attention_mask=plan, rotary_pos_emb=angles_P11D)
+        if self.sequence_parallel:
+            x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=True)
+        return x_P1H[:n, 0]
+
+    def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy):
+        model = self.module
+        weight = (model.shared_embedding_or_output_weight() if self.config.tie_word_embeddings
+                  else model.output_layer.weight)
+        return vocab_parallel_logprobs(weight, self.config.vocab_size, hidden_EH, targets_E,
+                                       chunk_size=chunk_size, with_entropy=with_entropy)
+
+    # ------------------------------------------------------------ training
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def optimizer(self, *, lr, betas, eps, weight_decay):
+        return torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, eps=eps,
+                                 weight_decay=weight_decay)
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Finish the TP gradients, then clip them by their global norm; returns the norm.
+
+        Under sequence parallelism each rank's norm-weight gradient covers its
+        tokens only: they are summed over the TP group first (MCore's
+        finalize_model_grads does the same). The norm counts every sharded
+        parameter on every rank and every replicated one once.
+        """
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        group = parallel_state.get_tensor_model_parallel_group()
+        if self.tp > 1 and self.sequence_parallel:
+            for p in params:
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=group)
+        squares = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                squares += p.grad.detach().float().pow(2).sum()
+        if self.tp > 1:
+            dist.all_reduce(squares, group=group)
+        norm = float(squares.sqrt())
+        if max_norm and np.isfinite(norm):
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            for p in params:
+                p.grad.detach().mul_(coef)
+        return norm
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The unsharded MCore state dict (every rank takes part; all get the result)."""
+        mine = {k: v.detach() for k, v in self.module.state_dict().items()
+                if not k.endswith("_extra_state")}
+        if self.tp == 1:
+            return mine
+        parts = [dict() for _ in range(self.tp)]
+        group = parallel_state.get_tensor_model_parallel_group()
+        for name, t in mine.items():
+            pieces = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(pieces, t.contiguous(), group=group)
+            for part, piece in zip(parts, pieces):
+                part[name] = piece
+        return unshard(parts)
+
+    def save(self, path) -> None:
+        """Export HF safetensors + config.json (TP shards gathered; the TP rank 0 writes)."""
+        state = mcore_to_hf(self.full_state(), self.config)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            save_state(state, self.config, path)
+        if self.tp > 1:
+            dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
+
+    def to(self, device) -> None:
+        self.module.to(device)
+        self.device = torch.device(device)
+
+
+def init_parallel(tensor_parallel: int, device: torch.device) -> None:
+    """Make MCore's process groups: from torchrun's environment, or a one-process group."""
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group(backend)
+        elif tensor_parallel == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            raise ValueError(f"tensor_parallel={tensor_parallel} needs that many processes: "
+                             f"launch with torchrun --nproc-per-node {tensor_parallel}")
+    if parallel_state.model_parallel_is_initialized():
+        have = parallel_state.get_tensor_model_parallel_world_size()
+        if have != tensor_parallel:
+            raise ValueError(f"megatron-core's parallel state is already set up with tensor "
+                             f"parallelism {have}, not {tensor_parallel}")
+    else:
+        if dist.get_world_size() % tensor_parallel:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
+                             f"tensor_parallel={tensor_parallel}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if device.type == "cpu":
+        _cpu.apply()
+
+
+def _load_exact(model: GPTModel, state: dict[str, torch.Tensor]) -> None:
+    want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
+    if missing or extra:
+        raise ValueError(f"converted state does not fit the GPTModel: missing {missing}, "
+                         f"unexpected {extra}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(want[name].shape):
+            raise ValueError(f"{name}: converted shape {tuple(t.shape)} but the GPTModel "
+                             f"needs {tuple(want[name].shape)}")
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()):
+            p.copy_(state[name])
+
+
+def _refuse_unsupported(model) -> None:
+    if not isinstance(model, GPTModel):
+        raise TypeError(f"the megatron backend runs an MCore GPTModel, got "
+                        f"{type(model).__name__} (hybrid/Mamba models are refused: a recurrent "
+                        "layer's state at a branch point would have to be forked per child)")
+    if getattr(model, "mtp_process", False) or getattr(model.config, "mtp_num_layers", None):
+        raise ValueError("multi-token-prediction heads are not supported: an MTP head predicts "
+                         "tokens further along one path, which a branching tree does not "
+                         "define; build the GPTModel without mtp_block_spec")
+    kinds = {type(m).__name__ for m in model.modules()}
+    recurrent = sorted(k for k in kinds if "Mamba" in k or "SSM" in k)
+    if recurrent:
+        raise ValueError(f"the model has recurrent layers {recurrent}: their state at a branch "
+                         "point would have to be forked per child, which treeflow does not do")
+    if not uses_tree_attention(model):
+        raise ValueError("the GPTModel's core attention is not TreeCoreAttention: ordinary "
+                         "causal attention over a tree gives wrong logprobs; build it with "
+                         "treeflow.models.megatron.tree_layer_spec()")
+    if not (model.pre_process and model.post_process):
+        raise ValueError("pipeline parallelism is not supported: build the GPTModel with "
+                         "pre_process=True and post_process=True")
+
+
+def _resolve(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,149 @@
+"""Hugging Face Llama/Qwen2 state dicts <-> megatron-core GPTModel state dicts, and TP shards.
+
+Pure tensor rearrangements, so the same functions convert weights on load,
+on export, and gradients in tests. MCore's layouts:
+
+- `linear_qkv` fuses Q, K and V *per query group*: for each of the K
+  key/value groups, that group's Q/K heads' query rows, then its key rows,
+  then its value rows (`[g0: q q k v][g1: q q k v]...`). A tensor-parallel
+  rank owns whole groups, i.e. a contiguous block of rows. Qwen2's Q/K/V
+  biases are fused the same way.
+- `linear_fc1` fuses SwiGLU's gate and up projections as `[gate; up]` on
+  every rank, so rank r holds `[gate_r; up_r]` (not a contiguous block of
+  the unsharded tensor): sharding splits gate and up separately.
+- column-parallel weights (QKV, fc1, embedding, output layer) split rows;
+  row-parallel weights (attention output `linear_proj`, `linear_fc2`) split
+  columns; norms are replicated.
+
+A tied model has no `output_layer.weight`: the output layer reads the word
+embedding. Tensors are named as in `GPTModel.state_dict()` built from
+`tree_layer_spec` (MCore's local spec); `_extra_state` entries are not weights.
+
+Legend: Q query heads, K key/value groups, D head dim, H hidden, I MLP width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeflow.models.config import ModelConfig
+
+__all__ = ["hf_to_mcore", "mcore_to_hf", "shard", "unshard"]
+
+_LAYER_RENAMES = {  # HF name after "model.layers.{i}." -> MCore name after "decoder.layers.{i}."
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_GLOBAL_RENAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split along columns (dim 1)
+_REPLICATED = ("layernorm.weight",)
+
+
+def hf_to_mcore(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names and layouts -> an unsharded (TP=1) MCore state dict."""
+    out = {}
+    for hf_name, mc_name in _GLOBAL_RENAMES.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        out[mc_name] = _take(hf, hf_name)
+    for i in range(c.num_hidden_layers):
+        a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_name, mc_name in _LAYER_RENAMES.items():
+            out[m + mc_name] = _take(hf, a + hf_name)
+        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            *(_take(hf, f"{a}self_attn.{x}_proj.weight") for x in "qkv"), c)
+        if c.attention_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                *(_take(hf, f"{a}self_attn.{x}_proj.bias") for x in "qkv"), c)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [_take(hf, a + "mlp.gate_proj.weight"), _take(hf, a + "mlp.up_proj.weight")])
+    return out
+
+
+def mcore_to_hf(mc: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """An unsharded MCore state dict -> HF names and layouts (the inverse of hf_to_mcore)."""
+    out = {}
+    for hf_name, mc_name in _GLOBAL_RENAMES.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        out[hf_name] = _take(mc, mc_name)
+    for i in range(c.num_hidden_layers):
+        a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_name, mc_name in _LAYER_RENAMES.items():
+            out[a + hf_name] = _take(mc, m + mc_name)
+        for kind in ("weight", "bias") if c.attention_bias else ("weight",):
+            q, k, v = _split_qkv(_take(mc, f"{m}self_attention.linear_qkv.{kind}"), c)
+            out.update({f"{a}self_attn.q_proj.{kind}": q, f"{a}self_attn.k_proj.{kind}": k,
+                        f"{a}self_attn.v_proj.{kind}": v})
+        gate, up = _take(mc, m + "mlp.linear_fc1.weight").chunk(2)
+        out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
+    return out
+
+
+def shard(full: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s part of an unsharded MCore state dict under tensor parallelism `size`."""
+    out = {}
+    for name, t in full.items():
+        if name.endswith(_REPLICATED):
+            out[name] = t
+        elif name.endswith(_ROW_PARALLEL):
+            out[name] = _chunk(t, size, 1, name)[rank]
+        elif name.endswith("linear_fc1.weight"):
+            gate, up = t.chunk(2)
+            out[name] = torch.cat([_chunk(gate, size, 0, name)[rank], _chunk(up, size, 0, name)[rank]])
+        else:  # column-parallel: QKV (whole groups), embedding and output layer (vocab rows)
+            out[name] = _chunk(t, size, 0, name)[rank]
+    return out
+
+
+def unshard(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The unsharded MCore state dict from every rank's part, in rank order (inverse of shard)."""
+    out = {}
+    for name, t in parts[0].items():
+        pieces = [p[name] for p in parts]
+        if name.endswith(_REPLICATED):
+            out[name] = t
+        elif name.endswith(_ROW_PARALLEL):
+            out[name] = torch.cat(pieces, dim=1)
+        elif name.endswith("linear_fc1.weight"):
+            halves = [p.chunk(2) for p in pieces]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            out[name] = torch.cat(pieces, dim=0)
+    return out
+
+
+def _take(state, name):
+    if name not in state:
+        raise ValueError(f"state dict lacks tensor {name!r}")
+    return state[name]
+
+
+def _chunk(t, size, dim, name):
+    if t.shape[dim] % size:
+        raise ValueError(f"{name} {tuple(t.shape)}: dim {dim} is not divisible by tensor "
+                         f"parallelism {size}")
+    return t.chunk(size, dim=dim)
+
+
+def _fuse_qkv(q, k, v, c: ModelConfig):
+    groups, per_group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest),
+                       v.reshape(groups, d, *rest)], dim=1)
+    return fused.reshape(groups * (per_group + 2) * d, *rest)
+
+
+def _split_qkv(fused, c: ModelConfig):
+    groups, per_group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    rest = fused.shape[1:]
+    q, k, v = fused.reshape(groups, (per_group + 2) * d, *rest).split(
+        [per_group * d, d, d], dim=1)
+    return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest),
+            v.reshape(groups * d, *rest))

@@ -1,0 +1,104 @@
+"""Tree attention inside megatron-core: a core-attention module supplied through the layer spec.
+
+MCore builds every transformer layer from a `ModuleSpec`; its self-attention
+computes Q/K/V (fused, tensor-parallel), applies the rotary embedding it is
+given, calls the spec's `core_attention(query, key, value, attention_mask)`
+and projects the result. `TreeCoreAttention` is that core: it takes the bin's
+`AttentionPlan` (models/attention.py) as the `attention_mask` argument, which
+MCore passes through untouched, and runs the same kernels as the reference
+backend (dense mask, flex block mask, ancestor runs, causal for chains). So
+nothing in MCore is forked or patched: the spec swaps one submodule.
+
+`tree_layer_spec` is the single place where the layer is chosen. Today it is
+MCore's local (pure PyTorch) spec, because Transformer Engine cannot be
+installed here; a TE spec (`get_gpt_layer_with_transformer_engine_spec` with
+this core attention) would slot in at this one function.
+
+Legend: S tokens (sequence), B batch (always 1: a bin is one token stream),
+Q query heads and K key/value groups of this rank, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import divide
+
+from treeflow.models.attention import AttentionPlan
+
+__all__ = ["TreeCoreAttention", "tree_layer_spec"]
+
+
+class TreeCoreAttention(MegatronModule):
+    """Core attention over a tree bin: `attention_mask` must be the bin's AttentionPlan."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, **_ignored) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("tree attention does not support context parallelism: a tree's "
+                             "ancestors cross any split of the token stream; use "
+                             "context_parallel_size=1")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout={dropout}: tree attention computes exact "
+                             "logprobs and has no dropout; set attention_dropout=0")
+        if config.window_size is not None:
+            raise ValueError(f"window_size={config.window_size}: sliding-window attention is "
+                             "not a tree kernel; treeflow refuses it rather than ignoring it")
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling changes the softmax scale; "
+                             "treeflow's kernels use 1/sqrt(head_dim)")
+        head_dim = config.kv_channels
+        if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5):
+            raise ValueError(f"softmax_scale={softmax_scale}: treeflow's kernels use "
+                             f"1/sqrt(head_dim) = {head_dim ** -0.5}")
+        tp = pg_collection.tp.size() if pg_collection is not None else _tp_size()
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
+        self.head_dim = head_dim
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **_ignored):
+        """query [S, 1, Q, D], key/value [S, 1, K, D] -> context [S, 1, Q * D]."""
+        plan = attention_mask
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"TreeCoreAttention needs the bin's AttentionPlan as attention_mask, "
+                            f"got {type(plan).__name__}; run the model through treeflow's "
+                            "megatron backend (hidden_states), not GPTModel.forward")
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("tree attention takes neither attention_bias nor packed_seq_params: "
+                             "the AttentionPlan already says which tokens see which")
+        if query.shape[1] != 1:
+            raise ValueError(f"a tree bin is one token stream (batch 1), got batch {query.shape[1]}")
+        out_SQD = plan(query[:, 0], key[:, 0], value[:, 0])
+        return out_SQD.reshape(out_SQD.shape[0], 1, self.heads * self.head_dim)
+
+
+def tree_layer_spec() -> ModuleSpec:
+    """MCore's local GPT layer (RMSNorm, fused QKV, SwiGLU MLP) with tree core attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules,
+                                                  core_attention=TreeCoreAttention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                    self_attention=attention))
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def uses_tree_attention(model: torch.nn.Module) -> bool:
+    """True iff every core attention of `model` is a TreeCoreAttention."""
+    cores = [m for n, m in model.named_modules() if n.endswith("core_attention")]
+    return bool(cores) and all(isinstance(m, TreeCoreAttention) for m in cores)
