@@ -15,15 +15,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from treeflow.models.megatron.backend import MegatronBackend, build_gpt_model
 from treeflow.models.megatron.convert import hf_to_mcore, mcore_to_hf, shard, unshard
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
-from treeflow.models.megatron.spec import TreeCoreAttention, tree_layer_spec
+from treeflow.models.megatron.spec import (TreeCoreAttention, TreeRMSNorm, tree_block_spec,
+                                           tree_layer_spec)
 
 __all__ = [
     "MegatronBackend",
     "TreeCoreAttention",
+    "TreeRMSNorm",
     "build_gpt_model",
     "hf_to_mcore",
     "mcore_to_hf",
     "shard",
+    "tree_block_spec",
     "tree_layer_spec",
     "unshard",
     "vocab_parallel_logprobs",

@@ -33,7 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -43,7 +49,7 @@ from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
 from treeflow.models.megatron.convert import hf_to_mcore, mcore_to_hf, shard, unshard
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
-from treeflow.models.megatron.spec import tree_layer_spec, uses_tree_attention
+from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 from treeflow.models.rope import Rotary
 
 __all__ = ["MegatronBackend", "build_gpt_model"]
@@ -71,11 +77,31 @@ def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
     )
-    return GPTModel(config, tree_layer_spec(), vocab_size=c.vocab_size,
-                    max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
-                    position_embedding_type="rope", rotary_base=int(c.rope_theta),
-                    share_embeddings_and_output_weights=c.tie_word_embeddings,
-                    parallel_output=True)
+    model = GPTModel(config, tree_block_spec(c.num_hidden_layers), vocab_size=c.vocab_size,
+                     max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
+                     position_embedding_type="rope", rotary_base=int(c.rope_theta),
+                     share_embeddings_and_output_weights=c.tie_word_embeddings,
+                     parallel_output=True)
+    _mark_tensor_parallel(model)
+    return model
+
+
+def _mark_tensor_parallel(model: GPTModel) -> None:
+    """Tag sharded weights as MCore's initialisation would (skipped: the weights are loaded).
+
+    Without `perform_initialization` MCore leaves the weights untagged, and the
+    gradient norm would then count each shard on TP rank 0 only.
+    """
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 class MegatronBackend:
@@ -104,7 +130,13 @@ class MegatronBackend:
         full = hf_to_mcore(reference.state_dict(), config)
         del reference
         part = shard(full, parallel_state.get_tensor_model_parallel_rank(), tensor_parallel)
-        sp = tensor_parallel > 1 if sequence_parallel is None else sequence_parallel
+        if sequence_parallel is None:
+            sequence_parallel = tensor_parallel > 1 and device.type == "cuda"
+        if sequence_parallel and device.type != "cuda":
+            raise ValueError("sequence_parallel=True needs CUDA: megatron-core's sequence-parallel "
+                             "collectives allocate on the current CUDA device; use "
+                             "sequence_parallel=False on CPU")
+        sp = sequence_parallel
         model = build_gpt_model(config, dtype=dtype, sequence_parallel=sp)
         _load_exact(model, part)
         return cls(model.to(device=device), config)

@@ -27,11 +27,32 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.utils import divide
 
 from treeflow.models.attention import AttentionPlan
+from treeflow.models.decoder import RMSNorm
 
-__all__ = ["TreeCoreAttention", "tree_layer_spec"]
+__all__ = ["TreeCoreAttention", "TreeRMSNorm", "tree_block_spec", "tree_layer_spec"]
+
+
+class TreeRMSNorm(RMSNorm):
+    """The reference decoder's RMSNorm (float32 statistics, as Hugging Face) with MCore's signature.
+
+    MCore's local spec falls back to torch.nn.RMSNorm without Apex, which
+    refuses sequence parallelism; this one supports it by marking its weight
+    `sequence_parallel` (its gradient then covers this rank's tokens only and
+    is summed over the TP group before the optimizer step; see
+    MegatronBackend.clip_grad_norm), and it keeps the backends' activations
+    identical in bf16 too.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_ignored) -> None:
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError("TreeRMSNorm is RMSNorm with a plain gamma")
+        super().__init__(hidden_size, eps)
+        self.weight.data = self.weight.data.to(config.params_dtype)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
 class TreeCoreAttention(MegatronModule):
@@ -82,14 +103,21 @@ class TreeCoreAttention(MegatronModule):
 
 
 def tree_layer_spec() -> ModuleSpec:
-    """MCore's local GPT layer (RMSNorm, fused QKV, SwiGLU MLP) with tree core attention."""
+    """MCore's local GPT layer (fused QKV, SwiGLU MLP) with tree core attention and TreeRMSNorm."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     attention = spec.submodules.self_attention
     attention = dataclasses.replace(
         attention, submodules=dataclasses.replace(attention.submodules,
                                                   core_attention=TreeCoreAttention))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
-                                                                    self_attention=attention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=attention, input_layernorm=TreeRMSNorm,
+        pre_mlp_layernorm=TreeRMSNorm))
+
+
+def tree_block_spec(num_layers: int) -> TransformerBlockSubmodules:
+    """`num_layers` tree layers and the final norm, for GPTModel's `transformer_layer_spec`."""
+    return TransformerBlockSubmodules(layer_specs=[tree_layer_spec()] * num_layers,
+                                      layer_norm=TreeRMSNorm)
 
 
 def _tp_size() -> int:
