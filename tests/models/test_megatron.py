@@ -217,3 +217,26 @@ def test_refusals():
     with pytest.raises(TypeError, match="needs the bin's AttentionPlan"):  # e.g. a causal mask
         backend.module.decoder(hidden_states=torch.zeros(4, 1, 16),
                                attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool).triu(1))
+
+
+def test_cli_replay_and_train_with_the_megatron_backend(ckpt, tmp_path, capsys):
+    import json
+
+    from treeflow.cli import main
+    from treeflow.pipeline import write_episodes
+
+    path, hf = ckpt
+    data = tmp_path / "e.arrow"
+    write_episodes(_episodes(), data)
+    assert main(["replay", str(data), "--backend", "megatron", "--model", path,
+                 "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
+    got = _flat(pa.ipc.open_file(tmp_path / "lp.arrow").read_all())
+    np.testing.assert_allclose(got, _hf_logprobs(hf, _episodes()), rtol=0, atol=1e-5)
+    capsys.readouterr()
+    assert main(["replay", str(data), "--backend", "megatron", "--model", path, "--mode", "train",
+                 "--batch-episodes", "2", "--steps", "2", "--lr", "1e-3", "--max-tokens", "96",
+                 "--save", str(tmp_path / "ckpt"), "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["steps"] == 2 and np.isfinite(last["last"]["loss"])
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+    assert not torch.equal(trained["model.norm.weight"], hf.state_dict()["model.norm.weight"])
