@@ -213,6 +213,8 @@ def test_refusals():
         MegatronBackend(torch.nn.Linear(2, 2), c)
     with pytest.raises(ValueError, match="already set up with tensor parallelism 1, not 2"):
         load_backend("megatron", "tiny", tensor_parallel=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs CUDA"):
+        load_backend("megatron", "tiny", sequence_parallel=True)
     backend = MegatronBackend(build_gpt_model(c), c)
     with pytest.raises(TypeError, match="needs the bin's AttentionPlan"):  # e.g. a causal mask
         backend.module.decoder(hidden_states=torch.zeros(4, 1, 16),

@@ -20,6 +20,15 @@ across ranks between layers, so a bin is padded with single-token roots to a
 multiple of T (they attend only to themselves and are dropped after the
 final norm). A single process with T=1 creates its own one-rank group.
 
+CPU: no shims. The pieces of MCore that assume CUDA are exactly the ones
+treeflow does not run: its RotaryEmbedding (which moves to the current CUDA
+device; the angles here come from the depths), its default causal mask and
+DotProductAttention with its CUDA memory buffer (replaced by
+TreeCoreAttention), and GPTModel.forward. Weights are created with
+`use_cpu_initialization`. Sequence parallelism stays CUDA-only (MCore's
+sequence-parallel collectives allocate on the current CUDA device) and is
+refused on CPU, so TP on CPU (gloo) runs without it.
+
 Legend: N tokens of a bin (P padded), H hidden, E selected rows, D head dim.
 """
 
@@ -43,7 +52,6 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from treeflow.models.megatron import _cpu
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
@@ -267,8 +275,6 @@ def init_parallel(tensor_parallel: int, device: torch.device) -> None:
             raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
                              f"tensor_parallel={tensor_parallel}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-    if device.type == "cpu":
-        _cpu.apply()
 
 
 def _load_exact(model: GPTModel, state: dict[str, torch.Tensor]) -> None:
