@@ -14,7 +14,7 @@ ranks agreed bit for bit, the loss, the gradient norm, and per parameter the
 largest gradient difference to the float32 reference backend's gradients
 (mapped to MCore names) relative to that gradient's largest entry. The
 callers (tests/models/test_megatron_tp.py on CPU over gloo,
-tests/gpu/test_megatron_tp.py on two GPUs over NCCL) decide the tolerances.
+tests/gpu/test_gpu_megatron_tp.py on two GPUs over NCCL) decide the tolerances.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ def _grads_full(backend) -> dict[str, torch.Tensor]:
     mine = {n: p.grad.detach().float() for n, p in backend.named_parameters() if p.grad is not None}
     if backend.tp == 1:
         return mine
+    for n, p in backend.named_parameters():  # sequence parallel: each rank holds its tokens' part
+        if n in mine and getattr(p, "sequence_parallel", False):
+            mine[n] = mine[n].clone()
+            dist.all_reduce(mine[n], group=parallel_state.get_tensor_model_parallel_group())
     parts = [dict() for _ in range(backend.tp)]
     for name, g in mine.items():
         pieces = [torch.empty_like(g) for _ in range(backend.tp)]

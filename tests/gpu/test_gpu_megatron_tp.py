@@ -1,0 +1,70 @@
+"""Megatron backend on GPUs: TP=2 (sequence parallel, NCCL) equals TP=1 within bf16 noise.
+
+Runs tests/models/megatron_tp_worker.py twice through torchrun -- one process
+with TP=1, two with TP=2 and sequence parallelism -- on a seeded Llama-shaped
+checkpoint in bfloat16, tree layout (flex kernel), and one training step.
+The bf16 noise bound is the reference backend's own: its bf16 logprobs'
+distance to its float32 logprobs on the same bins. Both TP runs must stay
+within twice that distance of float32, and of each other; the training step
+must give a finite loss and a gradient norm within 10% of float32's.
+
+    python -m pytest -q tests/gpu/test_gpu_megatron_tp.py -s     # needs 2 GPUs, megatron-core
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
+                    "pip install 'treeflow[megatron]' (or the megatron_core wheel)")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+from test_megatron_tp import REPO, WORKER, write_checkpoint  # noqa: E402
+
+
+def _run(tp: int, model: str, out: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(tp), WORKER, "--tp", str(tp), "--device", "cuda", "--dtype", "bfloat16",
+           "--tokens", "2000", "--max-tokens", "4096", "--out", out, model]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)[0]
+
+
+def test_tp2_equals_tp1_within_bf16_noise(tmp_path):
+    model = write_checkpoint(tmp_path / "llama", qwen=False, vocab_size=32000, hidden_size=1024,
+                             intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                             num_key_value_heads=4)
+    one = _run(1, model, str(tmp_path / "tp1.json"))
+    two = _run(2, model, str(tmp_path / "tp2.json"))
+    assert two["sequence_parallel"] and two["ranks_agree"] and one["edges"] == two["edges"] > 500
+    f32, low = np.array(one["reference_float32"]), np.array(one["reference_low"])
+    tp1, tp2 = np.array(one["logprobs"]), np.array(two["logprobs"])
+    noise_mean, noise_max = np.abs(low - f32).mean(), np.abs(low - f32).max()
+    report = {"edges": len(f32), "reference_bf16_vs_f32": [noise_mean, noise_max]}
+    for name, x in (("tp1", tp1), ("tp2", tp2)):
+        d = np.abs(x - f32)
+        report[f"{name}_vs_f32"] = [d.mean(), d.max()]
+        assert d.mean() <= 2 * noise_mean and d.max() <= 2 * noise_max + 0.05, (name, report)
+    d = np.abs(tp2 - tp1)
+    report["tp2_vs_tp1"] = [d.mean(), d.max()]
+    assert d.mean() <= 2 * noise_mean and d.max() <= 2 * noise_max + 0.05, report
+    for r in (one, two):
+        assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert r["grad_norm"] == pytest.approx(one["reference_grad_norm"], rel=0.1), report
+    report.update(grad_norm=[one["grad_norm"], two["grad_norm"], one["reference_grad_norm"]],
+                  forward_seconds=[one["forward_seconds"], two["forward_seconds"]])
+    print(json.dumps(report))
