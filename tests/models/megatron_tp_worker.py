@@ -5,7 +5,8 @@
 
 For each model directory every rank loads its MCore shard (tensor
 parallelism T, sequence parallelism when T > 1 unless --no-sp), replays the
-same tree bins (logprobs, no grad), then runs one training step on them.
+same tree bins (logprobs, no grad), then runs one training step on them (float32 weights, compute in --dtype,
+as the Trainer's default mixed precision does).
 With --export DIR each model is exported (HF safetensors, TP shards
 gathered) before training and compared with its checkpoint bit for bit.
 Rank 0 writes, per model: the megatron logprobs, the reference backend's
@@ -109,6 +110,10 @@ def run_model(path: str, args) -> dict:
                             and all(torch.equal(exported[k], original[k]) for k in original))
 
     loss = Loss(kind="pg", norm="seq-mean", clip_low=0.2, clip_high=0.28)
+    # training as the Trainer does by default: float32 weights, compute in --dtype (autocast)
+    del meg
+    meg = load_backend("megatron", path, dtype=torch.float32, device=device,
+                       tensor_parallel=args.tp, sequence_parallel=not args.no_sp)
     trainer = Trainer(Forward(model=path, backend="megatron", dtype=args.dtype, device=args.device,
                               kernel=args.train_kernel, chunk_size=64),
                       Reduce(loss=loss, max_grad_norm=1e9), model=meg)
