@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core import tensor_parallel as mcore_tp
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -281,6 +282,20 @@ def init_parallel(tensor_parallel: int, device: torch.device) -> None:
             raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
                              f"tensor_parallel={tensor_parallel}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if device.type == "cuda":
+        _seed_cuda_rng_tracker()
+
+
+def _seed_cuda_rng_tracker() -> None:
+    """Register MCore's CUDA RNG states once per process.
+
+    MCore's embedding forks the 'model-parallel-rng' state under sequence parallelism even
+    with dropout 0, and raises if it was never added. Dropout is off in this backend, so the
+    seed cannot change any value; it only has to exist.
+    """
+    tracker = mcore_tp.get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.get_states():
+        mcore_tp.model_parallel_cuda_manual_seed(0)
 
 
 def _load_exact(model: GPTModel, state: dict[str, torch.Tensor]) -> None:
