@@ -54,6 +54,16 @@ class TreeRMSNorm(RMSNorm):
         self.weight.data = self.weight.data.to(config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        device = out.device.type
+        if self.weight.sequence_parallel and torch.is_autocast_enabled(device):
+            # MCore's sequence-parallel linear reduce-scatters its input gradient into a
+            # buffer of the input's dtype, and under autocast that gradient comes out in the
+            # autocast dtype: hand the linear the dtype it computes in (it casts to it anyway).
+            out = out.to(torch.get_autocast_dtype(device))
+        return out
+
 
 class TreeCoreAttention(MegatronModule):
     """Core attention over a tree bin: `attention_mask` must be the bin's AttentionPlan."""
