@@ -183,14 +183,14 @@ def _child_layout(args, layout: str) -> dict:
     pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=args.max_tokens), forward, Reassemble())
     stats = {"bins": 0, "executed_tokens": 0}
 
-    def on_window(_episodes, _output, s):
-        stats["bins"] += s.get("bins", 0)
-        stats["executed_tokens"] += s.get("executed_tokens", 0)
-
     baseline = _rss_mib()
     load_before = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), _cpu_seconds()
-    results = list(pipe.run(episodes, window=args.window, on_window=on_window))
+    results = []
+    for rec in pipe.run(episodes, window=args.window):
+        results.append(rec.output)
+        stats["bins"] += rec.stats.get("bins", 0)
+        stats["executed_tokens"] += rec.stats.get("executed_tokens", 0)
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     peak = _maxrss_mib()
     logprobs = [_flat_floats(r.column("logprobs")) for r in results]

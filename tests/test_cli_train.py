@@ -43,7 +43,8 @@ def test_metrics_checkpoint_and_resume(data, tmp_path, capsys):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     state = json.load(open(half / "treeflow_trainer.json"))
-    assert state == {"steps": 4, "scheduler_episodes": 8, "position": {"episodes": 8}}
+    # position: episodes consumed over all passes (the data cycles after 6), completed passes
+    assert state == {"steps": 4, "scheduler_episodes": 8, "position": {"episodes": 8, "passes": 1}}
     # the checkpoint is a model directory for replay (and for transformers, see tests/models)
     assert main(["replay", data, "--model", str(full), "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["episodes"] == 6

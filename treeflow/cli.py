@@ -158,58 +158,53 @@ def cmd_replay(args) -> int:
         return cmd_train(args)
     if args.output is None:
         raise ValueError("--mode logprobs needs -o OUT.arrow for the results")
-    import os
     import resource
 
     import torch
 
-    from treeflow.pipeline import Files, Pipeline
+    from treeflow.pipeline import ArrowSink, Files, Pipeline
+    from treeflow.pipeline.stats import add_sums
     from treeflow.stages import Forward, Fragment, Pack, Reassemble
 
-    forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, kernel=args.kernel,
+    forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype, kernel=args.kernel,
                       entropy=args.entropy, chunk_size=args.chunk_size)
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     forward, Reassemble(entropy=args.entropy))
     source = Files(paths=tuple(args.files), window=args.window, vocab_size=forward.vocab_size_hint())
-    sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0)
-    tmp = args.output + ".partial"
-    writer = None
+    sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
+                compile_seconds=0.0)
+    sink = ArrowSink(args.output)
     t0 = time.perf_counter()
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     try:
         with _progress("replay", _count_rows(args.files), args.json or args.quiet) as advance:
-            for episodes, result, stats in _with_inputs(pipe, source):
-                sums["executed_tokens"] += stats.get("executed_tokens", 0)
-                if writer is None:
-                    writer = pa.ipc.new_file(tmp, result.schema)
-                writer.write_table(result)
-                calls = episodes.column("calls").combine_chunks()
-                toks = calls.flatten().field("token_ids")
-                lens = pa.compute.list_value_length(toks).to_numpy(zero_copy_only=False)
-                starts = calls.flatten().field("sampled_start").to_numpy(zero_copy_only=False)
-                sums["episodes"] += episodes.num_rows
-                sums["calls"] += len(lens)
-                sums["sampled_tokens"] += int((lens - starts).sum())
-                sums["exact_tokens"] += int(lens.sum())
-                advance(episodes.num_rows, tokens=int(lens.sum()))
-        if writer is None:
+            for rec in pipe.run(source, device=args.device, engine=args.engine, ranks=args.ranks,
+                                prefetch=args.prefetch):
+                sink.write(rec.output)
+                add_sums(sums, rec.stats)
+                advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
+        if not sink.rows:
             raise ValueError(f"{args.files}: no episodes to replay")
-        writer.close()
-        os.replace(tmp, args.output)
+        sink.close()
     except BaseException:
-        if writer is not None:
-            writer.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-            _console(stderr=True).print(f"nothing written: removed the partial output {tmp}")
+        if sink.abort():
+            _console(stderr=True).print(f"nothing written to {args.output}: removed the partial "
+                                        "output")
         raise
     wall = time.perf_counter() - t0
-    sums.update(wall_seconds=round(wall, 3),
-                exact_tokens_per_s=round(sums["exact_tokens"] / wall),
-                executed_tokens_per_s=round(sums["executed_tokens"] / wall),
+    steady = max(wall - sums["compile_seconds"], 1e-9)
+    sums.update(wall_seconds=round(wall, 3), compile_seconds=round(sums["compile_seconds"], 3),
+                steady_seconds=round(steady, 3),
+                exact_tokens_per_s=round(sums["exact_tokens"] / steady),
+                executed_tokens_per_s=round(sums["executed_tokens"] / steady),
                 saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    for k in ("prepare_seconds", "device_seconds"):
+        if k in sums:
+            sums[k] = round(sums[k], 3)
+    if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
+        sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
     if args.device.startswith("cuda"):
         sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if args.json:
@@ -220,14 +215,6 @@ def cmd_replay(args) -> int:
                                 list(sums.items())))
         _console().print(f"logprobs written to {args.output}")
     return 0
-
-
-def _with_inputs(pipe, source):
-    """Yield (episodes, result, engine stats) per window."""
-    pending = []
-    for result in pipe.run(source, on_window=lambda eps, out, stats: pending.append((eps, stats))):
-        episodes, stats = pending.pop()
-        yield episodes, result, stats
 
 
 # ---------------------------------------------------------------- main
@@ -266,8 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
+    s.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")
+    s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
     s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
-    s.add_argument("-o", "--output", default=None, help="result file (Arrow IPC; logprobs mode)")
+    s.add_argument("-o", "--output", default=None,
+                   help="result file (.arrow: Arrow IPC, .parquet: Parquet; logprobs mode)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_train_options(s)

@@ -16,7 +16,6 @@ it; rank 0 writes the metrics and prints; all ranks write the checkpoint togethe
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import time
@@ -24,29 +23,11 @@ import time
 from treeflow._display import _console, _progress, _table
 
 
-def train_windows(files, skip: int):
-    """Windows over the data, cycled forever, after skipping `skip` episodes (a window boundary)."""
-    consumed = 0
-    while True:
-        seen_any = False
-        for window in files:
-            seen_any = True
-            if consumed < skip:
-                consumed += window.num_rows
-                if consumed > skip:
-                    raise ValueError(f"the checkpoint's input position ({skip} episodes) is not at a "
-                                     "step boundary of this data; resume with the same "
-                                     "--batch-episodes and files")
-                continue
-            consumed += window.num_rows
-            yield window
-        if not seen_any:
-            raise ValueError("no episodes to train on")
-
-
 def cmd_train(args) -> int:
     if args.ranks < 1:
         raise ValueError(f"--ranks {args.ranks}: give 1 or more")
+    if args.engine == "ray":
+        return _train_ray(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         world = int(os.environ["WORLD_SIZE"])
         if args.ranks not in (1, world):
@@ -68,30 +49,36 @@ def _train_rank(args) -> None:
     _train(args, distributed=True)
 
 
-def _train(args, *, distributed: bool) -> int:
-    from treeflow.pipeline import Files, Pipeline
-    from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce, Shard
-    from treeflow.train import DataParallel, Trainer
+def _stages(args):
+    from treeflow.stages import EpisodeSchedule, Forward, Loss, Reduce
 
-    dp = DataParallel.from_env(args.device) if distributed else DataParallel(device=args.device)
-    lead = dp.rank == 0
     forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype,
-                      device=str(dp.device) if dp.distributed else args.device,
                       kernel=args.kernel, chunk_size=args.chunk_size)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                              decay_episodes=args.decay_episodes),
                     max_grad_norm=args.max_grad_norm)
+    return forward, reduce
+
+
+def _train(args, *, distributed: bool) -> int:
+    from treeflow.pipeline import Files, Pipeline
+    from treeflow.stages import Fragment, Pack, Shard
+    from treeflow.train import DataParallel, Trainer
+
+    dp = DataParallel.from_env(args.device) if distributed else DataParallel(device=args.device)
+    lead = dp.rank == 0
+    forward, reduce = _stages(args)
     shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     *shard, forward, reduce)
-    options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum)
+    options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
+                   pad_to=args.max_tokens)
     trainer = (Trainer.resume(args.resume, forward, reduce, **options) if args.resume
                else Trainer(forward, reduce, **options))
-    skip = int(trainer.position.get("episodes", 0))
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                  vocab_size=forward.vocab_size_hint())
+                  vocab_size=forward.vocab_size_hint(), cycle=True)
     todo = args.steps - trainer.steps
     if todo <= 0:
         if lead:
@@ -105,26 +92,24 @@ def _train(args, *, distributed: bool) -> int:
         from treeflow.io import TensorBoardLog
 
         tensorboard = TensorBoardLog(args.tensorboard)
-    consumed = [skip]
-
-    def on_window(episodes, metrics, stats):
-        consumed[0] += episodes.num_rows
-
     rows = []
+    compile_seconds = 0.0
     t0 = time.perf_counter()
     try:
         with _progress("train", todo, args.json or args.quiet or not lead) as advance:
-            for metrics in pipe.run(itertools.islice(train_windows(files, skip), todo),
-                                    trainer=trainer, on_window=on_window):
-                row = metrics.to_pylist()[0]
+            for rec in pipe.run(files.open(trainer.position), device=args.device, trainer=trainer,
+                                prefetch=args.prefetch, steps=todo):
+                compile_seconds += rec.stats.get("compile_seconds", 0.0)
+                row = rec.output.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
                 rows.append(row)
-                trainer.position = {"episodes": consumed[0]}
+                trainer.position = rec.position
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
                 if tensorboard:
-                    tensorboard.write(row["step"], {**row, "episodes_consumed": consumed[0]})
+                    tensorboard.write(row["step"], {**row,
+                                                    "episodes_consumed": rec.position["episodes"]})
                 if args.save and args.save_every and trainer.steps % args.save_every == 0:
                     trainer.save(args.save)
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
@@ -136,17 +121,56 @@ def _train(args, *, distributed: bool) -> int:
         if tensorboard:
             tensorboard.close()
         dp.close()
-    if not lead:
-        return 0
+    if lead:
+        _report(args, trainer.steps, rows, compile_seconds, dp.world)
+    return 0
+
+
+def _train_ray(args) -> int:
+    """--engine ray: the same pipeline as a Ray Data graph; one rank, saved at the end."""
+    from treeflow.pipeline import Files, Pipeline
+    from treeflow.stages import Fragment, Pack
+
+    if args.resume or args.save_every:
+        raise ValueError("--engine ray --mode train saves only at the end (--save) and does not "
+                         "resume yet; use --engine local for --resume/--save-every")
+    forward, reduce = _stages(args)
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
+                    forward, reduce)
+    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+                  vocab_size=forward.vocab_size_hint(), cycle=True)
+    rows = []
+    t0 = time.perf_counter()
+    compile_seconds = 0.0
+    with _progress("train", args.steps, args.json or args.quiet) as advance:
+        for rec in pipe.run(files, engine="ray", device=args.device, ranks=args.ranks,
+                            steps=args.steps, save=args.save):
+            compile_seconds += rec.stats.get("compile_seconds", 0.0)
+            row = rec.output.to_pylist()[0]
+            row["seconds"] = round(time.perf_counter() - t0, 3)
+            rows.append(row)
+            advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
+    if args.metrics:
+        with open(args.metrics, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    _report(args, rows[-1]["step"] if rows else 0, rows, compile_seconds, args.ranks)
+    return 0
+
+
+def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int) -> None:
     if args.json:
-        print(json.dumps({"steps": trainer.steps, "last": rows[-1] if rows else None}), flush=True)
+        # steady-state time per step: from the end of the first step to the end of the last
+        per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
+                    if len(rows) > 1 else None)
+        print(json.dumps({"steps": steps, "last": rows[-1] if rows else None,
+                          "compile_seconds": round(compile_seconds, 3),
+                          "steady_seconds_per_step": per_step}), flush=True)
     elif not args.quiet:
         last = rows[-1]
         _console().print(_table(f"train: {args.model} layout={args.layout} loss={args.loss} "
-                                f"norm={args.norm} ranks={dp.world}", list(last.items())))
+                                f"norm={args.norm} ranks={ranks}", list(last.items())))
         if args.save:
             _console().print(f"checkpoint written to {args.save}")
-    return 0
 
 
 def add_train_options(p) -> None:
@@ -169,7 +193,8 @@ def add_train_options(p) -> None:
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log each step's metrics to TensorBoard event files in DIR")
     g.add_argument("--ranks", type=int, default=1,
-                   help="data-parallel ranks (processes; one GPU each with --device cuda)")
+                   help="data-parallel ranks: training processes (one GPU each with --device "
+                        "cuda); with --engine ray, forward actors")
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
@@ -177,4 +202,4 @@ def add_train_options(p) -> None:
                    help="float64: exact gradient sums, independent of bin order and rank count")
 
 
-__all__ = ["add_train_options", "cmd_train", "train_windows"]
+__all__ = ["add_train_options", "cmd_train"]

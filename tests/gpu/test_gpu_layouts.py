@@ -58,7 +58,7 @@ def _bins(episodes, layout: str, max_tokens: int) -> pa.Table:
 
 def _logprobs(model, episodes, bins, kernel: str, dtype: str) -> np.ndarray:
     """Per-occurrence logprobs in logical order, through Forward's runner and Reassembly."""
-    runner = Forward(dtype=dtype, device="cuda", kernel=kernel, chunk_size=64).build(model)
+    runner = Forward(dtype=dtype, kernel=kernel, chunk_size=64).build(device="cuda", model=model)
     buf = Reassembly(episodes)
     buf.add(runner(bins))
     assert buf.missing == 0
@@ -67,7 +67,7 @@ def _logprobs(model, episodes, bins, kernel: str, dtype: str) -> np.ndarray:
 
 def _grads(model, bins, kernel: str, dtype: str) -> dict[str, torch.Tensor]:
     """Gradients of -sum over occurrences of their logprobs (a duplicate edge counts twice)."""
-    runner = Forward(dtype=dtype, device="cuda", kernel=kernel, chunk_size=64).build(model)
+    runner = Forward(dtype=dtype, kernel=kernel, chunk_size=64).build(device="cuda", model=model)
     model.zero_grad(set_to_none=True)
     for b in bins.to_pylist():
         lp_E, _ = runner.edge_logprobs(np.array(b["tokens"]), np.array(b["parents"]),

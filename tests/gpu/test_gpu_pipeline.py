@@ -32,8 +32,7 @@ def _model():
 
 
 def _logprobs(layout, model, max_tokens):
-    fwd = Forward(device="cuda")
-    runner = fwd.build(model)
+    runner = Forward().build(device="cuda", model=model)
     eps = _eps()
     bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout)(eps))
     return Reassemble()(runner(bins), episodes=eps).column("logprobs").to_pylist()
@@ -56,7 +55,8 @@ def test_replay_tree_equals_exact_on_cuda():
 def test_training_gradients_tree_equal_exact_on_cuda():
     grads = {}
     for layout in ("exact", "tree"):
-        tr = Trainer(Forward(device="cuda"), Reduce(loss=Loss(kind="pg", norm="seq-mean")), model=_model())
+        tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", norm="seq-mean")), model=_model(),
+                     device="cuda")
         eps = _eps()
         step = tr.open_step(eps)
         step.add(Fragment(max_tokens=_deepest(eps) + 8)(Pack(layout=layout)(eps)))

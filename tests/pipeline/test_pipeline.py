@@ -28,15 +28,16 @@ def test_bad_stage_configs_fail_when_declared(monkeypatch):
         Fragment(max_tokens=0)
     with pytest.raises(ValueError, match="dtype"):
         Forward(dtype="fp8")
-    # the same on a machine with CUDA: the check asks torch, so make torch say there is none
+    # the config holds no device; building on one checks it, also on a machine with CUDA:
+    # the check asks torch, so make torch say there is none
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match=r"Forward\(device='cuda'\): CUDA is not available here"):
-        Forward(device="cuda")
+    with pytest.raises(ValueError, match=r"device 'cuda': CUDA is not available here"):
+        Forward().build(device="cuda")
 
 
 def test_partial_pipeline_yields_bins_per_window():
     eps = synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20, seed=0)
-    out = list(Pipeline(Pack(), Fragment(max_tokens=4096), Shard(num_ranks=2)).run(eps, window=4))
+    out = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=4096), Shard(num_ranks=2)).run(eps, window=4)]
     assert len(out) == 2
     assert [t.column("step").to_pylist()[0] for t in out] == [0, 1]
 

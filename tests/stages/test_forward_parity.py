@@ -41,9 +41,9 @@ def run(model, episodes, layout, max_tokens, ranks=1, window=64, kernel="auto"):
                     Shard(num_ranks=ranks), fwd, Reassemble())
     import treeflow.pipeline.local as local
 
-    tables = list(local.run_local(pipe, iter([episodes])) if window >= episodes.num_rows
-                  else pipe.run(episodes, window=window))
-    out = pa.concat_tables(tables)
+    records = list(local.run_local(pipe.plan, iter([episodes])) if window >= episodes.num_rows
+                   else pipe.run(episodes, window=window))
+    out = pa.concat_tables([r.output for r in records])
     assert out.column("episode_id").to_pylist() == episodes.column("episode_id").to_pylist()
     return out.column("logprobs").to_pylist()
 

@@ -45,7 +45,8 @@ def bins_for(eps, layout, max_tokens, ranks=1):
 
 def ref_logprobs(eps):
     """A reference policy's logprobs: a differently seeded model would do; perturbed values suffice."""
-    out = Pipeline(Pack(layout="exact"), Fragment(max_tokens=4096), Forward(), Reassemble()).run(eps)
+    out = [r.output for r in Pipeline(Pack(layout="exact"), Fragment(max_tokens=4096), Forward(),
+                                      Reassemble()).run(eps)]
     table = pa.concat_tables(list(out))
     shifted = [[[v - 0.05 for v in call] for call in ep] for ep in table.column("logprobs").to_pylist()]
     return table.set_column(2, "logprobs", pa.array(shifted, table.schema.field("logprobs").type))
@@ -102,7 +103,7 @@ def train(eps, layout, max_tokens, window=4, lr=1e-2):
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"),
                            schedule=EpisodeSchedule(lr=lr, warmup_episodes=8, decay_episodes=16)))
     tr = Trainer(pipe.stages[2], pipe.stages[3], model=small_model())
-    metrics = pa.concat_tables(list(pipe.run(eps, window=window, trainer=tr)))
+    metrics = pa.concat_tables([r.output for r in pipe.run(eps, window=window, trainer=tr)])
     return tr, metrics
 
 
@@ -206,9 +207,17 @@ def test_failed_add_breaks_the_step_until_aborted():
     call_b = {"token_ids": [1, 2, 4, 5], "sampled_start": 1}
     from treeflow.schemas import validate_episodes
     eps = validate_episodes(pa.Table.from_pylist([{"episode_id": "br", "calls": [call_a, call_b]}]))
+    # refused while preparing (before any gradient moved): the step is unchanged and goes on
     tr = Trainer(Forward(kernel="causal"), Reduce(loss=Loss(kind="nll")), model=small_model())
     step = tr.open_step(eps)
     with pytest.raises(ValueError, match="kernel 'causal' runs chain-only bins"):
+        step.add(bins_for(eps, "tree", 64))
+    step.add(bins_for(eps, "exact", 64))
+    assert step.finish().column("step").to_pylist() == [1]
+    # failed while running (flex has no CPU backward): part of the bin may be in the gradients
+    tr = Trainer(Forward(kernel="flex"), Reduce(loss=Loss(kind="nll")), model=small_model())
+    step = tr.open_step(eps)
+    with pytest.raises(ValueError, match="kernel 'flex' has no backward on CPU"):
         step.add(bins_for(eps, "tree", 64))
     with pytest.raises(StepOpenError, match="cannot go on: bin 0 of the last add"):
         step.finish()

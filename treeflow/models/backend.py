@@ -49,13 +49,13 @@ class Backend(Protocol):
     module: torch.nn.Module  # what holds the trainable parameters
 
     def attention_plan(self, parents_N: np.ndarray, subtree_end_N: np.ndarray, *,
-                       kernel: str) -> AttentionPlan: ...
+                       kernel: str, pad_to: int | None = None) -> AttentionPlan: ...
 
     def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                       plan: AttentionPlan) -> torch.Tensor: ...
 
     def edge_logprobs(self, hidden_EH: torch.Tensor, targets_E: torch.Tensor, *,
-                      chunk_size: int, with_entropy: bool
+                      chunk_size: int, with_entropy: bool, targets_checked: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
@@ -84,15 +84,18 @@ class ReferenceBackend:
         self.config = model.config
         self.device = next(model.parameters()).device
 
-    def attention_plan(self, parents_N, subtree_end_N, *, kernel: str) -> AttentionPlan:
-        return AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N)
+    def attention_plan(self, parents_N, subtree_end_N, *, kernel: str,
+                       pad_to: int | None = None) -> AttentionPlan:
+        return AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N,
+                             pad_to=pad_to)
 
     def hidden_states(self, tokens_N, positions_N, plan):
         return self.module(tokens_N, positions_N, plan)
 
-    def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy):
+    def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
+                      targets_checked=False):
         return selected_logprobs(self.module, hidden_EH, targets_E, chunk_size=chunk_size,
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, targets_checked=targets_checked)
 
     def named_parameters(self):
         return self.module.named_parameters()

@@ -1,71 +1,127 @@
-"""The local engine: every stage in this process, one window of episodes at a time.
+"""The local engine: one process, CPU preparation running ahead of the model.
 
-Memory is bounded by one window's layouts and bins plus the model; results are
-yielded per window in input order. This is the embedded default and the
-reference the distributed engine must match.
+A background thread reads windows from the source and runs the plan's maps
+(Pack, Fragment, Shard) and the host half of the model map (attention plans,
+block masks, pinned buffers, copies to the device on a side stream) for up
+to `prefetch` windows ahead; the main thread only launches bins and reads
+results back. Replay windows overlap by one: the next window is launched
+before the previous one's results are read, so the device has queued work
+while Python reassembles. Memory is bounded by `prefetch` + 2 windows, never
+by the file. This is the embedded default and the reference every other
+engine must match bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import queue
+import threading
+import time
+from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from treeflow.stages.forward import Forward
-from treeflow.stages.pack import Pack
-from treeflow.stages.reassemble import Reassemble
-from treeflow.stages.reduce import Reduce
-from treeflow.train import Trainer
+from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.stats import bin_sums, episode_sums
+
+_END = object()
 
 
-def run_local(pipeline, windows: Iterator[pa.Table],
-              on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None,
-              trainer=None) -> Iterator[pa.Table]:
-    """Run every stage per window; `on_window(episodes, output, stats)` after each one.
+def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=None,
+              prefetch: int = 2) -> Iterator[WindowResult]:
+    """Yield one WindowResult per window, in input order."""
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows prepared ahead)")
+    if worker is None:
+        worker = plan.worker(device=device)
+    compile_seconds = worker.warm_up()
 
-    stats: bins and executed_tokens (nodes of the bins the forward stage ran).
-    """
-    reduce_at = next((i for i, s in enumerate(pipeline.stages) if isinstance(s, Reduce)), None)
-    if reduce_at is not None:
-        # training: Forward and Reduce run fused in one Trainer (gradients do not travel)
-        fwd = pipeline.stages[reduce_at - 1]
-        if trainer is None:
-            trainer = Trainer(fwd, pipeline.stages[reduce_at])
-        _check_sharding(pipeline, trainer.dp.world)
-    bound = {i: s.build() for i, s in enumerate(pipeline.stages)
-             if isinstance(s, Forward) and reduce_at is None}
-    for step, episodes in enumerate(windows):
-        data = episodes
-        stats: dict = {}
-        for i, stage in enumerate(pipeline.stages):
-            if isinstance(stage, Pack):
-                data = stage(data, step=step)
-            elif isinstance(stage, Reassemble):
-                data = stage(data, episodes=episodes)
-            elif isinstance(stage, Forward) and reduce_at is not None:
-                stats["bins"] = data.num_rows
-                # this rank's bins only; on several ranks a failure anywhere fails the step everywhere
-                data = trainer.train_step(episodes, data)
-                stats["executed_tokens"] = data.column("executed_tokens")[0].as_py()
-            elif isinstance(stage, Reduce):
-                pass  # the step finished inside train_step (gradients do not travel)
-            elif i in bound:
-                stats["bins"] = data.num_rows
-                stats["executed_tokens"] = int(pc.sum(pc.list_value_length(data.column("tokens"))).as_py() or 0)
-                data = bound[i](data)
+    def prepare(step: int, episodes: pa.Table):
+        t0 = time.perf_counter()
+        bins = plan.prepare(episodes, step=step)
+        prepared = worker.prepare(bins) if plan.model is not None else bins
+        stats = {**episode_sums(episodes), **(bin_sums(bins) if plan.maps_make_bins else {}),
+                 "prepare_seconds": time.perf_counter() - t0}
+        return episodes, prepared, stats
+
+    held = None
+    first = True
+    with _Prefetch(windows, prepare, prefetch) as items:
+        while True:
+            try:
+                step, position, (episodes, prepared, stats) = next(items)
+            except StopIteration:
+                break
+            except BaseException:
+                if held is not None:  # deliver every window before the one that failed
+                    yield _finish(*held)
+                raise
+            if first:
+                stats["compile_seconds"], first = compile_seconds, False
+            acc = worker.open(episodes)
+            acc.add(prepared)
+            if held is not None:
+                yield _finish(*held)
+                held = None
+            if acc.overlaps:
+                held = (step, position, episodes, acc, stats)
             else:
-                data = stage(data)
-        if on_window is not None:
-            on_window(episodes, data, stats)
-        yield data
+                yield _finish(step, position, episodes, acc, stats)
+        if held is not None:
+            yield _finish(*held)
 
 
-def _check_sharding(pipeline, world: int) -> None:
-    from treeflow.stages.shard import Shard
+def _finish(step, position, episodes, acc, stats) -> WindowResult:
+    out = acc.finish()
+    stats.update(acc.stats())
+    return WindowResult(step=step, episodes=episodes, output=out, stats=stats, position=position)
 
-    shards = [s for s in pipeline.stages if isinstance(s, Shard)]
-    if world > 1 and (not shards or shards[-1].num_ranks != world):
-        have = f"Shard(num_ranks={shards[-1].num_ranks})" if shards else "no Shard stage"
-        raise ValueError(f"the trainer is one of {world} data-parallel ranks but the pipeline has "
-                         f"{have}; put Shard(num_ranks={world}) before Forward")
+
+class _Prefetch:
+    """Run `fn(step, window)` in a thread, up to `depth` results ahead; re-raise its errors."""
+
+    def __init__(self, windows, fn, depth: int):
+        self._windows, self._fn = windows, fn
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="treeflow-prefetch", daemon=True)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            it = iter(self._windows)
+            state = getattr(it, "state_dict", None)
+            for step, window in enumerate(it):
+                position = state() if state is not None else None
+                if not self._put((step, position, self._fn(step, window))):
+                    return
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises
+            self._put(e)
+
+    def __enter__(self):
+        self._thread.start()
+        return self._items()
+
+    def _items(self):
+        while True:
+            item = self._q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+__all__ = ["run_local"]

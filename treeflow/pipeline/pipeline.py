@@ -3,23 +3,26 @@
     Pipeline(Pack(layout="tree"), Fragment(max_tokens=8192), Shard(num_ranks=2),
              Forward(model="tiny"), Reassemble())
 
-Each stage declares its input and output Arrow schemas; declaring a pipeline
-whose neighbours do not fit is an error naming both stages. Running is the
-engine's business (`engine="local"`: in-process, one window at a time, so a
-file larger than memory streams through in bounded memory).
+Each stage declares its input and output Arrow schemas and which per-edge
+values it requires and produces; declaring a pipeline whose neighbours do not
+fit is an error naming both stages, before anything runs. The pipeline then
+compiles to a physical plan (pipeline/plan.py) that engines run:
+`engine="local"` (in-process, CPU preparation ahead of the model, bounded
+memory whatever the file size) or `engine="ray"` (a Ray Data graph).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 
-from treeflow.pipeline.source import Files, windows
+from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.source import Files, FilesReader, windows
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
 
-ENGINES = ("local",)
+ENGINES = ("local", "ray")
 
 
 def _schema_name(schema: pa.Schema) -> str:
@@ -45,17 +48,18 @@ class Pipeline:
                 raise TypeError(f"{a.name} produces {_schema_name(a.output_schema)} rows but "
                                 f"{b.name} takes {_schema_name(b.input_schema)} rows; reorder "
                                 "the stages (Pack, Fragment, Shard, Forward, Reassemble)")
-        for i, s in enumerate(stages):
-            if hasattr(s, "requires"):
-                fwd = next((f for f in reversed(stages[:i]) if hasattr(f, "produces")), None)
-                missing = s.requires() - (fwd.produces() if fwd is not None else set())
-                if missing:
-                    raise ValueError(
-                        f"{s.name}'s loss needs {sorted(missing)}, which "
-                        f"{fwd.name if fwd else 'no forward stage'} does not produce: tree execution "
-                        "gives per-edge logprobs (and entropies with Forward(entropy=True)), never "
-                        "full-vocabulary logits; change the loss or the forward stage")
+        produced: set[str] = set()
+        for s in stages:
+            missing = s.requires() - produced
+            if missing:
+                raise ValueError(
+                    f"{s.name} needs {sorted(missing)}, which no stage before it produces: tree "
+                    "execution gives per-edge logprobs (and entropies only with "
+                    "Forward(entropy=True)), never full-vocabulary logits; change "
+                    f"{s.name}'s configuration or the forward stage")
+            produced |= s.produces()
         self.stages = tuple(stages)
+        self.plan = Plan.compile(self.stages)
 
     def __repr__(self) -> str:
         return "Pipeline(" + ", ".join(map(repr, self.stages)) + ")"
@@ -65,34 +69,56 @@ class Pipeline:
         return self.stages[-1].output_schema
 
     def run(self, source, *, engine: str = "local", window: int | None = None,
-            on_window: Callable[[pa.Table, pa.Table, dict], None] | None = None,
-            trainer=None) -> Iterator[pa.Table]:
-        """Yield the last stage's output for each window of episodes.
+            device: str = "cpu", trainer=None, prefetch: int = 2,
+            ranks: int = 1) -> Iterator[WindowResult]:
+        """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
-        source: a `Files`, a path/glob/list of paths, an episode table, or an
-        iterable of episode tables. `window` episodes are packed together
-        (default 256); for an iterable of tables and no `window`, each table
-        is one window (one step in training). `on_window(episodes, output, stats)` is
-        called after each window (progress, metrics). For a training pipeline
-        (ending in Reduce) each window is one optimizer step and the output is
-        its metrics row; pass `trainer` to continue a resumed Trainer.
+        source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
+        of paths, an episode table, or an iterable of episode tables. `window`
+        episodes are packed together (default 256); for an iterable of tables
+        and no `window`, each table is one window (one step in training). For
+        a training pipeline (ending in Reduce) each window is one optimizer
+        step and the output is its metrics row; pass `trainer` to continue a
+        resumed Trainer. device: where the model runs (the engine builds
+        it there). engine "ray": a Ray Data graph with `ranks` forward actors.
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
+        if engine == "ray":
+            from treeflow.pipeline.ray_engine import run_ray
+
+            if trainer is not None:
+                raise ValueError("engine='ray' builds its trainer in the rank's process; "
+                                 "resume it with run(..., engine='ray', resume=DIR)")
+            return run_ray(self.plan, _files(source, window, self._vocab_size()),
+                           device=device, ranks=ranks)
         from treeflow.pipeline.local import run_local
 
-        return run_local(self, _windows(source, window, self._vocab_size()), on_window=on_window,
-                         trainer=trainer)
+        worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
+        return run_local(self.plan, _windows(source, window, self._vocab_size()), device=device,
+                         worker=worker, prefetch=prefetch)
 
     def _vocab_size(self) -> int | None:
         for s in self.stages:
-            if hasattr(s, "vocab_size_hint"):
+            if s.vocab_size_hint() is not None:
                 return s.vocab_size_hint()
         return None
 
 
-def _windows(source, window: int | None, vocab_size: int | None) -> Iterator[pa.Table]:
+def _files(source, window: int | None, vocab_size: int | None) -> Files:
+    """The Ray engine reads files itself (as Arrow blocks): only files are a source for it."""
     if isinstance(source, Files):
+        return source
+    if isinstance(source, (str, list, tuple)) and source and all(isinstance(p, str) for p in
+                                                                  ([source] if isinstance(source, str) else source)):
+        paths = (source,) if isinstance(source, str) else tuple(source)
+        return Files(paths=paths, window=window or 256, vocab_size=vocab_size)
+    raise TypeError(f"engine='ray' reads episode files; got {type(source).__name__}: write the "
+                    "episodes with treeflow.pipeline.write_episodes and pass the path")
+
+
+def _windows(source, window: int | None, vocab_size: int | None) -> Iterator[pa.Table]:
+    if isinstance(source, (Files, FilesReader)):
         return iter(source)
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):

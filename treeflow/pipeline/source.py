@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import iter_episode_batches
@@ -47,13 +48,118 @@ def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True
 
 @dataclass(frozen=True, kw_only=True)
 class Files:
-    """Stored episode files (paths, directories or globs), validated once as they stream."""
+    """Stored episode files (paths, directories or globs), validated once as they stream.
+
+    cycle: start over at the end of the data (training runs for a number of
+    steps, not of passes). `open(state)` gives a reader whose `state_dict()`
+    is its position (episodes consumed, over all passes), so a run restarted
+    from a saved state reads exactly the windows it would have read next.
+    """
 
     paths: tuple[str, ...]
     window: int = 256
     vocab_size: int | None = None
+    cycle: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.paths, str):
+            raise TypeError(f"Files(paths={self.paths!r}): give a tuple of paths, e.g. (path,)")
+        if self.window < 1:
+            raise ValueError(f"Files(window={self.window!r}): give an int >= 1")
 
     def __iter__(self) -> Iterator[pa.Table]:
+        return self.open()
+
+    def _one_pass(self) -> Iterator[pa.Table]:
         batches = iter_episode_batches(list(self.paths), batch_rows=min(self.window, 1024),
                                        vocab_size=self.vocab_size)
         return windows(batches, self.window)
+
+    def open(self, state: dict | None = None) -> FilesReader:
+        """A reader of windows, continued from `state` (a reader's `state_dict()`)."""
+        return FilesReader(self, state or {})
+
+    def spans(self) -> list[list[tuple[str, int, int, int]]]:
+        """Each window as (path, first row, end row, global row offset) pieces, one pass.
+
+        Reads only the group_id column, so windows can be cut (exactly as
+        iteration cuts them) by a driver that leaves the reading to workers.
+        """
+        import pyarrow.dataset as pads
+
+        from treeflow.schemas.episode import expand_paths
+
+        rows: list[tuple[str, int]] = []  # (path, rows) per file
+        groups: list = []
+        for path in expand_paths(list(self.paths)):
+            ds = pads.dataset(path, format="parquet" if path.endswith(".parquet") else "ipc")
+            if "group_id" in ds.schema.names:
+                g = ds.to_table(columns=["group_id"]).column("group_id").cast(pa.string()).to_pylist()
+            else:
+                g = [None] * ds.count_rows()
+            rows.append((path, len(g)))
+            groups.extend(g)
+        cuts = [0]
+        n = len(groups)
+        while cuts[-1] < n:
+            cut = min(cuts[-1] + self.window, n)
+            while cut < n and groups[cut] is not None and groups[cut] == groups[cut - 1]:
+                cut += 1
+            cuts.append(cut)
+        file_start = np.cumsum([0] + [r for _, r in rows])
+        out = []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            pieces = []
+            for (path, _), f0, f1 in zip(rows, file_start[:-1], file_start[1:]):
+                lo, hi = max(a, f0), min(b, f1)
+                if lo < hi:
+                    pieces.append((path, int(lo - f0), int(hi - f0), int(lo)))
+            out.append(pieces)
+        return out
+
+
+class FilesReader:
+    """An iterator of windows over `Files` with a position that can be saved and restored."""
+
+    def __init__(self, files: Files, state: dict):
+        self.files = files
+        self.episodes = 0
+        self.passes = 0
+        self._skip = int(state.get("episodes", 0))
+        self._it = self._windows()
+
+    def state_dict(self) -> dict:
+        """Episodes consumed (over all passes) and completed passes."""
+        return {"episodes": self.episodes, "passes": self.passes}
+
+    def __iter__(self) -> FilesReader:
+        return self
+
+    def __next__(self) -> pa.Table:
+        return next(self._it)
+
+    def _windows(self) -> Iterator[pa.Table]:
+        consumed = 0
+        while True:
+            seen_any = False
+            for window in self.files._one_pass():
+                seen_any = True
+                consumed += window.num_rows
+                if consumed <= self._skip:
+                    self.episodes = consumed
+                    continue
+                if consumed - window.num_rows < self._skip:
+                    raise ValueError(
+                        f"the saved input position ({self._skip} episodes) is not at a window "
+                        f"boundary of this data (windows of {self.files.window}); resume with the "
+                        "same window (--batch-episodes) and files")
+                self.episodes = consumed
+                yield window
+            if not seen_any:
+                raise ValueError(f"{list(self.files.paths)}: no episodes to read")
+            self.passes += 1
+            if not self.files.cycle:
+                if self._skip > consumed:
+                    raise ValueError(f"the saved input position ({self._skip} episodes) is past "
+                                     f"the end of the data ({consumed} episodes)")
+                return

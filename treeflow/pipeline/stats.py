@@ -69,6 +69,30 @@ def window_stats(episodes: pa.Table, *, max_tokens: int | None = None) -> tuple[
     return frame, totals
 
 
+def episode_sums(episodes: pa.Table) -> dict:
+    """Per-window sums of a window's episodes: episodes, calls, sampled and exact-call tokens."""
+    calls = episodes.column("calls").combine_chunks()
+    flat = calls.flatten()
+    lens = pc.list_value_length(flat.field("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    return {"episodes": episodes.num_rows, "calls": len(lens),
+            "sampled_tokens": int((lens - starts).sum()), "exact_tokens": int(lens.sum())}
+
+
+def bin_sums(bins: pa.Table) -> dict:
+    """Per-window sums of a window's bins: how many, and the tokens the model runs."""
+    return {"bins": bins.num_rows,
+            "executed_tokens": int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)}
+
+
+def add_sums(total: dict, part: dict) -> dict:
+    """Add a window's numeric stats into `total` (in place) and return it."""
+    for k, v in part.items():
+        if isinstance(v, (int, float)):
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def merge_totals(parts: list[dict]) -> dict:
     out: dict = {}
     for p in parts:

@@ -2,6 +2,15 @@
 
 A stage is pure: it takes an Arrow table and returns one. It holds no runtime
 handle (device, queue, process group); engines bind those when they run it.
+
+Each stage also says which operator kind it compiles to in a physical plan
+(`kind`): a stateless `"map"` over Arrow tables, a `"model"`-bound map (built
+for a device by the engine), or a per-window `"accumulate"`or (`open(episodes)`
+-> `add(part)` ... `finish()`). Optional hooks let the pipeline check
+neighbours at declaration: `requires` / `produces` name per-edge values
+(`edge_logprobs`, `edge_entropies`), `vocab_size_hint` lets a source validate
+token ids before anything runs, `bin_budget` is the bin size a Fragment
+guarantees (so a model can pad every bin to it and compile once).
 """
 
 from __future__ import annotations
@@ -11,11 +20,14 @@ from typing import ClassVar
 
 import pyarrow as pa
 
+KINDS = ("map", "model", "accumulate")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
     input_schema: ClassVar[pa.Schema]
     output_schema: ClassVar[pa.Schema]
+    kind: ClassVar[str] = "map"
 
     @property
     def name(self) -> str:
@@ -23,3 +35,23 @@ class Stage:
 
     def __call__(self, table: pa.Table) -> pa.Table:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def map(self, table: pa.Table, *, step: int) -> pa.Table:
+        """The stage as a stateless map of one window's table (`step`: the window's index)."""
+        return self(table)
+
+    def requires(self) -> set[str]:
+        """Per-edge values this stage needs from the stages before it."""
+        return set()
+
+    def produces(self) -> set[str]:
+        """Per-edge values this stage adds."""
+        return set()
+
+    def vocab_size_hint(self) -> int | None:
+        """The vocabulary size token ids must stay below, when this stage knows it."""
+        return None
+
+    def bin_budget(self) -> int | None:
+        """The most tokens a bin can hold after this stage, when it bounds them."""
+        return None

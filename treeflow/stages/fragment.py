@@ -50,6 +50,9 @@ class Fragment(Stage):
         if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
             raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple!r}): give an int >= 1")
 
+    def bin_budget(self) -> int:
+        return self.max_tokens
+
     def __call__(self, layouts: pa.Table) -> pa.Table:
         return fragment(layouts, max_tokens=self.max_tokens, pad_to_multiple=self.pad_to_multiple)
 

@@ -58,6 +58,9 @@ class Pack(Stage):
             raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
                              "shares across episodes; use layout='tree' or scope='episode'")
 
+    def map(self, episodes: pa.Table, *, step: int) -> pa.Table:
+        return self(episodes, step=step)
+
     def __call__(self, episodes: pa.Table, *, step: int = 0) -> pa.Table:
         if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
             raise TypeError("Pack takes validated episodes: pass the table through "

@@ -30,7 +30,12 @@ class Reassemble(Stage):
     input_schema = EDGE_VALUES_SCHEMA
     output_schema = RESULT_SCHEMA
 
+    kind = "accumulate"
+
     entropy: bool = False
+
+    def requires(self) -> set[str]:
+        return {"edge_logprobs", "edge_entropies"} if self.entropy else {"edge_logprobs"}
 
     def open(self, episodes: pa.Table) -> "Reassembly":
         return Reassembly(episodes, entropy=self.entropy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from treeflow.schemas.layout import EDGE_VALUES_SCHEMA, STEP_METRICS_SCHEMA
 from treeflow.stages.base import Stage
@@ -55,6 +56,9 @@ class Reduce(Stage):
 
     input_schema = EDGE_VALUES_SCHEMA
     output_schema = STEP_METRICS_SCHEMA
+    kind = "accumulate"
+    # gradients cannot travel through Arrow: the step runs the model itself (train.Trainer)
+    fuses_model: ClassVar[bool] = True
 
     loss: Loss = field(default_factory=Loss)
     schedule: EpisodeSchedule = field(default_factory=EpisodeSchedule)
@@ -70,5 +74,5 @@ class Reduce(Stage):
             raise ValueError(f"Reduce(max_grad_norm={self.max_grad_norm}): give > 0 or None")
 
     def requires(self) -> set[str]:
-        """What the loss needs from the forward pass (checked when the pipeline is declared)."""
+        """Per-edge values the loss needs from the forward pass (checked at declaration)."""
         return self.loss.requires()

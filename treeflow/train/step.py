@@ -28,6 +28,7 @@ from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.stages._flat import list_offsets, list_values
 from treeflow.stages._slots import Slots
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
+from treeflow.stages.runner import PreparedBins
 from treeflow.stages.shard import bin_costs
 
 # metrics summed over ranks, in this order
@@ -97,11 +98,18 @@ class Step:
             raise ValueError(f"{self.slots.name_slot(int(bad[0]))}: field {field!r} is missing or "
                              f"not finite, and the loss needs it; {fix}")
 
-    def add(self, bins: pa.Table) -> None:
-        """Forward, weighted occurrence loss and backward for each bin (any order, any chunk)."""
+    def add(self, bins) -> None:
+        """Forward, weighted occurrence loss and backward for each bin (any order, any chunk).
+
+        bins: a BIN_SCHEMA table, or the `PreparedBins` of one (prepared ahead by an engine).
+        """
         if self.trainer._open is not self:
             raise StepOpenError("this step is closed")
         self._refuse_if_broken()
+        runner = self.trainer.runner
+        self._prepared = prepared = bins if isinstance(bins, PreparedBins) else runner.prepare(bins)
+        bins = prepared.table
+        runner.wait_ready(prepared)
         cols = {n: bins.column(n).combine_chunks() for n in (
             "tokens", "parents", "positions", "edge_sources", "edge_targets", "occ_sample_index",
             "occ_call", "occ_offset", "occ_edge")}
@@ -132,9 +140,7 @@ class Step:
                                  "bin was delivered twice (the step is unchanged)")
             try:
                 with self.trainer.compute():
-                    lp_E, ent_E = self.trainer.runner.edge_logprobs(
-                        get("tokens"), get("parents"), get("positions"), get("edge_sources"),
-                        get("edge_targets"))
+                    lp_E, ent_E = self.trainer.runner.run_bin(self._prepared.items[r])
                 occ_edge = torch.from_numpy(get("occ_edge").astype(np.int64)).to(lp_E.device)
                 slot_t = torch.from_numpy(slot).to(lp_E.device)
                 t = self._t

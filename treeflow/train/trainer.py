@@ -23,6 +23,7 @@ import torch
 
 from treeflow.stages.forward import DTYPES, Forward
 from treeflow.stages.reduce import Reduce
+from treeflow.stages.runner import PreparedBins
 from treeflow.stages.shard import CostModel
 from treeflow.train.checkpoint import load_checkpoint, save_checkpoint
 from treeflow.train.distributed import DataParallel
@@ -35,7 +36,9 @@ class Trainer:
 
     precision: "mixed" (float32 parameters and AdamW, compute in `forward.dtype`) or "pure"
     (everything in `forward.dtype`; for comparisons only).
-    dp: this process's data-parallel rank (default: the only one).
+    dp: this process's data-parallel rank (default: the only one, on `device`).
+    device: where the model runs when no `dp` is given (a rank runs on `dp.device`).
+    pad_to: the bins' token budget (Fragment.max_tokens), so flex bins compile once.
     grad_sum: "float32" (accumulate bins' gradients in the parameters' dtype) or "float64"
     (accumulate and all-reduce in float64: the sum of float32 bin gradients is then exact, so
     the step's gradient does not depend on the order of bins or the number of ranks; costs
@@ -44,22 +47,21 @@ class Trainer:
 
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
                  precision: str = "mixed", dp: DataParallel | None = None,
-                 grad_sum: str = "float32"):
+                 grad_sum: str = "float32", device: str | torch.device = "cpu",
+                 pad_to: int | None = None):
         if grad_sum not in ("float32", "float64"):
             raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
         self.grad_sum = grad_sum
         missing = reduce.requires() - forward.produces()
         if missing:
             raise ValueError(f"the loss needs {sorted(missing)}, which {forward} does not produce")
-        self.dp = dp if dp is not None else DataParallel(device=forward.device)
-        if self.dp.distributed and torch.device(forward.device) != self.dp.device:
-            raise ValueError(f"{forward} on rank {self.dp.rank}: the rank runs on {self.dp.device}; "
-                             "build the Forward with that device")
+        self.dp = dp if dp is not None else DataParallel(device=str(device))
         self.forward_config = forward
         self.reduce = reduce
         self.precision = precision
         self.compute_dtype = DTYPES[forward.dtype]
-        self.runner = replace(forward, dtype=storage_dtype(forward.dtype, precision)).build(model)
+        self.runner = replace(forward, dtype=storage_dtype(forward.dtype, precision)).build(
+            device=self.dp.device, model=model, pad_to=pad_to)
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)
@@ -102,8 +104,8 @@ class Trainer:
         step = self.open_step(episodes, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         try:
             error = None
-            try:
-                step.add(self.dp.local_bins(bins))
+            try:  # prepared bins (an engine's) are this rank's already: see plan.Worker.prepare
+                step.add(bins if isinstance(bins, PreparedBins) else self.dp.local_bins(bins))
             except Exception as e:  # noqa: BLE001 -- every rank must hear of it before it raises
                 error = e
             self.dp.agree(error, f"step {self.steps + 1}")

@@ -1,0 +1,247 @@
+"""ForwardRunner: a Forward stage bound to a loaded model on a device, split for pipelining.
+
+Running a bin has a host half and a device half. `prepare` does the host half
+-- slicing the bin's columns, the attention plan (subtree ends, flex block
+masks), pinned host buffers and their copies to the device on a side stream
+-- and is safe to call from a background thread while the device computes
+earlier bins. `launch` enqueues the device half of a batch of prepared bins
+and the copies of their results into pinned host buffers, without waiting;
+`Pending.result()` waits once and builds the edge-values table. An engine
+that keeps one batch prepared ahead and one launched ahead never makes the
+device wait for Python between bins. Prepared device buffers are kept alive
+by their `PreparedBins` until its results were waited for, so no buffer is
+freed while a queued kernel may still read it.
+
+Flex bins are padded to `pad_to` (the Fragment budget) so one compiled kernel
+serves every bin; `warm_up` compiles it on a dummy bin, so compile time can
+be reported apart from throughput.
+
+Legend: N nodes of a bin, E its edges.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from treeflow.stages._flat import list_offsets, list_values
+from treeflow.tree import subtree_end
+
+_COLUMNS = ("tokens", "parents", "positions", "edge_sources", "edge_targets")
+
+
+@dataclass
+class PreparedBin:
+    """One bin's device inputs and attention plan."""
+
+    tokens_N: torch.Tensor
+    positions_N: torch.Tensor
+    sources_E: torch.Tensor
+    targets_E: torch.Tensor
+    plan: object
+    num_tokens: int
+
+
+@dataclass
+class PreparedBins:
+    """A bins table with its prepared rows (None for a bin without edges)."""
+
+    table: pa.Table
+    items: list[PreparedBin | None]
+    ready: object = None  # a CUDA event the compute stream waits on; None on CPU
+    executed_tokens: int = 0
+    prepare_seconds: float = 0.0
+
+
+@dataclass
+class Pending:
+    """Launched bins whose results are being copied back; `result()` waits once."""
+
+    runner: ForwardRunner
+    prepared: PreparedBins
+    outputs: list = field(default_factory=list)  # per bin: (logprobs, entropies) host tensors
+    done: object = None
+    events: list = field(default_factory=list)  # CUDA (start, end) events around each bin
+    device_seconds: float = 0.0  # device time inside this batch's bins (CUDA), after result()
+
+    def result(self) -> pa.Table:
+        from treeflow.stages.forward import edge_values_table
+
+        if self.done is not None:
+            self.done.synchronize()
+            self.device_seconds = sum(a.elapsed_time(b) for a, b in self.events) / 1000
+        lps = [lp.numpy() for lp, _ in self.outputs]
+        ents = [ent.numpy() if ent is not None else None for _, ent in self.outputs]
+        self.prepared = None  # device buffers may go now: every kernel that read them has run
+        return edge_values_table(self._table, lps, ents if self.runner.config.entropy else None)
+
+    def __post_init__(self):
+        self._table = self.prepared.table
+
+
+class ForwardRunner:
+    """A Forward stage bound to a loaded model backend on one device (`model`: its module)."""
+
+    def __init__(self, config, backend, *, pad_to: int | None = None):
+        self.config = config
+        self.backend = backend
+        self.model = backend.module
+        self.vocab_size = backend.config.vocab_size
+        self.device = torch.device(backend.device)
+        self.pad_to = pad_to
+        cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    # ------------------------------------------------------------- host half
+    def prepare(self, bins: pa.Table) -> PreparedBins:
+        """Host work and device copies for every bin of `bins` (background-thread safe)."""
+        t0 = time.perf_counter()
+        cols = {n: bins.column(n).combine_chunks() for n in _COLUMNS}
+        off = {n: list_offsets(c) for n, c in cols.items()}
+        val = {n: list_values(c) for n, c in cols.items()}
+        self._check_vocab(bins, off, val)
+        items: list[PreparedBin | None] = []
+        ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
+        with ctx:
+            # one pinned buffer and one copy per column for the whole batch; bins are views
+            dev = {n: self._to_device(val[n]) for n in ("tokens", "positions", "edge_sources",
+                                                        "edge_targets")}
+            for r in range(bins.num_rows):
+                a = {n: int(off[n][r]) for n in _COLUMNS}
+                b = {n: int(off[n][r + 1]) for n in _COLUMNS}
+                if a["edge_sources"] == b["edge_sources"]:
+                    items.append(None)
+                    continue
+                positions = val["positions"][a["positions"]:b["positions"]]
+                plan = self.backend.attention_plan(val["parents"][a["parents"]:b["parents"]],
+                                                   subtree_end(positions), kernel=self.config.kernel,
+                                                   pad_to=self.pad_to)
+                items.append(PreparedBin(
+                    *(dev[n][a[n]:b[n]] for n in ("tokens", "positions", "edge_sources",
+                                                  "edge_targets")),
+                    plan=plan, num_tokens=len(positions)))
+            ready = None
+            if self._copy_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
+        executed = int(off["tokens"][-1] - off["tokens"][0])
+        return PreparedBins(table=bins, items=items, ready=ready, executed_tokens=executed,
+                            prepare_seconds=time.perf_counter() - t0)
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _check_vocab(self, bins, off, val) -> None:
+        for name in ("tokens", "edge_targets"):  # a trailing target is not a node of its bin
+            big = np.flatnonzero(val[name] >= self.vocab_size)
+            if len(big):
+                r = int(np.searchsorted(off[name], big[0], side="right") - 1)
+                raise ValueError(
+                    f"bin {bins.column('bin_id')[r].as_py()} of step {bins.column('step')[r].as_py()} "
+                    f"holds token id {int(val[name][big[0]])} >= the model's vocabulary size "
+                    f"{self.vocab_size}; validate the episodes with vocab_size (treeflow replay "
+                    "does) to find the episode, and use the tokenizer of this model")
+
+    # ----------------------------------------------------------- device half
+    def wait_ready(self, prepared: PreparedBins) -> None:
+        """Make the compute stream wait for `prepared`'s copies (no host wait)."""
+        if prepared.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(prepared.ready)
+
+    def run_bin(self, item: PreparedBin):
+        """Logprobs (and entropies) of one prepared bin's edges; differentiable under grad."""
+        hidden_NH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan)
+        return self.backend.edge_logprobs(hidden_NH[item.sources_E], item.targets_E,
+                                          chunk_size=self.config.chunk_size,
+                                          with_entropy=self.config.entropy, targets_checked=True)
+
+    def launch(self, prepared: PreparedBins) -> Pending:
+        """Enqueue every bin of `prepared` and the copies of its results (no host wait)."""
+        self.wait_ready(prepared)
+        pending = Pending(self, prepared)
+        cuda = self.device.type == "cuda"
+        with torch.no_grad():
+            for item in prepared.items:
+                if item is None:
+                    empty = torch.zeros(0, dtype=torch.float32)
+                    pending.outputs.append((empty, empty if self.config.entropy else None))
+                    continue
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                lp, ent = self.run_bin(item)
+                if cuda:
+                    end.record()
+                    pending.events.append((start, end))
+                pending.outputs.append((_to_host(lp, cuda), None if ent is None else _to_host(ent, cuda)))
+        if cuda:
+            pending.done = torch.cuda.Event()
+            pending.done.record()
+        return pending
+
+    def __call__(self, bins: pa.Table) -> pa.Table:
+        return self.launch(self.prepare(bins)).result()
+
+    def edge_logprobs(self, tokens, parents, positions, sources, targets):
+        """One bin given as arrays (prepared and run at once); differentiable under grad."""
+        plan = self.backend.attention_plan(parents, subtree_end(positions), kernel=self.config.kernel,
+                                           pad_to=self.pad_to)
+        item = PreparedBin(tokens_N=self._to_device(tokens), positions_N=self._to_device(positions),
+                           sources_E=self._to_device(sources), targets_E=self._to_device(targets),
+                           plan=plan, num_tokens=len(positions))
+        return self.run_bin(item)
+
+    # --------------------------------------------------------------- warm-up
+    def warm_up(self, *, grad: bool = False) -> float:
+        """Compile and initialise kernels on dummy bins of the budget's size; seconds spent.
+
+        Only on CUDA (where flex attention is compiled); 0.0 elsewhere. With
+        grad, also runs backward once and clears the gradients it left.
+        """
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        n = self.pad_to or 1024
+        half = n // 2
+        # a branching bin (two chains under one root) and a chain bin: flex and varlen kernels
+        tree_parents = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
+        shapes = [tree_parents, np.arange(-1, n - 1)]
+        for parents in shapes:
+            positions = _depths(parents)
+            tokens = np.zeros(len(parents), dtype=np.int64)
+            src = np.arange(min(len(parents), 64))
+            with torch.set_grad_enabled(grad):
+                lp, _ = self.edge_logprobs(tokens, parents, positions, src, np.zeros_like(src))
+                if grad:
+                    lp.sum().backward()
+        if grad:
+            self.model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for i, p in enumerate(parents):  # dummy bins only (warm-up), never a hot path
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    return depth
+
+
+def _to_host(x: torch.Tensor, cuda: bool) -> torch.Tensor:
+    x = x.float()
+    if not cuda:
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
+__all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins"]
