@@ -222,7 +222,7 @@ def test_lr_follows_the_episode_schedule_formula():
     eps = validate_episodes(pa.Table.from_pylist(rows))
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), red)
     tr = Trainer(Forward(), red, model=model_())
-    metrics = pa.concat_tables(list(pipe.run(eps, window=3, trainer=tr))).to_pylist()
+    metrics = pa.concat_tables([r.output for r in pipe.run(eps, window=3, trainer=tr)]).to_pylist()
     seen, want = 0, []
     for _ in metrics:
         if seen < warm:  # step k of warmup runs at lr * (episodes seen + 1) / warmup
