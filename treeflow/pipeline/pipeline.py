@@ -13,6 +13,7 @@ memory whatever the file size) or `engine="ray"` (a Ray Data graph).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
@@ -70,7 +71,7 @@ class Pipeline:
 
     def run(self, source, *, engine: str = "local", window: int | None = None,
             device: str = "cpu", trainer=None, prefetch: int = 2,
-            ranks: int = 1) -> Iterator[WindowResult]:
+            ranks: int = 1, steps: int | None = None, **engine_options) -> Iterator[WindowResult]:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
         source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
@@ -81,6 +82,9 @@ class Pipeline:
         step and the output is its metrics row; pass `trainer` to continue a
         resumed Trainer. device: where the model runs (the engine builds
         it there). engine "ray": a Ray Data graph with `ranks` forward actors.
+        steps: stop after this many windows (training on cycled data).
+        engine_options: passed to the engine (ray: `save=DIR` writes the
+        trained checkpoint after the last step, `threads=` per rank).
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
@@ -88,15 +92,19 @@ class Pipeline:
             from treeflow.pipeline.ray_engine import run_ray
 
             if trainer is not None:
-                raise ValueError("engine='ray' builds its trainer in the rank's process; "
-                                 "resume it with run(..., engine='ray', resume=DIR)")
+                raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
+                                 "no trainer (resuming is engine='local' for now)")
             return run_ray(self.plan, _files(source, window, self._vocab_size()),
-                           device=device, ranks=ranks)
+                           device=device, ranks=ranks, steps=steps, **engine_options)
         from treeflow.pipeline.local import run_local
 
+        if engine_options:
+            raise ValueError(f"engine 'local' takes no {sorted(engine_options)}")
+
         worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-        return run_local(self.plan, _windows(source, window, self._vocab_size()), device=device,
-                         worker=worker, prefetch=prefetch)
+        records = run_local(self.plan, _windows(source, window, self._vocab_size()), device=device,
+                            worker=worker, prefetch=prefetch)
+        return records if steps is None else itertools.islice(records, steps)
 
     def _vocab_size(self) -> int | None:
         for s in self.stages:

@@ -93,8 +93,9 @@ class ForwardRunner:
         self.model = backend.module
         self.vocab_size = backend.config.vocab_size
         self.device = torch.device(backend.device)
-        self.pad_to = pad_to
         cuda = self.device.type == "cuda"
+        # padding serves the compiled (CUDA) flex kernel; eager CPU flex would only pay for it
+        self.pad_to = pad_to if cuda else None
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
     # ------------------------------------------------------------- host half
