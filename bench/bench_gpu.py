@@ -58,6 +58,12 @@ H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, NVIDIA datasheet, dense bf16 (SXM)
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+# Qwen2-0.5B's shape (tied embeddings, q/k/v biases): 0.49B parameters.
+QWEN2_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True,
+                        tie_word_embeddings=True, architecture="Qwen2ForCausalLM")
+SHAPES = {"llama-3.2-1b": LLAMA_1B, "qwen2-0.5b": QWEN2_05B}
 SMOKE = ModelConfig(vocab_size=128256, hidden_size=512, intermediate_size=1024,
                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                     rope_theta=500000.0, tie_word_embeddings=True)
@@ -202,10 +208,13 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--no-train", action="store_true", help="skip forward+backward")
     ap.add_argument("--smoke", action="store_true", help="tiny model and data, to check the setup")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="token ids of the synthetic episodes (default: the model's vocabulary)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
-    config = LLAMA_1B
+    config = SHAPES[args.shape]
     if args.smoke:
         config, args.episodes, args.group_size = SMOKE, 4, 2
         args.max_tokens, args.train_max_tokens, args.repeats = 8192, 4096, 1
@@ -214,7 +223,7 @@ def main() -> None:
     t_start = time.perf_counter()
 
     episodes = synth_episodes(episodes=args.episodes, group_size=args.group_size,
-                              vocab_size=config.vocab_size, seed=args.seed)
+                              vocab_size=args.vocab_size or config.vocab_size, seed=args.seed)
     call_lens = pc.list_value_length(
         pc.list_flatten(episodes.column("calls")).combine_chunks().field("token_ids"))
     exact_tokens = int(pc.sum(call_lens).as_py())

@@ -1,0 +1,210 @@
+"""CLI-level GPU benchmark: `treeflow replay` tree vs exact, as a user runs it, next to the kernel bench.
+
+For each model shape (random-weight checkpoints of Qwen2-0.5B and
+Llama-3.2-1B shape, written as Hugging Face directories), on 512 synthetic
+episodes in groups of 8 (`treeflow synth`):
+
+- `treeflow replay --layout exact|tree --device cuda --dtype bfloat16
+  --max-tokens 32768 --json`: wall time, compile/warm-up time (reported on
+  its own by the CLI as `compile_seconds`), steady-state time (wall minus
+  compile), and the device-busy fraction: the CLI records CUDA events around
+  every bin's work and reports `device_seconds / steady_seconds`, i.e. the
+  share of steady-state wall time the GPU spent inside bins (gaps between
+  bins, Python overhead and host waits count as idle);
+- `treeflow replay --mode train --batch-episodes 64 --steps S` per layout:
+  steady-state seconds per optimizer step (first step excluded);
+- `bench/bench_gpu.py --shape ...` on the same episodes (same synth seed and
+  vocabulary): the model's forward alone, for the ratio
+  CLI speedup / kernel speedup.
+
+Every run is a subprocess (the CLI a user runs, imports included), printed
+as it goes; the JSON lands in $OUT/bench_cli_gpu.json (or bench/results).
+
+    PYTHONUNBUFFERED=1 python bench/bench_cli_gpu.py             # one H200, < 9 min
+    python bench/bench_cli_gpu.py --smoke --device cpu            # logic check, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+SHAPES = {  # Hugging Face config.json fields of the public models' shapes (random weights)
+    "qwen2-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                   "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                   "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "llama-3.2-1b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
+    "smoke": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+}
+SYNTH_VOCAB = 32000  # token ids of the synthetic episodes (below every real shape's vocabulary)
+
+
+def make_checkpoint(shape: str, path: str, device: str) -> None:
+    """Random normal(0, 0.02) weights of the shape, saved as a HF checkpoint (bf16 on GPU)."""
+    import torch
+
+    from treeflow.models import ModelConfig, save_model
+    from treeflow.models.decoder import Decoder
+
+    config = ModelConfig.from_hf_dict(SHAPES[shape])
+    with torch.device("meta"):
+        model = Decoder(config)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    save_model(model, path)
+
+
+def cli(args: list[str], env: dict, log: str) -> dict:
+    """Run `python -m treeflow.cli ...`; return its --json object and the process wall time."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *args], capture_output=True,
+                          text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(f"  FAILED ({log}): {proc.stderr[-2000:]}", flush=True)
+        return {"error": proc.stderr[-2000:], "process_seconds": round(wall, 2)}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["process_seconds"] = round(wall, 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen2-0.5b,llama-3.2-1b")
+    ap.add_argument("--episodes", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-turns", type=int, default=10, help="treeflow synth --max-turns")
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--train-batch", type=int, default=64)
+    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget-seconds", type=float, default=500,
+                    help="skip what is left after this much time (the results so far are kept)")
+    ap.add_argument("--no-kernel-bench", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and data (logic check)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.shapes, args.episodes, args.group_size, args.max_turns = "smoke", 8, 2, 3
+        args.max_tokens, args.window, args.train_batch, args.train_steps = 8192, 4, 4, 2
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    t_start = time.perf_counter()
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out_file = os.path.join(out_dir, "bench_cli_gpu.json" if not args.smoke else
+                            "bench_cli_gpu_smoke.json")
+    # the children import this checkout and this interpreter's packages, however it was started
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
+    result: dict = {"settings": vars(args), "shapes": {}}
+    work = tempfile.mkdtemp(prefix="treeflow-bench-")
+    data = os.path.join(work, "episodes.arrow")
+    print(f"synth {args.episodes} episodes (groups of {args.group_size})", flush=True)
+    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", data, "--episodes",
+                    str(args.episodes), "--group-size", str(args.group_size), "--vocab-size",
+                    str(SHAPES["smoke"]["vocab_size"] if args.smoke else SYNTH_VOCAB),
+                    "--min-turns", str(min(3, args.max_turns)), "--max-turns", str(args.max_turns),
+                    "--seed", "0"], check=True, env=env, capture_output=True)
+
+    def left() -> float:
+        return args.budget_seconds - (time.perf_counter() - t_start)
+
+    def save():
+        result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        with open(out_file, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for shape in args.shapes.split(","):
+        res = result["shapes"][shape] = {}
+        ckpt = os.path.join(work, shape)
+        t0 = time.perf_counter()
+        make_checkpoint(shape, ckpt, args.device)
+        res["checkpoint_seconds"] = round(time.perf_counter() - t0, 1)
+        common = ["--model", ckpt, "--device", args.device, "--dtype", dtype,
+                  "--max-tokens", str(args.max_tokens), "--json"]
+        for layout in ("exact", "tree"):
+            if left() < 30:
+                res[f"replay_{layout}"] = "skipped (time budget)"
+                continue
+            print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: replay --layout {layout}",
+                  flush=True)
+            r = cli(["replay", data, "--layout", layout, "--window", str(args.window),
+                     "-o", os.path.join(work, f"{shape}-{layout}.arrow"), *common], env, layout)
+            res[f"replay_{layout}"] = r
+            print(f"  {json.dumps(r)[:400]}", flush=True)
+            save()
+        ex, tr = res.get("replay_exact"), res.get("replay_tree")
+        if isinstance(ex, dict) and isinstance(tr, dict) and "error" not in ex and "error" not in tr:
+            res["replay_speedup_steady"] = round(ex["steady_seconds"] / tr["steady_seconds"], 3)
+            res["replay_speedup_wall"] = round(ex["wall_seconds"] / tr["wall_seconds"], 3)
+        for layout in ("exact", "tree"):
+            if left() < 30:
+                res[f"train_{layout}"] = "skipped (time budget)"
+                continue
+            print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: train --layout {layout}",
+                  flush=True)
+            r = cli(["replay", data, "--mode", "train", "--layout", layout, "--batch-episodes",
+                     str(args.train_batch), "--steps", str(args.train_steps), "--lr", "1e-6",
+                     *common], env, f"train {layout}")
+            res[f"train_{layout}"] = r
+            print(f"  {json.dumps(r)[:400]}", flush=True)
+            save()
+        ex, tr = res.get("train_exact"), res.get("train_tree")
+        if (isinstance(ex, dict) and isinstance(tr, dict) and ex.get("steady_seconds_per_step")
+                and tr.get("steady_seconds_per_step")):
+            res["train_step_speedup_steady"] = round(
+                ex["steady_seconds_per_step"] / tr["steady_seconds_per_step"], 3)
+        if not args.no_kernel_bench and args.device == "cuda" and left() > 60:
+            print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: bench_gpu.py (forward only)",
+                  flush=True)
+            proc = subprocess.run(
+                [sys.executable, os.path.join(HERE, "bench_gpu.py"), "--shape", shape,
+                 "--episodes", str(args.episodes), "--group-size", str(args.group_size),
+                 "--vocab-size", str(SYNTH_VOCAB), "--max-tokens", str(args.max_tokens),
+                 "--layouts", "exact,tree", "--no-train", "--repeats", "1"],
+                capture_output=True, text=True, env={**env, "OUT": work})
+            if proc.returncode == 0:
+                kb = json.loads(open(os.path.join(work, "bench_gpu.json")).read())
+                fwd = {k: v.get("forward", {}).get("median_s") for k, v in kb["layouts"].items()}
+                res["kernel_forward_seconds"] = fwd
+                if fwd.get("exact") and fwd.get("tree"):
+                    res["kernel_forward_speedup"] = round(fwd["exact"] / fwd["tree"], 3)
+                    if "replay_speedup_steady" in res:
+                        res["cli_over_kernel_speedup"] = round(
+                            res["replay_speedup_steady"] / res["kernel_forward_speedup"], 3)
+            else:
+                res["kernel_bench_error"] = proc.stderr[-2000:]
+            save()
+        print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: "
+              + json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}), flush=True)
+    save()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
