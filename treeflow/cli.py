@@ -164,12 +164,13 @@ def cmd_replay(args) -> int:
 
     from treeflow.pipeline import ArrowSink, Files, Pipeline
     from treeflow.pipeline.stats import add_sums
-    from treeflow.stages import Forward, Fragment, Pack, Reassemble
+    from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
 
     forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype, kernel=args.kernel,
                       entropy=args.entropy, chunk_size=args.chunk_size)
+    # Shard balances the bins over the ranks (the Ray engine's forward actors)
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
-                    forward, Reassemble(entropy=args.entropy))
+                    Shard(num_ranks=args.ranks), forward, Reassemble(entropy=args.entropy))
     source = Files(paths=tuple(args.files), window=args.window, vocab_size=forward.vocab_size_hint())
     sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
                 compile_seconds=0.0)

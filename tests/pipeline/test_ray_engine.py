@@ -4,11 +4,13 @@ One Ray cluster (2 CPUs, a 100 MB object store) serves the whole module:
 starting one costs seconds and hundreds of MB.
 """
 
+import json
 import os
 import re
 import sys
 
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -140,3 +142,18 @@ def test_ray_engine_refuses_multi_rank_training_and_tables(data):
             data, engine="ray", ranks=2, steps=1))
     with pytest.raises(TypeError, match="reads episode files"):
         list(replay_pipe(1).run(synth_episodes(episodes=2, seed=0), engine="ray"))
+
+
+@pytest.mark.ray
+def test_cli_replay_engine_ray_writes_what_local_writes(ray_cluster, data, tmp_path, capsys):
+    from treeflow.cli import main
+
+    outs = {}
+    for engine in ("local", "ray"):
+        out = tmp_path / f"{engine}.parquet"
+        assert main(["replay", data.paths[0], "--engine", engine, "--ranks", "2", "--window", "3",
+                     "--max-tokens", "96", "-o", str(out), "--json"]) == 0
+        outs[engine] = pa.parquet.read_table(out)
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["episodes"] == 12 and summary["compile_seconds"] == 0.0
+    assert outs["ray"].equals(outs["local"])
