@@ -64,7 +64,7 @@ def test_two_ranks_train_write_one_checkpoint_that_one_rank_resumes(data, tmp_pa
     assert [(r["step"], r["ranks"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["rank_seconds_max"] >= r["rank_seconds_mean"] > 0 for r in rows)
     assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "model.safetensors").is_file()
-    assert json.load(open(ckpt / "treeflow_trainer.json"))["position"] == {"episodes": 4}
+    assert json.load(open(ckpt / "treeflow_trainer.json"))["position"] == {"episodes": 4, "passes": 0}
     train(data, tmp_path, "--steps", "3", "--resume", str(ckpt), "--save", str(tmp_path / "one"))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
     assert main(["replay", data, "--model", str(ckpt), "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0

@@ -45,7 +45,7 @@ def train(dp, eps, kind, norm, max_tokens, trainer=None, window=4):
     fwd, red = Forward(), reduce_for(kind, norm)
     pipe = Pipeline(Pack(), Fragment(max_tokens=max_tokens), Shard(num_ranks=dp.world), fwd, red)
     tr = trainer or Trainer(fwd, red, model=small_model(), dp=dp, grad_sum=GRAD_SUM)
-    rows = [m.to_pylist()[0] for m in pipe.run(eps, window=window, trainer=tr)]
+    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, window=window, trainer=tr)]
     return tr, rows
 
 
@@ -124,7 +124,8 @@ def assert_same_as_single(runs):
 
 def test_forced_fragmentation_spreads_bins_over_ranks():
     eps, budget = data()
-    steps = list(Pipeline(Pack(), Fragment(max_tokens=budget), Shard(num_ranks=3)).run(eps, window=4))
+    steps = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=budget),
+                                        Shard(num_ranks=3)).run(eps, window=4)]
     assert len(steps) == 2
     for bins in steps:
         assert sum(bins.column("repeated_tokens").to_pylist()) > 0
