@@ -1,0 +1,141 @@
+"""The physical plan, the local engine's bounded prefetch, the Files reader's position, the sink."""
+
+import time
+
+import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
+import pytest
+
+from treeflow.pipeline import ArrowSink, Files, Pipeline, Plan, synth_episodes, write_episodes
+from treeflow.schemas import validate_episodes
+from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
+from treeflow.stages.base import Stage
+
+
+def small_eps(n=8, seed=0):
+    return synth_episodes(episodes=n, group_size=2, turns=(2, 3), system_tokens=16,
+                          user_tokens=(3, 6), completion_tokens=(3, 6), tool_tokens=(3, 6),
+                          seed=seed)
+
+
+def test_plan_compiles_stage_kinds_into_three_operators():
+    pack, frag, shard, fwd = Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward()
+    plan = Pipeline(pack, frag, shard, fwd, Reassemble()).plan
+    assert plan.maps == (pack, frag, shard) and plan.model is fwd
+    assert isinstance(plan.accumulate, Reassemble) and not plan.trains
+    assert plan.bin_budget == 64  # Fragment's bound, for padding flex bins
+    train = Pipeline(pack, frag, fwd, Reduce()).plan
+    assert train.trains and train.model is fwd
+    maps_only = Pipeline(pack, frag).plan
+    assert maps_only.model is None and maps_only.accumulate is None
+
+
+def test_plan_reads_kinds_not_types():
+    # a stage of a new type is placed by its declared kind alone
+    class Tag(Stage):
+        input_schema = Pack.output_schema
+        output_schema = Pack.output_schema
+
+        def __call__(self, table):
+            return table
+
+    plan = Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    assert [type(s).__name__ for s in plan.maps] == ["Pack", "Tag", "Fragment"]
+    with pytest.raises(ValueError, match="Fragment \\(a map\\) follows the model stage Forward"):
+        Plan.compile((Pack(), Forward(), Fragment(max_tokens=64)))
+
+
+def test_cross_stage_mismatch_is_refused_at_declaration():
+    with pytest.raises(ValueError, match=r"Reassemble needs \['edge_entropies'\], which no stage "
+                                         "before it produces"):
+        Pipeline(Pack(), Fragment(max_tokens=64), Forward(entropy=False), Reassemble(entropy=True))
+    Pipeline(Pack(), Fragment(max_tokens=64), Forward(entropy=True), Reassemble(entropy=True))
+    with pytest.raises(ValueError, match="Reduce needs"):
+        Pipeline(Pack(), Fragment(max_tokens=64), Forward(),
+                 Reduce(loss=Loss(kind="pg", entropy_coef=0.01)))
+
+
+def test_forward_config_holds_no_device():
+    assert "device" not in {f for f in Forward.__dataclass_fields__}
+    runner = Forward().build(device="cpu", pad_to=64)
+    assert runner.device.type == "cpu" and runner.pad_to is None  # padding serves CUDA flex only
+
+
+def test_local_engine_reads_a_bounded_number_of_windows_ahead():
+    eps = validate_episodes(small_eps(4))
+    pulled = []
+
+    def source():
+        for i in range(12):
+            pulled.append(i)
+            yield eps
+
+    pipe = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble())
+    for k, rec in enumerate(pipe.run(source(), prefetch=2)):
+        time.sleep(0.2)  # give the preparing thread every chance to run ahead
+        # prefetch windows queued + one being prepared + one held for overlap
+        assert len(pulled) - (k + 1) <= 2 + 2, (k, len(pulled))
+        assert rec.step == k and rec.stats["episodes"] == 4
+    assert len(pulled) == 12
+
+
+def test_local_engine_delivers_windows_before_a_failing_one():
+    eps = validate_episodes(small_eps(4))
+    bad = eps.slice(0, 0)
+
+    def source():
+        yield eps
+        yield eps
+        raise RuntimeError("source broke")
+        yield bad
+
+    pipe = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble())
+    got = []
+    with pytest.raises(RuntimeError, match="source broke"):
+        for rec in pipe.run(source()):
+            got.append(rec.step)
+    assert got == [0, 1]
+
+
+def test_files_reader_position_resumes_and_cycles(tmp_path):
+    write_episodes(small_eps(8), tmp_path / "e.arrow")
+    files = Files(paths=(str(tmp_path / "e.arrow"),), window=2, cycle=True)
+    reader = files.open()
+    first = [next(reader) for _ in range(5)]  # 4 windows per pass: the 5th starts pass 2
+    assert reader.state_dict() == {"episodes": 10, "passes": 1}
+    resumed = files.open({"episodes": 6})
+    again = [next(resumed) for _ in range(2)]
+    assert [w.column("episode_id").to_pylist() for w in again] == \
+        [w.column("episode_id").to_pylist() for w in first[3:5]]
+    with pytest.raises(ValueError, match="not at a window boundary"):
+        next(files.open({"episodes": 3}))
+    once = Files(paths=files.paths, window=2)
+    assert sum(w.num_rows for w in once) == 8
+
+
+def test_files_spans_cut_windows_like_iteration(tmp_path):
+    a = small_eps(6, seed=1)
+    b = a.set_column(0, "episode_id", pa.array([f"b{i}" for i in range(6)]))
+    b = b.set_column(b.schema.get_field_index("sample_index"), "sample_index",
+                     pa.array(range(6, 12), pa.int64()))
+    write_episodes(a, tmp_path / "a.arrow")
+    write_episodes(b, tmp_path / "b.parquet")
+    files = Files(paths=(str(tmp_path / "a.arrow"), str(tmp_path / "b.parquet")), window=4)
+    sizes = [w.num_rows for w in files]
+    spans = files.spans()
+    assert [sum(b - a for _, a, b, _ in pieces) for pieces in spans] == sizes
+    assert any(len(pieces) == 2 for pieces in spans)  # a window across the two files
+
+
+def test_sink_publishes_atomically(tmp_path):
+    out = tmp_path / "r.parquet"
+    table = pa.table({"x": [1, 2]})
+    with ArrowSink(out) as sink:
+        sink.write(table)
+        assert not out.exists()  # only the unique temporary exists while writing
+    assert pa.parquet.read_table(out).equals(table)
+    with pytest.raises(RuntimeError):
+        with ArrowSink(tmp_path / "s.arrow") as sink:
+            sink.write(table)
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.parquet"]
