@@ -129,8 +129,17 @@ class Worker:
         self.plan, self.runner, self.trainer = plan, runner, trainer
 
     def warm_up(self) -> float:
-        """Compile kernels before timing starts (seconds; 0.0 off CUDA)."""
-        return 0.0 if self.runner is None else self.runner.warm_up(grad=self.trainer is not None)
+        """Compile kernels before timing starts (seconds; 0.0 off CUDA).
+
+        A trainer warms up in its compute context (autocast under mixed precision), so the
+        kernels compiled are the ones its steps run.
+        """
+        if self.runner is None:
+            return 0.0
+        if self.trainer is None:
+            return self.runner.warm_up(grad=False)
+        with self.trainer.compute():
+            return self.runner.warm_up(grad=True)
 
     def prepare(self, bins: pa.Table):
         """Host half of the model map for these bins (background-thread safe)."""
