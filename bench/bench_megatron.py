@@ -82,9 +82,9 @@ def _time(fn, repeats, device):
 
 def bench_backend(backend, args, fwd_rows, train_rows) -> dict:
     cuda = args.device == "cuda"
-    runner = Forward(model="tiny", backend=backend.name, dtype=args.dtype, device=args.device,
+    runner = Forward(model="tiny", backend=backend.name, dtype=args.dtype,
                      kernel="flex" if cuda else "runs", chunk_size=args.chunk_size
-                     ).build(model=backend)
+                     ).build(device=args.device, model=backend)
 
     def forward():
         with torch.no_grad():

@@ -82,8 +82,8 @@ def run_model(path: str, args) -> dict:
     bins = Fragment(max_tokens=args.max_tokens)(Pack(layout="tree")(eps))
 
     def forward(backend, dtype):
-        runner = Forward(model=path, backend=backend.name, dtype=dtype, device=args.device,
-                         kernel=args.kernel, chunk_size=64).build(model=backend)
+        runner = Forward(model=path, backend=backend.name, dtype=dtype,
+                         kernel=args.kernel, chunk_size=64).build(device=args.device, model=backend)
         out = runner(bins)
         return np.concatenate([np.asarray(x, np.float64)
                                for x in out.column("edge_logprobs").to_pylist()])
@@ -114,9 +114,9 @@ def run_model(path: str, args) -> dict:
     del meg
     meg = load_backend("megatron", path, dtype=torch.float32, device=device,
                        tensor_parallel=args.tp, sequence_parallel=not args.no_sp)
-    trainer = Trainer(Forward(model=path, backend="megatron", dtype=args.dtype, device=args.device,
+    trainer = Trainer(Forward(model=path, backend="megatron", dtype=args.dtype,
                               kernel=args.train_kernel, chunk_size=64),
-                      Reduce(loss=loss, max_grad_norm=1e9), model=meg)
+                      Reduce(loss=loss, max_grad_norm=1e9), model=meg, device=args.device)
     step = trainer.open_step(eps)
     step.add(bins)
     meg_loss = step.loss_sum
@@ -133,9 +133,9 @@ def run_model(path: str, args) -> dict:
         if args.dtype != "float32":
             low = load_backend("reference", path, dtype=dtypes[args.dtype], device=device)
             result["reference_low"] = forward(low, args.dtype).tolist()
-        ref_trainer = Trainer(Forward(model=path, device=args.device, kernel=args.train_kernel,
-                                      chunk_size=64),
-                              Reduce(loss=loss, max_grad_norm=1e9), model=ref32.module)
+        ref_trainer = Trainer(Forward(model=path, kernel=args.train_kernel, chunk_size=64),
+                              Reduce(loss=loss, max_grad_norm=1e9), model=ref32.module,
+                              device=args.device)
         ref_step = ref_trainer.open_step(eps)
         ref_step.add(bins)
         ref_grads = hf_to_mcore({n: p.grad.detach() for n, p in ref32.named_parameters()},

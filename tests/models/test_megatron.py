@@ -66,7 +66,7 @@ def _replay(model_dir, backend, layout, kernel="auto", entropy=False):
     pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=96),
                     Forward(model=model_dir, backend=backend, kernel=kernel, entropy=entropy),
                     Reassemble(entropy=entropy))
-    return pa.concat_tables(list(pipe.run(_episodes())))
+    return pa.concat_tables([r.output for r in pipe.run(_episodes())])
 
 
 def _flat(table, column="logprobs"):

@@ -151,13 +151,17 @@ class MegatronBackend:
         return cls(model.to(device=device), config)
 
     # ------------------------------------------------------------ forward
-    def attention_plan(self, parents_N, subtree_end_N, *, kernel: str) -> AttentionPlan:
+    def attention_plan(self, parents_N, subtree_end_N, *, kernel: str,
+                       pad_to: int | None = None) -> AttentionPlan:
         parents_N, end_N = np.asarray(parents_N), np.asarray(subtree_end_N)
         pad = -len(end_N) % self.tp if self.sequence_parallel else 0
         if pad:  # single-token roots: each sees only itself
             end_N = np.concatenate((end_N, np.arange(len(end_N) + 1, len(end_N) + pad + 1)))
             parents_N = np.concatenate((parents_N, np.full(pad, -1, dtype=parents_N.dtype)))
-        return AttentionPlan(end_N, kernel=kernel, device=self.device, parents_N=parents_N)
+        if pad_to is not None:
+            pad_to = max(pad_to, len(end_N))
+        return AttentionPlan(end_N, kernel=kernel, device=self.device, parents_N=parents_N,
+                             pad_to=pad_to)
 
     def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                       plan: AttentionPlan) -> torch.Tensor:
@@ -184,7 +188,8 @@ class MegatronBackend:
             x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=True)
         return x_P1H[:n, 0]
 
-    def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy):
+    def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
+                      targets_checked=False):
         model = self.module
         weight = (model.shared_embedding_or_output_weight() if self.config.tie_word_embeddings
                   else model.output_layer.weight)
