@@ -1,4 +1,13 @@
-"""Logprobs are the same whatever the layout, the fragmentation and the sharding (fp32, CPU)."""
+"""Logprobs are the same whatever the layout, the fragmentation and the sharding (fp32, CPU).
+
+The reference is every call alone as an ordinary causal sequence
+(tests/reference.py). The policy is tiny's shape with a small vocabulary and
+weights scaled up, saved as a checkpoint that Forward loads: attention is far
+from uniform, so a wrong position or context moves a logprob by far more than
+the tolerance.
+"""
+
+import dataclasses
 
 import numpy as np
 import pyarrow as pa
@@ -7,36 +16,38 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.stages.conftest import episode_tables
-from treeflow.models import AttentionPlan, load_model
+from tests.reference import per_call_values
+from tests.stages.conftest import branching_groups, edges_after_a_branch, episode_tables
+from treeflow.models import ModelConfig, load_model, save_model
 from treeflow.pipeline import Pipeline
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
 
+VOCAB = 64
+
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
-def per_call_reference(model, episodes: pa.Table) -> list[list[np.ndarray]]:
-    """Every call alone, as an ordinary causal sequence."""
-    out = []
+def tiny(tmp_path_factory):
+    """(model, checkpoint dir) of the seeded, sharpened policy."""
+    model = load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB))
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for row in episodes.to_pylist():
-            calls = []
-            for c in row["calls"]:
-                t = torch.tensor(c["token_ids"])
-                n = len(t)
-                hidden = model(t, torch.arange(n), AttentionPlan(np.full(n, n), kernel="causal"))
-                lp = torch.log_softmax(model.project(hidden).float(), -1)
-                s = c["sampled_start"]
-                calls.append(lp[s - 1:n - 1].gather(-1, t[s:, None])[:, 0].numpy())
-            out.append(calls)
-    return out
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.mul_(4.0)
+    path = tmp_path_factory.mktemp("sharp-tiny")
+    save_model(model, path)
+    return model, str(path)
 
 
-def run(model, episodes, layout, max_tokens, ranks=1, window=64, kernel="auto"):
-    fwd = Forward(model="tiny", kernel=kernel)
+def per_call_reference(tiny, episodes: pa.Table) -> list[list[np.ndarray]]:
+    """Every call alone, as an ordinary causal sequence."""
+    return per_call_values(tiny[0], episodes.to_pylist())[0]
+
+
+def run(tiny, episodes, layout, max_tokens, ranks=1, window=64, kernel="auto"):
+    fwd = Forward(model=tiny[1], kernel=kernel)
     pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=max_tokens, pad_to_multiple=ranks),
                     Shard(num_ranks=ranks), fwd, Reassemble())
     import treeflow.pipeline.local as local
@@ -70,11 +81,24 @@ def test_layouts_agree_with_each_call_alone(tiny, eps, max_tokens, ranks):
     assert_close(run(tiny, eps, "tree", max_tokens, ranks, kernel="dense"), ref)
 
 
+@settings(max_examples=20, deadline=None)
+@given(branching_groups(), st.integers(0, 12), st.integers(1, 3))
+def test_branching_groups_agree_with_each_call_alone(tiny, eps, slack, ranks):
+    """Trees that really branch, with sampled tokens after the branch (positions != indices)."""
+    assert edges_after_a_branch(Pack(layout="tree")(eps)) > 0
+    deepest = max(len(c["token_ids"]) for r in eps.to_pylist() for c in r["calls"])
+    ref = per_call_reference(tiny, eps)
+    for kernel in ("auto", "dense"):
+        assert_close(run(tiny, eps, "tree", deepest + slack, ranks, kernel=kernel), ref)
+    assert_close(run(tiny, eps, "chain", deepest + slack, ranks), ref)
+
+
 def test_synthetic_groups_fragmented_and_windowed(tiny):
     from treeflow.pipeline import synth_episodes
 
     eps = synth_episodes(episodes=6, group_size=3, turns=(2, 4), system_tokens=40, user_tokens=(5, 15),
-                         completion_tokens=(3, 12), tool_tokens=(4, 20), branch_prob=0.3, seed=7)
+                         completion_tokens=(3, 12), tool_tokens=(4, 20), branch_prob=0.3,
+                         vocab_size=VOCAB, seed=7)
     ref = per_call_reference(tiny, eps)
     deepest = max(len(c["token_ids"]) for r in eps.to_pylist() for c in r["calls"])
     for layout in ("tree", "chain", "exact"):
@@ -89,7 +113,7 @@ def test_kernels_match_dense_forward(tiny, kernel):
     from treeflow.pipeline import synth_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
-                         completion_tokens=(3, 9), tool_tokens=(4, 9), seed=1)
+                         completion_tokens=(3, 9), tool_tokens=(4, 9), vocab_size=VOCAB, seed=1)
     dense = run(tiny, eps, "tree", 400, kernel="dense")
     assert_close(run(tiny, eps, "tree", 400, kernel=kernel), dense)
 
@@ -98,7 +122,7 @@ def test_causal_kernel_refuses_tree_bins(tiny):
     from treeflow.pipeline import synth_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
-                         completion_tokens=(3, 9), tool_tokens=(4, 9), seed=1)
+                         completion_tokens=(3, 9), tool_tokens=(4, 9), vocab_size=VOCAB, seed=1)
     with pytest.raises(ValueError, match="kernel 'causal' runs chain-only bins"):
         run(tiny, eps, "tree", 400, kernel="causal")
     run(tiny, eps, "chain", 400, kernel="causal")  # chains are fine
