@@ -127,3 +127,25 @@ def test_empty_bin(kernel):
     with torch.no_grad():
         hidden = model(empty, empty, AttentionPlan(np.zeros(0, dtype=np.int64), kernel=kernel))
     assert hidden.shape == (0, 32)
+
+
+def test_flex_fixed_pad_length_changes_nothing_but_the_padding():
+    """A bin padded to its power-of-two bucket or to a fixed length (one compiled kernel for all
+    bins) gives the same output: padding only adds fully masked blocks. CPU float32; the tree is
+    deep and bushy (each node hangs off one of the 20 nodes before it)."""
+    rng = np.random.default_rng(0)
+    n = 200
+    parents = np.array([-1] + [int(rng.integers(max(0, i - 20), i)) for i in range(1, n)])
+    _, _, end = tree_tensors(np.zeros(n, np.int64), parents)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (4, 2, 2))
+    bucket = AttentionPlan(end, kernel="flex")
+    fixed = AttentionPlan(end, kernel="flex", pad_to=640)
+    assert (bucket._padded, fixed._padded) == (256, 640)
+    with torch.no_grad():
+        out, out_fixed = bucket(q, k, v), fixed(q, k, v)
+        dense = AttentionPlan(end, kernel="dense")(q, k, v)
+    torch.testing.assert_close(out_fixed, out, atol=1e-6, rtol=0)  # same blocks, same sums
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="pad_to=128 is less than"):
+        AttentionPlan(end, kernel="flex", pad_to=128)

@@ -4,7 +4,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.stages.conftest import check_bins, episode_tables, occurrences
@@ -30,27 +30,66 @@ def test_pack_spells_every_call(eps, layout, scope):
             assert len(np.unique(kids)) == len(kids)
 
 
+def context_closure(layout: dict) -> int:
+    """Nodes a layout's edges need as input: the ancestors-or-self of every edge source."""
+    par = layout["parents"]
+    need = set()
+    for c in layout["edge_nodes"]:
+        n = par[c]
+        while n >= 0 and n not in need:
+            need.add(n)
+            n = par[n]
+    return len(need)
+
+
+def bins_per_layout(layouts, bins) -> list[int]:
+    """How many bins hold occurrences of each layout (found through its episodes)."""
+    layout_of = {si: i for i, sis in enumerate(layouts.column("sample_indices").to_pylist())
+                 for si in sis}
+    held = [set() for _ in range(layouts.num_rows)]
+    for b, sis in enumerate(bins.column("occ_sample_index").to_pylist()):
+        for si in sis:
+            held[layout_of[si]].add(b)
+    return [len(h) for h in held]
+
+
 @SETTINGS
 @given(episode_tables(max_episodes=4, max_calls=6), st.sampled_from(["tree", "chain", "exact"]),
-       st.integers(9, 30), st.integers(1, 3))
-def test_fragmented_bins_cover_every_occurrence_once(eps, layout, max_tokens, ranks):
+       st.floats(0, 1, exclude_max=True), st.integers(1, 3))
+def test_fragmented_bins_cover_every_occurrence_once(eps, layout, frac, ranks):
+    """Budgets from the deepest context up to just below the largest layout's need: every
+    layout that does not fit is split, and the bins still cover each occurrence once."""
     layouts = Pack(layout=layout)(eps)
     deepest = max((len(prefix) for prefix, _, _ in occurrences(eps).values()), default=0)
-    if deepest > max_tokens:
-        # the first layout with a too-deep edge is named, with its own deepest need
-        with pytest.raises(ValueError, match=r"needs a context of (\d+) tokens, more than "
-                                             rf"max_tokens={max_tokens}") as err:
-            Fragment(max_tokens=max_tokens)(layouts)
-        need = int(re.search(r"context of (\d+) tokens", str(err.value)).group(1))
-        assert max_tokens < need <= deepest
-        return
+    need = [context_closure(lay) for lay in layouts.to_pylist()]
+    max_tokens = max(deepest, 2) + int(frac * max(max(need) - deepest, 0))  # Fragment needs >= 2
     bins = Fragment(max_tokens=max_tokens, pad_to_multiple=ranks)(layouts)
     assert bins.num_rows % ranks == 0
     check_bins(eps, bins, max_tokens)
+    spread = bins_per_layout(layouts, bins)
+    for n, k in zip(need, spread):
+        if n > max_tokens:  # it cannot fit in one bin: it was split
+            assert k >= 2, (n, max_tokens)
+    event(f"split a layout: {any(k >= 2 for k in spread)}")
     sharded, report = Shard(num_ranks=ranks).plan(bins)
     assert set(sharded.column("rank").to_pylist()) <= set(range(ranks))
     # padded bins are spread so that every rank runs the same number of micro-batches
     assert report.rank_bins.tolist() == [bins.num_rows // ranks] * ranks
+
+
+@settings(max_examples=20, deadline=None)
+@given(episode_tables(max_episodes=4, max_calls=6), st.sampled_from(["tree", "chain", "exact"]),
+       st.integers(1, 4))
+def test_a_context_deeper_than_the_budget_is_named(eps, layout, short):
+    deepest = max(len(prefix) for prefix, _, _ in occurrences(eps).values())
+    max_tokens = max(deepest - short, 2)
+    assume(deepest > max_tokens)
+    # the first layout with a too-deep edge is named, with its own deepest need
+    with pytest.raises(ValueError, match=r"needs a context of (\d+) tokens, more than "
+                                         rf"max_tokens={max_tokens}") as err:
+        Fragment(max_tokens=max_tokens)(Pack(layout=layout)(eps))
+    need = int(re.search(r"context of (\d+) tokens", str(err.value)).group(1))
+    assert max_tokens < need <= deepest
 
 
 @SETTINGS
