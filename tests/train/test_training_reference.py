@@ -209,10 +209,12 @@ def test_ppo_old_logprobs_from_a_logprob_phase_during_an_open_step():
     assert m["grad_norm"] == pytest.approx(grad_norm(ref_model), rel=1e-5)
 
 
-def test_lr_follows_the_episode_schedule_formula():
-    """Warmup then cosine, by episodes seen before each step (windows of 3 episodes)."""
+def test_lr_follows_the_episode_schedule_formula_in_a_run_with_an_entropy_bonus():
+    """Warmup then cosine, by episodes seen before each step (windows of 3 episodes), in a
+    pipeline run whose loss has an entropy bonus: its first step's loss is the reference's."""
     lr, warm, decay, floor = 0.01, 5, 8, 0.1
-    red = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(
+    loss = Loss(kind="nll", norm="seq-mean", entropy_coef=0.05)
+    red = Reduce(loss=loss, schedule=EpisodeSchedule(
         lr=lr, warmup_episodes=warm, decay_episodes=decay, min_ratio=floor))
     from treeflow.pipeline import Pipeline
 
@@ -220,9 +222,13 @@ def test_lr_follows_the_episode_schedule_formula():
     for i, r in enumerate(rows):
         r["episode_id"], r["group_id"], r["sample_index"] = f"ep{i}", f"g{i // 3}", i
     eps = validate_episodes(pa.Table.from_pylist(rows))
-    pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), red)
-    tr = Trainer(Forward(), red, model=model_())
+    base = model_()
+    first_loss, _ = reference_step(copy.deepcopy(base), eps.slice(0, 3).to_pylist(), kind="nll",
+                                   norm="seq-mean", entropy_coef=0.05)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(entropy=True), red)
+    tr = Trainer(Forward(entropy=True), red, model=base)
     metrics = pa.concat_tables([r.output for r in pipe.run(eps, window=3, trainer=tr)]).to_pylist()
+    assert metrics[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
     seen, want = 0, []
     for _ in metrics:
         if seen < warm:  # step k of warmup runs at lr * (episodes seen + 1) / warmup
