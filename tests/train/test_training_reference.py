@@ -20,8 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from tests.reference import grad_norm, per_call_values, reference_step, result_table
+from tests.stages.conftest import branching_groups
 from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
 from treeflow.schemas import validate_episodes
@@ -96,10 +99,10 @@ def layouts(eps):
                                                             for f in feeds])]
 
 
-def assert_grads_match(model, ref_model, rel=1e-5):
+def assert_grads_match(model, ref_model, rel=1e-5, nonzero=True):
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         scale = float(q.grad.abs().max())
-        assert scale > 0, name
+        assert scale > 0 or not nonzero, name
         diff = float((p.grad - q.grad).abs().max())
         assert diff <= rel * scale, f"{name}: max |grad - reference| {diff:.3g}, scale {scale:.3g}"
 
@@ -207,6 +210,27 @@ def test_ppo_old_logprobs_from_a_logprob_phase_during_an_open_step():
     assert m["clip_fraction"] == 0.0
     assert m["ratio_min"] == pytest.approx(1.0, abs=1e-4) and m["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert m["grad_norm"] == pytest.approx(grad_norm(ref_model), rel=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(branching_groups(max_groups=2, max_group_size=3, max_calls=3, vocab=6),
+       st.sampled_from(["token", "seq-mean", "seq-sum"]), st.integers(0, 6))
+def test_random_branching_groups_step_matches_per_call_reference(eps, norm, slack):
+    """Random groups that branch, with duplicates and masks, fragmented over 2 ranks."""
+    rows = eps.to_pylist()
+    assume(any(any(c["loss_mask"]) for r in rows for c in r["calls"]))
+    base = model_()
+    ref_model = copy.deepcopy(base)
+    want, _ = reference_step(ref_model, rows, kind="pg", norm=norm)
+    model = copy.deepcopy(base)
+    tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", norm=norm)), model=model)
+    step = tr.open_step(eps)
+    bins = Shard(num_ranks=2)(Fragment(max_tokens=deepest(eps) + slack, pad_to_multiple=2)(
+        Pack(layout="tree")(eps)))
+    for r in (1, 0):
+        step.add(bins.filter(pa.compute.equal(bins.column("rank"), r)))
+    assert step.loss_sum == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert_grads_match(model, ref_model, nonzero=False)  # all-zero advantages can be drawn
 
 
 def test_lr_follows_the_episode_schedule_formula_in_a_run_with_an_entropy_bonus():

@@ -25,7 +25,9 @@ from treeflow.stages.losses import Loss
 class EpisodeSchedule:
     """Learning rate as a function of episodes seen: linear warmup, then constant or cosine.
 
-    warmup_episodes: episodes of linear warmup from 0 to `lr`.
+    warmup_episodes: episodes of linear warmup up to `lr`: a step that starts after
+    `e < warmup_episodes` episodes runs at `lr * (e + 1) / warmup_episodes`, so the first
+    step already learns (it is not 0) and the step starting at `warmup_episodes - 1` reaches `lr`.
     decay_episodes: if set, cosine decay from `lr` to `lr * min_ratio` over this
     many episodes after warmup; else constant.
     """
