@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValueError as e:
-        _console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        # soft_wrap: never break a message (and the path in it) at the console width
+        _console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
 
 
