@@ -1,0 +1,77 @@
+"""The tensor queue: live episodes from producers to the pipeline, nothing lost, nothing twice.
+
+One interface (`Queue`), two backends:
+
+- `embedded` (default, no extra install): in this process, or in a local
+  server process on a Unix socket that producers and consumers on the
+  machine attach to (tq/embedded.py says why).
+- `transferqueue`: TransferQueue 0.1.11 on Ray (`pip install 'treeflow[tq]'`).
+
+    q = open_queue("/tmp/tf.sock")                 # start, or attach if one answers there
+    q.put(episodes, producer="rollout-0")          # whole groups, validated, bounded
+    for results in Pipeline(...).run(QueueSource(q, episodes_per_step=32)): ...
+"""
+
+from __future__ import annotations
+
+from treeflow.tq.ledger import END, QueueClosed, QueueFull
+
+__all__ = ["BACKENDS", "END", "Leased", "Queue", "QueueClosed", "QueueFull", "connect_queue",
+           "local_queue", "open_queue"]
+
+BACKENDS = ("embedded", "transferqueue")
+
+
+def __getattr__(name):
+    # the client (pyarrow, schemas) loads on first use, so that the queue server process,
+    # which needs only the ledger, starts in a fraction of the time
+    if name in ("Leased", "Queue", "local_queue"):
+        from treeflow.tq import queue
+
+        return getattr(queue, name)
+    raise AttributeError(f"module 'treeflow.tq' has no attribute {name!r}")
+
+
+def open_queue(address: str | None = None, *, backend: str = "embedded", capacity: int = 1024,
+               capacity_bytes: int | None = None, lease_seconds: float = 60.0,
+               vocab_size: int | None = None) -> "Queue":
+    """Start a queue (or attach to the one at `address`); `queue.shutdown()` stops what we started.
+
+    embedded: `address` is a Unix socket path (None: in this process only).
+    transferqueue: `address` is the queue's name on the Ray cluster.
+    capacity: the most episodes held (queued or leased and not acknowledged).
+    lease_seconds: a consumer silent this long is presumed dead; its step is redelivered.
+    """
+    from treeflow.tq.queue import Queue, local_queue
+
+    options = dict(capacity=capacity, capacity_bytes=capacity_bytes, lease_seconds=lease_seconds)
+    if backend == "embedded":
+        if address is None:
+            return local_queue(**options)
+        from treeflow.tq.embedded import _alive, connect_embedded, serve_embedded
+
+        server = None if _alive(address) else serve_embedded(address, **options)
+        return Queue(connect_embedded(address), backend=backend, vocab_size=vocab_size, owner=server)
+    if backend == "transferqueue":
+        from treeflow.tq.transferqueue import open_transferqueue
+
+        ledger, store, owner = open_transferqueue(address or "default", **options)
+        return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size, owner=owner)
+    raise ValueError(f"queue backend {backend!r}: choose one of {BACKENDS}")
+
+
+def connect_queue(address: str, *, backend: str = "embedded", timeout: float = 30.0,
+                  vocab_size: int | None = None) -> "Queue":
+    """Attach to a running queue (a producer's or a second consumer's view of it)."""
+    from treeflow.tq.queue import Queue
+
+    if backend == "embedded":
+        from treeflow.tq.embedded import connect_embedded
+
+        return Queue(connect_embedded(address, timeout=timeout), backend=backend, vocab_size=vocab_size)
+    if backend == "transferqueue":
+        from treeflow.tq.transferqueue import open_transferqueue
+
+        ledger, store, _ = open_transferqueue(address, attach=True, timeout=timeout)
+        return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size)
+    raise ValueError(f"queue backend {backend!r}: choose one of {BACKENDS}")

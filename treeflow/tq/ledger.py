@@ -1,0 +1,363 @@
+"""The queue's bookkeeping: capacity, whole-step release, leases, acknowledgement, redelivery.
+
+Every delivery guarantee lives here, once, for both backends; a backend only
+decides where the ledger runs (this process, a local server process, a Ray
+actor) and where the payloads live (inside the ledger, or in TransferQueue's
+storage with the ledger holding their keys). The ledger never looks inside a
+payload: it sees groups (whole GRPO groups, or single ungrouped episodes)
+with their episode count, byte size and weight versions.
+
+- Bounded capacity: episodes (and optionally bytes) held -- queued or leased
+  and not yet acknowledged -- never exceed the limit; `put` waits for room
+  and raises `QueueFull` when its wait runs out.
+- Whole steps: `get(episodes=B)` releases a step only when B episodes of
+  whole groups are queued (or the queue is closed: then the remainder).
+  A released step gets a number, fixed for ever: a redelivered step is the
+  same number with the same groups, so a consumer that already applied it
+  can skip it (idempotent redelivery, not an error).
+- Leases: a released step is leased to one consumer until acknowledged; a
+  lease not renewed within `lease_seconds` (the consumer died) or given back
+  with `nack` is redelivered, before anything new, to the next consumer.
+- Producer restarts: each producer numbers its puts; a put whose sequence
+  number was already accepted is dropped (the retry of a put whose answer
+  was lost), a gap is refused (a put was lost). `next_seq(producer)` tells a
+  restarted producer where to resume.
+- Staleness: `get(min_version=v)` drops (and counts) queued groups sampled
+  with a weight_version older than v.
+
+The trade-off: one lock around everything. Bookkeeping per call is O(groups
+moved), far below the cost of moving or computing episodes, and a single
+lock makes every guarantee easy to state and test. Seen episode and group
+ids are remembered for the queue's lifetime to refuse duplicates (a few
+dozen bytes per episode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["END", "Delivery", "Group", "Ledger", "QueueClosed", "QueueFull"]
+
+END = "end"  # get(): the queue is closed and everything was acknowledged
+
+
+class QueueFull(RuntimeError):
+    """A put found no room within its wait (the consumer is slower than the producers)."""
+
+
+class QueueClosed(RuntimeError):
+    """A put after close()."""
+
+
+@dataclass
+class Group:
+    """One whole group of episodes (a GRPO group, or one ungrouped episode) and its payload."""
+
+    payload: Any
+    episodes: int
+    nbytes: int
+    min_version: int | None
+    group_id: str | None = None
+
+
+@dataclass
+class Delivery:
+    """A leased step: its number, its groups' payloads, and what was dropped to form it."""
+
+    lease: int
+    step: int
+    payloads: list
+    episodes: int
+    redelivered: bool = False
+    dropped_stale: int = 0
+
+
+@dataclass
+class _Lease:
+    step: int
+    groups: list[Group]
+    deadline: float
+    consumer: str
+    redelivered: bool = False
+
+
+@dataclass
+class _Stats:
+    puts: int = 0
+    episodes_in: int = 0
+    bytes_in: int = 0
+    duplicate_puts: int = 0
+    steps_released: int = 0
+    steps_acked: int = 0
+    redeliveries: int = 0
+    stale_dropped: int = 0
+    full_waits: int = 0
+    late_acks: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Ledger:
+    """Thread-safe queue state; every method returns in bounded time (waits take `wait_s`)."""
+
+    def __init__(self, *, capacity: int = 1024, capacity_bytes: int | None = None,
+                 lease_seconds: float = 60.0):
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: give the most episodes the queue may hold (>= 1)")
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes}: give a positive size or None")
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds={lease_seconds}: give a positive timeout")
+        self.capacity, self.capacity_bytes, self.lease_seconds = capacity, capacity_bytes, lease_seconds
+        self._cv = threading.Condition()
+        self._queued: deque[Group] = deque()
+        self._queued_episodes = 0
+        self._redeliver: deque[tuple[int, list[Group]]] = deque()
+        self._leases: dict[int, _Lease] = {}
+        self._next_lease = 0
+        self._next_step = 0
+        self._held_episodes = 0
+        self._held_bytes = 0
+        self._next_seq: dict[str, int] = {}
+        self._episode_ids: set[str] = set()
+        self._group_ids: set[str] = set()
+        self._sample_indices: set[int] = set()
+        self._closed = False
+        self._results: deque = deque()
+        self._weights: tuple[int, Any] | None = None
+        self._stats = _Stats()
+
+    # ------------------------------------------------------------ producers
+    def next_seq(self, producer: str) -> int:
+        """The sequence number this producer's next put must carry (0 for a new producer)."""
+        with self._cv:
+            return self._next_seq.get(producer, 0)
+
+    def put(self, producer: str, seq: int, groups: list[Group], episode_ids: list[str],
+            sample_indices: list[int], wait_s: float = 0.0) -> bool:
+        """Queue whole groups atomically; False if (producer, seq) was already accepted."""
+        n = sum(g.episodes for g in groups)
+        nbytes = sum(g.nbytes for g in groups)
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while True:
+                if self._closed:
+                    raise QueueClosed(f"put {seq} of producer {producer!r}: the queue is closed; "
+                                      "no more episodes are accepted")
+                expected = self._next_seq.get(producer, 0)
+                if seq < expected:
+                    self._stats.duplicate_puts += 1
+                    return False
+                if seq > expected:
+                    raise ValueError(f"put {seq} of producer {producer!r}: expected put {expected}, so "
+                                     f"puts {expected}..{seq - 1} never arrived; a restarted producer "
+                                     "must resume from queue.next_seq(producer)")
+                self._check_new_ids(producer, seq, groups, episode_ids, sample_indices)
+                if n > self.capacity or (self.capacity_bytes and nbytes > self.capacity_bytes):
+                    raise ValueError(f"put {seq} of producer {producer!r} holds {n} episodes / "
+                                     f"{nbytes} bytes, more than the queue's capacity "
+                                     f"({self.capacity} episodes / {self.capacity_bytes} bytes); "
+                                     "put fewer groups at a time or raise the capacity")
+                if self._has_room(n, nbytes):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._stats.full_waits += 1
+                    raise QueueFull(f"put {seq} of producer {producer!r}: the queue is full "
+                                    f"({self._held_episodes}/{self.capacity} episodes, "
+                                    f"{self._held_bytes} bytes held) after waiting {wait_s:.3g} s; "
+                                    "the consumer is slower than the producers: retry later, "
+                                    "lower the rate, or raise the capacity")
+                self._cv.wait(min(left, 1.0))
+                self._expire_leases()
+            self._queued.extend(groups)
+            self._queued_episodes += n
+            self._held_episodes += n
+            self._held_bytes += nbytes
+            self._episode_ids.update(episode_ids)
+            self._sample_indices.update(sample_indices)
+            self._group_ids.update(g.group_id for g in groups if g.group_id is not None)
+            self._next_seq[producer] = seq + 1
+            self._stats.puts += 1
+            self._stats.episodes_in += n
+            self._stats.bytes_in += nbytes
+            self._cv.notify_all()
+            return True
+
+    def _check_new_ids(self, producer, seq, groups, episode_ids, sample_indices) -> None:
+        dup = next((e for e in episode_ids if e in self._episode_ids), None)
+        if dup is not None:
+            raise ValueError(f"put {seq} of producer {producer!r}: episode {dup!r} is already in "
+                             "the queue (or was delivered); episode ids must be unique")
+        dup = next((i for i in sample_indices if i in self._sample_indices), None)
+        if dup is not None:
+            raise ValueError(f"put {seq} of producer {producer!r}: sample_index {dup} was already "
+                             "put; give every episode of every producer its own sample_index")
+        dup = next((g.group_id for g in groups if g.group_id in self._group_ids), None)
+        if dup is not None:
+            raise ValueError(f"put {seq} of producer {producer!r}: group {dup!r} was already put; "
+                             "put each GRPO group whole, in one put, so a step never splits it")
+
+    def _has_room(self, n: int, nbytes: int) -> bool:
+        return (self._held_episodes + n <= self.capacity and
+                (self.capacity_bytes is None or self._held_bytes + nbytes <= self.capacity_bytes))
+
+    def close(self) -> None:
+        """No more puts; consumers drain what is queued, then get END."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ consumers
+    def get(self, consumer: str, episodes: int, wait_s: float = 0.0,
+            min_version: int | None = None) -> Delivery | str | None:
+        """Lease the next whole step of `episodes` episodes; None after `wait_s`, END when done."""
+        if episodes < 1:
+            raise ValueError(f"episodes={episodes}: a step needs at least one episode")
+        deadline = time.monotonic() + wait_s
+        dropped = 0
+        with self._cv:
+            while True:
+                self._expire_leases()
+                if self._redeliver:
+                    step, groups = self._redeliver.popleft()
+                    return self._lease(consumer, step, groups, redelivered=True, dropped=dropped)
+                if min_version is not None:
+                    dropped += self._drop_stale(min_version)
+                if self._queued_episodes >= episodes or (self._closed and self._queued):
+                    groups, n = [], 0
+                    while self._queued and n < episodes:
+                        g = self._queued.popleft()
+                        groups.append(g)
+                        n += g.episodes
+                    self._queued_episodes -= n
+                    step = self._next_step
+                    self._next_step += 1
+                    self._stats.steps_released += 1
+                    return self._lease(consumer, step, groups, redelivered=False, dropped=dropped)
+                if self._closed and not self._queued and not self._leases:
+                    return END
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(min(left, 0.25))
+
+    def _lease(self, consumer, step, groups, *, redelivered, dropped) -> Delivery:
+        lid = self._next_lease
+        self._next_lease += 1
+        self._leases[lid] = _Lease(step, groups, time.monotonic() + self.lease_seconds, consumer,
+                                   redelivered)
+        return Delivery(lease=lid, step=step, payloads=[g.payload for g in groups],
+                        episodes=sum(g.episodes for g in groups), redelivered=redelivered,
+                        dropped_stale=dropped)
+
+    def _drop_stale(self, min_version: int) -> int:
+        keep, dropped = deque(), 0
+        for g in self._queued:
+            if g.min_version is not None and g.min_version < min_version:
+                dropped += g.episodes
+                self._free(g)
+            else:
+                keep.append(g)
+        self._queued = keep
+        self._queued_episodes -= dropped
+        self._stats.stale_dropped += dropped
+        if dropped:
+            self._cv.notify_all()
+        return dropped
+
+    def _free(self, g: Group) -> None:
+        self._held_episodes -= g.episodes
+        self._held_bytes -= g.nbytes
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for lid in [lid for lid, le in self._leases.items() if le.deadline < now]:
+            self._requeue(lid)
+
+    def _requeue(self, lid: int) -> None:
+        le = self._leases.pop(lid)
+        self._redeliver.append((le.step, le.groups))
+        self._stats.redeliveries += 1
+        self._cv.notify_all()
+
+    def renew(self, lease: int) -> bool:
+        """Extend a lease by `lease_seconds`; False if it already expired (the step was requeued)."""
+        with self._cv:
+            le = self._leases.get(lease)
+            if le is None:
+                return False
+            le.deadline = time.monotonic() + self.lease_seconds
+            return True
+
+    def ack(self, lease: int) -> bool:
+        """The step's results are durable: free its room. False if the lease had expired."""
+        with self._cv:
+            le = self._leases.pop(lease, None)
+            if le is None:
+                self._stats.late_acks += 1
+                return False
+            for g in le.groups:
+                self._free(g)
+            self._stats.steps_acked += 1
+            self._cv.notify_all()
+            return True
+
+    def nack(self, lease: int) -> bool:
+        """Give a step back for redelivery now (the consumer failed and knows it)."""
+        with self._cv:
+            if lease not in self._leases:
+                return False
+            self._requeue(lease)
+            return True
+
+    # ------------------------------------------------------------ results and weights
+    def put_result(self, step: int, payload, wait_s: float = 0.0) -> None:
+        """Results of a step for the producers (logprobs for importance ratios); bounded."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while len(self._results) >= self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise QueueFull(f"results of step {step}: {len(self._results)} result tables "
+                                    "wait for the producers; take them with queue.results()")
+                self._cv.wait(min(left, 1.0))
+            self._results.append((step, payload))
+            self._cv.notify_all()
+
+    def take_result(self, wait_s: float = 0.0):
+        """The oldest (step, result payload) not yet taken, or None after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while not self._results:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(min(left, 0.25))
+            out = self._results.popleft()
+            self._cv.notify_all()
+            return out
+
+    def publish_weights(self, version: int, ref) -> None:
+        """Announce new policy weights (a checkpoint path) for the producers to refit from."""
+        with self._cv:
+            if self._weights is not None and version < self._weights[0]:
+                raise ValueError(f"weights version {version} is older than the published "
+                                 f"{self._weights[0]}; versions only grow")
+            self._weights = (version, ref)
+
+    def weights(self):
+        with self._cv:
+            return self._weights
+
+    def stats(self) -> dict:
+        with self._cv:
+            s = dict(vars(self._stats))
+            s.pop("extra")
+            s.update(held_episodes=self._held_episodes, held_bytes=self._held_bytes,
+                     queued_episodes=self._queued_episodes, leased_steps=len(self._leases),
+                     closed=self._closed, capacity=self.capacity)
+            return s

@@ -1,0 +1,202 @@
+"""The tensor queue's one interface: producers put episodes, consumers lease whole steps.
+
+    q = open_queue()                                   # embedded, in this process
+    q.put(groups_table, producer="rollout-0")          # validated here, refused whole if bad
+    leased = q.get(episodes=32)                        # a whole step (whole GRPO groups)
+    ...                                                # compute; make the results durable
+    q.ack(leased)                                      # only now is its room freed
+
+A `Queue` is a ledger (the guarantees, see tq/ledger.py) plus a store (where
+payloads live). Validation happens here, at `put`, in the producer's process:
+a malformed episode is refused with the validation message naming the
+episode, field and fix, and nothing of that put enters the queue, so no step
+is poisoned. Each put is cut into whole groups (contiguous rows sharing a
+`group_id`; an ungrouped episode is its own group) and travels as Arrow.
+
+The trade-off: a put is atomic and a group never splits, so a producer must
+put each GRPO group whole; in exchange a consumer never sees half a group
+and the step's loss weights are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.tq.ledger import END, Group, Ledger
+
+__all__ = ["END", "Leased", "Queue"]
+
+
+@dataclass
+class Leased:
+    """A step leased to this consumer: `episodes` in put order, until ack() or nack()."""
+
+    step: int
+    lease: int
+    episodes: pa.Table
+    redelivered: bool
+    dropped_stale: int
+    _payloads: list = field(repr=False)
+
+
+class _LocalStore:
+    """Payloads are the Arrow tables themselves (in the ledger's process)."""
+
+    def write(self, keys: list[str], tables: list[pa.Table]) -> list:
+        return tables
+
+    def read(self, payloads: list) -> list[pa.Table]:
+        return payloads
+
+    def delete(self, payloads: list) -> None:
+        pass
+
+
+class Queue:
+    """Client of one queue; safe to use from several threads, one producer id per process."""
+
+    def __init__(self, ledger, *, store=None, backend: str = "embedded", vocab_size: int | None = None,
+                 owner=None):
+        self._ledger = ledger
+        self._store = store if store is not None else _LocalStore()
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self._owner = owner            # keeps a server (process, actor) alive while we are used
+        self._seq: dict[str, int] = {}   # next put number per producer of this client
+
+    # ------------------------------------------------------------ producers
+    def next_seq(self, producer: str) -> int:
+        """Puts of `producer` the queue has accepted: a restarted producer resumes after them."""
+        return self._ledger.next_seq(producer)
+
+    def put(self, episodes: pa.Table, *, producer: str = "producer", seq: int | None = None,
+            timeout: float = 60.0) -> bool:
+        """Validate and queue whole groups; False if this (producer, seq) was already accepted.
+
+        seq: this producer's put number (0, 1, ...); by default the next one the
+        queue expects. A put that cannot find room within `timeout` seconds
+        raises QueueFull and leaves the queue unchanged.
+        """
+        if "sample_index" not in episodes.column_names:
+            raise ValueError(f"put of producer {producer!r}: the episodes have no 'sample_index'; "
+                             "queued episodes must carry their own (unique across producers), "
+                             "because row order means nothing across puts")
+        table = validate_episodes(episodes, source=f"queue put (producer {producer!r})",
+                                  vocab_size=self.vocab_size)
+        if table.num_rows == 0:
+            raise ValueError(f"put of producer {producer!r} holds no episodes; put whole groups")
+        if seq is None:
+            if producer not in self._seq:
+                self._seq[producer] = self.next_seq(producer)
+            seq = self._seq[producer]
+        if seq < self.next_seq(producer):
+            self._seq[producer] = max(self._seq.get(producer, 0), seq + 1)
+            return False   # already accepted: do not write its payload again
+        bounds, group_ids = _group_bounds(table, producer, seq)
+        parts = [table.slice(a, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+        keys = [f"{producer}/{seq}/{i}" for i in range(len(parts))]
+        payloads = self._store.write(keys, parts)
+        versions = table.column("weight_version").to_numpy(zero_copy_only=False)
+        groups = []
+        for part, payload, gid, a, b in zip(parts, payloads, group_ids, bounds[:-1], bounds[1:]):
+            v = versions[a:b]
+            v = v[~np.isnan(v)] if v.dtype.kind == "f" else v
+            groups.append(Group(payload=payload, episodes=part.num_rows, nbytes=part.nbytes,
+                                min_version=int(v.min()) if len(v) else None, group_id=gid))
+        try:
+            accepted = self._ledger.put(producer, seq, groups,
+                                        table.column("episode_id").to_pylist(),
+                                        table.column("sample_index").to_pylist(), timeout)
+        except BaseException:
+            self._store.delete(payloads)
+            raise
+        self._seq[producer] = max(self._seq.get(producer, 0), seq + 1)
+        return accepted
+
+    def close(self) -> None:
+        """No more episodes: consumers finish what is queued and then see the end."""
+        self._ledger.close()
+
+    # ------------------------------------------------------------ consumers
+    def get(self, episodes: int, *, consumer: str = "consumer", timeout: float = 60.0,
+            min_version: int | None = None):
+        """Lease the next whole step: a `Leased`, None after `timeout` s, or END when drained."""
+        got = self._ledger.get(consumer, episodes, timeout, min_version)
+        if got is None or got == END:
+            return got
+        tables = self._store.read(got.payloads)
+        table = pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table()
+        return Leased(step=got.step, lease=got.lease, episodes=table, redelivered=got.redelivered,
+                      dropped_stale=got.dropped_stale, _payloads=got.payloads)
+
+    def renew(self, leased: Leased) -> bool:
+        return self._ledger.renew(leased.lease)
+
+    def ack(self, leased: Leased) -> bool:
+        """The step's results are durable; False if the lease had expired (it was redelivered)."""
+        ok = self._ledger.ack(leased.lease)
+        if ok:
+            self._store.delete(leased._payloads)
+        return ok
+
+    def nack(self, leased: Leased) -> bool:
+        """Give the step back for redelivery (this consumer could not finish it)."""
+        return self._ledger.nack(leased.lease)
+
+    # ------------------------------------------------------------ results, weights, stats
+    def put_results(self, step: int, results: pa.Table, timeout: float = 60.0) -> None:
+        """Write a step's results back for the producers (e.g. logprobs for importance ratios)."""
+        self._ledger.put_result(step, results, timeout)
+
+    def take_results(self, timeout: float = 0.0):
+        """(step, results table) of the oldest step not taken yet, or None."""
+        return self._ledger.take_result(timeout)
+
+    def publish_weights(self, version: int, path: str) -> None:
+        """Announce the policy after `version` optimizer steps (a checkpoint directory)."""
+        self._ledger.publish_weights(int(version), str(path))
+
+    def weights(self) -> tuple[int, str] | None:
+        """(version, checkpoint directory) last published, or None."""
+        return self._ledger.weights()
+
+    def stats(self) -> dict:
+        return self._ledger.stats()
+
+    @property
+    def started(self) -> bool:
+        """Whether this client started the queue's server or actor (and shutdown() stops it)."""
+        return self._owner is not None
+
+    def shutdown(self) -> None:
+        """Stop the server or actor this client started (attached clients stop nothing)."""
+        if self._owner is not None:
+            self._owner.stop()
+            self._owner = None
+
+
+def _group_bounds(table: pa.Table, producer: str, seq: int) -> tuple[list[int], list[str | None]]:
+    """Row bounds of whole groups: runs of one group_id; a null group_id is one episode."""
+    gids = table.column("group_id").to_pylist()
+    bounds, ids = [0], []
+    for i, g in enumerate(gids):
+        if i and (g is None or g != gids[i - 1]):
+            bounds.append(i)
+        if i == 0 or g is None or g != gids[i - 1]:
+            ids.append(g)
+    bounds.append(len(gids))
+    named = [g for g in ids if g is not None]
+    if len(set(named)) != len(named):
+        dup = next(g for g in named if named.count(g) > 1)
+        raise ValueError(f"put {seq} of producer {producer!r}: the rows of group {dup!r} are not "
+                         "contiguous; sort the put by group so each GRPO group travels whole")
+    return bounds, ids
+
+
+def local_queue(**ledger_options) -> Queue:
+    """An embedded queue living in this process (threads may share it)."""
+    return Queue(Ledger(**ledger_options))
