@@ -72,15 +72,9 @@ def _progress(description: str, total: int | None, quiet: bool = False, *, unit:
 
 
 def _count_rows(paths) -> int:
-    import pyarrow.dataset as pads
+    from treeflow.schemas.episode import count_rows
 
-    from treeflow.schemas.episode import expand_paths
-
-    total = 0
-    for p in expand_paths(paths):
-        fmt = "parquet" if p.endswith(".parquet") else "ipc"
-        total += pads.dataset(p, format=fmt).count_rows()
-    return total
+    return count_rows(paths)
 
 
 def _table(title: str, rows: list[tuple[str, object]]):

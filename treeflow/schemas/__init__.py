@@ -3,6 +3,7 @@
 from treeflow.schemas.episode import (
     CALL_TYPE,
     EPISODE_SCHEMA,
+    count_rows,
     expand_paths,
     iter_episode_batches,
     read_episodes,
@@ -18,6 +19,7 @@ __all__ = [
     "LAYOUT_SCHEMA",
     "RESULT_SCHEMA",
     "STEP_METRICS_SCHEMA",
+    "count_rows",
     "expand_paths",
     "iter_episode_batches",
     "read_episodes",

@@ -51,7 +51,10 @@ EPISODE_SCHEMA = pa.schema(
     ],
     metadata={"treeflow.schema": "episode/1"},
 )
+_ARROW_FILE_MAGIC = b"ARROW1"
 
+SCHEMA_VERSION = "episode/1"
+_VERSION_KEY = b"treeflow.schema"
 _OPTIONAL_TOP = ("group_id", "reward", "advantage", "weight_version")
 _SAMPLED_LISTS = ("generation_logprobs", "loss_mask", "advantages")
 
@@ -82,12 +85,58 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
     return out
 
 
-def _open(path: str) -> pads.Dataset:
-    fmt = "parquet" if path.endswith(".parquet") else "ipc"
+class _StreamFile:
+    """An Arrow stream-format file behind the two calls the readers need from a dataset."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with pa.ipc.open_stream(path) as reader:
+            self.schema = reader.schema
+
+    def to_batches(self, batch_size: int) -> Iterator[pa.RecordBatch]:
+        with pa.ipc.open_stream(self.path) as reader:
+            for batch in reader:
+                for start in range(0, batch.num_rows, batch_size):
+                    yield batch.slice(start, batch_size)
+
+    def count_rows(self) -> int:
+        with pa.ipc.open_stream(self.path) as reader:
+            return sum(b.num_rows for b in reader)
+
+
+def _open(path: str):
+    """A Parquet file, an Arrow IPC file or an Arrow stream file, told apart by content."""
+    if path.endswith(".parquet"):
+        try:
+            return pads.dataset(path, format="parquet")
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path}: cannot read as Parquet: {e}") from e
     try:
-        return pads.dataset(path, format=fmt)
+        with open(path, "rb") as f:
+            magic = f.read(len(_ARROW_FILE_MAGIC))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open: {e.strerror}") from e
+    try:
+        if magic == _ARROW_FILE_MAGIC:
+            return pads.dataset(path, format="ipc")
+        return _StreamFile(path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path}: cannot read as {fmt}: {e}") from e
+        raise ValueError(f"{path}: neither an Arrow IPC file nor an Arrow stream (the file may be "
+                         f"truncated or of another format); write episodes with "
+                         f"pyarrow.ipc.new_file or as .parquet ({e})") from e
+
+
+def count_rows(paths) -> int:
+    """Episodes in files (no validation), for progress bars."""
+    return sum(_open(p).count_rows() for p in expand_paths(paths))
+
+
+def _check_version(metadata: dict | None, source: str) -> None:
+    tag = (metadata or {}).get(_VERSION_KEY)
+    if tag is not None and tag.decode(errors="replace") != SCHEMA_VERSION:
+        raise ValueError(f"{source}: the file declares schema version {tag.decode(errors='replace')!r} "
+                         f"({_VERSION_KEY.decode()} metadata), but this treeflow reads "
+                         f"{SCHEMA_VERSION!r}; upgrade treeflow or rewrite the file")
 
 
 def iter_episode_batches(
@@ -105,7 +154,9 @@ def iter_episode_batches(
     seen_index = np.zeros(0, dtype=np.int64)
     row0 = 0
     for path in expand_paths(paths):
-        for batch in _open(path).to_batches(batch_size=batch_rows):
+        data = _open(path)
+        _check_version(data.schema.metadata, path)
+        for batch in data.to_batches(batch_size=batch_rows):
             if batch.num_rows == 0:
                 continue
             table = validate_episodes(pa.Table.from_batches([batch]), source=path,
@@ -161,6 +212,7 @@ def validate_episodes(
     """
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
+    _check_version(table.schema.metadata, source)
     names = set(table.column_names)
     for req in ("episode_id", "calls"):
         if req not in names:
@@ -233,7 +285,7 @@ def _cast_calls(table, col, source, row_offset):
         else:
             child = pa.nulls(len(flat), f.type)
         children.append(child)
-    structs = pa.StructArray.from_arrays(children, fields=list(CALL_TYPE))
+    structs = pa.StructArray.from_arrays(children, fields=list(CALL_TYPE), mask=flat.is_null())
     offsets = col.offsets
     if col.offset or col.null_count:
         # rebuild the offsets so that the list starts at zero; nulls are reported later
@@ -259,15 +311,32 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
         raise ValueError(f"{_name(table, int(empty[0]), source, row_offset)}: field 'calls' is empty; "
                          "an episode needs at least one call")
     flat = calls.flatten()
+    if flat.null_count:
+        fail(int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0]),
+             "the call is null; give a struct with at least 'token_ids' and 'sampled_start'")
     toks = flat.field("token_ids")
     if toks.null_count:
         fail(int(np.flatnonzero(toks.is_null().to_numpy(zero_copy_only=False))[0]),
              "field 'token_ids' is null; give the executed token sequence")
+    lens = _list_lengths(toks)
+    empty = np.flatnonzero(lens == 0)
+    if len(empty):
+        fail(int(empty[0]), "field 'token_ids' is empty; a call holds at least its first prompt token")
     starts_arr = flat.field("sampled_start")
     if starts_arr.null_count:
         fail(int(np.flatnonzero(starts_arr.is_null().to_numpy(zero_copy_only=False))[0]),
              "field 'sampled_start' is null; give the index of the first sampled token")
-    lens = _list_lengths(toks)
+    for name in ("token_ids", "loss_mask", "generation_logprobs", "advantages", "routed_experts"):
+        hit = _first_null_element(flat.field(name))
+        if hit is not None:
+            fail(hit[0], f"field {name!r} has a null at position {hit[1]}; every element must be set "
+                         "(leave the whole field null instead to use its default)")
+    routes = flat.field("routed_experts")
+    hit = _first_null_element(routes.flatten())
+    if hit is not None:
+        call, pos = _locate(_list_lengths(routes), hit[0])
+        fail(call, f"field 'routed_experts' has a null expert id at position {pos}; give every "
+                   "expert id of every token")
     starts = starts_arr.to_numpy(zero_copy_only=False).astype(np.int64)
     bad = np.flatnonzero((starts < 1) | (starts > lens))
     if len(bad):
@@ -302,6 +371,12 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
             if len(nan) and name == "advantages":
                 owner = np.repeat(np.arange(len(got)), np.where(valid, got, 0))
                 fail(int(owner[nan[0]]), f"field {name!r} holds a non-finite value {vals[nan[0]]}")
+            pos = np.flatnonzero(vals > 0)
+            if len(pos) and name == "generation_logprobs":
+                call, k = _locate(np.where(valid, got, 0), int(pos[0]))
+                fail(call, f"field 'generation_logprobs' is {vals[pos[0]]:g} at sampled token {k} "
+                           f"(token position {starts[call] + k}); a log-probability is <= 0: store "
+                           "log(p), not p or -log(p)")
     routes = flat.field("routed_experts")
     rvalid = ~routes.is_null().to_numpy(zero_copy_only=False)
     rlen = _list_lengths(routes)
@@ -317,13 +392,30 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
             i = int(np.flatnonzero(per_tok != per_tok[0])[0])
             fail(int(tok_owner[i]), f"field 'routed_experts' mixes route widths {per_tok[0]} and "
                  f"{per_tok[i]}; every token needs the same number of expert ids")
-    adv = table.column("advantage").chunk(0)
-    if adv.null_count < len(adv):
-        vals = adv.to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(adv.is_valid().to_numpy(zero_copy_only=False) & ~np.isfinite(vals))
-        if len(bad):
-            raise ValueError(f"{_name(table, int(bad[0]), source, row_offset)}: field 'advantage' is "
-                             f"{vals[bad[0]]}; give a finite value or null")
+    for name in ("reward", "advantage"):
+        col = table.column(name).chunk(0)
+        if col.null_count < len(col):
+            vals = col.to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(col.is_valid().to_numpy(zero_copy_only=False) & ~np.isfinite(vals))
+            if len(bad):
+                raise ValueError(f"{_name(table, int(bad[0]), source, row_offset)}: field {name!r} is "
+                                 f"{vals[bad[0]]}; give a finite value or null")
+
+
+def _locate(lens: np.ndarray, j: int) -> tuple[int, int]:
+    """Element j of the concatenation of lists of lengths `lens` -> (list index, position in it)."""
+    ends = np.cumsum(lens)
+    owner = int(np.searchsorted(ends, j, side="right"))
+    return owner, int(j - (ends[owner] - lens[owner]))
+
+
+def _first_null_element(arr: pa.Array) -> tuple[int, int] | None:
+    """(list index, position) of the first null element inside the lists of `arr`, or None."""
+    values = arr.flatten()
+    if not values.null_count:
+        return None
+    j = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+    return _locate(_list_lengths(arr), j)
 
 
 def concat_episodes(tables: Iterable[pa.Table]) -> pa.Table:
