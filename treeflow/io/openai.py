@@ -108,11 +108,10 @@ def _vllm_completion(response: dict, where: str) -> tuple[list[int], list[float]
                          "(`token_logprobs`) logprob object")
     if choice.get("token_ids") is not None:
         completion = token_ids(choice["token_ids"], where, "choices[0].token_ids")
-        if lp_tokens is not None and all(isinstance(t, str) and _TOKEN_ID.match(t) for t in lp_tokens):
-            from_lp = [int(_TOKEN_ID.match(t).group(1)) for t in lp_tokens]
-            if from_lp != completion:
-                raise ValueError(f"{where}: choices[0].token_ids and the 'token_id:N' logprob tokens "
-                                 "disagree; the log is corrupt or mixes two responses")
+        if (lp_tokens and isinstance(lp_tokens[0], str) and lp_tokens[0].startswith("token_id:")
+                and lp_tokens != list(map("token_id:{}".format, completion))):
+            raise ValueError(f"{where}: choices[0].token_ids and the 'token_id:N' logprob tokens "
+                             "disagree; the log is corrupt or mixes two responses")
     elif lp_tokens is not None:
         completion = []
         for i, t in enumerate(lp_tokens):

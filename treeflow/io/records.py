@@ -98,28 +98,31 @@ def number(value, where: str, field: str, *, nullable: bool = False) -> float | 
 
 
 def token_ids(value, where: str, field: str) -> list[int]:
-    """A list of non-negative ints (token ids), checked in one pass."""
+    """A list of ints in [0, 2**31) (token ids); checked at C speed, walked only on failure."""
     if not isinstance(value, list):
         raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, expected a list of "
                          "token ids (ints)")
-    for i, t in enumerate(value):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:
-            raise ValueError(f"{where}: field {field!r}[{i}] is {t!r}; token ids are ints in "
-                             "[0, 2**31)")
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) >= 2**31):
+        for i, t in enumerate(value):
+            if type(t) is not int or not 0 <= t < 2**31:
+                raise ValueError(f"{where}: field {field!r}[{i}] is {t!r}; token ids are ints in "
+                                 "[0, 2**31)")
     return value
 
 
 def logprobs(value, where: str, field: str, n: int) -> list[float]:
-    """A list of `n` finite-or-minus-infinity floats (engine logprobs)."""
+    """A list of `n` numbers <= 0 (engine logprobs; -inf allowed, NaN not)."""
     if not isinstance(value, list):
         raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, expected a list of floats")
     if len(value) != n:
         raise ValueError(f"{where}: field {field!r} has {len(value)} values for {n} sampled tokens; "
                          "give one logprob per sampled token")
-    for i, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v > 0:
-            raise ValueError(f"{where}: field {field!r}[{i}] is {v!r}; a logprob is a number <= 0")
-    return [float(v) for v in value]
+    if value and (not set(map(type, value)) <= {int, float} or max(value) > 0
+                  or any(map(math.isnan, value))):
+        for i, v in enumerate(value):
+            if type(v) not in (int, float) or math.isnan(v) or v > 0:
+                raise ValueError(f"{where}: field {field!r}[{i}] is {v!r}; a logprob is a number <= 0")
+    return list(map(float, value))
 
 
 def read_jsonl(paths: Sequence[str | os.PathLike]) -> Iterator[tuple[str, int, dict, int]]:
