@@ -63,7 +63,8 @@ def cmd_convert(args) -> int:
     if args.json:
         print(json.dumps(out))
     elif not args.quiet:
-        rows = [(k, v) for k, v in out.items() if k not in ("warnings", "output")]
+        rows = [(k, ("yes" if v else "no") if isinstance(v, bool) else v)
+                for k, v in out.items() if k not in ("warnings", "output")]
         _console().print(_table(f"convert: {args.format} -> {args.output}", rows))
         _console().print(f"episodes written to {args.output}; next: treeflow inspect {args.output} --plot DIR")
     return 0
