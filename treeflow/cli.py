@@ -61,6 +61,9 @@ def cmd_inspect(args) -> int:
     if args.plot:
         from treeflow.plots import write_inspect_plots
 
+        if not frame.height:
+            raise ValueError(f"{' '.join(args.files)}: no episodes to plot")
+
         plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
                                     totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
                                     max_tokens=args.max_tokens, ranks=args.ranks)
