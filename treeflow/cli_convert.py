@@ -59,7 +59,7 @@ def cmd_convert(args) -> int:
     if not args.quiet:
         err = _console(stderr=True)
         for w in report.warnings:
-            err.print(f"[bold yellow]warning:[/] {w}", highlight=False)
+            err.print(f"[bold yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
     if args.json:
         print(json.dumps(out))
     elif not args.quiet:
