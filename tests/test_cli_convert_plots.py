@@ -71,7 +71,8 @@ def test_convert_errors_exit_2_and_write_nothing(tmp_path, capsys):
                  "--format", "openai"]) == 2
     err = capsys.readouterr().err
     assert "line 1" in err and "no field 'episode_id'" in err and "--episode-id-field" in err
-    assert not os.path.exists(ep) and not os.path.exists(ep + ".partial")
+    assert not os.path.exists(ep)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
     assert main(["convert", os.path.join(DATA, "chat.jsonl"), "-o", ep, "--format", "chat"]) == 2
     assert "--tokenizer DIR" in capsys.readouterr().err
 

@@ -38,14 +38,17 @@ def test_metrics_checkpoint_and_resume(data, tmp_path, capsys):
     train(data, tmp_path, "--steps", "2", "--save", str(half))
     train(data, tmp_path, "--steps", "4", "--resume", str(half), "--save", str(half))
     capsys.readouterr()
-    a, b = load_file(full / "model.safetensors"), load_file(half / "model.safetensors")
+    assert (full / "latest").read_text() == "step-000004\n" == (half / "latest").read_text()
+    a = load_file(full / "step-000004" / "model.safetensors")
+    b = load_file(half / "step-000004" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    state = json.load(open(half / "treeflow_trainer.json"))
+    state = json.load(open(half / "step-000004" / "trainer.json"))
+    assert (state["steps"], state["scheduler_episodes"], state["position"]) == (4, 8, {"episodes": 8, "passes": 1})
     # position: episodes consumed over all passes (the data cycles after 6), completed passes
-    assert state == {"steps": 4, "scheduler_episodes": 8, "position": {"episodes": 8, "passes": 1}}
-    # the checkpoint is a model directory for replay (and for transformers, see tests/models)
+    # the checkpoint root (its newest step) is a model directory for replay; each step directory
+    # is one for transformers too (see tests/models)
     assert main(["replay", data, "--model", str(full), "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["episodes"] == 6
 

@@ -6,6 +6,7 @@ without importing the argument parser (no import cycle between commands).
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 
@@ -53,7 +54,7 @@ def _progress(description: str, total: int | None, quiet: bool = False, *, unit:
     from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
-    if quiet:
+    if quiet or not sys.stderr.isatty():  # no bar (nor its blank line) in logs and pipes
         yield lambda n, **kw: None
         return
     count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()

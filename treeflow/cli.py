@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack
 
 import pyarrow as pa
 
@@ -24,6 +25,13 @@ from treeflow.cli_train import add_train_options, cmd_train
 def cmd_synth(args) -> int:
     from treeflow.pipeline.synth import synth_episodes, write_episodes
 
+    from treeflow.atomic import check_output
+
+    _positive(args, "episodes", "group_size", "min_turns", "max_turns", "vocab_size")
+    check_output(args.output, what="-o output")
+    if not args.output.endswith((".arrow", ".parquet")):
+        raise ValueError(f"-o {args.output}: unknown episode file type; name it .arrow (Arrow IPC) "
+                         "or .parquet")
     t0 = time.perf_counter()
     table = synth_episodes(episodes=args.episodes, group_size=args.group_size,
                            turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
@@ -43,6 +51,7 @@ def cmd_inspect(args) -> int:
     from treeflow.pipeline.source import Files
     from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
 
+    _positive(args, "max_tokens", "window")
     frames, parts, call_frames, bin_frames = [], [], [], []
     with _progress("inspect", _count_rows(args.files), args.json or args.quiet) as advance:
         for step, window in enumerate(Files(paths=tuple(args.files), window=args.window)):
@@ -103,6 +112,9 @@ def cmd_plan(args) -> int:
     from treeflow.pipeline.source import Files
     from treeflow.stages import Fragment, Pack, Shard
 
+    from treeflow._output import table_output
+
+    _positive(args, "max_tokens", "ranks", "batch_episodes")
     pack = Pack(layout=args.layout, scope=args.scope)
     frag = Fragment(max_tokens=args.max_tokens, pad_to_multiple=args.ranks)
     shard = Shard(num_ranks=args.ranks)
@@ -110,15 +122,16 @@ def cmd_plan(args) -> int:
     sums = dict(episodes=0, steps=0, bins=0, exact_tokens=0, layout_tokens=0, executed_tokens=0,
                 repeated_tokens=0, edges=0, occurrences=0)
     imbalances = []
-    writer = None
-    with _progress("plan", _count_rows(args.files), args.json or args.quiet) as advance:
+    with ExitStack() as stack:
+        out = stack.enter_context(table_output(args.output, args.files, what="bins")) \
+            if args.output else None
+        advance = stack.enter_context(_progress("plan", _count_rows(args.files),
+                                                args.json or args.quiet))
         for step, window in enumerate(Files(paths=tuple(args.files), window=args.batch_episodes)):
             layouts = pack(window, step=step)
             bins, report = shard.plan(frag(layouts))
-            if args.output:
-                if writer is None:
-                    writer = pa.ipc.new_file(args.output, bins.schema)
-                writer.write_table(bins)
+            if out is not None:
+                out.write(bins)
             sums["episodes"] += window.num_rows
             sums["steps"] += 1
             sums["bins"] += bins.num_rows
@@ -130,8 +143,6 @@ def cmd_plan(args) -> int:
             sums["occurrences"] += _total_len(bins, "occ_edge")
             imbalances.append(report.imbalance)
             advance(window.num_rows, tokens=int(np.sum(layouts.column("exact_tokens").to_numpy())))
-    if writer is not None:
-        writer.close()
     sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
     sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
     sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
@@ -156,46 +167,41 @@ def _total_len(table: pa.Table, col: str) -> int:
 # ---------------------------------------------------------------- replay
 def cmd_replay(args) -> int:
     if args.mode == "train":
-        if args.batch_episodes is None:
-            raise ValueError("--mode train needs --batch-episodes B (episodes per optimizer step)")
         return cmd_train(args)
     if args.output is None:
-        raise ValueError("--mode logprobs needs -o OUT.arrow for the results")
+        raise ValueError("--mode logprobs needs -o OUT.arrow (or OUT.parquet) for the results")
     import resource
 
     import torch
 
-    from treeflow.pipeline import ArrowSink, Files, Pipeline
+    from treeflow._output import table_output
+    from treeflow.pipeline import Files, Pipeline
     from treeflow.pipeline.stats import add_sums
     from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+    from treeflow.train.checkpoint import model_dir
 
-    forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype, kernel=args.kernel,
-                      entropy=args.entropy, chunk_size=args.chunk_size)
-    # Shard balances the bins over the ranks (the Ray engine's forward actors)
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
-                    Shard(num_ranks=args.ranks), forward, Reassemble(entropy=args.entropy))
-    source = Files(paths=tuple(args.files), window=args.window, vocab_size=forward.vocab_size_hint())
+    _positive(args, "max_tokens", "window", "chunk_size", "ranks", "prefetch")
+    check_device(args.device)
     sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
                 compile_seconds=0.0)
-    sink = ArrowSink(args.output)
     t0 = time.perf_counter()
-    if args.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    try:
+    with table_output(args.output, args.files, what="logprobs") as out:
+        forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
+                          kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size)
+        # Shard balances the bins over the ranks (the Ray engine's forward actors)
+        pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+                        Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
+                        Reassemble(entropy=args.entropy))
+        source = Files(paths=tuple(args.files), window=args.window,
+                       vocab_size=forward.vocab_size_hint())
+        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
         with _progress("replay", _count_rows(args.files), args.json or args.quiet) as advance:
             for rec in pipe.run(source, device=args.device, engine=args.engine, ranks=args.ranks,
                                 prefetch=args.prefetch):
-                sink.write(rec.output)
+                out.write(rec.output)
                 add_sums(sums, rec.stats)
                 advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
-        if not sink.rows:
-            raise ValueError(f"{args.files}: no episodes to replay")
-        sink.close()
-    except BaseException:
-        if sink.abort():
-            _console(stderr=True).print(f"nothing written to {args.output}: removed the partial "
-                                        "output")
-        raise
     wall = time.perf_counter() - t0
     steady = max(wall - sums["compile_seconds"], 1e-9)
     sums.update(wall_seconds=round(wall, 3), compile_seconds=round(sums["compile_seconds"], 3),
@@ -221,12 +227,37 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def _positive(args, *names) -> None:
+    """Refuse a count option below 1, naming the option (not the stage it would reach)."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: give an integer >= 1")
+
+
+def check_device(device: str) -> None:
+    """Refuse a --device torch does not know, or CUDA where there is none, before any work."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: not a device torch knows; use cpu or cuda[:N]") \
+            from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available here; use cpu")
+
+
 # ---------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks (or TREEFLOW_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("synth", help="write synthetic agentic episodes (.arrow or .parquet)")
+    s = sub.add_parser("synth", parents=[common], help="write synthetic agentic episodes (.arrow or .parquet)")
     s.add_argument("-o", "--output", required=True)
     s.add_argument("--episodes", type=int, default=64)
     s.add_argument("--group-size", type=int, default=8)
@@ -241,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(sub)
 
-    s = sub.add_parser("replay", help="compute per-token logprobs of stored episodes")
+    s = sub.add_parser("replay", parents=[common], help="compute per-token logprobs of stored episodes")
     s.add_argument("files", nargs="+")
     s.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF checkpoint dir")
     s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
@@ -262,13 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
     s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
     s.add_argument("-o", "--output", default=None,
-                   help="result file (.arrow: Arrow IPC, .parquet: Parquet; logprobs mode)")
+                   help="result file, .arrow (Arrow IPC) or .parquet (logprobs mode)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_train_options(s)
     s.set_defaults(fn=cmd_replay)
 
-    s = sub.add_parser("inspect", help="totals and per-episode distributions of each layout")
+    s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
     s.add_argument("files", nargs="+")
     s.add_argument("--max-tokens", type=int, default=None, help="also plan bins of this budget")
     s.add_argument("--window", type=int, default=256, help="episodes packed together")
@@ -279,14 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_inspect)
 
-    s = sub.add_parser("plan", help="pack, fragment and shard episodes into bins")
+    s = sub.add_parser("plan", parents=[common], help="pack, fragment and shard episodes into bins")
     s.add_argument("files", nargs="+")
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
     s.add_argument("--max-tokens", type=int, required=True)
     s.add_argument("--ranks", type=int, default=1)
     s.add_argument("--batch-episodes", type=int, default=256, help="episodes per step")
-    s.add_argument("-o", "--output", default=None, help="write the bins (Arrow IPC)")
+    s.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_plan)
@@ -295,13 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from treeflow._errors import debug_wanted, run
+
     args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except ValueError as e:
-        # soft_wrap: never break a message (and the path in it) at the console width
-        _console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        return 2
+    return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))
 
 
 if __name__ == "__main__":

@@ -47,9 +47,12 @@ def cmd_convert(args) -> int:
     from treeflow.io import convert
 
     converter = converter_from_args(args)
+    from treeflow.atomic import refuse_inputs
+
     for p in args.files:
         if not os.path.isfile(p):
             raise ValueError(f"{p}: no such file")
+    refuse_inputs(args.output, args.files)
     total = sum(os.path.getsize(p) for p in args.files)
     with _progress("convert", total, args.json or args.quiet, unit="bytes") as advance:
         report = convert(args.files, args.output, converter, batch_rows=args.batch_rows,

@@ -3,9 +3,11 @@
 Each step is one window of `--batch-episodes` episodes (whole groups); the
 data is cycled until `--steps` optimizer steps have run. The checkpoint
 carries the model (HF safetensors), AdamW, the step and scheduler counters
-and the input position (episodes consumed), so `--resume DIR` continues
-exactly where the run stopped and ends with the weights of an uninterrupted
-run.
+the input position (episodes consumed) and the run's fingerprint, so
+`--resume DIR` continues exactly where the run stopped and ends with the
+weights of an uninterrupted run, or refuses (another data file, other step
+options, a torn checkpoint with no complete one before it). Checkpoint
+safety lives in treeflow/train/checkpoint.py.
 
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), or by torchrun
@@ -18,14 +20,91 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from treeflow._display import _console, _progress, _table
 
 
+def _note(message: str) -> None:
+    """One unwrapped line on stderr (rich would wrap it at the terminal width)."""
+    print(message, file=sys.stderr)
+
+
+def _check_options(args) -> None:
+    """Refuse impossible options before any model is built or file touched."""
+    from treeflow.atomic import check_output, refuse_inputs
+    from treeflow.schemas.episode import expand_paths
+
+    if args.batch_episodes is None or args.batch_episodes < 1:
+        raise ValueError(f"--batch-episodes {args.batch_episodes}: --mode train needs "
+                         "--batch-episodes B >= 1 (episodes per optimizer step)")
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: give the total number of optimizer steps, >= 1")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
+                         "to save only at the end")
+    if args.save_every and not args.save:
+        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
+    if args.keep is not None and args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
+    inputs = expand_paths(args.files)
+    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False)):
+        if path:
+            check_output(path, what=option, directory=directory)
+            refuse_inputs(path, inputs, option=option)
+
+
+def _open_metrics(args, steps: int):
+    """The metrics log, opened for appending: refused if a fresh run finds one, cut back on resume.
+
+    The log is appended one flushed line per step (rewriting it per step would be quadratic); on
+    resume it is rewritten atomically to the lines of the steps the checkpoint holds, so a kill
+    between a line and its checkpoint never leaves a duplicated or torn line behind.
+    """
+    import os
+
+    from treeflow.atomic import atomic_open
+
+    if not args.metrics:
+        return None
+    if os.path.exists(args.metrics) and os.path.getsize(args.metrics):
+        if not args.resume:
+            raise ValueError(f"--metrics {args.metrics}: the file already holds another run's "
+                             "metrics; remove it, give a new file, or --resume that run")
+        with open(args.metrics) as f:
+            lines = f.read().split("\n")
+        keep = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= steps:
+                keep.append(line)
+        if len(keep) != sum(1 for line in lines if line.strip()):
+            _note(f"--metrics {args.metrics}: dropped "
+                  f"{sum(1 for line in lines if line.strip()) - len(keep)} line(s) past the "
+                  f"checkpoint's step {steps}")
+            with atomic_open(args.metrics) as f:
+                f.write("".join(line + "\n" for line in keep))
+    return open(args.metrics, "a")
+
+
 def cmd_train(args) -> int:
+    from treeflow.train.checkpoint import LATEST
+
     if args.ranks < 1:
         raise ValueError(f"--ranks {args.ranks}: give 1 or more")
+    from treeflow.cli import check_device
+
+    _check_options(args)
+    check_device(args.device)
+    if args.save and not args.resume and os.path.isdir(args.save) and \
+            (os.path.exists(os.path.join(args.save, LATEST)) or
+             any(n.startswith("step-") for n in os.listdir(args.save))):
+        raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
+                         f"{args.save} to continue it, or give an empty directory")
     if args.engine == "ray":
         return _train_ray(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
@@ -51,8 +130,9 @@ def _train_rank(args) -> None:
 
 def _stages(args):
     from treeflow.stages import EpisodeSchedule, Forward, Loss, Reduce
+    from treeflow.train.checkpoint import model_dir
 
-    forward = Forward(model=args.model, backend=args.backend, dtype=args.dtype,
+    forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
@@ -66,27 +146,44 @@ def _train(args, *, distributed: bool) -> int:
     from treeflow.pipeline import Files, Pipeline
     from treeflow.stages import Fragment, Pack, Shard
     from treeflow.train import DataParallel, Trainer
+    from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
 
     dp = DataParallel.from_env(args.device) if distributed else DataParallel(device=args.device)
     lead = dp.rank == 0
+    note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
     shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     *shard, forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens)
-    trainer = (Trainer.resume(args.resume, forward, reduce, **options) if args.resume
-               else Trainer(forward, reduce, **options))
+    run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
+    if args.resume:
+        trainer = Trainer.resume(args.resume, forward, reduce, log=note, **options)
+        if trainer.run is None:
+            note(f"{trainer.checkpoint_path}: holds no run fingerprint; cannot check that the data "
+                 "and options are the same")
+        else:
+            diffs = differences(trainer.run, run)
+            if diffs and not args.allow_different_data:
+                raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
+                                 + "; ".join(diffs) + "; resume with the checkpoint's data and "
+                                 "options, or pass --allow-different-data to continue anyway")
+            for d in diffs:
+                note(f"--allow-different-data: {d}")
+    else:
+        trainer = Trainer(forward, reduce, **options)
+    trainer.run = run
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True)
     todo = args.steps - trainer.steps
     if todo <= 0:
         if lead:
-            _console(stderr=True).print(f"nothing to do: the checkpoint has {trainer.steps} steps "
-                                        f">= --steps {args.steps}")
+            _console(stderr=True).print(f"nothing to do: the checkpoint {trainer.checkpoint_path} "
+                                        f"has already run {trainer.steps} steps (--steps {args.steps})")
         dp.close()
         return 0
-    metrics_file = open(args.metrics, "a") if args.metrics and lead else None
+    metrics_file = _open_metrics(args, trainer.steps) if lead else None
     tensorboard = None
     if args.tensorboard and lead:
         from treeflow.io import TensorBoardLog
@@ -94,6 +191,7 @@ def _train(args, *, distributed: bool) -> int:
         tensorboard = TensorBoardLog(args.tensorboard)
     rows = []
     compile_seconds = 0.0
+    saved_at = None
     t0 = time.perf_counter()
     try:
         with _progress("train", todo, args.json or args.quiet or not lead) as advance:
@@ -111,10 +209,13 @@ def _train(args, *, distributed: bool) -> int:
                     tensorboard.write(row["step"], {**row,
                                                     "episodes_consumed": rec.position["episodes"]})
                 if args.save and args.save_every and trainer.steps % args.save_every == 0:
-                    trainer.save(args.save)
+                    if metrics_file:
+                        os.fsync(metrics_file.fileno())
+                    trainer.save(args.save, keep=args.keep)
+                    saved_at = trainer.steps
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-        if args.save:
-            trainer.save(args.save)
+        if args.save and saved_at != trainer.steps:
+            trainer.save(args.save, keep=args.keep)
     finally:
         if metrics_file:
             metrics_file.close()
@@ -186,10 +287,18 @@ def add_train_options(p) -> None:
     g.add_argument("--clip-high", type=float, default=0.28)
     g.add_argument("--tis-cap", type=float, default=None)
     g.add_argument("--max-grad-norm", type=float, default=1.0)
-    g.add_argument("--save", default=None, help="checkpoint directory (written at the end)")
+    g.add_argument("--save", default=None,
+                   help="checkpoint directory: one step-NNNNNN directory per save, 'latest' names "
+                        "the newest (written at the end and every --save-every steps)")
     g.add_argument("--save-every", type=int, default=0, help="also save every N steps")
-    g.add_argument("--resume", default=None, help="continue from this checkpoint directory")
-    g.add_argument("--metrics", default=None, help="append one JSON line per step here")
+    g.add_argument("--keep", type=int, default=None,
+                   help="keep only the newest K checkpoints (default: all)")
+    g.add_argument("--resume", default=None,
+                   help="continue from the newest complete checkpoint in this directory")
+    g.add_argument("--allow-different-data", action="store_true",
+                   help="resume even if the data files or step options differ from the checkpoint's")
+    g.add_argument("--metrics", default=None,
+                   help="one JSON line per step (a new file; on --resume, cut back to the checkpoint)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log each step's metrics to TensorBoard event files in DIR")
     g.add_argument("--ranks", type=int, default=1,

@@ -1,8 +1,10 @@
 """Writing episode tables to a file as they stream in, so that a file exists only when complete.
 
-Tables go to `PATH.partial` (Arrow IPC for `.arrow`, Parquet for `.parquet`,
-one record batch / row group per table written) and are renamed onto `PATH`
-when the writer is closed without an error. The trade-off: a crashed or
+Tables go to a uniquely named temporary next to `PATH` (Arrow IPC for
+`.arrow`, Parquet for `.parquet`, one record batch / row group per table
+written), which is fsynced and renamed onto `PATH` when the writer is closed
+without an error (treeflow.atomic: concurrent writers never mix, and a killed
+writer's temporary is removed by the next write into the directory). The trade-off: a crashed or
 refused conversion leaves nothing behind rather than a readable prefix, so a
 later command never reads half a dataset as if it were all of it.
 """
@@ -14,6 +16,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from treeflow.atomic import check_output, commit, remove_stale, temp_name
 from treeflow.schemas.episode import EPISODE_SCHEMA
 
 
@@ -25,10 +28,9 @@ class EpisodeFileWriter:
         if not self.path.endswith((".arrow", ".parquet")):
             raise ValueError(f"{self.path}: unknown episode file type; use a '.arrow' (Arrow IPC) or "
                              "'.parquet' suffix")
-        parent = os.path.dirname(self.path) or "."
-        if not os.path.isdir(parent):
-            raise ValueError(f"{self.path}: the directory {parent} does not exist; create it first")
-        self._tmp = self.path + ".partial"
+        check_output(self.path, what="episode file")
+        remove_stale(os.path.dirname(os.path.abspath(self.path)))
+        self._tmp = temp_name(self.path)
         self._writer = None
         self.rows = 0
 
@@ -46,7 +48,7 @@ class EpisodeFileWriter:
             raise ValueError(f"{self.path}: no episodes to write; the input held none")
         self._writer.close()
         self._writer = None
-        os.replace(self._tmp, self.path)
+        commit(self._tmp, self.path)
 
     def abort(self) -> None:
         if self._writer is not None:

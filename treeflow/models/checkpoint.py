@@ -14,8 +14,10 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
@@ -35,18 +37,25 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
         _seeded_init(model, seed=0)
         return model.to(dtype=dtype, device=device)
     path = os.fspath(path_or_name)
+    if not os.path.exists(path):
+        raise ValueError(f"--model {path}: does not exist; give 'tiny' or a local checkpoint "
+                         "directory (nothing is downloaded)")
     if not os.path.isdir(path):
-        raise ValueError(f"{path!r} is neither 'tiny' nor a local checkpoint directory "
-                         "(nothing is downloaded)")
+        raise ValueError(f"--model {path}: is a file; give the checkpoint directory that holds "
+                         "config.json and model.safetensors")
     config = ModelConfig.from_hf_dir(path)
     with torch.device("meta"):
         model = Decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     state = {}
     for file in _weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                state[name] = _read(f, name, expected, config, dtype, device)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    state[name] = _read(f, name, expected, config, dtype, device)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e}); the file is truncated "
+                             "or corrupted: copy it again") from e
     state = {k: v for k, v in state.items() if v is not None}
     missing = sorted(expected.keys() - state.keys())
     if missing:
@@ -75,8 +84,12 @@ def _weight_files(path: str) -> list[str]:
         return [single]
     if not os.path.isfile(index):
         raise ValueError(f"no {_WEIGHTS} or {_INDEX} in {path}")
-    with open(index) as f:
-        names = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object; "
+                         f"{type(e).__name__}: {e})") from e
     files = [os.path.join(path, n) for n in names]
     absent = [n for n, fp in zip(names, files) if not os.path.isfile(fp)]
     if absent:
@@ -108,6 +121,7 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    with open(os.path.join(path, "config.json"), "w") as f:
+    with atomic_open(os.path.join(path, "config.json")) as f:
         json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
-    save_file(state, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
+    with atomic_path(os.path.join(path, _WEIGHTS)) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})

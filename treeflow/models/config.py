@@ -79,10 +79,25 @@ class ModelConfig:
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
         config_path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{os.fspath(path)}: does not exist")
         if not os.path.isfile(config_path):
-            raise ValueError(f"no config.json in {os.fspath(path)}")
+            raise ValueError(f"no config.json in {os.fspath(path)}; a model directory holds a Hugging "
+                             "Face config.json and model.safetensors")
         with open(config_path) as f:
-            return cls.from_hf_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{config_path}: holds {type(d).__name__}, not a JSON object of model "
+                             "settings")
+        try:
+            return cls.from_hf_dict(d)
+        except KeyError as e:
+            raise ValueError(f"{config_path}: missing setting {e.args[0]!r}") from e
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from e
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:

@@ -1,26 +1,28 @@
 """Sinks: result tables streamed to one Arrow IPC or Parquet file, published atomically.
 
 Windows are appended as they come, to a temporary file next to the target
-with a name unique to this writer (process id and a random suffix), so two
-writers never share one; `close()` renames it over the target in one step,
-and `abort()` (or leaving the `with` block by an exception) removes it. A
-reader therefore sees either the previous file or the complete new one.
+with a name unique to this writer (host, process id and a random tag:
+treeflow.atomic's naming, so temporaries of killed writers are removed by the
+next write into that directory); `close()` fsyncs it and renames it over the
+target in one step, and `abort()` (or leaving the `with` block by an
+exception) removes it. A reader therefore sees either the previous file or
+the complete new one. Streaming (rather than atomic_path's one block) is the
+trade-off: the sink lives across engine windows.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from treeflow.atomic import commit, remove, remove_stale, temp_name
+
 
 def temp_path(path: str | os.PathLike) -> str:
     """A temporary name next to `path`, unique to this process and call."""
-    path = os.fspath(path)
-    head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    return temp_name(os.fspath(path))
 
 
 class ArrowSink:
@@ -28,6 +30,7 @@ class ArrowSink:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        remove_stale(os.path.dirname(os.path.abspath(self.path)))
         self.tmp = temp_path(self.path)
         self.rows = 0
         self._writer = None
@@ -47,7 +50,7 @@ class ArrowSink:
             raise ValueError(f"{self.path}: no rows to write; nothing was written")
         self._writer.close()
         self._writer = None
-        os.replace(self.tmp, self.path)
+        commit(self.tmp, self.path)
 
     def abort(self) -> bool:
         """Drop the partial file; True when there was one."""
@@ -55,7 +58,7 @@ class ArrowSink:
             self._writer.close()
             self._writer = None
         if os.path.exists(self.tmp):
-            os.remove(self.tmp)
+            remove(self.tmp)
             return True
         return False
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from treeflow.atomic import atomic_path
 from treeflow.schemas.episode import CALL_TYPE, EPISODE_SCHEMA, validate_episodes
 
 __all__ = ["synth_episodes", "write_episodes"]
@@ -147,17 +148,18 @@ def write_episodes(table: pa.Table, path: str | os.PathLike, *, batch_rows: int 
     path = os.fspath(path)
     if batch_rows < 1:
         raise ValueError(f"batch_rows={batch_rows}; give a positive number of rows per batch")
-    table = validate_episodes(table, source=path)
-    if path.endswith(".arrow"):
-        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, EPISODE_SCHEMA) as writer:
-            for batch in table.to_batches(max_chunksize=batch_rows):
-                writer.write_batch(batch)
-    elif path.endswith(".parquet"):
-        with pq.ParquetWriter(path, EPISODE_SCHEMA) as writer:
-            writer.write_table(table, row_group_size=batch_rows)
-    else:
+    if not path.endswith((".arrow", ".parquet")):
         raise ValueError(f"{path}: unknown episode file type; use a '.arrow' (Arrow IPC) or "
                          "'.parquet' suffix")
+    table = validate_episodes(table, source=path)
+    with atomic_path(path, what="episode file") as tmp:
+        if path.endswith(".arrow"):
+            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, EPISODE_SCHEMA) as writer:
+                for batch in table.to_batches(max_chunksize=batch_rows):
+                    writer.write_batch(batch)
+        else:
+            with pq.ParquetWriter(tmp, EPISODE_SCHEMA) as writer:
+                writer.write_table(table, row_group_size=batch_rows)
 
 
 def _check_args(episodes, group_size, turns, system_tokens, user_tokens, completion_tokens,

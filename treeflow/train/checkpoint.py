@@ -1,68 +1,347 @@
-"""Checkpoint I/O of a Trainer: model weights, optimizer, counters and input position.
+"""Crash-safe checkpoints of a Trainer: one complete directory per saved step, verified on load.
 
-A checkpoint directory is a Hugging Face checkpoint (config.json +
-safetensors, loadable by `--model DIR` and transformers) plus
-`trainer_state.pt` (AdamW state, step and scheduler counters, input
-position) and a human-readable `treeflow_trainer.json` of the counters.
-A checkpoint written by several data-parallel ranks holds `dcp/` (torch.distributed.checkpoint
-shards of the model and AdamW, train/sharded.py) instead of `trainer_state.pt`; either kind
-resumes on any number of ranks.
+Layout of a checkpoint root `DIR`:
+
+    DIR/step-000042/config.json, model.safetensors   a Hugging Face checkpoint (--model, transformers)
+    DIR/step-000042/optimizer.safetensors            AdamW's per-parameter tensors
+    DIR/step-000042/trainer.json                     counters, input position, AdamW's param groups,
+                                                     the run's fingerprint
+    DIR/step-000042/manifest.json                    size and sha256 of every file above
+    DIR/latest                                       the name of the newest complete step directory
+
+A step directory is written under a temporary name, fsynced and renamed into
+place (treeflow.atomic), then `latest` is moved to it -- the commit -- and
+only then are directories beyond the last `keep` removed: a kill at any
+instant leaves the previous complete checkpoint intact. Loading takes the
+step `latest` names, or when its manifest does not verify the newest older
+one that does, and says which it skipped and why; a torn or corrupted
+checkpoint can therefore never be resumed silently.
+
+Data-parallel runs (several ranks) write the same layout: the step directory
+holds `dcp/` (torch.distributed.checkpoint shards of the model and AdamW,
+train/sharded.py, written by every rank into rank 0's temporary directory)
+instead of `optimizer.safetensors`, and rank 0 alone writes the manifest,
+renames and moves `latest`. Either kind resumes on any number of ranks.
+
+Nothing of ours is unpickled: weights and optimizer tensors are safetensors,
+the rest is JSON, so a single-process checkpoint from someone else cannot run
+code. (A `dcp/` checkpoint is read by torch.distributed.checkpoint, whose
+metadata file is a pickle: only resume sharded checkpoints you trust.) The price is that
+only optimizers whose state is tensors and plain numbers can be saved (AdamW's
+is). Hashing every file on load costs one read of the checkpoint (about a
+second per GB).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-TRAINER_STATE = "trainer_state.pt"
-TRAINER_JSON = "treeflow_trainer.json"
+from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, remove,
+                              remove_stale, temp_name)
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+OPTIMIZER = "optimizer.safetensors"
+TRAINER_JSON = "trainer.json"
+LEGACY_STATE = "trainer_state.pt"
+FORMAT = "treeflow-checkpoint/2"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
-def save_checkpoint(trainer, path: str | os.PathLike) -> None:
-    """Write `trainer`'s model, optimizer, counters and position under `path` (every rank calls it)."""
-    if trainer.dp.distributed:
+def step_dir_name(steps: int) -> str:
+    return f"step-{steps:06d}"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"state.{idx}.{k}"] = v.detach().to("cpu").contiguous()
+            elif isinstance(v, (int, float, bool)) or v is None:
+                scalars[f"{idx}.{k}"] = v
+            else:
+                raise TypeError(f"optimizer state {k!r} of type {type(v).__name__} cannot be "
+                                "stored without pickle")
+    return tensors, [sd["param_groups"], scalars]
+
+
+def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None) -> str:
+    """Write a complete step directory under `root`, point `latest` at it, prune; return its path.
+
+    Every data-parallel rank calls it (all write the sharded state; rank 0 commits).
+    """
+    dp = getattr(trainer, "dp", None)
+    distributed = dp is not None and dp.distributed
+    lead = not distributed or dp.rank == 0
+    root = check_output(root, what="checkpoint directory", directory=True)
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep={keep}: keep at least the checkpoint just written (keep >= 1)")
+    name = step_dir_name(trainer.steps)
+    final = os.path.join(root, name)
+    state = {"format": FORMAT, "steps": trainer.steps,
+             "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position,
+             "run": getattr(trainer, "run", None)}
+    if not distributed:
+        tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
+        state["optimizer"] = {"param_groups": groups, "scalars": scalars}
+        os.makedirs(root, exist_ok=True)
+        remove_stale(root)
+        with atomic_dir(final) as tmp:
+            trainer.backend.save(tmp)
+            save_file(tensors, os.path.join(tmp, OPTIMIZER), metadata={"format": "pt"})
+            _write_state_and_manifest(tmp, state)
+    else:
+        import torch.distributed as dist
+
         from treeflow.train.sharded import save_sharded
 
-        save_sharded(trainer, path, {"steps": trainer.steps,
-                                     "scheduler_episodes": trainer.scheduler_episodes,
-                                     "position": trainer.position}, TRAINER_JSON)
-        return
-    os.makedirs(path, exist_ok=True)
-    trainer.backend.save(path)
-    torch.save({"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps,
-                "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position},
-               os.path.join(path, TRAINER_STATE))
-    with open(os.path.join(path, TRAINER_JSON), "w") as f:
-        json.dump({"steps": trainer.steps, "scheduler_episodes": trainer.scheduler_episodes,
-                   "position": trainer.position}, f, indent=1)
+        box = [None]
+        if lead:
+            os.makedirs(root, exist_ok=True)
+            remove_stale(root)
+            box[0] = temp_name(final)
+            os.mkdir(box[0])
+        dist.broadcast_object_list(box, src=0, group=dp.group)
+        tmp = box[0]
+        try:
+            save_sharded(trainer, tmp, state, TRAINER_JSON)  # ends with a barrier
+            if lead:
+                _write_state_and_manifest(tmp, state)
+                commit_dir(tmp, final)
+        except BaseException:
+            if lead:
+                remove(tmp)
+            raise
+    if lead:
+        with atomic_open(os.path.join(root, LATEST)) as f:
+            f.write(name + "\n")
+        if keep is not None:
+            for _, old in _step_dirs(root)[keep:]:
+                if old != name:
+                    remove(os.path.join(root, old))
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier(group=dp.group)  # every rank returns after the commit
+    return final
 
 
-def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, **options):
-    """A `cls` (Trainer) built on the checkpoint's weights with its optimizer and counters."""
-    from treeflow.train.sharded import is_sharded_checkpoint, load_sharded
+def _write_state_and_manifest(tmp: str, state: dict) -> None:
+    with open(os.path.join(tmp, TRAINER_JSON), "w") as f:
+        json.dump(state, f, indent=1)
+    files = {}
+    for d, _, names in os.walk(tmp):
+        for n in names:
+            p = os.path.join(d, n)
+            files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p), "sha256": _sha256(p)}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump({"format": FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
 
-    state_file = os.path.join(path, TRAINER_STATE)
-    if is_sharded_checkpoint(path):
-        trainer = cls(replace(forward, model=os.fspath(path)), reduce, **options)
-        load_sharded(trainer, path)
-        with open(os.path.join(path, TRAINER_JSON)) as f:
-            counters = json.load(f)
-        trainer.steps = counters["steps"]
-        trainer.scheduler_episodes = counters["scheduler_episodes"]
-        trainer.position = counters["position"]
-        return trainer
-    if not os.path.exists(state_file):
-        raise ValueError(f"{path} is not a treeflow training checkpoint (no {TRAINER_STATE})")
-    trainer = cls(replace(forward, model=os.fspath(path)), reduce, **options)
-    state = torch.load(state_file, map_location=trainer.runner.device, weights_only=False)
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, name) of the step directories under `root`, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [(int(m.group(1)), n) for n in names if (m := _STEP_DIR.match(n))
+             and os.path.isdir(os.path.join(root, n))]
+    return sorted(found, reverse=True)
+
+
+def verify(step_path: str) -> str | None:
+    """None when the step directory is complete and unmodified; else what is wrong with it."""
+    mpath = os.path.join(step_path, MANIFEST)
+    if not os.path.isfile(mpath):
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, want in sorted(files.items()):
+        path = os.path.join(step_path, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or replaced)"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not match its sha256 in {MANIFEST} (corrupted or modified)"
+    return None
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _stderr) -> str:
+    """The newest verified step directory of a checkpoint root (or `path` itself if it is one)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such checkpoint directory")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: is a file, not a checkpoint directory")
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        problem = verify(path)
+        if problem:
+            raise ValueError(f"{path}: checkpoint is incomplete or corrupted: {problem}")
+        return path
+    if os.path.isfile(os.path.join(path, LEGACY_STATE)) or _is_sharded(path):
+        return path
+    steps = _step_dirs(path)
+    if not steps:
+        raise ValueError(f"{path}: not a treeflow training checkpoint (no step-NNNNNN directory, "
+                         f"no {MANIFEST}); give the directory that --save wrote")
+    skipped = []
+    committed = _latest_step(path)
+    if committed is not None:
+        # `latest` is the commit record: a newer directory was renamed into place by a save that
+        # was killed before it moved the pointer; the run resumes from what `latest` names
+        newer = [name for step, name in steps if step > committed]
+        if newer:
+            log(f"skipping {', '.join(newer)} in {path}: not committed ({LATEST} names "
+                f"{step_dir_name(committed)})")
+        steps = [(step, name) for step, name in steps if step <= committed]
+        if not steps or steps[0][0] != committed:
+            log(f"{os.path.join(path, LATEST)} names {step_dir_name(committed)}, which is missing; "
+                "falling back to the previous checkpoint")
+    for _, name in steps:
+        problem = verify(os.path.join(path, name))
+        if problem is None:
+            if skipped:
+                log(f"resuming from {os.path.join(path, name)} (skipped {', '.join(skipped)})")
+            return os.path.join(path, name)
+        log(f"skipping checkpoint {os.path.join(path, name)}: {problem}; "
+            "falling back to the previous one")
+        skipped.append(name)
+    raise ValueError(f"{path}: no complete checkpoint: every step directory failed verification "
+                     f"({', '.join(skipped)})")
+
+
+def _latest_step(root: str) -> int | None:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            m = _STEP_DIR.match(f.read().strip())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def model_dir(path: str) -> str:
+    """`path`, or the newest verified step of it when `path` is a checkpoint root (for --model)."""
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")) \
+            and (os.path.exists(os.path.join(path, LATEST)) or _step_dirs(path)):
+        return find_checkpoint(path)
+    return path
+
+
+def _is_sharded(path: str) -> bool:
+    from treeflow.train.sharded import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(path)
+
+
+def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
+                    log: Callable[[str], None] = _stderr, **options):
+    """A `cls` (Trainer) built on the newest verified checkpoint under `path`.
+
+    options go to `cls` (precision, dp, ...)."""
+    step_path = find_checkpoint(path, log=log)
+    if not os.path.isfile(os.path.join(step_path, MANIFEST)):
+        if _is_sharded(step_path):
+            return _load_sharded(cls, step_path, forward, reduce, options, log)
+        return _load_legacy(cls, step_path, forward, reduce, log, options)
+    with open(os.path.join(step_path, TRAINER_JSON)) as f:
+        state = json.load(f)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{step_path}: checkpoint format {state.get('format')!r}; this treeflow "
+                         f"reads {FORMAT!r}")
+    if _is_sharded(step_path):
+        return _load_sharded(cls, step_path, forward, reduce, options, log, state)
+    trainer = cls(replace(forward, model=step_path), reduce, **options)
+    try:
+        tensors = load_file(os.path.join(step_path, OPTIMIZER), device=str(trainer.runner.device))
+    except SafetensorError as e:
+        raise ValueError(f"{os.path.join(step_path, OPTIMIZER)}: unreadable ({e})") from e
+    opt = state["optimizer"]
+    per_param: dict[int, dict] = {}
+    for key, t in tensors.items():
+        _, idx, k = key.split(".", 2)
+        per_param.setdefault(int(idx), {})[k] = t
+    for key, v in opt["scalars"].items():
+        idx, k = key.split(".", 1)
+        per_param.setdefault(int(idx), {})[k] = v
+    try:
+        trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{step_path}: the optimizer state does not fit this model ({e})") from e
+    trainer.steps = state["steps"]
+    trainer.scheduler_episodes = state["scheduler_episodes"]
+    trainer.position = state["position"]
+    trainer.run = state.get("run")
+    trainer.checkpoint_path = step_path
+    return trainer
+
+
+def _load_sharded(cls, path, forward, reduce, options, log, state=None):
+    """A checkpoint written by data-parallel ranks (dcp/), resumed on any number of ranks."""
+    from treeflow.train.sharded import load_sharded
+
+    if state is None:
+        log(f"{path}: sharded checkpoint without a manifest; it cannot be verified")
+        with open(os.path.join(path, "treeflow_trainer.json")) as f:
+            state = json.load(f)
+    trainer = cls(replace(forward, model=path), reduce, **options)
+    load_sharded(trainer, path)
+    trainer.steps = state["steps"]
+    trainer.scheduler_episodes = state["scheduler_episodes"]
+    trainer.position = state["position"]
+    trainer.run = state.get("run")
+    trainer.checkpoint_path = path
+    return trainer
+
+
+def _load_legacy(cls, path, forward, reduce, log, options):
+    """A pre-manifest checkpoint (trainer_state.pt): read with weights_only=True, never unpickled."""
+    trainer = cls(replace(forward, model=path), reduce, **options)
+    try:
+        state = torch.load(os.path.join(path, LEGACY_STATE), map_location=trainer.runner.device,
+                           weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError...
+        raise ValueError(f"{os.path.join(path, LEGACY_STATE)}: refused or unreadable as plain "
+                         f"tensors ({type(e).__name__}); it may be corrupted or hold code; "
+                         "only load checkpoints you trust") from e
+    log(f"{path}: old checkpoint layout without a manifest; it cannot be verified (save again to "
+        "upgrade it)")
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.steps = state["steps"]
     trainer.scheduler_episodes = state["scheduler_episodes"]
     trainer.position = state["position"]
+    trainer.run = None
+    trainer.checkpoint_path = path
     return trainer
 
 
-__all__ = ["TRAINER_JSON", "TRAINER_STATE", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FORMAT", "LATEST", "MANIFEST", "find_checkpoint", "load_checkpoint", "model_dir",
+           "save_checkpoint", "step_dir_name", "verify"]

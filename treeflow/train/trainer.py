@@ -70,6 +70,8 @@ class Trainer:
         self.steps = 0
         self.scheduler_episodes = 0
         self.position: dict = {}
+        self.run: dict | None = None  # what defines the run (data, step options); saved, checked on resume
+        self.checkpoint_path: str | None = None
         self._open: Step | None = None
         c = self.backend.config
         self.cost_model = CostModel.from_shape(
@@ -131,17 +133,21 @@ class Trainer:
                 f"cannot {what} while step {self.steps + 1} is open ({self._open.bins} bins "
                 "accumulated): its gradients would be lost; finish() or abort() the step first")
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Model (HF safetensors), optimizer, counters and input position."""
+    def save(self, path: str | os.PathLike, *, keep: int | None = None) -> str:
+        """A complete step directory under `path` (model, optimizer, counters, position); its path.
+
+        Keeps the newest `keep` step directories (all when None); see train/checkpoint.py.
+        """
         self._refuse_if_open("save a checkpoint")
-        save_checkpoint(self, path)
+        return save_checkpoint(self, path, keep=keep)
 
     @classmethod
     def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce,
                **options) -> "Trainer":
-        """A Trainer continued from `save(path)`: weights, optimizer, counters, position.
+        """A Trainer continued from the newest verified checkpoint under `path`.
 
-        options: as for Trainer (precision, dp); a checkpoint saved by N ranks resumes on M.
+        options: as for Trainer (precision, dp), and `log` for what resuming skipped; a
+        checkpoint saved by N ranks resumes on M.
         """
         return load_checkpoint(cls, path, forward, reduce, **options)
 

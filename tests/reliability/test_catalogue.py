@@ -1,0 +1,264 @@
+"""The standing catalogue of bad input: every class is refused cleanly and changes nothing.
+
+Each row is one class of user mistake, as a user would make it on the
+command line. For each, the command must exit 2 with exactly one line on
+stderr that starts with "error:" and names the episode, field, option or
+file at fault; no traceback; and every file in the working directory --
+inputs, earlier outputs, checkpoints -- must be byte for byte as before,
+with nothing new left behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.reliability.helpers import TRAIN, cli, small_episodes, tree_hashes, write_small
+from treeflow.schemas import EPISODE_SCHEMA
+
+BAD = 2  # the row every data mutation edits; its episode id is named in the message
+
+
+def rows():
+    return small_episodes(4).to_pylist()
+
+
+def bad_id():
+    return rows()[BAD]["episode_id"]
+
+
+def write_rows(path, rs, schema=EPISODE_SCHEMA):
+    t = pa.Table.from_pylist(rs, schema=schema)
+    if str(path).endswith(".parquet"):
+        pq.write_table(t, path)
+    else:
+        with pa.ipc.new_file(path, t.schema) as w:
+            w.write_table(t)
+    return str(path)
+
+
+def call_edit(**fields):
+    def edit(rs):
+        rs[BAD]["calls"][0].update(fields)
+        return rs
+    return edit
+
+
+def top_edit(**fields):
+    def edit(rs):
+        rs[BAD].update(fields)
+        return rs
+    return edit
+
+
+def sampled(rs):
+    c = rs[BAD]["calls"][0]
+    return len(c["token_ids"]) - c["sampled_start"]
+
+
+def set_list(field, value_at, index=0):
+    """A per-sampled-token list with value_at(i) at position `index`, valid elsewhere."""
+    def edit(rs):
+        c = rs[BAD]["calls"][0]
+        n = len(c["token_ids"]) - c["sampled_start"]
+        base = {"generation_logprobs": -1.0, "loss_mask": True, "advantages": 0.5}[field]
+        c[field] = [value_at if i == index else base for i in range(n)]
+        return rs
+    return edit
+
+
+def null_call(rs):
+    rs[BAD]["calls"].append(None)
+    return rs
+
+
+def null_route(rs):
+    c = rs[BAD]["calls"][0]
+    c["routed_experts"] = [[1, 2]] * len(c["token_ids"])
+    c["routed_experts"][1] = None
+    return rs
+
+
+def mixed_routes(rs):
+    c = rs[BAD]["calls"][0]
+    c["routed_experts"] = [[1, 2]] * len(c["token_ids"])
+    c["routed_experts"][3] = [1]
+    return rs
+
+
+def duplicate_id(rs):
+    rs[BAD]["episode_id"] = rs[0]["episode_id"]
+    return rs
+
+
+# (name, edit of the rows, needles in the message); the episode id is always required
+DATA = [
+    ("null-token", call_edit(token_ids=[1, None, 3, 4], sampled_start=2), ["'token_ids' has a null at position 1"]),
+    ("null-mask", set_list("loss_mask", None), ["'loss_mask' has a null at position 0"]),
+    ("null-logprob", set_list("generation_logprobs", None, 1), ["'generation_logprobs' has a null at position 1"]),
+    ("null-advantage", set_list("advantages", None), ["'advantages' has a null at position 0"]),
+    ("null-route", null_route, ["'routed_experts' has a null at position 1"]),
+    ("positive-logprob", set_list("generation_logprobs", 0.5), ["'generation_logprobs' is 0.5"]),
+    ("nan-reward", top_edit(reward=float("nan")), ["'reward' is nan"]),
+    ("inf-reward", top_edit(reward=float("inf")), ["'reward' is inf"]),
+    ("nan-advantage", top_edit(advantage=float("nan")), ["'advantage' is nan"]),
+    ("inf-advantages", set_list("advantages", float("inf")), ["'advantages' holds a non-finite"]),
+    ("empty-tokens", call_edit(token_ids=[], sampled_start=1), ["'token_ids' is empty"]),
+    ("null-tokens", call_edit(token_ids=None), ["'token_ids' is null"]),
+    ("null-call", null_call, ["the call is null"]),
+    ("start-zero", call_edit(sampled_start=0), ["'sampled_start' is 0"]),
+    ("start-past-end", call_edit(token_ids=[1, 2, 3], sampled_start=4), ["'sampled_start' is 4 for 3 tokens"]),
+    ("null-start", call_edit(sampled_start=None), ["'sampled_start' is null"]),
+    ("negative-token", call_edit(token_ids=[1, -5, 3], sampled_start=1), ["negative id -5"]),
+    ("short-logprobs", lambda rs: call_edit(generation_logprobs=[-1.0] * (sampled(rs) + 1))(rs),
+     ["'generation_logprobs' has"]),
+    ("short-mask", lambda rs: call_edit(loss_mask=[True] * (sampled(rs) + 2))(rs), ["'loss_mask' has"]),
+    ("short-routes", call_edit(routed_experts=[[1]]), ["'routed_experts' has 1 entries"]),
+    ("mixed-routes", mixed_routes, ["mixes route widths"]),
+    ("empty-calls", top_edit(calls=[]), ["'calls' is empty"]),
+    ("null-calls", top_edit(calls=None), ["'calls' is null"]),
+    ("null-id", top_edit(episode_id=None), ["row 2", "'episode_id' is null"]),
+]
+
+
+# nulls where the episode schema says non-nullable: written with an inferred schema, as a user's
+# own writer would (the declared schema would refuse them before they reach a file)
+_INFERRED = {"null-tokens", "null-start", "null-calls", "null-id"}
+
+
+def _data_case(name, edit, needles):
+    def setup(tmp):
+        rs = edit(rows())
+        schema = None if name in _INFERRED else EPISODE_SCHEMA
+        return ["plan", write_rows(tmp / "bad.parquet", rs, schema), "--max-tokens", "256", "-o",
+                tmp / "bins.arrow"], \
+            ["bad.parquet", *needles] + ([] if "row 2" in needles else [repr(bad_id())])
+    return setup
+
+
+def _file_case(kind):
+    def setup(tmp):
+        good = write_small(tmp / "e.arrow")
+        if kind == "dup-id":
+            return ["plan", write_rows(tmp / "d.arrow", duplicate_id(rows())), "--max-tokens", "64"], \
+                ["d.arrow", "appears more than once"]
+        if kind == "no-calls-column":
+            pq.write_table(pa.table({"episode_id": ["a"]}), tmp / "nc.parquet")
+            return ["inspect", tmp / "nc.parquet"], ["nc.parquet", "'calls'"]
+        if kind == "reward-string":
+            rs = [dict(r, reward="high") for r in rows()]
+            return ["inspect", write_rows(tmp / "s.parquet", rs, schema=None)], ["s.parquet", "'reward'"]
+        if kind == "unknown-call-field":
+            rs = rows()
+            for r in rs:
+                for c in r["calls"]:
+                    c["tokens"] = [1]
+            return ["inspect", write_rows(tmp / "u.parquet", rs, schema=None)], ["u.parquet", "'tokens'"]
+        if kind == "schema-version":
+            t = small_episodes(2).replace_schema_metadata({"treeflow.schema": "episode/7"})
+            with pa.ipc.new_file(tmp / "v.arrow", t.schema) as w:
+                w.write_table(t)
+            return ["inspect", tmp / "v.arrow"], ["v.arrow", "'episode/7'"]
+        if kind == "missing-file":
+            return ["inspect", tmp / "nope.arrow"], ["nope.arrow", "no such file"]
+        if kind == "empty-glob":
+            return ["inspect", tmp / "*.nothing"], ["*.nothing", "matches no file"]
+        if kind == "empty-dir":
+            (tmp / "empty").mkdir()
+            return ["inspect", tmp / "empty"], ["empty", "no .arrow or .parquet"]
+        if kind == "junk-arrow":
+            (tmp / "junk.arrow").write_bytes(b"hello, not arrow")
+            return ["inspect", tmp / "junk.arrow"], ["junk.arrow", "neither an Arrow IPC file"]
+        if kind == "truncated-parquet":
+            data = open(write_rows(tmp / "t.parquet", rows()), "rb").read()
+            (tmp / "t.parquet").write_bytes(data[: len(data) // 2])
+            return ["inspect", tmp / "t.parquet"], ["t.parquet", "Parquet"]
+        if kind == "csv-input":
+            (tmp / "x.csv").write_text("a,b\n")
+            return ["inspect", tmp / "x.csv"], ["x.csv", "unknown episode file type"]
+        if kind == "vocab":
+            rs = rows()
+            rs[BAD]["calls"][0]["token_ids"][1] = 10 ** 6
+            return ["replay", write_rows(tmp / "big.arrow", rs), "-o", tmp / "o.arrow"], \
+                ["big.arrow", repr(bad_id()), "vocabulary size"]
+        if kind == "o-is-input":
+            return ["replay", good, "-o", good], ["e.arrow", "also an input"]
+        if kind == "o-dir-missing":
+            return ["plan", good, "--max-tokens", "64", "-o", tmp / "no" / "b.arrow"], ["no", "does not exist"]
+        if kind == "o-is-dir":
+            (tmp / "d").mkdir()
+            return ["plan", good, "--max-tokens", "64", "-o", tmp / "d"], ["d", "is a directory"]
+        if kind == "o-csv":
+            return ["plan", good, "--max-tokens", "64", "-o", tmp / "b.csv"], ["b.csv", "unknown output type"]
+        if kind == "logprobs-no-o":
+            return ["replay", good], ["-o"]
+        if kind == "ranks-0":
+            return ["plan", good, "--max-tokens", "64", "--ranks", "0"], ["--ranks 0"]
+        if kind == "max-tokens-0":
+            return ["plan", good, "--max-tokens", "0"], ["--max-tokens 0"]
+        if kind == "device":
+            return ["replay", good, "-o", tmp / "o.arrow", "--device", "tpu"], ["'tpu'"]
+        if kind == "model-missing":
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], ["m", "does not exist"]
+        if kind == "model-config-null":
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text("null")
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], ["config.json"]
+        if kind == "no-batch":
+            return ["replay", good, "--mode", "train"], ["--batch-episodes"]
+        if kind == "steps-0":
+            return ["replay", good, *TRAIN, "--steps", "0"], ["--steps 0"]
+        if kind == "save-every-negative":
+            return ["replay", good, *TRAIN, "--save", tmp / "c", "--save-every", "-1"], ["--save-every -1"]
+        if kind == "save-every-no-save":
+            return ["replay", good, *TRAIN, "--save-every", "2"], ["--save DIR"]
+        if kind == "keep-0":
+            return ["replay", good, *TRAIN, "--save", tmp / "c", "--keep", "0"], ["--keep 0"]
+        if kind == "save-is-file":
+            return ["replay", good, *TRAIN, "--save", good], ["e.arrow"]
+        if kind == "metrics-is-input":
+            return ["replay", good, *TRAIN, "--metrics", good], ["--metrics", "also an input"]
+        if kind == "metrics-exists":
+            (tmp / "m.jsonl").write_text('{"step": 1}\n')
+            return ["replay", good, *TRAIN, "--metrics", tmp / "m.jsonl"], ["m.jsonl", "another run"]
+        if kind == "resume-missing":
+            return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "no such checkpoint"]
+        if kind == "resume-not-checkpoint":
+            (tmp / "ck").mkdir()
+            return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "not a treeflow training"]
+        raise AssertionError(kind)
+    return setup
+
+
+FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "schema-version",
+         "missing-file", "empty-glob", "empty-dir", "junk-arrow", "truncated-parquet", "csv-input",
+         "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
+         "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
+         "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
+         "metrics-exists", "resume-missing", "resume-not-checkpoint"]
+
+CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
+        [pytest.param(_file_case(kind), id=kind) for kind in FILES]
+
+
+def test_catalogue_is_large_enough():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("setup", CASES)
+def test_refused_cleanly_and_nothing_changes(setup, tmp_path, capsys):
+    # an earlier good output sits next to the inputs: it must survive the refusal
+    (tmp_path / "bins.arrow").write_bytes(b"an earlier output")
+    argv, needles = setup(tmp_path)
+    before = tree_hashes(tmp_path)
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 2, err
+    assert "Traceback" not in err and "Traceback" not in out
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    for n in needles:
+        assert str(n) in err, f"{n!r} not in {err!r}"
+    assert tree_hashes(tmp_path) == before
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]

@@ -1,0 +1,114 @@
+"""A kill at any write point of a training run: resume equals the uninterrupted run, or refuses.
+
+Every call that writes or renames checkpoint data (safetensors and torch
+writes, renames, removals) is wrapped: before it, and after it with the file
+it wrote cut in half, the whole working directory is copied -- exactly what a
+SIGKILL at that instant would leave on disk. Each copy is then resumed to the
+end. It must end bit for bit on the weights of an uninterrupted run with a
+metrics log of one line per step, or refuse with one clear line; a traceback
+or a silent divergence fails. (Issue 12, defect 1: the old in-place save left
+step k+1 weights beside step k optimizer state, and a torn trainer_state.pt.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+
+import torch
+
+import treeflow.models.checkpoint as model_ckpt
+import treeflow.train.checkpoint as train_ckpt
+from tests.reliability.helpers import TRAIN, cli, final_weights, metrics_steps, tree_hashes, write_small
+
+STEPS = "2"
+
+
+def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
+    data = write_small(tmp_path / "e.arrow")
+    rc, _, err = cli(capsys, "replay", data, *TRAIN, "--steps", STEPS, "--save", tmp_path / "ref")
+    assert rc == 0, err
+    want = final_weights(tmp_path / "ref")
+
+    work = tmp_path / "work"
+    work.mkdir()
+    mine, dead = f".{socket.gethostname()}.{os.getpid()}.", f".{socket.gethostname()}.{dead_pid()}."
+    snaps, seen = [], set()
+
+    def snapshot(torn: str | None = None):
+        dst = tmp_path / f"snap{len(snaps)}"
+        shutil.copytree(work, dst)
+        if torn is not None:
+            victim = dst / os.path.relpath(torn, work)
+            with open(victim, "r+b") as f:
+                f.truncate(os.path.getsize(victim) // 2)
+        # the killed writer is this process: give its temporaries the pid of a dead one
+        for d, names, files in os.walk(dst, topdown=False):
+            for n in names + files:
+                if mine in n:
+                    os.rename(os.path.join(d, n), os.path.join(d, n.replace(mine, dead)))
+        key = tuple(sorted(tree_hashes(dst).items()))
+        if key in seen:
+            shutil.rmtree(dst)
+        else:
+            seen.add(key)
+            snaps.append(dst)
+
+    def wrap_writer(real):
+        def writer(obj, filename, *a, **k):
+            snapshot()
+            real(obj, filename, *a, **k)
+            snapshot(torn=os.fspath(filename))
+        return writer
+
+    def wrap_move(real):
+        def move(src, *a, **k):
+            if os.fspath(src).startswith(str(work)):
+                snapshot()
+            return real(src, *a, **k)
+        return move
+
+    with monkeypatch.context() as m:
+        m.setattr(model_ckpt, "save_file", wrap_writer(model_ckpt.save_file))
+        m.setattr(train_ckpt, "save_file", wrap_writer(getattr(train_ckpt, "save_file", None)),
+                  raising=False)
+        m.setattr(torch, "save", wrap_writer(torch.save))
+        for name in ("replace", "rename"):
+            m.setattr(os, name, wrap_move(getattr(os, name)))
+        m.setattr(shutil, "rmtree", wrap_move(shutil.rmtree))
+        rc, _, err = cli(capsys, "replay", data, *TRAIN, "--steps", STEPS, "--save-every", "1",
+                         "--save", work / "ckpt", "--metrics", work / "m.jsonl")
+    assert rc == 0, err
+    assert torch_equal(final_weights(work / "ckpt"), want)
+    assert len(snaps) >= 10, f"only {len(snaps)} distinct write points were seen"
+
+    resumed = refused = 0
+    for snap in snaps:
+        rc, _, err = cli(capsys, "replay", data, *TRAIN, "--steps", STEPS, "--save-every", "1",
+                         "--resume", snap / "ckpt", "--save", snap / "ckpt", "--metrics", snap / "m.jsonl")
+        assert "Traceback" not in err, f"{snap.name}: {err}"
+        if rc == 0:
+            resumed += 1
+            assert torch_equal(final_weights(snap / "ckpt"), want), f"{snap.name} diverged"
+            assert metrics_steps(snap / "m.jsonl") == [1, 2], snap.name
+            assert not [n for n in os.listdir(snap / "ckpt") if n.endswith(".partial")], snap.name
+        else:
+            refused += 1
+            assert rc == 2 and err.startswith("error:") and err.count("\n") == 1, err
+            # a refusal is only right when no complete checkpoint was there yet
+            assert not any(n.startswith("step-") for n in os.listdir(snap / "ckpt")
+                           if not n.endswith(".partial")) if (snap / "ckpt").exists() else True, err
+    assert resumed >= len(snaps) // 2, (resumed, refused)
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def torch_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+

@@ -1,0 +1,98 @@
+"""SIGKILL a real training run at random instants; resuming ends on the uninterrupted weights.
+
+`python -m treeflow.cli replay --mode train --save-every 1` runs in a child
+process and is killed with SIGKILL at seeded random times (once per trial
+in CI, up to twice in the slow version), then resumed from its checkpoint directory (or started again when
+no checkpoint had been committed yet) until it finishes. The final weights
+must equal those of an uninterrupted run bit for bit, the metrics log must
+hold each step exactly once, and no temporary may be left. Three trials run
+in CI; `--run-slow` (or TREEFLOW_SLOW=1) runs the 20-trial version.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.reliability.helpers import TRAIN, final_weights, metrics_steps, write_small
+
+STEPS = 4
+
+
+def _cmd(data, ck, metrics, resume: bool):
+    return [sys.executable, "-m", "treeflow.cli", "replay", data, *TRAIN, "--steps", str(STEPS),
+            "--save-every", "1", "--save", str(ck), "--metrics", str(metrics)] + \
+        (["--resume", str(ck)] if resume else [])
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.getcwd())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kill")
+    data = write_small(tmp / "e.arrow")
+    ck, m = tmp / "ref", tmp / "ref.jsonl"
+    t0 = time.time()
+    p = subprocess.Popen(_cmd(data, ck, m, False), env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    while not m.exists() and p.poll() is None:
+        time.sleep(0.01)
+    first = time.time() - t0
+    err = p.communicate()[1]
+    assert p.returncode == 0, err
+    return data, final_weights(ck), first, time.time() - t0
+
+
+def _committed(ck) -> bool:
+    return ck.exists() and any(n == "latest" or n.startswith("step-") for n in os.listdir(ck))
+
+
+def _trial(seed, tmp, reference, max_kills):
+    data, want, first, total = reference
+    rng = random.Random(seed)
+    ck, m = tmp / f"ck{seed}", tmp / f"m{seed}.jsonl"
+    kills = 0
+    for attempt in range(20):
+        resume = _committed(ck)
+        if not resume and m.exists():
+            os.remove(m)  # nothing committed: start again, as a user would
+        p = subprocess.Popen(_cmd(data, ck, m, resume), env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        if kills < max_kills:
+            try:
+                p.wait(timeout=rng.uniform(0.5 * first, total))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                kills += 1
+        err = p.communicate()[1]
+        if p.returncode == 0:
+            break
+        assert p.returncode == -signal.SIGKILL, err
+    else:
+        raise AssertionError("the run never finished")
+    got = final_weights(ck)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), f"seed {seed}: weights diverged"
+    assert metrics_steps(m) == list(range(1, STEPS + 1)), f"seed {seed}"
+    assert not [n for n in os.listdir(ck) if n.endswith(".partial")], f"seed {seed}"
+    return kills
+
+
+def test_sigkill_and_resume_equals_uninterrupted(tmp_path, reference):
+    kills = sum(_trial(seed, tmp_path, reference, 1) for seed in range(3))
+    assert kills >= 1
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_equals_uninterrupted_20_trials(tmp_path, reference):
+    kills = sum(_trial(seed, tmp_path, reference, 2) for seed in range(100, 120))
+    assert kills >= 10

@@ -1,0 +1,68 @@
+"""Table outputs of the command line (bins, logprobs): format by extension, written atomically.
+
+`-o NAME.parquet` writes Parquet and `-o NAME.arrow` (or .ipc/.feather) an
+Arrow IPC file; any other name is refused rather than written in a format its
+name does not say. The output is checked before any work starts (its
+directory exists, it is not a directory, it is not one of the inputs) and is
+written through treeflow.atomic: it appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from treeflow.atomic import atomic_path, check_output, refuse_inputs
+
+_IPC = (".arrow", ".ipc", ".feather")
+
+
+def output_format(path: str, option: str = "-o") -> str:
+    if path.endswith(".parquet"):
+        return "parquet"
+    if path.endswith(_IPC):
+        return "ipc"
+    raise ValueError(f"{option} {path}: unknown output type; name it .arrow (Arrow IPC file) or "
+                     ".parquet")
+
+
+class _Writer:
+    def __init__(self, path: str, fmt: str):
+        self.path, self.fmt, self._w, self.rows = path, fmt, None, 0
+
+    def write(self, table: pa.Table) -> None:
+        if self._w is None:
+            self._w = (pq.ParquetWriter(self.path, table.schema) if self.fmt == "parquet"
+                       else pa.ipc.new_file(self.path, table.schema))
+        self._w.write_table(table)
+        self.rows += table.num_rows
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+
+
+@contextmanager
+def table_output(path: str, inputs, *, option: str = "-o", what: str = "output"):
+    """A writer of tables whose file replaces `path` only when the block completes."""
+    from treeflow.schemas.episode import expand_paths
+
+    check_output(path, what=f"{option} {what}")
+    fmt = output_format(path, option)
+    refuse_inputs(path, expand_paths(inputs), option=option)
+    with atomic_path(path, what=what) as tmp:
+        writer = _Writer(tmp, fmt)
+        try:
+            yield writer
+        finally:
+            writer.close()
+        if writer.rows == 0 and not os.path.exists(tmp):
+            raise ValueError(f"{option} {path}: no rows to write (the input has no episodes); "
+                             "nothing written")
+
+
+__all__ = ["output_format", "table_output"]
