@@ -66,8 +66,10 @@ def test_two_ranks_train_write_one_checkpoint_that_one_rank_resumes(data, tmp_pa
     rows = [json.loads(line) for line in open(metrics)]  # rank 0 alone writes them
     assert [(r["step"], r["ranks"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["rank_seconds_max"] >= r["rank_seconds_mean"] > 0 for r in rows)
-    assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "model.safetensors").is_file()
-    assert json.load(open(ckpt / "treeflow_trainer.json"))["position"] == {"episodes": 4, "passes": 0}
+    step = ckpt / "step-000002"
+    assert (ckpt / "latest").read_text() == "step-000002\n"
+    assert (step / "dcp" / ".metadata").is_file() and (step / "model.safetensors").is_file()
+    assert json.load(open(step / "trainer.json"))["position"] == {"episodes": 4, "passes": 0}
     train(data, tmp_path, "--steps", "3", "--resume", str(ckpt), "--save", str(tmp_path / "one"))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
     assert main(["replay", data, "--model", str(ckpt), "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0

@@ -2,7 +2,7 @@
 
 Each step is one window of `--batch-episodes` episodes (whole groups); the
 data is cycled until `--steps` optimizer steps have run. The checkpoint
-carries the model (HF safetensors), AdamW, the step and scheduler counters
+carries the model (HF safetensors), AdamW, the step and scheduler counters,
 the input position (episodes consumed) and the run's fingerprint, so
 `--resume DIR` continues exactly where the run stopped and ends with the
 weights of an uninterrupted run, or refuses (another data file, other step
