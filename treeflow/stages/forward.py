@@ -82,7 +82,11 @@ class Forward(Stage):
         """
         from treeflow.models import Backend, Decoder, ReferenceBackend, load_backend
 
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device {device!r}: not a device torch knows; use cpu or cuda[:N]") \
+                from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r}: CUDA is not available here; use cpu")
         if model is None:
