@@ -134,10 +134,9 @@ def test_training_step_matches_reference(ckpt, tmp_path):
     assert meg_metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
     assert ref_metrics["grad_norm"] > 0.005  # so the clipping was exercised
     # after AdamW the exported weights are the reference's
-    meg.save(tmp_path / "meg")
-    ref.save(tmp_path / "ref")
-    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "meg").state_dict()
-    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
+    # Trainer.save returns its step directory, a Hugging Face model directory
+    a = transformers.AutoModelForCausalLM.from_pretrained(meg.save(tmp_path / "meg")).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(ref.save(tmp_path / "ref")).state_dict()
     for name in b:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
 
@@ -243,5 +242,7 @@ def test_cli_replay_and_train_with_the_megatron_backend(ckpt, tmp_path, capsys):
                  "--save", str(tmp_path / "ckpt"), "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["steps"] == 2 and np.isfinite(last["last"]["loss"])
-    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+    # the CLI's checkpoint root holds step directories; the newest is a Hugging Face model directory
+    trained = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt" / "step-000002").state_dict()
     assert not torch.equal(trained["model.norm.weight"], hf.state_dict()["model.norm.weight"])
