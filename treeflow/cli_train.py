@@ -156,7 +156,7 @@ def _train(args, *, distributed: bool) -> int:
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     *shard, forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
-                   pad_to=args.max_tokens)
+                   pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
     if args.resume:
         trainer = Trainer.resume(args.resume, forward, reduce, log=note, **options)
@@ -307,6 +307,8 @@ def add_train_options(p) -> None:
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
+    g.add_argument("--shard-params", action="store_true",
+                   help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
 

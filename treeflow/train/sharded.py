@@ -39,8 +39,18 @@ def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: st
     module, optimizer = trainer.backend.module, trainer.optimizer
     model_sd, optim_sd = get_state_dict(module, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, DCP_DIR))
+    full = None
+    if trainer.sharded:
+        from treeflow.train.fsdp import full_state_dict
+
+        full = full_state_dict(module)  # a collective: every rank takes part
     if trainer.dp.rank == 0:
-        trainer.backend.save(path)
+        if full is not None:
+            from treeflow.models.checkpoint import save_state
+
+            save_state(full, module.config, path)
+        else:
+            trainer.backend.save(path)
         with open(os.path.join(path, json_name), "w") as f:
             json.dump(counters, f, indent=1)
     if trainer.dp.distributed:

@@ -174,6 +174,15 @@ class Step:
             raise StepOpenError(f"step {self.trainer.steps + 1} cannot go on: {self._broken}; "
                                 "abort() it and run the step again")
 
+    def pad_passes(self, passes: int) -> None:
+        """Run empty one-token passes (zero loss) until this rank has run `passes` bins (FSDP)."""
+        runner = self.trainer.runner
+        one = np.zeros(1, dtype=np.int64)
+        for _ in range(passes - self.bins):
+            with self.trainer.compute():
+                lp_E, _ = runner.edge_logprobs(one, one - 1, one, one, one)
+            (lp_E.sum() * 0.0).backward()
+
     def _sum_exactly(self) -> None:
         """Under grad_sum="float64": move this bin's gradients into float64 sums."""
         if self.trainer.grad_sum != "float64":
@@ -213,7 +222,7 @@ class Step:
             raise ValueError(f"{self.slots.name_slot(int(missing[0]))}: no bin of this step held it "
                              f"({len(missing)} loss tokens missing); feed every bin before finish()")
         exact = tr.grad_sum == "float64"
-        if dp.distributed or exact:
+        if (dp.distributed and not tr.sharded) or exact:  # FSDP has reduce-scattered already
             params = [(n, p) for n, p in tr.backend.named_parameters() if p.requires_grad]
             if exact:  # sums of float32 bin gradients are exact in float64: any order, any rank count
                 for n, p in params:
@@ -226,7 +235,7 @@ class Step:
                     if p.grad is None:  # a rank whose bins never reached this parameter
                         p.grad = torch.zeros_like(p)
                 dp.sum_tensors([p.grad for _, p in params])
-        grad_norm = tr.backend.clip_grad_norm(tr.reduce.max_grad_norm)
+        grad_norm = tr.clip_grad_norm()
         if not np.isfinite(grad_norm):
             raise FloatingPointError(
                 f"step {tr.steps + 1}: the gradient norm is {grad_norm} (loss {self.loss_sum}); "

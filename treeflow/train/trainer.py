@@ -15,10 +15,14 @@ over ranks before clipping, so every rank steps alike. Mixed precision (train/pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
+import numpy as np
+
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from treeflow.stages.forward import DTYPES, Forward
@@ -43,15 +47,21 @@ class Trainer:
     (accumulate and all-reduce in float64: the sum of float32 bin gradients is then exact, so
     the step's gradient does not depend on the order of bins or the number of ranks; costs
     8 bytes per parameter).
+    shard_params: shard parameters, gradients and AdamW state over the ranks with FSDP2
+    (train/fsdp.py); the compute dtype comes from FSDP's mixed-precision policy.
     """
 
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
                  precision: str = "mixed", dp: DataParallel | None = None,
                  grad_sum: str = "float32", device: str | torch.device = "cpu",
-                 pad_to: int | None = None):
+                 pad_to: int | None = None, shard_params: bool = False):
         if grad_sum not in ("float32", "float64"):
             raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
+        if shard_params and (grad_sum != "float32" or precision != "mixed"):
+            raise ValueError("shard_params=True keeps float32 shards and reduces in float32: it "
+                             "takes precision='mixed' and grad_sum='float32'")
         self.grad_sum = grad_sum
+        self.sharded = shard_params
         missing = reduce.requires() - forward.produces()
         if missing:
             raise ValueError(f"the loss needs {sorted(missing)}, which {forward} does not produce")
@@ -65,6 +75,13 @@ class Trainer:
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)
+        if shard_params:
+            from treeflow.train.fsdp import shard_module
+
+            if not self.dp.distributed:
+                raise ValueError("shard_params=True needs several ranks (a process group); "
+                                 "train with --ranks N > 1")
+            shard_module(self.backend.module, self.compute_dtype)
         self.optimizer = self.backend.optimizer(lr=reduce.schedule(0), betas=reduce.betas,
                                                 eps=reduce.eps, weight_decay=reduce.weight_decay)
         self.steps = 0
@@ -81,7 +98,17 @@ class Trainer:
 
     def compute(self):
         """The context every forward of this trainer runs in (autocast under mixed precision)."""
+        if self.sharded:  # FSDP's MixedPrecisionPolicy casts the gathered parameters
+            return contextlib.nullcontext()
         return compute_context(self.runner.device, self.compute_dtype, self.precision)
+
+    def clip_grad_norm(self) -> float:
+        """The global gradient norm (after the reduction over ranks), clipped to max_grad_norm."""
+        if self.sharded:
+            from treeflow.train.fsdp import clip_sharded_grad_norm
+
+            return clip_sharded_grad_norm(self.backend.module, self.reduce.max_grad_norm)
+        return self.backend.clip_grad_norm(self.reduce.max_grad_norm)
 
     # ---------------------------------------------------------------- steps
     @property
@@ -106,9 +133,22 @@ class Trainer:
         step = self.open_step(episodes, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         try:
             error = None
-            try:  # prepared bins (an engine's) are this rank's already: see plan.Worker.prepare
-                step.add(bins if isinstance(bins, PreparedBins) else self.dp.local_bins(bins))
+            # prepared bins (an engine's) are this rank's already: see plan.Worker.prepare
+            local = bins if isinstance(bins, PreparedBins) else self.dp.local_bins(bins)
+            if self.sharded:  # every rank runs as many (collective) passes as the busiest one
+                if isinstance(local, PreparedBins):
+                    mine = sum(item is not None for item in local.items)
+                else:
+                    mine = int(np.count_nonzero(pc.list_value_length(
+                        local.column("edge_sources")).to_numpy(zero_copy_only=False)))
+                passes = int(self.dp.max_array(np.array([mine], dtype=np.int64))[0])
+            try:
+                step.add(local)
+                if self.sharded:
+                    step.pad_passes(passes)
             except Exception as e:  # noqa: BLE001 -- every rank must hear of it before it raises
+                if self.sharded:  # the others wait in a collective: end this process instead
+                    raise
                 error = e
             self.dp.agree(error, f"step {self.steps + 1}")
             return step.finish()

@@ -1,0 +1,67 @@
+"""Parameter, gradient and optimizer-state sharding over the data-parallel ranks with FSDP2.
+
+`--shard-params` applies PyTorch's `fully_shard` to each decoder layer and to the root, so
+each rank holds 1/N of the float32 parameters, gradients and AdamW state, and all-gathers a
+layer's parameters (cast to the compute dtype by `MixedPrecisionPolicy(param_dtype=...)`)
+just before it runs; gradients are reduce-scattered in float32 after each bin's backward and
+accumulate, sharded, over the step's bins. The divide factor is 1: the loss weights already
+carry the logical batch's normalisation, so the reduction is a SUM, as in the unsharded path.
+
+Trade-offs against the unsharded path (train/distributed.py): memory per rank falls from 16 to
+16/N bytes per parameter (plus one layer gathered), for an all-gather per layer per bin
+forward and backward and a reduce-scatter per bin. Because every bin's forward and backward
+are collectives, every rank must run the same number of them: a rank with fewer bins runs
+empty one-token passes whose loss is zero. And a rank that raises mid-bin cannot tell the
+others (they wait inside a collective), so its error ends its process; the launcher
+(spawn or torchrun) then stops the others, and the process group's timeout bounds the wait.
+Only the reference backend (decoder.py) is sharded this way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["clip_sharded_grad_norm", "full_state_dict", "shard_module"]
+
+
+def shard_module(module, compute_dtype: torch.dtype) -> None:
+    """fully_shard each decoder layer and the root, in place; compute in `compute_dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    from treeflow.models import Decoder
+
+    if not isinstance(module, Decoder):
+        raise ValueError(f"--shard-params shards the reference decoder; {type(module).__name__} "
+                         "is not one (use the reference backend, or the backend's own parallelism)")
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in module.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+    register_fsdp_forward_method(module, "project")  # the vocabulary projection reads the root's weights
+    for m in [*module.model.layers, module]:
+        m.set_gradient_divide_factor(1.0)  # a SUM over ranks: the weights hold the normalisation
+        m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+
+
+def clip_sharded_grad_norm(module, max_norm: float | None) -> float:
+    """Global gradient norm over the shards, then clip; returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_([p for p in module.parameters() if p.grad is not None],
+                                             max_norm, norm)
+    return float(norm)
+
+
+def full_state_dict(module) -> dict:
+    """The unsharded float32 state dict on CPU, on rank 0 (empty elsewhere); every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
