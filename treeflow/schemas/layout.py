@@ -115,7 +115,8 @@ STEP_METRICS_SCHEMA = pa.schema(
         _f("rank_seconds_mean", pa.float64(), "mean over ranks of forward+backward seconds"),
         _f("idle_fraction", pa.float64(), "share of rank time spent waiting for the slowest rank"),
         _f("time_imbalance", pa.float64(), "measured max / mean - 1 of per-rank seconds"),
-        _f("cost_imbalance", pa.float64(), "Shard's modelled max / mean - 1 of per-rank cost"),
+        _f("cost_imbalance", pa.float64(),
+           "modelled max / mean - 1 of per-rank cost (Shard's formula on this model's shape)"),
     ],
     metadata={"treeflow.schema": "step_metrics/1"},
 )

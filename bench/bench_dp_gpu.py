@@ -1,0 +1,251 @@
+"""Data-parallel training on GPUs: 1 -> N ranks scaling, and mixed precision vs pure bf16.
+
+`scaling`: Llama-3.2-1B's shape (1.24B parameters, seeded random weights), tree layout,
+bf16 compute with float32 master weights and AdamW (mixed precision), NLL over synthetic
+agentic episodes. Three runs, each a group of spawned rank processes (treeflow.train.spawn,
+NCCL): (1 rank, B episodes per step) and (N ranks, N*B per step) at equal per-rank batch give
+the throughput scaling; (1 rank, N*B per step) is the same logical batch as the N-rank run,
+so their per-step losses must agree within bf16 noise (step 1: identical weights, only the
+bins' placement differs). Steps after `--warmup` (flex compiles) are timed on rank 0 as wall
+time between steps, Pack/Fragment/Shard included; the per-rank forward+backward seconds, the
+measured time imbalance and Shard's modelled cost imbalance come from the step metrics.
+
+`precision`: a 200-step `treeflow replay --mode train` (the CLI, in process) on synthetic
+episodes at a small learning rate, once with `--precision mixed` and once with `--precision
+pure` (bf16 weights and AdamW state): pure bf16 rounds most updates away and its loss stalls.
+Writes the curves as a PNG and the numbers as JSON.
+
+    python bench/bench_dp_gpu.py scaling                 # 1 vs 2 H200 (~6 min)
+    python bench/bench_dp_gpu.py precision               # one H200 (~3 min)
+    python bench/bench_dp_gpu.py precision --device cpu --smoke   # a CPU check of the script
+
+Prints one JSON object; writes it and the PNG to $OUT (else bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from treeflow.models import Decoder, ModelConfig, save_model
+
+LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOKE = dataclasses.replace(LLAMA_1B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=32000)
+# the precision run: a ~60M-parameter Llama shape, quick enough for 2 x 200 steps
+SMALL = dataclasses.replace(LLAMA_1B, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)
+
+
+def out_dir() -> str:
+    path = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def seeded_model(config: ModelConfig, device: str, seed: int = 0) -> Decoder:
+    """float32 normal(0, 0.02) weights drawn on `device` (unit norms)."""
+    with torch.device("meta"):
+        model = Decoder(config)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+# ---------------------------------------------------------------- scaling
+def _scaling_rank(cfg: dict) -> dict:
+    import torch.distributed as dist
+
+    from treeflow.pipeline import Pipeline, synth_episodes
+    from treeflow.stages import CostModel, EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce, Shard
+    from treeflow.train import DataParallel, Trainer
+
+    dp = DataParallel.from_env(cfg["device"])
+    config = SMOKE if cfg["smoke"] else LLAMA_1B
+    model = seeded_model(config, str(dp.device))
+    if dp.distributed:
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+    batch = cfg["batch"]
+    total = batch * (cfg["warmup"] + cfg["steps"])
+    eps = synth_episodes(episodes=total, group_size=cfg["group_size"], vocab_size=32000,
+                         seed=cfg["seed"])
+    fwd = Forward(dtype="bfloat16", device=str(dp.device), kernel=cfg["kernel"])
+    red = Reduce(loss=Loss(kind="nll", norm="token"), schedule=EpisodeSchedule(lr=1e-5))
+    c = config
+    cost = CostModel.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
+                                intermediate=c.intermediate_size, heads=c.num_attention_heads,
+                                kv_heads=c.num_key_value_heads, vocab=c.vocab_size)
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=cfg["max_tokens"]),
+                    Shard(num_ranks=dp.world, cost=cost), fwd, red)
+    tr = Trainer(fwd, red, model=model, dp=dp)
+    rows, walls = [], []
+    if dp.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dp.device)
+    t = time.perf_counter()
+    for m in pipe.run(eps, window=batch, trainer=tr):
+        now = time.perf_counter()
+        rows.append(m.to_pylist()[0])
+        walls.append(now - t)
+        t = now
+    peak = torch.cuda.max_memory_allocated(dp.device) / 2**30 if dp.device.type == "cuda" else None
+    dp.close()
+    timed = rows[cfg["warmup"]:]
+    wall = statistics.median(walls[cfg["warmup"]:])
+    return {
+        "ranks": dp.world, "episodes_per_step": batch, "per_rank_episodes": batch / dp.world,
+        "step_seconds_median": wall, "episodes_per_s": batch / wall,
+        "executed_tokens_per_s": statistics.median(r["executed_tokens"] for r in timed) / wall,
+        "losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
+        "rank_seconds_max": [r["rank_seconds_max"] for r in timed],
+        "time_imbalance_mean": statistics.mean(r["time_imbalance"] for r in timed),
+        "cost_imbalance_mean": statistics.mean(r["cost_imbalance"] for r in timed),
+        "idle_fraction_mean": statistics.mean(r["idle_fraction"] for r in timed),
+        "bins_per_step": statistics.mean(r["bins"] for r in timed),
+        "peak_gib_rank0": peak,
+    }
+
+
+def scaling(args) -> dict:
+    from treeflow.train import spawn
+
+    ranks = args.ranks
+    base = dict(device=args.device, smoke=args.smoke, warmup=args.warmup, steps=args.steps,
+                group_size=args.group_size, max_tokens=args.max_tokens, kernel=args.kernel,
+                seed=args.seed)
+    runs = {}
+    for name, r, batch in (("one_rank_equal_per_rank_batch", 1, args.batch),
+                           (f"{ranks}_ranks", ranks, ranks * args.batch),
+                           ("one_rank_same_logical_batch", 1, ranks * args.batch)):
+        t0 = time.perf_counter()
+        runs[name] = spawn(_scaling_rank, r, dict(base, batch=batch))[0]
+        runs[name]["run_seconds"] = time.perf_counter() - t0
+        print(f"{name}: {runs[name]['episodes_per_s']:.2f} episodes/s", file=sys.stderr)
+    one, many, same = (runs["one_rank_equal_per_rank_batch"], runs[f"{ranks}_ranks"],
+                       runs["one_rank_same_logical_batch"])
+    rel = [abs(a - b) / abs(b) for a, b in zip(many["losses"], same["losses"])]
+    return {
+        "bench": "dp_scaling", "model": "smoke" if args.smoke else "llama-3.2-1b-shape",
+        "ranks": ranks, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+        "scaling_episodes_per_s": many["episodes_per_s"] / one["episodes_per_s"],
+        "ideal_scaling": ranks,
+        "loss_rel_diff_step1": rel[0], "loss_rel_diff_max": max(rel),
+        "runs": runs,
+    }
+
+
+# ---------------------------------------------------------------- precision
+def precision(args) -> dict:
+    from treeflow.cli import main
+    from treeflow.pipeline import synth_episodes, write_episodes
+
+    config = SMOKE if args.smoke else SMALL
+    if args.smoke:
+        config = dataclasses.replace(config, hidden_size=64, intermediate_size=128,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    curves = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        save_model(seeded_model(config, "cpu"), model_dir)
+        data = os.path.join(tmp, "episodes.arrow")
+        small = dict(system_tokens=64, user_tokens=(8, 32), completion_tokens=(8, 32),
+                     tool_tokens=(8, 32), turns=(2, 4)) if args.smoke else {}
+        write_episodes(synth_episodes(episodes=args.episodes, group_size=8, vocab_size=32000,
+                                      seed=args.seed, **small), data)
+        for mode in ("mixed", "pure"):
+            metrics = os.path.join(tmp, f"{mode}.jsonl")
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries this script's JSON only
+                rc = main(["replay", data, "--mode", "train", "--model", model_dir, "--device",
+                           args.device, "--dtype", "bfloat16", "--precision", mode, "--layout",
+                           "tree", "--loss", "nll", "--norm", "token", "--lr", str(args.lr),
+                           "--batch-episodes", "8", "--steps", str(args.steps), "--max-tokens",
+                           str(args.max_tokens), "--metrics", metrics, "--quiet"])
+            if rc != 0:
+                raise SystemExit(f"the {mode} run failed (exit {rc})")
+            rows = [json.loads(line) for line in open(metrics)]
+            curves[mode] = {"loss": [r["loss"] for r in rows],
+                            "seconds": time.perf_counter() - t0}
+    png = os.path.join(out_dir(), "dp_precision_curves.png")
+    _plot(curves, png, f"{args.steps} steps, lr {args.lr}, {args.device}, "
+                       f"{sum(p.numel() for p in Decoder(config).parameters()) / 1e6:.0f}M params")
+    summary = {}
+    for mode, c in curves.items():
+        k = max(1, len(c["loss"]) // 10)
+        first, last = statistics.mean(c["loss"][:k]), statistics.mean(c["loss"][-k:])
+        summary[mode] = {"first_tenth_mean": first, "last_tenth_mean": last,
+                         "relative_drop": (first - last) / first, "seconds": c["seconds"]}
+    return {"bench": "dp_precision", "steps": args.steps, "lr": args.lr, "device": args.device,
+            "summary": summary, "png": png, "curves": {m: c["loss"] for m, c in curves.items()}}
+
+
+def _plot(curves: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = {"mixed": "mixed: float32 weights + AdamW, bf16 compute",
+              "pure": "pure bf16: weights and AdamW state in bf16"}
+    for mode, c in curves.items():
+        ax.plot(range(1, len(c["loss"]) + 1), c["loss"], label=labels[mode], linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("NLL (token mean)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("scaling")
+    s.add_argument("--ranks", type=int, default=2)
+    s.add_argument("--batch", type=int, default=16, help="episodes per rank per step")
+    s.add_argument("--group-size", type=int, default=8)
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--steps", type=int, default=6)
+    s.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--kernel", default="auto")
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--smoke", action="store_true", help="a 2-layer model, to check the setup")
+    s = sub.add_parser("precision")
+    s.add_argument("--steps", type=int, default=200)
+    s.add_argument("--lr", type=float, default=2e-5)
+    s.add_argument("--episodes", type=int, default=64)
+    s.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--smoke", action="store_true", help="a tiny model and short episodes")
+    args = p.parse_args()
+    result = scaling(args) if args.what == "scaling" else precision(args)
+    text = json.dumps(result)
+    print(text)
+    with open(os.path.join(out_dir(), f"bench_dp_{args.what}.json"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
