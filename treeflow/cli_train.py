@@ -10,7 +10,8 @@ options, a torn checkpoint with no complete one before it). Checkpoint
 safety lives in treeflow/train/checkpoint.py.
 
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
-CPU workers otherwise): started here by spawning (treeflow.train.spawn), or by torchrun
+CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
+group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --ranks N`), whose
 environment is recognised. Every rank reads the same windows and runs the bins Shard gave
 it; rank 0 writes the metrics and prints; all ranks write the checkpoint together.
@@ -113,11 +114,15 @@ def cmd_train(args) -> int:
             raise ValueError(f"--ranks {args.ranks} but torchrun started {world} processes; "
                              "give the same number to both")
         return _train(args, distributed=True)
-    if args.ranks > 1:
-        from treeflow.train import spawn
+    if args.ranks > 1 or args.launcher == "ray":
+        from treeflow.train import ray_ranks, spawn
 
+        gpus = 1 if args.device.startswith("cuda") else 0
         try:
-            spawn(_train_rank, args.ranks, args)
+            if args.launcher == "ray":
+                ray_ranks(_train_rank, args.ranks, args, gpus_per_rank=gpus)
+            else:
+                spawn(_train_rank, args.ranks, args)
         except RuntimeError as e:
             raise ValueError(f"training over {args.ranks} ranks failed: {e}") from None
         return 0
@@ -307,6 +312,9 @@ def add_train_options(p) -> None:
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
+    g.add_argument("--launcher", choices=("spawn", "ray"), default="spawn",
+                   help="how --ranks start: spawned local processes, or a Ray actor group "
+                        "(one GPU per actor with --device cuda)")
     g.add_argument("--shard-params", action="store_true",
                    help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",

@@ -230,3 +230,34 @@ def test_sharded_parameters_match_one_rank_and_resume_on_one(two_ranks):
     assert resumed.steps == 2
     for n, w in weights(resumed).items():
         assert torch.equal(w, got["weights"][n]), n
+
+
+def _ray_rank():
+    dp = DataParallel.from_env("cpu")
+    eps, budget = data()
+    tr, rows = train(dp, eps.slice(0, 4), "pg", "token", budget)
+    dp.close()
+    return rows, weights(tr)
+
+
+@pytest.mark.ray
+def test_ray_actor_group_ranks_equal_one_rank():
+    import ray
+
+    from treeflow.train import ray_ranks
+
+    try:
+        rows, got = ray_ranks(_ray_rank, 2, threads=THREADS, timeout_s=TIMEOUT_S)[1]
+    finally:
+        ray.shutdown()
+    eps, budget = data()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        tr, ref_rows = train(DataParallel(), eps.slice(0, 4), "pg", "token", budget)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["ranks"] for r in rows] == [2]
+    assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], rel=1e-6)
+    for n, w in weights(tr).items():
+        assert torch.equal(got[n], w), n

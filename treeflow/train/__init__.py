@@ -9,8 +9,9 @@ carries.
 from treeflow.train.distributed import DataParallel, RankFailedError
 from treeflow.train.launch import spawn
 from treeflow.train.precision import PRECISIONS
+from treeflow.train.ray_ranks import ray_ranks
 from treeflow.train.step import Step, StepOpenError
 from treeflow.train.trainer import Trainer
 
 __all__ = ["PRECISIONS", "DataParallel", "RankFailedError", "Step", "StepOpenError", "Trainer",
-           "spawn"]
+           "ray_ranks", "spawn"]
