@@ -102,7 +102,7 @@ def _scaling_rank(cfg: dict) -> dict:
     t = time.perf_counter()
     for m in pipe.run(eps, window=batch, trainer=tr):
         now = time.perf_counter()
-        rows.append(m.to_pylist()[0])
+        rows.append(m.output.to_pylist()[0])
         walls.append(now - t)
         t = now
     peak = torch.cuda.max_memory_allocated(dp.device) / 2**30 if dp.device.type == "cuda" else None

@@ -108,7 +108,7 @@ def _sharded(dp, ckpt):
     fwd, red = Forward(), reduce_for("pg", "seq-mean")
     pipe = Pipeline(Pack(), Fragment(max_tokens=budget), Shard(num_ranks=dp.world), fwd, red)
     tr = Trainer(fwd, red, model=small_model(), dp=dp, shard_params=True)
-    rows = [m.to_pylist()[0] for m in pipe.run(eps, window=4, trainer=tr)]
+    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, window=4, trainer=tr)]
     tr.save(ckpt)
     full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True,
                                                                    cpu_offload=True))
