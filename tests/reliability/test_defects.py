@@ -87,6 +87,9 @@ def test_plan_failing_later_keeps_the_previous_output(tmp_path, capsys):
 
 
 def test_a_killed_replay_leaves_no_partial_after_the_next_write(tmp_path, data):
+    # enough windows that the kill lands while the output is being written (6 episodes
+    # finished between two polls on an idle machine)
+    data = write_small(tmp_path / "e.arrow", n=120)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     out = tmp_path / "out.arrow"
     p = subprocess.Popen([sys.executable, "-m", "treeflow.cli", "replay", data, "-o", out,
