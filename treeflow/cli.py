@@ -237,15 +237,9 @@ def _positive(args, *names) -> None:
 
 def check_device(device: str) -> None:
     """Refuse a --device torch does not know, or CUDA where there is none, before any work."""
-    import torch
+    from treeflow.stages.forward import resolve_device
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r}: not a device torch knows; use cpu or cuda[:N]") \
-            from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}: CUDA is not available here; use cpu")
+    resolve_device(device, what="--device")
 
 
 # ---------------------------------------------------------------- main

@@ -26,6 +26,18 @@ from treeflow.stages.runner import ForwardRunner
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(device, *, what: str = "device") -> torch.device:
+    """A torch.device, refusing a name torch does not know or CUDA where there is none."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{what} {device!r}: not a device torch knows; use cpu or cuda[:N]") \
+            from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} {str(device)!r}: CUDA is not available here; use cpu")
+    return dev
+
+
 @dataclass(frozen=True, kw_only=True)
 class Forward(Stage):
     """Run bins through a policy and give each loss edge its logprob (and entropy).
@@ -82,13 +94,7 @@ class Forward(Stage):
         """
         from treeflow.models import Backend, Decoder, ReferenceBackend, load_backend
 
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device {device!r}: not a device torch knows; use cpu or cuda[:N]") \
-                from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r}: CUDA is not available here; use cpu")
+        device = resolve_device(device)
         if model is None:
             backend = load_backend(self.backend, self.model, dtype=DTYPES[self.dtype],
                                    device=device)
