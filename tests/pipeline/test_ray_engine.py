@@ -86,6 +86,29 @@ def test_train_one_rank_equals_local_losses_and_weights(ray_cluster, data, tmp_p
         assert torch.equal(saved[name], p), name
 
 
+def test_a_training_rank_refuses_a_window_out_of_order(data):
+    # Ray Data may hand an actor its blocks out of order; the engine asks for ordered execution,
+    # and the rank checks: a step applied out of order would silently train another model
+    from treeflow.pipeline.ray_engine import _maps
+
+    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Forward(),
+                    Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-2)))
+    prep = _maps(pipe.plan, 1)
+    blocks = []
+    for w, pieces in enumerate(data.spans()[:2]):
+        from treeflow.pipeline.ray_engine import _read_window
+
+        eps = _read_window(pieces, data.vocab_size)
+        blocks.append(next(prep(eps.append_column("_window", pa.array([w] * eps.num_rows)))))
+    rank = _Rank(pipe.plan, "cpu", torch.get_num_threads())
+    with pytest.raises(RuntimeError, match="rank got window 1 while step 0 is next"):
+        rank(blocks[1])
+    rank(blocks[0])
+    rank(blocks[1])
+    with pytest.raises(RuntimeError, match="rank got window 1 while step 2 is next"):
+        rank(blocks[1])
+
+
 def dies_once(marker: str):
     """A rank class that kills its own process on its first block (once: the marker file)."""
 

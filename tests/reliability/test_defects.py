@@ -86,27 +86,39 @@ def test_plan_failing_later_keeps_the_previous_output(tmp_path, capsys):
     assert pa.ipc.open_file(tmp_path / "bins.arrow").read_all().num_rows > 0
 
 
-def test_a_killed_replay_leaves_no_partial_after_the_next_write(tmp_path, data):
-    # enough windows that the kill lands while the output is being written (6 episodes
-    # finished between two polls on an idle machine)
-    data = write_small(tmp_path / "e.arrow", n=120)
+# A replay long enough that a signal always lands while it writes: 2,000 episodes in windows
+# of one group run ~1,000 windows (about 10 s on one idle core) after the first write, against
+# a 10 ms poll. (120 episodes once finished between two polls on a fast CI machine.)
+LONG = 2000
+
+
+def writing_replay(tmp_path, data, out, *, stderr):
+    """Start `treeflow replay` in a subprocess and return once its output is being written."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = tmp_path / "out.arrow"
     p = subprocess.Popen([sys.executable, "-m", "treeflow.cli", "replay", data, "-o", out,
-                          "--window", "1", "--json"], env=env, stderr=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL)
+                          "--window", "1", "--json"], env=env, stderr=stderr,
+                         stdout=subprocess.DEVNULL, text=True)
     deadline = time.time() + 120
     while not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]:
         assert p.poll() is None and time.time() < deadline, "replay ended before writing"
         time.sleep(0.01)
+    return p
+
+
+def test_a_killed_replay_leaves_no_partial_after_the_next_write(tmp_path, data):
+    small = data  # the fixture's 6 episodes, for the second run
+    data = write_small(tmp_path / "long.arrow", n=LONG)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = tmp_path / "out.arrow"
+    p = writing_replay(tmp_path, data, out, stderr=subprocess.DEVNULL)
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
     assert not out.exists()
-    r = subprocess.run([sys.executable, "-m", "treeflow.cli", "replay", data, "-o",
+    r = subprocess.run([sys.executable, "-m", "treeflow.cli", "replay", small, "-o",
                         tmp_path / "other.arrow", "--json"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(tmp_path)) == ["e.arrow", "other.arrow"]
+    assert sorted(os.listdir(tmp_path)) == ["e.arrow", "long.arrow", "other.arrow"]
 
 
 def test_concurrent_writers_to_one_output_leave_one_complete_file(tmp_path, data):
@@ -185,14 +197,8 @@ def test_debug_shows_the_traceback_and_bugs_stay_bugs(tmp_path, capsys, data, mo
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"),
                                              (signal.SIGTERM, 143, "terminated")])
 def test_ctrl_c_prints_interrupted_and_cleans_up(tmp_path, data, sig, code, word):
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    p = subprocess.Popen([sys.executable, "-m", "treeflow.cli", "replay", data, "-o",
-                          tmp_path / "out.arrow", "--window", "1", "--json"], env=env,
-                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 120
-    while not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]:
-        assert p.poll() is None and time.time() < deadline, "replay ended before writing"
-        time.sleep(0.01)
+    data = write_small(tmp_path / "e.arrow", n=LONG)
+    p = writing_replay(tmp_path, data, tmp_path / "out.arrow", stderr=subprocess.PIPE)
     p.send_signal(sig)
     err = p.communicate()[1]
     assert p.returncode == code, err

@@ -162,6 +162,7 @@ class _Rank:
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan = plan
+        self.next_window = 0  # training applies windows in order; see __call__
         self.save = save or {}  # {window: (checkpoint dir, input position)} (training)
         self.worker = plan.worker(device=device)
         self.compile_seconds = self.worker.warm_up()
@@ -172,6 +173,14 @@ class _Rank:
 
         bins = bins.cast(BIN_SCHEMA)
         if self.plan.trains:
+            # an optimizer step depends on every step before it: a window out of order (or one
+            # seen twice) would silently train a different model, so it is an error
+            if meta["window"] != self.next_window:
+                raise RuntimeError(
+                    f"rank got window {meta['window']} while step {self.next_window} is next; "
+                    "training needs windows in order (after a rank process died and restarted, "
+                    "its model is gone: resume the run from its last checkpoint)")
+            self.next_window += 1
             step = self.worker.open(_from_ipc(meta["episodes"]))
             step.add(bins)
             out = step.finish()
@@ -235,14 +244,21 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
                                   override_num_blocks=len(windows))
     ds = ds.map_batches(_maps(plan, ranks), batch_size=None, batch_format="pyarrow",
                         zero_copy_batch=True)
+    # Ray Data lets an actor run its queued tasks out of submission order; a training rank must
+    # take its windows in order, so it gets one task at a time (the upstream maps emit in order
+    # under preserve_order). A restarted training rank has lost its model and optimizer state:
+    # its retried window is then out of order for it, and _Rank fails the run (resume from a
+    # checkpoint) instead of training a fresh model from there.
+    in_flight = 1 if plan.trains else None
     ds = ds.map_batches(
         _rank_cls, batch_size=None, batch_format="pyarrow", zero_copy_batch=True,
         fn_constructor_kwargs={"plan": plan, "device": device,
                                "threads": threads or torch.get_num_threads(), "save": save_at},
-        compute=ActorPoolStrategy(size=ranks), num_gpus=1 if cuda else 0,
+        compute=ActorPoolStrategy(size=ranks, max_tasks_in_flight_per_actor=in_flight),
+        num_gpus=1 if cuda else 0,
         num_cpus=1 if cuda else max(0.1, min(1.0, (cpus - 1) / ranks)))
-    # Ray Data's actor pools restart a dead actor and retry its task (max_restarts and
-    # max_task_retries default to -1 there); tests/pipeline/test_ray_engine.py kills one
+    # for replay, Ray Data's actor pools restart a dead actor and retry its task (max_restarts
+    # and max_task_retries default to -1 there); tests/pipeline/test_ray_engine.py kills one
     return _collect(plan, ds, n_windows=len(windows))
 
 
