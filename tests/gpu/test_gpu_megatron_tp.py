@@ -5,8 +5,19 @@ with TP=1, two with TP=2 and sequence parallelism -- on a seeded Llama-shaped
 checkpoint in bfloat16, tree layout (flex kernel), and one training step.
 The bf16 noise bound is the reference backend's own: its bf16 logprobs'
 distance to its float32 logprobs on the same bins. Both TP runs must stay
-within twice that distance of float32, and of each other; the training step
-must give a finite loss and a gradient norm within 10% of float32's.
+within twice that distance of float32, and of each other.
+
+The training step (float32 master weights, bf16 autocast) is on-policy: its
+old logprobs are the float32 policy's, so ratios are ~1 as in PPO/GRPO. Its
+gradient norm must be within 5% of the float32 reference backend's, every
+parameter's gradient norm within 10%, and every parameter's gradient as close
+to float32 as twice the reference backend's own mixed-precision step is.
+(An earlier version took the synthetic generation logprobs as the old policy:
+ratios ~1e-5, so the gradient was carried by the few tokens with the largest
+logprob, weighted by exp(logprob), and bf16 noise on them moved the norm by
+up to 2x while every parameter moved by the same factor. That off-policy step
+is still run and printed under "off_policy", for both backends, as a check of
+that explanation: its norms should move together with ratio_max.)
 
     python -m pytest -q tests/gpu/test_gpu_megatron_tp.py -s     # needs 2 GPUs, megatron-core
 """
@@ -62,9 +73,20 @@ def test_tp2_equals_tp1_within_bf16_noise(tmp_path):
     d = np.abs(tp2 - tp1)
     report["tp2_vs_tp1"] = [d.mean(), d.max()]
     assert d.mean() <= 2 * noise_mean and d.max() <= 2 * noise_max + 0.05, report
-    for r in (one, two):
+    report["off_policy"] = {"tp1": one["off_policy"], "tp2": two["off_policy"]}
+    report["grad_norm"] = {"tp1": one["grad_norm"], "tp2": two["grad_norm"],
+                           "reference_float32": one["reference_grad_norm"],
+                           "reference_mixed": one["reference_mixed_grad_norm"]}
+    report["grad_norm_ratio_vs_f32"] = {"tp1": one["grad_norm_ratio"], "tp2": two["grad_norm_ratio"],
+                                        "reference_mixed": one["reference_mixed_grad_norm_ratio"]}
+    report["forward_seconds"] = [one["forward_seconds"], two["forward_seconds"]]
+    print(json.dumps(report, indent=1))
+    noise = max(one["reference_mixed_grad_rel_err"].values())
+    for name, r in (("tp1", one), ("tp2", two)):
         assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
-        assert r["grad_norm"] == pytest.approx(one["reference_grad_norm"], rel=0.1), report
-    report.update(grad_norm=[one["grad_norm"], two["grad_norm"], one["reference_grad_norm"]],
-                  forward_seconds=[one["forward_seconds"], two["forward_seconds"]])
-    print(json.dumps(report))
+        assert r["grad_norm"] == pytest.approx(one["reference_grad_norm"], rel=0.05), name
+        ratios = r["grad_norm_ratio"]
+        bad = {n: x for n, x in ratios.items() if not 0.9 <= x <= 1.1}
+        assert not bad, (name, bad)
+        worst = max(r["grad_rel_err"], key=r["grad_rel_err"].get)
+        assert r["grad_rel_err"][worst] <= 2 * noise, (name, worst, r["grad_rel_err"][worst], noise)

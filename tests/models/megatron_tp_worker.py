@@ -5,16 +5,21 @@
 
 For each model directory every rank loads its MCore shard (tensor
 parallelism T, sequence parallelism when T > 1 unless --no-sp), replays the
-same tree bins (logprobs, no grad), then runs one training step on them (float32 weights, compute in --dtype,
-as the Trainer's default mixed precision does).
+same tree bins (logprobs, no grad), then runs one training step on them
+(float32 weights, compute in --dtype, as the Trainer's default mixed
+precision does) with the float32 policy's logprobs as the old ones
+(on-policy), and, as a diagnostic, the same step with the episodes'
+generation logprobs as the old ones (off-policy; see _step).
 With --export DIR each model is exported (HF safetensors, TP shards
 gathered) before training and compared with its checkpoint bit for bit.
 Rank 0 writes, per model: the megatron logprobs, the reference backend's
 logprobs in float32 and in --dtype (the bf16 noise bound), whether all TP
-ranks agreed bit for bit, the loss, the gradient norm, and per parameter the
-largest gradient difference to the float32 reference backend's gradients
-(mapped to MCore names) relative to that gradient's largest entry. The
-callers (tests/models/test_megatron_tp.py on CPU over gloo,
+ranks agreed bit for bit, the loss, the gradient norm and the largest ratio,
+and per parameter the largest gradient difference to the float32 reference
+backend's gradients (mapped to MCore names) relative to that gradient's
+largest entry and the ratio of the gradient norms; with --dtype other than
+float32 the same for the reference backend's own mixed-precision step.
+The callers (tests/models/test_megatron_tp.py on CPU over gloo,
 tests/gpu/test_gpu_megatron_tp.py on two GPUs over NCCL) decide the tolerances.
 """
 
@@ -65,11 +70,49 @@ def _grads_full(backend) -> dict[str, torch.Tensor]:
     return unshard(parts)
 
 
+def _step(backend, path, dtype, eps, bins, loss, args, *, old, finish):
+    """One training step's loss, gradient norm, full gradients and stats on fresh gradients.
+
+    old=None takes the episodes' generation logprobs as the old policy. The synthetic ones
+    are ~ -0.4 while a random 32k-vocabulary model gives ~ -12, so every ratio is ~ 1e-5 and
+    the gradient is carried by the few tokens with the largest logprob, scaled by
+    exp(logprob): bfloat16 noise of a few tenths of a nat on them moves the gradient norm by
+    tens of percent. It is reported as a diagnostic only; the checked step is on-policy.
+    finish=False measures the norm and aborts the step (the weights do not move).
+    """
+    from treeflow.stages import Forward, Reduce
+    from treeflow.train import Trainer
+
+    model = backend if backend.name == "megatron" else backend.module
+    trainer = Trainer(Forward(model=path, backend=backend.name, dtype=dtype,
+                              kernel=args.train_kernel, chunk_size=64),
+                      Reduce(loss=loss, max_grad_norm=1e9), model=model, device=args.device)
+    step = trainer.open_step(eps, old_logprobs=old)
+    step.add(bins)
+    grads = (_grads_full(backend) if backend.name == "megatron" else
+             {n: p.grad.detach().float().clone() for n, p in backend.named_parameters()})
+    stats = dict(step.stats)
+    if finish:
+        norm = step.finish().to_pylist()[0]["grad_norm"]
+    else:
+        norm = backend.clip_grad_norm(None)
+        step.abort()
+    return step.loss_sum, norm, grads, stats
+
+
+def _rel_err(grads, ref) -> dict[str, float]:
+    """Per parameter: largest entry difference relative to the reference's largest entry."""
+    return {n: float((grads[n] - ref[n].float()).abs().max() / ref[n].abs().max()) for n in ref}
+
+
+def _norm_ratio(grads, ref) -> dict[str, float]:
+    return {n: float(grads[n].norm() / ref[n].float().norm()) for n in ref}
+
+
 def run_model(path: str, args) -> dict:
     from treeflow.models import load_backend
     from treeflow.models.megatron import hf_to_mcore
-    from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce
-    from treeflow.train import Trainer
+    from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     device = torch.device(args.device)
@@ -110,41 +153,55 @@ def run_model(path: str, args) -> dict:
                             and all(torch.equal(exported[k], original[k]) for k in original))
 
     loss = Loss(kind="pg", norm="seq-mean", clip_low=0.2, clip_high=0.28)
-    # training as the Trainer does by default: float32 weights, compute in --dtype (autocast)
-    del meg
-    meg = load_backend("megatron", path, dtype=torch.float32, device=device,
-                       tensor_parallel=args.tp, sequence_parallel=not args.no_sp)
-    trainer = Trainer(Forward(model=path, backend="megatron", dtype=args.dtype,
-                              kernel=args.train_kernel, chunk_size=64),
-                      Reduce(loss=loss, max_grad_norm=1e9), model=meg, device=args.device)
-    step = trainer.open_step(eps)
-    step.add(bins)
-    meg_loss = step.loss_sum
-    grads = _grads_full(meg)
-    grad_norm = step.finish().to_pylist()[0]["grad_norm"]
+    # old logprobs from a logprob phase of the float32 policy (every rank computes them), so
+    # the step is on-policy (ratios ~ 1) as in PPO/GRPO; see _step for why this matters
+    ref32 = load_backend("reference", path, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        on_policy = Reassemble()(Forward(model=path, kernel=args.kernel, chunk_size=64).build(
+            device=args.device, model=ref32.module)(bins), episodes=eps)
 
+    def fresh():
+        return load_backend("megatron", path, dtype=torch.float32, device=device,
+                            tensor_parallel=args.tp, sequence_parallel=not args.no_sp)
+
+    # training as the Trainer does by default: float32 weights, compute in --dtype (autocast);
+    # first the off-policy diagnostic (gradients discarded), then the step that is checked
+    del meg
+    meg = fresh()
+    off = _step(meg, path, args.dtype, eps, bins, loss, args, old=None, finish=False)
+    meg_loss, grad_norm, grads, stats = _step(meg, path, args.dtype, eps, bins, loss, args,
+                                              old=on_policy, finish=True)
     result = {"model": path, "tp": args.tp, "sequence_parallel": meg.sequence_parallel,
               "edges": int(len(lp)), "tokens": int(sum(len(t) for t in bins.column("tokens").to_pylist())),
               "ranks_agree": ranks_agree, "export_equal": export_equal, "forward_seconds": seconds,
-              "logprobs": lp.tolist(), "loss": meg_loss, "grad_norm": grad_norm}
+              "logprobs": lp.tolist(), "loss": meg_loss, "grad_norm": grad_norm,
+              "ratio_max": stats["ratio_max"],
+              "off_policy": {"grad_norm": off[1], "ratio_max": off[3]["ratio_max"]}}
     if dist.get_rank() == 0:  # the reference backend, in one process, on the same bins
-        ref32 = load_backend("reference", path, dtype=torch.float32, device=device)
         result["reference_float32"] = forward(ref32, "float32").tolist()
         if args.dtype != "float32":
             low = load_backend("reference", path, dtype=dtypes[args.dtype], device=device)
             result["reference_low"] = forward(low, args.dtype).tolist()
-        ref_trainer = Trainer(Forward(model=path, kernel=args.train_kernel, chunk_size=64),
-                              Reduce(loss=loss, max_grad_norm=1e9), model=ref32.module,
-                              device=args.device)
-        ref_step = ref_trainer.open_step(eps)
-        ref_step.add(bins)
-        ref_grads = hf_to_mcore({n: p.grad.detach() for n, p in ref32.named_parameters()},
-                                ref32.config)
-        result["reference_loss"] = ref_step.loss_sum
-        result["reference_grad_norm"] = ref_step.finish().to_pylist()[0]["grad_norm"]
-        result["grad_rel_err"] = {
-            n: float((grads[n] - ref_grads[n].float()).abs().max() / ref_grads[n].abs().max())
-            for n in ref_grads}
+        runs = {"float32": "float32"} if args.dtype == "float32" else {
+            "float32": "float32", "mixed": args.dtype}
+        for tag, dtype in runs.items():
+            ref = load_backend("reference", path, dtype=torch.float32, device=device)
+            r_off = _step(ref, path, dtype, eps, bins, loss, args, old=None, finish=False)
+            r_loss, r_norm, r_grads, r_stats = _step(ref, path, dtype, eps, bins, loss, args,
+                                                     old=on_policy, finish=False)
+            r_grads = hf_to_mcore(r_grads, ref.config)
+            suffix = "" if tag == "float32" else "_mixed"
+            result[f"reference{suffix}_loss"] = r_loss
+            result[f"reference{suffix}_grad_norm"] = r_norm
+            result[f"reference{suffix}_ratio_max"] = r_stats["ratio_max"]
+            result["off_policy"][f"reference{suffix}_grad_norm"] = r_off[1]
+            result["off_policy"][f"reference{suffix}_ratio_max"] = r_off[3]["ratio_max"]
+            if tag == "float32":
+                ref_grads = r_grads
+            result[f"reference{suffix}_grad_rel_err"] = _rel_err(r_grads, ref_grads)
+            result[f"reference{suffix}_grad_norm_ratio"] = _norm_ratio(r_grads, ref_grads)
+        result["grad_rel_err"] = _rel_err(grads, ref_grads)
+        result["grad_norm_ratio"] = _norm_ratio(grads, ref_grads)
     return result
 
 
