@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 import pyarrow as pa
 
 from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_convert import add_convert_parser
+from treeflow.cli_parallel import check_tensor_parallel_options, rank_of, start_ranks, torchrun_world
 from treeflow.cli_train import add_train_options, cmd_train
 
 
@@ -170,6 +172,19 @@ def cmd_replay(args) -> int:
         return cmd_train(args)
     if args.output is None:
         raise ValueError("--mode logprobs needs -o OUT.arrow (or OUT.parquet) for the results")
+    check_tensor_parallel_options(args, train=False)
+    if args.tensor_parallel > 1 and torchrun_world() is None:
+        start_ranks(_replay_rank, args.tensor_parallel, args)
+        return 0
+    return _replay(args)
+
+
+def _replay_rank(args) -> None:
+    _replay(args)
+
+
+def _replay(args) -> int:
+    """Logprobs mode; under tensor parallelism one of its processes (the first one writes)."""
     import resource
 
     import torch
@@ -182,22 +197,34 @@ def cmd_replay(args) -> int:
 
     _positive(args, "max_tokens", "window", "chunk_size", "ranks", "prefetch")
     check_device(args.device)
+    lead, device = True, args.device
+    if args.tensor_parallel > 1:  # one of the processes that hold a share of the model
+        from treeflow.train.distributed import rank_device
+
+        lead = rank_of() == 0
+        device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank_of())))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+    quiet = args.json or args.quiet or not lead
     sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
                 compile_seconds=0.0)
     t0 = time.perf_counter()
-    with table_output(args.output, args.files, what="logprobs") as out:
+    output = (table_output(args.output, args.files, what="logprobs") if lead
+              else nullcontext(_Discard()))
+    with output as out:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
-                          kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size)
+                          kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
+                          tensor_parallel=args.tensor_parallel)
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
                         Reassemble(entropy=args.entropy))
         source = Files(paths=tuple(args.files), window=args.window,
                        vocab_size=forward.vocab_size_hint())
-        if args.device.startswith("cuda"):
+        if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        with _progress("replay", _count_rows(args.files), args.json or args.quiet) as advance:
-            for rec in pipe.run(source, device=args.device, engine=args.engine, ranks=args.ranks,
+        with _progress("replay", _count_rows(args.files), quiet) as advance:
+            for rec in pipe.run(source, device=device, engine=args.engine, ranks=args.ranks,
                                 prefetch=args.prefetch):
                 out.write(rec.output)
                 add_sums(sums, rec.stats)
@@ -215,8 +242,12 @@ def cmd_replay(args) -> int:
             sums[k] = round(sums[k], 3)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
-    if args.device.startswith("cuda"):
+    if device.startswith("cuda"):
         sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if not lead:
+        return 0
+    if args.tensor_parallel > 1:
+        sums["tensor_parallel"] = args.tensor_parallel
     if args.json:
         print(json.dumps(sums))
     elif not args.quiet:
@@ -225,6 +256,14 @@ def cmd_replay(args) -> int:
                                 list(sums.items())))
         _console().print(f"logprobs written to {args.output}")
     return 0
+
+
+class _Discard:
+    """The output of a tensor-parallel process other than the first: every one computes the
+    same results, one writes them."""
+
+    def write(self, table) -> None:
+        pass
 
 
 def _positive(args, *names) -> None:
@@ -272,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
                    help="model backend: treeflow's PyTorch decoder or megatron-core's GPTModel "
                         "(pip install 'treeflow[megatron]')")
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="split the model over T processes (--backend megatron; one GPU each "
+                        "with --device cuda); in training, T x --ranks processes")
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
     s.add_argument("--max-tokens", type=int, default=16384)

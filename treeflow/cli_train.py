@@ -9,6 +9,8 @@ weights of an uninterrupted run, or refuses (another data file, other step
 options, a torn checkpoint with no complete one before it). Checkpoint
 safety lives in treeflow/train/checkpoint.py.
 
+`--tensor-parallel T` splits the megatron backend over T processes per data-parallel rank
+(treeflow/cli_parallel.py says how and what it refuses).
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
 group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
@@ -99,7 +101,10 @@ def cmd_train(args) -> int:
         raise ValueError(f"--ranks {args.ranks}: give 1 or more")
     from treeflow.cli import check_device
 
+    from treeflow.cli_parallel import check_tensor_parallel_options, start_ranks, torchrun_world
+
     _check_options(args)
+    check_tensor_parallel_options(args, train=True)
     check_device(args.device)
     if args.save and not args.resume and os.path.isdir(args.save) and \
             (os.path.exists(os.path.join(args.save, LATEST)) or
@@ -108,12 +113,15 @@ def cmd_train(args) -> int:
                          f"{args.save} to continue it, or give an empty directory")
     if args.engine == "ray":
         return _train_ray(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        world = int(os.environ["WORLD_SIZE"])
-        if args.ranks not in (1, world):
+    world = torchrun_world()
+    if world is not None:  # started by torchrun
+        if args.tensor_parallel == 1 and args.ranks not in (1, world):
             raise ValueError(f"--ranks {args.ranks} but torchrun started {world} processes; "
                              "give the same number to both")
         return _train(args, distributed=True)
+    if args.tensor_parallel > 1:
+        start_ranks(_train_rank, args.ranks * args.tensor_parallel, args)
+        return 0
     if args.ranks > 1 or args.launcher == "ray":
         from treeflow.train import ray_ranks, spawn
 
@@ -138,7 +146,8 @@ def _stages(args):
     from treeflow.train.checkpoint import model_dir
 
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
-                      kernel=args.kernel, chunk_size=args.chunk_size)
+                      kernel=args.kernel, chunk_size=args.chunk_size,
+                      tensor_parallel=args.tensor_parallel)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
@@ -155,6 +164,13 @@ def _train(args, *, distributed: bool) -> int:
 
     dp = DataParallel.from_env(args.device) if distributed else DataParallel(device=args.device)
     lead = dp.rank == 0
+    if args.tensor_parallel > 1:  # the data-parallel ranks are the tensor-parallel groups
+        from treeflow.models import tensor_parallel_layout
+
+        tp_rank, rank, world, group = tensor_parallel_layout(args.backend, args.tensor_parallel,
+                                                             dp.device)
+        dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
+        lead = rank == 0 and tp_rank == 0
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
     shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()

@@ -2,7 +2,8 @@
 request) and tree-attention kernels."""
 
 from treeflow.models.attention import KERNELS, AttentionPlan, Capabilities
-from treeflow.models.backend import BACKENDS, Backend, ReferenceBackend, load_backend
+from treeflow.models.backend import (BACKENDS, Backend, ReferenceBackend, check_tensor_parallel,
+                                     load_backend, tensor_parallel_layout)
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
@@ -12,7 +13,9 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "ReferenceBackend",
+    "check_tensor_parallel",
     "load_backend",
+    "tensor_parallel_layout",
     "KERNELS",
     "AttentionPlan",
     "Capabilities",

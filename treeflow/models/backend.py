@@ -34,7 +34,8 @@ from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.logprobs import selected_logprobs
 
-__all__ = ["BACKENDS", "Backend", "ReferenceBackend", "load_backend"]
+__all__ = ["BACKENDS", "Backend", "ReferenceBackend", "check_tensor_parallel", "load_backend",
+           "tensor_parallel_layout"]
 
 BACKENDS = ("reference", "megatron")
 
@@ -137,3 +138,30 @@ def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,
 
         return MegatronBackend.load(model, dtype=dtype, device=device, **options)
     raise ValueError(f"unknown model backend {name!r}; use one of {BACKENDS}")
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
+    """Refuse a tensor-parallel size the model's shape cannot be split by (names the field)."""
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor parallelism {tensor_parallel!r}: give an int >= 1")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, field)
+        if value % tensor_parallel:
+            raise ValueError(f"tensor parallelism {tensor_parallel} does not divide the model's "
+                             f"{field} ({value}): every rank needs an equal share; use a "
+                             f"divisor of {value}")
+
+
+def tensor_parallel_layout(name: str, tensor_parallel: int,
+                           device: torch.device | str) -> tuple[int, int, int, object]:
+    """Set up backend `name`'s model-parallel groups in this process (its process group exists).
+
+    Returns (tensor-parallel rank, data-parallel rank, data-parallel size, data-parallel
+    group): the ranks of one tensor-parallel group run the same bins, and gradients are
+    summed over the data-parallel group.
+    """
+    if name != "megatron":
+        raise ValueError(f"tensor parallelism needs the megatron backend, not {name!r}")
+    from treeflow.models.megatron.backend import data_parallel_layout
+
+    return data_parallel_layout(tensor_parallel, torch.device(device))

@@ -45,6 +45,8 @@ class Forward(Stage):
     model: "tiny" (built-in seeded model) or a local Hugging Face checkpoint dir.
     backend: "reference" (treeflow's PyTorch decoder) or "megatron" (megatron-core GPTModel).
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
+    tensor_parallel: split the model over this many processes (megatron only; every one of
+        them runs this stage on the same bins, each with its shard of the model).
     The device is not configuration: the engine passes it to `build`.
     """
 
@@ -58,6 +60,7 @@ class Forward(Stage):
     kernel: str = "auto"
     chunk_size: int = 1024
     entropy: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         from treeflow.models import BACKENDS
@@ -70,6 +73,12 @@ class Forward(Stage):
             raise ValueError(f"Forward(kernel={self.kernel!r}): choose auto, dense, flex, causal or runs")
         if self.chunk_size < 1:
             raise ValueError(f"Forward(chunk_size={self.chunk_size}): give an int >= 1")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"Forward(tensor_parallel={self.tensor_parallel!r}): give an int >= 1")
+        if self.tensor_parallel > 1 and self.backend != "megatron":
+            raise ValueError(f"Forward(tensor_parallel={self.tensor_parallel}) needs "
+                             f"backend='megatron'; the {self.backend!r} backend runs whole on "
+                             "one device (use data-parallel ranks instead)")
 
     def produces(self) -> set[str]:
         """Per-edge values this forward gives (losses are checked against it)."""
@@ -96,8 +105,9 @@ class Forward(Stage):
 
         device = resolve_device(device)
         if model is None:
+            options = {"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {}
             backend = load_backend(self.backend, self.model, dtype=DTYPES[self.dtype],
-                                   device=device)
+                                   device=device, **options)
         elif isinstance(model, Decoder):
             backend = ReferenceBackend(model)
         elif isinstance(model, Backend):

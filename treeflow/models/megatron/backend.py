@@ -54,6 +54,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from treeflow.models.attention import AttentionPlan
+from treeflow.models.backend import check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
 from treeflow.models.megatron.convert import hf_to_mcore, mcore_to_hf, shard, unshard
@@ -136,6 +137,7 @@ class MegatronBackend:
         init_parallel(tensor_parallel, device)
         reference = load_model(source, dtype=torch.float32, device="cpu")  # HF names, checked
         config = reference.config
+        check_tensor_parallel(config, tensor_parallel)
         full = hf_to_mcore(reference.state_dict(), config)
         del reference
         part = shard(full, parallel_state.get_tensor_model_parallel_rank(), tensor_parallel)
@@ -289,6 +291,14 @@ def init_parallel(tensor_parallel: int, device: torch.device) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     if device.type == "cuda":
         _seed_cuda_rng_tracker()
+
+
+def data_parallel_layout(tensor_parallel: int, device: torch.device) -> tuple[int, int, int, object]:
+    """MCore's groups for this process: (TP rank, DP rank, DP size, DP group); see init_parallel."""
+    init_parallel(tensor_parallel, device)
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_data_parallel_group())
 
 
 def _seed_cuda_rng_tracker() -> None:

@@ -1,0 +1,98 @@
+"""`treeflow replay --tensor-parallel T`: the megatron backend split over T processes.
+
+Tensor parallelism splits every weight of the model over T processes that run
+the same bins in lockstep (megatron-core's process groups; NCCL on GPUs, one
+GPU each, gloo on CPU). The CLI starts them the way it starts data-parallel
+ranks (treeflow.train.spawn, or torchrun's environment when it launched them).
+In training, `--ranks D --tensor-parallel T` runs D x T processes: D
+data-parallel replicas, each one split over T consecutive processes (the
+tensor-parallel group); Shard plans D ranks, gradients are summed over the
+data-parallel group, and clipping counts every shard once (the backend's
+`clip_grad_norm`). In logprobs mode the T processes form one replica, and
+the first one writes the output and prints.
+
+What is refused, and why: tensor parallelism with the reference backend (it
+runs whole on one device); a T that does not divide the attention heads, the
+key/value groups, the MLP width or the vocabulary (every rank needs an equal
+share); the Ray engine and launcher (one process per rank here); FSDP's
+--shard-params (MCore shards the weights itself); checkpoints (--save,
+--resume: the AdamW state is sharded over the TP ranks and the checkpoint
+format holds one full copy; export the weights instead); and in logprobs mode
+--ranks > 1 (that option sizes the Ray engine's forward actors).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["check_tensor_parallel_options", "rank_of", "start_ranks", "torchrun_world"]
+
+
+def torchrun_world() -> int | None:
+    """The world size when torchrun (or treeflow's spawn) started this process, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def rank_of() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def check_tensor_parallel_options(args, *, train: bool) -> None:
+    """Refuse what --tensor-parallel cannot run with, before any process is started."""
+    tp = args.tensor_parallel
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel {tp}: give 1 or more processes")
+    if tp == 1:
+        return
+    if args.backend != "megatron":
+        raise ValueError(f"--tensor-parallel {tp} needs --backend megatron: the {args.backend} "
+                         "backend runs whole on one device (use --ranks for data parallelism)")
+    if args.engine == "ray":
+        raise ValueError(f"--tensor-parallel {tp} runs with --engine local only (each "
+                         "tensor-parallel rank is a process of its own)")
+    if train:
+        if args.launcher == "ray":
+            raise ValueError(f"--tensor-parallel {tp} starts its processes with --launcher spawn "
+                             "or under torchrun, not as a Ray actor group")
+        if args.shard_params:
+            raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
+                             "megatron-core shards the weights itself; drop --shard-params")
+        for option in ("save", "resume"):
+            if getattr(args, option):
+                raise ValueError(f"--{option} with --tensor-parallel {tp} is not supported yet: the "
+                                 "AdamW state is split over the tensor-parallel ranks and the "
+                                 "checkpoint holds one full copy; train with --tensor-parallel 1 "
+                                 "to checkpoint")
+    elif args.ranks > 1:
+        raise ValueError(f"--ranks {args.ranks} with --tensor-parallel {tp} in logprobs mode: "
+                         "--ranks sizes the Ray engine's forward actors; give --ranks 1")
+    from treeflow.models import ModelConfig, check_tensor_parallel
+    from treeflow.train.checkpoint import model_dir
+
+    config = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.from_hf_dir(
+        model_dir(args.model))
+    check_tensor_parallel(config, tp)
+    processes = tp * (args.ranks if train else 1)
+    world = torchrun_world()
+    if world is not None and world != processes:
+        raise ValueError(f"torchrun started {world} processes but --tensor-parallel {tp}"
+                         + (f" x --ranks {args.ranks}" if train else "")
+                         + f" needs {processes}; give matching numbers")
+    if world is None and args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < processes:
+            raise ValueError(f"--tensor-parallel {tp} needs {processes} GPUs (one per process), "
+                             f"this host has {torch.cuda.device_count()}")
+
+
+def start_ranks(fn, processes: int, args) -> None:
+    """Run `fn(args)` in `processes` spawned local processes (torchrun's environment in each)."""
+    from treeflow.train import spawn
+
+    try:
+        spawn(fn, processes, args)
+    except RuntimeError as e:
+        raise ValueError(f"running over {processes} processes failed: {e}") from None
