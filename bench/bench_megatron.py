@@ -10,11 +10,16 @@ forward+backward (loss = -sum of the edges' logprobs) over bins of
 timed passes, median reported as executed tokens per second.
 
     python bench/bench_megatron.py            # TP=1 both backends, then TP=2 (torchrun, 2 GPUs)
+    python bench/bench_megatron.py --tp 2     # only TP=2 (forward and forward+backward)
     python bench/bench_megatron.py --smoke    # tiny model and data, to check the setup
+    python bench/bench_megatron.py --smoke --device cpu --dtype float32   # TP=2 over gloo
 
-The parent process runs TP=1 (reference and megatron) and, when two GPUs are
-visible, launches itself under torchrun for TP=2 (sequence parallel). Prints
-one JSON object; writes $OUT/bench_megatron.json if OUT is set.
+The parent process runs TP=1 (reference and megatron) and launches itself
+under torchrun for each larger TP size in `--tp` (sequence parallel on GPUs;
+skipped with a note when fewer GPUs are visible). A TP=T run's tokens/s is
+that of its T GPUs together; `tokens_per_s_per_device` divides by T, and `tp_scaling` gives
+TP=T's rate over TP=1's for each mode. Prints one JSON object; writes
+$OUT/bench_megatron.json if OUT is set.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def _time(fn, repeats, device):
     return statistics.median(times)
 
 
-def bench_backend(backend, args, fwd_rows, train_rows) -> dict:
+def bench_backend(backend, args, fwd_rows, train_rows, devices: int = 1) -> dict:
     cuda = args.device == "cuda"
     runner = Forward(model="tiny", backend=backend.name, dtype=args.dtype,
                      kernel="flex" if cuda else "runs", chunk_size=args.chunk_size
@@ -109,7 +114,8 @@ def bench_backend(backend, args, fwd_rows, train_rows) -> dict:
         seconds = _time(fn, args.repeats, args.device)
         tokens = sum(len(r[0]) for r in rows)
         out[mode] = {"bins": len(rows), "tokens": tokens, "seconds": round(seconds, 4),
-                     "tokens_per_s": round(tokens / seconds)}
+                     "tokens_per_s": round(tokens / seconds), "devices": devices,
+                     "tokens_per_s_per_device": round(tokens / seconds / devices)}
         if cuda:
             out[mode]["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
     return out
@@ -128,8 +134,23 @@ def run(args, tp: int) -> dict:
             torch.cuda.empty_cache()
     meg = load_backend("megatron", config, dtype=DTYPES[args.dtype], device=args.device,
                        tensor_parallel=tp)
-    result[f"megatron_tp{tp}"] = bench_backend(meg, args, fwd_rows, train_rows)
+    result[f"megatron_tp{tp}"] = bench_backend(meg, args, fwd_rows, train_rows, devices=tp)
     return result
+
+
+def _without(argv: list[str], drop: dict[str, int]) -> list[str]:
+    """argv without the options in `drop` (name -> how many values follow it)."""
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop:
+            skip = drop[name] if "=" not in a else 0
+            continue
+        out.append(a)
+    return out
 
 
 def main() -> None:
@@ -142,7 +163,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-size", type=int, default=4096, help="edges per vocab chunk")
     ap.add_argument("--no-train", action="store_true", help="skip forward+backward")
-    ap.add_argument("--no-tp2", action="store_true", help="skip the TP=2 run")
+    ap.add_argument("--no-tp2", action="store_true", help="skip TP > 1 (same as --tp 1)")
+    ap.add_argument("--tp", default="1,2",
+                    help="tensor-parallel sizes to run, comma-separated (1 includes the reference)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and data, to check the setup")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script (--smoke)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
@@ -168,27 +191,39 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")}}
     t0 = time.perf_counter()
-    result.update(run(args, 1))
-    if (torch.cuda.device_count() >= 2 or not cuda) and not args.no_tp2:
+    sizes = sorted({int(x) for x in args.tp.split(",")})
+    if args.no_tp2:
+        sizes = [1]
+    if 1 in sizes:
+        result.update(run(args, 1))
+    for tp in (t for t in sizes if t > 1):
+        key = f"megatron_tp{tp}"
+        if cuda and torch.cuda.device_count() < tp:
+            result[key] = {"skipped": f"needs {tp} GPUs, {torch.cuda.device_count()} visible"}
+            continue
         with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "tp2.json")
-            passthrough = [a for a in sys.argv[1:] if a != "--no-tp2"]
+            out = os.path.join(tmp, f"tp{tp}.json")
+            passthrough = _without(sys.argv[1:], {"--no-tp2": 0, "--tp": 1})
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", os.path.abspath(__file__), *passthrough,
-                   "--worker-tp", "2", "--worker-out", out]
+                   "--nproc-per-node", str(tp), os.path.abspath(__file__), *passthrough,
+                   "--worker-tp", str(tp), "--worker-out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
-                result["megatron_tp2"] = {"error": proc.stderr[-4000:]}
+                result[key] = {"error": proc.stderr[-4000:]}
             else:
                 with open(out) as f:
                     result.update(json.load(f))
     result["wall_seconds"] = round(time.perf_counter() - t0, 1)
     for mode in ("forward", "forward_backward"):
         base = result.get("reference", {}).get(mode, {}).get("tokens_per_s")
-        for key in ("megatron_tp1", "megatron_tp2"):
+        one = result.get("megatron_tp1", {}).get(mode, {}).get("tokens_per_s")
+        for tp in sizes:
+            key = f"megatron_tp{tp}"
             rate = result.get(key, {}).get(mode, {}).get("tokens_per_s")
             if base and rate:
                 result.setdefault("speedup_vs_reference", {})[f"{key}_{mode}"] = round(rate / base, 3)
+            if tp > 1 and one and rate:
+                result.setdefault("tp_scaling", {})[f"tp{tp}_{mode}"] = round(rate / one, 3)
     print(json.dumps(result, indent=1, default=float))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_megatron.json"), "w") as f:
