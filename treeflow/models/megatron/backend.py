@@ -174,12 +174,6 @@ class MegatronBackend:
         if not 0 <= p - n < (self.tp if self.sequence_parallel else 1):
             raise ValueError(f"attention plan is for {p} tokens, got {n}; make it with this "
                              "backend's attention_plan")
-        if (self.device.type == "cpu" and torch.is_grad_enabled()
-                and torch.is_autocast_enabled("cpu")):
-            raise ValueError("megatron-core's linear layers run their backward under CUDA autocast "
-                             "only (custom_bwd with device_type='cuda'), so CPU autocast training "
-                             "fails in backward; on CPU train in float32 (--dtype float32) or with "
-                             "--precision pure")
         tokens_P = F.pad(tokens_N, (0, p - n))
         positions_P = F.pad(positions_N, (0, p - n))
         model = self.module

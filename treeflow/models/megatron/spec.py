@@ -14,6 +14,16 @@ MCore's local (pure PyTorch) spec, because Transformer Engine cannot be
 installed here; a TE spec (`get_gpt_layer_with_transformer_engine_spec` with
 this core attention) would slot in at this one function.
 
+The spec's linears are MCore's Column/RowParallelLinear with one override for
+CPU autocast (mixed precision: float32 weights, bfloat16 compute). MCore's
+linear autograd function restores only *CUDA* autocast in its backward, so
+under CPU autocast the forward's matmul runs in bfloat16 but the backward
+multiplies a bfloat16 gradient by the float32 weight and fails. The override
+casts the input, weight and bias to the autocast dtype before MCore's
+function (differentiable casts: the float32 weight receives a float32
+gradient), which is what autocast would have done inside it; on CUDA
+nothing changes.
+
 Legend: S tokens (sequence), B batch (always 1: a bin is one token stream),
 Q query heads and K key/value groups of this rank, D head dim.
 """
@@ -25,6 +35,7 @@ import math
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -33,7 +44,30 @@ from megatron.core.utils import divide
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.decoder import RMSNorm
 
-__all__ = ["TreeCoreAttention", "TreeRMSNorm", "tree_block_spec", "tree_layer_spec"]
+__all__ = ["TreeColumnParallelLinear", "TreeCoreAttention", "TreeRMSNorm", "TreeRowParallelLinear",
+           "tree_block_spec", "tree_layer_spec"]
+
+
+class _CpuAutocast:
+    """Cast a linear's operands to the CPU autocast dtype before MCore's autograd function."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            input, weight = input.to(dtype), weight.to(dtype)
+            if kwargs.get("bias") is not None:
+                kwargs["bias"] = kwargs["bias"].to(dtype)
+            elif args and args[0] is not None:
+                args = (args[0].to(dtype), *args[1:])
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class TreeColumnParallelLinear(_CpuAutocast, ColumnParallelLinear):
+    """MCore's ColumnParallelLinear that also trains under CPU autocast (see the module doc)."""
+
+
+class TreeRowParallelLinear(_CpuAutocast, RowParallelLinear):
+    """MCore's RowParallelLinear that also trains under CPU autocast (see the module doc)."""
 
 
 class TreeRMSNorm(RMSNorm):
@@ -115,12 +149,19 @@ class TreeCoreAttention(MegatronModule):
 def tree_layer_spec() -> ModuleSpec:
     """MCore's local GPT layer (fused QKV, SwiGLU MLP) with tree core attention and TreeRMSNorm."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    attention = spec.submodules.self_attention
-    attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules,
-                                                  core_attention=TreeCoreAttention))
+    attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
+    if (attention.submodules.linear_qkv, attention.submodules.linear_proj,
+            mlp.submodules.linear_fc1, mlp.submodules.linear_fc2) != (
+            ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear):
+        raise ValueError("this megatron-core's local GPT spec no longer uses Column/RowParallelLinear "
+                         "for QKV, projection and MLP; treeflow's spec needs updating for it")
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=TreeCoreAttention,
+        linear_qkv=TreeColumnParallelLinear, linear_proj=TreeRowParallelLinear))
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
+        mlp.submodules, linear_fc1=TreeColumnParallelLinear, linear_fc2=TreeRowParallelLinear))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, self_attention=attention, input_layernorm=TreeRMSNorm,
+        spec.submodules, self_attention=attention, mlp=mlp, input_layernorm=TreeRMSNorm,
         pre_mlp_layernorm=TreeRMSNorm))
 
 
