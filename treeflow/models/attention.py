@@ -151,7 +151,7 @@ class AttentionPlan:
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
-            self._cu_seqlens = torch.from_numpy(starts.astype(np.int32)).to(self.device)
+            (self._cu_seqlens,) = _to_device([starts.astype(np.int32)], self.device)
             self._max_len = int(np.diff(starts).max(initial=0))
 
     def __repr__(self) -> str:
@@ -301,19 +301,45 @@ def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.d
         kb_1B, qb_B1 = np.arange(blocks)[None, :], np.arange(blocks)[:, None]
         full_BB = (kb_1B < qb_B1) & (end_BK.min(1)[None, :] >= q0_B1 + block_size)
         partial_BB = (kb_1B <= qb_B1) & (end_BK.max(1)[None, :] > q0_B1) & ~full_BB
-        end_t = torch.from_numpy(end_L).to(device)
+        # all nine tables in one host buffer and one copy; the query-side (transposed) tables,
+        # which backward reads, from numpy too: BlockMask.from_kv_blocks would derive them with
+        # vmapped torch ops, Python-heavy work that competes with kernel launches for the GIL
+        parts = (end_L, *_tables(partial_BB), *_tables(full_BB), *_tables(partial_BB.T),
+                 *_tables(full_BB.T))
+        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = _to_device(parts, device)
 
         def mask_mod(b, h, q, kv):
             return (kv <= q) & (q < end_t[kv])
 
-        def tables(m_BB):  # [Q blocks, KV blocks] bool -> counts [1,1,B], indices [1,1,B,B]
-            order = np.argsort(~m_BB, axis=1, kind="stable").astype(np.int32)
-            count = m_BB.sum(1).astype(np.int32)
-            return (torch.from_numpy(count)[None, None].to(device),
-                    torch.from_numpy(order)[None, None].to(device))
-
-        return BlockMask.from_kv_blocks(*tables(partial_BB), *tables(full_BB),
-                                        BLOCK_SIZE=block_size, mask_mod=mask_mod,
-                                        seq_lengths=(padded, padded))
+        return BlockMask(seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
+                         full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n,
+                         q_indices=q_i, full_q_num_blocks=fq_n, full_q_indices=fq_i,
+                         BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)
 
     return _BLOCK_MASKS.get_or_make(key, make)
+
+
+def _tables(m_BB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, cols] bool blocks -> counts [1, 1, rows] and indices [1, 1, rows, cols] (int32).
+
+    Per row, the visible blocks' columns in increasing order, then the others: the order of
+    torch's own `argsort(descending=True, stable=True)`, so tables match BlockMask's.
+    """
+    order = np.argsort(~m_BB, axis=1, kind="stable").astype(np.int32)
+    return m_BB.sum(1).astype(np.int32)[None, None], order[None, None]
+
+
+def _to_device(arrays, device: torch.device) -> list[torch.Tensor]:
+    """int32 arrays as tensors on `device`: on CUDA one pinned buffer, one asynchronous copy.
+
+    The copy runs on the current stream (an engine's copy stream when it prepares bins
+    ahead); the caching host allocator keeps the pinned buffer until the copy has run.
+    """
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    starts = np.cumsum([0] + [-(-a.size // 16) * 16 for a in arrays])  # 64-byte aligned views
+    flat = np.zeros(starts[-1], dtype=np.int32)
+    for a, at in zip(arrays, starts):
+        flat[at:at + a.size] = a.ravel()
+    dev = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
+    return [dev[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
