@@ -28,12 +28,18 @@ def depths_from_parents(parents_N: np.ndarray) -> np.ndarray:
 def subtree_end(depths_N: np.ndarray) -> np.ndarray:
     """`end[i]` = first j > i with depth[j] <= depth[i] (or N): node i's subtree is [i, end[i]).
 
-    Binary lifting over a sparse table of range minima: O(N log N), vectorised.
+    Binary lifting over a sparse table of range minima: O(N log N), vectorised;
+    O(N) for a forest of chains (every node a root or its predecessor's only child).
     """
     depths_N = np.asarray(depths_N, dtype=np.int64)
     n = len(depths_N)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    roots = depths_N[1:] == 0
+    if depths_N.min() >= 0 and np.all(roots | (depths_N[1:] == depths_N[:-1] + 1)):
+        # chains: every subtree runs to the next root (depth 0 <= any depth)
+        starts = np.concatenate(([0], np.flatnonzero(roots) + 1, [n]))
+        return np.repeat(starts[1:], np.diff(starts))
     # table[k][i] = min(depth[i : i + 2**k]) (clipped at N with +inf)
     big = np.iinfo(np.int64).max
     table = [depths_N]

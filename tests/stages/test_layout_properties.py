@@ -187,6 +187,20 @@ def test_subtree_end_matches_definition(raw):
         assert end[i] == j
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(0, 3))
+def test_subtree_end_of_chains_matches_definition(lengths, first_depth):
+    # a forest of chains (the O(N) path), possibly starting below the root as a fragment may
+    depth = np.concatenate([np.arange(n) + (first_depth if k == 0 else 0)
+                            for k, n in enumerate(lengths)])
+    end = subtree_end(depth)
+    for i in range(len(depth)):
+        j = i + 1
+        while j < len(depth) and depth[j] > depth[i]:
+            j += 1
+        assert end[i] == j
+
+
 def test_group_and_episode_ids_never_merge_and_group_scope_without_groups_warns():
     import pyarrow as pa
     from treeflow.schemas import validate_episodes
