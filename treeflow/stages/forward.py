@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
+from treeflow.stages._flat import list_offsets
 from treeflow.stages.base import Stage
 from treeflow.stages.runner import ForwardRunner
 
@@ -126,18 +127,27 @@ class Forward(Stage):
 
 
 def edge_values_table(bins: pa.Table, logprobs: list[np.ndarray], entropies) -> pa.Table:
-    counts = np.array([len(x) for x in logprobs], dtype=np.int64)
-    offs = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    """Edge values of `bins` from per-bin arrays (one per row, in row order)."""
+    def flat(parts):
+        return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
-    def lst(parts):
-        vals = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
-        return pa.ListArray.from_arrays(offs, pa.array(vals, pa.float32()))
+    return edge_values_flat(bins, flat(logprobs), None if entropies is None else flat(entropies))
+
+
+def edge_values_flat(bins: pa.Table, logprobs_E: np.ndarray, entropies_E) -> pa.Table:
+    """Edge values of `bins` from all their edges' values, concatenated in row order."""
+    offs = list_offsets(bins.column("edge_sources"))
+    assert offs[-1] == len(logprobs_E), f"{len(logprobs_E)} edge values for {offs[-1]} edges"
+    offs = pa.array(offs.astype(np.int32))
+
+    def lst(values_E):
+        return pa.ListArray.from_arrays(offs, pa.array(np.asarray(values_E, np.float32), pa.float32()))
 
     cols = {
         "step": bins.column("step"), "bin_id": bins.column("bin_id"),
         "edge_ids": bins.column("edge_ids"),
-        "edge_logprobs": lst(logprobs),
-        "edge_entropies": lst(entropies) if entropies is not None
+        "edge_logprobs": lst(logprobs_E),
+        "edge_entropies": lst(entropies_E) if entropies_E is not None
         else pa.nulls(bins.num_rows, EDGE_VALUES_SCHEMA.field("edge_entropies").type),
         "occ_sample_index": bins.column("occ_sample_index"), "occ_call": bins.column("occ_call"),
         "occ_offset": bins.column("occ_offset"), "occ_edge": bins.column("occ_edge"),

@@ -60,25 +60,30 @@ class PreparedBins:
 
 @dataclass
 class Pending:
-    """Launched bins whose results are being copied back; `result()` waits once."""
+    """Launched bins whose results are being copied back; `result()` waits once.
+
+    The bins' logprobs (and entropies) are concatenated on the device and
+    copied back in one transfer per batch into pinned host memory, so neither
+    a bin nor its results ever make the host wait before `result()`.
+    """
 
     runner: ForwardRunner
     prepared: PreparedBins
-    outputs: list = field(default_factory=list)  # per bin: (logprobs, entropies) host tensors
+    logprobs: torch.Tensor | None = None  # [edges of the batch] on the host (pinned on CUDA)
+    entropies: torch.Tensor | None = None
     done: object = None
     events: list = field(default_factory=list)  # CUDA (start, end) events around each bin
     device_seconds: float = 0.0  # device time inside this batch's bins (CUDA), after result()
 
     def result(self) -> pa.Table:
-        from treeflow.stages.forward import edge_values_table
+        from treeflow.stages.forward import edge_values_flat
 
         if self.done is not None:
             self.done.synchronize()
             self.device_seconds = sum(a.elapsed_time(b) for a, b in self.events) / 1000
-        lps = [lp.numpy() for lp, _ in self.outputs]
-        ents = [ent.numpy() if ent is not None else None for _, ent in self.outputs]
         self.prepared = None  # device buffers may go now: every kernel that read them has run
-        return edge_values_table(self._table, lps, ents if self.runner.config.entropy else None)
+        ents = self.entropies.numpy() if self.runner.config.entropy else None
+        return edge_values_flat(self._table, self.logprobs.numpy(), ents)
 
     def __post_init__(self):
         self._table = self.prepared.table
@@ -165,15 +170,14 @@ class ForwardRunner:
                                           with_entropy=self.config.entropy, targets_checked=True)
 
     def launch(self, prepared: PreparedBins) -> Pending:
-        """Enqueue every bin of `prepared` and the copies of its results (no host wait)."""
+        """Enqueue every bin of `prepared` and one copy of all their results (no host wait)."""
         self.wait_ready(prepared)
         pending = Pending(self, prepared)
         cuda = self.device.type == "cuda"
+        lps, ents = [], []
         with torch.no_grad():
             for item in prepared.items:
                 if item is None:
-                    empty = torch.zeros(0, dtype=torch.float32)
-                    pending.outputs.append((empty, empty if self.config.entropy else None))
                     continue
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -182,7 +186,11 @@ class ForwardRunner:
                 if cuda:
                     end.record()
                     pending.events.append((start, end))
-                pending.outputs.append((_to_host(lp, cuda), None if ent is None else _to_host(ent, cuda)))
+                lps.append(lp)
+                ents.append(ent)
+            pending.logprobs = _to_host(lps, cuda)
+            if self.config.entropy:
+                pending.entropies = _to_host(ents, cuda)
         if cuda:
             pending.done = torch.cuda.Event()
             pending.done.record()
@@ -236,8 +244,11 @@ def _depths(parents: np.ndarray) -> np.ndarray:
     return depth
 
 
-def _to_host(x: torch.Tensor, cuda: bool) -> torch.Tensor:
-    x = x.float()
+def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
+    """The bins' values concatenated as float32; on CUDA one asynchronous copy to pinned memory."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.float32)
+    x = torch.cat([p.float() for p in parts]) if len(parts) > 1 else parts[0].float()
     if not cuda:
         return x
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
