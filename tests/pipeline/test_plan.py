@@ -1,5 +1,6 @@
 """The physical plan, the local engine's bounded prefetch, the Files reader's position, the sink."""
 
+import threading
 import time
 
 import pyarrow as pa
@@ -7,6 +8,7 @@ import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 
 from treeflow.pipeline import ArrowSink, Files, Pipeline, Plan, synth_episodes, write_episodes
+from treeflow.pipeline.local import run_local
 from treeflow.schemas import validate_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.stages.base import Stage
@@ -95,6 +97,49 @@ def test_local_engine_delivers_windows_before_a_failing_one():
         for rec in pipe.run(source()):
             got.append(rec.step)
     assert got == [0, 1]
+
+
+class _PlanWaitingForData(Plan):
+    """A plan whose model builds only once the engine has pulled the first window."""
+
+    pulled = None
+    fail = False
+
+    def worker(self, **kwargs):
+        if self.fail:
+            raise ValueError("no such checkpoint")
+        assert self.pulled.wait(timeout=120), "the engine read nothing while the model loaded"
+        return super().worker(**kwargs)
+
+
+def _waiting_plan(fail=False):
+    p = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble()).plan
+    plan = _PlanWaitingForData(maps=p.maps, model=p.model, accumulate=p.accumulate,
+                               bin_budget=p.bin_budget)
+    object.__setattr__(plan, "pulled", threading.Event())
+    object.__setattr__(plan, "fail", fail)
+    return plan
+
+
+def test_local_engine_reads_windows_while_the_model_loads():
+    eps = validate_episodes(small_eps(4))
+    plan = _waiting_plan()
+
+    def source():
+        for _ in range(3):
+            plan.pulled.set()
+            yield eps
+
+    recs = list(run_local(plan, source()))
+    assert [r.step for r in recs] == [0, 1, 2]
+    assert recs[0].stats["load_seconds"] >= 0 and "compile_seconds" in recs[0].stats
+    assert "load_seconds" not in recs[1].stats  # one-off costs go on the first window only
+
+
+def test_local_engine_raises_a_model_that_fails_to_build():
+    eps = validate_episodes(small_eps(4))
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        list(run_local(_waiting_plan(fail=True), iter([eps] * 5)))
 
 
 def test_files_reader_position_resumes_and_cycles(tmp_path):

@@ -4,7 +4,8 @@ A background thread reads windows from the source and runs the plan's maps
 (Pack, Fragment, Shard) and the host half of the model map (attention plans,
 block masks, pinned buffers, copies to the device on a side stream) for up
 to `prefetch` windows ahead; the main thread only launches bins and reads
-results back. Replay windows overlap by one: the next window is launched
+results back. The thread starts before the model is loaded and compiled, so
+the first windows are read and packed meanwhile. Replay windows overlap by one: the next window is launched
 before the previous one's results are read, so the device has queued work
 while Python reassembles. Memory is bounded by `prefetch` + 2 windows, never
 by the file. This is the embedded default and the reference every other
@@ -28,24 +29,45 @@ _END = object()
 
 def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=None,
               prefetch: int = 2) -> Iterator[WindowResult]:
-    """Yield one WindowResult per window, in input order."""
+    """Yield one WindowResult per window, in input order.
+
+    Reading and the maps start at once, while the model loads and compiles
+    (`load_seconds` and `compile_seconds` on the first window's stats); the
+    host half of the model map waits for the model.
+    """
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows prepared ahead)")
-    if worker is None:
-        worker = plan.worker(device=device)
-    compile_seconds = worker.warm_up()
+    built = threading.Event()
+    bound: list = [worker]
 
     def prepare(step: int, episodes: pa.Table):
         t0 = time.perf_counter()
         bins = plan.prepare(episodes, step=step)
-        prepared = worker.prepare(bins) if plan.model is not None else bins
+        seconds = time.perf_counter() - t0
+        prepared = bins
+        if plan.model is not None:
+            built.wait()
+            if bound[0] is None:  # the model failed to build; the consumer raises that error
+                raise RuntimeError("the model was not built")
+            t0 = time.perf_counter()
+            prepared = bound[0].prepare(bins)
+            seconds += time.perf_counter() - t0
         stats = {**episode_sums(episodes), **(bin_sums(bins) if plan.maps_make_bins else {}),
-                 "prepare_seconds": time.perf_counter() - t0}
+                 "prepare_seconds": seconds}
         return episodes, prepared, stats
 
     held = None
-    first = True
     with _Prefetch(windows, prepare, prefetch) as items:
+        try:
+            t0 = time.perf_counter()
+            if worker is None:
+                worker = plan.worker(device=device)
+            load_seconds = time.perf_counter() - t0
+            compile_seconds = worker.warm_up()
+            bound[0] = worker
+        finally:
+            built.set()
+        first = True
         while True:
             try:
                 step, position, (episodes, prepared, stats) = next(items)
@@ -56,7 +78,8 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
                     yield _finish(*held)
                 raise
             if first:
-                stats["compile_seconds"], first = compile_seconds, False
+                stats.update(load_seconds=load_seconds, compile_seconds=compile_seconds)
+                first = False
             acc = worker.open(episodes)
             acc.add(prepared)
             if held is not None:
