@@ -72,3 +72,26 @@ def test_bad_loss_configs():
         Loss(clip_low=1.5)
     with pytest.raises(ValueError, match="tis_cap"):
         Loss(tis_cap=0)
+
+
+@pytest.mark.parametrize("loss", [Loss(kind="pg", tis_cap=1.5, kl_coef=0.3, entropy_coef=0.01),
+                                  Loss(kind="nll", kl_coef=0.5)])
+def test_host_selected_occurrences_and_device_stats_change_no_bit(loss):
+    g = torch.Generator().manual_seed(0)
+    lp, old, gen, ref, ent, adv = (torch.randn(40, generator=g) for _ in range(6))
+    w = torch.where(torch.arange(40) % 3 == 0, 0.0, torch.rand(40, generator=g))
+    lp = (lp - 2).requires_grad_()
+    kw = dict(advantage_O=adv, old_logprob_O=old, generation_logprob_O=gen, ref_logprob_O=ref,
+              entropy_O=ent)
+    total, stats = occurrence_loss(loss, lp, weight_O=w, **kw)
+    total.backward()
+    keep = torch.from_numpy(np.flatnonzero(w.numpy() > 0))  # what a caller selects on the host
+    lp2 = lp.detach().clone().requires_grad_()
+    total2, stats2 = occurrence_loss(loss, lp2[keep], weight_O=w[keep], selected=True,
+                                     tensor_stats=True, **{k: v[keep] for k, v in kw.items()})
+    total2.backward()
+    assert torch.equal(total2, total) and torch.equal(lp2.grad, lp.grad)
+    assert stats2.keys() == stats.keys() and stats2["active"] == stats["active"] == len(keep)
+    for k, v in stats.items():
+        if k != "active":
+            assert torch.is_tensor(stats2[k]) and stats2[k].item() == v, k

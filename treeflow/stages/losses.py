@@ -102,16 +102,31 @@ def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tens
                     advantage_O: torch.Tensor | None = None, old_logprob_O: torch.Tensor | None = None,
                     generation_logprob_O: torch.Tensor | None = None,
                     ref_logprob_O: torch.Tensor | None = None,
-                    entropy_O: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Weighted sum of per-occurrence losses, and summed statistics for metrics."""
+                    entropy_O: torch.Tensor | None = None, selected: bool = False,
+                    tensor_stats: bool = False) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of per-occurrence losses, and summed statistics for metrics.
+
+    selected: the caller kept only occurrences with weight > 0 (chosen on the
+    host), so the selection here, which must wait for the device to learn how
+    many there are, is skipped. tensor_stats: statistics stay 0-d tensors on
+    the device (float64 sums, int64 counts) instead of Python numbers, which
+    would each wait for the device; `active` is an int either way.
+    """
     stats: dict = {}
-    # only occurrences that count enter the arithmetic: a masked token's extreme (finite)
-    # logprob would otherwise overflow exp() and turn 0 * inf into NaN gradients
-    idx = torch.nonzero(weight_O > 0)[:, 0]
-    weight_O, logprob_O = weight_O[idx], logprob_O[idx]
-    advantage_O, old_logprob_O, generation_logprob_O, ref_logprob_O, entropy_O = (
-        None if x is None else x[idx]
-        for x in (advantage_O, old_logprob_O, generation_logprob_O, ref_logprob_O, entropy_O))
+    if not selected:
+        # only occurrences that count enter the arithmetic: a masked token's extreme (finite)
+        # logprob would otherwise overflow exp() and turn 0 * inf into NaN gradients
+        idx = torch.nonzero(weight_O > 0)[:, 0]
+        weight_O, logprob_O = weight_O[idx], logprob_O[idx]
+        advantage_O, old_logprob_O, generation_logprob_O, ref_logprob_O, entropy_O = (
+            None if x is None else x[idx]
+            for x in (advantage_O, old_logprob_O, generation_logprob_O, ref_logprob_O, entropy_O))
+
+    def out(x, kind=float):  # a statistic: a Python number, or a device scalar that waits for no one
+        if tensor_stats:
+            return x.to(torch.int64 if kind is int else torch.float64)
+        return kind(x)
+
     if loss.kind == "nll":
         per = -logprob_O
     else:
@@ -124,19 +139,19 @@ def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tens
             per = per * tis
         with torch.no_grad():
             was_clipped = ratio * advantage_O > clipped * advantage_O
-            stats.update(clipped=int(was_clipped.sum()), ratio_sum=float(ratio.sum()))
+            stats.update(clipped=out(was_clipped.sum(), int), ratio_sum=out(ratio.sum()))
             if len(ratio):
-                stats.update(ratio_max=float(ratio.max()), ratio_min=float(ratio.min()))
+                stats.update(ratio_max=out(ratio.max()), ratio_min=out(ratio.min()))
     if loss.kl_coef > 0:
         d = ref_logprob_O - logprob_O
         kl = torch.exp(d) - d - 1.0
         per = per + loss.kl_coef * kl
         with torch.no_grad():
-            stats["kl_sum"] = float(kl.sum())
+            stats["kl_sum"] = out(kl.sum())
     if loss.entropy_coef:
         per = per - loss.entropy_coef * entropy_O
         with torch.no_grad():
-            stats["entropy_sum"] = float(entropy_O.sum())
+            stats["entropy_sum"] = out(entropy_O.sum())
     stats["active"] = len(weight_O)
     total = (weight_O * per).sum()
     return total, stats

@@ -88,7 +88,7 @@ class Step:
         self._grad64: dict[str, torch.Tensor] = {}
         device = trainer.runner.device
         self.model = trainer.model
-        self._t = {k: (None if v is None else torch.from_numpy(np.ascontiguousarray(v)).to(device))
+        self._t = {k: (None if v is None else _to_device(v, device))
                    for k, v in (("weight", self.weight_S.astype(np.float32)), ("old", self.old_S),
                                 ("gen", self.gen_S), ("ref", self.ref_S), ("adv", self.adv_S))}
 
@@ -102,6 +102,9 @@ class Step:
         """Forward, weighted occurrence loss and backward for each bin (any order, any chunk).
 
         bins: a BIN_SCHEMA table, or the `PreparedBins` of one (prepared ahead by an engine).
+        Every check runs on the host before the first bin does, and nothing waits for the
+        device between bins: the loss and the statistics are summed on the device and read
+        once, when the last bin has run.
         """
         if self.trainer._open is not self:
             raise StepOpenError("this step is closed")
@@ -109,65 +112,74 @@ class Step:
         runner = self.trainer.runner
         self._prepared = prepared = bins if isinstance(bins, PreparedBins) else runner.prepare(bins)
         bins = prepared.table
-        runner.wait_ready(prepared)
         cols = {n: bins.column(n).combine_chunks() for n in (
-            "tokens", "parents", "positions", "edge_sources", "edge_targets", "occ_sample_index",
-            "occ_call", "occ_offset", "occ_edge")}
+            "tokens", "edge_sources", "occ_sample_index", "occ_call", "occ_offset", "occ_edge")}
         off = {n: list_offsets(c) for n, c in cols.items()}
         val = {n: list_values(c) for n, c in cols.items()}
+        # every occurrence of every bin at once: slots, duplicates, the ones that count
+        slot = self.slots.slots(val["occ_sample_index"].astype(np.int64),
+                                val["occ_call"].astype(np.int64), val["occ_offset"].astype(np.int64))
+        twice = (self._seen[slot] > 0) | (np.bincount(slot, minlength=len(self._seen))[slot] > 1)
+        if twice.any():
+            i = int(np.flatnonzero(twice)[0])
+            raise ValueError(f"{self.slots.name_slot(int(slot[i]))}: fed to the step twice; a "
+                             "bin was delivered twice (the step is unchanged)")
+        keep = self.weight_S[slot] > 0
+        occ_bin = np.repeat(np.arange(bins.num_rows), np.diff(off["occ_edge"]))[keep]
+        kept_off = np.searchsorted(occ_bin, np.arange(bins.num_rows + 1))
+        # bin-local edge and slot of each counted occurrence: one copy to the device
+        index_2O = _to_device(np.stack([val["occ_edge"].astype(np.int64)[keep], slot[keep]]),
+                              runner.device)
+        runner.wait_ready(prepared)
         loss = self.trainer.reduce.loss
         t0 = time.perf_counter()
         self.cost += float(bin_costs(bins, self.trainer.cost_model).sum()) if bins.num_rows else 0.0
         try:
-            self._add(bins, cols, off, val, loss)
+            self._add(bins, off, index_2O, kept_off, loss)
+            self._seen[slot] += 1
         finally:
             if self.trainer.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.trainer.runner.device)
             self.seconds += time.perf_counter() - t0
 
-    def _add(self, bins, cols, off, val, loss) -> None:
+    def _add(self, bins, off, index_2O, kept_off, loss) -> None:
+        sums: dict = {}  # the loss and statistics summed on the device
         for r in range(bins.num_rows):
-            def get(n):
-                return val[n][off[n][r]:off[n][r + 1]]
-            if len(get("edge_sources")) == 0:
+            if off["edge_sources"][r] == off["edge_sources"][r + 1]:
                 continue
-            slot = self.slots.slots(get("occ_sample_index").astype(np.int64),
-                                    get("occ_call").astype(np.int64), get("occ_offset").astype(np.int64))
-            twice = (self._seen[slot] > 0) | (np.bincount(slot, minlength=len(self._seen))[slot] > 1)
-            if twice.any():
-                i = int(np.flatnonzero(twice)[0])
-                raise ValueError(f"{self.slots.name_slot(int(slot[i]))}: fed to the step twice; a "
-                                 "bin was delivered twice (the step is unchanged)")
+            edge_O, slot_O = index_2O[:, kept_off[r]:kept_off[r + 1]]
             try:
                 with self.trainer.compute():
                     lp_E, ent_E = self.trainer.runner.run_bin(self._prepared.items[r])
-                occ_edge = torch.from_numpy(get("occ_edge").astype(np.int64)).to(lp_E.device)
-                slot_t = torch.from_numpy(slot).to(lp_E.device)
                 t = self._t
                 total, stats = occurrence_loss(
-                    loss, lp_E[occ_edge], weight_O=t["weight"][slot_t],
-                    advantage_O=t["adv"][slot_t],
-                    old_logprob_O=None if t["old"] is None else t["old"][slot_t],
-                    generation_logprob_O=t["gen"][slot_t],
-                    ref_logprob_O=None if t["ref"] is None else t["ref"][slot_t],
-                    entropy_O=None if ent_E is None else ent_E[occ_edge])
+                    loss, lp_E[edge_O], weight_O=t["weight"][slot_O],
+                    advantage_O=t["adv"][slot_O],
+                    old_logprob_O=None if t["old"] is None else t["old"][slot_O],
+                    generation_logprob_O=t["gen"][slot_O],
+                    ref_logprob_O=None if t["ref"] is None else t["ref"][slot_O],
+                    entropy_O=None if ent_E is None else ent_E[edge_O],
+                    selected=True, tensor_stats=True)
                 total.backward()
                 self._sum_exactly()
             except BaseException as e:
                 # gradients may hold part of this bin: the step can only be aborted now
                 self._broken = f"bin {r} of the last add() failed ({type(e).__name__}: {e})"
                 raise
-            self._seen[slot] += 1
-            self.loss_sum += float(total.detach())
-            for k, v in stats.items():
-                if k == "ratio_max":
-                    self.stats[k] = max(self.stats.get(k, -np.inf), v)
-                elif k == "ratio_min":
-                    self.stats[k] = min(self.stats.get(k, np.inf), v)
-                else:
-                    self.stats[k] = self.stats.get(k, 0) + v
+            for k, v in (("loss_sum", total.detach().to(torch.float64)), *stats.items()):
+                if k not in sums:  # start from the host value, so the sum's order is unchanged
+                    start = self.loss_sum if k == "loss_sum" else self.stats.get(k, _START.get(k, 0))
+                    sums[k] = (torch.full((), start, dtype=v.dtype, device=v.device)
+                               if torch.is_tensor(v) else start)
+                sums[k] = _combine(k, sums[k], v)
             self.bins += 1
-            self.executed_tokens += len(get("tokens"))
+            self.executed_tokens += int(off["tokens"][r + 1] - off["tokens"][r])
+        for k, v in sums.items():  # one wait for the device, after the last bin
+            v = v.item() if torch.is_tensor(v) else v
+            if k == "loss_sum":
+                self.loss_sum = v
+            else:
+                self.stats[k] = v
 
     def _refuse_if_broken(self) -> None:
         if self._broken:
@@ -283,6 +295,26 @@ class Step:
                                else 0.0),
         }
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
+
+
+_START = {"ratio_max": -np.inf, "ratio_min": np.inf}
+
+
+def _combine(key: str, a, b):
+    """Add (or, for ratio_max/ratio_min, take the extreme of) two statistics."""
+    if key == "ratio_max":
+        return torch.maximum(a, b) if torch.is_tensor(b) else max(a, b)
+    if key == "ratio_min":
+        return torch.minimum(a, b) if torch.is_tensor(b) else min(a, b)
+    return a + b
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; on CUDA from pinned memory, without waiting for the copy."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 __all__ = ["Step", "StepOpenError"]
