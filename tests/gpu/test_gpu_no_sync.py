@@ -1,0 +1,91 @@
+"""On CUDA, nothing between the first and the last bin of a batch makes the host wait.
+
+torch's sync debug mode turns every operation that waits for the device
+(`.item()`, `.tolist()`, `nonzero`, a blocking copy) into an error ("error")
+or a warning ("warn"); preparing and launching replay bins must raise none,
+and a training step's waits must not grow with its number of bins.
+"""
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from treeflow.models import ModelConfig, load_model
+from treeflow.pipeline import synth_episodes
+from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
+from treeflow.train import Trainer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _eps(n=12):
+    return synth_episodes(episodes=n, group_size=3, turns=(2, 4), system_tokens=64,
+                          user_tokens=(8, 16), completion_tokens=(8, 24), tool_tokens=(8, 24),
+                          branch_prob=0.3, vocab_size=512, seed=3)
+
+
+def _model():
+    return load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=512),
+                      dtype=torch.float32, device="cuda")
+
+
+def _deepest(eps):
+    return max(len(c["token_ids"]) for r in eps.to_pylist() for c in r["calls"])
+
+
+class _SyncsAreErrors:
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("layout", ["tree", "exact"])  # flex bins, varlen bins
+def test_replay_prepares_and_launches_without_waiting(layout):
+    eps = _eps()
+    budget = _deepest(eps) + 64
+    runner = Forward().build(device="cuda", model=_model(), pad_to=budget)
+    bins = Fragment(max_tokens=budget)(Pack(layout=layout)(eps))
+    assert bins.num_rows >= 3
+    want = runner(bins)  # compiles and warms every kernel these bins use
+    with _SyncsAreErrors():
+        prepared = runner.prepare(bins)
+        pending = runner.launch(prepared)
+    got = pending.result()
+    assert got.column("edge_logprobs").equals(want.column("edge_logprobs"))
+    result = Reassemble()(got, episodes=eps)
+    assert result.num_rows == eps.num_rows
+
+
+def _step_syncs(max_tokens):
+    eps = _eps()
+    tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", kl_coef=0.1)), model=_model(),
+                 device="cuda", pad_to=max_tokens)
+    ref = Reassemble()(tr.logprobs(Fragment(max_tokens=8192)(Pack()(eps))), episodes=eps)
+    bins = Fragment(max_tokens=max_tokens)(Pack(layout="tree")(eps))
+    tr.train_step(eps, bins, ref_logprobs=ref)  # compiles flex forward and backward
+    step = tr.open_step(eps, ref_logprobs=ref)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step.add(bins)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    step.finish()
+    return bins.num_rows, sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_training_step_waits_do_not_grow_with_its_bins():
+    deepest = _deepest(_eps())
+    few_bins, few_syncs = _step_syncs(8192)
+    many_bins, many_syncs = _step_syncs(deepest + 16)
+    assert many_bins >= few_bins + 3
+    assert many_syncs == few_syncs, (few_bins, few_syncs, many_bins, many_syncs)
