@@ -5,12 +5,19 @@ Llama-3.2-1B shape, written as Hugging Face directories), on 512 synthetic
 episodes in groups of 8 (`treeflow synth`):
 
 - `treeflow replay --layout exact|tree --device cuda --dtype bfloat16
-  --max-tokens 32768 --json`: wall time, compile/warm-up time (reported on
-  its own by the CLI as `compile_seconds`), steady-state time (wall minus
-  compile), and the device-busy fraction: the CLI records CUDA events around
-  every bin's work and reports `device_seconds / steady_seconds`, i.e. the
-  share of steady-state wall time the GPU spent inside bins (gaps between
-  bins, Python overhead and host waits count as idle);
+  --max-tokens 32768 --json`: wall time, split by the CLI into
+  `startup_seconds` (model-code imports, CUDA initialisation, model load),
+  `compile_seconds` (warm-up: flex and varlen kernels compiled on dummy bins)
+  and `steady_seconds` (the rest: reading, preparing, running, reassembling
+  and writing every window, pipeline fill and drain included). The speedups
+  use steady seconds (and wall seconds, for reference);
+- GPU busy, two ways. `device_busy` (every run): CUDA events recorded
+  around every bin's work, summed (`device_seconds`), over steady seconds.
+  `kernel_busy` (`--profile-busy`, one more run per layout through
+  bench/profiled_cli.py): the union of all kernel/copy/memset intervals that
+  CUPTI traced (torch.profiler, CUDA activity only) from the end of warm-up
+  to the end of the run, over that span's wall time -- this one cannot count
+  a gap inside a bin as busy;
 - `treeflow replay --mode train --batch-episodes 64 --steps S` per layout:
   steady-state seconds per optimizer step (first step excluded);
 - `bench/bench_gpu.py --shape ...` on the same episodes (same synth seed and
@@ -21,6 +28,8 @@ Every run is a subprocess (the CLI a user runs, imports included), printed
 as it goes; the JSON lands in $OUT/bench_cli_gpu.json (or bench/results).
 
     PYTHONUNBUFFERED=1 python bench/bench_cli_gpu.py             # one H200, < 9 min
+    PYTHONUNBUFFERED=1 python bench/bench_cli_gpu.py --profile-busy --no-train --no-kernel-bench \
+        --out bench_cli_gpu_busy.json                             # the kernel-trace check, ~3 min
     python bench/bench_cli_gpu.py --smoke --device cpu            # logic check, tiny sizes
 """
 
@@ -78,11 +87,11 @@ def make_checkpoint(shape: str, path: str, device: str) -> None:
     save_model(model, path)
 
 
-def cli(args: list[str], env: dict, log: str) -> dict:
-    """Run `python -m treeflow.cli ...`; return its --json object and the process wall time."""
+def cli(args: list[str], env: dict, log: str, script: str | None = None) -> dict:
+    """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *args], capture_output=True,
-                          text=True, env=env)
+    run = [script] if script else ["-m", "treeflow.cli"]
+    proc = subprocess.run([sys.executable, *run, *args], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         print(f"  FAILED ({log}): {proc.stderr[-2000:]}", flush=True)
@@ -106,6 +115,10 @@ def main() -> None:
     ap.add_argument("--budget-seconds", type=float, default=500,
                     help="skip what is left after this much time (the results so far are kept)")
     ap.add_argument("--no-kernel-bench", action="store_true")
+    ap.add_argument("--no-train", action="store_true", help="skip the --mode train runs")
+    ap.add_argument("--profile-busy", action="store_true",
+                    help="one more replay per layout with CUDA kernels traced (kernel_busy)")
+    ap.add_argument("--out", default=None, help="JSON file name (default bench_cli_gpu.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and data (logic check)")
     args = ap.parse_args()
     if args.smoke:
@@ -115,13 +128,19 @@ def main() -> None:
     t_start = time.perf_counter()
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
-    out_file = os.path.join(out_dir, "bench_cli_gpu.json" if not args.smoke else
-                            "bench_cli_gpu_smoke.json")
+    out_file = os.path.join(out_dir, args.out or ("bench_cli_gpu.json" if not args.smoke else
+                                                  "bench_cli_gpu_smoke.json"))
     # the children import this checkout and this interpreter's packages, however it was started
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
-    result: dict = {"settings": vars(args), "shapes": {}}
+    result: dict = {"settings": vars(args), "shapes": {}, "measures": {
+        "steady_seconds": "wall - startup_seconds (imports, CUDA init, model load) - "
+                          "compile_seconds (warm-up); fill, drain, reading and writing included",
+        "device_busy": "sum over bins of CUDA-event time around each bin's work / steady_seconds",
+        "kernel_busy": "union of CUPTI-traced kernel/memcpy/memset intervals from the end of "
+                       "warm-up to the end of the run / that span's wall time (separate, traced run)",
+        "cli_over_kernel_speedup": "replay_speedup_steady / kernel_forward_speedup"}}
     work = tempfile.mkdtemp(prefix="treeflow-bench-")
     data = os.path.join(work, "episodes.arrow")
     print(f"synth {args.episodes} episodes (groups of {args.group_size})", flush=True)
@@ -162,7 +181,22 @@ def main() -> None:
         if isinstance(ex, dict) and isinstance(tr, dict) and "error" not in ex and "error" not in tr:
             res["replay_speedup_steady"] = round(ex["steady_seconds"] / tr["steady_seconds"], 3)
             res["replay_speedup_wall"] = round(ex["wall_seconds"] / tr["wall_seconds"], 3)
-        for layout in ("exact", "tree"):
+            res["device_busy"] = {"exact": ex.get("device_busy"), "tree": tr.get("device_busy")}
+        for layout in ("exact", "tree") if args.profile_busy else ():
+            if left() < 30:
+                res[f"replay_{layout}_traced"] = "skipped (time budget)"
+                continue
+            print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: replay --layout {layout} "
+                  "(kernels traced)", flush=True)
+            r = cli(["replay", data, "--layout", layout, "--window", str(args.window),
+                     "-o", os.path.join(work, f"{shape}-{layout}-traced.arrow"), *common], env,
+                    f"{layout} traced", script=os.path.join(HERE, "profiled_cli.py"))
+            res[f"replay_{layout}_traced"] = r
+            if "kernel_busy" in r:
+                res.setdefault("kernel_busy", {})[layout] = r["kernel_busy"]
+            print(f"  {json.dumps(r)[:400]}", flush=True)
+            save()
+        for layout in ("exact", "tree") if not args.no_train else ():
             if left() < 30:
                 res[f"train_{layout}"] = "skipped (time budget)"
                 continue

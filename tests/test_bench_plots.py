@@ -23,3 +23,19 @@ def test_plot_bench_writes_pngs(tmp_path):
     raw = json.load(open(os.path.join(ROOT, "bench", "results", "h200_bench_gpu.json")))
     tree = [p for p in report["speedup"] if p["layout"] == "tree" and p["set"].endswith(": forward")]
     assert [p["speedup"] for p in tree] == [raw["layouts"]["tree"]["forward"]["speedup_vs_exact"]]
+
+
+def test_profiled_cli_counts_overlapping_device_intervals_once(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from profiled_cli import busy_seconds
+
+    events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10},
+              {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},      # overlaps the first: +5
+              {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5},  # a gap of 5, then +5
+              {"ph": "X", "cat": "kernel", "ts": 21, "dur": 2},      # inside the copy: +0
+              {"ph": "X", "cat": "cpu_op", "ts": 30, "dur": 100},    # host work is not busy
+              {"ph": "i", "cat": "kernel", "ts": 40}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    busy, count = busy_seconds(str(path))
+    assert count == 4 and abs(busy - 20e-6) < 1e-12
