@@ -82,6 +82,8 @@ class Step:
         self.loss_sum = 0.0
         self.stats: dict = {}
         self.seconds = 0.0  # this rank's time in add(), device work included
+        self.agree_seconds = 0.0  # from the end of add() to the ranks' agreement (train_step)
+        self._lap_t: float | None = None
         self.cost = 0.0  # this rank's modelled cost (Shard's cost model on this model's shape)
         self._seen = np.zeros(len(slots), dtype=np.int32)
         self._broken: str | None = None
@@ -98,13 +100,15 @@ class Step:
             raise ValueError(f"{self.slots.name_slot(int(bad[0]))}: field {field!r} is missing or "
                              f"not finite, and the loss needs it; {fix}")
 
-    def add(self, bins) -> None:
+    def add(self, bins, *, last: bool = False) -> None:
         """Forward, weighted occurrence loss and backward for each bin (any order, any chunk).
 
         bins: a BIN_SCHEMA table, or the `PreparedBins` of one (prepared ahead by an engine).
         Every check runs on the host before the first bin does, and nothing waits for the
         device between bins: the loss and the statistics are summed on the device and read
         once, when the last bin has run.
+        last: these are this rank's last bins of the step; on several ranks the gradient
+        all-reduce then starts during the last bin's backward (train/overlap.py).
         """
         if self.trainer._open is not self:
             raise StepOpenError("this step is closed")
@@ -135,15 +139,17 @@ class Step:
         t0 = time.perf_counter()
         self.cost += float(bin_costs(bins, self.trainer.cost_model).sum()) if bins.num_rows else 0.0
         try:
-            self._add(bins, off, index_2O, kept_off, loss)
+            self._add(bins, off, index_2O, kept_off, loss, last)
             self._seen[slot] += 1
         finally:
             if self.trainer.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.trainer.runner.device)
             self.seconds += time.perf_counter() - t0
 
-    def _add(self, bins, off, index_2O, kept_off, loss) -> None:
+    def _add(self, bins, off, index_2O, kept_off, loss, last) -> None:
         sums: dict = {}  # the loss and statistics summed on the device
+        full = np.flatnonzero(np.diff(off["edge_sources"]) > 0)
+        arm_at = int(full[-1]) if last and len(full) and self.trainer.reducer is not None else -1
         for r in range(bins.num_rows):
             if off["edge_sources"][r] == off["edge_sources"][r + 1]:
                 continue
@@ -160,6 +166,8 @@ class Step:
                     ref_logprob_O=None if t["ref"] is None else t["ref"][slot_O],
                     entropy_O=None if ent_E is None else ent_E[edge_O],
                     selected=True, tensor_stats=True)
+                if r == arm_at:
+                    self.trainer.reducer.arm()
                 total.backward()
                 self._sum_exactly()
             except BaseException as e:
@@ -211,6 +219,8 @@ class Step:
 
     def abort(self) -> None:
         """Discard the open step's gradients; weights, optimizer and counters stay as they were."""
+        if self.trainer.reducer is not None:
+            self.trainer.reducer.discard()
         self.trainer.optimizer.zero_grad(set_to_none=True)
         self._grad64.clear()
         self.trainer._closed(self)
@@ -223,6 +233,9 @@ class Step:
         self._refuse_if_broken()
         tr = self.trainer
         dp = tr.dp
+        if self._lap_t is None:
+            self._lap_t = time.perf_counter()
+        timing = {"compute_s": self.seconds, "agree_s": self.agree_seconds}
         seen = dp.sum_array(self._seen)
         twice = np.flatnonzero(seen > 1)
         if len(twice):
@@ -242,11 +255,14 @@ class Step:
                 dp.sum_tensors([self._grad64[n] for n, _ in params])
                 for n, p in params:
                     p.grad = self._grad64.pop(n).to(p.dtype)
+            elif tr.reducer is not None:  # launched during the last backward (or now)
+                tr.reducer.wait()
             else:
                 for _, p in params:
                     if p.grad is None:  # a rank whose bins never reached this parameter
                         p.grad = torch.zeros_like(p)
                 dp.sum_tensors([p.grad for _, p in params])
+        timing["reduce_s"] = self._lap()
         grad_norm = tr.clip_grad_norm()
         if not np.isfinite(grad_norm):
             raise FloatingPointError(
@@ -258,10 +274,22 @@ class Step:
             g["lr"] = lr
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
+        timing["optimizer_s"] = self._lap()
         tr.steps += 1
         tr.scheduler_episodes += self.episodes
         tr._closed(self)
-        return self._metrics(grad_norm, lr)
+        row = self._metrics(grad_norm, lr)
+        timing["metrics_s"] = self._lap()
+        tr.last_timing = timing
+        return row
+
+    def _lap(self) -> float:
+        """Seconds since the last lap (device work finished, on CUDA); for `Trainer.last_timing`."""
+        if self.trainer.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.runner.device)
+        now = time.perf_counter()
+        seconds, self._lap_t = now - self._lap_t, now
+        return seconds
 
     def _metrics(self, grad_norm: float, lr: float) -> pa.Table:
         tr, dp = self.trainer, self.trainer.dp

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -30,7 +31,8 @@ from treeflow.stages.reduce import Reduce
 from treeflow.stages.runner import PreparedBins
 from treeflow.stages.shard import CostModel
 from treeflow.train.checkpoint import load_checkpoint, save_checkpoint
-from treeflow.train.distributed import DataParallel
+from treeflow.train.distributed import _BUCKET_ELEMENTS, DataParallel
+from treeflow.train.overlap import GradReducer
 from treeflow.train.precision import compute_context, storage_dtype
 from treeflow.train.step import Step, StepOpenError
 
@@ -49,12 +51,20 @@ class Trainer:
     8 bytes per parameter).
     shard_params: shard parameters, gradients and AdamW state over the ranks with FSDP2
     (train/fsdp.py); the compute dtype comes from FSDP's mixed-precision policy.
+    overlap_reduce: on several ranks with float32 gradient sums, start the gradient all-reduce
+    during the last bin's backward, bucket by bucket (train/overlap.py); False reduces after it.
+
+    After each step `last_timing` holds this rank's seconds: compute_s (its bins, forward and
+    backward), agree_s (waiting at the ranks' agreement: idle behind the slowest rank plus the
+    overlapped all-reduce still in flight), reduce_s (the gradient sum left after that),
+    optimizer_s (clip and AdamW) and metrics_s (the metric reductions).
     """
 
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
                  precision: str = "mixed", dp: DataParallel | None = None,
                  grad_sum: str = "float32", device: str | torch.device = "cpu",
-                 pad_to: int | None = None, shard_params: bool = False):
+                 pad_to: int | None = None, shard_params: bool = False,
+                 overlap_reduce: bool = True):
         if grad_sum not in ("float32", "float64"):
             raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
         if shard_params and (grad_sum != "float32" or precision != "mixed"):
@@ -82,6 +92,11 @@ class Trainer:
                 raise ValueError("shard_params=True needs several ranks (a process group); "
                                  "train with --ranks N > 1")
             shard_module(self.backend.module, self.compute_dtype)
+        self.reducer: GradReducer | None = None
+        if overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32":
+            self.reducer = GradReducer([p for _, p in self.backend.named_parameters()],
+                                       self.dp.group, bucket_elements=_BUCKET_ELEMENTS)
+        self.last_timing: dict = {}
         self.optimizer = self.backend.optimizer(lr=reduce.schedule(0), betas=reduce.betas,
                                                 eps=reduce.eps, weight_decay=reduce.weight_decay)
         self.steps = 0
@@ -143,14 +158,19 @@ class Trainer:
                         local.column("edge_sources")).to_numpy(zero_copy_only=False)))
                 passes = int(self.dp.max_array(np.array([mine], dtype=np.int64))[0])
             try:
-                step.add(local)
+                step.add(local, last=True)
                 if self.sharded:
                     step.pad_passes(passes)
             except Exception as e:  # noqa: BLE001 -- every rank must hear of it before it raises
                 if self.sharded:  # the others wait in a collective: end this process instead
                     raise
                 error = e
+            t0 = time.perf_counter()
+            if self.reducer is not None:  # the same buckets on every rank, failed or not
+                self.reducer.flush()
             self.dp.agree(error, f"step {self.steps + 1}")
+            step._lap_t = time.perf_counter()
+            step.agree_seconds = step._lap_t - t0
             return step.finish()
         except BaseException:
             if self._open is step:
