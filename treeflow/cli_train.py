@@ -174,8 +174,9 @@ def _train(args, *, distributed: bool) -> int:
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
     shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
-                    *shard, forward, reduce)
+    # each rank's share of whole layouts is packed on its own (stages/_deal.py); Shard keeps it
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+                    Fragment(max_tokens=args.max_tokens, ranks=dp.world), *shard, forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})

@@ -36,6 +36,10 @@ class Fragment(Stage):
 
     pad_to_multiple: append empty bins so that the bin count is a multiple of
     it (for example the number of data-parallel ranks).
+    ranks: plan for this many data-parallel ranks: deal whole layouts to the ranks first
+    (largest modelled cost onto the lightest rank), pack every rank's share on its own and pad
+    the shares to one bin count; the bins carry their rank, which Shard keeps (stages/_deal.py
+    says why: a rank gets the plan one rank would make for its share).
     """
 
     input_schema = LAYOUT_SCHEMA
@@ -43,17 +47,31 @@ class Fragment(Stage):
 
     max_tokens: int
     pad_to_multiple: int = 1
+    ranks: int = 1
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 2:
             raise ValueError(f"Fragment(max_tokens={self.max_tokens!r}): give an int >= 2")
         if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
             raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple!r}): give an int >= 1")
+        if not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"Fragment(ranks={self.ranks!r}): give an int >= 1")
+        if self.ranks > 1 and self.pad_to_multiple not in (1, self.ranks):
+            raise ValueError(f"Fragment(ranks={self.ranks}, pad_to_multiple={self.pad_to_multiple}): "
+                             "with ranks every rank gets the same bin count already; drop "
+                             "pad_to_multiple")
 
     def bin_budget(self) -> int:
         return self.max_tokens
 
     def __call__(self, layouts: pa.Table) -> pa.Table:
+        if self.ranks > 1:
+            from treeflow.stages._deal import fragment_for_ranks
+            from treeflow.stages.shard import CostModel
+
+            return fragment_for_ranks(layouts, max_tokens=self.max_tokens, ranks=self.ranks,
+                                      pack=lambda share: fragment(share, max_tokens=self.max_tokens),
+                                      cost=CostModel.llama_1b())
         return fragment(layouts, max_tokens=self.max_tokens, pad_to_multiple=self.pad_to_multiple)
 
 

@@ -8,6 +8,10 @@ coefficients come from FLOP counting on the model's shape
 cheap one because it has few tokens. Assignment is LPT (longest processing
 time first onto the least-loaded rank), within 4/3 of optimal and exact for
 the common case of many small bins.
+
+Bins that `Fragment(ranks=N)` dealt already (their `rank` is set, >= 0) keep it: Fragment packed
+each rank's share of whole layouts on its own (stages/_deal.py), and re-dealing its bins would
+undo that; N must equal `num_ranks`.
 """
 
 from __future__ import annotations
@@ -108,7 +112,16 @@ class Shard(Stage):
 
     def plan(self, bins: pa.Table) -> tuple[pa.Table, ShardReport]:
         costs = bin_costs(bins, self.cost)
-        ranks = lpt(costs, self.num_ranks)
+        given = bins.column("rank").to_numpy()
+        if len(given) and given.min() >= 0:  # dealt by Fragment(ranks=...)
+            dealt = len(np.unique(given))
+            if dealt != self.num_ranks or given.max() >= self.num_ranks:
+                raise ValueError(f"the bins were dealt to {dealt} ranks by Fragment(ranks={dealt}) "
+                                 f"but Shard has num_ranks={self.num_ranks}; give both the same "
+                                 "rank count")
+            ranks = given.astype(np.int32)
+        else:
+            ranks = lpt(costs, self.num_ranks)
         out = bins.set_column(bins.schema.get_field_index("rank"), BIN_SCHEMA.field("rank"),
                               pa.array(ranks, pa.int32()))
         report = ShardReport(
