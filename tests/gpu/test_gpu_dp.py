@@ -24,11 +24,12 @@ def _model(device):
     return load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=512), device=device)
 
 
-def _train(dp, device, dtype, layout, grad_sum="float32"):
-    fwd = Forward(device=device, dtype=dtype)
+def _train(dp, device, dtype, layout, grad_sum="float32", deal=False):
+    fwd = Forward(dtype=dtype)
     red = Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-3))
-    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=256), Shard(num_ranks=dp.world), fwd, red)
-    tr = Trainer(fwd, red, model=_model(device), dp=dp, grad_sum=grad_sum)
+    frag = Fragment(max_tokens=256, ranks=dp.world if deal else 1)
+    pipe = Pipeline(Pack(layout=layout), frag, Shard(num_ranks=dp.world), fwd, red)
+    tr = Trainer(fwd, red, model=_model(device), dp=dp, grad_sum=grad_sum, pad_to=256)
     rows = [r.output.to_pylist()[0] for r in pipe.run(_eps(), window=4, trainer=tr)]
     return tr, rows
 
@@ -42,17 +43,23 @@ def test_mixed_precision_trains_through_the_cuda_kernels(layout):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2, abs=1e-3)
 
 
-def _rank():
+def _rank(grad_sum, deal):
     dp = DataParallel.from_env("cuda")
-    _, rows = _train(dp, str(dp.device), "float32", "tree", grad_sum="float64")
+    tr, rows = _train(dp, str(dp.device), "float32", "tree", grad_sum=grad_sum, deal=deal)
+    overlapped = tr.reducer.overlapped if tr.reducer is not None else None
     dp.close()
-    return rows
+    return rows, overlapped
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_match_one():
-    rows2 = spawn(_rank, 2, timeout_s=300)[0]
-    _, rows1 = _train(DataParallel(device="cuda"), "cuda", "float32", "tree", grad_sum="float64")
+@pytest.mark.parametrize("grad_sum,deal", [("float64", False), ("float32", True)])
+def test_two_gpus_match_one(grad_sum, deal):
+    """float64 sums: the reduction after backward; float32: the all-reduce overlapped with the
+    last backward over NCCL (launched from inside it), and Fragment(ranks=2)'s dealt bins."""
+    rows2, overlapped = spawn(_rank, 2, grad_sum, deal, timeout_s=300)[0]
+    _, rows1 = _train(DataParallel(device="cuda"), "cuda", "float32", "tree", grad_sum=grad_sum)
     assert [r["ranks"] for r in rows2] == [2, 2]
+    if grad_sum == "float32":
+        assert overlapped >= 1
     for a, b in zip(rows2, rows1):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
