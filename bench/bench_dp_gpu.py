@@ -238,6 +238,38 @@ def _calibrate(runs: dict) -> dict:
             "model_tflops_per_s": 1e-12 / per_cost, "points": len(y)}
 
 
+def _cli_check(args) -> dict:
+    """The issue's command, `treeflow replay --mode train --ranks N --device cuda`, end to end."""
+    import subprocess
+
+    from treeflow.pipeline import write_episodes
+
+    config = SMOKE if args.smoke else LLAMA_1B
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data = os.path.join(tmp, "model"), os.path.join(tmp, "episodes.arrow")
+        save_model(seeded_model(config, "cpu"), model_dir)
+        steps = 6
+        cfg = dict(smoke=args.smoke, group_size=args.group_size, seed=args.seed)
+        write_episodes(_episodes(cfg, args.ranks * args.batch * steps), data)
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        cmd = ["replay", data, "--mode", "train", "--ranks", str(args.ranks), "--device",
+               args.device, "--model", model_dir, "--dtype", "bfloat16", "--layout", "tree",
+               "--loss", "nll", "--norm", "token", "--lr", "1e-5", "--batch-episodes",
+               str(args.ranks * args.batch), "--steps", str(steps), "--max-tokens",
+               str(args.max_tokens), "--metrics", metrics, "--quiet"]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *cmd], capture_output=True,
+                              text=True, timeout=420)
+        seconds = time.perf_counter() - t0
+        rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    return {"command": "treeflow " + " ".join(cmd), "rc": proc.returncode,
+            "stderr_tail": proc.stderr[-2000:], "seconds": seconds, "steps": len(rows),
+            "ranks": [r.get("ranks") for r in rows], "losses": [r.get("loss") for r in rows],
+            "rank_seconds_max": [r.get("rank_seconds_max") for r in rows],
+            "idle_fraction": [r.get("idle_fraction") for r in rows],
+            "cost_imbalance": [r.get("cost_imbalance") for r in rows]}
+
+
 def scaling(args) -> dict:
     from treeflow.train import spawn
 
@@ -278,6 +310,8 @@ def scaling(args) -> dict:
         "calibration": _calibrate(runs),
         "runs": runs,
     }
+    if not args.no_cli:
+        out["cli"] = _cli_check(args)
     old = runs.get(f"{ranks}_ranks_shared_packing_no_overlap")
     if old is not None:
         out["scaling_before_this_change"] = old["episodes_per_s"] / one["episodes_per_s"]
@@ -369,6 +403,7 @@ def main() -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--smoke", action="store_true", help="a 2-layer model, to check the setup")
     s.add_argument("--quick", action="store_true", help="only the 1-rank and N-rank runs")
+    s.add_argument("--no-cli", action="store_true", help="skip the `treeflow replay --ranks N` run")
     s = sub.add_parser("precision")
     s.add_argument("--steps", type=int, default=200)
     s.add_argument("--lr", type=float, default=2e-5)

@@ -1,13 +1,25 @@
 """Shard: bins -> data-parallel ranks, balancing modelled compute rather than token counts.
 
-A bin's cost is `token * tokens + pair * attention_pairs + edge * edges`, where
-attention pairs are the sum over nodes of (depth + 1) -- each token attends to
-its ancestors and itself -- and edges pay the vocabulary projection. The
-coefficients come from FLOP counting on the model's shape
-(`CostModel.from_shape`), so that a bin of long chains is not mistaken for a
-cheap one because it has few tokens. Assignment is LPT (longest processing
-time first onto the least-loaded rank), within 4/3 of optimal and exact for
-the common case of many small bins.
+A bin's cost is `token * tokens + pair * attention_pairs + edge * edges`, with the
+coefficients from FLOP counting on the model's shape (`CostModel.from_shape`), so that a bin
+of long chains is not mistaken for a cheap one because it has few tokens. Assignment is LPT
+(longest processing time first onto the least-loaded rank), within 4/3 of optimal and exact
+for the common case of many small bins.
+
+The model counts what the executed kernels compute (checked against torch's FLOP counter in
+tests/stages/test_cost_model.py):
+- tokens are the bin's *real* tokens. On CUDA a flex bin is padded to the bin budget, but
+  only inside the attention call: projections and MLP run over the real tokens, and a padding
+  token attends only to itself, so padding adds one diagonal block per 128 padding tokens
+  (under 1% of a half-full 16k bin's attention) and is not modelled.
+- attention pairs are counted as the kernel computes them: flex (`block=128`) evaluates every
+  128 x 128 tile that holds a visible (query, ancestor) pair in full, so a tree's pairs are
+  rounded up to its tiles; `block=1` counts the exact pairs, sum over nodes of (depth + 1).
+- a loss edge pays the vocabulary projection three times in training (forward, its
+  recomputation under activation checkpointing, backward x2): 8 FLOPs per multiply-add.
+The coefficients are FLOPs, not seconds: kernels reach different fractions of peak, and
+bench/bench_dp_gpu.py fits measured per-rank seconds on bins, tokens, pairs and edges to
+check them (its `calibration`).
 
 Bins that `Fragment(ranks=N)` dealt already (their `rank` is set, >= 0) keep it: Fragment packed
 each rank's share of whole layouts on its own (stages/_deal.py), and re-dealing its bins would
@@ -25,26 +37,34 @@ import pyarrow as pa
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages._flat import list_offsets, list_values
 from treeflow.stages.base import Stage
+from treeflow.tree import subtree_end
 
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """FLOPs (forward + backward) per token, per attention pair and per loss edge."""
+    """FLOPs (forward + backward) per token, per computed attention pair and per loss edge.
+
+    block: the attention kernel's tile (flex: 128); pairs are counted as whole tiles that hold
+    a visible pair. 1 counts exact pairs.
+    """
 
     token: float = 1.0
     pair: float = 0.0
     edge: float = 0.0
+    block: int = 1
 
     @classmethod
     def from_shape(cls, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                   vocab: int, head_dim: int | None = None, training: bool = True) -> "CostModel":
+                   vocab: int, head_dim: int | None = None, training: bool = True,
+                   block: int = 128) -> "CostModel":
         head_dim = head_dim or hidden // heads
         q, kv = heads * head_dim, kv_heads * head_dim
         per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * intermediate
         mult = 6.0 if training else 2.0  # multiply-adds x2, backward x2 more
         return cls(token=mult * layers * per_layer,
                    pair=mult * layers * 2 * q,  # QK^T and PV
-                   edge=mult * hidden * vocab)
+                   edge=(8.0 if training else 2.0) * hidden * vocab,  # + checkpoint recompute
+                   block=block)
 
     @classmethod
     def llama_1b(cls) -> "CostModel":
@@ -58,12 +78,31 @@ def bin_costs(bins: pa.Table, cost: CostModel) -> np.ndarray:
     tokens = np.diff(off)
     edges = np.diff(list_offsets(bins.column("edge_sources").combine_chunks()))
     vals = list_values(pos)
-    pairs = np.zeros(len(tokens), dtype=np.int64)  # sum of (depth + 1) per bin
-    full = np.flatnonzero(tokens > 0)
-    if len(full):
-        pairs[full] = np.add.reduceat(vals, off[full], dtype=np.int64)
-    pairs += tokens
+    if cost.block > 1:
+        pairs = np.array([tile_pairs(vals[off[i]:off[i + 1]], cost.block)
+                          for i in range(len(tokens))], dtype=np.int64)
+    else:
+        pairs = np.zeros(len(tokens), dtype=np.int64)  # sum of (depth + 1) per bin
+        full = np.flatnonzero(tokens > 0)
+        if len(full):
+            pairs[full] = np.add.reduceat(vals, off[full], dtype=np.int64)
+        pairs += tokens
     return cost.token * tokens + cost.pair * pairs.astype(np.float64) + cost.edge * edges
+
+
+def tile_pairs(depths_N: np.ndarray, block: int) -> int:
+    """Pairs a tiled tree-attention kernel computes: block^2 per tile holding a visible pair.
+
+    Key tile kb is visible from query tile qb >= kb iff some key of kb has its subtree end
+    past qb's first query; so tiles kb .. (max end in kb - 1) // block are computed. O(N).
+    """
+    n = len(depths_N)
+    if n == 0:
+        return 0
+    end_N = subtree_end(depths_N)
+    tiles = -(-n // block)
+    end_B = np.maximum.reduceat(end_N, np.arange(0, n, block))
+    return int(((end_B - 1) // block - np.arange(tiles) + 1).sum()) * block * block
 
 
 @dataclass(frozen=True)

@@ -137,11 +137,12 @@ class Step:
         runner.wait_ready(prepared)
         loss = self.trainer.reduce.loss
         t0 = time.perf_counter()
-        self.cost += float(bin_costs(bins, self.trainer.cost_model).sum()) if bins.num_rows else 0.0
         try:
             self._add(bins, off, index_2O, kept_off, loss, last)
             self._seen[slot] += 1
         finally:
+            # host work while the device still runs the last backward
+            self.cost += float(bin_costs(bins, self.trainer.cost_model).sum()) if bins.num_rows else 0.0
             if self.trainer.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.trainer.runner.device)
             self.seconds += time.perf_counter() - t0
