@@ -79,8 +79,7 @@ def bin_costs(bins: pa.Table, cost: CostModel) -> np.ndarray:
     edges = np.diff(list_offsets(bins.column("edge_sources").combine_chunks()))
     vals = list_values(pos)
     if cost.block > 1:
-        pairs = np.array([tile_pairs(vals[off[i]:off[i + 1]], cost.block)
-                          for i in range(len(tokens))], dtype=np.int64)
+        pairs = _tile_pairs_per_bin(vals, off, cost.block)
     else:
         pairs = np.zeros(len(tokens), dtype=np.int64)  # sum of (depth + 1) per bin
         full = np.flatnonzero(tokens > 0)
@@ -96,13 +95,25 @@ def tile_pairs(depths_N: np.ndarray, block: int) -> int:
     Key tile kb is visible from query tile qb >= kb iff some key of kb has its subtree end
     past qb's first query; so tiles kb .. (max end in kb - 1) // block are computed. O(N).
     """
-    n = len(depths_N)
-    if n == 0:
-        return 0
-    end_N = subtree_end(depths_N)
-    tiles = -(-n // block)
-    end_B = np.maximum.reduceat(end_N, np.arange(0, n, block))
-    return int(((end_B - 1) // block - np.arange(tiles) + 1).sum()) * block * block
+    depths_N = np.asarray(depths_N)
+    return int(_tile_pairs_per_bin(depths_N, np.array([0, len(depths_N)]), block)[0])
+
+
+def _tile_pairs_per_bin(vals: np.ndarray, off: np.ndarray, block: int) -> np.ndarray:
+    """`tile_pairs` of every bin at once: one subtree_end over the bins' concatenated depths
+    (every bin starts at a root, so no subtree crosses into the next bin)."""
+    tokens = np.diff(off)
+    if not len(vals):
+        return np.zeros(len(tokens), dtype=np.int64)
+    end = subtree_end(vals)
+    tiles = -(-tokens // block)
+    bin_of_tile = np.repeat(np.arange(len(tokens)), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    t = np.arange(len(bin_of_tile)) - first  # tile index inside its bin
+    starts = off[:-1][bin_of_tile] + t * block
+    end_B = np.maximum.reduceat(end, starts) - off[:-1][bin_of_tile]
+    counts = np.bincount(bin_of_tile, weights=(end_B - 1) // block - t + 1, minlength=len(tokens))
+    return counts.astype(np.int64) * block * block
 
 
 @dataclass(frozen=True)
