@@ -2,9 +2,12 @@
 
 from treeflow.pipeline.pipeline import Pipeline
 from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.queue_source import QueueReader, QueueSource, put_files
+from treeflow.pipeline.rollout import Rollout, run_rollout, sample_group
 from treeflow.pipeline.sink import ArrowSink
 from treeflow.pipeline.source import Files, FilesReader, windows
 from treeflow.pipeline.synth import synth_episodes, write_episodes
 
-__all__ = ["ArrowSink", "Files", "FilesReader", "Pipeline", "Plan", "WindowResult", "synth_episodes",
+__all__ = ["ArrowSink", "Files", "FilesReader", "Pipeline", "Plan", "QueueReader", "QueueSource",
+           "Rollout", "WindowResult", "put_files", "run_rollout", "sample_group", "synth_episodes",
            "windows", "write_episodes"]

@@ -75,7 +75,10 @@ class Pipeline:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
         source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
-        of paths, an episode table, or an iterable of episode tables. `window`
+        of paths, an episode table, an iterable of episode tables, or a
+        `QueueSource` (or its reader, `QueueSource.open(state)`): live steps
+        from a tensor queue, one window per queue step, each acknowledged when
+        the caller asks for the next result (pipeline/queue_source.py). `window`
         episodes are packed together (default 256); for an iterable of tables
         and no `window`, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
@@ -88,6 +91,30 @@ class Pipeline:
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
+        from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
+
+        if isinstance(source, (QueueSource, QueueReader)):
+            if engine == "ray":
+                raise ValueError(
+                    "engine='ray' does not read from a tensor queue: its driver cuts windows from "
+                    "file spans that Ray read tasks fetch themselves (Files.spans), while a queue "
+                    "step is leased to one consumer process that must renew and acknowledge it; "
+                    "run a QueueSource with engine='local' (the queue itself may be the "
+                    "transferqueue backend on Ray)")
+            if window is not None:
+                raise ValueError("a QueueSource's windows are its queue steps; set "
+                                 "QueueSource(episodes_per_step=...) instead of window=")
+            if steps is not None:
+                raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
+                                 "give that instead of steps=")
+            if engine_options:
+                raise ValueError(f"engine 'local' takes no {sorted(engine_options)}")
+            from treeflow.pipeline.local import run_local
+
+            worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
+            reader = source.open() if isinstance(source, QueueSource) else source
+            return acknowledged(run_local(self.plan, reader, device=device, worker=worker,
+                                          prefetch=prefetch), reader)
         if engine == "ray":
             from treeflow.pipeline.ray_engine import run_ray
 

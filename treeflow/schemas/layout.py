@@ -117,6 +117,10 @@ STEP_METRICS_SCHEMA = pa.schema(
         _f("time_imbalance", pa.float64(), "measured max / mean - 1 of per-rank seconds"),
         _f("cost_imbalance", pa.float64(),
            "modelled max / mean - 1 of per-rank cost (Shard's formula on this model's shape)"),
+        _f("gen_kl", pa.float64(), "generation KL: mean k3 estimate of KL(generating policy || "
+           "this policy) over loss tokens with generation_logprobs", nullable=True),
+        _f("gen_logprob_max_diff", pa.float64(), "max |logprob - generation_logprob| over those tokens",
+           nullable=True),
     ],
     metadata={"treeflow.schema": "step_metrics/1"},
 )

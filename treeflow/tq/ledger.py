@@ -42,7 +42,7 @@ from typing import Any
 
 __all__ = ["END", "Delivery", "Group", "Ledger", "QueueClosed", "QueueFull"]
 
-END = "end"  # get(): the queue is closed and everything was acknowledged
+END = "end"  # get(): the queue is closed and nothing more can reach this consumer
 
 
 class QueueFull(RuntimeError):
@@ -213,8 +213,15 @@ class Ledger:
 
     # ------------------------------------------------------------ consumers
     def get(self, consumer: str, episodes: int, wait_s: float = 0.0,
-            min_version: int | None = None) -> Delivery | str | None:
-        """Lease the next whole step of `episodes` episodes; None after `wait_s`, END when done."""
+            min_version: int | None = None, own_leases_end: bool = False) -> Delivery | str | None:
+        """Lease the next whole step of `episodes` episodes; None after `wait_s`, END when done.
+
+        END: the queue is closed, nothing is queued or waiting for redelivery,
+        and no step is leased -- or, with `own_leases_end`, every step still
+        leased is this consumer's own (a reader with steps in flight, which it
+        will acknowledge or give back, ends its stream without waiting for
+        its own acks).
+        """
         if episodes < 1:
             raise ValueError(f"episodes={episodes}: a step needs at least one episode")
         deadline = time.monotonic() + wait_s
@@ -238,7 +245,8 @@ class Ledger:
                     self._next_step += 1
                     self._stats.steps_released += 1
                     return self._lease(consumer, step, groups, redelivered=False, dropped=dropped)
-                if self._closed and not self._queued and not self._leases:
+                if self._closed and not self._queued and all(
+                        own_leases_end and le.consumer == consumer for le in self._leases.values()):
                     return END
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -359,5 +367,6 @@ class Ledger:
             s.pop("extra")
             s.update(held_episodes=self._held_episodes, held_bytes=self._held_bytes,
                      queued_episodes=self._queued_episodes, leased_steps=len(self._leases),
-                     closed=self._closed, capacity=self.capacity)
+                     closed=self._closed, capacity=self.capacity,
+                     lease_seconds=self.lease_seconds)
             return s

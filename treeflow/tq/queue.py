@@ -20,6 +20,8 @@ and the step's loss weights are exact.
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +69,7 @@ class Queue:
         self.vocab_size = vocab_size
         self._owner = owner            # keeps a server (process, actor) alive while we are used
         self._seq: dict[str, int] = {}   # next put number per producer of this client
+        self._name = f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     # ------------------------------------------------------------ producers
     def next_seq(self, producer: str) -> int:
@@ -122,10 +125,16 @@ class Queue:
         self._ledger.close()
 
     # ------------------------------------------------------------ consumers
-    def get(self, episodes: int, *, consumer: str = "consumer", timeout: float = 60.0,
-            min_version: int | None = None):
-        """Lease the next whole step: a `Leased`, None after `timeout` s, or END when drained."""
-        got = self._ledger.get(consumer, episodes, timeout, min_version)
+    def get(self, episodes: int, *, consumer: str | None = None, timeout: float = 60.0,
+            min_version: int | None = None, own_leases_end: bool = False):
+        """Lease the next whole step: a `Leased`, None after `timeout` s, or END when drained.
+
+        consumer: who holds the lease (default: a name unique to this client).
+        own_leases_end: END already when the only steps left are leased by this
+        consumer (which will acknowledge or give them back; its name must be unique).
+        """
+        got = self._ledger.get(consumer or self._name, episodes, timeout, min_version,
+                               own_leases_end)
         if got is None or got == END:
             return got
         tables = self._store.read(got.payloads)

@@ -88,6 +88,7 @@ class Step:
         self._seen = np.zeros(len(slots), dtype=np.int32)
         self._broken: str | None = None
         self._grad64: dict[str, torch.Tensor] = {}
+        self._gen = [0.0, 0, 0.0]   # generation KL: k3 sum, tokens, max |d|
         device = trainer.runner.device
         self.model = trainer.model
         self._t = {k: (None if v is None else _to_device(v, device))
@@ -171,6 +172,7 @@ class Step:
                     self.trainer.reducer.arm()
                 total.backward()
                 self._sum_exactly()
+                self._generation_kl(lp_E[occ_edge].detach(), slot_t)
             except BaseException as e:
                 # gradients may hold part of this bin: the step can only be aborted now
                 self._broken = f"bin {r} of the last add() failed ({type(e).__name__}: {e})"
@@ -189,6 +191,16 @@ class Step:
                 self.loss_sum = v
             else:
                 self.stats[k] = v
+
+    def _generation_kl(self, logprob_O: torch.Tensor, slot_t: torch.Tensor) -> None:
+        """Accumulate k3 = exp(d) - 1 - d, d = logprob - generation logprob, over loss tokens."""
+        gen_O = self._t["gen"][slot_t]
+        ok = torch.isfinite(gen_O) & (self._t["weight"][slot_t] > 0)
+        d_O = (logprob_O[ok].double() - gen_O[ok].double())
+        if len(d_O):
+            self._gen[0] += float((torch.expm1(d_O) - d_O).sum())
+            self._gen[1] += len(d_O)
+            self._gen[2] = max(self._gen[2], float(d_O.abs().max()))
 
     def _refuse_if_broken(self) -> None:
         if self._broken:
@@ -305,6 +317,8 @@ class Step:
         loss = tr.reduce.loss
         pg = loss.kind == "pg"
         slowest = float(seconds.max())
+        gen = dp.sum_array(np.array(self._gen[:2], dtype=np.float64))    # generation KL over ranks
+        gen_max = dp.max_array(np.array(self._gen[2:], dtype=np.float64))
         row = {
             "step": tr.steps, "loss": s["loss_sum"], "episodes": self.episodes,
             "sampled_tokens": len(self.slots), "loss_tokens": int((self.weight_S > 0).sum()),
@@ -322,6 +336,8 @@ class Step:
             "time_imbalance": float(slowest / seconds.mean() - 1.0) if slowest > 0 else 0.0,
             "cost_imbalance": (float(costs.max() / costs.mean() - 1.0) if costs.mean() > 0
                                else 0.0),
+            "gen_kl": float(gen[0] / gen[1]) if gen[1] else None,
+            "gen_logprob_max_diff": float(gen_max[0]) if gen[1] else None,
         }
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
 

@@ -1,0 +1,260 @@
+"""A pipeline source that reads whole steps from a tensor queue (live rollouts).
+
+    reader = QueueSource(queue=q, episodes_per_step=32).open()
+    for rec in Pipeline(...).run(reader):       # one WindowResult per queue step
+        write(rec.output)                       # durable -> acknowledged when the next is asked
+
+Each window is one queue step: a whole, leased set of whole groups; the local
+engine leases up to `prefetch` steps ahead while the model works. A reader
+renews its leases from a background thread (a consumer that dies stops
+renewing, so its steps are redelivered to the next one) and acknowledges a
+step only once its result was handed to the caller and the caller came back
+for more (`ack="auto"`), or when the caller says so (`ack="manual"`:
+`reader.ack_finished()` after a checkpoint). Closing a reader early gives
+every step it holds and has not acknowledged back for redelivery at once.
+
+Redelivery is idempotent: a reader's position (`state_dict()`, saved in a
+checkpoint as the trainer's position) names the queue steps it has applied,
+and a reader opened from it acknowledges and skips a redelivered step it
+already holds. The position is the steps' set -- every step through a
+watermark plus the few above it -- not a count, because a redelivered step
+can arrive after newer ones.
+
+Staleness: a training window is one optimizer step, so the n-th window a
+reader yields is trained at policy version `version + n` whatever the
+prefetch depth; with `max_staleness` K the queue drops (and counts) queued
+groups sampled before version + n - K. The trade-off: staleness is decided
+when a step is leased, so a group is never dropped after it entered a step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from treeflow.tq import END
+
+__all__ = ["QueueReader", "QueueSource", "put_files"]
+
+_ACKS = ("auto", "manual")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueSource:
+    """Steps of `episodes_per_step` episodes (whole groups) leased from `queue`.
+
+    consumer: this consumer's name (leases and stats). max_steps: stop after
+    this many windows (None: until the producers close the queue).
+    max_staleness/version: see the module docstring (training only).
+    ack: "auto" (a step is acknowledged when the caller asks for the next
+    result) or "manual" (`QueueReader.ack_finished()`). idle_timeout: fail
+    when no step arrived for this many seconds (None: wait for ever).
+    """
+
+    queue: object
+    episodes_per_step: int
+    consumer: str = "consumer"
+    max_steps: int | None = None
+    max_staleness: int | None = None
+    version: int = 0
+    ack: str = "auto"
+    idle_timeout: float | None = None
+
+    def __post_init__(self):
+        if self.episodes_per_step < 1:
+            raise ValueError(f"QueueSource(episodes_per_step={self.episodes_per_step}): give >= 1")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"QueueSource(max_steps={self.max_steps}): give >= 0 or None")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"QueueSource(max_staleness={self.max_staleness}): give K >= 0 steps")
+        if self.ack not in _ACKS:
+            raise ValueError(f"QueueSource(ack={self.ack!r}): choose one of {_ACKS}")
+
+    def open(self, state: dict | None = None) -> QueueReader:
+        """A reader, continued from `state` (a reader's `state_dict()`, e.g. a checkpoint's)."""
+        return QueueReader(self, state or {})
+
+    def __iter__(self):
+        raise TypeError("iterate a reader: QueueSource(...).open(), or pass the QueueSource to "
+                        "Pipeline.run, which opens one")
+
+
+class QueueReader:
+    """Leases steps from the queue; an iterator of episode windows with a savable position."""
+
+    def __init__(self, source: QueueSource, state: dict):
+        self.source = source
+        self.queue = source.queue
+        self.consumer = f"{source.consumer}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # leases' owner
+        self.episodes = int(state.get("episodes", 0))
+        self._through = int(state.get("queue_steps_through", -1))  # applied: every step <= this
+        self._extra = set(int(s) for s in state.get("queue_steps_extra", ()))  # ... and these
+        self.windows = 0          # windows yielded by this reader
+        self.redelivered = 0      # steps this reader got after another consumer lost them
+        self.skipped = 0          # redelivered steps already applied (acknowledged, not yielded)
+        self.dropped_stale = 0    # episodes the queue dropped as too stale for this reader
+        self._lock = threading.Lock()
+        self._held: dict[int, object] = {}    # queue step -> its current lease, until acknowledged
+        self._finished: list[int] = []        # steps whose results the caller has taken
+        self._stop = threading.Event()
+        stats = self.queue.stats()
+        lease = float(stats.get("lease_seconds", 60.0))
+        self._beat = threading.Thread(target=self._heartbeat, args=(lease / 4,), daemon=True,
+                                      name="treeflow-tq-renew")
+        self._beat.start()
+
+    # ------------------------------------------------------------ iteration
+    def __iter__(self) -> QueueReader:
+        return self
+
+    def __next__(self) -> pa.Table:
+        src = self.source
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            if src.max_steps is not None and self.windows >= src.max_steps:
+                raise StopIteration
+            min_version = None
+            if src.max_staleness is not None:
+                min_version = src.version + self.windows - src.max_staleness
+            got = self.queue.get(src.episodes_per_step, consumer=self.consumer, timeout=0.5,
+                                 min_version=min_version, own_leases_end=True)
+            if got is None:
+                if src.idle_timeout is not None and time.monotonic() - idle_since > src.idle_timeout:
+                    raise TimeoutError(f"no step arrived in the queue for {src.idle_timeout:g} s; "
+                                       "is a producer running (or raise the idle timeout)?")
+                continue
+            if got == END:
+                raise StopIteration
+            self.dropped_stale += got.dropped_stale
+            with self._lock:
+                if got.step in self._held or self._done(got.step):
+                    mine = got.step in self._held
+                    if mine:            # our own lease lapsed (a stalled heartbeat): keep the new one
+                        self._held[got.step] = got
+                        continue
+                    self.skipped += 1   # applied before a restart: idempotent
+                    done = True
+                else:
+                    done = False
+                    self._held[got.step] = got
+                    self._extra.add(got.step)
+                    self._compact()
+            if done:
+                self.queue.ack(got)
+                continue
+            self.redelivered += int(got.redelivered)
+            self.windows += 1
+            self.episodes += got.episodes.num_rows
+            self._last = got.step
+            return got.episodes
+        raise StopIteration
+
+    def _done(self, step: int) -> bool:
+        return step <= self._through or step in self._extra
+
+    def _compact(self) -> None:
+        while self._through + 1 in self._extra:
+            self._through += 1
+            self._extra.discard(self._through)
+
+    def state_dict(self) -> dict:
+        """Episodes taken and the queue steps taken (the last one first, for display)."""
+        with self._lock:
+            return {"queue_step": getattr(self, "_last", None), "episodes": self.episodes,
+                    "queue_steps_through": self._through,
+                    "queue_steps_extra": sorted(self._extra)}
+
+    # ------------------------------------------------------------ acknowledgement
+    def handed(self, step: int) -> None:
+        """The caller now has the result of queue step `step` (the engine's wrapper says so)."""
+        if self.source.ack == "manual":
+            with self._lock:
+                self._finished.append(step)
+
+    def taken(self, step: int) -> None:
+        """The caller came back for more after `step`'s result: acknowledged under ack="auto"."""
+        if self.source.ack == "auto":
+            self._ack([step])
+
+    def ack_finished(self) -> list[int]:
+        """Acknowledge every step whose result was handed to the caller (now durable)."""
+        with self._lock:
+            steps, self._finished = self._finished, []
+        self._ack(steps)
+        return steps
+
+    def _ack(self, steps) -> None:
+        for step in steps:
+            with self._lock:
+                leased = self._held.pop(step, None)
+            if leased is not None:
+                self.queue.ack(leased)
+
+    def close(self) -> None:
+        """Stop renewing; give back every step held and not acknowledged (redelivered at once)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._lock:
+            held, self._held, self._finished = list(self._held.values()), {}, []
+        for leased in held:
+            try:
+                self.queue.nack(leased)
+            except Exception:  # noqa: BLE001 - the queue is gone; its leases lapse there anyway
+                break
+
+    def _heartbeat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            with self._lock:
+                held = list(self._held.values())
+            try:
+                for leased in held:
+                    self.queue.renew(leased)
+            except Exception:  # noqa: BLE001 - the queue is gone; the main loop reports it
+                return
+
+
+def acknowledged(records: Iterator, reader: QueueReader) -> Iterator:
+    """Pass an engine's WindowResults through, telling the reader when each was taken."""
+    try:
+        for rec in records:
+            step = rec.position["queue_step"]
+            reader.handed(step)
+            yield rec
+            reader.taken(step)
+    finally:
+        reader.close()        # first: a prefetch thread waiting in the queue then stops
+        close = getattr(records, "close", None)
+        if close is not None:
+            close()
+
+
+def put_files(queue, paths, *, producer: str = "files", chunk: int = 64, rate: float | None = None,
+              vocab_size: int | None = None, close: bool = True, put_timeout: float = 600.0) -> dict:
+    """Put stored episode files into `queue`: chunks of about `chunk` episodes of whole groups.
+
+    The chunking is deterministic, so a restarted producer skips the chunks
+    the queue has accepted (`queue.next_seq(producer)`) and puts the rest.
+    rate: at most this many episodes per second (None: as fast as the queue takes them).
+    """
+    from treeflow.pipeline.source import Files
+
+    start = queue.next_seq(producer)
+    n, t0 = 0, time.perf_counter()
+    for seq, table in enumerate(Files(paths=tuple(paths) if not isinstance(paths, str) else (paths,),
+                                      window=chunk, vocab_size=vocab_size)):
+        if seq < start:
+            continue
+        if rate:
+            time.sleep(max(0.0, t0 + n / rate - time.perf_counter()))
+        queue.put(table, producer=producer, seq=seq, timeout=put_timeout)
+        n += table.num_rows
+    if close:
+        queue.close()
+    return {"episodes": n, "resumed_at": start, "seconds": round(time.perf_counter() - t0, 3)}
