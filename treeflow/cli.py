@@ -1,4 +1,4 @@
-"""`treeflow` command line: synth, convert, inspect, plan, replay.
+"""`treeflow` command line: synth, convert, inspect, plan, replay, stream, rollout.
 
 Each command is a thin shell over the library: it parses options, streams
 windows of episodes through stages, and prints a summary (rich tables, or one
@@ -20,6 +20,7 @@ import pyarrow as pa
 from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_convert import add_convert_parser
 from treeflow.cli_parallel import check_tensor_parallel_options, rank_of, start_ranks, torchrun_world
+from treeflow.cli_stream import add_stream_parsers
 from treeflow.cli_train import add_train_options, cmd_train
 
 
@@ -288,6 +289,32 @@ def check_device(device: str) -> None:
 
 
 # ---------------------------------------------------------------- main
+def model_options(s) -> None:
+    """Options shared by replay and stream, so the two run the same episodes the same way."""
+    s.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF checkpoint dir")
+    s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
+                   help="model backend: treeflow's PyTorch decoder or megatron-core's GPTModel "
+                        "(pip install 'treeflow[megatron]')")
+    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"),
+                   default="auto")
+    s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
+    s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
+    s.add_argument("--window", type=int, default=64, help="episodes packed together")
+    s.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")
+    s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
+    s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
+    s.add_argument("-o", "--output", default=None,
+                   help="result file, .arrow (Arrow IPC) or .parquet (logprobs mode)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (or TREEFLOW_DEBUG=1)")
@@ -313,33 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("replay", parents=[common], help="compute per-token logprobs of stored episodes")
     s.add_argument("files", nargs="+")
-    s.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF checkpoint dir")
-    s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
-                   help="model backend: treeflow's PyTorch decoder or megatron-core's GPTModel "
-                        "(pip install 'treeflow[megatron]')")
+    model_options(s)
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                    help="split the model over T processes (--backend megatron; one GPU each "
                         "with --device cuda); in training, T x --ranks processes")
-    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
-    s.add_argument("--scope", choices=("episode", "group"), default=None)
-    s.add_argument("--max-tokens", type=int, default=16384)
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"),
-                   default="auto")
-    s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
-    s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
-    s.add_argument("--window", type=int, default=64, help="episodes packed together")
-    s.add_argument("--engine", choices=("local", "ray"), default="local",
-                   help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")
-    s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
-    s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
-    s.add_argument("-o", "--output", default=None,
-                   help="result file, .arrow (Arrow IPC) or .parquet (logprobs mode)")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_train_options(s)
     s.set_defaults(fn=cmd_replay)
+
+    add_stream_parsers(sub, common, model_options)
 
     s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
     s.add_argument("files", nargs="+")

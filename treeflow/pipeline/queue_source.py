@@ -10,8 +10,8 @@ renews its leases from a background thread (a consumer that dies stops
 renewing, so its steps are redelivered to the next one) and acknowledges a
 step only once its result was handed to the caller and the caller came back
 for more (`ack="auto"`), or when the caller says so (`ack="manual"`:
-`reader.ack_finished()` after a checkpoint). Closing a reader early gives
-every step it holds and has not acknowledged back for redelivery at once.
+`reader.ack_finished()` after a checkpoint). Closing a reader gives every
+step it leased ahead and never handed to the caller back for redelivery.
 
 Redelivery is idempotent: a reader's position (`state_dict()`, saved in a
 checkpoint as the trainer's position) names the queue steps it has applied,
@@ -197,13 +197,21 @@ class QueueReader:
                 self.queue.ack(leased)
 
     def close(self) -> None:
-        """Stop renewing; give back every step held and not acknowledged (redelivered at once)."""
+        """Stop leasing and renewing; give back at once every step not handed to the caller.
+
+        Steps handed to the caller and not yet acknowledged stay leased, so that
+        `ack_finished()` can still acknowledge them once they are durable (a
+        checkpoint written after the stream ended); if it never comes, their
+        leases lapse and they are redelivered.
+        """
         if self._stop.is_set():
             return
         self._stop.set()
         with self._lock:
-            held, self._held, self._finished = list(self._held.values()), {}, []
-        for leased in held:
+            keep = set(self._finished)
+            back = [le for step, le in self._held.items() if step not in keep]
+            self._held = {step: le for step, le in self._held.items() if step in keep}
+        for leased in back:
             try:
                 self.queue.nack(leased)
             except Exception:  # noqa: BLE001 - the queue is gone; its leases lapse there anyway

@@ -9,7 +9,7 @@ One interface (`Queue`), two backends:
 
     q = open_queue("/tmp/tf.sock")                 # start, or attach if one answers there
     q.put(episodes, producer="rollout-0")          # whole groups, validated, bounded
-    for results in Pipeline(...).run(QueueSource(q, episodes_per_step=32)): ...
+    for rec in Pipeline(...).run(QueueSource(queue=q, episodes_per_step=32)): ...
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
         from treeflow.tq.transferqueue import open_transferqueue
 
         ledger, store, owner = open_transferqueue(address or "default", **options)
-        return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size, owner=owner)
+        return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size,
+                     owner=owner if owner.created else None)  # attached: shutdown() stops nothing
     raise ValueError(f"queue backend {backend!r}: choose one of {BACKENDS}")
 
 

@@ -1,0 +1,194 @@
+"""`treeflow stream --mode train`: optimizer steps on live queue steps, refit and staleness.
+
+One queue step (whole groups, --batch-episodes episodes) is one optimizer
+step, run by the same Trainer as `replay --mode train` (checkpoints,
+--resume, --metrics, --tensorboard, precision). After each step the new
+weights are written to --publish-weights (default: <--save>/weights, else a
+temporary directory) as `v<steps>`, renamed into place so a reader never sees
+half a checkpoint, and announced on the queue; producers that refit pick them
+up and stamp their episodes with that weight_version. --max-staleness K drops
+(and counts) queued episodes sampled more than K versions before the step
+that would train on them.
+
+Delivery: without --save-every, a step is acknowledged once its metrics are
+out (a crash loses the open step's progress and its episodes are not
+replayed). With --save-every N, steps are acknowledged only after the
+checkpoint that contains them: a consumer killed in between leaves them
+leased, they are redelivered to the next consumer (`--resume` from that
+checkpoint), and a redelivered step the checkpoint already holds is skipped
+(the checkpoint's input position is the set of queue steps applied), so
+every step is applied exactly once. The queue must then hold N + prefetch + 1
+steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from treeflow._display import _console, _progress, _table
+
+_KEEP_VERSIONS = 3
+
+
+def check_train(args) -> None:
+    """Refuse impossible options before the queue or any model is started."""
+    from treeflow.atomic import check_output
+    from treeflow.train.checkpoint import LATEST
+
+    if args.batch_episodes is None:
+        raise ValueError("--mode train needs --batch-episodes B >= 1 (episodes per optimizer step)")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
+                         "to save only at the end")
+    if args.save_every and not args.save:
+        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
+    if args.keep is not None and args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
+    if args.shard_params:
+        raise ValueError("--shard-params needs several ranks; stream trains on one")
+    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
+                                    ("--publish-weights", args.publish_weights, True)):
+        if path:
+            check_output(path, what=option, directory=directory)
+    if args.save and not args.resume and os.path.isdir(args.save) and \
+            (os.path.exists(os.path.join(args.save, LATEST)) or
+             any(n.startswith("step-") for n in os.listdir(args.save))):
+        raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
+                         f"{args.save} to continue it, or give an empty directory")
+    B = args.batch_episodes
+    held = (args.save_every if args.save and args.save_every else 0) + args.prefetch + 1
+    if args.capacity < held * B:
+        raise ValueError(f"--capacity {args.capacity}: this consumer holds up to {held} steps of "
+                         f"{B} episodes leased at once (--prefetch {args.prefetch}"
+                         + (f", --save-every {args.save_every}" if args.save_every else "")
+                         + f"); give --capacity >= {held * B} or the producers stall")
+
+
+def publish_weights(trainer, queue, root: str) -> str:
+    """Write the trainer's weights as <root>/v<steps> (atomically renamed) and announce them."""
+    from treeflow.atomic import atomic_dir
+
+    version = trainer.steps
+    final = os.path.join(root, f"v{version}")
+    with atomic_dir(final, what="published weights") as tmp:
+        trainer.backend.save(tmp)
+    queue.publish_weights(version, final)
+    for old in range(version - _KEEP_VERSIONS, -1, -1):
+        path = os.path.join(root, f"v{old}")
+        if not os.path.isdir(path):
+            break
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def stream_train(args, queue) -> dict:
+    from treeflow.cli_stream import forward_stage
+    from treeflow.cli_train import _note, _open_metrics
+    from treeflow.pipeline import Pipeline, QueueSource
+    from treeflow.stages import EpisodeSchedule, Fragment, Loss, Pack, Reduce
+    from treeflow.train import Trainer
+    from treeflow.train.run import STEP_OPTIONS, differences
+
+    forward = forward_stage(args)
+    reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
+                              clip_high=args.clip_high, tis_cap=args.tis_cap),
+                    schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
+                                             decay_episodes=args.decay_episodes),
+                    max_grad_norm=args.max_grad_norm)
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
+                    forward, reduce)
+    options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
+                   device=args.device)
+    run = {"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}}  # data: the queue
+    if args.resume:
+        trainer = Trainer.resume(args.resume, forward, reduce, log=_note, **options)
+        diffs = differences(trainer.run or run, run)
+        if diffs and not args.allow_different_data:
+            raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
+                             + "; ".join(diffs) + "; resume with the checkpoint's options, or pass "
+                             "--allow-different-data to continue anyway")
+    else:
+        trainer = Trainer(forward, reduce, **options)
+    trainer.run = run
+    todo = None if args.steps is None else args.steps - trainer.steps
+    if todo is not None and todo <= 0:
+        return {"steps": trainer.steps, "note": f"the checkpoint has >= --steps {args.steps}"}
+    root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
+                                    else tempfile.mkdtemp(prefix="treeflow-weights-"))
+    os.makedirs(root, exist_ok=True)
+    if trainer.steps:
+        publish_weights(trainer, queue, root)
+    hold = bool(args.save and args.save_every)
+    reader = QueueSource(queue=queue, episodes_per_step=args.batch_episodes, consumer=args.consumer,
+                         max_steps=todo, max_staleness=args.max_staleness, version=trainer.steps,
+                         ack="manual" if hold else "auto",
+                         idle_timeout=args.idle_timeout).open(trainer.position)
+    metrics_file = _open_metrics(args, trainer.steps)
+    tensorboard = None
+    if args.tensorboard:
+        from treeflow.io import TensorBoardLog
+
+        tensorboard = TensorBoardLog(args.tensorboard)
+    rows, dropped, saved_at, compile_seconds = [], 0, None, 0.0
+    t0 = time.perf_counter()
+    try:
+        with _progress("stream train", todo, args.json or args.quiet) as advance:
+            for rec in pipe.run(reader, device=args.device, trainer=trainer, prefetch=args.prefetch):
+                compile_seconds += rec.stats.get("compile_seconds", 0.0)
+                row = rec.output.to_pylist()[0]
+                wv = rec.episodes.column("weight_version").to_numpy(zero_copy_only=False)
+                wv = wv.astype(np.float64)
+                lag = (trainer.steps - 1) - wv[np.isfinite(wv)]
+                row.update(queue_step=rec.position["queue_step"],
+                           dropped_stale=reader.dropped_stale - dropped,
+                           redelivered=reader.redelivered,
+                           version_lag_mean=float(lag.mean()) if len(lag) else None,
+                           version_lag_max=float(lag.max()) if len(lag) else None,
+                           seconds=round(time.perf_counter() - t0, 3))
+                dropped = reader.dropped_stale
+                trainer.position = rec.position
+                publish_weights(trainer, queue, root)
+                rows.append(row)
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                if tensorboard:
+                    tensorboard.write(row["step"], {k: v for k, v in row.items() if v is not None})
+                if hold and trainer.steps % args.save_every == 0:
+                    if metrics_file:
+                        os.fsync(metrics_file.fileno())
+                    trainer.save(args.save, keep=args.keep)
+                    saved_at = trainer.steps
+                    reader.ack_finished()
+                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
+        if args.save and saved_at != trainer.steps:
+            trainer.save(args.save, keep=args.keep)
+        reader.ack_finished()
+    finally:
+        reader.close()
+        if metrics_file:
+            metrics_file.close()
+        if tensorboard:
+            tensorboard.close()
+    if not (args.json or args.quiet) and rows:
+        _console().print(_table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
+                                list(rows[-1].items())))
+    kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
+    per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
+                if len(rows) > 1 else None)
+    return {"steps": trainer.steps, "episodes": reader.episodes,
+            "dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
+            "skipped_redeliveries": reader.skipped,
+            "gen_kl_mean": (sum(kls) / len(kls)) if kls else None,
+            "ratio_mean_last": rows[-1]["ratio_mean"] if rows else None,
+            "last": rows[-1] if rows else None, "compile_seconds": round(compile_seconds, 3),
+            "steady_seconds_per_step": per_step, "weights": root,
+            "wall_seconds": round(time.perf_counter() - t0, 3)}
