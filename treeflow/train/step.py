@@ -88,7 +88,7 @@ class Step:
         self._seen = np.zeros(len(slots), dtype=np.int32)
         self._broken: str | None = None
         self._grad64: dict[str, torch.Tensor] = {}
-        self._gen = [0.0, 0, 0.0]   # generation KL: k3 sum, tokens, max |d|
+        self._gen = None   # generation KL on the device: k3 sum, tokens, max |d|
         device = trainer.runner.device
         self.model = trainer.model
         self._t = {k: (None if v is None else _to_device(v, device))
@@ -172,7 +172,7 @@ class Step:
                     self.trainer.reducer.arm()
                 total.backward()
                 self._sum_exactly()
-                self._generation_kl(lp_E[occ_edge].detach(), slot_t)
+                self._generation_kl(lp_E[edge_O].detach(), slot_O)
             except BaseException as e:
                 # gradients may hold part of this bin: the step can only be aborted now
                 self._broken = f"bin {r} of the last add() failed ({type(e).__name__}: {e})"
@@ -192,15 +192,21 @@ class Step:
             else:
                 self.stats[k] = v
 
-    def _generation_kl(self, logprob_O: torch.Tensor, slot_t: torch.Tensor) -> None:
-        """Accumulate k3 = exp(d) - 1 - d, d = logprob - generation logprob, over loss tokens."""
-        gen_O = self._t["gen"][slot_t]
-        ok = torch.isfinite(gen_O) & (self._t["weight"][slot_t] > 0)
-        d_O = (logprob_O[ok].double() - gen_O[ok].double())
-        if len(d_O):
-            self._gen[0] += float((torch.expm1(d_O) - d_O).sum())
-            self._gen[1] += len(d_O)
-            self._gen[2] = max(self._gen[2], float(d_O.abs().max()))
+    def _generation_kl(self, logprob_O: torch.Tensor, slot_O: torch.Tensor) -> None:
+        """Accumulate k3 = exp(d) - 1 - d, d = logprob - generation logprob, over loss tokens.
+
+        Summed on the device (no host wait per bin); read back once in finish().
+        """
+        if logprob_O.numel() == 0:
+            return
+        gen_O = self._t["gen"][slot_O]
+        ok_O = torch.isfinite(gen_O) & (self._t["weight"][slot_O] > 0)
+        d_O = torch.where(ok_O, logprob_O.double() - gen_O.double(), 0.0)
+        part = torch.stack([(torch.expm1(d_O) - d_O).sum(), ok_O.sum().double(), d_O.abs().max()])
+        if self._gen is None:
+            self._gen = part
+        else:
+            self._gen = torch.cat([self._gen[:2] + part[:2], torch.maximum(self._gen[2:], part[2:])])
 
     def _refuse_if_broken(self) -> None:
         if self._broken:
@@ -317,8 +323,9 @@ class Step:
         loss = tr.reduce.loss
         pg = loss.kind == "pg"
         slowest = float(seconds.max())
-        gen = dp.sum_array(np.array(self._gen[:2], dtype=np.float64))    # generation KL over ranks
-        gen_max = dp.max_array(np.array(self._gen[2:], dtype=np.float64))
+        mine = np.zeros(3) if self._gen is None else self._gen.cpu().numpy()
+        gen = dp.sum_array(np.ascontiguousarray(mine[:2]))       # generation KL over ranks
+        gen_max = dp.max_array(np.ascontiguousarray(mine[2:]))
         row = {
             "step": tr.steps, "loss": s["loss_sum"], "episodes": self.episodes,
             "sampled_tokens": len(self.slots), "loss_tokens": int((self.weight_S > 0).sum()),
