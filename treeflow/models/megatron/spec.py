@@ -31,6 +31,7 @@ Q query heads and K key/value groups of this rank, D head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -150,19 +151,34 @@ def tree_layer_spec() -> ModuleSpec:
     """MCore's local GPT layer (fused QKV, SwiGLU MLP) with tree core attention and TreeRMSNorm."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
+    mlp_subs = _mlp_submodules(mlp)
     if (attention.submodules.linear_qkv, attention.submodules.linear_proj,
-            mlp.submodules.linear_fc1, mlp.submodules.linear_fc2) != (
+            mlp_subs.linear_fc1, mlp_subs.linear_fc2) != (
             ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear):
         raise ValueError("this megatron-core's local GPT spec no longer uses Column/RowParallelLinear "
                          "for QKV, projection and MLP; treeflow's spec needs updating for it")
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
         attention.submodules, core_attention=TreeCoreAttention,
         linear_qkv=TreeColumnParallelLinear, linear_proj=TreeRowParallelLinear))
-    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-        mlp.submodules, linear_fc1=TreeColumnParallelLinear, linear_fc2=TreeRowParallelLinear))
+    mlp = _with_mlp_submodules(mlp, dataclasses.replace(
+        mlp_subs, linear_fc1=TreeColumnParallelLinear, linear_fc2=TreeRowParallelLinear))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, self_attention=attention, mlp=mlp, input_layernorm=TreeRMSNorm,
         pre_mlp_layernorm=TreeRMSNorm))
+
+
+def _mlp_submodules(mlp):
+    """The MLP's submodules: a ModuleSpec's (megatron-core 0.16) or a partial's (0.19 builds the
+    MLP as functools.partial(MLP.as_mlp_submodule, submodules=...))."""
+    if isinstance(mlp, functools.partial):
+        return mlp.keywords["submodules"]
+    return mlp.submodules
+
+
+def _with_mlp_submodules(mlp, submodules):
+    if isinstance(mlp, functools.partial):
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp, submodules=submodules)
 
 
 def tree_block_spec(num_layers: int) -> TransformerBlockSubmodules:
