@@ -181,7 +181,12 @@ class MegatronBackend:
         angles_P11D = self._rotary.angles(positions_P)[:, None, None, :]
         x_P1H = model.decoder(hidden_states=x_P1H, attention_mask=plan, rotary_pos_emb=angles_P11D)
         if self.sequence_parallel:
-            x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=True)
+            # the edge head enters through copy_to_tensor_model_parallel_region, whose backward
+            # already sums the vocabulary shards' hidden-state gradients over the TP group: the
+            # gather's backward must only take this rank's slice of that sum. A reduce-scatter
+            # (tensor_parallel_output_grad=True) summed it a second time: on two H200s the TP=2
+            # step's gradient norm was exactly 2.00x TP=1's.
+            x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=False)
         return x_P1H[:n, 0]
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
