@@ -92,3 +92,32 @@ def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys):
     assert all(r["version_lag_max"] <= 1 for r in rows)
     assert os.path.isdir(os.path.join(summary["weights"], "v2"))     # published for refit
     assert os.path.exists(tmp_path / "ck" / "latest")
+
+
+def test_stream_resume_skips_steps_already_written(data, tmp_path, capsys):
+    out = str(tmp_path / "steps")
+    opts = ["--from", data, "-o", out, "--window", "4", "--chunk", "2", "--json"]
+    assert main(["stream", *opts]) == 0
+    capsys.readouterr()
+    before = {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
+    # the same stream again (a consumer restarted on redelivered steps): written steps are skipped
+    assert main(["stream", *opts, "--resume", out]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 0 and summary["skipped_redeliveries"] == 2
+    assert summary["queue"]["steps_acked"] == 2 and summary["queue"]["held_episodes"] == 0
+    assert {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)} == before
+
+
+def test_stream_writes_results_back_for_the_producer(data, tmp_path, capsys):
+    sock = str(tmp_path / "q.sock")
+    queue = open_queue(sock)
+    try:
+        assert main(["stream", "--queue", sock, "--from", data, "--return-results", "-o",
+                     str(tmp_path / "steps"), "--window", "4", "--chunk", "2", "--json"]) == 0
+        back = [queue.take_results(timeout=5) for _ in range(2)]
+        assert queue.take_results() is None
+    finally:
+        queue.shutdown()
+    assert [step for step, _ in back] == [0, 1]
+    for step, table in back:
+        assert table.equals(_read(tmp_path / "steps" / f"step-{step:06d}.arrow"))
