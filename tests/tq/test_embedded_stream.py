@@ -14,16 +14,18 @@ import time
 import pyarrow as pa
 import pytest
 
-from tests.tq.queue_helpers import (B, assert_same_weights, fill, queued_logprobs, queued_training,
-                                    train_parts)
-from treeflow.pipeline import write_episodes
+from tests.tq.queue_helpers import (B, assert_same_weights, fill, logprob_pipe, queued_logprobs,
+                                    queued_training, train_parts)
+from treeflow.pipeline import QueueSource, write_episodes
 from treeflow.tq import END, connect_queue, local_queue, open_queue
 from treeflow.train import Trainer
 
 
 @pytest.fixture()
 def server(tmp_path):
-    q = open_queue(str(tmp_path / "q.sock"), capacity=64, lease_seconds=1.0)
+    # a dead consumer's steps come back after 2 s; a live reader renews every 0.5 s (and a
+    # lease of its own that lapses anyway comes back to it and changes nothing)
+    q = open_queue(str(tmp_path / "q.sock"), capacity=64, lease_seconds=2.0)
     yield q
     q.shutdown()
 
@@ -144,3 +146,31 @@ def test_producer_killed_and_restarted_loses_and_duplicates_nothing(small, tmp_p
         assert server.stats()["episodes_in"] == small.num_rows
     finally:
         server.shutdown()
+
+
+class _NoRenew:
+    """A real queue whose client never renews its leases (a stalled heartbeat)."""
+
+    def __init__(self, queue):
+        self._queue = queue
+
+    def renew(self, leased):
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+def test_a_reader_whose_own_leases_lapse_still_applies_every_step_once(small, legacy_lp):
+    q = local_queue(lease_seconds=0.05)
+    fill(q, small)
+    reader = QueueSource(queue=_NoRenew(q), episodes_per_step=B).open()
+    got = []
+    for rec in logprob_pipe().run(reader, prefetch=1):
+        time.sleep(0.2)                 # every lease held now has lapsed (and come back to us)
+        got.append(rec.output)
+    assert len(got) == len(legacy_lp)
+    for a, b in zip(got, legacy_lp):
+        assert a.equals(b)
+    assert reader.skipped == 0 and reader.redelivered == 0
+    assert q.stats()["held_episodes"] == 0 and q.stats()["redeliveries"] > 0

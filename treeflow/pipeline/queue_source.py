@@ -97,11 +97,12 @@ class QueueReader:
         self._extra = set(int(s) for s in state.get("queue_steps_extra", ()))  # ... and these
         self.windows = 0          # windows yielded by this reader
         self.redelivered = 0      # steps this reader got after another consumer lost them
-        self.skipped = 0          # redelivered steps already applied (acknowledged, not yielded)
+        self.skipped = 0          # redelivered steps applied before this reader (acknowledged, not yielded)
         self.dropped_stale = 0    # episodes the queue dropped as too stale for this reader
         self._lock = threading.Lock()
         self._held: dict[int, object] = {}    # queue step -> its current lease, until acknowledged
         self._finished: list[int] = []        # steps whose results the caller has taken
+        self._lapsed: set[int] = set()        # finished steps whose ack came after the lease lapsed
         self._stop = threading.Event()
         stats = self.queue.stats()
         lease = float(stats.get("lease_seconds", 60.0))
@@ -138,7 +139,10 @@ class QueueReader:
                     if mine:            # our own lease lapsed (a stalled heartbeat): keep the new one
                         self._held[got.step] = got
                         continue
-                    self.skipped += 1   # applied before a restart: idempotent
+                    if got.step in self._lapsed:   # our late ack: its result is already out
+                        self._lapsed.discard(got.step)
+                    else:
+                        self.skipped += 1   # applied before a restart: idempotent
                     done = True
                 else:
                     done = False
@@ -193,8 +197,9 @@ class QueueReader:
         for step in steps:
             with self._lock:
                 leased = self._held.pop(step, None)
-            if leased is not None:
-                self.queue.ack(leased)
+            if leased is not None and not self.queue.ack(leased):
+                with self._lock:        # our lease lapsed first: the step comes back to us
+                    self._lapsed.add(step)
 
     def close(self) -> None:
         """Stop leasing and renewing; give back at once every step not handed to the caller.
