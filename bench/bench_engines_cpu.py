@@ -124,6 +124,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
     env.pop("RAY_ADDRESS", None)
+    env.setdefault("RAY_AUTH_MODE", "disabled")  # this script's own local clusters
     work = tempfile.mkdtemp(prefix="treeflow-engines-")
     py = [sys.executable, "-m", "treeflow.cli"]
     sys.path.insert(0, ROOT)
@@ -144,8 +145,10 @@ def main() -> None:
               "loadavg_before": os.getloadavg(), "runs": {}}
     holder = None
     if "ray_attached" in modes:  # a cluster this script owns: a driver process that waits
-        code = ("import ray, sys; ctx = ray.init(include_dashboard=False); "
-                "print(ctx.address_info['gcs_address'], flush=True); sys.stdin.read()")
+        code = ("import ray, sys, time; ctx = ray.init(include_dashboard=False); "
+                "f = ray.remote(lambda: 0); ray.get([f.remote() for _ in range(4)]); "
+                "time.sleep(10); print(ctx.address_info['gcs_address'], flush=True); "
+                "sys.stdin.read()")  # workers started and idle before anything is timed
         holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
         address = holder.stdout.readline().strip()

@@ -73,7 +73,8 @@ def test_local_engine_reads_a_bounded_number_of_windows_ahead():
             yield eps
 
     pipe = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble())
-    for k, rec in enumerate(pipe.run(source(), prefetch=2)):
+    # the preparing thread (an accelerator's default; on CPU windows are prepared in line)
+    for k, rec in enumerate(run_local(pipe.plan, source(), prefetch=2, background=True)):
         time.sleep(0.2)  # give the preparing thread every chance to run ahead
         # prefetch windows queued + one being prepared + one held for overlap
         assert len(pulled) - (k + 1) <= 2 + 2, (k, len(pulled))
@@ -81,7 +82,8 @@ def test_local_engine_reads_a_bounded_number_of_windows_ahead():
     assert len(pulled) == 12
 
 
-def test_local_engine_delivers_windows_before_a_failing_one():
+@pytest.mark.parametrize("background", [True, False])
+def test_local_engine_delivers_windows_before_a_failing_one(background):
     eps = validate_episodes(small_eps(4))
     bad = eps.slice(0, 0)
 
@@ -94,7 +96,7 @@ def test_local_engine_delivers_windows_before_a_failing_one():
     pipe = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble())
     got = []
     with pytest.raises(RuntimeError, match="source broke"):
-        for rec in pipe.run(source()):
+        for rec in run_local(pipe.plan, source(), background=background):
             got.append(rec.step)
     assert got == [0, 1]
 
@@ -130,7 +132,7 @@ def test_local_engine_reads_windows_while_the_model_loads():
             plan.pulled.set()
             yield eps
 
-    recs = list(run_local(plan, source()))
+    recs = list(run_local(plan, source(), background=True))
     assert [r.step for r in recs] == [0, 1, 2]
     assert recs[0].stats["load_seconds"] >= 0 and "compile_seconds" in recs[0].stats
     assert "load_seconds" not in recs[1].stats  # one-off costs go on the first window only
@@ -138,8 +140,24 @@ def test_local_engine_reads_windows_while_the_model_loads():
 
 def test_local_engine_raises_a_model_that_fails_to_build():
     eps = validate_episodes(small_eps(4))
-    with pytest.raises(ValueError, match="no such checkpoint"):
-        list(run_local(_waiting_plan(fail=True), iter([eps] * 5)))
+    for background in (True, False):
+        with pytest.raises(ValueError, match="no such checkpoint"):
+            list(run_local(_waiting_plan(fail=True), iter([eps] * 5), background=background))
+
+
+def test_local_engine_prepares_in_line_when_the_model_runs_on_the_cpu():
+    # a preparing thread beside the model's intra-op threads would oversubscribe the cores
+    eps = validate_episodes(small_eps(4))
+    threads = set()
+
+    def source():
+        for _ in range(3):
+            threads.add(threading.get_ident())
+            yield eps
+
+    pipe = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble())
+    assert len(list(pipe.run(source(), device="cpu"))) == 3
+    assert threads == {threading.get_ident()}
 
 
 def test_files_reader_position_resumes_and_cycles(tmp_path):

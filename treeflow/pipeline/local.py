@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 
 import pyarrow as pa
+import torch
 
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.stats import bin_sums, episode_sums
@@ -28,15 +29,23 @@ _END = object()
 
 
 def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=None,
-              prefetch: int = 2) -> Iterator[WindowResult]:
+              prefetch: int = 2, background: bool | None = None) -> Iterator[WindowResult]:
     """Yield one WindowResult per window, in input order.
 
-    Reading and the maps start at once, while the model loads and compiles
-    (`load_seconds` and `compile_seconds` on the first window's stats); the
-    host half of the model map waits for the model.
+    background: prepare windows in a background thread (default: when the
+    model runs on an accelerator). Reading and the maps then start at once,
+    while the model loads and compiles (`load_seconds` and `compile_seconds`
+    on the first window's stats); the host half of the model map waits for
+    the model. When the model runs on the CPU, its intra-op threads already
+    use every core: a preparing thread beside them only oversubscribes the
+    cores (spinning OpenMP workers made a 2-core replay 12x slower), so
+    windows are prepared in line, one at a time.
     """
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows prepared ahead)")
+    if background is None:
+        on = worker.runner.device if worker is not None and worker.runner is not None else device
+        background = plan.model is not None and torch.device(on).type != "cpu"
     built = threading.Event()
     bound: list = [worker]
 
@@ -57,7 +66,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
         return episodes, prepared, stats
 
     held = None
-    with _Prefetch(windows, prepare, prefetch) as items:
+    with _Prefetch(windows, prepare, prefetch, background=background) as items:
         try:
             t0 = time.perf_counter()
             if worker is None:
@@ -100,10 +109,13 @@ def _finish(step, position, episodes, acc, stats) -> WindowResult:
 
 
 class _Prefetch:
-    """Run `fn(step, window)` in a thread, up to `depth` results ahead; re-raise its errors."""
+    """Run `fn(step, window)` in a thread, up to `depth` results ahead; re-raise its errors.
 
-    def __init__(self, windows, fn, depth: int):
-        self._windows, self._fn = windows, fn
+    With background=False, `fn` runs in the consumer's thread as each item is taken.
+    """
+
+    def __init__(self, windows, fn, depth: int, *, background: bool = True):
+        self._windows, self._fn, self._background = windows, fn, background
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="treeflow-prefetch", daemon=True)
@@ -117,19 +129,25 @@ class _Prefetch:
                 continue
         return False
 
+    def _produce(self):
+        it = iter(self._windows)
+        state = getattr(it, "state_dict", None)
+        for step, window in enumerate(it):
+            position = state() if state is not None else None
+            yield step, position, self._fn(step, window)
+
     def _run(self) -> None:
         try:
-            it = iter(self._windows)
-            state = getattr(it, "state_dict", None)
-            for step, window in enumerate(it):
-                position = state() if state is not None else None
-                if not self._put((step, position, self._fn(step, window))):
+            for item in self._produce():
+                if not self._put(item):
                     return
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises
             self._put(e)
 
     def __enter__(self):
+        if not self._background:
+            return self._produce()
         self._thread.start()
         return self._items()
 
@@ -144,7 +162,8 @@ class _Prefetch:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._background:
+            self._thread.join()
 
 
 __all__ = ["run_local"]
