@@ -149,7 +149,9 @@ def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
         n += rec.output.num_rows
     assert n == 320
     # backpressure kept the store from holding (or spilling) the whole file
-    summary = ray_cluster._private.internal_api.memory_summary(stats_only=True)
+    # this module's cluster by address: another Ray instance on the machine must not confuse it
+    summary = ray_cluster._private.internal_api.memory_summary(
+        address=ray_cluster.get_runtime_context().gcs_address, stats_only=True)
     spilled = re.search(r"Spilled (\d+) MiB", summary)
     assert spilled is None or int(spilled.group(1)) * 2**20 < size, summary
 
