@@ -53,8 +53,12 @@ def test_stream_refuses_bad_options_with_one_line(data, tmp_path, capsys):
         (["stream", "--queue", str(tmp_path / "q.sock"), "-o", out], "give -o DIR"),
         (["stream", "--from", data, "-o", out, "--engine", "ray"], "engine='ray' does not read"),
         (["stream", "--from", data, "--mode", "train"], "--batch-episodes"),
-        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--capacity", "8"],
-         "--capacity >= 12"),
+        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--capacity", "3"],
+         "--capacity >= 4"),
+        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--capacity", "4",
+          "--save", str(tmp_path / "ck"), "--save-every", "2"], "--capacity >= 12"),
+        (["stream", "--from", data, "-o", str(tmp_path / "steps"), "--window", "4", "--capacity",
+          "7"], "--capacity >= 8"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

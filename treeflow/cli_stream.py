@@ -187,6 +187,10 @@ def _check_output(args) -> dict:
                              f">= {rows}, or -o DIR (one file per step)")
         refuse_inputs(args.output, expand_paths(args.from_files))
         return {"file": args.output, "done": []}
+    if args.capacity < 2 * args.window:  # the local engine reads one window past a result
+        raise ValueError(f"--capacity {args.capacity}: a step's result is handed over once the "
+                         "next step was read, so the queue must hold two steps of --window "
+                         f"{args.window} episodes; give --capacity >= {2 * args.window}")
     check_output(args.output, what="-o directory", directory=True)
     done = []
     if os.path.isdir(args.output):

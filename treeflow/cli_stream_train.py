@@ -17,8 +17,8 @@ checkpoint that contains them: a consumer killed in between leaves them
 leased, they are redelivered to the next consumer (`--resume` from that
 checkpoint), and a redelivered step the checkpoint already holds is skipped
 (the checkpoint's input position is the set of queue steps applied), so
-every step is applied exactly once. The queue must then hold N + prefetch + 1
-steps.
+every step is applied exactly once. The queue must then hold N + 1 steps
+(and --prefetch more to lease steps ahead).
 """
 
 from __future__ import annotations
@@ -64,12 +64,14 @@ def check_train(args) -> None:
         raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
                          f"{args.save} to continue it, or give an empty directory")
     B = args.batch_episodes
-    held = (args.save_every if args.save and args.save_every else 0) + args.prefetch + 1
+    held = (args.save_every if args.save and args.save_every else 0) + 1
     if args.capacity < held * B:
-        raise ValueError(f"--capacity {args.capacity}: this consumer holds up to {held} steps of "
-                         f"{B} episodes leased at once (--prefetch {args.prefetch}"
-                         + (f", --save-every {args.save_every}" if args.save_every else "")
-                         + f"); give --capacity >= {held * B} or the producers stall")
+        raise ValueError(f"--capacity {args.capacity}: this consumer keeps {held} steps of {B} "
+                         "episodes leased until they are acknowledged"
+                         + (f" (--save-every {args.save_every}: until their checkpoint)"
+                            if held > 1 else "")
+                         + f", and the producers stall when the queue is full; give --capacity "
+                         f">= {held * B} (more lets --prefetch lease steps ahead)")
 
 
 def publish_weights(trainer, queue, root: str) -> str:

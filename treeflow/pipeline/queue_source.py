@@ -20,6 +20,11 @@ already holds. The position is the steps' set -- every step through a
 watermark plus the few above it -- not a count, because a redelivered step
 can arrive after newer ones.
 
+Capacity: the queue must hold every step a reader keeps leased, or its
+producers stall: two steps for logprobs (the local engine hands a result over
+once it has read the next window), one for training, more for steps held
+until a checkpoint (`ack="manual"`) and for the `prefetch` windows read ahead.
+
 Staleness: a training window is one optimizer step, so the n-th window a
 reader yields is trained at policy version `version + n` whatever the
 prefetch depth; with `max_staleness` K the queue drops (and counts) queued
