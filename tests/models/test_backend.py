@@ -35,7 +35,7 @@ def test_names_are_checked():
         load_backend("vllm", "tiny")
     with pytest.raises(ValueError, match=r"Forward\(backend='vllm'\)"):
         Forward(backend="vllm")
-    with pytest.raises(ValueError, match="takes no options"):
+    with pytest.raises(ValueError, match="takes only the option tuning"):
         load_backend("reference", "tiny", tensor_parallel=2)
     with pytest.raises(TypeError, match="takes a Backend or a Decoder"):
         Forward().build(model=object())

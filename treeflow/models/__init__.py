@@ -8,6 +8,7 @@ from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.logprobs import selected_logprobs
+from treeflow.models.tuning import Tuning
 
 __all__ = [
     "BACKENDS",
@@ -24,4 +25,5 @@ __all__ = [
     "load_model",
     "save_model",
     "selected_logprobs",
+    "Tuning",
 ]

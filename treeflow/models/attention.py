@@ -109,12 +109,14 @@ class AttentionPlan:
     `pad_to` (flex only) is the length every bin is padded to, so that one
     compiled kernel and one mask shape serve all bins (give the bins'
     `max_tokens`); by default the next power of two >= max(N, block_size).
+    `block_size` and `kernel_options` (flex only) are the block-mask tile and
+    FlexAttention's kernel options (models/tuning.py validates them).
     """
 
     def __init__(self, subtree_end_N: np.ndarray, *, kernel: str = "auto",
                  device: torch.device | str = "cpu", branching: bool | None = None,
                  block_size: int = 128, parents_N: np.ndarray | None = None,
-                 pad_to: int | None = None) -> None:
+                 pad_to: int | None = None, kernel_options: dict | None = None) -> None:
         end_N = np.asarray(subtree_end_N)
         n = len(end_N)
         if end_N.ndim != 1 or (n and not np.issubdtype(end_N.dtype, np.integer)):
@@ -146,6 +148,7 @@ class AttentionPlan:
         elif kernel == "dense":
             self._mask_NN = torch.from_numpy(ancestor_mask(end_N)).to(self.device)
         elif kernel == "flex":
+            self._kernel_options = dict(kernel_options) if kernel_options else None
             self._padded = _bucket(n, block_size, pad_to)
             self._block_mask = _block_mask(end_N, self._padded, block_size, self.device)
         else:
@@ -190,12 +193,14 @@ class AttentionPlan:
             # [L, L] scores; give it room for every bucket instead
             with torch._dynamo.config.patch(recompile_limit=_FLEX_RECOMPILE_LIMIT):
                 out = _compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
-                                       block_mask=self._block_mask, enable_gqa=True)
+                                       block_mask=self._block_mask, enable_gqa=True,
+                                       kernel_options=self._kernel_options)
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
                 out = flex_attention(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
-                                     block_mask=self._block_mask, enable_gqa=True)
+                                     block_mask=self._block_mask, enable_gqa=True,
+                                     kernel_options=self._kernel_options)
         return out[0].transpose(0, 1)[: self.num_tokens]
 
     def _causal(self, q_NQD, k_NKD, v_NKD):

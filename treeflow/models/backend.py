@@ -33,6 +33,7 @@ from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.logprobs import selected_logprobs
+from treeflow.models.tuning import Tuning
 
 __all__ = ["BACKENDS", "Backend", "ReferenceBackend", "check_tensor_parallel", "load_backend",
            "tensor_parallel_layout"]
@@ -74,29 +75,39 @@ class Backend(Protocol):
 
 
 class ReferenceBackend:
-    """The reference decoder (decoder.py) behind the backend protocol."""
+    """The reference decoder (decoder.py) behind the backend protocol.
+
+    tuning: how it runs (flex tiles, compiled layers, fused loss, recomputation;
+    models/tuning.py); the default is the plain numerical-reference path.
+    """
 
     name = "reference"
 
-    def __init__(self, model: Decoder) -> None:
+    def __init__(self, model: Decoder, *, tuning: Tuning | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"ReferenceBackend wraps a treeflow Decoder, got {type(model).__name__}")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a treeflow Tuning, got {type(tuning).__name__}")
         self.module = model
         self.config = model.config
         self.device = next(model.parameters()).device
+        self.tuning = tuning or Tuning()
 
     def attention_plan(self, parents_N, subtree_end_N, *, kernel: str,
                        pad_to: int | None = None) -> AttentionPlan:
         return AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N,
-                             pad_to=pad_to)
+                             pad_to=pad_to, block_size=self.tuning.flex_block_size,
+                             kernel_options=self.tuning.kernel_options)
 
     def hidden_states(self, tokens_N, positions_N, plan):
-        return self.module(tokens_N, positions_N, plan)
+        return self.module(tokens_N, positions_N, plan, self.tuning)
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):
         return selected_logprobs(self.module, hidden_EH, targets_E, chunk_size=chunk_size,
-                                 with_entropy=with_entropy, targets_checked=targets_checked)
+                                 with_entropy=with_entropy, targets_checked=targets_checked,
+                                 fused=self.tuning.fused_loss,
+                                 vocab_chunk=self.tuning.loss_vocab_chunk)
 
     def named_parameters(self):
         return self.module.named_parameters()
@@ -127,12 +138,15 @@ def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,
                  **options) -> Backend:
     """Load `model` ("tiny", a ModelConfig or a local HF checkpoint dir) into backend `name`.
 
-    options: backend-specific settings (megatron: tensor_parallel, sequence_parallel).
+    options: backend-specific settings (reference: tuning; megatron: tensor_parallel,
+    sequence_parallel).
     """
     if name == "reference":
+        tuning = options.pop("tuning", None)
         if options:
-            raise ValueError(f"backend 'reference' takes no options, got {sorted(options)}")
-        return ReferenceBackend(load_model(model, dtype=dtype, device=device))
+            raise ValueError(f"backend 'reference' takes only the option tuning, got "
+                             f"{sorted(options)}")
+        return ReferenceBackend(load_model(model, dtype=dtype, device=device), tuning=tuning)
     if name == "megatron":
         from treeflow.models.megatron import MegatronBackend
 

@@ -21,7 +21,9 @@ from torch import nn
 
 from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities
 from treeflow.models.config import ModelConfig
+from treeflow.models.layer_ops import LayerOps, layer_ops
 from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.tuning import Tuning
 
 __all__ = ["Decoder"]
 
@@ -49,7 +51,8 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
+    def inputs(self, x_NH, cos_ND, sin_ND):
+        """q, k (rotated) and v of the tokens."""
         n = x_NH.shape[0]
         q_NQD = self.q_proj(x_NH).view(n, self.heads, self.head_dim)
         k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
@@ -57,8 +60,12 @@ class SelfAttention(nn.Module):
         v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
         # under autocast RoPE promotes q and k to float32 (cos/sin follow the float32 residual);
         # fused kernels (flex, varlen) need q, k and v in one dtype: the projections' one
-        q_NQD, k_NKD = q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype)
-        return self.o_proj(attention(q_NQD, k_NKD, v_NKD).reshape(n, self.heads * self.head_dim))
+        return q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD
+
+    def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
+        n = x_NH.shape[0]
+        out_NQD = attention(*self.inputs(x_NH, cos_ND, sin_ND))
+        return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -80,9 +87,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention):
-        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
-        return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+    def forward(self, x_NH, cos_ND, sin_ND, attention, ops: LayerOps | None = None):
+        """One layer; `ops` (layer_ops.py) compiles and/or recomputes its parts."""
+        if ops is None:
+            x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
+            return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+        return ops(self, x_NH, cos_ND, sin_ND, attention)
 
 
 class _Body(nn.Module):
@@ -119,7 +129,8 @@ class Decoder(nn.Module):
                                 branching=branching)
 
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
-                attention: AttentionPlan) -> torch.Tensor:
+                attention: AttentionPlan, tuning: Tuning | None = None) -> torch.Tensor:
+        """Final-normed hidden states; `tuning` (models/tuning.py) picks compile/recompute."""
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
                              f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
@@ -131,8 +142,9 @@ class Decoder(nn.Module):
                              requires_grad=requires_grad, branching=attention.branching)
         x_NH = self.model.embed_tokens(tokens_N)
         cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
+        ops = layer_ops(tuning, x_NH.device)
         for layer in self.model.layers:
-            x_NH = layer(x_NH, cos_ND, sin_ND, attention)
+            x_NH = layer(x_NH, cos_ND, sin_ND, attention, ops)
         return self.model.norm(x_NH)
 
     def project(self, hidden_EH: torch.Tensor) -> torch.Tensor:

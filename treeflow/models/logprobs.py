@@ -6,7 +6,9 @@ log-softmaxed in float32 (whatever the model dtype) and reduced to one value per
 row before the next chunk starts. Under autograd each chunk runs inside
 activation checkpointing, so its logits are recomputed in backward instead of
 being kept: the trade is one extra projection per chunk for memory that grows
-with rows, not rows x vocab.
+with rows, not rows x vocab. `fused=True` takes the fused path instead
+(models/fused_loss.py: vocabulary chunks too, an online log-sum-exp and a
+recomputing backward, so no rows x vocab float32 tile is ever held).
 
 Legend: E selected rows (loss edges), H hidden, C rows in a chunk, V vocabulary.
 """
@@ -16,13 +18,19 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from treeflow.models.fused_loss import fused_selected_logprobs
+
 __all__ = ["selected_logprobs"]
 
 
 def selected_logprobs(model, hidden_EH: torch.Tensor, targets_E: torch.Tensor, *,
                       chunk_size: int = 1024, with_entropy: bool = False,
-                      targets_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      targets_checked: bool = False, fused: bool = False,
+                      vocab_chunk: int = 32768) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log softmax(model.project(hidden))[target]` per row (float32), and optionally entropy.
+
+    fused: the fused linear + log-softmax over `vocab_chunk`-row slices of the
+    output weight (`model.output_weight_VH`), for rows in chunks of `chunk_size`.
 
     targets_checked: the caller has checked on the host that every target lies
     in [0, vocab); skips the range check, which on an accelerator would wait
@@ -40,6 +48,10 @@ def selected_logprobs(model, hidden_EH: torch.Tensor, targets_E: torch.Tensor, *
         raise ValueError(f"targets_E must lie in [0, {vocab}), got "
                          f"[{int(targets_E.min())}, {int(targets_E.max())}]")
     targets_E = targets_E.to(device=hidden_EH.device, dtype=torch.int64)
+    if fused:
+        return fused_selected_logprobs(model.output_weight_VH, hidden_EH, targets_E,
+                                       row_chunk=chunk_size, vocab_chunk=vocab_chunk,
+                                       with_entropy=with_entropy)
     grad = torch.is_grad_enabled()
     logprobs, entropies = [], []
     for start in range(0, len(targets_E), chunk_size):

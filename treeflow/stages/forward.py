@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from treeflow.models.tuning import Tuning
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
 from treeflow.stages._flat import list_offsets
 from treeflow.stages.base import Stage
@@ -48,6 +49,9 @@ class Forward(Stage):
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
     tensor_parallel: split the model over this many processes (megatron only; every one of
         them runs this stage on the same bins, each with its shard of the model).
+    tuning: speed/memory levers of the reference backend (flex tiles, compiled
+    layers, fused loss, recomputation; treeflow.models.Tuning); the default is
+    the plain path.
     The device is not configuration: the engine passes it to `build`.
     """
 
@@ -62,9 +66,16 @@ class Forward(Stage):
     chunk_size: int = 1024
     entropy: bool = False
     tensor_parallel: int = 1
+    tuning: Tuning = Tuning()
 
     def __post_init__(self):
         from treeflow.models import BACKENDS
+
+        if not isinstance(self.tuning, Tuning):
+            raise ValueError(f"Forward(tuning={self.tuning!r}): give a treeflow.models.Tuning")
+        if self.tuning != Tuning() and self.backend != "reference":
+            raise ValueError(f"Forward(tuning=...) sets levers of the reference backend; backend "
+                             f"{self.backend!r} has its own kernels: leave tuning at its default")
 
         if self.backend not in BACKENDS:
             raise ValueError(f"Forward(backend={self.backend!r}): choose one of {BACKENDS}")
@@ -107,12 +118,20 @@ class Forward(Stage):
         device = resolve_device(device)
         if model is None:
             options = {"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {}
+            if self.backend == "reference":
+                options["tuning"] = self.tuning
             backend = load_backend(self.backend, self.model, dtype=DTYPES[self.dtype],
                                    device=device, **options)
         elif isinstance(model, Decoder):
-            backend = ReferenceBackend(model)
+            backend = ReferenceBackend(model, tuning=self.tuning)
         elif isinstance(model, Backend):
             backend = model
+            if (isinstance(model, ReferenceBackend) and self.tuning != Tuning()
+                    and self.tuning != model.tuning):
+                if model.tuning != Tuning():
+                    raise ValueError(f"Forward(tuning={self.tuning}) was given a backend tuned "
+                                     f"{model.tuning}; set the tuning in one place")
+                backend = ReferenceBackend(model.module, tuning=self.tuning)
         else:
             raise TypeError(f"Forward.build(model=...) takes a Backend or a Decoder, got "
                             f"{type(model).__name__}")

@@ -1,0 +1,123 @@
+"""Compiled and recomputed execution of a decoder layer (the `Tuning` levers of a layer).
+
+A layer is cut around its attention kernel into three parts: attention
+inputs (input RMSNorm, q/k/v projections, RoPE, the cast to one dtype), the
+attention output (o_proj and the residual add) and the MLP block
+(post-attention RMSNorm, SwiGLU, residual add). The attention kernel itself
+stays outside: FlexAttention is compiled on its own (attention.py) and the
+varlen/SDPA kernels are already fused.
+
+- Compilation (`compile_layers`) compiles each part once with
+  `torch.compile(fullgraph=True)` and the token count marked dynamic, so one
+  graph per part serves every layer (parameters are graph inputs) and every
+  bin length; what it buys is fused elementwise work (float32 RMSNorm
+  statistics, RoPE, SiLU x up) and smaller saved activations.
+- Recomputation (`recompute`) wraps the MLP block, the attention half or the
+  whole layer in non-reentrant activation checkpointing: backward reruns it
+  from its input instead of keeping its intermediates.
+
+With neither lever the decoder does not come here at all: its plain path is
+the numerical reference. Legend: N tokens, H hidden, Q query heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["LayerOps", "layer_ops"]
+
+_RECOMPILE_LIMIT = 64  # bins of one length share a graph; this bounds lengths x grad modes
+
+
+class LayerOps:
+    """How one layer runs: `ops(layer, x_NH, cos_ND, sin_ND, attention) -> x_NH`."""
+
+    def __init__(self, *, compile_backend: str | None, recompute: str) -> None:
+        self.compile_backend, self.recompute = compile_backend, recompute
+        parts = (_attention_inputs, _attention_output, _mlp_block)
+        if compile_backend is not None:
+            parts = tuple(torch.compile(f, backend=compile_backend, dynamic=None, fullgraph=True)
+                          for f in parts)
+        self._inputs, self._output, self._mlp = parts
+
+    def __repr__(self) -> str:
+        return f"LayerOps(compile_backend={self.compile_backend!r}, recompute={self.recompute!r})"
+
+    def __call__(self, layer, x_NH, cos_ND, sin_ND, attention):
+        grad = torch.is_grad_enabled()
+        if self.compile_backend is not None:
+            for t in (x_NH, cos_ND, sin_ND):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            if grad and self.recompute == "layer":
+                return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention)
+            if grad and self.recompute == "attention":
+                x_NH = _checkpoint(self._attention, layer, x_NH, cos_ND, sin_ND, attention)
+            else:
+                x_NH = self._attention(layer, x_NH, cos_ND, sin_ND, attention)
+            if grad and self.recompute == "mlp":
+                return _checkpoint(self._mlp, layer, x_NH)
+            return self._mlp(layer, x_NH)
+
+    def _attention(self, layer, x_NH, cos_ND, sin_ND, attention):
+        out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
+        if self.compile_backend is not None:
+            torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
+        return self._output(layer, x_NH, out_NQD)
+
+    def _layer(self, layer, x_NH, cos_ND, sin_ND, attention):
+        return self._mlp(layer, self._attention(layer, x_NH, cos_ND, sin_ND, attention))
+
+
+def _checkpoint(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+def _attention_inputs(layer, x_NH, cos_ND, sin_ND):
+    return layer.self_attn.inputs(layer.input_layernorm(x_NH), cos_ND, sin_ND)
+
+
+def _attention_output(layer, x_NH, out_NQD):
+    return x_NH + layer.self_attn.o_proj(out_NQD.reshape(x_NH.shape[0], -1))
+
+
+def _mlp_block(layer, x_NH):
+    return x_NH + layer.mlp(layer.post_attention_layernorm(x_NH))
+
+
+def layer_ops(tuning, device: torch.device) -> LayerOps | None:
+    """The LayerOps for `tuning` on `device`; None for the plain path (no lever on)."""
+    if tuning is None or (not tuning.compile_layers and tuning.recompute == "none"):
+        return None
+    backend = tuning.compile_backend if tuning.compile_layers else None
+    if backend == "inductor" and torch.device(device).type != "cuda":
+        _warn_eager(torch.device(device).type)
+        backend = None
+    if backend is not None and not torch._dynamo.is_dynamo_supported():
+        _warn_unsupported()
+        backend = None
+    if backend is None and tuning.recompute == "none":
+        return None
+    return _ops(backend, tuning.recompute)
+
+
+@functools.cache
+def _ops(backend: str | None, recompute: str) -> LayerOps:
+    return LayerOps(compile_backend=backend, recompute=recompute)
+
+
+@functools.cache
+def _warn_eager(device_type: str) -> None:
+    warnings.warn(f"Tuning(compile_layers=True) compiles with inductor on CUDA only; on "
+                  f"{device_type} the layers run eager (set compile_backend='aot_eager' to "
+                  "trace them anyway)", stacklevel=4)
+
+
+@functools.cache
+def _warn_unsupported() -> None:
+    warnings.warn(f"Tuning(compile_layers=True): torch.compile is not supported with this "
+                  f"Python/torch ({torch.__version__}); the layers run eager", stacklevel=4)

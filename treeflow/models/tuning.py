@@ -1,0 +1,167 @@
+"""Speed and memory settings of the reference decoder: how it computes, never what.
+
+Every setting here keeps the model's mathematics; they trade time, memory and
+rounding against each other. The defaults are the plain path (the numerical
+reference): each lever is off until a measurement on the target GPU
+(bench/bench_gpu_levers.py) shows it wins, and the measured choice is recorded
+in bench/results/ rather than assumed.
+
+- FlexAttention tiling (`flex_block_size`, `flex_kernel_options`): the
+  block-mask tile and the Triton kernel's tile sizes. Smaller mask tiles skip
+  more of a tree's invisible pairs; larger kernel tiles run closer to the
+  tensor cores' peak. Bit-identical on CPU (eager flex ignores kernel tiles),
+  rounding-level differences on CUDA.
+- `compile_layers`: torch.compile of each layer's non-attention work (RMSNorm,
+  projections, RoPE, SwiGLU, residuals), dynamic in the token count so one
+  compile serves every bin. Fewer memory round trips and smaller saved
+  activations, for compile time at start-up and rounding-level differences.
+  CUDA only: elsewhere it warns once and runs eager.
+- `fused_loss`: the selected edges' log-softmax through a fused linear +
+  online log-sum-exp over vocabulary chunks with a recomputing backward
+  (models/fused_loss.py): never edges x vocabulary float32 logits, for a
+  second projection in backward (the checkpointed chunks pay that too).
+- `recompute`: selective activation recomputation per layer ("mlp":
+  post-attention norm + SwiGLU; "attention": input norm, projections, RoPE,
+  attention, output projection; "layer": both): activation memory for about
+  one more forward of the recomputed part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = ["COMPILE_BACKENDS", "RECOMPUTE", "Tuning"]
+
+RECOMPUTE = ("none", "mlp", "attention", "layer")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+# FlexAttention (Triton) kernel options treeflow passes through; `fwd_`/`bwd_` prefixes
+# restrict one to the forward or the backward kernel. Query tiles: BLOCK_M (forward),
+# BLOCK_M1/BLOCK_M2 (backward dK/dV and dQ loops); key tiles: BLOCK_N, BLOCK_N1, BLOCK_N2.
+_TILES_Q, _TILES_KV = ("BLOCK_M", "BLOCK_M1", "BLOCK_M2"), ("BLOCK_N", "BLOCK_N1", "BLOCK_N2")
+_INTS = (*_TILES_Q, *_TILES_KV, "num_warps", "num_stages")
+_BOOLS = ("ROWS_GUARANTEED_SAFE", "PRESCALE_QK", "BLOCKS_ARE_CONTIGUOUS", "USE_TMA")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """How the reference decoder runs a bin (see the module docstring for each lever).
+
+    flex_block_size: tokens per FlexAttention block-mask tile (a power of two >= 16).
+    flex_kernel_options: FlexAttention kernel options, a dict or (name, value)
+        pairs: BLOCK_M/N, BLOCK_M1/N1/M2/N2, num_warps, num_stages (ints),
+        ROWS_GUARANTEED_SAFE, PRESCALE_QK, BLOCKS_ARE_CONTIGUOUS, USE_TMA (bools),
+        each optionally prefixed fwd_ or bwd_. Every tile must divide the mask tile.
+    compile_layers: torch.compile the non-attention work of every layer (CUDA).
+    compile_backend: torch.compile backend: "inductor" (generates fused kernels;
+        CUDA only) or "aot_eager" (traces and differentiates without new kernels,
+        on any device: a check that the layers compile, not a speed-up).
+    fused_loss: fused linear + online log-softmax for the selected edges.
+    loss_vocab_chunk: vocabulary rows per chunk of the fused loss.
+    recompute: "none" | "mlp" | "attention" | "layer".
+    """
+
+    flex_block_size: int = 128
+    flex_kernel_options: tuple[tuple[str, int | bool], ...] = ()
+    compile_layers: bool = False
+    compile_backend: str = "inductor"
+    fused_loss: bool = False
+    loss_vocab_chunk: int = 32768
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        b = self.flex_block_size
+        if not isinstance(b, int) or isinstance(b, bool) or b < 16 or b & (b - 1):
+            raise ValueError(f"Tuning(flex_block_size={b!r}): give a power of two >= 16 "
+                             "(128 is FlexAttention's default tile)")
+        opts = self.flex_kernel_options
+        items = opts.items() if isinstance(opts, Mapping) else opts
+        try:
+            pairs = tuple(sorted((str(k), v) for k, v in items))
+        except (TypeError, ValueError):
+            raise ValueError(f"Tuning(flex_kernel_options={opts!r}): give a dict of kernel "
+                             "option names to values") from None
+        for name, value in pairs:
+            _check_option(name, value, b)
+        _check_tile_pairs(dict(pairs))
+        object.__setattr__(self, "flex_kernel_options", pairs)
+        for name in ("compile_layers", "fused_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tuning({name}={getattr(self, name)!r}): give True or False")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"Tuning(compile_backend={self.compile_backend!r}): choose one of "
+                             f"{COMPILE_BACKENDS}")
+        c = self.loss_vocab_chunk
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ValueError(f"Tuning(loss_vocab_chunk={c!r}): give an int >= 1")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Tuning(recompute={self.recompute!r}): choose one of {RECOMPUTE}")
+
+    @property
+    def kernel_options(self) -> dict | None:
+        """The FlexAttention `kernel_options` argument (None when none are set)."""
+        return dict(self.flex_kernel_options) or None
+
+    @classmethod
+    def parse(cls, text: str) -> Tuning:
+        """From `name=value,...` (CLI form); kernel options as `flex.BLOCK_M=64`.
+
+        Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
+        """
+        fields, kernel = {}, {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"tuning {part!r}: write name=value")
+            if name.startswith("flex."):
+                kernel[name[5:]] = _scalar(value)
+            elif name in ("compile_layers", "fused_loss"):
+                if value.lower() not in ("0", "1", "true", "false"):
+                    raise ValueError(f"tuning {part!r}: give 0/1 or true/false")
+                fields[name] = value.lower() in ("1", "true")
+            elif name in ("flex_block_size", "loss_vocab_chunk"):
+                fields[name] = _scalar(value)
+            elif name in ("recompute", "compile_backend"):
+                fields[name] = value
+            else:
+                raise ValueError(f"tuning {name!r} is not a setting; use flex_block_size, "
+                                 "flex.<KERNEL_OPTION>, compile_layers, compile_backend, "
+                                 "fused_loss, loss_vocab_chunk or recompute")
+        return cls(**fields, flex_kernel_options=kernel)
+
+
+def _scalar(text: str) -> int | bool | str:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _check_option(name: str, value, block: int) -> None:
+    base = name[4:] if name.startswith(("fwd_", "bwd_")) else name
+    where = f"Tuning(flex_kernel_options: {name}={value!r})"
+    if base in _BOOLS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: give True or False")
+    elif base in _INTS:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+            raise ValueError(f"{where}: give a power of two")
+        if base in (*_TILES_Q, *_TILES_KV) and (value < 16 or block % value):
+            raise ValueError(f"{where}: a kernel tile must be >= 16 and divide the mask tile "
+                             f"flex_block_size={block}")
+    else:
+        raise ValueError(f"{where}: not a FlexAttention kernel option treeflow passes; use "
+                         f"{', '.join(_INTS + _BOOLS)} (optionally prefixed fwd_ or bwd_)")
+
+
+def _check_tile_pairs(opts: dict) -> None:
+    """The backward kernel's static asserts: BLOCK_N1 % BLOCK_M1 == 0, BLOCK_M2 % BLOCK_N2 == 0."""
+    for prefix in ("", "bwd_"):
+        for big, small in (("BLOCK_N1", "BLOCK_M1"), ("BLOCK_M2", "BLOCK_N2")):
+            a, b = opts.get(prefix + big), opts.get(prefix + small)
+            if a is not None and b is not None and a % b:
+                raise ValueError(f"Tuning(flex_kernel_options: {prefix}{big}={a}, {prefix}{small}={b}): "
+                                 f"FlexAttention's backward needs {big} to be a multiple of {small}")
