@@ -191,6 +191,7 @@ def _replay(args) -> int:
     import torch
 
     from treeflow._output import table_output
+    from treeflow.models.tuning import Tuning
     from treeflow.pipeline import Files, Pipeline
     from treeflow.pipeline.stats import add_sums
     from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
@@ -215,7 +216,7 @@ def _replay(args) -> int:
     with output as out:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
-                          tensor_parallel=args.tensor_parallel)
+                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
@@ -303,6 +304,10 @@ def model_options(s) -> None:
     s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"),
                    default="auto")
     s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
+    s.add_argument("--tuning", default="",
+                   help="speed levers of the reference backend, name=value,... e.g. "
+                        "compile_layers=1,fused_loss=1,recompute=mlp,flex.BLOCK_N=64 "
+                        "(treeflow.models.Tuning; default: none)")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
     s.add_argument("--engine", choices=("local", "ray"), default="local",
