@@ -193,7 +193,8 @@ def _flex(b, q, k, v, tile, options, timer, per_pair, cuda):
     row["fwd_tflops"] = per_pair * b["tree_pairs"] / row["fwd_s"] / 1e12
     if cuda:  # the kernel alone, on inputs padded beforehand (no pad/slice copies)
         pad = plan._padded - b["tree_tokens"]
-        qp, kp, vp = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0).contiguous()
+        # the plan's own layout (padded [L, A, D] seen as [1, A, L, D]): the same compiled kernel
+        qp, kp, vp = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
                       for x in (q, k, v))
         kernel = _compiled_flex()
         with torch.no_grad():
