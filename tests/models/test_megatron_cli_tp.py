@@ -3,7 +3,9 @@
 The CLI spawns the two tensor-parallel processes itself; their logprobs and a
 training run's per-step loss and gradient norm must equal the single-process
 run's (TP=1) within 1e-5, which in turn equals the reference backend (see
-test_megatron.py). The refusals need no processes and run first.
+test_megatron.py). With `--ranks 2` the four processes (2 replicas x TP=2) must
+train like the two of `--ranks 2` alone. The refusals need no processes and
+run first.
 """
 
 from __future__ import annotations
@@ -104,3 +106,28 @@ def test_tp2_replay_and_training_equal_tp1(setup, tmp_path, capsys):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert a["grad_norm"] > 0 and b["ranks"] == 1
+
+
+@pytest.mark.multiprocess
+def test_tp2_times_dp2_training_equals_dp2(setup, tmp_path):
+    """Four processes (2 data-parallel replicas of 2 tensor-parallel ranks) train like two.
+
+    The data-parallel gradient sum must run over the replicas only (not the TP
+    group, not all four processes): a wrong group doubles or skips shards of
+    the gradient, which moves the norm and, after the first update, the loss.
+    """
+    model, data = setup
+    common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "64",
+              "--quiet", "--mode", "train", "--batch-episodes", "8", "--steps", "2", "--lr",
+              "1e-3", "--ranks", "2"]
+    for tp in (1, 2):
+        assert main([*common, "--tensor-parallel", str(tp), "--metrics",
+                     str(tmp_path / f"{tp}.jsonl")]) == 0
+    rows = {tp: [json.loads(line) for line in open(tmp_path / f"{tp}.jsonl")] for tp in (1, 2)}
+    assert len(rows[1]) == len(rows[2]) == 2
+    for a, b in zip(rows[1], rows[2]):
+        assert a["ranks"] == b["ranks"] == 2
+        assert a["bins"] == b["bins"] >= 4  # several bins per rank: the sum spans bins too
+        assert a["grad_norm"] > 0
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
