@@ -26,8 +26,16 @@ def _with_calls(eps, change):
 
 
 def _mask_first_half(call):
+    """Mask the first half of the sampled tokens and make their generation logprobs absurd.
+
+    A masked token's logprob of -50 (the model's are near -log(vocab)) gives d of about +40,
+    so k3 of about e^40: a step that counted a single masked token would be off by orders
+    of magnitude, not by a rounding error.
+    """
     n = len(call["token_ids"]) - call["sampled_start"]
     call["loss_mask"] = [i >= n // 2 for i in range(n)]
+    call["generation_logprobs"] = [-50.0 if i < n // 2 else g
+                                   for i, g in enumerate(call["generation_logprobs"])]
 
 
 def test_step_generation_kl_matches_replay():
@@ -37,6 +45,10 @@ def test_step_generation_kl_matches_replay():
     replay = Pipeline(Pack(layout="exact"), Fragment(max_tokens=256), Forward(), Reassemble())
     want = generation_kl(eps, next(iter(replay.run(eps))).output)
     assert want["gen_tokens"] > 20 and want["gen_kl"] > 0.1   # synthetic logprobs: far off
+    assert want["gen_logprob_max_diff"] < 30                  # no masked token counted
+    # the mask matters here: counting the masked tokens too changes the figure by orders
+    unmasked = _with_calls(eps, lambda c: c.update(loss_mask=[True] * len(c["loss_mask"])))
+    assert generation_kl(unmasked, next(iter(replay.run(unmasked))).output)["gen_kl"] > 1e6 * want["gen_kl"]
     red = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=1e-2))
     train = Pipeline(Pack(layout="tree"), Fragment(max_tokens=64), Forward(), red)  # several bins
     rec = next(iter(train.run(eps, trainer=Trainer(Forward(), red))))
