@@ -18,6 +18,7 @@ from tests.tq.queue_helpers import (B, assert_same_weights, fill, logprob_pipe, 
                                     queued_training, train_parts)
 from treeflow.pipeline import QueueSource, write_episodes
 from treeflow.tq import END, connect_queue, local_queue, open_queue
+from treeflow.tq import ledger as ledger_module
 from treeflow.train import Trainer
 
 
@@ -174,3 +175,47 @@ def test_a_reader_whose_own_leases_lapse_still_applies_every_step_once(small, le
         assert a.equals(b)
     assert reader.skipped == 0 and reader.redelivered == 0
     assert q.stats()["held_episodes"] == 0 and q.stats()["redeliveries"] > 0
+
+
+class _Clock:
+    """The ledger's clock, moved by the test: a lease lapses when the test says so.
+
+    Each reading advances it a little, so a wait on it still ends if a test goes wrong.
+    """
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        self.now += 0.05
+        return self.now
+
+
+def test_a_late_ack_of_a_finished_step_is_not_counted_as_a_skipped_redelivery(small, monkeypatch):
+    """Reader A finished steps 0 and 1 but its heartbeat stalled: both leases lapse before its
+    acks arrive. Reader B's get requeues them and takes step 0; A's acks come back False, and
+    step 1 comes back to A, which acknowledges it silently (its result is already out): it is
+    neither yielded again nor counted as a step applied before a restart."""
+    clock = _Clock()
+    monkeypatch.setattr(ledger_module, "time", clock)
+    q = local_queue(lease_seconds=10.0)
+    fill(q, small)                                  # 12 episodes: steps 0, 1, 2 of B = 4
+    a = QueueSource(queue=_NoRenew(q), episodes_per_step=B, consumer="a").open()
+    b = QueueSource(queue=_NoRenew(q), episodes_per_step=B, consumer="b").open()
+    try:
+        next(a), next(a)
+        assert a.state_dict()["queue_steps_through"] == 1
+        clock.now += 60.0                           # both of A's leases lapse
+        next(b)                                     # B's get requeues them; B gets step 0
+        assert b.state_dict()["queue_step"] == 0 and b.redelivered == 1
+        a.taken(0)
+        a.taken(1)                                  # both too late: the queue says no
+        assert q.stats()["late_acks"] == 2
+        third = next(a)                             # step 1 is back: acked, not yielded
+        assert a.state_dict()["queue_step"] == 2 and third.num_rows == B
+        assert a.windows == 3 and a.redelivered == 0
+        assert a.skipped == 0                       # a late ack of its own, not a restart's step
+        assert q.stats()["steps_acked"] == 1        # step 1, acknowledged when it came back
+    finally:
+        a.close()
+        b.close()
