@@ -16,6 +16,7 @@ pure` (bf16 weights and AdamW state): pure bf16 rounds most updates away and its
 Writes the curves as a PNG and the numbers as JSON.
 
     python bench/bench_dp_gpu.py scaling                 # 1 vs 2 H200 (~6 min)
+    python bench/bench_dp_gpu.py cli                     # only the `treeflow replay --ranks 2` run
     python bench/bench_dp_gpu.py precision               # one H200 (~3 min)
     python bench/bench_dp_gpu.py precision --device cpu --smoke   # a CPU check of the script
 
@@ -404,6 +405,14 @@ def main() -> None:
     s.add_argument("--smoke", action="store_true", help="a 2-layer model, to check the setup")
     s.add_argument("--quick", action="store_true", help="only the 1-rank and N-rank runs")
     s.add_argument("--no-cli", action="store_true", help="skip the `treeflow replay --ranks N` run")
+    s = sub.add_parser("cli", help="only `treeflow replay --mode train --ranks N --device cuda`")
+    s.add_argument("--ranks", type=int, default=2)
+    s.add_argument("--batch", type=int, default=16, help="episodes per rank per step")
+    s.add_argument("--group-size", type=int, default=8)
+    s.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--smoke", action="store_true", help="a 2-layer model, to check the setup")
     s = sub.add_parser("precision")
     s.add_argument("--steps", type=int, default=200)
     s.add_argument("--lr", type=float, default=2e-5)
@@ -413,7 +422,7 @@ def main() -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--smoke", action="store_true", help="a tiny model and short episodes")
     args = p.parse_args()
-    result = scaling(args) if args.what == "scaling" else precision(args)
+    result = {"scaling": scaling, "cli": _cli_check, "precision": precision}[args.what](args)
     text = json.dumps(result)
     print(text)
     with open(os.path.join(out_dir(), f"bench_dp_{args.what}.json"), "w") as f:
