@@ -57,6 +57,16 @@ FLEX_CONFIGS = {  # name: (mask tile, kernel options)
     "tile64": (64, {**SAFE, "BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64,
                     "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}),
     "tile256": (256, SAFE),
+    # the backward kernel's tiles (Hopper's default for head_dim 64 is M1=64 N1=128 M2=128
+    # N2=64, 3 stages, 8 warps), on top of fwd-n64
+    "bwd-64x64": (128, {**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 64,
+                        "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                        "bwd_num_warps": 4, "bwd_num_stages": 3}),
+    "bwd-32x128": (128, {**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 32,
+                         "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                         "bwd_num_warps": 4, "bwd_num_stages": 3}),
+    "bwd-s2": (128, {**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "bwd_num_stages": 2}),
+    "tma": (128, {**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "USE_TMA": True}),
 }
 EXACT_BACKENDS = ("cudnn", "flash", "varlen")
 

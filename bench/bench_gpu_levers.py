@@ -335,7 +335,12 @@ def profile(run: Run, config: ModelConfig, tuning: Tuning) -> dict:
     def dev_time(e):
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
-    kernels = sorted(((e.key, dev_time(e), e.count) for e in events if dev_time(e) > 0),
+    # device-side rows only (kernels, copies): a CPU op (aten::mm) or a Triton launch record
+    # also carries its kernels' device time, and counting both would double it
+    on_device = [e for e in events if dev_time(e) > 0
+                 and str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))]
+    kernels = sorted(((e.key, dev_time(e), e.count)
+                      for e in (on_device or [e for e in events if dev_time(e) > 0])),
                      key=lambda x: -x[1])
     total = sum(t for _, t, _ in kernels) or 1
     kinds: dict[str, float] = {}
@@ -430,7 +435,8 @@ def main() -> None:
         run.section("matmul", matmuls, run, [(t, 2048, 8192), (t, 8192, 2048), (t, 2048, 3072),
                                               (t, 4096, 14336), (t, 14336, 4096)])
     kernel = run.section("kernel", bench_attn_kernel.run, shapes=("llama-1b",),
-                         configs=("default", "rows-safe", "fwd-n64", "tile64"), smoke=args.smoke,
+                         configs=("default", "rows-safe", "fwd-n64", "bwd-64x64", "bwd-32x128",
+                                  "bwd-s2", "tma"), smoke=args.smoke,
                          budget_s=args.budget_s / 3, log=run.log)
     flex = args.flex or ((kernel or {}).get("shapes", {}).get("llama-1b", {}).get("best_flex")
                          if kernel and "shapes" in kernel else None) or "rows-safe"

@@ -82,8 +82,9 @@ def _step_syncs(max_tokens):
     eps = _eps()
     tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", kl_coef=0.1)), model=_model(),
                  device="cuda", pad_to=max_tokens)
-    ref = Reassemble()(tr.logprobs(Fragment(max_tokens=8192)(Pack()(eps))), episodes=eps)
     bins = Fragment(max_tokens=max_tokens)(Pack(layout="tree")(eps))
+    # the reference logprobs on the same bins: the trainer pads every bin to max_tokens
+    ref = Reassemble()(tr.logprobs(bins), episodes=eps)
     tr.train_step(eps, bins, ref_logprobs=ref)  # compiles flex forward and backward
     step = tr.open_step(eps, ref_logprobs=ref)
     in_step = _syncs(lambda: step.add(bins))

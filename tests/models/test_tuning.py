@@ -34,10 +34,13 @@ def test_tuning_validates_and_parses():
                                             "ROWS_GUARANTEED_SAFE": True})
     assert t.kernel_options == {"BLOCK_M": 64, "ROWS_GUARANTEED_SAFE": True, "bwd_num_warps": 8}
     assert Tuning().kernel_options is None and hash(t) == hash(dataclasses.replace(t))
+    # Triton's pipeline depth is any count (3 is Hopper's flex default); warps and tiles are not
+    assert Tuning(flex_kernel_options={"bwd_num_stages": 3}).kernel_options == {"bwd_num_stages": 3}
     bad = [({"flex_block_size": 96}, "power of two"),
            ({"flex_kernel_options": {"BLOCK_Q": 64}}, "not a FlexAttention kernel option"),
            ({"flex_kernel_options": {"BLOCK_M": 256}}, "divide the mask tile"),
            ({"flex_kernel_options": {"num_warps": 3}}, "power of two"),
+           ({"flex_kernel_options": {"bwd_num_stages": 0}}, "int >= 1"),
            ({"flex_kernel_options": {"PRESCALE_QK": 1}}, "True or False"),
            ({"flex_kernel_options": {"bwd_BLOCK_N1": 32, "bwd_BLOCK_M1": 64}}, "multiple of BLOCK_M1"),
            ({"recompute": "all"}, "choose one of"), ({"compile_backend": "cudagraphs"}, "choose one"),

@@ -147,7 +147,9 @@ def _check_option(name: str, value, block: int) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"{where}: give True or False")
     elif base in _INTS:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: give an int >= 1")
+        if base != "num_stages" and value & (value - 1):  # pipeline stages: any count (3 is common)
             raise ValueError(f"{where}: give a power of two")
         if base in (*_TILES_Q, *_TILES_KV) and (value < 16 or block % value):
             raise ValueError(f"{where}: a kernel tile must be >= 16 and divide the mask tile "
