@@ -15,10 +15,14 @@ What is refused, and why: tensor parallelism with the reference backend (it
 runs whole on one device); a T that does not divide the attention heads, the
 key/value groups, the MLP width or the vocabulary (every rank needs an equal
 share); the Ray engine and launcher (one process per rank here); FSDP's
---shard-params (MCore shards the weights itself); checkpoints (--save,
---resume: the AdamW state is sharded over the TP ranks and the checkpoint
-format holds one full copy; export the weights instead); and in logprobs mode
+--shard-params (MCore shards the weights itself); and in logprobs mode
 --ranks > 1 (that option sizes the Ray engine's forward actors).
+
+Checkpoints (--save, --save-every, --resume) work under any D x T: every
+process writes its tensor-parallel shards of the weights and AdamW through
+PyTorch Distributed Checkpoint (models/megatron/checkpoint.py), and the
+first replica gathers an HF export beside them; a run resumes bit for bit on
+the same D x T and reshards onto another one (train/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -59,12 +63,6 @@ def check_tensor_parallel_options(args, *, train: bool) -> None:
         if args.shard_params:
             raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
                              "megatron-core shards the weights itself; drop --shard-params")
-        for option in ("save", "resume"):
-            if getattr(args, option):
-                raise ValueError(f"--{option} with --tensor-parallel {tp} is not supported yet: the "
-                                 "AdamW state is split over the tensor-parallel ranks and the "
-                                 "checkpoint holds one full copy; train with --tensor-parallel 1 "
-                                 "to checkpoint")
     elif args.ranks > 1:
         raise ValueError(f"--ranks {args.ranks} with --tensor-parallel {tp} in logprobs mode: "
                          "--ranks sizes the Ray engine's forward actors; give --ranks 1")

@@ -90,9 +90,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
 
     Every data-parallel rank calls it (all write the sharded state; rank 0 commits).
     """
-    dp = getattr(trainer, "dp", None)
-    distributed = dp is not None and dp.distributed
-    lead = not distributed or dp.rank == 0
+    distributed, lead, group = _writers(trainer)
     root = check_output(root, what="checkpoint directory", directory=True)
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: keep at least the checkpoint just written (keep >= 1)")
@@ -100,7 +98,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
     final = os.path.join(root, name)
     state = {"format": FORMAT, "steps": trainer.steps,
              "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position,
-             "run": getattr(trainer, "run", None)}
+             "run": getattr(trainer, "run", None), "layout": _layout(trainer)}
     if not distributed:
         tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
         state["optimizer"] = {"param_groups": groups, "scalars": scalars}
@@ -121,10 +119,11 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
             remove_stale(root)
             box[0] = temp_name(final)
             os.mkdir(box[0])
-        dist.broadcast_object_list(box, src=0, group=dp.group)
+        dist.broadcast_object_list(box, src=0, group=group)
         tmp = box[0]
         try:
-            save_sharded(trainer, tmp, state, TRAINER_JSON)  # ends with a barrier
+            save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
+                         group=group)  # ends with a barrier
             if lead:
                 _write_state_and_manifest(tmp, state)
                 commit_dir(tmp, final)
@@ -142,8 +141,36 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
     if distributed:
         import torch.distributed as dist
 
-        dist.barrier(group=dp.group)  # every rank returns after the commit
+        dist.barrier(group=group)  # every rank returns after the commit
     return final
+
+
+def _tensor_parallel(trainer) -> int:
+    return getattr(getattr(trainer, "backend", None), "tp", 1)
+
+
+def _writers(trainer) -> tuple[bool, bool, object]:
+    """(distributed, lead, group): the processes that write one checkpoint together.
+
+    Every process that holds a part of the model takes part: the data-parallel ranks, and
+    under tensor parallelism every tensor-parallel rank of every replica (the whole world,
+    since each holds different shards); the lead (rank 0 of that group) commits.
+    """
+    dp = getattr(trainer, "dp", None)
+    if _tensor_parallel(trainer) > 1:
+        import torch.distributed as dist
+
+        return True, dist.get_rank() == 0, dist.group.WORLD
+    distributed = dp is not None and dp.distributed
+    return distributed, not distributed or dp.rank == 0, dp.group if distributed else None
+
+
+def _layout(trainer) -> dict:
+    """What wrote the checkpoint: backend and parallel sizes (checked and reported on resume)."""
+    dp = getattr(trainer, "dp", None)
+    return {"backend": getattr(getattr(trainer, "backend", None), "name", None),
+            "tensor_parallel": _tensor_parallel(trainer),
+            "data_parallel": dp.world if dp is not None else 1}
 
 
 def _write_state_and_manifest(tmp: str, state: dict) -> None:
@@ -277,9 +304,11 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
     if state.get("format") != FORMAT:
         raise ValueError(f"{step_path}: checkpoint format {state.get('format')!r}; this treeflow "
                          f"reads {FORMAT!r}")
+    _check_layout(step_path, state, forward)
     if _is_sharded(step_path):
         return _load_sharded(cls, step_path, forward, reduce, options, log, state)
     trainer = cls(replace(forward, model=step_path), reduce, **options)
+    _note_layout(step_path, state, trainer, log)
     try:
         tensors = load_file(os.path.join(step_path, OPTIMIZER), device=str(trainer.runner.device))
     except SafetensorError as e:
@@ -292,6 +321,15 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
     for key, v in opt["scalars"].items():
         idx, k = key.split(".", 1)
         per_param.setdefault(int(idx), {})[k] = v
+    if _tensor_parallel(trainer) > 1:  # one process wrote full tensors: take this rank's block
+        names = [name for name, _ in trainer.backend.named_parameters()]
+        if len(names) < len(per_param):
+            raise ValueError(f"{step_path}: the optimizer state holds {len(per_param)} "
+                             f"parameters, this model {len(names)}")
+        for idx, st in per_param.items():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.ndim:
+                    st[k] = trainer.backend.local_part(names[idx], v)
     try:
         trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
     except (ValueError, KeyError) as e:
@@ -313,13 +351,38 @@ def _load_sharded(cls, path, forward, reduce, options, log, state=None):
         with open(os.path.join(path, "treeflow_trainer.json")) as f:
             state = json.load(f)
     trainer = cls(replace(forward, model=path), reduce, **options)
-    load_sharded(trainer, path)
+    _note_layout(path, state, trainer, log)
+    load_sharded(trainer, path, state)
     trainer.steps = state["steps"]
     trainer.scheduler_episodes = state["scheduler_episodes"]
     trainer.position = state["position"]
     trainer.run = state.get("run")
     trainer.checkpoint_path = path
     return trainer
+
+
+def _check_layout(path: str, state: dict, forward) -> None:
+    """Refuse a checkpoint of another backend before any model is built (names differ)."""
+    saved = (state.get("layout") or {}).get("backend")
+    if saved is not None and saved != forward.backend:
+        raise ValueError(f"{path}: written by the {saved} backend, resumed with --backend "
+                         f"{forward.backend}: parameter names and layouts differ; resume with "
+                         f"--backend {saved} (its HF export, --model {path}, loads in either)")
+
+
+def _note_layout(path: str, state: dict, trainer, log) -> None:
+    layout = state.get("layout") if state else None
+    if not layout:
+        return
+    now = _layout(trainer)
+    if (layout.get("tensor_parallel"), layout.get("data_parallel")) != \
+            (now["tensor_parallel"], now["data_parallel"]):
+        lead = _writers(trainer)[1]
+        if lead:
+            log(f"{path}: written at tensor parallelism {layout.get('tensor_parallel')} x "
+                f"{layout.get('data_parallel')} data-parallel ranks, resumed at "
+                f"{now['tensor_parallel']} x {now['data_parallel']}: the state is resharded (the "
+                "run continues with the same weights; sums may round differently)")
 
 
 def _load_legacy(cls, path, forward, reduce, log, options):

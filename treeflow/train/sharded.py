@@ -8,6 +8,10 @@ mixed precision) that `--model DIR` and transformers load, and the counters
 (`treeflow_trainer.json`). DCP reshards on load, so a checkpoint written by N ranks resumes
 on M ranks -- one process without a process group included.
 
+The megatron backend hands DCP its own state (models/megatron/checkpoint.py): every
+tensor-parallel shard as a DTensor slice of the unsharded MCore tensor, so the checkpoint
+resumes bit for bit on the same tensor x data layout and reshards to any other one.
+
 Trade-off: the HF export is written beside the shards on every save (one consolidated copy of
 the weights, gathered to rank 0) so that every checkpoint is directly usable for inference;
 a run that saves very often on a model too big for one host's memory would want it only at the
@@ -33,35 +37,80 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, DCP_DIR, ".metadata"))
 
 
-def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: str) -> None:
-    """Every rank calls this: DCP shards of model + AdamW, then rank 0's HF export and counters."""
+def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: str, *,
+                 lead: bool | None = None, group=None) -> None:
+    """Every process calls this: DCP shards of model + AdamW, then the HF export and counters.
+
+    A backend with its own `checkpoint_layout` (megatron: tensor-parallel shards as DTensors,
+    models/megatron/checkpoint.py) gives DCP its state itself; its layout name and the AdamW
+    param groups are added to `counters`. `lead` (default: data-parallel rank 0) writes the
+    counters; `group` (default: the data-parallel group) is every process that saves.
+    """
     os.makedirs(path, exist_ok=True)
-    module, optimizer = trainer.backend.module, trainer.optimizer
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, DCP_DIR))
+    backend, optimizer = trainer.backend, trainer.optimizer
+    lead = trainer.dp.rank == 0 if lead is None else lead
+    group = trainer.dp.group if group is None else group
+    layout = getattr(backend, "checkpoint_layout", None)
+    if layout is not None:
+        state = backend.checkpoint_state(optimizer)
+        counters["sharded_layout"] = layout
+        counters["optimizer"] = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                  for g in optimizer.param_groups]}
+    else:
+        model_sd, optim_sd = get_state_dict(backend.module, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
     full = None
     if trainer.sharded:
         from treeflow.train.fsdp import full_state_dict
 
-        full = full_state_dict(module)  # a collective: every rank takes part
-    if trainer.dp.rank == 0:
+        full = full_state_dict(backend.module)  # a collective: every rank takes part
+    if trainer.dp.rank == 0:  # under tensor parallelism: every rank of the first replica
         if full is not None:
             from treeflow.models.checkpoint import save_state
 
-            save_state(full, module.config, path)
+            save_state(full, backend.module.config, path)
         else:
-            trainer.backend.save(path)
+            backend.save(path)  # a tensor-parallel backend gathers its shards (a collective)
+    if lead:
         with open(os.path.join(path, json_name), "w") as f:
             json.dump(counters, f, indent=1)
-    if trainer.dp.distributed:
-        dist.barrier(group=trainer.dp.group)  # nobody reads the checkpoint before it is whole
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)  # nobody reads the checkpoint before it is whole
 
 
-def load_sharded(trainer, path: str | os.PathLike) -> None:
-    """Load model and AdamW state from `path/dcp` into `trainer` (any rank count)."""
-    module, optimizer = trainer.backend.module, trainer.optimizer
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR))
-    set_state_dict(module, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+def load_sharded(trainer, path: str | os.PathLike, state: dict | None = None) -> None:
+    """Load model and AdamW state from `path/dcp` into `trainer` (any rank count).
+
+    state: the checkpoint's counters (trainer.json), which name the layout DCP holds.
+    """
+    backend, optimizer = trainer.backend, trainer.optimizer
+    saved = (state or {}).get("sharded_layout")
+    mine = getattr(backend, "checkpoint_layout", None)
+    checkpoint_id = os.path.join(path, DCP_DIR)
+    if saved is not None and saved == mine:
+        keys = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+        want = backend.checkpoint_state(optimizer, keys=keys)
+        missing = sorted(set(want) - keys)
+        if missing:
+            raise ValueError(f"{path}: the checkpoint has no {missing[0]} (and {len(missing) - 1} "
+                             "more): it was written for another model; resume with the model "
+                             "that wrote it")
+        dcp.load(want, checkpoint_id=checkpoint_id)
+        backend.restore_state(optimizer, want)
+        for group, kept in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in kept.items()})
+        return
+    if saved is not None or (mine is not None and getattr(backend, "tp", 1) > 1):
+        written = saved or "torch's get_state_dict layout (tensor parallelism 1)"
+        fix = ("resume it with --tensor-parallel 1 once and save again: checkpoints saved now "
+               "resume at any tensor parallelism" if saved is None else
+               "resume with the backend that wrote it (see trainer.json's 'layout')")
+        raise ValueError(f"{path}: the sharded state is in {written}, which the {backend.name} "
+                         f"backend at tensor parallelism {getattr(backend, 'tp', 1)} cannot "
+                         f"read; {fix}")
+    model_sd, optim_sd = get_state_dict(backend.module, optimizer)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=checkpoint_id)
+    set_state_dict(backend.module, optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])

@@ -57,6 +57,7 @@ from treeflow.models.attention import AttentionPlan
 from treeflow.models.backend import check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
+from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
 from treeflow.models.megatron.convert import hf_to_mcore, mcore_to_hf, shard, unshard
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
@@ -263,6 +264,20 @@ class MegatronBackend:
     def to(self, device) -> None:
         self.module.to(device)
         self.device = torch.device(device)
+
+    # ------------------------------------------------------------ checkpoints (checkpoint.py)
+    checkpoint_layout = LAYOUT
+
+    def checkpoint_state(self, optimizer, *, keys=None) -> dict:
+        """Weights and AdamW state as DCP saves them (or, given the saved keys, loads them)."""
+        return checkpoint_state(self, optimizer, keys=keys)
+
+    def restore_state(self, optimizer, loaded: dict) -> None:
+        restore_state(self, optimizer, loaded)
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the unsharded tensor of parameter `name`."""
+        return local_part(self, name, full)
 
 
 def init_parallel(tensor_parallel: int, device: torch.device) -> None:

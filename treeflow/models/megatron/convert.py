@@ -28,7 +28,7 @@ import torch
 
 from treeflow.models.config import ModelConfig
 
-__all__ = ["hf_to_mcore", "mcore_to_hf", "shard", "unshard"]
+__all__ = ["hf_to_mcore", "mcore_to_hf", "shard", "tp_partition", "tp_view", "unshard"]
 
 _LAYER_RENAMES = {  # HF name after "model.layers.{i}." -> MCore name after "decoder.layers.{i}."
     "input_layernorm.weight": "input_layernorm.weight",
@@ -86,19 +86,44 @@ def mcore_to_hf(mc: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.
     return out
 
 
+def tp_partition(name: str) -> tuple[int | None, int]:
+    """How tensor parallelism splits MCore tensor `name`: (dim, pieces).
+
+    dim is None for a replicated tensor. pieces is 2 for `linear_fc1` (`[gate; up]`: each
+    half is split on its own) and 1 otherwise. Viewed as `pieces` blocks stacked on a new
+    leading dim (`tp_view`), every rank's part is one contiguous block along dim + (pieces > 1).
+    """
+    if name.endswith(_REPLICATED):
+        return None, 1
+    if name.endswith(_ROW_PARALLEL):
+        return 1, 1
+    if name.endswith("linear_fc1.weight"):
+        return 0, 2
+    return 0, 1  # column-parallel: QKV (whole groups), embedding and output layer (vocab rows)
+
+
+def tp_view(t: torch.Tensor, name: str) -> tuple[torch.Tensor, int | None]:
+    """`t` (unsharded or one rank's part) viewed so that a rank's part is one block: (view, dim)."""
+    dim, pieces = tp_partition(name)
+    if pieces == 1:
+        return t, dim
+    return t.reshape(pieces, t.shape[0] // pieces, *t.shape[1:]), dim + 1
+
+
+def _flat(view: torch.Tensor, name: str) -> torch.Tensor:
+    """The inverse of tp_view: the stacked pieces back into one leading dim."""
+    return view.reshape(-1, *view.shape[2:]) if tp_partition(name)[1] > 1 else view
+
+
 def shard(full: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s part of an unsharded MCore state dict under tensor parallelism `size`."""
     out = {}
     for name, t in full.items():
-        if name.endswith(_REPLICATED):
+        view, dim = tp_view(t, name)
+        if dim is None:
             out[name] = t
-        elif name.endswith(_ROW_PARALLEL):
-            out[name] = _chunk(t, size, 1, name)[rank]
-        elif name.endswith("linear_fc1.weight"):
-            gate, up = t.chunk(2)
-            out[name] = torch.cat([_chunk(gate, size, 0, name)[rank], _chunk(up, size, 0, name)[rank]])
-        else:  # column-parallel: QKV (whole groups), embedding and output layer (vocab rows)
-            out[name] = _chunk(t, size, 0, name)[rank]
+        else:
+            out[name] = _flat(_chunk(view, size, dim, name)[rank], name)
     return out
 
 
@@ -106,16 +131,12 @@ def unshard(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The unsharded MCore state dict from every rank's part, in rank order (inverse of shard)."""
     out = {}
     for name, t in parts[0].items():
-        pieces = [p[name] for p in parts]
-        if name.endswith(_REPLICATED):
+        views = [tp_view(p[name], name) for p in parts]
+        dim = views[0][1]
+        if dim is None:
             out[name] = t
-        elif name.endswith(_ROW_PARALLEL):
-            out[name] = torch.cat(pieces, dim=1)
-        elif name.endswith("linear_fc1.weight"):
-            halves = [p.chunk(2) for p in pieces]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         else:
-            out[name] = torch.cat(pieces, dim=0)
+            out[name] = _flat(torch.cat([v for v, _ in views], dim=dim), name)
     return out
 
 
