@@ -4,8 +4,8 @@ The CLI spawns the two tensor-parallel processes itself; their logprobs and a
 training run's per-step loss and gradient norm must equal the single-process
 run's (TP=1) within 1e-5, which in turn equals the reference backend (see
 test_megatron.py). With `--ranks 2` the four processes (2 replicas x TP=2) must
-train like the two of `--ranks 2` alone. The refusals need no processes and
-run first.
+train like the two of `--ranks 2` alone; `--save-every`/`--resume` under
+TP=2 continue bit for bit. The refusals need no processes and run first.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                     "pip install 'treeflow[megatron]' to run the megatron backend tests")
@@ -61,13 +62,11 @@ def test_refusals_in_logprobs_mode(setup, tmp_path, extra, match, capsys):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--save", "CKPT"], "--save with --tensor-parallel 2 is not supported"),
     (["--shard-params", "--ranks", "2"], "drop --shard-params"),
     (["--launcher", "ray"], "--launcher spawn"),
 ])
 def test_refusals_in_training(setup, tmp_path, extra, match, capsys):
     model, data = setup
-    extra = [str(tmp_path / "ckpt") if x == "CKPT" else x for x in extra]
     args = ["replay", data, "--model", model, "--backend", "megatron", "--tensor-parallel", "2",
             "--mode", "train", "--batch-episodes", "4", *extra]
     assert main(args) != 0
@@ -131,3 +130,38 @@ def test_tp2_times_dp2_training_equals_dp2(setup, tmp_path):
         assert a["grad_norm"] > 0
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_tp2_save_every_and_resume_continue_bit_for_bit(setup, tmp_path):
+    """`--tensor-parallel 2 --save-every 1`, then `--resume` from step 1: step 2 is bit-identical.
+
+    Each TP rank's shards of the weights and AdamW go through DCP; a checkpoint that kept one
+    rank's shards (or none of AdamW) gives other weights after the resumed step.
+    """
+    import shutil
+
+    from safetensors.torch import load_file
+
+    model, data = setup
+    common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "128",
+              "--quiet", "--mode", "train", "--batch-episodes", "4", "--steps", "2", "--lr",
+              "1e-3", "--tensor-parallel", "2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main([*common, "--save", str(a), "--save-every", "1", "--metrics",
+                 str(tmp_path / "a.jsonl")]) == 0
+    assert sorted(os.listdir(a)) == ["latest", "step-000001", "step-000002"]
+    b.mkdir()
+    shutil.copytree(a / "step-000001", b / "step-000001")
+    (b / "latest").write_text("step-000001\n")
+    assert main([*common, "--resume", str(b), "--save", str(b), "--metrics",
+                 str(tmp_path / "b.jsonl")]) == 0
+    first = load_file(a / "step-000001" / "model.safetensors")
+    want = load_file(a / "step-000002" / "model.safetensors")
+    got = load_file(b / "step-000002" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert max(float((want[k] - first[k]).abs().max()) for k in want) > 1e-4
+    row_a = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[1])
+    row_b = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])
+    assert row_a["step"] == row_b["step"] == 2
+    assert (row_b["loss"], row_b["grad_norm"]) == (row_a["loss"], row_a["grad_norm"])
