@@ -1,7 +1,7 @@
 """One process of the tensor-parallel checkpoint check; run it with torchrun (T x D processes).
 
     torchrun --standalone --nproc-per-node T*D tests/models/megatron_ckpt_worker.py \
-        --tp T --root DIR --out RESULT.json [--single DIR] MODEL_DIR [...]
+        --tp T --root DIR --out RESULT.json [--device cuda] [--single DIR] MODEL_DIR [...]
 
 Per model (in DIR/<model name>): a Trainer of the megatron backend (tensor
 parallelism T, D = processes / T data-parallel replicas) takes step 1 on
@@ -93,7 +93,7 @@ def run_model(path: str, args, dp) -> dict:
     row_again = again.train_step(a, bins_a).to_pylist()[0]
     weights_again = again.backend.full_state()
     del again
-    result = {"model": name, "root": root, "before": before.tolist(), "after": after.tolist(),
+    result = {"model": name, "root": root, "dp": dp.world, "before": before.tolist(), "after": after.tolist(),
               "resumed_at": resumed_at, "row": row, "row_again": row_again,
               "weights_equal": weights.keys() == weights_again.keys() and all(
                   torch.equal(weights[k], weights_again[k]) for k in weights),
@@ -116,12 +116,17 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--single", default=None)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args()
     from treeflow.models import tensor_parallel_layout
     from treeflow.train import DataParallel
 
-    _, rank, world, group = tensor_parallel_layout("megatron", args.tp, "cpu")
-    dp = DataParallel(rank=rank, world=world, device="cpu", group=group)
+    device = "cpu"
+    if args.device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    _, rank, world, group = tensor_parallel_layout("megatron", args.tp, device)
+    dp = DataParallel(rank=rank, world=world, device=device, group=group)
     results = [run_model(m, args, dp) for m in args.models]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

@@ -60,10 +60,10 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Single-process TP=1 checkpoints (step 1) and step-2 weights; then the 4-process worker."""
-    root = tmp_path_factory.mktemp("ckpt_tp")
+def make_run(root, *, processes: int = 4, device: str = "cpu"):
+    """Single-process TP=1 checkpoints (step 1) and step-2 weights; then the TP=2 worker.
+
+    Returns (the worker's results by model, the single-process root, the step-2 weights)."""
     models = {m: write_checkpoint(root / m, qwen=m == "qwen2") for m in MODELS}
     single, expected = root / "single", {}
     single.mkdir()
@@ -78,12 +78,19 @@ def run(tmp_path_factory):
         expected[m] = load_file(root / f"{m}-step2" / "model.safetensors")
     out = root / "result.json"
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           WORKER, "--tp", "2", "--root", str(root / "tp"), "--out", str(out),
-           "--single", str(single), *models.values()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(processes), WORKER, "--tp", "2", "--device", device, "--root", str(root / "tp"),
+           "--out", str(out), "--single", str(single), *models.values()]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {r["model"]: r for r in json.loads(out.read_text())}, single, expected
+    results = {r["model"]: r for r in json.loads(out.read_text())}
+    assert all(r["dp"] == processes // 2 for r in results.values())
+    return results, single, expected
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("ckpt_tp"), processes=4)
 
 
 @pytest.mark.multiprocess
@@ -96,7 +103,7 @@ def test_tp2_dp2_resume_is_bit_identical(run, model):
     assert r["row_again"]["grad_norm"] == r["row"]["grad_norm"] > 0
     with open(os.path.join(r["root"], "step-000003", "trainer.json")) as f:
         layout = json.load(f)["layout"]
-    assert layout == {"backend": "megatron", "tensor_parallel": 2, "data_parallel": 2}
+    assert layout == {"backend": "megatron", "tensor_parallel": 2, "data_parallel": r["dp"]}
 
 
 @pytest.mark.multiprocess
@@ -125,7 +132,8 @@ def test_a_tp2_dp2_checkpoint_resumes_in_one_process(run, model):
     step2 = os.path.join(r["root"], "step-000002")
     notes = []
     tr = Trainer.resume(step2, *stages(step2, 1), log=notes.append)
-    assert tr.steps == 2 and any("resharded" in n and "parallelism 2 x 2" in n for n in notes)
+    assert tr.steps == 2 and any("resharded" in n and f"parallelism 2 x {r['dp']}" in n
+                                     for n in notes)
     a = episodes(WINDOW_A)
     tr.train_step(a, bins(a, 1))
     from treeflow.models.megatron import mcore_to_hf

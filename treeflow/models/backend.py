@@ -7,7 +7,11 @@ chosen rows of those hidden states (`edge_logprobs`), so the vocabulary
 projection only ever sees loss edges. For training it gives its optimizer and
 gradient clipping (a tensor-parallel backend must count sharded and replicated
 parameters correctly, so clipping is the backend's job, not the trainer's),
-and it exports Hugging Face safetensors (`save`). Stages hold only the
+and it exports Hugging Face safetensors (`save`). A backend that splits its
+weights over processes also lays out its training checkpoint for PyTorch
+Distributed Checkpoint (`checkpoint_layout`, `checkpoint_state`,
+`restore_state`, `local_part`; train/sharded.py uses them when present, the
+megatron backend has them). Stages hold only the
 backend's *name*; `load_backend` binds it at build time, so nothing outside
 `treeflow.models` imports a backend's library.
 
