@@ -295,6 +295,7 @@ def levers(run: Run, config: ModelConfig, configs: dict, name: str) -> dict:
                     else:
                         row["tree_logprobs_max_abs_diff_vs_base"] = float(max(
                             (a - b).abs().max() for a, b in zip(lp, base_lp)))
+                    row["tree_logprobs_finite"] = bool(all(torch.isfinite(a).all() for a in lp))
                 if layout == "exact":
                     exact_rows[key] = (cname, row)
                 rows[f"{layout}_{mode}"] = row
@@ -435,11 +436,10 @@ def main() -> None:
         run.section("matmul", matmuls, run, [(t, 2048, 8192), (t, 8192, 2048), (t, 2048, 3072),
                                               (t, 4096, 14336), (t, 14336, 4096)])
     kernel = run.section("kernel", bench_attn_kernel.run, shapes=("llama-1b",),
-                         configs=("default", "rows-safe", "fwd-n64", "bwd-64x64", "bwd-32x128",
-                                  "bwd-s2", "tma"), smoke=args.smoke,
+                         configs=("default", "bwd-64x64", "bwd-32x128", "bwd-w4"), smoke=args.smoke,
                          budget_s=args.budget_s / 3, log=run.log)
     flex = args.flex or ((kernel or {}).get("shapes", {}).get("llama-1b", {}).get("best_flex")
-                         if kernel and "shapes" in kernel else None) or "rows-safe"
+                         if kernel and "shapes" in kernel else None) or "default"
     tile, options = bench_attn_kernel.FLEX_CONFIGS[flex]
     flex_t = {"flex_block_size": tile, "flex_kernel_options": options}
     lv = {"loss_vocab_chunk": args.loss_vocab_chunk}

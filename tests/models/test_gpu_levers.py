@@ -19,10 +19,11 @@ pytestmark = [pytest.mark.gpu,
 TUNINGS = {
     "compiled": Tuning(compile_layers=True),
     "flex-tile64": Tuning(flex_block_size=64, flex_kernel_options={
-        "ROWS_GUARANTEED_SAFE": True, "BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32,
+        "BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32,
         "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}),
     "all": Tuning(compile_layers=True, fused_loss=True, loss_vocab_chunk=512, recompute="mlp",
-                  flex_kernel_options={"ROWS_GUARANTEED_SAFE": True}),
+                  flex_kernel_options={"fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64,
+                                       "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}),
 }
 
 

@@ -28,11 +28,11 @@ from treeflow.stages import Forward
 
 def test_tuning_validates_and_parses():
     t = Tuning.parse("compile_layers=1,fused_loss=true,recompute=mlp,flex_block_size=64,"
-                     "flex.BLOCK_M=64,flex.bwd_num_warps=8,flex.ROWS_GUARANTEED_SAFE=true")
+                     "flex.BLOCK_M=64,flex.bwd_num_warps=8,flex.USE_TMA=true")
     assert t == Tuning(compile_layers=True, fused_loss=True, recompute="mlp", flex_block_size=64,
                        flex_kernel_options={"BLOCK_M": 64, "bwd_num_warps": 8,
-                                            "ROWS_GUARANTEED_SAFE": True})
-    assert t.kernel_options == {"BLOCK_M": 64, "ROWS_GUARANTEED_SAFE": True, "bwd_num_warps": 8}
+                                            "USE_TMA": True})
+    assert t.kernel_options == {"BLOCK_M": 64, "USE_TMA": True, "bwd_num_warps": 8}
     assert Tuning().kernel_options is None and hash(t) == hash(dataclasses.replace(t))
     # Triton's pipeline depth is any count (3 is Hopper's flex default); warps and tiles are not
     assert Tuning(flex_kernel_options={"bwd_num_stages": 3}).kernel_options == {"bwd_num_stages": 3}
@@ -41,6 +41,8 @@ def test_tuning_validates_and_parses():
            ({"flex_kernel_options": {"BLOCK_M": 256}}, "divide the mask tile"),
            ({"flex_kernel_options": {"num_warps": 3}}, "power of two"),
            ({"flex_kernel_options": {"bwd_num_stages": 0}}, "int >= 1"),
+           ({"flex_kernel_options": {"ROWS_GUARANTEED_SAFE": True}}, "not allowed for tree masks"),
+           ({"flex_kernel_options": {"fwd_ROWS_GUARANTEED_SAFE": True}}, "becomes NaN"),
            ({"flex_kernel_options": {"PRESCALE_QK": 1}}, "True or False"),
            ({"flex_kernel_options": {"bwd_BLOCK_N1": 32, "bwd_BLOCK_M1": 64}}, "multiple of BLOCK_M1"),
            ({"recompute": "all"}, "choose one of"), ({"compile_backend": "cudagraphs"}, "choose one"),
@@ -249,7 +251,7 @@ def test_flex_tiles_and_kernel_options_keep_the_tree_attention():
         dense = model(toks, pos, AttentionPlan(end, kernel="dense"))
         for tuning in (Tuning(flex_block_size=16),
                        Tuning(flex_block_size=64, flex_kernel_options={
-                           "BLOCK_M": 64, "BLOCK_N": 32, "ROWS_GUARANTEED_SAFE": True})):
+                           "BLOCK_M": 64, "BLOCK_N": 32})):
             backend = ReferenceBackend(model, tuning=tuning)
             plan = backend.attention_plan(parents, end, kernel="flex")
             assert plan._block_mask.BLOCK_SIZE == (tuning.flex_block_size,) * 2

@@ -41,7 +41,13 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 # BLOCK_M1/BLOCK_M2 (backward dK/dV and dQ loops); key tiles: BLOCK_N, BLOCK_N1, BLOCK_N2.
 _TILES_Q, _TILES_KV = ("BLOCK_M", "BLOCK_M1", "BLOCK_M2"), ("BLOCK_N", "BLOCK_N1", "BLOCK_N2")
 _INTS = (*_TILES_Q, *_TILES_KV, "num_warps", "num_stages")
-_BOOLS = ("ROWS_GUARANTEED_SAFE", "PRESCALE_QK", "BLOCKS_ARE_CONTIGUOUS", "USE_TMA")
+_BOOLS = ("PRESCALE_QK", "BLOCKS_ARE_CONTIGUOUS", "USE_TMA")
+# ROWS_GUARANTEED_SAFE drops the kernel's guard for a running row max of -inf. It is not
+# enough that every tree row sees itself: the kernel visits a row's partial key blocks
+# first, and in a tree a row's first partial block can hold none of its ancestors, which
+# makes exp2(-inf - -inf) = NaN for the whole row (measured on an H200: NaN logprobs).
+_UNSAFE = {"ROWS_GUARANTEED_SAFE": "a tree row can see no key in the first block the kernel "
+                                   "visits, and without the guard that row becomes NaN"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +57,7 @@ class Tuning:
     flex_block_size: tokens per FlexAttention block-mask tile (a power of two >= 16).
     flex_kernel_options: FlexAttention kernel options, a dict or (name, value)
         pairs: BLOCK_M/N, BLOCK_M1/N1/M2/N2, num_warps, num_stages (ints),
-        ROWS_GUARANTEED_SAFE, PRESCALE_QK, BLOCKS_ARE_CONTIGUOUS, USE_TMA (bools),
+        PRESCALE_QK, BLOCKS_ARE_CONTIGUOUS, USE_TMA (bools),
         each optionally prefixed fwd_ or bwd_. Every tile must divide the mask tile.
     compile_layers: torch.compile the non-attention work of every layer (CUDA).
     compile_backend: torch.compile backend: "inductor" (generates fused kernels;
@@ -143,6 +149,8 @@ def _scalar(text: str) -> int | bool | str:
 def _check_option(name: str, value, block: int) -> None:
     base = name[4:] if name.startswith(("fwd_", "bwd_")) else name
     where = f"Tuning(flex_kernel_options: {name}={value!r})"
+    if base in _UNSAFE:
+        raise ValueError(f"{where}: not allowed for tree masks ({_UNSAFE[base]}); leave it out")
     if base in _BOOLS:
         if not isinstance(value, bool):
             raise ValueError(f"{where}: give True or False")
