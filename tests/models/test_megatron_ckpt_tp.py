@@ -162,9 +162,25 @@ def test_a_checkpoint_of_another_backend_is_refused(tmp_path):
 
     forward, reduce = stages(path, 1)
     a = episodes(WINDOW_A)
-    tr = Trainer(Forward(model=path, chunk_size=64), reduce)
+    tr = Trainer(Forward(model=path, kernel="dense", chunk_size=64), reduce)
     tr.train_step(a, bins(a, 1))
     tr.save(tmp_path / "ref")
     with pytest.raises(ValueError, match="written by the reference backend, resumed with "
                        "--backend megatron.*resume with --backend reference"):
         Trainer.resume(tmp_path / "ref", forward, reduce)
+
+
+def test_a_sharded_checkpoint_in_torchs_layout_is_refused_under_tensor_parallelism(tmp_path):
+    """A DP checkpoint without a recorded layout (get_state_dict's, one full tensor per name)
+    cannot be split over TP ranks: refused before DCP reads anything, with the fix."""
+    from types import SimpleNamespace
+
+    from treeflow.models.megatron.checkpoint import LAYOUT
+    from treeflow.train.sharded import load_sharded
+
+    trainer = SimpleNamespace(optimizer=None, backend=SimpleNamespace(
+        name="megatron", tp=2, checkpoint_layout=LAYOUT))
+    with pytest.raises(ValueError, match=r"torch's get_state_dict layout \(tensor parallelism 1\)"
+                       r", which the megatron backend at tensor parallelism 2 cannot read; "
+                       r"resume it with --tensor-parallel 1"):
+        load_sharded(trainer, tmp_path, {"steps": 1})

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                     "pip install 'treeflow[megatron]' to run the megatron backend tests")
@@ -84,7 +86,7 @@ def test_a_torchrun_world_that_does_not_match_is_refused(setup, tmp_path, monkey
 
 
 @pytest.mark.multiprocess
-def test_tp2_replay_and_training_equal_tp1(setup, tmp_path, capsys):
+def test_tp2_replay_and_training_equal_tp1_and_resume_bit_for_bit(setup, tmp_path):
     model, data = setup
     common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "128",
               "--quiet"]
@@ -94,9 +96,11 @@ def test_tp2_replay_and_training_equal_tp1(setup, tmp_path, capsys):
     assert len(one) > 100 and np.isfinite(one).all()
     np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
 
+    train = ["--mode", "train", "--batch-episodes", "4", "--steps", "2", "--lr", "1e-3"]
+    saved = tmp_path / "a"
     for tp in (1, 2):
-        assert main([*common, "--tensor-parallel", str(tp), "--mode", "train", "--batch-episodes",
-                     "4", "--steps", "2", "--lr", "1e-3", "--metrics",
+        save = ["--save", str(saved), "--save-every", "1"] if tp == 2 else []
+        assert main([*common, "--tensor-parallel", str(tp), *train, *save, "--metrics",
                      str(tmp_path / f"{tp}.jsonl")]) == 0
     rows = {tp: [json.loads(line) for line in open(tmp_path / f"{tp}.jsonl")] for tp in (1, 2)}
     assert len(rows[1]) == len(rows[2]) == 2
@@ -105,6 +109,24 @@ def test_tp2_replay_and_training_equal_tp1(setup, tmp_path, capsys):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert a["grad_norm"] > 0 and b["ranks"] == 1
+
+    # --resume from the step-1 checkpoint: each TP rank's shards of the weights and AdamW went
+    # through DCP, so step 2 is bit-identical (one rank's shards only, or no AdamW, differ)
+    assert sorted(os.listdir(saved)) == ["latest", "step-000001", "step-000002"]
+    resumed_dir = tmp_path / "b"
+    resumed_dir.mkdir()
+    shutil.copytree(saved / "step-000001", resumed_dir / "step-000001")
+    (resumed_dir / "latest").write_text("step-000001\n")
+    assert main([*common, "--tensor-parallel", "2", *train, "--resume", str(resumed_dir),
+                 "--save", str(resumed_dir), "--metrics", str(tmp_path / "b.jsonl")]) == 0
+    first = load_file(saved / "step-000001" / "model.safetensors")
+    want = load_file(saved / "step-000002" / "model.safetensors")
+    got = load_file(resumed_dir / "step-000002" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert max(float((want[k] - first[k]).abs().max()) for k in want) > 1e-4
+    resumed = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])
+    assert resumed["step"] == rows[2][1]["step"] == 2
+    assert (resumed["loss"], resumed["grad_norm"]) == (rows[2][1]["loss"], rows[2][1]["grad_norm"])
 
 
 @pytest.mark.multiprocess
@@ -130,38 +152,3 @@ def test_tp2_times_dp2_training_equals_dp2(setup, tmp_path):
         assert a["grad_norm"] > 0
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-
-
-@pytest.mark.multiprocess
-def test_tp2_save_every_and_resume_continue_bit_for_bit(setup, tmp_path):
-    """`--tensor-parallel 2 --save-every 1`, then `--resume` from step 1: step 2 is bit-identical.
-
-    Each TP rank's shards of the weights and AdamW go through DCP; a checkpoint that kept one
-    rank's shards (or none of AdamW) gives other weights after the resumed step.
-    """
-    import shutil
-
-    from safetensors.torch import load_file
-
-    model, data = setup
-    common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "128",
-              "--quiet", "--mode", "train", "--batch-episodes", "4", "--steps", "2", "--lr",
-              "1e-3", "--tensor-parallel", "2"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert main([*common, "--save", str(a), "--save-every", "1", "--metrics",
-                 str(tmp_path / "a.jsonl")]) == 0
-    assert sorted(os.listdir(a)) == ["latest", "step-000001", "step-000002"]
-    b.mkdir()
-    shutil.copytree(a / "step-000001", b / "step-000001")
-    (b / "latest").write_text("step-000001\n")
-    assert main([*common, "--resume", str(b), "--save", str(b), "--metrics",
-                 str(tmp_path / "b.jsonl")]) == 0
-    first = load_file(a / "step-000001" / "model.safetensors")
-    want = load_file(a / "step-000002" / "model.safetensors")
-    got = load_file(b / "step-000002" / "model.safetensors")
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    assert max(float((want[k] - first[k]).abs().max()) for k in want) > 1e-4
-    row_a = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[1])
-    row_b = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])
-    assert row_a["step"] == row_b["step"] == 2
-    assert (row_b["loss"], row_b["grad_norm"]) == (row_a["loss"], row_a["grad_norm"])
