@@ -84,29 +84,39 @@ class Pipeline:
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` to continue a
         resumed Trainer. device: where the model runs (the engine builds
-        it there). engine "ray": a Ray Data graph with `ranks` forward actors.
-        steps: stop after this many windows (training on cycled data).
-        engine_options: passed to the engine (ray: `save=DIR` writes the
-        trained checkpoint after the last step, `threads=` per rank).
+        it there). engine "ray": `ranks` forward actors, fed by a Ray Data
+        graph from files, or from a queue source through the queue itself
+        (pipeline/ray_queue.py). steps: stop after this many windows
+        (training on cycled data). engine_options: passed to the engine (ray:
+        `save=DIR` writes the trained checkpoint after the last step,
+        `threads=` per rank; with a queue source also `publish=DIR`, the
+        weights after every step, and `lease_seconds=` of the work queue).
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
         from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
 
         if isinstance(source, (QueueSource, QueueReader)):
-            if engine == "ray":
-                raise ValueError(
-                    "engine='ray' does not read from a tensor queue: its driver cuts windows from "
-                    "file spans that Ray read tasks fetch themselves (Files.spans), while a queue "
-                    "step is leased to one consumer process that must renew and acknowledge it; "
-                    "run a QueueSource with engine='local' (the queue itself may be the "
-                    "transferqueue backend on Ray)")
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "
                                  "QueueSource(episodes_per_step=...) instead of window=")
             if steps is not None:
                 raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
                                  "give that instead of steps=")
+            if engine == "ray":
+                from treeflow.pipeline.ray_queue import run_ray_queue
+
+                if trainer is not None:
+                    raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
+                                     "no trainer (resuming is engine='local' for now)")
+                reader = source.open() if isinstance(source, QueueSource) else source
+                try:
+                    records = run_ray_queue(self.plan, reader, device=device, ranks=ranks,
+                                            prefetch=prefetch, **engine_options)
+                except BaseException:
+                    reader.close()  # give back what it leased; stop its lease renewals
+                    raise
+                return acknowledged(records, reader)
             if engine_options:
                 raise ValueError(f"engine 'local' takes no {sorted(engine_options)}")
             from treeflow.pipeline.local import run_local

@@ -28,7 +28,7 @@ from treeflow.tq.ledger import Ledger
 
 __all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
 
-_METHODS = ("next_seq", "put", "close", "get", "renew", "ack", "nack", "put_result", "take_result",
+_METHODS = ("next_seq", "put", "close", "get", "renew", "ack", "nack", "release", "put_result", "take_result",
             "publish_weights", "weights", "stats")
 _LEDGER: Ledger | None = None
 

@@ -322,6 +322,18 @@ class Ledger:
             self._requeue(lease)
             return True
 
+    def release(self, consumer: str) -> int:
+        """Give back at once every step leased to `consumer`, known dead; how many were leased.
+
+        Redelivery without waiting for the leases to lapse: a supervisor that saw
+        the consumer's process die (the Ray engine, for its forward actors) says so.
+        """
+        with self._cv:
+            lids = [lid for lid, le in self._leases.items() if le.consumer == consumer]
+            for lid in lids:
+                self._requeue(lid)
+            return len(lids)
+
     # ------------------------------------------------------------ results and weights
     def put_result(self, step: int, payload, wait_s: float = 0.0) -> None:
         """Results of a step for the producers (logprobs for importance ratios); bounded."""

@@ -92,7 +92,8 @@ class _TQStore:
             blobs.append(torch.frombuffer(bytearray(sink.getvalue().to_pybytes()), dtype=torch.uint8))
         fields = TensorDict({"arrow": torch.nested.as_nested_tensor(blobs, layout=torch.jagged)},
                             batch_size=len(keys))
-        tags = [{"episodes": t.num_rows, "group_id": t.column("group_id")[0].as_py()} for t in tables]
+        tags = [{"episodes": t.num_rows, "group_id": t.column("group_id")[0].as_py()
+                 if "group_id" in t.column_names else None} for t in tables]
         self._tq.kv_batch_put(keys=keys, partition_id=self.partition, fields=fields, tags=tags)
         return keys
 
