@@ -99,14 +99,12 @@ def _check(args) -> None:
         raise ValueError(f"--lease-seconds {args.lease_seconds}: give a positive number")
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
-    if args.engine != "local":
-        from treeflow.pipeline import Pipeline, QueueSource
-        from treeflow.stages import Pack
-
-        Pipeline(Pack()).run(QueueSource(queue=None, episodes_per_step=1), engine=args.engine)
-    if args.ranks != 1:
-        raise ValueError(f"--ranks {args.ranks}: stream runs one rank (a queue step is leased to "
-                         "one consumer process); train data-parallel with replay --ranks")
+    if args.ranks < 1:
+        raise ValueError(f"--ranks {args.ranks}: give 1 or more")
+    if args.ranks != 1 and (args.engine != "ray" or args.mode == "train"):
+        raise ValueError(f"--ranks {args.ranks}: stream trains on one rank, and with --engine "
+                         "local runs one forward process; --engine ray --ranks N runs N forward "
+                         "actors for --mode logprobs (train data-parallel with replay --ranks)")
     if not args.from_files and not args.queue:
         raise ValueError("nothing can put episodes into an in-process queue: give --from FILE... "
                          "or --queue ADDRESS for producers in other processes (treeflow rollout)")
@@ -238,7 +236,8 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
         with (table_output(out["file"], args.from_files, what="logprobs") if one_file
               else _NoFile()) as single, \
                 _progress("stream", None, args.json or args.quiet) as advance:
-            for rec in pipe.run(reader, device=args.device, prefetch=args.prefetch):
+            for rec in pipe.run(reader, device=args.device, prefetch=args.prefetch,
+                                engine=args.engine, ranks=args.ranks):
                 step = rec.position["queue_step"]
                 if one_file:
                     single.write(rec.output)

@@ -54,6 +54,9 @@ def check_train(args) -> None:
         raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
     if args.shard_params:
         raise ValueError("--shard-params needs several ranks; stream trains on one")
+    if args.engine == "ray" and (args.resume or args.save_every):
+        raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
+                         "and does not resume yet; use --engine local for --resume/--save-every")
     for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
                                     ("--publish-weights", args.publish_weights, True)):
         if path:
@@ -78,10 +81,14 @@ def publish_weights(trainer, queue, root: str) -> str:
     """Write the trainer's weights as <root>/v<steps> (atomically renamed) and announce them."""
     from treeflow.atomic import atomic_dir
 
-    version = trainer.steps
-    final = os.path.join(root, f"v{version}")
+    final = os.path.join(root, f"v{trainer.steps}")
     with atomic_dir(final, what="published weights") as tmp:
         trainer.backend.save(tmp)
+    return announce_weights(queue, root, trainer.steps, final)
+
+
+def announce_weights(queue, root: str, version: int, final: str) -> str:
+    """Announce <root>/v<version> (written) to the producers; drop versions they no longer need."""
     queue.publish_weights(version, final)
     for old in range(version - _KEEP_VERSIONS, -1, -1):
         path = os.path.join(root, f"v{old}")
@@ -110,7 +117,10 @@ def stream_train(args, queue) -> dict:
     options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
                    device=args.device)
     run = {"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}}  # data: the queue
-    if args.resume:
+    on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)
+    if on_ray:
+        trainer = None
+    elif args.resume:
         trainer = Trainer.resume(args.resume, forward, reduce, log=_note, **options)
         diffs = differences(trainer.run or run, run)
         if diffs and not args.allow_different_data:
@@ -119,21 +129,25 @@ def stream_train(args, queue) -> dict:
                              "--allow-different-data to continue anyway")
     else:
         trainer = Trainer(forward, reduce, **options)
-    trainer.run = run
-    todo = None if args.steps is None else args.steps - trainer.steps
+    steps = trainer.steps if trainer else 0
+    if trainer:
+        trainer.run = run
+    todo = None if args.steps is None else args.steps - steps
     if todo is not None and todo <= 0:
         return {"steps": trainer.steps, "note": f"the checkpoint has >= --steps {args.steps}"}
     root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
                                     else tempfile.mkdtemp(prefix="treeflow-weights-"))
     os.makedirs(root, exist_ok=True)
-    if trainer.steps:
+    if steps:
         publish_weights(trainer, queue, root)
     hold = bool(args.save and args.save_every)
     reader = QueueSource(queue=queue, episodes_per_step=args.batch_episodes, consumer=args.consumer,
-                         max_steps=todo, max_staleness=args.max_staleness, version=trainer.steps,
+                         max_steps=todo, max_staleness=args.max_staleness, version=steps,
                          ack="manual" if hold else "auto",
-                         idle_timeout=args.idle_timeout).open(trainer.position)
-    metrics_file = _open_metrics(args, trainer.steps)
+                         idle_timeout=args.idle_timeout).open(trainer.position if trainer else None)
+    engine = (dict(engine="ray", save=args.save, keep=args.keep, publish=root) if on_ray
+              else dict(trainer=trainer))
+    metrics_file = _open_metrics(args, steps)
     tensorboard = None
     if args.tensorboard:
         from treeflow.io import TensorBoardLog
@@ -143,12 +157,13 @@ def stream_train(args, queue) -> dict:
     t0 = time.perf_counter()
     try:
         with _progress("stream train", todo, args.json or args.quiet) as advance:
-            for rec in pipe.run(reader, device=args.device, trainer=trainer, prefetch=args.prefetch):
+            for rec in pipe.run(reader, device=args.device, prefetch=args.prefetch, **engine):
                 compile_seconds += rec.stats.get("compile_seconds", 0.0)
                 row = rec.output.to_pylist()[0]
+                steps = row["step"]
                 wv = rec.episodes.column("weight_version").to_numpy(zero_copy_only=False)
                 wv = wv.astype(np.float64)
-                lag = (trainer.steps - 1) - wv[np.isfinite(wv)]
+                lag = (steps - 1) - wv[np.isfinite(wv)]
                 row.update(queue_step=rec.position["queue_step"],
                            dropped_stale=reader.dropped_stale - dropped,
                            redelivered=reader.redelivered,
@@ -156,8 +171,11 @@ def stream_train(args, queue) -> dict:
                            version_lag_max=float(lag.max()) if len(lag) else None,
                            seconds=round(time.perf_counter() - t0, 3))
                 dropped = reader.dropped_stale
-                trainer.position = rec.position
-                publish_weights(trainer, queue, root)
+                if on_ray:   # the rank wrote them
+                    announce_weights(queue, root, steps, rec.stats["weights"])
+                else:
+                    trainer.position = rec.position
+                    publish_weights(trainer, queue, root)
                 rows.append(row)
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
@@ -171,7 +189,7 @@ def stream_train(args, queue) -> dict:
                     saved_at = trainer.steps
                     reader.ack_finished()
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-        if args.save and saved_at != trainer.steps:
+        if args.save and not on_ray and saved_at != trainer.steps:
             trainer.save(args.save, keep=args.keep)
         reader.ack_finished()
     finally:
@@ -186,7 +204,7 @@ def stream_train(args, queue) -> dict:
     kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
     per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
                 if len(rows) > 1 else None)
-    return {"steps": trainer.steps, "episodes": reader.episodes,
+    return {"steps": steps, "episodes": reader.episodes,
             "dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
             "skipped_redeliveries": reader.skipped,
             "gen_kl_mean": (sum(kls) / len(kls)) if kls else None,

@@ -45,16 +45,21 @@ def _queue(backend, name):
     return open_queue(name, backend="transferqueue")
 
 
+def tq_left(name):
+    import transfer_queue
+
+    return transfer_queue.kv_list(f"treeflow-{name}").get(f"treeflow-{name}", {})
+
+
 def _ray_logprobs(q, **options):
     return list(logprob_pipe().run(QueueSource(queue=q, episodes_per_step=B), engine="ray", **options))
 
 
-@pytest.mark.parametrize("backend", ["embedded", "transferqueue"])
-def test_ray_stream_equals_local_stream_and_replay(cluster, backend, small, legacy_lp, legacy_train,
-                                                   tmp_path):
-    q = _queue(backend, "rq-lp")
+def test_ray_stream_equals_local_stream_and_replay_on_transferqueue(cluster, small, legacy_lp,
+                                                                    legacy_train, tmp_path):
+    q = _queue("transferqueue", "rq-lp")
     fill(q, small)
-    records = _ray_logprobs(q, ranks=2)
+    records = _ray_logprobs(q)
     assert [r.step for r in records] == [0, 1, 2]                 # logical order
     assert [r.position["queue_step"] for r in records] == [0, 1, 2]
     assert q.stats()["steps_acked"] == 3 and q.stats()["held_episodes"] == 0
@@ -62,10 +67,11 @@ def test_ray_stream_equals_local_stream_and_replay(cluster, backend, small, lega
     fill(local, small)
     for got, stream, replay in zip(records, queued_logprobs(local), legacy_lp, strict=True):
         assert got.output.equals(stream) and got.output.equals(replay)   # bit for bit
+    assert tq_left("rq-lp") == {}                                 # acknowledged items cleared
     assert sum(r.stats["executed_tokens"] for r in records) > 0
     q.shutdown()
 
-    q = _queue(backend, "rq-train")
+    q = _queue("transferqueue", "rq-train")
     fill(q, small)
     pipe, _, _ = train_parts()
     records = list(pipe.run(QueueSource(queue=q, episodes_per_step=B), engine="ray",
@@ -81,13 +87,21 @@ def test_ray_stream_equals_local_stream_and_replay(cluster, backend, small, lega
     q.shutdown()
 
 
+def _claim(marker: str) -> bool:
+    """True for exactly one caller over all processes (the marker file is created atomically)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
 def dies_once(marker: str):
     """A forward actor that kills its own process on its first item, before acknowledging it."""
 
     class DiesOnce(_QueueRank):
         def compute(self, item):
-            if not os.path.exists(marker):
-                open(marker, "w").close()
+            if _claim(marker):
                 os._exit(1)
             return super().compute(item)
 
@@ -95,16 +109,16 @@ def dies_once(marker: str):
 
 
 def test_killed_forward_actor_is_redelivered_and_changes_nothing(cluster, small, legacy_lp, tmp_path):
-    marker = tmp_path / "killed"
+    marker = str(tmp_path / "killed")
     q = local_queue()
     fill(q, small)
     reader = QueueSource(queue=q, episodes_per_step=B).open()
     from treeflow.pipeline.queue_source import acknowledged
 
     records = list(acknowledged(run_ray_queue(logprob_pipe().plan, reader, ranks=2,
-                                              _rank_cls=dies_once(str(marker))), reader))
-    assert marker.exists()                                          # an actor did die mid-item
-    assert sum(r.stats["redelivered_parts"] for r in records) == 1  # its item went to a live one
+                                              _rank_cls=dies_once(marker)), reader))
+    assert os.path.exists(marker)                                   # an actor did die mid-item
+    assert sum(r.stats["redelivered_parts"] for r in records) == 1  # re-run by a live actor
     assert len(records) == len(legacy_lp)
     for got, want in zip(records, legacy_lp):
         assert got.output.equals(want)
@@ -124,3 +138,41 @@ def test_killed_training_rank_stops_the_run_and_gives_its_steps_back(cluster, sm
     stats = q.stats()
     assert stats["steps_acked"] == 0 and stats["leased_steps"] == 0   # all back in the queue
     assert q.get(B, timeout=0).redelivered
+
+
+def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_path, capsys):
+    # the embedded backend, from the command line: logprobs on 2 forward actors vs replay (which
+    # the local engine's stream equals: tests/test_cli_stream.py); training vs the local stream
+    # (losses per step, final weights)
+    import json
+
+    from treeflow.cli import main
+    from treeflow.pipeline import synth_episodes, write_episodes
+
+    data = str(tmp_path / "e.arrow")
+    write_episodes(synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=12,
+                                  user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5),
+                                  seed=9), data)
+    opts = ["--max-tokens", "512", "--window", "4", "--chunk", "2", "--json"]
+    assert main(["replay", data, "-o", str(tmp_path / "r.arrow"), *opts[:4]]) == 0
+    capsys.readouterr()
+    assert main(["stream", "--from", data, "-o", str(tmp_path / "s.arrow"), "--engine", "ray",
+                 "--ranks", "2", *opts]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["queue"]["steps_acked"] == 2
+    read = {n: pa.ipc.open_file(tmp_path / f"{n}.arrow").read_all() for n in ("r", "s")}
+    assert read["s"].equals(read["r"])
+
+    train = ["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--loss", "pg",
+             "--lr", "1e-2", "--json"]
+    for engine in ("local", "ray"):
+        assert main([*train, "--engine", engine, "--save", str(tmp_path / f"ck-{engine}"),
+                     "--metrics", str(tmp_path / f"m-{engine}.jsonl")]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["steps"] == 2 and os.path.isdir(os.path.join(summary["weights"], "v2"))
+    rows = {e: [json.loads(line) for line in open(tmp_path / f"m-{e}.jsonl")] for e in ("local", "ray")}
+    for key in ("step", "loss", "grad_norm", "gen_kl", "queue_step"):
+        assert [r[key] for r in rows["ray"]] == [r[key] for r in rows["local"]], key
+    saved = {e: load_file(tmp_path / f"ck-{e}" / "step-000002" / "model.safetensors")
+             for e in ("local", "ray")}
+    assert_same_weights(saved["ray"], saved["local"])

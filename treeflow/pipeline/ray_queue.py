@@ -208,11 +208,13 @@ class _Feeder(threading.Thread):
 
 
 def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, prefetch: int = 2,
-                  threads: int | None = None, save: str | None = None, publish: str | None = None,
-                  lease_seconds: float = 60.0, _rank_cls=_QueueRank) -> Iterator[WindowResult]:
+                  threads: int | None = None, save: str | None = None, keep: int | None = None,
+                  publish: str | None = None, lease_seconds: float = 60.0,
+                  _rank_cls=_QueueRank) -> Iterator[WindowResult]:
     """Yield one WindowResult per queue step, in logical order, computed by `ranks` Ray actors.
 
-    save: for training, a checkpoint root written when the stream ends.
+    save: for training, a checkpoint root written when the stream ends
+    (keeping the `keep` newest checkpoints there).
     publish: for training, a directory the rank writes the weights into after
     every step (`<publish>/v<steps>`, named in each window's stats["weights"]).
     """
@@ -231,11 +233,12 @@ def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, pr
     if (save or publish) and not plan.trains:
         raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
     return _run(plan, reader, device=device, ranks=ranks, prefetch=prefetch,
-                threads=threads or torch.get_num_threads(), save=save, publish=publish,
+                threads=threads or torch.get_num_threads(), save=save, keep=keep, publish=publish,
                 lease_seconds=lease_seconds, rank_cls=_rank_cls)
 
 
-def _run(plan, reader, *, device, ranks, prefetch, threads, save, publish, lease_seconds, rank_cls):
+def _run(plan, reader, *, device, ranks, prefetch, threads, save, keep, publish, lease_seconds,
+         rank_cls):
     from treeflow.pipeline.ray_engine import init_ray
     from treeflow.tq.work import open_work
 
@@ -255,7 +258,7 @@ def _run(plan, reader, *, device, ranks, prefetch, threads, save, publish, lease
     try:
         yield from _drive(plan, ray, work, actors, feeder,
                           lambda w, eps: prepare.remote(plan_ref, handle, w, eps, ranks),
-                          prefetch=prefetch, init_seconds=init_seconds, save=save)
+                          prefetch=prefetch, init_seconds=init_seconds, save=save, keep=keep)
     finally:
         feeder.stop.set()
         for actor in actors:
@@ -263,7 +266,7 @@ def _run(plan, reader, *, device, ranks, prefetch, threads, save, publish, lease
         stop_work()
 
 
-def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds, save):
+def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds, save, keep):
     serving = {}  # serve() ref -> (actor index, consumer name)
     incarnation = [0] * len(actors)
 
@@ -289,25 +292,14 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
                 raise got
             else:
                 w, episodes, position = got
-                open_[w] = {"episodes": episodes, "position": position, "map": start_map(w, episodes),
-                            "parts": {}, "nparts": None, "meta": {}, "compile": 0.0,
-                            "redelivered": 0, "duplicates": 0}
+                open_[w] = _window(episodes, position, start_map(w, episodes))
         if fed_all and not open_:
             break
         _check_maps(ray, open_)
         _check_actors(ray, plan, work, serving, incarnation, serve)
         got = work.take_result(timeout=0.1)
         if got is not None:
-            w, part, meta, tables = got
-            win = open_.get(w)
-            if win is None or part in win["parts"]:   # a re-run's second result: idempotent
-                if win is not None:
-                    win["duplicates"] += 1
-                continue
-            win["parts"][part] = tables["out"]
-            win["nparts"], win["meta"] = meta["nparts"], meta
-            win["compile"] += meta.get("compile_seconds", 0.0)
-            win["redelivered"] += int(meta.get("redelivered", False))
+            _take(open_, *got)
         while next_w in open_ and len(open_[next_w]["parts"]) == open_[next_w]["nparts"]:
             rec = _finish(plan, next_w, open_.pop(next_w))
             now = time.perf_counter()
@@ -325,7 +317,27 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
         except ray.exceptions.RayActorError:
             pass  # died after the last item was acknowledged: nothing of it is missing
     if save is not None:
-        ray.get(actors[0].save.remote(save, last_position))
+        ray.get(actors[0].save.remote(save, last_position, keep))
+
+
+def _window(episodes: pa.Table, position: dict | None, map_ref) -> dict:
+    """An open window: its episodes and reader position, its map task, the parts back so far."""
+    return {"episodes": episodes, "position": position, "map": map_ref, "parts": {}, "nparts": None,
+            "meta": {}, "compile": 0.0, "redelivered": 0, "duplicates": 0}
+
+
+def _take(open_: dict, w: int, part: int, meta: dict, tables: dict) -> bool:
+    """Add one result to its open window; False for a re-run's second result (dropped)."""
+    win = open_.get(w)
+    if win is None or part in win["parts"]:  # the window is done, or has this part: idempotent
+        if win is not None:
+            win["duplicates"] += 1
+        return False
+    win["parts"][part] = tables["out"]
+    win["nparts"], win["meta"] = meta["nparts"], meta
+    win["compile"] += meta.get("compile_seconds", 0.0)
+    win["redelivered"] += int(meta.get("redelivered", False))
+    return True
 
 
 def _check_maps(ray, open_: dict) -> None:
