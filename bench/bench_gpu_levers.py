@@ -103,6 +103,8 @@ class Run:
         where = self.result
         for p in parents:
             where = where.setdefault(p, {})
+        if self.args.sections and name not in self.args.sections.split(","):
+            return None
         if not self.left():
             where[leaf] = {"skipped": "time budget"}
             return None
@@ -421,6 +423,9 @@ def main() -> None:
     ap.add_argument("--flex", default=None, help="flex configuration of bench_attn_kernel "
                     "(default: the kernel section's fastest forward+backward one)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and data (CPU or GPU)")
+    ap.add_argument("--sections", default="", help="run only these sections, comma-separated "
+                    "(matmul, kernel, models/llama-1.24b, profile, models/llama-8b-4layers, "
+                    "kernel_8b); give --flex when kernel is not among them")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
