@@ -44,6 +44,7 @@ def episodes(seed: int):
 
 
 WINDOW_A, WINDOW_B = 3, 4  # seeds
+MAX_TOKENS = 96
 
 
 def stages(model: str, tp: int):
@@ -56,15 +57,16 @@ def stages(model: str, tp: int):
 def bins(eps, ranks: int):
     from treeflow.stages import Fragment, Pack, Shard
 
-    return Shard(num_ranks=ranks)(Fragment(max_tokens=96, ranks=ranks)(Pack(layout="tree")(eps)))
+    fragment = Fragment(max_tokens=MAX_TOKENS, ranks=ranks)
+    return Shard(num_ranks=ranks)(fragment(Pack(layout="tree")(eps)))
 
 
 def logprobs(trainer, eps) -> np.ndarray:
     """Exact-call logprobs of `eps`, flattened per episode, call and token."""
     from treeflow.stages import Fragment, Pack, Reassemble
 
-    out = Reassemble()(trainer.logprobs(Fragment(max_tokens=96)(Pack(layout="exact")(eps))),
-                       episodes=eps)
+    exact = Fragment(max_tokens=MAX_TOKENS)(Pack(layout="exact")(eps))
+    out = Reassemble()(trainer.logprobs(exact), episodes=eps)
     return np.concatenate([np.asarray(c, np.float64) for ep in out.column("logprobs").to_pylist()
                            for c in ep])
 
@@ -77,7 +79,7 @@ def run_model(path: str, args, dp) -> dict:
     forward, reduce = stages(path, args.tp)
     a, b = episodes(WINDOW_A), episodes(WINDOW_B)
     bins_a, bins_b = bins(a, dp.world), bins(b, dp.world)
-    tr = Trainer(forward, reduce, dp=dp)
+    tr = Trainer(forward, reduce, dp=dp, pad_to=MAX_TOKENS)  # padded: flex compiles once on GPU
     before = logprobs(tr, a)
     tr.train_step(a, bins_a)
     tr.train_step(b, bins_b)
@@ -88,12 +90,13 @@ def run_model(path: str, args, dp) -> dict:
     tr.save(root)
     del tr
     again = Trainer.resume(os.path.join(root, "step-000002"), forward, reduce, dp=dp,
-                           log=lambda m: None)
+                           pad_to=MAX_TOKENS, log=lambda m: None)
     resumed_at = again.steps
     row_again = again.train_step(a, bins_a).to_pylist()[0]
     weights_again = again.backend.full_state()
     del again
-    result = {"model": name, "root": root, "dp": dp.world, "before": before.tolist(), "after": after.tolist(),
+    result = {"model": name, "root": root, "dp": dp.world, "before": before.tolist(),
+              "after": after.tolist(),
               "resumed_at": resumed_at, "row": row, "row_again": row_again,
               "weights_equal": weights.keys() == weights_again.keys() and all(
                   torch.equal(weights[k], weights_again[k]) for k in weights),
@@ -101,7 +104,7 @@ def run_model(path: str, args, dp) -> dict:
                                       for k in weights)}
     if args.single:
         single = Trainer.resume(os.path.join(args.single, name), forward, reduce, dp=dp,
-                                log=lambda m: None)
+                                pad_to=MAX_TOKENS, log=lambda m: None)
         result["single_resumed_at"] = single.steps
         single.train_step(b, bins_b)
         single.backend.save(os.path.join(args.single, name + "-tp"))
