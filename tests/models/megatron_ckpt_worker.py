@@ -128,6 +128,9 @@ def main() -> None:
     if args.device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
+        # the resumed run must repeat the uninterrupted one bit for bit: deterministic kernels
+        # where CUDA has them (cuBLAS needs CUBLAS_WORKSPACE_CONFIG, set by the caller)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     _, rank, world, group = tensor_parallel_layout("megatron", args.tp, device)
     dp = DataParallel(rank=rank, world=world, device=device, group=group)
     results = [run_model(m, args, dp) for m in args.models]

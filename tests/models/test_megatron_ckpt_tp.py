@@ -77,7 +77,8 @@ def make_run(root, *, processes: int = 4, device: str = "cpu"):
         tr.backend.save(root / f"{m}-step2")
         expected[m] = load_file(root / f"{m}-step2" / "model.safetensors")
     out = root / "result.json"
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUBLAS_WORKSPACE_CONFIG=":4096:8")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(processes), WORKER, "--tp", "2", "--device", device, "--root", str(root / "tp"),
            "--out", str(out), "--single", str(single), *models.values()]
