@@ -29,6 +29,7 @@ skipped once `--budget-s` is spent, so a run cut short still leaves results):
 
     python bench/bench_gpu_levers.py             # one H200
     python bench/bench_gpu_levers.py --smoke     # tiny, on CPU or GPU: checks the script
+    python bench/bench_gpu_levers.py --summarize bench/results/h200_bench_gpu_levers_*.json
 
 Prints compact JSON to stdout; writes $OUT/bench_gpu_levers.json if OUT is set.
 Legend: N nodes of a bin, E its loss edges.
@@ -399,7 +400,17 @@ def _compact(result: dict) -> dict:
             for mode in ("forward", "forward_backward"):
                 tr, ex = rows.get(f"tree_{mode}", {}), rows.get(f"exact_{mode}", {})
                 if "median_s" in tr:
+                    # share_of_ideal = flop_ceiling x efficiency: the tree saves fewer FLOPs
+                    # than tokens (a token still attends to its whole context), and runs them
+                    # at tree_mfu / exact_mfu of the exact calls' rate
+                    flops = (ex.get("model_tflops", 0) * ex.get("median_s", 0)
+                             / (tr.get("model_tflops") or float("inf")) / tr["median_s"])
+                    ideal = (m.get("data") or {}).get("ideal_ratio_tree")
                     out[f"{mname}/{cname}/{mode}"] = {
+                        "flop_ratio": round(flops, 3) if flops else None,
+                        "flop_ceiling": round(flops / ideal, 4) if flops and ideal else None,
+                        "efficiency": (round(tr["mfu"] / ex["mfu"], 4)
+                                       if tr.get("mfu") and ex.get("mfu") else None),
                         "tree_s": round(tr["median_s"], 4), "exact_s": ex.get("median_s"),
                         "share_of_ideal": tr.get("share_of_ideal"), "tree_mfu": tr.get("mfu"),
                         "tree_mfu_vs_ceiling": tr.get("mfu_vs_ceiling"),
@@ -409,7 +420,27 @@ def _compact(result: dict) -> dict:
     return out
 
 
+def summarize(paths: list[str]) -> str:
+    """A markdown table of stored results (no GPU): one row per model, lever and mode."""
+    lines = ["| file | model / levers / mode | tree s | exact s | share of ideal | FLOP ceiling | "
+             "efficiency | tree MFU | exact MFU | peak GiB | activation bytes/token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path in paths:
+        with open(path) as f:
+            rows = _compact(json.load(f))
+        for key, r in rows.items():
+            cells = [r.get(k) for k in ("tree_s", "exact_s", "share_of_ideal", "flop_ceiling",
+                                        "efficiency", "tree_mfu", "exact_mfu", "peak_gib",
+                                        "act_bytes_per_token")]
+            lines.append(f"| {os.path.basename(path)} | {key} | " + " | ".join(
+                "" if c is None else f"{c:.4g}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--summarize"]:  # python bench/bench_gpu_levers.py --summarize FILE...
+        print(summarize(sys.argv[2:]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)

@@ -305,9 +305,10 @@ def model_options(s) -> None:
                    default="auto")
     s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
     s.add_argument("--tuning", default="",
-                   help="speed levers of the reference backend, name=value,... e.g. "
-                        "compile_layers=1,fused_loss=1,recompute=mlp,flex.BLOCK_N=64 "
-                        "(treeflow.models.Tuning; default: none)")
+                   help="speed levers of the reference backend: a preset (fast: compiled "
+                        "layers, fused edge loss, tuned flex tiles; lean: fast + MLP "
+                        "recomputation) and/or name=value,... e.g. fast,recompute=attention or "
+                        "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: none)")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
     s.add_argument("--engine", choices=("local", "ray"), default="local",

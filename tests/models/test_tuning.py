@@ -52,6 +52,20 @@ def test_tuning_validates_and_parses():
             Tuning(**kwargs)
     with pytest.raises(ValueError, match="is not a setting"):
         Tuning.parse("fused=1")
+    with pytest.raises(ValueError, match="start with a preset"):
+        Tuning.parse("fastest")
+
+
+def test_presets_are_the_measured_levers_and_settings_after_them_override():
+    from treeflow.models.tuning import PRESETS
+
+    fast = Tuning.parse("fast")
+    assert fast.compile_layers and fast.fused_loss and fast.recompute == "none"
+    assert fast.kernel_options["bwd_BLOCK_M1"] == 64 and fast.kernel_options["bwd_num_stages"] == 3
+    assert Tuning.parse("fast,recompute=mlp") == PRESETS["lean"]
+    assert Tuning.parse("fast,compile_layers=0,flex.bwd_num_warps=8") == Tuning(
+        fused_loss=True, flex_kernel_options={**fast.kernel_options, "bwd_num_warps": 8})
+    assert Tuning.parse("plain") == Tuning() == Tuning.parse("")
     with pytest.raises(ValueError, match="own kernels"):
         Forward(backend="megatron", tuning=Tuning(fused_loss=True))
 

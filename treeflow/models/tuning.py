@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["COMPILE_BACKENDS", "RECOMPUTE", "Tuning"]
+__all__ = ["COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning"]
 
 RECOMPUTE = ("none", "mlp", "attention", "layer")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
@@ -114,12 +114,21 @@ class Tuning:
         """From `name=value,...` (CLI form); kernel options as `flex.BLOCK_M=64`.
 
         Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
+        A preset name may come first and the settings after it override it: `fast`,
+        `fast,recompute=mlp` (see PRESETS).
         """
         fields, kernel = {}, {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if parts and "=" not in parts[0] and parts[0] in PRESETS:
+            preset = PRESETS[parts.pop(0)]
+            fields = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)
+                      if f.name != "flex_kernel_options"}
+            kernel = dict(preset.flex_kernel_options)
+        for part in parts:
             name, sep, value = part.partition("=")
             if not sep:
-                raise ValueError(f"tuning {part!r}: write name=value")
+                raise ValueError(f"tuning {part!r}: write name=value, or start with a preset "
+                                 f"({', '.join(PRESETS)})")
             if name.startswith("flex."):
                 kernel[name[5:]] = _scalar(value)
             elif name in ("compile_layers", "fused_loss"):
@@ -175,3 +184,19 @@ def _check_tile_pairs(opts: dict) -> None:
             if a is not None and b is not None and a % b:
                 raise ValueError(f"Tuning(flex_kernel_options: {prefix}{big}={a}, {prefix}{small}={b}): "
                                  f"FlexAttention's backward needs {big} to be a multiple of {small}")
+
+
+# The levers that won on an H200 (bench/bench_gpu_levers.py, 1.24B Llama shape, bf16, 16k-token
+# training bins; bench/results/h200_bench_gpu_levers_16k.json): compiled layers, the fused edge
+# loss and FlexAttention backward tiles of 64 x 64 (its fwd+bwd kernel 207 against 167 TFLOP/s
+# with Hopper's default tiles) took a tree forward+backward from 0.807 s to 0.639 s and peak
+# memory from 41.6 to 26.4 GiB. "lean" adds MLP recomputation: 13.5 GiB for 0.748 s.
+# They stay opt-in: the defaults are the plain path, the numerical reference.
+_FAST_FLEX = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64,
+              "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}
+PRESETS = {
+    "plain": Tuning(),
+    "fast": Tuning(compile_layers=True, fused_loss=True, flex_kernel_options=_FAST_FLEX),
+    "lean": Tuning(compile_layers=True, fused_loss=True, flex_kernel_options=_FAST_FLEX,
+                   recompute="mlp"),
+}
