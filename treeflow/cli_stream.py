@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 
@@ -101,10 +102,12 @@ def _check(args) -> None:
         raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
     if args.ranks < 1:
         raise ValueError(f"--ranks {args.ranks}: give 1 or more")
-    if args.ranks != 1 and (args.engine != "ray" or args.mode == "train"):
-        raise ValueError(f"--ranks {args.ranks}: stream trains on one rank, and with --engine "
-                         "local runs one forward process; --engine ray --ranks N runs N forward "
-                         "actors for --mode logprobs (train data-parallel with replay --ranks)")
+    if args.ranks != 1 and args.mode == "train" and args.engine == "ray":
+        raise ValueError(f"--ranks {args.ranks} --engine ray: the Ray engine trains on one rank; "
+                         "train data-parallel with --engine local --ranks N (spawned processes)")
+    if args.ranks != 1 and args.mode != "train" and args.engine != "ray":
+        raise ValueError(f"--ranks {args.ranks}: in --mode logprobs, --engine local runs one "
+                         "forward process; --engine ray --ranks N runs N forward actors")
     if not args.from_files and not args.queue:
         raise ValueError("nothing can put episodes into an in-process queue: give --from FILE... "
                          "or --queue ADDRESS for producers in other processes (treeflow rollout)")
@@ -129,6 +132,10 @@ def cmd_stream(args) -> int:
         check_train(args)
     else:
         out = _check_output(args)
+    if args.mode == "train" and args.ranks > 1 and not args.queue:
+        # the rank processes attach to the queue: serve it (embedded) or name it (transferqueue)
+        args.queue = (os.path.join(tempfile.mkdtemp(prefix="treeflow-tq-"), "q.sock")
+                      if args.queue_backend == "embedded" else "default")
     queue = open_cli_queue(args, vocab)
     producer = None
     if args.from_files:

@@ -19,6 +19,15 @@ checkpoint), and a redelivered step the checkpoint already holds is skipped
 (the checkpoint's input position is the set of queue steps applied), so
 every step is applied exactly once. The queue must then hold N + 1 steps
 (and --prefetch more to lease steps ahead).
+
+`--ranks N` trains data-parallel over N spawned processes (gloo on CPU, NCCL
+with --device cuda): rank 0 leases the queue steps and broadcasts each one
+(pipeline/queue_ranks.py), every rank runs its share of the step's bins, and
+rank 0 publishes the weights, writes the metrics and acknowledges; checkpoints
+are written by all ranks together, as in `replay --ranks N`. Without --queue
+the CLI serves the queue on a temporary socket so that rank 0 can reach it.
+`--engine ray` trains on one rank in a Ray actor (pipeline/ray_queue.py),
+which writes the weights after each step and --save at the end.
 """
 
 from __future__ import annotations
@@ -53,7 +62,8 @@ def check_train(args) -> None:
     if args.max_staleness is not None and args.max_staleness < 0:
         raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
     if args.shard_params:
-        raise ValueError("--shard-params needs several ranks; stream trains on one")
+        raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
+                         "the whole weights after every step); train sharded with replay --ranks N")
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
@@ -99,10 +109,52 @@ def announce_weights(queue, root: str, version: int, final: str) -> str:
 
 
 def stream_train(args, queue) -> dict:
+    """Train on the queue's steps: in this process, or over --ranks N spawned processes."""
+    if args.ranks == 1:
+        return _stream_train(args, queue, None)
+    from treeflow.train import spawn
+
+    if args.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS"):
+        import ray  # the ranks join this process's cluster, where the queue lives
+
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    if args.publish_weights is None and not args.save:  # one directory for every rank
+        args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
+    try:
+        return spawn(_stream_rank, args.ranks, args)[0]
+    except RuntimeError as e:
+        raise ValueError(f"training over {args.ranks} ranks failed: {e}") from None
+
+
+def _stream_rank(args):
+    """One data-parallel rank (a spawned process): rank 0 reads the queue, every rank trains."""
+    from treeflow.cli_stream import forward_stage, open_cli_queue
+    from treeflow.train import DataParallel
+
+    dp = DataParallel.from_env(args.device)
+    try:
+        queue = (open_cli_queue(args, forward_stage(args).vocab_size_hint(), attach=True)
+                 if dp.rank == 0 else None)
+        return _stream_train(args, queue, dp)
+    finally:
+        dp.close()
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+class _NoReader:
+    """What a rank other than 0 shows of the reader it does not have (rank 0 reports)."""
+
+    episodes = dropped_stale = redelivered = skipped = 0
+
+
+def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.cli_stream import forward_stage
     from treeflow.cli_train import _note, _open_metrics
-    from treeflow.pipeline import Pipeline, QueueSource
-    from treeflow.stages import EpisodeSchedule, Fragment, Loss, Pack, Reduce
+    from treeflow.pipeline import Pipeline, QueueSource, RankWindows
+    from treeflow.stages import EpisodeSchedule, Fragment, Loss, Pack, Reduce, Shard
     from treeflow.train import Trainer
     from treeflow.train.run import STEP_OPTIONS, differences
 
@@ -112,16 +164,21 @@ def stream_train(args, queue) -> dict:
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                              decay_episodes=args.decay_episodes),
                     max_grad_norm=args.max_grad_norm)
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
-                    forward, reduce)
+    world = dp.world if dp is not None else 1
+    lead = dp is None or dp.rank == 0
+    # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+                    Fragment(max_tokens=args.max_tokens, ranks=world),
+                    *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
     options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
-                   device=args.device)
+                   device=args.device, **({"dp": dp} if dp is not None else {}))
     run = {"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}}  # data: the queue
     on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)
     if on_ray:
         trainer = None
     elif args.resume:
-        trainer = Trainer.resume(args.resume, forward, reduce, log=_note, **options)
+        trainer = Trainer.resume(args.resume, forward, reduce, log=_note if lead else _quiet,
+                                 **options)
         diffs = differences(trainer.run or run, run)
         if diffs and not args.allow_different_data:
             raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
@@ -134,30 +191,35 @@ def stream_train(args, queue) -> dict:
         trainer.run = run
     todo = None if args.steps is None else args.steps - steps
     if todo is not None and todo <= 0:
-        return {"steps": trainer.steps, "note": f"the checkpoint has >= --steps {args.steps}"}
+        return {"steps": steps, "note": f"the checkpoint has >= --steps {args.steps}"}
     root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
                                     else tempfile.mkdtemp(prefix="treeflow-weights-"))
-    os.makedirs(root, exist_ok=True)
-    if steps:
+    if lead:
+        os.makedirs(root, exist_ok=True)
+    if steps and lead:
         publish_weights(trainer, queue, root)
     hold = bool(args.save and args.save_every)
+    # several ranks: every step is acknowledged here, once its result is out (or checkpointed)
     reader = QueueSource(queue=queue, episodes_per_step=args.batch_episodes, consumer=args.consumer,
                          max_steps=todo, max_staleness=args.max_staleness, version=steps,
-                         ack="manual" if hold else "auto",
-                         idle_timeout=args.idle_timeout).open(trainer.position if trainer else None)
+                         ack="manual" if hold or world > 1 else "auto",
+                         idle_timeout=args.idle_timeout).open(trainer.position if trainer else None) \
+        if lead else None
+    source = RankWindows(reader, dp) if world > 1 else reader
     engine = (dict(engine="ray", save=args.save, keep=args.keep, publish=root) if on_ray
               else dict(trainer=trainer))
-    metrics_file = _open_metrics(args, steps)
+    metrics_file = _open_metrics(args, steps) if lead else None
+    shown = reader if lead else _NoReader()
     tensorboard = None
-    if args.tensorboard:
+    if args.tensorboard and lead:
         from treeflow.io import TensorBoardLog
 
         tensorboard = TensorBoardLog(args.tensorboard)
     rows, dropped, saved_at, compile_seconds = [], 0, None, 0.0
     t0 = time.perf_counter()
     try:
-        with _progress("stream train", todo, args.json or args.quiet) as advance:
-            for rec in pipe.run(reader, device=args.device, prefetch=args.prefetch, **engine):
+        with _progress("stream train", todo, args.json or args.quiet or not lead) as advance:
+            for rec in pipe.run(source, device=args.device, prefetch=args.prefetch, **engine):
                 compile_seconds += rec.stats.get("compile_seconds", 0.0)
                 row = rec.output.to_pylist()[0]
                 steps = row["step"]
@@ -165,17 +227,22 @@ def stream_train(args, queue) -> dict:
                 wv = wv.astype(np.float64)
                 lag = (steps - 1) - wv[np.isfinite(wv)]
                 row.update(queue_step=rec.position["queue_step"],
-                           dropped_stale=reader.dropped_stale - dropped,
-                           redelivered=reader.redelivered,
+                           dropped_stale=shown.dropped_stale - dropped,
+                           redelivered=shown.redelivered,
                            version_lag_mean=float(lag.mean()) if len(lag) else None,
                            version_lag_max=float(lag.max()) if len(lag) else None,
                            seconds=round(time.perf_counter() - t0, 3))
-                dropped = reader.dropped_stale
+                dropped = shown.dropped_stale
                 if on_ray:   # the rank wrote them
                     announce_weights(queue, root, steps, rec.stats["weights"])
                 else:
                     trainer.position = rec.position
-                    publish_weights(trainer, queue, root)
+                    if lead:
+                        publish_weights(trainer, queue, root)
+                if world > 1 and lead:
+                    reader.handed(rec.position["queue_step"])
+                    if not hold:
+                        reader.ack_finished()
                 rows.append(row)
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
@@ -185,19 +252,24 @@ def stream_train(args, queue) -> dict:
                 if hold and trainer.steps % args.save_every == 0:
                     if metrics_file:
                         os.fsync(metrics_file.fileno())
-                    trainer.save(args.save, keep=args.keep)
+                    trainer.save(args.save, keep=args.keep)   # every rank (sharded state)
                     saved_at = trainer.steps
-                    reader.ack_finished()
+                    if lead:
+                        reader.ack_finished()
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
         if args.save and not on_ray and saved_at != trainer.steps:
             trainer.save(args.save, keep=args.keep)
-        reader.ack_finished()
+        if lead:
+            reader.ack_finished()
     finally:
-        reader.close()
+        if lead:
+            reader.close()
         if metrics_file:
             metrics_file.close()
         if tensorboard:
             tensorboard.close()
+    if not lead:
+        return None
     if not (args.json or args.quiet) and rows:
         _console().print(_table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
                                 list(rows[-1].items())))

@@ -163,7 +163,9 @@ def _files(source, window: int | None, vocab_size: int | None) -> Files:
 
 
 def _windows(source, window: int | None, vocab_size: int | None) -> Iterator[pa.Table]:
-    if isinstance(source, (Files, FilesReader)):
+    from treeflow.pipeline.queue_ranks import RankWindows
+
+    if isinstance(source, (Files, FilesReader, RankWindows)):  # validated; with a position
         return iter(source)
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):
