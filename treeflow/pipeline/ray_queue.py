@@ -269,9 +269,11 @@ def _run(plan, reader, *, device, ranks, prefetch, threads, save, keep, publish,
 def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds, save, keep):
     serving = {}  # serve() ref -> (actor index, consumer name)
     incarnation = [0] * len(actors)
+    restart: dict[int, float] = {}  # actor index -> when to ask it to serve again (it died)
 
     def serve(i):
-        name = f"rank{i}.{incarnation[i]}"
+        name = f"rank{i}.{incarnation[i]}"  # a new consumer name per life: its leases are its own
+        incarnation[i] += 1
         serving[actors[i].serve.remote(name)] = (i, name)
 
     for i in range(len(actors)):
@@ -296,7 +298,10 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
         if fed_all and not open_:
             break
         _check_maps(ray, open_)
-        _check_actors(ray, plan, work, serving, incarnation, serve)
+        _check_actors(ray, plan, work, serving, restart)
+        for i in [i for i, at in restart.items() if at <= time.monotonic()]:
+            del restart[i]
+            serve(i)
         got = work.take_result(timeout=0.1)
         if got is not None:
             _take(open_, *got)
@@ -354,7 +359,7 @@ def _check_maps(ray, open_: dict) -> None:
             win["map"] = None
 
 
-def _check_actors(ray, plan, work, serving, incarnation, serve) -> None:
+def _check_actors(ray, plan, work, serving, restart: dict) -> None:
     ready, _ = ray.wait(list(serving), num_returns=len(serving), timeout=0)
     for ref in ready:
         i, name = serving.pop(ref)
@@ -368,8 +373,8 @@ def _check_actors(ray, plan, work, serving, incarnation, serve) -> None:
                     "state died with it, so the run stops here: the queue steps it had not "
                     "acknowledged are redelivered to the next consumer (resume from the last "
                     "checkpoint)") from None
-            incarnation[i] += 1
-            serve(i)  # Ray restarts the actor; the call waits for it
+            # Ray restarts the actor; until it is back a call fails at once, so ask again shortly
+            restart[i] = time.monotonic() + 0.5
             continue
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
