@@ -70,3 +70,20 @@ def test_a_second_result_of_a_rerun_item_is_dropped():
     win = open_[0]
     assert win["parts"][0] is t1 and win["duplicates"] == 1 and win["redelivered"] == 1
     assert not _take(open_, 1, 0, {"nparts": 1}, {"out": t1})   # its window was yielded already
+
+
+def test_ray_engine_on_a_queue_refuses_what_it_cannot_run(small):
+    from tests.tq.queue_helpers import logprob_pipe
+    from treeflow.pipeline import Pipeline, QueueSource
+    from treeflow.stages import Pack
+    from treeflow.tq import local_queue
+
+    q = local_queue()
+    train, _, _ = train_parts()
+    cases = [(train, dict(ranks=2), "trains with one rank"),
+             (logprob_pipe(), dict(save="ckpt"), "for training pipelines"),
+             (Pipeline(Pack()), {}, "with a Forward stage"),
+             (logprob_pipe(), dict(ranks=0), "give an int >= 1")]
+    for pipe, options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pipe.run(QueueSource(queue=q, episodes_per_step=B), engine="ray", **options)

@@ -100,7 +100,7 @@ class _QueueRank:
         self.work = work.connect() if isinstance(work, WorkHandle) else work  # (a test's queue)
         self.next_window = 0  # training: windows apply in order
         self._lock = threading.Lock()
-        self._held: dict[int, object] = {}
+        self._held: dict[tuple[int, int], object] = {}  # (window, part) -> leased item
 
     def serve(self, consumer: str) -> int:
         """Work until the queue is closed and drained; the number of items computed."""
