@@ -141,14 +141,19 @@ def test_tp2_times_dp2_training_equals_dp2(setup, tmp_path):
     common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "64",
               "--quiet", "--mode", "train", "--batch-episodes", "8", "--steps", "2", "--lr",
               "1e-3", "--ranks", "2"]
-    for tp in (1, 2):
-        assert main([*common, "--tensor-parallel", str(tp), "--metrics",
-                     str(tmp_path / f"{tp}.jsonl")]) == 0
-    rows = {tp: [json.loads(line) for line in open(tmp_path / f"{tp}.jsonl")] for tp in (1, 2)}
-    assert len(rows[1]) == len(rows[2]) == 2
-    for a, b in zip(rows[1], rows[2]):
-        assert a["ranks"] == b["ranks"] == 2
+    # "2-f64": the gradient sum after backward in float64 (`--grad-sum float64`, the
+    # non-overlapped all-reduce), which must use the same replica group as the overlapped one
+    runs = {1: [], 2: [], "2-f64": ["--grad-sum", "float64"]}
+    for name, extra in runs.items():
+        tp = str(name)[0]
+        assert main([*common, "--tensor-parallel", tp, *extra, "--metrics",
+                     str(tmp_path / f"{name}.jsonl")]) == 0
+    rows = {k: [json.loads(line) for line in open(tmp_path / f"{k}.jsonl")] for k in runs}
+    assert len(rows[1]) == len(rows[2]) == len(rows["2-f64"]) == 2
+    for a, b, c in zip(rows[1], rows[2], rows["2-f64"]):
+        assert a["ranks"] == b["ranks"] == c["ranks"] == 2
         assert a["bins"] == b["bins"] >= 4  # several bins per rank: the sum spans bins too
         assert a["grad_norm"] > 0
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        for got in (b, c):
+            assert got["loss"] == pytest.approx(a["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
