@@ -15,8 +15,8 @@ The all-reduces are MCore's `reduce_from_tensor_model_parallel_region`
 enter through `copy_to_tensor_model_parallel_region` (all-reduce backward: each
 rank's vocabulary slice contributes to the hidden gradient). With TP=1 every
 collective is a no-op, so the single-process CPU path runs this same code.
-Chunks run under activation checkpointing, as in models/logprobs.py: memory
-grows with rows, not rows x vocabulary.
+Chunks run under activation checkpointing through models/logprobs.py's shared
+loop (`chunked_selected`): memory grows with rows, not rows x vocabulary.
 
 Legend: E selected rows, H hidden, C rows in a chunk, W this rank's vocabulary slice.
 """
@@ -31,7 +31,8 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from torch.utils.checkpoint import checkpoint
+
+from treeflow.models.logprobs import check_selected, chunked_selected
 
 __all__ = ["vocab_parallel_logprobs"]
 
@@ -41,34 +42,10 @@ def vocab_parallel_logprobs(weight_WH: torch.Tensor, vocab_size: int, hidden_EH:
                             with_entropy: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log softmax(hidden @ W_full^T)[target]` (float32) with W split by rows across TP ranks."""
-    if hidden_EH.ndim != 2 or targets_E.shape != hidden_EH.shape[:1]:
-        raise ValueError(f"hidden_EH must be [E, H] and targets_E [E], got "
-                         f"{tuple(hidden_EH.shape)} and {tuple(targets_E.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if targets_E.dtype.is_floating_point or targets_E.dtype == torch.bool:
-        raise ValueError(f"targets_E must be integer token ids, got {targets_E.dtype}")
-    if len(targets_E) and (int(targets_E.min()) < 0 or int(targets_E.max()) >= vocab_size):
-        raise ValueError(f"targets_E must lie in [0, {vocab_size}), got "
-                         f"[{int(targets_E.min())}, {int(targets_E.max())}]")
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    start = rank * weight_WH.shape[0]
-    targets_E = targets_E.to(device=hidden_EH.device, dtype=torch.int64)
-    grad = torch.is_grad_enabled()
-    logprobs, entropies = [], []
-    for lo in range(0, len(targets_E), chunk_size):
-        args = (weight_WH, start, hidden_EH[lo:lo + chunk_size], targets_E[lo:lo + chunk_size],
-                with_entropy)
-        if grad:
-            out = checkpoint(_chunk, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out = _chunk(*args)
-        logprobs.append(out[0])
-        entropies.append(out[1])
-    if not logprobs:
-        empty = hidden_EH.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if with_entropy else None)
-    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
+    targets_E = check_selected(hidden_EH, targets_E, chunk_size=chunk_size, vocab=vocab_size)
+    start = parallel_state.get_tensor_model_parallel_rank() * weight_WH.shape[0]
+    return chunked_selected(_chunk, (weight_WH, start), hidden_EH, targets_E,
+                            chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def _chunk(weight_WH, start, hidden_CH, targets_C, with_entropy):
