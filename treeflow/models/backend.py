@@ -18,7 +18,9 @@ backend's *name*; `load_backend` binds it at build time, so nothing outside
 Two implementations: `ReferenceBackend` (the plain PyTorch decoder in
 decoder.py, the numerical reference) and `MegatronBackend` (megatron-core's
 GPTModel with a tree core-attention module, models/megatron/), which is
-imported only when asked for.
+imported only when asked for. Both inherit `ModuleBackend`, which holds what
+any backend does the same way with its torch module (parameters, train mode,
+AdamW, moving devices).
 
 Legend: N tokens of a bin, E selected rows (edges), H hidden size.
 """
@@ -39,8 +41,8 @@ from treeflow.models.decoder import Decoder
 from treeflow.models.logprobs import selected_logprobs
 from treeflow.models.tuning import Tuning
 
-__all__ = ["BACKENDS", "Backend", "ReferenceBackend", "check_tensor_parallel", "load_backend",
-           "tensor_parallel_layout"]
+__all__ = ["BACKENDS", "Backend", "ModuleBackend", "ReferenceBackend", "check_tensor_parallel",
+           "load_backend", "tensor_parallel_layout"]
 
 BACKENDS = ("reference", "megatron")
 
@@ -78,7 +80,32 @@ class Backend(Protocol):
     def to(self, device: torch.device | str) -> None: ...
 
 
-class ReferenceBackend:
+class ModuleBackend:
+    """What every backend does the same way with the torch module in `self.module`.
+
+    Subclasses set `module` and `device`; the parts that differ (attention
+    plan, hidden states, edge logprobs, gradient clipping, export) are theirs.
+    """
+
+    module: torch.nn.Module
+    device: torch.device
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def optimizer(self, *, lr, betas, eps, weight_decay):
+        return torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, eps=eps,
+                                 weight_decay=weight_decay)
+
+    def to(self, device) -> None:
+        self.module.to(device)
+        self.device = torch.device(device)
+
+
+class ReferenceBackend(ModuleBackend):
     """The reference decoder (decoder.py) behind the backend protocol.
 
     tuning: how it runs (flex tiles, compiled layers, fused loss, recomputation;
@@ -113,16 +140,6 @@ class ReferenceBackend:
                                  fused=self.tuning.fused_loss,
                                  vocab_chunk=self.tuning.loss_vocab_chunk)
 
-    def named_parameters(self):
-        return self.module.named_parameters()
-
-    def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
-
-    def optimizer(self, *, lr, betas, eps, weight_decay):
-        return torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, eps=eps,
-                                 weight_decay=weight_decay)
-
     def clip_grad_norm(self, max_norm):
         params = [p for p in self.module.parameters() if p.grad is not None]
         if not params:
@@ -131,10 +148,6 @@ class ReferenceBackend:
 
     def save(self, path) -> None:
         save_model(self.module, path)
-
-    def to(self, device) -> None:
-        self.module.to(device)
-        self.device = torch.device(device)
 
 
 def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,

@@ -54,7 +54,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from treeflow.models.attention import AttentionPlan
-from treeflow.models.backend import check_tensor_parallel
+from treeflow.models.backend import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
@@ -115,7 +115,7 @@ def _mark_tensor_parallel(model: GPTModel) -> None:
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
-class MegatronBackend:
+class MegatronBackend(ModuleBackend):
     """A GPTModel (this rank's tensor-parallel shard) behind treeflow's backend protocol."""
 
     name = "megatron"
@@ -199,16 +199,6 @@ class MegatronBackend:
                                        chunk_size=chunk_size, with_entropy=with_entropy)
 
     # ------------------------------------------------------------ training
-    def named_parameters(self):
-        return self.module.named_parameters()
-
-    def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
-
-    def optimizer(self, *, lr, betas, eps, weight_decay):
-        return torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, eps=eps,
-                                 weight_decay=weight_decay)
-
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """Finish the TP gradients, then clip them by their global norm; returns the norm.
 
@@ -260,10 +250,6 @@ class MegatronBackend:
             save_state(state, self.config, path)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
-
-    def to(self, device) -> None:
-        self.module.to(device)
-        self.device = torch.device(device)
 
     # ------------------------------------------------------------ checkpoints (checkpoint.py)
     checkpoint_layout = LAYOUT
