@@ -68,23 +68,11 @@ def make_checkpoint(shape: str, path: str, device: str) -> None:
     import torch
 
     from treeflow.models import ModelConfig, save_model
-    from treeflow.models.decoder import Decoder
+    from treeflow.models.checkpoint import seeded_decoder
 
-    config = ModelConfig.from_hf_dict(SHAPES[shape])
-    with torch.device("meta"):
-        model = Decoder(config)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = model.to_empty(device=device).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    save_model(model, path)
+    save_model(seeded_decoder(ModelConfig.from_hf_dict(SHAPES[shape]), device=device,
+                              dtype=dtype), path)
 
 
 def cli(args: list[str], env: dict, log: str, script: str | None = None) -> dict:

@@ -38,6 +38,7 @@ import time
 import torch
 
 from treeflow.models import Decoder, ModelConfig, save_model
+from treeflow.models.checkpoint import seeded_decoder
 
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -55,21 +56,6 @@ def out_dir() -> str:
     return path
 
 
-def seeded_model(config: ModelConfig, device: str, seed: int = 0) -> Decoder:
-    """float32 normal(0, 0.02) weights drawn on `device` (unit norms)."""
-    with torch.device("meta"):
-        model = Decoder(config)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return model
-
-
 # ---------------------------------------------------------------- scaling
 TIMING = ("compute_s", "agree_s", "reduce_s", "optimizer_s", "metrics_s")
 
@@ -84,7 +70,7 @@ def _scaling_rank(cfg: dict) -> dict:
 
     dp = DataParallel.from_env(cfg["device"])
     config = SMOKE if cfg["smoke"] else LLAMA_1B
-    model = seeded_model(config, str(dp.device))
+    model = seeded_decoder(config, device=str(dp.device))
     if dp.distributed:
         for p in model.parameters():
             dist.broadcast(p.data, 0)
@@ -248,7 +234,7 @@ def _cli_check(args) -> dict:
     config = SMOKE if args.smoke else LLAMA_1B
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = os.path.join(tmp, "model"), os.path.join(tmp, "episodes.arrow")
-        save_model(seeded_model(config, "cpu"), model_dir)
+        save_model(seeded_decoder(config), model_dir)
         steps = 6
         cfg = dict(smoke=args.smoke, group_size=args.group_size, seed=args.seed)
         write_episodes(_episodes(cfg, args.ranks * args.batch * steps), data)
@@ -335,7 +321,7 @@ def precision(args) -> dict:
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
-        save_model(seeded_model(config, "cpu"), model_dir)
+        save_model(seeded_decoder(config), model_dir)
         data = os.path.join(tmp, "episodes.arrow")
         small = dict(system_tokens=64, user_tokens=(8, 32), completion_tokens=(8, 32),
                      tool_tokens=(8, 32), turns=(2, 4)) if args.smoke else {}

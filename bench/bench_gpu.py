@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from treeflow.models import AttentionPlan, Decoder, ModelConfig, selected_logprobs
+from treeflow.models.checkpoint import seeded_decoder
 from treeflow.pipeline.synth import synth_episodes
 from treeflow.stages import Fragment, Pack, Reassembly
 from treeflow.stages.forward import edge_values_table
@@ -79,23 +80,6 @@ class _Bin:
     num_tokens: int
     pairs: int
     edges: int
-
-
-def build_model(config: ModelConfig, seed: int = 0) -> Decoder:
-    """Seeded normal(0, 0.02) weights drawn on the GPU (CPU init of 1B params takes ~30 s)."""
-    with torch.device("meta"):
-        model = Decoder(config)
-    model = model.to_empty(device="cuda").to(torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return model
 
 
 def _lists(bins: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -232,7 +216,7 @@ def main() -> None:
     unique = {name: int(pc.sum(pc.list_value_length(lay.column("tokens"))).as_py())
               for name, lay in packed.items()}
 
-    model = build_model(config, seed=args.seed)
+    model = seeded_decoder(config, device="cuda", dtype=torch.bfloat16, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     dev = torch.cuda.get_device_properties(0)
     result = {

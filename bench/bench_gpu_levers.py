@@ -54,6 +54,7 @@ import bench_attn_kernel  # noqa: E402
 from bench_gpu import H200_BF16_DENSE_PEAK, LLAMA_1B, flop_counts  # noqa: E402
 
 from treeflow.models import Decoder, ModelConfig, ReferenceBackend, Tuning  # noqa: E402
+from treeflow.models.checkpoint import seeded_decoder  # noqa: E402
 from treeflow.pipeline.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages._flat import list_offsets, list_values  # noqa: E402
@@ -144,17 +145,8 @@ def matmuls(run: Run, shapes) -> dict:
 
 
 def build_model(config: ModelConfig, device, seed: int = 0) -> Decoder:
-    with torch.device("meta"):
-        model = Decoder(config)
-    model = model.to_empty(device=device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return model
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return seeded_decoder(config, device=device, dtype=dtype, seed=seed)
 
 
 def data(run: Run, config: ModelConfig) -> dict:

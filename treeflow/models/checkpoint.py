@@ -22,7 +22,7 @@ from treeflow.atomic import atomic_open, atomic_path
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 
-__all__ = ["load_model", "save_model", "save_state"]
+__all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -34,7 +34,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     if isinstance(path_or_name, ModelConfig) or path_or_name == "tiny":
         config = ModelConfig.tiny() if path_or_name == "tiny" else path_or_name
         model = Decoder(config)
-        _seeded_init(model, seed=0)
+        _seeded_init(model, torch.Generator().manual_seed(0))  # CPU float32: runs agree
         return model.to(dtype=dtype, device=device)
     path = os.fspath(path_or_name)
     if not os.path.exists(path):
@@ -97,9 +97,24 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def _seeded_init(model: Decoder, seed: int) -> None:
-    """normal(0, 0.02) weights, zero biases, unit norms; on CPU in float32, so runs agree."""
-    generator = torch.Generator().manual_seed(seed)
+def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32, seed: int = 0) -> Decoder:
+    """A Decoder of `config` with seeded random weights drawn on `device` in `dtype`.
+
+    Built on the meta device and drawn in place by `device`'s own generator, so
+    a billion-parameter model is never initialised on the CPU first (that takes
+    ~30 s); the price is that the weights depend on the device and dtype, unlike
+    `load_model("tiny")`'s, which are drawn on the CPU in float32 and then moved.
+    """
+    with torch.device("meta"):
+        model = Decoder(config)
+    model = model.to_empty(device=device).to(dtype)
+    _seeded_init(model, torch.Generator(device=device).manual_seed(seed))
+    return model
+
+
+def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
+    """normal(0, 0.02) weights, zero biases, unit norms, drawn in place from `generator`."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -107,7 +122,7 @@ def _seeded_init(model: Decoder, seed: int) -> None:
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=generator))
+                p.normal_(0.0, 0.02, generator=generator)
 
 
 def save_model(model: Decoder, path: str | os.PathLike) -> None:
