@@ -45,22 +45,25 @@ _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split along colum
 _REPLICATED = ("layernorm.weight",)
 
 
+def _renames(c: ModelConfig, layer: int | None = None) -> list[tuple[str, str]]:
+    """(HF name, MCore name) of the tensors that only change name: the model-level ones
+    (no lm_head when tied), or those of layer `layer`; the same table both ways."""
+    if layer is None:
+        return [(hf_name, mc_name) for hf_name, mc_name in _GLOBAL_RENAMES.items()
+                if not (hf_name == "lm_head.weight" and c.tie_word_embeddings)]
+    a, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+    return [(a + hf_name, m + mc_name) for hf_name, mc_name in _LAYER_RENAMES.items()]
+
+
 def hf_to_mcore(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names and layouts -> an unsharded (TP=1) MCore state dict."""
-    out = {}
-    for hf_name, mc_name in _GLOBAL_RENAMES.items():
-        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        out[mc_name] = _take(hf, hf_name)
+    out = {mc_name: _take(hf, hf_name) for hf_name, mc_name in _renames(c)}
     for i in range(c.num_hidden_layers):
         a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_name, mc_name in _LAYER_RENAMES.items():
-            out[m + mc_name] = _take(hf, a + hf_name)
-        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            *(_take(hf, f"{a}self_attn.{x}_proj.weight") for x in "qkv"), c)
-        if c.attention_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                *(_take(hf, f"{a}self_attn.{x}_proj.bias") for x in "qkv"), c)
+        out.update({mc_name: _take(hf, hf_name) for hf_name, mc_name in _renames(c, i)})
+        for kind in ("weight", "bias") if c.attention_bias else ("weight",):
+            out[f"{m}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                *(_take(hf, f"{a}self_attn.{x}_proj.{kind}") for x in "qkv"), c)
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [_take(hf, a + "mlp.gate_proj.weight"), _take(hf, a + "mlp.up_proj.weight")])
     return out
@@ -68,15 +71,10 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.
 
 def mcore_to_hf(mc: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
     """An unsharded MCore state dict -> HF names and layouts (the inverse of hf_to_mcore)."""
-    out = {}
-    for hf_name, mc_name in _GLOBAL_RENAMES.items():
-        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        out[hf_name] = _take(mc, mc_name)
+    out = {hf_name: _take(mc, mc_name) for hf_name, mc_name in _renames(c)}
     for i in range(c.num_hidden_layers):
         a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_name, mc_name in _LAYER_RENAMES.items():
-            out[a + hf_name] = _take(mc, m + mc_name)
+        out.update({hf_name: _take(mc, mc_name) for hf_name, mc_name in _renames(c, i)})
         for kind in ("weight", "bias") if c.attention_bias else ("weight",):
             q, k, v = _split_qkv(_take(mc, f"{m}self_attention.linear_qkv.{kind}"), c)
             out.update({f"{a}self_attn.q_proj.{kind}": q, f"{a}self_attn.k_proj.{kind}": k,
