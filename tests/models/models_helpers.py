@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import torch
 
+from tests.weights import sharpen
 from treeflow.models import AttentionPlan, ModelConfig, load_model
 from treeflow.tree import depths_from_parents, subtree_end
 
@@ -17,15 +18,8 @@ SMALL = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hid
 @functools.cache
 def small_model():
     """Seeded weights with non-trivial norms, so a wrong norm or name cannot hide."""
-    model = load_model(SMALL)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-            else:  # larger weights than 0.02 so that attention is far from uniform
-                p.mul_(10.0)
-    return model
+    # larger weights than 0.02 so that attention is far from uniform
+    return sharpen(load_model(SMALL), scale=10.0, norm_noise=0.3, seed=1)
 
 
 def random_forest(rng: np.random.Generator, n: int, vocab: int = 97, extend: float = 0.75):
@@ -89,3 +83,17 @@ def trie(seqs):
             mine.append(len(tokens) - 1)
         nodes[s], prev, prev_nodes = mine, seq, mine
     return np.array(tokens), np.array(parents, dtype=np.int64), nodes
+
+
+def hf_call_logprobs(hf, episodes) -> np.ndarray:
+    """Sampled-token logprobs (float64) of every call of `episodes` from a plain transformers
+    forward, one call at a time as an ordinary sequence."""
+    out = []
+    with torch.no_grad():
+        for ep in episodes.to_pylist():
+            for call in ep["calls"]:
+                ids = torch.tensor([call["token_ids"]])
+                lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+                s = call["sampled_start"]
+                out.append(lp[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0].double().numpy())
+    return np.concatenate(out)

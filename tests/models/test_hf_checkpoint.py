@@ -11,6 +11,7 @@ import torch
 from models_helpers import trie, tree_tensors
 
 from tests.deps import require
+from tests.weights import perturb
 from treeflow.models import AttentionPlan, load_model, save_model, selected_logprobs
 
 transformers = require("transformers")  # fails, not skips, in CI
@@ -20,20 +21,13 @@ SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def _hf_model(arch: str, tied: bool):
-    gen = torch.Generator().manual_seed(0)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             **SHAPE, rope_theta=500000.0, tie_word_embeddings=tied))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **SHAPE, rope_theta=1000000.0, tie_word_embeddings=tied))
-    with torch.no_grad():  # biases and norms off their zero / one init; sharper attention
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            else:
-                p.mul_(4.0)
-    return model.eval()
+    return perturb(model, scale=4.0).eval()
 
 
 def _sequences():

@@ -18,6 +18,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                     "pip install 'treeflow[megatron]' to run the megatron backend tests")
 transformers = pytest.importorskip("transformers")
 
+from models_helpers import hf_call_logprobs  # noqa: E402
+
+from tests.weights import perturb  # noqa: E402
 from treeflow.models import load_backend  # noqa: E402
 from treeflow.models.megatron import hf_to_mcore, mcore_to_hf, shard, unshard  # noqa: E402
 from treeflow.pipeline import Pipeline, synth_episodes  # noqa: E402
@@ -31,7 +34,6 @@ MODELS = {"llama": False, "qwen2": True}  # tied?
 
 
 def _write_hf(kind: str, path):
-    gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     tied = MODELS[kind]
     if kind == "llama":
@@ -40,13 +42,7 @@ def _write_hf(kind: str, path):
     else:
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **SHAPE, rope_theta=10000.0, tie_word_embeddings=tied))
-    with torch.no_grad():  # biases and norms off their zero / one init; sharper attention
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            else:
-                p.mul_(3.0)
-    hf.eval().save_pretrained(path, safe_serialization=True)
+    perturb(hf, scale=3.0).eval().save_pretrained(path, safe_serialization=True)
     return hf
 
 
@@ -74,24 +70,12 @@ def _flat(table, column="logprobs"):
                            for c in ep])
 
 
-def _hf_logprobs(hf, episodes):
-    out = []
-    with torch.no_grad():
-        for ep in episodes.to_pylist():
-            for call in ep["calls"]:
-                ids = torch.tensor([call["token_ids"]])
-                lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
-                s = call["sampled_start"]
-                out.append(lp[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0].double().numpy())
-    return np.concatenate(out)
-
-
 @pytest.mark.parametrize("layout", ["tree", "chain", "exact"])
 def test_logprobs_equal_reference_and_transformers(ckpt, layout):
     path, hf = ckpt
     meg = _flat(_replay(path, "megatron", layout))
     ref = _flat(_replay(path, "reference", layout))
-    want = _hf_logprobs(hf, _episodes())
+    want = hf_call_logprobs(hf, _episodes())
     assert meg.shape == ref.shape == want.shape and np.abs(want).mean() > 1.0
     np.testing.assert_allclose(meg, ref, rtol=0, atol=1e-5)
     np.testing.assert_allclose(meg, want, rtol=0, atol=1e-5)
@@ -153,7 +137,7 @@ def test_export_loads_in_transformers_with_the_same_logprobs(ckpt, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(back) is type(hf)
     np.testing.assert_allclose(_flat(_replay(str(tmp_path), "megatron", "tree")),
-                               _hf_logprobs(back, _episodes()), rtol=0, atol=1e-5)
+                               hf_call_logprobs(back, _episodes()), rtol=0, atol=1e-5)
 
 
 def test_conversion_round_trips_and_shards():
@@ -232,7 +216,7 @@ def test_cli_replay_and_train_with_the_megatron_backend(ckpt, tmp_path, capsys):
     assert main(["replay", str(data), "--backend", "megatron", "--model", path,
                  "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
     got = _flat(pa.ipc.open_file(tmp_path / "lp.arrow").read_all())
-    np.testing.assert_allclose(got, _hf_logprobs(hf, _episodes()), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, hf_call_logprobs(hf, _episodes()), rtol=0, atol=1e-5)
     capsys.readouterr()
     assert main(["replay", str(data), "--backend", "megatron", "--model", path, "--mode", "train",
                  "--batch-episodes", "2", "--steps", "2", "--lr", "1e-3", "--max-tokens", "96",

@@ -23,7 +23,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                     "pip install 'treeflow[megatron]' to run the megatron backend tests")
@@ -31,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_ckpt_worker import (WINDOW_A, WINDOW_B, bins, episodes,  # noqa: E402
                                   stages)
+from models_helpers import hf_call_logprobs  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_megatron_tp import write_checkpoint  # noqa: E402
 
@@ -40,19 +40,6 @@ from treeflow.train.checkpoint import model_dir  # noqa: E402
 WORKER = os.path.join(os.path.dirname(__file__), "megatron_ckpt_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ("llama", "qwen2")
-
-
-def _hf_logprobs(hf, eps):
-    """Exact-call logprobs from a plain transformers forward, one call at a time."""
-    out = []
-    with torch.no_grad():
-        for ep in eps.to_pylist():
-            for call in ep["calls"]:
-                ids = torch.tensor([call["token_ids"]])
-                lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
-                s = call["sampled_start"]
-                out.append(lp[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0].double().numpy())
-    return np.concatenate(out)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -119,7 +106,7 @@ def test_export_after_tp_training_gives_the_tp_models_logprobs_in_transformers(r
     assert ("model.layers.0.self_attn.q_proj.bias" in exported) == (model == "qwen2")
     assert ("lm_head.weight" in exported) == (model == "llama")
     after, before = np.array(r["after"]), np.array(r["before"])
-    want = _hf_logprobs(hf, episodes(WINDOW_A))
+    want = hf_call_logprobs(hf, episodes(WINDOW_A))
     assert after.shape == want.shape and len(want) > 50
     assert np.abs(after - before).max() > 1e-3  # training moved them: a stale export fails
     np.testing.assert_allclose(after, want, rtol=0, atol=1e-5)

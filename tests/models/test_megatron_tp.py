@@ -19,11 +19,11 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                     "pip install 'treeflow[megatron]' to run the megatron backend tests")
 
+from tests.weights import perturb  # noqa: E402
 from treeflow.models import ModelConfig, load_model, save_model  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
@@ -37,15 +37,7 @@ def write_checkpoint(path, *, qwen: bool, seed: int = 1, **shape):
     dims.update(shape)
     kind = (dict(attention_bias=True, tie_word_embeddings=True, architecture="Qwen2ForCausalLM")
             if qwen else dict(tie_word_embeddings=False))
-    model = load_model(ModelConfig(**dims, **kind))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            else:
-                p.mul_(3.0)
-    save_model(model, path)
+    save_model(perturb(load_model(ModelConfig(**dims, **kind)), scale=3.0, seed=seed), path)
     return str(path)
 
 

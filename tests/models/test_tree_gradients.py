@@ -10,6 +10,7 @@ import torch
 from models_helpers import (SMALL, leaves, path_to, random_forest, run_path, small_model,
                             tree_tensors)
 
+from tests.weights import sharpen
 from treeflow.models import AttentionPlan, load_model
 
 
@@ -25,17 +26,8 @@ def _untied_with_bias():
     """Qwen2-style: q/k/v biases and an untied head, seeded and scaled like small_model()."""
     config = dataclasses.replace(SMALL, attention_bias=True, tie_word_embeddings=False,
                                  architecture="Qwen2ForCausalLM")
-    model = load_model(config)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):  # zero-initialised: give them values that matter
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.mul_(10.0)
-    return model
+    # biases are zero-initialised: give them values that matter
+    return sharpen(load_model(config), scale=10.0, norm_noise=0.3, seed=2, bias_noise=0.5)
 
 
 @pytest.mark.parametrize("which", ["tied", "untied-qkv-bias"])

@@ -12,12 +12,12 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.reference import per_call_values
 from tests.stages.conftest import branching_groups, edges_after_a_branch, episode_tables
+from tests.weights import sharpen
 from treeflow.models import ModelConfig, load_model, save_model
 from treeflow.pipeline import Pipeline
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
@@ -28,14 +28,8 @@ VOCAB = 64
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model, checkpoint dir) of the seeded, sharpened policy."""
-    model = load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.mul_(4.0)
+    model = sharpen(load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB)),
+                    scale=4.0, norm_noise=0.2)
     path = tmp_path_factory.mktemp("sharp-tiny")
     save_model(model, path)
     return model, str(path)

@@ -19,12 +19,12 @@ import math
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.reference import grad_norm, per_call_values, reference_step, result_table
 from tests.stages.conftest import branching_groups
+from tests.weights import sharpen
 from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
 from treeflow.schemas import validate_episodes
@@ -40,15 +40,8 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 def model_():
     """Seeded, with weights scaled up so that logprobs and entropies spread widely."""
-    model = load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.mul_(3.0)
-    return model
+    return sharpen(load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB)),
+                   scale=3.0, norm_noise=0.2)
 
 
 def raw_rows(seed=3):
