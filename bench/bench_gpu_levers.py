@@ -43,7 +43,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.compute as pc
@@ -58,6 +57,7 @@ from treeflow.models.checkpoint import seeded_decoder  # noqa: E402
 from treeflow.pipeline.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages._flat import list_offsets, list_values  # noqa: E402
+from treeflow.stages.runner import PreparedBin  # noqa: E402
 from treeflow.tree import subtree_end  # noqa: E402
 
 LLAMA_8B_4 = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -65,16 +65,6 @@ LLAMA_8B_4 = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=1
                          rope_theta=500000.0, rms_norm_eps=1e-5)
 SMOKE = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-
-
-@dataclass
-class _Bin:
-    tokens_N: torch.Tensor
-    positions_N: torch.Tensor
-    sources_E: torch.Tensor
-    targets_E: torch.Tensor
-    plan: object
-    num_tokens: int
 
 
 class Run:
@@ -166,7 +156,7 @@ def data(run: Run, config: ModelConfig) -> dict:
     return out
 
 
-def prepare(run: Run, backend, bins, layout: str, budget: int) -> list[_Bin]:
+def prepare(run: Run, backend, bins, layout: str, budget: int) -> list[PreparedBin]:
     cols = {n: bins.column(n).combine_chunks() for n in
             ("tokens", "parents", "positions", "edge_sources", "edge_targets")}
     off = {n: list_offsets(c) for n, c in cols.items()}
@@ -180,8 +170,8 @@ def prepare(run: Run, backend, bins, layout: str, budget: int) -> list[_Bin]:
         plan = backend.attention_plan(get["parents"], subtree_end(get["positions"]), kernel=kernel,
                                       pad_to=budget if run.cuda else None)
         dev = {n: torch.from_numpy(x).to(run.device) for n, x in get.items()}
-        out.append(_Bin(dev["tokens"], dev["positions"], dev["edge_sources"], dev["edge_targets"],
-                        plan, len(get["positions"])))
+        out.append(PreparedBin(dev["tokens"], dev["positions"], dev["edge_sources"],
+                               dev["edge_targets"], plan, len(get["positions"])))
     return out
 
 
