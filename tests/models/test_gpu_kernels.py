@@ -27,19 +27,24 @@ def _run(model, tokens, parents, kernel, targets):
     return plan, hidden.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
+def _assert_auto_matches_dense(model, tokens, parents, targets, kernel, dtype, atol):
+    """kernel="auto" picks `kernel`, whose hidden states and gradients match the dense kernel's."""
+    plan, h_auto, g_auto = _run(model, tokens, parents, "auto", targets)
+    assert plan.kernel == kernel
+    _, h_dense, g_dense = _run(model, tokens, parents, "dense", targets)
+    torch.testing.assert_close(h_auto, h_dense, atol=atol, rtol=0)
+    for name in g_dense:
+        scale = g_dense[name].abs().max()
+        assert (g_auto[name] - g_dense[name]).abs().max() <= (1e-3 if dtype == torch.float32
+                                                              else 5e-2) * scale, name
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.1)])
 def test_flex_matches_dense_forward_and_backward(dtype, atol):
     model = load_model(SMALL, dtype=dtype, device="cuda")
     tokens, parents = random_forest(np.random.default_rng(0), 700, extend=0.8)
     targets = torch.as_tensor(np.random.default_rng(1).integers(0, 97, 700)).cuda()
-    plan, h_flex, g_flex = _run(model, tokens, parents, "auto", targets)
-    assert plan.kernel == "flex"
-    _, h_dense, g_dense = _run(model, tokens, parents, "dense", targets)
-    torch.testing.assert_close(h_flex, h_dense, atol=atol, rtol=0)
-    for name in g_dense:
-        scale = g_dense[name].abs().max()
-        assert (g_flex[name] - g_dense[name]).abs().max() <= (1e-3 if dtype == torch.float32
-                                                               else 5e-2) * scale, name
+    _assert_auto_matches_dense(model, tokens, parents, targets, "flex", dtype, atol)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.1)])
@@ -47,11 +52,4 @@ def test_causal_kernel_matches_dense_on_chains(dtype, atol):
     model = load_model(SMALL, dtype=dtype, device="cuda")
     tokens, parents = random_chains(np.random.default_rng(2), [300, 5, 1, 190])
     targets = torch.as_tensor(np.random.default_rng(3).integers(0, 97, 496)).cuda()
-    plan, h_causal, g_causal = _run(model, tokens, parents, "auto", targets)
-    assert plan.kernel == "causal"
-    _, h_dense, g_dense = _run(model, tokens, parents, "dense", targets)
-    torch.testing.assert_close(h_causal, h_dense, atol=atol, rtol=0)
-    for name in g_dense:
-        scale = g_dense[name].abs().max()
-        assert (g_causal[name] - g_dense[name]).abs().max() <= (1e-3 if dtype == torch.float32
-                                                                 else 5e-2) * scale, name
+    _assert_auto_matches_dense(model, tokens, parents, targets, "causal", dtype, atol)
