@@ -219,3 +219,20 @@ def test_a_late_ack_of_a_finished_step_is_not_counted_as_a_skipped_redelivery(sm
     finally:
         a.close()
         b.close()
+
+
+def test_a_server_restarted_at_the_same_path_is_reachable_from_a_process_that_knew_the_old(
+        tmp_path, small):
+    # multiprocessing shares one connection per thread and address among its proxies: a client
+    # of the old server still alive here must not hand its dead connection to the new server's
+    path = str(tmp_path / "q.sock")
+    first = open_queue(path)
+    old_client = connect_queue(path)
+    assert old_client.stats()["puts"] == 0
+    first.shutdown()
+    second = open_queue(path)
+    try:
+        second.put(small.slice(0, 2), producer="p")
+        assert connect_queue(path).stats()["puts"] == 1
+    finally:
+        second.shutdown()

@@ -121,6 +121,13 @@ def connect_embedded(address: str, *, timeout: float = 30.0):
         time.sleep(0.05)
     mgr = _Manager(address=address, authkey=_authkey())
     mgr.connect()
+    # multiprocessing caches one connection per thread and address for all proxies to that
+    # address; after a server restarted at the same path, a proxy of the old one (still alive
+    # in this process) would hand its dead connection to the new proxy (BrokenPipeError):
+    # new proxies get their own connections, old ones keep theirs
+    from multiprocessing.managers import BaseProxy
+
+    BaseProxy._address_to_local.pop(address, None)
     return mgr.ledger()
 
 
