@@ -8,7 +8,8 @@
    socket) and, with --transferqueue, TransferQueue 0.1.11 on a local Ray.
 2. overhead: `treeflow replay FILE` vs `treeflow stream --from FILE` (same
    options, same --overhead-episodes episodes, tiny model, CPU), best of
-   --repeats, alternating, results checked identical.
+   --repeats, alternating, results checked identical; `--stream-engine ray`
+   streams on the Ray engine (bins and edge values through the work queue).
 3. memory: a producer 10x faster than the consumer (rate-limited puts into a
    server-process queue of capacity C while a slow consumer runs the logprob
    pipeline); the server's RSS and the held episodes are sampled over time.
@@ -82,7 +83,8 @@ def throughput(queue, eps: pa.Table, step: int) -> dict:
             "mb": round(mb, 2), "loadavg": _load()}
 
 
-def overhead(path: str, repeats: int, window: int, queue_backend: str, address) -> dict:
+def overhead(path: str, repeats: int, window: int, queue_backend: str, address,
+             engine: str = "local") -> dict:
     from treeflow.cli import main
 
     common = ["--model", "tiny", "--layout", "tree", "--max-tokens", "8192", "--json"]
@@ -94,7 +96,8 @@ def overhead(path: str, repeats: int, window: int, queue_backend: str, address) 
                 argv = ["replay", path, "--window", str(window), "-o", f"{out}/r.arrow", *common]
             else:
                 argv = ["stream", "--from", path, "--window", str(window), "-o",
-                        f"{out}/s.arrow", "--queue-backend", queue_backend, "--linger", "0", *common]
+                        f"{out}/s.arrow", "--queue-backend", queue_backend, "--linger", "0",
+                        "--engine", engine, *common]
                 if address:
                     argv += ["--queue", address]
             t0 = time.perf_counter()
@@ -107,7 +110,7 @@ def overhead(path: str, repeats: int, window: int, queue_backend: str, address) 
             "overhead_min": round(best["stream"] / best["replay"] - 1, 4),
             "overhead_median": round(med["stream"] / med["replay"] - 1, 4),
             "times": {k: [round(x, 3) for x in v] for k, v in times.items()},
-            "identical_results": same, "loadavg": _load()}
+            "identical_results": same, "stream_engine": engine, "loadavg": _load()}
 
 
 def memory(eps: pa.Table, capacity: int, seconds: float) -> dict:
@@ -174,6 +177,9 @@ def main():
     ap.add_argument("--overhead-episodes", type=int, default=64,
                     help="episodes of the stream-vs-replay comparison (a few seconds per run)")
     ap.add_argument("--skip", nargs="*", default=[], help="throughput, overhead, memory")
+    ap.add_argument("--stream-engine", choices=("local", "ray"), default="local",
+                    help="engine of the overhead's stream runs (ray: forward actors fed through "
+                         "the work queue; the first run also starts the cluster)")
     ap.add_argument("-o", "--output", default=None, help="also write the JSON here")
     args = ap.parse_args()
     from treeflow.pipeline import synth_episodes, write_episodes
@@ -198,8 +204,9 @@ def main():
         for name, backend, address in backends:
             if name == "embedded_server":
                 address = os.path.join(tempfile.mkdtemp(), "q2.sock")
-            res[f"overhead_{name}"] = overhead(path, args.repeats, 8, backend, address)
-            print(json.dumps({name: res[f"overhead_{name}"]}), flush=True)
+            key = f"overhead_{name}" + ("_ray_engine" if args.stream_engine == "ray" else "")
+            res[key] = overhead(path, args.repeats, 8, backend, address, args.stream_engine)
+            print(json.dumps({name: res[key]}), flush=True)
     if "memory" not in args.skip:
         res["memory_fast_producer"] = memory(synth_episodes(episodes=32, group_size=4, seed=3, **SMALL),
                                              capacity=32, seconds=args.memory_seconds)

@@ -141,7 +141,7 @@ def test_killed_training_rank_stops_the_run_and_gives_its_steps_back(cluster, sm
 
 
 def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_path, capsys):
-    # the embedded backend, from the command line: logprobs on 2 forward actors vs replay (which
+    # the embedded backend, from the command line: logprobs on a forward actor vs replay (which
     # the local engine's stream equals: tests/test_cli_stream.py); training vs the local stream
     # (losses per step, final weights)
     import json
@@ -157,7 +157,7 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
     assert main(["replay", data, "-o", str(tmp_path / "r.arrow"), *opts[:4]]) == 0
     capsys.readouterr()
     assert main(["stream", "--from", data, "-o", str(tmp_path / "s.arrow"), "--engine", "ray",
-                 "--ranks", "2", *opts]) == 0
+                 *opts]) == 0     # 2 forward actors: the killed-actor test
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["queue"]["steps_acked"] == 2
     read = {n: pa.ipc.open_file(tmp_path / f"{n}.arrow").read_all() for n in ("r", "s")}
