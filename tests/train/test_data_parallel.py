@@ -4,6 +4,7 @@ Each launch starts real processes with a real process group; every rank function
 in all ranks and returns plain tensors that the tests compare with a single-process run.
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -28,6 +29,17 @@ TIMEOUT_S = 240
 # ~1e-5 of a tensor's largest weight after 3 steps at lr 1e-2 (losses still agree to 1e-7).
 GRAD_SUM = "float64"
 THREADS = 1
+
+
+@contextlib.contextmanager
+def rank_threads():
+    """Run a one-process reference with the ranks' torch thread count (THREADS), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def data():
@@ -118,12 +130,8 @@ def _sharded(dp, ckpt):
 
 def assert_same_as_single(runs):
     eps, budget = data()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
+    with rank_threads():
         single = {cfg: train(DataParallel(), eps, *cfg, budget) for cfg in CONFIGS}
-    finally:
-        torch.set_num_threads(threads)
     for kind, norm in CONFIGS:
         tr, rows = single[kind, norm]
         got_rows, got_w = runs[kind, norm]
@@ -209,12 +217,8 @@ def test_sharded_parameters_match_one_rank_and_resume_on_one(two_ranks):
     runs, _ = two_ranks
     got = runs[0]["fsdp"]
     eps, budget = data()
-    with_threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
+    with rank_threads():
         tr, rows = train(DataParallel(), eps, "pg", "seq-mean", budget)
-    finally:
-        torch.set_num_threads(with_threads)
     total = sum(p.numel() for p in tr.model.parameters())
     assert all(r["fsdp"]["shard_numel"] < 0.6 * total for r in runs)  # each rank holds about half
     for a, b in zip(got["rows"], rows):
@@ -251,12 +255,8 @@ def test_ray_actor_group_ranks_equal_one_rank():
     finally:
         ray.shutdown()
     eps, budget = data()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
+    with rank_threads():
         tr, ref_rows = train(DataParallel(), eps.slice(0, 4), "pg", "token", budget)
-    finally:
-        torch.set_num_threads(threads)
     assert [r["ranks"] for r in rows] == [2]
     assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], rel=1e-6)
     for n, w in weights(tr).items():

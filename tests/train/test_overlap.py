@@ -9,7 +9,8 @@ its last backward after some buckets went out must fail the step on both ranks w
 import pytest
 import torch
 
-from tests.train.test_data_parallel import THREADS, TIMEOUT_S, data, reduce_for, train, weights
+from tests.train.test_data_parallel import (THREADS, TIMEOUT_S, data, rank_threads, reduce_for,
+                                            train, weights)
 from tests.train.test_training import small_model
 from treeflow.stages import Forward
 from treeflow.train import DataParallel, RankFailedError, Trainer
@@ -81,12 +82,8 @@ def test_overlapped_reduction_equals_the_reduction_after_backward(runs):
         assert all(torch.equal(overlapped["weights"][n], w) for n, w in plain["weights"].items())
     assert all(torch.equal(runs[1][True]["weights"][n], w) for n, w in runs[0][True]["weights"].items())
     eps, budget = data()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
+    with rank_threads():
         tr, rows = train(DataParallel(), eps, "pg", "seq-mean", budget)
-    finally:
-        torch.set_num_threads(threads)
     for a, b in zip(runs[0][True]["rows"], rows):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     for n, w in weights(tr).items():  # float32 sums in another order, through AdamW: see
