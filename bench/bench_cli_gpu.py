@@ -20,6 +20,11 @@ episodes in groups of 8 (`treeflow synth`):
   a gap inside a bin as busy;
 - `treeflow replay --mode train --batch-episodes 64 --steps S` per layout:
   steady-state seconds per optimizer step (first step excluded);
+- `--backends reference,megatron`: also the megatron-core backend through the same
+  command (`--backend megatron --tensor-parallel T` for each T of `--tp`, tree
+  layout, replay and train), its steady tokens/s over the reference backend's
+  (`megatron_over_reference`), and its logprobs' distance to the reference
+  backend's on the same episodes (both bf16);
 - `bench/bench_gpu.py --shape ...` on the same episodes (same synth seed and
   vocabulary): the model's forward alone, for the ratio
   CLI speedup / kernel speedup.
@@ -30,6 +35,9 @@ as it goes; the JSON lands in $OUT/bench_cli_gpu.json (or bench/results).
     PYTHONUNBUFFERED=1 python bench/bench_cli_gpu.py             # one H200, < 9 min
     PYTHONUNBUFFERED=1 python bench/bench_cli_gpu.py --profile-busy --no-train --no-kernel-bench \
         --out bench_cli_gpu_busy.json                             # the kernel-trace check, ~3 min
+    PYTHONUNBUFFERED=1 python bench/bench_cli_gpu.py --shapes llama-3.2-1b --layouts tree \
+        --backends reference,megatron --tp 1,2 --no-kernel-bench --out bench_cli_megatron.json
+                                                                  # two H200s, ~8 min
     python bench/bench_cli_gpu.py --smoke --device cpu            # logic check, tiny sizes
 """
 
@@ -89,6 +97,61 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None) -> dict
     return out
 
 
+def megatron_runs(res, shape, data, work, common, args, env, left, save, elapsed) -> None:
+    """The megatron backend through the same command, tree layout, at each --tp size."""
+    import numpy as np
+    import pyarrow as pa
+
+    def logprobs(path):
+        col = pa.ipc.open_file(path).read_all().column("logprobs").combine_chunks()
+        return np.asarray(col.flatten().flatten(), dtype=np.float64)
+
+    for tp in (int(x) for x in args.tp.split(",")):
+        key = f"megatron_tp{tp}"
+        if tp > 1 and args.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                res[key] = f"skipped: {torch.cuda.device_count()} GPU(s) visible"
+                continue
+        mc = ["--backend", "megatron", "--tensor-parallel", str(tp), "--layout", "tree"]
+        if left() < 30:
+            res[f"{key}_replay_tree"] = "skipped (time budget)"
+        else:
+            print(f"[{elapsed():.0f}s] {shape}: replay --backend megatron --tensor-parallel {tp}",
+                  flush=True)
+            path = os.path.join(work, f"{shape}-{key}.arrow")
+            r = cli(["replay", data, "--window", str(args.window), "-o", path, *mc, *common], env,
+                    f"{key} replay")
+            res[f"{key}_replay_tree"] = r
+            ref = res.get("replay_tree")
+            if "error" not in r and isinstance(ref, dict) and "error" not in ref:
+                res[f"{key}_over_reference_replay"] = round(
+                    r["exact_tokens_per_s"] / ref["exact_tokens_per_s"], 3)
+                d = np.abs(logprobs(path) - logprobs(os.path.join(work, f"{shape}-tree.arrow")))
+                res[f"{key}_logprob_diff_vs_reference"] = {"mean": float(d.mean()),
+                                                           "max": float(d.max())}
+            print(f"  {json.dumps(r)[:400]}", flush=True)
+            save()
+        if args.no_train:
+            continue
+        if left() < 30:
+            res[f"{key}_train_tree"] = "skipped (time budget)"
+            continue
+        print(f"[{elapsed():.0f}s] {shape}: train --backend megatron --tensor-parallel {tp}", flush=True)
+        r = cli(["replay", data, "--mode", "train", "--batch-episodes", str(args.train_batch),
+                 "--steps", str(args.train_steps), "--lr", "1e-6", *mc, *common], env,
+                f"{key} train")
+        res[f"{key}_train_tree"] = r
+        ref = res.get("train_tree")
+        if (isinstance(ref, dict) and ref.get("steady_seconds_per_step")
+                and r.get("steady_seconds_per_step")):
+            res[f"{key}_over_reference_train_step"] = round(
+                ref["steady_seconds_per_step"] / r["steady_seconds_per_step"], 3)
+        print(f"  {json.dumps(r)[:400]}", flush=True)
+        save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen2-0.5b,llama-3.2-1b")
@@ -102,6 +165,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--budget-seconds", type=float, default=500,
                     help="skip what is left after this much time (the results so far are kept)")
+    ap.add_argument("--layouts", default="exact,tree", help="reference backend layouts")
+    ap.add_argument("--backends", default="reference", help="reference[,megatron]")
+    ap.add_argument("--tp", default="1,2", help="megatron --tensor-parallel sizes to run")
     ap.add_argument("--no-kernel-bench", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="skip the --mode train runs")
     ap.add_argument("--profile-busy", action="store_true",
@@ -109,6 +175,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file name (default bench_cli_gpu.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and data (logic check)")
     args = ap.parse_args()
+    layouts = tuple(args.layouts.split(","))
+    backends = tuple(args.backends.split(","))
+    unknown = set(backends) - {"reference", "megatron"}
+    if unknown or "reference" not in backends:
+        ap.error(f"--backends {args.backends}: give reference or reference,megatron")
     if args.smoke:
         args.shapes, args.episodes, args.group_size, args.max_turns = "smoke", 8, 2, 3
         args.max_tokens, args.window, args.train_batch, args.train_steps = 8192, 4, 4, 2
@@ -154,7 +225,7 @@ def main() -> None:
         res["checkpoint_seconds"] = round(time.perf_counter() - t0, 1)
         common = ["--model", ckpt, "--device", args.device, "--dtype", dtype,
                   "--max-tokens", str(args.max_tokens), "--json"]
-        for layout in ("exact", "tree"):
+        for layout in layouts:
             if left() < 30:
                 res[f"replay_{layout}"] = "skipped (time budget)"
                 continue
@@ -184,7 +255,7 @@ def main() -> None:
                 res.setdefault("kernel_busy", {})[layout] = r["kernel_busy"]
             print(f"  {json.dumps(r)[:400]}", flush=True)
             save()
-        for layout in ("exact", "tree") if not args.no_train else ():
+        for layout in layouts if not args.no_train else ():
             if left() < 30:
                 res[f"train_{layout}"] = "skipped (time budget)"
                 continue
@@ -196,6 +267,9 @@ def main() -> None:
             res[f"train_{layout}"] = r
             print(f"  {json.dumps(r)[:400]}", flush=True)
             save()
+        if "megatron" in backends:
+            megatron_runs(res, shape, data, work, common, args, env, left, save,
+                          lambda: time.perf_counter() - t_start)
         ex, tr = res.get("train_exact"), res.get("train_tree")
         if (isinstance(ex, dict) and isinstance(tr, dict) and ex.get("steady_seconds_per_step")
                 and tr.get("steady_seconds_per_step")):
