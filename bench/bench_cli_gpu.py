@@ -138,7 +138,8 @@ def megatron_runs(res, shape, data, work, common, args, env, left, save, elapsed
         if left() < 30:
             res[f"{key}_train_tree"] = "skipped (time budget)"
             continue
-        print(f"[{elapsed():.0f}s] {shape}: train --backend megatron --tensor-parallel {tp}", flush=True)
+        print(f"[{elapsed():.0f}s] {shape}: train --backend megatron --tensor-parallel {tp}",
+              flush=True)
         r = cli(["replay", data, "--mode", "train", "--batch-episodes", str(args.train_batch),
                  "--steps", str(args.train_steps), "--lr", "1e-6", *mc, *common], env,
                 f"{key} train")
