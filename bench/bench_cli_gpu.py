@@ -25,6 +25,8 @@ episodes in groups of 8 (`treeflow synth`):
   layout, replay and train), its steady tokens/s over the reference backend's
   (`megatron_over_reference`), and its logprobs' distance to the reference
   backend's on the same episodes (both bf16);
+- `--tunings plain,fast,lean`: also the reference backend's `--tuning` presets through
+  the same commands (tree layout), their steady speed over plain's and peak memory;
 - `bench/bench_gpu.py --shape ...` on the same episodes (same synth seed and
   vocabulary): the model's forward alone, for the ratio
   CLI speedup / kernel speedup.
@@ -153,6 +155,35 @@ def megatron_runs(res, shape, data, work, common, args, env, left, save, elapsed
         save()
 
 
+def tuning_runs(res, shape, data, work, common, args, env, left, save, elapsed) -> None:
+    """The reference backend's --tuning presets through the same commands, tree layout."""
+    for name in (t for t in args.tunings.split(",") if t != "plain"):
+        for mode in ("replay",) + (() if args.no_train else ("train",)):
+            key = f"tuning_{name}_{mode}_tree"
+            if left() < 30:
+                res[key] = "skipped (time budget)"
+                continue
+            print(f"[{elapsed():.0f}s] {shape}: {mode} --tuning {name}", flush=True)
+            extra = (["--mode", "train", "--batch-episodes", str(args.train_batch), "--steps",
+                      str(args.train_steps), "--lr", "1e-6"] if mode == "train" else
+                     ["--window", str(args.window), "-o",
+                      os.path.join(work, f"{shape}-tuning-{name}.arrow")])
+            r = cli(["replay", data, "--layout", "tree", "--tuning", name, *extra, *common], env,
+                    key)
+            res[key] = r
+            plain = res.get(f"{mode}_tree")
+            if mode == "replay" and isinstance(plain, dict) and "error" not in plain \
+                    and "error" not in r:
+                res[f"tuning_{name}_over_plain_replay"] = round(
+                    r["exact_tokens_per_s"] / plain["exact_tokens_per_s"], 3)
+            if mode == "train" and isinstance(plain, dict) and plain.get(
+                    "steady_seconds_per_step") and r.get("steady_seconds_per_step"):
+                res[f"tuning_{name}_over_plain_train_step"] = round(
+                    plain["steady_seconds_per_step"] / r["steady_seconds_per_step"], 3)
+            print(f"  {json.dumps(r)[:400]}", flush=True)
+            save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen2-0.5b,llama-3.2-1b")
@@ -169,6 +200,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="exact,tree", help="reference backend layouts")
     ap.add_argument("--backends", default="reference", help="reference[,megatron]")
     ap.add_argument("--tp", default="1,2", help="megatron --tensor-parallel sizes to run")
+    ap.add_argument("--tunings", default="plain",
+                    help="reference --tuning presets to run on the tree layout besides plain")
     ap.add_argument("--no-kernel-bench", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="skip the --mode train runs")
     ap.add_argument("--profile-busy", action="store_true",
@@ -268,6 +301,8 @@ def main() -> None:
             res[f"train_{layout}"] = r
             print(f"  {json.dumps(r)[:400]}", flush=True)
             save()
+        tuning_runs(res, shape, data, work, common, args, env, left, save,
+                    lambda: time.perf_counter() - t_start)
         if "megatron" in backends:
             megatron_runs(res, shape, data, work, common, args, env, left, save,
                           lambda: time.perf_counter() - t_start)

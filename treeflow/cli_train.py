@@ -286,9 +286,13 @@ def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int) ->
         # steady-state time per step: from the end of the first step to the end of the last
         per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
                     if len(rows) > 1 else None)
-        print(json.dumps({"steps": steps, "last": rows[-1] if rows else None,
-                          "compile_seconds": round(compile_seconds, 3),
-                          "steady_seconds_per_step": per_step}), flush=True)
+        out = {"steps": steps, "last": rows[-1] if rows else None,
+               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step}
+        import torch
+
+        if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)
+            out["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        print(json.dumps(out), flush=True)
     elif not args.quiet:
         last = rows[-1]
         _console().print(_table(f"train: {args.model} layout={args.layout} loss={args.loss} "
