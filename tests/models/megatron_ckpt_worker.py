@@ -85,7 +85,7 @@ def run_model(path: str, args, dp) -> dict:
     tr.train_step(b, bins_b)
     tr.save(root)
     row = tr.train_step(a, bins_a).to_pylist()[0]
-    weights = tr.backend.full_state()
+    weights = tr.backend.full_state()  # on TP rank 0, None on the others
     after = logprobs(tr, a)
     tr.save(root)
     del tr
@@ -97,11 +97,12 @@ def run_model(path: str, args, dp) -> dict:
     del again
     result = {"model": name, "root": root, "dp": dp.world, "before": before.tolist(),
               "after": after.tolist(),
-              "resumed_at": resumed_at, "row": row, "row_again": row_again,
-              "weights_equal": weights.keys() == weights_again.keys() and all(
-                  torch.equal(weights[k], weights_again[k]) for k in weights),
-              "weights_max_diff": max(float((weights[k] - weights_again[k]).abs().max())
-                                      for k in weights)}
+              "resumed_at": resumed_at, "row": row, "row_again": row_again}
+    if weights is not None:  # TP rank 0 (global rank 0 reports)
+        result["weights_equal"] = weights.keys() == weights_again.keys() and all(
+            torch.equal(weights[k], weights_again[k]) for k in weights)
+        result["weights_max_diff"] = max(float((weights[k] - weights_again[k]).abs().max())
+                                         for k in weights)
     if args.single:
         single = Trainer.resume(os.path.join(args.single, name), forward, reduce, dp=dp,
                                 pad_to=MAX_TOKENS, log=lambda m: None)

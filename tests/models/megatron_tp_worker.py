@@ -11,7 +11,9 @@ precision does) with the float32 policy's logprobs as the old ones
 (on-policy), and, as a diagnostic, the same step with the episodes'
 generation logprobs as the old ones (off-policy; see _step).
 With --export DIR each model is exported (HF safetensors, TP shards
-gathered) before training and compared with its checkpoint bit for bit.
+gathered) before training and compared with its checkpoint bit for bit, and
+each rank reports the tensor bytes its export allocated and whether
+full_state gave it the unsharded state (only TP rank 0 may hold it).
 Rank 0 writes, per model: the megatron logprobs, the reference backend's
 logprobs in float32 and in --dtype (the bf16 noise bound), whether all TP
 ranks agreed bit for bit, the loss, the gradient norm and the largest ratio,
@@ -35,6 +37,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 warnings.filterwarnings("ignore", module="megatron")
 
@@ -68,6 +72,54 @@ def _grads_full(backend) -> dict[str, torch.Tensor]:
         for part, piece in zip(parts, pieces):
             part[name] = piece
     return unshard(parts)
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the tensor storages that ops create while it is active (on this thread).
+
+    Views and in-place results share an input's storage and are not counted; frees are not
+    subtracted, so the count bounds the peak of what was allocated from above.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def _export(meg, path, args, dtype) -> dict:
+    """Export (every rank takes part), then what each rank allocated doing it and what it holds.
+
+    Returns, on rank 0: whether the export equals the checkpoint bit for bit, and per rank the
+    bytes its export allocated and whether full_state gave it the unsharded state.
+    """
+    out = os.path.join(args.export, os.path.basename(os.path.normpath(path)))
+    with _Allocations() as counter:
+        meg.save(out)
+    holds = meg.full_state() is not None
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (counter.bytes, holds))
+    if dist.get_rank() != 0:
+        return {}
+    from safetensors.torch import load_file
+
+    from treeflow.models import load_model
+
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    original = load_model(path, dtype=dtype).state_dict()
+    return {"export_equal": (exported.keys() == original.keys()
+                             and all(torch.equal(exported[k], original[k]) for k in original)),
+            "export_allocated_bytes": [b for b, _ in per_rank],
+            "full_state_held": [h for _, h in per_rank]}
 
 
 def _step(backend, path, dtype, eps, bins, loss, args, *, old, finish):
@@ -138,19 +190,9 @@ def run_model(path: str, args) -> dict:
     dist.all_gather_object(gathered, lp.tobytes())
     ranks_agree = all(g == gathered[0] for g in gathered)
 
-    export_equal = None
+    exported = {"export_equal": None}
     if args.export:  # gathered from the TP shards, written by rank 0; before any update
-        out = os.path.join(args.export, os.path.basename(os.path.normpath(path)))
-        meg.save(out)
-        if dist.get_rank() == 0:
-            from safetensors.torch import load_file
-
-            from treeflow.models import load_model
-
-            exported = load_file(os.path.join(out, "model.safetensors"))
-            original = load_model(path, dtype=dtypes[args.dtype]).state_dict()
-            export_equal = (exported.keys() == original.keys()
-                            and all(torch.equal(exported[k], original[k]) for k in original))
+        exported.update(_export(meg, path, args, dtypes[args.dtype]))
 
     loss = Loss(kind="pg", norm="seq-mean", clip_low=0.2, clip_high=0.28)
     # old logprobs from a logprob phase of the float32 policy (every rank computes them), so
@@ -173,7 +215,7 @@ def run_model(path: str, args) -> dict:
                                               old=on_policy, finish=True)
     result = {"model": path, "tp": args.tp, "sequence_parallel": meg.sequence_parallel,
               "edges": int(len(lp)), "tokens": int(sum(len(t) for t in bins.column("tokens").to_pylist())),
-              "ranks_agree": ranks_agree, "export_equal": export_equal, "forward_seconds": seconds,
+              "ranks_agree": ranks_agree, **exported, "forward_seconds": seconds,
               "logprobs": lp.tolist(), "loss": meg_loss, "grad_norm": grad_norm,
               "ratio_max": stats["ratio_max"],
               "off_policy": {"grad_norm": off[1], "ratio_max": off[3]["ratio_max"]}}

@@ -3,7 +3,8 @@
 Two processes (torchrun) each hold half of every sharded weight and half of
 the vocabulary; their logprobs, loss, gradients (gathered and unsharded) and
 gradient norm must equal the single-process reference backend's in float32,
-and the exported checkpoint must be the input checkpoint bit for bit. This
+and the exported checkpoint must be the input checkpoint bit for bit, gathered
+to TP rank 0 alone (rank 1 never holds the unsharded weights). This
 is the CI check of the collective paths (max/sum all-reduces of the
 vocab-parallel log-softmax, TP-aware clipping, shard gathering) that a TP=1
 run only passes through as no-ops. Sequence parallelism needs CUDA (see
@@ -56,8 +57,26 @@ def test_tp2_on_gloo_equals_the_reference(tmp_path):
         lp, ref = np.array(r["logprobs"]), np.array(r["reference_float32"])
         assert r["tp"] == 2 and r["edges"] > 100 and r["ranks_agree"], r["model"]
         assert r["export_equal"], r["model"]
+        _check_export_memory(r, tmp_path / "export" / os.path.basename(r["model"]))
         np.testing.assert_allclose(lp, ref, rtol=0, atol=1e-5)
         assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5)
         assert r["grad_norm"] == pytest.approx(r["reference_grad_norm"], rel=1e-5)
         worst = max(r["grad_rel_err"], key=r["grad_rel_err"].get)
         assert r["grad_rel_err"][worst] <= 1e-5, worst
+
+
+def _check_export_memory(r: dict, export) -> None:
+    """Only TP rank 0 holds the unsharded weights during and after the export.
+
+    Rank 1 allocates less than the model's full size while exporting (gathering every shard
+    to every rank allocated about twice that: the gathered pieces and their concatenation),
+    and full_state gives it nothing; rank 0, which gathers and writes, allocates at least the
+    full size, so the count is not vacuous.
+    """
+    from safetensors.torch import load_file
+
+    full = sum(t.nbytes for t in load_file(os.path.join(export, "model.safetensors")).values())
+    lead, other = r["export_allocated_bytes"]
+    assert other < full, (r["model"], other, full)
+    assert r["full_state_held"] == [True, False], r["model"]
+    assert lead >= full, (r["model"], lead, full)

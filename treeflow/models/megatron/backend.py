@@ -29,6 +29,10 @@ TreeCoreAttention), and GPTModel.forward. Weights are created with
 sequence-parallel collectives allocate on the current CUDA device) and is
 refused on CPU, so TP on CPU (gloo) runs without it.
 
+The Hugging Face export (`save`) gathers the shards to TP rank 0 one tensor
+at a time, onto its CPU, and only that rank converts and writes: no device
+and no other rank ever holds the unsharded model.
+
 Legend: N tokens of a bin (P padded), H hidden, E selected rows, D head dim.
 """
 
@@ -58,7 +62,8 @@ from treeflow.models.backend import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
-from treeflow.models.megatron.convert import hf_to_mcore, mcore_to_hf, shard, unshard
+from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
+                                              unshard_tensor)
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 from treeflow.models.rope import Rotary
@@ -228,26 +233,48 @@ class MegatronBackend(ModuleBackend):
                 p.grad.detach().mul_(coef)
         return norm
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The unsharded MCore state dict (every rank takes part; all get the result)."""
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded MCore state dict on the CPU, on tensor-parallel rank 0; None elsewhere.
+
+        A collective: every TP rank calls it. The shards are gathered to TP rank 0 one
+        tensor at a time and each arrives on the CPU before the next is gathered, so a
+        device holds at most one tensor's T pieces beyond the model, and the other ranks
+        only send their shards (they never hold an unsharded tensor). At T=1 on the CPU the
+        tensors are the parameters themselves (detached), not copies.
+        """
         mine = {k: v.detach() for k, v in self.module.state_dict().items()
                 if not k.endswith("_extra_state")}
-        if self.tp == 1:
-            return mine
-        parts = [dict() for _ in range(self.tp)]
-        group = parallel_state.get_tensor_model_parallel_group()
+        lead = parallel_state.get_tensor_model_parallel_rank() == 0
+        full = {}
         for name, t in mine.items():
-            pieces = [torch.empty_like(t) for _ in range(self.tp)]
-            dist.all_gather(pieces, t.contiguous(), group=group)
-            for part, piece in zip(parts, pieces):
-                part[name] = piece
-        return unshard(parts)
+            if self.tp > 1 and tp_partition(name)[0] is not None:  # else rank 0's copy is it
+                t = self._gather_to_lead(name, t)
+            if lead:
+                full[name] = t.cpu()
+        return full if lead else None
+
+    def _gather_to_lead(self, name: str, part: torch.Tensor) -> torch.Tensor | None:
+        """Tensor `name` unsharded on the CPU of TP rank 0 from every rank's `part`; None elsewhere.
+
+        dist.gather, not all_gather: the other ranks allocate nothing (gloo and NCCL both
+        implement it). The T device pieces are freed when this returns.
+        """
+        lead = parallel_state.get_tensor_model_parallel_rank() == 0
+        pieces = [torch.empty_like(part) for _ in range(self.tp)] if lead else None
+        dist.gather(part.contiguous(), pieces,
+                    dst=parallel_state.get_tensor_model_parallel_src_rank(),  # a global rank
+                    group=parallel_state.get_tensor_model_parallel_group())
+        return unshard_tensor(name, [p.cpu() for p in pieces]) if lead else None
 
     def save(self, path) -> None:
-        """Export HF safetensors + config.json (TP shards gathered; the TP rank 0 writes)."""
-        state = mcore_to_hf(self.full_state(), self.config)
-        if parallel_state.get_tensor_model_parallel_rank() == 0:
-            save_state(state, self.config, path)
+        """Export HF safetensors + config.json; a collective: every TP rank calls it.
+
+        The shards are gathered to TP rank 0 (full_state), which alone converts and writes;
+        the others return once the files are written.
+        """
+        state = self.full_state()
+        if state is not None:
+            save_state(mcore_to_hf(state, self.config), self.config, path)
         if self.tp > 1:
             dist.barrier(group=parallel_state.get_tensor_model_parallel_group())
 

@@ -28,7 +28,8 @@ import torch
 
 from treeflow.models.config import ModelConfig
 
-__all__ = ["hf_to_mcore", "mcore_to_hf", "shard", "tp_partition", "tp_view", "unshard"]
+__all__ = ["hf_to_mcore", "mcore_to_hf", "shard", "tp_partition", "tp_view", "unshard",
+           "unshard_tensor"]
 
 _LAYER_RENAMES = {  # HF name after "model.layers.{i}." -> MCore name after "decoder.layers.{i}."
     "input_layernorm.weight": "input_layernorm.weight",
@@ -127,15 +128,19 @@ def shard(full: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torc
 
 def unshard(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The unsharded MCore state dict from every rank's part, in rank order (inverse of shard)."""
-    out = {}
-    for name, t in parts[0].items():
-        views = [tp_view(p[name], name) for p in parts]
-        dim = views[0][1]
-        if dim is None:
-            out[name] = t
-        else:
-            out[name] = _flat(torch.cat([v for v, _ in views], dim=dim), name)
-    return out
+    return {name: unshard_tensor(name, [p[name] for p in parts]) for name in parts[0]}
+
+
+def unshard_tensor(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The unsharded MCore tensor `name` from every rank's part, in rank order.
+
+    A replicated tensor (a norm) is the first part itself.
+    """
+    views = [tp_view(p, name) for p in pieces]
+    dim = views[0][1]
+    if dim is None:
+        return pieces[0]
+    return _flat(torch.cat([v for v, _ in views], dim=dim), name)
 
 
 def _take(state, name):
