@@ -19,14 +19,14 @@ export goes to DIR/<model name>-tp.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import warnings
 
 import numpy as np
 import pyarrow as pa
 import torch
-import torch.distributed as dist
+
+from torchrun_results import report
 
 warnings.filterwarnings("ignore")
 
@@ -135,11 +135,7 @@ def main() -> None:
     _, rank, world, group = tensor_parallel_layout("megatron", args.tp, device)
     dp = DataParallel(rank=rank, world=world, device=device, group=group)
     results = [run_model(m, args, dp) for m in args.models]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    report(results, args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ tests/gpu/test_gpu_megatron_tp.py on two GPUs over NCCL) decide the tolerances.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import warnings
@@ -39,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from torchrun_results import report
 
 warnings.filterwarnings("ignore", module="megatron")
 
@@ -264,11 +265,7 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     results = [run_model(m, args) for m in args.models]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    report(results, args.out)
 
 
 if __name__ == "__main__":
