@@ -59,6 +59,18 @@ def init_ray(**kwargs):
     return ray
 
 
+def _check_ray_plan(plan: Plan, ranks) -> None:
+    """Refuse a plan or rank count that neither Ray engine (files or queue) can run."""
+    if plan.model is None:
+        raise ValueError("engine 'ray' runs pipelines with a Forward stage; run maps-only "
+                         "pipelines with engine='local'")
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r}: give an int >= 1")
+    if plan.trains and ranks != 1:
+        raise ValueError(f"engine 'ray' trains with one rank (got ranks={ranks}): reducing "
+                         "gradients over several rank processes is not built yet")
+
+
 # ------------------------------------------------------------------- helpers
 def _ipc_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
@@ -208,14 +220,7 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
     """
     import torch
 
-    if plan.model is None:
-        raise ValueError("engine 'ray' runs pipelines with a Forward stage; run maps-only "
-                         "pipelines with engine='local'")
-    if not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks={ranks!r}: give an int >= 1")
-    if plan.trains and ranks != 1:
-        raise ValueError(f"engine 'ray' trains with one rank (got ranks={ranks}): reducing "
-                         "gradients over several rank processes is not built yet")
+    _check_ray_plan(plan, ranks)
     if plan.trains and steps is None:
         raise ValueError("training on engine 'ray' needs steps=N (the data cycles)")
     t0 = time.perf_counter()

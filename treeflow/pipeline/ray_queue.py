@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.ray_engine import _check_ray_plan
 from treeflow.pipeline.stats import bin_sums, episode_sums
 from treeflow.tq.work import END, WorkHandle
 
@@ -220,14 +221,7 @@ def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, pr
     """
     import torch
 
-    if plan.model is None:
-        raise ValueError("engine 'ray' runs pipelines with a Forward stage; run maps-only "
-                         "pipelines with engine='local'")
-    if not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks={ranks!r}: give an int >= 1")
-    if plan.trains and ranks != 1:
-        raise ValueError(f"engine 'ray' trains with one rank (got ranks={ranks}): reducing "
-                         "gradients over several rank processes is not built yet")
+    _check_ray_plan(plan, ranks)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows in flight)")
     if (save or publish) and not plan.trains:
