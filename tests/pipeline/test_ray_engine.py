@@ -1,7 +1,7 @@
 """The Ray Data engine against the local engine: bit-equal results, a killed rank, streaming.
 
-One Ray cluster (2 CPUs, a 100 MB object store) serves the whole module:
-starting one costs seconds and hundreds of MB.
+The session's Ray cluster (tests/conftest.py: a 100 MB object store) serves
+every test here: starting one costs seconds and hundreds of MB.
 """
 
 import json
@@ -19,20 +19,6 @@ from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.pipeline.ray_engine import _Rank, run_ray
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.train import Trainer
-
-OBJECT_STORE = 100 * 2**20
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, object_store_memory=OBJECT_STORE, include_dashboard=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -141,7 +127,8 @@ def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
     path = tmp_path / "big.arrow"
     write_episodes(eps, path)
     size = os.path.getsize(path)
-    assert size > 3 * OBJECT_STORE, size
+    store = ray_cluster.cluster_resources()["object_store_memory"]
+    assert size > 3 * store, (size, store)
     files = Files(paths=(str(path),), window=16)
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reassemble())
     n = 0
@@ -149,7 +136,7 @@ def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
         n += rec.output.num_rows
     assert n == 320
     # backpressure kept the store from holding (or spilling) the whole file
-    # this module's cluster by address: another Ray instance on the machine must not confuse it
+    # the session's cluster by address: another Ray instance on the machine must not confuse it
     summary = ray_cluster._private.internal_api.memory_summary(
         address=ray_cluster.get_runtime_context().gcs_address, stats_only=True)
     spilled = re.search(r"Spilled (\d+) MiB", summary)
@@ -169,6 +156,15 @@ def test_ray_engine_refuses_multi_rank_training_and_tables(data):
             data, engine="ray", ranks=2, steps=1))
     with pytest.raises(TypeError, match="reads episode files"):
         list(replay_pipe(1).run(synth_episodes(episodes=2, seed=0), engine="ray"))
+
+
+def test_ray_engine_refuses_maps_only_pipelines_and_bad_rank_counts(data):
+    # the same checks as the queue engine's (tests/tq/test_work_queue.py), before Ray starts
+    for pipe, ranks, message in [(Pipeline(Pack()), 1, "with a Forward stage"),
+                                 (replay_pipe(1), 0, "give an int >= 1"),
+                                 (replay_pipe(1), 1.0, "give an int >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            run_ray(pipe.plan, data, ranks=ranks)
 
 
 @pytest.mark.ray
