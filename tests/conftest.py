@@ -6,9 +6,15 @@ Tests marked `slow` (the 20-trial kill-and-resume loop) are skipped unless
 `--run-slow` or TREEFLOW_SLOW=1 is given: the CI command `pytest -m "not gpu"`
 then stays as it is and still runs their short versions, and nobody has to
 remember to add `-m "not slow"`.
+
+Tests that need Ray take the session's one cluster (`ray_cluster`): starting
+and stopping one costs seconds each, more on a loaded machine. The engines
+attach to a cluster that runs (treeflow.pipeline.ray_engine.init_ray,
+treeflow.train.ray_ranks), so the tests use it as a user's driver would.
 """
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -29,3 +35,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+RAY_CPUS = 4  # TransferQueue's controller and storage unit reserve one logical CPU each
+RAY_OBJECT_STORE = 100 * 2**20  # small, so that a streaming test can outgrow it
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's Ray cluster, started here (its address is ours whatever else runs here).
+
+    A test must leave it running: no ray.shutdown(), and actors it starts are killed by it or
+    by the engine it runs.
+    """
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=RAY_CPUS, object_store_memory=RAY_OBJECT_STORE, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    yield ray
+    if "transfer_queue" in sys.modules:
+        sys.modules["transfer_queue"].close()
+    ray.shutdown()

@@ -63,3 +63,24 @@ def assert_same_weights(a, b):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def close_transferqueue(ray, timeout: float = 30.0):
+    """Close TransferQueue (if a test opened it) and wait until its actors' CPUs are free again.
+
+    The Ray cluster is the session's: the next module must find it as the first one did.
+    """
+    import sys
+    import time
+
+    tq = sys.modules.get("transfer_queue")
+    if tq is None:
+        return
+    tq.close()
+    total = ray.cluster_resources().get("CPU", 0.0)
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0.0) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"TransferQueue closed, but only {ray.available_resources()} of "
+                               f"{ray.cluster_resources()} are free after {timeout} s")
+        time.sleep(0.1)

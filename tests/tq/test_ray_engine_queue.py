@@ -1,8 +1,9 @@
 """The Ray engine on a queue source: same results as the local engine, a killed forward actor changes nothing.
 
-One Ray cluster for the module (started here, so its address is ours whatever
-else runs on the machine); 4 logical CPUs because TransferQueue's controller
-and storage unit reserve one each. Torch threads per forward actor default to
+The session's Ray cluster (tests/conftest.py: started there, so its address
+is ours whatever else runs on the machine; 4 logical CPUs because
+TransferQueue's controller and storage unit reserve one each); TransferQueue
+is closed after the module. Torch threads per forward actor default to
 the driver's, so the values are bit for bit those of the local engine.
 """
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tq.queue_helpers import B, assert_same_weights, fill, logprob_pipe, queued_logprobs, train_parts
+from tests.tq.queue_helpers import (B, assert_same_weights, close_transferqueue, fill, logprob_pipe,
+                                    queued_logprobs, train_parts)
 from treeflow.pipeline import QueueSource
 from treeflow.pipeline.ray_queue import _QueueRank, run_ray_queue
 from treeflow.tq import local_queue
@@ -22,18 +24,9 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, object_store_memory=200 * 2**20, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    import sys
-
-    if "transfer_queue" in sys.modules:
-        sys.modules["transfer_queue"].close()
-    ray.shutdown()
+def cluster(ray_cluster):
+    yield ray_cluster.get_runtime_context().gcs_address
+    close_transferqueue(ray_cluster)
 
 
 def _queue(backend, name):

@@ -1,6 +1,7 @@
 """The TransferQueue backend: same results as legacy runs, same guarantees, a producer in another process.
 
-One Ray cluster and one TransferQueue for the whole module (each costs seconds).
+The session's Ray cluster (tests/conftest.py) and one TransferQueue for the whole
+module (each costs seconds).
 """
 
 import os
@@ -11,20 +12,17 @@ import time
 import pyarrow as pa
 import pytest
 
-from tests.tq.queue_helpers import B, assert_same_weights, fill, queued_logprobs, queued_training
+from tests.tq.queue_helpers import (B, assert_same_weights, close_transferqueue, fill,
+                                    queued_logprobs, queued_training)
 
 pytestmark = pytest.mark.ray
 tq = pytest.importorskip("transfer_queue")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    tq.close()
-    ray.shutdown()
+def cluster(ray_cluster):
+    yield ray_cluster.get_runtime_context().gcs_address
+    close_transferqueue(ray_cluster)
 
 
 def _queue(name, **options):

@@ -245,15 +245,11 @@ def _ray_rank():
 
 
 @pytest.mark.ray
-def test_ray_actor_group_ranks_equal_one_rank():
-    import ray
-
+def test_ray_actor_group_ranks_equal_one_rank(ray_cluster):
     from treeflow.train import ray_ranks
 
-    try:
-        rows, got = ray_ranks(_ray_rank, 2, threads=THREADS, timeout_s=TIMEOUT_S)[1]
-    finally:
-        ray.shutdown()
+    # ray_ranks attaches to the running cluster (the session's) and kills its actors after
+    rows, got = ray_ranks(_ray_rank, 2, threads=THREADS, timeout_s=TIMEOUT_S)[1]
     eps, budget = data()
     with rank_threads():
         tr, ref_rows = train(DataParallel(), eps.slice(0, 4), "pg", "token", budget)
