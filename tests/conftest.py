@@ -51,7 +51,11 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=RAY_CPUS, object_store_memory=RAY_OBJECT_STORE, include_dashboard=False,
+    import torch
+
+    # the host's GPUs too, so the GPU tests' actors (tests/gpu) run on this cluster as well
+    ray.init(num_cpus=RAY_CPUS, num_gpus=torch.cuda.device_count(),
+             object_store_memory=RAY_OBJECT_STORE, include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
     yield ray
     if "transfer_queue" in sys.modules:

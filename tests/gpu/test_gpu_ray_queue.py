@@ -41,14 +41,9 @@ def _flat_logprobs(results: pa.Table) -> torch.Tensor:
     return torch.tensor(per_call.flatten().to_numpy(zero_copy_only=False))
 
 
-def test_ray_queue_stream_on_gpu_actors_equals_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_gpus=min(2, torch.cuda.device_count()), include_dashboard=False,
-             log_to_driver=False)
-    try:
-        got = _stream("ray", ranks=min(2, torch.cuda.device_count()))
-    finally:
-        ray.shutdown()
+def test_ray_queue_stream_on_gpu_actors_equals_local(ray_cluster):
+    """On the session's Ray cluster (tests/conftest.py), which holds the host's GPUs."""
+    got = _stream("ray", ranks=min(2, torch.cuda.device_count()))
     want = _stream("local")
     assert got.column("episode_id").to_pylist() == want.column("episode_id").to_pylist()
     a, b = _flat_logprobs(got), _flat_logprobs(want)
