@@ -12,21 +12,14 @@ and a single-process CPU checkpoint resumes on the two GPUs, within 1e-5.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
-import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
-                    "pip install 'treeflow[megatron]' (or the megatron_core wheel)")
+from tests.gpu.megatron_gpu import TWO_GPUS, require_megatron
+
+pytestmark = TWO_GPUS
+require_megatron()
 pytest.importorskip("transformers")
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
 from test_megatron_ckpt_tp import (  # noqa: E402,F401 -- collected here, with this module's `run`
     make_run,
     test_a_single_process_checkpoint_resumes_at_tp2_dp2,

@@ -20,36 +20,30 @@ types it): a seeded Llama-shaped checkpoint (4 layers, hidden 1024, vocab 32000)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
-                    "pip install 'treeflow[megatron]' (or the megatron_core wheel)")
+from tests.gpu.megatron_gpu import TWO_GPUS, require_megatron
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
-from test_megatron_tp import REPO, write_checkpoint  # noqa: E402
+pytestmark = TWO_GPUS
+require_megatron()
+from test_megatron_tp import repo_env, write_checkpoint  # noqa: E402
 
 
 def treeflow(*args: str) -> str:
     """Run `treeflow ARGS` in a fresh process; its stdout (the JSON summary with --json)."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *args], env=env,
+    proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *args], env=repo_env(),
                           capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, (args, proc.stdout[-3000:], proc.stderr[-6000:])
     return proc.stdout
 
 
 def logprobs(path) -> np.ndarray:
+    """Every sampled token's logprob in the file, in float64 (its statistics go into JSON)."""
     col = pa.ipc.open_file(str(path)).read_all().column("logprobs").combine_chunks()
     return np.asarray(col.flatten().flatten(), dtype=np.float64)
 

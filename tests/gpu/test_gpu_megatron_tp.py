@@ -27,31 +27,24 @@ that explanation: its norms should move together with ratio_max.)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
-                    "pip install 'treeflow[megatron]' (or the megatron_core wheel)")
+from tests.gpu.megatron_gpu import TWO_GPUS, require_megatron
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
-from test_megatron_tp import REPO, WORKER, write_checkpoint  # noqa: E402
+pytestmark = TWO_GPUS
+require_megatron()
+from test_megatron_tp import WORKER, repo_env, write_checkpoint  # noqa: E402
 
 
 def _run(tp: int, model: str, out: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(tp), WORKER, "--tp", str(tp), "--device", "cuda", "--dtype", "bfloat16",
            "--tokens", "2000", "--max-tokens", "4096", "--out", out, model]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
+    proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:
         return json.load(f)[0]

@@ -10,7 +10,6 @@ forward and backward do (torch's embedding backward, for one, waits).
 import dataclasses
 import warnings
 
-import numpy as np
 import pytest
 import torch
 

@@ -32,13 +32,12 @@ from megatron_ckpt_worker import (WINDOW_A, WINDOW_B, bins, episodes,  # noqa: E
                                   stages)
 from models_helpers import hf_call_logprobs  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_megatron_tp import write_checkpoint  # noqa: E402
+from test_megatron_tp import repo_env, write_checkpoint  # noqa: E402
 
 from treeflow.train import Trainer  # noqa: E402
 from treeflow.train.checkpoint import model_dir  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "megatron_ckpt_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ("llama", "qwen2")
 
 
@@ -64,8 +63,7 @@ def make_run(root, *, processes: int = 4, device: str = "cpu"):
         tr.backend.save(root / f"{m}-step2")
         expected[m] = load_file(root / f"{m}-step2" / "model.safetensors")
     out = root / "result.json"
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env = dict(repo_env(), CUBLAS_WORKSPACE_CONFIG=":4096:8")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(processes), WORKER, "--tp", "2", "--device", device, "--root", str(root / "tp"),
            "--out", str(out), "--single", str(single), *models.values()]

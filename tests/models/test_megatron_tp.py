@@ -31,6 +31,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def repo_env() -> dict:
+    """This process's environment with the repository first on PYTHONPATH (for child processes)."""
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def write_checkpoint(path, *, qwen: bool, seed: int = 1, **shape):
     """A seeded checkpoint with norms and biases off their 1 / 0 init (Qwen2: tied, QKV bias)."""
     dims = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -47,7 +52,7 @@ def test_tp2_on_gloo_equals_the_reference(tmp_path):
     models = [write_checkpoint(tmp_path / "qwen2", qwen=True),
               write_checkpoint(tmp_path / "llama", qwen=False)]
     out = tmp_path / "result.json"
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = repo_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            WORKER, "--tp", "2", "--no-sp", "--device", "cpu", "--out", str(out),
            "--export", str(tmp_path / "export"), *models]
