@@ -134,3 +134,20 @@ def reference_step(model, rows: list[dict], *, kind: str, norm: str, clip_low: f
 def grad_norm(model) -> float:
     return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()
                          if p.grad is not None))
+
+
+def ancestor_mask_by_walk(parents_N) -> np.ndarray:
+    """[query, key] bool: key is the query itself or one of its ancestors, by walking parents.
+
+    O(N * depth) Python, for tiny trees only: it uses neither depths nor `subtree_end`, the
+    representation treeflow's kernels and cost model work from.
+    """
+    parents_N = np.asarray(parents_N)
+    n = len(parents_N)
+    mask = np.zeros((n, n), dtype=bool)
+    for q in range(n):
+        k = q
+        while k >= 0:
+            mask[q, k] = True
+            k = int(parents_N[k])
+    return mask

@@ -2,14 +2,18 @@
 brute-force tiling of the ancestor mask are the references."""
 
 import numpy as np
+import pyarrow as pa
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.reference import ancestor_mask_by_walk
 from tests.train.test_training import small_model
 from treeflow.models import AttentionPlan
 from treeflow.models.logprobs import selected_logprobs
-from treeflow.stages import CostModel
-from treeflow.stages.shard import tile_pairs
+from treeflow.schemas.layout import BIN_SCHEMA
+from treeflow.stages import CostModel, Shard
+from treeflow.stages.shard import bin_costs, tile_pairs
 from treeflow.tree import ancestor_mask, subtree_end
 
 
@@ -55,3 +59,44 @@ def test_tile_pairs_counts_every_tile_with_a_visible_pair():
             assert tile_pairs(depth, block) == int(seen.sum()) * block * block, (n, block)
     chain = np.arange(256)
     assert tile_pairs(chain, 1) == int((chain + 1).sum())
+
+
+def _hand_bins(trees):
+    """A BIN_SCHEMA table of hand-built bins: (parents, edge sources) per bin, rank unset."""
+    rows = []
+    for b, (parents, sources) in enumerate(trees):
+        depths = (ancestor_mask_by_walk(parents).sum(1) - 1).tolist()  # ancestors counted by walking
+        rows.append({"step": 0, "bin_id": b, "rank": -1, "tokens": [1] * len(parents),
+                     "parents": parents, "positions": depths, "routes": None,
+                     "edge_ids": list(range(len(sources))), "edge_sources": sources,
+                     "edge_targets": [2] * len(sources), "occ_sample_index": [], "occ_call": [],
+                     "occ_offset": [], "occ_edge": [], "occ_advantage": [],
+                     "occ_generation_logprob": [], "occ_loss_mask": [], "repeated_tokens": 0})
+    return pa.Table.from_pylist(rows, schema=BIN_SCHEMA)
+
+
+def test_bin_cost_is_the_hand_formula_of_tokens_pairs_and_edges():
+    """a*tokens + b*pairs + c*edges, pairs counted by hand (exact) and by tiling a walked mask."""
+    tree = [-1, 0, 1, 1, 3, -1, 5]   # depths 0 1 2 2 3 0 1: sum of (depth + 1) = 16
+    chain = [-1, 0, 1, 2, 3]         # depths 0..4: 15
+    bins = _hand_bins([(tree, [1, 3, 5]), (chain, [0, 1, 2, 3])])
+    exact = CostModel.from_shape(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2,
+                                 vocab=97, block=1)
+    want = [exact.token * 7 + exact.pair * 16 + exact.edge * 3,
+            exact.token * 5 + exact.pair * 15 + exact.edge * 4]
+    assert bin_costs(bins, exact).tolist() == pytest.approx(want, rel=1e-12)
+    _, report = Shard(num_ranks=2, cost=exact).plan(bins)
+    assert sorted(report.rank_cost.tolist()) == pytest.approx(sorted(want), rel=1e-12)
+
+    tiled = CostModel.from_shape(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2,
+                                 vocab=97, block=2)
+    want = []
+    for parents, edges in ((tree, 3), (chain, 4)):
+        mask = ancestor_mask_by_walk(parents)
+        tiles = -(-len(parents) // 2)
+        padded = np.zeros((2 * tiles, 2 * tiles), dtype=bool)
+        padded[:len(parents), :len(parents)] = mask
+        seen = int(padded.reshape(tiles, 2, tiles, 2).any(axis=(1, 3)).sum())
+        want.append(tiled.token * len(parents) + tiled.pair * seen * 4 + tiled.edge * edges)
+    assert bin_costs(bins, tiled).tolist() == pytest.approx(want, rel=1e-12)
+    assert exact.pair > 0 and exact.edge > 0  # every term weighs: dropping one changes the cost

@@ -8,6 +8,7 @@ the driver's, so the values are bit for bit those of the local engine.
 """
 
 import os
+import time
 
 import pyarrow as pa
 import pytest
@@ -169,3 +170,53 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
     saved = {e: load_file(tmp_path / f"ck-{e}" / "step-000002" / "model.safetensors")
              for e in ("local", "ray")}
     assert_same_weights(saved["ray"], saved["local"])
+
+
+def part_one_first(markers: str):
+    """Forward actors that finish part 1 of every window before part 0 starts computing."""
+
+    class PartOneFirst(_QueueRank):
+        def compute(self, item):
+            if item.part == 0:
+                marker = os.path.join(markers, f"w{item.window}")
+                deadline = time.monotonic() + 60
+                while not os.path.exists(marker) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            return super().compute(item)
+
+        def _apply(self, item):
+            super()._apply(item)                  # part 1's result is in the queue ...
+            if item.part == 1:
+                open(os.path.join(markers, f"w{item.window}"), "w").close()  # ... part 0 may go
+
+    return PartOneFirst
+
+
+def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small, tmp_path):
+    """Two ranks, so every window is two parts (one per rank's shard); part 1's edge values
+    reach the driver first. A window's output is its parts in part order: rank 0's bins, then
+    rank 1's, each in bin order -- the local engine's rows, reordered by the bins' ranks."""
+    from treeflow.pipeline import Pipeline, windows
+    from treeflow.pipeline.queue_source import acknowledged
+    from treeflow.stages import Forward, Fragment, Pack, Shard
+
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=48), Shard(num_ranks=2),
+                    Forward(model="tiny"))
+    q = local_queue()
+    fill(q, small)
+    reader = QueueSource(queue=q, episodes_per_step=B).open()
+    # one window open at a time: both actors never wait on part 0s of different windows
+    records = list(acknowledged(run_ray_queue(pipe.plan, reader, ranks=2, prefetch=1,
+                                              _rank_cls=part_one_first(str(tmp_path))), reader))
+    local = [rec.output for rec in pipe.run(windows(iter([small]), B))]
+    assert len(records) == len(local) == 3
+    for w, (got, want) in enumerate(zip(records, local)):
+        bins = pipe.plan.prepare(got.episodes, step=w)
+        rank_of = dict(zip(bins.column("bin_id").to_pylist(), bins.column("rank").to_pylist()))
+        ranks = [rank_of[b] for b in want.column("bin_id").to_pylist()]
+        assert sorted(set(ranks)) == [0, 1], ranks              # two parts in every window
+        assert os.path.exists(tmp_path / f"w{w}")               # part 1 did come back first
+        order = sorted(range(want.num_rows), key=lambda i: ranks[i])  # stable: bin order kept
+        want = want.take(order)
+        assert got.output.column("bin_id").to_pylist() == want.column("bin_id").to_pylist(), w
+        assert got.output.equals(want), w
