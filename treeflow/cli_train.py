@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
 
 
@@ -287,7 +288,8 @@ def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int) ->
         per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
                     if len(rows) > 1 else None)
         out = {"steps": steps, "last": rows[-1] if rows else None,
-               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step}
+               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step,
+               "process_seconds": round(process_seconds(), 3)}
         import torch
 
         if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)
