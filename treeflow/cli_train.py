@@ -214,7 +214,7 @@ def _train(args, *, distributed: bool) -> int:
 
         tensorboard = TensorBoardLog(args.tensorboard)
     rows = []
-    compile_seconds = 0.0
+    compile_seconds, recompiles = 0.0, 0
     saved_at = None
     t0 = time.perf_counter()
     try:
@@ -222,6 +222,7 @@ def _train(args, *, distributed: bool) -> int:
             for rec in pipe.run(files.open(trainer.position), device=args.device, trainer=trainer,
                                 prefetch=args.prefetch, steps=todo):
                 compile_seconds += rec.stats.get("compile_seconds", 0.0)
+                recompiles += rec.stats.get("recompiles", 0)
                 row = rec.output.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
                 rows.append(row)
@@ -247,7 +248,7 @@ def _train(args, *, distributed: bool) -> int:
             tensorboard.close()
         dp.close()
     if lead:
-        _report(args, trainer.steps, rows, compile_seconds, dp.world)
+        _report(args, trainer.steps, rows, compile_seconds, dp.world, recompiles)
     return 0
 
 
@@ -282,14 +283,15 @@ def _train_ray(args) -> int:
     return 0
 
 
-def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int) -> None:
+def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int,
+            recompiles: int | None = None) -> None:
     if args.json:
         # steady-state time per step: from the end of the first step to the end of the last
         per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
                     if len(rows) > 1 else None)
         out = {"steps": steps, "last": rows[-1] if rows else None,
                "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step,
-               "process_seconds": round(process_seconds(), 3)}
+               "recompiles": recompiles, "process_seconds": round(process_seconds(), 3)}
         import torch
 
         if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)
