@@ -22,6 +22,7 @@ it; rank 0 writes the metrics and prints; all ranks write the checkpoint togethe
 from __future__ import annotations
 
 import json
+import resource
 import os
 import sys
 import time
@@ -236,12 +237,19 @@ def _train(args, *, distributed: bool) -> int:
                 if args.save and args.save_every and trainer.steps % args.save_every == 0:
                     if metrics_file:
                         os.fsync(metrics_file.fileno())
-                    trainer.save(args.save, keep=args.keep)
+                    # written while the next step computes (train/background_save.py)
+                    trainer.save(args.save, keep=args.keep, background=True)
                     saved_at = trainer.steps
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
         if args.save and saved_at != trainer.steps:
             trainer.save(args.save, keep=args.keep)
+        trainer.wait_for_save()
     finally:
+        if sys.exc_info()[0] is not None:  # a failed run still completes the save in flight
+            try:
+                trainer.wait_for_save()
+            except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
+                print(f"treeflow: {e}", file=sys.stderr)
         if metrics_file:
             metrics_file.close()
         if tensorboard:
@@ -291,7 +299,8 @@ def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int,
                     if len(rows) > 1 else None)
         out = {"steps": steps, "last": rows[-1] if rows else None,
                "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step,
-               "recompiles": recompiles, "process_seconds": round(process_seconds(), 3)}
+               "recompiles": recompiles, "process_seconds": round(process_seconds(), 3),
+               "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         import torch
 
         if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)
