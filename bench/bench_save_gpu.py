@@ -54,8 +54,8 @@ def main() -> None:
               "--batch-episodes", str(args.batch_episodes), "--steps", str(args.steps),
               "--lr", "1e-6", "--loss", "nll", "--json"]
     res = {"shape": args.shape, "weights_file_mib": round(weights_mib, 1), "runs": {}}
-    for name, extra in (("no_save", []), ("save_every_1", ["--save-every", "1", "--save",
-                                                            os.path.join(work, "ck")])):
+    saving = ["--save-every", "1", "--keep", "1", "--save", os.path.join(work, "ck")]
+    for name, extra in (("no_save", []), ("save_every_1", saving)):
         t0 = time.perf_counter()
         r = cli(common + extra + ["--metrics", os.path.join(work, f"{name}.jsonl")], env, name)
         r["bench_wall_seconds"] = round(time.perf_counter() - t0, 2)
