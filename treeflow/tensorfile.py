@@ -6,8 +6,10 @@ weights plus AdamW's two moments: 3x the weights), which raised a 1.2B model's
 host RSS from 5.7 to 16.4 GB during a save. Here the header is computed from
 shapes and dtypes alone, then each tensor is copied to the host and written
 before the next one is touched: the extra host memory is the largest single
-tensor. The file's sha256 comes out of the same pass, so the manifest does not
-read it back. The result is an ordinary safetensors file (`load_file` reads it).
+tensor. The file's sha256 comes out of the same pass and is remembered for the
+file this process wrote (by device, inode, size and mtime, which a rename
+keeps), so a checkpoint's manifest does not read 14 GB back to hash it. The
+result is an ordinary safetensors file (`load_file` reads it).
 
 Legend: none (tensors keep their own shapes).
 """
@@ -57,7 +59,26 @@ def write_safetensors(path: str | os.PathLike, tensors: Iterable[tuple[str, torc
             sha.update(data)
         f.flush()
         os.fsync(f.fileno())
-    return 8 + len(head) + offset, sha.hexdigest()
+    digest = sha.hexdigest()
+    _WRITTEN[_identity(path)] = digest
+    return 8 + len(head) + offset, digest
+
+
+# sha256 of the files this process wrote, by what identifies the same bytes on disk
+_WRITTEN: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def written_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 computed while this process wrote `path`, if the file is still that file."""
+    try:
+        return _WRITTEN.get(_identity(path))
+    except OSError:
+        return None
 
 
 def _host_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -66,4 +87,4 @@ def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     return host.reshape(-1).view(torch.uint8) if host.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-__all__ = ["write_safetensors"]
+__all__ = ["write_safetensors", "written_sha256"]

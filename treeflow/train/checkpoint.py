@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 
 from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, remove,
                               remove_stale, temp_name)
-from treeflow.tensorfile import write_safetensors
+from treeflow.tensorfile import write_safetensors, written_sha256
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -63,7 +63,11 @@ def step_dir_name(steps: int) -> str:
     return f"step-{steps:06d}"
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, *, trust_own_writes: bool = False) -> str:
+    if trust_own_writes:  # a file this process just wrote: hashed while it was written
+        known = written_sha256(path)
+        if known is not None:
+            return known
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -212,7 +216,8 @@ def _write_state_and_manifest(tmp: str, state: dict) -> None:
     for d, _, names in os.walk(tmp):
         for n in names:
             p = os.path.join(d, n)
-            files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p), "sha256": _sha256(p)}
+            files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p),
+                                              "sha256": _sha256(p, trust_own_writes=True)}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"format": FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
 
