@@ -17,6 +17,7 @@ from contextlib import ExitStack, nullcontext
 
 import pyarrow as pa
 
+from treeflow._clock import process_seconds
 from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_convert import add_convert_parser
 from treeflow.cli_parallel import check_tensor_parallel_options, rank_of, start_ranks, torchrun_world
@@ -244,7 +245,8 @@ def _replay(args) -> int:
                 exact_tokens_per_s=round(sums["exact_tokens"] / steady),
                 executed_tokens_per_s=round(sums["executed_tokens"] / steady),
                 saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
-                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                process_seconds=round(process_seconds(), 3))
     for k in ("prepare_seconds", "device_seconds"):
         if k in sums:
             sums[k] = round(sums[k], 3)

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 
+from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
 
 _STEP_FILE = re.compile(r"^step-(\d{6,})\.arrow$")
@@ -287,7 +288,7 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
                 gen_logprob_max_diff=maxdiff if kls else None,
                 redelivered=reader.redelivered, skipped_redeliveries=reader.skipped,
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                output=args.output)
+                process_seconds=round(process_seconds(), 3), output=args.output)
     for k in ("prepare_seconds", "device_seconds"):
         if k in sums:
             sums[k] = round(sums[k], 3)

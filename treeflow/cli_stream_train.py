@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 
+from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
 
 _KEEP_VERSIONS = 3
@@ -283,4 +284,5 @@ def _stream_train(args, queue, dp) -> dict | None:
             "ratio_mean_last": rows[-1]["ratio_mean"] if rows else None,
             "last": rows[-1] if rows else None, "compile_seconds": round(compile_seconds, 3),
             "steady_seconds_per_step": per_step, "weights": root,
-            "wall_seconds": round(time.perf_counter() - t0, 3)}
+            "wall_seconds": round(time.perf_counter() - t0, 3),
+            "process_seconds": round(process_seconds(), 3)}

@@ -22,10 +22,12 @@ it; rank 0 writes the metrics and prints; all ranks write the checkpoint togethe
 from __future__ import annotations
 
 import json
+import resource
 import os
 import sys
 import time
 
+from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
 
 
@@ -213,7 +215,7 @@ def _train(args, *, distributed: bool) -> int:
 
         tensorboard = TensorBoardLog(args.tensorboard)
     rows = []
-    compile_seconds = 0.0
+    compile_seconds, recompiles = 0.0, 0
     saved_at = None
     t0 = time.perf_counter()
     try:
@@ -221,6 +223,7 @@ def _train(args, *, distributed: bool) -> int:
             for rec in pipe.run(files.open(trainer.position), device=args.device, trainer=trainer,
                                 prefetch=args.prefetch, steps=todo):
                 compile_seconds += rec.stats.get("compile_seconds", 0.0)
+                recompiles += rec.stats.get("recompiles", 0)
                 row = rec.output.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
                 rows.append(row)
@@ -234,19 +237,26 @@ def _train(args, *, distributed: bool) -> int:
                 if args.save and args.save_every and trainer.steps % args.save_every == 0:
                     if metrics_file:
                         os.fsync(metrics_file.fileno())
-                    trainer.save(args.save, keep=args.keep)
+                    # written while the next step computes (train/background_save.py)
+                    trainer.save(args.save, keep=args.keep, background=True)
                     saved_at = trainer.steps
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
         if args.save and saved_at != trainer.steps:
             trainer.save(args.save, keep=args.keep)
+        trainer.wait_for_save()
     finally:
+        if sys.exc_info()[0] is not None:  # a failed run still completes the save in flight
+            try:
+                trainer.wait_for_save()
+            except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
+                print(f"treeflow: {e}", file=sys.stderr)
         if metrics_file:
             metrics_file.close()
         if tensorboard:
             tensorboard.close()
         dp.close()
     if lead:
-        _report(args, trainer.steps, rows, compile_seconds, dp.world)
+        _report(args, trainer.steps, rows, compile_seconds, dp.world, recompiles)
     return 0
 
 
@@ -281,13 +291,16 @@ def _train_ray(args) -> int:
     return 0
 
 
-def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int) -> None:
+def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int,
+            recompiles: int | None = None) -> None:
     if args.json:
         # steady-state time per step: from the end of the first step to the end of the last
         per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
                     if len(rows) > 1 else None)
         out = {"steps": steps, "last": rows[-1] if rows else None,
-               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step}
+               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step,
+               "recompiles": recompiles, "process_seconds": round(process_seconds(), 3),
+               "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         import torch
 
         if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)

@@ -19,7 +19,7 @@ import subprocess
 
 import torch
 
-import treeflow.models.checkpoint as model_ckpt
+import treeflow.tensorfile as tensorfile
 import treeflow.train.checkpoint as train_ckpt
 from tests.reliability.helpers import TRAIN, cli, final_weights, metrics_steps, tree_hashes, write_small
 
@@ -63,6 +63,14 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
             snapshot(torn=os.fspath(filename))
         return writer
 
+    def wrap_stream(real):  # treeflow.tensorfile.write_safetensors(path, tensors, ...)
+        def writer(filename, *a, **k):
+            snapshot()
+            out = real(filename, *a, **k)
+            snapshot(torn=os.fspath(filename))
+            return out
+        return writer
+
     def wrap_move(real):
         def move(src, *a, **k):
             if os.fspath(src).startswith(str(work)):
@@ -71,10 +79,9 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
         return move
 
     with monkeypatch.context() as m:
-        m.setattr(model_ckpt, "save_file", wrap_writer(model_ckpt.save_file))
-        m.setattr(train_ckpt, "save_file", wrap_writer(getattr(train_ckpt, "save_file", None)),
-                  raising=False)
         m.setattr(torch, "save", wrap_writer(torch.save))
+        m.setattr(tensorfile, "write_safetensors", wrap_stream(tensorfile.write_safetensors))
+        m.setattr(train_ckpt, "write_safetensors", wrap_stream(train_ckpt.write_safetensors))
         for name in ("replace", "rename"):
             m.setattr(os, name, wrap_move(getattr(os, name)))
         m.setattr(shutil, "rmtree", wrap_move(shutil.rmtree))

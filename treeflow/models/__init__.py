@@ -1,29 +1,28 @@
 """Policy backends (the backend protocol, the reference PyTorch decoder; megatron-core on
-request) and tree-attention kernels."""
+request) and tree-attention kernels.
 
-from treeflow.models.attention import KERNELS, AttentionPlan, Capabilities
-from treeflow.models.backend import (BACKENDS, Backend, ReferenceBackend, check_tensor_parallel,
-                                     load_backend, tensor_parallel_layout)
-from treeflow.models.checkpoint import load_model, save_model
-from treeflow.models.config import ModelConfig
-from treeflow.models.decoder import Decoder
-from treeflow.models.logprobs import selected_logprobs
-from treeflow.models.tuning import Tuning
+Names load on first use (treeflow/_lazy.py): `treeflow.models.config` and `.tuning` are
+plain Python and do not import torch.
+"""
 
-__all__ = [
-    "BACKENDS",
-    "Backend",
-    "ReferenceBackend",
-    "check_tensor_parallel",
-    "load_backend",
-    "tensor_parallel_layout",
-    "KERNELS",
-    "AttentionPlan",
-    "Capabilities",
-    "Decoder",
-    "ModelConfig",
-    "load_model",
-    "save_model",
-    "selected_logprobs",
-    "Tuning",
-]
+from treeflow._lazy import lazy_exports
+
+_WHERE = {
+    "BACKENDS": "backend",
+    "Backend": "backend",
+    "ReferenceBackend": "backend",
+    "check_tensor_parallel": "backend",
+    "load_backend": "backend",
+    "tensor_parallel_layout": "backend",
+    "KERNELS": "attention",
+    "AttentionPlan": "attention",
+    "Capabilities": "attention",
+    "Decoder": "decoder",
+    "ModelConfig": "config",
+    "load_model": "checkpoint",
+    "save_model": "checkpoint",
+    "selected_logprobs": "logprobs",
+    "Tuning": "tuning",
+}
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

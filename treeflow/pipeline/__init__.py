@@ -1,14 +1,27 @@
-"""Declaring and running pipelines: sources, the physical plan, engines, sinks."""
+"""Declaring and running pipelines: sources, the physical plan, engines, sinks.
 
-from treeflow.pipeline.pipeline import Pipeline
-from treeflow.pipeline.plan import Plan, WindowResult
-from treeflow.pipeline.queue_ranks import RankWindows
-from treeflow.pipeline.queue_source import QueueReader, QueueSource, put_files
-from treeflow.pipeline.rollout import Rollout, run_rollout, sample_group
-from treeflow.pipeline.sink import ArrowSink
-from treeflow.pipeline.source import Files, FilesReader, windows
-from treeflow.pipeline.synth import synth_episodes, write_episodes
+Names load on first use (treeflow/_lazy.py): reading and planning never import torch or Ray.
+"""
 
-__all__ = ["ArrowSink", "Files", "FilesReader", "Pipeline", "Plan", "QueueReader", "QueueSource",
-           "RankWindows", "Rollout", "WindowResult", "put_files", "run_rollout", "sample_group", "synth_episodes",
-           "windows", "write_episodes"]
+from treeflow._lazy import lazy_exports
+
+_WHERE = {
+    "Pipeline": "pipeline",
+    "Plan": "plan",
+    "WindowResult": "plan",
+    "RankWindows": "queue_ranks",
+    "QueueReader": "queue_source",
+    "QueueSource": "queue_source",
+    "put_files": "queue_source",
+    "Rollout": "rollout",
+    "run_rollout": "rollout",
+    "sample_group": "rollout",
+    "ArrowSink": "sink",
+    "Files": "source",
+    "FilesReader": "source",
+    "windows": "source",
+    "synth_episodes": "synth",
+    "write_episodes": "synth",
+}
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -73,6 +73,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
                 worker = plan.worker(device=device)
             load_seconds = time.perf_counter() - t0
             compile_seconds = worker.warm_up()
+            graphs = _GraphCounter(warmed=compile_seconds > 0)
             bound[0] = worker
         finally:
             built.set()
@@ -84,7 +85,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
                 break
             except BaseException:
                 if held is not None:  # deliver every window before the one that failed
-                    yield _finish(*held)
+                    yield _finish(*held, graphs)
                 raise
             if first:
                 stats.update(load_seconds=load_seconds, compile_seconds=compile_seconds)
@@ -92,20 +93,47 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
             acc = worker.open(episodes)
             acc.add(prepared)
             if held is not None:
-                yield _finish(*held)
+                yield _finish(*held, graphs)
                 held = None
             if acc.overlaps:
                 held = (step, position, episodes, acc, stats)
             else:
-                yield _finish(step, position, episodes, acc, stats)
+                yield _finish(step, position, episodes, acc, stats, graphs)
         if held is not None:
-            yield _finish(*held)
+            yield _finish(*held, graphs)
 
 
-def _finish(step, position, episodes, acc, stats) -> WindowResult:
+def _finish(step, position, episodes, acc, stats, graphs) -> WindowResult:
     out = acc.finish()
-    stats.update(acc.stats())
+    stats.update(acc.stats(), recompiles=graphs.since_last())
     return WindowResult(step=step, episodes=episodes, output=out, stats=stats, position=position)
+
+
+class _GraphCounter:
+    """Graphs torch.compile built after warm-up: in steady state each one costs seconds.
+
+    Where warm-up compiled nothing (the CPU runs no warm-up), the first window is
+    the warm-up: what it compiles is not counted. Ray actors count their own.
+    """
+
+    def __init__(self, *, warmed: bool) -> None:
+        self._last = _compiled_graphs() if warmed else None
+
+    def since_last(self) -> int:
+        now = _compiled_graphs()
+        new = 0 if self._last is None else now - self._last
+        self._last = now
+        return new
+
+
+def _compiled_graphs() -> int:
+    import sys
+
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 class _Prefetch:

@@ -1,13 +1,23 @@
-"""Stages over Arrow data: Pack, Fragment, Shard, Forward, Reassemble, Reduce."""
+"""Stages over Arrow data: Pack, Fragment, Shard, Forward, Reassemble, Reduce.
 
-from treeflow.stages.base import Stage
-from treeflow.stages.forward import Forward
-from treeflow.stages.fragment import Fragment
-from treeflow.stages.losses import Loss
-from treeflow.stages.pack import Pack
-from treeflow.stages.reassemble import Reassemble, Reassembly
-from treeflow.stages.reduce import EpisodeSchedule, Reduce
-from treeflow.stages.shard import CostModel, Shard, ShardReport
+Names load on first use (treeflow/_lazy.py): planning never imports torch.
+"""
 
-__all__ = ["CostModel", "EpisodeSchedule", "Forward", "Fragment", "Loss", "Pack", "Reassemble",
-           "Reassembly", "Reduce", "Shard", "ShardReport", "Stage"]
+from treeflow._lazy import lazy_exports
+
+_WHERE = {
+    "Stage": "base",
+    "Forward": "forward",
+    "Fragment": "fragment",
+    "Loss": "losses",
+    "Pack": "pack",
+    "Reassemble": "reassemble",
+    "Reassembly": "reassemble",
+    "EpisodeSchedule": "reduce",
+    "Reduce": "reduce",
+    "CostModel": "shard",
+    "Shard": "shard",
+    "ShardReport": "shard",
+}
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -3,15 +3,20 @@
 Stages stay pure configuration (`treeflow.stages.Reduce`, `Loss`,
 `EpisodeSchedule`); this package holds what cannot be pure -- the model,
 AdamW, an open step's accumulated gradients and the counters a checkpoint
-carries.
+carries. Names load on first use (treeflow/_lazy.py).
 """
 
-from treeflow.train.distributed import DataParallel, RankFailedError
-from treeflow.train.launch import spawn
-from treeflow.train.precision import PRECISIONS
-from treeflow.train.ray_ranks import ray_ranks
-from treeflow.train.step import Step, StepOpenError
-from treeflow.train.trainer import Trainer
+from treeflow._lazy import lazy_exports
 
-__all__ = ["PRECISIONS", "DataParallel", "RankFailedError", "Step", "StepOpenError", "Trainer",
-           "ray_ranks", "spawn"]
+_WHERE = {
+    "DataParallel": "distributed",
+    "RankFailedError": "distributed",
+    "spawn": "launch",
+    "PRECISIONS": "precision",
+    "ray_ranks": "ray_ranks",
+    "Step": "step",
+    "StepOpenError": "step",
+    "Trainer": "trainer",
+}
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

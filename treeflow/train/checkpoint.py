@@ -44,10 +44,11 @@ from dataclasses import replace
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, remove,
                               remove_stale, temp_name)
+from treeflow.tensorfile import write_safetensors, written_sha256
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -62,7 +63,11 @@ def step_dir_name(steps: int) -> str:
     return f"step-{steps:06d}"
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, *, trust_own_writes: bool = False) -> str:
+    if trust_own_writes:  # a file this process just wrote: hashed while it was written
+        known = written_sha256(path)
+        if known is not None:
+            return known
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -75,8 +80,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
     tensors, scalars = {}, {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"state.{idx}.{k}"] = v.detach().to("cpu").contiguous()
+            if torch.is_tensor(v):  # on its device: copied to the host when written, one by one
+                tensors[f"state.{idx}.{k}"] = v.detach()
             elif isinstance(v, (int, float, bool)) or v is None:
                 scalars[f"{idx}.{k}"] = v
             else:
@@ -90,59 +95,90 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
 
     Every data-parallel rank calls it (all write the sharded state; rank 0 commits).
     """
+    write = checkpoint_writer(trainer, root, keep=keep)
+    if write is not None:
+        return write()
     distributed, lead, group = _writers(trainer)
-    root = check_output(root, what="checkpoint directory", directory=True)
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep={keep}: keep at least the checkpoint just written (keep >= 1)")
-    name = step_dir_name(trainer.steps)
-    final = os.path.join(root, name)
-    state = {"format": FORMAT, "steps": trainer.steps,
-             "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position,
-             "run": getattr(trainer, "run", None), "layout": _layout(trainer)}
-    if not distributed:
-        tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
-        state["optimizer"] = {"param_groups": groups, "scalars": scalars}
+    root, name, final, state = _begin(trainer, root, keep)
+    import torch.distributed as dist
+
+    from treeflow.train.sharded import save_sharded
+
+    box = [None]
+    if lead:
+        os.makedirs(root, exist_ok=True)
+        remove_stale(root)
+        box[0] = temp_name(final)
+        os.mkdir(box[0])
+    dist.broadcast_object_list(box, src=0, group=group)
+    tmp = box[0]
+    try:
+        save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
+                     group=group)  # ends with a barrier
+        if lead:
+            _write_state_and_manifest(tmp, state)
+            commit_dir(tmp, final)
+    except BaseException:
+        if lead:
+            remove(tmp)
+        raise
+    if lead:
+        _commit_latest(root, name, keep)
+    dist.barrier(group=group)  # every rank returns after the commit
+    return final
+
+
+def checkpoint_writer(trainer, root: str | os.PathLike, *,
+                      keep: int | None = None) -> Callable[[], str] | None:
+    """For a one-process trainer: capture the step's counters now; return the function that
+    writes, commits and prunes (None where several processes write together).
+
+    The returned function reads the model's and AdamW's tensors when it runs, one at a
+    time (treeflow/tensorfile.py), so it may run in a background thread while the next
+    step computes -- as long as it finishes before the next optimizer step changes them
+    (train/background_save.py holds that fence).
+    """
+    distributed, _, _ = _writers(trainer)
+    if distributed:
+        return None
+    root, name, final, state = _begin(trainer, root, keep)
+    tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
+    state["optimizer"] = {"param_groups": groups, "scalars": scalars}
+
+    def write() -> str:
         os.makedirs(root, exist_ok=True)
         remove_stale(root)
         with atomic_dir(final) as tmp:
             trainer.backend.save(tmp)
-            save_file(tensors, os.path.join(tmp, OPTIMIZER), metadata={"format": "pt"})
+            write_safetensors(os.path.join(tmp, OPTIMIZER), sorted(tensors.items()),
+                              metadata={"format": "pt"})
             _write_state_and_manifest(tmp, state)
-    else:
-        import torch.distributed as dist
+        _commit_latest(root, name, keep)
+        return final
 
-        from treeflow.train.sharded import save_sharded
+    return write
 
-        box = [None]
-        if lead:
-            os.makedirs(root, exist_ok=True)
-            remove_stale(root)
-            box[0] = temp_name(final)
-            os.mkdir(box[0])
-        dist.broadcast_object_list(box, src=0, group=group)
-        tmp = box[0]
-        try:
-            save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
-                         group=group)  # ends with a barrier
-            if lead:
-                _write_state_and_manifest(tmp, state)
-                commit_dir(tmp, final)
-        except BaseException:
-            if lead:
-                remove(tmp)
-            raise
-    if lead:
-        with atomic_open(os.path.join(root, LATEST)) as f:
-            f.write(name + "\n")
-        if keep is not None:
-            for _, old in _step_dirs(root)[keep:]:
-                if old != name:
-                    remove(os.path.join(root, old))
-    if distributed:
-        import torch.distributed as dist
 
-        dist.barrier(group=group)  # every rank returns after the commit
-    return final
+def _begin(trainer, root, keep) -> tuple[str, str, str, dict]:
+    """Checks and the counters of the step being saved: (root, step name, its path, state)."""
+    root = check_output(root, what="checkpoint directory", directory=True)
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep={keep}: keep at least the checkpoint just written (keep >= 1)")
+    name = step_dir_name(trainer.steps)
+    state = {"format": FORMAT, "steps": trainer.steps,
+             "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position,
+             "run": getattr(trainer, "run", None), "layout": _layout(trainer)}
+    return root, name, os.path.join(root, name), state
+
+
+def _commit_latest(root: str, name: str, keep: int | None) -> None:
+    """Move `latest` to the step just written (the commit), then prune beyond `keep`."""
+    with atomic_open(os.path.join(root, LATEST)) as f:
+        f.write(name + "\n")
+    if keep is not None:
+        for _, old in _step_dirs(root)[keep:]:
+            if old != name:
+                remove(os.path.join(root, old))
 
 
 def _tensor_parallel(trainer) -> int:
@@ -180,7 +216,8 @@ def _write_state_and_manifest(tmp: str, state: dict) -> None:
     for d, _, names in os.walk(tmp):
         for n in names:
             p = os.path.join(d, n)
-            files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p), "sha256": _sha256(p)}
+            files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p),
+                                              "sha256": _sha256(p, trust_own_writes=True)}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"format": FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
 

@@ -291,9 +291,11 @@ class Step:
         lr = tr.reduce.schedule(tr.scheduler_episodes)
         for g in tr.optimizer.param_groups:
             g["lr"] = lr
+        # a background checkpoint still reading these tensors must finish first
+        timing["save_wait_s"] = tr.wait_for_save()
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
-        timing["optimizer_s"] = self._lap()
+        timing["optimizer_s"] = self._lap() - timing["save_wait_s"]
         tr.steps += 1
         tr.scheduler_episodes += self.episodes
         tr._closed(self)

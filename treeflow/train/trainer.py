@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import replace
 
@@ -30,7 +31,9 @@ from treeflow.stages.forward import DTYPES, Forward
 from treeflow.stages.reduce import Reduce
 from treeflow.stages.runner import PreparedBins
 from treeflow.stages.shard import CostModel
-from treeflow.train.checkpoint import load_checkpoint, save_checkpoint
+from treeflow.train.background_save import BackgroundSave
+from treeflow.train.checkpoint import (checkpoint_writer, load_checkpoint, save_checkpoint,
+                                       step_dir_name)
 from treeflow.train.distributed import _BUCKET_ELEMENTS, DataParallel
 from treeflow.train.overlap import GradReducer
 from treeflow.train.precision import compute_context, storage_dtype
@@ -57,7 +60,8 @@ class Trainer:
     After each step `last_timing` holds this rank's seconds: compute_s (its bins, forward and
     backward), agree_s (waiting at the ranks' agreement: idle behind the slowest rank plus the
     overlapped all-reduce still in flight), reduce_s (the gradient sum left after that),
-    optimizer_s (clip and AdamW) and metrics_s (the metric reductions).
+    optimizer_s (clip and AdamW), save_wait_s (waiting for a background checkpoint write before
+    AdamW may change the tensors it reads) and metrics_s (the metric reductions).
     """
 
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
@@ -105,6 +109,7 @@ class Trainer:
         self.run: dict | None = None  # what defines the run (data, step options); saved, checked on resume
         self.checkpoint_path: str | None = None
         self._open: Step | None = None
+        self._saving: BackgroundSave | None = None  # the checkpoint write in flight, if any
         c = self.backend.config
         self.cost_model = CostModel.from_shape(
             hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
@@ -193,13 +198,34 @@ class Trainer:
                 f"cannot {what} while step {self.steps + 1} is open ({self._open.bins} bins "
                 "accumulated): its gradients would be lost; finish() or abort() the step first")
 
-    def save(self, path: str | os.PathLike, *, keep: int | None = None) -> str:
+    def save(self, path: str | os.PathLike, *, keep: int | None = None,
+             background: bool = False) -> str:
         """A complete step directory under `path` (model, optimizer, counters, position); its path.
 
         Keeps the newest `keep` step directories (all when None); see train/checkpoint.py.
+        background: return once the step's counters are captured and write in a thread
+        (train/background_save.py); the next optimizer step waits for the write, a next save
+        waits for it too, and `wait_for_save()` joins it. Where several processes write one
+        checkpoint together the save is synchronous (and says so on stderr).
         """
         self._refuse_if_open("save a checkpoint")
+        self.wait_for_save("a new save was asked for")
+        if background:
+            write = checkpoint_writer(self, path, keep=keep)
+            if write is not None:
+                final = os.path.join(os.fspath(path), step_dir_name(self.steps))
+                self._saving = BackgroundSave(write, device=self.runner.device)
+                return final
+            if not getattr(self, "_said_sync_save", False):
+                self._said_sync_save = True
+                print("treeflow: checkpoints of several processes are written synchronously "
+                      "(no background save)", file=sys.stderr, flush=True)
         return save_checkpoint(self, path, keep=keep)
+
+    def wait_for_save(self, why: str | None = None) -> float:
+        """Join the checkpoint write in flight (re-raising its error); seconds waited."""
+        saving, self._saving = self._saving, None
+        return saving.wait(why) if saving is not None else 0.0
 
     @classmethod
     def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce,
@@ -214,6 +240,7 @@ class Trainer:
     def offload(self) -> None:
         """Move the model and optimizer state to CPU memory (frees the accelerator)."""
         self._refuse_if_open("offload the model")
+        self.wait_for_save("offloading the model")
         self.backend.to("cpu")
         for st in self.optimizer.state.values():
             for k, v in st.items():
