@@ -275,3 +275,41 @@ def test_a_queue_name_lives_in_the_private_runtime_directory(tmp_path, monkeypat
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert wire.resolve("tf") == str(tmp_path / "home" / ".treeflow" / "run" / "tf.sock")
     assert wire.resolve("./tf.sock") == os.path.abspath("tf.sock")      # a path stays a path
+
+
+def test_a_listener_that_never_answers_does_not_hang_the_client(tmp_path, monkeypatch):
+    from treeflow.tq import embedded
+
+    d = tmp_path / "q"
+    d.mkdir(mode=0o700)
+    path = str(d / "q.sock")
+    wire.write_secret(path)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(4)                        # accepted by the kernel, never answered
+    monkeypatch.setattr(embedded, "_HANDSHAKE_S", 0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="did not complete the queue's handshake"):
+            connect_queue(path, timeout=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        srv.close()
+
+
+def test_values_between_ranks_round_trip_as_frames():
+    # what RankWindows broadcasts (a step's episodes and the reader's position) and what
+    # agree() gathers, through the same frames as the socket (no pickle)
+    import pyarrow as pa
+
+    from treeflow.tq.ledger import Delivery
+
+    table = pa.table({"episode_id": ["a", "b"], "reward": [1.0, None]})
+    box = ("step", table, {"queue_step": 3, "queue_steps_extra": [5, 7], "episodes": 8})
+    kind, got, position = wire.unpack(wire.pack(box))
+    assert kind == "step" and got.equals(table) and position == box[2]
+    d = Delivery(lease=1, step=2, payloads=[table], episodes=2, redelivered=True)
+    assert wire.unpack(wire.pack(d)).payloads[0].equals(table)
+    assert wire.unpack(wire.pack({1: (2, None), "~x": "y"})) == {1: (2, None), "~x": "y"}
+    with pytest.raises(TypeError, match="cannot travel"):
+        wire.pack(object())

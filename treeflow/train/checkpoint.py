@@ -113,9 +113,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
             save_file(tensors, os.path.join(tmp, OPTIMIZER), metadata={"format": "pt"})
             _write_state_and_manifest(tmp, state)
     else:
-        import torch.distributed as dist
-
         from treeflow.train.sharded import save_sharded
+        from treeflow.tq.wire import broadcast
 
         box = [None]
         if lead:
@@ -123,8 +122,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
             remove_stale(root)
             box[0] = temp_name(final)
             os.mkdir(box[0])
-        dist.broadcast_object_list(box, src=0, group=group)
-        tmp = box[0]
+        tmp = broadcast(box[0], src=0, group=group)  # a path, as JSON: no pickle between ranks
         try:
             save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
                          group=group)  # ends with a barrier
