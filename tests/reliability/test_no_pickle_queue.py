@@ -147,6 +147,10 @@ def test_a_directory_others_can_write_is_refused_by_server_and_client(tmp_path):
     with pytest.raises(ValueError, match=r"writable by group or others \(mode 1777\)"):
         open_queue(str(shared / "q.sock"))
     assert not os.path.exists(shared / "q.sock")
+    t0 = time.monotonic()                   # a client is refused at once, before its wait
+    with pytest.raises(ValueError, match=r"writable by group or others"):
+        connect_queue(str(shared / "q.sock"), timeout=30)
+    assert time.monotonic() - t0 < 5
     ours = tmp_path / "ours"
     q = open_queue(str(ours / "q.sock"))   # a missing directory is created private
     try:

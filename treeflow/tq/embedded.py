@@ -210,6 +210,8 @@ def connect_embedded(address: str, *, timeout: float = 30.0):
     server proves it knows the secret.
     """
     address = wire.resolve(address)
+    if os.path.isdir(os.path.dirname(address)):
+        wire.check_private(address)  # a shared directory is refused now, not after the wait
     deadline = time.monotonic() + timeout
     while not _alive(address):
         if time.monotonic() > deadline:
