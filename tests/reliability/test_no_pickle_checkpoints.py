@@ -174,3 +174,18 @@ def test_a_dcp_index_pointing_outside_its_directory_is_refused(tmp_path):
         pickle.dump(md, f)
     with pytest.raises(ValueError, match="outside the checkpoint directory"):
         dcp_safe.read_metadata(path)
+
+
+def test_a_dcp_index_that_edits_an_allowed_class_is_refused(tmp_path):
+    # only allowlisted names, but BUILD on the class itself: plain pickle would set a class
+    # attribute of DCP's metadata for the whole process
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from treeflow.train import dcp_safe
+
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(
+        b"ctorch.distributed.checkpoint.metadata\nBytesStorageMetadata\n(N}Vpwned\nI1\nstb.")
+    with pytest.raises(ValueError, match="sets the state of a type"):
+        dcp_safe.read_metadata(tmp_path / "dcp")
+    assert not hasattr(BytesStorageMetadata, "pwned")
