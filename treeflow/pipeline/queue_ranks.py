@@ -15,7 +15,7 @@ the gradient is summed over ranks as in `replay --ranks N`. The end of the
 stream (max_steps, or the producers closed the queue) and a reader error are
 broadcast too, so no rank waits for a step that never comes.
 
-The trade-off: rank 0 moves every episode once more (Arrow IPC through gloo, tq/wire.py);
+The trade-off: rank 0 moves every episode once more (Arrow IPC through gloo, train/collectives.py);
 the episodes are a small fraction of a step's compute, and a step's loss
 weights need all of them on every rank anyway.
 """
@@ -65,7 +65,7 @@ class RankWindows:
 
     def _send(self, box) -> None:
         if self._group is not None:
-            from treeflow.tq.wire import broadcast
+            from treeflow.train.collectives import broadcast
 
             box[0] = broadcast(box[0], src=0, group=self._group)  # JSON and Arrow, no pickle
 

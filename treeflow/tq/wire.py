@@ -19,9 +19,8 @@ client proves it too (another user cannot attach). Before trusting any of that, 
 checks that the directory, the socket and the secret file belong to it and are not
 writable by group or others, and says whose they are when not.
 
-The same frames carry values between the ranks of one run (`broadcast`, `all_gather`: a
-step's episodes, a checkpoint's path, a failed rank's message) instead of torch's
-`broadcast_object_list`, which unpickles what the other process sent.
+The same frames (`pack`, `unpack`) carry values between the ranks of one run
+(train/collectives.py) instead of torch's object collectives, which unpickle.
 
 The trade-off: one secret per queue, readable by every process of its owner (the same
 trust as the owner's files), and a frame header in JSON (a few hundred bytes per call,
@@ -42,9 +41,9 @@ import struct
 
 from treeflow.tq import ledger as _ledger
 
-__all__ = ["Blob", "PeerError", "all_gather", "broadcast", "check_private", "client_handshake",
-           "decode", "encode", "pack", "read_secret", "recv", "resolve", "secret_path", "send",
-           "server_handshake", "unpack", "write_secret"]
+__all__ = ["Blob", "PeerError", "check_private", "client_handshake", "decode", "encode", "pack",
+           "read_secret", "recv", "resolve", "secret_path", "send", "server_handshake", "unpack",
+           "write_secret"]
 
 MAGIC = b"TFTQ\x01\n"          # protocol name and version, sent first by the server
 NONCE = 32
@@ -386,49 +385,3 @@ def unpack(data, *, arrow: bool = True):
     if at != len(view):
         raise PeerError(f"a frame of {len(view)} bytes holds {at}")
     return decode(header, blobs, arrow=arrow)
-
-
-def _device(group):
-    import torch
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def broadcast(value, *, src: int, group):
-    """`value` of rank `src` on every rank of `group`, as a frame (JSON and Arrow, no pickle).
-
-    What `dist.broadcast_object_list` does, without unpickling what another process sent.
-    """
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    device = _device(group)
-    mine = dist.get_rank() == src
-    data = pack(value) if mine else b""
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(n, src=src, group=group)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if mine else
-           torch.empty(int(n.item()), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, src=src, group=group)
-    return value if mine else unpack(np.asarray(buf.cpu()).tobytes())
-
-
-def all_gather(value, *, group) -> list:
-    """Every rank's `value` (JSON values), in rank order, without pickle."""
-    import torch
-    import torch.distributed as dist
-
-    device, world = _device(group), dist.get_world_size(group)
-    data = pack(value)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    return [unpack(bytes(t.cpu().numpy()[:int(s.item())])) for t, s in zip(every, sizes)]

@@ -114,7 +114,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
             _write_state_and_manifest(tmp, state)
     else:
         from treeflow.train.sharded import save_sharded
-        from treeflow.tq.wire import broadcast
+        from treeflow.train.collectives import broadcast
 
         box = [None]
         if lead:

@@ -129,7 +129,7 @@ class DataParallel:
         if not int(flag.item()):
             return
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        from treeflow.tq.wire import all_gather
+        from treeflow.train.collectives import all_gather
 
         every = all_gather(mine, group=self.group)  # strings as JSON: no pickle between ranks
         failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(every) if m is not None)
