@@ -1,7 +1,7 @@
 """`treeflow stream` and `treeflow rollout`: live episodes through a tensor queue.
 
-    treeflow stream --queue /tmp/q.sock --mode train --batch-episodes 8 --steps 20 --loss pg
-    treeflow rollout --queue /tmp/q.sock --groups 40 --group-size 4        # another process
+    treeflow stream --queue q --mode train --batch-episodes 8 --steps 20 --loss pg
+    treeflow rollout --queue q --groups 40 --group-size 4        # another process
     treeflow stream --from episodes.arrow -o lp.arrow                      # compare with replay
 
 `stream` starts the queue (or attaches to the one answering at --queue), runs
@@ -333,8 +333,9 @@ def cmd_rollout(args) -> int:
 
 def _queue_options(s) -> None:
     g = s.add_argument_group("queue")
-    g.add_argument("--queue", default=None, help="embedded: a Unix socket path (none: in this "
-                   "process); transferqueue: the queue's name on the Ray cluster")
+    g.add_argument("--queue", default=None, help="embedded: a queue name (its socket in "
+                   "$XDG_RUNTIME_DIR/treeflow) or a socket path in a private directory (none: in "
+                   "this process); transferqueue: the queue's name on the Ray cluster")
     g.add_argument("--queue-backend", choices=("embedded", "transferqueue"), default="embedded",
                    help="queue backend (transferqueue: pip install 'treeflow[tq]')")
     g.add_argument("--capacity", type=int, default=1024, help="most episodes the queue holds")

@@ -179,7 +179,7 @@ def _stream_train(args, queue, dp) -> dict | None:
         trainer = None
     elif args.resume:
         trainer = Trainer.resume(args.resume, forward, reduce, log=_note if lead else _quiet,
-                                 **options)
+                                 trust_checkpoint=args.trust_checkpoint, **options)
         diffs = differences(trainer.run or run, run)
         if diffs and not args.allow_different_data:
             raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "

@@ -184,7 +184,8 @@ def _train(args, *, distributed: bool) -> int:
                    pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
     if args.resume:
-        trainer = Trainer.resume(args.resume, forward, reduce, log=note, **options)
+        trainer = Trainer.resume(args.resume, forward, reduce, log=note,
+                                 trust_checkpoint=args.trust_checkpoint, **options)
         if trainer.run is None:
             note(f"{trainer.checkpoint_path}: holds no run fingerprint; cannot check that the data "
                  "and options are the same")
@@ -335,6 +336,9 @@ def add_train_options(p) -> None:
                    help="keep only the newest K checkpoints (default: all)")
     g.add_argument("--resume", default=None,
                    help="continue from the newest complete checkpoint in this directory")
+    g.add_argument("--trust-checkpoint", action="store_true",
+                   help="also resume a checkpoint without a manifest (an older treeflow's or a "
+                        "bare DCP directory), which cannot be verified; only one you trust")
     g.add_argument("--allow-different-data", action="store_true",
                    help="resume even if the data files or step options differ from the checkpoint's")
     g.add_argument("--metrics", default=None,

@@ -15,7 +15,7 @@ the gradient is summed over ranks as in `replay --ranks N`. The end of the
 stream (max_steps, or the producers closed the queue) and a reader error are
 broadcast too, so no rank waits for a step that never comes.
 
-The trade-off: rank 0 moves every episode once more (pickled through gloo);
+The trade-off: rank 0 moves every episode once more (Arrow IPC through gloo, train/collectives.py);
 the episodes are a small fraction of a step's compute, and a step's loss
 weights need all of them on every rank anyway.
 """
@@ -65,9 +65,9 @@ class RankWindows:
 
     def _send(self, box) -> None:
         if self._group is not None:
-            import torch.distributed as dist
+            from treeflow.train.collectives import broadcast
 
-            dist.broadcast_object_list(box, src=0, group=self._group)
+            box[0] = broadcast(box[0], src=0, group=self._group)  # JSON and Arrow, no pickle
 
     def state_dict(self) -> dict | None:
         """The reader's position after the last window (the queue steps applied), on every rank."""

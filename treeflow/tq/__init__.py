@@ -7,7 +7,7 @@ One interface (`Queue`), two backends:
   machine attach to (tq/embedded.py says why).
 - `transferqueue`: TransferQueue 0.1.11 on Ray (`pip install 'treeflow[tq]'`).
 
-    q = open_queue("/tmp/tf.sock")                 # start, or attach if one answers there
+    q = open_queue("tf")                           # start, or attach if one answers there
     q.put(episodes, producer="rollout-0")          # whole groups, validated, bounded
     for rec in Pipeline(...).run(QueueSource(queue=q, episodes_per_step=32)): ...
 """
@@ -37,7 +37,8 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
                vocab_size: int | None = None) -> "Queue":
     """Start a queue (or attach to the one at `address`); `queue.shutdown()` stops what we started.
 
-    embedded: `address` is a Unix socket path (None: in this process only).
+    embedded: `address` is a Unix socket path in a private directory, or a queue name (no '/')
+    in $XDG_RUNTIME_DIR/treeflow (None: in this process only); tq/wire.py says who may attach.
     transferqueue: `address` is the queue's name on the Ray cluster.
     capacity: the most episodes held (queued or leased and not acknowledged).
     lease_seconds: a consumer silent this long is presumed dead; its step is redelivered.

@@ -1,17 +1,23 @@
 """The embedded backend: the ledger in this process, or in a local server process on a Unix socket.
 
-Why a multiprocessing manager server (and not a Ray actor): it needs no
-extra install and no cluster (`ray.init` costs ~3 s and ~800 MB on this
-machine), any process on the machine that knows the socket path attaches to
-it, and it serves one thread per client connection, so a producer waiting on
-a full queue never blocks a consumer. The server is its own process so that
-the queue outlives a consumer that dies mid-step: redelivery needs someone
-to remember the lease. Without an address the ledger lives in the caller's
-process and tables are handed over by reference (threads only).
+Why a server process on a Unix socket (and not a Ray actor): it needs no extra
+install and no cluster (`ray.init` costs ~3 s and ~800 MB on this machine), any
+process of the same user on the machine that knows the socket path attaches to
+it, and it serves one thread per client connection, so a producer waiting on a
+full queue never blocks a consumer. The server is its own process so that the
+queue outlives a consumer that dies mid-step: redelivery needs someone to
+remember the lease. Without an address the ledger lives in the caller's process
+and tables are handed over by reference (threads only).
 
-The trade-off: across processes every payload is pickled once each way
-(Arrow buffers, no per-row Python) through one socket; a multi-node setup
-outgrows it and should use the `transferqueue` backend.
+What travels is JSON and Arrow IPC only (tq/wire.py): no pickle, so neither a
+client nor a process squatting at the socket path can run code in the other.
+Each server writes a fresh secret beside its socket (mode 0600, in a directory
+only its owner can write) and every connection proves both ends know it.
+
+The trade-off: across processes every payload is serialised once into Arrow IPC
+by the client that puts it and decoded once by the one that gets it (the server
+keeps the bytes unopened); a multi-node setup outgrows one socket and should use
+the `transferqueue` backend.
 """
 
 from __future__ import annotations
@@ -21,41 +27,120 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from multiprocessing.managers import BaseManager
 
+from treeflow.tq import wire
 from treeflow.tq.ledger import Ledger
 
 __all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
 
-_METHODS = ("next_seq", "put", "close", "get", "renew", "ack", "nack", "release", "put_result", "take_result",
-            "publish_weights", "weights", "stats")
-_LEDGER: Ledger | None = None
+# what a client may call: the ledger's public methods (the same surface in every process)
+_HANDSHAKE_S = 10.0
+_METHODS = frozenset(n for n in dir(Ledger) if not n.startswith("_") and callable(getattr(Ledger, n)))
 
 
-def _authkey() -> bytes:
-    return os.environ.get("TREEFLOW_TQ_AUTHKEY", "treeflow-tq").encode()
-
-
-def _the_ledger() -> Ledger:
-    return _LEDGER
-
-
-class _Manager(BaseManager):
-    pass
-
-
-_Manager.register("ledger", callable=_the_ledger, exposed=_METHODS)
-
-
+# ------------------------------------------------------------------ server (its own process)
 def _serve(address: str, options: dict) -> None:
-    global _LEDGER
-    _LEDGER = Ledger(**options)
-    server = _Manager(address=address, authkey=_authkey()).get_server()
-    server.serve_forever()
+    ledger = Ledger(**options)
+    secret = wire.read_secret(address)  # written by serve_embedded, checked like a client does
+    os.umask(0o077)                      # the socket is created mode 0600
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(128)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_handle, args=(conn, ledger, secret), daemon=True).start()
 
 
+def _handle(conn: socket.socket, ledger: Ledger, secret: bytes) -> None:
+    with conn:
+        try:
+            conn.settimeout(_HANDSHAKE_S)  # the handshake is a few bytes each way
+            if not wire.server_handshake(conn, secret):
+                return
+            conn.settimeout(None)
+            while True:
+                method, args, kwargs = wire.decode(*wire.recv(conn), arrow=False)
+                try:
+                    if method not in _METHODS:
+                        raise ValueError(f"the queue has no method {method!r}")
+                    reply = {"ok": getattr(ledger, method)(*args, **kwargs)}
+                except Exception as e:  # noqa: BLE001 - every error goes back to the caller
+                    reply = {"error": e}
+                wire.send(conn, *wire.encode(reply))
+        except (OSError, ValueError, TypeError):
+            return                       # the client went away or broke the protocol: hang up
+
+
+# ------------------------------------------------------------------ client
+class _Client:
+    """The ledger of a queue server: one authenticated connection per thread and process."""
+
+    def __init__(self, address: str, secret: bytes):
+        self._address, self._secret = address, secret
+        self._local = threading.local()
+
+    def _connection(self) -> socket.socket:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and self._local.pid == os.getpid():
+            return conn
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(_HANDSHAKE_S)  # a listener that never answers must not hang us
+            conn.connect(self._address)
+            wire.client_handshake(conn, self._secret, self._address)
+            conn.settimeout(None)          # calls may wait as long as their own timeouts say
+        except socket.timeout:
+            conn.close()
+            raise ValueError(f"{self._address}: what listens there did not complete the queue's "
+                             f"handshake within {_HANDSHAKE_S:g} s: not a treeflow queue server "
+                             "(or a hung one); refused") from None
+        except OSError as e:
+            conn.close()
+            raise ConnectionError(f"{self._address}: the queue server cannot be reached "
+                                  f"({e.strerror or e}); is it still running?") from None
+        except BaseException:
+            conn.close()
+            raise
+        self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def _call(self, method: str, *args, **kwargs):
+        frame = wire.encode((method, list(args), kwargs))
+        conn = self._connection()
+        try:
+            wire.send(conn, *frame)
+            reply = wire.decode(*wire.recv(conn), arrow=True)
+        except OSError as e:
+            self._drop()
+            raise ConnectionError(f"{self._address}: the queue server went away during "
+                                  f"{method}() ({e}); its outcome is unknown") from None
+        except BaseException:
+            self._drop()  # interrupted mid-call: the answer would be read by the next call
+            raise
+        if not isinstance(reply, dict) or not ("ok" in reply or "error" in reply):
+            self._drop()
+            raise ConnectionError(f"{self._address}: the queue server sent a malformed answer")
+        if "error" in reply:
+            raise reply["error"]
+        return reply["ok"]
+
+    def __getattr__(self, name: str):
+        if name not in _METHODS:
+            raise AttributeError(f"the queue's ledger has no method {name!r}")
+        return lambda *args, **kwargs: self._call(name, *args, **kwargs)
+
+
+# ------------------------------------------------------------------ starting and attaching
 def _alive(address: str) -> bool:
+    address = wire.resolve(address)
     if not os.path.exists(address):
         return False
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,8 +163,9 @@ class EmbeddedServer:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
-        if os.path.exists(self.address):
-            os.remove(self.address)
+        for path in (self.address, wire.secret_path(self.address)):
+            if os.path.lexists(path) and os.lstat(path).st_uid == os.geteuid():
+                os.remove(path)
 
     @property
     def pid(self) -> int:
@@ -87,14 +173,20 @@ class EmbeddedServer:
 
 
 def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> EmbeddedServer:
-    """Start a queue server process at the Unix socket `address` (refused if one answers there)."""
-    address = os.fspath(address)
+    """Start a queue server process at the Unix socket `address` (refused if one answers there).
+
+    address: a socket path in a directory only you can write, or a queue name (no '/'),
+    which lives in $XDG_RUNTIME_DIR/treeflow/ (created mode 0700).
+    """
+    address = wire.resolve(address)
+    wire.check_private(address, create=True)
     if _alive(address):
         raise ValueError(f"a queue already answers at {address}; attach to it with "
                          "connect_queue(address) or pick another path")
-    if os.path.exists(address):
-        os.remove(address)  # a stale socket of a dead server
+    if os.path.lexists(address):
+        os.remove(address)  # a stale socket of a dead server of ours (check_private: ours)
     Ledger(**ledger_options)  # check the options here, where the error can be read
+    wire.write_secret(address)
     # a fresh interpreter (not fork: the caller may hold torch threads; not multiprocessing's
     # spawn: it re-imports the caller's __main__)
     proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", address,
@@ -111,24 +203,25 @@ def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> 
 
 
 def connect_embedded(address: str, *, timeout: float = 30.0):
-    """A proxy to the ledger served at `address`, waiting up to `timeout` s for it to appear."""
-    address = os.fspath(address)
+    """A client of the ledger served at `address`, waiting up to `timeout` s for it to appear.
+
+    Refused (ValueError naming the path and its owner) unless the socket, its directory and
+    its secret file belong to this user and are not writable by others, and unless the
+    server proves it knows the secret.
+    """
+    address = wire.resolve(address)
+    if os.path.isdir(os.path.dirname(address)):
+        wire.check_private(address)  # a shared directory is refused now, not after the wait
     deadline = time.monotonic() + timeout
     while not _alive(address):
         if time.monotonic() > deadline:
             raise ValueError(f"no queue answers at {address} after {timeout} s; start one with "
                              f"`treeflow stream --queue {address}` or serve_embedded()")
         time.sleep(0.05)
-    mgr = _Manager(address=address, authkey=_authkey())
-    mgr.connect()
-    # multiprocessing caches one connection per thread and address for all proxies to that
-    # address; after a server restarted at the same path, a proxy of the old one (still alive
-    # in this process) would hand its dead connection to the new proxy (BrokenPipeError):
-    # new proxies get their own connections, old ones keep theirs
-    from multiprocessing.managers import BaseProxy
-
-    BaseProxy._address_to_local.pop(address, None)
-    return mgr.ledger()
+    wire.check_private(address)
+    client = _Client(address, wire.read_secret(address))
+    client._connection()  # authenticate now, so that a refusal surfaces here
+    return client
 
 
 if __name__ == "__main__":

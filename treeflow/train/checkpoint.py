@@ -23,10 +23,14 @@ train/sharded.py, written by every rank into rank 0's temporary directory)
 instead of `optimizer.safetensors`, and rank 0 alone writes the manifest,
 renames and moves `latest`. Either kind resumes on any number of ranks.
 
-Nothing of ours is unpickled: weights and optimizer tensors are safetensors,
-the rest is JSON, so a single-process checkpoint from someone else cannot run
-code. (A `dcp/` checkpoint is read by torch.distributed.checkpoint, whose
-metadata file is a pickle: only resume sharded checkpoints you trust.) The price is that
+Nothing is unpickled: weights and optimizer tensors are safetensors, the rest
+is JSON, and a `dcp/` checkpoint's pickled index and non-tensor items are read by
+train/dcp_safe.py, which builds only DCP's metadata classes and plain values, so a
+checkpoint from someone else cannot run code. A step directory verifies only when
+it holds exactly the files its manifest lists (a file planted beside them is named
+and refused), and a directory without a manifest (an older treeflow's, or a bare
+DCP directory) cannot be verified: it is refused unless the caller says it trusts
+it (`--trust-checkpoint`, `trust_checkpoint=True`). The price is that
 only optimizers whose state is tensors and plain numbers can be saved (AdamW's
 is). Hashing every file on load costs one read of the checkpoint (about a
 second per GB).
@@ -98,10 +102,11 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
     write = checkpoint_writer(trainer, root, keep=keep)
     if write is not None:
         return write()
-    distributed, lead, group = _writers(trainer)
+    _, lead, group = _writers(trainer)
     root, name, final, state = _begin(trainer, root, keep)
     import torch.distributed as dist
 
+    from treeflow.train.collectives import broadcast
     from treeflow.train.sharded import save_sharded
 
     box = [None]
@@ -110,8 +115,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
         remove_stale(root)
         box[0] = temp_name(final)
         os.mkdir(box[0])
-    dist.broadcast_object_list(box, src=0, group=group)
-    tmp = box[0]
+    tmp = broadcast(box[0], src=0, group=group)  # a path, as JSON: no pickle between ranks
     try:
         save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
                      group=group)  # ends with a barrier
@@ -243,6 +247,11 @@ def verify(step_path: str) -> str | None:
             files = json.load(f)["files"]
     except (ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({e})"
+    extra = _unlisted(step_path, files)
+    if extra:
+        return (f"{', '.join(extra[:3])}{' and more' if len(extra) > 3 else ''} "
+                f"{'is' if len(extra) == 1 else 'are'} not in its {MANIFEST} (planted, or left by "
+                "another program: nothing outside the manifest is read)")
     for name, want in sorted(files.items()):
         path = os.path.join(step_path, name)
         if not os.path.isfile(path):
@@ -255,12 +264,26 @@ def verify(step_path: str) -> str | None:
     return None
 
 
+def _unlisted(step_path: str, files: dict) -> list[str]:
+    """Files (and links to directories) under `step_path` that the manifest does not list."""
+    found = []
+    for d, dirs, names in os.walk(step_path):
+        found += [os.path.relpath(os.path.join(d, n), step_path) for n in dirs
+                  if os.path.islink(os.path.join(d, n))]
+        found += [os.path.relpath(os.path.join(d, n), step_path) for n in names]
+    return sorted(n for n in found if n != MANIFEST and n not in files)
+
+
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _stderr) -> str:
-    """The newest verified step directory of a checkpoint root (or `path` itself if it is one)."""
+def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _stderr,
+                    trust_checkpoint: bool = False) -> str:
+    """The newest verified step directory of a checkpoint root (or `path` itself if it is one).
+
+    trust_checkpoint: accept a directory without a manifest (it cannot be verified).
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such checkpoint directory")
@@ -272,6 +295,12 @@ def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _st
             raise ValueError(f"{path}: checkpoint is incomplete or corrupted: {problem}")
         return path
     if os.path.isfile(os.path.join(path, LEGACY_STATE)) or _is_sharded(path):
+        if not trust_checkpoint:
+            what = LEGACY_STATE if os.path.isfile(os.path.join(path, LEGACY_STATE)) else "dcp/"
+            raise ValueError(f"{path}: holds {what} but no {MANIFEST}, so it cannot be verified "
+                             "(an older treeflow's checkpoint, or one from elsewhere); resume it "
+                             "only if you trust who wrote it, with --trust-checkpoint "
+                             "(API: trust_checkpoint=True)")
         return path
     steps = _step_dirs(path)
     if not steps:
@@ -298,9 +327,10 @@ def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _st
             return os.path.join(path, name)
         log(f"skipping checkpoint {os.path.join(path, name)}: {problem}; "
             "falling back to the previous one")
+        newest_problem = problem if not skipped else newest_problem
         skipped.append(name)
     raise ValueError(f"{path}: no complete checkpoint: every step directory failed verification "
-                     f"({', '.join(skipped)})")
+                     f"({', '.join(skipped)}; the newest: {newest_problem})")
 
 
 def _latest_step(root: str) -> int | None:
@@ -327,11 +357,13 @@ def _is_sharded(path: str) -> bool:
 
 
 def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
-                    log: Callable[[str], None] = _stderr, **options):
+                    log: Callable[[str], None] = _stderr, trust_checkpoint: bool = False,
+                    **options):
     """A `cls` (Trainer) built on the newest verified checkpoint under `path`.
 
+    trust_checkpoint: also accept a directory without a manifest (refused otherwise).
     options go to `cls` (precision, dp, ...)."""
-    step_path = find_checkpoint(path, log=log)
+    step_path = find_checkpoint(path, log=log, trust_checkpoint=trust_checkpoint)
     if not os.path.isfile(os.path.join(step_path, MANIFEST)):
         if _is_sharded(step_path):
             return _load_sharded(cls, step_path, forward, reduce, options, log)
@@ -384,7 +416,8 @@ def _load_sharded(cls, path, forward, reduce, options, log, state=None):
     from treeflow.train.sharded import load_sharded
 
     if state is None:
-        log(f"{path}: sharded checkpoint without a manifest; it cannot be verified")
+        log(f"{path}: --trust-checkpoint: a sharded checkpoint without a manifest, loaded "
+            "unverified")
         with open(os.path.join(path, "treeflow_trainer.json")) as f:
             state = json.load(f)
     trainer = cls(replace(forward, model=path), reduce, **options)
@@ -432,8 +465,8 @@ def _load_legacy(cls, path, forward, reduce, log, options):
         raise ValueError(f"{os.path.join(path, LEGACY_STATE)}: refused or unreadable as plain "
                          f"tensors ({type(e).__name__}); it may be corrupted or hold code; "
                          "only load checkpoints you trust") from e
-    log(f"{path}: old checkpoint layout without a manifest; it cannot be verified (save again to "
-        "upgrade it)")
+    log(f"{path}: --trust-checkpoint: an old checkpoint layout without a manifest, loaded "
+        "unverified (save again to upgrade it)")
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.steps = state["steps"]
     trainer.scheduler_episodes = state["scheduler_episodes"]

@@ -129,8 +129,9 @@ class DataParallel:
         if not int(flag.item()):
             return
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        every: list = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
+        from treeflow.train.collectives import all_gather
+
+        every = all_gather(mine, group=self.group)  # strings as JSON: no pickle between ranks
         failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(every) if m is not None)
         raise RankFailedError(f"{what} failed on {sum(m is not None for m in every)} of "
                               f"{self.world} ranks ({failed}); it was aborted on every rank, "

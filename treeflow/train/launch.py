@@ -7,6 +7,9 @@ joins the group with `DataParallel.from_env`. It is what `treeflow replay --mode
 --ranks N` does on one host; `torchrun --nproc-per-node N -m treeflow.cli replay ...` gives the
 same processes (and multi-host runs) through PyTorch's own launcher.
 
+Return values come back through torch.save files in a private temporary directory and are read
+with `weights_only=True` (tensors and plain values only): the launcher unpickles no code.
+
 A rank that exits with an error makes the launcher stop the others (they would otherwise wait
 in a collective until the process group's timeout); `timeout_s` bounds the whole run.
 """
@@ -37,7 +40,14 @@ def _entry(rank: int, world: int, port: int, out_dir: str, threads: int, fn, arg
     if threads:
         torch.set_num_threads(threads)
     result = fn(*args)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(result, path)
+    try:  # the parent reads it weights-only: fail here, naming the rank, if that cannot work
+        torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and others
+        raise TypeError(f"rank {rank}'s return value of {getattr(fn, '__name__', fn)} holds "
+                        "something other than tensors and plain values (dict, list, tuple, str, "
+                        f"numbers), which the launcher does not unpickle: {str(e).splitlines()[0]}")
 
 
 def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | None = None) -> list:
@@ -70,5 +80,5 @@ def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | 
                     p.terminate()
             for p in ctx.processes:
                 p.join(5)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
                 for r in range(ranks)]

@@ -6,7 +6,8 @@ once, by the planner's deduplication; FSDP2-sharded tensors as their shards), an
 the consolidated Hugging Face export (config.json + safetensors, float32 master weights under
 mixed precision) that `--model DIR` and transformers load, and the counters
 (`treeflow_trainer.json`). DCP reshards on load, so a checkpoint written by N ranks resumes
-on M ranks -- one process without a process group included.
+on M ranks -- one process without a process group included. Loading reads DCP's pickled index
+and non-tensor items through train/dcp_safe.py, which builds nothing but DCP's metadata.
 
 The megatron backend hands DCP its own state (models/megatron/checkpoint.py): every
 tensor-parallel shard as a DTensor slice of the unsharded MCore tensor, so the checkpoint
@@ -27,6 +28,8 @@ import os
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from treeflow.train import dcp_safe
 
 __all__ = ["DCP_DIR", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
 
@@ -89,14 +92,14 @@ def load_sharded(trainer, path: str | os.PathLike, state: dict | None = None) ->
     mine = getattr(backend, "checkpoint_layout", None)
     checkpoint_id = os.path.join(path, DCP_DIR)
     if saved is not None and saved == mine:
-        keys = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+        keys = set(dcp_safe.read_metadata(checkpoint_id).state_dict_metadata)
         want = backend.checkpoint_state(optimizer, keys=keys)
         missing = sorted(set(want) - keys)
         if missing:
             raise ValueError(f"{path}: the checkpoint has no {missing[0]} (and {len(missing) - 1} "
                              "more): it was written for another model; resume with the model "
                              "that wrote it")
-        dcp.load(want, checkpoint_id=checkpoint_id)
+        dcp_safe.load(want, checkpoint_id)  # never unpickles code
         backend.restore_state(optimizer, want)
         for group, kept in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
             group.update({k: tuple(v) if isinstance(v, list) else v for k, v in kept.items()})
@@ -111,6 +114,6 @@ def load_sharded(trainer, path: str | os.PathLike, state: dict | None = None) ->
                          f"read; {fix}")
     model_sd, optim_sd = get_state_dict(backend.module, optimizer)
     loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=checkpoint_id)
+    dcp_safe.load(loaded, checkpoint_id)
     set_state_dict(backend.module, optimizer, model_state_dict=loaded["model"],
                    optim_state_dict=loaded["optim"])

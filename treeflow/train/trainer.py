@@ -228,14 +228,16 @@ class Trainer:
         return saving.wait(why) if saving is not None else 0.0
 
     @classmethod
-    def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce,
-               **options) -> "Trainer":
+    def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce, *,
+               trust_checkpoint: bool = False, **options) -> "Trainer":
         """A Trainer continued from the newest verified checkpoint under `path`.
 
         options: as for Trainer (precision, dp), and `log` for what resuming skipped; a
-        checkpoint saved by N ranks resumes on M.
+        checkpoint saved by N ranks resumes on M. trust_checkpoint: also accept a directory
+        without a manifest, which cannot be verified (refused otherwise).
         """
-        return load_checkpoint(cls, path, forward, reduce, **options)
+        return load_checkpoint(cls, path, forward, reduce, trust_checkpoint=trust_checkpoint,
+                               **options)
 
     def offload(self) -> None:
         """Move the model and optimizer state to CPU memory (frees the accelerator)."""

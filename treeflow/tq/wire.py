@@ -1,0 +1,387 @@
+"""The embedded queue's wire protocol: JSON and Arrow IPC in length-prefixed frames, no pickle.
+
+A message is one frame:
+
+    u32 header bytes | u32 blobs | u64 length of each blob | JSON header | the blobs
+
+The header is JSON; an Arrow table inside it is a reference `{"~a": i}` to blob i, an
+Arrow IPC stream. Tuples, dicts with non-string keys and the ledger's own dataclasses
+(`Group`, `Delivery`, ...) and exceptions (`QueueFull`, ...) have tags of their own; a
+decoder builds nothing else, so a peer -- honest or not -- can send data, never code.
+The server never opens a payload: it keeps each blob as bytes (`Blob`) and sends it back
+as it came, so it needs no pyarrow and moves each payload without re-encoding it.
+
+Who may talk: the socket lives in a directory only its owner can write, beside a secret
+file (`<socket>.secret`, 32 random bytes in hex, mode 0600) written fresh by each server.
+A connection starts with a mutual HMAC-SHA256 challenge-response over that secret: the
+server proves it knows it (a squatter at the path cannot impersonate the queue), the
+client proves it too (another user cannot attach). Before trusting any of that, a client
+checks that the directory, the socket and the secret file belong to it and are not
+writable by group or others, and says whose they are when not.
+
+The same frames (`pack`, `unpack`) carry values between the ranks of one run
+(train/collectives.py) instead of torch's object collectives, which unpickle.
+
+The trade-off: one secret per queue, readable by every process of its owner (the same
+trust as the owner's files), and a frame header in JSON (a few hundred bytes per call,
+well under a millisecond) in exchange for a format any language can speak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import pwd
+import secrets
+import stat
+import struct
+
+from treeflow.tq import ledger as _ledger
+
+__all__ = ["Blob", "PeerError", "check_private", "client_handshake", "decode", "encode", "pack",
+           "read_secret", "recv", "resolve", "secret_path", "send", "server_handshake", "unpack",
+           "write_secret"]
+
+MAGIC = b"TFTQ\x01\n"          # protocol name and version, sent first by the server
+NONCE = 32
+_PREFIX = struct.Struct("!II")
+_MAX_HEADER = 64 << 20
+_MAX_BLOBS = 1 << 20
+_MAX_BLOB = 1 << 40
+_SOCKET_PATH_MAX = 107         # sun_path less its terminating NUL (Linux)
+
+_DATACLASSES = {n: getattr(_ledger, n) for n in _ledger.__all__
+                if dataclasses.is_dataclass(getattr(_ledger, n))}
+_ERRORS = {c.__name__: c for c in (ValueError, TypeError, KeyError, IndexError, RuntimeError,
+                                   TimeoutError, AssertionError, NotImplementedError)}
+_ERRORS.update({n: getattr(_ledger, n) for n in _ledger.__all__
+                if isinstance(getattr(_ledger, n), type)
+                and issubclass(getattr(_ledger, n), Exception)})
+
+
+class PeerError(ConnectionError):
+    """The other end broke the protocol or went away (the call's outcome is unknown)."""
+
+
+class Blob:
+    """A payload as bytes, kept unopened by the server."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+
+# ------------------------------------------------------------------ values
+def encode(value) -> tuple[bytes, list]:
+    """(JSON header bytes, blobs) for `value`: JSON values, tuples, Arrow tables, ledger types."""
+    blobs: list = []
+    header = json.dumps(_enc(value, blobs), separators=(",", ":")).encode()
+    return header, blobs
+
+
+def _enc(v, blobs):
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return float(v)
+    if isinstance(v, list):
+        return [_enc(x, blobs) for x in v]
+    if isinstance(v, tuple):
+        return {"~t": [_enc(x, blobs) for x in v]}
+    if isinstance(v, dict):
+        if all(isinstance(k, str) and not k.startswith("~") for k in v):
+            return {k: _enc(x, blobs) for k, x in v.items()}
+        return {"~d": [[_enc(k, blobs), _enc(x, blobs)] for k, x in v.items()]}
+    if isinstance(v, Blob):
+        blobs.append(v.data)
+        return {"~a": len(blobs) - 1}
+    if isinstance(v, BaseException):
+        name = type(v).__name__ if type(v).__name__ in _ERRORS else "RuntimeError"
+        text = str(v) if name == type(v).__name__ else f"{type(v).__name__}: {v}"
+        return {"~e": name, "m": text}
+    if dataclasses.is_dataclass(v) and type(v).__name__ in _DATACLASSES:
+        return {"~c": type(v).__name__,
+                "f": {f.name: _enc(getattr(v, f.name), blobs) for f in dataclasses.fields(v)}}
+    if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # a numpy scalar
+        return _enc(v.item(), blobs)
+    import pyarrow as pa
+
+    if isinstance(v, pa.Table):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, v.schema) as w:
+            w.write_table(v)
+        blobs.append(sink.getvalue())
+        return {"~a": len(blobs) - 1}
+    raise TypeError(f"a {type(v).__name__} cannot travel through the queue socket (JSON values, "
+                    "tuples and Arrow tables only)")
+
+
+def decode(header: bytes, blobs: list, *, arrow: bool):
+    """The value `encode` made; blobs become Arrow tables (`arrow`) or stay `Blob`s."""
+    try:
+        tree = json.loads(header)
+    except ValueError as e:
+        raise PeerError(f"a frame header is not JSON ({e})") from None
+    return _dec(tree, blobs, arrow)
+
+
+def _dec(v, blobs, arrow):
+    if isinstance(v, list):
+        return [_dec(x, blobs, arrow) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "~t" in v:
+        return tuple(_dec(x, blobs, arrow) for x in v["~t"])
+    if "~d" in v:
+        return {_hashable(_dec(k, blobs, arrow)): _dec(x, blobs, arrow) for k, x in v["~d"]}
+    if "~a" in v:
+        i = v["~a"]
+        if not isinstance(i, int) or not 0 <= i < len(blobs):
+            raise PeerError(f"a frame refers to blob {i!r} of {len(blobs)}")
+        if not arrow:
+            return Blob(blobs[i])
+        import pyarrow as pa
+
+        try:
+            return pa.ipc.open_stream(pa.py_buffer(blobs[i])).read_all()
+        except pa.ArrowException as e:
+            raise PeerError(f"blob {i} is not an Arrow IPC stream ({e})") from None
+    if "~c" in v:
+        cls = _DATACLASSES.get(v["~c"])
+        if cls is None or not isinstance(v.get("f"), dict):
+            raise PeerError(f"a frame names the type {v['~c']!r}, which the queue does not send")
+        try:
+            return cls(**{k: _dec(x, blobs, arrow) for k, x in v["f"].items()})
+        except TypeError as e:
+            raise PeerError(f"a frame's {v['~c']} does not fit ({e})") from None
+    if "~e" in v:
+        return _ERRORS.get(v["~e"], RuntimeError)(str(v.get("m", "")))
+    return {k: _dec(x, blobs, arrow) for k, x in v.items()}
+
+
+def _hashable(k):
+    return tuple(k) if isinstance(k, list) else k
+
+
+# ------------------------------------------------------------------ frames
+def send(sock, header: bytes, blobs: list) -> None:
+    """Write one frame: prefix, blob lengths, header, blobs (one gathered write where it fits)."""
+    views = [memoryview(b).cast("B") for b in blobs]
+    head = _PREFIX.pack(len(header), len(views)) + struct.pack(f"!{len(views)}Q",
+                                                               *(v.nbytes for v in views))
+    parts = [memoryview(head), memoryview(header), *(v for v in views if v.nbytes)]
+    i = 0
+    while i < len(parts):
+        n = sock.sendmsg(parts[i:i + 256])
+        while n and i < len(parts):
+            if n >= parts[i].nbytes:
+                n -= parts[i].nbytes
+                i += 1
+            else:
+                parts[i] = parts[i][n:]
+                n = 0
+
+
+def _read_exact(sock, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise PeerError("the queue connection closed in the middle of a message"
+                            if got else "the queue connection closed")
+        got += k
+    return buf
+
+
+def recv(sock) -> tuple[bytes, list]:
+    """(header, blobs) of the next frame, each blob its own buffer; PeerError on a bad one."""
+    hlen, nblobs = _PREFIX.unpack(_read_exact(sock, _PREFIX.size))
+    if hlen > _MAX_HEADER or nblobs > _MAX_BLOBS:
+        raise PeerError(f"a frame announces a {hlen}-byte header and {nblobs} blobs; refused")
+    sizes = struct.unpack(f"!{nblobs}Q", _read_exact(sock, 8 * nblobs)) if nblobs else ()
+    if any(s > _MAX_BLOB for s in sizes):
+        raise PeerError(f"a frame announces a blob of {max(sizes)} bytes; refused")
+    header = bytes(_read_exact(sock, hlen))
+    return header, [_read_exact(sock, s) for s in sizes]
+
+
+# ------------------------------------------------------------------ authentication
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def server_handshake(sock, secret: bytes) -> bool:
+    """Challenge the client, answer its challenge; False (connection unusable) if it failed."""
+    nonce = secrets.token_bytes(NONCE)
+    sock.sendall(MAGIC + nonce)
+    reply = _read_exact(sock, 32 + NONCE)
+    if not hmac.compare_digest(bytes(reply[:32]), _mac(secret, b"client", nonce)):
+        sock.sendall(b"\x00")
+        return False
+    sock.sendall(b"\x01" + _mac(secret, b"server", bytes(reply[32:]), nonce))
+    return True
+
+
+def client_handshake(sock, secret: bytes, address: str) -> None:
+    """Prove the secret to the server and check that it knows it too; ValueError if not."""
+    got = _read_exact(sock, len(MAGIC) + NONCE)
+    if bytes(got[:len(MAGIC)]) != MAGIC:
+        raise ValueError(f"{address}: what answers there is not a treeflow queue of this version "
+                         "(no greeting); start the queue with this treeflow")
+    nonce_s, nonce_c = bytes(got[len(MAGIC):]), secrets.token_bytes(NONCE)
+    sock.sendall(_mac(secret, b"client", nonce_s) + nonce_c)
+    status = _read_exact(sock, 1)
+    if status != b"\x01":
+        raise ValueError(f"{address}: the queue refused this client's secret "
+                         f"({secret_path(address)} is not the running server's; was the queue "
+                         "restarted by someone else?)")
+    proof = _read_exact(sock, 32)
+    if not hmac.compare_digest(bytes(proof), _mac(secret, b"server", nonce_c, nonce_s)):
+        raise ValueError(f"{address}: the process listening there does not know the queue's "
+                         f"secret ({secret_path(address)}): not our queue server; refused")
+
+
+# ------------------------------------------------------------------ where, and whose
+def resolve(address: str | os.PathLike) -> str:
+    """The socket path of `address`: a path as given, or a bare name in the private run dir.
+
+    A name without '/' lives in $XDG_RUNTIME_DIR/treeflow/ (or ~/.treeflow/run/ without it),
+    a directory of mode 0700; `.sock` is added when missing.
+    """
+    address = os.fspath(address)
+    if not address:
+        raise ValueError("the queue address is empty; give a socket path or a queue name")
+    if "/" not in address:
+        base = os.environ.get("XDG_RUNTIME_DIR")
+        root = os.path.join(base, "treeflow") if base else \
+            os.path.join(os.path.expanduser("~"), ".treeflow", "run")
+        address = os.path.join(root, address if address.endswith(".sock") else address + ".sock")
+    path = os.path.abspath(address)
+    if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
+        raise ValueError(f"{path}: a Unix socket path may hold at most {_SOCKET_PATH_MAX} bytes; "
+                         "give a shorter path or a queue name")
+    return path
+
+
+def secret_path(address: str) -> str:
+    return address + ".secret"
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _check_mine(path: str, st: os.stat_result, what: str) -> None:
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ValueError(f"{path}: the queue's {what} belongs to {_owner(st.st_uid)}, not to "
+                         f"{_owner(me)}: refused (another user may have put it there); use a "
+                         "directory of your own, e.g. a queue name, which lives in "
+                         "$XDG_RUNTIME_DIR/treeflow")
+    if st.st_mode & 0o022:
+        raise ValueError(f"{path}: the queue's {what} is writable by group or others (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}), so another user could replace what "
+                         "is in it: refused; use a private directory (chmod 700, or a queue name)")
+
+
+def check_private(address: str, *, create: bool = False) -> None:
+    """ValueError unless `address`'s directory (and socket, if there) are ours and private."""
+    d = os.path.dirname(address)
+    if create and not os.path.exists(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    try:  # the socket first: whose it is says most about a squatter
+        st = os.lstat(address)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ValueError(f"{address}: is not a socket (a {_kind(st)}); refused")
+        _check_mine(address, st, "socket")
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        raise ValueError(f"{address}: the directory {d} does not exist; create it (mkdir -m 700 "
+                         f"{d}) or give a queue name") from None
+    _check_mine(d, st, "directory")
+
+
+def _kind(st) -> str:
+    return "directory" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) \
+        else "file"
+
+
+def write_secret(address: str) -> bytes:
+    """A fresh secret for the queue at `address`, written to its secret file (mode 0600)."""
+    from treeflow.atomic import atomic_path
+
+    secret = secrets.token_bytes(32)
+    with atomic_path(secret_path(address), what="queue secret") as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.hex() + "\n")
+    return secret
+
+
+def read_secret(address: str) -> bytes:
+    """The secret of the queue at `address`; ValueError unless its file is ours and mode 0600."""
+    path = secret_path(address)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: the queue's secret file is missing; the server at {address} "
+                         "was not started by this treeflow (restart it)") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the queue's secret ({e.strerror}); it must be a "
+                         "plain file of yours") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: the queue's secret is not a plain file; refused")
+        _check_mine(path, st, "secret file")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            raise ValueError(f"{path}: the queue's secret file has mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}, not 0600 (others may have read "
+                             "it): refused; restart the queue to write a new one")
+        text = f.read(200).strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != 32:
+        raise ValueError(f"{path}: not a queue secret (64 hex digits); restart the queue")
+    return secret
+
+
+# ------------------------------------------------------------------ between ranks
+def pack(value) -> bytes:
+    """`value` as one frame in memory (what `send` would write)."""
+    header, blobs = encode(value)
+    views = [memoryview(b).cast("B") for b in blobs]
+    return b"".join([_PREFIX.pack(len(header), len(views)),
+                     struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)), header, *views])
+
+
+def unpack(data, *, arrow: bool = True):
+    """The value of a frame made by `pack`."""
+    view = memoryview(data).cast("B")
+    hlen, nblobs = _PREFIX.unpack(view[:_PREFIX.size])
+    at = _PREFIX.size + 8 * nblobs
+    sizes = struct.unpack(f"!{nblobs}Q", view[_PREFIX.size:at])
+    header, at = bytes(view[at:at + hlen]), at + hlen
+    blobs = []
+    for s in sizes:
+        blobs.append(view[at:at + s])
+        at += s
+    if at != len(view):
+        raise PeerError(f"a frame of {len(view)} bytes holds {at}")
+    return decode(header, blobs, arrow=arrow)
