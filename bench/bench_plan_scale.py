@@ -1,7 +1,8 @@
 """Per-rank planning of one training step at scale: the whole-step planner vs sharded planning.
 
 For each step size (synthetic agentic episodes in GRPO groups of 8, written once to an Arrow IPC
-file and memory-mapped, as `Files` reads them) and rank count, a fresh subprocess plans the step
+file and memory-mapped, as `Files` reads them; past 8k episodes the 8 distinct 1k-episode chunks
+repeat under new ids, which keeps writing the file short and changes no planning cost) and rank count, a fresh subprocess plans the step
 the way a trainer rank does and reports its seconds (best of --repeats, one core) and memory
 (peak RSS of the process above its RSS after imports, memory-mapped pages it touched included,
 and the peak traced by tracemalloc):
@@ -40,6 +41,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
 CHUNK = 1000  # episodes synthesised at a time (bounded memory while writing)
+DISTINCT = 8  # distinct chunks; a larger step repeats them under new episode and group ids
 
 
 def _rss_mib() -> float:
@@ -56,9 +58,13 @@ def make_data(path: str, episodes: int, seed: int) -> None:
 
     tmp = path + ".tmp"
     with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, EPISODE_SCHEMA) as writer:
+        made: dict = {}
         for i, lo in enumerate(range(0, episodes, CHUNK)):
             n = min(CHUNK, episodes - lo)
-            t = synth_episodes(episodes=n, group_size=8, seed=seed + i)
+            key = (n, i % DISTINCT)  # chunks past DISTINCT repeat earlier ones under new ids
+            if key not in made:
+                made[key] = synth_episodes(episodes=n, group_size=8, seed=seed + key[1])
+            t = made[key]
             cols = dict(zip(t.column_names, t.columns))
             for name in ("episode_id", "group_id"):  # unique over the chunks
                 cols[name] = pc.binary_join_element_wise(f"c{i}-", cols[name], "")
