@@ -88,6 +88,20 @@ def _check_rank(stage) -> None:
                          f"[0, {stage.ranks}), or None to plan every rank")
 
 
+def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """`table.take(rows)` for ascending rows, chunk by chunk: Arrow's take on a chunked nested
+    column concatenates every chunk first, which would copy the whole step (memory-mapped files
+    are read one record batch per chunk)."""
+    parts, lo = [], 0
+    for batch in table.to_batches():
+        hi = lo + batch.num_rows
+        a, b = np.searchsorted(rows, [lo, hi])
+        if b > a:
+            parts.append(batch.take(pa.array(rows[a:b] - lo)))
+        lo = hi
+    return pa.Table.from_batches(parts, schema=table.schema)
+
+
 def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,
                rank: int) -> pa.Table:
     """Layouts of rank `rank`'s share (stages/_share.py); layout_id is the tree's index in the step."""
@@ -99,7 +113,7 @@ def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int,
     if not len(share.rows):
         return LAYOUT_SCHEMA.empty_table()
     # the trees keep their order of first appearance, so Pack numbers them as share.trees
-    layouts = pack(episodes.take(pa.array(share.rows)), layout=layout, scope=scope, step=step)
+    layouts = pack(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step)
     assert layouts.num_rows == len(share.trees), (layouts.num_rows, len(share.trees))
     split = share.slots > 1
     offs = np.concatenate([[0], np.cumsum(np.where(split, 2, 0))]).astype(np.int32)
