@@ -10,6 +10,10 @@ premise of "equal per-rank batch" -- and a fragment never mixes two ranks' trees
 one packing per rank (the same total work), and a share cannot borrow space in another share's
 last bin. Every share is padded with empty bins to the same bin count (FSDP's ranks run in
 lock step), and the bins carry their rank, which Shard keeps.
+
+`fragment_share` is the per-rank form used in training (`Fragment(ranks=R, rank=r)`): it bins
+only the layouts of rank r's share, dealt before Pack from per-tree summaries
+(stages/_share.py), and shares out the bins of a tree that several ranks split.
 """
 
 from __future__ import annotations
