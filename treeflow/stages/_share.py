@@ -15,9 +15,11 @@ packs only its trees (`Pack(ranks=R, rank=r)`) and bins them (`Fragment(ranks=R,
 memory O(N/R + trees) per rank, with no communication.
 
 The trade-off: the deal balances *estimated* costs, so the bins per rank differ from the whole-step
-planner's (which deals on the packed layouts' exact costs); the estimate is within a few percent on
-agentic episodes (tests/stages/test_share.py measures the balance against the whole-step plan), and a
-step with fewer trees than ranks no longer leaves ranks empty. No rank can borrow space in another's
+planner's (which deals on the packed layouts' exact costs): the estimate is within ~5% of a tree's
+nodes on agentic episodes, so with many trees per rank the modelled imbalance is about a point above
+the exact deal's, while a step with few trees per rank is far better balanced and leaves far fewer
+ranks empty (only where its trees cannot be cut into enough bins; tests/stages/test_share.py,
+bench/bench_plan_scale.py). No rank can borrow space in another's
 last bin, and there are no padding bins: ranks may run different numbers of bins (the FSDP trainer
 pads passes itself).
 
