@@ -25,11 +25,12 @@ def test_synth_inspect_plan(tmp_path, capsys):
                  "-o", bins_path, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     bins = pa.ipc.open_file(bins_path).read_all()
-    assert summary["bins"] == bins.num_rows and bins.num_rows % 2 == 0
-    assert summary["steps"] == 3
+    assert summary["bins"] == bins.num_rows and summary["ranks_without_bins"] == 0
+    assert summary["steps"] == 3 and summary["rank_plan_seconds_max"] > 0
     eps = read_episodes(f)
     for step in range(3):
         step_bins = bins.filter(pa.compute.equal(bins.column("step"), step))
+        assert set(step_bins.column("rank").to_pylist()) == {0, 1}  # every rank has work
         check_bins(eps.slice(4 * step, 4), step_bins, 4096)
 
 

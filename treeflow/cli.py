@@ -111,46 +111,69 @@ def cmd_inspect(args) -> int:
 
 # ---------------------------------------------------------------- plan
 def cmd_plan(args) -> int:
+    """Plan steps the way `replay --mode train --ranks R` does: every rank its own share."""
+    import tracemalloc
+
     import numpy as np
 
-    from treeflow.pipeline.source import Files
-    from treeflow.stages import Fragment, Pack, Shard
-
     from treeflow._output import table_output
+    from treeflow.cli_train import plan_stages
+    from treeflow.pipeline.source import Files
+    from treeflow.stages.shard import CostModel, bin_costs
 
     _positive(args, "max_tokens", "ranks", "batch_episodes")
-    pack = Pack(layout=args.layout, scope=args.scope)
-    frag = Fragment(max_tokens=args.max_tokens, pad_to_multiple=args.ranks)
-    shard = Shard(num_ranks=args.ranks)
+    if args.rank is not None and not 0 <= args.rank < args.ranks:
+        raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.ranks}) (--ranks "
+                         f"{args.ranks}), or leave it out to plan every rank")
+    plan_ranks = range(args.ranks) if args.rank is None else (args.rank,)
     t0 = time.perf_counter()
-    sums = dict(episodes=0, steps=0, bins=0, exact_tokens=0, layout_tokens=0, executed_tokens=0,
-                repeated_tokens=0, edges=0, occurrences=0)
-    imbalances = []
+    sums = dict(episodes=0, steps=0, ranks=args.ranks, bins=0, exact_tokens=0, layout_tokens=0,
+                executed_tokens=0, repeated_tokens=0, edges=0, occurrences=0)
+    imbalances, seconds, peaks, empty = [], [], [], 0
     with ExitStack() as stack:
         out = stack.enter_context(table_output(args.output, args.files, what="bins")) \
             if args.output else None
         advance = stack.enter_context(_progress("plan", _count_rows(args.files),
                                                 args.json or args.quiet))
         for step, window in enumerate(Files(paths=tuple(args.files), window=args.batch_episodes)):
-            layouts = pack(window, step=step)
-            bins, report = shard.plan(frag(layouts))
-            if out is not None:
-                out.write(bins)
+            rank_cost = np.zeros(args.ranks)
+            for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
+                pack, *maps = plan_stages(args, args.ranks, rank)
+                tracemalloc.start()
+                t1 = time.perf_counter()
+                layouts = pack.map(window, step=step)
+                bins = layouts
+                for stage in maps:
+                    bins = stage.map(bins, step=step)
+                seconds.append(time.perf_counter() - t1)
+                peaks.append(tracemalloc.get_traced_memory()[1])
+                tracemalloc.stop()
+                if out is not None:
+                    out.write(bins)
+                rank_cost[rank] = float(bin_costs(bins, CostModel.llama_1b()).sum())
+                empty += int(bins.num_rows == 0)
+                sums["bins"] += bins.num_rows
+                sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
+                sums["layout_tokens"] += _total_len(layouts, "tokens")
+                sums["executed_tokens"] += _total_len(bins, "tokens")
+                sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
+                sums["edges"] += _total_len(bins, "edge_sources")
+                sums["occurrences"] += _total_len(bins, "occ_edge")
+            if args.rank is None:
+                mean = rank_cost.mean()
+                imbalances.append(float(rank_cost.max() / mean - 1.0) if mean > 0 else 0.0)
             sums["episodes"] += window.num_rows
             sums["steps"] += 1
-            sums["bins"] += bins.num_rows
-            sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
-            sums["layout_tokens"] += _total_len(layouts, "tokens")
-            sums["executed_tokens"] += _total_len(bins, "tokens")
-            sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
-            sums["edges"] += _total_len(bins, "edge_sources")
-            sums["occurrences"] += _total_len(bins, "occ_edge")
-            imbalances.append(report.imbalance)
-            advance(window.num_rows, tokens=int(np.sum(layouts.column("exact_tokens").to_numpy())))
+            advance(window.num_rows)
     sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
     sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
-    sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
-    sums["rank_imbalance_mean"] = float(np.mean(imbalances)) if imbalances else 0.0
+    if args.rank is None:  # a split tree's layout is counted by each rank that shares it
+        sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
+        sums["rank_imbalance_mean"] = float(np.mean(imbalances)) if imbalances else 0.0
+        sums["ranks_without_bins"] = empty
+    sums["rank_plan_seconds_max"] = round(max(seconds, default=0.0), 4)
+    sums["rank_plan_seconds_mean"] = round(float(np.mean(seconds)) if seconds else 0.0, 4)
+    sums["rank_plan_peak_mib_max"] = round(max(peaks, default=0) / 2**20, 1)
     sums["seconds"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(sums))
@@ -375,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, required=True)
     s.add_argument("--ranks", type=int, default=1)
     s.add_argument("--batch-episodes", type=int, default=256, help="episodes per step")
+    s.add_argument("--rank", type=int, default=None,
+                   help="plan only this rank's share (default: every rank, one after another)")
     s.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")

@@ -15,8 +15,9 @@ safety lives in treeflow/train/checkpoint.py.
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
 group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --ranks N`), whose
-environment is recognised. Every rank reads the same windows and runs the bins Shard gave
-it; rank 0 writes the metrics and prints; all ranks write the checkpoint together.
+environment is recognised. Every rank reads the same windows, lays out and bins only its own
+share of each step (`plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
+metrics and prints; all ranks write the checkpoint together.
 """
 
 from __future__ import annotations
@@ -159,9 +160,22 @@ def _stages(args):
     return forward, reduce
 
 
+def plan_stages(args, world: int, rank: int) -> tuple:
+    """The map stages that plan a training step on data-parallel rank `rank` of `world`.
+
+    One rank lays out and bins only its share of the step, dealt from per-tree summaries
+    (stages/_share.py); Shard keeps the ranks. `treeflow plan --ranks R` runs these for every rank.
+    """
+    from treeflow.stages import Fragment, Pack, Shard
+
+    if world == 1:
+        return (Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens))
+    return (Pack(layout=args.layout, scope=args.scope, ranks=world, rank=rank),
+            Fragment(max_tokens=args.max_tokens, ranks=world, rank=rank), Shard(num_ranks=world))
+
+
 def _train(args, *, distributed: bool) -> int:
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.stages import Fragment, Pack, Shard
     from treeflow.train import DataParallel, Trainer
     from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
 
@@ -176,10 +190,7 @@ def _train(args, *, distributed: bool) -> int:
         lead = rank == 0 and tp_rank == 0
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
-    shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()
-    # each rank's share of whole layouts is packed on its own (stages/_deal.py); Shard keeps it
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
-                    Fragment(max_tokens=args.max_tokens, ranks=dp.world), *shard, forward, reduce)
+    pipe = Pipeline(*plan_stages(args, dp.world, dp.rank), forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
@@ -360,4 +371,4 @@ def add_train_options(p) -> None:
                    help="float64: exact gradient sums, independent of bin order and rank count")
 
 
-__all__ = ["add_train_options", "cmd_train"]
+__all__ = ["add_train_options", "cmd_train", "plan_stages"]

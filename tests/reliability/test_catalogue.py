@@ -197,6 +197,8 @@ def _file_case(kind):
             return ["replay", good], ["-o"]
         if kind == "ranks-0":
             return ["plan", good, "--max-tokens", "64", "--ranks", "0"], ["--ranks 0"]
+        if kind == "plan-rank-out-of-range":
+            return ["plan", good, "--max-tokens", "64", "--ranks", "2", "--rank", "2"], ["--rank 2"]
         if kind == "max-tokens-0":
             return ["plan", good, "--max-tokens", "0"], ["--max-tokens 0"]
         if kind == "device":
@@ -240,6 +242,7 @@ def _file_case(kind):
 FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "schema-version",
          "missing-file", "empty-glob", "empty-dir", "junk-arrow", "truncated-parquet", "csv-input",
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
+         "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable"]

@@ -40,6 +40,8 @@ class Fragment(Stage):
     (largest modelled cost onto the lightest rank), pack every rank's share on its own and pad
     the shares to one bin count; the bins carry their rank, which Shard keeps (stages/_deal.py
     says why: a rank gets the plan one rank would make for its share).
+    rank: plan only this rank's bins, from the layouts of its share (`Pack(ranks=, rank=)` with
+    the same ranks and rank; stages/_share.py): O(N / ranks) per rank, no padding bins.
     """
 
     input_schema = LAYOUT_SCHEMA
@@ -48,14 +50,16 @@ class Fragment(Stage):
     max_tokens: int
     pad_to_multiple: int = 1
     ranks: int = 1
+    rank: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 2:
             raise ValueError(f"Fragment(max_tokens={self.max_tokens!r}): give an int >= 2")
         if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
             raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple!r}): give an int >= 1")
-        if not isinstance(self.ranks, int) or self.ranks < 1:
-            raise ValueError(f"Fragment(ranks={self.ranks!r}): give an int >= 1")
+        from treeflow.stages.pack import _check_rank
+
+        _check_rank(self)
         if self.ranks > 1 and self.pad_to_multiple not in (1, self.ranks):
             raise ValueError(f"Fragment(ranks={self.ranks}, pad_to_multiple={self.pad_to_multiple}): "
                              "with ranks every rank gets the same bin count already; drop "
@@ -65,6 +69,13 @@ class Fragment(Stage):
         return self.max_tokens
 
     def __call__(self, layouts: pa.Table) -> pa.Table:
+        if self.rank is not None:
+            from treeflow.stages._deal import fragment_share
+            from treeflow.stages.shard import CostModel
+
+            return fragment_share(layouts, max_tokens=self.max_tokens, ranks=self.ranks,
+                                  rank=self.rank, cost=CostModel.llama_1b(),
+                                  pack=lambda share, budget: fragment(share, max_tokens=budget))
         if self.ranks > 1:
             from treeflow.stages._deal import fragment_for_ranks
             from treeflow.stages.shard import CostModel

@@ -26,6 +26,7 @@ import pyarrow as pa
 from treeflow.schemas.episode import EPISODE_SCHEMA
 from treeflow.schemas.layout import LAYOUT_SCHEMA
 from treeflow.stages._flat import Calls, ranges, segment_ids
+from treeflow.stages._share import scope_rows
 from treeflow.stages.base import Stage
 
 LAYOUTS = ("tree", "chain", "exact")
@@ -41,6 +42,9 @@ class Pack(Stage):
     scope: for "tree", share across the episodes of a group ("group") or only
     inside an episode ("episode"); default: "group" when the window has
     group ids, else "episode". chain and exact always use episode scope.
+    ranks, rank: lay out only rank `rank`'s share of the window for `ranks` data-parallel
+    ranks: its trees, dealt from per-tree summaries (stages/_share.py), and the trees whose bins
+    it shares with other ranks (their `share` column); give `Fragment` the same ranks and rank.
     """
 
     input_schema = EPISODE_SCHEMA
@@ -48,6 +52,8 @@ class Pack(Stage):
 
     layout: Literal["tree", "chain", "exact"] = "tree"
     scope: Literal["episode", "group"] | None = None
+    ranks: int = 1
+    rank: int | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -57,6 +63,7 @@ class Pack(Stage):
         if self.scope == "group" and self.layout != "tree":
             raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
                              "shares across episodes; use layout='tree' or scope='episode'")
+        _check_rank(self)
 
     def map(self, episodes: pa.Table, *, step: int) -> pa.Table:
         return self(episodes, step=step)
@@ -65,24 +72,67 @@ class Pack(Stage):
         if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
             raise TypeError("Pack takes validated episodes: pass the table through "
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
-        return pack(episodes, layout=self.layout, scope=self.scope, step=step)
+        if self.rank is None:
+            return pack(episodes, layout=self.layout, scope=self.scope, step=step)
+        return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
+                          ranks=self.ranks, rank=self.rank)
+
+
+def _check_rank(stage) -> None:
+    """ranks >= 1 and rank None or in [0, ranks): shared by Pack and Fragment."""
+    name = type(stage).__name__
+    if not isinstance(stage.ranks, int) or stage.ranks < 1:
+        raise ValueError(f"{name}(ranks={stage.ranks!r}): give an int >= 1")
+    if stage.rank is not None and (not isinstance(stage.rank, int) or not 0 <= stage.rank < stage.ranks):
+        raise ValueError(f"{name}(rank={stage.rank!r}, ranks={stage.ranks}): give a rank in "
+                         f"[0, {stage.ranks}), or None to plan every rank")
+
+
+def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """`table.take(rows)` for ascending rows, chunk by chunk: Arrow's take on a chunked nested
+    column concatenates every chunk first, which would copy the whole step (memory-mapped files
+    are read one record batch per chunk)."""
+    parts, lo = [], 0
+    for batch in table.to_batches():
+        hi = lo + batch.num_rows
+        a, b = np.searchsorted(rows, [lo, hi])
+        if b > a:
+            parts.append(batch.take(pa.array(rows[a:b] - lo)))
+        lo = hi
+    return pa.Table.from_batches(parts, schema=table.schema)
+
+
+def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,
+               rank: int) -> pa.Table:
+    """Layouts of rank `rank`'s share (stages/_share.py); layout_id is the tree's index in the step."""
+    from treeflow.stages._share import rank_share
+    from treeflow.stages.shard import CostModel
+
+    share = rank_share(episodes, layout=layout, scope=scope, ranks=ranks, rank=rank,
+                       cost=CostModel.llama_1b())
+    if not len(share.rows):
+        return LAYOUT_SCHEMA.empty_table()
+    # the trees keep their order of first appearance, so Pack numbers them as share.trees
+    layouts = pack(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step)
+    assert layouts.num_rows == len(share.trees), (layouts.num_rows, len(share.trees))
+    split = share.slots > 1
+    offs = np.concatenate([[0], np.cumsum(np.where(split, 2, 0))]).astype(np.int32)
+    vals = np.stack([share.slot, share.slots], axis=1)[split].reshape(-1).astype(np.int32)
+    mask = pa.array(~split)
+    col = pa.ListArray.from_arrays(pa.array(offs), pa.array(vals, pa.int32()), mask=mask)
+    layouts = layouts.set_column(layouts.schema.get_field_index("layout_id"),
+                                 LAYOUT_SCHEMA.field("layout_id"), pa.array(share.trees, pa.int64()))
+    return layouts.set_column(layouts.schema.get_field_index("share"), LAYOUT_SCHEMA.field("share"),
+                              col)
 
 
 def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarray, list[str]]:
-    """Scope index per row (in order of first appearance) and the scope names.
-
-    Keys are (kind, id) pairs, so a group id can never merge with an episode id.
-    """
+    """Scope index per row (in order of first appearance) and the scope names (stages/_share.py)."""
     has_groups = any(g is not None for g in calls.group_ids)
     if scope == "group" and not has_groups:
         warnings.warn("Pack(scope='group'): this window has no group ids, so every episode is "
                       "its own scope; set group_id on the episodes to share prompts", stacklevel=3)
-    use_group = layout == "tree" and (scope == "group" or (scope is None and has_groups))
-    keys = [("group", g) if (use_group and g is not None) else ("episode", e)
-            for e, g in zip(calls.episode_ids, calls.group_ids)]
-    index: dict[tuple[str, str], int] = {}
-    row_scope = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
-    return row_scope, [name for _, name in index]
+    return scope_rows(calls.episode_ids, calls.group_ids, layout, scope)
 
 
 def _keys_bytes(calls: Calls) -> bytes:
@@ -232,6 +282,7 @@ def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, 
         "occ_advantage": lst(calls.advantage_S[occ_order], occ_bounds, pa.float32()),
         "occ_generation_logprob": lst(calls.genlp_S[occ_order], occ_bounds, pa.float32()),
         "occ_loss_mask": lst(calls.mask_S[occ_order], occ_bounds, pa.bool_()),
+        "share": pa.nulls(n_scopes, LAYOUT_SCHEMA.field("share").type),
     }
     return pa.Table.from_arrays([cols[f.name] for f in LAYOUT_SCHEMA], schema=LAYOUT_SCHEMA)
 

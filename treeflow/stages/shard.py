@@ -165,7 +165,8 @@ class Shard(Stage):
         given = bins.column("rank").to_numpy()
         if len(given) and given.min() >= 0:  # dealt by Fragment(ranks=...)
             dealt = len(np.unique(given))
-            if dealt != self.num_ranks or given.max() >= self.num_ranks:
+            # one rank's share (Fragment(rank=r)) holds only its own rank
+            if (dealt != self.num_ranks and dealt != 1) or given.max() >= self.num_ranks:
                 raise ValueError(f"the bins were dealt to {dealt} ranks by Fragment(ranks={dealt}) "
                                  f"but Shard has num_ranks={self.num_ranks}; give both the same "
                                  "rank count")

@@ -1,8 +1,8 @@
 """Data-parallel ranks as processes: the process group, the gradient sum, and failing together.
 
-A data-parallel rank is a process (one per GPU; one per CPU worker in tests). Every rank runs
-the same CPU stages over the same window -- Pack, Fragment and Shard are deterministic, so all
-ranks compute the same plan without talking -- and then runs only the bins Shard gave it.
+A data-parallel rank is a process (one per GPU; one per CPU worker in tests). Every rank reads
+the same window and plans only its own share of it -- the deal is deterministic, so the ranks
+agree on it without talking (stages/_share.py) -- and then runs only the bins Shard gave it.
 Occurrence loss weights are fixed from the step's logical episodes before anything is split,
 so the step's gradient is the SUM of the ranks' local gradients (an all-reduce SUM, never a
 mean), clipping comes after the reduction (on the global norm), and every rank takes the same

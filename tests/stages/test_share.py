@@ -1,0 +1,135 @@
+"""Sharded planning (stages/_share.py): every rank plans its own share; together they plan the step.
+
+The ranks' bins are checked against the episodes themselves (tests/stages/conftest.check_bins: every
+occurrence in exactly one bin, every edge id once, each edge's path spells its context, bins within
+the budget), and their balance against the whole-step planner's (`Fragment(ranks=R)` on the whole
+step's layouts): better where a step has few trees per rank, within the deal's estimate where it has
+many (the documented difference).
+"""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.stages.conftest import check_bins, episode_tables
+from treeflow.pipeline.synth import synth_episodes
+from treeflow.stages import Fragment, Pack, Shard
+from treeflow.stages._share import lpt_deal, tree_summaries
+from treeflow.stages.shard import CostModel, bin_costs
+
+COST = CostModel.llama_1b()
+
+
+def small(episodes, group_size, seed):
+    """Synthetic agent episodes, short enough for check_bins' per-occurrence walk."""
+    return synth_episodes(episodes=episodes, group_size=group_size, turns=(2, 6), system_tokens=40,
+                          user_tokens=(5, 20), completion_tokens=(3, 15), tool_tokens=(3, 20),
+                          seed=seed)
+
+
+def sharded(eps, ranks, max_tokens, scope=None, layout="tree"):
+    """Every rank's bins, planned one rank at a time the way a trainer rank plans them."""
+    parts = []
+    for r in range(ranks):
+        layouts = Pack(layout=layout, scope=scope, ranks=ranks, rank=r)(eps)
+        bins = Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens, ranks=ranks, rank=r)(layouts))
+        assert set(bins.column("rank").to_pylist()) <= {r}
+        parts.append(bins)
+    return pa.concat_tables(parts)
+
+
+def whole(eps, ranks, max_tokens, scope=None):
+    layouts = Pack(scope=scope)(eps)
+    return Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens, ranks=ranks)(layouts))
+
+
+def rank_cost(bins, ranks):
+    return np.bincount(bins.column("rank").to_numpy(), weights=bin_costs(bins, COST), minlength=ranks)
+
+
+def imbalance(bins, ranks):
+    c = rank_cost(bins, ranks)
+    return float(c.max() / c.mean() - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(episode_tables(max_episodes=6, max_calls=5), st.integers(9, 40), st.integers(1, 9),
+       st.sampled_from(["tree", "chain", "exact"]))
+def test_ranks_together_own_every_edge_once_within_the_budget(eps, max_tokens, ranks, layout):
+    deepest = max(len(c["token_ids"]) for row in eps.to_pylist() for c in row["calls"])
+    max_tokens = max(max_tokens, deepest)
+    bins = sharded(eps, ranks, max_tokens, layout=layout)
+    check_bins(eps, bins, max_tokens)
+    assert len(set(bins.column("bin_id").to_pylist())) == bins.num_rows
+
+
+def test_sharded_bins_hold_the_same_tokens_and_occurrences_as_the_whole_step_plan():
+    eps = small(48, 4, seed=7)
+    for ranks, scope in ((1, None), (3, None), (4, "episode")):
+        a, b = sharded(eps, ranks, 1024, scope), whole(eps, ranks, 1024, scope)
+        check_bins(eps, a, 1024)
+        tokens = [sorted(t for row in x.column("tokens").to_pylist() for t in row) for x in (a, b)]
+        assert tokens[0] == tokens[1]  # no tree is cut at this budget: the same nodes run
+
+
+def test_one_rank_is_the_one_rank_plan():
+    eps = small(16, 4, seed=2)
+    a = sharded(eps, 1, 256)
+    b = Fragment(max_tokens=256)(Pack()(eps))
+    for col in ("tokens", "parents", "positions", "occ_sample_index", "occ_call", "occ_offset",
+                "repeated_tokens"):
+        assert a.column(col).to_pylist() == b.column(col).to_pylist(), col
+
+
+@pytest.mark.parametrize("episodes,group_size,ranks,max_tokens", [
+    (16, 8, 3, 2048),   # 2 groups on 3 ranks (the issue's case), each group fits one bin
+    (16, 8, 8, 1024),   # 2 groups on 8 ranks
+    (6, 1, 8, 512),     # 6 episodes on 8 ranks
+])
+def test_fewer_trees_than_ranks_leaves_no_rank_without_work(episodes, group_size, ranks, max_tokens):
+    eps = small(episodes, group_size, seed=3)
+    bins = sharded(eps, ranks, max_tokens)
+    check_bins(eps, bins, max_tokens)
+    edges = np.bincount(bins.column("rank").to_numpy(),
+                        weights=pa.compute.list_value_length(bins.column("edge_sources")).to_numpy(),
+                        minlength=ranks)
+    assert (edges > 0).all(), edges
+    before = whole(eps, ranks, max_tokens)
+    assert (rank_cost(before, ranks) == 0).any()  # the whole-step deal leaves some idle
+    assert imbalance(bins, ranks) < imbalance(before, ranks)
+
+
+def test_balance_with_many_trees_per_rank_stays_within_the_estimate():
+    """The documented difference: the deal balances estimated costs (list offsets only), so with
+    many trees per rank the modelled imbalance may exceed the exact-cost deal's by the estimate's
+    error (~1-2 points); with few trees per rank it is better (test above)."""
+    eps = synth_episodes(episodes=128, group_size=8, seed=5)
+    for ranks in (2, 4):
+        a, b = imbalance(sharded(eps, ranks, 16384), ranks), imbalance(whole(eps, ranks, 16384), ranks)
+        assert a <= b + 0.03, (ranks, a, b)
+
+
+def test_summaries_estimate_tree_sizes_from_offsets():
+    eps = synth_episodes(episodes=64, group_size=8, seed=9)
+    for scope in ("episode", "group"):
+        s = tree_summaries(eps, layout="tree", scope=scope)
+        nodes = pa.compute.list_value_length(Pack(scope=scope)(eps).column("tokens")).to_numpy()
+        assert len(s.nodes_T) == len(nodes)
+        assert abs(s.nodes_T.sum() / nodes.sum() - 1) < 0.08, scope  # an estimate: within 8%
+    exact = tree_summaries(eps, layout="exact", scope=None)
+    nodes = pa.compute.list_value_length(Pack(layout="exact")(eps).column("tokens")).to_numpy()
+    assert (exact.nodes_T == nodes).all()  # exact calls: no sharing to guess
+
+
+def test_lpt_deal_is_largest_first_onto_the_lightest_rank():
+    assert lpt_deal(np.array([5.0, 1.0, 4.0, 3.0, 3.0]), 2).tolist() == [0, 1, 1, 1, 0]
+    assert lpt_deal(np.array([1.0, 1.0, 1.0]), 3).tolist() == [0, 1, 2]  # ties: lowest rank
+
+
+def test_rank_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="rank=2, ranks=2"):
+        Pack(ranks=2, rank=2)
+    with pytest.raises(ValueError, match="rank=-1"):
+        Fragment(max_tokens=64, ranks=2, rank=-1)

@@ -1,0 +1,172 @@
+"""Sharded planning: deal a step's trees to ranks from per-tree summaries, so each rank plans its share.
+
+Planning a whole step on every rank (Pack, then `Fragment(ranks=N)`'s deal on the layouts' exact
+costs, then every share packed and Shard's cost model over all bins) costs every rank O(N log N)
+time and O(N) memory for N tokens. Here each rank reads only Arrow *offsets* of the whole step --
+calls per episode, tokens per call, `sampled_start` -- and estimates every tree's size and cost from
+them (O(calls), vectorised, no token is read): a call at least as long as the longest call before it
+in its episode extends that one; else one at least as long as the previous call extends the
+previous call; else it starts a new branch. A GRPO group tree shares its first call's prompt once.
+The trees are dealt largest estimated cost first onto the least-loaded rank (whole trees where the
+step has at least as many trees as ranks); with fewer trees than ranks the ranks are divided among
+the trees in proportion to their cost (at most one rank per estimated branch of a tree, since
+Fragment never splits an append-only run), and the ranks of one tree share out its bins. A rank then
+packs only its trees (`Pack(ranks=R, rank=r)`) and bins them (`Fragment(ranks=R, rank=r)`): time and
+memory O(N/R + trees) per rank, with no communication.
+
+The trade-off: the deal balances *estimated* costs, so the bins per rank differ from the whole-step
+planner's (which deals on the packed layouts' exact costs): the estimate is within ~5% of a tree's
+nodes on agentic episodes, so with many trees per rank the modelled imbalance is about a point above
+the exact deal's, while a step with few trees per rank is far better balanced and leaves far fewer
+ranks empty (only where its trees cannot be cut into enough bins; tests/stages/test_share.py,
+bench/bench_plan_scale.py). No rank can borrow space in another's
+last bin, and there are no padding bins: ranks may run different numbers of bins (the FSDP trainer
+pads passes itself).
+
+Legend: R episode rows, C calls, T trees, K ranks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["RankShare", "TreeSummaries", "rank_share", "scope_rows", "tree_summaries"]
+
+
+def scope_rows(episode_ids: list, group_ids: list, layout: str, scope: str | None):
+    """Scope (tree) index per row, in order of first appearance, and the scope names (Pack's rule).
+
+    Keys are (kind, id) pairs, so a group id can never merge with an episode id.
+    """
+    has_groups = any(g is not None for g in group_ids)
+    use_group = layout == "tree" and (scope == "group" or (scope is None and has_groups))
+    keys = [("group", g) if (use_group and g is not None) else ("episode", e)
+            for e, g in zip(episode_ids, group_ids)]
+    index: dict = {}
+    row_scope = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
+    return row_scope, [name for _, name in index]
+
+
+@dataclass(frozen=True)
+class TreeSummaries:
+    """Per tree of a step: estimated nodes, attention pairs and loss edges, and its rows."""
+
+    tree_R: np.ndarray     # tree index of each episode row
+    nodes_T: np.ndarray    # estimated nodes
+    pairs_T: np.ndarray    # estimated attention pairs, sum of (depth + 1)
+    edges_T: np.ndarray    # sampled tokens (an upper bound on the edges)
+    branches_T: np.ndarray  # estimated append-only runs (the most pieces Fragment can cut)
+
+    def costs(self, cost) -> np.ndarray:
+        """Shard's formula (`CostModel` coefficients) on the estimates."""
+        return cost.token * self.nodes_T + cost.pair * self.pairs_T + cost.edge * self.edges_T
+
+
+def _lengths(col) -> np.ndarray:
+    return pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def tree_summaries(episodes: pa.Table, *, layout: str, scope: str | None) -> TreeSummaries:
+    """Estimates per tree from the step's list offsets only (O(calls); no token is read)."""
+    tree_R, _ = scope_rows(episodes.column("episode_id").to_pylist(),
+                           episodes.column("group_id").to_pylist(), layout, scope)
+    n_trees = int(tree_R.max()) + 1 if len(tree_R) else 0
+    calls = episodes.column("calls")
+    n_calls_R = _lengths(calls)
+    flat = pc.list_flatten(calls)
+    len_C = _lengths(pc.struct_field(flat, "token_ids"))
+    start_C = pc.struct_field(flat, "sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    row_C = np.repeat(np.arange(len(n_calls_R)), n_calls_R)
+    first_C = np.zeros(len(len_C), dtype=bool)
+    first_C[(np.cumsum(n_calls_R) - n_calls_R)[n_calls_R > 0]] = True
+    if layout == "exact" or not len(len_C):
+        base_C = np.zeros(len(len_C), dtype=np.int64)
+    else:
+        big = int(len_C.max()) + 1
+        run_max = np.maximum.accumulate(len_C + row_C * big) - row_C * big  # max so far, this call in
+        prev_max = np.concatenate([[0], run_max[:-1]])
+        prev = np.concatenate([[0], len_C[:-1]])
+        base_C = np.where(len_C >= prev_max, prev_max, np.where(len_C >= prev, prev, 0))
+        base_C[first_C] = 0
+    new_C = len_C - base_C
+    pairs_C = (len_C * (len_C + 1) - base_C * (base_C + 1)) // 2
+    tree_C = tree_R[row_C]
+    nodes_T = np.bincount(tree_C, weights=new_C, minlength=n_trees)
+    pairs_T = np.bincount(tree_C, weights=pairs_C, minlength=n_trees)
+    edges_T = np.bincount(tree_C, weights=len_C - start_C, minlength=n_trees)
+    branches_T = np.bincount(tree_C, weights=(base_C == 0), minlength=n_trees)
+    eps_T = np.bincount(tree_R, minlength=n_trees)
+    if layout == "tree" and len(len_C) and (eps_T > 1).any():  # a group shares its first prompt once
+        prompt_R = np.zeros(len(n_calls_R), dtype=np.int64)
+        prompt_R[n_calls_R > 0] = start_C[first_C]
+        shared = np.full(n_trees, np.iinfo(np.int64).max)
+        np.minimum.at(shared, tree_R, prompt_R)
+        dup = eps_T - 1
+        nodes_T = nodes_T - dup * shared
+        pairs_T = pairs_T - dup * (shared * (shared + 1) // 2)
+    return TreeSummaries(tree_R=tree_R, nodes_T=nodes_T.astype(np.int64),
+                         pairs_T=pairs_T.astype(np.float64), edges_T=edges_T.astype(np.int64),
+                         branches_T=np.maximum(branches_T, 1).astype(np.int64))
+
+
+def lpt_deal(costs: np.ndarray, ranks: int) -> np.ndarray:
+    """The rank of each item: largest cost first onto the least-loaded rank (ties: lowest rank).
+
+    A heap over ranks: O(items log ranks), the same answer as scanning the loads each time.
+    """
+    out = np.zeros(len(costs), dtype=np.int32)
+    heap = [(0.0, r) for r in range(ranks)]
+    for i in np.argsort(-np.asarray(costs, dtype=np.float64), kind="stable"):
+        load, r = heapq.heappop(heap)
+        out[i] = r
+        heapq.heappush(heap, (load + float(costs[i]), r))
+    return out
+
+
+def _slots(costs: np.ndarray, caps: np.ndarray, ranks: int) -> np.ndarray:
+    """Ranks per tree when there are fewer trees than ranks: one each, then one at a time to the tree
+    with the largest cost per rank that can still be cut further (D'Hondt)."""
+    slots = np.ones(len(costs), dtype=np.int64)
+    heap = [(-float(c), t) for t, c in enumerate(costs) if caps[t] > 1]
+    heapq.heapify(heap)
+    for _ in range(ranks - len(costs)):
+        if not heap:
+            break
+        _, t = heapq.heappop(heap)
+        slots[t] += 1
+        if slots[t] < caps[t]:
+            heapq.heappush(heap, (-float(costs[t]) / (slots[t] + 1), t))
+    return slots
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank plans: its episode rows (in step order) and, per tree it holds, its part."""
+
+    rows: np.ndarray    # episode rows of the rank's trees, ascending
+    trees: np.ndarray   # the trees, ascending (global tree index = Pack's layout_id on the whole step)
+    slot: np.ndarray    # per tree: which of its `slots` parts this rank takes
+    slots: np.ndarray   # per tree: ranks its bins are dealt over (1: the tree is this rank's alone)
+
+
+def rank_share(episodes: pa.Table, *, layout: str, scope: str | None, ranks: int, rank: int,
+               cost) -> RankShare:
+    """Rank `rank`'s share of one step for `ranks` ranks (every rank computes the same deal)."""
+    s = tree_summaries(episodes, layout=layout, scope=scope)
+    costs = s.costs(cost)
+    n_trees = len(costs)
+    if n_trees >= ranks:
+        first = lpt_deal(costs, ranks).astype(np.int64)
+        slots = np.ones(n_trees, dtype=np.int64)
+    else:
+        slots = _slots(costs, s.branches_T, ranks)
+        first = np.cumsum(slots) - slots
+    trees = np.flatnonzero((first <= rank) & (rank < first + slots))
+    rows = np.flatnonzero(np.isin(s.tree_R, trees))
+    return RankShare(rows=rows, trees=trees, slot=(rank - first[trees]).astype(np.int64),
+                     slots=slots[trees])
