@@ -216,13 +216,14 @@ def _replay(args) -> int:
     with output as out:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
-                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
+                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
+                          routing=args.routing)
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
                         Reassemble(entropy=args.entropy))
         source = Files(paths=tuple(args.files), window=args.window,
-                       vocab_size=forward.vocab_size_hint())
+                       vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         total_rows = _count_rows(args.files)
@@ -248,6 +249,8 @@ def _replay(args) -> int:
     for k in ("prepare_seconds", "device_seconds"):
         if k in sums:
             sums[k] = round(sums[k], 3)
+    if sums.get("route_rows"):  # MoE: replayed (token, layer) rows whose own top-k agreed
+        sums["route_agreement"] = round(sums.pop("route_agree") / sums.pop("route_rows"), 6)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
     if device.startswith("cuda"):
@@ -309,6 +312,11 @@ def model_options(s) -> None:
                         "layers, fused edge loss, tuned flex tiles; lean: fast + MLP "
                         "recomputation) and/or name=value,... e.g. fast,recompute=attention or "
                         "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: none)")
+    s.add_argument("--routing", choices=("auto", "replay", "recompute"), default="auto",
+                   help="MoE experts: replay the episodes' routed_experts on every tree node "
+                        "(combine weights from the current router), or let the router recompute "
+                        "them; auto = replay when the episodes carry routes and the model has "
+                        "experts")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
     s.add_argument("--engine", choices=("local", "ray"), default="local",

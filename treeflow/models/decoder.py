@@ -141,11 +141,12 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                 attention: AttentionPlan, tuning: Tuning | None = None,
-                routes_NW: torch.Tensor | None = None) -> torch.Tensor:
+                routes_NW: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
         """Final-normed hidden states; `tuning` (models/tuning.py) picks compile/recompute.
 
         routes_NW: replayed expert ids per node (MoE layers x top_k, -1 = router's choice);
-        None lets every router choose. Route agreement accumulates in `route_tally`.
+        None lets every router choose; replay=False too, but counts agreement with routes_NW.
+        Route agreement accumulates in `route_tally`.
         """
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
@@ -172,7 +173,8 @@ class Decoder(nn.Module):
             block = None
             if moe is not None and i in moe.moe_layers:
                 j = moe.moe_layers.index(i) * moe.top_k
-                block = (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally)
+                block = (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally,
+                         replay)
             x_NH = layer(x_NH, cos_ND, sin_ND, attention, ops, block)
         if tally:
             counts = torch.stack(list(tally.values())).sum(0).detach()

@@ -179,7 +179,7 @@ class MoeBlock(nn.Module):
     """The sparse MLP of one layer: `block(x_NH, route_NK, tally) -> y_NH`.
 
     route_NK: replayed expert ids (int64, -1 = let the router choose), or None
-    to recompute. tally: a dict this block writes its (agreeing rows, rows)
+    to recompute; replay=False recomputes but still counts agreement. tally: a dict this block writes its (agreeing rows, rows)
     counts into under its layer index (written, not added, so recomputation in
     backward cannot count twice).
     """
@@ -194,7 +194,7 @@ class MoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
     def forward(self, x_NH: torch.Tensor, route_NK: torch.Tensor | None = None,
-                tally: dict | None = None) -> torch.Tensor:
+                tally: dict | None = None, replay: bool = True) -> torch.Tensor:
         moe = self.moe
         logits_NX = F.linear(x_NH, self.gate.weight)
         probs_NX = torch.softmax(logits_NX.float(), dim=-1)
@@ -204,10 +204,10 @@ class MoeBlock(nn.Module):
             idx_NK = own_NK
         else:
             given_N = (route_NK >= 0).all(dim=-1)
-            idx_NK = torch.where(given_N[:, None], route_NK, own_NK)
             if tally is not None:
-                same_N = (own_NK.sort(-1).values == idx_NK.sort(-1).values).all(-1) & given_N
+                same_N = (own_NK.sort(-1).values == route_NK.sort(-1).values).all(-1) & given_N
                 tally[self.layer_index] = torch.stack([same_N.sum(), given_N.sum()])
+            idx_NK = torch.where(given_N[:, None], route_NK, own_NK) if replay else own_NK
         w_NK = probs_NX.gather(1, idx_NK)
         if moe.norm_topk_prob:
             w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)

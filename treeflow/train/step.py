@@ -345,8 +345,18 @@ class Step:
                                else 0.0),
             "gen_kl": float(gen[0] / gen[1]) if gen[1] else None,
             "gen_logprob_max_diff": float(gen_max[0]) if gen[1] else None,
+            "route_agreement": self._route_agreement(),
         }
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
+
+    def _route_agreement(self) -> float | None:
+        """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route."""
+        runner = self.trainer.runner
+        if getattr(runner, "route_width", None) is None:  # the same on every rank
+            return None
+        tally = runner.take_route_tally() or (0, 0)
+        agree, rows = self.trainer.dp.sum_array(np.array(tally, dtype=np.float64))
+        return float(agree / rows) if rows else None
 
 
 _START = {"ratio_max": -np.inf, "ratio_min": np.inf}

@@ -74,6 +74,9 @@ __all__ = ["MegatronBackend", "build_gpt_model"]
 def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
                     sequence_parallel: bool = False) -> GPTModel:
     """An MCore GPTModel of the HF config's shape (this rank's shard), parameters on CPU, uninitialised."""
+    if c.moe is not None or c.qk_norm:
+        raise ValueError(f"{c.architecture}: the megatron backend does not run MoE (or q/k-norm) "
+                         "models yet; use --backend reference, which runs it with routing replay")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if c.vocab_size % tp:
         raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tensor parallelism {tp}; "
