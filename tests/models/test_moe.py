@@ -25,6 +25,15 @@ from treeflow.stages.fragment import fragment
 LAYOUTS = ("tree", "chain", "exact")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: intra-op threads only contend (30x slower on a busy 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """(transformers model, treeflow Decoder loaded from its saved checkpoint)."""
