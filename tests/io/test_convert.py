@@ -167,3 +167,22 @@ def test_chat_needs_an_assistant_message(tmp_path, tokenizer_dir):
     path = _write(tmp_path, [{"episode_id": "x", "messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(ValueError, match="line 1: no assistant message"):
         list(episodes_from_jsonl([path], ChatTemplateTokens(tokenizer=tokenizer_dir)))
+
+
+def test_nemo_rl_mixed_route_widths_name_the_right_line(tmp_path, capsys):
+    """Three valid lines whose route widths are 2, 2, 1: the third line is the one to blame."""
+    from treeflow.cli import main
+
+    def line(eid, width):
+        route = [[list(range(width))]]
+        return json.dumps({"id": eid, "total_reward": 1.0, "message_log": [
+            {"role": "user", "token_ids": [1, 2], "routed_experts": route * 2},
+            {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5],
+             "routed_experts": [[[-1] * width]]}]})
+
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join([line("a", 2), line("b", 2), line("c", 1)]) + "\n")
+    assert main(["convert", str(src), "--format", "nemo-rl", "--episode-id-field", "id",
+                 "-o", str(tmp_path / "out.arrow")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "mixed.jsonl line 3: episode 'c'" in err and "widths 2 and 1" in err, err
