@@ -36,9 +36,19 @@ def cmd_synth(args) -> int:
         raise ValueError(f"-o {args.output}: unknown episode file type; name it .arrow (Arrow IPC) "
                          "or .parquet")
     t0 = time.perf_counter()
+    routes = dict(routes=args.routes, route_layers=args.route_layers, num_experts=args.num_experts)
+    if args.routes_from:  # the shape a local MoE checkpoint replays: its MoE layers x top_k
+        from treeflow.models import ModelConfig
+
+        moe = ModelConfig.from_hf_dir(args.routes_from).moe
+        if moe is None or not moe.moe_layers:
+            raise ValueError(f"--routes-from {args.routes_from}: the model has no experts; give an "
+                             "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral) or use --routes")
+        routes = dict(routes=moe.top_k, route_layers=len(moe.moe_layers),
+                      num_experts=moe.num_experts)
     table = synth_episodes(episodes=args.episodes, group_size=args.group_size,
                            turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
-                           branch_prob=args.branch_prob, routes=args.routes, seed=args.seed)
+                           branch_prob=args.branch_prob, seed=args.seed, **routes)
     write_episodes(table, args.output)
     n_calls = sum(len(c) for c in table.column("calls").to_pylist()) if table.num_rows < 5000 else None
     if not args.quiet:
@@ -345,7 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-turns", type=int, default=10)
     s.add_argument("--vocab-size", type=int, default=32000)
     s.add_argument("--branch-prob", type=float, default=0.1)
-    s.add_argument("--routes", type=int, default=0, help="expert ids per token (MoE routes); 0 = none")
+    s.add_argument("--routes", type=int, default=0,
+                   help="expert ids per token and MoE layer (top_k); 0 = no routes")
+    s.add_argument("--route-layers", type=int, default=1,
+                   help="MoE layers per route (width = route layers x --routes)")
+    s.add_argument("--num-experts", type=int, default=128, help="expert ids are in [0, this)")
+    s.add_argument("--routes-from", default=None, metavar="DIR",
+                   help="routes of the shape a local MoE checkpoint replays (its config.json: "
+                        "MoE layers x top_k, num_experts); overrides the three options above")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="print nothing but errors")
     s.set_defaults(fn=cmd_synth)

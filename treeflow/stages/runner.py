@@ -21,7 +21,9 @@ Legend: N nodes of a bin, E its edges.
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -160,6 +162,9 @@ class ForwardRunner:
         inner = col.flatten()
         values = list_values(inner, np.int16)
         width = len(values) // max(len(inner), 1)
+        if width != self.route_width and self.routing == "recompute":
+            _warn_no_agreement(width, self.route_width)  # nothing replayed: only the metric goes
+            return None
         if width != self.route_width:
             raise ValueError(f"routes of width {width} for a model whose routes have width "
                              f"{self.route_width} (MoE layers x top_k); capture the routes with "
@@ -295,6 +300,12 @@ def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
 
 
 __all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins"]
+
+
+@functools.cache
+def _warn_no_agreement(width: int, model_width: int) -> None:
+    warnings.warn(f"routing='recompute': the routes have width {width}, this model's {model_width} "
+                  "(MoE layers x top_k), so route_agreement is not reported", stacklevel=3)
 
 
 def _routing(config, backend) -> tuple[int | None, str]:
