@@ -171,3 +171,13 @@ def test_replay_needs_routes_and_experts(pair, rows):
     dense = load_model("tiny")
     with pytest.raises(ValueError, match="no experts"):
         Forward(routing="replay").build(model=dense)
+
+
+def test_training_refuses_a_config_that_asks_for_the_router_aux_loss(tmp_path):
+    from treeflow.stages import Reduce
+    from treeflow.train import Trainer
+
+    hf = hf_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="output_router_logits=true with router_aux_loss_coef=0.02"):
+        Trainer(Forward(), Reduce(), model=load_model(tmp_path))
