@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from tests.models.moe_helpers import (FAMILIES, episodes, hf_call_logprobs, hf_model,
-                                      router_modules, with_routes)
+from tests.models.moe_helpers import (FAMILIES, episodes, forced_routes, hf_call_logprobs,
+                                      hf_model, router_modules, with_routes)
 from treeflow.models import load_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
@@ -173,14 +173,67 @@ def test_replay_needs_routes_and_experts(pair, rows):
         Forward(routing="replay").build(model=dense)
 
 
-def test_training_refuses_a_config_that_asks_for_the_router_aux_loss(tmp_path):
-    from treeflow.stages import Reduce
+def _hf_aux_and_nll(hf, rows):
+    """-token-mean logprob + coef x Switch aux over every call's input rows, by hand from
+    transformers' router logits with the replayed routes forced into its routers."""
+    coef, experts = hf.config.router_aux_loss_coef, router_modules(hf)[0].num_experts
+    nll, n_tok, mass, counts, w = 0.0, 0, torch.zeros(experts), torch.zeros(experts), 0
+    for row in rows:
+        for c in row["calls"]:
+            t = torch.as_tensor([c["token_ids"]])
+            routes = np.asarray(c["routed_experts"])
+            with forced_routes(hf, routes):
+                out = hf(t, output_router_logits=True)
+            logp = torch.log_softmax(out.logits[0].float()[c["sampled_start"] - 1:-1], -1)
+            nll = nll - logp.gather(-1, t[0, c["sampled_start"]:, None]).sum()
+            n_tok += t.shape[1] - c["sampled_start"]
+            n = t.shape[1] - 1  # input rows that predict a token
+            for logits in out.router_logits:
+                mass = mass + torch.softmax(logits[:n].float(), -1).sum(0)
+            counts += torch.bincount(torch.as_tensor(routes[:n]).reshape(-1), minlength=experts)
+            w += n * len(out.router_logits)
+    return nll / n_tok + coef * experts * (counts * mass).sum() / w ** 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_router_aux_loss_equals_the_exact_baseline(tmp_path, rows, layout):
+    """Loss and every gradient of nll + coef x aux: treeflow's step on tree / chain / exact
+    bins (cut by a small budget) = the hand formula on transformers call by call."""
+    from treeflow.stages import Loss, Reduce
+    from treeflow.train import Trainer
+
+    hf = hf_model("qwen2_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    hf.save_pretrained(tmp_path)
+    routed = with_routes(hf, rows, shift=1)
+    hf.zero_grad()
+    want = _hf_aux_and_nll(hf, routed)
+    want.backward()
+    trainer = Trainer(Forward(routing="replay"), Reduce(loss=Loss(kind="nll")),
+                      model=load_model(tmp_path), grad_sum="float64")
+    table = validate_episodes(pa.Table.from_pylist(routed, schema=EPISODE_SCHEMA))
+    step = trainer.open_step(table)
+    step.add(fragment(Pack(layout=layout)(table), max_tokens=40))
+    assert abs(step.loss_sum - float(want.detach())) < 1e-5 * abs(float(want.detach()))
+    for n, p in hf.named_parameters():
+        g, mine = p.grad.double(), step._grad64[n]
+        assert float((mine - g).abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-9, n
+    step.abort()
+
+
+def test_router_aux_loss_needs_replayed_routes(tmp_path, rows):
+    from treeflow.stages import Loss, Reduce
     from treeflow.train import Trainer
 
     hf = hf_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
     hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="output_router_logits=true with router_aux_loss_coef=0.02"):
-        Trainer(Forward(), Reduce(), model=load_model(tmp_path))
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    trainer = Trainer(Forward(), Reduce(loss=Loss(kind="nll")), model=load_model(tmp_path))
+    with pytest.raises(ValueError, match="router aux loss, which needs the episodes' routed_exp"):
+        trainer.open_step(table)
+    trainer = Trainer(Forward(routing="recompute"), Reduce(loss=Loss(kind="nll")),
+                      model=load_model(tmp_path))
+    with pytest.raises(ValueError, match="train with --routing replay"):
+        trainer.open_step(table)
 
 
 @pytest.mark.parametrize("recompute", ["mlp", "layer"])

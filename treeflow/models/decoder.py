@@ -141,12 +141,14 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                 attention: AttentionPlan, tuning: Tuning | None = None,
-                routes_NW: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
+                routes_NW: torch.Tensor | None = None, replay: bool = True,
+                aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states; `tuning` (models/tuning.py) picks compile/recompute.
 
         routes_NW: replayed expert ids per node (MoE layers x top_k, -1 = router's choice);
         None lets every router choose; replay=False too, but counts agreement with routes_NW.
-        Route agreement accumulates in `route_tally`.
+        Route agreement accumulates in `route_tally`; with aux_weights_N (baseline rows per
+        node, train/router_aux.py) the weighted router probabilities go to `router_mass`.
         """
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
@@ -174,14 +176,18 @@ class Decoder(nn.Module):
             if moe is not None and i in moe.moe_layers:
                 j = moe.moe_layers.index(i) * moe.top_k
                 block = (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally,
-                         replay)
+                         replay, aux_weights_N)
             x_NH = layer(x_NH, cos_ND, sin_ND, attention, ops, block)
-        if tally:
-            counts = torch.stack(list(tally.values())).sum(0).detach()
+        agree = [v for k, v in tally.items() if not isinstance(k, tuple)]
+        if agree:
+            counts = torch.stack(agree).sum(0).detach()
             self.route_tally = counts if self.route_tally is None else self.route_tally + counts
+        mass = [v for k, v in tally.items() if isinstance(k, tuple)]
+        self.router_mass = torch.stack(mass).sum(0) if mass else None
         return self.model.norm(x_NH)
 
     route_tally: torch.Tensor | None = None  # (agreeing, replayed) (token, MoE layer) rows
+    router_mass: torch.Tensor | None = None  # [experts] weighted router probabilities (aux loss)
 
     def take_route_tally(self) -> tuple[int, int] | None:
         """(agreeing rows, replayed rows) since the last call (one host read), or None."""

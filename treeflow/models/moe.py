@@ -179,7 +179,9 @@ class MoeBlock(nn.Module):
     """The sparse MLP of one layer: `block(x_NH, route_NK, tally) -> y_NH`.
 
     route_NK: replayed expert ids (int64, -1 = let the router choose), or None
-    to recompute; replay=False recomputes but still counts agreement. tally: a dict this block writes its (agreeing rows, rows)
+    to recompute; replay=False recomputes but still counts agreement. aux_weights_N:
+    baseline rows per node (train/router_aux.py): the block writes its weighted router
+    probabilities under ("mass", layer) into `tally`. tally: a dict this block writes its (agreeing rows, rows)
     counts into under its layer index (written, not added, so recomputation in
     backward cannot count twice).
     """
@@ -194,10 +196,13 @@ class MoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
     def forward(self, x_NH: torch.Tensor, route_NK: torch.Tensor | None = None,
-                tally: dict | None = None, replay: bool = True) -> torch.Tensor:
+                tally: dict | None = None, replay: bool = True,
+                aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
         logits_NX = F.linear(x_NH, self.gate.weight)
         probs_NX = torch.softmax(logits_NX.float(), dim=-1)
+        if aux_weights_N is not None and tally is not None:  # router mass for the aux loss
+            tally[("mass", self.layer_index)] = aux_weights_N @ probs_NX
         with torch.no_grad():
             own_NK = torch.topk(probs_NX, moe.top_k, dim=-1).indices
         if route_NK is None:

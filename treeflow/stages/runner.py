@@ -48,6 +48,7 @@ class PreparedBin:
     plan: object
     num_tokens: int
     routes_NW: torch.Tensor | None = None  # captured MoE expert ids per node (int64)
+    aux_weights_N: torch.Tensor | None = None  # router aux loss rows per node (training sets it)
 
 
 @dataclass
@@ -207,7 +208,8 @@ class ForwardRunner:
         else:
             hidden_NH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan,
                                                    routes_NW=item.routes_NW,
-                                                   replay=self.routing != "recompute")
+                                                   replay=self.routing != "recompute",
+                                                   aux_weights_N=item.aux_weights_N)
         return self.backend.edge_logprobs(hidden_NH[item.sources_E], item.targets_E,
                                           chunk_size=self.config.chunk_size,
                                           with_entropy=self.config.entropy, targets_checked=True)

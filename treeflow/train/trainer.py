@@ -84,7 +84,6 @@ class Trainer:
             device=self.dp.device, model=model, pad_to=pad_to)
         self.backend = self.runner.backend
         self.model = self.runner.model
-        _refuse_router_aux_loss(self.backend.config)
         self.backend.train(True)
         if shard_params:
             from treeflow.train.fsdp import shard_module
@@ -224,14 +223,3 @@ class Trainer:
 
 __all__ = ["Trainer"]
 
-
-def _refuse_router_aux_loss(config) -> None:
-    """transformers adds router_aux_loss_coef x the load-balancing loss to the training loss when
-    output_router_logits is true; treeflow does not compute that term yet, so such a config would
-    train on a different objective."""
-    moe = getattr(config, "moe", None)
-    if moe is not None and moe.output_router_logits and moe.router_aux_loss_coef:
-        raise ValueError(f"{config.architecture} config sets output_router_logits=true with "
-                         f"router_aux_loss_coef={moe.router_aux_loss_coef}: the router "
-                         "load-balancing loss is not implemented for training yet; set "
-                         "output_router_logits to false in config.json to train without it")
