@@ -229,8 +229,12 @@ def _file_case(kind):
         if kind == "resume-not-checkpoint":
             (tmp / "ck").mkdir()
             return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "not a treeflow training"]
-        if kind in ("moe-route-width", "moe-capacity", "replay-dense"):
-            model = _moe_dir(tmp / "moe", capacity=kind == "moe-capacity")
+        if kind in ("moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes"):
+            model = _moe_dir(tmp / "moe", capacity=kind == "moe-capacity",
+                             aux=kind == "moe-aux-no-routes")
+            if kind == "moe-aux-no-routes":
+                return ["replay", good, *TRAIN, "--model", model], \
+                    ["router aux loss", "routed_experts"]
             if kind == "replay-dense":
                 return ["replay", good, "-o", tmp / "o.arrow", "--routing", "replay"], \
                     ["routing='replay'", "no experts"]
@@ -247,13 +251,14 @@ def _file_case(kind):
     return setup
 
 
-def _moe_dir(path, *, capacity: bool) -> str:
+def _moe_dir(path, *, capacity: bool = False, aux: bool = False) -> str:
     """A tiny Qwen3-MoE checkpoint (1 layer, top-2: routes of width 2), saved by treeflow."""
     from treeflow.models import ModelConfig, load_model, save_model
 
     d = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=16,
              intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             output_router_logits=aux, router_aux_loss_coef=0.01)
     save_model(load_model(ModelConfig.from_hf_dict(d)), path)
     if capacity:
         import json
@@ -269,7 +274,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "moe-route-width",
-         "moe-capacity", "replay-dense"]
+         "moe-capacity", "replay-dense", "moe-aux-no-routes"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
