@@ -222,4 +222,3 @@ class Trainer:
 
 
 __all__ = ["Trainer"]
-
