@@ -117,7 +117,9 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
     def fwd_bwd():
         expert_mix(x, idx, w, gate_up, down).float().square().mean().backward()
 
-    grouped = hasattr(torch, "_grouped_mm")
+    from treeflow.models.moe import _grouped_ok
+
+    grouped = _grouped_ok(x, gate_up, down)
     f, fb = timed(fwd), timed(fwd_bwd)
     return {"tokens": tokens, "path": "grouped_mm" if grouped else "padded_bmm",
             "forward_seconds": round(f, 6), "forward_tflops": round(flops / f / 1e12, 2),

@@ -19,7 +19,7 @@ its value reaches no logprob. `route_agreement` counts the (token, MoE layer)
 rows whose recomputed top-k set equals the replayed one.
 
 Expert compute is one sort by expert and two grouped matmuls
-(`torch._grouped_mm`, CUDA or CPU, when the row strides are 16-byte aligned),
+(`torch._grouped_mm`: CUDA in bf16, CPU in any dtype, rows 16-byte aligned),
 else a padded batched matmul over experts ([X, max rows per expert, H]) --
 never a loop over tokens or experts. The trade-off of the padded path is
 memory proportional to the busiest expert times the number of experts; it
@@ -231,6 +231,14 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
 
 
+def _grouped_ok(xs_RH, gate_up_XIH, down_XHI) -> bool:
+    """torch._grouped_mm serves this call: present, 16-byte aligned rows, one dtype, and on
+    CUDA bf16 (its CUDA kernels are bf16; float32 on CUDA takes the padded bmm)."""
+    return (hasattr(torch, "_grouped_mm") and _aligned(xs_RH, gate_up_XIH, down_XHI)
+            and xs_RH.dtype == gate_up_XIH.dtype == down_XHI.dtype
+            and (xs_RH.device.type != "cuda" or xs_RH.dtype == torch.bfloat16))
+
+
 def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI) -> torch.Tensor:
     """sum_k w[n,k] * expert_{idx[n,k]}(x[n]) with SwiGLU experts, grouped by expert."""
     n, k = idx_NK.shape
@@ -240,8 +248,7 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI) -> torch.Tensor:
     token_R = order_R // k
     counts_X = torch.bincount(flat_R, minlength=experts)
     xs_RH = x_NH[token_R]
-    if hasattr(torch, "_grouped_mm") and _aligned(xs_RH, gate_up_XIH, down_XHI) \
-            and xs_RH.dtype == gate_up_XIH.dtype:
+    if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI2 = _grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X)
         g_RI, u_RI = h_RI2.chunk(2, dim=-1)
