@@ -246,7 +246,9 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI) -> torch.Tensor:
     flat_R = idx_NK.reshape(-1)
     order_R = torch.argsort(flat_R, stable=True)
     token_R = order_R // k
-    counts_X = torch.bincount(flat_R, minlength=experts)
+    # not bincount: its output length depends on the data, which makes CUDA wait for the host
+    counts_X = torch.zeros(experts, dtype=torch.int64, device=flat_R.device).scatter_add_(
+        0, flat_R, torch.ones_like(flat_R))
     xs_RH = x_NH[token_R]
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
