@@ -37,9 +37,19 @@ def cmd_synth(args) -> int:
         raise ValueError(f"-o {args.output}: unknown episode file type; name it .arrow (Arrow IPC) "
                          "or .parquet")
     t0 = time.perf_counter()
+    routes = dict(routes=args.routes, route_layers=args.route_layers, num_experts=args.num_experts)
+    if args.routes_from:  # the shape a local MoE checkpoint replays: its MoE layers x top_k
+        from treeflow.models import ModelConfig
+
+        moe = ModelConfig.from_hf_dir(args.routes_from).moe
+        if moe is None or not moe.moe_layers:
+            raise ValueError(f"--routes-from {args.routes_from}: the model has no experts; give an "
+                             "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral) or use --routes")
+        routes = dict(routes=moe.top_k, route_layers=len(moe.moe_layers),
+                      num_experts=moe.num_experts)
     table = synth_episodes(episodes=args.episodes, group_size=args.group_size,
                            turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
-                           branch_prob=args.branch_prob, routes=args.routes, seed=args.seed)
+                           branch_prob=args.branch_prob, seed=args.seed, **routes)
     write_episodes(table, args.output)
     n_calls = sum(len(c) for c in table.column("calls").to_pylist()) if table.num_rows < 5000 else None
     if not args.quiet:
@@ -240,13 +250,14 @@ def _replay(args) -> int:
     with output as out:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
-                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
+                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
+                          routing=args.routing)
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
                         Reassemble(entropy=args.entropy))
         source = Files(paths=tuple(args.files), window=args.window,
-                       vocab_size=forward.vocab_size_hint())
+                       vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         total_rows = _count_rows(args.files)
@@ -273,6 +284,8 @@ def _replay(args) -> int:
     for k in ("prepare_seconds", "device_seconds"):
         if k in sums:
             sums[k] = round(sums[k], 3)
+    if sums.get("route_rows"):  # MoE: replayed (token, layer) rows whose own top-k agreed
+        sums["route_agreement"] = round(sums.pop("route_agree") / sums.pop("route_rows"), 6)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
     if device.startswith("cuda"):
@@ -334,6 +347,11 @@ def model_options(s) -> None:
                         "layers, fused edge loss, tuned flex tiles; lean: fast + MLP "
                         "recomputation) and/or name=value,... e.g. fast,recompute=attention or "
                         "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: none)")
+    s.add_argument("--routing", choices=("auto", "replay", "recompute"), default="auto",
+                   help="MoE experts: replay the episodes' routed_experts on every tree node "
+                        "(combine weights from the current router), or let the router recompute "
+                        "them; auto = replay when the episodes carry routes and the model has "
+                        "experts")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
     s.add_argument("--engine", choices=("local", "ray"), default="local",
@@ -362,7 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-turns", type=int, default=10)
     s.add_argument("--vocab-size", type=int, default=32000)
     s.add_argument("--branch-prob", type=float, default=0.1)
-    s.add_argument("--routes", type=int, default=0, help="expert ids per token (MoE routes); 0 = none")
+    s.add_argument("--routes", type=int, default=0,
+                   help="expert ids per token and MoE layer (top_k); 0 = no routes")
+    s.add_argument("--route-layers", type=int, default=1,
+                   help="MoE layers per route (width = route layers x --routes)")
+    s.add_argument("--num-experts", type=int, default=128, help="expert ids are in [0, this)")
+    s.add_argument("--routes-from", default=None, metavar="DIR",
+                   help="routes of the shape a local MoE checkpoint replays (its config.json: "
+                        "MoE layers x top_k, num_experts); overrides the three options above")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="print nothing but errors")
     s.set_defaults(fn=cmd_synth)

@@ -64,7 +64,7 @@ def forward_stage(args, entropy=False):
 
     return Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                    kernel=args.kernel, chunk_size=args.chunk_size, entropy=entropy,
-                   tuning=Tuning.parse(args.tuning))
+                   tuning=Tuning.parse(args.tuning), routing=args.routing)
 
 
 class _Producer(threading.Thread):

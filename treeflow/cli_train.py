@@ -151,7 +151,8 @@ def _stages(args):
 
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size,
-                      tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
+                      tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
+                      routing=args.routing)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
@@ -212,7 +213,8 @@ def _train(args, *, distributed: bool) -> int:
         trainer = Trainer(forward, reduce, **options)
     trainer.run = run
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                  vocab_size=forward.vocab_size_hint(), cycle=True)
+                  vocab_size=forward.vocab_size_hint(), cycle=True,
+                  route_width=forward.route_width_hint())
     todo = args.steps - trainer.steps
     if todo <= 0:
         if lead:
@@ -284,7 +286,8 @@ def _train_ray(args) -> int:
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     forward, reduce)
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                  vocab_size=forward.vocab_size_hint(), cycle=True)
+                  vocab_size=forward.vocab_size_hint(), cycle=True,
+                  route_width=forward.route_width_hint())
     rows = []
     t0 = time.perf_counter()
     compile_seconds = 0.0

@@ -167,3 +167,47 @@ def test_chat_needs_an_assistant_message(tmp_path, tokenizer_dir):
     path = _write(tmp_path, [{"episode_id": "x", "messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(ValueError, match="line 1: no assistant message"):
         list(episodes_from_jsonl([path], ChatTemplateTokens(tokenizer=tokenizer_dir)))
+
+
+def test_nemo_rl_mixed_route_widths_name_the_right_line(tmp_path, capsys):
+    """Three valid lines whose route widths are 2, 2, 1: the third line is the one to blame."""
+    from treeflow.cli import main
+
+    def line(eid, width):
+        route = [[list(range(width))]]
+        return json.dumps({"id": eid, "total_reward": 1.0, "message_log": [
+            {"role": "user", "token_ids": [1, 2], "routed_experts": route * 2},
+            {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5],
+             "routed_experts": [[[-1] * width]]}]})
+
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join([line("a", 2), line("b", 2), line("c", 1)]) + "\n")
+    assert main(["convert", str(src), "--format", "nemo-rl", "--episode-id-field", "id",
+                 "-o", str(tmp_path / "out.arrow")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "mixed.jsonl line 3: episode 'c'" in err and "widths 2 and 1" in err, err
+
+
+def test_engine_routed_experts_are_kept(tmp_path):
+    """vLLM's choices[0].routed_experts (nested) and SGLang's meta_info.routed_experts (base64
+    int32) survive conversion; a route for all but the final token gets the -1 sentinel."""
+    import base64
+
+    import numpy as np
+
+    vllm = {"prompt_token_ids": [1, 2, 3], "choices": [{
+        "token_ids": [4, 5], "routed_experts": [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]],
+        "logprobs": {"content": [{"token": "token_id:4", "logprob": -0.5},
+                                 {"token": "token_id:5", "logprob": -0.25}]}}]}
+    ids = np.array([[1, 2], [3, 4], [5, 6], [7, 0], [1, 3]], dtype="<i4")
+    sglang = {"request": {"input_ids": [1, 2, 3]}, "response": {"output_ids": [10, 11], "meta_info": {
+        "output_token_logprobs": [[-0.5, 10, None], [-2.0, 11, None]],
+        "routed_experts": base64.b64encode(ids.tobytes()).decode()}}}
+    src = tmp_path / "r.jsonl"
+    src.write_text(json.dumps({"id": "e", "meta": {"group": "g"}, "reward": 1.0,
+                               "calls": [vllm, sglang]}) + "\n")
+    out = str(tmp_path / "r.arrow")
+    convert([str(src)], out, OPENAI)
+    calls = read_episodes(out).to_pylist()[0]["calls"]
+    assert calls[0]["routed_experts"] == [[0, 1], [2, 3], [4, 5], [6, 7], [-1, -1]]
+    assert calls[1]["routed_experts"] == ids.tolist()

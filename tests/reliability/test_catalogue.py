@@ -235,8 +235,43 @@ def _file_case(kind):
             (tmp / "ck" / "dcp").mkdir(parents=True)
             (tmp / "ck" / "dcp" / ".metadata").write_bytes(b"\x80\x04N.")
             return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "--trust-checkpoint"]
+        if kind in ("moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes"):
+            model = _moe_dir(tmp / "moe", capacity=kind == "moe-capacity",
+                             aux=kind == "moe-aux-no-routes")
+            if kind == "moe-aux-no-routes":
+                return ["replay", good, *TRAIN, "--model", model], \
+                    ["router aux loss", "routed_experts"]
+            if kind == "replay-dense":
+                return ["replay", good, "-o", tmp / "o.arrow", "--routing", "replay"], \
+                    ["routing='replay'", "no experts"]
+            if kind == "moe-capacity":
+                return ["replay", good, "-o", tmp / "o.arrow", "--model", model], \
+                    ["capacity_factor", "every call sharing it"]
+            rs = rows()
+            for r in rs:
+                for c in r["calls"]:
+                    c["routed_experts"] = [[0, 1, 2]] * len(c["token_ids"])
+            return ["replay", write_rows(tmp / "w.arrow", rs), "-o", tmp / "o.arrow", "--model",
+                    model], ["w.arrow", "width 3", "replays width 2"]
         raise AssertionError(kind)
     return setup
+
+
+def _moe_dir(path, *, capacity: bool = False, aux: bool = False) -> str:
+    """A tiny Qwen3-MoE checkpoint (1 layer, top-2: routes of width 2), saved by treeflow."""
+    from treeflow.models import ModelConfig, load_model, save_model
+
+    d = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=16,
+             intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             output_router_logits=aux, router_aux_loss_coef=0.01)
+    save_model(load_model(ModelConfig.from_hf_dict(d)), path)
+    if capacity:
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "capacity_factor": 1.25}))
+    return str(path)
 
 
 FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "schema-version",
@@ -245,7 +280,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
-         "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable"]
+         "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
+         "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -78,13 +78,19 @@ def _table(rows: list[dict], wheres: list[str]) -> pa.Table:
 
     try:
         return validate_episodes(build(rows), source=wheres[0])
-    except ValueError:
+    except ValueError as batch_error:
         for row, where in zip(rows, wheres):
             try:
                 validate_episodes(build([row]), source=where)
             except ValueError as e:
                 msg = str(e)
                 raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        # every line is valid alone (e.g. route widths differ between lines): blame the line
+        # of the episode the batch error names, not the batch's first line
+        msg = str(batch_error)
+        for row, where in zip(rows, wheres):
+            if f": episode {row.get('episode_id')!r}" in msg:
+                raise ValueError(where + msg.removeprefix(wheres[0])) from None
         raise
 
 

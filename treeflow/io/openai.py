@@ -26,6 +26,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import base64
+import binascii
+
+import numpy as np
+
+from treeflow.io.nemo_rl import _routes
 from treeflow.io.records import FieldMap, logprobs, lookup, token_ids
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)\Z")
@@ -69,9 +75,10 @@ class OpenAITokens:
                              f"response (`output_ids`/`meta_info`); found keys {sorted(response)[:12]}")
         if not prompt:
             raise ValueError(f"{where}: the prompt has no tokens; a call needs at least one prompt token")
-        return {"token_ids": prompt + completion, "sampled_start": len(prompt),
+        tokens = prompt + completion
+        return {"token_ids": tokens, "sampled_start": len(prompt),
                 "generation_logprobs": lps, "loss_mask": None, "advantages": None,
-                "routed_experts": None}
+                "routed_experts": _engine_routes(response, len(tokens), where)}
 
     @staticmethod
     def _prompt(response, request, call, where, names, fix) -> list[int]:
@@ -155,3 +162,36 @@ def _sglang_completion(response: dict, where: str) -> tuple[list[int], list[floa
         raise ValueError(f"{where}: output_ids and the ids in meta_info.output_token_logprobs "
                          "disagree; the log is corrupt or mixes two responses")
     return ids, logprobs(values, where, "meta_info.output_token_logprobs[][0]", len(ids))
+
+
+def _engine_routes(response: dict, n: int, where: str) -> list[list[int]] | None:
+    """The engine's returned `routed_experts` (routing replay), one flat row per token, or None.
+
+    Looked up in `choices[0]` (vLLM), the response and `meta_info` (SGLang). Nested lists of
+    [layers, top_k] per token, or SGLang's base64 string of int32 ids in (token, layer, slot)
+    order. Rows for every token but the last (the engine never ran the final sampled token as
+    an input) get NeMo Gym's sentinel row of -1 appended, so sharing treats it as a wildcard.
+    """
+    holders = [response, response.get("meta_info") or {}]
+    choices = response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        holders.insert(0, choices[0])
+    raw = next((h["routed_experts"] for h in holders
+                if isinstance(h, dict) and h.get("routed_experts") is not None), None)
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            ids = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4")
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"{where}: field 'routed_experts' is a string but not base64 of int32 "
+                             f"expert ids ({e})") from None
+        rows = n if ids.size % n == 0 else n - 1
+        if rows < 1 or ids.size % rows:
+            raise ValueError(f"{where}: field 'routed_experts' holds {ids.size} expert ids, not a "
+                             f"multiple of the call's {n} tokens (or {n - 1}); the log mixes calls")
+        raw = ids.reshape(rows, -1).tolist()
+    if isinstance(raw, list) and len(raw) == n - 1 and raw:
+        first = _routes({"routed_experts": raw[:1]}, 1, where)[0]
+        raw = raw + [[-1] * len(first)]
+    return _routes({"routed_experts": raw}, n, where)

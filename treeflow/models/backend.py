@@ -130,8 +130,17 @@ class ReferenceBackend(ModuleBackend):
                              pad_to=pad_to, block_size=self.tuning.flex_block_size,
                              kernel_options=self.tuning.kernel_options)
 
-    def hidden_states(self, tokens_N, positions_N, plan):
-        return self.module(tokens_N, positions_N, plan, self.tuning)
+    def hidden_states(self, tokens_N, positions_N, plan, routes_NW=None, replay=True,
+                      aux_weights_N=None):
+        """routes_NW: captured MoE expert ids per token (models/moe.py), or None; replay=False
+        lets the routers choose and only counts their agreement with routes_NW; aux_weights_N:
+        baseline rows per node for the router aux loss (train/router_aux.py)."""
+        return self.module(tokens_N, positions_N, plan, self.tuning, routes_NW, replay,
+                           aux_weights_N)
+
+    def take_route_tally(self):
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
+        return self.module.take_route_tally()
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):

@@ -20,6 +20,7 @@ from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.moe import disk_name, fuse_experts, split_experts
 
 __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -46,16 +47,22 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     with torch.device("meta"):
         model = Decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = {}
+    state, experts = {}, {}
     for file in _weight_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    state[name] = _read(f, name, expected, config, dtype, device)
+                    key = name if config.moe is None else disk_name(name, config.moe)
+                    if isinstance(key, tuple):  # one expert's matrix: fused below
+                        experts[key] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    else:
+                        state[key] = _read(f, name, expected, config, dtype, device, key)
         except SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e}); the file is truncated "
                              "or corrupted: copy it again") from e
     state = {k: v for k, v in state.items() if v is not None}
+    if experts:
+        state.update(fuse_experts(experts, config.moe, expected))
     missing = sorted(expected.keys() - state.keys())
     if missing:
         raise ValueError(f"checkpoint {path} lacks tensor(s) {missing}")
@@ -63,17 +70,19 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     return model
 
 
-def _read(f, name, expected, config, dtype, device):
+def _read(f, name, expected, config, dtype, device, key=None):
+    """Tensor `name` of the file, checked against the model's tensor `key` (default: `name`)."""
     shape = tuple(f.get_slice(name).get_shape())
-    if name == "lm_head.weight" and config.tie_word_embeddings:
+    key = name if key is None else key
+    if key == "lm_head.weight" and config.tie_word_embeddings:
         return None  # a tied head stored anyway; the embedding is used
-    if name not in expected:
+    if key not in expected:
         raise ValueError(f"unexpected tensor {name!r} {shape} in checkpoint for "
                          f"{config.architecture} "
                          f"(tie_word_embeddings={config.tie_word_embeddings})")
-    if shape != expected[name]:
+    if shape != expected[key]:
         raise ValueError(f"tensor {name!r} has shape {shape} in the checkpoint but the "
-                         f"config needs {expected[name]}")
+                         f"config needs {expected[key]}")
     # moved first, cast there: a bf16 checkpoint crosses PCIe at half the bytes and the
     # float32 cast runs on the accelerator instead of the host's cores
     return f.get_tensor(name).to(device=device).to(dtype=dtype)
@@ -137,6 +146,8 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
     os.makedirs(path, exist_ok=True)
     from treeflow.tensorfile import write_safetensors
 
+    if config.moe is not None:  # experts one by one under their on-disk names, as transformers
+        state = split_experts(state, config.moe)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     with atomic_open(os.path.join(path, "config.json")) as f:
         json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)

@@ -17,7 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+from treeflow.models.moe import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", **MOE_ARCHITECTURES}
 
 # Keys ModelConfig models itself (or checks and drops); everything else is an extra.
 _MODELLED = {
@@ -26,7 +28,7 @@ _MODELLED = {
     "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "attention_bias",
     "tie_word_embeddings", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types",
     "attn_logit_softcapping", "final_logit_softcapping", "quantization_config",
-    "transformers_version", "dtype", "torch_dtype",
+    "transformers_version", "dtype", "torch_dtype", *MOE_KEYS,
 }
 
 
@@ -46,6 +48,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); never on o_proj
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
+    qk_norm: bool = False  # RMSNorm of q and k per head before RoPE (Qwen3-MoE)
+    moe: MoeConfig | None = None  # expert layers (models/moe.py); None for a dense model
     hf_extras: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -66,6 +70,10 @@ class ModelConfig:
                 raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
                                  f"num_attention_heads={self.num_attention_heads}; set head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"architecture {self.architecture!r} with moe={self.moe!r}: the MoE "
+                             f"architectures {sorted(MOE_ARCHITECTURES)} need a MoeConfig, the "
+                             "dense ones none")
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int for RoPE, got {self.head_dim}")
 
@@ -101,21 +109,24 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Read a LlamaForCausalLM / Qwen2ForCausalLM `config.json` (transformers 4 or 5)."""
+        """Read a Llama / Qwen2 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (transformers 4/5)."""
         arch = _architecture(d)
         _refuse_unsupported(d, arch)
         rope = d.get("rope_parameters") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         heads = d["num_attention_heads"]
+        moe = (MoeConfig.from_hf_dict(d, arch, d["num_hidden_layers"])
+               if arch in MOE_ARCHITECTURES else None)
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim"), rope_theta=float(theta),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            attention_bias=arch == "Qwen2ForCausalLM",
+            attention_bias=(arch == "Qwen2ForCausalLM"
+                            or (arch == "Qwen2MoeForCausalLM" and bool(d.get("qkv_bias", True)))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            architecture=arch,
+            architecture=arch, qk_norm=arch == "Qwen3MoeForCausalLM", moe=moe,
             hf_extras={k: v for k, v in d.items() if k not in _MODELLED},
         )
 
@@ -135,8 +146,16 @@ class ModelConfig:
         )
         if self.architecture == "LlamaForCausalLM":
             d.update(attention_bias=False, mlp_bias=False)
+        elif self.architecture == "MixtralForCausalLM":
+            d.update(sliding_window=None)
         else:
             d.update(use_sliding_window=False)
+        if self.architecture == "Qwen2MoeForCausalLM":
+            d.update(qkv_bias=self.attention_bias)
+        elif self.architecture == "Qwen3MoeForCausalLM":
+            d.update(attention_bias=False)
+        if self.moe is not None:
+            d.update(self.moe.to_hf_dict())
         if dtype is not None:
             d["torch_dtype"] = dtype
         return d
@@ -172,11 +191,11 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
         refuse(f"hidden_act={d['hidden_act']!r} (only 'silu')")
     if d.get("mlp_bias"):
         refuse("mlp_bias=true")
-    if arch == "LlamaForCausalLM" and d.get("attention_bias"):
+    if arch in ("LlamaForCausalLM", "Qwen3MoeForCausalLM") and d.get("attention_bias"):
         refuse("attention_bias=true (q/k/v/o biases)")
     if d.get("use_sliding_window"):
         refuse("use_sliding_window=true")
-    if arch == "LlamaForCausalLM" and d.get("sliding_window") is not None:
+    if arch in ("LlamaForCausalLM", "MixtralForCausalLM") and d.get("sliding_window") is not None:
         refuse(f"sliding_window={d['sliding_window']}")
     layer_types = set(d.get("layer_types") or ())
     if layer_types - {"full_attention"}:

@@ -1,4 +1,4 @@
-"""The reference PyTorch decoder (Llama/Qwen2 family) over one tree bin.
+"""The reference PyTorch decoder (Llama/Qwen2 family; MoE layers in moe.py) over one tree bin.
 
 Plain modules, no fused kernels, parameter names identical to Hugging Face's so
 that a state dict loads and saves 1:1. It runs one bin at a time as a single
@@ -22,6 +22,7 @@ from torch import nn
 from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities
 from treeflow.models.config import ModelConfig
 from treeflow.models.layer_ops import LayerOps, layer_ops
+from treeflow.models.moe import MoeBlock
 from treeflow.models.rope import Rotary, apply_rotary
 from treeflow.models.tuning import Tuning
 
@@ -50,12 +51,17 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def inputs(self, x_NH, cos_ND, sin_ND):
         """q, k (rotated) and v of the tokens."""
         n = x_NH.shape[0]
         q_NQD = self.q_proj(x_NH).view(n, self.heads, self.head_dim)
         k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q_NQD, k_NKD = self.q_norm(q_NQD), self.k_norm(k_NKD)
         q_NQD, k_NKD = apply_rotary(q_NQD, cos_ND, sin_ND), apply_rotary(k_NKD, cos_ND, sin_ND)
         v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
         # under autocast RoPE promotes q and k to float32 (cos/sin follow the float32 residual);
@@ -80,19 +86,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = SelfAttention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        moe = c.moe is not None and index in c.moe.moe_layers
+        self.mlp = MoeBlock(c, c.moe, index) if moe else MLP(c)
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention, ops: LayerOps | None = None):
-        """One layer; `ops` (layer_ops.py) compiles and/or recomputes its parts."""
+    def forward(self, x_NH, cos_ND, sin_ND, attention, ops: LayerOps | None = None, moe=None):
+        """One layer; `ops` (layer_ops.py) compiles and/or recomputes its parts.
+
+        moe: (route_NK or None, tally) for an MoE layer (models/moe.py), else None.
+        """
         if ops is None:
             x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
-            return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
-        return ops(self, x_NH, cos_ND, sin_ND, attention)
+            h_NH = self.post_attention_layernorm(x_NH)
+            return x_NH + (self.mlp(h_NH) if moe is None else self.mlp(h_NH, *moe))
+        return ops(self, x_NH, cos_ND, sin_ND, attention, moe)
 
 
 class _Body(nn.Module):
@@ -101,7 +112,7 @@ class _Body(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -129,8 +140,16 @@ class Decoder(nn.Module):
                                 branching=branching)
 
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
-                attention: AttentionPlan, tuning: Tuning | None = None) -> torch.Tensor:
-        """Final-normed hidden states; `tuning` (models/tuning.py) picks compile/recompute."""
+                attention: AttentionPlan, tuning: Tuning | None = None,
+                routes_NW: torch.Tensor | None = None, replay: bool = True,
+                aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states; `tuning` (models/tuning.py) picks compile/recompute.
+
+        routes_NW: replayed expert ids per node (MoE layers x top_k, -1 = router's choice);
+        None lets every router choose; replay=False too, but counts agreement with routes_NW.
+        Route agreement accumulates in `route_tally`; with aux_weights_N (baseline rows per
+        node, train/router_aux.py) the weighted router probabilities go to `router_mass`.
+        """
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
                              f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
@@ -143,9 +162,37 @@ class Decoder(nn.Module):
         x_NH = self.model.embed_tokens(tokens_N)
         cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
         ops = layer_ops(tuning, x_NH.device)
-        for layer in self.model.layers:
-            x_NH = layer(x_NH, cos_ND, sin_ND, attention, ops)
+        moe = self.config.moe
+        if routes_NW is not None:
+            if moe is None:
+                raise ValueError(f"routes given to {self.config.architecture}, which has no experts")
+            if routes_NW.shape != (tokens_N.shape[0], moe.route_width):
+                raise ValueError(f"routes_NW has shape {tuple(routes_NW.shape)}; this model needs "
+                                 f"({tokens_N.shape[0]}, {moe.route_width}) (MoE layers "
+                                 f"{len(moe.moe_layers)} x top_k {moe.top_k})")
+        tally: dict = {}
+        for i, layer in enumerate(self.model.layers):
+            block = None
+            if moe is not None and i in moe.moe_layers:
+                j = moe.moe_layers.index(i) * moe.top_k
+                block = (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally,
+                         replay, aux_weights_N)
+            x_NH = layer(x_NH, cos_ND, sin_ND, attention, ops, block)
+        agree = [v for k, v in tally.items() if not isinstance(k, tuple)]
+        if agree:
+            counts = torch.stack(agree).sum(0).detach()
+            self.route_tally = counts if self.route_tally is None else self.route_tally + counts
+        mass = [v for k, v in tally.items() if isinstance(k, tuple)]
+        self.router_mass = torch.stack(mass).sum(0) if mass else None
         return self.model.norm(x_NH)
+
+    route_tally: torch.Tensor | None = None  # (agreeing, replayed) (token, MoE layer) rows
+    router_mass: torch.Tensor | None = None  # [experts] weighted router probabilities (aux loss)
+
+    def take_route_tally(self) -> tuple[int, int] | None:
+        """(agreeing rows, replayed rows) since the last call (one host read), or None."""
+        t, self.route_tally = self.route_tally, None
+        return None if t is None else (int(t[0]), int(t[1]))
 
     def project(self, hidden_EH: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given rows (tied or untied head), in the model dtype."""

@@ -47,21 +47,22 @@ class LayerOps:
     def __repr__(self) -> str:
         return f"LayerOps(compile_backend={self.compile_backend!r}, recompute={self.recompute!r})"
 
-    def __call__(self, layer, x_NH, cos_ND, sin_ND, attention):
+    def __call__(self, layer, x_NH, cos_ND, sin_ND, attention, moe=None):
         grad = torch.is_grad_enabled()
         if self.compile_backend is not None:
             for t in (x_NH, cos_ND, sin_ND):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             if grad and self.recompute == "layer":
-                return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention)
+                return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe)
             if grad and self.recompute == "attention":
                 x_NH = _checkpoint(self._attention, layer, x_NH, cos_ND, sin_ND, attention)
             else:
                 x_NH = self._attention(layer, x_NH, cos_ND, sin_ND, attention)
+            mlp = self._mlp if moe is None else _moe_block  # expert routing is data-dependent: eager
             if grad and self.recompute == "mlp":
-                return _checkpoint(self._mlp, layer, x_NH)
-            return self._mlp(layer, x_NH)
+                return _checkpoint(mlp, layer, x_NH, *(() if moe is None else (moe,)))
+            return mlp(layer, x_NH, *(() if moe is None else (moe,)))
 
     def _attention(self, layer, x_NH, cos_ND, sin_ND, attention):
         out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
@@ -69,8 +70,9 @@ class LayerOps:
             torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
         return self._output(layer, x_NH, out_NQD)
 
-    def _layer(self, layer, x_NH, cos_ND, sin_ND, attention):
-        return self._mlp(layer, self._attention(layer, x_NH, cos_ND, sin_ND, attention))
+    def _layer(self, layer, x_NH, cos_ND, sin_ND, attention, moe=None):
+        x_NH = self._attention(layer, x_NH, cos_ND, sin_ND, attention)
+        return self._mlp(layer, x_NH) if moe is None else _moe_block(layer, x_NH, moe)
 
 
 def _checkpoint(fn, *args):
@@ -87,6 +89,10 @@ def _attention_output(layer, x_NH, out_NQD):
 
 def _mlp_block(layer, x_NH):
     return x_NH + layer.mlp(layer.post_attention_layernorm(x_NH))
+
+
+def _moe_block(layer, x_NH, moe):
+    return x_NH + layer.mlp(layer.post_attention_layernorm(x_NH), *moe)
 
 
 def layer_ops(tuning, device: torch.device) -> LayerOps | None:

@@ -131,7 +131,7 @@ class Pipeline:
             if trainer is not None:
                 raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
                                  "no trainer (resuming is engine='local' for now)")
-            return run_ray(self.plan, _files(source, window, self._vocab_size()),
+            return run_ray(self.plan, _files(source, window, self._vocab_size(), self._route_width()),
                            device=device, ranks=ranks, steps=steps, **engine_options)
         from treeflow.pipeline.local import run_local
 
@@ -139,7 +139,8 @@ class Pipeline:
             raise ValueError(f"engine 'local' takes no {sorted(engine_options)}")
 
         worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-        records = run_local(self.plan, _windows(source, window, self._vocab_size()), device=device,
+        records = run_local(self.plan, _windows(source, window, self._vocab_size(),
+                                                self._route_width()), device=device,
                             worker=worker, prefetch=prefetch)
         return records if steps is None else itertools.islice(records, steps)
 
@@ -149,20 +150,27 @@ class Pipeline:
                 return s.vocab_size_hint()
         return None
 
+    def _route_width(self) -> int | None:
+        return next((s.route_width_hint() for s in self.stages
+                     if s.route_width_hint() is not None), None)
 
-def _files(source, window: int | None, vocab_size: int | None) -> Files:
+
+def _files(source, window: int | None, vocab_size: int | None,
+           route_width: int | None = None) -> Files:
     """The Ray engine reads files itself (as Arrow blocks): only files are a source for it."""
     if isinstance(source, Files):
         return source
     if isinstance(source, (str, list, tuple)) and source and all(isinstance(p, str) for p in
                                                                   ([source] if isinstance(source, str) else source)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return Files(paths=paths, window=window or 256, vocab_size=vocab_size)
+        return Files(paths=paths, window=window or 256, vocab_size=vocab_size,
+                     route_width=route_width)
     raise TypeError(f"engine='ray' reads episode files; got {type(source).__name__}: write the "
                     "episodes with treeflow.pipeline.write_episodes and pass the path")
 
 
-def _windows(source, window: int | None, vocab_size: int | None) -> Iterator[pa.Table]:
+def _windows(source, window: int | None, vocab_size: int | None,
+             route_width: int | None = None) -> Iterator[pa.Table]:
     from treeflow.pipeline.queue_ranks import RankWindows
 
     if isinstance(source, (Files, FilesReader, RankWindows)):  # validated; with a position
@@ -170,10 +178,12 @@ def _windows(source, window: int | None, vocab_size: int | None) -> Iterator[pa.
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return iter(Files(paths=paths, window=window or 256, vocab_size=vocab_size))
+        return iter(Files(paths=paths, window=window or 256, vocab_size=vocab_size,
+                          route_width=route_width))
     if isinstance(source, pa.Table):
         source, window = [source], window or 256
     if isinstance(source, Iterable):
-        checked = (validate_episodes(t, vocab_size=vocab_size) for t in source)
+        checked = (validate_episodes(t, vocab_size=vocab_size, route_width=route_width)
+                   for t in source)
         return checked if window is None else windows(checked, window)
     raise TypeError(f"unknown pipeline source {type(source).__name__}; give files, a table or tables")

@@ -182,11 +182,17 @@ class WindowAccumulator:
             self._parts.append(bins if isinstance(bins, pa.Table) else bins.table)
 
     def stats(self) -> dict:
-        """Device seconds inside this window's bins (CUDA only), after finish()."""
-        return {"device_seconds": self._device_seconds} if self._device_seconds else {}
+        """Device seconds inside this window's bins (CUDA only) and MoE route agreement counts
+        (bins run since the last window's finish; summed over a run they are exact), after
+        finish()."""
+        out = {"device_seconds": self._device_seconds} if self._device_seconds else {}
+        if self._routes is not None:
+            out.update(route_agree=self._routes[0], route_rows=self._routes[1])
+        return out
 
     def finish(self) -> pa.Table:
         self._device_seconds = 0.0
+        self._routes = None
         for p in self._pending:
             part = p.result()
             self._device_seconds += p.device_seconds
@@ -195,6 +201,8 @@ class WindowAccumulator:
             else:
                 self._parts.append(part)
         self._pending.clear()
+        if self.runner is not None:
+            self._routes = self.runner.take_route_tally()
         if self.inner is not None:
             return self.inner.finish()
         return pa.concat_tables(self._parts)

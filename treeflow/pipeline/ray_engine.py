@@ -83,7 +83,7 @@ def _from_ipc(data: bytes) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
-def _read_window(pieces, vocab_size) -> pa.Table:
+def _read_window(pieces, vocab_size, route_width=None) -> pa.Table:
     """The episodes of one window: rows [a, b) of each piece's file, validated."""
     import pyarrow.dataset as pads
 
@@ -91,7 +91,8 @@ def _read_window(pieces, vocab_size) -> pa.Table:
     for path, a, b, row0 in pieces:
         ds = pads.dataset(path, format="parquet" if path.endswith(".parquet") else "ipc")
         table = ds.take(pa.array(np.arange(a, b)))
-        parts.append(validate_episodes(table, source=path, row_offset=row0, vocab_size=vocab_size))
+        parts.append(validate_episodes(table, source=path, row_offset=row0, vocab_size=vocab_size,
+                                       route_width=route_width))
     return pa.concat_tables(parts)
 
 
@@ -122,7 +123,7 @@ def _untag(table: pa.Table) -> tuple[pa.Table, dict]:
 class _Read:
     """Datasource: one read task (and one block) per window."""
 
-    def __new__(cls, windows, vocab_size):
+    def __new__(cls, windows, vocab_size, route_width=None):
         from ray.data.block import BlockMetadata
         from ray.data.datasource import Datasource, ReadTask
 
@@ -134,7 +135,7 @@ class _Read:
                 tasks = []
                 for w, pieces in windows:
                     def read(w=w, pieces=pieces):
-                        eps = _read_window(pieces, vocab_size)
+                        eps = _read_window(pieces, vocab_size, route_width)
                         yield eps.append_column("_window", pa.array([w] * eps.num_rows, pa.int64()))
                     rows = sum(b - a for _, a, b, _ in pieces)
                     tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=None,
@@ -247,7 +248,7 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
     ctx.target_max_block_size = 1 << 31  # a block is one window's bins: never split it
     cuda = device.startswith("cuda")
     cpus = ray.cluster_resources().get("CPU", 1)
-    ds = ray.data.read_datasource(_Read(windows, files.vocab_size),
+    ds = ray.data.read_datasource(_Read(windows, files.vocab_size, files.route_width),
                                   override_num_blocks=len(windows))
     ds = ds.map_batches(_maps(plan, ranks), batch_size=None, batch_format="pyarrow",
                         zero_copy_batch=True)

@@ -60,6 +60,7 @@ class Files:
     window: int = 256
     vocab_size: int | None = None
     cycle: bool = False
+    route_width: int | None = None  # routed_experts width a replaying MoE model needs
 
     def __post_init__(self):
         if isinstance(self.paths, str):
@@ -72,7 +73,7 @@ class Files:
 
     def _one_pass(self) -> Iterator[pa.Table]:
         batches = iter_episode_batches(list(self.paths), batch_rows=min(self.window, 1024),
-                                       vocab_size=self.vocab_size)
+                                       vocab_size=self.vocab_size, route_width=self.route_width)
         return windows(batches, self.window)
 
     def open(self, state: dict | None = None) -> FilesReader:

@@ -52,6 +52,8 @@ def synth_episodes(
     vocab_size: int = 32000,
     routes: int = 0,
     seed: int = 0,
+    route_layers: int = 1,
+    num_experts: int = _EXPERTS,
 ) -> pa.Table:
     """A validated EPISODE_SCHEMA table of synthetic multi-turn agent episodes.
 
@@ -64,8 +66,16 @@ def synth_episodes(
     returned to the main thread with the pending tool output). With
     `routes > 0` every token gets `routes` distinct int16 expert ids that are a
     hash of (token id, depth), and about 5% of calls have one prompt token's
-    route perturbed. Deterministic given `seed`.
+    route perturbed. For an MoE model, `route_layers` x `routes` (its MoE layers x top_k) is
+    the width: per layer `routes` distinct ids in [0, num_experts). Deterministic given `seed`.
     """
+    if not (isinstance(route_layers, int) and route_layers >= 1
+            and isinstance(num_experts, int) and 1 <= num_experts <= 32767):
+        raise ValueError(f"route_layers={route_layers!r}, num_experts={num_experts!r}: give "
+                         "route_layers >= 1 and 1 <= num_experts <= 32767")
+    if routes > num_experts:
+        raise ValueError(f"routes={routes} distinct expert ids per layer exceed "
+                         f"num_experts={num_experts}")
     _check_args(episodes, group_size, turns, system_tokens, user_tokens, completion_tokens,
                 tool_tokens, branch_prob, vocab_size, routes)
     rng = np.random.default_rng(seed)
@@ -124,7 +134,8 @@ def synth_episodes(
     tokens_N = np.concatenate(seqs)
     reward_E = rng.random(episodes).astype(np.float32)
     advantage_E = _group_advantage(reward_E, group_of_E)
-    calls = _calls_array(rng, tokens_N, lens_C, starts_C, calls_E, advantage_E, dup_calls, routes)
+    calls = _calls_array(rng, tokens_N, lens_C, starts_C, calls_E, advantage_E, dup_calls,
+                         (routes, route_layers, num_experts))
     call_offsets = np.concatenate([[0], np.cumsum(calls_E)]).astype(np.int32)
     columns = {
         "episode_id": pa.array([f"g{g}-e{e - g * group_size}" for e, g in enumerate(group_of_E)]),
@@ -229,13 +240,14 @@ def _calls_array(rng, tokens_N, lens_C, starts_C, calls_E, advantage_E, dup_call
         pa.ListArray.from_arrays(_offsets(n_sampled_C), pa.array(mask_S)),
         pa.ListArray.from_arrays(_offsets(adv_lens), pa.array(adv_vals),
                                  mask=pa.array(~has_adv_C)),
-        _routes_array(rng, tokens_N, lens_C, starts_C, routes),
+        _routes_array(rng, tokens_N, lens_C, starts_C, *routes),
     ]
     return pa.StructArray.from_arrays(children, fields=list(CALL_TYPE))
 
 
-def _routes_array(rng, tokens_N, lens_C, starts_C, routes) -> pa.Array:
-    """list<list<int16>> per call: `routes` distinct expert ids per token, hashed from (token, depth)."""
+def _routes_array(rng, tokens_N, lens_C, starts_C, routes, layers=1, experts=_EXPERTS) -> pa.Array:
+    """list<list<int16>> per call: per token and layer `routes` distinct expert ids in
+    [0, experts), hashed from (token, depth, layer)."""
     field_type = CALL_TYPE.field("routed_experts").type
     if routes == 0:
         return pa.nulls(len(lens_C), field_type)
@@ -243,23 +255,26 @@ def _routes_array(rng, tokens_N, lens_C, starts_C, routes) -> pa.Array:
     depth_N = np.arange(len(tokens_N), dtype=np.int64) - np.repeat(call_off[:-1], lens_C)
     h = _mix(tokens_N.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
              ^ _mix(depth_N.astype(np.uint64) + np.uint64(0xD1B54A32D192ED03)))
-    if routes * len(tokens_N) >= 2**31:
-        raise ValueError(f"{routes} routes x {len(tokens_N)} tokens do not fit 32-bit list offsets; "
+    width = routes * layers
+    if width * len(tokens_N) >= 2**31:
+        raise ValueError(f"{width} routes x {len(tokens_N)} tokens do not fit 32-bit list offsets; "
                          "ask for fewer episodes, turns or routes")
-    # _EXPERTS is a power of two, so an odd step makes k -> base + k*step distinct mod _EXPERTS
-    low = np.uint64(_EXPERTS - 1)
-    base = (h & low).astype(np.int32)
-    step = ((h >> np.uint64(32)) & low).astype(np.int32) | 1
-    routes_NR = np.empty((len(tokens_N), routes), dtype=np.int16)
-    for k in range(routes):
-        routes_NR[:, k] = (base + k * step) & (_EXPERTS - 1)
+    routes_NR = np.empty((len(tokens_N), width), dtype=np.int16)
+    pow2 = experts & (experts - 1) == 0
+    for layer in range(layers):
+        hl = h if layer == 0 else _mix(h ^ np.uint64(0xA24BAED4963EE407 * layer % 2**64))
+        base = (hl % np.uint64(experts)).astype(np.int64)
+        # a power of two: an odd step makes k -> base + k*step distinct mod experts
+        step = (((hl >> np.uint64(32)) % np.uint64(experts)).astype(np.int64) | 1) if pow2 else 1
+        for k in range(routes):  # a loop over route slots, vectorised over tokens
+            routes_NR[:, layer * routes + k] = (base + k * step) % experts
     # perturb one prompt token of a few calls: sharing with other calls must stop there
     hit = np.flatnonzero(rng.random(len(lens_C)) < _PERTURB_PROB)
     rows = call_off[hit] + rng.integers(0, starts_C[hit])
-    shift = rng.integers(1, _EXPERTS, size=len(hit))
-    routes_NR[rows] = (routes_NR[rows].astype(np.int64) + shift[:, None]) % _EXPERTS
+    shift = rng.integers(1, max(experts, 2), size=len(hit))
+    routes_NR[rows] = (routes_NR[rows].astype(np.int64) + shift[:, None]) % experts
     inner = pa.ListArray.from_arrays(
-        pa.array(np.arange(0, routes * len(tokens_N) + 1, routes, dtype=np.int32)),
+        pa.array(np.arange(0, width * len(tokens_N) + 1, width, dtype=np.int32)),
         pa.array(routes_NR.reshape(-1)))
     return pa.ListArray.from_arrays(_offsets(lens_C), inner, type=field_type)
 

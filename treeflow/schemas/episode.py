@@ -144,6 +144,7 @@ def iter_episode_batches(
     *,
     batch_rows: int = 256,
     vocab_size: int | None = None,
+    route_width: int | None = None,
 ) -> Iterator[pa.Table]:
     """Stream validated episode tables of at most `batch_rows` rows from files.
 
@@ -160,7 +161,8 @@ def iter_episode_batches(
             if batch.num_rows == 0:
                 continue
             table = validate_episodes(pa.Table.from_batches([batch]), source=path,
-                                      row_offset=row0, vocab_size=vocab_size)
+                                      row_offset=row0, vocab_size=vocab_size,
+                                      route_width=route_width)
             ids = table.column("episode_id").to_pylist()
             dup = seen.intersection(ids)
             if dup:
@@ -195,6 +197,25 @@ def _name(table: pa.Table, row: int, source: str, row_offset: int) -> str:
     return f"{source}: {where}"
 
 
+def _check_route_width(table: pa.Table, source: str, row_offset: int, width: int) -> None:
+    if not table.num_rows:
+        return
+    calls = table.column("calls").chunk(0)
+    routes = calls.flatten().field("routed_experts")
+    if routes.null_count == len(routes):
+        return
+    per_tok = _list_lengths(routes.flatten())
+    bad = np.flatnonzero(per_tok != width)
+    if len(bad):
+        rlen = np.where(routes.is_null().to_numpy(zero_copy_only=False), 0, _list_lengths(routes))
+        call = int(np.repeat(np.arange(len(rlen)), rlen)[bad[0]])
+        row = int(np.repeat(np.arange(table.num_rows), _list_lengths(calls))[call])
+        raise ValueError(f"{_name(table, row, source, row_offset)}: field 'routed_experts' has "
+                         f"routes of width {int(per_tok[bad[0]])} but the model replays width "
+                         f"{width} (MoE layers x top_k); capture routes with this model's "
+                         "configuration, or run with --routing recompute")
+
+
 def _list_lengths(arr: pa.Array) -> np.ndarray:
     return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
@@ -205,8 +226,12 @@ def validate_episodes(
     source: str = "<table>",
     row_offset: int = 0,
     vocab_size: int | None = None,
+    route_width: int | None = None,
 ) -> pa.Table:
     """Check `table` against the episode schema and return it cast to it.
+
+    route_width: the `routed_experts` width a model replays (MoE layers x top_k); routes of
+    another width are refused naming the episode and both widths.
 
     Raises ValueError naming the source, the episode, the field and the fix.
     """
@@ -242,6 +267,8 @@ def validate_episodes(
         cols[field.name] = col.combine_chunks()
     out = pa.Table.from_arrays([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     _check_calls(out, source, row_offset, vocab_size)
+    if route_width is not None:
+        _check_route_width(out, source, row_offset, route_width)
     si = out.column("sample_index")
     if pc.count_distinct(si).as_py() != n:
         vc = pc.value_counts(si)

@@ -124,6 +124,8 @@ STEP_METRICS_SCHEMA = pa.schema(
            "this policy) over loss tokens with generation_logprobs", nullable=True),
         _f("gen_logprob_max_diff", pa.float64(), "max |logprob - generation_logprob| over those tokens",
            nullable=True),
+        _f("route_agreement", pa.float64(), "MoE: share of replayed (token, MoE layer) rows whose "
+           "recomputed top-k expert set equals the captured route", nullable=True),
     ],
     metadata={"treeflow.schema": "step_metrics/1"},
 )

@@ -52,6 +52,10 @@ class Stage:
         """The vocabulary size token ids must stay below, when this stage knows it."""
         return None
 
+    def route_width_hint(self) -> int | None:
+        """The `routed_experts` width this stage replays, when it knows it."""
+        return None
+
     def bin_budget(self) -> int | None:
         """The most tokens a bin can hold after this stage, when it bounds them."""
         return None

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from treeflow.models.moe import ROUTINGS
 from treeflow.models.tuning import Tuning
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
 from treeflow.stages._flat import list_offsets
@@ -52,6 +53,9 @@ class Forward(Stage):
     tuning: speed/memory levers of the reference backend (flex tiles, compiled
     layers, fused loss, recomputation; treeflow.models.Tuning); the default is
     the plain path.
+    routing: MoE expert choice -- "replay" the bins' captured `routes` on every node
+        (combine weights from the current router), "recompute" (the router chooses), or
+        "auto": replay when the bins carry routes and the model has experts.
     The device is not configuration: the engine passes it to `build`.
     """
 
@@ -67,6 +71,7 @@ class Forward(Stage):
     entropy: bool = False
     tensor_parallel: int = 1
     tuning: Tuning = Tuning()
+    routing: str = "auto"
 
     def __post_init__(self):
         from treeflow.models import BACKENDS
@@ -83,6 +88,8 @@ class Forward(Stage):
             raise ValueError(f"Forward(dtype={self.dtype!r}): choose one of {sorted(DTYPES)}")
         if self.kernel not in ("auto", "dense", "flex", "causal", "runs"):
             raise ValueError(f"Forward(kernel={self.kernel!r}): choose auto, dense, flex, causal or runs")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"Forward(routing={self.routing!r}): choose one of {ROUTINGS}")
         if self.chunk_size < 1:
             raise ValueError(f"Forward(chunk_size={self.chunk_size}): give an int >= 1")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
@@ -103,6 +110,15 @@ class Forward(Stage):
         if self.model == "tiny":
             return ModelConfig.tiny().vocab_size
         return ModelConfig.from_hf_dir(self.model).vocab_size
+
+    def route_width_hint(self) -> int | None:
+        """The `routed_experts` width episodes must have when routes are replayed, else None."""
+        from treeflow.models import ModelConfig
+        from treeflow.models.moe import route_width
+
+        if self.routing == "recompute" or self.model == "tiny":
+            return None
+        return route_width(ModelConfig.from_hf_dir(self.model))
 
     def build(self, *, device: str | torch.device = "cpu", model=None,
               pad_to: int | None = None) -> ForwardRunner:

@@ -21,7 +21,9 @@ Legend: N nodes of a bin, E its edges.
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -45,6 +47,8 @@ class PreparedBin:
     targets_E: torch.Tensor
     plan: object
     num_tokens: int
+    routes_NW: torch.Tensor | None = None  # captured MoE expert ids per node (int64)
+    aux_weights_N: torch.Tensor | None = None  # router aux loss rows per node (training sets it)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class ForwardRunner:
         # padding serves the compiled (CUDA) flex kernel; eager CPU flex would only pay for it
         self.pad_to = pad_to if cuda else None
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.route_width, self.routing = _routing(config, backend)
 
     # ------------------------------------------------------------- host half
     def prepare(self, bins: pa.Table) -> PreparedBins:
@@ -117,6 +122,7 @@ class ForwardRunner:
             # one pinned buffer and one copy per column for the whole batch; bins are views
             dev = {n: self._to_device(val[n]) for n in ("tokens", "positions", "edge_sources",
                                                         "edge_targets")}
+            routes = self._routes(bins, off["tokens"])
             for r in range(bins.num_rows):
                 a = {n: int(off[n][r]) for n in _COLUMNS}
                 b = {n: int(off[n][r + 1]) for n in _COLUMNS}
@@ -130,7 +136,8 @@ class ForwardRunner:
                 items.append(PreparedBin(
                     *(dev[n][a[n]:b[n]] for n in ("tokens", "positions", "edge_sources",
                                                   "edge_targets")),
-                    plan=plan, num_tokens=len(positions)))
+                    plan=plan, num_tokens=len(positions),
+                    routes_NW=None if routes is None else routes[a["tokens"]:b["tokens"]]))
             ready = None
             if self._copy_stream is not None:
                 ready = torch.cuda.Event()
@@ -138,6 +145,38 @@ class ForwardRunner:
         executed = int(off["tokens"][-1] - off["tokens"][0])
         return PreparedBins(table=bins, items=items, ready=ready, executed_tokens=executed,
                             prepare_seconds=time.perf_counter() - t0)
+
+    def _routes(self, bins: pa.Table, node_off: np.ndarray) -> torch.Tensor | None:
+        """All nodes' routes [nodes of the batch, W] on the device, or None (no MoE / no routes)."""
+        if self.route_width is None or "routes" not in bins.column_names:
+            return None
+        col = bins.column("routes").combine_chunks()
+        if col.null_count == len(col):
+            if self.routing == "replay" and len(col):
+                raise ValueError("Forward(routing='replay'): the episodes carry no routed_experts; "
+                                 "capture them with the rollouts or use routing='recompute'")
+            return None
+        if col.null_count:
+            r = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            raise ValueError(f"bin {bins.column('bin_id')[r].as_py()} has no routes while others "
+                             "do; give routed_experts for every episode or none")
+        inner = col.flatten()
+        values = list_values(inner, np.int16)
+        width = len(values) // max(len(inner), 1)
+        if width != self.route_width and self.routing == "recompute":
+            _warn_no_agreement(width, self.route_width)  # nothing replayed: only the metric goes
+            return None
+        if width != self.route_width:
+            raise ValueError(f"routes of width {width} for a model whose routes have width "
+                             f"{self.route_width} (MoE layers x top_k); capture the routes with "
+                             "this model's configuration")
+        assert len(inner) == node_off[-1] - node_off[0], "one route per node"
+        return self._to_device(values.reshape(-1, width))
+
+    def take_route_tally(self) -> tuple[int, int] | None:
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
+        take = getattr(self.backend, "take_route_tally", None)
+        return None if take is None or self.route_width is None else take()
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
@@ -164,7 +203,13 @@ class ForwardRunner:
 
     def run_bin(self, item: PreparedBin):
         """Logprobs (and entropies) of one prepared bin's edges; differentiable under grad."""
-        hidden_NH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan)
+        if item.routes_NW is None:
+            hidden_NH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan)
+        else:
+            hidden_NH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan,
+                                                   routes_NW=item.routes_NW,
+                                                   replay=self.routing != "recompute",
+                                                   aux_weights_N=item.aux_weights_N)
         return self.backend.edge_logprobs(hidden_NH[item.sources_E], item.targets_E,
                                           chunk_size=self.config.chunk_size,
                                           with_entropy=self.config.entropy, targets_checked=True)
@@ -257,3 +302,21 @@ def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
 
 
 __all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins"]
+
+
+@functools.cache
+def _warn_no_agreement(width: int, model_width: int) -> None:
+    warnings.warn(f"routing='recompute': the routes have width {width}, this model's {model_width} "
+                  "(MoE layers x top_k), so route_agreement is not reported", stacklevel=3)
+
+
+def _routing(config, backend) -> tuple[int | None, str]:
+    """(route width of the model or None if dense, the Forward's routing), checked."""
+    from treeflow.models.moe import route_width
+
+    width = route_width(backend.config)
+    routing = getattr(config, "routing", "auto")
+    if routing == "replay" and width is None:
+        raise ValueError(f"Forward(routing='replay'): {backend.config.architecture} has no "
+                         "experts to replay routes into; use routing='auto' or 'recompute'")
+    return width, routing

@@ -30,6 +30,7 @@ from treeflow.stages._slots import Slots
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
 from treeflow.stages.runner import PreparedBins
 from treeflow.stages.shard import bin_costs
+from treeflow.train.router_aux import RouterAux
 
 # metrics summed over ranks, in this order
 _SUMMED = ("loss_sum", "executed_tokens", "bins", "clipped", "ratio_sum", "active", "kl_sum",
@@ -91,6 +92,7 @@ class Step:
         self._gen = None   # generation KL on the device: k3 sum, tokens, max |d|
         device = trainer.runner.device
         self.model = trainer.model
+        self._aux = RouterAux.for_step(trainer, episodes)  # None unless the config asks for it
         self._t = {k: (None if v is None else _to_device(v, device))
                    for k, v in (("weight", self.weight_S.astype(np.float32)), ("old", self.old_S),
                                 ("gen", self.gen_S), ("ref", self.ref_S), ("adv", self.adv_S))}
@@ -156,9 +158,12 @@ class Step:
             if off["edge_sources"][r] == off["edge_sources"][r + 1]:
                 continue
             edge_O, slot_O = index_2O[:, kept_off[r]:kept_off[r + 1]]
+            item = self._prepared.items[r]
+            if self._aux is not None:
+                item.aux_weights_N = _to_device(self._aux.weights(bins, r), self.trainer.runner.device)
             try:
                 with self.trainer.compute():
-                    lp_E, ent_E = self.trainer.runner.run_bin(self._prepared.items[r])
+                    lp_E, ent_E = self.trainer.runner.run_bin(item)
                 t = self._t
                 total, stats = occurrence_loss(
                     loss, lp_E[edge_O], weight_O=t["weight"][slot_O],
@@ -168,6 +173,8 @@ class Step:
                     ref_logprob_O=None if t["ref"] is None else t["ref"][slot_O],
                     entropy_O=None if ent_E is None else ent_E[edge_O],
                     selected=True, tensor_stats=True)
+                if self._aux is not None:  # the router load-balancing term (router_aux.py)
+                    total = total + self._aux.term(self.trainer.model.router_mass)
                 if r == arm_at:
                     self.trainer.reducer.arm()
                 total.backward()
@@ -347,8 +354,18 @@ class Step:
                                else 0.0),
             "gen_kl": float(gen[0] / gen[1]) if gen[1] else None,
             "gen_logprob_max_diff": float(gen_max[0]) if gen[1] else None,
+            "route_agreement": self._route_agreement(),
         }
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
+
+    def _route_agreement(self) -> float | None:
+        """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route."""
+        runner = self.trainer.runner
+        if getattr(runner, "route_width", None) is None:  # the same on every rank
+            return None
+        tally = runner.take_route_tally() or (0, 0)
+        agree, rows = self.trainer.dp.sum_array(np.array(tally, dtype=np.float64))
+        return float(agree / rows) if rows else None
 
 
 _START = {"ratio_max": -np.inf, "ratio_min": np.inf}

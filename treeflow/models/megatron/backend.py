@@ -71,9 +71,17 @@ from treeflow.models.rope import Rotary
 __all__ = ["MegatronBackend", "build_gpt_model"]
 
 
+def _refuse_moe(c: ModelConfig) -> None:
+    if c.moe is not None or c.qk_norm:
+        raise ValueError(f"{c.architecture}: the megatron backend does not run MoE (or q/k-norm) "
+                         "models yet; use --backend reference, which runs them with routing "
+                         "replay")
+
+
 def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
                     sequence_parallel: bool = False) -> GPTModel:
     """An MCore GPTModel of the HF config's shape (this rank's shard), parameters on CPU, uninitialised."""
+    _refuse_moe(c)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if c.vocab_size % tp:
         raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tensor parallelism {tp}; "
@@ -139,6 +147,10 @@ class MegatronBackend(ModuleBackend):
              device: torch.device | str = "cpu", tensor_parallel: int = 1,
              sequence_parallel: bool | None = None) -> "MegatronBackend":
         """Load "tiny", a ModelConfig or a local HF checkpoint into this rank's GPTModel shard."""
+        if isinstance(source, ModelConfig):
+            _refuse_moe(source)
+        elif source != "tiny" and os.path.isdir(source):  # before loading the whole checkpoint
+            _refuse_moe(ModelConfig.from_hf_dir(source))
         device = _resolve(torch.device(device))
         init_parallel(tensor_parallel, device)
         reference = load_model(source, dtype=torch.float32, device="cpu")  # HF names, checked

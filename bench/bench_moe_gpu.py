@@ -1,0 +1,232 @@
+"""MoE GPU benchmark: `treeflow replay` tree vs exact with routing replay, as a user runs it.
+
+A random checkpoint of Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts,
+top-8, moe_intermediate 768, 32 heads / 4 kv heads, head_dim 128, vocabulary
+151936) with `--layers` layers (default 4, so it fits one GPU with AdamW),
+bf16; 512 synthetic episodes in groups of 8 whose routes have the checkpoint's
+shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
+
+- `treeflow replay --layout exact|tree --routing replay`: steady seconds
+  (wall - start-up - compile), the steady speedup tree over exact, the ideal
+  token saving (exact-call tokens / executed tree tokens) and the share of it
+  the speedup reaches; route_agreement (hashed synthetic routes, so low);
+- `--mode train --steps S` per layout: steady seconds per optimizer step;
+- MFU on active parameters: 2 x active non-embedding parameters per token
+  (attention + router + top_k experts; the vocabulary head runs only at loss
+  edges and attention scores are not counted) x tokens / steady seconds /
+  `--peak-tflops` (H200 dense bf16: 989), for forward (replay) and 6 x for
+  training; both for executed tokens (what ran) and exact-call tokens (the
+  work the tree layout stands in for);
+- expert matmuls' achieved TFLOP/s: `models/moe.py`'s `expert_mix` (sort by
+  expert, two grouped matmuls) alone on `--expert-tokens` tokens with random
+  routes, forward and forward+backward, timed with CUDA events.
+
+The JSON lands in $OUT/bench_moe_gpu.json (or bench/results).
+
+    PYTHONUNBUFFERED=1 python bench/bench_moe_gpu.py                 # one H200, < 9 min
+    python bench/bench_moe_gpu.py --smoke --device cpu               # logic check, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from bench_cli_gpu import cli  # noqa: E402  (one way to run the CLI and read its JSON)
+
+
+def shape(layers: int, smoke: bool) -> dict:
+    if smoke:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "norm_topk_prob": True}
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768, "norm_topk_prob": True, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "router_aux_loss_coef": 0.001,
+            "output_router_logits": False}
+
+
+def active_params(c) -> int:
+    """Non-embedding parameters one token runs through (attention, router, top_k experts)."""
+    h, d = c.hidden_size, c.head_dim
+    attn = h * d * (c.num_attention_heads * 2 + c.num_key_value_heads * 2) + 2 * d
+    moe = c.moe
+    per_layer = []
+    for i in range(c.num_hidden_layers):
+        if moe is not None and i in moe.moe_layers:
+            mlp = h * moe.num_experts + moe.top_k * 3 * h * moe.moe_intermediate_size
+        else:
+            mlp = 3 * h * c.intermediate_size
+        per_layer.append(attn + mlp + 2 * h)
+    return sum(per_layer)
+
+
+def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
+    """Achieved TFLOP/s of the expert matmuls (expert_mix) on random routes."""
+    import torch
+
+    from treeflow.models.moe import expert_mix
+
+    moe, h = config.moe, config.hidden_size
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, h, device=device, dtype=dtype, generator=g, requires_grad=True)
+    gate_up = (0.02 * torch.randn(moe.num_experts, 2 * moe.moe_intermediate_size, h, device=device,
+                                  dtype=dtype, generator=g)).requires_grad_()
+    down = (0.02 * torch.randn(moe.num_experts, h, moe.moe_intermediate_size, device=device,
+                               dtype=dtype, generator=g)).requires_grad_()
+    idx = torch.rand(tokens, moe.num_experts, device=device, generator=g).topk(moe.top_k).indices
+    w = torch.rand(tokens, moe.top_k, device=device, dtype=dtype, generator=g)
+    flops = 2 * tokens * moe.top_k * 3 * h * moe.moe_intermediate_size  # gate+up and down
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(repeats):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1000 / repeats
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats
+
+    def fwd():
+        with torch.no_grad():
+            expert_mix(x, idx, w, gate_up, down)
+
+    def fwd_bwd():
+        expert_mix(x, idx, w, gate_up, down).float().square().mean().backward()
+
+    from treeflow.models.moe import _grouped_ok
+
+    grouped = _grouped_ok(x, gate_up, down)
+    f, fb = timed(fwd), timed(fwd_bwd)
+    return {"tokens": tokens, "path": "grouped_mm" if grouped else "padded_bmm",
+            "forward_seconds": round(f, 6), "forward_tflops": round(flops / f / 1e12, 2),
+            "fwd_bwd_seconds": round(fb, 6), "fwd_bwd_tflops": round(3 * flops / fb / 1e12, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--episodes", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-turns", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--train-batch", type=int, default=64)
+    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--expert-tokens", type=int, default=32768)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--budget-seconds", type=float, default=520)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and data (logic check)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.episodes, args.group_size, args.max_turns, args.max_tokens = 8, 2, 3, 8192
+        args.window, args.train_batch, args.train_steps, args.expert_tokens = 4, 4, 2, 256
+    import torch
+
+    from treeflow.models import ModelConfig, save_model
+    from treeflow.models.checkpoint import seeded_decoder
+
+    t_start = time.perf_counter()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out_file = os.path.join(out_dir, args.out or ("bench_moe_gpu_smoke.json" if args.smoke
+                                                  else "bench_moe_gpu.json"))
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
+    config = ModelConfig.from_hf_dict(shape(args.layers, args.smoke))
+    res: dict = {"settings": vars(args), "active_params": active_params(config)}
+
+    def save():
+        res["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        with open(out_file, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def left() -> float:
+        return args.budget_seconds - (time.perf_counter() - t_start)
+
+    work = tempfile.mkdtemp(prefix="treeflow-moe-bench-")
+    ckpt, data = os.path.join(work, "model"), os.path.join(work, "episodes.arrow")
+    t0 = time.perf_counter()
+    save_model(seeded_decoder(config, device=args.device,
+                              dtype=torch.bfloat16 if args.device == "cuda" else torch.float32),
+               ckpt)
+    res["checkpoint_seconds"] = round(time.perf_counter() - t0, 1)
+    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", data, "--episodes",
+                    str(args.episodes), "--group-size", str(args.group_size), "--vocab-size",
+                    str(min(config.vocab_size, 32000)), "--min-turns", str(min(3, args.max_turns)),
+                    "--max-turns", str(args.max_turns), "--routes-from", ckpt, "--seed", "0",
+                    "--quiet"], check=True, env=env)
+    print(f"[{time.perf_counter() - t_start:.0f}s] expert matmuls", flush=True)
+    res["expert_matmul"] = expert_tflops(config, args.expert_tokens, args.device, 3 if args.smoke
+                                         else 10)
+    print(f"  {json.dumps(res['expert_matmul'])}", flush=True)
+    save()
+    common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--max-tokens",
+              str(args.max_tokens), "--routing", "replay", "--json"]
+    n_active, peak = res["active_params"], args.peak_tflops * 1e12
+    for mode in ("replay",) + (() if args.no_train else ("train",)):
+        for layout in ("exact", "tree"):
+            key = f"{mode}_{layout}"
+            if left() < 30:
+                res[key] = "skipped (time budget)"
+                continue
+            print(f"[{time.perf_counter() - t_start:.0f}s] {mode} --layout {layout}", flush=True)
+            extra = (["--window", str(args.window), "-o", os.path.join(work, f"{layout}.arrow")]
+                     if mode == "replay" else
+                     ["--mode", "train", "--batch-episodes", str(args.train_batch), "--steps",
+                      str(args.train_steps), "--lr", "1e-6"])
+            r = res[key] = cli(["replay", data, "--layout", layout, *extra, *common], env, key)
+            if mode == "replay" and "error" not in r:
+                s = r["steady_seconds"]
+                r["mfu_executed"] = round(2 * n_active * r["executed_tokens"] / s / peak, 4)
+                r["mfu_exact_equivalent"] = round(2 * n_active * r["exact_tokens"] / s / peak, 4)
+            print(f"  {json.dumps(r)[:500]}", flush=True)
+            save()
+    ex, tr = res.get("replay_exact"), res.get("replay_tree")
+    if isinstance(ex, dict) and isinstance(tr, dict) and "error" not in ex and "error" not in tr:
+        res["replay_speedup_steady"] = round(ex["steady_seconds"] / tr["steady_seconds"], 3)
+        res["ideal_saving"] = round(tr["exact_tokens"] / tr["executed_tokens"], 3)
+        res["share_of_ideal"] = round(res["replay_speedup_steady"] / res["ideal_saving"], 3)
+    ex, tr = res.get("train_exact"), res.get("train_tree")
+    if (isinstance(ex, dict) and isinstance(tr, dict) and ex.get("steady_seconds_per_step")
+            and tr.get("steady_seconds_per_step")):
+        res["train_step_speedup_steady"] = round(
+            ex["steady_seconds_per_step"] / tr["steady_seconds_per_step"], 3)
+        last = tr.get("last") or {}
+        if last.get("executed_tokens"):
+            res["train_tree_mfu_executed"] = round(
+                6 * n_active * last["executed_tokens"] / tr["steady_seconds_per_step"] / peak, 4)
+    save()
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

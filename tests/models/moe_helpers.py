@@ -1,0 +1,161 @@
+"""Tiny transformers MoE models and an independent route-forcing patch of their routers.
+
+`hf_model(family)` builds a random Qwen3-MoE / Qwen2-MoE / Mixtral model with
+transformers' own classes (weights large enough that routing is far from a
+tie). `forced_routes(model, routes)` patches the *transformers* router
+module's forward for the duration of a call so that its top-k indices are the
+given ones and its weights the router's softmax probabilities at them,
+normalised as that family normalises -- written here from transformers'
+router code, not from treeflow's. `hf_call_routes` reads a call's own routes
+off transformers' router logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tests.deps import require
+
+transformers = require("transformers")
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+VOCAB = 61
+
+
+def hf_config(family: str, **over):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    common.update(over)
+    if family == "qwen3_moe":  # a dense layer in the middle (mlp_only_layers), renormalised top-k
+        return transformers.Qwen3MoeConfig(**{**dict(num_experts=6, moe_intermediate_size=16,
+                                                     norm_topk_prob=True, mlp_only_layers=[1],
+                                                     head_dim=8), **common})
+    if family == "qwen2_moe":  # shared expert; experts on every 2nd layer; top-k not renormalised
+        return transformers.Qwen2MoeConfig(**{**dict(num_experts=6, moe_intermediate_size=16,
+                                                     shared_expert_intermediate_size=24,
+                                                     decoder_sparse_step=2), **common})
+    return transformers.MixtralConfig(**{**dict(num_local_experts=5), **common})
+
+
+def hf_model(family: str, seed: int = 0, **over):
+    config = hf_config(family, **over)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def router_modules(model) -> list:
+    """transformers' router module of each MoE layer, in layer order."""
+    out = []
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "top_k"):
+            out.append(gate)
+    return out
+
+
+def _normalises(model) -> bool:
+    return model.config.model_type == "mixtral" or bool(model.config.norm_topk_prob)
+
+
+@contextlib.contextmanager
+def forced_routes(model, routes_TW: np.ndarray | None):
+    """Run `model` on one call (batch 1) with expert ids `routes_TW` [tokens, layers*top_k].
+
+    A row of -1 keeps the router's own choice. The weights are softmax(router logits) at the
+    forced ids, renormalised when the family renormalises its top-k.
+    """
+    if routes_TW is None:
+        yield
+        return
+    gates = router_modules(model)
+    k = gates[0].top_k
+    norm = _normalises(model)
+    mixtral = model.config.model_type == "mixtral"
+    saved = []
+    for j, gate in enumerate(gates):
+        forced = torch.as_tensor(np.asarray(routes_TW[:, j * k:(j + 1) * k], np.int64))
+
+        def forward(hidden_states, gate=gate, forced=forced):
+            h = hidden_states.reshape(-1, gate.weight.shape[1])
+            logits = F.linear(h, gate.weight)
+            probs = torch.softmax(logits.float(), dim=-1)
+            own = torch.topk(probs, k, dim=-1).indices
+            idx = torch.where((forced >= 0).all(-1, keepdim=True), forced, own)
+            top = probs.gather(1, idx)
+            if norm:
+                top = top / top.sum(-1, keepdim=True)
+            return logits, (top if mixtral else top.to(logits.dtype)), idx
+
+        saved.append((gate, gate.forward))
+        gate.forward = forward
+    try:
+        yield
+    finally:
+        for gate, fwd in saved:
+            gate.forward = fwd
+
+
+def hf_call_routes(model, token_ids) -> np.ndarray:
+    """The model's own routes for one call, [tokens, MoE layers * top_k] (sorted per layer)."""
+    with torch.no_grad():
+        out = model(torch.as_tensor([token_ids]), output_router_logits=True)
+    k = router_modules(model)[0].top_k
+    per_layer = [torch.topk(torch.softmax(lg.float(), -1), k, dim=-1).indices.sort(-1).values
+                 for lg in out.router_logits]
+    return torch.cat(per_layer, dim=-1).numpy().astype(np.int16)
+
+
+def hf_call_logprobs(model, token_ids, sampled_start, routes_TW=None) -> torch.Tensor:
+    """Logprobs of the call's sampled tokens, the call alone through transformers."""
+    t = torch.as_tensor([token_ids])
+    with forced_routes(model, routes_TW):
+        logits = model(t).logits[0].float()
+    logp = torch.log_softmax(logits[sampled_start - 1:-1], -1)
+    return logp.gather(-1, t[0, sampled_start:, None])[:, 0]
+
+
+def episodes(rng: np.random.Generator, *, groups: int = 2, per_group: int = 2, turns: int = 3):
+    """Append-only agent episodes in GRPO groups (a shared prompt, branching completions)."""
+    rows = []
+    for g in range(groups):
+        prompt = rng.integers(1, VOCAB, 5).tolist()
+        for e in range(per_group):
+            seq, calls = list(prompt), []
+            for _ in range(turns):
+                start = len(seq)
+                seq = seq + rng.integers(1, VOCAB, int(rng.integers(2, 4))).tolist()
+                calls.append({"token_ids": list(seq), "sampled_start": start})
+                seq = seq + rng.integers(1, VOCAB, 2).tolist()  # tool result
+            rows.append({"episode_id": f"g{g}e{e}", "group_id": f"g{g}", "calls": calls,
+                         "sample_index": len(rows)})
+    return rows
+
+
+def with_routes(model, rows, *, shift: int = 0, sentinel: bool = True):
+    """Rows with each call's own routes (+shift mod experts: a perturbation), NeMo-Gym style:
+    the final sampled token's route is the sentinel -1."""
+    experts = router_modules(model)[0].num_experts
+    out = []
+    for row in rows:
+        calls = []
+        for c in row["calls"]:
+            r = hf_call_routes(model, c["token_ids"]).astype(np.int64)
+            r = (r + shift) % experts
+            if sentinel:
+                r[-1] = -1
+            calls.append({**c, "routed_experts": r.tolist()})
+        out.append({**row, "calls": calls})
+    return out

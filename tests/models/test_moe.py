@@ -1,0 +1,270 @@
+"""MoE policies with routing replay: tree = chain = exact = transformers call by call.
+
+The oracle is transformers' own Qwen3-MoE / Qwen2-MoE / Mixtral model run on
+one call at a time, with the replayed routes forced into *its* router module
+by the test's own patch (tests/models/moe_helpers.py). treeflow runs the same
+episodes through Pack (tree with group sharing, chain, exact), Fragment (a
+budget small enough to cut trees) and Forward on the loaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from tests.models.moe_helpers import (FAMILIES, episodes, forced_routes, hf_call_logprobs,
+                                      hf_model, router_modules, with_routes)
+from treeflow.models import load_model
+from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
+from treeflow.stages import Forward, Pack
+from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.fragment import fragment
+
+LAYOUTS = ("tree", "chain", "exact")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: intra-op threads only contend (30x slower on a busy 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(transformers model, treeflow Decoder loaded from its saved checkpoint)."""
+    hf = hf_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, load_model(path)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return episodes(np.random.default_rng(3))
+
+
+def _occurrence_logprobs(model, rows, *, layout, routing, max_tokens=40):
+    """{(episode index, call, offset): logprob tensor} through Pack -> Fragment -> Forward."""
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    bins = fragment(Pack(layout=layout)(table), max_tokens=max_tokens)
+    runner = Forward(routing=routing).build(model=model)
+    runner.take_route_tally()  # count this run's rows only
+    prepared = runner.prepare(bins)
+    cols = {n: bins.column(n).combine_chunks() for n in ("occ_sample_index", "occ_call",
+                                                         "occ_offset", "occ_edge")}
+    off = list_offsets(cols["occ_edge"])
+    vals = {n: list_values(c) for n, c in cols.items()}
+    out = {}
+    for r, item in enumerate(prepared.items):
+        if item is None:
+            continue
+        lp_E, _ = runner.run_bin(item)
+        for o in range(off[r], off[r + 1]):
+            key = (int(vals["occ_sample_index"][o]), int(vals["occ_call"][o]),
+                   int(vals["occ_offset"][o]))
+            assert key not in out
+            out[key] = lp_E[int(vals["occ_edge"][o])]
+    return out, runner
+
+
+def _hf_logprobs(hf, rows, *, replay: bool):
+    out = {}
+    for i, row in enumerate(rows):
+        for k, c in enumerate(row["calls"]):
+            routes = np.asarray(c["routed_experts"]) if replay and "routed_experts" in c else None
+            lp = hf_call_logprobs(hf, c["token_ids"], c["sampled_start"], routes)
+            for j in range(len(lp)):
+                out[(i, k, j)] = lp[j]
+    return out
+
+
+def _weights(keys):
+    rng = np.random.default_rng(7)
+    return {k: float(rng.uniform(0.5, 1.5)) for k in sorted(keys)}
+
+
+@pytest.mark.parametrize("routing", ["replay", "recompute"])
+def test_logprobs_and_gradients_match_transformers(pair, rows, routing):
+    hf, ours = pair
+    # perturbed routes: replay must follow them, recompute must ignore them
+    routed = with_routes(hf, rows, shift=1)
+    with torch.no_grad():
+        want = _hf_logprobs(hf, routed, replay=routing == "replay")
+    w = _weights(want)
+    hf.zero_grad()
+    sum(w[k] * v for k, v in _hf_logprobs(hf, routed, replay=routing == "replay").items()).backward()
+    hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    for layout in LAYOUTS:
+        ours.zero_grad()
+        got, _ = _occurrence_logprobs(ours, routed, layout=layout, routing=routing)
+        assert got.keys() == want.keys()
+        diff = max(abs(float(got[k].detach()) - float(want[k])) for k in want)
+        assert diff < 1e-5, (layout, diff)
+        sum(w[k] * v for k, v in got.items()).backward()
+        names = dict(ours.named_parameters())
+        assert names.keys() == hf_grads.keys()
+        for n, g in hf_grads.items():
+            mine = names[n].grad
+            assert mine is not None, n
+            scale = float(g.abs().max())
+            assert float((mine - g).abs().max()) <= 1e-5 * scale + 1e-9, (layout, n)
+
+
+def test_replay_changes_results_and_agreement(pair, rows):
+    hf, ours = pair
+    own = with_routes(hf, rows)
+    shifted = with_routes(hf, rows, shift=1)
+    with torch.no_grad():
+        got_own, runner = _occurrence_logprobs(ours, own, layout="tree", routing="replay")
+    agree, total = runner.take_route_tally()
+    assert total > 0 and agree == total  # routes from the same model: agreement 1.0
+    with torch.no_grad():
+        got_shift, runner = _occurrence_logprobs(ours, shifted, layout="tree", routing="replay")
+    agree, total = runner.take_route_tally()
+    assert agree / total < 0.5
+    assert max(abs(float(got_own[k]) - float(got_shift[k])) for k in got_own) > 1e-2
+    # recompute ignores the routes for the values but still reports their agreement
+    with torch.no_grad():
+        got_rec, runner = _occurrence_logprobs(ours, shifted, layout="tree", routing="recompute")
+    assert runner.take_route_tally() == (0, total)  # own routes + 1 never equal own routes
+    assert max(abs(float(got_own[k]) - float(got_rec[k])) for k in got_own) < 1e-5
+    _, runner = _occurrence_logprobs(ours, own, layout="chain", routing="recompute")
+    agree, total = runner.take_route_tally()
+    assert total > 0 and agree == total
+
+
+def test_auto_replays_when_routes_are_present(pair, rows):
+    hf, ours = pair
+    shifted = with_routes(hf, rows, shift=2)
+    auto, _ = _occurrence_logprobs(ours, shifted, layout="chain", routing="auto")
+    replay, _ = _occurrence_logprobs(ours, shifted, layout="chain", routing="replay")
+    assert all(float(auto[k].detach()) == float(replay[k].detach()) for k in auto)
+
+
+def test_width_mismatch_is_refused_naming_episode_and_widths(pair, rows):
+    hf, ours = pair
+    width = len(router_modules(hf)) * router_modules(hf)[0].top_k
+    bad = with_routes(hf, rows)
+    for c in bad[1]["calls"]:
+        c["routed_experts"] = [r + [0] for r in c["routed_experts"]]
+    table = pa.Table.from_pylist(bad[1:2], schema=EPISODE_SCHEMA)  # one width, not the model's
+    with pytest.raises(ValueError, match=rf"episode 'g0e1'.*width {width + 1}.*replays width "
+                                         rf"{width}"):
+        validate_episodes(table, route_width=width)
+    one = validate_episodes(pa.Table.from_pylist(bad[1:2], schema=EPISODE_SCHEMA))
+    bins = fragment(Pack(layout="tree")(one), max_tokens=64)
+    with pytest.raises(ValueError, match=rf"width {width + 1}.*width {width}"):
+        Forward(routing="replay").build(model=ours).prepare(bins)
+
+
+def test_replay_needs_routes_and_experts(pair, rows):
+    _, ours = pair
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    bins = fragment(Pack(layout="tree")(table), max_tokens=64)
+    with pytest.raises(ValueError, match="carry no routed_experts"):
+        Forward(routing="replay").build(model=ours).prepare(bins)
+    dense = load_model("tiny")
+    with pytest.raises(ValueError, match="no experts"):
+        Forward(routing="replay").build(model=dense)
+
+
+def _hf_aux_and_nll(hf, rows):
+    """-token-mean logprob + coef x Switch aux over every call's input rows, by hand from
+    transformers' router logits with the replayed routes forced into its routers."""
+    coef, experts = hf.config.router_aux_loss_coef, router_modules(hf)[0].num_experts
+    nll, n_tok, mass, counts, w = 0.0, 0, torch.zeros(experts), torch.zeros(experts), 0
+    for row in rows:
+        for c in row["calls"]:
+            t = torch.as_tensor([c["token_ids"]])
+            routes = np.asarray(c["routed_experts"])
+            with forced_routes(hf, routes):
+                out = hf(t, output_router_logits=True)
+            logp = torch.log_softmax(out.logits[0].float()[c["sampled_start"] - 1:-1], -1)
+            nll = nll - logp.gather(-1, t[0, c["sampled_start"]:, None]).sum()
+            n_tok += t.shape[1] - c["sampled_start"]
+            n = t.shape[1] - 1  # input rows that predict a token
+            for logits in out.router_logits:
+                mass = mass + torch.softmax(logits[:n].float(), -1).sum(0)
+            counts += torch.bincount(torch.as_tensor(routes[:n]).reshape(-1), minlength=experts)
+            w += n * len(out.router_logits)
+    return nll / n_tok + coef * experts * (counts * mass).sum() / w ** 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_router_aux_loss_equals_the_exact_baseline(tmp_path, rows, layout):
+    """Loss and every gradient of nll + coef x aux: treeflow's step on tree / chain / exact
+    bins (cut by a small budget) = the hand formula on transformers call by call."""
+    from treeflow.stages import Loss, Reduce
+    from treeflow.train import Trainer
+
+    hf = hf_model("qwen2_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    hf.save_pretrained(tmp_path)
+    routed = with_routes(hf, rows, shift=1)
+    hf.zero_grad()
+    want = _hf_aux_and_nll(hf, routed)
+    want.backward()
+    trainer = Trainer(Forward(routing="replay"), Reduce(loss=Loss(kind="nll")),
+                      model=load_model(tmp_path), grad_sum="float64")
+    table = validate_episodes(pa.Table.from_pylist(routed, schema=EPISODE_SCHEMA))
+    step = trainer.open_step(table)
+    step.add(fragment(Pack(layout=layout)(table), max_tokens=40))
+    assert abs(step.loss_sum - float(want.detach())) < 1e-5 * abs(float(want.detach()))
+    for n, p in hf.named_parameters():
+        g, mine = p.grad.double(), step._grad64[n]
+        assert float((mine - g).abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-9, n
+    step.abort()
+
+
+def test_router_aux_loss_needs_replayed_routes(tmp_path, rows):
+    from treeflow.stages import Loss, Reduce
+    from treeflow.train import Trainer
+
+    hf = hf_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+    hf.save_pretrained(tmp_path)
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    trainer = Trainer(Forward(), Reduce(loss=Loss(kind="nll")), model=load_model(tmp_path))
+    with pytest.raises(ValueError, match="router aux loss, which needs the episodes' routed_exp"):
+        trainer.open_step(table)
+    trainer = Trainer(Forward(routing="recompute"), Reduce(loss=Loss(kind="nll")),
+                      model=load_model(tmp_path))
+    with pytest.raises(ValueError, match="train with --routing replay"):
+        trainer.open_step(table)
+
+
+@pytest.mark.parametrize("recompute", ["mlp", "layer"])
+def test_recomputation_keeps_values_gradients_and_agreement(pair, rows, recompute):
+    """Tuning(recompute=...) reruns MoE blocks in backward: same numbers, rows counted once."""
+    from treeflow.models import ReferenceBackend, Tuning
+
+    hf, ours = pair
+    routed = with_routes(hf, rows, shift=1)
+    runs = []
+    for tuning in (Tuning(), Tuning(recompute=recompute)):
+        ours.zero_grad()
+        lp, runner = _occurrence_logprobs(ReferenceBackend(ours, tuning=tuning), routed,
+                                          layout="tree", routing="replay")
+        w = _weights(lp)
+        sum(w[k] * v for k, v in lp.items()).backward()
+        runs.append((lp, {n: p.grad.clone() for n, p in ours.named_parameters()},
+                     runner.take_route_tally()))
+    (lp0, g0, t0), (lp1, g1, t1) = runs
+    assert t0 == t1 and t0[1] > 0
+    assert max(abs(float(lp0[k].detach()) - float(lp1[k].detach())) for k in lp0) < 1e-6
+    assert all(torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9) for n in g0)
+
+
+def test_megatron_backend_refuses_moe_by_name(tmp_path):
+    from tests.deps import require
+
+    require("megatron.core", extra="megatron")
+    from treeflow.models import load_backend
+
+    hf_model("mixtral").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="MixtralForCausalLM: the megatron backend does not run "
+                                         "MoE"):
+        load_backend("megatron", tmp_path)
