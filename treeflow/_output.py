@@ -51,9 +51,12 @@ def table_output(path: str, inputs, *, option: str = "-o", what: str = "output")
     """A writer of tables whose file replaces `path` only when the block completes."""
     from treeflow.schemas.episode import expand_paths
 
+    from treeflow.lock import claim_output
+
     check_output(path, what=f"{option} {what}")
     fmt = output_format(path, option)
     refuse_inputs(path, expand_paths(inputs), option=option)
+    claim_output(path, option=option)  # one writer per output (treeflow/lock.py)
     with atomic_path(path, what=what) as tmp:
         writer = _Writer(tmp, fmt)
         try:

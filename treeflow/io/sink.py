@@ -51,17 +51,26 @@ class EpisodeFileWriter:
         commit(self._tmp, self.path)
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        """Drop the temporary, whatever state the writer is in (closing may fail on a full disk)."""
+        try:
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.close()
+        except Exception:  # noqa: BLE001 - the error that made us abort is the one to report
+            pass
+        finally:
+            if os.path.exists(self._tmp):
+                os.remove(self._tmp)
 
     def __enter__(self) -> "EpisodeFileWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()  # closing flushes the last batch: a full disk shows up here
+            except BaseException:
+                self.abort()
+                raise
         else:
             self.abort()

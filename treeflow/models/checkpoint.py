@@ -4,14 +4,17 @@ Only local directories (or the built-in `"tiny"` model) are read; nothing is
 downloaded. The model is built on the meta device and each tensor is read from
 safetensors straight into the target dtype and device, so peak memory is one
 copy of the weights. Every mismatch between the file and the model (a missing,
-unexpected or wrongly shaped tensor) is an error naming the tensor: a partial
-load would silently train a different model.
+unexpected or wrongly shaped tensor, or one holding NaN or inf) is an error
+naming the tensor: a partial or poisoned load would silently train a different
+model or give NaN for every logprob.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,7 +25,7 @@ from treeflow.atomic import atomic_open, atomic_path
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 
-__all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
+__all__ = ["load_model", "save_model", "save_state", "seeded_decoder", "write_safetensors"]
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -75,7 +78,12 @@ def _read(f, name, expected, config, dtype, device):
     if shape != expected[name]:
         raise ValueError(f"tensor {name!r} has shape {shape} in the checkpoint but the "
                          f"config needs {expected[name]}")
-    return f.get_tensor(name).to(device=device, dtype=dtype)
+    t = f.get_tensor(name)
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"tensor {name!r} {shape} holds {bad} non-finite value(s) (NaN or inf); "
+                         "the checkpoint is corrupted or diverged: load an earlier one")
+    return t.to(device=device, dtype=dtype)
 
 
 def _weight_files(path: str) -> list[str]:
@@ -139,4 +147,15 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
     with atomic_open(os.path.join(path, "config.json")) as f:
         json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
     with atomic_path(os.path.join(path, _WEIGHTS)) as tmp:
-        save_file(state, tmp, metadata={"format": "pt"})
+        write_safetensors(state, tmp, metadata={"format": "pt"})
+
+
+def write_safetensors(tensors: dict, path: str, *, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with its I/O failures (a full disk) raised as OSError naming `path`."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} while writing it; free space or write "
+                            "elsewhere (nothing was replaced)", path) from e

@@ -86,22 +86,48 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
 
 
 class _StreamFile:
-    """An Arrow stream-format file behind the two calls the readers need from a dataset."""
+    """An Arrow stream-format file behind the calls the readers need from a dataset.
+
+    A stream has no footer, so a truncated one is only found when its last batch is read:
+    that error names the file.
+    """
 
     def __init__(self, path: str):
         self.path = path
         with pa.ipc.open_stream(path) as reader:
             self.schema = reader.schema
 
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        try:
+            with pa.ipc.open_stream(self.path) as reader:
+                yield from reader
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{self.path}: the Arrow stream is truncated or corrupted ({e}); "
+                             "write it again (pyarrow.ipc.new_file, or .parquet)") from e
+
     def to_batches(self, batch_size: int) -> Iterator[pa.RecordBatch]:
-        with pa.ipc.open_stream(self.path) as reader:
-            for batch in reader:
-                for start in range(0, batch.num_rows, batch_size):
-                    yield batch.slice(start, batch_size)
+        for batch in self._batches():
+            for start in range(0, batch.num_rows, batch_size):
+                yield batch.slice(start, batch_size)
 
     def count_rows(self) -> int:
-        with pa.ipc.open_stream(self.path) as reader:
-            return sum(b.num_rows for b in reader)
+        return sum(b.num_rows for b in self._batches())
+
+    def to_table(self, columns: list[str] | None = None) -> pa.Table:
+        table = pa.Table.from_batches(list(self._batches()), schema=self.schema)
+        return table.select(columns) if columns is not None else table
+
+    def take(self, indices: pa.Array) -> pa.Table:
+        return self.to_table().take(indices)
+
+
+def open_episode_file(path: str):
+    """A dataset-like reader of one episode file (schema, to_batches, count_rows, to_table, take).
+
+    Parquet by its suffix; an Arrow IPC file or an Arrow stream told apart by content. Every
+    engine reads files through here, so all of them read the same files.
+    """
+    return _open(path)
 
 
 def _open(path: str):
@@ -156,6 +182,7 @@ def iter_episode_batches(
     for path in expand_paths(paths):
         data = _open(path)
         _check_version(data.schema.metadata, path)
+        _warn_unknown_columns(data.schema.names, path)
         for batch in data.to_batches(batch_size=batch_rows):
             if batch.num_rows == 0:
                 continue
@@ -178,6 +205,21 @@ def iter_episode_batches(
             seen_index = np.union1d(seen_index, idx)
             row0 += table.num_rows
             yield table
+
+
+def _warn_unknown_columns(names, source: str) -> None:
+    """A warning on stderr for a column that looks like a misspelled episode field (ignored)."""
+    import difflib
+    import sys
+
+    known = [f.name for f in EPISODE_SCHEMA]
+    for name in names:
+        if name in known:
+            continue
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        if near:
+            print(f"warning: {source}: column {name!r} is not an episode field and is ignored; "
+                  f"did you mean {near[0]!r}? (rename it to use it)", file=sys.stderr)
 
 
 def read_episodes(paths, *, vocab_size: int | None = None) -> pa.Table:
@@ -230,6 +272,7 @@ def validate_episodes(
         if field.name == "calls":
             col = _cast_calls(table, col, source, row_offset)
         elif not col.type.equals(field.type):
+            _refuse_lossy(col.type, field.type, f"column {field.name!r}", source)
             try:
                 col = col.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -277,6 +320,7 @@ def _cast_calls(table, col, source, row_offset):
         if f.name in inner:
             child = flat.field(f.name)
             if not child.type.equals(f.type):
+                _refuse_lossy(child.type, f.type, f"calls[].{f.name}", source)
                 try:
                     child = child.cast(f.type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -292,6 +336,50 @@ def _cast_calls(table, col, source, row_offset):
         lens = _list_lengths(col)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     return pa.chunked_array([pa.ListArray.from_arrays(offsets, structs, mask=col.is_null())])
+
+
+def _kind(t: pa.DataType) -> str:
+    """What a value means, for casting: int, float, string, bool, null, list, struct or other."""
+    if pa.types.is_dictionary(t):
+        return _kind(t.value_type)
+    if pa.types.is_null(t):
+        return "null"
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return "list"
+    return "struct" if pa.types.is_struct(t) else "other"
+
+
+def _refuse_lossy(have: pa.DataType, want: pa.DataType, what: str, source: str) -> None:
+    """ValueError unless `have` casts to `want` without changing what the values mean.
+
+    Widths may change (int64 -> int32, checked for overflow by the cast; double -> float32) and
+    integers may become floats; strings never become numbers, floats never become integers,
+    numbers never become strings: those are the user's data in another type, refused with the
+    cast to make.
+    """
+    leaf_have, leaf_want = have, want
+    while _kind(leaf_have) == "list" and _kind(leaf_want) == "list":
+        leaf_have, leaf_want = leaf_have.value_type, leaf_want.value_type
+    a, b = _kind(leaf_have), _kind(leaf_want)
+    if a == b or a == "null" or (a, b) == ("int", "float"):
+        return
+    fix = {("string", "int"): "parse them as integers (e.g. pyarrow.compute.cast after checking "
+                              "they are digits, or int(x) per value)",
+           ("float", "int"): "round them to integers first (token ids and counts are integers: "
+                             "check why they were floats)",
+           ("int", "string"): "convert them to strings (pyarrow.compute.cast(col, pa.string()), "
+                              "or str(x) per value)",
+           ("int", "bool"): "give booleans (x != 0)"}.get((a, b), f"give {leaf_want} values")
+    raise ValueError(f"{source}: {what} has type {have}, expected {want}; treeflow does not cast "
+                     f"{a} to {b} silently: {fix} before writing the file")
 
 
 def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int | None) -> None:
