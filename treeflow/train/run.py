@@ -8,7 +8,7 @@ computed (layout, fragment size, kernel, device) are left out: resuming on
 another machine is allowed. Renaming the directory that holds the data is
 allowed too; only base names are compared.
 
-The trade-off: hashing reads every input once (about 1 GB/s on one core) at
+The trade-off: hashing reads every input once (0.3-1 GB/s on one core) at
 the start of a run. Hashes are cached by (path, inode, size, mtime_ns) in
 this process and in `$TREEFLOW_CACHE_DIR` (default `~/.cache/treeflow`), so a
 file that has not been written since it was last hashed costs nothing; a
