@@ -172,7 +172,6 @@ def _show(args, title: str, summary: dict) -> None:
 def _check_output(args) -> dict:
     """What -o is: a directory of per-step files, or one file published at the end."""
     from treeflow._output import output_format
-    from treeflow.atomic import refuse_inputs
     from treeflow.lock import claim_output
     from treeflow.schemas.episode import count_rows, expand_paths
 
@@ -196,7 +195,7 @@ def _check_output(args) -> dict:
             raise ValueError(f"-o {args.output} holds every step until the file is published, so "
                              f"the queue must hold all {rows} episodes of --from: give --capacity "
                              f">= {rows}, or -o DIR (one file per step)")
-        refuse_inputs(args.output, expand_paths(args.from_files))
+        claim_output(args.output, option="-o", inputs=inputs)
         return {"file": args.output, "done": []}
     if args.capacity < 2 * args.window:  # the local engine reads one window past a result
         raise ValueError(f"--capacity {args.capacity}: a step's result is handed over once the "

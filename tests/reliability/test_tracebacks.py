@@ -197,12 +197,11 @@ def test_stream_resume_with_metrics_that_are_not_text(tmp_path, capsys, data):
     rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--batch-episodes", "2",
                      "--steps", "1", "--save", ck, "--quiet", "--max-tokens", "256")
     assert rc == 0, err
-    blob = tmp_path / "blob.bin"
-    blob.write_bytes(b"\xff\xfe" + os.urandom(64))
+    blob = write_small(tmp_path / "other.arrow")  # an episode file (not an input) as --metrics
     rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--batch-episodes", "2",
                      "--steps", "2", "--save", ck, "--resume", ck, "--metrics", blob, "--quiet",
                      "--max-tokens", "256")
-    refused(rc, err, "--metrics", "blob.bin", "not a metrics log")
+    refused(rc, err, "--metrics", "other.arrow", "not a metrics log")
 
 
 # ---------------------------------------------------------------- strict types
