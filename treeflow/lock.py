@@ -8,7 +8,8 @@ of the same output fails at once with a one-line error naming the holder; it
 never waits and never writes. The lock is held until the command ends
 (`release_all`, called by the CLI's error handler on every exit); the kernel
 drops it when the process dies, however it dies, so a killed run never
-leaves a lock that blocks the next one.
+leaves a lock that blocks the next one; the lock file it leaves is removed by
+the next write into that directory (treeflow.atomic.remove_stale).
 
 The trade-off: the lock is advisory (only treeflow honours it) and flock is
 local to a host on most network filesystems. The lock file is removed on
@@ -104,10 +105,44 @@ def claim_output(path: str | os.PathLike, *, option: str, inputs: Iterable = (),
     return path
 
 
+def remove_stale_locks(directory: str) -> None:
+    """Remove lock files in `directory` that nobody holds (left by killed runs)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(".") and n.endswith(_SUFFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.remove(path)  # held by us now; a writer that opened it re-checks the inode
+        except OSError:
+            pass  # held by a live run, or gone already
+        finally:
+            os.close(fd)
+
+
+def holds(path: str | os.PathLike) -> bool:
+    """Whether this process holds the lock of `path`."""
+    return os.path.realpath(os.fspath(path)) in _held
+
+
+def release(path: str | os.PathLike) -> None:
+    """Drop the lock of `path` (a library caller's output is done before its process ends)."""
+    lock = _held.pop(os.path.realpath(os.fspath(path)), None)
+    if lock is not None:
+        lock.release()
+
+
 def release_all() -> None:
     """Drop every lock this process holds (the end of a command)."""
     while _held:
         _held.popitem()[1].release()
 
 
-__all__ = ["OutputLock", "claim_output", "lock_path", "release_all"]
+__all__ = ["OutputLock", "claim_output", "holds", "lock_path", "release", "release_all",
+           "remove_stale_locks"]

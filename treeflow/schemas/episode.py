@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
+from treeflow.schemas._strict import refuse_lossy_cast, warn_unknown_columns
+
 CALL_TYPE = pa.struct(
     [
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False,
@@ -182,7 +184,7 @@ def iter_episode_batches(
     for path in expand_paths(paths):
         data = _open(path)
         _check_version(data.schema.metadata, path)
-        _warn_unknown_columns(data.schema.names, path)
+        warn_unknown_columns(data.schema.names, path, [f.name for f in EPISODE_SCHEMA])
         for batch in data.to_batches(batch_size=batch_rows):
             if batch.num_rows == 0:
                 continue
@@ -205,21 +207,6 @@ def iter_episode_batches(
             seen_index = np.union1d(seen_index, idx)
             row0 += table.num_rows
             yield table
-
-
-def _warn_unknown_columns(names, source: str) -> None:
-    """A warning on stderr for a column that looks like a misspelled episode field (ignored)."""
-    import difflib
-    import sys
-
-    known = [f.name for f in EPISODE_SCHEMA]
-    for name in names:
-        if name in known:
-            continue
-        near = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-        if near:
-            print(f"warning: {source}: column {name!r} is not an episode field and is ignored; "
-                  f"did you mean {near[0]!r}? (rename it to use it)", file=sys.stderr)
 
 
 def read_episodes(paths, *, vocab_size: int | None = None) -> pa.Table:
@@ -272,7 +259,7 @@ def validate_episodes(
         if field.name == "calls":
             col = _cast_calls(table, col, source, row_offset)
         elif not col.type.equals(field.type):
-            _refuse_lossy(col.type, field.type, f"column {field.name!r}", source)
+            refuse_lossy_cast(col.type, field.type, f"column {field.name!r}", source)
             try:
                 col = col.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -320,7 +307,7 @@ def _cast_calls(table, col, source, row_offset):
         if f.name in inner:
             child = flat.field(f.name)
             if not child.type.equals(f.type):
-                _refuse_lossy(child.type, f.type, f"calls[].{f.name}", source)
+                refuse_lossy_cast(child.type, f.type, f"calls[].{f.name}", source)
                 try:
                     child = child.cast(f.type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -336,50 +323,6 @@ def _cast_calls(table, col, source, row_offset):
         lens = _list_lengths(col)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     return pa.chunked_array([pa.ListArray.from_arrays(offsets, structs, mask=col.is_null())])
-
-
-def _kind(t: pa.DataType) -> str:
-    """What a value means, for casting: int, float, string, bool, null, list, struct or other."""
-    if pa.types.is_dictionary(t):
-        return _kind(t.value_type)
-    if pa.types.is_null(t):
-        return "null"
-    if pa.types.is_boolean(t):
-        return "bool"
-    if pa.types.is_integer(t):
-        return "int"
-    if pa.types.is_floating(t):
-        return "float"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "string"
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return "list"
-    return "struct" if pa.types.is_struct(t) else "other"
-
-
-def _refuse_lossy(have: pa.DataType, want: pa.DataType, what: str, source: str) -> None:
-    """ValueError unless `have` casts to `want` without changing what the values mean.
-
-    Widths may change (int64 -> int32, checked for overflow by the cast; double -> float32) and
-    integers may become floats; strings never become numbers, floats never become integers,
-    numbers never become strings: those are the user's data in another type, refused with the
-    cast to make.
-    """
-    leaf_have, leaf_want = have, want
-    while _kind(leaf_have) == "list" and _kind(leaf_want) == "list":
-        leaf_have, leaf_want = leaf_have.value_type, leaf_want.value_type
-    a, b = _kind(leaf_have), _kind(leaf_want)
-    if a == b or a == "null" or (a, b) == ("int", "float"):
-        return
-    fix = {("string", "int"): "parse them as integers (e.g. pyarrow.compute.cast after checking "
-                              "they are digits, or int(x) per value)",
-           ("float", "int"): "round them to integers first (token ids and counts are integers: "
-                             "check why they were floats)",
-           ("int", "string"): "convert them to strings (pyarrow.compute.cast(col, pa.string()), "
-                              "or str(x) per value)",
-           ("int", "bool"): "give booleans (x != 0)"}.get((a, b), f"give {leaf_want} values")
-    raise ValueError(f"{source}: {what} has type {have}, expected {want}; treeflow does not cast "
-                     f"{a} to {b} silently: {fix} before writing the file")
 
 
 def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int | None) -> None:
