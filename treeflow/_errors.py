@@ -75,6 +75,9 @@ def run(fn, args, *, debug: bool) -> int:
         print("error: " + " ".join(message.split()), file=sys.stderr)
         return USER_ERROR
     finally:
+        from treeflow.lock import release_all
+
+        release_all()  # the outputs this command locked (treeflow/lock.py)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 

@@ -51,18 +51,26 @@ def table_output(path: str, inputs, *, option: str = "-o", what: str = "output")
     """A writer of tables whose file replaces `path` only when the block completes."""
     from treeflow.schemas.episode import expand_paths
 
+    from treeflow.lock import claim_output, holds, release
+
     check_output(path, what=f"{option} {what}")
     fmt = output_format(path, option)
     refuse_inputs(path, expand_paths(inputs), option=option)
-    with atomic_path(path, what=what) as tmp:
-        writer = _Writer(tmp, fmt)
-        try:
-            yield writer
-        finally:
-            writer.close()
-        if writer.rows == 0 and not os.path.exists(tmp):
-            raise ValueError(f"{option} {path}: no rows to write (the input has no episodes); "
-                             "nothing written")
+    mine = not holds(path)  # a command may have claimed it already: it releases it then
+    claim_output(path, option=option)  # one writer per output (treeflow/lock.py)
+    try:
+        with atomic_path(path, what=what) as tmp:
+            writer = _Writer(tmp, fmt)
+            try:
+                yield writer
+            finally:
+                writer.close()
+            if writer.rows == 0 and not os.path.exists(tmp):
+                raise ValueError(f"{option} {path}: no rows to write (the input has no "
+                                 "episodes); nothing written")
+    finally:
+        if mine:
+            release(path)
 
 
 __all__ = ["output_format", "table_output"]

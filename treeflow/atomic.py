@@ -88,7 +88,10 @@ def _alive(pid: int) -> bool:
 
 def remove_stale(directory: str | os.PathLike) -> list[str]:
     """Remove temporaries in `directory` left by dead writers on this host; return their paths."""
+    from treeflow.lock import remove_stale_locks
+
     directory = os.fspath(directory) or "."
+    remove_stale_locks(directory)  # lock files of killed runs (treeflow/lock.py)
     host, removed = socket.gethostname(), []
     try:
         names = os.listdir(directory)

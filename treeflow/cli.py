@@ -32,10 +32,13 @@ def cmd_synth(args) -> int:
     from treeflow.atomic import check_output
 
     _positive(args, "episodes", "group_size", "min_turns", "max_turns", "vocab_size")
+    from treeflow.lock import claim_output
+
     check_output(args.output, what="-o output")
     if not args.output.endswith((".arrow", ".parquet")):
         raise ValueError(f"-o {args.output}: unknown episode file type; name it .arrow (Arrow IPC) "
                          "or .parquet")
+    claim_output(args.output, option="-o")
     t0 = time.perf_counter()
     routes = dict(routes=args.routes, route_layers=args.route_layers, num_experts=args.num_experts)
     if args.routes_from:  # the shape a local MoE checkpoint replays: its MoE layers x top_k
@@ -251,7 +254,7 @@ def _replay(args) -> int:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
                           tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
-                          routing=args.routing)
+                          routing=args.routing, allow_nonfinite=args.allow_nonfinite)
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
@@ -353,6 +356,9 @@ def model_options(s) -> None:
                         "them; auto = replay when the episodes carry routes and the model has "
                         "experts")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
+    s.add_argument("--allow-nonfinite", action="store_true",
+                   help="write (train on) NaN/inf logprobs and losses with a warning instead of "
+                        "stopping; a non-finite gradient never steps")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
     s.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")

@@ -53,6 +53,9 @@ def cmd_convert(args) -> int:
         if not os.path.isfile(p):
             raise ValueError(f"{p}: no such file")
     refuse_inputs(args.output, args.files)
+    from treeflow.lock import claim_output
+
+    claim_output(args.output, option="-o")
     total = sum(os.path.getsize(p) for p in args.files)
     with _progress("convert", total, args.json or args.quiet, unit="bytes") as advance:
         report = convert(args.files, args.output, converter, batch_rows=args.batch_rows,

@@ -64,7 +64,8 @@ def forward_stage(args, entropy=False):
 
     return Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                    kernel=args.kernel, chunk_size=args.chunk_size, entropy=entropy,
-                   tuning=Tuning.parse(args.tuning), routing=args.routing)
+                   tuning=Tuning.parse(args.tuning), routing=args.routing,
+                   allow_nonfinite=args.allow_nonfinite)
 
 
 class _Producer(threading.Thread):
@@ -173,11 +174,14 @@ def _show(args, title: str, summary: dict) -> None:
 def _check_output(args) -> dict:
     """What -o is: a directory of per-step files, or one file published at the end."""
     from treeflow._output import output_format
-    from treeflow.atomic import check_output, refuse_inputs
+    from treeflow.lock import claim_output
     from treeflow.schemas.episode import count_rows, expand_paths
 
     if args.output is None:
         raise ValueError("--mode logprobs needs -o DIR (one file per queue step) or -o OUT.arrow")
+    inputs = expand_paths(args.from_files) if args.from_files else []
+    if args.metrics:  # one writer, never an input (treeflow/lock.py)
+        claim_output(args.metrics, option="--metrics", inputs=inputs + [args.output])
     if args.output.endswith((".arrow", ".ipc", ".feather", ".parquet")):
         output_format(args.output)
         if args.resume:
@@ -193,13 +197,13 @@ def _check_output(args) -> dict:
             raise ValueError(f"-o {args.output} holds every step until the file is published, so "
                              f"the queue must hold all {rows} episodes of --from: give --capacity "
                              f">= {rows}, or -o DIR (one file per step)")
-        refuse_inputs(args.output, expand_paths(args.from_files))
+        claim_output(args.output, option="-o", inputs=inputs)
         return {"file": args.output, "done": []}
     if args.capacity < 2 * args.window:  # the local engine reads one window past a result
         raise ValueError(f"--capacity {args.capacity}: a step's result is handed over once the "
                          "next step was read, so the queue must hold two steps of --window "
                          f"{args.window} episodes; give --capacity >= {2 * args.window}")
-    check_output(args.output, what="-o directory", directory=True)
+    claim_output(args.output, option="-o", inputs=inputs, directory=True)
     done = []
     if os.path.isdir(args.output):
         done = sorted(int(m.group(1)) for n in os.listdir(args.output)

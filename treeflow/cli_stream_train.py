@@ -48,7 +48,6 @@ _KEEP_VERSIONS = 3
 
 def check_train(args) -> None:
     """Refuse impossible options before the queue or any model is started."""
-    from treeflow.atomic import check_output
     from treeflow.train.checkpoint import LATEST
 
     if args.batch_episodes is None:
@@ -68,10 +67,15 @@ def check_train(args) -> None:
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
+    from treeflow.lock import claim_output
+    from treeflow.schemas.episode import expand_paths
+
+    inputs = expand_paths(args.from_files) if args.from_files else []
     for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
-                                    ("--publish-weights", args.publish_weights, True)):
-        if path:
-            check_output(path, what=option, directory=directory)
+                                    ("--publish-weights", args.publish_weights, True),
+                                    ("--tensorboard", args.tensorboard, True)):
+        if path:  # one writer per output, never an input (treeflow/lock.py)
+            claim_output(path, option=option, inputs=inputs, directory=directory)
     if args.save and not args.resume and os.path.isdir(args.save) and \
             (os.path.exists(os.path.join(args.save, LATEST)) or
              any(n.startswith("step-") for n in os.listdir(args.save))):

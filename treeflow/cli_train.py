@@ -54,11 +54,18 @@ def _check_options(args) -> None:
         raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
     if args.keep is not None and args.keep < 1:
         raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
+    from treeflow.cli_parallel import rank_of
+    from treeflow.lock import claim_output
+
     inputs = expand_paths(args.files)
-    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False)):
-        if path:
-            check_output(path, what=option, directory=directory)
-            refuse_inputs(path, inputs, option=option)
+    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
+                                    ("--tensorboard", args.tensorboard, True)):
+        if path:  # one writer per output: rank 0 of a torchrun job holds the locks for all
+            if rank_of() == 0:
+                claim_output(path, option=option, inputs=inputs, directory=directory)
+            else:
+                check_output(path, what=option, directory=directory)
+                refuse_inputs(path, inputs, option=option)
 
 
 def _open_metrics(args, steps: int):
@@ -78,8 +85,13 @@ def _open_metrics(args, steps: int):
         if not args.resume:
             raise ValueError(f"--metrics {args.metrics}: the file already holds another run's "
                              "metrics; remove it, give a new file, or --resume that run")
-        with open(args.metrics) as f:
-            lines = f.read().split("\n")
+        try:
+            with open(args.metrics, encoding="utf-8") as f:
+                lines = f.read().split("\n")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--metrics {args.metrics}: not a metrics log (not UTF-8 text at byte "
+                             f"{e.start}); give the JSON-lines file this run wrote, or a new "
+                             "file") from None
         keep = []
         for line in lines:
             try:
@@ -152,7 +164,7 @@ def _stages(args):
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size,
                       tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
-                      routing=args.routing)
+                      routing=args.routing, allow_nonfinite=args.allow_nonfinite)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,

@@ -16,6 +16,7 @@ Legend: none (tensors keep their own shapes).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -49,16 +50,23 @@ def write_safetensors(path: str | os.PathLike, tensors: Iterable[tuple[str, torc
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     sha = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(head)), head):
-            f.write(chunk)
-            sha.update(chunk)
-        for _, t in items:
-            data = memoryview(_host_bytes(t).numpy())
-            f.write(data)
-            sha.update(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            for chunk in (struct.pack("<Q", len(head)), head):
+                f.write(chunk)
+                sha.update(chunk)
+            for _, t in items:
+                data = memoryview(_host_bytes(t).numpy())
+                f.write(data)
+                sha.update(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: say which file, and that nothing final was replaced
+        if e.filename is not None:
+            raise
+        code = e.errno or errno.EIO
+        raise OSError(code, f"{os.strerror(code)} while writing it; free space or write "
+                            "elsewhere (nothing was replaced)", os.fspath(path)) from e
     digest = sha.hexdigest()
     _WRITTEN[_identity(path)] = digest
     return 8 + len(head) + offset, digest

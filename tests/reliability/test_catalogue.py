@@ -253,6 +253,41 @@ def _file_case(kind):
                     c["routed_experts"] = [[0, 1, 2]] * len(c["token_ids"])
             return ["replay", write_rows(tmp / "w.arrow", rs), "-o", tmp / "o.arrow", "--model",
                     model], ["w.arrow", "width 3", "replays width 2"]
+        if kind in ("token-strings", "token-floats", "int-episode-id"):  # never cast silently
+            rs = rows()
+            for r in rs:
+                for c in r["calls"]:
+                    if kind != "int-episode-id":
+                        c["token_ids"] = [str(t) if kind == "token-strings" else float(t)
+                                          for t in c["token_ids"]]
+                if kind == "int-episode-id":
+                    r["episode_id"] = int(r["sample_index"])
+            path = write_rows(tmp / "w.arrow", rs, schema=None)
+            return ["plan", path, "--max-tokens", "64"], ["w.arrow", "does not cast"]
+        if kind == "stream-metrics-is-input":
+            return ["stream", "--from", good, "-o", tmp / "steps", "--metrics", good], \
+                ["--metrics", "also an input"]
+        if kind == "tensorboard-is-input":
+            return ["replay", good, *TRAIN, "--tensorboard", good], ["--tensorboard", "e.arrow"]
+        if kind == "config-architectures-nested":
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text('{"architectures": [["LlamaForCausalLM"]]}')
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "'architectures'"]
+        if kind == "truncated-stream":
+            t = small_episodes(4)
+            with pa.ipc.new_stream(tmp / "s.arrow", t.schema) as w:
+                for b in t.to_batches(max_chunksize=1):
+                    w.write_batch(b)
+            data = (tmp / "s.arrow").read_bytes()
+            (tmp / "s.arrow").write_bytes(data[: len(data) * 3 // 4])
+            return ["inspect", tmp / "s.arrow"], ["s.arrow", "truncated"]
+        if kind in ("json-too-deep", "json-huge-int"):
+            bad = ('{"x": ' + "[" * 5000 + "]" * 5000 + "}" if kind == "json-too-deep"
+                   else '{"episode_id": "a", "n": ' + "9" * 5000 + "}")
+            (tmp / "log.jsonl").write_text(bad + "\n")
+            return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "openai"], \
+                ["log.jsonl line 1"]
         raise AssertionError(kind)
     return setup
 
@@ -281,7 +316,11 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
-         "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes"]
+         "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
+         # issue 20
+         "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
+         "tensorboard-is-input", "config-architectures-nested", "truncated-stream",
+         "json-too-deep", "json-huge-int"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -127,7 +127,12 @@ def test_concurrent_writers_to_one_output_leave_one_complete_file(tmp_path, data
     procs = [subprocess.Popen([sys.executable, "-m", "treeflow.cli", "plan", data, "--max-tokens",
                                str(mt), "-o", out, "--json"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) for mt in (128, 256)]
-    assert all(p.wait() == 0 for p in procs)
+    rcs = [p.wait() for p in procs]
+    # one writer per output (issue 20): a writer that overlaps the other is refused, naming it
+    assert sorted(rcs) in ([0, 0], [0, 2]), rcs
+    for p, rc in zip(procs, rcs):
+        if rc == 2:
+            assert b"another treeflow run is writing it" in p.stderr.read()
     bins = pa.ipc.open_file(out).read_all()
     assert bins.num_rows > 0
     assert sorted(os.listdir(tmp_path)) == ["bins.arrow", "e.arrow"]

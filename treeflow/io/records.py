@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -142,6 +143,14 @@ def read_jsonl(paths: Sequence[str | os.PathLike]) -> Iterator[tuple[str, int, d
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path} line {line_no}: not valid JSON ({e.msg} at column "
                                      f"{e.colno}); write one JSON object per line") from None
+                except RecursionError:
+                    raise ValueError(f"{path} line {line_no}: JSON nested too deeply to read (more "
+                                     f"than about {sys.getrecursionlimit()} levels); an episode "
+                                     "needs only a few levels: check how the line was written") \
+                        from None
+                except ValueError as e:  # e.g. an integer of more than 4,300 digits
+                    raise ValueError(f"{path} line {line_no}: a value cannot be read ({e}); token "
+                                     "ids and numbers must fit 64 bits") from None
                 if not isinstance(obj, dict):
                     raise ValueError(f"{path} line {line_no}: a {type(obj).__name__}, expected one "
                                      "JSON object (an episode) per line")

@@ -11,13 +11,27 @@ later command never reads half a dataset as if it were all of it.
 
 from __future__ import annotations
 
+import errno
 import os
+from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from treeflow.atomic import check_output, commit, remove_stale, temp_name
 from treeflow.schemas.episode import EPISODE_SCHEMA
+
+
+@contextmanager
+def _naming(path: str):
+    """OSErrors of Arrow's writers (a full disk) raised with the output's name in them."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        code = e.errno or errno.EIO
+        raise OSError(code, os.strerror(code), path) from e
 
 
 class EpisodeFileWriter:
@@ -35,6 +49,10 @@ class EpisodeFileWriter:
         self.rows = 0
 
     def write(self, table: pa.Table) -> None:
+        with _naming(self.path):
+            self._write(table)
+
+    def _write(self, table: pa.Table) -> None:
         if self._writer is None:
             if self.path.endswith(".arrow"):
                 self._writer = pa.ipc.new_file(self._tmp, EPISODE_SCHEMA)
@@ -46,22 +64,32 @@ class EpisodeFileWriter:
     def commit(self) -> None:
         if self._writer is None:
             raise ValueError(f"{self.path}: no episodes to write; the input held none")
-        self._writer.close()
-        self._writer = None
-        commit(self._tmp, self.path)
-
-    def abort(self) -> None:
-        if self._writer is not None:
+        with _naming(self.path):
             self._writer.close()
             self._writer = None
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+            commit(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Drop the temporary, whatever state the writer is in (closing may fail on a full disk)."""
+        try:
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.close()
+        except Exception:  # noqa: BLE001 - the error that made us abort is the one to report
+            pass
+        finally:
+            if os.path.exists(self._tmp):
+                os.remove(self._tmp)
 
     def __enter__(self) -> "EpisodeFileWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()  # closing flushes the last batch: a full disk shows up here
+            except BaseException:
+                self.abort()
+                raise
         else:
             self.abort()

@@ -4,8 +4,9 @@ Only local directories (or the built-in `"tiny"` model) are read; nothing is
 downloaded. The model is built on the meta device and each tensor is read from
 safetensors straight into the target dtype and device, so peak memory is one
 copy of the weights. Every mismatch between the file and the model (a missing,
-unexpected or wrongly shaped tensor) is an error naming the tensor: a partial
-load would silently train a different model.
+unexpected or wrongly shaped tensor, or one holding NaN or inf) is an error
+naming the tensor: a partial or poisoned load would silently train a different
+model or give NaN for every logprob.
 """
 
 from __future__ import annotations
@@ -83,9 +84,14 @@ def _read(f, name, expected, config, dtype, device, key=None):
     if shape != expected[key]:
         raise ValueError(f"tensor {name!r} has shape {shape} in the checkpoint but the "
                          f"config needs {expected[key]}")
-    # moved first, cast there: a bf16 checkpoint crosses PCIe at half the bytes and the
-    # float32 cast runs on the accelerator instead of the host's cores
-    return f.get_tensor(name).to(device=device).to(dtype=dtype)
+    # moved first, checked and cast there: a bf16 checkpoint crosses PCIe at half the bytes,
+    # and the finiteness check and the float32 cast run on the accelerator
+    t = f.get_tensor(name).to(device=device)
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"tensor {name!r} {shape} holds {bad} non-finite value(s) (NaN or inf); "
+                         "the checkpoint is corrupted or diverged: load an earlier one")
+    return t.to(dtype=dtype)
 
 
 def _weight_files(path: str) -> list[str]:

@@ -106,6 +106,9 @@ class ModelConfig:
             raise ValueError(f"{config_path}: missing setting {e.args[0]!r}") from e
         except ValueError as e:
             raise ValueError(f"{config_path}: {e}") from e
+        except (TypeError, AttributeError) as e:  # a setting of the wrong JSON type
+            raise ValueError(f"{config_path}: a setting has the wrong type ({e}); compare it with "
+                             "the model's original config.json") from e
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -164,12 +167,15 @@ class ModelConfig:
 def _architecture(d: Mapping[str, Any]) -> str:
     archs = d.get("architectures")
     if archs:
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"'architectures' is {json.dumps(archs)}; give a list of one class "
+                             f"name, e.g. [\"LlamaForCausalLM\"]")
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
             raise ValueError(f"architectures {archs} are not supported; "
                              f"the reference decoder reads {sorted(ARCHITECTURES)}")
         return archs[0]
     by_type = {v: k for k, v in ARCHITECTURES.items()}
-    if d.get("model_type") not in by_type:
+    if not isinstance(d.get("model_type"), str) or d["model_type"] not in by_type:
         raise ValueError(f"model_type {d.get('model_type')!r} is not supported; "
                          f"use one of {sorted(by_type)}")
     return by_type[d["model_type"]]

@@ -85,12 +85,11 @@ def _from_ipc(data: bytes) -> pa.Table:
 
 def _read_window(pieces, vocab_size, route_width=None) -> pa.Table:
     """The episodes of one window: rows [a, b) of each piece's file, validated."""
-    import pyarrow.dataset as pads
+    from treeflow.schemas.episode import open_episode_file
 
     parts = []
-    for path, a, b, row0 in pieces:
-        ds = pads.dataset(path, format="parquet" if path.endswith(".parquet") else "ipc")
-        table = ds.take(pa.array(np.arange(a, b)))
+    for path, a, b, row0 in pieces:  # read as the local engine reads (Arrow streams too)
+        table = open_episode_file(path).take(pa.array(np.arange(a, b)))
         parts.append(validate_episodes(table, source=path, row_offset=row0, vocab_size=vocab_size,
                                        route_width=route_width))
     return pa.concat_tables(parts)
@@ -222,6 +221,7 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
     import torch
 
     _check_ray_plan(plan, ranks)
+    plan = _absolute_model(plan)
     if plan.trains and steps is None:
         raise ValueError("training on engine 'ray' needs steps=N (the data cycles)")
     t0 = time.perf_counter()
@@ -268,6 +268,16 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
     # for replay, Ray Data's actor pools restart a dead actor and retry its task (max_restarts
     # and max_task_retries default to -1 there); tests/pipeline/test_ray_engine.py kills one
     return _collect(plan, ds, n_windows=len(windows), init_seconds=init_seconds)
+
+
+def _absolute_model(plan: Plan) -> Plan:
+    """The plan with its model directory made absolute: actors may run in another directory."""
+    from dataclasses import replace
+
+    model = getattr(plan.model, "model", None)
+    if isinstance(model, str) and os.path.isdir(model) and not os.path.isabs(model):
+        return replace(plan, model=replace(plan.model, model=os.path.abspath(model)))
+    return plan
 
 
 def _collect(plan: Plan, ds, *, n_windows: int, init_seconds: float = 0.0) -> Iterator[WindowResult]:

@@ -84,16 +84,18 @@ class Files:
         """Each window as (path, first row, end row, global row offset) pieces, one pass.
 
         Reads only the group_id column, so windows can be cut (exactly as
-        iteration cuts them) by a driver that leaves the reading to workers.
+        iteration cuts them) by a driver that leaves the reading to workers;
+        the paths are absolute, so workers in another directory find them.
         """
-        import pyarrow.dataset as pads
+        import os
 
-        from treeflow.schemas.episode import expand_paths
+        from treeflow.schemas.episode import expand_paths, open_episode_file
 
         rows: list[tuple[str, int]] = []  # (path, rows) per file
         groups: list = []
-        for path in expand_paths(list(self.paths)):
-            ds = pads.dataset(path, format="parquet" if path.endswith(".parquet") else "ipc")
+        # absolute paths: the workers that read them may run in another directory (a cluster)
+        for path in map(os.path.abspath, expand_paths(list(self.paths))):
+            ds = open_episode_file(path)
             if "group_id" in ds.schema.names:
                 g = ds.to_table(columns=["group_id"]).column("group_id").cast(pa.string()).to_pylist()
             else:
@@ -159,6 +161,14 @@ class FilesReader:
             if not seen_any:
                 raise ValueError(f"{list(self.files.paths)}: no episodes to read")
             self.passes += 1
+            if self.files.cycle and self._skip > consumed:
+                # every pass cuts the same windows: skip whole passes by arithmetic, never by
+                # reading them (a position of 1e9 episodes would otherwise cycle for ever)
+                per_pass = consumed // self.passes
+                whole = (self._skip - consumed) // per_pass
+                consumed += whole * per_pass
+                self.passes += whole
+                self.episodes = consumed
             if not self.files.cycle:
                 if self._skip > consumed:
                     raise ValueError(f"the saved input position ({self._skip} episodes) is past "

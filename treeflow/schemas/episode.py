@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
+from treeflow.schemas._strict import refuse_lossy_cast, warn_unknown_columns
+
 CALL_TYPE = pa.struct(
     [
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False,
@@ -86,22 +88,48 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
 
 
 class _StreamFile:
-    """An Arrow stream-format file behind the two calls the readers need from a dataset."""
+    """An Arrow stream-format file behind the calls the readers need from a dataset.
+
+    A stream has no footer, so a truncated one is only found when its last batch is read:
+    that error names the file.
+    """
 
     def __init__(self, path: str):
         self.path = path
         with pa.ipc.open_stream(path) as reader:
             self.schema = reader.schema
 
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        try:
+            with pa.ipc.open_stream(self.path) as reader:
+                yield from reader
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{self.path}: the Arrow stream is truncated or corrupted ({e}); "
+                             "write it again (pyarrow.ipc.new_file, or .parquet)") from e
+
     def to_batches(self, batch_size: int) -> Iterator[pa.RecordBatch]:
-        with pa.ipc.open_stream(self.path) as reader:
-            for batch in reader:
-                for start in range(0, batch.num_rows, batch_size):
-                    yield batch.slice(start, batch_size)
+        for batch in self._batches():
+            for start in range(0, batch.num_rows, batch_size):
+                yield batch.slice(start, batch_size)
 
     def count_rows(self) -> int:
-        with pa.ipc.open_stream(self.path) as reader:
-            return sum(b.num_rows for b in reader)
+        return sum(b.num_rows for b in self._batches())
+
+    def to_table(self, columns: list[str] | None = None) -> pa.Table:
+        table = pa.Table.from_batches(list(self._batches()), schema=self.schema)
+        return table.select(columns) if columns is not None else table
+
+    def take(self, indices: pa.Array) -> pa.Table:
+        return self.to_table().take(indices)
+
+
+def open_episode_file(path: str):
+    """A dataset-like reader of one episode file (schema, to_batches, count_rows, to_table, take).
+
+    Parquet by its suffix; an Arrow IPC file or an Arrow stream told apart by content. Every
+    engine reads files through here, so all of them read the same files.
+    """
+    return _open(path)
 
 
 def _open(path: str):
@@ -157,6 +185,7 @@ def iter_episode_batches(
     for path in expand_paths(paths):
         data = _open(path)
         _check_version(data.schema.metadata, path)
+        warn_unknown_columns(data.schema.names, path, [f.name for f in EPISODE_SCHEMA])
         for batch in data.to_batches(batch_size=batch_rows):
             if batch.num_rows == 0:
                 continue
@@ -255,6 +284,7 @@ def validate_episodes(
         if field.name == "calls":
             col = _cast_calls(table, col, source, row_offset)
         elif not col.type.equals(field.type):
+            refuse_lossy_cast(col.type, field.type, f"column {field.name!r}", source)
             try:
                 col = col.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -304,6 +334,7 @@ def _cast_calls(table, col, source, row_offset):
         if f.name in inner:
             child = flat.field(f.name)
             if not child.type.equals(f.type):
+                refuse_lossy_cast(child.type, f.type, f"calls[].{f.name}", source)
                 try:
                     child = child.cast(f.type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:

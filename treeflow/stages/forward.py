@@ -56,6 +56,8 @@ class Forward(Stage):
     routing: MoE expert choice -- "replay" the bins' captured `routes` on every node
         (combine weights from the current router), "recompute" (the router chooses), or
         "auto": replay when the bins carry routes and the model has experts.
+    allow_nonfinite: a NaN or inf logprob (or, in training, loss) is an error by default;
+        True writes it (trains on it) with a warning on stderr instead.
     The device is not configuration: the engine passes it to `build`.
     """
 
@@ -72,6 +74,7 @@ class Forward(Stage):
     tensor_parallel: int = 1
     tuning: Tuning = Tuning()
     routing: str = "auto"
+    allow_nonfinite: bool = False
 
     def __post_init__(self):
         from treeflow.models import BACKENDS
@@ -167,6 +170,34 @@ def edge_values_table(bins: pa.Table, logprobs: list[np.ndarray], entropies) -> 
         return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
     return edge_values_flat(bins, flat(logprobs), None if entropies is None else flat(entropies))
+
+
+def check_finite(bins: pa.Table, logprobs_E: np.ndarray, *, allow: bool) -> None:
+    """FloatingPointError naming the first occurrence of a NaN/inf logprob (a warning if allowed)."""
+    import sys
+
+    finite = np.isfinite(logprobs_E)
+    if finite.all():
+        return
+    bad = np.flatnonzero(~finite)
+    offs = list_offsets(bins.column("edge_sources"))
+    r = int(np.searchsorted(offs, bad[0], side="right") - 1)
+    where = f"bin {bins.column('bin_id')[r].as_py()} of step {bins.column('step')[r].as_py()}"
+    edge = int(bad[0] - offs[r])
+    occ = bins.column("occ_edge")[r].values.to_numpy(zero_copy_only=False)
+    hit = np.flatnonzero(occ == edge)
+    if len(hit):
+        o = int(hit[0])
+        where += (f", sample_index {bins.column('occ_sample_index')[r].values[o].as_py()} call "
+                  f"{bins.column('occ_call')[r].values[o].as_py()} sampled token "
+                  f"{bins.column('occ_offset')[r].values[o].as_py()}")
+    message = (f"{where}: {len(bad)} non-finite logprob(s) ({logprobs_E[bad[0]]}); the model gives "
+               "NaN or inf (diverged or overflowing weights, or bfloat16 overflow)")
+    if allow:
+        print(f"warning: {message}; written as they are (--allow-nonfinite)", file=sys.stderr)
+        return
+    raise FloatingPointError(f"{message}: check --model and --dtype, or pass --allow-nonfinite "
+                             "to write them anyway")
 
 
 def edge_values_flat(bins: pa.Table, logprobs_E: np.ndarray, entropies_E) -> pa.Table:

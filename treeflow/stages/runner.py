@@ -80,14 +80,17 @@ class Pending:
     device_seconds: float = 0.0  # device time inside this batch's bins (CUDA), after result()
 
     def result(self) -> pa.Table:
-        from treeflow.stages.forward import edge_values_flat
+        from treeflow.stages.forward import check_finite, edge_values_flat
 
         if self.done is not None:
             self.done.synchronize()
             self.device_seconds = sum(a.elapsed_time(b) for a, b in self.events) / 1000
         self.prepared = None  # device buffers may go now: every kernel that read them has run
         ents = self.entropies.numpy() if self.runner.config.entropy else None
-        return edge_values_flat(self._table, self.logprobs.numpy(), ents)
+        logprobs_E = self.logprobs.numpy()
+        # on the host copy the results already make: no device sync, one vectorised pass
+        check_finite(self._table, logprobs_E, allow=self.runner.config.allow_nonfinite)
+        return edge_values_flat(self._table, logprobs_E, ents)
 
     def __post_init__(self):
         self._table = self.prepared.table

@@ -373,6 +373,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
     if state.get("format") != FORMAT:
         raise ValueError(f"{step_path}: checkpoint format {state.get('format')!r}; this treeflow "
                          f"reads {FORMAT!r}")
+    _check_state(os.path.join(step_path, TRAINER_JSON), state)
     _check_layout(step_path, state, forward)
     if _is_sharded(step_path):
         return _load_sharded(cls, step_path, forward, reduce, options, log, state)
@@ -399,6 +400,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
             for k, v in st.items():
                 if torch.is_tensor(v) and v.ndim:
                     st[k] = trainer.backend.local_part(names[idx], v)
+    _check_optimizer_shapes(os.path.join(step_path, OPTIMIZER), trainer, per_param)
     try:
         trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
     except (ValueError, KeyError) as e:
@@ -409,6 +411,53 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
     trainer.run = state.get("run")
     trainer.checkpoint_path = step_path
     return trainer
+
+
+def _check_state(path: str, state) -> None:
+    """ValueError naming the field of trainer.json that has the wrong type or value."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds {type(state).__name__}, not a JSON object")
+
+    def count(value, field):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path}: field {field!r} is {json.dumps(value)}; it must be an "
+                             "integer >= 0 (the file is corrupted or was edited)")
+
+    count(state.get("steps"), "steps")
+    count(state.get("scheduler_episodes"), "scheduler_episodes")
+    position = state.get("position")
+    if not isinstance(position, dict):
+        raise ValueError(f"{path}: field 'position' is {json.dumps(position)}; it must be an "
+                         "object (the input position of the run)")
+    for k in ("episodes", "passes"):
+        if k in position:
+            count(position[k], f"position.{k}")
+    if "optimizer" in state:
+        opt = state["optimizer"]
+        if not (isinstance(opt, dict) and isinstance(opt.get("param_groups"), list)
+                and isinstance(opt.get("scalars"), dict)):
+            raise ValueError(f"{path}: field 'optimizer' must be an object with 'param_groups' "
+                             "(a list) and 'scalars' (an object)")
+        bad = [k for k in opt["scalars"] if not re.fullmatch(r"\d+\.\w+", k)]
+        if bad:
+            raise ValueError(f"{path}: optimizer scalar {bad[0]!r} is not named INDEX.NAME")
+
+
+def _check_optimizer_shapes(path: str, trainer, per_param: dict) -> None:
+    """Refuse optimizer tensors that do not fit this model's parameters, naming the tensor."""
+    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    names = [n for n, _ in trainer.backend.named_parameters()]
+    for idx, st in sorted(per_param.items()):
+        if not 0 <= idx < len(params):
+            raise ValueError(f"{path}: optimizer state for parameter {idx}, but this model has "
+                             f"{len(params)}; the checkpoint is of another model")
+        want = tuple(params[idx].shape)
+        label = names[idx] if len(names) == len(params) else f"parameter {idx}"
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.ndim and tuple(v.shape) != want:
+                raise ValueError(f"{path}: tensor 'state.{idx}.{k}' has shape {tuple(v.shape)}, "
+                                 f"but {label} is {want}; the optimizer state is of another "
+                                 "model (or was edited)")
 
 
 def _load_sharded(cls, path, forward, reduce, options, log, state=None):

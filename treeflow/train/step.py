@@ -175,6 +175,8 @@ class Step:
                     selected=True, tensor_stats=True)
                 if self._aux is not None:  # the router load-balancing term (router_aux.py)
                     total = total + self._aux.term(self.trainer.model.router_mass)
+                # one fused reduction per bin, read with the loss after the last bin
+                stats = {**stats, "nonfinite": (~torch.isfinite(lp_E[edge_O].detach())).sum()}
                 if r == arm_at:
                     self.trainer.reducer.arm()
                 total.backward()
@@ -262,7 +264,22 @@ class Step:
         if self._lap_t is None:
             self._lap_t = time.perf_counter()
         timing = {"compute_s": self.seconds, "agree_s": self.agree_seconds}
-        seen = dp.sum_array(self._seen)
+        # the non-finite logprob and loss counts ride on the coverage sum: every rank decides alike
+        bad_loss = int(not np.isfinite(self.loss_sum))
+        seen = dp.sum_array(np.append(self._seen, [int(self.stats.get("nonfinite", 0)), bad_loss]))
+        seen, nonfinite, bad_loss = seen[:-2], int(seen[-2]), int(seen[-1])
+        if (nonfinite or bad_loss) and not tr.runner.config.allow_nonfinite:
+            raise FloatingPointError(
+                f"step {tr.steps + 1}: {nonfinite} non-finite logprob(s), the loss is "
+                f"{'non-finite' if bad_loss else 'finite'} on {bad_loss} rank(s); the optimizer did not "
+                "step (weights and AdamW unchanged): check the model and the data, or pass "
+                "--allow-nonfinite to go on (a non-finite gradient never steps)")
+        if nonfinite or bad_loss:
+            import sys
+
+            print(f"warning: step {tr.steps + 1}: {nonfinite} non-finite logprob(s), the loss is "
+                  f"non-finite on {bad_loss} rank(s); stepping anyway (--allow-nonfinite)",
+                  file=sys.stderr)
         twice = np.flatnonzero(seen > 1)
         if len(twice):
             raise ValueError(f"{self.slots.name_slot(int(twice[0]))}: fed to the step by "
