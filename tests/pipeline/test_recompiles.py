@@ -42,9 +42,12 @@ def test_recompiles_are_counted(episodes, capsys, monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setattr(layer_ops.torch._dynamo, "maybe_mark_dynamic", lambda t, d: None)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    assert main(["replay", str(episodes), "--model", "tiny", "--mode", "train",
-                 "--batch-episodes", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
-                 "--tuning", "compile_layers=1,compile_backend=aot_eager", "--json"]) == 0
+    # dynamo's config is patched through its own context manager: monkeypatch's undo would
+    # delete the setting for every later test
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        assert main(["replay", str(episodes), "--model", "tiny", "--mode", "train",
+                     "--batch-episodes", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
+                     "--tuning", "compile_layers=1,compile_backend=aot_eager", "--json"]) == 0
+    torch._dynamo.reset()
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["recompiles"] > 0
