@@ -80,8 +80,12 @@ class Trainer:
         self.reduce = reduce
         self.precision = precision
         self.compute_dtype = DTYPES[forward.dtype]
+        if self.dp.cp is not None and shard_params:
+            raise ValueError("shard_params=True (--shard-params) with context parallelism is not "
+                             "supported yet: drop --shard-params or --context-parallel")
+        cp = {"cp": self.dp.cp} if self.dp.cp is not None else {}
         self.runner = replace(forward, dtype=storage_dtype(forward.dtype, precision)).build(
-            device=self.dp.device, model=model, pad_to=pad_to)
+            device=self.dp.device, model=model, pad_to=pad_to, **cp)
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)
@@ -93,7 +97,9 @@ class Trainer:
                                  "train with --ranks N > 1")
             shard_module(self.backend.module, self.compute_dtype)
         self.reducer: GradReducer | None = None
-        if overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32":
+        # under context parallelism the exchanges run inside backward: no overlapped all-reduce
+        if (overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32"
+                and self.dp.cp is None):
             self.reducer = GradReducer([p for _, p in self.backend.named_parameters()],
                                        self.dp.group, bucket_elements=_BUCKET_ELEMENTS)
         self.last_timing: dict = {}
