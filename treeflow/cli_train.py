@@ -10,7 +10,8 @@ options, a torn checkpoint with no complete one before it). Checkpoint
 safety lives in treeflow/train/checkpoint.py.
 
 `--tensor-parallel T` splits the megatron backend over T processes per data-parallel rank
-(treeflow/cli_parallel.py says how and what it refuses).
+(treeflow/cli_parallel.py says how and what it refuses); `--context-parallel C` runs each bin
+over C processes per data-parallel rank, D x C in all, gradients summed over every one.
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
 group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
@@ -101,10 +102,12 @@ def cmd_train(args) -> int:
         raise ValueError(f"--ranks {args.ranks}: give 1 or more")
     from treeflow.cli import check_device
 
-    from treeflow.cli_parallel import check_tensor_parallel_options, start_ranks, torchrun_world
+    from treeflow.cli_parallel import (check_context_parallel_options,
+                                       check_tensor_parallel_options, start_ranks, torchrun_world)
 
     _check_options(args)
     check_tensor_parallel_options(args, train=True)
+    check_context_parallel_options(args, train=True)
     check_device(args.device)
     if args.save and not args.resume and os.path.isdir(args.save) and \
             (os.path.exists(os.path.join(args.save, LATEST)) or
@@ -115,12 +118,12 @@ def cmd_train(args) -> int:
         return _train_ray(args)
     world = torchrun_world()
     if world is not None:  # started by torchrun
-        if args.tensor_parallel == 1 and args.ranks not in (1, world):
+        if args.tensor_parallel == 1 and args.context_parallel == 1 and args.ranks not in (1, world):
             raise ValueError(f"--ranks {args.ranks} but torchrun started {world} processes; "
                              "give the same number to both")
         return _train(args, distributed=True)
-    if args.tensor_parallel > 1:
-        start_ranks(_train_rank, args.ranks * args.tensor_parallel, args)
+    if args.tensor_parallel > 1 or args.context_parallel > 1:
+        start_ranks(_train_rank, args.ranks * args.tensor_parallel * args.context_parallel, args)
         return 0
     if args.ranks > 1 or args.launcher == "ray":
         from treeflow.train import ray_ranks, spawn
@@ -148,7 +151,8 @@ def _stages(args):
 
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size,
-                      tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
+                      tensor_parallel=args.tensor_parallel,
+                      context_parallel=args.context_parallel, tuning=Tuning.parse(args.tuning))
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
@@ -163,7 +167,8 @@ def _train(args, *, distributed: bool) -> int:
     from treeflow.train import DataParallel, Trainer
     from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
 
-    dp = DataParallel.from_env(args.device) if distributed else DataParallel(device=args.device)
+    dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
+          if distributed else DataParallel(device=args.device))
     lead = dp.rank == 0
     if args.tensor_parallel > 1:  # the data-parallel ranks are the tensor-parallel groups
         from treeflow.models import tensor_parallel_layout
@@ -174,10 +179,12 @@ def _train(args, *, distributed: bool) -> int:
         lead = rank == 0 and tp_rank == 0
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
-    shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()
-    # each rank's share of whole layouts is packed on its own (stages/_deal.py); Shard keeps it
+    shard = (Shard(num_ranks=dp.replicas),) if dp.replicas > 1 else ()
+    # each rank's share of whole layouts is packed on its own (stages/_deal.py); Shard keeps it;
+    # a context-parallel group holds bins of C x --max-tokens
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
-                    Fragment(max_tokens=args.max_tokens, ranks=dp.world), *shard, forward, reduce)
+                    Fragment(max_tokens=args.max_tokens * args.context_parallel,
+                             ranks=dp.replicas), *shard, forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
