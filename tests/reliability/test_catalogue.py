@@ -197,6 +197,12 @@ def _file_case(kind):
             return ["replay", good], ["-o"]
         if kind == "ranks-0":
             return ["plan", good, "--max-tokens", "64", "--ranks", "0"], ["--ranks 0"]
+        if kind == "context-parallel-0":
+            return ["plan", good, "--max-tokens", "64", "--context-parallel", "0"], \
+                ["--context-parallel 0"]
+        if kind == "context-parallel-megatron":
+            return ["replay", good, *TRAIN, "--context-parallel", "2", "--backend", "megatron"], \
+                ["--context-parallel 2", "--backend reference"]
         if kind == "max-tokens-0":
             return ["plan", good, "--max-tokens", "0"], ["--max-tokens 0"]
         if kind == "device":
@@ -238,7 +244,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
-         "metrics-exists", "resume-missing", "resume-not-checkpoint"]
+         "metrics-exists", "resume-missing", "resume-not-checkpoint",
+         "context-parallel-0", "context-parallel-megatron"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -49,7 +49,7 @@ from treeflow.models.runs import AncestorRuns
 from treeflow.tree import subtree_end
 
 __all__ = ["CP_KERNELS", "ContextParallelGroup", "ContextParallelPlan", "context_parallel_layout",
-           "cp_bounds"]
+           "cp_bounds", "exchange_stats"]
 
 CP_KERNELS = ("dense", "runs")
 _SLACK = 0.05  # a cut may move this share of one rank's cost to reach a shallower node
@@ -133,6 +133,26 @@ def cp_bounds(depths_N: np.ndarray, size: int, *, slack: float = _SLACK) -> np.n
     return bounds
 
 
+def _needs(end_N: np.ndarray, bounds: np.ndarray) -> list[np.ndarray]:
+    """Per rank, the rows it must receive: the ancestors of its first node (all held elsewhere)."""
+    return [np.flatnonzero(end_N[:s] > s) if s < e else np.zeros(0, np.int64)
+            for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+
+
+def exchange_stats(depths_N: np.ndarray, bounds: np.ndarray) -> dict[str, np.ndarray]:
+    """Per rank of the cuts `bounds`: rows received per layer (`recv_rows`: the depth of its
+    first node), rows an all-gather of the bin's K/V would deliver (`allgather_rows`: N - n_r)
+    and attention pairs (`pairs`: sum of depth + 1 over its nodes). Host only, O(N)."""
+    depths_N = np.asarray(depths_N, dtype=np.int64)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    starts, stops = bounds[:-1], bounds[1:]
+    first = np.minimum(starts, max(len(depths_N) - 1, 0))
+    recv = np.where(stops > starts, depths_N[first] if len(depths_N) else 0, 0)
+    cost = np.concatenate(([0], np.cumsum(depths_N + 1)))
+    return {"recv_rows": recv.astype(np.int64), "allgather_rows": len(depths_N) - (stops - starts),
+            "pairs": cost[stops] - cost[starts]}
+
+
 class ContextParallelPlan:
     """Tree attention for this rank's range of one bin: `plan(q_nQD, k_nKD, v_nKD) -> out_nQD`.
 
@@ -166,13 +186,11 @@ class ContextParallelPlan:
         self.local = (int(starts[cp.rank]), int(stops[cp.rank]))
         a, b = self.local
         self.num_tokens = b - a
-        # rank r needs the ancestors of its first node that it does not hold (all of them)
-        need = [np.flatnonzero(end_N[:s] > s) if s < e else np.zeros(0, np.int64)
-                for s, e in zip(starts.tolist(), stops.tolist())]
-        self.recv_rows = np.array([len(x) for x in need], dtype=np.int64)
-        self.allgather_rows = n - (stops - starts)
-        cost = np.concatenate(([0], np.cumsum(depths_N + 1)))
-        self.pairs = cost[stops] - cost[starts]
+        need = _needs(end_N, self.bounds)
+        stats = exchange_stats(depths_N, self.bounds)
+        self.recv_rows, self.allgather_rows, self.pairs = (
+            stats["recv_rows"], stats["allgather_rows"], stats["pairs"])
+        assert [len(x) for x in need] == self.recv_rows.tolist(), "ancestors of a != depth(a)"
         owner = [np.searchsorted(self.bounds, x, side="right") - 1 for x in need]
         send = [need[d][owner[d] == cp.rank] - a for d in range(cp.size)]
         self.send_splits = [len(x) for x in send]
