@@ -7,9 +7,9 @@ Each rank embeds its own nodes and computes their q/k/v; what its queries
 need beyond its own keys is exactly the ancestors of its range's first node
 (in DFS pre-order an ancestor j < a of any node of [a, b) has a subtree that
 contains a), so rank r receives depth(a_r) rows of K/V per layer, never the
-whole bin's. The cuts are placed, within `slack` of the balanced cost, where
-the first node is shallowest: at a root (another episode, another group) no
-row moves at all.
+whole bin's. A cut moves, within `slack` of the balanced cost, to where the
+next range starts at most half as deep: at a root (another episode, another
+group) no row moves at all.
 
 Per layer one all_to_all moves those rows (K and V in one buffer, each row
 sent once per rank pair); an autograd Function wraps it, and its backward is
@@ -100,9 +100,11 @@ def context_parallel_layout(size: int) -> tuple[ContextParallelGroup, int, int]:
 def cp_bounds(depths_N: np.ndarray, size: int, *, slack: float = _SLACK) -> np.ndarray:
     """Cut points [size + 1] of `size` contiguous ranges balanced by attention cost (depth + 1).
 
-    Each inner cut lands where the prefix cost is within `slack` of a rank's share of the
-    balanced target and the node starting the next range is shallowest (fewest rows to
-    fetch), nearest the target among equals. With N >= size every range is non-empty.
+    Each inner cut is the balanced one, unless a node within `slack` of a rank's share of
+    it starts the next range at most half as deep (half the rows to fetch or fewer): then the
+    shallowest such node, nearest the target among equals. On a chain the cuts stay
+    balanced; in a forest or a group tree they move to a root or a branch near the root.
+    With N >= size every range is non-empty.
     """
     depths_N = np.asarray(depths_N, dtype=np.int64)
     n = len(depths_N)
@@ -112,17 +114,16 @@ def cp_bounds(depths_N: np.ndarray, size: int, *, slack: float = _SLACK) -> np.n
     bounds[-1] = n
     for k in range(1, size):
         target = share * k
-        lo = int(np.searchsorted(cum, target - slack * share, side="left"))
-        hi = int(np.searchsorted(cum, target + slack * share, side="right"))
-        lo, hi = max(lo, 1), min(hi, n)
-        if lo >= hi:  # no cut inside the window: the nearest one
-            c = int(np.searchsorted(cum, target))
-            c = min(max(c, 1), n)
-            bounds[k] = c if abs(cum[c] - target) <= abs(cum[c - 1] - target) else c - 1
-            continue
-        cand = np.arange(lo, hi)
-        key = np.lexsort((np.abs(cum[cand] - target), depths_N[cand]))
-        bounds[k] = cand[key[0]]
+        c = min(max(int(np.searchsorted(cum, target)), 1), n)
+        c = c if abs(cum[c] - target) <= abs(cum[c - 1] - target) else c - 1  # balanced cut
+        lo = max(int(np.searchsorted(cum, target - slack * share, side="left")), 1)
+        hi = min(int(np.searchsorted(cum, target + slack * share, side="right")), n)
+        if lo < hi and c < n:
+            cand = np.arange(lo, hi)
+            best = cand[np.lexsort((np.abs(cum[cand] - target), depths_N[cand]))[0]]
+            if depths_N[best] <= depths_N[c] // 2:  # worth the imbalance: half the rows or less
+                c = best
+        bounds[k] = c
     if n >= size:  # every rank holds at least one node
         for k in range(1, size):
             bounds[k] = max(bounds[k], bounds[k - 1] + 1)

@@ -11,6 +11,8 @@ Data parallelism (train/distributed.py): a Trainer given `dp=DataParallel.from_e
 one rank of several; `train_step` runs this rank's bins, and `Step.finish` sums the gradients
 over ranks before clipping, so every rank steps alike. Mixed precision (train/precision.py):
 `Forward(dtype="bfloat16")` is the compute dtype; the parameters and AdamW stay float32.
+Context parallelism (models/context_parallel.py): with `dp.cp` set, the C processes of a group
+run the same bins, each its range of nodes, and the gradient sum covers every process.
 """
 
 from __future__ import annotations
@@ -168,7 +170,9 @@ class Trainer:
                 if self.sharded:
                     step.pad_passes(passes)
             except Exception as e:  # noqa: BLE001 -- every rank must hear of it before it raises
-                if self.sharded:  # the others wait in a collective: end this process instead
+                # the others wait in a collective (FSDP's, or a context-parallel exchange): end
+                # this process instead, and the launcher stops the rest
+                if self.sharded or self.dp.cp is not None:
                     raise
                 error = e
             t0 = time.perf_counter()
