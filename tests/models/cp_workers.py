@@ -68,9 +68,10 @@ def bins_of(eps, max_tokens: int = 4096):
     return Fragment(max_tokens=max_tokens)(Pack()(eps))
 
 
-def bin_step(path: str, size: int) -> dict:
-    """Per case and kernel: the group's edge values, its summed gradients and what each rank held."""
-    dp = DataParallel.from_env("cpu", context_parallel=size)
+def bin_step(path: str, size: int, device: str = "cpu") -> dict:
+    """Per case and kernel: the group's edge values, its summed gradients and what each rank held
+    (gradients and values on the host)."""
+    dp = DataParallel.from_env(device, context_parallel=size)
     out = {}
     for kernel in KERNELS:
         tr = Trainer(Forward(model=path, kernel=kernel, context_parallel=size), reduce_nll(), dp=dp)
@@ -85,10 +86,13 @@ def bin_step(path: str, size: int) -> dict:
                      for n, p in tr.model.named_parameters()}
             for g in grads.values():
                 dist.all_reduce(g, group=dp.cp.group)
+            grads = {n: g.cpu() for n, g in grads.items()}
             loss = dp.sum_array(np.array([step.loss_sum]))[0]
+            seen = dp.sum_array(step._seen)  # how many ranks counted each sampled token
             items = [it for it in step._prepared.items if it is not None]
             out[name, kernel] = {
                 "logprobs": per_call(values, eps), "grads": grads, "loss": float(loss),
+                "seen": (int(seen.min()), int(seen.max())),
                 "owned_edges": [len(it.owned_E) for it in items],
                 "recv_splits": [it.plan.recv_splits for it in items],
                 "bounds": [it.plan.bounds for it in items],

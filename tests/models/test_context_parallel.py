@@ -79,6 +79,7 @@ def test_context_parallel_equals_one_process_and_transformers(model, size, case)
             _close(r["logprobs"], base_lp, REL, f"{case}/{kernel} logprobs")
         _grads_close(res[0]["grads"], base_grads, REL, f"{case}/{kernel} CP={size} vs 1")
         assert abs(res[0]["loss"] - base_loss) <= REL * abs(base_loss)
+        assert res[0]["seen"] == (1, 1)  # each sampled token counted by exactly one rank
         _close(res[0]["logprobs"], want_lp, HF_REL, f"{case}/{kernel} logprobs vs transformers")
         _grads_close(res[0]["grads"], want_grads, HF_REL, f"{case}/{kernel} vs transformers")
 
