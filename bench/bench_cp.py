@@ -118,7 +118,7 @@ def _rank_run(model: str, size: int, eps, bin_budget: int, device: str, dtype: s
                                                        .value_lengths().to_numpy()[0]),
            "logprobs": np.concatenate(values.column("edge_logprobs").to_pylist())}
     if stats is not None:
-        calls = repeats + 2  # the logprob phase and every step ran the bin once
+        calls = repeats + 1  # every step ran the bin once (logprob phases are not counted)
         out["exchange_bytes_per_layer"] = (stats["recv_bytes"] // calls).tolist()
         out["allgather_bytes_per_layer"] = (stats["allgather_bytes"] // calls).tolist()
     if dp.device.type == "cuda":

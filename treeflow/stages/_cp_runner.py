@@ -15,9 +15,10 @@ others read its K/V, and its backward returns their dK/dV; the edge vector
 is therefore tied to the hidden states by a zero term, so backward always
 reaches the exchanges.
 
-The step's exchange statistics (rows received per rank per layer, what an
-all-gather would move, attention pairs per rank) accumulate in `stats` until
-the trainer reads them (`take_stats`).
+The exchange statistics of the bins run under autograd (a training step's:
+bytes received per rank per layer, what an all-gather would move, attention
+pairs per rank) accumulate in `stats` until the step's metrics read them
+(`take_stats`).
 
 Legend: N nodes of a bin, n this rank's nodes, E the bin's edges, e this rank's.
 """
@@ -86,9 +87,10 @@ class ContextParallelRunner(ForwardRunner):
                                                  chunk_size=self.config.chunk_size,
                                                  with_entropy=self.config.entropy,
                                                  targets_checked=True)
-        self._count(item.plan)
         tie = hidden_nH.sum() * 0.0  # backward must reach the exchanges on every rank
         grad = torch.is_grad_enabled()
+        if grad:  # a training step's bins (not logprob phases)
+            self._count(item.plan)
         out = []
         for v_e in (lp_e, ent_e):
             if v_e is None:
