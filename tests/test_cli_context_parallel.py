@@ -58,6 +58,12 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
     for k in wa:
         scale = float(wa[k].abs().max())
         assert float((wa[k] - wb[k]).abs().max()) <= 1e-6 * scale, k
+    # the 4 processes' checkpoint resumes in one process, with bins of the same budget
+    args = ["replay", data, "--mode", "train", "--batch-episodes", "4", "--lr", "1e-3", "--loss",
+            "pg", "--norm", "seq-mean", "--grad-sum", "float64", "--steps", "3", "--json",
+            "--max-tokens", str(2 * BUDGET), "--resume", str(many)]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
 
 
 @pytest.mark.parametrize("extra,flag", [
