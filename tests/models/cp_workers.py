@@ -44,13 +44,20 @@ def late_loss_episode(seed: int = 2):
                                       "calls": [{"token_ids": ids, "sampled_start": 57}]}]))
 
 
+def short_episode():
+    """Fewer nodes than ranks: a rank of three holds none and still takes part."""
+    return validate_episodes(_table([{"episode_id": "short", "advantage": 1.0,
+                                      "calls": [{"token_ids": [5, 9, 11], "sampled_start": 1}]}]))
+
+
 def _table(rows):
     import pyarrow as pa
 
     return pa.Table.from_pylist(rows)
 
 
-CASES = {"branching": branching_episodes, "linear": linear_episode, "late": late_loss_episode}
+CASES = {"branching": branching_episodes, "linear": linear_episode, "late": late_loss_episode,
+         "short": short_episode}
 
 
 def per_call(values, eps) -> np.ndarray:

@@ -142,12 +142,15 @@ def test_plan_exchanges_only_ancestors():
 
 
 def test_refused_combinations_name_the_option():
+    from treeflow.models import Tuning
     from treeflow.stages import Forward
 
     with pytest.raises(ValueError, match="context_parallel=2.*reference backend"):
         Forward(backend="megatron", context_parallel=2)
     with pytest.raises(ValueError, match="kernel 'auto' or one of"):
         Forward(kernel="flex", context_parallel=2)
+    with pytest.raises(ValueError, match="recompute='layer' is not supported"):
+        Forward(context_parallel=2, tuning=Tuning(recompute="layer"))
     with pytest.raises(ValueError, match="context_parallel=0"):
         Forward(context_parallel=0)
     with pytest.raises(ValueError, match="process group of 2 ranks"):

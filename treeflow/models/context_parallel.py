@@ -94,7 +94,8 @@ def context_parallel_layout(size: int) -> tuple[ContextParallelGroup, int, int]:
         group = dist.new_group(list(range(start, start + size)))
         if start <= rank < start + size:
             mine = group
-    return ContextParallelGroup(rank=rank % size, size=size, group=mine), rank // size, world // size
+    cp = ContextParallelGroup(rank=rank % size, size=size, group=mine)
+    return cp, rank // size, world // size
 
 
 def cp_bounds(depths_N: np.ndarray, size: int, *, slack: float = _SLACK) -> np.ndarray:
@@ -214,17 +215,19 @@ class ContextParallelPlan:
         return (f"ContextParallelPlan(kernel={self.kernel!r}, rank={self.cp.rank}/{self.cp.size}, "
                 f"nodes={self.local}, received={self._received})")
 
-    def __call__(self, q_nQD: torch.Tensor, k_nKD: torch.Tensor, v_nKD: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q_nQD: torch.Tensor, k_nKD: torch.Tensor,
+                 v_nKD: torch.Tensor) -> torch.Tensor:
         if q_nQD.shape[0] != self.num_tokens:
-            raise ValueError(f"plan is for this rank's {self.num_tokens} tokens, got {q_nQD.shape[0]}")
+            raise ValueError(f"plan is for this rank's {self.num_tokens} tokens, "
+                             f"got {q_nQD.shape[0]}")
         kv_heads = k_nKD.shape[1]
         kv_n2KD = torch.cat((k_nKD, v_nKD), dim=1)
-        self.row_bytes = kv_n2KD[0].numel() * kv_n2KD.element_size()
+        self.row_bytes = kv_n2KD.shape[1] * kv_n2KD.shape[2] * kv_n2KD.element_size()
         recv = _Exchange.apply(kv_n2KD, self._send_idx, self.send_splits, self.recv_splits,
                                self.cp.group)
         kv_G2KD = torch.cat((recv, kv_n2KD))
         k_GKD, v_GKD = kv_G2KD[:, :kv_heads], kv_G2KD[:, kv_heads:]
-        if self.num_tokens == 0:
+        if self.num_tokens == 0:  # no queries; keep the exchange in the graph for backward
             return q_nQD.new_zeros(q_nQD.shape) + 0 * kv_G2KD.sum()
         if self.kernel == "dense":
             out = F.scaled_dot_product_attention(q_nQD.transpose(0, 1), k_GKD.transpose(0, 1),

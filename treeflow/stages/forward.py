@@ -104,6 +104,11 @@ class Forward(Stage):
                 raise ValueError(f"Forward(context_parallel={self.context_parallel}) runs on the "
                                  f"reference backend; backend {self.backend!r} has no tree "
                                  "context parallelism yet: use backend='reference'")
+            if self.tuning.recompute in ("attention", "layer"):
+                raise ValueError(f"Forward(context_parallel={self.context_parallel}) with "
+                                 f"tuning recompute={self.tuning.recompute!r} is not supported "
+                                 "yet (it would rerun the K/V exchange in backward): use "
+                                 "recompute='mlp' or 'none'")
             if self.kernel not in ("auto", *CP_KERNELS):
                 raise ValueError(f"Forward(context_parallel={self.context_parallel}, "
                                  f"kernel={self.kernel!r}): under context parallelism use "
