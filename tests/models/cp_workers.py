@@ -132,7 +132,7 @@ def hf_reference(hf, eps):
     for r in rows:
         for c in r["calls"]:
             ids = torch.tensor([c["token_ids"]])
-            lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+            lp = torch.log_softmax(hf(ids).logits[0].double(), -1)
             s = c["sampled_start"]
             lp = lp[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0]
             (-lp.sum() / n).backward()
