@@ -20,7 +20,8 @@ import pyarrow as pa
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_convert import add_convert_parser
-from treeflow.cli_parallel import check_tensor_parallel_options, rank_of, start_ranks, torchrun_world
+from treeflow.cli_parallel import (check_context_parallel_options, check_tensor_parallel_options,
+                                   rank_of, start_ranks, torchrun_world)
 from treeflow.cli_stream import add_stream_parsers
 from treeflow.cli_train import add_train_options, cmd_train
 
@@ -134,7 +135,7 @@ def cmd_plan(args) -> int:
     from treeflow.pipeline.source import Files
     from treeflow.stages.shard import CostModel, bin_costs
 
-    _positive(args, "max_tokens", "ranks", "batch_episodes")
+    _positive(args, "max_tokens", "ranks", "batch_episodes", "context_parallel")
     if args.rank is not None and not 0 <= args.rank < args.ranks:
         raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.ranks}) (--ranks "
                          f"{args.ranks}), or leave it out to plan every rank")
@@ -211,8 +212,12 @@ def cmd_replay(args) -> int:
     if args.output is None:
         raise ValueError("--mode logprobs needs -o OUT.arrow (or OUT.parquet) for the results")
     check_tensor_parallel_options(args, train=False)
+    check_context_parallel_options(args, train=False)
     if args.tensor_parallel > 1 and torchrun_world() is None:
         start_ranks(_replay_rank, args.tensor_parallel, args)
+        return 0
+    if args.context_parallel > 1 and torchrun_world() is None:
+        start_ranks(_replay_rank, args.context_parallel, args)
         return 0
     return _replay(args)
 
@@ -244,6 +249,12 @@ def _replay(args) -> int:
         device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank_of())))
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+    group = None
+    if args.context_parallel > 1:  # one of the processes that run each bin together
+        from treeflow.train import DataParallel
+
+        group = DataParallel.from_env(args.device)
+        lead, device = group.rank == 0, str(group.device)
     quiet = args.json or args.quiet or not lead
     sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
                 compile_seconds=0.0)
@@ -253,12 +264,14 @@ def _replay(args) -> int:
     with output as out:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
-                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
+                          tensor_parallel=args.tensor_parallel,
+                          context_parallel=args.context_parallel, tuning=Tuning.parse(args.tuning),
                           routing=args.routing, allow_nonfinite=args.allow_nonfinite)
-        # Shard balances the bins over the ranks (the Ray engine's forward actors)
+        # Shard balances the bins over the ranks (the Ray engine's forward actors); a
+        # context-parallel group holds bins of C x --max-tokens
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
-                        Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
-                        Reassemble(entropy=args.entropy))
+                        Fragment(max_tokens=args.max_tokens * args.context_parallel),
+                        Shard(num_ranks=args.ranks), forward, Reassemble(entropy=args.entropy))
         source = Files(paths=tuple(args.files), window=args.window,
                        vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
@@ -293,10 +306,14 @@ def _replay(args) -> int:
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
     if device.startswith("cuda"):
         sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if group is not None:
+        group.close()
     if not lead:
         return 0
     if args.tensor_parallel > 1:
         sums["tensor_parallel"] = args.tensor_parallel
+    if args.context_parallel > 1:
+        sums["context_parallel"] = args.context_parallel
     if args.json:
         print(json.dumps(sums))
     elif not args.quiet:
@@ -406,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                    help="split the model over T processes (--backend megatron; one GPU each "
                         "with --device cuda); in training, T x --ranks processes")
+    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="run each bin over C processes (--backend reference; one GPU each with "
+                        "--device cuda), each fetching only its nodes' ancestors' K/V; bins "
+                        "hold up to C x --max-tokens; in training, C x --ranks processes")
     add_train_options(s)
     s.set_defaults(fn=cmd_replay)
 
@@ -428,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scope", choices=("episode", "group"), default=None)
     s.add_argument("--max-tokens", type=int, required=True)
     s.add_argument("--ranks", type=int, default=1)
+    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="plan bins of C x --max-tokens (each run over C processes)")
     s.add_argument("--batch-episodes", type=int, default=256, help="episodes per step")
     s.add_argument("--rank", type=int, default=None,
                    help="plan only this rank's share (default: every rank, one after another)")

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["check_tensor_parallel_options", "rank_of", "start_ranks", "torchrun_world"]
+__all__ = ["check_context_parallel_options", "check_tensor_parallel_options", "rank_of",
+           "start_ranks", "torchrun_world"]
 
 
 def torchrun_world() -> int | None:
@@ -84,6 +85,54 @@ def check_tensor_parallel_options(args, *, train: bool) -> None:
         if torch.cuda.device_count() < processes:
             raise ValueError(f"--tensor-parallel {tp} needs {processes} GPUs (one per process), "
                              f"this host has {torch.cuda.device_count()}")
+
+
+def check_context_parallel_options(args, *, train: bool) -> None:
+    """Refuse what --context-parallel cannot run with, before any process is started.
+
+    `--context-parallel C` runs each bin over C processes (models/context_parallel.py); in
+    training `--ranks D` makes D x C processes, in logprobs mode C. Bins hold up to
+    C x --max-tokens tokens.
+    """
+    cp = args.context_parallel
+    if cp < 1:
+        raise ValueError(f"--context-parallel {cp}: give 1 or more processes")
+    if cp == 1:
+        return
+    if args.backend != "reference":
+        raise ValueError(f"--context-parallel {cp} needs --backend reference: the {args.backend} "
+                         "backend has no tree context parallelism yet")
+    if args.tensor_parallel > 1:
+        raise ValueError(f"--context-parallel {cp} with --tensor-parallel {args.tensor_parallel} "
+                         "is not supported yet: give one of them")
+    if args.kernel not in ("auto", "dense", "runs"):
+        raise ValueError(f"--context-parallel {cp} with --kernel {args.kernel}: a rank attends "
+                         "over its gathered keys with --kernel runs or dense (auto: runs)")
+    if args.engine == "ray":
+        raise ValueError(f"--context-parallel {cp} runs with --engine local only (each "
+                         "context-parallel rank is a process of its own)")
+    if train:
+        if args.launcher == "ray":
+            raise ValueError(f"--context-parallel {cp} starts its processes with --launcher "
+                             "spawn or under torchrun, not as a Ray actor group")
+        if args.shard_params:
+            raise ValueError(f"--context-parallel {cp} with --shard-params is not supported yet: "
+                             "drop one of them")
+    elif args.ranks > 1:
+        raise ValueError(f"--ranks {args.ranks} with --context-parallel {cp} in logprobs mode: "
+                         "--ranks sizes the Ray engine's forward actors; give --ranks 1")
+    processes = cp * (args.ranks if train else 1)
+    world = torchrun_world()
+    if world is not None and world != processes:
+        raise ValueError(f"torchrun started {world} processes but --context-parallel {cp}"
+                         + (f" x --ranks {args.ranks}" if train else "")
+                         + f" needs {processes}; give matching numbers")
+    if world is None and args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < processes:
+            raise ValueError(f"--context-parallel {cp} needs {processes} GPUs (one per "
+                             f"process), this host has {torch.cuda.device_count()}")
 
 
 def start_ranks(fn, processes: int, args) -> None:

@@ -10,7 +10,8 @@ options, a torn checkpoint with no complete one before it). Checkpoint
 safety lives in treeflow/train/checkpoint.py.
 
 `--tensor-parallel T` splits the megatron backend over T processes per data-parallel rank
-(treeflow/cli_parallel.py says how and what it refuses).
+(treeflow/cli_parallel.py says how and what it refuses); `--context-parallel C` runs each bin
+over C processes per data-parallel rank, D x C in all, gradients summed over every one.
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
 group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
@@ -116,10 +117,12 @@ def cmd_train(args) -> int:
         raise ValueError(f"--ranks {args.ranks}: give 1 or more")
     from treeflow.cli import check_device
 
-    from treeflow.cli_parallel import check_tensor_parallel_options, start_ranks, torchrun_world
+    from treeflow.cli_parallel import (check_context_parallel_options,
+                                       check_tensor_parallel_options, start_ranks, torchrun_world)
 
     _check_options(args)
     check_tensor_parallel_options(args, train=True)
+    check_context_parallel_options(args, train=True)
     check_device(args.device)
     if args.save and not args.resume and os.path.isdir(args.save) and \
             (os.path.exists(os.path.join(args.save, LATEST)) or
@@ -130,12 +133,12 @@ def cmd_train(args) -> int:
         return _train_ray(args)
     world = torchrun_world()
     if world is not None:  # started by torchrun
-        if args.tensor_parallel == 1 and args.ranks not in (1, world):
+        if args.tensor_parallel == 1 and args.context_parallel == 1 and args.ranks not in (1, world):
             raise ValueError(f"--ranks {args.ranks} but torchrun started {world} processes; "
                              "give the same number to both")
         return _train(args, distributed=True)
-    if args.tensor_parallel > 1:
-        start_ranks(_train_rank, args.ranks * args.tensor_parallel, args)
+    if args.tensor_parallel > 1 or args.context_parallel > 1:
+        start_ranks(_train_rank, args.ranks * args.tensor_parallel * args.context_parallel, args)
         return 0
     if args.ranks > 1 or args.launcher == "ray":
         from treeflow.train import ray_ranks, spawn
@@ -163,7 +166,8 @@ def _stages(args):
 
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size,
-                      tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
+                      tensor_parallel=args.tensor_parallel,
+                      context_parallel=args.context_parallel, tuning=Tuning.parse(args.tuning),
                       routing=args.routing, allow_nonfinite=args.allow_nonfinite)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),
@@ -174,17 +178,20 @@ def _stages(args):
 
 
 def plan_stages(args, world: int, rank: int) -> tuple:
-    """The map stages that plan a training step on data-parallel rank `rank` of `world`.
+    """The map stages that plan a training step on data-parallel replica `rank` of `world`.
 
-    One rank lays out and bins only its share of the step, dealt from per-tree summaries
-    (stages/_share.py); Shard keeps the ranks. `treeflow plan --ranks R` runs these for every rank.
+    One replica lays out and bins only its share of the step, dealt from per-tree summaries
+    (stages/_share.py); Shard keeps the replicas. `treeflow plan --ranks R` runs these for every
+    replica. A context-parallel group (--context-parallel C) is one replica whose bins hold
+    C x --max-tokens tokens.
     """
     from treeflow.stages import Fragment, Pack, Shard
 
+    budget = args.max_tokens * getattr(args, "context_parallel", 1)
     if world == 1:
-        return (Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens))
+        return (Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=budget))
     return (Pack(layout=args.layout, scope=args.scope, ranks=world, rank=rank),
-            Fragment(max_tokens=args.max_tokens, ranks=world, rank=rank), Shard(num_ranks=world))
+            Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
 
 
 def _train(args, *, distributed: bool) -> int:
@@ -192,7 +199,8 @@ def _train(args, *, distributed: bool) -> int:
     from treeflow.train import DataParallel, Trainer
     from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
 
-    dp = DataParallel.from_env(args.device) if distributed else DataParallel(device=args.device)
+    dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
+          if distributed else DataParallel(device=args.device))
     lead = dp.rank == 0
     if args.tensor_parallel > 1:  # the data-parallel ranks are the tensor-parallel groups
         from treeflow.models import tensor_parallel_layout
@@ -203,7 +211,8 @@ def _train(args, *, distributed: bool) -> int:
         lead = rank == 0 and tp_rank == 0
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
-    pipe = Pipeline(*plan_stages(args, dp.world, dp.rank), forward, reduce)
+    # the processes of one context-parallel group run the same bins: plan per replica
+    pipe = Pipeline(*plan_stages(args, dp.replicas, dp.replica), forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})

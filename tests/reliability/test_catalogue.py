@@ -199,6 +199,12 @@ def _file_case(kind):
             return ["plan", good, "--max-tokens", "64", "--ranks", "0"], ["--ranks 0"]
         if kind == "plan-rank-out-of-range":
             return ["plan", good, "--max-tokens", "64", "--ranks", "2", "--rank", "2"], ["--rank 2"]
+        if kind == "context-parallel-0":
+            return ["plan", good, "--max-tokens", "64", "--context-parallel", "0"], \
+                ["--context-parallel 0"]
+        if kind == "context-parallel-megatron":
+            return ["replay", good, *TRAIN, "--context-parallel", "2", "--backend", "megatron"], \
+                ["--context-parallel 2", "--backend reference"]
         if kind == "max-tokens-0":
             return ["plan", good, "--max-tokens", "0"], ["--max-tokens 0"]
         if kind == "device":
@@ -317,6 +323,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
+         "context-parallel-0", "context-parallel-megatron",
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
          "tensorboard-is-input", "config-architectures-nested", "truncated-stream",

@@ -105,7 +105,7 @@ class Plan:
 
                 trainer = Trainer(self.model, self.accumulate, model, device=device,
                                   pad_to=self.bin_budget)
-            self._check_sharding(trainer.dp.world)
+            self._check_sharding(trainer.dp.replicas)
             return Worker(self, runner=trainer.runner, trainer=trainer)
         if trainer is not None:
             raise ValueError("a Trainer was given but the pipeline does not end in Reduce")

@@ -126,6 +126,15 @@ STEP_METRICS_SCHEMA = pa.schema(
            nullable=True),
         _f("route_agreement", pa.float64(), "MoE: share of replayed (token, MoE layer) rows whose "
            "recomputed top-k expert set equals the captured route", nullable=True),
+        _f("context_parallel", pa.int64(), "processes that ran each bin together (--context-parallel)",
+           nullable=True),
+        _f("cp_exchange_bytes", pa.int64(), "K/V bytes one context-parallel rank received per "
+           "layer over the step's bins, mean over ranks", nullable=True),
+        _f("cp_exchange_bytes_max", pa.int64(), "the same, the busiest rank", nullable=True),
+        _f("cp_allgather_bytes", pa.int64(), "what an all-gather of the bins' K/V would deliver "
+           "to one rank per layer, mean over ranks", nullable=True),
+        _f("cp_cost_imbalance", pa.float64(), "max / mean - 1 of per-rank attention pairs "
+           "(depth + 1 per node) in a context-parallel group, worst group", nullable=True),
     ],
     metadata={"treeflow.schema": "step_metrics/1"},
 )

@@ -50,6 +50,9 @@ class Forward(Stage):
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
     tensor_parallel: split the model over this many processes (megatron only; every one of
         them runs this stage on the same bins, each with its shard of the model).
+    context_parallel: run each bin over this many processes together (reference backend;
+        models/context_parallel.py): each holds a range of the bin's nodes and fetches only
+        the K/V of their ancestors; the group is a runtime handle given to `build`.
     tuning: speed/memory levers of the reference backend (flex tiles, compiled
     layers, fused loss, recomputation; treeflow.models.Tuning); the default is
     the plain path.
@@ -72,6 +75,7 @@ class Forward(Stage):
     chunk_size: int = 1024
     entropy: bool = False
     tensor_parallel: int = 1
+    context_parallel: int = 1
     tuning: Tuning = Tuning()
     routing: str = "auto"
     allow_nonfinite: bool = False
@@ -101,6 +105,24 @@ class Forward(Stage):
             raise ValueError(f"Forward(tensor_parallel={self.tensor_parallel}) needs "
                              f"backend='megatron'; the {self.backend!r} backend runs whole on "
                              "one device (use data-parallel ranks instead)")
+        if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+            raise ValueError(f"Forward(context_parallel={self.context_parallel!r}): give an int >= 1")
+        if self.context_parallel > 1:
+            from treeflow.models.context_parallel import CP_KERNELS
+
+            if self.backend != "reference":
+                raise ValueError(f"Forward(context_parallel={self.context_parallel}) runs on the "
+                                 f"reference backend; backend {self.backend!r} has no tree "
+                                 "context parallelism yet: use backend='reference'")
+            if self.tuning.recompute in ("attention", "layer"):
+                raise ValueError(f"Forward(context_parallel={self.context_parallel}) with "
+                                 f"tuning recompute={self.tuning.recompute!r} is not supported "
+                                 "yet (it would rerun the K/V exchange in backward): use "
+                                 "recompute='mlp' or 'none'")
+            if self.kernel not in ("auto", *CP_KERNELS):
+                raise ValueError(f"Forward(context_parallel={self.context_parallel}, "
+                                 f"kernel={self.kernel!r}): under context parallelism use "
+                                 f"kernel 'auto' or one of {CP_KERNELS}")
 
     def produces(self) -> set[str]:
         """Per-edge values this forward gives (losses are checked against it)."""
@@ -124,13 +146,15 @@ class Forward(Stage):
         return route_width(ModelConfig.from_hf_dir(self.model))
 
     def build(self, *, device: str | torch.device = "cpu", model=None,
-              pad_to: int | None = None) -> ForwardRunner:
+              pad_to: int | None = None, cp=None) -> ForwardRunner:
         """Bind a model backend on `device` for running bins.
 
         model: None (load `self.model` into `self.backend` on `device`), a
         loaded Backend, or a reference Decoder (wrapped in the reference
         backend). pad_to: the bins' token budget (`Fragment.max_tokens`);
         flex attention pads every bin to it so one compiled kernel serves all.
+        cp: this process's ContextParallelGroup under context_parallel > 1 (default: the
+        whole process group, which must then have context_parallel ranks).
         """
         from treeflow.models import Backend, Decoder, ReferenceBackend, load_backend
 
@@ -158,6 +182,15 @@ class Forward(Stage):
             raise ValueError(f"Forward(backend={self.backend!r}) was given a {backend.name!r} "
                              "model; build it with the matching backend")
         backend.train(False)
+        if self.context_parallel > 1 or cp is not None:
+            from treeflow.models.context_parallel import ContextParallelGroup
+            from treeflow.stages._cp_runner import ContextParallelRunner
+
+            cp = cp if cp is not None else ContextParallelGroup.from_world(self.context_parallel)
+            if cp.size != self.context_parallel:
+                raise ValueError(f"Forward(context_parallel={self.context_parallel}) was given a "
+                                 f"context-parallel group of {cp.size} ranks; give matching sizes")
+            return ContextParallelRunner(self, backend, cp, pad_to=pad_to)
         return ForwardRunner(self, backend, pad_to=pad_to)
 
     def __call__(self, bins: pa.Table) -> pa.Table:

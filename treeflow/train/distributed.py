@@ -20,6 +20,11 @@ The process group's timeout bounds the wait on a rank that dies outright or hang
 
 Process groups come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT): NCCL on CUDA devices (one GPU per rank, cuda:LOCAL_RANK), gloo on CPU.
+
+Under context parallelism (models/context_parallel.py) C consecutive processes run the same
+bins together, each holding part of every bin's nodes: the D x C processes are D replicas
+for Shard (`replicas`, `replica`), and the gradient sum still runs over all of them (each
+process's gradients are a partial sum over its nodes).
 """
 
 from __future__ import annotations
@@ -60,18 +65,28 @@ class DataParallel:
     torchrun's environment variables.
     """
 
-    def __init__(self, *, rank: int = 0, world: int = 1, device: str = "cpu", group=None):
+    def __init__(self, *, rank: int = 0, world: int = 1, device: str = "cpu", group=None,
+                 cp=None):
         if not (0 <= rank < world):
             raise ValueError(f"DataParallel(rank={rank}, world={world}): need 0 <= rank < world")
+        if cp is not None and (world % cp.size or rank % cp.size != cp.rank):
+            raise ValueError(f"DataParallel(rank={rank}, world={world}) with context-parallel "
+                             f"rank {cp.rank} of {cp.size}: groups are consecutive ranks")
         self.rank, self.world, self.group = rank, world, group
+        self.cp = cp  # this process's ContextParallelGroup, or None
         self.device = torch.device(device)
 
     def __repr__(self) -> str:
         return f"DataParallel(rank={self.rank}, world={self.world}, device={self.device})"
 
     @classmethod
-    def from_env(cls, device: str = "cpu", *, timeout_s: float = 600.0) -> "DataParallel":
-        """Join torchrun's process group: NCCL on cuda (device cuda:LOCAL_RANK), gloo on cpu."""
+    def from_env(cls, device: str = "cpu", *, timeout_s: float = 600.0,
+                 context_parallel: int = 1) -> "DataParallel":
+        """Join torchrun's process group: NCCL on cuda (device cuda:LOCAL_RANK), gloo on cpu.
+
+        context_parallel: C > 1 splits the processes into groups of C consecutive ranks
+        that run each bin together (models/context_parallel.py).
+        """
         need = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         missing = [k for k in need if k not in os.environ]
         if missing:
@@ -94,11 +109,26 @@ class DataParallel:
         if dist.get_world_size() != world or dist.get_rank() != rank:
             raise ValueError(f"the process group is rank {dist.get_rank()} of "
                              f"{dist.get_world_size()} but the environment says {rank} of {world}")
-        return cls(rank=rank, world=world, device=device, group=dist.group.WORLD)
+        cp = None
+        if context_parallel > 1:
+            from treeflow.models.context_parallel import context_parallel_layout
+
+            cp, _, _ = context_parallel_layout(context_parallel)
+        return cls(rank=rank, world=world, device=device, group=dist.group.WORLD, cp=cp)
 
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas Shard plans for (world / context-parallel size)."""
+        return self.world // (self.cp.size if self.cp is not None else 1)
+
+    @property
+    def replica(self) -> int:
+        """This process's replica: the `rank` column of the bins it runs."""
+        return self.rank // (self.cp.size if self.cp is not None else 1)
 
     def close(self) -> None:
         """Leave the process group (only if this object's world is the default group)."""
@@ -108,14 +138,16 @@ class DataParallel:
 
     # ---------------------------------------------------------------- bins
     def local_bins(self, bins: pa.Table) -> pa.Table:
-        """This rank's bins of a step, from Shard's `rank` column (all of them on one rank)."""
-        if not self.distributed:
+        """This rank's bins of a step, from Shard's `rank` column (all of them on one rank).
+
+        Under context parallelism every process of a group gets its replica's bins."""
+        if self.replicas == 1:
             return bins
         ranks = bins.column("rank")
-        if bins.num_rows and int(pc.max(ranks).as_py()) >= self.world:
+        if bins.num_rows and int(pc.max(ranks).as_py()) >= self.replicas:
             raise ValueError(f"bins were sharded for more ranks ({int(pc.max(ranks).as_py()) + 1}) "
-                             f"than run ({self.world}); use Shard(num_ranks={self.world})")
-        return bins.filter(pc.equal(ranks, self.rank))
+                             f"than run ({self.replicas}); use Shard(num_ranks={self.replicas})")
+        return bins.filter(pc.equal(ranks, self.replica))
 
     # ---------------------------------------------------------------- agreement
     def agree(self, error: BaseException | None, what: str) -> None:

@@ -132,6 +132,9 @@ class Step:
             raise ValueError(f"{self.slots.name_slot(int(slot[i]))}: fed to the step twice; a "
                              "bin was delivered twice (the step is unchanged)")
         keep = self.weight_S[slot] > 0
+        mine = _owned(runner, prepared, off["occ_edge"], val["occ_edge"])
+        if mine is not None:  # context parallelism: this rank counts the edges it holds
+            keep &= mine
         occ_bin = np.repeat(np.arange(bins.num_rows), np.diff(off["occ_edge"]))[keep]
         kept_off = np.searchsorted(occ_bin, np.arange(bins.num_rows + 1))
         # bin-local edge and slot of each counted occurrence: one copy to the device
@@ -142,7 +145,7 @@ class Step:
         t0 = time.perf_counter()
         try:
             self._add(bins, off, index_2O, kept_off, loss, last)
-            self._seen[slot] += 1
+            self._seen[slot if mine is None else slot[mine]] += 1
         finally:
             # host work while the device still runs the last backward
             self.cost += float(bin_costs(bins, self.trainer.cost_model).sum()) if bins.num_rows else 0.0
@@ -192,8 +195,9 @@ class Step:
                     sums[k] = (torch.full((), start, dtype=v.dtype, device=v.device)
                                if torch.is_tensor(v) else start)
                 sums[k] = _combine(k, sums[k], v)
-            self.bins += 1
-            self.executed_tokens += int(off["tokens"][r + 1] - off["tokens"][r])
+            if getattr(self.trainer.runner, "counts_bins", True):  # once per context-parallel group
+                self.bins += 1
+                self.executed_tokens += int(off["tokens"][r + 1] - off["tokens"][r])
         for k, v in sums.items():  # one wait for the device, after the last bin
             v = v.item() if torch.is_tensor(v) else v
             if k == "loss_sum":
@@ -373,6 +377,10 @@ class Step:
             "gen_logprob_max_diff": float(gen_max[0]) if gen[1] else None,
             "route_agreement": self._route_agreement(),
         }
+        if dp.cp is not None:
+            from treeflow.stages._cp_runner import cp_metrics
+
+            row.update(cp_metrics(tr.runner.take_stats(), dp))
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
 
     def _route_agreement(self) -> float | None:
@@ -395,6 +403,12 @@ def _combine(key: str, a, b):
     if key == "ratio_min":
         return torch.minimum(a, b) if torch.is_tensor(b) else min(a, b)
     return a + b
+
+
+def _owned(runner, prepared, occ_off, occ_edge):
+    """Which occurrences this rank counts (context parallelism), or None: all of them."""
+    owned = getattr(runner, "owned_occurrences", None)
+    return None if owned is None else owned(prepared, occ_off, occ_edge)
 
 
 def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:

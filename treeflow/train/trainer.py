@@ -11,6 +11,8 @@ Data parallelism (train/distributed.py): a Trainer given `dp=DataParallel.from_e
 one rank of several; `train_step` runs this rank's bins, and `Step.finish` sums the gradients
 over ranks before clipping, so every rank steps alike. Mixed precision (train/precision.py):
 `Forward(dtype="bfloat16")` is the compute dtype; the parameters and AdamW stay float32.
+Context parallelism (models/context_parallel.py): with `dp.cp` set, the C processes of a group
+run the same bins, each its range of nodes, and the gradient sum covers every process.
 """
 
 from __future__ import annotations
@@ -84,8 +86,12 @@ class Trainer:
         self.reduce = reduce
         self.precision = precision
         self.compute_dtype = DTYPES[forward.dtype]
+        if self.dp.cp is not None and shard_params:
+            raise ValueError("shard_params=True (--shard-params) with context parallelism is not "
+                             "supported yet: drop --shard-params or --context-parallel")
+        cp = {"cp": self.dp.cp} if self.dp.cp is not None else {}
         self.runner = replace(forward, dtype=storage_dtype(forward.dtype, precision)).build(
-            device=self.dp.device, model=model, pad_to=pad_to)
+            device=self.dp.device, model=model, pad_to=pad_to, **cp)
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)
@@ -97,7 +103,9 @@ class Trainer:
                                  "train with --ranks N > 1")
             shard_module(self.backend.module, self.compute_dtype)
         self.reducer: GradReducer | None = None
-        if overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32":
+        # under context parallelism the exchanges run inside backward: no overlapped all-reduce
+        if (overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32"
+                and self.dp.cp is None):
             self.reducer = GradReducer([p for _, p in self.backend.named_parameters()],
                                        self.dp.group, bucket_elements=_BUCKET_ELEMENTS)
         self.last_timing: dict = {}
@@ -167,7 +175,9 @@ class Trainer:
                 if self.sharded:
                     step.pad_passes(passes)
             except Exception as e:  # noqa: BLE001 -- every rank must hear of it before it raises
-                if self.sharded:  # the others wait in a collective: end this process instead
+                # the others wait in a collective (FSDP's, or a context-parallel exchange): end
+                # this process instead, and the launcher stops the rest
+                if self.sharded or self.dp.cp is not None:
                     raise
                 error = e
             t0 = time.perf_counter()

@@ -1,0 +1,300 @@
+"""Context parallelism for trees: one bin over C ranks, each fetching only its queries' ancestors.
+
+A bin's nodes are cut into C contiguous DFS ranges, one per rank, balanced by
+attention cost (a node of depth d attends to d + 1 keys, so deep nodes cost
+more than shallow ones: the cost model's pair count, not the token count).
+Each rank embeds its own nodes and computes their q/k/v; what its queries
+need beyond its own keys is exactly the ancestors of its range's first node
+(in DFS pre-order an ancestor j < a of any node of [a, b) has a subtree that
+contains a), so rank r receives depth(a_r) rows of K/V per layer, never the
+whole bin's. A cut moves, within `slack` of the balanced cost, to where the
+next range starts at most half as deep: at a root (another episode, another
+group) no row moves at all.
+
+Per layer one all_to_all moves those rows (K and V in one buffer, each row
+sent once per rank pair); an autograd Function wraps it, and its backward is
+the reverse all_to_all, which returns dK/dV to the rows' owners (summed over
+every rank that read them). Attention then runs over [received ancestors,
+own rows] -- itself a DFS-ordered forest, the path to a_r followed by the
+range -- with the tree mask restricted to ancestors: `dense` (one SDPA call
+with a [n, G] mask, the reference) or `runs` (models/runs.py: one causal call
+per run over its ancestor path, for the range's queries only). FlexAttention
+and the chain-only kernel are refused under context parallelism.
+
+Every rank computes the same cuts and exchange plan from the bin's host
+arrays (tokens, parents, depths: small next to K/V), so the plan itself needs
+no communication. A loss edge belongs to the rank holding its source (the
+parent's hidden state); each edge is computed exactly once over the group.
+
+Trade-off: one contiguous range per rank keeps RoPE (positions are depths,
+per node), ancestry and edge ownership trivial and the exchange minimal for
+forests of episodes, but on one long chain the last rank still needs the
+whole prefix (a chain has no cheaper cut), and balancing by cost gives the
+shallow ranks more tokens (memory) than the deep ones.
+
+Legend: N nodes of the bin, n this rank's nodes, G its keys (received + own),
+C ranks of the group, Q query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from treeflow.models.runs import AncestorRuns
+from treeflow.tree import subtree_end
+
+__all__ = ["CP_KERNELS", "ContextParallelGroup", "ContextParallelPlan", "context_parallel_layout",
+           "cp_bounds", "exchange_stats"]
+
+CP_KERNELS = ("dense", "runs")
+_SLACK = 0.05  # a cut may move this share of one rank's cost to reach a shallower node
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelGroup:
+    """This process's place in its context-parallel group: rank `rank` of `size`, over `group`."""
+
+    rank: int
+    size: int
+    group: object = None  # a torch.distributed process group (None: the default group)
+
+    def __post_init__(self):
+        if not (isinstance(self.size, int) and self.size >= 1 and 0 <= self.rank < self.size):
+            raise ValueError(f"ContextParallelGroup(rank={self.rank}, size={self.size}): need "
+                             "0 <= rank < size")
+
+    @classmethod
+    def from_world(cls, size: int) -> "ContextParallelGroup":
+        """The whole default process group as one context-parallel group of `size` ranks."""
+        if not dist.is_initialized() or dist.get_world_size() != size:
+            have = dist.get_world_size() if dist.is_initialized() else "no process group"
+            raise ValueError(f"context parallelism {size} needs a process group of {size} ranks "
+                             f"(have {have}); start them with treeflow's --context-parallel "
+                             f"{size} or torchrun --nproc-per-node {size}")
+        return cls(rank=dist.get_rank(), size=size, group=dist.group.WORLD)
+
+
+def context_parallel_layout(size: int) -> tuple[ContextParallelGroup, int, int]:
+    """Split the default process group into groups of `size` consecutive ranks.
+
+    Returns (this rank's group, data-parallel rank, data-parallel size): process w is
+    context-parallel rank w % size of replica w // size. Every process must call it.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(f"--context-parallel {size} does not divide the {world} processes; "
+                         "start ranks x context-parallel processes")
+    mine = None
+    for start in range(0, world, size):  # every process creates every group, in one order
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    cp = ContextParallelGroup(rank=rank % size, size=size, group=mine)
+    return cp, rank // size, world // size
+
+
+def cp_bounds(depths_N: np.ndarray, size: int, *, slack: float = _SLACK) -> np.ndarray:
+    """Cut points [size + 1] of `size` contiguous ranges balanced by attention cost (depth + 1).
+
+    Each inner cut is the balanced one, unless a node within `slack` of a rank's share of
+    it starts the next range at most half as deep (half the rows to fetch or fewer): then the
+    shallowest such node, nearest the target among equals. On a chain the cuts stay
+    balanced; in a forest or a group tree they move to a root or a branch near the root.
+    With N >= size every range is non-empty.
+    """
+    depths_N = np.asarray(depths_N, dtype=np.int64)
+    n = len(depths_N)
+    cum = np.concatenate(([0], np.cumsum(depths_N + 1)))  # cum[i]: cost of nodes [0, i)
+    share = cum[-1] / size
+    bounds = np.zeros(size + 1, dtype=np.int64)
+    bounds[-1] = n
+    for k in range(1, size):
+        target = share * k
+        c = min(max(int(np.searchsorted(cum, target)), 1), n)
+        c = c if abs(cum[c] - target) <= abs(cum[c - 1] - target) else c - 1  # balanced cut
+        lo = max(int(np.searchsorted(cum, target - slack * share, side="left")), 1)
+        hi = min(int(np.searchsorted(cum, target + slack * share, side="right")), n)
+        if lo < hi and c < n:
+            cand = np.arange(lo, hi)
+            best = cand[np.lexsort((np.abs(cum[cand] - target), depths_N[cand]))[0]]
+            if depths_N[best] <= depths_N[c] // 2:  # worth the imbalance: half the rows or less
+                c = best
+        bounds[k] = c
+    if n >= size:  # every rank holds at least one node
+        for k in range(1, size):
+            bounds[k] = max(bounds[k], bounds[k - 1] + 1)
+        for k in range(size - 1, 0, -1):
+            bounds[k] = min(bounds[k], n - (size - k))
+    else:
+        bounds[1:-1] = np.maximum.accumulate(np.clip(bounds[1:-1], 0, n))
+    return bounds
+
+
+def _needs(end_N: np.ndarray, bounds: np.ndarray) -> list[np.ndarray]:
+    """Per rank, the rows it must receive: the ancestors of its first node (all held elsewhere)."""
+    return [np.flatnonzero(end_N[:s] > s) if s < e else np.zeros(0, np.int64)
+            for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+
+
+def exchange_stats(depths_N: np.ndarray, bounds: np.ndarray) -> dict[str, np.ndarray]:
+    """Per rank of the cuts `bounds`: rows received per layer (`recv_rows`: the depth of its
+    first node), rows an all-gather of the bin's K/V would deliver (`allgather_rows`: N - n_r)
+    and attention pairs (`pairs`: sum of depth + 1 over its nodes). Host only, O(N)."""
+    depths_N = np.asarray(depths_N, dtype=np.int64)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    starts, stops = bounds[:-1], bounds[1:]
+    first = np.minimum(starts, max(len(depths_N) - 1, 0))
+    recv = np.where(stops > starts, depths_N[first] if len(depths_N) else 0, 0)
+    cost = np.concatenate(([0], np.cumsum(depths_N + 1)))
+    return {"recv_rows": recv.astype(np.int64), "allgather_rows": len(depths_N) - (stops - starts),
+            "pairs": cost[stops] - cost[starts]}
+
+
+class ContextParallelPlan:
+    """Tree attention for this rank's range of one bin: `plan(q_nQD, k_nKD, v_nKD) -> out_nQD`.
+
+    Built on every rank of the group from the bin's whole `parents_N` and `depths_N` and
+    the common cuts `bounds` (cp_bounds). Stands in for an AttentionPlan in the decoder:
+    `num_tokens` is this rank's node count, `kernel` the local kernel.
+
+    Per rank r (every rank knows all of them): `recv_rows[r]` rows received per layer,
+    `allgather_rows[r]` what an all-gather of the bin's K/V would deliver (N - n_r), and
+    `pairs[r]` its attention cost (sum of depth + 1 over its nodes).
+    """
+
+    def __init__(self, parents_N: np.ndarray, depths_N: np.ndarray, bounds: np.ndarray,
+                 cp: ContextParallelGroup, *, kernel: str = "auto",
+                 device: torch.device | str = "cpu", block: int = 1024) -> None:
+        parents_N = np.asarray(parents_N, dtype=np.int64)
+        depths_N = np.asarray(depths_N, dtype=np.int64)
+        n = len(parents_N)
+        if kernel == "auto":
+            kernel = "runs"
+        if kernel not in CP_KERNELS:
+            raise ValueError(f"kernel {kernel!r} under context parallelism: use one of "
+                             f"{CP_KERNELS} or 'auto' (flex and causal do not take a rank's "
+                             "gathered keys yet)")
+        self.kernel, self.device, self.cp = kernel, torch.device(device), cp
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        end_N = subtree_end(depths_N)
+        inner = end_N[:-1] > np.arange(1, n)
+        self.branching = bool(np.any(inner & (end_N[1:] != end_N[:-1])))
+        starts, stops = self.bounds[:-1], self.bounds[1:]
+        self.local = (int(starts[cp.rank]), int(stops[cp.rank]))
+        a, b = self.local
+        self.num_tokens = b - a
+        need = _needs(end_N, self.bounds)
+        stats = exchange_stats(depths_N, self.bounds)
+        self.recv_rows, self.allgather_rows, self.pairs = (
+            stats["recv_rows"], stats["allgather_rows"], stats["pairs"])
+        assert [len(x) for x in need] == self.recv_rows.tolist(), "ancestors of a != depth(a)"
+        owner = [np.searchsorted(self.bounds, x, side="right") - 1 for x in need]
+        send = [need[d][owner[d] == cp.rank] - a for d in range(cp.size)]
+        self.send_splits = [len(x) for x in send]
+        self.recv_splits = [int(np.count_nonzero(owner[cp.rank] == s)) for s in range(cp.size)]
+        self._send_idx = torch.from_numpy(np.concatenate(send).astype(np.int64)).to(self.device)
+        keys_G = np.concatenate((need[cp.rank], np.arange(a, b)))  # ascending: a DFS sub-forest
+        self._received = len(need[cp.rank])
+        self.row_bytes = 0  # bytes of one exchanged row, set by the last call
+        if kernel == "dense":
+            q_n = np.arange(a, b)
+            mask = (keys_G[None, :] <= q_n[:, None]) & (q_n[:, None] < end_N[keys_G][None, :])
+            self._mask_nG = torch.from_numpy(mask).to(self.device)
+        else:
+            parents_G = np.where(parents_N[keys_G] >= 0,
+                                 np.searchsorted(keys_G, parents_N[keys_G]), -1)
+            self._blocks = _local_blocks(AncestorRuns(parents_G, device=self.device, block=block),
+                                         self._received)
+
+    def __repr__(self) -> str:
+        return (f"ContextParallelPlan(kernel={self.kernel!r}, rank={self.cp.rank}/{self.cp.size}, "
+                f"nodes={self.local}, received={self._received})")
+
+    def __call__(self, q_nQD: torch.Tensor, k_nKD: torch.Tensor,
+                 v_nKD: torch.Tensor) -> torch.Tensor:
+        if q_nQD.shape[0] != self.num_tokens:
+            raise ValueError(f"plan is for this rank's {self.num_tokens} tokens, "
+                             f"got {q_nQD.shape[0]}")
+        kv_heads = k_nKD.shape[1]
+        kv_n2KD = torch.cat((k_nKD, v_nKD), dim=1)
+        self.row_bytes = kv_n2KD.shape[1] * kv_n2KD.shape[2] * kv_n2KD.element_size()
+        recv = _Exchange.apply(kv_n2KD, self._send_idx, self.send_splits, self.recv_splits,
+                               self.cp.group)
+        kv_G2KD = torch.cat((recv, kv_n2KD))
+        k_GKD, v_GKD = kv_G2KD[:, :kv_heads], kv_G2KD[:, kv_heads:]
+        if self.num_tokens == 0:  # no queries; keep the exchange in the graph for backward
+            return q_nQD.new_zeros(q_nQD.shape) + 0 * kv_G2KD.sum()
+        if self.kernel == "dense":
+            out = F.scaled_dot_product_attention(q_nQD.transpose(0, 1), k_GKD.transpose(0, 1),
+                                                 v_GKD.transpose(0, 1), attn_mask=self._mask_nG,
+                                                 enable_gqa=True)
+            return out.transpose(0, 1)
+        return _attend_blocks(self._blocks, q_nQD, k_GKD, v_GKD, self._received)
+
+
+class _Exchange(torch.autograd.Function):
+    """Forward: rows `send_idx` of `kv` to the ranks that need them (one all_to_all).
+
+    Backward: the received rows' gradients back to their owners (the reverse
+    all_to_all), summed into the rows that were sent (a row sent to several ranks
+    gets all their gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, kv_n, send_idx, send_splits, recv_splits, group):
+        ctx.save_for_backward(send_idx)
+        ctx.splits, ctx.group, ctx.rows = (send_splits, recv_splits), group, kv_n.shape[0]
+        send = kv_n.index_select(0, send_idx).contiguous()
+        recv = kv_n.new_empty((sum(recv_splits), *kv_n.shape[1:]))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        (send_idx,) = ctx.saved_tensors
+        send_splits, recv_splits = ctx.splits
+        grad_send = grad_recv.new_empty((sum(send_splits), *grad_recv.shape[1:]))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(), send_splits, recv_splits,
+                               group=ctx.group)
+        grad_kv = grad_recv.new_zeros((ctx.rows, *grad_recv.shape[1:]))
+        grad_kv.index_add_(0, send_idx, grad_send)
+        return grad_kv, None, None, None, None
+
+
+def _local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.Tensor, int]]:
+    """The query blocks of `runs` cut to queries >= `first` (this rank's own rows of G).
+
+    Within a run query j sees keys [0, seen + j] of its index list, so a block cut at its
+    front keeps its keys and moves `seen` by the queries it lost.
+    """
+    out = []
+    for (qa, qb), idx, seen in zip(runs.bounds, runs.keys, runs.seen):
+        if qb <= first:
+            continue
+        start = max(qa, first)
+        seen2 = seen + (start - qa)
+        out.append((start, qb, idx[: seen2 + qb - start], seen2))
+    return out
+
+
+def _attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int) -> torch.Tensor:
+    """Ancestor-run attention for this rank's queries (runs.py's scheme, offset by `first`)."""
+    heads, kv_heads = q_nQD.shape[1], k_GKD.shape[1]
+    outs = []
+    for a, b, idx, seen in blocks:
+        mask = (torch.arange(len(idx), device=idx.device)[None, :]
+                <= torch.arange(b - a, device=idx.device)[:, None] + seen)
+        q_QLD = q_nQD[a - first:b - first].transpose(0, 1)
+        k_KPD = k_GKD.index_select(0, idx).transpose(0, 1)
+        v_KPD = v_GKD.index_select(0, idx).transpose(0, 1)
+        if kv_heads != heads:
+            k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
+            v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
+        outs.append(F.scaled_dot_product_attention(q_QLD, k_KPD, v_KPD,
+                                                   attn_mask=mask).transpose(0, 1))
+    return torch.cat(outs)
