@@ -67,6 +67,20 @@ def per_call(values, eps) -> np.ndarray:
                            for c in ep])
 
 
+def plain(x):
+    """What a rank returns, as the launcher reads it back (weights-only: tensors and plain values,
+    no numpy): arrays become tensors, numpy scalars Python numbers."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain(v) for v in x)
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
 def reduce_nll():
     return Reduce(loss=Loss(kind="nll", norm="token"))
 
@@ -106,7 +120,7 @@ def bin_step(path: str, size: int, device: str = "cpu") -> dict:
                 "metrics": tr.runner.take_stats()}
             step.abort()
     dist.destroy_process_group()
-    return out
+    return plain(out)
 
 
 def one_process(path: str, case: str, kernel: str = "auto"):
@@ -156,4 +170,4 @@ def train_steps(path: str, size: int, eps, budget: int, steps: int = 2) -> dict:
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, window=4, trainer=tr)][:steps]
     weights = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     dp.close()
-    return {"rows": rows, "weights": weights}
+    return plain({"rows": rows, "weights": weights})
