@@ -102,6 +102,7 @@ def _check(args) -> None:
         raise ValueError(f"--steps {args.steps}: give the number of steps to run, >= 1")
     if args.lease_seconds <= 0:
         raise ValueError(f"--lease-seconds {args.lease_seconds}: give a positive number")
+    _check_producers(args)
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
     if args.ranks < 1:
@@ -115,6 +116,19 @@ def _check(args) -> None:
     if not args.from_files and not args.queue:
         raise ValueError("nothing can put episodes into an in-process queue: give --from FILE... "
                          "or --queue ADDRESS for producers in other processes (treeflow rollout)")
+
+
+def _check_producers(args) -> None:
+    from treeflow.tq.ledger import parse_close_when
+
+    try:
+        parse_close_when(args.close_when)
+    except ValueError:
+        raise ValueError(f"--close-when {args.close_when}: choose all (the queue closes when every "
+                         "producer has closed), first, or a number N >= 1 of producers") from None
+    if args.max_attempts < 1:
+        raise ValueError(f"--max-attempts {args.max_attempts}: give how many consumers may reject "
+                         "a step before it is dead-lettered (>= 1)")
 
 
 def cmd_stream(args) -> int:
