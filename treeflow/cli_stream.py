@@ -54,7 +54,8 @@ def _open_queue(args, vocab_size, attach):
         return connect_queue(args.queue, backend=args.queue_backend, timeout=args.connect_timeout,
                              vocab_size=vocab_size)
     return open_queue(args.queue, backend=args.queue_backend, capacity=args.capacity,
-                      lease_seconds=args.lease_seconds, vocab_size=vocab_size)
+                      lease_seconds=args.lease_seconds, vocab_size=vocab_size,
+                      close_when=args.close_when, max_attempts=args.max_attempts)
 
 
 def forward_stage(args, entropy=False):
@@ -69,12 +70,13 @@ def forward_stage(args, entropy=False):
 
 
 class _Producer(threading.Thread):
-    """put_files in a thread; an error is kept and re-raised by the command."""
+    """put_files in a thread; its error is the command's error (re-raised by the main thread)."""
 
     def __init__(self, queue, args, vocab_size):
         super().__init__(daemon=True, name="treeflow-stream-from")
         self.queue, self.args, self.vocab_size = queue, args, vocab_size
         self.error, self.summary = None, None
+        self.stopping = False   # the consumer closes the queue itself (--steps reached)
 
     def run(self):
         from treeflow.pipeline.queue_source import put_files
@@ -82,9 +84,11 @@ class _Producer(threading.Thread):
 
         try:
             self.summary = put_files(self.queue, self.args.from_files, rate=self.args.rate,
-                                     vocab_size=self.vocab_size, chunk=self.args.chunk)
-        except QueueClosed:
-            pass  # the consumer stopped first (--steps)
+                                     vocab_size=self.vocab_size, chunk=self.args.chunk,
+                                     producer=self.args.producer)
+        except QueueClosed as e:
+            if not self.stopping:   # someone else closed it while episodes were left: say so
+                self.error = ValueError(f"--from {' '.join(self.args.from_files)}: {e}")
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             self.error = e
             self.queue.close()
@@ -100,6 +104,7 @@ def _check(args) -> None:
         raise ValueError(f"--steps {args.steps}: give the number of steps to run, >= 1")
     if args.lease_seconds <= 0:
         raise ValueError(f"--lease-seconds {args.lease_seconds}: give a positive number")
+    _check_producers(args)
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
     if args.ranks < 1:
@@ -115,6 +120,19 @@ def _check(args) -> None:
                          "or --queue ADDRESS for producers in other processes (treeflow rollout)")
 
 
+def _check_producers(args) -> None:
+    from treeflow.tq.ledger import parse_close_when
+
+    try:
+        parse_close_when(args.close_when)
+    except ValueError:
+        raise ValueError(f"--close-when {args.close_when}: choose all (the queue closes when every "
+                         "producer has closed), first, or a number N >= 1 of producers") from None
+    if args.max_attempts < 1:
+        raise ValueError(f"--max-attempts {args.max_attempts}: give how many consumers may reject "
+                         "a step before it is dead-lettered (>= 1)")
+
+
 def cmd_stream(args) -> int:
     args._t0 = time.perf_counter()
     _check(args)
@@ -124,8 +142,14 @@ def cmd_stream(args) -> int:
             raise ValueError("--produce-only needs --from FILE...")
         from treeflow.pipeline.queue_source import put_files
 
-        summary = put_files(open_cli_queue(args, vocab, attach=True), args.from_files,
-                            rate=args.rate, vocab_size=vocab, chunk=args.chunk)
+        from treeflow.tq import QueueClosed
+
+        try:
+            summary = put_files(open_cli_queue(args, vocab, attach=True), args.from_files,
+                                rate=args.rate, vocab_size=vocab, chunk=args.chunk,
+                                producer=args.producer)
+        except QueueClosed as e:
+            raise ValueError(f"--from {' '.join(args.from_files)}: {e}") from None
         _show(args, "produced", summary)
         return 0
     if args.mode == "train":
@@ -143,6 +167,7 @@ def cmd_stream(args) -> int:
     if args.from_files:
         producer = _Producer(queue, args, vocab)
         producer.start()
+    ok = False
     try:
         if args.mode == "train":
             from treeflow.cli_stream_train import stream_train
@@ -151,17 +176,50 @@ def cmd_stream(args) -> int:
         else:
             summary = _stream_logprobs(args, queue, out)
         summary["queue"] = queue.stats()
+        ok = True
+    except Exception:
+        if producer is not None and producer.error is not None:
+            raise producer.error from None   # the cause ("no episodes arrived" is its effect)
+        raise
     finally:
-        queue.close()
-        if producer is not None:
-            producer.join()
-        if queue.started:  # give attached producers a moment to see the close
-            time.sleep(args.linger)
-        queue.shutdown()
+        _end_queue(args, queue, producer, ok)
     if producer is not None and producer.error is not None:
         raise producer.error
     _show(args, f"stream ({args.mode}, {args.queue_backend} queue)", summary)
     return 0
+
+
+def _end_queue(args, queue, producer, ok: bool) -> None:
+    """A stream that ended closes the queue; one that failed leaves what is queued to the next consumer.
+
+    A failed or terminated consumer does not close the queue (its producers go on putting)
+    and, if it started the queue, leaves it serving while it holds episodes, so that a
+    restarted consumer (`--resume`) gets every one of them; it says so on stderr.
+    """
+    import sys
+
+    keep = None
+    if producer is not None or ok or queue.address is None:
+        if producer is not None:
+            producer.stopping = True
+        queue.close()
+        if producer is not None:
+            producer.join()
+    elif queue.started:
+        try:
+            held = queue.stats()["held_episodes"]
+        except Exception:  # noqa: BLE001 - the queue is gone: nothing to keep
+            held = 0
+        keep = held or None
+    if keep:
+        pid = getattr(getattr(queue, "_owner", None), "pid", None)
+        print(f"note: {queue.name} still holds {keep} episodes; it keeps serving for the next "
+              f"consumer (`treeflow stream --queue {args.queue} ...`, `--resume` to continue)"
+              + (f"; stop it with `kill {pid}`" if pid else ""), file=sys.stderr, flush=True)
+        return
+    if queue.started and ok:  # give attached producers a moment to see the close
+        time.sleep(args.linger)
+    queue.shutdown()
 
 
 def _show(args, title: str, summary: dict) -> None:
@@ -291,6 +349,7 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
                 gen_kl_mean=(sum(kls) / len(kls)) if kls else None,
                 gen_logprob_max_diff=maxdiff if kls else None,
                 redelivered=reader.redelivered, skipped_redeliveries=reader.skipped,
+                rejected_steps=reader.rejected, dead_lettered_steps=reader.dead_lettered,
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 process_seconds=round(process_seconds(), 3), output=args.output)
     for k in ("prepare_seconds", "device_seconds"):
@@ -329,8 +388,10 @@ def cmd_rollout(args) -> int:
                               device=args.device, dtype=args.dtype, producer=args.producer,
                               index_base=args.index_base, rate=args.rate, refit=not args.no_refit,
                               close=not args.no_close)
-    except QueueClosed as e:
-        summary = {"stopped": f"the consumer closed the queue ({e})"}
+    except QueueClosed as e:   # episodes this producer was asked for were not put: not a success
+        raise ValueError(f"{e} (producer {args.producer!r} put {queue.next_seq(args.producer)} "
+                         f"of --groups {args.groups}; the consumer stops the stream with --steps, "
+                         "or producers close it with --close-when)") from None
     _show(args, "rollout", summary)
     return 0
 
@@ -346,6 +407,11 @@ def _queue_options(s) -> None:
     g.add_argument("--lease-seconds", type=float, default=60.0,
                    help="a consumer silent this long is presumed dead; its step is redelivered")
     g.add_argument("--connect-timeout", type=float, default=120.0)
+    g.add_argument("--close-when", default="all", metavar="all|first|N",
+                   help="a queue this command starts closes when every producer has closed (all), "
+                   "at the first (first), or once N have closed and none is open")
+    g.add_argument("--max-attempts", type=int, default=3,
+                   help="consumers that may reject a bad step before it is dead-lettered")
     g.add_argument("--rate", type=float, default=None, help="producer: episodes per second at most")
 
 
@@ -359,6 +425,7 @@ def add_stream_parsers(sub, common, model_options) -> None:
     s.add_argument("--from", dest="from_files", nargs="+", default=None,
                    help="also put these episode files into the queue (a producer thread)")
     s.add_argument("--produce-only", action="store_true", help="with --from: only produce")
+    s.add_argument("--producer", default="files", help="--from: producer id (one per producer)")
     s.add_argument("--chunk", type=int, default=64, help="--from: episodes per put (whole groups)")
     s.add_argument("--consumer", default="stream", help="consumer name (leases, stats)")
     s.add_argument("--max-staleness", type=int, default=None,

@@ -152,7 +152,7 @@ def _quiet(message: str) -> None:
 class _NoReader:
     """What a rank other than 0 shows of the reader it does not have (rank 0 reports)."""
 
-    episodes = dropped_stale = redelivered = skipped = 0
+    episodes = dropped_stale = redelivered = skipped = rejected = dead_lettered = 0
 
 
 def _stream_train(args, queue, dp) -> dict | None:
@@ -284,6 +284,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     return {"steps": steps, "episodes": reader.episodes,
             "dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
             "skipped_redeliveries": reader.skipped,
+            "rejected_steps": reader.rejected, "dead_lettered_steps": reader.dead_lettered,
             "gen_kl_mean": (sum(kls) / len(kls)) if kls else None,
             "ratio_mean_last": rows[-1]["ratio_mean"] if rows else None,
             "last": rows[-1] if rows else None, "compile_seconds": round(compile_seconds, 3),

@@ -294,6 +294,12 @@ def _file_case(kind):
             (tmp / "log.jsonl").write_text(bad + "\n")
             return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "openai"], \
                 ["log.jsonl line 1"]
+        if kind == "close-when":
+            return ["stream", "--from", good, "-o", tmp / "o.arrow", "--close-when", "sometimes"], \
+                ["--close-when sometimes", "first"]
+        if kind == "max-attempts-0":
+            return ["stream", "--from", good, "-o", tmp / "o.arrow", "--max-attempts", "0"], \
+                ["--max-attempts 0"]
         raise AssertionError(kind)
     return setup
 
@@ -323,7 +329,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
-         "context-parallel-0", "context-parallel-megatron",
+         "context-parallel-0", "context-parallel-megatron", "close-when", "max-attempts-0",
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
          "tensorboard-is-input", "config-architectures-nested", "truncated-stream",

@@ -66,17 +66,18 @@ def assert_same_weights(a, b):
 
 
 def close_transferqueue(ray, timeout: float = 30.0):
-    """Close TransferQueue (if a test opened it) and wait until its actors' CPUs are free again.
+    """Stop TransferQueue (if a test started it) and wait until its actors' CPUs are free again.
 
     The Ray cluster is the session's: the next module must find it as the first one did.
     """
     import sys
     import time
 
-    tq = sys.modules.get("transfer_queue")
-    if tq is None:
+    if sys.modules.get("transfer_queue") is None:
         return
-    tq.close()
+    from treeflow.tq.transferqueue import stop_transferqueue
+
+    stop_transferqueue()
     total = ray.cluster_resources().get("CPU", 0.0)
     deadline = time.monotonic() + timeout
     while ray.available_resources().get("CPU", 0.0) < total:

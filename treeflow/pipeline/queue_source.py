@@ -25,6 +25,11 @@ producers stall: two steps for logprobs (the local engine hands a result over
 once it has read the next window), one for training, more for steps held
 until a checkpoint (`ack="manual"`) and for the `prefetch` windows read ahead.
 
+Bad steps: a step this consumer's model cannot run (tq/queue.py checks it
+at lease) is given back with its reason, said on stderr and counted
+(`rejected`, `dead_lettered`); after the queue's max_attempts it is
+dead-lettered, and the reader goes on with the next step.
+
 Staleness: a training window is one optimizer step, so the n-th window a
 reader yields is trained at policy version `version + n` whatever the
 prefetch depth; with `max_staleness` K the queue drops (and counts) queued
@@ -35,6 +40,7 @@ when a step is leased, so a group is never dropped after it entered a step.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import uuid
 import time
@@ -43,7 +49,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from treeflow.tq import END
+from treeflow.tq import END, StepRejected
 
 __all__ = ["QueueReader", "QueueSource", "put_files"]
 
@@ -104,6 +110,8 @@ class QueueReader:
         self.redelivered = 0      # steps this reader got after another consumer lost them
         self.skipped = 0          # redelivered steps applied before this reader (acknowledged, not yielded)
         self.dropped_stale = 0    # episodes the queue dropped as too stale for this reader
+        self.rejected = 0         # steps this reader could not run and gave back
+        self.dead_lettered = 0    # ... of which the queue then moved aside for good
         self._lock = threading.Lock()
         self._held: dict[int, object] = {}    # queue step -> its current lease, until acknowledged
         self._finished: list[int] = []        # steps whose results the caller has taken
@@ -128,12 +136,19 @@ class QueueReader:
             min_version = None
             if src.max_staleness is not None:
                 min_version = src.version + self.windows - src.max_staleness
-            got = self.queue.get(src.episodes_per_step, consumer=self.consumer, timeout=0.5,
-                                 min_version=min_version, own_leases_end=True)
+            try:
+                got = self.queue.get(src.episodes_per_step, consumer=self.consumer, timeout=0.5,
+                                     min_version=min_version, own_leases_end=True)
+            except StepRejected as e:
+                self.rejected += 1
+                self.dead_lettered += int(e.dead)
+                print(f"warning: {e}", file=sys.stderr, flush=True)
+                continue
             if got is None:
                 if src.idle_timeout is not None and time.monotonic() - idle_since > src.idle_timeout:
-                    raise TimeoutError(f"no step arrived in the queue for {src.idle_timeout:g} s; "
-                                       "is a producer running (or raise the idle timeout)?")
+                    raise TimeoutError(f"no step arrived in the queue for {src.idle_timeout:g} s"
+                                       f"{_producers_note(self.queue)}; is a producer running "
+                                       "(or raise the idle timeout)?")
                 continue
             if got == END:
                 raise StopIteration
@@ -238,6 +253,14 @@ class QueueReader:
                 return
 
 
+def _producers_note(queue) -> str:
+    try:
+        open_ = queue.stats().get("producers_open") or []
+    except Exception:  # noqa: BLE001 - the message is what matters
+        return ""
+    return f" (producers still open: {', '.join(open_)})" if open_ else ""
+
+
 def acknowledged(records: Iterator, reader: QueueReader) -> Iterator:
     """Pass an engine's WindowResults through, telling the reader when each was taken."""
     try:
@@ -257,16 +280,19 @@ def put_files(queue, paths, *, producer: str = "files", chunk: int = 64, rate: f
               vocab_size: int | None = None, close: bool = True, put_timeout: float = 600.0) -> dict:
     """Put stored episode files into `queue`: chunks of about `chunk` episodes of whole groups.
 
-    The chunking is deterministic, so a restarted producer skips the chunks
-    the queue has accepted (`queue.next_seq(producer)`) and puts the rest.
-    rate: at most this many episodes per second (None: as fast as the queue takes them).
+    Groups are assembled whole whatever the row order (the episodes of a group
+    need not be contiguous, as when async rollouts finish out of order): a
+    group is put once its last row has been read, so memory holds only the
+    groups still open. The chunking is deterministic, so a restarted producer
+    skips the chunks the queue has accepted (`queue.next_seq(producer)`) and
+    puts the rest. rate: at most this many episodes per second (None: as fast
+    as the queue takes them). close: close this producer at the end (the
+    queue closes once every producer has, as its close_when says).
     """
-    from treeflow.pipeline.source import Files
-
-    start = queue.next_seq(producer)
+    start = queue.open_producer(producer)
+    paths = tuple(paths) if not isinstance(paths, str) else (paths,)
     n, t0 = 0, time.perf_counter()
-    for seq, table in enumerate(Files(paths=tuple(paths) if not isinstance(paths, str) else (paths,),
-                                      window=chunk, vocab_size=vocab_size)):
+    for seq, table in enumerate(whole_group_chunks(paths, chunk, vocab_size)):
         if seq < start:
             continue
         if rate:
@@ -274,5 +300,60 @@ def put_files(queue, paths, *, producer: str = "files", chunk: int = 64, rate: f
         queue.put(table, producer=producer, seq=seq, timeout=put_timeout)
         n += table.num_rows
     if close:
-        queue.close()
+        queue.close(producer=producer)
     return {"episodes": n, "resumed_at": start, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def whole_group_chunks(paths: tuple, chunk: int, vocab_size: int | None = None) -> Iterator[pa.Table]:
+    """Tables of about `chunk` episodes of whole groups, in order of each group's last row.
+
+    The group_id column is read first (as Files.spans does) to know where each
+    group ends; rows of open groups wait in memory until their group is complete.
+    """
+    from treeflow.schemas.episode import expand_paths, iter_episode_batches
+
+    files = expand_paths(list(paths))
+    gids = [g for path in files for g in _group_ids(path)]
+    last = {}
+    for i, g in enumerate(gids):
+        if g is not None:
+            last[g] = i
+    open_: dict[str, list[pa.Table]] = {}
+    ready: list[pa.Table] = []
+    held, row = 0, 0
+    for batch in iter_episode_batches(files, batch_rows=min(chunk, 1024), vocab_size=vocab_size):
+        g_batch = gids[row:row + batch.num_rows]
+        # runs of one group (or single ungrouped rows) within the batch
+        cuts = [0] + [i for i in range(1, len(g_batch))
+                      if g_batch[i] is None or g_batch[i] != g_batch[i - 1]] + [len(g_batch)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            g, piece = g_batch[a], batch.slice(a, b - a)
+            if g is None:
+                ready.append(piece)
+                held += piece.num_rows
+                continue
+            open_.setdefault(g, []).append(piece)
+            if last[g] == row + b - 1:          # the group's last row: it is whole now
+                parts = open_.pop(g)
+                ready.append(pa.concat_tables(parts) if len(parts) > 1 else parts[0])
+                held += ready[-1].num_rows
+        row += batch.num_rows
+        while held >= chunk:
+            out, k = [], 0
+            while ready and k < chunk:
+                out.append(ready.pop(0))
+                k += out[-1].num_rows
+            held -= k
+            yield pa.concat_tables(out)
+    assert not open_, "every group's last row was read"
+    if ready:
+        yield pa.concat_tables(ready)
+
+
+def _group_ids(path: str) -> list:
+    import pyarrow.dataset as pads
+
+    ds = pads.dataset(path, format="parquet" if path.endswith(".parquet") else "ipc")
+    if "group_id" not in ds.schema.names:
+        return [None] * ds.count_rows()
+    return ds.to_table(columns=["group_id"]).column("group_id").cast(pa.string()).to_pylist()

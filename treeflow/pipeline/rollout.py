@@ -135,16 +135,19 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
 
     rate: episodes per second at most (None: as fast as sampling goes; a full
     queue blocks the producer). refit: load newer weights published on the
-    queue before each group. close: close the queue at the end.
+    queue before each group. close: close this producer at the end (the queue
+    closes once every producer has, as its close_when says). The producer id
+    is claimed first: one that a live producer holds is refused before any
+    sampling.
     """
     import torch
 
     from treeflow.models.backend import load_backend
 
+    start = queue.open_producer(producer)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     backend = load_backend("reference", model, dtype=dtypes[dtype], device=device)
     version, refits, put = 0, 0, 0
-    start = queue.next_seq(producer)
     t0 = time.perf_counter()
     for group in range(start, groups):
         published = queue.weights() if refit else None
@@ -160,6 +163,6 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
         if log is not None:
             log(group, table, version)
     if close:
-        queue.close()
+        queue.close(producer=producer)
     return {"groups": groups - start, "episodes": put, "resumed_at": start, "refits": refits,
             "weight_version": version, "seconds": round(time.perf_counter() - t0, 3)}

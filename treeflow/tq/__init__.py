@@ -14,10 +14,10 @@ One interface (`Queue`), two backends:
 
 from __future__ import annotations
 
-from treeflow.tq.ledger import END, QueueClosed, QueueFull
+from treeflow.tq.ledger import CLOSE_WHEN, END, QueueClosed, QueueFull
 
-__all__ = ["BACKENDS", "END", "Leased", "Queue", "QueueClosed", "QueueFull", "connect_queue",
-           "local_queue", "open_queue"]
+__all__ = ["BACKENDS", "CLOSE_WHEN", "END", "Leased", "Queue", "QueueClosed", "QueueFull",
+           "StepRejected", "connect_queue", "local_queue", "open_queue"]
 
 BACKENDS = ("embedded", "transferqueue")
 
@@ -25,7 +25,7 @@ BACKENDS = ("embedded", "transferqueue")
 def __getattr__(name):
     # the client (pyarrow, schemas) loads on first use, so that the queue server process,
     # which needs only the ledger, starts in a fraction of the time
-    if name in ("Leased", "Queue", "local_queue"):
+    if name in ("Leased", "Queue", "StepRejected", "local_queue"):
         from treeflow.tq import queue
 
         return getattr(queue, name)
@@ -34,7 +34,8 @@ def __getattr__(name):
 
 def open_queue(address: str | None = None, *, backend: str = "embedded", capacity: int = 1024,
                capacity_bytes: int | None = None, lease_seconds: float = 60.0,
-               vocab_size: int | None = None) -> "Queue":
+               vocab_size: int | None = None, close_when: str | int = "all",
+               max_attempts: int = 3) -> "Queue":
     """Start a queue (or attach to the one at `address`); `queue.shutdown()` stops what we started.
 
     embedded: `address` is a Unix socket path in a private directory, or a queue name (no '/')
@@ -42,23 +43,30 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
     transferqueue: `address` is the queue's name on the Ray cluster.
     capacity: the most episodes held (queued or leased and not acknowledged).
     lease_seconds: a consumer silent this long is presumed dead; its step is redelivered.
+    close_when: "all" (the queue closes when every registered producer has closed),
+    "first", or N (once N producers have closed and none is open).
+    max_attempts: consumers that may reject a step before it is dead-lettered.
+    An attached queue keeps the options it was started with.
     """
     from treeflow.tq.queue import Queue, local_queue
 
-    options = dict(capacity=capacity, capacity_bytes=capacity_bytes, lease_seconds=lease_seconds)
+    options = dict(capacity=capacity, capacity_bytes=capacity_bytes, lease_seconds=lease_seconds,
+                   close_when=close_when, max_attempts=max_attempts)
     if backend == "embedded":
         if address is None:
             return local_queue(**options)
         from treeflow.tq.embedded import _alive, connect_embedded, serve_embedded
 
         server = None if _alive(address) else serve_embedded(address, **options)
-        return Queue(connect_embedded(address), backend=backend, vocab_size=vocab_size, owner=server)
+        return Queue(connect_embedded(address), backend=backend, vocab_size=vocab_size, owner=server,
+                     address=address)
     if backend == "transferqueue":
         from treeflow.tq.transferqueue import open_transferqueue
 
         ledger, store, owner = open_transferqueue(address or "default", **options)
         return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size,
-                     owner=owner if owner.created else None)  # attached: shutdown() stops nothing
+                     owner=owner if owner.created else None,  # attached: shutdown() stops nothing
+                     address=address or "default")
     raise ValueError(f"queue backend {backend!r}: choose one of {BACKENDS}")
 
 
@@ -70,10 +78,11 @@ def connect_queue(address: str, *, backend: str = "embedded", timeout: float = 3
     if backend == "embedded":
         from treeflow.tq.embedded import connect_embedded
 
-        return Queue(connect_embedded(address, timeout=timeout), backend=backend, vocab_size=vocab_size)
+        return Queue(connect_embedded(address, timeout=timeout), backend=backend, vocab_size=vocab_size,
+                     address=address)
     if backend == "transferqueue":
         from treeflow.tq.transferqueue import open_transferqueue
 
         ledger, store, _ = open_transferqueue(address, attach=True, timeout=timeout)
-        return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size)
+        return Queue(ledger, store=store, backend=backend, vocab_size=vocab_size, address=address)
     raise ValueError(f"queue backend {backend!r}: choose one of {BACKENDS}")

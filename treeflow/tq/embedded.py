@@ -31,13 +31,13 @@ import threading
 import time
 
 from treeflow.tq import wire
-from treeflow.tq.ledger import Ledger
+from treeflow.tq.ledger import LEDGER_METHODS, Ledger
 
 __all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
 
-# what a client may call: the ledger's public methods (the same surface in every process)
+# what a client may call: the one list of served methods (treeflow/tq/ledger.py)
 _HANDSHAKE_S = 10.0
-_METHODS = frozenset(n for n in dir(Ledger) if not n.startswith("_") and callable(getattr(Ledger, n)))
+_METHODS = frozenset(LEDGER_METHODS)
 
 
 # ------------------------------------------------------------------ server (its own process)
@@ -189,12 +189,17 @@ def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> 
     wire.write_secret(address)
     # a fresh interpreter (not fork: the caller may hold torch threads; not multiprocessing's
     # spawn: it re-imports the caller's __main__)
-    proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", address,
-                             json.dumps(ledger_options)], stdin=subprocess.DEVNULL)
+    # detached from the caller's terminal and pipes (`treeflow stream ... | tee log` must see the
+    # end of output even while the server lives on): its output goes to <socket>.log
+    with open(address + ".log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", address,
+                                 json.dumps(ledger_options)], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
     while not _alive(address):
         if proc.poll() is not None:
-            raise RuntimeError(f"the queue server at {address} exited with {proc.returncode}")
+            raise RuntimeError(f"the queue server at {address} exited with {proc.returncode}; "
+                               f"its output is in {address}.log")
         if time.monotonic() > deadline:
             proc.terminate()
             raise RuntimeError(f"the queue server at {address} did not come up in {timeout} s")

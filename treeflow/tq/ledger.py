@@ -24,6 +24,20 @@ with their episode count, byte size and weight versions.
   restarted producer where to resume.
 - Staleness: `get(min_version=v)` drops (and counts) queued groups sampled
   with a weight_version older than v.
+- Producers own their ids: `open_producer(id, client)` registers a producer;
+  a second live client asking for an id in use is refused (a restarted
+  producer takes its id over once the dead one's registration lapsed:
+  clients renew theirs every second, and one silent for PRODUCER_SECONDS is
+  dead, so `open_producer` waits that long before it refuses). `close(producer=id)` closes
+  that producer; the queue closes when every registered producer has closed
+  (`close_when="all"`), at the first (`"first"`), or once N have closed and
+  none is open (`close_when=N`). `close()` closes the queue outright. A put
+  after the queue closed raises `QueueClosed` saying who closed it.
+- Dead letters: a consumer that finds a leased step invalid (a producer's
+  vocabulary larger than its model's) gives it back with `reject(lease,
+  reason)`; it is redelivered, and after `max_attempts` rejections moved
+  aside (`dead_letters()`) with its reason, its room freed and counted,
+  instead of coming back to every consumer for ever.
 
 The trade-off: one lock around everything. Bookkeeping per call is O(groups
 moved), far below the cost of moving or computing episodes, and a single
@@ -40,9 +54,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["END", "Delivery", "Group", "Ledger", "QueueClosed", "QueueFull"]
+__all__ = ["CLOSE_WHEN", "END", "LEDGER_METHODS", "Delivery", "Group", "Ledger", "QueueClosed",
+           "QueueFull"]
 
 END = "end"  # get(): the queue is closed and nothing more can reach this consumer
+CLOSE_WHEN = ("all", "first")  # or a number of producers
+PRODUCER_SECONDS = 5.0  # a producer registration not renewed (or put to) this long has lapsed
+# the methods a served ledger exposes to its clients (every backend's transport proxies these)
+LEDGER_METHODS = ("next_seq", "open_producer", "renew_producer", "put", "close", "get", "renew", "ack",
+                  "nack", "reject", "release", "put_result", "take_result", "publish_weights", "weights",
+                  "dead_letters", "stats")
 
 
 class QueueFull(RuntimeError):
@@ -86,6 +107,13 @@ class _Lease:
 
 
 @dataclass
+class _Producer:
+    client: str
+    deadline: float
+    closed: bool = False
+
+
+@dataclass
 class _Stats:
     puts: int = 0
     episodes_in: int = 0
@@ -97,6 +125,9 @@ class _Stats:
     stale_dropped: int = 0
     full_waits: int = 0
     late_acks: int = 0
+    rejections: int = 0
+    dead_lettered_steps: int = 0
+    dead_lettered_episodes: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -104,14 +135,22 @@ class Ledger:
     """Thread-safe queue state; every method returns in bounded time (waits take `wait_s`)."""
 
     def __init__(self, *, capacity: int = 1024, capacity_bytes: int | None = None,
-                 lease_seconds: float = 60.0):
+                 lease_seconds: float = 60.0, close_when: str | int = "all", max_attempts: int = 3):
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: give the most episodes the queue may hold (>= 1)")
         if capacity_bytes is not None and capacity_bytes < 1:
             raise ValueError(f"capacity_bytes={capacity_bytes}: give a positive size or None")
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds={lease_seconds}: give a positive timeout")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts={max_attempts}: give how many consumers may reject a "
+                             "step before it is dead-lettered (>= 1)")
         self.capacity, self.capacity_bytes, self.lease_seconds = capacity, capacity_bytes, lease_seconds
+        self.close_when, self.max_attempts = parse_close_when(close_when), max_attempts
+        self._producers: dict[str, _Producer] = {}
+        self._closed_by: str | None = None
+        self._attempts: dict[int, int] = {}
+        self._dead: list[tuple[dict, list]] = []
         self._cv = threading.Condition()
         self._queued: deque[Group] = deque()
         self._queued_episodes = 0
@@ -136,6 +175,44 @@ class Ledger:
         with self._cv:
             return self._next_seq.get(producer, 0)
 
+    def open_producer(self, producer: str, client: str, wait_s: float = 0.0) -> int:
+        """Register `client` as the producer `producer`; its next_seq. Refused if a live one has it.
+
+        Waits up to `wait_s` for the holder's registration to lapse (a killed producer's,
+        when its restart comes quickly); a live holder keeps renewing and is never displaced.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while True:
+                if self._closed:
+                    raise QueueClosed(f"producer {producer!r}: {self._closed_message()}")
+                now = time.monotonic()
+                p = self._producers.get(producer)
+                if p is None or p.client == client or p.closed or p.deadline <= now:
+                    break
+                if now >= deadline:
+                    raise ValueError(
+                        f"producer id {producer!r} is already in use by a live producer "
+                        f"({p.client}); give each producer its own id (treeflow rollout --producer "
+                        "NAME, with its own --index-base); a restarted producer takes its id over "
+                        f"once the dead one's registration lapsed ({PRODUCER_SECONDS:g} s)")
+                self._cv.wait(min(deadline - now, p.deadline - now, 0.25))
+            self._producers[producer] = _Producer(client, now + PRODUCER_SECONDS)
+            return self._next_seq.get(producer, 0)
+
+    def renew_producer(self, producer: str, client: str) -> bool:
+        """Keep `client`'s registration of `producer` alive; False if another client has it now."""
+        with self._cv:
+            p = self._producers.get(producer)
+            if p is None or p.client != client:
+                return False
+            p.deadline = time.monotonic() + PRODUCER_SECONDS
+            return True
+
+    def _closed_message(self) -> str:
+        return (f"the queue was closed ({self._closed_by}); no more episodes are accepted, so the "
+                "rest of this producer's episodes were not put")
+
     def put(self, producer: str, seq: int, groups: list[Group], episode_ids: list[str],
             sample_indices: list[int], wait_s: float = 0.0) -> bool:
         """Queue whole groups atomically; False if (producer, seq) was already accepted."""
@@ -145,8 +222,7 @@ class Ledger:
         with self._cv:
             while True:
                 if self._closed:
-                    raise QueueClosed(f"put {seq} of producer {producer!r}: the queue is closed; "
-                                      "no more episodes are accepted")
+                    raise QueueClosed(f"put {seq} of producer {producer!r}: {self._closed_message()}")
                 expected = self._next_seq.get(producer, 0)
                 if seq < expected:
                     self._stats.duplicate_puts += 1
@@ -181,6 +257,8 @@ class Ledger:
             self._sample_indices.update(sample_indices)
             self._group_ids.update(g.group_id for g in groups if g.group_id is not None)
             self._next_seq[producer] = seq + 1
+            if producer in self._producers:   # a put is a heartbeat too
+                self._producers[producer].deadline = time.monotonic() + PRODUCER_SECONDS
             self._stats.puts += 1
             self._stats.episodes_in += n
             self._stats.bytes_in += nbytes
@@ -205,11 +283,30 @@ class Ledger:
         return (self._held_episodes + n <= self.capacity and
                 (self.capacity_bytes is None or self._held_bytes + nbytes <= self.capacity_bytes))
 
-    def close(self) -> None:
-        """No more puts; consumers drain what is queued, then get END."""
+    def close(self, producer: str | None = None) -> bool:
+        """No more puts (or: `producer` is done); consumers drain what is queued, then get END.
+
+        With `producer`, the queue closes only as `close_when` says (every registered
+        producer closed, the first, or N of them); True if the queue is closed now.
+        """
         with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+            if producer is None:
+                self._shut("close() was called, by a consumer that stopped or by its owner")
+            elif not self._closed:
+                p = self._producers.setdefault(producer, _Producer("", 0.0))
+                p.closed = True
+                done = sum(q.closed for q in self._producers.values())
+                open_ = [name for name, q in self._producers.items() if not q.closed]
+                rule = self.close_when
+                if rule == "first" or (not open_ and (rule == "all" or done >= rule)):
+                    self._shut(f"producer {producer!r} closed it, close_when={rule!r}, after "
+                               f"{done} producer(s) closed")
+            return self._closed
+
+    def _shut(self, why: str) -> None:
+        if not self._closed:
+            self._closed, self._closed_by = True, why
+        self._cv.notify_all()
 
     # ------------------------------------------------------------ consumers
     def get(self, consumer: str, episodes: int, wait_s: float = 0.0,
@@ -322,6 +419,39 @@ class Ledger:
             self._requeue(lease)
             return True
 
+    def reject(self, lease: int, reason: str) -> dict | None:
+        """A consumer found the leased step invalid: redeliver it, or dead-letter it at max_attempts.
+
+        {"step", "attempts", "dead"}; None if the lease had expired (it was redelivered already).
+        """
+        with self._cv:
+            le = self._leases.pop(lease, None)
+            if le is None:
+                return None
+            self._stats.rejections += 1
+            n = self._attempts.get(le.step, 0) + 1
+            self._attempts[le.step] = n
+            dead = n >= self.max_attempts
+            if dead:
+                episodes = sum(g.episodes for g in le.groups)
+                for g in le.groups:
+                    self._free(g)
+                self._dead.append(({"step": le.step, "reason": str(reason), "attempts": n,
+                                    "episodes": episodes, "consumer": le.consumer},
+                                   [g.payload for g in le.groups]))
+                self._stats.dead_lettered_steps += 1
+                self._stats.dead_lettered_episodes += episodes
+            else:
+                self._redeliver.append((le.step, le.groups))
+                self._stats.redeliveries += 1
+            self._cv.notify_all()
+            return {"step": le.step, "attempts": n, "dead": dead}
+
+    def dead_letters(self) -> list[tuple[dict, list]]:
+        """(what and why, payloads) of every dead-lettered step, oldest first."""
+        with self._cv:
+            return [(dict(info), list(payloads)) for info, payloads in self._dead]
+
     def release(self, consumer: str) -> int:
         """Give back at once every step leased to `consumer`, known dead; how many were leased.
 
@@ -379,6 +509,18 @@ class Ledger:
             s.pop("extra")
             s.update(held_episodes=self._held_episodes, held_bytes=self._held_bytes,
                      queued_episodes=self._queued_episodes, leased_steps=len(self._leases),
-                     closed=self._closed, capacity=self.capacity,
-                     lease_seconds=self.lease_seconds)
+                     closed=self._closed, closed_by=self._closed_by, capacity=self.capacity,
+                     lease_seconds=self.lease_seconds, close_when=self.close_when,
+                     max_attempts=self.max_attempts,
+                     producers_open=sorted(n for n, p in self._producers.items() if not p.closed))
             return s
+
+
+def parse_close_when(value) -> str | int:
+    """"all", "first" or a number N >= 1 of producers (a string of digits is a number)."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not (value in CLOSE_WHEN or (isinstance(value, int) and value >= 1)):
+        raise ValueError(f"close_when={value!r}: choose 'all' (the queue closes when every "
+                         "producer has closed), 'first', or a number N >= 1 of producers")
+    return value

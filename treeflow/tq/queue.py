@@ -16,11 +16,20 @@ is poisoned. Each put is cut into whole groups (contiguous rows sharing a
 The trade-off: a put is atomic and a group never splits, so a producer must
 put each GRPO group whole; in exchange a consumer never sees half a group
 and the step's loss weights are exact.
+
+A consumer checks each step again when it leases it, against its own model
+(a producer may run a model with a larger vocabulary): a step it cannot run
+is given back with the reason (`StepRejected` tells the caller) and, after
+the queue's `max_attempts`, dead-lettered instead of failing every consumer
+that leases it. A producer id belongs to one live client at a time (see
+tq/ledger.py); this client renews its producers' registrations from a
+background thread while it lives.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -28,9 +37,17 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
-from treeflow.tq.ledger import END, Group, Ledger
+from treeflow.tq.ledger import END, Group, Ledger, QueueClosed
 
-__all__ = ["END", "Leased", "Queue"]
+__all__ = ["END", "Leased", "Queue", "StepRejected"]
+
+
+class StepRejected(ValueError):
+    """A leased step this consumer cannot run: given back (or dead-lettered, `dead`) with `reason`."""
+
+    def __init__(self, message: str, *, step: int, attempts: int, dead: bool, reason: str):
+        super().__init__(message)
+        self.step, self.attempts, self.dead, self.reason = step, attempts, dead, reason
 
 
 @dataclass
@@ -62,19 +79,58 @@ class Queue:
     """Client of one queue; safe to use from several threads, one producer id per process."""
 
     def __init__(self, ledger, *, store=None, backend: str = "embedded", vocab_size: int | None = None,
-                 owner=None):
+                 owner=None, address: str | None = None):
         self._ledger = ledger
+        self.address = address
         self._store = store if store is not None else _LocalStore()
         self.backend = backend
         self.vocab_size = vocab_size
         self._owner = owner            # keeps a server (process, actor) alive while we are used
         self._seq: dict[str, int] = {}   # next put number per producer of this client
         self._name = f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._producers: set[str] = set()   # producer ids this client registered
+        self._beat: threading.Event | None = None
+
+    @property
+    def name(self) -> str:
+        """How messages name this queue: its socket path or TransferQueue name."""
+        if self.address is None:
+            return "the in-process queue"
+        return (f"transferqueue queue {self.address!r}" if self.backend == "transferqueue"
+                else f"queue {self.address}")
 
     # ------------------------------------------------------------ producers
     def next_seq(self, producer: str) -> int:
         """Puts of `producer` the queue has accepted: a restarted producer resumes after them."""
         return self._ledger.next_seq(producer)
+
+    def open_producer(self, producer: str) -> int:
+        """Claim the producer id for this client (refused if a live one holds it); its next_seq.
+
+        put() claims it too; a producer calls this first to be refused before it works.
+        """
+        from treeflow.tq.ledger import PRODUCER_SECONDS
+
+        try:   # waits out the registration of a killed producer this one restarts
+            seq = self._ledger.open_producer(producer, self._name, PRODUCER_SECONDS + 1.0)
+        except QueueClosed as e:
+            raise QueueClosed(f"{self.name}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        self._producers.add(producer)
+        if self._beat is None:
+            self._beat = threading.Event()
+            threading.Thread(target=self._renew_producers, args=(self._beat, 1.0), daemon=True,
+                             name="treeflow-tq-producer").start()
+        return seq
+
+    def _renew_producers(self, stop: threading.Event, every: float) -> None:
+        while not stop.wait(every):
+            try:
+                for producer in list(self._producers):
+                    self._ledger.renew_producer(producer, self._name)
+            except Exception:  # noqa: BLE001 - the queue is gone; the producer's put reports it
+                return
 
     def put(self, episodes: pa.Table, *, producer: str = "producer", seq: int | None = None,
             timeout: float = 60.0) -> bool:
@@ -92,6 +148,8 @@ class Queue:
                                   vocab_size=self.vocab_size)
         if table.num_rows == 0:
             raise ValueError(f"put of producer {producer!r} holds no episodes; put whole groups")
+        if producer not in self._producers:
+            self.open_producer(producer)
         if seq is None:
             if producer not in self._seq:
                 self._seq[producer] = self.next_seq(producer)
@@ -114,15 +172,24 @@ class Queue:
             accepted = self._ledger.put(producer, seq, groups,
                                         table.column("episode_id").to_pylist(),
                                         table.column("sample_index").to_pylist(), timeout)
-        except BaseException:
+        except BaseException as e:
             self._store.delete(payloads)
+            if isinstance(e, QueueClosed):
+                raise QueueClosed(f"{self.name}: {e}") from None
             raise
         self._seq[producer] = max(self._seq.get(producer, 0), seq + 1)
         return accepted
 
-    def close(self) -> None:
-        """No more episodes: consumers finish what is queued and then see the end."""
-        self._ledger.close()
+    def close(self, producer: str | None = None) -> bool:
+        """No more episodes (from `producer`, or at all); True if the queue is closed now.
+
+        With `producer`, the queue closes as its `close_when` says (by default once
+        every registered producer has closed); without, it closes outright.
+        """
+        if producer is not None:
+            self._producers.discard(producer)
+            return self._ledger.close(producer)
+        return self._ledger.close()
 
     # ------------------------------------------------------------ consumers
     def get(self, episodes: int, *, consumer: str | None = None, timeout: float = 60.0,
@@ -137,8 +204,27 @@ class Queue:
                                own_leases_end)
         if got is None or got == END:
             return got
-        tables = self._store.read(got.payloads)
+        try:
+            tables = self._store.read(got.payloads)
+        except BaseException:   # a store that failed, or SIGTERM: back for redelivery at once
+            try:
+                self._ledger.nack(got.lease)
+            except Exception:  # noqa: BLE001 - the lease lapses there anyway
+                pass
+            raise
         table = pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table()
+        try:   # this consumer's own check (its model's vocabulary), before anything runs the step
+            validate_episodes(table, source=f"queue step {got.step}", vocab_size=self.vocab_size)
+        except ValueError as e:
+            verdict = self._ledger.reject(got.lease, str(e))
+            if verdict is None:   # our lease had lapsed: another consumer has the step
+                return None
+            what = (f"dead-lettered after {verdict['attempts']} attempts (queue.dead_letters())"
+                    if verdict["dead"] else
+                    f"given back for another consumer (attempt {verdict['attempts']})")
+            raise StepRejected(f"{self.name}: step {got.step} cannot run here, {what}: {e}",
+                               step=got.step, attempts=verdict["attempts"], dead=verdict["dead"],
+                               reason=str(e)) from None
         return Leased(step=got.step, lease=got.lease, episodes=table, redelivered=got.redelivered,
                       dropped_stale=got.dropped_stale, _payloads=got.payloads)
 
@@ -173,6 +259,15 @@ class Queue:
         """(version, checkpoint directory) last published, or None."""
         return self._ledger.weights()
 
+    def dead_letters(self) -> list[dict]:
+        """Dead-lettered steps, oldest first: step, reason, attempts, episodes (a table)."""
+        out = []
+        for info, payloads in self._ledger.dead_letters():
+            tables = self._store.read(payloads)
+            out.append({**info, "episodes": pa.concat_tables(tables) if tables
+                        else EPISODE_SCHEMA.empty_table()})
+        return out
+
     def stats(self) -> dict:
         return self._ledger.stats()
 
@@ -183,6 +278,8 @@ class Queue:
 
     def shutdown(self) -> None:
         """Stop the server or actor this client started (attached clients stop nothing)."""
+        if self._beat is not None:
+            self._beat.set()
         if self._owner is not None:
             self._owner.stop()
             self._owner = None

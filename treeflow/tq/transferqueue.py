@@ -24,22 +24,42 @@ breaks between minor versions (pinned: `pip install 'treeflow[tq]'`).
 Capacity: a put writes its payload to TransferQueue before the ledger admits
 it, so while a producer waits for room its one put already sits in storage:
 storage may exceed the ledger's capacity by one put per waiting producer.
+
+Lifetime: TransferQueue 0.1.11 creates its controller and storage units as
+ordinary actors of the process that calls `tq.init()` first, so they die
+with it: a consumer that started the queue and was SIGKILLed took every
+queued payload with it, while the (detached) ledger still named them, and
+the restarted consumer's reads waited on storage that was gone (TQ's own
+storage timeout is 200 s x 3 attempts; its controller calls have none). So
+TransferQueue is started inside a detached host actor (`treeflow-tq-host`),
+which owns it and outlives every producer and consumer, and every call into
+TransferQueue here has a deadline (the queue's lease) and is cancelled on
+SIGTERM or Ctrl-C, so a dead TransferQueue ends the run with a message
+instead of a hang. `stop_transferqueue()` stops the host and with it
+TransferQueue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import threading
 import time
 
 import pyarrow as pa
 
 from treeflow.tq.ledger import Ledger
 
-__all__ = ["open_transferqueue"]
+__all__ = ["open_transferqueue", "stop_transferqueue"]
 
 _NAMESPACE = "treeflow"
 TQ_CONFIG = {"backend": {"SimpleStorage": {"num_data_storage_units": 1}},
              "controller": {"polling_mode": True}}
+_HOST = "treeflow-tq-host"
+_WAITS = {"put": 5, "get": 2, "put_result": 2, "take_result": 0, "open_producer": 2}  # index of a method's wait_s
+_MIN_STORE_S = 15.0  # the least deadline of a TransferQueue call (a loaded machine is slow)
+_SLACK = 60.0  # seconds a ledger call may take beyond its own wait before the actor is presumed gone
 
 
 def _require():
@@ -56,7 +76,7 @@ def _require():
 
 
 class _ActorLedger:
-    """Ledger methods as blocking calls on the Ray actor; remote errors re-raised as themselves."""
+    """Ledger methods as blocking calls on the Ray actor, each with a deadline; remote errors re-raised."""
 
     def __init__(self, actor):
         self._actor = actor
@@ -65,20 +85,51 @@ class _ActorLedger:
         import ray
 
         method = getattr(self._actor, name)
+        at = _WAITS.get(name)
 
         def call(*args):
+            wait = float(args[at]) if at is not None and len(args) > at else 0.0
             try:
-                return ray.get(method.remote(*args))
+                return ray.get(method.remote(*args), timeout=wait + _SLACK)
             except ray.exceptions.RayTaskError as e:
                 raise e.cause from None
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"the queue's ledger actor did not answer {name}() within "
+                                   f"{wait + _SLACK:g} s; is its Ray cluster alive?") from None
         return call
 
 
-class _TQStore:
-    """Group tables as Arrow IPC bytes in one TransferQueue partition."""
+def _bounded(what: str, coro, timeout: float):
+    """Run a TransferQueue coroutine on its client's loop; at most `timeout` s, cancelled if interrupted.
 
-    def __init__(self, tq, partition: str):
-        self._tq, self.partition = tq, partition
+    TransferQueue's sync API waits on its loop without a deadline (and its storage requests
+    only after 200 s x 3 attempts), so a dead controller or storage unit would hang the
+    caller past --idle-timeout and SIGTERM. Waiting here in short slices keeps the main
+    thread interruptible; the pending request is cancelled on every way out.
+    """
+    from transfer_queue.interface import _maybe_create_tq_client  # pinned 0.1.11: its loop
+
+    fut = asyncio.run_coroutine_threadsafe(coro, _maybe_create_tq_client()._loop)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                return fut.result(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"TransferQueue did not answer {what} within {timeout:g} s: its controller "
+                        "or storage unit is gone or stuck (its payloads may be lost); restart the "
+                        "queue (`treeflow stream --queue-backend transferqueue ...`)") from None
+    finally:
+        fut.cancel()
+
+
+class _TQStore:
+    """Group tables as Arrow IPC bytes in one TransferQueue partition; every call has a deadline."""
+
+    def __init__(self, tq, partition: str, timeout: float = 60.0):
+        self._tq, self.partition, self.timeout = tq, partition, timeout
 
     def write(self, keys: list[str], tables: list[pa.Table]) -> list[str]:
         import torch
@@ -94,19 +145,63 @@ class _TQStore:
                             batch_size=len(keys))
         tags = [{"episodes": t.num_rows, "group_id": t.column("group_id")[0].as_py()
                  if "group_id" in t.column_names else None} for t in tables]
-        self._tq.kv_batch_put(keys=keys, partition_id=self.partition, fields=fields, tags=tags)
+        _bounded(f"a put of {len(keys)} payloads", self._tq.async_kv_batch_put(
+            keys=keys, partition_id=self.partition, fields=fields, tags=tags), self.timeout)
         return keys
 
     def read(self, keys: list[str]) -> list[pa.Table]:
         if not keys:
             return []
-        data = self._tq.kv_batch_get(keys, self.partition, select_fields="arrow")["arrow"]
+        data = _bounded(f"a read of {len(keys)} payloads", self._tq.async_kv_batch_get(
+            keys, self.partition, select_fields="arrow"), self.timeout)["arrow"]
         rows = data.unbind() if getattr(data, "is_nested", False) else list(data)
         return [pa.ipc.open_stream(pa.py_buffer(r.numpy().tobytes())).read_all() for r in rows]
 
     def delete(self, keys: list[str]) -> None:
         if keys:
-            self._tq.kv_clear(keys, self.partition)
+            _bounded(f"a clear of {len(keys)} payloads",
+                     self._tq.async_kv_clear(keys, self.partition), self.timeout)
+
+
+class _Host:
+    """Owns TransferQueue's controller and storage (a detached actor, so they outlive us all)."""
+
+    def __init__(self, config: dict):
+        import transfer_queue as tq
+
+        tq.init(config)
+
+    def ready(self) -> bool:
+        return True
+
+
+def init_transferqueue(tq, timeout: float = 120.0) -> None:
+    """Start TransferQueue in the detached host actor unless it runs, then attach this process."""
+    import ray
+
+    host = ray.remote(num_cpus=0)(_Host).options(
+        name=_HOST, namespace=_NAMESPACE, lifetime="detached", get_if_exists=True).remote(TQ_CONFIG)
+    try:
+        ray.get(host.ready.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"TransferQueue did not start within {timeout:g} s (its controller and "
+                           "storage unit need one free CPU each on the Ray cluster)") from None
+    tq.init(TQ_CONFIG)  # attaches to the host's controller
+
+
+def stop_transferqueue() -> None:
+    """Stop TransferQueue (the host actor and, with it, its controller and storage)."""
+    import sys
+
+    import ray
+
+    tq = sys.modules.get("transfer_queue")
+    if tq is not None:
+        tq.close()   # this process's client
+    try:
+        ray.kill(ray.get_actor(_HOST, namespace=_NAMESPACE))
+    except ValueError:
+        pass
 
 
 class _Owner:
@@ -133,9 +228,14 @@ def open_transferqueue(name: str = "default", *, attach: bool = False, timeout: 
     import ray
 
     if not ray.is_initialized():
+        ours = signal.getsignal(signal.SIGTERM)
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                  logging_level="ERROR", log_to_driver=False)
-    tq.init(TQ_CONFIG)
+        # ray.init installs its own SIGTERM handler, which prints a stack and aborts (rc -6):
+        # give SIGTERM back to the command, which ends cleanly with 143
+        if ours is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, ours)
+    init_transferqueue(tq, timeout=max(timeout, 120.0))
     actor_name = f"treeflow-tq-{name}"
     created = False
     deadline = time.monotonic() + timeout
@@ -157,4 +257,8 @@ def open_transferqueue(name: str = "default", *, attach: bool = False, timeout: 
                                get_if_exists=True).remote(**ledger_options)
         created = True
         break
-    return _ActorLedger(actor), _TQStore(tq, f"treeflow-{name}"), _Owner(actor, created, tq)
+    ledger = _ActorLedger(actor)
+    # a store call longer than a lease is of no use (the step is redelivered meanwhile)
+    lease = ledger_options.get("lease_seconds") or ledger.stats()["lease_seconds"]
+    store = _TQStore(tq, f"treeflow-{name}", timeout=max(float(lease), _MIN_STORE_S))
+    return ledger, store, _Owner(actor, created, tq)
