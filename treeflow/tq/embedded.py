@@ -31,7 +31,7 @@ import threading
 import time
 
 from treeflow.tq import wire
-from treeflow.tq.ledger import LEDGER_METHODS, Ledger
+from treeflow.tq.ledger import LEDGER_METHODS, Ledger, call_deadline
 
 __all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
 
@@ -115,9 +115,15 @@ class _Client:
     def _call(self, method: str, *args, **kwargs):
         frame = wire.encode((method, list(args), kwargs))
         conn = self._connection()
+        deadline = call_deadline(method, args, kwargs)
         try:
+            conn.settimeout(deadline)  # a hung server ends the call, never the run's patience
             wire.send(conn, *frame)
             reply = wire.decode(*wire.recv(conn), arrow=True)
+        except socket.timeout:
+            self._drop()
+            raise TimeoutError(f"{self._address}: the queue server did not answer {method}() "
+                               f"within {deadline:g} s; it is hung or overloaded") from None
         except OSError as e:
             self._drop()
             raise ConnectionError(f"{self._address}: the queue server went away during "

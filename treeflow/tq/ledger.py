@@ -64,6 +64,19 @@ PRODUCER_SECONDS = 5.0  # a producer registration not renewed (or put to) this l
 LEDGER_METHODS = ("next_seq", "open_producer", "renew_producer", "put", "close", "get", "renew", "ack",
                   "nack", "reject", "release", "put_result", "take_result", "publish_weights", "weights",
                   "dead_letters", "stats")
+# where a method takes its own wait (seconds), by position; a transport's deadline is that plus
+# CALL_SLACK_S, past which the server is presumed hung or gone
+WAIT_ARGS = {"put": 5, "get": 2, "put_result": 2, "take_result": 0, "open_producer": 2}
+CALL_SLACK_S = 60.0
+
+
+def call_deadline(method: str, args: tuple, kwargs: dict | None = None) -> float:
+    """Seconds a call of `method` with these arguments may take before its transport gives up."""
+    at = WAIT_ARGS.get(method)
+    wait = (kwargs or {}).get("wait_s")
+    if wait is None and at is not None and len(args) > at:
+        wait = args[at]
+    return float(wait or 0.0) + CALL_SLACK_S
 
 
 class QueueFull(RuntimeError):

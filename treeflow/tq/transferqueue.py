@@ -49,7 +49,7 @@ import time
 
 import pyarrow as pa
 
-from treeflow.tq.ledger import Ledger
+from treeflow.tq.ledger import Ledger, call_deadline
 
 __all__ = ["open_transferqueue", "stop_transferqueue"]
 
@@ -57,9 +57,7 @@ _NAMESPACE = "treeflow"
 TQ_CONFIG = {"backend": {"SimpleStorage": {"num_data_storage_units": 1}},
              "controller": {"polling_mode": True}}
 _HOST = "treeflow-tq-host"
-_WAITS = {"put": 5, "get": 2, "put_result": 2, "take_result": 0, "open_producer": 2}  # index of a method's wait_s
 _MIN_STORE_S = 15.0  # the least deadline of a TransferQueue call (a loaded machine is slow)
-_SLACK = 60.0  # seconds a ledger call may take beyond its own wait before the actor is presumed gone
 
 
 def _require():
@@ -85,17 +83,16 @@ class _ActorLedger:
         import ray
 
         method = getattr(self._actor, name)
-        at = _WAITS.get(name)
 
         def call(*args):
-            wait = float(args[at]) if at is not None and len(args) > at else 0.0
+            deadline = call_deadline(name, args)
             try:
-                return ray.get(method.remote(*args), timeout=wait + _SLACK)
+                return ray.get(method.remote(*args), timeout=deadline)
             except ray.exceptions.RayTaskError as e:
                 raise e.cause from None
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"the queue's ledger actor did not answer {name}() within "
-                                   f"{wait + _SLACK:g} s; is its Ray cluster alive?") from None
+                                   f"{deadline:g} s; is its Ray cluster alive?") from None
         return call
 
 
