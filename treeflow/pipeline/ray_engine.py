@@ -33,6 +33,7 @@ from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.source import Files
 from treeflow.pipeline.stats import bin_sums, episode_sums
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.sigterm import keep_sigterm
 
 _META = ("_window", "_nbins", "_executed", "_episodes", "_compile_seconds")
 
@@ -51,11 +52,12 @@ def init_ray(**kwargs):
     """Attach to RAY_ADDRESS, or start a local cluster sized to this machine (if none runs)."""
     ray = _import_ray()
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            ray.init(include_dashboard=False, **kwargs)
+        with keep_sigterm():
+            address = os.environ.get("RAY_ADDRESS")
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(include_dashboard=False, **kwargs)
     return ray
 
 

@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import threading
 import time
 
 import pyarrow as pa
@@ -225,13 +223,11 @@ def open_transferqueue(name: str = "default", *, attach: bool = False, timeout: 
     import ray
 
     if not ray.is_initialized():
-        ours = signal.getsignal(signal.SIGTERM)
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                 logging_level="ERROR", log_to_driver=False)
-        # ray.init installs its own SIGTERM handler, which prints a stack and aborts (rc -6):
-        # give SIGTERM back to the command, which ends cleanly with 143
-        if ours is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, ours)
+        from treeflow.sigterm import keep_sigterm
+
+        with keep_sigterm():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     logging_level="ERROR", log_to_driver=False)
     init_transferqueue(tq, timeout=max(timeout, 120.0))
     actor_name = f"treeflow-tq-{name}"
     created = False

@@ -50,7 +50,10 @@ def ray_ranks(fn, ranks: int, *args, gpus_per_rank: float = 0, cpus_per_rank: fl
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks={ranks!r}: give an int >= 1")
     if not ray.is_initialized():
-        ray.init(log_to_driver=False)
+        from treeflow.sigterm import keep_sigterm
+
+        with keep_sigterm():
+            ray.init(log_to_driver=False)
     cls = _actor_class()
     actors = [cls.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank).remote()
               for _ in range(ranks)]
