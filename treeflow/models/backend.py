@@ -126,9 +126,14 @@ class ReferenceBackend(ModuleBackend):
 
     def attention_plan(self, parents_N, subtree_end_N, *, kernel: str,
                        pad_to: int | None = None) -> AttentionPlan:
-        return AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N,
+        plan = AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N,
                              pad_to=pad_to, block_size=self.tuning.flex_block_size,
                              kernel_options=self.tuning.kernel_options)
+        if getattr(self.config, "recurrent", False):  # Mamba-2 layers: segments and their states
+            from treeflow.models.hybrid import HybridPlan
+
+            plan = HybridPlan.build(plan, parents_N, self.config, self.tuning)
+        return plan
 
     def hidden_states(self, tokens_N, positions_N, plan):
         return self.module(tokens_N, positions_N, plan, self.tuning)

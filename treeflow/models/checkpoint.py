@@ -11,7 +11,9 @@ load would silently train a different model.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +23,9 @@ from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.hybrid import HybridDecoder
+from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
 
 __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -33,7 +38,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     """`"tiny"` or a ModelConfig: seeded random weights; a directory: its HF checkpoint."""
     if isinstance(path_or_name, ModelConfig) or path_or_name == "tiny":
         config = ModelConfig.tiny() if path_or_name == "tiny" else path_or_name
-        model = Decoder(config)
+        model = _decoder(config)
         _seeded_init(model, torch.Generator().manual_seed(0))  # CPU float32: runs agree
         return model.to(dtype=dtype, device=device)
     path = os.fspath(path_or_name)
@@ -45,13 +50,18 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
                          "config.json and model.safetensors")
     config = ModelConfig.from_hf_dir(path)
     with torch.device("meta"):
-        model = Decoder(config)
+        model = _decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = {}
+    state, frozen = {}, {}
     for file in _weight_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    if is_mtp_tensor(name, config.num_hidden_layers) and name not in expected:
+                        if not bypassed(config.architecture, name):
+                            refuse_mtp(config.architecture, f"tensor {name!r}")
+                        frozen[name] = f.get_tensor(name)  # stored dtype, host: never run
+                        continue
                     state[name] = _read(f, name, expected, config, dtype, device)
         except SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e}); the file is truncated "
@@ -61,7 +71,19 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     if missing:
         raise ValueError(f"checkpoint {path} lacks tensor(s) {missing}")
     model.load_state_dict(state, strict=True, assign=True)
+    if frozen:
+        model.frozen_tensors = frozen
+        print(f"treeflow: {path} holds {len(frozen)} multi-token-prediction tensor(s) "
+              f"({sorted(frozen)[0]}, ...): loaded frozen, never run or trained, saved back "
+              "unchanged", file=sys.stderr)
     return model
+
+
+def _decoder(config: ModelConfig) -> Decoder:
+    """The reference module for `config`: the attention decoder or the Mamba-2 hybrid."""
+    if isinstance(config, HybridConfig):
+        return HybridDecoder(config)
+    return Decoder(config)
 
 
 def _read(f, name, expected, config, dtype, device):
@@ -107,18 +129,25 @@ def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
     `load_model("tiny")`'s, which are drawn on the CPU in float32 and then moved.
     """
     with torch.device("meta"):
-        model = Decoder(config)
+        model = _decoder(config)
     model = model.to_empty(device=device).to(dtype)
     _seeded_init(model, torch.Generator(device=device).manual_seed(seed))
     return model
 
 
 def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
-    """normal(0, 0.02) weights, zero biases, unit norms, drawn in place from `generator`."""
+    """normal(0, 0.02) weights, zero biases, unit norms, drawn in place from `generator`;
+    Mamba-2's A_log = log(1..heads), D = 1 and dt_bias = softplus^-1 of dt in [1e-3, 0.1]."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".D"):
                 p.fill_(1.0)
+            elif name.endswith(".A_log"):
+                p.copy_(torch.log(torch.arange(1, len(p) + 1, dtype=torch.float32)))
+            elif name.endswith(".dt_bias"):
+                u = torch.rand(len(p), generator=generator, device=generator.device)
+                dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
             elif name.endswith(".bias"):
                 p.zero_()
             else:
@@ -126,16 +155,22 @@ def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
 
 
 def save_model(model: Decoder, path: str | os.PathLike) -> None:
-    """Write `config.json` + `model.safetensors` that transformers' from_pretrained loads."""
-    save_state(model.state_dict(), model.config, path)
+    """Write `config.json` + `model.safetensors` that transformers' from_pretrained loads
+    (with any frozen MTP tensors the checkpoint had, byte for byte, under their names)."""
+    state = model.state_dict()
+    frozen = getattr(model, "frozen_tensors", {})
+    save_state({**state, **frozen}, model.config, path, dtype_of=next(iter(state.values())))
 
 
-def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike) -> None:
-    """Write a state dict in Hugging Face names (any backend's export) with its config.json."""
+def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike,
+               *, dtype_of: torch.Tensor | None = None) -> None:
+    """Write a state dict in Hugging Face names (any backend's export) with its config.json
+    (whose torch_dtype is `dtype_of`'s, by default the first tensor's)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    dtype = str((next(iter(state.values())) if dtype_of is None else dtype_of).dtype
+                ).removeprefix("torch.")
     with atomic_open(os.path.join(path, "config.json")) as f:
         json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
     with atomic_path(os.path.join(path, _WEIGHTS)) as tmp:
