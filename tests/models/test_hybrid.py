@@ -18,11 +18,24 @@ from treeflow.models import Tuning, load_backend
 require("transformers")
 
 
+_ORACLE: dict = {}
+
+
 @pytest.fixture(scope="module", params=["nemotron_h", "bamba"])
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = save_hf(request.param, path)
     return request.param, str(path), hf
+
+
+def _oracle(family, prompt):
+    """Episodes, weights and transformers' values for them (computed once per model)."""
+    key = (family[0], prompt)
+    if key not in _ORACLE:
+        eps = episodes(prompt, seed=prompt)
+        w = token_weights(eps)
+        _ORACLE[key] = (eps, w, *hf_values(family[2], eps, w))
+    return _ORACLE[key]
 
 
 def _name(family, hf_name):
@@ -43,10 +56,8 @@ def _check(family, hf_vals, hf_grads, vals, grads):
 @pytest.mark.parametrize("prompt", [9, 8], ids=["fork-inside-chunk", "fork-on-boundary"])
 @pytest.mark.parametrize("fork", ["exact", "chunk"])
 def test_tree_matches_transformers_per_call(family, fork, prompt):
-    name, path, hf = family
-    eps = episodes(prompt, seed=prompt)
-    w = token_weights(eps)
-    hf_vals, hf_grads = hf_values(hf, eps, w)
+    name, path, _ = family
+    eps, w, hf_vals, hf_grads = _oracle(family, prompt)
     backend = load_backend("reference", path, tuning=Tuning(ssm_fork=fork))
     for max_tokens in (512, 24):  # whole trees; fragments cut the trees (context repeats)
         vals, grads, bins = treeflow_values(backend, eps, w, layout="tree", max_tokens=max_tokens)
@@ -57,10 +68,8 @@ def test_tree_matches_transformers_per_call(family, fork, prompt):
 
 @pytest.mark.parametrize("layout", ["chain", "exact"])
 def test_chain_and_exact_match_transformers(family, layout):
-    name, path, hf = family
-    eps = episodes(9, seed=3)
-    w = token_weights(eps)
-    hf_vals, hf_grads = hf_values(hf, eps, w)
+    name, path, _ = family
+    eps, w, hf_vals, hf_grads = _oracle(family, 9)
     backend = load_backend("reference", path, tuning=Tuning(ssm_fork="chunk"))
     vals, grads, _ = treeflow_values(backend, eps, w, layout=layout, max_tokens=512,
                                      kernel="runs")
