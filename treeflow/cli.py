@@ -191,7 +191,7 @@ def _replay(args) -> int:
     import torch
 
     from treeflow._output import table_output
-    from treeflow.models.tuning import Tuning
+    from treeflow.models.tuning import Tuning, ssm_flags
     from treeflow.pipeline import Files, Pipeline
     from treeflow.pipeline.stats import add_sums
     from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
@@ -216,7 +216,8 @@ def _replay(args) -> int:
     with output as out:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
-                          tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
+                          tensor_parallel=args.tensor_parallel,
+                          tuning=Tuning.parse(args.tuning, **ssm_flags(args)))
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
@@ -309,6 +310,13 @@ def model_options(s) -> None:
                         "layers, fused edge loss, tuned flex tiles; lean: fast + MLP "
                         "recomputation) and/or name=value,... e.g. fast,recompute=attention or "
                         "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: none)")
+    s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
+                   help="Mamba-2 hybrids: fork a branch's recurrent state at the branch token "
+                        "(exact) or at the last scan-chunk boundary, replaying the tail (chunk); "
+                        "default: exact")
+    s.add_argument("--ssm-state-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="Mamba-2 hybrids: dtype of the materialised inter-chunk states in "
+                        "forward and backward (default float32), whatever --dtype is")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--window", type=int, default=64, help="episodes packed together")
     s.add_argument("--engine", choices=("local", "ray"), default="local",

@@ -126,12 +126,13 @@ class Tuning:
         return dict(self.flex_kernel_options) or None
 
     @classmethod
-    def parse(cls, text: str) -> Tuning:
+    def parse(cls, text: str, **flags) -> Tuning:
         """From `name=value,...` (CLI form); kernel options as `flex.BLOCK_M=64`.
 
         Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
         A preset name may come first and the settings after it override it: `fast`,
-        `fast,recompute=mlp` (see PRESETS).
+        `fast,recompute=mlp` (see PRESETS). `flags`: settings given by their own CLI
+        options (`--ssm-fork`, `--ssm-state-dtype`); None leaves the setting alone.
         """
         fields, kernel = {}, {}
         parts = [p.strip() for p in text.split(",") if p.strip()]
@@ -160,7 +161,15 @@ class Tuning:
                                  "flex.<KERNEL_OPTION>, compile_layers, compile_backend, "
                                  "fused_loss, loss_vocab_chunk, recompute, ssm_fork or "
                                  "ssm_state_dtype")
+        fields.update({k: v for k, v in flags.items() if v is not None})
         return cls(**fields, flex_kernel_options=kernel)
+
+
+def ssm_flags(args) -> dict:
+    """The Mamba-2 settings of parsed CLI options (--ssm-fork, --ssm-state-dtype) for
+    `Tuning.parse`; None where not given."""
+    return {"ssm_fork": getattr(args, "ssm_fork", None),
+            "ssm_state_dtype": getattr(args, "ssm_state_dtype", None)}
 
 
 def _scalar(text: str) -> int | bool | str:
