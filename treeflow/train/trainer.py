@@ -105,11 +105,7 @@ class Trainer:
         self.run: dict | None = None  # what defines the run (data, step options); saved, checked on resume
         self.checkpoint_path: str | None = None
         self._open: Step | None = None
-        c = self.backend.config
-        self.cost_model = CostModel.from_shape(
-            hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
-            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
-            head_dim=c.head_dim)
+        self.cost_model = CostModel.from_config(self.backend.config)
 
     def compute(self):
         """The context every forward of this trainer runs in (autocast under mixed precision)."""
