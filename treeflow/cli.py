@@ -194,7 +194,7 @@ def _replay(args) -> int:
     from treeflow.models.tuning import Tuning, ssm_flags
     from treeflow.pipeline import Files, Pipeline
     from treeflow.pipeline.stats import add_sums
-    from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+    from treeflow.stages import CostModel, Forward, Fragment, Pack, Reassemble, Shard
     from treeflow.train.checkpoint import model_dir
 
     _positive(args, "max_tokens", "window", "chunk_size", "ranks", "prefetch")
@@ -220,7 +220,9 @@ def _replay(args) -> int:
                           tuning=Tuning.parse(args.tuning, **ssm_flags(args)))
         # Shard balances the bins over the ranks (the Ray engine's forward actors)
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
-                        Fragment(max_tokens=args.max_tokens), Shard(num_ranks=args.ranks), forward,
+                        Fragment(max_tokens=args.max_tokens),
+                        Shard(num_ranks=args.ranks, cost=CostModel.from_config(
+                            forward.model_config(), training=False)), forward,
                         Reassemble(entropy=args.entropy))
         source = Files(paths=tuple(args.files), window=args.window,
                        vocab_size=forward.vocab_size_hint())

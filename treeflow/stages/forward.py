@@ -98,11 +98,15 @@ class Forward(Stage):
 
     def vocab_size_hint(self) -> int:
         """The model's vocabulary size, read from its config, for validating input early."""
+        return self.model_config().vocab_size
+
+    def model_config(self):
+        """The model's shape (a treeflow.models.ModelConfig), read from its config.json."""
         from treeflow.models import ModelConfig
 
         if self.model == "tiny":
-            return ModelConfig.tiny().vocab_size
-        return ModelConfig.from_hf_dir(self.model).vocab_size
+            return ModelConfig.tiny()
+        return ModelConfig.from_hf_dir(self.model)
 
     def build(self, *, device: str | torch.device = "cpu", model=None,
               pad_to: int | None = None) -> ForwardRunner:
