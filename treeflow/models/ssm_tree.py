@@ -22,7 +22,8 @@ low precision (NVIDIA's Hybrid shared-prefix track). The price is the replay.
 A level's segments are laid out ragged: each takes whole chunks (padding only
 to its own chunk multiple, padding tokens have dt = 0 and so change nothing),
 the intra-chunk work runs over the flat chunk list, and only the inter-chunk
-recurrence (states, not tokens) is padded to the level's longest segment.
+recurrence (states, not tokens) is padded: segments are bucketed by chunk count
+(powers of two), one batched recurrence per bucket, at most 2x padding.
 
 Materialised inter-chunk states (the chunk states, the chunk-start states kept
 for the output and the children, their saved copies for backward and their
@@ -30,7 +31,8 @@ gradients) are held in `state_dtype` (float32 by default), whatever the
 compute dtype; products with them run in float32.
 
 Legend: N tokens, h Mamba heads, p head dim, g groups, n state size, K chunks of
-a level, C chunk size, S segments of a level, Z = max chunks of a level + 1.
+a level, C chunk size, S segments of a bucket, Z their rows (chunks + 1, a power of two),
+R state rows of a level.
 """
 
 from __future__ import annotations
@@ -60,19 +62,25 @@ def depths(parents_N: np.ndarray) -> np.ndarray:
 
 
 class _Level:
-    """One batched scan: its slots (node per chunk position), outputs and initial states."""
+    """One batched scan: its slots (node per chunk position), outputs, state rows and buckets.
 
-    def __init__(self, gather_KC, out_slots, out_nodes, chunk_seg, chunk_pos, segments,
-                 max_chunks, init_from, device):
+    State rows: segment j of the level owns rows [row0[j], row0[j] + Z_j) of the level's
+    state table: its initial state, then one row per chunk (the state after it); Z_j is
+    its chunk count + 1 rounded up to a power of two (the bucket), so the inter-chunk
+    recurrence runs once per bucket, padded at most 2x, instead of padding every segment
+    to the level's longest.
+    """
+
+    def __init__(self, gather_KC, out_slots, out_nodes, chunk_rows, start_rows, init_rows,
+                 init_from, buckets, rows, device):
         def t(a):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
         self.gather_KC, self.out_slots, self.out_nodes = t(gather_KC), t(out_slots), t(out_nodes)
-        self.chunk_seg, self.chunk_pos = t(chunk_seg), t(chunk_pos)
-        self.segments, self.max_chunks = segments, max_chunks
-        self.has_init = bool((init_from >= 0).any())
-        self.init_rows = t(np.flatnonzero(init_from >= 0))
-        self.init_from = t(init_from[init_from >= 0])
+        self.chunk_rows, self.start_rows = t(chunk_rows), t(start_rows)
+        self.has_init = len(init_rows) > 0
+        self.init_rows, self.init_from = t(init_rows), t(init_from)
+        self.buckets, self.rows = buckets, rows  # [(first row, segments, Z)], total rows
 
 
 class SegmentPlan:
@@ -134,11 +142,9 @@ class SegmentPlan:
         at = chunks[ps0] if self.fork == "exact" else (begin - begin[ps0]) // C
         init_chunk = np.where(pseg >= 0, at, -1)
         self.segments = len(first)
-        local = np.zeros(len(first), dtype=np.int64)
-        prev_z = 0
+        row0 = np.zeros(len(first), dtype=np.int64)  # a segment's first row in its level's table
         for lv in range(int(level.max()) + 1):
             segs = np.flatnonzero(level == lv)
-            local[segs] = np.arange(len(segs))
             k_s, r_s, l_s = chunks[segs], replay[segs], length[segs]
             offset = C * (np.cumsum(k_s) - k_s)
             gather = np.full(C * int(k_s.sum()), n, dtype=np.int64)
@@ -151,14 +157,25 @@ class SegmentPlan:
                 rep_seg = np.repeat(np.arange(len(segs)), r_s)
                 rw = np.arange(int(r_s.sum())) - np.repeat(np.cumsum(r_s) - r_s, r_s)
                 gather[offset[rep_seg] + rw] = anc[segs[rep_seg], r_s[rep_seg] - 1 - rw]
-            chunk_seg = np.repeat(np.arange(len(segs)), k_s)
+            # state rows, bucketed by Z = chunks + 1 rounded up to a power of two
+            z_s = 1 << np.ceil(np.log2(k_s + 1)).astype(np.int64)
+            buckets, at = [], 0
+            for z in np.unique(z_s).tolist():
+                members = np.flatnonzero(z_s == z)
+                row0[segs[members]] = at + z * np.arange(len(members))
+                buckets.append((at, len(members), z))
+                at += z * len(members)
+            chunk_seg = np.repeat(segs, k_s)
             chunk_pos = np.arange(int(k_s.sum())) - np.repeat(np.cumsum(k_s) - k_s, k_s)
             ps = pseg[segs]
-            init_from = np.where(ps >= 0, local[np.maximum(ps, 0)] * prev_z + init_chunk[segs], -1)
-            z = int(k_s.max()) + 1
-            self.levels.append(_Level(gather.reshape(-1, C), out_slots, out_nodes, chunk_seg,
-                                      chunk_pos, len(segs), z - 1, init_from, device))
-            prev_z = z
+            child = np.flatnonzero(ps >= 0)
+            init_from = row0_prev[ps[child]] + init_chunk[segs[child]] if len(child) else child
+            self.levels.append(_Level(
+                gather.reshape(-1, C), out_slots, out_nodes,
+                chunk_rows=row0[chunk_seg] + 1 + chunk_pos, start_rows=row0[chunk_seg] + chunk_pos,
+                init_rows=row0[segs[child]], init_from=init_from, buckets=buckets, rows=at,
+                device=device))
+            row0_prev = row0.copy()
 
 
 class _LowpEinsum(torch.autograd.Function):
@@ -250,22 +267,26 @@ def _level_scan(lv: _Level, xdt, adt, B, Cm, prev, state_dtype):
     decay_KhC = torch.exp(acs_KhC[:, :, -1:] - acs_KhC)
     states_Khpn = torch.einsum("klhn,klhp->khpn", B_KChn * decay_KhC.permute(0, 2, 1)[..., None],
                                x_KChp).to(state_dtype)
-    # inter-chunk recurrence per segment (padded to the level's longest): Z = chunks + 1
-    S, Z = lv.segments, lv.max_chunks + 1
+    # inter-chunk recurrence: a table of state rows (each segment's initial state, then the
+    # state each chunk adds), one decay-weighted sum per bucket of segments
     h, p, nst = states_Khpn.shape[1:]
-    init = torch.zeros(S, h, p, nst, dtype=state_dtype, device=xdt.device)
+    table = torch.zeros(lv.rows, h, p, nst, dtype=state_dtype, device=xdt.device)
+    table = table.index_put((lv.chunk_rows,), states_Khpn)
     if lv.has_init:
-        init = init.index_put((lv.init_rows,), prev.reshape(-1, h, p, nst)[lv.init_from])
-    chunk_states = torch.zeros(S, Z - 1, h, p, nst, dtype=state_dtype, device=xdt.device)
-    chunk_states = chunk_states.index_put((lv.chunk_seg, lv.chunk_pos), states_Khpn)
-    all_SZhpn = torch.cat([init[:, None], chunk_states], dim=1)
-    a_last = torch.zeros(S, Z - 1, h, dtype=torch.float32, device=xdt.device).index_put(
-        (lv.chunk_seg, lv.chunk_pos), acs_KhC[:, :, -1]).permute(0, 2, 1)  # [S, h, Z - 1]
-    decay_SZZh = torch.exp(_segsum(F.pad(a_last, (1, 0)))).permute(0, 3, 2, 1)  # [S, z, c, h]
-    new_SZhpn = _state_einsum("bzch,bzhpn->bchpn", decay_SZZh, all_SZhpn).to(state_dtype)
-    start_Khpn = new_SZhpn[lv.chunk_seg, lv.chunk_pos]
+        table = table.index_put((lv.init_rows,), prev[lv.init_from])
+    a_rows = torch.zeros(lv.rows, h, dtype=torch.float32, device=xdt.device).index_put(
+        (lv.chunk_rows,), acs_KhC[:, :, -1])
+    new = []
+    for at, segs, z in lv.buckets:
+        a_Shz = a_rows[at:at + segs * z].view(segs, z, h).permute(0, 2, 1)
+        decay_Szch = torch.exp(_segsum(a_Shz)).permute(0, 3, 2, 1)  # [S, source z, target c, h]
+        new.append(_state_einsum("bzch,bzhpn->bchpn", decay_Szch,
+                                 table[at:at + segs * z].view(segs, z, h, p, nst)
+                                 ).reshape(segs * z, h, p, nst))
+    new_Rhpn = (torch.cat(new) if len(new) > 1 else new[0]).to(state_dtype)
+    start_Khpn = new_Rhpn[lv.start_rows]
     y_off = _state_einsum("klhn,khpn->klhp", C_KChn, start_Khpn) * \
         torch.exp(acs_KhC).permute(0, 2, 1)[..., None]
     y = (y_KChp + y_off).reshape(K * C, h, p)[lv.out_slots]
-    return y, new_SZhpn
+    return y, new_Rhpn
 
