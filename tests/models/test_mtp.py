@@ -105,3 +105,11 @@ def test_mtp_without_a_bypass_is_refused_by_name(tmp_path):
     cfg["num_nextn_predict_layers"] = 1
     with pytest.raises(ValueError, match=r"multi-token-prediction \(MTP\) layers \(config declares 1\)"):
         ModelConfig.from_hf_dict(cfg)
+
+
+def test_megatron_backend_refuses_hybrids_by_name(tmp_path):
+    pytest.importorskip("megatron.core")
+    save_hf("nemotron_h", tmp_path)
+    with pytest.raises(ValueError, match=r"megatron backend runs attention decoders only; "
+                                         r"NemotronHForCausalLM has Mamba-2"):
+        load_backend("megatron", str(tmp_path))
