@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--state-dtypes", default="float32,bfloat16",
+                    help="--ssm-state-dtype values to replay with (each: three replays)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shape = "smoke" if args.smoke else "nemotron-h-1b"
@@ -159,7 +161,7 @@ def main() -> None:
     runs = {"tree_exact_fork": ["--layout", "tree", "--ssm-fork", "exact"],
             "tree_chunk_fork": ["--layout", "tree", "--ssm-fork", "chunk"],
             "exact_layout": ["--layout", "exact"]}
-    for state in ("float32", "bfloat16"):
+    for state in args.state_dtypes.split(","):
         for name, flags in runs.items():
             key = name if state == "float32" else f"{name}_bf16_states"
             path = os.path.join(work, f"{key}.arrow")

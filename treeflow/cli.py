@@ -315,7 +315,7 @@ def model_options(s) -> None:
     s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
                    help="Mamba-2 hybrids: fork a branch's recurrent state at the branch token "
                         "(exact) or at the last scan-chunk boundary, replaying the tail (chunk); "
-                        "default: exact")
+                        "default: chunk")
     s.add_argument("--ssm-state-dtype", choices=("float32", "bfloat16"), default=None,
                    help="Mamba-2 hybrids: dtype of the materialised inter-chunk states in "
                         "forward and backward (default float32), whatever --dtype is")

@@ -88,7 +88,7 @@ class SegmentPlan:
     every Mamba layer. `launches` is the number of scans per layer (the levels)."""
 
     def __init__(self, parents_N: np.ndarray, *, chunk_size: int, conv_kernel: int,
-                 fork: str = "exact", state_dtype: str = "float32",
+                 fork: str = "chunk", state_dtype: str = "float32",
                  device: torch.device | str = "cpu") -> None:
         if fork not in FORKS:
             raise ValueError(f"ssm fork {fork!r}: choose one of {FORKS}")

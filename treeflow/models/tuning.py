@@ -84,7 +84,7 @@ class Tuning:
     fused_loss: bool = False
     loss_vocab_chunk: int = 32768
     recompute: str = "none"
-    ssm_fork: str = "exact"
+    ssm_fork: str = "chunk"  # measured closer to the exact-call layout (bench_hybrid_forks_cpu.py)
     ssm_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
