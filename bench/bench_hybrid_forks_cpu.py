@@ -93,7 +93,8 @@ def main():
                          vocab_size=256, seed=3)
     ref = hf_values(hf, eps, torch.float32)
     res = {"transformers_bf16_vs_float32": dist(hf_values(hf, eps, torch.bfloat16), ref)}
-    runs = {"tree_exact_fork": ("tree", "exact", 100000), "tree_chunk_fork": ("tree", "chunk", 100000),
+    runs = {"tree_exact_fork": ("tree", "exact", 100000),
+            "tree_chunk_fork": ("tree", "chunk", 100000),
             "tree_exact_fork_fragments": ("tree", "exact", 400),
             "tree_chunk_fork_fragments": ("tree", "chunk", 400),
             "exact_layout": ("exact", "chunk", 100000)}

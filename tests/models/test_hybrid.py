@@ -9,7 +9,6 @@ fragmentation, in both fork modes.
 from __future__ import annotations
 
 import pytest
-import torch
 from hybrid_helpers import CHUNK, episodes, hf_values, save_hf, token_weights, treeflow_values
 
 from tests.deps import require

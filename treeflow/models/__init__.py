@@ -7,6 +7,8 @@ from treeflow.models.backend import (BACKENDS, Backend, ReferenceBackend, check_
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.hybrid import HybridDecoder
+from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.logprobs import selected_logprobs
 from treeflow.models.tuning import Tuning
 
@@ -21,6 +23,8 @@ __all__ = [
     "AttentionPlan",
     "Capabilities",
     "Decoder",
+    "HybridConfig",
+    "HybridDecoder",
     "ModelConfig",
     "load_model",
     "save_model",

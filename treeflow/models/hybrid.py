@@ -194,7 +194,8 @@ class HybridDecoder(Decoder):
 
     @property
     def _embed(self) -> nn.Embedding:
-        return self._body.embeddings if hasattr(self._body, "embeddings") else self._body.embed_tokens
+        body = self._body
+        return body.embeddings if hasattr(body, "embeddings") else body.embed_tokens
 
     @property
     def output_weight_VH(self) -> torch.Tensor:

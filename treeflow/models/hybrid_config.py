@@ -112,8 +112,8 @@ class HybridConfig(ModelConfig):
             return _nemotron_h(d)
         if arch == "BambaForCausalLM":
             return _bamba(d)
-        raise ValueError(f"architectures {archs or d.get('model_type')!r} is not a supported hybrid; "
-                         f"use one of {sorted(HYBRID_ARCHITECTURES)}")
+        raise ValueError(f"architectures {archs or d.get('model_type')!r} is not a supported "
+                         f"hybrid; use one of {sorted(HYBRID_ARCHITECTURES)}")
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         """The checkpoint's own config.json keys (kept in hf_extras), with the dtype updated."""
@@ -212,7 +212,8 @@ def _bamba(d: Mapping[str, Any]) -> HybridConfig:
         architecture=arch, vocab_size=d["vocab_size"], hidden_size=hidden,
         intermediate_size=d["intermediate_size"], num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or hidden // heads, rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        head_dim=d.get("head_dim") or hidden // heads,
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         layer_types=tuple("attention" if i in attn else "mamba" for i in range(layers)),

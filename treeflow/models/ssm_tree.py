@@ -31,7 +31,7 @@ gradients) are held in `state_dtype` (float32 by default), whatever the
 compute dtype; products with them run in float32.
 
 Legend: N tokens, h Mamba heads, p head dim, g groups, n state size, K chunks of
-a level, C chunk size, S segments of a bucket, Z their rows (chunks + 1, a power of two),
+a level, C chunk size, S segments of a bucket, Z their rows (the longest one's chunks + 1),
 R state rows of a level.
 """
 
@@ -64,11 +64,11 @@ def depths(parents_N: np.ndarray) -> np.ndarray:
 class _Level:
     """One batched scan: its slots (node per chunk position), outputs, state rows and buckets.
 
-    State rows: segment j of the level owns rows [row0[j], row0[j] + Z_j) of the level's
-    state table: its initial state, then one row per chunk (the state after it); Z_j is
-    its chunk count + 1 rounded up to a power of two (the bucket), so the inter-chunk
-    recurrence runs once per bucket, padded at most 2x, instead of padding every segment
-    to the level's longest.
+    State rows: segment j of the level owns rows [row0[j], row0[j] + Z) of the level's
+    state table: its initial state, then one row per chunk (the state after it). Segments
+    are bucketed by chunk count + 1 rounded up to a power of two, Z is the bucket's longest,
+    so the inter-chunk recurrence runs once per bucket, padded at most 2x, instead of
+    padding every segment to the level's longest.
     """
 
     def __init__(self, gather_KC, out_slots, out_nodes, chunk_rows, start_rows, init_rows,
@@ -93,7 +93,8 @@ class SegmentPlan:
         if fork not in FORKS:
             raise ValueError(f"ssm fork {fork!r}: choose one of {FORKS}")
         if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"ssm state dtype {state_dtype!r}: choose one of {sorted(STATE_DTYPES)}")
+            raise ValueError(f"ssm state dtype {state_dtype!r}: choose one of "
+                             f"{sorted(STATE_DTYPES)}")
         parents_N = np.asarray(parents_N, dtype=np.int64)
         n = len(parents_N)
         if n and np.any(parents_N >= np.arange(n)):
@@ -157,11 +158,13 @@ class SegmentPlan:
                 rep_seg = np.repeat(np.arange(len(segs)), r_s)
                 rw = np.arange(int(r_s.sum())) - np.repeat(np.cumsum(r_s) - r_s, r_s)
                 gather[offset[rep_seg] + rw] = anc[segs[rep_seg], r_s[rep_seg] - 1 - rw]
-            # state rows, bucketed by Z = chunks + 1 rounded up to a power of two
-            z_s = 1 << np.ceil(np.log2(k_s + 1)).astype(np.int64)
+            # state rows, bucketed by chunks + 1 rounded up to a power of two; a bucket's Z is
+            # its longest member's chunks + 1
+            z_s = np.ceil(np.log2(k_s + 1)).astype(np.int64)
             buckets, at = [], 0
-            for z in np.unique(z_s).tolist():
-                members = np.flatnonzero(z_s == z)
+            for zc in np.unique(z_s).tolist():
+                members = np.flatnonzero(z_s == zc)
+                z = int(k_s[members].max()) + 1
                 row0[segs[members]] = at + z * np.arange(len(members))
                 buckets.append((at, len(members), z))
                 at += z * len(members)
@@ -193,8 +196,11 @@ class _LowpEinsum(torch.autograd.Function):
         a, b = ctx.saved_tensors
         ins, out = ctx.eq.split("->")
         ea, eb = ins.split(",")
-        ga = torch.einsum(f"{out},{eb}->{ea}", g, b.float()) if ctx.needs_input_grad[1] else None
-        gb = torch.einsum(f"{ea},{out}->{eb}", a, g).to(b.dtype) if ctx.needs_input_grad[2] else None
+        ga = gb = None
+        if ctx.needs_input_grad[1]:
+            ga = torch.einsum(f"{out},{eb}->{ea}", g, b.float())
+        if ctx.needs_input_grad[2]:
+            gb = torch.einsum(f"{ea},{out}->{eb}", a, g).to(b.dtype)
         return None, ga, gb
 
 
@@ -208,9 +214,9 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
     """[..., T] -> [..., T, T]: sum of x over (j, i] at [i, j] for j <= i, -inf above."""
     t = x.shape[-1]
     x = x[..., None].expand(*x.shape, t)
-    x = x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), -1), 0)
-    s = torch.cumsum(x, dim=-2)
-    return s.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device)), -torch.inf)
+    ones = torch.ones(t, t, dtype=torch.bool, device=x.device)
+    s = torch.cumsum(x.masked_fill(~torch.tril(ones, -1), 0), dim=-2)
+    return s.masked_fill(~torch.tril(ones), -torch.inf)
 
 
 def tree_conv(xbc_NC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -239,7 +245,8 @@ def tree_ssd(x_Nhp: torch.Tensor, dt_Nh: torch.Tensor, A_h: torch.Tensor, B_Ngn:
         dt = dt_Nh.float()
         xdt = torch.cat([x * dt[..., None], x.new_zeros(1, h, p)])
         adt = torch.cat([A_h.float() * dt, dt.new_zeros(1, h)])
-        B, Cm = torch.cat([B, B.new_zeros(1, *B.shape[1:])]), torch.cat([Cm, Cm.new_zeros(1, *Cm.shape[1:])])
+        B = torch.cat([B, B.new_zeros(1, *B.shape[1:])])
+        Cm = torch.cat([Cm, Cm.new_zeros(1, *Cm.shape[1:])])
         outs, nodes = [], []
         prev = None
         for lv in plan.levels:

@@ -78,7 +78,8 @@ class CostModel:
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
                                   kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
                                   head_dim=c.head_dim, training=training, block=block)
-        h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        h, q = c.hidden_size, c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
         heads, p, n = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
         mamba = (h * (c.mamba_intermediate + c.conv_dim + heads) + c.mamba_intermediate * h
                  + c.conv_kernel * c.conv_dim + c.chunk_size * heads * (n + p) + 2 * heads * p * n)
