@@ -3,13 +3,16 @@
 Logprobs to 1e-5 and every parameter gradient to 1e-5 relative, in float32, on
 a GRPO group whose prompt ends inside a scan chunk (9 tokens, chunk 4) or on a
 chunk boundary (8 tokens), and a multi-level agent episode; with and without
-fragmentation, in both fork modes.
+fragmentation, in both fork modes; and in pure bfloat16, as close to float32 as
+transformers' own bfloat16.
 """
 
 from __future__ import annotations
 
 import pytest
-from hybrid_helpers import CHUNK, episodes, hf_values, save_hf, token_weights, treeflow_values
+import torch
+from hybrid_helpers import (CHUNK, episodes, hf_model, hf_values, save_hf, token_weights,
+                            treeflow_values)
 
 from tests.deps import require
 from treeflow.models import Tuning, load_backend
@@ -79,3 +82,18 @@ def test_scan_chunk_matches_config(family):
     _, path, _ = family
     backend = load_backend("reference", path)
     assert backend.config.chunk_size == CHUNK and backend.config.recurrent
+
+
+def test_bfloat16_tree_is_as_close_to_float32_as_transformers_bf16(family):
+    """Pure bf16: the tree's logprobs sit as near float32 transformers as its own bf16 model."""
+    name, path, _ = family
+    eps, w, ref, _ = _oracle(family, 9)
+    hf16 = hf_model(name).to(torch.bfloat16)
+    own, _ = hf_values(hf16, eps, w)
+    backend = load_backend("reference", path, dtype=torch.bfloat16)
+    vals, _, _ = treeflow_values(backend, eps, w, layout="tree", max_tokens=24, grad=False)
+
+    def mean_gap(v):
+        return sum(abs(v[k] - ref[k]) for k in ref) / len(ref)
+
+    assert 0 < mean_gap(vals) < 2 * mean_gap(own), (mean_gap(vals), mean_gap(own))
