@@ -57,7 +57,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    if is_mtp_tensor(name, config.num_hidden_layers) and name not in expected:
+                    if is_mtp_tensor(name) and name not in expected:
                         if not bypassed(config.architecture, name):
                             refuse_mtp(config.architecture, f"tensor {name!r}")
                         frozen[name] = f.get_tensor(name)  # stored dtype, host: never run

@@ -33,12 +33,11 @@ def mtp_layer_count(d: Mapping[str, Any]) -> int:
     return max((int(d.get(k) or 0) for k in _COUNT_KEYS), default=0)
 
 
-def is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
-    """A tensor name that belongs to MTP layers in any family treeflow knows of."""
-    if _MTP_NAME.match(name):
-        return True
-    m = re.match(r"^model\.layers\.(\d+)\.", name)  # DeepSeek-V3 / GLM: layers past the decoder
-    return bool(m) and int(m.group(1)) >= num_hidden_layers
+def is_mtp_tensor(name: str) -> bool:
+    """A tensor name under an MTP prefix (`mtp.`, `model.mtp_layers.`, ...). DeepSeek-V3 / GLM
+    keep MTP as extra `model.layers.{N+k}`, which only their config tells apart from a wrong
+    layer count: those are refused by their config's `num_nextn_predict_layers`."""
+    return bool(_MTP_NAME.match(name))
 
 
 def bypassed(architecture: str, name: str) -> bool:
