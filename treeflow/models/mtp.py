@@ -5,7 +5,7 @@ DeepSeek-V3 / GLM's extra `model.layers.{N+k}`, Qwen3-Next's `mtp.*`, MiMo's
 `model.mtp_layers.*`). In RL the MTP loss must not drive the policy step, and
 the policy's logprobs never depend on MTP. So for a family with a bypass the
 MTP tensors are read in their stored dtype into a plain dict beside the module
-(`Decoder.frozen_tensors`): not parameters, so no optimizer, gradient
+(`HybridDecoder.frozen_tensors`): not parameters, so no optimizer, gradient
 all-reduce, clipping or dtype/device move ever sees them; never executed; and
 written back byte for byte under their original names by `save_model`. The
 cost is host memory for one copy of the MTP weights. A checkpoint with MTP
