@@ -233,10 +233,10 @@ def _replay(args) -> int:
     import torch
 
     from treeflow._output import table_output
-    from treeflow.models.tuning import Tuning
+    from treeflow.models.tuning import Tuning, ssm_flags
     from treeflow.pipeline import Files, Pipeline
     from treeflow.pipeline.stats import add_sums
-    from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+    from treeflow.stages import CostModel, Forward, Fragment, Pack, Reassemble, Shard
     from treeflow.train.checkpoint import model_dir
 
     _positive(args, "max_tokens", "window", "chunk_size", "ranks", "prefetch")
@@ -265,13 +265,16 @@ def _replay(args) -> int:
         forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                           kernel=args.kernel, entropy=args.entropy, chunk_size=args.chunk_size,
                           tensor_parallel=args.tensor_parallel,
-                          context_parallel=args.context_parallel, tuning=Tuning.parse(args.tuning),
+                          context_parallel=args.context_parallel,
+                          tuning=Tuning.parse(args.tuning, **ssm_flags(args)),
                           routing=args.routing, allow_nonfinite=args.allow_nonfinite)
-        # Shard balances the bins over the ranks (the Ray engine's forward actors); a
-        # context-parallel group holds bins of C x --max-tokens
+        # Shard balances the bins over the ranks (the Ray engine's forward actors) by the
+        # model's own cost; a context-parallel group holds bins of C x --max-tokens
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens * args.context_parallel),
-                        Shard(num_ranks=args.ranks), forward, Reassemble(entropy=args.entropy))
+                        Shard(num_ranks=args.ranks, cost=CostModel.from_config(
+                            forward.model_config(), training=False)), forward,
+                        Reassemble(entropy=args.entropy))
         source = Files(paths=tuple(args.files), window=args.window,
                        vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
@@ -372,6 +375,13 @@ def model_options(s) -> None:
                         "(combine weights from the current router), or let the router recompute "
                         "them; auto = replay when the episodes carry routes and the model has "
                         "experts")
+    s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
+                   help="Mamba-2 hybrids: fork a branch's recurrent state at the branch token "
+                        "(exact) or at the last scan-chunk boundary, replaying the tail (chunk); "
+                        "default: chunk")
+    s.add_argument("--ssm-state-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="Mamba-2 hybrids: dtype of the materialised inter-chunk states in "
+                        "forward and backward (default float32), whatever --dtype is")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "

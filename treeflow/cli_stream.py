@@ -59,13 +59,13 @@ def _open_queue(args, vocab_size, attach):
 
 
 def forward_stage(args, entropy=False):
-    from treeflow.models.tuning import Tuning
+    from treeflow.models.tuning import Tuning, ssm_flags
     from treeflow.stages import Forward
     from treeflow.train.checkpoint import model_dir
 
     return Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                    kernel=args.kernel, chunk_size=args.chunk_size, entropy=entropy,
-                   tuning=Tuning.parse(args.tuning), routing=args.routing,
+                   tuning=Tuning.parse(args.tuning, **ssm_flags(args)), routing=args.routing,
                    allow_nonfinite=args.allow_nonfinite)
 
 

@@ -160,14 +160,15 @@ def _train_rank(args) -> None:
 
 
 def _stages(args):
-    from treeflow.models.tuning import Tuning
+    from treeflow.models.tuning import Tuning, ssm_flags
     from treeflow.stages import EpisodeSchedule, Forward, Loss, Reduce
     from treeflow.train.checkpoint import model_dir
 
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size,
                       tensor_parallel=args.tensor_parallel,
-                      context_parallel=args.context_parallel, tuning=Tuning.parse(args.tuning),
+                      context_parallel=args.context_parallel,
+                      tuning=Tuning.parse(args.tuning, **ssm_flags(args)),
                       routing=args.routing, allow_nonfinite=args.allow_nonfinite)
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                               clip_high=args.clip_high, tis_cap=args.tis_cap),

@@ -10,6 +10,7 @@ with nothing new left behind.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pyarrow as pa
@@ -215,6 +216,18 @@ def _file_case(kind):
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text("null")
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], ["config.json"]
+        if kind in ("model-mtp", "model-hybrid-moe"):
+            (tmp / "m").mkdir()
+            cfg = ({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_nextn_predict_layers": 1} if kind == "model-mtp" else
+                   {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64,
+                    "hidden_size": 32, "intermediate_size": 64,
+                    "layers_block_type": ["linear_attention", "moe"]})
+            (tmp / "m" / "config.json").write_text(json.dumps(cfg))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
+                 ["config.json", "layer 1 is a mixture-of-experts block"])
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--batch-episodes"]
         if kind == "steps-0":
@@ -325,7 +338,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "missing-file", "empty-glob", "empty-dir", "junk-arrow", "truncated-parquet", "csv-input",
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "plan-rank-out-of-range",
-         "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
+         "max-tokens-0", "device", "model-missing", "model-config-null", "model-mtp",
+         "model-hybrid-moe", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",

@@ -18,6 +18,8 @@ _WHERE = {
     "AttentionPlan": "attention",
     "Capabilities": "attention",
     "Decoder": "decoder",
+    "HybridConfig": "hybrid_config",
+    "HybridDecoder": "hybrid",
     "ModelConfig": "config",
     "load_model": "checkpoint",
     "save_model": "checkpoint",

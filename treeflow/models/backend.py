@@ -28,6 +28,7 @@ Legend: N tokens of a bin, E selected rows (edges), H hidden size.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -123,12 +124,23 @@ class ReferenceBackend(ModuleBackend):
         self.config = model.config
         self.device = next(model.parameters()).device
         self.tuning = tuning or Tuning()
+        t, plain = self.tuning, Tuning()
+        if ((t.ssm_fork, t.ssm_state_dtype) != (plain.ssm_fork, plain.ssm_state_dtype)
+                and not getattr(self.config, "recurrent", False)):
+            warnings.warn(f"ssm_fork={t.ssm_fork!r} / ssm_state_dtype={t.ssm_state_dtype!r} have "
+                          f"no effect: {self.config.architecture} has no Mamba-2 layers",
+                          stacklevel=2)
 
     def attention_plan(self, parents_N, subtree_end_N, *, kernel: str,
                        pad_to: int | None = None) -> AttentionPlan:
-        return AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N,
+        plan = AttentionPlan(subtree_end_N, kernel=kernel, device=self.device, parents_N=parents_N,
                              pad_to=pad_to, block_size=self.tuning.flex_block_size,
                              kernel_options=self.tuning.kernel_options)
+        if getattr(self.config, "recurrent", False):  # Mamba-2 layers: segments and their states
+            from treeflow.models.hybrid import HybridPlan
+
+            plan = HybridPlan.build(plan, parents_N, self.config, self.tuning)
+        return plan
 
     def hidden_states(self, tokens_N, positions_N, plan, routes_NW=None, replay=True,
                       aux_weights_N=None):

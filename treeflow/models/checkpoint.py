@@ -12,7 +12,9 @@ model or give NaN for every logprob.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,7 +23,10 @@ from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.hybrid import HybridDecoder
+from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe import disk_name, fuse_experts, split_experts
+from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
 
 __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -34,7 +39,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     """`"tiny"` or a ModelConfig: seeded random weights; a directory: its HF checkpoint."""
     if isinstance(path_or_name, ModelConfig) or path_or_name == "tiny":
         config = ModelConfig.tiny() if path_or_name == "tiny" else path_or_name
-        model = Decoder(config)
+        model = _decoder(config)
         _seeded_init(model, torch.Generator().manual_seed(0))  # CPU float32: runs agree
         return model.to(dtype=dtype, device=device)
     path = os.fspath(path_or_name)
@@ -46,13 +51,18 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
                          "config.json and model.safetensors")
     config = ModelConfig.from_hf_dir(path)
     with torch.device("meta"):
-        model = Decoder(config)
+        model = _decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state, experts = {}, {}
+    state, experts, frozen = {}, {}, {}
     for file in _weight_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    if is_mtp_tensor(name) and name not in expected:
+                        if not bypassed(config.architecture, name):
+                            refuse_mtp(config.architecture, f"tensor {name!r}")
+                        frozen[name] = f.get_tensor(name)  # stored dtype, host: never run
+                        continue
                     key = name if config.moe is None else disk_name(name, config.moe)
                     if isinstance(key, tuple):  # one expert's matrix: fused below
                         experts[key] = f.get_tensor(name).to(device=device, dtype=dtype)
@@ -68,7 +78,19 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     if missing:
         raise ValueError(f"checkpoint {path} lacks tensor(s) {missing}")
     model.load_state_dict(state, strict=True, assign=True)
+    if frozen:
+        model.frozen_tensors = frozen
+        print(f"treeflow: {path} holds {len(frozen)} multi-token-prediction tensor(s) "
+              f"({sorted(frozen)[0]}, ...): loaded frozen, never run or trained, saved back "
+              "unchanged", file=sys.stderr)
     return model
+
+
+def _decoder(config: ModelConfig) -> Decoder:
+    """The reference module for `config`: the attention decoder or the Mamba-2 hybrid."""
+    if isinstance(config, HybridConfig):
+        return HybridDecoder(config)
+    return Decoder(config)
 
 
 def _read(f, name, expected, config, dtype, device, key=None):
@@ -123,18 +145,25 @@ def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
     `load_model("tiny")`'s, which are drawn on the CPU in float32 and then moved.
     """
     with torch.device("meta"):
-        model = Decoder(config)
+        model = _decoder(config)
     model = model.to_empty(device=device).to(dtype)
     _seeded_init(model, torch.Generator(device=device).manual_seed(seed))
     return model
 
 
 def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
-    """normal(0, 0.02) weights, zero biases, unit norms, drawn in place from `generator`."""
+    """normal(0, 0.02) weights, zero biases, unit norms, drawn in place from `generator`;
+    Mamba-2's A_log = log(1..heads), D = 1 and dt_bias = softplus^-1 of dt in [1e-3, 0.1]."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".D"):
                 p.fill_(1.0)
+            elif name.endswith(".A_log"):
+                p.copy_(torch.log(torch.arange(1, len(p) + 1, dtype=torch.float32)))
+            elif name.endswith(".dt_bias"):
+                u = torch.rand(len(p), generator=generator, device=generator.device)
+                dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
             elif name.endswith(".bias"):
                 p.zero_()
             else:
@@ -142,19 +171,25 @@ def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
 
 
 def save_model(model: Decoder, path: str | os.PathLike) -> None:
-    """Write `config.json` + `model.safetensors` that transformers' from_pretrained loads."""
-    save_state(model.state_dict(), model.config, path)
+    """Write `config.json` + `model.safetensors` that transformers' from_pretrained loads
+    (with any frozen MTP tensors the checkpoint had, byte for byte, under their names)."""
+    state = model.state_dict()
+    frozen = getattr(model, "frozen_tensors", {})
+    save_state({**state, **frozen}, model.config, path, dtype_of=next(iter(state.values())))
 
 
-def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike) -> None:
-    """Write a state dict in Hugging Face names (any backend's export) with its config.json."""
+def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike,
+               *, dtype_of: torch.Tensor | None = None) -> None:
+    """Write a state dict in Hugging Face names (any backend's export) with its config.json
+    (whose torch_dtype is `dtype_of`'s, by default the first tensor's)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     from treeflow.tensorfile import write_safetensors
 
     if config.moe is not None:  # experts one by one under their on-disk names, as transformers
         state = split_experts(state, config.moe)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    dtype = str((next(iter(state.values())) if dtype_of is None else dtype_of).dtype
+                ).removeprefix("torch.")
     with atomic_open(os.path.join(path, "config.json")) as f:
         json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
     # tensor by tensor: a model on a GPU never has a whole host copy (treeflow/tensorfile.py)

@@ -112,7 +112,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Read a Llama / Qwen2 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (transformers 4/5)."""
+        """Read a Llama / Qwen2 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (transformers 4/5);
+        a Mamba-2 hybrid's (Nemotron-H, Bamba) gives a HybridConfig (hybrid_config.py)."""
+        from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
+
+        archs = d.get("architectures") or ()
+        if ((archs and archs[0] in HYBRID_ARCHITECTURES)
+                or (not archs and d.get("model_type") in HYBRID_ARCHITECTURES.values())):
+            return HybridConfig.from_hf_dict(d)
         arch = _architecture(d)
         _refuse_unsupported(d, arch)
         rope = d.get("rope_parameters") or {}
@@ -171,8 +178,9 @@ def _architecture(d: Mapping[str, Any]) -> str:
             raise ValueError(f"'architectures' is {json.dumps(archs)}; give a list of one class "
                              f"name, e.g. [\"LlamaForCausalLM\"]")
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-            raise ValueError(f"architectures {archs} are not supported; "
-                             f"the reference decoder reads {sorted(ARCHITECTURES)}")
+            raise ValueError(f"architectures {archs} are not supported; the reference decoder "
+                             f"reads {sorted(ARCHITECTURES)} and the Mamba-2 hybrids "
+                             "NemotronHForCausalLM, BambaForCausalLM")
         return archs[0]
     by_type = {v: k for k, v in ARCHITECTURES.items()}
     if not isinstance(d.get("model_type"), str) or d["model_type"] not in by_type:
@@ -211,3 +219,7 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
             refuse(f"{key}={d[key]}")
     if d.get("quantization_config") is not None:
         refuse("quantization_config (quantized weights)")
+    from treeflow.models.mtp import mtp_layer_count, refuse_mtp
+
+    if mtp_layer_count(d):
+        refuse_mtp(arch, f"config declares {mtp_layer_count(d)}")

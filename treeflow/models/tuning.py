@@ -20,6 +20,11 @@ in bench/results/ rather than assumed.
   online log-sum-exp over vocabulary chunks with a recomputing backward
   (models/fused_loss.py): never edges x vocabulary float32 logits, for a
   second projection in backward (the checkpointed chunks pay that too).
+- `ssm_fork`, `ssm_state_dtype` (Mamba-2 hybrids, models/ssm_tree.py): where a
+  branch's recurrent state forks ("exact": at the branch token; "chunk": at the
+  last scan-chunk boundary, replaying the tail) and the dtype the materialised
+  inter-chunk states are held in (float32, or bfloat16 for half their memory).
+  Both keep the mathematics; they move rounding.
 - `recompute`: selective activation recomputation per layer ("mlp":
   post-attention norm + SwiGLU; "attention": input norm, projections, RoPE,
   attention, output projection; "layer": both): activation memory for about
@@ -34,6 +39,8 @@ from collections.abc import Mapping
 __all__ = ["COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning"]
 
 RECOMPUTE = ("none", "mlp", "attention", "layer")
+SSM_FORKS = ("exact", "chunk")
+SSM_STATE_DTYPES = ("float32", "bfloat16")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 # FlexAttention (Triton) kernel options treeflow passes through; `fwd_`/`bwd_` prefixes
@@ -66,6 +73,8 @@ class Tuning:
     fused_loss: fused linear + online log-softmax for the selected edges.
     loss_vocab_chunk: vocabulary rows per chunk of the fused loss.
     recompute: "none" | "mlp" | "attention" | "layer".
+    ssm_fork: "exact" | "chunk" (hybrid models only).
+    ssm_state_dtype: "float32" | "bfloat16" (hybrid models only).
     """
 
     flex_block_size: int = 128
@@ -75,6 +84,8 @@ class Tuning:
     fused_loss: bool = False
     loss_vocab_chunk: int = 32768
     recompute: str = "none"
+    ssm_fork: str = "chunk"  # measured closer to the exact-call layout (bench_hybrid_forks_cpu.py)
+    ssm_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         b = self.flex_block_size
@@ -103,6 +114,11 @@ class Tuning:
             raise ValueError(f"Tuning(loss_vocab_chunk={c!r}): give an int >= 1")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Tuning(recompute={self.recompute!r}): choose one of {RECOMPUTE}")
+        if self.ssm_fork not in SSM_FORKS:
+            raise ValueError(f"Tuning(ssm_fork={self.ssm_fork!r}): choose one of {SSM_FORKS}")
+        if self.ssm_state_dtype not in SSM_STATE_DTYPES:
+            raise ValueError(f"Tuning(ssm_state_dtype={self.ssm_state_dtype!r}): choose one of "
+                             f"{SSM_STATE_DTYPES}")
 
     @property
     def kernel_options(self) -> dict | None:
@@ -110,12 +126,13 @@ class Tuning:
         return dict(self.flex_kernel_options) or None
 
     @classmethod
-    def parse(cls, text: str) -> Tuning:
+    def parse(cls, text: str, **flags) -> Tuning:
         """From `name=value,...` (CLI form); kernel options as `flex.BLOCK_M=64`.
 
         Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
         A preset name may come first and the settings after it override it: `fast`,
-        `fast,recompute=mlp` (see PRESETS).
+        `fast,recompute=mlp` (see PRESETS). `flags`: settings given by their own CLI
+        options (`--ssm-fork`, `--ssm-state-dtype`); None leaves the setting alone.
         """
         fields, kernel = {}, {}
         parts = [p.strip() for p in text.split(",") if p.strip()]
@@ -137,13 +154,22 @@ class Tuning:
                 fields[name] = value.lower() in ("1", "true")
             elif name in ("flex_block_size", "loss_vocab_chunk"):
                 fields[name] = _scalar(value)
-            elif name in ("recompute", "compile_backend"):
+            elif name in ("recompute", "compile_backend", "ssm_fork", "ssm_state_dtype"):
                 fields[name] = value
             else:
                 raise ValueError(f"tuning {name!r} is not a setting; use flex_block_size, "
                                  "flex.<KERNEL_OPTION>, compile_layers, compile_backend, "
-                                 "fused_loss, loss_vocab_chunk or recompute")
+                                 "fused_loss, loss_vocab_chunk, recompute, ssm_fork or "
+                                 "ssm_state_dtype")
+        fields.update({k: v for k, v in flags.items() if v is not None})
         return cls(**fields, flex_kernel_options=kernel)
+
+
+def ssm_flags(args) -> dict:
+    """The Mamba-2 settings of parsed CLI options (--ssm-fork, --ssm-state-dtype) for
+    `Tuning.parse`; None where not given."""
+    return {"ssm_fork": getattr(args, "ssm_fork", None),
+            "ssm_state_dtype": getattr(args, "ssm_state_dtype", None)}
 
 
 def _scalar(text: str) -> int | bool | str:

@@ -130,11 +130,15 @@ class Forward(Stage):
 
     def vocab_size_hint(self) -> int:
         """The model's vocabulary size, read from its config, for validating input early."""
+        return self.model_config().vocab_size
+
+    def model_config(self):
+        """The model's shape (a treeflow.models.ModelConfig), read from its config.json."""
         from treeflow.models import ModelConfig
 
         if self.model == "tiny":
-            return ModelConfig.tiny().vocab_size
-        return ModelConfig.from_hf_dir(self.model).vocab_size
+            return ModelConfig.tiny()
+        return ModelConfig.from_hf_dir(self.model)
 
     def route_width_hint(self) -> int | None:
         """The `routed_experts` width episodes must have when routes are replayed, else None."""

@@ -67,6 +67,33 @@ class CostModel:
                    block=block)
 
     @classmethod
+    def from_config(cls, c, *, training: bool = True, block: int = 128) -> "CostModel":
+        """From a model's config: `from_shape` for attention decoders; for Mamba-2 hybrids
+        (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
+        in/out projections, the depthwise conv and the chunked scan (C x heads x (state + head
+        dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
+        and their outputs, per token); only attention layers pay per pair."""
+        if not getattr(c, "layer_types", None):
+            return cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
+                                  intermediate=c.intermediate_size, heads=c.num_attention_heads,
+                                  kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                                  head_dim=c.head_dim, training=training, block=block)
+        h, q = c.hidden_size, c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        heads, p, n = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
+        mamba = (h * (c.mamba_intermediate + c.conv_dim + heads) + c.mamba_intermediate * h
+                 + c.conv_kernel * c.conv_dim + c.chunk_size * heads * (n + p) + 2 * heads * p * n)
+        attention = h * (q + 2 * kv) + q * h
+        mlp = (3 if c.mlp_act == "swiglu" else 2) * h * c.intermediate_size
+        per_kind = {"mamba": mamba, "attention": attention, "mlp": mlp}
+        per_token = sum(per_kind[t] for t in c.layer_types)
+        if c.mlp_act == "swiglu":  # Bamba: every layer's mixer is followed by an MLP
+            per_token += mlp * len(c.layer_types)
+        mult = 6.0 if training else 2.0
+        return cls(token=mult * per_token, pair=mult * c.attention_layers * 2 * q,
+                   edge=(8.0 if training else 2.0) * h * c.vocab_size, block=block)
+
+    @classmethod
     def llama_1b(cls) -> "CostModel":
         return cls.from_shape(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8,
                               vocab=128256)

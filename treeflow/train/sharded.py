@@ -72,7 +72,9 @@ def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: st
         if full is not None:
             from treeflow.models.checkpoint import save_state
 
-            save_state(full, backend.module.config, path)
+            frozen = getattr(backend.module, "frozen_tensors", {})  # MTP layers (models/mtp.py)
+            save_state({**full, **frozen}, backend.module.config, path,
+                       dtype_of=next(iter(full.values())))
         else:
             backend.save(path)  # a tensor-parallel backend gathers its shards (a collective)
     if lead:

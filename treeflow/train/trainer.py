@@ -118,11 +118,7 @@ class Trainer:
         self.checkpoint_path: str | None = None
         self._open: Step | None = None
         self._saving: BackgroundSave | None = None  # the checkpoint write in flight, if any
-        c = self.backend.config
-        self.cost_model = CostModel.from_shape(
-            hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
-            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
-            head_dim=c.head_dim)
+        self.cost_model = CostModel.from_config(self.backend.config)
 
     def compute(self):
         """The context every forward of this trainer runs in (autocast under mixed precision)."""

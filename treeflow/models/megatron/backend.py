@@ -152,9 +152,13 @@ class MegatronBackend(ModuleBackend):
         elif source != "tiny" and os.path.isdir(source):  # before loading the whole checkpoint
             _refuse_moe(ModelConfig.from_hf_dir(source))
         device = _resolve(torch.device(device))
-        init_parallel(tensor_parallel, device)
         reference = load_model(source, dtype=torch.float32, device="cpu")  # HF names, checked
         config = reference.config
+        if getattr(config, "recurrent", False) or getattr(reference, "frozen_tensors", None):
+            raise ValueError(f"the megatron backend runs attention decoders only; "
+                             f"{config.architecture} has Mamba-2 layers and/or MTP layers "
+                             "(multi-token prediction): use --backend reference")
+        init_parallel(tensor_parallel, device)
         check_tensor_parallel(config, tensor_parallel)
         full = hf_to_mcore(reference.state_dict(), config)
         del reference

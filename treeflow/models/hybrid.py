@@ -1,0 +1,229 @@
+"""The reference Mamba-2 hybrid decoder (Nemotron-H, Bamba) over one tree bin.
+
+The same contract as decoder.py's `Decoder` (which it subclasses, so every
+backend seam takes it): `forward(tokens, positions, plan)` gives final-normed
+hidden states, `project` the vocabulary logits of chosen rows. Attention
+layers run the bin's tree-attention kernel unchanged; Mamba-2 layers
+(mamba.py) run the segment plan of the same bin (ssm_tree.py), so one bin
+carries a `HybridPlan`: its `AttentionPlan` plus its `SegmentPlan`, built once
+by the backend and used by every layer. Parameter names are the checkpoint
+family's own (`backbone.*` for Nemotron-H, `model.*` for Bamba). Compiled or
+recomputed layers (Tuning's compile_layers / recompute) are attention-decoder
+levers and are refused here rather than silently ignored.
+
+Legend: N tokens, H hidden, Q query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflow.models.attention import AttentionPlan
+from treeflow.models.decoder import MLP, Decoder, RMSNorm
+from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.layer_ops import layer_ops
+from treeflow.models.mamba import Mamba2Mixer
+from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.ssm_tree import SegmentPlan
+from treeflow.models.tuning import Tuning
+
+__all__ = ["HybridDecoder", "HybridPlan"]
+
+
+class HybridPlan:
+    """A bin's tree attention and Mamba segment plan; called like its AttentionPlan."""
+
+    def __init__(self, attention: AttentionPlan, segments: SegmentPlan) -> None:
+        if attention.num_tokens != segments.num_tokens:
+            raise ValueError(f"attention plan for {attention.num_tokens} tokens, segment plan for "
+                             f"{segments.num_tokens}")
+        self.attention, self.segments = attention, segments
+        self.num_tokens, self.kernel = attention.num_tokens, attention.kernel
+        self.device, self.branching = attention.device, attention.branching
+
+    @classmethod
+    def build(cls, attention: AttentionPlan, parents_N, config: HybridConfig,
+              tuning: Tuning) -> HybridPlan:
+        return cls(attention, SegmentPlan(parents_N, chunk_size=config.chunk_size,
+                                          conv_kernel=config.conv_kernel, fork=tuning.ssm_fork,
+                                          state_dtype=tuning.ssm_state_dtype,
+                                          device=attention.device))
+
+    def __call__(self, q, k, v):
+        return self.attention(q, k, v)
+
+    def __repr__(self) -> str:
+        s = self.segments
+        return (f"HybridPlan({self.attention!r}, segments={s.segments}, launches={s.launches}, "
+                f"fork={s.fork!r}, state_dtype={s.state_dtype})")
+
+
+class NemotronHNorm(RMSNorm):
+    """Nemotron-H's RMSNorm: the weight multiply stays in float32, then the cast."""
+
+    def forward(self, x_NH):
+        dtype = x_NH.dtype
+        x = x_NH.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+class HybridAttention(nn.Module):
+    """GQA attention over the tree plan; RoPE on the first `rotary_dim` of each head (0: none)."""
+
+    def __init__(self, c: HybridConfig, rotary_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (c.num_attention_heads,
+                                                    c.num_key_value_heads, c.head_dim)
+        self.rotary_dim = rotary_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan):
+        n, r = x_NH.shape[0], self.rotary_dim
+        q_NQD = self.q_proj(x_NH).view(n, self.heads, self.head_dim)
+        k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        if r:
+            q_NQD = torch.cat([apply_rotary(q_NQD[..., :r], cos_ND, sin_ND), q_NQD[..., r:]], -1)
+            k_NKD = torch.cat([apply_rotary(k_NKD[..., :r], cos_ND, sin_ND), k_NKD[..., r:]], -1)
+        out_NQD = plan(q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD)
+        return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
+
+
+class ReluSquaredMLP(nn.Module):
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x_NH):
+        return self.down_proj(F.relu(self.up_proj(x_NH)).square())
+
+
+class NemotronHBlock(nn.Module):
+    """Pre-norm, one mixer (Mamba-2, attention or MLP), residual."""
+
+    def __init__(self, c: HybridConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = NemotronHNorm(c.hidden_size, c.rms_norm_eps)
+        self.mixer = {"mamba": lambda: Mamba2Mixer(c), "attention": lambda: HybridAttention(c, 0),
+                      "mlp": lambda: ReluSquaredMLP(c)}[kind]()
+
+    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan):
+        h_NH = self.norm(x_NH.to(self.norm.weight.dtype))
+        if self.kind == "mamba":
+            return x_NH + self.mixer(h_NH, plan.segments)
+        if self.kind == "attention":
+            return x_NH + self.mixer(h_NH, cos_ND, sin_ND, plan)
+        return x_NH + self.mixer(h_NH)
+
+
+class BambaLayer(nn.Module):
+    """Pre-norm Mamba-2 or attention mixer, residual; pre-norm SwiGLU MLP, residual."""
+
+    def __init__(self, c: HybridConfig, kind: str, rotary_dim: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if kind == "mamba":
+            self.mamba = Mamba2Mixer(c)
+        else:
+            self.self_attn = HybridAttention(c, rotary_dim)
+        self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.feed_forward = MLP(c)
+
+    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan):
+        h_NH = self.input_layernorm(x_NH)
+        if self.kind == "mamba":
+            x_NH = x_NH + self.mamba(h_NH, plan.segments)
+        else:
+            x_NH = x_NH + self.self_attn(h_NH, cos_ND, sin_ND, plan)
+        return x_NH + self.feed_forward(self.pre_ff_layernorm(x_NH))
+
+
+class _NemotronHBody(nn.Module):
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(c, t) for t in c.layer_types)
+        self.norm_f = NemotronHNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class _BambaBody(nn.Module):
+    def __init__(self, c: HybridConfig, rotary_dim: int) -> None:
+        super().__init__()
+        pad = c.hf_extras.get("pad_token_id")
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
+                                         padding_idx=pad if isinstance(pad, int) else None)
+        self.layers = nn.ModuleList(BambaLayer(c, t, rotary_dim) for t in c.layer_types)
+        self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class HybridDecoder(Decoder):
+    """A Mamba-2 hybrid: `forward` -> final-normed hidden states, `project` -> logits.
+
+    frozen_tensors: tensors the checkpoint holds that are never run nor trained (MTP
+    layers, mtp.py), kept in their stored dtype on the host and saved back unchanged.
+    """
+
+    def __init__(self, config: HybridConfig) -> None:
+        nn.Module.__init__(self)
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"HybridDecoder needs a HybridConfig, got {type(config).__name__}")
+        self.config = config
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        if config.architecture == "NemotronHForCausalLM":
+            self.backbone = _NemotronHBody(config)
+            self._rotary = None
+        else:
+            self.model = _BambaBody(config, rotary_dim)
+            self._rotary = Rotary(rotary_dim, config.rope_theta)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.frozen_tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def _body(self) -> nn.Module:
+        return self.backbone if self._rotary is None else self.model
+
+    @property
+    def _embed(self) -> nn.Embedding:
+        body = self._body
+        return body.embeddings if hasattr(body, "embeddings") else body.embed_tokens
+
+    @property
+    def output_weight_VH(self) -> torch.Tensor:
+        return self._embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor, attention: HybridPlan,
+                tuning: Tuning | None = None) -> torch.Tensor:
+        if not isinstance(attention, HybridPlan):
+            raise ValueError(f"{self.config.architecture} has Mamba-2 layers and needs a "
+                             "HybridPlan (the bin's parents give each segment its state); build "
+                             "the plan with ReferenceBackend.attention_plan, got "
+                             f"{type(attention).__name__}")
+        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
+            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
+                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
+        if tokens_N.shape[0] != attention.num_tokens:
+            raise ValueError(f"plan is for {attention.num_tokens} tokens, got {tokens_N.shape[0]}")
+        if layer_ops(tuning, tokens_N.device) is not None:
+            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for the hybrid "
+                             f"{self.config.architecture}; leave them off (got {tuning})")
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        self.check_supported(kernel=attention.kernel, device=attention.device,
+                             requires_grad=requires_grad, branching=attention.branching)
+        x_NH = self._embed(tokens_N)
+        cos_ND = sin_ND = None
+        if self._rotary is not None:
+            cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
+        for layer in self._body.layers:
+            x_NH = layer(x_NH, cos_ND, sin_ND, attention)
+        norm = self._body.norm_f if hasattr(self._body, "norm_f") else self._body.final_layernorm
+        return norm(x_NH)
