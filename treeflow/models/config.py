@@ -117,7 +117,8 @@ class ModelConfig:
         from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
 
         archs = d.get("architectures") or ()
-        if ((archs and archs[0] in HYBRID_ARCHITECTURES)
+        first = archs[0] if isinstance(archs, list) and archs else None
+        if ((isinstance(first, str) and first in HYBRID_ARCHITECTURES)
                 or (not archs and d.get("model_type") in HYBRID_ARCHITECTURES.values())):
             return HybridConfig.from_hf_dict(d)
         arch = _architecture(d)

@@ -187,6 +187,7 @@ class HybridDecoder(Decoder):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.frozen_tensors: dict[str, torch.Tensor] = {}
+        self.route_tally = None  # no MoE layers: nothing to tally (Decoder.take_route_tally)
 
     @property
     def _body(self) -> nn.Module:
@@ -202,7 +203,11 @@ class HybridDecoder(Decoder):
         return self._embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor, attention: HybridPlan,
-                tuning: Tuning | None = None) -> torch.Tensor:
+                tuning: Tuning | None = None, routes_NW: torch.Tensor | None = None,
+                replay: bool = True, aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
+        """As Decoder.forward; the MoE arguments are accepted for the one backend call and have
+        nothing to act on (a hybrid with MoE blocks is refused at config time)."""
+        del routes_NW, replay, aux_weights_N
         if not isinstance(attention, HybridPlan):
             raise ValueError(f"{self.config.architecture} has Mamba-2 layers and needs a "
                              "HybridPlan (the bin's parents give each segment its state); build "
