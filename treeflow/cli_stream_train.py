@@ -168,7 +168,9 @@ def _stream_train(args, queue, dp) -> dict | None:
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
     # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+    from treeflow.cli_rl import advantage_stages, first_step_checks
+
+    pipe = Pipeline(*advantage_stages(args), Pack(layout=args.layout, scope=args.scope),
                     Fragment(max_tokens=args.max_tokens, ranks=world),
                     *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
     options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
@@ -234,6 +236,8 @@ def _stream_train(args, queue, dp) -> dict | None:
                            version_lag_max=float(lag.max()) if len(lag) else None,
                            seconds=round(time.perf_counter() - t0, 3))
                 dropped = shown.dropped_stale
+                if not rows and lead:
+                    first_step_checks(row, args, _note)
                 if on_ray:   # the rank wrote them
                     announce_weights(queue, root, steps, rec.stats["weights"])
                 else:

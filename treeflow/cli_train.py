@@ -29,6 +29,7 @@ import time
 
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
+from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks
 
 
 def _note(message: str) -> None:
@@ -177,8 +178,9 @@ def _train(args, *, distributed: bool) -> int:
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
     shard = (Shard(num_ranks=dp.world),) if dp.distributed else ()
+    advantage = advantage_stages(args)
     # each rank's share of whole layouts is packed on its own (stages/_deal.py); Shard keeps it
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+    pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
                     Fragment(max_tokens=args.max_tokens, ranks=dp.world), *shard, forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens, shard_params=args.shard_params)
@@ -200,7 +202,7 @@ def _train(args, *, distributed: bool) -> int:
         trainer = Trainer(forward, reduce, **options)
     trainer.run = run
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                  vocab_size=forward.vocab_size_hint(), cycle=True)
+                  vocab_size=forward.vocab_size_hint(), cycle=True, whole_groups=bool(advantage))
     todo = args.steps - trainer.steps
     if todo <= 0:
         if lead:
@@ -226,6 +228,8 @@ def _train(args, *, distributed: bool) -> int:
                 recompiles += rec.stats.get("recompiles", 0)
                 row = rec.output.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
+                if not rows and lead:
+                    first_step_checks(row, args, note)
                 rows.append(row)
                 trainer.position = rec.position
                 if metrics_file:
@@ -269,10 +273,11 @@ def _train_ray(args) -> int:
         raise ValueError("--engine ray --mode train saves only at the end (--save) and does not "
                          "resume yet; use --engine local for --resume/--save-every")
     forward, reduce = _stages(args)
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
-                    forward, reduce)
+    advantage = advantage_stages(args)
+    pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
+                    Fragment(max_tokens=args.max_tokens), forward, reduce)
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                  vocab_size=forward.vocab_size_hint(), cycle=True)
+                  vocab_size=forward.vocab_size_hint(), cycle=True, whole_groups=bool(advantage))
     rows = []
     t0 = time.perf_counter()
     compile_seconds = 0.0
@@ -282,6 +287,8 @@ def _train_ray(args) -> int:
             compile_seconds += rec.stats.get("compile_seconds", 0.0)
             row = rec.output.to_pylist()[0]
             row["seconds"] = round(time.perf_counter() - t0, 3)
+            if not rows:
+                first_step_checks(row, args, _note)
             rows.append(row)
             advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
     if args.metrics:
@@ -354,6 +361,7 @@ def add_train_options(p) -> None:
                    help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
+    add_rl_options(p)
 
 
 __all__ = ["add_train_options", "cmd_train"]

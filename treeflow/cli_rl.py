@@ -1,0 +1,61 @@
+"""RL options of `replay --mode train` and `stream --mode train`: advantages from rewards.
+
+Kept apart from cli_train.py so the training loops only ask for `advantage_stages(args)`
+(a tuple to put before Pack) and `first_step_checks(row)`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_rl_options(p) -> None:
+    g = p.add_argument_group("advantages (--mode train)")
+    g.add_argument("--advantage", choices=("grpo", "rloo", "none"), default=None,
+                   help="compute each episode's advantage from 'reward' within its group: grpo "
+                        "(r - mean) / (std + eps), rloo r - mean of the others, none: use the "
+                        "episodes' stored 'advantage' (default: the stored one)")
+    g.add_argument("--no-std-normalize", dest="std_normalize", action="store_false",
+                   help="grpo without the division by the group's std (Dr. GRPO)")
+    g.add_argument("--advantage-eps", type=float, default=1e-6,
+                   help="grpo: eps added to the group's std")
+
+
+def advantage_stages(args) -> tuple:
+    """(Advantage(...),) when --advantage computes one, else (); refuses options without effect."""
+    from treeflow.stages.advantage import Advantage
+
+    estimator = getattr(args, "advantage", None)
+    if estimator in (None, "none"):
+        if not args.std_normalize or args.advantage_eps != 1e-6:
+            raise ValueError("--no-std-normalize/--advantage-eps shape --advantage grpo; give "
+                             "--advantage grpo or drop them")
+        return ()
+    if estimator != "grpo" and (not args.std_normalize or args.advantage_eps != 1e-6):
+        raise ValueError(f"--no-std-normalize/--advantage-eps are grpo options; --advantage "
+                         f"{estimator} takes neither")
+    if args.advantage_eps < 0:
+        raise ValueError(f"--advantage-eps {args.advantage_eps}: give a number >= 0")
+    return (Advantage(estimator=estimator, std_normalize=args.std_normalize,
+                      eps=args.advantage_eps),)
+
+
+_RATIO_LOW, _RATIO_HIGH = 0.1, 10.0
+
+
+def first_step_checks(row: dict, args, note=None) -> None:
+    """Warn when the first step's importance ratio is far from 1: the data's generation
+    logprobs are not this model's (synth episodes, another checkpoint, another tokenizer)."""
+    ratio = row.get("ratio_mean")
+    if ratio is None or getattr(args, "loss", None) != "pg":
+        return
+    if not (_RATIO_LOW <= ratio <= _RATIO_HIGH):
+        (note or (lambda m: print(m, file=sys.stderr)))(
+            f"warning: step {row.get('step')}: ratio_mean {ratio:.3g} is far from 1 -- the "
+            "episodes' generation_logprobs are not this model's (synth episodes carry made-up "
+            "ones; or another checkpoint/tokenizer sampled them), so --loss pg clips most tokens "
+            "and learns little; train on the policy's own rollouts (treeflow rollout) or use "
+            "--loss nll")
+
+
+__all__ = ["add_rl_options", "advantage_stages", "first_step_checks"]
