@@ -58,4 +58,19 @@ def first_step_checks(row: dict, args, note=None) -> None:
             "--loss nll")
 
 
-__all__ = ["add_rl_options", "advantage_stages", "first_step_checks"]
+def step_size_checks(row: dict, args, note, said: set) -> None:
+    """Say (once each) when a step trained another number of episodes than --batch-episodes."""
+    want, got = getattr(args, "batch_episodes", None), row.get("episodes")
+    if want is None or got is None or got == want:
+        return
+    kind = "more" if got > want else "fewer"
+    if kind in said:
+        return
+    said.add(kind)
+    why = ("a step holds whole groups, so the window was rounded up to the end of a group"
+           if kind == "more" else
+           "a step does not cross the end of the data (the file, or what the queue held)")
+    note(f"warning: --batch-episodes {want}: step {row.get('step')} trained {got} episodes; {why}")
+
+
+__all__ = ["add_rl_options", "advantage_stages", "first_step_checks", "step_size_checks"]

@@ -29,7 +29,7 @@ import time
 
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
-from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks
+from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks, step_size_checks
 
 
 def _note(message: str) -> None:
@@ -216,7 +216,7 @@ def _train(args, *, distributed: bool) -> int:
         from treeflow.io import TensorBoardLog
 
         tensorboard = TensorBoardLog(args.tensorboard)
-    rows = []
+    rows, said = [], set()
     compile_seconds, recompiles = 0.0, 0
     saved_at = None
     t0 = time.perf_counter()
@@ -230,6 +230,7 @@ def _train(args, *, distributed: bool) -> int:
                 row["seconds"] = round(time.perf_counter() - t0, 3)
                 if not rows and lead:
                     first_step_checks(row, args, note)
+                step_size_checks(row, args, note, said)
                 rows.append(row)
                 trainer.position = rec.position
                 if metrics_file:
