@@ -380,13 +380,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_plan)
 
+    from treeflow.cli_config import add_config_flags
+
+    add_config_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from treeflow._errors import debug_wanted, run
 
-    args = build_parser().parse_args(argv)
+    from treeflow.cli_config import apply_config, print_config
+
+    parser = build_parser()
+    args = run(lambda a: apply_config(parser, a), argv, debug=debug_wanted(
+        "--debug" in (argv if argv is not None else sys.argv[1:])))
+    if isinstance(args, int):  # the config file was refused (a one-line error)
+        return args
+    if getattr(args, "print_config", False):
+        return print_config(args)
     return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))
 
 

@@ -19,12 +19,34 @@ def add_rl_options(p) -> None:
                    help="grpo without the division by the group's std (Dr. GRPO)")
     g.add_argument("--advantage-eps", type=float, default=1e-6,
                    help="grpo: eps added to the group's std")
+    g.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="entropy bonus: the loss subtracts this times the mean entropy of the "
+                        "sampled tokens' distributions (the forward also computes entropies)")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL penalty against a reference policy; refused above 0 for now: the "
+                        "reference logprobs (a --ref-model) are not computed by the CLI yet")
+
+
+def check_loss_options(args) -> None:
+    """Refuse the loss flags the CLI cannot honour (before any model is built)."""
+    import math
+
+    for flag in ("entropy_coef", "kl_coef"):
+        value = getattr(args, flag, 0.0)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: give a finite number >= 0")
+    if getattr(args, "kl_coef", 0.0) > 0:
+        raise ValueError(f"--kl-coef {args.kl_coef}: the KL penalty needs the reference "
+                         "policy's logprobs of every sampled token, and the command line does "
+                         "not compute them yet (no --ref-model); from Python pass "
+                         "Loss(kl_coef=...) and Trainer.train_step(..., ref_logprobs=TABLE)")
 
 
 def advantage_stages(args) -> tuple:
     """(Advantage(...),) when --advantage computes one, else (); refuses options without effect."""
     from treeflow.stages.advantage import Advantage
 
+    check_loss_options(args)
     estimator = getattr(args, "advantage", None)
     if estimator in (None, "none"):
         if not args.std_normalize or args.advantage_eps != 1e-6:
@@ -73,4 +95,4 @@ def step_size_checks(row: dict, args, note, said: set) -> None:
     note(f"warning: --batch-episodes {want}: step {row.get('step')} trained {got} episodes; {why}")
 
 
-__all__ = ["add_rl_options", "advantage_stages", "first_step_checks", "step_size_checks"]
+__all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "first_step_checks", "step_size_checks"]

@@ -159,9 +159,10 @@ def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.train import Trainer
     from treeflow.train.run import STEP_OPTIONS, differences
 
-    forward = forward_stage(args)
+    forward = forward_stage(args, entropy=bool(args.entropy_coef))
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
-                              clip_high=args.clip_high, tis_cap=args.tis_cap),
+                              clip_high=args.clip_high, tis_cap=args.tis_cap,
+                              entropy_coef=args.entropy_coef),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                              decay_episodes=args.decay_episodes),
                     max_grad_norm=args.max_grad_norm)
@@ -191,7 +192,10 @@ def _stream_train(args, queue, dp) -> dict | None:
         trainer = Trainer(forward, reduce, **options)
     steps = trainer.steps if trainer else 0
     if trainer:
+        from treeflow.cli_config import resolved_config
+
         trainer.run = run
+        trainer.config = resolved_config(args)  # in every checkpoint
     todo = None if args.steps is None else args.steps - steps
     if todo is not None and todo <= 0:
         return {"steps": steps, "note": f"the checkpoint has >= --steps {args.steps}"}

@@ -29,6 +29,7 @@ import time
 
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
+from treeflow.cli_config import resolved_config
 from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks, step_size_checks
 
 
@@ -151,9 +152,11 @@ def _stages(args):
 
     forward = Forward(model=model_dir(args.model), backend=args.backend, dtype=args.dtype,
                       kernel=args.kernel, chunk_size=args.chunk_size,
-                      tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning))
+                      tensor_parallel=args.tensor_parallel, tuning=Tuning.parse(args.tuning),
+                      entropy=bool(args.entropy_coef))
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
-                              clip_high=args.clip_high, tis_cap=args.tis_cap),
+                              clip_high=args.clip_high, tis_cap=args.tis_cap,
+                              entropy_coef=args.entropy_coef),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                              decay_episodes=args.decay_episodes),
                     max_grad_norm=args.max_grad_norm)
@@ -201,6 +204,7 @@ def _train(args, *, distributed: bool) -> int:
     else:
         trainer = Trainer(forward, reduce, **options)
     trainer.run = run
+    trainer.config = {**resolved_config(args), "files": list(args.files)}  # in every checkpoint
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True, whole_groups=bool(advantage))
     todo = args.steps - trainer.steps

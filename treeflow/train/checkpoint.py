@@ -59,6 +59,7 @@ from treeflow.tensorfile import write_safetensors, written_sha256
 
 LATEST = "latest"
 LATEST_RECORD = "latest.txt"
+CONFIG_JSON = "config.treeflow.json"  # the resolved command-line options (trainer.config)
 # what an inference engine or transformers needs beside config.json + weights, copied from the
 # source --model directory into every step directory when present
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -131,6 +132,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
                      group=group)  # ends with a barrier
         if lead:
             copy_model_files(_source_model(trainer), tmp)
+            _write_config(tmp, getattr(trainer, "config", None))
             _write_state_and_manifest(tmp, state)
             commit_dir(tmp, final)
     except BaseException:
@@ -158,6 +160,7 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
         return None
     root, name, final, state = _begin(trainer, root, keep)
     source = _source_model(trainer)
+    config = getattr(trainer, "config", None)
     tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
     state["optimizer"] = {"param_groups": groups, "scalars": scalars}
 
@@ -169,6 +172,7 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
             write_safetensors(os.path.join(tmp, OPTIMIZER), sorted(tensors.items()),
                               metadata={"format": "pt"})
             copy_model_files(source, tmp)
+            _write_config(tmp, config)
             _write_state_and_manifest(tmp, state)
         _commit_latest(root, name, keep)
         return final
@@ -269,6 +273,12 @@ def _layout(trainer) -> dict:
     return {"backend": getattr(getattr(trainer, "backend", None), "name", None),
             "tensor_parallel": _tensor_parallel(trainer),
             "data_parallel": dp.world if dp is not None else 1}
+
+
+def _write_config(tmp: str, config: dict | None) -> None:
+    if config is not None:
+        with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
+            json.dump(config, f, indent=1, sort_keys=True)
 
 
 def _write_state_and_manifest(tmp: str, state: dict) -> None:
