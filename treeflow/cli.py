@@ -381,8 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_plan)
 
     from treeflow.cli_config import add_config_flags
+    from treeflow.cli_help import finish_parser
 
     add_config_flags(p)
+    finish_parser(p)
     return p
 
 

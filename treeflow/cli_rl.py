@@ -27,9 +27,37 @@ def add_rl_options(p) -> None:
                         "reference logprobs (a --ref-model) are not computed by the CLI yet")
 
 
+def check_train_numbers(args) -> None:
+    """Refuse an impossible training number by its flag (not by the stage it would reach)."""
+    import math
+
+    def bad(flag, value, want):
+        raise ValueError(f"--{flag} {value}: {want}")
+
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps < 1:
+        bad("steps", steps, "give the total number of optimizer steps, >= 1")
+    for flag, low, strict in (("lr", 0.0, False), ("max_grad_norm", 0.0, True),
+                              ("clip_high", 0.0, False), ("warmup_episodes", 0, False)):
+        value = getattr(args, flag, None)
+        if value is not None and (not math.isfinite(value) or value < low or
+                                  (strict and value == low)):
+            bad(flag.replace("_", "-"), value,
+                f"give a finite number {'>' if strict else '>='} {low}")
+    clip_low = getattr(args, "clip_low", None)
+    if clip_low is not None and not 0 <= clip_low < 1:
+        bad("clip-low", clip_low, "give a number in [0, 1) (the ratio is clipped at 1 - clip-low)")
+    for flag in ("decay_episodes", "tis_cap"):
+        value = getattr(args, flag, None)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            bad(flag.replace("_", "-"), value, "give a number > 0, or leave it out")
+
+
 def check_loss_options(args) -> None:
     """Refuse the loss flags the CLI cannot honour (before any model is built)."""
     import math
+
+    check_train_numbers(args)
 
     for flag in ("entropy_coef", "kl_coef"):
         value = getattr(args, flag, 0.0)
@@ -95,4 +123,4 @@ def step_size_checks(row: dict, args, note, said: set) -> None:
     note(f"warning: --batch-episodes {want}: step {row.get('step')} trained {got} episodes; {why}")
 
 
-__all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "first_step_checks", "step_size_checks"]
+__all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "check_train_numbers", "first_step_checks", "step_size_checks"]

@@ -41,8 +41,10 @@ def _note(message: str) -> None:
 def _check_options(args) -> None:
     """Refuse impossible options before any model is built or file touched."""
     from treeflow.atomic import check_output, refuse_inputs
+    from treeflow.cli_rl import check_loss_options
     from treeflow.schemas.episode import expand_paths
 
+    check_loss_options(args)  # each number by its flag, --steps before --batch-episodes
     if args.batch_episodes is None or args.batch_episodes < 1:
         raise ValueError(f"--batch-episodes {args.batch_episodes}: --mode train needs "
                          "--batch-episodes B >= 1 (episodes per optimizer step)")
