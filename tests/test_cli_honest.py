@@ -82,3 +82,11 @@ def test_training_numbers_are_refused_by_their_flag(data, capsys, flag, value, n
     assert main(["replay", data, "--mode", "train", flag, value]) == 2
     err = capsys.readouterr().err
     assert needle in err and "EpisodeSchedule(" not in err and "Reduce(" not in err, err
+
+
+def test_idle_ranks_are_said():
+    from treeflow.cli_help import idle_ranks_warning
+
+    said = idle_ranks_warning("ray", 2, 1)
+    assert said.startswith("warning: --ranks 2: the run made 1 bin(s)")
+    assert idle_ranks_warning("ray", 2, 2) is None and idle_ranks_warning("local", 2, 1) is None

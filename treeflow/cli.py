@@ -256,6 +256,10 @@ def _replay(args) -> int:
         sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if not lead:
         return 0
+    from treeflow.cli_help import idle_ranks_warning
+
+    if (idle := idle_ranks_warning(args.engine, args.ranks, sums["bins"])) is not None:
+        print(idle, file=sys.stderr)
     if args.tensor_parallel > 1:
         sums["tensor_parallel"] = args.tensor_parallel
     if args.json:
