@@ -165,3 +165,20 @@ def test_advantage_reaches_the_step(tmp_path):
     assert a == pytest.approx(b, rel=1e-5, abs=1e-7) and a != 0.0
     with pytest.raises(TypeError, match="Pack produces layout/1 rows but Advantage takes"):
         Pipeline(Pack(), Advantage(), Fragment(max_tokens=4096))
+
+
+def test_stream_train_computes_advantages(tmp_path, capsys):
+    """stream --mode train --advantage grpo on queue steps of whole groups (converted episodes
+    without an advantage: refused without the flag, trained with it)."""
+    _rollouts(tmp_path / "r.jsonl")
+    ep = str(tmp_path / "e.arrow")
+    assert main(["convert", str(tmp_path / "r.jsonl"), "-o", ep, "--format", "openai",
+                 "--episode-id-field", "id", "--group-id-field", "group",
+                 "--reward-field", "reward", "--quiet"]) == 0
+    base = ["stream", "--from", ep, "--mode", "train", "--loss", "pg", "--batch-episodes", "4",
+            "--json"]
+    assert main(base) == 2
+    assert "'advantage' is missing" in capsys.readouterr().err
+    assert main([*base, "--advantage", "rloo"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["episodes"] == 8
