@@ -229,6 +229,23 @@ def _file_case(kind):
         if kind == "resume-not-checkpoint":
             (tmp / "ck").mkdir()
             return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "not a treeflow training"]
+        if kind == "advantage-no-reward":
+            rs = [dict(r, reward=None, advantage=None) for r in rows()]
+            return ["replay", write_rows(tmp / "nr.arrow", rs), *TRAIN, "--advantage", "grpo"], \
+                ["'reward' is missing", "--advantage grpo"]
+        if kind == "group-split":
+            rs = rows()
+            rs = [rs[0], rs[2], rs[1], rs[3]]  # g0 g1 g0 g1: each group in two steps
+            return ["replay", write_rows(tmp / "gs.arrow", rs), *TRAIN, "--advantage", "rloo"], \
+                ["group 'g0'", "next to each other"]
+        if kind == "config-unknown-key":
+            (tmp / "run.yaml").write_text("batch_episode: 2\n")
+            return ["replay", good, "--config", tmp / "run.yaml"], \
+                ["run.yaml", "did you mean --batch-episodes?"]
+        if kind == "lr-negative":
+            return ["replay", good, *TRAIN, "--lr", "-1"], ["--lr -1.0"]
+        if kind == "kl-coef":
+            return ["replay", good, *TRAIN, "--kl-coef", "0.1"], ["--kl-coef 0.1", "reference"]
         raise AssertionError(kind)
     return setup
 
@@ -238,7 +255,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
-         "metrics-exists", "resume-missing", "resume-not-checkpoint"]
+         "metrics-exists", "resume-missing", "resume-not-checkpoint", "advantage-no-reward",
+         "group-split", "config-unknown-key", "lr-negative", "kl-coef"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -122,9 +122,10 @@ def group_advantages(rewards, group_ids, *, estimator: str = "grpo", std_normali
     sizes = np.diff(np.append(starts, n))
     if (sizes < 2).any():
         g = int(np.flatnonzero(sizes < 2)[0])
-        raise ValueError(f"group {run_ids[g]!r} has one episode in this window; --advantage "
+        raise ValueError(f"group {run_ids[g]!r} has one episode in this step; --advantage "
                          f"{estimator} compares an episode with the rest of its group, so give "
-                         "groups of >= 2 episodes (or whole groups in each step)")
+                         "groups of >= 2 episodes, each group's episodes next to each other in "
+                         "the data (a group split over steps is refused)")
     group_E = np.repeat(np.arange(len(sizes)), sizes)
     size_E = sizes[group_E].astype(np.float64)
     mean_E = (np.bincount(group_E, weights=r_E) / sizes)[group_E]
