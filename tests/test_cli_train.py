@@ -38,7 +38,7 @@ def test_metrics_checkpoint_and_resume(data, tmp_path, capsys):
     train(data, tmp_path, "--steps", "2", "--save", str(half))
     train(data, tmp_path, "--steps", "4", "--resume", str(half), "--save", str(half))
     capsys.readouterr()
-    assert (full / "latest").read_text() == "step-000004\n" == (half / "latest").read_text()
+    assert (full / "latest.txt").read_text() == "step-000004\n" == (half / "latest.txt").read_text()
     a = load_file(full / "step-000004" / "model.safetensors")
     b = load_file(half / "step-000004" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -67,7 +67,7 @@ def test_two_ranks_train_write_one_checkpoint_that_one_rank_resumes(data, tmp_pa
     assert [(r["step"], r["ranks"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["rank_seconds_max"] >= r["rank_seconds_mean"] > 0 for r in rows)
     step = ckpt / "step-000002"
-    assert (ckpt / "latest").read_text() == "step-000002\n"
+    assert (ckpt / "latest.txt").read_text() == "step-000002\n"
     assert (step / "dcp" / ".metadata").is_file() and (step / "model.safetensors").is_file()
     assert json.load(open(step / "trainer.json"))["position"] == {"episodes": 4, "passes": 0}
     train(data, tmp_path, "--steps", "3", "--resume", str(ckpt), "--save", str(tmp_path / "one"))

@@ -313,6 +313,10 @@ def _replay(args) -> int:
         group.close()
     if not lead:
         return 0
+    from treeflow.cli_help import idle_ranks_warning
+
+    if (idle := idle_ranks_warning(args.engine, args.ranks, sums["bins"])) is not None:
+        print(idle, file=sys.stderr)
     if args.tensor_parallel > 1:
         sums["tensor_parallel"] = args.tensor_parallel
     if args.context_parallel > 1:
@@ -469,13 +473,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_plan)
 
+    from treeflow.cli_config import add_config_flags
+    from treeflow.cli_help import finish_parser
+
+    add_config_flags(p)
+    finish_parser(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from treeflow._errors import debug_wanted, run
 
-    args = build_parser().parse_args(argv)
+    from treeflow.cli_config import apply_config, print_config
+
+    parser = build_parser()
+    args = run(lambda a: apply_config(parser, a), argv, debug=debug_wanted(
+        "--debug" in (argv if argv is not None else sys.argv[1:])))
+    if isinstance(args, int):  # the config file was refused (a one-line error)
+        return args
+    if getattr(args, "print_config", False):
+        return print_config(args)
     return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))
 
 

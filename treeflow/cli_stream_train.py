@@ -163,16 +163,19 @@ def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.train import Trainer
     from treeflow.train.run import STEP_OPTIONS, differences
 
-    forward = forward_stage(args)
+    forward = forward_stage(args, entropy=bool(args.entropy_coef))
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
-                              clip_high=args.clip_high, tis_cap=args.tis_cap),
+                              clip_high=args.clip_high, tis_cap=args.tis_cap,
+                              entropy_coef=args.entropy_coef),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                              decay_episodes=args.decay_episodes),
                     max_grad_norm=args.max_grad_norm)
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
     # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+    from treeflow.cli_rl import advantage_stages, first_step_checks
+
+    pipe = Pipeline(*advantage_stages(args), Pack(layout=args.layout, scope=args.scope),
                     Fragment(max_tokens=args.max_tokens, ranks=world),
                     *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
     options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
@@ -193,7 +196,10 @@ def _stream_train(args, queue, dp) -> dict | None:
         trainer = Trainer(forward, reduce, **options)
     steps = trainer.steps if trainer else 0
     if trainer:
+        from treeflow.cli_config import resolved_config
+
         trainer.run = run
+        trainer.config = resolved_config(args)  # in every checkpoint
     todo = None if args.steps is None else args.steps - steps
     if todo is not None and todo <= 0:
         return {"steps": steps, "note": f"the checkpoint has >= --steps {args.steps}"}
@@ -238,6 +244,8 @@ def _stream_train(args, queue, dp) -> dict | None:
                            version_lag_max=float(lag.max()) if len(lag) else None,
                            seconds=round(time.perf_counter() - t0, 3))
                 dropped = shown.dropped_stale
+                if not rows and lead:
+                    first_step_checks(row, args, _note)
                 if on_ray:   # the rank wrote them
                     announce_weights(queue, root, steps, rec.stats["weights"])
                 else:

@@ -31,6 +31,8 @@ import time
 
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _progress, _table
+from treeflow.cli_config import resolved_config
+from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks, step_size_checks
 
 
 def _note(message: str) -> None:
@@ -41,8 +43,10 @@ def _note(message: str) -> None:
 def _check_options(args) -> None:
     """Refuse impossible options before any model is built or file touched."""
     from treeflow.atomic import check_output, refuse_inputs
+    from treeflow.cli_rl import check_loss_options
     from treeflow.schemas.episode import expand_paths
 
+    check_loss_options(args)  # each number by its flag, --steps before --batch-episodes
     if args.batch_episodes is None or args.batch_episodes < 1:
         raise ValueError(f"--batch-episodes {args.batch_episodes}: --mode train needs "
                          "--batch-episodes B >= 1 (episodes per optimizer step)")
@@ -169,9 +173,11 @@ def _stages(args):
                       tensor_parallel=args.tensor_parallel,
                       context_parallel=args.context_parallel,
                       tuning=Tuning.parse(args.tuning, **ssm_flags(args)),
-                      routing=args.routing, allow_nonfinite=args.allow_nonfinite)
+                      routing=args.routing, allow_nonfinite=args.allow_nonfinite,
+                      entropy=bool(args.entropy_coef))
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
-                              clip_high=args.clip_high, tis_cap=args.tis_cap),
+                              clip_high=args.clip_high, tis_cap=args.tis_cap,
+                              entropy_coef=args.entropy_coef),
                     schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                              decay_episodes=args.decay_episodes),
                     max_grad_norm=args.max_grad_norm)
@@ -212,8 +218,9 @@ def _train(args, *, distributed: bool) -> int:
         lead = rank == 0 and tp_rank == 0
     note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
+    advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica
-    pipe = Pipeline(*plan_stages(args, dp.replicas, dp.replica), forward, reduce)
+    pipe = Pipeline(*advantage, *plan_stages(args, dp.replicas, dp.replica), forward, reduce)
     options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                    pad_to=args.max_tokens, shard_params=args.shard_params)
     run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
@@ -234,9 +241,10 @@ def _train(args, *, distributed: bool) -> int:
     else:
         trainer = Trainer(forward, reduce, **options)
     trainer.run = run
+    trainer.config = {**resolved_config(args), "files": list(args.files)}  # in every checkpoint
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
-                  route_width=forward.route_width_hint())
+                  route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     todo = args.steps - trainer.steps
     if todo <= 0:
         if lead:
@@ -250,7 +258,7 @@ def _train(args, *, distributed: bool) -> int:
         from treeflow.io import TensorBoardLog
 
         tensorboard = TensorBoardLog(args.tensorboard)
-    rows = []
+    rows, said = [], set()
     compile_seconds, recompiles = 0.0, 0
     saved_at = None
     t0 = time.perf_counter()
@@ -262,6 +270,9 @@ def _train(args, *, distributed: bool) -> int:
                 recompiles += rec.stats.get("recompiles", 0)
                 row = rec.output.to_pylist()[0]
                 row["seconds"] = round(time.perf_counter() - t0, 3)
+                if not rows and lead:
+                    first_step_checks(row, args, note)
+                step_size_checks(row, args, note, said)
                 rows.append(row)
                 trainer.position = rec.position
                 if metrics_file:
@@ -305,11 +316,12 @@ def _train_ray(args) -> int:
         raise ValueError("--engine ray --mode train saves only at the end (--save) and does not "
                          "resume yet; use --engine local for --resume/--save-every")
     forward, reduce = _stages(args)
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
-                    forward, reduce)
+    advantage = advantage_stages(args)
+    pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
+                    Fragment(max_tokens=args.max_tokens), forward, reduce)
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
-                  route_width=forward.route_width_hint())
+                  route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     rows = []
     t0 = time.perf_counter()
     compile_seconds = 0.0
@@ -319,6 +331,8 @@ def _train_ray(args) -> int:
             compile_seconds += rec.stats.get("compile_seconds", 0.0)
             row = rec.output.to_pylist()[0]
             row["seconds"] = round(time.perf_counter() - t0, 3)
+            if not rows:
+                first_step_checks(row, args, _note)
             rows.append(row)
             advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
     if args.metrics:
@@ -394,6 +408,7 @@ def add_train_options(p) -> None:
                    help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
+    add_rl_options(p)
 
 
 __all__ = ["add_train_options", "cmd_train", "plan_stages"]

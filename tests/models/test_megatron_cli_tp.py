@@ -112,7 +112,7 @@ def test_tp2_replay_and_training_equal_tp1_and_resume_bit_for_bit(setup, tmp_pat
 
     # --resume from the step-1 checkpoint: each TP rank's shards of the weights and AdamW went
     # through DCP, so step 2 is bit-identical (one rank's shards only, or no AdamW, differ)
-    assert sorted(os.listdir(saved)) == ["latest", "step-000001", "step-000002"]
+    assert sorted(os.listdir(saved)) == ["latest", "latest.txt", "step-000001", "step-000002"]
     resumed_dir = tmp_path / "b"
     resumed_dir.mkdir()
     shutil.copytree(saved / "step-000001", resumed_dir / "step-000001")

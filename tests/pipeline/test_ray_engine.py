@@ -66,7 +66,7 @@ def test_train_one_rank_equals_local_losses_and_weights(ray_cluster, data, tmp_p
     for col in ("loss", "grad_norm", "lr", "scheduler_episodes", "executed_tokens"):
         assert got.column(col).to_pylist() == local.column(col).to_pylist(), col
     # the checkpoint root holds one step directory per save; `latest` names the newest
-    assert (tmp_path / "ckpt" / "latest").read_text() == f"step-{steps:06d}\n"
+    assert (tmp_path / "ckpt" / "latest.txt").read_text() == f"step-{steps:06d}\n"
     saved = load_file(tmp_path / "ckpt" / f"step-{steps:06d}" / "model.safetensors")
     for name, p in trainer.model.state_dict().items():
         assert torch.equal(saved[name], p), name

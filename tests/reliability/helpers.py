@@ -48,7 +48,7 @@ def final_weights(ckpt_dir) -> dict:
     """The model tensors of a checkpoint directory (the step `latest` names, or a flat one)."""
     from safetensors.torch import load_file
 
-    latest = os.path.join(ckpt_dir, "latest")
+    latest = os.path.join(ckpt_dir, "latest.txt")  # the commit record (`latest` is a symlink)
     if os.path.exists(latest):
         with open(latest) as f:
             ckpt_dir = os.path.join(ckpt_dir, f.read().strip())

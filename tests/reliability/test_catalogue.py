@@ -313,6 +313,23 @@ def _file_case(kind):
         if kind == "max-attempts-0":
             return ["stream", "--from", good, "-o", tmp / "o.arrow", "--max-attempts", "0"], \
                 ["--max-attempts 0"]
+        if kind == "advantage-no-reward":
+            rs = [dict(r, reward=None, advantage=None) for r in rows()]
+            return ["replay", write_rows(tmp / "nr.arrow", rs), *TRAIN, "--advantage", "grpo"], \
+                ["'reward' is missing", "--advantage grpo"]
+        if kind == "group-split":
+            rs = rows()
+            rs = [rs[0], rs[2], rs[1], rs[3]]  # g0 g1 g0 g1: each group in two steps
+            return ["replay", write_rows(tmp / "gs.arrow", rs), *TRAIN, "--advantage", "rloo"], \
+                ["group 'g0'", "next to each other"]
+        if kind == "config-unknown-key":
+            (tmp / "run.yaml").write_text("batch_episode: 2\n")
+            return ["replay", good, "--config", tmp / "run.yaml"], \
+                ["run.yaml", "did you mean --batch-episodes?"]
+        if kind == "lr-negative":
+            return ["replay", good, *TRAIN, "--lr", "-1"], ["--lr -1.0"]
+        if kind == "kl-coef":
+            return ["replay", good, *TRAIN, "--kl-coef", "0.1"], ["--kl-coef 0.1", "reference"]
         raise AssertionError(kind)
     return setup
 
@@ -344,6 +361,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
          "context-parallel-0", "context-parallel-megatron", "close-when", "max-attempts-0",
+         "advantage-no-reward", "group-split", "config-unknown-key", "lr-negative", "kl-coef",
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
          "tensorboard-is-input", "config-architectures-nested", "truncated-stream",

@@ -66,7 +66,7 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path, slow_wr
     assert bg.last_timing["save_wait_s"] > 0
     assert bg.wait_for_save() == 0.0
     assert _hashes(path) == _hashes(tmp_path / "sync" / "step-000001")
-    assert open(tmp_path / "bg" / "latest").read().strip() == "step-000001"
+    assert open(tmp_path / "bg" / "latest.txt").read().strip() == "step-000001"
     # and the run goes on as the synchronous one does
     _step(sync, seed=2)
     for (n, a), (_, b) in zip(sync.backend.named_parameters(), bg.backend.named_parameters()):
@@ -118,4 +118,5 @@ def test_a_failed_background_write_is_the_next_call_s_error(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="background checkpoint save failed.*No space left"):
         _step(tr, seed=2)
     assert not os.path.exists(tmp_path / "ck" / "latest")  # nothing half-written was committed
+    assert not os.path.exists(tmp_path / "ck" / "latest.txt")
     assert [n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")] == []

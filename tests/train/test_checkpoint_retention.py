@@ -43,9 +43,9 @@ def _kept(last: int) -> set[int]:
 
 def _committed(root) -> int | None:
     """The step `latest` names (None before the first commit), checked to verify."""
-    if not os.path.exists(os.path.join(root, "latest")):
+    if not os.path.exists(os.path.join(root, "latest.txt")):
         return None
-    with open(os.path.join(root, "latest")) as f:
+    with open(os.path.join(root, "latest.txt")) as f:
         name = f.read().strip()
     log = []
     found = find_checkpoint(str(root), log=log.append)

@@ -187,7 +187,7 @@ def test_ranks_equal_one_rank(ranks, request):
 def test_resume_with_same_ranks_is_bit_identical(resume_and_failure):
     results, ckpt = resume_and_failure
     assert all(r["same"] for r in results) and results[0]["steps_after_resume"] == 1
-    step = os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read().strip())
+    step = os.path.join(ckpt, open(os.path.join(ckpt, "latest.txt")).read().strip())
     assert os.path.isfile(os.path.join(step, "dcp", ".metadata"))
     assert os.path.isfile(os.path.join(step, "model.safetensors"))
     assert os.path.isfile(os.path.join(step, "manifest.json"))  # rank 0 committed it whole

@@ -51,6 +51,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
 
     def prepare(step: int, episodes: pa.Table):
         t0 = time.perf_counter()
+        episodes = plan.episodes(episodes, step=step)
         bins = plan.prepare(episodes, step=step)
         seconds = time.perf_counter() - t0
         prepared = bins

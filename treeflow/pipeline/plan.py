@@ -64,6 +64,9 @@ class Plan:
                 raise ValueError(f"{s.name} follows the accumulator {acc.name}; a per-window "
                                  "accumulator (Reassemble, Reduce) must end the pipeline")
             if s.kind == "map":
+                if getattr(s, "on_episodes", False) and any(
+                        not getattr(m, "on_episodes", False) for m in maps):
+                    raise ValueError(f"{s.name} maps episodes: put it before Pack")
                 if model is not None:
                     raise ValueError(f"{s.name} (a map) follows the model stage {model.name}; "
                                      "maps over bins go before Forward")
@@ -90,11 +93,26 @@ class Plan:
     def trains(self) -> bool:
         return self.accumulate is not None and getattr(self.accumulate, "fuses_model", False)
 
+    def episodes(self, episodes: pa.Table, *, step: int) -> pa.Table:
+        """The window's episodes after the maps over episodes (Advantage), which run first.
+
+        Engines call it before `prepare` and hand its result to the accumulator too, so the
+        training step weighs the bins with the advantages the bins were built from.
+        """
+        for s in self.maps:
+            if getattr(s, "on_episodes", False):
+                episodes = s.map(episodes, step=step)
+        return episodes
+
     def prepare(self, episodes: pa.Table, *, step: int) -> pa.Table:
-        """Run the stateless maps on one window (the CPU half of a window)."""
+        """Run the stateless maps on one window (the CPU half of a window).
+
+        episodes: the window after `episodes()` (the maps over episodes are not run again).
+        """
         data = episodes
         for s in self.maps:
-            data = s.map(data, step=step)
+            if not getattr(s, "on_episodes", False):
+                data = s.map(data, step=step)
         return data
 
     def worker(self, *, device="cpu", model=None, trainer=None) -> Worker:

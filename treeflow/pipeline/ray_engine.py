@@ -151,7 +151,7 @@ def _maps(plan: Plan, ranks: int):
 
     def fn(block: pa.Table):
         w = int(block.column("_window")[0].as_py())
-        episodes = block.drop_columns(["_window"]).cast(EPISODE_SCHEMA)
+        episodes = plan.episodes(block.drop_columns(["_window"]).cast(EPISODE_SCHEMA), step=w)
         bins = plan.prepare(episodes, step=w)
         if bins.num_rows == 0:
             raise ValueError(f"window {w} made no bins; give episodes with tokens")

@@ -64,6 +64,7 @@ def _connect(handle: WorkHandle):
 
 def _prepare(plan: Plan, handle: WorkHandle, window: int, episodes: pa.Table, ranks: int) -> int:
     """A map task: one window's bins into the work queue, one item per rank's shard; its part count."""
+    episodes = plan.episodes(episodes, step=window)
     bins = plan.prepare(episodes, step=window)
     if bins.num_rows == 0:
         raise ValueError(f"window {window} made no bins; give episodes with tokens")

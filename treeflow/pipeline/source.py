@@ -17,14 +17,20 @@ import pyarrow as pa
 from treeflow.schemas.episode import iter_episode_batches
 
 
-def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True) -> Iterator[pa.Table]:
+def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True,
+            groups_once: bool = False) -> Iterator[pa.Table]:
     """Re-cut a stream of episode tables into windows of about `size` rows.
 
     With whole_groups, a window ends at a change of group_id (it may grow past
     `size` to finish a group, never beyond a group of non-contiguous ids).
+    groups_once: refuse a group id that recurs in a later window (its rows not
+    contiguous in the data, so the group would be split over steps).
     """
     if size < 1:
         raise ValueError(f"window size {size!r}: give an int >= 1")
+    if groups_once:
+        yield from _groups_once(windows(batches, size, whole_groups=whole_groups))
+        return
     buf: list[pa.Table] = []
     n = 0
     for t in batches:
@@ -46,6 +52,20 @@ def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True
         yield pa.concat_tables(buf)
 
 
+def _groups_once(wins: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    ended: set = set()
+    for step, window in enumerate(wins):
+        groups = set(window.column("group_id").drop_null().to_pylist())
+        again = groups & ended
+        if again:
+            raise ValueError(f"group {sorted(again)[0]!r} is split over steps (window {step} holds "
+                             "episodes of it after an earlier window ended): group advantages "
+                             "need whole groups in a step; put each group's episodes next to each "
+                             "other in the file")
+        ended |= groups
+        yield window
+
+
 @dataclass(frozen=True, kw_only=True)
 class Files:
     """Stored episode files (paths, directories or globs), validated once as they stream.
@@ -54,6 +74,7 @@ class Files:
     steps, not of passes). `open(state)` gives a reader whose `state_dict()`
     is its position (episodes consumed, over all passes), so a run restarted
     from a saved state reads exactly the windows it would have read next.
+    whole_groups: refuse a group split over windows (group advantages need it).
     """
 
     paths: tuple[str, ...]
@@ -61,6 +82,7 @@ class Files:
     vocab_size: int | None = None
     cycle: bool = False
     route_width: int | None = None  # routed_experts width a replaying MoE model needs
+    whole_groups: bool = False
 
     def __post_init__(self):
         if isinstance(self.paths, str):
@@ -74,7 +96,7 @@ class Files:
     def _one_pass(self) -> Iterator[pa.Table]:
         batches = iter_episode_batches(list(self.paths), batch_rows=min(self.window, 1024),
                                        vocab_size=self.vocab_size, route_width=self.route_width)
-        return windows(batches, self.window)
+        return windows(batches, self.window, groups_once=self.whole_groups)
 
     def open(self, state: dict | None = None) -> FilesReader:
         """A reader of windows, continued from `state` (a reader's `state_dict()`)."""
@@ -109,6 +131,10 @@ class Files:
             while cut < n and groups[cut] is not None and groups[cut] == groups[cut - 1]:
                 cut += 1
             cuts.append(cut)
+        if self.whole_groups:  # the same refusal as iteration's, before any worker reads
+            for _ in _groups_once(pa.table({"group_id": pa.array(groups[a:b], pa.string())})
+                                  for a, b in zip(cuts[:-1], cuts[1:])):
+                pass
         file_start = np.cumsum([0] + [r for _, r in rows])
         out = []
         for a, b in zip(cuts[:-1], cuts[1:]):

@@ -7,6 +7,8 @@ from treeflow._lazy import lazy_exports
 
 _WHERE = {
     "Stage": "base",
+    "Advantage": "advantage",
+    "group_advantages": "advantage",
     "Forward": "forward",
     "Fragment": "fragment",
     "Loss": "losses",

@@ -6,11 +6,18 @@ Layout of a checkpoint root `DIR`:
     DIR/step-000042/optimizer.safetensors            AdamW's per-parameter tensors
     DIR/step-000042/trainer.json                     counters, input position, AdamW's param groups,
                                                      the run's fingerprint
+    DIR/step-000042/tokenizer.json, ...              the source model's tokenizer files, chat
+                                                     template and generation config, when present
     DIR/step-000042/manifest.json                    size and sha256 of every file above
-    DIR/latest                                       the name of the newest complete step directory
+    DIR/latest.txt                                   the name of the newest complete step directory
+    DIR/latest -> step-000042                        a relative symlink to it (from_pretrained,
+                                                     inference engines); a text file like
+                                                     latest.txt where symlinks are refused
 
 A step directory is written under a temporary name, fsynced and renamed into
-place (treeflow.atomic), then `latest` is moved to it -- the commit -- and
+place (treeflow.atomic), then the `latest` symlink and last `latest.txt` are
+moved to it -- the commit, read on resume (older checkpoints' `latest` text
+file still is) -- and
 only then are directories beyond the last `keep` removed: a kill at any
 instant leaves the previous complete checkpoint intact. Loading takes the
 step `latest` names, or when its manifest does not verify the newest older
@@ -55,6 +62,14 @@ from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, 
 from treeflow.tensorfile import write_safetensors, written_sha256
 
 LATEST = "latest"
+LATEST_RECORD = "latest.txt"
+CONFIG_JSON = "config.treeflow.json"  # the resolved command-line options (trainer.config)
+# what an inference engine or transformers needs beside config.json + weights, copied from the
+# source --model directory into every step directory when present
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+               "spiece.model", "chat_template.jinja", "chat_template.json",
+               "generation_config.json", "preprocessor_config.json")
 MANIFEST = "manifest.json"
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_JSON = "trainer.json"
@@ -120,6 +135,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
         save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
                      group=group)  # ends with a barrier
         if lead:
+            copy_model_files(_source_model(trainer), tmp)
+            _write_config(tmp, getattr(trainer, "config", None))
             _write_state_and_manifest(tmp, state)
             commit_dir(tmp, final)
     except BaseException:
@@ -146,6 +163,8 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
     if distributed:
         return None
     root, name, final, state = _begin(trainer, root, keep)
+    source = _source_model(trainer)
+    config = getattr(trainer, "config", None)
     tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
     state["optimizer"] = {"param_groups": groups, "scalars": scalars}
 
@@ -156,6 +175,8 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
             trainer.backend.save(tmp)
             write_safetensors(os.path.join(tmp, OPTIMIZER), sorted(tensors.items()),
                               metadata={"format": "pt"})
+            copy_model_files(source, tmp)
+            _write_config(tmp, config)
             _write_state_and_manifest(tmp, state)
         _commit_latest(root, name, keep)
         return final
@@ -175,14 +196,59 @@ def _begin(trainer, root, keep) -> tuple[str, str, str, dict]:
     return root, name, os.path.join(root, name), state
 
 
+def _source_model(trainer) -> str | None:
+    """The --model directory the trainer's weights came from (a step directory on resume)."""
+    model = getattr(getattr(trainer, "forward_config", None), "model", None)
+    return model if isinstance(model, str) and os.path.isdir(model) else None
+
+
+def copy_model_files(source: str | None, dest: str) -> list[str]:
+    """Copy MODEL_FILES present in `source` into `dest` (never over a file written there)."""
+    import shutil
+
+    copied = []
+    for name in MODEL_FILES if source else ():
+        src, dst = os.path.join(source, name), os.path.join(dest, name)
+        if os.path.isfile(src) and not os.path.exists(dst):
+            shutil.copyfile(src, dst)
+            copied.append(name)
+    return copied
+
+
 def _commit_latest(root: str, name: str, keep: int | None) -> None:
-    """Move `latest` to the step just written (the commit), then prune beyond `keep`."""
-    with atomic_open(os.path.join(root, LATEST)) as f:
+    """Point the `latest` symlink at the step just written (a complete directory already), then
+    move `latest.txt` to it -- the commit, last, so that a kill before it redoes the step --
+    then prune beyond `keep`."""
+    _point_latest(root, name)
+    with atomic_open(os.path.join(root, LATEST_RECORD)) as f:
         f.write(name + "\n")
     if keep is not None:
         for _, old in _step_dirs(root)[keep:]:
             if old != name:
                 remove(os.path.join(root, old))
+
+
+def _point_latest(root: str, name: str) -> None:
+    """`latest` -> `name`, a relative symlink renamed into place; a text file where the
+    filesystem refuses symlinks."""
+    link = os.path.join(root, LATEST)
+    if os.path.isdir(link) and not os.path.islink(link):
+        if not os.path.isfile(os.path.join(link, MANIFEST)):
+            _stderr(f"{link} is a directory that is not a checkpoint step; left as is "
+                    f"({LATEST_RECORD} names {name})")
+            return
+        remove(link)  # a copy of a step made by a copy that followed the symlink (cp -r)
+    tmp = temp_name(link)
+    try:
+        os.symlink(name, tmp)
+        os.replace(tmp, link)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        if os.path.islink(link):
+            os.unlink(link)
+        with atomic_open(link) as f:
+            f.write(name + "\n")
 
 
 def _tensor_parallel(trainer) -> int:
@@ -211,6 +277,12 @@ def _layout(trainer) -> dict:
     return {"backend": getattr(getattr(trainer, "backend", None), "name", None),
             "tensor_parallel": _tensor_parallel(trainer),
             "data_parallel": dp.world if dp is not None else 1}
+
+
+def _write_config(tmp: str, config: dict | None) -> None:
+    if config is not None:
+        with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
+            json.dump(config, f, indent=1, sort_keys=True)
 
 
 def _write_state_and_manifest(tmp: str, state: dict) -> None:
@@ -334,12 +406,27 @@ def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _st
 
 
 def _latest_step(root: str) -> int | None:
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            m = _STEP_DIR.match(f.read().strip())
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
+    """The committed step: `latest.txt`, else (older checkpoints) the `latest` text file or
+    symlink."""
+    for record in (LATEST_RECORD, LATEST):
+        path = os.path.join(root, record)
+        try:
+            if os.path.islink(path):
+                text = os.readlink(path)
+            else:
+                with open(path) as f:
+                    text = f.read()
+        except OSError:
+            continue
+        m = _STEP_DIR.match(text.strip())
+        return int(m.group(1)) if m else None
+    return None
+
+
+def latest_step_dir(root: str | os.PathLike) -> str | None:
+    """The path of the committed step directory of a checkpoint root (None before the first)."""
+    step = _latest_step(os.fspath(root))
+    return None if step is None else os.path.join(os.fspath(root), step_dir_name(step))
 
 
 def model_dir(path: str) -> str:
@@ -525,5 +612,6 @@ def _load_legacy(cls, path, forward, reduce, log, options):
     return trainer
 
 
-__all__ = ["FORMAT", "LATEST", "MANIFEST", "find_checkpoint", "load_checkpoint", "model_dir",
+__all__ = ["FORMAT", "LATEST", "LATEST_RECORD", "MANIFEST", "MODEL_FILES", "copy_model_files",
+           "latest_step_dir", "find_checkpoint", "load_checkpoint", "model_dir",
            "save_checkpoint", "step_dir_name", "verify"]

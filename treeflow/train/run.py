@@ -25,7 +25,7 @@ import os
 from treeflow.schemas.episode import count_rows, expand_paths
 
 STEP_OPTIONS = ("batch_episodes", "loss", "norm", "clip_low", "clip_high", "tis_cap", "lr",
-                "warmup_episodes", "decay_episodes", "max_grad_norm")
+                "warmup_episodes", "decay_episodes", "max_grad_norm", "advantage")
 _HEAD_BYTES = 1 << 20
 _BLOCK = 1 << 22
 _FIELDS = ("bytes", "rows", "head_sha256", "blake2b")

@@ -1,0 +1,174 @@
+"""Every Python and shell block of README.md runs, at tiny sizes on CPU, or is listed here.
+
+Blocks are fenced (```python, ```bash) or indented by four spaces after a blank line (the
+shell commands). Each is keyed by its first line. A block runs unless SKIPPED names it with
+the reason; a block that neither runs nor is listed fails the test, and so does a SKIPPED
+entry whose block is gone. Before running, SUBSTITUTIONS turn the user's values into tiny
+ones (the table below is the mapping). Shell lines call `treeflow.cli.main` in this process
+(`. .venv/bin/activate &&` is dropped); Python blocks run in one subprocess, each in a fresh
+namespace and directory, with a one-process torchrun environment (for DataParallel.from_env).
+Every block's directory holds a copy of one shared synth file (episodes.arrow) and
+rollouts.jsonl in README's line format.
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treeflow.cli import main
+from treeflow.pipeline import synth_episodes, write_episodes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (pattern, replacement): the user's values -> tiny ones on CPU
+SUBSTITUTIONS = [
+    (r"--model (DIR|path/to/policy)", "--model tiny"),
+    (r'model="DIR"', 'model="tiny"'),
+    (r"--device cuda", "--device cpu"),
+    (r'"cuda"', '"cpu"'),
+    (r"bfloat16", "float32"),
+    (r"(?<![\w-])--episodes \d+", "--episodes 16"),
+    (r"--group-size \d+", "--group-size 4"),
+    (r"--batch-episodes \d+", "--batch-episodes 8"),
+    (r"--steps \d+", "--steps 1"),
+    (r"treeflow synth", "treeflow synth --min-turns 2 --max-turns 3"),
+]
+
+# first line of a block -> why it does not run here
+SKIPPED = {
+    "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
+    '. .venv/bin/activate && python -m pytest -q -m "not gpu"': "the test suite itself",
+    "treeflow replay episodes.arrow --mode train --ranks 2 --device cuda --dtype bfloat16 \\":
+        "spawns rank processes (tests/train/test_data_parallel.py runs it, marked multiprocess)",
+    "torchrun --nproc-per-node 8 -m treeflow.cli replay episodes.arrow --mode train --ranks 8 \\":
+        "torchrun across processes/hosts",
+    "treeflow stream --queue /tmp/tf.sock --mode train --batch-episodes 8 --steps 20 \\":
+        "two processes through a queue socket (tests/test_cli_stream.py)",
+    "treeflow replay episodes.arrow --window 16 -o replay.arrow":
+        "its third line waits for producers on a socket (tests/test_cli_stream.py)",
+    "treeflow stream --from episodes.arrow --engine ray --ranks 2 --window 16 -o stream.arrow":
+        "starts Ray (tests marked ray)",
+    'pip install -e ".[megatron]"   # megatron-core 0.16.1 on Python 3.11, 0.19.2 on >= 3.12':
+        "installs megatron-core; tensor parallelism on GPUs (tests/models/test_megatron*.py)",
+    "from treeflow.pipeline import Pipeline, QueueSource, Rollout, run_rollout":
+        "waits for a producer in another process (tests/tq)",
+}
+# blocks of other kinds are data, not commands
+KINDS = {"python": "python", "bash": "shell", "sh": "shell", "indent": "shell"}
+
+
+def readme_blocks(text: str) -> list[tuple[str, int, str]]:
+    """(kind, first line number, code) of every fenced or indented block."""
+    lines, out, i = text.split("\n"), [], 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if m:
+            j = i + 1
+            while not lines[j].startswith("```"):
+                j += 1
+            out.append((m.group(1) or "text", i + 2, "\n".join(lines[i + 1:j])))
+            i = j + 1
+            continue
+        if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
+            j = i
+            while j < len(lines) and (lines[j].startswith("    ") or (
+                    not lines[j].strip() and j + 1 < len(lines) and lines[j + 1].startswith("    "))):
+                j += 1
+            out.append(("indent", i + 1, "\n".join(line[4:] for line in lines[i:j])))
+            i = j
+            continue
+        i += 1
+    return out
+
+
+def _substitute(code: str) -> str:
+    for pattern, repl in SUBSTITUTIONS:
+        code = re.sub(pattern, repl, code)
+    return code
+
+
+def _blocks():
+    blocks = [b for b in readme_blocks((ROOT / "README.md").read_text()) if b[0] in KINDS]
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    from tests.stages.test_advantage import _rollouts
+
+    d = tmp_path_factory.mktemp("readme-shared")
+    write_episodes(synth_episodes(episodes=16, group_size=4, turns=(2, 3), seed=0),
+                   d / "episodes.arrow")
+    _rollouts(d / "rollouts.jsonl")
+    return d
+
+
+def _workdir(shared, tmp: Path, name: str) -> Path:
+    d = tmp / name
+    d.mkdir()
+    for f in shared.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+def test_every_block_is_run_or_listed():
+    keys = [code.split("\n")[0] for _, _, code in _blocks()]
+    stale = set(SKIPPED) - set(keys)
+    assert not stale, f"SKIPPED lists blocks README no longer has: {sorted(stale)}"
+
+
+def test_shell_blocks_run(shared, tmp_path, monkeypatch, capsys):
+    ran = 0
+    for kind, line, code in _blocks():
+        if KINDS[kind] != "shell" or code.split("\n")[0] in SKIPPED:
+            continue
+        work = _workdir(shared, tmp_path, f"sh{line}")
+        monkeypatch.chdir(work)
+        for command in _substitute(code).replace("\\\n", " ").split("\n"):
+            for part in command.split("&&"):
+                argv = shlex.split(part, comments=True)
+                if not argv or argv[:2] == [".", ".venv/bin/activate"]:
+                    continue
+                assert argv[0] == "treeflow", (
+                    f"README.md:{line}: {part.strip()!r} is not a treeflow command; run it "
+                    "here or list the block in SKIPPED with the reason")
+                rc = main(argv[1:])
+                err = capsys.readouterr().err
+                assert rc == 0, f"README.md:{line}: {' '.join(argv)} exited {rc}: {err}"
+        ran += 1
+    assert ran >= 3
+
+
+def test_python_blocks_run(shared, tmp_path):
+    todo = [(line, _substitute(code)) for kind, line, code in _blocks()
+            if KINDS[kind] == "python" and code.split("\n")[0] not in SKIPPED]
+    assert len(todo) >= 4
+    dirs = [str(_workdir(shared, tmp_path, f"py{line}")) for line, _ in todo]
+    runner = (
+        "import json, os, sys, traceback\n"
+        "failed = []\n"
+        "for (line, code), d in zip(json.loads(sys.argv[1]), json.loads(sys.argv[2])):\n"
+        "    os.chdir(d)\n"
+        "    try:\n"
+        "        exec(compile(code, f'README.md:{line}', 'exec'), {'__name__': '__readme__'})\n"
+        "    except BaseException:\n"
+        "        failed.append(f'README.md:{line}:\\n' + traceback.format_exc())\n"
+        "print(json.dumps(failed))\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-c", runner, json.dumps(todo), json.dumps(dirs)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout.strip().split("\n")[-1])
+    assert not failed, "\n".join(failed)
