@@ -16,6 +16,7 @@ _WHERE = {
     "Rollout": "rollout",
     "run_rollout": "rollout",
     "sample_group": "rollout",
+    "Environment": "rollout",
     "ArrowSink": "sink",
     "Files": "source",
     "FilesReader": "source",

@@ -19,7 +19,14 @@ the queue has not accepted.
 
 Refit: before each group the producer looks for weights published by the
 trainer (`queue.weights()`); newer ones are loaded and the group's episodes
-carry that `weight_version`.
+carry that `weight_version`. `max_lag=K` with `groups_per_step=G` makes the
+producer wait, before group g, for weights of version >= g // G - K: with
+K = 0 every step is sampled from the weights it trains (on-policy, and the
+whole loop deterministic given the seeds).
+
+Environments: prompts, tool outputs, rewards and advantages come from an
+`Environment` (subclass it for your task); the default is the synthetic one
+above (random prompts and tool outputs, GRPO advantages).
 
 Legend: G episodes of a group, N tokens of the group's forest, V vocabulary.
 """
@@ -34,7 +41,7 @@ import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 
-__all__ = ["Rollout", "run_rollout", "sample_group"]
+__all__ = ["Environment", "Rollout", "run_rollout", "sample_group"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +69,37 @@ class Rollout:
             raise ValueError(f"Rollout(temperature={self.temperature}): give > 0")
 
 
+class Environment:
+    """The task of a rollout: prompts, tool outputs, rewards, advantages. Subclass it.
+
+    Every method gets the group's numpy Generator `rng` (draws from it are
+    deterministic per (seed, group)); token ids must lie in [1, vocab).
+    """
+
+    def prompt(self, rng: np.random.Generator, config: Rollout, vocab: int) -> np.ndarray:
+        """The group's shared prompt (int32 token ids)."""
+        return _draw(rng, config.prompt_tokens, vocab)
+
+    def tool(self, rng: np.random.Generator, config: Rollout, vocab: int,
+             context: np.ndarray, call: int) -> np.ndarray:
+        """The tool output appended after call `call` (0-based) of an episode whose tokens are
+        `context` so far (prompt, completions and earlier tool outputs)."""
+        return _draw(rng, config.tool_tokens, vocab)
+
+    def reward(self, calls: list[dict], vocab: int) -> float:
+        """One episode's reward from its calls (`token_ids`, `sampled_start`)."""
+        return float(np.mean([np.mean(np.asarray(c["token_ids"][c["sampled_start"]:]) < vocab // 2)
+                              for c in calls]))
+
+    def advantages(self, reward_G: np.ndarray) -> np.ndarray:
+        """Per-episode advantages of one group from its rewards (GRPO: group-normalised)."""
+        return (reward_G - reward_G.mean()) / (reward_G.std() + 1e-6)
+
+
+def _draw(rng, bounds, vocab):
+    return rng.integers(1, vocab, size=int(rng.integers(bounds[0], bounds[1] + 1)), dtype=np.int32)
+
+
 def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen):
     """One sampled token per context (one forest of causal chains): ids and their logprobs."""
     import torch
@@ -84,19 +122,16 @@ def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen):
 
 
 def sample_group(backend, config: Rollout, group: int, *, version: int = 0, producer: str = "rollout",
-                 index_base: int = 0) -> pa.Table:
+                 index_base: int = 0, env: Environment | None = None) -> pa.Table:
     """One GRPO group of sampled multi-turn episodes (EPISODE_SCHEMA rows), deterministic per group."""
     import torch
 
+    env = _DEFAULT_ENV if env is None else env
     rng = np.random.default_rng([config.seed, group])
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
     vocab = backend.config.vocab_size
     G = config.group_size
-
-    def draw(bounds):
-        return rng.integers(1, vocab, size=int(rng.integers(bounds[0], bounds[1] + 1)), dtype=np.int32)
-
-    prompt = draw(config.prompt_tokens)
+    prompt = np.asarray(env.prompt(rng, config, vocab), dtype=np.int32)
     n_turns = [int(rng.integers(config.turns[0], config.turns[1] + 1)) for _ in range(G)]
     contexts = [prompt.copy() for _ in range(G)]
     calls: list[list[dict]] = [[] for _ in range(G)]
@@ -104,7 +139,8 @@ def sample_group(backend, config: Rollout, group: int, *, version: int = 0, prod
         live = [g for g in range(G) if turn < n_turns[g]]
         if turn:
             for g in live:  # the tool answered the previous call
-                contexts[g] = np.concatenate([contexts[g], draw(config.tool_tokens)])
+                tool = env.tool(rng, config, vocab, contexts[g], turn - 1)
+                contexts[g] = np.concatenate([contexts[g], np.asarray(tool, dtype=np.int32)])
         starts = {g: len(contexts[g]) for g in live}
         length = int(rng.integers(config.completion_tokens[0], config.completion_tokens[1] + 1))
         lps = {g: [] for g in live}
@@ -116,9 +152,8 @@ def sample_group(backend, config: Rollout, group: int, *, version: int = 0, prod
         for g in live:
             calls[g].append({"token_ids": contexts[g].tolist(), "sampled_start": starts[g],
                              "generation_logprobs": lps[g]})
-    reward = np.array([np.mean([np.mean(np.array(c["token_ids"][c["sampled_start"]:]) < vocab // 2)
-                                for c in calls[g]]) for g in range(G)], dtype=np.float32)
-    adv = (reward - reward.mean()) / (reward.std() + 1e-6)
+    reward = np.array([env.reward(calls[g], vocab) for g in range(G)], dtype=np.float32)
+    adv = np.asarray(env.advantages(reward), dtype=np.float32)
     rows = [{"episode_id": f"{producer}-g{group}-e{g}", "group_id": f"{producer}-g{group}",
              "sample_index": index_base + group * G + g, "reward": float(reward[g]),
              "advantage": float(adv[g]), "weight_version": int(version), "calls": calls[g]}
@@ -127,16 +162,27 @@ def sample_group(backend, config: Rollout, group: int, *, version: int = 0, prod
                              source=f"rollout {producer} group {group}", vocab_size=vocab)
 
 
+_DEFAULT_ENV = Environment()
+
+
 def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str = "tiny",
                 device: str = "cpu", dtype: str = "float32", producer: str = "rollout",
                 index_base: int = 0, rate: float | None = None, refit: bool = True,
-                close: bool = True, put_timeout: float = 600.0, log=None) -> dict:
+                close: bool = True, put_timeout: float = 600.0, log=None,
+                env: Environment | None = None, groups_per_step: int | None = None,
+                max_lag: int | None = None, wait_timeout: float = 600.0) -> dict:
     """Sample `groups` groups into `queue` (one put per group), resuming after accepted puts.
 
     rate: episodes per second at most (None: as fast as sampling goes; a full
     queue blocks the producer). refit: load newer weights published on the
-    queue before each group. close: close the queue at the end.
+    queue before each group. close: close the queue at the end. env: the
+    task (prompts, tools, rewards, advantages; default the synthetic one).
+    max_lag/groups_per_step: wait (at most wait_timeout s) before group g for
+    published weights of version >= g // groups_per_step - max_lag.
     """
+    if max_lag is not None and (groups_per_step is None or groups_per_step < 1 or max_lag < 0):
+        raise ValueError(f"run_rollout(max_lag={max_lag}, groups_per_step={groups_per_step}): "
+                         "give max_lag >= 0 with groups_per_step >= 1 (groups in a step)")
     import torch
 
     from treeflow.models.backend import load_backend
@@ -147,12 +193,14 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
     start = queue.next_seq(producer)
     t0 = time.perf_counter()
     for group in range(start, groups):
+        if max_lag is not None and refit:
+            _wait_for_version(queue, group // groups_per_step - max_lag, wait_timeout)
         published = queue.weights() if refit else None
         if published is not None and published[0] > version:
             backend = load_backend("reference", published[1], dtype=dtypes[dtype], device=device)
             version, refits = published[0], refits + 1
         table = sample_group(backend, config, group, version=version, producer=producer,
-                             index_base=index_base)
+                             index_base=index_base, env=env)
         if rate:
             time.sleep(max(0.0, t0 + put / rate - time.perf_counter()))
         queue.put(table, producer=producer, seq=group, timeout=put_timeout)
@@ -163,3 +211,20 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
         queue.close()
     return {"groups": groups - start, "episodes": put, "resumed_at": start, "refits": refits,
             "weight_version": version, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _wait_for_version(queue, need: int, timeout: float) -> None:
+    """Block until the queue announces weights of version >= need (0 is the initial model)."""
+    deadline = time.monotonic() + timeout
+    while need > 0:
+        published = queue.weights()
+        if published is not None and published[0] >= need:
+            return
+        if queue.stats().get("closed"):
+            from treeflow.tq import QueueClosed
+
+            raise QueueClosed(f"the queue closed while the producer waited for weights v{need}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no weights of version >= {need} were published in {timeout:g} s; "
+                               "is the trainer running (or raise wait_timeout)?")
+        time.sleep(0.02)
