@@ -20,6 +20,7 @@ import pyarrow as pa
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_convert import add_convert_parser
+from treeflow.cli_gate import add_gate_parser
 from treeflow.cli_parallel import check_tensor_parallel_options, rank_of, start_ranks, torchrun_world
 from treeflow.cli_stream import add_stream_parsers
 from treeflow.cli_train import add_train_options, cmd_train
@@ -356,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_replay)
 
     add_stream_parsers(sub, common, model_options)
+    add_gate_parser(sub, common)
 
     s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
     s.add_argument("files", nargs="+")

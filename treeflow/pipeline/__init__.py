@@ -13,6 +13,8 @@ _WHERE = {
     "QueueReader": "queue_source",
     "QueueSource": "queue_source",
     "put_files": "queue_source",
+    "Gate": "gate",
+    "run_gate": "gate",
     "Rollout": "rollout",
     "run_rollout": "rollout",
     "sample_group": "rollout",
