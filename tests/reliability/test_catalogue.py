@@ -229,6 +229,10 @@ def _file_case(kind):
         if kind == "resume-not-checkpoint":
             (tmp / "ck").mkdir()
             return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "not a treeflow training"]
+        if kind == "gate-episodes-groups":
+            return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
+        if kind == "gate-capacity":
+            return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
         raise AssertionError(kind)
     return setup
 
@@ -238,7 +242,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
-         "metrics-exists", "resume-missing", "resume-not-checkpoint"]
+         "metrics-exists", "resume-missing", "resume-not-checkpoint", "gate-episodes-groups",
+         "gate-capacity"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
