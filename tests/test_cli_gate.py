@@ -64,20 +64,51 @@ def test_gate_fails_on_a_generation_kl_above_its_threshold(capsys):
 
 
 def test_gate_refuses_what_this_build_lacks_by_name(capsys):
-    from treeflow.stages import Forward
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(Forward)}
-    if "routing" not in names:
+    if not _has("routing"):
         assert main(["gate", "--routing", "replay"]) == 2
         assert "--routing replay" in capsys.readouterr().err
-    if "context_parallel" not in names:
+    if not _has("context_parallel"):
         assert main(["gate", "--context-parallel", "2"]) == 2
         assert "--context-parallel 2" in capsys.readouterr().err
     assert main(["gate", "--episodes", "6"]) == 2                      # not whole groups of 4
     assert "multiple of the group size 4" in capsys.readouterr().err
     assert main(["gate", "--fault", "corrupt-route", *SMALL]) == GATE_FAILED
     assert "no routed_experts" in capsys.readouterr().err
+
+
+def _has(field):
+    import dataclasses
+
+    from treeflow.stages import Forward
+
+    return field in {f.name for f in dataclasses.fields(Forward)}
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """A tiny random Qwen3-MoE checkpoint (8 experts, top-2), where this build has MoE code."""
+    if not _has("routing"):
+        pytest.skip("this build has no MoE routing replay")
+    from treeflow.models import ModelConfig, save_model
+    from treeflow.models.checkpoint import seeded_decoder
+
+    config = ModelConfig.from_hf_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True})
+    path = tmp_path_factory.mktemp("moe") / "model"
+    save_model(seeded_decoder(config), path)
+    return str(path)
+
+
+def test_gate_replays_captured_routes_and_fails_on_a_corrupted_one(moe_model, capsys):
+    rc, fig, err = _gate(capsys, "--model", moe_model, "--routing", "replay")
+    assert rc == 0 and fig["passed"] and fig["route_agreement"] == 1.0, err
+    rc, fig, err = _gate(capsys, "--model", moe_model, "--routing", "replay",
+                         "--fault", "corrupt-route")
+    assert rc == GATE_FAILED and fig["route_agreement"] < 1.0
+    assert "gate failed: route agreement" in err and "under routing replay" in err
 
 
 @pytest.mark.ray

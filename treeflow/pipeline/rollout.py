@@ -100,8 +100,34 @@ def _draw(rng, bounds, vocab):
     return rng.integers(1, vocab, size=int(rng.integers(bounds[0], bounds[1] + 1)), dtype=np.int32)
 
 
-def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen):
-    """One sampled token per context (one forest of causal chains): ids and their logprobs."""
+def _route_capture(backend):
+    """(per-layer choices, hook handles) recording each MoE layer's top-k experts; None if dense.
+
+    A forward pre-hook on every expert block computes the block's own choice
+    from its input (top_k of the softmax of `router_logits`, as the block
+    does), so the routes the producer samples under are recorded without
+    changing the forward. Layers in model order: MoE layers x top_k per token.
+    """
+    import torch
+
+    if getattr(backend.config, "moe", None) is None:
+        return None
+    blocks = [m for m in backend.module.modules() if hasattr(m, "router_logits")]
+    seen: dict = {}
+
+    def hook(block, inputs):
+        probs_NX = torch.softmax(block.router_logits(inputs[0]).float(), dim=-1)
+        seen[block.layer_index] = torch.topk(probs_NX, block.moe.top_k, dim=-1).indices
+
+    return seen, [b.register_forward_pre_hook(hook) for b in blocks]
+
+
+def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen, capture=None):
+    """One sampled token per context (one forest of causal chains): ids, logprobs, routes.
+
+    routes: with `capture` (an MoE model) each context's expert ids [its length, MoE
+    layers x top_k] as int16, else None.
+    """
     import torch
 
     lens = np.array([len(c) for c in contexts], dtype=np.int64)
@@ -118,7 +144,43 @@ def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen):
         logp_GV = torch.log_softmax(logits_GV / temperature, dim=-1)
         ids_G = torch.multinomial(logp_GV.exp().cpu(), 1, generator=gen)[:, 0]
         lp_G = logp_GV.cpu().gather(-1, ids_G[:, None])[:, 0]
-    return ids_G.numpy().astype(np.int32), lp_G.numpy().astype(np.float32)
+    routes = None
+    if capture is not None:
+        seen = capture[0]
+        routes_NW = torch.cat([seen[i] for i in sorted(seen)], dim=-1).cpu().numpy()
+        routes = np.split(routes_NW.astype(np.int16), ends[:-1])
+        seen.clear()
+    return ids_G.numpy().astype(np.int32), lp_G.numpy().astype(np.float32), routes
+
+
+def _sample_turns(backend, config, env, rng, gen, vocab, n_turns, contexts, calls, capture):
+    """Sample every episode's calls turn by turn, tool outputs between them, into `calls`."""
+    G = len(contexts)
+    for turn in range(max(n_turns)):
+        live = [g for g in range(G) if turn < n_turns[g]]
+        if turn:
+            for g in live:  # the tool answered the previous call
+                tool = env.tool(rng, config, vocab, contexts[g], turn - 1)
+                contexts[g] = np.concatenate([contexts[g], np.asarray(tool, dtype=np.int32)])
+        starts = {g: len(contexts[g]) for g in live}
+        length = int(rng.integers(config.completion_tokens[0], config.completion_tokens[1] + 1))
+        lps = {g: [] for g in live}
+        routes = {}
+        for _ in range(length):
+            ids, lp, rt = _sample_step(backend, [contexts[g] for g in live], config.temperature,
+                                       gen, capture)
+            for k, g in enumerate(live):
+                contexts[g] = np.append(contexts[g], ids[k])
+                lps[g].append(lp[k])
+                if rt is not None:   # the last step saw every token but the final sample
+                    routes[g] = rt[k]
+        for g in live:
+            call = {"token_ids": contexts[g].tolist(), "sampled_start": starts[g],
+                    "generation_logprobs": lps[g]}
+            if g in routes:   # the final sampled token never ran as an input: the -1 wildcard
+                final = np.full((1, routes[g].shape[1]), -1, dtype=np.int16)
+                call["routed_experts"] = np.concatenate([routes[g], final]).tolist()
+            calls[g].append(call)
 
 
 def sample_group(backend, config: Rollout, group: int, *, version: int = 0, producer: str = "rollout",
@@ -135,23 +197,12 @@ def sample_group(backend, config: Rollout, group: int, *, version: int = 0, prod
     n_turns = [int(rng.integers(config.turns[0], config.turns[1] + 1)) for _ in range(G)]
     contexts = [prompt.copy() for _ in range(G)]
     calls: list[list[dict]] = [[] for _ in range(G)]
-    for turn in range(max(n_turns)):
-        live = [g for g in range(G) if turn < n_turns[g]]
-        if turn:
-            for g in live:  # the tool answered the previous call
-                tool = env.tool(rng, config, vocab, contexts[g], turn - 1)
-                contexts[g] = np.concatenate([contexts[g], np.asarray(tool, dtype=np.int32)])
-        starts = {g: len(contexts[g]) for g in live}
-        length = int(rng.integers(config.completion_tokens[0], config.completion_tokens[1] + 1))
-        lps = {g: [] for g in live}
-        for _ in range(length):
-            ids, lp = _sample_step(backend, [contexts[g] for g in live], config.temperature, gen)
-            for k, g in enumerate(live):
-                contexts[g] = np.append(contexts[g], ids[k])
-                lps[g].append(lp[k])
-        for g in live:
-            calls[g].append({"token_ids": contexts[g].tolist(), "sampled_start": starts[g],
-                             "generation_logprobs": lps[g]})
+    capture = _route_capture(backend)
+    try:
+        _sample_turns(backend, config, env, rng, gen, vocab, n_turns, contexts, calls, capture)
+    finally:
+        for handle in (capture[1] if capture else ()):
+            handle.remove()
     reward = np.array([env.reward(calls[g], vocab) for g in range(G)], dtype=np.float32)
     adv = np.asarray(env.advantages(reward), dtype=np.float32)
     rows = [{"episode_id": f"{producer}-g{group}-e{g}", "group_id": f"{producer}-g{group}",
