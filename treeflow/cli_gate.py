@@ -6,7 +6,7 @@
 Prints the gate's figures and writes them as JSON (`-o`); exits 0 when the
 gate passes and 3 naming every cause when it fails (a lost or masked
 episode, a generation KL above --max-gen-kl, a refit that did not happen,
-route agreement below 1 under --routing replay). --routing and
+route agreement below --min-route-agreement under --routing replay). --routing and
 --context-parallel go to the trainer's Forward where this build has them,
 and are refused by name where it does not. --fault is a test hook.
 """
@@ -64,6 +64,7 @@ def cmd_gate(args) -> int:
         torch.set_num_threads(args.threads)
     forward = _forward(args)
     gate = Gate(episodes=args.episodes, max_gen_kl=args.max_gen_kl, fault=args.fault,
+                min_route_agreement=args.min_route_agreement,
                 timeout=args.timeout,
                 rollout=Rollout(group_size=args.group_size, turns=tuple(args.turns),
                                 prompt_tokens=tuple(args.prompt_tokens),
@@ -123,6 +124,9 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--lr", type=float, default=1e-5)
     s.add_argument("--max-gen-kl", type=float, default=None,
                    help="largest generation KL accepted (default 1e-6 float32, 1e-3 bfloat16)")
+    s.add_argument("--min-route-agreement", type=float, default=None,
+                   help="under --routing replay, the least share of (token, MoE layer) rows whose "
+                        "recomputed experts equal the captured ones (default 1 float32, 0.95 bf16)")
     s.add_argument("--routing", choices=("replay", "recompute"), default=None,
                    help="MoE expert choice in the trainer (needs the MoE code)")
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",
