@@ -74,7 +74,7 @@ def train(*, steps: int = 40, groups_per_step: int = 4, group_size: int = 4, lr:
         try:
             run_rollout(queue, groups=steps * groups_per_step, config=config, model=model,
                         env=AnswerLow(), groups_per_step=groups_per_step, max_lag=0,
-                        producer="toy")
+                        producer="toy", wait_timeout=300)
         except BaseException as e:  # noqa: BLE001 - reported by the trainer's loop
             errors.append(e)
             queue.close()
@@ -85,7 +85,7 @@ def train(*, steps: int = 40, groups_per_step: int = 4, group_size: int = 4, lr:
     reduce = Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=lr))
     trainer = Trainer(forward, reduce)
     reader = QueueSource(queue=queue, episodes_per_step=per_step, max_steps=steps,
-                         max_staleness=0).open()
+                         max_staleness=0, idle_timeout=300).open()
     pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=4096), forward, reduce)
     curve, t0 = [], time.perf_counter()
     try:

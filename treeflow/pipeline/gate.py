@@ -95,15 +95,16 @@ class _Transport:
 
 
 def _corrupt_route(table: pa.Table) -> pa.Table:
+    """The first token's captured route replaced by another token's (valid experts, another set)."""
     rows = table.to_pylist()
-    call = rows[0]["calls"][0]
-    if not call.get("routed_experts"):
+    routes = rows[0]["calls"][0].get("routed_experts")
+    if not routes:
         raise ValueError("fault corrupt-route: the episodes carry no routed_experts (the model "
                          "has no experts); use an MoE model")
-    route = call["routed_experts"][0]
-    route[0] = (route[0] + 1) % max(max(route) + 2, 2)   # another expert than captured
-    if route[0] in route[1:]:
-        route[0] = max(route) + 1
+    other = next((r for r in routes[1:] if min(r) >= 0 and sorted(r) != sorted(routes[0])), None)
+    if other is None:
+        raise ValueError("fault corrupt-route: every token of the first call has the same route")
+    routes[0] = list(other)
     return pa.Table.from_pylist(rows, schema=table.schema)
 
 
