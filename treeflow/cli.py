@@ -20,10 +20,10 @@ import pyarrow as pa
 from treeflow._clock import process_seconds
 from treeflow._display import _console, _count_rows, _progress, _table
 from treeflow.cli_convert import add_convert_parser
-from treeflow.cli_gate import add_gate_parser
 from treeflow.cli_parallel import check_tensor_parallel_options, rank_of, start_ranks, torchrun_world
 from treeflow.cli_stream import add_stream_parsers
 from treeflow.cli_train import add_train_options, cmd_train
+from treeflow.cli_gate import add_gate_parser
 
 
 # ---------------------------------------------------------------- synth

@@ -176,6 +176,10 @@ def _file_case(kind):
             data = open(write_rows(tmp / "t.parquet", rows()), "rb").read()
             (tmp / "t.parquet").write_bytes(data[: len(data) // 2])
             return ["inspect", tmp / "t.parquet"], ["t.parquet", "Parquet"]
+        if kind == "gate-episodes-groups":
+            return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
+        if kind == "gate-capacity":
+            return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
         if kind == "csv-input":
             (tmp / "x.csv").write_text("a,b\n")
             return ["inspect", tmp / "x.csv"], ["x.csv", "unknown episode file type"]
@@ -229,10 +233,6 @@ def _file_case(kind):
         if kind == "resume-not-checkpoint":
             (tmp / "ck").mkdir()
             return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "not a treeflow training"]
-        if kind == "gate-episodes-groups":
-            return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
-        if kind == "gate-capacity":
-            return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
         raise AssertionError(kind)
     return setup
 
@@ -242,11 +242,12 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "max-tokens-0", "device", "model-missing", "model-config-null", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
-         "metrics-exists", "resume-missing", "resume-not-checkpoint", "gate-episodes-groups",
-         "gate-capacity"]
+         "metrics-exists", "resume-missing", "resume-not-checkpoint"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
+CASES += [pytest.param(_file_case(kind), id=kind) for kind in ("gate-episodes-groups",
+                                                               "gate-capacity")]
 
 
 def test_catalogue_is_large_enough():

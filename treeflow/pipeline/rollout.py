@@ -224,12 +224,13 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
                 max_lag: int | None = None, wait_timeout: float = 600.0) -> dict:
     """Sample `groups` groups into `queue` (one put per group), resuming after accepted puts.
 
+    env: the task (prompts, tools, rewards, advantages; default the synthetic
+    one). max_lag/groups_per_step: wait (at most wait_timeout s) before group
+    g for published weights of version >= g // groups_per_step - max_lag.
+
     rate: episodes per second at most (None: as fast as sampling goes; a full
     queue blocks the producer). refit: load newer weights published on the
-    queue before each group. close: close the queue at the end. env: the
-    task (prompts, tools, rewards, advantages; default the synthetic one).
-    max_lag/groups_per_step: wait (at most wait_timeout s) before group g for
-    published weights of version >= g // groups_per_step - max_lag.
+    queue before each group. close: close the queue at the end.
     """
     if max_lag is not None and (groups_per_step is None or groups_per_step < 1 or max_lag < 0):
         raise ValueError(f"run_rollout(max_lag={max_lag}, groups_per_step={groups_per_step}): "
