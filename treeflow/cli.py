@@ -24,6 +24,7 @@ from treeflow.cli_parallel import (check_context_parallel_options, check_tensor_
                                    rank_of, start_ranks, torchrun_world)
 from treeflow.cli_stream import add_stream_parsers
 from treeflow.cli_train import add_train_options, cmd_train
+from treeflow.cli_gate import add_gate_parser
 
 
 # ---------------------------------------------------------------- synth
@@ -445,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_replay)
 
     add_stream_parsers(sub, common, model_options)
+    add_gate_parser(sub, common)
 
     s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
     s.add_argument("files", nargs="+")

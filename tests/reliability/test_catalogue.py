@@ -177,6 +177,10 @@ def _file_case(kind):
             data = open(write_rows(tmp / "t.parquet", rows()), "rb").read()
             (tmp / "t.parquet").write_bytes(data[: len(data) // 2])
             return ["inspect", tmp / "t.parquet"], ["t.parquet", "Parquet"]
+        if kind == "gate-episodes-groups":
+            return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
+        if kind == "gate-capacity":
+            return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
         if kind == "csv-input":
             (tmp / "x.csv").write_text("a,b\n")
             return ["inspect", tmp / "x.csv"], ["x.csv", "unknown episode file type"]
@@ -369,6 +373,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
+CASES += [pytest.param(_file_case(kind), id=kind) for kind in ("gate-episodes-groups",
+                                                               "gate-capacity")]
 
 
 def test_catalogue_is_large_enough():

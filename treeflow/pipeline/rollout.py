@@ -19,7 +19,14 @@ the queue has not accepted.
 
 Refit: before each group the producer looks for weights published by the
 trainer (`queue.weights()`); newer ones are loaded and the group's episodes
-carry that `weight_version`.
+carry that `weight_version`. `max_lag=K` with `groups_per_step=G` makes the
+producer wait, before group g, for weights of version >= g // G - K: with
+K = 0 every step is sampled from the weights it trains (on-policy, and the
+whole loop deterministic given the seeds).
+
+Environments: prompts, tool outputs, rewards and advantages come from an
+`Environment` (subclass it for your task); the default is the synthetic one
+above (random prompts and tool outputs, GRPO advantages).
 
 Legend: G episodes of a group, N tokens of the group's forest, V vocabulary.
 """
@@ -34,7 +41,7 @@ import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 
-__all__ = ["Rollout", "run_rollout", "sample_group"]
+__all__ = ["Environment", "Rollout", "run_rollout", "sample_group"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +69,65 @@ class Rollout:
             raise ValueError(f"Rollout(temperature={self.temperature}): give > 0")
 
 
-def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen):
-    """One sampled token per context (one forest of causal chains): ids and their logprobs."""
+class Environment:
+    """The task of a rollout: prompts, tool outputs, rewards, advantages. Subclass it.
+
+    Every method gets the group's numpy Generator `rng` (draws from it are
+    deterministic per (seed, group)); token ids must lie in [1, vocab).
+    """
+
+    def prompt(self, rng: np.random.Generator, config: Rollout, vocab: int) -> np.ndarray:
+        """The group's shared prompt (int32 token ids)."""
+        return _draw(rng, config.prompt_tokens, vocab)
+
+    def tool(self, rng: np.random.Generator, config: Rollout, vocab: int,
+             context: np.ndarray, call: int) -> np.ndarray:
+        """The tool output appended after call `call` (0-based) of an episode whose tokens are
+        `context` so far (prompt, completions and earlier tool outputs)."""
+        return _draw(rng, config.tool_tokens, vocab)
+
+    def reward(self, calls: list[dict], vocab: int) -> float:
+        """One episode's reward from its calls (`token_ids`, `sampled_start`)."""
+        return float(np.mean([np.mean(np.asarray(c["token_ids"][c["sampled_start"]:]) < vocab // 2)
+                              for c in calls]))
+
+    def advantages(self, reward_G: np.ndarray) -> np.ndarray:
+        """Per-episode advantages of one group from its rewards (GRPO: group-normalised)."""
+        return (reward_G - reward_G.mean()) / (reward_G.std() + 1e-6)
+
+
+def _draw(rng, bounds, vocab):
+    return rng.integers(1, vocab, size=int(rng.integers(bounds[0], bounds[1] + 1)), dtype=np.int32)
+
+
+def _route_capture(backend):
+    """(per-layer choices, hook handles) recording each MoE layer's top-k experts; None if dense.
+
+    A forward pre-hook on every expert block computes the block's own choice
+    from its input (top_k of the softmax of `router_logits`, as the block
+    does), so the routes the producer samples under are recorded without
+    changing the forward. Layers in model order: MoE layers x top_k per token.
+    """
+    import torch
+
+    if getattr(backend.config, "moe", None) is None:
+        return None
+    blocks = [m for m in backend.module.modules() if hasattr(m, "router_logits")]
+    seen: dict = {}
+
+    def hook(block, inputs):
+        probs_NX = torch.softmax(block.router_logits(inputs[0]).float(), dim=-1)
+        seen[block.layer_index] = torch.topk(probs_NX, block.moe.top_k, dim=-1).indices
+
+    return seen, [b.register_forward_pre_hook(hook) for b in blocks]
+
+
+def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen, capture=None):
+    """One sampled token per context (one forest of causal chains): ids, logprobs, routes.
+
+    routes: with `capture` (an MoE model) each context's expert ids [its length, MoE
+    layers x top_k] as int16, else None.
+    """
     import torch
 
     lens = np.array([len(c) for c in contexts], dtype=np.int64)
@@ -80,45 +144,67 @@ def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen):
         logp_GV = torch.log_softmax(logits_GV / temperature, dim=-1)
         ids_G = torch.multinomial(logp_GV.exp().cpu(), 1, generator=gen)[:, 0]
         lp_G = logp_GV.cpu().gather(-1, ids_G[:, None])[:, 0]
-    return ids_G.numpy().astype(np.int32), lp_G.numpy().astype(np.float32)
+    routes = None
+    if capture is not None:
+        seen = capture[0]
+        routes_NW = torch.cat([seen[i] for i in sorted(seen)], dim=-1).cpu().numpy()
+        routes = np.split(routes_NW.astype(np.int16), ends[:-1])
+        seen.clear()
+    return ids_G.numpy().astype(np.int32), lp_G.numpy().astype(np.float32), routes
 
 
-def sample_group(backend, config: Rollout, group: int, *, version: int = 0, producer: str = "rollout",
-                 index_base: int = 0) -> pa.Table:
-    """One GRPO group of sampled multi-turn episodes (EPISODE_SCHEMA rows), deterministic per group."""
-    import torch
-
-    rng = np.random.default_rng([config.seed, group])
-    gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
-    vocab = backend.config.vocab_size
-    G = config.group_size
-
-    def draw(bounds):
-        return rng.integers(1, vocab, size=int(rng.integers(bounds[0], bounds[1] + 1)), dtype=np.int32)
-
-    prompt = draw(config.prompt_tokens)
-    n_turns = [int(rng.integers(config.turns[0], config.turns[1] + 1)) for _ in range(G)]
-    contexts = [prompt.copy() for _ in range(G)]
-    calls: list[list[dict]] = [[] for _ in range(G)]
+def _sample_turns(backend, config, env, rng, gen, vocab, n_turns, contexts, calls, capture):
+    """Sample every episode's calls turn by turn, tool outputs between them, into `calls`."""
+    G = len(contexts)
     for turn in range(max(n_turns)):
         live = [g for g in range(G) if turn < n_turns[g]]
         if turn:
             for g in live:  # the tool answered the previous call
-                contexts[g] = np.concatenate([contexts[g], draw(config.tool_tokens)])
+                tool = env.tool(rng, config, vocab, contexts[g], turn - 1)
+                contexts[g] = np.concatenate([contexts[g], np.asarray(tool, dtype=np.int32)])
         starts = {g: len(contexts[g]) for g in live}
         length = int(rng.integers(config.completion_tokens[0], config.completion_tokens[1] + 1))
         lps = {g: [] for g in live}
+        routes = {}
         for _ in range(length):
-            ids, lp = _sample_step(backend, [contexts[g] for g in live], config.temperature, gen)
+            ids, lp, rt = _sample_step(backend, [contexts[g] for g in live], config.temperature,
+                                       gen, capture)
             for k, g in enumerate(live):
                 contexts[g] = np.append(contexts[g], ids[k])
                 lps[g].append(lp[k])
+                if rt is not None:   # the last step saw every token but the final sample
+                    routes[g] = rt[k]
         for g in live:
-            calls[g].append({"token_ids": contexts[g].tolist(), "sampled_start": starts[g],
-                             "generation_logprobs": lps[g]})
-    reward = np.array([np.mean([np.mean(np.array(c["token_ids"][c["sampled_start"]:]) < vocab // 2)
-                                for c in calls[g]]) for g in range(G)], dtype=np.float32)
-    adv = (reward - reward.mean()) / (reward.std() + 1e-6)
+            call = {"token_ids": contexts[g].tolist(), "sampled_start": starts[g],
+                    "generation_logprobs": lps[g]}
+            if g in routes:   # the final sampled token never ran as an input: the -1 wildcard
+                final = np.full((1, routes[g].shape[1]), -1, dtype=np.int16)
+                call["routed_experts"] = np.concatenate([routes[g], final]).tolist()
+            calls[g].append(call)
+
+
+def sample_group(backend, config: Rollout, group: int, *, version: int = 0, producer: str = "rollout",
+                 index_base: int = 0, env: Environment | None = None) -> pa.Table:
+    """One GRPO group of sampled multi-turn episodes (EPISODE_SCHEMA rows), deterministic per group."""
+    import torch
+
+    env = _DEFAULT_ENV if env is None else env
+    rng = np.random.default_rng([config.seed, group])
+    gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
+    vocab = backend.config.vocab_size
+    G = config.group_size
+    prompt = np.asarray(env.prompt(rng, config, vocab), dtype=np.int32)
+    n_turns = [int(rng.integers(config.turns[0], config.turns[1] + 1)) for _ in range(G)]
+    contexts = [prompt.copy() for _ in range(G)]
+    calls: list[list[dict]] = [[] for _ in range(G)]
+    capture = _route_capture(backend)
+    try:
+        _sample_turns(backend, config, env, rng, gen, vocab, n_turns, contexts, calls, capture)
+    finally:
+        for handle in (capture[1] if capture else ()):
+            handle.remove()
+    reward = np.array([env.reward(calls[g], vocab) for g in range(G)], dtype=np.float32)
+    adv = np.asarray(env.advantages(reward), dtype=np.float32)
     rows = [{"episode_id": f"{producer}-g{group}-e{g}", "group_id": f"{producer}-g{group}",
              "sample_index": index_base + group * G + g, "reward": float(reward[g]),
              "advantage": float(adv[g]), "weight_version": int(version), "calls": calls[g]}
@@ -127,11 +213,20 @@ def sample_group(backend, config: Rollout, group: int, *, version: int = 0, prod
                              source=f"rollout {producer} group {group}", vocab_size=vocab)
 
 
+_DEFAULT_ENV = Environment()
+
+
 def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str = "tiny",
                 device: str = "cpu", dtype: str = "float32", producer: str = "rollout",
                 index_base: int = 0, rate: float | None = None, refit: bool = True,
-                close: bool = True, put_timeout: float = 600.0, log=None) -> dict:
+                close: bool = True, put_timeout: float = 600.0, log=None,
+                env: Environment | None = None, groups_per_step: int | None = None,
+                max_lag: int | None = None, wait_timeout: float = 600.0) -> dict:
     """Sample `groups` groups into `queue` (one put per group), resuming after accepted puts.
+
+    env: the task (prompts, tools, rewards, advantages; default the synthetic
+    one). max_lag/groups_per_step: wait (at most wait_timeout s) before group
+    g for published weights of version >= g // groups_per_step - max_lag.
 
     rate: episodes per second at most (None: as fast as sampling goes; a full
     queue blocks the producer). refit: load newer weights published on the
@@ -140,6 +235,9 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
     is claimed first: one that a live producer holds is refused before any
     sampling.
     """
+    if max_lag is not None and (groups_per_step is None or groups_per_step < 1 or max_lag < 0):
+        raise ValueError(f"run_rollout(max_lag={max_lag}, groups_per_step={groups_per_step}): "
+                         "give max_lag >= 0 with groups_per_step >= 1 (groups in a step)")
     import torch
 
     from treeflow.models.backend import load_backend
@@ -150,12 +248,14 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
     version, refits, put = 0, 0, 0
     t0 = time.perf_counter()
     for group in range(start, groups):
+        if max_lag is not None and refit:
+            _wait_for_version(queue, group // groups_per_step - max_lag, wait_timeout)
         published = queue.weights() if refit else None
         if published is not None and published[0] > version:
             backend = load_backend("reference", published[1], dtype=dtypes[dtype], device=device)
             version, refits = published[0], refits + 1
         table = sample_group(backend, config, group, version=version, producer=producer,
-                             index_base=index_base)
+                             index_base=index_base, env=env)
         if rate:
             time.sleep(max(0.0, t0 + put / rate - time.perf_counter()))
         queue.put(table, producer=producer, seq=group, timeout=put_timeout)
@@ -166,3 +266,20 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
         queue.close(producer=producer)
     return {"groups": groups - start, "episodes": put, "resumed_at": start, "refits": refits,
             "weight_version": version, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _wait_for_version(queue, need: int, timeout: float) -> None:
+    """Block until the queue announces weights of version >= need (0 is the initial model)."""
+    deadline = time.monotonic() + timeout
+    while need > 0:
+        published = queue.weights()
+        if published is not None and published[0] >= need:
+            return
+        if queue.stats().get("closed"):
+            from treeflow.tq import QueueClosed
+
+            raise QueueClosed(f"the queue closed while the producer waited for weights v{need}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no weights of version >= {need} were published in {timeout:g} s; "
+                               "is the trainer running (or raise wait_timeout)?")
+        time.sleep(0.02)

@@ -1,0 +1,136 @@
+"""The validation gate on a GPU: `treeflow gate` on a random MoE checkpoint, bf16, CP=1.
+
+By default it writes a random checkpoint of Qwen3-30B-A3B's layer shape
+(hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 heads / 4 KV heads,
+head_dim 128, vocabulary 151936) with `--layers` layers, and runs the gate
+as a user types it, in a subprocess: 16 multi-turn episodes (4x4 groups, or
+`--group-size 16`) sampled with their routes captured, through the queue,
+one optimizer step with `--routing replay`, published weights, a refit and
+16 more episodes scored by the trainer. It records the gate's figures
+(retained/sampled, calls, generated tokens, masks by reason, losses,
+gradient norm, generation KL, route agreement, refit version) and the
+process seconds, in $OUT/bench_gate_gpu.json (or bench/results). The gate
+passes in bf16 at generation KL <= 1e-3 (`--max-gen-kl`).
+
+    PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py                    # one H200, MoE, bf16
+    python bench/bench_gate_gpu.py --model DIR                           # your checkpoint
+    python bench/bench_gate_gpu.py --smoke --device cpu                  # logic check: tiny dense
+
+`--smoke` uses the built-in dense tiny model (no routes; `--routing` left
+out) at tiny sizes; `--queue-backend transferqueue` runs the gate through
+TransferQueue (Ray must be importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def qwen3_30b_a3b_shape(layers: int) -> dict:
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768, "norm_topk_prob": True, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "router_aux_loss_coef": 0.001,
+            "output_router_logits": False}
+
+
+def write_random_moe(path: str, layers: int, device: str) -> float:
+    """A random checkpoint of the shape above (needs the MoE code); seconds taken."""
+    import torch
+
+    from treeflow.models import ModelConfig, save_model
+    from treeflow.models.checkpoint import seeded_decoder
+
+    t0 = time.perf_counter()
+    config = ModelConfig.from_hf_dict(qwen3_30b_a3b_shape(layers))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    save_model(seeded_decoder(config, device=device, dtype=dtype), path)
+    return round(time.perf_counter() - t0, 1)
+
+
+def has_experts(model: str) -> bool:
+    if model == "tiny":
+        return False
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    return bool(c.get("num_experts") or c.get("num_local_experts"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: a random MoE one)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the random MoE checkpoint")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--group-size", type=int, default=4, help="4: 4x4 groups; 16: one group")
+    ap.add_argument("--episodes", type=int, default=16)
+    ap.add_argument("--turns", default="3,4", help="calls per episode, lo,hi")
+    ap.add_argument("--prompt-tokens", default="256,512")
+    ap.add_argument("--completion-tokens", default="32,64")
+    ap.add_argument("--tool-tokens", default="32,96")
+    ap.add_argument("--layout", default="tree")
+    ap.add_argument("--queue-backend", default="embedded")
+    ap.add_argument("--max-gen-kl", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny dense model and sizes")
+    args = ap.parse_args()
+    if args.smoke:
+        args.turns, args.prompt_tokens, args.completion_tokens, args.tool_tokens = \
+            "2,3", "8,16", "3,6", "2,4"
+        args.model = args.model or "tiny"
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out_file = os.path.join(out_dir, args.out or ("bench_gate_gpu_smoke.json" if args.smoke
+                                                  else "bench_gate_gpu.json"))
+    res: dict = {"settings": {**vars(args), "dtype": dtype}}
+    work = tempfile.mkdtemp(prefix="treeflow-gate-bench-")
+    model = args.model
+    if model is None:
+        model = os.path.join(work, "model")
+        print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers", flush=True)
+        res["checkpoint_seconds"] = write_random_moe(model, args.layers, args.device)
+    routed = has_experts(model)
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
+    pair = lambda s: s.split(",")  # noqa: E731
+    cmd = [sys.executable, "-m", "treeflow.cli", "gate", "--model", model, "--device", args.device,
+           "--dtype", dtype, "--layout", args.layout, "--episodes", str(args.episodes),
+           "--group-size", str(args.group_size), "--turns", *pair(args.turns),
+           "--prompt-tokens", *pair(args.prompt_tokens),
+           "--completion-tokens", *pair(args.completion_tokens),
+           "--tool-tokens", *pair(args.tool_tokens), "--queue-backend", args.queue_backend,
+           "--json", "-o", os.path.join(work, "gate.json"),
+           *(["--threads", "1"] if args.device == "cpu" else []),
+           *(["--routing", "replay"] if routed else []),
+           *(["--max-gen-kl", args.max_gen_kl] if args.max_gen_kl else [])]
+    res["command"] = " ".join(cmd[1:])
+    print(res["command"], flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    res["process_seconds"] = round(time.perf_counter() - t0, 2)
+    res["exit_code"] = proc.returncode
+    if proc.stdout.strip():
+        res["gate"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["stderr_tail"] = proc.stderr[-2000:]
+    with open(out_file, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    return 0 if proc.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

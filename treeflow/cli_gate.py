@@ -1,0 +1,145 @@
+"""`treeflow gate`: the design's validation gate as one command (treeflow/pipeline/gate.py).
+
+    treeflow gate --model tiny -o gate.json                      # embedded queue, CPU
+    treeflow gate --model DIR --device cuda --dtype bfloat16 --queue-backend transferqueue
+
+Prints the gate's figures and writes them as JSON (`-o`); exits 0 when the
+gate passes and 3 naming every cause when it fails (a lost or masked
+episode, a generation KL above --max-gen-kl, a refit that did not happen,
+route agreement below --min-route-agreement under --routing replay). --routing and
+--context-parallel go to the trainer's Forward where this build has them,
+and are refused by name where it does not. --fault is a test hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+GATE_FAILED = 3
+
+
+def _forward(args):
+    from treeflow.models.tuning import Tuning
+    from treeflow.stages import Forward
+    from treeflow.train.checkpoint import model_dir
+
+    fields = {f.name for f in dataclasses.fields(Forward)}
+    extra = {}
+    for option, name, value, default in (("--routing", "routing", args.routing, None),
+                                         ("--context-parallel", "context_parallel",
+                                          args.context_parallel, 1)):
+        if value == default:
+            continue
+        if name not in fields:
+            raise ValueError(f"{option} {value}: this treeflow build has no Forward({name}=...) "
+                             f"(the {'MoE routing replay' if name == 'routing' else 'context-parallel'}"
+                             " code is missing); leave the option out")
+        extra[name] = value
+    if extra.get("context_parallel", 1) > 1:
+        raise ValueError(f"--context-parallel {args.context_parallel}: the gate trains in one "
+                         "process, and context parallelism needs one process per rank; not wired "
+                         "into the gate yet")
+    return Forward(model=model_dir(args.model), dtype=args.dtype, kernel=args.kernel,
+                   tuning=Tuning.parse(args.tuning), **extra)
+
+
+def cmd_gate(args) -> int:
+    import torch
+
+    from treeflow.atomic import atomic_open, check_output
+    from treeflow.cli import check_device
+    from treeflow.cli_stream import open_cli_queue
+    from treeflow.pipeline import Gate, Rollout, run_gate
+    from treeflow.stages import EpisodeSchedule, Loss, Reduce
+
+    check_device(args.device)
+    if args.rate is not None:
+        raise ValueError(f"--rate {args.rate}: the gate's producer runs in lock-step with the "
+                         "trainer (it samples once the weights of its round are out); leave it out")
+    if args.output:
+        check_output(args.output, what="-o")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    forward = _forward(args)
+    gate = Gate(episodes=args.episodes, max_gen_kl=args.max_gen_kl, fault=args.fault,
+                min_route_agreement=args.min_route_agreement,
+                timeout=args.timeout,
+                rollout=Rollout(group_size=args.group_size, turns=tuple(args.turns),
+                                prompt_tokens=tuple(args.prompt_tokens),
+                                completion_tokens=tuple(args.completion_tokens),
+                                tool_tokens=tuple(args.tool_tokens),
+                                temperature=args.temperature, seed=args.seed))
+    reduce = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=args.lr))
+    if args.capacity < 2 * args.episodes:
+        raise ValueError(f"--capacity {args.capacity}: the gate's two rounds of --episodes "
+                         f"{args.episodes} must fit the queue; give >= {2 * args.episodes}")
+    queue = open_cli_queue(args, forward.vocab_size_hint())
+    try:
+        figures = run_gate(queue, forward=forward, reduce=reduce, gate=gate, layout=args.layout,
+                           scope=args.scope, max_tokens=args.max_tokens, device=args.device)
+    finally:
+        queue.shutdown()
+    figures.update(model=args.model, dtype=args.dtype, layout=args.layout,
+                   queue_backend=args.queue_backend, routing=args.routing,
+                   context_parallel=args.context_parallel, fault=args.fault)
+    if args.output:
+        with atomic_open(args.output, "w", what="gate figures") as f:
+            json.dump(figures, f, indent=1)
+    if args.json:
+        print(json.dumps(figures), flush=True)
+    elif not args.quiet:
+        from treeflow._display import _console, _table
+
+        _console().print(_table("gate", [(k, v) for k, v in figures.items() if k != "failures"]))
+    for cause in figures["failures"]:
+        print(f"gate failed: {cause}", file=sys.stderr, flush=True)
+    return 0 if figures["passed"] else GATE_FAILED
+
+
+def add_gate_parser(sub, common) -> None:
+    from treeflow.cli_stream import _queue_options
+    from treeflow.pipeline.gate import FAULTS
+
+    s = sub.add_parser("gate", parents=[common],
+                       help="the validation gate: sample, queue, one step, refit, sample again")
+    s.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint dir")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"), default="auto")
+    s.add_argument("--tuning", default="", help="speed levers of the reference backend")
+    _queue_options(s)
+    s.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
+    s.add_argument("--group-size", type=int, default=4, help="4: 4x4 groups; 16: one group")
+    s.add_argument("--turns", type=int, nargs=2, default=(2, 3))
+    s.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 32))
+    s.add_argument("--completion-tokens", type=int, nargs=2, default=(4, 12))
+    s.add_argument("--tool-tokens", type=int, nargs=2, default=(4, 12))
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--lr", type=float, default=1e-5)
+    s.add_argument("--max-gen-kl", type=float, default=None,
+                   help="largest generation KL accepted (default 1e-6 float32, 1e-3 bfloat16)")
+    s.add_argument("--min-route-agreement", type=float, default=None,
+                   help="under --routing replay, the least share of (token, MoE layer) rows whose "
+                        "recomputed experts equal the captured ones (default 1 float32, 0.95 bf16)")
+    s.add_argument("--routing", choices=("replay", "recompute"), default=None,
+                   help="MoE expert choice in the trainer (needs the MoE code)")
+    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="trainer context parallelism (needs the context-parallel code)")
+    s.add_argument("--fault", choices=FAULTS, default=None,
+                   help="test hook: inject this fault to see the gate fail naming it")
+    s.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for a round or for weights before failing")
+    s.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    s.add_argument("-o", "--output", default=None, help="write the figures as JSON here")
+    s.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    s.add_argument("--quiet", action="store_true", help="print nothing but the failures")
+    s.set_defaults(fn=cmd_gate)
+
+
+__all__ = ["GATE_FAILED", "add_gate_parser", "cmd_gate"]
