@@ -50,7 +50,7 @@ SKIPPED = {
         "spawns rank processes (tests/train/test_data_parallel.py runs it, marked multiprocess)",
     "torchrun --nproc-per-node 8 -m treeflow.cli replay episodes.arrow --mode train --ranks 8 \\":
         "torchrun across processes/hosts",
-    "treeflow stream --queue /tmp/tf.sock --mode train --batch-episodes 8 --steps 20 \\":
+    "treeflow stream --queue tf --mode train --batch-episodes 8 --steps 20 \\":
         "two processes through a queue socket (tests/test_cli_stream.py)",
     "treeflow replay episodes.arrow --window 16 -o replay.arrow":
         "its third line waits for producers on a socket (tests/test_cli_stream.py)",
@@ -60,6 +60,14 @@ SKIPPED = {
         "installs megatron-core; tensor parallelism on GPUs (tests/models/test_megatron*.py)",
     "from treeflow.pipeline import Pipeline, QueueSource, Rollout, run_rollout":
         "waits for a producer in another process (tests/tq)",
+    "# on host A (node 0) and host B (node 1), the same command but --node-rank:":
+        "torchrun across hosts (tests/test_cli_multinode.py runs --nnodes 2 on localhost)",
+    "# 2 GPUs, one bin over both: paths of up to 2 x 32k tokens":
+        "spawns C processes per bin (tests/test_cli_context_parallel.py, marked multiprocess)",
+    "treeflow synth -o ep.arrow --routes-from DIR      # routes of DIR's shape (MoE layers x top_k)":
+        "needs a local MoE checkpoint (tests/models/test_moe_cli.py runs these on a tiny one)",
+    "treeflow replay episodes.arrow --model NEMOTRON_H_DIR --ssm-fork chunk -o lp.arrow":
+        "needs a local Nemotron-H checkpoint (tests/test_cli_hybrid.py runs it on a tiny one)",
 }
 # blocks of other kinds are data, not commands
 KINDS = {"python": "python", "bash": "shell", "sh": "shell", "indent": "shell"}
