@@ -60,3 +60,14 @@ def final_weights(ckpt_dir) -> dict:
 def metrics_steps(path) -> list[int]:
     with open(path) as f:
         return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def refused(rc, err, *needles):
+    """A refusal: exit 2, one `error:` line naming every needle, no traceback; warnings (what
+    the run did other than asked) are their own lines before it."""
+    assert rc == 2, err
+    err = "".join(line for line in err.splitlines(True) if not line.startswith("warning:"))
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, err

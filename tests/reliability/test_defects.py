@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.reliability.helpers import TRAIN, cli, final_weights, metrics_steps, small_episodes, tree_hashes, write_small
+from tests.reliability.helpers import (TRAIN, cli, final_weights, metrics_steps, refused,
+    small_episodes, tree_hashes, write_small)
 from treeflow.pipeline import write_episodes
 from treeflow.schemas import read_episodes
 
@@ -25,16 +26,6 @@ from treeflow.schemas import read_episodes
 @pytest.fixture
 def data(tmp_path):
     return write_small(tmp_path / "e.arrow")
-
-
-def refused(rc, err, *needles):
-    assert rc == 2, err
-    # warnings (what the run did other than asked) are their own lines; the error is one line
-    err = "".join(line for line in err.splitlines(True) if not line.startswith("warning:"))
-    assert err.startswith("error:") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in err, err
 
 
 # ---------------------------------------------------------------- defect 2: same run on resume

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 from safetensors import SafetensorError
 
-from tests.reliability.helpers import TRAIN, cli, small_episodes, tree_hashes, write_small
+from tests.reliability.helpers import TRAIN, cli, refused, small_episodes, tree_hashes, write_small
 from treeflow.pipeline import write_episodes
 
 
@@ -29,13 +29,6 @@ def _hash_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def data(tmp_path):
     return write_small(tmp_path / "e.arrow")
-
-
-def refused(rc, err, *needles):
-    assert rc == 2, err
-    assert err.startswith("error:") and err.count("\n") == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
 
 
 def resign(step_dir, edit) -> None:

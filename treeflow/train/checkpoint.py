@@ -521,11 +521,13 @@ def _check_state(path: str, state) -> None:
             count(position[k], f"position.{k}")
     if "optimizer" in state:
         opt = state["optimizer"]
+        # one-process checkpoints carry AdamW's scalars here; sharded ones (train/sharded.py)
+        # only the param groups, their state being in dcp/
         if not (isinstance(opt, dict) and isinstance(opt.get("param_groups"), list)
-                and isinstance(opt.get("scalars"), dict)):
+                and isinstance(opt.get("scalars", {}), dict)):
             raise ValueError(f"{path}: field 'optimizer' must be an object with 'param_groups' "
-                             "(a list) and 'scalars' (an object)")
-        bad = [k for k in opt["scalars"] if not re.fullmatch(r"\d+\.\w+", k)]
+                             "(a list) and, if present, 'scalars' (an object)")
+        bad = [k for k in opt.get("scalars", {}) if not re.fullmatch(r"\d+\.\w+", k)]
         if bad:
             raise ValueError(f"{path}: optimizer scalar {bad[0]!r} is not named INDEX.NAME")
 
