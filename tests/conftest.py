@@ -37,6 +37,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """In-process commands may set torch's thread count (`rollout --threads` defaults to 1):
+    give every later test the count it started with, as a child process would have it."""
+    torch = sys.modules.get("torch")
+    n = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and n is not None and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 RAY_CPUS = 4  # TransferQueue's controller and storage unit reserve one logical CPU each
 RAY_OBJECT_STORE = 100 * 2**20  # small, so that a streaming test can outgrow it
 
