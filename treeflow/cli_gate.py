@@ -50,8 +50,8 @@ def cmd_gate(args) -> int:
 
     from treeflow.atomic import atomic_open, check_output
     from treeflow.cli import check_device
-    from treeflow.cli_stream import open_cli_queue
-    from treeflow.pipeline import Gate, Rollout, run_gate
+    from treeflow.cli_stream import open_cli_queue, rollout_config
+    from treeflow.pipeline import Gate, run_gate
     from treeflow.stages import EpisodeSchedule, Loss, Reduce
 
     check_device(args.device)
@@ -66,11 +66,7 @@ def cmd_gate(args) -> int:
     gate = Gate(episodes=args.episodes, max_gen_kl=args.max_gen_kl, fault=args.fault,
                 min_route_agreement=args.min_route_agreement,
                 timeout=args.timeout,
-                rollout=Rollout(group_size=args.group_size, turns=tuple(args.turns),
-                                prompt_tokens=tuple(args.prompt_tokens),
-                                completion_tokens=tuple(args.completion_tokens),
-                                tool_tokens=tuple(args.tool_tokens),
-                                temperature=args.temperature, seed=args.seed))
+                rollout=rollout_config(args))
     reduce = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=args.lr))
     if args.capacity < 2 * args.episodes:
         raise ValueError(f"--capacity {args.capacity}: the gate's two rounds of --episodes "
@@ -99,7 +95,7 @@ def cmd_gate(args) -> int:
 
 
 def add_gate_parser(sub, common) -> None:
-    from treeflow.cli_stream import _queue_options
+    from treeflow.cli_stream import _queue_options, add_sampling_options
     from treeflow.pipeline.gate import FAULTS
 
     s = sub.add_parser("gate", parents=[common],
@@ -114,13 +110,7 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--tuning", default="", help="speed levers of the reference backend")
     _queue_options(s)
     s.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
-    s.add_argument("--group-size", type=int, default=4, help="4: 4x4 groups; 16: one group")
-    s.add_argument("--turns", type=int, nargs=2, default=(2, 3))
-    s.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 32))
-    s.add_argument("--completion-tokens", type=int, nargs=2, default=(4, 12))
-    s.add_argument("--tool-tokens", type=int, nargs=2, default=(4, 12))
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
+    add_sampling_options(s, group_size_help="4: 4x4 groups; 16: one group")
     s.add_argument("--lr", type=float, default=1e-5)
     s.add_argument("--max-gen-kl", type=float, default=None,
                    help="largest generation KL accepted (default 1e-6 float32, 1e-3 bfloat16)")

@@ -370,7 +370,7 @@ def cmd_rollout(args) -> int:
     import torch
 
     from treeflow.cli import check_device
-    from treeflow.pipeline.rollout import Rollout, run_rollout
+    from treeflow.pipeline.rollout import run_rollout
     from treeflow.tq import QueueClosed
 
     check_device(args.device)
@@ -378,10 +378,7 @@ def cmd_rollout(args) -> int:
         raise ValueError(f"--groups {args.groups}: give the number of groups to sample, >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = Rollout(group_size=args.group_size, turns=tuple(args.turns),
-                     prompt_tokens=tuple(args.prompt_tokens),
-                     completion_tokens=tuple(args.completion_tokens),
-                     tool_tokens=tuple(args.tool_tokens), temperature=args.temperature, seed=args.seed)
+    config = rollout_config(args)
     queue = open_cli_queue(args, attach=True)
     try:
         summary = run_rollout(queue, groups=args.groups, config=config, model=args.model,
@@ -446,13 +443,7 @@ def add_stream_parsers(sub, common, model_options) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s.add_argument("--groups", type=int, default=8)
-    s.add_argument("--group-size", type=int, default=4)
-    s.add_argument("--turns", type=int, nargs=2, default=(2, 3))
-    s.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 32))
-    s.add_argument("--completion-tokens", type=int, nargs=2, default=(4, 12))
-    s.add_argument("--tool-tokens", type=int, nargs=2, default=(4, 12))
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
+    add_sampling_options(s)
     s.add_argument("--producer", default="rollout", help="producer id (restarts resume by it)")
     s.add_argument("--index-base", type=int, default=0, help="first sample_index of this producer")
     s.add_argument("--no-refit", action="store_true", help="ignore weights the trainer publishes")
@@ -463,3 +454,25 @@ def add_stream_parsers(sub, common, model_options) -> None:
 
 
 __all__ = ["add_stream_parsers", "cmd_rollout", "cmd_stream"]
+
+
+def add_sampling_options(s, *, group_size_help: str | None = None) -> None:
+    """What a live producer samples (`rollout` and `gate` alike): the Rollout fields as flags."""
+    s.add_argument("--group-size", type=int, default=4, help=group_size_help)
+    s.add_argument("--turns", type=int, nargs=2, default=(2, 3))
+    s.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 32))
+    s.add_argument("--completion-tokens", type=int, nargs=2, default=(4, 12))
+    s.add_argument("--tool-tokens", type=int, nargs=2, default=(4, 12))
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+
+
+def rollout_config(args):
+    """The Rollout those flags describe."""
+    from treeflow.pipeline.rollout import Rollout
+
+    return Rollout(group_size=args.group_size, turns=tuple(args.turns),
+                   prompt_tokens=tuple(args.prompt_tokens),
+                   completion_tokens=tuple(args.completion_tokens),
+                   tool_tokens=tuple(args.tool_tokens), temperature=args.temperature,
+                   seed=args.seed)
