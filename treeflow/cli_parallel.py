@@ -54,37 +54,17 @@ def check_tensor_parallel_options(args, *, train: bool) -> None:
     if args.backend != "megatron":
         raise ValueError(f"--tensor-parallel {tp} needs --backend megatron: the {args.backend} "
                          "backend runs whole on one device (use --ranks for data parallelism)")
-    if args.engine == "ray":
-        raise ValueError(f"--tensor-parallel {tp} runs with --engine local only (each "
-                         "tensor-parallel rank is a process of its own)")
-    if train:
-        if args.launcher == "ray":
-            raise ValueError(f"--tensor-parallel {tp} starts its processes with --launcher spawn "
-                             "or under torchrun, not as a Ray actor group")
-        if args.shard_params:
-            raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
-                             "megatron-core shards the weights itself; drop --shard-params")
-    elif args.ranks > 1:
-        raise ValueError(f"--ranks {args.ranks} with --tensor-parallel {tp} in logprobs mode: "
-                         "--ranks sizes the Ray engine's forward actors; give --ranks 1")
+    _own_processes(args, "--tensor-parallel", "tensor-parallel", tp, train=train)
+    if train and args.shard_params:
+        raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
+                         "megatron-core shards the weights itself; drop --shard-params")
     from treeflow.models import ModelConfig, check_tensor_parallel
     from treeflow.train.checkpoint import model_dir
 
     config = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.from_hf_dir(
         model_dir(args.model))
     check_tensor_parallel(config, tp)
-    processes = tp * (args.ranks if train else 1)
-    world = torchrun_world()
-    if world is not None and world != processes:
-        raise ValueError(f"torchrun started {world} processes but --tensor-parallel {tp}"
-                         + (f" x --ranks {args.ranks}" if train else "")
-                         + f" needs {processes}; give matching numbers")
-    if world is None and args.device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.device_count() < processes:
-            raise ValueError(f"--tensor-parallel {tp} needs {processes} GPUs (one per process), "
-                             f"this host has {torch.cuda.device_count()}")
+    _process_count(args, "--tensor-parallel", tp, train=train)
 
 
 def check_context_parallel_options(args, *, train: bool) -> None:
@@ -108,31 +88,40 @@ def check_context_parallel_options(args, *, train: bool) -> None:
     if args.kernel not in ("auto", "dense", "runs"):
         raise ValueError(f"--context-parallel {cp} with --kernel {args.kernel}: a rank attends "
                          "over its gathered keys with --kernel runs or dense (auto: runs)")
+    _own_processes(args, "--context-parallel", "context-parallel", cp, train=train)
+    if train and args.shard_params:
+        raise ValueError(f"--context-parallel {cp} with --shard-params is not supported yet: "
+                         "drop one of them")
+    _process_count(args, "--context-parallel", cp, train=train)
+
+
+def _own_processes(args, flag: str, kind: str, n: int, *, train: bool) -> None:
+    """What every flag that runs one model over n processes of its own refuses alike."""
     if args.engine == "ray":
-        raise ValueError(f"--context-parallel {cp} runs with --engine local only (each "
-                         "context-parallel rank is a process of its own)")
-    if train:
-        if args.launcher == "ray":
-            raise ValueError(f"--context-parallel {cp} starts its processes with --launcher "
-                             "spawn or under torchrun, not as a Ray actor group")
-        if args.shard_params:
-            raise ValueError(f"--context-parallel {cp} with --shard-params is not supported yet: "
-                             "drop one of them")
-    elif args.ranks > 1:
-        raise ValueError(f"--ranks {args.ranks} with --context-parallel {cp} in logprobs mode: "
-                         "--ranks sizes the Ray engine's forward actors; give --ranks 1")
-    processes = cp * (args.ranks if train else 1)
+        raise ValueError(f"{flag} {n} runs with --engine local only (each {kind} rank is a "
+                         "process of its own)")
+    if train and args.launcher == "ray":
+        raise ValueError(f"{flag} {n} starts its processes with --launcher spawn or under "
+                         "torchrun, not as a Ray actor group")
+    if not train and args.ranks > 1:
+        raise ValueError(f"--ranks {args.ranks} with {flag} {n} in logprobs mode: --ranks sizes "
+                         "the Ray engine's forward actors; give --ranks 1")
+
+
+def _process_count(args, flag: str, n: int, *, train: bool) -> None:
+    """n (x --ranks in training) processes: what torchrun started, or GPUs enough to spawn them."""
+    processes = n * (args.ranks if train else 1)
     world = torchrun_world()
     if world is not None and world != processes:
-        raise ValueError(f"torchrun started {world} processes but --context-parallel {cp}"
+        raise ValueError(f"torchrun started {world} processes but {flag} {n}"
                          + (f" x --ranks {args.ranks}" if train else "")
                          + f" needs {processes}; give matching numbers")
     if world is None and args.device.startswith("cuda"):
         import torch
 
         if torch.cuda.device_count() < processes:
-            raise ValueError(f"--context-parallel {cp} needs {processes} GPUs (one per "
-                             f"process), this host has {torch.cuda.device_count()}")
+            raise ValueError(f"{flag} {n} needs {processes} GPUs (one per process), this host "
+                             f"has {torch.cuda.device_count()}")
 
 
 def start_ranks(fn, processes: int, args) -> None:
