@@ -33,10 +33,8 @@ import torch
 import torch.distributed as dist
 
 from treeflow.models.context_parallel import ContextParallelPlan, cp_bounds
-from treeflow.stages._flat import list_offsets, list_values
-from treeflow.stages.runner import ForwardRunner, PreparedBin, PreparedBins
+from treeflow.stages.runner import _COLUMNS, ForwardRunner, PreparedBin, PreparedBins
 
-_COLUMNS = ("tokens", "parents", "positions", "edge_sources", "edge_targets")
 
 
 class ContextParallelRunner(ForwardRunner):
@@ -50,10 +48,7 @@ class ContextParallelRunner(ForwardRunner):
 
     def prepare(self, bins: pa.Table) -> PreparedBins:
         t0 = time.perf_counter()
-        cols = {n: bins.column(n).combine_chunks() for n in _COLUMNS}
-        off = {n: list_offsets(c) for n, c in cols.items()}
-        val = {n: list_values(c) for n, c in cols.items()}
-        self._check_vocab(bins, off, val)
+        off, val = self._columns(bins)
         items: list[PreparedBin | None] = []
         executed = 0
         for r in range(bins.num_rows):

@@ -112,13 +112,18 @@ class ForwardRunner:
         self.route_width, self.routing = _routing(config, backend)
 
     # ------------------------------------------------------------- host half
-    def prepare(self, bins: pa.Table) -> PreparedBins:
-        """Host work and device copies for every bin of `bins` (background-thread safe)."""
-        t0 = time.perf_counter()
+    def _columns(self, bins: pa.Table) -> tuple[dict, dict]:
+        """(list offsets, flat values) of the bins' columns, token ids checked once."""
         cols = {n: bins.column(n).combine_chunks() for n in _COLUMNS}
         off = {n: list_offsets(c) for n, c in cols.items()}
         val = {n: list_values(c) for n, c in cols.items()}
         self._check_vocab(bins, off, val)
+        return off, val
+
+    def prepare(self, bins: pa.Table) -> PreparedBins:
+        """Host work and device copies for every bin of `bins` (background-thread safe)."""
+        t0 = time.perf_counter()
+        off, val = self._columns(bins)
         items: list[PreparedBin | None] = []
         ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
         with ctx:
