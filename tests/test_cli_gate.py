@@ -122,3 +122,18 @@ def test_gate_passes_through_transferqueue(ray_cluster, capsys):
         close_transferqueue(ray_cluster)
     assert rc == 0 and fig["passed"], err
     assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
+
+
+def test_gate_output_has_one_writer(tmp_path, capsys):
+    """-o is locked for the run like every other output: a second writer is refused by name."""
+    from treeflow.lock import OutputLock
+
+    out = tmp_path / "gate.json"
+    held = OutputLock(str(out), option="-o")
+    try:
+        rc = main(["gate", *SMALL, "-o", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "another treeflow run is writing it" in err, err
+        assert not out.exists()
+    finally:
+        held.release()

@@ -48,7 +48,8 @@ def _forward(args):
 def cmd_gate(args) -> int:
     import torch
 
-    from treeflow.atomic import atomic_open, check_output
+    from treeflow.atomic import atomic_open
+    from treeflow.lock import claim_output
     from treeflow.cli import check_device
     from treeflow.cli_stream import open_cli_queue, rollout_config
     from treeflow.pipeline import Gate, run_gate
@@ -58,8 +59,8 @@ def cmd_gate(args) -> int:
     if args.rate is not None:
         raise ValueError(f"--rate {args.rate}: the gate's producer runs in lock-step with the "
                          "trainer (it samples once the weights of its round are out); leave it out")
-    if args.output:
-        check_output(args.output, what="-o")
+    if args.output:  # checked and locked for the run (one writer), written atomically below
+        claim_output(args.output, option="-o")
     if args.threads:
         torch.set_num_threads(args.threads)
     forward = _forward(args)
