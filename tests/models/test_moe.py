@@ -268,3 +268,45 @@ def test_megatron_backend_refuses_moe_by_name(tmp_path):
     with pytest.raises(ValueError, match="MixtralForCausalLM: the megatron backend does not run "
                                          "MoE"):
         load_backend("megatron", tmp_path)
+
+
+def test_experts_run_in_the_autocast_dtype():
+    """Under mixed precision (autocast over float32 weights) the expert matmuls run in the
+    autocast dtype, like every F.linear around them: autocast does not cover
+    torch._grouped_mm, so without the cast they ran in float32 (on CUDA the padded float32
+    bmm, which ran a Qwen3-30B-A3B-shaped training step out of GPU memory)."""
+    from treeflow.models import moe
+
+    g = torch.Generator().manual_seed(0)
+    n, h, i, x, k = 64, 32, 16, 8, 2
+    x_NH = torch.randn(n, h, generator=g)
+    gu = 0.1 * torch.randn(x, 2 * i, h, generator=g)
+    dn = 0.1 * torch.randn(x, h, i, generator=g)
+    idx = torch.rand(n, x, generator=g).topk(k).indices
+    w = torch.rand(n, k, generator=g)
+    seen = []
+    real = moe._grouped
+
+    def spy(a, b, offs):
+        seen.append((a.dtype, b.dtype))
+        return real(a, b, offs)
+
+    moe._grouped = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = moe.expert_mix(x_NH, idx, w, gu, dn)
+    finally:
+        moe._grouped = real
+    assert seen and all(d == (torch.bfloat16, torch.bfloat16) for d in seen), seen
+    # the hand formula, each expert's SwiGLU in bfloat16 (float32 accumulation of the mix)
+    bf = torch.bfloat16
+    want = torch.zeros(n, h)
+    for t in range(n):
+        for j in range(k):
+            e = int(idx[t, j])
+            hid = x_NH[t].to(bf) @ gu[e].to(bf).T
+            a, b = hid.chunk(2)
+            out = (torch.nn.functional.silu(a) * b) @ dn[e].to(bf).T
+            want[t] += (out * w[t, j]).float()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -250,6 +250,10 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI) -> torch.Tensor:
     counts_X = torch.zeros(experts, dtype=torch.int64, device=flat_R.device).scatter_add_(
         0, flat_R, torch.ones_like(flat_R))
     xs_RH = x_NH[token_R]
+    device = x_NH.device.type
+    if torch.is_autocast_enabled(device):  # autocast does not cover _grouped_mm: cast as it would
+        compute = torch.get_autocast_dtype(device)
+        xs_RH, gate_up_XIH, down_XHI = (t.to(compute) for t in (xs_RH, gate_up_XIH, down_XHI))
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI2 = _grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X)
