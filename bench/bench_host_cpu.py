@@ -56,7 +56,7 @@ from treeflow.pipeline import ArrowSink, Files, Pipeline, synth_episodes, write_
 from treeflow.pipeline.local import run_local  # noqa: E402
 from treeflow.pipeline.stats import bin_sums, episode_sums  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard  # noqa: E402
-from treeflow.stages.runner import ForwardRunner  # noqa: E402
+from treeflow.ops.runner import ForwardRunner  # noqa: E402
 
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2)

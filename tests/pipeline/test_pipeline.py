@@ -11,6 +11,7 @@ import torch
 from treeflow.cli import main
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+from treeflow.ops import build_forward
 
 
 def test_mismatched_stages_name_both():
@@ -33,7 +34,7 @@ def test_bad_stage_configs_fail_when_declared(monkeypatch):
     # the check asks torch, so make torch say there is none
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device 'cuda': CUDA is not available here"):
-        Forward().build(device="cuda")
+        build_forward(Forward(), device="cuda")
 
 
 def test_partial_pipeline_yields_bins_per_window():

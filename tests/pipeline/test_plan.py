@@ -12,6 +12,7 @@ from treeflow.pipeline.local import run_local
 from treeflow.schemas import validate_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.stages.base import Stage
+from treeflow.ops import build_forward
 
 
 def small_eps(n=8, seed=0):
@@ -24,16 +25,20 @@ def test_plan_compiles_stage_kinds_into_three_operators():
     pack, frag, shard, fwd = Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward()
     plan = Pipeline(pack, frag, shard, fwd, Reassemble()).plan
     assert plan.maps == (pack, frag, shard) and plan.model is fwd
-    assert isinstance(plan.accumulate, Reassemble) and not plan.trains
-    assert plan.bin_budget == 64  # Fragment's bound, for padding flex bins
+    assert isinstance(plan.accumulate, Reassemble) and not plan.fused
+    assert plan.max_tokens == 64  # Fragment's bound, for padding flex bins
     train = Pipeline(pack, frag, fwd, Reduce()).plan
-    assert train.trains and train.model is fwd
+    assert train.fused and train.model is fwd  # the registry says Reduce holds Forward's model
     maps_only = Pipeline(pack, frag).plan
     assert maps_only.model is None and maps_only.accumulate is None
 
 
-def test_plan_reads_kinds_not_types():
-    # a stage of a new type is placed by its declared kind alone
+def test_plan_places_stages_by_their_registered_operator():
+    # a stage of a new type compiles once an operator is registered for it, and is refused
+    # at planning, by name, before that
+    from treeflow.ops import MapOp, register
+    from treeflow.ops.registry import _REGISTRY
+
     class Tag(Stage):
         input_schema = Pack.output_schema
         output_schema = Pack.output_schema
@@ -41,7 +46,15 @@ def test_plan_reads_kinds_not_types():
         def __call__(self, table):
             return table
 
-    plan = Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    with pytest.raises(TypeError, match="Tag: no physical operator is registered for this stage"):
+        Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    with pytest.raises(TypeError, match="Tag: no physical operator"):
+        Pipeline(Pack(), Tag(), Fragment(max_tokens=64))
+    register(Tag)(lambda stage, **runtime: MapOp(stage))
+    try:
+        plan = Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    finally:
+        del _REGISTRY[Tag]
     assert [type(s).__name__ for s in plan.maps] == ["Pack", "Tag", "Fragment"]
     with pytest.raises(ValueError, match="Fragment \\(a map\\) follows the model stage Forward"):
         Plan.compile((Pack(), Forward(), Fragment(max_tokens=64)))
@@ -59,7 +72,7 @@ def test_cross_stage_mismatch_is_refused_at_declaration():
 
 def test_forward_config_holds_no_device():
     assert "device" not in {f for f in Forward.__dataclass_fields__}
-    runner = Forward().build(device="cpu", pad_to=64)
+    runner = build_forward(Forward(), device="cpu", max_tokens=64)
     assert runner.device.type == "cpu" and runner.pad_to is None  # padding serves CUDA flex only
 
 
@@ -117,7 +130,7 @@ class _PlanWaitingForData(Plan):
 def _waiting_plan(fail=False):
     p = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble()).plan
     plan = _PlanWaitingForData(maps=p.maps, model=p.model, accumulate=p.accumulate,
-                               bin_budget=p.bin_budget)
+                               max_tokens=p.max_tokens, fused=p.fused)
     object.__setattr__(plan, "pulled", threading.Event())
     object.__setattr__(plan, "fail", fail)
     return plan

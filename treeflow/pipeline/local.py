@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import torch
 
+from treeflow.ops.train import Window
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.stats import bin_sums, episode_sums
 
@@ -91,7 +92,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
             if first:
                 stats.update(load_seconds=load_seconds, compile_seconds=compile_seconds)
                 first = False
-            acc = worker.open(episodes)
+            acc = worker.open(Window(step=step, episodes=episodes, position=position))
             acc.add(prepared)
             if held is not None:
                 yield _finish(*held, graphs)
@@ -100,6 +101,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
                 held = (step, position, episodes, acc, stats)
             else:
                 yield _finish(step, position, episodes, acc, stats, graphs)
+                acc.taken()  # the caller came back for more: e.g. a checkpoint due is written
         if held is not None:
             yield _finish(*held, graphs)
 

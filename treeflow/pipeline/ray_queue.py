@@ -69,7 +69,7 @@ def _prepare(plan: Plan, handle: WorkHandle, window: int, episodes: pa.Table, ra
     if bins.num_rows == 0:
         raise ValueError(f"window {window} made no bins; give episodes with tokens")
     meta = {"nbins": bins.num_rows, "executed_tokens": bin_sums(bins)["executed_tokens"]}
-    if plan.trains:
+    if plan.fused:
         parts = [{"bins": bins, "episodes": episodes}]
     elif ranks > 1 and "rank" in bins.column_names and bins.column("rank").null_count == 0:
         rank = bins.column("rank").to_numpy()
@@ -86,18 +86,25 @@ class _QueueRank:
     """One forward worker: leases items, computes them, puts results back, then acknowledges."""
 
     def __init__(self, plan: Plan, device: str, threads: int, work: WorkHandle,
-                 publish: str | None = None):
+                 publish: str | None = None, save: str | None = None, keep: int | None = None):
         import torch
 
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan, self.publish = plan, publish
-        if publish:
-            import os
+        options = {}
+        if plan.fused:  # the training op publishes after every step and saves at the end
+            from treeflow.ops.train import Checkpointing, PublishWeights
 
-            os.makedirs(publish, exist_ok=True)
-        self.worker = plan.worker(device=device)
+            self.publish = PublishWeights(publish) if publish else None
+            options = dict(checkpointing=Checkpointing(dir=save, keep=keep, background=False),
+                           on_step=[self.publish] if publish else [])
+            if publish:
+                import os
+
+                os.makedirs(publish, exist_ok=True)
+        self.worker = plan.worker(device=device, **options)
         self.compile_seconds = self.worker.warm_up()
         self.work = work.connect() if isinstance(work, WorkHandle) else work  # (a test's queue)
         self.next_window = 0  # training: windows apply in order
@@ -117,7 +124,7 @@ class _QueueRank:
                     continue
                 if item == END:
                     return done
-                if not self.plan.trains:
+                if not self.plan.fused:
                     with self._lock:
                         self._held[(item.window, item.part)] = item
                     self._apply(item)
@@ -148,29 +155,18 @@ class _QueueRank:
         bins = item.tables["bins"].cast(BIN_SCHEMA)
         meta = {"compile_seconds": self.compile_seconds}
         self.compile_seconds = 0.0
-        if not self.plan.trains:
+        if not self.plan.fused:
             return self.worker.runner(bins), meta
         step = self.worker.open(item.tables["episodes"])
         step.add(bins)
         out = step.finish()
         if self.publish:
-            meta["weights"] = self._publish()
+            meta["weights"] = self.publish.last
         return out, meta
 
-    def _publish(self) -> str:
-        import os
-
-        from treeflow.atomic import atomic_dir
-
-        final = os.path.join(self.publish, f"v{self.worker.trainer.steps}")
-        with atomic_dir(final, what="published weights") as tmp:
-            self.worker.trainer.backend.save(tmp)
-        return final
-
-    def save(self, path: str, position: dict | None, keep: int | None = None) -> str:
-        """Write the trainer's checkpoint (after the stream ended); its directory."""
-        self.worker.trainer.position = position
-        return self.worker.trainer.save(path, keep=keep)
+    def close(self, position: dict | None) -> None:
+        """The stream ended: the training op's final checkpoint, at the driver's `position`."""
+        self.worker.close(position=position)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         every = float(self.work.stats().get("lease_seconds", 60.0)) / 4
@@ -225,7 +221,7 @@ def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, pr
     _check_ray_plan(plan, ranks)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows in flight)")
-    if (save or publish) and not plan.trains:
+    if (save or publish) and not plan.fused:
         raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
     return _run(plan, reader, device=device, ranks=ranks, prefetch=prefetch,
                 threads=threads or torch.get_num_threads(), save=save, keep=keep, publish=publish,
@@ -245,7 +241,7 @@ def _run(plan, reader, *, device, ranks, prefetch, threads, save, keep, publish,
     share = max(0.0, min(1.0, ray.available_resources().get("CPU", 0.0) / (ranks + 1)))
     remote = ray.remote(max_restarts=-1, max_task_retries=0)(rank_cls)
     actors = [remote.options(num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0).remote(
-        plan, device, threads, handle, publish) for _ in range(ranks)]
+        plan, device, threads, handle, publish, save, keep) for _ in range(ranks)]
     plan_ref = ray.put(plan)
     prepare = ray.remote(_prepare).options(num_cpus=share, max_retries=3)
     feeder = _Feeder(reader)
@@ -317,7 +313,7 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
         except ray.exceptions.RayActorError:
             pass  # died after the last item was acknowledged: nothing of it is missing
     if save is not None:
-        ray.get(actors[0].save.remote(save, last_position, keep))
+        ray.get(actors[0].close.remote(last_position))
 
 
 def _window(episodes: pa.Table, position: dict | None, map_ref) -> dict:
@@ -362,7 +358,7 @@ def _check_actors(ray, plan, work, serving, restart: dict) -> None:
             ray.get(ref)
         except ray.exceptions.RayActorError:
             work.release(name)  # its items go to the next worker now, not when the lease lapses
-            if plan.trains:
+            if plan.fused:
                 raise RuntimeError(
                     f"forward rank {i} died mid-stream; a training rank's model and optimizer "
                     "state died with it, so the run stops here: the queue steps it had not "
@@ -379,7 +375,7 @@ def _check_actors(ray, plan, work, serving, restart: dict) -> None:
 def _finish(plan: Plan, w: int, win: dict) -> WindowResult:
     parts = [win["parts"][p] for p in sorted(win["parts"])]
     episodes, meta = win["episodes"], win["meta"]
-    if plan.trains:
+    if plan.fused:
         out = parts[0]
     elif plan.accumulate is not None:
         acc = plan.accumulate.open(episodes)
@@ -390,7 +386,7 @@ def _finish(plan: Plan, w: int, win: dict) -> WindowResult:
         out = pa.concat_tables(parts)
     stats = {**episode_sums(episodes), "compile_seconds": win["compile"],
              "redelivered_parts": win["redelivered"], "duplicate_results": win["duplicates"]}
-    if plan.trains:
+    if plan.fused:
         stats.update({k: out.column(k)[0].as_py() for k in ("bins", "executed_tokens")})
         if "weights" in meta:
             stats["weights"] = meta["weights"]
