@@ -165,11 +165,11 @@ def _stream_train(args, queue, dp) -> dict | None:
     def source(position, done):
         todo = None if args.steps is None else args.steps - done
         # several ranks: every step is acknowledged here, once its result is out (or saved)
-        reader = QueueSource(queue=queue, episodes_per_step=args.batch_episodes,
+        reader = QueueSource(episodes_per_step=args.batch_episodes,
                              consumer=args.consumer, max_steps=todo,
                              max_staleness=args.max_staleness, version=done,
                              ack="manual" if hold or world > 1 else "auto",
-                             idle_timeout=args.idle_timeout).open(position) if lead else None
+                             idle_timeout=args.idle_timeout).open(queue, position) if lead else None
         opened.update(reader=reader if lead else _NoReader(), dropped=0)
         return RankWindows(reader, dp) if world > 1 else reader
 

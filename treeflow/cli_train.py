@@ -14,7 +14,7 @@ safety lives in treeflow/train/checkpoint.py.
 over C processes per data-parallel rank, D x C in all, gradients summed over every one.
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
-group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
+group (`--launcher ray`, treeflow.train.launch.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --ranks N`), whose
 environment is recognised. Every rank reads the same windows, lays out and bins only its own
 share of each step (`plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the

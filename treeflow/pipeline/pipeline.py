@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
-from treeflow.pipeline.source import Files, FilesReader, windows
+from treeflow.pipeline.source import Files, Source, windows
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
 
@@ -76,7 +76,7 @@ class Pipeline:
 
         source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
         of paths, an episode table, an iterable of episode tables, or a
-        `QueueSource` (or its reader, `QueueSource.open(state)`): live steps
+        queue reader (`QueueSource(...).open(queue, state)`): live steps
         from a tensor queue, one window per queue step, each acknowledged when
         the caller asks for the next result (pipeline/queue_source.py). `window`
         episodes are packed together (default 256); for an iterable of tables
@@ -96,7 +96,10 @@ class Pipeline:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
         from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
 
-        if isinstance(source, (QueueSource, QueueReader)):
+        if isinstance(source, QueueSource):
+            raise TypeError("a QueueSource is a configuration and holds no queue: pass its reader, "
+                            "QueueSource(...).open(queue)")
+        if isinstance(source, QueueReader):
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "
                                  "QueueSource(episodes_per_step=...) instead of window=")
@@ -109,7 +112,7 @@ class Pipeline:
                 if trainer is not None:
                     raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
                                      "no trainer (resuming is engine='local' for now)")
-                reader = source.open() if isinstance(source, QueueSource) else source
+                reader = source
                 try:
                     records = run_ray_queue(self.plan, reader, device=device, ranks=ranks,
                                             prefetch=prefetch, **engine_options)
@@ -122,7 +125,7 @@ class Pipeline:
             from treeflow.pipeline.local import run_local
 
             worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-            reader = source.open() if isinstance(source, QueueSource) else source
+            reader = source
             return acknowledged(run_local(self.plan, reader, device=device, worker=worker,
                                           prefetch=prefetch), reader)
         if engine == "ray":
@@ -171,9 +174,7 @@ def _files(source, window: int | None, vocab_size: int | None,
 
 def _windows(source, window: int | None, vocab_size: int | None,
              route_width: int | None = None) -> Iterator[pa.Table]:
-    from treeflow.pipeline.queue_ranks import RankWindows
-
-    if isinstance(source, (Files, FilesReader, RankWindows)):  # validated; with a position
+    if isinstance(source, (Files, Source)):  # validated; with a position
         return iter(source)
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):

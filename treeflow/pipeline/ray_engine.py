@@ -237,7 +237,9 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
     t0 = time.perf_counter()
     ray = init_ray()
     init_seconds = time.perf_counter() - t0  # attaching to (or starting) the cluster
-    from ray.data import ActorPoolStrategy, DataContext
+    from ray.data import DataContext
+
+    from treeflow.train.launch import rank_pool
 
     spans = files.spans()
     if not spans:
@@ -272,7 +274,7 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
         _rank_cls, batch_size=None, batch_format="pyarrow", zero_copy_batch=True,
         fn_constructor_kwargs={"plan": plan, "device": device,
                                "threads": threads or torch.get_num_threads(), "save": save_at},
-        compute=ActorPoolStrategy(size=ranks, max_tasks_in_flight_per_actor=in_flight),
+        compute=rank_pool(ranks, in_flight=in_flight),
         num_gpus=1 if cuda else 0,
         num_cpus=1 if cuda else max(0.1, min(1.0, (cpus - 1) / ranks)))
     # for replay, Ray Data's actor pools restart a dead actor and retry its task (max_restarts

@@ -38,7 +38,6 @@ items, results), and the work queue holds at most its capacity of items.
 
 from __future__ import annotations
 
-import queue as _queue
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.ray_engine import _check_ray_plan
 from treeflow.pipeline.stats import bin_sums, episode_sums
 from treeflow.tq.work import END, WorkHandle
@@ -177,34 +177,6 @@ class _QueueRank:
                 self.work.renew(item)
 
 
-class _Feeder(threading.Thread):
-    """Reads windows from the QueueReader (leasing one step ahead) for the driver's loop."""
-
-    def __init__(self, reader):
-        super().__init__(daemon=True, name="treeflow-ray-feed")
-        self.reader = reader
-        self.out: _queue.Queue = _queue.Queue(maxsize=1)
-        self.stop = threading.Event()
-
-    def run(self):
-        try:
-            for w, episodes in enumerate(self.reader):
-                if not self._put((w, episodes, self.reader.state_dict())):
-                    return
-            self._put(END)
-        except BaseException as e:  # noqa: BLE001 - handed to the driver, which re-raises
-            self._put(e)
-
-    def _put(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.out.put(item, timeout=0.1)
-                return True
-            except _queue.Full:
-                continue
-        return False
-
-
 def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, prefetch: int = 2,
                   threads: int | None = None, save: str | None = None, keep: int | None = None,
                   publish: str | None = None, lease_seconds: float = 60.0,
@@ -239,19 +211,21 @@ def _run(plan, reader, *, device, ranks, prefetch, threads, save, keep, publish,
                                         lease_seconds=lease_seconds)
     cuda = device.startswith("cuda")
     share = max(0.0, min(1.0, ray.available_resources().get("CPU", 0.0) / (ranks + 1)))
-    remote = ray.remote(max_restarts=-1, max_task_retries=0)(rank_cls)
-    actors = [remote.options(num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0).remote(
-        plan, device, threads, handle, publish, save, keep) for _ in range(ranks)]
+    from treeflow.train.launch import rank_actors
+
+    actors = rank_actors(rank_cls, ranks, plan, device, threads, handle, publish, save, keep,
+                         num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0,
+                         max_restarts=-1)
     plan_ref = ray.put(plan)
     prepare = ray.remote(_prepare).options(num_cpus=share, max_retries=3)
-    feeder = _Feeder(reader)
+    feeder = Prefetch(reader, depth=1)  # leases one step ahead for the driver's loop
     init_seconds = time.perf_counter() - t0
     try:
         yield from _drive(plan, ray, work, actors, feeder,
                           lambda w, eps: prepare.remote(plan_ref, handle, w, eps, ranks),
                           prefetch=prefetch, init_seconds=init_seconds, save=save, keep=keep)
     finally:
-        feeder.stop.set()
+        feeder.close()
         for actor in actors:
             ray.kill(actor)
         stop_work()
@@ -275,16 +249,13 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
     t_window = time.perf_counter()
     while True:
         while not fed_all and len(open_) < prefetch:
-            try:
-                got = feeder.out.get_nowait()
-            except _queue.Empty:
+            got = feeder.poll()
+            if got is None:
                 break
-            if got is END:
+            if got is Prefetch.END:
                 fed_all = True
-            elif isinstance(got, BaseException):
-                raise got
             else:
-                w, episodes, position = got
+                w, position, episodes = got
                 open_[w] = _window(episodes, position, start_map(w, episodes))
         if fed_all and not open_:
             break

@@ -1,4 +1,14 @@
-"""Episode sources: stored Arrow/Parquet files read in bounded windows.
+"""Episode sources: one reader protocol with a saveable position; stored files read in windows.
+
+Every source an engine reads -- stored files (`Files`), a tensor queue
+(`QueueSource`, pipeline/queue_source.py), the windows rank 0 reads for all
+ranks (`RankWindows`, pipeline/queue_ranks.py), a plain iterable of tables
+-- is opened into a reader of one shape, `Source` (torchdata.nodes'):
+`next()` the next window (StopIteration at the end), `get_state()` the
+position after the last window (what a checkpoint saves), `reset(state)`
+back to a saved position. A config (frozen, pure) opens a reader with
+`open(state)`; engines read every reader through the one read-ahead wrapper
+(pipeline/prefetch.py).
 
 A window is the unit Pack sees: a step's logical batch in training, a bounded
 slice in logprob mode. Windows are cut at group boundaries when group ids are
@@ -15,6 +25,43 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import iter_episode_batches
+
+
+class Source:
+    """A reader of episode windows with a position: `next()`, `get_state()`, `reset(state)`.
+
+    Iterable (`for window in reader`) like any iterator; `state_dict()` is `get_state()`.
+    """
+
+    def next(self) -> pa.Table:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def get_state(self) -> dict | None:
+        """The position after the last window taken (None: this source has none)."""
+        return None
+
+    def reset(self, state: dict | None = None) -> None:
+        """Continue from `state` (a `get_state()`), or from the start with None."""
+        raise TypeError(f"{type(self).__name__} cannot be reset; open a new reader")
+
+    def state_dict(self) -> dict | None:
+        return self.get_state()
+
+    def __iter__(self) -> Source:
+        return self
+
+    def __next__(self) -> pa.Table:
+        return self.next()
+
+
+class IterSource(Source):
+    """A plain iterable of episode tables as a Source (no position to save)."""
+
+    def __init__(self, tables):
+        self._it = iter(tables)
+
+    def next(self) -> pa.Table:
+        return next(self._it)
 
 
 def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True,
@@ -71,7 +118,7 @@ class Files:
     """Stored episode files (paths, directories or globs), validated once as they stream.
 
     cycle: start over at the end of the data (training runs for a number of
-    steps, not of passes). `open(state)` gives a reader whose `state_dict()`
+    steps, not of passes). `open(state)` gives a reader whose `get_state()`
     is its position (episodes consumed, over all passes), so a run restarted
     from a saved state reads exactly the windows it would have read next.
     whole_groups: refuse a group split over windows (group advantages need it).
@@ -99,7 +146,7 @@ class Files:
         return windows(batches, self.window, groups_once=self.whole_groups)
 
     def open(self, state: dict | None = None) -> FilesReader:
-        """A reader of windows, continued from `state` (a reader's `state_dict()`)."""
+        """A reader of windows, continued from `state` (a reader's `get_state()`)."""
         return FilesReader(self, state or {})
 
     def spans(self) -> list[list[tuple[str, int, int, int]]]:
@@ -147,24 +194,24 @@ class Files:
         return out
 
 
-class FilesReader:
-    """An iterator of windows over `Files` with a position that can be saved and restored."""
+class FilesReader(Source):
+    """A reader of windows over `Files` with a position that can be saved and restored."""
 
-    def __init__(self, files: Files, state: dict):
+    def __init__(self, files: Files, state: dict | None = None):
         self.files = files
+        self.reset(state)
+
+    def reset(self, state: dict | None = None) -> None:
         self.episodes = 0
         self.passes = 0
-        self._skip = int(state.get("episodes", 0))
+        self._skip = int((state or {}).get("episodes", 0))
         self._it = self._windows()
 
-    def state_dict(self) -> dict:
+    def get_state(self) -> dict:
         """Episodes consumed (over all passes) and completed passes."""
         return {"episodes": self.episodes, "passes": self.passes}
 
-    def __iter__(self) -> FilesReader:
-        return self
-
-    def __next__(self) -> pa.Table:
+    def next(self) -> pa.Table:
         return next(self._it)
 
     def _windows(self) -> Iterator[pa.Table]:
