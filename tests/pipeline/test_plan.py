@@ -10,7 +10,7 @@ import pytest
 from treeflow.pipeline import ArrowSink, Files, Pipeline, Plan, synth_episodes, write_episodes
 from treeflow.pipeline.local import run_local
 from treeflow.schemas import validate_episodes
-from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
+from treeflow.stages import CostModel, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.stages.base import Stage
 from treeflow.ops import build_forward
 
@@ -24,7 +24,8 @@ def small_eps(n=8, seed=0):
 def test_plan_compiles_stage_kinds_into_three_operators():
     pack, frag, shard, fwd = Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward()
     plan = Pipeline(pack, frag, shard, fwd, Reassemble()).plan
-    assert plan.maps == (pack, frag, shard) and plan.model is fwd
+    assert plan.maps[:2] == (pack, frag) and plan.model is fwd
+    assert plan.maps[2] == Shard(num_ranks=2, cost=CostModel.from_config(fwd.model_config()))
     assert isinstance(plan.accumulate, Reassemble) and not plan.fused
     assert plan.max_tokens == 64  # Fragment's bound, for padding flex bins
     train = Pipeline(pack, frag, fwd, Reduce()).plan
@@ -58,6 +59,35 @@ def test_plan_places_stages_by_their_registered_operator():
     assert [type(s).__name__ for s in plan.maps] == ["Pack", "Tag", "Fragment"]
     with pytest.raises(ValueError, match="Fragment \\(a map\\) follows the model stage Forward"):
         Plan.compile((Pack(), Forward(), Fragment(max_tokens=64)))
+
+
+def test_shard_deals_by_the_cost_model_of_the_model_the_trainer_runs(tmp_path):
+    # the plan binds the model's own cost model into a Shard left without one; the oracle is
+    # the Trainer's, which derives it from the loaded model's config
+    import json
+
+    from treeflow.stages import CostModel
+    from treeflow.train import Trainer
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+              "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fwd = Forward(model=str(tmp_path))
+    trainer = Trainer(Forward(), Reduce())  # the tiny model's
+    for forward, want in ((fwd, CostModel.from_config(fwd.model_config())),
+                          (Forward(), trainer.cost_model)):
+        plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), forward,
+                        Reassemble()).plan
+        assert plan.maps[2].cost == want and want != CostModel.llama_1b()
+    assert CostModel.from_config(fwd.model_config()) != trainer.cost_model  # another shape
+    mine = CostModel.llama_1b()
+    kept = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2, cost=mine), fwd,
+                    Reassemble()).plan
+    assert kept.maps[2].cost is mine  # a cost model given is kept
+    assert Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2)).plan.maps[2] \
+        .cost_model() == CostModel.llama_1b()  # no model named: the documented default
 
 
 def test_cross_stage_mismatch_is_refused_at_declaration():

@@ -15,6 +15,9 @@ operator kinds, read from the registry entry, never probed from the stage:
   through Arrow): its entry says so, and a training worker then holds that
   operator instead of a bare model (`Plan.fused`).
 
+When the model stage names a model, a Shard without its own cost model gets
+the model's (`CostModel.from_config`), the one the Trainer reports costs by.
+
 A worker is what one data-parallel rank holds (a process in the Ray engine):
 `Plan.worker(device=...)` builds the model op or the training op;
 `open(window)` then gives the window accumulator an engine feeds bins into.
@@ -23,7 +26,7 @@ Engines differ only in where maps, worker and accumulator run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
@@ -31,6 +34,7 @@ from treeflow.ops.registry import operator_for, physical
 from treeflow.ops.train import Window
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages.base import KINDS, Stage
+from treeflow.stages.shard import CostModel, Shard
 
 
 @dataclass
@@ -97,6 +101,12 @@ class Plan:
         budget = None
         for s in maps:
             budget = s.max_tokens_hint() if s.max_tokens_hint() is not None else budget
+        shape = model.model_config() if model is not None else None
+        if shape is not None and any(isinstance(s, Shard) and s.cost is None for s in maps):
+            # the bins' cost is the model's own, as the Trainer reckons it (not a fixed 1B)
+            cost = CostModel.from_config(shape)
+            maps = [replace(s, cost=cost) if isinstance(s, Shard) and s.cost is None else s
+                    for s in maps]
         return cls(maps=tuple(maps), model=model, accumulate=acc, max_tokens=budget, fused=fused)
 
     def _on_episodes(self) -> list[bool]:

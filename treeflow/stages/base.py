@@ -56,6 +56,10 @@ class Stage:
         """The `routed_experts` width this stage replays, when it knows it."""
         return None
 
+    def model_config(self):
+        """The shape (a treeflow.models.ModelConfig) of the model this stage names, if any."""
+        return None
+
     def max_tokens_hint(self) -> int | None:
         """The most tokens a bin can hold after this stage, when it bounds them."""
         return None
