@@ -92,7 +92,7 @@ def _scaling_rank(cfg: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(dp.device)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     t = time.perf_counter()
-    for m in pipe.run(eps, window=batch, trainer=tr):
+    for m in pipe.run(eps, episodes_per_step=batch, trainer=tr):
         now = time.perf_counter()
         rows.append(m.output.to_pylist()[0])
         walls.append(now - t)

@@ -193,7 +193,7 @@ def _train(args, *, distributed: bool) -> int:
     advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica
     pipe = Pipeline(*advantage, *plan_stages(args, dp.replicas, dp.replica), forward, reduce)
-    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+    files = Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     try:
@@ -230,7 +230,7 @@ def _train_ray(args) -> int:
     advantage = advantage_stages(args)
     pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
                     Fragment(max_tokens=args.max_tokens), forward, reduce)
-    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+    files = Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     options = _fit_options(args)

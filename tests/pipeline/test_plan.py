@@ -205,7 +205,7 @@ def test_local_engine_prepares_in_line_when_the_model_runs_on_the_cpu():
 
 def test_files_reader_position_resumes_and_cycles(tmp_path):
     write_episodes(small_eps(8), tmp_path / "e.arrow")
-    files = Files(paths=(str(tmp_path / "e.arrow"),), window=2, cycle=True)
+    files = Files(paths=(str(tmp_path / "e.arrow"),), episodes_per_step=2, cycle=True)
     reader = files.open()
     first = [next(reader) for _ in range(5)]  # 4 windows per pass: the 5th starts pass 2
     assert reader.state_dict() == {"episodes": 10, "passes": 1}
@@ -215,8 +215,22 @@ def test_files_reader_position_resumes_and_cycles(tmp_path):
         [w.column("episode_id").to_pylist() for w in first[3:5]]
     with pytest.raises(ValueError, match="not at a window boundary"):
         next(files.open({"episodes": 3}))
-    once = Files(paths=files.paths, window=2)
+    once = Files(paths=files.paths, episodes_per_step=2)
     assert sum(w.num_rows for w in once) == 8
+
+
+def test_old_window_names_are_accepted_for_one_release_with_a_warning(tmp_path):
+    write_episodes(small_eps(8), tmp_path / "e.arrow")
+    paths = (str(tmp_path / "e.arrow"),)
+    with pytest.warns(DeprecationWarning, match="episodes_per_step"):
+        old = Files(paths=paths, window=2)
+    assert old == Files(paths=paths, episodes_per_step=2)
+    with pytest.raises(ValueError, match="give episodes_per_step only"):
+        Files(paths=paths, window=2, episodes_per_step=3)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=512))
+    with pytest.warns(DeprecationWarning, match="episodes_per_step"):
+        got = [r.stats["episodes"] for r in pipe.run(paths[0], window=4)]
+    assert got == [r.stats["episodes"] for r in pipe.run(paths[0], episodes_per_step=4)] == [4, 4]
 
 
 def test_files_spans_cut_windows_like_iteration(tmp_path):
@@ -226,7 +240,7 @@ def test_files_spans_cut_windows_like_iteration(tmp_path):
                      pa.array(range(6, 12), pa.int64()))
     write_episodes(a, tmp_path / "a.arrow")
     write_episodes(b, tmp_path / "b.parquet")
-    files = Files(paths=(str(tmp_path / "a.arrow"), str(tmp_path / "b.parquet")), window=4)
+    files = Files(paths=(str(tmp_path / "a.arrow"), str(tmp_path / "b.parquet")), episodes_per_step=4)
     sizes = [w.num_rows for w in files]
     spans = files.spans()
     assert [sum(b - a for _, a, b, _ in pieces) for pieces in spans] == sizes

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
-from treeflow.pipeline.source import Files, Source, windows
+from treeflow.pipeline.source import DEFAULT_EPISODES_PER_STEP, Files, Source, windows
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
 
@@ -69,18 +69,20 @@ class Pipeline:
     def output_schema(self) -> pa.Schema:
         return self.stages[-1].output_schema
 
-    def run(self, source, *, engine: str = "local", window: int | None = None,
+    def run(self, source, *, engine: str = "local", episodes_per_step: int | None = None,
             device: str = "cpu", trainer=None, prefetch: int = 2,
-            ranks: int = 1, steps: int | None = None, **engine_options) -> Iterator[WindowResult]:
+            ranks: int = 1, steps: int | None = None, window: int | None = None,
+            **engine_options) -> Iterator[WindowResult]:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
         source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
         of paths, an episode table, an iterable of episode tables, or a
         queue reader (`QueueSource(...).open(queue, state)`): live steps
         from a tensor queue, one window per queue step, each acknowledged when
-        the caller asks for the next result (pipeline/queue_source.py). `window`
-        episodes are packed together (default 256); for an iterable of tables
-        and no `window`, each table is one window (one step in training). For
+        the caller asks for the next result (pipeline/queue_source.py).
+        `episodes_per_step` episodes are packed together (default 256; `window`
+        is its old name, accepted for one release); for an iterable of tables
+        and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` to continue a
         resumed Trainer. device: where the model runs (the engine builds
@@ -94,6 +96,16 @@ class Pipeline:
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
+        if window is not None:
+            import warnings
+
+            if episodes_per_step not in (None, window):
+                raise ValueError(f"Pipeline.run(window={window}, episodes_per_step="
+                                 f"{episodes_per_step}): give episodes_per_step only")
+            warnings.warn("Pipeline.run(window=) is now Pipeline.run(episodes_per_step=)",
+                          DeprecationWarning, stacklevel=2)
+            episodes_per_step = window
+        window = episodes_per_step
         from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
 
         if isinstance(source, QueueSource):
@@ -102,7 +114,8 @@ class Pipeline:
         if isinstance(source, QueueReader):
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "
-                                 "QueueSource(episodes_per_step=...) instead of window=")
+                                 "QueueSource(episodes_per_step=...) instead of "
+                                 "Pipeline.run(episodes_per_step=)")
             if steps is not None:
                 raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
                                  "give that instead of steps=")
@@ -166,7 +179,7 @@ def _files(source, window: int | None, vocab_size: int | None,
     if isinstance(source, (str, list, tuple)) and source and all(isinstance(p, str) for p in
                                                                   ([source] if isinstance(source, str) else source)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return Files(paths=paths, window=window or 256, vocab_size=vocab_size,
+        return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP, vocab_size=vocab_size,
                      route_width=route_width)
     raise TypeError(f"engine='ray' reads episode files; got {type(source).__name__}: write the "
                     "episodes with treeflow.pipeline.write_episodes and pass the path")
@@ -179,10 +192,10 @@ def _windows(source, window: int | None, vocab_size: int | None,
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return iter(Files(paths=paths, window=window or 256, vocab_size=vocab_size,
+        return iter(Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP, vocab_size=vocab_size,
                           route_width=route_width))
     if isinstance(source, pa.Table):
-        source, window = [source], window or 256
+        source, window = [source], window or DEFAULT_EPISODES_PER_STEP
     if isinstance(source, Iterable):
         checked = (validate_episodes(t, vocab_size=vocab_size, route_width=route_width)
                    for t in source)

@@ -18,6 +18,7 @@ the window, only the compute does.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import iter_episode_batches
+
+
+DEFAULT_EPISODES_PER_STEP = 256  # a window's episodes when none is given
 
 
 class Source:
@@ -125,25 +129,36 @@ class Files:
     """
 
     paths: tuple[str, ...]
-    window: int = 256
+    episodes_per_step: int = DEFAULT_EPISODES_PER_STEP
     vocab_size: int | None = None
     cycle: bool = False
     route_width: int | None = None  # routed_experts width a replaying MoE model needs
     whole_groups: bool = False
+    window: int | None = None  # the old name of episodes_per_step, accepted for one release
 
     def __post_init__(self):
         if isinstance(self.paths, str):
             raise TypeError(f"Files(paths={self.paths!r}): give a tuple of paths, e.g. (path,)")
-        if self.window < 1:
-            raise ValueError(f"Files(window={self.window!r}): give an int >= 1")
+        if self.window is not None:
+            if self.episodes_per_step not in (DEFAULT_EPISODES_PER_STEP, self.window):
+                raise ValueError(f"Files(window={self.window}, episodes_per_step="
+                                 f"{self.episodes_per_step}): give episodes_per_step only")
+            warnings.warn("Files(window=) is now Files(episodes_per_step=)", DeprecationWarning,
+                          stacklevel=3)
+            object.__setattr__(self, "episodes_per_step", self.window)
+            object.__setattr__(self, "window", None)
+        if self.episodes_per_step < 1:
+            raise ValueError(f"Files(episodes_per_step={self.episodes_per_step!r}): give an "
+                             "int >= 1")
 
     def __iter__(self) -> Iterator[pa.Table]:
         return self.open()
 
     def _one_pass(self) -> Iterator[pa.Table]:
-        batches = iter_episode_batches(list(self.paths), batch_rows=min(self.window, 1024),
+        batches = iter_episode_batches(list(self.paths),
+                                       batch_rows=min(self.episodes_per_step, 1024),
                                        vocab_size=self.vocab_size, route_width=self.route_width)
-        return windows(batches, self.window, groups_once=self.whole_groups)
+        return windows(batches, self.episodes_per_step, groups_once=self.whole_groups)
 
     def open(self, state: dict | None = None) -> FilesReader:
         """A reader of windows, continued from `state` (a reader's `get_state()`)."""
@@ -174,7 +189,7 @@ class Files:
         cuts = [0]
         n = len(groups)
         while cuts[-1] < n:
-            cut = min(cuts[-1] + self.window, n)
+            cut = min(cuts[-1] + self.episodes_per_step, n)
             while cut < n and groups[cut] is not None and groups[cut] == groups[cut - 1]:
                 cut += 1
             cuts.append(cut)
@@ -227,8 +242,8 @@ class FilesReader(Source):
                 if consumed - window.num_rows < self._skip:
                     raise ValueError(
                         f"the saved input position ({self._skip} episodes) is not at a window "
-                        f"boundary of this data (windows of {self.files.window}); resume with the "
-                        "same window (--batch-episodes) and files")
+                        f"boundary of this data (windows of {self.files.episodes_per_step}); resume "
+                        "with the same window (--batch-episodes) and files")
                 self.episodes = consumed
                 yield window
             if not seen_any:

@@ -1,7 +1,7 @@
 """fit(): the one training loop -- replay, stream, one rank or N, local or Ray engine.
 
     report = fit(Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reduce()),
-                 lambda position, done: Files(paths=p, window=32, cycle=True).open(position),
+                 lambda position, done: Files(paths=p, episodes_per_step=32, cycle=True).open(position),
                  steps=100, checkpointing=Checkpointing(dir="ckpt", every=10),
                  sinks=[JsonlSink("metrics.jsonl")], run=run_fingerprint(p, options))
 
