@@ -27,7 +27,6 @@ weights; "corrupt-route" changes one captured expert id of the first put
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import threading
 import time
@@ -132,6 +131,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
              scope: str | None = None, max_tokens: int = 16384, device: str = "cpu",
              weights: str | None = None) -> dict:
     """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`."""
+    from treeflow.ops.train import PublishWeights, TrainOp
     from treeflow.pipeline.fidelity import generation_kl
     from treeflow.pipeline.pipeline import Pipeline
     from treeflow.pipeline.queue_source import QueueSource
@@ -166,20 +166,19 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     t0 = time.perf_counter()
     producer = threading.Thread(target=produce, daemon=True, name="treeflow-gate-producer")
     producer.start()
-    trainer = Trainer(forward, reduce, device=device, pad_to=max_tokens)
+    trainer = Trainer(forward, reduce, device=device, max_tokens=max_tokens)
     pack, fragment = Pack(layout=layout, scope=scope), Fragment(max_tokens=max_tokens)
-    reader = QueueSource(queue=queue, episodes_per_step=gate.episodes, max_steps=1,
-                         consumer="gate", idle_timeout=gate.timeout).open()
+    reader = QueueSource(episodes_per_step=gate.episodes, max_steps=1,
+                         consumer="gate", idle_timeout=gate.timeout).open(queue)
     failures: list[str] = []
     step_row, trained = None, None
+    # the training operator publishes the new weights (<weights>/v1) to the sampler after the step
+    op = TrainOp(trainer, on_step=[PublishWeights(weights, announce=queue.publish_weights)])
     try:
-        for rec in Pipeline(pack, fragment, forward, reduce).run(reader, trainer=trainer):
+        for rec in Pipeline(pack, fragment, forward, reduce).run(reader, trainer=op):
             step_row, trained = rec.output.to_pylist()[0], rec.episodes
         if step_row is None:
             raise RuntimeError("the queue closed before a step arrived")
-        path = os.path.join(weights, f"v{trainer.steps}")
-        trainer.backend.save(path)
-        queue.publish_weights(trainer.steps, path)
         refit, refit_fid = _next_step(queue, gate, END), None
         if refit is not None:
             values = trainer.logprobs(fragment(pack(refit.episodes)))
