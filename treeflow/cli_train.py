@@ -308,37 +308,71 @@ def _train(args, *, distributed: bool) -> int:
 
 
 def _train_ray(args) -> int:
-    """--engine ray: the same pipeline as a Ray Data graph; one rank, saved at the end."""
+    """--engine ray: N rank actors (pipeline/ray.py), each planning its share as spawned ranks do."""
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.stages import Fragment, Pack
+    from treeflow.pipeline.ray import RayEngine
+    from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
 
-    if args.resume or args.save_every:
-        raise ValueError("--engine ray --mode train saves only at the end (--save) and does not "
-                         "resume yet; use --engine local for --resume/--save-every")
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
-    pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
-                    Fragment(max_tokens=args.max_tokens), forward, reduce)
-    files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                  vocab_size=forward.vocab_size_hint(), cycle=True,
-                  route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-    rows = []
-    t0 = time.perf_counter()
-    compile_seconds = 0.0
-    with _progress("train", args.steps, args.json or args.quiet) as advance:
-        for rec in pipe.run(files, engine="ray", device=args.device, ranks=args.ranks,
-                            steps=args.steps, save=args.save):
-            compile_seconds += rec.stats.get("compile_seconds", 0.0)
-            row = rec.output.to_pylist()[0]
-            row["seconds"] = round(time.perf_counter() - t0, 3)
-            if not rows:
-                first_step_checks(row, args, _note)
-            rows.append(row)
-            advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-    if args.metrics:
-        with open(args.metrics, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    _report(args, rows[-1]["step"] if rows else 0, rows, compile_seconds, args.ranks)
+    world = args.ranks
+    plans = [Pipeline(*advantage, *plan_stages(args, world, r), forward, reduce).plan
+             for r in range(world)]
+    run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
+    train = dict(options=dict(precision=args.precision, grad_sum=args.grad_sum,
+                              pad_to=args.max_tokens, shard_params=args.shard_params),
+                 save=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
+                 trust_checkpoint=args.trust_checkpoint, run=run,
+                 config={**resolved_config(args), "files": list(args.files)})
+    engine = RayEngine(plans[0], ranks=world, device=args.device, plans=plans, train=train,
+                       prefetch=args.prefetch)
+    try:
+        state = engine.start()
+        if args.resume:
+            if state["run"] is None:
+                _note(f"{state['checkpoint']}: holds no run fingerprint; cannot check that the "
+                      "data and options are the same")
+            else:
+                diffs = differences(state["run"], run)
+                if diffs and not args.allow_different_data:
+                    raise ValueError(f"--resume {state['checkpoint']}: this is not the same run: "
+                                     + "; ".join(diffs) + "; resume with the checkpoint's data "
+                                     "and options, or pass --allow-different-data to continue "
+                                     "anyway")
+                for d in diffs:
+                    _note(f"--allow-different-data: {d}")
+        todo = args.steps - state["steps"]
+        if todo <= 0:
+            _console(stderr=True).print(f"nothing to do: the checkpoint {state['checkpoint']} has "
+                                        f"already run {state['steps']} steps (--steps {args.steps})")
+            return 0
+        files = Files(paths=tuple(args.files), window=args.batch_episodes,
+                      vocab_size=forward.vocab_size_hint(), cycle=True,
+                      route_width=forward.route_width_hint(), whole_groups=bool(advantage))
+        metrics_file = _open_metrics(args, state["steps"])
+        rows, said = [], set()
+        t0 = time.perf_counter()
+        compile_seconds = 0.0
+        try:
+            with _progress("train", todo, args.json or args.quiet) as advance:
+                for rec in engine.run(files.open(state["position"]), steps=todo):
+                    compile_seconds += rec.stats.get("compile_seconds", 0.0)
+                    row = rec.output.to_pylist()[0]
+                    row["seconds"] = round(time.perf_counter() - t0, 3)
+                    if not rows:
+                        first_step_checks(row, args, _note)
+                    step_size_checks(row, args, _note, said)
+                    rows.append(row)
+                    if metrics_file:
+                        metrics_file.write(json.dumps(row) + "\n")
+                        metrics_file.flush()
+                    advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
+        finally:
+            if metrics_file:
+                metrics_file.close()
+    finally:
+        engine.close()
+    _report(args, rows[-1]["step"] if rows else state["steps"], rows, compile_seconds, world)
     return 0
 
 
