@@ -73,7 +73,7 @@ def cmd_inspect(args) -> int:
     _positive(args, "max_tokens", "window")
     frames, parts, call_frames, bin_frames = [], [], [], []
     with _progress("inspect", _count_rows(args.files), args.json or args.quiet) as advance:
-        for step, window in enumerate(Files(paths=tuple(args.files), window=args.window)):
+        for step, window in enumerate(Files(paths=tuple(args.files), episodes_per_step=args.window)):
             frame, totals = window_stats(window, max_tokens=args.max_tokens)
             frames.append(frame)
             parts.append(totals)
@@ -150,7 +150,7 @@ def cmd_plan(args) -> int:
             if args.output else None
         advance = stack.enter_context(_progress("plan", _count_rows(args.files),
                                                 args.json or args.quiet))
-        for step, window in enumerate(Files(paths=tuple(args.files), window=args.batch_episodes)):
+        for step, window in enumerate(Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes)):
             rank_cost = np.zeros(args.ranks)
             for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
                 pack, *maps = plan_stages(args, args.ranks, rank)
@@ -276,7 +276,7 @@ def _replay(args) -> int:
                         Shard(num_ranks=args.ranks, cost=CostModel.from_config(
                             forward.model_config(), training=False)), forward,
                         Reassemble(entropy=args.entropy))
-        source = Files(paths=tuple(args.files), window=args.window,
+        source = Files(paths=tuple(args.files), episodes_per_step=args.window,
                        vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()

@@ -14,7 +14,7 @@ safety lives in treeflow/train/checkpoint.py.
 over C processes per data-parallel rank, D x C in all, gradients summed over every one.
 `--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
-group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
+group (`--launcher ray`, treeflow.train.launch.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --ranks N`), whose
 environment is recognised. Every rank reads the same windows, lays out and bins only its own
 share of each step (`plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
@@ -27,12 +27,11 @@ import json
 import resource
 import os
 import sys
-import time
 
 from treeflow._clock import process_seconds
-from treeflow._display import _console, _progress, _table
+from treeflow._display import _console, _table
 from treeflow.cli_config import resolved_config
-from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks, step_size_checks
+from treeflow.cli_rl import add_rl_options, advantage_stages
 
 
 def _note(message: str) -> None:
@@ -71,47 +70,6 @@ def _check_options(args) -> None:
             else:
                 check_output(path, what=option, directory=directory)
                 refuse_inputs(path, inputs, option=option)
-
-
-def _open_metrics(args, steps: int):
-    """The metrics log, opened for appending: refused if a fresh run finds one, cut back on resume.
-
-    The log is appended one flushed line per step (rewriting it per step would be quadratic); on
-    resume it is rewritten atomically to the lines of the steps the checkpoint holds, so a kill
-    between a line and its checkpoint never leaves a duplicated or torn line behind.
-    """
-    import os
-
-    from treeflow.atomic import atomic_open
-
-    if not args.metrics:
-        return None
-    if os.path.exists(args.metrics) and os.path.getsize(args.metrics):
-        if not args.resume:
-            raise ValueError(f"--metrics {args.metrics}: the file already holds another run's "
-                             "metrics; remove it, give a new file, or --resume that run")
-        try:
-            with open(args.metrics, encoding="utf-8") as f:
-                lines = f.read().split("\n")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--metrics {args.metrics}: not a metrics log (not UTF-8 text at byte "
-                             f"{e.start}); give the JSON-lines file this run wrote, or a new "
-                             "file") from None
-        keep = []
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= steps:
-                keep.append(line)
-        if len(keep) != sum(1 for line in lines if line.strip()):
-            _note(f"--metrics {args.metrics}: dropped "
-                  f"{sum(1 for line in lines if line.strip()) - len(keep)} line(s) past the "
-                  f"checkpoint's step {steps}")
-            with atomic_open(args.metrics) as f:
-                f.write("".join(line + "\n" for line in keep))
-    return open(args.metrics, "a")
 
 
 def cmd_train(args) -> int:
@@ -201,10 +159,25 @@ def plan_stages(args, world: int, rank: int) -> tuple:
             Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
 
 
+def _fit_options(args) -> dict:
+    """What fit() takes from the training flags every training command shares."""
+    from treeflow.ops import Checkpointing
+    from treeflow.train.fit import Resume
+    from treeflow.train.sinks import JsonlSink, TensorBoardSink
+
+    return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
+                resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
+                              allow_different_data=args.allow_different_data),
+                sinks=[*([JsonlSink(args.metrics)] if args.metrics else []),
+                       *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])],
+                loss=args.loss, prefetch=args.prefetch, device=args.device)
+
+
 def _train(args, *, distributed: bool) -> int:
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.train import DataParallel, Trainer
-    from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
+    from treeflow.train import DataParallel
+    from treeflow.train.fit import fit
+    from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
     dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
           if distributed else DataParallel(device=args.device))
@@ -216,175 +189,71 @@ def _train(args, *, distributed: bool) -> int:
                                                              dp.device)
         dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
         lead = rank == 0 and tp_rank == 0
-    note = _note if lead else (lambda message: None)
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica
     pipe = Pipeline(*advantage, *plan_stages(args, dp.replicas, dp.replica), forward, reduce)
-    options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
-                   pad_to=args.max_tokens, shard_params=args.shard_params)
-    run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
-    if args.resume:
-        trainer = Trainer.resume(args.resume, forward, reduce, log=note,
-                                 trust_checkpoint=args.trust_checkpoint, **options)
-        if trainer.run is None:
-            note(f"{trainer.checkpoint_path}: holds no run fingerprint; cannot check that the data "
-                 "and options are the same")
-        else:
-            diffs = differences(trainer.run, run)
-            if diffs and not args.allow_different_data:
-                raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
-                                 + "; ".join(diffs) + "; resume with the checkpoint's data and "
-                                 "options, or pass --allow-different-data to continue anyway")
-            for d in diffs:
-                note(f"--allow-different-data: {d}")
-    else:
-        trainer = Trainer(forward, reduce, **options)
-    trainer.run = run
-    trainer.config = {**resolved_config(args), "files": list(args.files)}  # in every checkpoint
-    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+    files = Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-    todo = args.steps - trainer.steps
-    if todo <= 0:
-        if lead:
-            _console(stderr=True).print(f"nothing to do: the checkpoint {trainer.checkpoint_path} "
-                                        f"has already run {trainer.steps} steps (--steps {args.steps})")
-        dp.close()
-        return 0
-    metrics_file = _open_metrics(args, trainer.steps) if lead else None
-    tensorboard = None
-    if args.tensorboard and lead:
-        from treeflow.io import TensorBoardLog
-
-        tensorboard = TensorBoardLog(args.tensorboard)
-    rows, said = [], set()
-    compile_seconds, recompiles = 0.0, 0
-    saved_at = None
-    t0 = time.perf_counter()
     try:
-        with _progress("train", todo, args.json or args.quiet or not lead) as advance:
-            for rec in pipe.run(files.open(trainer.position), device=args.device, trainer=trainer,
-                                prefetch=args.prefetch, steps=todo):
-                compile_seconds += rec.stats.get("compile_seconds", 0.0)
-                recompiles += rec.stats.get("recompiles", 0)
-                row = rec.output.to_pylist()[0]
-                row["seconds"] = round(time.perf_counter() - t0, 3)
-                if not rows and lead:
-                    first_step_checks(row, args, note)
-                step_size_checks(row, args, note, said)
-                rows.append(row)
-                trainer.position = rec.position
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if tensorboard:
-                    tensorboard.write(row["step"], {**row,
-                                                    "episodes_consumed": rec.position["episodes"]})
-                if args.save and args.save_every and trainer.steps % args.save_every == 0:
-                    if metrics_file:
-                        os.fsync(metrics_file.fileno())
-                    # written while the next step computes (train/background_save.py)
-                    trainer.save(args.save, keep=args.keep, background=True)
-                    saved_at = trainer.steps
-                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-        if args.save and saved_at != trainer.steps:
-            trainer.save(args.save, keep=args.keep)
-        trainer.wait_for_save()
+        report = fit(pipe, lambda position, done: files.open(position), steps=args.steps,
+                     trainer_options=dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
+                                          shard_params=args.shard_params),
+                     run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
+                     config={**resolved_config(args), "files": list(args.files)},
+                     episodes_per_step=args.batch_episodes, lead=lead, log=_note,
+                     progress=None if args.json or args.quiet else "train", **_fit_options(args))
     finally:
-        if sys.exc_info()[0] is not None:  # a failed run still completes the save in flight
-            try:
-                trainer.wait_for_save()
-            except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
-                print(f"treeflow: {e}", file=sys.stderr)
-        if metrics_file:
-            metrics_file.close()
-        if tensorboard:
-            tensorboard.close()
         dp.close()
+    if report["nothing_to_do"]:
+        if lead:
+            _console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} "
+                                        f"has already run {report['steps']} steps (--steps "
+                                        f"{args.steps})")
+        return 0
     if lead:
-        _report(args, trainer.steps, rows, compile_seconds, dp.world, recompiles)
+        _report(args, report, dp.world)
     return 0
 
 
 def _train_ray(args) -> int:
     """--engine ray: N rank actors (pipeline/ray.py), each planning its share as spawned ranks do."""
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.pipeline.ray import RayEngine
-    from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
+    from treeflow.train.fit import fit
+    from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
     world = args.ranks
-    plans = [Pipeline(*advantage, *plan_stages(args, world, r), forward, reduce).plan
+    pipes = [Pipeline(*advantage, *plan_stages(args, world, r), forward, reduce)
              for r in range(world)]
-    run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
-    train = dict(options=dict(precision=args.precision, grad_sum=args.grad_sum,
-                              pad_to=args.max_tokens, shard_params=args.shard_params),
-                 save=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
-                 trust_checkpoint=args.trust_checkpoint, run=run,
-                 config={**resolved_config(args), "files": list(args.files)})
-    engine = RayEngine(plans[0], ranks=world, device=args.device, plans=plans, train=train,
-                       prefetch=args.prefetch)
-    try:
-        state = engine.start()
-        if args.resume:
-            if state["run"] is None:
-                _note(f"{state['checkpoint']}: holds no run fingerprint; cannot check that the "
-                      "data and options are the same")
-            else:
-                diffs = differences(state["run"], run)
-                if diffs and not args.allow_different_data:
-                    raise ValueError(f"--resume {state['checkpoint']}: this is not the same run: "
-                                     + "; ".join(diffs) + "; resume with the checkpoint's data "
-                                     "and options, or pass --allow-different-data to continue "
-                                     "anyway")
-                for d in diffs:
-                    _note(f"--allow-different-data: {d}")
-        todo = args.steps - state["steps"]
-        if todo <= 0:
-            _console(stderr=True).print(f"nothing to do: the checkpoint {state['checkpoint']} has "
-                                        f"already run {state['steps']} steps (--steps {args.steps})")
-            return 0
-        files = Files(paths=tuple(args.files), window=args.batch_episodes,
-                      vocab_size=forward.vocab_size_hint(), cycle=True,
-                      route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-        metrics_file = _open_metrics(args, state["steps"])
-        rows, said = [], set()
-        t0 = time.perf_counter()
-        compile_seconds = 0.0
-        try:
-            with _progress("train", todo, args.json or args.quiet) as advance:
-                for rec in engine.run(files.open(state["position"]), steps=todo):
-                    compile_seconds += rec.stats.get("compile_seconds", 0.0)
-                    row = rec.output.to_pylist()[0]
-                    row["seconds"] = round(time.perf_counter() - t0, 3)
-                    if not rows:
-                        first_step_checks(row, args, _note)
-                    step_size_checks(row, args, _note, said)
-                    rows.append(row)
-                    if metrics_file:
-                        metrics_file.write(json.dumps(row) + "\n")
-                        metrics_file.flush()
-                    advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-        finally:
-            if metrics_file:
-                metrics_file.close()
-    finally:
-        engine.close()
-    _report(args, rows[-1]["step"] if rows else state["steps"], rows, compile_seconds, world)
+    files = Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes,
+                  vocab_size=forward.vocab_size_hint(), cycle=True,
+                  route_width=forward.route_width_hint(), whole_groups=bool(advantage))
+    report = fit(pipes[0], lambda position, done: files.open(position), steps=args.steps,
+                 engine="ray", engine_options={"ranks": world, "plans": [p.plan for p in pipes]},
+                 trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
+                                      shard_params=args.shard_params),
+                 run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
+                 config={**resolved_config(args), "files": list(args.files)},
+                 episodes_per_step=args.batch_episodes, log=_note,
+                 progress=None if args.json or args.quiet else "train", **_fit_options(args))
+    if report["nothing_to_do"]:
+        _console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} has "
+                                    f"already run {report['steps']} steps (--steps {args.steps})")
+        return 0
+    _report(args, report, world)
     return 0
 
 
-def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int,
-            recompiles: int | None = None) -> None:
+def _report(args, report: dict, ranks: int) -> None:
+    rows = report["rows"]
     if args.json:
-        # steady-state time per step: from the end of the first step to the end of the last
-        per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
-                    if len(rows) > 1 else None)
-        out = {"steps": steps, "last": rows[-1] if rows else None,
-               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step,
-               "recompiles": recompiles, "process_seconds": round(process_seconds(), 3),
+        out = {"steps": report["steps"], "last": report["last"],
+               "compile_seconds": round(report["compile_seconds"], 3),
+               "steady_seconds_per_step": report["steady_seconds_per_step"],
+               "recompiles": report["recompiles"], "process_seconds": round(process_seconds(), 3),
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         import torch
 

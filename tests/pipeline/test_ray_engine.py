@@ -19,6 +19,7 @@ from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.pipeline.ray import run_ray
 from treeflow.pipeline.ray_maps import stage_ops, window_block
 from treeflow.pipeline.ray_rank import RankActor
+from treeflow.train.remote import RemoteTraining
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.train import Trainer
 
@@ -28,7 +29,7 @@ def data(tmp_path_factory):
     write_episodes(synth_episodes(episodes=12, group_size=3, turns=(2, 3), system_tokens=20,
                                   user_tokens=(3, 6), completion_tokens=(3, 8), tool_tokens=(3, 6),
                                   seed=3), path)
-    return Files(paths=(str(path),), window=3)
+    return Files(paths=(str(path),), episodes_per_step=3)
 
 
 def replay_pipe(ranks):
@@ -63,9 +64,9 @@ def test_train_one_rank_equals_local_losses_and_weights(ray_cluster, data, tmp_p
     pipe = Pipeline(Pack(), Fragment(max_tokens=96), Forward(), red)
     steps = 6  # cycles past the 4 windows of the data
     trainer = Trainer(Forward(), red)
-    local = outputs(pipe.run(Files(paths=data.paths, window=3, cycle=True), trainer=trainer,
+    local = outputs(pipe.run(Files(paths=data.paths, episodes_per_step=3, cycle=True), trainer=trainer,
                              steps=steps))
-    got = outputs(pipe.run(Files(paths=data.paths, window=3, cycle=True), engine="ray", steps=steps,
+    got = outputs(pipe.run(Files(paths=data.paths, episodes_per_step=3, cycle=True), engine="ray", steps=steps,
                            save=str(tmp_path / "ckpt")))
     assert got.column("step").to_pylist() == list(range(1, steps + 1))
     for col in ("loss", "grad_norm", "lr", "scheduler_episodes", "executed_tokens"):
@@ -95,7 +96,7 @@ def test_a_training_rank_refuses_a_window_out_of_order(data):
     pipe = Pipeline(Pack(), Fragment(max_tokens=96), Forward(),
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-2)))
     blocks = _blocks(pipe.plan, data, 3)
-    rank = RankActor(pipe.plan, 0, 1, "cpu", torch.get_num_threads())
+    rank = RankActor(pipe.plan, 0, 1, "cpu", torch.get_num_threads(), RemoteTraining())
     rank.setup({})
     rank.run(0, blocks[0], None)
     with pytest.raises(RuntimeError, match="rank 0 got window 2 while step 1 is next"):
@@ -107,17 +108,18 @@ def test_a_training_rank_refuses_a_window_out_of_order(data):
 
 def test_a_rank_runs_only_the_bins_shard_dealt_it(data):
     # Shard's deal decides which actor runs a bin: rank r's actor runs the bins of rank r
-    pipe = replay_pipe(2)
-    (block,) = _blocks(pipe.plan, data, 1, ranks=2)
-    bins = pipe.plan.prepare(pipe.plan.episodes(list(data)[0], step=0), step=0)
-    got = {}
+    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward(), Reassemble())
+    whole = Files(paths=data.paths, episodes_per_step=12)  # one window, 8 bins
+    (block,) = _blocks(pipe.plan, whole, 1, ranks=2)
+    bins = pipe.plan.prepare(pipe.plan.episodes(list(whole)[0], step=0), step=0)
+    dealt = bins.column("rank").to_pylist()
+    assert dealt != [i % 2 for i in range(len(dealt))]  # not what a round-robin gives
     for r in range(2):
         rank = RankActor(pipe.plan, r, 2, "cpu", torch.get_num_threads())
         rank.setup({})
-        got[r] = rank.run(0, block, None)[0].column("bin_id").to_pylist()
-    for r in range(2):
-        want = bins.filter(pa.compute.equal(bins.column("rank"), r)).column("bin_id").to_pylist()
-        assert want and sorted(set(got[r])) == sorted(want), r
+        got = rank.run(0, block, None)[0].column("bin_id").to_pylist()
+        want = [b for b, d in zip(bins.column("bin_id").to_pylist(), dealt) if d == r]
+        assert want and sorted(set(got)) == sorted(want), r
 
 
 def dies_once(marker: str):
@@ -156,7 +158,7 @@ def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
     size = os.path.getsize(path)
     store = ray_cluster.cluster_resources()["object_store_memory"]
     assert size > 3 * store, (size, store)
-    files = Files(paths=(str(path),), window=16)
+    files = Files(paths=(str(path),), episodes_per_step=16)
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reassemble())
     n = 0
     for rec in pipe.run(files, engine="ray"):
@@ -207,3 +209,21 @@ def test_cli_replay_engine_ray_writes_what_local_writes(ray_cluster, data, tmp_p
         summary = json.loads(capsys.readouterr().out)
         assert summary["episodes"] == 12 and summary["compile_seconds"] == 0.0
     assert outs["ray"].equals(outs["local"])
+
+
+def test_ray_file_windows_resume_where_a_files_reader_does(data):
+    # the driver cuts the windows Ray Data reads; from a saved position they must be the ones
+    # (and positions) a FilesReader opened at that position gives, or a resumed run retrains
+    from treeflow.pipeline.ray_feed import file_windows
+    from treeflow.pipeline.ray_maps import read_window
+
+    files = Files(paths=data.paths, episodes_per_step=3, cycle=True)
+    for skip in (0, 3, 9, 12, 21):
+        reader = files.open({"episodes": skip})
+        got = file_windows(files, {"episodes": skip}, 6)
+        for pieces, position in got:
+            want = next(reader)
+            assert read_window(pieces, None).equals(want), skip
+            assert position == reader.get_state(), skip
+    with pytest.raises(ValueError, match="not at a window boundary"):
+        file_windows(files, {"episodes": 4}, 1)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
-from treeflow.pipeline.source import Files, FilesReader, windows
+from treeflow.pipeline.source import DEFAULT_EPISODES_PER_STEP, Files, Source, windows
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
 
@@ -70,18 +70,20 @@ class Pipeline:
     def output_schema(self) -> pa.Schema:
         return self.stages[-1].output_schema
 
-    def run(self, source, *, engine: str = "local", window: int | None = None,
+    def run(self, source, *, engine: str = "local", episodes_per_step: int | None = None,
             device: str = "cpu", trainer=None, prefetch: int = 2,
-            ranks: int = 1, steps: int | None = None, **engine_options) -> Iterator[WindowResult]:
+            ranks: int = 1, steps: int | None = None, window: int | None = None,
+            **engine_options) -> Iterator[WindowResult]:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
         source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
         of paths, an episode table, an iterable of episode tables, or a
-        `QueueSource` (or its reader, `QueueSource.open(state)`): live steps
+        queue reader (`QueueSource(...).open(queue, state)`): live steps
         from a tensor queue, one window per queue step, each acknowledged when
-        the caller asks for the next result (pipeline/queue_source.py). `window`
-        episodes are packed together (default 256); for an iterable of tables
-        and no `window`, each table is one window (one step in training). For
+        the caller asks for the next result (pipeline/queue_source.py).
+        `episodes_per_step` episodes are packed together (default 256; `window`
+        is its old name, accepted for one release); for an iterable of tables
+        and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` to continue a
         resumed Trainer. device: where the model runs (the engine builds
@@ -91,21 +93,36 @@ class Pipeline:
         steps: stop after this many windows (training on cycled data).
         engine_options (ray): `threads=` per rank, `plans=` one plan per rank
         (per-rank planning), and for training `save=DIR`, `save_every=N`,
-        `keep=K`, `resume=DIR`, `publish=DIR` (the weights after every step).
+        `keep=K`, `publish=DIR` (the weights after every step, named in
+        `stats["weights"]`), or `train=RemoteTraining(...)` (train/remote.py).
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
+        if window is not None:
+            import warnings
+
+            if episodes_per_step not in (None, window):
+                raise ValueError(f"Pipeline.run(window={window}, episodes_per_step="
+                                 f"{episodes_per_step}): give episodes_per_step only")
+            warnings.warn("Pipeline.run(window=) is now Pipeline.run(episodes_per_step=)",
+                          DeprecationWarning, stacklevel=2)
+            episodes_per_step = window
+        window = episodes_per_step
         from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
 
-        if isinstance(source, (QueueSource, QueueReader)):
+        if isinstance(source, QueueSource):
+            raise TypeError("a QueueSource is a configuration and holds no queue: pass its reader, "
+                            "QueueSource(...).open(queue)")
+        if isinstance(source, QueueReader):
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "
-                                 "QueueSource(episodes_per_step=...) instead of window=")
+                                 "QueueSource(episodes_per_step=...) instead of "
+                                 "Pipeline.run(episodes_per_step=)")
             if steps is not None:
                 raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
                                  "give that instead of steps=")
             if engine == "ray":
-                reader = source.open() if isinstance(source, QueueSource) else source
+                reader = source
                 try:
                     records = _run_ray(self.plan, reader, trainer=trainer, device=device,
                                        ranks=ranks, prefetch=prefetch, steps=None,
@@ -119,11 +136,11 @@ class Pipeline:
             from treeflow.pipeline.local import run_local
 
             worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-            reader = source.open() if isinstance(source, QueueSource) else source
+            reader = source
             return acknowledged(run_local(self.plan, reader, device=device, worker=worker,
                                           prefetch=prefetch), reader)
         if engine == "ray":
-            if not isinstance(source, (Files, FilesReader)):
+            if not isinstance(source, (Files, Source)):
                 files = _files(source, window, self._vocab_size(), self._route_width())
                 source = files if files is not None else _windows(
                     source, window, self._vocab_size(), self._route_width())
@@ -152,19 +169,28 @@ class Pipeline:
 
 
 def _run_ray(plan, source, *, trainer, device, ranks, prefetch, steps, options):
-    """The Ray engine (pipeline/ray.py) with the Python API's options sorted out."""
+    """The Ray engine (pipeline/ray.py) with the Python API's training options gathered."""
     from treeflow.pipeline.ray import run_ray
 
     if trainer is not None:
         raise ValueError("engine='ray' builds its trainers in the rank actors; pass no trainer "
-                         "(resume with resume=DIR)")
-    train = {k: options.pop(k) for k in _TRAIN_OPTIONS if options.get(k) is not None}
+                         "(resume through treeflow.train.fit, or the CLI's --resume)")
+    given = {k: options.pop(k) for k in ("save", "save_every", "keep", "publish")
+             if options.get(k) is not None}
+    if given:
+        from treeflow.ops.train import Checkpointing
+        from treeflow.train.remote import RemoteTraining
+
+        if "train" in options:
+            raise ValueError(f"give train= or {sorted(given)}, not both")
+        if not plan.fused:
+            raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
+        options["train"] = RemoteTraining(
+            checkpointing=Checkpointing(dir=given.get("save"), every=given.get("save_every", 0),
+                                        keep=given.get("keep"), background=False),
+            publish=given.get("publish"))
     return run_ray(plan, source, device=device, ranks=ranks, prefetch=prefetch, steps=steps,
-                   train=train or None, **options)
-
-
-_TRAIN_OPTIONS = ("save", "save_every", "keep", "resume", "trust_checkpoint", "publish",
-                  "options", "run", "config")
+                   **options)
 
 
 def _files(source, window: int | None, vocab_size: int | None,
@@ -173,24 +199,22 @@ def _files(source, window: int | None, vocab_size: int | None,
     if isinstance(source, (str, list, tuple)) and source and all(isinstance(p, str) for p in
                                                                   ([source] if isinstance(source, str) else source)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return Files(paths=paths, window=window or 256, vocab_size=vocab_size,
-                     route_width=route_width)
+        return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP,
+                     vocab_size=vocab_size, route_width=route_width)
     return None
 
 
 def _windows(source, window: int | None, vocab_size: int | None,
              route_width: int | None = None) -> Iterator[pa.Table]:
-    from treeflow.pipeline.queue_ranks import RankWindows
-
-    if isinstance(source, (Files, FilesReader, RankWindows)):  # validated; with a position
+    if isinstance(source, (Files, Source)):  # validated; with a position
         return iter(source)
     if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
                                                     or isinstance(source[0], str)):
         paths = (source,) if isinstance(source, str) else tuple(source)
-        return iter(Files(paths=paths, window=window or 256, vocab_size=vocab_size,
+        return iter(Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP, vocab_size=vocab_size,
                           route_width=route_width))
     if isinstance(source, pa.Table):
-        source, window = [source], window or 256
+        source, window = [source], window or DEFAULT_EPISODES_PER_STEP
     if isinstance(source, Iterable):
         checked = (validate_episodes(t, vocab_size=vocab_size, route_width=route_width)
                    for t in source)

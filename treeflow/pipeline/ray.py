@@ -36,8 +36,6 @@ RAY_ADDRESS or starts a local cluster sized to the machine.
 from __future__ import annotations
 
 import os
-import queue as _queue
-import threading
 import time
 from collections.abc import Iterator
 
@@ -45,7 +43,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from treeflow.pipeline.plan import Plan, WindowResult
-from treeflow.pipeline.ray_feed import END, feed
+from treeflow.pipeline.prefetch import Prefetch
+from treeflow.pipeline.ray_feed import feed
 from treeflow.pipeline.ray_maps import episodes_of, rows_of
 from treeflow.pipeline.ray_rank import RankActor
 from treeflow.pipeline.stats import episode_sums
@@ -93,23 +92,27 @@ class RayEngine:
     `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`), as data-parallel training plans
     each rank; default: `plan` for the whole window, its bins dealt by Shard's `rank`.
     threads: torch threads per rank (default: this process's with one rank, the cores
-    shared out with several, as spawned ranks get them). train: for a training plan,
-    the rank's trainer options (pipeline/ray_rank.py).
+    shared out with several, as spawned ranks get them). train: for a training plan, how
+    each rank builds its training operator (a `RemoteTraining`, train/remote.py; default a
+    new Trainer that saves nothing).
     """
 
     def __init__(self, plan: Plan, *, ranks: int = 1, device: str = "cpu", plans=None,
-                 threads: int | None = None, prefetch: int = 2, train: dict | None = None,
+                 threads: int | None = None, prefetch: int = 2, train=None,
                  rank_cls=RankActor):
         check_ray_plan(plan, ranks)
         if prefetch < 1:
             raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows in flight)")
-        if train and not plan.trains:
-            raise ValueError("save=, resume= and publish= are for training pipelines "
-                             "(ending in Reduce)")
+        if train is not None and not plan.fused:
+            raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
+        if plan.fused and train is None:
+            from treeflow.train.remote import RemoteTraining
+
+            train = RemoteTraining()
         plans = tuple(plans) if plans is not None else (plan,)
         if len(plans) not in (1, ranks):
             raise ValueError(f"{len(plans)} plans for {ranks} ranks: give one, or one per rank")
-        if plan.trains:
+        if plan.fused:
             for p in plans:
                 p._check_sharding(ranks)
         if threads is None:
@@ -123,7 +126,7 @@ class RayEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> dict:
-        """Start the rank actors (and, training, their process group); rank 0's resumed state."""
+        """Start the rank actors (and, training, their process group); {"load_seconds"}.""" 
         t0 = time.perf_counter()
         ray = self.ray = init_ray()
         cuda = self.device.startswith("cuda")
@@ -133,19 +136,21 @@ class RayEngine:
         share = min(1.0, free / (self.ranks + 1))
         share = share if share >= 0.05 else 0.0
         self.map_cpus = share
-        remote = ray.remote(max_restarts=0 if self.plan.trains else -1, max_task_retries=0)(
-            self.rank_cls)
-        self.actors = [remote.options(num_gpus=1 if cuda else 0,
-                                      num_cpus=0 if cuda else share).remote(
-            self.plan, r, self.ranks, self.device, self.threads, self.train)
-            for r in range(self.ranks)]
+        from treeflow.train.launch import rank_actors
+
+        # a replay actor that dies is restarted (its windows re-run); a training one is not
+        self.actors = [rank_actors(self.rank_cls, 1, self.plan, r, self.ranks, self.device,
+                                   self.threads, self.train, num_cpus=0 if cuda else share,
+                                   num_gpus=1 if cuda else 0,
+                                   max_restarts=0 if self.plan.fused else -1)[0]
+                       for r in range(self.ranks)]
         addr, port = ray.get(self.actors[0].address.remote())
         self.envs = [dict(RANK=str(r), WORLD_SIZE=str(self.ranks), MASTER_ADDR=addr,
                           MASTER_PORT=str(port), LOCAL_RANK="0" if cuda else str(r),
                           LOCAL_WORLD_SIZE="1" if cuda else str(self.ranks))
                      for r in range(self.ranks)]
-        states = self._get([a.setup.remote(env) for a, env in zip(self.actors, self.envs)])
-        self.state = {**states[0], "load_seconds": time.perf_counter() - t0}
+        self._get([a.setup.remote(env) for a, env in zip(self.actors, self.envs)])
+        self.state = {"load_seconds": time.perf_counter() - t0}
         return self.state
 
     def close(self) -> None:
@@ -180,22 +185,29 @@ class _Drive:
 
     def windows(self) -> Iterator[WindowResult]:
         e, ray = self.e, self.ray
-        next_w, ended, saved = 0, False, None
-        last_position = None
+        self.next_w = next_w = 0
+        ended = False
         t_window = time.perf_counter()
         try:
             while True:
                 while not ended and len(self.open_) < e.prefetch:
-                    got = self.items.get(block=not self.open_ and not self.retry)
+                    got = self.items.poll()
                     if got is None:
                         break
-                    if got is END:
+                    if got is Prefetch.END:
                         ended = True
                     else:
-                        self._open(*got)
+                        self._open(*got[2])
                 if ended and not self.open_:
                     break
-                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=0.1)
+                if not self.pending:
+                    time.sleep(0.005)  # waiting on the source (or a dead actor's restart)
+                    ready = []
+                else:
+                    refs = list(self.pending)
+                    ready, _ = ray.wait(refs, num_returns=1, timeout=0.1)
+                    if ready and len(refs) > 1:  # and every other result already back
+                        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 for ref in ready:
                     self._result(ref)
                 self._resubmit()
@@ -207,14 +219,15 @@ class _Drive:
                     t_window = now
                     if next_w == 0:  # a one-off cost, like the local engine's model load
                         rec.stats["load_seconds"] = e.state["load_seconds"]
-                    saved = win["meta"].get("saved", saved)
-                    last_position = rec.position
                     yield rec
                     next_w += 1
-            if e.plan.trains:
-                self.e._get([a.finish.remote(last_position, saved) for a in e.actors])
+                    self.next_w = next_w
+                    if e.plan.fused and next_w in self.open_:
+                        self._dispatch(next_w)  # the caller took the step before: its turn
+            if e.plan.fused:  # the checkpoints due and the final one, every rank together
+                self.e._get([a.close.remote() for a in e.actors])
         finally:
-            self.items.stop()
+            self.items.close()
 
     def _open(self, w: int, position, block_ref, block) -> None:
         if block is None:
@@ -226,10 +239,16 @@ class _Drive:
                "nbins": bins.num_rows,
                "executed": int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)}
         # training: every rank takes part in the step, with bins or without
-        need = range(self.e.ranks) if self.e.plan.trains else np.flatnonzero(counts)
+        need = range(self.e.ranks) if self.e.plan.fused else np.flatnonzero(counts)
         win["need"] = set(int(r) for r in need)
         self.open_[w] = win
-        for r in win["need"]:
+        # a training step is sent once the caller took the one before (fit writes its metrics
+        # line before the checkpoint the next window's opening writes); replay runs ahead
+        if not self.e.plan.fused or w == self.next_w:
+            self._dispatch(w)
+
+    def _dispatch(self, w: int) -> None:
+        for r in self.open_[w]["need"]:
             self._submit(w, r)
 
     def _submit(self, w: int, r: int) -> None:
@@ -252,7 +271,7 @@ class _Drive:
         try:
             out, meta = ray.get(ref)
         except ray.exceptions.RayActorError:
-            if self.e.plan.trains:
+            if self.e.plan.fused:
                 raise RuntimeError(
                     f"training rank {r} of {self.e.ranks} died at window {w}; its model and "
                     "optimizer state died with it, so the run stops here: resume it from its "
@@ -274,7 +293,7 @@ class _Drive:
         plan = self.e.plan
         parts = [win["parts"][r] for r in sorted(win["parts"])]
         episodes = win["episodes"]
-        if plan.trains:
+        if plan.fused:
             out = win["parts"][0]
         elif plan.accumulate is not None:
             acc = plan.accumulate.open(episodes)
@@ -287,7 +306,7 @@ class _Drive:
             out = pa.concat_tables(parts)
         stats = {**episode_sums(episodes), "compile_seconds": win["compile"],
                  "redelivered_parts": len(win["redelivered"])}
-        if plan.trains:
+        if plan.fused:
             stats.update({k: out.column(k)[0].as_py() for k in ("bins", "executed_tokens")})
             if "weights" in win["meta"]:
                 stats["weights"] = win["meta"]["weights"]

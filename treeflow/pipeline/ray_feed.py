@@ -1,9 +1,9 @@
 """The Ray engine's window feed: stored files through Ray Data, any other source through the driver.
 
 Both give the driver (pipeline/ray.py) the same items -- (window, position
-after it, reference of the window's final block, the block) -- from a
-background thread, at most `prefetch` ahead, so that the driver's loop never
-waits on a source while results come back:
+after it, reference of the window's final block, the block) -- through the
+one read-ahead wrapper (pipeline/prefetch.py), at most `prefetch` ahead, so
+that the driver's loop never waits on a source while results come back:
 
 - `Files` (or a reader of them): the driver cuts the files into windows
   exactly as the local engine does (`Files.spans`, from the group_id column
@@ -19,68 +19,24 @@ waits on a source while results come back:
 
 from __future__ import annotations
 
-import queue as _queue
-import threading
-
 import numpy as np
 
+from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.ray_maps import WindowRead, stage_ops, window_block, windows_of
 from treeflow.pipeline.source import Files, FilesReader
 
-END = object()
+def feed(engine, source, *, steps: int | None = None) -> Prefetch:
+    """The items of `source` for `engine`'s driver, read ahead in the one prefetch wrapper.
 
-
-class _Feed(threading.Thread):
-    """Runs `produce()` in a thread; `get(block)` -> an item, None (none yet), END; re-raises."""
-
-    def __init__(self, produce, depth: int):
-        super().__init__(daemon=True, name="treeflow-ray-feed")
-        self._produce, self._q = produce, _queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self.start()
-
-    def run(self):
-        gen = self._produce()
-        try:
-            for item in gen:
-                if not self._put(item):
-                    return
-            self._put(END)
-        except BaseException as e:  # noqa: BLE001 - handed to the driver, which re-raises
-            self._put(e)
-        finally:
-            gen.close()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return True
-            except _queue.Full:
-                continue
-        return False
-
-    def get(self, block: bool):
-        try:
-            item = self._q.get(timeout=0.1) if block else self._q.get_nowait()
-        except _queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def feed(engine, source, *, steps: int | None = None) -> _Feed:
-    """The items of `source` for `engine`'s driver, from a background thread."""
+    Each item the wrapper gives is (index, None, (window, position, block ref, block or None)).
+    """
     if isinstance(source, FilesReader):
-        files, position = source.files, {"episodes": source._skip}
-        return _Feed(lambda: _files(engine, files, position, steps), engine.prefetch)
-    if isinstance(source, Files):
-        return _Feed(lambda: _files(engine, source, None, steps), engine.prefetch)
-    return _Feed(lambda: _reader(engine, source, steps), engine.prefetch)
+        items = _files(engine, source.files, {"episodes": source._skip}, steps)
+    elif isinstance(source, Files):
+        items = _files(engine, source, None, steps)
+    else:
+        items = _reader(engine, source, steps)
+    return Prefetch(items, None, engine.prefetch).start()
 
 
 def file_windows(files: Files, position: dict | None, steps: int | None) -> list[tuple]:
@@ -98,7 +54,7 @@ def file_windows(files: Files, position: dict | None, steps: int | None) -> list
     i = int(np.searchsorted(cum, rest))
     if cum[i] != rest:
         raise ValueError(f"the saved input position ({skip} episodes) is not at a window boundary "
-                         f"of this data (windows of {files.window}); resume with the same window "
+                         f"of this data (windows of {files.episodes_per_step}); resume with the same window "
                          "(--batch-episodes) and files")
     start = whole * n + i
     if files.cycle:
@@ -142,7 +98,7 @@ def _apply(op, block):
 def _reader(engine, source, steps):
     ray = engine.ray
     it = iter(source)
-    state = getattr(it, "state_dict", None)
+    state = getattr(it, "get_state", None) or getattr(it, "state_dict", None)
     ops = [ray.put(op) for op in stage_ops(engine.plans, engine.ranks)]
     task = ray.remote(_apply).options(num_cpus=engine.map_cpus, max_retries=3)
     for w, episodes in enumerate(it):
@@ -155,4 +111,4 @@ def _reader(engine, source, steps):
             return
 
 
-__all__ = ["END", "feed", "file_windows"]
+__all__ = ["feed", "file_windows"]

@@ -6,9 +6,10 @@ NCCL on CUDA, exactly as for spawned ranks) and then calls `run(window, block,
 position)` once per window, in window order; Ray runs an actor's calls from one
 caller in submission order, and a training rank checks it. A call runs this
 rank's rows of the window's block -- the bins tagged with its rank (Shard's
-deal) -- through the plan's worker: edge values for replay, one optimizer step
-(the gradient summed over the R ranks) for training, whose metrics row comes
-back.
+deal) -- through the plan's worker: edge values for replay; for training one
+optimizer step (the gradient summed over the R ranks) through the training
+operator (ops/train.py), built from the run's spec (train/remote.py), which
+saves at the run's cadence; its metrics row comes back.
 
 A replay actor that dies is restarted by Ray and builds its model again on its
 next call, which the driver re-runs; a training rank's model and optimizer die with it,
@@ -27,16 +28,15 @@ from treeflow.pipeline.ray_maps import episodes_of, rows_of, untag
 class RankActor:
     """One rank: `setup(env)` builds the worker; `run(window, block, position)` per window."""
 
-    def __init__(self, plan, rank: int, ranks: int, device: str, threads: int,
-                 train: dict | None = None):
+    def __init__(self, plan, rank: int, ranks: int, device: str, threads: int, train=None):
         import torch
 
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan, self.rank, self.ranks, self.device = plan, rank, ranks, device
-        self.train = train or {}
-        self.worker = self.trainer = self.dp = None
+        self.train = train  # training: a RemoteTraining (train/remote.py)
+        self.worker = self.dp = self.publish = None
         self.next_window = None  # training: the window whose step is next
 
     def address(self) -> tuple[str, int]:
@@ -47,50 +47,33 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, env: dict) -> dict:
-        """Join the ranks (training) and build the worker; what a resumed trainer holds."""
+    def setup(self, env: dict) -> None:
+        """Join the ranks (training: the process group forms here) and build the worker."""
         os.environ.update(env)
-        state = {"steps": 0, "position": None, "run": None, "checkpoint": None}
-        if self.plan.trains:
-            self.trainer = self._trainer()
-            self.worker = self.plan.worker(trainer=self.trainer)
-            state.update(steps=self.trainer.steps, position=self.trainer.position or None,
-                         run=self._resumed_run, checkpoint=self.trainer.checkpoint_path)
+        if self.plan.fused:
+            from treeflow.train import DataParallel
+
+            self.dp = (DataParallel.from_env(self.device) if self.ranks > 1
+                       else DataParallel(device=self.device))
+            # the training operator (ops/train.py) owns the step, its save cadence and hooks
+            op = self.train.build(self.plan, device=self.device, dp=self.dp, rank=self.rank)
+            self.worker = self.plan.worker(trainer=op)
+            self.publish = next((h for h in op.on_step if hasattr(h, "last")), None)
         else:
             self.worker = self.plan.worker(device=self.device)
         self.compile_seconds = self.worker.warm_up()
-        return state
-
-    def _trainer(self):
-        from treeflow.train import DataParallel, Trainer
-
-        t = self.train
-        self.dp = (DataParallel.from_env(self.device) if self.ranks > 1
-                   else DataParallel(device=self.device))
-        options = {"pad_to": self.plan.bin_budget, **t.get("options", {}), "dp": self.dp}
-        if t.get("resume"):
-            trainer = Trainer.resume(t["resume"], self.plan.model, self.plan.accumulate,
-                                     trust_checkpoint=t.get("trust_checkpoint", False),
-                                     log=(lambda m: None), **options)
-        else:
-            trainer = Trainer(self.plan.model, self.plan.accumulate, **options)
-        self._resumed_run = trainer.run
-        if t.get("run") is not None:
-            trainer.run = t["run"]
-        if t.get("config") is not None:
-            trainer.config = t["config"]
-        return trainer
 
     def run(self, window: int, block: pa.Table, position: dict | None) -> tuple[pa.Table, dict]:
         """This rank's share of one window: (edge values | the step's metrics row, meta)."""
+        from treeflow.ops.train import Window
         from treeflow.schemas.layout import BIN_SCHEMA
 
-        if self.worker is None and not self.plan.trains:  # restarted by Ray after a death
+        if self.worker is None and not self.plan.fused:  # restarted by Ray after a death
             self.setup({})
         bins = untag(rows_of(block, window, self.rank)).cast(BIN_SCHEMA)
         meta = {"compile_seconds": self.compile_seconds}
         self.compile_seconds = 0.0
-        if self.trainer is None:
+        if not self.plan.fused:
             return self.worker.runner(bins), meta
         if self.next_window is None:
             self.next_window = window
@@ -100,42 +83,23 @@ class RankActor:
             raise RuntimeError(f"rank {self.rank} got window {window} while step "
                                f"{self.next_window} is next; training needs windows in order")
         self.next_window += 1
-        acc = self.worker.open(episodes_of(block, window))
+        # opening a window writes the checkpoint the last one made due: the driver sends a
+        # window only after the caller took the one before (its metrics line is out first)
+        acc = self.worker.open(Window(step=window, episodes=episodes_of(block, window),
+                                      position=position))
         acc.add(bins)
         out = acc.finish()
-        self._after_step(position, meta)
+        if self.publish is not None:
+            meta["weights"] = self.publish.last
         return out, meta
 
-    # ------------------------------------------- training: what core's operator will own
-    def _after_step(self, position, meta) -> None:
-        t, trainer = self.train, self.trainer
-        trainer.position = position
-        if t.get("save") and t.get("save_every") and trainer.steps % t["save_every"] == 0:
-            trainer.save(t["save"], keep=t.get("keep"))  # every rank: the sharded state
-            meta["saved"] = trainer.steps
-        if t.get("publish") and self.rank == 0:
-            meta["weights"] = self._publish(t["publish"])
-
-    def _publish(self, root: str) -> str:
-        from treeflow.atomic import atomic_dir
-
-        os.makedirs(root, exist_ok=True)
-        final = os.path.join(root, f"v{self.trainer.steps}")
-        with atomic_dir(final, what="published weights") as tmp:
-            self.trainer.backend.save(tmp)
-        return final
-
-    def finish(self, position: dict | None, saved: int | None) -> str | None:
-        """After the last window: the final checkpoint (every rank), unless the cadence wrote it."""
-        t = self.train
-        if self.trainer is None or not t.get("save") or saved == self.trainer.steps:
-            return None
-        self.trainer.position = position
-        return self.trainer.save(t["save"], keep=t.get("keep"))
-
     def close(self) -> None:
+        """End of the run: the training operator's due and final checkpoints (every rank)."""
+        if self.worker is not None:
+            self.worker.close()
         if self.dp is not None:
             self.dp.close()
+            self.dp = None
 
 
 __all__ = ["RankActor"]
