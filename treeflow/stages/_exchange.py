@@ -66,7 +66,8 @@ def _with_share(layouts: pa.Table, share: RankShare) -> pa.Table:
     split = share.slots > 1
     offs = np.concatenate([[0], np.cumsum(np.where(split, 2, 0))]).astype(np.int32)
     vals = np.stack([share.slot, share.slots], axis=1)[split].reshape(-1).astype(np.int32)
-    col = pa.ListArray.from_arrays(pa.array(offs), pa.array(vals, pa.int32()), mask=pa.array(~split))
+    col = pa.ListArray.from_arrays(pa.array(offs), pa.array(vals, pa.int32()),
+                                   mask=pa.array(~split))
     return layouts.set_column(layouts.schema.get_field_index("share"), LAYOUT_SCHEMA.field("share"),
                               col)
 
