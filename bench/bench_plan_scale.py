@@ -194,6 +194,8 @@ def main() -> None:
     ap.add_argument("--episodes", default="1000,8000,64000")
     ap.add_argument("--ranks", default="8,256,1024")
     ap.add_argument("--planners", default="whole,sharded,estimate")
+    ap.add_argument("--deal-ranks", default=None,
+                    help="rank counts of the deal-only rows (default: --ranks)")
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--scope", choices=("episode", "group"), default=None,
                     help="Pack's scope (default: group, as training on grouped episodes)")
@@ -241,7 +243,8 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--worker", "--planner", "costs", "--data",
                             path] + (["--scope", args.scope] if args.scope else []), check=True)
         if "sharded" in args.planners.split(","):
-            for row in deal_rows(path, args.scope, rank_counts):
+            deal_ranks = [int(x) for x in (args.deal_ranks or args.ranks).split(",")]
+            for row in deal_rows(path, args.scope, deal_ranks):
                 print(json.dumps(row), file=sys.stderr)
                 rows.append(row)
         for planner in args.planners.split(","):
