@@ -32,12 +32,45 @@ __all__ = ["mapped_window", "read_rows"]
 _IPC_MAGIC = b"ARROW1"
 
 
-def _ipc_table(path: str) -> pa.Table | None:
+def _mapped(path: str) -> pa.Table | None:
+    """An Arrow IPC file as zero-copy views of its memory map (None: not an IPC file)."""
     with open(path, "rb") as f:
         if f.read(len(_IPC_MAGIC)) != _IPC_MAGIC:
             return None
-    table = pa.ipc.open_file(pa.memory_map(path)).read_all()  # zero-copy views of the map
-    return table if table.schema.equals(EPISODE_SCHEMA, check_metadata=False) else None
+    return pa.ipc.open_file(pa.memory_map(path)).read_all()
+
+
+def _ipc_table(path: str) -> pa.Table | None:
+    table = _mapped(path)
+    return table if table is not None and table.schema.equals(EPISODE_SCHEMA,
+                                                              check_metadata=False) else None
+
+
+def _take(path: str, local: np.ndarray) -> pa.Table:
+    """Rows `local` (ascending) of one file, reading only the record batches / row groups that
+    hold them (a memory-mapped IPC file; a Parquet file's row groups; a stream is read whole)."""
+    table = _mapped(path)
+    if table is None and path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        f = pq.ParquetFile(path)
+        ends = np.cumsum([f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)])
+        starts = ends - [f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)]
+        group = np.searchsorted(ends, local, side="right")  # the row group of each row
+        read = np.unique(group)
+        at = np.concatenate([[0], np.cumsum(ends[read] - starts[read])[:-1]])  # in what is read
+        index = local - starts[group] + at[np.searchsorted(read, group)]
+        return f.read_row_groups(read.tolist()).take(pa.array(index))
+    if table is None:
+        return open_episode_file(path).take(pa.array(local))
+    parts, lo = [], 0
+    for batch in table.to_batches():  # Arrow's take on a chunked table would copy every chunk
+        hi = lo + batch.num_rows
+        a, b = np.searchsorted(local, [lo, hi])
+        if b > a:
+            parts.append(batch.take(pa.array(local[a:b] - lo)))
+        lo = hi
+    return pa.Table.from_batches(parts, schema=table.schema)
 
 
 def mapped_window(pieces: list) -> pa.Table | None:
@@ -66,8 +99,7 @@ def read_rows(pieces: list, rows: np.ndarray, *, vocab_size: int | None = None,
         a, b = np.searchsorted(rows, [start, start + hi - lo])
         if b > a:
             local = rows[a:b] - start + lo  # rows of this file
-            data = open_episode_file(path)
-            table = data.take(pa.array(local))
+            table = _take(path, local)
             if "sample_index" not in table.column_names:  # global row order, as Files numbers
                 table = table.append_column("sample_index", pa.array(offset - lo + local))
             out.append(validate_episodes(table, source=path, vocab_size=vocab_size,
