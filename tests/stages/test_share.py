@@ -112,17 +112,17 @@ def rank_samples(bins, ranks):
     return sorted(sorted({i for k in np.flatnonzero(r == x) for i in occ[k]}) for x in range(ranks))
 
 
-@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("ranks", [2, 3, 5])
 def test_exact_balance_is_the_whole_step_deal(ranks):
     """With the exchange of tree costs every rank gets the trees the whole-step planner deals it
     (up to renaming ranks), so the per-rank costs are the same numbers; without it (the deal on
-    estimates) they are not, on this seeded step."""
-    eps = synth_episodes(episodes=128, group_size=8, seed=5)
-    a, b = sharded(eps, ranks, 16384), whole(eps, ranks, 16384)
+    estimates) they are not, on this seeded step (24 groups, some cut into fragments)."""
+    eps = small(96, 4, seed=5)
+    a, b = sharded(eps, ranks, 512), whole(eps, ranks, 512)
     assert np.array_equal(np.sort(rank_cost(a, ranks)), np.sort(rank_cost(b, ranks)))
     assert rank_samples(a, ranks) == rank_samples(b, ranks)
     assert imbalance(a, ranks) == imbalance(b, ranks)
-    est = sharded(eps, ranks, 16384, balance="estimate")
+    est = sharded(eps, ranks, 512, balance="estimate")
     assert rank_samples(est, ranks) != rank_samples(b, ranks)  # the exchange is what makes it equal
 
 
