@@ -17,7 +17,7 @@ from tests.stages.conftest import check_bins, episode_tables
 from treeflow.pipeline.synth import synth_episodes
 from treeflow.stages import Fragment, Pack, Shard
 from treeflow.stages._exchange import summed_costs
-from treeflow.stages._share import lpt_deal, tree_summaries
+from treeflow.stages._share import Deal, lpt_deal, tree_summaries
 from treeflow.stages.shard import CostModel, bin_costs
 
 COST = CostModel.llama_1b()
@@ -138,6 +138,15 @@ def test_the_ranks_contributions_sum_to_every_trees_cost_once(episodes, group_si
         Pack(ranks=ranks, rank=r, exchange=lambda mine: sent.append(mine.copy()) or costs)(eps)
     assert np.array_equal(np.sum(sent, axis=0), costs)
     assert (costs > 0).all()
+
+
+def test_renaming_the_ranks_is_a_permutation_that_keeps_the_heaviest_overlap():
+    one = np.ones(4, np.int64)
+    before = Deal(first_T=np.array([0, 0, 0, 0]), slots_T=one)  # round 1 gave rank 0 everything
+    after = Deal(first_T=np.array([0, 1, 2, 3]), slots_T=one).relabel(before,
+                                                                       np.array([1, 1, 5, 1]))
+    assert sorted(after.first_T.tolist()) == [0, 1, 2, 3]  # still one tree per rank
+    assert after.first_T[2] == 0  # the heaviest tree stays where it was packed
 
 
 def test_exact_balance_needs_an_exchange_of_every_tree():
