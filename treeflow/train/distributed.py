@@ -200,14 +200,16 @@ class DataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t.cpu().numpy()
 
-    def planning_exchange(self, *, contributes: bool = True):
+    def planning_exchange(self, *, contributes: bool = True, timeout_s: float = 600.0):
         """The sum over all processes of a float64 array, on a gloo group of its own: what
         sharded planning exchanges (per-tree exact costs, stages/_exchange.py). Planning runs
         in the engine's background thread, so it must not share the step's group, whose
         collectives the main thread issues meanwhile. Every process calls this once, in the
         same order; one that does not `contributes` (a replica's other tensor- or
-        context-parallel processes, which plan the same share) adds zeros."""
-        group = dist.new_group(backend="gloo")
+        context-parallel processes, which plan the same share) adds zeros. A rank that dies
+        or fails while planning ends the others' wait after `timeout_s`, as the step's group
+        does (`from_env`)."""
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
         def exchange(values: np.ndarray) -> np.ndarray:
             t = torch.from_numpy(np.array(values if contributes else np.zeros_like(values),
