@@ -3,8 +3,8 @@
 The ranks' bins are checked against the episodes themselves (tests/stages/conftest.check_bins: every
 occurrence in exactly one bin, every edge id once, each edge's path spells its context, bins within
 the budget), and their balance against the whole-step planner's (`Fragment(ranks=R)` on the whole
-step's layouts): better where a step has few trees per rank, within the deal's estimate where it has
-many (the documented difference).
+step's layouts): the same per-rank costs with the exchange of exact tree costs (stages/_exchange.py),
+better where a step has fewer trees than ranks.
 """
 
 import numpy as np

@@ -12,16 +12,17 @@ step has at least as many trees as ranks); with fewer trees than ranks the ranks
 the trees in proportion to their cost (at most one rank per estimated branch of a tree, since
 Fragment never splits an append-only run), and the ranks of one tree share out its bins. A rank then
 packs only its trees (`Pack(ranks=R, rank=r)`) and bins them (`Fragment(ranks=R, rank=r)`): time and
-memory O(N/R + trees) per rank, with no communication.
+memory O(N/R + trees) per rank.
 
-The trade-off: the deal balances *estimated* costs, so the bins per rank differ from the whole-step
-planner's (which deals on the packed layouts' exact costs): the estimate is within ~5% of a tree's
-nodes on agentic episodes, so with many trees per rank the modelled imbalance is about a point above
-the exact deal's, while a step with few trees per rank is far better balanced and leaves far fewer
-ranks empty (only where its trees cannot be cut into enough bins; tests/stages/test_share.py,
-bench/bench_plan_scale.py). No rank can borrow space in another's
-last bin, and there are no padding bins: ranks may run different numbers of bins (the FSDP trainer
-pads passes itself).
+The trade-off: a deal on *estimated* costs (within ~5% of a tree's nodes on agentic episodes) is a
+point or two less balanced than the whole-step planner's deal on the packed layouts' exact costs.
+So by default (`Pack(balance="exact")`) this deal is only round 1: each rank packs its trees, the
+ranks sum their exact per-tree costs in one exchange, and every rank deals again on them
+(stages/_exchange.py), which is the whole-step deal. With few trees per rank the split deal is far
+better balanced than the whole-step planner's and leaves far fewer ranks empty (only where its
+trees cannot be cut into enough bins; tests/stages/test_share.py, bench/bench_plan_scale.py). No
+rank can borrow space in another's last bin, and there are no padding bins: ranks may run
+different numbers of bins (the FSDP trainer pads passes itself).
 
 Legend: R episode rows, C calls, T trees, K ranks.
 """
