@@ -12,8 +12,14 @@ and the peak traced by tracemalloc):
   every rank does all of it and keeps its own bins, so one rank's time is the whole plan's.
 - `sharded`: `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`, `Shard(num_ranks=R)`
   (treeflow.cli_train.plan_stages): rank r reads offsets of the whole step and the tokens of its
-  own trees only. Timed on --sample-ranks ranks (first, middle, last); where every rank is
-  planned (--all-ranks-upto), plan quality is reported too.
+  own trees only, packs its provisional share, and deals on the exact tree costs the planning
+  exchange returns (stages/_exchange.py); the exchange's result (every tree's exact cost, the
+  same for any rank count) is computed once per data set in its own subprocess and read from a
+  file, standing in for the all-reduce, which is not timed. Timed on --sample-ranks ranks
+  (first, middle, last); where every rank is planned (--all-ranks-upto), plan quality is
+  reported too.
+- `estimate`: the same without the exchange (`Pack(balance="estimate")`, the deal on estimated
+  costs).
 
 Quality, over the step's bins: repeated_share (repeated / executed tokens), fill (executed tokens /
 (bins x max_tokens), padding bins included), cost_imbalance (max / mean - 1 of per-rank modelled
@@ -26,6 +32,7 @@ cost, Shard's formula), ranks_without_bins.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -75,6 +82,10 @@ def make_data(path: str, episodes: int, seed: int) -> None:
     os.replace(tmp, path)
 
 
+def _costs_path(data: str, scope) -> str:
+    return f"{data}.{scope or 'default'}.costs.npy"
+
+
 def _read(path: str) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(path)).read_all()
 
@@ -93,6 +104,31 @@ def _quality(bins: pa.Table, ranks: int, max_tokens: int) -> dict:
             "ranks_without_bins": int((cost == 0).sum())}
 
 
+def deal_rows(path: str, scope, rank_counts: list) -> list:
+    """The deal alone, on every tree's exact cost (O(trees), any rank count): per-rank cost
+    max / mean - 1 of the exact deal (what `sharded` and the whole-step planner deal) and of the
+    deal on estimates (`estimate`), both measured in exact costs. Bins drop trailing leaves, so
+    the bins' imbalance (the planners' rows) is close to, not the same as, these."""
+    from treeflow.stages._share import Deal, tree_summaries
+    from treeflow.stages.shard import CostModel
+
+    table = _read(path)
+    s = tree_summaries(table, layout="tree", scope=scope)
+    exact, est = np.load(_costs_path(path, scope)), s.costs(CostModel.llama_1b())
+    rows = []
+    for ranks in rank_counts:
+        row = {"planner": "deal", "episodes": table.num_rows, "trees": len(exact), "ranks": ranks}
+        for name, c in (("exact", exact), ("estimate", est)):
+            d = Deal.of(c, s.branches_T, ranks)
+            if (d.slots_T == 1).all():
+                load = np.bincount(d.first_T, weights=exact, minlength=ranks)
+                row[f"{name}_deal_imbalance"] = round(float(load.max() / load.mean() - 1), 5)
+            else:
+                row[f"{name}_deal_imbalance"] = "fewer trees than ranks: trees are split"
+        rows.append(row)
+    return rows
+
+
 def worker(args) -> dict:
     """One subprocess: plan one step for --ranks ranks with one planner, measure."""
     from argparse import Namespace
@@ -104,6 +140,7 @@ def worker(args) -> dict:
     plan_args = Namespace(layout="tree", scope=args.scope, max_tokens=args.max_tokens)
     plan_stages(plan_args, ranks, 0)  # its imports are not planning memory
     table = _read(args.data)
+    costs = np.load(_costs_path(args.data, args.scope)) if args.planner == "sharded" else None
     base_rss = _rss_mib()
 
     def whole(rank):
@@ -113,7 +150,10 @@ def worker(args) -> dict:
 
     def sharded(rank):
         bins = table
-        for stage in plan_stages(plan_args, ranks, rank):
+        stages = plan_stages(plan_args, ranks, rank, lambda mine: costs)
+        if args.planner == "estimate":
+            stages = (dataclasses.replace(stages[0], balance="estimate"), *stages[1:])
+        for stage in stages:
             bins = stage.map(bins, step=0)
         return bins, None
 
@@ -153,7 +193,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", default="1000,8000,64000")
     ap.add_argument("--ranks", default="8,256,1024")
-    ap.add_argument("--planners", default="whole,sharded")
+    ap.add_argument("--planners", default="whole,sharded,estimate")
+    ap.add_argument("--deal-ranks", default=None,
+                    help="rank counts of the deal-only rows (default: --ranks)")
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--scope", choices=("episode", "group"), default=None,
                     help="Pack's scope (default: group, as training on grouped episodes)")
@@ -175,6 +217,16 @@ def main() -> None:
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--ranks-one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker and args.planner == "costs":  # the planning exchange's result, once per data set
+        from treeflow.stages._exchange import summed_costs
+        from treeflow.stages.shard import CostModel
+
+        costs = summed_costs(_read(args.data), layout="tree", scope=args.scope,
+                             cost=CostModel.llama_1b(), trees_at_once=128)
+        with open(_costs_path(args.data, args.scope) + ".tmp", "wb") as f:
+            np.save(f, costs)
+        os.replace(_costs_path(args.data, args.scope) + ".tmp", _costs_path(args.data, args.scope))
+        return
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -187,6 +239,14 @@ def main() -> None:
             t0 = time.perf_counter()
             make_data(path, n, args.seed)
             print(f"wrote {path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        if "sharded" in args.planners.split(",") and not os.path.exists(_costs_path(path, args.scope)):
+            subprocess.run([sys.executable, __file__, "--worker", "--planner", "costs", "--data",
+                            path] + (["--scope", args.scope] if args.scope else []), check=True)
+        if "sharded" in args.planners.split(","):
+            deal_ranks = [int(x) for x in (args.deal_ranks or args.ranks).split(",")]
+            for row in deal_rows(path, args.scope, deal_ranks):
+                print(json.dumps(row), file=sys.stderr)
+                rows.append(row)
         for planner in args.planners.split(","):
             for ranks in rank_counts:
                 if planner == "whole" and (n > args.whole_max_episodes or

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -74,16 +75,29 @@ def test_stream_refuses_bad_options_with_one_line(data, tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
 
 
-def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys):
-    sock, metrics = str(tmp_path / "q.sock"), tmp_path / "m.jsonl"
-    queue = open_queue(sock)                   # served by this test: stream and rollout attach
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys, transport):
+    metrics = tmp_path / "m.jsonl"
+    secret = []
+    if transport == "tcp":  # as a producer on another host reaches it: an address and a secret
+        from treeflow.tq.tcp import make_secret_file
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            sock = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        secret = ["--queue-secret", make_secret_file(str(tmp_path / "q.secret"))]
+        queue = open_queue(sock, secret_file=secret[1])
+    else:
+        sock = str(tmp_path / "q.sock")
+        queue = open_queue(sock)               # served by this test: stream and rollout attach
     try:
         producer = subprocess.Popen(
-            [sys.executable, "-m", "treeflow.cli", "rollout", "--queue", sock, "--groups", "4",
+            [sys.executable, "-m", "treeflow.cli", "rollout", "--queue", sock, *secret,
+             "--groups", "4",
              "--group-size", "2", "--turns", "1", "2", "--prompt-tokens", "6", "10",
              "--completion-tokens", "3", "5", "--tool-tokens", "2", "4", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
-        assert main(["stream", "--queue", sock, "--mode", "train", "--batch-episodes", "4",
+        assert main(["stream", "--queue", sock, *secret, "--mode", "train", "--batch-episodes", "4",
                      "--steps", "2", "--loss", "pg", "--lr", "1e-3", "--max-staleness", "1",
                      "--save", str(tmp_path / "ck"), "--metrics", str(metrics), "--json"]) == 0
         out, err = producer.communicate(timeout=600)

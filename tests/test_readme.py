@@ -50,6 +50,8 @@ SKIPPED = {
         "spawns rank processes (tests/train/test_data_parallel.py runs it, marked multiprocess)",
     "torchrun --nproc-per-node 8 -m treeflow.cli replay episodes.arrow --mode train --ranks 8 \\":
         "torchrun across processes/hosts",
+    "python -c 'import secrets; print(secrets.token_hex(32))' > /shared/q.secret && chmod 600 /shared/q.secret":
+        "two hosts through a TCP queue (tests/test_cli_stream.py runs it on 127.0.0.1)",
     "treeflow stream --queue tf --mode train --batch-episodes 8 --steps 20 \\":
         "two processes through a queue socket (tests/test_cli_stream.py)",
     "treeflow replay episodes.arrow --window 16 -o replay.arrow":

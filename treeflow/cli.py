@@ -134,6 +134,7 @@ def cmd_plan(args) -> int:
     from treeflow._output import table_output
     from treeflow.cli_train import plan_stages
     from treeflow.pipeline.source import Files
+    from treeflow.stages._exchange import summed_costs
     from treeflow.stages.shard import CostModel, bin_costs
 
     _positive(args, "max_tokens", "ranks", "batch_episodes", "context_parallel")
@@ -152,8 +153,11 @@ def cmd_plan(args) -> int:
                                                 args.json or args.quiet))
         for step, window in enumerate(Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes)):
             rank_cost = np.zeros(args.ranks)
+            # what the trainer's all-reduce of tree costs returns (in one process: O(N), untimed)
+            costs = summed_costs(window, layout=args.layout, scope=args.scope,
+                                 cost=CostModel.llama_1b()) if args.ranks > 1 else None
             for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
-                pack, *maps = plan_stages(args, args.ranks, rank)
+                pack, *maps = plan_stages(args, args.ranks, rank, lambda mine, c=costs: c)
                 tracemalloc.start()
                 t1 = time.perf_counter()
                 layouts = pack.map(window, step=step)

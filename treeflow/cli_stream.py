@@ -52,10 +52,11 @@ def _open_queue(args, vocab_size, attach):
             raise ValueError("--queue ADDRESS is needed: the socket path (embedded) or the queue "
                              "name (transferqueue) that `treeflow stream` serves")
         return connect_queue(args.queue, backend=args.queue_backend, timeout=args.connect_timeout,
-                             vocab_size=vocab_size)
+                             vocab_size=vocab_size, secret_file=getattr(args, "queue_secret", None))
     return open_queue(args.queue, backend=args.queue_backend, capacity=args.capacity,
                       lease_seconds=args.lease_seconds, vocab_size=vocab_size,
-                      close_when=args.close_when, max_attempts=args.max_attempts)
+                      close_when=args.close_when, max_attempts=args.max_attempts,
+                      secret_file=getattr(args, "queue_secret", None))
 
 
 def forward_stage(args, entropy=False):
@@ -397,7 +398,11 @@ def _queue_options(s) -> None:
     g = s.add_argument_group("queue")
     g.add_argument("--queue", default=None, help="embedded: a queue name (its socket in "
                    "$XDG_RUNTIME_DIR/treeflow) or a socket path in a private directory (none: in "
-                   "this process); transferqueue: the queue's name on the Ray cluster")
+                   "this process), or tcp://HOST:PORT for other hosts; transferqueue: the queue's "
+                   "name on the Ray cluster")
+    g.add_argument("--queue-secret", default=None, metavar="FILE",
+                   help="tcp:// queues: the shared secret (64 hex digits, mode 0600; the same "
+                   "file on every host; or set $TREEFLOW_QUEUE_SECRET); needed beyond loopback")
     g.add_argument("--queue-backend", choices=("embedded", "transferqueue"), default="embedded",
                    help="queue backend (transferqueue: pip install 'treeflow[tq]')")
     g.add_argument("--capacity", type=int, default=1024, help="most episodes the queue holds")

@@ -142,11 +142,12 @@ def _stages(args):
     return forward, reduce
 
 
-def plan_stages(args, world: int, rank: int) -> tuple:
+def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:
     """The map stages that plan a training step on data-parallel replica `rank` of `world`.
 
-    One replica lays out and bins only its share of the step, dealt from per-tree summaries
-    (stages/_share.py); Shard keeps the replicas. `treeflow plan --ranks R` runs these for every
+    One replica lays out and bins only its share of the step, dealt on the trees' exact costs
+    through `exchange` (the replicas' sum of per-tree costs; stages/_exchange.py); Shard keeps
+    the replicas. `treeflow plan --ranks R` runs these for every
     replica. A context-parallel group (--context-parallel C) is one replica whose bins hold
     C x --max-tokens tokens.
     """
@@ -155,7 +156,7 @@ def plan_stages(args, world: int, rank: int) -> tuple:
     budget = args.max_tokens * getattr(args, "context_parallel", 1)
     if world == 1:
         return (Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=budget))
-    return (Pack(layout=args.layout, scope=args.scope, ranks=world, rank=rank),
+    return (Pack(layout=args.layout, scope=args.scope, ranks=world, rank=rank, exchange=exchange),
             Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
 
 
@@ -192,7 +193,12 @@ def _train(args, *, distributed: bool) -> int:
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica
-    pipe = Pipeline(*advantage, *plan_stages(args, dp.replicas, dp.replica), forward, reduce)
+    # the first process of each replica writes its trees' costs into the planning exchange
+    exchange = (dp.planning_exchange(contributes=(args.tensor_parallel == 1 or tp_rank == 0)
+                                     and (dp.cp is None or dp.cp.rank == 0))
+                if dp.replicas > 1 else None)
+    pipe = Pipeline(*advantage, *plan_stages(args, dp.replicas, dp.replica, exchange), forward,
+                    reduce)
     files = Files(paths=tuple(args.files), episodes_per_step=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))

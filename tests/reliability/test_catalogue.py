@@ -314,6 +314,8 @@ def _file_case(kind):
         if kind == "close-when":
             return ["stream", "--from", good, "-o", tmp / "o.arrow", "--close-when", "sometimes"], \
                 ["--close-when sometimes", "first"]
+        if kind.startswith("queue-"):  # issue 27: the queue over TCP (tq/tcp.py)
+            return _queue_case(kind, tmp, good)
         if kind == "max-attempts-0":
             return ["stream", "--from", good, "-o", tmp / "o.arrow", "--max-attempts", "0"], \
                 ["--max-attempts 0"]
@@ -336,6 +338,49 @@ def _file_case(kind):
             return ["replay", good, *TRAIN, "--kl-coef", "0.1"], ["--kl-coef 0.1", "reference"]
         raise AssertionError(kind)
     return setup
+
+
+def _tcp_server(secret_file: str) -> str:
+    """A queue server in this process on 127.0.0.1 (its accept loop in a daemon thread)."""
+    import threading
+
+    from treeflow.tq import tcp, wire
+    from treeflow.tq.embedded import _accept
+    from treeflow.tq.ledger import Ledger
+
+    listener = tcp.listen(tcp.TcpAddress("127.0.0.1", 0))
+    threading.Thread(target=_accept, args=(listener, Ledger(), wire.read_secret_file(secret_file)),
+                     daemon=True).start()
+    return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _queue_case(kind, tmp, good):
+    from treeflow.tq.tcp import make_secret_file
+
+    stream = ["stream", "--from", good, "-o", tmp / "o.arrow", "--queue"]
+    if kind == "queue-tcp-no-port":
+        return [*stream, "tcp://localhost"], ["tcp://localhost", "names no port"]
+    if kind == "queue-tcp-no-secret":
+        return [*stream, "tcp://0.0.0.0:5555"], ["tcp://0.0.0.0:5555", "--queue-secret"]
+    if kind == "queue-secret-mode":
+        path = make_secret_file(str(tmp / "s.secret"))
+        os.chmod(path, 0o644)
+        return [*stream, "tcp://127.0.0.1:5555", "--queue-secret", path], ["s.secret", "0644"]
+    if kind == "queue-secret-not-hex":
+        (tmp / "s.secret").write_text("hunter2\n")
+        os.chmod(tmp / "s.secret", 0o600)
+        return [*stream, "tcp://127.0.0.1:5555", "--queue-secret", str(tmp / "s.secret")], \
+            ["s.secret", "64 hex digits"]
+    if kind == "queue-secret-unix":
+        path = make_secret_file(str(tmp / "s.secret"))
+        return [*stream, "q", "--queue-secret", path], ["--queue-secret", "tcp://"]
+    if kind == "queue-tcp-wrong-secret":
+        address = _tcp_server(make_secret_file(str(tmp / "server.secret")))
+        mine = make_secret_file(str(tmp / "mine.secret"))
+        return ["stream", "--produce-only", "--from", good, "--queue", address, "--queue-secret",
+                mine, "--connect-timeout", "5"], [address, "refused this client's secret",
+                                                  "mine.secret"]
+    raise AssertionError(kind)
 
 
 def _moe_dir(path, *, capacity: bool = False, aux: bool = False) -> str:
@@ -369,7 +414,10 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
          "tensorboard-is-input", "config-architectures-nested", "truncated-stream",
-         "json-too-deep", "json-huge-int"]
+         "json-too-deep", "json-huge-int",
+         # issue 27: the queue over TCP
+         "queue-tcp-no-port", "queue-tcp-no-secret", "queue-secret-mode", "queue-secret-not-hex",
+         "queue-secret-unix", "queue-tcp-wrong-secret"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

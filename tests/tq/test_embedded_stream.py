@@ -6,6 +6,7 @@ producer processes that are SIGKILLed, not simulated failures.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -119,12 +120,21 @@ PRODUCER = """
 """
 
 
-def test_producer_killed_and_restarted_loses_and_duplicates_nothing(small, tmp_path):
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_producer_killed_and_restarted_loses_and_duplicates_nothing(small, tmp_path, transport,
+                                                                    monkeypatch):
     path = str(tmp_path / "e.arrow")
     write_episodes(small, path, batch_rows=2)
     # room for two puts of 2 episodes: the producer is blocked (or about to be) in its third put
     # when it is killed, whatever the machine's speed
-    server = open_queue(str(tmp_path / "p.sock"), capacity=4)
+    if transport == "tcp":  # the secret shared as another host's producer would get it
+        monkeypatch.setenv("TREEFLOW_QUEUE_SECRET", os.urandom(32).hex())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        address = str(tmp_path / "p.sock")
+    server = open_queue(address, capacity=4)
     try:
         env = dict(QUEUE=server_address(server), FILE=path)
         first = _run(PRODUCER, RATE="0", **env)

@@ -12,16 +12,17 @@ step has at least as many trees as ranks); with fewer trees than ranks the ranks
 the trees in proportion to their cost (at most one rank per estimated branch of a tree, since
 Fragment never splits an append-only run), and the ranks of one tree share out its bins. A rank then
 packs only its trees (`Pack(ranks=R, rank=r)`) and bins them (`Fragment(ranks=R, rank=r)`): time and
-memory O(N/R + trees) per rank, with no communication.
+memory O(N/R + trees) per rank.
 
-The trade-off: the deal balances *estimated* costs, so the bins per rank differ from the whole-step
-planner's (which deals on the packed layouts' exact costs): the estimate is within ~5% of a tree's
-nodes on agentic episodes, so with many trees per rank the modelled imbalance is about a point above
-the exact deal's, while a step with few trees per rank is far better balanced and leaves far fewer
-ranks empty (only where its trees cannot be cut into enough bins; tests/stages/test_share.py,
-bench/bench_plan_scale.py). No rank can borrow space in another's
-last bin, and there are no padding bins: ranks may run different numbers of bins (the FSDP trainer
-pads passes itself).
+The trade-off: a deal on *estimated* costs (within ~5% of a tree's nodes on agentic episodes) is a
+point or two less balanced than the whole-step planner's deal on the packed layouts' exact costs.
+So by default (`Pack(balance="exact")`) this deal is only round 1: each rank packs its trees, the
+ranks sum their exact per-tree costs in one exchange, and every rank deals again on them
+(stages/_exchange.py), which is the whole-step deal. With few trees per rank the split deal is far
+better balanced than the whole-step planner's and leaves far fewer ranks empty (only where its
+trees cannot be cut into enough bins; tests/stages/test_share.py, bench/bench_plan_scale.py). No
+rank can borrow space in another's last bin, and there are no padding bins: ranks may run
+different numbers of bins (the FSDP trainer pads passes itself).
 
 Legend: R episode rows, C calls, T trees, K ranks.
 """
@@ -35,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["RankShare", "TreeSummaries", "rank_share", "scope_rows", "tree_summaries"]
+__all__ = ["Deal", "RankShare", "TreeSummaries", "rank_share", "scope_rows", "tree_summaries"]
 
 
 def scope_rows(episode_ids: list, group_ids: list, layout: str, scope: str | None):
@@ -154,19 +155,48 @@ class RankShare:
     slots: np.ndarray   # per tree: ranks its bins are dealt over (1: the tree is this rank's alone)
 
 
+@dataclass(frozen=True)
+class Deal:
+    """Every rank's trees: whole trees by `owner_T`, or (fewer trees than ranks) ranks
+    first_T .. first_T + slots_T - 1 share tree t's bins."""
+
+    first_T: np.ndarray
+    slots_T: np.ndarray
+
+    @classmethod
+    def of(cls, costs_T: np.ndarray, branches_T: np.ndarray, ranks: int) -> "Deal":
+        if len(costs_T) >= ranks:
+            return cls(lpt_deal(costs_T, ranks).astype(np.int64), np.ones(len(costs_T), np.int64))
+        slots = _slots(costs_T, branches_T, ranks)
+        return cls(np.cumsum(slots) - slots, slots)
+
+    def share(self, tree_R: np.ndarray, rank: int) -> RankShare:
+        first, slots = self.first_T, self.slots_T
+        trees = np.flatnonzero((first <= rank) & (rank < first + slots))
+        rows = np.flatnonzero(np.isin(tree_R, trees))
+        return RankShare(rows=rows, trees=trees, slot=(rank - first[trees]).astype(np.int64),
+                         slots=slots[trees])
+
+    def relabel(self, before: "Deal", work_T: np.ndarray) -> "Deal":
+        """The same deal with its ranks renamed so that each rank keeps as much of the work it did
+        under `before` as a greedy matching finds (whole trees only; the balance is unchanged)."""
+        if not (self.slots_T == 1).all() or not (before.slots_T == 1).all():
+            return self
+        ranks = int(max(self.first_T.max(initial=0), before.first_T.max(initial=0))) + 1
+        keys, inv = np.unique(self.first_T * ranks + before.first_T, return_inverse=True)
+        weight = np.bincount(inv.reshape(-1), weights=work_T, minlength=len(keys))
+        rename = np.full(ranks, -1, np.int64)
+        taken = np.zeros(ranks, dtype=bool)
+        for k in np.lexsort((keys, -weight)):  # heaviest overlap first
+            new, old = divmod(int(keys[k]), ranks)
+            if rename[new] < 0 and not taken[old]:
+                rename[new], taken[old] = old, True
+        rename[rename < 0] = np.flatnonzero(~taken)[:int((rename < 0).sum())]
+        return Deal(rename[self.first_T], self.slots_T)
+
+
 def rank_share(episodes: pa.Table, *, layout: str, scope: str | None, ranks: int, rank: int,
                cost) -> RankShare:
-    """Rank `rank`'s share of one step for `ranks` ranks (every rank computes the same deal)."""
+    """Rank `rank`'s share of one step for `ranks` ranks, dealt on estimated costs."""
     s = tree_summaries(episodes, layout=layout, scope=scope)
-    costs = s.costs(cost)
-    n_trees = len(costs)
-    if n_trees >= ranks:
-        first = lpt_deal(costs, ranks).astype(np.int64)
-        slots = np.ones(n_trees, dtype=np.int64)
-    else:
-        slots = _slots(costs, s.branches_T, ranks)
-        first = np.cumsum(slots) - slots
-    trees = np.flatnonzero((first <= rank) & (rank < first + slots))
-    rows = np.flatnonzero(np.isin(s.tree_R, trees))
-    return RankShare(rows=rows, trees=trees, slot=(rank - first[trees]).astype(np.int64),
-                     slots=slots[trees])
+    return Deal.of(s.costs(cost), s.branches_T, ranks).share(s.tree_R, rank)

@@ -17,8 +17,8 @@ E edges, W route width.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,13 @@ class Pack(Stage):
     ranks, rank: lay out only rank `rank`'s share of the window for `ranks` data-parallel
     ranks: its trees, dealt from per-tree summaries (stages/_share.py), and the trees whose bins
     it shares with other ranks (their `share` column); give `Fragment` the same ranks and rank.
+    balance: "exact" deals the trees on their packed layouts' exact costs, as the whole-step
+    planner does (`Fragment(ranks=R)`), through one exchange of per-tree costs between the ranks
+    (stages/_exchange.py); "estimate" deals on costs estimated from list offsets, with no
+    exchange (a point or two less balanced).
+    exchange: the runtime's sum over the ranks of a float64 array (the trainer binds a gloo
+    all-reduce; `summed_costs` is the in-process stand-in). A runtime handle, not configuration:
+    ignored by ==, repr and hash; required by balance="exact" when rank is set and ranks > 1.
     """
 
     input_schema = EPISODE_SCHEMA
@@ -54,6 +61,9 @@ class Pack(Stage):
     scope: Literal["episode", "group"] | None = None
     ranks: int = 1
     rank: int | None = None
+    balance: Literal["exact", "estimate"] = "exact"
+    exchange: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False,
+                                                                repr=False)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -64,6 +74,11 @@ class Pack(Stage):
             raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
                              "shares across episodes; use layout='tree' or scope='episode'")
         _check_rank(self)
+        if self.balance not in ("exact", "estimate"):
+            raise ValueError(f"Pack(balance={self.balance!r}): choose 'exact' or 'estimate'")
+        if self.exchange is not None and not callable(self.exchange):
+            raise TypeError(f"Pack(exchange={self.exchange!r}): give a callable (the ranks' sum "
+                            "of a float64 array) or None")
 
     def map(self, episodes: pa.Table, *, step: int) -> pa.Table:
         return self(episodes, step=step)
@@ -74,8 +89,15 @@ class Pack(Stage):
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
         if self.rank is None:
             return pack(episodes, layout=self.layout, scope=self.scope, step=step)
+        exact = self.balance == "exact" and self.ranks > 1
+        if exact and self.exchange is None:
+            raise ValueError(f"Pack(ranks={self.ranks}, rank={self.rank}, balance='exact') needs "
+                             "the ranks' exchange of tree costs: give exchange= (a trainer binds "
+                             "it; stages._exchange.summed_costs in one process), or "
+                             "balance='estimate'")
         return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
-                          ranks=self.ranks, rank=self.rank)
+                          ranks=self.ranks, rank=self.rank,
+                          exchange=self.exchange if exact else None)
 
 
 def _check_rank(stage) -> None:
@@ -88,42 +110,15 @@ def _check_rank(stage) -> None:
                          f"[0, {stage.ranks}), or None to plan every rank")
 
 
-def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
-    """`table.take(rows)` for ascending rows, chunk by chunk: Arrow's take on a chunked nested
-    column concatenates every chunk first, which would copy the whole step (memory-mapped files
-    are read one record batch per chunk)."""
-    parts, lo = [], 0
-    for batch in table.to_batches():
-        hi = lo + batch.num_rows
-        a, b = np.searchsorted(rows, [lo, hi])
-        if b > a:
-            parts.append(batch.take(pa.array(rows[a:b] - lo)))
-        lo = hi
-    return pa.Table.from_batches(parts, schema=table.schema)
-
-
 def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,
-               rank: int) -> pa.Table:
-    """Layouts of rank `rank`'s share (stages/_share.py); layout_id is the tree's index in the step."""
-    from treeflow.stages._share import rank_share
+               rank: int, exchange=None) -> pa.Table:
+    """Layouts of rank `rank`'s share (stages/_share.py, stages/_exchange.py); layout_id is the
+    tree's index in the step."""
+    from treeflow.stages._exchange import pack_share as share
     from treeflow.stages.shard import CostModel
 
-    share = rank_share(episodes, layout=layout, scope=scope, ranks=ranks, rank=rank,
-                       cost=CostModel.llama_1b())
-    if not len(share.rows):
-        return LAYOUT_SCHEMA.empty_table()
-    # the trees keep their order of first appearance, so Pack numbers them as share.trees
-    layouts = pack(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step)
-    assert layouts.num_rows == len(share.trees), (layouts.num_rows, len(share.trees))
-    split = share.slots > 1
-    offs = np.concatenate([[0], np.cumsum(np.where(split, 2, 0))]).astype(np.int32)
-    vals = np.stack([share.slot, share.slots], axis=1)[split].reshape(-1).astype(np.int32)
-    mask = pa.array(~split)
-    col = pa.ListArray.from_arrays(pa.array(offs), pa.array(vals, pa.int32()), mask=mask)
-    layouts = layouts.set_column(layouts.schema.get_field_index("layout_id"),
-                                 LAYOUT_SCHEMA.field("layout_id"), pa.array(share.trees, pa.int64()))
-    return layouts.set_column(layouts.schema.get_field_index("share"), LAYOUT_SCHEMA.field("share"),
-                              col)
+    return share(episodes, layout=layout, scope=scope, step=step, ranks=ranks, rank=rank,
+                 cost=CostModel.llama_1b(), exchange=exchange)
 
 
 def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarray, list[str]]:

@@ -35,11 +35,13 @@ def __getattr__(name):
 def open_queue(address: str | None = None, *, backend: str = "embedded", capacity: int = 1024,
                capacity_bytes: int | None = None, lease_seconds: float = 60.0,
                vocab_size: int | None = None, close_when: str | int = "all",
-               max_attempts: int = 3) -> "Queue":
+               max_attempts: int = 3, secret_file: str | None = None) -> "Queue":
     """Start a queue (or attach to the one at `address`); `queue.shutdown()` stops what we started.
 
     embedded: `address` is a Unix socket path in a private directory, or a queue name (no '/')
-    in $XDG_RUNTIME_DIR/treeflow (None: in this process only); tq/wire.py says who may attach.
+    in $XDG_RUNTIME_DIR/treeflow (None: in this process only); tq/wire.py says who may attach;
+    or tcp://HOST:PORT for producers and consumers on other hosts, with the shared secret from
+    `secret_file` or $TREEFLOW_QUEUE_SECRET (tq/tcp.py).
     transferqueue: `address` is the queue's name on the Ray cluster.
     capacity: the most episodes held (queued or leased and not acknowledged).
     lease_seconds: a consumer silent this long is presumed dead; its step is redelivered.
@@ -57,9 +59,13 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
             return local_queue(**options)
         from treeflow.tq.embedded import _alive, connect_embedded, serve_embedded
 
-        server = None if _alive(address) else serve_embedded(address, **options)
-        return Queue(connect_embedded(address), backend=backend, vocab_size=vocab_size, owner=server,
-                     address=address)
+        server = None if _alive(address) else serve_embedded(address, secret_file=secret_file,
+                                                             **options)
+        return Queue(connect_embedded(address, secret_file=secret_file), backend=backend,
+                     vocab_size=vocab_size, owner=server, address=address)
+    if secret_file is not None:
+        raise ValueError(f"--queue-secret {secret_file}: the {backend} backend does not take one "
+                         "(it is for tcp:// addresses of the embedded queue)")
     if backend == "transferqueue":
         from treeflow.tq.transferqueue import open_transferqueue
 
@@ -71,15 +77,18 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
 
 
 def connect_queue(address: str, *, backend: str = "embedded", timeout: float = 30.0,
-                  vocab_size: int | None = None) -> "Queue":
+                  vocab_size: int | None = None, secret_file: str | None = None) -> "Queue":
     """Attach to a running queue (a producer's or a second consumer's view of it)."""
     from treeflow.tq.queue import Queue
 
     if backend == "embedded":
         from treeflow.tq.embedded import connect_embedded
 
-        return Queue(connect_embedded(address, timeout=timeout), backend=backend, vocab_size=vocab_size,
-                     address=address)
+        return Queue(connect_embedded(address, timeout=timeout, secret_file=secret_file),
+                     backend=backend, vocab_size=vocab_size, address=address)
+    if secret_file is not None:
+        raise ValueError(f"--queue-secret {secret_file}: the {backend} backend does not take one "
+                         "(it is for tcp:// addresses of the embedded queue)")
     if backend == "transferqueue":
         from treeflow.tq.transferqueue import open_transferqueue
 

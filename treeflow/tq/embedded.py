@@ -16,8 +16,9 @@ only its owner can write) and every connection proves both ends know it.
 
 The trade-off: across processes every payload is serialised once into Arrow IPC
 by the client that puts it and decoded once by the one that gets it (the server
-keeps the bytes unopened); a multi-node setup outgrows one socket and should use
-the `transferqueue` backend.
+keeps the bytes unopened). Producers and consumers on other hosts reach the same
+server at a `tcp://host:port` address (tq/tcp.py: the same frames and handshake, the
+secret shared explicitly); the ledger is still one process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 
-from treeflow.tq import wire
+from treeflow.tq import tcp, wire
 from treeflow.tq.ledger import LEDGER_METHODS, Ledger, call_deadline
 
 __all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
@@ -43,13 +44,27 @@ _METHODS = frozenset(LEDGER_METHODS)
 # ------------------------------------------------------------------ server (its own process)
 def _serve(address: str, options: dict) -> None:
     ledger = Ledger(**options)
-    secret = wire.read_secret(address)  # written by serve_embedded, checked like a client does
-    os.umask(0o077)                      # the socket is created mode 0600
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(128)
+    if tcp.is_tcp(address):  # the secret comes on stdin (never in argv, which `ps` shows)
+        secret = bytes.fromhex(sys.stdin.readline().strip())
+        listener = tcp.listen(tcp.parse_tcp(address))
+    else:
+        secret = wire.read_secret(address)  # written by serve_embedded, checked like a client does
+        os.umask(0o077)                      # the socket is created mode 0600
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(128)
+    _accept(listener, ledger, secret)
+
+
+def _accept(listener: socket.socket, ledger: Ledger, secret: bytes) -> None:
+    """Serve every connection to `listener` in a thread of its own, until it is closed."""
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            if listener.fileno() == -1:  # closed (an in-process server's owner is done)
+                return
+            raise
         threading.Thread(target=_handle, args=(conn, ledger, secret), daemon=True).start()
 
 
@@ -77,19 +92,26 @@ def _handle(conn: socket.socket, ledger: Ledger, secret: bytes) -> None:
 class _Client:
     """The ledger of a queue server: one authenticated connection per thread and process."""
 
-    def __init__(self, address: str, secret: bytes):
-        self._address, self._secret = address, secret
+    def __init__(self, address: str, secret: bytes, source: str | None = None):
+        self._address, self._secret, self._source = address, secret, source
+        self._tcp = tcp.parse_tcp(address) if tcp.is_tcp(address) else None
         self._local = threading.local()
 
     def _connection(self) -> socket.socket:
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._local.pid == os.getpid():
             return conn
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn = (tcp.connect(self._tcp, _HANDSHAKE_S) if self._tcp is not None else
+                    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        except OSError as e:
+            raise ConnectionError(f"{self._address}: the queue server cannot be reached "
+                                  f"({e.strerror or e}); is it still running?") from None
         try:
             conn.settimeout(_HANDSHAKE_S)  # a listener that never answers must not hang us
-            conn.connect(self._address)
-            wire.client_handshake(conn, self._secret, self._address)
+            if self._tcp is None:
+                conn.connect(self._address)
+            wire.client_handshake(conn, self._secret, self._address, self._source)
             conn.settimeout(None)          # calls may wait as long as their own timeouts say
         except socket.timeout:
             conn.close()
@@ -146,6 +168,12 @@ class _Client:
 
 # ------------------------------------------------------------------ starting and attaching
 def _alive(address: str) -> bool:
+    if tcp.is_tcp(address):
+        try:
+            tcp.connect(tcp.parse_tcp(address), 2.0).close()
+            return True
+        except OSError:
+            return False
     address = wire.resolve(address)
     if not os.path.exists(address):
         return False
@@ -162,14 +190,16 @@ def _alive(address: str) -> bool:
 class EmbeddedServer:
     """A ledger served from a child process at a Unix socket path; stop() ends it."""
 
-    def __init__(self, address: str, process):
+    def __init__(self, address: str, process, files: tuple | None = None):
         self.address, self.process = address, process
+        # what stop() removes: the socket and its secret; a TCP queue's generated secret only
+        self._files = (address, wire.secret_path(address)) if files is None else files
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
-        for path in (self.address, wire.secret_path(self.address)):
+        for path in self._files:
             if os.path.lexists(path) and os.lstat(path).st_uid == os.geteuid():
                 os.remove(path)
 
@@ -178,12 +208,19 @@ class EmbeddedServer:
         return self.process.pid
 
 
-def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> EmbeddedServer:
+def serve_embedded(address: str, *, timeout: float = 30.0, secret_file: str | None = None,
+                   **ledger_options) -> EmbeddedServer:
     """Start a queue server process at the Unix socket `address` (refused if one answers there).
 
     address: a socket path in a directory only you can write, or a queue name (no '/'),
-    which lives in $XDG_RUNTIME_DIR/treeflow/ (created mode 0700).
+    which lives in $XDG_RUNTIME_DIR/treeflow/ (created mode 0700); or tcp://HOST:PORT, with
+    the secret from `secret_file` or $TREEFLOW_QUEUE_SECRET (tq/tcp.py).
     """
+    if tcp.is_tcp(address):
+        return _serve_tcp(address, timeout, secret_file, ledger_options)
+    if secret_file is not None:
+        raise ValueError(f"--queue-secret {secret_file}: a Unix socket queue ({address}) writes "
+                         "its own secret beside the socket; give it only with tcp:// addresses")
     address = wire.resolve(address)
     wire.check_private(address, create=True)
     if _alive(address):
@@ -213,26 +250,71 @@ def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> 
     return EmbeddedServer(address, proc)
 
 
-def connect_embedded(address: str, *, timeout: float = 30.0):
+def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> EmbeddedServer:
+    addr = tcp.parse_tcp(address)
+    secret, source = tcp.tcp_secret(addr, secret_file, serving=True)
+    if _alive(address):
+        raise ValueError(f"a server already answers at {addr}; attach to it with "
+                         "connect_queue(address) or pick another port")
+    Ledger(**options)
+    log = addr.local_secret_path()[:-len(".secret")] + ".log"
+    wire.check_private(log, create=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", str(addr),
+                                 json.dumps(options)], stdin=subprocess.PIPE, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    proc.stdin.write((secret.hex() + "\n").encode())
+    proc.stdin.close()
+    server = EmbeddedServer(str(addr), proc,
+                            files=(source,) if source == addr.local_secret_path() else ())
+    deadline = time.monotonic() + timeout
+    while not _alive(address):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the queue server at {addr} exited with {proc.returncode}; "
+                               f"its output is in {log}")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise RuntimeError(f"the queue server at {addr} did not come up in {timeout} s")
+        time.sleep(0.02)
+    return server
+
+
+def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | None = None):
     """A client of the ledger served at `address`, waiting up to `timeout` s for it to appear.
 
     Refused (ValueError naming the path and its owner) unless the socket, its directory and
     its secret file belong to this user and are not writable by others, and unless the
-    server proves it knows the secret.
+    server proves it knows the secret. tcp://HOST:PORT: the secret from `secret_file` or
+    $TREEFLOW_QUEUE_SECRET (the run directory's file for a loopback server; tq/tcp.py).
     """
+    if tcp.is_tcp(address):
+        addr = tcp.parse_tcp(address)
+        if not addr.loopback:
+            tcp.tcp_secret(addr, secret_file, serving=False)  # refused now, not after the wait
+        _wait_alive(str(addr), timeout)
+        client = _Client(str(addr), *tcp.tcp_secret(addr, secret_file, serving=False))
+        client._connection()
+        return client
+    if secret_file is not None:
+        raise ValueError(f"--queue-secret {secret_file}: a Unix socket queue ({address}) has its "
+                         "own secret beside the socket; give it only with tcp:// addresses")
     address = wire.resolve(address)
     if os.path.isdir(os.path.dirname(address)):
         wire.check_private(address)  # a shared directory is refused now, not after the wait
+    _wait_alive(address, timeout)
+    wire.check_private(address)
+    client = _Client(address, wire.read_secret(address))
+    client._connection()  # authenticate now, so that a refusal surfaces here
+    return client
+
+
+def _wait_alive(address: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not _alive(address):
         if time.monotonic() > deadline:
             raise ValueError(f"no queue answers at {address} after {timeout} s; start one with "
                              f"`treeflow stream --queue {address}` or serve_embedded()")
         time.sleep(0.05)
-    wire.check_private(address)
-    client = _Client(address, wire.read_secret(address))
-    client._connection()  # authenticate now, so that a refusal surfaces here
-    return client
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ decoder builds nothing else, so a peer -- honest or not -- can send data, never 
 The server never opens a payload: it keeps each blob as bytes (`Blob`) and sends it back
 as it came, so it needs no pyarrow and moves each payload without re-encoding it.
 
-Who may talk: the socket lives in a directory only its owner can write, beside a secret
+Who may talk (Unix sockets; TCP addresses share the secret explicitly, tq/tcp.py): the
+socket lives in a directory only its owner can write, beside a secret
 file (`<socket>.secret`, 32 random bytes in hex, mode 0600) written fresh by each server.
 A connection starts with a mutual HMAC-SHA256 challenge-response over that secret: the
 server proves it knows it (a squatter at the path cannot impersonate the queue), the
@@ -42,8 +43,8 @@ import struct
 from treeflow.tq import ledger as _ledger
 
 __all__ = ["Blob", "PeerError", "check_private", "client_handshake", "decode", "encode", "pack",
-           "read_secret", "recv", "resolve", "secret_path", "send", "server_handshake", "unpack",
-           "write_secret"]
+           "read_secret", "read_secret_file", "recv", "resolve", "secret_path", "send",
+           "server_handshake", "unpack", "write_secret", "write_secret_to"]
 
 MAGIC = b"TFTQ\x01\n"          # protocol name and version, sent first by the server
 NONCE = 32
@@ -229,8 +230,11 @@ def server_handshake(sock, secret: bytes) -> bool:
     return True
 
 
-def client_handshake(sock, secret: bytes, address: str) -> None:
-    """Prove the secret to the server and check that it knows it too; ValueError if not."""
+def client_handshake(sock, secret: bytes, address: str, source: str | None = None) -> None:
+    """Prove the secret to the server and check that it knows it too; ValueError if not.
+
+    source: where the secret came from, for the messages (default: the socket's secret file)."""
+    source = source or secret_path(address)
     got = _read_exact(sock, len(MAGIC) + NONCE)
     if bytes(got[:len(MAGIC)]) != MAGIC:
         raise ValueError(f"{address}: what answers there is not a treeflow queue of this version "
@@ -240,12 +244,12 @@ def client_handshake(sock, secret: bytes, address: str) -> None:
     status = _read_exact(sock, 1)
     if status != b"\x01":
         raise ValueError(f"{address}: the queue refused this client's secret "
-                         f"({secret_path(address)} is not the running server's; was the queue "
-                         "restarted by someone else?)")
+                         f"({source} is not the running server's; was the queue "
+                         "restarted by someone else, or given another secret?)")
     proof = _read_exact(sock, 32)
     if not hmac.compare_digest(bytes(proof), _mac(secret, b"server", nonce_c, nonce_s)):
         raise ValueError(f"{address}: the process listening there does not know the queue's "
-                         f"secret ({secret_path(address)}): not our queue server; refused")
+                         f"secret ({source}): not our queue server; refused")
 
 
 # ------------------------------------------------------------------ where, and whose
@@ -322,10 +326,15 @@ def _kind(st) -> str:
 
 def write_secret(address: str) -> bytes:
     """A fresh secret for the queue at `address`, written to its secret file (mode 0600)."""
+    return write_secret_to(secret_path(address))
+
+
+def write_secret_to(path: str) -> bytes:
+    """A fresh 32-byte secret written to `path` as 64 hex digits (mode 0600)."""
     from treeflow.atomic import atomic_path
 
     secret = secrets.token_bytes(32)
-    with atomic_path(secret_path(address), what="queue secret") as tmp:
+    with atomic_path(path, what="queue secret") as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secret.hex() + "\n")
@@ -334,12 +343,17 @@ def write_secret(address: str) -> bytes:
 
 def read_secret(address: str) -> bytes:
     """The secret of the queue at `address`; ValueError unless its file is ours and mode 0600."""
-    path = secret_path(address)
+    return read_secret_file(secret_path(address), missing=f"the server at {address} was not "
+                            "started by this treeflow (restart it)")
+
+
+def read_secret_file(path: str, *, missing: str = "give the file the queue's server reads "
+                     "(--queue-secret), or start the server first") -> bytes:
+    """A queue secret from `path`; ValueError unless the file is ours, mode 0600, 64 hex digits."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise ValueError(f"{path}: the queue's secret file is missing; the server at {address} "
-                         "was not started by this treeflow (restart it)") from None
+        raise ValueError(f"{path}: the queue's secret file is missing; {missing}") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read the queue's secret ({e.strerror}); it must be a "
                          "plain file of yours") from None
@@ -351,14 +365,17 @@ def read_secret(address: str) -> bytes:
         if stat.S_IMODE(st.st_mode) != 0o600:
             raise ValueError(f"{path}: the queue's secret file has mode "
                              f"{stat.S_IMODE(st.st_mode):04o}, not 0600 (others may have read "
-                             "it): refused; restart the queue to write a new one")
+                             "it): refused; chmod 600 it after making a new secret, or restart "
+                             "the queue to write a new one")
         text = f.read(200).strip()
     try:
         secret = bytes.fromhex(text)
     except ValueError:
         secret = b""
     if len(secret) != 32:
-        raise ValueError(f"{path}: not a queue secret (64 hex digits); restart the queue")
+        raise ValueError(f"{path}: not a queue secret (64 hex digits); write one with "
+                         "`python -c 'import secrets; print(secrets.token_hex(32))'` (mode 0600), "
+                         "or restart the queue")
     return secret
 
 

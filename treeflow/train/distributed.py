@@ -1,8 +1,9 @@
 """Data-parallel ranks as processes: the process group, the gradient sum, and failing together.
 
 A data-parallel rank is a process (one per GPU; one per CPU worker in tests). Every rank reads
-the same window and plans only its own share of it -- the deal is deterministic, so the ranks
-agree on it without talking (stages/_share.py) -- and then runs only the bins Shard gave it.
+the same window and plans only its own share of it -- the deal is deterministic; one all-reduce
+of per-tree costs (`planning_exchange`, stages/_exchange.py) makes it the exact deal -- and then
+runs only the bins Shard gave it.
 Occurrence loss weights are fixed from the step's logical episodes before anything is split,
 so the step's gradient is the SUM of the ranks' local gradients (an all-reduce SUM, never a
 mean), clipping comes after the reduction (on the global norm), and every rank takes the same
@@ -198,6 +199,25 @@ class DataParallel:
         t = torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t.cpu().numpy()
+
+    def planning_exchange(self, *, contributes: bool = True, timeout_s: float = 600.0):
+        """The sum over all processes of a float64 array, on a gloo group of its own: what
+        sharded planning exchanges (per-tree exact costs, stages/_exchange.py). Planning runs
+        in the engine's background thread, so it must not share the step's group, whose
+        collectives the main thread issues meanwhile. Every process calls this once, in the
+        same order; one that does not `contributes` (a replica's other tensor- or
+        context-parallel processes, which plan the same share) adds zeros. A rank that dies
+        or fails while planning ends the others' wait after `timeout_s`, as the step's group
+        does (`from_env`)."""
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+        def exchange(values: np.ndarray) -> np.ndarray:
+            t = torch.from_numpy(np.array(values if contributes else np.zeros_like(values),
+                                          dtype=np.float64))
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            return t.numpy()
+
+        return exchange
 
     def max_array(self, values: np.ndarray) -> np.ndarray:
         if not self.distributed:
