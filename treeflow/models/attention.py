@@ -220,9 +220,10 @@ class AttentionPlan:
 
 
 def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):
-    out = F.scaled_dot_product_attention(q_NQD.transpose(0, 1), k_NKD.transpose(0, 1),
-                                         v_NKD.transpose(0, 1), enable_gqa=True, **kwargs)
-    return out.transpose(0, 1)
+    # 4-D inputs: SDPA's fused kernels (flash on CPU too) take only 4-D, 3-D runs the math path
+    q_1QND, k_1KND, v_1KND = (x.transpose(0, 1).unsqueeze(0) for x in (q_NQD, k_NKD, v_NKD))
+    out = F.scaled_dot_product_attention(q_1QND, k_1KND, v_1KND, enable_gqa=True, **kwargs)
+    return out[0].transpose(0, 1)
 
 
 def _bucket(n: int, block_size: int, pad_to: int | None) -> int:
