@@ -87,54 +87,28 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
 
     Every data-parallel rank calls it (all write the sharded state; rank 0 commits).
     """
-    write = checkpoint_writer(trainer, root, keep=keep)
-    if write is not None:
-        return write()
-    _, lead, group = _writers(trainer)
-    root, name, final, state = _begin(trainer, root, keep)
-    import torch.distributed as dist
-
-    from treeflow.train.collectives import broadcast
-    from treeflow.train.sharded import save_sharded
-
-    box = [None]
-    if lead:
-        os.makedirs(root, exist_ok=True)
-        remove_stale(root)
-        box[0] = temp_name(final)
-        os.mkdir(box[0])
-    tmp = broadcast(box[0], src=0, group=group)  # a path, as JSON: no pickle between ranks
-    try:
-        save_sharded(trainer, tmp, state, TRAINER_JSON, lead=lead,
-                     group=group)  # ends with a barrier
-        if lead:
-            copy_model_files(_source_model(trainer), tmp)
-            _write_config(tmp, getattr(trainer, "config", None))
-            _write_state_and_manifest(tmp, state)
-            commit_dir(tmp, final)
-    except BaseException:
-        if lead:
-            remove(tmp)
-        raise
-    if lead:
-        _commit_latest(root, name, keep)
-    dist.barrier(group=group)  # every rank returns after the commit
-    return final
+    if _writers(trainer)[0]:
+        return _sharded_writer(trainer, root, keep, background=False)()
+    return checkpoint_writer(trainer, root, keep=keep)()
 
 
 def checkpoint_writer(trainer, root: str | os.PathLike, *,
                       keep: int | None = None) -> Callable[[], str] | None:
-    """For a one-process trainer: capture the step's counters now; return the function that
-    writes, commits and prunes (None where several processes write together).
+    """Capture the step's counters now; return the function that writes, commits and prunes.
 
     The returned function reads the model's and AdamW's tensors when it runs, one at a
-    time (treeflow/tensorfile.py), so it may run in a background thread while the next
-    step computes -- as long as it finishes before the next optimizer step changes them
-    (train/background_save.py holds that fence).
+    time (treeflow/tensorfile.py; DCP's writer for sharded checkpoints), so it may run in a
+    background thread while the next step computes -- as long as it finishes before the
+    next optimizer step changes them (train/background_save.py holds that fence). Where
+    several processes write together every one of them calls this, and the collectives
+    that need the training group run now (train/sharded.py's `sharded_writer`); None where
+    the write itself needs them (tensor parallelism, a backend with its own DCP layout).
     """
     distributed, _, _ = _writers(trainer)
     if distributed:
-        return None
+        if not _can_write_in_background(trainer):
+            return None
+        return _sharded_writer(trainer, root, keep, background=True)
     root, name, final, state = _begin(trainer, root, keep)
     source = _source_model(trainer)
     config = getattr(trainer, "config", None)
@@ -155,6 +129,79 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
         return final
 
     return write
+
+
+def _sharded_writer(trainer, root, keep, *, background: bool) -> Callable[[], str]:
+    """Every rank: agree on rank 0's temporary directory now; return the write of the shards
+    into it, then (rank 0) the manifest, the rename and the `latest` commit.
+
+    background: the write's collectives (DCP's planning, the barriers) run on a gloo group
+    made for checkpoints (one per trainer), never on the training group, whose collectives
+    the next step runs meanwhile from the main thread.
+    """
+    import torch.distributed as dist
+
+    from treeflow.train.collectives import broadcast
+    from treeflow.train.sharded import sharded_writer
+
+    _, lead, group = _writers(trainer)
+    root, name, final, state = _begin(trainer, root, keep)
+    box = [None]
+    if lead:
+        os.makedirs(root, exist_ok=True)
+        remove_stale(root)
+        box[0] = temp_name(final)
+        os.mkdir(box[0])
+    tmp = broadcast(box[0], src=0, group=group)  # a path, as JSON: no pickle between ranks
+    try:
+        shards = sharded_writer(trainer, state, TRAINER_JSON, lead=lead, group=group,
+                                background=background)
+    except BaseException:
+        if lead:
+            remove(tmp)
+        raise
+    own = _save_group(trainer) if background else None
+    source, config = _source_model(trainer), getattr(trainer, "config", None)
+
+    def write() -> str:
+        try:
+            shards(tmp, own)  # ends with a barrier
+            if lead:
+                copy_model_files(source, tmp)
+                _write_config(tmp, config)
+                _write_state_and_manifest(tmp, state)
+                commit_dir(tmp, final)
+        except BaseException:
+            if lead:
+                remove(tmp)
+            raise
+        if lead:
+            _commit_latest(root, name, keep)
+        dist.barrier(group=own if own is not None else group)  # every rank ends after the commit
+        return final
+
+    return write
+
+
+def _can_write_in_background(trainer) -> bool:
+    """Sharded saves whose write needs no collective of the training group: the reference
+    backend (no tensor parallelism, no backend DCP layout) on a group that is the whole world
+    (so that every process can make the checkpoint group)."""
+    import torch.distributed as dist
+
+    backend = trainer.backend
+    return (_tensor_parallel(trainer) == 1 and getattr(backend, "checkpoint_layout", None) is None
+            and dist.get_world_size() == trainer.dp.world)
+
+
+def _save_group(trainer):
+    """The checkpoint writes' own gloo group, made once per trainer (every rank makes it)."""
+    group = getattr(trainer, "_save_group", None)
+    if group is None:
+        import torch.distributed as dist
+
+        group = trainer._save_group = dist.new_group(backend="gloo")
+    return group
 
 
 def _begin(trainer, root, keep) -> tuple[str, str, str, dict]:
