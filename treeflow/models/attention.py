@@ -23,9 +23,11 @@ then serves every layer. Three kernels trade generality for speed:
   the tree over its ancestor path. Exact, forward and backward on any device,
   memory of one run's scores; needs the bin's parents.
 
-`kernel="auto"` picks, on CUDA, causal for chain-only bins and flex for trees;
-on CPU, runs (query-blocked, so memory stays bounded) when the parents are
-given, else causal for chains and dense for trees. Nothing here ever runs ordinary causal attention over a tree.
+`kernel="auto"` picks causal for chain-only bins (on CUDA varlen FlashAttention,
+on CPU SDPA's fused flash kernel, blocked, so memory stays bounded) and, for
+trees, flex on CUDA and on CPU runs when the parents are given, else dense
+(bench/bench_cpu_kernels.py measures the CPU choice). Nothing here ever runs
+ordinary causal attention over a tree.
 
 Legend: N tokens in the bin, L N padded to its flex length bucket, B blocks of L,
 Q query heads, K key/value heads, D head dim.
@@ -148,8 +150,10 @@ class AttentionPlan:
         if kernel == "auto":
             if self.device.type == "cuda":
                 kernel = "flex" if self.branching else "causal"
-            else:  # on CPU the fused causal kernel materialises N^2 scores; runs are blocked
-                kernel = "runs" if parents_N is not None else ("dense" if self.branching else "causal")
+            elif not self.branching:  # chains: one fused causal call per root, on CPU too
+                kernel = "causal"
+            else:  # trees: ancestor runs cost the ancestor pairs, not N^2 (memory blocked too)
+                kernel = "runs" if parents_N is not None else "dense"
         TORCH_KERNELS.check(kernel=kernel, device=self.device, requires_grad=False,
                             branching=self.branching)
         self.kernel = kernel
