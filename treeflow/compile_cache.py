@@ -44,7 +44,9 @@ def add_option(parser) -> None:
                              "AOTAutograd), so a second run loads what the first compiled; "
                              "created mode 0700, refused if others can write it; 'off' compiles "
                              "from scratch (default: $TORCHINDUCTOR_CACHE_DIR, else "
-                             "$XDG_CACHE_HOME/treeflow/inductor)")
+                             # "%(default).0s" prints nothing and stops --help's formatter
+                             # from adding "(default: None)"
+                             "$XDG_CACHE_HOME/treeflow/inductor)%(default).0s")
 
 
 def default_dir() -> str:
