@@ -88,3 +88,39 @@ def test_background_sharded_save_writes_what_a_synchronous_save_writes(tmp_path)
         m.pop("dcp/.metadata")
     assert manifests[0] == manifests[1]
     assert (tmp_path / "bg" / "latest.txt").read_text().strip() == "step-000001"
+
+
+def _failing_background_write(root):
+    """In every rank: a background save whose DCP writes fail (a full disk), then the next step."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    dp = DataParallel.from_env("cpu")
+    eps, budget = data()
+    tr = Trainer(Forward(), reduce_for("pg", "seq-mean"), model=small_model(), dp=dp,
+                 shard_params=True)
+    _step(tr, dp, eps.slice(0, 4), budget)
+    tr.save(os.path.join(root, "ck"))  # step 1, complete
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    fs._write_item = full
+    _step(tr, dp, eps.slice(4, 6), budget)
+    tr.save(os.path.join(root, "ck"), background=True)  # step 2: its write fails
+    try:
+        _step(tr, dp, eps.slice(6), budget)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    dp.close()
+    return {"error": error}
+
+
+def test_a_failed_background_sharded_write_is_every_rank_s_error(tmp_path):
+    runs = spawn(_failing_background_write, 2, str(tmp_path), timeout_s=TIMEOUT_S, threads=1)
+    for r in runs:
+        assert r["error"] and "background checkpoint save failed" in r["error"], r
+    ck = tmp_path / "ck"
+    assert (ck / "latest.txt").read_text().strip() == "step-000001"  # nothing half-written won
+    assert sorted(n for n in os.listdir(ck) if n.startswith("step-")) == ["step-000001"]
+    assert not [n for n in os.listdir(ck) if n.startswith(".") or "partial" in n or "tmp" in n]
