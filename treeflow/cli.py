@@ -25,6 +25,7 @@ from treeflow.cli_parallel import (check_context_parallel_options, check_tensor_
 from treeflow.cli_stream import add_stream_parsers
 from treeflow.cli_train import add_train_options, cmd_train
 from treeflow.cli_gate import add_gate_parser
+from treeflow.compile_cache import add_option as add_compile_cache_option
 
 
 # ---------------------------------------------------------------- synth
@@ -379,6 +380,7 @@ def model_options(s) -> None:
                         "layers, fused edge loss, tuned flex tiles; lean: fast + MLP "
                         "recomputation) and/or name=value,... e.g. fast,recompute=attention or "
                         "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: none)")
+    add_compile_cache_option(s)
     s.add_argument("--routing", choices=("auto", "replay", "recompute"), default="auto",
                    help="MoE experts: replay the episodes' routed_experts on every tree node "
                         "(combine weights from the current router), or let the router recompute "
@@ -487,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _compile_cache(args) -> int:
+    from treeflow.compile_cache import configure
+
+    configure(args.compile_cache)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from treeflow._errors import debug_wanted, run
 
@@ -499,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         return args
     if getattr(args, "print_config", False):
         return print_config(args)
+    if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
+        code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))
+        if code:
+            return code
     return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))
 
 

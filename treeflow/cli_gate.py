@@ -97,6 +97,7 @@ def cmd_gate(args) -> int:
 
 def add_gate_parser(sub, common) -> None:
     from treeflow.cli_stream import _queue_options, add_sampling_options
+    from treeflow.compile_cache import add_option as add_compile_cache_option
     from treeflow.pipeline.gate import FAULTS
 
     s = sub.add_parser("gate", parents=[common],
@@ -109,6 +110,7 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"), default="auto")
     s.add_argument("--tuning", default="", help="speed levers of the reference backend")
+    add_compile_cache_option(s)
     _queue_options(s)
     s.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
     add_sampling_options(s, group_size_help="4: 4x4 groups; 16: one group")

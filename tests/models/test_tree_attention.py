@@ -149,3 +149,15 @@ def test_flex_fixed_pad_length_changes_nothing_but_the_padding():
     torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="pad_to=128 is less than"):
         AttentionPlan(end, kernel="flex", pad_to=128)
+
+
+def test_auto_on_cpu_runs_chains_causal_and_trees_as_ancestor_runs():
+    """The rule bench/bench_cpu_kernels.py justifies: with the bin's parents given (as the
+    runner always gives them), a chain-only bin takes the fused causal kernel, a tree the
+    ancestor runs -- both exact, so the choice is speed only."""
+    tokens, parents = random_chains(np.random.default_rng(3), [9, 4, 17])
+    _, _, end = tree_tensors(tokens, parents)
+    assert AttentionPlan(end, parents_N=parents).kernel == "causal"
+    tokens, parents = random_forest(np.random.default_rng(4), 40, extend=0.5)
+    _, _, end = tree_tensors(tokens, parents)
+    assert AttentionPlan(end, parents_N=parents).kernel == "runs"

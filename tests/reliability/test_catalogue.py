@@ -334,6 +334,11 @@ def _file_case(kind):
                 ["run.yaml", "did you mean --batch-episodes?"]
         if kind == "lr-negative":
             return ["replay", good, *TRAIN, "--lr", "-1"], ["--lr -1.0"]
+        if kind == "compile-cache-open":  # a compile cache is code: others must not write it
+            (tmp / "cc").mkdir()
+            os.chmod(tmp / "cc", 0o777)
+            return ["replay", good, "-o", tmp / "lp.arrow", "--compile-cache", tmp / "cc"], \
+                [str(tmp / "cc"), "writable by group or others"]
         if kind == "kl-coef":
             return ["replay", good, *TRAIN, "--kl-coef", "0.1"], ["--kl-coef 0.1", "reference"]
         raise AssertionError(kind)
@@ -417,7 +422,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "json-too-deep", "json-huge-int",
          # issue 27: the queue over TCP
          "queue-tcp-no-port", "queue-tcp-no-secret", "queue-secret-mode", "queue-secret-not-hex",
-         "queue-secret-unix", "queue-tcp-wrong-secret"]
+         "queue-secret-unix", "queue-tcp-wrong-secret",
+         # issue 25
+         "compile-cache-open"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -23,9 +23,11 @@ then serves every layer. Three kernels trade generality for speed:
   the tree over its ancestor path. Exact, forward and backward on any device,
   memory of one run's scores; needs the bin's parents.
 
-`kernel="auto"` picks, on CUDA, causal for chain-only bins and flex for trees;
-on CPU, runs (query-blocked, so memory stays bounded) when the parents are
-given, else causal for chains and dense for trees. Nothing here ever runs ordinary causal attention over a tree.
+`kernel="auto"` picks causal for chain-only bins (on CUDA varlen FlashAttention,
+on CPU SDPA's fused flash kernel, blocked, so memory stays bounded) and, for
+trees, flex on CUDA and on CPU runs when the parents are given, else dense
+(bench/bench_cpu_kernels.py measures the CPU choice). Nothing here ever runs
+ordinary causal attention over a tree.
 
 Legend: N tokens in the bin, L N padded to its flex length bucket, B blocks of L,
 Q query heads, K key/value heads, D head dim.
@@ -48,15 +50,27 @@ import torch.nn.functional as F
 from treeflow.models.runs import AncestorRuns
 from treeflow.tree import ancestor_mask
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5
-    BlockMask = flex_attention = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters  # torch >= 2.12
-except ImportError:  # torch < 2.11
-    varlen_attn, _VARLEN_GQA = None, False
+
+@functools.cache
+def _flex_api():
+    """(BlockMask, flex_attention), imported on first use: importing them imports torch._dynamo
+    (1.3 s of a 2-core CPU run's start-up), which the runs and dense kernels never need."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except ImportError:  # torch < 2.5
+        return None, None
+    return BlockMask, flex_attention
+
+
+@functools.cache
+def _varlen_api():
+    """(varlen_attn, whether it takes enable_gqa), imported on first use (it imports dynamo)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.11
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters  # >= 2.12
+
 
 __all__ = ["KERNELS", "AttentionPlan", "Capabilities"]
 
@@ -81,7 +95,7 @@ class Capabilities:
             raise ValueError("kernel 'causal' runs chain-only bins, but this bin branches (a node "
                              "has two or more children); use kernel 'flex', 'dense' or 'auto'")
         if kernel == "flex":
-            if flex_attention is None:
+            if _flex_api()[1] is None:
                 raise ValueError(f"torch {torch.__version__} has no flex_attention (needs "
                                  ">= 2.5); use kernel 'dense'")
             if device.type not in ("cpu", "cuda"):
@@ -136,8 +150,10 @@ class AttentionPlan:
         if kernel == "auto":
             if self.device.type == "cuda":
                 kernel = "flex" if self.branching else "causal"
-            else:  # on CPU the fused causal kernel materialises N^2 scores; runs are blocked
-                kernel = "runs" if parents_N is not None else ("dense" if self.branching else "causal")
+            elif not self.branching:  # chains: one fused causal call per root, on CPU too
+                kernel = "causal"
+            else:  # trees: ancestor runs cost the ancestor pairs, not N^2 (memory blocked too)
+                kernel = "runs" if parents_N is not None else "dense"
         TORCH_KERNELS.check(kernel=kernel, device=self.device, requires_grad=False,
                             branching=self.branching)
         self.kernel = kernel
@@ -198,15 +214,16 @@ class AttentionPlan:
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
-                out = flex_attention(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
+                out = _flex_api()[1](to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                      block_mask=self._block_mask, enable_gqa=True,
                                      kernel_options=self._kernel_options)
         return out[0].transpose(0, 1)[: self.num_tokens]
 
     def _causal(self, q_NQD, k_NKD, v_NKD):
-        if (varlen_attn is not None and self.device.type == "cuda"
-                and q_NQD.dtype in (torch.float16, torch.bfloat16)):
-            if _VARLEN_GQA:
+        varlen_attn, varlen_gqa = (_varlen_api() if self.device.type == "cuda"
+                                   else (None, False))
+        if varlen_attn is not None and q_NQD.dtype in (torch.float16, torch.bfloat16):
+            if varlen_gqa:
                 gqa = {"enable_gqa": True}
             else:
                 gqa, groups = {}, q_NQD.shape[1] // k_NKD.shape[1]
@@ -220,9 +237,10 @@ class AttentionPlan:
 
 
 def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):
-    out = F.scaled_dot_product_attention(q_NQD.transpose(0, 1), k_NKD.transpose(0, 1),
-                                         v_NKD.transpose(0, 1), enable_gqa=True, **kwargs)
-    return out.transpose(0, 1)
+    # 4-D inputs: SDPA's fused kernels (flash on CPU too) take only 4-D, 3-D runs the math path
+    q_1QND, k_1KND, v_1KND = (x.transpose(0, 1).unsqueeze(0) for x in (q_NQD, k_NKD, v_NKD))
+    out = F.scaled_dot_product_attention(q_1QND, k_1KND, v_1KND, enable_gqa=True, **kwargs)
+    return out[0].transpose(0, 1)
 
 
 def _bucket(n: int, block_size: int, pad_to: int | None) -> int:
@@ -263,7 +281,7 @@ _FLEX_RECOMPILE_LIMIT = 64
 
 @functools.cache
 def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(_flex_api()[1], dynamic=False)
 
 
 class _LRU:
@@ -316,7 +334,7 @@ def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.d
         def mask_mod(b, h, q, kv):
             return (kv <= q) & (q < end_t[kv])
 
-        return BlockMask(seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
+        return _flex_api()[0](seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
                          full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n,
                          q_indices=q_i, full_q_num_blocks=fq_n, full_q_indices=fq_i,
                          BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)

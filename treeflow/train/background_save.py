@@ -15,6 +15,13 @@ delays it (and `save_wait_s` in the trainer's timing says by how much). On
 CUDA the copies run on a side stream that first waits for the work queued
 before the save, so they read the step's final weights and do not block the
 compute stream.
+
+Data-parallel ranks writing one sharded (DCP) checkpoint do the same, each rank
+in its own thread (train/checkpoint.py's `_sharded_writer`): the collectives
+that need the training group (agreeing on the directory, FSDP's gather of the
+consolidated export) run before the thread starts, and DCP's planning and the
+barriers run on a gloo group made for checkpoints, so they never interleave
+with the next step's collectives on the training group.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -31,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from treeflow.train import dcp_safe
 
-__all__ = ["DCP_DIR", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
+__all__ = ["DCP_DIR", "is_sharded_checkpoint", "load_sharded", "save_sharded",
+           "sharded_writer"]
 
 DCP_DIR = "dcp"
 
@@ -49,7 +51,22 @@ def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: st
     param groups are added to `counters`. `lead` (default: data-parallel rank 0) writes the
     counters; `group` (default: the data-parallel group) is every process that saves.
     """
-    os.makedirs(path, exist_ok=True)
+    sharded_writer(trainer, counters, json_name, lead=lead, group=group)(path)
+
+
+def sharded_writer(trainer, counters: dict, json_name: str, *, lead: bool | None = None,
+                   group=None, background: bool = False) -> Callable[..., None]:
+    """The half of a sharded save that must run now, on every process; the writing half returned.
+
+    Now: the state DCP will write (the live tensors, no copy) and the counters. Returned:
+    `write(path, process_group=None)`: the DCP shards, the HF export (rank 0), the counters
+    (lead), a barrier. With `background`, what needs the training group runs now instead:
+    under FSDP the consolidated weights are gathered to rank 0 (one host copy of the float32
+    weights), so `write` runs no collective but DCP's own on `process_group` -- a group of its
+    own, so a thread can run it while the next step's collectives run on the training group.
+    The live tensors must not change before `write` returns (train/background_save.py: the
+    optimizer step waits for it).
+    """
     backend, optimizer = trainer.backend, trainer.optimizer
     lead = trainer.dp.rank == 0 if lead is None else lead
     group = trainer.dp.group if group is None else group
@@ -62,26 +79,38 @@ def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: st
     else:
         model_sd, optim_sd = get_state_dict(backend.module, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-    dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
-    full = None
-    if trainer.sharded:
-        from treeflow.train.fsdp import full_state_dict
+    full = [_gather(trainer)] if background else None
 
-        full = full_state_dict(backend.module)  # a collective: every rank takes part
-    if trainer.dp.rank == 0:  # under tensor parallelism: every rank of the first replica
-        if full is not None:
-            from treeflow.models.checkpoint import save_state
+    def write(path: str | os.PathLike, process_group=None) -> None:
+        os.makedirs(path, exist_ok=True)
+        dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR), process_group=process_group)
+        gathered = full[0] if full is not None else _gather(trainer)
+        if trainer.dp.rank == 0:  # under tensor parallelism: every rank of the first replica
+            if gathered is not None:
+                from treeflow.models.checkpoint import save_state
 
-            frozen = getattr(backend.module, "frozen_tensors", {})  # MTP layers (models/mtp.py)
-            save_state({**full, **frozen}, backend.module.config, path,
-                       dtype_of=next(iter(full.values())))
-        else:
-            backend.save(path)  # a tensor-parallel backend gathers its shards (a collective)
-    if lead:
-        with open(os.path.join(path, json_name), "w") as f:
-            json.dump(counters, f, indent=1)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.barrier(group=group)  # nobody reads the checkpoint before it is whole
+                frozen = getattr(backend.module, "frozen_tensors", {})  # MTP layers (models/mtp.py)
+                save_state({**gathered, **frozen}, backend.module.config, path,
+                           dtype_of=next(iter(gathered.values())))
+            else:
+                backend.save(path)  # a tensor-parallel backend gathers its shards (a collective)
+        if lead:
+            with open(os.path.join(path, json_name), "w") as f:
+                json.dump(counters, f, indent=1)
+        barrier = process_group if process_group is not None else group
+        if dist.is_initialized() and dist.get_world_size(barrier) > 1:
+            dist.barrier(group=barrier)  # nobody reads the checkpoint before it is whole
+
+    return write
+
+
+def _gather(trainer) -> dict | None:
+    """Under FSDP the consolidated float32 weights on rank 0 (a collective); else None."""
+    if not trainer.sharded:
+        return None
+    from treeflow.train.fsdp import full_state_dict
+
+    return full_state_dict(trainer.backend.module)  # every rank takes part
 
 
 def load_sharded(trainer, path: str | os.PathLike, state: dict | None = None) -> None:

@@ -213,8 +213,10 @@ class Trainer:
         Keeps the newest `keep` step directories (all when None); see train/checkpoint.py.
         background: return once the step's counters are captured and write in a thread
         (train/background_save.py); the next optimizer step waits for the write, a next save
-        waits for it too, and `wait_for_save()` joins it. Where several processes write one
-        checkpoint together the save is synchronous (and says so on stderr).
+        waits for it too, and `wait_for_save()` joins it. Data-parallel ranks (`--shard-params`
+        included) write their DCP shards in the background too, every rank in its own thread;
+        under tensor parallelism or a backend's own DCP layout the save is synchronous (and
+        says so on stderr).
         """
         self._refuse_if_open("save a checkpoint")
         self.wait_for_save("a new save was asked for")
@@ -226,8 +228,9 @@ class Trainer:
                 return final
             if not getattr(self, "_said_sync_save", False):
                 self._said_sync_save = True
-                print("treeflow: checkpoints of several processes are written synchronously "
-                      "(no background save)", file=sys.stderr, flush=True)
+                print("treeflow: checkpoints under tensor parallelism (or a backend's own DCP "
+                      "layout) are written synchronously (no background save)", file=sys.stderr,
+                      flush=True)
         return save_checkpoint(self, path, keep=keep)
 
     def wait_for_save(self, why: str | None = None) -> float:

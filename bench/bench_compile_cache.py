@@ -1,0 +1,148 @@
+"""The compile cache through the command a user runs: first run, second run, cache off.
+
+For each `--tuning` preset (plain: compiled FlexAttention; fast: + compiled layers),
+`treeflow replay` on the same episodes and checkpoint three times, each a fresh
+process: (1) `--compile-cache DIR` on an empty DIR (everything compiles, the
+cache fills), (2) the same again (inductor and AOTAutograd load what (1)
+compiled), (3) `--compile-cache off`. Printed per run: `compile_seconds`
+(warm-up on dummy bins), `startup_seconds`, process wall, and the files and
+bytes in DIR afterwards (a second run that adds no file hit the cache for
+every graph).
+
+    PYTHONUNBUFFERED=1 python bench/bench_compile_cache.py              # one H200, ~3 min
+    python bench/bench_compile_cache.py --smoke --device cpu            # logic check
+    python bench/bench_compile_cache.py --smoke --device cpu --cpu-probe
+
+On CPU the command compiles nothing (flex runs eager, `compile_layers` is CUDA
+only), so `--cpu-probe` adds the mechanism on CPU: a decoder layer's RMSNorm and
+SwiGLU compiled by inductor (C++ through the host compiler) in a fresh process
+after `treeflow.compile_cache.configure(DIR)`, twice, and once with "off", with
+inductor's cache hit/miss counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from bench_cli_gpu import SHAPES, SYNTH_VOCAB, cli, make_checkpoint  # noqa: E402
+
+_PROBE = r"""
+import json, sys, time
+from treeflow.compile_cache import configure
+configure(sys.argv[1])
+import torch
+from torch._dynamo.utils import counters
+
+def layer(x, w_norm, w_gate, w_up, w_down):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w_norm
+    return x + (torch.nn.functional.silu(h @ w_gate) * (h @ w_up)) @ w_down
+
+torch.manual_seed(0)
+x, n = torch.randn(256, 64), torch.randn(64)
+g, u, d = torch.randn(64, 128), torch.randn(64, 128), torch.randn(128, 64)
+t0 = time.perf_counter()
+torch.compile(layer, backend="inductor", fullgraph=True)(x, n, g, u, d)
+print(json.dumps({"compile_seconds": round(time.perf_counter() - t0, 3),
+                  "inductor": dict(counters["inductor"]),
+                  "aot_autograd": dict(counters["aot_autograd"])}))
+"""
+
+
+def _files(path: str) -> dict:
+    n = size = 0
+    for d, _, names in os.walk(path):
+        for name in names:
+            n += 1
+            size += os.path.getsize(os.path.join(d, name))
+    return {"cache_files": n, "cache_mib": round(size / 2**20, 2)}
+
+
+def _loadavg() -> float | None:
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except OSError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--episodes", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--tunings", default="plain,fast")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cpu-probe", action="store_true", help="inductor on CPU, outside the CLI")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape and data (logic check)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.shape, args.episodes, args.group_size, args.max_tokens = "smoke", 8, 2, 8192
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out_file = os.path.join(out_dir, args.out or ("bench_compile_cache.json" if not args.smoke
+                                                  else "bench_compile_cache_smoke.json"))
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
+    work = tempfile.mkdtemp(prefix="treeflow-bench-cc-")
+    data, model = os.path.join(work, "episodes.arrow"), os.path.join(work, "model")
+    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", data, "--episodes",
+                    str(args.episodes), "--group-size", str(args.group_size), "--vocab-size",
+                    str(SHAPES["smoke"]["vocab_size"] if args.smoke else SYNTH_VOCAB),
+                    "--seed", "0"], check=True, env=env, capture_output=True)
+    make_checkpoint(args.shape, model, args.device)
+    result = {"settings": vars(args), "runs": {}}
+    for tuning in args.tunings.split(","):
+        cache = os.path.join(work, f"cache-{tuning}")
+        runs = result["runs"][tuning] = {}
+        for name, where in (("first", cache), ("second", cache), ("off", "off")):
+            cmd = ["replay", data, "--model", model, "--layout", "tree", "--device", args.device,
+                   "--dtype", dtype, "--max-tokens", str(args.max_tokens), "--json",
+                   "-o", os.path.join(work, f"lp-{tuning}-{name}.arrow"), "--compile-cache", where]
+            if tuning != "plain":
+                cmd += ["--tuning", tuning]
+            load = _loadavg()
+            out = cli(cmd, env, f"{tuning} {name}")
+            keep = {k: out.get(k) for k in ("compile_seconds", "startup_seconds", "steady_seconds",
+                                            "wall_seconds", "process_seconds", "recompiles",
+                                            "error")}
+            runs[name] = {**keep, "loadavg": load, **(_files(cache) if where != "off" else {})}
+            print(f"{tuning:6s} {name:6s} {json.dumps(runs[name])}", flush=True)
+        first, second = runs["first"].get("compile_seconds"), runs["second"].get("compile_seconds")
+        if first and second is not None:
+            runs["second_over_first_compile"] = round(second / first, 3)
+    if args.cpu_probe:
+        cache = os.path.join(work, "cache-probe")
+        probe = result["cpu_probe"] = {}
+        for name, where in (("first", cache), ("second", cache), ("off", "off")):
+            t0 = time.perf_counter()
+            load = _loadavg()
+            proc = subprocess.run([sys.executable, "-c", _PROBE, where], capture_output=True,
+                                  text=True, env=env)
+            if proc.returncode:
+                probe[name] = {"error": proc.stderr[-2000:]}
+            else:
+                probe[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                               "process_seconds": round(time.perf_counter() - t0, 2),
+                               "loadavg": load}
+            print(f"probe  {name:6s} {json.dumps(probe[name])}", flush=True)
+    with open(out_file, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out_file}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

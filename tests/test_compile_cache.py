@@ -1,0 +1,92 @@
+"""--compile-cache: torch.compile's on-disk caches in a directory of the user's own, or off."""
+
+import os
+import stat
+
+import pytest
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from treeflow import compile_cache
+from treeflow.cli import _compile_cache, build_parser
+
+ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+       "TRITON_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def restored():
+    """Every test gets back the environment, torch's settings and the module's record."""
+    env = {k: os.environ.get(k) for k in ENV}
+    fx, autograd = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
+    ours = dict(compile_cache._ours)
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = fx, autograd
+    compile_cache._ours.clear()
+    compile_cache._ours.update(ours)
+
+
+def _replay_args(*extra):
+    return build_parser().parse_args(["replay", "e.arrow", "-o", "lp.arrow", *map(str, extra)])
+
+
+def test_the_flag_reaches_torch_s_config(tmp_path):
+    where = tmp_path / "cache" / "inductor"
+    inductor_config.fx_graph_cache = functorch_config.enable_autograd_cache = False
+    assert _compile_cache(_replay_args("--compile-cache", where)) == 0
+    assert cache_dir() == str(where)  # where inductor writes and looks up compiled graphs
+    assert inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache
+    assert os.environ["TRITON_CACHE_DIR"] == str(where / "triton")
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o700 and os.stat(where).st_uid == os.getuid()
+    # off: both caches off here, and forced off for the ranks a command spawns
+    _compile_cache(_replay_args("--compile-cache", "off"))
+    assert not inductor_config.fx_graph_cache and not functorch_config.enable_autograd_cache
+    assert os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"
+    assert os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "0"
+    # and on again takes back the forcing variables it set
+    compile_cache.configure(where)
+    assert "TORCHINDUCTOR_FX_GRAPH_CACHE" not in os.environ and inductor_config.fx_graph_cache
+
+
+def test_the_default_is_under_the_user_s_cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert _replay_args().compile_cache is None
+    assert compile_cache.configure(None) == str(tmp_path / "xdg" / "treeflow" / "inductor")
+    assert cache_dir() == str(tmp_path / "xdg" / "treeflow" / "inductor")
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_a_cache_others_can_write_is_refused_by_name(tmp_path, mode):
+    where = tmp_path / "shared"
+    where.mkdir()
+    os.chmod(where, mode)
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with pytest.raises(ValueError, match=f"compile cache {where} is writable by group or others"):
+        compile_cache.configure(where)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before  # nothing was pointed at it
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a directory another user owns needs root")
+def test_a_cache_another_user_owns_is_refused_by_name(tmp_path):
+    where = tmp_path / "theirs"
+    where.mkdir(mode=0o700)
+    os.chown(where, 65534, 65534)
+    with pytest.raises(ValueError, match=f"compile cache {where} is owned by uid 65534"):
+        compile_cache.configure(where)
+    link = tmp_path / "link"  # a link of one's own to it is the same directory
+    link.symlink_to(where)
+    with pytest.raises(ValueError, match="owned by uid 65534"):
+        compile_cache.configure(link)
+
+
+def test_a_file_is_not_a_cache(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        compile_cache.configure(tmp_path / "f")

@@ -1,0 +1,313 @@
+"""Loading a checkpoint: find the newest step that verifies against its manifest, rebuild the
+Trainer on it (train/checkpoint.py describes the layout and how it is written).
+
+Verification reads every listed file once and compares size and sha256 (about a second per
+GB); a directory holding a file its manifest does not list is refused, naming the file. A
+step whose manifest does not verify is skipped for the newest older one that does, saying
+which and why, so a torn or corrupted checkpoint is never resumed silently. Nothing is
+unpickled: safetensors and JSON here, DCP's index through train/dcp_safe.py, a pre-manifest
+`trainer_state.pt` only weights-only and only under `trust_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from treeflow.train.checkpoint_layout import (LATEST, LEGACY_STATE, MANIFEST, OPTIMIZER, FORMAT,
+                                              TRAINER_JSON, _latest_step, _layout, _sha256,
+                                              _stderr, _step_dirs, _tensor_parallel, _writers,
+                                              step_dir_name)
+
+
+def verify(step_path: str) -> str | None:
+    """None when the step directory is complete and unmodified; else what is wrong with it."""
+    mpath = os.path.join(step_path, MANIFEST)
+    if not os.path.isfile(mpath):
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    extra = _unlisted(step_path, files)
+    if extra:
+        return (f"{', '.join(extra[:3])}{' and more' if len(extra) > 3 else ''} "
+                f"{'is' if len(extra) == 1 else 'are'} not in its {MANIFEST} (planted, or left by "
+                "another program: nothing outside the manifest is read)")
+    for name, want in sorted(files.items()):
+        path = os.path.join(step_path, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or replaced)"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not match its sha256 in {MANIFEST} (corrupted or modified)"
+    return None
+
+
+def _unlisted(step_path: str, files: dict) -> list[str]:
+    """Files (and links to directories) under `step_path` that the manifest does not list."""
+    found = []
+    for d, dirs, names in os.walk(step_path):
+        found += [os.path.relpath(os.path.join(d, n), step_path) for n in dirs
+                  if os.path.islink(os.path.join(d, n))]
+        found += [os.path.relpath(os.path.join(d, n), step_path) for n in names]
+    return sorted(n for n in found if n != MANIFEST and n not in files)
+
+
+def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _stderr,
+                    trust_checkpoint: bool = False) -> str:
+    """The newest verified step directory of a checkpoint root (or `path` itself if it is one).
+
+    trust_checkpoint: accept a directory without a manifest (it cannot be verified).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such checkpoint directory")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: is a file, not a checkpoint directory")
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        problem = verify(path)
+        if problem:
+            raise ValueError(f"{path}: checkpoint is incomplete or corrupted: {problem}")
+        return path
+    if os.path.isfile(os.path.join(path, LEGACY_STATE)) or _is_sharded(path):
+        if not trust_checkpoint:
+            what = LEGACY_STATE if os.path.isfile(os.path.join(path, LEGACY_STATE)) else "dcp/"
+            raise ValueError(f"{path}: holds {what} but no {MANIFEST}, so it cannot be verified "
+                             "(an older treeflow's checkpoint, or one from elsewhere); resume it "
+                             "only if you trust who wrote it, with --trust-checkpoint "
+                             "(API: trust_checkpoint=True)")
+        return path
+    steps = _step_dirs(path)
+    if not steps:
+        raise ValueError(f"{path}: not a treeflow training checkpoint (no step-NNNNNN directory, "
+                         f"no {MANIFEST}); give the directory that --save wrote")
+    skipped = []
+    committed = _latest_step(path)
+    if committed is not None:
+        # `latest` is the commit record: a newer directory was renamed into place by a save that
+        # was killed before it moved the pointer; the run resumes from what `latest` names
+        newer = [name for step, name in steps if step > committed]
+        if newer:
+            log(f"skipping {', '.join(newer)} in {path}: not committed ({LATEST} names "
+                f"{step_dir_name(committed)})")
+        steps = [(step, name) for step, name in steps if step <= committed]
+        if not steps or steps[0][0] != committed:
+            log(f"{os.path.join(path, LATEST)} names {step_dir_name(committed)}, which is missing; "
+                "falling back to the previous checkpoint")
+    for _, name in steps:
+        problem = verify(os.path.join(path, name))
+        if problem is None:
+            if skipped:
+                log(f"resuming from {os.path.join(path, name)} (skipped {', '.join(skipped)})")
+            return os.path.join(path, name)
+        log(f"skipping checkpoint {os.path.join(path, name)}: {problem}; "
+            "falling back to the previous one")
+        newest_problem = problem if not skipped else newest_problem
+        skipped.append(name)
+    raise ValueError(f"{path}: no complete checkpoint: every step directory failed verification "
+                     f"({', '.join(skipped)}; the newest: {newest_problem})")
+
+
+def latest_step_dir(root: str | os.PathLike) -> str | None:
+    """The path of the committed step directory of a checkpoint root (None before the first)."""
+    step = _latest_step(os.fspath(root))
+    return None if step is None else os.path.join(os.fspath(root), step_dir_name(step))
+
+
+def model_dir(path: str) -> str:
+    """`path`, or the newest verified step of it when `path` is a checkpoint root (for --model)."""
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")) \
+            and (os.path.exists(os.path.join(path, LATEST)) or _step_dirs(path)):
+        return find_checkpoint(path)
+    return path
+
+
+def _is_sharded(path: str) -> bool:
+    from treeflow.train.sharded import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(path)
+
+
+def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
+                    log: Callable[[str], None] = _stderr, trust_checkpoint: bool = False,
+                    **options):
+    """A `cls` (Trainer) built on the newest verified checkpoint under `path`.
+
+    trust_checkpoint: also accept a directory without a manifest (refused otherwise).
+    options go to `cls` (precision, dp, ...)."""
+    step_path = find_checkpoint(path, log=log, trust_checkpoint=trust_checkpoint)
+    if not os.path.isfile(os.path.join(step_path, MANIFEST)):
+        if _is_sharded(step_path):
+            return _load_sharded(cls, step_path, forward, reduce, options, log)
+        return _load_legacy(cls, step_path, forward, reduce, log, options)
+    with open(os.path.join(step_path, TRAINER_JSON)) as f:
+        state = json.load(f)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{step_path}: checkpoint format {state.get('format')!r}; this treeflow "
+                         f"reads {FORMAT!r}")
+    _check_state(os.path.join(step_path, TRAINER_JSON), state)
+    _check_layout(step_path, state, forward)
+    if _is_sharded(step_path):
+        return _load_sharded(cls, step_path, forward, reduce, options, log, state)
+    trainer = cls(replace(forward, model=step_path), reduce, **options)
+    _note_layout(step_path, state, trainer, log)
+    try:
+        tensors = load_file(os.path.join(step_path, OPTIMIZER), device=str(trainer.runner.device))
+    except SafetensorError as e:
+        raise ValueError(f"{os.path.join(step_path, OPTIMIZER)}: unreadable ({e})") from e
+    opt = state["optimizer"]
+    per_param: dict[int, dict] = {}
+    for key, t in tensors.items():
+        _, idx, k = key.split(".", 2)
+        per_param.setdefault(int(idx), {})[k] = t
+    for key, v in opt["scalars"].items():
+        idx, k = key.split(".", 1)
+        per_param.setdefault(int(idx), {})[k] = v
+    if _tensor_parallel(trainer) > 1:  # one process wrote full tensors: take this rank's block
+        names = [name for name, _ in trainer.backend.named_parameters()]
+        if len(names) < len(per_param):
+            raise ValueError(f"{step_path}: the optimizer state holds {len(per_param)} "
+                             f"parameters, this model {len(names)}")
+        for idx, st in per_param.items():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.ndim:
+                    st[k] = trainer.backend.local_part(names[idx], v)
+    _check_optimizer_shapes(os.path.join(step_path, OPTIMIZER), trainer, per_param)
+    try:
+        trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{step_path}: the optimizer state does not fit this model ({e})") from e
+    trainer.steps = state["steps"]
+    trainer.scheduler_episodes = state["scheduler_episodes"]
+    trainer.position = state["position"]
+    trainer.run = state.get("run")
+    trainer.checkpoint_path = step_path
+    return trainer
+
+
+def _check_state(path: str, state) -> None:
+    """ValueError naming the field of trainer.json that has the wrong type or value."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds {type(state).__name__}, not a JSON object")
+
+    def count(value, field):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path}: field {field!r} is {json.dumps(value)}; it must be an "
+                             "integer >= 0 (the file is corrupted or was edited)")
+
+    count(state.get("steps"), "steps")
+    count(state.get("scheduler_episodes"), "scheduler_episodes")
+    position = state.get("position")
+    if not isinstance(position, dict):
+        raise ValueError(f"{path}: field 'position' is {json.dumps(position)}; it must be an "
+                         "object (the input position of the run)")
+    for k in ("episodes", "passes"):
+        if k in position:
+            count(position[k], f"position.{k}")
+    if "optimizer" in state:
+        opt = state["optimizer"]
+        # one-process checkpoints carry AdamW's scalars here; sharded ones (train/sharded.py)
+        # only the param groups, their state being in dcp/
+        if not (isinstance(opt, dict) and isinstance(opt.get("param_groups"), list)
+                and isinstance(opt.get("scalars", {}), dict)):
+            raise ValueError(f"{path}: field 'optimizer' must be an object with 'param_groups' "
+                             "(a list) and, if present, 'scalars' (an object)")
+        bad = [k for k in opt.get("scalars", {}) if not re.fullmatch(r"\d+\.\w+", k)]
+        if bad:
+            raise ValueError(f"{path}: optimizer scalar {bad[0]!r} is not named INDEX.NAME")
+
+
+def _check_optimizer_shapes(path: str, trainer, per_param: dict) -> None:
+    """Refuse optimizer tensors that do not fit this model's parameters, naming the tensor."""
+    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    names = [n for n, _ in trainer.backend.named_parameters()]
+    for idx, st in sorted(per_param.items()):
+        if not 0 <= idx < len(params):
+            raise ValueError(f"{path}: optimizer state for parameter {idx}, but this model has "
+                             f"{len(params)}; the checkpoint is of another model")
+        want = tuple(params[idx].shape)
+        label = names[idx] if len(names) == len(params) else f"parameter {idx}"
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.ndim and tuple(v.shape) != want:
+                raise ValueError(f"{path}: tensor 'state.{idx}.{k}' has shape {tuple(v.shape)}, "
+                                 f"but {label} is {want}; the optimizer state is of another "
+                                 "model (or was edited)")
+
+
+def _load_sharded(cls, path, forward, reduce, options, log, state=None):
+    """A checkpoint written by data-parallel ranks (dcp/), resumed on any number of ranks."""
+    from treeflow.train.sharded import load_sharded
+
+    if state is None:
+        log(f"{path}: --trust-checkpoint: a sharded checkpoint without a manifest, loaded "
+            "unverified")
+        with open(os.path.join(path, "treeflow_trainer.json")) as f:
+            state = json.load(f)
+    trainer = cls(replace(forward, model=path), reduce, **options)
+    _note_layout(path, state, trainer, log)
+    load_sharded(trainer, path, state)
+    trainer.steps = state["steps"]
+    trainer.scheduler_episodes = state["scheduler_episodes"]
+    trainer.position = state["position"]
+    trainer.run = state.get("run")
+    trainer.checkpoint_path = path
+    return trainer
+
+
+def _check_layout(path: str, state: dict, forward) -> None:
+    """Refuse a checkpoint of another backend before any model is built (names differ)."""
+    saved = (state.get("layout") or {}).get("backend")
+    if saved is not None and saved != forward.backend:
+        raise ValueError(f"{path}: written by the {saved} backend, resumed with --backend "
+                         f"{forward.backend}: parameter names and layouts differ; resume with "
+                         f"--backend {saved} (its HF export, --model {path}, loads in either)")
+
+
+def _note_layout(path: str, state: dict, trainer, log) -> None:
+    layout = state.get("layout") if state else None
+    if not layout:
+        return
+    now = _layout(trainer)
+    if (layout.get("tensor_parallel"), layout.get("data_parallel")) != \
+            (now["tensor_parallel"], now["data_parallel"]):
+        lead = _writers(trainer)[1]
+        if lead:
+            log(f"{path}: written at tensor parallelism {layout.get('tensor_parallel')} x "
+                f"{layout.get('data_parallel')} data-parallel ranks, resumed at "
+                f"{now['tensor_parallel']} x {now['data_parallel']}: the state is resharded (the "
+                "run continues with the same weights; sums may round differently)")
+
+
+def _load_legacy(cls, path, forward, reduce, log, options):
+    """A pre-manifest checkpoint (trainer_state.pt): read with weights_only=True, never unpickled."""
+    trainer = cls(replace(forward, model=path), reduce, **options)
+    try:
+        state = torch.load(os.path.join(path, LEGACY_STATE), map_location=trainer.runner.device,
+                           weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError...
+        raise ValueError(f"{os.path.join(path, LEGACY_STATE)}: refused or unreadable as plain "
+                         f"tensors ({type(e).__name__}); it may be corrupted or hold code; "
+                         "only load checkpoints you trust") from e
+    log(f"{path}: --trust-checkpoint: an old checkpoint layout without a manifest, loaded "
+        "unverified (save again to upgrade it)")
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.steps = state["steps"]
+    trainer.scheduler_episodes = state["scheduler_episodes"]
+    trainer.position = state["position"]
+    trainer.run = None
+    trainer.checkpoint_path = path
+    return trainer
+
+
+__all__ = ["find_checkpoint", "latest_step_dir", "load_checkpoint", "model_dir", "verify"]
