@@ -175,7 +175,8 @@ def _stream_train(args, queue, dp) -> dict | None:
     # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
     from treeflow.cli_rl import advantage_stages, first_step_checks
 
-    pipe = Pipeline(*advantage_stages(args), Pack(layout=args.layout, scope=args.scope),
+    pipe = Pipeline(*advantage_stages(args),
+                    Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
                     Fragment(max_tokens=args.max_tokens, ranks=world),
                     *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
     options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,

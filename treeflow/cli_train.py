@@ -196,8 +196,10 @@ def plan_stages(args, world: int, rank: int) -> tuple:
 
     budget = args.max_tokens * getattr(args, "context_parallel", 1)
     if world == 1:
-        return (Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=budget))
-    return (Pack(layout=args.layout, scope=args.scope, ranks=world, rank=rank),
+        return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
+                Fragment(max_tokens=budget))
+    return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules, ranks=world,
+                 rank=rank),
             Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
 
 
@@ -317,7 +319,8 @@ def _train_ray(args) -> int:
                          "resume yet; use --engine local for --resume/--save-every")
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
-    pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
+    pipe = Pipeline(*advantage,
+                    Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
                     Fragment(max_tokens=args.max_tokens), forward, reduce)
     files = Files(paths=tuple(args.files), window=args.batch_episodes,
                   vocab_size=forward.vocab_size_hint(), cycle=True,

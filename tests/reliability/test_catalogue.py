@@ -311,6 +311,14 @@ def _file_case(kind):
             (tmp / "log.jsonl").write_text(bad + "\n")
             return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "openai"], \
                 ["log.jsonl line 1"]
+        if kind == "nemo-rl-replica-disagrees":
+            msgs = [{"role": "user", "token_ids": [1, 2], "ng_generation_replica_id": "a"},
+                    {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5],
+                     "ng_generation_replica_id": "b"}]
+            (tmp / "log.jsonl").write_text(json.dumps({"message_log": [msgs], "total_reward": 1.0})
+                                           + "\n")
+            return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "nemo-rl"], \
+                ["log.jsonl line 1", "ng_generation_replica_id"]
         if kind == "close-when":
             return ["stream", "--from", good, "-o", tmp / "o.arrow", "--close-when", "sometimes"], \
                 ["--close-when sometimes", "first"]
@@ -369,7 +377,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
          "tensorboard-is-input", "config-architectures-nested", "truncated-stream",
-         "json-too-deep", "json-huge-int"]
+         "json-too-deep", "json-huge-int", "nemo-rl-replica-disagrees"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

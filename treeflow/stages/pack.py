@@ -31,6 +31,7 @@ from treeflow.stages.base import Stage
 
 LAYOUTS = ("tree", "chain", "exact")
 SCOPES = ("episode", "group")
+SHARE_RULES = ("default", "nrl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,11 @@ class Pack(Stage):
     scope: for "tree", share across the episodes of a group ("group") or only
     inside an episode ("episode"); default: "group" when the window has
     group ids, else "episode". chain and exact always use episode scope.
+    share_rules: "default" shares every token whose recomputation is identical (same tokens
+    and routes; a final sentinel route is a wildcard); "nrl" reproduces NeMo RL's exact-call
+    sharing bit for bit (stages/_nrl_share.py: cuts at replica / weight-version mismatches
+    and page-aligned route cuts from the calls' `execution` metadata). Both are exact: "nrl"
+    only shares less. It needs layout "tree" or "chain".
     ranks, rank: lay out only rank `rank`'s share of the window for `ranks` data-parallel
     ranks: its trees, dealt from per-tree summaries (stages/_share.py), and the trees whose bins
     it shares with other ranks (their `share` column); give `Fragment` the same ranks and rank.
@@ -52,6 +58,7 @@ class Pack(Stage):
 
     layout: Literal["tree", "chain", "exact"] = "tree"
     scope: Literal["episode", "group"] | None = None
+    share_rules: Literal["default", "nrl"] = "default"
     ranks: int = 1
     rank: int | None = None
 
@@ -63,6 +70,14 @@ class Pack(Stage):
         if self.scope == "group" and self.layout != "tree":
             raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
                              "shares across episodes; use layout='tree' or scope='episode'")
+        if self.share_rules not in SHARE_RULES:
+            raise ValueError(f"Pack(share_rules={self.share_rules!r}): choose one of {SHARE_RULES}")
+        if self.share_rules == "nrl" and self.layout == "exact":
+            raise ValueError("Pack(layout='exact', share_rules='nrl'): the exact layout shares "
+                             "nothing, so sharing rules have no effect; use layout 'tree' or "
+                             "'chain', or share_rules='default'")
+        if self.share_rules == "nrl" and self.scope is None:  # NeMo RL builds one tree per rollout
+            object.__setattr__(self, "scope", "episode")
         _check_rank(self)
 
     def map(self, episodes: pa.Table, *, step: int) -> pa.Table:
@@ -73,9 +88,10 @@ class Pack(Stage):
             raise TypeError("Pack takes validated episodes: pass the table through "
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
         if self.rank is None:
-            return pack(episodes, layout=self.layout, scope=self.scope, step=step)
+            return pack(episodes, layout=self.layout, scope=self.scope, step=step,
+                        share_rules=self.share_rules)
         return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
-                          ranks=self.ranks, rank=self.rank)
+                          ranks=self.ranks, rank=self.rank, share_rules=self.share_rules)
 
 
 def _check_rank(stage) -> None:
@@ -103,7 +119,7 @@ def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
 
 
 def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,
-               rank: int) -> pa.Table:
+               rank: int, share_rules: str = "default") -> pa.Table:
     """Layouts of rank `rank`'s share (stages/_share.py); layout_id is the tree's index in the step."""
     from treeflow.stages._share import rank_share
     from treeflow.stages.shard import CostModel
@@ -113,7 +129,8 @@ def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int,
     if not len(share.rows):
         return LAYOUT_SCHEMA.empty_table()
     # the trees keep their order of first appearance, so Pack numbers them as share.trees
-    layouts = pack(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step)
+    layouts = pack(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step,
+                   share_rules=share_rules)
     assert layouts.num_rows == len(share.trees), (layouts.num_rows, len(share.trees))
     split = share.slots > 1
     offs = np.concatenate([[0], np.cumsum(np.where(split, 2, 0))]).astype(np.int32)
@@ -234,13 +251,21 @@ def _prev_smaller(lcp: np.ndarray) -> np.ndarray:
     return ps
 
 
-def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, step: int = 0) -> pa.Table:
+def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, step: int = 0,
+         share_rules: str = "default") -> pa.Table:
     if episodes.num_rows == 0:
         return LAYOUT_SCHEMA.empty_table()
     calls = Calls.from_table(episodes)
+    if share_rules == "nrl" and scope is None:
+        scope = "episode"
     row_scope, scope_names = _scope_keys(calls, layout, scope)
     call_scope = row_scope[calls.call_row_C]
-    order, lcp, routes_TW = _order_and_lcp(calls, call_scope, layout)
+    if share_rules == "nrl" and layout != "exact":
+        from treeflow.stages._nrl_share import nrl_order_and_lcp
+
+        order, lcp, routes_TW = nrl_order_and_lcp(episodes, calls, call_scope, layout)
+    else:
+        order, lcp, routes_TW = _order_and_lcp(calls, call_scope, layout)
 
     # sequences in DFS order: each adds nodes for depths [lcp, len)
     len_o = calls.len_C[order]
