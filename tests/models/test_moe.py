@@ -256,15 +256,3 @@ def test_recomputation_keeps_values_gradients_and_agreement(pair, rows, recomput
     assert t0 == t1 and t0[1] > 0
     assert max(abs(float(lp0[k].detach()) - float(lp1[k].detach())) for k in lp0) < 1e-6
     assert all(torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9) for n in g0)
-
-
-def test_megatron_backend_refuses_moe_by_name(tmp_path):
-    from tests.deps import require
-
-    require("megatron.core", extra="megatron")
-    from treeflow.models import load_backend
-
-    hf_model("mixtral").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="MixtralForCausalLM: the megatron backend does not run "
-                                         "MoE"):
-        load_backend("megatron", tmp_path)

@@ -65,17 +65,16 @@ from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
                                               unshard_tensor)
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
+from treeflow.models.megatron.moe import TreeTopKRouter, moe_config
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 from treeflow.models.rope import Rotary
 
 __all__ = ["MegatronBackend", "build_gpt_model"]
 
 
-def _refuse_moe(c: ModelConfig) -> None:
-    if c.moe is not None or c.qk_norm:
-        raise ValueError(f"{c.architecture}: the megatron backend does not run MoE (or q/k-norm) "
-                         "models yet; use --backend reference, which runs them with routing "
-                         "replay")
+def _refuse_moe(c: ModelConfig) -> None:  # before the whole checkpoint is loaded
+    """What the megatron backend's MoE layers (megatron/moe.py) cannot honour, by name."""
+    moe_config(c)  # refuses the router aux loss
 
 
 def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
@@ -86,7 +85,9 @@ def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
     if c.vocab_size % tp:
         raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tensor parallelism {tp}; "
                          "the vocab-parallel output layer needs equal shards (use another TP size)")
+    moe = c.moe
     config = TransformerConfig(
+        **moe_config(c), qk_layernorm=c.qk_norm,
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
         ffn_hidden_size=c.intermediate_size, kv_channels=c.head_dim,
@@ -101,7 +102,10 @@ def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
     )
-    model = GPTModel(config, tree_block_spec(c.num_hidden_layers), vocab_size=c.vocab_size,
+    spec = tree_block_spec(c.num_hidden_layers, qk_norm=c.qk_norm,
+                           experts=None if moe is None else moe.num_experts,
+                           moe_layers=() if moe is None else moe.moe_layers)
+    model = GPTModel(config, spec, vocab_size=c.vocab_size,
                      max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
                      position_embedding_type="rope", rotary_base=int(c.rope_theta),
                      share_embeddings_and_output_weights=c.tie_word_embeddings,
@@ -141,6 +145,8 @@ class MegatronBackend(ModuleBackend):
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.sequence_parallel = bool(model.config.sequence_parallel)
         self._rotary = Rotary(config.head_dim, config.rope_theta)
+        self._routers = [m for m in model.modules() if isinstance(m, TreeTopKRouter)]
+        self._route_tally = None
 
     @classmethod
     def load(cls, source: str | os.PathLike | ModelConfig, *, dtype: torch.dtype = torch.float32,
@@ -188,8 +194,17 @@ class MegatronBackend(ModuleBackend):
                              pad_to=pad_to)
 
     def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
-                      plan: AttentionPlan) -> torch.Tensor:
+                      plan: AttentionPlan, routes_NW: torch.Tensor | None = None,
+                      replay: bool = True, aux_weights_N: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """routes_NW: captured expert ids per token (MoE layers x top_k, -1 = the router's
+        choice), replayed by every MoE layer's router (megatron/moe.py); replay=False lets
+        the routers choose and only counts their agreement."""
         n, p = tokens_N.shape[0], plan.num_tokens
+        if aux_weights_N is not None:
+            raise ValueError("the router aux loss is not computed by the megatron backend; use "
+                             "--backend reference, or set output_router_logits to false")
+        self._set_routes(routes_NW, replay, n, p)
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
                              f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
@@ -209,7 +224,36 @@ class MegatronBackend(ModuleBackend):
             # (tensor_parallel_output_grad=True) summed it a second time: on two H200s the TP=2
             # step's gradient norm was exactly 2.00x TP=1's.
             x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=False)
+        tallies = [r.router_replay.tally for r in self._routers if r.router_replay.tally is not None]
+        if tallies:
+            t = torch.stack(tallies).sum(0)
+            self._route_tally = t if self._route_tally is None else self._route_tally + t
         return x_P1H[:n, 0]
+
+    def _set_routes(self, routes_NW, replay: bool, n: int, p: int) -> None:
+        """Give each MoE layer's router its columns of routes_NW (padded rows: own choice)."""
+        moe = self.config.moe
+        if routes_NW is not None:
+            if moe is None:
+                raise ValueError(f"routes given to {self.config.architecture}, which has no experts")
+            if tuple(routes_NW.shape) != (n, moe.route_width):
+                raise ValueError(f"routes_NW has shape {tuple(routes_NW.shape)}; this model needs "
+                                 f"({n}, {moe.route_width}) (MoE layers {len(moe.moe_layers)} x "
+                                 f"top_k {moe.top_k})")
+            routes_NW = F.pad(routes_NW.long(), (0, 0, 0, p - n), value=-1)
+            if self.sequence_parallel:  # each TP rank routes its contiguous slice of the stream
+                rank, size = parallel_state.get_tensor_model_parallel_rank(), self.tp
+                routes_NW = routes_NW.chunk(size)[rank]
+        for j, router in enumerate(self._routers):
+            hook = router.router_replay
+            hook.replay, hook.tally = replay, None
+            hook.target_NK = (None if routes_NW is None
+                              else routes_NW[:, j * moe.top_k:(j + 1) * moe.top_k])
+
+    def take_route_tally(self) -> tuple[int, int] | None:
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
+        t, self._route_tally = self._route_tally, None
+        return None if t is None else (int(t[0]), int(t[1]))
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):
