@@ -151,3 +151,35 @@ def test_router_aux_loss_is_refused_by_name(tmp_path):
         tmp_path)
     with pytest.raises(ValueError, match="router aux loss .* megatron backend does not compute"):
         load_backend("megatron", str(tmp_path))
+
+
+def test_cli_replay_and_train_with_the_megatron_backend(pair, tmp_path, capsys):
+    """`--backend megatron` on an MoE checkpoint: the reference backend's logprobs and
+    route agreement through the CLI, and a training step."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from treeflow.cli import main
+
+    hf, model, _ = pair
+    if hf.config.model_type != "qwen3_moe":
+        pytest.skip("the CLI path is the same for every family; Qwen3-MoE runs it")
+    eps = str(tmp_path / "ep.parquet")
+    assert main(["synth", "-o", eps, "--episodes", "4", "--group-size", "2", "--max-turns", "3",
+                 "--vocab-size", "61", "--routes-from", model, "--quiet"]) == 0
+    got = {}
+    for backend in ("reference", "megatron"):
+        out = str(tmp_path / f"{backend}.parquet")
+        assert main(["replay", eps, "--model", model, "--backend", backend, "--max-tokens", "4096",
+                     "-o", out, "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        lps = np.concatenate([np.concatenate(ep) for ep in pq.read_table(out).column("logprobs")
+                              .to_pylist()])
+        got[backend] = (lps, summary["route_agreement"])
+    np.testing.assert_allclose(got["megatron"][0], got["reference"][0], rtol=0, atol=1e-5)
+    assert got["megatron"][1] == pytest.approx(got["reference"][1], abs=1e-12)
+    assert main(["replay", eps, "--model", model, "--backend", "megatron", "--mode", "train",
+                 "--steps", "1", "--batch-episodes", "4", "--max-tokens", "4096", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["last"]
+    assert 0.0 <= last["route_agreement"] < 1.0 and np.isfinite(last["loss"])
