@@ -46,3 +46,36 @@ def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype):
         assert diff < TOL[dtype], (layout, diff)
         agree, total = runner.take_route_tally()
         assert total > 0 and agree < total  # perturbed routes: the routers disagree
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_tensor_and_expert_parallel_match_transformers(tmp_path, tp, ep):
+    """TP=2 (sequence parallel; experts split within each expert) or EP=2 (half the experts
+    per GPU) over NCCL: logprobs and every rank's gradient part = transformers call by call
+    (tests/models/megatron_moe_worker.py; float32, tf32 off by default in torch)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core")
+    from tests.models.moe_helpers import hf_model
+    from tests.models.test_megatron_tp import repo_env
+
+    hf_model("qwen2_moe", num_experts=4, vocab_size=64).save_pretrained(tmp_path / "model")
+    out = tmp_path / "result.json"
+    worker = os.path.join(os.path.dirname(__file__), "..", "models", "megatron_moe_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           worker, "--tp", str(tp), "--ep", str(ep), "--device", "cuda", "--out", str(out),
+           str(tmp_path / "model")]
+    proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())
+    for r in ranks:
+        assert r["lp_diff"] < 2e-3, r
+        assert r["grad_rel_diff"] <= 2e-3, r
+        assert r["missing"] == [], r
+        assert 0 < r["tally"][1] and r["tally"][0] < r["tally"][1], r
+    assert {r["experts"] for r in ranks} == {2 * (4 // ep)}, ranks

@@ -183,3 +183,14 @@ def test_cli_replay_and_train_with_the_megatron_backend(pair, tmp_path, capsys):
                  "--steps", "1", "--batch-episodes", "4", "--max-tokens", "4096", "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["last"]
     assert 0.0 <= last["route_agreement"] < 1.0 and np.isfinite(last["loss"])
+
+
+def test_tensor_and_expert_parallel_moe_need_cuda(tmp_path):
+    """megatron-core 0.16.1's MoE dispatcher gathers tokens into a CUDA buffer for TP or EP > 1:
+    refused on CPU by name (tests/gpu/test_gpu_megatron_moe.py runs them on two GPUs)."""
+    hf_model("qwen3_moe", vocab_size=64).save_pretrained(tmp_path)
+    for tp, ep in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=f"tensor_parallel={tp}, expert_parallel={ep} needs CUDA"):
+            load_backend("megatron", str(tmp_path), tensor_parallel=tp, expert_parallel=ep)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by expert_parallel=4"):
+        load_backend("megatron", str(tmp_path), expert_parallel=4)

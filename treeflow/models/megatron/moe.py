@@ -38,8 +38,8 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from treeflow.models.config import ModelConfig
 
-__all__ = ["TreeReplay", "TreeTopKRouter", "moe_config", "moe_hf_to_mcore", "moe_mcore_to_hf",
-           "tree_moe_spec"]
+__all__ = ["TreeReplay", "TreeTopKRouter", "check_expert_parallel", "expert_shard", "moe_config",
+           "moe_hf_to_mcore", "moe_mcore_to_hf", "tree_moe_spec"]
 
 
 class TreeReplay:
@@ -159,4 +159,37 @@ def moe_mcore_to_hf(mc: dict, c: ModelConfig, layer: int, take) -> dict:
                     a + "shared_expert.up_proj.weight": up,
                     a + "shared_expert.down_proj.weight": take(mc, m + "shared_experts.linear_fc2.weight"),
                     a + "shared_expert_gate.weight": take(mc, m + "shared_experts.gate_weight")})
+    return out
+
+
+def check_expert_parallel(c: ModelConfig, tensor_parallel: int, expert_parallel: int) -> None:
+    """Refuse an expert-parallel size the model cannot be split by, and MoE widths TP cannot."""
+    if not isinstance(expert_parallel, int) or expert_parallel < 1:
+        raise ValueError(f"expert_parallel must be an int >= 1, got {expert_parallel!r}")
+    moe = c.moe
+    if moe is None:
+        if expert_parallel > 1:
+            raise ValueError(f"expert_parallel={expert_parallel}: {c.architecture} has no experts")
+        return
+    if moe.num_experts % expert_parallel:
+        raise ValueError(f"num_experts={moe.num_experts} is not divisible by expert_parallel="
+                         f"{expert_parallel}; every rank holds the same number of experts")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(moe, name) % tensor_parallel:
+            raise ValueError(f"{name}={getattr(moe, name)} is not divisible by tensor "
+                             f"parallelism {tensor_parallel}; use another TP size")
+
+
+def expert_shard(state: dict, c: ModelConfig, rank: int, size: int) -> dict:
+    """Expert-parallel rank `rank`'s part: its contiguous block of experts, numbered from 0."""
+    per = c.moe.num_experts // size
+    out = {}
+    for name, t in state.items():
+        head, sep, tail = name.partition(".experts.local_experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, _, rest = tail.partition(".")
+        if rank * per <= int(e) < (rank + 1) * per:
+            out[f"{head}{sep}{int(e) - rank * per}.{rest}"] = t
     return out
