@@ -9,6 +9,9 @@ the cost is a few numpy passes over the exact-call tokens. The DFS pre-order
 is the sorted order, which makes the result deterministic and the subtrees
 contiguous. `chain` is the same construction with sharing allowed only when a
 whole sequence is a prefix of its sorted successor; `exact` allows none.
+With `share_rules="nrl"` the sort keys are NeMo RL's node ids per token
+(stages/_nrl_share.py) instead of (token, route), so the same construction
+builds NeMo RL's exact-call tree (or its compaction, for `chain`).
 
 Legend: C calls, T executed tokens, N nodes, S sampled tokens (occurrences),
 E edges, W route width.

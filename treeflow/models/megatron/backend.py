@@ -65,8 +65,7 @@ from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
                                               unshard_tensor)
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
-from treeflow.models.megatron.moe import (TreeTopKRouter, check_expert_parallel, expert_shard,
-                                          moe_config)
+from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard, moe_config
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 from treeflow.models.rope import Rotary
 
@@ -146,10 +145,9 @@ class MegatronBackend(ModuleBackend):
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.sequence_parallel = bool(model.config.sequence_parallel)
         self._rotary = Rotary(config.head_dim, config.rope_theta)
-        self._routers = [m for m in model.modules() if isinstance(m, TreeTopKRouter)]
-        self._route_tally = None
+        self._routers = Routers(model, config, self.sequence_parallel)
         self.ep = parallel_state.get_expert_model_parallel_world_size()
-        if self._routers:
+        if self._routers.routers:
             # exact logprobs have no stochastic parts; MCore's MoELayer refuses TP without
             # sequence parallelism in training mode only (a speed warning, not a numerics one)
             model.eval()
@@ -228,7 +226,7 @@ class MegatronBackend(ModuleBackend):
         if aux_weights_N is not None:
             raise ValueError("the router aux loss is not computed by the megatron backend; use "
                              "--backend reference, or set output_router_logits to false")
-        self._set_routes(routes_NW, replay, n, p)
+        self._routers.give(routes_NW, replay, n, p)
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
                              f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
@@ -248,31 +246,8 @@ class MegatronBackend(ModuleBackend):
             # (tensor_parallel_output_grad=True) summed it a second time: on two H200s the TP=2
             # step's gradient norm was exactly 2.00x TP=1's.
             x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=False)
-        tallies = [r.router_replay.tally for r in self._routers if r.router_replay.tally is not None]
-        if tallies:
-            t = torch.stack(tallies).sum(0)
-            self._route_tally = t if self._route_tally is None else self._route_tally + t
+        self._routers.collect()
         return x_P1H[:n, 0]
-
-    def _set_routes(self, routes_NW, replay: bool, n: int, p: int) -> None:
-        """Give each MoE layer's router its columns of routes_NW (padded rows: own choice)."""
-        moe = self.config.moe
-        if routes_NW is not None:
-            if moe is None:
-                raise ValueError(f"routes given to {self.config.architecture}, which has no experts")
-            if tuple(routes_NW.shape) != (n, moe.route_width):
-                raise ValueError(f"routes_NW has shape {tuple(routes_NW.shape)}; this model needs "
-                                 f"({n}, {moe.route_width}) (MoE layers {len(moe.moe_layers)} x "
-                                 f"top_k {moe.top_k})")
-            routes_NW = F.pad(routes_NW.long(), (0, 0, 0, p - n), value=-1)
-            if self.sequence_parallel:  # each TP rank routes its contiguous slice of the stream
-                rank, size = parallel_state.get_tensor_model_parallel_rank(), self.tp
-                routes_NW = routes_NW.chunk(size)[rank]
-        for j, router in enumerate(self._routers):
-            hook = router.router_replay
-            hook.replay, hook.tally = replay, None
-            hook.target_NK = (None if routes_NW is None
-                              else routes_NW[:, j * moe.top_k:(j + 1) * moe.top_k])
 
     def _refuse_expert_parallel(self, what: str) -> None:
         if self.ep > 1:
@@ -282,8 +257,7 @@ class MegatronBackend(ModuleBackend):
 
     def take_route_tally(self) -> tuple[int, int] | None:
         """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
-        t, self._route_tally = self._route_tally, None
-        return None if t is None else (int(t[0]), int(t[1]))
+        return self._routers.take()
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):

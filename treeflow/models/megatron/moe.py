@@ -31,14 +31,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from treeflow.models.config import ModelConfig
 
-__all__ = ["TreeReplay", "TreeTopKRouter", "check_expert_parallel", "expert_shard", "moe_config",
+__all__ = ["Routers", "TreeReplay", "TreeTopKRouter", "check_expert_parallel", "expert_shard", "moe_config",
            "moe_hf_to_mcore", "moe_mcore_to_hf", "tree_moe_spec"]
 
 
@@ -84,6 +86,55 @@ class TreeTopKRouter(TopKRouter):
                                                                   input.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
+class Routers:
+    """The replaying routers of one GPTModel, in layer order: routes in, agreement out."""
+
+    def __init__(self, model, config: ModelConfig, sequence_parallel: bool) -> None:
+        self.routers = [m for m in model.modules() if isinstance(m, TreeTopKRouter)]
+        self.config, self.sequence_parallel = config, sequence_parallel
+        self.tally: torch.Tensor | None = None
+
+    def give(self, routes_NW: torch.Tensor | None, replay: bool, n: int, p: int) -> None:
+        """Each MoE layer's columns of routes_NW [n, MoE layers x top_k] for a bin of p
+        tokens (padded rows: the router's choice); under sequence parallelism each TP rank
+        routes its contiguous slice of the stream."""
+        moe = self.config.moe
+        if routes_NW is not None:
+            if moe is None:
+                raise ValueError(f"routes given to {self.config.architecture}, which has no experts")
+            if tuple(routes_NW.shape) != (n, moe.route_width):
+                raise ValueError(f"routes_NW has shape {tuple(routes_NW.shape)}; this model needs "
+                                 f"({n}, {moe.route_width}) (MoE layers {len(moe.moe_layers)} x "
+                                 f"top_k {moe.top_k})")
+            routes_NW = F.pad(routes_NW.long(), (0, 0, 0, p - n), value=-1)
+            if self.sequence_parallel:
+                routes_NW = routes_NW.chunk(parallel_state.get_tensor_model_parallel_world_size())[
+                    parallel_state.get_tensor_model_parallel_rank()]
+        for j, router in enumerate(self.routers):
+            hook = router.router_replay
+            hook.replay, hook.tally = replay, None
+            hook.target_NK = (None if routes_NW is None
+                              else routes_NW[:, j * moe.top_k:(j + 1) * moe.top_k])
+
+    def collect(self) -> None:
+        """Add the forward's (agreeing, replayed) rows of every layer to the running tally."""
+        tallies = [r.router_replay.tally for r in self.routers if r.router_replay.tally is not None]
+        if tallies:
+            t = torch.stack(tallies).sum(0)
+            self.tally = t if self.tally is None else self.tally + t
+
+    def take(self) -> tuple[int, int] | None:
+        """The tally since the last take (summed over the TP group under sequence parallelism:
+        each rank routed its slice), or None."""
+        t, self.tally = self.tally, None
+        if t is None:
+            return None
+        if self.sequence_parallel:
+            t = t.clone()
+            dist.all_reduce(t, group=parallel_state.get_tensor_model_parallel_group())
+        return int(t[0]), int(t[1])
 
 
 def tree_moe_spec(mlp_spec, column, row):
