@@ -174,6 +174,18 @@ def test_a_later_shorter_call_shares_its_unexecuted_final_token():
     assert got["default"] == [S([1, 2, 3], [0, 0, 0], S([4], [9]), S([4, 5], [7, -1]))]
 
 
+def test_a_missing_route_at_an_earlier_calls_end_is_filled_from_it():
+    # c2 extends c1 but recorded -1 (no route) at c1's final token (row 3): NeMo RL does not
+    # compare that row (not executed by c1; a sentinel in c2's terminal check is a wildcard),
+    # so c2 runs c1's captured route 1 there. The default cuts at the -1 and lets the router
+    # choose, as the exact layout does: the one place where the nrl tree differs from exact.
+    t = _table(([1, 2, 3, 4], 3, [0, 0, 0, 1], None),
+               ([1, 2, 3, 4, 5, 6], 5, [0, 0, 0, -1, 0, -1], None))
+    got = _layouts(t, "tree")
+    assert got["nrl"] == [S([1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 0, -1])]
+    assert got["default"] == [S([1, 2, 3], [0, 0, 0], S([4], [1]), S([4, 5, 6], [-1, 0, -1]))]
+
+
 def test_compaction_keeps_overlapping_samples_and_duplicates_apart():
     # chain: c1 is a strict prefix of c2, but its sampled span [2, 4) overlaps c2's [2, 5)
     # -> two paths; the default merges them (two occurrences on one node). The nrl tree
@@ -238,3 +250,64 @@ def test_cli_plan_share_rules(tmp_path, capsys):
         assert main(["plan", eps, "--max-tokens", "64", "--share-rules", rules, "--json"]) == 0
         got[rules] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["default"]["layout_tokens"] == 7 and got["nrl"]["layout_tokens"] == 11, got
+
+
+def _random_calls(draw, st, routed: bool, meta: bool):
+    """An episode of 1-5 calls over a 3-token vocabulary (so prefixes meet), each a prefix of
+    a shared stream with random edits, random one-id routes (-1 included) and metadata."""
+    n = draw(st.integers(1, 5))
+    base = draw(st.lists(st.integers(1, 3), min_size=2, max_size=12))
+    calls = []
+    for _ in range(n):
+        toks = list(base[:draw(st.integers(2, len(base)))])
+        if draw(st.booleans()):
+            toks[draw(st.integers(1, len(toks) - 1))] = draw(st.integers(1, 3))
+        toks += draw(st.lists(st.integers(1, 3), max_size=3))
+        start = draw(st.integers(1, len(toks)))
+        routes = [draw(st.sampled_from([0, 0, 1, -1])) for _ in toks] if routed else None
+        ex = None
+        if meta and draw(st.booleans()):
+            ex = {"replica_id": draw(st.sampled_from(["a", "b"])), "kv_block_size": 2,
+                  "kv_hash_block_size": 2, "weight_version": draw(st.integers(0, 1)),
+                  "kv_cached_tokens": draw(st.sampled_from([None, 0, 3, 8]))}
+        calls.append((toks, start, routes, ex))
+    return calls
+
+
+def test_nrl_layouts_hold_every_call_exactly():
+    """Any calls, routes and metadata: under the nrl rule every sampled token's edge ends at
+    its call's own prefix, and every node a call uses as an input carries that call's route
+    (what makes a shared node's recomputation the call's own) unless the call recorded none
+    there; without routes and metadata
+    the nrl tree is the default's."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=80, deadline=None)
+    @given(st.data(), st.booleans(), st.booleans())
+    def check(data, routed, meta):
+        calls = _random_calls(data.draw, st, routed, meta)
+        table = _table(*calls)
+        for layout in ("tree", "chain"):
+            row = Pack(layout=layout, share_rules="nrl")(table).to_pylist()[0]
+            _check_occurrences(table, row)
+            if not routed:
+                continue
+            parents, routes = row["parents"], row["routes"]
+            # each occurrence's sources are inputs of its call: they carry its recorded route,
+            # except where the record misses one (-1) and NeMo RL fills it in (next test)
+            calls_list = table.column("calls").to_pylist()[0]
+            for k, off, e in zip(row["occ_call"], row["occ_offset"], row["occ_edge"]):
+                node, depth = parents[row["edge_nodes"][e]], calls_list[k]["sampled_start"] + off - 1
+                while node >= 0:  # the sources: inputs of call k at depths <= depth
+                    own = calls_list[k]["routed_experts"][depth][0]
+                    assert routes[node] == [own] or own == -1, (layout, k, depth)
+                    node, depth = parents[node], depth - 1
+        if not routed and not meta:
+            for layout in ("tree", "chain"):
+                default = Pack(layout=layout, scope="episode")(table).to_pylist()[0]
+                nrl = Pack(layout=layout, share_rules="nrl")(table).to_pylist()[0]
+                if layout == "tree":
+                    assert segments(default) == segments(nrl)
+
+    check()

@@ -26,10 +26,13 @@ The rules are expressed as one node id per token: calls share a node iff they sh
 an id, so Pack's sort-and-LCP construction over the ids builds exactly NeMo RL's
 tree, in its DFS order (children in creation order). The trade-off is a Python loop
 over call pairs of a scope (tens per rollout), each pair compared with numpy: this
-option reproduces NeMo RL, it is not the fast path. Both rules are exact: a shared
-node has the same token and, wherever it is an input, the same route in every call on
-it; the only rows NeMo RL shares without comparing routes are a call's final token,
-which feeds no logprob of that call (its route matters only to the calls that continue).
+option reproduces NeMo RL, it is not the fast path. It is exact (a shared node has the
+same token and, wherever it is an input, the same route in every call on it) when every
+call records the route of every row it ran as an input, as NeMo Gym's captures do (-1
+only on a call's final token): the rows NeMo RL shares without comparing routes are a
+call's final token, which feeds no logprob of that call. The one exception is a call
+that recorded -1 at the final token of an earlier call it extends: NeMo RL runs the
+earlier call's captured route there, where the exact layout lets the router choose.
 
 Legend: C calls, T tokens (all calls), W route width.
 """
