@@ -84,7 +84,8 @@ class TreeTopKRouter(TopKRouter):
         """Router logits [N, X] in the router dtype (float32 by default), on the input's device."""
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
                                                                   input.dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
+        bias = getattr(self, "bias", None)
+        bias = None if bias is None else bias.to(dtype)
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
@@ -139,7 +140,13 @@ class Routers:
 
 def tree_moe_spec(mlp_spec, column, row):
     """MCore's local MoE spec with TreeTopKRouter and the given linears (spec.py's)."""
-    subs = mlp_spec.submodules
+    from treeflow.models.megatron.spec import _mlp_submodules, _with_mlp_submodules
+
+    subs = _mlp_submodules(mlp_spec)
+    if not all(hasattr(subs, k) for k in ("experts", "shared_experts", "router")):
+        raise ValueError(f"this megatron-core's local MoE spec has submodules {subs!r}, not "
+                         "MoESubmodules(experts, shared_experts, router); treeflow's MoE spec "
+                         "needs updating for it")
     if subs.experts.module is not SequentialMLP or (
             subs.shared_experts is not None and subs.shared_experts.module is not SharedExpertMLP):
         raise ValueError("this megatron-core's local MoE spec no longer uses SequentialMLP / "
@@ -150,7 +157,7 @@ def tree_moe_spec(mlp_spec, column, row):
     shared = None if subs.shared_experts is None else dataclasses.replace(
         subs.shared_experts, submodules=dataclasses.replace(subs.shared_experts.submodules,
                                                             **linears))
-    return dataclasses.replace(mlp_spec, submodules=dataclasses.replace(
+    return _with_mlp_submodules(mlp_spec, dataclasses.replace(
         subs, experts=experts, shared_experts=shared, router=TreeTopKRouter))
 
 
