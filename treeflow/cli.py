@@ -276,7 +276,8 @@ def _replay(args) -> int:
                           routing=args.routing, allow_nonfinite=args.allow_nonfinite)
         # Shard balances the bins over the ranks (the Ray engine's forward actors) by the
         # model's own cost; a context-parallel group holds bins of C x --max-tokens
-        pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
+        pipe = Pipeline(Pack(layout=args.layout, scope=args.scope,
+                             share_rules=args.share_rules),
                         Fragment(max_tokens=args.max_tokens * args.context_parallel),
                         Shard(num_ranks=args.ranks, cost=CostModel.from_config(
                             forward.model_config(), training=False)), forward,
@@ -369,6 +370,10 @@ def model_options(s) -> None:
                         "(pip install 'treeflow[megatron]')")
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
+                   help="prefix sharing: default (every token whose recomputation is identical) "
+                        "or nrl (NeMo RL's exact-call rules: replica, weight-version and "
+                        "KV-page cuts from the calls' execution metadata)")
     s.add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -469,6 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("files", nargs="+")
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
+                   help="prefix sharing: default (every token whose recomputation is identical) "
+                        "or nrl (NeMo RL's exact-call rules: replica, weight-version and "
+                        "KV-page cuts from the calls' execution metadata)")
     s.add_argument("--max-tokens", type=int, required=True)
     s.add_argument("--ranks", type=int, default=1)
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",

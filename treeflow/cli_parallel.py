@@ -53,6 +53,10 @@ def check_tensor_parallel_options(args, *, train: bool) -> None:
     config = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.from_hf_dir(
         model_dir(args.model))
     check_tensor_parallel(config, tp)
+    if config.moe is not None and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--tensor-parallel {tp} with {config.architecture} needs CUDA: "
+                         "megatron-core's MoE token dispatcher gathers the ranks' tokens on the "
+                         "current CUDA device; use --device cuda, or --tensor-parallel 1 on CPU")
     _process_count(args, "--tensor-parallel", tp, train=train)
 
 

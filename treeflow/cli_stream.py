@@ -288,7 +288,8 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
 
     import pyarrow as pa
 
-    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
+    pipe = Pipeline(Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
+                    Fragment(max_tokens=args.max_tokens),
                     forward_stage(args, args.entropy), Reassemble(entropy=args.entropy))
     one_file = "file" in out
     source = QueueSource(episodes_per_step=args.window, consumer=args.consumer,

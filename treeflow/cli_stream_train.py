@@ -151,7 +151,8 @@ def _stream_train(args, queue, dp) -> dict | None:
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
     # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
-    pipe = Pipeline(*advantage_stages(args), Pack(layout=args.layout, scope=args.scope),
+    pipe = Pipeline(*advantage_stages(args),
+                    Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
                     Fragment(max_tokens=args.max_tokens, ranks=world),
                     *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
     on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)

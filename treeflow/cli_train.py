@@ -155,8 +155,10 @@ def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:
 
     budget = args.max_tokens * getattr(args, "context_parallel", 1)
     if world == 1:
-        return (Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=budget))
-    return (Pack(layout=args.layout, scope=args.scope, ranks=world, rank=rank, exchange=exchange),
+        return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
+                Fragment(max_tokens=budget))
+    return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules, ranks=world,
+                 rank=rank, exchange=exchange),
             Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
 
 

@@ -259,18 +259,6 @@ def test_recomputation_keeps_values_gradients_and_agreement(pair, rows, recomput
     assert all(torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9) for n in g0)
 
 
-def test_megatron_backend_refuses_moe_by_name(tmp_path):
-    from tests.deps import require
-
-    require("megatron.core", extra="megatron")
-    from treeflow.models import load_backend
-
-    hf_model("mixtral").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="MixtralForCausalLM: the megatron backend does not run "
-                                         "MoE"):
-        load_backend("megatron", tmp_path)
-
-
 def test_experts_run_in_the_autocast_dtype():
     """Under mixed precision (autocast over float32 weights) the expert matmuls run in the
     autocast dtype, like every F.linear around them: autocast does not cover

@@ -258,6 +258,13 @@ def _file_case(kind):
             (tmp / "ck" / "dcp").mkdir(parents=True)
             (tmp / "ck" / "dcp" / ".metadata").write_bytes(b"\x80\x04N.")
             return ["replay", good, *TRAIN, "--resume", tmp / "ck"], ["ck", "--trust-checkpoint"]
+        if kind in ("megatron-moe-tp-cpu", "megatron-moe-aux"):
+            model = _moe_dir(tmp / "moe", aux=kind == "megatron-moe-aux", kv_heads=2)
+            if kind == "megatron-moe-aux":
+                return ["replay", good, "-o", tmp / "o.arrow", "--model", model, "--backend",
+                        "megatron"], ["router aux loss", "--backend reference"]
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", model, "--backend",
+                    "megatron", "--tensor-parallel", "2"], ["--tensor-parallel 2", "needs CUDA"]
         if kind in ("moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes"):
             model = _moe_dir(tmp / "moe", capacity=kind == "moe-capacity",
                              aux=kind == "moe-aux-no-routes")
@@ -311,6 +318,14 @@ def _file_case(kind):
             (tmp / "log.jsonl").write_text(bad + "\n")
             return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "openai"], \
                 ["log.jsonl line 1"]
+        if kind == "nemo-rl-replica-disagrees":
+            msgs = [{"role": "user", "token_ids": [1, 2], "ng_generation_replica_id": "a"},
+                    {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5],
+                     "ng_generation_replica_id": "b"}]
+            (tmp / "log.jsonl").write_text(json.dumps({"message_log": [msgs], "total_reward": 1.0})
+                                           + "\n")
+            return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "nemo-rl"], \
+                ["log.jsonl line 1", "ng_generation_replica_id"]
         if kind == "close-when":
             return ["stream", "--from", good, "-o", tmp / "o.arrow", "--close-when", "sometimes"], \
                 ["--close-when sometimes", "first"]
@@ -388,13 +403,13 @@ def _queue_case(kind, tmp, good):
     raise AssertionError(kind)
 
 
-def _moe_dir(path, *, capacity: bool = False, aux: bool = False) -> str:
+def _moe_dir(path, *, capacity: bool = False, aux: bool = False, kv_heads: int = 1) -> str:
     """A tiny Qwen3-MoE checkpoint (1 layer, top-2: routes of width 2), saved by treeflow."""
     from treeflow.models import ModelConfig, load_model, save_model
 
     d = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=16,
              intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             num_key_value_heads=kv_heads, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
              output_router_logits=aux, router_aux_loss_coef=0.01)
     save_model(load_model(ModelConfig.from_hf_dict(d)), path)
     if capacity:
@@ -424,7 +439,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "queue-tcp-no-port", "queue-tcp-no-secret", "queue-secret-mode", "queue-secret-not-hex",
          "queue-secret-unix", "queue-tcp-wrong-secret",
          # issue 25
-         "compile-cache-open"]
+         "compile-cache-open",
+         # issue 22
+         "nemo-rl-replica-disagrees", "megatron-moe-tp-cpu", "megatron-moe-aux"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -5,7 +5,10 @@ Field names follow NeMo RL (`nemo_rl/data/interfaces.py`, `experience/rollouts.p
 assistant message that the policy generated also carries `generation_logprobs`
 (one per token of the message) and, with router replay, `routed_experts`
 (one row per token, [layers, top_k] each, -1 for a route vLLM did not
-capture). Tensors are logged as nested lists (`tensor.tolist()`).
+capture). Tensors are logged as nested lists (`tensor.tolist()`). An exact
+call's NeMo Gym execution metadata (`ng_generation_replica_id`,
+`ng_generation_weight_version`, `ng_kv_cache_*`) goes to the call's
+`execution` struct, which `--share-rules nrl` reads.
 
 Two shapes are read from the `message_log` field:
 - a flat message log (NeMo RL's multi-turn rollouts): every generated
@@ -108,7 +111,9 @@ class NemoRLMessageLog:
                              "message; each exact call must end in what it sampled")
         if not prompt:
             raise ValueError(f"{w}: the call has no prompt tokens before its generated message")
-        return _call(prompt, ids, last, routes, _routes(last, len(ids), w), w)
+        call = _call(prompt, ids, last, routes, _routes(last, len(ids), w), w)
+        call["execution"] = _execution(messages, where)
+        return call
 
 
 def _call(prompt, ids, msg, routes, msg_routes, where) -> dict:
@@ -118,6 +123,30 @@ def _call(prompt, ids, msg, routes, msg_routes, where) -> dict:
     all_routes = _extend_routes(routes, msg_routes, len(prompt), len(ids), where)
     return {"token_ids": prompt + ids, "sampled_start": len(prompt), "generation_logprobs": lps,
             "loss_mask": None, "advantages": None, "routed_experts": all_routes}
+
+
+# NeMo Gym's per-message execution metadata -> the call's `execution` struct (schemas/episode.py)
+_EXECUTION = {"ng_generation_replica_id": ("replica_id", str),
+              "ng_generation_weight_version": ("weight_version", int),
+              "ng_kv_cache_scheduler_block_size": ("kv_block_size", int),
+              "ng_kv_cache_hash_block_size": ("kv_hash_block_size", int),
+              "ng_kv_cache_num_cached_tokens": ("kv_cached_tokens", int)}
+
+
+def _execution(messages: list[dict], where: str) -> dict | None:
+    """The call's engine metadata: each ng_* field must agree over the messages that set it."""
+    out = {}
+    for key, (name, typ) in _EXECUTION.items():
+        given = [m[key] for m in messages if m.get(key) is not None]
+        bad = [v for v in given if not isinstance(v, typ) or isinstance(v, bool)]
+        if bad:
+            kind = "an int" if typ is int else "a string"
+            raise ValueError(f"{where}: field {key!r} is {bad[0]!r}; give {kind} (or leave it out)")
+        if len(set(given)) > 1:
+            raise ValueError(f"{where}: the call's messages disagree on {key!r}: {sorted(set(given))}; "
+                             "one call runs on one engine replica under one weight version")
+        out[name] = given[0] if given else None
+    return out if any(v is not None for v in out.values()) else None
 
 
 def _routes(msg: dict, n: int, where: str) -> list[list[int]] | None:

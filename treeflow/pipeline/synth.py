@@ -241,6 +241,7 @@ def _calls_array(rng, tokens_N, lens_C, starts_C, calls_E, advantage_E, dup_call
         pa.ListArray.from_arrays(_offsets(adv_lens), pa.array(adv_vals),
                                  mask=pa.array(~has_adv_C)),
         _routes_array(rng, tokens_N, lens_C, starts_C, *routes),
+        pa.nulls(len(lens_C), CALL_TYPE.field("execution").type),
     ]
     return pa.StructArray.from_arrays(children, fields=list(CALL_TYPE))
 

@@ -19,6 +19,18 @@ import pyarrow.dataset as pads
 
 from treeflow.schemas._strict import refuse_lossy_cast, warn_unknown_columns
 
+EXECUTION_TYPE = pa.struct(
+    [
+        pa.field("replica_id", pa.string(), metadata={"doc": "ng_generation_replica_id"}),
+        pa.field("weight_version", pa.int64(), metadata={"doc": "ng_generation_weight_version"}),
+        pa.field("kv_block_size", pa.int64(),
+                 metadata={"doc": "ng_kv_cache_scheduler_block_size: KV page, tokens"}),
+        pa.field("kv_hash_block_size", pa.int64(), metadata={"doc": "ng_kv_cache_hash_block_size"}),
+        pa.field("kv_cached_tokens", pa.int64(),
+                 metadata={"doc": "ng_kv_cache_num_cached_tokens: prefix served from the cache"}),
+    ]
+)
+
 CALL_TYPE = pa.struct(
     [
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False,
@@ -33,6 +45,9 @@ CALL_TYPE = pa.struct(
                  metadata={"doc": "per sampled token; overrides the episode advantage"}),
         pa.field("routed_experts", pa.list_(pa.list_(pa.int16())),
                  metadata={"doc": "MoE route per token (all tokens); constrains prefix sharing"}),
+        pa.field("execution", EXECUTION_TYPE,
+                 metadata={"doc": "where the engine ran the call (NeMo Gym's ng_* fields); "
+                                  "read by --share-rules nrl only"}),
     ]
 )
 

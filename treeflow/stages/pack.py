@@ -9,6 +9,9 @@ the cost is a few numpy passes over the exact-call tokens. The DFS pre-order
 is the sorted order, which makes the result deterministic and the subtrees
 contiguous. `chain` is the same construction with sharing allowed only when a
 whole sequence is a prefix of its sorted successor; `exact` allows none.
+With `share_rules="nrl"` the sort keys are NeMo RL's node ids per token
+(stages/_nrl_share.py) instead of (token, route), so the same construction
+builds NeMo RL's exact-call tree (or its compaction, for `chain`).
 
 Legend: C calls, T executed tokens, N nodes, S sampled tokens (occurrences),
 E edges, W route width.
@@ -31,6 +34,7 @@ from treeflow.stages.base import Stage
 
 LAYOUTS = ("tree", "chain", "exact")
 SCOPES = ("episode", "group")
+SHARE_RULES = ("default", "nrl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +46,11 @@ class Pack(Stage):
     scope: for "tree", share across the episodes of a group ("group") or only
     inside an episode ("episode"); default: "group" when the window has
     group ids, else "episode". chain and exact always use episode scope.
+    share_rules: "default" shares every token whose recomputation is identical (same tokens
+    and routes; a final sentinel route is a wildcard); "nrl" reproduces NeMo RL's exact-call
+    sharing bit for bit (stages/_nrl_share.py: cuts at replica / weight-version mismatches
+    and page-aligned route cuts from the calls' `execution` metadata). Both are exact: "nrl"
+    only shares less. It needs layout "tree" or "chain".
     ranks, rank: lay out only rank `rank`'s share of the window for `ranks` data-parallel
     ranks: its trees, dealt from per-tree summaries (stages/_share.py), and the trees whose bins
     it shares with other ranks (their `share` column); give `Fragment` the same ranks and rank.
@@ -59,6 +68,7 @@ class Pack(Stage):
 
     layout: Literal["tree", "chain", "exact"] = "tree"
     scope: Literal["episode", "group"] | None = None
+    share_rules: Literal["default", "nrl"] = "default"
     ranks: int = 1
     rank: int | None = None
     balance: Literal["exact", "estimate"] = "exact"
@@ -73,6 +83,14 @@ class Pack(Stage):
         if self.scope == "group" and self.layout != "tree":
             raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
                              "shares across episodes; use layout='tree' or scope='episode'")
+        if self.share_rules not in SHARE_RULES:
+            raise ValueError(f"Pack(share_rules={self.share_rules!r}): choose one of {SHARE_RULES}")
+        if self.share_rules == "nrl" and self.layout == "exact":
+            raise ValueError("Pack(layout='exact', share_rules='nrl'): the exact layout shares "
+                             "nothing, so sharing rules have no effect; use layout 'tree' or "
+                             "'chain', or share_rules='default'")
+        if self.share_rules == "nrl" and self.scope is None:  # NeMo RL builds one tree per rollout
+            object.__setattr__(self, "scope", "episode")
         _check_rank(self)
         if self.balance not in ("exact", "estimate"):
             raise ValueError(f"Pack(balance={self.balance!r}): choose 'exact' or 'estimate'")
@@ -88,7 +106,8 @@ class Pack(Stage):
             raise TypeError("Pack takes validated episodes: pass the table through "
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
         if self.rank is None:
-            return pack(episodes, layout=self.layout, scope=self.scope, step=step)
+            return pack(episodes, layout=self.layout, scope=self.scope, step=step,
+                        share_rules=self.share_rules)
         exact = self.balance == "exact" and self.ranks > 1
         if exact and self.exchange is None:
             raise ValueError(f"Pack(ranks={self.ranks}, rank={self.rank}, balance='exact') needs "
@@ -97,7 +116,7 @@ class Pack(Stage):
                              "balance='estimate'")
         return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
                           ranks=self.ranks, rank=self.rank,
-                          exchange=self.exchange if exact else None)
+                          exchange=self.exchange if exact else None, share_rules=self.share_rules)
 
 
 def _check_rank(stage) -> None:
@@ -111,14 +130,14 @@ def _check_rank(stage) -> None:
 
 
 def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,
-               rank: int, exchange=None) -> pa.Table:
+               rank: int, exchange=None, share_rules: str = "default") -> pa.Table:
     """Layouts of rank `rank`'s share (stages/_share.py, stages/_exchange.py); layout_id is the
     tree's index in the step."""
     from treeflow.stages._exchange import pack_share as share
     from treeflow.stages.shard import CostModel
 
     return share(episodes, layout=layout, scope=scope, step=step, ranks=ranks, rank=rank,
-                 cost=CostModel.llama_1b(), exchange=exchange)
+                 cost=CostModel.llama_1b(), exchange=exchange, share_rules=share_rules)
 
 
 def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarray, list[str]]:
@@ -229,13 +248,21 @@ def _prev_smaller(lcp: np.ndarray) -> np.ndarray:
     return ps
 
 
-def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, step: int = 0) -> pa.Table:
+def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, step: int = 0,
+         share_rules: str = "default") -> pa.Table:
     if episodes.num_rows == 0:
         return LAYOUT_SCHEMA.empty_table()
     calls = Calls.from_table(episodes)
+    if share_rules == "nrl" and scope is None:
+        scope = "episode"
     row_scope, scope_names = _scope_keys(calls, layout, scope)
     call_scope = row_scope[calls.call_row_C]
-    order, lcp, routes_TW = _order_and_lcp(calls, call_scope, layout)
+    if share_rules == "nrl" and layout != "exact":
+        from treeflow.stages._nrl_share import nrl_order_and_lcp
+
+        order, lcp, routes_TW = nrl_order_and_lcp(episodes, calls, call_scope, layout)
+    else:
+        order, lcp, routes_TW = _order_and_lcp(calls, call_scope, layout)
 
     # sequences in DFS order: each adds nodes for depths [lcp, len)
     len_o = calls.len_C[order]

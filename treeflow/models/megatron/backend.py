@@ -65,28 +65,29 @@ from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
                                               unshard_tensor)
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
+from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard, moe_config
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 from treeflow.models.rope import Rotary
 
 __all__ = ["MegatronBackend", "build_gpt_model"]
 
 
-def _refuse_moe(c: ModelConfig) -> None:
-    if c.moe is not None or c.qk_norm:
-        raise ValueError(f"{c.architecture}: the megatron backend does not run MoE (or q/k-norm) "
-                         "models yet; use --backend reference, which runs them with routing "
-                         "replay")
+def _refuse_moe(c: ModelConfig) -> None:  # before the whole checkpoint is loaded
+    """What the megatron backend's MoE layers (megatron/moe.py) cannot honour, by name."""
+    moe_config(c)  # refuses the router aux loss
 
 
 def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                    sequence_parallel: bool = False) -> GPTModel:
+                    sequence_parallel: bool = False, expert_parallel: int = 1) -> GPTModel:
     """An MCore GPTModel of the HF config's shape (this rank's shard), parameters on CPU, uninitialised."""
     _refuse_moe(c)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if c.vocab_size % tp:
         raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tensor parallelism {tp}; "
                          "the vocab-parallel output layer needs equal shards (use another TP size)")
+    moe = c.moe
     config = TransformerConfig(
+        **moe_config(c, expert_parallel=expert_parallel), qk_layernorm=c.qk_norm,
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
         ffn_hidden_size=c.intermediate_size, kv_channels=c.head_dim,
@@ -101,7 +102,10 @@ def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
     )
-    model = GPTModel(config, tree_block_spec(c.num_hidden_layers), vocab_size=c.vocab_size,
+    spec = tree_block_spec(c.num_hidden_layers, qk_norm=c.qk_norm,
+                           experts=None if moe is None else moe.num_experts,
+                           moe_layers=() if moe is None else moe.moe_layers)
+    model = GPTModel(config, spec, vocab_size=c.vocab_size,
                      max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
                      position_embedding_type="rope", rotary_base=int(c.rope_theta),
                      share_embeddings_and_output_weights=c.tie_word_embeddings,
@@ -141,12 +145,24 @@ class MegatronBackend(ModuleBackend):
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.sequence_parallel = bool(model.config.sequence_parallel)
         self._rotary = Rotary(config.head_dim, config.rope_theta)
+        self._routers = Routers(model, config, self.sequence_parallel)
+        self.ep = parallel_state.get_expert_model_parallel_world_size()
+        if self._routers.routers:
+            # exact logprobs have no stochastic parts; MCore's MoELayer refuses TP without
+            # sequence parallelism in training mode only (a speed warning, not a numerics one)
+            model.eval()
 
     @classmethod
     def load(cls, source: str | os.PathLike | ModelConfig, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", tensor_parallel: int = 1,
-             sequence_parallel: bool | None = None) -> "MegatronBackend":
-        """Load "tiny", a ModelConfig or a local HF checkpoint into this rank's GPTModel shard."""
+             sequence_parallel: bool | None = None, expert_parallel: int = 1
+             ) -> "MegatronBackend":
+        """Load "tiny", a ModelConfig or a local HF checkpoint into this rank's GPTModel shard.
+
+        expert_parallel: the MoE layers' experts are split over that many ranks (MCore's
+        expert-model-parallel group); every rank of that group must run every bin with the
+        others (the dispatcher gathers their tokens). Forward and backward only: training
+        steps and export refuse it (see clip_grad_norm)."""
         if isinstance(source, ModelConfig):
             _refuse_moe(source)
         elif source != "tiny" and os.path.isdir(source):  # before loading the whole checkpoint
@@ -158,11 +174,22 @@ class MegatronBackend(ModuleBackend):
             raise ValueError(f"the megatron backend runs attention decoders only; "
                              f"{config.architecture} has Mamba-2 layers and/or MTP layers "
                              "(multi-token prediction): use --backend reference")
-        init_parallel(tensor_parallel, device)
+        check_expert_parallel(config, tensor_parallel, expert_parallel)
+        if config.moe is not None and (tensor_parallel > 1 or expert_parallel > 1) \
+                and device.type != "cuda":
+            raise ValueError(f"{config.architecture} with tensor_parallel={tensor_parallel}, "
+                             f"expert_parallel={expert_parallel} needs CUDA: megatron-core's MoE "
+                             "token dispatcher gathers the ranks' tokens into a buffer on the "
+                             "current CUDA device; use tensor_parallel=1 and expert_parallel=1 "
+                             "on CPU")
+        init_parallel(tensor_parallel, device, expert_parallel)
         check_tensor_parallel(config, tensor_parallel)
         full = hf_to_mcore(reference.state_dict(), config)
         del reference
         part = shard(full, parallel_state.get_tensor_model_parallel_rank(), tensor_parallel)
+        if expert_parallel > 1:
+            part = expert_shard(part, config, parallel_state.get_expert_model_parallel_rank(),
+                                expert_parallel)
         if sequence_parallel is None:
             sequence_parallel = tensor_parallel > 1 and device.type == "cuda"
         if sequence_parallel and device.type != "cuda":
@@ -170,7 +197,8 @@ class MegatronBackend(ModuleBackend):
                              "collectives allocate on the current CUDA device; use "
                              "sequence_parallel=False on CPU")
         sp = sequence_parallel
-        model = build_gpt_model(config, dtype=dtype, sequence_parallel=sp)
+        model = build_gpt_model(config, dtype=dtype, sequence_parallel=sp,
+                                expert_parallel=expert_parallel)
         _load_exact(model, part)
         return cls(model.to(device=device), config)
 
@@ -188,8 +216,17 @@ class MegatronBackend(ModuleBackend):
                              pad_to=pad_to)
 
     def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
-                      plan: AttentionPlan) -> torch.Tensor:
+                      plan: AttentionPlan, routes_NW: torch.Tensor | None = None,
+                      replay: bool = True, aux_weights_N: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """routes_NW: captured expert ids per token (MoE layers x top_k, -1 = the router's
+        choice), replayed by every MoE layer's router (megatron/moe.py); replay=False lets
+        the routers choose and only counts their agreement."""
         n, p = tokens_N.shape[0], plan.num_tokens
+        if aux_weights_N is not None:
+            raise ValueError("the router aux loss is not computed by the megatron backend; use "
+                             "--backend reference, or set output_router_logits to false")
+        self._routers.give(routes_NW, replay, n, p)
         if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
             raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
                              f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
@@ -209,7 +246,18 @@ class MegatronBackend(ModuleBackend):
             # (tensor_parallel_output_grad=True) summed it a second time: on two H200s the TP=2
             # step's gradient norm was exactly 2.00x TP=1's.
             x_P1H = gather_from_sequence_parallel_region(x_P1H, tensor_parallel_output_grad=False)
+        self._routers.collect()
         return x_P1H[:n, 0]
+
+    def _refuse_expert_parallel(self, what: str) -> None:
+        if self.ep > 1:
+            raise ValueError(f"expert_parallel={self.ep}: the megatron backend runs forward and "
+                             f"backward with experts split over ranks, not {what}; use "
+                             "expert_parallel=1 (tensor parallelism splits the experts too)")
+
+    def take_route_tally(self) -> tuple[int, int] | None:
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
+        return self._routers.take()
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):
@@ -228,6 +276,8 @@ class MegatronBackend(ModuleBackend):
         finalize_model_grads does the same). The norm counts every sharded
         parameter on every rank and every replicated one once.
         """
+        self._refuse_expert_parallel("training steps (gradient norms and the data-parallel "
+                                     "gradient sum would mix different experts' gradients)")
         params = [p for p in self.module.parameters() if p.grad is not None]
         if not params:
             return 0.0
@@ -258,6 +308,7 @@ class MegatronBackend(ModuleBackend):
         only send their shards (they never hold an unsharded tensor). At T=1 on the CPU the
         tensors are the parameters themselves (detached), not copies.
         """
+        self._refuse_expert_parallel("export and checkpoints")
         mine = {k: v.detach() for k, v in self.module.state_dict().items()
                 if not k.endswith("_extra_state")}
         lead = parallel_state.get_tensor_model_parallel_rank() == 0
@@ -299,6 +350,7 @@ class MegatronBackend(ModuleBackend):
 
     def checkpoint_state(self, optimizer, *, keys=None) -> dict:
         """Weights and AdamW state as DCP saves them (or, given the saved keys, loads them)."""
+        self._refuse_expert_parallel("export and checkpoints")
         return checkpoint_state(self, optimizer, keys=keys)
 
     def restore_state(self, optimizer, loaded: dict) -> None:
@@ -309,7 +361,7 @@ class MegatronBackend(ModuleBackend):
         return local_part(self, name, full)
 
 
-def init_parallel(tensor_parallel: int, device: torch.device) -> None:
+def init_parallel(tensor_parallel: int, device: torch.device, expert_parallel: int = 1) -> None:
     """Make MCore's process groups: from torchrun's environment, or a one-process group."""
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
@@ -317,7 +369,7 @@ def init_parallel(tensor_parallel: int, device: torch.device) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group(backend)
-        elif tensor_parallel == 1:
+        elif tensor_parallel == 1 and expert_parallel == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             raise ValueError(f"tensor_parallel={tensor_parallel} needs that many processes: "
@@ -327,11 +379,19 @@ def init_parallel(tensor_parallel: int, device: torch.device) -> None:
         if have != tensor_parallel:
             raise ValueError(f"megatron-core's parallel state is already set up with tensor "
                              f"parallelism {have}, not {tensor_parallel}")
+        have = parallel_state.get_expert_model_parallel_world_size()
+        if have != expert_parallel:
+            raise ValueError(f"megatron-core's parallel state is already set up with expert "
+                             f"parallelism {have}, not {expert_parallel}")
     else:
         if dist.get_world_size() % tensor_parallel:
             raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
                              f"tensor_parallel={tensor_parallel}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        if dist.get_world_size() % expert_parallel:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
+                             f"expert_parallel={expert_parallel}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                 expert_model_parallel_size=expert_parallel)
     if device.type == "cuda":
         _seed_cuda_rng_tracker()
 

@@ -13,7 +13,11 @@ on export, and gradients in tests. MCore's layouts:
   the unsharded tensor): sharding splits gate and up separately.
 - column-parallel weights (QKV, fc1, embedding, output layer) split rows;
   row-parallel weights (attention output `linear_proj`, `linear_fc2`) split
-  columns; norms are replicated.
+  columns; norms, routers and the shared expert's gate are replicated.
+- an MoE layer (megatron/moe.py) holds `mlp.router.weight`, one MLP per expert
+  (`mlp.experts.local_experts.E.linear_fc1/fc2`, fc1 = `[gate; up]` like the
+  dense MLP) and Qwen2-MoE's `mlp.shared_experts.*`; Qwen3-MoE's q/k norms are
+  `self_attention.q_layernorm` / `k_layernorm`.
 
 A tied model has no `output_layer.weight`: the output layer reads the word
 embedding. Tensors are named as in `GPTModel.state_dict()` built from
@@ -43,7 +47,9 @@ _GLOBAL_RENAMES = {
     "lm_head.weight": "output_layer.weight",
 }
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split along columns (dim 1)
-_REPLICATED = ("layernorm.weight",)
+_REPLICATED = ("layernorm.weight", "router.weight", "shared_experts.gate_weight")
+_QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
 
 
 def _renames(c: ModelConfig, layer: int | None = None) -> list[tuple[str, str]]:
@@ -53,7 +59,14 @@ def _renames(c: ModelConfig, layer: int | None = None) -> list[tuple[str, str]]:
         return [(hf_name, mc_name) for hf_name, mc_name in _GLOBAL_RENAMES.items()
                 if not (hf_name == "lm_head.weight" and c.tie_word_embeddings)]
     a, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-    return [(a + hf_name, m + mc_name) for hf_name, mc_name in _LAYER_RENAMES.items()]
+    renames = dict(_LAYER_RENAMES, **(_QK_NORMS if c.qk_norm else {}))
+    if _is_moe(c, layer):  # its MLP is the experts (megatron/moe.py)
+        del renames["mlp.down_proj.weight"]
+    return [(a + hf_name, m + mc_name) for hf_name, mc_name in renames.items()]
+
+
+def _is_moe(c: ModelConfig, layer: int) -> bool:
+    return c.moe is not None and layer in c.moe.moe_layers
 
 
 def hf_to_mcore(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
@@ -65,6 +78,11 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.
         for kind in ("weight", "bias") if c.attention_bias else ("weight",):
             out[f"{m}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
                 *(_take(hf, f"{a}self_attn.{x}_proj.{kind}") for x in "qkv"), c)
+        if _is_moe(c, i):
+            from treeflow.models.megatron.moe import moe_hf_to_mcore
+
+            out.update(moe_hf_to_mcore(hf, c, i, _take))
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [_take(hf, a + "mlp.gate_proj.weight"), _take(hf, a + "mlp.up_proj.weight")])
     return out
@@ -80,6 +98,11 @@ def mcore_to_hf(mc: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.
             q, k, v = _split_qkv(_take(mc, f"{m}self_attention.linear_qkv.{kind}"), c)
             out.update({f"{a}self_attn.q_proj.{kind}": q, f"{a}self_attn.k_proj.{kind}": k,
                         f"{a}self_attn.v_proj.{kind}": v})
+        if _is_moe(c, i):
+            from treeflow.models.megatron.moe import moe_mcore_to_hf
+
+            out.update(moe_mcore_to_hf(mc, c, i, _take))
+            continue
         gate, up = _take(mc, m + "mlp.linear_fc1.weight").chunk(2)
         out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
     return out

@@ -9,7 +9,8 @@ MCore passes through untouched, and runs the same kernels as the reference
 backend (dense mask, flex block mask, ancestor runs, causal for chains). So
 nothing in MCore is forked or patched: the spec swaps one submodule.
 
-`tree_layer_spec` is the single place where the layer is chosen. Today it is
+`tree_layer_spec` is the single place where the layer is chosen (an MoE layer is
+MCore's MoELayer with treeflow's replaying router: moe.py). Today it is
 MCore's local (pure PyTorch) spec, because Transformer Engine cannot be
 installed here; a TE spec (`get_gpt_layer_with_transformer_engine_spec` with
 this core attention) would slot in at this one function.
@@ -147,21 +148,34 @@ class TreeCoreAttention(MegatronModule):
         return out_SQD.reshape(out_SQD.shape[0], 1, self.heads * self.head_dim)
 
 
-def tree_layer_spec() -> ModuleSpec:
-    """MCore's local GPT layer (fused QKV, SwiGLU MLP) with tree core attention and TreeRMSNorm."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+def tree_layer_spec(*, experts: int | None = None, qk_norm: bool = False) -> ModuleSpec:
+    """MCore's local GPT layer (fused QKV, SwiGLU MLP) with tree core attention and TreeRMSNorm.
+
+    experts: an MoE layer of that many experts (MCore's MoELayer, moe.py) instead of the MLP;
+    qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3-MoE).
+    """
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_norm, normalization="RMSNorm")
     attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
-    mlp_subs = _mlp_submodules(mlp)
-    if (attention.submodules.linear_qkv, attention.submodules.linear_proj,
-            mlp_subs.linear_fc1, mlp_subs.linear_fc2) != (
-            ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear):
+    if (attention.submodules.linear_qkv, attention.submodules.linear_proj) != (
+            ColumnParallelLinear, RowParallelLinear):
         raise ValueError("this megatron-core's local GPT spec no longer uses Column/RowParallelLinear "
-                         "for QKV, projection and MLP; treeflow's spec needs updating for it")
+                         "for QKV and projection; treeflow's spec needs updating for it")
+    norms = dict(q_layernorm=TreeRMSNorm, k_layernorm=TreeRMSNorm) if qk_norm else {}
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
         attention.submodules, core_attention=TreeCoreAttention,
-        linear_qkv=TreeColumnParallelLinear, linear_proj=TreeRowParallelLinear))
-    mlp = _with_mlp_submodules(mlp, dataclasses.replace(
-        mlp_subs, linear_fc1=TreeColumnParallelLinear, linear_fc2=TreeRowParallelLinear))
+        linear_qkv=TreeColumnParallelLinear, linear_proj=TreeRowParallelLinear, **norms))
+    if experts:
+        from treeflow.models.megatron.moe import tree_moe_spec
+
+        mlp = tree_moe_spec(mlp, TreeColumnParallelLinear, TreeRowParallelLinear)
+    else:
+        mlp_subs = _mlp_submodules(mlp)
+        if (mlp_subs.linear_fc1, mlp_subs.linear_fc2) != (ColumnParallelLinear, RowParallelLinear):
+            raise ValueError("this megatron-core's local GPT spec no longer uses Column/Row"
+                             "ParallelLinear for the MLP; treeflow's spec needs updating for it")
+        mlp = _with_mlp_submodules(mlp, dataclasses.replace(
+            mlp_subs, linear_fc1=TreeColumnParallelLinear, linear_fc2=TreeRowParallelLinear))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, self_attention=attention, mlp=mlp, input_layernorm=TreeRMSNorm,
         pre_mlp_layernorm=TreeRMSNorm))
@@ -181,10 +195,16 @@ def _with_mlp_submodules(mlp, submodules):
     return dataclasses.replace(mlp, submodules=submodules)
 
 
-def tree_block_spec(num_layers: int) -> TransformerBlockSubmodules:
-    """`num_layers` tree layers and the final norm, for GPTModel's `transformer_layer_spec`."""
-    return TransformerBlockSubmodules(layer_specs=[tree_layer_spec()] * num_layers,
-                                      layer_norm=TreeRMSNorm)
+def tree_block_spec(num_layers: int, *, experts: int | None = None, moe_layers=(),
+                    qk_norm: bool = False) -> TransformerBlockSubmodules:
+    """`num_layers` tree layers and the final norm, for GPTModel's `transformer_layer_spec`;
+    the layers in `moe_layers` are MoE layers of `experts` experts."""
+    dense, sparse = tree_layer_spec(qk_norm=qk_norm), None
+    if moe_layers:
+        sparse = tree_layer_spec(experts=experts, qk_norm=qk_norm)
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if i in moe_layers else dense for i in range(num_layers)],
+        layer_norm=TreeRMSNorm)
 
 
 def _tp_size() -> int:

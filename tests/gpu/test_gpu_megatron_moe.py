@@ -1,0 +1,81 @@
+"""On CUDA, MoE on the megatron backend (MCore's MoELayer, replaying router): = transformers.
+
+A tiny random Qwen3-MoE / Qwen2-MoE / Mixtral checkpoint (transformers' own classes) loaded
+into the megatron backend on one GPU (TP=1, EP=1; MCore's SequentialMLP experts and
+allgather dispatcher, as on CPU), run as tree and exact bins with perturbed replayed routes;
+the oracle is transformers in float32 on the CPU, call by call, with the routes forced into
+its router by the test's patch (tests/models/moe_helpers.py). Run by the lead on a GPU:
+`python -m pytest -q -m gpu tests/gpu/test_gpu_megatron_moe.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOL = {"float32": 2e-3, "bfloat16": 0.15}  # float32 matmuls may use tf32 on the GPU
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype):
+    pytest.importorskip("megatron.core")
+    from tests.models.moe_helpers import episodes, hf_call_logprobs, hf_model, with_routes
+    from tests.models.test_megatron_moe import _logprobs
+    from treeflow.models import load_backend
+
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    meg = load_backend("megatron", str(tmp_path), dtype=getattr(torch, dtype), device="cuda")
+    rows = with_routes(hf, episodes(np.random.default_rng(5)), shift=1)
+    want = {}
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            for k, c in enumerate(row["calls"]):
+                lp = hf_call_logprobs(hf, c["token_ids"], c["sampled_start"],
+                                      np.asarray(c["routed_experts"]))
+                want.update({(i, k, j): float(v) for j, v in enumerate(lp)})
+    for layout in ("tree", "exact"):
+        with torch.no_grad():
+            got, runner = _logprobs(meg, rows, layout=layout, routing="replay")
+        diff = max(abs(float(got[key]) - want[key]) for key in want)
+        assert diff < TOL[dtype], (layout, diff)
+        agree, total = runner.take_route_tally()
+        assert total > 0 and agree < total  # perturbed routes: the routers disagree
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_tensor_and_expert_parallel_match_transformers(tmp_path, tp, ep):
+    """TP=2 (sequence parallel; experts split within each expert) or EP=2 (half the experts
+    per GPU) over NCCL: logprobs and every rank's gradient part = transformers call by call
+    (tests/models/megatron_moe_worker.py; float32, tf32 off by default in torch)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core")
+    from tests.models.moe_helpers import hf_model
+    from tests.models.test_megatron_tp import repo_env
+
+    hf_model("qwen2_moe", num_experts=4, vocab_size=64).save_pretrained(tmp_path / "model")
+    out = tmp_path / "result.json"
+    worker = os.path.join(os.path.dirname(__file__), "..", "models", "megatron_moe_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           worker, "--tp", str(tp), "--ep", str(ep), "--device", "cuda", "--out", str(out),
+           str(tmp_path / "model")]
+    proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())
+    for r in ranks:
+        assert r["lp_diff"] < 2e-3, r
+        assert r["grad_rel_diff"] <= 2e-3, r
+        assert r["missing"] == [], r
+        assert 0 < r["tally"][1] and r["tally"][0] < r["tally"][1], r
+    assert {r["experts"] for r in ranks} == {2 * (4 // ep)}, ranks
