@@ -122,37 +122,44 @@ def test_a_late_partner_is_waited_for_forward_and_backward():
             _close(g, want, f"staggered {mode} d{name}")
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("block", [4, 16])
 @pytest.mark.parametrize("pad", [False, True])
-def test_flex_block_tables_cover_the_mask(size, pad):
-    """Every visible (query, key) pair lies in a listed block; every full block is all visible."""
+def test_flex_block_tables_cover_the_mask(pad, block):
+    """Every visible (query, key) pair lies in a listed block; the full blocks are exactly the
+    all-visible ones (on random trees of every shape, cut for 2 and 3 ranks)."""
     from treeflow.models.cp_kernels import OffsetBlockMask
 
-    parents = _forest()
-    depths = depths_from_parents(parents)
-    bounds = cp_bounds(depths, size)
-    n_all = len(parents)
-    vis = np.zeros((n_all, n_all), dtype=bool)
-    for i in range(n_all):
-        vis[i, path_to(parents, i)] = True
-    for r in range(size):
-        plan = ContextParallelPlan(parents, depths, bounds, ContextParallelGroup(rank=r, size=size),
-                                   kernel="flex", overlap=False, flex_block=16)
-        a, b = plan.local
-        keys = np.concatenate((np.flatnonzero(vis[a, :a]), np.arange(a, b)))
-        want = vis[a:b][:, keys]  # own queries x G, from the walked paths
-        end_G = subtree_end(depths[keys])
-        m = OffsetBlockMask(end_G, len(keys) - (b - a), b - a, device=torch.device("cpu"),
-                            block=16, pad=pad)
-        listed, full = (_table(m.mask.kv_num_blocks, m.mask.kv_indices),
-                        _table(m.mask.full_kv_num_blocks, m.mask.full_kv_indices))
-        wpad = np.zeros((len(listed) * 16, listed.shape[1] * 16), dtype=bool)
-        wpad[: b - a, : len(keys)] = want  # padded rows and keys see nothing
-        blocks = wpad.reshape(len(listed), 16, listed.shape[1], 16)
-        some, every = blocks.any((1, 3)), blocks.all((1, 3))
-        assert not np.any(some & ~(listed | full)), f"rank {r}: a visible block is not listed"
-        assert np.array_equal(full, every), f"rank {r}: full blocks are not the all-visible ones"
-        assert not np.any(listed & full), f"rank {r}: a block both partial and full"
+    rng = np.random.default_rng(11)
+    for trial in range(12):
+        _, parents = random_forest(rng, int(rng.integers(20, 90)), extend=[0.5, 0.8, 0.95][trial % 3])
+        depths = depths_from_parents(parents)
+        vis = np.zeros((len(parents), len(parents)), dtype=bool)
+        for i in range(len(parents)):
+            vis[i, path_to(parents, i)] = True
+        for size in (2, 3):
+            bounds = cp_bounds(depths, size)
+            for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                if a < b:
+                    _check_tables(vis, depths, a, b, block, pad)
+
+
+def _check_tables(vis, depths, a: int, b: int, block: int, pad: bool) -> None:
+    keys = np.concatenate((np.flatnonzero(vis[a, :a]), np.arange(a, b)))
+    want = vis[a:b][:, keys]  # own queries x G, from the walked paths
+    from treeflow.models.cp_kernels import OffsetBlockMask
+
+    m = OffsetBlockMask(subtree_end(depths[keys]), len(keys) - (b - a), b - a,
+                        device=torch.device("cpu"), block=block, pad=pad)
+    listed, full = (_table(m.mask.kv_num_blocks, m.mask.kv_indices),
+                    _table(m.mask.full_kv_num_blocks, m.mask.full_kv_indices))
+    wpad = np.zeros((len(listed) * block, listed.shape[1] * block), dtype=bool)
+    wpad[: b - a, : len(keys)] = want  # padded rows and keys see nothing
+    blocks = wpad.reshape(len(listed), block, listed.shape[1], block)
+    some, every = blocks.any((1, 3)), blocks.all((1, 3))
+    where = f"range [{a}, {b}), block {block}"
+    assert not np.any(some & ~(listed | full)), f"{where}: a visible block is not listed"
+    assert np.array_equal(full, every), f"{where}: full blocks are not the all-visible ones"
+    assert not np.any(listed & full), f"{where}: a block both partial and full"
 
 
 def _table(num, idx):

@@ -286,44 +286,48 @@ class ContextParallelPlan:
         """The queries over their own keys, while the exchange is in flight: (out, lse) for
         dense and flex; for runs the blocks' outputs, with the lse of blocks that read
         received rows."""
-        if self.kernel == "dense":
-            return cp_kernels.attend_lse(q_nQD, k_nKD, v_nKD, self._mask_own_nn)
         if self.kernel == "flex":
             return cp_kernels.flex(q_nQD, k_nKD, v_nKD, self._flex_own, with_lse=True,
                                    kernel_options=self._kernel_options)
+        if self.kernel == "dense":
+            merged = cp_kernels.MergedAttention(self.device)
+            return merged, merged.part(q_nQD, k_nKD, v_nKD, self._mask_own_nn)
         first = self._received
         outs = []
         for a, b, own_idx, seen, recv_idx in self._split:
             q_QLD = q_nQD[a - first:b - first]
             mask = _run_mask(len(own_idx), b - a, seen, own_idx.device)
             k_LKD, v_LKD = k_nKD.index_select(0, own_idx), v_nKD.index_select(0, own_idx)
-            outs.append(_sdpa_masked(q_QLD, k_LKD, v_LKD, mask) if recv_idx is None
-                        else cp_kernels.attend_lse(q_QLD, k_LKD, v_LKD, mask))
+            if recv_idx is None:
+                outs.append(_sdpa_masked(q_QLD, k_LKD, v_LKD, mask))
+            else:
+                merged = cp_kernels.MergedAttention(self.device)
+                outs.append((merged, merged.part(q_QLD, k_LKD, v_LKD, mask)))
         return outs
 
     def _add_received(self, q_nQD, k_RKD, v_RKD, local):
         """Merge the queries' attention over the received rows into their own-key results."""
         m = self._mixed
-        if self.kernel in ("dense", "flex"):
-            out_nQD, lse_Qn = local
+        if self.kernel == "flex":
             if not m:
-                return out_nQD
-            if self.kernel == "dense":
-                out_r, lse_r = cp_kernels.attend_lse(q_nQD[:m], k_RKD, v_RKD, self._mask_recv_mR)
-            else:
-                out_r, lse_r = cp_kernels.flex(q_nQD[:m], k_RKD, v_RKD, self._flex_recv,
-                                               with_lse=True, kernel_options=self._kernel_options)
-            mixed = cp_kernels.merge_lse(out_nQD[:m], lse_Qn[:, :m], out_r, lse_r)
-            return torch.cat((mixed, out_nQD[m:]))
+                return local[0]
+            received = cp_kernels.flex(q_nQD[:m], k_RKD, v_RKD, self._flex_recv, with_lse=True,
+                                       kernel_options=self._kernel_options)
+            return cp_kernels.MergedAttention(self.device, fused=False).merge(local, received)
+        if self.kernel == "dense":
+            merged, own = local
+            if not m:
+                return own[0]
+            return merged.merge(own, merged.part(q_nQD[:m], k_RKD, v_RKD, self._mask_recv_mR))
         first, outs = self._received, []
         for (a, b, _, _, recv_idx), part in zip(self._split, local):
             if recv_idx is None:
                 outs.append(part)
                 continue
-            out_r, lse_r = cp_kernels.attend_lse(q_nQD[a - first:b - first],
-                                                 k_RKD.index_select(0, recv_idx),
-                                                 v_RKD.index_select(0, recv_idx), None)
-            outs.append(cp_kernels.merge_lse(part[0], part[1], out_r, lse_r))
+            merged, own = part
+            received = merged.part(q_nQD[a - first:b - first], k_RKD.index_select(0, recv_idx),
+                                   v_RKD.index_select(0, recv_idx), None)
+            outs.append(merged.merge(own, received))
         return torch.cat(outs)
 
 

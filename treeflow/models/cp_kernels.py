@@ -22,6 +22,10 @@ what the plan (models/context_parallel.py) runs over those keys:
   (the dense and ancestor-run kernels' partial results).
 - `merge_lse(...)`: the exact combination of two partial softmax results over
   disjoint key sets, weighted by sigmoid of the log-sum-exps' difference.
+- `MergedAttention`: the dense and ancestor-run kernels' two parts and their
+  merge; on CPU through torch's fused flash kernel per part, with backward
+  per part from the merged output and log-sum-exp (ring attention's scheme),
+  so the split costs no unfused softmax.
 
 Trade-off: splitting attention into a local and a received part costs one
 merge per layer over the queries that see received keys, and on CPU the math
@@ -50,7 +54,8 @@ try:
 except ImportError:  # torch < 2.5 (or a torch whose flex internals moved): flex is refused
     _flex_op = BlockMask = AuxRequest = None
 
-__all__ = ["OffsetBlockMask", "attend_lse", "flex", "flex_available", "merge_lse"]
+__all__ = ["MergedAttention", "OffsetBlockMask", "attend_lse", "flex", "flex_available",
+           "merge_lse"]
 
 
 def flex_available() -> bool:
@@ -163,3 +168,92 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     d_mQ1 = (lse_b.to(work) - lse_a.to(work)).transpose(0, 1)[..., None]
     mixed = out_a.to(work) * torch.sigmoid(-d_mQ1) + out_b.to(work) * torch.sigmoid(d_mQ1)
     return mixed.to(out_a.dtype)
+
+
+class MergedAttention:
+    """Queries over two disjoint key parts (their own rows, then the received ones), merged.
+
+    `part(q, k, v, mask)` gives one part's (out, lse); `merge(own, received)` the attention
+    over both (the received part covers the first m queries). On CPU each part runs torch's
+    fused flash kernel, whose log-sum-exp carries no gradient: the pair of Functions below
+    then runs backward per part with the merged output and log-sum-exp (the exact gradient
+    of softmax attention restricted to a part's keys, as ring attention does). Elsewhere
+    (and for flex, whose log-sum-exp has a gradient) `attend_lse` and `merge_lse` are
+    differentiated by autograd.
+    """
+
+    def __init__(self, device: torch.device, *, fused: bool = True) -> None:
+        self.fused = fused and device.type == "cpu"
+        self.out_nQD = self.lse_Qn = None  # the merged result, set by merge for backward
+
+    def part(self, q_nQD, k_KHD, v_KHD, mask_nK):
+        if not self.fused:
+            return attend_lse(q_nQD, k_KHD, v_KHD, mask_nK)
+        add = None if mask_nK is None else torch.zeros(
+            mask_nK.shape, dtype=q_nQD.dtype, device=q_nQD.device).masked_fill_(
+            ~mask_nK, float("-inf"))
+        return _FusedPart.apply(q_nQD, k_KHD, v_KHD, add, self)
+
+    def merge(self, own, received):
+        (out_a, lse_a), (out_b, lse_b) = own, received
+        if self.fused:
+            return _FusedMerge.apply(out_a, lse_a, out_b, lse_b, self)
+        m = out_b.shape[0]
+        mixed = merge_lse(out_a[:m], lse_a[:, :m], out_b, lse_b)
+        return torch.cat((mixed, out_a[m:]))
+
+
+def _heads_first(q_nQD, k_KHD, v_KHD):
+    groups = q_nQD.shape[1] // k_KHD.shape[1]
+    return (q_nQD.transpose(0, 1)[None], k_KHD.transpose(0, 1).repeat_interleave(groups, 0)[None],
+            v_KHD.transpose(0, 1).repeat_interleave(groups, 0)[None], groups)
+
+
+class _FusedPart(torch.autograd.Function):
+    """One part through the fused CPU kernel; backward reads the merged out/lse from `box`."""
+
+    @staticmethod
+    def forward(ctx, q_nQD, k_KHD, v_KHD, mask_nK, box):
+        q, k, v, groups = _heads_first(q_nQD, k_KHD, v_KHD)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask_nK)
+        ctx.save_for_backward(q, k, v, mask_nK)
+        ctx.box, ctx.groups = box, groups
+        ctx.mark_non_differentiable(lse)
+        out_nQD = out[0].transpose(0, 1)
+        if box.out_nQD is None:  # the first part: its own result, until a merge replaces it
+            box.out_nQD, box.lse_Qn = out_nQD.detach(), lse[0]
+        return out_nQD, lse[0]
+
+    @staticmethod
+    def backward(ctx, grad_out_nQD, _grad_lse):
+        q, k, v, mask = ctx.saved_tensors
+        rows = q.shape[2]
+        out = ctx.box.out_nQD[:rows].transpose(0, 1)[None].contiguous()
+        lse = ctx.box.lse_Qn[:, :rows][None].contiguous()
+        dout = grad_out_nQD.transpose(0, 1)[None].contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+        heads, keys, dim = dk.shape[1:]
+        dk, dv = (x[0].view(heads // ctx.groups, ctx.groups, keys, dim).sum(1).transpose(0, 1)
+                  for x in (dk, dv))
+        return dq[0].transpose(0, 1), dk, dv, None, None
+
+
+class _FusedMerge(torch.autograd.Function):
+    """Merge two _FusedPart results; backward hands each part the merged output's gradient
+    (its rows), which with the merged out/lse is all a part's backward needs."""
+
+    @staticmethod
+    def forward(ctx, out_a, lse_a, out_b, lse_b, box):
+        m = out_b.shape[0]
+        mixed = merge_lse(out_a[:m], lse_a[:, :m], out_b, lse_b)
+        out = torch.cat((mixed, out_a[m:]))
+        box.out_nQD = out.detach()
+        box.lse_Qn = torch.cat((torch.logaddexp(lse_a[:, :m], lse_b), lse_a[:, m:]), dim=1)
+        ctx.m = m
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, None, grad_out[: ctx.m], None, None
