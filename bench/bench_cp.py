@@ -22,7 +22,10 @@ exchange blocking (exchange, then one call over all keys) against overlapped (ow
 while the exchange is in flight, received part merged by log-sum-exp), and the exchange
 alone (forward and reverse). `hidden_share_of_exchange` is (blocking - overlapped) /
 exchange alone: 1 when the exchange is hidden entirely and the split costs nothing,
-negative when the split costs more than the exchange it hides. Best of `--repeats`
+negative when the split costs more than the exchange it hides; on a loaded CPU, where the
+exchange is a fraction of a percent of the layer, it is noise. `exposed_share_of_exchange`
+(CPU) is the host time the overlapped layer spent blocked in the exchange's waits over
+the exchange alone: 0 when it is all hidden. Best of `--repeats`
 (interleaved), slowest rank; `loadavg` says how loaded the machine was.
 
     python bench/bench_cp.py --scale 0.05 --run           # CPU check (a minute)
@@ -129,7 +132,8 @@ def _rank_run(model: str, size: int, eps, bin_budget: int, device: str, dtype: s
     stats = tr.runner.take_stats() if size > 1 else None
     out = {"seconds": min(seconds[1:]), "tokens": int(bins.column("tokens").combine_chunks()
                                                        .value_lengths().to_numpy()[0]),
-           "logprobs": np.concatenate(values.column("edge_logprobs").to_pylist())}
+           # a tensor: the launcher reads rank results weights-only (no numpy arrays)
+           "logprobs": torch.tensor(np.concatenate(values.column("edge_logprobs").to_pylist()))}
     if stats is not None:
         calls = repeats + 1  # every step ran the bin once (logprob phases are not counted)
         out["exchange_bytes_per_layer"] = (stats["recv_bytes"] // calls).tolist()
@@ -150,6 +154,7 @@ def run_rows(args, eps, bin_budget: int) -> list[dict]:
         ranks = spawn(_rank_run, size, args.model, size, eps, bin_budget, args.device, args.dtype,
                       args.repeats, timeout_s=args.timeout)
         r0 = ranks[0]
+        r0["logprobs"] = r0["logprobs"].numpy()
         row = {"context_parallel": size, "bin_tokens": r0["tokens"],
                "step_seconds": round(max(r["seconds"] for r in ranks), 4),
                "wall_seconds": round(time.perf_counter() - t0, 1)}
@@ -210,6 +215,15 @@ def _rank_overlap(size: int, parents, shape: tuple, kernel: str, device: str, dt
                                     cp.group)
         recv.backward(torch.ones_like(recv))
 
+    waited = []  # host seconds spent in the overlapped exchange's waits (gloo: exposed time)
+    wait = cp_exchange.Pending.wait
+
+    def timed_wait(self):
+        t0 = time.perf_counter()
+        wait(self)
+        waited.append(time.perf_counter() - t0)
+
+    cp_exchange.Pending.wait = timed_wait
     runs = {"blocking": lambda: layer(plans["blocking"]),
             "overlapped": lambda: layer(plans["overlapped"]), "exchange_only": exchange_only}
     seconds = {name: [] for name in runs}
@@ -218,10 +232,13 @@ def _rank_overlap(size: int, parents, shape: tuple, kernel: str, device: str, dt
     for _ in range(repeats):
         for name, fn in runs.items():
             sync()
+            waited.clear()
             t0 = time.perf_counter()
             fn()
             sync()
             seconds[name].append(time.perf_counter() - t0)
+            if name == "overlapped":
+                seconds.setdefault("overlapped_waits", []).append(sum(waited))
     plan = plans["overlapped"]
     out = {"seconds": seconds, "received_rows": int(plan._received),
            "row_bytes": 2 * kv_heads * dim * q.element_size(), "queries": b - a}
@@ -249,6 +266,12 @@ def overlap_rows(args, bin_parents: dict) -> list[dict]:
                          **{f"{m}_seconds": round(t, 5) for m, t in best.items()},
                          "hidden_share_of_exchange": round(saved / best["exchange_only"], 3)
                          if best["exchange_only"] > 0 else None,
+                         # host seconds blocked in the overlapped exchange's two waits (forward,
+                         # backward): what of it stayed exposed. On CUDA a wait only orders
+                         # streams, so this is ~0 there and says nothing
+                         "exposed_share_of_exchange": round(best["overlapped_waits"]
+                                                            / best["exchange_only"], 3)
+                         if best["exchange_only"] > 0 and args.device == "cpu" else None,
                          "loadavg": list(os.getloadavg())})
     return rows
 

@@ -284,8 +284,8 @@ class ContextParallelPlan:
 
     def _attend_own(self, q_nQD, k_nKD, v_nKD):
         """The queries over their own keys, while the exchange is in flight: (out, lse) for
-        dense and flex; for runs the blocks' outputs, with the lse of blocks that read
-        received rows."""
+        flex, (MergedAttention, (out, lse)) for dense; for runs per block its output, or
+        (MergedAttention, (out, lse)) where the block also reads received rows."""
         if self.kernel == "flex":
             return cp_kernels.flex(q_nQD, k_nKD, v_nKD, self._flex_own, with_lse=True,
                                    kernel_options=self._kernel_options)
