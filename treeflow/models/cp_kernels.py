@@ -49,10 +49,13 @@ from treeflow.models.attention import (_FLEX_RECOMPILE_LIMIT, _bucket, _compiled
 
 try:
     from torch._higher_order_ops.flex_attention import flex_attention as _flex_op
-    from torch.nn.attention.flex_attention import (AuxRequest, BlockMask, _apply_kernel_options,
-                                                   _identity)
+    from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options, _identity
 except ImportError:  # torch < 2.5 (or a torch whose flex internals moved): flex is refused
-    _flex_op = BlockMask = AuxRequest = None
+    _flex_op = BlockMask = None
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # older torch: the log-sum-exp comes from return_lse
+    AuxRequest = None
 
 __all__ = ["MergedAttention", "OffsetBlockMask", "attend_lse", "flex", "flex_available",
            "merge_lse"]
@@ -123,11 +126,16 @@ def flex(q_nQD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, mask: Of
         if q.shape[-1] < 16:
             raise ValueError(f"compiled flex_attention needs head_dim >= 16, got {q.shape[-1]}; "
                              "use kernel 'dense' or 'runs'")
-        aux = AuxRequest(lse=True) if with_lse else None
+        if not with_lse:
+            extra = {}
+        elif AuxRequest is not None:
+            extra = {"return_aux": AuxRequest(lse=True)}
+        else:
+            extra = {"return_lse": True}
         with torch._dynamo.config.patch(recompile_limit=_FLEX_RECOMPILE_LIMIT):
             res = _compiled_flex()(q, k, v, block_mask=mask.mask, enable_gqa=True,
-                                   kernel_options=kernel_options, return_aux=aux)
-        out, lse = (res[0], res[1].lse) if with_lse else (res, None)
+                                   kernel_options=kernel_options, **extra)
+        out, lse = (res, None) if not with_lse else (res[0], getattr(res[1], "lse", res[1]))
     else:  # the flex operator's eager math path: forward and backward on CPU
         opts = _apply_kernel_options(q, k, v, with_lse, kernel_options, None)
         out, lse2, _ = _flex_op(q, k, v, _identity, mask.mask.as_tuple(),
