@@ -144,22 +144,35 @@ def test_flex_block_tables_cover_the_mask(pad, block):
 
 
 def _check_tables(vis, depths, a: int, b: int, block: int, pad: bool) -> None:
-    keys = np.concatenate((np.flatnonzero(vis[a, :a]), np.arange(a, b)))
-    want = vis[a:b][:, keys]  # own queries x G, from the walked paths
+    """The three masks a rank builds: its queries over G (blocking), over its own rows and
+    over the received rows (overlapped, for the queries that see any)."""
     from treeflow.models.cp_kernels import OffsetBlockMask
 
-    m = OffsetBlockMask(subtree_end(depths[keys]), len(keys) - (b - a), b - a,
-                        device=torch.device("cpu"), block=block, pad=pad)
-    listed, full = (_table(m.mask.kv_num_blocks, m.mask.kv_indices),
-                    _table(m.mask.full_kv_num_blocks, m.mask.full_kv_indices))
-    wpad = np.zeros((len(listed) * block, listed.shape[1] * block), dtype=bool)
-    wpad[: b - a, : len(keys)] = want  # padded rows and keys see nothing
-    blocks = wpad.reshape(len(listed), block, listed.shape[1], block)
-    some, every = blocks.any((1, 3)), blocks.all((1, 3))
-    where = f"range [{a}, {b}), block {block}"
-    assert not np.any(some & ~(listed | full)), f"{where}: a visible block is not listed"
-    assert np.array_equal(full, every), f"{where}: full blocks are not the all-visible ones"
-    assert not np.any(listed & full), f"{where}: a block both partial and full"
+    keys = np.concatenate((np.flatnonzero(vis[a, :a]), np.arange(a, b)))
+    r, end_G = len(keys) - (b - a), subtree_end(depths[keys])
+    want = vis[a:b][:, keys]  # own queries x G, from the walked paths
+    mixed = int(want[:, :r].any(1).sum())
+    parts = [("G", end_G, r, b - a, want), ("own", end_G[r:] - r, 0, b - a, want[:, r:])]
+    if mixed:
+        parts.append(("received", end_G[:r], r, mixed, want[:mixed, :r]))
+    for name, end_K, offset, n_q, want_qk in parts:
+        m = OffsetBlockMask(end_K, offset, n_q, device=torch.device("cpu"), block=block, pad=pad)
+        listed, full = (_table(m.mask.kv_num_blocks, m.mask.kv_indices),
+                        _table(m.mask.full_kv_num_blocks, m.mask.full_kv_indices))
+        wpad = np.zeros((len(listed) * block, listed.shape[1] * block), dtype=bool)
+        wpad[:n_q, :len(end_K)] = want_qk
+        # padded rows (coordinates offset + i past the queries) follow the same tree mask
+        # over the real keys, and see key 0 besides; padded keys are never seen
+        qq = offset + np.arange(n_q, m.len_q)[:, None]
+        kv = np.arange(len(end_K))[None, :]
+        wpad[n_q:m.len_q, :len(end_K)] = (kv <= qq) & (qq < end_K[None, :])
+        wpad[n_q:m.len_q, 0] = True
+        blocks = wpad.reshape(len(listed), block, listed.shape[1], block)
+        some, every = blocks.any((1, 3)), blocks.all((1, 3))
+        where = f"{name} mask of range [{a}, {b}), block {block}"
+        assert not np.any(some & ~(listed | full)), f"{where}: a visible block is not listed"
+        assert np.array_equal(full, every), f"{where}: full blocks are not the all-visible ones"
+        assert not np.any(listed & full), f"{where}: a block both partial and full"
 
 
 def _table(num, idx):

@@ -70,7 +70,8 @@ class OffsetBlockMask:
 
     Key kv is visible to query i iff kv <= q_offset + i < end_K[kv]. With `pad` the
     lengths are padded to power-of-two buckets of `block` (padded keys have end 0 and
-    are never visible; padded query rows are cut off after the call).
+    are never visible; padded query rows see key 0 only, so that no row is fully masked,
+    and are cut off after the call: their zero output gradient adds nothing to key 0's).
     """
 
     def __init__(self, end_K: np.ndarray, q_offset: int, n_q: int, *, device: torch.device,
@@ -84,13 +85,15 @@ class OffsetBlockMask:
         end_L = np.zeros(bk * block, dtype=np.int64)
         end_L[:k] = end_K
         partial_QK, full_QK = block_tables(end_L, q_offset, bq, block)
+        if self.len_q > n_q:  # the blocks holding padded query rows also read key block 0
+            partial_QK[n_q // block:, 0] |= ~full_QK[n_q // block:, 0]
         parts = (end_L.astype(np.int32), *_tables(partial_QK), *_tables(full_QK),
                  *_tables(partial_QK.T), *_tables(full_QK.T))
         end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = _to_device(parts, device)
 
         def mask_mod(b, h, q, kv):
             qq = q + q_offset
-            return (kv <= qq) & (qq < end_t[kv])
+            return ((kv <= qq) & (qq < end_t[kv])) | ((q >= n_q) & (kv == 0))
 
         self.mask = BlockMask(seq_lengths=(self.len_q, self.len_k), kv_num_blocks=kv_n,
                               kv_indices=kv_i, full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i,
