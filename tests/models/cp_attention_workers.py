@@ -33,7 +33,8 @@ def inputs(parents_N: np.ndarray, seed: int = 0, dtype: str = "float32"):
     v = torch.randn(n, KV_HEADS, DIM, generator=g, dtype=torch.float32)
     w = torch.randn(n, HEADS, DIM, generator=g, dtype=torch.float32)
     dt = getattr(torch, dtype)
-    return (q * 2.0).to(dt), (k * 2.0).to(dt), v.to(dt), w.to(dt)  # sharp softmaxes: a wrong key shows
+    # sharp softmaxes: a wrong key shows
+    return (q * 2.0).to(dt), (k * 2.0).to(dt), v.to(dt), w.to(dt)
 
 
 def attend(trees: dict, size: int, stagger: float = 0.0, block: int = 8,

@@ -3,13 +3,14 @@
 On two and three ranks, every kernel (dense, runs, flex) with the exchange blocking and
 overlapped: the ranks' outputs and their rows' q/k/v gradients, put together, equal one
 SDPA call over the whole bin under a mask walked from the parents (independent of the
-tree helpers), within 1e-12 of the output scale in float64 (float32 rounding alone reaches
-1e-6 on these sharp softmaxes; test_context_parallel.py holds the model in float32 to
-CP=1 and transformers); the overlapped results equal the blocking ones within 1e-12. A staggered run (the exchange partner late on purpose) shows that no
-rank reads what it receives before it has arrived, forward or backward. The flex block
-tables are checked against the mask pair by pair (GPU-shaped padding included): CPU runs
-flex through the operator's math path, which reads mask_mod only, so the tables' test
-is this one.
+tree helpers), within 1e-12 of the output scale in float64 (float32 rounding alone
+reaches 1e-6 on these sharp softmaxes; test_context_parallel.py holds the model in
+float32 to CP=1 and transformers); the overlapped results equal the blocking ones within
+1e-12. A staggered run (the exchange partner late on purpose) shows that no rank reads
+what it receives before it has arrived, forward or backward. The flex block tables are
+checked against the mask pair by pair (GPU-shaped padding included): CPU runs flex
+through the operator's math path, which reads mask_mod only, so the tables' test is this
+one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from cp_attention_workers import MODES, attend, inputs
 from models_helpers import path_to, random_forest
 
-from treeflow.models.context_parallel import ContextParallelGroup, ContextParallelPlan, cp_bounds
+from treeflow.models.context_parallel import cp_bounds
+from treeflow.models.cp_kernels import OffsetBlockMask
 from treeflow.train.launch import spawn
 from treeflow.tree import depths_from_parents, subtree_end
 
@@ -127,11 +129,10 @@ def test_a_late_partner_is_waited_for_forward_and_backward():
 def test_flex_block_tables_cover_the_mask(pad, block):
     """Every visible (query, key) pair lies in a listed block; the full blocks are exactly the
     all-visible ones (on random trees of every shape, cut for 2 and 3 ranks)."""
-    from treeflow.models.cp_kernels import OffsetBlockMask
-
     rng = np.random.default_rng(11)
     for trial in range(12):
-        _, parents = random_forest(rng, int(rng.integers(20, 90)), extend=[0.5, 0.8, 0.95][trial % 3])
+        extend = (0.5, 0.8, 0.95)[trial % 3]
+        _, parents = random_forest(rng, int(rng.integers(20, 90)), extend=extend)
         depths = depths_from_parents(parents)
         vis = np.zeros((len(parents), len(parents)), dtype=bool)
         for i in range(len(parents)):
@@ -146,8 +147,6 @@ def test_flex_block_tables_cover_the_mask(pad, block):
 def _check_tables(vis, depths, a: int, b: int, block: int, pad: bool) -> None:
     """The three masks a rank builds: its queries over G (blocking), over its own rows and
     over the received rows (overlapped, for the queries that see any)."""
-    from treeflow.models.cp_kernels import OffsetBlockMask
-
     keys = np.concatenate((np.flatnonzero(vis[a, :a]), np.arange(a, b)))
     r, end_G = len(keys) - (b - a), subtree_end(depths[keys])
     want = vis[a:b][:, keys]  # own queries x G, from the walked paths

@@ -120,7 +120,8 @@ def block_tables(end_L: np.ndarray, q_offset: int, blocks_q: int,
 
 def flex(q_nQD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, mask: OffsetBlockMask, *,
          with_lse: bool = False, kernel_options: dict | None = None):
-    """flex_attention of the queries over the keys under `mask`: out_nQD (and lse_Qn, float32 or wider)."""
+    """flex_attention of the queries over the keys under `mask`: out_nQD, and with `with_lse`
+    its log-sum-exp lse_Qn (float32 or wider)."""
     def to_1ALD(x, length):
         return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[0])).transpose(0, 1).unsqueeze(0)
 
