@@ -16,9 +16,25 @@ only, no model:
 with `--device cuda`, one GPU each) with the tiny model (or `--model DIR`), next to C=1:
 seconds per step, the largest logprob difference and the bytes exchanged per layer.
 
+`--overlap` times one attention layer (forward + backward, random q/k/v of
+`--attn-shape`) on the first bin and on a chain of `--chain` tokens, per C: the K/V
+exchange blocking (exchange, then one call over all keys) against overlapped (own keys
+while the exchange is in flight, received part merged by log-sum-exp), and the exchange
+alone (forward and reverse). `hidden_share_of_exchange` is (blocking - overlapped) /
+exchange alone: 1 when the exchange is hidden entirely and the split costs nothing,
+negative when the split costs more than the exchange it hides; on a loaded CPU, where the
+exchange is a fraction of a percent of the layer, it is noise. `exposed_share_of_exchange`
+(CPU) is the host time the overlapped layer spent blocked in the exchange's waits over
+the exchange alone: 0 when it is all hidden. Best of `--repeats`
+(interleaved), slowest rank; `loadavg` says how loaded the machine was.
+
     python bench/bench_cp.py --scale 0.05 --run           # CPU check (a minute)
     python bench/bench_cp.py                               # planning at full scale
     python bench/bench_cp.py --scale 0.25 --run --device cuda --cp 2 --dtype bfloat16
+    python bench/bench_cp.py --scale 0.01 --cp 2 --overlap --chain 4096 --repeats 5
+    python bench/bench_cp.py --scale 0.25 --cp 2 --overlap --chain 65536 --device cuda \
+        --dtype bfloat16 --attn-shape 32,8,128 --repeats 10
+    python bench/bench_cp.py --smoke --device cpu         # checks the script
 
 Prints one JSON object (and writes it to --out).
 """
@@ -116,7 +132,8 @@ def _rank_run(model: str, size: int, eps, bin_budget: int, device: str, dtype: s
     stats = tr.runner.take_stats() if size > 1 else None
     out = {"seconds": min(seconds[1:]), "tokens": int(bins.column("tokens").combine_chunks()
                                                        .value_lengths().to_numpy()[0]),
-           "logprobs": np.concatenate(values.column("edge_logprobs").to_pylist())}
+           # a tensor: the launcher reads rank results weights-only (no numpy arrays)
+           "logprobs": torch.tensor(np.concatenate(values.column("edge_logprobs").to_pylist()))}
     if stats is not None:
         calls = repeats + 1  # every step ran the bin once (logprob phases are not counted)
         out["exchange_bytes_per_layer"] = (stats["recv_bytes"] // calls).tolist()
@@ -137,6 +154,7 @@ def run_rows(args, eps, bin_budget: int) -> list[dict]:
         ranks = spawn(_rank_run, size, args.model, size, eps, bin_budget, args.device, args.dtype,
                       args.repeats, timeout_s=args.timeout)
         r0 = ranks[0]
+        r0["logprobs"] = r0["logprobs"].numpy()
         row = {"context_parallel": size, "bin_tokens": r0["tokens"],
                "step_seconds": round(max(r["seconds"] for r in ranks), 4),
                "wall_seconds": round(time.perf_counter() - t0, 1)}
@@ -153,6 +171,116 @@ def run_rows(args, eps, bin_budget: int) -> list[dict]:
     return rows
 
 
+def _rank_overlap(size: int, parents, shape: tuple, kernel: str, device: str, dtype: str,
+                  repeats: int) -> dict:
+    """In each spawned rank: one attention layer (forward + backward) of this rank's range of
+    the bin `parents`, with the K/V exchange blocking and overlapped, interleaved `repeats`
+    times, and the exchange alone; per-repeat seconds (the caller takes the best)."""
+    import torch
+    import torch.distributed as dist
+
+    from treeflow.models import cp_exchange
+    from treeflow.models.context_parallel import ContextParallelPlan
+    from treeflow.train import DataParallel
+    from treeflow.tree import depths_from_parents
+
+    dp = DataParallel.from_env(device, context_parallel=size)
+    cp, dev = dp.cp, torch.device(dp.device)
+    heads, kv_heads, dim = shape
+    parents = np.asarray(parents, dtype=np.int64)
+    depths = depths_from_parents(parents)
+    bounds = cp_bounds(depths, size)
+    a, b = int(bounds[cp.rank]), int(bounds[cp.rank + 1])
+    g = torch.Generator(device=dev).manual_seed(cp.rank)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(b - a, h, dim, generator=g, device=dev, dtype=dt).requires_grad_(True)
+               for h in (heads, kv_heads, kv_heads))
+    plans = {mode: ContextParallelPlan(parents, depths, bounds, cp, kernel=kernel, device=dev,
+                                       overlap=mode == "overlapped")
+             for mode in ("blocking", "overlapped")}
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dist.barrier(group=cp.group)
+
+    def layer(plan):
+        out = plan(q, k, v)
+        out.backward(torch.ones_like(out))
+
+    def exchange_only():  # forward and reverse exchange, no attention
+        plan = plans["blocking"]
+        kv = torch.cat((k, v), dim=1).detach().requires_grad_(True)
+        recv = cp_exchange.exchange(kv, plan._send_idx, plan.send_splits, plan.recv_splits,
+                                    cp.group)
+        recv.backward(torch.ones_like(recv))
+
+    waited = []  # host seconds spent in the overlapped exchange's waits (gloo: exposed time)
+    wait = cp_exchange.Pending.wait
+
+    def timed_wait(self):
+        t0 = time.perf_counter()
+        wait(self)
+        waited.append(time.perf_counter() - t0)
+
+    cp_exchange.Pending.wait = timed_wait
+    runs = {"blocking": lambda: layer(plans["blocking"]),
+            "overlapped": lambda: layer(plans["overlapped"]), "exchange_only": exchange_only}
+    seconds = {name: [] for name in runs}
+    for name, fn in runs.items():  # warm-up (flex compiles on CUDA)
+        fn()
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            sync()
+            waited.clear()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            seconds[name].append(time.perf_counter() - t0)
+            if name == "overlapped":
+                seconds.setdefault("overlapped_waits", []).append(sum(waited))
+    plan = plans["overlapped"]
+    out = {"seconds": seconds, "received_rows": int(plan._received),
+           "row_bytes": 2 * kv_heads * dim * q.element_size(), "queries": b - a}
+    dp.close()
+    return out
+
+
+def overlap_rows(args, bin_parents: dict) -> list[dict]:
+    """Per bin (name -> parents) and C of --cp: one layer's fwd+bwd seconds, blocking vs
+    overlapped exchange (best of --repeats, slowest rank), and the exchange alone."""
+    from treeflow.train.launch import spawn
+
+    rows = []
+    for name, parents in bin_parents.items():
+        for size in args.cp:
+            ranks = spawn(_rank_overlap, size, size, parents, args.attn_shape, args.attn_kernel,
+                          args.device, args.dtype, args.repeats, timeout_s=args.timeout)
+            best = {m: max(min(r["seconds"][m]) for r in ranks) for m in ranks[0]["seconds"]}
+            saved = best["blocking"] - best["overlapped"]
+            rows.append({"bin": name, "context_parallel": size, "tokens": len(parents),
+                         "kernel": args.attn_kernel, "shape": list(args.attn_shape),
+                         "received_rows": [r["received_rows"] for r in ranks],
+                         "exchanged_mib": round(sum(r["received_rows"] * r["row_bytes"]
+                                                    for r in ranks) / 2**20, 2),
+                         **{f"{m}_seconds": round(t, 5) for m, t in best.items()},
+                         "hidden_share_of_exchange": round(saved / best["exchange_only"], 3)
+                         if best["exchange_only"] > 0 else None,
+                         # host seconds blocked in the overlapped exchange's two waits (forward,
+                         # backward): what of it stayed exposed. On CUDA a wait only orders
+                         # streams, so this is ~0 there and says nothing
+                         "exposed_share_of_exchange": round(best["overlapped_waits"]
+                                                            / best["exchange_only"], 3)
+                         if best["exchange_only"] > 0 and args.device == "cpu" else None,
+                         "loadavg": list(os.getloadavg())})
+    return rows
+
+
+def _first_bin_parents(eps, budget: int) -> np.ndarray:
+    bins = Fragment(max_tokens=budget)(Pack(scope="group")(eps)).slice(0, 1)
+    return np.asarray(bins.column("parents").combine_chunks().values.to_numpy(), np.int64)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every token count")
@@ -165,8 +293,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", default=None)
+    p.add_argument("--overlap", action="store_true",
+                   help="also time one attention layer with the K/V exchange blocking vs "
+                        "overlapped (the first bin and a chain of --chain tokens)")
+    p.add_argument("--chain", type=int, default=4096, help="tokens of the --overlap chain")
+    p.add_argument("--attn-shape", default="8,8,64", help="--overlap: heads,kv_heads,head_dim")
+    p.add_argument("--attn-kernel", default=None, help="--overlap kernel (default: runs on "
+                   "cpu, flex on cuda)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script "
+                   "(--run and --overlap) in a minute or two, on --device cpu too")
     args = p.parse_args()
+    if args.smoke:
+        args.scale, args.chain, args.repeats, args.attn_shape = 0.005, 256, 1, "4,2,16"
+        args.run = args.overlap = True
     args.cp = [int(c) for c in args.cp.split(",") if c]
+    args.attn_shape = tuple(int(x) for x in args.attn_shape.split(","))
+    if args.attn_kernel is None:
+        args.attn_kernel = "flex" if args.device.startswith("cuda") else "runs"
     t0 = time.perf_counter()
     eps = episodes(args.scale, args.groups)
     lengths = [len(c["token_ids"]) for r in eps.to_pylist() for c in r["calls"]]
@@ -183,6 +326,10 @@ def main() -> None:
         bin_budget = max(args.cp, default=1) * longest
         out["run"] = {"device": args.device, "dtype": args.dtype, "model": args.model,
                       "bin_budget": bin_budget, "rows": run_rows(args, eps, bin_budget)}
+    if args.overlap:
+        bin_parents = {"first_bin": _first_bin_parents(eps, max(args.cp) * longest),
+                       "chain": np.arange(-1, args.chain - 1, dtype=np.int64)}
+        out["overlap"] = overlap_rows(args, bin_parents)
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

@@ -68,7 +68,7 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
 
 @pytest.mark.parametrize("extra,flag", [
     (["--backend", "megatron"], "--backend reference"),
-    (["--kernel", "flex"], "--kernel flex"),
+    (["--kernel", "causal"], "--kernel causal"),
     (["--shard-params", "--ranks", "2"], "--shard-params"),
     (["--launcher", "ray"], "--launcher"),
     (["--engine", "ray"], "--engine local"),

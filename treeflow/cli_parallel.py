@@ -78,9 +78,9 @@ def check_context_parallel_options(args, *, train: bool) -> None:
     if args.tensor_parallel > 1:
         raise ValueError(f"--context-parallel {cp} with --tensor-parallel {args.tensor_parallel} "
                          "is not supported yet: give one of them")
-    if args.kernel not in ("auto", "dense", "runs"):
+    if args.kernel not in ("auto", "dense", "runs", "flex"):
         raise ValueError(f"--context-parallel {cp} with --kernel {args.kernel}: a rank attends "
-                         "over its gathered keys with --kernel runs or dense (auto: runs)")
+                         "over its gathered keys with --kernel runs, dense or flex (auto: runs)")
     _own_processes(args, "--context-parallel", "context-parallel", cp, train=train)
     if train and args.shard_params:
         raise ValueError(f"--context-parallel {cp} with --shard-params is not supported yet: "

@@ -16,7 +16,8 @@ from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import DataParallel, Trainer
 
 VOCAB = 256
-KERNELS = ("runs", "dense")
+# kernel, or kernel/blocking: the K/V exchange waited for before attention (no overlap)
+KERNELS = ("runs", "dense", "flex", "flex/blocking")
 
 
 def branching_episodes(seed: int = 7):
@@ -95,7 +96,9 @@ def bin_step(path: str, size: int, device: str = "cpu") -> dict:
     dp = DataParallel.from_env(device, context_parallel=size)
     out = {}
     for kernel in KERNELS:
-        tr = Trainer(Forward(model=path, kernel=kernel, context_parallel=size), reduce_nll(), dp=dp)
+        name, _, blocking = kernel.partition("/")
+        fwd = Forward(model=path, kernel=name, context_parallel=size, context_overlap=not blocking)
+        tr = Trainer(fwd, reduce_nll(), dp=dp)
         for name, make in CASES.items():
             eps = make()
             bins = bins_of(eps)

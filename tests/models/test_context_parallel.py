@@ -1,7 +1,9 @@
 """Context parallelism (gloo, CPU, float32): one bin over 2 and 3 processes equals one process
 and transformers call by call, for logprobs and every parameter gradient.
 
-The cases (tests/models/cp_workers.py): random deep branching trees (groups of 2, one bin of
+Every kernel under context parallelism runs (runs, dense, flex; flex also with the exchange
+blocking, so the overlapped exchange is held to it within 1e-6 in float32). The cases
+(tests/models/cp_workers.py): random deep branching trees (groups of 2, one bin of
 several trees), one long linear episode (a chain: the last rank's edges read ancestors held
 by every other rank) and a long prompt sampled at its end (the first rank owns no loss edge,
 yet its K/V and its backward are needed). Each group size is spawned once per module.
@@ -83,6 +85,9 @@ def test_context_parallel_equals_one_process_and_transformers(model, size, case)
         assert res[0]["seen"] == (1, 1)  # each sampled token counted by exactly one rank
         _close(res[0]["logprobs"], want_lp, HF_REL, f"{case}/{kernel} logprobs vs transformers")
         _grads_close(res[0]["grads"], want_grads, HF_REL, f"{case}/{kernel} vs transformers")
+    overlapped, blocking = ranks[0][case, "flex"], ranks[0][case, "flex/blocking"]
+    _close(overlapped["logprobs"], blocking["logprobs"], REL, f"{case} overlap vs blocking")
+    _grads_close(overlapped["grads"], blocking["grads"], REL, f"{case} overlap vs blocking")
 
 
 @pytest.mark.multiprocess
@@ -172,7 +177,7 @@ def test_refused_combinations_name_the_option():
     with pytest.raises(ValueError, match="context_parallel=2.*reference backend"):
         Forward(backend="megatron", context_parallel=2)
     with pytest.raises(ValueError, match="kernel 'auto' or one of"):
-        Forward(kernel="flex", context_parallel=2)
+        Forward(kernel="causal", context_parallel=2)
     with pytest.raises(ValueError, match="recompute='layer' is not supported"):
         Forward(context_parallel=2, tuning=Tuning(recompute="layer"))
     with pytest.raises(ValueError, match="context_parallel=0"):

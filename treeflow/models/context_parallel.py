@@ -12,14 +12,22 @@ next range starts at most half as deep: at a root (another episode, another
 group) no row moves at all.
 
 Per layer one all_to_all moves those rows (K and V in one buffer, each row
-sent once per rank pair); an autograd Function wraps it, and its backward is
-the reverse all_to_all, which returns dK/dV to the rows' owners (summed over
-every rank that read them). Attention then runs over [received ancestors,
-own rows] -- itself a DFS-ordered forest, the path to a_r followed by the
-range -- with the tree mask restricted to ancestors: `dense` (one SDPA call
-with a [n, G] mask, the reference) or `runs` (models/runs.py: one causal call
-per run over its ancestor path, for the range's queries only). FlexAttention
-and the chain-only kernel are refused under context parallelism.
+sent once per rank pair; models/cp_exchange.py); its backward is the reverse
+all_to_all, which returns dK/dV to the rows' owners (summed over every rank
+that read them). Attention runs over [received ancestors, own rows] -- itself
+a DFS-ordered forest, the path to a_r followed by the range -- with the tree
+mask restricted to ancestors: `dense` (SDPA with a [n, G] mask, the
+reference), `runs` (models/runs.py: one causal call per run over its ancestor
+path, for the range's queries only) or `flex` (a FlexAttention block mask for
+the range's queries against G, models/cp_kernels.py). The chain-only kernel
+is refused under context parallelism.
+
+With `overlap` (the default) the exchange is issued asynchronously and the
+queries first attend to their own rows, which need nothing received; then
+the queries that see received rows (those inside the subtree of a_r's root:
+a prefix of the range) attend to them, and the two partial results are merged
+by log-sum-exp. Backward overlaps the same way: the reverse exchange of dK/dV
+is in flight while the own-key part runs backward.
 
 Every rank computes the same cuts and exchange plan from the bin's host
 arrays (tokens, parents, depths: small next to K/V), so the plan itself needs
@@ -39,19 +47,21 @@ C ranks of the group, Q query heads, K key/value heads, D head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from treeflow.models import cp_exchange, cp_kernels
 from treeflow.models.runs import AncestorRuns
 from treeflow.tree import subtree_end
 
 __all__ = ["CP_KERNELS", "ContextParallelGroup", "ContextParallelPlan", "context_parallel_layout",
            "cp_bounds", "exchange_stats"]
 
-CP_KERNELS = ("dense", "runs")
+CP_KERNELS = ("dense", "runs", "flex")
 _SLACK = 0.05  # a cut may move this share of one rank's cost to reach a shallower node
 
 
@@ -160,7 +170,10 @@ class ContextParallelPlan:
 
     Built on every rank of the group from the bin's whole `parents_N` and `depths_N` and
     the common cuts `bounds` (cp_bounds). Stands in for an AttentionPlan in the decoder:
-    `num_tokens` is this rank's node count, `kernel` the local kernel.
+    `num_tokens` is this rank's node count, `kernel` the local kernel. With `overlap`
+    (the default) the exchange is in flight while the queries attend to their own keys,
+    and the received part is merged in by log-sum-exp; without, the rank waits for the
+    exchange and attends over [received, own] in one call.
 
     Per rank r (every rank knows all of them): `recv_rows[r]` rows received per layer,
     `allgather_rows[r]` what an all-gather of the bin's K/V would deliver (N - n_r), and
@@ -169,17 +182,24 @@ class ContextParallelPlan:
 
     def __init__(self, parents_N: np.ndarray, depths_N: np.ndarray, bounds: np.ndarray,
                  cp: ContextParallelGroup, *, kernel: str = "auto",
-                 device: torch.device | str = "cpu", block: int = 1024) -> None:
+                 device: torch.device | str = "cpu", block: int = 1024,
+                 overlap: bool = True, flex_block: int = 128,
+                 kernel_options: dict | None = None) -> None:
         parents_N = np.asarray(parents_N, dtype=np.int64)
         depths_N = np.asarray(depths_N, dtype=np.int64)
         n = len(parents_N)
-        if kernel == "auto":
+        device = torch.device(device)
+        if kernel == "auto":  # flex becomes auto's choice on CUDA once it has run on a GPU
             kernel = "runs"
         if kernel not in CP_KERNELS:
             raise ValueError(f"kernel {kernel!r} under context parallelism: use one of "
-                             f"{CP_KERNELS} or 'auto' (flex and causal do not take a rank's "
-                             "gathered keys yet)")
-        self.kernel, self.device, self.cp = kernel, torch.device(device), cp
+                             f"{CP_KERNELS} or 'auto' (causal does not take a rank's gathered "
+                             "keys)")
+        if kernel == "flex" and not cp_kernels.flex_available():
+            raise ValueError(f"torch {torch.__version__} has no flex_attention operator; use "
+                             "kernel 'runs' or 'dense'")
+        self.kernel, self.device, self.cp, self.overlap = kernel, device, cp, bool(overlap)
+        self.cpu_flex_backward = kernel == "flex"  # cp_kernels.flex: backward on CPU too
         self.bounds = np.asarray(bounds, dtype=np.int64)
         end_N = subtree_end(depths_N)
         inner = end_N[:-1] > np.arange(1, n)
@@ -199,21 +219,36 @@ class ContextParallelPlan:
         self.recv_splits = [int(np.count_nonzero(owner[cp.rank] == s)) for s in range(cp.size)]
         self._send_idx = torch.from_numpy(np.concatenate(send).astype(np.int64)).to(self.device)
         keys_G = np.concatenate((need[cp.rank], np.arange(a, b)))  # ascending: a DFS sub-forest
-        self._received = len(need[cp.rank])
+        self._received = r = len(need[cp.rank])
+        end_G = subtree_end(depths_N[keys_G])  # the tree mask over G: g <= i < end_G[g]
+        # own queries that see a received key: those inside the subtree of the first ancestor
+        self._mixed = min(int(end_G[0]), len(keys_G)) - r if r else 0
         self.row_bytes = 0  # bytes of one exchanged row, set by the last call
+        self._kernel_options = dict(kernel_options) if kernel_options else None
         if kernel == "dense":
-            q_n = np.arange(a, b)
-            mask = (keys_G[None, :] <= q_n[:, None]) & (q_n[:, None] < end_N[keys_G][None, :])
+            g_G, i_n = np.arange(len(keys_G)), np.arange(r, len(keys_G))
+            mask = (g_G[None, :] <= i_n[:, None]) & (i_n[:, None] < end_G[None, :])
             self._mask_nG = torch.from_numpy(mask).to(self.device)
+            self._mask_own_nn = self._mask_nG[:, r:]
+            self._mask_recv_mR = self._mask_nG[: self._mixed, :r]
+        elif kernel == "flex":
+            masks = functools.partial(cp_kernels.OffsetBlockMask, device=self.device,
+                                      block=flex_block, pad=self.device.type == "cuda")
+            if self.overlap:
+                self._flex_own = masks(end_G[r:] - r, 0, b - a)
+                self._flex_recv = masks(end_G[:r], r, self._mixed) if self._mixed else None
+            else:
+                self._flex_G = masks(end_G, r, b - a)
         else:
             parents_G = np.where(parents_N[keys_G] >= 0,
                                  np.searchsorted(keys_G, parents_N[keys_G]), -1)
             self._blocks = _local_blocks(AncestorRuns(parents_G, device=self.device, block=block),
-                                         self._received)
+                                         r)
+            self._split = [_split_block(blk, r) for blk in self._blocks]
 
     def __repr__(self) -> str:
         return (f"ContextParallelPlan(kernel={self.kernel!r}, rank={self.cp.rank}/{self.cp.size}, "
-                f"nodes={self.local}, received={self._received})")
+                f"nodes={self.local}, received={self._received}, overlap={self.overlap})")
 
     def __call__(self, q_nQD: torch.Tensor, k_nKD: torch.Tensor,
                  v_nKD: torch.Tensor) -> torch.Tensor:
@@ -223,47 +258,77 @@ class ContextParallelPlan:
         kv_heads = k_nKD.shape[1]
         kv_n2KD = torch.cat((k_nKD, v_nKD), dim=1)
         self.row_bytes = kv_n2KD.shape[1] * kv_n2KD.shape[2] * kv_n2KD.element_size()
-        recv = _Exchange.apply(kv_n2KD, self._send_idx, self.send_splits, self.recv_splits,
-                               self.cp.group)
+        args = (self._send_idx, self.send_splits, self.recv_splits, self.cp.group)
+        if self.overlap:
+            recv, pending = cp_exchange.start(kv_n2KD, *args)
+            local = self._attend_own(q_nQD, k_nKD, v_nKD) if self.num_tokens else None
+            recv = cp_exchange.finish(recv, pending, *args[1:])
+        else:
+            recv = cp_exchange.exchange(kv_n2KD, *args)
+        if self.num_tokens == 0:  # no queries; keep the exchange in the graph for backward
+            return q_nQD.new_zeros(q_nQD.shape) + 0 * recv.sum() + 0 * kv_n2KD.sum()
+        if self.overlap:
+            out = self._add_received(q_nQD, recv[:, :kv_heads], recv[:, kv_heads:], local)
+            return out if self._mixed else out + 0 * recv.sum()  # backward must reach it
         kv_G2KD = torch.cat((recv, kv_n2KD))
         k_GKD, v_GKD = kv_G2KD[:, :kv_heads], kv_G2KD[:, kv_heads:]
-        if self.num_tokens == 0:  # no queries; keep the exchange in the graph for backward
-            return q_nQD.new_zeros(q_nQD.shape) + 0 * kv_G2KD.sum()
         if self.kernel == "dense":
             out = F.scaled_dot_product_attention(q_nQD.transpose(0, 1), k_GKD.transpose(0, 1),
                                                  v_GKD.transpose(0, 1), attn_mask=self._mask_nG,
                                                  enable_gqa=True)
             return out.transpose(0, 1)
+        if self.kernel == "flex":
+            return cp_kernels.flex(q_nQD, k_GKD, v_GKD, self._flex_G,
+                                   kernel_options=self._kernel_options)
         return _attend_blocks(self._blocks, q_nQD, k_GKD, v_GKD, self._received)
 
+    def _attend_own(self, q_nQD, k_nKD, v_nKD):
+        """The queries over their own keys, while the exchange is in flight: (out, lse) for
+        flex, (MergedAttention, (out, lse)) for dense; for runs per block its output, or
+        (MergedAttention, (out, lse)) where the block also reads received rows."""
+        if self.kernel == "flex":
+            return cp_kernels.flex(q_nQD, k_nKD, v_nKD, self._flex_own, with_lse=True,
+                                   kernel_options=self._kernel_options)
+        if self.kernel == "dense":
+            merged = cp_kernels.MergedAttention(self.device)
+            return merged, merged.part(q_nQD, k_nKD, v_nKD, self._mask_own_nn)
+        first = self._received
+        outs = []
+        for a, b, own_idx, seen, recv_idx in self._split:
+            q_QLD = q_nQD[a - first:b - first]
+            mask = _run_mask(len(own_idx), b - a, seen, own_idx.device)
+            k_LKD, v_LKD = k_nKD.index_select(0, own_idx), v_nKD.index_select(0, own_idx)
+            if recv_idx is None:
+                outs.append(_sdpa_masked(q_QLD, k_LKD, v_LKD, mask))
+            else:
+                merged = cp_kernels.MergedAttention(self.device)
+                outs.append((merged, merged.part(q_QLD, k_LKD, v_LKD, mask)))
+        return outs
 
-class _Exchange(torch.autograd.Function):
-    """Forward: rows `send_idx` of `kv` to the ranks that need them (one all_to_all).
-
-    Backward: the received rows' gradients back to their owners (the reverse
-    all_to_all), summed into the rows that were sent (a row sent to several ranks
-    gets all their gradients).
-    """
-
-    @staticmethod
-    def forward(ctx, kv_n, send_idx, send_splits, recv_splits, group):
-        ctx.save_for_backward(send_idx)
-        ctx.splits, ctx.group, ctx.rows = (send_splits, recv_splits), group, kv_n.shape[0]
-        send = kv_n.index_select(0, send_idx).contiguous()
-        recv = kv_n.new_empty((sum(recv_splits), *kv_n.shape[1:]))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
-        return recv
-
-    @staticmethod
-    def backward(ctx, grad_recv):
-        (send_idx,) = ctx.saved_tensors
-        send_splits, recv_splits = ctx.splits
-        grad_send = grad_recv.new_empty((sum(send_splits), *grad_recv.shape[1:]))
-        dist.all_to_all_single(grad_send, grad_recv.contiguous(), send_splits, recv_splits,
-                               group=ctx.group)
-        grad_kv = grad_recv.new_zeros((ctx.rows, *grad_recv.shape[1:]))
-        grad_kv.index_add_(0, send_idx, grad_send)
-        return grad_kv, None, None, None, None
+    def _add_received(self, q_nQD, k_RKD, v_RKD, local):
+        """Merge the queries' attention over the received rows into their own-key results."""
+        m = self._mixed
+        if self.kernel == "flex":
+            if not m:
+                return local[0]
+            received = cp_kernels.flex(q_nQD[:m], k_RKD, v_RKD, self._flex_recv, with_lse=True,
+                                       kernel_options=self._kernel_options)
+            return cp_kernels.MergedAttention(self.device, fused=False).merge(local, received)
+        if self.kernel == "dense":
+            merged, own = local
+            if not m:
+                return own[0]
+            return merged.merge(own, merged.part(q_nQD[:m], k_RKD, v_RKD, self._mask_recv_mR))
+        first, outs = self._received, []
+        for (a, b, _, _, recv_idx), part in zip(self._split, local):
+            if recv_idx is None:
+                outs.append(part)
+                continue
+            merged, own = part
+            received = merged.part(q_nQD[a - first:b - first], k_RKD.index_select(0, recv_idx),
+                                   v_RKD.index_select(0, recv_idx), None)
+            outs.append(merged.merge(own, received))
+        return torch.cat(outs)
 
 
 def _local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.Tensor, int]]:
@@ -282,19 +347,37 @@ def _local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.
     return out
 
 
+def _split_block(block, first: int):
+    """A block of _local_blocks as (a, b, own key rows, seen among them, received key rows).
+
+    A block's keys are its run's ancestor path, then the run: ascending in G, so the
+    received rows (G index < first) come first, and every query of the block sees all of
+    them. Received rows None: the block reads only its own rows.
+    """
+    a, b, idx, seen = block
+    m = int(torch.searchsorted(idx, torch.tensor(first, device=idx.device)))
+    return a, b, idx[m:] - first, seen - m, (idx[:m] if m else None)
+
+
+def _run_mask(keys: int, queries: int, seen: int, device) -> torch.Tensor:
+    """Within a run, query j sees keys [0, seen + j] of its key list."""
+    return (torch.arange(keys, device=device)[None, :]
+            <= torch.arange(queries, device=device)[:, None] + seen)
+
+
+def _sdpa_masked(q_LQD, k_PKD, v_PKD, mask_LP) -> torch.Tensor:
+    heads, kv_heads = q_LQD.shape[1], k_PKD.shape[1]
+    k_KPD, v_KPD = k_PKD.transpose(0, 1), v_PKD.transpose(0, 1)
+    if kv_heads != heads:
+        k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
+        v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
+    return F.scaled_dot_product_attention(q_LQD.transpose(0, 1), k_KPD, v_KPD,
+                                          attn_mask=mask_LP).transpose(0, 1)
+
+
 def _attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int) -> torch.Tensor:
     """Ancestor-run attention for this rank's queries (runs.py's scheme, offset by `first`)."""
-    heads, kv_heads = q_nQD.shape[1], k_GKD.shape[1]
-    outs = []
-    for a, b, idx, seen in blocks:
-        mask = (torch.arange(len(idx), device=idx.device)[None, :]
-                <= torch.arange(b - a, device=idx.device)[:, None] + seen)
-        q_QLD = q_nQD[a - first:b - first].transpose(0, 1)
-        k_KPD = k_GKD.index_select(0, idx).transpose(0, 1)
-        v_KPD = v_GKD.index_select(0, idx).transpose(0, 1)
-        if kv_heads != heads:
-            k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
-            v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
-        outs.append(F.scaled_dot_product_attention(q_QLD, k_KPD, v_KPD,
-                                                   attn_mask=mask).transpose(0, 1))
+    outs = [_sdpa_masked(q_nQD[a - first:b - first], k_GKD.index_select(0, idx),
+                         v_GKD.index_select(0, idx), _run_mask(len(idx), b - a, seen, idx.device))
+            for a, b, idx, seen in blocks]
     return torch.cat(outs)

@@ -157,8 +157,10 @@ class Decoder(nn.Module):
             raise ValueError(f"attention plan is for {attention.num_tokens} tokens, "
                              f"got {tokens_N.shape[0]}")
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        # a context-parallel plan runs flex backward on CPU through the operator's math path
+        checked_grad = requires_grad and not getattr(attention, "cpu_flex_backward", False)
         self.check_supported(kernel=attention.kernel, device=attention.device,
-                             requires_grad=requires_grad, branching=attention.branching)
+                             requires_grad=checked_grad, branching=attention.branching)
         x_NH = self.model.embed_tokens(tokens_N)
         cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
         ops = layer_ops(tuning, x_NH.device)

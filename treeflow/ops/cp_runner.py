@@ -60,7 +60,8 @@ class ContextParallelRunner(ForwardRunner):
             depths = val["positions"][a["positions"]:b["positions"]].astype(np.int64)
             bounds = cp_bounds(depths, self.cp.size)
             plan = ContextParallelPlan(val["parents"][a["parents"]:b["parents"]], depths, bounds,
-                                       self.cp, kernel=self.config.kernel, device=self.device)
+                                       self.cp, kernel=self.config.kernel, device=self.device,
+                                       overlap=self.config.context_overlap)
             lo, hi = plan.local
             src = val["edge_sources"][a["edge_sources"]:b["edge_sources"]].astype(np.int64)
             owned = np.flatnonzero((src >= lo) & (src < hi))

@@ -53,6 +53,9 @@ class Forward(Stage):
     context_parallel: run each bin over this many processes together (reference backend;
         models/context_parallel.py): each holds a range of the bin's nodes and fetches only
         the K/V of their ancestors; the group is a runtime handle given to `build`.
+    context_overlap: under context parallelism, attend to a rank's own keys while the K/V
+        exchange is in flight and merge the received part by log-sum-exp (default); False
+        waits for the exchange and attends over all keys in one call.
     tuning: speed/memory levers of the reference backend (flex tiles, compiled
     layers, fused loss, recomputation; treeflow.models.Tuning); the default is
     the plain path.
@@ -76,6 +79,7 @@ class Forward(Stage):
     entropy: bool = False
     tensor_parallel: int = 1
     context_parallel: int = 1
+    context_overlap: bool = True
     tuning: Tuning = Tuning()
     routing: str = "auto"
     allow_nonfinite: bool = False
@@ -107,6 +111,9 @@ class Forward(Stage):
                              "one device (use data-parallel ranks instead)")
         if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
             raise ValueError(f"Forward(context_parallel={self.context_parallel!r}): give an int >= 1")
+        if not isinstance(self.context_overlap, bool):
+            raise TypeError(f"Forward(context_overlap={self.context_overlap!r}): give True or "
+                            "False")
         if self.context_parallel > 1:
             from treeflow.models.context_parallel import CP_KERNELS
 
