@@ -84,7 +84,8 @@ def _forced_forward(gate, original, forced):
 
     def forward(hidden_states):
         _, _, own = original(hidden_states)
-        idx = torch.where((forced >= 0).all(-1, keepdim=True), forced, own)
+        f = forced.to(own.device)
+        idx = torch.where((f >= 0).all(-1, keepdim=True), f, own)
         if hasattr(gate, "e_score_correction_bias"):  # NemotronHTopkRouter
             h = hidden_states.view(-1, gate.hidden_dim)
             logits = F.linear(h.type(torch.float32), gate.weight.type(torch.float32))

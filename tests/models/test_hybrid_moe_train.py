@@ -117,3 +117,47 @@ def test_cli_replays_own_routes_with_full_agreement(tmp_path, capsys):
                  "--routes-from", str(tmp_path / "m"), "--quiet"]) == 0
     routes = pa.ipc.open_file(str(synth)).read_all().column("calls").to_pylist()[0][0]
     assert {len(r) for r in routes["routed_experts"]} == {4}  # 2 MoE blocks x top_k 2
+
+
+def test_mission_class_hybrid_moe_with_mtp_trains_with_replay(tmp_path):
+    """The validated model class: a Nemotron-H MoE hybrid with an MTP layer (attention + MoE,
+    per-expert tensors under mtp.*) trained two steps with routing replay: the policy moves,
+    every router learns, the MTP tensors stay bit-unchanged and are saved back under their
+    own names."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from treeflow.stages import EpisodeSchedule, Loss, Reduce
+    from treeflow.train import Trainer
+
+    hf = hf_model("nemotron_h_moe", num_nextn_predict_layers=1)
+    hf.save_pretrained(tmp_path / "src")
+    file = os.path.join(tmp_path / "src", "model.safetensors")
+    state = load_file(file)
+    g = torch.Generator().manual_seed(3)
+    mtp = {"mtp.layers.0.mixer.q_proj.weight": torch.randn(32, 32, generator=g).bfloat16(),
+           "mtp.layers.1.mixer.gate.weight": torch.randn(6, 32, generator=g),
+           **{f"mtp.layers.1.mixer.experts.{e}.up_proj.weight":
+              torch.randn(16, 32, generator=g).bfloat16() for e in range(6)}}
+    save_file({**state, **mtp}, file, metadata={"format": "pt"})
+    rows = with_routes(hf, episodes(9, seed=9).to_pylist(), shift=1)
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    trainer = Trainer(Forward(model=str(tmp_path / "src"), routing="replay"),
+                      Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-2)))
+    model = trainer.model
+    assert set(model.frozen_tensors) == set(mtp)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        trainer.train_step(table, Fragment(max_tokens=24)(Pack(layout="tree",
+                                                                scope="group")(table)))
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert {n for n in before if n.endswith("mixer.gate.weight")} <= moved  # routers learn
+    for k, t in mtp.items():
+        assert torch.equal(model.frozen_tensors[k].view(torch.uint8), t.view(torch.uint8)), k
+    save_model(model, tmp_path / "out")
+    with safe_open(os.path.join(tmp_path / "out", "model.safetensors"), framework="pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(saved) == set(state) | set(mtp)
+    assert all(saved[k].dtype == t.dtype and torch.equal(saved[k], t) for k, t in mtp.items())
