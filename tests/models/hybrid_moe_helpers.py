@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 from hybrid_helpers import CHUNK, _sharpen
 
 from tests.deps import require
+from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
+from treeflow.stages import Forward, Fragment, Pack
 
 transformers = require("transformers")
 
@@ -172,3 +175,31 @@ def hf_values(model, rows, weights: dict, *, replay: bool):
                 values[(i, k, o)] = v
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return values, grads
+
+
+def tf_values(backend, rows, weights, *, layout, max_tokens, routing="replay", kernel="dense",
+              grad=True):
+    """Per-occurrence logprobs, gradients, bins and the runner (for its route tally)."""
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    scope = "group" if layout == "tree" else None
+    bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
+    runner = Forward(kernel=kernel, routing=routing).build(model=backend)
+    runner.take_route_tally()
+    backend.module.zero_grad()
+    values = {}
+    with torch.set_grad_enabled(grad):
+        prepared = runner.prepare(bins)
+        for b, item in zip(bins.to_pylist(), prepared.items):
+            if item is None:
+                continue
+            lp, _ = runner.run_bin(item)
+            keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
+            lp_O = lp[torch.as_tensor(b["occ_edge"], dtype=torch.int64)]
+            if grad:
+                (torch.tensor([weights[k] for k in keys]) * lp_O).sum().backward()
+            for key, v in zip(keys, lp_O.tolist()):
+                assert key not in values
+                values[key] = v
+    grads = {n: p.grad.clone() for n, p in backend.module.named_parameters()
+             if p.grad is not None}
+    return values, grads, bins.num_rows, runner

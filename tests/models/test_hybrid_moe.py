@@ -12,12 +12,11 @@ multi-level agent episode; budgets that keep whole trees and that cut them.
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 from hybrid_helpers import episodes, token_weights
-from hybrid_moe_helpers import FAMILIES, hf_model, hf_values, routers, with_routes
+from hybrid_moe_helpers import FAMILIES, hf_model, hf_values, routers, tf_values, with_routes
 
 from tests.deps import require
 from treeflow.models import Tuning, load_backend
@@ -61,34 +60,6 @@ def _oracle(family, prompt, replay=True):
         w = token_weights(validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA)))
         _CACHE[key] = (rows, w, *hf_values(family[2], rows, w, replay=replay))
     return _CACHE[key]
-
-
-def tf_values(backend, rows, weights, *, layout, max_tokens, routing="replay", kernel="dense",
-              grad=True):
-    """Per-occurrence logprobs, gradients, bins and the runner (for its route tally)."""
-    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
-    scope = "group" if layout == "tree" else None
-    bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
-    runner = Forward(kernel=kernel, routing=routing).build(model=backend)
-    runner.take_route_tally()
-    backend.module.zero_grad()
-    values = {}
-    with torch.set_grad_enabled(grad):
-        prepared = runner.prepare(bins)
-        for b, item in zip(bins.to_pylist(), prepared.items):
-            if item is None:
-                continue
-            lp, _ = runner.run_bin(item)
-            keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
-            lp_O = lp[torch.as_tensor(b["occ_edge"], dtype=torch.int64)]
-            if grad:
-                (torch.tensor([weights[k] for k in keys]) * lp_O).sum().backward()
-            for key, v in zip(keys, lp_O.tolist()):
-                assert key not in values
-                values[key] = v
-    grads = {n: p.grad.clone() for n, p in backend.module.named_parameters()
-             if p.grad is not None}
-    return values, grads, bins.num_rows, runner
 
 
 def _hf_name(family, name):

@@ -10,12 +10,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hybrid_helpers import episodes
-from hybrid_moe_helpers import FAMILIES, forced_routes, hf_model, routers, with_routes
+from hybrid_helpers import episodes, token_weights
+from hybrid_moe_helpers import (FAMILIES, forced_routes, hf_model, hf_values, routers,
+                               tf_values, with_routes)
 
 from tests.deps import require
 from treeflow.cli import main
-from treeflow.models import load_model, save_model
+from treeflow.models import load_backend, load_model, save_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Pack
 
@@ -161,3 +162,21 @@ def test_mission_class_hybrid_moe_with_mtp_trains_with_replay(tmp_path):
         saved = {k: f.get_tensor(k) for k in f.keys()}
     assert set(saved) == set(state) | set(mtp)
     assert all(saved[k].dtype == t.dtype and torch.equal(saved[k], t) for k, t in mtp.items())
+
+
+def test_dense_granite_without_rope_matches_transformers(tmp_path):
+    """GraniteMoeHybrid with num_local_experts 0 (its shared MLP alone) and Granite 4.0-H's
+    position_embedding_type "nope" (no RoPE): tree with fragments = transformers per call."""
+    hf = hf_model("granitemoehybrid", num_local_experts=0, position_embedding_type="nope")
+    hf.save_pretrained(tmp_path)
+    rows = episodes(9, seed=9).to_pylist()
+    w = token_weights(validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA)))
+    want, want_grads = hf_values(hf, rows, w, replay=False)
+    backend = load_backend("reference", str(tmp_path))
+    assert backend.config.moe is None
+    vals, grads, _, _ = tf_values(backend, rows, w, layout="tree", max_tokens=24,
+                                  routing="auto")
+    assert max(abs(vals[k] - want[k]) for k in want) < 1e-5
+    assert grads.keys() == want_grads.keys()
+    for n, g in want_grads.items():
+        assert float((grads[n] - g).norm() / g.norm()) < 1e-5, n

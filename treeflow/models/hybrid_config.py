@@ -25,7 +25,8 @@ Families:
   shared SwiGLU MLP; embeddings x embedding_multiplier, both residual branches
   x residual_multiplier, attention scores x attention_multiplier (not
   1/sqrt(head dim)), logits / logits_scaling; RoPE on the full head only when
-  position_embedding_type is "rope"; the router aux loss when the config asks.
+  position_embedding_type is "rope" (Granite 4.0-H: "nope"); the router aux loss when
+  the config asks.
 """
 
 from __future__ import annotations
@@ -286,7 +287,8 @@ def _granite(d: Mapping[str, Any]) -> HybridConfig:
     arch = "GraniteMoeHybridForCausalLM"
     _common(d, arch)
     _refuse(arch, d, {"hidden_act": lambda v: v == "silu",
-                      "position_embedding_type": lambda v: v in (None, "rope")})
+                      # Granite 4.0-H ships "nope"; transformers runs RoPE only for "rope"
+                      "position_embedding_type": lambda v: v in (None, "rope", "nope")})
     rope = d.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"{arch} config uses rope_type={rope['rope_type']!r} (only 'default')")
