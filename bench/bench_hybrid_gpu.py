@@ -16,11 +16,21 @@ of 8 (`treeflow synth`). Everything below runs as the CLI a user runs:
   steady seconds per optimizer step (forward + backward + AdamW, 64 episodes a
   step) for tree (each fork mode) and exact.
 
-    PYTHONUNBUFFERED=1 python3 bench/bench_hybrid_gpu.py          # one H200
-    python3 bench/bench_hybrid_gpu.py --smoke --device cpu        # logic check, tiny sizes
+`--moe`: the Hybrid MoE class instead (Nemotron-H with MoE blocks in
+Nemotron-3-Nano's style: 64 sigmoid-routed relu^2 experts, top-6, scaling 2.5,
+a shared expert; 14 blocks, 6 of them MoE; ~1.8B parameters, ~0.5B active).
+The episodes carry routes (`synth --routes-from` the checkpoint), every
+replay runs `--routing replay`, and the float32 oracle is transformers per
+call with the same routes forced into its routers (tests/models/
+hybrid_moe_helpers.py); `exact_layout_recompute` shows the distance when the
+bf16 routers choose for themselves against transformers' own float32 routing.
 
-Prints JSON lines as it goes; the result lands in $OUT/bench_hybrid_gpu.json (or
-bench/results/bench_hybrid_gpu[_smoke].json).
+    PYTHONUNBUFFERED=1 python3 bench/bench_hybrid_gpu.py          # one H200
+    PYTHONUNBUFFERED=1 python3 bench/bench_hybrid_gpu.py --moe    # one H200, Hybrid MoE
+    python3 bench/bench_hybrid_gpu.py --smoke --device cpu [--moe]  # logic check, tiny sizes
+
+Prints JSON lines as it goes; the result lands in $OUT/bench_hybrid_gpu[_moe].json (or
+bench/results/bench_hybrid_gpu[_moe][_smoke].json).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "models"))  # the MoE oracle
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
 
@@ -50,6 +61,21 @@ SHAPES = {
                   hybrid_override_pattern="M-M*M-", num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
                   n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False),
+    "nemotron-h-moe": dict(vocab_size=131072, hidden_size=2048, intermediate_size=8192,
+                           hybrid_override_pattern="MEM*EMEMEM*EME", num_attention_heads=16,
+                           num_key_value_heads=2, head_dim=128, mamba_num_heads=64,
+                           mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
+                           chunk_size=128, n_routed_experts=64, num_experts_per_tok=6,
+                           moe_intermediate_size=768, moe_shared_expert_intermediate_size=1536,
+                           routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                           tie_word_embeddings=False),
+    "smoke-moe": dict(vocab_size=512, hidden_size=64, intermediate_size=96,
+                      hybrid_override_pattern="ME*MEM", num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+                      ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+                      n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5,
+                      n_group=2, topk_group=1, tie_word_embeddings=False),
 }
 SYNTH_VOCAB = 32000
 
@@ -67,8 +93,11 @@ def make_checkpoint(shape: str, path: str, device: str):
     return model.eval()
 
 
-def hf_logprobs(model, eps, n: int, dtype) -> list[np.ndarray]:
-    """transformers per call: the sampled tokens' logprobs of the first n episodes, flattened."""
+def hf_logprobs(model, eps, n: int, dtype, replay: bool = False) -> list[np.ndarray]:
+    """transformers per call: the sampled tokens' logprobs of the first n episodes, flattened;
+    replay: each call's routed_experts forced into transformers' routers."""
+    import contextlib
+
     import torch
 
     out = []
@@ -79,7 +108,14 @@ def hf_logprobs(model, eps, n: int, dtype) -> list[np.ndarray]:
             for call in row["calls"]:
                 ids = torch.tensor([call["token_ids"]], device=dev)
                 s = call["sampled_start"]
-                lp = torch.log_softmax(m(ids).logits[0].float(), -1)[s - 1:-1]
+                force = contextlib.nullcontext()
+                if replay:
+                    from hybrid_moe_helpers import forced_routes
+
+                    force = forced_routes(m, np.asarray(call["routed_experts"]))
+                with force:
+                    logits = m(ids).logits[0].float()
+                lp = torch.log_softmax(logits, -1)[s - 1:-1]
                 out.append(lp.gather(-1, ids[0, s:, None])[:, 0].cpu().numpy())
     return out
 
@@ -109,16 +145,21 @@ def main() -> None:
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--state-dtypes", default="float32,bfloat16",
                     help="--ssm-state-dtype values to replay with (each: three replays)")
+    ap.add_argument("--moe", action="store_true",
+                    help="the Hybrid MoE shape, routed episodes, --routing replay")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    shape = "smoke" if args.smoke else "nemotron-h-1b"
+    shape = ("smoke" if args.smoke else "nemotron-h-1b") + ("-moe" if args.moe else "")
+    if args.moe and not args.smoke:
+        shape = "nemotron-h-moe"
     episodes = args.episodes or (16 if args.smoke else 512)
     n_ref = args.ref_episodes or (4 if args.smoke else 32)
     max_tokens = args.max_tokens or (8192 if args.smoke else 32768)
     train_batch = min(args.train_batch, episodes // 2) if args.smoke else args.train_batch
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     out_file = args.out or os.path.join(
-        out_dir, "bench_hybrid_gpu_smoke.json" if args.smoke else "bench_hybrid_gpu.json")
+        out_dir, "bench_hybrid_gpu" + ("_moe" if args.moe else "") + ("_smoke" if args.smoke
+                                                                       else "") + ".json")
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), *site,
@@ -132,13 +173,14 @@ def main() -> None:
     t_start = time.perf_counter()
     work = tempfile.mkdtemp(prefix="treeflow-hybrid-bench-")
     data = os.path.join(work, "episodes.arrow")
+    ckpt = os.path.join(work, shape)
+    hf = make_checkpoint(shape, ckpt, args.device)
     subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", data, "--episodes",
                     str(episodes), "--group-size", "8", "--vocab-size",
                     str(min(SYNTH_VOCAB, SHAPES[shape]["vocab_size"])), "--max-turns",
                     "4" if args.smoke else "10", "--min-turns", "2" if args.smoke else "3",
-                    "--seed", "0"], check=True, env=env, capture_output=True)
-    ckpt = os.path.join(work, shape)
-    hf = make_checkpoint(shape, ckpt, args.device)
+                    "--seed", "0", *(["--routes-from", ckpt] if args.moe else [])],
+                   check=True, env=env, capture_output=True)
     eps = read_episodes(data).to_pylist()
     result = {"shape": shape, "episodes": episodes, "ref_episodes": n_ref, "max_tokens": max_tokens,
               "device": args.device, "fidelity": {}, "replay": {}, "train": {}}
@@ -150,14 +192,17 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     t0 = time.perf_counter()
-    ref = hf_logprobs(hf, eps, n_ref, torch.float32)
+    ref = hf_logprobs(hf, eps, n_ref, torch.float32, replay=args.moe)
+    if args.moe:
+        own_ref = hf_logprobs(hf, eps, n_ref, torch.float32)
     result["fidelity"]["transformers_bf16_per_call"] = distance(
-        hf_logprobs(hf, eps, n_ref, torch.bfloat16), ref)
+        hf_logprobs(hf, eps, n_ref, torch.bfloat16, replay=args.moe), ref)
     result["reference_seconds"] = round(time.perf_counter() - t0, 1)
     del hf
     print(json.dumps(result["fidelity"]), flush=True)
     common = ["--model", ckpt, "--device", args.device, "--dtype", "bfloat16",
-              "--max-tokens", str(max_tokens), "--json"]
+              "--max-tokens", str(max_tokens), "--json", *(["--routing", "replay"] if args.moe
+                                                            else [])]
     runs = {"tree_exact_fork": ["--layout", "tree", "--ssm-fork", "exact"],
             "tree_chunk_fork": ["--layout", "tree", "--ssm-fork", "chunk"],
             "exact_layout": ["--layout", "exact"]}
@@ -173,6 +218,16 @@ def main() -> None:
             print(json.dumps({key: result["fidelity"].get(key), "steady_seconds":
                               r.get("steady_seconds")}), flush=True)
             save()
+    if args.moe:  # the bf16 routers choose: distance from transformers' own float32 routing
+        key, path = "exact_layout_recompute", os.path.join(work, "recompute.arrow")
+        r = cli(["replay", data, "--layout", "exact", "-o", path,
+                 *[a for a in common if a not in ("--routing", "replay")], "--routing",
+                 "recompute"], env, key)
+        result["replay"][key] = r
+        if "error" not in r:
+            result["fidelity"][key] = distance(read_logprobs(path, n_ref), own_ref)
+        print(json.dumps({key: result["fidelity"].get(key)}), flush=True)
+        save()
     rep = result["replay"]
     for name in ("tree_exact_fork", "tree_chunk_fork"):
         if "steady_seconds" in rep.get(name, {}) and "steady_seconds" in rep["exact_layout"]:

@@ -50,7 +50,8 @@ def cmd_synth(args) -> int:
         moe = ModelConfig.from_hf_dir(args.routes_from).moe
         if moe is None or not moe.moe_layers:
             raise ValueError(f"--routes-from {args.routes_from}: the model has no experts; give an "
-                             "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral) or use --routes")
+                             "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, Nemotron-H with MoE "
+                             "blocks, GraniteMoeHybrid) or use --routes")
         routes = dict(routes=moe.top_k, route_layers=len(moe.moe_layers),
                       num_experts=moe.num_experts)
     table = synth_episodes(episodes=args.episodes, group_size=args.group_size,

@@ -227,11 +227,11 @@ def _file_case(kind):
                     "num_nextn_predict_layers": 1} if kind == "model-mtp" else
                    {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64,
                     "hidden_size": 32, "intermediate_size": 64,
-                    "layers_block_type": ["linear_attention", "moe"]})
+                    "layers_block_type": ["linear_attention", "moe"], "n_shared_experts": 2})
             (tmp / "m" / "config.json").write_text(json.dumps(cfg))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
-                 ["config.json", "layer 1 is a mixture-of-experts block"])
+                 ["config.json", "n_shared_experts=2"])
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--batch-episodes"]
         if kind == "steps-0":

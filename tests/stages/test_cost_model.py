@@ -130,3 +130,27 @@ def test_hybrid_cost_counts_mamba_layers_linear_in_tokens(tmp_path):
     # measured 0.83 here: chunks of 4 make the unmodelled inter-chunk term large; dropping the
     # Mamba layers' term gives about 0.5
     assert 0.8 < (cost.token * n + cost.pair * pairs) / mm < 1.25
+
+
+@pytest.mark.parametrize("family", ["nemotron_h_moe", "granitemoehybrid"])
+def test_hybrid_moe_cost_counts_active_experts(tmp_path, family):
+    """An MoE hybrid's token term is the matrix products torch counts on a chain, experts
+    included (top_k active ones per token, not all: counting every expert gives 1.6-1.9x)."""
+    from tests.models.hybrid_moe_helpers import hf_model
+    from treeflow.models import load_backend
+
+    hf_model(family).save_pretrained(tmp_path)
+    backend = load_backend("reference", str(tmp_path))
+    c = backend.config
+    cost = CostModel.from_config(c, block=1)
+    n = 64
+    pos = np.arange(n)
+    plan = backend.attention_plan(pos - 1, subtree_end(pos), kernel="runs")
+    with FlopCounterMode(display=False) as fc:
+        backend.hidden_states(torch.arange(n) % c.vocab_size, torch.from_numpy(pos),
+                              plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items()
+             if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
+    pairs = n * (n + 1) // 2
+    assert 0.8 < (cost.token * n + cost.pair * pairs) / mm < 1.25

@@ -25,7 +25,7 @@ from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
-from treeflow.models.moe import disk_name, fuse_experts, split_experts
+from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
 from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
 
 __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
@@ -168,6 +168,9 @@ def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=generator)
+        for name, b in model.named_buffers():  # built on meta: every buffer needs a value
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
 
 
 def save_model(model: Decoder, path: str | os.PathLike) -> None:

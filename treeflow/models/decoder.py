@@ -22,7 +22,7 @@ from torch import nn
 from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities
 from treeflow.models.config import ModelConfig
 from treeflow.models.layer_ops import LayerOps, layer_ops
-from treeflow.models.moe import MoeBlock
+from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.rope import Rotary, apply_rotary
 from treeflow.models.tuning import Tuning
 
@@ -165,27 +165,12 @@ class Decoder(nn.Module):
         cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
         ops = layer_ops(tuning, x_NH.device)
         moe = self.config.moe
-        if routes_NW is not None:
-            if moe is None:
-                raise ValueError(f"routes given to {self.config.architecture}, which has no experts")
-            if routes_NW.shape != (tokens_N.shape[0], moe.route_width):
-                raise ValueError(f"routes_NW has shape {tuple(routes_NW.shape)}; this model needs "
-                                 f"({tokens_N.shape[0]}, {moe.route_width}) (MoE layers "
-                                 f"{len(moe.moe_layers)} x top_k {moe.top_k})")
+        check_routes(self.config, routes_NW, tokens_N.shape[0])
         tally: dict = {}
         for i, layer in enumerate(self.model.layers):
-            block = None
-            if moe is not None and i in moe.moe_layers:
-                j = moe.moe_layers.index(i) * moe.top_k
-                block = (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally,
-                         replay, aux_weights_N)
+            block = block_args(moe, i, routes_NW, tally, replay, aux_weights_N)
             x_NH = layer(x_NH, cos_ND, sin_ND, attention, ops, block)
-        agree = [v for k, v in tally.items() if not isinstance(k, tuple)]
-        if agree:
-            counts = torch.stack(agree).sum(0).detach()
-            self.route_tally = counts if self.route_tally is None else self.route_tally + counts
-        mass = [v for k, v in tally.items() if isinstance(k, tuple)]
-        self.router_mass = torch.stack(mass).sum(0) if mass else None
+        record_tally(self, tally)
         return self.model.norm(x_NH)
 
     route_tally: torch.Tensor | None = None  # (agreeing, replayed) (token, MoE layer) rows

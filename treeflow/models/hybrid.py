@@ -1,4 +1,4 @@
-"""The reference Mamba-2 hybrid decoder (Nemotron-H, Bamba) over one tree bin.
+"""The reference Mamba-2 hybrid decoder (Nemotron-H, Bamba, GraniteMoeHybrid) over one tree bin.
 
 The same contract as decoder.py's `Decoder` (which it subclasses, so every
 backend seam takes it): `forward(tokens, positions, plan)` gives final-normed
@@ -7,7 +7,13 @@ layers run the bin's tree-attention kernel unchanged; Mamba-2 layers
 (mamba.py) run the segment plan of the same bin (ssm_tree.py), so one bin
 carries a `HybridPlan`: its `AttentionPlan` plus its `SegmentPlan`, built once
 by the backend and used by every layer. Parameter names are the checkpoint
-family's own (`backbone.*` for Nemotron-H, `model.*` for Bamba). Compiled or
+family's own (`backbone.*` for Nemotron-H, `model.*` for Bamba and Granite).
+MoE blocks (Nemotron-H's "moe" blocks, GraniteMoeHybrid's experts) are
+moe.py's `MoeBlock`, with routing replay exactly as in the attention decoder:
+each MoE layer takes its top_k columns of the bin's routes, in layer order.
+GraniteMoeHybrid's logits_scaling divides the final hidden states (logits
+are linear in them), so every projection path -- chunked, fused, sampling --
+divides exactly once. Compiled or
 recomputed layers (Tuning's compile_layers / recompute) are attention-decoder
 levers and are refused here rather than silently ignored.
 
@@ -25,6 +31,7 @@ from treeflow.models.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.mamba import Mamba2Mixer
+from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.rope import Rotary, apply_rotary
 from treeflow.models.ssm_tree import SegmentPlan
 from treeflow.models.tuning import Tuning
@@ -78,6 +85,9 @@ class HybridAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = (c.num_attention_heads,
                                                     c.num_key_value_heads, c.head_dim)
         self.rotary_dim = rotary_dim
+        # the kernels scale q.k by 1/sqrt(D); Granite's attention_multiplier replaces that scale
+        self.q_scale = (None if c.attention_multiplier is None
+                        else c.attention_multiplier * c.head_dim ** 0.5)
         self.q_proj = nn.Linear(c.hidden_size, self.heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=False)
@@ -91,6 +101,8 @@ class HybridAttention(nn.Module):
         if r:
             q_NQD = torch.cat([apply_rotary(q_NQD[..., :r], cos_ND, sin_ND), q_NQD[..., r:]], -1)
             k_NKD = torch.cat([apply_rotary(k_NKD[..., :r], cos_ND, sin_ND), k_NKD[..., r:]], -1)
+        if self.q_scale is not None:
+            q_NQD = q_NQD * self.q_scale
         out_NQD = plan(q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD)
         return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
 
@@ -106,21 +118,24 @@ class ReluSquaredMLP(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """Pre-norm, one mixer (Mamba-2, attention or MLP), residual."""
+    """Pre-norm, one mixer (Mamba-2, attention, MLP or MoE), residual."""
 
-    def __init__(self, c: HybridConfig, kind: str) -> None:
+    def __init__(self, c: HybridConfig, kind: str, index: int) -> None:
         super().__init__()
         self.kind = kind
         self.norm = NemotronHNorm(c.hidden_size, c.rms_norm_eps)
         self.mixer = {"mamba": lambda: Mamba2Mixer(c), "attention": lambda: HybridAttention(c, 0),
-                      "mlp": lambda: ReluSquaredMLP(c)}[kind]()
+                      "mlp": lambda: ReluSquaredMLP(c),
+                      "moe": lambda: MoeBlock(c, c.moe, index)}[kind]()
 
-    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan):
+    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan, moe=None):
         h_NH = self.norm(x_NH.to(self.norm.weight.dtype))
         if self.kind == "mamba":
             return x_NH + self.mixer(h_NH, plan.segments)
         if self.kind == "attention":
             return x_NH + self.mixer(h_NH, cos_ND, sin_ND, plan)
+        if self.kind == "moe":
+            return x_NH + self.mixer(h_NH, *moe)
         return x_NH + self.mixer(h_NH)
 
 
@@ -138,7 +153,7 @@ class BambaLayer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.feed_forward = MLP(c)
 
-    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan):
+    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan, moe=None):
         h_NH = self.input_layernorm(x_NH)
         if self.kind == "mamba":
             x_NH = x_NH + self.mamba(h_NH, plan.segments)
@@ -147,11 +162,55 @@ class BambaLayer(nn.Module):
         return x_NH + self.feed_forward(self.pre_ff_layernorm(x_NH))
 
 
+class GraniteSharedMLP(nn.Module):
+    """GraniteMoeHybrid's shared MLP: SwiGLU with gate | up fused in `input_linear`."""
+
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(c.hidden_size, 2 * c.shared_intermediate_size, bias=False)
+        self.output_linear = nn.Linear(c.shared_intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x_NH):
+        g_NI, u_NI = self.input_linear(x_NH).chunk(2, dim=-1)
+        return self.output_linear(F.silu(g_NI) * u_NI)
+
+
+class GraniteLayer(nn.Module):
+    """Bamba's layer with MoE experts + a shared MLP after the mixer, both residual branches
+    scaled by residual_multiplier."""
+
+    def __init__(self, c: HybridConfig, kind: str, index: int, rotary_dim: int) -> None:
+        super().__init__()
+        self.kind, self.residual = kind, c.residual_multiplier
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.moe is not None:
+            self.block_sparse_moe = MoeBlock(c, c.moe, index)
+        self.shared_mlp = GraniteSharedMLP(c)
+        if kind == "mamba":
+            self.mamba = Mamba2Mixer(c)
+        else:
+            self.self_attn = HybridAttention(c, rotary_dim)
+
+    def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan, moe=None):
+        h_NH = self.input_layernorm(x_NH)
+        if self.kind == "mamba":
+            h_NH = self.mamba(h_NH, plan.segments)
+        else:
+            h_NH = self.self_attn(h_NH, cos_ND, sin_ND, plan)
+        x_NH = x_NH + h_NH * self.residual
+        h_NH = self.post_attention_layernorm(x_NH)
+        y_NH = self.shared_mlp(h_NH)
+        if moe is not None:
+            y_NH = self.block_sparse_moe(h_NH, *moe) + y_NH
+        return x_NH + y_NH * self.residual
+
+
 class _NemotronHBody(nn.Module):
     def __init__(self, c: HybridConfig) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(c, t) for t in c.layer_types)
+        self.layers = nn.ModuleList(NemotronHBlock(c, t, i) for i, t in enumerate(c.layer_types))
         self.norm_f = NemotronHNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -161,8 +220,13 @@ class _BambaBody(nn.Module):
         pad = c.hf_extras.get("pad_token_id")
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          padding_idx=pad if isinstance(pad, int) else None)
-        self.layers = nn.ModuleList(BambaLayer(c, t, rotary_dim) for t in c.layer_types)
-        self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.architecture == "GraniteMoeHybridForCausalLM":
+            self.layers = nn.ModuleList(GraniteLayer(c, t, i, rotary_dim)
+                                        for i, t in enumerate(c.layer_types))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        else:
+            self.layers = nn.ModuleList(BambaLayer(c, t, rotary_dim) for t in c.layer_types)
+            self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class HybridDecoder(Decoder):
@@ -177,21 +241,21 @@ class HybridDecoder(Decoder):
         if not isinstance(config, HybridConfig):
             raise TypeError(f"HybridDecoder needs a HybridConfig, got {type(config).__name__}")
         self.config = config
-        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        rotary_dim = (0 if config.architecture == "NemotronHForCausalLM"  # no RoPE
+                      else int(config.head_dim * config.partial_rotary_factor))
         if config.architecture == "NemotronHForCausalLM":
             self.backbone = _NemotronHBody(config)
-            self._rotary = None
         else:
             self.model = _BambaBody(config, rotary_dim)
-            self._rotary = Rotary(rotary_dim, config.rope_theta)
+        self._rotary = Rotary(rotary_dim, config.rope_theta) if rotary_dim else None
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.frozen_tensors: dict[str, torch.Tensor] = {}
-        self.route_tally = None  # no MoE layers: nothing to tally (Decoder.take_route_tally)
+        self.route_tally = None  # MoE agreement counts (Decoder.take_route_tally)
 
     @property
     def _body(self) -> nn.Module:
-        return self.backbone if self._rotary is None else self.model
+        return self.backbone if hasattr(self, "backbone") else self.model
 
     @property
     def _embed(self) -> nn.Embedding:
@@ -205,9 +269,7 @@ class HybridDecoder(Decoder):
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor, attention: HybridPlan,
                 tuning: Tuning | None = None, routes_NW: torch.Tensor | None = None,
                 replay: bool = True, aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
-        """As Decoder.forward; the MoE arguments are accepted for the one backend call and have
-        nothing to act on (a hybrid with MoE blocks is refused at config time)."""
-        del routes_NW, replay, aux_weights_N
+        """As Decoder.forward: routes_NW replays MoE layers x top_k expert ids per node."""
         if not isinstance(attention, HybridPlan):
             raise ValueError(f"{self.config.architecture} has Mamba-2 layers and needs a "
                              "HybridPlan (the bin's parents give each segment its state); build "
@@ -224,11 +286,21 @@ class HybridDecoder(Decoder):
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         self.check_supported(kernel=attention.kernel, device=attention.device,
                              requires_grad=requires_grad, branching=attention.branching)
+        c = self.config
+        check_routes(c, routes_NW, tokens_N.shape[0])
         x_NH = self._embed(tokens_N)
+        if c.embedding_multiplier != 1.0:
+            x_NH = x_NH * c.embedding_multiplier
         cos_ND = sin_ND = None
         if self._rotary is not None:
             cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
-        for layer in self._body.layers:
-            x_NH = layer(x_NH, cos_ND, sin_ND, attention)
-        norm = self._body.norm_f if hasattr(self._body, "norm_f") else self._body.final_layernorm
-        return norm(x_NH)
+        tally: dict = {}
+        for i, layer in enumerate(self._body.layers):
+            x_NH = layer(x_NH, cos_ND, sin_ND, attention,
+                         block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N))
+        record_tally(self, tally)
+        body = self._body
+        norm = next(getattr(body, n) for n in ("norm_f", "norm", "final_layernorm")
+                    if hasattr(body, n))
+        h_NH = norm(x_NH)
+        return h_NH if c.logits_scaling == 1.0 else h_NH / c.logits_scaling

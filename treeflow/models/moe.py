@@ -2,7 +2,13 @@
 
 Three Hugging Face families: Qwen3-MoE (top-k router, optional top-k
 renormalisation), Qwen2-MoE (the same plus a shared expert scaled by a
-sigmoid gate) and Mixtral (top-k always renormalised). Parameters are held as
+sigmoid gate) and Mixtral (top-k always renormalised); and the MoE blocks of
+two Mamba-2 hybrids (models/hybrid.py): Nemotron-H (a float32 sigmoid router
+whose choice adds `e_score_correction_bias` and is limited to `topk_group` of
+`n_group` expert groups, weights renormalised and scaled by
+`routed_scaling_factor`; non-gated relu^2 experts, optional latent projections
+around them, and a relu^2 shared expert) and GraniteMoeHybrid (softmax over
+the chosen experts' logits; its shared MLP is the layer's). Parameters are held as
 transformers 5 holds them in memory (`mlp.gate.weight`, fused
 `mlp.experts.gate_up_proj` [X, 2I, H] and `mlp.experts.down_proj` [X, H, I]);
 checkpoint.py maps the per-expert tensors of the on-disk format to and from
@@ -43,6 +49,9 @@ __all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTINGS", "route_widt
 
 MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                      "MixtralForCausalLM": "mixtral"}
+# the MoE blocks of the Mamba-2 hybrids (hybrid_config.py builds their MoeConfig)
+HYBRID_MOE_FAMILIES = ("nemotron_h", "granitemoehybrid")
+_SHARED_IN_BLOCK = ("qwen2_moe", "nemotron_h")
 ROUTINGS = ("auto", "replay", "recompute")
 
 # config.json keys that MoeConfig models (not carried as extras)
@@ -59,22 +68,27 @@ _DROPPING = ("capacity_factor", "moe_capacity_factor", "expert_capacity", "drop_
 class MoeConfig:
     """Expert layers of an MoE decoder. `moe_layers`: indices of the layers with experts."""
 
-    family: str  # qwen3_moe | qwen2_moe | mixtral
+    family: str  # qwen3_moe | qwen2_moe | mixtral | nemotron_h | granitemoehybrid
     num_experts: int
     top_k: int
     moe_intermediate_size: int
     moe_layers: tuple[int, ...]
     norm_topk_prob: bool = True
-    shared_expert_intermediate_size: int = 0  # qwen2_moe only
+    shared_expert_intermediate_size: int = 0  # qwen2_moe, nemotron_h
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
+    # nemotron_h's router: group-limited choice, scaled weights; latent_size 0 = none
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    latent_size: int = 0
 
     def __post_init__(self):
-        if self.family not in MOE_ARCHITECTURES.values():
-            raise ValueError(f"MoeConfig.family {self.family!r}: use one of "
-                             f"{sorted(MOE_ARCHITECTURES.values())}")
+        families = (*MOE_ARCHITECTURES.values(), *HYBRID_MOE_FAMILIES)
+        if self.family not in families:
+            raise ValueError(f"MoeConfig.family {self.family!r}: use one of {sorted(families)}")
         for name in ("num_experts", "top_k", "moe_intermediate_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -82,11 +96,21 @@ class MoeConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} exceeds num_experts="
                              f"{self.num_experts}")
-        if self.family == "qwen2_moe" and self.shared_expert_intermediate_size <= 0:
-            raise ValueError("Qwen2MoeForCausalLM needs shared_expert_intermediate_size > 0")
-        if self.family != "qwen2_moe" and self.shared_expert_intermediate_size:
+        shared = self.family in _SHARED_IN_BLOCK
+        if shared and self.shared_expert_intermediate_size <= 0:
+            raise ValueError(f"{self.family} needs shared_expert_intermediate_size > 0")
+        if not shared and self.shared_expert_intermediate_size:
             raise ValueError(f"{self.family} has no shared expert; shared_expert_intermediate_size "
                              f"{self.shared_expert_intermediate_size} would be ignored")
+        if self.family != "nemotron_h" and (self.n_group, self.topk_group, self.latent_size,
+                                            self.routed_scaling_factor) != (1, 1, 0, 1.0):
+            raise ValueError(f"{self.family}: n_group / topk_group / latent_size / "
+                             "routed_scaling_factor are Nemotron-H router settings")
+        if (self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
+                or (self.n_group > 1 and self.num_experts // self.n_group < 2)):
+            raise ValueError(f"n_group={self.n_group}, topk_group={self.topk_group} do not split "
+                             f"{self.num_experts} experts into groups of 2 or more, choosing "
+                             "1..n_group of them")
 
     @property
     def route_width(self) -> int:
@@ -99,13 +123,7 @@ class MoeConfig:
             raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
                              "implement; running it anyway would give wrong logprobs")
 
-        for key in _DROPPING:
-            if d.get(key) not in (None, False, 0, -1, "none", "None"):
-                raise ValueError(
-                    f"{arch} config sets {key}={d[key]!r}: capacity factors / token dropping are "
-                    "refused, because a dropped row of a shared prefix node would vanish from "
-                    "every call sharing it (and no call run alone would drop it); remove the "
-                    "setting to run every token through its experts")
+        refuse_dropping(d, arch)
         family = MOE_ARCHITECTURES[arch]
         if family == "mixtral":
             if d.get("router_jitter_noise"):
@@ -145,23 +163,79 @@ class MoeConfig:
         return d
 
 
+def refuse_dropping(d: Mapping[str, Any], arch: str) -> None:
+    for key in _DROPPING:
+        if d.get(key) not in (None, False, 0, -1, "none", "None"):
+            raise ValueError(
+                f"{arch} config sets {key}={d[key]!r}: capacity factors / token dropping are "
+                "refused, because a dropped row of a shared prefix node would vanish from "
+                "every call sharing it (and no call run alone would drop it); remove the "
+                "setting to run every token through its experts")
+
+
 def route_width(config) -> int | None:
     """The `routed_experts` width a ModelConfig accepts; None for a dense model."""
     moe = getattr(config, "moe", None)
     return None if moe is None or not moe.moe_layers else moe.route_width
 
 
+def check_routes(config, routes_NW: torch.Tensor | None, n: int) -> None:
+    """Refuse routes for a dense model or of a shape other than (n, MoE layers x top_k)."""
+    if routes_NW is None:
+        return
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        raise ValueError(f"routes given to {config.architecture}, which has no experts")
+    if routes_NW.shape != (n, moe.route_width):
+        raise ValueError(f"routes_NW has shape {tuple(routes_NW.shape)}; this model needs "
+                         f"({n}, {moe.route_width}) (MoE layers {len(moe.moe_layers)} x top_k "
+                         f"{moe.top_k})")
+
+
+def block_args(moe: MoeConfig | None, i: int, routes_NW, tally: dict, replay: bool,
+               aux_weights_N) -> tuple | None:
+    """MoeBlock's extra arguments for layer `i` (its slice of the routes), None if dense."""
+    if moe is None or i not in moe.moe_layers:
+        return None
+    j = moe.moe_layers.index(i) * moe.top_k
+    return (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally, replay,
+            aux_weights_N)
+
+
+def record_tally(module, tally: dict) -> None:
+    """Add the blocks' agreement counts to `module.route_tally`; set `module.router_mass`."""
+    agree = [v for k, v in tally.items() if not isinstance(k, tuple)]
+    if agree:
+        counts = torch.stack(agree).sum(0).detach()
+        module.route_tally = counts if module.route_tally is None else module.route_tally + counts
+    mass = [v for k, v in tally.items() if isinstance(k, tuple)]
+    module.router_mass = torch.stack(mass).sum(0) if mass else None
+
+
 class _Router(nn.Module):
-    def __init__(self, hidden: int, experts: int) -> None:
+    def __init__(self, hidden: int, experts: int, correction_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden))
+        if correction_bias:  # Nemotron-H: added to the scores for the choice only; not trained
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts))
 
 
 class _Experts(nn.Module):
-    def __init__(self, hidden: int, inter: int, experts: int) -> None:
+    """Fused expert weights: SwiGLU `gate_up_proj` [X, 2I, H] or non-gated `up_proj` [X, I, H];
+    `down_proj` [X, H, I]."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, gated: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.gated = gated
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    @property
+    def in_proj(self) -> torch.Tensor:
+        return self.gate_up_proj if self.gated else self.up_proj
 
 
 class _SharedExpert(nn.Module):
@@ -175,36 +249,61 @@ class _SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x_NH)) * self.up_proj(x_NH))
 
 
+class Relu2MLP(nn.Module):
+    """down(relu(up(x))^2): Nemotron-H's MLP blocks and its MoE's shared expert."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x_NH):
+        return self.down_proj(F.relu(self.up_proj(x_NH)).square())
+
+
 class MoeBlock(nn.Module):
     """The sparse MLP of one layer: `block(x_NH, route_NK, tally) -> y_NH`.
 
     route_NK: replayed expert ids (int64, -1 = let the router choose), or None
     to recompute; replay=False recomputes but still counts agreement. aux_weights_N:
     baseline rows per node (train/router_aux.py): the block writes its weighted router
-    probabilities under ("mass", layer) into `tally`. tally: a dict this block writes its (agreeing rows, rows)
-    counts into under its layer index (written, not added, so recomputation in
-    backward cannot count twice).
+    probabilities under ("mass", layer) into `tally`. tally: a dict this block writes its
+    (agreeing rows, rows) counts into under its layer index (written, not added, so
+    recomputation in backward cannot count twice). The router is `gate` (GraniteMoeHybrid:
+    `router`), as the family names it.
     """
 
     def __init__(self, c, moe: MoeConfig, layer_index: int) -> None:
         super().__init__()
         self.moe, self.layer_index = moe, layer_index
-        self.gate = _Router(c.hidden_size, moe.num_experts)
-        self.experts = _Experts(c.hidden_size, moe.moe_intermediate_size, moe.num_experts)
+        nemotron = moe.family == "nemotron_h"
+        router = _Router(c.hidden_size, moe.num_experts, correction_bias=nemotron)
+        self._router_name = "router" if moe.family == "granitemoehybrid" else "gate"
+        self.add_module(self._router_name, router)
+        inner = moe.latent_size or c.hidden_size
+        self.experts = _Experts(inner, moe.moe_intermediate_size, moe.num_experts,
+                                gated=not nemotron)
         if moe.family == "qwen2_moe":
             self.shared_expert = _SharedExpert(c.hidden_size, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        if nemotron:
+            self.shared_experts = Relu2MLP(c.hidden_size, moe.shared_expert_intermediate_size)
+            if moe.latent_size:
+                self.fc1_latent_proj = nn.Linear(c.hidden_size, moe.latent_size, bias=False)
+                self.fc2_latent_proj = nn.Linear(moe.latent_size, c.hidden_size, bias=False)
+
+    @property
+    def _gate(self) -> _Router:
+        return getattr(self, self._router_name)
 
     def forward(self, x_NH: torch.Tensor, route_NK: torch.Tensor | None = None,
                 tally: dict | None = None, replay: bool = True,
                 aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
-        logits_NX = F.linear(x_NH, self.gate.weight)
-        probs_NX = torch.softmax(logits_NX.float(), dim=-1)
+        logits_NX, probs_NX = self._scores(x_NH)
         if aux_weights_N is not None and tally is not None:  # router mass for the aux loss
             tally[("mass", self.layer_index)] = aux_weights_N @ probs_NX
-        with torch.no_grad():
-            own_NK = torch.topk(probs_NX, moe.top_k, dim=-1).indices
+        own_NK = self._choose(probs_NX)
         if route_NK is None:
             idx_NK = own_NK
         else:
@@ -213,18 +312,64 @@ class MoeBlock(nn.Module):
                 same_N = (own_NK.sort(-1).values == route_NK.sort(-1).values).all(-1) & given_N
                 tally[self.layer_index] = torch.stack([same_N.sum(), given_N.sum()])
             idx_NK = torch.where(given_N[:, None], route_NK, own_NK) if replay else own_NK
+        w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype)
+        h_NH = self.fc1_latent_proj(x_NH) if hasattr(self, "fc1_latent_proj") else x_NH
+        y_NH = expert_mix(h_NH, idx_NK, w_NK, self.experts.in_proj, self.experts.down_proj,
+                          gated=self.experts.gated)
+        if hasattr(self, "fc2_latent_proj"):
+            y_NH = self.fc2_latent_proj(y_NH)
+        if moe.family == "qwen2_moe":
+            y_NH = y_NH + torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(x_NH)
+        if moe.family == "nemotron_h":
+            y_NH = y_NH + self.shared_experts(x_NH)
+        return y_NH
+
+    def router_logits(self, x_NH: torch.Tensor) -> torch.Tensor:
+        return self._scores(x_NH)[0]
+
+    def own_routes(self, x_NH: torch.Tensor) -> torch.Tensor:
+        """The experts this block's router chooses for each row [N, top_k] (route capture)."""
+        return self._choose(self._scores(x_NH)[1])
+
+    def _scores(self, x_NH):
+        """(router logits, float32 scores the choice and weights read: softmax, or Nemotron-H's
+        sigmoid of float32 logits)."""
+        if self.moe.family == "nemotron_h":
+            logits_NX = F.linear(x_NH.float(), self._gate.weight.float())
+            return logits_NX, torch.sigmoid(logits_NX)
+        logits_NX = F.linear(x_NH, self._gate.weight)
+        return logits_NX, torch.softmax(logits_NX.float(), dim=-1)
+
+    @torch.no_grad()
+    def _choose(self, probs_NX: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        if moe.family != "nemotron_h":
+            return torch.topk(probs_NX, moe.top_k, dim=-1).indices
+        choice_NX = probs_NX + self._gate.e_score_correction_bias
+        if moe.topk_group < moe.n_group:  # only the best topk_group groups (by their top-2 sum)
+            n = choice_NX.shape[0]
+            group_NG = choice_NX.view(n, moe.n_group, -1).topk(2, dim=-1).values.sum(-1)
+            keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(
+                1, torch.topk(group_NG, moe.topk_group, dim=-1).indices, True)
+            keep_NX = keep_NG.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+            choice_NX = choice_NX.masked_fill(~keep_NX, float("-inf"))
+        return torch.topk(choice_NX, moe.top_k, dim=-1).indices
+
+    def _weights(self, logits_NX, probs_NX, idx_NK, dtype):
+        """Combine weights at the chosen (or replayed) experts, as the family computes them."""
+        moe = self.moe
+        if moe.family == "granitemoehybrid":  # softmax over the chosen experts' logits
+            return torch.softmax(logits_NX.float().gather(1, idx_NK), dim=-1).to(dtype)
         w_NK = probs_NX.gather(1, idx_NK)
+        if moe.family == "nemotron_h":  # float32 throughout, as its router
+            if moe.norm_topk_prob:
+                w_NK = w_NK / (w_NK.sum(dim=-1, keepdim=True) + 1e-20)
+            return w_NK * moe.routed_scaling_factor
         if moe.norm_topk_prob:
             w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
         if moe.family != "mixtral":  # Qwen casts the weights to the logits' dtype; Mixtral keeps fp32
             w_NK = w_NK.to(logits_NX.dtype)
-        y_NH = expert_mix(x_NH, idx_NK, w_NK, self.experts.gate_up_proj, self.experts.down_proj)
-        if moe.family == "qwen2_moe":
-            y_NH = y_NH + torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(x_NH)
-        return y_NH
-
-    def router_logits(self, x_NH: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_NH, self.gate.weight)
+        return w_NK
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -239,10 +384,19 @@ def _grouped_ok(xs_RH, gate_up_XIH, down_XHI) -> bool:
             and (xs_RH.device.type != "cuda" or xs_RH.dtype == torch.bfloat16))
 
 
-def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI) -> torch.Tensor:
-    """sum_k w[n,k] * expert_{idx[n,k]}(x[n]) with SwiGLU experts, grouped by expert."""
+def _act(h_RI: torch.Tensor, gated: bool) -> torch.Tensor:
+    """SwiGLU of [gate | up], or relu^2 of a non-gated expert's up projection."""
+    if not gated:
+        return F.relu(h_RI).square()
+    g_RI, u_RI = h_RI.chunk(2, dim=-1)
+    return F.silu(g_RI) * u_RI
+
+
+def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True) -> torch.Tensor:
+    """sum_k w[n,k] * expert_{idx[n,k]}(x[n]), grouped by expert; SwiGLU experts
+    (gate_up [X, 2I, H]) or, gated=False, relu^2 experts (up [X, I, H])."""
     n, k = idx_NK.shape
-    experts, inter2, _ = gate_up_XIH.shape
+    experts = gate_up_XIH.shape[0]
     flat_R = idx_NK.reshape(-1)
     order_R = torch.argsort(flat_R, stable=True)
     token_R = order_R // k
@@ -256,11 +410,11 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI) -> torch.Tensor:
         xs_RH, gate_up_XIH, down_XHI = (t.to(compute) for t in (xs_RH, gate_up_XIH, down_XHI))
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
-        h_RI2 = _grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X)
-        g_RI, u_RI = h_RI2.chunk(2, dim=-1)
-        out_RH = _grouped((F.silu(g_RI) * u_RI).contiguous(), down_XHI.transpose(1, 2), offs_X)
+        h_RI = _act(_grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X), gated)
+        out_RH = _grouped(h_RI.contiguous(), down_XHI.transpose(1, 2), offs_X)
     else:
-        out_RH = _padded_bmm(xs_RH, flat_R[order_R], counts_X, gate_up_XIH, down_XHI)
+        out_RH = _padded_bmm(xs_RH, flat_R[order_R], counts_X, gate_up_XIH, down_XHI,
+                             gated=gated)
     out_RH = out_RH * w_NK.reshape(-1)[order_R, None]
     y_NH = torch.zeros_like(x_NH)
     return y_NH.index_add(0, token_R, out_RH.to(x_NH.dtype))
@@ -273,7 +427,7 @@ def _grouped(a_RK, b_XKM, offs_X):
     return out
 
 
-def _padded_bmm(xs_RH, expert_R, counts_X, gate_up_XIH, down_XHI):
+def _padded_bmm(xs_RH, expert_R, counts_X, gate_up_XIH, down_XHI, *, gated: bool = True):
     """The same two matmuls as one bmm each over [X, max rows per expert, .] padded groups."""
     experts = counts_X.shape[0]
     starts_X = counts_X.cumsum(0) - counts_X
@@ -281,79 +435,6 @@ def _padded_bmm(xs_RH, expert_R, counts_X, gate_up_XIH, down_XHI):
     cap = int(counts_X.max()) if len(expert_R) else 0
     pad_XCH = xs_RH.new_zeros(experts, cap, xs_RH.shape[1])
     pad_XCH = pad_XCH.index_put((expert_R, slot_R), xs_RH)
-    g_XCI, u_XCI = torch.bmm(pad_XCH, gate_up_XIH.transpose(1, 2)).chunk(2, dim=-1)
-    out_XCH = torch.bmm(F.silu(g_XCI) * u_XCI, down_XHI.transpose(1, 2))
+    h_XCI = _act(torch.bmm(pad_XCH, gate_up_XIH.transpose(1, 2)), gated)
+    out_XCH = torch.bmm(h_XCI, down_XHI.transpose(1, 2))
     return out_XCH[expert_R, slot_R]
-
-
-# ------------------------------------------------------ on-disk (per-expert) tensor names
-_DISK_PARTS = {"qwen": {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
-               "mixtral": {"w1": "gate", "w3": "up", "w2": "down"}}
-
-
-def disk_name(name: str, moe: MoeConfig) -> tuple[str, int, str] | str:
-    """The model's name for an on-disk tensor name; (fused name, expert, part) for an expert's.
-
-    Mixtral stores its block as `block_sparse_moe.*` and its experts as w1/w3/w2 (gate, up,
-    down); the Qwen families as `mlp.experts.E.{gate,up,down}_proj.weight`.
-    """
-    family = "mixtral" if moe.family == "mixtral" else "qwen"
-    if family == "mixtral":
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-    head, sep, tail = name.partition(".mlp.experts.")
-    if not sep:
-        return name
-    expert, _, rest = tail.partition(".")
-    part = _DISK_PARTS[family].get(rest.removesuffix(".weight"))
-    if not expert.isdigit() or part is None or not rest.endswith(".weight"):
-        return name  # a fused tensor (or an unknown one: the loader names it)
-    return f"{head}.mlp.experts.", int(expert), part
-
-
-def fuse_experts(parts: dict, moe: MoeConfig, expected: dict) -> dict:
-    """Per-expert tensors {(prefix, expert, part): [out, in]} -> fused gate_up_proj / down_proj."""
-    out = {}
-    prefixes = sorted({p for p, _, _ in parts})
-    for prefix in prefixes:
-        missing = [f"{prefix}{e}.{part}" for e in range(moe.num_experts)
-                   for part in ("gate", "up", "down") if (prefix, e, part) not in parts]
-        if missing:
-            raise ValueError(f"checkpoint lacks expert tensor(s) {missing[:4]} (of {len(missing)}); "
-                             f"every one of the {moe.num_experts} experts needs gate, up and down")
-        gate = torch.stack([parts[(prefix, e, "gate")] for e in range(moe.num_experts)])
-        up = torch.stack([parts[(prefix, e, "up")] for e in range(moe.num_experts)])
-        down = torch.stack([parts[(prefix, e, "down")] for e in range(moe.num_experts)])
-        for name, t in ((prefix + "gate_up_proj", torch.cat([gate, up], dim=1)),
-                        (prefix + "down_proj", down)):
-            if name not in expected:
-                raise ValueError(f"unexpected expert tensors under {prefix!r} (shape "
-                                 f"{tuple(t.shape)}): this layer has no experts in the config")
-            if tuple(t.shape) != expected[name]:
-                raise ValueError(f"experts {prefix!r} give {name.rsplit('.', 1)[1]} shape "
-                                 f"{tuple(t.shape)} but the config needs {expected[name]}")
-            out[name] = t
-    return out
-
-
-def split_experts(state: dict, moe: MoeConfig) -> dict:
-    """The inverse of `fuse_experts` + `disk_name`: the per-expert on-disk names and tensors."""
-    names = {v: k for k, v in _DISK_PARTS["mixtral" if moe.family == "mixtral" else "qwen"].items()}
-    out = {}
-    for name, t in state.items():
-        if moe.family == "mixtral":
-            disk = name.replace(".mlp.", ".block_sparse_moe.")
-        else:
-            disk = name
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = disk.removesuffix("gate_up_proj")
-            gate, up = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.{names['gate']}.weight"] = gate[e].contiguous()
-                out[f"{prefix}{e}.{names['up']}.weight"] = up[e].contiguous()
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = disk.removesuffix("down_proj")
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.{names['down']}.weight"] = t[e].contiguous()
-        else:
-            out[disk] = t
-    return out

@@ -104,20 +104,17 @@ def _route_capture(backend):
     """(per-layer choices, hook handles) recording each MoE layer's top-k experts; None if dense.
 
     A forward pre-hook on every expert block computes the block's own choice
-    from its input (top_k of the softmax of `router_logits`, as the block
-    does), so the routes the producer samples under are recorded without
+    from its input (`own_routes`: the router's own top-k, as the block
+    chooses), so the routes the producer samples under are recorded without
     changing the forward. Layers in model order: MoE layers x top_k per token.
     """
-    import torch
-
     if getattr(backend.config, "moe", None) is None:
         return None
-    blocks = [m for m in backend.module.modules() if hasattr(m, "router_logits")]
+    blocks = [m for m in backend.module.modules() if hasattr(m, "own_routes")]
     seen: dict = {}
 
     def hook(block, inputs):
-        probs_NX = torch.softmax(block.router_logits(inputs[0]).float(), dim=-1)
-        seen[block.layer_index] = torch.topk(probs_NX, block.moe.top_k, dim=-1).indices
+        seen[block.layer_index] = block.own_routes(inputs[0])
 
     return seen, [b.register_forward_pre_hook(hook) for b in blocks]
 

@@ -72,7 +72,8 @@ class CostModel:
         (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
         in/out projections, the depthwise conv and the chunked scan (C x heads x (state + head
         dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
-        and their outputs, per token); only attention layers pay per pair."""
+        and their outputs, per token); an MoE block its router, top_k active experts and shared
+        expert (`_moe_macs`); only attention layers pay per pair."""
         if not getattr(c, "layer_types", None):
             return cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
@@ -85,9 +86,11 @@ class CostModel:
                  + c.conv_kernel * c.conv_dim + c.chunk_size * heads * (n + p) + 2 * heads * p * n)
         attention = h * (q + 2 * kv) + q * h
         mlp = (3 if c.mlp_act == "swiglu" else 2) * h * c.intermediate_size
-        per_kind = {"mamba": mamba, "attention": attention, "mlp": mlp}
+        per_kind = {"mamba": mamba, "attention": attention, "mlp": mlp, "moe": _moe_macs(c)}
         per_token = sum(per_kind[t] for t in c.layer_types)
-        if c.mlp_act == "swiglu":  # Bamba: every layer's mixer is followed by an MLP
+        if c.architecture == "GraniteMoeHybridForCausalLM":  # experts + shared MLP per layer
+            per_token += (per_kind["moe"] + 3 * h * c.shared_intermediate_size) * len(c.layer_types)
+        elif c.mlp_act == "swiglu":  # Bamba: every layer's mixer is followed by an MLP
             per_token += mlp * len(c.layer_types)
         mult = 6.0 if training else 2.0
         return cls(token=mult * per_token, pair=mult * c.attention_layers * 2 * q,
@@ -97,6 +100,19 @@ class CostModel:
     def llama_1b(cls) -> "CostModel":
         return cls.from_shape(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8,
                               vocab=128256)
+
+
+def _moe_macs(c) -> float:
+    """Multiply-adds per token of one MoE block: router, top_k active experts (SwiGLU: 3
+    matrices, Nemotron-H's relu^2: 2), its latent projections and shared expert."""
+    moe = getattr(c, "moe", None)
+    if moe is None:
+        return 0.0
+    h, inner = c.hidden_size, moe.latent_size or c.hidden_size
+    mats = 2 if moe.family == "nemotron_h" else 3
+    shared = (2 if moe.family == "nemotron_h" else 3) * h * moe.shared_expert_intermediate_size
+    latent = 2 * h * moe.latent_size
+    return h * moe.num_experts + moe.top_k * mats * inner * moe.moe_intermediate_size + shared + latent
 
 
 def bin_costs(bins: pa.Table, cost: CostModel) -> np.ndarray:
