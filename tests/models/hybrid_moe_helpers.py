@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
-from hybrid_helpers import CHUNK, _sharpen
+from tests.models.hybrid_helpers import CHUNK, _sharpen
 
 from tests.deps import require
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
