@@ -180,3 +180,22 @@ def _table(num, idx):
     for row in range(len(num)):
         out[row, idx[row, :num[row]]] = True
     return out
+
+
+@pytest.mark.parametrize("kernel", ["dense", "runs"])
+def test_off_cpu_only_flex_overlaps_and_says_so(kernel):
+    """Off CPU the dense and runs parts would materialise their scores: they wait for the
+    exchange instead, with a warning (here on the meta device, which needs no GPU)."""
+    from treeflow.models import context_parallel
+
+    parents = _deep_tree(40)
+    depths = depths_from_parents(parents)
+    cp = context_parallel.ContextParallelGroup(rank=1, size=2)
+    context_parallel._warn_blocking.cache_clear()
+    with pytest.warns(UserWarning, match=f"kernel '{kernel}' on meta waits for the K/V"):
+        plan = context_parallel.ContextParallelPlan(parents, depths, cp_bounds(depths, 2), cp,
+                                                    kernel=kernel, device="meta")
+    assert not plan.overlap
+    on_cpu = context_parallel.ContextParallelPlan(parents, depths, cp_bounds(depths, 2), cp,
+                                                  kernel=kernel)
+    assert on_cpu.overlap

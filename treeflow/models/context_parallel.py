@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -198,6 +199,9 @@ class ContextParallelPlan:
         if kernel == "flex" and not cp_kernels.flex_available():
             raise ValueError(f"torch {torch.__version__} has no flex_attention operator; use "
                              "kernel 'runs' or 'dense'")
+        if overlap and device.type != "cpu" and kernel != "flex":
+            _warn_blocking(kernel, device.type)
+            overlap = False
         self.kernel, self.device, self.cp, self.overlap = kernel, device, cp, bool(overlap)
         self.cpu_flex_backward = kernel == "flex"  # cp_kernels.flex: backward on CPU too
         self.bounds = np.asarray(bounds, dtype=np.int64)
@@ -244,7 +248,7 @@ class ContextParallelPlan:
                                  np.searchsorted(keys_G, parents_N[keys_G]), -1)
             self._blocks = _local_blocks(AncestorRuns(parents_G, device=self.device, block=block),
                                          r)
-            self._split = [_split_block(blk, r) for blk in self._blocks]
+            self._split = [_split_block(blk, r) for blk in self._blocks] if self.overlap else []
 
     def __repr__(self) -> str:
         return (f"ContextParallelPlan(kernel={self.kernel!r}, rank={self.cp.rank}/{self.cp.size}, "
@@ -345,6 +349,15 @@ def _local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.
         seen2 = seen + (start - qa)
         out.append((start, qb, idx[: seen2 + qb - start], seen2))
     return out
+
+
+@functools.cache
+def _warn_blocking(kernel: str, device_type: str) -> None:
+    warnings.warn(f"context parallelism with kernel {kernel!r} on {device_type} waits for the "
+                  "K/V exchange instead of overlapping it: its split parts would materialise "
+                  "their scores there (the fused kernels with a log-sum-exp are CPU's); use "
+                  "kernel 'flex' to overlap, or context_overlap=False to silence this",
+                  stacklevel=3)
 
 
 def _split_block(block, first: int):

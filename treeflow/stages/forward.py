@@ -55,7 +55,8 @@ class Forward(Stage):
         the K/V of their ancestors; the group is a runtime handle given to `build`.
     context_overlap: under context parallelism, attend to a rank's own keys while the K/V
         exchange is in flight and merge the received part by log-sum-exp (default); False
-        waits for the exchange and attends over all keys in one call.
+        waits for the exchange and attends over all keys in one call (on CUDA only flex
+        overlaps; runs and dense wait, with a warning).
     tuning: speed/memory levers of the reference backend (flex tiles, compiled
     layers, fused loss, recomputation; treeflow.models.Tuning); the default is
     the plain path.
