@@ -1,12 +1,11 @@
 """RL options of `replay --mode train` and `stream --mode train`: advantages from rewards.
 
 Kept apart from cli_train.py so the training loops only ask for `advantage_stages(args)`
-(a tuple to put before Pack) and `first_step_checks(row)`.
+(a tuple to put before Pack); the first-step and step-size warnings live in the one training
+loop (treeflow/train/fit.py).
 """
 
 from __future__ import annotations
-
-import sys
 
 
 def add_rl_options(p) -> None:
@@ -90,37 +89,4 @@ def advantage_stages(args) -> tuple:
                       eps=args.advantage_eps),)
 
 
-_RATIO_LOW, _RATIO_HIGH = 0.1, 10.0
-
-
-def first_step_checks(row: dict, args, note=None) -> None:
-    """Warn when the first step's importance ratio is far from 1: the data's generation
-    logprobs are not this model's (synth episodes, another checkpoint, another tokenizer)."""
-    ratio = row.get("ratio_mean")
-    if ratio is None or getattr(args, "loss", None) != "pg":
-        return
-    if not (_RATIO_LOW <= ratio <= _RATIO_HIGH):
-        (note or (lambda m: print(m, file=sys.stderr)))(
-            f"warning: step {row.get('step')}: ratio_mean {ratio:.3g} is far from 1 -- the "
-            "episodes' generation_logprobs are not this model's (synth episodes carry made-up "
-            "ones; or another checkpoint/tokenizer sampled them), so --loss pg clips most tokens "
-            "and learns little; train on the policy's own rollouts (treeflow rollout) or use "
-            "--loss nll")
-
-
-def step_size_checks(row: dict, args, note, said: set) -> None:
-    """Say (once each) when a step trained another number of episodes than --batch-episodes."""
-    want, got = getattr(args, "batch_episodes", None), row.get("episodes")
-    if want is None or got is None or got == want:
-        return
-    kind = "more" if got > want else "fewer"
-    if kind in said:
-        return
-    said.add(kind)
-    why = ("a step holds whole groups, so the window was rounded up to the end of a group"
-           if kind == "more" else
-           "a step does not cross the end of the data (the file, or what the queue held)")
-    note(f"warning: --batch-episodes {want}: step {row.get('step')} trained {got} episodes; {why}")
-
-
-__all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "check_train_numbers", "first_step_checks", "step_size_checks"]
+__all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "check_train_numbers"]
