@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA
 from treeflow.schemas.layout import LAYOUT_SCHEMA
-from treeflow.stages._flat import Calls, ranges, segment_ids
+from treeflow.stages.flat import Calls, ranges, segment_ids
 from treeflow.stages._share import scope_rows
 from treeflow.stages.base import Stage
 
@@ -63,7 +63,7 @@ class Pack(Stage):
         if self.scope == "group" and self.layout != "tree":
             raise ValueError(f"Pack(layout={self.layout!r}, scope='group'): only the tree layout "
                              "shares across episodes; use layout='tree' or scope='episode'")
-        _check_rank(self)
+        check_rank(self)
 
     def map(self, episodes: pa.Table, *, step: int) -> pa.Table:
         return self(episodes, step=step)
@@ -78,7 +78,7 @@ class Pack(Stage):
                           ranks=self.ranks, rank=self.rank)
 
 
-def _check_rank(stage) -> None:
+def check_rank(stage) -> None:
     """ranks >= 1 and rank None or in [0, ranks): shared by Pack and Fragment."""
     name = type(stage).__name__
     if not isinstance(stage.ranks, int) or stage.ranks < 1:

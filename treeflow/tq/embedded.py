@@ -33,7 +33,7 @@ import time
 from treeflow.tq import wire
 from treeflow.tq.ledger import LEDGER_METHODS, Ledger, call_deadline
 
-__all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
+__all__ = ["EmbeddedServer", "alive", "connect_embedded", "serve_embedded"]
 
 # what a client may call: the one list of served methods (treeflow/tq/ledger.py)
 _HANDSHAKE_S = 10.0
@@ -145,7 +145,7 @@ class _Client:
 
 
 # ------------------------------------------------------------------ starting and attaching
-def _alive(address: str) -> bool:
+def alive(address: str) -> bool:
     address = wire.resolve(address)
     if not os.path.exists(address):
         return False
@@ -186,7 +186,7 @@ def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> 
     """
     address = wire.resolve(address)
     wire.check_private(address, create=True)
-    if _alive(address):
+    if alive(address):
         raise ValueError(f"a queue already answers at {address}; attach to it with "
                          "connect_queue(address) or pick another path")
     if os.path.lexists(address):
@@ -202,7 +202,7 @@ def serve_embedded(address: str, *, timeout: float = 30.0, **ledger_options) -> 
                                  json.dumps(ledger_options)], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
-    while not _alive(address):
+    while not alive(address):
         if proc.poll() is not None:
             raise RuntimeError(f"the queue server at {address} exited with {proc.returncode}; "
                                f"its output is in {address}.log")
@@ -224,7 +224,7 @@ def connect_embedded(address: str, *, timeout: float = 30.0):
     if os.path.isdir(os.path.dirname(address)):
         wire.check_private(address)  # a shared directory is refused now, not after the wait
     deadline = time.monotonic() + timeout
-    while not _alive(address):
+    while not alive(address):
         if time.monotonic() > deadline:
             raise ValueError(f"no queue answers at {address} after {timeout} s; start one with "
                              f"`treeflow stream --queue {address}` or serve_embedded()")
