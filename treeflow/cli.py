@@ -18,8 +18,9 @@ from contextlib import ExitStack, nullcontext
 import pyarrow as pa
 
 from treeflow._clock import process_seconds
-from treeflow._display import _console, _count_rows, _progress, _table
+from treeflow._display import console, count_rows, progress, table
 from treeflow.cli_convert import add_convert_parser
+from treeflow.cli_names import LOGPROBS_EPISODES_PER_STEP
 from treeflow.cli_parallel import (check_context_parallel_options, check_tensor_parallel_options,
                                    rank_of, start_ranks, torchrun_world)
 from treeflow.cli_stream import add_stream_parsers
@@ -33,7 +34,7 @@ def cmd_synth(args) -> int:
 
     from treeflow.atomic import check_output
 
-    _positive(args, "episodes", "group_size", "min_turns", "max_turns", "vocab_size")
+    positive(args, "episodes", "group_size", "min_turns", "max_turns", "vocab_size")
     from treeflow.lock import claim_output
 
     check_output(args.output, what="-o output")
@@ -52,14 +53,14 @@ def cmd_synth(args) -> int:
                              "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral) or use --routes")
         routes = dict(routes=moe.top_k, route_layers=len(moe.moe_layers),
                       num_experts=moe.num_experts)
-    table = synth_episodes(episodes=args.episodes, group_size=args.group_size,
-                           turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
-                           branch_prob=args.branch_prob, seed=args.seed, **routes)
-    write_episodes(table, args.output)
-    n_calls = sum(len(c) for c in table.column("calls").to_pylist()) if table.num_rows < 5000 else None
+    eps = synth_episodes(episodes=args.episodes, group_size=args.group_size,
+                         turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
+                         branch_prob=args.branch_prob, seed=args.seed, **routes)
+    write_episodes(eps, args.output)
+    n_calls = sum(len(c) for c in eps.column("calls").to_pylist()) if eps.num_rows < 5000 else None
     if not args.quiet:
-        _console().print(f"wrote {table.num_rows} episodes" + (f" ({n_calls} calls)" if n_calls else "")
-                         + f" to {args.output} in {time.perf_counter() - t0:.2f}s")
+        console().print(f"wrote {eps.num_rows} episodes" + (f" ({n_calls} calls)" if n_calls else "")
+                        + f" to {args.output} in {time.perf_counter() - t0:.2f}s")
     return 0
 
 
@@ -70,18 +71,19 @@ def cmd_inspect(args) -> int:
     from treeflow.pipeline.source import Files
     from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
 
-    _positive(args, "max_tokens", "window")
+    positive(args, "max_tokens", "episodes_per_step")
     frames, parts, call_frames, bin_frames = [], [], [], []
-    with _progress("inspect", _count_rows(args.files), args.json or args.quiet) as advance:
-        for step, window in enumerate(Files(paths=tuple(args.files), window=args.window)):
+    with progress("inspect", count_rows(args.files), args.json or args.quiet) as advance:
+        for step, window in enumerate(Files(paths=tuple(args.files),
+                                            window=args.episodes_per_step)):
             frame, totals = window_stats(window, max_tokens=args.max_tokens)
             frames.append(frame)
             parts.append(totals)
             if args.plot:
                 call_frames.append(call_stats(window))
                 if args.max_tokens:
-                    bin_frames.append(bin_stats(window, max_tokens=args.max_tokens, ranks=args.ranks,
-                                                step=step))
+                    bin_frames.append(bin_stats(window, max_tokens=args.max_tokens,
+                                                ranks=args.num_ranks, step=step))
             advance(window.num_rows, tokens=totals["exact_tokens"])
     totals = merge_totals(parts)
     frame = pl.concat(frames) if frames else pl.DataFrame()
@@ -94,7 +96,7 @@ def cmd_inspect(args) -> int:
 
         plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
                                     totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
-                                    max_tokens=args.max_tokens, ranks=args.ranks)
+                                    max_tokens=args.max_tokens, ranks=args.num_ranks)
     if frame.height:
         frame = frame.with_columns(saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
     dist_cols = [c for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens",
@@ -109,8 +111,8 @@ def cmd_inspect(args) -> int:
         return 0
     if args.quiet:
         return 0
-    con = _console()
-    con.print(_table("totals", list(totals.items())))
+    con = console()
+    con.print(table("totals", list(totals.items())))
     from rich.table import Table
 
     t = Table(title="per episode")
@@ -126,7 +128,7 @@ def cmd_inspect(args) -> int:
 
 # ---------------------------------------------------------------- plan
 def cmd_plan(args) -> int:
-    """Plan steps the way `replay --mode train --ranks R` does: every rank its own share."""
+    """Plan steps the way `replay --mode train --num-ranks R` does: every rank its own share."""
     import tracemalloc
 
     import numpy as np
@@ -136,24 +138,25 @@ def cmd_plan(args) -> int:
     from treeflow.pipeline.source import Files
     from treeflow.stages.shard import CostModel, bin_costs
 
-    _positive(args, "max_tokens", "ranks", "batch_episodes", "context_parallel")
-    if args.rank is not None and not 0 <= args.rank < args.ranks:
-        raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.ranks}) (--ranks "
-                         f"{args.ranks}), or leave it out to plan every rank")
-    plan_ranks = range(args.ranks) if args.rank is None else (args.rank,)
+    positive(args, "max_tokens", "num_ranks", "episodes_per_step", "context_parallel")
+    if args.rank is not None and not 0 <= args.rank < args.num_ranks:
+        raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.num_ranks}) (--num-ranks "
+                         f"{args.num_ranks}), or leave it out to plan every rank")
+    plan_ranks = range(args.num_ranks) if args.rank is None else (args.rank,)
     t0 = time.perf_counter()
-    sums = dict(episodes=0, steps=0, ranks=args.ranks, bins=0, exact_tokens=0, layout_tokens=0,
-                executed_tokens=0, repeated_tokens=0, edges=0, occurrences=0)
+    sums = dict(episodes=0, steps=0, ranks=args.num_ranks, bins=0, exact_tokens=0,
+                layout_tokens=0, executed_tokens=0, repeated_tokens=0, edges=0, occurrences=0)
     imbalances, seconds, peaks, empty = [], [], [], 0
     with ExitStack() as stack:
         out = stack.enter_context(table_output(args.output, args.files, what="bins")) \
             if args.output else None
-        advance = stack.enter_context(_progress("plan", _count_rows(args.files),
+        advance = stack.enter_context(progress("plan", count_rows(args.files),
                                                 args.json or args.quiet))
-        for step, window in enumerate(Files(paths=tuple(args.files), window=args.batch_episodes)):
-            rank_cost = np.zeros(args.ranks)
+        for step, window in enumerate(Files(paths=tuple(args.files),
+                                            window=args.episodes_per_step)):
+            rank_cost = np.zeros(args.num_ranks)
             for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
-                pack, *maps = plan_stages(args, args.ranks, rank)
+                pack, *maps = plan_stages(args, args.num_ranks, rank)
                 tracemalloc.start()
                 t1 = time.perf_counter()
                 layouts = pack.map(window, step=step)
@@ -193,10 +196,10 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(sums))
     elif not args.quiet:
-        _console().print(_table(f"plan: layout={args.layout} max_tokens={args.max_tokens} "
-                                f"ranks={args.ranks}", list(sums.items())))
+        console().print(table(f"plan: layout={args.layout} max_tokens={args.max_tokens} "
+                                f"ranks={args.num_ranks}", list(sums.items())))
         if args.output:
-            _console().print(f"bins written to {args.output}")
+            console().print(f"bins written to {args.output}")
     return 0
 
 
@@ -240,7 +243,7 @@ def _replay(args) -> int:
     from treeflow.stages import CostModel, Forward, Fragment, Pack, Reassemble, Shard
     from treeflow.train.checkpoint import model_dir
 
-    _positive(args, "max_tokens", "window", "chunk_size", "ranks", "prefetch")
+    positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
     check_device(args.device)
     lead, device = True, args.device
     if args.tensor_parallel > 1:  # one of the processes that hold a share of the model
@@ -273,17 +276,17 @@ def _replay(args) -> int:
         # model's own cost; a context-parallel group holds bins of C x --max-tokens
         pipe = Pipeline(Pack(layout=args.layout, scope=args.scope),
                         Fragment(max_tokens=args.max_tokens * args.context_parallel),
-                        Shard(num_ranks=args.ranks, cost=CostModel.from_config(
+                        Shard(num_ranks=args.num_ranks, cost=CostModel.from_config(
                             forward.model_config(), training=False)), forward,
                         Reassemble(entropy=args.entropy))
-        source = Files(paths=tuple(args.files), window=args.window,
+        source = Files(paths=tuple(args.files), window=args.episodes_per_step,
                        vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        total_rows = _count_rows(args.files)
+        total_rows = count_rows(args.files)
         setup = time.perf_counter() - t0  # imports of the model code, device initialisation
-        with _progress("replay", total_rows, quiet) as advance:
-            for rec in pipe.run(source, device=device, engine=args.engine, ranks=args.ranks,
+        with progress("replay", total_rows, quiet) as advance:
+            for rec in pipe.run(source, device=device, engine=args.engine, ranks=args.num_ranks,
                                 prefetch=args.prefetch):
                 out.write(rec.output)
                 add_sums(sums, rec.stats)
@@ -316,7 +319,7 @@ def _replay(args) -> int:
         return 0
     from treeflow.cli_help import idle_ranks_warning
 
-    if (idle := idle_ranks_warning(args.engine, args.ranks, sums["bins"])) is not None:
+    if (idle := idle_ranks_warning(args.engine, args.num_ranks, sums["bins"])) is not None:
         print(idle, file=sys.stderr)
     if args.tensor_parallel > 1:
         sums["tensor_parallel"] = args.tensor_parallel
@@ -325,10 +328,10 @@ def _replay(args) -> int:
     if args.json:
         print(json.dumps(sums))
     elif not args.quiet:
-        _console().print(_table(f"replay: {args.model} layout={args.layout} "
+        console().print(table(f"replay: {args.model} layout={args.layout} "
                                 f"max_tokens={args.max_tokens} {args.device}/{args.dtype}",
                                 list(sums.items())))
-        _console().print(f"logprobs written to {args.output}")
+        console().print(f"logprobs written to {args.output}")
     return 0
 
 
@@ -340,7 +343,7 @@ class _Discard:
         pass
 
 
-def _positive(args, *names) -> None:
+def positive(args, *names) -> None:
     """Refuse a count option below 1, naming the option (not the stage it would reach)."""
     for name in names:
         value = getattr(args, name, None)
@@ -391,7 +394,10 @@ def model_options(s) -> None:
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "
                         "stopping; a non-finite gradient never steps")
-    s.add_argument("--window", type=int, default=64, help="episodes packed together")
+    s.add_argument("--episodes-per-step", type=int, default=None,
+                   help="episodes planned and run together: an optimizer step in --mode train "
+                        "(whole groups; required there), a window of results in --mode logprobs "
+                        f"(default {LOGPROBS_EPISODES_PER_STEP})")
     s.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")
     s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
@@ -437,11 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(s)
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                    help="split the model over T processes (--backend megatron; one GPU each "
-                        "with --device cuda); in training, T x --ranks processes")
+                        "with --device cuda); in training, T x --num-ranks processes")
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",
                    help="run each bin over C processes (--backend reference; one GPU each with "
                         "--device cuda), each fetching only its nodes' ancestors' K/V; bins "
-                        "hold up to C x --max-tokens; in training, C x --ranks processes")
+                        "hold up to C x --max-tokens; in training, C x --num-ranks processes")
     add_train_options(s)
     s.set_defaults(fn=cmd_replay)
 
@@ -451,10 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
     s.add_argument("files", nargs="+")
     s.add_argument("--max-tokens", type=int, default=None, help="also plan bins of this budget")
-    s.add_argument("--window", type=int, default=256, help="episodes packed together")
+    s.add_argument("--episodes-per-step", type=int, default=256,
+                   help="episodes packed together (a training step's window)")
     s.add_argument("--plot", default=None, metavar="DIR",
                    help="write PNGs: savings.png, call_growth.png (+ bins.png with --max-tokens)")
-    s.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the bin plan (--plot)")
+    s.add_argument("--num-ranks", type=int, default=1,
+                   help="data-parallel ranks of the bin plan (--plot)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_inspect)
@@ -464,10 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
     s.add_argument("--max-tokens", type=int, required=True)
-    s.add_argument("--ranks", type=int, default=1)
+    s.add_argument("--num-ranks", type=int, default=1)
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",
                    help="plan bins of C x --max-tokens (each run over C processes)")
-    s.add_argument("--batch-episodes", type=int, default=256, help="episodes per step")
+    s.add_argument("--episodes-per-step", type=int, default=256,
+                   help="episodes per optimizer step, planned as --mode train plans them")
     s.add_argument("--rank", type=int, default=None,
                    help="plan only this rank's share (default: every rank, one after another)")
     s.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
@@ -493,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         "--debug" in (argv if argv is not None else sys.argv[1:])))
     if isinstance(args, int):  # the config file was refused (a one-line error)
         return args
+    from treeflow.cli_names import resolve, warn
+
+    warn(args)
+    resolve(args)
     if getattr(args, "print_config", False):
         return print_config(args)
     return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))

@@ -87,16 +87,16 @@ def cmd_gate(args) -> int:
     if args.json:
         print(json.dumps(figures), flush=True)
     elif not args.quiet:
-        from treeflow._display import _console, _table
+        from treeflow._display import console, table
 
-        _console().print(_table("gate", [(k, v) for k, v in figures.items() if k != "failures"]))
+        console().print(table("gate", [(k, v) for k, v in figures.items() if k != "failures"]))
     for cause in figures["failures"]:
         print(f"gate failed: {cause}", file=sys.stderr, flush=True)
     return 0 if figures["passed"] else GATE_FAILED
 
 
 def add_gate_parser(sub, common) -> None:
-    from treeflow.cli_stream import _queue_options, add_sampling_options
+    from treeflow.cli_stream import queue_options, add_sampling_options
     from treeflow.pipeline.gate import FAULTS
 
     s = sub.add_parser("gate", parents=[common],
@@ -109,7 +109,7 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"), default="auto")
     s.add_argument("--tuning", default="", help="speed levers of the reference backend")
-    _queue_options(s)
+    queue_options(s)
     s.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
     add_sampling_options(s, group_size_help="4: 4x4 groups; 16: one group")
     s.add_argument("--lr", type=float, default=1e-5)

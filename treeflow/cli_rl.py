@@ -109,8 +109,8 @@ def first_step_checks(row: dict, args, note=None) -> None:
 
 
 def step_size_checks(row: dict, args, note, said: set) -> None:
-    """Say (once each) when a step trained another number of episodes than --batch-episodes."""
-    want, got = getattr(args, "batch_episodes", None), row.get("episodes")
+    """Say (once each) when a step trained another number of episodes than --episodes-per-step."""
+    want, got = getattr(args, "episodes_per_step", None), row.get("episodes")
     if want is None or got is None or got == want:
         return
     kind = "more" if got > want else "fewer"
@@ -120,7 +120,8 @@ def step_size_checks(row: dict, args, note, said: set) -> None:
     why = ("a step holds whole groups, so the window was rounded up to the end of a group"
            if kind == "more" else
            "a step does not cross the end of the data (the file, or what the queue held)")
-    note(f"warning: --batch-episodes {want}: step {row.get('step')} trained {got} episodes; {why}")
+    note(f"warning: --episodes-per-step {want}: step {row.get('step')} trained {got} episodes; "
+         f"{why}")
 
 
 __all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "check_train_numbers", "first_step_checks", "step_size_checks"]

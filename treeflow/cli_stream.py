@@ -1,6 +1,6 @@
 """`treeflow stream` and `treeflow rollout`: live episodes through a tensor queue.
 
-    treeflow stream --queue q --mode train --batch-episodes 8 --steps 20 --loss pg
+    treeflow stream --queue q --mode train --episodes-per-step 8 --steps 20 --loss pg
     treeflow rollout --queue q --groups 40 --group-size 4        # another process
     treeflow stream --from episodes.arrow -o lp.arrow                      # compare with replay
 
@@ -32,7 +32,7 @@ import threading
 import time
 
 from treeflow._clock import process_seconds
-from treeflow._display import _console, _progress, _table
+from treeflow._display import console, progress, table
 
 _STEP_FILE = re.compile(r"^step-(\d{6,})\.arrow$")
 
@@ -95,10 +95,10 @@ class _Producer(threading.Thread):
 
 
 def _check(args) -> None:
-    from treeflow.cli import _positive, check_device
+    from treeflow.cli import positive, check_device
 
-    _positive(args, "max_tokens", "window", "chunk_size", "prefetch", "capacity", "chunk",
-              "batch_episodes")
+    positive(args, "max_tokens", "episodes_per_step", "chunk_size", "prefetch", "capacity",
+              "chunk")
     check_device(args.device)
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: give the number of steps to run, >= 1")
@@ -107,14 +107,15 @@ def _check(args) -> None:
     _check_producers(args)
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
-    if args.ranks < 1:
-        raise ValueError(f"--ranks {args.ranks}: give 1 or more")
-    if args.ranks != 1 and args.mode == "train" and args.engine == "ray":
-        raise ValueError(f"--ranks {args.ranks} --engine ray: the Ray engine trains on one rank; "
-                         "train data-parallel with --engine local --ranks N (spawned processes)")
-    if args.ranks != 1 and args.mode != "train" and args.engine != "ray":
-        raise ValueError(f"--ranks {args.ranks}: in --mode logprobs, --engine local runs one "
-                         "forward process; --engine ray --ranks N runs N forward actors")
+    if args.num_ranks < 1:
+        raise ValueError(f"--num-ranks {args.num_ranks}: give 1 or more")
+    if args.num_ranks != 1 and args.mode == "train" and args.engine == "ray":
+        raise ValueError(f"--num-ranks {args.num_ranks} --engine ray: the Ray engine trains on one "
+                         "rank; train data-parallel with --engine local --num-ranks N (spawned "
+                         "processes)")
+    if args.num_ranks != 1 and args.mode != "train" and args.engine != "ray":
+        raise ValueError(f"--num-ranks {args.num_ranks}: in --mode logprobs, --engine local runs "
+                         "one forward process; --engine ray --num-ranks N runs N forward actors")
     if not args.from_files and not args.queue:
         raise ValueError("nothing can put episodes into an in-process queue: give --from FILE... "
                          "or --queue ADDRESS for producers in other processes (treeflow rollout)")
@@ -158,7 +159,7 @@ def cmd_stream(args) -> int:
         check_train(args)
     else:
         out = _check_output(args)
-    if args.mode == "train" and args.ranks > 1 and not args.queue:
+    if args.mode == "train" and args.num_ranks > 1 and not args.queue:
         # the rank processes attach to the queue: serve it (embedded) or name it (transferqueue)
         args.queue = (os.path.join(tempfile.mkdtemp(prefix="treeflow-tq-"), "q.sock")
                       if args.queue_backend == "embedded" else "default")
@@ -226,7 +227,7 @@ def _show(args, title: str, summary: dict) -> None:
     if args.json:
         print(json.dumps(summary), flush=True)
     elif not getattr(args, "quiet", False):
-        _console().print(_table(title, [(k, v) for k, v in summary.items() if not isinstance(v, dict)]))
+        console().print(table(title, [(k, v) for k, v in summary.items() if not isinstance(v, dict)]))
 
 
 def _check_output(args) -> dict:
@@ -257,10 +258,12 @@ def _check_output(args) -> dict:
                              f">= {rows}, or -o DIR (one file per step)")
         claim_output(args.output, option="-o", inputs=inputs)
         return {"file": args.output, "done": []}
-    if args.capacity < 2 * args.window:  # the local engine reads one window past a result
+    per_step = args.episodes_per_step
+    if args.capacity < 2 * per_step:  # the local engine reads one window past a result
         raise ValueError(f"--capacity {args.capacity}: a step's result is handed over once the "
-                         "next step was read, so the queue must hold two steps of --window "
-                         f"{args.window} episodes; give --capacity >= {2 * args.window}")
+                         "next step was read, so the queue must hold two steps of "
+                         f"--episodes-per-step {per_step} episodes; give --capacity >= "
+                         f"{2 * per_step}")
     claim_output(args.output, option="-o", inputs=inputs, directory=True)
     done = []
     if os.path.isdir(args.output):
@@ -290,8 +293,9 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     forward_stage(args, args.entropy), Reassemble(entropy=args.entropy))
     one_file = "file" in out
-    source = QueueSource(queue=queue, episodes_per_step=args.window, consumer=args.consumer,
-                         max_steps=args.steps, idle_timeout=args.idle_timeout,
+    source = QueueSource(queue=queue, episodes_per_step=args.episodes_per_step,
+                         consumer=args.consumer, max_steps=args.steps,
+                         idle_timeout=args.idle_timeout,
                          ack="manual" if one_file else "auto")
     reader = source.open({"queue_steps_extra": out["done"]})
     if not one_file:
@@ -305,9 +309,9 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
     try:
         with (table_output(out["file"], args.from_files, what="logprobs") if one_file
               else _NoFile()) as single, \
-                _progress("stream", None, args.json or args.quiet) as advance:
+                progress("stream", None, args.json or args.quiet) as advance:
             for rec in pipe.run(reader, device=args.device, prefetch=args.prefetch,
-                                engine=args.engine, ranks=args.ranks):
+                                engine=args.engine, ranks=args.num_ranks):
                 step = rec.position["queue_step"]
                 if one_file:
                     single.write(rec.output)
@@ -393,7 +397,7 @@ def cmd_rollout(args) -> int:
     return 0
 
 
-def _queue_options(s) -> None:
+def queue_options(s) -> None:
     g = s.add_argument_group("queue")
     g.add_argument("--queue", default=None, help="embedded: a queue name (its socket in "
                    "$XDG_RUNTIME_DIR/treeflow) or a socket path in a private directory (none: in "
@@ -418,7 +422,7 @@ def add_stream_parsers(sub, common, model_options) -> None:
     s = sub.add_parser("stream", parents=[common],
                        help="run the pipeline on live episodes from a tensor queue")
     model_options(s)
-    _queue_options(s)
+    queue_options(s)
     s.add_argument("--from", dest="from_files", nargs="+", default=None,
                    help="also put these episode files into the queue (a producer thread)")
     s.add_argument("--produce-only", action="store_true", help="with --from: only produce")
@@ -438,7 +442,7 @@ def add_stream_parsers(sub, common, model_options) -> None:
 
     s = sub.add_parser("rollout", parents=[common],
                        help="sample agentic episodes from a model into a tensor queue")
-    _queue_options(s)
+    queue_options(s)
     s.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint dir")
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

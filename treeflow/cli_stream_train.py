@@ -1,6 +1,6 @@
 """`treeflow stream --mode train`: optimizer steps on live queue steps, refit and staleness.
 
-One queue step (whole groups, --batch-episodes episodes) is one optimizer
+One queue step (whole groups, --episodes-per-step episodes) is one optimizer
 step, run by the same Trainer as `replay --mode train` (checkpoints,
 --resume, --metrics, --tensorboard, precision). After each step the new
 weights are written to --publish-weights (default: <--save>/weights, else a
@@ -20,11 +20,11 @@ checkpoint), and a redelivered step the checkpoint already holds is skipped
 every step is applied exactly once. The queue must then hold N + 1 steps
 (and --prefetch more to lease steps ahead).
 
-`--ranks N` trains data-parallel over N spawned processes (gloo on CPU, NCCL
+`--num-ranks N` trains data-parallel over N spawned processes (gloo on CPU, NCCL
 with --device cuda): rank 0 leases the queue steps and broadcasts each one
 (pipeline/queue_ranks.py), every rank runs its share of the step's bins, and
 rank 0 publishes the weights, writes the metrics and acknowledges; checkpoints
-are written by all ranks together, as in `replay --ranks N`. Without --queue
+are written by all ranks together, as in `replay --num-ranks N`. Without --queue
 the CLI serves the queue on a temporary socket so that rank 0 can reach it.
 `--engine ray` trains on one rank in a Ray actor (pipeline/ray_queue.py),
 which writes the weights after each step and --save at the end.
@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from treeflow._clock import process_seconds
-from treeflow._display import _console, _progress, _table
+from treeflow._display import console, progress, table
 
 _KEEP_VERSIONS = 3
 
@@ -50,8 +50,9 @@ def check_train(args) -> None:
     """Refuse impossible options before the queue or any model is started."""
     from treeflow.train.checkpoint import LATEST
 
-    if args.batch_episodes is None:
-        raise ValueError("--mode train needs --batch-episodes B >= 1 (episodes per optimizer step)")
+    if args.episodes_per_step is None:
+        raise ValueError("--mode train needs --episodes-per-step B >= 1 (episodes per optimizer "
+                         "step)")
     if args.save_every < 0:
         raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
                          "to save only at the end")
@@ -63,7 +64,8 @@ def check_train(args) -> None:
         raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
     if args.shard_params:
         raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
-                         "the whole weights after every step); train sharded with replay --ranks N")
+                         "the whole weights after every step); train sharded with replay "
+                         "--num-ranks N")
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
@@ -81,7 +83,7 @@ def check_train(args) -> None:
              any(n.startswith("step-") for n in os.listdir(args.save))):
         raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
                          f"{args.save} to continue it, or give an empty directory")
-    B = args.batch_episodes
+    B = args.episodes_per_step
     held = (args.save_every if args.save and args.save_every else 0) + 1
     if args.capacity < held * B:
         raise ValueError(f"--capacity {args.capacity}: this consumer keeps {held} steps of {B} "
@@ -114,8 +116,8 @@ def announce_weights(queue, root: str, version: int, final: str) -> str:
 
 
 def stream_train(args, queue) -> dict:
-    """Train on the queue's steps: in this process, or over --ranks N spawned processes."""
-    if args.ranks == 1:
+    """Train on the queue's steps: in this process, or over --num-ranks N spawned processes."""
+    if args.num_ranks == 1:
         return _stream_train(args, queue, None)
     from treeflow.train import spawn
 
@@ -126,9 +128,9 @@ def stream_train(args, queue) -> dict:
     if args.publish_weights is None and not args.save:  # one directory for every rank
         args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
     try:
-        return spawn(_stream_rank, args.ranks, args)[0]
+        return spawn(_stream_rank, args.num_ranks, args)[0]
     except RuntimeError as e:
-        raise ValueError(f"training over {args.ranks} ranks failed: {e}") from None
+        raise ValueError(f"training over {args.num_ranks} ranks failed: {e}") from None
 
 
 def _stream_rank(args):
@@ -157,7 +159,7 @@ class _NoReader:
 
 def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.cli_stream import forward_stage
-    from treeflow.cli_train import _note, _open_metrics
+    from treeflow.cli_train import say, open_metrics
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
     from treeflow.stages import EpisodeSchedule, Fragment, Loss, Pack, Reduce, Shard
     from treeflow.train import Trainer
@@ -172,7 +174,7 @@ def _stream_train(args, queue, dp) -> dict | None:
                     max_grad_norm=args.max_grad_norm)
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
-    # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
+    # as replay --num-ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
     from treeflow.cli_rl import advantage_stages, first_step_checks
 
     pipe = Pipeline(*advantage_stages(args), Pack(layout=args.layout, scope=args.scope),
@@ -185,7 +187,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     if on_ray:
         trainer = None
     elif args.resume:
-        trainer = Trainer.resume(args.resume, forward, reduce, log=_note if lead else _quiet,
+        trainer = Trainer.resume(args.resume, forward, reduce, log=say if lead else _quiet,
                                  trust_checkpoint=args.trust_checkpoint, **options)
         diffs = differences(trainer.run or run, run)
         if diffs and not args.allow_different_data:
@@ -211,7 +213,8 @@ def _stream_train(args, queue, dp) -> dict | None:
         publish_weights(trainer, queue, root)
     hold = bool(args.save and args.save_every)
     # several ranks: every step is acknowledged here, once its result is out (or checkpointed)
-    reader = QueueSource(queue=queue, episodes_per_step=args.batch_episodes, consumer=args.consumer,
+    reader = QueueSource(queue=queue, episodes_per_step=args.episodes_per_step,
+                         consumer=args.consumer,
                          max_steps=todo, max_staleness=args.max_staleness, version=steps,
                          ack="manual" if hold or world > 1 else "auto",
                          idle_timeout=args.idle_timeout).open(trainer.position if trainer else None) \
@@ -219,7 +222,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     source = RankWindows(reader, dp) if world > 1 else reader
     engine = (dict(engine="ray", save=args.save, keep=args.keep, publish=root) if on_ray
               else dict(trainer=trainer))
-    metrics_file = _open_metrics(args, steps) if lead else None
+    metrics_file = open_metrics(args, steps) if lead else None
     shown = reader if lead else _NoReader()
     tensorboard = None
     if args.tensorboard and lead:
@@ -229,7 +232,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     rows, dropped, saved_at, compile_seconds = [], 0, None, 0.0
     t0 = time.perf_counter()
     try:
-        with _progress("stream train", todo, args.json or args.quiet or not lead) as advance:
+        with progress("stream train", todo, args.json or args.quiet or not lead) as advance:
             for rec in pipe.run(source, device=args.device, prefetch=args.prefetch, **engine):
                 compile_seconds += rec.stats.get("compile_seconds", 0.0)
                 row = rec.output.to_pylist()[0]
@@ -245,7 +248,7 @@ def _stream_train(args, queue, dp) -> dict | None:
                            seconds=round(time.perf_counter() - t0, 3))
                 dropped = shown.dropped_stale
                 if not rows and lead:
-                    first_step_checks(row, args, _note)
+                    first_step_checks(row, args, say)
                 if on_ray:   # the rank wrote them
                     announce_weights(queue, root, steps, rec.stats["weights"])
                 else:
@@ -284,7 +287,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     if not lead:
         return None
     if not (args.json or args.quiet) and rows:
-        _console().print(_table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
+        console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
                                 list(rows[-1].items())))
     kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
     per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)

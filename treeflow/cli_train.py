@@ -1,6 +1,6 @@
 """`treeflow replay --mode train`: optimizer steps over stored episodes, with checkpoints and resume.
 
-Each step is one window of `--batch-episodes` episodes (whole groups); the
+Each step is one window of `--episodes-per-step` episodes (whole groups); the
 data is cycled until `--steps` optimizer steps have run. The checkpoint
 carries the model (HF safetensors), AdamW, the step and scheduler counters,
 the input position (episodes consumed) and the run's fingerprint, so
@@ -12,10 +12,10 @@ safety lives in treeflow/train/checkpoint.py.
 `--tensor-parallel T` splits the megatron backend over T processes per data-parallel rank
 (treeflow/cli_parallel.py says how and what it refuses); `--context-parallel C` runs each bin
 over C processes per data-parallel rank, D x C in all, gradients summed over every one.
-`--ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
+`--num-ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
 group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
-(`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --ranks N`), whose
+(`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --num-ranks N`), whose
 environment is recognised. Every rank reads the same windows, lays out and bins only its own
 share of each step (`plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
 metrics and prints; all ranks write the checkpoint together.
@@ -30,12 +30,12 @@ import sys
 import time
 
 from treeflow._clock import process_seconds
-from treeflow._display import _console, _progress, _table
+from treeflow._display import console, progress, table
 from treeflow.cli_config import resolved_config
 from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks, step_size_checks
 
 
-def _note(message: str) -> None:
+def say(message: str) -> None:
     """One unwrapped line on stderr (rich would wrap it at the terminal width)."""
     print(message, file=sys.stderr)
 
@@ -46,10 +46,10 @@ def _check_options(args) -> None:
     from treeflow.cli_rl import check_loss_options
     from treeflow.schemas.episode import expand_paths
 
-    check_loss_options(args)  # each number by its flag, --steps before --batch-episodes
-    if args.batch_episodes is None or args.batch_episodes < 1:
-        raise ValueError(f"--batch-episodes {args.batch_episodes}: --mode train needs "
-                         "--batch-episodes B >= 1 (episodes per optimizer step)")
+    check_loss_options(args)  # each number by its flag, --steps before --episodes-per-step
+    if args.episodes_per_step is None or args.episodes_per_step < 1:
+        raise ValueError(f"--episodes-per-step {args.episodes_per_step}: --mode train needs "
+                         "--episodes-per-step B >= 1 (episodes per optimizer step)")
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: give the total number of optimizer steps, >= 1")
     if args.save_every < 0:
@@ -73,7 +73,7 @@ def _check_options(args) -> None:
                 refuse_inputs(path, inputs, option=option)
 
 
-def _open_metrics(args, steps: int):
+def open_metrics(args, steps: int):
     """The metrics log, opened for appending: refused if a fresh run finds one, cut back on resume.
 
     The log is appended one flushed line per step (rewriting it per step would be quadratic); on
@@ -106,7 +106,7 @@ def _open_metrics(args, steps: int):
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= steps:
                 keep.append(line)
         if len(keep) != sum(1 for line in lines if line.strip()):
-            _note(f"--metrics {args.metrics}: dropped "
+            say(f"--metrics {args.metrics}: dropped "
                   f"{sum(1 for line in lines if line.strip()) - len(keep)} line(s) past the "
                   f"checkpoint's step {steps}")
             with atomic_open(args.metrics) as f:
@@ -117,8 +117,8 @@ def _open_metrics(args, steps: int):
 def cmd_train(args) -> int:
     from treeflow.train.checkpoint import LATEST
 
-    if args.ranks < 1:
-        raise ValueError(f"--ranks {args.ranks}: give 1 or more")
+    if args.num_ranks < 1:
+        raise ValueError(f"--num-ranks {args.num_ranks}: give 1 or more")
     from treeflow.cli import check_device
 
     from treeflow.cli_parallel import (check_context_parallel_options,
@@ -137,24 +137,27 @@ def cmd_train(args) -> int:
         return _train_ray(args)
     world = torchrun_world()
     if world is not None:  # started by torchrun
-        if args.tensor_parallel == 1 and args.context_parallel == 1 and args.ranks not in (1, world):
-            raise ValueError(f"--ranks {args.ranks} but torchrun started {world} processes; "
+        if args.tensor_parallel == 1 and args.context_parallel == 1 and \
+                args.num_ranks not in (1, world):
+            raise ValueError(f"--num-ranks {args.num_ranks} but torchrun started {world} "
+                             "processes; "
                              "give the same number to both")
         return _train(args, distributed=True)
     if args.tensor_parallel > 1 or args.context_parallel > 1:
-        start_ranks(_train_rank, args.ranks * args.tensor_parallel * args.context_parallel, args)
+        start_ranks(_train_rank, args.num_ranks * args.tensor_parallel * args.context_parallel,
+                    args)
         return 0
-    if args.ranks > 1 or args.launcher == "ray":
+    if args.num_ranks > 1 or args.launcher == "ray":
         from treeflow.train import ray_ranks, spawn
 
         gpus = 1 if args.device.startswith("cuda") else 0
         try:
             if args.launcher == "ray":
-                ray_ranks(_train_rank, args.ranks, args, gpus_per_rank=gpus)
+                ray_ranks(_train_rank, args.num_ranks, args, gpus_per_rank=gpus)
             else:
-                spawn(_train_rank, args.ranks, args)
+                spawn(_train_rank, args.num_ranks, args)
         except RuntimeError as e:
-            raise ValueError(f"training over {args.ranks} ranks failed: {e}") from None
+            raise ValueError(f"training over {args.num_ranks} ranks failed: {e}") from None
         return 0
     return _train(args, distributed=False)
 
@@ -188,7 +191,7 @@ def plan_stages(args, world: int, rank: int) -> tuple:
     """The map stages that plan a training step on data-parallel replica `rank` of `world`.
 
     One replica lays out and bins only its share of the step, dealt from per-tree summaries
-    (stages/_share.py); Shard keeps the replicas. `treeflow plan --ranks R` runs these for every
+    (stages/_share.py); Shard keeps the replicas. `treeflow plan --num-ranks R` runs these for every
     replica. A context-parallel group (--context-parallel C) is one replica whose bins hold
     C x --max-tokens tokens.
     """
@@ -216,7 +219,7 @@ def _train(args, *, distributed: bool) -> int:
                                                              dp.device)
         dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
         lead = rank == 0 and tp_rank == 0
-    note = _note if lead else (lambda message: None)
+    note = say if lead else (lambda message: None)
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica
@@ -242,17 +245,17 @@ def _train(args, *, distributed: bool) -> int:
         trainer = Trainer(forward, reduce, **options)
     trainer.run = run
     trainer.config = {**resolved_config(args), "files": list(args.files)}  # in every checkpoint
-    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+    files = Files(paths=tuple(args.files), window=args.episodes_per_step,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     todo = args.steps - trainer.steps
     if todo <= 0:
         if lead:
-            _console(stderr=True).print(f"nothing to do: the checkpoint {trainer.checkpoint_path} "
+            console(stderr=True).print(f"nothing to do: the checkpoint {trainer.checkpoint_path} "
                                         f"has already run {trainer.steps} steps (--steps {args.steps})")
         dp.close()
         return 0
-    metrics_file = _open_metrics(args, trainer.steps) if lead else None
+    metrics_file = open_metrics(args, trainer.steps) if lead else None
     tensorboard = None
     if args.tensorboard and lead:
         from treeflow.io import TensorBoardLog
@@ -263,7 +266,7 @@ def _train(args, *, distributed: bool) -> int:
     saved_at = None
     t0 = time.perf_counter()
     try:
-        with _progress("train", todo, args.json or args.quiet or not lead) as advance:
+        with progress("train", todo, args.json or args.quiet or not lead) as advance:
             for rec in pipe.run(files.open(trainer.position), device=args.device, trainer=trainer,
                                 prefetch=args.prefetch, steps=todo):
                 compile_seconds += rec.stats.get("compile_seconds", 0.0)
@@ -319,26 +322,26 @@ def _train_ray(args) -> int:
     advantage = advantage_stages(args)
     pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
                     Fragment(max_tokens=args.max_tokens), forward, reduce)
-    files = Files(paths=tuple(args.files), window=args.batch_episodes,
+    files = Files(paths=tuple(args.files), window=args.episodes_per_step,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     rows = []
     t0 = time.perf_counter()
     compile_seconds = 0.0
-    with _progress("train", args.steps, args.json or args.quiet) as advance:
-        for rec in pipe.run(files, engine="ray", device=args.device, ranks=args.ranks,
+    with progress("train", args.steps, args.json or args.quiet) as advance:
+        for rec in pipe.run(files, engine="ray", device=args.device, ranks=args.num_ranks,
                             steps=args.steps, save=args.save):
             compile_seconds += rec.stats.get("compile_seconds", 0.0)
             row = rec.output.to_pylist()[0]
             row["seconds"] = round(time.perf_counter() - t0, 3)
             if not rows:
-                first_step_checks(row, args, _note)
+                first_step_checks(row, args, say)
             rows.append(row)
             advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
     if args.metrics:
         with open(args.metrics, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    _report(args, rows[-1]["step"] if rows else 0, rows, compile_seconds, args.ranks)
+    _report(args, rows[-1]["step"] if rows else 0, rows, compile_seconds, args.num_ranks)
     return 0
 
 
@@ -359,15 +362,14 @@ def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int,
         print(json.dumps(out), flush=True)
     elif not args.quiet:
         last = rows[-1]
-        _console().print(_table(f"train: {args.model} layout={args.layout} loss={args.loss} "
+        console().print(table(f"train: {args.model} layout={args.layout} loss={args.loss} "
                                 f"norm={args.norm} ranks={ranks}", list(last.items())))
         if args.save:
-            _console().print(f"checkpoint written to {args.save}")
+            console().print(f"checkpoint written to {args.save}")
 
 
 def add_train_options(p) -> None:
     g = p.add_argument_group("training (--mode train)")
-    g.add_argument("--batch-episodes", type=int, default=None, help="episodes per optimizer step")
     g.add_argument("--steps", type=int, default=1, help="total optimizer steps")
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--warmup-episodes", type=int, default=0)
@@ -395,14 +397,14 @@ def add_train_options(p) -> None:
                    help="one JSON line per step (a new file; on --resume, cut back to the checkpoint)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log each step's metrics to TensorBoard event files in DIR")
-    g.add_argument("--ranks", type=int, default=1,
+    g.add_argument("--num-ranks", type=int, default=1,
                    help="data-parallel ranks: training processes (one GPU each with --device "
                         "cuda); with --engine ray, forward actors")
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
     g.add_argument("--launcher", choices=("spawn", "ray"), default="spawn",
-                   help="how --ranks start: spawned local processes, or a Ray actor group "
+                   help="how --num-ranks start: spawned local processes, or a Ray actor group "
                         "(one GPU per actor with --device cuda)")
     g.add_argument("--shard-params", action="store_true",
                    help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")

@@ -24,6 +24,7 @@ from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
 
 ENGINES = ("local", "ray")
+EPISODES_PER_STEP = 256  # a window, when run() is given files or one table and no `window`
 
 
 def _schema_name(schema: pa.Schema) -> str:
@@ -79,7 +80,7 @@ class Pipeline:
         `QueueSource` (or its reader, `QueueSource.open(state)`): live steps
         from a tensor queue, one window per queue step, each acknowledged when
         the caller asks for the next result (pipeline/queue_source.py). `window`
-        episodes are packed together (default 256); for an iterable of tables
+        episodes are packed together (default EPISODES_PER_STEP, 256); for an iterable of tables
         and no `window`, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` to continue a
@@ -155,15 +156,22 @@ class Pipeline:
                      if s.route_width_hint() is not None), None)
 
 
+def _paths(source) -> tuple | None:
+    """The episode files `source` names (a path or glob, or a list of them), else None."""
+    if isinstance(source, str):
+        return (source,)
+    if isinstance(source, (list, tuple)) and all(isinstance(p, str) for p in source):
+        return tuple(source)  # () too: Files refuses it, naming what is missing
+    return None
+
+
 def _files(source, window: int | None, vocab_size: int | None,
            route_width: int | None = None) -> Files:
     """The Ray engine reads files itself (as Arrow blocks): only files are a source for it."""
     if isinstance(source, Files):
         return source
-    if isinstance(source, (str, list, tuple)) and source and all(isinstance(p, str) for p in
-                                                                  ([source] if isinstance(source, str) else source)):
-        paths = (source,) if isinstance(source, str) else tuple(source)
-        return Files(paths=paths, window=window or 256, vocab_size=vocab_size,
+    if (paths := _paths(source)) is not None:
+        return Files(paths=paths, window=window or EPISODES_PER_STEP, vocab_size=vocab_size,
                      route_width=route_width)
     raise TypeError(f"engine='ray' reads episode files; got {type(source).__name__}: write the "
                     "episodes with treeflow.pipeline.write_episodes and pass the path")
@@ -175,13 +183,10 @@ def _windows(source, window: int | None, vocab_size: int | None,
 
     if isinstance(source, (Files, FilesReader, RankWindows)):  # validated; with a position
         return iter(source)
-    if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
-                                                    or isinstance(source[0], str)):
-        paths = (source,) if isinstance(source, str) else tuple(source)
-        return iter(Files(paths=paths, window=window or 256, vocab_size=vocab_size,
-                          route_width=route_width))
+    if _paths(source) is not None:
+        return iter(_files(source, window, vocab_size, route_width))
     if isinstance(source, pa.Table):
-        source, window = [source], window or 256
+        source, window = [source], window or EPISODES_PER_STEP
     if isinstance(source, Iterable):
         checked = (validate_episodes(t, vocab_size=vocab_size, route_width=route_width)
                    for t in source)

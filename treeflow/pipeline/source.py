@@ -181,7 +181,7 @@ class FilesReader:
                     raise ValueError(
                         f"the saved input position ({self._skip} episodes) is not at a window "
                         f"boundary of this data (windows of {self.files.window}); resume with the "
-                        "same window (--batch-episodes) and files")
+                        "same window (--episodes-per-step) and files")
                 self.episodes = consumed
                 yield window
             if not seen_any:
