@@ -161,7 +161,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.cli_stream import forward_stage
     from treeflow.cli_train import say, open_metrics
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
-    from treeflow.stages import EpisodeSchedule, Fragment, Loss, Pack, Reduce, Shard
+    from treeflow.stages import EpisodeSchedule, Loss, Reduce
     from treeflow.train import Trainer
     from treeflow.train.run import STEP_OPTIONS, differences
 
@@ -174,12 +174,13 @@ def _stream_train(args, queue, dp) -> dict | None:
                     max_grad_norm=args.max_grad_norm)
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
-    # as replay --num-ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
+    # as replay --num-ranks N (and `treeflow plan --num-ranks N`): every rank gets the whole step
+    # and lays out and bins only its own share of it
     from treeflow.cli_rl import advantage_stages, first_step_checks
+    from treeflow.cli_train import plan_stages
 
-    pipe = Pipeline(*advantage_stages(args), Pack(layout=args.layout, scope=args.scope),
-                    Fragment(max_tokens=args.max_tokens, ranks=world),
-                    *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
+    pipe = Pipeline(*advantage_stages(args), *plan_stages(args, world, dp.rank if dp else 0),
+                    forward, reduce)
     options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
                    device=args.device, **({"dp": dp} if dp is not None else {}))
     run = {"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}}  # data: the queue
