@@ -22,10 +22,8 @@ PACKAGE = "treeflow"
 
 # strongly connected components of the import graph (each a cycle or several), sorted
 KNOWN_CYCLES: set[tuple[str, ...]] = {
-    ("treeflow.atomic", "treeflow.lock"),
     ("treeflow.cli", "treeflow.cli_gate", "treeflow.cli_stream", "treeflow.cli_stream_train",
      "treeflow.cli_train"),
-    ("treeflow.models.backend", "treeflow.models.megatron", "treeflow.models.megatron.backend"),
     ("treeflow.models.config", "treeflow.models.hybrid_config"),
     ("treeflow.stages._cp_runner", "treeflow.stages.forward", "treeflow.stages.runner"),
 }
