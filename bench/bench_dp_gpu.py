@@ -85,14 +85,14 @@ def _scaling_rank(cfg: dict) -> dict:
                                 kv_heads=c.num_key_value_heads, vocab=c.vocab_size)
     frag = Fragment(max_tokens=cfg["max_tokens"], ranks=dp.world if cfg["deal"] else 1)
     pipe = Pipeline(Pack(layout="tree"), frag, Shard(num_ranks=dp.world, cost=cost), fwd, red)
-    tr = Trainer(fwd, red, model=model, dp=dp, pad_to=cfg["max_tokens"],
+    tr = Trainer(fwd, red, model=model, dp=dp, max_tokens=cfg["max_tokens"],
                  overlap_reduce=cfg["overlap"])
     rows, walls, local = [], [], []
     if dp.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dp.device)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     t = time.perf_counter()
-    for m in pipe.run(eps, window=batch, trainer=tr):
+    for m in pipe.run(eps, episodes_per_step=batch, trainer=tr):
         now = time.perf_counter()
         rows.append(m.output.to_pylist()[0])
         walls.append(now - t)

@@ -57,7 +57,7 @@ from treeflow.models.checkpoint import seeded_decoder  # noqa: E402
 from treeflow.pipeline.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
-from treeflow.stages.runner import PreparedBin  # noqa: E402
+from treeflow.ops.runner import PreparedBin  # noqa: E402
 from treeflow.tree import subtree_end  # noqa: E402
 
 LLAMA_8B_4 = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,

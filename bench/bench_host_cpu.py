@@ -56,7 +56,7 @@ from treeflow.pipeline import ArrowSink, Files, Pipeline, synth_episodes, write_
 from treeflow.pipeline.local import run_local  # noqa: E402
 from treeflow.pipeline.stats import bin_sums, episode_sums  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard  # noqa: E402
-from treeflow.stages.runner import ForwardRunner  # noqa: E402
+from treeflow.ops.runner import ForwardRunner  # noqa: E402
 
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2)
@@ -110,7 +110,7 @@ def _stages(path, layout, max_tokens, window, runner, out_dir) -> tuple[dict, di
     pack, frag, shard = Pack(layout=layout), Fragment(max_tokens=max_tokens), Shard(num_ranks=1)
     reasm = Reassemble()
     nbins = 0
-    it = iter(Files(paths=(path,), window=window, vocab_size=runner.vocab_size))
+    it = iter(Files(paths=(path,), episodes_per_step=window, vocab_size=runner.vocab_size))
     with ArrowSink(os.path.join(out_dir, f"stages-{layout}.arrow")) as sink:
         for step in range(10**9):
             episodes = timed("read_validate", next, it, None)
@@ -138,7 +138,7 @@ def _engine(path, layout, max_tokens, window, runner, out_dir) -> dict:
     from treeflow.pipeline.plan import Worker
 
     worker = Worker(pipe.plan, runner=runner, trainer=None)
-    source = Files(paths=(path,), window=window, vocab_size=runner.vocab_size)
+    source = Files(paths=(path,), episodes_per_step=window, vocab_size=runner.vocab_size)
     bins = 0
     wall0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
     with ArrowSink(os.path.join(out_dir, f"engine-{layout}.arrow")) as sink:

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from treeflow.models import Tuning, load_backend  # noqa: E402
 from treeflow.pipeline import synth_episodes  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack  # noqa: E402
+from treeflow.ops import build_forward
 
 
 def checkpoint(path):
@@ -64,7 +65,7 @@ def hf_values(hf, eps, dtype):
 def treeflow_values(backend, eps, layout, max_tokens):
     bins = Fragment(max_tokens=max_tokens)(
         Pack(layout=layout, scope="group" if layout == "tree" else None)(eps))
-    runner, out = Forward(kernel="runs").build(model=backend), {}
+    runner, out = build_forward(Forward(kernel="runs"), model=backend), {}
     with torch.no_grad():
         for b in bins.to_pylist():
             if not b["edge_sources"]:

@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from treeflow.models import ModelConfig, load_backend  # noqa: E402
 from treeflow.pipeline import synth_episodes  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack  # noqa: E402
+from treeflow.ops import build_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -87,9 +88,9 @@ def _time(fn, repeats, device):
 
 def bench_backend(backend, args, fwd_rows, train_rows, devices: int = 1) -> dict:
     cuda = args.device == "cuda"
-    runner = Forward(model="tiny", backend=backend.name, dtype=args.dtype,
+    runner = build_forward(Forward(model="tiny", backend=backend.name, dtype=args.dtype,
                      kernel="flex" if cuda else "runs", chunk_size=args.chunk_size
-                     ).build(device=args.device, model=backend)
+                     ), device=args.device, model=backend)
 
     def forward():
         with torch.no_grad():

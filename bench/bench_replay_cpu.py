@@ -187,7 +187,7 @@ def _child_layout(args, layout: str) -> dict:
     load_before = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), _cpu_seconds()
     results = []
-    for rec in pipe.run(episodes, window=args.window):
+    for rec in pipe.run(episodes, episodes_per_step=args.window):
         results.append(rec.output)
         stats["bins"] += rec.stats.get("bins", 0)
         stats["executed_tokens"] += rec.stats.get("executed_tokens", 0)

@@ -148,7 +148,7 @@ def memory(eps: pa.Table, capacity: int, seconds: float) -> dict:
     t = threading.Thread(target=produce, daemon=True)
     t.start()
     t0 = time.perf_counter()
-    source = QueueSource(queue=q, episodes_per_step=groups[0].num_rows)
+    source = QueueSource(episodes_per_step=groups[0].num_rows).open(q)
     for _ in pipe.run(source):
         s = q.stats()
         samples.append((round(time.perf_counter() - t0, 2), s["held_episodes"],

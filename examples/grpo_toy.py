@@ -84,8 +84,8 @@ def train(*, steps: int = 40, groups_per_step: int = 4, group_size: int = 4, lr:
     forward = Forward(model=model)
     reduce = Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=lr))
     trainer = Trainer(forward, reduce)
-    reader = QueueSource(queue=queue, episodes_per_step=per_step, max_steps=steps,
-                         max_staleness=0, idle_timeout=300).open()
+    reader = QueueSource(episodes_per_step=per_step, max_steps=steps,
+                         max_staleness=0, idle_timeout=300).open(queue)
     pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=4096), forward, reduce)
     curve, t0 = [], time.perf_counter()
     try:

@@ -25,17 +25,16 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
     ("treeflow.cli", "treeflow.cli_gate", "treeflow.cli_stream", "treeflow.cli_stream_train",
      "treeflow.cli_train"),
     ("treeflow.models.config", "treeflow.models.hybrid_config"),
-    ("treeflow.stages._cp_runner", "treeflow.stages.forward", "treeflow.stages.runner"),
 }
 # (importer, private name imported from outside what holds it)
 KNOWN_PRIVATE: set[tuple[str, str]] = {
+    ("treeflow.cli_stream_train", "treeflow.cli_train._fit_options"),
+    ("treeflow.ops.cp_runner", "treeflow.ops.runner._COLUMNS"),
     ("treeflow.pipeline.ray_queue", "treeflow.pipeline.ray_engine._check_ray_plan"),
-    ("treeflow.stages._cp_runner", "treeflow.stages.runner._COLUMNS"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._ActorLedger"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._TQStore"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._require"),
     ("treeflow.tq.work", "treeflow.tq.queue._LocalStore"),
-    ("treeflow.train.step", "treeflow.stages._cp_runner.cp_metrics"),
     ("treeflow.train.trainer", "treeflow.train.distributed._BUCKET_ELEMENTS"),
 }
 

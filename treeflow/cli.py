@@ -75,7 +75,7 @@ def cmd_inspect(args) -> int:
     frames, parts, call_frames, bin_frames = [], [], [], []
     with progress("inspect", count_rows(args.files), args.json or args.quiet) as advance:
         for step, window in enumerate(Files(paths=tuple(args.files),
-                                            window=args.episodes_per_step)):
+                                            episodes_per_step=args.episodes_per_step)):
             frame, totals = window_stats(window, max_tokens=args.max_tokens)
             frames.append(frame)
             parts.append(totals)
@@ -153,7 +153,7 @@ def cmd_plan(args) -> int:
         advance = stack.enter_context(progress("plan", count_rows(args.files),
                                                 args.json or args.quiet))
         for step, window in enumerate(Files(paths=tuple(args.files),
-                                            window=args.episodes_per_step)):
+                                            episodes_per_step=args.episodes_per_step)):
             rank_cost = np.zeros(args.num_ranks)
             for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
                 pack, *maps = plan_stages(args, args.num_ranks, rank)
@@ -279,7 +279,7 @@ def _replay(args) -> int:
                         Shard(num_ranks=args.num_ranks, cost=CostModel.from_config(
                             forward.model_config(), training=False)), forward,
                         Reassemble(entropy=args.entropy))
-        source = Files(paths=tuple(args.files), window=args.episodes_per_step,
+        source = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
                        vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()

@@ -27,21 +27,10 @@ the same D x T and reshards onto another one (train/checkpoint.py).
 
 from __future__ import annotations
 
-import os
+from treeflow.train.launch import rank_of, torchrun_world
 
 __all__ = ["check_context_parallel_options", "check_tensor_parallel_options", "rank_of",
            "start_ranks", "torchrun_world"]
-
-
-def torchrun_world() -> int | None:
-    """The world size when torchrun (or treeflow's spawn) started this process, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def rank_of() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def check_tensor_parallel_options(args, *, train: bool) -> None:
@@ -128,7 +117,7 @@ def _process_count(args, flag: str, n: int, *, train: bool) -> None:
 
 def start_ranks(fn, processes: int, args) -> None:
     """Run `fn(args)` in `processes` spawned local processes (torchrun's environment in each)."""
-    from treeflow.train import spawn
+    from treeflow.train.launch import spawn
 
     try:
         spawn(fn, processes, args)

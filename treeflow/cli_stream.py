@@ -293,11 +293,10 @@ def _stream_logprobs(args, queue, out: dict) -> dict:
     pipe = Pipeline(Pack(layout=args.layout, scope=args.scope), Fragment(max_tokens=args.max_tokens),
                     forward_stage(args, args.entropy), Reassemble(entropy=args.entropy))
     one_file = "file" in out
-    source = QueueSource(queue=queue, episodes_per_step=args.episodes_per_step,
-                         consumer=args.consumer, max_steps=args.steps,
-                         idle_timeout=args.idle_timeout,
+    source = QueueSource(episodes_per_step=args.episodes_per_step, consumer=args.consumer,
+                         max_steps=args.steps, idle_timeout=args.idle_timeout,
                          ack="manual" if one_file else "auto")
-    reader = source.open({"queue_steps_extra": out["done"]})
+    reader = source.open(queue, {"queue_steps_extra": out["done"]})
     if not one_file:
         os.makedirs(out["dir"], exist_ok=True)
     sums = dict(steps=0, episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0,

@@ -32,27 +32,23 @@ which writes the weights after each step and --save at the end.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from treeflow._clock import process_seconds
-from treeflow._display import console, progress, table
-
-_KEEP_VERSIONS = 3
-
+from treeflow._display import console, table
+from treeflow.cli_config import resolved_config
 
 def check_train(args) -> None:
     """Refuse impossible options before the queue or any model is started."""
     from treeflow.train.checkpoint import LATEST
 
     if args.episodes_per_step is None:
-        raise ValueError("--mode train needs --episodes-per-step B >= 1 (episodes per optimizer "
-                         "step)")
+        raise ValueError("--mode train needs --episodes-per-step B >= 1 (episodes per optimizer step)")
     if args.save_every < 0:
         raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
                          "to save only at the end")
@@ -64,8 +60,7 @@ def check_train(args) -> None:
         raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
     if args.shard_params:
         raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
-                         "the whole weights after every step); train sharded with replay "
-                         "--num-ranks N")
+                         "the whole weights after every step); train sharded with replay --num-ranks N")
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
@@ -92,27 +87,6 @@ def check_train(args) -> None:
                             if held > 1 else "")
                          + f", and the producers stall when the queue is full; give --capacity "
                          f">= {held * B} (more lets --prefetch lease steps ahead)")
-
-
-def publish_weights(trainer, queue, root: str) -> str:
-    """Write the trainer's weights as <root>/v<steps> (atomically renamed) and announce them."""
-    from treeflow.atomic import atomic_dir
-
-    final = os.path.join(root, f"v{trainer.steps}")
-    with atomic_dir(final, what="published weights") as tmp:
-        trainer.backend.save(tmp)
-    return announce_weights(queue, root, trainer.steps, final)
-
-
-def announce_weights(queue, root: str, version: int, final: str) -> str:
-    """Announce <root>/v<version> (written) to the producers; drop versions they no longer need."""
-    queue.publish_weights(version, final)
-    for old in range(version - _KEEP_VERSIONS, -1, -1):
-        path = os.path.join(root, f"v{old}")
-        if not os.path.isdir(path):
-            break
-        shutil.rmtree(path, ignore_errors=True)
-    return final
 
 
 def stream_train(args, queue) -> dict:
@@ -158,12 +132,14 @@ class _NoReader:
 
 
 def _stream_train(args, queue, dp) -> dict | None:
+    from treeflow.cli_rl import advantage_stages
     from treeflow.cli_stream import forward_stage
-    from treeflow.cli_train import say, open_metrics
+    from treeflow.cli_train import _fit_options, plan_stages, say
+    from treeflow.ops import PublishWeights
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
     from treeflow.stages import EpisodeSchedule, Loss, Reduce
-    from treeflow.train import Trainer
-    from treeflow.train.run import STEP_OPTIONS, differences
+    from treeflow.train.fit import fit
+    from treeflow.train.run import STEP_OPTIONS
 
     forward = forward_stage(args, entropy=bool(args.entropy_coef))
     reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
@@ -176,130 +152,86 @@ def _stream_train(args, queue, dp) -> dict | None:
     lead = dp is None or dp.rank == 0
     # as replay --num-ranks N (and `treeflow plan --num-ranks N`): every rank gets the whole step
     # and lays out and bins only its own share of it
-    from treeflow.cli_rl import advantage_stages, first_step_checks
-    from treeflow.cli_train import plan_stages
-
     pipe = Pipeline(*advantage_stages(args), *plan_stages(args, world, dp.rank if dp else 0),
                     forward, reduce)
-    options = dict(precision=args.precision, grad_sum=args.grad_sum, pad_to=args.max_tokens,
-                   device=args.device, **({"dp": dp} if dp is not None else {}))
-    run = {"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}}  # data: the queue
     on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)
-    if on_ray:
-        trainer = None
-    elif args.resume:
-        trainer = Trainer.resume(args.resume, forward, reduce, log=say if lead else _quiet,
-                                 trust_checkpoint=args.trust_checkpoint, **options)
-        diffs = differences(trainer.run or run, run)
-        if diffs and not args.allow_different_data:
-            raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
-                             + "; ".join(diffs) + "; resume with the checkpoint's options, or pass "
-                             "--allow-different-data to continue anyway")
-    else:
-        trainer = Trainer(forward, reduce, **options)
-    steps = trainer.steps if trainer else 0
-    if trainer:
-        from treeflow.cli_config import resolved_config
-
-        trainer.run = run
-        trainer.config = resolved_config(args)  # in every checkpoint
-    todo = None if args.steps is None else args.steps - steps
-    if todo is not None and todo <= 0:
-        return {"steps": steps, "note": f"the checkpoint has >= --steps {args.steps}"}
     root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
                                     else tempfile.mkdtemp(prefix="treeflow-weights-"))
     if lead:
         os.makedirs(root, exist_ok=True)
-    if steps and lead:
-        publish_weights(trainer, queue, root)
     hold = bool(args.save and args.save_every)
-    # several ranks: every step is acknowledged here, once its result is out (or checkpointed)
-    reader = QueueSource(queue=queue, episodes_per_step=args.episodes_per_step,
-                         consumer=args.consumer,
-                         max_steps=todo, max_staleness=args.max_staleness, version=steps,
-                         ack="manual" if hold or world > 1 else "auto",
-                         idle_timeout=args.idle_timeout).open(trainer.position if trainer else None) \
-        if lead else None
-    source = RankWindows(reader, dp) if world > 1 else reader
-    engine = (dict(engine="ray", save=args.save, keep=args.keep, publish=root) if on_ray
-              else dict(trainer=trainer))
-    metrics_file = open_metrics(args, steps) if lead else None
-    shown = reader if lead else _NoReader()
-    tensorboard = None
-    if args.tensorboard and lead:
-        from treeflow.io import TensorBoardLog
+    opened: dict = {}   # the reader rank 0 opens at the checkpoint's position
 
-        tensorboard = TensorBoardLog(args.tensorboard)
-    rows, dropped, saved_at, compile_seconds = [], 0, None, 0.0
+    def source(position, done):
+        todo = None if args.steps is None else args.steps - done
+        # several ranks: every step is acknowledged here, once its result is out (or saved)
+        reader = QueueSource(episodes_per_step=args.episodes_per_step,
+                             consumer=args.consumer, max_steps=todo,
+                             max_staleness=args.max_staleness, version=done,
+                             ack="manual" if hold or world > 1 else "auto",
+                             idle_timeout=args.idle_timeout).open(queue, position) if lead else None
+        opened.update(reader=reader if lead else _NoReader(), dropped=0)
+        return RankWindows(reader, dp) if world > 1 else reader
+
+    def on_result(rec, row) -> dict:
+        shown = opened["reader"]
+        steps = row["step"]
+        wv = rec.episodes.column("weight_version").to_numpy(zero_copy_only=False)
+        lag = (steps - 1) - wv.astype(np.float64)[np.isfinite(wv.astype(np.float64))]
+        extra = dict(queue_step=rec.position["queue_step"],
+                     dropped_stale=shown.dropped_stale - opened["dropped"],
+                     redelivered=shown.redelivered,
+                     version_lag_mean=float(lag.mean()) if len(lag) else None,
+                     version_lag_max=float(lag.max()) if len(lag) else None)
+        opened["dropped"] = shown.dropped_stale
+        if world > 1:
+            shown.handed(rec.position["queue_step"])
+            if not hold:
+                shown.ack_finished()
+        return extra
+
+    def acknowledge(op, path) -> None:   # the steps a checkpoint holds are durable now
+        if lead:
+            opened["reader"].ack_finished()
+
+    options = _fit_options(args)
+    # synchronous saves: the steps a checkpoint holds are acknowledged once it is written
+    options["checkpointing"] = replace(options["checkpointing"], background=False)
+    if on_ray:
+        options.pop("resume")
     t0 = time.perf_counter()
     try:
-        with progress("stream train", todo, args.json or args.quiet or not lead) as advance:
-            for rec in pipe.run(source, device=args.device, prefetch=args.prefetch, **engine):
-                compile_seconds += rec.stats.get("compile_seconds", 0.0)
-                row = rec.output.to_pylist()[0]
-                steps = row["step"]
-                wv = rec.episodes.column("weight_version").to_numpy(zero_copy_only=False)
-                wv = wv.astype(np.float64)
-                lag = (steps - 1) - wv[np.isfinite(wv)]
-                row.update(queue_step=rec.position["queue_step"],
-                           dropped_stale=shown.dropped_stale - dropped,
-                           redelivered=shown.redelivered,
-                           version_lag_mean=float(lag.mean()) if len(lag) else None,
-                           version_lag_max=float(lag.max()) if len(lag) else None,
-                           seconds=round(time.perf_counter() - t0, 3))
-                dropped = shown.dropped_stale
-                if not rows and lead:
-                    first_step_checks(row, args, say)
-                if on_ray:   # the rank wrote them
-                    announce_weights(queue, root, steps, rec.stats["weights"])
-                else:
-                    trainer.position = rec.position
-                    if lead:
-                        publish_weights(trainer, queue, root)
-                if world > 1 and lead:
-                    reader.handed(rec.position["queue_step"])
-                    if not hold:
-                        reader.ack_finished()
-                rows.append(row)
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if tensorboard:
-                    tensorboard.write(row["step"], {k: v for k, v in row.items() if v is not None})
-                if hold and trainer.steps % args.save_every == 0:
-                    if metrics_file:
-                        os.fsync(metrics_file.fileno())
-                    trainer.save(args.save, keep=args.keep)   # every rank (sharded state)
-                    saved_at = trainer.steps
-                    if lead:
-                        reader.ack_finished()
-                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-        if args.save and not on_ray and saved_at != trainer.steps:
-            trainer.save(args.save, keep=args.keep)
-        if lead:
-            reader.ack_finished()
+        report = fit(pipe, source, steps=args.steps, cap_steps=False,
+                     trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
+                                          **({"dp": dp} if dp is not None else {})),
+                     run={"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}},
+                     config=resolved_config(args), lead=lead, log=say,
+                     publish=PublishWeights(root, announce=queue.publish_weights if lead else None),
+                     on_result=on_result, on_saved=[acknowledge] if hold else [],
+                     progress=None if args.json or args.quiet else "stream train",
+                     engine="ray" if on_ray else "local", **options)
+        if lead and "reader" in opened:
+            opened["reader"].ack_finished()
     finally:
-        if lead:
-            reader.close()
-        if metrics_file:
-            metrics_file.close()
-        if tensorboard:
-            tensorboard.close()
+        if lead and "reader" in opened:
+            opened["reader"].close()
+    if report["nothing_to_do"]:
+        return {"steps": report["steps"], "note": f"the checkpoint has >= --steps {args.steps}"}
     if not lead:
         return None
+    rows, reader = report["rows"], opened["reader"]
     if not (args.json or args.quiet) and rows:
         console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
                                 list(rows[-1].items())))
     kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
-    per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
-                if len(rows) > 1 else None)
-    return {"steps": steps, "episodes": reader.episodes,
+    return {"steps": report["steps"], "episodes": reader.episodes,
             "dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
             "skipped_redeliveries": reader.skipped,
             "rejected_steps": reader.rejected, "dead_lettered_steps": reader.dead_lettered,
             "gen_kl_mean": (sum(kls) / len(kls)) if kls else None,
             "ratio_mean_last": rows[-1]["ratio_mean"] if rows else None,
-            "last": rows[-1] if rows else None, "compile_seconds": round(compile_seconds, 3),
-            "steady_seconds_per_step": per_step, "weights": root,
+            "last": rows[-1] if rows else None,
+            "compile_seconds": round(report["compile_seconds"], 3),
+            "steady_seconds_per_step": report["steady_seconds_per_step"], "weights": root,
             "wall_seconds": round(time.perf_counter() - t0, 3),
             "process_seconds": round(process_seconds(), 3)}

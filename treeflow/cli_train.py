@@ -14,7 +14,7 @@ safety lives in treeflow/train/checkpoint.py.
 over C processes per data-parallel rank, D x C in all, gradients summed over every one.
 `--num-ranks N` trains data-parallel over N processes (one per GPU with `--device cuda`, gloo
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
-group (`--launcher ray`, treeflow.train.ray_ranks), or by torchrun
+group (`--launcher ray`, treeflow.train.launch.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --num-ranks N`), whose
 environment is recognised. Every rank reads the same windows, lays out and bins only its own
 share of each step (`plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
@@ -27,12 +27,11 @@ import json
 import resource
 import os
 import sys
-import time
 
 from treeflow._clock import process_seconds
-from treeflow._display import console, progress, table
+from treeflow._display import console, table
 from treeflow.cli_config import resolved_config
-from treeflow.cli_rl import add_rl_options, advantage_stages, first_step_checks, step_size_checks
+from treeflow.cli_rl import add_rl_options, advantage_stages
 
 
 def say(message: str) -> None:
@@ -73,47 +72,6 @@ def _check_options(args) -> None:
                 refuse_inputs(path, inputs, option=option)
 
 
-def open_metrics(args, steps: int):
-    """The metrics log, opened for appending: refused if a fresh run finds one, cut back on resume.
-
-    The log is appended one flushed line per step (rewriting it per step would be quadratic); on
-    resume it is rewritten atomically to the lines of the steps the checkpoint holds, so a kill
-    between a line and its checkpoint never leaves a duplicated or torn line behind.
-    """
-    import os
-
-    from treeflow.atomic import atomic_open
-
-    if not args.metrics:
-        return None
-    if os.path.exists(args.metrics) and os.path.getsize(args.metrics):
-        if not args.resume:
-            raise ValueError(f"--metrics {args.metrics}: the file already holds another run's "
-                             "metrics; remove it, give a new file, or --resume that run")
-        try:
-            with open(args.metrics, encoding="utf-8") as f:
-                lines = f.read().split("\n")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--metrics {args.metrics}: not a metrics log (not UTF-8 text at byte "
-                             f"{e.start}); give the JSON-lines file this run wrote, or a new "
-                             "file") from None
-        keep = []
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= steps:
-                keep.append(line)
-        if len(keep) != sum(1 for line in lines if line.strip()):
-            say(f"--metrics {args.metrics}: dropped "
-                  f"{sum(1 for line in lines if line.strip()) - len(keep)} line(s) past the "
-                  f"checkpoint's step {steps}")
-            with atomic_open(args.metrics) as f:
-                f.write("".join(line + "\n" for line in keep))
-    return open(args.metrics, "a")
-
-
 def cmd_train(args) -> int:
     from treeflow.train.checkpoint import LATEST
 
@@ -140,8 +98,7 @@ def cmd_train(args) -> int:
         if args.tensor_parallel == 1 and args.context_parallel == 1 and \
                 args.num_ranks not in (1, world):
             raise ValueError(f"--num-ranks {args.num_ranks} but torchrun started {world} "
-                             "processes; "
-                             "give the same number to both")
+                             "processes; give the same number to both")
         return _train(args, distributed=True)
     if args.tensor_parallel > 1 or args.context_parallel > 1:
         start_ranks(_train_rank, args.num_ranks * args.tensor_parallel * args.context_parallel,
@@ -204,10 +161,25 @@ def plan_stages(args, world: int, rank: int) -> tuple:
             Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
 
 
+def _fit_options(args) -> dict:
+    """What fit() takes from the training flags every training command shares."""
+    from treeflow.ops import Checkpointing
+    from treeflow.train.fit import Resume
+    from treeflow.train.sinks import JsonlSink, TensorBoardSink
+
+    return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
+                resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
+                              allow_different_data=args.allow_different_data),
+                sinks=[*([JsonlSink(args.metrics)] if args.metrics else []),
+                       *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])],
+                loss=args.loss, prefetch=args.prefetch, device=args.device)
+
+
 def _train(args, *, distributed: bool) -> int:
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.train import DataParallel, Trainer
-    from treeflow.train.run import STEP_OPTIONS, differences, run_fingerprint
+    from treeflow.train import DataParallel
+    from treeflow.train.fit import fit
+    from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
     dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
           if distributed else DataParallel(device=args.device))
@@ -219,94 +191,31 @@ def _train(args, *, distributed: bool) -> int:
                                                              dp.device)
         dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
         lead = rank == 0 and tp_rank == 0
-    note = say if lead else (lambda message: None)
     forward, reduce = _stages(args)
     advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica
     pipe = Pipeline(*advantage, *plan_stages(args, dp.replicas, dp.replica), forward, reduce)
-    options = dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
-                   pad_to=args.max_tokens, shard_params=args.shard_params)
-    run = run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS})
-    if args.resume:
-        trainer = Trainer.resume(args.resume, forward, reduce, log=note,
-                                 trust_checkpoint=args.trust_checkpoint, **options)
-        if trainer.run is None:
-            note(f"{trainer.checkpoint_path}: holds no run fingerprint; cannot check that the data "
-                 "and options are the same")
-        else:
-            diffs = differences(trainer.run, run)
-            if diffs and not args.allow_different_data:
-                raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
-                                 + "; ".join(diffs) + "; resume with the checkpoint's data and "
-                                 "options, or pass --allow-different-data to continue anyway")
-            for d in diffs:
-                note(f"--allow-different-data: {d}")
-    else:
-        trainer = Trainer(forward, reduce, **options)
-    trainer.run = run
-    trainer.config = {**resolved_config(args), "files": list(args.files)}  # in every checkpoint
-    files = Files(paths=tuple(args.files), window=args.episodes_per_step,
+    files = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-    todo = args.steps - trainer.steps
-    if todo <= 0:
-        if lead:
-            console(stderr=True).print(f"nothing to do: the checkpoint {trainer.checkpoint_path} "
-                                        f"has already run {trainer.steps} steps (--steps {args.steps})")
-        dp.close()
-        return 0
-    metrics_file = open_metrics(args, trainer.steps) if lead else None
-    tensorboard = None
-    if args.tensorboard and lead:
-        from treeflow.io import TensorBoardLog
-
-        tensorboard = TensorBoardLog(args.tensorboard)
-    rows, said = [], set()
-    compile_seconds, recompiles = 0.0, 0
-    saved_at = None
-    t0 = time.perf_counter()
     try:
-        with progress("train", todo, args.json or args.quiet or not lead) as advance:
-            for rec in pipe.run(files.open(trainer.position), device=args.device, trainer=trainer,
-                                prefetch=args.prefetch, steps=todo):
-                compile_seconds += rec.stats.get("compile_seconds", 0.0)
-                recompiles += rec.stats.get("recompiles", 0)
-                row = rec.output.to_pylist()[0]
-                row["seconds"] = round(time.perf_counter() - t0, 3)
-                if not rows and lead:
-                    first_step_checks(row, args, note)
-                step_size_checks(row, args, note, said)
-                rows.append(row)
-                trainer.position = rec.position
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if tensorboard:
-                    tensorboard.write(row["step"], {**row,
-                                                    "episodes_consumed": rec.position["episodes"]})
-                if args.save and args.save_every and trainer.steps % args.save_every == 0:
-                    if metrics_file:
-                        os.fsync(metrics_file.fileno())
-                    # written while the next step computes (train/background_save.py)
-                    trainer.save(args.save, keep=args.keep, background=True)
-                    saved_at = trainer.steps
-                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-        if args.save and saved_at != trainer.steps:
-            trainer.save(args.save, keep=args.keep)
-        trainer.wait_for_save()
+        report = fit(pipe, lambda position, done: files.open(position), steps=args.steps,
+                     trainer_options=dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
+                                          shard_params=args.shard_params),
+                     run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
+                     config={**resolved_config(args), "files": list(args.files)},
+                     episodes_per_step=args.episodes_per_step, lead=lead, log=say,
+                     progress=None if args.json or args.quiet else "train", **_fit_options(args))
     finally:
-        if sys.exc_info()[0] is not None:  # a failed run still completes the save in flight
-            try:
-                trainer.wait_for_save()
-            except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
-                print(f"treeflow: {e}", file=sys.stderr)
-        if metrics_file:
-            metrics_file.close()
-        if tensorboard:
-            tensorboard.close()
         dp.close()
+    if report["nothing_to_do"]:
+        if lead:
+            console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} "
+                                        f"has already run {report['steps']} steps (--steps "
+                                        f"{args.steps})")
+        return 0
     if lead:
-        _report(args, trainer.steps, rows, compile_seconds, dp.world, recompiles)
+        _report(args, report, dp.world)
     return 0
 
 
@@ -314,6 +223,7 @@ def _train_ray(args) -> int:
     """--engine ray: the same pipeline as a Ray Data graph; one rank, saved at the end."""
     from treeflow.pipeline import Files, Pipeline
     from treeflow.stages import Fragment, Pack
+    from treeflow.train.fit import fit
 
     if args.resume or args.save_every:
         raise ValueError("--engine ray --mode train saves only at the end (--save) and does not "
@@ -322,38 +232,25 @@ def _train_ray(args) -> int:
     advantage = advantage_stages(args)
     pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
                     Fragment(max_tokens=args.max_tokens), forward, reduce)
-    files = Files(paths=tuple(args.files), window=args.episodes_per_step,
+    files = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-    rows = []
-    t0 = time.perf_counter()
-    compile_seconds = 0.0
-    with progress("train", args.steps, args.json or args.quiet) as advance:
-        for rec in pipe.run(files, engine="ray", device=args.device, ranks=args.num_ranks,
-                            steps=args.steps, save=args.save):
-            compile_seconds += rec.stats.get("compile_seconds", 0.0)
-            row = rec.output.to_pylist()[0]
-            row["seconds"] = round(time.perf_counter() - t0, 3)
-            if not rows:
-                first_step_checks(row, args, say)
-            rows.append(row)
-            advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
-    if args.metrics:
-        with open(args.metrics, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    _report(args, rows[-1]["step"] if rows else 0, rows, compile_seconds, args.num_ranks)
+    options = _fit_options(args)
+    options.pop("resume")
+    report = fit(pipe, lambda position, done: files, steps=args.steps, engine="ray",
+                 engine_options={"ranks": args.num_ranks}, log=say,
+                 progress=None if args.json or args.quiet else "train", **options)
+    _report(args, report, args.num_ranks)
     return 0
 
 
-def _report(args, steps: int, rows: list, compile_seconds: float, ranks: int,
-            recompiles: int | None = None) -> None:
+def _report(args, report: dict, ranks: int) -> None:
+    rows = report["rows"]
     if args.json:
-        # steady-state time per step: from the end of the first step to the end of the last
-        per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1)
-                    if len(rows) > 1 else None)
-        out = {"steps": steps, "last": rows[-1] if rows else None,
-               "compile_seconds": round(compile_seconds, 3), "steady_seconds_per_step": per_step,
-               "recompiles": recompiles, "process_seconds": round(process_seconds(), 3),
+        out = {"steps": report["steps"], "last": report["last"],
+               "compile_seconds": round(report["compile_seconds"], 3),
+               "steady_seconds_per_step": report["steady_seconds_per_step"],
+               "recompiles": report["recompiles"], "process_seconds": round(process_seconds(), 3),
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         import torch
 

@@ -29,8 +29,8 @@ def _train(dp, device, dtype, layout, grad_sum="float32", deal=False):
     red = Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-3))
     frag = Fragment(max_tokens=256, ranks=dp.world if deal else 1)
     pipe = Pipeline(Pack(layout=layout), frag, Shard(num_ranks=dp.world), fwd, red)
-    tr = Trainer(fwd, red, model=_model(device), dp=dp, grad_sum=grad_sum, pad_to=256)
-    rows = [r.output.to_pylist()[0] for r in pipe.run(_eps(), window=4, trainer=tr)]
+    tr = Trainer(fwd, red, model=_model(device), dp=dp, grad_sum=grad_sum, max_tokens=256)
+    rows = [r.output.to_pylist()[0] for r in pipe.run(_eps(), episodes_per_step=4, trainer=tr)]
     return tr, rows
 
 

@@ -20,6 +20,7 @@ from treeflow.models import AttentionPlan, ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassembly
 from treeflow.tree import subtree_end
+from treeflow.ops import build_forward
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -58,7 +59,7 @@ def _bins(episodes, layout: str, max_tokens: int) -> pa.Table:
 
 def _logprobs(model, episodes, bins, kernel: str, dtype: str) -> np.ndarray:
     """Per-occurrence logprobs in logical order, through Forward's runner and Reassembly."""
-    runner = Forward(dtype=dtype, kernel=kernel, chunk_size=64).build(device="cuda", model=model)
+    runner = build_forward(Forward(dtype=dtype, kernel=kernel, chunk_size=64), device="cuda", model=model)
     buf = Reassembly(episodes)
     buf.add(runner(bins))
     assert buf.missing == 0
@@ -67,7 +68,7 @@ def _logprobs(model, episodes, bins, kernel: str, dtype: str) -> np.ndarray:
 
 def _grads(model, bins, kernel: str, dtype: str) -> dict[str, torch.Tensor]:
     """Gradients of -sum over occurrences of their logprobs (a duplicate edge counts twice)."""
-    runner = Forward(dtype=dtype, kernel=kernel, chunk_size=64).build(device="cuda", model=model)
+    runner = build_forward(Forward(dtype=dtype, kernel=kernel, chunk_size=64), device="cuda", model=model)
     model.zero_grad(set_to_none=True)
     for b in bins.to_pylist():
         lp_E, _ = runner.edge_logprobs(np.array(b["tokens"]), np.array(b["parents"]),

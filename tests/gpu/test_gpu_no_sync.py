@@ -17,6 +17,7 @@ from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
+from treeflow.ops import build_forward
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -50,7 +51,7 @@ class _SyncsAreErrors:
 def test_replay_prepares_and_launches_without_waiting(layout):
     eps = _eps()
     budget = _deepest(eps) + 64
-    runner = Forward().build(device="cuda", model=_model(), pad_to=budget)
+    runner = build_forward(Forward(), device="cuda", model=_model(), max_tokens=budget)
     bins = Fragment(max_tokens=budget)(Pack(layout=layout)(eps))
     assert bins.num_rows >= 3
     want = runner(bins)  # compiles and warms every kernel these bins use
@@ -80,7 +81,7 @@ def _step_syncs(max_tokens):
     """(bins, waits inside one add() of a step, waits of one bin's bare forward + backward)."""
     eps = _eps()
     tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", kl_coef=0.1)), model=_model(),
-                 device="cuda", pad_to=max_tokens)
+                 device="cuda", max_tokens=max_tokens)
     bins = Fragment(max_tokens=max_tokens)(Pack(layout="tree")(eps))
     # the reference logprobs on the same bins: the trainer pads every bin to max_tokens
     ref = Reassemble()(tr.logprobs(bins), episodes=eps)

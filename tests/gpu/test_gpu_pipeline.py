@@ -10,6 +10,7 @@ from treeflow.models import ModelConfig, load_model
 from treeflow.pipeline import synth_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
+from treeflow.ops import build_forward
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -32,7 +33,7 @@ def _model():
 
 
 def _logprobs(layout, model, max_tokens):
-    runner = Forward().build(device="cuda", model=model)
+    runner = build_forward(Forward(), device="cuda", model=model)
     eps = _eps()
     bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout)(eps))
     return Reassemble()(runner(bins), episodes=eps).column("logprobs").to_pylist()

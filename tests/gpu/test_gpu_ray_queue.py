@@ -30,7 +30,7 @@ def _stream(engine, **options):
         q.put(eps.slice(k, 4), producer="gpu")
     q.close()
     pipe = Pipeline(Pack(), Fragment(max_tokens=2048), Forward(), Reassemble())
-    out = [r.output for r in pipe.run(QueueSource(queue=q, episodes_per_step=8), device="cuda",
+    out = [r.output for r in pipe.run(QueueSource(episodes_per_step=8).open(q), device="cuda",
                                       engine=engine, **options)]
     return pa.concat_tables(out)
 

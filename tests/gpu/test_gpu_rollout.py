@@ -61,7 +61,7 @@ def test_live_loop_trains_in_bf16_with_small_generation_kl(checkpoint):
     trainer = Trainer(forward, reduce, precision="pure", device="cuda")
     pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=4096), forward, reduce)
     rows = [rec.output.to_pylist()[0] for rec in
-            pipe.run(QueueSource(queue=queue, episodes_per_step=8), device="cuda", trainer=trainer)]
+            pipe.run(QueueSource(episodes_per_step=8).open(queue), device="cuda", trainer=trainer)]
     producer.join()
     print([(r["gen_kl"], r["ratio_mean"]) for r in rows])
     assert len(rows) == 2

@@ -14,6 +14,7 @@ import torch
 
 from treeflow.schemas import validate_episodes
 from treeflow.stages import Forward, Fragment, Pack
+from treeflow.ops import build_forward
 
 CHUNK = 4  # small scan chunks, so branch points fall inside chunks and on their boundaries
 
@@ -120,7 +121,7 @@ def treeflow_values(backend, eps: pa.Table, weights: dict, *, layout: str, max_t
     """The same through Pack, Fragment and the Forward runner; also the number of bins."""
     scope = "group" if layout == "tree" else None
     bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(eps))
-    runner = Forward(kernel=kernel).build(model=backend)
+    runner = build_forward(Forward(kernel=kernel), model=backend)
     backend.module.zero_grad()
     values = {}
     with torch.set_grad_enabled(grad):

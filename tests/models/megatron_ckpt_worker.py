@@ -79,7 +79,7 @@ def run_model(path: str, args, dp) -> dict:
     forward, reduce = stages(path, args.tp)
     a, b = episodes(WINDOW_A), episodes(WINDOW_B)
     bins_a, bins_b = bins(a, dp.world), bins(b, dp.world)
-    tr = Trainer(forward, reduce, dp=dp, pad_to=MAX_TOKENS)  # padded: flex compiles once on GPU
+    tr = Trainer(forward, reduce, dp=dp, max_tokens=MAX_TOKENS)  # padded: flex compiles once on GPU
     before = logprobs(tr, a)
     tr.train_step(a, bins_a)
     tr.train_step(b, bins_b)
@@ -90,7 +90,7 @@ def run_model(path: str, args, dp) -> dict:
     tr.save(root)
     del tr
     again = Trainer.resume(os.path.join(root, "step-000002"), forward, reduce, dp=dp,
-                           pad_to=MAX_TOKENS, log=lambda m: None)
+                           max_tokens=MAX_TOKENS, log=lambda m: None)
     resumed_at = again.steps
     row_again = again.train_step(a, bins_a).to_pylist()[0]
     weights_again = again.backend.full_state()
@@ -105,7 +105,7 @@ def run_model(path: str, args, dp) -> dict:
                                          for k in weights)
     if args.single:
         single = Trainer.resume(os.path.join(args.single, name), forward, reduce, dp=dp,
-                                pad_to=MAX_TOKENS, log=lambda m: None)
+                                max_tokens=MAX_TOKENS, log=lambda m: None)
         result["single_resumed_at"] = single.steps
         single.train_step(b, bins_b)
         single.backend.save(os.path.join(args.single, name + "-tp"))

@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
+from treeflow.ops import build_forward
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -178,8 +179,8 @@ def run_model(path: str, args) -> dict:
     bins = Fragment(max_tokens=args.max_tokens)(Pack(layout="tree")(eps))
 
     def forward(backend, dtype):
-        runner = Forward(model=path, backend=backend.name, dtype=dtype,
-                         kernel=args.kernel, chunk_size=64).build(device=args.device, model=backend)
+        runner = build_forward(Forward(model=path, backend=backend.name, dtype=dtype,
+                         kernel=args.kernel, chunk_size=64), device=args.device, model=backend)
         out = runner(bins)
         return np.concatenate([np.asarray(x, np.float64)
                                for x in out.column("edge_logprobs").to_pylist()])
@@ -200,7 +201,7 @@ def run_model(path: str, args) -> dict:
     # the step is on-policy (ratios ~ 1) as in PPO/GRPO; see _step for why this matters
     ref32 = load_backend("reference", path, dtype=torch.float32, device=device)
     with torch.no_grad():
-        on_policy = Reassemble()(Forward(model=path, kernel=args.kernel, chunk_size=64).build(
+        on_policy = Reassemble()(build_forward(Forward(model=path, kernel=args.kernel, chunk_size=64),
             device=args.device, model=ref32.module)(bins), episodes=eps)
 
     def fresh():

@@ -10,6 +10,7 @@ from models_helpers import small_model
 from treeflow.models import Backend, ReferenceBackend, load_backend, selected_logprobs
 from treeflow.stages import Forward
 from treeflow.tree import depths_from_parents, subtree_end
+from treeflow.ops import build_forward
 
 
 def test_reference_backend_is_the_decoder():
@@ -38,7 +39,7 @@ def test_names_are_checked():
     with pytest.raises(ValueError, match="takes only the option tuning"):
         load_backend("reference", "tiny", tensor_parallel=2)
     with pytest.raises(TypeError, match="takes a Backend or a Decoder"):
-        Forward().build(model=object())
+        build_forward(Forward(), model=object())
 
 
 def test_clip_grad_norm_matches_torch():

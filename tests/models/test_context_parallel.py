@@ -21,6 +21,7 @@ from tests.weights import perturb
 from treeflow.models.context_parallel import ContextParallelGroup, ContextParallelPlan, cp_bounds
 from treeflow.train.launch import spawn
 from treeflow.tree import depths_from_parents
+from treeflow.ops import build_forward
 
 transformers = require("transformers")
 
@@ -177,4 +178,4 @@ def test_refused_combinations_name_the_option():
     with pytest.raises(ValueError, match="context_parallel=0"):
         Forward(context_parallel=0)
     with pytest.raises(ValueError, match="process group of 2 ranks"):
-        Forward(context_parallel=2).build()
+        build_forward(Forward(context_parallel=2))

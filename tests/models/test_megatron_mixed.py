@@ -35,6 +35,7 @@ from test_megatron_tp import write_checkpoint  # noqa: E402
 from treeflow.models import load_backend  # noqa: E402
 from treeflow.models.megatron import hf_to_mcore  # noqa: E402
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble  # noqa: E402
+from treeflow.ops import build_forward
 
 
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen2"])
@@ -48,7 +49,7 @@ def test_mixed_precision_step_is_within_the_reference_backends_bf16_noise(tmp_pa
     args = SimpleNamespace(train_kernel="auto", device="cpu")
     ref = load_backend("reference", path)
     with torch.no_grad():
-        old = Reassemble()(Forward(model=path, chunk_size=64).build(model=ref.module)(bins),
+        old = Reassemble()(build_forward(Forward(model=path, chunk_size=64), model=ref.module)(bins),
                            episodes=eps)
 
     def run(name, dtype):

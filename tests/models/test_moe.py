@@ -21,6 +21,7 @@ from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
+from treeflow.ops import build_forward
 
 LAYOUTS = ("tree", "chain", "exact")
 
@@ -52,7 +53,7 @@ def _occurrence_logprobs(model, rows, *, layout, routing, max_tokens=40):
     """{(episode index, call, offset): logprob tensor} through Pack -> Fragment -> Forward."""
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     bins = fragment(Pack(layout=layout)(table), max_tokens=max_tokens)
-    runner = Forward(routing=routing).build(model=model)
+    runner = build_forward(Forward(routing=routing), model=model)
     runner.take_route_tally()  # count this run's rows only
     prepared = runner.prepare(bins)
     cols = {n: bins.column(n).combine_chunks() for n in ("occ_sample_index", "occ_call",
@@ -159,7 +160,7 @@ def test_width_mismatch_is_refused_naming_episode_and_widths(pair, rows):
     one = validate_episodes(pa.Table.from_pylist(bad[1:2], schema=EPISODE_SCHEMA))
     bins = fragment(Pack(layout="tree")(one), max_tokens=64)
     with pytest.raises(ValueError, match=rf"width {width + 1}.*width {width}"):
-        Forward(routing="replay").build(model=ours).prepare(bins)
+        build_forward(Forward(routing="replay"), model=ours).prepare(bins)
 
 
 def test_replay_needs_routes_and_experts(pair, rows):
@@ -167,10 +168,10 @@ def test_replay_needs_routes_and_experts(pair, rows):
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     bins = fragment(Pack(layout="tree")(table), max_tokens=64)
     with pytest.raises(ValueError, match="carry no routed_experts"):
-        Forward(routing="replay").build(model=ours).prepare(bins)
+        build_forward(Forward(routing="replay"), model=ours).prepare(bins)
     dense = load_model("tiny")
     with pytest.raises(ValueError, match="no experts"):
-        Forward(routing="replay").build(model=dense)
+        build_forward(Forward(routing="replay"), model=dense)
 
 
 def _hf_aux_and_nll(hf, rows):

@@ -22,6 +22,7 @@ from treeflow.models import (AttentionPlan, ReferenceBackend, Tuning, load_model
                              selected_logprobs)
 from treeflow.models.layer_ops import layer_ops
 from treeflow.stages import Forward
+from treeflow.ops import build_forward
 
 # ---------------------------------------------------------------- configuration
 
@@ -72,12 +73,12 @@ def test_presets_are_the_measured_levers_and_settings_after_them_override():
 
 def test_forward_binds_its_tuning_to_the_reference_backend():
     tuning = Tuning(fused_loss=True, loss_vocab_chunk=10)
-    runner = Forward(tuning=tuning).build(model=load_model(SMALL))
+    runner = build_forward(Forward(tuning=tuning), model=load_model(SMALL))
     assert runner.backend.tuning == tuning
     tuned = ReferenceBackend(load_model(SMALL), tuning=Tuning(recompute="mlp"))
     with pytest.raises(ValueError, match="set the tuning in one place"):
-        Forward(tuning=tuning).build(model=tuned)
-    assert Forward().build(model=tuned).backend.tuning.recompute == "mlp"
+        build_forward(Forward(tuning=tuning), model=tuned)
+    assert build_forward(Forward(), model=tuned).backend.tuning.recompute == "mlp"
 
 
 # ------------------------------------------------------------------- fused loss

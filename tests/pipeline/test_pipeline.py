@@ -11,6 +11,7 @@ import torch
 from treeflow.cli import main
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+from treeflow.ops import build_forward
 
 
 def test_mismatched_stages_name_both():
@@ -33,12 +34,12 @@ def test_bad_stage_configs_fail_when_declared(monkeypatch):
     # the check asks torch, so make torch say there is none
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device 'cuda': CUDA is not available here"):
-        Forward().build(device="cuda")
+        build_forward(Forward(), device="cuda")
 
 
 def test_partial_pipeline_yields_bins_per_window():
     eps = synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20, seed=0)
-    out = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=4096), Shard(num_ranks=2)).run(eps, window=4)]
+    out = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=4096), Shard(num_ranks=2)).run(eps, episodes_per_step=4)]
     assert len(out) == 2
     assert [t.column("step").to_pylist()[0] for t in out] == [0, 1]
 
@@ -46,7 +47,7 @@ def test_partial_pipeline_yields_bins_per_window():
 def test_files_source_streams_windows(tmp_path):
     eps = synth_episodes(episodes=10, group_size=3, turns=(2, 3), system_tokens=20, seed=0)
     write_episodes(eps, tmp_path / "a.arrow")
-    wins = list(Files(paths=(str(tmp_path / "a.arrow"),), window=4))
+    wins = list(Files(paths=(str(tmp_path / "a.arrow"),), episodes_per_step=4))
     # windows end on group boundaries: groups of 3 -> 6, 4 (never a split group)
     assert [w.num_rows for w in wins] == [6, 4]
     assert pa.concat_tables(wins).column("episode_id").to_pylist() == eps.column("episode_id").to_pylist()
@@ -105,10 +106,16 @@ def test_replay_model_dir_without_weights(tmp_path, capsys):
     assert not (tmp_path / "o.arrow").exists()
 
 
+def test_forward_config_holds_no_model_and_refuses_to_run_bins():
+    # the config is pure: calling it would have to load a model per call; build its operator
+    with pytest.raises(TypeError, match="Forward is a configuration and holds no model"):
+        Forward()(pa.table({}))
+
+
 def test_forward_names_the_bin_of_an_out_of_vocabulary_target():
     from treeflow.schemas import validate_episodes
 
     eps = validate_episodes(pa.Table.from_pylist(
         [{"episode_id": "o", "calls": [{"token_ids": [1, 2, 40000], "sampled_start": 1}]}]))
     with pytest.raises(ValueError, match="bin 0 of step 0 holds token id 40000 >= the model's vocabulary size 32000"):
-        Forward()(Fragment(max_tokens=64)(Pack()(eps)))
+        build_forward(Forward())(Fragment(max_tokens=64)(Pack()(eps)))

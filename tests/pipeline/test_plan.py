@@ -10,8 +10,9 @@ import pytest
 from treeflow.pipeline import ArrowSink, Files, Pipeline, Plan, synth_episodes, write_episodes
 from treeflow.pipeline.local import run_local
 from treeflow.schemas import validate_episodes
-from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
+from treeflow.stages import CostModel, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.stages.base import Stage
+from treeflow.ops import build_forward
 
 
 def small_eps(n=8, seed=0):
@@ -23,17 +24,22 @@ def small_eps(n=8, seed=0):
 def test_plan_compiles_stage_kinds_into_three_operators():
     pack, frag, shard, fwd = Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward()
     plan = Pipeline(pack, frag, shard, fwd, Reassemble()).plan
-    assert plan.maps == (pack, frag, shard) and plan.model is fwd
-    assert isinstance(plan.accumulate, Reassemble) and not plan.trains
-    assert plan.bin_budget == 64  # Fragment's bound, for padding flex bins
+    assert plan.maps[:2] == (pack, frag) and plan.model is fwd
+    assert plan.maps[2] == Shard(num_ranks=2, cost=CostModel.from_config(fwd.model_config()))
+    assert isinstance(plan.accumulate, Reassemble) and not plan.fused
+    assert plan.max_tokens == 64  # Fragment's bound, for padding flex bins
     train = Pipeline(pack, frag, fwd, Reduce()).plan
-    assert train.trains and train.model is fwd
+    assert train.fused and train.model is fwd  # the registry says Reduce holds Forward's model
     maps_only = Pipeline(pack, frag).plan
     assert maps_only.model is None and maps_only.accumulate is None
 
 
-def test_plan_reads_kinds_not_types():
-    # a stage of a new type is placed by its declared kind alone
+def test_plan_places_stages_by_their_registered_operator():
+    # a stage of a new type compiles once an operator is registered for it, and is refused
+    # at planning, by name, before that
+    from treeflow.ops import MapOp, register
+    from treeflow.ops.registry import _REGISTRY
+
     class Tag(Stage):
         input_schema = Pack.output_schema
         output_schema = Pack.output_schema
@@ -41,10 +47,47 @@ def test_plan_reads_kinds_not_types():
         def __call__(self, table):
             return table
 
-    plan = Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    with pytest.raises(TypeError, match="Tag: no physical operator is registered for this stage"):
+        Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    with pytest.raises(TypeError, match="Tag: no physical operator"):
+        Pipeline(Pack(), Tag(), Fragment(max_tokens=64))
+    register(Tag)(lambda stage, **runtime: MapOp(stage))
+    try:
+        plan = Plan.compile((Pack(), Tag(), Fragment(max_tokens=64)))
+    finally:
+        del _REGISTRY[Tag]
     assert [type(s).__name__ for s in plan.maps] == ["Pack", "Tag", "Fragment"]
     with pytest.raises(ValueError, match="Fragment \\(a map\\) follows the model stage Forward"):
         Plan.compile((Pack(), Forward(), Fragment(max_tokens=64)))
+
+
+def test_shard_deals_by_the_cost_model_of_the_model_the_trainer_runs(tmp_path):
+    # the plan binds the model's own cost model into a Shard left without one; the oracle is
+    # the Trainer's, which derives it from the loaded model's config
+    import json
+
+    from treeflow.stages import CostModel
+    from treeflow.train import Trainer
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+              "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fwd = Forward(model=str(tmp_path))
+    trainer = Trainer(Forward(), Reduce())  # the tiny model's
+    for forward, want in ((fwd, CostModel.from_config(fwd.model_config())),
+                          (Forward(), trainer.cost_model)):
+        plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), forward,
+                        Reassemble()).plan
+        assert plan.maps[2].cost == want and want != CostModel.llama_1b()
+    assert CostModel.from_config(fwd.model_config()) != trainer.cost_model  # another shape
+    mine = CostModel.llama_1b()
+    kept = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2, cost=mine), fwd,
+                    Reassemble()).plan
+    assert kept.maps[2].cost is mine  # a cost model given is kept
+    assert Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2)).plan.maps[2] \
+        .cost_model() == CostModel.llama_1b()  # no model named: the documented default
 
 
 def test_cross_stage_mismatch_is_refused_at_declaration():
@@ -59,7 +102,7 @@ def test_cross_stage_mismatch_is_refused_at_declaration():
 
 def test_forward_config_holds_no_device():
     assert "device" not in {f for f in Forward.__dataclass_fields__}
-    runner = Forward().build(device="cpu", pad_to=64)
+    runner = build_forward(Forward(), device="cpu", max_tokens=64)
     assert runner.device.type == "cpu" and runner.pad_to is None  # padding serves CUDA flex only
 
 
@@ -117,7 +160,7 @@ class _PlanWaitingForData(Plan):
 def _waiting_plan(fail=False):
     p = Pipeline(Pack(), Fragment(max_tokens=512), Forward(), Reassemble()).plan
     plan = _PlanWaitingForData(maps=p.maps, model=p.model, accumulate=p.accumulate,
-                               bin_budget=p.bin_budget)
+                               max_tokens=p.max_tokens, fused=p.fused)
     object.__setattr__(plan, "pulled", threading.Event())
     object.__setattr__(plan, "fail", fail)
     return plan
@@ -162,7 +205,7 @@ def test_local_engine_prepares_in_line_when_the_model_runs_on_the_cpu():
 
 def test_files_reader_position_resumes_and_cycles(tmp_path):
     write_episodes(small_eps(8), tmp_path / "e.arrow")
-    files = Files(paths=(str(tmp_path / "e.arrow"),), window=2, cycle=True)
+    files = Files(paths=(str(tmp_path / "e.arrow"),), episodes_per_step=2, cycle=True)
     reader = files.open()
     first = [next(reader) for _ in range(5)]  # 4 windows per pass: the 5th starts pass 2
     assert reader.state_dict() == {"episodes": 10, "passes": 1}
@@ -172,8 +215,22 @@ def test_files_reader_position_resumes_and_cycles(tmp_path):
         [w.column("episode_id").to_pylist() for w in first[3:5]]
     with pytest.raises(ValueError, match="not at a window boundary"):
         next(files.open({"episodes": 3}))
-    once = Files(paths=files.paths, window=2)
+    once = Files(paths=files.paths, episodes_per_step=2)
     assert sum(w.num_rows for w in once) == 8
+
+
+def test_old_window_names_are_accepted_for_one_release_with_a_warning(tmp_path):
+    write_episodes(small_eps(8), tmp_path / "e.arrow")
+    paths = (str(tmp_path / "e.arrow"),)
+    with pytest.warns(DeprecationWarning, match="episodes_per_step"):
+        old = Files(paths=paths, window=2)
+    assert old == Files(paths=paths, episodes_per_step=2)
+    with pytest.raises(ValueError, match="give episodes_per_step only"):
+        Files(paths=paths, window=2, episodes_per_step=3)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=512))
+    with pytest.warns(DeprecationWarning, match="episodes_per_step"):
+        got = [r.stats["episodes"] for r in pipe.run(paths[0], window=4)]
+    assert got == [r.stats["episodes"] for r in pipe.run(paths[0], episodes_per_step=4)] == [4, 4]
 
 
 def test_files_spans_cut_windows_like_iteration(tmp_path):
@@ -183,7 +240,7 @@ def test_files_spans_cut_windows_like_iteration(tmp_path):
                      pa.array(range(6, 12), pa.int64()))
     write_episodes(a, tmp_path / "a.arrow")
     write_episodes(b, tmp_path / "b.parquet")
-    files = Files(paths=(str(tmp_path / "a.arrow"), str(tmp_path / "b.parquet")), window=4)
+    files = Files(paths=(str(tmp_path / "a.arrow"), str(tmp_path / "b.parquet")), episodes_per_step=4)
     sizes = [w.num_rows for w in files]
     spans = files.spans()
     assert [sum(b - a for _, a, b, _ in pieces) for pieces in spans] == sizes

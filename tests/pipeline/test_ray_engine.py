@@ -26,7 +26,7 @@ def data(tmp_path_factory):
     write_episodes(synth_episodes(episodes=12, group_size=3, turns=(2, 3), system_tokens=20,
                                   user_tokens=(3, 6), completion_tokens=(3, 8), tool_tokens=(3, 6),
                                   seed=3), path)
-    return Files(paths=(str(path),), window=3)
+    return Files(paths=(str(path),), episodes_per_step=3)
 
 
 def replay_pipe(ranks):
@@ -58,9 +58,9 @@ def test_train_one_rank_equals_local_losses_and_weights(ray_cluster, data, tmp_p
     pipe = Pipeline(Pack(), Fragment(max_tokens=96), Forward(), red)
     steps = 6  # cycles past the 4 windows of the data
     trainer = Trainer(Forward(), red)
-    local = outputs(pipe.run(Files(paths=data.paths, window=3, cycle=True), trainer=trainer,
+    local = outputs(pipe.run(Files(paths=data.paths, episodes_per_step=3, cycle=True), trainer=trainer,
                              steps=steps))
-    got = outputs(pipe.run(Files(paths=data.paths, window=3, cycle=True), engine="ray", steps=steps,
+    got = outputs(pipe.run(Files(paths=data.paths, episodes_per_step=3, cycle=True), engine="ray", steps=steps,
                            save=str(tmp_path / "ckpt")))
     assert got.column("step").to_pylist() == list(range(1, steps + 1))
     for col in ("loss", "grad_norm", "lr", "scheduler_episodes", "executed_tokens"):
@@ -129,7 +129,7 @@ def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
     size = os.path.getsize(path)
     store = ray_cluster.cluster_resources()["object_store_memory"]
     assert size > 3 * store, (size, store)
-    files = Files(paths=(str(path),), window=16)
+    files = Files(paths=(str(path),), episodes_per_step=16)
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reassemble())
     n = 0
     for rec in pipe.run(files, engine="ray"):

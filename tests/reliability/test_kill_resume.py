@@ -96,3 +96,57 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, reference):
 def test_sigkill_and_resume_equals_uninterrupted_20_trials(tmp_path, reference):
     kills = sum(_trial(seed, tmp_path, reference, 2) for seed in range(100, 120))
     assert kills >= 10
+
+
+def _committed_step(ck) -> int:
+    """The step of the newest committed checkpoint under `ck` (0: none yet)."""
+    try:
+        with open(ck / "latest.txt") as f:
+            return int(f.read().strip().rsplit("-", 1)[1])
+    except (FileNotFoundError, ValueError, IndexError):
+        return 0
+
+
+def _losses(path) -> list[tuple]:
+    import json
+
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_killed_after_step_two_and_resumed_equals_uninterrupted(tmp_path, ranks):
+    # the training operator writes the checkpoints (--save-every 1); a run SIGKILLed (with its
+    # rank processes) once step 2's checkpoint is committed and then resumed ends on the
+    # uninterrupted run's weights bit for bit, with each step's metrics line once and equal
+    steps, data = 5, write_small(tmp_path / "e.arrow", n=10)
+
+    def cmd(ck, metrics, resume=False):
+        return [sys.executable, "-m", "treeflow.cli", "replay", data, *TRAIN, "--steps",
+                str(steps), "--ranks", str(ranks), "--save-every", "1", "--save", str(ck),
+                "--metrics", str(metrics)] + (["--resume", str(ck)] if resume else [])
+
+    ref, ref_m = tmp_path / "ref", tmp_path / "ref.jsonl"
+    done = subprocess.run(cmd(ref, ref_m), env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    p = subprocess.Popen(cmd(ck, m), env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while _committed_step(ck) < 2 and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert p.poll() is None, f"the run ended before it could be killed: {p.communicate()[1]}"
+    os.killpg(p.pid, signal.SIGKILL)  # the launcher and its rank processes
+    p.communicate()
+    assert 2 <= _committed_step(ck) < steps
+    resumed = subprocess.run(cmd(ck, m, resume=True), env=_env(), capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    want, got = final_weights(ref), final_weights(ck)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "weights diverged"
+    assert metrics_steps(m) == list(range(1, steps + 1))
+    assert _losses(m) == _losses(ref_m)

@@ -199,7 +199,7 @@ def test_the_whole_file_hash_is_cached(tmp_path, monkeypatch):
 
 def test_a_resume_position_of_many_epochs_does_not_cycle(tmp_path):
     data = write_small(tmp_path / "e.arrow", n=12)
-    files = Files(paths=(data,), window=2, cycle=True)
+    files = Files(paths=(data,), episodes_per_step=2, cycle=True)
     plain = [w.column("episode_id").to_pylist() for _, w in zip(range(8), files.open())]
     t0 = time.perf_counter()
     assert 10**9 % 12 == 4  # 1e9 episodes: two windows into a pass

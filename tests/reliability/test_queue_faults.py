@@ -96,7 +96,7 @@ def test_a_step_no_consumer_can_run_is_dead_lettered(capsys):
     producer.put(bad, producer="p")
     producer.put(eps.slice(4, 4), producer="p")
     producer.close(producer="p")
-    reader = QueueSource(queue=consumer, episodes_per_step=2).open()
+    reader = QueueSource(episodes_per_step=2).open(consumer)
     got = []
     for window in reader:
         got += ids(window)

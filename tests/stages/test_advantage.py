@@ -89,11 +89,11 @@ def test_files_refuse_a_group_split_over_windows(tmp_path):
     order = [0, 1, 4, 5, 2, 3, 6, 7]  # group 0, group 1, group 0 again ...
     path = tmp_path / "split.arrow"
     write_episodes(t.take(order), path)
-    assert list(Files(paths=(str(path),), window=2))  # logprob windows do not care
+    assert list(Files(paths=(str(path),), episodes_per_step=2))  # logprob windows do not care
     with pytest.raises(ValueError, match="is split over steps"):
-        list(Files(paths=(str(path),), window=2, whole_groups=True))
+        list(Files(paths=(str(path),), episodes_per_step=2, whole_groups=True))
     with pytest.raises(ValueError, match="is split over steps"):
-        Files(paths=(str(path),), window=2, whole_groups=True).spans()
+        Files(paths=(str(path),), episodes_per_step=2, whole_groups=True).spans()
 
 
 def _rollouts(path, groups=2, group_size=4):

@@ -47,7 +47,7 @@ def run(tiny, episodes, layout, max_tokens, ranks=1, window=64, kernel="auto"):
     import treeflow.pipeline.local as local
 
     records = list(local.run_local(pipe.plan, iter([episodes])) if window >= episodes.num_rows
-                   else pipe.run(episodes, window=window))
+                   else pipe.run(episodes, episodes_per_step=window))
     out = pa.concat_tables([r.output for r in records])
     assert out.column("episode_id").to_pylist() == episodes.column("episode_id").to_pylist()
     return out.column("logprobs").to_pylist()

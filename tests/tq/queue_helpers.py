@@ -44,14 +44,14 @@ def fill(queue, eps, chunk=2, close=True):
 
 
 def queued_logprobs(queue):
-    return [rec.output for rec in logprob_pipe().run(QueueSource(queue=queue, episodes_per_step=B))]
+    return [rec.output for rec in logprob_pipe().run(QueueSource(episodes_per_step=B).open(queue))]
 
 
 def queued_training(queue, trainer=None, **source_options):
     """Train on the queue's steps (continuing `trainer` from its saved queue position)."""
     pipe, fwd, red = train_parts()
     trainer = trainer or Trainer(fwd, red)
-    reader = QueueSource(queue=queue, episodes_per_step=B, **source_options).open(trainer.position)
+    reader = QueueSource(episodes_per_step=B, **source_options).open(queue, trainer.position)
     losses = []
     for rec in pipe.run(reader, trainer=trainer):
         losses.append(rec.output.column("loss")[0].as_py())

@@ -75,7 +75,7 @@ CONSUMER = """
     q = connect_queue(os.environ["QUEUE"])
     pipe, fwd, red = train_parts()
     trainer = Trainer(fwd, red)
-    reader = QueueSource(queue=q, episodes_per_step=B, max_steps=2, ack="manual").open()
+    reader = QueueSource(episodes_per_step=B, max_steps=2, ack="manual").open(q)
     for k, rec in enumerate(pipe.run(reader, trainer=trainer, prefetch=1)):
         trainer.position = rec.position
         trainer.save(os.environ["CKPT"])
@@ -165,7 +165,7 @@ class _NoRenew:
 def test_a_reader_whose_own_leases_lapse_still_applies_every_step_once(small, legacy_lp):
     q = local_queue(lease_seconds=0.05)
     fill(q, small)
-    reader = QueueSource(queue=_NoRenew(q), episodes_per_step=B).open()
+    reader = QueueSource(episodes_per_step=B).open(_NoRenew(q))
     got = []
     for rec in logprob_pipe().run(reader, prefetch=1):
         time.sleep(0.2)                 # every lease held now has lapsed (and come back to us)
@@ -200,8 +200,8 @@ def test_a_late_ack_of_a_finished_step_is_not_counted_as_a_skipped_redelivery(sm
     monkeypatch.setattr(ledger_module, "time", clock)
     q = local_queue(lease_seconds=10.0)
     fill(q, small)                                  # 12 episodes: steps 0, 1, 2 of B = 4
-    a = QueueSource(queue=_NoRenew(q), episodes_per_step=B, consumer="a").open()
-    b = QueueSource(queue=_NoRenew(q), episodes_per_step=B, consumer="b").open()
+    a = QueueSource(episodes_per_step=B, consumer="a").open(_NoRenew(q))
+    b = QueueSource(episodes_per_step=B, consumer="b").open(_NoRenew(q))
     try:
         next(a), next(a)
         assert a.state_dict()["queue_steps_through"] == 1

@@ -91,7 +91,7 @@ def test_a_reader_renews_its_held_steps_well_inside_the_lease():
     q = local_queue(capacity=100, lease_seconds=lease)
     q.put(eps.slice(0, B), producer="p")
     renewals = _Renewals(q)
-    reader = QueueSource(queue=q, episodes_per_step=B).open()
+    reader = QueueSource(episodes_per_step=B).open(q)
     try:
         next(reader)                       # the step is held (not acknowledged) while we wait
         t0 = time.perf_counter()

@@ -46,7 +46,7 @@ def tq_left(name):
 
 
 def _ray_logprobs(q, **options):
-    return list(logprob_pipe().run(QueueSource(queue=q, episodes_per_step=B), engine="ray", **options))
+    return list(logprob_pipe().run(QueueSource(episodes_per_step=B).open(q), engine="ray", **options))
 
 
 def test_ray_stream_equals_local_stream_and_replay_on_transferqueue(cluster, small, legacy_lp,
@@ -68,7 +68,7 @@ def test_ray_stream_equals_local_stream_and_replay_on_transferqueue(cluster, sma
     q = _queue("transferqueue", "rq-train")
     fill(q, small)
     pipe, _, _ = train_parts()
-    records = list(pipe.run(QueueSource(queue=q, episodes_per_step=B), engine="ray",
+    records = list(pipe.run(QueueSource(episodes_per_step=B).open(q), engine="ray",
                             save=str(tmp_path / "ckpt"), publish=str(tmp_path / "weights")))
     losses, weights = legacy_train
     assert [r.output.column("loss")[0].as_py() for r in records] == losses
@@ -106,7 +106,7 @@ def test_killed_forward_actor_is_redelivered_and_changes_nothing(cluster, small,
     marker = str(tmp_path / "killed")
     q = local_queue()
     fill(q, small)
-    reader = QueueSource(queue=q, episodes_per_step=B).open()
+    reader = QueueSource(episodes_per_step=B).open(q)
     from treeflow.pipeline.queue_source import acknowledged
 
     records = list(acknowledged(run_ray_queue(logprob_pipe().plan, reader, ranks=2,
@@ -122,7 +122,7 @@ def test_killed_forward_actor_is_redelivered_and_changes_nothing(cluster, small,
 def test_killed_training_rank_stops_the_run_and_gives_its_steps_back(cluster, small, tmp_path):
     q = local_queue()
     fill(q, small)
-    reader = QueueSource(queue=q, episodes_per_step=B).open()
+    reader = QueueSource(episodes_per_step=B).open(q)
     from treeflow.pipeline.queue_source import acknowledged
 
     pipe, _, _ = train_parts()
@@ -204,7 +204,7 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
                     Forward(model="tiny"))
     q = local_queue()
     fill(q, small)
-    reader = QueueSource(queue=q, episodes_per_step=B).open()
+    reader = QueueSource(episodes_per_step=B).open(q)
     # one window open at a time: both actors never wait on part 0s of different windows
     records = list(acknowledged(run_ray_queue(pipe.plan, reader, ranks=2, prefetch=1,
                                               _rank_cls=part_one_first(str(tmp_path))), reader))

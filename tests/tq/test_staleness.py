@@ -27,8 +27,8 @@ def test_a_group_at_exactly_the_oldest_allowed_version_is_trained_on():
     groups = [eps.slice(2 * g, 2) for g in range(6)]
     ids = [g.column("episode_id").to_pylist() for g in groups]
     q = local_queue(capacity=100)
-    reader = QueueSource(queue=q, episodes_per_step=B, max_staleness=2, version=5,
-                         idle_timeout=2).open()
+    reader = QueueSource(episodes_per_step=B, max_staleness=2, version=5,
+                         idle_timeout=2).open(q)
     try:
         # window 0 trains at version 5: oldest allowed 5 - 2 = 3
         for g, v in ((0, [2, 2]), (1, [3, 3]), (2, [4, 3])):
@@ -51,8 +51,8 @@ def test_max_staleness_zero_trains_only_on_the_current_version():
     q = local_queue(capacity=100)
     for g, v in ((0, 2), (1, 3), (2, 3)):
         q.put(_with_versions(eps.slice(2 * g, 2), [v, v]), producer="p")
-    reader = QueueSource(queue=q, episodes_per_step=B, max_staleness=0, version=3,
-                         idle_timeout=2).open()
+    reader = QueueSource(episodes_per_step=B, max_staleness=0, version=3,
+                         idle_timeout=2).open(q)
     try:
         got = next(reader)
         assert got.column("episode_id").to_pylist() == \

@@ -86,4 +86,4 @@ def test_ray_engine_on_a_queue_refuses_what_it_cannot_run(small):
              (logprob_pipe(), dict(ranks=0), "give an int >= 1")]
     for pipe, options, message in cases:
         with pytest.raises(ValueError, match=message):
-            pipe.run(QueueSource(queue=q, episodes_per_step=B), engine="ray", **options)
+            pipe.run(QueueSource(episodes_per_step=B).open(q), engine="ray", **options)

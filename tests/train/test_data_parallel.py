@@ -57,7 +57,7 @@ def train(dp, eps, kind, norm, max_tokens, trainer=None, window=4):
     fwd, red = Forward(), reduce_for(kind, norm)
     pipe = Pipeline(Pack(), Fragment(max_tokens=max_tokens), Shard(num_ranks=dp.world), fwd, red)
     tr = trainer or Trainer(fwd, red, model=small_model(), dp=dp, grad_sum=GRAD_SUM)
-    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, window=window, trainer=tr)]
+    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=window, trainer=tr)]
     return tr, rows
 
 
@@ -120,7 +120,7 @@ def _sharded(dp, ckpt):
     fwd, red = Forward(), reduce_for("pg", "seq-mean")
     pipe = Pipeline(Pack(), Fragment(max_tokens=budget), Shard(num_ranks=dp.world), fwd, red)
     tr = Trainer(fwd, red, model=small_model(), dp=dp, shard_params=True)
-    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, window=4, trainer=tr)]
+    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=4, trainer=tr)]
     tr.save(ckpt)
     full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True,
                                                                    cpu_offload=True))
@@ -150,7 +150,7 @@ def assert_same_as_single(runs):
 def test_forced_fragmentation_spreads_bins_over_ranks():
     eps, budget = data()
     steps = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=budget),
-                                        Shard(num_ranks=3)).run(eps, window=4)]
+                                        Shard(num_ranks=3)).run(eps, episodes_per_step=4)]
     assert len(steps) == 2
     for bins in steps:
         assert sum(bins.column("repeated_tokens").to_pylist()) > 0

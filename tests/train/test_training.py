@@ -103,7 +103,7 @@ def train(eps, layout, max_tokens, window=4, lr=1e-2):
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"),
                            schedule=EpisodeSchedule(lr=lr, warmup_episodes=8, decay_episodes=16)))
     tr = Trainer(pipe.stages[2], pipe.stages[3], model=small_model())
-    metrics = pa.concat_tables([r.output for r in pipe.run(eps, window=window, trainer=tr)])
+    metrics = pa.concat_tables([r.output for r in pipe.run(eps, episodes_per_step=window, trainer=tr)])
     return tr, metrics
 
 
@@ -173,13 +173,13 @@ def test_resume_equals_uninterrupted(tmp_path, stop_after):
     red = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=1e-2, warmup_episodes=6))
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), red)
     full = Trainer(Forward(), red, model=small_model())
-    list(pipe.run(eps, window=3, trainer=full))
+    list(pipe.run(eps, episodes_per_step=3, trainer=full))
     first = Trainer(Forward(), red, model=small_model())
-    list(pipe.run(eps.slice(0, 3 * stop_after), window=3, trainer=first))
+    list(pipe.run(eps.slice(0, 3 * stop_after), episodes_per_step=3, trainer=first))
     first.save(tmp_path / "ckpt")
     resumed = Trainer.resume(tmp_path / "ckpt", Forward(), red)
     assert resumed.steps == stop_after and resumed.scheduler_episodes == 3 * stop_after
-    list(pipe.run(eps.slice(3 * stop_after), window=3, trainer=resumed))
+    list(pipe.run(eps.slice(3 * stop_after), episodes_per_step=3, trainer=resumed))
     for (n, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), n
 

@@ -244,7 +244,7 @@ def test_lr_follows_the_episode_schedule_formula_in_a_run_with_an_entropy_bonus(
                                    norm="seq-mean", entropy_coef=0.05)
     pipe = Pipeline(Pack(), Fragment(max_tokens=4096), Forward(entropy=True), red)
     tr = Trainer(Forward(entropy=True), red, model=base)
-    metrics = pa.concat_tables([r.output for r in pipe.run(eps, window=3, trainer=tr)]).to_pylist()
+    metrics = pa.concat_tables([r.output for r in pipe.run(eps, episodes_per_step=3, trainer=tr)]).to_pylist()
     assert metrics[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
     seen, want = 0, []
     for _ in metrics:

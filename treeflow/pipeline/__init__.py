@@ -22,6 +22,8 @@ _WHERE = {
     "ArrowSink": "sink",
     "Files": "source",
     "FilesReader": "source",
+    "IterSource": "source",
+    "Source": "source",
     "windows": "source",
     "synth_episodes": "synth",
     "write_episodes": "synth",

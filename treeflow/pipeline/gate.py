@@ -166,10 +166,10 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     t0 = time.perf_counter()
     producer = threading.Thread(target=produce, daemon=True, name="treeflow-gate-producer")
     producer.start()
-    trainer = Trainer(forward, reduce, device=device, pad_to=max_tokens)
+    trainer = Trainer(forward, reduce, device=device, max_tokens=max_tokens)
     pack, fragment = Pack(layout=layout, scope=scope), Fragment(max_tokens=max_tokens)
-    reader = QueueSource(queue=queue, episodes_per_step=gate.episodes, max_steps=1,
-                         consumer="gate", idle_timeout=gate.timeout).open()
+    reader = QueueSource(episodes_per_step=gate.episodes, max_steps=1,
+                         consumer="gate", idle_timeout=gate.timeout).open(queue)
     failures: list[str] = []
     step_row, trained = None, None
     try:

@@ -14,7 +14,6 @@ engine must match bit for bit.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -22,11 +21,10 @@ from collections.abc import Iterator
 import pyarrow as pa
 import torch
 
+from treeflow.ops.train import Window
 from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.stats import bin_sums, episode_sums
-
-_END = object()
-
 
 def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=None,
               prefetch: int = 2, background: bool | None = None) -> Iterator[WindowResult]:
@@ -41,8 +39,6 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
     cores (spinning OpenMP workers made a 2-core replay 12x slower), so
     windows are prepared in line, one at a time.
     """
-    if prefetch < 1:
-        raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows prepared ahead)")
     if background is None:
         on = worker.runner.device if worker is not None and worker.runner is not None else device
         background = plan.model is not None and torch.device(on).type != "cpu"
@@ -67,7 +63,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
         return episodes, prepared, stats
 
     held = None
-    with _Prefetch(windows, prepare, prefetch, background=background) as items:
+    with Prefetch(windows, prepare, prefetch, background=background) as items:
         try:
             t0 = time.perf_counter()
             if worker is None:
@@ -91,7 +87,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
             if first:
                 stats.update(load_seconds=load_seconds, compile_seconds=compile_seconds)
                 first = False
-            acc = worker.open(episodes)
+            acc = worker.open(Window(step=step, episodes=episodes, position=position))
             acc.add(prepared)
             if held is not None:
                 yield _finish(*held, graphs)
@@ -100,6 +96,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
                 held = (step, position, episodes, acc, stats)
             else:
                 yield _finish(step, position, episodes, acc, stats, graphs)
+                acc.taken()  # the caller came back for more: e.g. a checkpoint due is written
         if held is not None:
             yield _finish(*held, graphs)
 
@@ -135,64 +132,6 @@ def _compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
-
-
-class _Prefetch:
-    """Run `fn(step, window)` in a thread, up to `depth` results ahead; re-raise its errors.
-
-    With background=False, `fn` runs in the consumer's thread as each item is taken.
-    """
-
-    def __init__(self, windows, fn, depth: int, *, background: bool = True):
-        self._windows, self._fn, self._background = windows, fn, background
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="treeflow-prefetch", daemon=True)
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self):
-        it = iter(self._windows)
-        state = getattr(it, "state_dict", None)
-        for step, window in enumerate(it):
-            position = state() if state is not None else None
-            yield step, position, self._fn(step, window)
-
-    def _run(self) -> None:
-        try:
-            for item in self._produce():
-                if not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises
-            self._put(e)
-
-    def __enter__(self):
-        if not self._background:
-            return self._produce()
-        self._thread.start()
-        return self._items()
-
-    def _items(self):
-        while True:
-            item = self._q.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._background:
-            self._thread.join()
 
 
 __all__ = ["run_local"]

@@ -19,12 +19,11 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
-from treeflow.pipeline.source import Files, FilesReader, windows
+from treeflow.pipeline.source import DEFAULT_EPISODES_PER_STEP, Files, Source, windows
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
 
 ENGINES = ("local", "ray")
-EPISODES_PER_STEP = 256  # a window, when run() is given files or one table and no `window`
 
 
 def _schema_name(schema: pa.Schema) -> str:
@@ -70,18 +69,20 @@ class Pipeline:
     def output_schema(self) -> pa.Schema:
         return self.stages[-1].output_schema
 
-    def run(self, source, *, engine: str = "local", window: int | None = None,
+    def run(self, source, *, engine: str = "local", episodes_per_step: int | None = None,
             device: str = "cpu", trainer=None, prefetch: int = 2,
-            ranks: int = 1, steps: int | None = None, **engine_options) -> Iterator[WindowResult]:
+            ranks: int = 1, steps: int | None = None, window: int | None = None,
+            **engine_options) -> Iterator[WindowResult]:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
         source: a `Files` (or its reader, `Files.open(state)`), a path/glob/list
         of paths, an episode table, an iterable of episode tables, or a
-        `QueueSource` (or its reader, `QueueSource.open(state)`): live steps
+        queue reader (`QueueSource(...).open(queue, state)`): live steps
         from a tensor queue, one window per queue step, each acknowledged when
-        the caller asks for the next result (pipeline/queue_source.py). `window`
-        episodes are packed together (default EPISODES_PER_STEP, 256); for an iterable of tables
-        and no `window`, each table is one window (one step in training). For
+        the caller asks for the next result (pipeline/queue_source.py).
+        `episodes_per_step` episodes are packed together (default 256; `window`
+        is its old name, accepted for one release); for an iterable of tables
+        and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` to continue a
         resumed Trainer. device: where the model runs (the engine builds
@@ -95,12 +96,26 @@ class Pipeline:
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
+        if window is not None:
+            import warnings
+
+            if episodes_per_step not in (None, window):
+                raise ValueError(f"Pipeline.run(window={window}, episodes_per_step="
+                                 f"{episodes_per_step}): give episodes_per_step only")
+            warnings.warn("Pipeline.run(window=) is now Pipeline.run(episodes_per_step=)",
+                          DeprecationWarning, stacklevel=2)
+            episodes_per_step = window
+        window = episodes_per_step
         from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
 
-        if isinstance(source, (QueueSource, QueueReader)):
+        if isinstance(source, QueueSource):
+            raise TypeError("a QueueSource is a configuration and holds no queue: pass its reader, "
+                            "QueueSource(...).open(queue)")
+        if isinstance(source, QueueReader):
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "
-                                 "QueueSource(episodes_per_step=...) instead of window=")
+                                 "QueueSource(episodes_per_step=...) instead of "
+                                 "Pipeline.run(episodes_per_step=)")
             if steps is not None:
                 raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
                                  "give that instead of steps=")
@@ -110,7 +125,7 @@ class Pipeline:
                 if trainer is not None:
                     raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
                                      "no trainer (resuming is engine='local' for now)")
-                reader = source.open() if isinstance(source, QueueSource) else source
+                reader = source
                 try:
                     records = run_ray_queue(self.plan, reader, device=device, ranks=ranks,
                                             prefetch=prefetch, **engine_options)
@@ -123,7 +138,7 @@ class Pipeline:
             from treeflow.pipeline.local import run_local
 
             worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-            reader = source.open() if isinstance(source, QueueSource) else source
+            reader = source
             return acknowledged(run_local(self.plan, reader, device=device, worker=worker,
                                           prefetch=prefetch), reader)
         if engine == "ray":
@@ -171,22 +186,20 @@ def _files(source, window: int | None, vocab_size: int | None,
     if isinstance(source, Files):
         return source
     if (paths := _paths(source)) is not None:
-        return Files(paths=paths, window=window or EPISODES_PER_STEP, vocab_size=vocab_size,
-                     route_width=route_width)
+        return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP,
+                     vocab_size=vocab_size, route_width=route_width)
     raise TypeError(f"engine='ray' reads episode files; got {type(source).__name__}: write the "
                     "episodes with treeflow.pipeline.write_episodes and pass the path")
 
 
 def _windows(source, window: int | None, vocab_size: int | None,
              route_width: int | None = None) -> Iterator[pa.Table]:
-    from treeflow.pipeline.queue_ranks import RankWindows
-
-    if isinstance(source, (Files, FilesReader, RankWindows)):  # validated; with a position
+    if isinstance(source, (Files, Source)):  # validated; with a position
         return iter(source)
     if _paths(source) is not None:
         return iter(_files(source, window, vocab_size, route_width))
     if isinstance(source, pa.Table):
-        source, window = [source], window or EPISODES_PER_STEP
+        source, window = [source], window or DEFAULT_EPISODES_PER_STEP
     if isinstance(source, Iterable):
         checked = (validate_episodes(t, vocab_size=vocab_size, route_width=route_width)
                    for t in source)

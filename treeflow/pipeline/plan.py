@@ -1,31 +1,40 @@
 """The physical plan: what a pipeline of stage configs compiles to, and what engines run.
 
-Three operator kinds, read from each stage's declared `kind`, never from its
-type:
+Each stage config compiles to the physical operator registered for its type
+(ops/registry.py; an unregistered type is refused here, by name). Three
+operator kinds, read from the registry entry, never probed from the stage:
 
-- `maps`: stateless maps over one window's Arrow table (Pack, Fragment,
-  Shard); any process may run them, in any order across windows.
-- `model`: the model-bound map (Forward); an engine builds it once per worker
-  with a device (`ModelOp.build(device=...)`); it turns bins into edge values.
-- `accumulate`: the per-window accumulator (`open(episodes)` -> `add(part)`
-  ... -> `finish()`): Reassemble on the driver, or the training step, which
-  fuses the model (gradients cannot travel through Arrow), so a training
-  worker builds a `Trainer` instead of a bare model.
+- `maps`: stateless maps over one window's Arrow table (Advantage over the
+  episodes first, then Pack, Fragment, Shard); any process may run them, in
+  any order across windows.
+- `model`: the model-bound map (Forward -> ops/forward.py); an engine builds
+  it once per worker with a device; it turns bins into edge values.
+- `accumulate`: the per-window accumulator (`open(window)` -> `add(part)` ...
+  -> `finish()`): Reassemble on the driver, or the training step
+  (Reduce -> ops/train.py), which fuses the model (gradients cannot travel
+  through Arrow): its entry says so, and a training worker then holds that
+  operator instead of a bare model (`Plan.fused`).
+
+When the model stage names a model, a Shard without its own cost model gets
+the model's (`CostModel.from_config`), the one the Trainer reports costs by.
 
 A worker is what one data-parallel rank holds (a process in the Ray engine):
-`Plan.worker(device=...)` builds the model or the trainer; `open(episodes)`
-then gives the window accumulator an engine feeds bins into. Engines
-differ only in where maps, worker and accumulator run.
+`Plan.worker(device=...)` builds the model op or the training op;
+`open(window)` then gives the window accumulator an engine feeds bins into.
+Engines differ only in where maps, worker and accumulator run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
+from treeflow.ops.registry import operator_for, physical
+from treeflow.ops.train import Window
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages.base import KINDS, Stage
+from treeflow.stages.shard import CostModel, Shard
 
 
 @dataclass
@@ -47,51 +56,66 @@ class WindowResult:
 
 @dataclass(frozen=True)
 class Plan:
-    """A compiled pipeline: maps, then an optional model, then an optional accumulator."""
+    """A compiled pipeline: maps, then an optional model, then an optional accumulator.
+
+    max_tokens: the bins' token budget (the last Fragment's), which the model op pads
+    flex bins to. fused: the accumulator holds the model (training): engines run it where
+    the model runs, one `add` per window, windows in order.
+    """
 
     maps: tuple[Stage, ...]
     model: Stage | None
     accumulate: Stage | None
-    bin_budget: int | None = None
+    max_tokens: int | None = None
+    fused: bool = False
 
     @classmethod
     def compile(cls, stages: tuple[Stage, ...]) -> Plan:
-        maps, model, acc = [], None, None
+        maps, on_episodes, model, acc, fused = [], [], None, None, False
         for s in stages:
             if s.kind not in KINDS:
                 raise TypeError(f"{s.name}.kind={s.kind!r}: a stage is one of {KINDS}")
+            op = operator_for(s)  # refuses an unregistered stage type by name
             if acc is not None:
                 raise ValueError(f"{s.name} follows the accumulator {acc.name}; a per-window "
                                  "accumulator (Reassemble, Reduce) must end the pipeline")
-            if s.kind == "map":
-                if getattr(s, "on_episodes", False) and any(
-                        not getattr(m, "on_episodes", False) for m in maps):
+            if op.kind == "map":
+                if op.on_episodes and not all(on_episodes):
                     raise ValueError(f"{s.name} maps episodes: put it before Pack")
                 if model is not None:
                     raise ValueError(f"{s.name} (a map) follows the model stage {model.name}; "
                                      "maps over bins go before Forward")
                 maps.append(s)
-            elif s.kind == "model":
+                on_episodes.append(op.on_episodes)
+            elif op.kind == "model":
                 if model is not None:
                     raise ValueError(f"two model stages ({model.name}, {s.name}); give one")
                 model = s
             else:
                 acc = s
-        if acc is not None and getattr(acc, "fuses_model", False) and model is None:
-            raise ValueError(f"{acc.name} trains a model: put Forward(...) before it")
+                if op.fuses is not None:
+                    if not isinstance(model, op.fuses):
+                        raise ValueError(f"{acc.name} trains a model: put "
+                                         f"{op.fuses.__name__}(...) before it")
+                    fused = True
         budget = None
         for s in maps:
-            budget = s.bin_budget() if s.bin_budget() is not None else budget
-        return cls(maps=tuple(maps), model=model, accumulate=acc, bin_budget=budget)
+            budget = s.max_tokens_hint() if s.max_tokens_hint() is not None else budget
+        shape = model.model_config() if model is not None else None
+        if shape is not None and any(isinstance(s, Shard) and s.cost is None for s in maps):
+            # the bins' cost is the model's own, as the Trainer reckons it (not a fixed 1B)
+            cost = CostModel.from_config(shape)
+            maps = [replace(s, cost=cost) if isinstance(s, Shard) and s.cost is None else s
+                    for s in maps]
+        return cls(maps=tuple(maps), model=model, accumulate=acc, max_tokens=budget, fused=fused)
+
+    def _on_episodes(self) -> list[bool]:
+        return [operator_for(s).on_episodes for s in self.maps]
 
     @property
     def maps_make_bins(self) -> bool:
         """Whether the maps end in bins (so per-window bin counts can be taken)."""
         return bool(self.maps) and self.maps[-1].output_schema.metadata == BIN_SCHEMA.metadata
-
-    @property
-    def trains(self) -> bool:
-        return self.accumulate is not None and getattr(self.accumulate, "fuses_model", False)
 
     def episodes(self, episodes: pa.Table, *, step: int) -> pa.Table:
         """The window's episodes after the maps over episodes (Advantage), which run first.
@@ -99,8 +123,8 @@ class Plan:
         Engines call it before `prepare` and hand its result to the accumulator too, so the
         training step weighs the bins with the advantages the bins were built from.
         """
-        for s in self.maps:
-            if getattr(s, "on_episodes", False):
+        for s, on in zip(self.maps, self._on_episodes()):
+            if on:
                 episodes = s.map(episodes, step=step)
         return episodes
 
@@ -110,27 +134,32 @@ class Plan:
         episodes: the window after `episodes()` (the maps over episodes are not run again).
         """
         data = episodes
-        for s in self.maps:
-            if not getattr(s, "on_episodes", False):
+        for s, on in zip(self.maps, self._on_episodes()):
+            if not on:
                 data = s.map(data, step=step)
         return data
 
-    def worker(self, *, device="cpu", model=None, trainer=None) -> Worker:
-        """What one rank holds: the bound model, or a Trainer for a training plan."""
-        if self.trains:
-            if trainer is None:
-                from treeflow.train import Trainer
+    def worker(self, *, device="cpu", model=None, trainer=None, **options) -> Worker:
+        """What one rank holds: the model op, or the training op of a fused plan.
 
-                trainer = Trainer(self.model, self.accumulate, model, device=device,
-                                  pad_to=self.bin_budget)
-            self._check_sharding(trainer.dp.replicas)
-            return Worker(self, runner=trainer.runner, trainer=trainer)
+        trainer: for a fused plan, a Trainer to continue or a built TrainOp (ops/train.py);
+        default a new one. options: the training op's (checkpointing=, on_step=, ...) and
+        the Trainer's (precision=, dp=, ...).
+        """
+        if self.fused:
+            op = physical(self.accumulate, forward=self.model, device=device, model=model,
+                          max_tokens=self.max_tokens, trainer=trainer, **options)
+            self._check_sharding(op.replicas)
+            return Worker(self, runner=op.runner, accumulator=op)
         if trainer is not None:
             raise ValueError("a Trainer was given but the pipeline does not end in Reduce")
-        runner = None if self.model is None else self.model.build(device=device, model=model,
-                                                                  pad_to=self.bin_budget)
-        return Worker(self, runner=runner, trainer=None)
-
+        if options:
+            raise ValueError(f"options {sorted(options)} are for training pipelines (ending in "
+                             "Reduce)")
+        runner = None if self.model is None else physical(self.model, device=device, model=model,
+                                                          max_tokens=self.max_tokens)
+        acc = None if self.accumulate is None else physical(self.accumulate)
+        return Worker(self, runner=runner, accumulator=acc)
 
     def _check_sharding(self, world: int) -> None:
         ranks = [s.num_ranks for s in self.maps if getattr(s, "num_ranks", None) is not None]
@@ -141,37 +170,56 @@ class Plan:
 
 
 class Worker:
-    """A plan bound to one rank's runtime: `open(episodes)` -> a window accumulator."""
+    """A plan bound to one rank's runtime: `open(window)` -> a window accumulator.
 
-    def __init__(self, plan: Plan, *, runner, trainer):
-        self.plan, self.runner, self.trainer = plan, runner, trainer
+    runner: the model op (for a fused plan, the one the training op holds); accumulator:
+    the accumulator operator (ReassembleOp, TrainOp) or None.
+    """
+
+    def __init__(self, plan: Plan, *, runner, accumulator=None):
+        self.plan, self.runner, self.accumulator = plan, runner, accumulator
+
+    @property
+    def fused(self) -> bool:
+        return self.plan.fused
 
     def warm_up(self) -> float:
         """Compile kernels before timing starts (seconds; 0.0 off CUDA).
 
-        A trainer warms up in its compute context (autocast under mixed precision), so the
+        A training op warms up in its compute context (autocast under mixed precision), so the
         kernels compiled are the ones its steps run.
         """
         if self.runner is None:
             return 0.0
-        if self.trainer is None:
-            return self.runner.warm_up(grad=False)
-        with self.trainer.compute():
-            return self.runner.warm_up(grad=True)
+        if self.plan.fused:
+            return self.accumulator.warm_up()
+        return self.runner.warm_up(grad=False)
 
     def prepare(self, bins: pa.Table):
         """Host half of the model map for these bins (background-thread safe)."""
         if self.runner is None:
             return bins
-        if self.trainer is not None:  # a data-parallel rank prepares (and runs) its bins only
-            bins = self.trainer.dp.local_bins(bins)
+        if self.plan.fused:  # a data-parallel rank prepares (and runs) its bins only
+            return self.accumulator.prepare(bins)
         return self.runner.prepare(bins)
 
-    def open(self, episodes: pa.Table) -> WindowAccumulator:
-        acc = self.plan.accumulate
-        if self.trainer is not None:
-            return _TrainStep(self.trainer, episodes)
-        return WindowAccumulator(self.runner, None if acc is None else acc.open(episodes))
+    def open(self, window) -> WindowAccumulator:
+        """The accumulator of one window (a `Window`; a bare episodes table is window 0)."""
+        if isinstance(window, pa.Table):
+            window = Window(step=0, episodes=window)
+        if self.plan.fused:
+            return self.accumulator.open(window)
+        return WindowAccumulator(self.runner, None if self.accumulator is None
+                                 else self.accumulator.open(window))
+
+    def close(self, position: dict | None = None) -> None:
+        """End of the stream: the accumulator's final work (a training op's last save).
+
+        position: the source's state to save with, where the windows carried none (an engine
+        that learns it only at the end of the stream).
+        """
+        if self.accumulator is not None:
+            self.accumulator.close(position=position)
 
 
 class WindowAccumulator:
@@ -208,6 +256,9 @@ class WindowAccumulator:
             out.update(route_agree=self._routes[0], route_rows=self._routes[1])
         return out
 
+    def taken(self) -> None:
+        """The caller came back for more after this window's result (nothing to do here)."""
+
     def finish(self) -> pa.Table:
         self._device_seconds = 0.0
         self._routes = None
@@ -224,26 +275,6 @@ class WindowAccumulator:
         if self.inner is not None:
             return self.inner.finish()
         return pa.concat_tables(self._parts)
-
-
-class _TrainStep:
-    """A training window: its (this rank's) bins, then one optimizer step agreed over ranks."""
-
-    overlaps = False  # the next step opens only after this one finished
-
-    def __init__(self, trainer, episodes: pa.Table):
-        self.trainer, self.episodes, self._bins = trainer, episodes, None
-
-    def add(self, bins) -> None:
-        if self._bins is not None:
-            raise ValueError("a training window takes its bins in one add()")
-        self._bins = bins
-
-    def stats(self) -> dict:
-        return {}
-
-    def finish(self) -> pa.Table:
-        return self.trainer.train_step(self.episodes, self._bins)
 
 
 __all__ = ["Plan", "WindowAccumulator", "WindowResult", "Worker"]

@@ -1,6 +1,6 @@
 """Data-parallel training from a tensor queue: rank 0 leases each step, every rank gets it.
 
-    reader = QueueSource(queue=q, episodes_per_step=B, ack="manual").open() if rank == 0 else None
+    reader = QueueSource(episodes_per_step=B, ack="manual").open(q) if rank == 0 else None
     windows = RankWindows(reader, dp)          # the same windows, and positions, on every rank
     for rec in pipe.run(windows, trainer=trainer): ...   # pipe has Shard(num_ranks=dp.world)
 
@@ -22,11 +22,13 @@ weights need all of them on every rank anyway.
 
 from __future__ import annotations
 
+from treeflow.pipeline.source import Source
+
 __all__ = ["RankWindows"]
 
 
-class RankWindows:
-    """An iterator of episode windows that rank 0 reads from a QueueReader and every rank gets."""
+class RankWindows(Source):
+    """A Source of episode windows that rank 0 reads from a QueueReader and every rank gets."""
 
     def __init__(self, reader, dp):
         import torch.distributed as dist
@@ -37,17 +39,12 @@ class RankWindows:
         self._group = dist.new_group(backend="gloo") if dp.distributed else None  # every rank calls
         self._position = None
 
-    def __iter__(self) -> RankWindows:
-        return self
-
-    def __next__(self):
-        import torch.distributed as dist
-
+    def next(self):
         box = [None]
         if self.dp.rank == 0:
             try:
                 episodes = next(self.reader)
-                box[0] = ("step", episodes, self.reader.state_dict())
+                box[0] = ("step", episodes, self.reader.get_state())
             except StopIteration:
                 box[0] = ("end", None, None)
             except BaseException as e:
@@ -69,6 +66,12 @@ class RankWindows:
 
             box[0] = broadcast(box[0], src=0, group=self._group)  # JSON and Arrow, no pickle
 
-    def state_dict(self) -> dict | None:
+    def reset(self, state: dict | None = None) -> None:
+        """Every rank continues from `state`; rank 0's reader resets to it."""
+        if self.reader is not None:
+            self.reader.reset(state)
+        self._position = state
+
+    def get_state(self) -> dict | None:
         """The reader's position after the last window (the queue steps applied), on every rank."""
         return self._position

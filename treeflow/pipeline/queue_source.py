@@ -1,6 +1,6 @@
 """A pipeline source that reads whole steps from a tensor queue (live rollouts).
 
-    reader = QueueSource(queue=q, episodes_per_step=32).open()
+    reader = QueueSource(episodes_per_step=32).open(q)
     for rec in Pipeline(...).run(reader):       # one WindowResult per queue step
         write(rec.output)                       # durable -> acknowledged when the next is asked
 
@@ -13,7 +13,7 @@ for more (`ack="auto"`), or when the caller says so (`ack="manual"`:
 `reader.ack_finished()` after a checkpoint). Closing a reader gives every
 step it leased ahead and never handed to the caller back for redelivery.
 
-Redelivery is idempotent: a reader's position (`state_dict()`, saved in a
+Redelivery is idempotent: a reader's position (`get_state()`, saved in a
 checkpoint as the trainer's position) names the queue steps it has applied,
 and a reader opened from it acknowledges and skips a redelivered step it
 already holds. The position is the steps' set -- every step through a
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from treeflow.pipeline.source import Source
 from treeflow.tq import END, StepRejected
 
 __all__ = ["QueueReader", "QueueSource", "put_files"]
@@ -58,7 +59,10 @@ _ACKS = ("auto", "manual")
 
 @dataclass(frozen=True, kw_only=True)
 class QueueSource:
-    """Steps of `episodes_per_step` episodes (whole groups) leased from `queue`.
+    """Steps of `episodes_per_step` episodes (whole groups) leased from a queue.
+
+    A pure configuration: the queue, a live handle, is given to `open(queue, state)`,
+    which returns the reader.
 
     consumer: this consumer's name (leases and stats). max_steps: stop after
     this many windows (None: until the producers close the queue).
@@ -68,7 +72,6 @@ class QueueSource:
     when no step arrived for this many seconds (None: wait for ever).
     """
 
-    queue: object
     episodes_per_step: int
     consumer: str = "consumer"
     max_steps: int | None = None
@@ -87,21 +90,25 @@ class QueueSource:
         if self.ack not in _ACKS:
             raise ValueError(f"QueueSource(ack={self.ack!r}): choose one of {_ACKS}")
 
-    def open(self, state: dict | None = None) -> QueueReader:
-        """A reader, continued from `state` (a reader's `state_dict()`, e.g. a checkpoint's)."""
-        return QueueReader(self, state or {})
+    def open(self, queue, state: dict | None = None) -> QueueReader:
+        """A reader of `queue`, continued from `state` (a reader's `get_state()`, e.g. a
+        checkpoint's)."""
+        if isinstance(queue, dict) or queue is None:
+            raise TypeError(f"QueueSource.open(queue, state): give the queue first, got "
+                            f"{type(queue).__name__}")
+        return QueueReader(self, queue, state or {})
 
     def __iter__(self):
-        raise TypeError("iterate a reader: QueueSource(...).open(), or pass the QueueSource to "
-                        "Pipeline.run, which opens one")
+        raise TypeError("iterate a reader: QueueSource(...).open(queue), a configuration holds no "
+                        "queue")
 
 
-class QueueReader:
-    """Leases steps from the queue; an iterator of episode windows with a savable position."""
+class QueueReader(Source):
+    """Leases steps from the queue; a Source of episode windows with a savable position."""
 
-    def __init__(self, source: QueueSource, state: dict):
+    def __init__(self, source: QueueSource, queue, state: dict):
         self.source = source
-        self.queue = source.queue
+        self.queue = queue
         self.consumer = f"{source.consumer}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # leases' owner
         self.episodes = int(state.get("episodes", 0))
         self._through = int(state.get("queue_steps_through", -1))  # applied: every step <= this
@@ -124,10 +131,7 @@ class QueueReader:
         self._beat.start()
 
     # ------------------------------------------------------------ iteration
-    def __iter__(self) -> QueueReader:
-        return self
-
-    def __next__(self) -> pa.Table:
+    def next(self) -> pa.Table:
         src = self.source
         idle_since = time.monotonic()
         while not self._stop.is_set():
@@ -179,6 +183,21 @@ class QueueReader:
             return got.episodes
         raise StopIteration
 
+    def reset(self, state: dict | None = None) -> None:
+        """Continue from `state` (a `get_state()`): the queue steps it names count as applied.
+
+        Refused while steps are leased (their results would be lost or applied twice).
+        """
+        state = state or {}
+        with self._lock:
+            if self._held:
+                raise ValueError(f"QueueReader.reset: {len(self._held)} queue step(s) are still "
+                                 "leased; close() the reader and open a new one instead")
+            self.episodes = int(state.get("episodes", 0))
+            self._through = int(state.get("queue_steps_through", -1))
+            self._extra = set(int(s) for s in state.get("queue_steps_extra", ()))
+            self.windows = 0
+
     def _done(self, step: int) -> bool:
         return step <= self._through or step in self._extra
 
@@ -187,7 +206,7 @@ class QueueReader:
             self._through += 1
             self._extra.discard(self._through)
 
-    def state_dict(self) -> dict:
+    def get_state(self) -> dict:
         """Episodes taken and the queue steps taken (the last one first, for display)."""
         with self._lock:
             return {"queue_step": getattr(self, "_last", None), "episodes": self.episodes,

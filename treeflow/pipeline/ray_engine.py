@@ -68,7 +68,7 @@ def _check_ray_plan(plan: Plan, ranks) -> None:
                          "pipelines with engine='local'")
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks={ranks!r}: give an int >= 1")
-    if plan.trains and ranks != 1:
+    if plan.fused and ranks != 1:
         raise ValueError(f"engine 'ray' trains with one rank (got ranks={ranks}): reducing "
                          "gradients over several rank processes is not built yet")
 
@@ -177,8 +177,14 @@ class _Rank:
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan = plan
         self.next_window = 0  # training applies windows in order; see __call__
-        self.save = save or {}  # {window: (checkpoint dir, input position)} (training)
-        self.worker = plan.worker(device=device)
+        self.save = save or {}  # {window: (checkpoint dir, input position, keep)} (training)
+        options = {}
+        if self.save:  # the training op writes the checkpoint when its last window is done
+            from treeflow.ops.train import Checkpointing
+
+            (path, _, keep), = self.save.values()
+            options["checkpointing"] = Checkpointing(dir=path, keep=keep)
+        self.worker = plan.worker(device=device, **options)
         self.compile_seconds = self.worker.warm_up()
 
     def __call__(self, block: pa.Table) -> pa.Table:
@@ -186,7 +192,7 @@ class _Rank:
         from treeflow.schemas.layout import BIN_SCHEMA
 
         bins = bins.cast(BIN_SCHEMA)
-        if self.plan.trains:
+        if self.plan.fused:
             # an optimizer step depends on every step before it: a window out of order (or one
             # seen twice) would silently train a different model, so it is an error
             if meta["window"] != self.next_window:
@@ -195,14 +201,16 @@ class _Rank:
                     "training needs windows in order (after a rank process died and restarted, "
                     "its model is gone: resume the run from its last checkpoint)")
             self.next_window += 1
-            step = self.worker.open(_from_ipc(meta["episodes"]))
+            from treeflow.ops.train import Window
+
+            position = self.save.get(meta["window"], (None, None, None))[1]
+            step = self.worker.open(Window(step=meta["window"], episodes=_from_ipc(meta["episodes"]),
+                                           position=position))
             step.add(bins)
             out = step.finish()
             nbins = 1
             if meta["window"] in self.save:
-                path, position = self.save[meta["window"]]
-                self.worker.trainer.position = position
-                self.worker.trainer.save(path)
+                self.worker.close()
         else:
             out = self.worker.runner(bins)
             nbins = meta["nbins"]
@@ -213,7 +221,7 @@ class _Rank:
 # ---------------------------------------------------------------------- run
 def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
             steps: int | None = None, threads: int | None = None, save: str | None = None,
-            _rank_cls=_Rank) -> Iterator[WindowResult]:
+            keep: int | None = None, _rank_cls=_Rank) -> Iterator[WindowResult]:
     """Yield one WindowResult per window, in logical order, from a Ray Data graph.
 
     threads: torch threads per rank (default: this process's, so that results
@@ -224,27 +232,29 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
 
     _check_ray_plan(plan, ranks)
     plan = _absolute_model(plan)
-    if plan.trains and steps is None:
+    if plan.fused and steps is None:
         raise ValueError("training on engine 'ray' needs steps=N (the data cycles)")
     t0 = time.perf_counter()
     ray = init_ray()
     init_seconds = time.perf_counter() - t0  # attaching to (or starting) the cluster
-    from ray.data import ActorPoolStrategy, DataContext
+    from ray.data import DataContext
+
+    from treeflow.train.launch import rank_pool
 
     spans = files.spans()
     if not spans:
         raise ValueError(f"{list(files.paths)}: no episodes to read")
-    if plan.trains:
+    if plan.fused:
         windows = [(w, spans[w % len(spans)]) for w in range(steps)]
     else:
         windows = list(enumerate(spans))
     save_at = None
     if save is not None:
-        if not plan.trains:
+        if not plan.fused:
             raise ValueError("save= is for training pipelines (ending in Reduce)")
         rows = sum(b - a for _, pieces in windows for _, a, b, _ in pieces)
         position = {"episodes": rows, "passes": len(windows) // len(spans)}
-        save_at = {len(windows) - 1: (os.path.abspath(save), position)}
+        save_at = {len(windows) - 1: (os.path.abspath(save), position, keep)}
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.target_max_block_size = 1 << 31  # a block is one window's bins: never split it
@@ -259,12 +269,12 @@ def run_ray(plan: Plan, files: Files, *, device: str = "cpu", ranks: int = 1,
     # under preserve_order). A restarted training rank has lost its model and optimizer state:
     # its retried window is then out of order for it, and _Rank fails the run (resume from a
     # checkpoint) instead of training a fresh model from there.
-    in_flight = 1 if plan.trains else None
+    in_flight = 1 if plan.fused else None
     ds = ds.map_batches(
         _rank_cls, batch_size=None, batch_format="pyarrow", zero_copy_batch=True,
         fn_constructor_kwargs={"plan": plan, "device": device,
                                "threads": threads or torch.get_num_threads(), "save": save_at},
-        compute=ActorPoolStrategy(size=ranks, max_tasks_in_flight_per_actor=in_flight),
+        compute=rank_pool(ranks, in_flight=in_flight),
         num_gpus=1 if cuda else 0,
         num_cpus=1 if cuda else max(0.1, min(1.0, (cpus - 1) / ranks)))
     # for replay, Ray Data's actor pools restart a dead actor and retry its task (max_restarts
@@ -295,7 +305,7 @@ def _collect(plan: Plan, ds, *, n_windows: int, init_seconds: float = 0.0) -> It
                 st = open_[int(w)] = {"got": 0, "parts": [], "episodes": None, "compile": 0.0}
             if meta["episodes"] is not None and st["episodes"] is None:
                 st["episodes"] = _from_ipc(meta["episodes"])
-                if not plan.trains:
+                if not plan.fused:
                     st["acc"] = plan.accumulate.open(st["episodes"]) if plan.accumulate else None
             st["compile"] += meta["compile_seconds"]
             st["got"] += part.num_rows
@@ -307,7 +317,7 @@ def _collect(plan: Plan, ds, *, n_windows: int, init_seconds: float = 0.0) -> It
                 del open_[int(w)]
                 out = st["acc"].finish() if st.get("acc") is not None else pa.concat_tables(st["parts"])
                 stats = {**episode_sums(st["episodes"]), "compile_seconds": st["compile"]}
-                if not plan.trains:
+                if not plan.fused:
                     stats.update(bins=meta["nbins"], executed_tokens=meta["executed"])
                 else:
                     stats.update({k: out.column(k)[0].as_py() for k in ("bins", "executed_tokens")})

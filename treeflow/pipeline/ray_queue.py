@@ -38,7 +38,6 @@ items, results), and the work queue holds at most its capacity of items.
 
 from __future__ import annotations
 
-import queue as _queue
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.ray_engine import _check_ray_plan
 from treeflow.pipeline.stats import bin_sums, episode_sums
 from treeflow.tq.work import END, WorkHandle
@@ -69,7 +69,7 @@ def _prepare(plan: Plan, handle: WorkHandle, window: int, episodes: pa.Table, ra
     if bins.num_rows == 0:
         raise ValueError(f"window {window} made no bins; give episodes with tokens")
     meta = {"nbins": bins.num_rows, "executed_tokens": bin_sums(bins)["executed_tokens"]}
-    if plan.trains:
+    if plan.fused:
         parts = [{"bins": bins, "episodes": episodes}]
     elif ranks > 1 and "rank" in bins.column_names and bins.column("rank").null_count == 0:
         rank = bins.column("rank").to_numpy()
@@ -86,18 +86,25 @@ class _QueueRank:
     """One forward worker: leases items, computes them, puts results back, then acknowledges."""
 
     def __init__(self, plan: Plan, device: str, threads: int, work: WorkHandle,
-                 publish: str | None = None):
+                 publish: str | None = None, save: str | None = None, keep: int | None = None):
         import torch
 
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan, self.publish = plan, publish
-        if publish:
-            import os
+        options = {}
+        if plan.fused:  # the training op publishes after every step and saves at the end
+            from treeflow.ops.train import Checkpointing, PublishWeights
 
-            os.makedirs(publish, exist_ok=True)
-        self.worker = plan.worker(device=device)
+            self.publish = PublishWeights(publish) if publish else None
+            options = dict(checkpointing=Checkpointing(dir=save, keep=keep, background=False),
+                           on_step=[self.publish] if publish else [])
+            if publish:
+                import os
+
+                os.makedirs(publish, exist_ok=True)
+        self.worker = plan.worker(device=device, **options)
         self.compile_seconds = self.worker.warm_up()
         self.work = work.connect() if isinstance(work, WorkHandle) else work  # (a test's queue)
         self.next_window = 0  # training: windows apply in order
@@ -117,7 +124,7 @@ class _QueueRank:
                     continue
                 if item == END:
                     return done
-                if not self.plan.trains:
+                if not self.plan.fused:
                     with self._lock:
                         self._held[(item.window, item.part)] = item
                     self._apply(item)
@@ -148,29 +155,18 @@ class _QueueRank:
         bins = item.tables["bins"].cast(BIN_SCHEMA)
         meta = {"compile_seconds": self.compile_seconds}
         self.compile_seconds = 0.0
-        if not self.plan.trains:
+        if not self.plan.fused:
             return self.worker.runner(bins), meta
         step = self.worker.open(item.tables["episodes"])
         step.add(bins)
         out = step.finish()
         if self.publish:
-            meta["weights"] = self._publish()
+            meta["weights"] = self.publish.last
         return out, meta
 
-    def _publish(self) -> str:
-        import os
-
-        from treeflow.atomic import atomic_dir
-
-        final = os.path.join(self.publish, f"v{self.worker.trainer.steps}")
-        with atomic_dir(final, what="published weights") as tmp:
-            self.worker.trainer.backend.save(tmp)
-        return final
-
-    def save(self, path: str, position: dict | None, keep: int | None = None) -> str:
-        """Write the trainer's checkpoint (after the stream ended); its directory."""
-        self.worker.trainer.position = position
-        return self.worker.trainer.save(path, keep=keep)
+    def close(self, position: dict | None) -> None:
+        """The stream ended: the training op's final checkpoint, at the driver's `position`."""
+        self.worker.close(position=position)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         every = float(self.work.stats().get("lease_seconds", 60.0)) / 4
@@ -179,34 +175,6 @@ class _QueueRank:
                 held = list(self._held.values())
             for item in held:
                 self.work.renew(item)
-
-
-class _Feeder(threading.Thread):
-    """Reads windows from the QueueReader (leasing one step ahead) for the driver's loop."""
-
-    def __init__(self, reader):
-        super().__init__(daemon=True, name="treeflow-ray-feed")
-        self.reader = reader
-        self.out: _queue.Queue = _queue.Queue(maxsize=1)
-        self.stop = threading.Event()
-
-    def run(self):
-        try:
-            for w, episodes in enumerate(self.reader):
-                if not self._put((w, episodes, self.reader.state_dict())):
-                    return
-            self._put(END)
-        except BaseException as e:  # noqa: BLE001 - handed to the driver, which re-raises
-            self._put(e)
-
-    def _put(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.out.put(item, timeout=0.1)
-                return True
-            except _queue.Full:
-                continue
-        return False
 
 
 def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, prefetch: int = 2,
@@ -225,7 +193,7 @@ def run_ray_queue(plan: Plan, reader, *, device: str = "cpu", ranks: int = 1, pr
     _check_ray_plan(plan, ranks)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows in flight)")
-    if (save or publish) and not plan.trains:
+    if (save or publish) and not plan.fused:
         raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
     return _run(plan, reader, device=device, ranks=ranks, prefetch=prefetch,
                 threads=threads or torch.get_num_threads(), save=save, keep=keep, publish=publish,
@@ -243,19 +211,21 @@ def _run(plan, reader, *, device, ranks, prefetch, threads, save, keep, publish,
                                         lease_seconds=lease_seconds)
     cuda = device.startswith("cuda")
     share = max(0.0, min(1.0, ray.available_resources().get("CPU", 0.0) / (ranks + 1)))
-    remote = ray.remote(max_restarts=-1, max_task_retries=0)(rank_cls)
-    actors = [remote.options(num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0).remote(
-        plan, device, threads, handle, publish) for _ in range(ranks)]
+    from treeflow.train.launch import rank_actors
+
+    actors = rank_actors(rank_cls, ranks, plan, device, threads, handle, publish, save, keep,
+                         num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0,
+                         max_restarts=-1)
     plan_ref = ray.put(plan)
     prepare = ray.remote(_prepare).options(num_cpus=share, max_retries=3)
-    feeder = _Feeder(reader)
+    feeder = Prefetch(reader, depth=1)  # leases one step ahead for the driver's loop
     init_seconds = time.perf_counter() - t0
     try:
         yield from _drive(plan, ray, work, actors, feeder,
                           lambda w, eps: prepare.remote(plan_ref, handle, w, eps, ranks),
                           prefetch=prefetch, init_seconds=init_seconds, save=save, keep=keep)
     finally:
-        feeder.stop.set()
+        feeder.close()
         for actor in actors:
             ray.kill(actor)
         stop_work()
@@ -279,16 +249,13 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
     t_window = time.perf_counter()
     while True:
         while not fed_all and len(open_) < prefetch:
-            try:
-                got = feeder.out.get_nowait()
-            except _queue.Empty:
+            got = feeder.poll()
+            if got is None:
                 break
-            if got is END:
+            if got is Prefetch.END:
                 fed_all = True
-            elif isinstance(got, BaseException):
-                raise got
             else:
-                w, episodes, position = got
+                w, position, episodes = got
                 open_[w] = _window(episodes, position, start_map(w, episodes))
         if fed_all and not open_:
             break
@@ -317,7 +284,7 @@ def _drive(plan, ray, work, actors, feeder, start_map, *, prefetch, init_seconds
         except ray.exceptions.RayActorError:
             pass  # died after the last item was acknowledged: nothing of it is missing
     if save is not None:
-        ray.get(actors[0].save.remote(save, last_position, keep))
+        ray.get(actors[0].close.remote(last_position))
 
 
 def _window(episodes: pa.Table, position: dict | None, map_ref) -> dict:
@@ -362,7 +329,7 @@ def _check_actors(ray, plan, work, serving, restart: dict) -> None:
             ray.get(ref)
         except ray.exceptions.RayActorError:
             work.release(name)  # its items go to the next worker now, not when the lease lapses
-            if plan.trains:
+            if plan.fused:
                 raise RuntimeError(
                     f"forward rank {i} died mid-stream; a training rank's model and optimizer "
                     "state died with it, so the run stops here: the queue steps it had not "
@@ -379,7 +346,7 @@ def _check_actors(ray, plan, work, serving, restart: dict) -> None:
 def _finish(plan: Plan, w: int, win: dict) -> WindowResult:
     parts = [win["parts"][p] for p in sorted(win["parts"])]
     episodes, meta = win["episodes"], win["meta"]
-    if plan.trains:
+    if plan.fused:
         out = parts[0]
     elif plan.accumulate is not None:
         acc = plan.accumulate.open(episodes)
@@ -390,7 +357,7 @@ def _finish(plan: Plan, w: int, win: dict) -> WindowResult:
         out = pa.concat_tables(parts)
     stats = {**episode_sums(episodes), "compile_seconds": win["compile"],
              "redelivered_parts": win["redelivered"], "duplicate_results": win["duplicates"]}
-    if plan.trains:
+    if plan.fused:
         stats.update({k: out.column(k)[0].as_py() for k in ("bins", "executed_tokens")})
         if "weights" in meta:
             stats["weights"] = meta["weights"]

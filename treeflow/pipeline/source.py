@@ -1,4 +1,14 @@
-"""Episode sources: stored Arrow/Parquet files read in bounded windows.
+"""Episode sources: one reader protocol with a saveable position; stored files read in windows.
+
+Every source an engine reads -- stored files (`Files`), a tensor queue
+(`QueueSource`, pipeline/queue_source.py), the windows rank 0 reads for all
+ranks (`RankWindows`, pipeline/queue_ranks.py), a plain iterable of tables
+-- is opened into a reader of one shape, `Source` (torchdata.nodes'):
+`next()` the next window (StopIteration at the end), `get_state()` the
+position after the last window (what a checkpoint saves), `reset(state)`
+back to a saved position. A config (frozen, pure) opens a reader with
+`open(state)`; engines read every reader through the one read-ahead wrapper
+(pipeline/prefetch.py).
 
 A window is the unit Pack sees: a step's logical batch in training, a bounded
 slice in logprob mode. Windows are cut at group boundaries when group ids are
@@ -8,6 +18,7 @@ the window, only the compute does.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,6 +26,46 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import iter_episode_batches
+
+
+DEFAULT_EPISODES_PER_STEP = 256  # a window's episodes when none is given
+
+
+class Source:
+    """A reader of episode windows with a position: `next()`, `get_state()`, `reset(state)`.
+
+    Iterable (`for window in reader`) like any iterator; `state_dict()` is `get_state()`.
+    """
+
+    def next(self) -> pa.Table:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def get_state(self) -> dict | None:
+        """The position after the last window taken (None: this source has none)."""
+        return None
+
+    def reset(self, state: dict | None = None) -> None:
+        """Continue from `state` (a `get_state()`), or from the start with None."""
+        raise TypeError(f"{type(self).__name__} cannot be reset; open a new reader")
+
+    def state_dict(self) -> dict | None:
+        return self.get_state()
+
+    def __iter__(self) -> Source:
+        return self
+
+    def __next__(self) -> pa.Table:
+        return self.next()
+
+
+class IterSource(Source):
+    """A plain iterable of episode tables as a Source (no position to save)."""
+
+    def __init__(self, tables):
+        self._it = iter(tables)
+
+    def next(self) -> pa.Table:
+        return next(self._it)
 
 
 def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True,
@@ -71,35 +122,46 @@ class Files:
     """Stored episode files (paths, directories or globs), validated once as they stream.
 
     cycle: start over at the end of the data (training runs for a number of
-    steps, not of passes). `open(state)` gives a reader whose `state_dict()`
+    steps, not of passes). `open(state)` gives a reader whose `get_state()`
     is its position (episodes consumed, over all passes), so a run restarted
     from a saved state reads exactly the windows it would have read next.
     whole_groups: refuse a group split over windows (group advantages need it).
     """
 
     paths: tuple[str, ...]
-    window: int = 256
+    episodes_per_step: int = DEFAULT_EPISODES_PER_STEP
     vocab_size: int | None = None
     cycle: bool = False
     route_width: int | None = None  # routed_experts width a replaying MoE model needs
     whole_groups: bool = False
+    window: int | None = None  # the old name of episodes_per_step, accepted for one release
 
     def __post_init__(self):
         if isinstance(self.paths, str):
             raise TypeError(f"Files(paths={self.paths!r}): give a tuple of paths, e.g. (path,)")
-        if self.window < 1:
-            raise ValueError(f"Files(window={self.window!r}): give an int >= 1")
+        if self.window is not None:
+            if self.episodes_per_step not in (DEFAULT_EPISODES_PER_STEP, self.window):
+                raise ValueError(f"Files(window={self.window}, episodes_per_step="
+                                 f"{self.episodes_per_step}): give episodes_per_step only")
+            warnings.warn("Files(window=) is now Files(episodes_per_step=)", DeprecationWarning,
+                          stacklevel=3)
+            object.__setattr__(self, "episodes_per_step", self.window)
+            object.__setattr__(self, "window", None)
+        if self.episodes_per_step < 1:
+            raise ValueError(f"Files(episodes_per_step={self.episodes_per_step!r}): give an "
+                             "int >= 1")
 
     def __iter__(self) -> Iterator[pa.Table]:
         return self.open()
 
     def _one_pass(self) -> Iterator[pa.Table]:
-        batches = iter_episode_batches(list(self.paths), batch_rows=min(self.window, 1024),
+        batches = iter_episode_batches(list(self.paths),
+                                       batch_rows=min(self.episodes_per_step, 1024),
                                        vocab_size=self.vocab_size, route_width=self.route_width)
-        return windows(batches, self.window, groups_once=self.whole_groups)
+        return windows(batches, self.episodes_per_step, groups_once=self.whole_groups)
 
     def open(self, state: dict | None = None) -> FilesReader:
-        """A reader of windows, continued from `state` (a reader's `state_dict()`)."""
+        """A reader of windows, continued from `state` (a reader's `get_state()`)."""
         return FilesReader(self, state or {})
 
     def spans(self) -> list[list[tuple[str, int, int, int]]]:
@@ -127,7 +189,7 @@ class Files:
         cuts = [0]
         n = len(groups)
         while cuts[-1] < n:
-            cut = min(cuts[-1] + self.window, n)
+            cut = min(cuts[-1] + self.episodes_per_step, n)
             while cut < n and groups[cut] is not None and groups[cut] == groups[cut - 1]:
                 cut += 1
             cuts.append(cut)
@@ -147,24 +209,24 @@ class Files:
         return out
 
 
-class FilesReader:
-    """An iterator of windows over `Files` with a position that can be saved and restored."""
+class FilesReader(Source):
+    """A reader of windows over `Files` with a position that can be saved and restored."""
 
-    def __init__(self, files: Files, state: dict):
+    def __init__(self, files: Files, state: dict | None = None):
         self.files = files
+        self.reset(state)
+
+    def reset(self, state: dict | None = None) -> None:
         self.episodes = 0
         self.passes = 0
-        self._skip = int(state.get("episodes", 0))
+        self._skip = int((state or {}).get("episodes", 0))
         self._it = self._windows()
 
-    def state_dict(self) -> dict:
+    def get_state(self) -> dict:
         """Episodes consumed (over all passes) and completed passes."""
         return {"episodes": self.episodes, "passes": self.passes}
 
-    def __iter__(self) -> FilesReader:
-        return self
-
-    def __next__(self) -> pa.Table:
+    def next(self) -> pa.Table:
         return next(self._it)
 
     def _windows(self) -> Iterator[pa.Table]:
@@ -180,8 +242,8 @@ class FilesReader:
                 if consumed - window.num_rows < self._skip:
                     raise ValueError(
                         f"the saved input position ({self._skip} episodes) is not at a window "
-                        f"boundary of this data (windows of {self.files.window}); resume with the "
-                        "same window (--episodes-per-step) and files")
+                        f"boundary of this data (windows of {self.files.episodes_per_step}); resume "
+                        "with the same window (--episodes-per-step) and files")
                 self.episodes = consumed
                 yield window
             if not seen_any:

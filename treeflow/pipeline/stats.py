@@ -137,5 +137,5 @@ def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int 
         "tokens": pc.list_value_length(bins.column("tokens")).to_numpy(zero_copy_only=False).astype(np.int64),
         "repeated_tokens": bins.column("repeated_tokens").to_numpy(),
         "edges": pc.list_value_length(bins.column("edge_sources")).to_numpy(zero_copy_only=False).astype(np.int64),
-        "cost": bin_costs(bins, shard.cost),
+        "cost": bin_costs(bins, shard.cost_model()),
     })

@@ -9,7 +9,7 @@ for a device by the engine), or a per-window `"accumulate"`or (`open(episodes)`
 -> `add(part)` ... `finish()`). Optional hooks let the pipeline check
 neighbours at declaration: `requires` / `produces` name per-edge values
 (`edge_logprobs`, `edge_entropies`), `vocab_size_hint` lets a source validate
-token ids before anything runs, `bin_budget` is the bin size a Fragment
+token ids before anything runs, `max_tokens_hint` is the bin size a Fragment
 guarantees (so a model can pad every bin to it and compile once).
 """
 
@@ -56,6 +56,10 @@ class Stage:
         """The `routed_experts` width this stage replays, when it knows it."""
         return None
 
-    def bin_budget(self) -> int | None:
+    def model_config(self):
+        """The shape (a treeflow.models.ModelConfig) of the model this stage names, if any."""
+        return None
+
+    def max_tokens_hint(self) -> int | None:
         """The most tokens a bin can hold after this stage, when it bounds them."""
         return None

@@ -5,8 +5,9 @@ with tree attention (positions = depths, each token sees its ancestors), the
 final norm, then the hidden states of the edges' *sources* are gathered and
 projected in chunks (`selected_logprobs`), so memory grows with edges, not
 tokens x vocabulary. The stage's configuration names the model; the loaded
-model, a runtime handle, is bound by `Forward.build` (engines call it once per
-worker), never stored in the config.
+model, a runtime handle, is bound by the model-bound operator built from it
+(treeflow/ops/forward.py; engines build it once per worker through the
+planner's registry), never stored in the config.
 
 Legend: N nodes of a bin, E its edges, H hidden size.
 """
@@ -24,7 +25,6 @@ from treeflow.models.tuning import Tuning
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
 from treeflow.stages.flat import list_offsets
 from treeflow.stages.base import Stage
-from treeflow.stages.runner import ForwardRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,56 +149,10 @@ class Forward(Stage):
             return None
         return route_width(ModelConfig.from_hf_dir(self.model))
 
-    def build(self, *, device: str | torch.device = "cpu", model=None,
-              pad_to: int | None = None, cp=None) -> ForwardRunner:
-        """Bind a model backend on `device` for running bins.
-
-        model: None (load `self.model` into `self.backend` on `device`), a
-        loaded Backend, or a reference Decoder (wrapped in the reference
-        backend). pad_to: the bins' token budget (`Fragment.max_tokens`);
-        flex attention pads every bin to it so one compiled kernel serves all.
-        cp: this process's ContextParallelGroup under context_parallel > 1 (default: the
-        whole process group, which must then have context_parallel ranks).
-        """
-        from treeflow.models import Backend, Decoder, ReferenceBackend, load_backend
-
-        device = resolve_device(device)
-        if model is None:
-            options = {"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {}
-            if self.backend == "reference":
-                options["tuning"] = self.tuning
-            backend = load_backend(self.backend, self.model, dtype=DTYPES[self.dtype],
-                                   device=device, **options)
-        elif isinstance(model, Decoder):
-            backend = ReferenceBackend(model, tuning=self.tuning)
-        elif isinstance(model, Backend):
-            backend = model
-            if (isinstance(model, ReferenceBackend) and self.tuning != Tuning()
-                    and self.tuning != model.tuning):
-                if model.tuning != Tuning():
-                    raise ValueError(f"Forward(tuning={self.tuning}) was given a backend tuned "
-                                     f"{model.tuning}; set the tuning in one place")
-                backend = ReferenceBackend(model.module, tuning=self.tuning)
-        else:
-            raise TypeError(f"Forward.build(model=...) takes a Backend or a Decoder, got "
-                            f"{type(model).__name__}")
-        if backend.name != self.backend:
-            raise ValueError(f"Forward(backend={self.backend!r}) was given a {backend.name!r} "
-                             "model; build it with the matching backend")
-        backend.train(False)
-        if self.context_parallel > 1 or cp is not None:
-            from treeflow.models.context_parallel import ContextParallelGroup
-            from treeflow.stages._cp_runner import ContextParallelRunner
-
-            cp = cp if cp is not None else ContextParallelGroup.from_world(self.context_parallel)
-            if cp.size != self.context_parallel:
-                raise ValueError(f"Forward(context_parallel={self.context_parallel}) was given a "
-                                 f"context-parallel group of {cp.size} ranks; give matching sizes")
-            return ContextParallelRunner(self, backend, cp, pad_to=pad_to)
-        return ForwardRunner(self, backend, pad_to=pad_to)
-
     def __call__(self, bins: pa.Table) -> pa.Table:
-        return self.build()(bins)
+        raise TypeError("Forward is a configuration and holds no model: build its operator once "
+                        "(runner = treeflow.ops.build_forward(Forward(...), device=...)) and call runner(bins), or run "
+                        "it in a Pipeline")
 
 
 def edge_values_table(bins: pa.Table, logprobs: list[np.ndarray], entropies) -> pa.Table:

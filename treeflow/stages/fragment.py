@@ -65,7 +65,7 @@ class Fragment(Stage):
                              "with ranks every rank gets the same bin count already; drop "
                              "pad_to_multiple")
 
-    def bin_budget(self) -> int:
+    def max_tokens_hint(self) -> int:
         return self.max_tokens
 
     def __call__(self, layouts: pa.Table) -> pa.Table:

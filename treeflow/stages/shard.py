@@ -29,7 +29,7 @@ undo that; N must equal `num_ranks`.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -175,20 +175,28 @@ def lpt(costs: np.ndarray, num_ranks: int) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True)
 class Shard(Stage):
-    """Assign each bin of a step to one of `num_ranks` ranks."""
+    """Assign each bin of a step to one of `num_ranks` ranks.
+
+    cost: the bins' cost model; None (the default) is the model's own when the pipeline's
+    Forward names one (the plan binds it, pipeline/plan.py), else `CostModel.llama_1b()`.
+    """
 
     input_schema = BIN_SCHEMA
     output_schema = BIN_SCHEMA
 
     num_ranks: int = 1
-    cost: CostModel = field(default_factory=CostModel.llama_1b)
+    cost: CostModel | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
             raise ValueError(f"Shard(num_ranks={self.num_ranks!r}): give an int >= 1")
 
+    def cost_model(self) -> CostModel:
+        """The cost model this Shard deals by (llama_1b when none was given or bound)."""
+        return self.cost if self.cost is not None else CostModel.llama_1b()
+
     def plan(self, bins: pa.Table) -> tuple[pa.Table, ShardReport]:
-        costs = bin_costs(bins, self.cost)
+        costs = bin_costs(bins, self.cost_model())
         given = bins.column("rank").to_numpy()
         if len(given) and given.min() >= 0:  # dealt by Fragment(ranks=...)
             dealt = len(np.unique(given))

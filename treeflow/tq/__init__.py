@@ -9,7 +9,7 @@ One interface (`Queue`), two backends:
 
     q = open_queue("tf")                           # start, or attach if one answers there
     q.put(episodes, producer="rollout-0")          # whole groups, validated, bounded
-    for rec in Pipeline(...).run(QueueSource(queue=q, episodes_per_step=32)): ...
+    for rec in Pipeline(...).run(QueueSource(episodes_per_step=32).open(q)): ...
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""Start data-parallel ranks as local processes without Ray: torchrun's environment, spawned.
+"""The one launcher of ranks: spawned local processes, torchrun's environment, Ray actors.
+
+Every way treeflow starts the processes of a data-parallel (or tensor- or
+context-parallel) group lives here: `spawn` (local processes), `torchrun_world`
+/ `rank_of` (recognising processes torchrun or spawn started), `ray_ranks`
+(the same rank function as a Ray actor group) and `rank_actors` / `rank_pool`
+(the Ray engines' long-lived rank actors). Each gives a rank torchrun's
+variables, so the rank function joins its group with `DataParallel.from_env`
+however it was started.
+
+Spawn:
 
 `spawn(fn, ranks, *args)` starts `ranks` fresh Python processes (the "spawn" start method, so
 CUDA can be initialised in each), gives each torchrun's variables (RANK, LOCAL_RANK,
@@ -12,6 +22,21 @@ with `weights_only=True` (tensors and plain values only): the launcher unpickles
 
 A rank that exits with an error makes the launcher stop the others (they would otherwise wait
 in a collective until the process group's timeout); `timeout_s` bounds the whole run.
+
+Ray actors (the same rank function, placed by Ray):
+
+`ray_ranks(fn, N, *args)` creates N actors (one GPU each with `gpus_per_rank=1`, Ray sets
+each actor's CUDA_VISIBLE_DEVICES), gives them torchrun's variables with rank 0's node address
+and a free port there, and runs `fn(*args)` in each; `fn` joins the process group with
+`DataParallel.from_env` exactly as under torchrun or `spawn`. This is the way ranks run on a
+Ray cluster (across nodes, next to other Ray work such as rollout workers); `spawn` is the
+way without Ray. A rank that raises makes the group kill every actor (the others would wait in
+a collective); `timeout_s` bounds the whole run.
+
+Trade-off: one actor per rank lives only for the call (no warm pool), which costs a process
+start and the model load per call; a long-running RL loop would keep the actors and send
+them steps, which is the Ray engine's job. The Ray engines keep their rank actors for a whole stream instead: `rank_actors` (a list of
+actors of one class, restarted by Ray if asked) and `rank_pool` (Ray Data's actor pool).
 """
 
 from __future__ import annotations
@@ -21,10 +46,20 @@ import socket
 import tempfile
 import time
 
-import torch
-import torch.multiprocessing as mp
+__all__ = ["free_port", "rank_actors", "rank_of", "rank_pool", "ray_ranks", "spawn",
+           "torchrun_world"]
 
-__all__ = ["free_port", "spawn"]
+
+def torchrun_world() -> int | None:
+    """The world size when torchrun (or treeflow's spawn) started this process, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def rank_of() -> int:
+    """This process's rank in torchrun's (or spawn's) environment; 0 outside one."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def free_port() -> int:
@@ -35,6 +70,8 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, threads: int, fn, args) -> None:
+    import torch
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if threads:
@@ -56,6 +93,9 @@ def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | 
     threads: torch intra-op threads per rank (default: the host's cores shared out).
     Raises RuntimeError naming the rank if one fails, TimeoutError past `timeout_s`.
     """
+    import torch
+    import torch.multiprocessing as mp
+
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks={ranks!r}: give an int >= 1")
     if threads is None:
@@ -82,3 +122,82 @@ def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | 
                 p.join(5)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
                 for r in range(ranks)]
+
+
+def _actor_class():
+    import ray
+
+    class _Rank:
+        def address(self) -> tuple[str, int]:
+            from treeflow.train.launch import free_port
+
+            return ray.util.get_node_ip_address(), free_port()
+
+        def run(self, env: dict, threads: int, fn, args):
+            import torch
+
+            os.environ.update(env)
+            if threads:
+                torch.set_num_threads(threads)
+            return fn(*args)
+
+    return _Rank
+
+
+def ray_ranks(fn, ranks: int, *args, gpus_per_rank: float = 0, cpus_per_rank: float = 1,
+              threads: int | None = None, timeout_s: float | None = None) -> list:
+    """Run `fn(*args)` on `ranks` Ray actors forming one process group; results in rank order."""
+    import ray
+
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r}: give an int >= 1")
+    if not ray.is_initialized():
+        from treeflow.sigterm import keep_sigterm
+
+        with keep_sigterm():
+            ray.init(log_to_driver=False)
+    actors = rank_actors(_actor_class(), ranks, num_cpus=cpus_per_rank, num_gpus=gpus_per_rank)
+    try:
+        addr, port = ray.get(actors[0].address.remote(), timeout=timeout_s)
+        refs = []
+        for r, actor in enumerate(actors):
+            env = dict(RANK=str(r), WORLD_SIZE=str(ranks), MASTER_ADDR=addr, MASTER_PORT=str(port),
+                       # each actor sees only its own GPU(s): its device is cuda:0
+                       LOCAL_RANK="0" if gpus_per_rank else str(r),
+                       LOCAL_WORLD_SIZE="1" if gpus_per_rank else str(ranks))
+            refs.append(actor.run.remote(env, threads or 0, fn, args))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                raise TimeoutError(f"{ranks} Ray ranks still running after {timeout_s} s; killed")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                rank = refs.index(done[0])
+                last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
+                raise RuntimeError(f"rank {rank} of {ranks} failed: {last}") from None
+        return ray.get(refs)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def rank_actors(cls, ranks: int, *args, num_cpus: float = 1, num_gpus: float = 0,
+                max_restarts: int = 0, max_task_retries: int = 0) -> list:
+    """`ranks` Ray actors of class `cls`, each built with `args` (one GPU each with num_gpus=1:
+    Ray sets each actor's CUDA_VISIBLE_DEVICES, so its device is cuda:0)."""
+    import ray
+
+    remote = ray.remote(max_restarts=max_restarts, max_task_retries=max_task_retries)(cls)
+    return [remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(*args)
+            for _ in range(ranks)]
+
+
+def rank_pool(ranks: int, *, in_flight: int | None = None):
+    """A Ray Data actor pool of `ranks` rank actors (`in_flight` tasks each at most)."""
+    from ray.data import ActorPoolStrategy
+
+    return ActorPoolStrategy(size=ranks, max_tasks_in_flight_per_actor=in_flight)

@@ -28,7 +28,7 @@ from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.slots import Slots
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
-from treeflow.stages.runner import PreparedBins
+from treeflow.ops.runner import PreparedBins
 from treeflow.stages.shard import bin_costs
 from treeflow.train.router_aux import RouterAux
 
@@ -378,7 +378,7 @@ class Step:
             "route_agreement": self._route_agreement(),
         }
         if dp.cp is not None:
-            from treeflow.stages._cp_runner import cp_metrics
+            from treeflow.ops.cp_runner import cp_metrics
 
             row.update(cp_metrics(tr.runner.take_stats(), dp))
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)

@@ -31,7 +31,8 @@ import torch
 
 from treeflow.stages.forward import DTYPES, Forward
 from treeflow.stages.reduce import Reduce
-from treeflow.stages.runner import PreparedBins
+from treeflow.ops.forward import build_forward
+from treeflow.ops.runner import PreparedBins
 from treeflow.stages.shard import CostModel
 from treeflow.train.background_save import BackgroundSave
 from treeflow.train.checkpoint import (checkpoint_writer, load_checkpoint, save_checkpoint,
@@ -49,7 +50,7 @@ class Trainer:
     (everything in `forward.dtype`; for comparisons only).
     dp: this process's data-parallel rank (default: the only one, on `device`).
     device: where the model runs when no `dp` is given (a rank runs on `dp.device`).
-    pad_to: the bins' token budget (Fragment.max_tokens), so flex bins compile once.
+    max_tokens: the bins' token budget (Fragment.max_tokens), so flex bins compile once.
     grad_sum: "float32" (accumulate bins' gradients in the parameters' dtype) or "float64"
     (accumulate and all-reduce in float64: the sum of float32 bin gradients is then exact, so
     the step's gradient does not depend on the order of bins or the number of ranks; costs
@@ -69,7 +70,7 @@ class Trainer:
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
                  precision: str = "mixed", dp: DataParallel | None = None,
                  grad_sum: str = "float32", device: str | torch.device = "cpu",
-                 pad_to: int | None = None, shard_params: bool = False,
+                 max_tokens: int | None = None, shard_params: bool = False,
                  overlap_reduce: bool = True):
         if grad_sum not in ("float32", "float64"):
             raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
@@ -90,8 +91,9 @@ class Trainer:
             raise ValueError("shard_params=True (--shard-params) with context parallelism is not "
                              "supported yet: drop --shard-params or --context-parallel")
         cp = {"cp": self.dp.cp} if self.dp.cp is not None else {}
-        self.runner = replace(forward, dtype=storage_dtype(forward.dtype, precision)).build(
-            device=self.dp.device, model=model, pad_to=pad_to, **cp)
+        self.runner = build_forward(replace(forward, dtype=storage_dtype(forward.dtype, precision)),
+                                    device=self.dp.device, model=model, max_tokens=max_tokens,
+                                    **cp)
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)

@@ -1,4 +1,4 @@
-"""ForwardRunner: a Forward stage bound to a loaded model on a device, split for pipelining.
+"""ForwardRunner: the model-bound map operator -- a Forward stage bound to a loaded model on a device, split for pipelining.
 
 Running a bin has a host half and a device half. `prepare` does the host half
 -- slicing the bin's columns, the attention plan (subtree ends, flex block
@@ -12,7 +12,7 @@ device wait for Python between bins. Prepared device buffers are kept alive
 by their `PreparedBins` until its results were waited for, so no buffer is
 freed while a queued kernel may still read it.
 
-Flex bins are padded to `pad_to` (the Fragment budget) so one compiled kernel
+Flex bins are padded to `max_tokens` (the Fragment budget) so one compiled kernel
 serves every bin; `warm_up` compiles it on a dummy bin, so compile time can
 be reported apart from throughput.
 
@@ -99,7 +99,7 @@ class Pending:
 class ForwardRunner:
     """A Forward stage bound to a loaded model backend on one device (`model`: its module)."""
 
-    def __init__(self, config, backend, *, pad_to: int | None = None):
+    def __init__(self, config, backend, *, max_tokens: int | None = None):
         self.config = config
         self.backend = backend
         self.model = backend.module
@@ -107,7 +107,7 @@ class ForwardRunner:
         self.device = torch.device(backend.device)
         cuda = self.device.type == "cuda"
         # padding serves the compiled (CUDA) flex kernel; eager CPU flex would only pay for it
-        self.pad_to = pad_to if cuda else None
+        self.pad_to = max_tokens if cuda else None
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.route_width, self.routing = _routing(config, backend)
 

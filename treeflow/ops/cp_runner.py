@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 
 from treeflow.models.context_parallel import ContextParallelPlan, cp_bounds
-from treeflow.stages.runner import _COLUMNS, ForwardRunner, PreparedBin, PreparedBins
+from treeflow.ops.runner import _COLUMNS, ForwardRunner, PreparedBin, PreparedBins
 
 
 
 class ContextParallelRunner(ForwardRunner):
     """ForwardRunner for one rank of a context-parallel group `cp` (ContextParallelGroup)."""
 
-    def __init__(self, config, backend, cp, *, pad_to: int | None = None):
-        super().__init__(config, backend, pad_to=pad_to)
+    def __init__(self, config, backend, cp, *, max_tokens: int | None = None):
+        super().__init__(config, backend, max_tokens=max_tokens)
         self.cp = cp
         self.counts_bins = cp.rank == 0  # a bin's tokens and count are reported once per group
         self.stats = _empty_stats(cp.size)

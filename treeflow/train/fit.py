@@ -1,0 +1,235 @@
+"""fit(): the one training loop -- replay, stream, one rank or N, local or Ray engine.
+
+    report = fit(Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reduce()),
+                 lambda position, done: Files(paths=p, episodes_per_step=32, cycle=True).open(position),
+                 steps=100, checkpointing=Checkpointing(dir="ckpt", every=10),
+                 sinks=[JsonlSink("metrics.jsonl")], run=run_fingerprint(p, options))
+
+What every training run does lives here once: build the Trainer or resume
+it (`Resume`: the newest verified checkpoint, the run-fingerprint check and
+`allow_different_data`), open the source at the checkpoint's position, open
+the metrics sinks (a resumed JSON-lines log is cut back to the checkpoint),
+run the pipeline on an engine, and for each step's result: the extra fields
+of the caller (`on_result`), the first-step and step-size warnings, the
+sinks, the progress bar; then the final checkpoint, the background write
+joined, and the report. The save cadence belongs to the training operator
+(ops/train.py), which fit builds with `checkpointing` and the hooks
+(`publish`: the weights to the producers after every step), so engines never
+touch a Trainer. With `engine="ray"` the operator lives in the rank actor:
+fit passes the checkpoint and publish settings to the engine and announces
+the weights the rank wrote.
+
+The trade-off: one loop with a few callbacks instead of three loops that
+each read clearly on their own; the CLI commands only build their stages and
+source and print.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from treeflow.ops.train import Checkpointing, PublishWeights, TrainOp, announce_weights
+
+__all__ = ["Resume", "fit", "first_step_check", "step_size_check"]
+
+# a first step's importance ratio outside this range means the data's generation logprobs
+# are not this model's
+_RATIO_LOW, _RATIO_HIGH = 0.1, 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """Continue from the newest complete checkpoint under `path` (None: a fresh run).
+
+    trust_checkpoint: also accept a checkpoint without a manifest (cannot be verified).
+    allow_different_data: continue although the run fingerprint (data, step options)
+    differs, saying each difference on stderr.
+    """
+
+    path: str | None = None
+    trust_checkpoint: bool = False
+    allow_different_data: bool = False
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def first_step_check(row: dict, loss: str | None, note) -> None:
+    """Warn when the first step's importance ratio is far from 1: the data's generation
+    logprobs are not this model's (synth episodes, another checkpoint, another tokenizer)."""
+    ratio = row.get("ratio_mean")
+    if ratio is None or loss != "pg":
+        return
+    if not (_RATIO_LOW <= ratio <= _RATIO_HIGH):
+        note(f"warning: step {row.get('step')}: ratio_mean {ratio:.3g} is far from 1 -- the "
+             "episodes' generation_logprobs are not this model's (synth episodes carry made-up "
+             "ones; or another checkpoint/tokenizer sampled them), so --loss pg clips most tokens "
+             "and learns little; train on the policy's own rollouts (treeflow rollout) or use "
+             "--loss nll")
+
+
+def step_size_check(row: dict, episodes_per_step: int | None, note, said: set) -> None:
+    """Say (once each) when a step trained another number of episodes than asked."""
+    want, got = episodes_per_step, row.get("episodes")
+    if want is None or got is None or got == want:
+        return
+    kind = "more" if got > want else "fewer"
+    if kind in said:
+        return
+    said.add(kind)
+    why = ("a step holds whole groups, so the window was rounded up to the end of a group"
+           if kind == "more" else
+           "a step does not cross the end of the data (the file, or what the queue held)")
+    note(f"warning: --episodes-per-step {want}: step {row.get('step')} trained {got} episodes; "
+         f"{why}")
+
+
+def _trainer(plan, resume: Resume | None, options: dict, run: dict | None, note):
+    from treeflow.train import Trainer
+    from treeflow.train.run import differences
+
+    forward, reduce = plan.model, plan.accumulate
+    if resume is None or resume.path is None:
+        return Trainer(forward, reduce, max_tokens=plan.max_tokens, **options)
+    trainer = Trainer.resume(resume.path, forward, reduce, log=note,
+                             trust_checkpoint=resume.trust_checkpoint,
+                             max_tokens=plan.max_tokens, **options)
+    if trainer.run is None:
+        note(f"{trainer.checkpoint_path}: holds no run fingerprint; cannot check that the data "
+             "and options are the same")
+    elif run is not None:
+        diffs = differences(trainer.run, run)
+        if diffs and not resume.allow_different_data:
+            raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
+                             + "; ".join(diffs) + "; resume with the checkpoint's data and "
+                             "options, or pass --allow-different-data to continue anyway")
+        for d in diffs:
+            note(f"--allow-different-data: {d}")
+    return trainer
+
+
+def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = None,
+        run: dict | None = None, config: dict | None = None, resume: Resume | None = None,
+        checkpointing: Checkpointing | None = None, sinks: Sequence = (),
+        publish: PublishWeights | None = None, on_result: Callable | None = None,
+        on_saved: Sequence[Callable] = (), episodes_per_step: int | None = None,
+        loss: str | None = None, cap_steps: bool = True, lead: bool = True, log=_stderr,
+        progress: str | None = "train", device: str = "cpu", prefetch: int = 2,
+        engine: str = "local", engine_options: dict | None = None) -> dict:
+    """Train `pipeline` (ending in Reduce) for `steps` optimizer steps in all; the report.
+
+    source: `source(position, steps_done)` -> what `Pipeline.run` takes (a reader opened at
+    the checkpoint's position, or a config the engine reads itself).
+    trainer_options: the Trainer's (precision, dp, grad_sum, shard_params); the bin budget
+    comes from the plan. run: the run fingerprint (train/run.py), saved and checked on
+    resume. config: the resolved configuration saved in every checkpoint.
+    on_result(rec, row) -> extra fields of the step's metrics row (the lead's results only;
+    called before `seconds` is added). on_saved: hooks after each checkpoint.
+    cap_steps: stop after `steps` windows (False: the source stops itself, as a queue reader
+    after max_steps). progress: the progress bar's title (None: none).
+    Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
+    "steady_seconds_per_step", "wall_seconds", "nothing_to_do", "checkpoint"}.
+    """
+    from treeflow._display import progress as progress_bar
+
+    plan = pipeline.plan
+    if not plan.fused:
+        raise ValueError(f"fit() trains a pipeline that ends in Reduce; {pipeline!r} does not")
+    note = log if lead else _quiet
+    checkpointing = checkpointing or Checkpointing()
+    remote = engine != "local"
+    engine_options = dict(engine_options or {})
+    if remote:
+        if resume is not None and resume.path is not None:
+            raise ValueError(f"engine {engine!r} does not resume yet; use engine 'local' for "
+                             "--resume")
+        trainer, op, done = None, None, 0
+        if checkpointing.dir:
+            engine_options["save"] = checkpointing.dir
+            if checkpointing.keep is not None:
+                engine_options["keep"] = checkpointing.keep
+        if publish is not None:
+            engine_options["publish"] = publish.root
+    else:
+        options = dict(trainer_options or {})
+        if "dp" not in options:  # a rank of several runs on its DataParallel's device
+            options["device"] = device
+        trainer = _trainer(plan, resume, options, run, note)
+        trainer.run = run
+        trainer.config = config
+        done = trainer.steps
+    report = {"steps": done, "rows": [], "last": None, "compile_seconds": 0.0, "recompiles": None,
+              "steady_seconds_per_step": None, "wall_seconds": 0.0, "nothing_to_do": False,
+              "checkpoint": None if trainer is None else trainer.checkpoint_path}
+    todo = None if steps is None else steps - done
+    if todo is not None and todo <= 0:
+        report["nothing_to_do"] = True
+        return report
+    if trainer is not None:
+        hooks = [publish] if publish is not None and lead else []
+        op = TrainOp(trainer, checkpointing=checkpointing, on_step=hooks, on_saved=on_saved)
+        if publish is not None and lead and done:
+            publish(op)  # the resumed weights, for the producers that refit
+    src = source(None if trainer is None else trainer.position, done)
+    rows, said, seconds0 = report["rows"], set(), time.perf_counter()
+    opened: list = []
+    failed = True
+    try:
+        if lead:
+            for sink in sinks:
+                sink.open(steps_done=done, resuming=resume is not None and resume.path is not None)
+                opened.append(sink)
+        run_options = dict(device=device, prefetch=prefetch)
+        if cap_steps and todo is not None:
+            run_options["steps"] = todo
+        if remote:
+            run_options.update(engine=engine, **engine_options)
+        else:
+            run_options["trainer"] = op
+        with progress_bar(progress or "train", todo, progress is None or not lead) as advance:
+            for rec in pipeline.run(src, **run_options):
+                report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
+                if "recompiles" in rec.stats:
+                    report["recompiles"] = (report["recompiles"] or 0) + rec.stats["recompiles"]
+                row = rec.output.to_pylist()[0]
+                if on_result is not None and lead:
+                    row.update(on_result(rec, row))
+                row["seconds"] = round(time.perf_counter() - seconds0, 3)
+                if not rows:
+                    first_step_check(row, loss, note)
+                step_size_check(row, episodes_per_step, note, said)
+                if remote and publish is not None and "weights" in rec.stats and \
+                        publish.announce is not None:
+                    announce_weights(publish.announce, publish.root, row["step"],
+                                     rec.stats["weights"])
+                rows.append(row)
+                report["steps"] = row["step"]
+                for sink in opened:
+                    sink.write(row, rec.position)
+                if op is not None and op.will_save(op.steps):
+                    for sink in opened:  # on disk before the checkpoint that holds this step
+                        sink.flush(durable=True)
+                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
+        if op is not None:
+            op.close()
+            report["steps"] = op.steps
+        failed = False
+    finally:
+        if failed and op is not None:  # a failed run still completes the save in flight
+            op.abort()
+        for sink in opened:
+            sink.close()
+    report["last"] = rows[-1] if rows else None
+    report["wall_seconds"] = round(time.perf_counter() - seconds0, 3)
+    if len(rows) > 1:  # steady state: from the end of the first step to the end of the last
+        report["steady_seconds_per_step"] = (rows[-1]["seconds"] - rows[0]["seconds"]) / \
+            (len(rows) - 1)
+    return report
