@@ -35,12 +35,12 @@ def test_batch_episodes_as_asked_says_nothing(data, capsys):
 
 def _subcommands():
     from treeflow.cli import build_parser
-    from treeflow.cli_config import subparsers
+    from treeflow.cli.config import subparsers
 
     return subparsers(build_parser())
 
 
-from treeflow.cli_names import RENAMED
+from treeflow.cli.names import RENAMED
 
 HIDDEN = {("stream", ("--linger",))}  # internal (tests' producer timing), hidden on purpose
 
@@ -87,7 +87,7 @@ def test_training_numbers_are_refused_by_their_flag(data, capsys, flag, value, n
 
 
 def test_idle_ranks_are_said():
-    from treeflow.cli_help import idle_ranks_warning
+    from treeflow.cli.help import idle_ranks_warning
 
     said = idle_ranks_warning("ray", 2, 1)
     assert said.startswith("warning: --num-ranks 2: the run made 1 bin(s)")

@@ -79,7 +79,7 @@ def test_torchrun_two_nodes_train_like_one_process(data, tmp_path):
 def _trainer_bins(data):
     """In each rank of a real 2-rank training run: the bins its trainer ran, as Arrow IPC bytes."""
     from treeflow.cli import build_parser
-    from treeflow.cli_train import _train
+    from treeflow.cli.train import _train
     from treeflow.train import trainer
 
     ran = []

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from treeflow.cli import build_parser, main
-from treeflow.cli_config import subparsers
-from treeflow.cli_names import RENAMED
+from treeflow.cli.config import subparsers
+from treeflow.cli.names import RENAMED
 
 
 def _config(capsys, argv):

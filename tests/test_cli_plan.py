@@ -1,6 +1,6 @@
 """`treeflow plan --num-ranks N` shows the bins `stream --mode train --num-ranks N` trains on.
 
-Both build their map stages with `cli_train.plan_stages` (replay --mode train too:
+Both build their map stages with `treeflow.cli.configs.plan_stages` (replay --mode train too:
 tests/test_cli_multinode.py holds replay to the plan the same way). The step is one GRPO
 group (one tree) for two ranks, so the ranks share out the tree's bins (stages/_share.py):
 a plan that dealt whole trees instead would give one rank every bin and fail here.
@@ -36,8 +36,8 @@ def data(tmp_path_factory):
 def _stream_rank_bins(sock):
     """One rank of `stream --mode train --num-ranks 2`: the bins its trainer ran, per step."""
     from treeflow.cli import build_parser
-    from treeflow.cli_names import resolve
-    from treeflow.cli_stream_train import _stream_rank
+    from treeflow.cli.names import resolve
+    from treeflow.cli.stream_train import _stream_rank
     from treeflow.train import trainer
 
     ran, original = [], trainer.Trainer.train_step

@@ -22,13 +22,11 @@ PACKAGE = "treeflow"
 
 # strongly connected components of the import graph (each a cycle or several), sorted
 KNOWN_CYCLES: set[tuple[str, ...]] = {
-    ("treeflow.cli", "treeflow.cli_gate", "treeflow.cli_stream", "treeflow.cli_stream_train",
-     "treeflow.cli_train"),
+    # ModelConfig.from_hf_dict returns the HybridConfig subclass for Mamba-2 hybrids
     ("treeflow.models.config", "treeflow.models.hybrid_config"),
 }
 # (importer, private name imported from outside what holds it)
 KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("treeflow.cli_stream_train", "treeflow.cli_train._fit_options"),
     ("treeflow.ops.cp_runner", "treeflow.ops.runner._COLUMNS"),
     ("treeflow.pipeline.ray_queue", "treeflow.pipeline.ray_engine._check_ray_plan"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._ActorLedger"),

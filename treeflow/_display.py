@@ -1,7 +1,7 @@
 """Display helpers shared by the command-line modules: console, progress bar, tables.
 
-Kept apart from `cli.py` so that every command module can import them
-without importing the argument parser (no import cycle between commands).
+Kept outside `treeflow/cli/` so that the training loop (train/fit.py) draws the same progress
+bar without importing the command line.
 """
 
 from __future__ import annotations

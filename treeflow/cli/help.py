@@ -4,7 +4,7 @@ Applied once to the built parser (`finish_parser`), so each command's own parser
 it is: every subcommand gets `--debug` and `--quiet` where it has none, `--help` shows every
 option's default (ArgumentDefaultsHelpFormatter), an option declared without help gets
 its line from `_HELP` (one meaning per flag name across commands), and a renamed flag keeps
-its old name for one release (cli_names.py).
+its old name for one release (names.py).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ _HELP = {
 
 
 def finish_parser(parser: argparse.ArgumentParser) -> None:
-    from treeflow.cli_config import subparsers
-    from treeflow.cli_names import add_old_names
+    from treeflow.cli.config import subparsers
+    from treeflow.cli.names import add_old_names
 
     for sub in subparsers(parser).values():
         add_old_names(sub)

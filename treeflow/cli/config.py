@@ -1,7 +1,7 @@
 """`--config run.yaml|run.toml` and `--print-config`: a command's options from a file.
 
 The file's keys are the command's long flag names (dashes or underscores: `episodes-per-step`
-or `episodes_per_step`; the old name of a renamed flag is read with a warning, cli_names.py),
+or `episodes_per_step`; the old name of a renamed flag is read with a warning, cli/names.py),
 its values what the flag takes (`true`/`false` for switches). Flags on
 the command line override the file; a key that is no flag of the command is refused naming
 the nearest one; positional arguments (the episode files) stay on the command line.
@@ -18,7 +18,7 @@ import difflib
 import json
 import os
 
-from treeflow.cli_names import message, note, old_key
+from treeflow.cli.names import message, note, old_key
 
 _INTERNAL = ("fn", "command", "config", "print_config", "debug", "renamed_flags")
 _POSITIONAL = ("files",)  # stay on the command line

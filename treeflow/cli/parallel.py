@@ -29,8 +29,19 @@ from __future__ import annotations
 
 from treeflow.train.launch import rank_of, torchrun_world
 
-__all__ = ["check_context_parallel_options", "check_tensor_parallel_options", "rank_of",
-           "start_ranks", "torchrun_world"]
+__all__ = ["add_parallel_options", "check_context_parallel_options",
+           "check_tensor_parallel_options", "rank_of", "start_ranks", "torchrun_world"]
+
+
+def add_parallel_options(s) -> None:
+    """--tensor-parallel and --context-parallel (replay, in both modes)."""
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="split the model over T processes (--backend megatron; one GPU each "
+                        "with --device cuda); in training, T x --num-ranks processes")
+    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="run each bin over C processes (--backend reference; one GPU each with "
+                        "--device cuda), each fetching only its nodes' ancestors' K/V; bins "
+                        "hold up to C x --max-tokens; in training, C x --num-ranks processes")
 
 
 def check_tensor_parallel_options(args, *, train: bool) -> None:

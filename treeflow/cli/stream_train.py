@@ -41,43 +41,27 @@ import numpy as np
 
 from treeflow._clock import process_seconds
 from treeflow._display import console, table
-from treeflow.cli_config import resolved_config
+from treeflow.cli import configs
+from treeflow.cli.common import say
+from treeflow.cli.config import resolved_config
+from treeflow.cli.queue import open_cli_queue
+from treeflow.cli.rl import advantage_stages, check_train_options
 
 def check_train(args) -> None:
     """Refuse impossible options before the queue or any model is started."""
-    from treeflow.train.checkpoint import LATEST
+    from treeflow.schemas.episode import expand_paths
 
-    if args.episodes_per_step is None:
-        raise ValueError("--mode train needs --episodes-per-step B >= 1 (episodes per optimizer step)")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
-                         "to save only at the end")
-    if args.save_every and not args.save:
-        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
-    if args.keep is not None and args.keep < 1:
-        raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
     if args.max_staleness is not None and args.max_staleness < 0:
         raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
     if args.shard_params:
         raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
-                         "the whole weights after every step); train sharded with replay --num-ranks N")
+                         "the whole weights after every step); train sharded with replay "
+                         "--num-ranks N")
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
-    from treeflow.lock import claim_output
-    from treeflow.schemas.episode import expand_paths
-
-    inputs = expand_paths(args.from_files) if args.from_files else []
-    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
-                                    ("--publish-weights", args.publish_weights, True),
-                                    ("--tensorboard", args.tensorboard, True)):
-        if path:  # one writer per output, never an input (treeflow/lock.py)
-            claim_output(path, option=option, inputs=inputs, directory=directory)
-    if args.save and not args.resume and os.path.isdir(args.save) and \
-            (os.path.exists(os.path.join(args.save, LATEST)) or
-             any(n.startswith("step-") for n in os.listdir(args.save))):
-        raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
-                         f"{args.save} to continue it, or give an empty directory")
+    check_train_options(args, inputs=expand_paths(args.from_files) if args.from_files else [],
+                        outputs=(("--publish-weights", args.publish_weights, True),))
     B = args.episodes_per_step
     held = (args.save_every if args.save and args.save_every else 0) + 1
     if args.capacity < held * B:
@@ -109,12 +93,11 @@ def stream_train(args, queue) -> dict:
 
 def _stream_rank(args):
     """One data-parallel rank (a spawned process): rank 0 reads the queue, every rank trains."""
-    from treeflow.cli_stream import forward_stage, open_cli_queue
     from treeflow.train import DataParallel
 
     dp = DataParallel.from_env(args.device)
     try:
-        queue = (open_cli_queue(args, forward_stage(args).vocab_size_hint(), attach=True)
+        queue = (open_cli_queue(args, configs.forward(args).vocab_size_hint(), attach=True)
                  if dp.rank == 0 else None)
         return _stream_train(args, queue, dp)
     finally:
@@ -132,28 +115,19 @@ class _NoReader:
 
 
 def _stream_train(args, queue, dp) -> dict | None:
-    from treeflow.cli_rl import advantage_stages
-    from treeflow.cli_stream import forward_stage
-    from treeflow.cli_train import _fit_options, plan_stages, say
     from treeflow.ops import PublishWeights
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
-    from treeflow.stages import EpisodeSchedule, Loss, Reduce
     from treeflow.train.fit import fit
     from treeflow.train.run import STEP_OPTIONS
 
-    forward = forward_stage(args, entropy=bool(args.entropy_coef))
-    reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
-                              clip_high=args.clip_high, tis_cap=args.tis_cap,
-                              entropy_coef=args.entropy_coef),
-                    schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
-                                             decay_episodes=args.decay_episodes),
-                    max_grad_norm=args.max_grad_norm)
+    forward = configs.forward(args, entropy=bool(args.entropy_coef))
+    reduce = configs.reduce(args)
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
     # as replay --num-ranks N (and `treeflow plan --num-ranks N`): every rank gets the whole step
     # and lays out and bins only its own share of it
-    pipe = Pipeline(*advantage_stages(args), *plan_stages(args, world, dp.rank if dp else 0),
-                    forward, reduce)
+    maps = configs.plan_stages(args, world, dp.rank if dp else 0)
+    pipe = Pipeline(*advantage_stages(args), *maps, forward, reduce)
     on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)
     root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
                                     else tempfile.mkdtemp(prefix="treeflow-weights-"))
@@ -194,7 +168,7 @@ def _stream_train(args, queue, dp) -> dict | None:
         if lead:
             opened["reader"].ack_finished()
 
-    options = _fit_options(args)
+    options = configs.fit_options(args)
     # synchronous saves: the steps a checkpoint holds are acknowledged once it is written
     options["checkpointing"] = replace(options["checkpointing"], background=False)
     if on_ray:

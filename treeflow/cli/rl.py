@@ -1,0 +1,114 @@
+"""Training flags checked by their names, and advantages from rewards (`--advantage`).
+
+The training commands ask for `check_loss_options(args)` before anything is built and for
+`advantage_stages(args)`: a tuple to put before Pack (the flags are in options.py; the
+first-step and step-size warnings live with the loop, in train/fit.py).
+"""
+
+from __future__ import annotations
+
+
+def check_train_numbers(args) -> None:
+    """Refuse an impossible training number by its flag (not by the stage it would reach)."""
+    import math
+
+    def bad(flag, value, want):
+        raise ValueError(f"--{flag} {value}: {want}")
+
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps < 1:
+        bad("steps", steps, "give the total number of optimizer steps, >= 1")
+    for flag, low, strict in (("lr", 0.0, False), ("max_grad_norm", 0.0, True),
+                              ("clip_high", 0.0, False), ("warmup_episodes", 0, False)):
+        value = getattr(args, flag, None)
+        if value is not None and (not math.isfinite(value) or value < low or
+                                  (strict and value == low)):
+            bad(flag.replace("_", "-"), value,
+                f"give a finite number {'>' if strict else '>='} {low}")
+    clip_low = getattr(args, "clip_low", None)
+    if clip_low is not None and not 0 <= clip_low < 1:
+        bad("clip-low", clip_low, "give a number in [0, 1) (the ratio is clipped at 1 - clip-low)")
+    for flag in ("decay_episodes", "tis_cap"):
+        value = getattr(args, flag, None)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            bad(flag.replace("_", "-"), value, "give a number > 0, or leave it out")
+
+
+def check_train_options(args, *, inputs, outputs=()) -> None:
+    """What every training command refuses alike, before any model or queue is started: the
+    numbers by their flags, the step size, the save cadence, and outputs that are inputs,
+    held by another run, or (--save) a directory of another run's checkpoints.
+
+    outputs: (flag, path, is a directory) beyond --save, --metrics and --tensorboard.
+    """
+    import os
+
+    from treeflow.atomic import check_output, refuse_inputs
+    from treeflow.lock import claim_output
+    from treeflow.train.checkpoint import LATEST
+    from treeflow.train.launch import rank_of
+
+    check_loss_options(args)  # each number by its flag, --steps before --episodes-per-step
+    if args.episodes_per_step is None or args.episodes_per_step < 1:
+        raise ValueError(f"--episodes-per-step {args.episodes_per_step}: --mode train needs "
+                         "--episodes-per-step B >= 1 (episodes per optimizer step)")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
+                         "to save only at the end")
+    if args.save_every and not args.save:
+        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
+    if args.keep is not None and args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
+    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
+                                    *outputs, ("--tensorboard", args.tensorboard, True)):
+        if path:  # one writer per output: rank 0 of a torchrun job holds the locks for all
+            if rank_of() == 0:
+                claim_output(path, option=option, inputs=inputs, directory=directory)
+            else:
+                check_output(path, what=option, directory=directory)
+                refuse_inputs(path, inputs, option=option)
+    if args.save and not args.resume and os.path.isdir(args.save) and \
+            (os.path.exists(os.path.join(args.save, LATEST)) or
+             any(n.startswith("step-") for n in os.listdir(args.save))):
+        raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
+                         f"{args.save} to continue it, or give an empty directory")
+
+
+def check_loss_options(args) -> None:
+    """Refuse the loss flags the CLI cannot honour (before any model is built)."""
+    import math
+
+    check_train_numbers(args)
+
+    for flag in ("entropy_coef", "kl_coef"):
+        value = getattr(args, flag, 0.0)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: give a finite number >= 0")
+    if getattr(args, "kl_coef", 0.0) > 0:
+        raise ValueError(f"--kl-coef {args.kl_coef}: the KL penalty needs the reference "
+                         "policy's logprobs of every sampled token, and the command line does "
+                         "not compute them yet (no --ref-model); from Python pass "
+                         "Loss(kl_coef=...) and Trainer.train_step(..., ref_logprobs=TABLE)")
+
+
+def advantage_stages(args) -> tuple:
+    """(Advantage(...),) when --advantage computes one, else (); refuses options without effect."""
+    from treeflow.stages.advantage import Advantage
+
+    check_loss_options(args)
+    estimator = getattr(args, "advantage", None)
+    if estimator in (None, "none"):
+        if not args.std_normalize or args.advantage_eps != 1e-6:
+            raise ValueError("--no-std-normalize/--advantage-eps shape --advantage grpo; give "
+                             "--advantage grpo or drop them")
+        return ()
+    if estimator != "grpo" and (not args.std_normalize or args.advantage_eps != 1e-6):
+        raise ValueError(f"--no-std-normalize/--advantage-eps are grpo options; --advantage "
+                         f"{estimator} takes neither")
+    if args.advantage_eps < 0:
+        raise ValueError(f"--advantage-eps {args.advantage_eps}: give a number >= 0")
+    return (Advantage(estimator=estimator, std_normalize=args.std_normalize,
+                      eps=args.advantage_eps),)
+
+
+__all__ = ["advantage_stages", "check_loss_options", "check_train_numbers", "check_train_options"]
