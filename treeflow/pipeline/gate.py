@@ -27,7 +27,6 @@ weights; "corrupt-route" changes one captured expert id of the first put
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import threading
 import time
@@ -132,6 +131,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
              scope: str | None = None, max_tokens: int = 16384, device: str = "cpu",
              weights: str | None = None) -> dict:
     """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`."""
+    from treeflow.ops.train import PublishWeights, TrainOp
     from treeflow.pipeline.fidelity import generation_kl
     from treeflow.pipeline.pipeline import Pipeline
     from treeflow.pipeline.queue_source import QueueSource
@@ -172,14 +172,13 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
                          consumer="gate", idle_timeout=gate.timeout).open(queue)
     failures: list[str] = []
     step_row, trained = None, None
+    # the training operator publishes the new weights (<weights>/v1) to the sampler after the step
+    op = TrainOp(trainer, on_step=[PublishWeights(weights, announce=queue.publish_weights)])
     try:
-        for rec in Pipeline(pack, fragment, forward, reduce).run(reader, trainer=trainer):
+        for rec in Pipeline(pack, fragment, forward, reduce).run(reader, trainer=op):
             step_row, trained = rec.output.to_pylist()[0], rec.episodes
         if step_row is None:
             raise RuntimeError("the queue closed before a step arrived")
-        path = os.path.join(weights, f"v{trainer.steps}")
-        trainer.backend.save(path)
-        queue.publish_weights(trainer.steps, path)
         refit, refit_fid = _next_step(queue, gate, END), None
         if refit is not None:
             values = trainer.logprobs(fragment(pack(refit.episodes)))

@@ -1,6 +1,7 @@
 """The local engine: one process, CPU preparation running ahead of the model.
 
-A background thread reads windows from the source and runs the plan's maps
+A background thread (the one read-ahead wrapper, pipeline/prefetch.py) reads
+windows from the source and runs the plan's maps
 (Pack, Fragment, Shard) and the host half of the model map (attention plans,
 block masks, pinned buffers, copies to the device on a side stream) for up
 to `prefetch` windows ahead; the main thread only launches bins and reads

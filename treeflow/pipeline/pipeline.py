@@ -84,8 +84,10 @@ class Pipeline:
         is its old name, accepted for one release); for an iterable of tables
         and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
-        step and the output is its metrics row; pass `trainer` to continue a
-        resumed Trainer. device: where the model runs (the engine builds
+        step and the output is its metrics row; pass `trainer` (a Trainer, e.g.
+        resumed, or a built training operator, `treeflow.ops.TrainOp`, with its
+        checkpointing and hooks) to continue it; `treeflow.train.fit` is the
+        whole training loop around this. device: where the model runs (the engine builds
         it there). engine "ray": `ranks` forward actors, fed by a Ray Data
         graph from files, or from a queue source through the queue itself
         (pipeline/ray_queue.py). steps: stop after this many windows

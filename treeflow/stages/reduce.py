@@ -5,16 +5,16 @@ any rank, in several chunks), each one's weighted occurrence losses are
 back-propagated into accumulated gradients, and `finish` clips, steps the
 optimizer and advances the scheduler by the number of *episodes* in the step
 -- never bins or fragments, so fragmentation cannot change the learning-rate
-schedule. Gradients cannot travel through Arrow, so engines fuse Forward and
-Reduce into one `Trainer` on the worker that holds the model
-(treeflow/train); this module only holds the pure configuration.
+schedule. Gradients cannot travel through Arrow, so the plan compiles Reduce
+to a training operator that holds Forward's model itself (ops/train.py, over
+a treeflow.train.Trainer; the registry entry says it fuses Forward); this
+module only holds the pure configuration.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from treeflow.schemas.layout import EDGE_VALUES_SCHEMA, STEP_METRICS_SCHEMA
 from treeflow.stages.base import Stage
@@ -59,8 +59,6 @@ class Reduce(Stage):
     input_schema = EDGE_VALUES_SCHEMA
     output_schema = STEP_METRICS_SCHEMA
     kind = "accumulate"
-    # gradients cannot travel through Arrow: the step runs the model itself (train.Trainer)
-    fuses_model: ClassVar[bool] = True
 
     loss: Loss = field(default_factory=Loss)
     schedule: EpisodeSchedule = field(default_factory=EpisodeSchedule)

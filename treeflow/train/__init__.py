@@ -3,13 +3,20 @@
 Stages stay pure configuration (`treeflow.stages.Reduce`, `Loss`,
 `EpisodeSchedule`); this package holds what cannot be pure -- the model,
 AdamW, an open step's accumulated gradients and the counters a checkpoint
-carries. Names load on first use (treeflow/_lazy.py).
+carries -- and the one training loop (`fit`, train/fit.py), its metrics sinks
+(train/sinks.py) and the one launcher of ranks (train/launch.py). Names load
+on first use (treeflow/_lazy.py).
 """
 
 from treeflow._lazy import lazy_exports
 
 _WHERE = {
     "DataParallel": "distributed",
+    "Resume": "fit",
+    "fit": "fit",
+    "JsonlSink": "sinks",
+    "MetricsSink": "sinks",
+    "TensorBoardSink": "sinks",
     "RankFailedError": "distributed",
     "spawn": "launch",
     "PRECISIONS": "precision",
