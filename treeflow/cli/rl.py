@@ -45,6 +45,7 @@ def check_train_options(args, *, inputs, outputs=()) -> None:
 
     from treeflow.atomic import check_output, refuse_inputs
     from treeflow.lock import claim_output
+    from treeflow.ops import Checkpointing
     from treeflow.train.checkpoint import LATEST
     from treeflow.train.launch import rank_of
 
@@ -52,13 +53,7 @@ def check_train_options(args, *, inputs, outputs=()) -> None:
     if args.episodes_per_step is None or args.episodes_per_step < 1:
         raise ValueError(f"--episodes-per-step {args.episodes_per_step}: --mode train needs "
                          "--episodes-per-step B >= 1 (episodes per optimizer step)")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
-                         "to save only at the end")
-    if args.save_every and not args.save:
-        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
-    if args.keep is not None and args.keep < 1:
-        raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
+    Checkpointing(dir=args.save, every=args.save_every, keep=args.keep)  # refuses by flag name
     for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
                                     *outputs, ("--tensorboard", args.tensorboard, True)):
         if path:  # one writer per output: rank 0 of a torchrun job holds the locks for all
