@@ -9,7 +9,7 @@ remember to add `-m "not slow"`.
 
 Tests that need Ray take the session's one cluster (`ray_cluster`): starting
 and stopping one costs seconds each, more on a loaded machine. The engines
-attach to a cluster that runs (treeflow.pipeline.ray_engine.init_ray,
+attach to a cluster that runs (treeflow.pipeline.ray.init_ray,
 treeflow.train.launch.ray_ranks), so the tests use it as a user's driver would.
 """
 

@@ -28,7 +28,6 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
 # (importer, private name imported from outside what holds it)
 KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("treeflow.ops.cp_runner", "treeflow.ops.runner._COLUMNS"),
-    ("treeflow.pipeline.ray_queue", "treeflow.pipeline.ray_engine._check_ray_plan"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._ActorLedger"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._TQStore"),
     ("treeflow.tq.work", "treeflow.tq.transferqueue._require"),

@@ -56,6 +56,8 @@ SKIPPED = {
         "its third line waits for producers on a socket (tests/test_cli_stream.py)",
     "treeflow stream --from episodes.arrow --engine ray --num-ranks 2 --episodes-per-step 16 -o stream.arrow":
         "starts Ray (tests marked ray)",
+    "treeflow replay episodes.arrow --engine ray --num-ranks 2 --episodes-per-step 64 -o logprobs.parquet":
+        "starts Ray and rank processes (tests/pipeline/test_ray_train.py, marked ray)",
     'pip install -e ".[megatron]"   # megatron-core 0.16.1 on Python 3.11, 0.19.2 on >= 3.12':
         "installs megatron-core; tensor parallelism on GPUs (tests/models/test_megatron*.py)",
     "from treeflow.pipeline import Pipeline, QueueSource, Rollout, run_rollout":

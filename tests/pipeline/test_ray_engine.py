@@ -1,4 +1,4 @@
-"""The Ray Data engine against the local engine: bit-equal results, a killed rank, streaming.
+"""The Ray engine against the local engine: bit-equal results, a killed rank, streaming.
 
 The session's Ray cluster (tests/conftest.py: a 100 MB object store) serves
 every test here: starting one costs seconds and hundreds of MB.
@@ -16,7 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
-from treeflow.pipeline.ray_engine import _Rank, run_ray
+from treeflow.pipeline.ray import run_ray
+from treeflow.pipeline.ray_maps import stage_ops, window_block
+from treeflow.pipeline.ray_rank import RankActor
+from treeflow.train.remote import RemoteTraining
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.train import Trainer
 
@@ -50,6 +53,9 @@ def test_replay_is_bit_equal_to_local_for_1_to_3_ranks(ray_cluster, data):
         # bit for bit: the same bins, the same threads per process
         assert got.equals(local), ranks
         assert sum(r.stats["bins"] for r in records) > 4 * ranks - 1
+        # any other source (here episode tables) is read by the driver into the same graph
+        tables = outputs(pipe.run(list(data), engine="ray", ranks=ranks))
+        assert tables.equals(local), ranks
 
 
 @pytest.mark.ray
@@ -72,38 +78,60 @@ def test_train_one_rank_equals_local_losses_and_weights(ray_cluster, data, tmp_p
         assert torch.equal(saved[name], p), name
 
 
-def test_a_training_rank_refuses_a_window_out_of_order(data):
-    # Ray Data may hand an actor its blocks out of order; the engine asks for ordered execution,
-    # and the rank checks: a step applied out of order would silently train another model
-    from treeflow.pipeline.ray_engine import _maps
+def _blocks(plan, data, n, ranks=1):
+    """The first n windows' final blocks, as the engine's stage operators make them."""
+    ops = stage_ops((plan,), ranks)
+    out = []
+    for w, eps in enumerate(list(data)[:n]):
+        block = window_block(eps, w)
+        for op in ops:
+            block = op(block)
+        out.append(block)
+    return out
 
+
+def test_a_training_rank_refuses_a_window_out_of_order(data):
+    # windows reach a rank actor in submission order (one caller); the rank checks it anyway:
+    # a step applied out of order (or twice) would silently train another model
     pipe = Pipeline(Pack(), Fragment(max_tokens=96), Forward(),
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-2)))
-    prep = _maps(pipe.plan, 1)
-    blocks = []
-    for w, pieces in enumerate(data.spans()[:2]):
-        from treeflow.pipeline.ray_engine import _read_window
+    blocks = _blocks(pipe.plan, data, 3)
+    rank = RankActor(pipe.plan, 0, 1, "cpu", torch.get_num_threads(), RemoteTraining())
+    rank.setup({})
+    rank.run(0, blocks[0], None)
+    with pytest.raises(RuntimeError, match="rank 0 got window 2 while step 1 is next"):
+        rank.run(2, blocks[2], None)
+    rank.run(1, blocks[1], None)
+    with pytest.raises(RuntimeError, match="rank 0 got window 1 while step 2 is next"):
+        rank.run(1, blocks[1], None)
 
-        eps = _read_window(pieces, data.vocab_size)
-        blocks.append(next(prep(eps.append_column("_window", pa.array([w] * eps.num_rows)))))
-    rank = _Rank(pipe.plan, "cpu", torch.get_num_threads())
-    with pytest.raises(RuntimeError, match="rank got window 1 while step 0 is next"):
-        rank(blocks[1])
-    rank(blocks[0])
-    rank(blocks[1])
-    with pytest.raises(RuntimeError, match="rank got window 1 while step 2 is next"):
-        rank(blocks[1])
+
+def test_a_rank_runs_only_the_bins_shard_dealt_it(data):
+    # Shard's deal decides which actor runs a bin: rank r's actor runs the bins of rank r
+    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward(), Reassemble())
+    whole = Files(paths=data.paths, episodes_per_step=12)  # one window, 8 bins
+    (block,) = _blocks(pipe.plan, whole, 1, ranks=2)
+    bins = pipe.plan.prepare(pipe.plan.episodes(list(whole)[0], step=0), step=0)
+    dealt = bins.column("rank").to_pylist()
+    assert dealt != [i % 2 for i in range(len(dealt))]  # not what a round-robin gives
+    for r in range(2):
+        rank = RankActor(pipe.plan, r, 2, "cpu", torch.get_num_threads())
+        rank.setup({})
+        got = rank.run(0, block, None)[0].column("bin_id").to_pylist()
+        want = [b for b, d in zip(bins.column("bin_id").to_pylist(), dealt) if d == r]
+        assert want and sorted(set(got)) == sorted(want), r
 
 
 def dies_once(marker: str):
-    """A rank class that kills its own process on its first block (once: the marker file)."""
+    """A rank actor that kills its own process on its first window (once: the marker file)."""
 
-    class DiesOnce(_Rank):
-        def __call__(self, block):
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os._exit(1)  # the process dies mid-task, its block unfinished
-            return super().__call__(block)
+    class DiesOnce(RankActor):
+        def run(self, window, block, position):
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))  # one caller over all processes
+            except FileExistsError:
+                return super().run(window, block, position)
+            os._exit(1)  # the process dies mid-call, its window unfinished
 
     return DiesOnce
 
@@ -113,9 +141,10 @@ def test_killed_rank_is_restarted_and_its_bins_rerun(ray_cluster, data, tmp_path
     marker = tmp_path / "killed"
     pipe = replay_pipe(2)
     local = outputs(pipe.run(data))
-    got = outputs(run_ray(pipe.plan, data, ranks=2, _rank_cls=dies_once(str(marker))))
+    records = list(run_ray(pipe.plan, data, ranks=2, rank_cls=dies_once(str(marker))))
     assert marker.exists()  # a rank did die
-    assert got.equals(local)
+    assert sum(r.stats["redelivered_parts"] for r in records) >= 1  # and its window was re-run
+    assert outputs(records).equals(local)
 
 
 @pytest.mark.ray
@@ -149,17 +178,17 @@ def test_missing_ray_names_the_install_command(monkeypatch, data):
         list(replay_pipe(1).run(data, engine="ray"))
 
 
-def test_ray_engine_refuses_multi_rank_training_and_tables(data):
+def test_ray_engine_refuses_a_trainer_and_training_options_for_replay(data):
     red = Reduce(loss=Loss(kind="nll"))
-    with pytest.raises(ValueError, match="trains with one rank"):
+    with pytest.raises(ValueError, match="builds its trainers in the rank actors"):
         list(Pipeline(Pack(), Fragment(max_tokens=96), Forward(), red).run(
-            data, engine="ray", ranks=2, steps=1))
-    with pytest.raises(TypeError, match="reads episode files"):
-        list(replay_pipe(1).run(synth_episodes(episodes=2, seed=0), engine="ray"))
+            data, engine="ray", steps=1, trainer=Trainer(Forward(), red)))
+    with pytest.raises(ValueError, match="for training pipelines"):
+        list(replay_pipe(1).run(data, engine="ray", save="ckpt"))
 
 
 def test_ray_engine_refuses_maps_only_pipelines_and_bad_rank_counts(data):
-    # the same checks as the queue engine's (tests/tq/test_work_queue.py), before Ray starts
+    # checked before Ray starts, whatever the source
     for pipe, ranks, message in [(Pipeline(Pack()), 1, "with a Forward stage"),
                                  (replay_pipe(1), 0, "give an int >= 1"),
                                  (replay_pipe(1), 1.0, "give an int >= 1")]:
@@ -180,3 +209,21 @@ def test_cli_replay_engine_ray_writes_what_local_writes(ray_cluster, data, tmp_p
         summary = json.loads(capsys.readouterr().out)
         assert summary["episodes"] == 12 and summary["compile_seconds"] == 0.0
     assert outs["ray"].equals(outs["local"])
+
+
+def test_ray_file_windows_resume_where_a_files_reader_does(data):
+    # the driver cuts the windows Ray Data reads; from a saved position they must be the ones
+    # (and positions) a FilesReader opened at that position gives, or a resumed run retrains
+    from treeflow.pipeline.ray_feed import file_windows
+    from treeflow.pipeline.ray_maps import read_window
+
+    files = Files(paths=data.paths, episodes_per_step=3, cycle=True)
+    for skip in (0, 3, 9, 12, 21):
+        reader = files.open({"episodes": skip})
+        got = file_windows(files, {"episodes": skip}, 6)
+        for pieces, position in got:
+            want = next(reader)
+            assert read_window(pieces, None).equals(want), skip
+            assert position == reader.get_state(), skip
+    with pytest.raises(ValueError, match="not at a window boundary"):
+        file_windows(files, {"episodes": 4}, 1)

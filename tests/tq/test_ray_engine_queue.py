@@ -1,4 +1,4 @@
-"""The Ray engine on a queue source: same results as the local engine, a killed forward actor changes nothing.
+"""The Ray engine on a queue source: same results as the local engine, a killed rank actor changes nothing.
 
 The session's Ray cluster (tests/conftest.py: started there, so its address
 is ours whatever else runs on the machine; 4 logical CPUs because
@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from tests.tq.queue_helpers import (B, assert_same_weights, close_transferqueue, fill, logprob_pipe,
                                     queued_logprobs, train_parts)
 from treeflow.pipeline import QueueSource
-from treeflow.pipeline.ray_queue import _QueueRank, run_ray_queue
+from treeflow.pipeline.ray import run_ray
+from treeflow.pipeline.ray_rank import RankActor
 from treeflow.tq import local_queue
 
 pytestmark = pytest.mark.ray
@@ -91,13 +92,13 @@ def _claim(marker: str) -> bool:
 
 
 def dies_once(marker: str):
-    """A forward actor that kills its own process on its first item, before acknowledging it."""
+    """A rank actor that kills its own process on its first window, before returning it."""
 
-    class DiesOnce(_QueueRank):
-        def compute(self, item):
+    class DiesOnce(RankActor):
+        def run(self, window, block, position):
             if _claim(marker):
                 os._exit(1)
-            return super().compute(item)
+            return super().run(window, block, position)
 
     return DiesOnce
 
@@ -109,8 +110,9 @@ def test_killed_forward_actor_is_redelivered_and_changes_nothing(cluster, small,
     reader = QueueSource(episodes_per_step=B).open(q)
     from treeflow.pipeline.queue_source import acknowledged
 
-    records = list(acknowledged(run_ray_queue(logprob_pipe().plan, reader, ranks=2,
-                                              _rank_cls=dies_once(marker)), reader))
+    # one window in flight: the actor that dies holds one call, which a live process re-runs
+    records = list(acknowledged(run_ray(logprob_pipe().plan, reader, ranks=2, prefetch=1,
+                                        rank_cls=dies_once(marker)), reader))
     assert os.path.exists(marker)                                   # an actor did die mid-item
     assert sum(r.stats["redelivered_parts"] for r in records) == 1  # re-run by a live actor
     assert len(records) == len(legacy_lp)
@@ -126,8 +128,8 @@ def test_killed_training_rank_stops_the_run_and_gives_its_steps_back(cluster, sm
     from treeflow.pipeline.queue_source import acknowledged
 
     pipe, _, _ = train_parts()
-    with pytest.raises(RuntimeError, match="forward rank 0 died mid-stream"):
-        list(acknowledged(run_ray_queue(pipe.plan, reader, _rank_cls=dies_once(str(tmp_path / "k"))),
+    with pytest.raises(RuntimeError, match="training rank 0 of 1 died at window 0"):
+        list(acknowledged(run_ray(pipe.plan, reader, rank_cls=dies_once(str(tmp_path / "k"))),
                           reader))
     stats = q.stats()
     assert stats["steps_acked"] == 0 and stats["leased_steps"] == 0   # all back in the queue
@@ -173,27 +175,26 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
 
 
 def part_one_first(markers: str):
-    """Forward actors that finish part 1 of every window before part 0 starts computing."""
+    """Rank actors of which rank 1 returns every window before rank 0 starts computing it."""
 
-    class PartOneFirst(_QueueRank):
-        def compute(self, item):
-            if item.part == 0:
-                marker = os.path.join(markers, f"w{item.window}")
+    class PartOneFirst(RankActor):
+        def run(self, window, block, position):
+            marker = os.path.join(markers, f"w{window}")
+            if self.rank == 0:
                 deadline = time.monotonic() + 60
                 while not os.path.exists(marker) and time.monotonic() < deadline:
                     time.sleep(0.02)
-            return super().compute(item)
-
-        def _apply(self, item):
-            super()._apply(item)                  # part 1's result is in the queue ...
-            if item.part == 1:
-                open(os.path.join(markers, f"w{item.window}"), "w").close()  # ... part 0 may go
+                time.sleep(0.2)                    # rank 1's result is back by now ...
+            out = super().run(window, block, position)
+            if self.rank == 1:
+                open(marker, "w").close()          # ... so rank 0 may go
+            return out
 
     return PartOneFirst
 
 
 def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small, tmp_path):
-    """Two ranks, so every window is two parts (one per rank's shard); part 1's edge values
+    """Two ranks, so every window is two parts (one per rank's shard); rank 1's edge values
     reach the driver first. A window's output is its parts in part order: rank 0's bins, then
     rank 1's, each in bin order -- the local engine's rows, reordered by the bins' ranks."""
     from treeflow.pipeline import Pipeline, windows
@@ -206,8 +207,8 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
     fill(q, small)
     reader = QueueSource(episodes_per_step=B).open(q)
     # one window open at a time: both actors never wait on part 0s of different windows
-    records = list(acknowledged(run_ray_queue(pipe.plan, reader, ranks=2, prefetch=1,
-                                              _rank_cls=part_one_first(str(tmp_path))), reader))
+    records = list(acknowledged(run_ray(pipe.plan, reader, ranks=2, prefetch=1,
+                                        rank_cls=part_one_first(str(tmp_path))), reader))
     local = [rec.output for rec in pipe.run(windows(iter([small]), B))]
     assert len(records) == len(local) == 3
     for w, (got, want) in enumerate(zip(records, local)):

@@ -26,7 +26,7 @@ with --device cuda): rank 0 leases the queue steps and broadcasts each one
 rank 0 publishes the weights, writes the metrics and acknowledges; checkpoints
 are written by all ranks together, as in `replay --num-ranks N`. Without --queue
 the CLI serves the queue on a temporary socket so that rank 0 can reach it.
-`--engine ray` trains on one rank in a Ray actor (pipeline/ray_queue.py),
+`--engine ray` trains on one rank in a Ray actor (pipeline/ray.py),
 which writes the weights after each step and --save at the end.
 """
 

@@ -125,28 +125,33 @@ def _train(args, *, distributed: bool) -> int:
 
 
 def _train_ray(args) -> int:
-    """--engine ray: the same pipeline as a Ray Data graph; one rank, saved at the end."""
+    """--engine ray: N rank actors (pipeline/ray.py), each planning its share as spawned ranks do."""
     from treeflow.pipeline import Files, Pipeline
-    from treeflow.stages import Fragment, Pack
     from treeflow.train.fit import fit
+    from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
-    if args.resume or args.save_every:
-        raise ValueError("--engine ray --mode train saves only at the end (--save) and does not "
-                         "resume yet; use --engine local for --resume/--save-every")
     forward = configs.forward(args, entropy=bool(args.entropy_coef))
     reduce = configs.reduce(args)
     advantage = advantage_stages(args)
-    pipe = Pipeline(*advantage, Pack(layout=args.layout, scope=args.scope),
-                    Fragment(max_tokens=args.max_tokens), forward, reduce)
+    world = args.num_ranks
+    pipes = [Pipeline(*advantage, *configs.plan_stages(args, world, r), forward, reduce)
+             for r in range(world)]
     files = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-    options = configs.fit_options(args)
-    options.pop("resume")
-    report = fit(pipe, lambda position, done: files, steps=args.steps, engine="ray",
-                 engine_options={"ranks": args.num_ranks}, log=say,
-                 progress=None if args.json or args.quiet else "train", **options)
-    _report(args, report, args.num_ranks)
+    report = fit(pipes[0], lambda position, done: files.open(position), steps=args.steps,
+                 engine="ray", engine_options={"ranks": world, "plans": [p.plan for p in pipes]},
+                 trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
+                                      shard_params=args.shard_params),
+                 run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
+                 config={**resolved_config(args), "files": list(args.files)},
+                 episodes_per_step=args.episodes_per_step, log=say,
+                 progress=None if args.json or args.quiet else "train", **configs.fit_options(args))
+    if report["nothing_to_do"]:
+        console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} has "
+                                   f"already run {report['steps']} steps (--steps {args.steps})")
+        return 0
+    _report(args, report, world)
     return 0
 
 

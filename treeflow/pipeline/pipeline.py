@@ -8,7 +8,8 @@ values it requires and produces; declaring a pipeline whose neighbours do not
 fit is an error naming both stages, before anything runs. The pipeline then
 compiles to a physical plan (pipeline/plan.py) that engines run:
 `engine="local"` (in-process, CPU preparation ahead of the model, bounded
-memory whatever the file size) or `engine="ray"` (a Ray Data graph).
+memory whatever the file size) or `engine="ray"` (Ray: CPU stages as Ray
+operators, rank actors; pipeline/ray.py).
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ class Pipeline:
         and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` (a Trainer, e.g.
-        resumed, or a built training operator, `treeflow.ops.TrainOp`, with its
-        checkpointing and hooks) to continue it; `treeflow.train.fit` is the
-        whole training loop around this. device: where the model runs (the engine builds
-        it there). engine "ray": `ranks` forward actors, fed by a Ray Data
-        graph from files, or from a queue source through the queue itself
-        (pipeline/ray_queue.py). steps: stop after this many windows
-        (training on cycled data). engine_options: passed to the engine (ray:
-        `save=DIR` writes the trained checkpoint after the last step,
-        `threads=` per rank; with a queue source also `publish=DIR`, the
-        weights after every step, and `lease_seconds=` of the work queue).
+        resumed, or a built training operator, `treeflow.ops.TrainOp`) to continue it;
+        `treeflow.train.fit` is the whole training loop around this. device: where the model runs (the engine builds
+        it there). engine "ray" (pipeline/ray.py): `ranks` rank actors fed by
+        one Ray graph -- files read and streamed by Ray Data, any other source
+        read by the driver -- whose CPU stages run as their own Ray operators.
+        steps: stop after this many windows (training on cycled data).
+        engine_options (ray): `threads=` per rank, `plans=` one plan per rank
+        (per-rank planning), and for training `save=DIR`, `save_every=N`,
+        `keep=K`, `publish=DIR` (the weights after every step, named in
+        `stats["weights"]`), or `train=RemoteTraining(...)` (train/remote.py).
         """
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
@@ -122,15 +123,11 @@ class Pipeline:
                 raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
                                  "give that instead of steps=")
             if engine == "ray":
-                from treeflow.pipeline.ray_queue import run_ray_queue
-
-                if trainer is not None:
-                    raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
-                                     "no trainer (resuming is engine='local' for now)")
                 reader = source
                 try:
-                    records = run_ray_queue(self.plan, reader, device=device, ranks=ranks,
-                                            prefetch=prefetch, **engine_options)
+                    records = _run_ray(self.plan, reader, trainer=trainer, device=device,
+                                       ranks=ranks, prefetch=prefetch, steps=None,
+                                       options=engine_options)
                 except BaseException:
                     reader.close()  # give back what it leased; stop its lease renewals
                     raise
@@ -144,13 +141,12 @@ class Pipeline:
             return acknowledged(run_local(self.plan, reader, device=device, worker=worker,
                                           prefetch=prefetch), reader)
         if engine == "ray":
-            from treeflow.pipeline.ray_engine import run_ray
-
-            if trainer is not None:
-                raise ValueError("engine='ray' builds its Trainer in the rank's process; pass "
-                                 "no trainer (resuming is engine='local' for now)")
-            return run_ray(self.plan, _files(source, window, self._vocab_size(), self._route_width()),
-                           device=device, ranks=ranks, steps=steps, **engine_options)
+            if not isinstance(source, (Files, Source)):
+                files = _files(source, window, self._vocab_size(), self._route_width())
+                source = files if files is not None else _windows(
+                    source, window, self._vocab_size(), self._route_width())
+            return _run_ray(self.plan, source, trainer=trainer, device=device, ranks=ranks,
+                            prefetch=prefetch, steps=steps, options=engine_options)
         from treeflow.pipeline.local import run_local
 
         if engine_options:
@@ -173,6 +169,31 @@ class Pipeline:
                      if s.route_width_hint() is not None), None)
 
 
+def _run_ray(plan, source, *, trainer, device, ranks, prefetch, steps, options):
+    """The Ray engine (pipeline/ray.py) with the Python API's training options gathered."""
+    from treeflow.pipeline.ray import run_ray
+
+    if trainer is not None:
+        raise ValueError("engine='ray' builds its trainers in the rank actors; pass no trainer "
+                         "(resume through treeflow.train.fit, or the CLI's --resume)")
+    given = {k: options.pop(k) for k in ("save", "save_every", "keep", "publish")
+             if options.get(k) is not None}
+    if given:
+        from treeflow.ops.train import Checkpointing
+        from treeflow.train.remote import RemoteTraining
+
+        if "train" in options:
+            raise ValueError(f"give train= or {sorted(given)}, not both")
+        if not plan.fused:
+            raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
+        options["train"] = RemoteTraining(
+            checkpointing=Checkpointing(dir=given.get("save"), every=given.get("save_every", 0),
+                                        keep=given.get("keep"), background=False),
+            publish=given.get("publish"))
+    return run_ray(plan, source, device=device, ranks=ranks, prefetch=prefetch, steps=steps,
+                   **options)
+
+
 def _paths(source) -> tuple | None:
     """The episode files `source` names (a path or glob, or a list of them), else None."""
     if isinstance(source, str):
@@ -183,15 +204,12 @@ def _paths(source) -> tuple | None:
 
 
 def _files(source, window: int | None, vocab_size: int | None,
-           route_width: int | None = None) -> Files:
-    """The Ray engine reads files itself (as Arrow blocks): only files are a source for it."""
-    if isinstance(source, Files):
-        return source
-    if (paths := _paths(source)) is not None:
-        return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP,
-                     vocab_size=vocab_size, route_width=route_width)
-    raise TypeError(f"engine='ray' reads episode files; got {type(source).__name__}: write the "
-                    "episodes with treeflow.pipeline.write_episodes and pass the path")
+           route_width: int | None = None) -> Files | None:
+    """Paths as `Files` (which the Ray engine reads through Ray Data); None for other sources."""
+    if (paths := _paths(source)) is None:
+        return None
+    return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP,
+                 vocab_size=vocab_size, route_width=route_width)
 
 
 def _windows(source, window: int | None, vocab_size: int | None,

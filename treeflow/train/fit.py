@@ -15,9 +15,11 @@ sinks, the progress bar; then the final checkpoint, the background write
 joined, and the report. The save cadence belongs to the training operator
 (ops/train.py), which fit builds with `checkpointing` and the hooks
 (`publish`: the weights to the producers after every step), so engines never
-touch a Trainer. With `engine="ray"` the operator lives in the rank actor:
-fit passes the checkpoint and publish settings to the engine and announces
-the weights the rank wrote.
+touch a Trainer. With `engine="ray"` the operators live in the rank actors:
+fit reads the checkpoint to resume on the driver (its counters, position and
+fingerprint, checked here), opens the source at its position and sends the
+engine a `RemoteTraining` (train/remote.py) from which every rank builds its
+operator; it announces the weights rank 0 wrote.
 
 The trade-off: one loop with a few callbacks instead of three loops that
 each read clearly on their own; the CLI commands only build their stages and
@@ -94,7 +96,6 @@ def step_size_check(row: dict, episodes_per_step: int | None, note, said: set) -
 
 def _trainer(plan, resume: Resume | None, options: dict, run: dict | None, note):
     from treeflow.train import Trainer
-    from treeflow.train.run import differences
 
     forward, reduce = plan.model, plan.accumulate
     if resume is None or resume.path is None:
@@ -102,18 +103,25 @@ def _trainer(plan, resume: Resume | None, options: dict, run: dict | None, note)
     trainer = Trainer.resume(resume.path, forward, reduce, log=note,
                              trust_checkpoint=resume.trust_checkpoint,
                              max_tokens=plan.max_tokens, **options)
-    if trainer.run is None:
-        note(f"{trainer.checkpoint_path}: holds no run fingerprint; cannot check that the data "
-             "and options are the same")
+    _check_run(trainer.run, run, resume, trainer.checkpoint_path, note)
+    return trainer
+
+
+def _check_run(saved: dict | None, run: dict | None, resume: Resume, path: str, note) -> None:
+    """Refuse to resume another run (data, step options) unless allow_different_data."""
+    from treeflow.train.run import differences
+
+    if saved is None:
+        note(f"{path}: holds no run fingerprint; cannot check that the data and options are "
+             "the same")
     elif run is not None:
-        diffs = differences(trainer.run, run)
+        diffs = differences(saved, run)
         if diffs and not resume.allow_different_data:
-            raise ValueError(f"--resume {trainer.checkpoint_path}: this is not the same run: "
+            raise ValueError(f"--resume {path}: this is not the same run: "
                              + "; ".join(diffs) + "; resume with the checkpoint's data and "
                              "options, or pass --allow-different-data to continue anyway")
         for d in diffs:
             note(f"--allow-different-data: {d}")
-    return trainer
 
 
 def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = None,
@@ -146,18 +154,22 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     note = log if lead else _quiet
     checkpointing = checkpointing or Checkpointing()
     remote = engine != "local"
+    position = None  # where a remote run's source starts (a local one: the trainer's)
     engine_options = dict(engine_options or {})
-    if remote:
+    if remote:  # the training operators live in the engine's ranks (train/remote.py)
+        from treeflow.train.remote import RemoteTraining, resumed_state
+
+        trainer, op, done, position, resumed = None, None, 0, None, None
         if resume is not None and resume.path is not None:
-            raise ValueError(f"engine {engine!r} does not resume yet; use engine 'local' for "
-                             "--resume")
-        trainer, op, done = None, None, 0
-        if checkpointing.dir:
-            engine_options["save"] = checkpointing.dir
-            if checkpointing.keep is not None:
-                engine_options["keep"] = checkpointing.keep
-        if publish is not None:
-            engine_options["publish"] = publish.root
+            resumed = resumed_state(resume.path, trust_checkpoint=resume.trust_checkpoint,
+                                    log=note)
+            _check_run(resumed["run"], run, resume, resumed["checkpoint"], note)
+            done, position = resumed["steps"], resumed["position"]
+        engine_options["train"] = RemoteTraining(
+            trainer_options=dict(trainer_options or {}), checkpointing=checkpointing,
+            resume_from=None if resumed is None else resumed["checkpoint"],
+            trust_checkpoint=resume is not None and resume.trust_checkpoint, run=run,
+            config=config, publish=None if publish is None else publish.root)
     else:
         options = dict(trainer_options or {})
         if "dp" not in options:  # a rank of several runs on its DataParallel's device
@@ -168,7 +180,8 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         done = trainer.steps
     report = {"steps": done, "rows": [], "last": None, "compile_seconds": 0.0, "recompiles": None,
               "steady_seconds_per_step": None, "wall_seconds": 0.0, "nothing_to_do": False,
-              "checkpoint": None if trainer is None else trainer.checkpoint_path}
+              "checkpoint": trainer.checkpoint_path if trainer is not None else
+              (resumed or {}).get("checkpoint")}
     todo = None if steps is None else steps - done
     if todo is not None and todo <= 0:
         report["nothing_to_do"] = True
@@ -178,7 +191,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         op = TrainOp(trainer, checkpointing=checkpointing, on_step=hooks, on_saved=on_saved)
         if publish is not None and lead and done:
             publish(op)  # the resumed weights, for the producers that refit
-    src = source(None if trainer is None else trainer.position, done)
+    src = source(position if trainer is None else trainer.position, done)
     rows, said, seconds0 = report["rows"], set(), time.perf_counter()
     opened: list = []
     failed = True
@@ -214,7 +227,9 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                 report["steps"] = row["step"]
                 for sink in opened:
                     sink.write(row, rec.position)
-                if op is not None and op.will_save(op.steps):
+                if (op.will_save(op.steps) if op is not None else
+                        bool(checkpointing.dir and checkpointing.every
+                             and row["step"] % checkpointing.every == 0)):
                     for sink in opened:  # on disk before the checkpoint that holds this step
                         sink.flush(durable=True)
                 advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])

@@ -1,0 +1,345 @@
+"""The Ray engine: one graph for any source, R rank actors, one window assembler on the driver.
+
+    source --(Ray Data read | driver)--> CPU stage operators --block refs--> rank actor r (r < R)
+                                                                  results --> assembler (in order)
+
+The CPU half (pipeline/ray_maps.py) runs each map stage as its own streaming
+Ray operator: for stored files Ray Data reads one Arrow block per window and
+streams it through the stages with its backpressure; any other source (a
+queue reader, tables) is read by the driver and its windows go through the
+same operator functions as chained Ray tasks. Either way a window ends as one
+block in the object store whose bins carry the rank that runs them (Shard's
+deal, or rank r's own plan), and the driver hands its reference to every rank
+actor with bins in it: rank actor r runs exactly the bins of rank r.
+
+A rank actor (pipeline/ray_rank.py) is a process holding one data-parallel
+rank's worker. For replay it returns edge values, which the driver's one
+window assembler (the plan's accumulator, Reassemble) turns into the window's
+output once every rank's part is in; for training all R ranks form one
+process group (gloo on CPU, NCCL on CUDA, torchrun's variables set through the
+launcher) and take one optimizer step per window together, saving at the
+run's cadence. Windows are submitted to each actor in window order, which Ray
+keeps for one caller, and a training rank checks it; the driver yields windows
+in logical order whatever order the parts come back in.
+
+A replay actor that dies is restarted by Ray (and builds its model again on its
+next call); the driver re-runs the windows it had not returned (`redelivered_parts`), and because a
+block holds whole bins a re-run gives the same values. A training rank cannot
+be re-run (its model and optimizer died with it): the run stops, and resumes
+from its last checkpoint. `prefetch` bounds the windows in flight past the
+oldest unfinished one.
+
+Ray is imported only in the Ray engine's modules; `init_ray` attaches to
+RAY_ADDRESS or starts a local cluster sized to the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow.compute as pc
+
+from treeflow.pipeline.plan import Plan, WindowResult
+from treeflow.pipeline.prefetch import Prefetch
+from treeflow.pipeline.ray_feed import feed
+from treeflow.pipeline.ray_maps import episodes_of, rows_of
+from treeflow.pipeline.ray_rank import RankActor
+from treeflow.pipeline.stats import episode_sums
+from treeflow.sigterm import keep_sigterm
+
+__all__ = ["RayEngine", "init_ray", "run_ray"]
+
+
+def _import_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise ValueError("engine 'ray' needs Ray Data: pip install 'ray[data]>=2.40' "
+                         f"(import failed: {e})") from e
+    return ray
+
+
+def init_ray(**kwargs):
+    """Attach to RAY_ADDRESS, or start a local cluster sized to this machine (if none runs)."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        with keep_sigterm():
+            address = os.environ.get("RAY_ADDRESS")
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(include_dashboard=False, **kwargs)
+    return ray
+
+
+def check_ray_plan(plan: Plan, ranks) -> None:
+    """Refuse a plan or rank count the Ray engine cannot run, before Ray starts."""
+    if plan.model is None:
+        raise ValueError("engine 'ray' runs pipelines with a Forward stage; run maps-only "
+                         "pipelines with engine='local'")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r}: give an int >= 1")
+
+
+class RayEngine:
+    """R rank actors fed by the Ray graph of a plan; `start()`, then `run(source)`, then `close()`.
+
+    plans: one plan per rank for per-rank planning (rank r's maps plan only its share:
+    `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`), as data-parallel training plans
+    each rank; default: `plan` for the whole window, its bins dealt by Shard's `rank`.
+    threads: torch threads per rank (default: this process's with one rank, the cores
+    shared out with several, as spawned ranks get them). train: for a training plan, how
+    each rank builds its training operator (a `RemoteTraining`, train/remote.py; default a
+    new Trainer that saves nothing).
+    """
+
+    def __init__(self, plan: Plan, *, ranks: int = 1, device: str = "cpu", plans=None,
+                 threads: int | None = None, prefetch: int = 2, train=None,
+                 rank_cls=RankActor):
+        check_ray_plan(plan, ranks)
+        if prefetch < 1:
+            raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows in flight)")
+        if train is not None and not plan.fused:
+            raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
+        if plan.fused and train is None:
+            from treeflow.train.remote import RemoteTraining
+
+            train = RemoteTraining()
+        plans = tuple(plans) if plans is not None else (plan,)
+        if len(plans) not in (1, ranks):
+            raise ValueError(f"{len(plans)} plans for {ranks} ranks: give one, or one per rank")
+        if plan.fused:
+            for p in plans:
+                p._check_sharding(ranks)
+        if threads is None:
+            import torch
+
+            threads = torch.get_num_threads() if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
+        self.plan, self.plans, self.ranks, self.device = _absolute(plan), plans, ranks, device
+        self.threads, self.prefetch, self.train, self.rank_cls = threads, prefetch, train, rank_cls
+        self.actors: list = []
+        self.state: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> dict:
+        """Start the rank actors (and, training, their process group); {"load_seconds"}.""" 
+        t0 = time.perf_counter()
+        ray = self.ray = init_ray()
+        cuda = self.device.startswith("cuda")
+        # what is free now (other actors, such as TransferQueue's, hold CPUs too), shared by
+        # the rank actors and the map tasks; nothing left: run unreserved rather than wait
+        free = ray.available_resources().get("CPU", 0.0)
+        share = min(1.0, free / (self.ranks + 1))
+        share = share if share >= 0.05 else 0.0
+        self.map_cpus = share
+        from treeflow.train.launch import rank_actors
+
+        # a replay actor that dies is restarted (its windows re-run); a training one is not
+        self.actors = [rank_actors(self.rank_cls, 1, self.plan, r, self.ranks, self.device,
+                                   self.threads, self.train, num_cpus=0 if cuda else share,
+                                   num_gpus=1 if cuda else 0,
+                                   max_restarts=0 if self.plan.fused else -1)[0]
+                       for r in range(self.ranks)]
+        addr, port = ray.get(self.actors[0].address.remote())
+        self.envs = [dict(RANK=str(r), WORLD_SIZE=str(self.ranks), MASTER_ADDR=addr,
+                          MASTER_PORT=str(port), LOCAL_RANK="0" if cuda else str(r),
+                          LOCAL_WORLD_SIZE="1" if cuda else str(self.ranks))
+                     for r in range(self.ranks)]
+        self._get([a.setup.remote(env) for a, env in zip(self.actors, self.envs)])
+        self.state = {"load_seconds": time.perf_counter() - t0}
+        return self.state
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.actors = []
+
+    def _get(self, refs):
+        ray = self.ray
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
+
+    # ------------------------------------------------------------------ running
+    def run(self, source, *, steps: int | None = None) -> Iterator[WindowResult]:
+        """One WindowResult per window of `source` (Files, a reader, tables), in order."""
+        if self.state is None:
+            self.start()
+        items = feed(self, source, steps=steps)
+        return _Drive(self, items).windows()
+
+
+class _Drive:
+    """The driver's loop: windows in, calls out to the rank actors, finished windows in order."""
+
+    def __init__(self, engine: RayEngine, items):
+        self.e, self.ray, self.items = engine, engine.ray, items
+        self.open_: dict[int, dict] = {}
+        self.pending: dict = {}  # result ref -> (window, rank)
+        self.retry: list = []  # (when, window, rank): a dead replay actor's calls, run again
+
+    def windows(self) -> Iterator[WindowResult]:
+        e, ray = self.e, self.ray
+        self.next_w = next_w = 0
+        ended = False
+        t_window = time.perf_counter()
+        try:
+            while True:
+                while not ended and len(self.open_) < e.prefetch:
+                    got = self.items.poll()
+                    if got is None:
+                        break
+                    if got is Prefetch.END:
+                        ended = True
+                    else:
+                        self._open(*got[2])
+                if ended and not self.open_:
+                    break
+                if not self.pending:
+                    time.sleep(0.005)  # waiting on the source (or a dead actor's restart)
+                    ready = []
+                else:
+                    refs = list(self.pending)
+                    ready, _ = ray.wait(refs, num_returns=1, timeout=0.1)
+                    if ready and len(refs) > 1:  # and every other result already back
+                        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                for ref in ready:
+                    self._result(ref)
+                self._resubmit()
+                while next_w in self.open_ and not self.open_[next_w]["need"]:
+                    win = self.open_.pop(next_w)
+                    rec = self._finish(next_w, win)
+                    now = time.perf_counter()
+                    rec.stats["window_seconds"] = now - t_window
+                    t_window = now
+                    if next_w == 0:  # a one-off cost, like the local engine's model load
+                        rec.stats["load_seconds"] = e.state["load_seconds"]
+                    yield rec
+                    next_w += 1
+                    self.next_w = next_w
+                    if e.plan.fused and next_w in self.open_:
+                        self._dispatch(next_w)  # the caller took the step before: its turn
+            if e.plan.fused:  # the checkpoints due and the final one, every rank together
+                self.e._get([a.close.remote() for a in e.actors])
+        finally:
+            self.items.close()
+
+    def _open(self, w: int, position, block_ref, block) -> None:
+        if block is None:
+            block = self.ray.get(block_ref)  # zero-copy: the actors read the same block
+        bins = rows_of(block, w)
+        counts = np.bincount(bins.column("_rank").to_numpy(), minlength=self.e.ranks)
+        win = {"episodes": episodes_of(block, w), "position": position, "block": block_ref,
+               "parts": {}, "meta": {}, "compile": 0.0, "redelivered": set(),
+               "nbins": bins.num_rows,
+               "executed": int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)}
+        # training: every rank takes part in the step, with bins or without
+        need = range(self.e.ranks) if self.e.plan.fused else np.flatnonzero(counts)
+        win["need"] = set(int(r) for r in need)
+        self.open_[w] = win
+        # a training step is sent once the caller took the one before (fit writes its metrics
+        # line before the checkpoint the next window's opening writes); replay runs ahead
+        if not self.e.plan.fused or w == self.next_w:
+            self._dispatch(w)
+
+    def _dispatch(self, w: int) -> None:
+        for r in self.open_[w]["need"]:
+            self._submit(w, r)
+
+    def _submit(self, w: int, r: int) -> None:
+        win = self.open_[w]
+        ref = self.e.actors[r].run.remote(w, win["block"], win["position"])
+        self.pending[ref] = (w, r)
+
+    def _resubmit(self) -> None:
+        now, later = time.monotonic(), []
+        for when, w, r in self.retry:
+            if when > now:
+                later.append((when, w, r))
+                continue
+            self._submit(w, r)
+        self.retry = later
+
+    def _result(self, ref) -> None:
+        ray = self.ray
+        w, r = self.pending.pop(ref)
+        try:
+            out, meta = ray.get(ref)
+        except ray.exceptions.RayActorError:
+            if self.e.plan.fused:
+                raise RuntimeError(
+                    f"training rank {r} of {self.e.ranks} died at window {w}; its model and "
+                    "optimizer state died with it, so the run stops here: resume it from its "
+                    "last checkpoint (--resume)") from None
+            self.open_[w]["redelivered"].add(r)
+            # Ray restarts the actor; calls made before it is back fail at once: ask shortly
+            self.retry.append((time.monotonic() + 0.2, w, r))
+            return
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
+        win = self.open_[w]
+        win["parts"][r] = out
+        win["need"].discard(r)
+        win["compile"] += meta.get("compile_seconds", 0.0)
+        if r == 0:
+            win["meta"] = meta
+
+    def _finish(self, w: int, win: dict) -> WindowResult:
+        plan = self.e.plan
+        parts = [win["parts"][r] for r in sorted(win["parts"])]
+        episodes = win["episodes"]
+        if plan.fused:
+            out = win["parts"][0]
+        elif plan.accumulate is not None:
+            acc = plan.accumulate.open(episodes)
+            for part in parts:
+                acc.add(part)
+            out = acc.finish()
+        else:
+            import pyarrow as pa
+
+            out = pa.concat_tables(parts)
+        stats = {**episode_sums(episodes), "compile_seconds": win["compile"],
+                 "redelivered_parts": len(win["redelivered"])}
+        if plan.fused:
+            stats.update({k: out.column(k)[0].as_py() for k in ("bins", "executed_tokens")})
+            if "weights" in win["meta"]:
+                stats["weights"] = win["meta"]["weights"]
+        else:
+            stats.update(bins=win["nbins"], executed_tokens=win["executed"])
+        return WindowResult(step=w, episodes=episodes, output=out, stats=stats,
+                            position=win["position"])
+
+
+def run_ray(plan: Plan, source, *, ranks: int = 1, device: str = "cpu", steps: int | None = None,
+            prefetch: int = 2, **options) -> Iterator[WindowResult]:
+    """Yield one WindowResult per window, in logical order, from the Ray engine; then stop it.
+
+    options: as for RayEngine (plans, threads, train, rank_cls).
+    """
+    engine = RayEngine(plan, ranks=ranks, device=device, prefetch=prefetch, **options)
+    return _closing(engine, source, steps)
+
+
+def _closing(engine: RayEngine, source, steps):
+    try:
+        engine.start()
+        yield from engine.run(source, steps=steps)
+    finally:
+        if engine.actors:
+            engine.close()
+
+
+def _absolute(plan: Plan) -> Plan:
+    """The plan with its model directory made absolute: actors may run in another directory."""
+    from dataclasses import replace
+
+    model = getattr(plan.model, "model", None)
+    if isinstance(model, str) and os.path.isdir(model) and not os.path.isabs(model):
+        return replace(plan, model=replace(plan.model, model=os.path.abspath(model)))
+    return plan

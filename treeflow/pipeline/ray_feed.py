@@ -1,0 +1,114 @@
+"""The Ray engine's window feed: stored files through Ray Data, any other source through the driver.
+
+Both give the driver (pipeline/ray.py) the same items -- (window, position
+after it, reference of the window's final block, the block) -- through the
+one read-ahead wrapper (pipeline/prefetch.py), at most `prefetch` ahead, so
+that the driver's loop never waits on a source while results come back:
+
+- `Files` (or a reader of them): the driver cuts the files into windows
+  exactly as the local engine does (`Files.spans`, from the group_id column
+  only) and Ray Data reads them (one read task and one Arrow block per
+  window) and streams them through one map operator per stage
+  (pipeline/ray_maps.py), in order and with its backpressure. Cycled files
+  (training) give `steps` windows; a saved position (`{"episodes": E}`) starts
+  at the window after E episodes, as `Files.open(state)` does.
+- anything else (a queue reader, an iterator of episode tables): the driver
+  reads each window and runs the same stage operators as one Ray task each,
+  chained by reference; the position is the source's `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from treeflow.pipeline.prefetch import Prefetch
+from treeflow.pipeline.ray_maps import WindowRead, stage_ops, window_block, windows_of
+from treeflow.pipeline.source import Files, FilesReader
+
+def feed(engine, source, *, steps: int | None = None) -> Prefetch:
+    """The items of `source` for `engine`'s driver, read ahead in the one prefetch wrapper.
+
+    Each item the wrapper gives is (index, None, (window, position, block ref, block or None)).
+    """
+    if isinstance(source, FilesReader):
+        items = _files(engine, source.files, {"episodes": source._skip}, steps)
+    elif isinstance(source, Files):
+        items = _files(engine, source, None, steps)
+    else:
+        items = _reader(engine, source, steps)
+    return Prefetch(items, None, engine.prefetch).start()
+
+
+def file_windows(files: Files, position: dict | None, steps: int | None) -> list[tuple]:
+    """(pieces, position after) of each window this run reads, from `position` on."""
+    spans = files.spans()
+    if not spans:
+        raise ValueError(f"{list(files.paths)}: no episodes to read")
+    cum = np.cumsum([0] + [sum(b - a for _, a, b, _ in p) for p in spans])
+    per_pass, n = int(cum[-1]), len(spans)
+    skip = int((position or {}).get("episodes", 0))
+    whole, rest = divmod(skip, per_pass) if files.cycle else (0, skip)
+    if rest > per_pass:
+        raise ValueError(f"the saved input position ({skip} episodes) is past the end of the "
+                         f"data ({per_pass} episodes)")
+    i = int(np.searchsorted(cum, rest))
+    if cum[i] != rest:
+        raise ValueError(f"the saved input position ({skip} episodes) is not at a window boundary "
+                         f"of this data (windows of {files.episodes_per_step}); resume with the same window "
+                         "(--batch-episodes) and files")
+    start = whole * n + i
+    if files.cycle:
+        if steps is None:
+            raise ValueError("training on cycled files with engine 'ray' needs steps=N")
+        count = steps
+    else:
+        count = n - start if steps is None else min(steps, n - start)
+    out = []
+    for g in range(start, start + count):
+        p, k = divmod(g, n)
+        out.append((spans[k], {"episodes": p * per_pass + int(cum[k + 1]), "passes": p}))
+    return out
+
+
+def _files(engine, files: Files, position, steps):
+    ray = engine.ray
+    from ray.data import DataContext
+
+    wins = file_windows(files, position, steps)
+    ctx = DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # blocks come back in window order
+    ctx.target_max_block_size = 1 << 31  # a block is one window's table: never split it
+    ds = ray.data.read_datasource(WindowRead([(w, p) for w, (p, _) in enumerate(wins)],
+                                             files.vocab_size, files.route_width),
+                                  override_num_blocks=len(wins))
+    for op in stage_ops(engine.plans, engine.ranks):
+        ds = ds.map_batches(op, batch_size=None, batch_format="pyarrow", zero_copy_batch=True,
+                            num_cpus=engine.map_cpus)
+    for bundle in ds.iter_internal_ref_bundles():
+        for entry in bundle.blocks:
+            block = ray.get(entry.ref)
+            for w in windows_of(block):
+                yield w, wins[w][1], entry.ref, block
+
+
+def _apply(op, block):
+    return op(block)
+
+
+def _reader(engine, source, steps):
+    ray = engine.ray
+    it = iter(source)
+    state = getattr(it, "get_state", None) or getattr(it, "state_dict", None)
+    ops = [ray.put(op) for op in stage_ops(engine.plans, engine.ranks)]
+    task = ray.remote(_apply).options(num_cpus=engine.map_cpus, max_retries=3)
+    for w, episodes in enumerate(it):
+        position = state() if state is not None else None
+        ref = ray.put(window_block(episodes, w))
+        for op in ops:  # one task per stage, chained: the next starts when its input is ready
+            ref = task.remote(op, ref)
+        yield w, position, ref, None
+        if steps is not None and w + 1 >= steps:
+            return
+
+
+__all__ = ["feed", "file_windows"]

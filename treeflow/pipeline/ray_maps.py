@@ -1,0 +1,200 @@
+"""The Ray engine's CPU half: each map stage of the plan as its own streaming Ray operator.
+
+    files:  read (one block per window)  ->  Advantage  ->  Pack  ->  Fragment  ->  Shard  -> refs
+    other:  the driver reads a window    ->  the same operator functions, as chained Ray tasks
+
+Every block is one window's table (episodes, then layouts, then bins) with two
+tag columns: `_window` and `_rank` (-1 while the window is planned whole; r once
+rank r's share is planned on its own, as `Pack(ranks=R, rank=r)` does). The
+window's episodes -- after the maps over episodes, which the accumulator and a
+training step weigh with -- ride along as Arrow IPC bytes on the window's first
+row (`_episodes`), so a block is self-contained. The last operator sets `_rank` on
+every bin to the rank actor that runs it: Shard's `rank` column (the deal), or
+rank r's own plan. A bin Shard did not assign (no Shard stage; replay only) is
+dealt round-robin, which cannot change its values.
+
+Files are read by Ray Data (one read task per window; Arrow blocks through the
+object store, its streaming backpressure), and the stages are Ray Data map
+operators, one per stage; Ray Data may fuse neighbouring CPU maps into one
+task (no copy between them), never into the rank actors, which the driver feeds
+with the final blocks' references (pipeline/ray.py). Any other source (a queue
+reader, tables) is read by the driver, and the same operator functions run as
+one Ray task per stage and window, chained by reference.
+
+Per-rank planning: given one plan per rank (`plans[r]`), a stage whose config
+differs between the plans is run once per rank; the stages before it run once
+for the window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+
+TAGS = ("_window", "_rank", "_episodes")
+
+
+# --------------------------------------------------------------------- blocks
+def ipc_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def tag(table: pa.Table, window: int, rank, episodes: bytes | None = None) -> pa.Table:
+    """`table` with the tag columns; `rank` an int or one value per row."""
+    n = table.num_rows
+    ranks = np.full(n, rank, np.int32) if np.isscalar(rank) else np.asarray(rank, np.int32)
+    eps = ([episodes] + [None] * (n - 1)) if n else []
+    return (table.append_column("_window", pa.array(np.full(n, window, np.int64)))
+            .append_column("_rank", pa.array(ranks))
+            .append_column("_episodes", pa.array(eps, pa.binary())))
+
+
+def untag(table: pa.Table) -> pa.Table:
+    return table.drop_columns([c for c in TAGS if c in table.column_names])
+
+
+def windows_of(block: pa.Table) -> list[int]:
+    return [int(w) for w in np.unique(block.column("_window").to_numpy())]
+
+
+def rows_of(block: pa.Table, window: int, rank: int | None = None) -> pa.Table:
+    """The rows of one window (and one rank's tag) of a block, tags kept."""
+    mask = pc.equal(block.column("_window"), window)
+    if rank is not None:
+        mask = pc.and_(mask, pc.equal(block.column("_rank"), rank))
+    return block.filter(mask)
+
+
+def episodes_of(block: pa.Table, window: int) -> pa.Table:
+    """A window's episodes (after the maps over episodes), from the block's IPC bytes."""
+    col = rows_of(block, window).column("_episodes").drop_null()
+    if len(col) == 0:
+        raise RuntimeError(f"window {window}'s block carries no episodes")
+    return from_ipc(col[0].as_py())
+
+
+def read_window(pieces, vocab_size, route_width=None) -> pa.Table:
+    """The episodes of one window: rows [a, b) of each piece's file, validated."""
+    from treeflow.schemas.episode import open_episode_file
+
+    parts = []
+    for path, a, b, row0 in pieces:  # read as the local engine reads (Arrow streams too)
+        table = open_episode_file(path).take(pa.array(np.arange(a, b)))
+        parts.append(validate_episodes(table, source=path, row_offset=row0, vocab_size=vocab_size,
+                                       route_width=route_width))
+    return pa.concat_tables(parts)
+
+
+# ------------------------------------------------------------------ operators
+class StageOp:
+    """One map stage over tagged blocks: `plans[r].maps[index]` for the rows of rank r.
+
+    on_episodes stages (Advantage) map the window's episodes; the first stage after them
+    stores the episodes it receives in the `_episodes` tag. last: set `_rank` per bin.
+    """
+
+    def __init__(self, plans, index: int, *, stores_episodes: bool, last: bool, ranks: int):
+        self.stages = [p.maps[index] for p in plans]
+        self.per_rank = len(self.stages) > 1 and any(s != self.stages[0] for s in self.stages)
+        self.stores_episodes, self.last, self.ranks = stores_episodes, last, ranks
+
+    def __call__(self, block: pa.Table) -> pa.Table:
+        out = []
+        for w in windows_of(block):
+            rows = rows_of(block, w)
+            eps = None
+            if self.stores_episodes:
+                data = untag(rows).cast(EPISODE_SCHEMA)
+                eps = ipc_bytes(data)
+                groups = [(-1, data)]
+            else:
+                eps = rows.column("_episodes").drop_null()
+                eps = eps[0].as_py() if len(eps) else None
+                groups = [(int(r), untag(rows_of(rows, w, int(r))))
+                          for r in np.unique(rows.column("_rank").to_numpy())]
+            for r, data in groups:
+                if r < 0 and self.per_rank:
+                    mapped = [(q, s.map(data, step=w)) for q, s in enumerate(self.stages)]
+                else:
+                    mapped = [(r, self.stages[max(r, 0)].map(data, step=w))]
+                for q, table in mapped:
+                    out.append(self._tag(table, w, q, eps))
+                    eps = None  # once per window
+        return pa.concat_tables(out) if len(out) > 1 else out[0]
+
+    def _tag(self, table: pa.Table, w: int, rank: int, eps) -> pa.Table:
+        if not self.last:
+            return tag(table, w, rank, eps)
+        if table.num_rows == 0 and rank < 0:
+            raise ValueError(f"window {w} made no bins; give episodes with tokens")
+        if rank >= 0:
+            dest = np.full(table.num_rows, rank, np.int32)
+        else:
+            dest = (table.column("rank").to_numpy(zero_copy_only=False).astype(np.int32)
+                    if "rank" in table.column_names else np.full(table.num_rows, -1, np.int32))
+            unassigned = dest < 0
+            dest[unassigned] = np.arange(int(unassigned.sum())) % self.ranks
+        if table.num_rows and int(dest.max()) >= self.ranks:
+            raise ValueError(f"window {w}: bins were sharded for {int(dest.max()) + 1} ranks but "
+                             f"{self.ranks} run; use Shard(num_ranks={self.ranks})")
+        return tag(table, w, dest, eps)
+
+
+def stage_ops(plans, ranks: int) -> list[StageOp]:
+    """One operator per map stage of the plan(s); the stages over episodes first (Advantage)."""
+    maps = plans[0].maps
+    if any(len(p.maps) != len(maps) or [type(s) for s in p.maps] != [type(s) for s in maps]
+           for p in plans):
+        raise ValueError("the per-rank plans differ in their stages; give each rank the same "
+                         "stage types (Pack(ranks=R, rank=r), Fragment(ranks=R, rank=r), ...)")
+    if not any(not getattr(s, "on_episodes", False) for s in maps):
+        raise ValueError("engine 'ray' needs map stages that make bins (Pack, Fragment)")
+    order = [i for i, s in enumerate(maps) if getattr(s, "on_episodes", False)]
+    order += [i for i, s in enumerate(maps) if not getattr(s, "on_episodes", False)]
+    first = next(i for i in order if not getattr(maps[i], "on_episodes", False))
+    # a subclass named after the stage: Ray Data names the operator after the callable's class
+    return [type(maps[i].name, (StageOp,), {})(plans, i, stores_episodes=(i == first),
+                                               last=(i == order[-1]), ranks=ranks)
+            for i in order]
+
+
+def window_block(episodes: pa.Table, window: int) -> pa.Table:
+    """A window read by the driver, as the first operator's input block."""
+    return tag(episodes.cast(EPISODE_SCHEMA), window, -1)
+
+
+class WindowRead:
+    """Ray Data datasource: one read task (one block) per window of stored files."""
+
+    def __new__(cls, windows, vocab_size, route_width=None):
+        from ray.data.block import BlockMetadata
+        from ray.data.datasource import Datasource, ReadTask
+
+        class Windows(Datasource):
+            def estimate_inmemory_data_size(self):
+                return None
+
+            def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+                tasks = []
+                for w, pieces in windows:
+                    def read(w=w, pieces=pieces):
+                        yield tag(read_window(pieces, vocab_size, route_width), w, -1)
+                    rows = sum(b - a for _, a, b, _ in pieces)
+                    tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=None,
+                                                              input_files=None, exec_stats=None)))
+                return tasks
+
+        return Windows()
+
+
+__all__ = ["StageOp", "WindowRead", "episodes_of", "rows_of", "stage_ops", "window_block"]

@@ -1,0 +1,105 @@
+"""A rank actor of the Ray engine: one process holding one data-parallel rank's operator.
+
+The driver (pipeline/ray.py) creates R of them, gives them torchrun's variables
+(`setup(env)`: the process group of a training run forms here, gloo on CPU and
+NCCL on CUDA, exactly as for spawned ranks) and then calls `run(window, block,
+position)` once per window, in window order; Ray runs an actor's calls from one
+caller in submission order, and a training rank checks it. A call runs this
+rank's rows of the window's block -- the bins tagged with its rank (Shard's
+deal) -- through the plan's worker: edge values for replay; for training one
+optimizer step (the gradient summed over the R ranks) through the training
+operator (ops/train.py), built from the run's spec (train/remote.py), which
+saves at the run's cadence; its metrics row comes back.
+
+A replay actor that dies is restarted by Ray and builds its model again on its
+next call, which the driver re-runs; a training rank's model and optimizer die with it,
+so the run stops (resume it from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+
+from treeflow.pipeline.ray_maps import episodes_of, rows_of, untag
+
+
+class RankActor:
+    """One rank: `setup(env)` builds the worker; `run(window, block, position)` per window."""
+
+    def __init__(self, plan, rank: int, ranks: int, device: str, threads: int, train=None):
+        import torch
+
+        torch.set_num_threads(threads)
+        if device.startswith("cuda"):
+            device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        self.plan, self.rank, self.ranks, self.device = plan, rank, ranks, device
+        self.train = train  # training: a RemoteTraining (train/remote.py)
+        self.worker = self.dp = self.publish = None
+        self.next_window = None  # training: the window whose step is next
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the process group: this node's address and a free port."""
+        import ray
+
+        from treeflow.train.launch import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, env: dict) -> None:
+        """Join the ranks (training: the process group forms here) and build the worker."""
+        os.environ.update(env)
+        if self.plan.fused:
+            from treeflow.train import DataParallel
+
+            self.dp = (DataParallel.from_env(self.device) if self.ranks > 1
+                       else DataParallel(device=self.device))
+            # the training operator (ops/train.py) owns the step, its save cadence and hooks
+            op = self.train.build(self.plan, device=self.device, dp=self.dp, rank=self.rank)
+            self.worker = self.plan.worker(trainer=op)
+            self.publish = next((h for h in op.on_step if hasattr(h, "last")), None)
+        else:
+            self.worker = self.plan.worker(device=self.device)
+        self.compile_seconds = self.worker.warm_up()
+
+    def run(self, window: int, block: pa.Table, position: dict | None) -> tuple[pa.Table, dict]:
+        """This rank's share of one window: (edge values | the step's metrics row, meta)."""
+        from treeflow.ops.train import Window
+        from treeflow.schemas.layout import BIN_SCHEMA
+
+        if self.worker is None and not self.plan.fused:  # restarted by Ray after a death
+            self.setup({})
+        bins = untag(rows_of(block, window, self.rank)).cast(BIN_SCHEMA)
+        meta = {"compile_seconds": self.compile_seconds}
+        self.compile_seconds = 0.0
+        if not self.plan.fused:
+            return self.worker.runner(bins), meta
+        if self.next_window is None:
+            self.next_window = window
+        # an optimizer step depends on every step before it: a window out of order (or one seen
+        # twice) would silently train a different model, so it is an error
+        if window != self.next_window:
+            raise RuntimeError(f"rank {self.rank} got window {window} while step "
+                               f"{self.next_window} is next; training needs windows in order")
+        self.next_window += 1
+        # opening a window writes the checkpoint the last one made due: the driver sends a
+        # window only after the caller took the one before (its metrics line is out first)
+        acc = self.worker.open(Window(step=window, episodes=episodes_of(block, window),
+                                      position=position))
+        acc.add(bins)
+        out = acc.finish()
+        if self.publish is not None:
+            meta["weights"] = self.publish.last
+        return out, meta
+
+    def close(self) -> None:
+        """End of the run: the training operator's due and final checkpoints (every rank)."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.dp is not None:
+            self.dp.close()
+            self.dp = None
+
+
+__all__ = ["RankActor"]
