@@ -3,6 +3,7 @@
     main.py          the parser assembled from the command modules; `main(argv)`
     replay.py        replay --mode logprobs          train.py         --mode train (fit())
     stream.py        stream, rollout                 stream_train.py  stream --mode train
+    stream_logprobs.py  stream --mode logprobs (per-step files, acks after writes)
     plan.py          synth, inspect, plan            convert.py       convert
     gate.py          gate
     options.py       argument groups shared by commands (model, training, RL, queue, sampling)
@@ -13,7 +14,8 @@
     help.py          the conventions applied to every subcommand    common.py, queue.py, rl.py
 
 Command modules import the shared ones, never `main` or each other (replay -> train and
-stream -> stream_train excepted); tests/test_layering.py holds the whole package to no cycles.
+stream -> stream_logprobs, stream_train excepted); tests/test_layering.py holds the whole
+package to no cycles.
 """
 
 from treeflow.cli.main import build_parser, main
