@@ -227,3 +227,25 @@ def test_ray_file_windows_resume_where_a_files_reader_does(data):
             assert position == reader.get_state(), skip
     with pytest.raises(ValueError, match="not at a window boundary"):
         file_windows(files, {"episodes": 4}, 1)
+
+
+def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
+    # Advantage runs first over the episodes, which ride along with the bins (the training
+    # step weighs with them); per-rank plans make rank r's share, tagged for rank actor r
+    from treeflow.pipeline.ray_maps import episodes_of, rows_of, untag
+    from treeflow.stages import Advantage
+
+    def plan(r):
+        return Pipeline(Advantage(), Pack(ranks=2, rank=r), Fragment(max_tokens=64, ranks=2, rank=r),
+                        Shard(num_ranks=2), Forward(), Reduce(loss=Loss(kind="pg"))).plan
+
+    plans = [plan(0), plan(1)]
+    eps = list(Files(paths=data.paths, episodes_per_step=6))[0]
+    block = window_block(eps, 0)
+    for op in stage_ops(plans, 2):
+        block = op(block)
+    want_eps = plans[0].episodes(eps, step=0)
+    assert episodes_of(block, 0).equals(want_eps)
+    for r in range(2):
+        want = plans[r].prepare(want_eps, step=0)
+        assert untag(rows_of(block, 0, r)).equals(want), r

@@ -19,6 +19,8 @@ group (`--launcher ray`, treeflow.train.launch.ray_ranks), or by torchrun
 environment is recognised. Every rank reads the same windows, lays out and bins only its own
 share of each step (`configs.plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
 metrics and prints; all ranks write the checkpoint together.
+`--engine ray` runs the same N ranks as Ray rank actors fed by the Ray engine (pipeline/ray.py),
+with the same planning, checkpoints, --resume and fingerprint checks (fit() owns them).
 """
 
 from __future__ import annotations

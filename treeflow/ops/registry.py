@@ -54,7 +54,7 @@ _REGISTRY: dict[type, Operator] = {}
 def register(stage_type: type, *, kind: str | None = None, on_episodes: bool = False,
              fuses: type | None = None):
     """Decorator: `build(stage, **runtime)` is the physical operator of `stage_type`."""
-    kind = kind if kind is not None else getattr(stage_type, "kind", "map")
+    kind = kind if kind is not None else stage_type.kind
     if kind not in OPERATOR_KINDS:
         raise ValueError(f"register({stage_type.__name__}, kind={kind!r}): choose one of "
                          f"{OPERATOR_KINDS}")

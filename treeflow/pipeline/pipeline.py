@@ -86,8 +86,9 @@ class Pipeline:
         and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` (a Trainer, e.g.
-        resumed, or a built training operator, `treeflow.ops.TrainOp`) to continue it;
-        `treeflow.train.fit` is the whole training loop around this. device: where the model runs (the engine builds
+        resumed, or a built training operator, `treeflow.ops.TrainOp`, with its
+        checkpointing and hooks) to continue it; `treeflow.train.fit` is the
+        whole training loop around this. device: where the model runs (the engine builds
         it there). engine "ray" (pipeline/ray.py): `ranks` rank actors fed by
         one Ray graph -- files read and streamed by Ray Data, any other source
         read by the driver -- whose CPU stages run as their own Ray operators.

@@ -162,7 +162,7 @@ class Plan:
         return Worker(self, runner=runner, accumulator=acc)
 
     def _check_sharding(self, world: int) -> None:
-        ranks = [s.num_ranks for s in self.maps if getattr(s, "num_ranks", None) is not None]
+        ranks = [s.num_ranks for s in self.maps if isinstance(s, Shard)]
         if world > 1 and (not ranks or ranks[-1] != world):
             have = f"Shard(num_ranks={ranks[-1]})" if ranks else "no Shard stage"
             raise ValueError(f"the trainer is one of {world} data-parallel ranks but the pipeline "

@@ -104,8 +104,12 @@ class StageOp:
     """
 
     def __init__(self, plans, index: int, *, stores_episodes: bool, last: bool, ranks: int):
-        self.stages = [p.maps[index] for p in plans]
-        self.per_rank = len(self.stages) > 1 and any(s != self.stages[0] for s in self.stages)
+        from treeflow.ops.registry import physical
+
+        stages = [p.maps[index] for p in plans]
+        self.per_rank = len(stages) > 1 and any(s != stages[0] for s in stages)
+        # the physical map operators the registry builds for the stage configs (ops/registry.py)
+        self.ops = [physical(s) for s in (stages if self.per_rank else stages[:1])]
         self.stores_episodes, self.last, self.ranks = stores_episodes, last, ranks
 
     def __call__(self, block: pa.Table) -> pa.Table:
@@ -124,9 +128,9 @@ class StageOp:
                           for r in np.unique(rows.column("_rank").to_numpy())]
             for r, data in groups:
                 if r < 0 and self.per_rank:
-                    mapped = [(q, s.map(data, step=w)) for q, s in enumerate(self.stages)]
+                    mapped = [(q, op(data, step=w)) for q, op in enumerate(self.ops)]
                 else:
-                    mapped = [(r, self.stages[max(r, 0)].map(data, step=w))]
+                    mapped = [(r, self.ops[max(r, 0) if self.per_rank else 0](data, step=w))]
                 for q, table in mapped:
                     out.append(self._tag(table, w, q, eps))
                     eps = None  # once per window
@@ -157,11 +161,13 @@ def stage_ops(plans, ranks: int) -> list[StageOp]:
            for p in plans):
         raise ValueError("the per-rank plans differ in their stages; give each rank the same "
                          "stage types (Pack(ranks=R, rank=r), Fragment(ranks=R, rank=r), ...)")
-    if not any(not getattr(s, "on_episodes", False) for s in maps):
+    from treeflow.ops.registry import operator_for
+
+    episodic = [operator_for(s).on_episodes for s in maps]
+    if all(episodic):
         raise ValueError("engine 'ray' needs map stages that make bins (Pack, Fragment)")
-    order = [i for i, s in enumerate(maps) if getattr(s, "on_episodes", False)]
-    order += [i for i, s in enumerate(maps) if not getattr(s, "on_episodes", False)]
-    first = next(i for i in order if not getattr(maps[i], "on_episodes", False))
+    order = [i for i, e in enumerate(episodic) if e] + [i for i, e in enumerate(episodic) if not e]
+    first = next(i for i in order if not episodic[i])
     # a subclass named after the stage: Ray Data names the operator after the callable's class
     return [type(maps[i].name, (StageOp,), {})(plans, i, stores_episodes=(i == first),
                                                last=(i == order[-1]), ranks=ranks)
