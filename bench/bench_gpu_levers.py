@@ -56,7 +56,7 @@ from treeflow.models import Decoder, ModelConfig, ReferenceBackend, Tuning  # no
 from treeflow.models.checkpoint import seeded_decoder  # noqa: E402
 from treeflow.pipeline.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
-from treeflow.stages._flat import list_offsets, list_values  # noqa: E402
+from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
 from treeflow.ops.runner import PreparedBin  # noqa: E402
 from treeflow.tree import subtree_end  # noqa: E402
 

@@ -11,7 +11,7 @@ and the peak traced by tracemalloc):
   `Fragment(ranks=R)` (deal the layouts, pack every share), `Shard(num_ranks=R)` over all bins;
   every rank does all of it and keeps its own bins, so one rank's time is the whole plan's.
 - `sharded`: `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`, `Shard(num_ranks=R)`
-  (treeflow.cli_train.plan_stages): rank r reads offsets of the whole step and the tokens of its
+  (treeflow.cli.configs.plan_stages): rank r reads offsets of the whole step and the tokens of its
   own trees only, packs its provisional share, and deals on the exact tree costs the planning
   exchange returns (stages/_exchange.py); the exchange's result (every tree's exact cost, the
   same for any rank count) is computed once per data set in its own subprocess and read from a
@@ -133,7 +133,7 @@ def worker(args) -> dict:
     """One subprocess: plan one step for --ranks ranks with one planner, measure."""
     from argparse import Namespace
 
-    from treeflow.cli_train import plan_stages
+    from treeflow.cli.configs import plan_stages
     from treeflow.stages import Fragment, Pack, Shard
 
     ranks = args.ranks_one

@@ -21,7 +21,7 @@ def test_synth_inspect_plan(tmp_path, capsys):
     assert tot["saving_tree_group"] == tot["exact_tokens"] / tot["tree_group_tokens"]
     assert out["per_episode"]["calls"]["max"] <= 5
     bins_path = str(tmp_path / "bins.arrow")
-    assert main(["plan", f, "--max-tokens", "4096", "--ranks", "2", "--batch-episodes", "4",
+    assert main(["plan", f, "--max-tokens", "4096", "--num-ranks", "2", "--episodes-per-step", "4",
                  "-o", bins_path, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     bins = pa.ipc.open_file(bins_path).read_all()

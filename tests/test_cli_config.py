@@ -17,8 +17,8 @@ def data(tmp_path_factory):
     return str(path)
 
 
-YAML = "mode: train\nbatch_episodes: 2\nsteps: 2\nloss: nll\nmax-tokens: 256\nlr: 1.0e-3\nquiet: true\n"
-TOML = 'mode = "train"\nbatch-episodes = 2\nsteps = 2\nloss = "nll"\nmax_tokens = 256\nlr = 1e-3\n'
+YAML = "mode: train\nepisodes_per_step: 2\nsteps: 2\nloss: nll\nmax-tokens: 256\nlr: 1.0e-3\nquiet: true\n"
+TOML = 'mode = "train"\nepisodes-per-step = 2\nsteps = 2\nloss = "nll"\nmax_tokens = 256\nlr = 1e-3\n'
 
 
 @pytest.mark.parametrize("name,text", [("run.yaml", YAML), ("run.toml", TOML)])
@@ -27,7 +27,7 @@ def test_file_values_and_flags_override(data, tmp_path, capsys, name, text):
     assert main(["replay", data, "--config", str(tmp_path / name), "--steps", "3",
                  "--print-config"]) == 0
     cfg = json.loads(capsys.readouterr().out)
-    assert (cfg["mode"], cfg["batch_episodes"], cfg["loss"], cfg["max_tokens"]) == \
+    assert (cfg["mode"], cfg["episodes_per_step"], cfg["loss"], cfg["max_tokens"]) == \
         ("train", 2, "nll", 256)
     assert cfg["steps"] == 3 and cfg["lr"] == 1e-3  # the flag wins over the file
     # what --print-config prints is a config file again
@@ -37,7 +37,7 @@ def test_file_values_and_flags_override(data, tmp_path, capsys, name, text):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("batch_episode: 2\n", "'batch_episode' is not an option of treeflow replay; did you mean --batch-episodes?"),
+    ("episode_per_step: 2\n", "'episode_per_step' is not an option of treeflow replay; did you mean --episodes-per-step?"),
     ("loss: ppo\n", "--loss takes one of nll, pg"),
     ("steps: 2.5\n", "not a valid value for --steps"),
     ("json: 3\n", "--json is a switch"),
@@ -58,12 +58,12 @@ def test_checkpoint_holds_the_resolved_config(data, tmp_path, capsys):
     for step in ("step-000001", "step-000002"):
         assert "config.treeflow.json" in json.load(open(ck / step / "manifest.json"))["files"]
         cfg = json.load(open(ck / step / "config.treeflow.json"))
-        assert (cfg["batch_episodes"], cfg["loss"], cfg["entropy_coef"], cfg["files"]) == \
+        assert (cfg["episodes_per_step"], cfg["loss"], cfg["entropy_coef"], cfg["files"]) == \
             (2, "nll", 0.01, [data])
     capsys.readouterr()
 
 
 def test_kl_coef_refused_without_reference_logprobs(data, capsys):
-    assert main(["replay", data, "--mode", "train", "--batch-episodes", "2",
+    assert main(["replay", data, "--mode", "train", "--episodes-per-step", "2",
                  "--kl-coef", "0.1"]) == 2
     assert "--kl-coef 0.1: the KL penalty needs the reference" in capsys.readouterr().err

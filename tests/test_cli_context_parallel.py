@@ -27,7 +27,7 @@ def data(tmp_path_factory):
 
 
 def train(data, *extra):
-    args = ["replay", data, "--mode", "train", "--batch-episodes", "4", "--lr", "1e-3",
+    args = ["replay", data, "--mode", "train", "--episodes-per-step", "4", "--lr", "1e-3",
             "--loss", "pg", "--norm", "seq-mean", "--grad-sum", "float64", "--steps", "2",
             "--json", *extra]
     return main(args)
@@ -38,7 +38,7 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
     one, many = tmp_path / "one", tmp_path / "many"
     assert train(data, "--max-tokens", str(2 * BUDGET), "--save", str(one),
                  "--metrics", str(tmp_path / "one.jsonl")) == 0
-    assert train(data, "--max-tokens", str(BUDGET), "--ranks", "2", "--context-parallel", "2",
+    assert train(data, "--max-tokens", str(BUDGET), "--num-ranks", "2", "--context-parallel", "2",
                  "--save", str(many), "--metrics", str(tmp_path / "many.jsonl")) == 0
     capsys.readouterr()
     a = [json.loads(line) for line in open(tmp_path / "one.jsonl")]
@@ -59,7 +59,7 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
         scale = float(wa[k].abs().max())
         assert float((wa[k] - wb[k]).abs().max()) <= 1e-6 * scale, k
     # the 4 processes' checkpoint resumes in one process, with bins of the same budget
-    args = ["replay", data, "--mode", "train", "--batch-episodes", "4", "--lr", "1e-3", "--loss",
+    args = ["replay", data, "--mode", "train", "--episodes-per-step", "4", "--lr", "1e-3", "--loss",
             "pg", "--norm", "seq-mean", "--grad-sum", "float64", "--steps", "3", "--json",
             "--max-tokens", str(2 * BUDGET), "--resume", str(many)]
     assert main(args) == 0
@@ -69,7 +69,7 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
 @pytest.mark.parametrize("extra,flag", [
     (["--backend", "megatron"], "--backend reference"),
     (["--kernel", "causal"], "--kernel causal"),
-    (["--shard-params", "--ranks", "2"], "--shard-params"),
+    (["--shard-params", "--num-ranks", "2"], "--shard-params"),
     (["--launcher", "ray"], "--launcher"),
     (["--engine", "ray"], "--engine local"),
     (["--tensor-parallel", "2", "--backend", "megatron"], "--backend reference"),
@@ -83,8 +83,8 @@ def test_refused_combinations_name_the_flag(data, capsys, extra, flag):
 
 def test_logprobs_mode_refuses_ranks(data, tmp_path, capsys):
     assert main(["replay", data, "-o", str(tmp_path / "lp.arrow"), "--context-parallel", "2",
-                 "--ranks", "2"]) == 2
-    assert "--ranks 2 with --context-parallel 2" in capsys.readouterr().err
+                 "--num-ranks", "2"]) == 2
+    assert "--num-ranks 2 with --context-parallel 2" in capsys.readouterr().err
 
 
 def test_plan_budget_is_context_parallel_times_max_tokens(data, capsys):

@@ -28,7 +28,7 @@ def test_convert_inspect_plot_replay(tmp_path, capsys):
     assert (report["episodes"], report["calls"], report["exact_tokens"]) == (2, 4, 26)
     assert [r["group_id"] for r in read_episodes(ep).to_pylist()] == ["g0", "g0"]
     plots = str(tmp_path / "plots")
-    assert main(["inspect", ep, "--plot", plots, "--max-tokens", "16", "--ranks", "2", "--json"]) == 0
+    assert main(["inspect", ep, "--plot", plots, "--max-tokens", "16", "--num-ranks", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sorted(os.path.basename(p) for p in out["plots"]) == ["bins.png", "call_growth.png",
                                                                  "savings.png"]
@@ -102,7 +102,7 @@ def test_train_logs_to_tensorboard(tmp_path, capsys):
                                   user_tokens=(3, 6), completion_tokens=(3, 6), tool_tokens=(3, 6),
                                   seed=5), f)
     tb, metrics = str(tmp_path / "tb"), str(tmp_path / "m.jsonl")
-    assert main(["replay", f, "--mode", "train", "--batch-episodes", "2", "--steps", "3",
+    assert main(["replay", f, "--mode", "train", "--episodes-per-step", "2", "--steps", "3",
                  "--max-tokens", "256", "--tensorboard", tb, "--metrics", metrics, "--json"]) == 0
     json.loads(capsys.readouterr().out)
     rows = [json.loads(line) for line in open(metrics)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treeflow.cli import main
-from treeflow.cli_gate import GATE_FAILED
+from treeflow.cli.gate import GATE_FAILED
 
 SMALL = ["--threads", "1", "--prompt-tokens", "6", "10", "--completion-tokens", "3",
          "6", "--tool-tokens", "2", "4", "--timeout", "120", "--json"]

@@ -47,7 +47,7 @@ def test_replay_matches_transformers(setup, flags, capsys):
 def test_train_with_bfloat16_states(setup, capsys):
     tmp, _, _ = setup
     assert main(["replay", str(tmp / "e.arrow"), "--model", str(tmp / "nh"), "--mode", "train",
-                 "--batch-episodes", "2", "--steps", "2", "--loss", "nll", "--max-tokens", "64",
+                 "--episodes-per-step", "2", "--steps", "2", "--loss", "nll", "--max-tokens", "64",
                  "--ssm-state-dtype", "bfloat16", "--quiet"]) == 0
     capsys.readouterr()
     with pytest.raises(SystemExit):

@@ -1,5 +1,5 @@
 """Two nodes the way two hosts run them, on localhost: `torchrun --nnodes 2` (two agents, one
-process each, gloo) trains like one process, and `treeflow plan --ranks R` gives the bins the
+process each, gloo) trains like one process, and `treeflow plan --num-ranks R` gives the bins the
 trainer's ranks run.
 
 The step here is one GRPO group (one tree) for two ranks, so the ranks share out the tree's bins
@@ -22,7 +22,7 @@ from treeflow.pipeline import synth_episodes, write_episodes
 from treeflow.train.launch import free_port, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = ["--mode", "train", "--batch-episodes", "4", "--steps", "2", "--lr", "1e-2",
+TRAIN = ["--mode", "train", "--episodes-per-step", "4", "--steps", "2", "--lr", "1e-2",
          "--warmup-episodes", "2", "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256",
          "--grad-sum", "float64", "--quiet"]
 
@@ -55,7 +55,7 @@ def test_torchrun_two_nodes_train_like_one_process(data, tmp_path):
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-         "-m", "treeflow.cli", "replay", data, *TRAIN, "--ranks", "2",
+         "-m", "treeflow.cli", "replay", data, *TRAIN, "--num-ranks", "2",
          "--save", str(tmp_path / "two"), "--metrics", str(tmp_path / "two.jsonl")],
         env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
@@ -79,7 +79,7 @@ def test_torchrun_two_nodes_train_like_one_process(data, tmp_path):
 def _trainer_bins(data):
     """In each rank of a real 2-rank training run: the bins its trainer ran, as Arrow IPC bytes."""
     from treeflow.cli import build_parser
-    from treeflow.cli_train import _train
+    from treeflow.cli.train import _train
     from treeflow.train import trainer
 
     ran = []
@@ -90,7 +90,7 @@ def _trainer_bins(data):
         return original(self, episodes, bins, **kw)
 
     trainer.Trainer.train_step = recording
-    args = build_parser().parse_args(["replay", data, *TRAIN, "--ranks", "2"])
+    args = build_parser().parse_args(["replay", data, *TRAIN, "--num-ranks", "2"])
     _train(args, distributed=True)
     sink = pa.BufferOutputStream()
     table = pa.concat_tables(ran)
@@ -102,7 +102,7 @@ def _trainer_bins(data):
 @pytest.mark.multiprocess
 def test_plan_gives_the_bins_the_trainer_runs(data, tmp_path, capsys):
     out = str(tmp_path / "bins.arrow")
-    assert main(["plan", data, "--ranks", "2", "--batch-episodes", "4", "--max-tokens", "256",
+    assert main(["plan", data, "--num-ranks", "2", "--episodes-per-step", "4", "--max-tokens", "256",
                  "-o", out, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ranks_without_bins"] == 0 and summary["rank_plan_peak_mib_max"] > 0

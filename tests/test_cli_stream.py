@@ -28,7 +28,7 @@ def _read(path):
 
 
 def test_stream_from_file_equals_replay(data, tmp_path, capsys):
-    opts = ["--layout", "tree", "--max-tokens", "512", "--window", "4", "--json"]
+    opts = ["--layout", "tree", "--max-tokens", "512", "--episodes-per-step", "4", "--json"]
     assert main(["replay", data, "-o", str(tmp_path / "r.arrow"), *opts]) == 0
     assert main(["stream", "--from", data, "-o", str(tmp_path / "s.arrow"), "--chunk", "2",
                  *opts]) == 0
@@ -52,17 +52,17 @@ def test_stream_refuses_bad_options_with_one_line(data, tmp_path, capsys):
         (["stream", "-o", out], "nothing can put episodes"),
         (["stream", "--from", data, "-o", out, "--capacity", "4"], "--capacity >= 8"),
         (["stream", "--queue", str(tmp_path / "q.sock"), "-o", out], "give -o DIR"),
-        (["stream", "--from", data, "-o", out, "--ranks", "2"], "--engine ray --ranks N"),
-        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--engine", "ray",
-          "--ranks", "2"], "the Ray engine trains on one rank"),
-        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--engine", "ray",
+        (["stream", "--from", data, "-o", out, "--num-ranks", "2"], "--engine ray --num-ranks N"),
+        (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--engine", "ray",
+          "--num-ranks", "2"], "the Ray engine trains on one rank"),
+        (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--engine", "ray",
           "--save", str(tmp_path / "ck"), "--save-every", "1"], "does not resume yet"),
-        (["stream", "--from", data, "--mode", "train"], "--batch-episodes"),
-        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--capacity", "3"],
+        (["stream", "--from", data, "--mode", "train"], "--episodes-per-step"),
+        (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--capacity", "3"],
          "--capacity >= 4"),
-        (["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--capacity", "4",
+        (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--capacity", "4",
           "--save", str(tmp_path / "ck"), "--save-every", "2"], "--capacity >= 12"),
-        (["stream", "--from", data, "-o", str(tmp_path / "steps"), "--window", "4", "--capacity",
+        (["stream", "--from", data, "-o", str(tmp_path / "steps"), "--episodes-per-step", "4", "--capacity",
           "7"], "--capacity >= 8"),
     ]
     for argv, message in cases:
@@ -97,7 +97,7 @@ def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys, transport):
              "--group-size", "2", "--turns", "1", "2", "--prompt-tokens", "6", "10",
              "--completion-tokens", "3", "5", "--tool-tokens", "2", "4", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
-        assert main(["stream", "--queue", sock, *secret, "--mode", "train", "--batch-episodes", "4",
+        assert main(["stream", "--queue", sock, *secret, "--mode", "train", "--episodes-per-step", "4",
                      "--steps", "2", "--loss", "pg", "--lr", "1e-3", "--max-staleness", "1",
                      "--save", str(tmp_path / "ck"), "--metrics", str(metrics), "--json"]) == 0
         out, err = producer.communicate(timeout=600)
@@ -118,7 +118,7 @@ def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys, transport):
 
 def test_stream_resume_skips_steps_already_written(data, tmp_path, capsys):
     out = str(tmp_path / "steps")
-    opts = ["--from", data, "-o", out, "--window", "4", "--chunk", "2", "--json"]
+    opts = ["--from", data, "-o", out, "--episodes-per-step", "4", "--chunk", "2", "--json"]
     assert main(["stream", *opts]) == 0
     capsys.readouterr()
     before = {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
@@ -135,7 +135,7 @@ def test_stream_writes_results_back_for_the_producer(data, tmp_path, capsys):
     queue = open_queue(sock)
     try:
         assert main(["stream", "--queue", sock, "--from", data, "--return-results", "-o",
-                     str(tmp_path / "steps"), "--window", "4", "--chunk", "2", "--json"]) == 0
+                     str(tmp_path / "steps"), "--episodes-per-step", "4", "--chunk", "2", "--json"]) == 0
         back = [queue.take_results(timeout=5) for _ in range(2)]
         assert queue.take_results() is None
     finally:
@@ -152,9 +152,9 @@ def test_stream_trains_on_two_ranks_like_one(data, tmp_path, capsys):
     import torch
     from safetensors.torch import load_file
 
-    opts = ["--mode", "train", "--batch-episodes", "4", "--loss", "nll", "--lr", "1e-3", "--json"]
+    opts = ["--mode", "train", "--episodes-per-step", "4", "--loss", "nll", "--lr", "1e-3", "--json"]
     for ranks in (1, 2):
-        assert main(["stream", "--from", data, *opts, "--ranks", str(ranks),
+        assert main(["stream", "--from", data, *opts, "--num-ranks", str(ranks),
                      "--save", str(tmp_path / f"ck{ranks}"),
                      "--metrics", str(tmp_path / f"m{ranks}.jsonl")]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -168,8 +168,8 @@ def test_stream_trains_on_two_ranks_like_one(data, tmp_path, capsys):
         for key in ("loss", "grad_norm"):
             assert abs(one[key] - two[key]) <= 1e-6 * abs(one[key]), (key, one[key], two[key])
     # the same two steps through replay's data-parallel training (its own tests hold it to one
-    # rank): the same bins on the same ranks, so stream --ranks 2 must equal it bit for bit
-    assert main(["replay", data, *opts, "--ranks", "2", "--steps", "2",
+    # rank): the same bins on the same ranks, so stream --num-ranks 2 must equal it bit for bit
+    assert main(["replay", data, *opts, "--num-ranks", "2", "--steps", "2",
                  "--save", str(tmp_path / "replay2")]) == 0
     capsys.readouterr()
     w = {name: load_file(tmp_path / name / "step-000002" / "model.safetensors")

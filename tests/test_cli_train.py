@@ -20,7 +20,7 @@ def data(tmp_path_factory):
 
 
 def train(data, tmp, *extra):
-    args = ["replay", data, "--mode", "train", "--batch-episodes", "2", "--lr", "1e-2",
+    args = ["replay", data, "--mode", "train", "--episodes-per-step", "2", "--lr", "1e-2",
             "--warmup-episodes", "4", "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256",
             "--json", *extra]
     assert main(args) == 0
@@ -55,13 +55,13 @@ def test_metrics_checkpoint_and_resume(data, tmp_path, capsys):
 
 def test_train_needs_batch_episodes(data, capsys):
     assert main(["replay", data, "--mode", "train"]) == 2
-    assert "--batch-episodes" in capsys.readouterr().err
+    assert "--episodes-per-step" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess
 def test_two_ranks_train_write_one_checkpoint_that_one_rank_resumes(data, tmp_path, capsys):
     ckpt, metrics = tmp_path / "dp", tmp_path / "m.jsonl"
-    train(data, tmp_path, "--steps", "2", "--ranks", "2", "--save", str(ckpt), "--metrics",
+    train(data, tmp_path, "--steps", "2", "--num-ranks", "2", "--save", str(ckpt), "--metrics",
           str(metrics), "--grad-sum", "float64")
     rows = [json.loads(line) for line in open(metrics)]  # rank 0 alone writes them
     assert [(r["step"], r["ranks"]) for r in rows] == [(1, 2), (2, 2)]
@@ -78,5 +78,5 @@ def test_two_ranks_train_write_one_checkpoint_that_one_rank_resumes(data, tmp_pa
 def test_ranks_must_match_torchrun(data, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["replay", data, "--mode", "train", "--batch-episodes", "2", "--ranks", "3"]) == 2
+    assert main(["replay", data, "--mode", "train", "--episodes-per-step", "2", "--num-ranks", "3"]) == 2
     assert "torchrun started 2 processes" in capsys.readouterr().err

@@ -37,7 +37,7 @@ SUBSTITUTIONS = [
     (r"bfloat16", "float32"),
     (r"(?<![\w-])--episodes \d+", "--episodes 16"),
     (r"--group-size \d+", "--group-size 4"),
-    (r"--batch-episodes \d+", "--batch-episodes 8"),
+    (r"--episodes-per-step \d+", "--episodes-per-step 8"),
     (r"--steps \d+", "--steps 1"),
     (r"treeflow synth", "treeflow synth --min-turns 2 --max-turns 3"),
 ]
@@ -46,19 +46,19 @@ SUBSTITUTIONS = [
 SKIPPED = {
     "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
     '. .venv/bin/activate && python -m pytest -q -m "not gpu"': "the test suite itself",
-    "treeflow replay episodes.arrow --mode train --ranks 2 --device cuda --dtype bfloat16 \\":
+    "treeflow replay episodes.arrow --mode train --num-ranks 2 --device cuda --dtype bfloat16 \\":
         "spawns rank processes (tests/train/test_data_parallel.py runs it, marked multiprocess)",
-    "torchrun --nproc-per-node 8 -m treeflow.cli replay episodes.arrow --mode train --ranks 8 \\":
+    "torchrun --nproc-per-node 8 -m treeflow.cli replay episodes.arrow --mode train --num-ranks 8 \\":
         "torchrun across processes/hosts",
     "python -c 'import secrets; print(secrets.token_hex(32))' > /shared/q.secret && chmod 600 /shared/q.secret":
         "two hosts through a TCP queue (tests/test_cli_stream.py runs it on 127.0.0.1)",
-    "treeflow stream --queue tf --mode train --batch-episodes 8 --steps 20 \\":
+    "treeflow stream --queue tf --mode train --episodes-per-step 8 --steps 20 \\":
         "two processes through a queue socket (tests/test_cli_stream.py)",
-    "treeflow replay episodes.arrow --window 16 -o replay.arrow":
+    "treeflow replay episodes.arrow --episodes-per-step 16 -o replay.arrow":
         "its third line waits for producers on a socket (tests/test_cli_stream.py)",
-    "treeflow stream --from episodes.arrow --engine ray --ranks 2 --window 16 -o stream.arrow":
+    "treeflow stream --from episodes.arrow --engine ray --num-ranks 2 --episodes-per-step 16 -o stream.arrow":
         "starts Ray (tests marked ray)",
-    "treeflow replay episodes.arrow --engine ray --ranks 2 --window 64 -o logprobs.parquet":
+    "treeflow replay episodes.arrow --engine ray --num-ranks 2 --episodes-per-step 64 -o logprobs.parquet":
         "starts Ray and rank processes (tests/pipeline/test_ray_train.py, marked ray)",
     'pip install -e ".[megatron]"   # megatron-core 0.16.1 on Python 3.11, 0.19.2 on >= 3.12':
         "installs megatron-core; tensor parallelism on GPUs (tests/models/test_megatron*.py)",

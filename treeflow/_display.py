@@ -1,7 +1,7 @@
 """Display helpers shared by the command-line modules: console, progress bar, tables.
 
-Kept apart from `cli.py` so that every command module can import them
-without importing the argument parser (no import cycle between commands).
+Kept outside `treeflow/cli/` so that the training loop (train/fit.py) draws the same progress
+bar without importing the command line.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from contextlib import contextmanager
 
 
-def _console(stderr: bool = False):
+def console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr)
@@ -45,7 +45,7 @@ def _rate_column():
 
 
 @contextmanager
-def _progress(description: str, total: int | None, quiet: bool = False, *, unit: str = "items"):
+def progress(description: str, total: int | None, quiet: bool = False, *, unit: str = "items"):
     """A progress bar on stderr with episodes/s, tokens/s and an ETA; a no-op when quiet.
 
     Yields `advance(n, *, episodes=None, tokens=0)`: `n` moves the bar (items, or
@@ -61,7 +61,7 @@ def _progress(description: str, total: int | None, quiet: bool = False, *, unit:
     cols = [TextColumn("{task.description}"), BarColumn(), count, _rate_column(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn()]
     seen = {"episodes": 0, "tokens": 0}
-    with Progress(*cols, console=_console(stderr=True), transient=True) as prog:
+    with Progress(*cols, console=console(stderr=True), transient=True) as prog:
         task = prog.add_task(description, total=total, **seen)
 
         def advance(n: int, *, episodes: int | None = None, tokens: int = 0) -> None:
@@ -72,13 +72,13 @@ def _progress(description: str, total: int | None, quiet: bool = False, *, unit:
         yield advance
 
 
-def _count_rows(paths) -> int:
+def count_rows(paths) -> int:
     from treeflow.schemas.episode import count_rows
 
     return count_rows(paths)
 
 
-def _table(title: str, rows: list[tuple[str, object]]):
+def table(title: str, rows: list[tuple[str, object]]):
     from rich.table import Table
 
     t = Table(title=title, show_header=False)

@@ -38,9 +38,10 @@ def _user_error(e: BaseException) -> str | None:
     import torch
 
     if isinstance(e, torch.cuda.OutOfMemoryError):
-        return f"out of GPU memory ({str(e).splitlines()[0]}); lower --max-tokens or --window"
+        return (f"out of GPU memory ({str(e).splitlines()[0]}); lower --max-tokens or "
+                "--episodes-per-step")
     if isinstance(e, MemoryError):
-        return "out of memory; lower --max-tokens, --window or --batch-episodes"
+        return "out of memory; lower --max-tokens or --episodes-per-step"
     if isinstance(e, OSError):
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror or e}"

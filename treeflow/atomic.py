@@ -18,12 +18,15 @@ temporary is never touched.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
 import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+
+LOCK_SUFFIX = ".treeflow-lock"  # the one-writer locks beside outputs (treeflow/lock.py)
 
 PARTIAL = ".partial"
 
@@ -86,10 +89,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def remove_stale_locks(directory: str) -> None:
+    """Remove lock files in `directory` that nobody holds (left by killed runs)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(".") and n.endswith(LOCK_SUFFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.remove(path)  # held by us now; a writer that opened it re-checks the inode
+        except OSError:
+            pass  # held by a live run, or gone already
+        finally:
+            os.close(fd)
+
+
 def remove_stale(directory: str | os.PathLike) -> list[str]:
     """Remove temporaries in `directory` left by dead writers on this host; return their paths."""
-    from treeflow.lock import remove_stale_locks
-
     directory = os.fspath(directory) or "."
     remove_stale_locks(directory)  # lock files of killed runs (treeflow/lock.py)
     host, removed = socket.gethostname(), []
@@ -198,6 +220,6 @@ def remove(path: str) -> None:
     _remove(path)
 
 
-__all__ = ["PARTIAL", "atomic_dir", "atomic_open", "atomic_path", "check_output", "commit",
-           "commit_dir", "fsync_dir", "fsync_file", "refuse_inputs", "remove", "remove_stale",
-           "temp_name"]
+__all__ = ["LOCK_SUFFIX", "PARTIAL", "atomic_dir", "atomic_open", "atomic_path", "check_output",
+           "commit", "commit_dir", "fsync_dir", "fsync_file", "refuse_inputs", "remove",
+           "remove_stale", "remove_stale_locks", "temp_name"]

@@ -9,7 +9,8 @@ never waits and never writes. The lock is held until the command ends
 (`release_all`, called by the CLI's error handler on every exit); the kernel
 drops it when the process dies, however it dies, so a killed run never
 leaves a lock that blocks the next one; the lock file it leaves is removed by
-the next write into that directory (treeflow.atomic.remove_stale).
+the next write into that directory (treeflow.atomic.remove_stale, which knows
+the lock files by their suffix, so atomic never imports this module).
 
 The trade-off: the lock is advisory (only treeflow honours it) and flock is
 local to a host on most network filesystems. The lock file is removed on
@@ -28,13 +29,14 @@ import socket
 import sys
 from collections.abc import Iterable
 
-_SUFFIX = ".treeflow-lock"
+from treeflow.atomic import LOCK_SUFFIX, check_output, refuse_inputs
+
 _held: dict[str, "OutputLock"] = {}
 
 
 def lock_path(path: str | os.PathLike) -> str:
     d, base = os.path.split(os.path.abspath(os.fspath(path)).rstrip(os.sep))
-    return os.path.join(d, f".{base}{_SUFFIX}")
+    return os.path.join(d, f".{base}{LOCK_SUFFIX}")
 
 
 class OutputLock:
@@ -93,8 +95,6 @@ def claim_output(path: str | os.PathLike, *, option: str, inputs: Iterable = (),
 
     The same output claimed twice by one command is locked once. Returns the path as str.
     """
-    from treeflow.atomic import check_output, refuse_inputs
-
     path = check_output(path, what=option, directory=directory)
     inputs = list(inputs)
     if inputs:
@@ -103,27 +103,6 @@ def claim_output(path: str | os.PathLike, *, option: str, inputs: Iterable = (),
     if key not in _held:
         _held[key] = OutputLock(path, option=option)
     return path
-
-
-def remove_stale_locks(directory: str) -> None:
-    """Remove lock files in `directory` that nobody holds (left by killed runs)."""
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(".") and n.endswith(_SUFFIX)]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.remove(path)  # held by us now; a writer that opened it re-checks the inode
-        except OSError:
-            pass  # held by a live run, or gone already
-        finally:
-            os.close(fd)
 
 
 def holds(path: str | os.PathLike) -> bool:
@@ -144,5 +123,4 @@ def release_all() -> None:
         _held.popitem()[1].release()
 
 
-__all__ = ["OutputLock", "claim_output", "holds", "lock_path", "release", "release_all",
-           "remove_stale_locks"]
+__all__ = ["OutputLock", "claim_output", "holds", "lock_path", "release", "release_all"]

@@ -89,7 +89,7 @@ def test_tp2_logprobs_through_the_cli(setup):
 
 def test_tp2_training_through_the_cli(setup):
     root, model, data = setup
-    train = ["--mode", "train", "--loss", "nll", "--batch-episodes", "16", "--steps", "3",
+    train = ["--mode", "train", "--loss", "nll", "--episodes-per-step", "16", "--steps", "3",
              "--lr", "1e-4", "--quiet"]
     treeflow("replay", data, "--model", model, "--device", "cuda", "--dtype", "float32", *train,
              "--save", str(root / "ck_ref"), "--metrics", str(root / "ref.jsonl"))
@@ -118,7 +118,7 @@ def test_tp2_default_loss_trains_and_saves(setup):
     root, model, data = setup
     treeflow("replay", data, "--model", model, "--device", "cuda", "--dtype", "bfloat16",
              "--backend", "megatron", "--tensor-parallel", "2", "--mode", "train",
-             "--batch-episodes", "16", "--steps", "2", "--save", str(root / "ck_pg"),
+             "--episodes-per-step", "16", "--steps", "2", "--save", str(root / "ck_pg"),
              "--metrics", str(root / "pg.jsonl"), "--quiet")
     got = rows(root / "pg.jsonl")
     assert [r["step"] for r in got] == [1, 2]

@@ -61,8 +61,8 @@ def test_stream_train_two_gpu_ranks_like_one(tmp_path, capsys):
     rows = {}
     for ranks in (1, 2):
         metrics = tmp_path / f"m{ranks}.jsonl"
-        assert main(["stream", "--from", data, "--mode", "train", "--batch-episodes", "8",
-                     "--loss", "nll", "--lr", "1e-4", "--device", "cuda", "--ranks", str(ranks),
+        assert main(["stream", "--from", data, "--mode", "train", "--episodes-per-step", "8",
+                     "--loss", "nll", "--lr", "1e-4", "--device", "cuda", "--num-ranks", str(ranks),
                      "--max-tokens", "2048", "--metrics", str(metrics), "--json"]) == 0
         capsys.readouterr()
         rows[ranks] = [json.loads(line) for line in open(metrics)]

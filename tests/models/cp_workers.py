@@ -158,7 +158,7 @@ def hf_reference(hf, eps):
 
 
 def train_steps(path: str, size: int, eps, budget: int, steps: int = 2) -> dict:
-    """`--ranks D --context-parallel C` as the CLI runs it: whole training steps, pg loss."""
+    """`--num-ranks D --context-parallel C` as the CLI runs it: whole training steps, pg loss."""
     from treeflow.pipeline import Pipeline
     from treeflow.stages import EpisodeSchedule, Shard
 

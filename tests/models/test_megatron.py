@@ -219,7 +219,7 @@ def test_cli_replay_and_train_with_the_megatron_backend(ckpt, tmp_path, capsys):
     np.testing.assert_allclose(got, hf_call_logprobs(hf, _episodes()), rtol=0, atol=1e-5)
     capsys.readouterr()
     assert main(["replay", str(data), "--backend", "megatron", "--model", path, "--mode", "train",
-                 "--batch-episodes", "2", "--steps", "2", "--lr", "1e-3", "--max-tokens", "96",
+                 "--episodes-per-step", "2", "--steps", "2", "--lr", "1e-3", "--max-tokens", "96",
                  "--save", str(tmp_path / "ckpt"), "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["steps"] == 2 and np.isfinite(last["last"]["loss"])

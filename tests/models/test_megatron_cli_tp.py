@@ -3,8 +3,8 @@
 The CLI spawns the two tensor-parallel processes itself; their logprobs and a
 training run's per-step loss and gradient norm must equal the single-process
 run's (TP=1) within 1e-5, which in turn equals the reference backend (see
-test_megatron.py). With `--ranks 2` the four processes (2 replicas x TP=2) must
-train like the two of `--ranks 2` alone; `--save-every`/`--resume` under
+test_megatron.py). With `--num-ranks 2` the four processes (2 replicas x TP=2) must
+train like the two of `--num-ranks 2` alone; `--save-every`/`--resume` under
 TP=2 continue bit for bit. The refusals need no processes and run first.
 """
 
@@ -49,7 +49,7 @@ def _logprobs(path):
 @pytest.mark.parametrize("extra, match", [
     (["--backend", "reference"], "needs --backend megatron"),
     (["--backend", "megatron", "--engine", "ray"], "--engine local only"),
-    (["--backend", "megatron", "--ranks", "2"], "sizes the Ray engine's forward actors"),
+    (["--backend", "megatron", "--num-ranks", "2"], "sizes the Ray engine's forward actors"),
     (["--backend", "megatron", "--tensor-parallel", "3"], "does not divide the model's "
      "num_attention_heads"),
     (["--backend", "megatron", "--tensor-parallel", "0"], "give 1 or more"),
@@ -64,13 +64,13 @@ def test_refusals_in_logprobs_mode(setup, tmp_path, extra, match, capsys):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--shard-params", "--ranks", "2"], "drop --shard-params"),
+    (["--shard-params", "--num-ranks", "2"], "drop --shard-params"),
     (["--launcher", "ray"], "--launcher spawn"),
 ])
 def test_refusals_in_training(setup, tmp_path, extra, match, capsys):
     model, data = setup
     args = ["replay", data, "--model", model, "--backend", "megatron", "--tensor-parallel", "2",
-            "--mode", "train", "--batch-episodes", "4", *extra]
+            "--mode", "train", "--episodes-per-step", "4", *extra]
     assert main(args) != 0
     assert match in capsys.readouterr().err
 
@@ -80,8 +80,8 @@ def test_a_torchrun_world_that_does_not_match_is_refused(setup, tmp_path, monkey
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main(["replay", data, "--model", model, "--backend", "megatron", "--tensor-parallel",
-                 "2", "--mode", "train", "--batch-episodes", "4", "--ranks", "2"]) != 0
-    assert "torchrun started 3 processes but --tensor-parallel 2 x --ranks 2 needs 4" in \
+                 "2", "--mode", "train", "--episodes-per-step", "4", "--num-ranks", "2"]) != 0
+    assert "torchrun started 3 processes but --tensor-parallel 2 x --num-ranks 2 needs 4" in \
         capsys.readouterr().err
 
 
@@ -96,7 +96,7 @@ def test_tp2_replay_and_training_equal_tp1_and_resume_bit_for_bit(setup, tmp_pat
     assert len(one) > 100 and np.isfinite(one).all()
     np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
 
-    train = ["--mode", "train", "--batch-episodes", "4", "--steps", "2", "--lr", "1e-3"]
+    train = ["--mode", "train", "--episodes-per-step", "4", "--steps", "2", "--lr", "1e-3"]
     saved = tmp_path / "a"
     for tp in (1, 2):
         save = ["--save", str(saved), "--save-every", "1"] if tp == 2 else []
@@ -139,8 +139,8 @@ def test_tp2_times_dp2_training_equals_dp2(setup, tmp_path):
     """
     model, data = setup
     common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "64",
-              "--quiet", "--mode", "train", "--batch-episodes", "8", "--steps", "2", "--lr",
-              "1e-3", "--ranks", "2"]
+              "--quiet", "--mode", "train", "--episodes-per-step", "8", "--steps", "2", "--lr",
+              "1e-3", "--num-ranks", "2"]
     # "2-f64": the gradient sum after backward in float64 (`--grad-sum float64`, the
     # non-overlapped all-reduce), which must use the same replica group as the overlapped one
     runs = {1: [], 2: [], "2-f64": ["--grad-sum", "float64"]}

@@ -19,7 +19,7 @@ from tests.models.moe_helpers import (FAMILIES, episodes, forced_routes, hf_call
 from treeflow.models import load_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
-from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
 from treeflow.ops import build_forward
 

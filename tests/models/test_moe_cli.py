@@ -44,7 +44,7 @@ def test_synth_replay_train_with_routes(setup, capsys):
     a, b = (pq.read_table(out[r]).column("logprobs").to_pylist() for r in ("replay", "recompute"))
     assert a != b
     assert main(["replay", eps, "--model", model, "--mode", "train", "--steps", "1",
-                 "--batch-episodes", "4", "--max-tokens", "4096", "--json"]) == 0
+                 "--episodes-per-step", "4", "--max-tokens", "4096", "--json"]) == 0
     last = _json(capsys)["last"]
     assert 0.0 <= last["route_agreement"] < 1.0
 

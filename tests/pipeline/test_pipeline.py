@@ -61,7 +61,7 @@ def test_replay_command_writes_rows_in_input_order(tmp_path, capsys):
     outs = {}
     for layout in ("tree", "exact"):
         out = tmp_path / f"{layout}.arrow"
-        assert main(["replay", str(src), "--layout", layout, "--max-tokens", "300", "--window", "3",
+        assert main(["replay", str(src), "--layout", layout, "--max-tokens", "300", "--episodes-per-step", "3",
                      "-o", str(out), "--json"]) == 0
         summary = json.loads(capsys.readouterr().out)
         assert summary["episodes"] == 6
@@ -82,7 +82,7 @@ def test_replay_bad_vocab_writes_nothing(tmp_path, capsys):
     write_episodes(pa.Table.from_pylist(rows, schema=eps.schema), src)
     out = tmp_path / "out.arrow"
     # window 1: the first episode's result is already written when the second fails
-    assert main(["replay", str(src), "--window", "1", "-o", str(out)]) == 2
+    assert main(["replay", str(src), "--episodes-per-step", "1", "-o", str(out)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert ("episode 'g2-e0', call 0: field 'token_ids' holds id 35000 >= the model's vocabulary "
             "size 32000") in err

@@ -203,7 +203,7 @@ def test_cli_replay_engine_ray_writes_what_local_writes(ray_cluster, data, tmp_p
     outs = {}
     for engine in ("local", "ray"):
         out = tmp_path / f"{engine}.parquet"
-        assert main(["replay", data.paths[0], "--engine", engine, "--ranks", "2", "--window", "3",
+        assert main(["replay", data.paths[0], "--engine", engine, "--num-ranks", "2", "--episodes-per-step", "3",
                      "--max-tokens", "96", "-o", str(out), "--json"]) == 0
         outs[engine] = pa.parquet.read_table(out)
         summary = json.loads(capsys.readouterr().out)

@@ -1,10 +1,10 @@
 """The Ray engine trains N ranks as spawned ranks do: stopped, resumed, equal to one local run.
 
-`replay --mode train --ranks 2 --engine ray` runs two rank actors in one gloo
-group, each planning and running its share of every step (as `--ranks 2`
+`replay --mode train --num-ranks 2 --engine ray` runs two rank actors in one gloo
+group, each planning and running its share of every step (as `--num-ranks 2`
 spawned processes do); with `--save-every 1` stopped after step 2 and
 `--resume`d to step 3 it must give the losses and the final weights of one
-uninterrupted local `--ranks 2` run bit for bit (both sides run one torch
+uninterrupted local `--num-ranks 2` run bit for bit (both sides run one torch
 thread per rank). The session's Ray cluster (tests/conftest.py) hosts the actors.
 """
 
@@ -31,8 +31,8 @@ def data(tmp_path_factory):
 
 
 def train(data, *extra):
-    args = ["replay", data, "--mode", "train", "--batch-episodes", "4", "--lr", "1e-2",
-            "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256", "--ranks", "2",
+    args = ["replay", data, "--mode", "train", "--episodes-per-step", "4", "--lr", "1e-2",
+            "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256", "--num-ranks", "2",
             "--json", *extra]
     assert main(args) == 0
 
@@ -77,7 +77,7 @@ def test_ray_resume_refuses_another_run(ray_cluster, data, tmp_path, capsys):
     ck = tmp_path / "ck"
     train(data, "--steps", "1", "--engine", "ray", "--save", str(ck))
     capsys.readouterr()
-    assert main(["replay", data, "--mode", "train", "--batch-episodes", "4", "--lr", "2e-2",
-                 "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256", "--ranks", "2",
+    assert main(["replay", data, "--mode", "train", "--episodes-per-step", "4", "--lr", "2e-2",
+                 "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256", "--num-ranks", "2",
                  "--engine", "ray", "--steps", "2", "--resume", str(ck), "--json"]) == 2
     assert "this is not the same run: --lr was 0.01, now 0.02" in capsys.readouterr().err

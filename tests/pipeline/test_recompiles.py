@@ -25,7 +25,7 @@ def test_compiled_training_compiles_once(episodes, capsys):
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     assert main(["replay", str(episodes), "--model", "tiny", "--mode", "train",
-                 "--batch-episodes", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
+                 "--episodes-per-step", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
                  "--tuning", "compile_layers=1,compile_backend=aot_eager", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] == 3
@@ -46,7 +46,7 @@ def test_recompiles_are_counted(episodes, capsys, monkeypatch):
     # delete the setting for every later test
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         assert main(["replay", str(episodes), "--model", "tiny", "--mode", "train",
-                     "--batch-episodes", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
+                     "--episodes-per-step", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
                      "--tuning", "compile_layers=1,compile_backend=aot_eager", "--json"]) == 0
     torch._dynamo.reset()
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import pyarrow as pa
 from treeflow.cli import main
 from treeflow.pipeline import synth_episodes, write_episodes
 
-TRAIN = ["--mode", "train", "--batch-episodes", "2", "--lr", "1e-2", "--loss", "pg",
+TRAIN = ["--mode", "train", "--episodes-per-step", "2", "--lr", "1e-2", "--loss", "pg",
          "--norm", "seq-mean", "--max-tokens", "256", "--json"]
 
 

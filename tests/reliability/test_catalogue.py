@@ -201,9 +201,9 @@ def _file_case(kind):
         if kind == "logprobs-no-o":
             return ["replay", good], ["-o"]
         if kind == "ranks-0":
-            return ["plan", good, "--max-tokens", "64", "--ranks", "0"], ["--ranks 0"]
+            return ["plan", good, "--max-tokens", "64", "--num-ranks", "0"], ["--num-ranks 0"]
         if kind == "plan-rank-out-of-range":
-            return ["plan", good, "--max-tokens", "64", "--ranks", "2", "--rank", "2"], ["--rank 2"]
+            return ["plan", good, "--max-tokens", "64", "--num-ranks", "2", "--rank", "2"], ["--rank 2"]
         if kind == "context-parallel-0":
             return ["plan", good, "--max-tokens", "64", "--context-parallel", "0"], \
                 ["--context-parallel 0"]
@@ -233,7 +233,7 @@ def _file_case(kind):
                 (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
                  ["config.json", "n_shared_experts=2"])
         if kind == "no-batch":
-            return ["replay", good, "--mode", "train"], ["--batch-episodes"]
+            return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
             return ["replay", good, *TRAIN, "--steps", "0"], ["--steps 0"]
         if kind == "save-every-negative":
@@ -344,9 +344,9 @@ def _file_case(kind):
             return ["replay", write_rows(tmp / "gs.arrow", rs), *TRAIN, "--advantage", "rloo"], \
                 ["group 'g0'", "next to each other"]
         if kind == "config-unknown-key":
-            (tmp / "run.yaml").write_text("batch_episode: 2\n")
+            (tmp / "run.yaml").write_text("episode_per_step: 2\n")
             return ["replay", good, "--config", tmp / "run.yaml"], \
-                ["run.yaml", "did you mean --batch-episodes?"]
+                ["run.yaml", "did you mean --episodes-per-step?"]
         if kind == "lr-negative":
             return ["replay", good, *TRAIN, "--lr", "-1"], ["--lr -1.0"]
         if kind == "compile-cache-open":  # a compile cache is code: others must not write it

@@ -38,9 +38,9 @@ def test_resume_refuses_other_data_and_other_batch_size(tmp_path, capsys, data):
     rc, _, err = cli(capsys, "replay", other, *TRAIN, "--steps", "2", "--resume", ck, "--save", ck)
     refused(rc, err, "not the same run", "input files were ['e.arrow'], now ['other.arrow']",
             "--allow-different-data")
-    args = [a if a != "2" else "4" for a in TRAIN]  # --batch-episodes 4
+    args = [a if a != "2" else "4" for a in TRAIN]  # --episodes-per-step 4
     rc, _, err = cli(capsys, "replay", data, *args, "--steps", "2", "--resume", ck, "--save", ck)
-    refused(rc, err, "--batch-episodes was 2, now 4")
+    refused(rc, err, "--episodes-per-step was 2, now 4")
     assert tree_hashes(tmp_path) == before
     rc, _, err = cli(capsys, "replay", other, *TRAIN, "--steps", "2", "--resume", ck, "--save", ck,
                      "--allow-different-data")
@@ -64,7 +64,7 @@ def test_output_that_is_an_input_is_refused(tmp_path, capsys, data, cmd):
 def test_plan_failing_later_keeps_the_previous_output(tmp_path, capsys):
     good = tmp_path / "good.parquet"
     write_episodes(small_episodes(8), good)
-    rc, _, err = cli(capsys, "plan", good, "--max-tokens", "256", "--batch-episodes", "2", "-o",
+    rc, _, err = cli(capsys, "plan", good, "--max-tokens", "256", "--episodes-per-step", "2", "-o",
                      tmp_path / "bins.arrow", "--json")
     assert rc == 0, err
     rows = small_episodes(8).to_pylist()
@@ -72,7 +72,7 @@ def test_plan_failing_later_keeps_the_previous_output(tmp_path, capsys):
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=small_episodes(8).schema), bad, row_group_size=2)
     before = tree_hashes(tmp_path)
-    rc, _, err = cli(capsys, "plan", bad, "--max-tokens", "256", "--batch-episodes", "2", "-o",
+    rc, _, err = cli(capsys, "plan", bad, "--max-tokens", "256", "--episodes-per-step", "2", "-o",
                      tmp_path / "bins.arrow", "--json")
     refused(rc, err, "bad.parquet", "field 'sampled_start' is 0")
     assert tree_hashes(tmp_path) == before  # the old bins intact, no partial left
@@ -89,7 +89,7 @@ def writing_replay(tmp_path, data, out, *, stderr):
     """Start `treeflow replay` in a subprocess and return once its output is being written."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     p = subprocess.Popen([sys.executable, "-m", "treeflow.cli", "replay", data, "-o", out,
-                          "--window", "1", "--json"], env=env, stderr=stderr,
+                          "--episodes-per-step", "1", "--json"], env=env, stderr=stderr,
                          stdout=subprocess.DEVNULL, text=True)
     deadline = time.time() + 120
     while not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]:
@@ -241,8 +241,8 @@ def test_metrics_of_another_run_are_not_appended_to(tmp_path, capsys, data):
 
 # ---------------------------------------------------------------- defect 8: messages that mislead
 def test_messages_name_the_option_and_the_file(tmp_path, capsys, data):
-    rc, _, err = cli(capsys, "plan", data, "--max-tokens", "256", "--ranks", "0")
-    refused(rc, err, "--ranks 0")
+    rc, _, err = cli(capsys, "plan", data, "--max-tokens", "256", "--num-ranks", "0")
+    refused(rc, err, "--num-ranks 0")
     assert "pad_to_multiple" not in err
     rc, _, err = cli(capsys, "replay", data, "--model", tmp_path / "nomodel", "-o", tmp_path / "x.arrow")
     refused(rc, err, "nomodel", "does not exist")

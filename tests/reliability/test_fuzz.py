@@ -87,7 +87,7 @@ def test_mutated_files_succeed_or_refuse_cleanly(mutations, parquet, tmp_path_fa
         with pa.ipc.new_file(path, table.schema) as w:
             w.write_table(table)
     before = tree_hashes(tmp)
-    for cmd in (["plan", path, "--max-tokens", "128", "--ranks", "2", "-o", tmp / "out.arrow"],
+    for cmd in (["plan", path, "--max-tokens", "128", "--num-ranks", "2", "-o", tmp / "out.arrow"],
                 ["replay", path, "--max-tokens", "128", "-o", tmp / "out.arrow"]):
         rc, out, err = cli(capsys, *cmd, "--json")
         event(f"{cmd[0]} exit {rc}")

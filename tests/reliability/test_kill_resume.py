@@ -125,7 +125,7 @@ def test_killed_after_step_two_and_resumed_equals_uninterrupted(tmp_path, ranks)
 
     def cmd(ck, metrics, resume=False):
         return [sys.executable, "-m", "treeflow.cli", "replay", data, *TRAIN, "--steps",
-                str(steps), "--ranks", str(ranks), "--save-every", "1", "--save", str(ck),
+                str(steps), "--num-ranks", str(ranks), "--save-every", "1", "--save", str(ck),
                 "--metrics", str(metrics)] + (["--resume", str(ck)] if resume else [])
 
     ref, ref_m = tmp_path / "ref", tmp_path / "ref.jsonl"

@@ -107,7 +107,7 @@ def test_a_locked_output_is_refused_and_untouched(tmp_path, capsys, cmd):
         argv = {"replay": ["replay", data, "-o", out],
                 "plan": ["plan", data, "--max-tokens", "256", "-o", out],
                 "synth": ["synth", "-o", out, "--episodes", "2", "--group-size", "1"],
-                "stream-dir": ["stream", "--from", data, "-o", out, "--window", "2"]}[cmd]
+                "stream-dir": ["stream", "--from", data, "-o", out, "--episodes-per-step", "2"]}[cmd]
         rc, _, err = cli(capsys, *argv, "--quiet")
         refused(rc, err, str(out), "another treeflow run is writing it", f"pid {holder.pid}")
         assert tree_hashes(tmp_path) == before
@@ -130,11 +130,11 @@ def test_stream_outputs_that_are_inputs_are_refused(tmp_path, capsys, option):
     data = write_small(tmp_path / "e.arrow")
     before = tree_hashes(tmp_path)
     if option == "--metrics":  # logprobs mode writes no TensorBoard log
-        rc, _, err = cli(capsys, "stream", "--from", data, "-o", tmp_path / "steps", "--window",
+        rc, _, err = cli(capsys, "stream", "--from", data, "-o", tmp_path / "steps", "--episodes-per-step",
                          "2", option, data, "--quiet")
         refused(rc, err, option, "e.arrow")
         assert tree_hashes(tmp_path) == before and not (tmp_path / "steps").exists()
-    rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--batch-episodes", "2",
+    rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--episodes-per-step", "2",
                      "--steps", "1", option, data, "--quiet")
     refused(rc, err, option, "e.arrow")
     assert tree_hashes(tmp_path) == before

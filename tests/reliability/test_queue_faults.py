@@ -125,7 +125,7 @@ def _interleaved(path):
 def test_stream_from_a_file_of_interleaved_groups_delivers_every_episode(tmp_path, capsys):
     data = str(tmp_path / "e.arrow")
     table = _interleaved(data)
-    opts = ["--window", "4", "--max-tokens", "256", "--json"]
+    opts = ["--episodes-per-step", "4", "--max-tokens", "256", "--json"]
     rc, _, err = cli(capsys, "replay", data, "-o", tmp_path / "r.arrow", *opts)
     assert rc == 0, err
     # before: "no episodes arrived before the queue closed; nothing written"
@@ -146,7 +146,7 @@ def test_a_failing_from_producer_is_the_runs_error(tmp_path, capsys):
     rows[2]["calls"][0]["token_ids"][1] = 40_000            # beyond the tiny model's vocabulary
     data = str(tmp_path / "e.arrow")
     write_episodes(pa.Table.from_pylist(rows, schema=small_episodes(4).schema), data)
-    rc, _, err = cli(capsys, "stream", "--from", data, "-o", tmp_path / "s.arrow", "--window", "2",
+    rc, _, err = cli(capsys, "stream", "--from", data, "-o", tmp_path / "s.arrow", "--episodes-per-step", "2",
                      "--json")
     assert rc == 2
     # before: the consumer's "no episodes arrived" hid the producer's reason
@@ -172,15 +172,15 @@ def _server_pid(sock: str) -> int | None:
 
 def _stream(sock, out, *extra):
     return subprocess.Popen([sys.executable, "-m", "treeflow.cli", "stream", "--queue", sock,
-                             "-o", out, "--window", "2", "--capacity", "16", "--json", *extra],
+                             "-o", out, "--episodes-per-step", "2", "--capacity", "16", "--json", *extra],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _wait_alive(sock, proc, timeout=120.0):
-    from treeflow.tq.embedded import _alive
+    from treeflow.tq.embedded import alive
 
     deadline = time.monotonic() + timeout
-    while not _alive(sock):
+    while not alive(sock):
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
         assert time.monotonic() < deadline, "the queue server did not come up"
         time.sleep(0.05)

@@ -186,11 +186,11 @@ def test_a_truncated_arrow_stream_names_the_file(tmp_path, capsys):
 # ---------------------------------------------------------------- --metrics that is not a log
 def test_stream_resume_with_metrics_that_are_not_text(tmp_path, capsys, data):
     ck = tmp_path / "ck"
-    rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--batch-episodes", "2",
+    rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--episodes-per-step", "2",
                      "--steps", "1", "--save", ck, "--quiet", "--max-tokens", "256")
     assert rc == 0, err
     blob = write_small(tmp_path / "other.arrow")  # an episode file (not an input) as --metrics
-    rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--batch-episodes", "2",
+    rc, _, err = cli(capsys, "stream", "--from", data, "--mode", "train", "--episodes-per-step", "2",
                      "--steps", "2", "--save", ck, "--resume", ck, "--metrics", blob, "--quiet",
                      "--max-tokens", "256")
     refused(rc, err, "--metrics", "other.arrow", "not a metrics log")
@@ -270,7 +270,7 @@ def test_ray_engine_reads_relative_paths_and_arrow_streams(ray_cluster, tmp_path
         results = {}
         for engine in ("local", "ray"):
             rc, _, err = cli(capsys, "replay", name, "--model", "m", "--engine", engine,
-                             "--window", "2", "-o", f"{engine}.arrow", "--quiet")
+                             "--episodes-per-step", "2", "-o", f"{engine}.arrow", "--quiet")
             assert rc == 0, (name, err)
             results[engine] = pa.ipc.open_file(f"{engine}.arrow").read_all()
         assert results["ray"].equals(results["local"]), name

@@ -120,7 +120,7 @@ def test_readme_convert_flow_trains_with_grpo(tmp_path, capsys):
                  "--episode-id-field", "id", "--group-id-field", "group",
                  "--reward-field", "reward", "--quiet"]) == 0
     capsys.readouterr()
-    base = ["replay", ep, "--mode", "train", "--loss", "pg", "--batch-episodes", "8",
+    base = ["replay", ep, "--mode", "train", "--loss", "pg", "--episodes-per-step", "8",
             "--steps", "1", "--json"]
     assert main(base) == 2
     assert "'advantage' is missing" in capsys.readouterr().err
@@ -175,7 +175,7 @@ def test_stream_train_computes_advantages(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "r.jsonl"), "-o", ep, "--format", "openai",
                  "--episode-id-field", "id", "--group-id-field", "group",
                  "--reward-field", "reward", "--quiet"]) == 0
-    base = ["stream", "--from", ep, "--mode", "train", "--loss", "pg", "--batch-episodes", "4",
+    base = ["stream", "--from", ep, "--mode", "train", "--loss", "pg", "--episodes-per-step", "4",
             "--json"]
     assert main(base) == 2
     assert "'advantage' is missing" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 from treeflow.pipeline import synth_episodes
 from treeflow.stages import CostModel, Fragment, Pack, Shard
 from treeflow.stages._deal import deal, layout_costs
-from treeflow.stages._flat import list_values
+from treeflow.stages.flat import list_values
 from treeflow.stages.shard import bin_costs
 
 

@@ -149,7 +149,7 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
     write_episodes(synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=12,
                                   user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5),
                                   seed=9), data)
-    opts = ["--max-tokens", "512", "--window", "4", "--chunk", "2", "--json"]
+    opts = ["--max-tokens", "512", "--episodes-per-step", "4", "--chunk", "2", "--json"]
     assert main(["replay", data, "-o", str(tmp_path / "r.arrow"), *opts[:4]]) == 0
     capsys.readouterr()
     assert main(["stream", "--from", data, "-o", str(tmp_path / "s.arrow"), "--engine", "ray",
@@ -159,7 +159,7 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
     read = {n: pa.ipc.open_file(tmp_path / f"{n}.arrow").read_all() for n in ("r", "s")}
     assert read["s"].equals(read["r"])
 
-    train = ["stream", "--from", data, "--mode", "train", "--batch-episodes", "4", "--loss", "pg",
+    train = ["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--loss", "pg",
              "--lr", "1e-2", "--json"]
     for engine in ("local", "ray"):
         assert main([*train, "--engine", engine, "--save", str(tmp_path / f"ck-{engine}"),

@@ -33,7 +33,7 @@ def cluster(ray_cluster):
 def _stream(cluster, name, out, *extra):
     env = dict(os.environ, RAY_ADDRESS=cluster, PYTHONPATH=os.getcwd())
     return subprocess.Popen([sys.executable, "-m", "treeflow.cli", "stream", "--queue-backend",
-                             "transferqueue", "--queue", name, "-o", out, "--window", "4",
+                             "transferqueue", "--queue", name, "-o", out, "--episodes-per-step", "4",
                              "--capacity", "64", "--lease-seconds", "5", "--json", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

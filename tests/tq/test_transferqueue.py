@@ -82,7 +82,7 @@ def test_stream_trains_from_a_rollout_process(cluster, tmp_path, capsys):
         stderr=subprocess.PIPE)
     metrics = tmp_path / "m.jsonl"
     assert main(["stream", "--queue-backend", "transferqueue", "--queue", "live", "--mode", "train",
-                 "--batch-episodes", "4", "--steps", "2", "--loss", "pg", "--lr", "1e-3",
+                 "--episodes-per-step", "4", "--steps", "2", "--loss", "pg", "--lr", "1e-3",
                  "--metrics", str(metrics), "--json"]) == 0   # attaches to q
     _, err = producer.communicate(timeout=600)
     assert producer.returncode == 0, err.decode()[-2000:]

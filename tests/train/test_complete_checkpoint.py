@@ -43,7 +43,7 @@ def test_steps_are_complete_model_directories(model_dir, tmp_path, capsys):
                                   tool_tokens=(3, 4), seed=2), data)
     ck = tmp_path / "ck"
     train = ["replay", str(data), "--mode", "train", "--model", model_dir, "--loss", "nll",
-             "--batch-episodes", "2", "--max-tokens", "256", "--save", str(ck), "--quiet"]
+             "--episodes-per-step", "2", "--max-tokens", "256", "--save", str(ck), "--quiet"]
     assert main([*train, "--steps", "2", "--save-every", "1"]) == 0
     copied = [n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                           "chat_template.jinja", "generation_config.json")

@@ -79,7 +79,7 @@ class NemoRLMessageLog:
         for i, msg in enumerate(log):
             w = f"{where}, message {i}"
             ids = token_ids(lookup(msg, "token_ids", w), w, "token_ids")
-            msg_routes = _routes(msg, len(ids), w)
+            msg_routes = message_routes(msg, len(ids), w)
             if self._sampled(msg, w) and ids:
                 if not tokens:
                     raise ValueError(f"{w}: a generated message with no prompt before it; the first "
@@ -100,7 +100,7 @@ class NemoRLMessageLog:
             if msg.get("generation_logprobs") is not None:
                 raise ValueError(f"{w}: a generated span before the call's last message; treeflow "
                                  "samples one span per call, at its end: split the call")
-            msg_routes = _routes(msg, len(ids), w)
+            msg_routes = message_routes(msg, len(ids), w)
             prompt = prompt + ids
             routes = _extend_routes(routes, msg_routes, len(prompt) - len(ids), len(ids), w)
         w = f"{where}, message {len(messages) - 1}"
@@ -111,7 +111,7 @@ class NemoRLMessageLog:
                              "message; each exact call must end in what it sampled")
         if not prompt:
             raise ValueError(f"{w}: the call has no prompt tokens before its generated message")
-        call = _call(prompt, ids, last, routes, _routes(last, len(ids), w), w)
+        call = _call(prompt, ids, last, routes, message_routes(last, len(ids), w), w)
         call["execution"] = _execution(messages, where)
         return call
 
@@ -149,7 +149,7 @@ def _execution(messages: list[dict], where: str) -> dict | None:
     return out if any(v is not None for v in out.values()) else None
 
 
-def _routes(msg: dict, n: int, where: str) -> list[list[int]] | None:
+def message_routes(msg: dict, n: int, where: str) -> list[list[int]] | None:
     """One flat int list per token ([layers, top_k] rows flattened), or None."""
     rows = msg.get("routed_experts")
     if rows is None:

@@ -31,7 +31,7 @@ import binascii
 
 import numpy as np
 
-from treeflow.io.nemo_rl import _routes
+from treeflow.io.nemo_rl import message_routes
 from treeflow.io.records import FieldMap, logprobs, lookup, token_ids
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)\Z")
@@ -192,6 +192,6 @@ def _engine_routes(response: dict, n: int, where: str) -> list[list[int]] | None
                              f"multiple of the call's {n} tokens (or {n - 1}); the log mixes calls")
         raw = ids.reshape(rows, -1).tolist()
     if isinstance(raw, list) and len(raw) == n - 1 and raw:
-        first = _routes({"routed_experts": raw[:1]}, 1, where)[0]
+        first = message_routes({"routed_experts": raw[:1]}, 1, where)[0]
         raw = raw + [[-1] * len(first)]
-    return _routes({"routed_experts": raw}, n, where)
+    return message_routes({"routed_experts": raw}, n, where)

@@ -9,9 +9,9 @@ from treeflow._lazy import lazy_exports
 
 _WHERE = {
     "BACKENDS": "backend",
-    "Backend": "backend",
+    "Backend": "backend_base",
     "ReferenceBackend": "backend",
-    "check_tensor_parallel": "backend",
+    "check_tensor_parallel": "backend_base",
     "load_backend": "backend",
     "tensor_parallel_layout": "backend",
     "KERNELS": "attention",

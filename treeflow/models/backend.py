@@ -18,9 +18,10 @@ backend's *name*; `load_backend` binds it at build time, so nothing outside
 Two implementations: `ReferenceBackend` (the plain PyTorch decoder in
 decoder.py, the numerical reference) and `MegatronBackend` (megatron-core's
 GPTModel with a tree core-attention module, models/megatron/), which is
-imported only when asked for. Both inherit `ModuleBackend`, which holds what
-any backend does the same way with its torch module (parameters, train mode,
-AdamW, moving devices).
+imported only when asked for. Both inherit `ModuleBackend` (backend_base.py, with
+the protocol itself), which holds what any backend does the same way with its
+torch module (parameters, train mode, AdamW, moving devices); the megatron
+backend imports that module, never this one, so loading by name has no cycle.
 
 Legend: N tokens of a bin, E selected rows (edges), H hidden size.
 """
@@ -29,81 +30,20 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from treeflow.models.attention import AttentionPlan
+from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.logprobs import selected_logprobs
 from treeflow.models.tuning import Tuning
 
-__all__ = ["BACKENDS", "Backend", "ModuleBackend", "ReferenceBackend", "check_tensor_parallel",
-           "load_backend", "tensor_parallel_layout"]
+__all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"]
 
 BACKENDS = ("reference", "megatron")
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """One loaded policy on one device (for tensor parallelism: this rank's part of it)."""
-
-    name: str
-    config: ModelConfig  # the Hugging Face shape; vocab_size is the full vocabulary
-    device: torch.device
-    module: torch.nn.Module  # what holds the trainable parameters
-
-    def attention_plan(self, parents_N: np.ndarray, subtree_end_N: np.ndarray, *,
-                       kernel: str, pad_to: int | None = None) -> AttentionPlan: ...
-
-    def hidden_states(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
-                      plan: AttentionPlan) -> torch.Tensor: ...
-
-    def edge_logprobs(self, hidden_EH: torch.Tensor, targets_E: torch.Tensor, *,
-                      chunk_size: int, with_entropy: bool, targets_checked: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
-
-    def train(self, mode: bool = True) -> None: ...
-
-    def optimizer(self, *, lr: float, betas: tuple[float, float], eps: float,
-                  weight_decay: float) -> torch.optim.Optimizer: ...
-
-    def clip_grad_norm(self, max_norm: float | None) -> float: ...
-
-    def save(self, path: str | os.PathLike) -> None: ...
-
-    def to(self, device: torch.device | str) -> None: ...
-
-
-class ModuleBackend:
-    """What every backend does the same way with the torch module in `self.module`.
-
-    Subclasses set `module` and `device`; the parts that differ (attention
-    plan, hidden states, edge logprobs, gradient clipping, export) are theirs.
-    """
-
-    module: torch.nn.Module
-    device: torch.device
-
-    def named_parameters(self):
-        return self.module.named_parameters()
-
-    def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
-
-    def optimizer(self, *, lr, betas, eps, weight_decay):
-        return torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, eps=eps,
-                                 weight_decay=weight_decay)
-
-    def to(self, device) -> None:
-        self.module.to(device)
-        self.device = torch.device(device)
 
 
 class ReferenceBackend(ModuleBackend):
@@ -190,18 +130,6 @@ def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,
 
         return MegatronBackend.load(model, dtype=dtype, device=device, **options)
     raise ValueError(f"unknown model backend {name!r}; use one of {BACKENDS}")
-
-
-def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
-    """Refuse a tensor-parallel size the model's shape cannot be split by (names the field)."""
-    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ValueError(f"tensor parallelism {tensor_parallel!r}: give an int >= 1")
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        value = getattr(config, field)
-        if value % tensor_parallel:
-            raise ValueError(f"tensor parallelism {tensor_parallel} does not divide the model's "
-                             f"{field} ({value}): every rank needs an equal share; use a "
-                             f"divisor of {value}")
 
 
 def tensor_parallel_layout(name: str, tensor_parallel: int,

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.flat import list_offsets, list_values
 from treeflow.tree import subtree_end
 
 _COLUMNS = ("tokens", "parents", "positions", "edge_sources", "edge_targets")

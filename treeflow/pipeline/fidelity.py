@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from treeflow.stages._slots import Slots
+from treeflow.stages.slots import Slots
 
 __all__ = ["generation_kl"]
 

@@ -195,26 +195,30 @@ def _run_ray(plan, source, *, trainer, device, ranks, prefetch, steps, options):
                    **options)
 
 
+def _paths(source) -> tuple | None:
+    """The episode files `source` names (a path or glob, or a list of them), else None."""
+    if isinstance(source, str):
+        return (source,)
+    if isinstance(source, (list, tuple)) and all(isinstance(p, str) for p in source):
+        return tuple(source)  # () too: Files refuses it, naming what is missing
+    return None
+
+
 def _files(source, window: int | None, vocab_size: int | None,
            route_width: int | None = None) -> Files | None:
     """Paths as `Files` (which the Ray engine reads through Ray Data); None for other sources."""
-    if isinstance(source, (str, list, tuple)) and source and all(isinstance(p, str) for p in
-                                                                  ([source] if isinstance(source, str) else source)):
-        paths = (source,) if isinstance(source, str) else tuple(source)
-        return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP,
-                     vocab_size=vocab_size, route_width=route_width)
-    return None
+    if (paths := _paths(source)) is None:
+        return None
+    return Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP,
+                 vocab_size=vocab_size, route_width=route_width)
 
 
 def _windows(source, window: int | None, vocab_size: int | None,
              route_width: int | None = None) -> Iterator[pa.Table]:
     if isinstance(source, (Files, Source)):  # validated; with a position
         return iter(source)
-    if isinstance(source, (str, list, tuple)) and (not source or isinstance(source, str)
-                                                    or isinstance(source[0], str)):
-        paths = (source,) if isinstance(source, str) else tuple(source)
-        return iter(Files(paths=paths, episodes_per_step=window or DEFAULT_EPISODES_PER_STEP, vocab_size=vocab_size,
-                          route_width=route_width))
+    if _paths(source) is not None:
+        return iter(_files(source, window, vocab_size, route_width))
     if isinstance(source, pa.Table):
         source, window = [source], window or DEFAULT_EPISODES_PER_STEP
     if isinstance(source, Iterable):

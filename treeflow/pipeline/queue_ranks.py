@@ -11,7 +11,7 @@ ranks, over a gloo group of its own (so that the broadcast, which the local
 engine may run in its preparation thread, never interleaves with the
 training step's collectives on the default group). Every rank then plans the
 same bins (Pack, Fragment and Shard are deterministic) and runs its share;
-the gradient is summed over ranks as in `replay --ranks N`. The end of the
+the gradient is summed over ranks as in `replay --num-ranks N`. The end of the
 stream (max_steps, or the producers closed the queue) and a reader error are
 broadcast too, so no rank waits for a step that never comes.
 

@@ -55,7 +55,7 @@ def file_windows(files: Files, position: dict | None, steps: int | None) -> list
     if cum[i] != rest:
         raise ValueError(f"the saved input position ({skip} episodes) is not at a window boundary "
                          f"of this data (windows of {files.episodes_per_step}); resume with the same window "
-                         "(--batch-episodes) and files")
+                         "(--episodes-per-step) and files")
     start = whole * n + i
     if files.cycle:
         if steps is None:

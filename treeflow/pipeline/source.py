@@ -243,7 +243,7 @@ class FilesReader(Source):
                     raise ValueError(
                         f"the saved input position ({self._skip} episodes) is not at a window "
                         f"boundary of this data (windows of {self.files.episodes_per_step}); resume "
-                        "with the same window (--batch-episodes) and files")
+                        "with the same window (--episodes-per-step) and files")
                 self.episodes = consumed
                 yield window
             if not seen_any:

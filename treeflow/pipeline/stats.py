@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
 from treeflow.stages.pack import pack
 

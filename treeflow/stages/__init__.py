@@ -11,6 +11,8 @@ _WHERE = {
     "group_advantages": "advantage",
     "Forward": "forward",
     "Fragment": "fragment",
+    "IN_PROCESS_EXCHANGE": "_exchange",
+    "summed_costs": "_exchange",
     "Loss": "losses",
     "Pack": "pack",
     "Reassemble": "reassemble",

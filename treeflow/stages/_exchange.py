@@ -31,7 +31,22 @@ import pyarrow as pa
 from treeflow.schemas.layout import LAYOUT_SCHEMA
 from treeflow.stages._share import Deal, RankShare, tree_summaries
 
-__all__ = ["pack_share", "summed_costs"]
+__all__ = ["IN_PROCESS_EXCHANGE", "pack_share", "summed_costs"]
+
+
+class _InProcess:
+    """The exchange for ranks planned in one process (`treeflow plan`, the Ray engine's driver,
+    which plans every rank's share): the sum is computed whole (`summed_costs`: every tree packed
+    once, O(N) per rank) instead of reduced over processes. Same result as the gloo exchange."""
+
+    def __call__(self, mine_T):  # never called: pack_share computes the sum itself
+        raise AssertionError("IN_PROCESS_EXCHANGE is read by pack_share, not called")
+
+    def __repr__(self) -> str:
+        return "IN_PROCESS_EXCHANGE"
+
+
+IN_PROCESS_EXCHANGE = _InProcess()
 
 
 def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
@@ -114,7 +129,9 @@ def pack_share(episodes: pa.Table, *, layout: str, scope, step: int, ranks: int,
                                                 ranks=ranks, rank=rank, cost=cost)
     if exchange is None:
         return layouts
-    costs_T = np.asarray(exchange(mine_T), dtype=np.float64)
+    costs_T = np.asarray(summed_costs(episodes, layout=layout, scope=scope, cost=cost,
+                                      share_rules=share_rules) if exchange is IN_PROCESS_EXCHANGE
+                         else exchange(mine_T), dtype=np.float64)
     if costs_T.shape != mine_T.shape or not (costs_T > 0).all():
         raise ValueError(f"the planning exchange gave {costs_T.shape[0] if costs_T.ndim else 0} "
                          f"tree costs ({int((costs_T <= 0).sum()) if costs_T.ndim else 0} not "

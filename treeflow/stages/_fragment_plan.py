@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeflow.stages._flat import ranges
+from treeflow.stages.flat import ranges
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from treeflow.models.moe import ROUTINGS
 from treeflow.models.tuning import Tuning
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
-from treeflow.stages._flat import list_offsets
+from treeflow.stages.flat import list_offsets
 from treeflow.stages.base import Stage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

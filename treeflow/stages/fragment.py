@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
-from treeflow.stages._flat import list_offsets, list_values, ranges
+from treeflow.stages.flat import list_offsets, list_values, ranges
 from treeflow.stages.base import Stage
 from treeflow.stages._fragment_plan import BinPlan, plan
 
@@ -57,9 +57,9 @@ class Fragment(Stage):
             raise ValueError(f"Fragment(max_tokens={self.max_tokens!r}): give an int >= 2")
         if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
             raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple!r}): give an int >= 1")
-        from treeflow.stages.pack import _check_rank
+        from treeflow.stages.pack import check_rank
 
-        _check_rank(self)
+        check_rank(self)
         if self.ranks > 1 and self.pad_to_multiple not in (1, self.ranks):
             raise ValueError(f"Fragment(ranks={self.ranks}, pad_to_multiple={self.pad_to_multiple}): "
                              "with ranks every rank gets the same bin count already; drop "

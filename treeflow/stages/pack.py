@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA
 from treeflow.schemas.layout import LAYOUT_SCHEMA
-from treeflow.stages._flat import Calls, ranges, segment_ids
+from treeflow.stages.flat import Calls, ranges, segment_ids
 from treeflow.stages._share import scope_rows
 from treeflow.stages.base import Stage
 
@@ -91,7 +91,7 @@ class Pack(Stage):
                              "'chain', or share_rules='default'")
         if self.share_rules == "nrl" and self.scope is None:  # NeMo RL builds one tree per rollout
             object.__setattr__(self, "scope", "episode")
-        _check_rank(self)
+        check_rank(self)
         if self.balance not in ("exact", "estimate"):
             raise ValueError(f"Pack(balance={self.balance!r}): choose 'exact' or 'estimate'")
         if self.exchange is not None and not callable(self.exchange):
@@ -119,7 +119,7 @@ class Pack(Stage):
                           exchange=self.exchange if exact else None, share_rules=self.share_rules)
 
 
-def _check_rank(stage) -> None:
+def check_rank(stage) -> None:
     """ranks >= 1 and rank None or in [0, ranks): shared by Pack and Fragment."""
     name = type(stage).__name__
     if not isinstance(stage.ranks, int) or stage.ranks < 1:

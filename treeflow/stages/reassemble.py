@@ -18,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.layout import EDGE_VALUES_SCHEMA, RESULT_SCHEMA
-from treeflow.stages._flat import list_offsets, list_values
-from treeflow.stages._slots import Slots
+from treeflow.stages.flat import list_offsets, list_values
+from treeflow.stages.slots import Slots
 from treeflow.stages.base import Stage
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.layout import BIN_SCHEMA
-from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.base import Stage
 from treeflow.tree import subtree_end
 

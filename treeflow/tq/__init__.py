@@ -57,9 +57,9 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
     if backend == "embedded":
         if address is None:
             return local_queue(**options)
-        from treeflow.tq.embedded import _alive, connect_embedded, serve_embedded
+        from treeflow.tq.embedded import alive, connect_embedded, serve_embedded
 
-        server = None if _alive(address) else serve_embedded(address, secret_file=secret_file,
+        server = None if alive(address) else serve_embedded(address, secret_file=secret_file,
                                                              **options)
         return Queue(connect_embedded(address, secret_file=secret_file), backend=backend,
                      vocab_size=vocab_size, owner=server, address=address)

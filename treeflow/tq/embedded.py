@@ -34,7 +34,7 @@ import time
 from treeflow.tq import tcp, wire
 from treeflow.tq.ledger import LEDGER_METHODS, Ledger, call_deadline
 
-__all__ = ["EmbeddedServer", "connect_embedded", "serve_embedded"]
+__all__ = ["EmbeddedServer", "alive", "connect_embedded", "serve_embedded"]
 
 # what a client may call: the one list of served methods (treeflow/tq/ledger.py)
 _HANDSHAKE_S = 10.0
@@ -167,7 +167,7 @@ class _Client:
 
 
 # ------------------------------------------------------------------ starting and attaching
-def _alive(address: str) -> bool:
+def alive(address: str) -> bool:
     if tcp.is_tcp(address):
         try:
             tcp.connect(tcp.parse_tcp(address), 2.0).close()
@@ -223,7 +223,7 @@ def serve_embedded(address: str, *, timeout: float = 30.0, secret_file: str | No
                          "its own secret beside the socket; give it only with tcp:// addresses")
     address = wire.resolve(address)
     wire.check_private(address, create=True)
-    if _alive(address):
+    if alive(address):
         raise ValueError(f"a queue already answers at {address}; attach to it with "
                          "connect_queue(address) or pick another path")
     if os.path.lexists(address):
@@ -239,7 +239,7 @@ def serve_embedded(address: str, *, timeout: float = 30.0, secret_file: str | No
                                  json.dumps(ledger_options)], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
-    while not _alive(address):
+    while not alive(address):
         if proc.poll() is not None:
             raise RuntimeError(f"the queue server at {address} exited with {proc.returncode}; "
                                f"its output is in {address}.log")
@@ -253,7 +253,7 @@ def serve_embedded(address: str, *, timeout: float = 30.0, secret_file: str | No
 def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> EmbeddedServer:
     addr = tcp.parse_tcp(address)
     secret, source = tcp.tcp_secret(addr, secret_file, serving=True)
-    if _alive(address):
+    if alive(address):
         raise ValueError(f"a server already answers at {addr}; attach to it with "
                          "connect_queue(address) or pick another port")
     Ledger(**options)
@@ -268,7 +268,7 @@ def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> Embe
     server = EmbeddedServer(str(addr), proc,
                             files=(source,) if source == addr.local_secret_path() else ())
     deadline = time.monotonic() + timeout
-    while not _alive(address):
+    while not alive(address):
         if proc.poll() is not None:
             raise RuntimeError(f"the queue server at {addr} exited with {proc.returncode}; "
                                f"its output is in {log}")
@@ -310,7 +310,7 @@ def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | 
 
 def _wait_alive(address: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not _alive(address):
+    while not alive(address):
         if time.monotonic() > deadline:
             raise ValueError(f"no queue answers at {address} after {timeout} s; start one with "
                              f"`treeflow stream --queue {address}` or serve_embedded()")

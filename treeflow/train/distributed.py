@@ -93,7 +93,7 @@ class DataParallel:
         if missing:
             raise ValueError(f"no process group environment ({', '.join(missing)} unset): start "
                              "the ranks with torchrun --nproc-per-node N, or with treeflow's "
-                             "--ranks N, which spawns them")
+                             "--num-ranks N, which spawns them")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = rank_device(device, local)

@@ -90,7 +90,8 @@ def step_size_check(row: dict, episodes_per_step: int | None, note, said: set) -
     why = ("a step holds whole groups, so the window was rounded up to the end of a group"
            if kind == "more" else
            "a step does not cross the end of the data (the file, or what the queue held)")
-    note(f"warning: --batch-episodes {want}: step {row.get('step')} trained {got} episodes; {why}")
+    note(f"warning: --episodes-per-step {want}: step {row.get('step')} trained {got} episodes; "
+         f"{why}")
 
 
 def _trainer(plan, resume: Resume | None, options: dict, run: dict | None, note):
@@ -145,7 +146,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
     "steady_seconds_per_step", "wall_seconds", "nothing_to_do", "checkpoint"}.
     """
-    from treeflow._display import _progress
+    from treeflow._display import progress as progress_bar
 
     plan = pipeline.plan
     if not plan.fused:
@@ -206,7 +207,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
             run_options.update(engine=engine, **engine_options)
         else:
             run_options["trainer"] = op
-        with _progress(progress or "train", todo, progress is None or not lead) as advance:
+        with progress_bar(progress or "train", todo, progress is None or not lead) as advance:
             for rec in pipeline.run(src, **run_options):
                 report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
                 if "recompiles" in rec.stats:

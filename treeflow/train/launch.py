@@ -14,7 +14,7 @@ Spawn:
 CUDA can be initialised in each), gives each torchrun's variables (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free local port) and runs `fn(*args)` in it; `fn`
 joins the group with `DataParallel.from_env`. It is what `treeflow replay --mode train
---ranks N` does on one host; `torchrun --nproc-per-node N -m treeflow.cli replay ...` gives the
+--num-ranks N` does on one host; `torchrun --nproc-per-node N -m treeflow.cli replay ...` gives the
 same processes (and multi-host runs) through PyTorch's own launcher.
 
 Return values come back through torch.save files in a private temporary directory and are read

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from treeflow.stages._flat import Calls, list_offsets, list_values
+from treeflow.stages.flat import Calls, list_offsets, list_values
 from treeflow.tree import subtree_end
 
 __all__ = ["RouterAux"]

@@ -24,8 +24,9 @@ import os
 
 from treeflow.schemas.episode import count_rows, expand_paths
 
-STEP_OPTIONS = ("batch_episodes", "loss", "norm", "clip_low", "clip_high", "tis_cap", "lr",
+STEP_OPTIONS = ("episodes_per_step", "loss", "norm", "clip_low", "clip_high", "tis_cap", "lr",
                 "warmup_episodes", "decay_episodes", "max_grad_norm", "advantage")
+_OLD_NAMES = {"episodes_per_step": "batch_episodes"}  # what an older checkpoint calls it
 _HEAD_BYTES = 1 << 20
 _BLOCK = 1 << 22
 _FIELDS = ("bytes", "rows", "head_sha256", "blake2b")
@@ -88,7 +89,8 @@ def differences(saved: dict, now: dict) -> list[str]:
     """Human-readable differences between a checkpoint's fingerprint and this run's."""
     out = []
     for k in STEP_OPTIONS:
-        a, b = saved.get("options", {}).get(k), now["options"].get(k)
+        options = saved.get("options", {})
+        a, b = options.get(k, options.get(_OLD_NAMES.get(k))), now["options"].get(k)
         if a != b:
             out.append(f"--{k.replace('_', '-')} was {a}, now {b}")
     old, new = saved.get("data", []), now["data"]

@@ -25,8 +25,8 @@ import torch
 
 from treeflow.schemas.episode import validate_episodes
 from treeflow.schemas.layout import STEP_METRICS_SCHEMA
-from treeflow.stages._flat import list_offsets, list_values
-from treeflow.stages._slots import Slots
+from treeflow.stages.flat import list_offsets, list_values
+from treeflow.stages.slots import Slots
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
 from treeflow.ops.runner import PreparedBins
 from treeflow.stages.shard import bin_costs

@@ -102,7 +102,7 @@ class Trainer:
 
             if not self.dp.distributed:
                 raise ValueError("shard_params=True needs several ranks (a process group); "
-                                 "train with --ranks N > 1")
+                                 "train with --num-ranks N > 1")
             shard_module(self.backend.module, self.compute_dtype)
         self.reducer: GradReducer | None = None
         # under context parallelism the exchanges run inside backward: no overlapped all-reduce

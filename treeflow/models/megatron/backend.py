@@ -58,7 +58,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from treeflow.models.attention import AttentionPlan
-from treeflow.models.backend import ModuleBackend, check_tensor_parallel
+from treeflow.models.backend_base import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state

@@ -2,8 +2,9 @@
 
 Applied once to the built parser (`finish_parser`), so each command's own parser code stays as
 it is: every subcommand gets `--debug` and `--quiet` where it has none, `--help` shows every
-option's default (ArgumentDefaultsHelpFormatter), and an option declared without help gets
-its line from `_HELP` (one meaning per flag name across commands).
+option's default (ArgumentDefaultsHelpFormatter), an option declared without help gets
+its line from `_HELP` (one meaning per flag name across commands), and a renamed flag keeps
+its old name for one release (names.py).
 """
 
 from __future__ import annotations
@@ -50,14 +51,16 @@ _HELP = {
     "--completion-tokens": "most tokens sampled per call",
     "--tool-tokens": "tokens of each synthetic tool output",
     "--temperature": "sampling temperature",
-    "--ranks": "data-parallel ranks",
+    "--num-ranks": "data-parallel ranks",
 }
 
 
 def finish_parser(parser: argparse.ArgumentParser) -> None:
-    from treeflow.cli_config import _subparsers
+    from treeflow.cli.config import subparsers
+    from treeflow.cli.names import add_old_names
 
-    for sub in _subparsers(parser).values():
+    for sub in subparsers(parser).values():
+        add_old_names(sub)
         sub.formatter_class = argparse.ArgumentDefaultsHelpFormatter
         have = {o for a in sub._actions for o in a.option_strings}
         if "--debug" not in have:
@@ -72,10 +75,10 @@ def finish_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def idle_ranks_warning(engine: str, ranks: int, bins: int) -> str | None:
-    """What to say when --engine ray --ranks N ran fewer bins than N (ranks without work)."""
+    """What to say when --engine ray --num-ranks N ran fewer bins than N (ranks without work)."""
     if engine != "ray" or ranks <= 1 or bins >= ranks:
         return None
-    return (f"warning: --ranks {ranks}: the run made {bins} bin(s), so only {bins} of the "
+    return (f"warning: --num-ranks {ranks}: the run made {bins} bin(s), so only {bins} of the "
             f"{ranks} forward actors had work; lower --max-tokens (more bins per window) or use "
             "fewer ranks")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from treeflow._display import _console, _progress, _table
+from treeflow._display import console, progress, table
 
 _NONE = ("none", "")
 
@@ -57,13 +57,13 @@ def cmd_convert(args) -> int:
 
     claim_output(args.output, option="-o")
     total = sum(os.path.getsize(p) for p in args.files)
-    with _progress("convert", total, args.json or args.quiet, unit="bytes") as advance:
+    with progress("convert", total, args.json or args.quiet, unit="bytes") as advance:
         report = convert(args.files, args.output, converter, batch_rows=args.batch_rows,
                          on_progress=lambda nbytes, eps, toks: advance(nbytes, episodes=eps, tokens=toks))
     out = report.as_dict()
     out["output"] = args.output
     if not args.quiet:
-        err = _console(stderr=True)
+        err = console(stderr=True)
         for w in report.warnings:
             err.print(f"[bold yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
     if args.json:
@@ -71,8 +71,8 @@ def cmd_convert(args) -> int:
     elif not args.quiet:
         rows = [(k, ("yes" if v else "no") if isinstance(v, bool) else v)
                 for k, v in out.items() if k not in ("warnings", "output")]
-        _console().print(_table(f"convert: {args.format} -> {args.output}", rows))
-        _console().print(f"episodes written to {args.output}; next: treeflow inspect {args.output} --plot DIR")
+        console().print(table(f"convert: {args.format} -> {args.output}", rows))
+        console().print(f"episodes written to {args.output}; next: treeflow inspect {args.output} --plot DIR")
     return 0
 
 

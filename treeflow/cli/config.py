@@ -1,7 +1,8 @@
 """`--config run.yaml|run.toml` and `--print-config`: a command's options from a file.
 
-The file's keys are the command's long flag names (dashes or underscores: `batch-episodes`
-or `batch_episodes`), its values what the flag takes (`true`/`false` for switches). Flags on
+The file's keys are the command's long flag names (dashes or underscores: `episodes-per-step`
+or `episodes_per_step`; the old name of a renamed flag is read with a warning, cli/names.py),
+its values what the flag takes (`true`/`false` for switches). Flags on
 the command line override the file; a key that is no flag of the command is refused naming
 the nearest one; positional arguments (the episode files) stay on the command line.
 `--print-config` prints the resolved options as JSON (which is also YAML, so it can be given
@@ -17,13 +18,15 @@ import difflib
 import json
 import os
 
-_INTERNAL = ("fn", "command", "config", "print_config", "debug")
+from treeflow.cli.names import message, note, old_key
+
+_INTERNAL = ("fn", "command", "config", "print_config", "debug", "renamed_flags")
 _POSITIONAL = ("files",)  # stay on the command line
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add --config and --print-config to every subcommand of `parser`."""
-    for sub in _subparsers(parser).values():
+    for sub in subparsers(parser).values():
         sub.add_argument("--config", default=None, metavar="FILE",
                          help="read options from a YAML or TOML file whose keys are the long flag "
                               "names; flags given here override it")
@@ -31,7 +34,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                          help="print the resolved options as JSON and exit")
 
 
-def _subparsers(parser) -> dict:
+def subparsers(parser) -> dict:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
@@ -77,17 +80,22 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
     path = getattr(args, "config", None)
     if not path:
         return args
-    sub = _subparsers(parser)[args.command]
+    sub = subparsers(parser)[args.command]
     flags, dests = {}, {}
     for action in sub._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
         if longs and action.dest not in _INTERNAL:
             flags[longs[0][2:].replace("-", "_")] = action
             dests[action.dest] = action  # what --print-config writes (--no-x: x)
-    defaults = {}
+    defaults, olds, notes = {}, {}, []
     for key, value in load_config(path).items():
         name = str(key).replace("-", "_")
-        if name in flags:
+        if name in flags and old_key(name) is not None:  # an old name: warned, new ones win
+            notes.append(message(repr(key), repr(old_key(name)), f"--config {path}: "))
+            value = _check_value(path, key, value, flags[name])
+            if value is not None:
+                olds.setdefault(flags[name].dest, {})[name] = value
+        elif name in flags:
             defaults[flags[name].dest] = _check_value(path, key, value, flags[name])
         elif name in dests:
             defaults[name] = _check_value(path, key, value, dests[name], as_dest=True)
@@ -97,7 +105,16 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
             raise ValueError(f"--config {path}: {key!r} is not an option of treeflow "
                              f"{args.command}{hint}")
     sub.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    olds = {dest: found for dest, found in olds.items() if dest not in defaults}
+    if olds:  # an old config may hold both windows (`window`, `batch_episodes`): the mode's
+        train = getattr(parser.parse_args(argv), "mode", None) == "train"
+        sub.set_defaults(**{dest: found.get("batch_episodes" if train else "window",
+                                            next(iter(found.values())))
+                            for dest, found in olds.items()})
+    args = parser.parse_args(argv)
+    for line in notes:
+        note(args, line)
+    return args
 
 
 def _check_value(path: str, key, value, action, *, as_dest: bool = False):

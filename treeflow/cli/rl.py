@@ -1,29 +1,11 @@
-"""RL options of `replay --mode train` and `stream --mode train`: advantages from rewards.
+"""Training flags checked by their names, and advantages from rewards (`--advantage`).
 
-Kept apart from cli_train.py so the training loops only ask for `advantage_stages(args)`
-(a tuple to put before Pack); the first-step and step-size warnings live in the one training
-loop (treeflow/train/fit.py).
+The training commands ask for `check_loss_options(args)` before anything is built and for
+`advantage_stages(args)`: a tuple to put before Pack (the flags are in options.py; the
+first-step and step-size warnings live with the loop, in train/fit.py).
 """
 
 from __future__ import annotations
-
-
-def add_rl_options(p) -> None:
-    g = p.add_argument_group("advantages (--mode train)")
-    g.add_argument("--advantage", choices=("grpo", "rloo", "none"), default=None,
-                   help="compute each episode's advantage from 'reward' within its group: grpo "
-                        "(r - mean) / (std + eps), rloo r - mean of the others, none: use the "
-                        "episodes' stored 'advantage' (default: the stored one)")
-    g.add_argument("--no-std-normalize", dest="std_normalize", action="store_false",
-                   help="grpo without the division by the group's std (Dr. GRPO)")
-    g.add_argument("--advantage-eps", type=float, default=1e-6,
-                   help="grpo: eps added to the group's std")
-    g.add_argument("--entropy-coef", type=float, default=0.0,
-                   help="entropy bonus: the loss subtracts this times the mean entropy of the "
-                        "sampled tokens' distributions (the forward also computes entropies)")
-    g.add_argument("--kl-coef", type=float, default=0.0,
-                   help="KL penalty against a reference policy; refused above 0 for now: the "
-                        "reference logprobs (a --ref-model) are not computed by the CLI yet")
 
 
 def check_train_numbers(args) -> None:
@@ -50,6 +32,41 @@ def check_train_numbers(args) -> None:
         value = getattr(args, flag, None)
         if value is not None and (not math.isfinite(value) or value <= 0):
             bad(flag.replace("_", "-"), value, "give a number > 0, or leave it out")
+
+
+def check_train_options(args, *, inputs, outputs=()) -> None:
+    """What every training command refuses alike, before any model or queue is started: the
+    numbers by their flags, the step size, the save cadence, and outputs that are inputs,
+    held by another run, or (--save) a directory of another run's checkpoints.
+
+    outputs: (flag, path, is a directory) beyond --save, --metrics and --tensorboard.
+    """
+    import os
+
+    from treeflow.atomic import check_output, refuse_inputs
+    from treeflow.lock import claim_output
+    from treeflow.ops import Checkpointing
+    from treeflow.train.checkpoint import LATEST
+    from treeflow.train.launch import rank_of
+
+    check_loss_options(args)  # each number by its flag, --steps before --episodes-per-step
+    if args.episodes_per_step is None or args.episodes_per_step < 1:
+        raise ValueError(f"--episodes-per-step {args.episodes_per_step}: --mode train needs "
+                         "--episodes-per-step B >= 1 (episodes per optimizer step)")
+    Checkpointing(dir=args.save, every=args.save_every, keep=args.keep)  # refuses by flag name
+    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
+                                    *outputs, ("--tensorboard", args.tensorboard, True)):
+        if path:  # one writer per output: rank 0 of a torchrun job holds the locks for all
+            if rank_of() == 0:
+                claim_output(path, option=option, inputs=inputs, directory=directory)
+            else:
+                check_output(path, what=option, directory=directory)
+                refuse_inputs(path, inputs, option=option)
+    if args.save and not args.resume and os.path.isdir(args.save) and \
+            (os.path.exists(os.path.join(args.save, LATEST)) or
+             any(n.startswith("step-") for n in os.listdir(args.save))):
+        raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
+                         f"{args.save} to continue it, or give an empty directory")
 
 
 def check_loss_options(args) -> None:
@@ -89,4 +106,4 @@ def advantage_stages(args) -> tuple:
                       eps=args.advantage_eps),)
 
 
-__all__ = ["add_rl_options", "advantage_stages", "check_loss_options", "check_train_numbers"]
+__all__ = ["advantage_stages", "check_loss_options", "check_train_numbers", "check_train_options"]

@@ -4,7 +4,7 @@ Tensor parallelism splits every weight of the model over T processes that run
 the same bins in lockstep (megatron-core's process groups; NCCL on GPUs, one
 GPU each, gloo on CPU). The CLI starts them the way it starts data-parallel
 ranks (treeflow.train.spawn, or torchrun's environment when it launched them).
-In training, `--ranks D --tensor-parallel T` runs D x T processes: D
+In training, `--num-ranks D --tensor-parallel T` runs D x T processes: D
 data-parallel replicas, each one split over T consecutive processes (the
 tensor-parallel group); Shard plans D ranks, gradients are summed over the
 data-parallel group, and clipping counts every shard once (the backend's
@@ -16,7 +16,7 @@ runs whole on one device); a T that does not divide the attention heads, the
 key/value groups, the MLP width or the vocabulary (every rank needs an equal
 share); the Ray engine and launcher (one process per rank here); FSDP's
 --shard-params (MCore shards the weights itself); and in logprobs mode
---ranks > 1 (that option sizes the Ray engine's forward actors).
+--num-ranks > 1 (that option sizes the Ray engine's forward actors).
 
 Checkpoints (--save, --save-every, --resume) work under any D x T: every
 process writes its tensor-parallel shards of the weights and AdamW through
@@ -29,8 +29,19 @@ from __future__ import annotations
 
 from treeflow.train.launch import rank_of, torchrun_world
 
-__all__ = ["check_context_parallel_options", "check_tensor_parallel_options", "rank_of",
-           "start_ranks", "torchrun_world"]
+__all__ = ["add_parallel_options", "check_context_parallel_options",
+           "check_tensor_parallel_options", "rank_of", "start_ranks", "torchrun_world"]
+
+
+def add_parallel_options(s) -> None:
+    """--tensor-parallel and --context-parallel (replay, in both modes)."""
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="split the model over T processes (--backend megatron; one GPU each "
+                        "with --device cuda); in training, T x --num-ranks processes")
+    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="run each bin over C processes (--backend reference; one GPU each with "
+                        "--device cuda), each fetching only its nodes' ancestors' K/V; bins "
+                        "hold up to C x --max-tokens; in training, C x --num-ranks processes")
 
 
 def check_tensor_parallel_options(args, *, train: bool) -> None:
@@ -42,7 +53,7 @@ def check_tensor_parallel_options(args, *, train: bool) -> None:
         return
     if args.backend != "megatron":
         raise ValueError(f"--tensor-parallel {tp} needs --backend megatron: the {args.backend} "
-                         "backend runs whole on one device (use --ranks for data parallelism)")
+                         "backend runs whole on one device (use --num-ranks for data parallelism)")
     _own_processes(args, "--tensor-parallel", "tensor-parallel", tp, train=train)
     if train and args.shard_params:
         raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
@@ -64,7 +75,7 @@ def check_context_parallel_options(args, *, train: bool) -> None:
     """Refuse what --context-parallel cannot run with, before any process is started.
 
     `--context-parallel C` runs each bin over C processes (models/context_parallel.py); in
-    training `--ranks D` makes D x C processes, in logprobs mode C. Bins hold up to
+    training `--num-ranks D` makes D x C processes, in logprobs mode C. Bins hold up to
     C x --max-tokens tokens.
     """
     cp = args.context_parallel
@@ -96,18 +107,20 @@ def _own_processes(args, flag: str, kind: str, n: int, *, train: bool) -> None:
     if train and args.launcher == "ray":
         raise ValueError(f"{flag} {n} starts its processes with --launcher spawn or under "
                          "torchrun, not as a Ray actor group")
-    if not train and args.ranks > 1:
-        raise ValueError(f"--ranks {args.ranks} with {flag} {n} in logprobs mode: --ranks sizes "
-                         "the Ray engine's forward actors; give --ranks 1")
+    if not train and args.num_ranks > 1:
+        raise ValueError(f"--num-ranks {args.num_ranks} with {flag} {n} in logprobs mode: "
+                         "--num-ranks sizes "
+                         "the Ray engine's forward actors; give --num-ranks 1")
 
 
 def _process_count(args, flag: str, n: int, *, train: bool) -> None:
-    """n (x --ranks in training) processes: what torchrun started, or GPUs enough to spawn them."""
-    processes = n * (args.ranks if train else 1)
+    """n (x --num-ranks in training) processes: what torchrun started, or GPUs enough to spawn
+    them."""
+    processes = n * (args.num_ranks if train else 1)
     world = torchrun_world()
     if world is not None and world != processes:
         raise ValueError(f"torchrun started {world} processes but {flag} {n}"
-                         + (f" x --ranks {args.ranks}" if train else "")
+                         + (f" x --num-ranks {args.num_ranks}" if train else "")
                          + f" needs {processes}; give matching numbers")
     if world is None and args.device.startswith("cuda"):
         import torch

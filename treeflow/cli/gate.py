@@ -7,42 +7,30 @@ Prints the gate's figures and writes them as JSON (`-o`); exits 0 when the
 gate passes and 3 naming every cause when it fails (a lost or masked
 episode, a generation KL above --max-gen-kl, a refit that did not happen,
 route agreement below --min-route-agreement under --routing replay). --routing and
---context-parallel go to the trainer's Forward where this build has them,
-and are refused by name where it does not. --fault is a test hook.
+--context-parallel go to the trainer's Forward (context parallelism is
+refused: the gate trains in one process). --fault is a test hook.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
+
+from treeflow.cli import configs
+from treeflow.cli.common import check_device
+from treeflow.cli.options import add_sampling_options, queue_options
+from treeflow.cli.queue import open_cli_queue
 
 GATE_FAILED = 3
 
 
 def _forward(args):
-    from treeflow.models.tuning import Tuning
-    from treeflow.stages import Forward
-    from treeflow.train.checkpoint import model_dir
-
-    fields = {f.name for f in dataclasses.fields(Forward)}
-    extra = {}
-    for option, name, value, default in (("--routing", "routing", args.routing, None),
-                                         ("--context-parallel", "context_parallel",
-                                          args.context_parallel, 1)):
-        if value == default:
-            continue
-        if name not in fields:
-            raise ValueError(f"{option} {value}: this treeflow build has no Forward({name}=...) "
-                             f"(the {'MoE routing replay' if name == 'routing' else 'context-parallel'}"
-                             " code is missing); leave the option out")
-        extra[name] = value
-    if extra.get("context_parallel", 1) > 1:
+    """The trainer's Forward: --context-parallel is refused (the gate trains in one process)."""
+    if args.context_parallel > 1:
         raise ValueError(f"--context-parallel {args.context_parallel}: the gate trains in one "
                          "process, and context parallelism needs one process per rank; not wired "
                          "into the gate yet")
-    return Forward(model=model_dir(args.model), dtype=args.dtype, kernel=args.kernel,
-                   tuning=Tuning.parse(args.tuning), **extra)
+    return configs.forward(args)
 
 
 def cmd_gate(args) -> int:
@@ -50,8 +38,6 @@ def cmd_gate(args) -> int:
 
     from treeflow.atomic import atomic_open
     from treeflow.lock import claim_output
-    from treeflow.cli import check_device
-    from treeflow.cli_stream import open_cli_queue, rollout_config
     from treeflow.pipeline import Gate, run_gate
     from treeflow.stages import EpisodeSchedule, Loss, Reduce
 
@@ -67,7 +53,7 @@ def cmd_gate(args) -> int:
     gate = Gate(episodes=args.episodes, max_gen_kl=args.max_gen_kl, fault=args.fault,
                 min_route_agreement=args.min_route_agreement,
                 timeout=args.timeout,
-                rollout=rollout_config(args))
+                rollout=configs.rollout_config(args))
     reduce = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=args.lr))
     if args.capacity < 2 * args.episodes:
         raise ValueError(f"--capacity {args.capacity}: the gate's two rounds of --episodes "
@@ -87,16 +73,15 @@ def cmd_gate(args) -> int:
     if args.json:
         print(json.dumps(figures), flush=True)
     elif not args.quiet:
-        from treeflow._display import _console, _table
+        from treeflow._display import console, table
 
-        _console().print(_table("gate", [(k, v) for k, v in figures.items() if k != "failures"]))
+        console().print(table("gate", [(k, v) for k, v in figures.items() if k != "failures"]))
     for cause in figures["failures"]:
         print(f"gate failed: {cause}", file=sys.stderr, flush=True)
     return 0 if figures["passed"] else GATE_FAILED
 
 
 def add_gate_parser(sub, common) -> None:
-    from treeflow.cli_stream import _queue_options, add_sampling_options
     from treeflow.compile_cache import add_option as add_compile_cache_option
     from treeflow.pipeline.gate import FAULTS
 
@@ -111,7 +96,7 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"), default="auto")
     s.add_argument("--tuning", default="", help="speed levers of the reference backend")
     add_compile_cache_option(s)
-    _queue_options(s)
+    queue_options(s)
     s.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
     add_sampling_options(s, group_size_help="4: 4x4 groups; 16: one group")
     s.add_argument("--lr", type=float, default=1e-5)

@@ -1,6 +1,6 @@
 """`treeflow stream --mode train`: optimizer steps on live queue steps, refit and staleness.
 
-One queue step (whole groups, --batch-episodes episodes) is one optimizer
+One queue step (whole groups, --episodes-per-step episodes) is one optimizer
 step, run by the same Trainer as `replay --mode train` (checkpoints,
 --resume, --metrics, --tensorboard, precision). After each step the new
 weights are written to --publish-weights (default: <--save>/weights, else a
@@ -20,11 +20,11 @@ checkpoint), and a redelivered step the checkpoint already holds is skipped
 every step is applied exactly once. The queue must then hold N + 1 steps
 (and --prefetch more to lease steps ahead).
 
-`--ranks N` trains data-parallel over N spawned processes (gloo on CPU, NCCL
+`--num-ranks N` trains data-parallel over N spawned processes (gloo on CPU, NCCL
 with --device cuda): rank 0 leases the queue steps and broadcasts each one
 (pipeline/queue_ranks.py), every rank runs its share of the step's bins, and
 rank 0 publishes the weights, writes the metrics and acknowledges; checkpoints
-are written by all ranks together, as in `replay --ranks N`. Without --queue
+are written by all ranks together, as in `replay --num-ranks N`. Without --queue
 the CLI serves the queue on a temporary socket so that rank 0 can reach it.
 `--engine ray` trains on one rank in a Ray actor (pipeline/ray.py),
 which writes the weights after each step and --save at the end.
@@ -40,45 +40,29 @@ from dataclasses import replace
 import numpy as np
 
 from treeflow._clock import process_seconds
-from treeflow._display import _console, _table
-from treeflow.cli_config import resolved_config
+from treeflow._display import console, table
+from treeflow.cli import configs
+from treeflow.cli.common import say
+from treeflow.cli.config import resolved_config
+from treeflow.cli.queue import open_cli_queue
+from treeflow.cli.rl import advantage_stages, check_train_options
 
 def check_train(args) -> None:
     """Refuse impossible options before the queue or any model is started."""
-    from treeflow.train.checkpoint import LATEST
+    from treeflow.schemas.episode import expand_paths
 
-    if args.batch_episodes is None:
-        raise ValueError("--mode train needs --batch-episodes B >= 1 (episodes per optimizer step)")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every {args.save_every}: give N >= 1 to save every N steps, or 0 "
-                         "to save only at the end")
-    if args.save_every and not args.save:
-        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
-    if args.keep is not None and args.keep < 1:
-        raise ValueError(f"--keep {args.keep}: keep at least the newest checkpoint (--keep >= 1)")
     if args.max_staleness is not None and args.max_staleness < 0:
         raise ValueError(f"--max-staleness {args.max_staleness}: give K >= 0 steps")
     if args.shard_params:
         raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
-                         "the whole weights after every step); train sharded with replay --ranks N")
+                         "the whole weights after every step); train sharded with replay "
+                         "--num-ranks N")
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
-    from treeflow.lock import claim_output
-    from treeflow.schemas.episode import expand_paths
-
-    inputs = expand_paths(args.from_files) if args.from_files else []
-    for option, path, directory in (("--save", args.save, True), ("--metrics", args.metrics, False),
-                                    ("--publish-weights", args.publish_weights, True),
-                                    ("--tensorboard", args.tensorboard, True)):
-        if path:  # one writer per output, never an input (treeflow/lock.py)
-            claim_output(path, option=option, inputs=inputs, directory=directory)
-    if args.save and not args.resume and os.path.isdir(args.save) and \
-            (os.path.exists(os.path.join(args.save, LATEST)) or
-             any(n.startswith("step-") for n in os.listdir(args.save))):
-        raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
-                         f"{args.save} to continue it, or give an empty directory")
-    B = args.batch_episodes
+    check_train_options(args, inputs=expand_paths(args.from_files) if args.from_files else [],
+                        outputs=(("--publish-weights", args.publish_weights, True),))
+    B = args.episodes_per_step
     held = (args.save_every if args.save and args.save_every else 0) + 1
     if args.capacity < held * B:
         raise ValueError(f"--capacity {args.capacity}: this consumer keeps {held} steps of {B} "
@@ -90,8 +74,8 @@ def check_train(args) -> None:
 
 
 def stream_train(args, queue) -> dict:
-    """Train on the queue's steps: in this process, or over --ranks N spawned processes."""
-    if args.ranks == 1:
+    """Train on the queue's steps: in this process, or over --num-ranks N spawned processes."""
+    if args.num_ranks == 1:
         return _stream_train(args, queue, None)
     from treeflow.train import spawn
 
@@ -102,19 +86,18 @@ def stream_train(args, queue) -> dict:
     if args.publish_weights is None and not args.save:  # one directory for every rank
         args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
     try:
-        return spawn(_stream_rank, args.ranks, args)[0]
+        return spawn(_stream_rank, args.num_ranks, args)[0]
     except RuntimeError as e:
-        raise ValueError(f"training over {args.ranks} ranks failed: {e}") from None
+        raise ValueError(f"training over {args.num_ranks} ranks failed: {e}") from None
 
 
 def _stream_rank(args):
     """One data-parallel rank (a spawned process): rank 0 reads the queue, every rank trains."""
-    from treeflow.cli_stream import forward_stage, open_cli_queue
     from treeflow.train import DataParallel
 
     dp = DataParallel.from_env(args.device)
     try:
-        queue = (open_cli_queue(args, forward_stage(args).vocab_size_hint(), attach=True)
+        queue = (open_cli_queue(args, configs.forward(args).vocab_size_hint(), attach=True)
                  if dp.rank == 0 else None)
         return _stream_train(args, queue, dp)
     finally:
@@ -132,29 +115,21 @@ class _NoReader:
 
 
 def _stream_train(args, queue, dp) -> dict | None:
-    from treeflow.cli_rl import advantage_stages
-    from treeflow.cli_stream import forward_stage
-    from treeflow.cli_train import _fit_options, _note
     from treeflow.ops import PublishWeights
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
-    from treeflow.stages import EpisodeSchedule, Fragment, Loss, Pack, Reduce, Shard
     from treeflow.train.fit import fit
     from treeflow.train.run import STEP_OPTIONS
 
-    forward = forward_stage(args, entropy=bool(args.entropy_coef))
-    reduce = Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
-                              clip_high=args.clip_high, tis_cap=args.tis_cap,
-                              entropy_coef=args.entropy_coef),
-                    schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
-                                             decay_episodes=args.decay_episodes),
-                    max_grad_norm=args.max_grad_norm)
+    forward = configs.forward(args, entropy=bool(args.entropy_coef))
+    reduce = configs.reduce(args)
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
-    # as replay --ranks N: whole layouts dealt to the ranks by cost, Shard keeps the deal
-    pipe = Pipeline(*advantage_stages(args),
-                    Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
-                    Fragment(max_tokens=args.max_tokens, ranks=world),
-                    *((Shard(num_ranks=world),) if world > 1 else ()), forward, reduce)
+    # as replay --num-ranks N (and `treeflow plan --num-ranks N`): every rank gets the whole step
+    # and lays out and bins only its own share of it, dealt on the trees' exact costs (exchanged)
+    exchange = (dp.planning_exchange(contributes=dp.cp is None or dp.cp.rank == 0)
+                if dp is not None and world > 1 else None)
+    maps = configs.plan_stages(args, world, dp.rank if dp else 0, exchange)
+    pipe = Pipeline(*advantage_stages(args), *maps, forward, reduce)
     on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)
     root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
                                     else tempfile.mkdtemp(prefix="treeflow-weights-"))
@@ -166,7 +141,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     def source(position, done):
         todo = None if args.steps is None else args.steps - done
         # several ranks: every step is acknowledged here, once its result is out (or saved)
-        reader = QueueSource(episodes_per_step=args.batch_episodes,
+        reader = QueueSource(episodes_per_step=args.episodes_per_step,
                              consumer=args.consumer, max_steps=todo,
                              max_staleness=args.max_staleness, version=done,
                              ack="manual" if hold or world > 1 else "auto",
@@ -195,7 +170,7 @@ def _stream_train(args, queue, dp) -> dict | None:
         if lead:
             opened["reader"].ack_finished()
 
-    options = _fit_options(args)
+    options = configs.fit_options(args)
     # synchronous saves: the steps a checkpoint holds are acknowledged once it is written
     options["checkpointing"] = replace(options["checkpointing"], background=False)
     if on_ray:
@@ -206,7 +181,7 @@ def _stream_train(args, queue, dp) -> dict | None:
                      trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                                           **({"dp": dp} if dp is not None else {})),
                      run={"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}},
-                     config=resolved_config(args), lead=lead, log=_note,
+                     config=resolved_config(args), lead=lead, log=say,
                      publish=PublishWeights(root, announce=queue.publish_weights if lead else None),
                      on_result=on_result, on_saved=[acknowledge] if hold else [],
                      progress=None if args.json or args.quiet else "stream train",
@@ -222,7 +197,7 @@ def _stream_train(args, queue, dp) -> dict | None:
         return None
     rows, reader = report["rows"], opened["reader"]
     if not (args.json or args.quiet) and rows:
-        _console().print(_table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
+        console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
                                 list(rows[-1].items())))
     kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
     return {"steps": report["steps"], "episodes": reader.episodes,

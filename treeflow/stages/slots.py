@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA
-from treeflow.stages._flat import Calls
+from treeflow.stages.flat import Calls
 
 
 class Slots:

@@ -1,0 +1,23 @@
+"""The `treeflow` command line, one module per command group, no import cycles.
+
+    main.py          the parser assembled from the command modules; `main(argv)`
+    replay.py        replay --mode logprobs          train.py         --mode train (fit())
+    stream.py        stream, rollout                 stream_train.py  stream --mode train
+    stream_logprobs.py  stream --mode logprobs (per-step files, acks after writes)
+    plan.py          synth, inspect, plan            convert.py       convert
+    gate.py          gate
+    options.py       argument groups shared by commands (model, training, RL, queue, sampling)
+    parallel.py      --tensor-parallel / --context-parallel: the flags and what they refuse
+    configs.py       parsed flags -> the stage configs a Python user writes (Forward, Reduce,
+                     each rank's Pack/Fragment/Shard), fit()'s options
+    config.py        --config FILE, --print-config      names.py  old flag names, warned about
+    help.py          the conventions applied to every subcommand    common.py, queue.py, rl.py
+
+Command modules import the shared ones, never `main` or each other (replay -> train and
+stream -> stream_logprobs, stream_train excepted); tests/test_layering.py holds the whole
+package to no cycles.
+"""
+
+from treeflow.cli.main import build_parser, main
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,87 @@
+"""Parsed flags -> the stage configs a Python user writes, built in one place for every command.
+
+`replay`, `stream`, `plan` and `gate` all run `Forward(...)`, `Reduce(...)` and the map stages
+of a training step; each is built here once from the parsed options, so a flag means the same
+on every command and `plan --num-ranks N` plans what training with `--num-ranks N` runs. A
+command that has no flag for a field (stream has no --tensor-parallel, gate no --backend)
+leaves that field at the stage's default. fit()'s options (checkpoints, resume, metrics
+sinks) are built here too, from the flags every training command shares.
+"""
+
+from __future__ import annotations
+
+__all__ = ["fit_options", "forward", "plan_stages", "reduce", "rollout_config"]
+
+# Forward fields a command may have a flag for (same name), left at Forward's default if not
+_FORWARD_FLAGS = ("backend", "chunk_size", "tensor_parallel", "context_parallel", "routing",
+                  "allow_nonfinite")
+
+
+def forward(args, *, entropy: bool = False):
+    """Forward(...) from --model, --dtype, --kernel, --tuning (+ --ssm-*) and the optional flags."""
+    from treeflow.models.tuning import Tuning, ssm_flags
+    from treeflow.stages import Forward
+    from treeflow.train.checkpoint import model_dir
+
+    given = {name: getattr(args, name) for name in _FORWARD_FLAGS
+             if getattr(args, name, None) is not None}
+    return Forward(model=model_dir(args.model), dtype=args.dtype, kernel=args.kernel,
+                   entropy=entropy, tuning=Tuning.parse(args.tuning, **ssm_flags(args)), **given)
+
+
+def reduce(args):
+    """Reduce(...) from the loss, schedule and clipping flags (--mode train)."""
+    from treeflow.stages import EpisodeSchedule, Loss, Reduce
+
+    return Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
+                            clip_high=args.clip_high, tis_cap=args.tis_cap,
+                            entropy_coef=args.entropy_coef),
+                  schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
+                                           decay_episodes=args.decay_episodes),
+                  max_grad_norm=args.max_grad_norm)
+
+
+def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:
+    """The map stages that plan a training step on data-parallel replica `rank` of `world`.
+
+    One replica lays out and bins only its share of the step, dealt on the trees' exact costs
+    through `exchange` (the replicas' sum of per-tree costs; stages/_exchange.py; None: the
+    sum computed in this process, for ranks planned in one process); Shard keeps the replicas. `treeflow plan --num-ranks R` runs these for
+    every replica, and `replay`/`stream --mode train --num-ranks R` on each rank. A
+    context-parallel group (--context-parallel C) is one replica whose bins hold
+    C x --max-tokens tokens.
+    """
+    from treeflow.stages import IN_PROCESS_EXCHANGE, Fragment, Pack, Shard
+
+    budget = args.max_tokens * getattr(args, "context_parallel", 1)
+    if world == 1:
+        return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
+                Fragment(max_tokens=budget))
+    return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules, ranks=world,
+                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange),
+            Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
+
+
+def fit_options(args) -> dict:
+    """What fit() takes from the training flags every training command shares."""
+    from treeflow.ops import Checkpointing
+    from treeflow.train.fit import Resume
+    from treeflow.train.sinks import JsonlSink, TensorBoardSink
+
+    return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
+                resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
+                              allow_different_data=args.allow_different_data),
+                sinks=[*([JsonlSink(args.metrics)] if args.metrics else []),
+                       *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])],
+                loss=args.loss, prefetch=args.prefetch, device=args.device)
+
+
+def rollout_config(args):
+    """The Rollout the sampling flags describe (rollout, gate)."""
+    from treeflow.pipeline.rollout import Rollout
+
+    return Rollout(group_size=args.group_size, turns=tuple(args.turns),
+                   prompt_tokens=tuple(args.prompt_tokens),
+                   completion_tokens=tuple(args.completion_tokens),
+                   tool_tokens=tuple(args.tool_tokens), temperature=args.temperature,
+                   seed=args.seed)

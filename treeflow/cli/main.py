@@ -1,0 +1,71 @@
+"""`treeflow` command line: synth, convert, inspect, plan, replay, stream, rollout, gate.
+
+Each command is a thin shell over the library: it parses options, streams
+windows of episodes through stages, and prints a summary (rich tables, or one
+JSON object with --json). Progress goes to stderr so that stdout stays clean;
+--quiet prints nothing but errors. This module only assembles the parser from
+the command modules and runs the chosen command; nothing imports it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from treeflow.cli.convert import add_convert_parser
+from treeflow.cli.gate import add_gate_parser
+from treeflow.cli.plan import add_plan_parsers, add_synth_parser
+from treeflow.cli.replay import add_replay_parser
+from treeflow.cli.stream import add_stream_parsers
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_synth_parser(sub, common)
+    add_convert_parser(sub)
+    add_replay_parser(sub, common)
+    add_stream_parsers(sub, common)
+    add_gate_parser(sub, common)
+    add_plan_parsers(sub, common)
+
+    from treeflow.cli.config import add_config_flags
+    from treeflow.cli.help import finish_parser
+
+    add_config_flags(p)
+    finish_parser(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from treeflow._errors import debug_wanted, run
+    from treeflow.cli.config import apply_config, print_config
+    from treeflow.cli.names import resolve, warn
+
+    parser = build_parser()
+    args = run(lambda a: apply_config(parser, a), argv, debug=debug_wanted(
+        "--debug" in (argv if argv is not None else sys.argv[1:])))
+    if isinstance(args, int):  # the config file was refused (a one-line error)
+        return args
+    warn(args)
+    resolve(args)
+    if getattr(args, "print_config", False):
+        return print_config(args)
+    if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
+        code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))
+        if code:
+            return code
+    return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))
+
+
+def _compile_cache(args) -> int:
+    from treeflow.compile_cache import configure
+
+    configure(args.compile_cache)
+    return 0

@@ -1,0 +1,261 @@
+"""`treeflow synth`, `inspect` and `plan`: episodes written, measured, and planned into bins.
+
+`plan` runs each rank's map stages exactly as training builds them (configs.plan_stages), one
+rank after another, so the bins it writes are the bins `--mode train --num-ranks N` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+
+import pyarrow as pa
+
+from treeflow._display import console, count_rows, progress, table
+from treeflow.cli.common import positive
+
+__all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "cmd_synth"]
+
+
+def cmd_synth(args) -> int:
+    from treeflow.pipeline.synth import synth_episodes, write_episodes
+
+    from treeflow.atomic import check_output
+
+    positive(args, "episodes", "group_size", "min_turns", "max_turns", "vocab_size")
+    from treeflow.lock import claim_output
+
+    check_output(args.output, what="-o output")
+    if not args.output.endswith((".arrow", ".parquet")):
+        raise ValueError(f"-o {args.output}: unknown episode file type; name it .arrow (Arrow IPC) "
+                         "or .parquet")
+    claim_output(args.output, option="-o")
+    t0 = time.perf_counter()
+    routes = dict(routes=args.routes, route_layers=args.route_layers, num_experts=args.num_experts)
+    if args.routes_from:  # the shape a local MoE checkpoint replays: its MoE layers x top_k
+        from treeflow.models import ModelConfig
+
+        moe = ModelConfig.from_hf_dir(args.routes_from).moe
+        if moe is None or not moe.moe_layers:
+            raise ValueError(f"--routes-from {args.routes_from}: the model has no experts; give an "
+                             "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, Nemotron-H with MoE "
+                             "blocks, GraniteMoeHybrid) or use --routes")
+        routes = dict(routes=moe.top_k, route_layers=len(moe.moe_layers),
+                      num_experts=moe.num_experts)
+    eps = synth_episodes(episodes=args.episodes, group_size=args.group_size,
+                         turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
+                         branch_prob=args.branch_prob, seed=args.seed, **routes)
+    write_episodes(eps, args.output)
+    n_calls = sum(len(c) for c in eps.column("calls").to_pylist()) if eps.num_rows < 5000 else None
+    if not args.quiet:
+        console().print(f"wrote {eps.num_rows} episodes" + (f" ({n_calls} calls)" if n_calls else "")
+                        + f" to {args.output} in {time.perf_counter() - t0:.2f}s")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import polars as pl
+
+    from treeflow.pipeline.source import Files
+    from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
+
+    positive(args, "max_tokens", "episodes_per_step")
+    frames, parts, call_frames, bin_frames = [], [], [], []
+    with progress("inspect", count_rows(args.files), args.json or args.quiet) as advance:
+        for step, window in enumerate(Files(paths=tuple(args.files),
+                                            episodes_per_step=args.episodes_per_step)):
+            frame, totals = window_stats(window, max_tokens=args.max_tokens)
+            frames.append(frame)
+            parts.append(totals)
+            if args.plot:
+                call_frames.append(call_stats(window))
+                if args.max_tokens:
+                    bin_frames.append(bin_stats(window, max_tokens=args.max_tokens,
+                                                ranks=args.num_ranks, step=step))
+            advance(window.num_rows, tokens=totals["exact_tokens"])
+    totals = merge_totals(parts)
+    frame = pl.concat(frames) if frames else pl.DataFrame()
+    plots = []
+    if args.plot:
+        from treeflow.plots import write_inspect_plots
+
+        if not frame.height:
+            raise ValueError(f"{' '.join(args.files)}: no episodes to plot")
+
+        plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
+                                    totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
+                                    max_tokens=args.max_tokens, ranks=args.num_ranks)
+    if frame.height:
+        frame = frame.with_columns(saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
+    dist_cols = [c for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens",
+                             "tree_episode_tokens", "saving_tree_episode") if c in frame.columns]
+    dist = {}
+    for c in dist_cols:
+        s = frame[c]
+        dist[c] = {"mean": float(s.mean()), "min": float(s.min()), "p50": float(s.quantile(0.5)),
+                   "p90": float(s.quantile(0.9)), "max": float(s.max())}
+    if args.json:
+        print(json.dumps({"totals": totals, "per_episode": dist, "plots": plots}))
+        return 0
+    if args.quiet:
+        return 0
+    con = console()
+    con.print(table("totals", list(totals.items())))
+    from rich.table import Table
+
+    t = Table(title="per episode")
+    for h in ("field", "mean", "min", "p50", "p90", "max"):
+        t.add_column(h, justify="right" if h != "field" else "left")
+    for c, d in dist.items():
+        t.add_row(c, *(f"{d[k]:,.1f}" for k in ("mean", "min", "p50", "p90", "max")))
+    con.print(t)
+    for path in plots:
+        con.print(f"plot written to {path}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    """Plan steps the way `replay --mode train --num-ranks R` does: every rank its own share."""
+    import tracemalloc
+
+    import numpy as np
+
+    from treeflow._output import table_output
+    from treeflow.cli.configs import plan_stages
+    from treeflow.pipeline.source import Files
+    from treeflow.stages import summed_costs
+    from treeflow.stages.shard import CostModel, bin_costs
+
+    positive(args, "max_tokens", "num_ranks", "episodes_per_step", "context_parallel")
+    if args.rank is not None and not 0 <= args.rank < args.num_ranks:
+        raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.num_ranks}) (--num-ranks "
+                         f"{args.num_ranks}), or leave it out to plan every rank")
+    plan_ranks = range(args.num_ranks) if args.rank is None else (args.rank,)
+    t0 = time.perf_counter()
+    sums = dict(episodes=0, steps=0, ranks=args.num_ranks, bins=0, exact_tokens=0,
+                layout_tokens=0, executed_tokens=0, repeated_tokens=0, edges=0, occurrences=0)
+    imbalances, seconds, peaks, empty = [], [], [], 0
+    with ExitStack() as stack:
+        out = stack.enter_context(table_output(args.output, args.files, what="bins")) \
+            if args.output else None
+        advance = stack.enter_context(progress("plan", count_rows(args.files),
+                                                args.json or args.quiet))
+        for step, window in enumerate(Files(paths=tuple(args.files),
+                                            episodes_per_step=args.episodes_per_step)):
+            rank_cost = np.zeros(args.num_ranks)
+            # what the trainer's all-reduce of tree costs returns (in one process: O(N), untimed)
+            costs = summed_costs(window, layout=args.layout, scope=args.scope,
+                                 share_rules=args.share_rules,
+                                 cost=CostModel.llama_1b()) if args.num_ranks > 1 else None
+            for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
+                pack, *maps = plan_stages(args, args.num_ranks, rank, lambda mine, c=costs: c)
+                tracemalloc.start()
+                t1 = time.perf_counter()
+                layouts = pack.map(window, step=step)
+                bins = layouts
+                for stage in maps:
+                    bins = stage.map(bins, step=step)
+                seconds.append(time.perf_counter() - t1)
+                peaks.append(tracemalloc.get_traced_memory()[1])
+                tracemalloc.stop()
+                if out is not None:
+                    out.write(bins)
+                rank_cost[rank] = float(bin_costs(bins, CostModel.llama_1b()).sum())
+                empty += int(bins.num_rows == 0)
+                sums["bins"] += bins.num_rows
+                sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
+                sums["layout_tokens"] += _total_len(layouts, "tokens")
+                sums["executed_tokens"] += _total_len(bins, "tokens")
+                sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
+                sums["edges"] += _total_len(bins, "edge_sources")
+                sums["occurrences"] += _total_len(bins, "occ_edge")
+            if args.rank is None:
+                mean = rank_cost.mean()
+                imbalances.append(float(rank_cost.max() / mean - 1.0) if mean > 0 else 0.0)
+            sums["episodes"] += window.num_rows
+            sums["steps"] += 1
+            advance(window.num_rows)
+    sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
+    sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
+    if args.rank is None:  # a split tree's layout is counted by each rank that shares it
+        sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
+        sums["rank_imbalance_mean"] = float(np.mean(imbalances)) if imbalances else 0.0
+        sums["ranks_without_bins"] = empty
+    sums["rank_plan_seconds_max"] = round(max(seconds, default=0.0), 4)
+    sums["rank_plan_seconds_mean"] = round(float(np.mean(seconds)) if seconds else 0.0, 4)
+    sums["rank_plan_peak_mib_max"] = round(max(peaks, default=0) / 2**20, 1)
+    sums["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(sums))
+    elif not args.quiet:
+        console().print(table(f"plan: layout={args.layout} max_tokens={args.max_tokens} "
+                                f"ranks={args.num_ranks}", list(sums.items())))
+        if args.output:
+            console().print(f"bins written to {args.output}")
+    return 0
+
+
+def _total_len(table: pa.Table, col: str) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(table.column(col))).as_py() or 0)
+
+
+def add_synth_parser(sub, common) -> None:
+    s = sub.add_parser("synth", parents=[common], help="write synthetic agentic episodes (.arrow or .parquet)")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--episodes", type=int, default=64)
+    s.add_argument("--group-size", type=int, default=8)
+    s.add_argument("--min-turns", type=int, default=3)
+    s.add_argument("--max-turns", type=int, default=10)
+    s.add_argument("--vocab-size", type=int, default=32000)
+    s.add_argument("--branch-prob", type=float, default=0.1)
+    s.add_argument("--routes", type=int, default=0,
+                   help="expert ids per token and MoE layer (top_k); 0 = no routes")
+    s.add_argument("--route-layers", type=int, default=1,
+                   help="MoE layers per route (width = route layers x --routes)")
+    s.add_argument("--num-experts", type=int, default=128, help="expert ids are in [0, this)")
+    s.add_argument("--routes-from", default=None, metavar="DIR",
+                   help="routes of the shape a local MoE checkpoint replays (its config.json: "
+                        "MoE layers x top_k, num_experts); overrides the three options above")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    s.set_defaults(fn=cmd_synth)
+
+
+def add_plan_parsers(sub, common) -> None:
+    """inspect and plan."""
+    s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--max-tokens", type=int, default=None, help="also plan bins of this budget")
+    s.add_argument("--episodes-per-step", type=int, default=256,
+                   help="episodes packed together (a training step's window)")
+    s.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNGs: savings.png, call_growth.png (+ bins.png with --max-tokens)")
+    s.add_argument("--num-ranks", type=int, default=1,
+                   help="data-parallel ranks of the bin plan (--plot)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("plan", parents=[common], help="pack, fragment and shard episodes into bins")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
+                   help="prefix sharing: default (every token whose recomputation is identical) "
+                        "or nrl (NeMo RL's exact-call rules: replica, weight-version and "
+                        "KV-page cuts from the calls' execution metadata)")
+    s.add_argument("--max-tokens", type=int, required=True)
+    s.add_argument("--num-ranks", type=int, default=1)
+    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="plan bins of C x --max-tokens (each run over C processes)")
+    s.add_argument("--episodes-per-step", type=int, default=256,
+                   help="episodes per optimizer step, planned as --mode train plans them")
+    s.add_argument("--rank", type=int, default=None,
+                   help="plan only this rank's share (default: every rank, one after another)")
+    s.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    s.set_defaults(fn=cmd_plan)
