@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from treeflow.models import AttentionPlan
-from treeflow.models.attention import _compiled_flex
+from treeflow.models.attention import compiled_flex
 from treeflow.pipeline.synth import synth_episodes
 from treeflow.stages import Fragment, Pack
 from treeflow.tree import subtree_end
@@ -210,7 +210,7 @@ def _flex(b, q, k, v, tile, options, timer, per_pair, cuda):
         # the plan's own layout (padded [L, A, D] seen as [1, A, L, D]): the same compiled kernel
         qp, kp, vp = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
                       for x in (q, k, v))
-        kernel = _compiled_flex()
+        kernel = compiled_flex()
         with torch.no_grad():
             row["kernel_fwd_s"] = timer(lambda: kernel(qp, kp, vp, block_mask=plan._block_mask,
                                                        enable_gqa=True, kernel_options=options or None))

@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--ranks-one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker and args.planner == "costs":  # the planning exchange's result, once per data set
-        from treeflow.stages._exchange import summed_costs
+        from treeflow.stages import summed_costs
         from treeflow.stages.shard import CostModel
 
         costs = summed_costs(_read(args.data), layout="tree", scope=args.scope,

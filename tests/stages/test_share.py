@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tests.stages.conftest import check_bins, episode_tables
 from treeflow.pipeline.synth import synth_episodes
 from treeflow.stages import Fragment, Pack, Shard
-from treeflow.stages._exchange import summed_costs
+from treeflow.stages import summed_costs
 from treeflow.stages._share import Deal, lpt_deal, tree_summaries
 from treeflow.stages.shard import CostModel, bin_costs
 

@@ -15,7 +15,7 @@ import torch
 from tests.io.conftest import build_tokenizer
 from treeflow.cli import main
 from treeflow.pipeline import synth_episodes, write_episodes
-from treeflow.train.checkpoint import _latest_step
+from treeflow.train.checkpoint import latest_step
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,8 @@ def test_old_text_latest_still_resumes(tmp_path):
     root = tmp_path / "old"
     (root / "step-000004").mkdir(parents=True)
     (root / "latest").write_text("step-000004\n")  # the layout before latest.txt
-    assert _latest_step(str(root)) == 4
+    assert latest_step(str(root)) == 4
     (root / "latest.txt").write_text("step-000003\n")  # the record wins over the link
     os.remove(root / "latest")
     os.symlink("step-000004", root / "latest")
-    assert _latest_step(str(root)) == 3
+    assert latest_step(str(root)) == 3

@@ -165,12 +165,12 @@ class AttentionPlan:
             self._mask_NN = torch.from_numpy(ancestor_mask(end_N)).to(self.device)
         elif kernel == "flex":
             self._kernel_options = dict(kernel_options) if kernel_options else None
-            self._padded = _bucket(n, block_size, pad_to)
+            self._padded = bucket(n, block_size, pad_to)
             self._block_mask = _block_mask(end_N, self._padded, block_size, self.device)
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
-            (self._cu_seqlens,) = _to_device([starts.astype(np.int32)], self.device)
+            (self._cu_seqlens,) = to_device([starts.astype(np.int32)], self.device)
             self._max_len = int(np.diff(starts).max(initial=0))
 
     def __repr__(self) -> str:
@@ -207,8 +207,8 @@ class AttentionPlan:
             # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
             # flex would silently fall back to the unfused kernel that materialises the
             # [L, L] scores; give it room for every bucket instead
-            with torch._dynamo.config.patch(recompile_limit=_FLEX_RECOMPILE_LIMIT):
-                out = _compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
+            with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+                out = compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                        block_mask=self._block_mask, enable_gqa=True,
                                        kernel_options=self._kernel_options)
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
@@ -243,7 +243,7 @@ def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):
     return out[0].transpose(0, 1)
 
 
-def _bucket(n: int, block_size: int, pad_to: int | None) -> int:
+def bucket(n: int, block_size: int, pad_to: int | None) -> int:
     """The padded flex length: `pad_to` rounded up to the block size, or a power-of-two bucket."""
     if pad_to is None:
         length = 1 << max(n - 1, 0).bit_length()
@@ -276,11 +276,11 @@ def _root_starts(end_N: np.ndarray) -> np.ndarray:
     return np.flatnonzero(reach <= np.arange(len(end_N)))
 
 
-_FLEX_RECOMPILE_LIMIT = 64
+FLEX_RECOMPILE_LIMIT = 64
 
 
 @functools.cache
-def _compiled_flex():
+def compiled_flex():
     return torch.compile(_flex_api()[1], dynamic=False)
 
 
@@ -327,9 +327,9 @@ def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.d
         # all nine tables in one host buffer and one copy; the query-side (transposed) tables,
         # which backward reads, from numpy too: BlockMask.from_kv_blocks would derive them with
         # vmapped torch ops, Python-heavy work that competes with kernel launches for the GIL
-        parts = (end_L, *_tables(partial_BB), *_tables(full_BB), *_tables(partial_BB.T),
-                 *_tables(full_BB.T))
-        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = _to_device(parts, device)
+        parts = (end_L, *block_tables_of(partial_BB), *block_tables_of(full_BB),
+                 *block_tables_of(partial_BB.T), *block_tables_of(full_BB.T))
+        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = to_device(parts, device)
 
         def mask_mod(b, h, q, kv):
             return (kv <= q) & (q < end_t[kv])
@@ -342,7 +342,7 @@ def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.d
     return _BLOCK_MASKS.get_or_make(key, make)
 
 
-def _tables(m_BB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def block_tables_of(m_BB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[rows, cols] bool blocks -> counts [1, 1, rows] and indices [1, 1, rows, cols] (int32).
 
     Per row, the visible blocks' columns in increasing order, then the others: the order of
@@ -352,7 +352,7 @@ def _tables(m_BB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return m_BB.sum(1).astype(np.int32)[None, None], order[None, None]
 
 
-def _to_device(arrays, device: torch.device) -> list[torch.Tensor]:
+def to_device(arrays, device: torch.device) -> list[torch.Tensor]:
     """int32 arrays as tensors on `device`: on CUDA one pinned buffer, one asynchronous copy.
 
     The copy runs on the current stream (an engine's copy stream when it prepares bins

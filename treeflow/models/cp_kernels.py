@@ -44,8 +44,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeflow.models.attention import (_FLEX_RECOMPILE_LIMIT, _bucket, _compiled_flex, _tables,
-                                       _to_device)
+from treeflow.models.attention import (FLEX_RECOMPILE_LIMIT, block_tables_of, bucket,
+                                       compiled_flex, to_device)
 
 try:
     from torch._higher_order_ops.flex_attention import flex_attention as _flex_op
@@ -79,17 +79,17 @@ class OffsetBlockMask:
         end_K = np.asarray(end_K, dtype=np.int64)
         k = len(end_K)
         self.n_q, self.n_k, self.q_offset = n_q, k, q_offset
-        self.len_q = _bucket(n_q, block, None) if pad else n_q
-        self.len_k = _bucket(k, block, None) if pad else k
+        self.len_q = bucket(n_q, block, None) if pad else n_q
+        self.len_k = bucket(k, block, None) if pad else k
         bq, bk = -(-self.len_q // block), -(-self.len_k // block)
         end_L = np.zeros(bk * block, dtype=np.int64)
         end_L[:k] = end_K
         partial_QK, full_QK = block_tables(end_L, q_offset, bq, block)
         if self.len_q > n_q:  # the blocks holding padded query rows also read key block 0
             partial_QK[n_q // block:, 0] |= ~full_QK[n_q // block:, 0]
-        parts = (end_L.astype(np.int32), *_tables(partial_QK), *_tables(full_QK),
-                 *_tables(partial_QK.T), *_tables(full_QK.T))
-        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = _to_device(parts, device)
+        parts = (end_L.astype(np.int32), *block_tables_of(partial_QK), *block_tables_of(full_QK),
+                 *block_tables_of(partial_QK.T), *block_tables_of(full_QK.T))
+        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = to_device(parts, device)
 
         def mask_mod(b, h, q, kv):
             qq = q + q_offset
@@ -136,8 +136,8 @@ def flex(q_nQD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, mask: Of
             extra = {"return_aux": AuxRequest(lse=True)}
         else:
             extra = {"return_lse": True}
-        with torch._dynamo.config.patch(recompile_limit=_FLEX_RECOMPILE_LIMIT):
-            res = _compiled_flex()(q, k, v, block_mask=mask.mask, enable_gqa=True,
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            res = compiled_flex()(q, k, v, block_mask=mask.mask, enable_gqa=True,
                                    kernel_options=kernel_options, **extra)
         out, lse = (res, None) if not with_lse else (res[0], getattr(res[1], "lse", res[1]))
     else:  # the flex operator's eager math path: forward and backward on CPU

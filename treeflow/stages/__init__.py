@@ -12,7 +12,7 @@ _WHERE = {
     "Forward": "forward",
     "Fragment": "fragment",
     "IN_PROCESS_EXCHANGE": "_exchange",
-    "summed_costs": "_exchange",
+    "summed_costs": "pack",
     "Loss": "losses",
     "Pack": "pack",
     "Reassemble": "reassemble",

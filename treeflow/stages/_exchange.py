@@ -64,14 +64,13 @@ def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
 
 
 def _pack_trees(episodes: pa.Table, share: RankShare, *, layout: str, scope, step: int,
-                share_rules: str = "default") -> pa.Table:
+                share_rules: str = "default", pack_fn) -> pa.Table:
     """Layouts of the share's trees; layout_id is the tree's index in the step, `share` its part."""
-    from treeflow.stages.pack import pack
 
     if not len(share.rows):
         return LAYOUT_SCHEMA.empty_table()
     # the trees keep their order of first appearance, so Pack numbers them as share.trees
-    layouts = pack(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step,
+    layouts = pack_fn(_take_rows(episodes, share.rows), layout=layout, scope=scope, step=step,
                    share_rules=share_rules)
     assert layouts.num_rows == len(share.trees), (layouts.num_rows, len(share.trees))
     return _with_share(layouts.set_column(layouts.schema.get_field_index("layout_id"),
@@ -89,14 +88,14 @@ def _with_share(layouts: pa.Table, share: RankShare) -> pa.Table:
                               col)
 
 
-def _round1(episodes, *, layout, scope, step, ranks, rank, cost, share_rules="default"):
+def _round1(episodes, *, layout, scope, step, ranks, rank, cost, share_rules="default", pack_fn):
     from treeflow.stages._deal import layout_costs
 
     s = tree_summaries(episodes, layout=layout, scope=scope)
     before = Deal.of(s.costs(cost), s.branches_T, ranks)
     share = before.share(s.tree_R, rank)
     layouts = _pack_trees(episodes, share, layout=layout, scope=scope, step=step,
-                          share_rules=share_rules)
+                          share_rules=share_rules, pack_fn=pack_fn)
     mine_T = np.zeros(len(s.nodes_T), dtype=np.float64)
     first = share.slot == 0  # a tree several ranks share is written by its first rank only
     mine_T[share.trees[first]] = layout_costs(layouts, cost)[first] if layouts.num_rows else 0.0
@@ -104,7 +103,7 @@ def _round1(episodes, *, layout, scope, step, ranks, rank, cost, share_rules="de
 
 
 def summed_costs(episodes: pa.Table, *, layout: str, scope, cost, share_rules: str = "default",
-                 trees_at_once: int = 2048
+                 pack_fn, trees_at_once: int = 2048
                  ) -> np.ndarray:
     """What the exchange returns on every rank, computed in one process: every tree's exact cost
     (the same for any rank count), packing `trees_at_once` trees at a time. O(N)."""
@@ -117,20 +116,22 @@ def summed_costs(episodes: pa.Table, *, layout: str, scope, cost, share_rules: s
         part = RankShare(rows=np.flatnonzero(np.isin(s.tree_R, trees)), trees=trees,
                          slot=np.zeros(len(trees), np.int64), slots=np.ones(len(trees), np.int64))
         total[trees] = layout_costs(_pack_trees(episodes, part, layout=layout, scope=scope, step=0,
-                                                share_rules=share_rules),
+                                                share_rules=share_rules, pack_fn=pack_fn),
                                     cost)
     return total
 
 
 def pack_share(episodes: pa.Table, *, layout: str, scope, step: int, ranks: int, rank: int,
-               cost, exchange=None, share_rules: str = "default") -> pa.Table:
+               cost, exchange=None, share_rules: str = "default", pack_fn) -> pa.Table:
     """Layouts of rank `rank`'s share: the estimated deal without `exchange`, else the exact one."""
     s, before, share, layouts, mine_T = _round1(episodes, layout=layout, scope=scope, step=step, share_rules=share_rules,
+                                                pack_fn=pack_fn,
                                                 ranks=ranks, rank=rank, cost=cost)
     if exchange is None:
         return layouts
     costs_T = np.asarray(summed_costs(episodes, layout=layout, scope=scope, cost=cost,
-                                      share_rules=share_rules) if exchange is IN_PROCESS_EXCHANGE
+                                      share_rules=share_rules, pack_fn=pack_fn)
+                         if exchange is IN_PROCESS_EXCHANGE
                          else exchange(mine_T), dtype=np.float64)
     if costs_T.shape != mine_T.shape or not (costs_T > 0).all():
         raise ValueError(f"the planning exchange gave {costs_T.shape[0] if costs_T.ndim else 0} "
@@ -145,7 +146,8 @@ def pack_share(episodes: pa.Table, *, layout: str, scope, step: int, ranks: int,
     new = _pack_trees(episodes, RankShare(rows=np.flatnonzero(np.isin(s.tree_R, final.trees[todo])),
                                           trees=final.trees[todo], slot=final.slot[todo],
                                           slots=final.slots[todo]),
-                      layout=layout, scope=scope, step=step, share_rules=share_rules)
+                      layout=layout, scope=scope, step=step, share_rules=share_rules,
+                      pack_fn=pack_fn)
     out = pa.concat_tables([layouts.filter(pa.array(kept)), new]) if layouts.num_rows else new
     order = np.argsort(out.column("layout_id").to_numpy(), kind="stable")
     out = out.take(pa.array(order))

@@ -112,7 +112,7 @@ class Pack(Stage):
         if exact and self.exchange is None:
             raise ValueError(f"Pack(ranks={self.ranks}, rank={self.rank}, balance='exact') needs "
                              "the ranks' exchange of tree costs: give exchange= (a trainer binds "
-                             "it; stages._exchange.summed_costs in one process), or "
+                             "it; stages.summed_costs in one process), or "
                              "balance='estimate'")
         return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
                           ranks=self.ranks, rank=self.rank,
@@ -137,7 +137,18 @@ def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int,
     from treeflow.stages.shard import CostModel
 
     return share(episodes, layout=layout, scope=scope, step=step, ranks=ranks, rank=rank,
-                 cost=CostModel.llama_1b(), exchange=exchange, share_rules=share_rules)
+                 cost=CostModel.llama_1b(), exchange=exchange, share_rules=share_rules,
+                 pack_fn=pack)
+
+
+def summed_costs(episodes: pa.Table, *, layout: str, scope, cost, share_rules: str = "default",
+                 trees_at_once: int = 2048) -> np.ndarray:
+    """What the planning exchange returns on every rank, computed in one process: every tree's
+    exact cost (stages/_exchange.py; every tree packed once, O(N))."""
+    from treeflow.stages._exchange import summed_costs as summed
+
+    return summed(episodes, layout=layout, scope=scope, cost=cost, share_rules=share_rules,
+                  pack_fn=pack, trees_at_once=trees_at_once)
 
 
 def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarray, list[str]]:

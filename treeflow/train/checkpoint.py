@@ -60,8 +60,8 @@ from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, 
 from treeflow.tensorfile import write_safetensors
 from treeflow.train.checkpoint_layout import (CONFIG_JSON, FORMAT, LATEST, LATEST_RECORD,  # noqa: F401
                                               LEGACY_STATE, MANIFEST, MODEL_FILES, OPTIMIZER,
-                                              TRAINER_JSON, _latest_step, _layout, _sha256,
-                                              _stderr, _step_dirs, _tensor_parallel, _writers,
+                                              TRAINER_JSON, latest_step, layout_of, sha256_of,
+                                              note_stderr, step_dirs, tensor_parallel_of, writers_of,
                                               step_dir_name)
 from treeflow.train.checkpoint_load import (find_checkpoint, latest_step_dir,  # noqa: F401
                                             load_checkpoint, model_dir, verify)
@@ -87,7 +87,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
 
     Every data-parallel rank calls it (all write the sharded state; rank 0 commits).
     """
-    if _writers(trainer)[0]:
+    if writers_of(trainer)[0]:
         return _sharded_writer(trainer, root, keep, background=False)()
     return checkpoint_writer(trainer, root, keep=keep)()
 
@@ -104,7 +104,7 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
     that need the training group run now (train/sharded.py's `sharded_writer`); None where
     the write itself needs them (tensor parallelism, a backend with its own DCP layout).
     """
-    distributed, _, _ = _writers(trainer)
+    distributed, _, _ = writers_of(trainer)
     if distributed:
         if not _can_write_in_background(trainer):
             return None
@@ -144,7 +144,7 @@ def _sharded_writer(trainer, root, keep, *, background: bool) -> Callable[[], st
     from treeflow.train.collectives import broadcast
     from treeflow.train.sharded import sharded_writer
 
-    _, lead, group = _writers(trainer)
+    _, lead, group = writers_of(trainer)
     root, name, final, state = _begin(trainer, root, keep)
     box = [None]
     if lead:
@@ -190,7 +190,7 @@ def _can_write_in_background(trainer) -> bool:
     import torch.distributed as dist
 
     backend = trainer.backend
-    return (_tensor_parallel(trainer) == 1 and getattr(backend, "checkpoint_layout", None) is None
+    return (tensor_parallel_of(trainer) == 1 and getattr(backend, "checkpoint_layout", None) is None
             and dist.get_world_size() == trainer.dp.world)
 
 
@@ -212,7 +212,7 @@ def _begin(trainer, root, keep) -> tuple[str, str, str, dict]:
     name = step_dir_name(trainer.steps)
     state = {"format": FORMAT, "steps": trainer.steps,
              "scheduler_episodes": trainer.scheduler_episodes, "position": trainer.position,
-             "run": getattr(trainer, "run", None), "layout": _layout(trainer)}
+             "run": getattr(trainer, "run", None), "layout": layout_of(trainer)}
     return root, name, os.path.join(root, name), state
 
 
@@ -243,7 +243,7 @@ def _commit_latest(root: str, name: str, keep: int | None) -> None:
     with atomic_open(os.path.join(root, LATEST_RECORD)) as f:
         f.write(name + "\n")
     if keep is not None:
-        for _, old in _step_dirs(root)[keep:]:
+        for _, old in step_dirs(root)[keep:]:
             if old != name:
                 remove(os.path.join(root, old))
 
@@ -254,7 +254,7 @@ def _point_latest(root: str, name: str) -> None:
     link = os.path.join(root, LATEST)
     if os.path.isdir(link) and not os.path.islink(link):
         if not os.path.isfile(os.path.join(link, MANIFEST)):
-            _stderr(f"{link} is a directory that is not a checkpoint step; left as is "
+            note_stderr(f"{link} is a directory that is not a checkpoint step; left as is "
                     f"({LATEST_RECORD} names {name})")
             return
         remove(link)  # a copy of a step made by a copy that followed the symlink (cp -r)
@@ -285,7 +285,7 @@ def _write_state_and_manifest(tmp: str, state: dict) -> None:
         for n in names:
             p = os.path.join(d, n)
             files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p),
-                                              "sha256": _sha256(p, trust_own_writes=True)}
+                                              "sha256": sha256_of(p, trust_own_writes=True)}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"format": FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
 

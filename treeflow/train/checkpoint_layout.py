@@ -35,7 +35,7 @@ def step_dir_name(steps: int) -> str:
     return f"step-{steps:06d}"
 
 
-def _sha256(path: str, *, trust_own_writes: bool = False) -> str:
+def sha256_of(path: str, *, trust_own_writes: bool = False) -> str:
     if trust_own_writes:  # a file this process just wrote: hashed while it was written
         known = written_sha256(path)
         if known is not None:
@@ -47,7 +47,7 @@ def _sha256(path: str, *, trust_own_writes: bool = False) -> str:
     return h.hexdigest()
 
 
-def _step_dirs(root: str) -> list[tuple[int, str]]:
+def step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, name) of the step directories under `root`, newest first."""
     try:
         names = os.listdir(root)
@@ -58,7 +58,7 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def _latest_step(root: str) -> int | None:
+def latest_step(root: str) -> int | None:
     """The committed step: `latest.txt`, else (older checkpoints) the `latest` text file or
     symlink."""
     for record in (LATEST_RECORD, LATEST):
@@ -76,11 +76,11 @@ def _latest_step(root: str) -> int | None:
     return None
 
 
-def _tensor_parallel(trainer) -> int:
+def tensor_parallel_of(trainer) -> int:
     return getattr(getattr(trainer, "backend", None), "tp", 1)
 
 
-def _writers(trainer) -> tuple[bool, bool, object]:
+def writers_of(trainer) -> tuple[bool, bool, object]:
     """(distributed, lead, group): the processes that write one checkpoint together.
 
     Every process that holds a part of the model takes part: the data-parallel ranks, and
@@ -88,7 +88,7 @@ def _writers(trainer) -> tuple[bool, bool, object]:
     since each holds different shards); the lead (rank 0 of that group) commits.
     """
     dp = getattr(trainer, "dp", None)
-    if _tensor_parallel(trainer) > 1:
+    if tensor_parallel_of(trainer) > 1:
         import torch.distributed as dist
 
         return True, dist.get_rank() == 0, dist.group.WORLD
@@ -96,15 +96,15 @@ def _writers(trainer) -> tuple[bool, bool, object]:
     return distributed, not distributed or dp.rank == 0, dp.group if distributed else None
 
 
-def _layout(trainer) -> dict:
+def layout_of(trainer) -> dict:
     """What wrote the checkpoint: backend and parallel sizes (checked and reported on resume)."""
     dp = getattr(trainer, "dp", None)
     return {"backend": getattr(getattr(trainer, "backend", None), "name", None),
-            "tensor_parallel": _tensor_parallel(trainer),
+            "tensor_parallel": tensor_parallel_of(trainer),
             "data_parallel": dp.world if dp is not None else 1}
 
 
-def _stderr(msg: str) -> None:
+def note_stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 

@@ -22,8 +22,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from treeflow.train.checkpoint_layout import (LATEST, LEGACY_STATE, MANIFEST, OPTIMIZER, FORMAT,
-                                              TRAINER_JSON, _latest_step, _layout, _sha256,
-                                              _stderr, _step_dirs, _tensor_parallel, _writers,
+                                              TRAINER_JSON, latest_step, layout_of, sha256_of,
+                                              note_stderr, step_dirs, tensor_parallel_of, writers_of,
                                               step_dir_name)
 
 
@@ -49,7 +49,7 @@ def verify(step_path: str) -> str | None:
         size = os.path.getsize(path)
         if size != want["bytes"]:
             return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or replaced)"
-        if _sha256(path) != want["sha256"]:
+        if sha256_of(path) != want["sha256"]:
             return f"{name} does not match its sha256 in {MANIFEST} (corrupted or modified)"
     return None
 
@@ -64,7 +64,7 @@ def _unlisted(step_path: str, files: dict) -> list[str]:
     return sorted(n for n in found if n != MANIFEST and n not in files)
 
 
-def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _stderr,
+def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = note_stderr,
                     trust_checkpoint: bool = False) -> str:
     """The newest verified step directory of a checkpoint root (or `path` itself if it is one).
 
@@ -88,12 +88,12 @@ def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _st
                              "only if you trust who wrote it, with --trust-checkpoint "
                              "(API: trust_checkpoint=True)")
         return path
-    steps = _step_dirs(path)
+    steps = step_dirs(path)
     if not steps:
         raise ValueError(f"{path}: not a treeflow training checkpoint (no step-NNNNNN directory, "
                          f"no {MANIFEST}); give the directory that --save wrote")
     skipped = []
-    committed = _latest_step(path)
+    committed = latest_step(path)
     if committed is not None:
         # `latest` is the commit record: a newer directory was renamed into place by a save that
         # was killed before it moved the pointer; the run resumes from what `latest` names
@@ -121,14 +121,14 @@ def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = _st
 
 def latest_step_dir(root: str | os.PathLike) -> str | None:
     """The path of the committed step directory of a checkpoint root (None before the first)."""
-    step = _latest_step(os.fspath(root))
+    step = latest_step(os.fspath(root))
     return None if step is None else os.path.join(os.fspath(root), step_dir_name(step))
 
 
 def model_dir(path: str) -> str:
     """`path`, or the newest verified step of it when `path` is a checkpoint root (for --model)."""
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")) \
-            and (os.path.exists(os.path.join(path, LATEST)) or _step_dirs(path)):
+            and (os.path.exists(os.path.join(path, LATEST)) or step_dirs(path)):
         return find_checkpoint(path)
     return path
 
@@ -140,7 +140,7 @@ def _is_sharded(path: str) -> bool:
 
 
 def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
-                    log: Callable[[str], None] = _stderr, trust_checkpoint: bool = False,
+                    log: Callable[[str], None] = note_stderr, trust_checkpoint: bool = False,
                     **options):
     """A `cls` (Trainer) built on the newest verified checkpoint under `path`.
 
@@ -174,7 +174,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
     for key, v in opt["scalars"].items():
         idx, k = key.split(".", 1)
         per_param.setdefault(int(idx), {})[k] = v
-    if _tensor_parallel(trainer) > 1:  # one process wrote full tensors: take this rank's block
+    if tensor_parallel_of(trainer) > 1:  # one process wrote full tensors: take this rank's block
         names = [name for name, _ in trainer.backend.named_parameters()]
         if len(names) < len(per_param):
             raise ValueError(f"{step_path}: the optimizer state holds {len(per_param)} "
@@ -278,10 +278,10 @@ def _note_layout(path: str, state: dict, trainer, log) -> None:
     layout = state.get("layout") if state else None
     if not layout:
         return
-    now = _layout(trainer)
+    now = layout_of(trainer)
     if (layout.get("tensor_parallel"), layout.get("data_parallel")) != \
             (now["tensor_parallel"], now["data_parallel"]):
-        lead = _writers(trainer)[1]
+        lead = writers_of(trainer)[1]
         if lead:
             log(f"{path}: written at tensor parallelism {layout.get('tensor_parallel')} x "
                 f"{layout.get('data_parallel')} data-parallel ranks, resumed at "

@@ -140,9 +140,9 @@ class Routers:
 
 def tree_moe_spec(mlp_spec, column, row):
     """MCore's local MoE spec with TreeTopKRouter and the given linears (spec.py's)."""
-    from treeflow.models.megatron.spec import _mlp_submodules, _with_mlp_submodules
+    from treeflow.models.megatron.submodules import mlp_submodules, with_mlp_submodules
 
-    subs = _mlp_submodules(mlp_spec)
+    subs = mlp_submodules(mlp_spec)
     if not all(hasattr(subs, k) for k in ("experts", "shared_experts", "router")):
         raise ValueError(f"this megatron-core's local MoE spec has submodules {subs!r}, not "
                          "MoESubmodules(experts, shared_experts, router); treeflow's MoE spec "
@@ -157,7 +157,7 @@ def tree_moe_spec(mlp_spec, column, row):
     shared = None if subs.shared_experts is None else dataclasses.replace(
         subs.shared_experts, submodules=dataclasses.replace(subs.shared_experts.submodules,
                                                             **linears))
-    return _with_mlp_submodules(mlp_spec, dataclasses.replace(
+    return with_mlp_submodules(mlp_spec, dataclasses.replace(
         subs, experts=experts, shared_experts=shared, router=TreeTopKRouter))
 
 

@@ -32,7 +32,6 @@ Q query heads and K key/value groups of this rank, D head dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -45,6 +44,7 @@ from megatron.core.utils import divide
 
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.decoder import RMSNorm
+from treeflow.models.megatron.submodules import mlp_submodules, with_mlp_submodules
 
 __all__ = ["TreeColumnParallelLinear", "TreeCoreAttention", "TreeRMSNorm", "TreeRowParallelLinear",
            "tree_block_spec", "tree_layer_spec"]
@@ -170,29 +170,15 @@ def tree_layer_spec(*, experts: int | None = None, qk_norm: bool = False) -> Mod
 
         mlp = tree_moe_spec(mlp, TreeColumnParallelLinear, TreeRowParallelLinear)
     else:
-        mlp_subs = _mlp_submodules(mlp)
+        mlp_subs = mlp_submodules(mlp)
         if (mlp_subs.linear_fc1, mlp_subs.linear_fc2) != (ColumnParallelLinear, RowParallelLinear):
             raise ValueError("this megatron-core's local GPT spec no longer uses Column/Row"
                              "ParallelLinear for the MLP; treeflow's spec needs updating for it")
-        mlp = _with_mlp_submodules(mlp, dataclasses.replace(
+        mlp = with_mlp_submodules(mlp, dataclasses.replace(
             mlp_subs, linear_fc1=TreeColumnParallelLinear, linear_fc2=TreeRowParallelLinear))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, self_attention=attention, mlp=mlp, input_layernorm=TreeRMSNorm,
         pre_mlp_layernorm=TreeRMSNorm))
-
-
-def _mlp_submodules(mlp):
-    """The MLP's submodules: a ModuleSpec's (megatron-core 0.16) or a partial's (0.19 builds the
-    MLP as functools.partial(MLP.as_mlp_submodule, submodules=...))."""
-    if isinstance(mlp, functools.partial):
-        return mlp.keywords["submodules"]
-    return mlp.submodules
-
-
-def _with_mlp_submodules(mlp, submodules):
-    if isinstance(mlp, functools.partial):
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
-    return dataclasses.replace(mlp, submodules=submodules)
 
 
 def tree_block_spec(num_layers: int, *, experts: int | None = None, moe_layers=(),
