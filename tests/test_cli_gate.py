@@ -189,3 +189,15 @@ def test_gate_at_context_parallel_2_fails_naming_each_fault(fault, moe, cause, c
     assert rc == GATE_FAILED and not fig["passed"] and fig["context_parallel"] == 2
     assert f"gate failed: {cause}" in err, err
     assert fig["trainer_version"] == 1 and fig["weights_written_by_ranks"] == [0]
+
+
+def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
+    from treeflow.pipeline import Gate, run_gate
+    from treeflow.stages import Forward, Loss, Reduce
+    from treeflow.tq import open_queue
+
+    queue = open_queue()   # in-process: the trainer's processes could not attach to it
+    with pytest.raises(ValueError, match="attach to the\\s+queue by its address"):
+        run_gate(queue, forward=Forward(model="tiny", context_parallel=2),
+                 reduce=Reduce(loss=Loss(kind="pg")), gate=Gate(episodes=4))
+    assert not queue.stats()["closed"]   # refused before anything started
