@@ -124,6 +124,27 @@ def test_gate_passes_through_transferqueue(ray_cluster, capsys):
     assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_gate_at_context_parallel_2_passes_through_transferqueue(ray_cluster, capsys):
+    """The two trainer processes join the cluster; rank 0 attaches to the queue by its name."""
+    pytest.importorskip("transfer_queue")
+    import os
+
+    from tests.tq.queue_helpers import close_transferqueue
+
+    before = os.environ.get("RAY_ADDRESS")
+    try:
+        rc, fig, err = _gate(capsys, "--queue-backend", "transferqueue", "--queue", "gatecp",
+                             "--context-parallel", "2")
+    finally:
+        close_transferqueue(ray_cluster)
+    assert rc == 0 and fig["passed"], err
+    assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
+    assert fig["weights_written_by_ranks"] == [0]
+    assert os.environ.get("RAY_ADDRESS") == before   # the ranks' address is not left behind
+
+
 def test_gate_output_has_one_writer(tmp_path, capsys):
     """-o is locked for the run like every other output: a second writer is refused by name."""
     from treeflow.lock import OutputLock

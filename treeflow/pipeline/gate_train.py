@@ -80,12 +80,16 @@ def run_ranks(side: GateTrainer) -> list[dict]:
 
     from treeflow.train.launch import spawn
 
-    if side.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS"):
-        import ray  # the ranks join this process's cluster, where the queue lives
-
-        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     timeout = 4 * side.gate.timeout + 300.0  # the ranks' own waits are bounded by gate.timeout
-    return spawn(_rank, side.forward.context_parallel, side, timeout_s=timeout)
+    if side.queue_backend != "transferqueue" or os.environ.get("RAY_ADDRESS"):
+        return spawn(_rank, side.forward.context_parallel, side, timeout_s=timeout)
+    import ray  # the ranks join this process's cluster, where the queue lives
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    try:  # the processes inherit it when they start
+        return spawn(_rank, side.forward.context_parallel, side, timeout_s=timeout)
+    finally:
+        del os.environ["RAY_ADDRESS"]
 
 
 def _rank(side: GateTrainer) -> dict:
