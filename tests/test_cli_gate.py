@@ -3,7 +3,9 @@
 Faults go in through the gate's documented test hook (`--fault`): a transport
 that loses an episode, a producer that ignores published weights. Routes
 (`--routing replay`, `--fault corrupt-route`) need the MoE code; until it is
-in this build the gate refuses the option by name.
+in this build the gate refuses the option by name. At `--context-parallel 2` the trainer is
+two spawned gloo processes: the same sampled episodes give the CP=1 step's loss and gradient
+norm, and every fault is still named.
 """
 
 import json
