@@ -1,4 +1,4 @@
-"""The validation gate on a GPU: `treeflow gate` on a random MoE checkpoint, bf16, CP=1.
+"""The validation gate on GPUs: `treeflow gate` on a random MoE checkpoint, bf16, CP=1 or 2.
 
 By default it writes a random checkpoint of Qwen3-30B-A3B's layer shape
 (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 heads / 4 KV heads,
@@ -6,15 +6,19 @@ head_dim 128, vocabulary 151936) with `--layers` layers, and runs the gate
 as a user types it, in a subprocess: 16 multi-turn episodes (4x4 groups, or
 `--group-size 16`) sampled with their routes captured, through the queue,
 one optimizer step with `--routing replay`, published weights, a refit and
-16 more episodes scored by the trainer. It records the gate's figures
+16 more episodes scored by the trainer. `--context-parallel 2` trains in two
+processes, one GPU each (the design's gate: routing replay and CP=2), with
+every bin's nodes split between them. It records the gate's figures
 (retained/sampled, calls, generated tokens, masks by reason, losses,
 gradient norm, generation KL, route agreement, refit version) and the
 process seconds, in $OUT/bench_gate_gpu.json (or bench/results). The gate
 passes in bf16 at generation KL <= 1e-3 (`--max-gen-kl`).
 
     PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py                    # one H200, MoE, bf16
+    PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py --context-parallel 2   # two H200s, CP=2
     python bench/bench_gate_gpu.py --model DIR                           # your checkpoint
     python bench/bench_gate_gpu.py --smoke --device cpu                  # logic check: tiny dense
+    python bench/bench_gate_gpu.py --smoke --device cpu --context-parallel 2   # ... as 2 gloo ranks
 
 `--smoke` uses the built-in dense tiny model (no routes; `--routing` left
 out) at tiny sizes; `--queue-backend transferqueue` runs the gate through
@@ -82,6 +86,8 @@ def main() -> int:
     ap.add_argument("--tool-tokens", default="32,96")
     ap.add_argument("--layout", default="tree")
     ap.add_argument("--queue-backend", default="embedded")
+    ap.add_argument("--context-parallel", type=int, default=1,
+                    help="trainer processes per bin (one GPU each on cuda)")
     ap.add_argument("--max-gen-kl", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny dense model and sizes")
@@ -91,10 +97,17 @@ def main() -> int:
             "2,3", "8,16", "3,6", "2,4"
         args.model = args.model or "tiny"
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.context_parallel:
+            raise SystemExit(f"--context-parallel {args.context_parallel} needs as many GPUs; "
+                             f"this host has {torch.cuda.device_count()}")
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
-    out_file = os.path.join(out_dir, args.out or ("bench_gate_gpu_smoke.json" if args.smoke
-                                                  else "bench_gate_gpu.json"))
+    cp = "" if args.context_parallel == 1 else f"_cp{args.context_parallel}"
+    out_file = os.path.join(out_dir, args.out or (f"bench_gate_gpu{cp}_smoke.json" if args.smoke
+                                                  else f"bench_gate_gpu{cp}.json"))
     res: dict = {"settings": {**vars(args), "dtype": dtype}}
     work = tempfile.mkdtemp(prefix="treeflow-gate-bench-")
     model = args.model
@@ -113,6 +126,7 @@ def main() -> int:
            "--prompt-tokens", *pair(args.prompt_tokens),
            "--completion-tokens", *pair(args.completion_tokens),
            "--tool-tokens", *pair(args.tool_tokens), "--queue-backend", args.queue_backend,
+           "--context-parallel", str(args.context_parallel),
            "--json", "-o", os.path.join(work, "gate.json"),
            *(["--threads", "1"] if args.device == "cpu" else []),
            *(["--routing", "replay"] if routed else []),

@@ -3,7 +3,9 @@
 Faults go in through the gate's documented test hook (`--fault`): a transport
 that loses an episode, a producer that ignores published weights. Routes
 (`--routing replay`, `--fault corrupt-route`) need the MoE code; until it is
-in this build the gate refuses the option by name.
+in this build the gate refuses the option by name. At `--context-parallel 2` the trainer is
+two spawned gloo processes: the same sampled episodes give the CP=1 step's loss and gradient
+norm, and every fault is still named.
 """
 
 import json
@@ -124,6 +126,27 @@ def test_gate_passes_through_transferqueue(ray_cluster, capsys):
     assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
 
 
+@pytest.mark.ray
+@pytest.mark.multiprocess
+def test_gate_at_context_parallel_2_passes_through_transferqueue(ray_cluster, capsys):
+    """The two trainer processes join the cluster; rank 0 attaches to the queue by its name."""
+    pytest.importorskip("transfer_queue")
+    import os
+
+    from tests.tq.queue_helpers import close_transferqueue
+
+    before = os.environ.get("RAY_ADDRESS")
+    try:
+        rc, fig, err = _gate(capsys, "--queue-backend", "transferqueue", "--queue", "gatecp",
+                             "--context-parallel", "2")
+    finally:
+        close_transferqueue(ray_cluster)
+    assert rc == 0 and fig["passed"], err
+    assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
+    assert fig["weights_written_by_ranks"] == [0]
+    assert os.environ.get("RAY_ADDRESS") == before   # the ranks' address is not left behind
+
+
 def test_gate_output_has_one_writer(tmp_path, capsys):
     """-o is locked for the run like every other output: a second writer is refused by name."""
     from treeflow.lock import OutputLock
@@ -137,3 +160,67 @@ def test_gate_output_has_one_writer(tmp_path, capsys):
         assert not out.exists()
     finally:
         held.release()
+
+
+def _puts(monkeypatch):
+    """The tables the gate's producer puts (it runs in this process under any trainer layout)."""
+    from treeflow.pipeline import gate as gate_module
+
+    seen, put = [], gate_module._Transport.put
+
+    def spy(self, table, **kw):
+        seen.append(table)
+        return put(self, table, **kw)
+
+    monkeypatch.setattr(gate_module._Transport, "put", spy)
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_gate_at_context_parallel_2_replays_routes_and_steps_as_one_process(moe_model, capsys,
+                                                                           monkeypatch):
+    """CP=2 (two gloo processes) trains the same sampled episodes to the CP=1 step's loss and
+    gradient norm, replays every captured route, and only rank 0 writes the weights."""
+    puts = _puts(monkeypatch)
+    rc, one, err = _gate(capsys, "--model", moe_model, "--routing", "replay")
+    assert rc == 0 and one["passed"], err
+    first = list(puts)
+    puts.clear()
+    rc, two, err = _gate(capsys, "--model", moe_model, "--routing", "replay",
+                         "--context-parallel", "2")
+    assert rc == 0 and two["passed"] and two["failures"] == [], err
+    per_round = 16 // 4
+    assert all(a.equals(b) for a, b in zip(first[:per_round], puts[:per_round]))  # same episodes
+    assert two["context_parallel"] == 2 and two["weights_written_by_ranks"] == [0]
+    assert two["episodes_sampled"] == two["episodes_retained"] == 32
+    assert two["trainer_version"] == two["refit_version"] == 1
+    assert two["route_agreement"] == 1.0 and two["masked_tokens"] == one["masked_tokens"]
+    for name in ("loss", "grad_norm"):
+        assert two[name] == pytest.approx(one[name], rel=1e-5, abs=0), name
+    assert two["gen_kl"] <= 1e-6 and two["refit_gen_kl"] <= 1e-6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault, moe, cause", [
+    ("drop-episode", False, "lost episodes: 1 of 32 sampled never reached the trainer"),
+    ("skip-refit", False, "refit did not happen"),
+    ("corrupt-route", True, "route agreement"),
+])
+def test_gate_at_context_parallel_2_fails_naming_each_fault(fault, moe, cause, capsys, request):
+    model = ["--model", request.getfixturevalue("moe_model"), "--routing", "replay"] if moe else []
+    rc, fig, err = _gate(capsys, *model, "--context-parallel", "2", "--fault", fault)
+    assert rc == GATE_FAILED and not fig["passed"] and fig["context_parallel"] == 2
+    assert f"gate failed: {cause}" in err, err
+    assert fig["trainer_version"] == 1 and fig["weights_written_by_ranks"] == [0]
+
+
+def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
+    from treeflow.pipeline import Gate, run_gate
+    from treeflow.stages import Forward, Loss, Reduce
+    from treeflow.tq import open_queue
+
+    queue = open_queue()   # in-process: the trainer's processes could not attach to it
+    with pytest.raises(ValueError, match="attach to the\\s+queue by its address"):
+        run_gate(queue, forward=Forward(model="tiny", context_parallel=2),
+                 reduce=Reduce(loss=Loss(kind="pg")), gate=Gate(episodes=4))
+    assert not queue.stats()["closed"]   # refused before anything started

@@ -181,6 +181,8 @@ def _file_case(kind):
             return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
         if kind == "gate-capacity":
             return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
+        if kind == "gate-context-parallel-zero":
+            return ["gate", "--context-parallel", "0"], ["context_parallel=0", "int >= 1"]
         if kind == "csv-input":
             (tmp / "x.csv").write_text("a,b\n")
             return ["inspect", tmp / "x.csv"], ["x.csv", "unknown episode file type"]
@@ -446,7 +448,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
 CASES += [pytest.param(_file_case(kind), id=kind) for kind in ("gate-episodes-groups",
-                                                               "gate-capacity")]
+                                                               "gate-capacity",
+                                                               "gate-context-parallel-zero")]
 
 
 def test_catalogue_is_large_enough():

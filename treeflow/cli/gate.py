@@ -7,8 +7,9 @@ Prints the gate's figures and writes them as JSON (`-o`); exits 0 when the
 gate passes and 3 naming every cause when it fails (a lost or masked
 episode, a generation KL above --max-gen-kl, a refit that did not happen,
 route agreement below --min-route-agreement under --routing replay). --routing and
---context-parallel go to the trainer's Forward (context parallelism is
-refused: the gate trains in one process). --fault is a test hook.
+--context-parallel go to the trainer's Forward; --context-parallel C trains
+in C processes (gloo on CPU, one GPU each on CUDA) that attach to the queue,
+served on a temporary socket when --queue is not given. --fault is a test hook.
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ GATE_FAILED = 3
 
 
 def _forward(args):
-    """The trainer's Forward: --context-parallel is refused (the gate trains in one process)."""
-    if args.context_parallel > 1:
-        raise ValueError(f"--context-parallel {args.context_parallel}: the gate trains in one "
-                         "process, and context parallelism needs one process per rank; not wired "
-                         "into the gate yet")
+    """The trainer's Forward (--context-parallel C: C processes per bin, see run_gate)."""
     return configs.forward(args)
 
 
@@ -58,10 +55,18 @@ def cmd_gate(args) -> int:
     if args.capacity < 2 * args.episodes:
         raise ValueError(f"--capacity {args.capacity}: the gate's two rounds of --episodes "
                          f"{args.episodes} must fit the queue; give >= {2 * args.episodes}")
+    if forward.context_parallel > 1 and not args.queue:
+        # the trainer's processes attach to the queue: serve it (embedded) or name it (transferqueue)
+        import os
+        import tempfile
+
+        args.queue = (os.path.join(tempfile.mkdtemp(prefix="treeflow-tq-"), "q.sock")
+                      if args.queue_backend == "embedded" else "gate")
     queue = open_cli_queue(args, forward.vocab_size_hint())
     try:
         figures = run_gate(queue, forward=forward, reduce=reduce, gate=gate, layout=args.layout,
-                           scope=args.scope, max_tokens=args.max_tokens, device=args.device)
+                           scope=args.scope, max_tokens=args.max_tokens, device=args.device,
+                           queue_secret=args.queue_secret)
     finally:
         queue.shutdown()
     figures.update(model=args.model, dtype=args.dtype, layout=args.layout,
@@ -108,7 +113,7 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--routing", choices=("replay", "recompute"), default=None,
                    help="MoE expert choice in the trainer (needs the MoE code)")
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",
-                   help="trainer context parallelism (needs the context-parallel code)")
+                   help="train in C processes, each a range of every bin's nodes")
     s.add_argument("--fault", choices=FAULTS, default=None,
                    help="test hook: inject this fault to see the gate fail naming it")
     s.add_argument("--timeout", type=float, default=600.0,

@@ -10,6 +10,10 @@ rank owns the edge: a training step counts only the occurrences this rank
 owns (`owned_occurrences`), and a logprob phase (no autograd) sums the
 vectors over the group so every rank holds every value.
 
+MoE routing replay: each rank replays the captured routes of its own nodes
+(the router aux loss's per-node weights likewise), so the route tally and
+the aux term are partial sums that the step adds up over the group.
+
 Every rank must run every bin with edges, also one that owns none of them:
 others read its K/V, and its backward returns their dK/dV; the edge vector
 is therefore tied to the hidden states by a zero term, so backward always
@@ -49,6 +53,7 @@ class ContextParallelRunner(ForwardRunner):
     def prepare(self, bins: pa.Table) -> PreparedBins:
         t0 = time.perf_counter()
         off, val = self._columns(bins)
+        routes = self._routes(bins, off["tokens"])  # MoE: the captured routes of every node
         items: list[PreparedBin | None] = []
         executed = 0
         for r in range(bins.num_rows):
@@ -71,14 +76,23 @@ class ContextParallelRunner(ForwardRunner):
                 positions_N=self._to_device(depths[lo:hi]),
                 sources_E=self._to_device(src[owned] - lo), targets_E=self._to_device(tgt[owned]),
                 plan=plan, num_tokens=hi - lo, owned_E=owned, num_edges=len(src),
-                owned_idx=self._to_device(owned)))
+                owned_idx=self._to_device(owned), local=(lo, hi),
+                routes_NW=None if routes is None else
+                routes[a["tokens"] + lo:a["tokens"] + hi]))
             executed += hi - lo
         return PreparedBins(table=bins, items=items, executed_tokens=executed,
                             prepare_seconds=time.perf_counter() - t0)
 
     def run_bin(self, item):
         """The bin's edge values (zero at edges other ranks own; all of them without autograd)."""
-        hidden_nH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan)
+        if item.routes_NW is None:
+            hidden_nH = self.backend.hidden_states(item.tokens_N, item.positions_N, item.plan)
+        else:  # routing replay on this rank's nodes; aux weights come per bin node (train/step.py)
+            aux_N = item.aux_weights_N
+            hidden_nH = self.backend.hidden_states(
+                item.tokens_N, item.positions_N, item.plan, routes_NW=item.routes_NW,
+                replay=self.routing != "recompute",
+                aux_weights_N=None if aux_N is None else aux_N[item.local[0]:item.local[1]])
         lp_e, ent_e = self.backend.edge_logprobs(hidden_nH[item.sources_E], item.targets_E,
                                                  chunk_size=self.config.chunk_size,
                                                  with_entropy=self.config.entropy,
@@ -135,9 +149,10 @@ class ContextParallelRunner(ForwardRunner):
 class _CPBin(PreparedBin):
     """A prepared bin cut to this rank's range, with the edges it owns."""
 
-    def __init__(self, *, owned_E, num_edges, owned_idx, **kwargs):
+    def __init__(self, *, owned_E, num_edges, owned_idx, local, **kwargs):
         super().__init__(**kwargs)
         self.owned_E, self.num_edges, self.owned_idx = owned_E, num_edges, owned_idx
+        self.local = local  # (lo, hi): this rank's nodes of the whole bin
 
 
 def _empty_stats(size: int) -> dict:

@@ -12,6 +12,12 @@ route agreement, refit version -- and the causes of failure: a lost or
 masked episode, a generation KL above `max_gen_kl`, a refit that did not
 happen, route agreement below `min_route_agreement` under routing replay.
 
+The trainer (pipeline/gate_train.py) runs in this process, or under
+`Forward(context_parallel=C)` as C gloo/NCCL processes of one
+context-parallel group that attach to the queue by its address; rank 0
+alone reads the queue and writes the weights (a second writer fails the
+gate).
+
 The trade-off: the loop runs in lock-step (the producer waits for the
 weights of the round it samples, `max_lag=0`), so the gate checks fidelity
 and plumbing, not throughput; `treeflow rollout` + `treeflow stream` run the
@@ -31,7 +37,6 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import pyarrow as pa
 
 from treeflow.pipeline.rollout import Rollout, run_rollout
@@ -107,45 +112,31 @@ def _corrupt_route(table: pa.Table) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=table.schema)
 
 
-def _masked(episodes: pa.Table, routed: bool) -> tuple[dict, set]:
-    """Masked sampled tokens by reason and the ids of episodes with any."""
-    counts = {"capture": 0, "sample": 0, "logprob": 0}
-    bad = set()
-    for row in episodes.select(["episode_id", "calls"]).to_pylist():
-        for call in row["calls"]:
-            n = len(call["token_ids"]) - call["sampled_start"]
-            mask = call.get("loss_mask")
-            gen = call.get("generation_logprobs")
-            reasons = {"sample": n - int(np.sum(mask)) if mask is not None else 0,
-                       "logprob": n if gen is None else int(np.sum(~np.isfinite(
-                           np.asarray(gen, dtype=np.float64)))),
-                       "capture": n if routed and call.get("routed_experts") is None else 0}
-            for k, v in reasons.items():
-                counts[k] += v
-                if v:
-                    bad.add(row["episode_id"])
-    return counts, bad
-
-
 def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree",
              scope: str | None = None, max_tokens: int = 16384, device: str = "cpu",
-             weights: str | None = None) -> dict:
-    """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`."""
-    from treeflow.ops.train import PublishWeights, TrainOp
-    from treeflow.pipeline.fidelity import generation_kl
-    from treeflow.pipeline.pipeline import Pipeline
-    from treeflow.pipeline.queue_source import QueueSource
-    from treeflow.stages import Fragment, Pack, Reassemble
-    from treeflow.tq import END
-    from treeflow.train import Trainer
+             weights: str | None = None, queue_secret: str | None = None) -> dict:
+    """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`.
+
+    Under `forward.context_parallel` C > 1 the trainer is C processes (pipeline/gate_train.py)
+    that attach to `queue` by its address (an embedded queue served on a socket, or a
+    TransferQueue name; `queue_secret` for a tcp:// one); the producer stays here.
+    """
+    from treeflow.pipeline.gate_train import GateTrainer, run_ranks, train_and_score
 
     G = gate.rollout.group_size
     per_round = gate.episodes // G
+    C = forward.context_parallel
     routed = getattr(forward, "routing", "recompute") == "replay"
     max_kl = gate.max_gen_kl if gate.max_gen_kl is not None else _DEFAULT_KL[forward.dtype]
     min_agree = (gate.min_route_agreement if gate.min_route_agreement is not None
                  else _DEFAULT_AGREEMENT[forward.dtype])
+    if C > 1:
+        _check_ranks(queue, C, device)
     weights = weights or tempfile.mkdtemp(prefix="treeflow-gate-weights-")
+    side = GateTrainer(forward=forward, reduce=reduce, gate=gate, layout=layout, scope=scope,
+                       max_tokens=max_tokens, device=device, weights=weights, routed=routed,
+                       queue_address=queue.address, queue_backend=queue.backend,
+                       queue_secret=queue_secret, vocab_size=queue.vocab_size)
     sampled: list[dict] = []   # per put: its round, episode ids, version
     errors: list[BaseException] = []
 
@@ -166,58 +157,43 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     t0 = time.perf_counter()
     producer = threading.Thread(target=produce, daemon=True, name="treeflow-gate-producer")
     producer.start()
-    trainer = Trainer(forward, reduce, device=device, max_tokens=max_tokens)
-    pack, fragment = Pack(layout=layout, scope=scope), Fragment(max_tokens=max_tokens)
-    reader = QueueSource(episodes_per_step=gate.episodes, max_steps=1,
-                         consumer="gate", idle_timeout=gate.timeout).open(queue)
     failures: list[str] = []
-    step_row, trained = None, None
-    # the training operator publishes the new weights (<weights>/v1) to the sampler after the step
-    op = TrainOp(trainer, on_step=[PublishWeights(weights, announce=queue.publish_weights)])
+    ranks: list[dict] = []
     try:
-        for rec in Pipeline(pack, fragment, forward, reduce).run(reader, trainer=op):
-            step_row, trained = rec.output.to_pylist()[0], rec.episodes
-        if step_row is None:
-            raise RuntimeError("the queue closed before a step arrived")
-        refit, refit_fid = _next_step(queue, gate, END), None
-        if refit is not None:
-            values = trainer.logprobs(fragment(pack(refit.episodes)))
-            refit_fid = generation_kl(refit.episodes, Reassemble()(values, episodes=refit.episodes))
-            queue.ack(refit)
-    except (TimeoutError, RuntimeError) as e:
+        ranks = run_ranks(side) if C > 1 else [train_and_score(side, queue)]
+    except (TimeoutError, RuntimeError) as e:  # a rank failed: the launcher stopped the others
         failures.append(f"infrastructure: {e}")
-        refit, refit_fid = None, None
     finally:
-        reader.close()
         queue.close()
         producer.join(timeout=gate.timeout)
+    out = ranks[0] if ranks else {}
+    failures += out.get("failures", [])
     for e in errors:
         failures.append(f"producer: {type(e).__name__}: {e}")
-    got = [t for t in (trained, refit.episodes if refit is not None else None) if t is not None]
-    received = set(i for t in got for i in t.column("episode_id").to_pylist())
+    step_row = out.get("step_row")
+    got = [r for r in (out.get("trained"), out.get("refit")) if r is not None]
+    received = set(i for r in got for i in r["ids"])
+    bad = set(i for r in got for i in r["bad"])
     ids = [i for s in sampled for i in s["ids"]]
     lost = [i for i in ids if i not in received]
-    masked, bad = {"capture": 0, "sample": 0, "logprob": 0}, set()
-    for t in got:
-        m, b = _masked(t, routed)
-        masked = {k: masked[k] + m[k] for k in masked}
-        bad |= b
-    calls = sum(int(np.sum([len(c) for c in t.column("calls").to_pylist()])) for t in got)
-    generated = sum(len(c["token_ids"]) - c["sampled_start"]
-                    for t in got for cs in t.column("calls").to_pylist() for c in cs)
+    masked = {k: sum(r["masked"][k] for r in got) for k in ("capture", "sample", "logprob")}
     refit_versions = sorted({s["version"] for s in sampled if s["round"] == 1})
     agreement = step_row.get("route_agreement") if step_row else None
+    writers = [r for r, res in enumerate(ranks) if res["wrote_weights"]]
+    trainer_version = out.get("trainer_version", 0)
     figures = {
         "episodes_sampled": len(ids), "episodes_retained": len(received - bad),
-        "calls": calls, "generated_tokens": generated, "masked_tokens": masked,
-        "infrastructure_losses": len(lost),
+        "calls": sum(r["calls"] for r in got), "generated_tokens": sum(r["generated"] for r in got),
+        "masked_tokens": masked, "infrastructure_losses": len(lost),
+        "loss": step_row["loss"] if step_row else None,
         "grad_norm": step_row["grad_norm"] if step_row else None,
         "gen_kl": step_row["gen_kl"] if step_row else None,
-        "refit_gen_kl": refit_fid["gen_kl"] if refit_fid else None,
+        "refit_gen_kl": out.get("refit_gen_kl"),
         "max_gen_kl": max_kl, "route_agreement": agreement,
         "min_route_agreement": min_agree if routed else None,
-        "trainer_version": trainer.steps,
+        "trainer_version": trainer_version,
         "refit_version": refit_versions[0] if len(refit_versions) == 1 else refit_versions or None,
+        "context_parallel": C, "weights_written_by_ranks": writers,
         "seconds": round(time.perf_counter() - t0, 3),
     }
     if lost:
@@ -232,9 +208,12 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
             failures.append(f"generation KL: {name} {kl:.3g} above --max-gen-kl {max_kl:g}")
     if step_row is not None and figures["gen_kl"] is None:
         failures.append("generation KL: the episodes carry no generation_logprobs")
-    if refit_versions and refit_versions != [trainer.steps]:
+    if refit_versions and refit_versions != [trainer_version]:
         failures.append(f"refit did not happen: the episodes sampled after the step carry "
-                        f"weight_version {refit_versions}, the trainer published v{trainer.steps}")
+                        f"weight_version {refit_versions}, the trainer published v{trainer_version}")
+    if step_row is not None and len(writers) != 1:
+        failures.append(f"weights written by ranks {writers} of the trainer's {len(ranks)}: one "
+                        "process (rank 0) writes and announces each version")
     if routed and (agreement is None or agreement < min_agree):
         failures.append(f"route agreement {agreement} below --min-route-agreement {min_agree:g} "
                         "under routing replay: the trainer's routers disagree with the captured "
@@ -243,13 +222,18 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     return figures
 
 
-def _next_step(queue, gate: Gate, END):
-    """Lease the refit round (a partial step once the producer closed the queue)."""
-    deadline = time.monotonic() + gate.timeout
-    while time.monotonic() < deadline:
-        got = queue.get(gate.episodes, consumer="gate-refit", timeout=0.5)
-        if got == END:
-            return None
-        if got is not None:
-            return got
-    raise TimeoutError(f"the refit round did not arrive in {gate.timeout:g} s")
+def _check_ranks(queue, C: int, device: str) -> None:
+    """What C trainer processes need before any starts: a queue they can reach, C GPUs."""
+    from treeflow.train.distributed import rank_device
+
+    if queue.address is None:
+        raise ValueError(f"context_parallel={C}: the gate's {C} trainer processes attach to the "
+                         "queue by its address, and this one is in-process; open it with an "
+                         "address (open_queue(path), or --queue PATH)")
+    rank_device(device, 0)  # refuses cuda:N (rank r runs on cuda:r)
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < C:
+            raise ValueError(f"--context-parallel {C} on {device} needs {C} GPUs (one per "
+                             f"process), this host has {torch.cuda.device_count()}")
