@@ -9,7 +9,8 @@ import torch._inductor.config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from treeflow import compile_cache
-from treeflow.cli import _compile_cache, build_parser
+from treeflow.cli import build_parser
+from treeflow.cli.main import _compile_cache
 
 ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
        "TRITON_CACHE_DIR")

@@ -25,7 +25,7 @@ from treeflow.models import load_backend  # noqa: E402
 from treeflow.models.megatron import hf_to_mcore  # noqa: E402
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes  # noqa: E402
 from treeflow.stages import Forward, Pack  # noqa: E402
-from treeflow.stages._flat import list_offsets, list_values  # noqa: E402
+from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
 from treeflow.stages.fragment import fragment  # noqa: E402
 
 LAYOUTS = ("tree", "chain", "exact")

@@ -18,7 +18,7 @@ from tests.models.moe_helpers import episodes, hf_call_logprobs, hf_model, with_
 from treeflow.models.checkpoint import load_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
-from treeflow.stages._flat import list_offsets, list_values
+from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
 
 

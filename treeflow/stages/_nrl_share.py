@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from treeflow.stages._flat import Calls
+from treeflow.stages.flat import Calls
 
 __all__ = ["nrl_order_and_lcp"]
 
