@@ -415,11 +415,14 @@ def model_options(s) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treeflow.cli_logging import add_verbose_option
+
     p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (or TREEFLOW_DEBUG=1)")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    add_verbose_option(common)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("synth", parents=[common], help="write synthetic agentic episodes (.arrow or .parquet)")
@@ -510,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     from treeflow._errors import debug_wanted, run
 
     from treeflow.cli_config import apply_config, print_config
+    from treeflow.cli_logging import quiet_libraries
 
     parser = build_parser()
     args = run(lambda a: apply_config(parser, a), argv, debug=debug_wanted(
@@ -518,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         return args
     if getattr(args, "print_config", False):
         return print_config(args)
+    quiet_libraries(getattr(args, "verbose", False) or debug_wanted(getattr(args, "debug", False)))
     if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
         code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))
         if code:

@@ -34,6 +34,7 @@ from treeflow._clock import process_seconds
 from treeflow._display import _console, _table
 from treeflow.cli_config import resolved_config
 from treeflow.cli_rl import add_rl_options, advantage_stages
+from treeflow.cli_logging import add_logger_options
 
 
 def _note(message: str) -> None:
@@ -168,13 +169,12 @@ def _fit_options(args) -> dict:
     """What fit() takes from the training flags every training command shares."""
     from treeflow.ops import Checkpointing
     from treeflow.train.fit import Resume
-    from treeflow.train.sinks import JsonlSink, TensorBoardSink
+    from treeflow.cli_logging import sinks_from_args
 
     return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
                 resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
                               allow_different_data=args.allow_different_data),
-                sinks=[*([JsonlSink(args.metrics)] if args.metrics else []),
-                       *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])],
+                sinks=sinks_from_args(args),
                 loss=args.loss, prefetch=args.prefetch, device=args.device)
 
 
@@ -322,6 +322,7 @@ def add_train_options(p) -> None:
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
     add_rl_options(p)
+    add_logger_options(p)
 
 
 __all__ = ["add_train_options", "cmd_train", "plan_stages"]
