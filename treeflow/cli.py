@@ -419,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    add_verbose_option(p)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks (or TREEFLOW_DEBUG=1)")

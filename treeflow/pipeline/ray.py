@@ -69,7 +69,7 @@ def init_ray(**kwargs):
     if os.environ.get("TREEFLOW_QUIET_LIBRARIES"):  # the CLI without --verbose (cli_logging.py)
         import logging
 
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
     if not ray.is_initialized():
         with keep_sigterm():
             address = os.environ.get("RAY_ADDRESS")
