@@ -207,7 +207,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         else:
             run_options["trainer"] = op
         with _progress(progress or "train", todo, progress is None or not lead) as advance:
-            if trainer is not None:  # a long step moves the bar by bins (the Ray engine's: by steps)
+            if trainer is not None:  # the bar moves by bins (the Ray engine: by steps)
                 trainer.on_bin = advance.bins
             for rec in pipeline.run(src, **run_options):
                 report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
