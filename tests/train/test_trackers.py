@@ -125,3 +125,21 @@ def test_missing_package_names_the_extra(monkeypatch):
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'treeflow\[wandb\]'"):
         require("wandb")
+
+
+def test_stream_training_logs_to_mlflow(data, tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    assert main(["stream", "--from", data, "--mode", "train", "--batch-episodes", "2", "--steps",
+                 "2", "--loss", "nll", "--max-tokens", "256", "--logger", "mlflow",
+                 "--mlflow-tracking-uri", uri, "--metrics", str(tmp_path / "m.jsonl"),
+                 "--json"]) == 0
+    capsys.readouterr()
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("treeflow").experiment_id])
+    for key in ("loss", "queue_step"):  # the stream's own fields too
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [(m.step, m.value) for m in history] == \
+            [(r["step"], pytest.approx(r[key])) for r in rows]
