@@ -67,6 +67,7 @@ def test_wandb_and_mlflow_log_every_step_once_across_resume(data, tmp_path, monk
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for its file store
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     uri = f"file:{tmp_path / 'mlruns'}"
     ckpt = tmp_path / "ck"
@@ -127,8 +128,10 @@ def test_missing_package_names_the_extra(monkeypatch):
         require("wandb")
 
 
-def test_stream_training_logs_to_mlflow(data, tmp_path, capsys):
+def test_stream_training_logs_to_mlflow(data, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for its file store
 
     uri = f"file:{tmp_path / 'mlruns'}"
     assert main(["stream", "--from", data, "--mode", "train", "--batch-episodes", "2", "--steps",
