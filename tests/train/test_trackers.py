@@ -146,3 +146,20 @@ def test_stream_training_logs_to_mlflow(data, tmp_path, monkeypatch, capsys):
         history = client.get_metric_history(run.info.run_id, key)
         assert [(m.step, m.value) for m in history] == \
             [(r["step"], pytest.approx(r[key])) for r in rows]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_log_once(data, tmp_path, monkeypatch, capsys):
+    """--ranks 2: rank 0 alone logs (one MLflow run, each step once); rank 1 opens nothing."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    train(data, "--steps", "2", "--ranks", "2", "--logger", "mlflow", "--mlflow-tracking-uri", uri)
+    capsys.readouterr()
+    client = MlflowClient(tracking_uri=uri)
+    # every experiment: two ranks racing to create "treeflow" could make two of that name
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    history = client.get_metric_history(runs[0].info.run_id, "ranks")
+    assert [(m.step, m.value) for m in history] == [(1, 2), (2, 2)]
