@@ -49,27 +49,42 @@ def progress(description: str, total: int | None, quiet: bool = False, *, unit: 
     """A progress bar on stderr with episodes/s, tokens/s and an ETA; a no-op when quiet.
 
     Yields `advance(n, *, episodes=None, tokens=0)`: `n` moves the bar (items, or
-    bytes with unit="bytes"); `episodes` (default n) and `tokens` feed the rates.
+    bytes with unit="bytes"); `episodes` (default n) and `tokens` feed the rates;
+    `advance.bins(done, total)` shows the bins done of the item in progress.
     """
     from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
     if quiet or not sys.stderr.isatty():  # no bar (nor its blank line) in logs and pipes
-        yield lambda n, **kw: None
+        yield _silent
         return
     count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
-    cols = [TextColumn("{task.description}"), BarColumn(), count, _rate_column(), TimeElapsedColumn(),
+    cols = [TextColumn("{task.description}"), BarColumn(), count, TextColumn("{task.fields[bins]}"),
+            _rate_column(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn()]
-    seen = {"episodes": 0, "tokens": 0}
+    seen = {"episodes": 0, "tokens": 0, "bins": ""}
     with Progress(*cols, console=console(stderr=True), transient=True) as prog:
         task = prog.add_task(description, total=total, **seen)
 
         def advance(n: int, *, episodes: int | None = None, tokens: int = 0) -> None:
             seen["episodes"] += n if episodes is None else episodes
             seen["tokens"] += tokens
+            seen["bins"] = ""
             prog.update(task, advance=n, **seen)
 
+        def bins(done: int, total: int) -> None:  # within one item: a long training step
+            seen["bins"] = f"bins {done}/{total}"
+            prog.update(task, bins=seen["bins"])
+
+        advance.bins = bins
         yield advance
+
+
+def _silent(n, **kw) -> None:
+    pass
+
+
+_silent.bins = lambda done, total: None
 
 
 def count_rows(paths) -> int:

@@ -299,6 +299,10 @@ def _file_case(kind):
         if kind == "stream-metrics-is-input":
             return ["stream", "--from", good, "-o", tmp / "steps", "--metrics", good], \
                 ["--metrics", "also an input"]
+        if kind == "logger-unknown":
+            return ["replay", good, *TRAIN, "--logger", "console,neptune"], ["--logger neptune"]
+        if kind == "logger-jsonl-no-metrics":
+            return ["replay", good, *TRAIN, "--logger", "jsonl"], ["--logger jsonl", "--metrics"]
         if kind == "tensorboard-is-input":
             return ["replay", good, *TRAIN, "--tensorboard", good], ["--tensorboard", "e.arrow"]
         if kind == "config-architectures-nested":
@@ -443,7 +447,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 25
          "compile-cache-open",
          # issue 22
-         "nemo-rl-replica-disagrees", "megatron-moe-tp-cpu", "megatron-moe-aux"]
+         "nemo-rl-replica-disagrees", "megatron-moe-tp-cpu", "megatron-moe-aux",
+         # issue 26: trackers
+         "logger-unknown", "logger-jsonl-no-metrics"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

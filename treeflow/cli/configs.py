@@ -66,13 +66,12 @@ def fit_options(args) -> dict:
     """What fit() takes from the training flags every training command shares."""
     from treeflow.ops import Checkpointing
     from treeflow.train.fit import Resume
-    from treeflow.train.sinks import JsonlSink, TensorBoardSink
+    from treeflow.cli.trackers import sinks_from_args
 
     return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
                 resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
                               allow_different_data=args.allow_different_data),
-                sinks=[*([JsonlSink(args.metrics)] if args.metrics else []),
-                       *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])],
+                sinks=sinks_from_args(args),
                 loss=args.loss, prefetch=args.prefetch, device=args.device)
 
 

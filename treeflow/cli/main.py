@@ -22,11 +22,15 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treeflow.cli.trackers import add_verbose_option
+
     p = argparse.ArgumentParser(prog="treeflow", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    add_verbose_option(p)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks (or TREEFLOW_DEBUG=1)")
+    add_verbose_option(common)
     sub = p.add_subparsers(dest="command", required=True)
     add_synth_parser(sub, common)
     add_convert_parser(sub)
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from treeflow._errors import debug_wanted, run
     from treeflow.cli.config import apply_config, print_config
     from treeflow.cli.names import resolve, warn
+    from treeflow.cli.trackers import quiet_libraries
 
     parser = build_parser()
     args = run(lambda a: apply_config(parser, a), argv, debug=debug_wanted(
@@ -57,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     resolve(args)
     if getattr(args, "print_config", False):
         return print_config(args)
+    quiet_libraries(getattr(args, "verbose", False) or debug_wanted(getattr(args, "debug", False)))
     if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
         code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))
         if code:

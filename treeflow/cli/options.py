@@ -9,6 +9,7 @@ stages); help lines for flags declared without one come from treeflow/cli/help.p
 from __future__ import annotations
 
 from treeflow.cli.names import LOGPROBS_EPISODES_PER_STEP
+from treeflow.cli.trackers import add_logger_options
 from treeflow.compile_cache import add_option as add_compile_cache_option
 
 __all__ = ["add_rl_options", "add_sampling_options", "add_train_options", "model_options",
@@ -112,6 +113,7 @@ def add_train_options(p) -> None:
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
     add_rl_options(p)
+    add_logger_options(p)
 
 
 def add_rl_options(p) -> None:

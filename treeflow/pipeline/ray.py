@@ -66,6 +66,10 @@ def _import_ray():
 def init_ray(**kwargs):
     """Attach to RAY_ADDRESS, or start a local cluster sized to this machine (if none runs)."""
     ray = _import_ray()
+    if os.environ.get("TREEFLOW_QUIET_LIBRARIES"):  # the CLI without --verbose (cli/trackers.py)
+        import logging
+
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
     if not ray.is_initialized():
         with keep_sigterm():
             address = os.environ.get("RAY_ADDRESS")

@@ -4,7 +4,7 @@ Stages stay pure configuration (`treeflow.stages.Reduce`, `Loss`,
 `EpisodeSchedule`); this package holds what cannot be pure -- the model,
 AdamW, an open step's accumulated gradients and the counters a checkpoint
 carries -- and the one training loop (`fit`, train/fit.py), its metrics sinks
-(train/sinks.py) and the one launcher of ranks (train/launch.py). Names load
+(train/sinks.py; wandb and MLflow in train/trackers.py) and the one launcher of ranks (train/launch.py). Names load
 on first use (treeflow/_lazy.py).
 """
 
@@ -17,6 +17,8 @@ _WHERE = {
     "JsonlSink": "sinks",
     "MetricsSink": "sinks",
     "TensorBoardSink": "sinks",
+    "MlflowSink": "trackers",
+    "WandbSink": "trackers",
     "RankFailedError": "distributed",
     "spawn": "launch",
     "PRECISIONS": "precision",

@@ -208,6 +208,8 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         else:
             run_options["trainer"] = op
         with progress_bar(progress or "train", todo, progress is None or not lead) as advance:
+            if trainer is not None:  # the bar moves by bins (the Ray engine: by steps)
+                trainer.on_bin = advance.bins
             for rec in pipeline.run(src, **run_options):
                 report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
                 if "recompiles" in rec.stats:
@@ -238,6 +240,8 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
             report["steps"] = op.steps
         failed = False
     finally:
+        if trainer is not None:
+            trainer.on_bin = None
         if failed and op is not None:  # a failed run still completes the save in flight
             op.abort()
         for sink in opened:

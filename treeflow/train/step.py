@@ -157,6 +157,7 @@ class Step:
         sums: dict = {}  # the loss and statistics summed on the device
         full = np.flatnonzero(np.diff(off["edge_sources"]) > 0)
         arm_at = int(full[-1]) if last and len(full) and self.trainer.reducer is not None else -1
+        on_bin, done = self.trainer.on_bin, 0
         for r in range(bins.num_rows):
             if off["edge_sources"][r] == off["edge_sources"][r + 1]:
                 continue
@@ -198,6 +199,9 @@ class Step:
             if getattr(self.trainer.runner, "counts_bins", True):  # once per context-parallel group
                 self.bins += 1
                 self.executed_tokens += int(off["tokens"][r + 1] - off["tokens"][r])
+            if on_bin is not None:  # queued on a GPU, run on the CPU: the bar's bins of this add
+                done += 1
+                on_bin(done, len(full))
         for k, v in sums.items():  # one wait for the device, after the last bin
             v = v.item() if torch.is_tensor(v) else v
             if k == "loss_sum":

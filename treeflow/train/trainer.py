@@ -79,6 +79,7 @@ class Trainer:
                              "takes precision='mixed' and grad_sum='float32'")
         self.grad_sum = grad_sum
         self.sharded = shard_params
+        self.on_bin = None  # on_bin(done, total) after each bin of a step (the progress bar)
         missing = reduce.requires() - forward.produces()
         if missing:
             raise ValueError(f"the loss needs {sorted(missing)}, which {forward} does not produce")

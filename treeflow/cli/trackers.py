@@ -1,0 +1,115 @@
+"""The CLI's logging flags: --logger (trackers as fit() sinks) and --verbose (library logs).
+
+`add_logger_options(parser)` adds --logger, --logger-project, --logger-run-name,
+--logger-dir and --mlflow-tracking-uri to a training parser;
+`sinks_from_args(args)` turns them (with --metrics and --tensorboard) into
+the sinks fit() writes every step to. The names follow NeMo RL's logger
+config (wandb.project / wandb.name, mlflow.experiment_name / run_name /
+tracking_uri, log_dir) and verl's `trainer.logger=['console','wandb']`.
+
+`quiet_libraries(verbose)` runs before any library is imported: Ray's
+startup lines and worker echo, Ray Data's progress bars, transformers' and
+the Hub's progress bars and advisories, and Python warnings raised from
+library code are off on stderr unless --verbose (or --debug). treeflow's own
+warnings and notes are never hidden: the warning filter drops only warnings
+attributed to a module outside treeflow. The trade-off: environment defaults
+(the user's own settings win) so spawned ranks and Ray workers inherit them.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["LOGGERS", "add_logger_options", "add_verbose_option", "quiet_libraries",
+           "sinks_from_args"]
+
+QUIET_ENV = "TREEFLOW_QUIET_LIBRARIES"
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def add_logger_options(parser) -> None:
+    g = parser.add_argument_group("experiment trackers (--mode train)")
+    g.add_argument("--logger", action="append", default=None, metavar="NAME[,NAME]",
+                   help="where each step's metrics go, repeatable or a comma list: "
+                        "console (the progress bar and table), jsonl (needs --metrics), "
+                        "tensorboard (needs --tensorboard), wandb (pip install "
+                        "'treeflow[wandb]'; WANDB_MODE=offline to log locally), mlflow (pip "
+                        "install 'treeflow[mlflow]')")
+    g.add_argument("--logger-project", default="treeflow",
+                   help="wandb project / MLflow experiment name")
+    g.add_argument("--logger-run-name", default=None,
+                   help="wandb run name / MLflow run name (default: the tracker's own)")
+    g.add_argument("--logger-dir", default=None, metavar="DIR",
+                   help="where wandb writes its run files (default: WANDB_DIR or ./wandb)")
+    g.add_argument("--mlflow-tracking-uri", default=None, metavar="URI",
+                   help="MLflow tracking URI, e.g. file:./mlruns or http://host:5000 "
+                        "(default: MLFLOW_TRACKING_URI)")
+
+
+def add_verbose_option(parser) -> None:
+    import argparse
+
+    parser.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show Ray's, transformers' and other libraries' logs, progress "
+                             "bars and warnings (hidden by default; treeflow's are always shown)")
+
+
+def loggers(args) -> list[str]:
+    """The --logger names, in order, each once; a name treeflow does not know is refused."""
+    names = []
+    for item in getattr(args, "logger", None) or []:
+        for name in str(item).split(","):
+            name = name.strip().lower()
+            if not name:
+                continue
+            if name not in LOGGERS:
+                raise ValueError(f"--logger {name}: not a logger; choose from "
+                                 + ", ".join(LOGGERS))
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def sinks_from_args(args, log=None) -> list:
+    """fit()'s sinks: --metrics, --tensorboard and each tracker named by --logger."""
+    from treeflow.cli.config import resolved_config
+    from treeflow.train.sinks import JsonlSink, TensorBoardSink
+    from treeflow.train.trackers import MlflowSink, WandbSink, require
+
+    names = loggers(args)
+    if "jsonl" in names and not args.metrics:
+        raise ValueError("--logger jsonl: give the file with --metrics FILE")
+    if "tensorboard" in names and not args.tensorboard:
+        raise ValueError("--logger tensorboard: give the directory with --tensorboard DIR")
+    sinks = [*([JsonlSink(args.metrics)] if args.metrics else []),
+             *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])]
+    common = dict(project=args.logger_project, run_name=args.logger_run_name,
+                  config=resolved_config(args), save=args.save, resume=args.resume, log=log)
+    for name in names:
+        if name == "wandb":
+            require(name)
+            sinks.append(WandbSink(directory=args.logger_dir, **common))
+        elif name == "mlflow":
+            require(name)
+            sinks.append(MlflowSink(tracking_uri=args.mlflow_tracking_uri, **common))
+    return sinks
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Libraries' logs off on stderr (before they are imported); nothing when verbose."""
+    if verbose:
+        return
+    import warnings
+
+    for key, value in (("RAY_LOGGER_LEVEL", "error"),  # "Started a local Ray instance", ...
+                       ("RAY_DATA_DISABLE_PROGRESS_BARS", "1"),
+                       ("RAY_DEDUP_LOGS", "1"),
+                       ("TRANSFORMERS_VERBOSITY", "error"),
+                       ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("TQDM_DISABLE", "1")):  # "Writing model shards", "Loading weights"
+        os.environ.setdefault(key, value)
+    os.environ[QUIET_ENV] = "1"  # Ray Data's own logger, set where Ray is started
+    # a warning attributed to a library's module (torch.jit deprecations, megatron's Apex
+    # notes); treeflow's own, and those raised at treeflow's call sites, still show
+    warnings.filterwarnings("ignore", module=r"(?!treeflow\b|__main__\b)")
