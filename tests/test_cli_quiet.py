@@ -49,12 +49,12 @@ def test_ray_training_run_prints_no_ray_banner(tmp_path):
            if not k.startswith(("RAY_", "TQDM", "TRANSFORMERS_", "TREEFLOW_QUIET"))}
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-m", "treeflow.cli", "replay", str(path), "--engine",
-                          "ray", "--mode", "train", "--batch-episodes", "8", "--steps", "1",
+                          "ray", "--mode", "train", "--episodes-per-step", "8", "--steps", "1",
                           "--max-tokens", "256", "--loss", "nll", "--json"],
                          env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stderr.splitlines()
-    assert "warning: --batch-episodes 8" in out.stderr  # treeflow's own: never hidden
+    assert "warning: --episodes-per-step 8" in out.stderr  # treeflow's own: never hidden
     noise = [line for line in lines if "Ray instance" in line or "Ray cluster" in line
              or " INFO " in line or "WARNING" in line or "Running Dataset" in line]
     assert noise == [], noise

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tests.models.hybrid_helpers import CHUNK, _sharpen
 
 from tests.deps import require
+from treeflow.ops import build_forward
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Pack
 
@@ -183,7 +184,7 @@ def tf_values(backend, rows, weights, *, layout, max_tokens, routing="replay", k
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     scope = "group" if layout == "tree" else None
     bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
-    runner = Forward(kernel=kernel, routing=routing).build(model=backend)
+    runner = build_forward(Forward(kernel=kernel, routing=routing), model=backend)
     runner.take_route_tally()
     backend.module.zero_grad()
     values = {}

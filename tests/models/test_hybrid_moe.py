@@ -19,6 +19,7 @@ from hybrid_helpers import episodes, token_weights
 from hybrid_moe_helpers import FAMILIES, hf_model, hf_values, routers, tf_values, with_routes
 
 from tests.deps import require
+from treeflow.ops import build_forward
 from treeflow.models import Tuning, load_backend
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Pack
@@ -136,4 +137,4 @@ def test_width_mismatch_is_refused_naming_episode_and_widths(family):
     bins = Fragment(max_tokens=64)(Pack(layout="tree")(validate_episodes(table)))
     backend = load_backend("reference", path)
     with pytest.raises(ValueError, match=rf"width {width + 1}.*width {width}"):
-        Forward(routing="replay").build(model=backend).prepare(bins)
+        build_forward(Forward(routing="replay"), model=backend).prepare(bins)

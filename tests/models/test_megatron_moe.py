@@ -21,6 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
 
 from tests.models.moe_helpers import (FAMILIES, episodes, hf_call_logprobs, hf_model,  # noqa: E402
                                       with_routes)
+from treeflow.ops import build_forward
 from treeflow.models import load_backend  # noqa: E402
 from treeflow.models.megatron import hf_to_mcore  # noqa: E402
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes  # noqa: E402
@@ -57,7 +58,7 @@ def _logprobs(backend, rows, *, layout, routing):
     """{(episode, call, offset): logprob} through Pack -> Fragment -> Forward(megatron)."""
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     bins = fragment(Pack(layout=layout)(table), max_tokens=40)
-    runner = Forward(routing=routing, backend="megatron").build(model=backend)
+    runner = build_forward(Forward(routing=routing, backend="megatron"), model=backend)
     runner.take_route_tally()
     prepared = runner.prepare(bins)
     cols = {n: bins.column(n).combine_chunks() for n in ("occ_sample_index", "occ_call",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.models.moe_helpers import episodes, hf_call_logprobs, hf_model, with_routes
+from treeflow.ops import build_forward
 from treeflow.models.checkpoint import load_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
@@ -53,7 +54,7 @@ def _rows(hf):
 
 def _logprobs(model, table, pack):
     bins = fragment(pack(table), max_tokens=64)
-    runner = Forward(routing="replay").build(model=model)
+    runner = build_forward(Forward(routing="replay"), model=model)
     prepared = runner.prepare(bins)
     cols = {n: bins.column(n).combine_chunks() for n in ("occ_sample_index", "occ_call",
                                                          "occ_offset", "occ_edge")}

@@ -233,10 +233,11 @@ def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
     # Advantage runs first over the episodes, which ride along with the bins (the training
     # step weighs with them); per-rank plans make rank r's share, tagged for rank actor r
     from treeflow.pipeline.ray_maps import episodes_of, rows_of, untag
-    from treeflow.stages import Advantage
+    from treeflow.stages import IN_PROCESS_EXCHANGE, Advantage
 
     def plan(r):
-        return Pipeline(Advantage(), Pack(ranks=2, rank=r), Fragment(max_tokens=64, ranks=2, rank=r),
+        return Pipeline(Advantage(), Pack(ranks=2, rank=r, exchange=IN_PROCESS_EXCHANGE),
+                        Fragment(max_tokens=64, ranks=2, rank=r),
                         Shard(num_ranks=2), Forward(), Reduce(loss=Loss(kind="pg"))).plan
 
     plans = [plan(0), plan(1)]

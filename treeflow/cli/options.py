@@ -12,8 +12,19 @@ from treeflow.cli.names import LOGPROBS_EPISODES_PER_STEP
 from treeflow.cli.trackers import add_logger_options
 from treeflow.compile_cache import add_option as add_compile_cache_option
 
-__all__ = ["add_rl_options", "add_sampling_options", "add_train_options", "model_options",
+__all__ = ["add_rl_options", "add_sampling_options", "add_train_options", "layout_options",
+           "model_options",
            "queue_options"]
+
+
+def layout_options(s) -> None:
+    """How episodes become layouts (Pack's options): replay, stream and plan share them."""
+    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    s.add_argument("--scope", choices=("episode", "group"), default=None)
+    s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
+                   help="prefix sharing: default (every token whose recomputation is identical) "
+                        "or nrl (NeMo RL's exact-call rules: replica, weight-version and "
+                        "KV-page cuts from the calls' execution metadata)")
 
 
 def model_options(s) -> None:
@@ -22,12 +33,7 @@ def model_options(s) -> None:
     s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
                    help="model backend: treeflow's PyTorch decoder or megatron-core's GPTModel "
                         "(pip install 'treeflow[megatron]')")
-    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
-    s.add_argument("--scope", choices=("episode", "group"), default=None)
-    s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
-                   help="prefix sharing: default (every token whose recomputation is identical) "
-                        "or nrl (NeMo RL's exact-call rules: replica, weight-version and "
-                        "KV-page cuts from the calls' execution metadata)")
+    layout_options(s)
     s.add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from treeflow._display import console, count_rows, progress, table
 from treeflow.cli.common import positive
+from treeflow.cli.options import layout_options
 
 __all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "cmd_synth"]
 
@@ -241,12 +242,7 @@ def add_plan_parsers(sub, common) -> None:
 
     s = sub.add_parser("plan", parents=[common], help="pack, fragment and shard episodes into bins")
     s.add_argument("files", nargs="+")
-    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
-    s.add_argument("--scope", choices=("episode", "group"), default=None)
-    s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
-                   help="prefix sharing: default (every token whose recomputation is identical) "
-                        "or nrl (NeMo RL's exact-call rules: replica, weight-version and "
-                        "KV-page cuts from the calls' execution metadata)")
+    layout_options(s)
     s.add_argument("--max-tokens", type=int, required=True)
     s.add_argument("--num-ranks", type=int, default=1)
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",

@@ -45,6 +45,9 @@ class _InProcess:
     def __repr__(self) -> str:
         return "IN_PROCESS_EXCHANGE"
 
+    def __reduce__(self):  # one instance across processes (a Ray task unpickles the plan)
+        return "IN_PROCESS_EXCHANGE"
+
 
 IN_PROCESS_EXCHANGE = _InProcess()
 
