@@ -140,23 +140,26 @@ class Routers:
 
 def tree_moe_spec(mlp_spec, column, row):
     """MCore's local MoE spec with TreeTopKRouter and the given linears (spec.py's)."""
-    from treeflow.models.megatron.submodules import mlp_submodules, with_mlp_submodules
+    from treeflow.models.megatron.submodules import (builder_module, mlp_submodules,
+                                                     with_mlp_submodules)
 
     subs = mlp_submodules(mlp_spec)
     if not all(hasattr(subs, k) for k in ("experts", "shared_experts", "router")):
         raise ValueError(f"this megatron-core's local MoE spec has submodules {subs!r}, not "
                          "MoESubmodules(experts, shared_experts, router); treeflow's MoE spec "
                          "needs updating for it")
-    if subs.experts.module is not SequentialMLP or (
-            subs.shared_experts is not None and subs.shared_experts.module is not SharedExpertMLP):
+    shared_cls = None if subs.shared_experts is None else builder_module(subs.shared_experts)
+    # 0.19 builds the shared expert through a function that picks SharedExpertMLP (or its fused
+    # variant, which a config must ask for)
+    if builder_module(subs.experts) is not SequentialMLP or shared_cls not in (
+            None, SharedExpertMLP) and getattr(shared_cls, "__name__", "") != "_build_shared_experts":
         raise ValueError("this megatron-core's local MoE spec no longer uses SequentialMLP / "
                          "SharedExpertMLP; treeflow's MoE spec needs updating for it")
     linears = dict(linear_fc1=column, linear_fc2=row)
-    experts = dataclasses.replace(subs.experts, submodules=dataclasses.replace(
-        subs.experts.submodules, **linears))
-    shared = None if subs.shared_experts is None else dataclasses.replace(
-        subs.shared_experts, submodules=dataclasses.replace(subs.shared_experts.submodules,
-                                                            **linears))
+    experts = with_mlp_submodules(subs.experts, dataclasses.replace(
+        mlp_submodules(subs.experts), **linears))
+    shared = None if subs.shared_experts is None else with_mlp_submodules(
+        subs.shared_experts, dataclasses.replace(mlp_submodules(subs.shared_experts), **linears))
     return with_mlp_submodules(mlp_spec, dataclasses.replace(
         subs, experts=experts, shared_experts=shared, router=TreeTopKRouter))
 

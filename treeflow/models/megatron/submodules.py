@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-__all__ = ["mlp_submodules", "with_mlp_submodules"]
+__all__ = ["builder_module", "mlp_submodules", "with_mlp_submodules"]
 
 
 def mlp_submodules(mlp):
@@ -25,3 +25,9 @@ def with_mlp_submodules(mlp, submodules):
     if isinstance(mlp, functools.partial):
         return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     return dataclasses.replace(mlp, submodules=submodules)
+
+
+def builder_module(spec):
+    """The class (or builder function) a spec builds: a ModuleSpec's module (megatron-core 0.16)
+    or a partial's function (0.19 builds experts as functools.partial(SequentialMLP, ...))."""
+    return spec.func if isinstance(spec, functools.partial) else spec.module
