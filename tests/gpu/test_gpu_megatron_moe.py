@@ -30,7 +30,9 @@ def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype):
     from tests.models.test_megatron_moe import _logprobs
     from treeflow.models import load_backend
 
-    hf = hf_model(family)
+    # head_dim 32 for compiled flex (it needs >= 16)
+    hf = hf_model(family, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  **({"head_dim": 32} if family == "qwen3_moe" else {}))
     hf.save_pretrained(tmp_path)
     meg = load_backend("megatron", str(tmp_path), dtype=getattr(torch, dtype), device="cuda")
     rows = with_routes(hf, episodes(np.random.default_rng(5)), shift=1)
