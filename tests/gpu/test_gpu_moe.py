@@ -26,7 +26,7 @@ BF16_SLACK = 1.5
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_tree_and_exact_match_transformers_on_cuda(tmp_path, family, dtype):
-    from tests.models.moe_helpers import episodes, hf_call_logprobs, hf_model, with_routes
+    from tests.models.moe_helpers import episodes, gpu_error_bound, hf_model, with_routes
     from tests.models.test_moe import _occurrence_logprobs
     from treeflow.models import load_model
 
@@ -36,26 +36,7 @@ def test_tree_and_exact_match_transformers_on_cuda(tmp_path, family, dtype):
     hf.save_pretrained(tmp_path)
     ours = load_model(tmp_path, dtype=getattr(torch, dtype), device="cuda")
     rows = with_routes(hf, episodes(np.random.default_rng(5)), shift=1)
-    def oracle(model) -> dict:
-        out = {}
-        with torch.no_grad():
-            for i, row in enumerate(rows):
-                for k, c in enumerate(row["calls"]):
-                    lp = hf_call_logprobs(model, c["token_ids"], c["sampled_start"],
-                                          np.asarray(c["routed_experts"]))
-                    out.update({(i, k, j): float(v) for j, v in enumerate(lp)})
-        return out
-
-    want = oracle(hf)
-    def error(got: dict) -> float:  # max over tokens in float32, mean in bf16
-        d = [abs(float(got[key]) - want[key]) for key in want]
-        return max(d) if dtype == "float32" else sum(d) / len(d)
-
-    if dtype == "float32":
-        bound = TOL[dtype]
-    else:  # transformers' own bf16 error on the same calls (CPU, independent of treeflow)
-        bound = BF16_SLACK * error(oracle(hf.to(torch.bfloat16)))
-        hf.float()
+    _, error, bound = gpu_error_bound(hf, rows, dtype, TOL["float32"], BF16_SLACK)
     for layout in ("tree", "exact"):
         with torch.no_grad():
             got, runner = _occurrence_logprobs(ours, rows, layout=layout, routing="replay",

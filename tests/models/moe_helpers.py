@@ -159,3 +159,33 @@ def with_routes(model, rows, *, shift: int = 0, sentinel: bool = True):
             calls.append({**c, "routed_experts": r.tolist()})
         out.append({**row, "calls": calls})
     return out
+
+
+def occurrence_oracle(model, rows) -> dict:
+    """{(episode, call, token): logprob} of every sampled token, transformers call by call with
+    the rows' routes forced into its routers."""
+    out = {}
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            for k, c in enumerate(row["calls"]):
+                lp = hf_call_logprobs(model, c["token_ids"], c["sampled_start"],
+                                      np.asarray(c["routed_experts"]))
+                out.update({(i, k, j): float(v) for j, v in enumerate(lp)})
+    return out
+
+
+def gpu_error_bound(hf, rows, dtype: str, tol32: float, bf16_slack: float):
+    """(want, error, bound) for a GPU run against float32 transformers on the CPU: error is the
+    max over tokens in float32 and the mean in bf16, where the bound is `bf16_slack` times
+    transformers' own bf16 error on the same calls (tiny random models have no fixed bf16 bound)."""
+    want = occurrence_oracle(hf, rows)
+
+    def error(got: dict) -> float:
+        d = [abs(float(got[key]) - want[key]) for key in want]
+        return max(d) if dtype == "float32" else sum(d) / len(d)
+
+    if dtype == "float32":
+        return want, error, tol32
+    bound = bf16_slack * error(occurrence_oracle(hf.to(torch.bfloat16), rows))
+    hf.float()
+    return want, error, bound
