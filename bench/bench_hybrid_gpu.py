@@ -143,6 +143,12 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--no-replay", action="store_true",
+                    help="skip the replays (and with them the fidelity figures)")
+    ap.add_argument("--no-fidelity", action="store_true",
+                    help="skip transformers' per-call reference (speed only)")
+    ap.add_argument("--runs", default="tree_exact_fork,tree_chunk_fork,exact_layout",
+                    help="which layouts to run, comma-separated (a device call is at most 10 min)")
     ap.add_argument("--state-dtypes", default="float32,bfloat16",
                     help="--ssm-state-dtype values to replay with (each: three replays)")
     ap.add_argument("--moe", action="store_true",
@@ -191,13 +197,15 @@ def main() -> None:
         with open(out_file, "w") as f:
             json.dump(result, f, indent=1)
 
-    t0 = time.perf_counter()
-    ref = hf_logprobs(hf, eps, n_ref, torch.float32, replay=args.moe)
-    if args.moe:
-        own_ref = hf_logprobs(hf, eps, n_ref, torch.float32)
-    result["fidelity"]["transformers_bf16_per_call"] = distance(
-        hf_logprobs(hf, eps, n_ref, torch.bfloat16, replay=args.moe), ref)
-    result["reference_seconds"] = round(time.perf_counter() - t0, 1)
+    fidelity = not (args.no_fidelity or args.no_replay)
+    if fidelity:
+        t0 = time.perf_counter()
+        ref = hf_logprobs(hf, eps, n_ref, torch.float32, replay=args.moe)
+        if args.moe:
+            own_ref = hf_logprobs(hf, eps, n_ref, torch.float32)
+        result["fidelity"]["transformers_bf16_per_call"] = distance(
+            hf_logprobs(hf, eps, n_ref, torch.bfloat16, replay=args.moe), ref)
+        result["reference_seconds"] = round(time.perf_counter() - t0, 1)
     del hf
     print(json.dumps(result["fidelity"]), flush=True)
     common = ["--model", ckpt, "--device", args.device, "--dtype", "bfloat16",
@@ -206,19 +214,23 @@ def main() -> None:
     runs = {"tree_exact_fork": ["--layout", "tree", "--ssm-fork", "exact"],
             "tree_chunk_fork": ["--layout", "tree", "--ssm-fork", "chunk"],
             "exact_layout": ["--layout", "exact"]}
-    for state in args.state_dtypes.split(","):
+    unknown = set(args.runs.split(",")) - set(runs)
+    if unknown:
+        ap.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(runs)}")
+    runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
+    for state in ([] if args.no_replay else args.state_dtypes.split(",")):
         for name, flags in runs.items():
             key = name if state == "float32" else f"{name}_bf16_states"
             path = os.path.join(work, f"{key}.arrow")
             r = cli(["replay", data, *flags, "--ssm-state-dtype", state, "-o", path, *common],
                     env, key)
             result["replay"][key] = r
-            if "error" not in r:
+            if "error" not in r and fidelity:
                 result["fidelity"][key] = distance(read_logprobs(path, n_ref), ref)
             print(json.dumps({key: result["fidelity"].get(key), "steady_seconds":
                               r.get("steady_seconds")}), flush=True)
             save()
-    if args.moe:  # the bf16 routers choose: distance from transformers' own float32 routing
+    if args.moe and fidelity:  # the bf16 routers choose: distance from transformers' own float32 routing
         key, path = "exact_layout_recompute", os.path.join(work, "recompute.arrow")
         r = cli(["replay", data, "--layout", "exact", "-o", path,
                  *[a for a in common if a not in ("--routing", "replay")], "--routing",
@@ -230,7 +242,8 @@ def main() -> None:
         save()
     rep = result["replay"]
     for name in ("tree_exact_fork", "tree_chunk_fork"):
-        if "steady_seconds" in rep.get(name, {}) and "steady_seconds" in rep["exact_layout"]:
+        if "steady_seconds" in rep.get(name, {}) and "steady_seconds" in rep.get("exact_layout",
+                                                                                 {}):
             result[f"replay_speedup_{name}"] = round(
                 rep["exact_layout"]["steady_seconds"] / rep[name]["steady_seconds"], 3)
     fid = result["fidelity"]
