@@ -207,6 +207,11 @@ def main() -> None:
             hf_logprobs(hf, eps, n_ref, torch.bfloat16, replay=args.moe), ref)
         result["reference_seconds"] = round(time.perf_counter() - t0, 1)
     del hf
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():  # the CLI runs below are other processes: give them the GPU
+        torch.cuda.empty_cache()
     print(json.dumps(result["fidelity"]), flush=True)
     common = ["--model", ckpt, "--device", args.device, "--dtype", "bfloat16",
               "--max-tokens", str(max_tokens), "--json", *(["--routing", "replay"] if args.moe
