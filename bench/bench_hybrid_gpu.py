@@ -257,7 +257,7 @@ def main() -> None:
                for k in ("tree_exact_fork", "tree_chunk_fork")}
         result["closer_to_exact_layout"] = min(gap, key=gap.get)
     for name, flags in ({} if args.no_train else runs).items():
-        r = cli(["replay", data, "--mode", "train", *flags, "--batch-episodes", str(train_batch),
+        r = cli(["replay", data, "--mode", "train", *flags, "--episodes-per-step", str(train_batch),
                  "--steps", str(args.train_steps), "--lr", "1e-6", *common], env, f"train {name}")
         result["train"][name] = r
         print(json.dumps({f"train_{name}": r.get("steady_seconds_per_step", r.get("error"))}),
