@@ -102,13 +102,15 @@ def hf_values(model, eps: pa.Table, weights: dict):
     """Per-occurrence logprobs and every parameter's gradient of sum(w * logprob), call by call."""
     model.zero_grad()
     values = {}
+    dev = next(model.parameters()).device
     for row in eps.to_pylist():
         for k, c in enumerate(row["calls"]):
-            ids = torch.tensor([c["token_ids"]])
+            ids = torch.tensor([c["token_ids"]], device=dev)
             s = c["sampled_start"]
             lp = torch.log_softmax(model(ids).logits[0].float(), -1)[s - 1:-1]
             lp = lp.gather(-1, ids[0, s:, None])[:, 0]
-            w = torch.tensor([weights[(row["sample_index"], k, o)] for o in range(len(lp))])
+            w = torch.tensor([weights[(row["sample_index"], k, o)] for o in range(len(lp))],
+                             device=dev)
             (w * lp).sum().backward()
             for o, v in enumerate(lp.tolist()):
                 values[(row["sample_index"], k, o)] = v
@@ -131,8 +133,8 @@ def treeflow_values(backend, eps: pa.Table, weights: dict, *, layout: str, max_t
             lp, _ = runner.edge_logprobs(*(np.asarray(b[k], dtype=np.int64) for k in (
                 "tokens", "parents", "positions", "edge_sources", "edge_targets")))
             keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
-            edge = torch.as_tensor(b["occ_edge"], dtype=torch.int64)
-            w = torch.tensor([weights[k] for k in keys])
+            edge = torch.as_tensor(b["occ_edge"], dtype=torch.int64, device=lp.device)
+            w = torch.tensor([weights[k] for k in keys], device=lp.device)
             if grad:
                 (w * lp[edge]).sum().backward()
             for key, v in zip(keys, lp[edge].tolist()):
