@@ -226,7 +226,11 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     if step_row is not None and len(writers) != 1:
         failures.append(f"weights written by ranks {writers} of the trainer's {len(ranks)}: one "
                         "process (rank 0) writes and announces each version")
-    if routed and (decided is None or decided < min_agree):
+    if routed and decided is None and agreement is not None:
+        failures.append(f"route agreement over decided rows: none of the replayed rows is "
+                        f"decided ({figures['route_near_ties']} near-ties), so the routes are "
+                        "unchecked; sample more episodes")
+    elif routed and (decided is None or decided < min_agree):
         failures.append(f"route agreement over decided rows {decided} below "
                         f"--min-route-agreement {min_agree:g} under routing replay: the trainer's "
                         "routers disagree with the captured routes where their top-k is no "
