@@ -93,7 +93,8 @@ def margins(args, model: str | None, dtype: str, work: str) -> dict:
     num = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
     rollout = Rollout(group_size=args.group_size, turns=num(args.turns),
                       prompt_tokens=num(args.prompt_tokens),
-                      completion_tokens=num(args.completion_tokens), tool_tokens=num(args.tool_tokens),
+                      completion_tokens=num(args.completion_tokens),
+                      tool_tokens=num(args.tool_tokens),
                       seed=1)   # other groups than the gate's
     if args.device == "cpu":
         import torch

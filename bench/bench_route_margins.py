@@ -2,7 +2,7 @@
 
 The gate (`treeflow gate --routing replay`) reports `route_agreement` over every
 replayed (token, MoE layer) row and checks `route_agreement_decided` over the
-rows whose recomputed top-k is no near-tie (models/moe.py: the k-th minus
+rows whose recomputed top-k is no near-tie (models/route_ties.py: the k-th minus
 (k+1)-th router logit above TIE_ULPS * eps * (|l_k| + |l_k+1|)). This script
 shows whether every disagreement is such a near-tie, row by row: it samples
 `--groups` groups with the gate's own sampler (pipeline/rollout.py
@@ -67,7 +67,8 @@ def route_margins(model: str, *, device: str = "cuda", dtype: str = "bfloat16",
     import torch
 
     from treeflow.models.backend import load_backend
-    from treeflow.models.moe import TIE_ULPS, MoeBlock
+    from treeflow.models.moe import MoeBlock
+    from treeflow.models.route_ties import TIE_ULPS
     from treeflow.pipeline.rollout import Rollout, sample_group
     from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
     from treeflow.train import Trainer
@@ -144,7 +145,8 @@ def route_margins(model: str, *, device: str = "cuda", dtype: str = "bfloat16",
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="MoE checkpoint dir (--smoke: a small random one)")
+    ap.add_argument("--model", default=None,
+                    help="MoE checkpoint dir (--smoke: a small random one)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--groups", type=int, default=2)

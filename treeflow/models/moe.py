@@ -23,14 +23,8 @@ route is the sentinel -1 (the final sampled token: the engine never ran it as
 an input) takes the router's own top-k; such a row is a target-only leaf, so
 its value reaches no logprob. `route_agreement` counts the (token, MoE layer)
 rows whose recomputed top-k set equals the replayed one; `route_agreement_decided`
-counts the same over the rows whose top-k is *decided*: the margin between the
-k-th and (k+1)-th router logit exceeds `TIE_ULPS * eps * (|l_k| + |l_k+1|)`, eps
-the compute dtype's. The router's input is compute-dtype arithmetic, so each of
-the two logits is known to about one ulp of its magnitude (measured: the sampler's
-and trainer's logits differ by 0.6 bf16 ulp rms on a Qwen3-30B-A3B-shaped router);
-sampler and trainer each contribute one such error, hence two ulps per logit.
-Rows inside that band are genuine near-ties that two correct bf16 computations may
-order differently; a wrong route disagrees outside it.
+counts the same over the rows whose top-k is no near-tie (models/route_ties.py:
+the k-th minus (k+1)-th router logit above two ulps of the compute dtype per logit).
 
 Router precision: `MoeConfig.router_dtype="float32"` (the default, as Megatron's
 `moe_router_dtype="fp32"` that NeMo RL and verl's R3 set for routing replay) computes
@@ -61,8 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS", "TIE_ULPS",
-           "route_width"]
+from treeflow.models.route_ties import compute_dtype
+from treeflow.models.route_ties import topk_margin
+
+__all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS", "route_width"]
 
 MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                      "MixtralForCausalLM": "mixtral"}
@@ -71,9 +67,6 @@ HYBRID_MOE_FAMILIES = ("nemotron_h", "granitemoehybrid")
 _SHARED_IN_BLOCK = ("qwen2_moe", "nemotron_h")
 ROUTINGS = ("auto", "replay", "recompute")
 ROUTER_DTYPES = ("float32", "compute")
-# ulps of the compute dtype per logit within which two correct computations may order the
-# k-th and (k+1)-th expert differently: one ulp of error on each side (see the docstring)
-TIE_ULPS = 2.0
 
 # config.json keys that MoeConfig models (not carried as extras)
 MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -330,7 +323,7 @@ class MoeBlock(nn.Module):
         if aux_weights_N is not None and tally is not None:  # router mass for the aux loss
             tally[("mass", self.layer_index)] = aux_weights_N @ probs_NX
         counting = route_NK is not None and tally is not None
-        own_NK, decided_N = self._choose(logits_NX, probs_NX, _compute_dtype(x_NH), counting)
+        own_NK, decided_N = self._choose(logits_NX, probs_NX, compute_dtype(x_NH), counting)
         if route_NK is None:
             idx_NK = own_NK
         else:
@@ -341,7 +334,7 @@ class MoeBlock(nn.Module):
                                                        (same_N & decided_N).sum(),
                                                        (given_N & decided_N).sum()])
             idx_NK = torch.where(given_N[:, None], route_NK, own_NK) if replay else own_NK
-        w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype, _compute_dtype(x_NH))
+        w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype, compute_dtype(x_NH))
         h_NH = self.fc1_latent_proj(x_NH) if hasattr(self, "fc1_latent_proj") else x_NH
         y_NH = expert_mix(h_NH, idx_NK, w_NK, self.experts.in_proj, self.experts.down_proj,
                           gated=self.experts.gated)
@@ -359,15 +352,15 @@ class MoeBlock(nn.Module):
     def own_routes(self, x_NH: torch.Tensor) -> torch.Tensor:
         """The experts this block's router chooses for each row [N, top_k] (route capture)."""
         logits_NX, probs_NX = self._scores(x_NH)
-        return self._choose(logits_NX, probs_NX, _compute_dtype(x_NH), False)[0]
+        return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), False)[0]
 
     @torch.no_grad()
     def route_margins(self, x_NH: torch.Tensor):
         """(own top-k [N, K], margin_N, resolution_N): the router's choice, the gap between its
-        k-th and (k+1)-th score and the band under which that gap is a near-tie (TIE_ULPS);
+        k-th and (k+1)-th score and the band under which that gap is a near-tie (route_ties.py);
         the rows `route_agreement_decided` counts are those with margin > resolution."""
         logits_NX, probs_NX = self._scores(x_NH)
-        return self._choose(logits_NX, probs_NX, _compute_dtype(x_NH), True, margins=True)
+        return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), True, margins=True)
 
     def _scores(self, x_NH):
         """(router logits, float32 scores the choice and weights read: softmax, or Nemotron-H's
@@ -397,8 +390,8 @@ class MoeBlock(nn.Module):
             return (own_NK, inf_N, torch.zeros_like(inf_N)) if margins else (own_NK, inf_N > 0)
         own_NK = torch.topk(choice_NX, k, dim=-1).indices   # the choice, as without counting
         top = torch.topk(choice_NX, k + 1, dim=-1)           # its boundary: k-th and (k+1)-th
-        margin_N, resolution_N = _margin(moe.family, logits_NX.float(), top.values[:, k - 1:],
-                                         top.indices[:, k - 1:], torch.finfo(compute).eps)
+        margin_N, resolution_N = topk_margin(moe.family, logits_NX.float(), top.values[:, k - 1:],
+                                             top.indices[:, k - 1:], torch.finfo(compute).eps)
         if margins:
             return own_NK, margin_N, resolution_N
         return own_NK, margin_N > resolution_N
@@ -434,30 +427,6 @@ class MoeBlock(nn.Module):
         if moe.family != "mixtral":  # Qwen casts the weights to its logits' (compute) dtype
             w_NK = w_NK.to(compute)
         return w_NK
-
-
-def _compute_dtype(x_NH: torch.Tensor) -> torch.dtype:
-    """The dtype the block's matrix products run in: autocast's, else the input's."""
-    device = x_NH.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_NH.dtype
-
-
-def _margin(family, logits_NX, edge_N2, idx_N2, eps):
-    """(margin_N, resolution_N) at the top-k boundary (the k-th and (k+1)-th expert).
-
-    Softmax routers choose by logit order: the margin is the logit gap, the resolution
-    TIE_ULPS * eps * (|l_k| + |l_k+1|). Nemotron-H chooses by biased sigmoid scores: the
-    margin is their gap, the resolution the same logit band through the sigmoid's slope
-    s(1 - s). An excluded (k+1)-th (-inf, group-limited choice) is never a tie.
-    """
-    l_N2 = logits_NX.gather(1, idx_N2)
-    band_N2 = TIE_ULPS * eps * l_N2.abs()
-    if family == "nemotron_h":
-        s_N2 = torch.sigmoid(l_N2)
-        margin_N = edge_N2[:, 0] - edge_N2[:, 1]
-        return margin_N, (band_N2 * s_N2 * (1 - s_N2)).sum(-1)
-    margin_N = l_N2[:, 0] - l_N2[:, 1]
-    return margin_N, band_N2.sum(-1)
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

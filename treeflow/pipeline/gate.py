@@ -15,7 +15,7 @@ happen, route agreement below `min_route_agreement` under routing replay.
 Route agreement is checked over the *decided* rows (`route_agreement_decided`):
 (token, MoE layer) rows whose recomputed top-k is no near-tie, i.e. whose k-th
 minus (k+1)-th router logit exceeds the compute dtype's resolution
-(models/moe.py `TIE_ULPS`). A near-tie is a row two correct bf16 computations
+(models/route_ties.py). A near-tie is a row two correct bf16 computations
 (the sampler's pure bf16 forward, the trainer's mixed precision one) may order
 differently, so it proves nothing either way; a corrupted or misaligned route
 disagrees on decided rows. The raw `route_agreement` over every replayed row
@@ -234,7 +234,8 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
         failures.append(f"route agreement over decided rows {decided} below "
                         f"--min-route-agreement {min_agree:g} under routing replay: the trainer's "
                         "routers disagree with the captured routes where their top-k is no "
-                        f"near-tie (all rows: {agreement}, near-ties: {figures['route_near_ties']})")
+                        f"near-tie (all rows: {agreement}, near-ties: "
+                        f"{figures['route_near_ties']})")
     figures.update(failures=failures, passed=not failures)
     return figures
 

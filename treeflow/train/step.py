@@ -389,7 +389,8 @@ class Step:
 
     def _route_agreement(self) -> dict:
         """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route;
-        the same over the rows whose top-k is no near-tie (models/moe.py), and the near-ties."""
+        the same over the rows whose top-k is no near-tie (models/route_ties.py); the
+        near-ties."""
         out = {"route_agreement": None, "route_agreement_decided": None, "route_near_ties": None}
         runner = self.trainer.runner
         if getattr(runner, "route_width", None) is None:  # the same on every rank
