@@ -121,6 +121,24 @@ def test_near_tie_band_is_the_hand_formula_and_decided_rows_are_counted_apart():
     assert margin32[0] > resolution32[0]
 
 
+def test_nemotron_h_band_goes_through_the_sigmoid_slope():
+    """Nemotron-H chooses by biased sigmoid scores: the margin is their gap, the band the
+    logit band times s(1 - s) (first order), written out here."""
+    from treeflow.models.route_ties import topk_margin
+
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.25]])
+    bias = torch.tensor([0.0, 0.1, 0.0, 0.2])
+    choice = torch.sigmoid(logits) + bias
+    top = choice.topk(3, dim=-1)               # top-2 and its boundary
+    eps = torch.finfo(torch.bfloat16).eps
+    margin, band = topk_margin("nemotron_h", logits, top.values[:, 1:], top.indices[:, 1:], eps)
+    i, j = top.indices[0, 1], top.indices[0, 2]
+    s_i, s_j = torch.sigmoid(logits[0, i]), torch.sigmoid(logits[0, j])
+    assert margin.item() == pytest.approx((choice[0, i] - choice[0, j]).item(), abs=0)
+    hand = TIE_ULPS * eps * (abs(logits[0, i]) * s_i * (1 - s_i) + abs(logits[0, j]) * s_j * (1 - s_j))
+    assert band.item() == pytest.approx(hand.item(), rel=1e-6)
+
+
 def test_the_router_dtype_option_is_checked():
     config = ModelConfig.from_hf_dict(HF)
     assert config.moe.router_dtype == "float32"
