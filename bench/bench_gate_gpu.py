@@ -12,7 +12,16 @@ every bin's nodes split between them. It records the gate's figures
 (retained/sampled, calls, generated tokens, masks by reason, losses,
 gradient norm, generation KL, route agreement, refit version) and the
 process seconds, in $OUT/bench_gate_gpu.json (or bench/results). The gate
-passes in bf16 at generation KL <= 1e-3 (`--max-gen-kl`).
+passes in bf16 at generation KL <= 1e-3 (`--max-gen-kl`) and with every
+*decided* route agreeing (`route_agreement_decided`, near-ties left out; the
+raw `route_agreement` is reported too).
+
+After the gate, on the same checkpoint, `route_margins` (bench/bench_route_margins.py)
+samples `--margin-groups` more groups and prints the top-k margin of every
+row whose recomputed route disagrees, in units of the near-tie band: whether
+every disagreement is a near-tie (`every_disagreement_a_near_tie`). With
+`--smoke` it runs on a small random MoE in bf16 (the gate's tiny model has
+no experts); `--margin-groups 0` skips it.
 
     PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py                    # one H200, MoE, bf16
     PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py --context-parallel 2   # two H200s, CP=2
@@ -72,6 +81,34 @@ def has_experts(model: str) -> bool:
     return bool(c.get("num_experts") or c.get("num_local_experts"))
 
 
+def margins(args, model: str | None, dtype: str, work: str) -> dict:
+    """The route-margin diagnostic on `model` (None: a small random MoE, for --smoke)."""
+    from bench_route_margins import route_margins, write_smoke_moe
+    from treeflow.pipeline.rollout import Rollout
+
+    if model is None:
+        model = os.path.join(work, "margins-moe")
+        write_smoke_moe(model)
+        dtype = "bfloat16"   # where the near-ties are
+    num = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+    rollout = Rollout(group_size=args.group_size, turns=num(args.turns),
+                      prompt_tokens=num(args.prompt_tokens),
+                      completion_tokens=num(args.completion_tokens),
+                      tool_tokens=num(args.tool_tokens),
+                      seed=1)   # other groups than the gate's
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
+    print(f"route margins: {args.margin_groups} group(s) on {model}", flush=True)
+    res = route_margins(model, device=args.device, dtype=dtype, rollout=rollout,
+                        groups=args.margin_groups, layout=args.layout)
+    print(json.dumps({k: res[k] for k in ("rows", "disagree", "near_ties", "disagree_decided",
+                                          "every_disagreement_a_near_tie",
+                                          "disagree_margin_over_band")}), flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a random MoE one)")
@@ -91,6 +128,8 @@ def main() -> int:
     ap.add_argument("--max-gen-kl", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny dense model and sizes")
+    ap.add_argument("--margin-groups", type=int, default=1,
+                    help="groups sampled for the route-margin diagnostic (0: skip it)")
     args = ap.parse_args()
     if args.smoke:
         args.turns, args.prompt_tokens, args.completion_tokens, args.tool_tokens = \
@@ -140,6 +179,8 @@ def main() -> int:
     if proc.stdout.strip():
         res["gate"] = json.loads(proc.stdout.strip().splitlines()[-1])
     res["stderr_tail"] = proc.stderr[-2000:]
+    if args.margin_groups and (routed or args.smoke):
+        res["route_margins"] = margins(args, model if routed else None, dtype, work)
     with open(out_file, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))

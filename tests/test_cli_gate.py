@@ -107,10 +107,25 @@ def moe_model(tmp_path_factory):
 def test_gate_replays_captured_routes_and_fails_on_a_corrupted_one(moe_model, capsys):
     rc, fig, err = _gate(capsys, "--model", moe_model, "--routing", "replay")
     assert rc == 0 and fig["passed"] and fig["route_agreement"] == 1.0, err
+    assert fig["route_agreement_decided"] == 1.0 and fig["route_near_ties"] == 0  # float32
     rc, fig, err = _gate(capsys, "--model", moe_model, "--routing", "replay",
                          "--fault", "corrupt-route")
     assert rc == GATE_FAILED and fig["route_agreement"] < 1.0
-    assert "gate failed: route agreement" in err and "under routing replay" in err
+    assert fig["route_agreement_decided"] < 1.0
+    assert "gate failed: route agreement over decided rows" in err and "under routing replay" in err
+
+
+def test_gate_in_bfloat16_checks_the_decided_rows_and_still_fails_on_a_corrupted_route(
+        moe_model, capsys):
+    """bf16 sampler (pure bf16) and trainer (mixed precision) may order near-tied experts
+    differently: those rows are counted apart; every decided row agrees, a corrupted one not."""
+    bf16 = ["--model", moe_model, "--routing", "replay", "--dtype", "bfloat16"]
+    rc, fig, err = _gate(capsys, *bf16)
+    assert rc == 0 and fig["passed"] and fig["route_agreement_decided"] == 1.0, err
+    assert fig["route_near_ties"] >= 0 and fig["route_agreement"] <= 1.0
+    rc, fig, err = _gate(capsys, *bf16, "--fault", "corrupt-route")
+    assert rc == GATE_FAILED and fig["route_agreement_decided"] < 1.0
+    assert "gate failed: route agreement over decided rows" in err
 
 
 @pytest.mark.ray

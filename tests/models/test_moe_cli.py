@@ -41,12 +41,17 @@ def test_synth_replay_train_with_routes(setup, capsys):
                      "-o", out[routing], "--json"]) == 0
         summary = _json(capsys)
         assert 0.0 <= summary["route_agreement"] < 1.0  # hashed routes, not the model's own
+        # float32: no near-ties, so the decided rows are all rows
+        assert summary["route_agreement_decided"] == summary["route_agreement"]
+        assert summary["route_near_ties"] == 0
     a, b = (pq.read_table(out[r]).column("logprobs").to_pylist() for r in ("replay", "recompute"))
     assert a != b
     assert main(["replay", eps, "--model", model, "--mode", "train", "--steps", "1",
                  "--episodes-per-step", "4", "--max-tokens", "4096", "--json"]) == 0
     last = _json(capsys)["last"]
     assert 0.0 <= last["route_agreement"] < 1.0
+    assert last["route_agreement_decided"] == last["route_agreement"]
+    assert last["route_near_ties"] == 0
 
 
 def test_wrong_route_width_is_refused_before_running(setup, capsys):

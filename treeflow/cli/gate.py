@@ -6,7 +6,8 @@
 Prints the gate's figures and writes them as JSON (`-o`); exits 0 when the
 gate passes and 3 naming every cause when it fails (a lost or masked
 episode, a generation KL above --max-gen-kl, a refit that did not happen,
-route agreement below --min-route-agreement under --routing replay). --routing and
+route agreement over the decided rows, those whose top-k is no near-tie, below
+--min-route-agreement under --routing replay). --routing and
 --context-parallel go to the trainer's Forward; --context-parallel C trains
 in C processes (gloo on CPU, one GPU each on CUDA) that attach to the queue,
 served on a temporary socket when --queue is not given. --fault is a test hook.
@@ -108,8 +109,9 @@ def add_gate_parser(sub, common) -> None:
     s.add_argument("--max-gen-kl", type=float, default=None,
                    help="largest generation KL accepted (default 1e-6 float32, 1e-3 bfloat16)")
     s.add_argument("--min-route-agreement", type=float, default=None,
-                   help="under --routing replay, the least share of (token, MoE layer) rows whose "
-                        "recomputed experts equal the captured ones (default 1 float32, 0.95 bf16)")
+                   help="under --routing replay, the least share of decided (token, MoE layer) "
+                        "rows (top-k no near-tie) whose recomputed experts equal the captured "
+                        "ones (default 1)")
     s.add_argument("--routing", choices=("replay", "recompute"), default=None,
                    help="MoE expert choice in the trainer (needs the MoE code)")
     s.add_argument("--context-parallel", type=int, default=1, metavar="C",

@@ -101,6 +101,11 @@ def _replay(args) -> int:
                 advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
     wall = time.perf_counter() - t0
     steady = steady_state(sums, wall, setup)
+    if "route_decided" in sums:  # the same over the rows whose top-k is no near-tie
+        decided, agree = sums.pop("route_decided"), sums.pop("route_agree_decided")
+        sums["route_near_ties"] = sums.get("route_rows", 0) - decided
+        if decided:
+            sums["route_agreement_decided"] = round(agree / decided, 6)
     if sums.get("route_rows"):  # MoE: replayed (token, layer) rows whose own top-k agreed
         sums["route_agreement"] = round(sums.pop("route_agree") / sums.pop("route_rows"), 6)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time

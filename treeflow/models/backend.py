@@ -90,9 +90,10 @@ class ReferenceBackend(ModuleBackend):
         return self.module(tokens_N, positions_N, plan, self.tuning, routes_NW, replay,
                            aux_weights_N)
 
-    def take_route_tally(self):
-        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
-        return self.module.take_route_tally()
+    def take_route_tally(self, full: bool = False):
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None; full=True
+        adds (agreeing decided, decided) rows (Decoder.take_route_tally)."""
+        return self.module.take_route_tally(full)
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):

@@ -173,13 +173,18 @@ class Decoder(nn.Module):
         record_tally(self, tally)
         return self.model.norm(x_NH)
 
-    route_tally: torch.Tensor | None = None  # (agreeing, replayed) (token, MoE layer) rows
+    # (agreeing, replayed, agreeing decided, decided) (token, MoE layer) rows (models/moe.py)
+    route_tally: torch.Tensor | None = None
     router_mass: torch.Tensor | None = None  # [experts] weighted router probabilities (aux loss)
 
-    def take_route_tally(self) -> tuple[int, int] | None:
-        """(agreeing rows, replayed rows) since the last call (one host read), or None."""
+    def take_route_tally(self, full: bool = False) -> tuple[int, ...] | None:
+        """(agreeing rows, replayed rows) since the last call (one host read), or None;
+        full=True adds (agreeing decided rows, decided rows): rows whose top-k is no near-tie."""
         t, self.route_tally = self.route_tally, None
-        return None if t is None else (int(t[0]), int(t[1]))
+        if t is None:
+            return None
+        counts = tuple(int(v) for v in t.tolist())
+        return counts if full else counts[:2]
 
     def project(self, hidden_EH: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the given rows (tied or untied head), in the model dtype."""

@@ -22,7 +22,17 @@ normalises its own top-k, so the router still gets gradients. A row whose
 route is the sentinel -1 (the final sampled token: the engine never ran it as
 an input) takes the router's own top-k; such a row is a target-only leaf, so
 its value reaches no logprob. `route_agreement` counts the (token, MoE layer)
-rows whose recomputed top-k set equals the replayed one.
+rows whose recomputed top-k set equals the replayed one; `route_agreement_decided`
+counts the same over the rows whose top-k is no near-tie (models/route_ties.py:
+the k-th minus (k+1)-th router logit above two ulps of the compute dtype per logit).
+
+Router precision: `MoeConfig.router_dtype="float32"` (the default, as Megatron's
+`moe_router_dtype="fp32"` that NeMo RL and verl's R3 set for routing replay) computes
+the router logits and the top-k in float32 from the block's input as it arrives
+(float32 weights, autocast off), in sampler and trainer alike; "compute" keeps
+Hugging Face's choice (logits in the model's dtype, softmax in float32). The two
+are the same computation in float32. Combine weights are cast to the compute
+dtype either way, as Hugging Face casts them to its logits' dtype.
 
 Expert compute is one sort by expert and two grouped matmuls
 (`torch._grouped_mm`: CUDA in bf16, CPU in any dtype, rows 16-byte aligned),
@@ -45,7 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTINGS", "route_width"]
+from treeflow.models.route_ties import compute_dtype
+from treeflow.models.route_ties import topk_margin
+
+__all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS", "route_width"]
 
 MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                      "MixtralForCausalLM": "mixtral"}
@@ -53,6 +66,7 @@ MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": 
 HYBRID_MOE_FAMILIES = ("nemotron_h", "granitemoehybrid")
 _SHARED_IN_BLOCK = ("qwen2_moe", "nemotron_h")
 ROUTINGS = ("auto", "replay", "recompute")
+ROUTER_DTYPES = ("float32", "compute")
 
 # config.json keys that MoeConfig models (not carried as extras)
 MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -84,8 +98,13 @@ class MoeConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     latent_size: int = 0
+    # router logits and top-k: "float32" (Megatron's moe_router_dtype="fp32") or "compute"
+    router_dtype: str = "float32"
 
     def __post_init__(self):
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"MoeConfig.router_dtype {self.router_dtype!r}: use one of "
+                             f"{ROUTER_DTYPES}")
         families = (*MOE_ARCHITECTURES.values(), *HYBRID_MOE_FAMILIES)
         if self.family not in families:
             raise ValueError(f"MoeConfig.family {self.family!r}: use one of {sorted(families)}")
@@ -303,16 +322,19 @@ class MoeBlock(nn.Module):
         logits_NX, probs_NX = self._scores(x_NH)
         if aux_weights_N is not None and tally is not None:  # router mass for the aux loss
             tally[("mass", self.layer_index)] = aux_weights_N @ probs_NX
-        own_NK = self._choose(probs_NX)
+        counting = route_NK is not None and tally is not None
+        own_NK, decided_N = self._choose(logits_NX, probs_NX, compute_dtype(x_NH), counting)
         if route_NK is None:
             idx_NK = own_NK
         else:
             given_N = (route_NK >= 0).all(dim=-1)
             if tally is not None:
                 same_N = (own_NK.sort(-1).values == route_NK.sort(-1).values).all(-1) & given_N
-                tally[self.layer_index] = torch.stack([same_N.sum(), given_N.sum()])
+                tally[self.layer_index] = torch.stack([same_N.sum(), given_N.sum(),
+                                                       (same_N & decided_N).sum(),
+                                                       (given_N & decided_N).sum()])
             idx_NK = torch.where(given_N[:, None], route_NK, own_NK) if replay else own_NK
-        w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype)
+        w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype, compute_dtype(x_NH))
         h_NH = self.fc1_latent_proj(x_NH) if hasattr(self, "fc1_latent_proj") else x_NH
         y_NH = expert_mix(h_NH, idx_NK, w_NK, self.experts.in_proj, self.experts.down_proj,
                           gated=self.experts.gated)
@@ -329,22 +351,57 @@ class MoeBlock(nn.Module):
 
     def own_routes(self, x_NH: torch.Tensor) -> torch.Tensor:
         """The experts this block's router chooses for each row [N, top_k] (route capture)."""
-        return self._choose(self._scores(x_NH)[1])
+        logits_NX, probs_NX = self._scores(x_NH)
+        return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), False)[0]
+
+    @torch.no_grad()
+    def route_margins(self, x_NH: torch.Tensor):
+        """(own top-k [N, K], margin_N, resolution_N): the router's choice, the gap between its
+        k-th and (k+1)-th score and the band under which that gap is a near-tie (route_ties.py);
+        the rows `route_agreement_decided` counts are those with margin > resolution."""
+        logits_NX, probs_NX = self._scores(x_NH)
+        return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), True, margins=True)
 
     def _scores(self, x_NH):
         """(router logits, float32 scores the choice and weights read: softmax, or Nemotron-H's
-        sigmoid of float32 logits)."""
+        sigmoid of float32 logits). Logits in float32 under router_dtype="float32" (autocast
+        off: the input as it arrives, the float32 master weight), else in the compute dtype."""
+        if self.moe.family == "nemotron_h" or self.moe.router_dtype == "float32":
+            with torch.autocast(x_NH.device.type, enabled=False):
+                logits_NX = F.linear(x_NH.float(), self._gate.weight.float())
+        else:
+            logits_NX = F.linear(x_NH, self._gate.weight)
         if self.moe.family == "nemotron_h":
-            logits_NX = F.linear(x_NH.float(), self._gate.weight.float())
             return logits_NX, torch.sigmoid(logits_NX)
-        logits_NX = F.linear(x_NH, self._gate.weight)
         return logits_NX, torch.softmax(logits_NX.float(), dim=-1)
 
     @torch.no_grad()
-    def _choose(self, probs_NX: torch.Tensor) -> torch.Tensor:
+    def _choose(self, logits_NX, probs_NX, compute: torch.dtype, decide: bool,
+                margins: bool = False):
+        """(top-k [N, K], decided_N or None); margins=True: (top-k, margin_N, resolution_N)."""
+        moe = self.moe
+        choice_NX = self._choice_scores(probs_NX)
+        k = moe.top_k
+        if not decide:
+            return torch.topk(choice_NX, k, dim=-1).indices, None
+        if k == moe.num_experts:  # every expert chosen: no boundary to tie at
+            own_NK = torch.topk(choice_NX, k, dim=-1).indices
+            inf_N = choice_NX.new_full(choice_NX.shape[:1], float("inf"))
+            return (own_NK, inf_N, torch.zeros_like(inf_N)) if margins else (own_NK, inf_N > 0)
+        own_NK = torch.topk(choice_NX, k, dim=-1).indices   # the choice, as without counting
+        top = torch.topk(choice_NX, k + 1, dim=-1)           # its boundary: k-th and (k+1)-th
+        margin_N, resolution_N = topk_margin(moe.family, logits_NX.float(), top.values[:, k - 1:],
+                                             top.indices[:, k - 1:], torch.finfo(compute).eps)
+        if margins:
+            return own_NK, margin_N, resolution_N
+        return own_NK, margin_N > resolution_N
+
+    def _choice_scores(self, probs_NX: torch.Tensor) -> torch.Tensor:
+        """The scores the top-k reads: the probabilities, or Nemotron-H's biased, group-limited
+        sigmoid scores."""
         moe = self.moe
         if moe.family != "nemotron_h":
-            return torch.topk(probs_NX, moe.top_k, dim=-1).indices
+            return probs_NX
         choice_NX = probs_NX + self._gate.e_score_correction_bias
         if moe.topk_group < moe.n_group:  # only the best topk_group groups (by their top-2 sum)
             n = choice_NX.shape[0]
@@ -353,9 +410,9 @@ class MoeBlock(nn.Module):
                 1, torch.topk(group_NG, moe.topk_group, dim=-1).indices, True)
             keep_NX = keep_NG.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
             choice_NX = choice_NX.masked_fill(~keep_NX, float("-inf"))
-        return torch.topk(choice_NX, moe.top_k, dim=-1).indices
+        return choice_NX
 
-    def _weights(self, logits_NX, probs_NX, idx_NK, dtype):
+    def _weights(self, logits_NX, probs_NX, idx_NK, dtype, compute):
         """Combine weights at the chosen (or replayed) experts, as the family computes them."""
         moe = self.moe
         if moe.family == "granitemoehybrid":  # softmax over the chosen experts' logits
@@ -367,8 +424,8 @@ class MoeBlock(nn.Module):
             return w_NK * moe.routed_scaling_factor
         if moe.norm_topk_prob:
             w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
-        if moe.family != "mixtral":  # Qwen casts the weights to the logits' dtype; Mixtral keeps fp32
-            w_NK = w_NK.to(logits_NX.dtype)
+        if moe.family != "mixtral":  # Qwen casts the weights to its logits' (compute) dtype
+            w_NK = w_NK.to(compute)
         return w_NK
 
 

@@ -181,10 +181,11 @@ class ForwardRunner:
         assert len(inner) == node_off[-1] - node_off[0], "one route per node"
         return self._to_device(values.reshape(-1, width))
 
-    def take_route_tally(self) -> tuple[int, int] | None:
-        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
+    def take_route_tally(self, full: bool = False) -> tuple[int, ...] | None:
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None; full=True
+        adds (agreeing decided, decided) rows where the backend counts them (the reference)."""
         take = getattr(self.backend, "take_route_tally", None)
-        return None if take is None or self.route_width is None else take()
+        return None if take is None or self.route_width is None else take(full=full)
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))

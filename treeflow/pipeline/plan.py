@@ -254,6 +254,8 @@ class WindowAccumulator:
         out = {"device_seconds": self._device_seconds} if self._device_seconds else {}
         if self._routes is not None:
             out.update(route_agree=self._routes[0], route_rows=self._routes[1])
+            if len(self._routes) == 4:  # rows whose top-k is no near-tie (models/route_ties.py)
+                out.update(route_agree_decided=self._routes[2], route_decided=self._routes[3])
         return out
 
     def taken(self) -> None:
@@ -271,7 +273,7 @@ class WindowAccumulator:
                 self._parts.append(part)
         self._pending.clear()
         if self.runner is not None:
-            self._routes = self.runner.take_route_tally()
+            self._routes = self.runner.take_route_tally(full=True)
         if self.inner is not None:
             return self.inner.finish()
         return pa.concat_tables(self._parts)

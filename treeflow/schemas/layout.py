@@ -126,6 +126,11 @@ STEP_METRICS_SCHEMA = pa.schema(
            nullable=True),
         _f("route_agreement", pa.float64(), "MoE: share of replayed (token, MoE layer) rows whose "
            "recomputed top-k expert set equals the captured route", nullable=True),
+        _f("route_agreement_decided", pa.float64(), "MoE: the same over the rows whose "
+           "recomputed top-k is no near-tie (k-th minus (k+1)-th router logit above the compute "
+           "dtype's resolution, models/route_ties.py)", nullable=True),
+        _f("route_near_ties", pa.int64(), "MoE: replayed rows whose top-k is a near-tie (left "
+           "out of route_agreement_decided)", nullable=True),
         _f("context_parallel", pa.int64(), "processes that ran each bin together (--context-parallel)",
            nullable=True),
         _f("cp_exchange_bytes", pa.int64(), "K/V bytes one context-parallel rank received per "

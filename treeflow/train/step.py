@@ -379,7 +379,7 @@ class Step:
                                else 0.0),
             "gen_kl": float(gen[0] / gen[1]) if gen[1] else None,
             "gen_logprob_max_diff": float(gen_max[0]) if gen[1] else None,
-            "route_agreement": self._route_agreement(),
+            **self._route_agreement(),
         }
         if dp.cp is not None:
             from treeflow.ops.cp_runner import cp_metrics
@@ -387,14 +387,24 @@ class Step:
             row.update(cp_metrics(tr.runner.take_stats(), dp))
         return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
 
-    def _route_agreement(self) -> float | None:
-        """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route."""
+    def _route_agreement(self) -> dict:
+        """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route;
+        the same over the rows whose top-k is no near-tie (models/route_ties.py); the
+        near-ties."""
+        out = {"route_agreement": None, "route_agreement_decided": None, "route_near_ties": None}
         runner = self.trainer.runner
         if getattr(runner, "route_width", None) is None:  # the same on every rank
-            return None
-        tally = runner.take_route_tally() or (0, 0)
-        agree, rows = self.trainer.dp.sum_array(np.array(tally, dtype=np.float64))
-        return float(agree / rows) if rows else None
+            return out
+        tally = runner.take_route_tally(full=True) or (0, 0, 0, 0)
+        counts = np.full(4, np.nan)   # NaN: a backend that does not count decided rows
+        counts[:len(tally)] = tally
+        agree, rows, agree_decided, decided = self.trainer.dp.sum_array(counts)
+        if rows:
+            out["route_agreement"] = float(agree / rows)
+        if rows and np.isfinite(decided):
+            out["route_near_ties"] = int(rows - decided)
+            out["route_agreement_decided"] = float(agree_decided / decided) if decided else None
+        return out
 
 
 _START = {"ratio_max": -np.inf, "ratio_min": np.inf}

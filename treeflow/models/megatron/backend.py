@@ -255,8 +255,9 @@ class MegatronBackend(ModuleBackend):
                              f"backward with experts split over ranks, not {what}; use "
                              "expert_parallel=1 (tensor parallelism splits the experts too)")
 
-    def take_route_tally(self) -> tuple[int, int] | None:
-        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None."""
+    def take_route_tally(self, full: bool = False) -> tuple[int, int] | None:
+        """(agreeing, replayed) (token, MoE layer) rows since the last call, or None (decided
+        rows are not counted here: `full` gives the same two)."""
         return self._routers.take()
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,

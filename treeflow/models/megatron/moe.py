@@ -179,7 +179,8 @@ def moe_config(c: ModelConfig, *, expert_parallel: int = 1) -> dict:
                moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                moe_z_loss_coeff=None, moe_input_jitter_eps=None, moe_grouped_gemm=False,
-               moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
+               moe_router_dtype="fp32" if moe.router_dtype == "float32" else None,
+               moe_token_dispatcher_type="allgather",
                moe_expert_capacity_factor=None, expert_model_parallel_size=expert_parallel,
                moe_permute_fusion=False, moe_router_fusion=False)
     if moe.shared_expert_intermediate_size:
