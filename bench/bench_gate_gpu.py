@@ -179,10 +179,15 @@ def main() -> int:
     if proc.stdout.strip():
         res["gate"] = json.loads(proc.stdout.strip().splitlines()[-1])
     res["stderr_tail"] = proc.stderr[-2000:]
+
+    def write():
+        with open(out_file, "w") as f:
+            json.dump(res, f, indent=1)
+
+    write()  # the gate's figures survive a diagnostic that runs past a device call's limit
     if args.margin_groups and (routed or args.smoke):
         res["route_margins"] = margins(args, model if routed else None, dtype, work)
-    with open(out_file, "w") as f:
-        json.dump(res, f, indent=1)
+        write()
     print(json.dumps(res, indent=1))
     return 0 if proc.returncode == 0 else 1
 
