@@ -179,6 +179,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     try:
         report = fit(pipe, source, steps=args.steps, cap_steps=False,
                      trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
+                                          reference=configs.reference(args, forward),
                                           **({"dp": dp} if dp is not None else {})),
                      run={"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}},
                      config=resolved_config(args), lead=lead, log=say,
