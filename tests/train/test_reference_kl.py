@@ -87,7 +87,7 @@ def test_kl_metric_loss_and_gradient_match_transformers(setup, capsys):
     want_kl = float((torch.exp(dr) - dr - 1).mean())
     assert 0.1 < want_kl < 5  # the two policies really differ (about 0.59)
     assert first["kl"] == pytest.approx(want_kl, rel=1e-4)
-    # NS assert first["train/kl"] == first["kl"]
+    assert first["train/kl"] == first["kl"]
     # the loss: token mean of -p + C * k3, and its gradient by transformers' autograd
     d_ = r.float() - p
     loss = (-p + KL_COEF * (torch.exp(d_) - d_ - 1)).mean()
