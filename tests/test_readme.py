@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (pattern, replacement): the user's values -> tiny ones on CPU
 SUBSTITUTIONS = [
     (r"--model (DIR|path/to/policy)", "--model tiny"),
+    (r"--ref-model (DIR|path/to/policy)", "--ref-model tiny"),
     (r'model="DIR"', 'model="tiny"'),
     (r"--device cuda", "--device cpu"),
     (r'"cuda"', '"cpu"'),
