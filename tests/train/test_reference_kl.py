@@ -1,4 +1,4 @@
-"""--kl-coef with --ref-model: the KL term against a frozen reference policy, end to end.
+"""--kl-coef with --ref-model (the KL term against a frozen reference policy), --entropy-coef.
 
 The policy and the reference are two Hugging Face checkpoints written by transformers
 (another seed for the reference). `treeflow replay --mode train --kl-coef C --ref-model REF`
@@ -7,6 +7,8 @@ call through both models gives by the hand formula (k3 = exp(r - p) - (r - p) - 
 token, token mean), and the gradient norm of that loss by transformers' own autograd. The
 reference must stay frozen (the second step's KL is computed against the same reference),
 and a KL without a reference, or a reference without a KL, is refused by its flag.
+`--entropy-coef C` subtracts C times the mean entropy of the sampled tokens' distributions,
+reported as train/entropy, against the same transformers forward.
 """
 
 import json
@@ -57,8 +59,9 @@ def setup(tmp_path_factory):
     return d, data, rows, policy, ref
 
 
-def _per_token(model, rows, grad=False):
-    """Per loss token, the sampled token's logprob from one plain causal forward per call."""
+def _per_token(model, rows, grad=False, entropy=False):
+    """Per loss token, the sampled token's logprob (or its distribution's entropy) from one
+    plain causal forward per call."""
     out = []
     with torch.set_grad_enabled(grad):
         for row in rows:
@@ -66,9 +69,18 @@ def _per_token(model, rows, grad=False):
                 ids = torch.tensor([c["token_ids"]])
                 lp = torch.log_softmax(model(ids).logits[0].float(), -1)
                 s = c["sampled_start"]
-                picked = lp[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0]
+                if entropy:
+                    picked = -(lp[s - 1:-1].exp() * lp[s - 1:-1]).sum(-1)
+                else:
+                    picked = lp[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0]
                 out.append(picked[torch.tensor(c["loss_mask"])])
     return torch.cat(out)
+
+
+def _grad_norm(model) -> float:
+    norm = float(torch.sqrt(sum((q.grad.double() ** 2).sum() for q in model.parameters())))
+    model.zero_grad(set_to_none=True)
+    return norm
 
 
 def test_kl_metric_loss_and_gradient_match_transformers(setup, capsys):
@@ -93,11 +105,27 @@ def test_kl_metric_loss_and_gradient_match_transformers(setup, capsys):
     loss = (-p + KL_COEF * (torch.exp(d_) - d_ - 1)).mean()
     assert first["loss"] == pytest.approx(float(loss), rel=1e-5)
     loss.backward()
-    want_norm = float(torch.sqrt(sum((q.grad.double() ** 2).sum() for q in policy.parameters())))
-    assert first["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
-    policy.zero_grad(set_to_none=True)
+    assert first["grad_norm"] == pytest.approx(_grad_norm(policy), rel=1e-4)
     # step 2: the policy moved, the reference did not (its KL is against the same reference)
     assert second["kl"] is not None and second["kl"] != first["kl"]
+
+
+def test_entropy_coef_bonus_and_metric_match_transformers(setup, capsys):
+    d, data, rows, policy, _ = setup
+    metrics = str(d / "ent.jsonl")
+    assert main(["replay", data, "--mode", "train", "--model", str(d / "policy"), "--loss", "nll",
+                 "--episodes-per-step", "4", "--steps", "1", "--max-tokens", "64",
+                 "--entropy-coef", "0.2", "--metrics", metrics, "--quiet"]) == 0
+    capsys.readouterr()
+    (row,) = [json.loads(line) for line in open(metrics)]
+    p = _per_token(policy, rows, grad=True)
+    h = _per_token(policy, rows, grad=True, entropy=True)
+    assert row["train/entropy"] == pytest.approx(float(h.mean()), rel=1e-5)
+    assert row["train/kl"] is None
+    loss = (-p - 0.2 * h).mean()  # the bonus is subtracted
+    assert row["train/loss"] == pytest.approx(float(loss), rel=1e-5)
+    loss.backward()
+    assert row["train/grad_norm"] == pytest.approx(_grad_norm(policy), rel=1e-4)
 
 
 def test_kl_flags_are_refused_without_their_partner(setup, capsys):
