@@ -110,6 +110,23 @@ def test_kl_metric_loss_and_gradient_match_transformers(setup, capsys):
     assert second["kl"] is not None and second["kl"] != first["kl"]
 
 
+@pytest.mark.multiprocess
+def test_two_ranks_give_the_same_kl(setup, capsys):
+    """--num-ranks 2: each rank's reference runs its own bins; the KL sums over the ranks."""
+    d, data, rows, policy, ref = setup
+    metrics = str(d / "m2.jsonl")
+    assert main(["replay", data, "--mode", "train", "--model", str(d / "policy"), "--loss", "nll",
+                 "--episodes-per-step", "4", "--steps", "1", "--max-tokens", "64",
+                 "--num-ranks", "2", "--kl-coef", str(KL_COEF), "--ref-model", str(d / "ref"),
+                 "--metrics", metrics, "--quiet"]) == 0
+    capsys.readouterr()
+    (row,) = [json.loads(line) for line in open(metrics)]
+    r, p = _per_token(ref, rows).double(), _per_token(policy, rows).double()
+    assert row["perf/ranks"] == 2 and row["perf/bins"] >= 2
+    assert row["train/kl"] == pytest.approx(float((torch.exp(r - p) - (r - p) - 1).mean()),
+                                            rel=1e-4)
+
+
 def test_entropy_coef_bonus_and_metric_match_transformers(setup, capsys):
     d, data, rows, policy, _ = setup
     metrics = str(d / "ent.jsonl")
