@@ -165,5 +165,5 @@ def test_two_ranks_log_once(data, tmp_path, monkeypatch, capsys):
     # every experiment: two ranks racing to create "treeflow" could make two of that name
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1, [r.info.run_id for r in runs]
-    history = client.get_metric_history(runs[0].info.run_id, "ranks")
+    history = client.get_metric_history(runs[0].info.run_id, "perf/ranks")
     assert [(m.step, m.value) for m in history] == [(1, 2), (2, 2)]
