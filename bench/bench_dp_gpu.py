@@ -251,10 +251,11 @@ def _cli_check(args) -> dict:
         rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     return {"command": "treeflow " + " ".join(cmd), "rc": proc.returncode,
             "stderr_tail": proc.stderr[-2000:], "seconds": seconds, "steps": len(rows),
-            "ranks": [r.get("ranks") for r in rows], "losses": [r.get("loss") for r in rows],
-            "rank_seconds_max": [r.get("rank_seconds_max") for r in rows],
-            "idle_fraction": [r.get("idle_fraction") for r in rows],
-            "cost_imbalance": [r.get("cost_imbalance") for r in rows]}
+            "ranks": [r.get("perf/ranks") for r in rows],
+            "losses": [r.get("train/loss") for r in rows],
+            "rank_seconds_max": [r.get("perf/rank_seconds_max") for r in rows],
+            "idle_fraction": [r.get("perf/idle_fraction") for r in rows],
+            "cost_imbalance": [r.get("perf/cost_imbalance") for r in rows]}
 
 
 def scaling(args) -> dict:
@@ -339,7 +340,7 @@ def precision(args) -> dict:
             if rc != 0:
                 raise SystemExit(f"the {mode} run failed (exit {rc})")
             rows = [json.loads(line) for line in open(metrics)]
-            curves[mode] = {"loss": [r["loss"] for r in rows],
+            curves[mode] = {"loss": [r["train/loss"] for r in rows],
                             "seconds": time.perf_counter() - t0}
     png = os.path.join(out_dir(), "dp_precision_curves.png")
     _plot(curves, png, f"{args.steps} steps, lr {args.lr}, {args.device}, "

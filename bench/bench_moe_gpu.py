@@ -221,9 +221,9 @@ def main() -> None:
         res["train_step_speedup_steady"] = round(
             ex["steady_seconds_per_step"] / tr["steady_seconds_per_step"], 3)
         last = tr.get("last") or {}
-        if last.get("executed_tokens"):
+        if last.get("perf/executed_tokens"):
             res["train_tree_mfu_executed"] = round(
-                6 * n_active * last["executed_tokens"] / tr["steady_seconds_per_step"] / peak, 4)
+                6 * n_active * last["perf/executed_tokens"] / tr["steady_seconds_per_step"] / peak, 4)
     save()
     print(json.dumps(res, indent=1))
 

@@ -60,7 +60,8 @@ def main() -> None:
         r = cli(common + extra + ["--metrics", os.path.join(work, f"{name}.jsonl")], env, name)
         r["bench_wall_seconds"] = round(time.perf_counter() - t0, 2)
         rows = [json.loads(line) for line in open(os.path.join(work, f"{name}.jsonl"))]
-        r["step_seconds"] = [round(b["seconds"] - a["seconds"], 3) for a, b in zip(rows, rows[1:])]
+        r["step_seconds"] = [round(b["perf/seconds"] - a["perf/seconds"], 3)
+                             for a, b in zip(rows, rows[1:])]
         res["runs"][name] = r
         print(name, json.dumps({k: r.get(k) for k in ("steady_seconds_per_step", "peak_rss_mib",
                                                          "step_seconds", "bench_wall_seconds")}),

@@ -7,8 +7,10 @@ Writes `speedup_vs_ideal.png` (measured speedup of each layout over exact calls
 against its ideal token ratio, per result set and mode) and `memory.png`
 (peak memory per layout, and the vocabulary step with and without edge
 selection). It understands the files written by bench_gpu.py and
-bench_replay_cpu.py; other JSON files are listed as skipped. Prints one JSON
-object: the points plotted and the files written.
+bench_replay_cpu.py; other JSON files are listed as skipped. Each PNG's points
+are written next to it as NAME.json (and the PNG carries their digest:
+treeflow/plots.py), which scripts/readme_plots.py and its test read. Prints one
+JSON object: the points plotted and the files written.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ def load(results: str) -> tuple[list[dict], list[dict], list[str]]:
         name = os.path.basename(path)
         with open(path) as f:
             d = json.load(f)
+        if isinstance(d.get("png"), str) and "data" in d:  # a plot's own data (written below)
+            continue
         if isinstance(d.get("layouts"), dict) and "model" in d and "env" in d:
             s, m = _gpu(name, d)
         elif isinstance(d.get("layouts"), dict) and "config" in d:
@@ -82,7 +86,13 @@ def load(results: str) -> tuple[list[dict], list[dict], list[str]]:
     return speed, mem, skipped
 
 
-def plot_speedup(points: list[dict], path: str) -> None:
+def _save(fig, path: str, points: list[dict], draw: bool) -> None:
+    from treeflow.plots import save_with_data
+
+    save_with_data(fig, path, {"points": points}, source="bench/plot_bench.py", draw=draw)
+
+
+def plot_speedup(points: list[dict], path: str, draw: bool = True) -> None:
     fig = Figure(figsize=(11, 4.6), dpi=100, layout="constrained")
     ax, bx = fig.subplots(1, 2)
     sets = list(dict.fromkeys(p["set"] for p in points))
@@ -111,10 +121,10 @@ def plot_speedup(points: list[dict], path: str) -> None:
     bx.set_xticks(x, shorts)
     bx.set(ylabel="measured speedup / ideal speedup", ylim=(0, 1.15), title="share of the ideal reached")
     bx.legend(fontsize=8, loc="lower right")
-    fig.savefig(path)
+    _save(fig, path, points, draw)
 
 
-def plot_memory(points: list[dict], path: str) -> None:
+def plot_memory(points: list[dict], path: str, draw: bool = True) -> None:
     sets = list(dict.fromkeys(p["set"] for p in points))
     fig = Figure(figsize=(4.2 * len(sets), 4.2), dpi=100, layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(sets)))
@@ -126,7 +136,7 @@ def plot_memory(points: list[dict], path: str) -> None:
         ax.set(ylabel=ps[0]["unit"], title=s if len(s) < 48 else s[:s.rfind(",", 0, 48)] + ",\n" +
                s[s.rfind(",", 0, 48) + 2:])
         ax.title.set_fontsize(9)
-    fig.savefig(path)
+    _save(fig, path, points, draw)
 
 
 def main() -> None:

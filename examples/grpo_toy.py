@@ -111,23 +111,34 @@ def train(*, steps: int = 40, groups_per_step: int = 4, group_size: int = 4, lr:
     return curve
 
 
-def plot(curves: dict[str, list[dict]], path: str) -> None:
-    import matplotlib
+def plot_data(curves: dict[str, list[dict]]) -> dict:
+    """What the reward plot shows: each layout's mean reward per step."""
+    return {name: {"step": [int(r["step"]) for r in curve],
+                   "reward_mean": [float(r["reward_mean"]) for r in curve]}
+            for name, curve in curves.items()}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, curve in curves.items():
-        ax.plot([r["step"] for r in curve], [r["reward_mean"] for r in curve], label=name,
+def plot(curves: dict[str, list[dict]], path: str, *, source: str = "examples/grpo_toy.py",
+         draw: bool = True) -> None:
+    """The reward curves as a PNG, with their data as JSON next to it (treeflow/plots.py)."""
+    from matplotlib.figure import Figure
+
+    from treeflow.plots import save_with_data
+
+    data = plot_data(curves)
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
+    for name, curve in data.items():
+        ax.plot(curve["step"], curve["reward_mean"], label=name,
                 linestyle="-" if name.startswith("tree") else "--")
     ax.axhline(0.5, color="grey", lw=0.8, label="chance")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward of the step's episodes")
     ax.set_title("GRPO on the AnswerLow tool task (tiny policy, CPU)")
     ax.legend()
+    fig.set_dpi(110)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_with_data(fig, path, data, source=source, draw=draw)
 
 
 def main(argv=None) -> int:

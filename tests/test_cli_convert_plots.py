@@ -52,8 +52,12 @@ def test_inspect_plot_on_synthetic_data(tmp_path, capsys):
     plots = str(tmp_path / "p")
     assert main(["inspect", f, "--plot", plots, "--quiet"]) == 0
     assert capsys.readouterr().out == ""
-    assert sorted(os.listdir(plots)) == ["call_growth.png", "savings.png"]  # no bins without a budget
-    assert all(os.path.getsize(os.path.join(plots, p)) > 10_000 for p in os.listdir(plots))
+    # no bins without a budget; each picture with the numbers it shows
+    assert sorted(os.listdir(plots)) == ["call_growth.json", "call_growth.png", "savings.json",
+                                         "savings.png"]
+    assert all(os.path.getsize(os.path.join(plots, p)) > 10_000 for p in os.listdir(plots)
+               if p.endswith(".png"))
+    assert len(json.load(open(os.path.join(plots, "savings.json")))["data"]["saving_tree"]) == 16
 
 
 def test_convert_chat_warns_and_counts(tmp_path, capsys, tokenizer_dir):

@@ -92,3 +92,21 @@ def test_idle_ranks_are_said():
     said = idle_ranks_warning("ray", 2, 1)
     assert said.startswith("warning: --num-ranks 2: the run made 1 bin(s)")
     assert idle_ranks_warning("ray", 2, 2) is None and idle_ranks_warning("local", 2, 1) is None
+
+
+def test_output_off_a_terminal_is_not_hard_wrapped(tmp_path, capsys):
+    """A path or a suggested command stays on one line when stdout is a pipe or a file."""
+    import os
+
+    deep = tmp_path / ("d" * 70)
+    deep.mkdir()
+    out = str(deep / "episodes.arrow")
+    assert main(["synth", "-o", out, "--episodes", "4", "--group-size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and out in lines[0], lines
+    data = os.path.join(os.path.dirname(__file__), "data", "vllm_sglang.jsonl")
+    converted = str(deep / "c.arrow")
+    assert main(["convert", data, "-o", converted, "--format", "openai", "--episode-id-field",
+                 "id", "--group-id-field", "meta.group", "--reward-field", "reward"]) == 0
+    said = capsys.readouterr().out
+    assert f"next: treeflow inspect {converted} --plot DIR" in said.splitlines()[-1], said

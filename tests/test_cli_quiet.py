@@ -58,3 +58,20 @@ def test_ray_training_run_prints_no_ray_banner(tmp_path):
     noise = [line for line in lines if "Ray instance" in line or "Ray cluster" in line
              or " INFO " in line or "WARNING" in line or "Running Dataset" in line]
     assert noise == [], noise
+
+
+@pytest.mark.ray
+def test_ray_ranks_without_work_are_said(ray_cluster, tmp_path, capsys):
+    """`replay --engine ray --num-ranks 2` on data that makes one bin: one actor had work, and
+    stderr says so (the run does something other than asked)."""
+    from treeflow.cli import main
+
+    path = tmp_path / "e.arrow"
+    write_episodes(synth_episodes(episodes=2, group_size=2, turns=(2, 2), system_tokens=8,
+                                  user_tokens=(2, 3), completion_tokens=(2, 3),
+                                  tool_tokens=(2, 3), seed=3), path)
+    assert main(["replay", str(path), "--engine", "ray", "--num-ranks", "2", "--max-tokens",
+                 "4096", "-o", str(tmp_path / "lp.arrow"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --num-ranks 2: the run made 1 bin(s), so only 1 of the 2 forward actors" \
+        in err, err[-2000:]

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (pattern, replacement): the user's values -> tiny ones on CPU
 SUBSTITUTIONS = [
     (r"--model (DIR|path/to/policy)", "--model tiny"),
+    (r"--ref-model (DIR|path/to/policy)", "--ref-model tiny"),
     (r'model="DIR"', 'model="tiny"'),
     (r"--device cuda", "--device cpu"),
     (r'"cuda"', '"cpu"'),
@@ -184,3 +185,21 @@ def test_python_blocks_run(shared, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     failed = json.loads(proc.stdout.strip().split("\n")[-1])
     assert not failed, "\n".join(failed)
+
+
+# the flags issue 26 added: each is documented in README (and in --help: test_cli_honest.py)
+NEW_FLAGS = ("--advantage", "--no-std-normalize", "--advantage-eps", "--config", "--print-config",
+             "--logger", "--logger-project", "--logger-run-name", "--logger-dir",
+             "--mlflow-tracking-uri", "--verbose", "--entropy-coef", "--kl-coef", "--ref-model")
+
+
+def test_readme_documents_every_new_flag():
+    from treeflow.cli import build_parser
+    from treeflow.cli.config import subparsers
+
+    text = (ROOT / "README.md").read_text()
+    flags = {o for sub in subparsers(build_parser()).values() for a in sub._actions
+             for o in a.option_strings}
+    for flag in NEW_FLAGS:
+        assert flag in flags, f"{flag} is no flag of any command"
+        assert re.search(rf"`{re.escape(flag)}[ `=]", text), f"README does not document {flag}"

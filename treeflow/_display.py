@@ -11,9 +11,14 @@ from contextlib import contextmanager
 
 
 def console(stderr: bool = False):
+    """A rich Console on stdout (stderr); off a terminal, lines are never hard-wrapped (a
+    suggested command or a path stays one line for a log or a pipe to read)."""
     from rich.console import Console
 
-    return Console(stderr=stderr)
+    con = Console(stderr=stderr)
+    if not con.is_terminal:
+        con.soft_wrap = True
+    return con
 
 
 def _si(x: float) -> str:

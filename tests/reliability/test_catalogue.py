@@ -10,6 +10,7 @@ with nothing new left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -361,7 +362,17 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "lp.arrow", "--compile-cache", tmp / "cc"], \
                 [str(tmp / "cc"), "writable by group or others"]
         if kind == "kl-coef":
-            return ["replay", good, *TRAIN, "--kl-coef", "0.1"], ["--kl-coef 0.1", "reference"]
+            return ["replay", good, *TRAIN, "--kl-coef", "0.1"], ["--kl-coef 0.1", "--ref-model DIR"]
+        if kind == "ref-model-no-kl":
+            return ["replay", good, *TRAIN, "--ref-model", tmp / "ref"], \
+                ["--ref-model", "--kl-coef C > 0"]
+        if kind == "ref-model-vocab":  # the KL compares the same tokens' logprobs
+            from treeflow.models import ModelConfig, load_model, save_model
+
+            save_model(load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=40000)),
+                       tmp / "ref")
+            return ["replay", good, *TRAIN, "--kl-coef", "0.1", "--ref-model", tmp / "ref"], \
+                ["reference policy", "40000", "the policy's tokenizer"]
         raise AssertionError(kind)
     return setup
 
@@ -437,6 +448,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
          "context-parallel-0", "context-parallel-megatron", "close-when", "max-attempts-0",
          "advantage-no-reward", "group-split", "config-unknown-key", "lr-negative", "kl-coef",
+         "ref-model-no-kl", "ref-model-vocab",
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",
          "tensorboard-is-input", "config-architectures-nested", "truncated-stream",

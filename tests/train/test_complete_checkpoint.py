@@ -82,3 +82,23 @@ def test_old_text_latest_still_resumes(tmp_path):
     os.remove(root / "latest")
     os.symlink("step-000004", root / "latest")
     assert latest_step(str(root)) == 3
+
+
+def test_latest_is_a_text_record_where_symlinks_are_refused(tmp_path, monkeypatch):
+    """A filesystem without symlinks: `latest` is written as a text file naming the step,
+    and resume reads the step from it."""
+    from treeflow.stages import Forward, Loss, Reduce
+    from treeflow.train import Trainer
+
+    def refuse(*args, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "symlink", refuse)
+    tr = Trainer(Forward(model="tiny"), Reduce(loss=Loss(kind="nll")))
+    root = tmp_path / "ck"
+    tr.save(str(root))
+    assert not os.path.islink(root / "latest")
+    assert (root / "latest").read_text() == "step-000000\n" == (root / "latest.txt").read_text()
+    assert latest_step(str(root)) == 0
+    again = Trainer.resume(str(root), Forward(model="tiny"), Reduce(loss=Loss(kind="nll")))
+    assert again.steps == 0 and again.checkpoint_path.endswith("step-000000")

@@ -92,9 +92,11 @@ def test_wandb_and_mlflow_log_every_step_once_across_resume(data, tmp_path, monk
     assert ids == [record["wandb"]["run_id"]]  # the resumed run continued the same run id
     history = runs[ids[0]]
     assert [h["_step"] for h in history] == [1, 2, 4]  # step 3 once (the killed run's)
-    for h in history:
-        assert h["loss"] == pytest.approx(rows[h["_step"] - 1]["loss"])
-        assert h["grad_norm"] == pytest.approx(rows[h["_step"] - 1]["grad_norm"])
+    for h in history:  # namespaced as verl / NeMo RL log them, never the old flat names
+        assert h["train/loss"] == pytest.approx(rows[h["_step"] - 1]["train/loss"])
+        assert h["train/grad_norm"] == pytest.approx(rows[h["_step"] - 1]["train/grad_norm"])
+        assert h["perf/bins"] == rows[h["_step"] - 1]["perf/bins"]
+        assert not [k for k in h if "/" not in k and not k.startswith("_")], h
     assert runs["config:" + ids[0]][0]["lr"] == 1e-2  # the resolved config, as the run config
 
     client = MlflowClient(tracking_uri=uri)
@@ -102,9 +104,11 @@ def test_wandb_and_mlflow_log_every_step_once_across_resume(data, tmp_path, monk
     found = client.search_runs([experiment.experiment_id])
     assert [r.info.run_id for r in found] == [record["mlflow"]["run_id"]]
     assert found[0].info.run_name == "first" and found[0].data.params["lr"] == "0.01"
-    losses = client.get_metric_history(record["mlflow"]["run_id"], "loss")
+    losses = client.get_metric_history(record["mlflow"]["run_id"], "train/loss")
     assert [m.step for m in losses] == [1, 2, 4]
-    assert [m.value for m in losses] == pytest.approx([rows[s - 1]["loss"] for s in (1, 2, 4)])
+    assert [m.value for m in losses] == pytest.approx([rows[s - 1]["train/loss"] for s in (1, 2, 4)])
+    logged = client.get_run(record["mlflow"]["run_id"]).data.metrics
+    assert "train/grad_norm" in logged and not [k for k in logged if "/" not in k], logged
 
 
 def test_logger_names_and_needs_are_one_line_errors(data, tmp_path, capsys):
@@ -142,7 +146,7 @@ def test_stream_training_logs_to_mlflow(data, tmp_path, monkeypatch, capsys):
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("treeflow").experiment_id])
-    for key in ("loss", "queue_step"):  # the stream's own fields too
+    for key in ("train/loss", "rollout/queue_step"):  # the stream's own fields too
         history = client.get_metric_history(run.info.run_id, key)
         assert [(m.step, m.value) for m in history] == \
             [(r["step"], pytest.approx(r[key])) for r in rows]
@@ -161,5 +165,5 @@ def test_two_ranks_log_once(data, tmp_path, monkeypatch, capsys):
     # every experiment: two ranks racing to create "treeflow" could make two of that name
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1, [r.info.run_id for r in runs]
-    history = client.get_metric_history(runs[0].info.run_id, "ranks")
+    history = client.get_metric_history(runs[0].info.run_id, "perf/ranks")
     assert [(m.step, m.value) for m in history] == [(1, 2), (2, 2)]

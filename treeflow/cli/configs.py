@@ -10,7 +10,7 @@ sinks) are built here too, from the flags every training command shares.
 
 from __future__ import annotations
 
-__all__ = ["fit_options", "forward", "plan_stages", "reduce", "rollout_config"]
+__all__ = ["fit_options", "forward", "plan_stages", "reduce", "reference", "rollout_config"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
 _FORWARD_FLAGS = ("backend", "chunk_size", "tensor_parallel", "context_parallel", "routing",
@@ -35,10 +35,20 @@ def reduce(args):
 
     return Reduce(loss=Loss(kind=args.loss, norm=args.norm, clip_low=args.clip_low,
                             clip_high=args.clip_high, tis_cap=args.tis_cap,
-                            entropy_coef=args.entropy_coef),
+                            entropy_coef=args.entropy_coef, kl_coef=args.kl_coef),
                   schedule=EpisodeSchedule(lr=args.lr, warmup_episodes=args.warmup_episodes,
                                            decay_episodes=args.decay_episodes),
                   max_grad_norm=args.max_grad_norm)
+
+
+def reference(args, forward):
+    """The KL penalty's reference policy: `forward` on --ref-model (None without the flag)."""
+    from dataclasses import replace
+
+    from treeflow.train.checkpoint import model_dir
+
+    ref = getattr(args, "ref_model", None)
+    return None if not ref else replace(forward, model=model_dir(ref), entropy=False)
 
 
 def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:

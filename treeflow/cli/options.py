@@ -136,8 +136,12 @@ def add_rl_options(p) -> None:
                    help="entropy bonus: the loss subtracts this times the mean entropy of the "
                         "sampled tokens' distributions (the forward also computes entropies)")
     g.add_argument("--kl-coef", type=float, default=0.0,
-                   help="KL penalty against a reference policy; refused above 0 for now: the "
-                        "reference logprobs (a --ref-model) are not computed by the CLI yet")
+                   help="KL penalty: the loss adds this times the k3 estimate exp(r - p) - (r - p) "
+                        "- 1 per loss token, r the --ref-model's logprob (needs --ref-model)")
+    g.add_argument("--ref-model", default=None, metavar="DIR",
+                   help="the frozen reference policy of the KL penalty (a local HF checkpoint "
+                        "with the policy's tokenizer, e.g. the initial policy); it runs every "
+                        "bin beside the policy, in --dtype, never trained")
 
 
 def queue_options(s) -> None:

@@ -79,11 +79,17 @@ def check_loss_options(args) -> None:
         value = getattr(args, flag, 0.0)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {value}: give a finite number >= 0")
-    if getattr(args, "kl_coef", 0.0) > 0:
-        raise ValueError(f"--kl-coef {args.kl_coef}: the KL penalty needs the reference "
-                         "policy's logprobs of every sampled token, and the command line does "
-                         "not compute them yet (no --ref-model); from Python pass "
-                         "Loss(kl_coef=...) and Trainer.train_step(..., ref_logprobs=TABLE)")
+    kl, ref = getattr(args, "kl_coef", 0.0), getattr(args, "ref_model", None)
+    if kl > 0 and not ref:
+        raise ValueError(f"--kl-coef {kl}: the KL penalty needs the reference policy's logprobs "
+                         "of every sampled token; give --ref-model DIR (e.g. the initial policy's "
+                         "checkpoint), or drop --kl-coef")
+    if ref and not kl > 0:
+        raise ValueError(f"--ref-model {ref}: the reference policy feeds only the KL penalty; "
+                         "give --kl-coef C > 0, or drop --ref-model")
+    if ref and (getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "context_parallel", 1) > 1):
+        raise ValueError(f"--ref-model {ref}: a reference policy under --tensor-parallel or "
+                         "--context-parallel is not supported yet; train with both at 1")
 
 
 def advantage_stages(args) -> tuple:

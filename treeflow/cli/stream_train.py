@@ -118,6 +118,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.ops import PublishWeights
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
     from treeflow.train.fit import fit
+    from treeflow.train.metric_names import logged, logged_with_flat
     from treeflow.train.run import STEP_OPTIONS
 
     forward = configs.forward(args, entropy=bool(args.entropy_coef))
@@ -179,6 +180,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     try:
         report = fit(pipe, source, steps=args.steps, cap_steps=False,
                      trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
+                                          reference=configs.reference(args, forward),
                                           **({"dp": dp} if dp is not None else {})),
                      run={"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}},
                      config=resolved_config(args), lead=lead, log=say,
@@ -198,7 +200,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     rows, reader = report["rows"], opened["reader"]
     if not (args.json or args.quiet) and rows:
         console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
-                                list(rows[-1].items())))
+                                list(logged(rows[-1]).items())))
     kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
     return {"steps": report["steps"], "episodes": reader.episodes,
             "dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
@@ -206,7 +208,7 @@ def _stream_train(args, queue, dp) -> dict | None:
             "rejected_steps": reader.rejected, "dead_lettered_steps": reader.dead_lettered,
             "gen_kl_mean": (sum(kls) / len(kls)) if kls else None,
             "ratio_mean_last": rows[-1]["ratio_mean"] if rows else None,
-            "last": rows[-1] if rows else None,
+            "last": logged_with_flat(rows[-1]) if rows else None,
             "compile_seconds": round(report["compile_seconds"], 3),
             "steady_seconds_per_step": report["steady_seconds_per_step"], "weights": root,
             "wall_seconds": round(time.perf_counter() - t0, 3),

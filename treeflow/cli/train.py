@@ -112,7 +112,8 @@ def _train(args, *, distributed: bool) -> int:
     try:
         report = fit(pipe, lambda position, done: files.open(position), steps=args.steps,
                      trainer_options=dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
-                                          shard_params=args.shard_params),
+                                          shard_params=args.shard_params,
+                                          reference=configs.reference(args, forward)),
                      run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
                      config={**resolved_config(args), "files": list(args.files)},
                      episodes_per_step=args.episodes_per_step, lead=lead, log=say,
@@ -148,7 +149,8 @@ def _train_ray(args) -> int:
     report = fit(pipes[0], lambda position, done: files.open(position), steps=args.steps,
                  engine="ray", engine_options={"ranks": world, "plans": [p.plan for p in pipes]},
                  trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
-                                      shard_params=args.shard_params),
+                                      shard_params=args.shard_params,
+                                      reference=configs.reference(args, forward)),
                  run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
                  config={**resolved_config(args), "files": list(args.files)},
                  episodes_per_step=args.episodes_per_step, log=say,
@@ -162,9 +164,12 @@ def _train_ray(args) -> int:
 
 
 def _report(args, report: dict, ranks: int) -> None:
+    from treeflow.train.metric_names import logged, logged_with_flat
+
     rows = report["rows"]
-    if args.json:
-        out = {"steps": report["steps"], "last": report["last"],
+    if args.json:  # the last step's metrics as a JSON line of --metrics holds them
+        out = {"steps": report["steps"],
+               "last": None if report["last"] is None else logged_with_flat(report["last"]),
                "compile_seconds": round(report["compile_seconds"], 3),
                "steady_seconds_per_step": report["steady_seconds_per_step"],
                "recompiles": report["recompiles"], "process_seconds": round(process_seconds(), 3),
@@ -177,7 +182,7 @@ def _report(args, report: dict, ranks: int) -> None:
     elif not args.quiet:
         last = rows[-1]
         console().print(table(f"train: {args.model} layout={args.layout} loss={args.loss} "
-                                f"norm={args.norm} ranks={ranks}", list(last.items())))
+                                f"norm={args.norm} ranks={ranks}", list(logged(last).items())))
         if args.save:
             console().print(f"checkpoint written to {args.save}")
 

@@ -1,6 +1,7 @@
 """Training metrics to TensorBoard, next to the metrics JSONL.
 
-One scalar per numeric metric per optimizer step, tagged "train/NAME", written
+One scalar per numeric metric per optimizer step, tagged by its namespaced name
+("train/loss", "rollout/gen_kl"; a flat NAME becomes "train/NAME"), written
 with torch's `SummaryWriter` (event files under the given directory; view
 with `tensorboard --logdir DIR`). Non-numeric and non-finite values are
 skipped, as TensorBoard cannot plot them; the JSONL keeps everything. The
@@ -34,7 +35,8 @@ class TensorBoardLog:
                 continue
             if not math.isfinite(value):
                 continue
-            self._writer.add_scalar(f"train/{key}", value, global_step=step)
+            self._writer.add_scalar(key if "/" in key else f"train/{key}", value,
+                                    global_step=step)
             n += 1
         self._writer.flush()
         return n

@@ -113,6 +113,8 @@ STEP_METRICS_SCHEMA = pa.schema(
         _f("ratio_min", pa.float64(), "min importance ratio (pg)"),
         _f("ratio_max", pa.float64(), "max importance ratio (pg)"),
         _f("kl", pa.float64(), "mean k3 KL to the reference over loss tokens (kl_coef > 0)"),
+        _f("entropy", pa.float64(), "mean entropy of the sampled tokens' distributions over loss "
+           "tokens (entropy_coef > 0)", nullable=True),
         _f("ranks", pa.int64(), "data-parallel ranks that ran the step"),
         _f("rank_seconds_max", pa.float64(), "slowest rank's forward+backward seconds"),
         _f("rank_seconds_mean", pa.float64(), "mean over ranks of forward+backward seconds"),

@@ -25,7 +25,9 @@ import os
 from treeflow.schemas.episode import count_rows, expand_paths
 
 STEP_OPTIONS = ("episodes_per_step", "loss", "norm", "clip_low", "clip_high", "tis_cap", "lr",
-                "warmup_episodes", "decay_episodes", "max_grad_norm", "advantage")
+                "warmup_episodes", "decay_episodes", "max_grad_norm", "advantage", "kl_coef",
+                "entropy_coef")
+_ADDED = ("kl_coef", "entropy_coef")  # compared only against checkpoints that recorded them
 _OLD_NAMES = {"episodes_per_step": "batch_episodes"}  # what an older checkpoint calls it
 _HEAD_BYTES = 1 << 20
 _BLOCK = 1 << 22
@@ -90,6 +92,8 @@ def differences(saved: dict, now: dict) -> list[str]:
     out = []
     for k in STEP_OPTIONS:
         options = saved.get("options", {})
+        if k in _ADDED and k not in options:
+            continue
         a, b = options.get(k, options.get(_OLD_NAMES.get(k))), now["options"].get(k)
         if a != b:
             out.append(f"--{k.replace('_', '-')} was {a}, now {b}")

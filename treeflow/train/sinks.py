@@ -8,6 +8,10 @@ refuses a JSON-lines file that already holds rows; a resumed run cuts it
 back to the checkpoint's steps (atomically), so a kill between a line and
 its checkpoint never leaves a duplicated or torn line. `flush(durable=True)`
 runs before a checkpoint that holds the rows written so far.
+
+Every sink logs the row's fields under their namespaced names (`train/loss`,
+`rollout/gen_kl`, `perf/bins`: train/metric_names.py); the JSON-lines file also keeps
+the old flat keys for one release (deprecated).
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ class JsonlSink:
         self._file = open(path, "a")
 
     def write(self, row: dict, position: dict | None) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        from treeflow.train.metric_names import logged_with_flat
+
+        self._file.write(json.dumps(logged_with_flat(row)) + "\n")
         self._file.flush()
 
     def flush(self, *, durable: bool = False) -> None:
@@ -94,10 +100,13 @@ class TensorBoardSink:
         self._log = TensorBoardLog(self.logdir)
 
     def write(self, row: dict, position: dict | None) -> None:
+        from treeflow.train.metric_names import logged
+
         extra = {}
         if position and isinstance(position.get("episodes"), int):
             extra["episodes_consumed"] = position["episodes"]
-        self._log.write(row["step"], {**{k: v for k, v in row.items() if v is not None}, **extra})
+        self._log.write(row["step"], logged({**{k: v for k, v in row.items() if v is not None},
+                                             **extra}))
 
     def flush(self, *, durable: bool = False) -> None:
         pass

@@ -71,12 +71,19 @@ class Step:
         if loss.tis_cap is not None:
             self._need_finite(self.gen_S, "generation_logprobs", "TIS needs the engine's logprobs")
         self.ref_S = None
+        # the reference policy runs every bin beside the policy, unless a table gives its values
+        self._reference = None
         if loss.needs_ref_logprobs:
-            if ref_logprobs is None:
-                raise ValueError("Loss(kl_coef > 0) needs reference logprobs: pass ref_logprobs "
-                                 "(a result table of the reference policy on these episodes)")
-            self.ref_S = slots.values_from_results(ref_logprobs)
-            self._need_finite(self.ref_S, "ref_logprobs", "recompute them on these episodes")
+            if ref_logprobs is not None:
+                self.ref_S = slots.values_from_results(ref_logprobs)
+                self._need_finite(self.ref_S, "ref_logprobs", "recompute them on these episodes")
+            elif trainer.reference is not None:
+                self._reference = trainer.reference
+            else:
+                raise ValueError("Loss(kl_coef > 0) needs reference logprobs: build the Trainer "
+                                 "with reference=Forward(model=REF_DIR) (--ref-model DIR), or pass "
+                                 "ref_logprobs (a result table of the reference policy on these "
+                                 "episodes)")
         self.adv_S = calls.advantage_S
         self.bins = 0
         self.executed_tokens = 0
@@ -141,10 +148,14 @@ class Step:
         index_2O = _to_device(np.stack([val["occ_edge"].astype(np.int64)[keep], slot[keep]]),
                               runner.device)
         runner.wait_ready(prepared)
+        ref = None
+        if self._reference is not None:  # the same bins, prepared for the reference model
+            ref = self._reference.prepare(bins)
+            self._reference.wait_ready(ref)
         loss = self.trainer.reduce.loss
         t0 = time.perf_counter()
         try:
-            self._add(bins, off, index_2O, kept_off, loss, last)
+            self._add(bins, off, index_2O, kept_off, loss, last, ref)
             self._seen[slot if mine is None else slot[mine]] += 1
         finally:
             # host work while the device still runs the last backward
@@ -153,7 +164,7 @@ class Step:
                 torch.cuda.synchronize(self.trainer.runner.device)
             self.seconds += time.perf_counter() - t0
 
-    def _add(self, bins, off, index_2O, kept_off, loss, last) -> None:
+    def _add(self, bins, off, index_2O, kept_off, loss, last, ref) -> None:
         sums: dict = {}  # the loss and statistics summed on the device
         full = np.flatnonzero(np.diff(off["edge_sources"]) > 0)
         arm_at = int(full[-1]) if last and len(full) and self.trainer.reducer is not None else -1
@@ -169,12 +180,16 @@ class Step:
                 with self.trainer.compute():
                     lp_E, ent_E = self.trainer.runner.run_bin(item)
                 t = self._t
+                ref_O = None if t["ref"] is None else t["ref"][slot_O]
+                if ref is not None:  # the frozen reference policy on the same bin's edges
+                    with torch.no_grad(), self.trainer.compute():
+                        ref_O = self._reference.run_bin(ref.items[r])[0][edge_O].to(lp_E.dtype)
                 total, stats = occurrence_loss(
                     loss, lp_E[edge_O], weight_O=t["weight"][slot_O],
                     advantage_O=t["adv"][slot_O],
                     old_logprob_O=None if t["old"] is None else t["old"][slot_O],
                     generation_logprob_O=t["gen"][slot_O],
-                    ref_logprob_O=None if t["ref"] is None else t["ref"][slot_O],
+                    ref_logprob_O=ref_O,
                     entropy_O=None if ent_E is None else ent_E[edge_O],
                     selected=True, tensor_stats=True)
                 if self._aux is not None:  # the router load-balancing term (router_aux.py)
@@ -370,6 +385,7 @@ class Step:
             "ratio_min": float(-ext[1]) if pg and np.isfinite(ext[1]) else None,
             "ratio_max": float(ext[0]) if pg and np.isfinite(ext[0]) else None,
             "kl": s["kl_sum"] / active if loss.kl_coef > 0 else None,
+            "entropy": s["entropy_sum"] / active if loss.entropy_coef else None,
             "ranks": dp.world,
             "rank_seconds_max": slowest,
             "rank_seconds_mean": float(seconds.mean()),

@@ -110,10 +110,12 @@ class _Tracker:
         if step <= self.skip_to:  # already in the tracker: a tracker step is written once
             self._skipped.append(step)
             return
+        from treeflow.train.metric_names import logged
+
         self._note_skipped()
-        metrics = numbers(row)
+        metrics = numbers(logged(row))  # train/loss, rollout/gen_kl, perf/bins
         if position and isinstance(position.get("episodes"), int):
-            metrics["episodes_consumed"] = position["episodes"]
+            metrics["train/episodes_consumed"] = position["episodes"]
         metrics.pop("step", None)
         self._log(step, metrics)
         self.last = step

@@ -13,6 +13,11 @@ over ranks before clipping, so every rank steps alike. Mixed precision (train/pr
 `Forward(dtype="bfloat16")` is the compute dtype; the parameters and AdamW stay float32.
 Context parallelism (models/context_parallel.py): with `dp.cp` set, the C processes of a group
 run the same bins, each its range of nodes, and the gradient sum covers every process.
+A reference policy (`reference=Forward(model=REF_DIR)`, for `Loss(kl_coef > 0)`) is a second,
+frozen model on the same device that runs every bin the policy runs, under no_grad, so the KL
+term reads its logprobs of the same edges (verl's ref worker, NeMo RL's reference policy) --
+the trade-off: one more forward per bin and the reference's weights in memory, instead of a
+separate logprob phase whose results would have to be stored and reassembled per step.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ class Trainer:
     (train/fsdp.py); the compute dtype comes from FSDP's mixed-precision policy.
     overlap_reduce: on several ranks with float32 gradient sums, start the gradient all-reduce
     during the last bin's backward, bucket by bucket (train/overlap.py); False reduces after it.
+    reference: the frozen reference policy whose logprobs of every bin's edges feed the KL
+    penalty (Loss(kl_coef > 0)); loaded in its own dtype on this rank's device, never trained
+    or saved. Without one, `train_step(..., ref_logprobs=TABLE)` must give them.
 
     After each step `last_timing` holds this rank's seconds: compute_s (its bins, forward and
     backward), agree_s (waiting at the ranks' agreement: idle behind the slowest rank plus the
@@ -71,7 +79,7 @@ class Trainer:
                  precision: str = "mixed", dp: DataParallel | None = None,
                  grad_sum: str = "float32", device: str | torch.device = "cpu",
                  max_tokens: int | None = None, shard_params: bool = False,
-                 overlap_reduce: bool = True):
+                 overlap_reduce: bool = True, reference: Forward | None = None):
         if grad_sum not in ("float32", "float64"):
             raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
         if shard_params and (grad_sum != "float32" or precision != "mixed"):
@@ -122,6 +130,30 @@ class Trainer:
         self._open: Step | None = None
         self._saving: BackgroundSave | None = None  # the checkpoint write in flight, if any
         self.cost_model = CostModel.from_config(self.backend.config)
+        self.reference = self._reference(reference, max_tokens)
+
+    def _reference(self, reference: Forward | None, max_tokens: int | None):
+        """The reference policy's runner (frozen, eval mode), or None."""
+        if reference is None:
+            return None
+        if not self.reduce.loss.needs_ref_logprobs:
+            raise ValueError(f"Trainer(reference={reference.model!r}): the reference policy feeds "
+                             "only the KL penalty; give Loss(kl_coef > 0) (--kl-coef) or drop it")
+        if self.dp.cp is not None or reference.context_parallel > 1 or \
+                reference.tensor_parallel > 1:
+            raise ValueError(f"a reference policy ({reference.model}) under tensor or context "
+                             "parallelism is not supported yet: train with --tensor-parallel 1 "
+                             "--context-parallel 1, or pass ref_logprobs from Python")
+        runner = build_forward(replace(reference, entropy=False), device=self.dp.device,
+                               max_tokens=max_tokens)
+        if runner.vocab_size != self.backend.config.vocab_size:
+            raise ValueError(f"reference policy {reference.model}: vocabulary of "
+                             f"{runner.vocab_size} tokens, the policy's has "
+                             f"{self.backend.config.vocab_size}; the KL compares the same "
+                             "tokens' logprobs, so give a reference with the policy's tokenizer")
+        for p in runner.model.parameters():
+            p.requires_grad_(False)
+        return runner
 
     def compute(self):
         """The context every forward of this trainer runs in (autocast under mixed precision)."""

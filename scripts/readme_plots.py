@@ -1,0 +1,120 @@
+"""Redraw every picture README.md shows, each with the JSON of the numbers it is drawn from.
+
+    python scripts/readme_plots.py              # docs/plots/*.png and bench/results/*.png
+    python scripts/readme_plots.py --data-only  # only the .json next to each (no drawing)
+
+- docs/plots/savings.png, call_growth.png, bins.png: `treeflow synth` and `treeflow inspect
+  --plot` with README's arguments (INSPECT below), on CPU in a few seconds.
+- docs/plots/grpo_toy.png: the reward curves of the committed GRPO toy run
+  (bench/results/cpu_grpo_toy.json; rerunning it takes minutes: examples/grpo_toy.py).
+- bench/results/speedup_vs_ideal.png, memory.png: bench/plot_bench.py over the committed
+  benchmark results.
+
+Every PNG gets NAME.json beside it ({png, source, data}) and the SHA-256 of that data in a
+PNG text chunk (treeflow/plots.py). tests/test_readme_plots.py regenerates the data and
+compares it with the committed JSON, and each committed PNG's digest with its JSON, so a
+picture that no longer matches what its command draws fails a test. The trade-off: two small
+JSON files per picture in the repository, instead of comparing PNG pixels, which differ
+between matplotlib versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYNTH = ["--episodes", "64", "--group-size", "8"]
+INSPECT = ["--max-tokens", "16384", "--num-ranks", "4", "--episodes-per-step", "32"]
+GRPO_RUN = os.path.join("bench", "results", "cpu_grpo_toy.json")
+# README's pictures, relative to the repository root: what this script writes
+PICTURES = ("docs/plots/savings.png", "docs/plots/call_growth.png", "docs/plots/bins.png",
+            "docs/plots/grpo_toy.png", "bench/results/speedup_vs_ideal.png",
+            "bench/results/memory.png")
+
+
+def _module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def inspect_plots(out_dir: str, *, draw: bool = True) -> list[str]:
+    """savings, call_growth and bins: README's synth and inspect commands, in this process."""
+    from treeflow.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        episodes = os.path.join(tmp, "episodes.arrow")
+        if main(["synth", "-o", episodes, *SYNTH, "--quiet"]) != 0:
+            raise SystemExit("treeflow synth failed")
+        if draw:
+            if main(["inspect", episodes, *INSPECT, "--plot", out_dir, "--quiet"]) != 0:
+                raise SystemExit("treeflow inspect failed")
+        else:  # inspect's statistics, written as data only
+            _inspect_data(episodes, out_dir)
+    return [os.path.join(out_dir, n) for n in ("savings.png", "call_growth.png", "bins.png")]
+
+
+def _inspect_data(episodes: str, out_dir: str) -> None:
+    import polars as pl
+
+    from treeflow.pipeline.source import Files
+    from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
+    from treeflow.plots import write_inspect_plots
+
+    max_tokens, ranks, per_step = (int(INSPECT[i]) for i in (1, 3, 5))
+    frames, parts, calls, bins = [], [], [], []
+    for step, window in enumerate(Files(paths=(episodes,), episodes_per_step=per_step)):
+        frame, totals = window_stats(window, max_tokens=max_tokens)
+        frames.append(frame)
+        parts.append(totals)
+        calls.append(call_stats(window))
+        bins.append(bin_stats(window, max_tokens=max_tokens, ranks=ranks, step=step))
+    write_inspect_plots(out_dir, episodes=pl.concat(frames), calls=pl.concat(calls),
+                        totals=merge_totals(parts), bins=pl.concat(bins), max_tokens=max_tokens,
+                        ranks=ranks, draw=False)
+
+
+def grpo_plot(out_dir: str, *, draw: bool = True) -> list[str]:
+    with open(os.path.join(ROOT, GRPO_RUN)) as f:
+        curves = json.load(f)["curves"]
+    path = os.path.join(out_dir, "grpo_toy.png")
+    _module("examples/grpo_toy.py", "grpo_toy").plot(curves, path, source=GRPO_RUN, draw=draw)
+    return [path]
+
+
+def bench_plots(out_dir: str, *, draw: bool = True) -> list[str]:
+    plot_bench = _module("bench/plot_bench.py", "plot_bench")
+    speed, mem, _ = plot_bench.load(os.path.join(ROOT, "bench", "results"))
+    paths = [os.path.join(out_dir, "speedup_vs_ideal.png"), os.path.join(out_dir, "memory.png")]
+    plot_bench.plot_speedup(speed, paths[0], draw=draw)
+    plot_bench.plot_memory(mem, paths[1], draw=draw)
+    return paths
+
+
+def regenerate(docs_dir: str, bench_dir: str, *, draw: bool = True) -> list[str]:
+    """Every README picture (draw=False: only its data) into the two directories."""
+    os.makedirs(docs_dir, exist_ok=True)
+    os.makedirs(bench_dir, exist_ok=True)
+    return [*inspect_plots(docs_dir, draw=draw), *grpo_plot(docs_dir, draw=draw),
+            *bench_plots(bench_dir, draw=draw)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-only", action="store_true", help="write only the JSON data")
+    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "plots"))
+    ap.add_argument("--bench", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args(argv)
+    written = regenerate(args.docs, args.bench, draw=not args.data_only)
+    print(json.dumps({"written": written}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

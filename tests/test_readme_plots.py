@@ -1,0 +1,89 @@
+"""README's pictures are what scripts/readme_plots.py draws today, from data that is current.
+
+Each picture README shows is one the script writes; each committed PNG carries the digest
+of the committed JSON beside it (so the PNG was drawn from that data); and the data the
+script computes now, without drawing (a few seconds: synth, inspect's statistics, the
+committed benchmark results), equals the committed JSON. A picture left behind after a
+change to what its command draws fails here.
+"""
+
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import readme_plots  # noqa: E402
+
+from treeflow.plots import DIGEST_KEY, data_digest, draw_bins  # noqa: E402
+
+
+def _committed(png: str) -> dict:
+    with open(os.path.join(ROOT, os.path.splitext(png)[0] + ".json")) as f:
+        return json.load(f)
+
+
+def test_every_readme_picture_is_the_scripts_and_was_drawn_from_its_json():
+    from PIL import Image
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    shown = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme)
+    assert sorted(set(shown)) == sorted(readme_plots.PICTURES)
+    assert "scripts/readme_plots.py" in readme
+    for png in readme_plots.PICTURES:
+        record = _committed(png)
+        assert record["png"] == os.path.basename(png)
+        with Image.open(os.path.join(ROOT, png)) as im:
+            assert im.text.get(DIGEST_KEY) == data_digest(record["data"]), \
+                f"{png} was not drawn from {os.path.splitext(png)[0]}.json: run " \
+                "python scripts/readme_plots.py"
+
+
+def _same(got, want, where=""):
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), where
+        for k in want:
+            _same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), where
+    else:
+        assert got == want, where
+
+
+def test_regenerated_data_equals_the_committed(tmp_path):
+    docs, bench = tmp_path / "docs", tmp_path / "bench"
+    written = readme_plots.regenerate(str(docs), str(bench), draw=False)
+    assert len(written) == len(readme_plots.PICTURES)
+    for png in readme_plots.PICTURES:
+        here = (docs if png.startswith("docs/") else bench) / os.path.basename(png)
+        assert not here.exists()  # data only: nothing drawn
+        got = json.load(open(os.path.splitext(here)[0] + ".json"))
+        _same(got, _committed(png), png)
+
+
+def test_bins_picture_counts_padding_apart_and_keeps_the_legend_off_the_bars():
+    data = _committed("docs/plots/bins.png")["data"]
+    tokens = np.asarray(data["tokens"])
+    assert data["padding_bins"] == int((tokens == 0).sum()) == 4
+    used = int((tokens > 0).sum())
+    assert data["fill"] == pytest.approx(tokens.sum() / (used * data["max_tokens"]))
+    assert data["fill"] > 0.9  # the bins that hold tokens are nearly full (padding aside)
+    fig = draw_bins(data)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent(canvas.get_renderer())
+    for bar in ax.patches:
+        assert not legend.overlaps(bar.get_window_extent(canvas.get_renderer()))
+    assert legend.x0 >= ax.get_window_extent(canvas.get_renderer()).x1  # beside the plot
