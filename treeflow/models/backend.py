@@ -38,7 +38,6 @@ from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
-from treeflow.models.logprobs import selected_logprobs
 from treeflow.models.tuning import Tuning
 
 __all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"]
@@ -96,10 +95,11 @@ class ReferenceBackend(ModuleBackend):
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):
-        return selected_logprobs(self.module, hidden_EH, targets_E, chunk_size=chunk_size,
-                                 with_entropy=with_entropy, targets_checked=targets_checked,
-                                 fused=self.tuning.fused_loss,
-                                 vocab_chunk=self.tuning.loss_vocab_chunk)
+        return self.module.selected_logprobs(hidden_EH, targets_E, chunk_size=chunk_size,
+                                             with_entropy=with_entropy,
+                                             targets_checked=targets_checked,
+                                             fused=self.tuning.fused_loss,
+                                             vocab_chunk=self.tuning.loss_vocab_chunk)
 
     def clip_grad_norm(self, max_norm):
         params = [p for p in self.module.parameters() if p.grad is not None]
