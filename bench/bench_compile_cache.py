@@ -111,9 +111,8 @@ def main() -> None:
         for name, where in (("first", cache), ("second", cache), ("off", "off")):
             cmd = ["replay", data, "--model", model, "--layout", "tree", "--device", args.device,
                    "--dtype", dtype, "--max-tokens", str(args.max_tokens), "--json",
-                   "-o", os.path.join(work, f"lp-{tuning}-{name}.arrow"), "--compile-cache", where]
-            if tuning != "plain":
-                cmd += ["--tuning", tuning]
+                   "-o", os.path.join(work, f"lp-{tuning}-{name}.arrow"), "--compile-cache", where,
+                   "--tuning", tuning]
             load = _loadavg()
             out = cli(cmd, env, f"{tuning} {name}")
             keep = {k: out.get(k) for k in ("compile_seconds", "startup_seconds", "steady_seconds",
