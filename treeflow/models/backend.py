@@ -110,6 +110,16 @@ class ReferenceBackend(ModuleBackend):
     def save(self, path) -> None:
         save_model(self.module, path)
 
+    def snapshot_state(self):
+        """Clones of the weights now (on their device); returns `write(path)`, which saves the
+        clones as `save` would have saved the weights at this moment."""
+        from treeflow.models.checkpoint import save_state
+
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        frozen = getattr(self.module, "frozen_tensors", {})  # MTP tensors: never trained
+        config, first = self.module.config, next(iter(state.values()))
+        return lambda path: save_state({**state, **frozen}, config, path, dtype_of=first)
+
 
 def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
