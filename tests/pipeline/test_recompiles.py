@@ -32,7 +32,7 @@ def test_compiled_training_compiles_once(episodes, capsys, extra):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] == 3
-    assert counters["stats"]["unique_graphs"] - before >= 3  # the layer parts did compile
+    assert counters["stats"]["unique_graphs"] - before >= 2  # the layer parts did compile
     assert out["recompiles"] == 0
 
 
