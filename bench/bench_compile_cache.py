@@ -7,9 +7,14 @@ cache fills), (2) the same again (inductor and AOTAutograd load what (1)
 compiled), (3) `--compile-cache off`. Printed per run: `compile_seconds`
 (warm-up on dummy bins), `startup_seconds`, process wall, and the files and
 bytes in DIR afterwards (a second run that adds no file hit the cache for
-every graph).
+every graph). Each run goes through bench/compile_times_cli.py, which adds
+dynamo's graph count and its per-phase seconds (tracing, AOTAutograd, guards,
+inductor) and the cache hit/miss counters: what the second run still pays.
+Then (`--train-steps`, default 6) `--mode train` on the warm cache: seconds per
+step, `recompiles`, the slowest step over the median, and dynamo's own
+recompile reasons (TORCH_LOGS=recompiles) if any.
 
-    PYTHONUNBUFFERED=1 python bench/bench_compile_cache.py              # one H200, ~3 min
+    PYTHONUNBUFFERED=1 python bench/bench_compile_cache.py              # one H200, ~6 min
     python bench/bench_compile_cache.py --smoke --device cpu            # logic check
     python bench/bench_compile_cache.py --smoke --device cpu --cpu-probe
 
@@ -36,6 +41,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench_cli_gpu import SHAPES, SYNTH_VOCAB, cli, make_checkpoint  # noqa: E402
+
+TIMES = os.path.join(HERE, "compile_times_cli.py")  # the CLI in-process, plus dynamo's timers
 
 _PROBE = r"""
 import json, sys, time
@@ -68,6 +75,34 @@ def _files(path: str) -> dict:
     return {"cache_files": n, "cache_mib": round(size / 2**20, 2)}
 
 
+def _train(args, env, data, model, dtype, tuning, cache, work) -> dict:
+    """`--mode train` on the warm cache: per-step seconds, recompiles and dynamo's reasons."""
+    metrics = os.path.join(work, f"train-{tuning}.jsonl")
+    cmd = [sys.executable, TIMES, "replay", data, "--model", model, "--layout", "tree",
+           "--device", args.device, "--dtype", dtype, "--max-tokens", str(args.max_tokens),
+           "--mode", "train", "--episodes-per-step", str(args.episodes_per_step), "--steps",
+           str(args.train_steps), "--lr", "1e-6", "--loss", "nll", "--tuning", tuning.replace("+", ","),
+           "--compile-cache", cache, "--metrics", metrics, "--json"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**env, "TORCH_LOGS": "recompiles"})
+    if proc.returncode:
+        return {"error": proc.stderr[-2000:]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in open(metrics)]
+    steps = [round(b["seconds"] - a["seconds"], 3) for a, b in zip(rows, rows[1:])]
+    median = sorted(steps)[len(steps) // 2] if steps else None
+    reasons = [line.strip()[:300] for line in proc.stderr.splitlines()
+               if "ecompil" in line or "triggered by" in line]
+    return {"compile_seconds": out.get("compile_seconds"), "recompiles": out.get("recompiles"),
+            "graphs": out.get("graphs"), "tuning": out.get("tuning"),
+            "steady_seconds_per_step": out.get("steady_seconds_per_step"),
+            "step_seconds_after_first": steps,
+            "max_over_median": round(max(steps) / median, 3) if median else None,
+            "recompile_reasons": reasons[:20],
+            "process_seconds": round(time.perf_counter() - t0, 2)}
+
+
 def _loadavg() -> float | None:
     try:
         return float(open("/proc/loadavg").read().split()[0])
@@ -81,14 +116,21 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=512)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32768)
-    ap.add_argument("--tunings", default="plain,fast")
+    ap.add_argument("--tunings", default="plain,fast",
+                    help="presets to run, comma-separated; '+' joins settings of one run "
+                         "(fast+recompute=mlp)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cpu-probe", action="store_true", help="inductor on CPU, outside the CLI")
+    ap.add_argument("--train-steps", type=int, default=6,
+                    help="then --mode train this many steps on the warm cache (0: none): step "
+                         "seconds, recompiles and dynamo's recompile reasons")
+    ap.add_argument("--episodes-per-step", type=int, default=64)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shape and data (logic check)")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.episodes, args.group_size, args.max_tokens = "smoke", 8, 2, 8192
+        args.train_steps, args.episodes_per_step = min(args.train_steps, 3), 2
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
@@ -111,19 +153,22 @@ def main() -> None:
         for name, where in (("first", cache), ("second", cache), ("off", "off")):
             cmd = ["replay", data, "--model", model, "--layout", "tree", "--device", args.device,
                    "--dtype", dtype, "--max-tokens", str(args.max_tokens), "--json",
-                   "-o", os.path.join(work, f"lp-{tuning}-{name}.arrow"), "--compile-cache", where]
-            if tuning != "plain":
-                cmd += ["--tuning", tuning]
+                   "-o", os.path.join(work, f"lp-{tuning}-{name}.arrow"), "--compile-cache", where,
+                   "--tuning", tuning.replace("+", ",")]
             load = _loadavg()
-            out = cli(cmd, env, f"{tuning} {name}")
+            out = cli(cmd, env, f"{tuning} {name}", script=TIMES)
             keep = {k: out.get(k) for k in ("compile_seconds", "startup_seconds", "steady_seconds",
                                             "wall_seconds", "process_seconds", "recompiles",
-                                            "error")}
+                                            "tuning", "graphs", "frames", "dynamo_phases",
+                                            "inductor", "aot_autograd", "error")}
             runs[name] = {**keep, "loadavg": load, **(_files(cache) if where != "off" else {})}
             print(f"{tuning:6s} {name:6s} {json.dumps(runs[name])}", flush=True)
         first, second = runs["first"].get("compile_seconds"), runs["second"].get("compile_seconds")
         if first and second is not None:
             runs["second_over_first_compile"] = round(second / first, 3)
+        if args.train_steps:
+            runs["train"] = _train(args, env, data, model, dtype, tuning, cache, work)
+            print(f"{tuning:6s} train  {json.dumps(runs['train'])}", flush=True)
     if args.cpu_probe:
         cache = os.path.join(work, "cache-probe")
         probe = result["cpu_probe"] = {}

@@ -31,12 +31,12 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--episodes", type=int, default=512)
-    ap.add_argument("--batch-episodes", type=int, default=64)
+    ap.add_argument("--episodes-per-step", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
-        args.shape, args.episodes, args.batch_episodes, args.steps = "smoke", 8, 2, 3
+        args.shape, args.episodes, args.episodes_per_step, args.steps = "smoke", 8, 2, 3
     work = tempfile.mkdtemp(prefix="treeflow-save-")
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
@@ -51,11 +51,15 @@ def main() -> None:
     weights_mib = os.path.getsize(os.path.join(ckpt, "model.safetensors")) / 2**20
     common = ["replay", data, "--model", ckpt, "--device", args.device, "--dtype",
               "bfloat16" if args.device == "cuda" else "float32", "--mode", "train",
-              "--batch-episodes", str(args.batch_episodes), "--steps", str(args.steps),
+              "--episodes-per-step", str(args.episodes_per_step), "--steps", str(args.steps),
               "--lr", "1e-6", "--loss", "nll", "--json"]
     res = {"shape": args.shape, "weights_file_mib": round(weights_mib, 1), "runs": {}}
-    saving = ["--save-every", "1", "--keep", "1", "--save", os.path.join(work, "ck")]
-    for name, extra in (("no_save", []), ("save_every_1", saving)):
+    saving = ["--keep", "1", "--save", os.path.join(work, "ck")]
+    # every 3rd step too: a write longer than one step's forward+backward still holds the
+    # next optimizer step (the fence of train/background_save.py), however rare the saves
+    for name, extra in (("no_save", []), ("save_every_1", ["--save-every", "1", *saving]),
+                        ("save_every_3", ["--save-every", "3", *saving[:2],
+                                          "--save", os.path.join(work, "ck3")])):
         t0 = time.perf_counter()
         r = cli(common + extra + ["--metrics", os.path.join(work, f"{name}.jsonl")], env, name)
         r["bench_wall_seconds"] = round(time.perf_counter() - t0, 2)
@@ -66,7 +70,10 @@ def main() -> None:
         print(name, json.dumps({k: r.get(k) for k in ("steady_seconds_per_step", "peak_rss_mib",
                                                          "step_seconds", "bench_wall_seconds")}),
               flush=True)
-    a, b = res["runs"]["no_save"], res["runs"]["save_every_1"]
+    a, b, c = (res["runs"][n] for n in ("no_save", "save_every_1", "save_every_3"))
+    if a.get("steady_seconds_per_step") and c.get("steady_seconds_per_step"):
+        res["step_time_ratio_every_3"] = round(c["steady_seconds_per_step"]
+                                               / a["steady_seconds_per_step"], 3)
     if a.get("steady_seconds_per_step") and b.get("steady_seconds_per_step"):
         res["step_time_ratio"] = round(b["steady_seconds_per_step"] / a["steady_seconds_per_step"], 3)
         res["extra_rss_mib"] = round(b["peak_rss_mib"] - a["peak_rss_mib"], 1)

@@ -26,3 +26,50 @@ def test_replay_with_tuning_matches_plain_and_bad_tuning_exits_2(tmp_path, capsy
     capsys.readouterr()
     assert main(["replay", eps, "-o", str(tmp_path / "x.arrow"), "--tuning", "fused=1"]) == 2
     assert "'fused' is not a setting" in capsys.readouterr().err
+
+
+def test_auto_picks_fast_on_hopper_only_and_says_so(capsys, monkeypatch):
+    """`--tuning auto` (the default): fast on a capability-9 GPU with the reference backend,
+    plain elsewhere and where fast is refused or unmeasured; the choice on stderr and kept for
+    the JSON. The GPU is faked at torch.cuda's capability query (the rule runs before any model
+    code touches the device)."""
+    import argparse
+
+    import torch
+
+    from treeflow.cli.configs import tuning_text
+    from treeflow.models.tuning import PRESETS, Tuning, auto_preset
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+
+    def chosen(**flags):
+        args = argparse.Namespace(**{"tuning": "auto", "device": "cuda", "backend": None,
+                                     "shard_params": False, "tensor_parallel": 1,
+                                     "context_parallel": 1, **flags})
+        return tuning_text(args, "tiny"), args.tuning_chosen
+
+    assert chosen() == ("fast", "fast")
+    assert "--tuning auto: fast (Hopper GPU (capability 9.0))" in capsys.readouterr().err
+    assert Tuning.parse(chosen(tuning="auto,recompute=mlp")[0]) == PRESETS["lean"]
+    for flags in ({"shard_params": True}, {"backend": "megatron"}, {"tensor_parallel": 2},
+                  {"device": "cpu"}, {"tuning": "plain"}):
+        assert chosen(**flags)[0] == "plain", flags
+    cap[0] = (8, 0)
+    assert chosen()[0] == "plain"
+    assert "measured on Hopper (capability 9.x), not 8.0" in capsys.readouterr().err
+    assert auto_preset(device_type="cuda", capability=(9, 0), hybrid=True)[0] == "plain"
+    assert auto_preset(device_type="cuda", capability=(10, 0))[0] == "plain"
+
+
+def test_json_says_which_preset_ran(tmp_path, capsys):
+    eps = str(tmp_path / "eps.arrow")
+    assert main(["synth", "-o", eps, "--episodes", "2", "--min-turns", "1", "--max-turns", "2",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["replay", eps, "-o", str(tmp_path / "lp.arrow"), "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["tuning"] == "plain"  # auto on CPU: the plain path, nothing said

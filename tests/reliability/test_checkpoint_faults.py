@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 
 import torch
 
@@ -63,8 +64,11 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
             snapshot(torn=os.fspath(filename))
         return writer
 
+    threads = set()  # where the checkpoint writes ran: the background writer's thread
+
     def wrap_stream(real):  # treeflow.tensorfile.write_safetensors(path, tensors, ...)
         def writer(filename, *a, **k):
+            threads.add(threading.current_thread().name)
             snapshot()
             out = real(filename, *a, **k)
             snapshot(torn=os.fspath(filename))
@@ -90,6 +94,8 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     assert torch_equal(final_weights(work / "ckpt"), want)
     assert len(snaps) >= 10, f"only {len(snaps)} distinct write points were seen"
+    # --save-every writes in the background: the kill points above are the async writer's
+    assert "treeflow-save" in threads, threads
 
     resumed = refused = 0
     for snap in snaps:

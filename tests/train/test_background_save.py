@@ -73,6 +73,33 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path, slow_wr
         assert torch.equal(a, b), n
 
 
+def test_a_snapshot_save_lets_the_next_optimizer_step_run_during_the_write(tmp_path, monkeypatch):
+    """With the state cloned at the save (what a GPU with room does), the next step's optimizer
+    does not wait for the write, and the files are still the saved step's, byte for byte."""
+    sync, bg = _trainer(), _trainer()
+    bg.snapshot_saves = True  # the CUDA rule, forced on the CPU
+    for tr in (sync, bg):
+        _step(tr, seed=1)
+    sync.save(tmp_path / "sync")
+    gate, real = threading.Event(), tensorfile._host_bytes
+
+    def held(t):  # the writer reads nothing until the next step is over (30 s if it waits)
+        gate.wait(timeout=30)
+        return real(t)
+
+    monkeypatch.setattr(tensorfile, "_host_bytes", held)
+    path = bg.save(tmp_path / "bg", background=True)
+    _step(bg, seed=2)  # AdamW steps while the write has not read a tensor yet
+    assert bg.last_timing["save_wait_s"] == 0.0
+    assert bg._saving is not None and bg._saving.running
+    gate.set()
+    bg.wait_for_save()
+    assert _hashes(path) == _hashes(tmp_path / "sync" / "step-000001")
+    _step(sync, seed=2)
+    for (n, a), (_, b) in zip(sync.backend.named_parameters(), bg.backend.named_parameters()):
+        assert torch.equal(a, b), n
+
+
 def test_background_write_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
     """Host memory of a save: the host copies alive at once never exceed one tensor (the largest
     is the embedding), however many tensors the model and AdamW hold."""

@@ -40,11 +40,12 @@ def model_options(s) -> None:
     s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"),
                    default="auto")
     s.add_argument("--chunk-size", type=int, default=1024, help="edges per vocabulary chunk")
-    s.add_argument("--tuning", default="",
-                   help="speed levers of the reference backend: a preset (fast: compiled "
-                        "layers, fused edge loss, tuned flex tiles; lean: fast + MLP "
-                        "recomputation) and/or name=value,... e.g. fast,recompute=attention or "
-                        "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: none)")
+    s.add_argument("--tuning", default="auto",
+                   help="speed levers of the reference backend: a preset (plain: the reference "
+                        "path; fast: compiled layers, fused edge loss, tuned flex tiles; lean: "
+                        "fast + MLP recomputation; auto: fast on a Hopper GPU, else plain, said "
+                        "on stderr) and/or name=value,... e.g. fast,recompute=attention or "
+                        "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: auto)")
     add_compile_cache_option(s)
     s.add_argument("--routing", choices=("auto", "replay", "recompute"), default="auto",
                    help="MoE experts: replay the episodes' routed_experts on every tree node "

@@ -124,6 +124,7 @@ def _replay(args) -> int:
         sums["tensor_parallel"] = args.tensor_parallel
     if args.context_parallel > 1:
         sums["context_parallel"] = args.context_parallel
+    sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
     if args.json:
         print(json.dumps(sums))
     elif not args.quiet:

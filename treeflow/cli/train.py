@@ -172,7 +172,9 @@ def _report(args, report: dict, ranks: int) -> None:
                "last": None if report["last"] is None else logged_with_flat(report["last"]),
                "compile_seconds": round(report["compile_seconds"], 3),
                "steady_seconds_per_step": report["steady_seconds_per_step"],
-               "recompiles": report["recompiles"], "process_seconds": round(process_seconds(), 3),
+               "recompiles": report["recompiles"],
+               "tuning": getattr(args, "tuning_chosen", args.tuning),
+               "process_seconds": round(process_seconds(), 3),
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         import torch
 

@@ -38,7 +38,6 @@ from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
-from treeflow.models.logprobs import selected_logprobs
 from treeflow.models.tuning import Tuning
 
 __all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"]
@@ -97,10 +96,11 @@ class ReferenceBackend(ModuleBackend):
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
                       targets_checked=False):
-        return selected_logprobs(self.module, hidden_EH, targets_E, chunk_size=chunk_size,
-                                 with_entropy=with_entropy, targets_checked=targets_checked,
-                                 fused=self.tuning.fused_loss,
-                                 vocab_chunk=self.tuning.loss_vocab_chunk)
+        return self.module.selected_logprobs(hidden_EH, targets_E, chunk_size=chunk_size,
+                                             with_entropy=with_entropy,
+                                             targets_checked=targets_checked,
+                                             fused=self.tuning.fused_loss,
+                                             vocab_chunk=self.tuning.loss_vocab_chunk)
 
     def clip_grad_norm(self, max_norm):
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -110,6 +110,16 @@ class ReferenceBackend(ModuleBackend):
 
     def save(self, path) -> None:
         save_model(self.module, path)
+
+    def snapshot_state(self):
+        """Clones of the weights now (on their device); returns `write(path)`, which saves the
+        clones as `save` would have saved the weights at this moment."""
+        from treeflow.models.checkpoint import save_state
+
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        frozen = getattr(self.module, "frozen_tensors", {})  # MTP tensors: never trained
+        config, first = self.module.config, next(iter(state.values()))
+        return lambda path: save_state({**state, **frozen}, config, path, dtype_of=first)
 
 
 def load_backend(name: str, model: str | os.PathLike | ModelConfig, *,

@@ -11,7 +11,9 @@ varlen/SDPA kernels are already fused.
   `torch.compile(fullgraph=True)` and the token count marked dynamic, so one
   graph per part serves every layer (parameters are graph inputs) and every
   bin length; what it buys is fused elementwise work (float32 RMSNorm
-  statistics, RoPE, SiLU x up) and smaller saved activations.
+  statistics, RoPE, SiLU x up) and smaller saved activations. Without
+  recomputation (and outside MoE layers) the attention output and the MLP
+  block are one graph: two graphs per grad mode for dynamo to trace, not three.
 - Recomputation (`recompute`) wraps the MLP block, the attention half or the
   whole layer in non-reentrant activation checkpointing: backward reruns it
   from its input instead of keeping its intermediates.
@@ -38,11 +40,14 @@ class LayerOps:
 
     def __init__(self, *, compile_backend: str | None, recompute: str) -> None:
         self.compile_backend, self.recompute = compile_backend, recompute
-        parts = (_attention_inputs, _attention_output, _mlp_block)
+        parts = (_attention_inputs, _attention_output, _mlp_block, _after_attention)
         if compile_backend is not None:
             parts = tuple(torch.compile(f, backend=compile_backend, dynamic=None, fullgraph=True)
                           for f in parts)
-        self._inputs, self._output, self._mlp = parts
+        self._inputs, self._output, self._mlp, self._after = parts
+        # without recomputation nothing needs the MLP apart from the attention output: one graph
+        # (o_proj through the MLP's residual) instead of two, one less for dynamo to trace
+        self._fuse = compile_backend is not None and recompute == "none"
 
     def __repr__(self) -> str:
         return f"LayerOps(compile_backend={self.compile_backend!r}, recompute={self.recompute!r})"
@@ -53,6 +58,10 @@ class LayerOps:
             for t in (x_NH, cos_ND, sin_ND):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            if self._fuse and moe is None:
+                out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
+                torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
+                return self._after(layer, x_NH, out_NQD)
             if grad and self.recompute == "layer":
                 return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe)
             if grad and self.recompute == "attention":
@@ -89,6 +98,10 @@ def _attention_output(layer, x_NH, out_NQD):
 
 def _mlp_block(layer, x_NH):
     return x_NH + layer.mlp(layer.post_attention_layernorm(x_NH))
+
+
+def _after_attention(layer, x_NH, out_NQD):
+    return _mlp_block(layer, _attention_output(layer, x_NH, out_NQD))
 
 
 def _moe_block(layer, x_NH, moe):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning"]
+__all__ = ["AUTO", "COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning", "auto_preset"]
 
 RECOMPUTE = ("none", "mlp", "attention", "layer")
 SSM_FORKS = ("exact", "chunk")
@@ -226,3 +226,34 @@ PRESETS = {
     "lean": Tuning(compile_layers=True, fused_loss=True, flex_kernel_options=_FAST_FLEX,
                    recompute="mlp"),
 }
+
+
+AUTO = "auto"  # the CLI's default --tuning: auto_preset() picks the preset for the device
+
+
+def auto_preset(*, device_type: str, capability: tuple[int, int] | None = None,
+                backend: str = "reference", hybrid: bool = False, sharded: bool = False,
+                parallel: bool = False) -> tuple[str, str]:
+    """(preset name, why) for `--tuning auto`: the fastest preset whose numerics match plain.
+
+    "fast" (compiled layers, the fused edge loss, tuned flex tiles) on a Hopper GPU
+    (capability 9.x), where it was measured (bench/results/h200_bench_gpu_levers_16k.json;
+    test_gpu_levers and test_tuning_reference hold it to the plain path's tolerances) and
+    compiles once per run (layer parts dynamic in the token count, flex padded to the
+    budget). Everywhere else "plain": on CPU inductor does not compile the layers; on
+    other GPUs the tiles are unmeasured; the megatron backend has its own kernels; hybrid
+    models refuse compiled layers; FSDP shards (--shard-params) refuse the fused loss; and
+    tensor/context parallel runs are not measured with it.
+    """
+    if device_type != "cuda":
+        return "plain", f"on {device_type} the levers do not pay"
+    if capability is None or capability[0] != 9:
+        cap = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+        return "plain", f"the fast preset is measured on Hopper (capability 9.x), not {cap}"
+    for off, why in ((backend != "reference", f"the {backend} backend has its own kernels"),
+                     (hybrid, "a hybrid (Mamba-2) model refuses compiled layers"),
+                     (sharded, "--shard-params refuses the fused loss"),
+                     (parallel, "tensor/context parallel runs are not measured with it")):
+        if off:
+            return "plain", why
+    return "fast", f"Hopper GPU (capability {capability[0]}.{capability[1]})"

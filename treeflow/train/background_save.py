@@ -16,6 +16,13 @@ CUDA the copies run on a side stream that first waits for the work queued
 before the save, so they read the step's final weights and do not block the
 compute stream.
 
+Where the GPU has room (free memory at least twice the weights plus AdamW
+state), the save first clones those tensors on the device (a device-to-device
+copy, milliseconds) and the thread writes the clones: no fence, so a write may
+span several steps (at most one in flight: the next save waits and says so).
+The clones cost device memory while the write runs, never host memory; on the
+CPU, where a clone would be a second host copy of the state, the fence holds.
+
 Data-parallel ranks writing one sharded (DCP) checkpoint do the same, each rank
 in its own thread (train/checkpoint.py's `_sharded_writer`): the collectives
 that need the training group (agreeing on the directory, FSDP's gather of the
@@ -37,8 +44,10 @@ import torch
 class BackgroundSave:
     """One checkpoint write running in a thread; `wait()` joins it and re-raises its error."""
 
-    def __init__(self, write: Callable[[], str], *, device: torch.device) -> None:
+    def __init__(self, write: Callable[[], str], *, device: torch.device,
+                 detached: bool = False) -> None:
         self.path: str | None = None
+        self.detached = detached  # the write reads its own snapshot: no fence on the optimizer
         self._error: BaseException | None = None
         ready = None
         if device.type == "cuda":  # the copies must see every kernel queued before the save

@@ -92,8 +92,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int | None = None
     return checkpoint_writer(trainer, root, keep=keep)()
 
 
-def checkpoint_writer(trainer, root: str | os.PathLike, *,
-                      keep: int | None = None) -> Callable[[], str] | None:
+def checkpoint_writer(trainer, root: str | os.PathLike, *, keep: int | None = None,
+                      snapshot: bool = False) -> Callable[[], str] | None:
     """Capture the step's counters now; return the function that writes, commits and prunes.
 
     The returned function reads the model's and AdamW's tensors when it runs, one at a
@@ -103,6 +103,12 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
     several processes write together every one of them calls this, and the collectives
     that need the training group run now (train/sharded.py's `sharded_writer`); None where
     the write itself needs them (tensor parallelism, a backend with its own DCP layout).
+
+    snapshot (one process, a backend with `snapshot_state`): clone the weights and AdamW
+    tensors now, on their device, so that the write reads the clones and the next optimizer
+    step need not wait for it (`write.detached` is then True). Device memory for as long as
+    the write runs: one more copy of the weights and the optimizer state; host memory: one
+    tensor at a time, as without it.
     """
     distributed, _, _ = writers_of(trainer)
     if distributed:
@@ -114,12 +120,18 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
     config = getattr(trainer, "config", None)
     tensors, (groups, scalars) = _optimizer_tensors(trainer.optimizer)
     state["optimizer"] = {"param_groups": groups, "scalars": scalars}
+    take = getattr(trainer.backend, "snapshot_state", None) if snapshot else None
+    save_weights = trainer.backend.save
+    if take is not None:
+        with torch.no_grad():
+            save_weights = take()  # the weights' clones and the function that writes them
+            tensors = {k: v.clone() for k, v in tensors.items()}
 
     def write() -> str:
         os.makedirs(root, exist_ok=True)
         remove_stale(root)
         with atomic_dir(final) as tmp:
-            trainer.backend.save(tmp)
+            save_weights(tmp)
             write_safetensors(os.path.join(tmp, OPTIMIZER), sorted(tensors.items()),
                               metadata={"format": "pt"})
             copy_model_files(source, tmp)
@@ -128,6 +140,7 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *,
         _commit_latest(root, name, keep)
         return final
 
+    write.detached = take is not None
     return write
 
 

@@ -37,7 +37,9 @@ def shard_module(module, compute_dtype: torch.dtype) -> None:
     for layer in module.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
-    register_fsdp_forward_method(module, "project")  # the vocabulary projection reads the root's weights
+    # the vocabulary projection reads the root's weights: one gather per bin, not per edge
+    # chunk (a chunk count that differs between ranks would misalign their collectives)
+    register_fsdp_forward_method(module, "selected_logprobs")
     for m in [*module.model.layers, module]:
         m.set_gradient_divide_factor(1.0)  # a SUM over ranks: the weights hold the normalisation
         m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)

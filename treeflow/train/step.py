@@ -339,7 +339,7 @@ class Step:
         for g in tr.optimizer.param_groups:
             g["lr"] = lr
         # a background checkpoint still reading these tensors must finish first
-        timing["save_wait_s"] = tr.wait_for_save()
+        timing["save_wait_s"] = tr.fence_save()
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
         timing["optimizer_s"] = self._lap() - timing["save_wait_s"]

@@ -254,10 +254,11 @@ class Trainer:
         self._refuse_if_open("save a checkpoint")
         self.wait_for_save("a new save was asked for")
         if background:
-            write = checkpoint_writer(self, path, keep=keep)
+            write = checkpoint_writer(self, path, keep=keep, snapshot=self._can_snapshot())
             if write is not None:
                 final = os.path.join(os.fspath(path), step_dir_name(self.steps))
-                self._saving = BackgroundSave(write, device=self.runner.device)
+                self._saving = BackgroundSave(write, device=self.runner.device,
+                                              detached=getattr(write, "detached", False))
                 return final
             if not getattr(self, "_said_sync_save", False):
                 self._said_sync_save = True
@@ -265,6 +266,36 @@ class Trainer:
                       "layout) are written synchronously (no background save)", file=sys.stderr,
                       flush=True)
         return save_checkpoint(self, path, keep=keep)
+
+    # None: clone the state for a background save where the device has room for it (CUDA);
+    # on the CPU a clone is host memory, which a save must not double, so the fence holds
+    snapshot_saves: bool | None = None
+
+    def _can_snapshot(self) -> bool:
+        """Whether a background save clones the weights and AdamW state on the device now, so
+        that the next optimizer step need not wait for the write (said once when it cannot)."""
+        if self.snapshot_saves is not None or self.runner.device.type != "cuda":
+            return bool(self.snapshot_saves)
+        need = sum(p.numel() * p.element_size() for p in self.backend.module.parameters())
+        need += sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                    for v in st.values() if torch.is_tensor(v))
+        free, _ = torch.cuda.mem_get_info(self.runner.device)
+        if need <= free // 2:
+            return True
+        if not getattr(self, "_said_no_snapshot", False):
+            self._said_no_snapshot = True
+            print(f"treeflow: a checkpoint snapshot needs {need / 2**30:.1f} GiB of GPU memory and "
+                  f"{free / 2**30:.1f} GiB are free: the optimizer step after a save waits for "
+                  "its write (save less often, or free memory with --tuning lean)",
+                  file=sys.stderr, flush=True)
+        return False
+
+    def fence_save(self) -> float:
+        """Before the optimizer changes the tensors: wait for a write that reads them live
+        (not for one that reads its own snapshot); seconds waited."""
+        if self._saving is not None and self._saving.detached:
+            return 0.0
+        return self.wait_for_save()
 
     def wait_for_save(self, why: str | None = None) -> float:
         """Join the checkpoint write in flight (re-raising its error); seconds waited."""

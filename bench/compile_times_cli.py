@@ -1,0 +1,68 @@
+"""Run `treeflow replay ... --json` in this process and add where its compile time went.
+
+`compile_seconds` in the CLI's JSON is the warm-up's wall time: dynamo tracing the
+Python code of each compiled function, AOTAutograd, inductor generating (or loading
+from the compile cache) and building kernels, and the first runs of the kernels.
+A second run with a warm `--compile-cache` skips only the generating and building.
+This wrapper runs the CLI in-process and appends to its JSON line:
+
+- `graphs`: dynamo's unique graphs (one per compiled function x grad mode x stride
+  pattern; the layer parts are dynamic in the token count, flex is padded to the
+  budget), and `frames` (compiled frames, recompiles included);
+- `dynamo_phases`: seconds per phase of dynamo's own timers (`bytecode_tracing`,
+  `OutputGraph.call_user_compiler`, `build_guards`, ...; torch's
+  `compilation_time_metrics`, summed over calls);
+- `inductor`, `aot_autograd`: the cache hit/miss counters.
+
+    python bench/compile_times_cli.py replay EPISODES.arrow --model CKPT --device cuda ... --json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+           "create_aot_dispatcher_function", "aot_collect_metadata", "build_guards",
+           "compile_fx_inner", "inductor_compile", "async_compile.wait", "PyCodeCache.load_by_key_path")
+
+
+def compile_report() -> dict:
+    """Dynamo's graph count, per-phase seconds and the cache counters of this process."""
+    if "torch._dynamo" not in sys.modules:
+        return {"graphs": 0}
+    from torch._dynamo import utils
+
+    metrics = getattr(utils, "compilation_time_metrics", {})
+    counters = utils.counters
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "frames": {k: int(v) for k, v in counters["frames"].items()},
+            "dynamo_phases": {k: round(sum(metrics[k]), 3) for k in _PHASES if k in metrics},
+            "inductor": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
+            "aot_autograd": {k: int(v) for k, v in counters["aot_autograd"].items()
+                             if "cache" in k}}
+
+
+def main(argv: list[str]) -> int:
+    from treeflow.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli_main(argv)
+    lines = out.getvalue().strip().splitlines()
+    if rc != 0 or not lines:
+        print(out.getvalue(), end="")
+        return rc
+    print("\n".join(lines[:-1]))
+    print(json.dumps({**json.loads(lines[-1]), **compile_report()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
