@@ -1,0 +1,122 @@
+"""The Ray engine's training across two Ray nodes equals one local process (1e-6).
+
+Two hosts the way a user starts them, on localhost: `ray start --head` and `ray start --address`
+(two raylets, two object stores, one GCS), each node with its own environment, then
+`treeflow replay --mode train --engine ray --num-ranks 2` as a driver attached through
+RAY_ADDRESS, as on a cluster. The scheduler is told to spread (`scheduler_spread_threshold` 0),
+and the test reads from the GCS that the two rank actors ran on different nodes, so the
+process group, the planning exchange and the gradient sum really crossed nodes.
+
+The cluster is this test's own (its own temp dir and ports; each node is stopped by its own
+process id, never `ray stop`), and everything that talks to it runs in subprocesses, so the
+session's Ray cluster (tests/conftest.py) is never touched.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treeflow.cli import main
+from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.train.launch import free_port
+
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = ["--mode", "train", "--episodes-per-step", "4", "--steps", "2", "--lr", "1e-2",
+         "--warmup-episodes", "2", "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256",
+         "--grad-sum", "float64", "--quiet"]
+_NODES = """
+import json, sys, ray
+from ray._private.state import actors
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+ranks = [a["Address"]["NodeID"] for a in actors().values() if a["ActorClassName"] == "RankActor"]
+print(json.dumps({"nodes": alive, "rank_nodes": ranks}))
+"""
+
+
+def _env(**extra):
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", "RAY_scheduler_spread_threshold": "0",
+            "RAY_USAGE_STATS_ENABLED": "0", **extra}
+
+
+def _ray_start(*args, node):
+    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                             "--num-cpus", "2", "--object-store-memory", str(100 * 2**20),
+                             "--node-ip-address", "127.0.0.1", *args],
+                            env=_env(TREEFLOW_TEST_NODE=node), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _cluster_state(address):
+    out = subprocess.run([sys.executable, "-c", _NODES, address], env=_env(), timeout=120,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+
+
+@pytest.fixture
+def two_nodes():
+    temp = tempfile.mkdtemp(prefix="tf-ray2-", dir="/tmp")  # short: Ray's socket paths
+    address = f"127.0.0.1:{free_port()}"
+    nodes = [_ray_start("--head", "--port", address.split(":")[1], "--temp-dir", temp,
+                        "--include-dashboard=false", node="head")]
+    try:
+        deadline = time.monotonic() + 120
+        while _cluster_state(address) is None:  # the head's GCS answers
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "ray head did not start"
+            time.sleep(1)
+        nodes.append(_ray_start("--address", address, node="worker"))
+        while len((_cluster_state(address) or {}).get("nodes", [])) < 2:
+            assert time.monotonic() < deadline and nodes[1].poll() is None, "node 2 did not join"
+            time.sleep(1)
+        yield address
+    finally:
+        for p in reversed(nodes):  # each node's `ray start --block` stops its own processes
+            p.terminate()
+        for p in nodes:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_training_across_two_nodes_equals_one_local_process(two_nodes, tmp_path):
+    data = str(tmp_path / "e.arrow")
+    write_episodes(synth_episodes(episodes=8, group_size=2, turns=(2, 3), system_tokens=20,
+                                  user_tokens=(3, 6), completion_tokens=(3, 6), tool_tokens=(3, 6),
+                                  seed=11), data)
+    assert main(["replay", data, *TRAIN, "--save", str(tmp_path / "one"),
+                 "--metrics", str(tmp_path / "one.jsonl")]) == 0
+    run = subprocess.run([sys.executable, "-m", "treeflow.cli", "replay", data, *TRAIN,
+                          "--engine", "ray", "--num-ranks", "2", "--save", str(tmp_path / "two"),
+                          "--metrics", str(tmp_path / "two.jsonl")],
+                         env=_env(RAY_ADDRESS=two_nodes), cwd=ROOT, timeout=400,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    state = _cluster_state(two_nodes)
+    assert len(state["rank_nodes"]) == 2 and set(state["rank_nodes"]) == set(state["nodes"])
+    a, b = ([json.loads(line) for line in open(tmp_path / f"{k}.jsonl")] for k in ("one", "two"))
+    assert [r["ranks"] for r in a] == [1, 1] and [r["ranks"] for r in b] == [2, 2]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6)
+        assert x["sampled_tokens"] == y["sampled_tokens"]
+    w1, w2 = (load_file(tmp_path / k / "step-000002" / "model.safetensors") for k in ("one", "two"))
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert float((w1[k] - w2[k]).abs().max()) <= 1e-6 * float(w1[k].abs().max()), k
+    first = load_file(tmp_path / "one" / "step-000001" / "model.safetensors")
+    assert max(float((w1[k] - first[k]).abs().max()) for k in w1) > 1e-4  # the steps moved them
+    assert torch.isfinite(torch.stack([w.abs().max() for w in w2.values()])).all()
