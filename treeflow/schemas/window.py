@@ -6,8 +6,9 @@ would read every token of the step, so such a window travels *marked*: its schem
 the pieces it was read from (file, first row, end row) and the checks `Files` would have run
 (vocabulary size, route width). Whoever takes rows from it to use their tokens (Pack's share,
 stages/_exchange.py; Pack of a whole window) validates exactly those rows with `validate_taken`,
-naming the file and the episode as `Files` does. The trainer's step validates the whole logical
-batch against the model anyway (train/step.py), on every rank alike.
+naming the file and the episode as `Files` does. Every row of a training step is packed by some
+rank, so the trainer's step does not validate such a window again (train/step.py), where the
+window was marked with the model's vocabulary size.
 
 The trade-off: a bad row is reported by the rank that packs it, not by every rank at the read
 (the planning exchange then tells the other ranks that a rank failed, stages/_exchange.py).
@@ -22,7 +23,7 @@ import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 
-__all__ = ["is_unvalidated", "mark_unvalidated", "validate_taken"]
+__all__ = ["is_unvalidated", "mark_unvalidated", "validate_taken", "validated_where_taken"]
 
 _KEY = b"treeflow.unvalidated"
 
@@ -41,6 +42,15 @@ def mark_unvalidated(table: pa.Table, pieces: list, *, vocab_size: int | None,
 
 def is_unvalidated(table: pa.Table) -> bool:
     return _KEY in (table.schema.metadata or {})
+
+
+def validated_where_taken(table: pa.Table, *, vocab_size: int | None) -> bool:
+    """Whether `table` is a marked window whose rows are validated against `vocab_size` where
+    they are taken: each row by the rank that packs it, so the step that holds the window
+    need not validate (read and copy) every token of it again on every rank."""
+    if not is_unvalidated(table):
+        return False
+    return json.loads(table.schema.metadata[_KEY])["vocab_size"] == vocab_size
 
 
 def validate_taken(window: pa.Table, rows: np.ndarray, taken: pa.Table) -> pa.Table:
