@@ -137,7 +137,8 @@ def worker(args) -> dict:
     from treeflow.stages import Fragment, Pack, Shard
 
     ranks = args.ranks_one
-    plan_args = Namespace(layout="tree", scope=args.scope, max_tokens=args.max_tokens)
+    plan_args = Namespace(layout="tree", scope=args.scope, share_rules="default",
+                          max_tokens=args.max_tokens)
     plan_stages(plan_args, ranks, 0)  # its imports are not planning memory
     table = _read(args.data)
     costs = np.load(_costs_path(args.data, args.scope)) if args.planner == "sharded" else None

@@ -1,12 +1,22 @@
-"""What a training rank reads of one step: the whole window through `Files` vs its own rows.
+"""One training rank's read and planning of a step through the real path: whole windows vs its own rows.
 
-`files`: `Files(...)` gives the step's window, validated and copied (every rank does this today).
-`rank_rows`: `mapped_window` (the memory-mapped IPC files, offsets only) + the deal's rows of rank r
-+ `read_rows` (its rows, validated). Each in a fresh subprocess; seconds (one core) and peak RSS
-above the RSS after imports. Data: bench_plan_scale.py's synthetic files (written there).
+Both rows run what a rank of `replay --mode train --num-ranks R` runs per step -- the reader
+`Files(...).open(position, mapped=...)` (cli/train.py), then `configs.plan_stages` (Pack and
+Fragment of rank r's share, Shard) -- and time them together, one step, one core:
 
-    python bench/bench_rank_rows.py --data /tmp/treeflow-plan-scale/episodes_8000_seed1.arrow \\
-        --ranks 8,256,1024
+- `files`: `open(mapped=False)`, every rank reads, validates and copies the whole window (the
+  path before rank_rows was wired in; still the path for Parquet input);
+- `mapped`: `open(mapped=True)` (what training ranks now read from Arrow IPC files): the window
+  memory-mapped and unvalidated (pipeline/rank_rows.py), the rank's own rows validated where
+  Pack takes them (schemas/window.py), its trees packed.
+
+The planning exchange's result (every tree's exact cost) is read from the file
+bench_plan_scale.py writes next to its data (`*.costs.npy`), standing in for the all-reduce,
+which is not timed. Each row in a fresh subprocess: seconds and peak RSS above the RSS after
+imports (memory-mapped pages touched included). Data: bench_plan_scale.py's synthetic files.
+
+    python bench/bench_rank_rows.py --episodes 1000,8000,64000 --ranks 8,256,1024 \\
+        --out bench/results/cpu_rank_rows.json
 """
 
 from __future__ import annotations
@@ -31,48 +41,74 @@ def _rss_mib() -> float:
 
 
 def worker(args) -> dict:
-    from treeflow.pipeline import Files
-    from treeflow.pipeline.rank_rows import mapped_window, read_rows
-    from treeflow.stages._share import rank_share
-    from treeflow.stages.shard import CostModel
+    from argparse import Namespace
 
-    source = Files(paths=(args.data,), window=10**9)
+    import numpy as np
+
+    from treeflow.cli.configs import plan_stages
+    from treeflow.pipeline import Files
+
+    plan_args = Namespace(layout="tree", scope=None, share_rules="default",
+                          max_tokens=args.max_tokens)
+    costs = np.load(f"{args.data}.default.costs.npy")
+    stages = plan_stages(plan_args, args.ranks_one, args.rank, lambda mine: costs)
+    source = Files(paths=(args.data,), episodes_per_step=10**9)
     base = _rss_mib()
     t0 = time.perf_counter()
-    if args.how == "files":
-        rows = next(iter(source)).num_rows
-    else:
-        pieces, = source.spans()
-        window = mapped_window(pieces)
-        share = rank_share(window, layout="tree", scope=None, ranks=args.ranks_one, rank=0,
-                           cost=CostModel.llama_1b())
-        rows = read_rows(pieces, share.rows).num_rows
+    window = source.open(mapped=args.how == "mapped").next()
+    read = time.perf_counter() - t0
+    bins = window
+    for stage in stages:
+        bins = stage.map(bins, step=0)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"how": args.how, "ranks": args.ranks_one, "rows_read": rows,
-            "seconds": round(seconds, 3), "rss_added_mib": round(peak - base, 1)}
+    return {"how": args.how, "episodes": window.num_rows, "ranks": args.ranks_one,
+            "rank": args.rank, "bins": bins.num_rows, "read_seconds": round(read, 3),
+            "read_and_plan_seconds": round(seconds, 3), "rss_added_mib": round(peak - base, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--episodes", default="1000,8000,64000")
     ap.add_argument("--ranks", default="8,256,1024")
+    ap.add_argument("--files-max-episodes", type=int, default=8000,
+                    help="skip the whole read above this step size (~1 GB per 1k episodes)")
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--data-dir", default="/tmp/treeflow-plan-scale")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--how", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--ranks-one", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
     rows = []
-    for how, ranks in [("files", 1)] + [("rank_rows", int(r)) for r in args.ranks.split(",")]:
-        out = subprocess.run([sys.executable, __file__, "--worker", "--how", how, "--data",
-                              args.data, "--ranks-one", str(ranks)], capture_output=True,
-                             text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), file=sys.stderr)
-    print(json.dumps({"data": os.path.basename(args.data), "loadavg": os.getloadavg(),
-                      "rows": rows}, indent=1))
+    for n in [int(x) for x in args.episodes.split(",")]:
+        data = os.path.join(args.data_dir, f"episodes_{n}_seed{args.seed}.arrow")
+        if not os.path.exists(f"{data}.default.costs.npy"):
+            sys.exit(f"{data}.default.costs.npy is missing: run bench/bench_plan_scale.py "
+                     f"--episodes {n} --planners sharded first (it writes the data and the costs)")
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            for how in ("files", "mapped"):
+                if how == "files" and n > args.files_max_episodes:
+                    continue
+                out = subprocess.run([sys.executable, __file__, "--worker", "--how", how, "--data",
+                                      data, "--ranks-one", str(ranks), "--rank", str(ranks // 2),
+                                      "--max-tokens", str(args.max_tokens)],
+                                     capture_output=True, text=True, check=True).stdout
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    result = {"what": "one rank's read + planning of one step (the real path)",
+              "loadavg": os.getloadavg(), "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ SKIPPED = {
         "waits for a producer in another process (tests/tq)",
     "# on host A (node 0) and host B (node 1), the same command but --node-rank:":
         "torchrun across hosts (tests/test_cli_multinode.py runs --nnodes 2 on localhost)",
+    "ray start --head --port 6379 --num-gpus 8          # host A (the head)":
+        "a Ray cluster across hosts (tests/pipeline/test_ray_two_nodes.py runs two nodes on "
+        "localhost, marked ray and slow)",
     "# 2 GPUs, one bin over both: paths of up to 2 x 32k tokens":
         "spawns C processes per bin (tests/test_cli_context_parallel.py, marked multiprocess)",
     "treeflow synth -o ep.arrow --routes-from DIR      # routes of DIR's shape (MoE layers x top_k)":

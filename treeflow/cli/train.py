@@ -16,7 +16,8 @@ over C processes per data-parallel rank, D x C in all, gradients summed over eve
 CPU workers otherwise): started here by spawning (treeflow.train.spawn), as a Ray actor
 group (`--launcher ray`, treeflow.train.launch.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --num-ranks N`), whose
-environment is recognised. Every rank reads the same windows, lays out and bins only its own
+environment is recognised. Every rank reads the same windows (memory-mapped: the offsets of the
+window and the tokens of its own trees, pipeline/rank_rows.py), lays out and bins only its own
 share of each step (`configs.plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
 metrics and prints; all ranks write the checkpoint together.
 `--engine ray` runs the same N ranks as Ray rank actors fed by the Ray engine (pipeline/ray.py),
@@ -110,7 +111,9 @@ def _train(args, *, distributed: bool) -> int:
                   vocab_size=forward.vocab_size_hint(), cycle=True,
                   route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     try:
-        report = fit(pipe, lambda position, done: files.open(position), steps=args.steps,
+        # several replicas: each reads the window's offsets and only its own trees' rows
+        report = fit(pipe, lambda position, done: files.open(position, mapped=dp.replicas > 1),
+                     steps=args.steps,
                      trainer_options=dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
                                           shard_params=args.shard_params,
                                           reference=configs.reference(args, forward)),

@@ -120,6 +120,7 @@ class QueueReader(Source):
         self.rejected = 0         # steps this reader could not run and gave back
         self.dead_lettered = 0    # ... of which the queue then moved aside for good
         self._lock = threading.Lock()
+        self._others: set[int] = set()       # steps other ranks applied in this run (`applied`)
         self._held: dict[int, object] = {}    # queue step -> its current lease, until acknowledged
         self._finished: list[int] = []        # steps whose results the caller has taken
         self._lapsed: set[int] = set()        # finished steps whose ack came after the lease lapsed
@@ -162,6 +163,15 @@ class QueueReader(Source):
                     mine = got.step in self._held
                     if mine:            # our own lease lapsed (a stalled heartbeat): keep the new one
                         self._held[got.step] = got
+                        continue
+                    if got.step in self._others and self.source.ack == "manual":
+                        # another rank's part of a window, applied in this run but maybe not
+                        # yet durable (its lease lapsed): hold it, acknowledged with our own
+                        # steps once a checkpoint holds them (never now: a crash before that
+                        # checkpoint must see it redelivered)
+                        self._held[got.step] = got
+                        self._finished.append(got.step)
+                        self.skipped += 1
                         continue
                     if got.step in self._lapsed:   # our late ack: its result is already out
                         self._lapsed.discard(got.step)
@@ -212,6 +222,17 @@ class QueueReader(Source):
             return {"queue_step": getattr(self, "_last", None), "episodes": self.episodes,
                     "queue_steps_through": self._through,
                     "queue_steps_extra": sorted(self._extra)}
+
+    def applied(self, steps) -> None:
+        """Count queue `steps` as applied: the parts other ranks leased for the windows this
+        reader's part went into (pipeline/queue_ranks.py, `own=True`). One redelivered to this
+        reader is then never yielded again; it is held and acknowledged with this reader's
+        own steps."""
+        with self._lock:
+            new = set(int(q) for q in steps) - set(self._held)
+            self._others |= new
+            self._extra |= new
+            self._compact()
 
     # ------------------------------------------------------------ acknowledgement
     def handed(self, step: int) -> None:

@@ -160,9 +160,17 @@ class Files:
                                        vocab_size=self.vocab_size, route_width=self.route_width)
         return windows(batches, self.episodes_per_step, groups_once=self.whole_groups)
 
-    def open(self, state: dict | None = None) -> FilesReader:
-        """A reader of windows, continued from `state` (a reader's `get_state()`)."""
-        return FilesReader(self, state or {})
+    def open(self, state: dict | None = None, *, mapped: bool = False) -> FilesReader:
+        """A reader of windows, continued from `state` (a reader's `get_state()`).
+
+        mapped: windows as memory-mapped views of the files, unvalidated and marked so that
+        whoever takes rows validates them (pipeline/rank_rows.py, schemas/window.py): what a
+        rank of sharded planning reads (the window's offsets; its own rows' tokens), instead
+        of every rank reading, validating and copying the whole window. Only where every
+        file is an Arrow IPC file in the episode schema; otherwise windows are read whole (said
+        once on stderr). The windows hold the same rows either way.
+        """
+        return FilesReader(self, state or {}, mapped=mapped)
 
     def spans(self) -> list[list[tuple[str, int, int, int]]]:
         """Each window as (path, first row, end row, global row offset) pieces, one pass.
@@ -209,11 +217,29 @@ class Files:
         return out
 
 
+def _mapped_files(files: Files) -> bool:
+    import os
+    import sys
+
+    from treeflow.pipeline.rank_rows import mapped
+    from treeflow.schemas.episode import expand_paths
+
+    paths = [os.path.abspath(p) for p in expand_paths(list(files.paths))]
+    if mapped(paths):
+        return True
+    print("treeflow: the input is not all Arrow IPC files in the episode schema (Parquet, a "
+          "stream, other columns or types), so every rank reads and validates whole windows; "
+          "write it with treeflow.pipeline.write_episodes (.arrow) to let each rank read only "
+          "its own episodes", file=sys.stderr)
+    return False
+
+
 class FilesReader(Source):
     """A reader of windows over `Files` with a position that can be saved and restored."""
 
-    def __init__(self, files: Files, state: dict | None = None):
+    def __init__(self, files: Files, state: dict | None = None, *, mapped: bool = False):
         self.files = files
+        self.mapped = mapped and _mapped_files(files)
         self.reset(state)
 
     def reset(self, state: dict | None = None) -> None:
@@ -229,11 +255,20 @@ class FilesReader(Source):
     def next(self) -> pa.Table:
         return next(self._it)
 
+    def _mapped_pass(self) -> Iterator[pa.Table]:
+        from treeflow.pipeline.rank_rows import mapped_window
+
+        if not hasattr(self, "_spans"):
+            self._spans = self.files.spans()
+        for pieces in self._spans:
+            yield mapped_window(pieces, vocab_size=self.files.vocab_size,
+                                route_width=self.files.route_width)
+
     def _windows(self) -> Iterator[pa.Table]:
         consumed = 0
         while True:
             seen_any = False
-            for window in self.files._one_pass():
+            for window in (self._mapped_pass() if self.mapped else self.files._one_pass()):
                 seen_any = True
                 consumed += window.num_rows
                 if consumed <= self._skip:

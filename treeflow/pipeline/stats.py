@@ -71,10 +71,11 @@ def window_stats(episodes: pa.Table, *, max_tokens: int | None = None) -> tuple[
 
 def episode_sums(episodes: pa.Table) -> dict:
     """Per-window sums of a window's episodes: episodes, calls, sampled and exact-call tokens."""
-    calls = episodes.column("calls").combine_chunks()
-    flat = calls.flatten()
-    lens = pc.list_value_length(flat.field("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
-    starts = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    # chunk by chunk, offsets only: combining a memory-mapped window's chunks would copy it
+    flat = pc.list_flatten(episodes.column("calls"))
+    lens = pc.list_value_length(pc.struct_field(flat, "token_ids")).to_numpy(
+        zero_copy_only=False).astype(np.int64)
+    starts = pc.struct_field(flat, "sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
     return {"episodes": episodes.num_rows, "calls": len(lens),
             "sampled_tokens": int((lens - starts).sum()), "exact_tokens": int(lens.sum())}
 

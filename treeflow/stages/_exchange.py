@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.layout import LAYOUT_SCHEMA
+from treeflow.schemas.window import is_unvalidated, validate_taken
 from treeflow.stages._share import Deal, RankShare, tree_summaries
 
 __all__ = ["IN_PROCESS_EXCHANGE", "pack_share", "summed_costs"]
@@ -55,7 +56,8 @@ IN_PROCESS_EXCHANGE = _InProcess()
 def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
     """`table.take(rows)` for ascending rows, chunk by chunk: Arrow's take on a chunked nested
     column concatenates every chunk first, which would copy the whole step (memory-mapped files
-    are read one record batch per chunk)."""
+    are read one record batch per chunk). Rows of a window read unvalidated (a rank's
+    memory-mapped window, schemas/window.py) are validated here, as `Files` validates them."""
     parts, lo = [], 0
     for batch in table.to_batches():
         hi = lo + batch.num_rows
@@ -63,7 +65,8 @@ def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
         if b > a:
             parts.append(batch.take(pa.array(rows[a:b] - lo)))
         lo = hi
-    return pa.Table.from_batches(parts, schema=table.schema)
+    taken = pa.Table.from_batches(parts, schema=table.schema)
+    return validate_taken(table, rows, taken) if is_unvalidated(table) else taken
 
 
 def _pack_trees(episodes: pa.Table, share: RankShare, *, layout: str, scope, step: int,
@@ -127,15 +130,26 @@ def summed_costs(episodes: pa.Table, *, layout: str, scope, cost, share_rules: s
 def pack_share(episodes: pa.Table, *, layout: str, scope, step: int, ranks: int, rank: int,
                cost, exchange=None, share_rules: str = "default", pack_fn) -> pa.Table:
     """Layouts of rank `rank`'s share: the estimated deal without `exchange`, else the exact one."""
-    s, before, share, layouts, mine_T = _round1(episodes, layout=layout, scope=scope, step=step, share_rules=share_rules,
-                                                pack_fn=pack_fn,
-                                                ranks=ranks, rank=rank, cost=cost)
+    try:
+        s, before, share, layouts, mine_T = _round1(episodes, layout=layout, scope=scope,
+                                                    step=step, share_rules=share_rules,
+                                                    pack_fn=pack_fn, ranks=ranks, rank=rank,
+                                                    cost=cost)
+    except Exception:
+        if exchange is not None and exchange is not IN_PROCESS_EXCHANGE:
+            # the other ranks wait in the exchange: NaN costs tell them this rank failed
+            exchange(np.full(len(tree_summaries(episodes, layout=layout, scope=scope).nodes_T),
+                             np.nan))
+        raise
     if exchange is None:
         return layouts
     costs_T = np.asarray(summed_costs(episodes, layout=layout, scope=scope, cost=cost,
                                       share_rules=share_rules, pack_fn=pack_fn)
                          if exchange is IN_PROCESS_EXCHANGE
                          else exchange(mine_T), dtype=np.float64)
+    if costs_T.shape == mine_T.shape and np.isnan(costs_T).any():
+        raise ValueError(f"another rank failed to plan step {step} (its error says why); this "
+                         f"rank (rank {rank} of {ranks}) stops with it")
     if costs_T.shape != mine_T.shape or not (costs_T > 0).all():
         raise ValueError(f"the planning exchange gave {costs_T.shape[0] if costs_T.ndim else 0} "
                          f"tree costs ({int((costs_T <= 0).sum()) if costs_T.ndim else 0} not "

@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from treeflow.schemas.episode import EPISODE_SCHEMA
 from treeflow.schemas.layout import LAYOUT_SCHEMA
+from treeflow.schemas.window import is_unvalidated, validate_taken
 from treeflow.stages.flat import Calls, ranges, segment_ids
 from treeflow.stages._share import scope_rows
 from treeflow.stages.base import Stage
@@ -106,6 +107,8 @@ class Pack(Stage):
             raise TypeError("Pack takes validated episodes: pass the table through "
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
         if self.rank is None:
+            if is_unvalidated(episodes):  # a memory-mapped window (schemas/window.py)
+                episodes = validate_taken(episodes, np.arange(episodes.num_rows), episodes)
             return pack(episodes, layout=self.layout, scope=self.scope, step=step,
                         share_rules=self.share_rules)
         exact = self.balance == "exact" and self.ranks > 1

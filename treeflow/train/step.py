@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from treeflow.schemas.episode import validate_episodes
+from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.schemas.window import validated_where_taken
 from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.slots import Slots
@@ -47,8 +48,13 @@ class Step:
     def __init__(self, trainer, episodes: pa.Table, *, old_logprobs=None, ref_logprobs=None):
         self.trainer = trainer
         loss = trainer.reduce.loss
-        # the boundary check, against this model's vocabulary (names episode and call)
-        episodes = validate_episodes(episodes, source="step", vocab_size=trainer.backend.config.vocab_size)
+        # the boundary check, against this model's vocabulary (names episode and call); a rank's
+        # memory-mapped window had each row validated against it by the rank that packs it
+        vocab = trainer.backend.config.vocab_size
+        if validated_where_taken(episodes, vocab_size=vocab):
+            episodes = episodes.replace_schema_metadata(EPISODE_SCHEMA.metadata)
+        else:
+            episodes = validate_episodes(episodes, source="step", vocab_size=vocab)
         self.slots = slots = Slots(episodes)
         calls = slots.calls
         mask_S = calls.mask_S
