@@ -1,12 +1,16 @@
-"""A queue server that stops answering ends the call with a deadline, never hangs the run."""
+"""A queue server that stops answering ends the call with a deadline, never hangs the run;
+one that dies while it starts is reported with its exit status and its log."""
 
 import os
 import signal
+import socket
+import sys
 import time
 
 import pytest
 
 import treeflow.tq.ledger as ledger
+from treeflow.tq import tcp
 from treeflow.tq.embedded import connect_embedded, serve_embedded
 
 
@@ -41,3 +45,33 @@ def test_a_stopped_server_times_out_the_call(tmp_path, monkeypatch):
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.stop()
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    try:
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_server_that_exits_while_starting_is_reported_with_its_log(transport, tmp_path,
+                                                                     monkeypatch):
+    """The server's interpreter exits at once: the wait ends on its exit status, not the timeout."""
+    dies = tmp_path / "python"
+    dies.write_text("#!/bin/sh\necho cannot start >&2\nexit 3\n")
+    dies.chmod(0o700)
+    monkeypatch.setattr(sys, "executable", str(dies))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # a loopback queue's secret and log
+    monkeypatch.delenv(tcp.ENV_SECRET, raising=False)
+    address = (str(tmp_path / "q.sock") if transport == "unix" else
+               f"tcp://127.0.0.1:{_free_port()}")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited with 3; its output is in (\S+\.log)") as e:
+        serve_embedded(address, timeout=60.0)
+    assert time.monotonic() - t0 < 30
+    log = e.value.args[0].rsplit(" ", 1)[-1]
+    assert "cannot start" in open(log).read()
