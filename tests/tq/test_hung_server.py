@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import treeflow.tq.ledger as ledger
+import treeflow.tq.protocol as protocol
 from treeflow.tq import tcp
 from treeflow.tq.embedded import connect_embedded, serve_embedded
 
@@ -33,14 +33,14 @@ def test_a_stopped_server_times_out_the_call(tmp_path, monkeypatch):
     try:
         client = connect_embedded(server.address)
         assert isinstance(client.stats(), dict)  # it answers
-        monkeypatch.setattr(ledger, "CALL_SLACK_S", 1.0)
+        monkeypatch.setattr(protocol, "CALL_SLACK_S", 1.0)
         _stopped(server.pid)  # alive, holding the socket, answering nothing
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"did not answer stats\(\) within 1 s"):
             client.stats()
         assert time.monotonic() - t0 < 10
         os.kill(server.pid, signal.SIGCONT)
-        monkeypatch.setattr(ledger, "CALL_SLACK_S", 60.0)
+        monkeypatch.setattr(protocol, "CALL_SLACK_S", 60.0)
         assert isinstance(client.stats(), dict)  # a new connection, the server is back
     finally:
         os.kill(server.pid, signal.SIGCONT)

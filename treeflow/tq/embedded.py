@@ -32,11 +32,12 @@ import threading
 import time
 
 from treeflow.tq import tcp, wire
-from treeflow.tq.ledger import LEDGER_METHODS, Ledger, call_deadline
+from treeflow.tq.ledger import Ledger
+from treeflow.tq.protocol import LEDGER_METHODS, call_deadline
 
 __all__ = ["EmbeddedServer", "alive", "connect_embedded", "serve_embedded"]
 
-# what a client may call: the one list of served methods (treeflow/tq/ledger.py)
+# what a client may call: the one list of served methods (treeflow/tq/protocol.py)
 _HANDSHAKE_S = 10.0
 _METHODS = frozenset(LEDGER_METHODS)
 
