@@ -2,10 +2,11 @@
 
 Explore new examples locally with `pytest --hypothesis-profile=explore`.
 
-Tests marked `slow` (the 20-trial kill-and-resume loop) are skipped unless
-`--run-slow` or TREEFLOW_SLOW=1 is given: the CI command `pytest -m "not gpu"`
-then stays as it is and still runs their short versions, and nobody has to
-remember to add `-m "not slow"`.
+Tests marked `slow` (the 20-trial kill-and-resume loop, the longest multi-process
+parametrizations) are skipped unless `--run-slow`, TREEFLOW_SLOW=1 or a `-m`
+expression that names `slow` (`-m slow` runs just them) is given: the CI command
+`pytest -m "not gpu"` then stays as it is and still runs their short versions,
+and nobody has to remember to add `-m "not slow"`.
 
 Tests that need Ray take the session's one cluster (`ray_cluster`): starting
 and stopping one costs seconds each, more on a loaded machine. The engines
@@ -14,6 +15,7 @@ treeflow.train.launch.ray_ranks), so the tests use it as a user's driver would.
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -28,10 +30,17 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
 
 
-def pytest_collection_modifyitems(config, items):
+def _slow_asked(config) -> bool:
+    """--run-slow, TREEFLOW_SLOW=1, or a -m expression naming `slow` (then -m alone decides)."""
     if config.getoption("--run-slow") or os.environ.get("TREEFLOW_SLOW", "") not in ("", "0"):
+        return True
+    return re.search(r"\bslow\b", config.getoption("markexpr") or "") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if _slow_asked(config):
         return
-    skip = pytest.mark.skip(reason="slow: run with --run-slow or TREEFLOW_SLOW=1")
+    skip = pytest.mark.skip(reason="slow: run with -m slow, --run-slow or TREEFLOW_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

@@ -143,6 +143,7 @@ def test_gate_passes_through_transferqueue(ray_cluster, capsys):
 
 @pytest.mark.ray
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the longest gate run; CP=2 and TransferQueue each run alone by default
 def test_gate_at_context_parallel_2_passes_through_transferqueue(ray_cluster, capsys):
     """The two trainer processes join the cluster; rank 0 attaches to the queue by its name."""
     pytest.importorskip("transfer_queue")
@@ -216,10 +217,10 @@ def test_gate_at_context_parallel_2_replays_routes_and_steps_as_one_process(moe_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fault, moe, cause", [
+@pytest.mark.parametrize("fault, moe, cause", [  # one CP=2 fault by default, each at CP=1
     ("drop-episode", False, "lost episodes: 1 of 32 sampled never reached the trainer"),
-    ("skip-refit", False, "refit did not happen"),
-    ("corrupt-route", True, "route agreement"),
+    pytest.param("skip-refit", False, "refit did not happen", marks=pytest.mark.slow),
+    pytest.param("corrupt-route", True, "route agreement", marks=pytest.mark.slow),
 ])
 def test_gate_at_context_parallel_2_fails_naming_each_fault(fault, moe, cause, capsys, request):
     model = ["--model", request.getfixturevalue("moe_model"), "--routing", "replay"] if moe else []

@@ -26,8 +26,8 @@ BF16_SLACK = 1.5
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_tree_and_exact_match_transformers_on_cuda(tmp_path, family, dtype):
-    from tests.models.moe_helpers import episodes, gpu_error_bound, hf_model, with_routes
-    from tests.models.test_moe import _occurrence_logprobs
+    from tests.models.moe_helpers import (episodes, gpu_error_bound, hf_model,
+                                          occurrence_logprobs, with_routes)
     from treeflow.models import load_model
 
     # head_dim 32 for compiled flex; 16-byte aligned rows for torch._grouped_mm
@@ -39,8 +39,8 @@ def test_tree_and_exact_match_transformers_on_cuda(tmp_path, family, dtype):
     _, error, bound = gpu_error_bound(hf, rows, dtype, TOL["float32"], BF16_SLACK)
     for layout in ("tree", "exact"):
         with torch.no_grad():
-            got, runner = _occurrence_logprobs(ours, rows, layout=layout, routing="replay",
-                                               max_tokens=64)
+            got, runner, _ = occurrence_logprobs(ours, rows, layout=layout, routing="replay",
+                                                 max_tokens=64)
         assert error(got) < bound, (layout, error(got), bound)
         agree, total = runner.take_route_tally()
         assert total > 0

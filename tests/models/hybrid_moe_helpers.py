@@ -17,15 +17,12 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import pyarrow as pa
 import torch
 import torch.nn.functional as F
 from tests.models.hybrid_helpers import CHUNK, _sharpen
 
 from tests.deps import require
-from treeflow.ops import build_forward
-from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
-from treeflow.stages import Forward, Fragment, Pack
+from tests.models.moe_helpers import hf_occurrence_logprobs, occurrence_logprobs
 
 transformers = require("transformers")
 
@@ -161,46 +158,22 @@ def hf_values(model, rows, weights: dict, *, replay: bool):
     """Per-occurrence logprobs and every parameter's gradient of sum(w * logprob), call by
     call, with each call's routes forced into transformers' routers when `replay`."""
     model.zero_grad()
-    values = {}
-    for i, row in enumerate(rows):
-        for k, c in enumerate(row["calls"]):
-            ids = torch.tensor([c["token_ids"]])
-            s = c["sampled_start"]
-            routes = np.asarray(c["routed_experts"]) if replay else None
-            with forced_routes(model, routes):
-                logits = model(ids).logits[0].float()
-            lp = torch.log_softmax(logits, -1)[s - 1:-1].gather(-1, ids[0, s:, None])[:, 0]
-            w = torch.tensor([weights[(i, k, o)] for o in range(len(lp))])
-            (w * lp).sum().backward()
-            for o, v in enumerate(lp.tolist()):
-                values[(i, k, o)] = v
+    lp = hf_occurrence_logprobs(model, rows, replay=replay, forced=forced_routes)
+    sum(weights[key] * v for key, v in lp.items()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return values, grads
+    return {key: float(v) for key, v in lp.items()}, grads
 
 
 def tf_values(backend, rows, weights, *, layout, max_tokens, routing="replay", kernel="dense",
               grad=True):
     """Per-occurrence logprobs, gradients, bins and the runner (for its route tally)."""
-    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
-    scope = "group" if layout == "tree" else None
-    bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
-    runner = build_forward(Forward(kernel=kernel, routing=routing), model=backend)
-    runner.take_route_tally()
     backend.module.zero_grad()
-    values = {}
     with torch.set_grad_enabled(grad):
-        prepared = runner.prepare(bins)
-        for b, item in zip(bins.to_pylist(), prepared.items):
-            if item is None:
-                continue
-            lp, _ = runner.run_bin(item)
-            keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
-            lp_O = lp[torch.as_tensor(b["occ_edge"], dtype=torch.int64)]
-            if grad:
-                (torch.tensor([weights[k] for k in keys]) * lp_O).sum().backward()
-            for key, v in zip(keys, lp_O.tolist()):
-                assert key not in values
-                values[key] = v
+        lp, runner, bins = occurrence_logprobs(
+            backend, rows, layout=layout, routing=routing, max_tokens=max_tokens,
+            scope="group" if layout == "tree" else None, kernel=kernel)
+        if grad:
+            sum(weights[key] * v for key, v in lp.items()).backward()
     grads = {n: p.grad.clone() for n, p in backend.module.named_parameters()
              if p.grad is not None}
-    return values, grads, bins.num_rows, runner
+    return {key: float(v) for key, v in lp.items()}, grads, bins.num_rows, runner

@@ -48,8 +48,8 @@ def main() -> None:
     import transformers
     from megatron.core import parallel_state
 
-    from tests.models.moe_helpers import episodes, with_routes
-    from tests.models.test_megatron_moe import _hf_logprobs, _logprobs
+    from tests.models.moe_helpers import episodes, hf_occurrence_logprobs, with_routes
+    from tests.models.test_megatron_moe import _logprobs
     from treeflow.models import load_backend
     from treeflow.models.megatron import hf_to_mcore, shard
     from treeflow.models.megatron.moe import expert_shard
@@ -57,10 +57,10 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()
     rows = with_routes(hf, episodes(np.random.default_rng(3)), shift=1)
     with torch.no_grad():
-        want = _hf_logprobs(hf, rows, replay=True)
+        want = hf_occurrence_logprobs(hf, rows, replay=True)
     rng = np.random.default_rng(7)
     w = {k: float(rng.uniform(0.5, 1.5)) for k in sorted(want)}
-    sum(w[k] * v for k, v in _hf_logprobs(hf, rows, replay=True).items()).backward()
+    sum(w[k] * v for k, v in hf_occurrence_logprobs(hf, rows, replay=True).items()).backward()
     meg = load_backend("megatron", args.model, tensor_parallel=args.tp, expert_parallel=args.ep,
                        device=device)
     full = hf_to_mcore({n: q.grad for n, q in hf.named_parameters()}, meg.config)

@@ -8,6 +8,13 @@ given ones and its weights the router's softmax probabilities at them,
 normalised as that family normalises -- written here from transformers'
 router code, not from treeflow's. `hf_call_routes` reads a call's own routes
 off transformers' router logits.
+
+The occurrence-logprob setup every MoE test compares lives here once, keyed alike
+on both sides by (episode index, call, offset in the sampled span):
+`hf_occurrence_logprobs` runs transformers call by call with the rows' routes
+forced (any family's patch: the hybrids pass theirs), `occurrence_logprobs` runs
+the same rows through treeflow (Pack -> Fragment -> Forward), and `hf_aux_and_nll`
+is the router aux loss by hand.
 """
 
 from __future__ import annotations
@@ -15,10 +22,15 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
 from tests.deps import require
+from treeflow.ops import build_forward
+from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
+from treeflow.stages import Forward, Fragment, Pack
+from treeflow.stages.flat import list_offsets, list_values
 
 transformers = require("transformers")
 
@@ -118,10 +130,12 @@ def hf_call_routes(model, token_ids) -> np.ndarray:
     return torch.cat(per_layer, dim=-1).numpy().astype(np.int16)
 
 
-def hf_call_logprobs(model, token_ids, sampled_start, routes_TW=None) -> torch.Tensor:
-    """Logprobs of the call's sampled tokens, the call alone through transformers."""
+def hf_call_logprobs(model, token_ids, sampled_start, routes_TW=None, *,
+                     forced=forced_routes) -> torch.Tensor:
+    """Logprobs of the call's sampled tokens, the call alone through transformers (`forced`:
+    the family's route-forcing patch)."""
     t = torch.as_tensor([token_ids])
-    with forced_routes(model, routes_TW):
+    with forced(model, routes_TW):
         logits = model(t).logits[0].float()
     logp = torch.log_softmax(logits[sampled_start - 1:-1], -1)
     return logp.gather(-1, t[0, sampled_start:, None])[:, 0]
@@ -161,17 +175,73 @@ def with_routes(model, rows, *, shift: int = 0, sentinel: bool = True):
     return out
 
 
+def hf_occurrence_logprobs(model, rows, *, replay: bool = True, forced=forced_routes) -> dict:
+    """{(episode index, call, offset): logprob tensor} of every sampled token, transformers call
+    by call, with each call's routes forced into its routers by `forced` when `replay`."""
+    out = {}
+    for i, row in enumerate(rows):
+        for k, c in enumerate(row["calls"]):
+            routes = np.asarray(c["routed_experts"]) if replay else None
+            lp = hf_call_logprobs(model, c["token_ids"], c["sampled_start"], routes, forced=forced)
+            out.update({(i, k, j): v for j, v in enumerate(lp)})
+    return out
+
+
 def occurrence_oracle(model, rows) -> dict:
     """{(episode, call, token): logprob} of every sampled token, transformers call by call with
     the rows' routes forced into its routers."""
-    out = {}
     with torch.no_grad():
-        for i, row in enumerate(rows):
-            for k, c in enumerate(row["calls"]):
-                lp = hf_call_logprobs(model, c["token_ids"], c["sampled_start"],
-                                      np.asarray(c["routed_experts"]))
-                out.update({(i, k, j): float(v) for j, v in enumerate(lp)})
-    return out
+        return {key: float(v) for key, v in hf_occurrence_logprobs(model, rows).items()}
+
+
+_OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_edge")
+
+
+def occurrence_logprobs(model, rows, *, layout: str, routing: str, max_tokens: int = 40,
+                        scope: str | None = None, **forward):
+    """({(episode index, call, offset): logprob tensor}, runner, bins): the rows through
+    Pack(layout, scope) -> Fragment(max_tokens) -> Forward(routing, **forward) built on `model`
+    (a Decoder or a backend), bin by bin; the runner's route tally counts this run only."""
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
+    runner = build_forward(Forward(routing=routing, **forward), model=model)
+    runner.take_route_tally()
+    prepared = runner.prepare(bins)
+    cols = {n: bins.column(n).combine_chunks() for n in _OCC}
+    off, vals = list_offsets(cols["occ_edge"]), {n: list_values(c) for n, c in cols.items()}
+    out = {}
+    for r, item in enumerate(prepared.items):
+        if item is None:
+            continue
+        lp_E, _ = runner.run_bin(item)
+        for o in range(off[r], off[r + 1]):
+            key = tuple(int(vals[n][o]) for n in _OCC[:3])
+            assert key not in out
+            out[key] = lp_E[int(vals["occ_edge"][o])]
+    return out, runner, bins
+
+
+def hf_aux_and_nll(hf, rows, *, routers=router_modules, forced=forced_routes):
+    """-token-mean logprob + coef x Switch aux (transformers' load_balancing_loss_func over
+    every call's input rows) by hand, with each call's routes forced into its routers
+    (`routers`, `forced`: the family's router modules and route-forcing patch)."""
+    coef, experts = hf.config.router_aux_loss_coef, routers(hf)[0].num_experts
+    nll, n_tok, mass, counts, w = 0.0, 0, torch.zeros(experts), torch.zeros(experts), 0
+    for row in rows:
+        for c in row["calls"]:
+            t = torch.as_tensor([c["token_ids"]])
+            routes = np.asarray(c["routed_experts"])
+            with forced(hf, routes):
+                out = hf(t, output_router_logits=True)
+            logp = torch.log_softmax(out.logits[0].float()[c["sampled_start"] - 1:-1], -1)
+            nll = nll - logp.gather(-1, t[0, c["sampled_start"]:, None]).sum()
+            n_tok += t.shape[1] - c["sampled_start"]
+            n = t.shape[1] - 1  # input rows that predict a token
+            for logits in out.router_logits:
+                mass = mass + torch.softmax(logits[:n].float(), -1).sum(0)
+            counts += torch.bincount(torch.as_tensor(routes[:n]).reshape(-1), minlength=experts)
+            w += n * len(out.router_logits)
+    return nll / n_tok + coef * experts * (counts * mass).sum() / w ** 2
 
 
 def gpu_error_bound(hf, rows, dtype: str, tol32: float, bf16_slack: float):

@@ -1,7 +1,7 @@
 """Context-parallel attention kernels (gloo, CPU, float64), one plan call per kernel and mode.
 
-On two and three ranks, every kernel (dense, runs, flex) with the exchange blocking and
-overlapped: the ranks' outputs and their rows' q/k/v gradients, put together, equal one
+On three ranks (two as well with `-m slow`), every kernel (dense, runs, flex) with the
+exchange blocking and overlapped: the ranks' outputs and their rows' q/k/v gradients, put together, equal one
 SDPA call over the whole bin under a mask walked from the parents (independent of the
 tree helpers), within 1e-12 of the output scale in float64 (float32 rounding alone
 reaches 1e-6 on these sharp softmaxes; test_context_parallel.py holds the model in
@@ -48,14 +48,16 @@ def _forest(seed: int = 5) -> np.ndarray:
 
 
 TREES = {"deep": _deep_tree, "forest": _forest}
+# group sizes: 2 spawns a group of its own for what 3 checks too (3 also has a rank whose
+# queries mix received and own rows), so it runs slow (`-m slow`)
+SIZES = [pytest.param(2, marks=pytest.mark.slow), 3]
 
 
 @functools.cache
 def _run(size: int):
-    """Both trees on `size` ranks (on 2, the deep one also with a late partner): one spawn."""
+    """Both trees on `size` ranks, the deep one also with a late partner: one spawn."""
     trees = {name: make() for name, make in TREES.items()}
-    return spawn(attend, size, trees, size, LATE_S if size == 2 else 0.0, timeout_s=TIMEOUT_S,
-                 threads=1)
+    return spawn(attend, size, trees, size, LATE_S, timeout_s=TIMEOUT_S, threads=1)
 
 
 def _reference(parents):
@@ -85,7 +87,7 @@ def _whole(ranks, key):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("tree", ["deep", "forest"])
 def test_every_kernel_and_mode_equals_one_masked_call(tree, size):
     ranks = _run(size)
@@ -107,15 +109,16 @@ def test_every_kernel_and_mode_equals_one_masked_call(tree, size):
 
 @pytest.mark.multiprocess
 def test_forest_ranks_merge_only_the_queries_that_see_received_rows():
-    ranks = _run(3)
+    ranks = _run(3)  # on 2 the forest's cut falls on a root: no rank mixes
     mixed = [r["forest", "dense", True]["mixed"] for r in ranks]
     sizes = [len(r["forest", "dense", True]["out"]) for r in ranks]
     assert mixed[0] == 0 and any(0 < m < s for m, s in zip(mixed, sizes)), (mixed, sizes)
 
 
 @pytest.mark.multiprocess
-def test_a_late_partner_is_waited_for_forward_and_backward():
-    ranks = _run(2)
+@pytest.mark.parametrize("size", SIZES)
+def test_a_late_partner_is_waited_for_forward_and_backward(size):
+    ranks = _run(size)
     want_out, want_grads = _reference(_deep_tree())
     for mode in MODES:
         out, grads = _whole(ranks, ("deep/late", *mode))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-import torch
 from hybrid_helpers import episodes, token_weights
 from hybrid_moe_helpers import FAMILIES, hf_model, hf_values, routers, tf_values, with_routes
 
@@ -28,14 +27,7 @@ require("transformers")
 
 _CACHE: dict = {}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: intra-op threads only contend on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -15,6 +15,7 @@ from hybrid_moe_helpers import (FAMILIES, forced_routes, hf_model, hf_values, ro
                                tf_values, with_routes)
 
 from tests.deps import require
+from tests.models.moe_helpers import hf_aux_and_nll
 from treeflow.cli import main
 from treeflow.models import load_backend, load_model, save_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
@@ -22,13 +23,7 @@ from treeflow.stages import Forward, Fragment, Pack
 
 transformers = require("transformers")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -44,28 +39,6 @@ def test_saved_checkpoint_loads_in_transformers_as_the_same_model(tmp_path, fami
                                                              if not torch.equal(want[k], got[k])]
 
 
-def _hf_aux_and_nll(hf, rows):
-    """-token-mean logprob + coef x Switch aux (transformers' load_balancing_loss_func over
-    every call's input rows) by hand, with each call's routes forced into its routers."""
-    coef, experts = hf.config.router_aux_loss_coef, routers(hf)[0].num_experts
-    nll, n_tok, mass, counts, w = 0.0, 0, torch.zeros(experts), torch.zeros(experts), 0
-    for row in rows:
-        for c in row["calls"]:
-            t = torch.as_tensor([c["token_ids"]])
-            routes = np.asarray(c["routed_experts"])
-            with forced_routes(hf, routes):
-                out = hf(t, output_router_logits=True)
-            logp = torch.log_softmax(out.logits[0].float()[c["sampled_start"] - 1:-1], -1)
-            nll = nll - logp.gather(-1, t[0, c["sampled_start"]:, None]).sum()
-            n_tok += t.shape[1] - c["sampled_start"]
-            n = t.shape[1] - 1  # input rows that predict a token
-            for logits in out.router_logits:
-                mass = mass + torch.softmax(logits[:n].float(), -1).sum(0)
-            counts += torch.bincount(torch.as_tensor(routes[:n]).reshape(-1), minlength=experts)
-            w += n * len(out.router_logits)
-    return nll / n_tok + coef * experts * (counts * mass).sum() / w ** 2
-
-
 @pytest.mark.parametrize("layout", ["tree", "exact"])
 def test_granite_router_aux_loss_equals_the_exact_baseline(tmp_path, layout):
     from treeflow.stages import Loss, Reduce
@@ -75,7 +48,7 @@ def test_granite_router_aux_loss_equals_the_exact_baseline(tmp_path, layout):
     hf.save_pretrained(tmp_path)
     rows = with_routes(hf, episodes(9, seed=9).to_pylist(), shift=1)
     hf.zero_grad()
-    want = _hf_aux_and_nll(hf, rows)
+    want = hf_aux_and_nll(hf, rows, routers=routers, forced=forced_routes)
     want.backward()
     model = load_model(tmp_path)
     trainer = Trainer(Forward(routing="replay"), Reduce(loss=Loss(kind="nll")), model=model,

@@ -12,32 +12,20 @@ which the round-trip test checks against transformers' own loading).
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                     "pip install 'treeflow[megatron]' to run the megatron backend tests")
 
-from tests.models.moe_helpers import (FAMILIES, episodes, hf_call_logprobs, hf_model,  # noqa: E402
-                                      with_routes)
-from treeflow.ops import build_forward
+from tests.models.moe_helpers import (FAMILIES, episodes, hf_model,  # noqa: E402
+                                      hf_occurrence_logprobs, occurrence_logprobs, with_routes)
 from treeflow.models import load_backend  # noqa: E402
 from treeflow.models.megatron import hf_to_mcore  # noqa: E402
-from treeflow.schemas import EPISODE_SCHEMA, validate_episodes  # noqa: E402
-from treeflow.stages import Forward, Pack  # noqa: E402
-from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
-from treeflow.stages.fragment import fragment  # noqa: E402
 
 LAYOUTS = ("tree", "chain", "exact")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -54,35 +42,11 @@ def rows():
     return episodes(np.random.default_rng(3))
 
 
-def _logprobs(backend, rows, *, layout, routing):
-    """{(episode, call, offset): logprob} through Pack -> Fragment -> Forward(megatron)."""
-    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
-    bins = fragment(Pack(layout=layout)(table), max_tokens=40)
-    runner = build_forward(Forward(routing=routing, backend="megatron"), model=backend)
-    runner.take_route_tally()
-    prepared = runner.prepare(bins)
-    cols = {n: bins.column(n).combine_chunks() for n in ("occ_sample_index", "occ_call",
-                                                         "occ_offset", "occ_edge")}
-    off, vals = list_offsets(cols["occ_edge"]), {n: list_values(c) for n, c in cols.items()}
-    out = {}
-    for r, item in enumerate(prepared.items):
-        if item is None:
-            continue
-        lp_E, _ = runner.run_bin(item)
-        for o in range(off[r], off[r + 1]):
-            key = tuple(int(vals[n][o]) for n in ("occ_sample_index", "occ_call", "occ_offset"))
-            out[key] = lp_E[int(vals["occ_edge"][o])]
+def _logprobs(meg, rows, *, layout, routing):
+    """({(episode, call, offset): logprob}, runner) through Forward(backend="megatron")."""
+    out, runner, _ = occurrence_logprobs(meg, rows, layout=layout, routing=routing,
+                                         backend="megatron")
     return out, runner
-
-
-def _hf_logprobs(hf, rows, *, replay):
-    out = {}
-    for i, row in enumerate(rows):
-        for k, c in enumerate(row["calls"]):
-            routes = np.asarray(c["routed_experts"]) if replay else None
-            for j, v in enumerate(hf_call_logprobs(hf, c["token_ids"], c["sampled_start"], routes)):
-                out[(i, k, j)] = v
-    return out
 
 
 @pytest.mark.parametrize("routing", ["replay", "recompute"])
@@ -91,11 +55,11 @@ def test_logprobs_and_gradients_match_transformers(pair, rows, routing):
     routed = with_routes(hf, rows, shift=1)  # perturbed: replay must follow them
     replay = routing == "replay"
     with torch.no_grad():
-        want = _hf_logprobs(hf, routed, replay=replay)
+        want = hf_occurrence_logprobs(hf, routed, replay=replay)
     rng = np.random.default_rng(7)
     w = {k: float(rng.uniform(0.5, 1.5)) for k in sorted(want)}
     hf.zero_grad()
-    sum(w[k] * v for k, v in _hf_logprobs(hf, routed, replay=replay).items()).backward()
+    sum(w[k] * v for k, v in hf_occurrence_logprobs(hf, routed, replay=replay).items()).backward()
     want_grads = hf_to_mcore({n: p.grad for n, p in hf.named_parameters()}, meg.config)
     for layout in LAYOUTS:
         meg.module.zero_grad()

@@ -14,25 +14,18 @@ import pyarrow as pa
 import pytest
 import torch
 
-from tests.models.moe_helpers import (FAMILIES, episodes, forced_routes, hf_call_logprobs,
-                                      hf_model, router_modules, with_routes)
+from tests.models.moe_helpers import (FAMILIES, episodes, hf_aux_and_nll, hf_model,
+                                      hf_occurrence_logprobs, occurrence_logprobs, router_modules,
+                                      with_routes)
 from treeflow.models import load_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
-from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
 from treeflow.ops import build_forward
 
 LAYOUTS = ("tree", "chain", "exact")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: intra-op threads only contend (30x slower on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -49,41 +42,6 @@ def rows():
     return episodes(np.random.default_rng(3))
 
 
-def _occurrence_logprobs(model, rows, *, layout, routing, max_tokens=40):
-    """{(episode index, call, offset): logprob tensor} through Pack -> Fragment -> Forward."""
-    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
-    bins = fragment(Pack(layout=layout)(table), max_tokens=max_tokens)
-    runner = build_forward(Forward(routing=routing), model=model)
-    runner.take_route_tally()  # count this run's rows only
-    prepared = runner.prepare(bins)
-    cols = {n: bins.column(n).combine_chunks() for n in ("occ_sample_index", "occ_call",
-                                                         "occ_offset", "occ_edge")}
-    off = list_offsets(cols["occ_edge"])
-    vals = {n: list_values(c) for n, c in cols.items()}
-    out = {}
-    for r, item in enumerate(prepared.items):
-        if item is None:
-            continue
-        lp_E, _ = runner.run_bin(item)
-        for o in range(off[r], off[r + 1]):
-            key = (int(vals["occ_sample_index"][o]), int(vals["occ_call"][o]),
-                   int(vals["occ_offset"][o]))
-            assert key not in out
-            out[key] = lp_E[int(vals["occ_edge"][o])]
-    return out, runner
-
-
-def _hf_logprobs(hf, rows, *, replay: bool):
-    out = {}
-    for i, row in enumerate(rows):
-        for k, c in enumerate(row["calls"]):
-            routes = np.asarray(c["routed_experts"]) if replay and "routed_experts" in c else None
-            lp = hf_call_logprobs(hf, c["token_ids"], c["sampled_start"], routes)
-            for j in range(len(lp)):
-                out[(i, k, j)] = lp[j]
-    return out
-
-
 def _weights(keys):
     rng = np.random.default_rng(7)
     return {k: float(rng.uniform(0.5, 1.5)) for k in sorted(keys)}
@@ -95,14 +53,15 @@ def test_logprobs_and_gradients_match_transformers(pair, rows, routing):
     # perturbed routes: replay must follow them, recompute must ignore them
     routed = with_routes(hf, rows, shift=1)
     with torch.no_grad():
-        want = _hf_logprobs(hf, routed, replay=routing == "replay")
+        want = hf_occurrence_logprobs(hf, routed, replay=routing == "replay")
     w = _weights(want)
     hf.zero_grad()
-    sum(w[k] * v for k, v in _hf_logprobs(hf, routed, replay=routing == "replay").items()).backward()
+    with_grad = hf_occurrence_logprobs(hf, routed, replay=routing == "replay")
+    sum(w[k] * v for k, v in with_grad.items()).backward()
     hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
     for layout in LAYOUTS:
         ours.zero_grad()
-        got, _ = _occurrence_logprobs(ours, routed, layout=layout, routing=routing)
+        got, _, _ = occurrence_logprobs(ours, routed, layout=layout, routing=routing)
         assert got.keys() == want.keys()
         diff = max(abs(float(got[k].detach()) - float(want[k])) for k in want)
         assert diff < 1e-5, (layout, diff)
@@ -121,20 +80,20 @@ def test_replay_changes_results_and_agreement(pair, rows):
     own = with_routes(hf, rows)
     shifted = with_routes(hf, rows, shift=1)
     with torch.no_grad():
-        got_own, runner = _occurrence_logprobs(ours, own, layout="tree", routing="replay")
+        got_own, runner, _ = occurrence_logprobs(ours, own, layout="tree", routing="replay")
     agree, total = runner.take_route_tally()
     assert total > 0 and agree == total  # routes from the same model: agreement 1.0
     with torch.no_grad():
-        got_shift, runner = _occurrence_logprobs(ours, shifted, layout="tree", routing="replay")
+        got_shift, runner, _ = occurrence_logprobs(ours, shifted, layout="tree", routing="replay")
     agree, total = runner.take_route_tally()
     assert agree / total < 0.5
     assert max(abs(float(got_own[k]) - float(got_shift[k])) for k in got_own) > 1e-2
     # recompute ignores the routes for the values but still reports their agreement
     with torch.no_grad():
-        got_rec, runner = _occurrence_logprobs(ours, shifted, layout="tree", routing="recompute")
+        got_rec, runner, _ = occurrence_logprobs(ours, shifted, layout="tree", routing="recompute")
     assert runner.take_route_tally() == (0, total)  # own routes + 1 never equal own routes
     assert max(abs(float(got_own[k]) - float(got_rec[k])) for k in got_own) < 1e-5
-    _, runner = _occurrence_logprobs(ours, own, layout="chain", routing="recompute")
+    _, runner, _ = occurrence_logprobs(ours, own, layout="chain", routing="recompute")
     agree, total = runner.take_route_tally()
     assert total > 0 and agree == total
 
@@ -142,8 +101,8 @@ def test_replay_changes_results_and_agreement(pair, rows):
 def test_auto_replays_when_routes_are_present(pair, rows):
     hf, ours = pair
     shifted = with_routes(hf, rows, shift=2)
-    auto, _ = _occurrence_logprobs(ours, shifted, layout="chain", routing="auto")
-    replay, _ = _occurrence_logprobs(ours, shifted, layout="chain", routing="replay")
+    auto, _, _ = occurrence_logprobs(ours, shifted, layout="chain", routing="auto")
+    replay, _, _ = occurrence_logprobs(ours, shifted, layout="chain", routing="replay")
     assert all(float(auto[k].detach()) == float(replay[k].detach()) for k in auto)
 
 
@@ -174,28 +133,6 @@ def test_replay_needs_routes_and_experts(pair, rows):
         build_forward(Forward(routing="replay"), model=dense)
 
 
-def _hf_aux_and_nll(hf, rows):
-    """-token-mean logprob + coef x Switch aux over every call's input rows, by hand from
-    transformers' router logits with the replayed routes forced into its routers."""
-    coef, experts = hf.config.router_aux_loss_coef, router_modules(hf)[0].num_experts
-    nll, n_tok, mass, counts, w = 0.0, 0, torch.zeros(experts), torch.zeros(experts), 0
-    for row in rows:
-        for c in row["calls"]:
-            t = torch.as_tensor([c["token_ids"]])
-            routes = np.asarray(c["routed_experts"])
-            with forced_routes(hf, routes):
-                out = hf(t, output_router_logits=True)
-            logp = torch.log_softmax(out.logits[0].float()[c["sampled_start"] - 1:-1], -1)
-            nll = nll - logp.gather(-1, t[0, c["sampled_start"]:, None]).sum()
-            n_tok += t.shape[1] - c["sampled_start"]
-            n = t.shape[1] - 1  # input rows that predict a token
-            for logits in out.router_logits:
-                mass = mass + torch.softmax(logits[:n].float(), -1).sum(0)
-            counts += torch.bincount(torch.as_tensor(routes[:n]).reshape(-1), minlength=experts)
-            w += n * len(out.router_logits)
-    return nll / n_tok + coef * experts * (counts * mass).sum() / w ** 2
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_router_aux_loss_equals_the_exact_baseline(tmp_path, rows, layout):
     """Loss and every gradient of nll + coef x aux: treeflow's step on tree / chain / exact
@@ -207,7 +144,7 @@ def test_router_aux_loss_equals_the_exact_baseline(tmp_path, rows, layout):
     hf.save_pretrained(tmp_path)
     routed = with_routes(hf, rows, shift=1)
     hf.zero_grad()
-    want = _hf_aux_and_nll(hf, routed)
+    want = hf_aux_and_nll(hf, routed)
     want.backward()
     trainer = Trainer(Forward(routing="replay"), Reduce(loss=Loss(kind="nll")),
                       model=load_model(tmp_path), grad_sum="float64")
@@ -247,7 +184,7 @@ def test_recomputation_keeps_values_gradients_and_agreement(pair, rows, recomput
     runs = []
     for tuning in (Tuning(), Tuning(recompute=recompute)):
         ours.zero_grad()
-        lp, runner = _occurrence_logprobs(ReferenceBackend(ours, tuning=tuning), routed,
+        lp, runner, _ = occurrence_logprobs(ReferenceBackend(ours, tuning=tuning), routed,
                                           layout="tree", routing="replay")
         w = _weights(lp)
         sum(w[k] * v for k, v in lp.items()).backward()

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from tests.models.moe_helpers import episodes, hf_call_logprobs, hf_model, with_routes
+from tests.models.moe_helpers import episodes, hf_model, occurrence_oracle, with_routes
 from treeflow.ops import build_forward
 from treeflow.models.checkpoint import load_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
@@ -75,13 +75,7 @@ def _logprobs(model, table, pack):
 def test_default_and_nrl_rules_give_transformers_logprobs(pair):
     hf, ours = pair
     rows = _rows(hf)
-    want = {}
-    with torch.no_grad():
-        for i, row in enumerate(rows):
-            for k, c in enumerate(row["calls"]):
-                lp = hf_call_logprobs(hf, c["token_ids"], c["sampled_start"],
-                                      np.asarray(c["routed_experts"]))
-                want.update({(i, k, j): float(v) for j, v in enumerate(lp)})
+    want = occurrence_oracle(hf, rows)
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     nodes = {}
     for name, pack in {"tree": Pack(layout="tree", scope="episode"),

@@ -42,20 +42,21 @@ def outputs(records):
 
 
 @pytest.mark.ray
-def test_replay_is_bit_equal_to_local_for_1_to_3_ranks(ray_cluster, data):
-    for ranks in (1, 2, 3):
-        pipe = replay_pipe(ranks)
-        local = outputs(pipe.run(data))
-        records = list(pipe.run(data, engine="ray", ranks=ranks))
-        assert [r.step for r in records] == list(range(4))  # windows in logical order
-        got = outputs(records)
-        assert got.column("episode_id").to_pylist() == local.column("episode_id").to_pylist()
-        # bit for bit: the same bins, the same threads per process
-        assert got.equals(local), ranks
-        assert sum(r.stats["bins"] for r in records) > 4 * ranks - 1
-        # any other source (here episode tables) is read by the driver into the same graph
-        tables = outputs(pipe.run(list(data), engine="ray", ranks=ranks))
-        assert tables.equals(local), ranks
+@pytest.mark.parametrize("ranks", [  # each rank count starts its own actors: 2 by default
+    pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_replay_is_bit_equal_to_local_for_1_to_3_ranks(ray_cluster, data, ranks):
+    pipe = replay_pipe(ranks)
+    local = outputs(pipe.run(data))
+    records = list(pipe.run(data, engine="ray", ranks=ranks))
+    assert [r.step for r in records] == list(range(4))  # windows in logical order
+    got = outputs(records)
+    assert got.column("episode_id").to_pylist() == local.column("episode_id").to_pylist()
+    # bit for bit: the same bins, the same threads per process
+    assert got.equals(local), ranks
+    assert sum(r.stats["bins"] for r in records) > 4 * ranks - 1
+    # any other source (here episode tables) is read by the driver into the same graph
+    tables = outputs(pipe.run(list(data), engine="ray", ranks=ranks))
+    assert tables.equals(local), ranks
 
 
 @pytest.mark.ray

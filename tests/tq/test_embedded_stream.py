@@ -19,6 +19,7 @@ from tests.tq.queue_helpers import (B, assert_same_weights, fill, logprob_pipe, 
                                     queued_training, train_parts)
 from treeflow.pipeline import QueueSource, write_episodes
 from treeflow.tq import END, connect_queue, local_queue, open_queue
+from treeflow.tq import leases as leases_module
 from treeflow.tq import ledger as ledger_module
 from treeflow.train import Trainer
 
@@ -207,7 +208,8 @@ def test_a_late_ack_of_a_finished_step_is_not_counted_as_a_skipped_redelivery(sm
     step 1 comes back to A, which acknowledges it silently (its result is already out): it is
     neither yielded again nor counted as a step applied before a restart."""
     clock = _Clock()
-    monkeypatch.setattr(ledger_module, "time", clock)
+    for module in (ledger_module, leases_module):  # the ledger's waits and its leases' clock
+        monkeypatch.setattr(module, "time", clock)
     q = local_queue(lease_seconds=10.0)
     fill(q, small)                                  # 12 episodes: steps 0, 1, 2 of B = 4
     a = QueueSource(episodes_per_step=B, consumer="a").open(_NoRenew(q))

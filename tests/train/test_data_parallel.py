@@ -170,7 +170,7 @@ def resume_and_failure(two_ranks):
     return [r["resume_and_failure"] for r in runs], ckpt
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: a launch more
 def test_ranks_equal_one_rank(ranks, request):
     if ranks == 2:
         runs = request.getfixturevalue("two_ranks")[0]

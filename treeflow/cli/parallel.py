@@ -47,17 +47,13 @@ def add_parallel_options(s) -> None:
 def check_tensor_parallel_options(args, *, train: bool) -> None:
     """Refuse what --tensor-parallel cannot run with, before any process is started."""
     tp = args.tensor_parallel
-    if tp < 1:
-        raise ValueError(f"--tensor-parallel {tp}: give 1 or more processes")
-    if tp == 1:
+    if not _splits(args, "--tensor-parallel", tp, backend="megatron",
+                   why=f"the {args.backend} backend runs whole on one device (use --num-ranks "
+                       "for data parallelism)"):
         return
-    if args.backend != "megatron":
-        raise ValueError(f"--tensor-parallel {tp} needs --backend megatron: the {args.backend} "
-                         "backend runs whole on one device (use --num-ranks for data parallelism)")
-    _own_processes(args, "--tensor-parallel", "tensor-parallel", tp, train=train)
-    if train and args.shard_params:
-        raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
-                         "megatron-core shards the weights itself; drop --shard-params")
+    _own_processes(args, "--tensor-parallel", "tensor-parallel", tp, train=train,
+                   shard_params="is not supported: megatron-core shards the weights itself; "
+                                "drop --shard-params")
     from treeflow.models import ModelConfig, check_tensor_parallel
     from treeflow.train.checkpoint import model_dir
 
@@ -79,28 +75,34 @@ def check_context_parallel_options(args, *, train: bool) -> None:
     C x --max-tokens tokens.
     """
     cp = args.context_parallel
-    if cp < 1:
-        raise ValueError(f"--context-parallel {cp}: give 1 or more processes")
-    if cp == 1:
+    if not _splits(args, "--context-parallel", cp, backend="reference",
+                   why=f"the {args.backend} backend has no tree context parallelism yet"):
         return
-    if args.backend != "reference":
-        raise ValueError(f"--context-parallel {cp} needs --backend reference: the {args.backend} "
-                         "backend has no tree context parallelism yet")
     if args.tensor_parallel > 1:
         raise ValueError(f"--context-parallel {cp} with --tensor-parallel {args.tensor_parallel} "
                          "is not supported yet: give one of them")
     if args.kernel not in ("auto", "dense", "runs", "flex"):
         raise ValueError(f"--context-parallel {cp} with --kernel {args.kernel}: a rank attends "
                          "over its gathered keys with --kernel runs, dense or flex (auto: runs)")
-    _own_processes(args, "--context-parallel", "context-parallel", cp, train=train)
-    if train and args.shard_params:
-        raise ValueError(f"--context-parallel {cp} with --shard-params is not supported yet: "
-                         "drop one of them")
+    _own_processes(args, "--context-parallel", "context-parallel", cp, train=train,
+                   shard_params="is not supported yet: drop one of them")
     _process_count(args, "--context-parallel", cp, train=train)
 
 
-def _own_processes(args, flag: str, kind: str, n: int, *, train: bool) -> None:
-    """What every flag that runs one model over n processes of its own refuses alike."""
+def _splits(args, flag: str, n: int, *, backend: str, why: str) -> bool:
+    """Whether `flag n` splits the model (n > 1); refused below 1 or off `backend` (`why`)."""
+    if n < 1:
+        raise ValueError(f"{flag} {n}: give 1 or more processes")
+    if n == 1:
+        return False
+    if args.backend != backend:
+        raise ValueError(f"{flag} {n} needs --backend {backend}: {why}")
+    return True
+
+
+def _own_processes(args, flag: str, kind: str, n: int, *, train: bool, shard_params: str) -> None:
+    """What every flag that runs one model over n processes of its own refuses alike
+    (`shard_params`: why it does not train with --shard-params)."""
     if args.engine == "ray":
         raise ValueError(f"{flag} {n} runs with --engine local only (each {kind} rank is a "
                          "process of its own)")
@@ -111,6 +113,8 @@ def _own_processes(args, flag: str, kind: str, n: int, *, train: bool) -> None:
         raise ValueError(f"--num-ranks {args.num_ranks} with {flag} {n} in logprobs mode: "
                          "--num-ranks sizes "
                          "the Ray engine's forward actors; give --num-ranks 1")
+    if train and args.shard_params:
+        raise ValueError(f"{flag} {n} with --shard-params {shard_params}")
 
 
 def _process_count(args, flag: str, n: int, *, train: bool) -> None:

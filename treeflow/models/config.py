@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.moe import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
+from treeflow.models.moe_config import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", **MOE_ARCHITECTURES}
 
@@ -49,7 +49,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     qk_norm: bool = False  # RMSNorm of q and k per head before RoPE (Qwen3-MoE)
-    moe: MoeConfig | None = None  # expert layers (models/moe.py); None for a dense model
+    moe: MoeConfig | None = None  # expert layers (models/moe_config.py); None for a dense model
     hf_extras: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False)
 

@@ -3,7 +3,7 @@
 `HybridConfig` is a `ModelConfig` (so the cost model, the trainer and the
 backend protocol read the attention/MLP fields they already know) plus the
 layer pattern, the Mamba-2 mixer's shape and, for MoE blocks, a `moe`
-MoeConfig (models/moe.py: routing replay, route width = MoE layers x top_k).
+MoeConfig (models/moe_config.py; models/moe.py: routing replay, route width = MoE layers x top_k).
 Like config.py it models only what changes the computation and refuses what
 it cannot honour: RoPE scaling, biases, sliding windows, quantisation, token
 dropping, and MTP layers in a family without a bypass (mtp.py). Everything
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from treeflow.models.config import ModelConfig
-from treeflow.models.moe import MoeConfig, refuse_dropping
+from treeflow.models.moe_config import MoeConfig, refuse_dropping
 
 __all__ = ["HYBRID_ARCHITECTURES", "HybridConfig"]
 

@@ -12,7 +12,8 @@ the chosen experts' logits; its shared MLP is the layer's). Parameters are held 
 transformers 5 holds them in memory (`mlp.gate.weight`, fused
 `mlp.experts.gate_up_proj` [X, 2I, H] and `mlp.experts.down_proj` [X, H, I]);
 checkpoint.py maps the per-expert tensors of the on-disk format to and from
-them.
+them. What the checkpoint's config says of its experts (MoeConfig) is read and
+checked in models/moe_config.py.
 
 Routing replay: a bin's `routes` column gives every node the expert ids the
 inference engine chose, per MoE layer (width = MoE layers x top_k, layers in
@@ -47,155 +48,17 @@ R = N*K routed rows, W route width.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.route_ties import compute_dtype
-from treeflow.models.route_ties import topk_margin
+from treeflow.models.moe_config import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS, MoeConfig,
+                                       route_width)
+from treeflow.models.route_ties import compute_dtype, topk_margin
 
-__all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS", "route_width"]
-
-MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                     "MixtralForCausalLM": "mixtral"}
-# the MoE blocks of the Mamba-2 hybrids (hybrid_config.py builds their MoeConfig)
-HYBRID_MOE_FAMILIES = ("nemotron_h", "granitemoehybrid")
-_SHARED_IN_BLOCK = ("qwen2_moe", "nemotron_h")
-ROUTINGS = ("auto", "replay", "recompute")
-ROUTER_DTYPES = ("float32", "compute")
-
-# config.json keys that MoeConfig models (not carried as extras)
-MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-            "shared_expert_intermediate_size", "router_aux_loss_coef", "output_router_logits",
-            "router_jitter_noise", "qkv_bias"}
-# settings that drop tokens: refused, a dropped shared row would vanish from every call sharing it
-_DROPPING = ("capacity_factor", "moe_capacity_factor", "expert_capacity", "drop_tokens",
-             "moe_token_drop_policy", "token_drop")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MoeConfig:
-    """Expert layers of an MoE decoder. `moe_layers`: indices of the layers with experts."""
-
-    family: str  # qwen3_moe | qwen2_moe | mixtral | nemotron_h | granitemoehybrid
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    moe_layers: tuple[int, ...]
-    norm_topk_prob: bool = True
-    shared_expert_intermediate_size: int = 0  # qwen2_moe, nemotron_h
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.0
-    output_router_logits: bool = False
-    # nemotron_h's router: group-limited choice, scaled weights; latent_size 0 = none
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    latent_size: int = 0
-    # router logits and top-k: "float32" (Megatron's moe_router_dtype="fp32") or "compute"
-    router_dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.router_dtype not in ROUTER_DTYPES:
-            raise ValueError(f"MoeConfig.router_dtype {self.router_dtype!r}: use one of "
-                             f"{ROUTER_DTYPES}")
-        families = (*MOE_ARCHITECTURES.values(), *HYBRID_MOE_FAMILIES)
-        if self.family not in families:
-            raise ValueError(f"MoeConfig.family {self.family!r}: use one of {sorted(families)}")
-        for name in ("num_experts", "top_k", "moe_intermediate_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"MoeConfig.{name} must be a positive int, got {v!r}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds num_experts="
-                             f"{self.num_experts}")
-        shared = self.family in _SHARED_IN_BLOCK
-        if shared and self.shared_expert_intermediate_size <= 0:
-            raise ValueError(f"{self.family} needs shared_expert_intermediate_size > 0")
-        if not shared and self.shared_expert_intermediate_size:
-            raise ValueError(f"{self.family} has no shared expert; shared_expert_intermediate_size "
-                             f"{self.shared_expert_intermediate_size} would be ignored")
-        if self.family != "nemotron_h" and (self.n_group, self.topk_group, self.latent_size,
-                                            self.routed_scaling_factor) != (1, 1, 0, 1.0):
-            raise ValueError(f"{self.family}: n_group / topk_group / latent_size / "
-                             "routed_scaling_factor are Nemotron-H router settings")
-        if (self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
-                or (self.n_group > 1 and self.num_experts // self.n_group < 2)):
-            raise ValueError(f"n_group={self.n_group}, topk_group={self.topk_group} do not split "
-                             f"{self.num_experts} experts into groups of 2 or more, choosing "
-                             "1..n_group of them")
-
-    @property
-    def route_width(self) -> int:
-        """Expert ids per token in `routed_experts`: MoE layers x top_k."""
-        return len(self.moe_layers) * self.top_k
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], arch: str, num_layers: int) -> MoeConfig:
-        def refuse(what: str) -> None:
-            raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
-                             "implement; running it anyway would give wrong logprobs")
-
-        refuse_dropping(d, arch)
-        family = MOE_ARCHITECTURES[arch]
-        if family == "mixtral":
-            if d.get("router_jitter_noise"):
-                refuse(f"router_jitter_noise={d['router_jitter_noise']} (random router noise)")
-            experts = d.get("num_local_experts", d.get("num_experts", 8))
-            return cls(family=family, num_experts=experts, top_k=d.get("num_experts_per_tok", 2),
-                       moe_intermediate_size=d["intermediate_size"],
-                       moe_layers=tuple(range(num_layers)), norm_topk_prob=True,
-                       router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
-                       output_router_logits=bool(d.get("output_router_logits", False)))
-        experts = d.get("num_experts", d.get("num_local_experts"))
-        step = int(d.get("decoder_sparse_step", 1) or 1)
-        only = tuple(sorted(int(i) for i in (d.get("mlp_only_layers") or ())))
-        layers = tuple(i for i in range(num_layers)
-                       if i not in only and experts and (i + 1) % step == 0)
-        return cls(family=family, num_experts=experts, top_k=d.get("num_experts_per_tok"),
-                   moe_intermediate_size=d["moe_intermediate_size"], moe_layers=layers,
-                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                   shared_expert_intermediate_size=(int(d["shared_expert_intermediate_size"])
-                                                    if family == "qwen2_moe" else 0),
-                   decoder_sparse_step=step, mlp_only_layers=only,
-                   router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
-                   output_router_logits=bool(d.get("output_router_logits", False)))
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = dict(num_experts_per_tok=self.top_k,
-                                 router_aux_loss_coef=self.router_aux_loss_coef,
-                                 output_router_logits=self.output_router_logits)
-        if self.family == "mixtral":
-            d.update(num_local_experts=self.num_experts, router_jitter_noise=0.0)
-            return d
-        d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
-                 norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
-                 mlp_only_layers=list(self.mlp_only_layers))
-        if self.family == "qwen2_moe":
-            d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        return d
-
-
-def refuse_dropping(d: Mapping[str, Any], arch: str) -> None:
-    for key in _DROPPING:
-        if d.get(key) not in (None, False, 0, -1, "none", "None"):
-            raise ValueError(
-                f"{arch} config sets {key}={d[key]!r}: capacity factors / token dropping are "
-                "refused, because a dropped row of a shared prefix node would vanish from "
-                "every call sharing it (and no call run alone would drop it); remove the "
-                "setting to run every token through its experts")
-
-
-def route_width(config) -> int | None:
-    """The `routed_experts` width a ModelConfig accepts; None for a dense model."""
-    moe = getattr(config, "moe", None)
-    return None if moe is None or not moe.moe_layers else moe.route_width
+# the config's names (models/moe_config.py) stay importable from here, where they began
+__all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS",
+           "route_width"]
 
 
 def check_routes(config, routes_NW: torch.Tensor | None, n: int) -> None:

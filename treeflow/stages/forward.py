@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from treeflow.models.moe import ROUTINGS
+from treeflow.models.moe_config import ROUTINGS
 from treeflow.models.tuning import Tuning
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
 from treeflow.stages.flat import list_offsets
@@ -151,7 +151,7 @@ class Forward(Stage):
     def route_width_hint(self) -> int | None:
         """The `routed_experts` width episodes must have when routes are replayed, else None."""
         from treeflow.models import ModelConfig
-        from treeflow.models.moe import route_width
+        from treeflow.models.moe_config import route_width
 
         if self.routing == "recompute" or self.model == "tiny":
             return None

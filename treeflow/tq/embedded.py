@@ -32,11 +32,12 @@ import threading
 import time
 
 from treeflow.tq import tcp, wire
-from treeflow.tq.ledger import LEDGER_METHODS, Ledger, call_deadline
+from treeflow.tq.ledger import Ledger
+from treeflow.tq.protocol import LEDGER_METHODS, call_deadline
 
 __all__ = ["EmbeddedServer", "alive", "connect_embedded", "serve_embedded"]
 
-# what a client may call: the one list of served methods (treeflow/tq/ledger.py)
+# what a client may call: the one list of served methods (treeflow/tq/protocol.py)
 _HANDSHAKE_S = 10.0
 _METHODS = frozenset(LEDGER_METHODS)
 
@@ -238,15 +239,7 @@ def serve_embedded(address: str, *, timeout: float = 30.0, secret_file: str | No
         proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", address,
                                  json.dumps(ledger_options)], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-    deadline = time.monotonic() + timeout
-    while not alive(address):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the queue server at {address} exited with {proc.returncode}; "
-                               f"its output is in {address}.log")
-        if time.monotonic() > deadline:
-            proc.terminate()
-            raise RuntimeError(f"the queue server at {address} did not come up in {timeout} s")
-        time.sleep(0.02)
+    _wait_started(proc, address, timeout, name=address, log=address + ".log")
     return EmbeddedServer(address, proc)
 
 
@@ -263,19 +256,14 @@ def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> Embe
         proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", str(addr),
                                  json.dumps(options)], stdin=subprocess.PIPE, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-    proc.stdin.write((secret.hex() + "\n").encode())
-    proc.stdin.close()
+    try:
+        proc.stdin.write((secret.hex() + "\n").encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it exited before reading the secret: _wait_started reports its status and log
     server = EmbeddedServer(str(addr), proc,
                             files=(source,) if source == addr.local_secret_path() else ())
-    deadline = time.monotonic() + timeout
-    while not alive(address):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the queue server at {addr} exited with {proc.returncode}; "
-                               f"its output is in {log}")
-        if time.monotonic() > deadline:
-            proc.terminate()
-            raise RuntimeError(f"the queue server at {addr} did not come up in {timeout} s")
-        time.sleep(0.02)
+    _wait_started(proc, address, timeout, name=str(addr), log=log)
     return server
 
 
@@ -306,6 +294,20 @@ def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | 
     client = _Client(address, wire.read_secret(address))
     client._connection()  # authenticate now, so that a refusal surfaces here
     return client
+
+
+def _wait_started(proc, address: str, timeout: float, *, name: str, log: str) -> None:
+    """Until the server process `proc` answers at `address`; RuntimeError if it exits first
+    (its output is in `log`) or is not up within `timeout` s (then it is terminated)."""
+    deadline = time.monotonic() + timeout
+    while not alive(address):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the queue server at {name} exited with {proc.returncode}; "
+                               f"its output is in {log}")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise RuntimeError(f"the queue server at {name} did not come up in {timeout} s")
+        time.sleep(0.02)
 
 
 def _wait_alive(address: str, timeout: float) -> None:

@@ -44,6 +44,11 @@ moved), far below the cost of moving or computing episodes, and a single
 lock makes every guarantee easy to state and test. Seen episode and group
 ids are remembered for the queue's lifetime to refuse duplicates (a few
 dozen bytes per episode).
+
+What a ledger's clients see (Group, Delivery, END, the errors, the served
+methods and their deadlines) is in tq/protocol.py; what happens to a step
+after `get` leased it (renew, ack, nack, reject, release, dead letters) is in
+tq/leases.py, mixed into `Ledger` under its one lock.
 """
 
 from __future__ import annotations
@@ -52,71 +57,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
+from treeflow.tq.leases import Leases
+from treeflow.tq.protocol import (CLOSE_WHEN, END, LEDGER_METHODS, Delivery, Group, QueueClosed,
+                                  QueueFull, parse_close_when)
+
+# the values that cross (tq/protocol.py) stay importable from here, where they began
 __all__ = ["CLOSE_WHEN", "END", "LEDGER_METHODS", "Delivery", "Group", "Ledger", "QueueClosed",
-           "QueueFull"]
+           "QueueFull", "parse_close_when"]
 
-END = "end"  # get(): the queue is closed and nothing more can reach this consumer
-CLOSE_WHEN = ("all", "first")  # or a number of producers
 PRODUCER_SECONDS = 5.0  # a producer registration not renewed (or put to) this long has lapsed
-# the methods a served ledger exposes to its clients (every backend's transport proxies these)
-LEDGER_METHODS = ("next_seq", "open_producer", "renew_producer", "put", "close", "get", "renew", "ack",
-                  "nack", "reject", "release", "put_result", "take_result", "publish_weights", "weights",
-                  "dead_letters", "stats")
-# where a method takes its own wait (seconds), by position; a transport's deadline is that plus
-# CALL_SLACK_S, past which the server is presumed hung or gone
-WAIT_ARGS = {"put": 5, "get": 2, "put_result": 2, "take_result": 0, "open_producer": 2}
-CALL_SLACK_S = 60.0
-
-
-def call_deadline(method: str, args: tuple, kwargs: dict | None = None) -> float:
-    """Seconds a call of `method` with these arguments may take before its transport gives up."""
-    at = WAIT_ARGS.get(method)
-    wait = (kwargs or {}).get("wait_s")
-    if wait is None and at is not None and len(args) > at:
-        wait = args[at]
-    return float(wait or 0.0) + CALL_SLACK_S
-
-
-class QueueFull(RuntimeError):
-    """A put found no room within its wait (the consumer is slower than the producers)."""
-
-
-class QueueClosed(RuntimeError):
-    """A put after close()."""
-
-
-@dataclass
-class Group:
-    """One whole group of episodes (a GRPO group, or one ungrouped episode) and its payload."""
-
-    payload: Any
-    episodes: int
-    nbytes: int
-    min_version: int | None
-    group_id: str | None = None
-
-
-@dataclass
-class Delivery:
-    """A leased step: its number, its groups' payloads, and what was dropped to form it."""
-
-    lease: int
-    step: int
-    payloads: list
-    episodes: int
-    redelivered: bool = False
-    dropped_stale: int = 0
-
-
-@dataclass
-class _Lease:
-    step: int
-    groups: list[Group]
-    deadline: float
-    consumer: str
-    redelivered: bool = False
 
 
 @dataclass
@@ -144,7 +94,7 @@ class _Stats:
     extra: dict = field(default_factory=dict)
 
 
-class Ledger:
+class Ledger(Leases):
     """Thread-safe queue state; every method returns in bounded time (waits take `wait_s`)."""
 
     def __init__(self, *, capacity: int = 1024, capacity_bytes: int | None = None,
@@ -162,14 +112,10 @@ class Ledger:
         self.close_when, self.max_attempts = parse_close_when(close_when), max_attempts
         self._producers: dict[str, _Producer] = {}
         self._closed_by: str | None = None
-        self._attempts: dict[int, int] = {}
-        self._dead: list[tuple[dict, list]] = []
         self._cv = threading.Condition()
         self._queued: deque[Group] = deque()
         self._queued_episodes = 0
-        self._redeliver: deque[tuple[int, list[Group]]] = deque()
-        self._leases: dict[int, _Lease] = {}
-        self._next_lease = 0
+        self._init_leases()
         self._next_step = 0
         self._held_episodes = 0
         self._held_bytes = 0
@@ -363,15 +309,6 @@ class Ledger:
                     return None
                 self._cv.wait(min(left, 0.25))
 
-    def _lease(self, consumer, step, groups, *, redelivered, dropped) -> Delivery:
-        lid = self._next_lease
-        self._next_lease += 1
-        self._leases[lid] = _Lease(step, groups, time.monotonic() + self.lease_seconds, consumer,
-                                   redelivered)
-        return Delivery(lease=lid, step=step, payloads=[g.payload for g in groups],
-                        episodes=sum(g.episodes for g in groups), redelivered=redelivered,
-                        dropped_stale=dropped)
-
     def _drop_stale(self, min_version: int) -> int:
         keep, dropped = deque(), 0
         for g in self._queued:
@@ -390,92 +327,6 @@ class Ledger:
     def _free(self, g: Group) -> None:
         self._held_episodes -= g.episodes
         self._held_bytes -= g.nbytes
-
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for lid in [lid for lid, le in self._leases.items() if le.deadline < now]:
-            self._requeue(lid)
-
-    def _requeue(self, lid: int) -> None:
-        le = self._leases.pop(lid)
-        self._redeliver.append((le.step, le.groups))
-        self._stats.redeliveries += 1
-        self._cv.notify_all()
-
-    def renew(self, lease: int) -> bool:
-        """Extend a lease by `lease_seconds`; False if it already expired (the step was requeued)."""
-        with self._cv:
-            le = self._leases.get(lease)
-            if le is None:
-                return False
-            le.deadline = time.monotonic() + self.lease_seconds
-            return True
-
-    def ack(self, lease: int) -> bool:
-        """The step's results are durable: free its room. False if the lease had expired."""
-        with self._cv:
-            le = self._leases.pop(lease, None)
-            if le is None:
-                self._stats.late_acks += 1
-                return False
-            for g in le.groups:
-                self._free(g)
-            self._stats.steps_acked += 1
-            self._cv.notify_all()
-            return True
-
-    def nack(self, lease: int) -> bool:
-        """Give a step back for redelivery now (the consumer failed and knows it)."""
-        with self._cv:
-            if lease not in self._leases:
-                return False
-            self._requeue(lease)
-            return True
-
-    def reject(self, lease: int, reason: str) -> dict | None:
-        """A consumer found the leased step invalid: redeliver it, or dead-letter it at max_attempts.
-
-        {"step", "attempts", "dead"}; None if the lease had expired (it was redelivered already).
-        """
-        with self._cv:
-            le = self._leases.pop(lease, None)
-            if le is None:
-                return None
-            self._stats.rejections += 1
-            n = self._attempts.get(le.step, 0) + 1
-            self._attempts[le.step] = n
-            dead = n >= self.max_attempts
-            if dead:
-                episodes = sum(g.episodes for g in le.groups)
-                for g in le.groups:
-                    self._free(g)
-                self._dead.append(({"step": le.step, "reason": str(reason), "attempts": n,
-                                    "episodes": episodes, "consumer": le.consumer},
-                                   [g.payload for g in le.groups]))
-                self._stats.dead_lettered_steps += 1
-                self._stats.dead_lettered_episodes += episodes
-            else:
-                self._redeliver.append((le.step, le.groups))
-                self._stats.redeliveries += 1
-            self._cv.notify_all()
-            return {"step": le.step, "attempts": n, "dead": dead}
-
-    def dead_letters(self) -> list[tuple[dict, list]]:
-        """(what and why, payloads) of every dead-lettered step, oldest first."""
-        with self._cv:
-            return [(dict(info), list(payloads)) for info, payloads in self._dead]
-
-    def release(self, consumer: str) -> int:
-        """Give back at once every step leased to `consumer`, known dead; how many were leased.
-
-        Redelivery without waiting for the leases to lapse: a supervisor that saw
-        the consumer's process die (the Ray engine, for its forward actors) says so.
-        """
-        with self._cv:
-            lids = [lid for lid, le in self._leases.items() if le.consumer == consumer]
-            for lid in lids:
-                self._requeue(lid)
-            return len(lids)
 
     # ------------------------------------------------------------ results and weights
     def put_result(self, step: int, payload, wait_s: float = 0.0) -> None:
@@ -527,13 +378,3 @@ class Ledger:
                      max_attempts=self.max_attempts,
                      producers_open=sorted(n for n, p in self._producers.items() if not p.closed))
             return s
-
-
-def parse_close_when(value) -> str | int:
-    """"all", "first" or a number N >= 1 of producers (a string of digits is a number)."""
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not (value in CLOSE_WHEN or (isinstance(value, int) and value >= 1)):
-        raise ValueError(f"close_when={value!r}: choose 'all' (the queue closes when every "
-                         "producer has closed), 'first', or a number N >= 1 of producers")
-    return value

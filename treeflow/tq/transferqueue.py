@@ -47,7 +47,8 @@ import time
 
 import pyarrow as pa
 
-from treeflow.tq.ledger import Ledger, call_deadline
+from treeflow.tq.ledger import Ledger
+from treeflow.tq.protocol import call_deadline
 
 __all__ = ["open_transferqueue", "stop_transferqueue"]
 

@@ -40,7 +40,7 @@ import secrets
 import stat
 import struct
 
-from treeflow.tq import ledger as _ledger
+from treeflow.tq import protocol as _protocol
 
 __all__ = ["Blob", "PeerError", "check_private", "client_handshake", "decode", "encode", "pack",
            "read_secret", "read_secret_file", "recv", "resolve", "secret_path", "send",
@@ -54,13 +54,13 @@ _MAX_BLOBS = 1 << 20
 _MAX_BLOB = 1 << 40
 _SOCKET_PATH_MAX = 107         # sun_path less its terminating NUL (Linux)
 
-_DATACLASSES = {n: getattr(_ledger, n) for n in _ledger.__all__
-                if dataclasses.is_dataclass(getattr(_ledger, n))}
+_DATACLASSES = {n: getattr(_protocol, n) for n in _protocol.__all__
+                if dataclasses.is_dataclass(getattr(_protocol, n))}
 _ERRORS = {c.__name__: c for c in (ValueError, TypeError, KeyError, IndexError, RuntimeError,
                                    TimeoutError, AssertionError, NotImplementedError)}
-_ERRORS.update({n: getattr(_ledger, n) for n in _ledger.__all__
-                if isinstance(getattr(_ledger, n), type)
-                and issubclass(getattr(_ledger, n), Exception)})
+_ERRORS.update({n: getattr(_protocol, n) for n in _protocol.__all__
+                if isinstance(getattr(_protocol, n), type)
+                and issubclass(getattr(_protocol, n), Exception)})
 
 
 class PeerError(ConnectionError):

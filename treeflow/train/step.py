@@ -10,7 +10,8 @@ aborted (weights, optimizer and counters unchanged).
 On several data-parallel ranks each rank adds its own bins; `finish` then sums over the ranks
 the occurrence counts (so a bin lost or run twice anywhere is still named), the gradients
 (all-reduce SUM: the weights already hold the logical batch's normalisation), and the metrics,
-and reports the ranks' measured time next to Shard's modelled cost.
+and reports the ranks' measured time next to Shard's modelled cost (the metrics row:
+train/step_metrics.py).
 
 Legend: O occurrences of a bin, E its edges, S the step's slots.
 """
@@ -25,17 +26,13 @@ import torch
 
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.schemas.window import validated_where_taken
-from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.slots import Slots
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
 from treeflow.ops.runner import PreparedBins
 from treeflow.stages.shard import bin_costs
 from treeflow.train.router_aux import RouterAux
-
-# metrics summed over ranks, in this order
-_SUMMED = ("loss_sum", "executed_tokens", "bins", "clipped", "ratio_sum", "active", "kl_sum",
-           "entropy_sum", "seconds", "cost")
+from treeflow.train.step_metrics import START, combine, metrics_row
 
 
 class StepOpenError(RuntimeError):
@@ -213,10 +210,10 @@ class Step:
                 raise
             for k, v in (("loss_sum", total.detach().to(torch.float64)), *stats.items()):
                 if k not in sums:  # start from the host value, so the sum's order is unchanged
-                    start = self.loss_sum if k == "loss_sum" else self.stats.get(k, _START.get(k, 0))
+                    start = self.loss_sum if k == "loss_sum" else self.stats.get(k, START.get(k, 0))
                     sums[k] = (torch.full((), start, dtype=v.dtype, device=v.device)
                                if torch.is_tensor(v) else start)
-                sums[k] = _combine(k, sums[k], v)
+                sums[k] = combine(k, sums[k], v)
             if getattr(self.trainer.runner, "counts_bins", True):  # once per context-parallel group
                 self.bins += 1
                 self.executed_tokens += int(off["tokens"][r + 1] - off["tokens"][r])
@@ -352,7 +349,7 @@ class Step:
         tr.steps += 1
         tr.scheduler_episodes += self.episodes
         tr._closed(self)
-        row = self._metrics(grad_norm, lr)
+        row = metrics_row(self, grad_norm, lr, gen=self._gen)
         timing["metrics_s"] = self._lap()
         tr.last_timing = timing
         return row
@@ -364,81 +361,6 @@ class Step:
         now = time.perf_counter()
         seconds, self._lap_t = now - self._lap_t, now
         return seconds
-
-    def _metrics(self, grad_norm: float, lr: float) -> pa.Table:
-        tr, dp = self.trainer, self.trainer.dp
-        local = {"loss_sum": self.loss_sum, "executed_tokens": self.executed_tokens,
-                 "bins": self.bins, "seconds": self.seconds, "cost": self.cost, **self.stats}
-        s = dict(zip(_SUMMED, dp.sum_array(np.array([local.get(k, 0.0) for k in _SUMMED],
-                                                     dtype=np.float64))))
-        ext = dp.max_array(np.array([self.stats.get("ratio_max", -np.inf),
-                                     -self.stats.get("ratio_min", np.inf)], dtype=np.float64))
-        seconds, costs = dp.gather(self.seconds), dp.gather(self.cost)
-        active = max(s["active"], 1)
-        loss = tr.reduce.loss
-        pg = loss.kind == "pg"
-        slowest = float(seconds.max())
-        mine = np.zeros(3) if self._gen is None else self._gen.cpu().numpy()
-        gen = dp.sum_array(np.ascontiguousarray(mine[:2]))       # generation KL over ranks
-        gen_max = dp.max_array(np.ascontiguousarray(mine[2:]))
-        row = {
-            "step": tr.steps, "loss": s["loss_sum"], "episodes": self.episodes,
-            "sampled_tokens": len(self.slots), "loss_tokens": int((self.weight_S > 0).sum()),
-            "executed_tokens": int(s["executed_tokens"]), "bins": int(s["bins"]),
-            "grad_norm": grad_norm, "lr": lr, "scheduler_episodes": tr.scheduler_episodes,
-            "clip_fraction": s["clipped"] / active if pg else None,
-            "ratio_mean": s["ratio_sum"] / active if pg else None,
-            "ratio_min": float(-ext[1]) if pg and np.isfinite(ext[1]) else None,
-            "ratio_max": float(ext[0]) if pg and np.isfinite(ext[0]) else None,
-            "kl": s["kl_sum"] / active if loss.kl_coef > 0 else None,
-            "entropy": s["entropy_sum"] / active if loss.entropy_coef else None,
-            "ranks": dp.world,
-            "rank_seconds_max": slowest,
-            "rank_seconds_mean": float(seconds.mean()),
-            "idle_fraction": float(1.0 - seconds.mean() / slowest) if slowest > 0 else 0.0,
-            "time_imbalance": float(slowest / seconds.mean() - 1.0) if slowest > 0 else 0.0,
-            "cost_imbalance": (float(costs.max() / costs.mean() - 1.0) if costs.mean() > 0
-                               else 0.0),
-            "gen_kl": float(gen[0] / gen[1]) if gen[1] else None,
-            "gen_logprob_max_diff": float(gen_max[0]) if gen[1] else None,
-            **self._route_agreement(),
-        }
-        if dp.cp is not None:
-            from treeflow.ops.cp_runner import cp_metrics
-
-            row.update(cp_metrics(tr.runner.take_stats(), dp))
-        return pa.Table.from_pylist([row], schema=STEP_METRICS_SCHEMA)
-
-    def _route_agreement(self) -> dict:
-        """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route;
-        the same over the rows whose top-k is no near-tie (models/route_ties.py); the
-        near-ties."""
-        out = {"route_agreement": None, "route_agreement_decided": None, "route_near_ties": None}
-        runner = self.trainer.runner
-        if getattr(runner, "route_width", None) is None:  # the same on every rank
-            return out
-        tally = runner.take_route_tally(full=True) or (0, 0, 0, 0)
-        counts = np.full(4, np.nan)   # NaN: a backend that does not count decided rows
-        counts[:len(tally)] = tally
-        agree, rows, agree_decided, decided = self.trainer.dp.sum_array(counts)
-        if rows:
-            out["route_agreement"] = float(agree / rows)
-        if rows and np.isfinite(decided):
-            out["route_near_ties"] = int(rows - decided)
-            out["route_agreement_decided"] = float(agree_decided / decided) if decided else None
-        return out
-
-
-_START = {"ratio_max": -np.inf, "ratio_min": np.inf}
-
-
-def _combine(key: str, a, b):
-    """Add (or, for ratio_max/ratio_min, take the extreme of) two statistics."""
-    if key == "ratio_max":
-        return torch.maximum(a, b) if torch.is_tensor(b) else max(a, b)
-    if key == "ratio_min":
-        return torch.minimum(a, b) if torch.is_tensor(b) else min(a, b)
-    return a + b
 
 
 def _owned(runner, prepared, occ_off, occ_edge):
