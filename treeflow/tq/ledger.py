@@ -62,7 +62,7 @@ CLOSE_WHEN = ("all", "first")  # or a number of producers
 PRODUCER_SECONDS = 5.0  # a producer registration not renewed (or put to) this long has lapsed
 # the methods a served ledger exposes to its clients (every backend's transport proxies these)
 LEDGER_METHODS = ("next_seq", "open_producer", "renew_producer", "put", "close", "get", "renew", "ack",
-                  "nack", "reject", "release", "put_result", "take_result", "publish_weights", "weights",
+                  "nack", "reject", "put_result", "take_result", "publish_weights", "weights",
                   "dead_letters", "stats")
 # where a method takes its own wait (seconds), by position; a transport's deadline is that plus
 # CALL_SLACK_S, past which the server is presumed hung or gone
@@ -464,18 +464,6 @@ class Ledger:
         """(what and why, payloads) of every dead-lettered step, oldest first."""
         with self._cv:
             return [(dict(info), list(payloads)) for info, payloads in self._dead]
-
-    def release(self, consumer: str) -> int:
-        """Give back at once every step leased to `consumer`, known dead; how many were leased.
-
-        Redelivery without waiting for the leases to lapse: a supervisor that saw
-        the consumer's process die (the Ray engine, for its forward actors) says so.
-        """
-        with self._cv:
-            lids = [lid for lid, le in self._leases.items() if le.consumer == consumer]
-            for lid in lids:
-                self._requeue(lid)
-            return len(lids)
 
     # ------------------------------------------------------------ results and weights
     def put_result(self, step: int, payload, wait_s: float = 0.0) -> None:
