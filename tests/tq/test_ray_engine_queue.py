@@ -95,10 +95,10 @@ def dies_once(marker: str):
     """A rank actor that kills its own process on its first window, before returning it."""
 
     class DiesOnce(RankActor):
-        def run(self, window, block, position):
+        def run(self, window, block, position, episodes=None):
             if _claim(marker):
                 os._exit(1)
-            return super().run(window, block, position)
+            return super().run(window, block, position, episodes)
 
     return DiesOnce
 
@@ -178,14 +178,14 @@ def part_one_first(markers: str):
     """Rank actors of which rank 1 returns every window before rank 0 starts computing it."""
 
     class PartOneFirst(RankActor):
-        def run(self, window, block, position):
+        def run(self, window, block, position, episodes=None):
             marker = os.path.join(markers, f"w{window}")
             if self.rank == 0:
                 deadline = time.monotonic() + 60
                 while not os.path.exists(marker) and time.monotonic() < deadline:
                     time.sleep(0.02)
                 time.sleep(0.2)                    # rank 1's result is back by now ...
-            out = super().run(window, block, position)
+            out = super().run(window, block, position, episodes)
             if self.rank == 1:
                 open(marker, "w").close()          # ... so rank 0 may go
             return out
@@ -221,3 +221,4 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
         want = want.take(order)
         assert got.output.column("bin_id").to_pylist() == want.column("bin_id").to_pylist(), w
         assert got.output.equals(want), w
+
