@@ -10,7 +10,11 @@ records the machine's load average around every run. Three ways to run:
   one (`ray.init`) inside the run, as a first-time user gets it;
 - `ray_attached`: `--engine ray` with RAY_ADDRESS pointing at a cluster
   started once by this script (a waiting driver's local cluster), as on a
-  cluster. Its memory figure leaves out the cluster's processes.
+  cluster. Its memory figure leaves out the cluster's processes. Its workers
+  run at niceness 0 (`RAY_worker_niceness`), as in the cluster treeflow
+  starts: at Ray's default of 15 the rank actors get a fraction of the shared
+  cores the local engine's process gets, which measures the machine's other
+  load, not the engine.
 
 Overhead is reported three ways, each as (median Ray time / median local
 time - 1): on the CLI's `steady_seconds` (wall time without start-up: model
@@ -150,7 +154,8 @@ def main() -> None:
                 "time.sleep(10); print(ctx.address_info['gcs_address'], flush=True); "
                 "sys.stdin.read()")  # workers started and idle before anything is timed
         holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env=env)
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**env, "RAY_worker_niceness": "0"})
         address = holder.stdout.readline().strip()
     outputs = {}
 

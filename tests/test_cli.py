@@ -27,6 +27,7 @@ def test_synth_inspect_plan(tmp_path, capsys):
     bins = pa.ipc.open_file(bins_path).read_all()
     assert summary["bins"] == bins.num_rows and summary["ranks_without_bins"] == 0
     assert summary["steps"] == 3 and summary["rank_plan_seconds_max"] > 0
+    assert summary["cost_model"].startswith("llama-1b (the default")  # no --model: said so
     eps = read_episodes(f)
     for step in range(3):
         step_bins = bins.filter(pa.compute.equal(bins.column("step"), step))

@@ -103,7 +103,7 @@ def _trainer_bins(data):
 def test_plan_gives_the_bins_the_trainer_runs(data, tmp_path, capsys):
     out = str(tmp_path / "bins.arrow")
     assert main(["plan", data, "--num-ranks", "2", "--episodes-per-step", "4", "--max-tokens", "256",
-                 "-o", out, "--json"]) == 0
+                 "--model", "tiny", "-o", out, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ranks_without_bins"] == 0 and summary["rank_plan_peak_mib_max"] > 0
     planned = pa.ipc.open_file(out).read_all()

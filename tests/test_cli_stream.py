@@ -54,8 +54,6 @@ def test_stream_refuses_bad_options_with_one_line(data, tmp_path, capsys):
         (["stream", "--queue", str(tmp_path / "q.sock"), "-o", out], "give -o DIR"),
         (["stream", "--from", data, "-o", out, "--num-ranks", "2"], "--engine ray --num-ranks N"),
         (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--engine", "ray",
-          "--num-ranks", "2"], "the Ray engine trains on one rank"),
-        (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--engine", "ray",
           "--save", str(tmp_path / "ck"), "--save-every", "1"], "does not resume yet"),
         (["stream", "--from", data, "--mode", "train"], "--episodes-per-step"),
         (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--capacity", "3"],

@@ -90,6 +90,35 @@ def test_shard_deals_by_the_cost_model_of_the_model_the_trainer_runs(tmp_path):
         .cost_model() == CostModel.llama_1b()  # no model named: the documented default
 
 
+def test_pack_and_fragment_deal_ranks_by_the_models_cost_model():
+    # training with --num-ranks R deals the trees to the ranks in Pack and Fragment: by the
+    # cost model the Trainer reckons with (the tiny model's), not a fixed 1B shape
+    from treeflow.stages import IN_PROCESS_EXCHANGE
+    from treeflow.train import Trainer
+
+    want = Trainer(Forward(), Reduce()).cost_model
+    assert want != CostModel.llama_1b()
+    plan = Pipeline(Pack(ranks=2, rank=1, exchange=IN_PROCESS_EXCHANGE),
+                    Fragment(max_tokens=64, ranks=2, rank=1), Shard(num_ranks=2), Forward(),
+                    Reduce()).plan
+    assert [s.cost for s in plan.maps] == [want, want, want]
+    whole = Pipeline(Pack(), Fragment(max_tokens=64, ranks=2), Forward(), Reassemble()).plan
+    assert whole.maps[0] == Pack() and whole.maps[1].cost == want  # only what deals is bound
+    # and the deal uses it: on a window whose trees the two cost models rank differently the
+    # bins differ (tests/stages/test_deal.py holds the deal itself)
+    eps = validate_episodes(synth_episodes(episodes=24, group_size=1, turns=(1, 6),
+                                           system_tokens=4, user_tokens=(2, 40),
+                                           completion_tokens=(2, 40), tool_tokens=(2, 40), seed=5))
+    layouts = Pack().map(eps, step=0)
+    by = {c: Fragment(max_tokens=4096, ranks=2, cost=c).map(layouts, step=0)
+          for c in (want, CostModel.llama_1b())}
+    def deal(bins):
+        return sorted((r, sorted(set(e))) for r, e in zip(bins.column("rank").to_pylist(),
+                                                          bins.column("occ_sample_index").to_pylist()))
+
+    assert deal(by[want]) != deal(by[CostModel.llama_1b()])
+
+
 def test_cross_stage_mismatch_is_refused_at_declaration():
     with pytest.raises(ValueError, match=r"Reassemble needs \['edge_entropies'\], which no stage "
                                          "before it produces"):

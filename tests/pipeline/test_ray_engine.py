@@ -97,14 +97,15 @@ def test_a_training_rank_refuses_a_window_out_of_order(data):
     pipe = Pipeline(Pack(), Fragment(max_tokens=96), Forward(),
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-2)))
     blocks = _blocks(pipe.plan, data, 3)
+    eps = [pipe.plan.episodes(e, step=w) for w, e in enumerate(list(data)[:3])]
     rank = RankActor(pipe.plan, 0, 1, "cpu", torch.get_num_threads(), RemoteTraining())
     rank.setup({})
-    rank.run(0, blocks[0], None)
+    rank.run(0, blocks[0], None, eps[0])
     with pytest.raises(RuntimeError, match="rank 0 got window 2 while step 1 is next"):
-        rank.run(2, blocks[2], None)
-    rank.run(1, blocks[1], None)
+        rank.run(2, blocks[2], None, eps[2])
+    rank.run(1, blocks[1], None, eps[1])
     with pytest.raises(RuntimeError, match="rank 0 got window 1 while step 2 is next"):
-        rank.run(1, blocks[1], None)
+        rank.run(1, blocks[1], None, eps[1])
 
 
 def test_a_rank_runs_only_the_bins_shard_dealt_it(data):
@@ -127,11 +128,11 @@ def dies_once(marker: str):
     """A rank actor that kills its own process on its first window (once: the marker file)."""
 
     class DiesOnce(RankActor):
-        def run(self, window, block, position):
+        def run(self, window, block, position, episodes=None):
             try:
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL))  # one caller over all processes
             except FileExistsError:
-                return super().run(window, block, position)
+                return super().run(window, block, position, episodes)
             os._exit(1)  # the process dies mid-call, its window unfinished
 
     return DiesOnce
@@ -231,9 +232,9 @@ def test_ray_file_windows_resume_where_a_files_reader_does(data):
 
 
 def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
-    # Advantage runs first over the episodes, which ride along with the bins (the training
-    # step weighs with them); per-rank plans make rank r's share, tagged for rank actor r
-    from treeflow.pipeline.ray_maps import episodes_of, rows_of, untag
+    # Advantage runs first over the episodes (the driver keeps its own copy of them, which the
+    # training step weighs with); per-rank plans make rank r's share, tagged for rank actor r
+    from treeflow.pipeline.ray_maps import rows_of, untag
     from treeflow.stages import IN_PROCESS_EXCHANGE, Advantage
 
     def plan(r):
@@ -247,7 +248,31 @@ def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
     for op in stage_ops(plans, 2):
         block = op(block)
     want_eps = plans[0].episodes(eps, step=0)
-    assert episodes_of(block, 0).equals(want_eps)
+    assert block.column_names[-2:] == ["_window", "_rank"]  # no copy of the episodes rides along
     for r in range(2):
         want = plans[r].prepare(want_eps, step=0)
         assert untag(rows_of(block, 0, r)).equals(want), r
+
+
+@pytest.mark.ray
+def test_each_cpu_stage_is_its_own_ray_data_operator(ray_cluster, data):
+    # Ray Data fuses neighbouring task-pool maps with equal resources into one task; the
+    # executed plan must hold each stage in an operator of its own (the read may join the first)
+    from treeflow.pipeline.ray import RayEngine
+    from treeflow.pipeline.ray_feed import executed_operators
+    from treeflow.stages import Advantage
+
+    pipe = Pipeline(Advantage(), Pack(), Fragment(max_tokens=96, pad_to_multiple=2),
+                    Shard(num_ranks=2), Forward(), Reassemble())
+    engine = RayEngine(pipe.plan, ranks=2)
+    try:
+        got = outputs(engine.run(data))
+    finally:
+        engine.close()
+    assert got.equals(outputs(pipe.run(data)))
+    names = executed_operators(engine.dataset)
+    stages = ("Advantage", "Pack", "Fragment", "Shard")
+    for stage in stages:
+        holding = [n for n in names if f"({stage})" in n]
+        assert len(holding) == 1, (stage, names)
+        assert sum(f"({s})" in holding[0] for s in stages) == 1, names  # and no other stage

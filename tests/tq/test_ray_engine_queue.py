@@ -95,10 +95,10 @@ def dies_once(marker: str):
     """A rank actor that kills its own process on its first window, before returning it."""
 
     class DiesOnce(RankActor):
-        def run(self, window, block, position):
+        def run(self, window, block, position, episodes=None):
             if _claim(marker):
                 os._exit(1)
-            return super().run(window, block, position)
+            return super().run(window, block, position, episodes)
 
     return DiesOnce
 
@@ -178,14 +178,14 @@ def part_one_first(markers: str):
     """Rank actors of which rank 1 returns every window before rank 0 starts computing it."""
 
     class PartOneFirst(RankActor):
-        def run(self, window, block, position):
+        def run(self, window, block, position, episodes=None):
             marker = os.path.join(markers, f"w{window}")
             if self.rank == 0:
                 deadline = time.monotonic() + 60
                 while not os.path.exists(marker) and time.monotonic() < deadline:
                     time.sleep(0.02)
                 time.sleep(0.2)                    # rank 1's result is back by now ...
-            out = super().run(window, block, position)
+            out = super().run(window, block, position, episodes)
             if self.rank == 1:
                 open(marker, "w").close()          # ... so rank 0 may go
             return out
@@ -221,3 +221,34 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
         want = want.take(order)
         assert got.output.column("bin_id").to_pylist() == want.column("bin_id").to_pylist(), w
         assert got.output.equals(want), w
+
+
+@pytest.mark.multiprocess
+def test_cli_stream_train_on_two_ray_ranks_equals_two_local_ranks(cluster, tmp_path, capsys):
+    # the driver leases the queue steps and plans both ranks' shares (the in-process exchange),
+    # as the two spawned local ranks plan theirs; the same bins on the same ranks, the same
+    # threads per rank: the same steps and weights
+    import json
+
+    from treeflow.cli import main
+    from treeflow.pipeline import synth_episodes, write_episodes
+
+    data = str(tmp_path / "e.arrow")
+    write_episodes(synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=12,
+                                  user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5),
+                                  seed=9), data)
+    train = ["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--loss", "pg",
+             "--lr", "1e-2", "--num-ranks", "2", "--json"]
+    for engine in ("local", "ray"):
+        assert main([*train, "--engine", engine, "--save", str(tmp_path / f"ck-{engine}"),
+                     "--metrics", str(tmp_path / f"m-{engine}.jsonl")]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["steps"] == 2 and summary["queue"]["steps_acked"] == 2
+        assert os.path.isdir(os.path.join(summary["weights"], "v2"))
+    rows = {e: [json.loads(line) for line in open(tmp_path / f"m-{e}.jsonl")] for e in ("local", "ray")}
+    assert [r["ranks"] for r in rows["ray"]] == [2, 2]
+    for key in ("step", "episodes", "bins", "executed_tokens", "loss", "grad_norm", "queue_step"):
+        assert [r[key] for r in rows["ray"]] == [r[key] for r in rows["local"]], key
+    saved = {e: load_file(tmp_path / f"ck-{e}" / "step-000002" / "model.safetensors")
+             for e in ("local", "ray")}
+    assert_same_weights(saved["ray"], saved["local"])

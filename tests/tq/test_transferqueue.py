@@ -92,29 +92,3 @@ def test_stream_trains_from_a_rollout_process(cluster, tmp_path, capsys):
     assert rows[0]["gen_kl"] <= 1e-6 and abs(rows[0]["ratio_mean"] - 1) < 1e-4
     assert tq.kv_list("treeflow-live").get("treeflow-live", {}) == {}   # nothing left behind
     q.shutdown()
-
-
-def test_a_rerun_items_second_result_keeps_its_own_key(cluster):
-    """A worker killed between put_result and ack: the item runs again and its result is put
-    twice under the same (window, part). Each result must keep its own TransferQueue key --
-    the driver reads (and then clears) the first without touching the second."""
-    from treeflow.tq.transferqueue import open_transferqueue
-    from treeflow.tq.work import WorkQueue
-
-    ledger, store, owner = open_transferqueue("work-keys", lease_seconds=60.0)
-    try:
-        work = WorkQueue(ledger, store)
-        assert work.put(0, 0, {"bins": pa.table({"x": [1, 2]})}, {"nparts": 1})
-        first = work.get("rank0.0", timeout=5)
-        work.put_result(first, {"out": pa.table({"v": [1.0]})}, {})   # ... and rank0 dies
-        assert work.release("rank0.0") == 1
-        again = work.get("rank1.0", timeout=5)
-        assert again.redelivered and (again.window, again.part) == (0, 0)
-        work.put_result(again, {"out": pa.table({"v": [2.0]})}, {})
-        assert work.ack(again)
-        got = [work.take_result(timeout=5) for _ in range(2)]
-        assert [(w, p, m["redelivered"]) for w, p, m, _ in got] == [(0, 0, False), (0, 0, True)]
-        assert [t["out"].column("v").to_pylist() for *_, t in got] == [[1.0], [2.0]]
-        assert tq.kv_list(store.partition).get(store.partition, {}) == {}  # both read, both cleared
-    finally:
-        owner.stop()

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
-__all__ = ["check_device", "positive", "say", "steady_state"]
+__all__ = ["check_device", "positive", "say", "show", "steady_state"]
 
 
 def say(message: str) -> None:
     """One unwrapped line on stderr (rich would wrap it at the terminal width)."""
     print(message, file=sys.stderr)
+
+
+def show(args, title: str, summary: dict) -> bool:
+    """A command's summary: one JSON line with --json, else a table (its scalar fields) unless
+    --quiet; whether the table was shown."""
+    if args.json:
+        print(json.dumps(summary), flush=True)
+        return False
+    if getattr(args, "quiet", False):
+        return False
+    from treeflow._display import console, table
+
+    console().print(table(title, [(k, v) for k, v in summary.items() if not isinstance(v, dict)]))
+    return True
 
 
 def positive(args, *names) -> None:

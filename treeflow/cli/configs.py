@@ -109,7 +109,7 @@ def reference(args, forward):
     return None if not ref else replace(forward, model=model_dir(ref), entropy=False)
 
 
-def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:
+def plan_stages(args, world: int, rank: int, exchange=None, *, cost=None) -> tuple:
     """The map stages that plan a training step on data-parallel replica `rank` of `world`.
 
     One replica lays out and bins only its share of the step, dealt on the trees' exact costs
@@ -117,7 +117,8 @@ def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:
     sum computed in this process, for ranks planned in one process); Shard keeps the replicas. `treeflow plan --num-ranks R` runs these for
     every replica, and `replay`/`stream --mode train --num-ranks R` on each rank. A
     context-parallel group (--context-parallel C) is one replica whose bins hold
-    C x --max-tokens tokens.
+    C x --max-tokens tokens. cost: the CostModel the ranks are dealt by (None: the model's,
+    which the training plan binds from Forward; pipeline/plan.py).
     """
     from treeflow.stages import IN_PROCESS_EXCHANGE, Fragment, Pack, Shard
 
@@ -126,8 +127,10 @@ def plan_stages(args, world: int, rank: int, exchange=None) -> tuple:
         return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
                 Fragment(max_tokens=budget))
     return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules, ranks=world,
-                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange),
-            Fragment(max_tokens=budget, ranks=world, rank=rank), Shard(num_ranks=world))
+                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange,
+                 cost=cost),
+            Fragment(max_tokens=budget, ranks=world, rank=rank, cost=cost),
+            Shard(num_ranks=world, cost=cost))
 
 
 def fit_options(args) -> dict:

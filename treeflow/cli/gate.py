@@ -26,11 +26,6 @@ from treeflow.cli.queue import open_cli_queue
 GATE_FAILED = 3
 
 
-def _forward(args):
-    """The trainer's Forward (--context-parallel C: C processes per bin, see run_gate)."""
-    return configs.forward(args)
-
-
 def cmd_gate(args) -> int:
     import torch
 
@@ -47,7 +42,7 @@ def cmd_gate(args) -> int:
         claim_output(args.output, option="-o")
     if args.threads:
         torch.set_num_threads(args.threads)
-    forward = _forward(args)
+    forward = configs.forward(args)  # the trainer's (--context-parallel C: C processes per bin)
     gate = Gate(episodes=args.episodes, max_gen_kl=args.max_gen_kl, fault=args.fault,
                 min_route_agreement=args.min_route_agreement,
                 timeout=args.timeout,

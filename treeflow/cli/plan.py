@@ -13,7 +13,7 @@ from contextlib import ExitStack
 import pyarrow as pa
 
 from treeflow._display import console, count_rows, progress, table
-from treeflow.cli.common import positive
+from treeflow.cli.common import positive, show
 from treeflow.cli.options import layout_options
 
 __all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "cmd_synth"]
@@ -126,9 +126,10 @@ def cmd_plan(args) -> int:
     from treeflow.cli.configs import plan_stages
     from treeflow.pipeline.source import Files
     from treeflow.stages import summed_costs
-    from treeflow.stages.shard import CostModel, bin_costs
+    from treeflow.stages.shard import bin_costs
 
     positive(args, "max_tokens", "num_ranks", "episodes_per_step", "context_parallel")
+    cost, cost_name = _cost_model(args.model)
     if args.rank is not None and not 0 <= args.rank < args.num_ranks:
         raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.num_ranks}) (--num-ranks "
                          f"{args.num_ranks}), or leave it out to plan every rank")
@@ -148,9 +149,10 @@ def cmd_plan(args) -> int:
             # what the trainer's all-reduce of tree costs returns (in one process: O(N), untimed)
             costs = summed_costs(window, layout=args.layout, scope=args.scope,
                                  share_rules=args.share_rules,
-                                 cost=CostModel.llama_1b()) if args.num_ranks > 1 else None
+                                 cost=cost) if args.num_ranks > 1 else None
             for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
-                pack, *maps = plan_stages(args, args.num_ranks, rank, lambda mine, c=costs: c)
+                pack, *maps = plan_stages(args, args.num_ranks, rank, lambda mine, c=costs: c,
+                                          cost=cost)
                 tracemalloc.start()
                 t1 = time.perf_counter()
                 layouts = pack.map(window, step=step)
@@ -162,7 +164,7 @@ def cmd_plan(args) -> int:
                 tracemalloc.stop()
                 if out is not None:
                     out.write(bins)
-                rank_cost[rank] = float(bin_costs(bins, CostModel.llama_1b()).sum())
+                rank_cost[rank] = float(bin_costs(bins, cost).sum())
                 empty += int(bins.num_rows == 0)
                 sums["bins"] += bins.num_rows
                 sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
@@ -187,14 +189,21 @@ def cmd_plan(args) -> int:
     sums["rank_plan_seconds_mean"] = round(float(np.mean(seconds)) if seconds else 0.0, 4)
     sums["rank_plan_peak_mib_max"] = round(max(peaks, default=0) / 2**20, 1)
     sums["seconds"] = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps(sums))
-    elif not args.quiet:
-        console().print(table(f"plan: layout={args.layout} max_tokens={args.max_tokens} "
-                                f"ranks={args.num_ranks}", list(sums.items())))
-        if args.output:
-            console().print(f"bins written to {args.output}")
+    sums["cost_model"] = cost_name
+    if show(args, f"plan: layout={args.layout} max_tokens={args.max_tokens} "
+            f"ranks={args.num_ranks}", sums) and args.output:
+        console().print(f"bins written to {args.output}")
     return 0
+
+
+def _cost_model(model: str | None):
+    """(CostModel, what it is) the ranks are dealt by: the model's own, as training deals."""
+    from treeflow.stages import CostModel, Forward
+    from treeflow.train.checkpoint import model_dir
+
+    if model is None:
+        return CostModel.llama_1b(), "llama-1b (the default: give --model to deal by its cost)"
+    return CostModel.from_config(Forward(model=model_dir(model)).model_config()), model
 
 
 def _total_len(table: pa.Table, col: str) -> int:
@@ -251,6 +260,9 @@ def add_plan_parsers(sub, common) -> None:
                    help="episodes per optimizer step, planned as --mode train plans them")
     s.add_argument("--rank", type=int, default=None,
                    help="plan only this rank's share (default: every rank, one after another)")
+    s.add_argument("--model", default=None,
+                   help="deal the ranks by this model's cost ('tiny' or a local HF checkpoint "
+                        "dir), as training with it does (default: a Llama-1B shape)")
     s.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")

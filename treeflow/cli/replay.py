@@ -8,15 +8,14 @@ processes that run each bin together, and the first one writes.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from contextlib import nullcontext
 
-from treeflow._display import console, count_rows, progress, table
+from treeflow._display import console, count_rows, progress
 from treeflow.cli import configs
-from treeflow.cli.common import check_device, positive, steady_state
+from treeflow.cli.common import check_device, positive, show, steady_state
 from treeflow.cli.options import add_train_options, model_options
 from treeflow.cli.parallel import (add_parallel_options, check_context_parallel_options,
                                    check_tensor_parallel_options, rank_of, start_ranks,
@@ -125,12 +124,8 @@ def _replay(args) -> int:
     if args.context_parallel > 1:
         sums["context_parallel"] = args.context_parallel
     sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
-    if args.json:
-        print(json.dumps(sums))
-    elif not args.quiet:
-        console().print(table(f"replay: {args.model} layout={args.layout} "
-                                f"max_tokens={args.max_tokens} {args.device}/{args.dtype}",
-                                list(sums.items())))
+    if show(args, f"replay: {args.model} layout={args.layout} max_tokens={args.max_tokens} "
+            f"{args.device}/{args.dtype}", sums):
         console().print(f"logprobs written to {args.output}")
     return 0
 

@@ -18,15 +18,13 @@ parses, wires and displays; the work is in treeflow.tq and treeflow.pipeline.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import threading
 import time
 
-from treeflow._display import console, table
 from treeflow.cli import configs
-from treeflow.cli.common import check_device, positive
+from treeflow.cli.common import check_device, positive, show
 from treeflow.cli.options import (add_sampling_options, add_train_options, model_options,
                                   queue_options)
 from treeflow.cli.queue import open_cli_queue
@@ -71,10 +69,6 @@ def _check(args) -> None:
         raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
     if args.num_ranks < 1:
         raise ValueError(f"--num-ranks {args.num_ranks}: give 1 or more")
-    if args.num_ranks != 1 and args.mode == "train" and args.engine == "ray":
-        raise ValueError(f"--num-ranks {args.num_ranks} --engine ray: the Ray engine trains on one "
-                         "rank; train data-parallel with --engine local --num-ranks N (spawned "
-                         "processes)")
     if args.num_ranks != 1 and args.mode != "train" and args.engine != "ray":
         raise ValueError(f"--num-ranks {args.num_ranks}: in --mode logprobs, --engine local runs "
                          "one forward process; --engine ray --num-ranks N runs N forward actors")
@@ -113,14 +107,15 @@ def cmd_stream(args) -> int:
                                 producer=args.producer)
         except QueueClosed as e:
             raise ValueError(f"--from {' '.join(args.from_files)}: {e}") from None
-        _show(args, "produced", summary)
+        show(args, "produced", summary)
         return 0
     if args.mode == "train":
         check_train(args)
     else:
         out = check_output(args)
-    if args.mode == "train" and args.num_ranks > 1 and not args.queue:
-        # the rank processes attach to the queue: serve it (embedded) or name it (transferqueue)
+    if args.mode == "train" and args.num_ranks > 1 and args.engine != "ray" and not args.queue:
+        # the rank processes attach to the queue: serve it (embedded) or name it (transferqueue);
+        # the Ray engine's driver alone reads it
         args.queue = (os.path.join(tempfile.mkdtemp(prefix="treeflow-tq-"), "q.sock")
                       if args.queue_backend == "embedded" else "default")
     queue = open_cli_queue(args, vocab)
@@ -144,7 +139,7 @@ def cmd_stream(args) -> int:
         _end_queue(args, queue, producer, ok)
     if producer is not None and producer.error is not None:
         raise producer.error
-    _show(args, f"stream ({args.mode}, {args.queue_backend} queue)", summary)
+    show(args, f"stream ({args.mode}, {args.queue_backend} queue)", summary)
     return 0
 
 
@@ -181,13 +176,6 @@ def _end_queue(args, queue, producer, ok: bool) -> None:
     queue.shutdown()
 
 
-def _show(args, title: str, summary: dict) -> None:
-    if args.json:
-        print(json.dumps(summary), flush=True)
-    elif not getattr(args, "quiet", False):
-        console().print(table(title, [(k, v) for k, v in summary.items() if not isinstance(v, dict)]))
-
-
 def cmd_rollout(args) -> int:
     import torch
 
@@ -210,7 +198,7 @@ def cmd_rollout(args) -> int:
         raise ValueError(f"{e} (producer {args.producer!r} put {queue.next_seq(args.producer)} "
                          f"of --groups {args.groups}; the consumer stops the stream with --steps, "
                          "or producers close it with --close-when)") from None
-    _show(args, "rollout", summary)
+    show(args, "rollout", summary)
     return 0
 
 

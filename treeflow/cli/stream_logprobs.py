@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from contextlib import nullcontext
 
 from treeflow._display import progress
 from treeflow.cli import configs
@@ -100,7 +101,7 @@ def stream_logprobs(args, queue, out: dict) -> dict:
     setup = t0 - args._t0  # imports of the model code, the queue's start
     try:
         with (table_output(out["file"], args.from_files, what="logprobs") if one_file
-              else _NoFile()) as single, \
+              else nullcontext()) as single, \
                 progress("stream", None, args.json or args.quiet) as advance:
             for rec in pipe.run(reader, device=args.device, prefetch=args.prefetch,
                                 engine=args.engine, ranks=args.num_ranks):
@@ -141,11 +142,3 @@ def stream_logprobs(args, queue, out: dict) -> dict:
                 rejected_steps=reader.rejected, dead_lettered_steps=reader.dead_lettered,
                 output=args.output)
     return sums
-
-
-class _NoFile:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

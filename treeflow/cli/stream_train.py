@@ -26,8 +26,10 @@ with --device cuda): rank 0 leases the queue steps and broadcasts each one
 rank 0 publishes the weights, writes the metrics and acknowledges; checkpoints
 are written by all ranks together, as in `replay --num-ranks N`. Without --queue
 the CLI serves the queue on a temporary socket so that rank 0 can reach it.
-`--engine ray` trains on one rank in a Ray actor (pipeline/ray.py),
-which writes the weights after each step and --save at the end.
+`--engine ray [--num-ranks N]` trains on N Ray rank actors (pipeline/ray.py): the
+driver leases the queue steps and plans every rank's share as the spawned ranks
+do, rank 0 writes the weights after each step, and all ranks write --save at the
+end.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def check_train(args) -> None:
 
 def stream_train(args, queue) -> dict:
     """Train on the queue's steps: in this process, or over --num-ranks N spawned processes."""
-    if args.num_ranks == 1:
+    if args.num_ranks == 1 or args.engine == "ray":  # Ray: the driver leads N rank actors
         return _stream_train(args, queue, None)
     from treeflow.train import spawn
 
@@ -104,10 +106,6 @@ def _stream_rank(args):
         dp.close()
 
 
-def _quiet(message: str) -> None:
-    pass
-
-
 class _NoReader:
     """What a rank other than 0 shows of the reader it does not have (rank 0 reports)."""
 
@@ -125,13 +123,16 @@ def _stream_train(args, queue, dp) -> dict | None:
     reduce = configs.reduce(args)
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
+    on_ray = args.engine == "ray"  # the Trainers live in the rank actors (check_train)
     # as replay --num-ranks N (and `treeflow plan --num-ranks N`): every rank gets the whole step
-    # and lays out and bins only its own share of it, dealt on the trees' exact costs (exchanged)
+    # and lays out and bins only its own share of it, dealt on the trees' exact costs (exchanged;
+    # the Ray engine's driver plans every rank's share in one process, as replay's does)
     exchange = (dp.planning_exchange(contributes=dp.cp is None or dp.cp.rank == 0)
                 if dp is not None and world > 1 else None)
-    maps = configs.plan_stages(args, world, dp.rank if dp else 0, exchange)
-    pipe = Pipeline(*advantage_stages(args), *maps, forward, reduce)
-    on_ray = args.engine == "ray"  # the Trainer lives in the rank's process (check_train)
+    ranks = args.num_ranks if on_ray else world
+    pipes = [Pipeline(*advantage_stages(args), *configs.plan_stages(args, ranks, r, exchange),
+                      forward, reduce) for r in (range(ranks) if on_ray else [dp.rank if dp else 0])]
+    pipe = pipes[0]
     root = args.publish_weights or (os.path.join(args.save, "weights") if args.save
                                     else tempfile.mkdtemp(prefix="treeflow-weights-"))
     if lead:
@@ -176,6 +177,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     options["checkpointing"] = replace(options["checkpointing"], background=False)
     if on_ray:
         options.pop("resume")
+        options["engine_options"] = {"ranks": ranks, "plans": [p.plan for p in pipes]}
     t0 = time.perf_counter()
     try:
         report = fit(pipe, source, steps=args.steps, cap_steps=False,

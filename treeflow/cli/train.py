@@ -50,7 +50,7 @@ def cmd_train(args) -> int:
     check_context_parallel_options(args, train=True)
     check_device(args.device)
     if args.engine == "ray":
-        return _train_ray(args)
+        return _train(args, distributed=False)
     world = torchrun_world()
     if world is not None:  # started by torchrun
         if args.tensor_parallel == 1 and args.context_parallel == 1 and \
@@ -82,11 +82,11 @@ def _train_rank(args) -> None:
 
 
 def _train(args, *, distributed: bool) -> int:
-    from treeflow.pipeline import Files, Pipeline
     from treeflow.train import DataParallel
-    from treeflow.train.fit import fit
-    from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
+    if args.engine == "ray":  # N rank actors (pipeline/ray.py), each planning its share as spawned ranks do
+        return _fit(args, [_pipeline(args, args.num_ranks, r) for r in range(args.num_ranks)],
+                    world=args.num_ranks)
     dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
           if distributed else DataParallel(device=args.device))
     lead = dp.rank == 0
@@ -97,67 +97,53 @@ def _train(args, *, distributed: bool) -> int:
                                                              dp.device)
         dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
         lead = rank == 0 and tp_rank == 0
-    forward = configs.forward(args, entropy=bool(args.entropy_coef))
-    reduce = configs.reduce(args)
-    advantage = advantage_stages(args)
     # the processes of one context-parallel group run the same bins: plan per replica;
     # the first process of each replica writes its trees' costs into the planning exchange
     exchange = (dp.planning_exchange(contributes=(args.tensor_parallel == 1 or tp_rank == 0)
                                      and (dp.cp is None or dp.cp.rank == 0))
                 if dp.replicas > 1 else None)
-    pipe = Pipeline(*advantage, *configs.plan_stages(args, dp.replicas, dp.replica, exchange),
-                    forward, reduce)
-    files = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
-                  vocab_size=forward.vocab_size_hint(), cycle=True,
-                  route_width=forward.route_width_hint(), whole_groups=bool(advantage))
     try:
-        # several replicas: each reads the window's offsets and only its own trees' rows
-        report = fit(pipe, lambda position, done: files.open(position, mapped=dp.replicas > 1),
-                     steps=args.steps,
-                     trainer_options=dict(precision=args.precision, dp=dp, grad_sum=args.grad_sum,
-                                          shard_params=args.shard_params,
-                                          reference=configs.reference(args, forward)),
-                     run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
-                     config={**resolved_config(args), "files": list(args.files)},
-                     episodes_per_step=args.episodes_per_step, lead=lead, log=say,
-                     progress=None if args.json or args.quiet else "train", **configs.fit_options(args))
+        return _fit(args, [_pipeline(args, dp.replicas, dp.replica, exchange)], dp=dp, lead=lead,
+                    world=dp.world)
     finally:
         dp.close()
-    if report["nothing_to_do"]:
-        if lead:
-            console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} "
-                                        f"has already run {report['steps']} steps (--steps "
-                                        f"{args.steps})")
-        return 0
-    if lead:
-        _report(args, report, dp.world)
-    return 0
 
 
-def _train_ray(args) -> int:
-    """--engine ray: N rank actors (pipeline/ray.py), each planning its share as spawned ranks do."""
-    from treeflow.pipeline import Files, Pipeline
+def _pipeline(args, world: int, rank: int, exchange=None):
+    """The training pipeline of data-parallel replica `rank` of `world` (configs.plan_stages)."""
+    from treeflow.pipeline import Pipeline
+
+    return Pipeline(*advantage_stages(args), *configs.plan_stages(args, world, rank, exchange),
+                    configs.forward(args, entropy=bool(args.entropy_coef)), configs.reduce(args))
+
+
+def _fit(args, pipes: list, *, world: int, dp=None, lead: bool = True) -> int:
+    """fit() over the files, cycled; one pipeline per rank for the Ray engine, else this rank's."""
+    from treeflow.pipeline import Files
     from treeflow.train.fit import fit
     from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
-    forward = configs.forward(args, entropy=bool(args.entropy_coef))
-    reduce = configs.reduce(args)
-    advantage = advantage_stages(args)
-    world = args.num_ranks
-    pipes = [Pipeline(*advantage, *configs.plan_stages(args, world, r), forward, reduce)
-             for r in range(world)]
+    forward = pipes[0].plan.model
     files = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
                   vocab_size=forward.vocab_size_hint(), cycle=True,
-                  route_width=forward.route_width_hint(), whole_groups=bool(advantage))
-    report = fit(pipes[0], lambda position, done: files.open(position), steps=args.steps,
-                 engine="ray", engine_options={"ranks": world, "plans": [p.plan for p in pipes]},
+                  route_width=forward.route_width_hint(), whole_groups=bool(advantage_stages(args)))
+    engine = (dict(engine="ray", engine_options={"ranks": world, "plans": [p.plan for p in pipes]})
+              if args.engine == "ray" else {})
+    # several spawned replicas: each reads the window's offsets and only its own trees' rows
+    mapped = dp is not None and dp.replicas > 1
+    report = fit(pipes[0], lambda position, done: files.open(position, mapped=mapped),
+                 steps=args.steps,
                  trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                                       shard_params=args.shard_params,
-                                      reference=configs.reference(args, forward)),
+                                      reference=configs.reference(args, forward),
+                                      **({"dp": dp} if dp is not None else {})),
                  run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
                  config={**resolved_config(args), "files": list(args.files)},
-                 episodes_per_step=args.episodes_per_step, log=say,
-                 progress=None if args.json or args.quiet else "train", **configs.fit_options(args))
+                 episodes_per_step=args.episodes_per_step, lead=lead, log=say,
+                 progress=None if args.json or args.quiet else "train", **engine,
+                 **configs.fit_options(args))
+    if not lead:
+        return 0
     if report["nothing_to_do"]:
         console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} has "
                                    f"already run {report['steps']} steps (--steps {args.steps})")

@@ -16,7 +16,8 @@ operator kinds, read from the registry entry, never probed from the stage:
   operator instead of a bare model (`Plan.fused`).
 
 When the model stage names a model, a Shard without its own cost model gets
-the model's (`CostModel.from_config`), the one the Trainer reports costs by.
+the model's (`CostModel.from_config`), the one the Trainer reports costs by,
+and so do a Pack and a Fragment that deal trees to ranks (`ranks > 1`).
 
 A worker is what one data-parallel rank holds (a process in the Ray engine):
 `Plan.worker(device=...)` builds the model op or the training op;
@@ -34,7 +35,14 @@ from treeflow.ops.registry import operator_for, physical
 from treeflow.ops.train import Window
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages.base import KINDS, Stage
+from treeflow.stages.fragment import Fragment
+from treeflow.stages.pack import Pack
 from treeflow.stages.shard import CostModel, Shard
+
+
+def _deals(stage) -> bool:
+    """Whether `stage` deals work to ranks by a cost model (its `cost` field)."""
+    return isinstance(stage, Shard) or (isinstance(stage, (Pack, Fragment)) and stage.ranks > 1)
 
 
 @dataclass
@@ -102,11 +110,11 @@ class Plan:
         for s in maps:
             budget = s.max_tokens_hint() if s.max_tokens_hint() is not None else budget
         shape = model.model_config() if model is not None else None
-        if shape is not None and any(isinstance(s, Shard) and s.cost is None for s in maps):
-            # the bins' cost is the model's own, as the Trainer reckons it (not a fixed 1B)
+        if shape is not None and any(_deals(s) and s.cost is None for s in maps):
+            # the bins' and trees' cost is the model's own, as the Trainer reckons it (not a
+            # fixed 1B): Shard's deal and Pack's and Fragment's deal to the ranks
             cost = CostModel.from_config(shape)
-            maps = [replace(s, cost=cost) if isinstance(s, Shard) and s.cost is None else s
-                    for s in maps]
+            maps = [replace(s, cost=cost) if _deals(s) and s.cost is None else s for s in maps]
         return cls(maps=tuple(maps), model=model, accumulate=acc, max_tokens=budget, fused=fused)
 
     def _on_episodes(self) -> list[bool]:

@@ -10,7 +10,9 @@ queue reader, tables) is read by the driver and its windows go through the
 same operator functions as chained Ray tasks. Either way a window ends as one
 block in the object store whose bins carry the rank that runs them (Shard's
 deal, or rank r's own plan), and the driver hands its reference to every rank
-actor with bins in it: rank actor r runs exactly the bins of rank r.
+actor with bins in it: rank actor r runs exactly the bins of rank r. The
+window's episodes stay with the driver (the blocks do not carry a copy), which
+puts them in the object store once for the training ranks.
 
 A rank actor (pipeline/ray_rank.py) is a process holding one data-parallel
 rank's worker. For replay it returns edge values, which the driver's one
@@ -30,7 +32,9 @@ from its last checkpoint. `prefetch` bounds the windows in flight past the
 oldest unfinished one.
 
 Ray is imported only in the Ray engine's modules; `init_ray` attaches to
-RAY_ADDRESS or starts a local cluster sized to the machine.
+RAY_ADDRESS or starts a local cluster sized to the machine, its workers at the
+driver's priority (Ray's default niceness of 15 starves the rank actors on a
+shared machine).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import pyarrow.compute as pc
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.ray_feed import feed
-from treeflow.pipeline.ray_maps import episodes_of, rows_of
+from treeflow.pipeline.ray_maps import rows_of
 from treeflow.pipeline.ray_rank import RankActor
 from treeflow.pipeline.stats import episode_sums
 from treeflow.sigterm import keep_sigterm
@@ -76,6 +80,11 @@ def init_ray(**kwargs):
             if address:
                 ray.init(address=address, **kwargs)
             else:
+                # Ray starts its workers at niceness 15, so on a machine shared with other work
+                # the rank actors got a fraction of the CPU the local engine's process gets;
+                # the cluster treeflow starts runs them at the driver's priority (set
+                # RAY_worker_niceness to choose another)
+                os.environ.setdefault("RAY_worker_niceness", "0")
                 ray.init(include_dashboard=False, **kwargs)
     return ray
 
@@ -129,9 +138,13 @@ class RayEngine:
         self.state: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> dict:
-        """Start the rank actors (and, training, their process group); {"load_seconds"}.""" 
-        t0 = time.perf_counter()
+    def start(self, *, wait: bool = True) -> dict | None:
+        """Start the rank actors (and, training, their process group); {"load_seconds"}.
+
+        wait=False: return once the actors are asked for; `run` then starts the source's
+        stage operators while the ranks build their models, and waits for both.
+        """
+        t0 = self._t0 = time.perf_counter()
         ray = self.ray = init_ray()
         cuda = self.device.startswith("cuda")
         # what is free now (other actors, such as TransferQueue's, hold CPUs too), shared by
@@ -148,19 +161,25 @@ class RayEngine:
                                    num_gpus=1 if cuda else 0,
                                    max_restarts=0 if self.plan.fused else -1)[0]
                        for r in range(self.ranks)]
-        addr, port = ray.get(self.actors[0].address.remote())
-        self.envs = [dict(RANK=str(r), WORLD_SIZE=str(self.ranks), MASTER_ADDR=addr,
-                          MASTER_PORT=str(port), LOCAL_RANK="0" if cuda else str(r),
-                          LOCAL_WORLD_SIZE="1" if cuda else str(self.ranks))
-                     for r in range(self.ranks)]
-        self._get([a.setup.remote(env) for a, env in zip(self.actors, self.envs)])
-        self.state = {"load_seconds": time.perf_counter() - t0}
+        return self._ready() if wait else None
+
+    def _ready(self) -> dict:
+        """Wait for the rank actors; the first call sets them up (the process group forms)."""
+        if self.state is None:
+            cuda = self.device.startswith("cuda")
+            addr, port = self._get(self.actors[0].address.remote())
+            self.envs = [dict(RANK=str(r), WORLD_SIZE=str(self.ranks), MASTER_ADDR=addr,
+                              MASTER_PORT=str(port), LOCAL_RANK="0" if cuda else str(r),
+                              LOCAL_WORLD_SIZE="1" if cuda else str(self.ranks))
+                         for r in range(self.ranks)]
+            self._get([a.setup.remote(env) for a, env in zip(self.actors, self.envs)])
+            self.state = {"load_seconds": time.perf_counter() - self._t0}
         return self.state
 
     def close(self) -> None:
         for actor in self.actors:
             self.ray.kill(actor)
-        self.actors = []
+        self.actors, self.state = [], None
 
     def _get(self, refs):
         ray = self.ray
@@ -172,9 +191,15 @@ class RayEngine:
     # ------------------------------------------------------------------ running
     def run(self, source, *, steps: int | None = None) -> Iterator[WindowResult]:
         """One WindowResult per window of `source` (Files, a reader, tables), in order."""
-        if self.state is None:
-            self.start()
+        if not self.actors:
+            self.start(wait=False)
+        # the stage operators start (their actors, the first windows) while the ranks set up
         items = feed(self, source, steps=steps)
+        try:
+            self._ready()
+        except BaseException:
+            items.close()
+            raise
         return _Drive(self, items).windows()
 
 
@@ -233,18 +258,20 @@ class _Drive:
         finally:
             self.items.close()
 
-    def _open(self, w: int, position, block_ref, block) -> None:
+    def _open(self, w: int, position, block_ref, block, episodes) -> None:
         if block is None:
             block = self.ray.get(block_ref)  # zero-copy: the actors read the same block
         bins = rows_of(block, w)
         counts = np.bincount(bins.column("_rank").to_numpy(), minlength=self.e.ranks)
-        win = {"episodes": episodes_of(block, w), "position": position, "block": block_ref,
+        win = {"episodes": episodes, "position": position, "block": block_ref,
                "parts": {}, "meta": {}, "compile": 0.0, "redelivered": set(),
                "nbins": bins.num_rows,
                "executed": int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)}
         # training: every rank takes part in the step, with bins or without
         need = range(self.e.ranks) if self.e.plan.fused else np.flatnonzero(counts)
         win["need"] = set(int(r) for r in need)
+        if self.e.plan.fused:  # one copy in the object store that every training rank reads
+            win["episodes_ref"] = self.ray.put(episodes)
         self.open_[w] = win
         # a training step is sent once the caller took the one before (fit writes its metrics
         # line before the checkpoint the next window's opening writes); replay runs ahead
@@ -257,7 +284,10 @@ class _Drive:
 
     def _submit(self, w: int, r: int) -> None:
         win = self.open_[w]
-        ref = self.e.actors[r].run.remote(w, win["block"], win["position"])
+        args = (w, win["block"], win["position"])
+        if self.e.plan.fused:  # a training step weighs its bins with the window's episodes
+            args += (win["episodes_ref"],)
+        ref = self.e.actors[r].run.remote(*args)
         self.pending[ref] = (w, r)
 
     def _resubmit(self) -> None:
@@ -332,7 +362,6 @@ def run_ray(plan: Plan, source, *, ranks: int = 1, device: str = "cpu", steps: i
 
 def _closing(engine: RayEngine, source, steps):
     try:
-        engine.start()
         yield from engine.run(source, steps=steps)
     finally:
         if engine.actors:

@@ -1,7 +1,8 @@
 """The Ray engine's window feed: stored files through Ray Data, any other source through the driver.
 
 Both give the driver (pipeline/ray.py) the same items -- (window, position
-after it, reference of the window's final block, the block) -- through the
+after it, reference of the window's final block, the block, the window's
+episodes after the maps over episodes) -- through the
 one read-ahead wrapper (pipeline/prefetch.py), at most `prefetch` ahead, so
 that the driver's loop never waits on a source while results come back:
 
@@ -9,7 +10,10 @@ that the driver's loop never waits on a source while results come back:
   exactly as the local engine does (`Files.spans`, from the group_id column
   only) and Ray Data reads them (one read task and one Arrow block per
   window) and streams them through one map operator per stage
-  (pipeline/ray_maps.py), in order and with its backpressure. Cycled files
+  (pipeline/ray_maps.py), in order and with its backpressure. Each stage
+  runs in an actor pool of its own (one actor): Ray Data fuses neighbouring
+  task-pool maps into one task, never an actor-pool map with the next, so
+  the executed plan is read -> one operator per stage -> the rank actors. Cycled files
   (training) give `steps` windows; a saved position (`{"episodes": E}`) starts
   at the window after E episodes, as `Files.open(state)` does.
 - anything else (a queue reader, an iterator of episode tables): the driver
@@ -22,13 +26,14 @@ from __future__ import annotations
 import numpy as np
 
 from treeflow.pipeline.prefetch import Prefetch
-from treeflow.pipeline.ray_maps import WindowRead, stage_ops, window_block, windows_of
+from treeflow.pipeline.ray_maps import WindowRead, read_window, stage_ops, window_block, windows_of
 from treeflow.pipeline.source import Files, FilesReader
 
 def feed(engine, source, *, steps: int | None = None) -> Prefetch:
     """The items of `source` for `engine`'s driver, read ahead in the one prefetch wrapper.
 
-    Each item the wrapper gives is (index, None, (window, position, block ref, block or None)).
+    Each item the wrapper gives is (index, None, (window, position, block ref, block or None,
+    episodes)).
     """
     if isinstance(source, FilesReader):
         items = _files(engine, source.files, {"episodes": source._skip}, steps)
@@ -78,17 +83,42 @@ def _files(engine, files: Files, position, steps):
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True  # blocks come back in window order
     ctx.target_max_block_size = 1 << 31  # a block is one window's table: never split it
+    ops = stage_ops(engine.plans, engine.ranks)
+    cpus = engine.map_cpus / (len(ops) + 1)  # the map share, for the reads and the stages
     ds = ray.data.read_datasource(WindowRead([(w, p) for w, (p, _) in enumerate(wins)],
                                              files.vocab_size, files.route_width),
-                                  override_num_blocks=len(wins))
-    for op in stage_ops(engine.plans, engine.ranks):
-        ds = ds.map_batches(op, batch_size=None, batch_format="pyarrow", zero_copy_batch=True,
-                            num_cpus=engine.map_cpus)
+                                  override_num_blocks=len(wins), num_cpus=cpus)
+    # Ray Data's OperatorFusionRule fuses a task-pool map into the map after it when their
+    # compute and resources agree, which made read and every CPU stage one task; a map run by
+    # an actor pool is never fused with the map after it. So each stage is its own operator:
+    # one actor that builds the stage's operator once and streams the windows through it
+    # (Arrow blocks in the object store between stages, Ray Data's backpressure on each).
+    for op in ops:
+        ds = ds.map_batches(type(op), fn_constructor_args=op.args, fn_constructor_kwargs=op.kwargs,
+                            compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
+                            batch_size=None,
+                            batch_format="pyarrow", zero_copy_batch=True, num_cpus=cpus)
+    engine.dataset = ds  # its stats() name the operators it ran (tests/pipeline/test_ray_engine.py)
+    plan = engine.plans[0]
     for bundle in ds.iter_internal_ref_bundles():
         for entry in bundle.blocks:
             block = ray.get(entry.ref)
             for w in windows_of(block):
-                yield w, wins[w][1], entry.ref, block
+                # the driver's own copy of the window's episodes (a memory-mapped read), which
+                # the blocks do not carry: the accumulator and the training step weigh with them
+                episodes = plan.episodes(read_window(wins[w][0], files.vocab_size,
+                                                     files.route_width), step=w)
+                yield w, wins[w][1], entry.ref, block, episodes
+
+
+def executed_operators(dataset) -> list[str]:
+    """The names of the operators Ray Data ran for `dataset` (fused ones joined by '->')."""
+    names, todo = [], [dataset.get_stats_summary()]
+    while todo:  # each summary holds its operators and those before them as parents
+        summary = todo.pop()
+        names[:0] = [op.operator_name for op in summary.operators_stats]
+        todo.extend(summary.parents)
+    return names
 
 
 def _apply(op, block):
@@ -106,9 +136,9 @@ def _reader(engine, source, steps):
         ref = ray.put(window_block(episodes, w))
         for op in ops:  # one task per stage, chained: the next starts when its input is ready
             ref = task.remote(op, ref)
-        yield w, position, ref, None
+        yield w, position, ref, None, engine.plans[0].episodes(episodes, step=w)
         if steps is not None and w + 1 >= steps:
             return
 
 
-__all__ = ["feed", "file_windows"]
+__all__ = ["executed_operators", "feed", "file_windows"]

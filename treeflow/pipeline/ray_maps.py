@@ -7,17 +7,20 @@ Every block is one window's table (episodes, then layouts, then bins) with two
 tag columns: `_window` and `_rank` (-1 while the window is planned whole; r once
 rank r's share is planned on its own, as `Pack(ranks=R, rank=r)` does). The
 window's episodes -- after the maps over episodes, which the accumulator and a
-training step weigh with -- ride along as Arrow IPC bytes on the window's first
-row (`_episodes`), so a block is self-contained. The last operator sets `_rank` on
+training step weigh with -- do not ride along: the driver has them (it reads
+each window's rows itself, pipeline/ray_feed.py) and hands them to a training
+rank with the block, so a block is one copy of the window's data, not two, at
+every stage it passes through. The last operator sets `_rank` on
 every bin to the rank actor that runs it: Shard's `rank` column (the deal), or
 rank r's own plan. A bin Shard did not assign (no Shard stage; replay only) is
 dealt round-robin, which cannot change its values.
 
 Files are read by Ray Data (one read task per window; Arrow blocks through the
 object store, its streaming backpressure), and the stages are Ray Data map
-operators, one per stage; Ray Data may fuse neighbouring CPU maps into one
-task (no copy between them), never into the rank actors, which the driver feeds
-with the final blocks' references (pipeline/ray.py). Any other source (a queue
+operators, one per stage, each run by its own actor pool (pipeline/ray_feed.py
+says why: Ray Data never fuses two actor-pool operators), never fused into the
+rank actors, which the driver feeds with the final blocks' references
+(pipeline/ray.py). Any other source (a queue
 reader, tables) is read by the driver, and the same operator functions run as
 one Ray task per stage and window, chained by reference.
 
@@ -34,29 +37,16 @@ import pyarrow.compute as pc
 
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 
-TAGS = ("_window", "_rank", "_episodes")
+TAGS = ("_window", "_rank")
 
 
 # --------------------------------------------------------------------- blocks
-def ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def from_ipc(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-
-
-def tag(table: pa.Table, window: int, rank, episodes: bytes | None = None) -> pa.Table:
+def tag(table: pa.Table, window: int, rank) -> pa.Table:
     """`table` with the tag columns; `rank` an int or one value per row."""
     n = table.num_rows
     ranks = np.full(n, rank, np.int32) if np.isscalar(rank) else np.asarray(rank, np.int32)
-    eps = ([episodes] + [None] * (n - 1)) if n else []
     return (table.append_column("_window", pa.array(np.full(n, window, np.int64)))
-            .append_column("_rank", pa.array(ranks))
-            .append_column("_episodes", pa.array(eps, pa.binary())))
+            .append_column("_rank", pa.array(ranks)))
 
 
 def untag(table: pa.Table) -> pa.Table:
@@ -75,14 +65,6 @@ def rows_of(block: pa.Table, window: int, rank: int | None = None) -> pa.Table:
     return block.filter(mask)
 
 
-def episodes_of(block: pa.Table, window: int) -> pa.Table:
-    """A window's episodes (after the maps over episodes), from the block's IPC bytes."""
-    col = rows_of(block, window).column("_episodes").drop_null()
-    if len(col) == 0:
-        raise RuntimeError(f"window {window}'s block carries no episodes")
-    return from_ipc(col[0].as_py())
-
-
 def read_window(pieces, vocab_size, route_width=None) -> pa.Table:
     """The episodes of one window: rows [a, b) of each piece's file, validated."""
     from treeflow.schemas.episode import open_episode_file
@@ -99,31 +81,29 @@ def read_window(pieces, vocab_size, route_width=None) -> pa.Table:
 class StageOp:
     """One map stage over tagged blocks: `plans[r].maps[index]` for the rows of rank r.
 
-    on_episodes stages (Advantage) map the window's episodes; the first stage after them
-    stores the episodes it receives in the `_episodes` tag. last: set `_rank` per bin.
+    on_episodes stages (Advantage) map the window's episodes; `first`: the first stage after
+    them, which takes the window's episodes whole. last: set `_rank` per bin.
     """
 
-    def __init__(self, plans, index: int, *, stores_episodes: bool, last: bool, ranks: int):
+    def __init__(self, plans, index: int, *, first: bool, last: bool, ranks: int):
         from treeflow.ops.registry import physical
 
+        # what builds this operator again in a Ray Data actor (pipeline/ray_feed.py)
+        self.args = (plans, index)
+        self.kwargs = dict(first=first, last=last, ranks=ranks)
         stages = [p.maps[index] for p in plans]
         self.per_rank = len(stages) > 1 and any(s != stages[0] for s in stages)
         # the physical map operators the registry builds for the stage configs (ops/registry.py)
         self.ops = [physical(s) for s in (stages if self.per_rank else stages[:1])]
-        self.stores_episodes, self.last, self.ranks = stores_episodes, last, ranks
+        self.first, self.last, self.ranks = first, last, ranks
 
     def __call__(self, block: pa.Table) -> pa.Table:
         out = []
         for w in windows_of(block):
             rows = rows_of(block, w)
-            eps = None
-            if self.stores_episodes:
-                data = untag(rows).cast(EPISODE_SCHEMA)
-                eps = ipc_bytes(data)
-                groups = [(-1, data)]
+            if self.first:
+                groups = [(-1, untag(rows).cast(EPISODE_SCHEMA))]
             else:
-                eps = rows.column("_episodes").drop_null()
-                eps = eps[0].as_py() if len(eps) else None
                 groups = [(int(r), untag(rows_of(rows, w, int(r))))
                           for r in np.unique(rows.column("_rank").to_numpy())]
             for r, data in groups:
@@ -132,13 +112,12 @@ class StageOp:
                 else:
                     mapped = [(r, self.ops[max(r, 0) if self.per_rank else 0](data, step=w))]
                 for q, table in mapped:
-                    out.append(self._tag(table, w, q, eps))
-                    eps = None  # once per window
+                    out.append(self._tag(table, w, q))
         return pa.concat_tables(out) if len(out) > 1 else out[0]
 
-    def _tag(self, table: pa.Table, w: int, rank: int, eps) -> pa.Table:
+    def _tag(self, table: pa.Table, w: int, rank: int) -> pa.Table:
         if not self.last:
-            return tag(table, w, rank, eps)
+            return tag(table, w, rank)
         if table.num_rows == 0 and rank < 0:
             raise ValueError(f"window {w} made no bins; give episodes with tokens")
         if rank >= 0:
@@ -151,7 +130,7 @@ class StageOp:
         if table.num_rows and int(dest.max()) >= self.ranks:
             raise ValueError(f"window {w}: bins were sharded for {int(dest.max()) + 1} ranks but "
                              f"{self.ranks} run; use Shard(num_ranks={self.ranks})")
-        return tag(table, w, dest, eps)
+        return tag(table, w, dest)
 
 
 def stage_ops(plans, ranks: int) -> list[StageOp]:
@@ -169,7 +148,7 @@ def stage_ops(plans, ranks: int) -> list[StageOp]:
     order = [i for i, e in enumerate(episodic) if e] + [i for i, e in enumerate(episodic) if not e]
     first = next(i for i in order if not episodic[i])
     # a subclass named after the stage: Ray Data names the operator after the callable's class
-    return [type(maps[i].name, (StageOp,), {})(plans, i, stores_episodes=(i == first),
+    return [type(maps[i].name, (StageOp,), {})(plans, i, first=(i == first),
                                                last=(i == order[-1]), ranks=ranks)
             for i in order]
 
@@ -203,4 +182,4 @@ class WindowRead:
         return Windows()
 
 
-__all__ = ["StageOp", "WindowRead", "episodes_of", "rows_of", "stage_ops", "window_block"]
+__all__ = ["StageOp", "WindowRead", "read_window", "rows_of", "stage_ops", "window_block"]

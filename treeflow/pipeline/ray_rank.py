@@ -3,7 +3,7 @@
 The driver (pipeline/ray.py) creates R of them, gives them torchrun's variables
 (`setup(env)`: the process group of a training run forms here, gloo on CPU and
 NCCL on CUDA, exactly as for spawned ranks) and then calls `run(window, block,
-position)` once per window, in window order; Ray runs an actor's calls from one
+position[, episodes])` once per window, in window order; Ray runs an actor's calls from one
 caller in submission order, and a training rank checks it. A call runs this
 rank's rows of the window's block -- the bins tagged with its rank (Shard's
 deal) -- through the plan's worker: edge values for replay; for training one
@@ -22,7 +22,7 @@ import os
 
 import pyarrow as pa
 
-from treeflow.pipeline.ray_maps import episodes_of, rows_of, untag
+from treeflow.pipeline.ray_maps import rows_of, untag
 
 
 class RankActor:
@@ -63,8 +63,11 @@ class RankActor:
             self.worker = self.plan.worker(device=self.device)
         self.compile_seconds = self.worker.warm_up()
 
-    def run(self, window: int, block: pa.Table, position: dict | None) -> tuple[pa.Table, dict]:
-        """This rank's share of one window: (edge values | the step's metrics row, meta)."""
+    def run(self, window: int, block: pa.Table, position: dict | None,
+            episodes: pa.Table | None = None) -> tuple[pa.Table, dict]:
+        """This rank's share of one window: (edge values | the step's metrics row, meta).
+
+        episodes: the window's episodes, which a training step weighs its bins with."""
         from treeflow.ops.train import Window
         from treeflow.schemas.layout import BIN_SCHEMA
 
@@ -85,7 +88,7 @@ class RankActor:
         self.next_window += 1
         # opening a window writes the checkpoint the last one made due: the driver sends a
         # window only after the caller took the one before (its metrics line is out first)
-        acc = self.worker.open(Window(step=window, episodes=episodes_of(block, window),
+        acc = self.worker.open(Window(step=window, episodes=episodes,
                                       position=position))
         acc.add(bins)
         out = acc.finish()

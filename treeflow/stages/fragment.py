@@ -17,6 +17,7 @@ Legend: N nodes of a layout, E edges, U unique edge sources, O occurrences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,9 @@ from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
 from treeflow.stages.flat import list_offsets, list_values, ranges
 from treeflow.stages.base import Stage
 from treeflow.stages._fragment_plan import BinPlan, plan
+
+if TYPE_CHECKING:
+    from treeflow.stages.shard import CostModel
 
 _OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_advantage",
         "occ_generation_logprob", "occ_loss_mask")
@@ -42,6 +46,8 @@ class Fragment(Stage):
     says why: a rank gets the plan one rank would make for its share).
     rank: plan only this rank's bins, from the layouts of its share (`Pack(ranks=, rank=)` with
     the same ranks and rank; stages/_share.py): O(N / ranks) per rank, no padding bins.
+    cost: the cost model the layouts are dealt by; None is the model's own when the pipeline's
+    Forward names one (the plan binds it, pipeline/plan.py), else `CostModel.llama_1b()`.
     """
 
     input_schema = LAYOUT_SCHEMA
@@ -51,6 +57,7 @@ class Fragment(Stage):
     pad_to_multiple: int = 1
     ranks: int = 1
     rank: int | None = None
+    cost: CostModel | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 2:
@@ -69,20 +76,21 @@ class Fragment(Stage):
         return self.max_tokens
 
     def __call__(self, layouts: pa.Table) -> pa.Table:
+        from treeflow.stages.shard import CostModel
+
+        cost = self.cost or CostModel.llama_1b()
         if self.rank is not None:
             from treeflow.stages._deal import fragment_share
-            from treeflow.stages.shard import CostModel
 
             return fragment_share(layouts, max_tokens=self.max_tokens, ranks=self.ranks,
-                                  rank=self.rank, cost=CostModel.llama_1b(),
+                                  rank=self.rank, cost=cost,
                                   pack=lambda share, budget: fragment(share, max_tokens=budget))
         if self.ranks > 1:
             from treeflow.stages._deal import fragment_for_ranks
-            from treeflow.stages.shard import CostModel
 
             return fragment_for_ranks(layouts, max_tokens=self.max_tokens, ranks=self.ranks,
                                       pack=lambda share: fragment(share, max_tokens=self.max_tokens),
-                                      cost=CostModel.llama_1b())
+                                      cost=cost)
         return fragment(layouts, max_tokens=self.max_tokens, pad_to_multiple=self.pad_to_multiple)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,9 @@ from treeflow.schemas.window import is_unvalidated, validate_taken
 from treeflow.stages.flat import Calls, ranges, segment_ids
 from treeflow.stages._share import scope_rows
 from treeflow.stages.base import Stage
+
+if TYPE_CHECKING:
+    from treeflow.stages.shard import CostModel
 
 LAYOUTS = ("tree", "chain", "exact")
 SCOPES = ("episode", "group")
@@ -62,6 +65,8 @@ class Pack(Stage):
     exchange: the runtime's sum over the ranks of a float64 array (the trainer binds a gloo
     all-reduce; `summed_costs` is the in-process stand-in). A runtime handle, not configuration:
     ignored by ==, repr and hash; required by balance="exact" when rank is set and ranks > 1.
+    cost: the cost model the trees are dealt by; None is the model's own when the pipeline's
+    Forward names one (the plan binds it, pipeline/plan.py), else `CostModel.llama_1b()`.
     """
 
     input_schema = EPISODE_SCHEMA
@@ -75,6 +80,7 @@ class Pack(Stage):
     balance: Literal["exact", "estimate"] = "exact"
     exchange: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False,
                                                                 repr=False)
+    cost: CostModel | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -118,7 +124,7 @@ class Pack(Stage):
                              "it; stages.summed_costs in one process), or "
                              "balance='estimate'")
         return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
-                          ranks=self.ranks, rank=self.rank,
+                          ranks=self.ranks, rank=self.rank, cost=self.cost,
                           exchange=self.exchange if exact else None, share_rules=self.share_rules)
 
 
@@ -133,14 +139,14 @@ def check_rank(stage) -> None:
 
 
 def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,
-               rank: int, exchange=None, share_rules: str = "default") -> pa.Table:
+               rank: int, exchange=None, share_rules: str = "default", cost=None) -> pa.Table:
     """Layouts of rank `rank`'s share (stages/_share.py, stages/_exchange.py); layout_id is the
-    tree's index in the step."""
+    tree's index in the step. cost: the deal's CostModel (None: llama_1b)."""
     from treeflow.stages._exchange import pack_share as share
     from treeflow.stages.shard import CostModel
 
     return share(episodes, layout=layout, scope=scope, step=step, ranks=ranks, rank=rank,
-                 cost=CostModel.llama_1b(), exchange=exchange, share_rules=share_rules,
+                 cost=cost or CostModel.llama_1b(), exchange=exchange, share_rules=share_rules,
                  pack_fn=pack)
 
 

@@ -3,9 +3,8 @@
 `Leases` is the part of `Ledger` (tq/ledger.py) that follows a step once
 `get` released it: the lease it is held under (renewed, or lapsed after
 `lease_seconds`: the consumer died), its acknowledgement (its room is freed),
-its return for redelivery (`nack`, a lapse, `release` of a consumer known
-dead) before anything new, and its rejection as invalid, dead-lettered after
-`max_attempts`. Redelivery keeps the step's number and groups, so a consumer
+its return for redelivery (`nack`, a lapse) before anything new, and its
+rejection as invalid, dead-lettered after `max_attempts`. Redelivery keeps the step's number and groups, so a consumer
 that already applied it can skip it.
 
 The trade-off: a mixin over the Ledger's one lock rather than an object of
@@ -127,15 +126,3 @@ class Leases:
         """(what and why, payloads) of every dead-lettered step, oldest first."""
         with self._cv:
             return [(dict(info), list(payloads)) for info, payloads in self._dead]
-
-    def release(self, consumer: str) -> int:
-        """Give back at once every step leased to `consumer`, known dead; how many were leased.
-
-        Redelivery without waiting for the leases to lapse: a supervisor that saw
-        the consumer's process die (the Ray engine, for its forward actors) says so.
-        """
-        with self._cv:
-            lids = [lid for lid, le in self._leases.items() if le.consumer == consumer]
-            for lid in lids:
-                self._requeue(lid)
-            return len(lids)

@@ -47,7 +47,7 @@ dozen bytes per episode).
 
 What a ledger's clients see (Group, Delivery, END, the errors, the served
 methods and their deadlines) is in tq/protocol.py; what happens to a step
-after `get` leased it (renew, ack, nack, reject, release, dead letters) is in
+after `get` leased it (renew, ack, nack, reject, dead letters) is in
 tq/leases.py, mixed into `Ledger` under its one lock.
 """
 

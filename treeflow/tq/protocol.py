@@ -28,7 +28,7 @@ END = "end"  # get(): the queue is closed and nothing more can reach this consum
 CLOSE_WHEN = ("all", "first")  # or a number of producers
 # the methods a served ledger exposes to its clients (every backend's transport proxies these)
 LEDGER_METHODS = ("next_seq", "open_producer", "renew_producer", "put", "close", "get", "renew", "ack",
-                  "nack", "reject", "release", "put_result", "take_result", "publish_weights", "weights",
+                  "nack", "reject", "put_result", "take_result", "publish_weights", "weights",
                   "dead_letters", "stats")
 # where a method takes its own wait (seconds), by position; a transport's deadline is that plus
 # CALL_SLACK_S, past which the server is presumed hung or gone
