@@ -20,7 +20,8 @@ environment is recognised. Every rank reads the same windows, lays out and bins 
 share of each step (`configs.plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
 metrics and prints; all ranks write the checkpoint together.
 `--engine ray` runs the same N ranks as Ray rank actors fed by the Ray engine (pipeline/ray.py),
-with the same planning, checkpoints, --resume and fingerprint checks (fit() owns them).
+with the same planning, checkpoints, --resume and fingerprint checks (fit() owns them);
+with `--context-parallel C` each rank is C actors, N x C in one process group.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def _train(args, *, distributed: bool) -> int:
 
 
 def _train_ray(args) -> int:
-    """--engine ray: N rank actors (pipeline/ray.py), each planning its share as spawned ranks do."""
+    """--engine ray: N rank actors (pipeline/ray.py), each planning its share as spawned ranks do
+    (C actors per rank under --context-parallel C, the engine reads C from the Forward)."""
     from treeflow.pipeline import Files, Pipeline
     from treeflow.train.fit import fit
     from treeflow.train.run import STEP_OPTIONS, run_fingerprint
@@ -157,7 +159,7 @@ def _train_ray(args) -> int:
         console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} has "
                                    f"already run {report['steps']} steps (--steps {args.steps})")
         return 0
-    _report(args, report, world)
+    _report(args, report, world * args.context_parallel)
     return 0
 
 
