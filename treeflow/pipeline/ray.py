@@ -151,9 +151,11 @@ class RayEngine:
         cuda = self.device.startswith("cuda")
         procs, C = self.ranks * self.cp, self.cp
         # what is free now (other actors, such as TransferQueue's, hold CPUs too), shared by
-        # the rank actors and the map tasks; nothing left: run unreserved rather than wait
+        # the rank actors and the map tasks, one whole CPU left over: Ray Data's read task
+        # asks for one and never starts with less free (4 actors of 0.8 on 4 CPUs stalled);
+        # nothing left: run unreserved rather than wait
         free = ray.available_resources().get("CPU", 0.0)
-        share = min(1.0, free / (procs + 1))
+        share = min(1.0, max(0.0, free - 1.0) / procs)
         share = share if share >= 0.05 else 0.0
         self.map_cpus = share
         from treeflow.train.launch import rank_actors
