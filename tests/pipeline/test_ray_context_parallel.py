@@ -165,7 +165,6 @@ def test_two_ray_ranks_of_two_actors_train_as_four_local_processes(ray_cluster, 
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.slow
 def test_a_killed_context_parallel_training_actor_stops_the_run(ray_cluster, data, tmp_path):
     from treeflow.stages import EpisodeSchedule, Loss, Reduce
 
