@@ -70,8 +70,11 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
     (["--backend", "megatron"], "--backend reference"),
     (["--kernel", "causal"], "--kernel causal"),
     (["--shard-params", "--num-ranks", "2"], "--shard-params"),
-    (["--launcher", "ray"], "--launcher"),
-    (["--engine", "ray"], "--engine local"),
+    (["--launcher", "ray"], "--launcher ray: give --engine ray"),
+    # --engine ray runs C actors per rank, and refuses what the processes would
+    (["--engine", "ray", "--shard-params", "--num-ranks", "2"], "--shard-params"),
+    (["--engine", "ray", "--kernel", "causal"], "--kernel causal"),
+    (["--engine", "ray", "--backend", "megatron"], "--backend reference"),
     (["--tensor-parallel", "2", "--backend", "megatron"], "--backend reference"),
     (["--context-parallel", "0"], "--context-parallel 0"),
 ])

@@ -72,6 +72,8 @@ SKIPPED = {
         "localhost, marked ray and slow)",
     "# 2 GPUs, one bin over both: paths of up to 2 x 32k tokens":
         "spawns C processes per bin (tests/test_cli_context_parallel.py, marked multiprocess)",
+    "treeflow replay episodes.arrow --engine ray --num-ranks 2 --context-parallel 2 \\":
+        "starts Ray and C actors per rank (tests/pipeline/test_ray_context_parallel.py, marked ray)",
     "treeflow synth -o ep.arrow --routes-from DIR      # routes of DIR's shape (MoE layers x top_k)":
         "needs a local MoE checkpoint (tests/models/test_moe_cli.py runs these on a tiny one)",
     "treeflow replay episodes.arrow --model NEMOTRON_H_DIR --ssm-fork chunk -o lp.arrow":

@@ -18,6 +18,13 @@ share); the Ray engine and launcher (one process per rank here); FSDP's
 --shard-params (MCore shards the weights itself); and in logprobs mode
 --num-ranks > 1 (that option sizes the Ray engine's forward actors).
 
+`--context-parallel C` runs each bin over C processes: spawned (or torchrun's)
+with --engine local, where logprobs mode runs C and training D x C; or, with
+--engine ray, C Ray actors per rank (pipeline/ray_groups.py), --num-ranks D
+ranks in both modes. It refuses the megatron backend, --tensor-parallel,
+--kernel causal, --shard-params, --launcher ray (use --engine ray) and, with
+--engine local in logprobs mode, --num-ranks > 1.
+
 Checkpoints (--save, --save-every, --resume) work under any D x T: every
 process writes its tensor-parallel shards of the weights and AdamW through
 PyTorch Distributed Checkpoint (models/megatron/checkpoint.py), and the
@@ -84,6 +91,14 @@ def check_context_parallel_options(args, *, train: bool) -> None:
     if args.kernel not in ("auto", "dense", "runs", "flex"):
         raise ValueError(f"--context-parallel {cp} with --kernel {args.kernel}: a rank attends "
                          "over its gathered keys with --kernel runs, dense or flex (auto: runs)")
+    if train and args.shard_params:
+        raise ValueError(f"--context-parallel {cp} with --shard-params is not supported yet: "
+                         "drop one of them")
+    if args.engine == "ray":  # C Ray actors per rank, --num-ranks ranks (pipeline/ray.py)
+        return
+    if train and args.launcher == "ray":
+        raise ValueError(f"--context-parallel {cp} with --launcher ray: give --engine ray to run "
+                         "each rank's processes as Ray actors, or --launcher spawn")
     _own_processes(args, "--context-parallel", "context-parallel", cp, train=train,
                    shard_params="is not supported yet: drop one of them")
     _process_count(args, "--context-parallel", cp, train=train)
@@ -112,7 +127,8 @@ def _own_processes(args, flag: str, kind: str, n: int, *, train: bool, shard_par
     if not train and args.num_ranks > 1:
         raise ValueError(f"--num-ranks {args.num_ranks} with {flag} {n} in logprobs mode: "
                          "--num-ranks sizes "
-                         "the Ray engine's forward actors; give --num-ranks 1")
+                         "the Ray engine's forward actors; give --num-ranks 1"
+                         + (" (or --engine ray)" if flag == "--context-parallel" else ""))
     if train and args.shard_params:
         raise ValueError(f"{flag} {n} with --shard-params {shard_params}")
 

@@ -3,7 +3,8 @@
 Logprobs mode runs Pack, Fragment, Shard (over the Ray engine's forward actors, by the model's
 own cost), Forward and Reassemble over windows of --episodes-per-step episodes and writes one
 row per input episode; under --tensor-parallel or --context-parallel it is one of the
-processes that run each bin together, and the first one writes.
+processes that run each bin together, and the first one writes (with --engine ray
+--context-parallel C the Ray engine's rank actors are those processes, C per rank).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def cmd_replay(args) -> int:
     if args.tensor_parallel > 1 and torchrun_world() is None:
         start_ranks(_replay_rank, args.tensor_parallel, args)
         return 0
-    if args.context_parallel > 1 and torchrun_world() is None:
+    if args.context_parallel > 1 and args.engine == "local" and torchrun_world() is None:
         start_ranks(_replay_rank, args.context_parallel, args)
         return 0
     return _replay(args)
@@ -65,7 +66,7 @@ def _replay(args) -> int:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
     group = None
-    if args.context_parallel > 1:  # one of the processes that run each bin together
+    if args.context_parallel > 1 and args.engine == "local":  # one of the processes of a bin
         from treeflow.train import DataParallel
 
         group = DataParallel.from_env(args.device)

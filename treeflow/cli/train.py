@@ -21,7 +21,8 @@ window and the tokens of its own trees, pipeline/rank_rows.py), lays out and bin
 share of each step (`configs.plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
 metrics and prints; all ranks write the checkpoint together.
 `--engine ray` runs the same N ranks as Ray rank actors fed by the Ray engine (pipeline/ray.py),
-with the same planning, checkpoints, --resume and fingerprint checks (fit() owns them).
+with the same planning, checkpoints, --resume and fingerprint checks (fit() owns them);
+with `--context-parallel C` each rank is C actors, N x C in one process group.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def _train_rank(args) -> None:
 def _train(args, *, distributed: bool) -> int:
     from treeflow.train import DataParallel
 
-    if args.engine == "ray":  # N rank actors (pipeline/ray.py), each planning its share as spawned ranks do
+    if args.engine == "ray":  # N rank actors (pipeline/ray.py), each planning its share as
+        # spawned ranks do (C actors per rank under --context-parallel C: the engine reads C
+        # from the Forward)
         return _fit(args, [_pipeline(args, args.num_ranks, r) for r in range(args.num_ranks)],
                     world=args.num_ranks)
     dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
@@ -148,7 +151,8 @@ def _fit(args, pipes: list, *, world: int, dp=None, lead: bool = True) -> int:
         console(stderr=True).print(f"nothing to do: the checkpoint {report['checkpoint']} has "
                                    f"already run {report['steps']} steps (--steps {args.steps})")
         return 0
-    _report(args, report, world)
+    # the Ray engine's `world` counts ranks, each C actors; a spawned group's counts processes
+    _report(args, report, world * args.context_parallel if dp is None else world)
     return 0
 
 

@@ -35,6 +35,13 @@ Ray is imported only in the Ray engine's modules; `init_ray` attaches to
 RAY_ADDRESS or starts a local cluster sized to the machine, its workers at the
 driver's priority (Ray's default niceness of 15 starves the rank actors on a
 shared machine).
+
+Context parallelism (`Forward(context_parallel=C)`): a rank is C actors that
+run each of its bins together; pipeline/ray_groups.py forms their process
+groups (one per rank for replay, one of all R x C for training). When a replay
+actor dies, the driver restarts its rank's C actors (their group died with
+it), forms the group again and re-runs the rank's unfinished windows; a peer's
+collective that failed because of the death is not an error of the run.
 """
 
 from __future__ import annotations
@@ -49,12 +56,15 @@ import pyarrow.compute as pc
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.ray_feed import feed
+from treeflow.pipeline.ray_groups import death_near, form, groups, restart
 from treeflow.pipeline.ray_maps import rows_of
 from treeflow.pipeline.ray_rank import RankActor
 from treeflow.pipeline.stats import episode_sums
 from treeflow.sigterm import keep_sigterm
 
 __all__ = ["RayEngine", "init_ray", "run_ray"]
+
+_DEATH_GRACE_S = 5.0  # how long a failed collective waits to hear of a peer's death
 
 
 def _import_ray():
@@ -101,6 +111,9 @@ def check_ray_plan(plan: Plan, ranks) -> None:
 class RayEngine:
     """R rank actors fed by the Ray graph of a plan; `start()`, then `run(source)`, then `close()`.
 
+    Under `Forward(context_parallel=C)` each rank is C actors (R x C in all, one GPU each
+    on CUDA) that run each of its bins together.
+
     plans: one plan per rank for per-rank planning (rank r's maps plan only its share:
     `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`), as data-parallel training plans
     each rank; default: `plan` for the whole window, its bins dealt by Shard's `rank`.
@@ -122,6 +135,7 @@ class RayEngine:
             from treeflow.train.remote import RemoteTraining
 
             train = RemoteTraining()
+        self.cp = getattr(plan.model, "context_parallel", 1)  # actors per rank
         plans = tuple(plans) if plans is not None else (plan,)
         if len(plans) not in (1, ranks):
             raise ValueError(f"{len(plans)} plans for {ranks} ranks: give one, or one per rank")
@@ -131,7 +145,8 @@ class RayEngine:
         if threads is None:
             import torch
 
-            threads = torch.get_num_threads() if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
+            procs = ranks * self.cp
+            threads = torch.get_num_threads() if procs == 1 else max(1, (os.cpu_count() or 1) // procs)
         self.plan, self.plans, self.ranks, self.device = _absolute(plan), plans, ranks, device
         self.threads, self.prefetch, self.train, self.rank_cls = threads, prefetch, train, rank_cls
         self.actors: list = []
@@ -139,42 +154,47 @@ class RayEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, *, wait: bool = True) -> dict | None:
-        """Start the rank actors (and, training, their process group); {"load_seconds"}.
+        """Start the rank actors (and their process groups); {"load_seconds"}.
 
         wait=False: return once the actors are asked for; `run` then starts the source's
         stage operators while the ranks build their models, and waits for both.
         """
-        t0 = self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         ray = self.ray = init_ray()
         cuda = self.device.startswith("cuda")
+        procs, C = self.ranks * self.cp, self.cp
         # what is free now (other actors, such as TransferQueue's, hold CPUs too), shared by
-        # the rank actors and the map tasks; nothing left: run unreserved rather than wait
+        # the rank actors and the map tasks, one whole CPU left over: Ray Data's read task
+        # asks for one and never starts with less free (4 actors of 0.8 on 4 CPUs stalled);
+        # nothing left: run unreserved rather than wait
         free = ray.available_resources().get("CPU", 0.0)
-        share = min(1.0, free / (self.ranks + 1))
+        share = min(1.0, max(0.0, free - 1.0) / procs)
         share = share if share >= 0.05 else 0.0
         self.map_cpus = share
         from treeflow.train.launch import rank_actors
 
-        # a replay actor that dies is restarted (its windows re-run); a training one is not
-        self.actors = [rank_actors(self.rank_cls, 1, self.plan, r, self.ranks, self.device,
-                                   self.threads, self.train, num_cpus=0 if cuda else share,
-                                   num_gpus=1 if cuda else 0,
+        # a replay actor that dies is restarted (its windows re-run); a training one is not.
+        # actor a is context-parallel process a % C of rank a // C
+        self.actors = [rank_actors(self.rank_cls, 1, self.plan, a // C, self.ranks, self.device,
+                                   self.threads, self.train, a % C,
+                                   num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0,
                                    max_restarts=0 if self.plan.fused else -1)[0]
-                       for r in range(self.ranks)]
+                       for a in range(procs)]
         return self._ready() if wait else None
 
     def _ready(self) -> dict:
-        """Wait for the rank actors; the first call sets them up (the process group forms)."""
+        """Wait for the rank actors; the first call sets them up (their process groups form)."""
         if self.state is None:
             cuda = self.device.startswith("cuda")
-            addr, port = self._get(self.actors[0].address.remote())
-            self.envs = [dict(RANK=str(r), WORLD_SIZE=str(self.ranks), MASTER_ADDR=addr,
-                              MASTER_PORT=str(port), LOCAL_RANK="0" if cuda else str(r),
-                              LOCAL_WORLD_SIZE="1" if cuda else str(self.ranks))
-                         for r in range(self.ranks)]
-            self._get([a.setup.remote(env) for a, env in zip(self.actors, self.envs)])
+            self.groups = groups(self.ranks, self.cp, training=self.plan.fused)
+            self.pids = self._get(form(self.ray, self.actors, self.groups, cuda))
             self.state = {"load_seconds": time.perf_counter() - self._t0}
         return self.state
+
+    def restart_rank(self, r: int, dead: int | None = None) -> None:
+        """Replay under context parallelism: restart rank r's actors and form their group."""
+        restart(self.ray, self.actors, self.groups[r], self.pids,
+                self.device.startswith("cuda"), dead=dead)
 
     def close(self) -> None:
         for actor in self.actors:
@@ -209,7 +229,7 @@ class _Drive:
     def __init__(self, engine: RayEngine, items):
         self.e, self.ray, self.items = engine, engine.ray, items
         self.open_: dict[int, dict] = {}
-        self.pending: dict = {}  # result ref -> (window, rank)
+        self.pending: dict = {}  # result ref -> (window, rank, context-parallel process)
         self.retry: list = []  # (when, window, rank): a dead replay actor's calls, run again
 
     def windows(self) -> Iterator[WindowResult]:
@@ -272,6 +292,7 @@ class _Drive:
         win["need"] = set(int(r) for r in need)
         if self.e.plan.fused:  # one copy in the object store that every training rank reads
             win["episodes_ref"] = self.ray.put(episodes)
+        win["left"] = {r: set(range(self.e.cp)) for r in win["need"]}  # each rank's calls out
         self.open_[w] = win
         # a training step is sent once the caller took the one before (fit writes its metrics
         # line before the checkpoint the next window's opening writes); replay runs ahead
@@ -283,12 +304,13 @@ class _Drive:
             self._submit(w, r)
 
     def _submit(self, w: int, r: int) -> None:
-        win = self.open_[w]
+        win, C = self.open_[w], self.e.cp
         args = (w, win["block"], win["position"])
         if self.e.plan.fused:  # a training step weighs its bins with the window's episodes
             args += (win["episodes_ref"],)
-        ref = self.e.actors[r].run.remote(*args)
-        self.pending[ref] = (w, r)
+        for c in range(C):  # a rank's C context-parallel actors run its bins together
+            ref = self.e.actors[r * C + c].run.remote(*args)
+            self.pending[ref] = (w, r, c)
 
     def _resubmit(self) -> None:
         now, later = time.monotonic(), []
@@ -301,27 +323,64 @@ class _Drive:
 
     def _result(self, ref) -> None:
         ray = self.ray
-        w, r = self.pending.pop(ref)
+        if ref not in self.pending:  # a call to a rank restarted since: re-run already
+            return
+        w, r, c = self.pending.pop(ref)
         try:
             out, meta = ray.get(ref)
         except ray.exceptions.RayActorError:
-            if self.e.plan.fused:
-                raise RuntimeError(
-                    f"training rank {r} of {self.e.ranks} died at window {w}; its model and "
-                    "optimizer state died with it, so the run stops here: resume it from its "
-                    "last checkpoint (--resume)") from None
+            self._died(w, r, c)
+            return
+        except ray.exceptions.RayTaskError as e:
+            # a context-parallel process that dies shows first as its peers' failed collective
+            dead = self._death_near(w, r) if self.e.cp > 1 else None
+            if dead is None:
+                raise e.cause from None
+            self._died(*dead)
+            return
+        win = self.open_[w]
+        win["left"][r].discard(c)
+        if c == 0:  # every process of a rank holds all its edge values (the same metrics row)
+            win["parts"][r] = out
+        if not win["left"][r]:
+            win["need"].discard(r)
+        win["compile"] += meta.get("compile_seconds", 0.0)
+        if r == 0 and c == 0:
+            win["meta"] = meta
+
+    def _died(self, w: int, r: int, c: int) -> None:
+        """Actor c of rank r died during window w: stop (training), or re-run its rank's part."""
+        e = self.e
+        if e.plan.fused:
+            who = f"rank {r}" + (f" (context-parallel process {c} of {e.cp})" if e.cp > 1 else "")
+            raise RuntimeError(
+                f"training {who} of {e.ranks} died at window {w}; its model and "
+                "optimizer state died with it, so the run stops here: resume it from its "
+                "last checkpoint (--resume)") from None
+        if e.cp == 1:
             self.open_[w]["redelivered"].add(r)
             # Ray restarts the actor; calls made before it is back fail at once: ask shortly
             self.retry.append((time.monotonic() + 0.2, w, r))
             return
-        except ray.exceptions.RayTaskError as e:
-            raise e.cause from None
-        win = self.open_[w]
-        win["parts"][r] = out
-        win["need"].discard(r)
-        win["compile"] += meta.get("compile_seconds", 0.0)
-        if r == 0:
-            win["meta"] = meta
+        # its peers' process group died with it: restart the rank's C actors, form the group
+        # again, and run every window the rank had not finished once more
+        for ref, (_, q, _) in list(self.pending.items()):
+            if q == r:
+                del self.pending[ref]
+        e.restart_rank(r, dead=r * e.cp + c)
+        for v, win in self.open_.items():
+            if r in win["need"]:
+                win["left"][r] = set(range(e.cp))
+                win["parts"].pop(r, None)
+                win["redelivered"].add(r)
+                self._submit(v, r)
+
+    def _death_near(self, w: int, r: int):
+        """(window, rank, process) of a call of the same group (rank r's for replay, window w's
+        for training) that ends in its actor's death within a grace period, else None."""
+        fused = self.e.plan.fused
+        return death_near(self.ray, self.pending, _DEATH_GRACE_S,
+                          lambda v, q: v == w if fused else q == r)
 
     def _finish(self, w: int, win: dict) -> WindowResult:
         plan = self.e.plan

@@ -1,19 +1,26 @@
 """A rank actor of the Ray engine: one process holding one data-parallel rank's operator.
 
-The driver (pipeline/ray.py) creates R of them, gives them torchrun's variables
-(`setup(env)`: the process group of a training run forms here, gloo on CPU and
-NCCL on CUDA, exactly as for spawned ranks) and then calls `run(window, block,
-position[, episodes])` once per window, in window order; Ray runs an actor's calls from one
-caller in submission order, and a training rank checks it. A call runs this
+The driver (pipeline/ray.py) creates R of them -- R x C under context
+parallelism (`Forward(context_parallel=C)`): rank r is then C actors, each one
+context-parallel process of it, all reading rank r's bins -- gives them
+torchrun's variables (`setup(env)`: the process group forms here, gloo on CPU
+and NCCL on CUDA, exactly as for spawned ranks; which actors form which group
+is pipeline/ray_groups.py's) and then calls `run(window, block, position[,
+episodes])` once per window, in window order; Ray runs an actor's calls from
+one caller in submission order, and a training rank checks it. A call runs this
 rank's rows of the window's block -- the bins tagged with its rank (Shard's
 deal) -- through the plan's worker: edge values for replay; for training one
 optimizer step (the gradient summed over the R ranks) through the training
 operator (ops/train.py), built from the run's spec (train/remote.py), which
-saves at the run's cadence; its metrics row comes back.
+saves at the run's cadence; its metrics row comes back. Under context
+parallelism a replay call returns every edge value of the rank's bins on each
+of its C actors (their runner sums the owned values over the group).
 
 A replay actor that dies is restarted by Ray and builds its model again on its
-next call, which the driver re-runs; a training rank's model and optimizer die with it,
-so the run stops (resume it from its last checkpoint).
+next call, which the driver re-runs (under context parallelism the driver
+restarts the rank's C actors and forms their group again first); a training
+rank's model and optimizer die with it, so the run stops (resume it from its
+last checkpoint).
 """
 
 from __future__ import annotations
@@ -26,15 +33,19 @@ from treeflow.pipeline.ray_maps import rows_of, untag
 
 
 class RankActor:
-    """One rank: `setup(env)` builds the worker; `run(window, block, position)` per window."""
+    """One rank (or one context-parallel process `cp_rank` of it): `setup(env)` builds the
+    worker; `run(window, block, position)` per window."""
 
-    def __init__(self, plan, rank: int, ranks: int, device: str, threads: int, train=None):
+    def __init__(self, plan, rank: int, ranks: int, device: str, threads: int, train=None,
+                 cp_rank: int = 0):
         import torch
 
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan, self.rank, self.ranks, self.device = plan, rank, ranks, device
+        self.cp = getattr(plan.model, "context_parallel", 1)  # processes per rank
+        self.cp_rank = cp_rank
         self.train = train  # training: a RemoteTraining (train/remote.py)
         self.worker = self.dp = self.publish = None
         self.next_window = None  # training: the window whose step is next
@@ -47,21 +58,34 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, env: dict) -> None:
-        """Join the ranks (training: the process group forms here) and build the worker."""
+    def pid(self) -> int:
+        """This actor's process (the driver tells a restarted actor by it)."""
+        return os.getpid()
+
+    def setup(self, env: dict) -> int:
+        """Join the ranks (the process group forms here) and build the worker; this pid."""
+        from treeflow.train import DataParallel
+
         os.environ.update(env)
         if self.plan.fused:
-            from treeflow.train import DataParallel
-
-            self.dp = (DataParallel.from_env(self.device) if self.ranks > 1
-                       else DataParallel(device=self.device))
-            # the training operator (ops/train.py) owns the step, its save cadence and hooks
-            op = self.train.build(self.plan, device=self.device, dp=self.dp, rank=self.rank)
+            # all R x C processes: C consecutive ones per rank run its bins together
+            self.dp = (DataParallel.from_env(self.device, context_parallel=self.cp)
+                       if self.ranks * self.cp > 1 else DataParallel(device=self.device))
+            if self.dp.replica != self.rank or (self.dp.cp is not None
+                                                and self.dp.cp.rank != self.cp_rank):
+                raise RuntimeError(f"rank actor {self.rank}.{self.cp_rank} joined the group as "
+                                   f"process {self.dp.rank} of {self.dp.world}")
+            # the training operator (ops/train.py) owns the step, its save cadence and hooks;
+            # process 0 alone publishes
+            op = self.train.build(self.plan, device=self.device, dp=self.dp, rank=self.dp.rank)
             self.worker = self.plan.worker(trainer=op)
             self.publish = next((h for h in op.on_step if hasattr(h, "last")), None)
         else:
+            if self.cp > 1:  # this rank's C actors: a process group of their own
+                self.dp = DataParallel.from_env(self.device)
             self.worker = self.plan.worker(device=self.device)
         self.compile_seconds = self.worker.warm_up()
+        return os.getpid()
 
     def run(self, window: int, block: pa.Table, position: dict | None,
             episodes: pa.Table | None = None) -> tuple[pa.Table, dict]:
@@ -72,6 +96,9 @@ class RankActor:
         from treeflow.schemas.layout import BIN_SCHEMA
 
         if self.worker is None and not self.plan.fused:  # restarted by Ray after a death
+            if self.cp > 1:  # the driver forms the group again before it calls
+                raise RuntimeError(f"rank actor {self.rank}.{self.cp_rank} was restarted but "
+                                   "its context-parallel group was not formed again")
             self.setup({})
         bins = untag(rows_of(block, window, self.rank)).cast(BIN_SCHEMA)
         meta = {"compile_seconds": self.compile_seconds}
