@@ -116,7 +116,7 @@ def dies_once(marker: str, process: int):
     """A rank actor whose context-parallel process `process` kills itself on its first window."""
 
     class DiesOnce(RankActor):
-        def run(self, window, block, position):
+        def run(self, window, block, position, episodes=None):
             if self.cp_rank == process:
                 try:
                     os.close(os.open(marker, os.O_CREAT | os.O_EXCL))  # once over all processes
@@ -124,7 +124,7 @@ def dies_once(marker: str, process: int):
                     pass
                 else:
                     os._exit(1)  # mid-call, its peer waiting in the first layer's exchange
-            return super().run(window, block, position)
+            return super().run(window, block, position, episodes)
 
     return DiesOnce
 
