@@ -4,7 +4,7 @@ Each rank replays the captured routes of its own range of a bin's nodes and weig
 router aux rows by that range (ops/cp_runner.py). The step's loss (token-mean NLL + coef x
 Switch aux) and every gradient, summed over the group, must equal the hand formula on
 transformers call by call with the replayed routes forced into its routers
-(tests/models/test_moe.py `_hf_aux_and_nll`). The routes are the model's own shifted by one
+(tests/models/moe_helpers.py `hf_aux_and_nll`). The routes are the model's own shifted by one
 expert, so a rank that dropped them (recomputing its routers' choice) would differ.
 """
 
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from tests.models.moe_helpers import episodes, hf_model, with_routes
+from tests.models.moe_helpers import episodes, hf_aux_and_nll, hf_model, with_routes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,15 +47,13 @@ def cp_step(path: str, rows: list) -> dict:
 
 
 def test_replayed_routes_and_router_aux_equal_transformers_under_context_parallel_2(tmp_path):
-    from test_moe import _hf_aux_and_nll
-
     from treeflow.train.launch import spawn
 
     hf = hf_model("qwen2_moe", output_router_logits=True, router_aux_loss_coef=0.5)
     hf.save_pretrained(tmp_path)
     routed = with_routes(hf, episodes(np.random.default_rng(3)), shift=1)
     hf.zero_grad()
-    want = _hf_aux_and_nll(hf, routed)
+    want = hf_aux_and_nll(hf, routed)
     want.backward()
     ranks = spawn(cp_step, 2, str(tmp_path), routed, timeout_s=240, threads=1)
     assert all(r["tally"] is not None and r["tally"][1] > 0 for r in ranks)  # both replayed
