@@ -198,11 +198,13 @@ def cmd_plan(args) -> int:
 
 def _cost_model(model: str | None):
     """(CostModel, what it is) the ranks are dealt by: the model's own, as training deals."""
-    from treeflow.stages import CostModel, Forward
+    from treeflow.stages import CostModel
+
+    if model is None:  # nothing of torch: plan without a model stays a light command
+        return CostModel.llama_1b(), "llama-1b (the default: give --model to deal by its cost)"
+    from treeflow.stages import Forward
     from treeflow.train.checkpoint import model_dir
 
-    if model is None:
-        return CostModel.llama_1b(), "llama-1b (the default: give --model to deal by its cost)"
     return CostModel.from_config(Forward(model=model_dir(model)).model_config()), model
 
 
