@@ -216,7 +216,8 @@ def test_a_terminated_consumer_exits_143_and_leaves_the_rest_queued(tmp_path):
 
     sock, out = str(tmp_path / "q.sock"), str(tmp_path / "steps")
     eps = small_episodes(16)
-    proc = _stream(sock, out)
+    # a 5 s lease: the resumed consumer gets the step the terminated one held once it lapses
+    proc = _stream(sock, out, "--lease-seconds", "5")
     server = None
     try:
         _wait_alive(sock, proc)
@@ -233,7 +234,7 @@ def test_a_terminated_consumer_exits_143_and_leaves_the_rest_queued(tmp_path):
         # before: the consumer shut its server down on the way out, and the rest was lost
         assert "keeps serving" in err.decode()
         q.close(producer="p")
-        again = _stream(sock, out, "--resume", out)
+        again = _stream(sock, out, "--resume", out, "--lease-seconds", "5")
         _, err = again.communicate(timeout=300)
         assert again.returncode == 0, err.decode()[-2000:]
     finally:
