@@ -182,3 +182,81 @@ def test_stream_trains_on_two_ranks_like_one(data, tmp_path, capsys):
         assert (w["ck2"][name] - w1).abs().max().item() <= 2 * 1e-3, name
     assert not torch.equal(load_file(os.path.join(summary["weights"], "v1", "model.safetensors"))
                            ["model.norm.weight"], w["ck2"]["model.norm.weight"])   # it trained
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _put(queue, episodes, start, stop):
+    for k in range(start, stop, 2):   # one GRPO group of 2 per put
+        queue.put(episodes.slice(k, 2), producer="rollout", seq=k // 2)
+
+
+@pytest.mark.multiprocess
+def test_stream_ranks_leasing_their_own_parts_train_as_rank_0_leasing_and_survive_a_kill(
+        tmp_path, capsys):
+    # --lease per-rank: each of 2 ranks leases 2 of a step's 4 episodes (one group) over its own
+    # connection; the windows are rank 0's whole steps, so the same losses and weights bit for
+    # bit. Then a SIGKILL after step 3 under --save-every 2 (checkpoint 2 written, step 3
+    # applied, its parts leased and not acknowledged) and --resume: nothing lost, nothing
+    # applied twice -- the same weights again
+    import signal
+    import time
+
+    import torch
+
+    eps = synth_episodes(episodes=16, group_size=2, turns=(1, 2), system_tokens=12,
+                         user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5), seed=9)
+    data = str(tmp_path / "e16.arrow")
+    write_episodes(eps, data)
+    opts = ["--mode", "train", "--num-ranks", "2", "--episodes-per-step", "4", "--loss", "nll",
+            "--lr", "1e-3", "--save-every", "2", "--json"]
+    runs = {}
+    for lease in ("lead", "per-rank"):
+        assert main(["stream", "--from", data, "--chunk", "2", *opts, "--lease", lease,
+                     "--save", str(tmp_path / lease),
+                     "--metrics", str(tmp_path / f"{lease}.jsonl")]) == 0
+        runs[lease] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert runs[lease]["steps"] == 4 and runs[lease]["episodes"] == 16
+        assert runs[lease]["queue"]["held_episodes"] == 0
+    assert runs["per-rank"]["queue"]["steps_acked"] == 8            # 8 parts of 2 episodes
+    rows = {k: [json.loads(line) for line in open(tmp_path / f"{k}.jsonl")] for k in runs}
+    assert [r["loss"] for r in rows["per-rank"]] == [r["loss"] for r in rows["lead"]]
+    want = _weights(tmp_path / "per-rank" / "step-000004")
+    lead = _weights(tmp_path / "lead" / "step-000004")
+    assert want.keys() == lead.keys() and all(torch.equal(want[k], lead[k]) for k in want)
+
+    sock, ck, pub = str(tmp_path / "q.sock"), str(tmp_path / "killed"), str(tmp_path / "pub")
+    queue = open_queue(sock, capacity=64, lease_seconds=6.0)
+    argv = [*opts, "--lease", "per-rank", "--steps", "4", "--save", ck, "--queue", sock]
+    try:
+        _put(queue, eps, 0, 12)                                        # steps 1-3 only
+        proc = subprocess.Popen([sys.executable, "-m", "treeflow.cli", "stream", *argv,
+                                 "--publish-weights", pub], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while not os.path.isdir(os.path.join(pub, "v3")):             # step 3 trained
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.2)
+        time.sleep(1.0)              # what a rank would do next (ack, save) has had its chance
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed = queue.stats()
+        assert killed["steps_acked"] == 4 and killed["leased_steps"] == 2   # step 3's parts
+        time.sleep(6.5)    # their leases lapse; so does a get the server still answers for a
+                           # killed rank, which would lease (and drop) the next parts too
+        _put(queue, eps, 12, 16)
+        queue.close(producer="rollout")
+        assert main(["stream", *argv, "--resume", ck, "--publish-weights", pub]) == 0
+        resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        s = queue.stats()
+    finally:
+        queue.shutdown()
+    assert resumed["steps"] == 4 and resumed["episodes"] == 16
+    assert s["steps_released"] == 8 and s["steps_acked"] == 8 and s["redeliveries"] == 2
+    assert s["leased_steps"] == 0 and s["queued_episodes"] == 0
+    got = _weights(os.path.join(ck, "step-000004"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -336,6 +336,15 @@ def _file_case(kind):
         if kind == "close-when":
             return ["stream", "--from", good, "-o", tmp / "o.arrow", "--close-when", "sometimes"], \
                 ["--close-when sometimes", "first"]
+        if kind.startswith("lease-"):  # issue 27: stream --lease per-rank
+            train = ["stream", "--from", good, "--mode", "train", "--num-ranks", "2", "--lease",
+                     "per-rank"]
+            return {"lease-ray": ([*train, "--episodes-per-step", "4", "--engine", "ray"],
+                                  ["--lease per-rank --engine ray", "--engine local"]),
+                    "lease-uneven": ([*train, "--episodes-per-step", "3"],
+                                     ["--episodes-per-step 3", "--num-ranks 2"]),
+                    "lease-logprobs": (["stream", "--from", good, "-o", tmp / "o.arrow", "--lease",
+                                        "per-rank"], ["--lease per-rank", "--mode train"])}[kind]
         if kind.startswith("queue-"):  # issue 27: the queue over TCP (tq/tcp.py)
             return _queue_case(kind, tmp, good)
         if kind == "max-attempts-0":
@@ -455,7 +464,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "json-too-deep", "json-huge-int",
          # issue 27: the queue over TCP
          "queue-tcp-no-port", "queue-tcp-no-secret", "queue-secret-mode", "queue-secret-not-hex",
-         "queue-secret-unix", "queue-tcp-wrong-secret",
+         "queue-secret-unix", "queue-tcp-wrong-secret", "lease-ray", "lease-uneven",
+         "lease-logprobs",
          # issue 25
          "compile-cache-open",
          # issue 22

@@ -72,6 +72,9 @@ def _check(args) -> None:
     if args.num_ranks != 1 and args.mode != "train" and args.engine != "ray":
         raise ValueError(f"--num-ranks {args.num_ranks}: in --mode logprobs, --engine local runs "
                          "one forward process; --engine ray --num-ranks N runs N forward actors")
+    if args.lease != "lead" and (args.mode != "train" or args.produce_only):
+        raise ValueError(f"--lease {args.lease}: only --mode train --num-ranks N leases per rank; "
+                         "leave --lease out")
     if not args.from_files and not args.queue:
         raise ValueError("nothing can put episodes into an in-process queue: give --from FILE... "
                          "or --queue ADDRESS for producers in other processes (treeflow rollout)")
@@ -216,6 +219,9 @@ def add_stream_parsers(sub, common) -> None:
     s.add_argument("--consumer", default="stream", help="consumer name (leases, stats)")
     s.add_argument("--max-staleness", type=int, default=None,
                    help="train: drop (and count) episodes sampled more than K steps ago")
+    s.add_argument("--lease", choices=("lead", "per-rank"), default="lead",
+                   help="train --num-ranks N: rank 0 leases every step and sends it (lead), or "
+                   "every rank leases its own B/N episodes of it over its own connection")
     s.add_argument("--publish-weights", default=None,
                    help="train: directory for the weights published after each step (refit)")
     s.add_argument("--return-results", action="store_true",

@@ -26,6 +26,13 @@ with --device cuda): rank 0 leases the queue steps and broadcasts each one
 rank 0 publishes the weights, writes the metrics and acknowledges; checkpoints
 are written by all ranks together, as in `replay --num-ranks N`. Without --queue
 the CLI serves the queue on a temporary socket so that rank 0 can reach it.
+`--lease per-rank` instead has every rank open its own connection and lease its own part
+of each step (--episodes-per-step / N episodes; the ranks all-gather the parts in queue-step
+order, RankWindows(own=True)), hand it over and acknowledge it itself (after the checkpoint
+that holds it under --save-every); the position saved is the union of the ranks' applied
+parts, and every rank resumes from it. Where whole groups fill the parts exactly (the group
+size divides B / N), the windows, so the losses and weights, are those of `--lease lead`;
+otherwise a part takes whole groups past B / N and the step is larger (fit warns).
 `--engine ray [--num-ranks N]` trains on N Ray rank actors (pipeline/ray.py): the
 driver leases the queue steps and plans every rank's share as the spawned ranks
 do, rank 0 writes the weights after each step, and all ranks write --save at the
@@ -59,6 +66,13 @@ def check_train(args) -> None:
         raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
                          "the whole weights after every step); train sharded with replay "
                          "--num-ranks N")
+    if args.lease == "per-rank" and args.engine == "ray":
+        raise ValueError("--lease per-rank --engine ray: the Ray engine's driver alone reads the "
+                         "queue; use --engine local --num-ranks N (or --lease lead)")
+    if args.lease == "per-rank" and args.episodes_per_step % args.num_ranks:
+        raise ValueError(f"--lease per-rank: --episodes-per-step {args.episodes_per_step} is not a "
+                         f"multiple of --num-ranks {args.num_ranks} (every rank leases an equal "
+                         "part); give a multiple, or --lease lead")
     if args.engine == "ray" and (args.resume or args.save_every):
         raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
                          "and does not resume yet; use --engine local for --resume/--save-every")
@@ -88,19 +102,25 @@ def stream_train(args, queue) -> dict:
     if args.publish_weights is None and not args.save:  # one directory for every rank
         args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
     try:
-        return spawn(_stream_rank, args.num_ranks, args)[0]
+        results = spawn(_stream_rank, args.num_ranks, args)
     except RuntimeError as e:
         raise ValueError(f"training over {args.num_ranks} ranks failed: {e}") from None
+    summary = results[0]
+    for counts in results[1:] if "note" not in summary else ():  # --lease per-rank: every rank's reader counted its own parts
+        for key, n in (counts or {}).items():
+            summary[key] += n
+    return summary
 
 
 def _stream_rank(args):
-    """One data-parallel rank (a spawned process): rank 0 reads the queue, every rank trains."""
+    """One data-parallel rank (a spawned process): rank 0 reads the queue (--lease per-rank:
+    every rank its own part), every rank trains."""
     from treeflow.train import DataParallel
 
     dp = DataParallel.from_env(args.device)
     try:
         queue = (open_cli_queue(args, configs.forward(args).vocab_size_hint(), attach=True)
-                 if dp.rank == 0 else None)
+                 if dp.rank == 0 or args.lease == "per-rank" else None)
         return _stream_train(args, queue, dp)
     finally:
         dp.close()
@@ -110,6 +130,54 @@ class _NoReader:
     """What a rank other than 0 shows of the reader it does not have (rank 0 reports)."""
 
     episodes = dropped_stale = redelivered = skipped = rejected = dead_lettered = 0
+
+
+def _counts(reader) -> dict:
+    """What a reader counted, as the summary names it (--lease per-rank: summed over ranks)."""
+    return {"dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
+            "skipped_redeliveries": reader.skipped, "rejected_steps": reader.rejected,
+            "dead_lettered_steps": reader.dead_lettered}
+
+
+class _OwnParts:
+    """--lease per-rank: the pipeline, with every rank handing its own part of each window to
+    its reader as the window's result comes out (fit's on_result runs on rank 0 alone) and,
+    without --save-every, acknowledging it when fit comes back for the next (its row is out)."""
+
+    def __init__(self, pipe, opened: dict, hold: bool):
+        self._pipe, self._opened, self._hold = pipe, opened, hold
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+    def run(self, windows, **options):
+        records = self._pipe.run(windows, **options)
+        try:
+            for rec in records:
+                reader, part = self._opened["reader"], windows.own_part(rec.position)
+                if part is not None:
+                    reader.handed(part)
+                yield rec
+                if not self._hold:
+                    reader.ack_finished()
+        finally:
+            close = getattr(records, "close", None)
+            if close is not None:
+                close()
+
+
+def _announcer(queue):
+    """queue.publish_weights, except for weights older than the queue's: a run killed after it
+    published past its last checkpoint and resumed from it re-announces from the next step on."""
+    def announce(version: int, path: str) -> None:
+        known = queue.weights()
+        if known is not None and version < known[0]:
+            say(f"note: the queue has weights v{known[0]} from a run stopped after its last "
+                f"checkpoint (v{version}); its producers keep v{known[0]} until this run "
+                f"publishes v{known[0]} again")
+            return
+        queue.publish_weights(version, path)
+    return announce
 
 
 def _stream_train(args, queue, dp) -> dict | None:
@@ -138,18 +206,21 @@ def _stream_train(args, queue, dp) -> dict | None:
     if lead:
         os.makedirs(root, exist_ok=True)
     hold = bool(args.save and args.save_every)
-    opened: dict = {}   # the reader rank 0 opens at the checkpoint's position
+    own = args.lease == "per-rank" and world > 1  # every rank leases its own part (check_train)
+    reads = lead or own   # this rank has a reader
+    opened: dict = {}   # the reader rank 0 (own: every rank) opens at the checkpoint's position
 
     def source(position, done):
         todo = None if args.steps is None else args.steps - done
         # several ranks: every step is acknowledged here, once its result is out (or saved)
-        reader = QueueSource(episodes_per_step=args.episodes_per_step,
+        reader = QueueSource(episodes_per_step=args.episodes_per_step // (world if own else 1),
                              consumer=args.consumer, max_steps=todo,
                              max_staleness=args.max_staleness, version=done,
                              ack="manual" if hold or world > 1 else "auto",
-                             idle_timeout=args.idle_timeout).open(queue, position) if lead else None
-        opened.update(reader=reader if lead else _NoReader(), dropped=0)
-        return RankWindows(reader, dp) if world > 1 else reader
+                             idle_timeout=args.idle_timeout).open(queue, position) if reads else None
+        opened.update(reader=reader if reads else _NoReader(), dropped=0)
+        opened["windows"] = RankWindows(reader, dp, own=own) if world > 1 else reader
+        return opened["windows"]
 
     def on_result(rec, row) -> dict:
         shown = opened["reader"]
@@ -162,14 +233,14 @@ def _stream_train(args, queue, dp) -> dict | None:
                      version_lag_mean=float(lag.mean()) if len(lag) else None,
                      version_lag_max=float(lag.max()) if len(lag) else None)
         opened["dropped"] = shown.dropped_stale
-        if world > 1:
+        if world > 1 and not own:   # own: every rank hands its part (_OwnParts)
             shown.handed(rec.position["queue_step"])
             if not hold:
                 shown.ack_finished()
         return extra
 
     def acknowledge(op, path) -> None:   # the steps a checkpoint holds are durable now
-        if lead:
+        if reads:
             opened["reader"].ack_finished()
 
     options = configs.fit_options(args)
@@ -180,34 +251,33 @@ def _stream_train(args, queue, dp) -> dict | None:
         options["engine_options"] = {"ranks": ranks, "plans": [p.plan for p in pipes]}
     t0 = time.perf_counter()
     try:
-        report = fit(pipe, source, steps=args.steps, cap_steps=False,
+        report = fit(_OwnParts(pipe, opened, hold) if own else pipe, source, steps=args.steps, cap_steps=False,
                      trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                                           reference=configs.reference(args, forward),
                                           **({"dp": dp} if dp is not None else {})),
                      run={"data": [], "options": {k: getattr(args, k) for k in STEP_OPTIONS}},
                      config=resolved_config(args), lead=lead, log=say,
-                     publish=PublishWeights(root, announce=queue.publish_weights if lead else None),
+                     publish=PublishWeights(root, announce=_announcer(queue) if lead else None),
                      on_result=on_result, on_saved=[acknowledge] if hold else [],
                      progress=None if args.json or args.quiet else "stream train",
                      engine="ray" if on_ray else "local", **options)
-        if lead and "reader" in opened:
+        if reads and "reader" in opened:
             opened["reader"].ack_finished()
     finally:
-        if lead and "reader" in opened:
+        if reads and "reader" in opened:
             opened["reader"].close()
     if report["nothing_to_do"]:
         return {"steps": report["steps"], "note": f"the checkpoint has >= --steps {args.steps}"}
     if not lead:
-        return None
+        return _counts(opened["reader"]) if own else None
     rows, reader = report["rows"], opened["reader"]
     if not (args.json or args.quiet) and rows:
         console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",
                                 list(logged(rows[-1]).items())))
     kls = [r["gen_kl"] for r in rows if r.get("gen_kl") is not None]
-    return {"steps": report["steps"], "episodes": reader.episodes,
-            "dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
-            "skipped_redeliveries": reader.skipped,
-            "rejected_steps": reader.rejected, "dead_lettered_steps": reader.dead_lettered,
+    # own: rank 0's reader took only its parts; the windows' union position counts every rank's
+    episodes = opened["windows"].get_state()["episodes"] if own else reader.episodes
+    return {"steps": report["steps"], "episodes": episodes, **_counts(reader),
             "gen_kl_mean": (sum(kls) / len(kls)) if kls else None,
             "ratio_mean_last": rows[-1]["ratio_mean"] if rows else None,
             "last": logged_with_flat(rows[-1]) if rows else None,

@@ -56,8 +56,10 @@ class RankWindows(Source):
             raise ValueError("RankWindows: give rank 0 the QueueReader and the other ranks None")
         self.reader, self.dp, self.own = reader, dp, own
         self._group = dist.new_group(backend="gloo") if dp.distributed else None  # every rank calls
-        self._position = None
+        # own: the windows' union starts from the reader's position (a resumed run's checkpoint)
+        self._position = reader.get_state() if own else None
         self.own_step = None  # own: the queue step this rank leased for the last window, or None
+        self._own_parts: dict[int, int | None] = {}  # own: window's queue_step -> own_step
 
     def next(self):
         if self.own:
@@ -111,7 +113,13 @@ class RankWindows(Source):
         self.reader.applied(steps)
         window = pa.concat_tables([t for _, t in parts])
         self._position = _union(self._position, steps, window.num_rows)
+        self._own_parts[self._position["queue_step"]] = self.own_step
         return window
+
+    def own_part(self, position: dict) -> int | None:
+        """own: the queue step this rank leased for the window whose position is `position`
+        (None: it got none), once; the engine may have read windows ahead since."""
+        return self._own_parts.pop(position["queue_step"], None)
 
     def _all(self, mine) -> list:
         if self._group is None:
