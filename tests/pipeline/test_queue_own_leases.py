@@ -78,6 +78,9 @@ def _same(a, b):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# the CLI's --lease per-rank test (tests/test_cli_stream.py) runs the same equality and a kill
+# and resume in the default run
+@pytest.mark.slow
 def test_ranks_leasing_their_own_parts_train_as_rank_0_leasing_every_step(tmp_path):
     q0 = _queue(tmp_path, "rank0")
     want = _run(q0, tmp_path, "rank0", own=False, steps=4)

@@ -50,6 +50,9 @@ def _ray_logprobs(q, **options):
     return list(logprob_pipe().run(QueueSource(episodes_per_step=B).open(q), engine="ray", **options))
 
 
+# the default run keeps the Ray engine on the embedded queue (the tests below) and TransferQueue
+# through the gate (tests/test_cli_gate.py) and the tq tests
+@pytest.mark.slow
 def test_ray_stream_equals_local_stream_and_replay_on_transferqueue(cluster, small, legacy_lp,
                                                                     legacy_train, tmp_path):
     q = _queue("transferqueue", "rq-lp")
