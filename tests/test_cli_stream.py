@@ -54,7 +54,7 @@ def test_stream_refuses_bad_options_with_one_line(data, tmp_path, capsys):
         (["stream", "--queue", str(tmp_path / "q.sock"), "-o", out], "give -o DIR"),
         (["stream", "--from", data, "-o", out, "--num-ranks", "2"], "--engine ray --num-ranks N"),
         (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--engine", "ray",
-          "--save", str(tmp_path / "ck"), "--save-every", "1"], "does not resume yet"),
+          "--num-ranks", "2", "--lease", "per-rank"], "its rank actors hold no queue connection"),
         (["stream", "--from", data, "--mode", "train"], "--episodes-per-step"),
         (["stream", "--from", data, "--mode", "train", "--episodes-per-step", "4", "--capacity", "3"],
          "--capacity >= 4"),

@@ -35,8 +35,13 @@ size divides B / N), the windows, so the losses and weights, are those of `--lea
 otherwise a part takes whole groups past B / N and the step is larger (fit warns).
 `--engine ray [--num-ranks N]` trains on N Ray rank actors (pipeline/ray.py): the
 driver leases the queue steps and plans every rank's share as the spawned ranks
-do, rank 0 writes the weights after each step, and all ranks write --save at the
-end.
+do, rank 0 writes the weights after each step, and all ranks write the
+checkpoints (--save-every, --keep, at the end) as the spawned ranks do; the
+driver resumes (--resume: the checkpoint's queue position, steps and run
+fingerprint, checked by fit) and acknowledges. It hears of a checkpoint with
+the next step's result, so it acknowledges the steps that checkpoint holds
+(its saved position) and never the step just handed. `--lease per-rank` stays
+with --engine local (the rank actors hold no queue connection).
 """
 
 from __future__ import annotations
@@ -68,14 +73,12 @@ def check_train(args) -> None:
                          "--num-ranks N")
     if args.lease == "per-rank" and args.engine == "ray":
         raise ValueError("--lease per-rank --engine ray: the Ray engine's driver alone reads the "
-                         "queue; use --engine local --num-ranks N (or --lease lead)")
+                         "queue (its rank actors hold no queue connection to lease their parts "
+                         "over); use --engine local --num-ranks N (or --lease lead)")
     if args.lease == "per-rank" and args.episodes_per_step % args.num_ranks:
         raise ValueError(f"--lease per-rank: --episodes-per-step {args.episodes_per_step} is not a "
                          f"multiple of --num-ranks {args.num_ranks} (every rank leases an equal "
                          "part); give a multiple, or --lease lead")
-    if args.engine == "ray" and (args.resume or args.save_every):
-        raise ValueError("--engine ray --mode train: the rank saves when the stream ends (--save) "
-                         "and does not resume yet; use --engine local for --resume/--save-every")
     check_train_options(args, inputs=expand_paths(args.from_files) if args.from_files else [],
                         outputs=(("--publish-weights", args.publish_weights, True),))
     B = args.episodes_per_step
@@ -185,6 +188,7 @@ def _stream_train(args, queue, dp) -> dict | None:
     from treeflow.pipeline import Pipeline, QueueSource, RankWindows
     from treeflow.train.fit import fit
     from treeflow.train.metric_names import logged, logged_with_flat
+    from treeflow.train.remote import saved_position
     from treeflow.train.run import STEP_OPTIONS
 
     forward = configs.forward(args, entropy=bool(args.entropy_coef))
@@ -240,14 +244,13 @@ def _stream_train(args, queue, dp) -> dict | None:
         return extra
 
     def acknowledge(op, path) -> None:   # the steps a checkpoint holds are durable now
-        if reads:
-            opened["reader"].ack_finished()
+        if reads:   # Ray: heard of with the next step's result, which stays unacknowledged
+            opened["reader"].ack_finished(None if op is not None else saved_position(path))
 
     options = configs.fit_options(args)
     # synchronous saves: the steps a checkpoint holds are acknowledged once it is written
     options["checkpointing"] = replace(options["checkpointing"], background=False)
     if on_ray:
-        options.pop("resume")
         options["engine_options"] = {"ranks": ranks, "plans": [p.plan for p in pipes]}
     t0 = time.perf_counter()
     try:

@@ -246,10 +246,20 @@ class QueueReader(Source):
         if self.source.ack == "auto":
             self._ack([step])
 
-    def ack_finished(self) -> list[int]:
-        """Acknowledge every step whose result was handed to the caller (now durable)."""
+    def ack_finished(self, position: dict | None = None) -> list[int]:
+        """Acknowledge every step whose result was handed to the caller (now durable).
+
+        position: only those a checkpoint saved at this position (a `get_state()`) holds;
+        the others stay handed (a remote engine's checkpoint is heard of one step late).
+        """
         with self._lock:
-            steps, self._finished = self._finished, []
+            if position is None:
+                steps, self._finished = self._finished, []
+            else:
+                through = int(position.get("queue_steps_through", -1))
+                extra = set(int(s) for s in position.get("queue_steps_extra", ()))
+                steps = [s for s in self._finished if s <= through or s in extra]
+                self._finished = [s for s in self._finished if not (s <= through or s in extra)]
         self._ack(steps)
         return steps
 

@@ -401,8 +401,9 @@ class _Drive:
                  "redelivered_parts": len(win["redelivered"])}
         if plan.fused:
             stats.update({k: out.column(k)[0].as_py() for k in ("bins", "executed_tokens")})
-            if "weights" in win["meta"]:
-                stats["weights"] = win["meta"]["weights"]
+            for key in ("weights", "saved"):  # rank 0 published / wrote a checkpoint
+                if key in win["meta"]:
+                    stats[key] = win["meta"][key]
         else:
             stats.update(bins=win["nbins"], executed_tokens=win["executed"])
         return WindowResult(step=w, episodes=episodes, output=out, stats=stats,

@@ -47,7 +47,7 @@ class RankActor:
         self.cp = getattr(plan.model, "context_parallel", 1)  # processes per rank
         self.cp_rank = cp_rank
         self.train = train  # training: a RemoteTraining (train/remote.py)
-        self.worker = self.dp = self.publish = None
+        self.worker = self.dp = self.publish = self.saved = None
         self.next_window = None  # training: the window whose step is next
 
     def address(self) -> tuple[str, int]:
@@ -80,6 +80,7 @@ class RankActor:
             op = self.train.build(self.plan, device=self.device, dp=self.dp, rank=self.dp.rank)
             self.worker = self.plan.worker(trainer=op)
             self.publish = next((h for h in op.on_step if hasattr(h, "last")), None)
+            self.saved = next((h for h in op.on_saved if hasattr(h, "take")), None)
         else:
             if self.cp > 1:  # this rank's C actors: a process group of their own
                 self.dp = DataParallel.from_env(self.device)
@@ -121,6 +122,9 @@ class RankActor:
         out = acc.finish()
         if self.publish is not None:
             meta["weights"] = self.publish.last
+        saved = self.saved.take() if self.saved is not None else None
+        if saved is not None:  # the checkpoint of the step before, written at this one's open
+            meta["saved"] = saved
         return out, meta
 
     def close(self) -> None:

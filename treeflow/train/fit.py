@@ -19,7 +19,8 @@ touch a Trainer. With `engine="ray"` the operators live in the rank actors:
 fit reads the checkpoint to resume on the driver (its counters, position and
 fingerprint, checked here), opens the source at its position and sends the
 engine a `RemoteTraining` (train/remote.py) from which every rank builds its
-operator; it announces the weights rank 0 wrote.
+operator; it announces the weights rank 0 wrote and runs `on_saved` for each
+checkpoint the ranks report.
 
 The trade-off: one loop with a few callbacks instead of three loops that
 each read clearly on their own; the CLI commands only build their stages and
@@ -140,7 +141,10 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     comes from the plan. run: the run fingerprint (train/run.py), saved and checked on
     resume. config: the resolved configuration saved in every checkpoint.
     on_result(rec, row) -> extra fields of the step's metrics row (the lead's results only;
-    called before `seconds` is added). on_saved: hooks after each checkpoint.
+    called before `seconds` is added). on_saved: hooks `hook(op, path)` after each checkpoint
+    (engine "ray": `hook(None, path)` once the driver hears of it, with the next step's result,
+    which may already be handed to the caller: `train.remote.saved_position(path)` says what
+    the checkpoint holds).
     cap_steps: stop after `steps` windows (False: the source stops itself, as a queue reader
     after max_steps). progress: the progress bar's title (None: none).
     Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
@@ -211,6 +215,9 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
             if trainer is not None:  # the bar moves by bins (the Ray engine: by steps)
                 trainer.on_bin = advance.bins
             for rec in pipeline.run(src, **run_options):
+                if remote and "saved" in rec.stats:  # the ranks wrote the step before's checkpoint
+                    for hook in on_saved:
+                        hook(None, rec.stats["saved"])
                 report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
                 if "recompiles" in rec.stats:
                     report["recompiles"] = (report["recompiles"] or 0) + rec.stats["recompiles"]

@@ -21,23 +21,34 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["RemoteTraining", "resumed_state"]
+__all__ = ["LastSaved", "RemoteTraining", "resumed_state", "saved_position"]
 
 
 def resumed_state(path: str, *, trust_checkpoint: bool = False, log=None) -> dict:
     """{"checkpoint", "steps", "position", "run"} of the newest verified checkpoint under `path`."""
-    from treeflow.train.checkpoint import TRAINER_JSON, find_checkpoint
+    from treeflow.train.checkpoint import find_checkpoint
 
     step_dir = find_checkpoint(path, trust_checkpoint=trust_checkpoint,
                                **({"log": log} if log is not None else {}))
+    state = _trainer_state(step_dir)
+    return {"checkpoint": step_dir, "steps": int(state.get("steps", 0)),
+            "position": state.get("position") or None, "run": state.get("run")}
+
+
+def saved_position(step_dir: str) -> dict:
+    """The input position a step directory a rank just wrote holds (its trainer.json's)."""
+    return _trainer_state(step_dir).get("position") or {}
+
+
+def _trainer_state(step_dir: str) -> dict:
+    from treeflow.train.checkpoint import TRAINER_JSON
+
     try:
         with open(os.path.join(step_dir, TRAINER_JSON)) as f:
-            state = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{step_dir}: no readable {TRAINER_JSON} ({e}); an engine whose ranks "
                          "run elsewhere resumes treeflow checkpoints only") from None
-    return {"checkpoint": step_dir, "steps": int(state.get("steps", 0)),
-            "position": state.get("position") or None, "run": state.get("run")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +84,23 @@ class RemoteTraining:
         hooks = [PublishWeights(self.publish)] if self.publish and rank == 0 else []
         # several ranks write one checkpoint together: synchronously (it says so otherwise)
         checkpointing = self.checkpointing or Checkpointing()
-        return TrainOp(trainer, checkpointing=checkpointing, on_step=hooks)
+        return TrainOp(trainer, checkpointing=checkpointing, on_step=hooks,
+                       on_saved=[LastSaved()] if rank == 0 else [])
+
+
+class LastSaved:
+    """An on_saved hook: the step directory written since the last `take()` (the rank actor
+    hands it to the driver, whose fit() runs the run's on_saved hooks, e.g. acknowledging)."""
+
+    def __init__(self):
+        self.path: str | None = None
+
+    def __call__(self, op, path: str) -> None:
+        self.path = path
+
+    def take(self) -> str | None:
+        path, self.path = self.path, None
+        return path
 
 
 def _quiet(message: str) -> None:
