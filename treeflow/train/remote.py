@@ -10,7 +10,10 @@ read from its trainer.json without loading a model), checks the run
 fingerprint, opens the source at the saved position and writes the metrics;
 the engine ships this spec to every rank, which builds its Trainer (resumed
 from that same step directory) and the training operator (ops/train.py)
-with the run's save cadence and, on rank 0, the weight-publishing hook. So
+with the run's save cadence and, on rank 0, the weight-publishing hook and
+`LastSaved` (the checkpoint it wrote goes back to the driver with the next
+step's result; fit runs the run's on_saved hooks on it, and
+`saved_position` says which input it holds). So
 the engine runs an operator and never touches a Trainer, and a remote run
 saves, prunes, resumes and checks exactly as a local one.
 """
