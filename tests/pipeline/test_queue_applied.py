@@ -34,3 +34,23 @@ def test_a_part_of_another_rank_redelivered_is_held_and_acknowledged_once_durabl
     assert sorted(b.ack_finished()) == [0, 1, 2]  # step 0 acknowledged with B's own, not before
     assert q.stats()["steps_acked"] == 3
     b.close()
+
+
+def test_ack_finished_at_a_position_acknowledges_only_the_steps_it_holds():
+    # the Ray engine's driver hears of checkpoint w with step w+1's result, which the reader
+    # was already told is handed: acknowledging at checkpoint w's position leaves w+1 leased
+    q = local_queue(capacity=64, lease_seconds=30.0)
+    eps = synth_episodes(episodes=6, group_size=2, turns=(1, 2), seed=3)
+    for k in range(0, 6, 2):
+        q.put(eps.slice(k, 2), producer="rollout")
+    q.close()
+    reader = QueueSource(episodes_per_step=2, ack="manual").open(q)
+    reader.next()
+    reader.handed(0)
+    saved = reader.get_state()             # the position checkpoint 1 holds
+    reader.next()
+    reader.handed(1)
+    assert reader.ack_finished(saved) == [0]
+    assert q.stats()["steps_acked"] == 1 and q.stats()["leased_steps"] == 1
+    assert reader.ack_finished() == [1] and q.stats()["steps_acked"] == 2
+    reader.close()
