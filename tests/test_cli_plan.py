@@ -1,6 +1,6 @@
 """`treeflow plan --num-ranks N` shows the bins `stream --mode train --num-ranks N` trains on.
 
-Both build their map stages with `treeflow.cli.configs.plan_stages` (replay --mode train too:
+Both build their map stages with `treeflow.pipeline.rank_plan.rank_stages` (replay --mode train too:
 tests/test_cli_multinode.py holds replay to the plan the same way). The step is one GRPO
 group (one tree) for two ranks, so the ranks share out the tree's bins (stages/_share.py):
 a plan that dealt whole trees instead would give one rank every bin and fail here.

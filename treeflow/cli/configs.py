@@ -110,27 +110,13 @@ def reference(args, forward):
 
 
 def plan_stages(args, world: int, rank: int, exchange=None, *, cost=None) -> tuple:
-    """The map stages that plan a training step on data-parallel replica `rank` of `world`.
+    """The map stages of data-parallel replica `rank` of `world` from the layout flags
+    (pipeline/rank_plan.py); a context-parallel group's bins hold C x --max-tokens."""
+    from treeflow.pipeline.rank_plan import rank_stages
 
-    One replica lays out and bins only its share of the step, dealt on the trees' exact costs
-    through `exchange` (the replicas' sum of per-tree costs; stages/_exchange.py; None: the
-    sum computed in this process, for ranks planned in one process); Shard keeps the replicas. `treeflow plan --num-ranks R` runs these for
-    every replica, and `replay`/`stream --mode train --num-ranks R` on each rank. A
-    context-parallel group (--context-parallel C) is one replica whose bins hold
-    C x --max-tokens tokens. cost: the CostModel the ranks are dealt by (None: the model's,
-    which the training plan binds from Forward; pipeline/plan.py).
-    """
-    from treeflow.stages import IN_PROCESS_EXCHANGE, Fragment, Pack, Shard
-
-    budget = args.max_tokens * getattr(args, "context_parallel", 1)
-    if world == 1:
-        return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
-                Fragment(max_tokens=budget))
-    return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules, ranks=world,
-                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange,
-                 cost=cost),
-            Fragment(max_tokens=budget, ranks=world, rank=rank, cost=cost),
-            Shard(num_ranks=world, cost=cost))
+    return rank_stages(layout=args.layout, scope=args.scope, share_rules=args.share_rules,
+                       max_tokens=args.max_tokens * getattr(args, "context_parallel", 1),
+                       num_ranks=world, rank=rank, exchange=exchange, cost=cost)
 
 
 def fit_options(args) -> dict:
