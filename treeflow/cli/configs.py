@@ -38,53 +38,25 @@ def tuning_text(args, model) -> str:
     The choice is said once on stderr (on a GPU) and kept as `args.tuning_chosen` for the
     JSON summary; `--tuning plain` (or any explicit setting) is taken as given.
     """
-    from treeflow.models.tuning import AUTO, auto_preset
+    from treeflow.models.tuning import resolve_auto
 
-    text = getattr(args, "tuning", "") or ""
-    head, sep, rest = text.partition(",")
-    if head.strip() != AUTO:
-        args.tuning_chosen = text or "plain"
-        return text
     device = str(getattr(args, "device", "cpu"))
-    capability = None
-    if device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            capability = torch.cuda.get_device_capability(device)
-    name, why = auto_preset(
-        device_type=device.split(":")[0], capability=capability,
-        backend=getattr(args, "backend", None) or "reference", hybrid=_is_hybrid(model),
+    chosen, why = resolve_auto(
+        getattr(args, "tuning", "") or "", device=device, model=model,
+        backend=getattr(args, "backend", None) or "reference",
         sharded=bool(getattr(args, "shard_params", False)),
         parallel=(getattr(args, "tensor_parallel", None) or 1) > 1
         or (getattr(args, "context_parallel", None) or 1) > 1)
-    chosen = name + sep + rest
+    if why is None:
+        args.tuning_chosen = chosen
+        return getattr(args, "tuning", "") or ""
     if getattr(args, "tuning_chosen", None) != chosen and device.startswith("cuda"):
         import sys
 
-        print(f"treeflow: --tuning auto: {name} ({why}); --tuning plain for the reference path",
-              file=sys.stderr, flush=True)
+        print(f"treeflow: --tuning auto: {chosen.partition(',')[0]} ({why}); --tuning plain for "
+              "the reference path", file=sys.stderr, flush=True)
     args.tuning_chosen = chosen
     return chosen
-
-
-def _is_hybrid(model) -> bool:
-    """Whether the model directory's config.json names a Mamba-2 hybrid (False for `tiny`)."""
-    import json
-    import os
-
-    try:
-        with open(os.path.join(os.fspath(model), "config.json")) as f:
-            d = json.load(f)
-    except (OSError, TypeError, ValueError):
-        return False  # the embedded default, or a directory Forward reports on itself
-    if not isinstance(d, dict):
-        return False
-    from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
-
-    archs = [a for a in d.get("architectures") or [] if isinstance(a, str)]
-    return (any(a in HYBRID_ARCHITECTURES for a in archs)
-            or d.get("model_type") in HYBRID_ARCHITECTURES.values())
 
 
 def reduce(args):
