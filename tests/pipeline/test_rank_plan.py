@@ -45,3 +45,4 @@ def test_rank_stages_shape():
         ["Pack", "Fragment"]
     pack, fragment, shard = rank_stages(**PACK, num_ranks=3, rank=2)
     assert (pack.ranks, pack.rank, fragment.rank, shard.num_ranks) == (3, 2, 2, 3)
+
