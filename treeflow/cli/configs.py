@@ -10,8 +10,8 @@ sinks) are built here too, from the flags every training command shares.
 
 from __future__ import annotations
 
-__all__ = ["fit_options", "forward", "plan_stages", "reduce", "reference", "rollout_config",
-           "tuning_text"]
+__all__ = ["files", "fit_options", "forward", "plan_stages", "reduce", "reference",
+           "rollout_config", "train_pipeline", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
 _FORWARD_FLAGS = ("backend", "chunk_size", "tensor_parallel", "context_parallel", "routing",
@@ -89,6 +89,26 @@ def plan_stages(args, world: int, rank: int, exchange=None, *, cost=None) -> tup
     return rank_stages(layout=args.layout, scope=args.scope, share_rules=args.share_rules,
                        max_tokens=args.max_tokens * getattr(args, "context_parallel", 1),
                        num_ranks=world, rank=rank, exchange=exchange, cost=cost)
+
+
+def train_pipeline(args, world: int, rank: int, exchange=None):
+    """The training pipeline of data-parallel replica `rank` of `world`: --advantage's stage,
+    the replica's map stages (plan_stages), Forward and Reduce."""
+    from treeflow.cli.rl import advantage_stages
+    from treeflow.pipeline import Pipeline
+
+    return Pipeline(*advantage_stages(args), *plan_stages(args, world, rank, exchange),
+                    forward(args, entropy=bool(args.entropy_coef)), reduce(args))
+
+
+def files(args, forward, **options):
+    """The Files source of the episode files, checked against the Forward's vocabulary and
+    route width (Files' other options, e.g. cycle, as given)."""
+    from treeflow.pipeline import Files
+
+    return Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
+                 vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint(),
+                 **options)
 
 
 def fit_options(args) -> dict:

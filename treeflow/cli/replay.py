@@ -51,7 +51,7 @@ def _replay(args) -> int:
     import torch
 
     from treeflow._output import table_output
-    from treeflow.pipeline import Files, Pipeline
+    from treeflow.pipeline import Pipeline
     from treeflow.pipeline.stats import add_sums, route_agreement, steady_state
     from treeflow.stages import CostModel, Fragment, Pack, Reassemble, Shard
 
@@ -87,8 +87,7 @@ def _replay(args) -> int:
                         Shard(num_ranks=args.num_ranks, cost=CostModel.from_config(
                             forward.model_config(), training=False)), forward,
                         Reassemble(entropy=args.entropy))
-        source = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
-                       vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
+        source = configs.files(args, forward)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         total_rows = count_rows(args.files)
