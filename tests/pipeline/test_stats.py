@@ -14,3 +14,17 @@ def test_a_logprobs_runs_summary_shares_and_steady_state():
     assert steady_state(sums, 10.0, 0.5) == 6.5
     assert (sums["startup_seconds"], sums["exact_tokens_per_s"], sums["saving"]) == (1.5, 46, 3.0)
     assert "load_seconds" not in sums
+
+
+def test_episode_distributions_by_hand():
+    import polars as pl
+
+    from treeflow.pipeline.stats import episode_distributions
+
+    frame = pl.DataFrame({"calls": [1, 2, 3, 4, 5], "exact_tokens": [10, 20, 30, 40, 50],
+                          "tree_episode_tokens": [10, 10, 10, 10, 10]})
+    dist = episode_distributions(frame)
+    assert list(dist) == ["calls", "exact_tokens", "tree_episode_tokens", "saving_tree_episode"]
+    assert dist["calls"] == {"mean": 3.0, "min": 1.0, "p50": 3.0, "p90": 5.0, "max": 5.0}
+    assert dist["saving_tree_episode"]["max"] == 5.0 and dist["saving_tree_episode"]["mean"] == 3.0
+    assert episode_distributions(pl.DataFrame()) == {}

@@ -57,7 +57,8 @@ def cmd_inspect(args) -> int:
     import polars as pl
 
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
+    from treeflow.pipeline.stats import (bin_stats, call_stats, episode_distributions,
+                                         merge_totals, window_stats)
 
     positive(args, "max_tokens", "episodes_per_step")
     frames, parts, call_frames, bin_frames = [], [], [], []
@@ -85,15 +86,7 @@ def cmd_inspect(args) -> int:
         plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
                                     totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
                                     max_tokens=args.max_tokens, ranks=args.num_ranks)
-    if frame.height:
-        frame = frame.with_columns(saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
-    dist_cols = [c for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens",
-                             "tree_episode_tokens", "saving_tree_episode") if c in frame.columns]
-    dist = {}
-    for c in dist_cols:
-        s = frame[c]
-        dist[c] = {"mean": float(s.mean()), "min": float(s.min()), "p50": float(s.quantile(0.5)),
-                   "p90": float(s.quantile(0.9)), "max": float(s.max())}
+    dist = episode_distributions(frame)
     if args.json:
         print(json.dumps({"totals": totals, "per_episode": dist, "plots": plots}))
         return 0

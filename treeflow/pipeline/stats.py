@@ -151,6 +151,23 @@ def merge_totals(parts: list[dict]) -> dict:
     return out
 
 
+def episode_distributions(frame: pl.DataFrame) -> dict:
+    """Mean, min, p50, p90 and max per episode of the calls, the tokens of each layout and the
+    episode-scope tree's saving (exact / tree tokens), from window_stats' frames concatenated."""
+    if frame.height:
+        frame = frame.with_columns(
+            saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
+    dist = {}
+    for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens", "tree_episode_tokens",
+              "saving_tree_episode"):
+        if c in frame.columns:
+            s = frame[c]
+            dist[c] = {"mean": float(s.mean()), "min": float(s.min()),
+                       "p50": float(s.quantile(0.5)), "p90": float(s.quantile(0.9)),
+                       "max": float(s.max())}
+    return dist
+
+
 def call_stats(episodes: pa.Table) -> pl.DataFrame:
     """One row per call: episode row, call turn, call length and sampled tokens."""
     calls = episodes.column("calls").combine_chunks()
