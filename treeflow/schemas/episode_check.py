@@ -83,13 +83,8 @@ def validate_episodes(
             col = pa.chunked_array([pa.nulls(n, field.type)])
         if field.name == "calls":
             col = _cast_calls(table, col, source, row_offset)
-        elif not col.type.equals(field.type):
-            refuse_lossy_cast(col.type, field.type, f"column {field.name!r}", source)
-            try:
-                col = col.cast(field.type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise ValueError(f"{source}: column {field.name!r} has type {col.type}, expected "
-                                 f"{field.type}; convert it before writing ({e})") from e
+        else:
+            col = _cast(col, field.type, f"column {field.name!r}", source)
         if not field.nullable and col.null_count:
             row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
             raise ValueError(f"{_name(table, row, source, row_offset)}: field {field.name!r} is null; "
@@ -133,13 +128,7 @@ def _cast_calls(table, col, source, row_offset):
     for f in CALL_TYPE:
         if f.name in inner:
             child = flat.field(f.name)
-            if not child.type.equals(f.type):
-                refuse_lossy_cast(child.type, f.type, f"calls[].{f.name}", source)
-                try:
-                    child = child.cast(f.type)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                    raise ValueError(f"{source}: calls[].{f.name} has type {child.type}, expected "
-                                     f"{f.type}; convert it before writing ({e})") from e
+            child = _cast(child, f.type, f"calls[].{f.name}", source)
         else:
             child = pa.nulls(len(flat), f.type)
         children.append(child)
@@ -150,6 +139,18 @@ def _cast_calls(table, col, source, row_offset):
         lens = _list_lengths(col)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     return pa.chunked_array([pa.ListArray.from_arrays(offsets, structs, mask=col.is_null())])
+
+
+def _cast(arr, to: pa.DataType, what: str, source: str):
+    """`arr` as type `to`, refused (naming `what`) where the cast would lose values or fails."""
+    if arr.type.equals(to):
+        return arr
+    refuse_lossy_cast(arr.type, to, what, source)
+    try:
+        return arr.cast(to)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise ValueError(f"{source}: {what} has type {arr.type}, expected {to}; convert it before "
+                         f"writing ({e})") from e
 
 
 def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int | None) -> None:
