@@ -11,8 +11,8 @@ and the peak traced by tracemalloc):
   `Fragment(ranks=R)` (deal the layouts, pack every share), `Shard(num_ranks=R)` over all bins;
   every rank does all of it and keeps its own bins, so one rank's time is the whole plan's.
 - `sharded`: `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`, `Shard(num_ranks=R)`
-  (treeflow.cli.configs.plan_stages): rank r reads offsets of the whole step and the tokens of its
-  own trees only, packs its provisional share, and deals on the exact tree costs the planning
+  (treeflow.pipeline.rank_plan.rank_stages): rank r reads offsets of the whole step and the
+  tokens of its own trees only, packs its provisional share, and deals on the exact tree costs the planning
   exchange returns (stages/_exchange.py); the exchange's result (every tree's exact cost, the
   same for any rank count) is computed once per data set in its own subprocess and read from a
   file, standing in for the all-reduce, which is not timed. Timed on --sample-ranks ranks
@@ -131,15 +131,13 @@ def deal_rows(path: str, scope, rank_counts: list) -> list:
 
 def worker(args) -> dict:
     """One subprocess: plan one step for --ranks ranks with one planner, measure."""
-    from argparse import Namespace
-
-    from treeflow.cli.configs import plan_stages
+    from treeflow.pipeline.rank_plan import rank_stages
     from treeflow.stages import Fragment, Pack, Shard
 
     ranks = args.ranks_one
-    plan_args = Namespace(layout="tree", scope=args.scope, share_rules="default",
-                          max_tokens=args.max_tokens)
-    plan_stages(plan_args, ranks, 0)  # its imports are not planning memory
+    plan_args = dict(layout="tree", scope=args.scope, share_rules="default",
+                     max_tokens=args.max_tokens)
+    rank_stages(**plan_args, num_ranks=ranks, rank=0)  # its imports are not planning memory
     table = _read(args.data)
     costs = np.load(_costs_path(args.data, args.scope)) if args.planner == "sharded" else None
     base_rss = _rss_mib()
@@ -151,7 +149,7 @@ def worker(args) -> dict:
 
     def sharded(rank):
         bins = table
-        stages = plan_stages(plan_args, ranks, rank, lambda mine: costs)
+        stages = rank_stages(**plan_args, num_ranks=ranks, rank=rank, exchange=lambda mine: costs)
         if args.planner == "estimate":
             stages = (dataclasses.replace(stages[0], balance="estimate"), *stages[1:])
         for stage in stages:

@@ -1,8 +1,8 @@
 """One training rank's read and planning of a step through the real path: whole windows vs its own rows.
 
 Both rows run what a rank of `replay --mode train --num-ranks R` runs per step -- the reader
-`Files(...).open(position, mapped=...)` (cli/train.py), then `configs.plan_stages` (Pack and
-Fragment of rank r's share, Shard) -- and time them together, one step, one core:
+`Files(...).open(position, mapped=...)` (cli/train.py), then `rank_stages` (pipeline/rank_plan.py:
+Pack and Fragment of rank r's share, Shard) -- and time them together, one step, one core:
 
 - `files`: `open(mapped=False)`, every rank reads, validates and copies the whole window (the
   path before rank_rows was wired in; still the path for Parquet input);
@@ -41,17 +41,15 @@ def _rss_mib() -> float:
 
 
 def worker(args) -> dict:
-    from argparse import Namespace
-
     import numpy as np
 
-    from treeflow.cli.configs import plan_stages
     from treeflow.pipeline import Files
+    from treeflow.pipeline.rank_plan import rank_stages
 
-    plan_args = Namespace(layout="tree", scope=None, share_rules="default",
-                          max_tokens=args.max_tokens)
+    plan_args = dict(layout="tree", scope=None, share_rules="default", max_tokens=args.max_tokens)
     costs = np.load(f"{args.data}.default.costs.npy")
-    stages = plan_stages(plan_args, args.ranks_one, args.rank, lambda mine: costs)
+    stages = rank_stages(**plan_args, num_ranks=args.ranks_one, rank=args.rank,
+                         exchange=lambda mine: costs)
     source = Files(paths=(args.data,), episodes_per_step=10**9)
     base = _rss_mib()
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """`treeflow plan --num-ranks N` shows the bins `stream --mode train --num-ranks N` trains on.
 
-Both build their map stages with `treeflow.cli.configs.plan_stages` (replay --mode train too:
+Both build their map stages with `treeflow.pipeline.rank_plan.rank_stages` (replay --mode train too:
 tests/test_cli_multinode.py holds replay to the plan the same way). The step is one GRPO
 group (one tree) for two ranks, so the ranks share out the tree's bins (stages/_share.py):
 a plan that dealt whole trees instead would give one rank every bin and fail here.
@@ -13,24 +13,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from tests.bin_helpers import bin_data, key, recording_bins
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
 from treeflow.train.launch import spawn
 
 STEP = ["--episodes-per-step", "4", "--max-tokens", "256"]
 TRAIN = ["--mode", "train", *STEP, "--lr", "1e-2", "--loss", "nll", "--norm", "seq-mean",
          "--grad-sum", "float64", "--quiet"]
-COLUMNS = ["bin_id", "rank", "tokens", "parents", "positions", "edge_ids", "edge_sources",
-           "occ_sample_index", "occ_call", "occ_offset", "occ_edge", "repeated_tokens"]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("d") / "e.arrow"
-    write_episodes(synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20,
-                                  user_tokens=(3, 6), completion_tokens=(3, 6), tool_tokens=(3, 6),
-                                  seed=11), path)
-    return str(path)
+    return bin_data(tmp_path_factory.mktemp("d") / "e.arrow")
 
 
 def _stream_rank_bins(sock):
@@ -38,30 +32,12 @@ def _stream_rank_bins(sock):
     from treeflow.cli import build_parser
     from treeflow.cli.names import resolve
     from treeflow.cli.stream_train import _stream_rank
-    from treeflow.train import trainer
 
-    ran, original = [], trainer.Trainer.train_step
-
-    def recording(self, episodes, bins, **kw):
-        table = bins.table if hasattr(bins, "table") else self.dp.local_bins(bins)
-        ran.append(table.select(COLUMNS).append_column("step", pa.array(
-            [self.steps] * table.num_rows, pa.int64())))  # the step it trains (0-based)
-        return original(self, episodes, bins, **kw)
-
-    trainer.Trainer.train_step = recording
+    ran = recording_bins()
     args = build_parser().parse_args(["stream", "--queue", sock, *TRAIN, "--num-ranks", "2"])
     resolve(args)
     _stream_rank(args)
-    sink = pa.BufferOutputStream()
-    table = pa.concat_tables(ran)
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def _key(table):
-    return table.select(["step", *COLUMNS]).sort_by([("step", "ascending"),
-                                                     ("bin_id", "ascending")])
+    return ran()
 
 
 @pytest.mark.multiprocess
@@ -86,4 +62,4 @@ def test_plan_gives_the_bins_stream_training_runs(data, tmp_path, capsys):
     ran = pa.concat_tables([pa.ipc.open_stream(r).read_all() for r in runs])
     assert planned.num_rows == ran.num_rows > 2
     assert set(pc.unique(ran.column("rank")).to_pylist()) == {0, 1}  # the tree was shared out
-    assert _key(planned).equals(_key(ran).cast(_key(planned).schema))
+    assert key(planned).equals(key(ran).cast(key(planned).schema))

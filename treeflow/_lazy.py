@@ -14,8 +14,11 @@ import importlib
 from collections.abc import Callable, Mapping
 
 
-def lazy_exports(package: str, where: Mapping[str, str]) -> tuple[Callable, Callable]:
-    """`(__getattr__, __dir__)` for `package`, whose public names live in the given submodules."""
+def lazy_exports(package: str, exports: Mapping[str, tuple[str, ...]]
+                 ) -> tuple[Callable, Callable, list[str]]:
+    """`(__getattr__, __dir__, __all__)` for `package`; `exports` maps each submodule to the
+    public names it holds."""
+    where = {name: module for module, names in exports.items() for name in names}
 
     def __getattr__(name: str):
         module = where.get(name)
@@ -29,4 +32,4 @@ def lazy_exports(package: str, where: Mapping[str, str]) -> tuple[Callable, Call
     def __dir__() -> list[str]:
         return sorted(set(where) | set(importlib.import_module(package).__dict__))
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(where)

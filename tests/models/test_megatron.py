@@ -179,7 +179,7 @@ def test_refusals():
 
     from treeflow.models import ModelConfig
     from treeflow.models.megatron import MegatronBackend, build_gpt_model
-    from treeflow.models.megatron.backend import init_parallel
+    from treeflow.models.megatron.parallel import init_parallel
 
     init_parallel(1, torch.device("cpu"))
     c = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

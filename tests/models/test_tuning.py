@@ -71,6 +71,28 @@ def test_presets_are_the_measured_levers_and_settings_after_them_override():
         Forward(backend="megatron", tuning=Tuning(fused_loss=True))
 
 
+def test_auto_is_resolved_for_the_device_and_the_model_directory(tmp_path):
+    """resolve_auto: plain on CPU (saying why), explicit text as given; a Mamba-2 hybrid's
+    directory (by architecture or model_type) is one, a Llama's, a missing config and `tiny` not."""
+    import json
+
+    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.tuning import resolve_auto
+
+    assert resolve_auto("auto,recompute=mlp", device="cpu", model="tiny") == (
+        "plain,recompute=mlp", "on cpu the levers do not pay")
+    assert resolve_auto("fast", device="cuda", model="tiny") == ("fast", None)
+    assert resolve_auto("", device="cpu", model="tiny") == ("plain", None)
+    for name, config, hybrid in (("nh", {"architectures": ["NemotronHForCausalLM"]}, True),
+                                 ("bamba", {"model_type": "bamba"}, True),
+                                 ("llama", {"architectures": ["LlamaForCausalLM"]}, False),
+                                 ("list", [1, 2], False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert is_hybrid_dir(tmp_path / name) is hybrid, name
+    assert not is_hybrid_dir(tmp_path / "none") and not is_hybrid_dir("tiny")
+
+
 def test_forward_binds_its_tuning_to_the_reference_backend():
     tuning = Tuning(fused_loss=True, loss_vocab_chunk=10)
     runner = build_forward(Forward(tuning=tuning), model=load_model(SMALL))

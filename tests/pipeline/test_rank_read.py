@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from treeflow.pipeline import Files, synth_episodes
+from tests.pipeline.rank_helpers import bad_vocab_file, two_files
+from treeflow.pipeline import Files
 from treeflow.pipeline.stats import episode_sums
 from treeflow.schemas import EPISODE_SCHEMA
 from treeflow.schemas.window import is_unvalidated
@@ -24,16 +25,7 @@ from treeflow.stages.shard import CostModel
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """Two IPC files of record batches of 5 rows (windows of 12 cross both kinds of boundary)."""
-    d = tmp_path_factory.mktemp("rr")
-    eps = synth_episodes(episodes=40, group_size=4, turns=(1, 3), system_tokens=10,
-                         user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5), seed=3)
-    out = []
-    for k, part in enumerate((eps.slice(0, 22), eps.slice(22))):
-        out.append(str(d / f"e{k}.arrow"))
-        with pa.ipc.new_file(out[-1], EPISODE_SCHEMA) as w:
-            for b in part.to_batches(max_chunksize=5):
-                w.write_batch(b)
-    return tuple(out)
+    return two_files(tmp_path_factory.mktemp("rr"), 22)[0]
 
 
 def _plan(window, ranks, rank, step, costs):
@@ -65,10 +57,7 @@ def test_mapped_windows_give_every_rank_the_bins_of_the_whole_read(paths, ranks)
 
 
 def test_a_bad_row_is_refused_by_the_rank_that_packs_it_naming_the_file(tmp_path):
-    eps = synth_episodes(episodes=8, group_size=4, turns=(1, 2), seed=5)
-    path = str(tmp_path / "bad.arrow")
-    with pa.ipc.new_file(path, EPISODE_SCHEMA) as w:
-        w.write_table(eps)
+    path = bad_vocab_file(tmp_path)
     files = Files(paths=(path,), episodes_per_step=8, vocab_size=100)  # synth tokens go past 100
     window = files.open(mapped=True).next()  # the read itself reads no token
     with pytest.raises(ValueError, match=r"bad\.arrow: episode .*vocabulary size 100"):
@@ -78,10 +67,7 @@ def test_a_bad_row_is_refused_by_the_rank_that_packs_it_naming_the_file(tmp_path
 
 
 def test_a_rank_that_fails_to_plan_tells_the_others_through_the_exchange(tmp_path, paths):
-    eps = synth_episodes(episodes=8, group_size=4, turns=(1, 2), seed=5)
-    path = str(tmp_path / "bad.arrow")
-    with pa.ipc.new_file(path, EPISODE_SCHEMA) as w:
-        w.write_table(eps)
+    path = bad_vocab_file(tmp_path)
     window = Files(paths=(path,), episodes_per_step=8, vocab_size=100).open(mapped=True).next()
     sent = []
 

@@ -5,9 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.pipeline.rank_helpers import two_files
 from treeflow.pipeline import Files, synth_episodes
 from treeflow.pipeline.rank_rows import mapped_window, read_rows
-from treeflow.schemas import EPISODE_SCHEMA
 from treeflow.stages._share import rank_share, tree_summaries
 from treeflow.stages.shard import CostModel
 
@@ -15,16 +15,7 @@ from treeflow.stages.shard import CostModel
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Two IPC files of several record batches each (as treeflow writes them)."""
-    d = tmp_path_factory.mktemp("rr")
-    eps = synth_episodes(episodes=40, group_size=4, turns=(1, 3), system_tokens=10,
-                         user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5), seed=3)
-    paths = []
-    for k, part in enumerate((eps.slice(0, 24), eps.slice(24))):
-        paths.append(str(d / f"e{k}.arrow"))
-        with pa.ipc.new_file(paths[-1], EPISODE_SCHEMA) as w:
-            for b in part.to_batches(max_chunksize=5):
-                w.write_batch(b)
-    return tuple(paths), eps
+    return two_files(tmp_path_factory.mktemp("rr"), 24)
 
 
 @pytest.mark.parametrize("ranks", [1, 3, 8])

@@ -6,10 +6,13 @@
     stream_logprobs.py  stream --mode logprobs (per-step files, acks after writes)
     plan.py          synth, inspect, plan            convert.py       convert
     gate.py          gate
-    options.py       argument groups shared by commands (model, training, RL, queue, sampling)
+    options.py       argument groups shared by commands (model, training, RL, trackers, queue,
+                     sampling)
     parallel.py      --tensor-parallel / --context-parallel: the flags and what they refuse
     configs.py       parsed flags -> the stage configs a Python user writes (Forward, Reduce,
-                     each rank's Pack/Fragment/Shard), fit()'s options
+                     each rank's Pack/Fragment/Shard and training pipeline, Files), fit()'s
+                     options; what the commands compute lives in the library
+                     (pipeline/rank_plan.py, pipeline/stats.py, models/tuning.py, train/)
     config.py        --config FILE, --print-config      names.py  old flag names, warned about
     help.py          the conventions applied to every subcommand    common.py, queue.py, rl.py
 

@@ -43,26 +43,7 @@ def check_device(device: str) -> None:
 
 
 def steady_state(sums: dict, wall: float, setup: float) -> float:
-    """Fill a logprobs run's timing and throughput into `sums`; return its steady seconds.
+    """A logprobs run's timing and throughput filled into `sums` (pipeline/stats.py)."""
+    from treeflow.pipeline.stats import steady_state as fill
 
-    Start-up (model code imports, device initialisation, model load) and compile/warm-up are
-    one-off costs reported on their own; steady state is the rest of the wall time: reading,
-    preparing, running and writing every window, pipeline fill and drain included.
-    """
-    import resource
-
-    from treeflow._clock import process_seconds
-
-    startup = setup + sums.pop("load_seconds", 0.0)
-    steady = max(wall - startup - sums["compile_seconds"], 1e-9)
-    sums.update(wall_seconds=round(wall, 3), startup_seconds=round(startup, 3),
-                compile_seconds=round(sums["compile_seconds"], 3), steady_seconds=round(steady, 3),
-                exact_tokens_per_s=round(sums["exact_tokens"] / steady),
-                executed_tokens_per_s=round(sums["executed_tokens"] / steady),
-                saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
-                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                process_seconds=round(process_seconds(), 3))
-    for k in ("prepare_seconds", "device_seconds"):
-        if k in sums:
-            sums[k] = round(sums[k], 3)
-    return steady
+    return fill(sums, wall, setup)

@@ -10,8 +10,8 @@ sinks) are built here too, from the flags every training command shares.
 
 from __future__ import annotations
 
-__all__ = ["fit_options", "forward", "plan_stages", "reduce", "reference", "rollout_config",
-           "tuning_text"]
+__all__ = ["files", "fit_options", "forward", "plan_stages", "reduce", "reference",
+           "rollout_config", "train_pipeline", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
 _FORWARD_FLAGS = ("backend", "chunk_size", "tensor_parallel", "context_parallel", "routing",
@@ -38,53 +38,25 @@ def tuning_text(args, model) -> str:
     The choice is said once on stderr (on a GPU) and kept as `args.tuning_chosen` for the
     JSON summary; `--tuning plain` (or any explicit setting) is taken as given.
     """
-    from treeflow.models.tuning import AUTO, auto_preset
+    from treeflow.models.tuning import resolve_auto
 
-    text = getattr(args, "tuning", "") or ""
-    head, sep, rest = text.partition(",")
-    if head.strip() != AUTO:
-        args.tuning_chosen = text or "plain"
-        return text
     device = str(getattr(args, "device", "cpu"))
-    capability = None
-    if device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            capability = torch.cuda.get_device_capability(device)
-    name, why = auto_preset(
-        device_type=device.split(":")[0], capability=capability,
-        backend=getattr(args, "backend", None) or "reference", hybrid=_is_hybrid(model),
+    chosen, why = resolve_auto(
+        getattr(args, "tuning", "") or "", device=device, model=model,
+        backend=getattr(args, "backend", None) or "reference",
         sharded=bool(getattr(args, "shard_params", False)),
         parallel=(getattr(args, "tensor_parallel", None) or 1) > 1
         or (getattr(args, "context_parallel", None) or 1) > 1)
-    chosen = name + sep + rest
+    if why is None:
+        args.tuning_chosen = chosen
+        return getattr(args, "tuning", "") or ""
     if getattr(args, "tuning_chosen", None) != chosen and device.startswith("cuda"):
         import sys
 
-        print(f"treeflow: --tuning auto: {name} ({why}); --tuning plain for the reference path",
-              file=sys.stderr, flush=True)
+        print(f"treeflow: --tuning auto: {chosen.partition(',')[0]} ({why}); --tuning plain for "
+              "the reference path", file=sys.stderr, flush=True)
     args.tuning_chosen = chosen
     return chosen
-
-
-def _is_hybrid(model) -> bool:
-    """Whether the model directory's config.json names a Mamba-2 hybrid (False for `tiny`)."""
-    import json
-    import os
-
-    try:
-        with open(os.path.join(os.fspath(model), "config.json")) as f:
-            d = json.load(f)
-    except (OSError, TypeError, ValueError):
-        return False  # the embedded default, or a directory Forward reports on itself
-    if not isinstance(d, dict):
-        return False
-    from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
-
-    archs = [a for a in d.get("architectures") or [] if isinstance(a, str)]
-    return (any(a in HYBRID_ARCHITECTURES for a in archs)
-            or d.get("model_type") in HYBRID_ARCHITECTURES.values())
 
 
 def reduce(args):
@@ -110,27 +82,33 @@ def reference(args, forward):
 
 
 def plan_stages(args, world: int, rank: int, exchange=None, *, cost=None) -> tuple:
-    """The map stages that plan a training step on data-parallel replica `rank` of `world`.
+    """The map stages of data-parallel replica `rank` of `world` from the layout flags
+    (pipeline/rank_plan.py); a context-parallel group's bins hold C x --max-tokens."""
+    from treeflow.pipeline.rank_plan import rank_stages
 
-    One replica lays out and bins only its share of the step, dealt on the trees' exact costs
-    through `exchange` (the replicas' sum of per-tree costs; stages/_exchange.py; None: the
-    sum computed in this process, for ranks planned in one process); Shard keeps the replicas. `treeflow plan --num-ranks R` runs these for
-    every replica, and `replay`/`stream --mode train --num-ranks R` on each rank. A
-    context-parallel group (--context-parallel C) is one replica whose bins hold
-    C x --max-tokens tokens. cost: the CostModel the ranks are dealt by (None: the model's,
-    which the training plan binds from Forward; pipeline/plan.py).
-    """
-    from treeflow.stages import IN_PROCESS_EXCHANGE, Fragment, Pack, Shard
+    return rank_stages(layout=args.layout, scope=args.scope, share_rules=args.share_rules,
+                       max_tokens=args.max_tokens * getattr(args, "context_parallel", 1),
+                       num_ranks=world, rank=rank, exchange=exchange, cost=cost)
 
-    budget = args.max_tokens * getattr(args, "context_parallel", 1)
-    if world == 1:
-        return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules),
-                Fragment(max_tokens=budget))
-    return (Pack(layout=args.layout, scope=args.scope, share_rules=args.share_rules, ranks=world,
-                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange,
-                 cost=cost),
-            Fragment(max_tokens=budget, ranks=world, rank=rank, cost=cost),
-            Shard(num_ranks=world, cost=cost))
+
+def train_pipeline(args, world: int, rank: int, exchange=None):
+    """The training pipeline of data-parallel replica `rank` of `world`: --advantage's stage,
+    the replica's map stages (plan_stages), Forward and Reduce."""
+    from treeflow.cli.rl import advantage_stages
+    from treeflow.pipeline import Pipeline
+
+    return Pipeline(*advantage_stages(args), *plan_stages(args, world, rank, exchange),
+                    forward(args, entropy=bool(args.entropy_coef)), reduce(args))
+
+
+def files(args, forward, **options):
+    """The Files source of the episode files, checked against the Forward's vocabulary and
+    route width (Files' other options, e.g. cycle, as given)."""
+    from treeflow.pipeline import Files
+
+    return Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
+                 vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint(),
+                 **options)
 
 
 def fit_options(args) -> dict:

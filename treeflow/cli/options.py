@@ -1,18 +1,17 @@
 """The command line's argument groups, declared once and shared by the commands that take them.
 
-`model_options` (replay, stream), `add_train_options` and `add_rl_options` (replay and stream
-in --mode train), `queue_options` (stream, rollout, gate), `add_sampling_options` (rollout,
-gate). Each flag is the name of the stage field it fills (treeflow/cli/configs.py builds the
+`model_options` (replay, stream), `add_train_options` with `add_rl_options` and
+`add_logger_options` (replay and stream in --mode train), `queue_options` (stream, rollout,
+gate), `add_sampling_options` (rollout, gate). Each flag is the name of the stage field it fills (treeflow/cli/configs.py builds the
 stages); help lines for flags declared without one come from treeflow/cli/help.py.
 """
 
 from __future__ import annotations
 
 from treeflow.cli.names import LOGPROBS_EPISODES_PER_STEP
-from treeflow.cli.trackers import add_logger_options
 from treeflow.compile_cache import add_option as add_compile_cache_option
 
-__all__ = ["add_rl_options", "add_sampling_options", "add_train_options", "layout_options",
+__all__ = ["add_logger_options", "add_rl_options", "add_sampling_options", "add_train_options", "layout_options",
            "model_options",
            "queue_options"]
 
@@ -143,6 +142,26 @@ def add_rl_options(p) -> None:
                    help="the frozen reference policy of the KL penalty (a local HF checkpoint "
                         "with the policy's tokenizer, e.g. the initial policy); it runs every "
                         "bin beside the policy, in --dtype, never trained")
+
+
+def add_logger_options(parser) -> None:
+    """--logger and the trackers' settings (unset ones: the tracker's own default)."""
+    g = parser.add_argument_group("experiment trackers (--mode train)")
+    g.add_argument("--logger", action="append", default=None, metavar="NAME[,NAME]",
+                   help="where each step's metrics go, repeatable or a comma list: "
+                        "console (the progress bar and table), jsonl (needs --metrics), "
+                        "tensorboard (needs --tensorboard), wandb (pip install "
+                        "'treeflow[wandb]'; WANDB_MODE=offline to log locally), mlflow (pip "
+                        "install 'treeflow[mlflow]')")
+    g.add_argument("--logger-project", default="treeflow",
+                   help="wandb project / MLflow experiment name")
+    g.add_argument("--logger-run-name",
+                   help="wandb run name / MLflow run name (default: the tracker's own)")
+    g.add_argument("--logger-dir", metavar="DIR",
+                   help="where wandb writes its run files (default: WANDB_DIR or ./wandb)")
+    g.add_argument("--mlflow-tracking-uri", metavar="URI",
+                   help="MLflow tracking URI, e.g. file:./mlruns or http://host:5000 "
+                        "(default: MLFLOW_TRACKING_URI)")
 
 
 def queue_options(s) -> None:

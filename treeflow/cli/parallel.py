@@ -58,9 +58,10 @@ def check_tensor_parallel_options(args, *, train: bool) -> None:
                    why=f"the {args.backend} backend runs whole on one device (use --num-ranks "
                        "for data parallelism)"):
         return
-    _own_processes(args, "--tensor-parallel", "tensor-parallel", tp, train=train,
-                   shard_params="is not supported: megatron-core shards the weights itself; "
-                                "drop --shard-params")
+    _own_processes(args, "--tensor-parallel", "tensor-parallel", tp, train=train)
+    if train and args.shard_params:
+        raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
+                         "megatron-core shards the weights itself; drop --shard-params")
     from treeflow.models import ModelConfig, check_tensor_parallel
     from treeflow.train.checkpoint import model_dir
 
@@ -99,8 +100,7 @@ def check_context_parallel_options(args, *, train: bool) -> None:
     if train and args.launcher == "ray":
         raise ValueError(f"--context-parallel {cp} with --launcher ray: give --engine ray to run "
                          "each rank's processes as Ray actors, or --launcher spawn")
-    _own_processes(args, "--context-parallel", "context-parallel", cp, train=train,
-                   shard_params="is not supported yet: drop one of them")
+    _own_processes(args, "--context-parallel", "context-parallel", cp, train=train)
     _process_count(args, "--context-parallel", cp, train=train)
 
 
@@ -115,9 +115,8 @@ def _splits(args, flag: str, n: int, *, backend: str, why: str) -> bool:
     return True
 
 
-def _own_processes(args, flag: str, kind: str, n: int, *, train: bool, shard_params: str) -> None:
-    """What every flag that runs one model over n processes of its own refuses alike
-    (`shard_params`: why it does not train with --shard-params)."""
+def _own_processes(args, flag: str, kind: str, n: int, *, train: bool) -> None:
+    """What every flag that runs one model over n processes of its own refuses alike."""
     if args.engine == "ray":
         raise ValueError(f"{flag} {n} runs with --engine local only (each {kind} rank is a "
                          "process of its own)")
@@ -129,8 +128,6 @@ def _own_processes(args, flag: str, kind: str, n: int, *, train: bool, shard_par
                          "--num-ranks sizes "
                          "the Ray engine's forward actors; give --num-ranks 1"
                          + (" (or --engine ray)" if flag == "--context-parallel" else ""))
-    if train and args.shard_params:
-        raise ValueError(f"{flag} {n} with --shard-params {shard_params}")
 
 
 def _process_count(args, flag: str, n: int, *, train: bool) -> None:

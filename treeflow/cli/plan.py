@@ -1,6 +1,6 @@
 """`treeflow synth`, `inspect` and `plan`: episodes written, measured, and planned into bins.
 
-`plan` runs each rank's map stages exactly as training builds them (configs.plan_stages), one
+`plan` runs each rank's map stages exactly as training builds them (pipeline/rank_plan.py), one
 rank after another, so the bins it writes are the bins `--mode train --num-ranks N` runs.
 """
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import time
 from contextlib import ExitStack
-
-import pyarrow as pa
 
 from treeflow._display import console, count_rows, progress, table
 from treeflow.cli.common import positive, show
@@ -59,7 +57,8 @@ def cmd_inspect(args) -> int:
     import polars as pl
 
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
+    from treeflow.pipeline.stats import (bin_stats, call_stats, episode_distributions,
+                                         merge_totals, window_stats)
 
     positive(args, "max_tokens", "episodes_per_step")
     frames, parts, call_frames, bin_frames = [], [], [], []
@@ -87,15 +86,7 @@ def cmd_inspect(args) -> int:
         plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
                                     totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
                                     max_tokens=args.max_tokens, ranks=args.num_ranks)
-    if frame.height:
-        frame = frame.with_columns(saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
-    dist_cols = [c for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens",
-                             "tree_episode_tokens", "saving_tree_episode") if c in frame.columns]
-    dist = {}
-    for c in dist_cols:
-        s = frame[c]
-        dist[c] = {"mean": float(s.mean()), "min": float(s.min()), "p50": float(s.quantile(0.5)),
-                   "p90": float(s.quantile(0.9)), "max": float(s.max())}
+    dist = episode_distributions(frame)
     if args.json:
         print(json.dumps({"totals": totals, "per_episode": dist, "plots": plots}))
         return 0
@@ -118,100 +109,33 @@ def cmd_inspect(args) -> int:
 
 def cmd_plan(args) -> int:
     """Plan steps the way `replay --mode train --num-ranks R` does: every rank its own share."""
-    import tracemalloc
-
-    import numpy as np
-
     from treeflow._output import table_output
-    from treeflow.cli.configs import plan_stages
+    from treeflow.pipeline.rank_plan import deal_cost, plan_windows
     from treeflow.pipeline.source import Files
-    from treeflow.stages import summed_costs
-    from treeflow.stages.shard import bin_costs
 
     positive(args, "max_tokens", "num_ranks", "episodes_per_step", "context_parallel")
-    cost, cost_name = _cost_model(args.model)
+    cost, cost_name = deal_cost(args.model)
     if args.rank is not None and not 0 <= args.rank < args.num_ranks:
         raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.num_ranks}) (--num-ranks "
                          f"{args.num_ranks}), or leave it out to plan every rank")
-    plan_ranks = range(args.num_ranks) if args.rank is None else (args.rank,)
     t0 = time.perf_counter()
-    sums = dict(episodes=0, steps=0, ranks=args.num_ranks, bins=0, exact_tokens=0,
-                layout_tokens=0, executed_tokens=0, repeated_tokens=0, edges=0, occurrences=0)
-    imbalances, seconds, peaks, empty = [], [], [], 0
     with ExitStack() as stack:
         out = stack.enter_context(table_output(args.output, args.files, what="bins")) \
             if args.output else None
         advance = stack.enter_context(progress("plan", count_rows(args.files),
                                                 args.json or args.quiet))
-        for step, window in enumerate(Files(paths=tuple(args.files),
-                                            episodes_per_step=args.episodes_per_step)):
-            rank_cost = np.zeros(args.num_ranks)
-            # what the trainer's all-reduce of tree costs returns (in one process: O(N), untimed)
-            costs = summed_costs(window, layout=args.layout, scope=args.scope,
-                                 share_rules=args.share_rules,
-                                 cost=cost) if args.num_ranks > 1 else None
-            for rank in plan_ranks:  # what rank `rank` of the trainer computes, timed alone
-                pack, *maps = plan_stages(args, args.num_ranks, rank, lambda mine, c=costs: c,
-                                          cost=cost)
-                tracemalloc.start()
-                t1 = time.perf_counter()
-                layouts = pack.map(window, step=step)
-                bins = layouts
-                for stage in maps:
-                    bins = stage.map(bins, step=step)
-                seconds.append(time.perf_counter() - t1)
-                peaks.append(tracemalloc.get_traced_memory()[1])
-                tracemalloc.stop()
-                if out is not None:
-                    out.write(bins)
-                rank_cost[rank] = float(bin_costs(bins, cost).sum())
-                empty += int(bins.num_rows == 0)
-                sums["bins"] += bins.num_rows
-                sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
-                sums["layout_tokens"] += _total_len(layouts, "tokens")
-                sums["executed_tokens"] += _total_len(bins, "tokens")
-                sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
-                sums["edges"] += _total_len(bins, "edge_sources")
-                sums["occurrences"] += _total_len(bins, "occ_edge")
-            if args.rank is None:
-                mean = rank_cost.mean()
-                imbalances.append(float(rank_cost.max() / mean - 1.0) if mean > 0 else 0.0)
-            sums["episodes"] += window.num_rows
-            sums["steps"] += 1
-            advance(window.num_rows)
-    sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
-    sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
-    if args.rank is None:  # a split tree's layout is counted by each rank that shares it
-        sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
-        sums["rank_imbalance_mean"] = float(np.mean(imbalances)) if imbalances else 0.0
-        sums["ranks_without_bins"] = empty
-    sums["rank_plan_seconds_max"] = round(max(seconds, default=0.0), 4)
-    sums["rank_plan_seconds_mean"] = round(float(np.mean(seconds)) if seconds else 0.0, 4)
-    sums["rank_plan_peak_mib_max"] = round(max(peaks, default=0) / 2**20, 1)
+        sums = plan_windows(Files(paths=tuple(args.files),
+                                  episodes_per_step=args.episodes_per_step),
+                            layout=args.layout, scope=args.scope, share_rules=args.share_rules,
+                            max_tokens=args.max_tokens * args.context_parallel,
+                            num_ranks=args.num_ranks, rank=args.rank, cost=cost,
+                            write=None if out is None else out.write, advance=advance)
     sums["seconds"] = time.perf_counter() - t0
     sums["cost_model"] = cost_name
     if show(args, f"plan: layout={args.layout} max_tokens={args.max_tokens} "
             f"ranks={args.num_ranks}", sums) and args.output:
         console().print(f"bins written to {args.output}")
     return 0
-
-
-def _cost_model(model: str | None):
-    """(CostModel, what it is) the ranks are dealt by: the model's own, as training deals."""
-    from treeflow.stages import CostModel
-
-    if model is None:  # nothing of torch: plan without a model stays a light command
-        return CostModel.llama_1b(), "llama-1b (the default: give --model to deal by its cost)"
-    from treeflow.stages import Forward
-    from treeflow.train.checkpoint import model_dir
-
-    return CostModel.from_config(Forward(model=model_dir(model)).model_config()), model
-
-
-def _total_len(table: pa.Table, col: str) -> int:
-    import pyarrow.compute as pc
-
-    return int(pc.sum(pc.list_value_length(table.column(col))).as_py() or 0)
 
 
 def add_synth_parser(sub, common) -> None:

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 from treeflow._display import console, count_rows, progress
 from treeflow.cli import configs
-from treeflow.cli.common import check_device, positive, show, steady_state
+from treeflow.cli.common import check_device, positive, show
 from treeflow.cli.options import add_train_options, model_options
 from treeflow.cli.parallel import (add_parallel_options, check_context_parallel_options,
                                    check_tensor_parallel_options, rank_of, start_ranks,
@@ -51,8 +51,8 @@ def _replay(args) -> int:
     import torch
 
     from treeflow._output import table_output
-    from treeflow.pipeline import Files, Pipeline
-    from treeflow.pipeline.stats import add_sums
+    from treeflow.pipeline import Pipeline
+    from treeflow.pipeline.stats import add_sums, route_agreement, steady_state
     from treeflow.stages import CostModel, Fragment, Pack, Reassemble, Shard
 
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
@@ -87,8 +87,7 @@ def _replay(args) -> int:
                         Shard(num_ranks=args.num_ranks, cost=CostModel.from_config(
                             forward.model_config(), training=False)), forward,
                         Reassemble(entropy=args.entropy))
-        source = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
-                       vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint())
+        source = configs.files(args, forward)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         total_rows = count_rows(args.files)
@@ -101,13 +100,7 @@ def _replay(args) -> int:
                 advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
     wall = time.perf_counter() - t0
     steady = steady_state(sums, wall, setup)
-    if "route_decided" in sums:  # the same over the rows whose top-k is no near-tie
-        decided, agree = sums.pop("route_decided"), sums.pop("route_agree_decided")
-        sums["route_near_ties"] = sums.get("route_rows", 0) - decided
-        if decided:
-            sums["route_agreement_decided"] = round(agree / decided, 6)
-    if sums.get("route_rows"):  # MoE: replayed (token, layer) rows whose own top-k agreed
-        sums["route_agreement"] = round(sums.pop("route_agree") / sums.pop("route_rows"), 6)
+    route_agreement(sums)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
     if device.startswith("cuda"):

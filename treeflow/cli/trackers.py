@@ -1,8 +1,7 @@
 """The CLI's logging flags: --logger (trackers as fit() sinks) and --verbose (library logs).
 
-`add_logger_options(parser)` adds --logger, --logger-project, --logger-run-name,
---logger-dir and --mlflow-tracking-uri to a training parser;
-`sinks_from_args(args)` turns them (with --metrics and --tensorboard) into
+`sinks_from_args(args)` turns --logger, --logger-project, --logger-run-name, --logger-dir
+and --mlflow-tracking-uri (options.py) (with --metrics and --tensorboard) into
 the sinks fit() writes every step to. The names follow NeMo RL's logger
 config (wandb.project / wandb.name, mlflow.experiment_name / run_name /
 tracking_uri, log_dir) and verl's `trainer.logger=['console','wandb']`.
@@ -20,30 +19,10 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["LOGGERS", "add_logger_options", "add_verbose_option", "quiet_libraries",
-           "sinks_from_args"]
+__all__ = ["LOGGERS", "add_verbose_option", "quiet_libraries", "sinks_from_args"]
 
 QUIET_ENV = "TREEFLOW_QUIET_LIBRARIES"
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-
-
-def add_logger_options(parser) -> None:
-    g = parser.add_argument_group("experiment trackers (--mode train)")
-    g.add_argument("--logger", action="append", default=None, metavar="NAME[,NAME]",
-                   help="where each step's metrics go, repeatable or a comma list: "
-                        "console (the progress bar and table), jsonl (needs --metrics), "
-                        "tensorboard (needs --tensorboard), wandb (pip install "
-                        "'treeflow[wandb]'; WANDB_MODE=offline to log locally), mlflow (pip "
-                        "install 'treeflow[mlflow]')")
-    g.add_argument("--logger-project", default="treeflow",
-                   help="wandb project / MLflow experiment name")
-    g.add_argument("--logger-run-name", default=None,
-                   help="wandb run name / MLflow run name (default: the tracker's own)")
-    g.add_argument("--logger-dir", default=None, metavar="DIR",
-                   help="where wandb writes its run files (default: WANDB_DIR or ./wandb)")
-    g.add_argument("--mlflow-tracking-uri", default=None, metavar="URI",
-                   help="MLflow tracking URI, e.g. file:./mlruns or http://host:5000 "
-                        "(default: MLFLOW_TRACKING_URI)")
 
 
 def add_verbose_option(parser) -> None:

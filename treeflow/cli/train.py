@@ -18,8 +18,8 @@ group (`--launcher ray`, treeflow.train.launch.ray_ranks), or by torchrun
 (`torchrun --nproc-per-node N -m treeflow.cli replay ... --mode train --num-ranks N`), whose
 environment is recognised. Every rank reads the same windows (memory-mapped: the offsets of the
 window and the tokens of its own trees, pipeline/rank_rows.py), lays out and bins only its own
-share of each step (`configs.plan_stages`; stages/_share.py) and runs those bins; rank 0 writes the
-metrics and prints; all ranks write the checkpoint together.
+share of each step (`configs.train_pipeline`; stages/_share.py) and runs those bins; rank 0
+writes the metrics and prints; all ranks write the checkpoint together.
 `--engine ray` runs the same N ranks as Ray rank actors fed by the Ray engine (pipeline/ray.py),
 with the same planning, checkpoints, --resume and fingerprint checks (fit() owns them);
 with `--context-parallel C` each rank is C actors, N x C in one process group.
@@ -83,53 +83,32 @@ def _train_rank(args) -> None:
 
 
 def _train(args, *, distributed: bool) -> int:
-    from treeflow.train import DataParallel
+    from treeflow.train.distributed import training_ranks
 
     if args.engine == "ray":  # N rank actors (pipeline/ray.py), each planning its share as
         # spawned ranks do (C actors per rank under --context-parallel C: the engine reads C
         # from the Forward)
-        return _fit(args, [_pipeline(args, args.num_ranks, r) for r in range(args.num_ranks)],
+        return _fit(args, [configs.train_pipeline(args, args.num_ranks, r)
+                           for r in range(args.num_ranks)],
                     world=args.num_ranks)
-    dp = (DataParallel.from_env(args.device, context_parallel=args.context_parallel)
-          if distributed else DataParallel(device=args.device))
-    lead = dp.rank == 0
-    if args.tensor_parallel > 1:  # the data-parallel ranks are the tensor-parallel groups
-        from treeflow.models import tensor_parallel_layout
-
-        tp_rank, rank, world, group = tensor_parallel_layout(args.backend, args.tensor_parallel,
-                                                             dp.device)
-        dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
-        lead = rank == 0 and tp_rank == 0
-    # the processes of one context-parallel group run the same bins: plan per replica;
-    # the first process of each replica writes its trees' costs into the planning exchange
-    exchange = (dp.planning_exchange(contributes=(args.tensor_parallel == 1 or tp_rank == 0)
-                                     and (dp.cp is None or dp.cp.rank == 0))
-                if dp.replicas > 1 else None)
+    dp, lead, exchange = training_ranks(args.device, distributed=distributed,
+                                        backend=args.backend,
+                                        tensor_parallel=args.tensor_parallel,
+                                        context_parallel=args.context_parallel)
     try:
-        return _fit(args, [_pipeline(args, dp.replicas, dp.replica, exchange)], dp=dp, lead=lead,
-                    world=dp.world)
+        return _fit(args, [configs.train_pipeline(args, dp.replicas, dp.replica, exchange)],
+                    dp=dp, lead=lead, world=dp.world)
     finally:
         dp.close()
 
 
-def _pipeline(args, world: int, rank: int, exchange=None):
-    """The training pipeline of data-parallel replica `rank` of `world` (configs.plan_stages)."""
-    from treeflow.pipeline import Pipeline
-
-    return Pipeline(*advantage_stages(args), *configs.plan_stages(args, world, rank, exchange),
-                    configs.forward(args, entropy=bool(args.entropy_coef)), configs.reduce(args))
-
-
 def _fit(args, pipes: list, *, world: int, dp=None, lead: bool = True) -> int:
     """fit() over the files, cycled; one pipeline per rank for the Ray engine, else this rank's."""
-    from treeflow.pipeline import Files
     from treeflow.train.fit import fit
     from treeflow.train.run import STEP_OPTIONS, run_fingerprint
 
     forward = pipes[0].plan.model
-    files = Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
-                  vocab_size=forward.vocab_size_hint(), cycle=True,
-                  route_width=forward.route_width_hint(), whole_groups=bool(advantage_stages(args)))
+    files = configs.files(args, forward, cycle=True, whole_groups=bool(advantage_stages(args)))
     engine = (dict(engine="ray", engine_options={"ranks": world, "plans": [p.plan for p in pipes]})
               if args.engine == "ray" else {})
     # several spawned replicas: each reads the window's offsets and only its own trees' rows

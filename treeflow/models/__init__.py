@@ -7,24 +7,15 @@ plain Python and do not import torch.
 
 from treeflow._lazy import lazy_exports
 
-_WHERE = {
-    "BACKENDS": "backend",
-    "Backend": "backend_base",
-    "ReferenceBackend": "backend",
-    "check_tensor_parallel": "backend_base",
-    "load_backend": "backend",
-    "tensor_parallel_layout": "backend",
-    "KERNELS": "attention",
-    "AttentionPlan": "attention",
-    "Capabilities": "attention",
-    "Decoder": "decoder",
-    "HybridConfig": "hybrid_config",
-    "HybridDecoder": "hybrid",
-    "ModelConfig": "config",
-    "load_model": "checkpoint",
-    "save_model": "checkpoint",
-    "selected_logprobs": "logprobs",
-    "Tuning": "tuning",
-}
-__all__ = sorted(_WHERE)
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "backend": ("BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"),
+    "backend_base": ("Backend", "check_tensor_parallel"),
+    "attention": ("KERNELS", "AttentionPlan", "Capabilities"),
+    "decoder": ("Decoder",),
+    "hybrid_config": ("HybridConfig",),
+    "hybrid": ("HybridDecoder",),
+    "config": ("ModelConfig",),
+    "checkpoint": ("load_model", "save_model"),
+    "logprobs": ("selected_logprobs",),
+    "tuning": ("Tuning",),
+})

@@ -153,6 +153,6 @@ def tensor_parallel_layout(name: str, tensor_parallel: int,
     """
     if name != "megatron":
         raise ValueError(f"tensor parallelism needs the megatron backend, not {name!r}")
-    from treeflow.models.megatron.backend import data_parallel_layout
+    from treeflow.models.megatron.parallel import data_parallel_layout
 
     return data_parallel_layout(tensor_parallel, torch.device(device))

@@ -39,10 +39,28 @@ from typing import Any
 from treeflow.models.config import ModelConfig
 from treeflow.models.moe_config import MoeConfig, refuse_dropping
 
-__all__ = ["HYBRID_ARCHITECTURES", "HybridConfig"]
+__all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir"]
 
 HYBRID_ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "BambaForCausalLM": "bamba",
                         "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+
+
+def is_hybrid_dir(model) -> bool:
+    """Whether a model directory's config.json names a Mamba-2 hybrid (False for `tiny`, for a
+    directory without a readable config: Forward reports on that itself)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(os.fspath(model), "config.json")) as f:
+            d = json.load(f)
+    except (OSError, TypeError, ValueError):
+        return False
+    if not isinstance(d, dict):
+        return False
+    archs = [a for a in d.get("architectures") or [] if isinstance(a, str)]
+    return (any(a in HYBRID_ARCHITECTURES for a in archs)
+            or d.get("model_type") in HYBRID_ARCHITECTURES.values())
 MIXERS = ("mamba", "attention", "mlp", "moe")
 _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
                    "full_attention": "attention", "attention": "attention", "*": "attention",

@@ -36,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["AUTO", "COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning", "auto_preset"]
+__all__ = ["AUTO", "COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning", "auto_preset",
+           "resolve_auto"]
 
 RECOMPUTE = ("none", "mlp", "attention", "layer")
 SSM_FORKS = ("exact", "chunk")
@@ -257,3 +258,26 @@ def auto_preset(*, device_type: str, capability: tuple[int, int] | None = None,
         if off:
             return "plain", why
     return "fast", f"Hopper GPU (capability {capability[0]}.{capability[1]})"
+
+
+def resolve_auto(text: str, *, device: str, model, backend: str = "reference",
+                 sharded: bool = False, parallel: bool = False) -> tuple[str, str | None]:
+    """(the tuning text to run, why) with a leading `auto` replaced by auto_preset's choice for
+    `device` (its CUDA capability read from torch) and `model` (a hybrid's directory refuses
+    compiled layers); why is None when the text holds no `auto` (taken as given, "" = plain)."""
+    from treeflow.models.hybrid_config import is_hybrid_dir
+
+    head, sep, rest = (text or "").partition(",")
+    if head.strip() != AUTO:
+        return text or "plain", None
+    device = str(device)
+    capability = None
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(device)
+    name, why = auto_preset(device_type=device.split(":")[0], capability=capability,
+                            backend=backend, hybrid=is_hybrid_dir(model), sharded=sharded,
+                            parallel=parallel)
+    return name + sep + rest, why

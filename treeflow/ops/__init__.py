@@ -10,19 +10,9 @@ operator (ops/registry.py). Names load on first use (treeflow/_lazy.py).
 
 from treeflow._lazy import lazy_exports
 
-_WHERE = {
-    "MapOp": "registry",
-    "Operator": "registry",
-    "operator_for": "registry",
-    "physical": "registry",
-    "register": "registry",
-    "build_forward": "forward",
-    "ForwardRunner": "runner",
-    "PreparedBins": "runner",
-    "Checkpointing": "train",
-    "PublishWeights": "train",
-    "TrainOp": "train",
-    "Window": "train",
-}
-__all__ = sorted(_WHERE)
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "registry": ("MapOp", "Operator", "operator_for", "physical", "register"),
+    "forward": ("build_forward",),
+    "runner": ("ForwardRunner", "PreparedBins"),
+    "train": ("Checkpointing", "PublishWeights", "TrainOp", "Window"),
+})

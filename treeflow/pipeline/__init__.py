@@ -5,28 +5,14 @@ Names load on first use (treeflow/_lazy.py): reading and planning never import t
 
 from treeflow._lazy import lazy_exports
 
-_WHERE = {
-    "Pipeline": "pipeline",
-    "Plan": "plan",
-    "WindowResult": "plan",
-    "RankWindows": "queue_ranks",
-    "QueueReader": "queue_source",
-    "QueueSource": "queue_source",
-    "put_files": "queue_source",
-    "Gate": "gate",
-    "run_gate": "gate",
-    "Rollout": "rollout",
-    "run_rollout": "rollout",
-    "sample_group": "rollout",
-    "Environment": "rollout",
-    "ArrowSink": "sink",
-    "Files": "source",
-    "FilesReader": "source",
-    "IterSource": "source",
-    "Source": "source",
-    "windows": "source",
-    "synth_episodes": "synth",
-    "write_episodes": "synth",
-}
-__all__ = sorted(_WHERE)
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "pipeline": ("Pipeline",),
+    "plan": ("Plan", "WindowResult"),
+    "queue_ranks": ("RankWindows",),
+    "queue_source": ("QueueReader", "QueueSource", "put_files"),
+    "gate": ("Gate", "run_gate"),
+    "rollout": ("Rollout", "run_rollout", "sample_group", "Environment"),
+    "sink": ("ArrowSink",),
+    "source": ("Files", "FilesReader", "IterSource", "Source", "windows"),
+    "synth": ("synth_episodes", "write_episodes"),
+})

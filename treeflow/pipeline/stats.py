@@ -1,4 +1,5 @@
-"""Layout statistics for `treeflow inspect` and `treeflow plan`: what each layout would cost.
+"""Layout statistics for `treeflow inspect` and `treeflow plan`: what each layout would cost;
+and the summary of a logprobs run (its steady-state throughput, MoE route agreement).
 
 Per episode we count calls, sampled tokens, exact-call tokens, chain tokens
 and episode-scope tree tokens (plus attention pairs, the sum over nodes of
@@ -94,6 +95,46 @@ def add_sums(total: dict, part: dict) -> dict:
     return total
 
 
+def steady_state(sums: dict, wall: float, setup: float) -> float:
+    """Fill a logprobs run's timing and throughput into `sums`; return its steady seconds.
+
+    Start-up (model code imports, device initialisation, model load) and compile/warm-up are
+    one-off costs reported on their own; steady state is the rest of the wall time: reading,
+    preparing, running and writing every window, pipeline fill and drain included.
+    """
+    import resource
+
+    from treeflow._clock import process_seconds
+
+    startup = setup + sums.pop("load_seconds", 0.0)
+    steady = max(wall - startup - sums["compile_seconds"], 1e-9)
+    sums.update(wall_seconds=round(wall, 3), startup_seconds=round(startup, 3),
+                compile_seconds=round(sums["compile_seconds"], 3), steady_seconds=round(steady, 3),
+                exact_tokens_per_s=round(sums["exact_tokens"] / steady),
+                executed_tokens_per_s=round(sums["executed_tokens"] / steady),
+                saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
+                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                process_seconds=round(process_seconds(), 3))
+    for k in ("prepare_seconds", "device_seconds"):
+        if k in sums:
+            sums[k] = round(sums[k], 3)
+    return steady
+
+
+def route_agreement(sums: dict) -> dict:
+    """Turn a run's summed MoE route counts into shares (in place): `route_agreement` over the
+    replayed (token, layer) rows whose own top-k agreed, `route_agreement_decided` over those
+    whose top-k is no near-tie, and `route_near_ties`."""
+    if "route_decided" in sums:
+        decided, agree = sums.pop("route_decided"), sums.pop("route_agree_decided")
+        sums["route_near_ties"] = sums.get("route_rows", 0) - decided
+        if decided:
+            sums["route_agreement_decided"] = round(agree / decided, 6)
+    if sums.get("route_rows"):
+        sums["route_agreement"] = round(sums.pop("route_agree") / sums.pop("route_rows"), 6)
+    return sums
+
+
 def merge_totals(parts: list[dict]) -> dict:
     out: dict = {}
     for p in parts:
@@ -108,6 +149,23 @@ def merge_totals(parts: list[dict]) -> dict:
         if ex:
             out[f"{name}_repeated_share"] = out[f"{name}_repeated_tokens"] / ex
     return out
+
+
+def episode_distributions(frame: pl.DataFrame) -> dict:
+    """Mean, min, p50, p90 and max per episode of the calls, the tokens of each layout and the
+    episode-scope tree's saving (exact / tree tokens), from window_stats' frames concatenated."""
+    if frame.height:
+        frame = frame.with_columns(
+            saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
+    dist = {}
+    for c in ("calls", "sampled_tokens", "exact_tokens", "chain_tokens", "tree_episode_tokens",
+              "saving_tree_episode"):
+        if c in frame.columns:
+            s = frame[c]
+            dist[c] = {"mean": float(s.mean()), "min": float(s.min()),
+                       "p50": float(s.quantile(0.5)), "p90": float(s.quantile(0.9)),
+                       "max": float(s.max())}
+    return dist
 
 
 def call_stats(episodes: pa.Table) -> pl.DataFrame:

@@ -10,24 +10,13 @@ on first use (treeflow/_lazy.py).
 
 from treeflow._lazy import lazy_exports
 
-_WHERE = {
-    "DataParallel": "distributed",
-    "Resume": "fit",
-    "fit": "fit",
-    "JsonlSink": "sinks",
-    "MetricsSink": "sinks",
-    "TensorBoardSink": "sinks",
-    "MlflowSink": "trackers",
-    "WandbSink": "trackers",
-    "RankFailedError": "distributed",
-    "spawn": "launch",
-    "PRECISIONS": "precision",
-    "ray_ranks": "launch",
-    "rank_of": "launch",
-    "torchrun_world": "launch",
-    "Step": "step",
-    "StepOpenError": "step",
-    "Trainer": "trainer",
-}
-__all__ = sorted(_WHERE)
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "distributed": ("DataParallel", "RankFailedError"),
+    "fit": ("Resume", "fit"),
+    "sinks": ("JsonlSink", "MetricsSink", "TensorBoardSink"),
+    "trackers": ("MlflowSink", "WandbSink"),
+    "launch": ("spawn", "ray_ranks", "rank_of", "torchrun_world"),
+    "precision": ("PRECISIONS",),
+    "step": ("Step", "StepOpenError"),
+    "trainer": ("Trainer",),
+})

@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "RankFailedError", "rank_device"]
+__all__ = ["DataParallel", "RankFailedError", "rank_device", "training_ranks"]
 
 _BUCKET_ELEMENTS = 1 << 26  # 256 MiB of float32 per all-reduce call
 
@@ -234,3 +234,28 @@ class DataParallel:
         dist.all_gather_into_tensor(out, torch.tensor([value], dtype=torch.float64,
                                                       device=self.device), group=self.group)
         return out.cpu().numpy()
+
+
+def training_ranks(device: str, *, distributed: bool, backend: str = "reference",
+                   tensor_parallel: int = 1, context_parallel: int = 1):
+    """(DataParallel over the data-parallel replicas, whether this process leads, the planning
+    exchange) of one training process: torchrun's process group when `distributed`, else one
+    process.
+
+    Under tensor parallelism the data-parallel ranks are the tensor-parallel groups (the
+    backend's layout); under context parallelism a group of C processes is one replica. The
+    processes of one replica plan the same share, so only the first of each writes its trees'
+    costs into the planning exchange (None with one replica); the lead (rank 0 of the first
+    replica) writes metrics and prints.
+    """
+    dp = (DataParallel.from_env(device, context_parallel=context_parallel)
+          if distributed else DataParallel(device=device))
+    lead, first = dp.rank == 0, True
+    if tensor_parallel > 1:
+        from treeflow.models import tensor_parallel_layout
+
+        tp_rank, rank, world, group = tensor_parallel_layout(backend, tensor_parallel, dp.device)
+        dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
+        lead, first = rank == 0 and tp_rank == 0, tp_rank == 0
+    first = first and (dp.cp is None or dp.cp.rank == 0)
+    return dp, lead, dp.planning_exchange(contributes=first) if dp.replicas > 1 else None

@@ -1,0 +1,132 @@
+"""Each data-parallel rank's share of a training step: its map stages, and what they plan.
+
+`rank_stages(...)` is what replica `rank` of `num_ranks` runs before its Forward: Pack and
+Fragment of only its own share of the step (dealt on the trees' exact costs, which `exchange`
+sums over the replicas; stages/_exchange.py), then Shard, which keeps the replicas; one rank
+runs Pack and Fragment alone. Training (`replay`/`stream --mode train`) builds each rank's
+pipeline from it, and `plan_windows(...)` runs it for every rank (or one) over windows of
+episodes and sums what the bins hold -- the figures `treeflow plan` prints -- so a plan shows the
+bins training runs. `deal_cost(model)` is the cost the ranks are dealt by: the model's own, as
+training deals. The trade-off: ranks planned in one process run one after another, so each
+rank's seconds and peak memory are what that rank computes alone, not a parallel wall time.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["deal_cost", "plan_windows", "rank_stages"]
+
+
+def rank_stages(*, layout: str, scope: str | None, share_rules: str, max_tokens: int,
+                num_ranks: int, rank: int, exchange=None, cost=None) -> tuple:
+    """The map stages that plan a training step on data-parallel replica `rank` of `num_ranks`.
+
+    exchange: the replicas' sum of per-tree costs (None: summed in this process, for ranks
+    planned in one process); cost: the CostModel the ranks are dealt by (None: the model's,
+    which the training plan binds from Forward; pipeline/plan.py). A context-parallel group is
+    one replica whose bins hold C times a process's tokens: pass that as max_tokens.
+    """
+    from treeflow.stages import IN_PROCESS_EXCHANGE, Fragment, Pack, Shard
+
+    if num_ranks == 1:
+        return (Pack(layout=layout, scope=scope, share_rules=share_rules),
+                Fragment(max_tokens=max_tokens))
+    return (Pack(layout=layout, scope=scope, share_rules=share_rules, ranks=num_ranks,
+                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange,
+                 cost=cost),
+            Fragment(max_tokens=max_tokens, ranks=num_ranks, rank=rank, cost=cost),
+            Shard(num_ranks=num_ranks, cost=cost))
+
+
+def deal_cost(model: str | None):
+    """(CostModel, what it is) the ranks are dealt by: the model's own, as training deals.
+
+    model: 'tiny' or a local HF checkpoint directory; None plans without importing torch, by a
+    Llama-1B shape.
+    """
+    from treeflow.stages import CostModel
+
+    if model is None:
+        return CostModel.llama_1b(), "llama-1b (the default: give --model to deal by its cost)"
+    from treeflow.stages import Forward
+    from treeflow.train.checkpoint import model_dir
+
+    return CostModel.from_config(Forward(model=model_dir(model)).model_config()), model
+
+
+def plan_windows(windows: Iterable[pa.Table], *, layout: str, scope: str | None,
+                 share_rules: str, max_tokens: int, num_ranks: int, cost, rank: int | None = None,
+                 write: Callable[[pa.Table], None] | None = None,
+                 advance: Callable[[int], None] | None = None) -> dict:
+    """Plan every window as `num_ranks` training ranks do (`rank`: only that one) and sum it.
+
+    Each rank's stages are timed alone (what that rank computes); the planning exchange's
+    result, the same on every rank, is computed once per window, untimed. write: called with
+    each rank's bins; advance: with each window's episode count. Returns the bins, tokens
+    (exact, laid out, executed, repeated), edges and occurrences, the saving, and, over every
+    rank, the largest and mean cost imbalance (max / mean - 1 per step) and the ranks left
+    without bins.
+    """
+    from treeflow.stages import summed_costs
+    from treeflow.stages.shard import bin_costs
+
+    plan_ranks = range(num_ranks) if rank is None else (rank,)
+    sums = dict(episodes=0, steps=0, ranks=num_ranks, bins=0, exact_tokens=0,
+                layout_tokens=0, executed_tokens=0, repeated_tokens=0, edges=0, occurrences=0)
+    imbalances, seconds, peaks, empty = [], [], [], 0
+    for step, window in enumerate(windows):
+        rank_cost = np.zeros(num_ranks)
+        costs = summed_costs(window, layout=layout, scope=scope, share_rules=share_rules,
+                             cost=cost) if num_ranks > 1 else None
+        for r in plan_ranks:
+            pack, *maps = rank_stages(layout=layout, scope=scope, share_rules=share_rules,
+                                      max_tokens=max_tokens, num_ranks=num_ranks, rank=r,
+                                      exchange=lambda mine, c=costs: c, cost=cost)
+            tracemalloc.start()
+            t1 = time.perf_counter()
+            layouts = pack.map(window, step=step)
+            bins = layouts
+            for stage in maps:
+                bins = stage.map(bins, step=step)
+            seconds.append(time.perf_counter() - t1)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+            if write is not None:
+                write(bins)
+            rank_cost[r] = float(bin_costs(bins, cost).sum())
+            empty += int(bins.num_rows == 0)
+            sums["bins"] += bins.num_rows
+            sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
+            sums["layout_tokens"] += _total_len(layouts, "tokens")
+            sums["executed_tokens"] += _total_len(bins, "tokens")
+            sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
+            sums["edges"] += _total_len(bins, "edge_sources")
+            sums["occurrences"] += _total_len(bins, "occ_edge")
+        if rank is None:
+            mean = rank_cost.mean()
+            imbalances.append(float(rank_cost.max() / mean - 1.0) if mean > 0 else 0.0)
+        sums["episodes"] += window.num_rows
+        sums["steps"] += 1
+        if advance is not None:
+            advance(window.num_rows)
+    sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
+    sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
+    if rank is None:  # a split tree's layout is counted by each rank that shares it
+        sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))
+        sums["rank_imbalance_mean"] = float(np.mean(imbalances)) if imbalances else 0.0
+        sums["ranks_without_bins"] = empty
+    sums["rank_plan_seconds_max"] = round(max(seconds, default=0.0), 4)
+    sums["rank_plan_seconds_mean"] = round(float(np.mean(seconds)) if seconds else 0.0, 4)
+    sums["rank_plan_peak_mib_max"] = round(max(peaks, default=0) / 2**20, 1)
+    return sums
+
+
+def _total_len(table: pa.Table, col: str) -> int:
+    return int(pc.sum(pc.list_value_length(table.column(col))).as_py() or 0)
