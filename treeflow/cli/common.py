@@ -45,23 +45,31 @@ def check_device(device: str) -> None:
 def steady_state(sums: dict, wall: float, setup: float) -> float:
     """Fill a logprobs run's timing and throughput into `sums`; return its steady seconds.
 
-    Start-up (model code imports, device initialisation, model load) and compile/warm-up are
-    one-off costs reported on their own; steady state is the rest of the wall time: reading,
+    wall: seconds from the process's start (treeflow._clock) to the end of the run; setup:
+    from the process's start to the engine's start. Start-up (interpreter start, imports,
+    device initialisation: `setup`; then the model load) and compile/warm-up are one-off
+    costs reported on their own; steady state is the rest of the wall time: reading,
     preparing, running and writing every window, pipeline fill and drain included.
+    `phases` says when (seconds since the process started) the command's imports were done
+    (`imported`), the engine started (`engine`), the first window was planned (the CPU
+    stages), the model was loaded (`loaded`) and compiled (`compiled`), and the run ended.
     """
     import resource
 
-    from treeflow._clock import process_seconds
-
-    startup = setup + sums.pop("load_seconds", 0.0)
+    load = sums.pop("load_seconds", 0.0)
+    startup = setup + load
     steady = max(wall - startup - sums["compile_seconds"], 1e-9)
+    marks = {k: sums.pop(f"{k}_at") for k in ("imported", "planned", "loaded", "compiled")
+             if f"{k}_at" in sums}
     sums.update(wall_seconds=round(wall, 3), startup_seconds=round(startup, 3),
+                load_seconds=round(load, 3),
                 compile_seconds=round(sums["compile_seconds"], 3), steady_seconds=round(steady, 3),
                 exact_tokens_per_s=round(sums["exact_tokens"] / steady),
                 executed_tokens_per_s=round(sums["executed_tokens"] / steady),
                 saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                process_seconds=round(process_seconds(), 3))
+                phases={**{k: round(v, 3) for k, v in marks.items()}, "engine": round(setup, 3),
+                        "done": round(wall, 3)})
     for k in ("prepare_seconds", "device_seconds"):
         if k in sums:
             sums[k] = round(sums[k], 3)

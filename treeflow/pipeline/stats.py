@@ -8,14 +8,18 @@ the bins and the repeated context that fragmentation costs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
 from treeflow.stages.pack import pack
+
+if TYPE_CHECKING:  # polars (0.5 s to import) only for inspect's and plan's frames
+    import polars as pl
 
 LAYOUT_NAMES = ("exact", "chain", "tree_episode", "tree_group")
 
@@ -30,6 +34,8 @@ def _per_layout(layouts: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 def window_stats(episodes: pa.Table, *, max_tokens: int | None = None) -> tuple[pl.DataFrame, dict]:
     """Per-episode frame and window totals."""
+    import polars as pl
+
     calls = episodes.column("calls").combine_chunks()
     flat = calls.flatten()
     n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False)
@@ -112,6 +118,8 @@ def merge_totals(parts: list[dict]) -> dict:
 
 def call_stats(episodes: pa.Table) -> pl.DataFrame:
     """One row per call: episode row, call turn, call length and sampled tokens."""
+    import polars as pl
+
     calls = episodes.column("calls").combine_chunks()
     flat = calls.flatten()
     n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -125,6 +133,8 @@ def call_stats(episodes: pa.Table) -> pl.DataFrame:
 
 def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int = 0) -> pl.DataFrame:
     """One row per bin of the tree layout's plan for this window: fill, repeated context, rank, cost."""
+    import polars as pl
+
     from treeflow.stages import Fragment, Pack, Shard
     from treeflow.stages.shard import bin_costs
 
