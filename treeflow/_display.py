@@ -57,12 +57,12 @@ def progress(description: str, total: int | None, quiet: bool = False, *, unit: 
     bytes with unit="bytes"); `episodes` (default n) and `tokens` feed the rates;
     `advance.bins(done, total)` shows the bins done of the item in progress.
     """
-    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
     if quiet or not sys.stderr.isatty():  # no bar (nor its blank line) in logs and pipes
         yield _silent
         return
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
     count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
     cols = [TextColumn("{task.description}"), BarColumn(), count, TextColumn("{task.fields[bins]}"),
             _rate_column(), TimeElapsedColumn(),

@@ -13,7 +13,6 @@ import os
 from contextlib import contextmanager
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from treeflow.atomic import atomic_path, check_output, refuse_inputs
 
@@ -35,8 +34,12 @@ class _Writer:
 
     def write(self, table: pa.Table) -> None:
         if self._w is None:
-            self._w = (pq.ParquetWriter(self.path, table.schema) if self.fmt == "parquet"
-                       else pa.ipc.new_file(self.path, table.schema))
+            if self.fmt == "parquet":
+                import pyarrow.parquet as pq  # 0.2-0.5 s to import: only for Parquet outputs
+
+                self._w = pq.ParquetWriter(self.path, table.schema)
+            else:
+                self._w = pa.ipc.new_file(self.path, table.schema)
         self._w.write_table(table)
         self.rows += table.num_rows
 

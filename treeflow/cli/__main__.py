@@ -1,7 +1,5 @@
 """`python -m treeflow.cli ...`: the `treeflow` console script."""
 
-import sys
+from treeflow.cli.main import entry
 
-from treeflow.cli.main import main
-
-sys.exit(main())
+entry()

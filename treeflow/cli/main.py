@@ -10,15 +10,19 @@ the command modules and runs the chosen command; nothing imports it back.
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
+import threading
 
+import treeflow._clock  # noqa: F401  where /proc is absent, the process clock starts here
 from treeflow.cli.convert import add_convert_parser
 from treeflow.cli.gate import add_gate_parser
 from treeflow.cli.plan import add_plan_parsers, add_synth_parser
 from treeflow.cli.replay import add_replay_parser
 from treeflow.cli.stream import add_stream_parsers
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "entry", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +72,33 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             return code
     return run(args.fn, args, debug=debug_wanted(getattr(args, "debug", False)))
+
+
+def entry() -> None:
+    """The `treeflow` console script and `python -m treeflow.cli`: run `main`, then exit fast.
+
+    A process that imported torch (and on a GPU made a CUDA context) spends 0.5-1 s after
+    its last line tearing the interpreter down: every module's objects, the context, the
+    allocator's pools. Every output is written and closed before `main` returns
+    (treeflow.atomic), so once stdout and stderr are flushed and the exit handlers have run
+    (Ray's shutdown, multiprocessing's joins, the compile workers', logging's flush) the
+    process ends with `os._exit`. While a non-daemon thread still runs, the interpreter's
+    own exit waits for it as usual. `main(argv)` called from Python never exits.
+    """
+    code = main()
+    others = [t for t in threading.enumerate()
+              if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if others:
+        sys.exit(code)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: what was written stays lost either way
+                pass
+        os._exit(code if isinstance(code, int) else 1)
 
 
 def _compile_cache(args) -> int:

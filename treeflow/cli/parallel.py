@@ -149,9 +149,11 @@ def _process_count(args, flag: str, n: int, *, train: bool) -> None:
 
 def start_ranks(fn, processes: int, args) -> None:
     """Run `fn(args)` in `processes` spawned local processes (torchrun's environment in each)."""
+    from treeflow._clock import inherited
     from treeflow.train.launch import spawn
 
     try:
-        spawn(fn, processes, args)
+        with inherited():  # their wall_seconds count from the user's command
+            spawn(fn, processes, args)
     except RuntimeError as e:
         raise ValueError(f"running over {processes} processes failed: {e}") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from contextlib import nullcontext
 
 from treeflow._display import console, count_rows, progress
@@ -50,11 +49,13 @@ def _replay(args) -> int:
     """Logprobs mode; under tensor parallelism one of its processes (the first one writes)."""
     import torch
 
+    from treeflow._clock import process_seconds
     from treeflow._output import table_output
     from treeflow.pipeline import Pipeline
     from treeflow.pipeline.stats import add_sums, route_agreement, steady_state
     from treeflow.stages import CostModel, Fragment, Pack, Reassemble, Shard
 
+    imported = process_seconds()
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
     check_device(args.device)
     lead, device = True, args.device
@@ -73,8 +74,7 @@ def _replay(args) -> int:
         lead, device = group.rank == 0, str(group.device)
     quiet = args.json or args.quiet or not lead
     sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
-                compile_seconds=0.0)
-    t0 = time.perf_counter()
+                compile_seconds=0.0, imported_at=imported)
     output = (table_output(args.output, args.files, what="logprobs") if lead
               else nullcontext(_Discard()))
     with output as out:
@@ -91,15 +91,14 @@ def _replay(args) -> int:
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         total_rows = count_rows(args.files)
-        setup = time.perf_counter() - t0  # imports of the model code, device initialisation
+        setup = process_seconds()  # interpreter start, imports, device initialisation
         with progress("replay", total_rows, quiet) as advance:
             for rec in pipe.run(source, device=device, engine=args.engine, ranks=args.num_ranks,
                                 prefetch=args.prefetch):
                 out.write(rec.output)
                 add_sums(sums, rec.stats)
                 advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
-    wall = time.perf_counter() - t0
-    steady = steady_state(sums, wall, setup)
+    steady = steady_state(sums, process_seconds(), setup)
     route_agreement(sums)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)

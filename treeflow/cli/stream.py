@@ -94,7 +94,6 @@ def _check_producers(args) -> None:
 
 
 def cmd_stream(args) -> int:
-    args._t0 = time.perf_counter()
     _check(args)
     vocab = configs.forward(args).vocab_size_hint()
     if args.produce_only:

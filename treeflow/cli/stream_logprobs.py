@@ -15,6 +15,7 @@ import re
 import time
 from contextlib import nullcontext
 
+from treeflow._clock import process_seconds
 from treeflow._display import progress
 from treeflow.cli import configs
 from treeflow.cli.common import steady_state
@@ -98,7 +99,7 @@ def stream_logprobs(args, queue, out: dict) -> dict:
     kls, maxdiff = [], 0.0
     metrics = open(args.metrics, "a") if args.metrics else None
     t0 = time.perf_counter()
-    setup = t0 - args._t0  # imports of the model code, the queue's start
+    setup = process_seconds()  # interpreter start, imports of the model code, the queue's start
     try:
         with (table_output(out["file"], args.from_files, what="logprobs") if one_file
               else nullcontext()) as single, \
@@ -134,8 +135,7 @@ def stream_logprobs(args, queue, out: dict) -> dict:
         reader.close()
         if metrics:
             metrics.close()
-    wall = time.perf_counter() - args._t0
-    steady_state(sums, wall, setup)  # as replay reports it
+    steady_state(sums, process_seconds(), setup)  # as replay reports it
     sums.update(gen_kl_mean=(sum(kls) / len(kls)) if kls else None,
                 gen_logprob_max_diff=maxdiff if kls else None,
                 redelivered=reader.redelivered, skipped_redeliveries=reader.skipped,

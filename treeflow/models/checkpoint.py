@@ -1,9 +1,10 @@
 """Load and save the reference decoder in Hugging Face's on-disk format.
 
 Only local directories (or the built-in `"tiny"` model) are read; nothing is
-downloaded. The model is built on the meta device and each tensor is read from
-safetensors straight into the target dtype and device, so peak memory is one
-copy of the weights. Every mismatch between the file and the model (a missing,
+downloaded. The model is built on the meta device without the modules' default initialisation
+(every value is read or drawn after) and each tensor is read from safetensors
+straight into the target dtype and device, so peak memory is one copy of the
+weights and no weight is initialised twice. Every mismatch between the file and the model (a missing,
 unexpected or wrongly shaped tensor, or one holding NaN or inf) is an error
 naming the tensor: a partial or poisoned load would silently train a different
 model or give NaN for every logprob.
@@ -18,6 +19,7 @@ import sys
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch.overrides import TorchFunctionMode
 
 from treeflow.atomic import atomic_open, atomic_path
 
@@ -39,9 +41,8 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     """`"tiny"` or a ModelConfig: seeded random weights; a directory: its HF checkpoint."""
     if isinstance(path_or_name, ModelConfig) or path_or_name == "tiny":
         config = ModelConfig.tiny() if path_or_name == "tiny" else path_or_name
-        model = _decoder(config)
-        _seeded_init(model, torch.Generator().manual_seed(0))  # CPU float32: runs agree
-        return model.to(dtype=dtype, device=device)
+        # drawn on the CPU in float32 (runs on every device agree), then moved
+        return seeded_decoder(config).to(dtype=dtype, device=device)
     path = os.fspath(path_or_name)
     if not os.path.exists(path):
         raise ValueError(f"--model {path}: does not exist; give 'tiny' or a local checkpoint "
@@ -50,8 +51,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
         raise ValueError(f"--model {path}: is a file; give the checkpoint directory that holds "
                          "config.json and model.safetensors")
     config = ModelConfig.from_hf_dir(path)
-    with torch.device("meta"):
-        model = _decoder(config)
+    model = _empty_decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     state, experts, frozen = {}, {}, {}
     for file in _weight_files(path):
@@ -84,6 +84,29 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
               f"({sorted(frozen)[0]}, ...): loaded frozen, never run or trained, saved back "
               "unchanged", file=sys.stderr)
     return model
+
+
+class _NoInit(TorchFunctionMode):
+    """Skips `torch.nn.init`'s fills while modules are built on the meta device.
+
+    Their values are read or drawn afterwards, so a default initialisation is work for
+    nothing; and on the meta device `init.normal_` (nn.Embedding's) runs through torch's
+    reference decompositions, which import torch._dynamo (2-4 s) in a run that compiles
+    nothing. A function mode is per thread: a thread preparing windows meanwhile is not
+    affected.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_"):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def _empty_decoder(config: ModelConfig) -> Decoder:
+    """The module for `config` on the meta device, nothing initialised."""
+    with torch.device("meta"), _NoInit():
+        return _decoder(config)
 
 
 def _decoder(config: ModelConfig) -> Decoder:
@@ -144,9 +167,7 @@ def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
     ~30 s); the price is that the weights depend on the device and dtype, unlike
     `load_model("tiny")`'s, which are drawn on the CPU in float32 and then moved.
     """
-    with torch.device("meta"):
-        model = _decoder(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = _empty_decoder(config).to_empty(device=device).to(dtype)
     _seeded_init(model, torch.Generator(device=device).manual_seed(seed))
     return model
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import torch
 
+from treeflow._clock import process_seconds
 from treeflow.ops.train import Window
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.prefetch import Prefetch
@@ -34,7 +35,8 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
     background: prepare windows in a background thread (default: when the
     model runs on an accelerator). Reading and the maps then start at once,
     while the model loads and compiles (`load_seconds` and `compile_seconds`
-    on the first window's stats); the host half of the model map waits for
+    on the first window's stats, with `planned_at`, `loaded_at` and `compiled_at`:
+    seconds since the process started, treeflow/_clock.py); the host half of the model map waits for
     the model. When the model runs on the CPU, its intra-op threads already
     use every core: a preparing thread beside them only oversubscribes the
     cores (spinning OpenMP workers made a 2-core replay 12x slower), so
@@ -45,12 +47,15 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
         background = plan.model is not None and torch.device(on).type != "cpu"
     built = threading.Event()
     bound: list = [worker]
+    planned: list = []  # when the first window's CPU stages were done (process seconds)
 
     def prepare(step: int, episodes: pa.Table):
         t0 = time.perf_counter()
         episodes = plan.episodes(episodes, step=step)
         bins = plan.prepare(episodes, step=step)
         seconds = time.perf_counter() - t0
+        if not planned:
+            planned.append(process_seconds())
         prepared = bins
         if plan.model is not None:
             built.wait()
@@ -69,8 +74,9 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
             t0 = time.perf_counter()
             if worker is None:
                 worker = plan.worker(device=device)
-            load_seconds = time.perf_counter() - t0
+            load_seconds, loaded_at = time.perf_counter() - t0, process_seconds()
             compile_seconds = worker.warm_up()
+            compiled_at = process_seconds()
             graphs = _GraphCounter(warmed=compile_seconds > 0)
             bound[0] = worker
         finally:
@@ -86,7 +92,8 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
                     yield _finish(*held, graphs)
                 raise
             if first:
-                stats.update(load_seconds=load_seconds, compile_seconds=compile_seconds)
+                stats.update(load_seconds=load_seconds, compile_seconds=compile_seconds,
+                             planned_at=planned[0], loaded_at=loaded_at, compiled_at=compiled_at)
                 first = False
             acc = worker.open(Window(step=step, episodes=episodes, position=position))
             acc.add(prepared)

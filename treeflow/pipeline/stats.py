@@ -9,14 +9,18 @@ the bins and the repeated context that fragmentation costs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.fragment import fragment
 from treeflow.stages.pack import pack
+
+if TYPE_CHECKING:  # polars (0.5 s to import) only for inspect's and plan's frames
+    import polars as pl
 
 LAYOUT_NAMES = ("exact", "chain", "tree_episode", "tree_group")
 
@@ -31,6 +35,8 @@ def _per_layout(layouts: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 def window_stats(episodes: pa.Table, *, max_tokens: int | None = None) -> tuple[pl.DataFrame, dict]:
     """Per-episode frame and window totals."""
+    import polars as pl
+
     calls = episodes.column("calls").combine_chunks()
     flat = calls.flatten()
     n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False)
@@ -98,23 +104,31 @@ def add_sums(total: dict, part: dict) -> dict:
 def steady_state(sums: dict, wall: float, setup: float) -> float:
     """Fill a logprobs run's timing and throughput into `sums`; return its steady seconds.
 
-    Start-up (model code imports, device initialisation, model load) and compile/warm-up are
-    one-off costs reported on their own; steady state is the rest of the wall time: reading,
+    wall: seconds from the process's start (treeflow._clock) to the end of the run; setup:
+    from the process's start to the engine's start. Start-up (interpreter start, imports,
+    device initialisation: `setup`; then the model load) and compile/warm-up are one-off
+    costs reported on their own; steady state is the rest of the wall time: reading,
     preparing, running and writing every window, pipeline fill and drain included.
+    `phases` says when (seconds since the process started) the command's imports were done
+    (`imported`), the engine started (`engine`), the first window was planned (the CPU
+    stages), the model was loaded (`loaded`) and compiled (`compiled`), and the run ended.
     """
     import resource
 
-    from treeflow._clock import process_seconds
-
-    startup = setup + sums.pop("load_seconds", 0.0)
+    load = sums.pop("load_seconds", 0.0)
+    startup = setup + load
     steady = max(wall - startup - sums["compile_seconds"], 1e-9)
+    marks = {k: sums.pop(f"{k}_at") for k in ("imported", "planned", "loaded", "compiled")
+             if f"{k}_at" in sums}
     sums.update(wall_seconds=round(wall, 3), startup_seconds=round(startup, 3),
+                load_seconds=round(load, 3),
                 compile_seconds=round(sums["compile_seconds"], 3), steady_seconds=round(steady, 3),
                 exact_tokens_per_s=round(sums["exact_tokens"] / steady),
                 executed_tokens_per_s=round(sums["executed_tokens"] / steady),
                 saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                process_seconds=round(process_seconds(), 3))
+                phases={**{k: round(v, 3) for k, v in marks.items()}, "engine": round(setup, 3),
+                        "done": round(wall, 3)})
     for k in ("prepare_seconds", "device_seconds"):
         if k in sums:
             sums[k] = round(sums[k], 3)
@@ -170,6 +184,8 @@ def episode_distributions(frame: pl.DataFrame) -> dict:
 
 def call_stats(episodes: pa.Table) -> pl.DataFrame:
     """One row per call: episode row, call turn, call length and sampled tokens."""
+    import polars as pl
+
     calls = episodes.column("calls").combine_chunks()
     flat = calls.flatten()
     n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -183,6 +199,8 @@ def call_stats(episodes: pa.Table) -> pl.DataFrame:
 
 def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int = 0) -> pl.DataFrame:
     """One row per bin of the tree layout's plan for this window: fill, repeated context, rank, cost."""
+    import polars as pl
+
     from treeflow.stages import Fragment, Pack, Shard
     from treeflow.stages.shard import bin_costs
 

@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
 
 from treeflow.schemas._strict import warn_unknown_columns
 from treeflow.schemas.episode_check import validate_episodes
@@ -88,6 +87,30 @@ class _StreamFile:
         return self.to_table().take(indices)
 
 
+class _IpcFile(_StreamFile):
+    """An Arrow IPC file (file format) behind the same calls, read batch by batch.
+
+    pyarrow.dataset would do the same but imports pandas (0.5-0.7 s of every replay's start);
+    its footer is read on opening, so a truncated file fails there.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        with pa.OSFile(path) as source:
+            self.schema = pa.ipc.open_file(source).schema
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        with pa.OSFile(self.path) as source:
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+
+    def count_rows(self) -> int:
+        with pa.memory_map(self.path) as source:  # zero-copy: only the batches' headers are read
+            reader = pa.ipc.open_file(source)
+            return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+
+
 def open_episode_file(path: str):
     """A dataset-like reader of one episode file (schema, to_batches, count_rows, to_table, take).
 
@@ -100,6 +123,8 @@ def open_episode_file(path: str):
 def _open(path: str):
     """A Parquet file, an Arrow IPC file or an Arrow stream file, told apart by content."""
     if path.endswith(".parquet"):
+        import pyarrow.dataset as pads  # imports pandas: only for Parquet
+
         try:
             return pads.dataset(path, format="parquet")
         except (pa.ArrowInvalid, OSError) as e:
@@ -111,7 +136,7 @@ def _open(path: str):
         raise ValueError(f"{path}: cannot open: {e.strerror}") from e
     try:
         if magic == _ARROW_FILE_MAGIC:
-            return pads.dataset(path, format="ipc")
+            return _IpcFile(path)
         return _StreamFile(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"{path}: neither an Arrow IPC file nor an Arrow stream (the file may be "
