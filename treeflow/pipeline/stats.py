@@ -168,6 +168,8 @@ def merge_totals(parts: list[dict]) -> dict:
 def episode_distributions(frame: pl.DataFrame) -> dict:
     """Mean, min, p50, p90 and max per episode of the calls, the tokens of each layout and the
     episode-scope tree's saving (exact / tree tokens), from window_stats' frames concatenated."""
+    import polars as pl
+
     if frame.height:
         frame = frame.with_columns(
             saving_tree_episode=pl.col("exact_tokens") / pl.col("tree_episode_tokens"))
