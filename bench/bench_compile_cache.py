@@ -22,7 +22,17 @@ On CPU the command compiles nothing (flex runs eager, `compile_layers` is CUDA
 only), so `--cpu-probe` adds the mechanism on CPU: a decoder layer's RMSNorm and
 SwiGLU compiled by inductor (C++ through the host compiler) in a fresh process
 after `treeflow.compile_cache.configure(DIR)`, twice, and once with "off", with
-inductor's cache hit/miss counters.
+inductor's cache hit/miss counters. It also runs the fast preset's two layer graphs (the real
+decoder's LayerOps, inductor's C++ backend) five ways, each a fresh process: precompiled first
+and second (treeflow/models/precompiled.py: the second loads the saved graphs, dynamo traces
+nothing), plain torch.compile first and second on a cache of its own (the code before), and
+off; with dynamo's timers and whether the hidden states are bit-identical to off.
+
+Each CLI run also reports `warm_up_parts` (the imports of dynamo and inductor, the budget-sized
+tree bin, the short chain bin), `precompiled` (layer graphs loaded / captured / run through
+torch.compile), every dynamo timer (`dynamo_phases_all`), and per preset
+`bit_identical_to_off`: the first and second run's logprob files against `--compile-cache off`
+(plain torch.compile, no precompiled graphs), compared as Arrow tables.
 """
 
 from __future__ import annotations
@@ -64,6 +74,61 @@ print(json.dumps({"compile_seconds": round(time.perf_counter() - t0, 3),
                   "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
+
+
+# the fast preset's layer graphs on CPU: the real decoder's LayerOps with inductor (C++), built
+# directly (layer_ops() runs inductor on CUDA only), a no-grad forward of one tree bin
+_PROBE_LAYERS = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from treeflow.compile_cache import configure
+configure(sys.argv[1])
+import numpy as np, torch
+from torch._dynamo import utils
+from treeflow.models import ModelConfig, decoder
+from treeflow.models import precompiled
+from treeflow.models.attention import AttentionPlan
+from treeflow.models.checkpoint import seeded_decoder
+from treeflow.models.layer_ops import LayerOps
+from treeflow.tree import subtree_end
+if sys.argv[3] == "torch.compile":  # the code before precompiled graphs: dynamo every process
+    precompiled.available = lambda: "the bench asked for torch.compile"
+ops = LayerOps(compile_backend="inductor", recompute="none")
+decoder.layer_ops = lambda tuning, device: ops
+cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+model = seeded_decoder(cfg, device="cpu", dtype=torch.float32)
+n = 256
+parents = np.arange(-1, n - 1)
+parents[n // 2] = 0
+depth = np.zeros(n, dtype=np.int64)
+for i, p in enumerate(parents):
+    depth[i] = 0 if p < 0 else depth[p] + 1
+plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=parents)
+t1 = time.perf_counter()
+with torch.no_grad():
+    h = model(torch.arange(n) % 512, torch.from_numpy(depth), plan)
+t2 = time.perf_counter()
+torch.save(h, sys.argv[2])
+m = utils.compilation_time_metrics
+print(json.dumps({"compile_seconds": round(t2 - t1, 3), "startup_seconds": round(t1 - t0, 3),
+                  "graphs": int(utils.counters["stats"]["unique_graphs"]),
+                  "dynamo_phases_all": {k: round(sum(v), 3) for k, v in m.items()
+                                        if sum(v) >= 0.005},
+                  "inductor": {k: int(v) for k, v in utils.counters["inductor"].items()
+                               if "cache" in k},
+                  "precompiled": precompiled.stats()}))
+"""
+
+
+def _same_logprobs(a: str, b: str) -> bool | None:
+    """Whether two logprob files hold bit-identical values (None if either is missing)."""
+    import pyarrow.ipc as ipc
+
+    if not (os.path.exists(a) and os.path.exists(b)):
+        return None
+    with ipc.open_file(a) as fa, ipc.open_file(b) as fb:
+        return fa.read_all().equals(fb.read_all())
 
 
 def _files(path: str) -> dict:
@@ -118,7 +183,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--tunings", default="plain,fast",
                     help="presets to run, comma-separated; '+' joins settings of one run "
-                         "(fast+recompute=mlp)")
+                         "(fast+recompute=mlp); none: only --cpu-probe")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cpu-probe", action="store_true", help="inductor on CPU, outside the CLI")
     ap.add_argument("--train-steps", type=int, default=6,
@@ -147,7 +212,7 @@ def main() -> None:
                     "--seed", "0"], check=True, env=env, capture_output=True)
     make_checkpoint(args.shape, model, args.device)
     result = {"settings": vars(args), "runs": {}}
-    for tuning in args.tunings.split(","):
+    for tuning in [] if args.tunings == "none" else args.tunings.split(","):
         cache = os.path.join(work, f"cache-{tuning}")
         runs = result["runs"][tuning] = {}
         for name, where in (("first", cache), ("second", cache), ("off", "off")):
@@ -159,10 +224,17 @@ def main() -> None:
             out = cli(cmd, env, f"{tuning} {name}", script=TIMES)
             keep = {k: out.get(k) for k in ("compile_seconds", "startup_seconds", "steady_seconds",
                                             "wall_seconds", "process_seconds", "recompiles",
-                                            "tuning", "graphs", "frames", "dynamo_phases",
-                                            "inductor", "aot_autograd", "error")}
+                                            "tuning", "graphs", "frames", "warm_up_parts",
+                                            "precompiled", "dynamo_phases", "inductor",
+                                            "aot_autograd", "dynamo_phases_all", "error")}
             runs[name] = {**keep, "loadavg": load, **(_files(cache) if where != "off" else {})}
             print(f"{tuning:6s} {name:6s} {json.dumps(runs[name])}", flush=True)
+        # the precompiled graphs (first: captured, second: loaded) against torch.compile (off)
+        lp = {name: os.path.join(work, f"lp-{tuning}-{name}.arrow") for name in runs}
+        runs["bit_identical_to_off"] = {name: _same_logprobs(lp[name], lp["off"])
+                                        for name in ("first", "second")}
+        print(f"{tuning:6s} logprobs bit-identical to --compile-cache off: "
+              f"{json.dumps(runs['bit_identical_to_off'])}", flush=True)
         first, second = runs["first"].get("compile_seconds"), runs["second"].get("compile_seconds")
         if first and second is not None:
             runs["second_over_first_compile"] = round(second / first, 3)
@@ -170,6 +242,33 @@ def main() -> None:
             runs["train"] = _train(args, env, data, model, dtype, tuning, cache, work)
             print(f"{tuning:6s} train  {json.dumps(runs['train'])}", flush=True)
     if args.cpu_probe:
+        cache = os.path.join(work, "cache-layers")
+        probe = result["cpu_probe_layers"] = {}
+        plain_cache = os.path.join(work, "cache-layers-torch-compile")
+        for name, where, how in (("first", cache, "precompiled"), ("second", cache, "precompiled"),
+                                 ("torch_compile_first", plain_cache, "torch.compile"),
+                                 ("torch_compile_second", plain_cache, "torch.compile"),
+                                 ("off", "off", "torch.compile")):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", _PROBE_LAYERS, where,
+                                   os.path.join(work, f"h-{name}.pt"), how], capture_output=True,
+                                  text=True, env=env)
+            if proc.returncode:
+                probe[name] = {"error": proc.stderr[-2000:]}
+            else:
+                probe[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                               "process_seconds": round(time.perf_counter() - t0, 2),
+                               "loadavg": _loadavg()}
+            print(f"layers {name:6s} {json.dumps(probe[name])}", flush=True)
+        import torch
+
+        hs = {n: os.path.join(work, f"h-{n}.pt") for n in probe}
+        if all(os.path.exists(h) for h in hs.values()):
+            off = torch.load(hs["off"])
+            probe["bit_identical_to_off"] = {n: bool(torch.equal(torch.load(hs[n]), off))
+                                             for n in hs if n != "off"}
+            print(f"layers hidden states bit-identical to off: "
+                  f"{json.dumps(probe['bit_identical_to_off'])}", flush=True)
         cache = os.path.join(work, "cache-probe")
         probe = result["cpu_probe"] = {}
         for name, where in (("first", cache), ("second", cache), ("off", "off")):

@@ -18,8 +18,11 @@ torch is already imported (the library case).
 
 Trade-off: the cache grows with every new shape, dtype, torch version and GPU
 (tens to hundreds of MB); nothing here prunes it -- delete the directory to
-reclaim it. What is not cached is dynamo's tracing of the Python code (about
-1.4 s on the fast preset), which every process still pays.
+reclaim it. Dynamo's tracing of the Python code is not in torch's caches; the
+compiled layer graphs are therefore also saved whole, dynamo's output included,
+in `precompiled/` under the directory (models/precompiled.py), which
+`active_dir` checks again before every load and `open_own` checks file by file.
+FlexAttention is still traced by dynamo in every process.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import os
 import stat
 import sys
 
-__all__ = ["OFF", "add_option", "configure", "default_dir"]
+__all__ = ["OFF", "active_dir", "add_option", "configure", "default_dir", "open_own"]
 
 OFF = "off"
 _ENV_DIR = "TORCHINDUCTOR_CACHE_DIR"
@@ -62,14 +65,48 @@ def configure(where: str | os.PathLike | None = None) -> str | None:
     Raises ValueError naming the directory when it is not the caller's own: owned by another
     user, writable by group or others, or not a directory.
     """
+    global _active
     if where is not None and os.fspath(where) == OFF:
         _set(fx=False, directory=None)
+        _active = None
         return None
     if where is None:
         where = os.environ.get(_ENV_DIR) or default_dir()
     directory = _own_dir(os.path.abspath(os.path.expanduser(os.fspath(where))))
     _set(fx=True, directory=directory)
+    _active = directory
     return directory
+
+
+_active: str | None = None  # the directory configure() last turned on; None: off or never called
+
+
+def active_dir(sub: str) -> str | None:
+    """`sub` inside the directory `configure` turned on, checked again (it may have changed
+    since) and made mode 0700 if absent; None when the cache is off or was never configured."""
+    if _active is None:
+        return None
+    _own_dir(_active)
+    return _own_dir(os.path.join(_active, sub))
+
+
+def open_own(path: str):
+    """`path` open for reading (binary) if it is a regular file of this user's that group and
+    others cannot write, checked on the open file itself; raises ValueError naming it if not."""
+    f = open(path, "rb")
+    st = os.fstat(f.fileno())
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif hasattr(os, "getuid") and st.st_uid != os.getuid():
+        why = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if why is not None:
+        f.close()
+        raise ValueError(f"compile cache file {path} {why}: it holds code this process would "
+                         "run; delete it, or give --compile-cache a directory of your own (or off)")
+    return f
 
 
 def _own_dir(path: str) -> str:

@@ -17,7 +17,7 @@ def episodes(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", ["", ",recompute=mlp"], ids=["fast-like", "lean-like"])
-def test_compiled_training_compiles_once(episodes, capsys, extra):
+def test_compiled_training_compiles_once(episodes, capsys, extra, tmp_path):
     """Three steps of different sizes with compiled layers (aot_eager runs on CPU), also under
     lean's MLP recomputation (backward reruns the compiled block): the first step's graphs are
     the warm-up, later steps reuse them (`recompiles` counts new graphs)."""
@@ -29,14 +29,15 @@ def test_compiled_training_compiles_once(episodes, capsys, extra):
     assert main(["replay", str(episodes), "--model", "tiny", "--mode", "train",
                  "--episodes-per-step", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
                  "--tuning", "compile_layers=1,compile_backend=aot_eager" + extra,
-                 "--json"]) == 0
+                 # a cache of its own: layer graphs precompiled by an earlier run would load
+                 "--compile-cache", str(tmp_path / "cache"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] == 3
     assert counters["stats"]["unique_graphs"] - before >= 2  # the layer parts did compile
     assert out["recompiles"] == 0
 
 
-def test_recompiles_are_counted(episodes, capsys, monkeypatch):
+def test_recompiles_are_counted(episodes, capsys, monkeypatch, tmp_path):
     """The counter can fail: with the token dimension left static every new bin size compiles
     again, and the JSON says so."""
     import torch._dynamo
@@ -50,7 +51,8 @@ def test_recompiles_are_counted(episodes, capsys, monkeypatch):
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         assert main(["replay", str(episodes), "--model", "tiny", "--mode", "train",
                      "--episodes-per-step", "4", "--steps", "3", "--lr", "1e-4", "--loss", "nll",
-                     "--tuning", "compile_layers=1,compile_backend=aot_eager", "--json"]) == 0
+                     "--tuning", "compile_layers=1,compile_backend=aot_eager",
+                     "--compile-cache", str(tmp_path / "cache"), "--json"]) == 0
     torch._dynamo.reset()
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["recompiles"] > 0

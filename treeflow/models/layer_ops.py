@@ -14,6 +14,9 @@ varlen/SDPA kernels are already fused.
   statistics, RoPE, SiLU x up) and smaller saved activations. Without
   recomputation (and outside MoE layers) the attention output and the MLP
   block are one graph: two graphs per grad mode for dynamo to trace, not three.
+  Where torch has the precompile API, each part is a `Precompiled` (precompiled.py): its
+  graphs are saved whole in the compile cache, so a later process loads them instead of
+  tracing them again (without a cache, or without the API, plain torch.compile).
 - Recomputation (`recompute`) wraps the MLP block, the attention half or the
   whole layer in non-reentrant activation checkpointing: backward reruns it
   from its input instead of keeping its intermediates.
@@ -30,6 +33,8 @@ import warnings
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from treeflow.models import precompiled
+
 __all__ = ["LayerOps", "layer_ops"]
 
 _RECOMPILE_LIMIT = 64  # bins of one length share a graph; this bounds lengths x grad modes
@@ -41,7 +46,13 @@ class LayerOps:
     def __init__(self, *, compile_backend: str | None, recompute: str) -> None:
         self.compile_backend, self.recompute = compile_backend, recompute
         parts = (_attention_inputs, _attention_output, _mlp_block, _after_attention)
-        if compile_backend is not None:
+        # the tensor arguments whose first dimension is the token count (dynamic)
+        tokens = ((1, 2, 3), (1, 2), (1,), (1, 2))
+        self.precompiled = compile_backend is not None and precompiled.available() is None
+        if self.precompiled:  # saved whole in the compile cache: a later process loads them
+            parts = tuple(precompiled.Precompiled(f, backend=compile_backend, name=f.__name__[1:],
+                                                  dynamic=d) for f, d in zip(parts, tokens))
+        elif compile_backend is not None:
             parts = tuple(torch.compile(f, backend=compile_backend, dynamic=None, fullgraph=True)
                           for f in parts)
         self._inputs, self._output, self._mlp, self._after = parts
@@ -54,13 +65,15 @@ class LayerOps:
 
     def __call__(self, layer, x_NH, cos_ND, sin_ND, attention, moe=None):
         grad = torch.is_grad_enabled()
-        if self.compile_backend is not None:
+        mark = self.compile_backend is not None and not self.precompiled  # Precompiled marks
+        if mark:
             for t in (x_NH, cos_ND, sin_ND):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             if self._fuse and moe is None:
                 out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
-                torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
+                if mark:
+                    torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
                 return self._after(layer, x_NH, out_NQD)
             if grad and self.recompute == "layer":
                 return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe)
@@ -75,7 +88,7 @@ class LayerOps:
 
     def _attention(self, layer, x_NH, cos_ND, sin_ND, attention):
         out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
-        if self.compile_backend is not None:
+        if self.compile_backend is not None and not self.precompiled:
             torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
         return self._output(layer, x_NH, out_NQD)
 

@@ -35,6 +35,7 @@ from treeflow.stages.flat import list_offsets, list_values
 from treeflow.tree import subtree_end
 
 _COLUMNS = ("tokens", "parents", "positions", "edge_sources", "edge_targets")
+_CHAIN_WARM_UP = 1024  # tokens of warm-up's chain bin
 
 
 @dataclass
@@ -274,10 +275,15 @@ class ForwardRunner:
         t0 = time.perf_counter()
         n = self.pad_to or 1024
         half = n // 2
-        # a branching bin (two chains under one root) and a chain bin: flex and varlen kernels
+        # a branching bin of the budget's size (two chains under one root: flex, compiled for
+        # that one padded length, and the layer graphs at the token count the run's bins come
+        # near) and a short chain bin (varlen, compiled for no length; the layer graphs are
+        # dynamic in the token count, so its other length compiles nothing new)
         tree_parents = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
-        shapes = [tree_parents, np.arange(-1, n - 1)]
-        for parents in shapes:
+        shapes = {"tree_bin": tree_parents, "chain_bin": np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)}
+        self.warm_up_parts = {}  # seconds per dummy bin (what bench/compile_times_cli.py reports)
+        for name, parents in shapes.items():
+            t1 = time.perf_counter()
             positions = _depths(parents)
             tokens = np.zeros(len(parents), dtype=np.int64)
             src = np.arange(min(len(parents), 64))
@@ -285,6 +291,8 @@ class ForwardRunner:
                 lp, _ = self.edge_logprobs(tokens, parents, positions, src, np.zeros_like(src))
                 if grad:
                     lp.sum().backward()
+            torch.cuda.synchronize(self.device)
+            self.warm_up_parts[name] = time.perf_counter() - t1
         if grad:
             self.model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(self.device)
