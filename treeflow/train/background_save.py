@@ -6,8 +6,8 @@ and hands the writing to a thread (train/checkpoint.py's `checkpoint_writer`:
 the same files, manifest, atomic rename and `latest` commit as a synchronous
 save, so a kill mid-write leaves the previous complete step the newest valid
 one). The thread reads the live weights and AdamW tensors one at a time
-(treeflow/tensorfile.py): no snapshot, so the host holds one tensor at a time,
-not a copy of the state. The price is a fence: the next optimizer step must
+(treeflow/tensorfile.py, in chunks, the weights file and the optimizer file at
+once): no snapshot, so the host holds a few chunks, not a copy of the state. The price is a fence: the next optimizer step must
 not change those tensors before the writer has read them, so `Step.finish`
 waits for the writer just before `optimizer.step()` -- the next step's
 forward and backward overlap the write; only a write longer than a whole step
@@ -19,7 +19,9 @@ compute stream.
 Where the GPU has room (free memory at least twice the weights plus AdamW
 state), the save first clones those tensors on the device (a device-to-device
 copy, milliseconds) and the thread writes the clones: no fence, so a write may
-span several steps (at most one in flight: the next save waits and says so).
+span several steps (at most one in flight: the next save waits, and the first
+such wait says on stderr how long the write took and the --save-every that
+would hide it; the metrics row's `save_wait_s` has every wait).
 The clones cost device memory while the write runs, never host memory; on the
 CPU, where a clone would be a second host copy of the state, the fence holds.
 

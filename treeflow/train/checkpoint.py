@@ -148,12 +148,13 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *, keep: int | None = No
 
 def in_parallel(*calls: Callable[[], object]) -> None:
     """Run `calls` at once, the first in this thread, the others each in a thread on this
-    thread's CUDA stream (a background save's side stream); re-raise the first error."""
+    thread's CUDA stream (a background save's side stream); re-raise the error of the first
+    call that failed, in the order given (not in time: a full disk names the same file always)."""
     stream = torch.cuda.current_stream() if torch.cuda.is_available() and \
         torch.cuda.is_initialized() else None
-    errors: list[BaseException] = []
+    errors: list[BaseException | None] = [None] * len(calls)
 
-    def run(call) -> None:
+    def run(i, call) -> None:
         try:
             if stream is None:
                 call()
@@ -161,17 +162,18 @@ def in_parallel(*calls: Callable[[], object]) -> None:
                 with torch.cuda.stream(stream):
                     call()
         except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+            errors[i] = e
 
-    threads = [threading.Thread(target=run, args=(c,), name=f"treeflow-save-{i}", daemon=True)
+    threads = [threading.Thread(target=run, args=(i, c), name=f"treeflow-save-{i}", daemon=True)
                for i, c in enumerate(calls[1:], 1)]
     for t in threads:
         t.start()
-    run(calls[0])
+    run(0, calls[0])
     for t in threads:
         t.join()
-    if errors:
-        raise errors[0]
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def _sharded_writer(trainer, root, keep, *, background: bool) -> Callable[[], str]:
