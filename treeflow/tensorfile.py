@@ -78,6 +78,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Iterable[tuple[str, torc
 
 
 CHUNK_BYTES = 64 << 20  # one staged piece: large, so that write and sha256 release the GIL long
+_ADVISE = hasattr(os, "posix_fadvise")  # Linux: writeback started chunk by chunk
 DEPTH = 4               # chunks staged at once per file (off the CPU: pinned buffers of CHUNK_BYTES)
 
 
@@ -111,10 +112,23 @@ def _pipeline(f, sha, head: bytes, items: list[tuple[str, torch.Tensor]]) -> Non
                 data = None  # the chunk's host memory is let go before its slot is
                 finished(slot)
 
+    written = [0, 0]  # bytes written, bytes of them handed to the disk's writeback
+
+    def write(data) -> None:
+        f.write(data)
+        written[0] += len(data)
+        if _ADVISE and written[0] - written[1] >= CHUNK_BYTES:
+            # start writing what is in the page cache now, so that the disk works while the
+            # rest is copied there, instead of all at the final fsync (and drop what is written)
+            f.flush()
+            os.posix_fadvise(f.fileno(), written[1], written[0] - written[1],
+                             os.POSIX_FADV_DONTNEED)
+            written[1] = written[0]
+
     writes, hashes = queue.Queue(), queue.Queue()
     threads = [threading.Thread(target=worker, args=(use, jobs), name=f"treeflow-{what}",
                                 daemon=True)
-               for use, jobs, what in ((f.write, writes, "write"), (sha.update, hashes, "hash"))]
+               for use, jobs, what in ((write, writes, "write"), (sha.update, hashes, "hash"))]
     for t in threads:
         t.start()
     try:
