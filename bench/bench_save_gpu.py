@@ -1,18 +1,28 @@
-"""Checkpoints while training: `--save-every 1` against no saving, through `treeflow replay --mode train`.
+"""Checkpoints while training: `--save-every N` against no saving, through `treeflow replay --mode train`.
 
-Reports, per run, steady seconds per step, each step's seconds, the peak host RSS of
-the process (ru_maxrss) and the trainer's own numbers. The baseline is the no-save run:
-the goal is seconds per step within 10% of it and peak RSS at most one float32 weights
-size above it.
+Reports, per run, steady seconds per step, each step's seconds, `recompiles` and
+`compile_seconds` (a step slower than the others because it compiled is not a save's
+cost), the peak host RSS of the process (ru_maxrss), the saves' waits (`save_wait_s` of
+the metrics rows, and the one stderr line a late save says) and the trainer's own
+numbers. The baseline is the no-save run: the goal is seconds per step within 10% of it
+and peak RSS at most one float32 weights size above it.
 
-    PYTHONUNBUFFERED=1 python3 bench/bench_save_gpu.py              # H200, 1B shape, ~4 min
+Beside the runs, in the save directory: the disk's own bandwidth (a dd-like write of
+2 GB + fsync), one thread's sha256 and the checkpoint writer's (train/checkpoint.py's
+two files at once, the weights and two AdamW moments of the shape in float32, from the
+device), so the JSON shows writer against disk; ceil(a save's seconds / a step's
+seconds) is the --save-every that hides saving on this disk.
+
+    PYTHONUNBUFFERED=1 python3 bench/bench_save_gpu.py              # H200, 1B shape, ~6 min
     python3 bench/bench_save_gpu.py --smoke --device cpu            # logic check
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +33,70 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_cli_gpu import SHAPES, SYNTH_VOCAB, cli, make_checkpoint  # noqa: E402
+from bench_cli_gpu import SHAPES, SYNTH_VOCAB, make_checkpoint  # noqa: E402
+
+
+def disk_probe(directory: str, nbytes: int) -> dict:
+    """MB/s of a plain write of `nbytes` in 64 MiB blocks + fsync, and of one thread's sha256."""
+    block = os.urandom(64 << 20)
+    path = os.path.join(directory, "disk-probe")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    disk = max(1, nbytes // len(block)) * len(block) / (time.perf_counter() - t0) / 1e6
+    os.remove(path)
+    h, t0 = hashlib.sha256(), time.perf_counter()
+    for _ in range(16):
+        h.update(block)
+    return {"disk_write_fsync_mb_s": round(disk), "sha256_one_thread_mb_s":
+            round(16 * len(block) / (time.perf_counter() - t0) / 1e6)}
+
+
+def writer_probe(ckpt: str, directory: str, device: str) -> dict:
+    """The checkpoint writer's MB/s on the shape's float32 weights + two AdamW moments (random,
+    on `device`): the two files at once, as a save writes them, fsync and all."""
+    import torch
+
+    from treeflow.models import load_model
+    from treeflow.tensorfile import write_safetensors
+    from treeflow.train.checkpoint import in_parallel
+
+    model = load_model(ckpt, dtype=torch.float32, device=device)
+    weights = sorted(model.state_dict().items())
+    moments = sorted({f"state.{i}.{k}": torch.randn_like(v) for i, (_, v) in enumerate(weights)
+                      for k in ("exp_avg", "exp_avg_sq")}.items())
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    in_parallel(lambda: write_safetensors(os.path.join(directory, "w.safetensors"), weights),
+                lambda: write_safetensors(os.path.join(directory, "o.safetensors"), moments))
+    seconds = time.perf_counter() - t0
+    nbytes = sum(os.path.getsize(os.path.join(directory, n)) for n in ("w.safetensors", "o.safetensors"))
+    for n in ("w.safetensors", "o.safetensors"):
+        os.remove(os.path.join(directory, n))
+    del model, weights, moments
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"save_gb": round(nbytes / 1e9, 2), "writer_seconds": round(seconds, 2),
+            "writer_mb_s": round(nbytes / seconds / 1e6)}
+
+
+def cli(args: list[str], env: dict, log: str) -> dict:
+    """`python -m treeflow.cli ...`: its --json object, process seconds, late-save lines."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *args], capture_output=True,
+                          text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(f"  FAILED ({log}): {proc.stderr[-2000:]}", flush=True)
+        return {"error": proc.stderr[-2000:], "process_seconds": round(wall, 2)}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["process_seconds"] = round(wall, 2)
+    out["save_notes"] = [line for line in proc.stderr.splitlines() if "still writing" in line]
+    return out
 
 
 def main() -> None:
@@ -33,10 +106,14 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=512)
     ap.add_argument("--episodes-per-step", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--save-every", default="1,4",
+                    help="comma-separated cadences, each a run beside the no-save one")
+    ap.add_argument("--probe-gb", type=float, default=2.0, help="bytes of the disk probe")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.episodes, args.episodes_per_step, args.steps = "smoke", 8, 2, 3
+        args.probe_gb = 0.14
     work = tempfile.mkdtemp(prefix="treeflow-save-")
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
@@ -54,31 +131,43 @@ def main() -> None:
               "--episodes-per-step", str(args.episodes_per_step), "--steps", str(args.steps),
               "--lr", "1e-6", "--loss", "nll", "--json"]
     res = {"shape": args.shape, "weights_file_mib": round(weights_mib, 1), "runs": {}}
-    saving = ["--keep", "1", "--save", os.path.join(work, "ck")]
-    # every 3rd step too: a write longer than one step's forward+backward still holds the
-    # next optimizer step (the fence of train/background_save.py), however rare the saves
-    for name, extra in (("no_save", []), ("save_every_1", ["--save-every", "1", *saving]),
-                        ("save_every_3", ["--save-every", "3", *saving[:2],
-                                          "--save", os.path.join(work, "ck3")])):
+    cadences = [int(n) for n in args.save_every.split(",")]
+    runs = [("no_save", [])] + [(f"save_every_{n}", ["--save-every", str(n), "--keep", "1",
+                                                    "--save", os.path.join(work, f"ck{n}")])
+                                for n in cadences]
+    for name, extra in runs:
         t0 = time.perf_counter()
         r = cli(common + extra + ["--metrics", os.path.join(work, f"{name}.jsonl")], env, name)
         r["bench_wall_seconds"] = round(time.perf_counter() - t0, 2)
         rows = [json.loads(line) for line in open(os.path.join(work, f"{name}.jsonl"))]
         r["step_seconds"] = [round(b["perf/seconds"] - a["perf/seconds"], 3)
                              for a, b in zip(rows, rows[1:])]
+        r["save_wait_s"] = [round(row.get("perf/save_wait_s") or 0.0, 3) for row in rows]
         res["runs"][name] = r
-        print(name, json.dumps({k: r.get(k) for k in ("steady_seconds_per_step", "peak_rss_mib",
-                                                         "step_seconds", "bench_wall_seconds")}),
-              flush=True)
-    a, b, c = (res["runs"][n] for n in ("no_save", "save_every_1", "save_every_3"))
-    if a.get("steady_seconds_per_step") and c.get("steady_seconds_per_step"):
-        res["step_time_ratio_every_3"] = round(c["steady_seconds_per_step"]
-                                               / a["steady_seconds_per_step"], 3)
-    if a.get("steady_seconds_per_step") and b.get("steady_seconds_per_step"):
-        res["step_time_ratio"] = round(b["steady_seconds_per_step"] / a["steady_seconds_per_step"], 3)
-        res["extra_rss_mib"] = round(b["peak_rss_mib"] - a["peak_rss_mib"], 1)
-        res["extra_rss_over_weights"] = round(res["extra_rss_mib"] / (weights_mib * (
-            2 if args.device == "cuda" else 1)), 3)  # bf16 file on GPU: float32 weights are 2x it
+        print(name, json.dumps({k: r.get(k) for k in (
+            "steady_seconds_per_step", "step_seconds", "save_wait_s", "recompiles",
+            "compile_seconds", "peak_rss_mib", "save_notes", "bench_wall_seconds")}), flush=True)
+    # after the runs: the probe's model and moments never share the GPU or the host with them
+    probe_dir = os.path.join(work, "probe")
+    os.makedirs(probe_dir)
+    res["disk"] = disk_probe(probe_dir, int(args.probe_gb * 1e9))
+    res["disk"].update(writer_probe(ckpt, probe_dir, args.device))
+    res["disk"]["writer_over_disk"] = round(res["disk"]["writer_mb_s"]
+                                            / res["disk"]["disk_write_fsync_mb_s"], 3)
+    print("disk", json.dumps(res["disk"]), flush=True)
+    base = res["runs"]["no_save"]
+    step = base.get("steady_seconds_per_step")
+    if step:
+        res["save_every_that_hides_saving"] = math.ceil(res["disk"]["writer_seconds"] / step)
+    for n in cadences:
+        r = res["runs"][f"save_every_{n}"]
+        if step and r.get("steady_seconds_per_step"):
+            res[f"step_time_ratio_every_{n}"] = round(r["steady_seconds_per_step"] / step, 3)
+            res[f"extra_rss_mib_every_{n}"] = round(r["peak_rss_mib"] - base["peak_rss_mib"], 1)
+            res[f"extra_rss_over_weights_every_{n}"] = round(
+                res[f"extra_rss_mib_every_{n}"] / (weights_mib * (2 if args.device == "cuda" else 1)),
+                3)  # bf16 file on GPU: float32 weights are 2x it
+    res["recompiles"] = {name: r.get("recompiles") for name, r in res["runs"].items()}
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     with open(os.path.join(out_dir, "bench_save_gpu.json" if not args.smoke else
                            "bench_save_smoke.json"), "w") as f:

@@ -37,8 +37,15 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
     work.mkdir()
     mine, dead = f".{socket.gethostname()}.{os.getpid()}.", f".{socket.gethostname()}.{dead_pid()}."
     snaps, seen = [], set()
+    # the weights and the optimizer file are written at once, in two threads: a snapshot and a
+    # rename never overlap (a copy would trip over a file renamed under it), writes do
+    lock = threading.RLock()
 
     def snapshot(torn: str | None = None):
+        with lock:
+            _snapshot(torn)
+
+    def _snapshot(torn: str | None = None):
         dst = tmp_path / f"snap{len(snaps)}"
         shutil.copytree(work, dst)
         if torn is not None:
@@ -77,9 +84,10 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
 
     def wrap_move(real):
         def move(src, *a, **k):
-            if os.fspath(src).startswith(str(work)):
-                snapshot()
-            return real(src, *a, **k)
+            with lock:
+                if os.fspath(src).startswith(str(work)):
+                    snapshot()
+                return real(src, *a, **k)
         return move
 
     with monkeypatch.context() as m:
@@ -96,6 +104,7 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
     assert len(snaps) >= 10, f"only {len(snaps)} distinct write points were seen"
     # --save-every writes in the background: the kill points above are the async writer's
     assert "treeflow-save" in threads, threads
+    assert "treeflow-save-1" in threads, threads  # the optimizer file beside the weights
 
     resumed = refused = 0
     for snap in snaps:

@@ -142,6 +142,9 @@ STEP_METRICS_SCHEMA = pa.schema(
            "to one rank per layer, mean over ranks", nullable=True),
         _f("cp_cost_imbalance", pa.float64(), "max / mean - 1 of per-rank attention pairs "
            "(depth + 1 per node) in a context-parallel group, worst group", nullable=True),
+        _f("save_wait_s", pa.float64(), "seconds this rank waited for a background checkpoint "
+           "write since the last step (a save still writing when the next was due, or the "
+           "optimizer's fence)", nullable=True),
     ],
     metadata={"treeflow.schema": "step_metrics/1"},
 )

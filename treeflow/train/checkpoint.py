@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -131,9 +132,10 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *, keep: int | None = No
         os.makedirs(root, exist_ok=True)
         remove_stale(root)
         with atomic_dir(final) as tmp:
-            save_weights(tmp)
-            write_safetensors(os.path.join(tmp, OPTIMIZER), sorted(tensors.items()),
-                              metadata={"format": "pt"})
+            # the two big files at once: each is bound by its one sha256 stream, the two by the disk
+            in_parallel(lambda: save_weights(tmp),
+                        lambda: write_safetensors(os.path.join(tmp, OPTIMIZER),
+                                                  sorted(tensors.items()), metadata={"format": "pt"}))
             copy_model_files(source, tmp)
             _write_config(tmp, config)
             _write_state_and_manifest(tmp, state)
@@ -142,6 +144,36 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *, keep: int | None = No
 
     write.detached = take is not None
     return write
+
+
+def in_parallel(*calls: Callable[[], object]) -> None:
+    """Run `calls` at once, the first in this thread, the others each in a thread on this
+    thread's CUDA stream (a background save's side stream); re-raise the error of the first
+    call that failed, in the order given (not in time: a full disk names the same file always)."""
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and \
+        torch.cuda.is_initialized() else None
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def run(i, call) -> None:
+        try:
+            if stream is None:
+                call()
+            else:
+                with torch.cuda.stream(stream):
+                    call()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, c), name=f"treeflow-save-{i}", daemon=True)
+               for i, c in enumerate(calls[1:], 1)]
+    for t in threads:
+        t.start()
+    run(0, calls[0])
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def _sharded_writer(trainer, root, keep, *, background: bool) -> Callable[[], str]:

@@ -38,7 +38,7 @@ _GROUPS = {
     "perf": ("executed_tokens", "bins", "ranks", "rank_seconds_max", "rank_seconds_mean",
              "idle_fraction", "time_imbalance", "cost_imbalance", "seconds", "context_parallel",
              "cp_exchange_bytes", "cp_exchange_bytes_max", "cp_allgather_bytes",
-             "cp_cost_imbalance"),
+             "cp_cost_imbalance", "save_wait_s"),
 }
 NAMESPACES = {field: group for group, fields in _GROUPS.items() for field in fields}
 

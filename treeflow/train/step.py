@@ -342,14 +342,15 @@ class Step:
         for g in tr.optimizer.param_groups:
             g["lr"] = lr
         # a background checkpoint still reading these tensors must finish first
-        timing["save_wait_s"] = tr.fence_save()
+        fence = tr.fence_save()
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
-        timing["optimizer_s"] = self._lap() - timing["save_wait_s"]
+        timing["optimizer_s"] = self._lap() - fence
+        timing["save_wait_s"] = fence + tr.take_save_wait()
         tr.steps += 1
         tr.scheduler_episodes += self.episodes
         tr._closed(self)
-        row = metrics_row(self, grad_norm, lr, gen=self._gen)
+        row = metrics_row(self, grad_norm, lr, gen=self._gen, save_wait=timing["save_wait_s"])
         timing["metrics_s"] = self._lap()
         tr.last_timing = timing
         return row

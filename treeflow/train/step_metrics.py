@@ -37,7 +37,8 @@ def combine(key: str, a, b):
     return a + b
 
 
-def metrics_row(step, grad_norm: float, lr: float, *, gen) -> pa.Table:
+def metrics_row(step, grad_norm: float, lr: float, *, gen,
+                save_wait: float | None = None) -> pa.Table:
     """The finished `step`'s STEP_METRICS_SCHEMA row, summed over the ranks (every rank calls it).
 
     gen: the step's generation-KL parts on the device (k3 sum, tokens, max |d|), or None."""
@@ -77,6 +78,7 @@ def metrics_row(step, grad_norm: float, lr: float, *, gen) -> pa.Table:
         "gen_kl": float(gen_sum[0] / gen_sum[1]) if gen_sum[1] else None,
         "gen_logprob_max_diff": float(gen_max[0]) if gen_sum[1] else None,
         **route_agreement(tr),
+        "save_wait_s": save_wait,
     }
     if dp.cp is not None:
         from treeflow.ops.cp_runner import cp_metrics

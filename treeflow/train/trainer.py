@@ -39,7 +39,7 @@ from treeflow.stages.reduce import Reduce
 from treeflow.ops.forward import build_forward
 from treeflow.ops.runner import PreparedBins
 from treeflow.stages.shard import CostModel
-from treeflow.train.background_save import BackgroundSave
+from treeflow.train.background_save import NEXT_SAVE, OPTIMIZER_STEP, BackgroundSave
 from treeflow.train.checkpoint import (checkpoint_writer, load_checkpoint, save_checkpoint,
                                        step_dir_name)
 from treeflow.train.distributed import _BUCKET_ELEMENTS, DataParallel
@@ -71,8 +71,9 @@ class Trainer:
     After each step `last_timing` holds this rank's seconds: compute_s (its bins, forward and
     backward), agree_s (waiting at the ranks' agreement: idle behind the slowest rank plus the
     overlapped all-reduce still in flight), reduce_s (the gradient sum left after that),
-    optimizer_s (clip and AdamW), save_wait_s (waiting for a background checkpoint write before
-    AdamW may change the tensors it reads) and metrics_s (the metric reductions).
+    optimizer_s (clip and AdamW), save_wait_s (waiting for a background checkpoint write: before
+    AdamW may change the tensors it reads, or, since the last step, at a save that found the
+    previous one still writing; also the row's `save_wait_s`) and metrics_s (the metric reductions).
     """
 
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
@@ -129,6 +130,8 @@ class Trainer:
         self.checkpoint_path: str | None = None
         self._open: Step | None = None
         self._saving: BackgroundSave | None = None  # the checkpoint write in flight, if any
+        self._save_waited = 0.0  # seconds saves waited for the previous write since the last step
+        self._said_late = False  # a wait for a write still running is said once per trainer
         self.cost_model = CostModel.from_config(self.backend.config)
         self.reference = self._reference(reference, max_tokens)
 
@@ -252,13 +255,14 @@ class Trainer:
         says so on stderr).
         """
         self._refuse_if_open("save a checkpoint")
-        self.wait_for_save("a new save was asked for")
+        self._save_waited += self.wait_for_save(NEXT_SAVE)
         if background:
             write = checkpoint_writer(self, path, keep=keep, snapshot=self._can_snapshot())
             if write is not None:
                 final = os.path.join(os.fspath(path), step_dir_name(self.steps))
                 self._saving = BackgroundSave(write, device=self.runner.device,
-                                              detached=getattr(write, "detached", False))
+                                              detached=getattr(write, "detached", False),
+                                              step=self.steps)
                 return final
             if not getattr(self, "_said_sync_save", False):
                 self._said_sync_save = True
@@ -295,12 +299,28 @@ class Trainer:
         (not for one that reads its own snapshot); seconds waited."""
         if self._saving is not None and self._saving.detached:
             return 0.0
-        return self.wait_for_save()
+        return self.wait_for_save(OPTIMIZER_STEP)
+
+    def take_save_wait(self) -> float:
+        """Seconds saves waited for a previous write since the last call (the step's row)."""
+        waited, self._save_waited = self._save_waited, 0.0
+        return waited
 
     def wait_for_save(self, why: str | None = None) -> float:
-        """Join the checkpoint write in flight (re-raising its error); seconds waited."""
+        """Join the checkpoint write in flight (re-raising its error); seconds waited.
+
+        why: what waits (NEXT_SAVE, OPTIMIZER_STEP, a phrase); the first wait for a write still
+        running says on stderr how long it wrote and waited, and the cadence that hides it."""
         saving, self._saving = self._saving, None
-        return saving.wait(why) if saving is not None else 0.0
+        if saving is None:
+            return 0.0
+        running, asked = saving.running, time.perf_counter()
+        waited = saving.wait()
+        if why and running and not self._said_late:
+            self._said_late = True
+            print(saving.late(why, waited, asked=asked, steps=self.steps), file=sys.stderr,
+                  flush=True)
+        return waited
 
     @classmethod
     def resume(cls, path: str | os.PathLike, forward: Forward, reduce: Reduce, *,
