@@ -24,6 +24,13 @@ Ray engine's `ray.init`; the tiny model compiles nothing), on its
 overhead <= 5% of wall time) is read on steady seconds of `ray_attached`;
 the cold-start numbers say what starting a cluster costs on top.
 
+CPU: the user + system seconds of every process of the run, sampled from /proc
+every 0.1 s, by role (`cli`, `ray::RankActor`, `stage_actor:Fragment`, Ray's
+daemons and Ray Data's helper actors; with `ray_attached` the cluster's
+processes too, less what they had used before the run). On a machine whose
+other users come and go they are the steadier figure; the wall times come
+with the 1-min load average before and after each run.
+
 Memory: the largest sum of resident memory over the CLI process and all its
 descendants (Ray's GCS, raylet and workers included when treeflow starts
 them), sampled every 0.1 s from /proc, on the full file and on a file half
@@ -52,39 +59,81 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _tree_rss_mib(pid: int) -> float:
-    """Resident memory of `pid` and its descendants (MiB), from /proc."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
+def _procs() -> dict[int, tuple[int, int, int]]:
+    """{pid: (parent pid, resident pages, CPU ticks user + system)} of every process, from /proc."""
+    out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
                 parts = f.read().rsplit(")", 1)[1].split()
-            ppid, pages = int(parts[1]), int(parts[21])
+            out[int(d)] = (int(parts[1]), int(parts[21]), int(parts[11]) + int(parts[12]))
         except (OSError, IndexError, ValueError):
             continue
-        children.setdefault(ppid, []).append(int(d))
-        rss[int(d)] = pages
-    total, todo = 0, [pid]
+    return out
+
+
+def _tree(procs: dict, roots) -> list[int]:
+    """`roots` and their descendants among `procs`."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [r for r in roots if r is not None]
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
+        out.append(p)
         todo.extend(children.get(p, []))
-    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return out
 
 
-def run(cmd: list[str], env: dict) -> dict:
+def _role(pid: int) -> str | None:
+    """What a process is (the CLI, a Ray daemon, a rank actor, a stage's Ray Data actor, ...),
+    from its command line (a Ray worker's is its title, `ray::Class.method`); None if gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    if cmd.startswith("ray::"):  # ray::RankActor.run, ray::MapWorker(MapBatches(Pack)).submit
+        name = cmd[5:].split(" ")[0]
+        if name.startswith("MapWorker("):
+            return "stage_actor:" + name[len("MapWorker("):].split(")")[0].replace("MapBatches(", "")
+        return "ray::" + name.split(".")[0]
+    for key, role in (("gcs_server", "ray_gcs"), ("/raylet/raylet", "ray_raylet"),
+                      ("dashboard/agent.py", "ray::DashboardAgent"),
+                      ("runtime_env/agent", "ray::RuntimeEnvAgent"),
+                      ("dashboard.py", "ray_dashboard"), ("log_monitor", "ray_log_monitor"),
+                      ("monitor.py", "ray_monitor"), ("default_worker.py", "ray::starting"),
+                      ("treeflow.cli", "cli")):
+        if key in cmd:
+            return role
+    return "other:" + cmd[:60]
+
+
+def run(cmd: list[str], env: dict, cluster: int | None = None) -> dict:
+    """Run `cmd`; its wall time, the peak resident memory of its process tree, and the CPU
+    seconds of every process of its tree and of `cluster`'s (an attached cluster's) meanwhile."""
     load = os.getloadavg()[0]
+    tick = os.sysconf("SC_CLK_TCK")
+    base = {p: v[2] for p, v in _procs().items()}  # CPU ticks before: the cluster's idle workers
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = [0.0]
+    last: dict[int, int] = {}  # pid -> CPU ticks when last seen (a process that ends keeps them)
+    roles: dict[int, str] = {}
     done = threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss_mib(proc.pid))
+            procs = _procs()
+            peak[0] = max(peak[0], sum(procs[p][1] for p in _tree(procs, [proc.pid]) if p in procs)
+                          * os.sysconf("SC_PAGE_SIZE") / 2**20)
+            for p in _tree(procs, [proc.pid, cluster]):
+                if p in procs:
+                    last[p] = procs[p][2]
+                    if roles.get(p) in (None, "ray::starting", "ray::IDLE"):  # not yet its title
+                        roles[p] = _role(p) or roles.get(p)
             time.sleep(0.1)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -95,9 +144,15 @@ def run(cmd: list[str], env: dict) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
+    cpu: dict[str, float] = {}
+    for p, ticks in last.items():
+        role = "cli" if p == proc.pid else roles.get(p) or "gone"
+        cpu[role] = cpu.get(role, 0.0) + (ticks - base.get(p, 0)) / tick
+    cpu = {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0}
     summary = json.loads(out.strip().splitlines()[-1])
     return {"process_seconds": round(wall, 2), "peak_tree_rss_mib": round(peak[0], 1),
             "loadavg_1min_before": round(load, 2), "loadavg_1min_after": round(os.getloadavg()[0], 2),
+            "cpu_seconds": round(sum(cpu.values()), 2), "cpu_seconds_by_process": cpu,
             "cli": summary}
 
 
@@ -165,7 +220,7 @@ def main() -> None:
                "local" if mode == "local" else "ray", "--window", str(args.window), "--prefetch",
                str(args.prefetch), "--max-tokens", str(args.max_tokens), "-o", out, "--json"]
         run_env = {**env, "RAY_ADDRESS": address} if mode == "ray_attached" else env
-        r = run(cmd, run_env)
+        r = run(cmd, run_env, holder.pid if mode == "ray_attached" else None)
         print(json.dumps({"mode": mode, "episodes": n, "repeat": rep, **r}), flush=True)
         result["runs"].setdefault(f"{mode}_{n}", []).append(r)
         outputs[(mode, n)] = out
@@ -201,6 +256,18 @@ def main() -> None:
             "wall": _overhead(runs, m, lambda r: r["cli"]["wall_seconds"]),
             "process": _overhead(runs, m, lambda r: r["process_seconds"])}
         for m in modes if m != "local"}
+    # CPU seconds (user + system) of every process the run used, which the machine's other
+    # load inflates less than wall time; per window: steady time over the windows run
+    windows = -(-full // args.window)  # the last one may be short
+    result["median_cpu_seconds"] = {m: round(statistics.median(r["cpu_seconds"] for r in rs), 2)
+                                    for m, rs in runs.items() if rs}
+    result["median_cpu_seconds_by_process"] = {
+        m: {role: round(statistics.median(r["cpu_seconds_by_process"].get(role, 0.0) for r in rs), 2)
+            for role in sorted({k for r in rs for k in r["cpu_seconds_by_process"]})}
+        for m, rs in runs.items() if rs}
+    result["steady_ms_per_window"] = {
+        m: round(1000 * statistics.median(r["cli"]["steady_seconds"] for r in rs) / windows, 1)
+        for m, rs in runs.items() if rs}
     result["peak_tree_rss_mib"] = {
         k: max(r["peak_tree_rss_mib"] for r in rs) for k, rs in result["runs"].items()}
     result["loadavg_after"] = os.getloadavg()

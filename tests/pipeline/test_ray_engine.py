@@ -276,3 +276,48 @@ def test_each_cpu_stage_is_its_own_ray_data_operator(ray_cluster, data):
         holding = [n for n in names if f"({stage})" in n]
         assert len(holding) == 1, (stage, names)
         assert sum(f"({s})" in holding[0] for s in stages) == 1, names  # and no other stage
+
+
+_BUILD_STAGE_OPS = """
+import sys
+import ray.cloudpickle as cloudpickle
+ops, block = cloudpickle.loads(sys.stdin.buffer.read())
+for cls, args, kwargs in ops:  # as a Ray Data stage actor builds and runs its operator
+    block = cls(*args, **kwargs)(block)
+print(block.num_rows, ",".join(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_stage_actor_builds_and_runs_its_stage_without_importing_torch(data):
+    # each Ray Data stage actor unpickles its operator: one carrying the plan (whose Forward
+    # module imported torch) cost each of them 1.4 CPU seconds, taken from the rank actor's
+    # forward on a 2-core machine
+    import subprocess
+
+    import ray.cloudpickle as cloudpickle
+
+    ops = stage_ops([replay_pipe(2).plan], 2)
+    block = window_block(list(data)[0], 0)
+    payload = cloudpickle.dumps(([(type(op), op.args, op.kwargs) for op in ops], block))
+    out = subprocess.run([sys.executable, "-c", _BUILD_STAGE_OPS], input=payload,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()
+    rows, _, heavy = out.stdout.decode().strip().splitlines()[-1].partition(" ")
+    assert int(rows) > 0 and heavy == "", out.stdout.decode()
+
+
+def test_a_block_of_files_holds_windows_up_to_its_episode_and_byte_bounds(data, tmp_path):
+    # a block holds a run of windows (each block costs every stage operator one actor call),
+    # but never so many bytes that a big file stops streaming through the object store
+    from treeflow.pipeline.ray_feed import BLOCK_BYTES, BLOCK_EPISODES, _windows_per_block, file_windows
+
+    assert _windows_per_block(file_windows(data, None, None), 3) == BLOCK_EPISODES // 3
+    big = tmp_path / "big.arrow"  # 16 episodes of 8192 routed tokens: ~MiBs per window
+    write_episodes(synth_episodes(episodes=16, group_size=4, turns=(2, 2), system_tokens=4096,
+                                  user_tokens=(4, 8), completion_tokens=(4, 8), tool_tokens=(4, 8),
+                                  routes=64, seed=1), big)
+    files = Files(paths=(str(big),), episodes_per_step=4)
+    per_window = os.path.getsize(big) / 4
+    assert per_window > BLOCK_BYTES / 2, per_window
+    assert _windows_per_block(file_windows(files, None, None), 4) == max(1, int(BLOCK_BYTES // per_window))

@@ -4,13 +4,14 @@
                                                                   results --> assembler (in order)
 
 The CPU half (pipeline/ray_maps.py) runs each map stage as its own streaming
-Ray operator: for stored files Ray Data reads one Arrow block per window and
-streams it through the stages with its backpressure; any other source (a
-queue reader, tables) is read by the driver and its windows go through the
-same operator functions as chained Ray tasks. Either way a window ends as one
-block in the object store whose bins carry the rank that runs them (Shard's
-deal, or rank r's own plan), and the driver hands its reference to every rank
-actor with bins in it: rank actor r runs exactly the bins of rank r. The
+Ray operator: for stored files Ray Data reads one Arrow block per run of
+consecutive windows and streams it through the stages with its backpressure;
+any other source (a queue reader, tables) is read by the driver and its
+windows go through the same operator functions as chained Ray tasks. Either
+way a window ends in one block in the object store whose bins carry the rank
+that runs them (Shard's deal, or rank r's own plan), and the driver hands its
+reference to every rank actor with bins in it: rank actor r runs exactly the
+bins of rank r. The
 window's episodes stay with the driver (the blocks do not carry a copy), which
 puts them in the object store once for the training ranks.
 

@@ -9,7 +9,8 @@ that the driver's loop never waits on a source while results come back:
 - `Files` (or a reader of them): the driver cuts the files into windows
   exactly as the local engine does (`Files.spans`, from the group_id column
   only) and Ray Data reads them (one read task and one Arrow block per
-  window) and streams them through one map operator per stage
+  run of consecutive windows, up to BLOCK_EPISODES episodes: the stages'
+  per-call overhead is paid per block) and streams them through one map operator per stage
   (pipeline/ray_maps.py), in order and with its backpressure. Each stage
   runs in an actor pool of its own (one actor): Ray Data fuses neighbouring
   task-pool maps into one task, never an actor-pool map with the next, so
@@ -23,11 +24,18 @@ that the driver's loop never waits on a source while results come back:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.ray_maps import WindowRead, read_window, stage_ops, window_block, windows_of
 from treeflow.pipeline.source import Files, FilesReader
+
+# a Ray Data block of files holds consecutive windows up to this many episodes and bytes (one
+# window at least): few enough that the first block is planned at once, small enough to stream
+BLOCK_EPISODES = 256
+BLOCK_BYTES = 4 << 20
 
 def feed(engine, source, *, steps: int | None = None) -> Prefetch:
     """The items of `source` for `engine`'s driver, read ahead in the one prefetch wrapper.
@@ -85,9 +93,15 @@ def _files(engine, files: Files, position, steps):
     ctx.target_max_block_size = 1 << 31  # a block is one window's table: never split it
     ops = stage_ops(engine.plans, engine.ranks)
     cpus = engine.map_cpus / (len(ops) + 1)  # the map share, for the reads and the stages
-    ds = ray.data.read_datasource(WindowRead([(w, p) for w, (p, _) in enumerate(wins)],
-                                             files.vocab_size, files.route_width),
-                                  override_num_blocks=len(wins), num_cpus=cpus)
+    # a block holds consecutive windows up to BLOCK_EPISODES episodes: each block costs every
+    # stage operator one actor call, whose Ray Data overhead (about 10 ms of CPU against a
+    # stage's 3 ms on a window of 32 short episodes) ran beside the rank actors' forward and
+    # on a 2-core machine slowed it by as much
+    k = _windows_per_block(wins, files.episodes_per_step)
+    groups = [[(w, wins[w][0]) for w in range(g, min(g + k, len(wins)))]
+              for g in range(0, len(wins), k)]
+    ds = ray.data.read_datasource(WindowRead(groups, files.vocab_size, files.route_width),
+                                  override_num_blocks=len(groups), num_cpus=cpus)
     # Ray Data's OperatorFusionRule fuses a task-pool map into the map after it when their
     # compute and resources agree, which made read and every CPU stage one task; a map run by
     # an actor pool is never fused with the map after it. So each stage is its own operator:
@@ -109,6 +123,21 @@ def _files(engine, files: Files, position, steps):
                 episodes = plan.episodes(read_window(wins[w][0], files.vocab_size,
                                                      files.route_width), step=w)
                 yield w, wins[w][1], entry.ref, block, episodes
+
+
+def _windows_per_block(wins: list[tuple], episodes_per_step: int) -> int:
+    """How many consecutive windows one block holds: BLOCK_EPISODES and BLOCK_BYTES (the
+    files' bytes per row) over a window's."""
+    rows: dict[str, int] = {}
+    for pieces, _ in wins:
+        for path, _, b, _ in pieces:
+            rows[path] = max(rows.get(path, 0), b)
+    try:
+        per_row = max(os.path.getsize(p) / max(n, 1) for p, n in rows.items())
+    except OSError:  # not a local file: one window a block
+        return 1
+    return max(1, min(BLOCK_EPISODES // episodes_per_step,
+                      int(BLOCK_BYTES // max(per_row * episodes_per_step, 1))))
 
 
 def executed_operators(dataset) -> list[str]:

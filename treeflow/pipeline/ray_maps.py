@@ -15,7 +15,8 @@ every bin to the rank actor that runs it: Shard's `rank` column (the deal), or
 rank r's own plan. A bin Shard did not assign (no Shard stage; replay only) is
 dealt round-robin, which cannot change its values.
 
-Files are read by Ray Data (one read task per window; Arrow blocks through the
+Files are read by Ray Data (one read task per run of consecutive windows, up to
+ray_feed.BLOCK_EPISODES episodes; Arrow blocks through the
 object store, its streaming backpressure), and the stages are Ray Data map
 operators, one per stage, each run by its own actor pool (pipeline/ray_feed.py
 says why: Ray Data never fuses two actor-pool operators), never fused into the
@@ -79,19 +80,24 @@ def read_window(pieces, vocab_size, route_width=None) -> pa.Table:
 
 # ------------------------------------------------------------------ operators
 class StageOp:
-    """One map stage over tagged blocks: `plans[r].maps[index]` for the rows of rank r.
+    """One map stage over tagged blocks: `stages[r]` (rank r's plan's config of it) for the
+    rows of rank r.
 
     on_episodes stages (Advantage) map the window's episodes; `first`: the first stage after
     them, which takes the window's episodes whole. last: set `_rank` per bin.
+
+    It holds its stage's configs only, never the plans: a plan holds the Forward, whose module
+    imports torch, and each stage actor unpickling it paid torch's import (1.4 CPU seconds,
+    on a 2-core machine taken from the forward's threads while the first windows ran).
     """
 
-    def __init__(self, plans, index: int, *, first: bool, last: bool, ranks: int):
+    def __init__(self, stages, *, first: bool, last: bool, ranks: int):
         from treeflow.ops.registry import physical
 
         # what builds this operator again in a Ray Data actor (pipeline/ray_feed.py)
-        self.args = (plans, index)
+        stages = tuple(stages)
+        self.args = (stages,)
         self.kwargs = dict(first=first, last=last, ranks=ranks)
-        stages = [p.maps[index] for p in plans]
         self.per_rank = len(stages) > 1 and any(s != stages[0] for s in stages)
         # the physical map operators the registry builds for the stage configs (ops/registry.py)
         self.ops = [physical(s) for s in (stages if self.per_rank else stages[:1])]
@@ -148,7 +154,7 @@ def stage_ops(plans, ranks: int) -> list[StageOp]:
     order = [i for i, e in enumerate(episodic) if e] + [i for i, e in enumerate(episodic) if not e]
     first = next(i for i in order if not episodic[i])
     # a subclass named after the stage: Ray Data names the operator after the callable's class
-    return [type(maps[i].name, (StageOp,), {})(plans, i, first=(i == first),
+    return [type(maps[i].name, (StageOp,), {})([p.maps[i] for p in plans], first=(i == first),
                                                last=(i == order[-1]), ranks=ranks)
             for i in order]
 
@@ -159,9 +165,10 @@ def window_block(episodes: pa.Table, window: int) -> pa.Table:
 
 
 class WindowRead:
-    """Ray Data datasource: one read task (one block) per window of stored files."""
+    """Ray Data datasource: one read task (one block) per group of consecutive windows of
+    stored files (`groups`: lists of (window, pieces))."""
 
-    def __new__(cls, windows, vocab_size, route_width=None):
+    def __new__(cls, groups, vocab_size, route_width=None):
         from ray.data.block import BlockMetadata
         from ray.data.datasource import Datasource, ReadTask
 
@@ -171,10 +178,18 @@ class WindowRead:
 
             def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
                 tasks = []
-                for w, pieces in windows:
-                    def read(w=w, pieces=pieces):
-                        yield tag(read_window(pieces, vocab_size, route_width), w, -1)
-                    rows = sum(b - a for _, a, b, _ in pieces)
+                for group in groups:
+                    def read(group=group):
+                        if len(group) == 1:
+                            (w, pieces), = group
+                            yield tag(read_window(pieces, vocab_size, route_width), w, -1)
+                            return
+                        # windows of several files may differ in their columns' order: the
+                        # episode schema, which the first stage casts to anyway
+                        yield pa.concat_tables([window_block(read_window(pieces, vocab_size,
+                                                                         route_width), w)
+                                                for w, pieces in group])
+                    rows = sum(b - a for _, pieces in group for _, a, b, _ in pieces)
                     tasks.append(ReadTask(read, BlockMetadata(num_rows=rows, size_bytes=None,
                                                               input_files=None, exec_stats=None)))
                 return tasks

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from treeflow.models.moe_config import ROUTINGS
 from treeflow.models.tuning import Tuning
@@ -26,11 +25,24 @@ from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
 from treeflow.stages.flat import list_offsets
 from treeflow.stages.base import Stage
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported where a device or dtype is made, not with this module: the stage registry
+# (ops/registry.py) imports every stage, and the Ray engine's stage actors, which run Pack,
+# Fragment and Shard only, would each pay torch's import (1.4 CPU seconds) for nothing
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":  # {name: torch dtype}
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_device(device, *, what: str = "device") -> torch.device:
     """A torch.device, refusing a name torch does not know or CUDA where there is none."""
+    import torch
+
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -96,8 +108,8 @@ class Forward(Stage):
 
         if self.backend not in BACKENDS:
             raise ValueError(f"Forward(backend={self.backend!r}): choose one of {BACKENDS}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"Forward(dtype={self.dtype!r}): choose one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"Forward(dtype={self.dtype!r}): choose one of {sorted(DTYPE_NAMES)}")
         if self.kernel not in ("auto", "dense", "flex", "causal", "runs"):
             raise ValueError(f"Forward(kernel={self.kernel!r}): choose auto, dense, flex, causal or runs")
         if self.routing not in ROUTINGS:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import torch
 
 NORMS = ("token", "seq-mean", "seq-sum")
 KINDS = ("nll", "pg")
@@ -112,6 +111,8 @@ def occurrence_loss(loss: Loss, logprob_O: torch.Tensor, *, weight_O: torch.Tens
     the device (float64 sums, int64 counts) instead of Python numbers, which
     would each wait for the device; `active` is an int either way.
     """
+    import torch  # here, not at the top: planning (the stage registry) imports this module
+
     stats: dict = {}
     if not selected:
         # only occurrences that count enter the arithmetic: a masked token's extreme (finite)
