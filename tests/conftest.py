@@ -12,6 +12,12 @@ Tests that need Ray take the session's one cluster (`ray_cluster`): starting
 and stopping one costs seconds each, more on a loaded machine. The engines
 attach to a cluster that runs (treeflow.pipeline.ray.init_ray,
 treeflow.train.launch.ray_ranks), so the tests use it as a user's driver would.
+
+Under pytest-xdist (`-n 2 --dist loadgroup`, README's command) every test that uses Ray (marked
+`ray` or taking `ray_cluster`) is in one xdist group, so one worker runs them all on its one
+cluster while the others run the rest; each worker's torch uses its share of the cores (the
+host's cores over the workers), and so do the processes it starts (OMP_NUM_THREADS). Without
+`-n` none of this applies and a run is as it was.
 """
 
 import os
@@ -30,6 +36,21 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
 
 
+def pytest_configure(config):
+    """An xdist worker takes its share of the cores: N workers each at the host's threads would
+    contend (a tiny model's matmuls run many times slower over busy threads)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    if config.getvalue("loadgroup"):
+        config.pluginmanager.register(_XdistGroupIds(), "treeflow-xdist-group-ids")
+    threads = max(1, (os.cpu_count() or 1) // int(workers))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the CLI runs and ranks it starts
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def _slow_asked(config) -> bool:
     """--run-slow, TREEFLOW_SLOW=1, or a -m expression naming `slow` (then -m alone decides)."""
     if config.getoption("--run-slow") or os.environ.get("TREEFLOW_SLOW", "") not in ("", "0"):
@@ -37,7 +58,34 @@ def _slow_asked(config) -> bool:
     return re.search(r"\bslow\b", config.getoption("markexpr") or "") is not None
 
 
+def _xdist_group(item) -> str | None:
+    """The xdist group of a test: "ray" for every test that uses Ray (one worker, one cluster)."""
+    if item.get_closest_marker("ray") or "ray_cluster" in getattr(item, "fixturenames", ()):
+        return "ray"
+    return None
+
+
+class _XdistGroupIds:
+    """pytest-xdist 3.8 tells its scheduler a test's group by renaming the test `ID@GROUP`, a
+    write that pytest 9.2's structured node ids ignore (pytest-xdist issue 1386): every test
+    would then go out on its own. Rename the tests where xdist's rename did not take."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's own rename
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            group = mark and (mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            if group and not item.nodeid.endswith(f"@{group}"):
+                item._id = type(item._id).parse(f"{item.nodeid}@{group}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = _xdist_group(item)
+            if group is not None and item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(group))
     if _slow_asked(config):
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow, --run-slow or TREEFLOW_SLOW=1")

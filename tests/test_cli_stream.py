@@ -74,12 +74,13 @@ def test_stream_refuses_bad_options_with_one_line(data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
-def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys, transport):
+def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys, transport, monkeypatch):
     metrics = tmp_path / "m.jsonl"
     secret = []
     if transport == "tcp":  # as a producer on another host reaches it: an address and a secret
         from treeflow.tq.tcp import make_secret_file
 
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the server's log: ours, not shared
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             sock = f"tcp://127.0.0.1:{s.getsockname()[1]}"

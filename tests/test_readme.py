@@ -46,7 +46,8 @@ SUBSTITUTIONS = [
 # first line of a block -> why it does not run here
 SKIPPED = {
     "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
-    '. .venv/bin/activate && python -m pytest -q -m "not gpu"': "the test suite itself",
+    '. .venv/bin/activate && python -m pytest -q -m "not gpu" -n 2 --dist loadgroup':
+        "the test suite itself",
     "treeflow replay episodes.arrow --mode train --num-ranks 2 --device cuda --dtype bfloat16 \\":
         "spawns rank processes (tests/train/test_data_parallel.py runs it, marked multiprocess)",
     "torchrun --nproc-per-node 8 -m treeflow.cli replay episodes.arrow --mode train --num-ranks 8 \\":

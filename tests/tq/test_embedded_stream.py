@@ -130,6 +130,7 @@ def test_producer_killed_and_restarted_loses_and_duplicates_nothing(small, tmp_p
     # when it is killed, whatever the machine's speed
     if transport == "tcp":  # the secret shared as another host's producer would get it
         monkeypatch.setenv("TREEFLOW_QUEUE_SECRET", os.urandom(32).hex())
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the server's log: ours, not shared
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
