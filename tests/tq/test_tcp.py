@@ -191,3 +191,30 @@ def test_loopback_without_a_given_secret_writes_a_private_one(tmp_path, monkeypa
     finally:
         q.shutdown()
     assert not os.path.exists(path)  # the generated secret goes with the server
+
+
+def test_a_server_restarted_on_a_port_appends_to_its_earlier_log(tmp_path, monkeypatch):
+    """The log of an earlier server on the same port (left in the run directory) is reused, not
+    a refusal: a user restarting a queue on its port must not have to delete it. A log others
+    can write, or a link in its place, is still refused."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    address = f"tcp://127.0.0.1:{port}"
+    log = tcp.parse_tcp(address).local_secret_path()[:-len(".secret")] + ".log"
+    for _ in range(2):  # the second start finds the first one's log
+        q = open_queue(address)
+        try:
+            q.put(small_episodes(1), producer="p")
+        finally:
+            q.shutdown()
+        assert os.path.isfile(log)
+    os.chmod(log, 0o666)
+    with pytest.raises(ValueError, match="writable by group or others"):
+        open_queue(address)
+    os.remove(log)
+    os.symlink(str(tmp_path / "elsewhere"), log)
+    with pytest.raises(ValueError, match="not a regular file"):
+        open_queue(address)

@@ -251,7 +251,7 @@ def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> Embe
                          "connect_queue(address) or pick another port")
     Ledger(**options)
     log = addr.local_secret_path()[:-len(".secret")] + ".log"
-    wire.check_private(log, create=True)
+    wire.check_private_file(log)  # an earlier server's log on this port is appended to
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", str(addr),
                                  json.dumps(options)], stdin=subprocess.PIPE, stdout=out,

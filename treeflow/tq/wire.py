@@ -42,7 +42,7 @@ import struct
 
 from treeflow.tq import protocol as _protocol
 
-__all__ = ["Blob", "PeerError", "check_private", "client_handshake", "decode", "encode", "pack",
+__all__ = ["Blob", "PeerError", "check_private", "check_private_file", "client_handshake", "decode", "encode", "pack",
            "read_secret", "read_secret_file", "recv", "resolve", "secret_path", "send",
            "server_handshake", "unpack", "write_secret", "write_secret_to"]
 
@@ -317,6 +317,22 @@ def check_private(address: str, *, create: bool = False) -> None:
         raise ValueError(f"{address}: the directory {d} does not exist; create it (mkdir -m 700 "
                          f"{d}) or give a queue name") from None
     _check_mine(d, st, "directory")
+
+
+def check_private_file(path: str) -> None:
+    """ValueError unless `path`'s directory is ours and private (made if absent) and `path`,
+    if there, is a regular file of ours that group and others cannot write (a server's log,
+    kept across restarts on the same port)."""
+    d = os.path.dirname(path)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    _check_mine(d, os.stat(d), "directory")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: is not a regular file (a {_kind(st)}); refused")
+    _check_mine(path, st, "log file")
 
 
 def _kind(st) -> str:
