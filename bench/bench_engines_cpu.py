@@ -108,7 +108,8 @@ def _role(pid: int) -> str | None:
                       ("treeflow.cli", "cli")):
         if key in cmd:
             return role
-    return "other:" + cmd[:60]
+    exe, _, rest = cmd.partition(" ")  # the executable's name, not its path on this machine
+    return "other:" + (os.path.basename(exe) + " " + rest)[:60].strip()
 
 
 def run(cmd: list[str], env: dict, cluster: int | None = None) -> dict:
