@@ -85,8 +85,10 @@ def make_checkpoint(shape: str, path: str, device: str) -> None:
                               dtype=dtype), path)
 
 
-def cli(args: list[str], env: dict, log: str, script: str | None = None) -> dict:
-    """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time."""
+def cli(args: list[str], env: dict, log: str, script: str | None = None,
+        stderr_with: str | None = None) -> dict:
+    """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time
+    (and, with `stderr_with`, its stderr lines holding that text as `stderr_lines`)."""
     t0 = time.perf_counter()
     run = [script] if script else ["-m", "treeflow.cli"]
     proc = subprocess.run([sys.executable, *run, *args], capture_output=True, text=True, env=env)
@@ -96,6 +98,8 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None) -> dict
         return {"error": proc.stderr[-2000:], "process_seconds": round(wall, 2)}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["process_seconds"] = round(wall, 2)
+    if stderr_with is not None:
+        out["stderr_lines"] = [line for line in proc.stderr.splitlines() if stderr_with in line]
     return out
 
 

@@ -175,6 +175,18 @@ def _loadavg() -> float | None:
         return None
 
 
+def _probe_run(code_and_args: list[str], env: dict) -> dict:
+    """`python -c CODE ARGS...` in a fresh process: its last stdout line (JSON), process
+    seconds and the load average at its start; {"error"} if it failed."""
+    t0, load = time.perf_counter(), _loadavg()
+    proc = subprocess.run([sys.executable, "-c", *code_and_args], capture_output=True, text=True,
+                          env=env)
+    if proc.returncode:
+        return {"error": proc.stderr[-2000:]}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]),
+            "process_seconds": round(time.perf_counter() - t0, 2), "loadavg": load}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
@@ -249,16 +261,8 @@ def main() -> None:
                                  ("torch_compile_first", plain_cache, "torch.compile"),
                                  ("torch_compile_second", plain_cache, "torch.compile"),
                                  ("off", "off", "torch.compile")):
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", _PROBE_LAYERS, where,
-                                   os.path.join(work, f"h-{name}.pt"), how], capture_output=True,
-                                  text=True, env=env)
-            if proc.returncode:
-                probe[name] = {"error": proc.stderr[-2000:]}
-            else:
-                probe[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                               "process_seconds": round(time.perf_counter() - t0, 2),
-                               "loadavg": _loadavg()}
+            probe[name] = _probe_run([_PROBE_LAYERS, where, os.path.join(work, f"h-{name}.pt"),
+                                      how], env)
             print(f"layers {name:6s} {json.dumps(probe[name])}", flush=True)
         import torch
 
@@ -272,16 +276,7 @@ def main() -> None:
         cache = os.path.join(work, "cache-probe")
         probe = result["cpu_probe"] = {}
         for name, where in (("first", cache), ("second", cache), ("off", "off")):
-            t0 = time.perf_counter()
-            load = _loadavg()
-            proc = subprocess.run([sys.executable, "-c", _PROBE, where], capture_output=True,
-                                  text=True, env=env)
-            if proc.returncode:
-                probe[name] = {"error": proc.stderr[-2000:]}
-            else:
-                probe[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                               "process_seconds": round(time.perf_counter() - t0, 2),
-                               "loadavg": load}
+            probe[name] = _probe_run([_PROBE, where], env)
             print(f"probe  {name:6s} {json.dumps(probe[name])}", flush=True)
     with open(out_file, "w") as f:
         json.dump(result, f, indent=1)

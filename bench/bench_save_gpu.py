@@ -34,6 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench_cli_gpu import SHAPES, SYNTH_VOCAB, make_checkpoint  # noqa: E402
+from bench_cli_gpu import cli as cli_json  # noqa: E402
 
 
 def disk_probe(directory: str, nbytes: int) -> dict:
@@ -86,16 +87,9 @@ def writer_probe(ckpt: str, directory: str, device: str) -> dict:
 
 def cli(args: list[str], env: dict, log: str) -> dict:
     """`python -m treeflow.cli ...`: its --json object, process seconds, late-save lines."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *args], capture_output=True,
-                          text=True, env=env)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(f"  FAILED ({log}): {proc.stderr[-2000:]}", flush=True)
-        return {"error": proc.stderr[-2000:], "process_seconds": round(wall, 2)}
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["process_seconds"] = round(wall, 2)
-    out["save_notes"] = [line for line in proc.stderr.splitlines() if "still writing" in line]
+    out = cli_json(args, env, log, stderr_with="still writing")
+    if "error" not in out:
+        out["save_notes"] = out.pop("stderr_lines")
     return out
 
 
