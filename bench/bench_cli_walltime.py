@@ -20,6 +20,13 @@ top-level imports. `goal_ratio` is the process wall over steady + load seconds (
 
     PYTHONUNBUFFERED=1 python3 bench/bench_cli_walltime.py --phases --device cuda
     python bench/bench_cli_walltime.py --phases --smoke --device cpu
+
+Bytecode: `pip install` writes every module's .pyc, so a user's imports read bytecode. An
+install without them (the lent H200 host's torch, with PYTHONDONTWRITEBYTECODE=1 set) compiles
+every module from source on every run: there `import torch` took 4.7 s against 1.8 s, dynamo
+4.8 against 1.4, inductor 3.8 against 1.4. `settings.torch_bytecode` records which one was
+measured; on such a host run `python3 -m compileall -q -j 16 <site-packages>` and unset
+PYTHONDONTWRITEBYTECODE first, to measure what a user's install pays.
 """
 
 from __future__ import annotations
@@ -101,7 +108,8 @@ def phases(args, roots: list[str]) -> None:
 
     shape = "smoke" if args.smoke else args.shape
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    result: dict = {"settings": {**vars(args), "shape": shape, "dtype": dtype}, "runs": {}}
+    result: dict = {"settings": {**vars(args), "shape": shape, "dtype": dtype,
+                                 "torch_bytecode": _torch_bytecode()}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="treeflow-bench-phases-") as tmp:
         data, model = os.path.join(tmp, "e.arrow"), os.path.join(tmp, "model")
         vocab = SHAPES["smoke"]["vocab_size"] - 12 if args.smoke else SYNTH_VOCAB
@@ -122,6 +130,16 @@ def phases(args, roots: list[str]) -> None:
                 runs.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps(result))
+
+
+def _torch_bytecode() -> bool:
+    """Whether torch's own modules have their .pyc files (see the module docstring)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    cached = importlib.util.cache_from_source(os.path.join(os.path.dirname(spec.origin),
+                                                           "_dynamo", "utils.py"))
+    return os.path.exists(cached)
 
 
 def main() -> None:
