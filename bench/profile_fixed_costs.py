@@ -1,10 +1,13 @@
 """Where a CLI run's fixed seconds go: cProfile of `main`, and every exit handler timed.
 
-Runs `treeflow ARGS` in this process under cProfile (the whole of `main`:
-imports done inside it, engine start, model load, warm-up compile, steady
-bins), then the exit handlers the way `treeflow.cli.main:entry` runs them,
-each one timed (atexit.register is wrapped before anything registers). Run it
-after one ordinary run of the same command so the compile cache is warm:
+Runs `treeflow ARGS` in this process under cProfile (the main thread of
+`main`: imports done inside it, engine start, model load, steady bins), then
+the exit handlers the way `treeflow.cli.main:entry` runs them, each one timed
+(atexit.register is wrapped before anything registers, so a handler registered
+here cannot be unregistered). cProfile sees one thread and on an H200 host
+missed the warm-up's dynamo frames: for the compile, record every thread with
+py-spy (`py-spy record -f raw --threads -- python -m treeflow.cli ARGS`). Run
+it after one ordinary run of the same command so the compile cache is warm:
 what is left is what a second run pays.
 
     python bench/profile_fixed_costs.py replay E.arrow --model CKPT --device cuda --json -o o.arrow

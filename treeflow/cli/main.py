@@ -81,8 +81,8 @@ def entry() -> None:
     its last line tearing the interpreter down: every module's objects, the context, the
     allocator's pools. Every output is written and closed before `main` returns
     (treeflow.atomic), so once stdout and stderr are flushed and the exit handlers have run
-    (Ray's shutdown, multiprocessing's joins, logging's flush) the
-    process ends with `os._exit`. While a non-daemon thread still runs, the interpreter's
+    (Ray's shutdown, multiprocessing's joins, logging's flush; not the wait for inductor's
+    compile workers, see `_no_compile_worker_wait`) the process ends with `os._exit`. While a non-daemon thread still runs, the interpreter's
     own exit waits for it as usual. `main(argv)` called from Python never exits.
     """
     code = main()
