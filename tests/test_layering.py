@@ -27,7 +27,6 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
 }
 # (importer, private name imported from outside what holds it)
 KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("treeflow.ops.cp_runner", "treeflow.ops.runner._COLUMNS"),
 }
 
 
