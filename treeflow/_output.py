@@ -28,9 +28,18 @@ def output_format(path: str, option: str = "-o") -> str:
                      ".parquet")
 
 
-class _Writer:
+class TableWriter:
+    """Tables of one schema appended to `path` as `fmt` ("parquet" or "ipc"), not atomically
+    (callers write a temporary name): the file is made at the first table, whose schema it
+    takes, so no table means no file (`opened` False). Used by `table_output` and by
+    pipeline/sink.py's ArrowSink."""
+
     def __init__(self, path: str, fmt: str):
         self.path, self.fmt, self._w, self.rows = path, fmt, None, 0
+
+    @property
+    def opened(self) -> bool:
+        return self._w is not None
 
     def write(self, table: pa.Table) -> None:
         if self._w is None:
@@ -63,7 +72,7 @@ def table_output(path: str, inputs, *, option: str = "-o", what: str = "output")
     claim_output(path, option=option)  # one writer per output (treeflow/lock.py)
     try:
         with atomic_path(path, what=what) as tmp:
-            writer = _Writer(tmp, fmt)
+            writer = TableWriter(tmp, fmt)
             try:
                 yield writer
             finally:
@@ -76,4 +85,4 @@ def table_output(path: str, inputs, *, option: str = "-o", what: str = "output")
             release(path)
 
 
-__all__ = ["output_format", "table_output"]
+__all__ = ["TableWriter", "output_format", "table_output"]

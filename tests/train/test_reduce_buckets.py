@@ -37,7 +37,7 @@ def _sum_ranks():
     from treeflow.train import DataParallel
 
     dp = DataParallel.from_env("cpu")
-    distributed._BUCKET_ELEMENTS = LIMIT
+    distributed.BUCKET_ELEMENTS = LIMIT
     calls, real = [], dist.all_reduce
 
     def spy(t, *a, **k):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from treeflow.io.records import FieldMap, logprobs, lookup, token_ids
+from treeflow.io.records import FieldMap, logprobs, lookup, nonempty_list, token_ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +46,8 @@ class NemoRLMessageLog:
 
     def episode(self, record: dict, where: str, *, path: str, line: int) -> dict:
         out = self.fields.episode(record, where, path=path, line=line)
-        log = lookup(record, self.message_log_field, where, option="--message-log-field")
-        if not isinstance(log, list) or not log:
-            raise ValueError(f"{where}: field {self.message_log_field!r} must be a non-empty list of "
-                             "messages (or of exact calls, each a list of messages)")
+        log = nonempty_list(record, self.message_log_field, where, option="--message-log-field",
+                            of="messages (or of exact calls, each a list of messages)")
         if all(isinstance(m, list) for m in log):
             calls = [self._exact_call(c, f"{where}, call {k}") for k, c in enumerate(log)]
         elif all(isinstance(m, dict) for m in log):

@@ -32,7 +32,7 @@ import binascii
 import numpy as np
 
 from treeflow.io.nemo_rl import message_routes
-from treeflow.io.records import FieldMap, logprobs, lookup, token_ids
+from treeflow.io.records import FieldMap, logprobs, nonempty_list, token_ids
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)\Z")
 
@@ -49,10 +49,8 @@ class OpenAITokens:
 
     def episode(self, record: dict, where: str, *, path: str, line: int) -> dict:
         out = self.fields.episode(record, where, path=path, line=line)
-        calls = lookup(record, self.calls_field, where, option="--calls-field")
-        if not isinstance(calls, list) or not calls:
-            raise ValueError(f"{where}: field {self.calls_field!r} must be a non-empty list of LLM "
-                             "calls (engine responses)")
+        calls = nonempty_list(record, self.calls_field, where, option="--calls-field",
+                              of="LLM calls (engine responses)")
         out["calls"] = [self._call(c, f"{where}, call {k}") for k, c in enumerate(calls)]
         return out
 

@@ -89,6 +89,14 @@ def lookup(record: dict, dotted: str, where: str, *, option: str | None = None, 
     return node
 
 
+def nonempty_list(record: dict, dotted: str, where: str, *, option: str, of: str) -> list:
+    """lookup() of a field that must be a non-empty list; `of` says what its items are."""
+    value = lookup(record, dotted, where, option=option)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: field {dotted!r} must be a non-empty list of {of}")
+    return value
+
+
 def number(value, where: str, field: str, *, nullable: bool = False) -> float | None:
     if value is None and nullable:
         return None

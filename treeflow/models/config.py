@@ -57,14 +57,10 @@ class ModelConfig:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not supported; "
                              f"use one of {sorted(ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads={self.num_key_value_heads}")
+        require_positive(self, ("vocab_size", "hidden_size", "intermediate_size",
+                                "num_hidden_layers", "num_attention_heads",
+                                "num_key_value_heads"), where="ModelConfig.")
+        require_multiple(self, "num_attention_heads", "num_key_value_heads")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
@@ -113,14 +109,15 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Read a Llama / Qwen2 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (transformers 4/5);
-        a Mamba-2 hybrid's (Nemotron-H, Bamba) gives a HybridConfig (hybrid_config.py)."""
-        from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
-
+        a registered family's (the Mamba-2 hybrids: Nemotron-H, Bamba, GraniteMoeHybrid) gives
+        that family's subclass (a HybridConfig, hybrid_config.py)."""
         archs = d.get("architectures") or ()
         first = archs[0] if isinstance(archs, list) and archs else None
-        if ((isinstance(first, str) and first in HYBRID_ARCHITECTURES)
-                or (not archs and d.get("model_type") in HYBRID_ARCHITECTURES.values())):
-            return HybridConfig.from_hf_dict(d)
+        family = _FAMILIES.get(first) if isinstance(first, str) else None
+        if family is None and not archs and isinstance(d.get("model_type"), str):
+            family = _FAMILY_TYPES.get(d["model_type"])
+        if family is not None:
+            return family.from_hf_dict(d)
         arch = _architecture(d)
         _refuse_unsupported(d, arch)
         rope = d.get("rope_parameters") or {}
@@ -170,6 +167,39 @@ class ModelConfig:
         if dtype is not None:
             d["torch_dtype"] = dtype
         return d
+
+
+# Config families read by a subclass of ModelConfig ({architecture or model_type: subclass}):
+# each registers itself where it is defined (hybrid_config.py), and treeflow/models/__init__.py
+# imports it, so from_hf_dict reads every family while this module imports none of its
+# subclasses (a subclass imports its base; the base importing it back was a cycle).
+_FAMILIES: dict[str, type] = {}
+_FAMILY_TYPES: dict[str, type] = {}
+
+
+def register_family(cls: type, architectures: Mapping[str, str]) -> None:
+    """Let ModelConfig.from_hf_dict read the config.json of `architectures` ({HF architecture:
+    model_type}) with `cls.from_hf_dict` (`cls` a subclass of ModelConfig)."""
+    if not (isinstance(cls, type) and issubclass(cls, ModelConfig)):
+        raise TypeError(f"register_family({cls!r}): not a subclass of ModelConfig")
+    for arch, model_type in architectures.items():
+        _FAMILIES[arch], _FAMILY_TYPES[model_type] = cls, cls
+
+
+def require_positive(config, names: tuple[str, ...], *, where: str = "") -> None:
+    """ValueError naming the first of `names` whose value on `config` is not a positive int
+    (`where` prefixes the name: the class or the architecture)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{where}{name} must be a positive int, got {value!r}")
+
+
+def require_multiple(config, name: str, of: str, *, where: str = "") -> None:
+    """ValueError unless `config.<name>` is a multiple of `config.<of>` (heads of groups)."""
+    if getattr(config, name) % getattr(config, of):
+        raise ValueError(f"{where}{name}={getattr(config, name)} is not a multiple of "
+                         f"{of}={getattr(config, of)}")
 
 
 def _architecture(d: Mapping[str, Any]) -> str:

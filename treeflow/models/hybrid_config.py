@@ -36,7 +36,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config import ModelConfig
+from treeflow.models.config import (ModelConfig, register_family, require_multiple,
+                                     require_positive)
 from treeflow.models.moe_config import MoeConfig, refuse_dropping
 
 __all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir"]
@@ -123,14 +124,9 @@ class HybridConfig(ModelConfig):
         if arch == "GraniteMoeHybridForCausalLM" and self.shared_intermediate_size <= 0:
             raise ValueError(f"{arch} needs shared_intermediate_size > 0, got "
                              f"{self.shared_intermediate_size}")
-        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
-                     "conv_kernel", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{arch}: {name} must be a positive int, got {value!r}")
-        if self.mamba_num_heads % self.n_groups:
-            raise ValueError(f"{arch}: mamba_num_heads={self.mamba_num_heads} is not a multiple "
-                             f"of n_groups={self.n_groups}")
+        require_positive(self, ("mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                                "n_groups", "conv_kernel", "chunk_size"), where=f"{arch}: ")
+        require_multiple(self, "mamba_num_heads", "n_groups", where=f"{arch}: ")
 
     @property
     def recurrent(self) -> bool:
@@ -173,6 +169,9 @@ class HybridConfig(ModelConfig):
             d["torch_dtype"] = dtype
             d.pop("dtype", None)
         return d
+
+
+register_family(HybridConfig, HYBRID_ARCHITECTURES)  # ModelConfig.from_hf_dict reads them
 
 
 def _refuse(arch: str, d: Mapping[str, Any], checks: Mapping[str, Any]) -> None:

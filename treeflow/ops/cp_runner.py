@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from treeflow.models.context_parallel import ContextParallelPlan, cp_bounds
-from treeflow.ops.runner import _COLUMNS, ForwardRunner, PreparedBin, PreparedBins
+from treeflow.ops.runner import ForwardRunner, PreparedBin, PreparedBins
 
 
 
@@ -56,12 +56,11 @@ class ContextParallelRunner(ForwardRunner):
         routes = self._routes(bins, off["tokens"])  # MoE: the captured routes of every node
         items: list[PreparedBin | None] = []
         executed = 0
-        for r in range(bins.num_rows):
-            a = {k: int(off[k][r]) for k in _COLUMNS}
-            b = {k: int(off[k][r + 1]) for k in _COLUMNS}
-            if a["edge_sources"] == b["edge_sources"]:
+        for span in self._bin_spans(off, bins.num_rows):
+            if span is None:
                 items.append(None)
                 continue
+            a, b = span
             depths = val["positions"][a["positions"]:b["positions"]].astype(np.int64)
             bounds = cp_bounds(depths, self.cp.size)
             plan = ContextParallelPlan(val["parents"][a["parents"]:b["parents"]], depths, bounds,

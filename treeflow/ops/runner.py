@@ -121,6 +121,15 @@ class ForwardRunner:
         self._check_vocab(bins, off, val)
         return off, val
 
+    @staticmethod
+    def _bin_spans(off: dict, rows: int):
+        """Per bin, ({column: start}, {column: end}) into the flat values of `_columns`; None
+        for a bin without edges (nothing to run)."""
+        for r in range(rows):
+            a = {n: int(off[n][r]) for n in _COLUMNS}
+            b = {n: int(off[n][r + 1]) for n in _COLUMNS}
+            yield None if a["edge_sources"] == b["edge_sources"] else (a, b)
+
     def prepare(self, bins: pa.Table) -> PreparedBins:
         """Host work and device copies for every bin of `bins` (background-thread safe)."""
         t0 = time.perf_counter()
@@ -132,12 +141,11 @@ class ForwardRunner:
             dev = {n: self._to_device(val[n]) for n in ("tokens", "positions", "edge_sources",
                                                         "edge_targets")}
             routes = self._routes(bins, off["tokens"])
-            for r in range(bins.num_rows):
-                a = {n: int(off[n][r]) for n in _COLUMNS}
-                b = {n: int(off[n][r + 1]) for n in _COLUMNS}
-                if a["edge_sources"] == b["edge_sources"]:
+            for span in self._bin_spans(off, bins.num_rows):
+                if span is None:
                     items.append(None)
                     continue
+                a, b = span
                 positions = val["positions"][a["positions"]:b["positions"]]
                 plan = self.backend.attention_plan(val["parents"][a["parents"]:b["parents"]],
                                                    subtree_end(positions), kernel=self.config.kernel,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from treeflow._output import TableWriter
 from treeflow.atomic import commit, remove, remove_stale, temp_name
 
 
@@ -32,31 +32,25 @@ class ArrowSink:
         self.path = os.fspath(path)
         remove_stale(os.path.dirname(os.path.abspath(self.path)))
         self.tmp = temp_path(self.path)
-        self.rows = 0
-        self._writer = None
+        self._writer = TableWriter(self.tmp, "parquet" if self.path.endswith(".parquet") else "ipc")
+
+    @property
+    def rows(self) -> int:
+        return self._writer.rows
 
     def write(self, table: pa.Table) -> None:
-        if self._writer is None:
-            if self.path.endswith(".parquet"):
-                self._writer = pq.ParquetWriter(self.tmp, table.schema)
-            else:
-                self._writer = pa.ipc.new_file(self.tmp, table.schema)
-        self._writer.write_table(table)
-        self.rows += table.num_rows
+        self._writer.write(table)
 
     def close(self) -> None:
         """Publish the file (refused when nothing was written: there is no schema to write)."""
-        if self._writer is None:
+        if not self._writer.opened:
             raise ValueError(f"{self.path}: no rows to write; nothing was written")
         self._writer.close()
-        self._writer = None
         commit(self.tmp, self.path)
 
     def abort(self) -> bool:
         """Drop the partial file; True when there was one."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._writer.close()
         if os.path.exists(self.tmp):
             remove(self.tmp)
             return True

@@ -49,6 +49,17 @@ def _list_lengths(arr: pa.Array) -> np.ndarray:
     return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _lengths(arr: pa.Array, want: np.ndarray, fail, say) -> tuple[np.ndarray, np.ndarray]:
+    """(which calls hold the nullable list `arr`, its lengths); `fail(i, say(i, lengths))` at
+    the first call i that holds one of another length than `want[i]`."""
+    valid = ~arr.is_null().to_numpy(zero_copy_only=False)
+    got = _list_lengths(arr)
+    bad = np.flatnonzero(valid & (got != want))
+    if len(bad):
+        fail(int(bad[0]), say(int(bad[0]), got))
+    return valid, got
+
+
 def validate_episodes(
     table: pa.Table | pa.RecordBatch,
     *,
@@ -216,14 +227,10 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
     n_sampled = lens - starts
     for name in SAMPLED_LISTS:
         arr = flat.field(name)
-        valid = ~arr.is_null().to_numpy(zero_copy_only=False)
-        got = _list_lengths(arr)
-        bad = np.flatnonzero(valid & (got != n_sampled))
-        if len(bad):
-            i = int(bad[0])
-            fail(i, f"field {name!r} has {got[i]} values for {n_sampled[i]} sampled tokens "
-                    f"(sampled_start={starts[i]}, {lens[i]} tokens); give one per sampled token "
-                    "or leave it null")
+        valid, got = _lengths(arr, n_sampled, fail, lambda i, got: (
+            f"field {name!r} has {got[i]} values for {n_sampled[i]} sampled tokens "
+            f"(sampled_start={starts[i]}, {lens[i]} tokens); give one per sampled token "
+            "or leave it null"))
         if name != "loss_mask" and valid.any():
             vals = arr.flatten().to_numpy(zero_copy_only=False)
             nan = np.flatnonzero(~np.isfinite(vals))
@@ -237,13 +244,9 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
                            f"(token position {starts[call] + k}); a log-probability is <= 0: store "
                            "log(p), not p or -log(p)")
     routes = flat.field("routed_experts")
-    rvalid = ~routes.is_null().to_numpy(zero_copy_only=False)
-    rlen = _list_lengths(routes)
-    bad = np.flatnonzero(rvalid & (rlen != lens))
-    if len(bad):
-        i = int(bad[0])
-        fail(i, f"field 'routed_experts' has {rlen[i]} entries for {lens[i]} tokens; give one route "
-                "per token or leave it null")
+    rvalid, rlen = _lengths(routes, lens, fail, lambda i, got: (
+        f"field 'routed_experts' has {got[i]} entries for {lens[i]} tokens; give one route "
+        "per token or leave it null"))
     if rvalid.any():
         per_tok = _list_lengths(routes.flatten())
         if len(per_tok) and per_tok.min() != per_tok.max():

@@ -1,8 +1,8 @@
 """Pack: episodes -> layouts (prefix trees, merged chains, or exact calls).
 
 Construction is the canonical one: sort a scope's call sequences, take the
-longest common prefix (LCP) of sorted neighbours, and let each sequence add
-the nodes past its LCP. The parent of a sequence's first new node is found by
+longest common prefix (LCP) of sorted neighbours (stages/_order.py), and let
+each sequence add the nodes past its LCP. The parent of a sequence's first new node is found by
 a previous-smaller-LCP stack over *calls*, never over tokens; tokens,
 parents and positions are then gathered with vectorised range arithmetic, so
 the cost is a few numpy passes over the exact-call tokens. The DFS pre-order
@@ -30,6 +30,7 @@ from treeflow.schemas.episode import EPISODE_SCHEMA
 from treeflow.schemas.layout import LAYOUT_SCHEMA
 from treeflow.schemas.window import is_unvalidated, validate_taken
 from treeflow.stages.flat import Calls, ranges, segment_ids
+from treeflow.stages._order import order_and_lcp
 from treeflow.stages._share import scope_rows
 from treeflow.stages.base import Stage
 
@@ -169,91 +170,6 @@ def _scope_keys(calls: Calls, layout: str, scope: str | None) -> tuple[np.ndarra
     return scope_rows(calls.episode_ids, calls.group_ids, layout, scope)
 
 
-def _keys_bytes(tokens_T: np.ndarray, routes_TW: np.ndarray | None) -> bytes:
-    """One big-endian byte string per token that compares like (token, route).
-
-    A sentinel route (every id -1: NeMo Gym's final sampled token, which the engine never ran
-    as an input) is written as all zero bytes, so it sorts before every real route of the
-    same token: a call ending in one sorts right before the calls that continue it.
-    """
-    tok = tokens_T.astype(">u4").view(np.uint8).reshape(-1, 4)
-    if routes_TW is None:
-        return tok.tobytes()
-    r = (routes_TW.astype(np.int32) + 32768).astype(">u2")
-    r[(routes_TW == -1).all(axis=1)] = 0
-    r = r.view(np.uint8).reshape(len(tok), -1)
-    return np.concatenate([tok, r], axis=1).tobytes()
-
-
-def _order_and_lcp(calls: Calls, call_scope: np.ndarray, layout: str
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Calls in DFS order, each one's shared prefix with its predecessor, and the routes.
-
-    The routes are the calls' own, except that a call's final sentinel route is replaced
-    by the real route of the call that continues it (its sorted successor, when that one
-    has the same tokens and routes before it): the sentinel is a wildcard for sharing.
-    """
-    n = len(call_scope)
-    routes_TW = calls.routes_TW
-    if layout == "exact":
-        return np.argsort(call_scope, kind="stable"), np.zeros(n, dtype=np.int64), routes_TW
-    width = 4 + (0 if routes_TW is None else 2 * routes_TW.shape[1])
-    blob = _keys_bytes(calls.tokens_T, routes_TW)
-    off = calls.tok_off_C1 * width
-    keys = [blob[off[c]:off[c + 1]] for c in range(n)]
-    order = np.array(sorted(range(n), key=lambda c: (call_scope[c], keys[c], c)), dtype=np.int64)
-    if routes_TW is not None:
-        routes_TW = _resolve_sentinels(calls, call_scope, order, keys, width)
-    lcp = np.zeros(n, dtype=np.int64)
-    toks = calls.tokens_T if calls.routes_TW is None else None
-    for i in range(1, n):
-        a, b = order[i - 1], order[i]
-        if call_scope[a] != call_scope[b]:
-            continue
-        la, lb = calls.len_C[a], calls.len_C[b]
-        m = min(la, lb)
-        oa, ob = calls.tok_off_C1[a], calls.tok_off_C1[b]
-        if toks is not None:
-            neq = toks[oa:oa + m] != toks[ob:ob + m]
-        else:
-            neq = (np.frombuffer(keys[a], np.uint8)[:m * width].reshape(m, width)
-                   != np.frombuffer(keys[b], np.uint8)[:m * width].reshape(m, width)).any(axis=1)
-        k = int(np.argmax(neq)) if neq.any() else m
-        if layout == "tree":
-            lcp[i] = k
-        elif k == la:  # chain: the predecessor is a whole prefix of this call
-            lcp[i] = la
-    return order, lcp, routes_TW
-
-
-def _resolve_sentinels(calls: Calls, call_scope, order, keys: list, width: int) -> np.ndarray:
-    """Give a call's final sentinel route the route of the sorted successor that continues it.
-
-    Walks the sorted calls from the end, so a run of identical calls inherits the route in
-    turn. Rewrites `keys` of the calls it resolves (their sort position does not change: a
-    call that became a prefix of its successor still sorts right before it).
-    """
-    routes = calls.routes_TW
-    last_T = calls.tok_off_C1[1:] - 1
-    sentinel_C = (routes[last_T] == -1).all(axis=1)
-    if not sentinel_C.any():
-        return routes
-    routes = routes.copy()
-    for i in range(len(order) - 2, -1, -1):
-        a, b = int(order[i]), int(order[i + 1])
-        la = int(calls.len_C[a])
-        if (not sentinel_C[a] or call_scope[a] != call_scope[b] or calls.len_C[b] < la
-                or keys[b][:(la - 1) * width] != keys[a][:(la - 1) * width]
-                or keys[b][(la - 1) * width:(la - 1) * width + 4] != keys[a][-width:][:4]):
-            continue
-        src = int(calls.tok_off_C1[b]) + la - 1
-        if (routes[src] == -1).all():
-            continue
-        routes[last_T[a]] = routes[src]
-        keys[a] = keys[a][:(la - 1) * width] + keys[b][(la - 1) * width:la * width]
-    return routes
-
-
 def _prev_smaller(lcp: np.ndarray) -> np.ndarray:
     """ps[i] = max j < i with lcp[j] < lcp[i] (-1 if none): the owner of node (i, lcp[i]-1)."""
     ps = np.full(len(lcp), -1, dtype=np.int64)
@@ -282,7 +198,7 @@ def pack(episodes: pa.Table, *, layout: str = "tree", scope: str | None = None, 
 
         order, lcp, routes_TW = nrl_order_and_lcp(episodes, calls, call_scope, layout)
     else:
-        order, lcp, routes_TW = _order_and_lcp(calls, call_scope, layout)
+        order, lcp, routes_TW = order_and_lcp(calls, call_scope, layout)
 
     # sequences in DFS order: each adds nodes for depths [lcp, len)
     len_o = calls.len_C[order]

@@ -188,11 +188,17 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
         trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
     except (ValueError, KeyError) as e:
         raise ValueError(f"{step_path}: the optimizer state does not fit this model ({e})") from e
+    return _restored(trainer, state, step_path)
+
+
+def _restored(trainer, state: dict, path: str):
+    """`trainer` with the counters of the checkpoint at `path` (its trainer state `state`):
+    every layout's last step."""
     trainer.steps = state["steps"]
     trainer.scheduler_episodes = state["scheduler_episodes"]
     trainer.position = state["position"]
     trainer.run = state.get("run")
-    trainer.checkpoint_path = step_path
+    trainer.checkpoint_path = path
     return trainer
 
 
@@ -257,12 +263,7 @@ def _load_sharded(cls, path, forward, reduce, options, log, state=None):
     trainer = cls(replace(forward, model=path), reduce, **options)
     _note_layout(path, state, trainer, log)
     load_sharded(trainer, path, state)
-    trainer.steps = state["steps"]
-    trainer.scheduler_episodes = state["scheduler_episodes"]
-    trainer.position = state["position"]
-    trainer.run = state.get("run")
-    trainer.checkpoint_path = path
-    return trainer
+    return _restored(trainer, state, path)
 
 
 def _check_layout(path: str, state: dict, forward) -> None:
@@ -302,12 +303,7 @@ def _load_legacy(cls, path, forward, reduce, log, options):
     log(f"{path}: --trust-checkpoint: an old checkpoint layout without a manifest, loaded "
         "unverified (save again to upgrade it)")
     trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.steps = state["steps"]
-    trainer.scheduler_episodes = state["scheduler_episodes"]
-    trainer.position = state["position"]
-    trainer.run = None
-    trainer.checkpoint_path = path
-    return trainer
+    return _restored(trainer, {**state, "run": None}, path)  # saved before runs were recorded
 
 
 __all__ = ["find_checkpoint", "latest_step_dir", "load_checkpoint", "model_dir", "verify"]

@@ -41,7 +41,9 @@ import torch.distributed as dist
 
 __all__ = ["DataParallel", "RankFailedError", "rank_device", "training_ranks"]
 
-_BUCKET_ELEMENTS = 1 << 26  # 256 MiB of float32 per all-reduce call
+# elements per all-reduce call (256 MiB of float32): sum_tensors' buckets and the Trainer's
+# overlapped GradReducer (train/overlap.py)
+BUCKET_ELEMENTS = 1 << 26
 
 
 class RankFailedError(RuntimeError):
@@ -182,7 +184,7 @@ class DataParallel:
             bucket: list[torch.Tensor] = []
             size = 0
             for t in same + [None]:
-                if t is None or (bucket and size + t.numel() > _BUCKET_ELEMENTS):
+                if t is None or (bucket and size + t.numel() > BUCKET_ELEMENTS):
                     flat = torch.cat([b.reshape(-1) for b in bucket])
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
                     for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
@@ -194,11 +196,7 @@ class DataParallel:
 
     def sum_array(self, values: np.ndarray) -> np.ndarray:
         """All-reduce SUM of a numpy array (counts, metric sums); float64 or int64."""
-        if not self.distributed:
-            return values
-        t = torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t.cpu().numpy()
+        return self._reduce_array(values, dist.ReduceOp.SUM)
 
     def planning_exchange(self, *, contributes: bool = True, timeout_s: float = 600.0):
         """The sum over all processes of a float64 array, on a gloo group of its own: what
@@ -220,10 +218,13 @@ class DataParallel:
         return exchange
 
     def max_array(self, values: np.ndarray) -> np.ndarray:
+        return self._reduce_array(values, dist.ReduceOp.MAX)
+
+    def _reduce_array(self, values: np.ndarray, op) -> np.ndarray:
         if not self.distributed:
             return values
         t = torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=op, group=self.group)
         return t.cpu().numpy()
 
     def gather(self, value: float) -> np.ndarray:

@@ -42,7 +42,7 @@ from treeflow.stages.shard import CostModel
 from treeflow.train.background_save import NEXT_SAVE, OPTIMIZER_STEP, BackgroundSave
 from treeflow.train.checkpoint import (checkpoint_writer, load_checkpoint, save_checkpoint,
                                        step_dir_name)
-from treeflow.train.distributed import _BUCKET_ELEMENTS, DataParallel
+from treeflow.train.distributed import BUCKET_ELEMENTS, DataParallel
 from treeflow.train.overlap import GradReducer
 from treeflow.train.precision import compute_context, storage_dtype
 from treeflow.train.step import Step, StepOpenError
@@ -119,7 +119,7 @@ class Trainer:
         if (overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32"
                 and self.dp.cp is None):
             self.reducer = GradReducer([p for _, p in self.backend.named_parameters()],
-                                       self.dp.group, bucket_elements=_BUCKET_ELEMENTS)
+                                       self.dp.group, bucket_elements=BUCKET_ELEMENTS)
         self.last_timing: dict = {}
         self.optimizer = self.backend.optimizer(lr=reduce.schedule(0), betas=reduce.betas,
                                                 eps=reduce.eps, weight_decay=reduce.weight_decay)

@@ -1,7 +1,8 @@
 """The megatron-core backend: MCore's GPTModel with tree attention, tensor parallel.
 
 The model is MCore's `GPTModel` built from the Hugging Face config with
-`tree_layer_spec` (spec.py), weights converted by convert.py. treeflow runs
+`tree_layer_spec` (spec.py; the building and exact loading: gpt.py), weights
+converted by convert.py. treeflow runs
 it piece by piece instead of through `GPTModel.forward`, for two reasons
 that the issue names: `GPTModel.forward` derives RoPE from 0..S-1 and
 ignores `position_ids` (a tree needs depths), and its post-processing
@@ -46,15 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    param_is_not_tensor_parallel_duplicate,
-    set_tensor_model_parallel_attributes,
-)
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.backend_base import ModuleBackend, check_tensor_parallel
@@ -63,73 +57,14 @@ from treeflow.models.config import ModelConfig
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
                                               unshard_tensor)
+from treeflow.models.megatron.gpt import (build_gpt_model, load_exact, refuse_moe,
+                                          refuse_unsupported)
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
-from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard, moe_config
+from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard
 from treeflow.models.megatron.parallel import init_parallel
-from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 from treeflow.models.rope import Rotary
 
 __all__ = ["MegatronBackend", "build_gpt_model"]
-
-
-def _refuse_moe(c: ModelConfig) -> None:  # before the whole checkpoint is loaded
-    """What the megatron backend's MoE layers (megatron/moe.py) cannot honour, by name."""
-    moe_config(c)  # refuses the router aux loss
-
-
-def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                    sequence_parallel: bool = False, expert_parallel: int = 1) -> GPTModel:
-    """An MCore GPTModel of the HF config's shape (this rank's shard), parameters on CPU, uninitialised."""
-    _refuse_moe(c)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if c.vocab_size % tp:
-        raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tensor parallelism {tp}; "
-                         "the vocab-parallel output layer needs equal shards (use another TP size)")
-    moe = c.moe
-    config = TransformerConfig(
-        **moe_config(c, expert_parallel=expert_parallel), qk_layernorm=c.qk_norm,
-        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
-        ffn_hidden_size=c.intermediate_size, kv_channels=c.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
-        add_bias_linear=False, add_qkv_bias=c.attention_bias,
-        gated_linear_unit=True, activation_func=F.silu,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=True, perform_initialization=False,
-        # the unfused PyTorch paths: fused kernels are CUDA/Apex/TE-only
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-    )
-    spec = tree_block_spec(c.num_hidden_layers, qk_norm=c.qk_norm,
-                           experts=None if moe is None else moe.num_experts,
-                           moe_layers=() if moe is None else moe.moe_layers)
-    model = GPTModel(config, spec, vocab_size=c.vocab_size,
-                     max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
-                     position_embedding_type="rope", rotary_base=int(c.rope_theta),
-                     share_embeddings_and_output_weights=c.tie_word_embeddings,
-                     parallel_output=True)
-    _mark_tensor_parallel(model)
-    return model
-
-
-def _mark_tensor_parallel(model: GPTModel) -> None:
-    """Tag sharded weights as MCore's initialisation would (skipped: the weights are loaded).
-
-    Without `perform_initialization` MCore leaves the weights untagged, and the
-    gradient norm would then count each shard on TP rank 0 only.
-    """
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            dim = 0
-        elif isinstance(module, RowParallelLinear):
-            dim = 1
-        else:
-            continue
-        weight = getattr(module, "weight", None)
-        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
-            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 class MegatronBackend(ModuleBackend):
@@ -138,7 +73,7 @@ class MegatronBackend(ModuleBackend):
     name = "megatron"
 
     def __init__(self, model: GPTModel, config: ModelConfig) -> None:
-        _refuse_unsupported(model)
+        refuse_unsupported(model)
         self.module = model
         self.config = config
         self.device = next(model.parameters()).device
@@ -164,9 +99,9 @@ class MegatronBackend(ModuleBackend):
         others (the dispatcher gathers their tokens). Forward and backward only: training
         steps and export refuse it (see clip_grad_norm)."""
         if isinstance(source, ModelConfig):
-            _refuse_moe(source)
+            refuse_moe(source)
         elif source != "tiny" and os.path.isdir(source):  # before loading the whole checkpoint
-            _refuse_moe(ModelConfig.from_hf_dir(source))
+            refuse_moe(ModelConfig.from_hf_dir(source))
         device = _resolve(torch.device(device))
         reference = load_model(source, dtype=torch.float32, device="cpu")  # HF names, checked
         config = reference.config
@@ -199,7 +134,7 @@ class MegatronBackend(ModuleBackend):
         sp = sequence_parallel
         model = build_gpt_model(config, dtype=dtype, sequence_parallel=sp,
                                 expert_parallel=expert_parallel)
-        _load_exact(model, part)
+        load_exact(model, part)
         return cls(model.to(device=device), config)
 
     # ------------------------------------------------------------ forward
@@ -360,44 +295,6 @@ class MegatronBackend(ModuleBackend):
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's block of the unsharded tensor of parameter `name`."""
         return local_part(self, name, full)
-
-
-def _load_exact(model: GPTModel, state: dict[str, torch.Tensor]) -> None:
-    want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
-    if missing or extra:
-        raise ValueError(f"converted state does not fit the GPTModel: missing {missing}, "
-                         f"unexpected {extra}")
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(want[name].shape):
-            raise ValueError(f"{name}: converted shape {tuple(t.shape)} but the GPTModel "
-                             f"needs {tuple(want[name].shape)}")
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()):
-            p.copy_(state[name])
-
-
-def _refuse_unsupported(model) -> None:
-    if not isinstance(model, GPTModel):
-        raise TypeError(f"the megatron backend runs an MCore GPTModel, got "
-                        f"{type(model).__name__} (hybrid/Mamba models are refused: a recurrent "
-                        "layer's state at a branch point would have to be forked per child)")
-    if getattr(model, "mtp_process", False) or getattr(model.config, "mtp_num_layers", None):
-        raise ValueError("multi-token-prediction heads are not supported: an MTP head predicts "
-                         "tokens further along one path, which a branching tree does not "
-                         "define; build the GPTModel without mtp_block_spec")
-    kinds = {type(m).__name__ for m in model.modules()}
-    recurrent = sorted(k for k in kinds if "Mamba" in k or "SSM" in k)
-    if recurrent:
-        raise ValueError(f"the model has recurrent layers {recurrent}: their state at a branch "
-                         "point would have to be forked per child, which treeflow does not do")
-    if not uses_tree_attention(model):
-        raise ValueError("the GPTModel's core attention is not TreeCoreAttention: ordinary "
-                         "causal attention over a tree gives wrong logprobs; build it with "
-                         "treeflow.models.megatron.tree_layer_spec()")
-    if not (model.pre_process and model.post_process):
-        raise ValueError("pipeline parallelism is not supported: build the GPTModel with "
-                         "pre_process=True and post_process=True")
 
 
 def _resolve(device: torch.device) -> torch.device:
