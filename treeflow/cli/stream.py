@@ -4,24 +4,14 @@
     treeflow rollout --queue q --groups 40 --group-size 4        # another process
     treeflow stream --from episodes.arrow -o lp.arrow                      # compare with replay
 
-`stream` starts the queue (or attaches to the one answering at --queue), runs
-the declared pipeline on each whole step that arrives, and stops after
---steps or when the producers close the queue. With --from FILE it also
-starts a producer thread that puts the file (at --rate episodes/s) and closes
-the queue at its end, so that `stream` and `replay` run the same episodes
-with the same options; --produce-only runs just that producer against --queue.
-
-The logprobs outputs are stream_logprobs.py's, training stream_train.py's. The command only
-parses, wires and displays; the work is in treeflow.tq and treeflow.pipeline.
+`stream` runs the pipeline on each whole step of the queue it starts (or joins at --queue) until
+--steps or the producers close it; --from FILE also puts the file from a producer thread
+(--produce-only: just that). The run is pipeline/stream.py's, logprobs.py's, queue_train.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-import threading
-import time
 
 from treeflow.cli import configs
 from treeflow.cli.common import check_device, positive, show
@@ -31,151 +21,64 @@ from treeflow.cli.queue import open_cli_queue
 from treeflow.cli.stream_logprobs import check_output, stream_logprobs
 from treeflow.cli.stream_train import check_train, stream_train
 
-class _Producer(threading.Thread):
-    """put_files in a thread; its error is the command's error (re-raised by the main thread)."""
-
-    def __init__(self, queue, args, vocab_size):
-        super().__init__(daemon=True, name="treeflow-stream-from")
-        self.queue, self.args, self.vocab_size = queue, args, vocab_size
-        self.error, self.summary = None, None
-        self.stopping = False   # the consumer closes the queue itself (--steps reached)
-
-    def run(self):
-        from treeflow.pipeline.queue_source import put_files
-        from treeflow.tq import QueueClosed
-
-        try:
-            self.summary = put_files(self.queue, self.args.from_files, rate=self.args.rate,
-                                     vocab_size=self.vocab_size, chunk=self.args.chunk,
-                                     producer=self.args.producer)
-        except QueueClosed as e:
-            if not self.stopping:   # someone else closed it while episodes were left: say so
-                self.error = ValueError(f"--from {' '.join(self.args.from_files)}: {e}")
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            self.error = e
-            self.queue.close()
-
 
 def _check(args) -> None:
-    positive(args, "max_tokens", "episodes_per_step", "chunk_size", "prefetch", "capacity",
-              "chunk")
-    check_device(args.device)
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps {args.steps}: give the number of steps to run, >= 1")
-    if args.lease_seconds <= 0:
-        raise ValueError(f"--lease-seconds {args.lease_seconds}: give a positive number")
-    _check_producers(args)
-    if args.rate is not None and args.rate <= 0:
-        raise ValueError(f"--rate {args.rate}: give episodes per second > 0 (or leave it out)")
-    if args.num_ranks < 1:
-        raise ValueError(f"--num-ranks {args.num_ranks}: give 1 or more")
-    if args.num_ranks != 1 and args.mode != "train" and args.engine != "ray":
-        raise ValueError(f"--num-ranks {args.num_ranks}: in --mode logprobs, --engine local runs "
-                         "one forward process; --engine ray --num-ranks N runs N forward actors")
-    if args.lease != "lead" and (args.mode != "train" or args.produce_only):
-        raise ValueError(f"--lease {args.lease}: only --mode train --num-ranks N leases per rank; "
-                         "leave --lease out")
-    if not args.from_files and not args.queue:
-        raise ValueError("nothing can put episodes into an in-process queue: give --from FILE... "
-                         "or --queue ADDRESS for producers in other processes (treeflow rollout)")
-
-
-def _check_producers(args) -> None:
     from treeflow.tq.ledger import parse_close_when
 
+    positive(args, "max_tokens", "episodes_per_step", "chunk_size", "prefetch", "capacity",
+             "chunk")
+    check_device(args.device)
     try:
-        parse_close_when(args.close_when)
+        closes = bool(parse_close_when(args.close_when))
     except ValueError:
-        raise ValueError(f"--close-when {args.close_when}: choose all (the queue closes when every "
-                         "producer has closed), first, or a number N >= 1 of producers") from None
-    if args.max_attempts < 1:
-        raise ValueError(f"--max-attempts {args.max_attempts}: give how many consumers may reject "
-                         "a step before it is dead-lettered (>= 1)")
+        closes = False
+    for bad, message in (
+            (args.steps is not None and args.steps < 1,
+             f"--steps {args.steps}: give the number of steps to run, >= 1"),
+            (args.lease_seconds <= 0,
+             f"--lease-seconds {args.lease_seconds}: give a positive number"),
+            (not closes, f"--close-when {args.close_when}: choose all (the queue closes when "
+             "every producer has closed), first, or a number N >= 1 of producers"),
+            (args.max_attempts < 1, f"--max-attempts {args.max_attempts}: give how many "
+             "consumers may reject a step before it is dead-lettered (>= 1)"),
+            (args.rate is not None and args.rate <= 0,
+             f"--rate {args.rate}: give episodes per second > 0 (or leave it out)"),
+            (args.num_ranks < 1, f"--num-ranks {args.num_ranks}: give 1 or more"),
+            (args.num_ranks != 1 and args.mode != "train" and args.engine != "ray",
+             f"--num-ranks {args.num_ranks}: in --mode logprobs, --engine local runs one forward "
+             "process; --engine ray --num-ranks N runs N forward actors"),
+            (args.lease != "lead" and (args.mode != "train" or args.produce_only),
+             f"--lease {args.lease}: only --mode train --num-ranks N leases per rank; leave "
+             "--lease out"),
+            (not args.from_files and not args.queue, "nothing can put episodes into an "
+             "in-process queue: give --from FILE... or --queue ADDRESS for producers in other "
+             "processes (treeflow rollout)")):
+        if bad:
+            raise ValueError(message)
 
 
 def cmd_stream(args) -> int:
+    from treeflow.pipeline.stream import local_address, produce_files, run_stream
+
     _check(args)
     vocab = configs.forward(args).vocab_size_hint()
+    feed = dict(rate=args.rate, vocab_size=vocab, chunk=args.chunk, producer=args.producer)
     if args.produce_only:
         if not args.from_files:
             raise ValueError("--produce-only needs --from FILE...")
-        from treeflow.pipeline.queue_source import put_files
-
-        from treeflow.tq import QueueClosed
-
-        try:
-            summary = put_files(open_cli_queue(args, vocab, attach=True), args.from_files,
-                                rate=args.rate, vocab_size=vocab, chunk=args.chunk,
-                                producer=args.producer)
-        except QueueClosed as e:
-            raise ValueError(f"--from {' '.join(args.from_files)}: {e}") from None
-        show(args, "produced", summary)
+        show(args, "produced", produce_files(open_cli_queue(args, vocab, attach=True),
+                                             args.from_files, **feed))
         return 0
-    if args.mode == "train":
-        check_train(args)
-    else:
-        out = check_output(args)
-    if args.mode == "train" and args.num_ranks > 1 and args.engine != "ray" and not args.queue:
-        # the rank processes attach to the queue: serve it (embedded) or name it (transferqueue);
-        # the Ray engine's driver alone reads it
-        args.queue = (os.path.join(tempfile.mkdtemp(prefix="treeflow-tq-"), "q.sock")
-                      if args.queue_backend == "embedded" else "default")
-    queue = open_cli_queue(args, vocab)
-    producer = None
-    if args.from_files:
-        producer = _Producer(queue, args, vocab)
-        producer.start()
-    ok = False
-    try:
-        if args.mode == "train":
-            summary = stream_train(args, queue)
-        else:
-            summary = stream_logprobs(args, queue, out)
-        summary["queue"] = queue.stats()
-        ok = True
-    except Exception:
-        if producer is not None and producer.error is not None:
-            raise producer.error from None   # the cause ("no episodes arrived" is its effect)
-        raise
-    finally:
-        _end_queue(args, queue, producer, ok)
-    if producer is not None and producer.error is not None:
-        raise producer.error
+    train = args.mode == "train"
+    out = check_train(args) if train else check_output(args)
+    if train and args.num_ranks > 1 and args.engine != "ray" and not args.queue:
+        # the rank processes attach to the queue (the Ray engine's driver alone reads it)
+        args.queue = local_address(args.queue_backend)
+    summary = run_stream(open_cli_queue(args, vocab), lambda q: stream_train(args, q) if train
+                         else stream_logprobs(args, q, out), files=args.from_files,
+                         linger=args.linger, **feed)
     show(args, f"stream ({args.mode}, {args.queue_backend} queue)", summary)
     return 0
-
-
-def _end_queue(args, queue, producer, ok: bool) -> None:
-    """A stream that ended closes the queue; one that failed leaves what is queued to the next consumer.
-
-    A failed or terminated consumer does not close the queue (its producers go on putting)
-    and, if it started the queue, leaves it serving while it holds episodes, so that a
-    restarted consumer (`--resume`) gets every one of them; it says so on stderr.
-    """
-    import sys
-
-    keep = None
-    if producer is not None or ok or queue.address is None:
-        if producer is not None:
-            producer.stopping = True
-        queue.close()
-        if producer is not None:
-            producer.join()
-    elif queue.started:
-        try:
-            held = queue.stats()["held_episodes"]
-        except Exception:  # noqa: BLE001 - the queue is gone: nothing to keep
-            held = 0
-        keep = held or None
-    if keep:
-        pid = getattr(getattr(queue, "_owner", None), "pid", None)
-        print(f"note: {queue.name} still holds {keep} episodes; it keeps serving for the next "
-              f"consumer (`treeflow stream --queue {args.queue} ...`, `--resume` to continue)"
-              + (f"; stop it with `kill {pid}`" if pid else ""), file=sys.stderr, flush=True)
-        return
-    if queue.started and ok:  # give attached producers a moment to see the close
-        time.sleep(args.linger)
-    queue.shutdown()
 
 
 def cmd_rollout(args) -> int:
@@ -189,7 +92,7 @@ def cmd_rollout(args) -> int:
         raise ValueError(f"--groups {args.groups}: give the number of groups to sample, >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = configs.rollout_config(args)
+    config = configs.rollout_config(args)  # refused before the queue is joined
     queue = open_cli_queue(args, attach=True)
     try:
         summary = run_rollout(queue, groups=args.groups, config=config, model=args.model,
@@ -205,7 +108,6 @@ def cmd_rollout(args) -> int:
 
 
 def add_stream_parsers(sub, common) -> None:
-    """stream and rollout."""
     s = sub.add_parser("stream", parents=[common],
                        help="run the pipeline on live episodes from a tensor queue")
     model_options(s)
