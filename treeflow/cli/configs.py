@@ -11,7 +11,7 @@ sinks) are built here too, from the flags every training command shares.
 from __future__ import annotations
 
 __all__ = ["files", "fit_options", "forward", "plan_stages", "reduce", "reference",
-           "rollout_config", "train_pipeline", "tuning_text"]
+           "rollout_config", "step_stages", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
 _FORWARD_FLAGS = ("backend", "chunk_size", "tensor_parallel", "context_parallel", "routing",
@@ -91,14 +91,15 @@ def plan_stages(args, world: int, rank: int, exchange=None, *, cost=None) -> tup
                        num_ranks=world, rank=rank, exchange=exchange, cost=cost)
 
 
-def train_pipeline(args, world: int, rank: int, exchange=None):
-    """The training pipeline of data-parallel replica `rank` of `world`: --advantage's stage,
-    the replica's map stages (plan_stages), Forward and Reduce."""
+def step_stages(args):
+    """The stages of a training step on every rank (pipeline/rank_plan.StepStages): --advantage's
+    stage, the layout flags, Forward and Reduce."""
     from treeflow.cli.rl import advantage_stages
-    from treeflow.pipeline import Pipeline
+    from treeflow.pipeline.rank_plan import StepStages
 
-    return Pipeline(*advantage_stages(args), *plan_stages(args, world, rank, exchange),
-                    forward(args, entropy=bool(args.entropy_coef)), reduce(args))
+    return StepStages(before=advantage_stages(args), layout=args.layout, scope=args.scope,
+                      share_rules=args.share_rules, max_tokens=args.max_tokens,
+                      forward=forward(args, entropy=bool(args.entropy_coef)), reduce=reduce(args))
 
 
 def files(args, forward, **options):

@@ -4,7 +4,8 @@
 Fragment of only its own share of the step (dealt on the trees' exact costs, which `exchange`
 sums over the replicas; stages/_exchange.py), then Shard, which keeps the replicas; one rank
 runs Pack and Fragment alone. Training (`replay`/`stream --mode train`) builds each rank's
-pipeline from it, and `plan_windows(...)` runs it for every rank (or one) over windows of
+pipeline from it (`StepStages.pipeline`: what comes before, the rank's map stages, Forward and
+Reduce), and `plan_windows(...)` runs it for every rank (or one) over windows of
 episodes and sums what the bins hold -- the figures `treeflow plan` prints -- so a plan shows the
 bins training runs. `deal_cost(model)` is the cost the ranks are dealt by: the model's own, as
 training deals. The trade-off: ranks planned in one process run one after another, so each
@@ -16,12 +17,13 @@ from __future__ import annotations
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["deal_cost", "plan_windows", "rank_stages"]
+__all__ = ["StepStages", "deal_cost", "plan_windows", "rank_stages"]
 
 
 def rank_stages(*, layout: str, scope: str | None, share_rules: str, max_tokens: int,
@@ -43,6 +45,31 @@ def rank_stages(*, layout: str, scope: str | None, share_rules: str, max_tokens:
                  cost=cost),
             Fragment(max_tokens=max_tokens, ranks=num_ranks, rank=rank, cost=cost),
             Shard(num_ranks=num_ranks, cost=cost))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStages:
+    """The stages of a training step as every data-parallel rank runs them: `before` (e.g.
+    `(Advantage(...),)`), the rank's map stages (rank_stages, from the layout fields), then
+    `forward` and `reduce`. max_tokens: one process's bin budget; a context-parallel group's
+    bins hold `forward.context_parallel` times it."""
+
+    forward: object
+    reduce: object
+    before: tuple = ()
+    layout: str = "tree"
+    scope: str | None = None
+    share_rules: str = "default"
+    max_tokens: int = 16384
+
+    def pipeline(self, num_ranks: int = 1, rank: int = 0, exchange=None):
+        """The training Pipeline of replica `rank` of `num_ranks` (exchange: rank_stages')."""
+        from treeflow.pipeline.pipeline import Pipeline
+
+        return Pipeline(*self.before, *rank_stages(
+            layout=self.layout, scope=self.scope, share_rules=self.share_rules,
+            max_tokens=self.max_tokens * self.forward.context_parallel, num_ranks=num_ranks,
+            rank=rank, exchange=exchange), self.forward, self.reduce)
 
 
 def deal_cost(model: str | None):

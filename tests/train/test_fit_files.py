@@ -1,0 +1,52 @@
+"""fit_files / fit_summary / StepStages / logprobs_pipeline: the library calls `treeflow replay`
+runs, against a hand-built pipeline and Trainer steps (not through the CLI)."""
+
+import pytest
+
+from treeflow.pipeline import Files, synth_episodes, write_episodes
+from treeflow.pipeline.rank_plan import StepStages, rank_stages
+from treeflow.pipeline.replay import logprobs_pipeline
+from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Reduce, Shard
+from treeflow.train.fit_files import fit_files, fit_summary
+
+
+def _stages(**kw):
+    return StepStages(forward=Forward(model="tiny"), reduce=Reduce(
+        loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-2)), max_tokens=256, **kw)
+
+
+def test_step_stages_are_rank_stages_between_before_and_reduce():
+    s = _stages(layout="chain")
+    for world, rank in ((1, 0), (2, 1)):
+        got = s.pipeline(world, rank).stages
+        want = rank_stages(layout="chain", scope=None, share_rules="default", max_tokens=256,
+                           num_ranks=world, rank=rank)
+        assert [repr(x) for x in got[:-2]] == [repr(x) for x in want]  # exchange aside
+        assert got[-2:] == (s.forward, s.reduce)
+
+
+def test_logprobs_pipeline_budget_and_shard():
+    pipe = logprobs_pipeline(Forward(model="tiny"), max_tokens=300, num_ranks=3)
+    frag = next(x for x in pipe.stages if isinstance(x, Fragment))
+    shard = next(x for x in pipe.stages if isinstance(x, Shard))
+    assert frag.max_tokens == 300 and shard.num_ranks == 3
+
+
+def test_fit_files_trains_the_steps_asked_and_summarises(tmp_path):
+    eps = synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=8,
+                         user_tokens=(2, 4), completion_tokens=(2, 4), tool_tokens=(2, 4), seed=3)
+    write_episodes(eps, tmp_path / "e.arrow")
+    files = Files(paths=(str(tmp_path / "e.arrow"),), episodes_per_step=6)
+    report = fit_files(_stages(), files, steps=3, progress=None)
+    # 8 episodes, windows of 6, cycled: 3 steps need a second pass
+    assert [r["step"] for r in report["rows"]] == [1, 2, 3] and report["ranks"] == 1
+    assert sum(r["episodes"] for r in report["rows"]) == 6 + 2 + 6
+    out = fit_summary(report, tuning="plain")
+    assert list(out)[:6] == ["steps", "last", "compile_seconds", "steady_seconds_per_step",
+                             "recompiles", "tuning"]
+    assert out["steps"] == 3 and out["last"]["train/loss"] == report["rows"][-1]["loss"]
+    assert out["process_seconds"] > 0 and out["peak_rss_mib"] > 0
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

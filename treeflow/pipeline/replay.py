@@ -1,0 +1,106 @@
+"""A logprobs run over stored episodes, as one call: what `treeflow replay` runs.
+
+    summary = replay_logprobs(logprobs_pipeline(Forward(model="tiny"), max_tokens=8192),
+                              Files(paths=("e.arrow",), episodes_per_step=64), "lp.arrow")
+
+`logprobs_pipeline` declares the stages: Pack, Fragment, Shard (over the Ray engine's forward
+actors, by the model's own cost), the Forward, Reassemble. `replay_logprobs` runs it as one
+process of the Forward's tensor- or context-parallel group when it has one (torchrun's
+environment: `train.launch.spawn` or torchrun started the processes; with the Ray engine a
+context-parallel group is the engine's actors instead), writes the results (the first process
+of a group; every other computes the same bins and discards them) and returns the run's
+summary: the windows' summed stats with the steady-state timing and throughput, MoE route
+agreement, the device's busy share and peak CUDA memory (pipeline/stats.py). The trade-off:
+the caller starts the group's processes; one call is one process of it.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+__all__ = ["logprobs_pipeline", "replay_logprobs"]
+
+
+def logprobs_pipeline(forward, *, layout: str = "tree", scope: str | None = None,
+                      share_rules: str = "default", max_tokens: int = 16384, num_ranks: int = 1):
+    """Pack -> Fragment -> Shard -> `forward` -> Reassemble (entropies when the Forward computes
+    them). max_tokens: one process's bin budget; a context-parallel group's bins hold
+    `forward.context_parallel` times it. num_ranks: the ranks Shard balances the bins over (the
+    Ray engine's forward actors), by the cost of the Forward's model."""
+    from treeflow.pipeline.pipeline import Pipeline
+    from treeflow.stages import CostModel, Fragment, Pack, Reassemble, Shard
+
+    return Pipeline(Pack(layout=layout, scope=scope, share_rules=share_rules),
+                    Fragment(max_tokens=max_tokens * forward.context_parallel),
+                    Shard(num_ranks=num_ranks, cost=CostModel.from_config(
+                        forward.model_config(), training=False)), forward,
+                    Reassemble(entropy=forward.entropy))
+
+
+class _Discard:
+    """The output of a group's process other than the first: every one computes the same
+    results, one writes them."""
+
+    def write(self, table) -> None:
+        pass
+
+
+def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "cpu",
+                    engine: str = "local", num_ranks: int = 1, prefetch: int = 2,
+                    quiet: bool = False) -> dict | None:
+    """Run the logprobs `pipeline` over `source` (a `Files`), write one row per input episode
+    to `output` (.arrow or .parquet, published when the run completes; `inputs`: the episode
+    files it must not be); the run's summary, or None in a group's process other than the
+    first. engine, num_ranks, prefetch: Pipeline.run's."""
+    import torch
+
+    from treeflow._clock import process_seconds
+    from treeflow._display import progress
+    from treeflow._output import table_output
+    from treeflow.pipeline.stats import add_sums, route_agreement, steady_state
+    from treeflow.schemas.episode import count_rows
+
+    imported = process_seconds()
+    forward, lead, group = pipeline.plan.model, True, None
+    if forward.tensor_parallel > 1:  # one of the processes that hold a share of the model
+        from treeflow.train.distributed import rank_device
+        from treeflow.train.launch import rank_of
+
+        lead = rank_of() == 0
+        device = rank_device(device, int(os.environ.get("LOCAL_RANK", rank_of())))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+    if forward.context_parallel > 1 and engine == "local":  # one of the processes of a bin
+        from treeflow.train.distributed import DataParallel
+
+        group = DataParallel.from_env(device)
+        lead, device = group.rank == 0, str(group.device)
+    sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
+                compile_seconds=0.0, imported_at=imported)
+    with (table_output(output, inputs, what="logprobs") if lead
+          else nullcontext(_Discard())) as out:
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        total = count_rows(list(source.paths))
+        setup = process_seconds()  # interpreter start, imports, device initialisation
+        with progress("replay", total, quiet or not lead) as advance:
+            for rec in pipeline.run(source, device=device, engine=engine, ranks=num_ranks,
+                                    prefetch=prefetch):
+                out.write(rec.output)
+                add_sums(sums, rec.stats)
+                advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
+    steady = steady_state(sums, process_seconds(), setup)
+    route_agreement(sums)
+    if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
+        sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
+    if device.startswith("cuda"):
+        sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if group is not None:
+        group.close()
+    if not lead:
+        return None
+    for name in ("tensor_parallel", "context_parallel"):
+        if getattr(forward, name) > 1:
+            sums[name] = getattr(forward, name)
+    return sums

@@ -1,0 +1,96 @@
+"""Training on stored episodes: fit() over episode files, as one process of a run or its driver.
+
+    report = fit_files(StepStages(forward=Forward(model="tiny"), reduce=Reduce(), max_tokens=4096),
+                       Files(paths=("e.arrow",), episodes_per_step=8), steps=10)
+    print(json.dumps(fit_summary(report)))
+
+What `treeflow replay --mode train` runs, in one call. Every step is one window of
+`episodes_per_step` episodes (whole groups), the data cycled until `steps` optimizer steps
+have run; fit() (train/fit.py) owns the checkpoints, --resume and its fingerprint check, the
+metrics sinks. Data parallelism:
+
+- `distributed=True`: this process is one rank of a process group that torchrun, `spawn` or
+  `ray_ranks` (train/launch.py) started; `training_ranks` (train/distributed.py) makes the
+  group, with tensor- or context-parallel groups read from the Forward. Every rank reads the
+  same windows (memory-mapped when there are several replicas: the offsets of the window and
+  the tokens of its own trees, pipeline/rank_rows.py), lays out and bins only its own share of
+  each step (`StepStages.pipeline`, the same stages `treeflow plan --num-ranks N` plans) and
+  runs those bins; the lead (rank 0) writes the metrics; all ranks write the checkpoint.
+- `engine="ray"`: this process is the driver of `num_ranks` Ray rank actors (pipeline/ray.py),
+  fed by the Ray engine, each planning its share as a spawned rank does (C actors per rank
+  under the Forward's context_parallel C), with the same checkpoints and --resume.
+
+`fit_summary(report)` is the JSON-ready summary a command prints. The trade-off: starting
+the ranks stays with the caller (one call is one process), so a run launched by torchrun
+and one spawned here are the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+__all__ = ["fit_files", "fit_summary"]
+
+
+def fit_files(stages, files, *, steps: int, distributed: bool = False, engine: str = "local",
+              num_ranks: int = 1, device: str = "cpu", trainer_options: dict | None = None,
+              **fit_options) -> dict | None:
+    """Train `stages` (a `pipeline.rank_plan.StepStages`) on `files` (a `Files`; cycled, whole
+    groups when a stage before Pack needs them) for `steps` optimizer steps in all.
+
+    distributed: this process is one rank of torchrun's (or spawn's) process group; engine
+    "ray": the driver of `num_ranks` rank actors. trainer_options: the Trainer's (precision,
+    grad_sum, shard_params, reference); fit_options: fit()'s (checkpointing, resume, sinks,
+    run, config, log, progress, ...). Returns fit()'s report with `ranks` (the processes that
+    trained) on the lead process, None on the others.
+    """
+    from treeflow.stages.advantage import Advantage
+    from treeflow.train.distributed import training_ranks
+    from treeflow.train.fit import fit
+
+    files = replace(files, cycle=True, whole_groups=files.whole_groups or any(
+        isinstance(s, Advantage) for s in stages.before))
+    options = dict(steps=steps, device=device, **fit_options)
+    forward = stages.forward
+    if engine == "ray":
+        pipes = [stages.pipeline(num_ranks, r) for r in range(num_ranks)]
+        report = fit(pipes[0], lambda position, done: files.open(position),
+                     trainer_options=dict(trainer_options or {}), engine="ray",
+                     engine_options={"ranks": num_ranks, "plans": [p.plan for p in pipes]},
+                     **options)
+        return {**report, "ranks": num_ranks * forward.context_parallel}
+    dp, lead, exchange = training_ranks(device, distributed=distributed, backend=forward.backend,
+                                        tensor_parallel=forward.tensor_parallel,
+                                        context_parallel=forward.context_parallel)
+    try:  # several replicas: each reads the window's offsets and only its own trees' rows
+        mapped = dp.replicas > 1
+        report = fit(stages.pipeline(dp.replicas, dp.replica, exchange),
+                     lambda position, done: files.open(position, mapped=mapped),
+                     trainer_options={**(trainer_options or {}), "dp": dp}, lead=lead, **options)
+    finally:
+        dp.close()
+    return {**report, "ranks": dp.world} if lead else None
+
+
+def fit_summary(report: dict, **fields) -> dict:
+    """A training run's summary: its steps, the last step's metrics (as a JSON line of
+    --metrics holds them), compile and steady seconds, recompiles, then `fields` (the caller's),
+    the process's seconds and peak memory (host RSS; CUDA where this process trained on a GPU).
+    """
+    import resource
+
+    import torch
+
+    from treeflow._clock import process_seconds
+    from treeflow.train.metric_names import logged_with_flat
+
+    out = {"steps": report["steps"],
+           "last": None if report["last"] is None else logged_with_flat(report["last"]),
+           "compile_seconds": round(report["compile_seconds"], 3),
+           "steady_seconds_per_step": report["steady_seconds_per_step"],
+           "recompiles": report["recompiles"], **fields,
+           "process_seconds": round(process_seconds(), 3),
+           "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)
+        out["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
