@@ -97,6 +97,8 @@ def _replay(args) -> int:
                                 prefetch=args.prefetch):
                 out.write(rec.output)
                 add_sums(sums, rec.stats)
+                if "threads" in rec.stats:  # the Ray engine's rank 0 (its first window)
+                    sums["threads"] = rec.stats["threads"]
                 advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
     steady = steady_state(sums, process_seconds(), setup)
     route_agreement(sums)
@@ -117,6 +119,10 @@ def _replay(args) -> int:
     if args.context_parallel > 1:
         sums["context_parallel"] = args.context_parallel
     sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
+    if "threads" not in sums:  # the local engine's forward runs in this process
+        from treeflow.train.launch import thread_report
+
+        sums["threads"] = thread_report()
     if show(args, f"replay: {args.model} layout={args.layout} max_tokens={args.max_tokens} "
             f"{args.device}/{args.dtype}", sums):
         console().print(f"logprobs written to {args.output}")

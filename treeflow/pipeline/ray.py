@@ -48,6 +48,7 @@ collective that failed because of the death is not an error of the run.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 
@@ -118,8 +119,10 @@ class RayEngine:
     plans: one plan per rank for per-rank planning (rank r's maps plan only its share:
     `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`), as data-parallel training plans
     each rank; default: `plan` for the whole window, its bins dealt by Shard's `rank`.
-    threads: torch threads per rank (default: this process's with one rank, the cores
-    shared out with several, as spawned ranks get them). train: for a training plan, how
+    threads: torch threads per rank (default on CPU: the Ray CPUs free for each rank beside
+    the stage operators, which the rank actor reserves; at most this process's threads with
+    one rank, the cores shared out with several, as spawned ranks get them; `_rank_threads`).
+    The first window's stats["threads"] say what rank 0 runs with and what set it. train: for a training plan, how
     each rank builds its training operator (a `RemoteTraining`, train/remote.py; default a
     new Trainer that saves nothing).
     """
@@ -143,13 +146,12 @@ class RayEngine:
         if plan.fused:
             for p in plans:
                 p._check_sharding(ranks)
-        if threads is None:
-            import torch
-
-            procs = ranks * self.cp
-            threads = torch.get_num_threads() if procs == 1 else max(1, (os.cpu_count() or 1) // procs)
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r}: give an int >= 1 (torch threads per rank)")
         self.plan, self.plans, self.ranks, self.device = _absolute(plan), plans, ranks, device
         self.threads, self.prefetch, self.train, self.rank_cls = threads, prefetch, train, rank_cls
+        self.given_threads = threads is not None
+        self.threads_set_by = "threads= given" if threads is not None else None
         self.actors: list = []
         self.state: dict | None = None
 
@@ -172,13 +174,14 @@ class RayEngine:
         share = min(1.0, max(0.0, free - 1.0) / procs)
         share = share if share >= 0.05 else 0.0
         self.map_cpus = share
+        rank_cpus = self._rank_threads(free, share, procs, cuda)
         from treeflow.train.launch import rank_actors
 
         # a replay actor that dies is restarted (its windows re-run); a training one is not.
         # actor a is context-parallel process a % C of rank a // C
         self.actors = [rank_actors(self.rank_cls, 1, self.plan, a // C, self.ranks, self.device,
                                    self.threads, self.train, a % C,
-                                   num_cpus=0 if cuda else share, num_gpus=1 if cuda else 0,
+                                   num_cpus=rank_cpus, num_gpus=1 if cuda else 0,
                                    max_restarts=0 if self.plan.fused else -1)[0]
                        for a in range(procs)]
         return self._ready() if wait else None
@@ -189,8 +192,50 @@ class RayEngine:
             cuda = self.device.startswith("cuda")
             self.groups = groups(self.ranks, self.cp, training=self.plan.fused)
             self.pids = self._get(form(self.ray, self.actors, self.groups, cuda))
-            self.state = {"load_seconds": time.perf_counter() - self._t0}
+            # what each rank runs with, as the local engine's process reports its own
+            reports = self._get([a.threads.remote(self.threads_set_by) for a in self.actors])
+            self.state = {"load_seconds": time.perf_counter() - self._t0, "threads": reports[0]}
         return self.state
+
+    def _rank_threads(self, free: float, share: float, procs: int, cuda: bool) -> float:
+        """Set `threads` (torch threads per rank) and return the CPUs each rank actor reserves.
+
+        On CPU a rank actor runs as many torch threads as Ray CPUs it reserves: its free
+        share after one whole CPU (Ray Data's read, the driver) and the stage operators'
+        `share`, never more than this process's own torch threads (the local engine's count,
+        shared out over several ranks), at least one. The stage operators run beside the
+        forward, not in line as in the local engine, and an OpenMP thread that one of them
+        takes off its core stalls every other at the next barrier, spinning: with the forward
+        on every core a 600-episode replay's rank actor used 16-21 CPU seconds at 2 threads
+        against 8.5 at 1 on a 2-core machine, and 100 against the local process's 73 on 16.
+        CUDA: no CPU reserved, this process's threads shared out, as before.
+        """
+        import torch
+
+        cores = torch.get_num_threads()
+        default = cores if procs == 1 else max(1, (os.cpu_count() or 1) // procs)
+        if cuda:
+            self.threads = self.threads or default
+            self.threads_set_by = ("threads= given" if self.given_threads else
+                                   f"RayEngine: this process's torch threads over {procs} "
+                                   "rank processes (CUDA ranks reserve no CPU)")
+            return 0
+        fit = max(0.0, free - 1.0 - share) / procs  # the CPUs free for each rank
+        threads = self.threads or max(1, min(default, int(fit)))
+        reserve = max(share, min(float(threads), fit))
+        if self.given_threads:
+            self.threads_set_by = f"threads={threads} given ({reserve:g} Ray CPUs reserved)"
+            if threads > max(fit, 1.0):
+                print(f"treeflow: threads={threads} per rank is more than the {fit:.2g} Ray CPUs "
+                      "free for each rank beside the stage operators; their OpenMP threads "
+                      "will compete for cores", file=sys.stderr)
+        else:
+            self.threads_set_by = (f"RayEngine: the rank actor's {reserve:g} reserved Ray CPUs "
+                                   f"({free:g} free, less 1 for Ray Data's read and "
+                                   f"{share:g} for the stage operators, over {procs} rank "
+                                   f"processes; at most this process's {default})")
+        self.threads = threads
+        return reserve
 
     def restart_rank(self, r: int, dead: int | None = None) -> None:
         """Replay under context parallelism: restart rank r's actors and form their group."""
@@ -269,6 +314,7 @@ class _Drive:
                     t_window = now
                     if next_w == 0:  # a one-off cost, like the local engine's model load
                         rec.stats["load_seconds"] = e.state["load_seconds"]
+                        rec.stats["threads"] = e.state["threads"]  # rank 0's torch threads
                     yield rec
                     next_w += 1
                     self.next_w = next_w
