@@ -31,6 +31,13 @@ processes too, less what they had used before the run). On a machine whose
 other users come and go they are the steadier figure; the wall times come
 with the 1-min load average before and after each run.
 
+Threads: `forward_threads` gives, per engine, the torch intra-op thread count of the
+process that runs the forward (the local engine's CLI process, the Ray engine's rank 0
+actor), what set it and the OMP_*/MKL_* environment it saw. The Ray engine's rank actor
+runs as many threads as the Ray CPUs it reserves beside the stage operators, which run in
+their own processes beside the forward (the local engine runs them in line), so it may run
+fewer than the local process: OpenMP threads that share a core with a stage operator spin.
+
 Memory: the largest sum of resident memory over the CLI process and all its
 descendants (Ray's GCS, raylet and workers included when treeflow starts
 them), sampled every 0.1 s from /proc, on the full file and on a file half
@@ -269,6 +276,9 @@ def main() -> None:
     result["steady_ms_per_window"] = {
         m: round(1000 * statistics.median(r["cli"]["steady_seconds"] for r in rs) / windows, 1)
         for m, rs in runs.items() if rs}
+    # the torch threads of the process that runs the forward (local: the CLI's; Ray: rank 0's
+    # actor), what set them and the OMP/MKL environment it saw (the replay JSON's `threads`)
+    result["forward_threads"] = {m: rs[0]["cli"].get("threads") for m, rs in runs.items() if rs}
     result["peak_tree_rss_mib"] = {
         k: max(r["peak_tree_rss_mib"] for r in rs) for k, rs in result["runs"].items()}
     result["loadavg_after"] = os.getloadavg()

@@ -210,6 +210,10 @@ def test_cli_replay_engine_ray_writes_what_local_writes(ray_cluster, data, tmp_p
         outs[engine] = pa.parquet.read_table(out)
         summary = json.loads(capsys.readouterr().out)
         assert summary["episodes"] == 12 and summary["compile_seconds"] == 0.0
+        # the forward's torch threads and what set them: this process's, or rank 0's actor's
+        threads = summary["threads"]
+        assert threads["torch"] == (torch.get_num_threads() if engine == "local" else 1), threads
+        assert threads["set_by"].startswith("RayEngine" if engine == "ray" else ("torch", "OMP"))
     assert outs["ray"].equals(outs["local"])
 
 

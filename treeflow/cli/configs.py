@@ -10,7 +10,7 @@ sinks) are built here too, from the flags every training command shares.
 
 from __future__ import annotations
 
-__all__ = ["files", "fit_options", "forward", "plan_stages", "reduce", "reference",
+__all__ = ["files", "fit_options", "forward", "reduce", "reference",
            "rollout_config", "step_stages", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
@@ -79,16 +79,6 @@ def reference(args, forward):
 
     ref = getattr(args, "ref_model", None)
     return None if not ref else replace(forward, model=model_dir(ref), entropy=False)
-
-
-def plan_stages(args, world: int, rank: int, exchange=None, *, cost=None) -> tuple:
-    """The map stages of data-parallel replica `rank` of `world` from the layout flags
-    (pipeline/rank_plan.py); a context-parallel group's bins hold C x --max-tokens."""
-    from treeflow.pipeline.rank_plan import rank_stages
-
-    return rank_stages(layout=args.layout, scope=args.scope, share_rules=args.share_rules,
-                       max_tokens=args.max_tokens * getattr(args, "context_parallel", 1),
-                       num_ranks=world, rank=rank, exchange=exchange, cost=cost)
 
 
 def step_stages(args):

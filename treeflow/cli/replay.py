@@ -51,6 +51,10 @@ def _replay(args) -> int:
     if (idle := idle_ranks_warning(args.engine, args.num_ranks, sums["bins"])) is not None:
         say(idle)
     sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
+    if "threads" not in sums:  # the local engine's forward runs in this process
+        from treeflow.train.launch import thread_report
+
+        sums["threads"] = thread_report()
     if show(args, f"replay: {args.model} layout={args.layout} max_tokens={args.max_tokens} "
             f"{args.device}/{args.dtype}", sums):
         console().print(f"logprobs written to {args.output}")

@@ -18,12 +18,13 @@ def check_output(args):
 
 
 def stream_logprobs(args, queue, out) -> dict:
-    from treeflow.pipeline import Pipeline, QueueSource
+    from treeflow.pipeline import QueueSource
     from treeflow.pipeline.logprobs import score_queue
-    from treeflow.stages import Reassemble
+    from treeflow.pipeline.replay import logprobs_pipeline
 
-    pipe = Pipeline(*configs.plan_stages(args, 1, 0), configs.forward(args, entropy=args.entropy),
-                    Reassemble(entropy=args.entropy))
+    pipe = logprobs_pipeline(configs.forward(args, entropy=args.entropy), layout=args.layout,
+                             scope=args.scope, share_rules=args.share_rules,
+                             max_tokens=args.max_tokens, num_ranks=args.num_ranks)
     source = QueueSource(episodes_per_step=args.episodes_per_step, consumer=args.consumer,
                          max_steps=args.steps, idle_timeout=args.idle_timeout)
     return score_queue(pipe, queue, source, out, metrics=args.metrics,

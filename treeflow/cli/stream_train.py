@@ -76,7 +76,8 @@ def _stream_train(args, queue, dp=None, exchange=None) -> dict | None:
     # on the trees' exact costs (exchanged); the Ray driver plans every rank's, as replay's does
     ray = args.engine == "ray"
     ranks = args.num_ranks if ray else (dp.replicas if dp else 1)
-    pipes = [configs.train_pipeline(args, ranks, r, exchange)
+    stages = configs.step_stages(args)
+    pipes = [stages.pipeline(ranks, r, exchange)
              for r in (range(ranks) if ray else [dp.replica if dp else 0])]
     summary = fit_queue(
         pipes, queue, _training(args), dp=dp, publish=args.publish_weights, log=say,

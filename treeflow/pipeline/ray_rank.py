@@ -58,6 +58,13 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
+    def threads(self, set_by: str) -> dict:
+        """This actor's torch threads, what set them (`set_by`, the engine's reason) and the
+        threading environment Ray gave its process (train/launch.py `thread_report`)."""
+        from treeflow.train.launch import thread_report
+
+        return thread_report(set_by)
+
     def pid(self) -> int:
         """This actor's process (the driver tells a restarted actor by it)."""
         return os.getpid()

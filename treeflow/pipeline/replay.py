@@ -56,9 +56,9 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
     import torch
 
     from treeflow._clock import process_seconds
-    from treeflow._display import progress
     from treeflow._output import table_output
-    from treeflow.pipeline.stats import add_sums, route_agreement, steady_state
+    from treeflow.pipeline.logprobs import run_logprobs
+    from treeflow.pipeline.stats import route_agreement
     from treeflow.schemas.episode import count_rows
 
     imported = process_seconds()
@@ -76,21 +76,21 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
 
         group = DataParallel.from_env(device)
         lead, device = group.rank == 0, str(group.device)
-    sums = dict(episodes=0, calls=0, sampled_tokens=0, exact_tokens=0, executed_tokens=0, bins=0,
-                compile_seconds=0.0, imported_at=imported)
+    sums = dict(imported_at=imported)
+
     with (table_output(output, inputs, what="logprobs") if lead
           else nullcontext(_Discard())) as out:
+        def write(rec) -> None:
+            out.write(rec.output)
+            if "threads" in rec.stats:  # the Ray engine's rank 0 says its threads (first window)
+                sums["threads"] = rec.stats["threads"]
+
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        total = count_rows(list(source.paths))
-        setup = process_seconds()  # interpreter start, imports, device initialisation
-        with progress("replay", total, quiet or not lead) as advance:
-            for rec in pipeline.run(source, device=device, engine=engine, ranks=num_ranks,
-                                    prefetch=prefetch):
-                out.write(rec.output)
-                add_sums(sums, rec.stats)
-                advance(rec.episodes.num_rows, tokens=rec.stats["exact_tokens"])
-    steady = steady_state(sums, process_seconds(), setup)
+        run_logprobs(pipeline, source, write, sums=sums, title="replay",
+                     total=count_rows(list(source.paths)), quiet=quiet or not lead,
+                     device=device, engine=engine, ranks=num_ranks, prefetch=prefetch)
+    steady = max(sums["steady_seconds"], 1e-9)
     route_agreement(sums)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)

@@ -47,7 +47,10 @@ import tempfile
 import time
 
 __all__ = ["free_port", "rank_actors", "rank_of", "rank_pool", "ray_ranks", "spawn",
-           "torchrun_world"]
+           "thread_report", "torchrun_world"]
+
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+               "KMP_BLOCKTIME")
 
 
 def torchrun_world() -> int | None:
@@ -60,6 +63,22 @@ def torchrun_world() -> int | None:
 def rank_of() -> int:
     """This process's rank in torchrun's (or spawn's) environment; 0 outside one."""
     return int(os.environ.get("RANK", "0"))
+
+
+def thread_report(set_by: str | None = None) -> dict:
+    """This process's torch intra-op thread count, what set it and the threading environment.
+
+    set_by: who called torch.set_num_threads and why (a rank actor: the CPUs Ray reserved for
+    it); default: OMP_NUM_THREADS when set (torch reads it at start), else torch's default.
+    """
+    import torch
+
+    env = {k: os.environ[k] for k in _THREAD_ENV if k in os.environ}
+    if set_by is None:
+        set_by = ("OMP_NUM_THREADS" if "OMP_NUM_THREADS" in env
+                  else "torch's default (the machine's cores)")
+    return {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+            "set_by": set_by, "env": env}
 
 
 def free_port() -> int:

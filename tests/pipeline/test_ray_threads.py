@@ -1,0 +1,75 @@
+"""The Ray engine's rank actors run as many torch threads as the Ray CPUs they reserve.
+
+The stage operators run in their own processes beside the forward (the local
+engine runs them in line); a rank actor whose OpenMP threads fill every core
+has one taken off its core by a stage operator and the others spin at the
+next barrier (pipeline/ray.py `rank_threads`). So the actor's threads are
+the CPUs free for it beside one whole CPU and the stage operators' share, it
+reserves them (Ray states them as the actor's OMP_NUM_THREADS), and the run
+reports them as the local engine's does. Below 8 free CPUs a rank keeps the
+local engine's threads (one core of two left to the stage operators cost more).
+"""
+
+import os
+
+import pyarrow as pa
+import pytest
+import torch
+
+from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline.ray import RayEngine, rank_threads
+from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
+
+
+def test_rank_threads_are_the_cpus_free_beside_the_read_and_the_stage_operators():
+    def rt(free, share, procs, cores, **kw):
+        return rank_threads(free, share, procs, cores=cores, cpu_count=kw.pop("cpus", cores), **kw)
+
+    # 2 cores, one rank: the local engine's 2 threads (1 was 63% slower), as far as free
+    threads, reserve, why, _ = rt(2, 1.0, 1, 2)
+    assert (threads, reserve) == (2, 1.0) and "under 8 free CPUs" in why, why
+    # 16 free: 14 threads, 14 CPUs reserved (was 16 threads on a reservation of 1)
+    threads, reserve, why, warning = rt(16, 1.0, 1, 16)
+    assert (threads, reserve, warning) == (14, 14.0, None)
+    assert why.startswith("RayEngine: the rank actor's 14 reserved Ray CPUs (16 free"), why
+    # never more than the local engine's threads (9 logical CPUs on 2 cores), shared out
+    assert rt(9, 1.0, 1, 2)[:2] == (2, 2.0)
+    assert rt(9, 1.0, 2, 2, cpus=2)[:2] == (1, 1.0)
+    assert rt(4, 1.0, 1, 2)[:2] == (2, 2.0)  # the test cluster's 4 logical CPUs
+    # nothing free for a rank: one thread on the stage operators' share, as before
+    assert rt(4, 1.0, 3, 2)[:2] == (1, 1.0)
+    # given: taken, reserved as far as free, and said on stderr when it oversubscribes
+    assert rt(16, 1.0, 1, 16, given=8)[:2] == (8, 8.0)
+    threads, reserve, why, warning = rt(2, 1.0, 1, 2, given=4)
+    assert (threads, reserve) == (4, 1.0) and why.startswith("threads=4 given")
+    assert warning is not None and "threads=4" in warning
+    # CUDA ranks reserve no CPU and share this process's threads out
+    assert rt(16, 1.0, 2, 16, cpus=16, cuda=True)[:2] == (8, 0.0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ray_threads") / "e.arrow"
+    write_episodes(synth_episodes(episodes=8, group_size=2, turns=(2, 3), system_tokens=8,
+                                  user_tokens=(3, 6), completion_tokens=(3, 8),
+                                  tool_tokens=(3, 6), seed=5), path)
+    return Files(paths=(str(path),), episodes_per_step=4)
+
+
+@pytest.mark.ray
+def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(ray_cluster, data):
+    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
+                    Reassemble())
+    engine = RayEngine(pipe.plan, ranks=1)
+    try:
+        records = list(engine.run(data))
+    finally:
+        engine.close()
+    assert pa.concat_tables([r.output for r in records]).equals(
+        pa.concat_tables([r.output for r in pipe.run(data)]))
+    got = records[0].stats["threads"]
+    assert got["torch"] == engine.threads <= torch.get_num_threads(), got
+    assert got["set_by"].startswith("RayEngine: ") and f"{engine.rank_cpus:g} reserved" in got[
+        "set_by"], got
+    if "OMP_NUM_THREADS" not in os.environ:  # Ray sets it from the CPUs the actor was given
+        assert got["env"]["OMP_NUM_THREADS"] == str(max(1, int(engine.rank_cpus))), got
