@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -106,6 +107,7 @@ def train(*, steps: int = 40, groups_per_step: int = 4, group_size: int = 4, lr:
         reader.close()
         queue.close()
         producer.join(timeout=30)
+        shutil.rmtree(weights, ignore_errors=True)  # every version the producer refitted from
     if errors:
         raise errors[0]
     return curve

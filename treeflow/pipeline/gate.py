@@ -42,6 +42,7 @@ weights; "corrupt-route" changes one captured expert id of the first put
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import threading
 import time
@@ -141,6 +142,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
                  else _DEFAULT_AGREEMENT[forward.dtype])
     if C > 1:
         _check_ranks(queue, C, device)
+    own_weights = weights is None  # a directory of this run's: removed when it ends
     weights = weights or tempfile.mkdtemp(prefix="treeflow-gate-weights-")
     side = GateTrainer(forward=forward, reduce=reduce, gate=gate, layout=layout, scope=scope,
                        max_tokens=max_tokens, device=device, weights=weights, routed=routed,
@@ -175,6 +177,8 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     finally:
         queue.close()
         producer.join(timeout=gate.timeout)
+        if own_weights:
+            shutil.rmtree(weights, ignore_errors=True)
     out = ranks[0] if ranks else {}
     failures += out.get("failures", [])
     for e in errors:
