@@ -171,6 +171,21 @@ def _overhead(runs: dict, mode: str, key) -> float | None:
     return round(med[mode] / med["local"] - 1, 4)
 
 
+def _max_diff(a, b, column: str) -> float:
+    """The largest |a - b| over every value of a list column of two tables of the same rows."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def flat(col):
+        while pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            col = pc.list_flatten(col)
+        return col.to_numpy(zero_copy_only=False).astype(np.float64)
+
+    x, y = flat(a[column]), flat(b[column])
+    return float(np.nanmax(np.abs(x - y))) if len(x) else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=2000)
@@ -222,12 +237,15 @@ def main() -> None:
         address = holder.stdout.readline().strip()
     outputs = {}
 
-    def one(mode: str, n: int, rep: int) -> None:
+    def one(mode: str, n: int, rep: int, threads: int | None = None) -> None:
         out = os.path.join(work, f"{mode}-{n}.arrow")
         cmd = [*py, "replay", files[n], "--model", "tiny", "--engine",
-               "local" if mode == "local" else "ray", "--window", str(args.window), "--prefetch",
-               str(args.prefetch), "--max-tokens", str(args.max_tokens), "-o", out, "--json"]
+               "ray" if mode.startswith("ray") else "local", "--window", str(args.window),
+               "--prefetch", str(args.prefetch), "--max-tokens", str(args.max_tokens), "-o", out,
+               "--json"]
         run_env = {**env, "RAY_ADDRESS": address} if mode == "ray_attached" else env
+        if threads is not None:  # the local engine at the Ray rank actor's thread count
+            run_env = {**run_env, "OMP_NUM_THREADS": str(threads)}
         r = run(cmd, run_env, holder.pid if mode == "ray_attached" else None)
         print(json.dumps({"mode": mode, "episodes": n, "repeat": rep, **r}), flush=True)
         result["runs"].setdefault(f"{mode}_{n}", []).append(r)
@@ -251,6 +269,22 @@ def main() -> None:
     base = pa.ipc.open_file(outputs[("local", full)]).read_all() if ("local", full) in outputs else None
     result["identical_results"] = {m: pa.ipc.open_file(outputs[(m, full)]).read_all().equals(base)
                                    for m in modes if m != "local" and (m, full) in outputs}
+    # a CPU GEMM's sums may split differently at another thread count, so a Ray rank actor that
+    # runs fewer threads than this process can differ in the last bits: then the local engine
+    # runs once more at the rank's count, which must give the Ray engine's results bit for bit
+    for m, same in list(result["identical_results"].items()):
+        ray_threads = (result["runs"][f"{m}_{full}"][0]["cli"].get("threads") or {}).get("torch")
+        local_threads = (result["runs"][f"local_{full}"][0]["cli"].get("threads") or {}).get(
+            "torch") if ("local", full) in outputs else None
+        if same or ray_threads is None or ray_threads == local_threads:
+            continue
+        mode = f"local_threads{ray_threads}"
+        one(mode, full, 0, threads=ray_threads)
+        got = pa.ipc.open_file(outputs[(m, full)]).read_all()
+        at = pa.ipc.open_file(outputs[(mode, full)]).read_all()
+        result.setdefault("identical_at_rank_threads", {})[m] = {
+            "threads": ray_threads, "identical": got.equals(at),
+            "max_abs_logprob_diff_vs_local": _max_diff(got, base, "logprobs")}
     runs = {m: result["runs"].get(f"{m}_{full}", []) for m in modes}
     result["median_seconds"] = {
         m: {k: round(statistics.median(f(r) for r in rs), 3) for k, f in (
