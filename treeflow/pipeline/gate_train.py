@@ -110,13 +110,14 @@ def _rank(side: GateTrainer) -> dict:
 
 def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     """The step on the first round, weights published, the refit round scored (see above)."""
-    from treeflow.ops.train import PublishWeights, TrainOp
+    from treeflow.ops.train import PublishWeights
     from treeflow.pipeline.fidelity import generation_kl
     from treeflow.pipeline.pipeline import Pipeline
     from treeflow.pipeline.queue_ranks import RankWindows
     from treeflow.pipeline.queue_source import QueueSource
     from treeflow.stages import Fragment, Pack, Reassemble
     from treeflow.train import Trainer
+    from treeflow.train.fit import fit
 
     gate, lead = side.gate, dp is None or dp.rank == 0
     budget = side.max_tokens * side.forward.context_parallel  # a group's bins hold C x budget
@@ -127,13 +128,21 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
                           idle_timeout=gate.timeout).open(queue) if lead else None)
     source = RankWindows(reader, dp) if dp is not None and dp.distributed else reader
     # the training operator publishes the new weights (<weights>/v1) after the step: rank 0 only
-    on_step = [PublishWeights(side.weights, announce=queue.publish_weights)] if lead else []
-    op = TrainOp(trainer, on_step=on_step)
+    publish = PublishWeights(side.weights, announce=queue.publish_weights) if lead else None
     failures: list[str] = []
     step_row, trained, refit, refit_kl = None, None, None, None
+
+    def on_result(rec, row) -> dict:
+        nonlocal trained
+        trained = rec.episodes
+        return {}
+
     try:
-        for rec in Pipeline(pack, fragment, side.forward, side.reduce).run(source, trainer=op):
-            step_row, trained = rec.output.to_pylist()[0], rec.episodes
+        report = fit(Pipeline(pack, fragment, side.forward, side.reduce), lambda *_: source,
+                     steps=1, cap_steps=False, trainer=trainer, publish=publish,
+                     on_result=on_result, lead=lead,
+                     progress=None, device=side.device, log=_quiet)
+        step_row = report["last"]
         if step_row is None:
             raise RuntimeError("the queue closed before a step arrived")
         leased, refit = _refit_round(queue, gate, dp, lead)
@@ -153,8 +162,11 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     return {"step_row": step_row, "trained": received(trained, side.routed),
             "refit": received(refit, side.routed), "refit_gen_kl": refit_kl,
             "failures": failures, "trainer_version": trainer.steps,
-            "wrote_weights": any(isinstance(h, PublishWeights) and h.last is not None
-                                 for h in op.on_step)}
+            "wrote_weights": publish is not None and publish.last is not None}
+
+
+def _quiet(message: str) -> None:
+    """fit()'s notes (first-step ratio, step size): the gate's figures say what it checks."""
 
 
 def _refit_round(queue, gate, dp, lead: bool):

@@ -1,4 +1,4 @@
-"""fit(): the one training loop -- replay, stream, one rank or N, local or Ray engine.
+"""fit(): the one training loop -- replay, stream, the gate, one rank or N, local or Ray engine.
 
     report = fit(Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reduce()),
                  lambda position, done: Files(paths=p, episodes_per_step=32, cycle=True).open(position),
@@ -132,7 +132,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         on_saved: Sequence[Callable] = (), episodes_per_step: int | None = None,
         loss: str | None = None, cap_steps: bool = True, lead: bool = True, log=_stderr,
         progress: str | None = "train", device: str = "cpu", prefetch: int = 2,
-        engine: str = "local", engine_options: dict | None = None) -> dict:
+        engine: str = "local", engine_options: dict | None = None, trainer=None) -> dict:
     """Train `pipeline` (ending in Reduce) for `steps` optimizer steps in all; the report.
 
     source: `source(position, steps_done)` -> what `Pipeline.run` takes (a reader opened at
@@ -146,7 +146,9 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     which may already be handed to the caller: `train.remote.saved_position(path)` says what
     the checkpoint holds).
     cap_steps: stop after `steps` windows (False: the source stops itself, as a queue reader
-    after max_steps). progress: the progress bar's title (None: none).
+    after max_steps). progress: the progress bar's title (None: none). trainer: train this
+    Trainer, which the caller keeps using afterwards (the local engine, no `resume`), instead
+    of building one from `trainer_options`.
     Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
     "steady_seconds_per_step", "wall_seconds", "nothing_to_do", "checkpoint"}.
     """
@@ -160,8 +162,13 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     remote = engine != "local"
     position = None  # where a remote run's source starts (a local one: the trainer's)
     engine_options = dict(engine_options or {})
+    given = trainer is not None
     if remote:  # the training operators live in the engine's ranks (train/remote.py)
         from treeflow.train.remote import RemoteTraining, resumed_state
+
+        if trainer is not None:
+            raise ValueError(f"fit(trainer=...) trains in this process; engine {engine!r} "
+                             "builds each rank's Trainer (give trainer_options)")
 
         trainer, op, done, position, resumed = None, None, 0, None, None
         if resume is not None and resume.path is not None:
@@ -174,13 +181,20 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
             resume_from=None if resumed is None else resumed["checkpoint"],
             trust_checkpoint=resume is not None and resume.trust_checkpoint, run=run,
             config=config, publish=None if publish is None else publish.root)
+    elif trainer is not None:
+        if resume is not None and resume.path is not None or trainer_options:
+            raise ValueError("fit(trainer=...) trains the Trainer given: build it with its "
+                             "options or resume it (Trainer.resume) before, not through fit()")
     else:
         options = dict(trainer_options or {})
         if "dp" not in options:  # a rank of several runs on its DataParallel's device
             options["device"] = device
         trainer = _trainer(plan, resume, options, run, note)
-        trainer.run = run
-        trainer.config = config
+    if trainer is not None:
+        if not given or run is not None:  # what its checkpoints record (a given one keeps its own)
+            trainer.run = run
+        if not given or config is not None:
+            trainer.config = config
         done = trainer.steps
     report = {"steps": done, "rows": [], "last": None, "compile_seconds": 0.0, "recompiles": None,
               "steady_seconds_per_step": None, "wall_seconds": 0.0, "nothing_to_do": False,

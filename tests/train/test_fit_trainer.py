@@ -1,0 +1,42 @@
+"""fit(trainer=...): the gate's one step trains the Trainer it then scores with."""
+
+import pytest
+import torch
+
+from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
+from treeflow.train import Trainer
+from treeflow.train.fit import Resume, fit
+
+
+def _setup(tmp_path):
+    eps = synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=8,
+                         user_tokens=(2, 4), completion_tokens=(2, 4), tool_tokens=(2, 4), seed=3)
+    write_episodes(eps, tmp_path / "e.arrow")
+    forward = Forward(model="tiny")
+    reduce = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-2))
+    pipe = Pipeline(Pack(), Fragment(max_tokens=256), forward, reduce)
+    files = Files(paths=(str(tmp_path / "e.arrow"),), episodes_per_step=4, cycle=True)
+    return pipe, lambda position, done: files.open(position), forward, reduce
+
+
+def test_fit_trains_the_trainer_given_as_it_trains_its_own(tmp_path):
+    pipe, source, forward, reduce = _setup(tmp_path)
+    own = fit(pipe, source, steps=2, progress=None)
+    trainer = Trainer(forward, reduce, max_tokens=256)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    given = fit(pipe, source, steps=2, trainer=trainer, progress=None)
+    assert trainer.steps == 2   # the caller's Trainer took the steps, not a copy
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert [r["loss"] for r in given["rows"]] == [r["loss"] for r in own["rows"]]
+
+
+def test_fit_refuses_a_trainer_with_resume_options_or_a_remote_engine(tmp_path):
+    pipe, source, forward, reduce = _setup(tmp_path)
+    trainer = Trainer(forward, reduce, max_tokens=256)
+    with pytest.raises(ValueError, match="Trainer.resume"):
+        fit(pipe, source, steps=1, trainer=trainer, resume=Resume(path=str(tmp_path)))
+    with pytest.raises(ValueError, match="Trainer.resume"):
+        fit(pipe, source, steps=1, trainer=trainer, trainer_options={"precision": "fp32"})
+    with pytest.raises(ValueError, match="engine 'ray'"):
+        fit(pipe, source, steps=1, trainer=trainer, engine="ray")
