@@ -59,9 +59,14 @@ print(json.dumps({"graphs": int(counters["stats"]["unique_graphs"]),
 """
 
 
-def _run(cache) -> dict:
+# the same with FlexAttention (CPU: forward only): its call is precompiled too, block mask and all
+_FLEX_WORKER = _WORKER.replace("(31, True)", "").replace(
+    'kernel="runs", parents_N=parents', 'kernel="flex"')
+
+
+def _run(cache, worker=_WORKER) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _WORKER, str(cache)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", worker, str(cache)], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
@@ -84,6 +89,24 @@ def test_a_second_process_loads_every_layer_graph_and_traces_none(tmp_path):
     # off: plain torch.compile, the code before; every process gives the same bits
     assert off["graphs"] == 4 and all(v["torch_compile"] for v in off["stats"].values()
                                       if v["loaded"] or v["captured"] or v["torch_compile"])
+    assert first["outs"] == off["outs"] and second["outs"] == off["outs"]
+
+
+@pytest.mark.multiprocess
+def test_a_second_process_traces_nothing_with_flex_attention_either(tmp_path):
+    """No dynamo frame in a warm second process, FlexAttention included: its call (the block
+    mask built inside) is loaded like the layer graphs, and gives the same bits."""
+    cache = tmp_path / "cache"
+    first, second, off = (_run(c, _FLEX_WORKER) for c in (cache, cache, "off"))
+    captured = {k: v["captured"] for k, v in first["stats"].items() if v["captured"]}
+    # both bins pad to one flex length (128): one flex variant
+    assert captured == {"attention_inputs": 1, "after_attention": 1,
+                        "flex_attention_eager": 1}, first["stderr"][-2000:]
+    assert first["graphs"] == 3
+    assert second["graphs"] == 0, second["stderr"][-2000:]
+    assert {k: v["loaded"] for k, v in second["stats"].items() if v["loaded"]} == captured
+    assert "treeflow:" not in second["stderr"]
+    assert off["graphs"] == 3 and off["stats"]["flex_attention_eager"]["torch_compile"]
     assert first["outs"] == off["outs"] and second["outs"] == off["outs"]
 
 

@@ -136,6 +136,7 @@ class Precompiled:
 
     def _load(self, path: str, key: dict, args, kwargs):
         import torch._inductor.config as inductor_config
+        from torch._guards import TracingContext, tracing
 
         try:
             f = compile_cache.open_own(path)  # not the user's own alone: never unpickled
@@ -150,8 +151,10 @@ class Precompiled:
                     _say(f"precompiled {self.name}: {path} was built for another "
                          f"{', '.join(diff)} than this run's; refused, compiling again")
                     return None
-                # its kernels load here, in this process: no compile-worker pool for a load
-                with inductor_config.patch(compile_threads=1):
+                # its kernels load here, in this process: no compile-worker pool for a load;
+                # a throwaway tracing context: unpickling a guard on an imported module (flex's
+                # BlockMask pytree guard) installs it into the current trace (torch 2.13)
+                with inductor_config.patch(compile_threads=1), tracing(TracingContext(None)):
                     variant = _usable(torch.compiler.load_compiled_function(io.BytesIO(f.read())))
                 fits = variant.guard_check(*args, **kwargs)
         except Exception as e:  # a torch that cannot read the file: recompile, say so
