@@ -14,7 +14,10 @@ then serves every layer. Three kernels trade generality for speed:
   (the next power of two, or a fixed `pad_to` such as the bins' `max_tokens`):
   one compile serves all bins of a run. Padding is nearly free: a padding
   token attends only to itself, so its block-sparse mask adds just the
-  diagonal blocks.
+  diagonal blocks. Where torch has the precompile API the call (mask built
+  inside from the tables) is a `Precompiled` (precompiled.py), saved whole in
+  the compile cache: a later process loads it instead of tracing flex (CPU's
+  eager flex runs dynamo too, with the eager backend; so does this there).
 - `causal`: bins whose trees are chains (no node has two children) are packed
   causal sequences, one per root: variable-length FlashAttention on CUDA in
   fp16/bf16, else one causal SDPA call per root. A bin that branches is refused.
