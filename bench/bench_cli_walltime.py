@@ -21,6 +21,10 @@ top-level imports. `goal_ratio` is the process wall over steady + load seconds (
     PYTHONUNBUFFERED=1 python3 bench/bench_cli_walltime.py --phases --device cuda
     python bench/bench_cli_walltime.py --phases --smoke --device cpu
 
+On a warm run ("again N") the layer graphs and the FlexAttention call load from the compile
+cache's `precompiled/` (no dynamo tracing): `precompiled_messages` is empty and
+`compile_seconds` is what loading and the warm-up bins' first launches cost.
+
 Bytecode: `pip install` writes every module's .pyc, so a user's imports read bytecode. An
 install without them (the lent H200 host's torch, with PYTHONDONTWRITEBYTECODE=1 set) compiles
 every module from source on every run: there `import torch` took 4.7 s against 1.8 s, dynamo
@@ -84,7 +88,11 @@ def _phased(root: str, argv: list[str], importtime: bool = False) -> dict:
            **{k: out.get(k) for k in ("wall_seconds", "startup_seconds", "load_seconds",
                                       "compile_seconds", "steady_seconds", "tuning",
                                       "recompiles", "peak_rss_mib", "peak_cuda_mib")},
-           "process_seconds": round(exited, 3), "exit_seconds": round(exited - printed, 3)}
+           "process_seconds": round(exited, 3), "exit_seconds": round(exited - printed, 3),
+           # a precompiled graph (layer parts, FlexAttention) refused or failed to load says so
+           # on stderr; none on a warm run means every one of them was loaded, none traced
+           "precompiled_messages": [ln[:300] for ln in err.splitlines()
+                                    if ln.startswith("treeflow: precompiled")]}
     if "planned" in ph:
         row["seconds"]["engine -> planned (in the background on CUDA)"] = round(
             ph["planned"] - ph["engine"], 3)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -59,9 +60,14 @@ print(json.dumps({"graphs": int(counters["stats"]["unique_graphs"]),
 """
 
 
-def _run(cache) -> dict:
+# the same with FlexAttention (CPU: forward only): its call is precompiled too, block mask and all
+_FLEX_WORKER = _WORKER.replace("(31, True)", "").replace(
+    'kernel="runs", parents_N=parents', 'kernel="flex"')
+
+
+def _run(cache, worker=_WORKER) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _WORKER, str(cache)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", worker, str(cache)], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
@@ -84,6 +90,24 @@ def test_a_second_process_loads_every_layer_graph_and_traces_none(tmp_path):
     # off: plain torch.compile, the code before; every process gives the same bits
     assert off["graphs"] == 4 and all(v["torch_compile"] for v in off["stats"].values()
                                       if v["loaded"] or v["captured"] or v["torch_compile"])
+    assert first["outs"] == off["outs"] and second["outs"] == off["outs"]
+
+
+@pytest.mark.multiprocess
+def test_a_second_process_traces_nothing_with_flex_attention_either(tmp_path):
+    """No dynamo frame in a warm second process, FlexAttention included: its call (the block
+    mask built inside) is loaded like the layer graphs, and gives the same bits."""
+    cache = tmp_path / "cache"
+    first, second, off = (_run(c, _FLEX_WORKER) for c in (cache, cache, "off"))
+    captured = {k: v["captured"] for k, v in first["stats"].items() if v["captured"]}
+    # both bins pad to one flex length (128): one flex variant
+    assert captured == {"attention_inputs": 1, "after_attention": 1,
+                        "flex_attention_eager": 1}, first["stderr"][-2000:]
+    assert first["graphs"] == 3
+    assert second["graphs"] == 0, second["stderr"][-2000:]
+    assert {k: v["loaded"] for k, v in second["stats"].items() if v["loaded"]} == captured
+    assert "treeflow:" not in second["stderr"]
+    assert off["graphs"] == 3 and off["stats"]["flex_attention_eager"]["torch_compile"]
     assert first["outs"] == off["outs"] and second["outs"] == off["outs"]
 
 
@@ -183,3 +207,47 @@ def test_the_key_holds_the_module_s_constants(cache):
         y = p(RMSNorm(8, eps), x)
         assert torch.equal(y, RMSNorm(8, eps)(x)) and p.captured == 1
     assert keys[0] != keys[1]
+
+
+# `treeflow replay` in a fresh process, dynamo's graph count and the precompiled stats on stderr
+_CLI = r"""
+import json, sys
+from treeflow.cli import main
+rc = main(sys.argv[1:])
+from torch._dynamo.utils import counters
+from treeflow.models import precompiled
+print("COUNTS " + json.dumps({"graphs": int(counters["stats"]["unique_graphs"]),
+                              "stats": precompiled.stats()}), file=sys.stderr)
+raise SystemExit(rc)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_second_cli_replay_with_flex_traces_no_frame(tmp_path):
+    """Through the command a user runs, from process start: the second `treeflow replay
+    --layout tree --kernel flex` on a warm compile cache traces nothing, and writes the same
+    logprobs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    episodes = tmp_path / "e.arrow"
+    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", str(episodes),
+                    "--episodes", "2", "--group-size", "2", "--min-turns", "1", "--max-turns", "1",
+                    "--seed", "0", "--quiet"], env=env, check=True, timeout=120)
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"lp{i}.arrow"
+        proc = subprocess.run(
+            [sys.executable, "-c", _CLI, "replay", str(episodes), "--model", "tiny", "--layout",
+             "tree", "--kernel", "flex", "--tuning", "compile_layers=1,compile_backend=aot_eager",
+             "--device", "cpu", "--max-tokens", "1024", "--compile-cache", str(tmp_path / "cache"),
+             "--quiet", "-o", str(out)], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("COUNTS ")]
+        runs.append({**json.loads(line[7:]), "stderr": proc.stderr,
+                     "out": pa.ipc.open_file(out).read_all()})
+    first, second = runs
+    assert first["graphs"] == 3  # two layer graphs and flex
+    assert second["graphs"] == 0, second["stderr"][-2000:]
+    assert {k: v["loaded"] for k, v in second["stats"].items() if v["loaded"]} == {
+        "attention_inputs": 1, "after_attention": 1, "flex_attention_eager": 1}
+    assert "treeflow: precompiled" not in second["stderr"]
+    assert second["out"].equals(first["out"])

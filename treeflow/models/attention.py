@@ -14,7 +14,10 @@ then serves every layer. Three kernels trade generality for speed:
   (the next power of two, or a fixed `pad_to` such as the bins' `max_tokens`):
   one compile serves all bins of a run. Padding is nearly free: a padding
   token attends only to itself, so its block-sparse mask adds just the
-  diagonal blocks.
+  diagonal blocks. Where torch has the precompile API the call (mask built
+  inside from the tables) is a `Precompiled` (precompiled.py), saved whole in
+  the compile cache: a later process loads it instead of tracing flex (CPU's
+  eager flex runs dynamo too, with the eager backend; so does this there).
 - `causal`: bins whose trees are chains (no node has two children) are packed
   causal sequences, one per root: variable-length FlashAttention on CUDA in
   fp16/bf16, else one causal SDPA call per root. A bin that branches is refused.
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeflow.models import precompiled
 from treeflow.models.runs import AncestorRuns
 from treeflow.tree import ancestor_mask
 
@@ -166,7 +170,9 @@ class AttentionPlan:
         elif kernel == "flex":
             self._kernel_options = dict(kernel_options) if kernel_options else None
             self._padded = bucket(n, block_size, pad_to)
-            self._block_mask = _block_mask(end_N, self._padded, block_size, self.device)
+            self._block_size = block_size
+            self._tables, self._block_mask = _mask_entry(end_N, self._padded, block_size,
+                                                         self.device)
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
@@ -200,10 +206,19 @@ class AttentionPlan:
         def to_1ALD(x_NAD):
             return F.pad(x_NAD, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
 
-        if self.device.type == "cuda":
-            if q_NQD.shape[-1] < 16:
-                raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
-                                 f"{q_NQD.shape[-1]}; use kernel 'dense'")
+        cuda = self.device.type == "cuda"
+        if cuda and q_NQD.shape[-1] < 16:
+            raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
+                             f"{q_NQD.shape[-1]}; use kernel 'dense'")
+        if precompiled.available() is None:
+            # the whole call, BlockMask built inside from its tables, saved in the compile
+            # cache: a later process loads it instead of tracing flex again (flex's eager
+            # path on CPU runs dynamo too, with the eager backend: the same here)
+            with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+                out = _precompiled_flex("inductor" if cuda else "eager")(
+                    to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._tables,
+                    self._block_size, self._kernel_options)
+        elif cuda:
             # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
             # flex would silently fall back to the unfused kernel that materialises the
             # [L, L] scores; give it room for every bucket instead
@@ -284,6 +299,35 @@ def compiled_flex():
     return torch.compile(_flex_api()[1], dynamic=False)
 
 
+def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i,
+               block_size: int, kernel_options: dict | None):
+    """flex_attention over the tree mask of `_mask_entry`'s tables, the BlockMask built here:
+    a function of tensors and constants, which the precompile API saves (a BlockMask argument
+    would put its mask_mod closure into the guards)."""
+    # imported here, not through _flex_api: dynamo warns on tracing a functools.cache call
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    padded = end_L.shape[0]
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (q < end_L[kv])
+
+    block_mask = BlockMask(
+        seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
+        full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
+        full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod)
+    return flex_attention(q_1QLD, k_1KLD, v_1KLD, block_mask=block_mask, enable_gqa=True,
+                          kernel_options=kernel_options)
+
+
+@functools.cache
+def _precompiled_flex(backend: str):
+    """`_flex_call` compiled with `backend` (inductor on CUDA; eager on CPU, as flex's own eager
+    path), one variant per padded length, saved whole in the compile cache."""
+    return precompiled.Precompiled(_flex_call, backend=backend, name=f"flex_attention_{backend}")
+
+
 class _LRU:
     def __init__(self, capacity: int) -> None:
         self.capacity, self._items, self._lock = capacity, OrderedDict(), threading.Lock()
@@ -305,7 +349,13 @@ _BLOCK_MASKS = _LRU(capacity=32)
 
 
 def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
-    """BlockMask over `padded` tokens; padding tokens attend only to themselves.
+    """BlockMask over `padded` tokens; padding tokens attend only to themselves."""
+    return _mask_entry(end_N, padded, block_size, device)[1]
+
+
+def _mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
+    """(tables, BlockMask) over `padded` tokens; tables: the padded subtree_end and the eight
+    block tables, in `_flex_call`'s order.
 
     The block tables come straight from `subtree_end` in O((L / block)^2) numpy,
     not from evaluating the mask per token pair (`create_block_mask`, which on
@@ -334,10 +384,12 @@ def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.d
         def mask_mod(b, h, q, kv):
             return (kv <= q) & (q < end_t[kv])
 
-        return _flex_api()[0](seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
-                         full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n,
-                         q_indices=q_i, full_q_num_blocks=fq_n, full_q_indices=fq_i,
-                         BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)
+        tables = (end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i)
+        return tables, _flex_api()[0](
+            seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
+            full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
+            full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
+            mask_mod=mask_mod)
 
     return _BLOCK_MASKS.get_or_make(key, make)
 

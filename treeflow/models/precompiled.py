@@ -9,6 +9,10 @@ code, building guards, computing the cache keys (on an H200, 4.3 s of a warm
 once and saves dynamo's bytecode, its guards and the compiled graph (inductor's
 code bundled in) to one file; a later process only loads that file.
 
+Users: the layer parts (layer_ops.py) and the FlexAttention call (attention.py:
+`_flex_call`, the BlockMask built inside from its tables, so the arguments are
+tensors and constants; on CPU with the eager backend, as flex's own eager path).
+
 `Precompiled(fn, backend=..., name=...)` stands in for
 `torch.compile(fn, backend=..., fullgraph=True)`. A call tries the variants
 this process holds through their own guards (dynamo's, saved with them: dtypes,
@@ -136,6 +140,7 @@ class Precompiled:
 
     def _load(self, path: str, key: dict, args, kwargs):
         import torch._inductor.config as inductor_config
+        from torch._guards import TracingContext, tracing
 
         try:
             f = compile_cache.open_own(path)  # not the user's own alone: never unpickled
@@ -150,8 +155,10 @@ class Precompiled:
                     _say(f"precompiled {self.name}: {path} was built for another "
                          f"{', '.join(diff)} than this run's; refused, compiling again")
                     return None
-                # its kernels load here, in this process: no compile-worker pool for a load
-                with inductor_config.patch(compile_threads=1):
+                # its kernels load here, in this process: no compile-worker pool for a load;
+                # a throwaway tracing context: unpickling a guard on an imported module (flex's
+                # BlockMask pytree guard) installs it into the current trace (torch 2.13)
+                with inductor_config.patch(compile_threads=1), tracing(TracingContext(None)):
                     variant = _usable(torch.compiler.load_compiled_function(io.BytesIO(f.read())))
                 fits = variant.guard_check(*args, **kwargs)
         except Exception as e:  # a torch that cannot read the file: recompile, say so
