@@ -14,5 +14,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "rollout": ("Rollout", "run_rollout", "sample_group", "Environment"),
     "sink": ("ArrowSink",),
     "source": ("Files", "FilesReader", "IterSource", "Source", "windows"),
-    "synth": ("synth_episodes", "write_episodes"),
+    "synth": ("routes_like", "synth_episodes", "write_episodes"),
 })
