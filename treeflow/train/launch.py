@@ -1,8 +1,9 @@
 """The one launcher of ranks: spawned local processes, torchrun's environment, Ray actors.
 
 Every way treeflow starts the processes of a data-parallel (or tensor- or
-context-parallel) group lives here: `spawn` (local processes), `torchrun_world`
-/ `rank_of` (recognising processes torchrun or spawn started), `ray_ranks`
+context-parallel) group lives here: `Launch` (which processes a replay or training run
+needs and what its split refuses; `here()`, `start(fn, *args)`), `spawn` (local
+processes), `torchrun_world` / `rank_of` (recognising processes torchrun or spawn started), `ray_ranks`
 (the same rank function as a Ray actor group) and `rank_actors` / `rank_pool`
 (the Ray engines' long-lived rank actors). Each gives a rank torchrun's
 variables, so the rank function joins its group with `DataParallel.from_env`
