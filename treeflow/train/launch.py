@@ -277,25 +277,23 @@ class Launch:
         """Whether the process that runs the work here is one of a group torchrun started."""
         return self.engine == "local" and torchrun_world() is not None
 
-    def start(self, fn, *args) -> None:
+    def start(self, fn, *args) -> list:
         """Run `fn(*args)` in every process of the run (when `here()` is False); each joins
-        its group with `DataParallel.from_env`."""
+        its group with `DataParallel.from_env`. Their return values, in rank order."""
         if not self.train or self.split > 1:
             processes = self._group() if not self.train else self.num_ranks * self.split
             from treeflow._clock import inherited
 
             try:
                 with inherited():  # their wall_seconds count from the user's command
-                    spawn(fn, processes, *args)
+                    return spawn(fn, processes, *args)
             except RuntimeError as e:
                 raise ValueError(f"running over {processes} processes failed: {e}") from None
-            return
         try:
             if self.launcher == "ray":
-                ray_ranks(fn, self.num_ranks, *args,
-                          gpus_per_rank=1 if self.device.startswith("cuda") else 0)
-            else:
-                spawn(fn, self.num_ranks, *args)
+                return ray_ranks(fn, self.num_ranks, *args,
+                                 gpus_per_rank=1 if self.device.startswith("cuda") else 0)
+            return spawn(fn, self.num_ranks, *args)
         except RuntimeError as e:
             raise ValueError(f"training over {self.num_ranks} ranks failed: {e}") from None
 
