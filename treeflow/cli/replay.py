@@ -30,7 +30,6 @@ def cmd_replay(args) -> int:
 
 def _replay(args) -> int:
     """Logprobs mode; in a parallel group one of its processes (the first one prints)."""
-    from treeflow.cli.help import idle_ranks_warning
     from treeflow.pipeline.replay import logprobs_pipeline, replay_logprobs
 
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
@@ -41,11 +40,9 @@ def _replay(args) -> int:
                                              max_tokens=args.max_tokens, num_ranks=args.num_ranks),
                            configs.files(args, forward), args.output, inputs=args.files,
                            device=args.device, engine=args.engine, num_ranks=args.num_ranks,
-                           prefetch=args.prefetch, quiet=args.json or args.quiet)
+                           prefetch=args.prefetch, quiet=args.json or args.quiet, log=say)
     if sums is None:
         return 0
-    if (idle := idle_ranks_warning(args.engine, args.num_ranks, sums["bins"])) is not None:
-        say(idle)
     sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
     if "threads" not in sums:  # the local engine's forward runs in this process
         from treeflow.train.launch import thread_report
