@@ -78,3 +78,42 @@ def test_cuda_split_needs_its_gpus(no_torchrun):
         pytest.skip("a host with 8 GPUs runs this split")
     with pytest.raises(ValueError, match="--context-parallel 2 needs 8 GPUs"):
         Launch(train=True, num_ranks=4, context_parallel=2, device="cuda")
+
+
+def _where(tag):
+    """A rank's place in the group it was started in (torchrun's variables), its argument,
+    and whether it runs in a Ray worker."""
+    import os
+    import sys
+
+    ray = sys.modules.get("ray")
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), tag,
+            bool(ray is not None and ray.is_initialized()))
+
+
+def _fails(tag):
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise RuntimeError(f"rank 1 refuses {tag}")
+
+
+@pytest.mark.multiprocess
+def test_start_spawns_every_process_of_the_run(no_torchrun):
+    """Launch.start: N ranks, or N x C processes under a split, each with torchrun's variables;
+    their results in rank order; a failed rank named in one ValueError."""
+    assert Launch(train=True, num_ranks=2).start(_where, "a") == [(0, 2, "a", False),
+                                                                  (1, 2, "a", False)]
+    assert Launch(train=False, context_parallel=2).start(_where, "b") == [(0, 2, "b", False),
+                                                                          (1, 2, "b", False)]
+    with pytest.raises(ValueError, match=r"^training over 2 ranks failed: rank 1 of 2 failed: "
+                                         r".*rank 1 refuses c"):
+        Launch(train=True, num_ranks=2).start(_fails, "c")
+    with pytest.raises(ValueError, match=r"^running over 2 processes failed: rank 1 of 2"):
+        Launch(train=True, context_parallel=2).start(_fails, "d")
+
+
+@pytest.mark.ray
+def test_start_places_ranks_as_ray_actors(no_torchrun, ray_cluster):
+    assert Launch(train=True, num_ranks=2, launcher="ray").start(_where, "r") == \
+        [(0, 2, "r", True), (1, 2, "r", True)]
