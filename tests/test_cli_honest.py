@@ -86,14 +86,6 @@ def test_training_numbers_are_refused_by_their_flag(data, capsys, flag, value, n
     assert needle in err and "EpisodeSchedule(" not in err and "Reduce(" not in err, err
 
 
-def test_idle_ranks_are_said():
-    from treeflow.cli.help import idle_ranks_warning
-
-    said = idle_ranks_warning("ray", 2, 1)
-    assert said.startswith("warning: --num-ranks 2: the run made 1 bin(s)")
-    assert idle_ranks_warning("ray", 2, 2) is None and idle_ranks_warning("local", 2, 1) is None
-
-
 def test_output_off_a_terminal_is_not_hard_wrapped(tmp_path, capsys):
     """A path or a suggested command stays on one line when stdout is a pipe or a file."""
     import os

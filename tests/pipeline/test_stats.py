@@ -29,3 +29,41 @@ def test_episode_distributions_by_hand():
     assert dist["calls"] == {"mean": 3.0, "min": 1.0, "p50": 3.0, "p90": 5.0, "max": 5.0}
     assert dist["saving_tree_episode"]["max"] == 5.0 and dist["saving_tree_episode"]["mean"] == 3.0
     assert episode_distributions(pl.DataFrame()) == {}
+
+
+def test_inspect_windows_totals_by_hand(tmp_path):
+    """inspect_windows (treeflow inspect): exact tokens and calls counted straight from the
+    episodes, per episode and in total, over several windows; plots written; nothing to plot
+    refused naming the input."""
+    import pytest
+
+    from treeflow.pipeline.stats import inspect_windows
+    from treeflow.pipeline.synth import synth_episodes
+
+    eps = synth_episodes(episodes=12, group_size=4, turns=(2, 4), vocab_size=97, seed=3)
+    calls = eps.column("calls").to_pylist()
+    calls_E = [len(c) for c in calls]
+    exact_E = [sum(len(call["token_ids"]) for call in c) for c in calls]
+    seen = []
+    figures = inspect_windows([eps.slice(0, 4), eps.slice(4, 8)], max_tokens=4096, plot=str(tmp_path),
+                              advance=lambda rows, tokens: seen.append((rows, tokens)))
+    assert list(figures) == ["totals", "per_episode", "plots"]
+    assert figures["totals"]["exact_tokens"] == sum(exact_E)
+    assert seen == [(4, sum(exact_E[:4])), (8, sum(exact_E[4:]))]
+    dist = figures["per_episode"]
+    assert dist["calls"]["max"] == max(calls_E) and dist["calls"]["min"] == min(calls_E)
+    assert dist["exact_tokens"]["mean"] == pytest.approx(sum(exact_E) / len(exact_E))
+    assert {p.rsplit("/", 1)[-1] for p in figures["plots"]} >= {"savings.png", "call_growth.png",
+                                                                "bins.png"}
+    with pytest.raises(ValueError, match="^ep.arrow: no episodes to plot$"):
+        inspect_windows([], plot=str(tmp_path), what="ep.arrow")
+    assert inspect_windows([])["totals"] == {}
+
+
+def test_idle_ranks_are_said():
+    """replay_logprobs says (log=) when the Ray engine's forward actors outnumber the bins."""
+    from treeflow.pipeline.stats import idle_ranks_warning
+
+    said = idle_ranks_warning("ray", 2, 1)
+    assert said.startswith("warning: --num-ranks 2: the run made 1 bin(s)")
+    assert idle_ranks_warning("ray", 2, 2) is None and idle_ranks_warning("local", 2, 1) is None

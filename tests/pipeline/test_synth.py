@@ -241,3 +241,23 @@ def test_property_valid_for_any_arguments(episodes, group_size, t_lo, t_extra, b
                 assert c["routed_experts"] is None
     if branch == 0.0:
         assert all(_is_strict_prefix(a, b) for a, b in _pairs(episodes_calls))
+
+
+def test_routes_like_reads_a_moe_checkpoints_shape(tmp_path):
+    """routes_like (synth --routes-from): the route options of a MoE config's shape; a dense
+    model is refused naming the directory."""
+    from transformers import LlamaConfig
+
+    from tests.models.moe_helpers import hf_model
+    from treeflow.pipeline import routes_like
+
+    hf_model("qwen3_moe").config.save_pretrained(tmp_path / "moe")
+    routes = routes_like(str(tmp_path / "moe"))
+    assert routes == dict(routes=2, route_layers=2, num_experts=6)  # layer 1 is dense
+    eps = synth_episodes(episodes=2, group_size=2, turns=(1, 2), vocab_size=61, **routes)
+    width = {len(r) for r in eps.column("calls").to_pylist()[0][0]["routed_experts"]}
+    assert width == {4}
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=61).save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match=r"--routes-from .*dense: the model has no experts"):
+        routes_like(str(tmp_path / "dense"))

@@ -8,11 +8,13 @@
     gate.py          gate
     options.py       argument groups shared by commands (model, training, RL, trackers, queue,
                      sampling)
-    parallel.py      --tensor-parallel / --context-parallel: the flags and what they refuse
+    parallel.py      --tensor-parallel / --context-parallel: the flags (what they refuse and
+                     which processes run: train/launch.py `Launch`)
     configs.py       parsed flags -> the stage configs a Python user writes (Forward, Reduce,
                      each rank's Pack/Fragment/Shard and training pipeline, Files), fit()'s
-                     options; what the commands compute lives in the library
-                     (pipeline/rank_plan.py, pipeline/stats.py, models/tuning.py, train/)
+                     options, the Launch; what the commands compute lives in the library
+                     (pipeline/rank_plan.py, stats.py, synth.py, gate.py, models/tuning.py,
+                     train/launch.py, train/)
     config.py        --config FILE, --print-config      names.py  old flag names, warned about
     help.py          the conventions applied to every subcommand    common.py, queue.py, rl.py
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-__all__ = ["check_device", "positive", "say", "show", "steady_state"]
+__all__ = ["check_device", "positive", "say", "show"]
 
 
 def say(message: str) -> None:
@@ -40,10 +40,3 @@ def check_device(device: str) -> None:
     from treeflow.stages.forward import resolve_device
 
     resolve_device(device, what="--device")
-
-
-def steady_state(sums: dict, wall: float, setup: float) -> float:
-    """A logprobs run's timing and throughput filled into `sums` (pipeline/stats.py)."""
-    from treeflow.pipeline.stats import steady_state as fill
-
-    return fill(sums, wall, setup)

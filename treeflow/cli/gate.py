@@ -31,8 +31,7 @@ def cmd_gate(args) -> int:
 
     from treeflow.atomic import atomic_open
     from treeflow.lock import claim_output
-    from treeflow.pipeline import Gate, run_gate
-    from treeflow.stages import EpisodeSchedule, Loss, Reduce
+    from treeflow.pipeline import Gate, gate_address, gate_reduce, run_gate
 
     check_device(args.device)
     if args.rate is not None:
@@ -47,17 +46,9 @@ def cmd_gate(args) -> int:
                 min_route_agreement=args.min_route_agreement,
                 timeout=args.timeout,
                 rollout=configs.rollout_config(args))
-    reduce = Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=args.lr))
-    if args.capacity < 2 * args.episodes:
-        raise ValueError(f"--capacity {args.capacity}: the gate's two rounds of --episodes "
-                         f"{args.episodes} must fit the queue; give >= {2 * args.episodes}")
-    if forward.context_parallel > 1 and not args.queue:
-        # the trainer's processes attach to the queue: serve it (embedded) or name it (transferqueue)
-        import os
-        import tempfile
-
-        args.queue = (os.path.join(tempfile.mkdtemp(prefix="treeflow-tq-"), "q.sock")
-                      if args.queue_backend == "embedded" else "gate")
+    reduce = gate_reduce(args.lr)
+    gate.check_capacity(args.capacity)
+    args.queue = gate_address(forward.context_parallel, args.queue_backend, args.queue)
     queue = open_cli_queue(args, forward.vocab_size_hint())
     try:
         figures = run_gate(queue, forward=forward, reduce=reduce, gate=gate, layout=args.layout,

@@ -18,7 +18,7 @@ __all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "c
 
 
 def cmd_synth(args) -> int:
-    from treeflow.pipeline.synth import synth_episodes, write_episodes
+    from treeflow.pipeline.synth import routes_like, synth_episodes, write_episodes
 
     from treeflow.atomic import check_output
 
@@ -31,17 +31,8 @@ def cmd_synth(args) -> int:
                          "or .parquet")
     claim_output(args.output, option="-o")
     t0 = time.perf_counter()
-    routes = dict(routes=args.routes, route_layers=args.route_layers, num_experts=args.num_experts)
-    if args.routes_from:  # the shape a local MoE checkpoint replays: its MoE layers x top_k
-        from treeflow.models import ModelConfig
-
-        moe = ModelConfig.from_hf_dir(args.routes_from).moe
-        if moe is None or not moe.moe_layers:
-            raise ValueError(f"--routes-from {args.routes_from}: the model has no experts; give an "
-                             "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, Nemotron-H with MoE "
-                             "blocks, GraniteMoeHybrid) or use --routes")
-        routes = dict(routes=moe.top_k, route_layers=len(moe.moe_layers),
-                      num_experts=moe.num_experts)
+    routes = routes_like(args.routes_from) if args.routes_from else dict(
+        routes=args.routes, route_layers=args.route_layers, num_experts=args.num_experts)
     eps = synth_episodes(episodes=args.episodes, group_size=args.group_size,
                          turns=(args.min_turns, args.max_turns), vocab_size=args.vocab_size,
                          branch_prob=args.branch_prob, seed=args.seed, **routes)
@@ -54,41 +45,19 @@ def cmd_synth(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    import polars as pl
-
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.stats import (bin_stats, call_stats, episode_distributions,
-                                         merge_totals, window_stats)
+    from treeflow.pipeline.stats import inspect_windows
 
     positive(args, "max_tokens", "episodes_per_step")
-    frames, parts, call_frames, bin_frames = [], [], [], []
     with progress("inspect", count_rows(args.files), args.json or args.quiet) as advance:
-        for step, window in enumerate(Files(paths=tuple(args.files),
-                                            episodes_per_step=args.episodes_per_step)):
-            frame, totals = window_stats(window, max_tokens=args.max_tokens)
-            frames.append(frame)
-            parts.append(totals)
-            if args.plot:
-                call_frames.append(call_stats(window))
-                if args.max_tokens:
-                    bin_frames.append(bin_stats(window, max_tokens=args.max_tokens,
-                                                ranks=args.num_ranks, step=step))
-            advance(window.num_rows, tokens=totals["exact_tokens"])
-    totals = merge_totals(parts)
-    frame = pl.concat(frames) if frames else pl.DataFrame()
-    plots = []
-    if args.plot:
-        from treeflow.plots import write_inspect_plots
-
-        if not frame.height:
-            raise ValueError(f"{' '.join(args.files)}: no episodes to plot")
-
-        plots = write_inspect_plots(args.plot, episodes=frame, calls=pl.concat(call_frames),
-                                    totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
-                                    max_tokens=args.max_tokens, ranks=args.num_ranks)
-    dist = episode_distributions(frame)
+        figures = inspect_windows(Files(paths=tuple(args.files),
+                                        episodes_per_step=args.episodes_per_step),
+                                  max_tokens=args.max_tokens, plot=args.plot,
+                                  num_ranks=args.num_ranks, what=" ".join(args.files),
+                                  advance=advance)
+    totals, dist, plots = figures["totals"], figures["per_episode"], figures["plots"]
     if args.json:
-        print(json.dumps({"totals": totals, "per_episode": dist, "plots": plots}))
+        print(json.dumps(figures))
         return 0
     if args.quiet:
         return 0

@@ -10,8 +10,7 @@ from treeflow._display import console
 from treeflow.cli import configs
 from treeflow.cli.common import check_device, positive, say, show
 from treeflow.cli.options import add_train_options, model_options
-from treeflow.cli.parallel import (add_parallel_options, check_context_parallel_options,
-                                   check_tensor_parallel_options, start_ranks, torchrun_world)
+from treeflow.cli.parallel import add_parallel_options
 from treeflow.cli.train import cmd_train
 
 __all__ = ["add_replay_parser", "cmd_replay"]
@@ -22,19 +21,15 @@ def cmd_replay(args) -> int:
         return cmd_train(args)
     if args.output is None:
         raise ValueError("--mode logprobs needs -o OUT.arrow (or OUT.parquet) for the results")
-    check_tensor_parallel_options(args, train=False)
-    check_context_parallel_options(args, train=False)
-    group = args.tensor_parallel if args.tensor_parallel > 1 else \
-        args.context_parallel if args.engine == "local" else 1
-    if group > 1 and torchrun_world() is None:
-        start_ranks(_replay, group, args)
-        return 0
-    return _replay(args)
+    launch = configs.launch(args, train=False)
+    if launch.here():
+        return _replay(args)
+    launch.start(_replay, args)
+    return 0
 
 
 def _replay(args) -> int:
     """Logprobs mode; in a parallel group one of its processes (the first one prints)."""
-    from treeflow.cli.help import idle_ranks_warning
     from treeflow.pipeline.replay import logprobs_pipeline, replay_logprobs
 
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
@@ -45,11 +40,9 @@ def _replay(args) -> int:
                                              max_tokens=args.max_tokens, num_ranks=args.num_ranks),
                            configs.files(args, forward), args.output, inputs=args.files,
                            device=args.device, engine=args.engine, num_ranks=args.num_ranks,
-                           prefetch=args.prefetch, quiet=args.json or args.quiet)
+                           prefetch=args.prefetch, quiet=args.json or args.quiet, log=say)
     if sums is None:
         return 0
-    if (idle := idle_ranks_warning(args.engine, args.num_ranks, sums["bins"])) is not None:
-        say(idle)
     sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
     if "threads" not in sums:  # the local engine's forward runs in this process
         from treeflow.train.launch import thread_report

@@ -40,7 +40,7 @@ def stream_train(args, queue) -> dict:
     if args.num_ranks == 1 or args.engine == "ray":  # Ray: the driver leads N rank actors
         return _stream_train(args, queue)
     from treeflow.pipeline.queue_train import merge_rank_summaries
-    from treeflow.train import spawn
+    from treeflow.train.launch import Launch
 
     if args.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS"):
         import ray  # the ranks join this process's cluster, where the queue lives
@@ -48,10 +48,9 @@ def stream_train(args, queue) -> dict:
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     if args.publish_weights is None and not args.save:  # one directory for every rank
         args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
-    try:
-        return merge_rank_summaries(spawn(_stream_rank, args.num_ranks, args))
-    except RuntimeError as e:
-        raise ValueError(f"training over {args.num_ranks} ranks failed: {e}") from None
+    # spawned: every rank attaches to the queue (--launcher has no say in stream)
+    return merge_rank_summaries(Launch(train=True, num_ranks=args.num_ranks).start(_stream_rank,
+                                                                                   args))
 
 
 def _stream_rank(args):

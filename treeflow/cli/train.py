@@ -3,11 +3,11 @@
 The run is `train.fit_files.fit_files` (its docstring says what a step, the data-parallel ranks
 and the Ray engine's rank actors do; checkpoint safety lives in treeflow/train/checkpoint.py).
 This checks the flags, starts the ranks and prints: `--num-ranks N` processes spawned here
-(`--launcher ray`: a Ray actor group, train/launch.py), or those torchrun started (`torchrun
+(`--launcher ray`: a Ray actor group), or those torchrun started (`torchrun
 --nproc-per-node N -m treeflow.cli replay ... --mode train --num-ranks N`, recognised by its
-environment); `--tensor-parallel T` / `--context-parallel C` make N x T / N x C of them
-(treeflow/cli/parallel.py says what they refuse); `--engine ray` runs N Ray rank actors from
-this process.
+environment); `--tensor-parallel T` / `--context-parallel C` make N x T / N x C of them;
+`--engine ray` runs N Ray rank actors from this process. Which of these, and what a split
+refuses, is `train.launch.Launch` (cli/parallel.py says why).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from treeflow._display import console, table
 from treeflow.cli import configs
 from treeflow.cli.common import check_device, say
 from treeflow.cli.config import resolved_config
-from treeflow.cli.parallel import (check_context_parallel_options, check_tensor_parallel_options,
-                                   start_ranks, torchrun_world)
 from treeflow.cli.rl import check_train_options
 
 __all__ = ["cmd_train"]
@@ -30,30 +28,11 @@ def cmd_train(args) -> int:
     from treeflow.schemas.episode import expand_paths
 
     check_train_options(args, inputs=expand_paths(args.files))
-    check_tensor_parallel_options(args, train=True)
-    check_context_parallel_options(args, train=True)
+    launch = configs.launch(args, train=True)
     check_device(args.device)
-    world = torchrun_world() if args.engine == "local" else None
-    split = args.tensor_parallel * args.context_parallel
-    if world is not None and split == 1 and args.num_ranks not in (1, world):
-        raise ValueError(f"--num-ranks {args.num_ranks} but torchrun started {world} "
-                         "processes; give the same number to both")
-    if world is not None or args.engine == "ray" or (
-            args.num_ranks == 1 and split == 1 and args.launcher == "spawn"):
-        return _train(args, distributed=world is not None)
-    if split > 1:
-        start_ranks(_train_rank, args.num_ranks * split, args)
-        return 0
-    from treeflow.train import ray_ranks, spawn
-
-    try:
-        if args.launcher == "ray":
-            ray_ranks(_train_rank, args.num_ranks, args,
-                      gpus_per_rank=1 if args.device.startswith("cuda") else 0)
-        else:
-            spawn(_train_rank, args.num_ranks, args)
-    except RuntimeError as e:
-        raise ValueError(f"training over {args.num_ranks} ranks failed: {e}") from None
+    if launch.here():
+        return _train(args, distributed=launch.distributed())
+    launch.start(_train_rank, args)
     return 0
 
 

@@ -10,9 +10,9 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "plan": ("Plan", "WindowResult"),
     "queue_ranks": ("RankWindows",),
     "queue_source": ("QueueReader", "QueueSource", "put_files"),
-    "gate": ("Gate", "run_gate"),
+    "gate": ("Gate", "gate_address", "gate_reduce", "run_gate"),
     "rollout": ("Rollout", "run_rollout", "sample_group", "Environment"),
     "sink": ("ArrowSink",),
     "source": ("Files", "FilesReader", "IterSource", "Source", "windows"),
-    "synth": ("synth_episodes", "write_episodes"),
+    "synth": ("routes_like", "synth_episodes", "write_episodes"),
 })

@@ -51,7 +51,7 @@ import pyarrow as pa
 
 from treeflow.pipeline.rollout import Rollout, run_rollout
 
-__all__ = ["FAULTS", "Gate", "run_gate"]
+__all__ = ["FAULTS", "Gate", "gate_address", "gate_reduce", "run_gate"]
 
 FAULTS = ("drop-episode", "skip-refit", "corrupt-route")
 _DEFAULT_KL = {"float32": 1e-6, "bfloat16": 1e-3}
@@ -88,6 +88,30 @@ class Gate:
             raise ValueError(f"Gate(fault={self.fault!r}): choose one of {FAULTS}")
         if not self.timeout > 0:
             raise ValueError(f"Gate(timeout={self.timeout}): give seconds > 0")
+
+    def check_capacity(self, capacity: int) -> None:
+        """Refuse a queue of `capacity` episodes that cannot hold the gate's two rounds."""
+        if capacity < 2 * self.episodes:
+            raise ValueError(f"--capacity {capacity}: the gate's two rounds of --episodes "
+                             f"{self.episodes} must fit the queue; give >= {2 * self.episodes}")
+
+
+def gate_reduce(lr: float = 1e-5):
+    """The gate's training step: one policy-gradient step at `lr` (EpisodeSchedule)."""
+    from treeflow.stages import EpisodeSchedule, Loss, Reduce
+
+    return Reduce(loss=Loss(kind="pg"), schedule=EpisodeSchedule(lr=lr))
+
+
+def gate_address(context_parallel: int, backend: str, address: str | None = None) -> str | None:
+    """The address of the queue the gate opens: `address`, or under context_parallel > 1,
+    whose trainer processes attach to the queue, one it serves (pipeline/stream.py
+    local_address: a private socket (embedded), or the name "gate" (transferqueue))."""
+    if context_parallel > 1 and not address:
+        from treeflow.pipeline.stream import local_address
+
+        return local_address(backend, "gate")
+    return address
 
 
 class _Transport:

@@ -17,6 +17,7 @@ the caller starts the group's processes; one call is one process of it.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 
 __all__ = ["logprobs_pipeline", "replay_logprobs"]
@@ -38,6 +39,10 @@ def logprobs_pipeline(forward, *, layout: str = "tree", scope: str | None = None
                     Reassemble(entropy=forward.entropy))
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 class _Discard:
     """The output of a group's process other than the first: every one computes the same
     results, one writes them."""
@@ -48,17 +53,18 @@ class _Discard:
 
 def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "cpu",
                     engine: str = "local", num_ranks: int = 1, prefetch: int = 2,
-                    quiet: bool = False) -> dict | None:
+                    quiet: bool = False, log=None) -> dict | None:
     """Run the logprobs `pipeline` over `source` (a `Files`), write one row per input episode
     to `output` (.arrow or .parquet, published when the run completes; `inputs`: the episode
     files it must not be); the run's summary, or None in a group's process other than the
-    first. engine, num_ranks, prefetch: Pipeline.run's."""
+    first. engine, num_ranks, prefetch: Pipeline.run's. log: where a warning goes (the Ray
+    engine's forward actors left without bins; default stderr)."""
     import torch
 
     from treeflow._clock import process_seconds
     from treeflow._output import table_output
     from treeflow.pipeline.logprobs import run_logprobs
-    from treeflow.pipeline.stats import route_agreement
+    from treeflow.pipeline.stats import idle_ranks_warning, route_agreement
     from treeflow.schemas.episode import count_rows
 
     imported = process_seconds()
@@ -100,6 +106,8 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
         group.close()
     if not lead:
         return None
+    if (idle := idle_ranks_warning(engine, num_ranks, sums["bins"])) is not None:
+        (log or _stderr)(idle)
     for name in ("tensor_parallel", "context_parallel"):
         if getattr(forward, name) > 1:
             sums[name] = getattr(forward, name)

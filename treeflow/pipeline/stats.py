@@ -4,7 +4,8 @@ and the summary of a logprobs run (its steady-state throughput, MoE route agreem
 Per episode we count calls, sampled tokens, exact-call tokens, chain tokens
 and episode-scope tree tokens (plus attention pairs, the sum over nodes of
 depth + 1); per window we add group-scope tree tokens and, given a budget,
-the bins and the repeated context that fragmentation costs.
+the bins and the repeated context that fragmentation costs. `inspect_windows` is what
+`treeflow inspect` prints: the totals, the per-episode distributions and the plots written.
 """
 
 from __future__ import annotations
@@ -149,6 +150,15 @@ def route_agreement(sums: dict) -> dict:
     return sums
 
 
+def idle_ranks_warning(engine: str, ranks: int, bins: int) -> str | None:
+    """What to say when --engine ray --num-ranks N ran fewer bins than N (ranks without work)."""
+    if engine != "ray" or ranks <= 1 or bins >= ranks:
+        return None
+    return (f"warning: --num-ranks {ranks}: the run made {bins} bin(s), so only {bins} of the "
+            f"{ranks} forward actors had work; lower --max-tokens (more bins per window) or use "
+            "fewer ranks")
+
+
 def merge_totals(parts: list[dict]) -> dict:
     out: dict = {}
     for p in parts:
@@ -218,3 +228,40 @@ def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int 
         "edges": pc.list_value_length(bins.column("edge_sources")).to_numpy(zero_copy_only=False).astype(np.int64),
         "cost": bin_costs(bins, shard.cost_model()),
     })
+
+
+def inspect_windows(windows, *, max_tokens: int | None = None, plot: str | None = None,
+                    num_ranks: int = 1, what: str = "the episodes", advance=None) -> dict:
+    """`treeflow inspect`'s figures over `windows` (tables of episodes, one step each):
+    {"totals": merge_totals, "per_episode": episode_distributions, "plots": the PNGs written}.
+
+    max_tokens: also plan bins of this budget; plot: a directory for savings.png and
+    call_growth.png (+ bins.png of `num_ranks` ranks with max_tokens); what: the input, named
+    in the error when there is nothing to plot; advance(rows, tokens=): progress.
+    """
+    import polars as pl
+
+    frames, parts, call_frames, bin_frames = [], [], [], []
+    for step, window in enumerate(windows):
+        frame, totals = window_stats(window, max_tokens=max_tokens)
+        frames.append(frame)
+        parts.append(totals)
+        if plot:
+            call_frames.append(call_stats(window))
+            if max_tokens:
+                bin_frames.append(bin_stats(window, max_tokens=max_tokens, ranks=num_ranks,
+                                            step=step))
+        if advance is not None:
+            advance(window.num_rows, tokens=totals["exact_tokens"])
+    totals = merge_totals(parts)
+    frame = pl.concat(frames) if frames else pl.DataFrame()
+    plots = []
+    if plot:
+        from treeflow.plots import write_inspect_plots
+
+        if not frame.height:
+            raise ValueError(f"{what}: no episodes to plot")
+        plots = write_inspect_plots(plot, episodes=frame, calls=pl.concat(call_frames),
+                                    totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
+                                    max_tokens=max_tokens, ranks=num_ranks)
+    return {"totals": totals, "per_episode": episode_distributions(frame), "plots": plots}

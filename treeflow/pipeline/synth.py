@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from treeflow.atomic import atomic_path
 from treeflow.schemas.episode import CALL_TYPE, EPISODE_SCHEMA, validate_episodes
 
-__all__ = ["synth_episodes", "write_episodes"]
+__all__ = ["routes_like", "synth_episodes", "write_episodes"]
 
 _DUP_PROB = 0.1          # an episode repeats the first completion of an earlier one in its group
 _COMPACT_SHARE = 0.5     # of the non-append-only events, the share that are compactions
@@ -149,6 +149,19 @@ def synth_episodes(
     }
     table = pa.Table.from_arrays([columns[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     return validate_episodes(table, source="synth_episodes")
+
+
+def routes_like(model_dir: str) -> dict:
+    """synth_episodes' route options of the shape the MoE checkpoint at `model_dir` replays:
+    its MoE layers x top_k, num_experts (`treeflow synth --routes-from DIR`)."""
+    from treeflow.models import ModelConfig
+
+    moe = ModelConfig.from_hf_dir(model_dir).moe
+    if moe is None or not moe.moe_layers:
+        raise ValueError(f"--routes-from {model_dir}: the model has no experts; give an "
+                         "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, Nemotron-H with MoE "
+                         "blocks, GraniteMoeHybrid) or use --routes")
+    return dict(routes=moe.top_k, route_layers=len(moe.moe_layers), num_experts=moe.num_experts)
 
 
 def write_episodes(table: pa.Table, path: str | os.PathLike, *, batch_rows: int = 64) -> None:
