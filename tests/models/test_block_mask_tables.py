@@ -1,6 +1,6 @@
 """Flex block masks: the tables treeflow builds in numpy are the ones torch would derive.
 
-`_block_mask` builds all of a BlockMask's tables from `subtree_end` (the
+`flex_mask.block_mask_of` builds all of a BlockMask's tables from `subtree_end` (the
 query-side ones, which flex's backward reads, included) instead of letting
 `BlockMask.from_kv_blocks` derive the query side with vmapped torch ops. The
 reference here is torch's own derivation from the same key-side tables, and
@@ -16,7 +16,7 @@ import torch
 from models_helpers import random_forest, tree_tensors
 
 from tests.reference import ancestor_mask_by_walk
-from treeflow.models import attention
+from treeflow.models import flex_mask
 
 BlockMask = pytest.importorskip("torch.nn.attention.flex_attention").BlockMask
 
@@ -35,7 +35,7 @@ def _tree_end(n: int, seed: int) -> np.ndarray:
                                             (70, 128, 32)])
 def test_query_side_tables_equal_torchs_transpose(n, padded, block):
     end = _tree_end(n, seed=n)
-    mask = attention._block_mask(end, padded, block, torch.device("cpu"))
+    mask = flex_mask.block_mask_of(end, padded, block, torch.device("cpu"))
     ref = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
                                    mask.full_kv_indices, BLOCK_SIZE=block, mask_mod=mask.mask_mod,
                                    seq_lengths=(padded, padded))
@@ -50,7 +50,7 @@ def test_query_side_tables_equal_torchs_transpose(n, padded, block):
 def test_block_tables_cover_exactly_the_visible_pairs():
     end = _tree_end(200, seed=5)
     padded, block = 256, 32
-    mask = attention._block_mask(end, padded, block, torch.device("cpu"))
+    mask = flex_mask.block_mask_of(end, padded, block, torch.device("cpu"))
     end_L = np.concatenate((end, np.arange(len(end) + 1, padded + 1)))
     q, kv = np.arange(padded)[:, None], np.arange(padded)[None, :]
     visible = (kv <= q) & (q < end_L[kv])
@@ -94,7 +94,7 @@ def test_block_tables_of_many_random_small_block_trees_match_a_walked_ancestor_m
         padded = (-(-n // block) + int(rng.integers(0, 3))) * block
         _, parents = random_forest(rng, n, extend=float(rng.choice([0.5, 0.9, 0.98])))
         _, _, end = tree_tensors(np.zeros(n, dtype=np.int64), parents)
-        mask = attention._block_mask(np.asarray(end), padded, block, torch.device("cpu"))
+        mask = flex_mask.block_mask_of(np.asarray(end), padded, block, torch.device("cpu"))
         visible = np.eye(padded, dtype=bool)
         visible[:n, :n] = ancestor_mask_by_walk(parents)
         blocks = padded // block

@@ -15,7 +15,7 @@ then serves every layer. Three kernels trade generality for speed:
   one compile serves all bins of a run. Padding is nearly free: a padding
   token attends only to itself, so its block-sparse mask adds just the
   diagonal blocks. Where torch has the precompile API the call (mask built
-  inside from the tables) is a `Precompiled` (precompiled.py), saved whole in
+  inside from the tables, flex_mask.py) is a `Precompiled` (precompiled.py), saved whole in
   the compile cache: a later process loads it instead of tracing flex (CPU's
   eager flex runs dynamo too, with the eager backend; so does this there).
 - `causal`: bins whose trees are chains (no node has two children) are packed
@@ -40,30 +40,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import inspect
-import threading
 import warnings
-from collections import OrderedDict
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from treeflow.models import precompiled
+from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, compiled_flex,
+                                       flex_api, mask_entry, precompiled_flex, to_device)
 from treeflow.models.runs import AncestorRuns
 from treeflow.tree import ancestor_mask
-
-
-@functools.cache
-def _flex_api():
-    """(BlockMask, flex_attention), imported on first use: importing them imports torch._dynamo
-    (1.3 s of a 2-core CPU run's start-up), which the runs and dense kernels never need."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    except ImportError:  # torch < 2.5
-        return None, None
-    return BlockMask, flex_attention
 
 
 @functools.cache
@@ -77,6 +65,7 @@ def _varlen_api():
 
 
 __all__ = ["KERNELS", "AttentionPlan", "Capabilities"]
+
 
 KERNELS = ("dense", "flex", "causal", "runs")
 
@@ -99,7 +88,7 @@ class Capabilities:
             raise ValueError("kernel 'causal' runs chain-only bins, but this bin branches (a node "
                              "has two or more children); use kernel 'flex', 'dense' or 'auto'")
         if kernel == "flex":
-            if _flex_api()[1] is None:
+            if flex_api()[1] is None:
                 raise ValueError(f"torch {torch.__version__} has no flex_attention (needs "
                                  ">= 2.5); use kernel 'dense'")
             if device.type not in ("cpu", "cuda"):
@@ -171,7 +160,7 @@ class AttentionPlan:
             self._kernel_options = dict(kernel_options) if kernel_options else None
             self._padded = bucket(n, block_size, pad_to)
             self._block_size = block_size
-            self._tables, self._block_mask = _mask_entry(end_N, self._padded, block_size,
+            self._tables, self._block_mask = mask_entry(end_N, self._padded, block_size,
                                                          self.device)
         else:
             starts = np.append(_root_starts(end_N), n)
@@ -215,7 +204,7 @@ class AttentionPlan:
             # cache: a later process loads it instead of tracing flex again (flex's eager
             # path on CPU runs dynamo too, with the eager backend: the same here)
             with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-                out = _precompiled_flex("inductor" if cuda else "eager")(
+                out = precompiled_flex("inductor" if cuda else "eager")(
                     to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._tables,
                     self._block_size, self._kernel_options)
         elif cuda:
@@ -229,7 +218,7 @@ class AttentionPlan:
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
-                out = _flex_api()[1](to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
+                out = flex_api()[1](to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                      block_mask=self._block_mask, enable_gqa=True,
                                      kernel_options=self._kernel_options)
         return out[0].transpose(0, 1)[: self.num_tokens]
@@ -289,132 +278,3 @@ def _root_starts(end_N: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     reach = np.concatenate(([0], np.maximum.accumulate(end_N)[:-1]))
     return np.flatnonzero(reach <= np.arange(len(end_N)))
-
-
-FLEX_RECOMPILE_LIMIT = 64
-
-
-@functools.cache
-def compiled_flex():
-    return torch.compile(_flex_api()[1], dynamic=False)
-
-
-def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i,
-               block_size: int, kernel_options: dict | None):
-    """flex_attention over the tree mask of `_mask_entry`'s tables, the BlockMask built here:
-    a function of tensors and constants, which the precompile API saves (a BlockMask argument
-    would put its mask_mod closure into the guards)."""
-    # imported here, not through _flex_api: dynamo warns on tracing a functools.cache call
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    padded = end_L.shape[0]
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (q < end_L[kv])
-
-    block_mask = BlockMask(
-        seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
-        full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
-        full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
-        mask_mod=mask_mod)
-    return flex_attention(q_1QLD, k_1KLD, v_1KLD, block_mask=block_mask, enable_gqa=True,
-                          kernel_options=kernel_options)
-
-
-@functools.cache
-def _precompiled_flex(backend: str):
-    """`_flex_call` compiled with `backend` (inductor on CUDA; eager on CPU, as flex's own eager
-    path), one variant per padded length, saved whole in the compile cache."""
-    return precompiled.Precompiled(_flex_call, backend=backend, name=f"flex_attention_{backend}")
-
-
-class _LRU:
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self._items, self._lock = capacity, OrderedDict(), threading.Lock()
-
-    def get_or_make(self, key, make):
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        value = make()
-        with self._lock:
-            self._items[key] = value
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-        return value
-
-
-_BLOCK_MASKS = _LRU(capacity=32)
-
-
-def _block_mask(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
-    """BlockMask over `padded` tokens; padding tokens attend only to themselves."""
-    return _mask_entry(end_N, padded, block_size, device)[1]
-
-
-def _mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
-    """(tables, BlockMask) over `padded` tokens; tables: the padded subtree_end and the eight
-    block tables, in `_flex_call`'s order.
-
-    The block tables come straight from `subtree_end` in O((L / block)^2) numpy,
-    not from evaluating the mask per token pair (`create_block_mask`, which on
-    CUDA must be compiled per shape to be fast). Query block qb = [q0, q1) and
-    key block kb: some pair is visible iff kb <= qb and some key of kb has
-    end > q0; every pair is visible iff kb < qb and every key of kb has end >= q1.
-    """
-    n = len(end_N)
-    end_L = np.concatenate((end_N, np.arange(n + 1, padded + 1))).astype(np.int32)
-    key = (str(device), padded, block_size, hashlib.blake2b(end_L.tobytes()).digest())
-
-    def make():
-        blocks = padded // block_size
-        end_BK = end_L.reshape(blocks, block_size)  # K: tokens of a block
-        q0_B1 = (np.arange(blocks) * block_size)[:, None]
-        kb_1B, qb_B1 = np.arange(blocks)[None, :], np.arange(blocks)[:, None]
-        full_BB = (kb_1B < qb_B1) & (end_BK.min(1)[None, :] >= q0_B1 + block_size)
-        partial_BB = (kb_1B <= qb_B1) & (end_BK.max(1)[None, :] > q0_B1) & ~full_BB
-        # all nine tables in one host buffer and one copy; the query-side (transposed) tables,
-        # which backward reads, from numpy too: BlockMask.from_kv_blocks would derive them with
-        # vmapped torch ops, Python-heavy work that competes with kernel launches for the GIL
-        parts = (end_L, *block_tables_of(partial_BB), *block_tables_of(full_BB),
-                 *block_tables_of(partial_BB.T), *block_tables_of(full_BB.T))
-        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = to_device(parts, device)
-
-        def mask_mod(b, h, q, kv):
-            return (kv <= q) & (q < end_t[kv])
-
-        tables = (end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i)
-        return tables, _flex_api()[0](
-            seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
-            full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
-            full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
-            mask_mod=mask_mod)
-
-    return _BLOCK_MASKS.get_or_make(key, make)
-
-
-def block_tables_of(m_BB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[rows, cols] bool blocks -> counts [1, 1, rows] and indices [1, 1, rows, cols] (int32).
-
-    Per row, the visible blocks' columns in increasing order, then the others: the order of
-    torch's own `argsort(descending=True, stable=True)`, so tables match BlockMask's.
-    """
-    order = np.argsort(~m_BB, axis=1, kind="stable").astype(np.int32)
-    return m_BB.sum(1).astype(np.int32)[None, None], order[None, None]
-
-
-def to_device(arrays, device: torch.device) -> list[torch.Tensor]:
-    """int32 arrays as tensors on `device`: on CUDA one pinned buffer, one asynchronous copy.
-
-    The copy runs on the current stream (an engine's copy stream when it prepares bins
-    ahead); the caching host allocator keeps the pinned buffer until the copy has run.
-    """
-    if device.type != "cuda":
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    starts = np.cumsum([0] + [-(-a.size // 16) * 16 for a in arrays])  # 64-byte aligned views
-    flat = np.zeros(starts[-1], dtype=np.int32)
-    for a, at in zip(arrays, starts):
-        flat[at:at + a.size] = a.ravel()
-    dev = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
-    return [dev[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]

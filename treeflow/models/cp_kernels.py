@@ -44,8 +44,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeflow.models.attention import (FLEX_RECOMPILE_LIMIT, block_tables_of, bucket,
-                                       compiled_flex, to_device)
+from treeflow.models.attention import bucket
+from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, block_tables_of, compiled_flex,
+                                       to_device)
 
 try:
     from torch._higher_order_ops.flex_attention import flex_attention as _flex_op
