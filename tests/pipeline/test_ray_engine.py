@@ -212,7 +212,10 @@ def test_cli_replay_engine_ray_writes_what_local_writes(ray_cluster, data, tmp_p
         assert summary["episodes"] == 12 and summary["compile_seconds"] == 0.0
         # the forward's torch threads and what set them: this process's, or rank 0's actor's
         threads = summary["threads"]
-        assert threads["torch"] == (torch.get_num_threads() if engine == "local" else 1), threads
+        # Ray: under rank_threads' SPARE_FROM free CPUs (the test cluster has RAY_CPUS) each of
+        # the 2 ranks keeps the local engine's share of the cores
+        want = torch.get_num_threads() if engine == "local" else max(1, (os.cpu_count() or 1) // 2)
+        assert threads["torch"] == want, threads
         assert threads["set_by"].startswith("RayEngine" if engine == "ray" else ("torch", "OMP"))
     assert outs["ray"].equals(outs["local"])
 

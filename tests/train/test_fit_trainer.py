@@ -31,6 +31,22 @@ def test_fit_trains_the_trainer_given_as_it_trains_its_own(tmp_path):
     assert [r["loss"] for r in given["rows"]] == [r["loss"] for r in own["rows"]]
 
 
+def test_fit_refuses_a_trainer_built_from_other_stages_and_keeps_its_hook(tmp_path, capsys):
+    pipe, source, forward, reduce = _setup(tmp_path)
+    other = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-3))
+    with pytest.raises(ValueError, match="Reduce"):
+        fit(pipe, source, steps=1, trainer=Trainer(forward, other, max_tokens=256))
+    with pytest.raises(ValueError, match="max_tokens"):
+        fit(pipe, source, steps=1, trainer=Trainer(forward, reduce, max_tokens=512))
+    trainer = Trainer(forward, reduce, max_tokens=256)
+    hook = trainer.on_bin = lambda done, total: None
+    fit(pipe, source, steps=1, trainer=trainer, progress=None)
+    assert trainer.on_bin is hook and trainer.steps == 1
+    again = fit(pipe, source, steps=1, trainer=trainer, progress=None)
+    assert again["nothing_to_do"] and trainer.steps == 1
+    assert "has taken 1 steps" in capsys.readouterr().err
+
+
 def test_fit_refuses_a_trainer_with_resume_options_or_a_remote_engine(tmp_path):
     pipe, source, forward, reduce = _setup(tmp_path)
     trainer = Trainer(forward, reduce, max_tokens=256)

@@ -26,13 +26,14 @@ def check_train(args) -> None:
     """Refuse impossible options before the queue or any model is started."""
     from treeflow.schemas.episode import expand_paths
 
+    training = _training(args)  # its own checks first (--max-staleness, --lease), as before
     if args.shard_params:
         raise ValueError("--shard-params: stream does not shard parameters (rank 0 publishes "
                          "the whole weights after every step); train sharded with replay "
                          "--num-ranks N")
     check_train_options(args, inputs=expand_paths(args.from_files) if args.from_files else [],
                         outputs=(("--publish-weights", args.publish_weights, True),))
-    _training(args).check_capacity(args.capacity, save_every=args.save_every if args.save else None)
+    training.check_capacity(args.capacity, save_every=args.save_every if args.save else None)
 
 
 def stream_train(args, queue) -> dict:

@@ -9,8 +9,8 @@ code, building guards, computing the cache keys (on an H200, 4.3 s of a warm
 once and saves dynamo's bytecode, its guards and the compiled graph (inductor's
 code bundled in) to one file; a later process only loads that file.
 
-Users: the layer parts (layer_ops.py) and the FlexAttention call (attention.py:
-`_flex_call`, the BlockMask built inside from its tables, so the arguments are
+Users: the layer parts (layer_ops.py) and the FlexAttention call
+(`flex_mask.precompiled_flex`, the BlockMask built inside from its tables, so the arguments are
 tensors and constants; on CPU with the eager backend, as flex's own eager path).
 
 `Precompiled(fn, backend=..., name=...)` stands in for

@@ -12,8 +12,9 @@ weights (`PublishWeights`, announced on the queue) and acknowledges.
 
 What comes back is plain values, because the launcher reads a rank's result
 weights-only: the step's metrics row, what the figures count of the episodes
-each phase received (ids, calls, generated tokens, masked tokens by reason),
-the refit round's generation KL, and whether this rank wrote weights.
+each phase received (ids, calls, generated tokens, masked tokens by reason; the
+trained round's on rank 0 only, which fit() hands the step's episodes), the
+refit round's generation KL, and whether this rank wrote weights.
 
 The trade-off: the producer stays in the calling process, so the ranks only
 attach to the queue by its address (an in-process queue cannot be shared);

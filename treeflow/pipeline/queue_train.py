@@ -202,6 +202,10 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
         os.makedirs(root, exist_ok=True)
     hold = bool(checkpointing.dir and checkpointing.every)
     own = training.lease == "per-rank" and world > 1  # every rank leases its own part
+    if own and training.num_ranks != world:
+        raise ValueError(f"QueueTraining(num_ranks={training.num_ranks}) with lease='per-rank' "
+                         f"but the data-parallel group has {world} ranks: each leases "
+                         "episodes_per_step / num_ranks episodes, so give num_ranks=dp.world")
     reads = lead or own   # this rank has a reader
     opened: dict = {}   # the reader rank 0 (own: every rank) opens at the checkpoint's position
 

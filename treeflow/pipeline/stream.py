@@ -1,7 +1,8 @@
 """A stream run: one consumer on a tensor queue, optionally fed by a producer of stored files.
 
     queue = open_queue(capacity=64)
-    summary = run_stream(queue, lambda q: score_queue(pipe, q, out, episodes_per_step=4),
+    source = QueueSource(episodes_per_step=4)
+    summary = run_stream(queue, lambda q: score_queue(pipe, q, source, out),
                          files=["episodes.arrow"], chunk=2)   # summary["queue"]: queue.stats()
 
 `run_stream` starts a `FilesProducer` thread when `files` are given (put_files at `rate`

@@ -148,7 +148,8 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     cap_steps: stop after `steps` windows (False: the source stops itself, as a queue reader
     after max_steps). progress: the progress bar's title (None: none). trainer: train this
     Trainer, which the caller keeps using afterwards (the local engine, no `resume`), instead
-    of building one from `trainer_options`.
+    of building one from `trainer_options`; `steps` counts its steps too (one that has taken
+    them trains nothing: `nothing_to_do`, said on stderr), and its `on_bin` hook is restored.
     Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
     "steady_seconds_per_step", "wall_seconds", "nothing_to_do", "checkpoint"}.
     """
@@ -185,6 +186,13 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         if resume is not None and resume.path is not None or trainer_options:
             raise ValueError("fit(trainer=...) trains the Trainer given: build it with its "
                              "options or resume it (Trainer.resume) before, not through fit()")
+        for what, its, plans in (("Forward", trainer.forward_config, plan.model),
+                                 ("Reduce", trainer.reduce, plan.accumulate),
+                                 ("max_tokens", trainer.max_tokens, plan.max_tokens)):
+            if its != plans:
+                raise ValueError(f"fit(trainer=...): the Trainer's {what} is {its!r}, the "
+                                 f"pipeline's {plans!r}; build the Trainer from the pipeline's "
+                                 "stages and bin budget")
     else:
         options = dict(trainer_options or {})
         if "dp" not in options:  # a rank of several runs on its DataParallel's device
@@ -202,6 +210,9 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
               (resumed or {}).get("checkpoint")}
     todo = None if steps is None else steps - done
     if todo is not None and todo <= 0:
+        if given:
+            note(f"fit(trainer=...): the Trainer has taken {done} steps, >= steps={steps}: "
+                 "nothing to do")
         report["nothing_to_do"] = True
         return report
     if trainer is not None:
@@ -213,6 +224,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     rows, said, seconds0 = report["rows"], set(), time.perf_counter()
     opened: list = []
     failed = True
+    caller_on_bin = trainer.on_bin if trainer is not None else None
     try:
         if lead:
             for sink in sinks:
@@ -262,7 +274,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         failed = False
     finally:
         if trainer is not None:
-            trainer.on_bin = None
+            trainer.on_bin = caller_on_bin
         if failed and op is not None:  # a failed run still completes the save in flight
             op.abort()
         for sink in opened:

@@ -95,6 +95,7 @@ class Trainer:
         self.dp = dp if dp is not None else DataParallel(device=str(device))
         self.forward_config = forward
         self.reduce = reduce
+        self.max_tokens = max_tokens
         self.precision = precision
         self.compute_dtype = DTYPES[forward.dtype]
         if self.dp.cp is not None and shard_params:
