@@ -1,10 +1,10 @@
-"""`train.launch.Launch`, as a Python user builds it: which process runs the work, and what a
+"""`train.launch_plan.Launch`, as a Python user builds it: which process runs the work, and what a
 tensor- or context-parallel split refuses before any process starts (the CLI builds the same
 object from its flags, cli/configs.py `launch`)."""
 
 import pytest
 
-from treeflow.train.launch import Launch
+from treeflow.train.launch_plan import Launch
 
 
 @pytest.fixture

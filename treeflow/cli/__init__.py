@@ -9,7 +9,7 @@
     options.py       argument groups shared by commands (model, training, RL, trackers, queue,
                      sampling)
     parallel.py      --tensor-parallel / --context-parallel: the flags (what they refuse and
-                     which processes run: train/launch.py `Launch`)
+                     which processes run: train/launch_plan.py `Launch`)
     configs.py       parsed flags -> the stage configs a Python user writes (Forward, Reduce,
                      each rank's Pack/Fragment/Shard and training pipeline, Files), fit()'s
                      options, the Launch; what the commands compute lives in the library

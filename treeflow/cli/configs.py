@@ -35,7 +35,7 @@ def forward(args, *, entropy: bool = False):
 def launch(args, *, train: bool):
     """Launch(...) from --num-ranks, --tensor-parallel, --context-parallel and what they need
     (--backend, --engine, --launcher, ...); refuses a split that cannot run, starting nothing."""
-    from treeflow.train.launch import Launch
+    from treeflow.train.launch_plan import Launch
 
     return Launch(train=train, num_ranks=args.num_ranks, tensor_parallel=args.tensor_parallel,
                   context_parallel=args.context_parallel, backend=args.backend,

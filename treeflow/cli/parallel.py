@@ -4,7 +4,7 @@ Tensor parallelism splits every weight of the model over T processes that run
 the same bins in lockstep (megatron-core's process groups; NCCL on GPUs, one
 GPU each, gloo on CPU). The CLI starts them the way it starts data-parallel
 ranks (treeflow.train.spawn, or torchrun's environment when it launched them):
-`train.launch.Launch` decides and refuses, this module holds the flags.
+`train.launch_plan.Launch` decides and refuses, this module holds the flags.
 In training, `--num-ranks D --tensor-parallel T` runs D x T processes: D
 data-parallel replicas, each one split over T consecutive processes (the
 tensor-parallel group); Shard plans D ranks, gradients are summed over the

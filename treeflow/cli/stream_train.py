@@ -41,7 +41,7 @@ def stream_train(args, queue) -> dict:
     if args.num_ranks == 1 or args.engine == "ray":  # Ray: the driver leads N rank actors
         return _stream_train(args, queue)
     from treeflow.pipeline.queue_train import merge_rank_summaries
-    from treeflow.train.launch import Launch
+    from treeflow.train.launch_plan import Launch
 
     if args.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS"):
         import ray  # the ranks join this process's cluster, where the queue lives

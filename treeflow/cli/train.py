@@ -7,7 +7,7 @@ This checks the flags, starts the ranks and prints: `--num-ranks N` processes sp
 --nproc-per-node N -m treeflow.cli replay ... --mode train --num-ranks N`, recognised by its
 environment); `--tensor-parallel T` / `--context-parallel C` make N x T / N x C of them;
 `--engine ray` runs N Ray rank actors from this process. Which of these, and what a split
-refuses, is `train.launch.Launch` (cli/parallel.py says why).
+refuses, is `train.launch_plan.Launch` (cli/parallel.py says why).
 """
 
 from __future__ import annotations

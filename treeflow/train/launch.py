@@ -1,9 +1,10 @@
 """The one launcher of ranks: spawned local processes, torchrun's environment, Ray actors.
 
 Every way treeflow starts the processes of a data-parallel (or tensor- or
-context-parallel) group lives here: `Launch` (which processes a replay or training run
-needs and what its split refuses; `here()`, `start(fn, *args)`), `spawn` (local
-processes), `torchrun_world` / `rank_of` (recognising processes torchrun or spawn started), `ray_ranks`
+context-parallel) group lives here (which processes a run needs, and what its split
+refuses, is `launch_plan.Launch`, which starts them through these): `spawn` (local
+processes; a port taken between `free_port` and rank 0's listen is tried again, at most 3
+times, said on stderr), `torchrun_world` / `rank_of` (recognising processes torchrun or spawn started), `ray_ranks`
 (the same rank function as a Ray actor group) and `rank_actors` / `rank_pool`
 (the Ray engines' long-lived rank actors). Each gives a rank torchrun's
 variables, so the rank function joins its group with `DataParallel.from_env`
@@ -44,11 +45,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
-__all__ = ["Launch", "free_port", "rank_actors", "rank_of", "rank_pool", "ray_ranks", "spawn",
+__all__ = ["free_port", "rank_actors", "rank_of", "rank_pool", "ray_ranks", "spawn",
            "thread_report", "torchrun_world"]
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
@@ -121,8 +122,32 @@ def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | 
         raise ValueError(f"ranks={ranks!r}: give an int >= 1")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // ranks)
+    for attempt in range(_PORT_ATTEMPTS):
+        port = free_port()
+        try:
+            return _spawn_once(fn, ranks, args, port, threads, timeout_s, mp, torch)
+        except _PortTaken:
+            # free_port's port was free when asked; another process bound it before rank 0's
+            # store listened on it (the group had not formed: no rank ran its work)
+            if attempt + 1 == _PORT_ATTEMPTS:
+                raise RuntimeError(f"rank 0 of {ranks} could not listen on a free port "
+                                   f"{_PORT_ATTEMPTS} times (other processes took each first)"
+                                   ) from None
+            print(f"treeflow: port {port} was taken before rank 0 listened on it; starting "
+                  f"the {ranks} ranks again on another port", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not listen on its port: someone bound it after free_port() chose it."""
+
+
+def _spawn_once(fn, ranks: int, args, port: int, threads: int, timeout_s, mp, torch) -> list:
     with tempfile.TemporaryDirectory(prefix="treeflow-ranks-") as out_dir:
-        ctx = mp.start_processes(_entry, args=(ranks, free_port(), out_dir, threads, fn, args),
+        ctx = mp.start_processes(_entry, args=(ranks, port, out_dir, threads, fn, args),
                                  nprocs=ranks, join=False, start_method="spawn")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -131,6 +156,8 @@ def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | 
                     raise TimeoutError(f"{ranks} ranks still running after {timeout_s} s; stopped")
         except mp.ProcessRaisedException as e:
             last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
+            if e.error_index == 0 and "EADDRINUSE" in last and f"port: {port}," in last:
+                raise _PortTaken() from None
             raise RuntimeError(f"rank {e.error_index} of {ranks} failed: {last}") from None
         except mp.ProcessExitedException as e:
             raise RuntimeError(f"rank {e.error_index} of {ranks} exited with code "
@@ -222,168 +249,3 @@ def rank_pool(ranks: int, *, in_flight: int | None = None):
     from ray.data import ActorPoolStrategy
 
     return ActorPoolStrategy(size=ranks, max_tasks_in_flight_per_actor=in_flight)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Launch:
-    """Which processes run a replay (`train=False`: logprobs) or a training run, and how.
-
-    Data-parallel ranks (`num_ranks`), each split over `tensor_parallel` (megatron backend)
-    or `context_parallel` (reference backend) processes: D x T or D x C processes in
-    training, T or C in logprobs mode (where --num-ranks sizes the Ray engine's forward
-    actors). Construction refuses, before any process starts, what the split cannot run with
-    (the backend, --shard-params, the Ray engine or launcher, the model's shape, the processes
-    torchrun started or the GPUs there are); the messages name the CLI's flags, which are
-    these fields' names. `here()` says whether this process runs the work itself, `start(fn,
-    *args)` starts the processes that do (spawned, or a Ray actor group with
-    `launcher="ray"`). The split's rules live in models/ (`check_tensor_parallel`) and
-    models/context_parallel.py; this holds which engine and launcher can start them.
-    """
-
-    train: bool
-    num_ranks: int = 1
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    backend: str = "reference"
-    engine: str = "local"
-    launcher: str = "spawn"
-    kernel: str = "auto"
-    shard_params: bool = False
-    device: str = "cpu"
-    model: str = "tiny"
-
-    def __post_init__(self) -> None:
-        self._check_tensor_parallel()
-        self._check_context_parallel()
-
-    @property
-    def split(self) -> int:
-        """Processes per model replica (T x C; one of them is 1)."""
-        return self.tensor_parallel * self.context_parallel
-
-    def here(self) -> bool:
-        """Whether this process runs the work itself (alone, as the Ray engine's driver, or as
-        one of the processes torchrun started) rather than starting processes for it."""
-        if not self.train:
-            return self._group() == 1 or torchrun_world() is not None
-        world = torchrun_world() if self.engine == "local" else None
-        if world is not None and self.split == 1 and self.num_ranks not in (1, world):
-            raise ValueError(f"--num-ranks {self.num_ranks} but torchrun started {world} "
-                             "processes; give the same number to both")
-        return world is not None or self.engine == "ray" or (
-            self.num_ranks == 1 and self.split == 1 and self.launcher == "spawn")
-
-    def distributed(self) -> bool:
-        """Whether the process that runs the work here is one of a group torchrun started."""
-        return self.engine == "local" and torchrun_world() is not None
-
-    def start(self, fn, *args) -> list:
-        """Run `fn(*args)` in every process of the run (when `here()` is False); each joins
-        its group with `DataParallel.from_env`. Their return values, in rank order."""
-        if not self.train or self.split > 1:
-            processes = self._group() if not self.train else self.num_ranks * self.split
-            from treeflow._clock import inherited
-
-            try:
-                with inherited():  # their wall_seconds count from the user's command
-                    return spawn(fn, processes, *args)
-            except RuntimeError as e:
-                raise ValueError(f"running over {processes} processes failed: {e}") from None
-        try:
-            if self.launcher == "ray":
-                return ray_ranks(fn, self.num_ranks, *args,
-                                 gpus_per_rank=1 if self.device.startswith("cuda") else 0)
-            return spawn(fn, self.num_ranks, *args)
-        except RuntimeError as e:
-            raise ValueError(f"training over {self.num_ranks} ranks failed: {e}") from None
-
-    def _group(self) -> int:
-        """Logprobs mode: the processes of the one replica (Ray's context-parallel actors are
-        the engine's, not started here)."""
-        return self.tensor_parallel if self.tensor_parallel > 1 else \
-            self.context_parallel if self.engine == "local" else 1
-
-    def _check_tensor_parallel(self) -> None:
-        tp = self.tensor_parallel
-        if not self._splits("--tensor-parallel", tp, backend="megatron",
-                            why=f"the {self.backend} backend runs whole on one device (use "
-                                "--num-ranks for data parallelism)"):
-            return
-        self._own_processes("--tensor-parallel", "tensor-parallel", tp)
-        if self.train and self.shard_params:
-            raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
-                             "megatron-core shards the weights itself; drop --shard-params")
-        from treeflow.models import ModelConfig, check_tensor_parallel
-        from treeflow.train.checkpoint import model_dir
-
-        config = ModelConfig.tiny() if self.model == "tiny" else ModelConfig.from_hf_dir(
-            model_dir(self.model))
-        check_tensor_parallel(config, tp)
-        if config.moe is not None and not str(self.device).startswith("cuda"):
-            raise ValueError(f"--tensor-parallel {tp} with {config.architecture} needs CUDA: "
-                             "megatron-core's MoE token dispatcher gathers the ranks' tokens on "
-                             "the current CUDA device; use --device cuda, or --tensor-parallel 1 "
-                             "on CPU")
-        self._process_count("--tensor-parallel", tp)
-
-    def _check_context_parallel(self) -> None:
-        cp = self.context_parallel
-        if not self._splits("--context-parallel", cp, backend="reference",
-                            why=f"the {self.backend} backend has no tree context parallelism yet"):
-            return
-        if self.tensor_parallel > 1:
-            raise ValueError(f"--context-parallel {cp} with --tensor-parallel "
-                             f"{self.tensor_parallel} is not supported yet: give one of them")
-        if self.kernel not in ("auto", "dense", "runs", "flex"):
-            raise ValueError(f"--context-parallel {cp} with --kernel {self.kernel}: a rank "
-                             "attends over its gathered keys with --kernel runs, dense or flex "
-                             "(auto: runs)")
-        if self.train and self.shard_params:
-            raise ValueError(f"--context-parallel {cp} with --shard-params is not supported "
-                             "yet: drop one of them")
-        if self.engine == "ray":  # C Ray actors per rank, --num-ranks ranks (pipeline/ray.py)
-            return
-        if self.train and self.launcher == "ray":
-            raise ValueError(f"--context-parallel {cp} with --launcher ray: give --engine ray to "
-                             "run each rank's processes as Ray actors, or --launcher spawn")
-        self._own_processes("--context-parallel", "context-parallel", cp)
-        self._process_count("--context-parallel", cp)
-
-    def _splits(self, flag: str, n: int, *, backend: str, why: str) -> bool:
-        """Whether `flag n` splits the model (n > 1); refused below 1 or off `backend`."""
-        if n < 1:
-            raise ValueError(f"{flag} {n}: give 1 or more processes")
-        if n == 1:
-            return False
-        if self.backend != backend:
-            raise ValueError(f"{flag} {n} needs --backend {backend}: {why}")
-        return True
-
-    def _own_processes(self, flag: str, kind: str, n: int) -> None:
-        """What every split that runs one model over n processes of its own refuses alike."""
-        if self.engine == "ray":
-            raise ValueError(f"{flag} {n} runs with --engine local only (each {kind} rank is a "
-                             "process of its own)")
-        if self.train and self.launcher == "ray":
-            raise ValueError(f"{flag} {n} starts its processes with --launcher spawn or under "
-                             "torchrun, not as a Ray actor group")
-        if not self.train and self.num_ranks > 1:
-            raise ValueError(f"--num-ranks {self.num_ranks} with {flag} {n} in logprobs mode: "
-                             "--num-ranks sizes the Ray engine's forward actors; give "
-                             "--num-ranks 1"
-                             + (" (or --engine ray)" if flag == "--context-parallel" else ""))
-
-    def _process_count(self, flag: str, n: int) -> None:
-        """n (x num_ranks in training) processes: what torchrun started, or GPUs enough."""
-        processes = n * (self.num_ranks if self.train else 1)
-        world = torchrun_world()
-        if world is not None and world != processes:
-            raise ValueError(f"torchrun started {world} processes but {flag} {n}"
-                             + (f" x --num-ranks {self.num_ranks}" if self.train else "")
-                             + f" needs {processes}; give matching numbers")
-        if world is None and self.device.startswith("cuda"):
-            import torch
-
-            if torch.cuda.device_count() < processes:
-                raise ValueError(f"{flag} {n} needs {processes} GPUs (one per process), this "
-                                 f"host has {torch.cuda.device_count()}")

@@ -1,0 +1,184 @@
+"""Which processes a command's run needs, checked before any starts: the CLI's launch decision.
+
+    launch = Launch(train=True, num_ranks=2, context_parallel=2, device="cpu")
+    results = [fn(*args)] if launch.here() else launch.start(fn, *args)
+
+`Launch` holds the rules of which engine and launcher can start a data-parallel run split over
+tensor- or context-parallel processes (the split's own rules live in models/), and starts them
+through the one launcher module, train/launch.py (spawned processes, torchrun's environment,
+Ray actors). The trade-off: the flags' names in its messages tie it to the CLI's vocabulary,
+which is also the fields' names a Python user gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treeflow.train.launch import ray_ranks, spawn, torchrun_world
+
+__all__ = ["Launch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """Which processes run a replay (`train=False`: logprobs) or a training run, and how.
+
+    Data-parallel ranks (`num_ranks`), each split over `tensor_parallel` (megatron backend)
+    or `context_parallel` (reference backend) processes: D x T or D x C processes in
+    training, T or C in logprobs mode (where --num-ranks sizes the Ray engine's forward
+    actors). Construction refuses, before any process starts, what the split cannot run with
+    (the backend, --shard-params, the Ray engine or launcher, the model's shape, the processes
+    torchrun started or the GPUs there are); the messages name the CLI's flags, which are
+    these fields' names. `here()` says whether this process runs the work itself, `start(fn,
+    *args)` starts the processes that do (spawned, or a Ray actor group with
+    `launcher="ray"`). The split's rules live in models/ (`check_tensor_parallel`) and
+    models/context_parallel.py; this holds which engine and launcher can start them.
+    """
+
+    train: bool
+    num_ranks: int = 1
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    backend: str = "reference"
+    engine: str = "local"
+    launcher: str = "spawn"
+    kernel: str = "auto"
+    shard_params: bool = False
+    device: str = "cpu"
+    model: str = "tiny"
+
+    def __post_init__(self) -> None:
+        self._check_tensor_parallel()
+        self._check_context_parallel()
+
+    @property
+    def split(self) -> int:
+        """Processes per model replica (T x C; one of them is 1)."""
+        return self.tensor_parallel * self.context_parallel
+
+    def here(self) -> bool:
+        """Whether this process runs the work itself (alone, as the Ray engine's driver, or as
+        one of the processes torchrun started) rather than starting processes for it."""
+        if not self.train:
+            return self._group() == 1 or torchrun_world() is not None
+        world = torchrun_world() if self.engine == "local" else None
+        if world is not None and self.split == 1 and self.num_ranks not in (1, world):
+            raise ValueError(f"--num-ranks {self.num_ranks} but torchrun started {world} "
+                             "processes; give the same number to both")
+        return world is not None or self.engine == "ray" or (
+            self.num_ranks == 1 and self.split == 1 and self.launcher == "spawn")
+
+    def distributed(self) -> bool:
+        """Whether the process that runs the work here is one of a group torchrun started."""
+        return self.engine == "local" and torchrun_world() is not None
+
+    def start(self, fn, *args) -> list:
+        """Run `fn(*args)` in every process of the run (when `here()` is False); each joins
+        its group with `DataParallel.from_env`. Their return values, in rank order."""
+        if not self.train or self.split > 1:
+            processes = self._group() if not self.train else self.num_ranks * self.split
+            from treeflow._clock import inherited
+
+            try:
+                with inherited():  # their wall_seconds count from the user's command
+                    return spawn(fn, processes, *args)
+            except RuntimeError as e:
+                raise ValueError(f"running over {processes} processes failed: {e}") from None
+        try:
+            if self.launcher == "ray":
+                return ray_ranks(fn, self.num_ranks, *args,
+                                 gpus_per_rank=1 if self.device.startswith("cuda") else 0)
+            return spawn(fn, self.num_ranks, *args)
+        except RuntimeError as e:
+            raise ValueError(f"training over {self.num_ranks} ranks failed: {e}") from None
+
+    def _group(self) -> int:
+        """Logprobs mode: the processes of the one replica (Ray's context-parallel actors are
+        the engine's, not started here)."""
+        return self.tensor_parallel if self.tensor_parallel > 1 else \
+            self.context_parallel if self.engine == "local" else 1
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel
+        if not self._splits("--tensor-parallel", tp, backend="megatron",
+                            why=f"the {self.backend} backend runs whole on one device (use "
+                                "--num-ranks for data parallelism)"):
+            return
+        self._own_processes("--tensor-parallel", "tensor-parallel", tp)
+        if self.train and self.shard_params:
+            raise ValueError(f"--tensor-parallel {tp} with --shard-params is not supported: "
+                             "megatron-core shards the weights itself; drop --shard-params")
+        from treeflow.models import ModelConfig, check_tensor_parallel
+        from treeflow.train.checkpoint import model_dir
+
+        config = ModelConfig.tiny() if self.model == "tiny" else ModelConfig.from_hf_dir(
+            model_dir(self.model))
+        check_tensor_parallel(config, tp)
+        if config.moe is not None and not str(self.device).startswith("cuda"):
+            raise ValueError(f"--tensor-parallel {tp} with {config.architecture} needs CUDA: "
+                             "megatron-core's MoE token dispatcher gathers the ranks' tokens on "
+                             "the current CUDA device; use --device cuda, or --tensor-parallel 1 "
+                             "on CPU")
+        self._process_count("--tensor-parallel", tp)
+
+    def _check_context_parallel(self) -> None:
+        cp = self.context_parallel
+        if not self._splits("--context-parallel", cp, backend="reference",
+                            why=f"the {self.backend} backend has no tree context parallelism yet"):
+            return
+        if self.tensor_parallel > 1:
+            raise ValueError(f"--context-parallel {cp} with --tensor-parallel "
+                             f"{self.tensor_parallel} is not supported yet: give one of them")
+        if self.kernel not in ("auto", "dense", "runs", "flex"):
+            raise ValueError(f"--context-parallel {cp} with --kernel {self.kernel}: a rank "
+                             "attends over its gathered keys with --kernel runs, dense or flex "
+                             "(auto: runs)")
+        if self.train and self.shard_params:
+            raise ValueError(f"--context-parallel {cp} with --shard-params is not supported "
+                             "yet: drop one of them")
+        if self.engine == "ray":  # C Ray actors per rank, --num-ranks ranks (pipeline/ray.py)
+            return
+        if self.train and self.launcher == "ray":
+            raise ValueError(f"--context-parallel {cp} with --launcher ray: give --engine ray to "
+                             "run each rank's processes as Ray actors, or --launcher spawn")
+        self._own_processes("--context-parallel", "context-parallel", cp)
+        self._process_count("--context-parallel", cp)
+
+    def _splits(self, flag: str, n: int, *, backend: str, why: str) -> bool:
+        """Whether `flag n` splits the model (n > 1); refused below 1 or off `backend`."""
+        if n < 1:
+            raise ValueError(f"{flag} {n}: give 1 or more processes")
+        if n == 1:
+            return False
+        if self.backend != backend:
+            raise ValueError(f"{flag} {n} needs --backend {backend}: {why}")
+        return True
+
+    def _own_processes(self, flag: str, kind: str, n: int) -> None:
+        """What every split that runs one model over n processes of its own refuses alike."""
+        if self.engine == "ray":
+            raise ValueError(f"{flag} {n} runs with --engine local only (each {kind} rank is a "
+                             "process of its own)")
+        if self.train and self.launcher == "ray":
+            raise ValueError(f"{flag} {n} starts its processes with --launcher spawn or under "
+                             "torchrun, not as a Ray actor group")
+        if not self.train and self.num_ranks > 1:
+            raise ValueError(f"--num-ranks {self.num_ranks} with {flag} {n} in logprobs mode: "
+                             "--num-ranks sizes the Ray engine's forward actors; give "
+                             "--num-ranks 1"
+                             + (" (or --engine ray)" if flag == "--context-parallel" else ""))
+
+    def _process_count(self, flag: str, n: int) -> None:
+        """n (x num_ranks in training) processes: what torchrun started, or GPUs enough."""
+        processes = n * (self.num_ranks if self.train else 1)
+        world = torchrun_world()
+        if world is not None and world != processes:
+            raise ValueError(f"torchrun started {world} processes but {flag} {n}"
+                             + (f" x --num-ranks {self.num_ranks}" if self.train else "")
+                             + f" needs {processes}; give matching numbers")
+        if world is None and self.device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < processes:
+                raise ValueError(f"{flag} {n} needs {processes} GPUs (one per process), this "
+                                 f"host has {torch.cuda.device_count()}")
