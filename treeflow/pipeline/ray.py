@@ -188,9 +188,9 @@ class RayEngine:
         if self.state is None:
             cuda = self.device.startswith("cuda")
             self.groups = groups(self.ranks, self.cp, training=self.plan.fused)
-            self.pids = self._get(form(self.ray, self.actors, self.groups, cuda))
+            self.pids = self.get(form(self.ray, self.actors, self.groups, cuda))
             # what each rank runs with, as the local engine's process reports its own
-            reports = self._get([a.threads.remote(self.threads_set_by) for a in self.actors])
+            reports = self.get([a.threads.remote(self.threads_set_by) for a in self.actors])
             self.state = {"load_seconds": time.perf_counter() - self._t0, "threads": reports[0]}
         return self.state
 
@@ -215,7 +215,8 @@ class RayEngine:
             self.ray.kill(actor)
         self.actors, self.state = [], None
 
-    def _get(self, refs):
+    def get(self, refs):
+        """ray.get(refs), a failed actor call raised as its own exception."""
         ray = self.ray
         try:
             return ray.get(refs)

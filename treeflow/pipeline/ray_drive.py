@@ -97,7 +97,7 @@ class Driver:
                     if e.plan.fused and next_w in self.open_:
                         self._dispatch(next_w)  # the caller took the step before: its turn
             if e.plan.fused:  # the checkpoints due and the final one, every rank together
-                self.e._get([a.close.remote() for a in e.actors])
+                self.e.get([a.close.remote() for a in e.actors])
         finally:
             self.items.close()
 

@@ -125,7 +125,7 @@ def _end_queue(queue, thread, ok: bool, linger: float, log) -> None:
             held = 0
         keep = held or None
     if keep:
-        pid = getattr(getattr(queue, "_owner", None), "pid", None)
+        pid = getattr(queue, "server_pid", None)  # a TransferQueue client has none
         log(f"note: {queue.name} still holds {keep} episodes; it keeps serving for the next "
             f"consumer (`treeflow stream --queue {queue.address} ...`, `--resume` to continue)"
             + (f"; stop it with `kill {pid}`" if pid else ""))

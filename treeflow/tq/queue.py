@@ -276,6 +276,11 @@ class Queue:
         """Whether this client started the queue's server or actor (and shutdown() stops it)."""
         return self._owner is not None
 
+    @property
+    def server_pid(self) -> int | None:
+        """The process of the server this client started (None: attached, or an actor)."""
+        return getattr(self._owner, "pid", None)
+
     def shutdown(self) -> None:
         """Stop the server or actor this client started (attached clients stop nothing)."""
         if self._beat is not None:
