@@ -233,6 +233,7 @@ def test_a_terminated_consumer_exits_143_and_leaves_the_rest_queued(tmp_path):
         assert proc.returncode == 143, err.decode()[-2000:]
         # before: the consumer shut its server down on the way out, and the rest was lost
         assert "keeps serving" in err.decode()
+        assert f"stop it with `kill {_server_pid(sock)}`" in err.decode()   # the server, by /proc
         q.close(producer="p")
         again = _stream(sock, out, "--resume", out, "--lease-seconds", "5")
         _, err = again.communicate(timeout=300)
