@@ -292,7 +292,7 @@ def test_flex_tiles_and_kernel_options_keep_the_tree_attention():
                            "BLOCK_M": 64, "BLOCK_N": 32})):
             backend = ReferenceBackend(model, tuning=tuning)
             plan = backend.attention_plan(parents, end, kernel="flex")
-            assert plan._block_mask.BLOCK_SIZE == (tuning.flex_block_size,) * 2
+            assert plan._mask.block_mask.BLOCK_SIZE == (tuning.flex_block_size,) * 2
             torch.testing.assert_close(backend.hidden_states(toks, pos, plan), dense, atol=2e-5,
                                        rtol=0)
 

@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from treeflow.models import precompiled
-from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, compiled_flex,
-                                       flex_api, mask_entry, precompiled_flex, to_device)
+from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, compiled_flex, flex_api,
+                                       flex_present, mask_entry, precompiled_flex, to_device)
 from treeflow.models.runs import AncestorRuns
 from treeflow.tree import ancestor_mask
 
@@ -88,7 +88,7 @@ class Capabilities:
             raise ValueError("kernel 'causal' runs chain-only bins, but this bin branches (a node "
                              "has two or more children); use kernel 'flex', 'dense' or 'auto'")
         if kernel == "flex":
-            if flex_api()[1] is None:
+            if not flex_present():
                 raise ValueError(f"torch {torch.__version__} has no flex_attention (needs "
                                  ">= 2.5); use kernel 'dense'")
             if device.type not in ("cpu", "cuda"):
@@ -160,8 +160,7 @@ class AttentionPlan:
             self._kernel_options = dict(kernel_options) if kernel_options else None
             self._padded = bucket(n, block_size, pad_to)
             self._block_size = block_size
-            self._tables, self._block_mask = mask_entry(end_N, self._padded, block_size,
-                                                         self.device)
+            self._mask = mask_entry(end_N, self._padded, block_size, self.device)
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
@@ -199,27 +198,27 @@ class AttentionPlan:
         if cuda and q_NQD.shape[-1] < 16:
             raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
                              f"{q_NQD.shape[-1]}; use kernel 'dense'")
-        if precompiled.available() is None:
+        if precompiled.api_present():
             # the whole call, BlockMask built inside from its tables, saved in the compile
             # cache: a later process loads it instead of tracing flex again (flex's eager
-            # path on CPU runs dynamo too, with the eager backend: the same here)
-            with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-                out = precompiled_flex("inductor" if cuda else "eager")(
-                    to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._tables,
-                    self._block_size, self._kernel_options)
+            # path on CPU runs dynamo too, with the eager backend: the same here); without
+            # grad on CUDA an AOTInductor graph, loaded with no dynamo in the process
+            out = precompiled_flex("inductor" if cuda else "eager")(
+                to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._mask.tables,
+                self._block_size, self._kernel_options)
         elif cuda:
             # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
             # flex would silently fall back to the unfused kernel that materialises the
             # [L, L] scores; give it room for every bucket instead
             with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
                 out = compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
-                                       block_mask=self._block_mask, enable_gqa=True,
+                                       block_mask=self._mask.block_mask, enable_gqa=True,
                                        kernel_options=self._kernel_options)
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
                 out = flex_api()[1](to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
-                                     block_mask=self._block_mask, enable_gqa=True,
+                                     block_mask=self._mask.block_mask, enable_gqa=True,
                                      kernel_options=self._kernel_options)
         return out[0].transpose(0, 1)[: self.num_tokens]
 

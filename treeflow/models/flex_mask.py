@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import threading
 from collections import OrderedDict
 
@@ -21,8 +22,14 @@ import torch
 
 from treeflow.models import precompiled
 
-__all__ = ["FLEX_RECOMPILE_LIMIT", "block_mask_of", "block_tables_of", "compiled_flex", "flex_api",
-           "mask_entry", "precompiled_flex", "to_device"]
+__all__ = ["FLEX_RECOMPILE_LIMIT", "MaskEntry", "block_mask_of", "block_tables_of", "compiled_flex",
+           "flex_api", "flex_present", "mask_entry", "precompiled_flex", "to_device"]
+
+
+@functools.cache
+def flex_present() -> bool:
+    """Whether this torch has flex_attention (>= 2.5), found without importing it."""
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 @functools.cache
@@ -70,7 +77,8 @@ def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i
 def precompiled_flex(backend: str):
     """`_flex_call` compiled with `backend` (inductor on CUDA; eager on CPU, as flex's own eager
     path), one variant per padded length, saved whole in the compile cache."""
-    return precompiled.Precompiled(_flex_call, backend=backend, name=f"flex_attention_{backend}")
+    return precompiled.Precompiled(_flex_call, backend=backend, name=f"flex_attention_{backend}",
+                                   recompile_limit=FLEX_RECOMPILE_LIMIT)
 
 
 class _LRU:
@@ -95,12 +103,34 @@ _BLOCK_MASKS = _LRU(capacity=32)
 
 def block_mask_of(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
     """BlockMask over `padded` tokens; padding tokens attend only to themselves."""
-    return mask_entry(end_N, padded, block_size, device)[1]
+    return mask_entry(end_N, padded, block_size, device).block_mask
+
+
+class MaskEntry:
+    """A tree's flex mask: `tables` (the padded subtree_end and the eight block tables, in
+    `_flex_call`'s order) and `block_mask`, the BlockMask over them, made on first use
+    (importing BlockMask imports dynamo, which the precompiled call never needs)."""
+
+    def __init__(self, tables, padded: int, block_size: int) -> None:
+        self.tables, self.padded, self.block_size = tables, padded, block_size
+
+    @functools.cached_property
+    def block_mask(self):
+        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = self.tables
+
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < end_t[kv])
+
+        padded, block = self.padded, self.block_size
+        return flex_api()[0](
+            seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
+            full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
+            full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block, block),
+            mask_mod=mask_mod)
 
 
 def mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
-    """(tables, BlockMask) over `padded` tokens; tables: the padded subtree_end and the eight
-    block tables, in `_flex_call`'s order.
+    """The MaskEntry over `padded` tokens.
 
     The block tables come straight from `subtree_end` in O((L / block)^2) numpy,
     not from evaluating the mask per token pair (`create_block_mask`, which on
@@ -124,17 +154,7 @@ def mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.de
         # vmapped torch ops, Python-heavy work that competes with kernel launches for the GIL
         parts = (end_L, *block_tables_of(partial_BB), *block_tables_of(full_BB),
                  *block_tables_of(partial_BB.T), *block_tables_of(full_BB.T))
-        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = to_device(parts, device)
-
-        def mask_mod(b, h, q, kv):
-            return (kv <= q) & (q < end_t[kv])
-
-        tables = (end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i)
-        return tables, flex_api()[0](
-            seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
-            full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
-            full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
-            mask_mod=mask_mod)
+        return MaskEntry(tuple(to_device(parts, device)), padded, block_size)
 
     return _BLOCK_MASKS.get_or_make(key, make)
 

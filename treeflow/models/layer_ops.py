@@ -48,10 +48,13 @@ class LayerOps:
         parts = (_attention_inputs, _attention_output, _mlp_block, _after_attention)
         # the tensor arguments whose first dimension is the token count (dynamic)
         tokens = ((1, 2, 3), (1, 2), (1,), (1, 2))
-        self.precompiled = compile_backend is not None and precompiled.available() is None
+        # read without importing dynamo: a process that loads every graph ahead of time never
+        # imports it (aoti.py)
+        self.precompiled = compile_backend is not None and precompiled.api_present()
         if self.precompiled:  # saved whole in the compile cache: a later process loads them
             parts = tuple(precompiled.Precompiled(f, backend=compile_backend, name=f.__name__[1:],
-                                                  dynamic=d) for f, d in zip(parts, tokens))
+                                                  dynamic=d, recompile_limit=_RECOMPILE_LIMIT)
+                          for f, d in zip(parts, tokens))
         elif compile_backend is not None:
             parts = tuple(torch.compile(f, backend=compile_backend, dynamic=None, fullgraph=True)
                           for f in parts)
@@ -64,27 +67,31 @@ class LayerOps:
         return f"LayerOps(compile_backend={self.compile_backend!r}, recompute={self.recompute!r})"
 
     def __call__(self, layer, x_NH, cos_ND, sin_ND, attention, moe=None):
-        grad = torch.is_grad_enabled()
-        mark = self.compile_backend is not None and not self.precompiled  # Precompiled marks
-        if mark:
+        if self.compile_backend is not None and not self.precompiled:  # Precompiled marks
             for t in (x_NH, cos_ND, sin_ND):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            if self._fuse and moe is None:
-                out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
-                if mark:
-                    torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
-                return self._after(layer, x_NH, out_NQD)
-            if grad and self.recompute == "layer":
-                return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe)
-            if grad and self.recompute == "attention":
-                x_NH = _checkpoint(self._attention, layer, x_NH, cos_ND, sin_ND, attention)
-            else:
-                x_NH = self._attention(layer, x_NH, cos_ND, sin_ND, attention)
-            mlp = self._mlp if moe is None else _moe_block  # expert routing is data-dependent: eager
-            if grad and self.recompute == "mlp":
-                return _checkpoint(mlp, layer, x_NH, *(() if moe is None else (moe,)))
-            return mlp(layer, x_NH, *(() if moe is None else (moe,)))
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return self._run(layer, x_NH, cos_ND, sin_ND, attention, moe)
+        return self._run(layer, x_NH, cos_ND, sin_ND, attention, moe)
+
+    def _run(self, layer, x_NH, cos_ND, sin_ND, attention, moe):
+        grad = torch.is_grad_enabled()
+        mark = self.compile_backend is not None and not self.precompiled
+        if self._fuse and moe is None:
+            out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
+            if mark:
+                torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
+            return self._after(layer, x_NH, out_NQD)
+        if grad and self.recompute == "layer":
+            return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe)
+        if grad and self.recompute == "attention":
+            x_NH = _checkpoint(self._attention, layer, x_NH, cos_ND, sin_ND, attention)
+        else:
+            x_NH = self._attention(layer, x_NH, cos_ND, sin_ND, attention)
+        mlp = self._mlp if moe is None else _moe_block  # expert routing is data-dependent: eager
+        if grad and self.recompute == "mlp":
+            return _checkpoint(mlp, layer, x_NH, *(() if moe is None else (moe,)))
+        return mlp(layer, x_NH, *(() if moe is None else (moe,)))
 
     def _attention(self, layer, x_NH, cos_ND, sin_ND, attention):
         out_NQD = attention(*self._inputs(layer, x_NH, cos_ND, sin_ND))
@@ -129,7 +136,10 @@ def layer_ops(tuning, device: torch.device) -> LayerOps | None:
     if backend == "inductor" and torch.device(device).type != "cuda":
         _warn_eager(torch.device(device).type)
         backend = None
-    if backend is not None and not torch._dynamo.is_dynamo_supported():
+    # (Precompiled checks dynamo's support where it falls back to torch.compile: importing
+    # dynamo here would cost a process that loads every graph ahead of time 1.2 s)
+    if backend is not None and not precompiled.api_present() \
+            and not torch._dynamo.is_dynamo_supported():
         _warn_unsupported()
         backend = None
     if backend is None and tuning.recompute == "none":

@@ -34,6 +34,10 @@ others cannot write it (checked on the open file): the same trust as torch's
 inductor cache in that directory, whose generated code the process imports and
 runs anyway. With the cache off nothing is saved or loaded.
 
+A call without grad with the inductor backend on CUDA takes another route, aoti.py: the
+function exported and built by AOTInductor, which a later process loads with no dynamo and no
+inductor imported (their imports were most of a warm replay's compile seconds).
+
 Where the API is missing, the cache is off, or capture, save or load fails,
 the function runs through plain `torch.compile` (dynamo traces it in every
 process, its caches still hit) and stderr says so once. Trade-off: one file per
@@ -57,13 +61,20 @@ import weakref
 import torch
 
 from treeflow import atomic, compile_cache
+from treeflow.models import aoti
 
-__all__ = ["Precompiled", "available", "stats"]
+__all__ = ["Precompiled", "api_present", "available", "module_spec", "stats"]
 
 _FORMAT = 1
 _SUBDIR = "precompiled"
 # where torch._dynamo.maybe_mark_dynamic keeps its marks on a tensor
 _MARKS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
+
+
+def api_present() -> bool:
+    """Whether this torch has the precompile API, read without importing dynamo (available()
+    imports it to be sure)."""
+    return hasattr(torch.compiler, "load_compiled_function")
 
 
 def available() -> str | None:
@@ -86,19 +97,31 @@ class Precompiled:
     """
 
     def __init__(self, fn, *, backend: str, name: str,
-                 dynamic: tuple[int, ...] | None = None) -> None:
+                 dynamic: tuple[int, ...] | None = None, recompile_limit: int | None = None,
+                 ahead_of_time: bool | None = None) -> None:
         self.fn, self.backend, self.name, self.dynamic = fn, backend, name, dynamic
+        self.recompile_limit = recompile_limit  # dynamo's, for the torch.compile fallback
+        # calls without grad as AOTInductor graphs (aoti.py): None = on CUDA (where inductor
+        # compiles treeflow's graphs), True = on any device (the CPU tests), False = never
+        self.ahead_of_time = ahead_of_time
         self._fallback = None  # the torch.compile'd fn, made on first need
         self._variants: dict = {}  # compile cache directory -> the variants from it
+        self._graphs: dict = {}  # compile cache directory -> {call signature: aoti graph | None}
         self._off: set = set()  # cache directories (None: off) this fn runs torch.compile for
         self._lock = threading.Lock()
         self.loaded = self.captured = 0  # variants this process loaded / captured and saved
+        self.aoti_loaded = self.aoti_captured = 0  # the same for AOTInductor graphs
         _ALL.add(self)
 
     def __repr__(self) -> str:
         return f"Precompiled({self.name}, backend={self.backend!r})"
 
     def __call__(self, *args, **kwargs):
+        if self.backend == "inductor" and self.ahead_of_time is not False \
+                and not torch.is_grad_enabled():
+            graph = self._graph(args, kwargs)
+            if graph is not None:
+                return graph(args, kwargs)
         # a variant serves the cache it came from (a command of its own in this process, as
         # the tests run them, gets what a fresh process would)
         for variant in self._variants.get(compile_cache._active, ()):
@@ -110,14 +133,61 @@ class Precompiled:
             self._off.add(where)  # said why on stderr; torch.compile (dynamo's guards) from now
             for i in self.dynamic or ():
                 torch._dynamo.maybe_mark_dynamic(args[i], 0)
-            return self.fallback()(*args, **kwargs)
+            if self.recompile_limit is None:
+                return self.fallback()(*args, **kwargs)
+            with torch._dynamo.config.patch(recompile_limit=self.recompile_limit):
+                return self.fallback()(*args, **kwargs)
         return variant.fn(*args, **kwargs)
 
     def fallback(self):
         if self._fallback is None:
-            self._fallback = torch.compile(self.fn, backend=self.backend, fullgraph=True,
-                                           dynamic=None if self.dynamic is not None else False)
+            if not torch._dynamo.is_dynamo_supported():
+                _say_once(f"precompiled {self.name}: torch.compile is not supported with this "
+                          f"Python/torch ({torch.__version__}); it runs eager")
+                self._fallback = self.fn
+            else:
+                self._fallback = torch.compile(self.fn, backend=self.backend, fullgraph=True,
+                                               dynamic=None if self.dynamic is not None else False)
         return self._fallback
+
+    def _graph(self, args, kwargs):
+        """The AOTInductor graph for this call (aoti.py), loaded or built; None: not for it."""
+        where = compile_cache._active
+        if where is None:  # the cache is off: nothing saved or loaded, torch.compile below
+            return None
+        graphs = self._graphs.setdefault(where, {})
+        sig = aoti.signature(args, kwargs, set(self.dynamic or ()), module_spec)
+        if sig is None:
+            return None
+        if sig in graphs:
+            return graphs[sig]
+        device = aoti.device_index(args, kwargs)
+        if (self.ahead_of_time is None and device < 0) or any(
+                torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+            graphs[sig] = None  # CPU by default, or autocast (export would bake its casts)
+            return None
+        key = {**self._key(args, kwargs), "format": f"aoti-{_FORMAT}"}
+        package, key_file = aoti.paths(compile_cache.active_dir(_SUBDIR),
+                                       f"{self.name}-{_digest(key)}")
+        with self._lock:
+            graph = None
+            if os.path.exists(key_file):
+                try:
+                    graph = aoti.load(package, key_file, key, device)
+                    self.aoti_loaded += 1
+                except Exception as e:  # not the user's own, another key, a torch that
+                    _say(f"precompiled {self.name}: {package} not loaded ({type(e).__name__}: "
+                         f"{str(e)[:200]}); compiling it again")  # cannot read it
+            if graph is None:
+                try:
+                    graph = aoti.capture(self.fn, args, kwargs, dynamic=set(self.dynamic or ()),
+                                         package=package, key_file=key_file, key=key)
+                    self.aoti_captured += 1
+                except Exception as e:  # export or AOTInductor could not take it: say so
+                    _say(f"precompiled {self.name}: compiling it ahead of time failed "
+                         f"({type(e).__name__}: {str(e)[:200]}); it runs through dynamo")
+            graphs[sig] = graph
+        return graph
 
     def _variant(self, args, kwargs):
         """The variant for these arguments, loaded or captured and saved; None: torch.compile."""
@@ -221,12 +291,16 @@ _ALL: weakref.WeakSet = weakref.WeakSet()
 
 
 def stats() -> dict:
-    """{function: {"loaded", "captured", "torch_compile"}} over this process's Precompiled."""
+    """{function: {"loaded", "captured", "torch_compile", "aoti_loaded", "aoti_captured"}} over
+    this process's Precompiled."""
     out: dict = {}
     for p in list(_ALL):
-        row = out.setdefault(p.name, {"loaded": 0, "captured": 0, "torch_compile": False})
+        row = out.setdefault(p.name, {"loaded": 0, "captured": 0, "torch_compile": False,
+                                      "aoti_loaded": 0, "aoti_captured": 0})
         row["loaded"] += p.loaded
         row["captured"] += p.captured
+        row["aoti_loaded"] += p.aoti_loaded
+        row["aoti_captured"] += p.aoti_captured
         row["torch_compile"] |= bool(p._off)
     return out
 
@@ -277,7 +351,7 @@ def _spec(value, dynamic: bool):
         return {"tensor": str(value.dtype), "device": value.device.type, "shape": shape,
                 "stride": layout, "grad": value.requires_grad}
     if isinstance(value, torch.nn.Module):
-        return _module_spec(value)
+        return module_spec(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
@@ -296,7 +370,8 @@ def _spec(value, dynamic: bool):
             **{k: _spec(v, False) for k, v in sorted(state.items()) if not k.startswith("__")}}
 
 
-def _module_spec(module: torch.nn.Module) -> dict:
+def module_spec(module: torch.nn.Module) -> dict:
+    """A module's structure: per submodule its type, constant attributes and tensors' specs."""
     spec = {}
     for prefix, m in module.named_modules():
         consts = {k: v for k, v in sorted(vars(m).items())
