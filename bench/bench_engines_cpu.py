@@ -22,7 +22,8 @@ code imports, and the engine's start -- the local engine's model load, the
 Ray engine's `ray.init`; the tiny model compiles nothing), on its
 `wall_seconds`, and on the whole process (imports included). The goal (Ray
 overhead <= 5% of wall time) is read on steady seconds of `ray_attached`;
-the cold-start numbers say what starting a cluster costs on top.
+the cold-start numbers say what starting a cluster costs on top. `first_window`: seconds
+from the process's start to the first window's results (the CLI's `phases`).
 
 CPU: the user + system seconds of every process of the run, sampled from /proc
 every 0.1 s, by role (`cli`, `ray::RankActor`, `stage_actor:Fragment`, Ray's
@@ -293,6 +294,10 @@ def main() -> None:
             ("startup", lambda r: r["cli"]["startup_seconds"]),
             ("process", lambda r: r["process_seconds"]))}
         for m, rs in runs.items() if rs}
+    for m, rs in runs.items():  # seconds from process start to the first window's results
+        first = [r["cli"].get("phases", {}).get("first_window") for r in rs]
+        if rs and None not in first:  # (a CLI from before the phase existed has none)
+            result["median_seconds"][m]["first_window"] = round(statistics.median(first), 3)
     result["ray_overhead"] = {
         m: {"steady": _overhead(runs, m, lambda r: r["cli"]["steady_seconds"]),
             "wall": _overhead(runs, m, lambda r: r["cli"]["wall_seconds"]),

@@ -179,3 +179,38 @@ def test_entry_does_not_wait_for_inductors_compile_workers(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "handler ran" in out.stdout and "waited for workers" not in out.stdout, out.stdout
+
+
+@pytest.mark.ray
+def test_ray_replay_asks_for_its_rank_actors_before_the_driver_imports_torch(tmp_path,
+                                                                           ray_cluster):
+    """`replay --engine ray` reaches its rank actors without torch (about 1 s to import, which
+    their own start, torch and model build then overlap); the driver imports it after, for
+    the ranks' threads, and its first window is in the summary's phases."""
+    import os
+
+    _synth(tmp_path / "e.arrow", episodes=8)
+    probe = textwrap.dedent("""
+        import json, sys
+        import treeflow.train.launch as launch
+        asked, seen = launch.rank_actors, []
+        def rank_actors(*a, **k):
+            seen.append(sorted(m for m in ("torch", "ray.data") if m in sys.modules))
+            return asked(*a, **k)
+        launch.rank_actors = rank_actors
+        from treeflow.cli import main
+        rc = main(sys.argv[1:])
+        print("SEEN=" + json.dumps(seen))
+        sys.exit(rc or 0)
+    """)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    out = subprocess.run([sys.executable, "-c", probe, "replay", "e.arrow", "--model", "tiny",
+                          "--engine", "ray", "--episodes-per-step", "4", "-o", "lp.arrow",
+                          "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[-1].removeprefix("SEEN=")) == [[]], lines[-1]
+    phases = json.loads(lines[-2])["phases"]
+    assert phases["engine"] <= phases["first_window"] <= phases["done"], phases

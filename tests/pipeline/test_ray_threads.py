@@ -73,3 +73,48 @@ def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(ray_cluster, data
         "set_by"], got
     if "OMP_NUM_THREADS" not in os.environ:  # Ray sets it from the CPUs the actor was given
         assert got["env"]["OMP_NUM_THREADS"] == str(max(1, int(engine.rank_cpus))), got
+
+
+@pytest.mark.ray
+def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_cluster, data,
+                                                                       monkeypatch):
+    """The rank actors are asked for before the driver imports torch, on a guess of its thread
+    count (pipeline/ray.py `torch_threads_guess`); where torch counts otherwise (a
+    hyperthreaded host) they are asked for again, so a rank runs what it ran before."""
+    import treeflow.pipeline.ray as ray_engine
+
+    monkeypatch.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
+                    Reassemble())
+    free = ray_cluster.available_resources().get("CPU", 0.0)  # what the engine will find
+    engine = RayEngine(pipe.plan, ranks=1)
+    try:
+        records = list(engine.run(data))
+    finally:
+        engine.close()
+    want = rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
+                        cpu_count=os.cpu_count() or 1)
+    got = records[0].stats["threads"]
+    assert (engine.threads, engine.rank_cpus, engine.threads_set_by) == want[:3]
+    assert got["torch"] == engine.threads and got["set_by"] == want[2], got
+
+
+def test_the_guess_of_torchs_threads_is_torchs_count_here(tmp_path):
+    """What torch.get_num_threads() gives in a fresh process under its threading variables
+    (MKL_NUM_THREADS over OMP_NUM_THREADS, at most the CPUs), guessed without torch."""
+    import subprocess
+    import sys
+
+    import json
+
+    code = ("import json, torch; from treeflow.pipeline.ray import torch_threads_guess; "
+            "print(json.dumps([torch_threads_guess(), torch.get_num_threads()]))")
+    for env in ({}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "1"},
+                {"OMP_NUM_THREADS": "999"}):
+        base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                                 "MKL_NUM_THREADS")}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        guess, torch_count = json.loads(out.stdout.strip().splitlines()[-1])
+        assert guess == torch_count, (env, guess, torch_count)

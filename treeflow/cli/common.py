@@ -36,7 +36,13 @@ def positive(args, *names) -> None:
 
 
 def check_device(device: str) -> None:
-    """Refuse a --device torch does not know, or CUDA where there is none, before any work."""
+    """Refuse a --device torch does not know, or CUDA where there is none, before any work.
+
+    "cpu" (the default) is always there, so it is taken without importing torch: the Ray
+    engine's driver never runs a model, and torch's import (about 1 s) would delay its rank
+    actors' start."""
+    if device == "cpu":
+        return
     from treeflow.stages.forward import resolve_device
 
     resolve_device(device, what="--device")

@@ -22,11 +22,15 @@ def forward(args, *, entropy: bool = False):
     """Forward(...) from --model, --dtype, --kernel, --tuning (+ --ssm-*) and the optional flags."""
     from treeflow.models.tuning import Tuning, ssm_flags
     from treeflow.stages import Forward
-    from treeflow.train.checkpoint import model_dir
+    from treeflow.train.checkpoint_layout import is_checkpoint_root
 
     given = {name: getattr(args, name) for name in _FORWARD_FLAGS
              if getattr(args, name, None) is not None}
-    model = model_dir(args.model)
+    model = args.model
+    if is_checkpoint_root(model):  # its newest verified step (train/checkpoint.py: torch)
+        from treeflow.train.checkpoint import model_dir
+
+        model = model_dir(model)
     text = tuning_text(args, model)
     return Forward(model=model, dtype=args.dtype, kernel=args.kernel,
                    entropy=entropy, tuning=Tuning.parse(text, **ssm_flags(args)), **given)

@@ -11,13 +11,13 @@ from treeflow._lazy import lazy_exports
 from treeflow.models import hybrid_config as _hybrid_config  # noqa: F401 (registers its family)
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "backend": ("BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"),
+    "backend": ("ReferenceBackend", "load_backend", "tensor_parallel_layout"),
     "backend_base": ("Backend", "check_tensor_parallel"),
     "attention": ("KERNELS", "AttentionPlan", "Capabilities"),
     "decoder": ("Decoder",),
     "hybrid_config": ("HybridConfig",),
     "hybrid": ("HybridDecoder",),
-    "config": ("ModelConfig",),
+    "config": ("BACKENDS", "ModelConfig"),
     "checkpoint": ("load_model", "save_model"),
     "logprobs": ("selected_logprobs",),
     "tuning": ("Tuning",),

@@ -36,13 +36,11 @@ import torch
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
-from treeflow.models.config import ModelConfig
+from treeflow.models.config import BACKENDS, ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.tuning import Tuning
 
 __all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"]
-
-BACKENDS = ("reference", "megatron")
 
 
 class ReferenceBackend(ModuleBackend):

@@ -19,6 +19,9 @@ from typing import Any
 
 from treeflow.models.moe_config import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
 
+# the model backends (models/backend.py loads them); here, in plain Python, so that checking a
+# Forward(backend=...) imports no torch
+BACKENDS = ("reference", "megatron")
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", **MOE_ARCHITECTURES}
 
 # Keys ModelConfig models itself (or checks and drops); everything else is an extra.

@@ -54,6 +54,7 @@ def run_logprobs(pipeline, source, write: Callable, *, sums: dict | None = None,
     setup = process_seconds()  # interpreter start, imports, the model code, the source's start
     with progress(title, total, quiet) as advance:
         for rec in pipeline.run(source, **run_options):
+            sums.setdefault("first_window_at", process_seconds())  # the wait for the first
             write(rec)
             add_sums(sums, rec.stats)
             advance(rec.episodes.num_rows, tokens=rec.stats.get("exact_tokens", 0))

@@ -60,15 +60,20 @@ from treeflow.pipeline.ray_groups import form, groups, restart
 from treeflow.pipeline.ray_rank import RankActor
 from treeflow.sigterm import keep_sigterm
 
-__all__ = ["RayEngine", "init_ray", "rank_threads", "run_ray"]
+__all__ = ["RayEngine", "init_ray", "rank_threads", "run_ray", "torch_threads_guess"]
 
 SPARE_FROM = 8  # free Ray CPUs from which a rank leaves cores to the stage operators
 
 
 def _import_ray():
+    """Ray, checked to have Ray Data, which is imported later, where files are read (0.4 s
+    that the rank actors' start need not wait for)."""
+    from importlib.util import find_spec
+
     try:
         import ray
-        import ray.data  # noqa: F401
+        if find_spec("ray.data") is None:
+            raise ImportError("No module named 'ray.data'")
     except ImportError as e:
         raise ValueError("engine 'ray' needs Ray Data: pip install 'ray[data]>=2.40' "
                          f"(import failed: {e})") from e
@@ -78,10 +83,6 @@ def _import_ray():
 def init_ray(**kwargs):
     """Attach to RAY_ADDRESS, or start a local cluster sized to this machine (if none runs)."""
     ray = _import_ray()
-    if os.environ.get("TREEFLOW_QUIET_LIBRARIES"):  # the CLI without --verbose (cli/trackers.py)
-        import logging
-
-        logging.getLogger("ray.data").setLevel(logging.ERROR)
     if not ray.is_initialized():
         with keep_sigterm():
             address = os.environ.get("RAY_ADDRESS")
@@ -171,21 +172,48 @@ class RayEngine:
         share = min(1.0, max(0.0, free - 1.0) / procs)
         share = share if share >= 0.05 else 0.0
         self.map_cpus = share
-        rank_cpus = self.rank_cpus = self._rank_threads(free, share, procs, cuda)
+        # the rank actors are asked for first, on torch's thread count as guessed here: their
+        # process start, torch import and model build (2-4 s) then overlap Ray Data's start
+        # and this process's torch import (1 s), which `_ready` checks the guess with
+        self._guess = (free, share, procs, cuda), self._rank_threads(
+            free, share, procs, cuda, torch_threads_guess())
+        self._rank_actors(self._guess[1], procs, cuda)
+        self.threads, self.rank_cpus, self.threads_set_by, _ = self._guess[1]
+        return self._ready() if wait else None
+
+    def _check_threads(self) -> None:
+        """The rank threads on torch's own thread count: where it is not the guess the actors
+        were asked for on, they are asked for again (a rank runs and reserves what it would
+        have on torch's count, as the local engine's process runs)."""
+        import torch
+
+        (free, share, procs, cuda), guess = self._guess
+        exact = self._rank_threads(free, share, procs, cuda, torch.get_num_threads())
+        if exact != guess:
+            for actor in self.actors:
+                self.ray.kill(actor)
+            self._rank_actors(exact, procs, cuda)
+        self.threads, self.rank_cpus, self.threads_set_by, warning = exact
+        if warning:
+            print(warning, file=sys.stderr)
+
+    def _rank_actors(self, threads: tuple, procs: int, cuda: bool) -> None:
+        """Ask Ray for the `procs` rank actors at `threads` (a `_rank_threads` answer)."""
         from treeflow.train.launch import rank_actors
 
+        C, (n, cpus, _, _) = self.cp, threads
         # a replay actor that dies is restarted (its windows re-run); a training one is not.
         # actor a is context-parallel process a % C of rank a // C
         self.actors = [rank_actors(self.rank_cls, 1, self.plan, a // C, self.ranks, self.device,
-                                   self.threads, self.train, a % C,
-                                   num_cpus=rank_cpus, num_gpus=1 if cuda else 0,
+                                   n, self.train, a % C, num_cpus=cpus,
+                                   num_gpus=1 if cuda else 0,
                                    max_restarts=0 if self.plan.fused else -1)[0]
                        for a in range(procs)]
-        return self._ready() if wait else None
 
     def _ready(self) -> dict:
         """Wait for the rank actors; the first call sets them up (their process groups form)."""
         if self.state is None:
+            self._check_threads()
             cuda = self.device.startswith("cuda")
             self.groups = groups(self.ranks, self.cp, training=self.plan.fused)
             self.pids = self.get(form(self.ray, self.actors, self.groups, cuda))
@@ -194,16 +222,11 @@ class RayEngine:
             self.state = {"load_seconds": time.perf_counter() - self._t0, "threads": reports[0]}
         return self.state
 
-    def _rank_threads(self, free: float, share: float, procs: int, cuda: bool) -> float:
-        """Set `threads` and `threads_set_by` (`rank_threads`); the CPUs each rank reserves."""
-        import torch
-
-        self.threads, reserve, self.threads_set_by, warning = rank_threads(
-            free, share, procs, cores=torch.get_num_threads(), cpu_count=os.cpu_count() or 1,
-            given=self.threads if self.given_threads else None, cuda=cuda)
-        if warning:
-            print(warning, file=sys.stderr)
-        return reserve
+    def _rank_threads(self, free: float, share: float, procs: int, cuda: bool,
+                      cores: int) -> tuple:
+        """`rank_threads` for this engine, `cores` this process's torch threads."""
+        return rank_threads(free, share, procs, cores=cores, cpu_count=os.cpu_count() or 1,
+                            given=self.threads if self.given_threads else None, cuda=cuda)
 
     def restart_rank(self, r: int, dead: int | None = None) -> None:
         """Replay under context parallelism: restart rank r's actors and form their group."""
@@ -264,6 +287,24 @@ def _absolute(plan: Plan) -> Plan:
     if isinstance(model, str) and os.path.isdir(model) and not os.path.isabs(model):
         return replace(plan, model=replace(plan.model, model=os.path.abspath(model)))
     return plan
+
+
+def torch_threads_guess() -> int:
+    """torch.get_num_threads() in this process, guessed without importing torch: its
+    MKL_NUM_THREADS, else OMP_NUM_THREADS (a positive int), at most the CPUs it may run on.
+
+    A guess only (torch counts physical cores, which a hyperthreaded host has fewer of):
+    RayEngine.start asks for the rank actors on it and checks it against torch's own count.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        cpus = os.cpu_count() or 1
+    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), cpus)
+    return cpus
 
 
 def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count: int,

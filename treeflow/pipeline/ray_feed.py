@@ -37,12 +37,25 @@ from treeflow.pipeline.source import Files, FilesReader
 BLOCK_EPISODES = 256
 BLOCK_BYTES = 4 << 20
 
+def import_ray_data() -> None:
+    """Ray Data, imported (0.4 s) once the rank actors are asked for (pipeline/ray.py); quiet
+    under the CLI without --verbose (cli/trackers.py): its import sets its logger's level."""
+    import ray.data  # noqa: F401
+
+    if os.environ.get("TREEFLOW_QUIET_LIBRARIES"):
+        import logging
+
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
+
+
 def feed(engine, source, *, steps: int | None = None) -> Prefetch:
     """The items of `source` for `engine`'s driver, read ahead in the one prefetch wrapper.
 
     Each item the wrapper gives is (index, None, (window, position, block ref, block or None,
     episodes)).
     """
+    if isinstance(source, (Files, FilesReader)):  # here, not in the read-ahead thread, so
+        import_ray_data()  # that thread starts Ray Data while the driver imports torch
     if isinstance(source, FilesReader):
         items = _files(engine, source.files, {"episodes": source._skip}, steps)
     elif isinstance(source, Files):

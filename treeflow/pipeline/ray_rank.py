@@ -93,6 +93,10 @@ class RankActor:
                 self.dp = DataParallel.from_env(self.device)
             self.worker = self.plan.worker(device=self.device)
         self.compile_seconds = self.worker.warm_up()
+        # pyarrow imports pandas (0.3 s, where it is installed) for the first array it makes
+        # from Python values, which the first window's call would pay: here, while the
+        # first block is still on its way through the stage operators
+        pa.array([0])
         return os.getpid()
 
     def run(self, window: int, block: pa.Table, position: dict | None,

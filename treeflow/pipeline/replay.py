@@ -59,14 +59,14 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
     files it must not be); the run's summary, or None in a group's process other than the
     first. engine, num_ranks, prefetch: Pipeline.run's. log: where a warning goes (the Ray
     engine's forward actors left without bins; default stderr)."""
-    import torch
-
     from treeflow._clock import process_seconds
     from treeflow._output import table_output
     from treeflow.pipeline.logprobs import run_logprobs
     from treeflow.pipeline.stats import idle_ranks_warning, route_agreement
     from treeflow.schemas.episode import count_rows
 
+    if engine == "local":  # the model code's import is start-up, before the engine starts
+        import treeflow.pipeline.local  # noqa: F401 (the Ray engine's driver runs no model)
     imported = process_seconds()
     forward, lead, group = pipeline.plan.model, True, None
     if forward.tensor_parallel > 1:  # one of the processes that hold a share of the model
@@ -76,6 +76,8 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
         lead = rank_of() == 0
         device = rank_device(device, int(os.environ.get("LOCAL_RANK", rank_of())))
         if device.startswith("cuda"):
+            import torch
+
             torch.cuda.set_device(torch.device(device))
     if forward.context_parallel > 1 and engine == "local":  # one of the processes of a bin
         from treeflow.train.distributed import DataParallel
@@ -91,7 +93,9 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
             if "threads" in rec.stats:  # the Ray engine's rank 0 says its threads (first window)
                 sums["threads"] = rec.stats["threads"]
 
-        if device.startswith("cuda"):
+        if device.startswith("cuda"):  # torch only where a model runs here: the Ray engine's
+            import torch  # driver runs none, and imports it after its rank actors start
+
             torch.cuda.reset_peak_memory_stats()
         run_logprobs(pipeline, source, write, sums=sums, title="replay",
                      total=count_rows(list(source.paths)), quiet=quiet or not lead,
@@ -101,6 +105,8 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
         sums["device_busy"] = round(sums["device_seconds"] / steady, 3)
     if device.startswith("cuda"):
+        import torch
+
         sums["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if group is not None:
         group.close()

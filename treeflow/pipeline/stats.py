@@ -112,15 +112,16 @@ def steady_state(sums: dict, wall: float, setup: float) -> float:
     preparing, running and writing every window, pipeline fill and drain included.
     `phases` says when (seconds since the process started) the command's imports were done
     (`imported`), the engine started (`engine`), the first window was planned (the CPU
-    stages), the model was loaded (`loaded`) and compiled (`compiled`), and the run ended.
+    stages), the model was loaded (`loaded`) and compiled (`compiled`), the first window's
+    results came back (`first_window`), and the run ended.
     """
     import resource
 
     load = sums.pop("load_seconds", 0.0)
     startup = setup + load
     steady = max(wall - startup - sums["compile_seconds"], 1e-9)
-    marks = {k: sums.pop(f"{k}_at") for k in ("imported", "planned", "loaded", "compiled")
-             if f"{k}_at" in sums}
+    marks = {k: sums.pop(f"{k}_at") for k in ("imported", "planned", "loaded", "compiled",
+                                               "first_window") if f"{k}_at" in sums}
     sums.update(wall_seconds=round(wall, 3), startup_seconds=round(startup, 3),
                 load_seconds=round(load, 3),
                 compile_seconds=round(sums["compile_seconds"], 3), steady_seconds=round(steady, 3),

@@ -98,7 +98,7 @@ class Forward(Stage):
     allow_nonfinite: bool = False
 
     def __post_init__(self):
-        from treeflow.models import BACKENDS
+        from treeflow.models.config import BACKENDS
 
         if not isinstance(self.tuning, Tuning):
             raise ValueError(f"Forward(tuning={self.tuning!r}): give a treeflow.models.Tuning")

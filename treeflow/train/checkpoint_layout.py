@@ -12,8 +12,6 @@ import os
 import re
 import sys
 
-from treeflow.tensorfile import written_sha256
-
 LATEST = "latest"
 LATEST_RECORD = "latest.txt"
 CONFIG_JSON = "config.treeflow.json"  # the resolved command-line options (trainer.config)
@@ -37,6 +35,8 @@ def step_dir_name(steps: int) -> str:
 
 def sha256_of(path: str, *, trust_own_writes: bool = False) -> str:
     if trust_own_writes:  # a file this process just wrote: hashed while it was written
+        from treeflow.tensorfile import written_sha256  # torch: not for the CLI's path checks
+
         known = written_sha256(path)
         if known is not None:
             return known
@@ -56,6 +56,13 @@ def step_dirs(root: str) -> list[tuple[int, str]]:
     found = [(int(m.group(1)), n) for n in names if (m := _STEP_DIR.match(n))
              and os.path.isdir(os.path.join(root, n))]
     return sorted(found, reverse=True)
+
+
+def is_checkpoint_root(path: str) -> bool:
+    """Whether `path` is a checkpoint root (step directories, or `latest`), not a model
+    directory (its config.json); plain file checks, no torch: the CLI asks before any work."""
+    return (os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))
+            and (os.path.exists(os.path.join(path, LATEST)) or bool(step_dirs(path))))
 
 
 def latest_step(root: str) -> int | None:

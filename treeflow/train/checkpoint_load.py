@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from treeflow.train.checkpoint_layout import (LATEST, LEGACY_STATE, MANIFEST, OPTIMIZER, FORMAT,
                                               TRAINER_JSON, latest_step, layout_of, sha256_of,
                                               note_stderr, step_dirs, tensor_parallel_of, writers_of,
-                                              step_dir_name)
+                                              step_dir_name, is_checkpoint_root)
 
 
 def verify(step_path: str) -> str | None:
@@ -127,10 +127,7 @@ def latest_step_dir(root: str | os.PathLike) -> str | None:
 
 def model_dir(path: str) -> str:
     """`path`, or the newest verified step of it when `path` is a checkpoint root (for --model)."""
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")) \
-            and (os.path.exists(os.path.join(path, LATEST)) or step_dirs(path)):
-        return find_checkpoint(path)
-    return path
+    return find_checkpoint(path) if is_checkpoint_root(path) else path
 
 
 def _is_sharded(path: str) -> bool:
