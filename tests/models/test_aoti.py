@@ -1,10 +1,11 @@
 """Graphs without grad compiled ahead of time (models/aoti.py), on CPU through inductor's C++.
 
-A decoder layer's MLP block, a Precompiled with ahead_of_time=True, run without grad in two
-fresh processes on one compile cache: the first exports and builds the package, the second
-loads it and must never import dynamo or inductor; both agree with the eager function at two
-token counts (the token count is dynamic). Then the package's trust and key checks, and the
-call signature that picks a graph.
+A two-layer decoder's forward without grad through the fast preset's layer graphs (LayerOps
+with inductor, ahead_of_time=True), in two fresh processes on one compile cache: the first
+exports and builds the packages, the second loads them and must never import dynamo or
+inductor; both agree with the plain path (eager layers) at two token counts of a branching
+bin (the token count is dynamic). Then the packages' trust and key checks, and the call
+signature that picks a graph.
 """
 
 from __future__ import annotations
@@ -26,25 +27,35 @@ _SCRIPT = r"""
 import json, sys
 from treeflow.compile_cache import configure
 configure(sys.argv[1])
-import torch
-from treeflow.models import precompiled
-from treeflow.models.config import ModelConfig
-from treeflow.models.decoder import DecoderLayer
+import numpy as np, torch
+from treeflow.models import ModelConfig, decoder, precompiled
+from treeflow.models.attention import AttentionPlan
+from treeflow.models.checkpoint import seeded_decoder
+from treeflow.models.layer_ops import LayerOps
+from treeflow.tree import subtree_end
 
-def mlp_block(layer, x_NH):
-    return x_NH + layer.mlp(layer.post_attention_layernorm(x_NH))
+cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+model = seeded_decoder(cfg, device="cpu", dtype=torch.float32)
 
-torch.manual_seed(0)
-layer = DecoderLayer(ModelConfig.tiny()).eval()
-fn = precompiled.Precompiled(mlp_block, backend="inductor", name="test_mlp_block", dynamic=(1,),
-                             ahead_of_time=True)
+
+def hidden(n):
+    parents = np.arange(-1, n - 1)
+    parents[n // 2] = 0  # two branches under one root
+    depth = np.concatenate([np.arange(n // 2), np.arange(1, n - n // 2 + 1)])
+    plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=parents)
+    with torch.no_grad():
+        return model(torch.arange(n) % 512, torch.from_numpy(depth), plan)
+
+
+plain = {n: hidden(n) for n in (64, 23)}  # the plain path: eager layers, the reference
+ops = LayerOps(compile_backend="inductor", recompute="none", ahead_of_time=True)
+decoder.layer_ops = lambda tuning, device: ops
 outs = []
-with torch.no_grad():
-    for n in (40, 23):
-        x = torch.randn(n, layer.mlp.up_proj.in_features, generator=torch.Generator().manual_seed(n))
-        got, want = fn(layer, x), mlp_block(layer, x)
-        outs.append({"got": got.tolist(), "diff": (got - want).abs().max().item()})
-print(json.dumps({"stats": precompiled.stats()["test_mlp_block"], "outs": outs,
+for n, want in plain.items():
+    got = hidden(n)
+    outs.append({"got": got.tolist(), "diff": (got - want).abs().max().item()})
+print(json.dumps({"stats": precompiled.stats(), "outs": outs,
                   "dynamo": "torch._dynamo" in sys.modules,
                   "inductor": "torch._inductor" in sys.modules}))
 """
@@ -65,20 +76,24 @@ def built(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-def test_a_second_process_runs_the_package_with_no_dynamo_or_inductor(built):
+def test_a_second_process_runs_the_packages_with_no_dynamo_or_inductor(built):
     cache, first = built
-    assert first["stats"]["aoti_captured"] == 1 and first["stats"]["aoti_loaded"] == 0
+    parts = ("attention_inputs", "after_attention")  # o_proj through the MLP: one graph
+    assert {k: v["aoti_captured"] for k, v in first["stats"].items() if v["aoti_captured"]} == \
+        dict.fromkeys(parts, 1)
     second = _run(cache)
-    assert second["stats"]["aoti_loaded"] == 1 and second["stats"]["aoti_captured"] == 0
-    assert not second["stats"]["captured"] and not second["stats"]["torch_compile"]
+    assert {k: v["aoti_loaded"] for k, v in second["stats"].items() if v["aoti_loaded"]} == \
+        dict.fromkeys(parts, 1)
+    assert not any(v["captured"] or v["loaded"] or v["torch_compile"] or v["aoti_captured"]
+                   for v in second["stats"].values())
     assert second["dynamo"] is False and second["inductor"] is False
-    for a, b in zip(first["outs"], second["outs"]):  # one graph, both token counts
-        assert a["diff"] < 1e-5 and b["diff"] < 1e-5
+    for a, b in zip(first["outs"], second["outs"]):  # one graph per part, both token counts
+        assert a["diff"] < 1e-5 and b["diff"] < 1e-5  # float32 against the plain path
         assert a["got"] == b["got"]  # the same kernels, loaded: bit for bit
 
 
 def _files(cache: str) -> tuple[str, str, dict]:
-    (key_file,) = glob.glob(os.path.join(cache, "precompiled", "test_mlp_block-*.aoti.json"))
+    (key_file,) = glob.glob(os.path.join(cache, "precompiled", "after_attention-*.aoti.json"))
     package = key_file[:-len(".json")] + ".pt2"
     with open(key_file) as f:
         return package, key_file, json.load(f)["key"]

@@ -43,7 +43,8 @@ _RECOMPILE_LIMIT = 64  # bins of one length share a graph; this bounds lengths x
 class LayerOps:
     """How one layer runs: `ops(layer, x_NH, cos_ND, sin_ND, attention) -> x_NH`."""
 
-    def __init__(self, *, compile_backend: str | None, recompute: str) -> None:
+    def __init__(self, *, compile_backend: str | None, recompute: str,
+                 ahead_of_time: bool | None = None) -> None:
         self.compile_backend, self.recompute = compile_backend, recompute
         parts = (_attention_inputs, _attention_output, _mlp_block, _after_attention)
         # the tensor arguments whose first dimension is the token count (dynamic)
@@ -53,7 +54,8 @@ class LayerOps:
         self.precompiled = compile_backend is not None and precompiled.api_present()
         if self.precompiled:  # saved whole in the compile cache: a later process loads them
             parts = tuple(precompiled.Precompiled(f, backend=compile_backend, name=f.__name__[1:],
-                                                  dynamic=d, recompile_limit=_RECOMPILE_LIMIT)
+                                                  dynamic=d, recompile_limit=_RECOMPILE_LIMIT,
+                                                  ahead_of_time=ahead_of_time)
                           for f, d in zip(parts, tokens))
         elif compile_backend is not None:
             parts = tuple(torch.compile(f, backend=compile_backend, dynamic=None, fullgraph=True)
