@@ -212,7 +212,7 @@ def _flex(b, q, k, v, tile, options, timer, per_pair, cuda):
                       for x in (q, k, v))
         kernel = compiled_flex()
         with torch.no_grad():
-            row["kernel_fwd_s"] = timer(lambda: kernel(qp, kp, vp, block_mask=plan._block_mask,
+            row["kernel_fwd_s"] = timer(lambda: kernel(qp, kp, vp, block_mask=plan._mask.block_mask,
                                                        enable_gqa=True, kernel_options=options or None))
         row["kernel_fwd_tflops"] = per_pair * b["tree_pairs"] / row["kernel_fwd_s"] / 1e12
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from tests.test_compile_cache_precompiled import cache  # noqa: F401 (the fixture)
 from treeflow.models import aoti
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,12 +143,78 @@ def test_the_signature_tells_dtypes_sizes_layouts_and_constants_apart():
     static = sig(layer, x, dynamic=())
     assert static != sig(layer, torch.randn(9, 4), dynamic=())
     assert static != sig(layer, torch.randn(4, 6).t(), dynamic=())  # strides are static's
+    assert sig(layer, x, x, dynamic=(1, 2)) is not None
+    assert sig(layer, x, torch.randn(7, 4), dynamic=(1, 2)) is None  # one token dimension
+    assert sig(layer, x, True) != sig(layer, x, 1) != sig(layer, x, 1.0)
+    assert sig(layer, x, [torch.randn(2)]) is None  # export would bake the tensor in
+    f = aoti.signature
+    assert f((layer, x), {"a": 1}, {1}, _module_spec) != f((layer, x), {"b": 1}, {1}, _module_spec)
+    half = sig(layer.to(torch.float64), x)  # the module's tensors are read per call
+    assert half != base
 
 
-def test_misaligned_inputs_are_copied_and_module_tensors_come_first():
+def test_a_call_under_autocast_never_gets_a_graph_built_without_it(cache, monkeypatch):
+    from treeflow.models import precompiled
+
+    built = []
+
+    def fake_capture(fn, args, kwargs, **_):
+        built.append(fn)
+        return lambda a, k: "the graph"
+
+    monkeypatch.setattr(aoti, "capture", fake_capture)
+    p = precompiled.Precompiled(torch.relu, backend="inductor", name="relu_probe",
+                                dynamic=(0,), ahead_of_time=True)
+    monkeypatch.setattr(p, "_variant", lambda args, kwargs: None)  # no dynamo capture
+    monkeypatch.setattr(p, "fallback", lambda: torch.relu)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        assert p(x) == "the graph" and len(built) == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(p(x), torch.relu(x))  # eager (dynamo's route), not the graph
+        assert p(x) == "the graph" and len(built) == 1  # still the one graph
+
+
+def test_misaligned_inputs_are_copied_with_their_strides_and_module_tensors_come_first():
     layer = torch.nn.Linear(4, 4)
     x = torch.randn(65)[1:]  # 4 bytes past an aligned start
-    flat = aoti.flat_inputs((layer, x), {}, align=True)
+    view = torch.randn(6, 8)[:, 1:5]  # misaligned and strided: (8, 1), not dense
+    flat = aoti.flat_inputs((layer, x, view), {}, align=True)
     assert flat[0] is layer.weight and flat[1] is layer.bias
     assert flat[2].data_ptr() % 16 == 0 and torch.equal(flat[2], x)
+    assert flat[3].data_ptr() % 16 == 0 and torch.equal(flat[3], view)
+    assert flat[3].stride() == view.stride()  # the graph was built for these strides
     assert aoti.flat_inputs((layer, x), {})[2] is x
+
+
+def test_a_build_that_failed_is_recorded_and_not_paid_again(cache, monkeypatch, capfd):
+    from treeflow.models import precompiled
+
+    tries = []
+
+    def failing_capture(fn, args, kwargs, **_):
+        tries.append(fn)
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(aoti, "capture", failing_capture)
+    x = torch.randn(8, 4)
+    for run in range(2):  # two commands on one cache: two Precompiled of the same function
+        p = precompiled.Precompiled(torch.relu, backend="inductor", name="relu_fails",
+                                    dynamic=(0,), ahead_of_time=True)
+        monkeypatch.setattr(p, "_variant", lambda args, kwargs: None)
+        monkeypatch.setattr(p, "fallback", lambda: torch.relu)
+        with torch.no_grad():
+            assert torch.equal(p(x), torch.relu(x))  # dynamo's route (here eager) either way
+    assert len(tries) == 1  # the second command read the record instead of building again
+    err = capfd.readouterr().err
+    assert "compiling it ahead of time failed (RuntimeError: no C++ compiler here)" in err
+    assert "not compiled ahead of time (RuntimeError: no C++ compiler here, recorded" in err
+    (record,) = glob.glob(os.path.join(cache, "precompiled", "relu_fails-*.aoti.failed"))
+    os.remove(record)  # deleting it tries again
+    p = precompiled.Precompiled(torch.relu, backend="inductor", name="relu_fails",
+                                dynamic=(0,), ahead_of_time=True)
+    monkeypatch.setattr(p, "_variant", lambda args, kwargs: None)
+    monkeypatch.setattr(p, "fallback", lambda: torch.relu)
+    with torch.no_grad():
+        p(x)
+    assert len(tries) == 2

@@ -37,6 +37,7 @@ import ctypes
 import functools
 import json
 import os
+import shutil
 import sys
 import weakref
 
@@ -45,7 +46,8 @@ from torch.utils import _pytree as pytree
 
 from treeflow import atomic, compile_cache
 
-__all__ = ["Graph", "capture", "device_index", "flat_inputs", "load", "paths", "signature"]
+__all__ = ["Graph", "capture", "device_index", "failure", "flat_inputs", "load", "paths",
+           "record_failure", "signature"]
 
 _ALIGN = 16
 
@@ -54,6 +56,30 @@ def paths(directory: str, stem: str) -> tuple[str, str]:
     """(package, key file) of the variant `stem` in `directory`."""
     base = os.path.join(directory, stem)
     return base + ".aoti.pt2", base + ".aoti.json"
+
+
+def failure(key_file: str, key: dict) -> str | None:
+    """Why building this key's package failed before (recorded by `record_failure`), or None.
+
+    A failure that would repeat (no C++ compiler, an operation export cannot take) is not
+    paid again by every later run; deleting the file tries again."""
+    path = key_file[:-len(".json")] + ".failed"
+    if not os.path.exists(path):
+        return None
+    try:
+        with compile_cache.open_own(path) as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return record.get("reason") if record.get("key") == key else None
+
+
+def record_failure(key_file: str, key: dict, reason: str) -> str:
+    """Write why this key's package could not be built; the record's path."""
+    path = key_file[:-len(".json")] + ".failed"
+    with atomic.atomic_open(path, "w", what="compiled graph's failure record") as f:
+        json.dump({"key": key, "reason": reason}, f, sort_keys=True)
+    return path
 
 
 class Graph:
@@ -70,20 +96,27 @@ class Graph:
 def signature(args, kwargs, dynamic, module_spec) -> tuple | None:
     """What selects a graph for this call (hashable); None: no graph can take it.
     module_spec(module): a module argument's structure and constants, as JSON-able data (read
-    once per module object)."""
-    parts = []
-    for i, a in enumerate((*args, *(kwargs[k] for k in sorted(kwargs)))):
+    once per module object; its tensors' dtypes, devices, sizes and strides are read per call)."""
+    parts, tokens = [], set()
+    names = [None] * len(args) + sorted(kwargs)
+    for i, (name, a) in enumerate(zip(names, (*args, *(kwargs[k] for k in sorted(kwargs))))):
         if isinstance(a, torch.Tensor):
             if i in dynamic:
                 if a.dim() == 0 or a.shape[0] < 2 or not a.is_contiguous():
                     return None
-                parts.append((a.dtype, a.device, tuple(a.shape[1:])))
+                tokens.add(a.shape[0])
+                parts.append((name, _static(a, 1)))
             else:
-                parts.append((a.dtype, a.device, tuple(a.shape), a.stride()))
+                parts.append((name, _static(a, 0)))
         elif isinstance(a, torch.nn.Module):
-            parts.append(_module_id(a, module_spec))
+            parts.append((name, _module_id(a, module_spec),
+                          tuple(_static(t, 0) for _, t in _named_tensors(a))))
+        elif _holds_tensor(a):  # export would bake it in as a constant: not this route
+            return None
         else:
-            parts.append(_frozen(a))
+            parts.append((name, _frozen(a)))
+    if len(tokens) > 1:  # one token dimension: tensors of unequal counts are not its inputs
+        return None
     return tuple(parts)
 
 
@@ -96,8 +129,27 @@ def flat_inputs(args, kwargs, *, align: bool = False) -> list[torch.Tensor]:
         elif isinstance(a, torch.Tensor):
             flat.append(a)
     if align:
-        flat = [t.clone() if t.data_ptr() % _ALIGN else t for t in flat]
+        flat = [_copy(t) if t.data_ptr() % _ALIGN else t for t in flat]
     return flat
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into fresh (aligned) memory with its own strides, which the graph assumes."""
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _static(t: torch.Tensor, skip: int) -> tuple:
+    """A tensor's dtype, device, sizes and strides from dimension `skip` on."""
+    return (t.dtype, t.device, tuple(t.shape[skip:]), t.stride()[skip:])
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, (torch.Tensor, torch.nn.Module))
 
 
 def capture(fn, args, kwargs, *, dynamic, package: str, key_file: str, key: dict) -> Graph:
@@ -115,19 +167,21 @@ def capture(fn, args, kwargs, *, dynamic, package: str, key_file: str, key: dict
     # export sees aliases, not the caller's tensors (it may mark them dynamic, and a mark on a
     # cached tensor fails dynamo's guards later), copied where they sit at a storage offset
     # (flex's block tables are views into one buffer: export made their offsets symbolic)
-    flat = [t.detach().clone() if t.storage_offset() else t.detach() for t in flat]
+    flat = [_copy(t) if t.storage_offset() else t.detach() for t in flat]
     with torch.no_grad():
         program = torch.export.export(_Exported(fn, args, kwargs), tuple(flat),
                                       dynamic_shapes=(tuple(specs),), strict=False)
-    # to a file (torch 2.11's CUDA loader crashes on a package written to a buffer), named
-    # .pt2 as the packager asks, renamed into place when complete
-    tmp = atomic.temp_name(package) + ".pt2"
+    # built in a temporary directory (a killed run's is removed by the next writer: atomic's
+    # .partial name), as a file named .pt2 as the packager asks, renamed into place when whole
+    atomic.remove_stale(os.path.dirname(package))
+    tmp = atomic.temp_name(package)
+    os.mkdir(tmp, 0o700)
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=tmp)
-        atomic.commit(tmp, package)
+        built = os.path.join(tmp, "package.pt2")
+        torch._inductor.aoti_compile_and_package(program, package_path=built)
+        atomic.commit(built, package)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     out_spec = pytree.treespec_dumps(program.call_spec.out_spec)
     with atomic.atomic_open(key_file, "w", what="compiled graph's key") as f:
         json.dump({"key": key, "outputs": out_spec}, f, sort_keys=True)
@@ -225,12 +279,13 @@ def _named_tensors(module: torch.nn.Module) -> list:
 
 
 def _frozen(value):
+    """A constant as a hashable value that tells types apart (True is not 1, nor 1.0)."""
     if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
+        return ("dict", tuple((k, _frozen(v)) for k, v in sorted(value.items())))
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
     try:
         hash(value)
     except TypeError:
-        return repr(value)
-    return value
+        return (type(value).__qualname__, repr(value))
+    return (type(value).__qualname__, value)

@@ -49,7 +49,6 @@ which the file's key stands in for.
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import os
@@ -61,9 +60,9 @@ import weakref
 import torch
 
 from treeflow import atomic, compile_cache
-from treeflow.models import aoti
+from treeflow.models import aoti, graph_key
 
-__all__ = ["Precompiled", "api_present", "available", "module_spec", "stats"]
+__all__ = ["Precompiled", "api_present", "available", "stats"]
 
 _FORMAT = 1
 _SUBDIR = "precompiled"
@@ -155,37 +154,45 @@ class Precompiled:
         where = compile_cache._active
         if where is None:  # the cache is off: nothing saved or loaded, torch.compile below
             return None
+        if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+            return None  # export would bake autocast's casts in (or their absence): dynamo's
         graphs = self._graphs.setdefault(where, {})
-        sig = aoti.signature(args, kwargs, set(self.dynamic or ()), module_spec)
+        sig = aoti.signature(args, kwargs, set(self.dynamic or ()), graph_key.module_spec)
         if sig is None:
             return None
         if sig in graphs:
             return graphs[sig]
         device = aoti.device_index(args, kwargs)
-        if (self.ahead_of_time is None and device < 0) or any(
-                torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
-            graphs[sig] = None  # CPU by default, or autocast (export would bake its casts)
+        if self.ahead_of_time is None and device < 0:  # CPU by default
+            graphs[sig] = None
             return None
         key = {**self._key(args, kwargs), "format": f"aoti-{_FORMAT}"}
         package, key_file = aoti.paths(compile_cache.active_dir(_SUBDIR),
-                                       f"{self.name}-{_digest(key)}")
+                                       f"{self.name}-{graph_key.digest(key)}")
         with self._lock:
             graph = None
             if os.path.exists(key_file):
                 try:
                     graph = aoti.load(package, key_file, key, device)
                     self.aoti_loaded += 1
-                except Exception as e:  # not the user's own, another key, a torch that
+                except Exception as e:  # not the user's own, another key, unreadable
                     _say(f"precompiled {self.name}: {package} not loaded ({type(e).__name__}: "
-                         f"{str(e)[:200]}); compiling it again")  # cannot read it
-            if graph is None:
+                         f"{str(e)[:200]}); compiling it again")
+            failed = aoti.failure(key_file, key) if graph is None else None
+            if failed is not None:  # it would fail again: dynamo's route, said once
+                _say_once(f"precompiled {self.name}: not compiled ahead of time ({failed}, "
+                          f"recorded beside {key_file}; delete that to try again); it runs "
+                          "through dynamo")
+            elif graph is None:
                 try:
                     graph = aoti.capture(self.fn, args, kwargs, dynamic=set(self.dynamic or ()),
                                          package=package, key_file=key_file, key=key)
                     self.aoti_captured += 1
                 except Exception as e:  # export or AOTInductor could not take it: say so
-                    _say(f"precompiled {self.name}: compiling it ahead of time failed "
-                         f"({type(e).__name__}: {str(e)[:200]}); it runs through dynamo")
+                    why = f"{type(e).__name__}: {str(e)[:200]}"
+                    _say(f"precompiled {self.name}: compiling it ahead of time failed ({why}); "
+                         f"it runs through dynamo (recorded in "
+                         f"{aoti.record_failure(key_file, key, why)})")
             graphs[sig] = graph
         return graph
 
@@ -199,7 +206,7 @@ class Precompiled:
         if why is not None or directory is None:  # cache off, as asked: nothing saved or loaded
             return None
         key = self._key(args, kwargs)
-        path = os.path.join(directory, f"{self.name}-{_digest(key)}.pt2")
+        path = os.path.join(directory, f"{self.name}-{graph_key.digest(key)}.pt2")
         with self._lock:
             variant = self._load(path, key, args, kwargs) if os.path.exists(path) else None
             if variant is None:
@@ -281,10 +288,11 @@ class Precompiled:
                 if torch.is_autocast_enabled(dev.type) else None)
         dynamic = set(self.dynamic or ())
         return {"format": _FORMAT, "function": self.name, "backend": self.backend,
-                "torch": torch.__version__, "device": _device(dev), "source": _source_hash(),
+                "torch": torch.__version__, "device": graph_key.device_name(dev),
+                "source": graph_key.source_hash(),
                 "grad": grad, "autocast": cast,
-                "args": [_spec(a, i in dynamic) for i, a in enumerate(args)],
-                "kwargs": {k: _spec(v, False) for k, v in sorted(kwargs.items())}}
+                "args": [graph_key.spec(a, i in dynamic) for i, a in enumerate(args)],
+                "kwargs": {k: graph_key.spec(v, False) for k, v in sorted(kwargs.items())}}
 
 
 _ALL: weakref.WeakSet = weakref.WeakSet()
@@ -317,69 +325,6 @@ def _backend(name: str):
     if name == "inductor":
         return torch._TorchCompileInductorWrapper(None, None, None)
     return torch._dynamo.lookup_backend(name)
-
-
-def _digest(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _device(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(dev)
-        return f"cuda {torch.cuda.get_device_name(dev)} sm_{major}{minor} cuda {torch.version.cuda}"
-    return dev.type
-
-
-@functools.cache
-def _source_hash() -> str:
-    """sha256 of treeflow.models' source: what a compiled function can inline."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
-
-
-def _spec(value, dynamic: bool):
-    """What of an argument selects a compiled variant: JSON, the token count left out if dynamic."""
-    if isinstance(value, torch.Tensor):
-        shape = ["N" if dynamic and i == 0 else int(s) for i, s in enumerate(value.shape)]
-        # a dynamic tensor's strides may hold the token count: its layout stands in for them
-        layout = value.is_contiguous() if dynamic else [int(s) for s in value.stride()]
-        return {"tensor": str(value.dtype), "device": value.device.type, "shape": shape,
-                "stride": layout, "grad": value.requires_grad}
-    if isinstance(value, torch.nn.Module):
-        return module_spec(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return [_spec(v, False) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _spec(v, False) for k, v in sorted(value.items())}
-    if callable(value) and hasattr(value, "__code__"):
-        code = value.__code__
-        return {"function": value.__qualname__,
-                "code": hashlib.sha256(code.co_code).hexdigest()[:16],
-                "closure": [_spec(c.cell_contents, False) for c in value.__closure__ or ()]}
-    state = getattr(value, "__dict__", None)
-    if state is None:
-        return {"type": type(value).__qualname__, "repr": repr(value)[:200]}
-    return {"type": type(value).__qualname__,
-            **{k: _spec(v, False) for k, v in sorted(state.items()) if not k.startswith("__")}}
-
-
-def module_spec(module: torch.nn.Module) -> dict:
-    """A module's structure: per submodule its type, constant attributes and tensors' specs."""
-    spec = {}
-    for prefix, m in module.named_modules():
-        consts = {k: v for k, v in sorted(vars(m).items())
-                  if not k.startswith("_") and isinstance(v, (bool, int, float, str))}
-        tensors = {n: _spec(t, False) for n, t in (*m.named_parameters(recurse=False),
-                                                   *m.named_buffers(recurse=False))}
-        spec[prefix or "."] = {"type": type(m).__qualname__, "consts": consts, "tensors": tensors}
-    return spec
 
 
 def _guard_failure(variant, args, kwargs) -> str:
