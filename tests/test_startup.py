@@ -203,7 +203,10 @@ def test_ray_replay_asks_for_its_rank_actors_before_the_driver_imports_torch(tmp
         print("SEEN=" + json.dumps(seen))
         sys.exit(rc or 0)
     """)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    # OMP_NUM_THREADS set: the guess is torch's count on any host (without it a hyperthreaded
+    # host's guess is wrong, and the actors are rightly asked for a second time)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+           "OMP_NUM_THREADS": "1"}
     env.setdefault("RAY_AUTH_MODE", "disabled")
     out = subprocess.run([sys.executable, "-c", probe, "replay", "e.arrow", "--model", "tiny",
                           "--engine", "ray", "--episodes-per-step", "4", "-o", "lp.arrow",

@@ -189,10 +189,11 @@ class RayEngine:
 
         (free, share, procs, cuda), guess = self._guess
         exact = self._rank_threads(free, share, procs, cuda, torch.get_num_threads())
-        if exact != guess:
+        if exact[:2] != guess[:2]:  # other threads or CPUs (the reason's words may differ alone)
             for actor in self.actors:
                 self.ray.kill(actor)
             self._rank_actors(exact, procs, cuda)
+        self._guess = (free, share, procs, cuda), exact  # a later check compares with these
         self.threads, self.rank_cpus, self.threads_set_by, warning = exact
         if warning:
             print(warning, file=sys.stderr)

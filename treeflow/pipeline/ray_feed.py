@@ -40,7 +40,11 @@ BLOCK_BYTES = 4 << 20
 def import_ray_data() -> None:
     """Ray Data, imported (0.4 s) once the rank actors are asked for (pipeline/ray.py); quiet
     under the CLI without --verbose (cli/trackers.py): its import sets its logger's level."""
-    import ray.data  # noqa: F401
+    try:
+        import ray.data  # noqa: F401
+    except ImportError as e:  # installed, checked by _import_ray, yet broken: say how to fix
+        raise ValueError("engine 'ray' needs Ray Data: pip install 'ray[data]>=2.40' "
+                         f"(import failed: {e})") from e
 
     if os.environ.get("TREEFLOW_QUIET_LIBRARIES"):
         import logging
