@@ -99,6 +99,36 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
     assert got["torch"] == engine.threads and got["set_by"] == want[2], got
 
 
+def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluster, data,
+                                                                       monkeypatch):
+    """Asked for again only for other threads or CPUs: a reason worded otherwise (as on CUDA
+    with several ranks, where it names torch's count) keeps the actors, and says the exact one."""
+    import treeflow.pipeline.ray as ray_engine
+
+    monkeypatch.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
+    real, asked, asks = RayEngine._rank_threads, RayEngine._rank_actors, []
+
+    def worded(self, free, share, procs, cuda, cores):
+        n, cpus, why, warning = real(self, free, share, procs, cuda, torch.get_num_threads())
+        return n, cpus, f"{why} (asked with {cores})", warning
+
+    def counted(self, *args):
+        asks.append(args)
+        return asked(self, *args)
+
+    monkeypatch.setattr(RayEngine, "_rank_threads", worded)
+    monkeypatch.setattr(RayEngine, "_rank_actors", counted)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
+                    Reassemble())
+    engine = RayEngine(pipe.plan, ranks=1)
+    try:
+        list(engine.run(data))
+    finally:
+        engine.close()
+    assert len(asks) == 1
+    assert engine.threads_set_by.endswith(f"(asked with {torch.get_num_threads()})")
+
+
 def test_the_guess_of_torchs_threads_is_torchs_count_here(tmp_path):
     """What torch.get_num_threads() gives in a fresh process under its threading variables
     (MKL_NUM_THREADS over OMP_NUM_THREADS, at most the CPUs), guessed without torch."""
