@@ -89,6 +89,12 @@ def _trial(seed, tmp, reference, max_kills):
 
 def test_sigkill_and_resume_equals_uninterrupted(tmp_path, reference):
     kills = sum(_trial(seed, tmp_path, reference, 1) for seed in range(3))
+    # a kill instant is drawn from the reference run's times: on a machine whose load fell since
+    # that run, all three can finish first; more seeds until one is killed (CI did see 0 of 3)
+    for seed in range(3, 8):
+        if kills:
+            break
+        kills += _trial(seed, tmp_path, reference, 1)
     assert kills >= 1
 
 

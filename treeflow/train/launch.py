@@ -107,6 +107,16 @@ def _entry(rank: int, world: int, port: int, out_dir: str, threads: int, fn, arg
         raise TypeError(f"rank {rank}'s return value of {getattr(fn, '__name__', fn)} holds "
                         "something other than tensors and plain values (dict, list, tuple, str, "
                         f"numbers), which the launcher does not unpickle: {str(e).splitlines()[0]}")
+    # its work done and its result written, the rank ends without the interpreter's teardown
+    # (as the console script does): gloo's worker threads can abort a process there ("terminate
+    # called without an active exception": a rank failed with -6 so in CI, under load)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, ranks: int, *args, timeout_s: float | None = None, threads: int | None = None) -> list:
