@@ -63,7 +63,7 @@ def failure(key_file: str, key: dict) -> str | None:
 
     A failure that would repeat (no C++ compiler, an operation export cannot take) is not
     paid again by every later run; deleting the file tries again."""
-    path = key_file[:-len(".json")] + ".failed"
+    path = _failure_path(key_file)
     if not os.path.exists(path):
         return None
     try:
@@ -76,10 +76,19 @@ def failure(key_file: str, key: dict) -> str | None:
 
 def record_failure(key_file: str, key: dict, reason: str) -> str:
     """Write why this key's package could not be built; the record's path."""
-    path = key_file[:-len(".json")] + ".failed"
+    path = _failure_path(key_file)
     with atomic.atomic_open(path, "w", what="compiled graph's failure record") as f:
         json.dump({"key": key, "reason": reason}, f, sort_keys=True)
     return path
+
+
+def _failure_path(key_file: str) -> str:
+    return key_file[:-len(".json")] + ".failed"
+
+
+def _values(args, kwargs) -> tuple:
+    """The call's arguments in the graph's order: positional, then keyword by name."""
+    return (*args, *(kwargs[k] for k in sorted(kwargs)))
 
 
 class Graph:
@@ -99,7 +108,7 @@ def signature(args, kwargs, dynamic, module_spec) -> tuple | None:
     once per module object; its tensors' dtypes, devices, sizes and strides are read per call)."""
     parts, tokens = [], set()
     names = [None] * len(args) + sorted(kwargs)
-    for i, (name, a) in enumerate(zip(names, (*args, *(kwargs[k] for k in sorted(kwargs))))):
+    for i, (name, a) in enumerate(zip(names, _values(args, kwargs))):
         if isinstance(a, torch.Tensor):
             if i in dynamic:
                 if a.dim() == 0 or a.shape[0] < 2 or not a.is_contiguous():
@@ -123,7 +132,7 @@ def signature(args, kwargs, dynamic, module_spec) -> tuple | None:
 def flat_inputs(args, kwargs, *, align: bool = False) -> list[torch.Tensor]:
     """The graph's inputs: each module's parameters then buffers, each tensor; constants left out."""
     flat = []
-    for a in (*args, *(kwargs[k] for k in sorted(kwargs))):
+    for a in _values(args, kwargs):
         if isinstance(a, torch.nn.Module):
             flat.extend(t for _, t in _named_tensors(a))
         elif isinstance(a, torch.Tensor):
@@ -159,7 +168,7 @@ def capture(fn, args, kwargs, *, dynamic, package: str, key_file: str, key: dict
 
     flat = flat_inputs(args, kwargs)
     specs, tokens = [], torch.export.Dim("tokens", min=2)
-    for i, a in enumerate((*args, *(kwargs[k] for k in sorted(kwargs)))):
+    for i, a in enumerate(_values(args, kwargs)):
         if isinstance(a, torch.nn.Module):
             specs.extend([None] * len(_named_tensors(a)))
         elif isinstance(a, torch.Tensor):
@@ -246,7 +255,7 @@ class _Exported(torch.nn.Module):
 
         args, kwargs = self.template[0]
         values, at, swaps = [], 0, []
-        for a in (*args, *(kwargs[k] for k in sorted(kwargs))):
+        for a in _values(args, kwargs):
             if isinstance(a, torch.nn.Module):
                 names = [n for n, _ in _named_tensors(a)]
                 swaps.append((a, dict(zip(names, flat[at:at + len(names)]))))
