@@ -14,6 +14,7 @@ device), so the JSON shows writer against disk; ceil(a save's seconds / a step's
 seconds) is the --save-every that hides saving on this disk.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_save_gpu.py              # H200, 1B shape, ~6 min
+    python3 bench/bench_save_gpu.py --save-every 1 --work /dev/shm  # saves in host memory
     python3 bench/bench_save_gpu.py --smoke --device cpu            # logic check
 """
 
@@ -103,12 +104,14 @@ def main() -> None:
     ap.add_argument("--save-every", default="1,4",
                     help="comma-separated cadences, each a run beside the no-save one")
     ap.add_argument("--probe-gb", type=float, default=2.0, help="bytes of the disk probe")
+    ap.add_argument("--work", help="folder for the data, model and saves (default: a new temporary "
+                    "folder); /dev/shm puts the saves in host memory, to tell the writer from the disk")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.episodes, args.episodes_per_step, args.steps = "smoke", 8, 2, 3
         args.probe_gb = 0.14
-    work = tempfile.mkdtemp(prefix="treeflow-save-")
+    work = tempfile.mkdtemp(prefix="treeflow-save-", dir=args.work)
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(HERE), *site, os.environ.get("PYTHONPATH", "")])}
@@ -124,7 +127,8 @@ def main() -> None:
               "bfloat16" if args.device == "cuda" else "float32", "--mode", "train",
               "--episodes-per-step", str(args.episodes_per_step), "--steps", str(args.steps),
               "--lr", "1e-6", "--loss", "nll", "--json"]
-    res = {"shape": args.shape, "weights_file_mib": round(weights_mib, 1), "runs": {}}
+    res = {"shape": args.shape, "weights_file_mib": round(weights_mib, 1), "work": args.work,
+           "runs": {}}
     cadences = [int(n) for n in args.save_every.split(",")]
     runs = [("no_save", [])] + [(f"save_every_{n}", ["--save-every", str(n), "--keep", "1",
                                                     "--save", os.path.join(work, f"ck{n}")])
