@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -171,6 +172,7 @@ def main() -> None:
                            "bench_save_smoke.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}))
+    shutil.rmtree(work)  # its saves are tens of GB, in host memory under /dev/shm
 
 
 if __name__ == "__main__":
