@@ -8,10 +8,11 @@ numbers. The baseline is the no-save run: the goal is seconds per step within 10
 and peak RSS at most one float32 weights size above it.
 
 Beside the runs, in the save directory: the disk's own bandwidth (a dd-like write of
-2 GB + fsync), one thread's sha256 and the checkpoint writer's (train/checkpoint.py's
-two files at once, the weights and two AdamW moments of the shape in float32, from the
-device), so the JSON shows writer against disk; ceil(a save's seconds / a step's
-seconds) is the --save-every that hides saving on this disk.
+2 GB + fsync, one stream and FILES_AT_ONCE at once), one thread's sha256 and the checkpoint
+writer's (treeflow/tensorfile.py's `write_sharded` of the weights and two AdamW moments of
+the shape in float32, from the device, both at once, as a save writes them), so the JSON
+shows writer against disk; ceil(a save's seconds / a step's seconds) is the --save-every
+that hides saving on this disk.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_save_gpu.py              # H200, 1B shape, ~6 min
     python3 bench/bench_save_gpu.py --save-every 1 --work /dev/shm  # saves in host memory
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,18 +56,38 @@ def disk_probe(directory: str, nbytes: int) -> dict:
     h, t0 = hashlib.sha256(), time.perf_counter()
     for _ in range(16):
         h.update(block)
-    return {"disk_write_fsync_mb_s": round(disk), "sha256_one_thread_mb_s":
-            round(16 * len(block) / (time.perf_counter() - t0) / 1e6)}
+    one_sha = 16 * len(block) / (time.perf_counter() - t0) / 1e6
+    from treeflow.tensorfile import FILES_AT_ONCE  # the writer's files at once
+
+    def write_one(k: int) -> None:
+        with open(f"{path}-{k}", "wb") as f:
+            for _ in range(max(1, nbytes // len(block) // FILES_AT_ONCE)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=write_one, args=(k,)) for k in range(FILES_AT_ONCE)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    total = sum(os.path.getsize(f"{path}-{k}") for k in range(FILES_AT_ONCE))
+    for k in range(FILES_AT_ONCE):
+        os.remove(f"{path}-{k}")
+    return {"disk_write_fsync_mb_s": round(disk), "sha256_one_thread_mb_s": round(one_sha),
+            "files_at_once": FILES_AT_ONCE,
+            "disk_write_fsync_files_at_once_mb_s": round(total / seconds / 1e6)}
 
 
 def writer_probe(ckpt: str, directory: str, device: str) -> dict:
     """The checkpoint writer's MB/s on the shape's float32 weights + two AdamW moments (random,
-    on `device`): the two files at once, as a save writes them, fsync and all."""
+    on `device`): the two at once, each in its shards, as a save writes them, fsync and all."""
     import torch
 
     from treeflow.models import load_model
-    from treeflow.tensorfile import write_safetensors
-    from treeflow.train.checkpoint import in_parallel
+    from treeflow.tensorfile import in_parallel, write_sharded
 
     model = load_model(ckpt, dtype=torch.float32, device=device)
     weights = sorted(model.state_dict().items())
@@ -74,16 +96,18 @@ def writer_probe(ckpt: str, directory: str, device: str) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    in_parallel(lambda: write_safetensors(os.path.join(directory, "w.safetensors"), weights),
-                lambda: write_safetensors(os.path.join(directory, "o.safetensors"), moments))
+    files = [[], []]
+    in_parallel(lambda: files[0].extend(write_sharded(directory, "w", weights)),
+                lambda: files[1].extend(write_sharded(directory, "o", moments)))
     seconds = time.perf_counter() - t0
-    nbytes = sum(os.path.getsize(os.path.join(directory, n)) for n in ("w.safetensors", "o.safetensors"))
-    for n in ("w.safetensors", "o.safetensors"):
+    nbytes = sum(os.path.getsize(os.path.join(directory, n)) for n in files[0] + files[1])
+    for n in files[0] + files[1]:
         os.remove(os.path.join(directory, n))
     del model, weights, moments
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"save_gb": round(nbytes / 1e9, 2), "writer_seconds": round(seconds, 2),
+    return {"save_gb": round(nbytes / 1e9, 2), "writer_files": len(files[0]) + len(files[1]),
+            "writer_seconds": round(seconds, 2),
             "writer_mb_s": round(nbytes / seconds / 1e6)}
 
 
@@ -123,7 +147,9 @@ def main() -> None:
                     "--seed", "0", "--quiet"], check=True, env=env)
     ckpt = os.path.join(work, "model")
     make_checkpoint(args.shape, ckpt, args.device)
-    weights_mib = os.path.getsize(os.path.join(ckpt, "model.safetensors")) / 2**20
+    from treeflow.tensorfile import stored_files  # one model.safetensors, or its shards
+
+    weights_mib = sum(os.path.getsize(f) for f in stored_files(ckpt, "model")) / 2**20
     common = ["replay", data, "--model", ckpt, "--device", args.device, "--dtype",
               "bfloat16" if args.device == "cuda" else "float32", "--mode", "train",
               "--episodes-per-step", str(args.episodes_per_step), "--steps", str(args.steps),

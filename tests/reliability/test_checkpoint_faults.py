@@ -21,7 +21,6 @@ import threading
 import torch
 
 import treeflow.tensorfile as tensorfile
-import treeflow.train.checkpoint as train_ckpt
 from tests.reliability.helpers import TRAIN, cli, final_weights, metrics_steps, tree_hashes, write_small
 
 STEPS = "2"
@@ -93,7 +92,6 @@ def test_kill_at_every_write_point(tmp_path, capsys, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(torch, "save", wrap_writer(torch.save))
         m.setattr(tensorfile, "write_safetensors", wrap_stream(tensorfile.write_safetensors))
-        m.setattr(train_ckpt, "write_safetensors", wrap_stream(train_ckpt.write_safetensors))
         for name in ("replace", "rename"):
             m.setattr(os, name, wrap_move(getattr(os, name)))
         m.setattr(shutil, "rmtree", wrap_move(shutil.rmtree))

@@ -103,9 +103,7 @@ def test_a_failed_background_write_is_the_next_call_s_error(tmp_path, monkeypatc
     def broken(path, tensors, **_):
         raise OSError(28, "No space left on device")
 
-    import treeflow.train.checkpoint as train_ckpt
-
-    monkeypatch.setattr(train_ckpt, "write_safetensors", broken)
+    monkeypatch.setattr(tensorfile, "write_safetensors", broken)  # every file of the save
     tr = _trainer()
     _step(tr, seed=1)
     tr.save(tmp_path / "ck", background=True)

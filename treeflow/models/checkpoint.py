@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 
 import torch
@@ -32,8 +33,10 @@ from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
 
 __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 
-_WEIGHTS = "model.safetensors"
-_INDEX = "model.safetensors.index.json"
+_STEM = "model"
+_WEIGHTS = f"{_STEM}.safetensors"
+_INDEX = f"{_STEM}.safetensors.index.json"
+_SHARD = re.compile(rf"^{_STEM}-\d{{5}}-of-\d{{5}}\.safetensors$")
 
 
 def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype = torch.float32,
@@ -140,21 +143,11 @@ def _read(f, name, expected, config, dtype, device, key=None):
 
 
 def _weight_files(path: str) -> list[str]:
-    single, index = os.path.join(path, _WEIGHTS), os.path.join(path, _INDEX)
-    if os.path.isfile(single):
-        return [single]
-    if not os.path.isfile(index):
+    from treeflow.tensorfile import stored_files
+
+    files = stored_files(path, _STEM)
+    if files is None:
         raise ValueError(f"no {_WEIGHTS} or {_INDEX} in {path}")
-    try:
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object; "
-                         f"{type(e).__name__}: {e})") from e
-    files = [os.path.join(path, n) for n in names]
-    absent = [n for n, fp in zip(names, files) if not os.path.isfile(fp)]
-    if absent:
-        raise ValueError(f"{_INDEX} in {path} names shard(s) {absent} that are not there")
     return files
 
 
@@ -208,7 +201,7 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
     (whose torch_dtype is `dtype_of`'s, by default the first tensor's)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    from treeflow.tensorfile import write_safetensors
+    from treeflow.tensorfile import write_sharded
 
     if config.moe is not None:  # experts one by one under their on-disk names, as transformers
         state = split_experts(state, config.moe)
@@ -216,6 +209,10 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
                 ).removeprefix("torch.")
     with atomic_open(os.path.join(path, "config.json")) as f:
         json.dump(config.to_hf_dict(dtype=dtype), f, indent=2, sort_keys=True)
-    # tensor by tensor: a model on a GPU never has a whole host copy (treeflow/tensorfile.py)
-    with atomic_path(os.path.join(path, _WEIGHTS)) as tmp:
-        write_safetensors(tmp, sorted(state.items()), metadata={"format": "pt"})
+    # tensor by tensor: a model on a GPU never has a whole host copy; beyond 2 GiB in shards
+    # written at once (treeflow/tensorfile.py)
+    written = write_sharded(path, _STEM, sorted(state.items()), metadata={"format": "pt"},
+                            opener=atomic_path)
+    for name in os.listdir(path):  # the other layout's files, left by an earlier save, would shadow
+        if (name == _WEIGHTS or name == _INDEX or _SHARD.match(name)) and name not in written:
+            os.remove(os.path.join(path, name))

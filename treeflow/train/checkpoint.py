@@ -4,6 +4,8 @@ Layout of a checkpoint root `DIR`:
 
     DIR/step-000042/config.json, model.safetensors   a Hugging Face checkpoint (--model, transformers)
     DIR/step-000042/optimizer.safetensors            AdamW's per-parameter tensors
+                                                     (both: Hugging Face's shards plus their
+                                                     *.index.json beyond 2 GiB, written at once)
     DIR/step-000042/trainer.json                     counters, input position, AdamW's param groups,
                                                      the run's fingerprint
     DIR/step-000042/tokenizer.json, ...              the source model's tokenizer files, chat
@@ -51,16 +53,16 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Callable
 
 import torch
 
 from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, remove,
                               remove_stale, temp_name)
-from treeflow.tensorfile import write_safetensors
+from treeflow.tensorfile import in_parallel, write_sharded
 from treeflow.train.checkpoint_layout import (CONFIG_JSON, FORMAT, LATEST, LATEST_RECORD,  # noqa: F401
                                               LEGACY_STATE, MANIFEST, MODEL_FILES, OPTIMIZER,
+                                              OPTIMIZER_STEM,
                                               TRAINER_JSON, latest_step, layout_of, sha256_of,
                                               note_stderr, step_dirs, tensor_parallel_of, writers_of,
                                               step_dir_name)
@@ -132,10 +134,11 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *, keep: int | None = No
         os.makedirs(root, exist_ok=True)
         remove_stale(root)
         with atomic_dir(final) as tmp:
-            # the two big files at once: each is bound by its one sha256 stream, the two by the disk
+            # the weights and AdamW at once, each in shards written at once where it is large
+            # (treeflow/tensorfile.py): bound by the disk, not by one sha256 stream per file
             in_parallel(lambda: save_weights(tmp),
-                        lambda: write_safetensors(os.path.join(tmp, OPTIMIZER),
-                                                  sorted(tensors.items()), metadata={"format": "pt"}))
+                        lambda: write_sharded(tmp, OPTIMIZER_STEM, sorted(tensors.items()),
+                                              metadata={"format": "pt"}))
             copy_model_files(source, tmp)
             _write_config(tmp, config)
             _write_state_and_manifest(tmp, state)
@@ -144,36 +147,6 @@ def checkpoint_writer(trainer, root: str | os.PathLike, *, keep: int | None = No
 
     write.detached = take is not None
     return write
-
-
-def in_parallel(*calls: Callable[[], object]) -> None:
-    """Run `calls` at once, the first in this thread, the others each in a thread on this
-    thread's CUDA stream (a background save's side stream); re-raise the error of the first
-    call that failed, in the order given (not in time: a full disk names the same file always)."""
-    stream = torch.cuda.current_stream() if torch.cuda.is_available() and \
-        torch.cuda.is_initialized() else None
-    errors: list[BaseException | None] = [None] * len(calls)
-
-    def run(i, call) -> None:
-        try:
-            if stream is None:
-                call()
-            else:
-                with torch.cuda.stream(stream):
-                    call()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, c), name=f"treeflow-save-{i}", daemon=True)
-               for i, c in enumerate(calls[1:], 1)]
-    for t in threads:
-        t.start()
-    run(0, calls[0])
-    for t in threads:
-        t.join()
-    for e in errors:
-        if e is not None:
-            raise e
 
 
 def _sharded_writer(trainer, root, keep, *, background: bool) -> Callable[[], str]:

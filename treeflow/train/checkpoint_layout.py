@@ -22,7 +22,8 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "spiece.model", "chat_template.jinja", "chat_template.json",
                "generation_config.json", "preprocessor_config.json")
 MANIFEST = "manifest.json"
-OPTIMIZER = "optimizer.safetensors"
+OPTIMIZER_STEM = "optimizer"      # optimizer.safetensors, or its shards and index (tensorfile.py)
+OPTIMIZER = f"{OPTIMIZER_STEM}.safetensors"
 TRAINER_JSON = "trainer.json"
 LEGACY_STATE = "trainer_state.pt"
 FORMAT = "treeflow-checkpoint/2"
@@ -116,4 +117,4 @@ def note_stderr(msg: str) -> None:
 
 
 __all__ = ["CONFIG_JSON", "FORMAT", "LATEST", "LATEST_RECORD", "LEGACY_STATE", "MANIFEST",
-           "MODEL_FILES", "OPTIMIZER", "TRAINER_JSON", "step_dir_name"]
+           "MODEL_FILES", "OPTIMIZER", "OPTIMIZER_STEM", "TRAINER_JSON", "step_dir_name"]

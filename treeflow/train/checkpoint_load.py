@@ -15,13 +15,17 @@ import json
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from treeflow.tensorfile import FILES_AT_ONCE, index_name, stored_files
+
 from treeflow.train.checkpoint_layout import (LATEST, LEGACY_STATE, MANIFEST, OPTIMIZER, FORMAT,
+                                              OPTIMIZER_STEM,
                                               TRAINER_JSON, latest_step, layout_of, sha256_of,
                                               note_stderr, step_dirs, tensor_parallel_of, writers_of,
                                               step_dir_name, is_checkpoint_root)
@@ -49,9 +53,16 @@ def verify(step_path: str) -> str | None:
         size = os.path.getsize(path)
         if size != want["bytes"]:
             return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or replaced)"
-        if sha256_of(path) != want["sha256"]:
+    names = sorted(files)
+    # one sha256 stream per file, several files at once (hashlib lets go of the GIL): a sharded
+    # checkpoint verifies at the disk's speed; the first bad file in name order is named
+    with ThreadPoolExecutor(max_workers=FILES_AT_ONCE) as pool:
+        digests = list(pool.map(lambda n: sha256_of(os.path.join(step_path, n)), names))
+    for name, digest in zip(names, digests):
+        if digest != files[name]["sha256"]:
             return f"{name} does not match its sha256 in {MANIFEST} (corrupted or modified)"
     return None
+
 
 
 def _unlisted(step_path: str, files: dict) -> list[str]:
@@ -159,10 +170,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
         return _load_sharded(cls, step_path, forward, reduce, options, log, state)
     trainer = cls(replace(forward, model=step_path), reduce, **options)
     _note_layout(step_path, state, trainer, log)
-    try:
-        tensors = load_file(os.path.join(step_path, OPTIMIZER), device=str(trainer.runner.device))
-    except SafetensorError as e:
-        raise ValueError(f"{os.path.join(step_path, OPTIMIZER)}: unreadable ({e})") from e
+    tensors, opt_path = _optimizer_state(step_path, str(trainer.runner.device))
     opt = state["optimizer"]
     per_param: dict[int, dict] = {}
     for key, t in tensors.items():
@@ -180,7 +188,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
             for k, v in st.items():
                 if torch.is_tensor(v) and v.ndim:
                     st[k] = trainer.backend.local_part(names[idx], v)
-    _check_optimizer_shapes(os.path.join(step_path, OPTIMIZER), trainer, per_param)
+    _check_optimizer_shapes(opt_path, trainer, per_param)
     try:
         trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
     except (ValueError, KeyError) as e:
@@ -229,6 +237,22 @@ def _check_state(path: str, state) -> None:
         bad = [k for k in opt.get("scalars", {}) if not re.fullmatch(r"\d+\.\w+", k)]
         if bad:
             raise ValueError(f"{path}: optimizer scalar {bad[0]!r} is not named INDEX.NAME")
+
+
+def _optimizer_state(step_path: str, device: str) -> tuple[dict, str]:
+    """AdamW's tensors from `optimizer.safetensors` or its shards; and the path to name."""
+    files = stored_files(step_path, OPTIMIZER_STEM)
+    if files is None:
+        raise ValueError(f"{step_path}: no {OPTIMIZER} or {index_name(OPTIMIZER_STEM)} (the "
+                         "optimizer state is missing)")
+    tensors: dict = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file, device=device))
+        except SafetensorError as e:
+            raise ValueError(f"{file}: unreadable ({e})") from e
+    single = len(files) == 1 and os.path.basename(files[0]) == OPTIMIZER
+    return tensors, files[0] if single else os.path.join(step_path, index_name(OPTIMIZER_STEM))
 
 
 def _check_optimizer_shapes(path: str, trainer, per_param: dict) -> None:
