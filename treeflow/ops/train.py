@@ -149,7 +149,12 @@ class TrainOp:
         return self.trainer.dp.replicas
 
     def warm_up(self) -> float:
-        """Compile kernels in the trainer's compute context (autocast under mixed precision)."""
+        """Compile kernels in the trainer's compute context (autocast under mixed precision);
+        where the cadence saves, reserve the save's pinned chunks now, not during a step."""
+        if self.checkpointing.dir and self.checkpointing.every:
+            from treeflow.tensorfile import reserve_pinned
+
+            reserve_pinned(self.trainer.runner.device)
         with self.trainer.compute():
             return self.trainer.runner.warm_up(grad=True)
 
