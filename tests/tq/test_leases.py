@@ -95,3 +95,36 @@ def test_a_reader_renews_its_held_steps_well_inside_the_lease():
         assert len(renewals.at) >= 3 and gap < lease / 2, (renewals.at, gap)
     finally:
         reader.close()
+
+
+def test_a_lease_that_ran_out_under_a_stalled_heartbeat_is_said_and_counted(capsys):
+    """The heartbeat stalls past the lease (a starved process) and another consumer takes the
+    step meanwhile: the reader's next renewal fails, and it says so on stderr, once, with the
+    seconds since it last renewed, and counts it in `lapsed` (the summary's `lapsed_leases`)."""
+    lease = 0.4
+    eps = small_episodes()
+    q = local_queue(capacity=100, lease_seconds=lease)
+    q.put(eps.slice(0, B), producer="p")
+    real, taken = q.renew, []
+
+    def renew(leased):
+        if not taken:             # the first renewal comes after the lease has run out
+            time.sleep(2.5 * lease)
+            taken.append(q.get(B, consumer="other", timeout=0))
+        return real(leased)
+    q.renew = renew
+    reader = QueueSource(episodes_per_step=B, ack="manual").open(q)
+    try:
+        next(reader)
+        deadline = time.monotonic() + 10
+        while reader.lapsed == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert taken and taken[0] is not None and taken[0].redelivered
+        assert reader.lapsed == 1
+        time.sleep(3 * lease)     # later renewals of what it still holds: no second count or line
+        assert reader.lapsed == 1
+        err = capsys.readouterr().err
+        assert err.count("warning: the lease of queue step") == 1, err
+        assert "ran out before this consumer renewed" in err and "leases last 0.4 s" in err, err
+    finally:
+        reader.close()

@@ -118,9 +118,14 @@ def test_killed_and_resumed_ray_stream_equals_an_uninterrupted_local_one(runs):
     assert runs["code"] == 0
     resumed = _last_json(runs["resumed"])
     assert resumed["steps"] == 4 and resumed["episodes"] == 16
-    assert resumed["redelivered"] == 1 and resumed["skipped_redeliveries"] == 0
+    # redelivered: the step the killed run had not checkpointed -- and, on a machine loaded
+    # enough to starve this run's lease renewals past LEASE_S (seen once in CI), each lease it
+    # says ran out (`lapsed_leases`, a stderr line), which comes back to a reader of this run
+    lapsed = resumed["lapsed_leases"]
+    assert 1 <= resumed["redelivered"] <= 1 + lapsed and resumed["skipped_redeliveries"] == 0
     q = runs["queue"]           # nothing lost, nothing applied twice
-    assert q["steps_released"] == 4 and q["steps_acked"] == 4 and q["redeliveries"] == 1
+    assert q["steps_released"] == 4 and q["steps_acked"] == 4
+    assert q["redeliveries"] == 1 + lapsed, (q, lapsed)
     assert q["leased_steps"] == 0 and q["queued_episodes"] == 0
     tmp = runs["tmp"]
     got, want = _rows(tmp / "ray.jsonl"), _rows(tmp / "ref.jsonl")

@@ -190,5 +190,6 @@ def score_queue(pipeline, queue, source, output: StreamOutput, *, metrics: str |
                 gen_logprob_max_diff=worst[0] if kls else None,
                 redelivered=reader.redelivered, skipped_redeliveries=reader.skipped,
                 rejected_steps=reader.rejected, dead_lettered_steps=reader.dead_lettered,
+                lapsed_leases=reader.lapsed,
                 output=output.path)
     return sums

@@ -120,6 +120,9 @@ class QueueReader(Source):
         self.dropped_stale = 0    # episodes the queue dropped as too stale for this reader
         self.rejected = 0         # steps this reader could not run and gave back
         self.dead_lettered = 0    # ... of which the queue then moved aside for good
+        self.lapsed = 0           # leases of this reader that ran out before it renewed or acked them
+        self._ran_out: set[int] = set()       # ... their lease ids (counted once, not renewed again)
+        self._lapse_lock = threading.Lock()
         self._lock = threading.Lock()
         self._others: set[int] = set()       # steps other ranks applied in this run (`applied`)
         self._held: dict[int, object] = {}    # queue step -> its current lease, until acknowledged
@@ -127,7 +130,8 @@ class QueueReader(Source):
         self._lapsed: set[int] = set()        # finished steps whose ack came after the lease lapsed
         self._stop = threading.Event()
         stats = self.queue.stats()
-        lease = float(stats.get("lease_seconds", 60.0))
+        lease = self._lease_s = float(stats.get("lease_seconds", 60.0))
+        self._renewed = time.monotonic()      # when the heartbeat last renewed every held lease
         self._beat = threading.Thread(target=self._heartbeat, args=(lease / 4,), daemon=True,
                                       name="treeflow-tq-renew")
         self._beat.start()
@@ -159,12 +163,12 @@ class QueueReader(Source):
             if got == END:
                 raise StopIteration
             self.dropped_stale += got.dropped_stale
+            lost = None
             with self._lock:
-                if got.step in self._held or self._done(got.step):
-                    mine = got.step in self._held
-                    if mine:            # our own lease lapsed (a stalled heartbeat): keep the new one
-                        self._held[got.step] = got
-                        continue
+                if got.step in self._held:  # our lease lapsed (a stalled heartbeat): keep the new one
+                    lost, self._held[got.step] = self._held[got.step], got
+                    done = True
+                elif self._done(got.step):
                     if got.step in self._others and self.source.ack == "manual":
                         # another rank's part of a window, applied in this run but maybe not
                         # yet durable (its lease lapsed): hold it, acknowledged with our own
@@ -184,6 +188,9 @@ class QueueReader(Source):
                     self._held[got.step] = got
                     self._extra.add(got.step)
                     self._compact()
+            if lost is not None:
+                self._note_lapse(lost)
+                continue
             if done:
                 self.queue.ack(got)
                 continue
@@ -271,6 +278,7 @@ class QueueReader(Source):
             if leased is not None and not self.queue.ack(leased):
                 with self._lock:        # our lease lapsed first: the step comes back to us
                     self._lapsed.add(step)
+                self._note_lapse(leased)
 
     def close(self) -> None:
         """Stop leasing and renewing; give back at once every step not handed to the caller.
@@ -299,9 +307,31 @@ class QueueReader(Source):
                 held = list(self._held.values())
             try:
                 for leased in held:
-                    self.queue.renew(leased)
+                    if leased.lease not in self._ran_out and not self.queue.renew(leased):
+                        with self._lock:   # still ours (not acknowledged meanwhile): it lapsed
+                            ours = self._held.get(leased.step) is leased
+                        if ours:
+                            self._note_lapse(leased)
             except Exception:  # noqa: BLE001 - the queue is gone; the main loop reports it
                 return
+            self._renewed = time.monotonic()
+
+    def _note_lapse(self, leased) -> None:
+        """A lease of ours ran out: the step is redelivered (to another consumer, or back here)
+        and still applied once; said on stderr the first time, counted once in `lapsed`."""
+        with self._lapse_lock:
+            if leased.lease in self._ran_out:
+                return
+            self._ran_out.add(leased.lease)
+            self.lapsed += 1
+            first = self.lapsed == 1
+        if first:
+            print(f"warning: the lease of queue step {leased.step} ran out before this consumer renewed "
+                  f"or acknowledged it ({time.monotonic() - self._renewed:.1f} s since its last "
+                  f"renewal; leases last {self._lease_s:g} s, renewed every "
+                  f"{self._lease_s / 4:g} s): the step is redelivered and applied once; a "
+                  "starved process (machine load) or too short a lease does this (open_queue's "
+                  "lease_seconds)", file=sys.stderr, flush=True)
 
 
 def _producers_note(queue) -> str:

@@ -110,14 +110,14 @@ class QueueTraining:
 class _NoReader:
     """What a rank other than 0 shows of the reader it does not have (rank 0 reports)."""
 
-    episodes = dropped_stale = redelivered = skipped = rejected = dead_lettered = 0
+    episodes = dropped_stale = redelivered = skipped = rejected = dead_lettered = lapsed = 0
 
 
 def _counts(reader) -> dict:
     """What a reader counted, as the summary names it (per-rank leases: summed over ranks)."""
     return {"dropped_stale": reader.dropped_stale, "redelivered": reader.redelivered,
             "skipped_redeliveries": reader.skipped, "rejected_steps": reader.rejected,
-            "dead_lettered_steps": reader.dead_lettered}
+            "dead_lettered_steps": reader.dead_lettered, "lapsed_leases": reader.lapsed}
 
 
 def merge_rank_summaries(results: list) -> dict:
