@@ -14,8 +14,9 @@ model.
 Families:
 - `NemotronHForCausalLM`: one mixer per block (`layers_block_type` /
   `hybrid_override_pattern`: Mamba-2, attention without RoPE, relu^2 MLP),
-  pre-norm, weights under `backbone.`; its `time_step_min` floors dt (as
-  transformers' mixer does); MTP layers under `mtp.` are bypassed; MoE blocks
+  pre-norm, weights under `backbone.`; dt is clamped to `time_step_limit` (as
+  mamba_ssm and transformers >= 5.25 do; `time_step_min` only initialises dt_bias);
+  MTP layers under `mtp.` are bypassed; MoE blocks
   ("moe" / "E") are Nemotron-H's sigmoid-routed relu^2 experts (no aux loss:
   transformers computes none for it).
 - `BambaForCausalLM`: every layer is a Mamba-2 or an attention mixer
@@ -247,8 +248,9 @@ def _nemotron_h(d: Mapping[str, Any]) -> HybridConfig:
         conv_kernel=d.get("conv_kernel", d.get("mamba_d_conv", 4)),
         chunk_size=d.get("chunk_size", d.get("mamba_chunk_size", 128)),
         use_conv_bias=bool(d.get("use_conv_bias", d.get("mamba_conv_bias", True))),
-        # transformers' NemotronH mixer floors dt at time_step_min and has no upper limit
-        time_step_limit=(float(d.get("time_step_min", d.get("mamba_dt_min", 0.001))), math.inf),
+        # dt clamped to time_step_limit (mamba_dt_limit), (0, inf) by default, as mamba_ssm's
+        # Mamba-2 and transformers >= 5.25 do (<= 5.24 floored dt at time_step_min instead)
+        time_step_limit=_limit(d.get("time_step_limit", d.get("mamba_dt_limit"))),
         mlp_act="relu2", mtp_layers=mtp_layer_count(d), moe=moe, hf_extras=dict(d))
 
 
