@@ -40,7 +40,11 @@ def _env():
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kill")
     data = write_small(tmp / "e.arrow")
-    ck, m = tmp / "ref", tmp / "ref.jsonl"
+    return (data, *_timed(data, tmp / "ref", tmp / "ref.jsonl"))
+
+
+def _timed(data, ck, m):
+    """One uninterrupted run: its final weights, seconds to its first metrics line, in all."""
     t0 = time.time()
     p = subprocess.Popen(_cmd(data, ck, m, False), env=_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
@@ -49,7 +53,7 @@ def reference(tmp_path_factory):
     first = time.time() - t0
     err = p.communicate()[1]
     assert p.returncode == 0, err
-    return data, final_weights(ck), first, time.time() - t0
+    return final_weights(ck), first, time.time() - t0
 
 
 def _committed(ck) -> bool:
@@ -90,11 +94,14 @@ def _trial(seed, tmp, reference, max_kills):
 def test_sigkill_and_resume_equals_uninterrupted(tmp_path, reference):
     kills = sum(_trial(seed, tmp_path, reference, 1) for seed in range(3))
     # a kill instant is drawn from the reference run's times: on a machine whose load fell since
-    # that run, all three can finish first; more seeds until one is killed (CI did see 0 of 3)
+    # that run, all three can finish first (CI saw 0 of 3, and a loaded run 0 of 8): time an
+    # uninterrupted run again, now, and draw more seeds from its times until one is killed
     for seed in range(3, 8):
         if kills:
             break
-        kills += _trial(seed, tmp_path, reference, 1)
+        data, want = reference[:2]
+        _, first, total = _timed(data, tmp_path / f"ref{seed}", tmp_path / f"ref{seed}.jsonl")
+        kills += _trial(seed, tmp_path, (data, want, first, total), 1)
     assert kills >= 1
 
 
