@@ -223,6 +223,15 @@ def _file_case(kind):
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text("null")
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], ["config.json"]
+        if kind == "model-index-escapes":  # a shard index naming a file outside the directory
+            from treeflow.models import load_model, save_model
+
+            save_model(load_model("tiny"), tmp / "m")
+            os.remove(tmp / "m" / "model.safetensors")
+            (tmp / "m" / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"model.embed_tokens.weight": "../x.safetensors"}}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["model.safetensors.index.json", "not files beside it"]
         if kind in ("model-mtp", "model-hybrid-moe"):
             (tmp / "m").mkdir()
             cfg = ({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
@@ -450,8 +459,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "missing-file", "empty-glob", "empty-dir", "junk-arrow", "truncated-parquet", "csv-input",
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "plan-rank-out-of-range",
-         "max-tokens-0", "device", "model-missing", "model-config-null", "model-mtp",
-         "model-hybrid-moe", "no-batch", "steps-0",
+         "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
+         "model-mtp", "model-hybrid-moe", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
