@@ -29,11 +29,13 @@ Legend: none (tensors keep their own shapes).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import queue
+import re
 import struct
 import threading
 from collections.abc import Callable, Iterable
@@ -247,28 +249,31 @@ def write_sharded(directory: str | os.PathLike, stem: str,
     else:
         names = [shard_name(stem, k, len(shards)) for k in range(1, len(shards) + 1)]
 
+    opener = opener or _as_is
+
     def write(name: str, part: list) -> None:
-        with _FILE_SLOTS:
-            path = os.path.join(directory, name)
-            if opener is None:
-                write_safetensors(path, part, metadata=metadata)
-                return
-            with opener(path) as tmp:
-                write_safetensors(tmp, part, metadata=metadata)
+        with _FILE_SLOTS, opener(os.path.join(directory, name)) as path:
+            write_safetensors(path, part, metadata=metadata)
 
     in_parallel(*[lambda n=n, p=p: write(n, p) for n, p in zip(names, shards)])
     if len(shards) == 1:
         return names
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in items)},
              "weight_map": {name: file for file, part in zip(names, shards) for name, _ in part}}
-    path = os.path.join(directory, index_name(stem))
-    if opener is None:
-        with open(path, "w") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-    else:
-        with opener(path) as tmp, open(tmp, "w") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
+    with opener(os.path.join(directory, index_name(stem))) as path, open(path, "w") as f:
+        json.dump(index, f, indent=1, sort_keys=True)
     return [*names, index_name(stem)]
+
+
+@contextlib.contextmanager
+def _as_is(path: str):
+    """The opener that writes the final path itself (a checkpoint's temporary directory)."""
+    yield path
+
+
+def is_shard_name(stem: str, name: str) -> bool:
+    """Whether `name` is one of `stem`'s shards (`shard_name`'s pattern)."""
+    return re.fullmatch(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.safetensors", name) is not None
 
 
 def stored_files(directory: str | os.PathLike, stem: str) -> list[str] | None:
@@ -349,4 +354,5 @@ def _host_bytes(t: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Te
     return out
 
 
-__all__ = ["in_parallel", "stored_files", "write_safetensors", "write_sharded", "written_sha256"]
+__all__ = ["in_parallel", "is_shard_name", "stored_files", "write_safetensors", "write_sharded",
+           "written_sha256"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 
 import torch
@@ -36,7 +35,6 @@ __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 _STEM = "model"
 _WEIGHTS = f"{_STEM}.safetensors"
 _INDEX = f"{_STEM}.safetensors.index.json"
-_SHARD = re.compile(rf"^{_STEM}-\d{{5}}-of-\d{{5}}\.safetensors$")
 
 
 def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype = torch.float32,
@@ -201,7 +199,7 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
     (whose torch_dtype is `dtype_of`'s, by default the first tensor's)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    from treeflow.tensorfile import write_sharded
+    from treeflow.tensorfile import is_shard_name, write_sharded
 
     if config.moe is not None:  # experts one by one under their on-disk names, as transformers
         state = split_experts(state, config.moe)
@@ -214,5 +212,5 @@ def save_state(state: dict[str, torch.Tensor], config: ModelConfig, path: str | 
     written = write_sharded(path, _STEM, sorted(state.items()), metadata={"format": "pt"},
                             opener=atomic_path)
     for name in os.listdir(path):  # the other layout's files, left by an earlier save, would shadow
-        if (name == _WEIGHTS or name == _INDEX or _SHARD.match(name)) and name not in written:
+        if (name in (_WEIGHTS, _INDEX) or is_shard_name(_STEM, name)) and name not in written:
             os.remove(os.path.join(path, name))

@@ -122,7 +122,6 @@ class QueueReader(Source):
         self.dead_lettered = 0    # ... of which the queue then moved aside for good
         self.lapsed = 0           # leases of this reader that ran out before it renewed or acked them
         self._ran_out: set[int] = set()       # ... their lease ids (counted once, not renewed again)
-        self._lapse_lock = threading.Lock()
         self._lock = threading.Lock()
         self._others: set[int] = set()       # steps other ranks applied in this run (`applied`)
         self._held: dict[int, object] = {}    # queue step -> its current lease, until acknowledged
@@ -319,7 +318,7 @@ class QueueReader(Source):
     def _note_lapse(self, leased) -> None:
         """A lease of ours ran out: the step is redelivered (to another consumer, or back here)
         and still applied once; said on stderr the first time, counted once in `lapsed`."""
-        with self._lapse_lock:
+        with self._lock:
             if leased.lease in self._ran_out:
                 return
             self._ran_out.add(leased.lease)
