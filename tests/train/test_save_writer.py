@@ -82,7 +82,7 @@ class _SlowSha:
 
 def test_staged_host_memory_is_bounded_by_the_chunk_pool(tmp_path, monkeypatch):
     """Host memory of a save: the staged chunks alive at once never exceed DEPTH chunks per
-    file, two files at once -- here 32 KiB, a quarter of the largest tensor -- although the
+    file, two files at once -- here 16 KiB at DEPTH 2, below the largest tensor -- although the
     hasher lags far behind the stager (nothing waits for it but the pool)."""
     monkeypatch.setattr(tensorfile, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(tensorfile.hashlib, "sha256", _SlowSha)
