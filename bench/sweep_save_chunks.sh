@@ -7,6 +7,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/bench/results}
+copy=
+trap 'rm -rf "${copy:-}"' EXIT  # a failed run leaves no copy of the tree behind
 for cfg in "$@"; do
   mib=${cfg%x*}; depth=${cfg#*x}
   copy=$(mktemp -d)
@@ -20,4 +22,5 @@ for cfg in "$@"; do
     2>&1 | grep -v "^treeflow:" | tail -4
   mv "$copy"/bench_save_*.json "$out/save_chunks_${mib}x${depth}.json"
   rm -rf "$copy" /dev/shm/treeflow-save-*
+  copy=
 done
