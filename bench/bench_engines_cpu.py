@@ -49,6 +49,8 @@ between the engines.
 
     python bench/bench_engines_cpu.py                  # 2,000 short episodes, 3 repeats
     python bench/bench_engines_cpu.py --episodes 200 --repeats 1   # a quick look
+    python bench/bench_engines_cpu.py --modes local,ray_attached --local-threads 14 --repeats 6
+        # and the local engine at the rank actor's 14 threads, interleaved (16 cores)
 """
 
 from __future__ import annotations
@@ -165,11 +167,11 @@ def run(cmd: list[str], env: dict, cluster: int | None = None) -> dict:
             "cli": summary}
 
 
-def _overhead(runs: dict, mode: str, key) -> float | None:
-    if not runs.get(mode) or not runs.get("local"):
+def _overhead(runs: dict, mode: str, key, base: str = "local") -> float | None:
+    if not runs.get(mode) or not runs.get(base):
         return None
-    med = {m: statistics.median(key(r) for r in runs[m]) for m in (mode, "local")}
-    return round(med[mode] / med["local"] - 1, 4)
+    med = {m: statistics.median(key(r) for r in runs[m]) for m in (mode, base)}
+    return round(med[mode] / med[base] - 1, 4)
 
 
 def _max_diff(a, b, column: str) -> float:
@@ -199,9 +201,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="local,ray,ray_attached")
+    ap.add_argument("--local-threads", type=int, default=None,
+                    help="also run the local engine at this many torch threads (the Ray rank "
+                         "actor's count) in every repeat, and give the Ray overhead against it")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_engines.json"))
     args = ap.parse_args()
     modes = args.modes.split(",")
+    if args.local_threads:  # interleaved with the others, so a drift in load hits it alike
+        modes.insert(1, f"local_threads{args.local_threads}")
     # the children import this checkout and this interpreter's packages, however it was started
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
@@ -245,6 +252,8 @@ def main() -> None:
                "--prefetch", str(args.prefetch), "--max-tokens", str(args.max_tokens), "-o", out,
                "--json"]
         run_env = {**env, "RAY_ADDRESS": address} if mode == "ray_attached" else env
+        if threads is None and mode.startswith("local_threads"):
+            threads = int(mode[len("local_threads"):])
         if threads is not None:  # the local engine at the Ray rank actor's thread count
             run_env = {**run_env, "OMP_NUM_THREADS": str(threads)}
         r = run(cmd, run_env, holder.pid if mode == "ray_attached" else None)
@@ -269,18 +278,19 @@ def main() -> None:
     full = args.episodes
     base = pa.ipc.open_file(outputs[("local", full)]).read_all() if ("local", full) in outputs else None
     result["identical_results"] = {m: pa.ipc.open_file(outputs[(m, full)]).read_all().equals(base)
-                                   for m in modes if m != "local" and (m, full) in outputs}
+                                   for m in modes if m.startswith("ray") and (m, full) in outputs}
     # a CPU GEMM's sums may split differently at another thread count, so a Ray rank actor that
     # runs fewer threads than this process can differ in the last bits: then the local engine
     # runs once more at the rank's count, which must give the Ray engine's results bit for bit
-    for m, same in list(result["identical_results"].items()):
+    for m, same in [kv for kv in result["identical_results"].items() if kv[0].startswith("ray")]:
         ray_threads = (result["runs"][f"{m}_{full}"][0]["cli"].get("threads") or {}).get("torch")
         local_threads = (result["runs"][f"local_{full}"][0]["cli"].get("threads") or {}).get(
             "torch") if ("local", full) in outputs else None
         if same or ray_threads is None or ray_threads == local_threads:
             continue
         mode = f"local_threads{ray_threads}"
-        one(mode, full, 0, threads=ray_threads)
+        if (mode, full) not in outputs:
+            one(mode, full, 0, threads=ray_threads)
         got = pa.ipc.open_file(outputs[(m, full)]).read_all()
         at = pa.ipc.open_file(outputs[(mode, full)]).read_all()
         result.setdefault("identical_at_rank_threads", {})[m] = {
@@ -302,7 +312,20 @@ def main() -> None:
         m: {"steady": _overhead(runs, m, lambda r: r["cli"]["steady_seconds"]),
             "wall": _overhead(runs, m, lambda r: r["cli"]["wall_seconds"]),
             "process": _overhead(runs, m, lambda r: r["process_seconds"])}
-        for m in modes if m != "local"}
+        for m in modes if m.startswith("ray")}
+    # the same against the local engine at the rank actor's threads (--local-threads)
+    for base in (m for m in modes if m.startswith("local_threads")):
+        result[f"ray_overhead_vs_{base}"] = {
+            m: {k: _overhead(runs, m, f, base) for k, f in (
+                ("steady", lambda r: r["cli"]["steady_seconds"]),
+                ("wall", lambda r: r["cli"]["wall_seconds"]),
+                ("process", lambda r: r["process_seconds"]))}
+            for m in modes if m.startswith("ray")}
+    result["range_seconds"] = {  # (fastest, slowest) of the repeats: the medians' spread
+        m: {k: [min(f(r) for r in rs), max(f(r) for r in rs)] for k, f in (
+            ("steady", lambda r: r["cli"]["steady_seconds"]),
+            ("wall", lambda r: r["cli"]["wall_seconds"]))}
+        for m, rs in runs.items() if rs}
     # CPU seconds (user + system) of every process the run used, which the machine's other
     # load inflates less than wall time; per window: steady time over the windows run
     windows = -(-full // args.window)  # the last one may be short
