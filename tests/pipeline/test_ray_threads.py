@@ -4,7 +4,7 @@ The stage operators run in their own processes beside the forward (the local
 engine runs them in line); a rank actor whose OpenMP threads fill every core
 has one taken off its core by a stage operator and the others spin at the
 next barrier (pipeline/ray.py `rank_threads`). So the actor's threads are
-the CPUs free for it beside one whole CPU and the stage operators' share, it
+the CPUs free for it beside one whole CPU and one core per stage operator, it
 reserves them (Ray states them as the actor's OMP_NUM_THREADS), and the run
 reports them as the local engine's does. Below 8 free CPUs a rank keeps the
 local engine's threads (one core of two left to the stage operators cost more).
@@ -32,6 +32,12 @@ def test_rank_threads_are_the_cpus_free_beside_the_read_and_the_stage_operators(
     threads, reserve, why, warning = rt(16, 1.0, 1, 16)
     assert (threads, reserve, warning) == (14, 14.0, None)
     assert why.startswith("RayEngine: the rank actor's 14 reserved Ray CPUs (16 free"), why
+    # beside 3 stage operators, each a process on a core of its own while it runs: 12 (at 14
+    # the rank's OpenMP threads spun against them: 13% slower than the local engine at 14)
+    threads, reserve, why, _ = rt(16, 1.0, 1, 16, stages=3)
+    assert (threads, reserve) == (12, 12.0) and "3 for the stage operators' processes" in why
+    assert rt(16, 1.0, 2, 16, stages=3)[:2] == (6, 6.0)  # shared out over two ranks
+    assert rt(16, 1.0, 1, 16, stages=3, given=14)[3] is not None  # more than is free: said
     # never more than the local engine's threads (9 logical CPUs on 2 cores), shared out
     assert rt(9, 1.0, 1, 2)[:2] == (2, 2.0)
     assert rt(9, 1.0, 2, 2, cpus=2)[:2] == (1, 1.0)
@@ -93,7 +99,7 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
     finally:
         engine.close()
     want = rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
-                        cpu_count=os.cpu_count() or 1)
+                        cpu_count=os.cpu_count() or 1, stages=len(pipe.plan.maps))
     got = records[0].stats["threads"]
     assert (engine.threads, engine.rank_cpus, engine.threads_set_by) == want[:3]
     assert got["torch"] == engine.threads and got["set_by"] == want[2], got

@@ -225,9 +225,11 @@ class RayEngine:
 
     def _rank_threads(self, free: float, share: float, procs: int, cuda: bool,
                       cores: int) -> tuple:
-        """`rank_threads` for this engine, `cores` this process's torch threads."""
+        """`rank_threads` for this engine, `cores` this process's torch threads; one stage
+        operator per map stage of the plan (pipeline/ray_maps.py `stage_ops`)."""
         return rank_threads(free, share, procs, cores=cores, cpu_count=os.cpu_count() or 1,
-                            given=self.threads if self.given_threads else None, cuda=cuda)
+                            given=self.threads if self.given_threads else None, cuda=cuda,
+                            stages=len(self.plan.maps))
 
     def restart_rank(self, r: int, dead: int | None = None) -> None:
         """Replay under context parallelism: restart rank r's actors and form their group."""
@@ -309,25 +311,34 @@ def torch_threads_guess() -> int:
 
 
 def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count: int,
-                 given: int | None = None, cuda: bool = False) -> tuple[int, float, str, str | None]:
+                 given: int | None = None, cuda: bool = False,
+                 stages: int = 1) -> tuple[int, float, str, str | None]:
     """(torch threads per rank, Ray CPUs each rank actor reserves, what set them, a warning).
 
     free: the cluster's free Ray CPUs; share: the stage operators' CPUs (RayEngine.start);
     procs: rank actors; cores: this process's torch threads (the local engine's count);
-    given: `threads=` if the caller chose.
+    given: `threads=` if the caller chose; stages: the stage operators (one per map stage).
 
     With SPARE_FROM CPUs free or more, a CPU rank actor runs as many torch threads as the
     Ray CPUs it reserves: what is free for each rank after one whole CPU (Ray Data's read,
-    the driver) and the stage operators' share, never more than `cores` with one rank (the
-    cores shared out with several), at least one. The stage operators run in their own
+    the driver) and one core for each stage operator, never more than `cores` with one rank
+    (the cores shared out with several), at least one. The stage operators run in their own
     processes beside the forward, not in line as in the local engine, and an OpenMP thread
     one of them takes off its core stalls every other at the next barrier, spinning (on a
     quiet 16-core host, at the local engine's 16 threads, the rank actor used 100 CPU
-    seconds against 73 for the whole local process). On fewer CPUs that spare costs too
-    much of the forward: a rank keeps the local engine's threads on what it can reserve
-    (on 2 cores, quiet, 1 thread made the steady time +63% against local, 2 threads +14%;
-    under load 1 thread spent 8.5 CPU seconds where 2 spent 16-21). CUDA: no CPU reserved,
-    `cores` shared out, as before.
+    seconds against 73 for the whole local process). Each stage operator is a process that
+    takes a whole core while it runs, whatever fraction of a Ray CPU it reserves, and Ray
+    Data runs them at once on the first blocks. Left their fractional share alone (14
+    threads on 16 cores beside 3 of them), the rank's steady time was 13% over the local
+    engine's at 14 threads and its actor used 86 CPU seconds; left a core each (12
+    threads), on the same host, 10% under the local engine's at 12 threads and 73 CPU
+    seconds (bench/results/h200host_cpu_engines_16core_{r6,less2_probe}.json). Those
+    cores idle once the stage operators have run ahead of the forward, which a forward long
+    against the stages (a larger model) would rather use: `threads=` gives them. On fewer
+    CPUs that spare costs too much of the forward: a rank keeps the local engine's threads
+    on what it can reserve (on 2 cores, quiet, 1 thread made the steady time +63% against
+    local, 2 threads +14%; under load 1 thread spent 8.5 CPU seconds where 2 spent 16-21).
+    CUDA: no CPU reserved, `cores` shared out, as before.
     """
     default = cores if procs == 1 else max(1, cpu_count // procs)
     if cuda:
@@ -336,7 +347,8 @@ def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count
                f"RayEngine: this process's {cores} torch threads over {procs} rank processes "
                "(a CUDA rank reserves no CPU)")
         return threads, 0.0, why, None
-    fit = max(0.0, free - 1.0 - share) / procs  # the Ray CPUs free for each rank
+    maps = max(share, float(stages))  # the cores the stage operators' processes run on
+    fit = max(0.0, free - 1.0 - maps) / procs  # the Ray CPUs free for each rank
     spare = free >= SPARE_FROM
     threads = given or (max(1, min(default, int(fit))) if spare else default)
     reserve = max(share, min(float(threads), fit))
@@ -349,8 +361,8 @@ def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count
         return threads, reserve, f"threads={threads} given ({reserve:g} Ray CPUs reserved)", warning
     if spare:
         why = (f"RayEngine: the rank actor's {reserve:g} reserved Ray CPUs ({free:g} free, "
-               f"less 1 for Ray Data's read and {share:g} for the stage operators, over "
-               f"{procs} rank processes; at most {default})")
+               f"less 1 for Ray Data's read and {maps:g} for the stage operators' processes, "
+               f"over {procs} rank processes; at most {default})")
     else:
         why = (f"RayEngine: the local engine's {default} threads per rank on {reserve:g} "
                f"reserved Ray CPUs (under {SPARE_FROM} free CPUs, {free:g} here, a rank "
