@@ -23,7 +23,11 @@ Ray engine's `ray.init`; the tiny model compiles nothing), on its
 `wall_seconds`, and on the whole process (imports included). The goal (Ray
 overhead <= 5% of wall time) is read on steady seconds of `ray_attached`;
 the cold-start numbers say what starting a cluster costs on top. `first_window`: seconds
-from the process's start to the first window's results (the CLI's `phases`).
+from the process's start to the first window's results (the CLI's `phases`). With
+`--local-threads N` the local engine also runs at N torch threads (the Ray rank actor's
+count, `forward_threads`) in every repeat, and `ray_overhead_vs_local_threadsN` gives the
+three against it: on a host where the local engine's default threads spin, that is the
+like-for-like figure. `range_seconds`: each mode's fastest and slowest repeat.
 
 CPU: the user + system seconds of every process of the run, sampled from /proc
 every 0.1 s, by role (`cli`, `ray::RankActor`, `stage_actor:Fragment`, Ray's
