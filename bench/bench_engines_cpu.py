@@ -211,6 +211,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_engines.json"))
     args = ap.parse_args()
     modes = args.modes.split(",")
+    if args.local_threads is not None and (args.local_threads < 1 or "local" not in modes):
+        ap.error(f"--local-threads {args.local_threads}: give a thread count >= 1, with the "
+                 "local mode in --modes (the Ray overhead is given against both)")
     if args.local_threads:  # interleaved with the others, so a drift in load hits it alike
         modes.insert(1, f"local_threads{args.local_threads}")
     # the children import this checkout and this interpreter's packages, however it was started
@@ -318,9 +321,9 @@ def main() -> None:
             "process": _overhead(runs, m, lambda r: r["process_seconds"])}
         for m in modes if m.startswith("ray")}
     # the same against the local engine at the rank actor's threads (--local-threads)
-    for base in (m for m in modes if m.startswith("local_threads")):
-        result[f"ray_overhead_vs_{base}"] = {
-            m: {k: _overhead(runs, m, f, base) for k, f in (
+    for like in (m for m in modes if m.startswith("local_threads")):
+        result[f"ray_overhead_vs_{like}"] = {
+            m: {k: _overhead(runs, m, f, like) for k, f in (
                 ("steady", lambda r: r["cli"]["steady_seconds"]),
                 ("wall", lambda r: r["cli"]["wall_seconds"]),
                 ("process", lambda r: r["process_seconds"]))}

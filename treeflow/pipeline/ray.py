@@ -229,7 +229,7 @@ class RayEngine:
         operator per map stage of the plan (pipeline/ray_maps.py `stage_ops`)."""
         return rank_threads(free, share, procs, cores=cores, cpu_count=os.cpu_count() or 1,
                             given=self.threads if self.given_threads else None, cuda=cuda,
-                            stages=len(self.plan.maps))
+                            stages=len(self.plans[0].maps))
 
     def restart_rank(self, r: int, dead: int | None = None) -> None:
         """Replay under context parallelism: restart rank r's actors and form their group."""
@@ -332,9 +332,14 @@ def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count
     threads on 16 cores beside 3 of them), the rank's steady time was 13% over the local
     engine's at 14 threads and its actor used 86 CPU seconds; left a core each (12
     threads), on the same host, 10% under the local engine's at 12 threads and 73 CPU
-    seconds (bench/results/h200host_cpu_engines_16core_{r6,less2_probe}.json). Those
-    cores idle once the stage operators have run ahead of the forward, which a forward long
-    against the stages (a larger model) would rather use: `threads=` gives them. On fewer
+    seconds (bench/results/h200host_cpu_engines_16core_{r6,less2_probe}.json); on a faster
+    instance of the host, 6% over it (`..._stage_cores.json`). Measured at 16 free CPUs
+    only; from 8 to 15 the same rule, unmeasured. Those cores idle once the stage operators
+    have run ahead of the forward, which a forward long against the stages (a larger model)
+    would rather use: `threads=` gives them (and says on stderr that they share cores with
+    the stage operators). Under SPARE_FROM the rank reserves the Ray CPUs left after the
+    stage operators' cores, at least their share (1 of 4 free, where it reserved 2 before
+    the rule). On fewer
     CPUs that spare costs too much of the forward: a rank keeps the local engine's threads
     on what it can reserve (on 2 cores, quiet, 1 thread made the steady time +63% against
     local, 2 threads +14%; under load 1 thread spent 8.5 CPU seconds where 2 spent 16-21).
@@ -347,7 +352,7 @@ def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count
                f"RayEngine: this process's {cores} torch threads over {procs} rank processes "
                "(a CUDA rank reserves no CPU)")
         return threads, 0.0, why, None
-    maps = max(share, float(stages))  # the cores the stage operators' processes run on
+    maps = float(stages)  # the cores the stage operators' processes run on: one each
     fit = max(0.0, free - 1.0 - maps) / procs  # the Ray CPUs free for each rank
     spare = free >= SPARE_FROM
     threads = given or (max(1, min(default, int(fit))) if spare else default)
