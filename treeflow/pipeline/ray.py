@@ -339,11 +339,10 @@ def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count
     would rather use: `threads=` gives them (and says on stderr that they share cores with
     the stage operators). Under SPARE_FROM the rank reserves the Ray CPUs left after the
     stage operators' cores, at least their share (1 of 4 free, where it reserved 2 before
-    the rule). On fewer
-    CPUs that spare costs too much of the forward: a rank keeps the local engine's threads
-    on what it can reserve (on 2 cores, quiet, 1 thread made the steady time +63% against
-    local, 2 threads +14%; under load 1 thread spent 8.5 CPU seconds where 2 spent 16-21).
-    CUDA: no CPU reserved, `cores` shared out, as before.
+    the rule). On fewer CPUs that spare costs too much of the forward: a rank keeps the
+    local engine's threads on what it can reserve (on 2 cores, quiet, 1 thread made the
+    steady time +63% against local, 2 threads +14%; under load 1 thread spent 8.5 CPU
+    seconds where 2 spent 16-21). CUDA: no CPU reserved, `cores` shared out, as before.
     """
     default = cores if procs == 1 else max(1, cpu_count // procs)
     if cuda:
