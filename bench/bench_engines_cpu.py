@@ -289,7 +289,7 @@ def main() -> None:
     # a CPU GEMM's sums may split differently at another thread count, so a Ray rank actor that
     # runs fewer threads than this process can differ in the last bits: then the local engine
     # runs once more at the rank's count, which must give the Ray engine's results bit for bit
-    for m, same in [kv for kv in result["identical_results"].items() if kv[0].startswith("ray")]:
+    for m, same in list(result["identical_results"].items()):  # the Ray modes
         ray_threads = (result["runs"][f"{m}_{full}"][0]["cli"].get("threads") or {}).get("torch")
         local_threads = (result["runs"][f"local_{full}"][0]["cli"].get("threads") or {}).get(
             "torch") if ("local", full) in outputs else None
@@ -304,34 +304,24 @@ def main() -> None:
             "threads": ray_threads, "identical": got.equals(at),
             "max_abs_logprob_diff_vs_local": _max_diff(got, base, "logprobs")}
     runs = {m: result["runs"].get(f"{m}_{full}", []) for m in modes}
+    timed = {"steady": lambda r: r["cli"]["steady_seconds"],
+             "wall": lambda r: r["cli"]["wall_seconds"],
+             "startup": lambda r: r["cli"]["startup_seconds"],
+             "process": lambda r: r["process_seconds"]}
     result["median_seconds"] = {
-        m: {k: round(statistics.median(f(r) for r in rs), 3) for k, f in (
-            ("steady", lambda r: r["cli"]["steady_seconds"]),
-            ("wall", lambda r: r["cli"]["wall_seconds"]),
-            ("startup", lambda r: r["cli"]["startup_seconds"]),
-            ("process", lambda r: r["process_seconds"]))}
+        m: {k: round(statistics.median(f(r) for r in rs), 3) for k, f in timed.items()}
         for m, rs in runs.items() if rs}
     for m, rs in runs.items():  # seconds from process start to the first window's results
         first = [r["cli"].get("phases", {}).get("first_window") for r in rs]
         if rs and None not in first:  # (a CLI from before the phase existed has none)
             result["median_seconds"][m]["first_window"] = round(statistics.median(first), 3)
-    result["ray_overhead"] = {
-        m: {"steady": _overhead(runs, m, lambda r: r["cli"]["steady_seconds"]),
-            "wall": _overhead(runs, m, lambda r: r["cli"]["wall_seconds"]),
-            "process": _overhead(runs, m, lambda r: r["process_seconds"])}
-        for m in modes if m.startswith("ray")}
-    # the same against the local engine at the rank actor's threads (--local-threads)
-    for like in (m for m in modes if m.startswith("local_threads")):
-        result[f"ray_overhead_vs_{like}"] = {
-            m: {k: _overhead(runs, m, f, like) for k, f in (
-                ("steady", lambda r: r["cli"]["steady_seconds"]),
-                ("wall", lambda r: r["cli"]["wall_seconds"]),
-                ("process", lambda r: r["process_seconds"]))}
+    # against the local engine, and at the rank actor's threads (--local-threads)
+    for like in ("local", *(m for m in modes if m.startswith("local_threads"))):
+        result["ray_overhead" if like == "local" else f"ray_overhead_vs_{like}"] = {
+            m: {k: _overhead(runs, m, timed[k], like) for k in ("steady", "wall", "process")}
             for m in modes if m.startswith("ray")}
     result["range_seconds"] = {  # (fastest, slowest) of the repeats: the medians' spread
-        m: {k: [min(f(r) for r in rs), max(f(r) for r in rs)] for k, f in (
-            ("steady", lambda r: r["cli"]["steady_seconds"]),
-            ("wall", lambda r: r["cli"]["wall_seconds"]))}
+        m: {k: [min(map(timed[k], rs)), max(map(timed[k], rs))] for k in ("steady", "wall")}
         for m, rs in runs.items() if rs}
     # CPU seconds (user + system) of every process the run used, which the machine's other
     # load inflates less than wall time; per window: steady time over the windows run
