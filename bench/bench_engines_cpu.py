@@ -20,9 +20,11 @@ Overhead is reported three ways, each as (median Ray time / median local
 time - 1): on the CLI's `steady_seconds` (wall time without start-up: model
 code imports, and the engine's start -- the local engine's model load, the
 Ray engine's `ray.init`; the tiny model compiles nothing), on its
-`wall_seconds`, and on the whole process (imports included). The goal (Ray
-overhead <= 5% of wall time) is read on steady seconds of `ray_attached`;
-the cold-start numbers say what starting a cluster costs on top. `first_window`: seconds
+`wall_seconds`, and on the whole process (imports included). Steady seconds of
+`ray_attached` give the engine's per-window cost; its wall seconds add start-up, of which
+Ray's own per-job part (attaching, a new worker process, shutdown) is timed without treeflow
+by `bench_ray_floor.py` (`--engines` this script's result: the floor's share of the local
+wall); the cold-start numbers say what starting a cluster costs on top. `first_window`: seconds
 from the process's start to the first window's results (the CLI's `phases`). With
 `--local-threads N` the local engine also runs at N torch threads (the Ray rank actor's
 count, `forward_threads`) in every repeat, and `ray_overhead_vs_local_threadsN` gives the
@@ -171,6 +173,20 @@ def run(cmd: list[str], env: dict, cluster: int | None = None) -> dict:
             "cli": summary}
 
 
+def attached_cluster(env: dict) -> tuple[subprocess.Popen, str]:
+    """A cluster the calling script owns -- a driver process that waits, its workers at
+    niceness 0 -- and its GCS address; closing the process's stdin ends it (its
+    ray.shutdown() stops the cluster it started)."""
+    code = ("import ray, sys, time; ctx = ray.init(include_dashboard=False); "
+            "f = ray.remote(lambda: 0); ray.get([f.remote() for _ in range(4)]); "
+            "time.sleep(10); print(ctx.address_info['gcs_address'], flush=True); "
+            "sys.stdin.read()")  # workers started and idle before anything is timed
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**env, "RAY_worker_niceness": "0"})
+    return holder, holder.stdout.readline().strip()
+
+
 def _overhead(runs: dict, mode: str, key, base: str = "local") -> float | None:
     if not runs.get(mode) or not runs.get(base):
         return None
@@ -241,15 +257,8 @@ def main() -> None:
               "held_episodes_local": held, "file_over_held": round(args.episodes / held, 1),
               "loadavg_before": os.getloadavg(), "runs": {}}
     holder = None
-    if "ray_attached" in modes:  # a cluster this script owns: a driver process that waits
-        code = ("import ray, sys, time; ctx = ray.init(include_dashboard=False); "
-                "f = ray.remote(lambda: 0); ray.get([f.remote() for _ in range(4)]); "
-                "time.sleep(10); print(ctx.address_info['gcs_address'], flush=True); "
-                "sys.stdin.read()")  # workers started and idle before anything is timed
-        holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True,
-                                  env={**env, "RAY_worker_niceness": "0"})
-        address = holder.stdout.readline().strip()
+    if "ray_attached" in modes:
+        holder, address = attached_cluster(env)
     outputs = {}
 
     def one(mode: str, n: int, rep: int, threads: int | None = None) -> None:
