@@ -28,8 +28,8 @@ With `--engines FILE` (a `bench_engines_cpu.py` result of the same machine) it g
 smallest overhead any engine that starts a new Ray job could show on that run, against the 5%
 goal, over the local engine's median wall seconds (and each `local_threadsN` mode's):
 `rank_share`, the rank path's seconds (its latency, on idle cores); `data_cpu_share`, the data
-path's CPU seconds over the machine's cores (the wall they take from a forward that already
-uses every core, as the tiny model's does on 2 cores).
+path's CPU seconds over the machine's cores (what they would take from a forward that kept
+every core busy; the tiny model's local run keeps 1.7 of 2 busy).
 
     python bench/bench_ray_floor.py --repeats 5 --engines bench/results/cpu_engines.json
 """
