@@ -10,9 +10,10 @@ process starts doing at once:
   actor (workers belong to one job; a cluster prestarts as many job-less workers as it has
   CPUs once, when it starts, and the first jobs take them: an untimed warm-up takes them all).
   The Ray engine's rank actor then imports torch and builds the model, which the local
-  engine's process does too, so this is what the rank's path adds; and `ray.shutdown()` at
-  the end, which the CLI runs before it exits (the local engine's process has nothing to
-  shut down).
+  engine's process does too, so this (`total`) is what the rank's path adds. Then
+  `ray.shutdown()` (`shutdown`), which the CLI runs after its run's `wall_seconds`, before
+  it exits: it counts in process time only (the local engine's process has nothing to shut
+  down).
 - `data_path`: `import ray`, attach, `import ray.data`, then a one-row dataset through three
   one-actor `map_batches` operators that return their input (the engine's Pack, Fragment and
   Shard operators with no work in them), until the first block comes back: Ray Data's start
@@ -27,7 +28,8 @@ Each path's `process` is its child's wall from launch to exit (Ray's driver exit
 With `--engines FILE` (a `bench_engines_cpu.py` result of the same machine) it gives the
 smallest overhead any engine that starts a new Ray job could show on that run, against the 5%
 goal, over the local engine's median wall seconds (and each `local_threadsN` mode's):
-`rank_share`, the rank path's seconds (its latency, on idle cores); `data_cpu_share`, the data
+`rank_share`, the rank path's seconds (its latency, on idle cores) over the local wall;
+`rank_process_share`, those and the shutdown over the local process seconds; `data_cpu_share`, the data
 path's CPU seconds over the machine's cores (what they would take from a forward that kept
 every core busy; the tiny model's local run keeps 1.7 of 2 busy).
 
@@ -65,7 +67,7 @@ t3 = time.perf_counter()
 ray.shutdown()
 t4 = time.perf_counter()
 print(json.dumps({"import_ray": t1 - t0, "attach": t2 - t1, "actor": t3 - t2,
-                  "shutdown": t4 - t3, "total": t4 - t0}))
+                  "total": t3 - t0, "shutdown": t4 - t3}))
 """
 
 DATA = r"""
@@ -150,12 +152,14 @@ def main() -> None:
         with open(args.engines) as f:
             engines = json.load(f)
         med = result["median_seconds"]
-        # the rank path's total: import, attach, actor, shutdown
         rank, data_cpu = med["rank_path"]["total"], med["data_path"]["cpu_seconds"]
+        shutdown = med["rank_path"]["shutdown"]
         cores = os.cpu_count() or 1
         result["floor_over_local_wall"] = {
             mode: {"local_wall_seconds": m["wall"], "rank_path_seconds": rank,
                    "rank_share": round(rank / m["wall"], 4),
+                   "local_process_seconds": m["process"], "shutdown_seconds": shutdown,
+                   "rank_process_share": round((rank + shutdown) / m["process"], 4),
                    "data_path_cpu_seconds": data_cpu,
                    "data_cpu_share": round(data_cpu / cores / m["wall"], 4)}
             for mode, m in engines["median_seconds"].items() if mode.startswith("local")}
