@@ -153,8 +153,7 @@ def main() -> None:
             engines = json.load(f)
         med = result["median_seconds"]
         rank, data_cpu = med["rank_path"]["total"], med["data_path"]["cpu_seconds"]
-        shutdown = med["rank_path"]["shutdown"]
-        cores = os.cpu_count() or 1
+        shutdown, cores = med["rank_path"]["shutdown"], result["cores"] or 1
         result["floor_over_local_wall"] = {
             mode: {"local_wall_seconds": m["wall"], "rank_path_seconds": rank,
                    "rank_share": round(rank / m["wall"], 4),
