@@ -20,6 +20,8 @@ from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.pipeline.ray import RayEngine, rank_threads
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
 
+from tests.ray_helpers import wait_for_free_cpus
+
 
 def test_rank_threads_are_the_cpus_free_beside_the_read_and_the_stage_operators():
     def rt(free, share, procs, cores, **kw):
@@ -92,7 +94,8 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
     monkeypatch.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
     pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
                     Reassemble())
-    free = ray_cluster.available_resources().get("CPU", 0.0)  # what the engine will find
+    free = wait_for_free_cpus(ray_cluster)  # what the engine will find (the last test's
+    # actors' CPUs come back a moment after their engine closed)
     engine = RayEngine(pipe.plan, ranks=1)
     try:
         records = list(engine.run(data))

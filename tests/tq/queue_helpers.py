@@ -6,6 +6,8 @@ from treeflow.pipeline import Pipeline, QueueSource, synth_episodes, windows
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
 
+from tests.ray_helpers import wait_for_free_cpus
+
 B = 4  # episodes per step (two groups of two)
 
 
@@ -71,17 +73,13 @@ def close_transferqueue(ray, timeout: float = 30.0):
     The Ray cluster is the session's: the next module must find it as the first one did.
     """
     import sys
-    import time
 
     if sys.modules.get("transfer_queue") is None:
         return
     from treeflow.tq.transferqueue import stop_transferqueue
 
     stop_transferqueue()
-    total = ray.cluster_resources().get("CPU", 0.0)
-    deadline = time.monotonic() + timeout
-    while ray.available_resources().get("CPU", 0.0) < total:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"TransferQueue closed, but only {ray.available_resources()} of "
-                               f"{ray.cluster_resources()} are free after {timeout} s")
-        time.sleep(0.1)
+    try:
+        wait_for_free_cpus(ray, timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"TransferQueue closed, but {e}") from None
