@@ -172,3 +172,49 @@ def _physical_cores() -> int:
         except OSError:
             seen.add((str(cpu), ""))
     return len(seen)
+
+
+@pytest.mark.ray
+def test_an_engine_started_as_the_last_one_closes_plans_on_the_cpus_the_last_one_found(
+        ray_cluster, data):
+    """Ray frees a killed rank actor's CPUs a moment after ray.kill returns: an engine started
+    at once planned on one CPU less (3 of the test cluster's 4, every time), so two identical
+    runs in one process ran their ranks differently. It waits for them now."""
+    free = wait_for_free_cpus(ray_cluster)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
+                    Reassemble())
+    chosen = []
+    for _ in range(2):
+        engine = RayEngine(pipe.plan, ranks=1)
+        try:
+            list(engine.run(data))
+        finally:
+            engine.close()
+        chosen.append((engine.threads, engine.rank_cpus, engine.threads_set_by))
+    want = rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
+                        cpu_count=os.cpu_count() or 1, stages=len(pipe.plan.maps))
+    assert chosen == [want[:3]] * 2, (free, chosen)
+
+
+@pytest.mark.ray
+def test_cpus_that_do_not_come_back_are_waited_for_briefly_and_said(ray_cluster, capsys,
+                                                                    monkeypatch):
+    import treeflow.pipeline.ray as ray_engine
+
+    @ray_cluster.remote(num_cpus=1)
+    class Holder:
+        def ready(self):
+            return True
+
+    total = wait_for_free_cpus(ray_cluster)
+    holder = Holder.remote()  # another job's actor, holding a CPU the closed engine gave back
+    try:
+        ray_cluster.get(holder.ready.remote())
+        monkeypatch.setattr(ray_engine, "_returning", {"CPU": total})
+        ray_engine._wait_returned(ray_cluster, timeout=0.3)
+    finally:
+        ray_cluster.kill(holder)
+    err = capsys.readouterr().err
+    assert f"Ray has {total - 1:g} CPU free where its actors' return should make it {total:g}" \
+        in err, err
+    assert "plans its rank threads on what is free now" in err and not ray_engine._returning

@@ -63,6 +63,14 @@ from treeflow.sigterm import keep_sigterm
 __all__ = ["RayEngine", "init_ray", "rank_threads", "run_ray", "torch_threads_guess"]
 
 SPARE_FROM = 8  # free Ray CPUs from which a rank leaves cores to the stage operators
+RETURN_WAIT = 5.0  # seconds an engine waits for a closed engine's actors' resources
+
+# How much of each resource should be free again once Ray has taken back the rank actors
+# that this process's engines killed (close()). Ray frees a killed actor's CPUs 40-120 ms
+# after ray.kill returns: an engine started at once planned on what was still held (3 of
+# the test cluster's 4 CPUs, every time), and on 16 free CPUs would have run its rank at 16
+# threads beside the stage operators where the first engine ran 12 (`rank_threads`).
+_returning: dict[str, float] = {}
 
 
 def _import_ray():
@@ -105,6 +113,29 @@ def check_ray_plan(plan: Plan, ranks) -> None:
                          "pipelines with engine='local'")
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks={ranks!r}: give an int >= 1")
+
+
+def _wait_returned(ray, timeout: float = RETURN_WAIT) -> None:
+    """Wait until the resources that closed engines' rank actors held are free again (at most
+    `timeout` seconds; past it, say on stderr what this engine plans on instead)."""
+    if not _returning:
+        return
+    want = dict(_returning)
+    _returning.clear()
+    deadline = time.monotonic() + timeout
+    while True:
+        free = ray.available_resources()
+        short = {k: n for k, n in want.items() if free.get(k, 0.0) < n}
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            print(f"treeflow: RayEngine: {timeout:g} s after the last engine closed, Ray has "
+                  f"{', '.join(f'{free.get(k, 0.0):g} {k}' for k in short)} free where its "
+                  f"actors' return should make it {', '.join(f'{n:g}' for n in short.values())} "
+                  "(another job holds them?); this engine plans its rank threads on what is "
+                  "free now", file=sys.stderr)
+            return
+        time.sleep(0.01)
 
 
 class RayEngine:
@@ -163,6 +194,7 @@ class RayEngine:
         ray = self.ray = init_ray()
         cuda = self.device.startswith("cuda")
         procs, C = self.ranks * self.cp, self.cp
+        _wait_returned(ray)  # a closed engine's actors' CPUs, on their way back
         # what is free now (other actors, such as TransferQueue's, hold CPUs too): the map
         # tasks' share, the rank actors' threads (rank_threads), one whole CPU left over: Ray
         # Data's read task
@@ -237,6 +269,15 @@ class RayEngine:
                 self.device.startswith("cuda"), dead=dead)
 
     def close(self) -> None:
+        """Kill the rank actors; the next engine's start waits for Ray to free what they held."""
+        if self.actors and self.ray.is_initialized():
+            held = {"CPU": self.rank_cpus * len(self.actors),
+                    "GPU": float(len(self.actors)) if self.device.startswith("cuda") else 0.0}
+            free, total = self.ray.available_resources(), self.ray.cluster_resources()
+            for key, n in held.items():
+                if n > 0:  # another engine's, still on its way back, counts too
+                    _returning[key] = min(total.get(key, 0.0),
+                                          max(_returning.get(key, 0.0), free.get(key, 0.0)) + n)
         for actor in self.actors:
             self.ray.kill(actor)
         self.actors, self.state = [], None
