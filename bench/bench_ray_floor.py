@@ -123,6 +123,10 @@ def main() -> None:
                          "local engine's wall seconds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.out:  # checked and locked before minutes of timing, as the CLI's outputs are
+        from treeflow.lock import claim_output
+
+        claim_output(args.out, option="--out", inputs=[args.engines] if args.engines else [])
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
     holder, address = attached_cluster(env)
@@ -166,7 +170,9 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
+        from treeflow.atomic import atomic_open
+
+        with atomic_open(args.out) as f:
             f.write(text + "\n")
 
 
