@@ -55,6 +55,16 @@ def test_rank_threads_are_the_cpus_free_beside_the_read_and_the_stage_operators(
     assert rt(16, 1.0, 2, 16, cpus=16, cuda=True)[:2] == (8, 0.0)
 
 
+def one_rank_pipe() -> Pipeline:
+    return Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(), Reassemble())
+
+
+def rule(free: float, engine: RayEngine, pipe: Pipeline) -> tuple:
+    """What `rank_threads` gives one rank on `free` CPUs and this process's torch threads."""
+    return rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
+                        cpu_count=os.cpu_count() or 1, stages=len(pipe.plan.maps))
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("ray_threads") / "e.arrow"
@@ -66,8 +76,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.ray
 def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(ray_cluster, data):
-    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
-                    Reassemble())
+    pipe = one_rank_pipe()
     engine = RayEngine(pipe.plan, ranks=1)
     try:
         records = list(engine.run(data))
@@ -92,8 +101,7 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
     import treeflow.pipeline.ray as ray_engine
 
     monkeypatch.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
-    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
-                    Reassemble())
+    pipe = one_rank_pipe()
     free = wait_for_free_cpus(ray_cluster)  # what the engine will find (the last test's
     # actors' CPUs come back a moment after their engine closed)
     engine = RayEngine(pipe.plan, ranks=1)
@@ -101,8 +109,7 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
         records = list(engine.run(data))
     finally:
         engine.close()
-    want = rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
-                        cpu_count=os.cpu_count() or 1, stages=len(pipe.plan.maps))
+    want = rule(free, engine, pipe)
     got = records[0].stats["threads"]
     assert (engine.threads, engine.rank_cpus, engine.threads_set_by) == want[:3]
     assert got["torch"] == engine.threads and got["set_by"] == want[2], got
@@ -127,8 +134,7 @@ def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluste
 
     monkeypatch.setattr(RayEngine, "_rank_threads", worded)
     monkeypatch.setattr(RayEngine, "_rank_actors", counted)
-    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
-                    Reassemble())
+    pipe = one_rank_pipe()
     engine = RayEngine(pipe.plan, ranks=1)
     try:
         list(engine.run(data))
@@ -181,8 +187,7 @@ def test_an_engine_started_as_the_last_one_closes_plans_on_the_cpus_the_last_one
     at once planned on one CPU less (3 of the test cluster's 4, every time), so two identical
     runs in one process ran their ranks differently. It waits for them now."""
     free = wait_for_free_cpus(ray_cluster)
-    pipe = Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(),
-                    Reassemble())
+    pipe = one_rank_pipe()
     chosen = []
     for _ in range(2):
         engine = RayEngine(pipe.plan, ranks=1)
@@ -191,8 +196,7 @@ def test_an_engine_started_as_the_last_one_closes_plans_on_the_cpus_the_last_one
         finally:
             engine.close()
         chosen.append((engine.threads, engine.rank_cpus, engine.threads_set_by))
-    want = rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
-                        cpu_count=os.cpu_count() or 1, stages=len(pipe.plan.maps))
+    want = rule(free, engine, pipe)
     assert chosen == [want[:3]] * 2, (free, chosen)
 
 
