@@ -8,9 +8,13 @@ package (treeflow._errors anywhere in treeflow, treeflow.stages.flat only from
 treeflow.stages.*), a symbol `_y` to its module (`from treeflow.cli import _positive` is
 refused anywhere else).
 
-KNOWN_CYCLES and KNOWN_PRIVATE are what the tree held when this test was written (both empty
-now): the test fails on anything new, and on an entry that is gone (remove it), so the lists
-only shrink.
+Floors (FLOORS, as docs/architecture.md draws them): a package imports only packages on its own
+floor or below -- `stages` never `ops`, `ops` never `train`, `models` nothing above `stages`'s
+floor, nothing but `cli` imports `cli` -- function-level imports included.
+
+KNOWN_CYCLES, KNOWN_PRIVATE and KNOWN_UPWARD are what the tree held when each check was written:
+the test fails on anything new, and on an entry that is gone (remove it), so the lists only
+shrink.
 """
 
 from __future__ import annotations
@@ -25,6 +29,18 @@ PACKAGE = "treeflow"
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 # (importer, private name imported from outside what holds it)
 KNOWN_PRIVATE: set[tuple[str, str]] = set()
+# each package's floor: it may import its own floor and those below. "treeflow" is the
+# package's top-level modules (tree.py, atomic.py, tensorfile.py, ...).
+FLOORS = {"treeflow": 0, "schemas": 0, "parallel": 0, "models": 1, "io": 1, "tq": 1,
+          "stages": 2, "ops": 3, "train": 4, "pipeline": 5, "engines": 6, "cli": 7}
+# (importer, imported) modules across floors upward. pipeline/ is still two floors in one
+# folder: the declaration (Pipeline, Plan, sources) below the engines and the programs
+# (replay, stream's training) above them; these go when it is split.
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    ("treeflow.pipeline.pipeline", "treeflow.engines"),
+    ("treeflow.pipeline.queue_train", "treeflow.engines"),
+    ("treeflow.pipeline.replay", "treeflow.engines"),
+}
 
 
 def modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -154,6 +170,37 @@ def test_no_private_name_across_packages():
     assert not gone, f"fixed, remove them from KNOWN_PRIVATE: {sorted(gone)}"
 
 
+def floor_of(module: str, mods: dict[str, Path]) -> str:
+    """The FLOORS key of a module: its subpackage, or "treeflow" for a top-level module."""
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and not _is_package(module, mods)):
+        return PACKAGE
+    return parts[1]
+
+
+def upward(mods: dict[str, Path], floors: dict[str, int] = FLOORS) -> set[tuple[str, str]]:
+    """(importer, imported) for every import of a package on a higher floor."""
+    out = set()
+    for a, bs in graph(mods).items():
+        for b in bs:
+            fa, fb = floor_of(a, mods), floor_of(b, mods)
+            if fa not in floors or fb not in floors:
+                raise AssertionError(f"{a} -> {b}: give {fa if fa not in floors else fb} a "
+                                     "floor in FLOORS (and in docs/architecture.md)")
+            if floors[fb] > floors[fa]:
+                out.add((a, b))
+    return out
+
+
+def test_no_package_imports_a_higher_floor():
+    found = upward(modules())
+    new = found - KNOWN_UPWARD
+    assert not new, "imports of a higher floor (move the code, or pass what it needs in): " + \
+        "; ".join(f"{a} -> {b}" for a, b in sorted(new))
+    gone = KNOWN_UPWARD - found
+    assert not gone, f"fixed, remove them from KNOWN_UPWARD: {sorted(gone)}"
+
+
 def test_the_walk_sees_what_it_must(tmp_path):
     """The checks themselves: a planted cycle (through a function-level import) and a planted
     private import are found; an import inside the owning package is not."""
@@ -168,8 +215,14 @@ def test_the_walk_sees_what_it_must(tmp_path):
     (pkg / "b" / "ok.py").write_text("from ._x import y\nfrom treeflow.b.n import _z\n")
     (pkg / "a" / "bad.py").write_text("from treeflow.b._x import y\nfrom ..b.n import _z\n"
                                       "import treeflow.b._x\n")
+    (pkg / "a" / "late.py").write_text("def f():\n    import treeflow.b.n\n")
     mods = modules(tmp_path)
     assert cycles(graph(mods)) == {("treeflow.a.m", "treeflow.b.n")}
+    # a (floor 0) importing b (floor 1), even inside a function, is an upward import
+    assert upward(mods, {"a": 0, "b": 1}) == {("treeflow.a.m", "treeflow.b.n"),
+                                              ("treeflow.a.late", "treeflow.b.n"),
+                                              ("treeflow.a.bad", "treeflow.b._x"),
+                                              ("treeflow.a.bad", "treeflow.b.n")}
     bad = set(private_imports(mods, tmp_path))
     assert bad == {("treeflow.a.bad", "treeflow.b._x"), ("treeflow.a.bad", "treeflow.b._x.y"),
                    ("treeflow.a.bad", "treeflow.b.n._z"), ("treeflow.b.ok", "treeflow.b.n._z")}

@@ -265,13 +265,13 @@ def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
 def test_each_cpu_stage_is_its_own_ray_data_operator(ray_cluster, data):
     # Ray Data fuses neighbouring task-pool maps with equal resources into one task; the
     # executed plan must hold each stage in an operator of its own (the read may join the first)
-    from treeflow.pipeline.ray import RayEngine
+    from treeflow.pipeline.ray import RayRanks
     from treeflow.pipeline.ray_feed import executed_operators
     from treeflow.stages import Advantage
 
     pipe = Pipeline(Advantage(), Pack(), Fragment(max_tokens=96, pad_to_multiple=2),
                     Shard(num_ranks=2), Forward(), Reassemble())
-    engine = RayEngine(pipe.plan, ranks=2)
+    engine = RayRanks(pipe.plan, ranks=2)
     try:
         got = outputs(engine.run(data))
     finally:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
-from treeflow.pipeline.ray import RayEngine, rank_threads
+from treeflow.pipeline.ray import RayRanks, rank_threads
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
 
 from tests.ray_helpers import wait_for_free_cpus
@@ -59,7 +59,7 @@ def one_rank_pipe() -> Pipeline:
     return Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(), Reassemble())
 
 
-def rule(free: float, engine: RayEngine, pipe: Pipeline) -> tuple:
+def rule(free: float, engine: RayRanks, pipe: Pipeline) -> tuple:
     """What `rank_threads` gives one rank on `free` CPUs and this process's torch threads."""
     return rank_threads(free, engine.map_cpus, 1, cores=torch.get_num_threads(),
                         cpu_count=os.cpu_count() or 1, stages=len(pipe.plan.maps))
@@ -77,7 +77,7 @@ def data(tmp_path_factory):
 @pytest.mark.ray
 def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(ray_cluster, data):
     pipe = one_rank_pipe()
-    engine = RayEngine(pipe.plan, ranks=1)
+    engine = RayRanks(pipe.plan, ranks=1)
     try:
         records = list(engine.run(data))
     finally:
@@ -104,7 +104,7 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
     pipe = one_rank_pipe()
     free = wait_for_free_cpus(ray_cluster)  # what the engine will find (the last test's
     # actors' CPUs come back a moment after their engine closed)
-    engine = RayEngine(pipe.plan, ranks=1)
+    engine = RayRanks(pipe.plan, ranks=1)
     try:
         records = list(engine.run(data))
     finally:
@@ -122,7 +122,7 @@ def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluste
     import treeflow.pipeline.ray as ray_engine
 
     monkeypatch.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
-    real, asked, asks = RayEngine._rank_threads, RayEngine._rank_actors, []
+    real, asked, asks = RayRanks._rank_threads, RayRanks._rank_actors, []
 
     def worded(self, free, share, procs, cuda, cores):
         n, cpus, why, warning = real(self, free, share, procs, cuda, torch.get_num_threads())
@@ -132,10 +132,10 @@ def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluste
         asks.append(args)
         return asked(self, *args)
 
-    monkeypatch.setattr(RayEngine, "_rank_threads", worded)
-    monkeypatch.setattr(RayEngine, "_rank_actors", counted)
+    monkeypatch.setattr(RayRanks, "_rank_threads", worded)
+    monkeypatch.setattr(RayRanks, "_rank_actors", counted)
     pipe = one_rank_pipe()
-    engine = RayEngine(pipe.plan, ranks=1)
+    engine = RayRanks(pipe.plan, ranks=1)
     try:
         list(engine.run(data))
     finally:
@@ -156,7 +156,7 @@ def test_the_guess_of_torchs_threads_is_torchs_count_here(tmp_path):
             "print(json.dumps([torch_threads_guess(), torch.get_num_threads()]))")
     cases = [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "1"}]
     if _physical_cores() == len(os.sched_getaffinity(0)):  # else torch counts fewer: a guess
-        cases += [{}, {"OMP_NUM_THREADS": "999"}]  # known wrong there (RayEngine asks again)
+        cases += [{}, {"OMP_NUM_THREADS": "999"}]  # known wrong there (RayRanks asks again)
     for env in cases:
         base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
                                                                  "MKL_NUM_THREADS")}
@@ -190,7 +190,7 @@ def test_an_engine_started_as_the_last_one_closes_plans_on_the_cpus_the_last_one
     pipe = one_rank_pipe()
     chosen = []
     for _ in range(2):
-        engine = RayEngine(pipe.plan, ranks=1)
+        engine = RayRanks(pipe.plan, ranks=1)
         try:
             list(engine.run(data))
         finally:

@@ -58,12 +58,3 @@ def test_inspect_windows_totals_by_hand(tmp_path):
     with pytest.raises(ValueError, match="^ep.arrow: no episodes to plot$"):
         inspect_windows([], plot=str(tmp_path), what="ep.arrow")
     assert inspect_windows([])["totals"] == {}
-
-
-def test_idle_ranks_are_said():
-    """replay_logprobs says (log=) when the Ray engine's forward actors outnumber the bins."""
-    from treeflow.pipeline.stats import idle_ranks_warning
-
-    said = idle_ranks_warning("ray", 2, 1)
-    assert said.startswith("warning: --num-ranks 2: the run made 1 bin(s)")
-    assert idle_ranks_warning("ray", 2, 2) is None and idle_ranks_warning("local", 2, 1) is None

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from treeflow.engines import RayEngine
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.train import Trainer
@@ -54,5 +55,5 @@ def test_fit_refuses_a_trainer_with_resume_options_or_a_remote_engine(tmp_path):
         fit(pipe, source, steps=1, trainer=trainer, resume=Resume(path=str(tmp_path)))
     with pytest.raises(ValueError, match="Trainer.resume"):
         fit(pipe, source, steps=1, trainer=trainer, trainer_options={"precision": "fp32"})
-    with pytest.raises(ValueError, match="engine 'ray'"):
-        fit(pipe, source, steps=1, trainer=trainer, engine="ray")
+    with pytest.raises(ValueError, match="RayEngine.*builds each rank's Trainer"):
+        fit(pipe, source, steps=1, trainer=trainer, engine=RayEngine())

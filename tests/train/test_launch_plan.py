@@ -4,6 +4,7 @@ object from its flags, cli/configs.py `launch`)."""
 
 import pytest
 
+from treeflow.engines import RayEngine
 from treeflow.train.launch_plan import Launch
 
 
@@ -23,11 +24,11 @@ def test_who_runs_the_work(no_torchrun):
     assert Launch(train=True).here()                            # one process: this one
     assert not Launch(train=True, num_ranks=2).here()           # spawns two
     assert not Launch(train=True, launcher="ray").here()        # a one-actor Ray group
-    assert Launch(train=True, num_ranks=2, engine="ray").here()  # the Ray engine's driver
+    assert Launch(train=True, num_ranks=2, engine=RayEngine()).here()  # the Ray engine's driver
     assert not Launch(train=True, context_parallel=2).here()    # 2 spawned processes
-    assert Launch(train=False, num_ranks=4, engine="ray").here()
+    assert Launch(train=False, num_ranks=4, engine=RayEngine()).here()
     assert not Launch(train=False, context_parallel=2).here()   # logprobs: C local processes
-    assert Launch(train=False, context_parallel=2, engine="ray").here()  # the engine's actors
+    assert Launch(train=False, context_parallel=2, engine=RayEngine()).here()  # the engine's actors
     assert not Launch(train=True, num_ranks=2).distributed()
 
 
@@ -40,7 +41,7 @@ def test_under_torchrun(torchrun_two):
     with pytest.raises(ValueError, match=r"torchrun started 2 processes but --context-parallel 2 "
                                          r"x --num-ranks 2 needs 4"):
         Launch(train=True, num_ranks=2, context_parallel=2)
-    assert not Launch(train=True, num_ranks=2, engine="ray").distributed()
+    assert not Launch(train=True, num_ranks=2, engine=RayEngine()).distributed()
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -51,7 +52,7 @@ def test_under_torchrun(torchrun_two):
     (dict(context_parallel=2, shard_params=True), "--context-parallel 2 with --shard-params"),
     (dict(context_parallel=2, launcher="ray"), "--context-parallel 2 with --launcher ray: give "
                                                "--engine ray"),
-    (dict(tensor_parallel=2, backend="megatron", engine="ray"),
+    (dict(tensor_parallel=2, backend="megatron", engine=RayEngine()),
      "--tensor-parallel 2 runs with --engine local only"),
     (dict(tensor_parallel=2, backend="megatron", shard_params=True),
      "--tensor-parallel 2 with --shard-params is not supported"),

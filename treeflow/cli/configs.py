@@ -10,7 +10,7 @@ sinks) are built here too, from the flags every training command shares.
 
 from __future__ import annotations
 
-__all__ = ["files", "fit_options", "forward", "launch", "reduce", "reference",
+__all__ = ["engine", "files", "fit_options", "forward", "launch", "reduce", "reference",
            "rollout_config", "step_stages", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
@@ -36,6 +36,13 @@ def forward(args, *, entropy: bool = False):
                    entropy=entropy, tuning=Tuning.parse(text, **ssm_flags(args)), **given)
 
 
+def engine(args):
+    """The Engine object of --engine (treeflow.engines), over --num-ranks ranks."""
+    from treeflow.engines import engine_for
+
+    return engine_for(args.engine, ranks=args.num_ranks)
+
+
 def launch(args, *, train: bool):
     """Launch(...) from --num-ranks, --tensor-parallel, --context-parallel and what they need
     (--backend, --engine, --launcher, ...); refuses a split that cannot run, starting nothing."""
@@ -43,7 +50,7 @@ def launch(args, *, train: bool):
 
     return Launch(train=train, num_ranks=args.num_ranks, tensor_parallel=args.tensor_parallel,
                   context_parallel=args.context_parallel, backend=args.backend,
-                  engine=args.engine, launcher=args.launcher, kernel=args.kernel,
+                  engine=engine(args), launcher=args.launcher, kernel=args.kernel,
                   shard_params=args.shard_params, device=args.device, model=args.model)
 
 

@@ -9,6 +9,7 @@ stages); help lines for flags declared without one come from treeflow/cli/help.p
 from __future__ import annotations
 
 from treeflow.cli.names import LOGPROBS_EPISODES_PER_STEP
+from treeflow.engines import ENGINES
 from treeflow.compile_cache import add_option as add_compile_cache_option
 
 __all__ = ["add_logger_options", "add_rl_options", "add_sampling_options", "add_train_options", "layout_options",
@@ -66,7 +67,7 @@ def model_options(s) -> None:
                    help="episodes planned and run together: an optimizer step in --mode train "
                         "(whole groups; required there), a window of results in --mode logprobs "
                         f"(default {LOGPROBS_EPISODES_PER_STEP})")
-    s.add_argument("--engine", choices=("local", "ray"), default="local",
+    s.add_argument("--engine", choices=tuple(ENGINES), default="local",
                    help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")
     s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
     s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")

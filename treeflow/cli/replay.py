@@ -39,7 +39,7 @@ def _replay(args) -> int:
                                              share_rules=args.share_rules,
                                              max_tokens=args.max_tokens, num_ranks=args.num_ranks),
                            configs.files(args, forward), args.output, inputs=args.files,
-                           device=args.device, engine=args.engine, num_ranks=args.num_ranks,
+                           device=args.device, engine=configs.engine(args),
                            prefetch=args.prefetch, quiet=args.json or args.quiet, log=say)
     if sums is None:
         return 0

@@ -23,6 +23,7 @@ from treeflow.cli.stream_train import check_train, stream_train
 
 
 def _check(args) -> None:
+    from treeflow.engines import ENGINES
     from treeflow.tq.ledger import parse_close_when
 
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "prefetch", "capacity",
@@ -32,6 +33,7 @@ def _check(args) -> None:
         closes = bool(parse_close_when(args.close_when))
     except ValueError:
         closes = False
+    owned = ENGINES[args.engine].owns_processes  # its driver alone reads the queue
     for bad, message in (
             (args.steps is not None and args.steps < 1,
              f"--steps {args.steps}: give the number of steps to run, >= 1"),
@@ -44,7 +46,7 @@ def _check(args) -> None:
             (args.rate is not None and args.rate <= 0,
              f"--rate {args.rate}: give episodes per second > 0 (or leave it out)"),
             (args.num_ranks < 1, f"--num-ranks {args.num_ranks}: give 1 or more"),
-            (args.num_ranks != 1 and args.mode != "train" and args.engine != "ray",
+            (args.num_ranks != 1 and args.mode != "train" and not owned,
              f"--num-ranks {args.num_ranks}: in --mode logprobs, --engine local runs one forward "
              "process; --engine ray --num-ranks N runs N forward actors"),
             (args.lease != "lead" and (args.mode != "train" or args.produce_only),
@@ -71,7 +73,8 @@ def cmd_stream(args) -> int:
         return 0
     train = args.mode == "train"
     out = check_train(args) if train else check_output(args)
-    if train and args.num_ranks > 1 and args.engine != "ray" and not args.queue:
+    if train and args.num_ranks > 1 and not configs.engine(args).owns_processes and \
+            not args.queue:
         # the rank processes attach to the queue (the Ray engine's driver alone reads it)
         args.queue = local_address(args.queue_backend)
     summary = run_stream(open_cli_queue(args, vocab), lambda q: stream_train(args, q) if train

@@ -38,7 +38,7 @@ def check_train(args) -> None:
 
 def stream_train(args, queue) -> dict:
     """Train on the queue's steps: in this process, or over --num-ranks N spawned processes."""
-    if args.num_ranks == 1 or args.engine == "ray":  # Ray: the driver leads N rank actors
+    if args.num_ranks == 1 or configs.engine(args).owns_processes:  # its driver leads them
         return _stream_train(args, queue)
     from treeflow.pipeline.queue_train import merge_rank_summaries
     from treeflow.train.launch_plan import Launch
@@ -74,11 +74,11 @@ def _stream_train(args, queue, dp=None, exchange=None) -> dict | None:
 
     # as replay and `plan --num-ranks N`: each rank plans its own share of the whole step, dealt
     # on the trees' exact costs (exchanged); the Ray driver plans every rank's, as replay's does
-    ray = args.engine == "ray"
-    ranks = args.num_ranks if ray else (dp.replicas if dp else 1)
+    owned = configs.engine(args).owns_processes
+    ranks = args.num_ranks if owned else (dp.replicas if dp else 1)
     stages = configs.step_stages(args)
     pipes = [stages.pipeline(ranks, r, exchange)
-             for r in (range(ranks) if ray else [dp.replica if dp else 0])]
+             for r in (range(ranks) if owned else [dp.replica if dp else 0])]
     summary = fit_queue(
         pipes, queue, _training(args), dp=dp, publish=args.publish_weights, log=say,
         trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,

@@ -47,7 +47,7 @@ def _train(args, *, distributed: bool) -> int:
 
     stages = configs.step_stages(args)
     report = fit_files(stages, configs.files(args, stages.forward), steps=args.steps,
-                       distributed=distributed, engine=args.engine, num_ranks=args.num_ranks,
+                       distributed=distributed, engine=configs.engine(args),
                        trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                                             shard_params=args.shard_params,
                                             reference=configs.reference(args, stages.forward)),

@@ -239,18 +239,15 @@ class _TrainWindow:
 
 def build_train(reduce, *, forward, device="cpu", model=None, max_tokens: int | None = None,
                 trainer=None, checkpointing: Checkpointing | None = None,
-                on_step: Sequence[Callable] = (), on_saved: Sequence[Callable] = (),
-                **trainer_options) -> TrainOp:
-    """The registered builder of `Reduce`: a TrainOp over `trainer` or a new Trainer.
+                on_step: Sequence[Callable] = (), on_saved: Sequence[Callable] = ()) -> TrainOp:
+    """The registered builder of `Reduce`: a TrainOp over `trainer`.
 
-    trainer: a Trainer to continue (e.g. resumed), or a TrainOp (returned as it is).
-    trainer_options: as for Trainer (precision, dp, grad_sum, shard_params).
+    trainer: the Trainer to continue (treeflow.train; the engine builds one when the caller
+    gave none, e.g. `Pipeline.run` on a training pipeline), or a TrainOp (returned as it is).
     """
     if isinstance(trainer, TrainOp):
         return trainer
     if trainer is None:
-        from treeflow.train import Trainer
-
-        trainer = Trainer(forward, reduce, model, device=device, max_tokens=max_tokens,
-                          **trainer_options)
+        raise ValueError("a training plan's operator continues a Trainer: give trainer= (a "
+                         "treeflow.train.Trainer built from the pipeline's Forward and Reduce)")
     return TrainOp(trainer, checkpointing=checkpointing, on_step=on_step, on_saved=on_saved)

@@ -6,10 +6,10 @@
 Each stage declares its input and output Arrow schemas and which per-edge
 values it requires and produces; declaring a pipeline whose neighbours do not
 fit is an error naming both stages, before anything runs. The pipeline then
-compiles to a physical plan (pipeline/plan.py) that engines run:
-`engine="local"` (in-process, CPU preparation ahead of the model, bounded
-memory whatever the file size) or `engine="ray"` (Ray: CPU stages as Ray
-operators, rank actors; pipeline/ray.py).
+compiles to a physical plan (pipeline/plan.py) that an engine (treeflow/engines)
+runs: `LocalEngine` (in-process, CPU preparation ahead of the model, bounded
+memory whatever the file size; the default) or `RayEngine` (Ray: CPU stages as
+Ray operators, rank actors), given as an object or by name.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.source import DEFAULT_EPISODES_PER_STEP, Files, Source, windows
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages.base import Stage
-
-ENGINES = ("local", "ray")
-
 
 def _schema_name(schema: pa.Schema) -> str:
     return (schema.metadata or {}).get(b"treeflow.schema", b"?").decode()
@@ -70,9 +67,9 @@ class Pipeline:
     def output_schema(self) -> pa.Schema:
         return self.stages[-1].output_schema
 
-    def run(self, source, *, engine: str = "local", episodes_per_step: int | None = None,
+    def run(self, source, *, engine="local", episodes_per_step: int | None = None,
             device: str = "cpu", trainer=None, prefetch: int = 2,
-            ranks: int = 1, steps: int | None = None, window: int | None = None,
+            ranks: int | None = None, steps: int | None = None, window: int | None = None,
             **engine_options) -> Iterator[WindowResult]:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
 
@@ -89,17 +86,19 @@ class Pipeline:
         resumed, or a built training operator, `treeflow.ops.TrainOp`, with its
         checkpointing and hooks) to continue it; `treeflow.train.fit` is the
         whole training loop around this. device: where the model runs (the engine builds
-        it there). engine "ray" (pipeline/ray.py): `ranks` rank actors fed by
-        one Ray graph -- files read and streamed by Ray Data, any other source
-        read by the driver -- whose CPU stages run as their own Ray operators.
-        steps: stop after this many windows (training on cycled data).
-        engine_options (ray): `threads=` per rank, `plans=` one plan per rank
-        (per-rank planning), and for training `save=DIR`, `save_every=N`,
-        `keep=K`, `publish=DIR` (the weights after every step, named in
-        `stats["weights"]`), or `train=RemoteTraining(...)` (train/remote.py).
+        it there). steps: stop after this many windows (training on cycled data).
+        engine: an Engine object (treeflow.engines: `LocalEngine()`, `RayEngine(ranks=2)`,
+        or your own subclass) or the name of one, built with `ranks` and `engine_options`
+        (ray: `ranks` rank actors fed by one Ray graph -- files read and streamed by Ray
+        Data, any other source read by the driver -- `threads=` per rank, `plans=` one
+        plan per rank, and for training `save=DIR`, `save_every=N`, `keep=K`,
+        `publish=DIR` or `train=RemoteTraining(...)`; engines/ray.py).
         """
-        if engine not in ENGINES:
-            raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
+        from treeflow.engines import engine_for
+
+        if ranks is not None:
+            engine_options["ranks"] = ranks
+        engine = engine_for(engine, **engine_options)
         if window is not None:
             import warnings
 
@@ -115,6 +114,7 @@ class Pipeline:
         if isinstance(source, QueueSource):
             raise TypeError("a QueueSource is a configuration and holds no queue: pass its reader, "
                             "QueueSource(...).open(queue)")
+        options = dict(device=device, trainer=trainer, prefetch=prefetch)
         if isinstance(source, QueueReader):
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "
@@ -123,41 +123,21 @@ class Pipeline:
             if steps is not None:
                 raise ValueError("a QueueSource stops after QueueSource(max_steps=...) windows; "
                                  "give that instead of steps=")
-            if engine == "ray":
-                reader = source
-                try:
-                    records = _run_ray(self.plan, reader, trainer=trainer, device=device,
-                                       ranks=ranks, prefetch=prefetch, steps=None,
-                                       options=engine_options)
-                except BaseException:
-                    reader.close()  # give back what it leased; stop its lease renewals
-                    raise
-                return acknowledged(records, reader)
-            if engine_options:
-                raise ValueError(f"engine 'local' takes no {sorted(engine_options)}")
-            from treeflow.pipeline.local import run_local
+            try:
+                records = engine.run(self, source, **options)
+            except BaseException:
+                source.close()  # give back what it leased; stop its lease renewals
+                raise
+            return acknowledged(records, source)
+        if not isinstance(source, (Files, Source)):
+            files = _files(source, window, self._vocab_size(), self._route_width())
+            source = files if files is not None else self.windows(source, window)
+        return engine.run(self, source, steps=steps, **options)
 
-            worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-            reader = source
-            return acknowledged(run_local(self.plan, reader, device=device, worker=worker,
-                                          prefetch=prefetch), reader)
-        if engine == "ray":
-            if not isinstance(source, (Files, Source)):
-                files = _files(source, window, self._vocab_size(), self._route_width())
-                source = files if files is not None else _windows(
-                    source, window, self._vocab_size(), self._route_width())
-            return _run_ray(self.plan, source, trainer=trainer, device=device, ranks=ranks,
-                            prefetch=prefetch, steps=steps, options=engine_options)
-        from treeflow.pipeline.local import run_local
-
-        if engine_options:
-            raise ValueError(f"engine 'local' takes no {sorted(engine_options)}")
-
-        worker = self.plan.worker(device=device, trainer=trainer) if trainer is not None else None
-        records = run_local(self.plan, _windows(source, window, self._vocab_size(),
-                                                self._route_width()), device=device,
-                            worker=worker, prefetch=prefetch)
-        return records if steps is None else itertools.islice(records, steps)
+    def windows(self, source, episodes_per_step: int | None = None) -> Iterator[pa.Table]:
+        """`source` (files, a table, tables) as validated windows of `episodes_per_step`
+        episodes, checked against the pipeline's vocabulary and route width."""
+        return _windows(source, episodes_per_step, self._vocab_size(), self._route_width())
 
     def _vocab_size(self) -> int | None:
         for s in self.stages:
@@ -168,31 +148,6 @@ class Pipeline:
     def _route_width(self) -> int | None:
         return next((s.route_width_hint() for s in self.stages
                      if s.route_width_hint() is not None), None)
-
-
-def _run_ray(plan, source, *, trainer, device, ranks, prefetch, steps, options):
-    """The Ray engine (pipeline/ray.py) with the Python API's training options gathered."""
-    from treeflow.pipeline.ray import run_ray
-
-    if trainer is not None:
-        raise ValueError("engine='ray' builds its trainers in the rank actors; pass no trainer "
-                         "(resume through treeflow.train.fit, or the CLI's --resume)")
-    given = {k: options.pop(k) for k in ("save", "save_every", "keep", "publish")
-             if options.get(k) is not None}
-    if given:
-        from treeflow.ops.train import Checkpointing
-        from treeflow.train.remote import RemoteTraining
-
-        if "train" in options:
-            raise ValueError(f"give train= or {sorted(given)}, not both")
-        if not plan.fused:
-            raise ValueError("save= and publish= are for training pipelines (ending in Reduce)")
-        options["train"] = RemoteTraining(
-            checkpointing=Checkpointing(dir=given.get("save"), every=given.get("save_every", 0),
-                                        keep=given.get("keep"), background=False),
-            publish=given.get("publish"))
-    return run_ray(plan, source, device=device, ranks=ranks, prefetch=prefetch, steps=steps,
-                   **options)
 
 
 def _paths(source) -> tuple | None:

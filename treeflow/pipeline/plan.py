@@ -150,9 +150,9 @@ class Plan:
     def worker(self, *, device="cpu", model=None, trainer=None, **options) -> Worker:
         """What one rank holds: the model op, or the training op of a fused plan.
 
-        trainer: for a fused plan, a Trainer to continue or a built TrainOp (ops/train.py);
-        default a new one. options: the training op's (checkpointing=, on_step=, ...) and
-        the Trainer's (precision=, dp=, ...).
+        trainer: for a fused plan, the Trainer to continue or a built TrainOp (ops/train.py;
+        engines build a new Trainer when their caller gave none). options: the training op's
+        (checkpointing=, on_step=, ...).
         """
         if self.fused:
             op = physical(self.accumulate, forward=self.model, device=device, model=model,

@@ -84,7 +84,9 @@ class QueueTraining:
             raise ValueError(f"--max-staleness {self.max_staleness}: give K >= 0 steps")
         if self.lease not in LEASES:
             raise ValueError(f"--lease {self.lease}: choose one of {LEASES}")
-        if self.lease == "per-rank" and self.engine == "ray":
+        from treeflow.engines import engine_for
+
+        if self.lease == "per-rank" and engine_for(self.engine).owns_processes:
             raise ValueError("--lease per-rank --engine ray: the Ray engine's driver alone reads "
                              "the queue (its rank actors hold no queue connection to lease their "
                              "parts over); use --engine local --num-ranks N (or --lease lead)")
@@ -243,7 +245,10 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
             opened["reader"].ack_finished(None if op is not None else saved_position(path))
 
     options = dict(trainer_options or {}, **({"dp": dp} if dp is not None else {}))
-    on_ray = training.engine == "ray"
+    from treeflow.engines import engine_for
+
+    engine = engine_for(training.engine)
+    owned = engine.owns_processes  # its driver reads the queue and feeds the rank actors
     pipe = pipelines[0]
     t0 = time.perf_counter()
     try:
@@ -253,9 +258,9 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
                                             else None),
                      on_result=on_result, on_saved=[acknowledge] if hold else [],
                      checkpointing=checkpointing, progress=progress,
-                     engine="ray" if on_ray else "local",
-                     engine_options={"ranks": len(pipelines), "plans": [p.plan for p in pipelines]}
-                     if on_ray else None, **fit_options)
+                     engine=engine_for(training.engine, ranks=len(pipelines),
+                                       plans=[p.plan for p in pipelines]) if owned else engine,
+                     **fit_options)
         if reads and "reader" in opened:
             opened["reader"].ack_finished()
     finally:

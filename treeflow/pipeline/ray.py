@@ -60,7 +60,7 @@ from treeflow.pipeline.ray_groups import form, groups, restart
 from treeflow.pipeline.ray_rank import RankActor
 from treeflow.sigterm import keep_sigterm
 
-__all__ = ["RayEngine", "init_ray", "rank_threads", "run_ray", "torch_threads_guess"]
+__all__ = ["RayRanks", "init_ray", "rank_threads", "run_ray", "torch_threads_guess"]
 
 SPARE_FROM = 8  # free Ray CPUs from which a rank leaves cores to the stage operators
 RETURN_WAIT = 5.0  # seconds an engine waits for a closed engine's actors' resources
@@ -138,7 +138,7 @@ def _wait_returned(ray, timeout: float = RETURN_WAIT) -> None:
         time.sleep(0.01)
 
 
-class RayEngine:
+class RayRanks:
     """R rank actors fed by the Ray graph of a plan; `start()`, then `run(source)`, then `close()`.
 
     Under `Forward(context_parallel=C)` each rank is C actors (R x C in all, one GPU each
@@ -309,13 +309,13 @@ def run_ray(plan: Plan, source, *, ranks: int = 1, device: str = "cpu", steps: i
             prefetch: int = 2, **options) -> Iterator[WindowResult]:
     """Yield one WindowResult per window, in logical order, from the Ray engine; then stop it.
 
-    options: as for RayEngine (plans, threads, train, rank_cls).
+    options: as for RayRanks (plans, threads, train, rank_cls).
     """
-    engine = RayEngine(plan, ranks=ranks, device=device, prefetch=prefetch, **options)
+    engine = RayRanks(plan, ranks=ranks, device=device, prefetch=prefetch, **options)
     return _closing(engine, source, steps)
 
 
-def _closing(engine: RayEngine, source, steps):
+def _closing(engine: RayRanks, source, steps):
     try:
         yield from engine.run(source, steps=steps)
     finally:
@@ -338,7 +338,7 @@ def torch_threads_guess() -> int:
     MKL_NUM_THREADS, else OMP_NUM_THREADS (a positive int), at most the CPUs it may run on.
 
     A guess only (torch counts physical cores, which a hyperthreaded host has fewer of):
-    RayEngine.start asks for the rank actors on it and checks it against torch's own count.
+    RayRanks.start asks for the rank actors on it and checks it against torch's own count.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -356,7 +356,7 @@ def rank_threads(free: float, share: float, procs: int, *, cores: int, cpu_count
                  stages: int = 1) -> tuple[int, float, str, str | None]:
     """(torch threads per rank, Ray CPUs each rank actor reserves, what set them, a warning).
 
-    free: the cluster's free Ray CPUs; share: the stage operators' CPUs (RayEngine.start);
+    free: the cluster's free Ray CPUs; share: the stage operators' CPUs (RayRanks.start);
     procs: rank actors; cores: this process's torch threads (the local engine's count);
     given: `threads=` if the caller chose; stages: the stage operators (one per map stage).
 

@@ -48,7 +48,7 @@ DEATH_GRACE_S = 5.0  # how long a failed collective waits to hear of a peer's de
 class Driver:
     """The driver's loop: windows in, calls out to the rank actors, finished windows in order."""
 
-    def __init__(self, engine: RayEngine, items):
+    def __init__(self, engine: RayRanks, items):
         self.e, self.ray, self.items = engine, engine.ray, items
         self.open_: dict[int, dict] = {}
         self.pending: dict = {}  # result ref -> (window, rank, context-parallel process)

@@ -52,21 +52,27 @@ class _Discard:
 
 
 def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "cpu",
-                    engine: str = "local", num_ranks: int = 1, prefetch: int = 2,
+                    engine="local", num_ranks: int = 1, prefetch: int = 2,
                     quiet: bool = False, log=None) -> dict | None:
     """Run the logprobs `pipeline` over `source` (a `Files`), write one row per input episode
     to `output` (.arrow or .parquet, published when the run completes; `inputs`: the episode
     files it must not be); the run's summary, or None in a group's process other than the
-    first. engine, num_ranks, prefetch: Pipeline.run's. log: where a warning goes (the Ray
-    engine's forward actors left without bins; default stderr)."""
+    first. engine: an Engine or its name (built with `num_ranks` ranks); prefetch:
+    Pipeline.run's. log: where a warning goes (an engine's forward actors left without bins;
+    default stderr)."""
     from treeflow._clock import process_seconds
     from treeflow._output import table_output
     from treeflow.pipeline.logprobs import run_logprobs
-    from treeflow.pipeline.stats import idle_ranks_warning, route_agreement
+    from treeflow.engines import engine_for
+    from treeflow.pipeline.stats import route_agreement
     from treeflow.schemas.episode import count_rows
 
-    if engine == "local":  # the model code's import is start-up, before the engine starts
-        import treeflow.pipeline.local  # noqa: F401 (the Ray engine's driver runs no model)
+    engine = engine_for(engine, ranks=num_ranks) if isinstance(engine, str) else engine
+    if num_ranks not in (1, engine.ranks):
+        raise ValueError(f"replay_logprobs(num_ranks={num_ranks}) but {engine!r}: give the "
+                         "ranks to the engine")
+    if not engine.owns_processes:  # the model code's import is start-up, before the engine
+        import treeflow.pipeline.local  # noqa: F401 (an engine's driver runs no model)
     imported = process_seconds()
     forward, lead, group = pipeline.plan.model, True, None
     if forward.tensor_parallel > 1:  # one of the processes that hold a share of the model
@@ -79,7 +85,7 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
             import torch
 
             torch.cuda.set_device(torch.device(device))
-    if forward.context_parallel > 1 and engine == "local":  # one of the processes of a bin
+    if forward.context_parallel > 1 and not engine.owns_processes:  # a process of a bin
         from treeflow.train.distributed import DataParallel
 
         group = DataParallel.from_env(device)
@@ -99,7 +105,7 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
             torch.cuda.reset_peak_memory_stats()
         run_logprobs(pipeline, source, write, sums=sums, title="replay",
                      total=count_rows(list(source.paths)), quiet=quiet or not lead,
-                     device=device, engine=engine, ranks=num_ranks, prefetch=prefetch)
+                     device=device, engine=engine, prefetch=prefetch)
     steady = max(sums["steady_seconds"], 1e-9)
     route_agreement(sums)
     if "device_seconds" in sums:  # device time inside bins (CUDA events) over steady wall time
@@ -112,7 +118,7 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
         group.close()
     if not lead:
         return None
-    if (idle := idle_ranks_warning(engine, num_ranks, sums["bins"])) is not None:
+    if (idle := engine.idle_ranks_warning(sums["bins"])) is not None:
         (log or _stderr)(idle)
     for name in ("tensor_parallel", "context_parallel"):
         if getattr(forward, name) > 1:

@@ -151,15 +151,6 @@ def route_agreement(sums: dict) -> dict:
     return sums
 
 
-def idle_ranks_warning(engine: str, ranks: int, bins: int) -> str | None:
-    """What to say when --engine ray --num-ranks N ran fewer bins than N (ranks without work)."""
-    if engine != "ray" or ranks <= 1 or bins >= ranks:
-        return None
-    return (f"warning: --num-ranks {ranks}: the run made {bins} bin(s), so only {bins} of the "
-            f"{ranks} forward actors had work; lower --max-tokens (more bins per window) or use "
-            "fewer ranks")
-
-
 def merge_totals(parts: list[dict]) -> dict:
     out: dict = {}
     for p in parts:

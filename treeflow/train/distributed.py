@@ -124,14 +124,22 @@ class DataParallel:
         return self.world > 1
 
     @property
+    def dims(self):
+        """The group's ParallelDims (treeflow/parallel): replicas of cp processes each."""
+        from treeflow.parallel import ParallelDims
+
+        cp = self.cp.size if self.cp is not None else 1
+        return ParallelDims(dp=self.world // cp, cp=cp)
+
+    @property
     def replicas(self) -> int:
         """Data-parallel replicas Shard plans for (world / context-parallel size)."""
-        return self.world // (self.cp.size if self.cp is not None else 1)
+        return self.dims.dp
 
     @property
     def replica(self) -> int:
         """This process's replica: the `rank` column of the bins it runs."""
-        return self.rank // (self.cp.size if self.cp is not None else 1)
+        return self.dims.replica(self.rank)
 
     def close(self) -> None:
         """Leave the process group (only if this object's world is the default group)."""
@@ -258,5 +266,5 @@ def training_ranks(device: str, *, distributed: bool, backend: str = "reference"
         tp_rank, rank, world, group = tensor_parallel_layout(backend, tensor_parallel, dp.device)
         dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
         lead, first = rank == 0 and tp_rank == 0, tp_rank == 0
-    first = first and (dp.cp is None or dp.cp.rank == 0)
+    first = first and dp.dims.plans(dp.rank)
     return dp, lead, dp.planning_exchange(contributes=first) if dp.replicas > 1 else None

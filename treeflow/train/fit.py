@@ -15,7 +15,8 @@ sinks, the progress bar; then the final checkpoint, the background write
 joined, and the report. The save cadence belongs to the training operator
 (ops/train.py), which fit builds with `checkpointing` and the hooks
 (`publish`: the weights to the producers after every step), so engines never
-touch a Trainer. With `engine="ray"` the operators live in the rank actors:
+touch a Trainer. On an engine that owns its processes (`RayEngine`) the operators live in
+the rank actors:
 fit reads the checkpoint to resume on the driver (its counters, position and
 fingerprint, checked here), opens the source at its position and sends the
 engine a `RemoteTraining` (train/remote.py) from which every rank builds its
@@ -132,7 +133,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         on_saved: Sequence[Callable] = (), episodes_per_step: int | None = None,
         loss: str | None = None, cap_steps: bool = True, lead: bool = True, log=_stderr,
         progress: str | None = "train", device: str = "cpu", prefetch: int = 2,
-        engine: str = "local", engine_options: dict | None = None, trainer=None) -> dict:
+        engine=None, trainer=None) -> dict:
     """Train `pipeline` (ending in Reduce) for `steps` optimizer steps in all; the report.
 
     source: `source(position, steps_done)` -> what `Pipeline.run` takes (a reader opened at
@@ -142,9 +143,12 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     resume. config: the resolved configuration saved in every checkpoint.
     on_result(rec, row) -> extra fields of the step's metrics row (the lead's results only;
     called before `seconds` is added). on_saved: hooks `hook(op, path)` after each checkpoint
-    (engine "ray": `hook(None, path)` once the driver hears of it, with the next step's result,
+    (an engine that owns its processes: `hook(None, path)` once the driver hears of it, with the next step's result,
     which may already be handed to the caller: `train.remote.saved_position(path)` says what
     the checkpoint holds).
+    engine: the Engine object to run on (treeflow.engines; None: this process, the local
+    engine); one that owns its processes (the Ray engine) builds each rank's Trainer there
+    from `trainer_options`.
     cap_steps: stop after `steps` windows (False: the source stops itself, as a queue reader
     after max_steps). progress: the progress bar's title (None: none). trainer: train this
     Trainer, which the caller keeps using afterwards (the local engine, no `resume`), instead
@@ -160,15 +164,14 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         raise ValueError(f"fit() trains a pipeline that ends in Reduce; {pipeline!r} does not")
     note = log if lead else _quiet
     checkpointing = checkpointing or Checkpointing()
-    remote = engine != "local"
+    remote = engine is not None and engine.owns_processes
     position = None  # where a remote run's source starts (a local one: the trainer's)
-    engine_options = dict(engine_options or {})
     given = trainer is not None
     if remote:  # the training operators live in the engine's ranks (train/remote.py)
         from treeflow.train.remote import RemoteTraining, resumed_state
 
         if trainer is not None:
-            raise ValueError(f"fit(trainer=...) trains in this process; engine {engine!r} "
+            raise ValueError(f"fit(trainer=...) trains in this process; {engine!r} "
                              "builds each rank's Trainer (give trainer_options)")
 
         trainer, op, done, position, resumed = None, None, 0, None, None
@@ -177,11 +180,11 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                                     log=note)
             _check_run(resumed["run"], run, resume, resumed["checkpoint"], note)
             done, position = resumed["steps"], resumed["position"]
-        engine_options["train"] = RemoteTraining(
+        engine = engine.with_options(train=RemoteTraining(
             trainer_options=dict(trainer_options or {}), checkpointing=checkpointing,
             resume_from=None if resumed is None else resumed["checkpoint"],
             trust_checkpoint=resume is not None and resume.trust_checkpoint, run=run,
-            config=config, publish=None if publish is None else publish.root)
+            config=config, publish=None if publish is None else publish.root))
     elif trainer is not None:
         if resume is not None and resume.path is not None or trainer_options:
             raise ValueError("fit(trainer=...) trains the Trainer given: build it with its "
@@ -230,12 +233,10 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
             for sink in sinks:
                 sink.open(steps_done=done, resuming=resume is not None and resume.path is not None)
                 opened.append(sink)
-        run_options = dict(device=device, prefetch=prefetch)
+        run_options = dict(device=device, prefetch=prefetch, engine=engine or "local")
         if cap_steps and todo is not None:
             run_options["steps"] = todo
-        if remote:
-            run_options.update(engine=engine, **engine_options)
-        else:
+        if not remote:
             run_options["trainer"] = op
         with progress_bar(progress or "train", todo, progress is None or not lead) as advance:
             if trainer is not None:  # the bar moves by bins (the Ray engine: by steps)

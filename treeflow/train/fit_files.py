@@ -16,7 +16,7 @@ metrics sinks. Data parallelism:
   the tokens of its own trees, pipeline/rank_rows.py), lays out and bins only its own share of
   each step (`StepStages.pipeline`, the same stages `treeflow plan --num-ranks N` plans) and
   runs those bins; the lead (rank 0) writes the metrics; all ranks write the checkpoint.
-- `engine="ray"`: this process is the driver of `num_ranks` Ray rank actors (pipeline/ray.py),
+- `engine=RayEngine(ranks=N)`: this process is the driver of N Ray rank actors (engines/),
   fed by the Ray engine, each planning its share as a spawned rank does (C actors per rank
   under the Forward's context_parallel C), with the same checkpoints and --resume.
 
@@ -32,14 +32,15 @@ from dataclasses import replace
 __all__ = ["fit_files", "fit_summary"]
 
 
-def fit_files(stages, files, *, steps: int, distributed: bool = False, engine: str = "local",
-              num_ranks: int = 1, device: str = "cpu", trainer_options: dict | None = None,
+def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=None,
+              device: str = "cpu", trainer_options: dict | None = None,
               **fit_options) -> dict | None:
     """Train `stages` (a `pipeline.rank_plan.StepStages`) on `files` (a `Files`; cycled, whole
     groups when a stage before Pack needs them) for `steps` optimizer steps in all.
 
-    distributed: this process is one rank of torchrun's (or spawn's) process group; engine
-    "ray": the driver of `num_ranks` rank actors. trainer_options: the Trainer's (precision,
+    distributed: this process is one rank of torchrun's (or spawn's) process group; engine:
+    an Engine object that owns its processes (`RayEngine(ranks=N)`): this process is the
+    driver of its rank actors (None: this process is one rank, the local engine). trainer_options: the Trainer's (precision,
     grad_sum, shard_params, reference); fit_options: fit()'s (checkpointing, resume, sinks,
     run, config, log, progress, ...). Returns fit()'s report with `ranks` (the processes that
     trained) on the lead process, None on the others.
@@ -52,13 +53,12 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine: s
         isinstance(s, Advantage) for s in stages.before))
     options = dict(steps=steps, device=device, **fit_options)
     forward = stages.forward
-    if engine == "ray":
-        pipes = [stages.pipeline(num_ranks, r) for r in range(num_ranks)]
+    if engine is not None and engine.owns_processes:  # each rank plans its own share, as a spawned rank does
+        pipes = [stages.pipeline(engine.ranks, r) for r in range(engine.ranks)]
         report = fit(pipes[0], lambda position, done: files.open(position),
-                     trainer_options=dict(trainer_options or {}), engine="ray",
-                     engine_options={"ranks": num_ranks, "plans": [p.plan for p in pipes]},
-                     **options)
-        return {**report, "ranks": num_ranks * forward.context_parallel}
+                     trainer_options=dict(trainer_options or {}),
+                     engine=engine.with_options(plans=[p.plan for p in pipes]), **options)
+        return {**report, "ranks": engine.ranks * forward.context_parallel}
     dp, lead, exchange = training_ranks(device, distributed=distributed, backend=forward.backend,
                                         tensor_parallel=forward.tensor_parallel,
                                         context_parallel=forward.context_parallel)

@@ -48,9 +48,11 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["free_port", "rank_actors", "rank_of", "rank_pool", "ray_ranks", "spawn",
-           "thread_report", "torchrun_world"]
+__all__ = ["LAUNCHERS", "Launcher", "free_port", "rank_actors", "rank_of", "rank_pool", "ray_ranks",
+           "spawn", "thread_report", "torchrun_world"]
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                "KMP_BLOCKTIME")
@@ -259,3 +261,29 @@ def rank_pool(ranks: int, *, in_flight: int | None = None):
     from ray.data import ActorPoolStrategy
 
     return ActorPoolStrategy(size=ranks, max_tasks_in_flight_per_actor=in_flight)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A way to start a run's rank processes (`--launcher`): `start(fn, n, *args, device=)`
+    runs `fn(*args)` in n processes of one group and returns their results in rank order;
+    `actors`: they are a Ray actor group (placed by Ray), not processes spawned here."""
+
+    name: str
+    actors: bool
+    start: Callable
+
+    def __call__(self, fn, ranks: int, *args, device: str = "cpu") -> list:
+        return self.start(fn, ranks, *args, device=device)
+
+
+def _spawned(fn, ranks: int, *args, device: str = "cpu") -> list:
+    return spawn(fn, ranks, *args)
+
+
+def _ray_group(fn, ranks: int, *args, device: str = "cpu") -> list:
+    return ray_ranks(fn, ranks, *args, gpus_per_rank=1 if device.startswith("cuda") else 0)
+
+
+LAUNCHERS = {launcher.name: launcher for launcher in (
+    Launcher("spawn", False, _spawned), Launcher("ray", True, _ray_group))}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treeflow.train.launch import ray_ranks, spawn, torchrun_world
+from treeflow.train.launch import LAUNCHERS, spawn, torchrun_world
 
 __all__ = ["Launch"]
 
@@ -40,7 +40,7 @@ class Launch:
     tensor_parallel: int = 1
     context_parallel: int = 1
     backend: str = "reference"
-    engine: str = "local"
+    engine: object = None  # an Engine (treeflow.engines); None: this process, the local engine
     launcher: str = "spawn"
     kernel: str = "auto"
     shard_params: bool = False
@@ -48,8 +48,20 @@ class Launch:
     model: str = "tiny"
 
     def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"--launcher {self.launcher}: choose one of {tuple(LAUNCHERS)}")
         self._check_tensor_parallel()
         self._check_context_parallel()
+
+    @property
+    def _owned(self) -> bool:
+        """Whether the engine starts its ranks' processes itself (the Ray engine's actors)."""
+        return self.engine is not None and self.engine.owns_processes
+
+    @property
+    def _actors(self) -> bool:
+        """Whether the launcher starts the ranks as a Ray actor group."""
+        return LAUNCHERS[self.launcher].actors
 
     @property
     def split(self) -> int:
@@ -61,16 +73,16 @@ class Launch:
         one of the processes torchrun started) rather than starting processes for it."""
         if not self.train:
             return self._group() == 1 or torchrun_world() is not None
-        world = torchrun_world() if self.engine == "local" else None
+        world = torchrun_world() if not self._owned else None
         if world is not None and self.split == 1 and self.num_ranks not in (1, world):
             raise ValueError(f"--num-ranks {self.num_ranks} but torchrun started {world} "
                              "processes; give the same number to both")
-        return world is not None or self.engine == "ray" or (
-            self.num_ranks == 1 and self.split == 1 and self.launcher == "spawn")
+        return world is not None or self._owned or (
+            self.num_ranks == 1 and self.split == 1 and not self._actors)
 
     def distributed(self) -> bool:
         """Whether the process that runs the work here is one of a group torchrun started."""
-        return self.engine == "local" and torchrun_world() is not None
+        return not self._owned and torchrun_world() is not None
 
     def start(self, fn, *args) -> list:
         """Run `fn(*args)` in every process of the run (when `here()` is False); each joins
@@ -85,10 +97,7 @@ class Launch:
             except RuntimeError as e:
                 raise ValueError(f"running over {processes} processes failed: {e}") from None
         try:
-            if self.launcher == "ray":
-                return ray_ranks(fn, self.num_ranks, *args,
-                                 gpus_per_rank=1 if self.device.startswith("cuda") else 0)
-            return spawn(fn, self.num_ranks, *args)
+            return LAUNCHERS[self.launcher](fn, self.num_ranks, *args, device=self.device)
         except RuntimeError as e:
             raise ValueError(f"training over {self.num_ranks} ranks failed: {e}") from None
 
@@ -96,7 +105,7 @@ class Launch:
         """Logprobs mode: the processes of the one replica (Ray's context-parallel actors are
         the engine's, not started here)."""
         return self.tensor_parallel if self.tensor_parallel > 1 else \
-            self.context_parallel if self.engine == "local" else 1
+            self.context_parallel if not self._owned else 1
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel
@@ -136,9 +145,9 @@ class Launch:
         if self.train and self.shard_params:
             raise ValueError(f"--context-parallel {cp} with --shard-params is not supported "
                              "yet: drop one of them")
-        if self.engine == "ray":  # C Ray actors per rank, --num-ranks ranks (pipeline/ray.py)
+        if self._owned:  # C Ray actors per rank, --num-ranks ranks (pipeline/ray.py)
             return
-        if self.train and self.launcher == "ray":
+        if self.train and self._actors:
             raise ValueError(f"--context-parallel {cp} with --launcher ray: give --engine ray to "
                              "run each rank's processes as Ray actors, or --launcher spawn")
         self._own_processes("--context-parallel", "context-parallel", cp)
@@ -156,10 +165,10 @@ class Launch:
 
     def _own_processes(self, flag: str, kind: str, n: int) -> None:
         """What every split that runs one model over n processes of its own refuses alike."""
-        if self.engine == "ray":
+        if self._owned:
             raise ValueError(f"{flag} {n} runs with --engine local only (each {kind} rank is a "
                              "process of its own)")
-        if self.train and self.launcher == "ray":
+        if self.train and self._actors:
             raise ValueError(f"{flag} {n} starts its processes with --launcher spawn or under "
                              "torchrun, not as a Ray actor group")
         if not self.train and self.num_ranks > 1:

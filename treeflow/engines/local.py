@@ -1,0 +1,47 @@
+"""LocalEngine: the plan in this process, CPU preparation running ahead of the model.
+
+The embedded default and the reference every other engine matches bit for bit (the loop
+itself: pipeline/local.py). This process is one rank: with several, a launcher (`spawn`,
+torchrun) starts the others and each runs its own LocalEngine over its share of the bins.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from treeflow.engines.base import Engine
+from treeflow.parallel import ParallelDims
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine(Engine):
+    """Runs the plan here. ranks: the data-parallel ranks the run has (each its own process;
+    this is one of them), as `Shard(num_ranks=)` deals the bins."""
+
+    name = "local"
+    owns_processes = False
+
+    def __init__(self, *, dims: ParallelDims | None = None, ranks: int | None = None,
+                 **options):
+        if options:
+            raise ValueError(f"engine 'local' takes no {sorted(options)}")
+        if ranks is not None:
+            if dims is not None:
+                raise ValueError("LocalEngine: give dims= or ranks=, not both")
+            dims = ParallelDims(dp=ranks)
+        super().__init__(dims=dims)
+
+    def run(self, pipeline, source, *, device: str = "cpu", trainer=None, prefetch: int = 2,
+            steps: int | None = None):
+        from treeflow.pipeline.local import run_local
+
+        plan = pipeline.plan
+        if plan.fused and trainer is None:  # a training pipeline run on its own: a new Trainer
+            from treeflow.train import Trainer
+
+            trainer = Trainer(plan.model, plan.accumulate, device=device,
+                              max_tokens=plan.max_tokens)
+        worker = plan.worker(device=device, trainer=trainer) if trainer is not None else None
+        records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch)
+        return records if steps is None else itertools.islice(records, steps)
