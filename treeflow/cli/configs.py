@@ -36,6 +36,16 @@ def forward(args, *, entropy: bool = False):
                    entropy=entropy, tuning=Tuning.parse(text, **ssm_flags(args)), **given)
 
 
+def ssm_kernel(args, tuning) -> dict:
+    """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
+    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.ssm_tree import resolve_kernel
+
+    if not is_hybrid_dir(args.model):
+        return {}
+    return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
+
+
 def launch(args, *, train: bool):
     """Launch(...) from --num-ranks, --tensor-parallel, --context-parallel and what they need
     (--backend, --engine, --launcher, ...); refuses a split that cannot run, starting nothing."""
