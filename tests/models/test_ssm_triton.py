@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before triton decorates the kernels
+if not torch.cuda.is_available():  # tests/conftest.py sets it first; this for a lone run
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 

@@ -32,8 +32,10 @@ def forward(args, *, entropy: bool = False):
 
         model = model_dir(model)
     text = tuning_text(args, model)
+    tuning = Tuning.parse(text, **ssm_flags(args))
+    ssm_kernel(args, tuning)  # refuses a scan kernel that cannot run here, before any work
     return Forward(model=model, dtype=args.dtype, kernel=args.kernel,
-                   entropy=entropy, tuning=Tuning.parse(text, **ssm_flags(args)), **given)
+                   entropy=entropy, tuning=tuning, **given)
 
 
 def ssm_kernel(args, tuning) -> dict:
