@@ -25,7 +25,15 @@ import re
 import sys
 
 import pytest
+import torch
 from hypothesis import settings
+
+# Without CUDA, Triton kernels (models/ssm_triton.py) run in triton's interpreter, which
+# triton picks as it decorates a kernel -- its own library's too, at `import triton` -- so it
+# is set before anything imports triton (torch.utils._triton.has_triton does). The CLI's
+# refusal of --ssm-kernel triton on CPU is tested with it unset (tests/reliability).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pytest
 import torch
@@ -48,7 +50,7 @@ def test_train_with_bfloat16_states(setup, capsys):
     tmp, _, _ = setup
     assert main(["replay", str(tmp / "e.arrow"), "--model", str(tmp / "nh"), "--mode", "train",
                  "--episodes-per-step", "2", "--steps", "2", "--loss", "nll", "--max-tokens", "64",
-                 "--ssm-state-dtype", "bfloat16", "--quiet"]) == 0
-    capsys.readouterr()
+                 "--ssm-state-dtype", "bfloat16", "--ssm-kernel", "torch", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ssm_kernel"] == "torch"
     with pytest.raises(SystemExit):
         main(["replay", str(tmp / "e.arrow"), "--ssm-fork", "sideways"])

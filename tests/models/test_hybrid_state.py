@@ -83,3 +83,23 @@ def test_state_dtype_is_the_dtype_kept(tmp_path, fork):
     assert results["bfloat16"][0] == {results["bfloat16"][2]}
     diff = (results["float32"][1] - results["bfloat16"][1]).abs().max()
     assert 0 < diff < 0.5  # the rounding of the states shows, and only it
+
+
+def test_scan_kernel_choice_and_refusals(monkeypatch):
+    """auto is torch off CUDA; triton where it cannot run is refused by name with the fix."""
+    import treeflow.models.ssm_tree as ssm_tree
+
+    par = _star(5, 2, 3)
+    assert SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="auto").kernel == "torch"
+    assert ssm_tree.resolve_kernel("auto", "cpu") == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(ssm_tree, "_has_triton", lambda: False)
+    with pytest.raises(ValueError, match=r"needs triton.*pip install 'treeflow\[triton\]'"):
+        SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="triton")
+    monkeypatch.setattr(ssm_tree, "_has_triton", lambda: True)
+    with pytest.raises(ValueError, match="runs on CUDA, not on cpu"):
+        SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="triton")
+    with pytest.raises(ValueError, match="choose one of"):
+        Tuning(ssm_kernel="cuda")
+    assert Tuning.parse("plain,ssm_kernel=torch").ssm_kernel == "torch"
+    assert Tuning.parse("plain", ssm_kernel="triton").ssm_kernel == "triton"

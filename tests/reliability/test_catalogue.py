@@ -244,6 +244,13 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
                  ["config.json", "n_shared_experts=2"])
+        if kind == "ssm-kernel-triton-cpu":  # the fused scan runs on CUDA only
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64,
+                 "hidden_size": 32, "layers_block_type": ["linear_attention"]}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
+                    "--ssm-kernel", "triton"], ["--ssm-kernel triton"]
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
@@ -480,7 +487,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 22
          "nemo-rl-replica-disagrees", "megatron-moe-tp-cpu", "megatron-moe-aux",
          # issue 26: trackers
-         "logger-unknown", "logger-jsonl-no-metrics"]
+         "logger-unknown", "logger-jsonl-no-metrics",
+         # issue 45: the fused Mamba-2 scan
+         "ssm-kernel-triton-cpu"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
@@ -494,7 +503,8 @@ def test_catalogue_is_large_enough():
 
 
 @pytest.mark.parametrize("setup", CASES)
-def test_refused_cleanly_and_nothing_changes(setup, tmp_path, capsys):
+def test_refused_cleanly_and_nothing_changes(setup, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a user runs it (tests/conftest.py)
     # an earlier good output sits next to the inputs: it must survive the refusal
     (tmp_path / "bins.arrow").write_bytes(b"an earlier output")
     argv, needles = setup(tmp_path)

@@ -32,8 +32,20 @@ def forward(args, *, entropy: bool = False):
 
         model = model_dir(model)
     text = tuning_text(args, model)
+    tuning = Tuning.parse(text, **ssm_flags(args))
+    ssm_kernel(args, tuning)  # refuses a scan kernel that cannot run here, before any work
     return Forward(model=model, dtype=args.dtype, kernel=args.kernel,
-                   entropy=entropy, tuning=Tuning.parse(text, **ssm_flags(args)), **given)
+                   entropy=entropy, tuning=tuning, **given)
+
+
+def ssm_kernel(args, tuning) -> dict:
+    """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
+    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.ssm_tree import resolve_kernel
+
+    if not is_hybrid_dir(args.model):
+        return {}
+    return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
 
 
 def engine(args):

@@ -59,6 +59,10 @@ def model_options(s) -> None:
     s.add_argument("--ssm-state-dtype", choices=("float32", "bfloat16"), default=None,
                    help="Mamba-2 hybrids: dtype of the materialised inter-chunk states in "
                         "forward and backward (default float32), whatever --dtype is")
+    s.add_argument("--ssm-kernel", choices=("auto", "torch", "triton"), default=None,
+                   help="Mamba-2 hybrids: the tree scan's implementation: torch (the reference) "
+                        "or triton (fused kernels, CUDA; pip install 'treeflow[triton]'); "
+                        "default auto: triton on CUDA when installed, else torch")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "

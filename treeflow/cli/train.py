@@ -64,7 +64,8 @@ def _train(args, *, distributed: bool) -> int:
     elif args.json:
         import json
 
-        print(json.dumps(fit_summary(report, tuning=getattr(args, "tuning_chosen", args.tuning))),
+        print(json.dumps(fit_summary(report, tuning=getattr(args, "tuning_chosen", args.tuning),
+                                     **configs.ssm_kernel(args, stages.forward.tuning))),
               flush=True)
     elif not args.quiet:
         from treeflow.train.metric_names import logged

@@ -62,9 +62,10 @@ class ReferenceBackend(ModuleBackend):
         self.device = next(model.parameters()).device
         self.tuning = tuning or Tuning()
         t, plain = self.tuning, Tuning()
-        if ((t.ssm_fork, t.ssm_state_dtype) != (plain.ssm_fork, plain.ssm_state_dtype)
-                and not getattr(self.config, "recurrent", False)):
-            warnings.warn(f"ssm_fork={t.ssm_fork!r} / ssm_state_dtype={t.ssm_state_dtype!r} have "
+        changed = [f"{n}={getattr(t, n)!r}" for n in ("ssm_fork", "ssm_state_dtype", "ssm_kernel")
+                   if getattr(t, n) != getattr(plain, n)]
+        if changed and not getattr(self.config, "recurrent", False):
+            warnings.warn(f"{' / '.join(changed)} have "
                           f"no effect: {self.config.architecture} has no Mamba-2 layers",
                           stacklevel=2)
 

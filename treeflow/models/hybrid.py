@@ -56,7 +56,7 @@ class HybridPlan:
         return cls(attention, SegmentPlan(parents_N, chunk_size=config.chunk_size,
                                           conv_kernel=config.conv_kernel, fork=tuning.ssm_fork,
                                           state_dtype=tuning.ssm_state_dtype,
-                                          device=attention.device))
+                                          device=attention.device, kernel=tuning.ssm_kernel))
 
     def __call__(self, q, k, v):
         return self.attention(q, k, v)
@@ -64,7 +64,7 @@ class HybridPlan:
     def __repr__(self) -> str:
         s = self.segments
         return (f"HybridPlan({self.attention!r}, segments={s.segments}, launches={s.launches}, "
-                f"fork={s.fork!r}, state_dtype={s.state_dtype})")
+                f"fork={s.fork!r}, state_dtype={s.state_dtype}, kernel={s.kernel!r})")
 
 
 class NemotronHNorm(RMSNorm):

@@ -25,6 +25,12 @@ the intra-chunk work runs over the flat chunk list, and only the inter-chunk
 recurrence (states, not tokens) is padded: segments are bucketed by chunk count
 (powers of two), one batched recurrence per bucket, at most 2x padding.
 
+Kernels (`kernel`): "torch" runs each level as the einsums below (the
+reference); "triton" runs the same plan through ssm_triton.py's fused kernels
+(CUDA, or CPU under TRITON_INTERPRET=1 for tests); "auto" is triton on CUDA when
+triton is installed, torch elsewhere. Both give the same partition and the same
+mathematics; they differ in rounding order and in what backward keeps.
+
 Materialised inter-chunk states (the chunk states, the chunk-start states kept
 for the output and the children, their saved copies for backward and their
 gradients) are held in `state_dtype` (float32 by default), whatever the
@@ -41,9 +47,54 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FORKS", "STATE_DTYPES", "SegmentPlan", "depths", "tree_conv", "tree_ssd"]
+__all__ = ["FORKS", "KERNELS", "STATE_DTYPES", "SegmentPlan", "depths", "resolve_kernel",
+           "tree_conv", "tree_ssd"]
 
 FORKS = ("exact", "chunk")
+KERNELS = ("auto", "torch", "triton")
+TRITON_INSTALL = "pip install 'treeflow[triton]' (or pip install triton)"
+_said: set = set()
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_kernel(kernel: str, device: torch.device | str) -> str:
+    """The scan kernel that runs for `kernel` ("auto" | "torch" | "triton") on `device`.
+
+    auto: triton on CUDA when triton is installed (said once on stderr when it is not),
+    torch elsewhere. triton where it cannot run is refused by name.
+    """
+    import os
+    import sys
+
+    if kernel not in KERNELS:
+        raise ValueError(f"ssm kernel {kernel!r}: choose one of {KERNELS}")
+    dev = torch.device(device).type
+    if kernel == "torch":
+        return "torch"
+    if kernel == "auto":
+        if dev != "cuda":
+            return "torch"
+        if _has_triton():
+            return "triton"
+        if "no-triton" not in _said:
+            _said.add("no-triton")
+            print(f"treeflow: --ssm-kernel auto: triton is not installed, the Mamba-2 scan runs "
+                  f"the torch kernel on CUDA; {TRITON_INSTALL} for the fused one",
+                  file=sys.stderr, flush=True)
+        return "torch"
+    if not _has_triton():
+        raise ValueError(f"--ssm-kernel triton (Tuning.ssm_kernel) needs triton, which is not "
+                         f"installed: {TRITON_INSTALL}, or use --ssm-kernel torch")
+    if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--ssm-kernel triton runs on CUDA, not on {dev}: use --ssm-kernel "
+                         "torch (or auto) there; TRITON_INTERPRET=1 runs the kernels on CPU "
+                         "through triton's interpreter (slow, for tests)")
+    return "triton"
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -72,7 +123,7 @@ class _Level:
     """
 
     def __init__(self, gather_KC, out_slots, out_nodes, chunk_rows, start_rows, init_rows,
-                 init_from, buckets, rows, device):
+                 init_from, buckets, rows, device, seg, init_local):
         def t(a):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
@@ -81,6 +132,9 @@ class _Level:
         self.has_init = len(init_rows) > 0
         self.init_rows, self.init_from = t(init_rows), t(init_from)
         self.buckets, self.rows = buckets, rows  # [(first row, segments, Z)], total rows
+        # per segment (first chunk, chunks, first row) and the segments with a parent, for
+        # the Triton kernels (ssm_triton.py)
+        self.seg, self.init_local = t(seg), t(init_local)
 
 
 class SegmentPlan:
@@ -89,7 +143,7 @@ class SegmentPlan:
 
     def __init__(self, parents_N: np.ndarray, *, chunk_size: int, conv_kernel: int,
                  fork: str = "chunk", state_dtype: str = "float32",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kernel: str = "torch") -> None:
         if fork not in FORKS:
             raise ValueError(f"ssm fork {fork!r}: choose one of {FORKS}")
         if state_dtype not in STATE_DTYPES:
@@ -102,6 +156,7 @@ class SegmentPlan:
         self.num_tokens, self.chunk_size, self.fork = n, chunk_size, fork
         self.state_dtype = STATE_DTYPES[state_dtype]
         device = torch.device(device)
+        self.kernel = resolve_kernel(kernel, device)
         par_pad = np.append(np.where(parents_N < 0, n, parents_N), n)
         conv = [np.arange(n + 1)]
         for _ in range(conv_kernel - 1):
@@ -177,7 +232,8 @@ class SegmentPlan:
                 gather.reshape(-1, C), out_slots, out_nodes,
                 chunk_rows=row0[chunk_seg] + 1 + chunk_pos, start_rows=row0[chunk_seg] + chunk_pos,
                 init_rows=row0[segs[child]], init_from=init_from, buckets=buckets, rows=at,
-                device=device))
+                device=device, seg=np.stack([np.cumsum(k_s) - k_s, k_s, row0[segs]], axis=1),
+                init_local=child))
             row0_prev = row0.copy()
 
 
@@ -239,18 +295,22 @@ def tree_ssd(x_Nhp: torch.Tensor, dt_Nh: torch.Tensor, A_h: torch.Tensor, B_Ngn:
     n, h, p = x_Nhp.shape
     with torch.autocast(x_Nhp.device.type, enabled=False):
         x = x_Nhp.float()
-        heads = h // B_Ngn.shape[1]
-        B = B_Ngn.float().repeat_interleave(heads, dim=1)
-        Cm = C_Ngn.float().repeat_interleave(heads, dim=1)
+        B, Cm = B_Ngn.float(), C_Ngn.float()
         dt = dt_Nh.float()
         xdt = torch.cat([x * dt[..., None], x.new_zeros(1, h, p)])
         adt = torch.cat([A_h.float() * dt, dt.new_zeros(1, h)])
+        if plan.kernel == "triton":  # groups stay groups: the kernels pick a head's group
+            from treeflow.models.ssm_triton import level_scan as scan
+        else:
+            scan = _level_scan
+            B = B.repeat_interleave(h // B.shape[1], dim=1)
+            Cm = Cm.repeat_interleave(h // Cm.shape[1], dim=1)
         B = torch.cat([B, B.new_zeros(1, *B.shape[1:])])
         Cm = torch.cat([Cm, Cm.new_zeros(1, *Cm.shape[1:])])
         outs, nodes = [], []
         prev = None
         for lv in plan.levels:
-            y, prev = _level_scan(lv, xdt, adt, B, Cm, prev, plan.state_dtype)
+            y, prev = scan(lv, xdt, adt, B, Cm, prev, plan.state_dtype)
             outs.append(y)
             nodes.append(lv.out_nodes)
         order = torch.cat(nodes)

@@ -24,7 +24,10 @@ in bench/results/ rather than assumed.
   branch's recurrent state forks ("exact": at the branch token; "chunk": at the
   last scan-chunk boundary, replaying the tail) and the dtype the materialised
   inter-chunk states are held in (float32, or bfloat16 for half their memory).
-  Both keep the mathematics; they move rounding.
+  Both keep the mathematics; they move rounding. `ssm_kernel`: the scan's
+  implementation ("torch": the reference einsums; "triton": the fused kernels of
+  models/ssm_triton.py, which recompute per chunk in backward; "auto": triton on
+  CUDA when triton is installed, torch elsewhere).
 - `recompute`: selective activation recomputation per layer ("mlp":
   post-attention norm + SwiGLU; "attention": input norm, projections, RoPE,
   attention, output projection; "layer": both): activation memory for about
@@ -42,6 +45,7 @@ __all__ = ["AUTO", "COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning", "auto_p
 RECOMPUTE = ("none", "mlp", "attention", "layer")
 SSM_FORKS = ("exact", "chunk")
 SSM_STATE_DTYPES = ("float32", "bfloat16")
+SSM_KERNELS = ("auto", "torch", "triton")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 # FlexAttention (Triton) kernel options treeflow passes through; `fwd_`/`bwd_` prefixes
@@ -76,6 +80,7 @@ class Tuning:
     recompute: "none" | "mlp" | "attention" | "layer".
     ssm_fork: "exact" | "chunk" (hybrid models only).
     ssm_state_dtype: "float32" | "bfloat16" (hybrid models only).
+    ssm_kernel: "auto" | "torch" | "triton" (hybrid models only).
     """
 
     flex_block_size: int = 128
@@ -87,6 +92,7 @@ class Tuning:
     recompute: str = "none"
     ssm_fork: str = "chunk"  # measured closer to the exact-call layout (bench_hybrid_forks_cpu.py)
     ssm_state_dtype: str = "float32"
+    ssm_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         b = self.flex_block_size
@@ -120,6 +126,9 @@ class Tuning:
         if self.ssm_state_dtype not in SSM_STATE_DTYPES:
             raise ValueError(f"Tuning(ssm_state_dtype={self.ssm_state_dtype!r}): choose one of "
                              f"{SSM_STATE_DTYPES}")
+        if self.ssm_kernel not in SSM_KERNELS:
+            raise ValueError(f"Tuning(ssm_kernel={self.ssm_kernel!r}): choose one of "
+                             f"{SSM_KERNELS}")
 
     @property
     def kernel_options(self) -> dict | None:
@@ -133,7 +142,8 @@ class Tuning:
         Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
         A preset name may come first and the settings after it override it: `fast`,
         `fast,recompute=mlp` (see PRESETS). `flags`: settings given by their own CLI
-        options (`--ssm-fork`, `--ssm-state-dtype`); None leaves the setting alone.
+        options (`--ssm-fork`, `--ssm-state-dtype`, `--ssm-kernel`); None leaves the
+        setting alone.
         """
         fields, kernel = {}, {}
         parts = [p.strip() for p in text.split(",") if p.strip()]
@@ -155,22 +165,24 @@ class Tuning:
                 fields[name] = value.lower() in ("1", "true")
             elif name in ("flex_block_size", "loss_vocab_chunk"):
                 fields[name] = _scalar(value)
-            elif name in ("recompute", "compile_backend", "ssm_fork", "ssm_state_dtype"):
+            elif name in ("recompute", "compile_backend", "ssm_fork", "ssm_state_dtype",
+                          "ssm_kernel"):
                 fields[name] = value
             else:
                 raise ValueError(f"tuning {name!r} is not a setting; use flex_block_size, "
                                  "flex.<KERNEL_OPTION>, compile_layers, compile_backend, "
-                                 "fused_loss, loss_vocab_chunk, recompute, ssm_fork or "
-                                 "ssm_state_dtype")
+                                 "fused_loss, loss_vocab_chunk, recompute, ssm_fork, "
+                                 "ssm_state_dtype or ssm_kernel")
         fields.update({k: v for k, v in flags.items() if v is not None})
         return cls(**fields, flex_kernel_options=kernel)
 
 
 def ssm_flags(args) -> dict:
-    """The Mamba-2 settings of parsed CLI options (--ssm-fork, --ssm-state-dtype) for
-    `Tuning.parse`; None where not given."""
+    """The Mamba-2 settings of parsed CLI options (--ssm-fork, --ssm-state-dtype,
+    --ssm-kernel) for `Tuning.parse`; None where not given."""
     return {"ssm_fork": getattr(args, "ssm_fork", None),
-            "ssm_state_dtype": getattr(args, "ssm_state_dtype", None)}
+            "ssm_state_dtype": getattr(args, "ssm_state_dtype", None),
+            "ssm_kernel": getattr(args, "ssm_kernel", None)}
 
 
 def _scalar(text: str) -> int | bool | str:

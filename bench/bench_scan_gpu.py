@@ -1,0 +1,200 @@
+"""The Mamba-2 tree scan: fused Triton kernels (models/ssm_triton.py) vs the PyTorch scan.
+
+One Nemotron-H 1.3B-shaped Mamba-2 mixer (hidden 2048, 64 heads x 64, state 128,
+8 groups, conv 4, scan chunk 128), bf16 weights and activations, float32 states,
+run over the tree bins of synthetic agent episodes (Pack(layout="tree", scope="group")
+-> Fragment(max_tokens)). Per kernel and fork mode: forward and forward+backward
+tokens/s (bin tokens / seconds, CUDA events, after warm-up), peak CUDA memory
+above the inputs, and the outputs' and input gradient's distance between the two
+kernels (a sanity line, not the correctness test: tests/models/test_ssm_triton.py
+and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
+
+    PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200
+    python bench/bench_scan_gpu.py --smoke --device cpu            # checks the logic (torch only)
+
+Without CUDA (and without --device cpu) it prints {"skipped": ...} and exits 0. On CPU
+the Triton kernel needs TRITON_INTERPRET=1 and is far too slow to time: --smoke --device
+cpu times only the torch kernel unless --kernels names triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+SHAPES = {
+    "nemotron-h-1b": dict(hidden_size=2048, mamba_num_heads=64, mamba_head_dim=64,
+                          ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128),
+    "smoke": dict(hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+                  n_groups=2, conv_kernel=4, chunk_size=16),
+}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny shape and episodes")
+    p.add_argument("--kernels", default=None, help="comma list of torch,triton "
+                   "(default: both on CUDA, torch on CPU)")
+    p.add_argument("--forks", default="chunk,exact")
+    p.add_argument("--max-tokens", type=int, default=None, help="bin budget (default 16384)")
+    p.add_argument("--episodes", type=int, default=None, help="synthetic episodes (default 64)")
+    p.add_argument("--bins", type=int, default=None, help="bins timed (default 4)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
+    return p.parse_args(argv)
+
+
+def _bins(args):
+    from treeflow.pipeline import synth_episodes
+    from treeflow.stages import Fragment, Pack
+
+    if args.smoke:
+        eps = synth_episodes(episodes=args.episodes or 8, group_size=4, turns=(2, 4),
+                             system_tokens=40, user_tokens=(5, 20), completion_tokens=(5, 20),
+                             tool_tokens=(5, 30), branch_prob=0.3, vocab_size=500, seed=0)
+    else:
+        eps = synth_episodes(episodes=args.episodes or 64, seed=0)
+    layouts = Pack(layout="tree", scope="group")(eps)
+    bins = Fragment(max_tokens=args.max_tokens or (256 if args.smoke else 16384))(layouts)
+    rows = sorted(bins.to_pylist(), key=lambda b: -len(b["parents"]))
+    return [b["parents"] for b in rows[:args.bins or (2 if args.smoke else 4)]]
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device, repeats):
+    """Median seconds of fn() over repeats, after one warm-up call (compiles the kernels)."""
+    fn()
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return sorted(out)[len(out) // 2]
+
+
+def run(args) -> dict:
+    import numpy as np
+    import torch
+
+    from treeflow.models.hybrid_config import HybridConfig
+    from treeflow.models.mamba import Mamba2Mixer
+    from treeflow.models.ssm_tree import SegmentPlan
+
+    device = torch.device(args.device)
+    shape = SHAPES["smoke" if args.smoke else "nemotron-h-1b"]
+    cfg = HybridConfig.from_hf_dict({"architectures": ["NemotronHForCausalLM"], "vocab_size": 512,
+                                     "intermediate_size": 96, "hybrid_override_pattern": "M",
+                                     "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "head_dim": 16, **shape})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(cfg).to(device=device, dtype=dtype)
+    kernels = (args.kernels or ("torch,triton" if device.type == "cuda" else "torch")).split(",")
+    parents = _bins(args)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "shape": shape, "dtype": str(dtype), "state_dtype": args.state_dtype,
+              "bins": [len(p) for p in parents], "kernels": kernels, "runs": []}
+    for fork in args.forks.split(","):
+        for i, par in enumerate(parents):
+            par = np.asarray(par, dtype=np.int64)
+            n = len(par)
+            x = torch.randn(n, cfg.hidden_size, device=device, dtype=dtype)
+            dy = torch.randn(n, cfg.hidden_size, device=device, dtype=dtype)
+            outs = {}
+            for kernel in kernels:
+                plan = SegmentPlan(par, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
+                                   fork=fork, state_dtype=args.state_dtype, device=device,
+                                   kernel=kernel)
+                row = {"fork": fork, "bin": i, "tokens": n, "segments": plan.segments,
+                       "levels": plan.launches, "kernel": kernel}
+
+                def fwd():
+                    with torch.no_grad():
+                        return mixer(x, plan)
+
+                def fwd_bwd():
+                    xi = x.detach().requires_grad_()
+                    mixer(xi, plan).backward(dy)
+                    return xi.grad
+
+                for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
+                    mixer.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                    sec = _time(fn, device, args.repeats)
+                    row[f"{name}_seconds"] = round(sec, 5)
+                    row[f"{name}_tokens_per_s"] = round(n / sec, 1)
+                    if device.type == "cuda":
+                        row[f"{name}_peak_mib"] = round(
+                            (torch.cuda.max_memory_allocated(device) - base) / 2**20, 1)
+                mixer.zero_grad(set_to_none=True)
+                outs[kernel] = (fwd().float(), fwd_bwd().float())
+                result["runs"].append(row)
+            if len(outs) == 2:
+                (ya, ga), (yb, gb) = outs.values()
+                result["runs"][-1]["vs_torch"] = {
+                    "y_rel": float((ya - yb).norm() / ya.norm()),
+                    "dx_rel": float((ga - gb).norm() / ga.norm())}
+    result["summary"] = _summary(result["runs"], kernels)
+    return result
+
+
+def _summary(runs, kernels) -> dict:
+    """Per fork: total tokens / total seconds per kernel, and triton over torch."""
+    out = {}
+    for fork in sorted({r["fork"] for r in runs}):
+        per = {}
+        for k in kernels:
+            rs = [r for r in runs if r["fork"] == fork and r["kernel"] == k]
+            tok = sum(r["tokens"] for r in rs)
+            per[k] = {m: round(tok / sum(r[f"{m}_seconds"] for r in rs), 1)
+                      for m in ("forward", "forward_backward")}
+            peaks = [r.get("forward_backward_peak_mib") for r in rs]
+            if all(p is not None for p in peaks):
+                per[k]["max_forward_backward_peak_mib"] = max(peaks)
+        if {"torch", "triton"} <= per.keys():
+            per["speedup"] = {m: round(per["triton"][m] / per["torch"][m], 2)
+                              for m in ("forward", "forward_backward")}
+        out[fork] = per
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device (use --smoke --device cpu to check the "
+                                     "script's logic)"}))
+        return 0
+    kernels = args.kernels or ""
+    if "triton" in kernels:
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            print(json.dumps({"skipped": "triton is not installed: pip install "
+                                         "'treeflow[triton]'"}))
+            return 0
+    print(json.dumps(run(args), indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

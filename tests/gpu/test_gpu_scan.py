@@ -1,0 +1,122 @@
+"""On CUDA, the fused Triton tree scan (models/ssm_triton.py), compiled, float32.
+
+Against a float64 per-node path recurrence (tests/models/test_ssm_triton.py's oracle,
+run on the CPU) at tiny sizes with forks inside chunks and on chunk boundaries;
+against the PyTorch tree scan at the Nemotron-H 1.3B Mamba shape (64 heads x 64,
+state 128, 8 groups, chunk 128: the kernels' real tile sizes) on a branching tree
+of ~1,500 tokens; and the whole tiny Nemotron-H through Pack/Fragment/Forward with
+`ssm_kernel="triton"` against transformers call by call (logprobs and every
+parameter gradient). Needs CUDA and triton (CUDA torch ships it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOL = 1e-4  # float32 on the GPU (no TF32 in the kernels) against float64 / the torch scan
+
+
+def _rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _grads(fn, leaves, weight):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y = fn(*leaves)
+    (y * weight).sum().backward()
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("fork", ["exact", "chunk"])
+def test_triton_scan_matches_path_recurrence_on_cuda(fork):
+    pytest.importorskip("triton")
+    from tests.models.test_ssm_triton import H, P, _inputs, _path_recurrence, _tree
+    from treeflow.models.ssm_tree import SegmentPlan, tree_ssd
+
+    for seed in (0, 1, 2):
+        par = _tree(seed)
+        ins = _inputs(len(par), seed)
+        weight = torch.randn(len(par), H, P, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(seed))
+        want = _grads(lambda *a: _path_recurrence(par, *a), ins, weight)
+        plan = SegmentPlan(par, chunk_size=4, conv_kernel=4, fork=fork, device="cuda",
+                           kernel="triton")
+        got = _grads(lambda *a: tree_ssd(*a, plan), [t.float().cuda() for t in ins],
+                     weight.float().cuda())
+        for name, a, b in zip(("y", "dx", "ddt", "dA", "dB", "dC", "dD"), got, want):
+            assert _rel(a, b) < TOL, (fork, seed, name, _rel(a, b))
+
+
+def _big_tree(seed: int) -> np.ndarray:
+    """A 600-token trunk, 6 branches of 100-200 tokens at depths on and off the 128-token
+    chunk boundaries, one of them forking again."""
+    rng = np.random.default_rng(seed)
+    par = list(range(-1, 599))
+    for at in (127, 255, 300, 450, 511, 598):
+        start = len(par)
+        length = int(rng.integers(100, 200))
+        par += [at] + [start + i for i in range(length - 1)]
+    start = len(par)
+    par += [start - 50] + [start + i for i in range(149)]
+    return np.array(par)
+
+
+@pytest.mark.parametrize("fork", ["exact", "chunk"])
+def test_triton_scan_matches_torch_scan_at_nemotron_shape(fork):
+    pytest.importorskip("triton")
+    from treeflow.models.ssm_tree import SegmentPlan, tree_ssd
+
+    h, p, g, n = 64, 64, 8, 128
+    par = _big_tree(0)
+    N = len(par)
+    gen = torch.Generator().manual_seed(0)
+    ins = [torch.randn(N, h, p, generator=gen), torch.rand(N, h, generator=gen) * 0.1 + 0.01,
+           -(torch.rand(h, generator=gen) + 0.5), torch.randn(N, g, n, generator=gen) * 0.3,
+           torch.randn(N, g, n, generator=gen) * 0.3, torch.randn(h, generator=gen)]
+    ins = [t.cuda() for t in ins]
+    weight = torch.randn(N, h, p, generator=gen).cuda()
+    out = {}
+    for kernel in ("torch", "triton"):
+        plan = SegmentPlan(par, chunk_size=128, conv_kernel=4, fork=fork, device="cuda",
+                           kernel=kernel)
+        out[kernel] = _grads(lambda *a: tree_ssd(*a, plan), ins, weight)
+    for name, a, b in zip(("y", "dx", "ddt", "dA", "dB", "dC", "dD"), out["triton"],
+                          out["torch"]):
+        assert _rel(a, b) < TOL, (fork, name, _rel(a, b))
+
+
+def test_auto_picks_triton_on_cuda():
+    pytest.importorskip("triton")
+    from treeflow.models.ssm_tree import resolve_kernel
+
+    assert resolve_kernel("auto", "cuda") == "triton"
+
+
+@pytest.mark.parametrize("fork", ["exact", "chunk"])
+def test_hybrid_tree_with_triton_matches_transformers_on_cuda(tmp_path, fork):
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    from tests.models.hybrid_helpers import (episodes, hf_values, save_hf, token_weights,
+                                             treeflow_values)
+    from treeflow.models import Tuning, load_backend
+
+    hf = save_hf("nemotron_h", tmp_path)
+    eps = episodes(9, seed=9)
+    w = token_weights(eps)
+    ref, ref_grads = hf_values(hf, eps, w)  # CPU float32: the oracle
+    backend = load_backend("reference", str(tmp_path), device="cuda",
+                           tuning=Tuning(ssm_fork=fork, ssm_kernel="triton"))
+    for max_tokens in (512, 24):
+        vals, grads, _ = treeflow_values(backend, eps, w, layout="tree", max_tokens=max_tokens)
+        assert vals.keys() == ref.keys()
+        worst = max(abs(vals[k] - ref[k]) for k in ref)
+        assert worst < TOL, (fork, max_tokens, worst)
+        for n, g in ref_grads.items():
+            rel = _rel(grads[n.replace("model.", "backbone.", 1)], g)
+            assert rel < TOL, (fork, max_tokens, n, rel)
