@@ -1,14 +1,16 @@
 """`--config run.yaml|run.toml` and `--print-config`: a command's options from a file.
 
 The file's keys are the command's long flag names (dashes or underscores: `episodes-per-step`
-or `episodes_per_step`; the old name of a renamed flag is read with a warning, cli/names.py),
-its values what the flag takes (`true`/`false` for switches). Flags on
+or `episodes_per_step`), at the top level or nested under their option group (`data:
+{episodes_per_step: 8}`, cli/groups.py `flatten`; an old name fails naming the new one,
+cli/names.py), its values what the flag takes (`true`/`false` for switches, a list for an
+option of several values). Flags on
 the command line override the file; a key that is no flag of the command is refused naming
 the nearest one; positional arguments (the episode files) stay on the command line.
-`--print-config` prints the resolved options as JSON (which is also YAML, so it can be given
-back as `--config`) and exits. Training saves the same dict in every checkpoint
-(`config.treeflow.json`). The trade-off: one flat namespace, no nesting or interpolation
-(Hydra's), so a config file is exactly the flags and nothing can mean two things.
+`--print-config` prints the resolved options as JSON nested by group (which is also YAML, so it
+can be given back as `--config`) and exits. Training saves the same options, flat, in every
+checkpoint (`config.treeflow.json`). The trade-off: groups are only namespaces, no
+interpolation (Hydra's), so a config file is exactly the flags and nothing can mean two things.
 """
 
 from __future__ import annotations
