@@ -18,7 +18,7 @@ episodes in groups of 8 (`treeflow synth`):
   CUPTI traced (torch.profiler, CUDA activity only) from the end of warm-up
   to the end of the run, over that span's wall time -- this one cannot count
   a gap inside a bin as busy;
-- `treeflow replay --mode train --batch-episodes 64 --steps S` per layout:
+- `treeflow replay --mode train --episodes-per-step 64 --steps S` per layout:
   steady-state seconds per optimizer step (first step excluded);
 - `--backends reference,megatron`: also the megatron-core backend through the same
   command (`--backend megatron --tensor-parallel T` for each T of `--tp`, tree
@@ -127,7 +127,7 @@ def megatron_runs(res, shape, data, work, common, args, env, left, save, elapsed
             print(f"[{elapsed():.0f}s] {shape}: replay --backend megatron --tensor-parallel {tp}",
                   flush=True)
             path = os.path.join(work, f"{shape}-{key}.arrow")
-            r = cli(["replay", data, "--window", str(args.window), "-o", path, *mc, *common], env,
+            r = cli(["replay", data, "--episodes-per-step", str(args.window), "-o", path, *mc, *common], env,
                     f"{key} replay")
             res[f"{key}_replay_tree"] = r
             ref = res.get("replay_tree")
@@ -146,7 +146,7 @@ def megatron_runs(res, shape, data, work, common, args, env, left, save, elapsed
             continue
         print(f"[{elapsed():.0f}s] {shape}: train --backend megatron --tensor-parallel {tp}",
               flush=True)
-        r = cli(["replay", data, "--mode", "train", "--batch-episodes", str(args.train_batch),
+        r = cli(["replay", data, "--mode", "train", "--episodes-per-step", str(args.train_batch),
                  "--steps", str(args.train_steps), "--lr", "1e-6", *mc, *common], env,
                 f"{key} train")
         res[f"{key}_train_tree"] = r
@@ -168,9 +168,9 @@ def tuning_runs(res, shape, data, work, common, args, env, left, save, elapsed) 
                 res[key] = "skipped (time budget)"
                 continue
             print(f"[{elapsed():.0f}s] {shape}: {mode} --tuning {name}", flush=True)
-            extra = (["--mode", "train", "--batch-episodes", str(args.train_batch), "--steps",
+            extra = (["--mode", "train", "--episodes-per-step", str(args.train_batch), "--steps",
                       str(args.train_steps), "--lr", "1e-6"] if mode == "train" else
-                     ["--window", str(args.window), "-o",
+                     ["--episodes-per-step", str(args.window), "-o",
                       os.path.join(work, f"{shape}-tuning-{name}.arrow")])
             r = cli(["replay", data, "--layout", "tree", "--tuning", name, *extra, *common], env,
                     key)
@@ -270,7 +270,7 @@ def main() -> None:
                 continue
             print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: replay --layout {layout}",
                   flush=True)
-            r = cli(["replay", data, "--layout", layout, "--window", str(args.window),
+            r = cli(["replay", data, "--layout", layout, "--episodes-per-step", str(args.window),
                      "-o", os.path.join(work, f"{shape}-{layout}.arrow"), *common], env, layout)
             res[f"replay_{layout}"] = r
             print(f"  {json.dumps(r)[:400]}", flush=True)
@@ -286,7 +286,7 @@ def main() -> None:
                 continue
             print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: replay --layout {layout} "
                   "(kernels traced)", flush=True)
-            r = cli(["replay", data, "--layout", layout, "--window", str(args.window),
+            r = cli(["replay", data, "--layout", layout, "--episodes-per-step", str(args.window),
                      "-o", os.path.join(work, f"{shape}-{layout}-traced.arrow"), *common], env,
                     f"{layout} traced", script=os.path.join(HERE, "profiled_cli.py"))
             res[f"replay_{layout}_traced"] = r
@@ -300,7 +300,7 @@ def main() -> None:
                 continue
             print(f"[{time.perf_counter() - t_start:.0f}s] {shape}: train --layout {layout}",
                   flush=True)
-            r = cli(["replay", data, "--mode", "train", "--layout", layout, "--batch-episodes",
+            r = cli(["replay", data, "--mode", "train", "--layout", layout, "--episodes-per-step",
                      str(args.train_batch), "--steps", str(args.train_steps), "--lr", "1e-6",
                      *common], env, f"train {layout}")
             res[f"train_{layout}"] = r

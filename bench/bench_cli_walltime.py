@@ -181,7 +181,7 @@ def main() -> None:
         runs = {
             "replay": ["replay", data, "--device", args.device, "-o", "OUT", "--quiet"],
             "train": ["replay", data, "--mode", "train", "--device", args.device,
-                      "--batch-episodes", str(args.batch_episodes), "--steps", str(args.steps),
+                      "--episodes-per-step", str(args.batch_episodes), "--steps", str(args.steps),
                       "--quiet"],
         }
         best: dict = {}

@@ -16,7 +16,7 @@ pure` (bf16 weights and AdamW state): pure bf16 rounds most updates away and its
 Writes the curves as a PNG and the numbers as JSON.
 
     python bench/bench_dp_gpu.py scaling                 # 1 vs 2 H200 (~6 min)
-    python bench/bench_dp_gpu.py cli                     # only the `treeflow replay --ranks 2` run
+    python bench/bench_dp_gpu.py cli                     # only the `treeflow replay --num-ranks 2` run
     python bench/bench_dp_gpu.py precision               # one H200 (~3 min)
     python bench/bench_dp_gpu.py precision --device cpu --smoke   # a CPU check of the script
 
@@ -226,7 +226,7 @@ def _calibrate(runs: dict) -> dict:
 
 
 def _cli_check(args) -> dict:
-    """The issue's command, `treeflow replay --mode train --ranks N --device cuda`, end to end."""
+    """The issue's command, `treeflow replay --mode train --num-ranks N --device cuda`, end to end."""
     import subprocess
 
     from treeflow.pipeline import write_episodes
@@ -239,9 +239,9 @@ def _cli_check(args) -> dict:
         cfg = dict(smoke=args.smoke, group_size=args.group_size, seed=args.seed)
         write_episodes(_episodes(cfg, args.ranks * args.batch * steps), data)
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = ["replay", data, "--mode", "train", "--ranks", str(args.ranks), "--device",
+        cmd = ["replay", data, "--mode", "train", "--num-ranks", str(args.ranks), "--device",
                args.device, "--model", model_dir, "--dtype", "bfloat16", "--layout", "tree",
-               "--loss", "nll", "--norm", "token", "--lr", "1e-5", "--batch-episodes",
+               "--loss", "nll", "--norm", "token", "--lr", "1e-5", "--episodes-per-step",
                str(args.ranks * args.batch), "--steps", str(steps), "--max-tokens",
                str(args.max_tokens), "--metrics", metrics, "--quiet"]
         t0 = time.perf_counter()
@@ -335,7 +335,7 @@ def precision(args) -> dict:
                 rc = main(["replay", data, "--mode", "train", "--model", model_dir, "--device",
                            args.device, "--dtype", "bfloat16", "--precision", mode, "--layout",
                            "tree", "--loss", "nll", "--norm", "token", "--lr", str(args.lr),
-                           "--batch-episodes", "8", "--steps", str(args.steps), "--max-tokens",
+                           "--episodes-per-step", "8", "--steps", str(args.steps), "--max-tokens",
                            str(args.max_tokens), "--metrics", metrics, "--quiet"])
             if rc != 0:
                 raise SystemExit(f"the {mode} run failed (exit {rc})")
@@ -392,7 +392,7 @@ def main() -> None:
     s.add_argument("--smoke", action="store_true", help="a 2-layer model, to check the setup")
     s.add_argument("--quick", action="store_true", help="only the 1-rank and N-rank runs")
     s.add_argument("--no-cli", action="store_true", help="skip the `treeflow replay --ranks N` run")
-    s = sub.add_parser("cli", help="only `treeflow replay --mode train --ranks N --device cuda`")
+    s = sub.add_parser("cli", help="only `treeflow replay --mode train --num-ranks N --device cuda`")
     s.add_argument("--ranks", type=int, default=2)
     s.add_argument("--batch", type=int, default=16, help="episodes per rank per step")
     s.add_argument("--group-size", type=int, default=8)

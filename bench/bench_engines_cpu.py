@@ -264,7 +264,7 @@ def main() -> None:
     def one(mode: str, n: int, rep: int, threads: int | None = None) -> None:
         out = os.path.join(work, f"{mode}-{n}.arrow")
         cmd = [*py, "replay", files[n], "--model", "tiny", "--engine",
-               "ray" if mode.startswith("ray") else "local", "--window", str(args.window),
+               "ray" if mode.startswith("ray") else "local", "--episodes-per-step", str(args.window),
                "--prefetch", str(args.prefetch), "--max-tokens", str(args.max_tokens), "-o", out,
                "--json"]
         run_env = {**env, "RAY_ADDRESS": address} if mode == "ray_attached" else env

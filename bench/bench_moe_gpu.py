@@ -199,9 +199,9 @@ def main() -> None:
                 res[key] = "skipped (time budget)"
                 continue
             print(f"[{time.perf_counter() - t_start:.0f}s] {mode} --layout {layout}", flush=True)
-            extra = (["--window", str(args.window), "-o", os.path.join(work, f"{layout}.arrow")]
+            extra = (["--episodes-per-step", str(args.window), "-o", os.path.join(work, f"{layout}.arrow")]
                      if mode == "replay" else
-                     ["--mode", "train", "--batch-episodes", str(args.train_batch), "--steps",
+                     ["--mode", "train", "--episodes-per-step", str(args.train_batch), "--steps",
                       str(args.train_steps), "--lr", "1e-6"])
             r = res[key] = cli(["replay", data, "--layout", layout, *extra, *common], env, key)
             if mode == "replay" and "error" not in r:

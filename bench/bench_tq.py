@@ -93,9 +93,9 @@ def overhead(path: str, repeats: int, window: int, queue_backend: str, address,
     for r in range(repeats):
         for name in (("replay", "stream") if r % 2 == 0 else ("stream", "replay")):
             if name == "replay":
-                argv = ["replay", path, "--window", str(window), "-o", f"{out}/r.arrow", *common]
+                argv = ["replay", path, "--episodes-per-step", str(window), "-o", f"{out}/r.arrow", *common]
             else:
-                argv = ["stream", "--from", path, "--window", str(window), "-o",
+                argv = ["stream", "--from", path, "--episodes-per-step", str(window), "-o",
                         f"{out}/s.arrow", "--queue-backend", queue_backend, "--linger", "0",
                         "--engine", engine, *common]
                 if address:

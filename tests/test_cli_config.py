@@ -26,10 +26,10 @@ def test_file_values_and_flags_override(data, tmp_path, capsys, name, text):
     (tmp_path / name).write_text(text)
     assert main(["replay", data, "--config", str(tmp_path / name), "--steps", "3",
                  "--print-config"]) == 0
-    cfg = json.loads(capsys.readouterr().out)
-    assert (cfg["mode"], cfg["episodes_per_step"], cfg["loss"], cfg["max_tokens"]) == \
-        ("train", 2, "nll", 256)
-    assert cfg["steps"] == 3 and cfg["lr"] == 1e-3  # the flag wins over the file
+    cfg = json.loads(capsys.readouterr().out)  # nested by option group (cli/groups.py)
+    assert (cfg["train"]["mode"], cfg["data"]["episodes_per_step"], cfg["loss"]["loss"],
+            cfg["layout"]["max_tokens"]) == ("train", 2, "nll", 256)
+    assert cfg["train"]["steps"] == 3 and cfg["train"]["lr"] == 1e-3  # the flag wins
     # what --print-config prints is a config file again
     (tmp_path / "again.yaml").write_text(json.dumps(cfg))
     assert main(["replay", data, "--config", str(tmp_path / "again.yaml"), "--print-config"]) == 0

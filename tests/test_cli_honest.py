@@ -48,12 +48,14 @@ HIDDEN = {("stream", ("--linger",))}  # internal (tests' producer timing), hidde
 def test_every_subcommand_takes_debug_and_quiet_and_documents_every_option():
     import argparse
 
+    from treeflow.cli.groups import HelpFormatter
+
     subs = _subcommands()
     assert {"synth", "convert", "inspect", "plan", "replay", "stream", "rollout"} <= set(subs)
     for name, sub in subs.items():
         flags = {o for a in sub._actions for o in a.option_strings}
         assert {"--debug", "--quiet"} <= flags, name
-        assert sub.formatter_class is argparse.ArgumentDefaultsHelpFormatter, name
+        assert sub.formatter_class is HelpFormatter, name  # defaults shown once (groups.py)
         for a in sub._actions:
             if (name, tuple(a.option_strings)) in HIDDEN or set(a.option_strings) <= set(RENAMED):
                 continue  # a renamed flag's old name is hidden (tests/test_cli_names.py)

@@ -145,7 +145,7 @@ def test_cli_replay_and_train_with_the_megatron_backend(pair, tmp_path, capsys):
     np.testing.assert_allclose(got["megatron"][0], got["reference"][0], rtol=0, atol=1e-5)
     assert got["megatron"][1] == pytest.approx(got["reference"][1], abs=1e-12)
     assert main(["replay", eps, "--model", model, "--backend", "megatron", "--mode", "train",
-                 "--steps", "1", "--batch-episodes", "4", "--max-tokens", "4096", "--json"]) == 0
+                 "--steps", "1", "--episodes-per-step", "4", "--max-tokens", "4096", "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["last"]
     assert 0.0 <= last["route_agreement"] < 1.0 and np.isfinite(last["loss"])
 

@@ -318,8 +318,23 @@ def _file_case(kind):
                 ["--metrics", "also an input"]
         if kind == "logger-unknown":
             return ["replay", good, *TRAIN, "--logger", "console,neptune"], ["--logger neptune"]
-        if kind == "logger-jsonl-no-metrics":
+        if kind == "logger-jsonl":  # the log is --metrics FILE's; the name switched nothing on
             return ["replay", good, *TRAIN, "--logger", "jsonl"], ["--logger jsonl", "--metrics"]
+        if kind == "old-flag":  # issue 47: a name whose release is over, and the new one
+            return ["replay", good, *TRAIN, "--batch-episodes", "2"], \
+                ["--batch-episodes is now --episodes-per-step"]
+        if kind == "old-config-key":
+            (tmp / "run.yaml").write_text("ranks: 2\n")
+            return ["replay", good, *TRAIN, "--config", tmp / "run.yaml"], \
+                ["run.yaml", "'ranks' is now 'num_ranks'"]
+        if kind == "config-wrong-group":
+            (tmp / "run.yaml").write_text("model: {lr: 0.1}\n")
+            return ["replay", good, *TRAIN, "--config", tmp / "run.yaml"], \
+                ["run.yaml", "model.lr", "lr is in the train group"]
+        if kind == "config-twice":
+            (tmp / "run.yaml").write_text("lr: 0.1\ntrain: {lr: 0.2}\n")
+            return ["replay", good, *TRAIN, "--config", tmp / "run.yaml"], \
+                ["run.yaml", "lr and train.lr set the same option"]
         if kind == "tensorboard-is-input":
             return ["replay", good, *TRAIN, "--tensorboard", good], ["--tensorboard", "e.arrow"]
         if kind == "config-architectures-nested":
@@ -487,9 +502,11 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 22
          "nemo-rl-replica-disagrees", "megatron-moe-tp-cpu", "megatron-moe-aux",
          # issue 26: trackers
-         "logger-unknown", "logger-jsonl-no-metrics",
+         "logger-unknown", "logger-jsonl",
          # issue 45: the fused Mamba-2 scan
-         "ssm-kernel-triton-cpu"]
+         "ssm-kernel-triton-cpu",
+         # issue 47: the command line's groups and removed names
+         "old-flag", "old-config-key", "config-wrong-group", "config-twice"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

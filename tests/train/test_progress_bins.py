@@ -48,7 +48,7 @@ def test_fit_reports_every_bin_of_every_step(tmp_path, monkeypatch, capsys):
         yield advance
 
     monkeypatch.setattr(display, "progress", recorder)
-    args = ["replay", str(path), "--mode", "train", "--batch-episodes", "2", "--steps", "2",
+    args = ["replay", str(path), "--mode", "train", "--episodes-per-step", "2", "--steps", "2",
             "--loss", "nll", "--max-tokens", "24", "--metrics", str(tmp_path / "m.jsonl")]
     assert main(args) == 0
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]

@@ -28,7 +28,7 @@ def data(tmp_path_factory):
 
 
 def train(data, *extra):
-    assert main(["replay", data, "--mode", "train", "--batch-episodes", "2", "--lr", "1e-2",
+    assert main(["replay", data, "--mode", "train", "--episodes-per-step", "2", "--lr", "1e-2",
                  "--loss", "nll", "--max-tokens", "256", "--json", *extra]) == 0
 
 
@@ -112,12 +112,16 @@ def test_wandb_and_mlflow_log_every_step_once_across_resume(data, tmp_path, monk
 
 
 def test_logger_names_and_needs_are_one_line_errors(data, tmp_path, capsys):
-    assert main(["replay", data, "--mode", "train", "--batch-episodes", "2",
+    assert main(["replay", data, "--mode", "train", "--episodes-per-step", "2",
                  "--logger", "neptune"]) == 2
     assert "--logger neptune: not a logger" in capsys.readouterr().err
-    assert main(["replay", data, "--mode", "train", "--batch-episodes", "2",
-                 "--logger", "jsonl"]) == 2
-    assert "--logger jsonl: give the file with --metrics" in capsys.readouterr().err
+    for name, flag in (("jsonl", "--metrics FILE"), ("tensorboard", "--tensorboard DIR")):
+        # the logs these names stood for are written by their flags alone: the name did nothing
+        assert main(["replay", data, "--mode", "train", "--episodes-per-step", "2",
+                     "--logger", f"wandb,{name}"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: --logger {name}: the {name} log is written by {flag} alone "
+                       f"(--logger {name} switched nothing on); drop it from --logger\n"), err
 
 
 def test_missing_package_names_the_extra(monkeypatch):
@@ -138,7 +142,7 @@ def test_stream_training_logs_to_mlflow(data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for its file store
 
     uri = f"file:{tmp_path / 'mlruns'}"
-    assert main(["stream", "--from", data, "--mode", "train", "--batch-episodes", "2", "--steps",
+    assert main(["stream", "--from", data, "--mode", "train", "--episodes-per-step", "2", "--steps",
                  "2", "--loss", "nll", "--max-tokens", "256", "--logger", "mlflow",
                  "--mlflow-tracking-uri", uri, "--metrics", str(tmp_path / "m.jsonl"),
                  "--json"]) == 0
@@ -154,12 +158,12 @@ def test_stream_training_logs_to_mlflow(data, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.multiprocess
 def test_two_ranks_log_once(data, tmp_path, monkeypatch, capsys):
-    """--ranks 2: rank 0 alone logs (one MLflow run, each step once); rank 1 opens nothing."""
+    """--num-ranks 2: rank 0 alone logs (one MLflow run, each step once); rank 1 opens nothing."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = f"file:{tmp_path / 'mlruns'}"
-    train(data, "--steps", "2", "--ranks", "2", "--logger", "mlflow", "--mlflow-tracking-uri", uri)
+    train(data, "--steps", "2", "--num-ranks", "2", "--logger", "mlflow", "--mlflow-tracking-uri", uri)
     capsys.readouterr()
     client = MlflowClient(tracking_uri=uri)
     # every experiment: two ranks racing to create "treeflow" could make two of that name

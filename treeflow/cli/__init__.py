@@ -6,8 +6,9 @@
     stream_logprobs.py  stream --mode logprobs (per-step files, acks after writes)
     plan.py          synth, inspect, plan            convert.py       convert
     gate.py          gate
-    options.py       argument groups shared by commands (model, training, RL, trackers, queue,
-                     sampling)
+    groups.py        the option groups (--help headings and --config keys), the help formatter
+    options.py       the options shared by commands, each in its group (model, train, loss,
+                     logger, queue, sampling, ...)
     parallel.py      --tensor-parallel / --context-parallel: the flags (what they refuse and
                      which processes run: train/launch_plan.py `Launch`)
     configs.py       parsed flags -> the stage configs a Python user writes (Forward, Reduce,
@@ -15,7 +16,7 @@
                      options, the Launch; what the commands compute lives in the library
                      (pipeline/rank_plan.py, stats.py, synth.py, gate.py, models/tuning.py,
                      train/launch.py, train/)
-    config.py        --config FILE, --print-config      names.py  old flag names, warned about
+    config.py        --config FILE, --print-config      names.py  old flag names, refused
     help.py          the conventions applied to every subcommand    common.py, queue.py, rl.py
 
 Command modules import the shared ones, never `main` or each other (replay -> train and

@@ -1,14 +1,16 @@
 """`--config run.yaml|run.toml` and `--print-config`: a command's options from a file.
 
 The file's keys are the command's long flag names (dashes or underscores: `episodes-per-step`
-or `episodes_per_step`; the old name of a renamed flag is read with a warning, cli/names.py),
-its values what the flag takes (`true`/`false` for switches). Flags on
+or `episodes_per_step`), at the top level or nested under their option group (`data:
+{episodes_per_step: 8}`, cli/groups.py `flatten`; an old name fails naming the new one,
+cli/names.py), its values what the flag takes (`true`/`false` for switches, a list for an
+option of several values). Flags on
 the command line override the file; a key that is no flag of the command is refused naming
 the nearest one; positional arguments (the episode files) stay on the command line.
-`--print-config` prints the resolved options as JSON (which is also YAML, so it can be given
-back as `--config`) and exits. Training saves the same dict in every checkpoint
-(`config.treeflow.json`). The trade-off: one flat namespace, no nesting or interpolation
-(Hydra's), so a config file is exactly the flags and nothing can mean two things.
+`--print-config` prints the resolved options as JSON nested by group (which is also YAML, so it
+can be given back as `--config`) and exits. Training saves the same options, flat, in every
+checkpoint (`config.treeflow.json`). The trade-off: groups are only namespaces, no
+interpolation (Hydra's), so a config file is exactly the flags and nothing can mean two things.
 """
 
 from __future__ import annotations
@@ -18,20 +20,24 @@ import difflib
 import json
 import os
 
-from treeflow.cli.names import message, note, old_key
+from treeflow.cli.groups import flatten, nest
 
-_INTERNAL = ("fn", "command", "config", "print_config", "debug", "renamed_flags")
+_INTERNAL = ("fn", "command", "config", "print_config", "debug")
 _POSITIONAL = ("files",)  # stay on the command line
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add --config and --print-config to every subcommand of `parser`."""
+    from treeflow.cli.groups import group
+
     for sub in subparsers(parser).values():
-        sub.add_argument("--config", default=None, metavar="FILE",
+        out = group(sub, "output")
+        out.add_argument("--config", default=None, metavar="FILE",
                          help="read options from a YAML or TOML file whose keys are the long flag "
-                              "names; flags given here override it")
-        sub.add_argument("--print-config", action="store_true",
-                         help="print the resolved options as JSON and exit")
+                              "names, flat or nested in these groups (model: {dtype: ...}); "
+                              "flags given here override it")
+        out.add_argument("--print-config", action="store_true",
+                         help="print the resolved options as JSON, nested by group, and exit")
 
 
 def subparsers(parser) -> dict:
@@ -87,15 +93,11 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
         if longs and action.dest not in _INTERNAL:
             flags[longs[0][2:].replace("-", "_")] = action
             dests[action.dest] = action  # what --print-config writes (--no-x: x)
-    defaults, olds, notes = {}, {}, []
-    for key, value in load_config(path).items():
+    defaults = {}
+    mapping = flatten(load_config(path), sub, where=f"--config {path}", command=args.command)
+    for key, value in mapping.items():
         name = str(key).replace("-", "_")
-        if name in flags and old_key(name) is not None:  # an old name: warned, new ones win
-            notes.append(message(repr(key), repr(old_key(name)), f"--config {path}: "))
-            value = _check_value(path, key, value, flags[name])
-            if value is not None:
-                olds.setdefault(flags[name].dest, {})[name] = value
-        elif name in flags:
+        if name in flags:
             defaults[flags[name].dest] = _check_value(path, key, value, flags[name])
         elif name in dests:
             defaults[name] = _check_value(path, key, value, dests[name], as_dest=True)
@@ -105,20 +107,20 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
             raise ValueError(f"--config {path}: {key!r} is not an option of treeflow "
                              f"{args.command}{hint}")
     sub.set_defaults(**defaults)
-    olds = {dest: found for dest, found in olds.items() if dest not in defaults}
-    if olds:  # an old config may hold both windows (`window`, `batch_episodes`): the mode's
-        train = getattr(parser.parse_args(argv), "mode", None) == "train"
-        sub.set_defaults(**{dest: found.get("batch_episodes" if train else "window",
-                                            next(iter(found.values())))
-                            for dest, found in olds.items()})
-    args = parser.parse_args(argv)
-    for line in notes:
-        note(args, line)
-    return args
+    return parser.parse_args(argv)
 
 
-def _check_value(path: str, key, value, action, *, as_dest: bool = False):
+def _check_value(path: str, key, value, action, *, as_dest: bool = False, one: bool = False):
     flag = [o for o in action.option_strings if o.startswith("--")][0]
+    append = isinstance(action, argparse._AppendAction)
+    if not one and (append or action.nargs in ("+", "*") or isinstance(action.nargs, int)) and \
+            isinstance(value, (list, str) if append else list):  # --turns 2 3, --logger a,b
+        items = [value] if isinstance(value, str) else value
+        if isinstance(action.nargs, int) and len(items) != action.nargs or not items:
+            raise ValueError(f"--config {path}: {key} = {value!r}; {flag} takes "
+                             f"{action.nargs if isinstance(action.nargs, int) else 'a list of'} "
+                             "values")
+        return [_check_value(path, key, v, action, one=True) for v in items]
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
             raise ValueError(f"--config {path}: {key} = {value!r}; {flag} is a switch: give true "
@@ -152,8 +154,9 @@ def resolved_config(args: argparse.Namespace) -> dict:
     return out
 
 
-def print_config(args: argparse.Namespace) -> int:
-    print(json.dumps(resolved_config(args), indent=1))
+def print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The resolved options, nested by the command's option groups (cli/groups.py)."""
+    print(json.dumps(nest(resolved_config(args), subparsers(parser)[args.command]), indent=1))
     return 0
 
 

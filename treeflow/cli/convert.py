@@ -9,6 +9,7 @@ import json
 import os
 
 from treeflow._display import console, progress, table
+from treeflow.cli.groups import group
 
 _NONE = ("none", "")
 
@@ -82,15 +83,18 @@ def add_convert_parser(sub) -> None:
                                    "episodes. Formats: openai (vLLM/SGLang responses with token ids "
                                    "and logprobs), chat (messages only, retokenised with --tokenizer), "
                                    "nemo-rl (message_log with token_ids / generation_logprobs).")
-    s.add_argument("files", nargs="+", help="JSON-lines logs, one episode per line")
-    s.add_argument("-o", "--output", required=True, help="episode file: .arrow or .parquet")
-    s.add_argument("--format", choices=("openai", "chat", "nemo-rl"), required=True)
-    s.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (--format chat)")
-    g = s.add_argument_group("fields (dotted paths into each line; 'none' to leave unmapped)")
+    g = group(s, "data")
+    g.add_argument("files", nargs="+", help="JSON-lines logs, one episode per line")
+    g.add_argument("--format", choices=("openai", "chat", "nemo-rl"), required=True)
+    g.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (--format chat)")
+    # the fields: dotted paths into each line, 'none' to leave one unmapped
     g.add_argument("--episode-id-field", default=None,
-                   help="default episode_id ('@line' for nemo-rl: FILE:LINE)")
-    g.add_argument("--group-id-field", default=None, help="GRPO group id (default: unmapped)")
-    g.add_argument("--reward-field", default=None, help="default unmapped (total_reward for nemo-rl)")
+                   help="dotted path of the episode id ('none': unmapped; default: episode_id, "
+                        "nemo-rl: @line, that is FILE:LINE)")
+    g.add_argument("--group-id-field", default=None,
+                   help="dotted path of the GRPO group id (default: unmapped)")
+    g.add_argument("--reward-field", default=None,
+                   help="dotted path of the reward (default: unmapped, nemo-rl: total_reward)")
     g.add_argument("--advantage-field", default=None)
     g.add_argument("--weight-version-field", default=None)
     g.add_argument("--calls-field", default="calls", help="openai: the list of engine responses")
@@ -98,9 +102,11 @@ def add_convert_parser(sub) -> None:
     g.add_argument("--message-log-field", default="message_log", help="nemo-rl: the message log")
     g.add_argument("--no-logprobs", action="store_true",
                    help="nemo-rl: take assistant messages without generation_logprobs as sampled")
-    s.add_argument("--batch-rows", type=int, default=256, help="episodes per written batch")
-    s.add_argument("--json", action="store_true", help="print one JSON object (the report)")
-    s.add_argument("--quiet", action="store_true", help="no progress, no summary, no warnings")
+    out = group(s, "output")
+    out.add_argument("-o", "--output", required=True, help="episode file: .arrow or .parquet")
+    out.add_argument("--batch-rows", type=int, default=256, help="episodes per written batch")
+    out.add_argument("--json", action="store_true", help="print one JSON object (the report)")
+    out.add_argument("--quiet", action="store_true", help="no progress, no summary, no warnings")
     s.set_defaults(fn=cmd_convert)
 
 

@@ -20,6 +20,7 @@ import sys
 
 from treeflow.cli import configs
 from treeflow.cli.common import check_device
+from treeflow.cli.groups import group
 from treeflow.cli.options import add_sampling_options, queue_options
 from treeflow.cli.queue import open_cli_queue
 
@@ -79,37 +80,44 @@ def add_gate_parser(sub, common) -> None:
 
     s = sub.add_parser("gate", parents=[common],
                        help="the validation gate: sample, queue, one step, refit, sample again")
-    s.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint dir")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
-    s.add_argument("--scope", choices=("episode", "group"), default=None)
-    s.add_argument("--max-tokens", type=int, default=16384)
-    s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"), default="auto")
-    s.add_argument("--tuning", default="", help="speed levers of the reference backend")
-    add_compile_cache_option(s)
+    m = group(s, "model")
+    m.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint dir")
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    m.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"), default="auto")
+    m.add_argument("--tuning", default="plain",
+                   help="speed levers of the reference backend (as replay's --tuning)")
+    add_compile_cache_option(m)
+    m.add_argument("--routing", choices=("replay", "recompute"), default=None,
+                   help="MoE expert choice in the trainer (needs the MoE code; default: auto, "
+                        "replay when the episodes carry routes)")
+    lay = group(s, "layout")
+    lay.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
+    lay.add_argument("--scope", choices=("episode", "group"), default=None)
+    lay.add_argument("--max-tokens", type=int, default=16384)
+    par = group(s, "parallel")
+    par.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                     help="train in C processes, each a range of every bin's nodes")
+    par.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    group(s, "train").add_argument("--lr", type=float, default=1e-5)
     queue_options(s)
-    s.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
     add_sampling_options(s, group_size_help="4: 4x4 groups; 16: one group")
-    s.add_argument("--lr", type=float, default=1e-5)
-    s.add_argument("--max-gen-kl", type=float, default=None,
+    g = group(s, "gate")
+    g.add_argument("--episodes", type=int, default=16, help="episodes per round (whole groups)")
+    g.add_argument("--max-gen-kl", type=float, default=None,
                    help="largest generation KL accepted (default 1e-6 float32, 1e-3 bfloat16)")
-    s.add_argument("--min-route-agreement", type=float, default=None,
+    g.add_argument("--min-route-agreement", type=float, default=None,
                    help="under --routing replay, the least share of decided (token, MoE layer) "
                         "rows (top-k no near-tie) whose recomputed experts equal the captured "
                         "ones (default 1)")
-    s.add_argument("--routing", choices=("replay", "recompute"), default=None,
-                   help="MoE expert choice in the trainer (needs the MoE code)")
-    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
-                   help="train in C processes, each a range of every bin's nodes")
-    s.add_argument("--fault", choices=FAULTS, default=None,
+    g.add_argument("--fault", choices=FAULTS, default=None,
                    help="test hook: inject this fault to see the gate fail naming it")
-    s.add_argument("--timeout", type=float, default=600.0,
+    g.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for a round or for weights before failing")
-    s.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    s.add_argument("-o", "--output", default=None, help="write the figures as JSON here")
-    s.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    s.add_argument("--quiet", action="store_true", help="print nothing but the failures")
+    out = group(s, "output")
+    out.add_argument("-o", "--output", default=None, help="write the figures as JSON here")
+    out.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    out.add_argument("--quiet", action="store_true", help="print nothing but the failures")
     s.set_defaults(fn=cmd_gate)
 
 

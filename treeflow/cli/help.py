@@ -1,10 +1,12 @@
-"""The same conventions on every subcommand: --debug, --quiet, defaults and a line of help.
+"""The same conventions on every subcommand: --debug, --quiet, groups, defaults, a line of help.
 
 Applied once to the built parser (`finish_parser`), so each command's own parser code stays as
-it is: every subcommand gets `--debug` and `--quiet` where it has none, `--help` shows every
-option's default (ArgumentDefaultsHelpFormatter), an option declared without help gets
-its line from `_HELP` (one meaning per flag name across commands), and a renamed flag keeps
-its old name for one release (names.py).
+it is: every subcommand gets `--debug` and `--quiet` where it has none, the options every
+command shares (-h, --debug, --verbose, --quiet) join the `output` group and the groups are
+listed in one order (cli/groups.py), `--help` shows each option's default once
+(groups.HelpFormatter), an option declared without help gets its line from `_HELP` (one meaning
+per flag name across commands), and a removed old flag name fails naming the new one
+(names.py).
 """
 
 from __future__ import annotations
@@ -57,17 +59,27 @@ _HELP = {
 
 def finish_parser(parser: argparse.ArgumentParser) -> None:
     from treeflow.cli.config import subparsers
+    from treeflow.cli.groups import GROUPS, HelpFormatter, group, regroup
     from treeflow.cli.names import add_old_names
 
     for sub in subparsers(parser).values():
         add_old_names(sub)
-        sub.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        sub.formatter_class = HelpFormatter
         have = {o for a in sub._actions for o in a.option_strings}
+        out = group(sub, "output")
         if "--debug" not in have:
-            sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+            out.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show tracebacks (or TREEFLOW_DEBUG=1)")
         if "--quiet" not in have:
-            sub.add_argument("--quiet", action="store_true", help="print nothing but errors")
+            out.add_argument("--quiet", action="store_true", help="print nothing but errors")
+        regroup(sub, ("help", "debug", "verbose", "quiet"), "output")
+        # the usage line names the positionals; the options are listed below, group by group
+        formatter = sub._get_formatter()
+        sub.usage = "%(prog)s [options]" + "".join(
+            " " + formatter._format_args(a, a.metavar or a.dest)
+            for a in sub._actions if not a.option_strings)
+        sub._action_groups.sort(key=lambda g: list(GROUPS).index(g.title)
+                                if g.title in GROUPS else -1)
         for action in sub._actions:
             if action.help is None:
                 key = next((o for o in action.option_strings if o.startswith("--")), action.dest)

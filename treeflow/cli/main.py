@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from treeflow._errors import debug_wanted, run
     from treeflow.cli.config import apply_config, print_config
-    from treeflow.cli.names import resolve, warn
+    from treeflow.cli.names import resolve
     from treeflow.cli.trackers import quiet_libraries
 
     parser = build_parser()
@@ -62,10 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         "--debug" in (argv if argv is not None else sys.argv[1:])))
     if isinstance(args, int):  # the config file was refused (a one-line error)
         return args
-    warn(args)
     resolve(args)
     if getattr(args, "print_config", False):
-        return print_config(args)
+        return print_config(parser, args)
     quiet_libraries(getattr(args, "verbose", False) or debug_wanted(getattr(args, "debug", False)))
     if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
         code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))

@@ -2,23 +2,27 @@
 
 `model_options` (replay, stream), `add_train_options` with `add_rl_options` and
 `add_logger_options` (replay and stream in --mode train), `queue_options` (stream, rollout,
-gate), `add_sampling_options` (rollout, gate). Each flag is the name of the stage field it fills (treeflow/cli/configs.py builds the
-stages); help lines for flags declared without one come from treeflow/cli/help.py.
+gate), `add_sampling_options` (rollout, gate). Each flag is the name of the stage field it fills
+(treeflow/cli/configs.py builds the stages) and sits in one option group (treeflow/cli/groups.py:
+its --help heading and its --config key); help lines for flags declared without one come from
+treeflow/cli/help.py.
 """
 
 from __future__ import annotations
 
+from treeflow.cli.groups import group
 from treeflow.cli.names import LOGPROBS_EPISODES_PER_STEP
-from treeflow.engines import ENGINES
 from treeflow.compile_cache import add_option as add_compile_cache_option
+from treeflow.engines import ENGINES
 
 __all__ = ["add_logger_options", "add_rl_options", "add_sampling_options", "add_train_options", "layout_options",
            "model_options",
            "queue_options"]
 
 
-def layout_options(s) -> None:
+def layout_options(p) -> None:
     """How episodes become layouts (Pack's options): replay, stream and plan share them."""
+    s = group(p, "layout")
     s.add_argument("--layout", choices=("tree", "chain", "exact"), default="tree")
     s.add_argument("--scope", choices=("episode", "group"), default=None)
     s.add_argument("--share-rules", choices=("default", "nrl"), default="default",
@@ -27,14 +31,15 @@ def layout_options(s) -> None:
                         "KV-page cuts from the calls' execution metadata)")
 
 
-def model_options(s) -> None:
+def model_options(p) -> None:
     """Options shared by replay and stream, so the two run the same episodes the same way."""
+    s = group(p, "model")
     s.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF checkpoint dir")
     s.add_argument("--backend", choices=("reference", "megatron"), default="reference",
                    help="model backend: treeflow's PyTorch decoder or megatron-core's GPTModel "
                         "(pip install 'treeflow[megatron]')")
-    layout_options(s)
-    s.add_argument("--max-tokens", type=int, default=16384)
+    layout_options(p)
+    group(p, "layout").add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s.add_argument("--kernel", choices=("auto", "dense", "flex", "causal", "runs"),
@@ -45,7 +50,7 @@ def model_options(s) -> None:
                         "path; fast: compiled layers, fused edge loss, tuned flex tiles; lean: "
                         "fast + MLP recomputation; auto: fast on a Hopper GPU, else plain, said "
                         "on stderr) and/or name=value,... e.g. fast,recompute=attention or "
-                        "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning; default: auto)")
+                        "compile_layers=1,flex.BLOCK_N=64 (treeflow.models.Tuning)")
     add_compile_cache_option(s)
     s.add_argument("--routing", choices=("auto", "replay", "recompute"), default="auto",
                    help="MoE experts: replay the episodes' routed_experts on every tree node "
@@ -67,68 +72,71 @@ def model_options(s) -> None:
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "
                         "stopping; a non-finite gradient never steps")
-    s.add_argument("--episodes-per-step", type=int, default=None,
+    group(p, "data").add_argument("--episodes-per-step", type=int, default=None,
                    help="episodes planned and run together: an optimizer step in --mode train "
                         "(whole groups; required there), a window of results in --mode logprobs "
                         f"(default {LOGPROBS_EPISODES_PER_STEP})")
-    s.add_argument("--engine", choices=tuple(ENGINES), default="local",
-                   help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local cluster)")
-    s.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
-    s.add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
-    s.add_argument("-o", "--output", default=None,
-                   help="result file, .arrow (Arrow IPC) or .parquet (logprobs mode)")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    par = group(p, "parallel")
+    par.add_argument("--engine", choices=tuple(ENGINES), default="local",
+                     help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local "
+                          "cluster)")
+    par.add_argument("--prefetch", type=int, default=2, help="windows prepared ahead (engine local)")
+    group(p, "train").add_argument("--mode", choices=("logprobs", "train"), default="logprobs")
+    out = group(p, "output")
+    out.add_argument("-o", "--output", default=None,
+                     help="result file, .arrow (Arrow IPC) or .parquet (logprobs mode)")
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
 
 
 def add_train_options(p) -> None:
-    g = p.add_argument_group("training (--mode train)")
+    """--mode train's options: the step, checkpoints, data-parallel ranks, loss and loggers."""
+    g = group(p, "train")
     g.add_argument("--steps", type=int, default=1, help="total optimizer steps")
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--warmup-episodes", type=int, default=0)
     g.add_argument("--decay-episodes", type=int, default=None, help="cosine decay length")
-    g.add_argument("--loss", choices=("nll", "pg"), default="pg")
-    g.add_argument("--norm", choices=("token", "seq-mean", "seq-sum"), default="token")
-    g.add_argument("--clip-low", type=float, default=0.2)
-    g.add_argument("--clip-high", type=float, default=0.28)
-    g.add_argument("--tis-cap", type=float, default=None)
     g.add_argument("--max-grad-norm", type=float, default=1.0)
-    g.add_argument("--save", default=None,
-                   help="checkpoint directory: one step-NNNNNN directory per save, 'latest' names "
-                        "the newest (written at the end and every --save-every steps)")
-    g.add_argument("--save-every", type=int, default=0, help="also save every N steps")
-    g.add_argument("--keep", type=int, default=None,
-                   help="keep only the newest K checkpoints (default: all)")
-    g.add_argument("--resume", default=None,
-                   help="continue from the newest complete checkpoint in this directory")
-    g.add_argument("--trust-checkpoint", action="store_true",
-                   help="also resume a checkpoint without a manifest (an older treeflow's or a "
-                        "bare DCP directory), which cannot be verified; only one you trust")
-    g.add_argument("--allow-different-data", action="store_true",
-                   help="resume even if the data files or step options differ from the checkpoint's")
-    g.add_argument("--metrics", default=None,
-                   help="one JSON line per step (a new file; on --resume, cut back to the checkpoint)")
-    g.add_argument("--tensorboard", default=None, metavar="DIR",
-                   help="also log each step's metrics to TensorBoard event files in DIR")
-    g.add_argument("--num-ranks", type=int, default=1,
-                   help="data-parallel ranks: training processes (one GPU each with --device "
-                        "cuda); with --engine ray, forward actors")
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
-    g.add_argument("--launcher", choices=("spawn", "ray"), default="spawn",
-                   help="how --num-ranks start: spawned local processes, or a Ray actor group "
-                        "(one GPU per actor with --device cuda)")
-    g.add_argument("--shard-params", action="store_true",
-                   help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
+    c = group(p, "checkpoint")
+    c.add_argument("--save", default=None,
+                   help="checkpoint directory: one step-NNNNNN directory per save, 'latest' names "
+                        "the newest (written at the end and every --save-every steps)")
+    c.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    c.add_argument("--keep", type=int, default=None,
+                   help="keep only the newest K checkpoints (default: all)")
+    c.add_argument("--resume", default=None,
+                   help="continue from the newest complete checkpoint in this directory")
+    c.add_argument("--trust-checkpoint", action="store_true",
+                   help="also resume a checkpoint without a manifest (an older treeflow's or a "
+                        "bare DCP directory), which cannot be verified; only one you trust")
+    c.add_argument("--allow-different-data", action="store_true",
+                   help="resume even if the data files or step options differ from the checkpoint's")
+    r = group(p, "parallel")
+    r.add_argument("--num-ranks", type=int, default=1,
+                   help="data-parallel ranks: training processes (one GPU each with --device "
+                        "cuda); with --engine ray, forward actors")
+    r.add_argument("--launcher", choices=("spawn", "ray"), default="spawn",
+                   help="how --num-ranks start: spawned local processes, or a Ray actor group "
+                        "(one GPU per actor with --device cuda)")
+    r.add_argument("--shard-params", action="store_true",
+                   help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
     add_rl_options(p)
     add_logger_options(p)
 
 
 def add_rl_options(p) -> None:
-    g = p.add_argument_group("advantages (--mode train)")
+    """The loss and the advantages it weighs (Reduce's Loss, the Advantage stage)."""
+    g = group(p, "loss")
+    g.add_argument("--loss", choices=("nll", "pg"), default="pg")
+    g.add_argument("--norm", choices=("token", "seq-mean", "seq-sum"), default="token")
+    g.add_argument("--clip-low", type=float, default=0.2)
+    g.add_argument("--clip-high", type=float, default=0.28)
+    g.add_argument("--tis-cap", type=float, default=None)
     g.add_argument("--advantage", choices=("grpo", "rloo", "none"), default=None,
                    help="compute each episode's advantage from 'reward' within its group: grpo "
                         "(r - mean) / (std + eps), rloo r - mean of the others, none: use the "
@@ -150,14 +158,18 @@ def add_rl_options(p) -> None:
 
 
 def add_logger_options(parser) -> None:
-    """--logger and the trackers' settings (unset ones: the tracker's own default)."""
-    g = parser.add_argument_group("experiment trackers (--mode train)")
+    """--logger and the trackers' settings (unset ones: the tracker's own default), and the
+    step logs every run can write (--metrics, --tensorboard)."""
+    g = group(parser, "logger")
+    g.add_argument("--metrics", default=None,
+                   help="one JSON line per step (a new file; on --resume, cut back to the checkpoint)")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also log each step's metrics to TensorBoard event files in DIR")
     g.add_argument("--logger", action="append", default=None, metavar="NAME[,NAME]",
-                   help="where each step's metrics go, repeatable or a comma list: "
-                        "console (the progress bar and table), jsonl (needs --metrics), "
-                        "tensorboard (needs --tensorboard), wandb (pip install "
-                        "'treeflow[wandb]'; WANDB_MODE=offline to log locally), mlflow (pip "
-                        "install 'treeflow[mlflow]')")
+                   help="trackers each step's metrics also go to, repeatable or a comma list: "
+                        "wandb (pip install 'treeflow[wandb]'; WANDB_MODE=offline to log "
+                        "locally), mlflow (pip install 'treeflow[mlflow]'), console (the "
+                        "progress bar and table, always on; accepted as verl's name for it)")
     g.add_argument("--logger-project", default="treeflow",
                    help="wandb project / MLflow experiment name")
     g.add_argument("--logger-run-name",
@@ -171,7 +183,7 @@ def add_logger_options(parser) -> None:
 
 def queue_options(s) -> None:
     """Where the queue is and how it behaves: a queue this command starts, or the one it joins."""
-    g = s.add_argument_group("queue")
+    g = group(s, "queue")
     g.add_argument("--queue", default=None, help="embedded: a queue name (its socket in "
                    "$XDG_RUNTIME_DIR/treeflow) or a socket path in a private directory (none: in "
                    "this process), or tcp://HOST:PORT for other hosts; transferqueue: the queue's "
@@ -193,8 +205,9 @@ def queue_options(s) -> None:
     g.add_argument("--rate", type=float, default=None, help="producer: episodes per second at most")
 
 
-def add_sampling_options(s, *, group_size_help: str | None = None) -> None:
+def add_sampling_options(p, *, group_size_help: str | None = None) -> None:
     """What a live producer samples (`rollout` and `gate` alike): the Rollout fields as flags."""
+    s = group(p, "sampling")
     s.add_argument("--group-size", type=int, default=4, help=group_size_help)
     s.add_argument("--turns", type=int, nargs=2, default=(2, 3))
     s.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 32))

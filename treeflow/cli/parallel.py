@@ -38,8 +38,11 @@ from __future__ import annotations
 __all__ = ["add_parallel_options"]
 
 
-def add_parallel_options(s) -> None:
+def add_parallel_options(p) -> None:
     """--tensor-parallel and --context-parallel (replay, in both modes)."""
+    from treeflow.cli.groups import group
+
+    s = group(p, "parallel")
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                    help="split the model over T processes (--backend megatron; one GPU each "
                         "with --device cuda); in training, T x --num-ranks processes")

@@ -12,6 +12,7 @@ from contextlib import ExitStack
 
 from treeflow._display import console, count_rows, progress, table
 from treeflow.cli.common import positive, show
+from treeflow.cli.groups import group
 from treeflow.cli.options import layout_options
 
 __all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "cmd_synth"]
@@ -108,8 +109,11 @@ def cmd_plan(args) -> int:
 
 
 def add_synth_parser(sub, common) -> None:
-    s = sub.add_parser("synth", parents=[common], help="write synthetic agentic episodes (.arrow or .parquet)")
-    s.add_argument("-o", "--output", required=True)
+    p = sub.add_parser("synth", parents=[common],
+                       help="write synthetic agentic episodes (.arrow or .parquet)")
+    out = group(p, "output")
+    s = group(p, "data")
+    out.add_argument("-o", "--output", required=True)
     s.add_argument("--episodes", type=int, default=64)
     s.add_argument("--group-size", type=int, default=8)
     s.add_argument("--min-turns", type=int, default=3)
@@ -125,40 +129,47 @@ def add_synth_parser(sub, common) -> None:
                    help="routes of the shape a local MoE checkpoint replays (its config.json: "
                         "MoE layers x top_k, num_experts); overrides the three options above")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    s.set_defaults(fn=cmd_synth)
+    out.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.set_defaults(fn=cmd_synth)
 
 
 def add_plan_parsers(sub, common) -> None:
     """inspect and plan."""
-    s = sub.add_parser("inspect", parents=[common], help="totals and per-episode distributions of each layout")
-    s.add_argument("files", nargs="+")
-    s.add_argument("--max-tokens", type=int, default=None, help="also plan bins of this budget")
-    s.add_argument("--episodes-per-step", type=int, default=256,
-                   help="episodes packed together (a training step's window)")
-    s.add_argument("--plot", default=None, metavar="DIR",
-                   help="write PNGs: savings.png, call_growth.png (+ bins.png with --max-tokens)")
-    s.add_argument("--num-ranks", type=int, default=1,
-                   help="data-parallel ranks of the bin plan (--plot)")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    s = sub.add_parser("inspect", parents=[common],
+                       help="totals and per-episode distributions of each layout")
+    data = group(s, "data")
+    data.add_argument("files", nargs="+")
+    data.add_argument("--episodes-per-step", type=int, default=256,
+                      help="episodes packed together (a training step's window)")
+    group(s, "layout").add_argument("--max-tokens", type=int, default=None,
+                                    help="also plan bins of this budget")
+    group(s, "parallel").add_argument("--num-ranks", type=int, default=1,
+                                      help="data-parallel ranks of the bin plan (--plot)")
+    out = group(s, "output")
+    out.add_argument("--plot", default=None, metavar="DIR",
+                     help="write PNGs: savings.png, call_growth.png (+ bins.png with --max-tokens)")
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("plan", parents=[common], help="pack, fragment and shard episodes into bins")
-    s.add_argument("files", nargs="+")
+    data = group(s, "data")
+    data.add_argument("files", nargs="+")
+    data.add_argument("--episodes-per-step", type=int, default=256,
+                      help="episodes per optimizer step, planned as --mode train plans them")
+    group(s, "model").add_argument(
+        "--model", default=None, help="deal the ranks by this model's cost ('tiny' or a local HF "
+        "checkpoint dir), as training with it does (default: a Llama-1B shape)")
     layout_options(s)
-    s.add_argument("--max-tokens", type=int, required=True)
-    s.add_argument("--num-ranks", type=int, default=1)
-    s.add_argument("--context-parallel", type=int, default=1, metavar="C",
-                   help="plan bins of C x --max-tokens (each run over C processes)")
-    s.add_argument("--episodes-per-step", type=int, default=256,
-                   help="episodes per optimizer step, planned as --mode train plans them")
-    s.add_argument("--rank", type=int, default=None,
-                   help="plan only this rank's share (default: every rank, one after another)")
-    s.add_argument("--model", default=None,
-                   help="deal the ranks by this model's cost ('tiny' or a local HF checkpoint "
-                        "dir), as training with it does (default: a Llama-1B shape)")
-    s.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    group(s, "layout").add_argument("--max-tokens", type=int, required=True)
+    par = group(s, "parallel")
+    par.add_argument("--num-ranks", type=int, default=1)
+    par.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                     help="plan bins of C x --max-tokens (each run over C processes)")
+    par.add_argument("--rank", type=int, default=None,
+                     help="plan only this rank's share (default: every rank, one after another)")
+    out = group(s, "output")
+    out.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_plan)

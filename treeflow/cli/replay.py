@@ -9,6 +9,7 @@ from __future__ import annotations
 from treeflow._display import console
 from treeflow.cli import configs
 from treeflow.cli.common import check_device, positive, say, show
+from treeflow.cli.groups import group
 from treeflow.cli.options import add_train_options, model_options
 from treeflow.cli.parallel import add_parallel_options
 from treeflow.cli.train import cmd_train
@@ -57,7 +58,7 @@ def _replay(args) -> int:
 
 def add_replay_parser(sub, common) -> None:
     s = sub.add_parser("replay", parents=[common], help="compute per-token logprobs of stored episodes")
-    s.add_argument("files", nargs="+")
+    group(s, "data").add_argument("files", nargs="+")
     model_options(s)
     add_parallel_options(s)
     add_train_options(s)

@@ -49,7 +49,10 @@ def check_train_options(args, *, inputs, outputs=()) -> None:
     from treeflow.train.checkpoint import LATEST
     from treeflow.train.launch import rank_of
 
+    from treeflow.cli.trackers import loggers
+
     check_loss_options(args)  # each number by its flag, --steps before --episodes-per-step
+    loggers(args)  # a --logger name refused before any process starts
     if args.episodes_per_step is None or args.episodes_per_step < 1:
         raise ValueError(f"--episodes-per-step {args.episodes_per_step}: --mode train needs "
                          "--episodes-per-step B >= 1 (episodes per optimizer step)")

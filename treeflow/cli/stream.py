@@ -15,6 +15,7 @@ import argparse
 
 from treeflow.cli import configs
 from treeflow.cli.common import check_device, positive, show
+from treeflow.cli.groups import group
 from treeflow.cli.options import (add_sampling_options, add_train_options, model_options,
                                   queue_options)
 from treeflow.cli.queue import open_cli_queue
@@ -113,42 +114,50 @@ def cmd_rollout(args) -> int:
 def add_stream_parsers(sub, common) -> None:
     s = sub.add_parser("stream", parents=[common],
                        help="run the pipeline on live episodes from a tensor queue")
+    data = group(s, "data")
+    data.add_argument("--from", dest="from_files", nargs="+", default=None,
+                      help="also put these episode files into the queue (a producer thread)")
+    data.add_argument("--produce-only", action="store_true", help="with --from: only produce")
+    data.add_argument("--chunk", type=int, default=64,
+                      help="--from: episodes per put (whole groups)")
     model_options(s)
     queue_options(s)
-    s.add_argument("--from", dest="from_files", nargs="+", default=None,
-                   help="also put these episode files into the queue (a producer thread)")
-    s.add_argument("--produce-only", action="store_true", help="with --from: only produce")
-    s.add_argument("--producer", default="files", help="--from: producer id (one per producer)")
-    s.add_argument("--chunk", type=int, default=64, help="--from: episodes per put (whole groups)")
-    s.add_argument("--consumer", default="stream", help="consumer name (leases, stats)")
-    s.add_argument("--max-staleness", type=int, default=None,
-                   help="train: drop (and count) episodes sampled more than K steps ago")
-    s.add_argument("--lease", choices=("lead", "per-rank"), default="lead",
+    q = group(s, "queue")
+    q.add_argument("--producer", default="files", help="--from: producer id (one per producer)")
+    q.add_argument("--consumer", default="stream", help="consumer name (leases, stats)")
+    q.add_argument("--lease", choices=("lead", "per-rank"), default="lead",
                    help="train --num-ranks N: rank 0 leases every step and sends it (lead), or "
                    "every rank leases its own B/N episodes of it over its own connection")
-    s.add_argument("--publish-weights", default=None,
-                   help="train: directory for the weights published after each step (refit)")
-    s.add_argument("--return-results", action="store_true",
+    q.add_argument("--return-results", action="store_true",
                    help="logprobs: write each step's results back into the queue")
-    s.add_argument("--idle-timeout", type=float, default=None, help="fail after this many idle s")
-    s.add_argument("--linger", type=float, default=1.0, help=argparse.SUPPRESS)
+    q.add_argument("--idle-timeout", type=float, default=None, help="fail after this many idle s")
+    q.add_argument("--linger", type=float, default=1.0, help=argparse.SUPPRESS)
+    t = group(s, "train")
+    t.add_argument("--max-staleness", type=int, default=None,
+                   help="drop (and count) episodes sampled more than K steps ago")
+    t.add_argument("--publish-weights", default=None,
+                   help="directory for the weights published after each step (refit)")
     add_train_options(s)
     s.set_defaults(fn=cmd_stream, steps=None)  # stream: until the producers close the queue
 
     s = sub.add_parser("rollout", parents=[common],
                        help="sample agentic episodes from a model into a tensor queue")
+    m = group(s, "model")
+    m.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint dir")
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    group(s, "parallel").add_argument("--threads", type=int, default=1,
+                                      help="torch threads (0: torch's default)")
     queue_options(s)
-    s.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint dir")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    s.add_argument("--groups", type=int, default=8)
+    q = group(s, "queue")
+    q.add_argument("--producer", default="rollout", help="producer id (restarts resume by it)")
+    q.add_argument("--no-refit", action="store_true", help="ignore weights the trainer publishes")
+    q.add_argument("--no-close", action="store_true", help="leave the queue open at the end")
+    g = group(s, "sampling")
+    g.add_argument("--groups", type=int, default=8)
     add_sampling_options(s)
-    s.add_argument("--producer", default="rollout", help="producer id (restarts resume by it)")
-    s.add_argument("--index-base", type=int, default=0, help="first sample_index of this producer")
-    s.add_argument("--no-refit", action="store_true", help="ignore weights the trainer publishes")
-    s.add_argument("--no-close", action="store_true", help="leave the queue open at the end")
-    s.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    s.add_argument("--json", action="store_true")
+    g.add_argument("--index-base", type=int, default=0, help="first sample_index of this producer")
+    group(s, "output").add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_rollout)
 
 

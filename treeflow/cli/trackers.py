@@ -22,7 +22,9 @@ import os
 __all__ = ["LOGGERS", "add_verbose_option", "quiet_libraries", "sinks_from_args"]
 
 QUIET_ENV = "TREEFLOW_QUIET_LIBRARIES"
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGERS = ("console", "wandb", "mlflow")
+# names --logger took that switched nothing on: their logs are written by these flags alone
+_BY_FLAG = {"jsonl": "--metrics FILE", "tensorboard": "--tensorboard DIR"}
 
 
 def add_verbose_option(parser) -> None:
@@ -41,6 +43,10 @@ def loggers(args) -> list[str]:
             name = name.strip().lower()
             if not name:
                 continue
+            if name in _BY_FLAG:
+                raise ValueError(f"--logger {name}: the {name} log is written by "
+                                 f"{_BY_FLAG[name]} alone (--logger {name} switched nothing "
+                                 "on); drop it from --logger")
             if name not in LOGGERS:
                 raise ValueError(f"--logger {name}: not a logger; choose from "
                                  + ", ".join(LOGGERS))
@@ -56,10 +62,6 @@ def sinks_from_args(args, log=None) -> list:
     from treeflow.train.trackers import MlflowSink, WandbSink, require
 
     names = loggers(args)
-    if "jsonl" in names and not args.metrics:
-        raise ValueError("--logger jsonl: give the file with --metrics FILE")
-    if "tensorboard" in names and not args.tensorboard:
-        raise ValueError("--logger tensorboard: give the directory with --tensorboard DIR")
     sinks = [*([JsonlSink(args.metrics)] if args.metrics else []),
              *([TensorBoardSink(args.tensorboard)] if args.tensorboard else [])]
     common = dict(project=args.logger_project, run_name=args.logger_run_name,
