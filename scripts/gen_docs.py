@@ -100,11 +100,13 @@ def _flag_rows(parser) -> list[tuple[str, list[tuple[str, str]]]]:
         for a in group._group_actions:
             if a.help == argparse.SUPPRESS or isinstance(a, argparse._SubParsersAction):
                 continue
-            name = ", ".join(f"`{o}`" for o in a.option_strings) or f"`{a.dest}`"
+            value = ""
             if a.choices is not None:
-                name += " {" + ",".join(str(c) for c in a.choices) + "}"
+                value = " {" + ",".join(str(c) for c in a.choices) + "}"
             elif a.nargs != 0 and a.option_strings:
-                name += f" {a.metavar or a.dest.upper()}"
+                value = f" {a.metavar or a.dest.upper()}"
+            # one span per spelling, the value inside it, so a flag and its value do not wrap apart
+            name = ", ".join(f"`{o}{value}`" for o in a.option_strings) or f"`{a.dest}`"
             text = fmt._expand_help(a) if a.help else ""
             rows.append((name, _cell(text.replace(" (default: None)", ""))))
         if rows:
@@ -261,7 +263,7 @@ PAGES = {
 
 
 def generate() -> dict[str, str]:
-    os.environ["COLUMNS"] = "100"  # argparse wraps usage lines at the terminal's width
+    os.environ["COLUMNS"] = "88"  # argparse wraps usage lines at the terminal's width
     return {page: make() for page, make in PAGES.items()}
 
 
