@@ -1,14 +1,14 @@
-"""Redraw every picture README.md shows, each with the JSON of the numbers it is drawn from.
+"""Redraw every picture README.md and the docs site show, each with the JSON of its numbers.
 
-    python scripts/readme_plots.py              # docs/plots/*.png and bench/results/*.png
+    python scripts/readme_plots.py              # docs/plots/*.png
     python scripts/readme_plots.py --data-only  # only the .json next to each (no drawing)
 
 - docs/plots/savings.png, call_growth.png, bins.png: `treeflow synth` and `treeflow inspect
   --plot` with README's arguments (INSPECT below), on CPU in a few seconds.
 - docs/plots/grpo_toy.png: the reward curves of the committed GRPO toy run
   (bench/results/cpu_grpo_toy.json; rerunning it takes minutes: examples/grpo_toy.py).
-- bench/results/speedup_vs_ideal.png, memory.png: bench/plot_bench.py over the committed
-  benchmark results.
+- docs/plots/speedup_vs_ideal.png, memory.png: bench/plot_bench.py over the committed
+  benchmark results (bench/results/*.json); kept under docs/ so the site can show them.
 
 Every PNG gets NAME.json beside it ({png, source, data}) and the SHA-256 of that data in a
 PNG text chunk (treeflow/plots.py). tests/test_readme_plots.py regenerates the data and
@@ -31,10 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNTH = ["--episodes", "64", "--group-size", "8"]
 INSPECT = ["--max-tokens", "16384", "--num-ranks", "4", "--episodes-per-step", "32"]
 GRPO_RUN = os.path.join("bench", "results", "cpu_grpo_toy.json")
-# README's pictures, relative to the repository root: what this script writes
+# the pictures README.md and docs/ show, relative to the repository root: what this script writes
 PICTURES = ("docs/plots/savings.png", "docs/plots/call_growth.png", "docs/plots/bins.png",
-            "docs/plots/grpo_toy.png", "bench/results/speedup_vs_ideal.png",
-            "bench/results/memory.png")
+            "docs/plots/grpo_toy.png", "docs/plots/speedup_vs_ideal.png",
+            "docs/plots/memory.png")
 
 
 def _module(path: str, name: str):
@@ -97,21 +97,19 @@ def bench_plots(out_dir: str, *, draw: bool = True) -> list[str]:
     return paths
 
 
-def regenerate(docs_dir: str, bench_dir: str, *, draw: bool = True) -> list[str]:
-    """Every README picture (draw=False: only its data) into the two directories."""
+def regenerate(docs_dir: str, *, draw: bool = True) -> list[str]:
+    """Every picture (draw=False: only its data) into docs_dir."""
     os.makedirs(docs_dir, exist_ok=True)
-    os.makedirs(bench_dir, exist_ok=True)
     return [*inspect_plots(docs_dir, draw=draw), *grpo_plot(docs_dir, draw=draw),
-            *bench_plots(bench_dir, draw=draw)]
+            *bench_plots(docs_dir, draw=draw)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-only", action="store_true", help="write only the JSON data")
     ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "plots"))
-    ap.add_argument("--bench", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
-    written = regenerate(args.docs, args.bench, draw=not args.data_only)
+    written = regenerate(args.docs, draw=not args.data_only)
     print(json.dumps({"written": written}))
     return 0
 

@@ -1,14 +1,16 @@
-"""Every Python and shell block of README.md runs, at tiny sizes on CPU, or is listed here.
+"""Every Python and shell block of README.md and of the docs site (docs/**/*.md) runs, at tiny
+sizes on CPU, or is listed here.
 
 Blocks are fenced (```python, ```bash) or indented by four spaces after a blank line (the
-shell commands). Each is keyed by its first line. A block runs unless SKIPPED names it with
-the reason; a block that neither runs nor is listed fails the test, and so does a SKIPPED
-entry whose block is gone. Before running, SUBSTITUTIONS turn the user's values into tiny
+shell commands). Each is keyed by its first line, on whichever page it is. A block runs unless
+SKIPPED names it with the reason; a block that neither runs nor is listed fails the test, and
+so does a SKIPPED entry whose block is gone from every page. A block that appears on several
+pages (README and the site's home) runs once. Before running, SUBSTITUTIONS turn the user's values into tiny
 ones (the table below is the mapping). Shell lines call `treeflow.cli.main` in this process
 (`. .venv/bin/activate &&` is dropped); Python blocks run in one subprocess, each in a fresh
 namespace and directory, with a one-process torchrun environment (for DataParallel.from_env).
-Every block's directory holds a copy of one shared synth file (episodes.arrow) and
-rollouts.jsonl in README's line format.
+Every block's directory holds a copy of one shared synth file (episodes.arrow),
+rollouts.jsonl in README's line format and nemo_rl_rollouts.jsonl (NeMo RL's message_log).
 """
 
 import json
@@ -27,6 +29,8 @@ from treeflow.cli import main
 from treeflow.pipeline import synth_episodes, write_episodes
 
 ROOT = Path(__file__).resolve().parents[1]
+# README and every page of the site, relative to ROOT
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 
 # (pattern, replacement): the user's values -> tiny ones on CPU
 SUBSTITUTIONS = [
@@ -46,6 +50,8 @@ SUBSTITUTIONS = [
 # first line of a block -> why it does not run here
 SKIPPED = {
     "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
+    ". .venv/bin/activate && mkdocs serve":
+        "serves the site until stopped (tests/test_docs.py builds it with mkdocs build --strict)",
     '. .venv/bin/activate && python -m pytest -q -m "not gpu" -n 2 --dist loadgroup':
         "the test suite itself",
     "treeflow replay episodes.arrow --mode train --num-ranks 2 --device cuda --dtype bfloat16 \\":
@@ -114,9 +120,15 @@ def _substitute(code: str) -> str:
     return code
 
 
-def _blocks():
-    blocks = [b for b in readme_blocks((ROOT / "README.md").read_text()) if b[0] in KINDS]
-    return blocks
+def _blocks() -> list[tuple[str, str, int, str]]:
+    """(page:line, kind, line, code) of every runnable block on every page, each code once."""
+    out, seen = [], set()
+    for page in PAGES:
+        for kind, line, code in readme_blocks((ROOT / page).read_text()):
+            if kind in KINDS and (KINDS[kind], code) not in seen:
+                seen.add((KINDS[kind], code))
+                out.append((f"{page}:{line}", kind, line, code))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +139,22 @@ def shared(tmp_path_factory):
     write_episodes(synth_episodes(episodes=16, group_size=4, turns=(2, 3), seed=0),
                    d / "episodes.arrow")
     _rollouts(d / "rollouts.jsonl")
+    _nemo_rl_groups(d / "nemo_rl_rollouts.jsonl")
     return d
+
+
+def _nemo_rl_groups(path: Path) -> None:
+    """tests/data/nemo_rl.jsonl's two message logs as 4 prompts (`idx`) of 2 generations each
+    (without the MoE routes some of its messages carry: the tiny policy is dense)."""
+    base = [json.loads(line) for line in (ROOT / "tests" / "data" / "nemo_rl.jsonl").open()]
+    for line in base:
+        for item in line["message_log"]:  # a message, or an exact call's list of messages
+            for message in item if isinstance(item, list) else [item]:
+                message.pop("routed_experts", None)
+    with path.open("w") as f:
+        for idx in range(4):
+            for k, line in enumerate(base):
+                f.write(json.dumps({**line, "idx": idx, "total_reward": float(k)}) + "\n")
 
 
 def _workdir(shared, tmp: Path, name: str) -> Path:
@@ -139,17 +166,17 @@ def _workdir(shared, tmp: Path, name: str) -> Path:
 
 
 def test_every_block_is_run_or_listed():
-    keys = [code.split("\n")[0] for _, _, code in _blocks()]
+    keys = [code.split("\n")[0] for _, _, _, code in _blocks()]
     stale = set(SKIPPED) - set(keys)
-    assert not stale, f"SKIPPED lists blocks README no longer has: {sorted(stale)}"
+    assert not stale, f"SKIPPED lists blocks no page has any more: {sorted(stale)}"
 
 
 def test_shell_blocks_run(shared, tmp_path, monkeypatch, capsys):
     ran = 0
-    for kind, line, code in _blocks():
+    for n, (where, kind, line, code) in enumerate(_blocks()):
         if KINDS[kind] != "shell" or code.split("\n")[0] in SKIPPED:
             continue
-        work = _workdir(shared, tmp_path, f"sh{line}")
+        work = _workdir(shared, tmp_path, f"sh{n}")
         monkeypatch.chdir(work)
         for command in _substitute(code).replace("\\\n", " ").split("\n"):
             for part in command.split("&&"):
@@ -157,29 +184,32 @@ def test_shell_blocks_run(shared, tmp_path, monkeypatch, capsys):
                 if not argv or argv[:2] == [".", ".venv/bin/activate"]:
                     continue
                 assert argv[0] == "treeflow", (
-                    f"README.md:{line}: {part.strip()!r} is not a treeflow command; run it "
+                    f"{where}: {part.strip()!r} is not a treeflow command; run it "
                     "here or list the block in SKIPPED with the reason")
-                rc = main(argv[1:])
+                try:
+                    rc = main(argv[1:])
+                except SystemExit as e:  # argparse: an unknown or renamed flag
+                    rc = e.code
                 err = capsys.readouterr().err
-                assert rc == 0, f"README.md:{line}: {' '.join(argv)} exited {rc}: {err}"
+                assert rc == 0, f"{where}: {' '.join(argv)} exited {rc}: {err}"
         ran += 1
     assert ran >= 3
 
 
 def test_python_blocks_run(shared, tmp_path):
-    todo = [(line, _substitute(code)) for kind, line, code in _blocks()
+    todo = [(where, _substitute(code)) for where, kind, line, code in _blocks()
             if KINDS[kind] == "python" and code.split("\n")[0] not in SKIPPED]
     assert len(todo) >= 4
-    dirs = [str(_workdir(shared, tmp_path, f"py{line}")) for line, _ in todo]
+    dirs = [str(_workdir(shared, tmp_path, f"py{n}")) for n in range(len(todo))]
     runner = (
         "import json, os, sys, traceback\n"
         "failed = []\n"
-        "for (line, code), d in zip(json.loads(sys.argv[1]), json.loads(sys.argv[2])):\n"
+        "for (where, code), d in zip(json.loads(sys.argv[1]), json.loads(sys.argv[2])):\n"
         "    os.chdir(d)\n"
         "    try:\n"
-        "        exec(compile(code, f'README.md:{line}', 'exec'), {'__name__': '__readme__'})\n"
+        "        exec(compile(code, where, 'exec'), {'__name__': '__readme__'})\n"
         "    except BaseException:\n"
-        "        failed.append(f'README.md:{line}:\\n' + traceback.format_exc())\n"
+        "        failed.append(f'{where}:\\n' + traceback.format_exc())\n"
         "print(json.dumps(failed))\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -193,7 +223,8 @@ def test_python_blocks_run(shared, tmp_path):
     assert not failed, "\n".join(failed)
 
 
-# the flags issue 26 added: each is documented in README (and in --help: test_cli_honest.py)
+# the flags issue 26 added: each is documented in README or the site (and in --help:
+# test_cli_honest.py)
 NEW_FLAGS = ("--advantage", "--no-std-normalize", "--advantage-eps", "--config", "--print-config",
              "--logger", "--logger-project", "--logger-run-name", "--logger-dir",
              "--mlflow-tracking-uri", "--verbose", "--entropy-coef", "--kl-coef", "--ref-model")
@@ -203,9 +234,9 @@ def test_readme_documents_every_new_flag():
     from treeflow.cli import build_parser
     from treeflow.cli.config import subparsers
 
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join((ROOT / page).read_text() for page in PAGES)
     flags = {o for sub in subparsers(build_parser()).values() for a in sub._actions
              for o in a.option_strings}
     for flag in NEW_FLAGS:
         assert flag in flags, f"{flag} is no flag of any command"
-        assert re.search(rf"`{re.escape(flag)}[ `=]", text), f"README does not document {flag}"
+        assert re.search(rf"`{re.escape(flag)}[ `=]", text), f"no page documents {flag}"

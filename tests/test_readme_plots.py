@@ -7,6 +7,7 @@ committed benchmark results), equals the committed JSON. A picture left behind a
 change to what its command draws fails here.
 """
 
+import glob
 import json
 import os
 import re
@@ -31,10 +32,16 @@ def _committed(png: str) -> dict:
 def test_every_readme_picture_is_the_scripts_and_was_drawn_from_its_json():
     from PIL import Image
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    shown = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme)
+    shown, texts = [], []
+    for page in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(
+            os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]:
+        text = open(page).read()
+        texts.append(text)
+        for link in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):  # relative to the page
+            shown.append(os.path.relpath(os.path.normpath(os.path.join(
+                os.path.dirname(page), link)), ROOT))
     assert sorted(set(shown)) == sorted(readme_plots.PICTURES)
-    assert "scripts/readme_plots.py" in readme
+    assert any("scripts/readme_plots.py" in t for t in texts)
     for png in readme_plots.PICTURES:
         record = _committed(png)
         assert record["png"] == os.path.basename(png)
@@ -60,11 +67,11 @@ def _same(got, want, where=""):
 
 
 def test_regenerated_data_equals_the_committed(tmp_path):
-    docs, bench = tmp_path / "docs", tmp_path / "bench"
-    written = readme_plots.regenerate(str(docs), str(bench), draw=False)
+    docs = tmp_path / "docs"
+    written = readme_plots.regenerate(str(docs), draw=False)
     assert len(written) == len(readme_plots.PICTURES)
     for png in readme_plots.PICTURES:
-        here = (docs if png.startswith("docs/") else bench) / os.path.basename(png)
+        here = docs / os.path.basename(png)
         assert not here.exists()  # data only: nothing drawn
         got = json.load(open(os.path.splitext(here)[0] + ".json"))
         _same(got, _committed(png), png)
