@@ -131,7 +131,31 @@ def _own_dir(path: str) -> str:
         raise ValueError(f"compile cache {real} is writable by group or others (mode "
                          f"{stat.S_IMODE(st.st_mode):o}): a compile cache holds code this "
                          f"process runs; {fix}")
+    _check_parents(real)
     return real
+
+
+def _check_parents(real: str) -> None:
+    """Every directory above the cache is root's or this user's, and not writable by group or
+    others unless sticky (/tmp): whoever can write a parent can rename the cache away and put
+    a directory of their own code in its place."""
+    if not hasattr(os, "getuid"):
+        return
+    parent = os.path.dirname(real)
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.getuid()):
+            raise ValueError(f"compile cache {real}: its parent {parent} is owned by uid "
+                             f"{st.st_uid}, who could replace the cache with code this process "
+                             "runs; give --compile-cache a directory under your own (or off)")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise ValueError(f"compile cache {real}: its parent {parent} is writable by group or "
+                             f"others (mode {stat.S_IMODE(st.st_mode):o}, not sticky), who could "
+                             "replace the cache with code this process runs; chmod go-w "
+                             f"{parent}, or give --compile-cache another directory (or off)")
+        if parent == os.path.dirname(parent):
+            return
+        parent = os.path.dirname(parent)
 
 
 _ours: dict[str, str] = {}  # environment variables this module set, and to what
