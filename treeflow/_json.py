@@ -51,8 +51,8 @@ def loads(text: str | bytes, *, what: str, max_depth: int = 64):
     deeper than `max_depth`, or repeats a key within one object."""
     raw = text if isinstance(text, (bytes, bytearray)) else text.encode("utf-8", "surrogatepass")
     if raw.count(b"[") + raw.count(b"{") > max_depth and depth(raw) > max_depth:
-        raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels; nothing treeflow "
-                         "reads needs more: check how the file was written")
+        raise ValueError(f"{what}: JSON nested too deeply (more than {max_depth} levels); "
+                         "nothing treeflow reads needs more: check how it was written")
     try:
         return json.loads(raw, object_pairs_hook=_pairs(what))
     except UnicodeDecodeError as e:
