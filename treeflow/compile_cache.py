@@ -111,6 +111,7 @@ def open_own(path: str):
 
 def _own_dir(path: str) -> str:
     """`path` made if absent (mode 0700) and checked to be this user's alone; its real path."""
+    _check_parents(os.path.realpath(path))
     if not os.path.lexists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
@@ -131,7 +132,6 @@ def _own_dir(path: str) -> str:
         raise ValueError(f"compile cache {real} is writable by group or others (mode "
                          f"{stat.S_IMODE(st.st_mode):o}): a compile cache holds code this "
                          f"process runs; {fix}")
-    _check_parents(real)
     return real
 
 
@@ -142,6 +142,8 @@ def _check_parents(real: str) -> None:
     if not hasattr(os, "getuid"):
         return
     parent = os.path.dirname(real)
+    while not os.path.exists(parent):  # made below (os.makedirs): checked from what exists
+        parent = os.path.dirname(parent)
     while True:
         st = os.stat(parent)
         if st.st_uid not in (0, os.getuid()):
