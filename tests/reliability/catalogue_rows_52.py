@@ -262,5 +262,51 @@ def output_rows() -> dict:
             "ref-model-missing": ref_model_missing}
 
 
-ROWS = {**config_rows(), **checkpoint_rows(), **convert_rows(), **tracker_rows(),
+def _moe_model(path) -> str:
+    """A tiny Qwen3-MoE checkpoint: 1 layer, 4 experts, top-2 (routes of width 2)."""
+    from treeflow.models import ModelConfig, load_model, save_model
+
+    d = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=16,
+             intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=8)
+    save_model(load_model(ModelConfig.from_hf_dict(d)), path)
+    return str(path)
+
+
+def route_rows() -> dict:
+    def routed(tmp, token, route):
+        import pyarrow as pa
+
+        from tests.reliability.helpers import small_episodes
+        from treeflow.schemas import EPISODE_SCHEMA
+
+        rows = small_episodes(4).to_pylist()
+        for r in rows:
+            for c in r["calls"]:
+                c["routed_experts"] = [[1, 2]] * len(c["token_ids"])
+        rows[2]["calls"][0]["routed_experts"][token] = route
+        with pa.ipc.new_file(tmp / "r.arrow", EPISODE_SCHEMA) as w:
+            w.write_table(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+        argv = ["replay", tmp / "r.arrow", "-o", tmp / "o.arrow", "--model", _moe_model(tmp / "moe"),
+                "--routing", "replay"]
+        return argv, repr(rows[2]["episode_id"])
+
+    def minus_one(tmp):
+        argv, episode = routed(tmp, 1, [-1, -1])
+        return argv, ["r.arrow", episode, "call 0", "expert id -1 at token 1", "sentinel"]
+
+    def repeated(tmp):
+        argv, _ = routed(tmp, 3, [2, 2])
+        return argv, ["MoE layer 0", "[2, 2]", "twice"]
+
+    def too_big(tmp):
+        argv, _ = routed(tmp, 3, [1, 7])
+        return argv, ["MoE layer 0", "[1, 7]", "outside [0, 4)"]
+
+    return {"route-minus-one-inside-a-call": minus_one, "route-expert-twice-in-top-k": repeated,
+            "route-expert-id-too-big": too_big}
+
+
+ROWS = {**config_rows(), **route_rows(), **checkpoint_rows(), **convert_rows(), **tracker_rows(),
         **output_rows()}

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from treeflow.schemas._strict import refuse_lossy_cast
+from treeflow.schemas.route_check import check_sentinels
 from treeflow.schemas.episode_schema import (CALL_TYPE, EPISODE_SCHEMA, SAMPLED_LISTS,
                                              check_version)
 
@@ -254,6 +255,7 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
             i = int(np.flatnonzero(per_tok != per_tok[0])[0])
             fail(int(tok_owner[i]), f"field 'routed_experts' mixes route widths {per_tok[0]} and "
                  f"{per_tok[i]}; every token needs the same number of expert ids")
+        check_sentinels(routes, rvalid, rlen, fail)
     for name in ("reward", "advantage"):
         col = table.column(name).chunk(0)
         if col.null_count < len(col):
