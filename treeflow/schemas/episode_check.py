@@ -46,6 +46,26 @@ def _check_route_width(table: pa.Table, source: str, row_offset: int, width: int
                          "configuration, or run with --routing recompute")
 
 
+def _check_route_ids(table: pa.Table, source: str, row_offset: int) -> None:
+    """Negative expert ids other than the final-token sentinel (schemas/route_check.py)."""
+    if not table.num_rows:
+        return
+    calls = table.column("calls").chunk(0)
+    routes = calls.flatten().field("routed_experts")
+    if routes.null_count == len(routes):
+        return
+    n_calls = _list_lengths(calls)
+    call_row = np.repeat(np.arange(table.num_rows), n_calls)
+
+    def fail(call_idx: int, msg: str):
+        row = int(call_row[call_idx])
+        k = int(call_idx - (np.cumsum(n_calls)[row] - n_calls[row]))
+        raise ValueError(f"{_name(table, row, source, row_offset)}, call {k}: {msg}")
+
+    check_sentinels(routes, ~routes.is_null().to_numpy(zero_copy_only=False),
+                    _list_lengths(routes), fail)
+
+
 def _list_lengths(arr: pa.Array) -> np.ndarray:
     return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
@@ -104,8 +124,9 @@ def validate_episodes(
         cols[field.name] = col.combine_chunks()
     out = pa.Table.from_arrays([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     _check_calls(out, source, row_offset, vocab_size)
-    if route_width is not None:
+    if route_width is not None:  # routes to be replayed: their width, then their ids
         _check_route_width(out, source, row_offset, route_width)
+        _check_route_ids(out, source, row_offset)
     si = out.column("sample_index")
     if pc.count_distinct(si).as_py() != n:
         vc = pc.value_counts(si)
@@ -255,7 +276,6 @@ def _check_calls(table: pa.Table, source: str, row_offset: int, vocab_size: int 
             i = int(np.flatnonzero(per_tok != per_tok[0])[0])
             fail(int(tok_owner[i]), f"field 'routed_experts' mixes route widths {per_tok[0]} and "
                  f"{per_tok[i]}; every token needs the same number of expert ids")
-        check_sentinels(routes, rvalid, rlen, fail)
     for name in ("reward", "advantage"):
         col = table.column(name).chunk(0)
         if col.null_count < len(col):

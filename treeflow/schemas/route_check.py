@@ -1,10 +1,13 @@
-"""`routed_experts` ids range-checked where episodes enter: -1 only as the final-token sentinel.
+"""`routed_experts` ids range-checked where replayed episodes enter: -1 only as the final-token
+sentinel.
 
 NeMo Gym records a route of all -1 on a call's final sampled token, which the engine never
 ran as an input; anywhere else a negative id indexes the expert table from its end (-1
 picks the last expert), silently routing the token through an expert it never saw. The
 check is vectorised over the flat [tokens, width] id matrix; only a failure walks back to
-name the episode, call, token and route entry. Ids against the model's expert count and
+name the episode, call, token and route entry. It runs where routes are to be replayed
+(validate_episodes with a model's route width); episodes only planned (Pack's NeMo RL share
+rules treat a -1 anywhere as the end of shareable routes) are not refused. Ids against the model's expert count and
 repeats within one layer's top-k need the model: ops/route_ranges.py checks those where
 routes meet it.
 """
