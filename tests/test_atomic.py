@@ -123,3 +123,28 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
             raise RuntimeError("boom")
     assert dest.read_text() == "old" and os.listdir(tmp_path) == ["out.txt"]
     assert spy.renames() == []
+
+
+def test_a_live_writers_temporary_survives_and_a_dead_writers_is_removed(tmp_path):
+    """remove_stale takes only temporaries whose writer is dead: another live process's
+    temporary (a concurrent writer into the same directory) is its, not a leftover."""
+    import signal
+    import subprocess
+    import sys
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid names no process now
+    try:
+        def temporary(pid):
+            name = os.path.basename(atomic.temp_name(str(tmp_path / "out.arrow")))
+            path = tmp_path / name.replace(f".{os.getpid()}.", f".{pid}.")
+            path.write_text("half")
+            return path
+        live_tmp, dead_tmp, own_tmp = temporary(live.pid), temporary(dead.pid), temporary(os.getpid())
+        removed = atomic.remove_stale(tmp_path)
+        assert removed == [str(dead_tmp)]
+        assert live_tmp.exists() and own_tmp.exists() and not dead_tmp.exists()
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()

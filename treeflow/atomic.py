@@ -40,7 +40,16 @@ def check_output(path: str | os.PathLike, *, what: str = "output", directory: bo
         raise ValueError(f"{path}: is a directory; give a file name for the {what}")
     if directory and os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{path}: is a file; give a directory for the {what}")
+    if not directory and os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path}: is not a regular file (a FIFO, socket or device: writing it "
+                         f"could block forever or replace it); give a file path for the {what}")
     if not os.path.isdir(parent):
+        above = parent
+        while not os.path.exists(above) and above != os.path.dirname(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise ValueError(f"{path}: {above} is a file, not a directory, so nothing can be "
+                             f"written under it; give an output path in a directory")
         raise ValueError(f"{path}: the directory {parent} does not exist; create it first "
                          f"(mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -169,6 +178,9 @@ def atomic_path(path: str | os.PathLike, *, what: str = "output") -> Iterator[st
         if not os.path.exists(tmp):
             raise RuntimeError(f"nothing was written to the temporary of {path}")
         commit(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        raise named(e, path) from None
     except BaseException:
         _remove(tmp)
         raise
@@ -194,6 +206,9 @@ def atomic_dir(path: str | os.PathLike, *, what: str = "checkpoint") -> Iterator
     try:
         yield tmp
         commit_dir(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        raise named(e, path) from None
     except BaseException:
         _remove(tmp)
         raise
@@ -215,11 +230,19 @@ def commit_dir(tmp: str, path: str) -> None:
         _remove(old)
 
 
+def named(e: OSError, path: str | os.PathLike) -> OSError:
+    """`e` itself when it names a file (the one that failed), else the same error naming `path`
+    (a write on a full disk raises ENOSPC with no file name: "No space left on device", where?)."""
+    if e.filename is not None:
+        return e
+    return type(e)(e.errno, e.strerror or str(e), os.fspath(path))
+
+
 def remove(path: str) -> None:
     """Remove a file or a directory tree; absent is fine."""
     _remove(path)
 
 
 __all__ = ["LOCK_SUFFIX", "PARTIAL", "atomic_dir", "atomic_open", "atomic_path", "check_output",
-           "commit", "commit_dir", "fsync_dir", "fsync_file", "refuse_inputs", "remove",
+           "commit", "commit_dir", "fsync_dir", "fsync_file", "named", "refuse_inputs", "remove",
            "remove_stale", "remove_stale_locks", "temp_name"]

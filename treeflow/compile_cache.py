@@ -111,6 +111,7 @@ def open_own(path: str):
 
 def _own_dir(path: str) -> str:
     """`path` made if absent (mode 0700) and checked to be this user's alone; its real path."""
+    _check_parents(os.path.realpath(path))
     if not os.path.lexists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
@@ -132,6 +133,31 @@ def _own_dir(path: str) -> str:
                          f"{stat.S_IMODE(st.st_mode):o}): a compile cache holds code this "
                          f"process runs; {fix}")
     return real
+
+
+def _check_parents(real: str) -> None:
+    """Every directory above the cache is root's or this user's, and not writable by group or
+    others unless sticky (/tmp): whoever can write a parent can rename the cache away and put
+    a directory of their own code in its place."""
+    if not hasattr(os, "getuid"):
+        return
+    parent = os.path.dirname(real)
+    while not os.path.exists(parent):  # made below (os.makedirs): checked from what exists
+        parent = os.path.dirname(parent)
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.getuid()):
+            raise ValueError(f"compile cache {real}: its parent {parent} is owned by uid "
+                             f"{st.st_uid}, who could replace the cache with code this process "
+                             "runs; give --compile-cache a directory under your own (or off)")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise ValueError(f"compile cache {real}: its parent {parent} is writable by group or "
+                             f"others (mode {stat.S_IMODE(st.st_mode):o}, not sticky), who could "
+                             "replace the cache with code this process runs; chmod go-w "
+                             f"{parent}, or give --compile-cache another directory (or off)")
+        if parent == os.path.dirname(parent):
+            return
+        parent = os.path.dirname(parent)
 
 
 _ours: dict[str, str] = {}  # environment variables this module set, and to what

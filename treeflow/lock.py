@@ -64,9 +64,18 @@ class OutputLock:
             if same:
                 break
             os.close(fd)  # the holder removed it as we opened it: lock the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "command": " ".join(sys.argv)}).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                     "command": " ".join(sys.argv)}).encode())
+        except OSError as e:  # a full disk: the empty lock file would be left behind
+            try:
+                os.remove(self.file)
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+            raise OSError(e.errno, f"{e.strerror} (writing the lock file of {option} {path})",
+                          self.file) from None
         self.fd = fd
 
     def release(self) -> None:

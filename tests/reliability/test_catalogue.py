@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.reliability import catalogue_rows_52
 from tests.reliability.helpers import TRAIN, cli, small_episodes, tree_hashes, write_small
 from treeflow.schemas import EPISODE_SCHEMA
 
@@ -514,6 +515,9 @@ CASES += [pytest.param(_file_case(kind), id=kind) for kind in ("gate-episodes-gr
                                                                "gate-capacity",
                                                                "gate-context-parallel-zero")]
 
+# issue 52: config files, checkpoints, convert lines, trackers, outputs (catalogue_rows_52.py)
+CASES += [pytest.param(setup, id=kind) for kind, setup in catalogue_rows_52.ROWS.items()]
+
 
 def test_catalogue_is_large_enough():
     assert len(CASES) >= 30
@@ -524,13 +528,16 @@ def test_refused_cleanly_and_nothing_changes(setup, tmp_path, capsys, monkeypatc
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a user runs it (tests/conftest.py)
     # an earlier good output sits next to the inputs: it must survive the refusal
     (tmp_path / "bins.arrow").write_bytes(b"an earlier output")
-    argv, needles = setup(tmp_path)
-    before = tree_hashes(tmp_path)
-    rc, out, err = cli(capsys, *argv)
+    with catalogue_rows_52.CLEANUP:  # what a row set up outside tmp_path (a mount, a socket)
+        argv, needles = setup(tmp_path)
+        before = tree_hashes(tmp_path)
+        rc, out, err = cli(capsys, *argv)
+        after = tree_hashes(tmp_path)  # a mounted disk's files too, before it goes
+        partial = [n for _, _, ns in os.walk(tmp_path) for n in ns if n.endswith(".partial")]
     assert rc == 2, err
     assert "Traceback" not in err and "Traceback" not in out
     assert err.startswith("error:") and err.count("\n") == 1, err
     for n in needles:
         assert str(n) in err, f"{n!r} not in {err!r}"
-    assert tree_hashes(tmp_path) == before
-    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+    assert after == before
+    assert not partial

@@ -132,3 +132,29 @@ def dead_pid() -> int:
 def torch_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+
+
+def test_a_corrupt_manifest_falls_back_to_the_older_step(tmp_path, capsys):
+    """A manifest that cannot be read (nested 100,000 deep: a RecursionError before) is a
+    corrupt step like any other: the resume says so and continues from the step before it,
+    ending on the weights of a run that resumed from that step."""
+    data = write_small(tmp_path / "e.arrow")
+    ck = tmp_path / "ck"
+    rc, _, err = cli(capsys, "replay", data, *TRAIN, "--steps", "2", "--save", ck, "--save-every", "1",
+                     "--keep", "2")
+    assert rc == 0, err
+    shutil.copytree(ck, tmp_path / "ref", symlinks=True)
+    shutil.rmtree(tmp_path / "ref" / "step-000002")  # the reference: resumed from step 1
+    (tmp_path / "ref" / "latest.txt").write_text("step-000001\n")
+    os.remove(tmp_path / "ref" / "latest")
+    rc, _, err = cli(capsys, "replay", data, *TRAIN, "--steps", "3", "--resume",
+                     tmp_path / "ref", "--save", tmp_path / "ref")
+    assert rc == 0, err
+    (ck / "step-000002" / "manifest.json").write_text(
+        '{"files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    rc, _, err = cli(capsys, "replay", data, *TRAIN, "--steps", "3", "--resume", ck, "--save", ck)
+    assert rc == 0, err
+    assert "skipping checkpoint" in err and "step-000002" in err and "nested too deeply" in err
+    got, want = final_weights(ck), final_weights(tmp_path / "ref")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 
+from treeflow.cli.config_file import read_config
+from treeflow.cli.config_value import check_plain
 from treeflow.cli.groups import flatten, nest
 
 _INTERNAL = ("fn", "command", "config", "print_config", "debug")
@@ -48,36 +49,8 @@ def subparsers(parser) -> dict:
 
 
 def load_config(path: str) -> dict:
-    """The mapping in a .yaml/.yml/.json or .toml file."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--config {path}: no such file")
-    if path.endswith(".toml"):
-        import tomllib
-
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"--config {path}: not valid TOML ({e})") from None
-    elif path.endswith((".yaml", ".yml", ".json")):
-        try:
-            import yaml
-        except ImportError:
-            raise ValueError(f"--config {path}: reading YAML needs PyYAML: pip install pyyaml "
-                             "(or give a .toml file)") from None
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
-    else:
-        raise ValueError(f"--config {path}: unknown config file type; name it .yaml, .yml or .toml")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: holds a {type(data).__name__}; give a mapping of "
-                         "flag names to values")
-    return data
+    """The mapping in a .yaml/.yml/.json or .toml file (plain values only: cli/config_file.py)."""
+    return read_config(path)
 
 
 def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -128,6 +101,7 @@ def _check_value(path: str, key, value, action, *, as_dest: bool = False, one: b
         return value if as_dest or isinstance(action, argparse._StoreTrueAction) else not value
     if isinstance(value, (dict, list)):
         raise ValueError(f"--config {path}: {key} = {value!r}; {flag} takes one value")
+    value = check_plain(path, key, value, action, flag)
     if value is not None and not isinstance(value, str) and action.type in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                 action.type is int and not isinstance(value, int)):

@@ -8,6 +8,9 @@ first-step and step-size warnings live with the loop, in train/fit.py).
 from __future__ import annotations
 
 
+_LR_MAX = 3.4e37  # float32's largest finite value over AdamW's first bias correction (1 - 0.9)
+
+
 def check_train_numbers(args) -> None:
     """Refuse an impossible training number by its flag (not by the stage it would reach)."""
     import math
@@ -25,6 +28,11 @@ def check_train_numbers(args) -> None:
                                   (strict and value == low)):
             bad(flag.replace("_", "-"), value,
                 f"give a finite number {'>' if strict else '>='} {low}")
+    lr = getattr(args, "lr", None)
+    if lr is not None and lr > _LR_MAX:
+        bad("lr", lr, f"too large: AdamW's first step is lr / (1 - beta1) = 10 x lr, which must fit "
+            f"a float32 parameter (at most 3.4e38); give at most {_LR_MAX:.1e} (typical: 1e-6 "
+            "to 1e-4)")
     clip_low = getattr(args, "clip_low", None)
     if clip_low is not None and not 0 <= clip_low < 1:
         bad("clip-low", clip_low, "give a number in [0, 1) (the ratio is clipped at 1 - clip-low)")
@@ -75,6 +83,7 @@ def check_train_options(args, *, inputs, outputs=()) -> None:
 def check_loss_options(args) -> None:
     """Refuse the loss flags the CLI cannot honour (before any model is built)."""
     import math
+    import os
 
     check_train_numbers(args)
 
@@ -90,6 +99,10 @@ def check_loss_options(args) -> None:
     if ref and not kl > 0:
         raise ValueError(f"--ref-model {ref}: the reference policy feeds only the KL penalty; "
                          "give --kl-coef C > 0, or drop --ref-model")
+    if ref and ref != "tiny" and not os.path.isdir(ref):
+        raise ValueError(f"--ref-model {ref}: {'is a file' if os.path.exists(ref) else 'does not exist'}; "
+                         "give the reference policy's checkpoint directory (e.g. the initial "
+                         "policy's, as given to --model)")
     if ref and (getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "context_parallel", 1) > 1):
         raise ValueError(f"--ref-model {ref}: a reference policy under --tensor-parallel or "
                          "--context-parallel is not supported yet; train with both at 1")

@@ -11,12 +11,14 @@ line, the field and the fix, never coerced.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from treeflow._json import loads
+
+_MAX_DEPTH = 64  # an episode line needs a handful of levels (chat logprobs: about 8)
 
 LINE_NUMBER = "@line"
 _MISSING = object()
@@ -120,17 +122,20 @@ def token_ids(value, where: str, field: str) -> list[int]:
 
 
 def logprobs(value, where: str, field: str, n: int) -> list[float]:
-    """A list of `n` numbers <= 0 (engine logprobs; -inf allowed, NaN not)."""
+    """A list of `n` finite numbers <= 0 (engine logprobs; -inf is refused here, where the
+    line can be named, as training would refuse it later with no line to name)."""
     if not isinstance(value, list):
         raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, expected a list of floats")
     if len(value) != n:
         raise ValueError(f"{where}: field {field!r} has {len(value)} values for {n} sampled tokens; "
                          "give one logprob per sampled token")
     if value and (not set(map(type, value)) <= {int, float} or max(value) > 0
-                  or any(map(math.isnan, value))):
+                  or not all(map(math.isfinite, value))):
         for i, v in enumerate(value):
-            if type(v) not in (int, float) or math.isnan(v) or v > 0:
-                raise ValueError(f"{where}: field {field!r}[{i}] is {v!r}; a logprob is a number <= 0")
+            if type(v) not in (int, float) or not math.isfinite(v) or v > 0:
+                raise ValueError(f"{where}: field {field!r}[{i}] is {v!r}; a logprob is a finite "
+                                 "number <= 0 (a sampled token had probability > 0: -inf means "
+                                 "the engine's logprob was clipped or lost; fix the log)")
     return list(map(float, value))
 
 
@@ -143,22 +148,7 @@ def read_jsonl(paths: Sequence[str | os.PathLike]) -> Iterator[tuple[str, int, d
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{path} line {line_no}: not UTF-8 ({e.reason}); write the log "
-                                     "as UTF-8 JSON") from None
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {line_no}: not valid JSON ({e.msg} at column "
-                                     f"{e.colno}); write one JSON object per line") from None
-                except RecursionError:
-                    raise ValueError(f"{path} line {line_no}: JSON nested too deeply to read (more "
-                                     f"than about {sys.getrecursionlimit()} levels); an episode "
-                                     "needs only a few levels: check how the line was written") \
-                        from None
-                except ValueError as e:  # e.g. an integer of more than 4,300 digits
-                    raise ValueError(f"{path} line {line_no}: a value cannot be read ({e}); token "
-                                     "ids and numbers must fit 64 bits") from None
+                obj = loads(line, what=f"{path} line {line_no}", max_depth=_MAX_DEPTH)
                 if not isinstance(obj, dict):
                     raise ValueError(f"{path} line {line_no}: a {type(obj).__name__}, expected one "
                                      "JSON object (an episode) per line")

@@ -188,7 +188,20 @@ class ForwardRunner:
                              f"{self.route_width} (MoE layers x top_k); capture the routes with "
                              "this model's configuration")
         assert len(inner) == node_off[-1] - node_off[0], "one route per node"
-        return self._to_device(values.reshape(-1, width))
+        ids_NW = values.reshape(-1, width)
+        self._check_routes(bins, ids_NW, node_off)
+        return self._to_device(ids_NW)
+
+    def _check_routes(self, bins: pa.Table, ids_NW: np.ndarray, node_off: np.ndarray) -> None:
+        from treeflow.ops.route_ranges import check_route_ranges
+
+        moe = self.backend.config.moe
+        bin_N = np.repeat(np.arange(len(node_off) - 1), np.diff(node_off))
+        positions = bins.column("positions").combine_chunks().flatten().to_numpy(
+            zero_copy_only=False)
+        check_route_ranges(ids_NW, top_k=moe.top_k, num_experts=moe.num_experts,
+                           bin_of=lambda n: bins.column("bin_id")[int(bin_N[n])].as_py(),
+                           position_of=lambda n: int(positions[n]))
 
     def take_route_tally(self, full: bool = False) -> tuple[int, ...] | None:
         """(agreeing, replayed) (token, MoE layer) rows since the last call, or None; full=True

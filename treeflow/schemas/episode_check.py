@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from treeflow.schemas._strict import refuse_lossy_cast
+from treeflow.schemas.route_check import check_sentinels
 from treeflow.schemas.episode_schema import (CALL_TYPE, EPISODE_SCHEMA, SAMPLED_LISTS,
                                              check_version)
 
@@ -43,6 +44,26 @@ def _check_route_width(table: pa.Table, source: str, row_offset: int, width: int
                          f"routes of width {int(per_tok[bad[0]])} but the model replays width "
                          f"{width} (MoE layers x top_k); capture routes with this model's "
                          "configuration, or run with --routing recompute")
+
+
+def _check_route_ids(table: pa.Table, source: str, row_offset: int) -> None:
+    """Negative expert ids other than the final-token sentinel (schemas/route_check.py)."""
+    if not table.num_rows:
+        return
+    calls = table.column("calls").chunk(0)
+    routes = calls.flatten().field("routed_experts")
+    if routes.null_count == len(routes):
+        return
+    n_calls = _list_lengths(calls)
+    call_row = np.repeat(np.arange(table.num_rows), n_calls)
+
+    def fail(call_idx: int, msg: str):
+        row = int(call_row[call_idx])
+        k = int(call_idx - (np.cumsum(n_calls)[row] - n_calls[row]))
+        raise ValueError(f"{_name(table, row, source, row_offset)}, call {k}: {msg}")
+
+    check_sentinels(routes, ~routes.is_null().to_numpy(zero_copy_only=False),
+                    _list_lengths(routes), fail)
 
 
 def _list_lengths(arr: pa.Array) -> np.ndarray:
@@ -103,8 +124,9 @@ def validate_episodes(
         cols[field.name] = col.combine_chunks()
     out = pa.Table.from_arrays([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     _check_calls(out, source, row_offset, vocab_size)
-    if route_width is not None:
+    if route_width is not None:  # routes to be replayed: their width, then their ids
         _check_route_width(out, source, row_offset, route_width)
+        _check_route_ids(out, source, row_offset)
     si = out.column("sample_index")
     if pc.count_distinct(si).as_py() != n:
         vc = pc.value_counts(si)

@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import torch
 
-from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, remove,
+from treeflow.atomic import (atomic_dir, atomic_open, check_output, commit_dir, named, remove,
                               remove_stale, temp_name)
 from treeflow.tensorfile import in_parallel, write_sharded
 from treeflow.train.checkpoint_layout import (CONFIG_JSON, FORMAT, LATEST, LATEST_RECORD,  # noqa: F401
@@ -291,21 +291,28 @@ def _point_latest(root: str, name: str) -> None:
 
 def _write_config(tmp: str, config: dict | None) -> None:
     if config is not None:
-        with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
-            json.dump(config, f, indent=1, sort_keys=True)
+        _write_json(os.path.join(tmp, CONFIG_JSON), config, sort_keys=True)
 
 
 def _write_state_and_manifest(tmp: str, state: dict) -> None:
-    with open(os.path.join(tmp, TRAINER_JSON), "w") as f:
-        json.dump(state, f, indent=1)
+    _write_json(os.path.join(tmp, TRAINER_JSON), state)
     files = {}
     for d, _, names in os.walk(tmp):
         for n in names:
             p = os.path.join(d, n)
             files[os.path.relpath(p, tmp)] = {"bytes": os.path.getsize(p),
                                               "sha256": sha256_of(p, trust_own_writes=True)}
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-        json.dump({"format": FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
+    _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "files": dict(sorted(files.items()))})
+
+
+def _write_json(path: str, obj, *, sort_keys: bool = False) -> None:
+    """`obj` as JSON at `path` (inside a step's temporary directory, renamed as a whole); an
+    OSError names the file (a full disk raises ENOSPC naming none)."""
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=sort_keys)
+    except OSError as e:
+        raise named(e, path) from None
 
 
 __all__ = ["FORMAT", "LATEST", "LATEST_RECORD", "MANIFEST", "MODEL_FILES", "copy_model_files",

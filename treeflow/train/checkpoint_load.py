@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from treeflow._json import load as load_json
 from treeflow.tensorfile import FILES_AT_ONCE, index_name, stored_files
 
 from treeflow.train.checkpoint_layout import (LATEST, LEGACY_STATE, MANIFEST, OPTIMIZER, FORMAT,
@@ -37,9 +38,8 @@ def verify(step_path: str) -> str | None:
     if not os.path.isfile(mpath):
         return f"no {MANIFEST} (the save did not finish)"
     try:
-        with open(mpath) as f:
-            files = json.load(f)["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        files = _manifest_files(step_path, load_json(mpath, what=mpath))
+    except ValueError as e:
         return f"{MANIFEST} is unreadable ({e})"
     extra = _unlisted(step_path, files)
     if extra:
@@ -63,6 +63,26 @@ def verify(step_path: str) -> str | None:
             return f"{name} does not match its sha256 in {MANIFEST} (corrupted or modified)"
     return None
 
+
+
+def _manifest_files(step_path: str, manifest) -> dict:
+    """The manifest's `files` table, checked: every name a relative path inside `step_path`
+    (no `..`, no absolute path, no link out of it), every entry {bytes: int, sha256: str}."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError("it holds no 'files' object")
+    root = os.path.realpath(step_path)
+    for name, want in files.items():
+        inside = os.path.realpath(os.path.join(root, name))
+        if (os.path.isabs(name) or os.path.normpath(name) != name or name.startswith("..")
+                or os.path.commonpath([root, inside]) != root or inside == root):
+            raise ValueError(f"entry {name!r} is not a file inside the checkpoint (every path "
+                             "must stay in its step directory)")
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int
+                and isinstance(want.get("sha256"), str)):
+            raise ValueError(f"entry {name!r} is {json.dumps(want)[:80]}; give "
+                             '{"bytes": N, "sha256": HEX}')
+    return files
 
 
 def _unlisted(step_path: str, files: dict) -> list[str]:
@@ -159,8 +179,9 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
         if _is_sharded(step_path):
             return _load_sharded(cls, step_path, forward, reduce, options, log)
         return _load_legacy(cls, step_path, forward, reduce, log, options)
-    with open(os.path.join(step_path, TRAINER_JSON)) as f:
-        state = json.load(f)
+    state = load_json(os.path.join(step_path, TRAINER_JSON))
+    if not isinstance(state, dict):
+        _check_state(os.path.join(step_path, TRAINER_JSON), state)
     if state.get("format") != FORMAT:
         raise ValueError(f"{step_path}: checkpoint format {state.get('format')!r}; this treeflow "
                          f"reads {FORMAT!r}")
@@ -189,6 +210,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
                 if torch.is_tensor(v) and v.ndim:
                     st[k] = trainer.backend.local_part(names[idx], v)
     _check_optimizer_shapes(opt_path, trainer, per_param)
+    _check_optimizer_finite(opt_path, os.path.join(step_path, TRAINER_JSON), per_param)
     try:
         trainer.optimizer.load_state_dict({"state": per_param, "param_groups": opt["param_groups"]})
     except (ValueError, KeyError) as e:
@@ -237,6 +259,52 @@ def _check_state(path: str, state) -> None:
         bad = [k for k in opt.get("scalars", {}) if not re.fullmatch(r"\d+\.\w+", k)]
         if bad:
             raise ValueError(f"{path}: optimizer scalar {bad[0]!r} is not named INDEX.NAME")
+        _check_param_groups(path, opt["param_groups"])
+
+
+# AdamW's hyperparameters in a param group: (field, how many numbers; 0 = one number)
+_GROUP_NUMBERS = {"lr": 0, "initial_lr": 0, "weight_decay": 0, "eps": 0, "betas": 2}
+
+
+def _check_param_groups(path: str, groups: list) -> None:
+    """Each param group's AdamW numbers finite numbers (a string in `betas` reached
+    torch as a TypeError), its `params` a list of ints."""
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise ValueError(f"{path}: optimizer.param_groups[{i}] is {json.dumps(g)[:60]}; it "
+                             "must be an object")
+        for field, n in _GROUP_NUMBERS.items():
+            if field not in g:
+                continue
+            v = g[field]
+            vals = v if n and isinstance(v, list) and len(v) == n else [v] if not n else None
+            if vals is None or not all(_finite_number(x) for x in vals):
+                want = f"a list of {n} finite numbers" if n else "a finite number"
+                raise ValueError(f"{path}: optimizer.param_groups[{i}].{field} is "
+                                 f"{json.dumps(v)[:60]}; it must be {want} (the file is "
+                                 "corrupted or was edited)")
+        params = g.get("params")
+        if not (isinstance(params, list) and all(type(x) is int for x in params)):
+            raise ValueError(f"{path}: optimizer.param_groups[{i}].params must be a list of "
+                             "parameter indices")
+
+
+def _finite_number(x) -> bool:
+    return type(x) in (int, float) and x == x and abs(x) != float("inf")
+
+
+def _check_optimizer_finite(path: str, state_path: str, per_param: dict) -> None:
+    """Refuse NaN or inf in AdamW's saved state, as weights are refused at load
+    (models/checkpoint.py): resumed, one NaN turns every later weight into NaN."""
+    for idx, st in sorted(per_param.items()):
+        for k, v in sorted(st.items()):
+            bad = (int((~torch.isfinite(v)).sum()) if torch.is_tensor(v) and v.is_floating_point()
+                   else 0 if torch.is_tensor(v) else int(not _finite_number(v)))
+            if bad:
+                where = path if torch.is_tensor(v) else f"{state_path}: optimizer scalar"
+                raise ValueError(f"{where}: 'state.{idx}.{k}' holds {bad} non-finite value(s) "
+                                 "(NaN or inf); the optimizer state is corrupted: resume from an "
+                                 "earlier checkpoint")
 
 
 def _optimizer_state(step_path: str, device: str) -> tuple[dict, str]:
@@ -279,8 +347,7 @@ def _load_sharded(cls, path, forward, reduce, options, log, state=None):
     if state is None:
         log(f"{path}: --trust-checkpoint: a sharded checkpoint without a manifest, loaded "
             "unverified")
-        with open(os.path.join(path, "treeflow_trainer.json")) as f:
-            state = json.load(f)
+        state = load_json(os.path.join(path, "treeflow_trainer.json"))
     trainer = cls(replace(forward, model=path), reduce, **options)
     _note_layout(path, state, trainer, log)
     load_sharded(trainer, path, state)

@@ -81,6 +81,59 @@ def _write_record(directory: str, name: str, entry: dict) -> None:
         json.dump(record, f, indent=1)
 
 
+START_TIMEOUT_ENV = "TREEFLOW_TRACKER_TIMEOUT"
+START_TIMEOUT_S = 60.0  # wandb.init waits up to 90 s, MLflow retries a dead server for minutes
+
+
+def _started(name: str, start, fix: str):
+    """`start()` within the start-up deadline; ValueError naming the tracker and the fix when
+    it raises or gives no answer in time (it then keeps trying in a daemon thread that the
+    process's exit ends; the run never starts without its tracker)."""
+    import threading
+
+    limit = float(os.environ.get(START_TIMEOUT_ENV) or START_TIMEOUT_S)
+    out: dict = {}
+
+    def run():
+        try:
+            out["id"] = start()
+        except BaseException as e:  # noqa: BLE001 - a tracker's own errors, reported below
+            out["error"] = e
+
+    t = threading.Thread(target=run, name=f"treeflow-{name}-start", daemon=True)
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        raise ValueError(f"--logger {name}: no answer from the tracker within {limit:g} s; "
+                         f"{fix} ({START_TIMEOUT_ENV}=SECONDS to wait longer)")
+    e = out.get("error")
+    if e is not None:
+        if isinstance(e, (ValueError, KeyboardInterrupt)) and not type(e).__module__.startswith(
+                ("wandb", "mlflow")):
+            raise e
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"--logger {name}: could not start a run ({type(e).__name__}: "
+                         f"{first}); {fix}") from e
+    return out["id"]
+
+
+def _reachable(uri: str | None, fix: str, timeout: float = 10.0) -> None:
+    """An http(s) tracking URI's host accepts a connection (MLflow's client would retry a
+    refused one with backoff for minutes, printing nothing)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    parts = urlsplit(uri)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(f"--logger mlflow: cannot reach {parts.hostname}:{port} "
+                         f"({e.strerror or e}); {fix}") from None
+
+
 class _Tracker:
     """What both trackers share: the resume record, the steps to skip, the stderr notes."""
 
@@ -100,7 +153,8 @@ class _Tracker:
                      f"({TRACKERS_RECORD}); starting a new one")
         self.last = int(saved.get("last_step", 0)) if saved else 0
         self.skip_to = max(steps_done, self.last)
-        self.run_id = self._start(saved.get("run_id") if saved else None)
+        self.run_id = _started(self.name, lambda: self._start(saved.get("run_id") if saved
+                                                             else None), self._where())
         self._remember()
 
     def write(self, row: dict, position: dict | None) -> None:
@@ -137,6 +191,9 @@ class _Tracker:
                      "again, the tracker keeps their first values")
             self._skipped = []
 
+    def _where(self) -> str:
+        return ""
+
     def _remember(self) -> None:
         if self.save:
             _write_record(self.save, self.name, {"run_id": self.run_id, "last_step": self.last})
@@ -150,6 +207,10 @@ class WandbSink(_Tracker):
     def __init__(self, *, directory: str | None = None, **kw):
         super().__init__(**kw)
         self.directory, self._run = directory, None
+
+    def _where(self) -> str:
+        return ("set WANDB_API_KEY or run `wandb login`, or run with WANDB_MODE=offline "
+                "(synced later with `wandb sync`)")
 
     def _start(self, run_id: str | None) -> str:
         import wandb
@@ -179,8 +240,16 @@ class MlflowSink(_Tracker):
         super().__init__(**kw)
         self.tracking_uri, self._client = tracking_uri, None
 
+    def _uri(self) -> str | None:
+        return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+
+    def _where(self) -> str:
+        return (f"check --mlflow-tracking-uri {self._uri()} (is the server up and reachable "
+                "from here?)" if self._uri() else "check MLflow's setup")
+
     def _start(self, run_id: str | None) -> str:
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        uri = self._uri()
+        _reachable(uri, self._where())
         if uri and (uri.startswith("file:") or "://" not in uri):
             # MLflow 3 refuses its file store unless asked; a file: URI given here is the ask
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -1,0 +1,43 @@
+"""Replayed routes checked against the model they are replayed into: ids < the expert count, no
+expert twice within one layer's top-k.
+
+A route is MoE layers x top_k expert ids per token (schemas/route_check.py has already
+refused negative ids other than the final-token sentinel, where episodes enter). An id past
+the expert table raised an IndexError deep in the MoE block (a traceback); an expert given
+twice in one top-k ran the token through it twice with two router weights, silently. Both
+are checked here, vectorised over the batch's [nodes, layers, top_k] ids, where every
+engine's bins meet the model; the error names the bin, node (its position) and MoE layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["check_route_ranges"]
+
+
+def check_route_ranges(ids_NW: np.ndarray, *, top_k: int, num_experts: int, bin_of, position_of
+                       ) -> None:
+    """ValueError at the first node whose route holds an id outside [0, num_experts) or an expert twice
+    in one layer's top-k; `bin_of(n)`/`position_of(n)` name node n. Sentinel routes (all -1)
+    are wildcards and pass."""
+    if not ids_NW.size:
+        return
+    ids_NLK = ids_NW.reshape(len(ids_NW), -1, top_k)
+    sentinel_N = (ids_NW == -1).all(axis=1)
+    big_NL = ((ids_NLK >= num_experts) | (ids_NLK < 0)).any(axis=2) & ~sentinel_N[:, None]
+    ordered = np.sort(ids_NLK, axis=2)
+    twice_NL = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2) & ~sentinel_N[:, None]
+    for bad_NL, what in ((big_NL, "big"), (twice_NL, "twice")):
+        hit = np.argwhere(bad_NL)
+        if len(hit):
+            n, layer = int(hit[0][0]), int(hit[0][1])
+            route = ids_NLK[n, layer].tolist()
+            where = (f"bin {bin_of(n)}, the token at position {position_of(n)}, MoE layer "
+                     f"{layer}: routed_experts {route}")
+            if what == "big":
+                raise ValueError(f"{where} holds an expert id outside [0, {num_experts}) (the "
+                                 f"model's {num_experts} experts); capture the routes with this "
+                                 "model (or run --routing recompute)")
+            raise ValueError(f"{where} names one expert twice in a top-{top_k}; a router picks "
+                             f"{top_k} different experts: the routes are corrupted")
