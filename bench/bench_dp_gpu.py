@@ -83,8 +83,10 @@ def _scaling_rank(cfg: dict) -> dict:
     cost = CostModel.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                 intermediate=c.intermediate_size, heads=c.num_attention_heads,
                                 kv_heads=c.num_key_value_heads, vocab=c.vocab_size)
-    frag = Fragment(max_tokens=cfg["max_tokens"], ranks=dp.world if cfg["deal"] else 1)
-    pipe = Pipeline(Pack(layout="tree"), frag, Shard(num_ranks=dp.world, cost=cost), fwd, red)
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=cfg["max_tokens"]),
+                    Shard(num_ranks=dp.world, cost=cost), fwd, red)
+    if cfg["deal"]:  # Fragment deals whole trees to the ranks
+        pipe = pipe.for_rank(dp.world)
     tr = Trainer(fwd, red, model=model, dp=dp, max_tokens=cfg["max_tokens"],
                  overlap_reduce=cfg["overlap"])
     rows, walls, local = [], [], []

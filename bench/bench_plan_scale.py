@@ -8,10 +8,10 @@ the way a trainer rank does and reports its seconds (best of --repeats, one core
 and the peak traced by tracemalloc):
 
 - `whole`: today's planner before sharded planning -- Pack the whole step,
-  `Fragment(ranks=R)` (deal the layouts, pack every share), `Shard(num_ranks=R)` over all bins;
+  Fragment bound to R ranks (deal the layouts, pack every share), `Shard(num_ranks=R)` over all bins;
   every rank does all of it and keeps its own bins, so one rank's time is the whole plan's.
-- `sharded`: `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`, `Shard(num_ranks=R)`
-  (treeflow.pipeline.rank_plan.rank_stages): rank r reads offsets of the whole step and the
+- `sharded`: Pack, Fragment (bound to rank r of R) and `Shard(num_ranks=R)`
+  (treeflow.pipeline.rank_plan.rank_stages, rank_binding): rank r reads offsets of the whole step and the
   tokens of its own trees only, packs its provisional share, and deals on the exact tree costs the planning
   exchange returns (stages/_exchange.py); the exchange's result (every tree's exact cost, the
   same for any rank count) is computed once per data set in its own subprocess and read from a
@@ -131,29 +131,32 @@ def deal_rows(path: str, scope, rank_counts: list) -> list:
 
 def worker(args) -> dict:
     """One subprocess: plan one step for --ranks ranks with one planner, measure."""
-    from treeflow.pipeline.rank_plan import rank_stages
-    from treeflow.stages import Fragment, Pack, Shard
+    from treeflow.pipeline.rank_plan import rank_binding, rank_stages
+    from treeflow.stages import Fragment, Pack, RankBinding, Shard
+    from treeflow.stages.binding import map_bound
 
     ranks = args.ranks_one
     plan_args = dict(layout="tree", scope=args.scope, share_rules="default",
                      max_tokens=args.max_tokens)
-    rank_stages(**plan_args, num_ranks=ranks, rank=0)  # its imports are not planning memory
+    rank_stages(**plan_args, num_ranks=ranks)  # its imports are not planning memory
     table = _read(args.data)
     costs = np.load(_costs_path(args.data, args.scope)) if args.planner == "sharded" else None
     base_rss = _rss_mib()
 
     def whole(rank):
         layouts = Pack(layout="tree", scope=args.scope)(table)
-        bins, _ = Shard(num_ranks=ranks).plan(Fragment(max_tokens=args.max_tokens, ranks=ranks)(layouts))
+        bins, _ = Shard(num_ranks=ranks).plan(Fragment(max_tokens=args.max_tokens)(
+            layouts, binding=RankBinding(ranks)))
         return bins.filter(pc.equal(bins.column("rank"), rank)), bins
 
     def sharded(rank):
         bins = table
-        stages = rank_stages(**plan_args, num_ranks=ranks, rank=rank, exchange=lambda mine: costs)
+        stages = rank_stages(**plan_args, num_ranks=ranks)
+        binding = rank_binding(ranks, rank, lambda mine: costs)
         if args.planner == "estimate":
             stages = (dataclasses.replace(stages[0], balance="estimate"), *stages[1:])
         for stage in stages:
-            bins = stage.map(bins, step=0)
+            bins = map_bound(stage, bins, 0, binding)
         return bins, None
 
     plan = whole if args.planner == "whole" else sharded

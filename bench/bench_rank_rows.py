@@ -44,12 +44,13 @@ def worker(args) -> dict:
     import numpy as np
 
     from treeflow.pipeline import Files
-    from treeflow.pipeline.rank_plan import rank_stages
+    from treeflow.pipeline.rank_plan import rank_binding, rank_stages
+    from treeflow.stages.binding import map_bound
 
     plan_args = dict(layout="tree", scope=None, share_rules="default", max_tokens=args.max_tokens)
     costs = np.load(f"{args.data}.default.costs.npy")
-    stages = rank_stages(**plan_args, num_ranks=args.ranks_one, rank=args.rank,
-                         exchange=lambda mine: costs)
+    stages = rank_stages(**plan_args, num_ranks=args.ranks_one)
+    binding = rank_binding(args.ranks_one, args.rank, lambda mine: costs)
     source = Files(paths=(args.data,), episodes_per_step=10**9)
     base = _rss_mib()
     t0 = time.perf_counter()
@@ -57,7 +58,7 @@ def worker(args) -> dict:
     read = time.perf_counter() - t0
     bins = window
     for stage in stages:
-        bins = stage.map(bins, step=0)
+        bins = map_bound(stage, bins, 0, binding)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"how": args.how, "episodes": window.num_rows, "ranks": args.ranks_one,

@@ -27,8 +27,10 @@ def _model(device):
 def _train(dp, device, dtype, layout, grad_sum="float32", deal=False):
     fwd = Forward(dtype=dtype)
     red = Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-3))
-    frag = Fragment(max_tokens=256, ranks=dp.world if deal else 1)
-    pipe = Pipeline(Pack(layout=layout), frag, Shard(num_ranks=dp.world), fwd, red)
+    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=256), Shard(num_ranks=dp.world),
+                    fwd, red)
+    if deal:  # Fragment deals whole trees to the ranks, as the plan bound to them does
+        pipe = pipe.for_rank(dp.world)
     tr = Trainer(fwd, red, model=_model(device), dp=dp, grad_sum=grad_sum, max_tokens=256)
     rows = [r.output.to_pylist()[0] for r in pipe.run(_eps(), episodes_per_step=4, trainer=tr)]
     return tr, rows
@@ -55,7 +57,7 @@ def _rank(grad_sum, deal):
 @pytest.mark.parametrize("grad_sum,deal", [("float64", False), ("float32", True)])
 def test_two_gpus_match_one(grad_sum, deal):
     """float64 sums: the reduction after backward; float32: the all-reduce overlapped with the
-    last backward over NCCL (launched from inside it), and Fragment(ranks=2)'s dealt bins."""
+    last backward over NCCL (launched from inside it), and the dealt bins of a Fragment bound to 2 ranks."""
     rows2, overlapped = spawn(_rank, 2, grad_sum, deal, timeout_s=300)[0]
     _, rows1 = _train(DataParallel(device="cuda"), "cuda", "float32", "tree", grad_sum=grad_sum)
     assert [r["ranks"] for r in rows2] == [2, 2]

@@ -57,8 +57,11 @@ def stages(model: str, tp: int):
 def bins(eps, ranks: int):
     from treeflow.stages import Fragment, Pack, Shard
 
-    fragment = Fragment(max_tokens=MAX_TOKENS, ranks=ranks)
-    return Shard(num_ranks=ranks)(fragment(Pack(layout="tree")(eps)))
+    from treeflow.stages import RankBinding
+
+    layouts = Pack(layout="tree")(eps)
+    return Shard(num_ranks=ranks)(Fragment(max_tokens=MAX_TOKENS)(layouts,
+                                                                  binding=RankBinding(ranks)))
 
 
 def logprobs(trainer, eps) -> np.ndarray:

@@ -93,24 +93,28 @@ def test_shard_deals_by_the_cost_model_of_the_model_the_trainer_runs(tmp_path):
 def test_pack_and_fragment_deal_ranks_by_the_models_cost_model():
     # training with --num-ranks R deals the trees to the ranks in Pack and Fragment: by the
     # cost model the Trainer reckons with (the tiny model's), not a fixed 1B shape
-    from treeflow.stages import IN_PROCESS_EXCHANGE
+    from treeflow.stages import RankBinding
     from treeflow.train import Trainer
 
     want = Trainer(Forward(), Reduce()).cost_model
     assert want != CostModel.llama_1b()
-    plan = Pipeline(Pack(ranks=2, rank=1, exchange=IN_PROCESS_EXCHANGE),
-                    Fragment(max_tokens=64, ranks=2, rank=1), Shard(num_ranks=2), Forward(),
-                    Reduce()).plan
+    plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward(),
+                    Reduce()).plan.for_rank(2, 1)
     assert [s.cost for s in plan.maps] == [want, want, want]
-    whole = Pipeline(Pack(), Fragment(max_tokens=64, ranks=2), Forward(), Reassemble()).plan
-    assert whole.maps[0] == Pack() and whole.maps[1].cost == want  # only what deals is bound
+    # Pack and Fragment deal (and are given the model's cost) only in a plan bound to ranks;
+    # a user's own cost is kept
+    mine = CostModel.llama_1b()
+    one = Pipeline(Pack(cost=mine), Fragment(max_tokens=64), Forward(), Reassemble()).plan
+    assert one.maps == (Pack(cost=mine), Fragment(max_tokens=64))
+    kept = one.for_rank(2)
+    assert kept.maps[0].cost == mine and kept.maps[1].cost == want
     # and the deal uses it: on a window whose trees the two cost models rank differently the
     # bins differ (tests/stages/test_deal.py holds the deal itself)
     eps = validate_episodes(synth_episodes(episodes=24, group_size=1, turns=(1, 6),
                                            system_tokens=4, user_tokens=(2, 40),
                                            completion_tokens=(2, 40), tool_tokens=(2, 40), seed=5))
     layouts = Pack().map(eps, step=0)
-    by = {c: Fragment(max_tokens=4096, ranks=2, cost=c).map(layouts, step=0)
+    by = {c: Fragment(max_tokens=4096, cost=c).map(layouts, step=0, binding=RankBinding(2))
           for c in (want, CostModel.llama_1b())}
     def deal(bins):
         return sorted((r, sorted(set(e))) for r, e in zip(bins.column("rank").to_pylist(),

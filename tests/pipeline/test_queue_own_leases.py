@@ -40,8 +40,8 @@ def _rank(address, own, steps, ckpt, resume, ack):
     windows = RankWindows(reader, dp, own=own)
     windows.reset(trainer.position)
     r, n = dp.rank, dp.world
-    pipe = Pipeline(Pack(layout="tree", ranks=n, rank=r, exchange=dp.planning_exchange()),
-                    Fragment(max_tokens=512, ranks=n, rank=r), Shard(num_ranks=n), fwd, red)
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=512), Shard(num_ranks=n), fwd,
+                    red).for_rank(n, r, dp.planning_exchange())
     losses = []
     for rec in pipe.run(windows, trainer=trainer):
         losses.append(rec.output.column("loss")[0].as_py())

@@ -41,8 +41,12 @@ def test_each_rank_alone_is_its_share_of_the_whole_plan(windows):
 
 
 def test_rank_stages_shape():
-    assert [type(s).__name__ for s in rank_stages(**PACK, num_ranks=1, rank=0)] == \
-        ["Pack", "Fragment"]
-    pack, fragment, shard = rank_stages(**PACK, num_ranks=3, rank=2)
-    assert (pack.ranks, pack.rank, fragment.rank, shard.num_ranks) == (3, 2, 2, 3)
+    from treeflow.pipeline.rank_plan import rank_binding
+
+    assert [type(s).__name__ for s in rank_stages(**PACK, num_ranks=1)] == ["Pack", "Fragment"]
+    pack, fragment, shard = rank_stages(**PACK, num_ranks=3)
+    assert shard.num_ranks == 3 and rank_stages(**PACK, num_ranks=3) == (pack, fragment, shard)
+    assert rank_binding(1, 0) is None
+    bound = rank_binding(3, 2)
+    assert (bound.ranks, bound.rank) == (3, 2) and bound.exchange is not None
 

@@ -18,7 +18,7 @@ from treeflow.pipeline import Files
 from treeflow.pipeline.stats import episode_sums
 from treeflow.schemas import EPISODE_SCHEMA
 from treeflow.schemas.window import is_unvalidated
-from treeflow.stages import Fragment, Pack, Shard, summed_costs
+from treeflow.stages import Fragment, Pack, RankBinding, Shard, summed_costs
 from treeflow.stages.shard import CostModel
 
 
@@ -29,8 +29,9 @@ def paths(tmp_path_factory):
 
 
 def _plan(window, ranks, rank, step, costs):
-    pack = Pack(layout="tree", ranks=ranks, rank=rank, exchange=lambda mine: costs)
-    bins = Fragment(max_tokens=256, ranks=ranks, rank=rank)(pack(window, step=step))
+    bound = RankBinding(ranks, rank, lambda mine: costs)
+    layouts = Pack(layout="tree")(window, step=step, binding=bound)
+    bins = Fragment(max_tokens=256)(layouts, binding=bound)
     return Shard(num_ranks=ranks)(bins)
 
 
@@ -61,7 +62,7 @@ def test_a_bad_row_is_refused_by_the_rank_that_packs_it_naming_the_file(tmp_path
     files = Files(paths=(path,), episodes_per_step=8, vocab_size=100)  # synth tokens go past 100
     window = files.open(mapped=True).next()  # the read itself reads no token
     with pytest.raises(ValueError, match=r"bad\.arrow: episode .*vocabulary size 100"):
-        Pack(layout="tree", ranks=2, rank=0, balance="estimate")(window)
+        Pack(layout="tree", balance="estimate")(window, binding=RankBinding(2, 0))
     with pytest.raises(ValueError, match=r"bad\.arrow: episode .*vocabulary size 100"):
         Pack(layout="tree")(window)  # a whole window validates all of its rows
 
@@ -76,11 +77,11 @@ def test_a_rank_that_fails_to_plan_tells_the_others_through_the_exchange(tmp_pat
         return mine
 
     with pytest.raises(ValueError, match="vocabulary size 100"):
-        Pack(layout="tree", ranks=2, rank=0, exchange=exchange)(window)
+        Pack(layout="tree")(window, binding=RankBinding(2, 0, exchange))
     assert len(sent) == 1 and np.isnan(sent[0]).all()  # the others' wait ends at once
     good = Files(paths=paths, episodes_per_step=12).open(mapped=True).next()
     with pytest.raises(ValueError, match="another rank failed to plan step 0"):
-        Pack(layout="tree", ranks=2, rank=1, exchange=lambda mine: np.full_like(mine, np.nan))(good)
+        Pack(layout="tree")(good, binding=RankBinding(2, 1, lambda mine: np.full_like(mine, np.nan)))
 
 
 def test_files_that_cannot_be_mapped_are_read_whole_and_it_is_said(tmp_path, paths, capsys):

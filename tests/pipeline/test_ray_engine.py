@@ -242,12 +242,11 @@ def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
     # Advantage runs first over the episodes (the driver keeps its own copy of them, which the
     # training step weighs with); per-rank plans make rank r's share, tagged for rank actor r
     from treeflow.pipeline.ray_maps import rows_of, untag
-    from treeflow.stages import IN_PROCESS_EXCHANGE, Advantage
+    from treeflow.stages import Advantage
 
     def plan(r):
-        return Pipeline(Advantage(), Pack(ranks=2, rank=r, exchange=IN_PROCESS_EXCHANGE),
-                        Fragment(max_tokens=64, ranks=2, rank=r),
-                        Shard(num_ranks=2), Forward(), Reduce(loss=Loss(kind="pg"))).plan
+        return Pipeline(Advantage(), Pack(), Fragment(max_tokens=64), Shard(num_ranks=2),
+                        Forward(), Reduce(loss=Loss(kind="pg"))).plan.for_rank(2, r)
 
     plans = [plan(0), plan(1)]
     eps = list(Files(paths=data.paths, episodes_per_step=6))[0]

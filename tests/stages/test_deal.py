@@ -1,4 +1,4 @@
-"""Fragment(ranks=N): whole layouts dealt to ranks, each share packed alone; Shard keeps the deal."""
+"""Fragment bound to N ranks (RankBinding(N)): whole layouts dealt to ranks, each share packed alone; Shard keeps the deal."""
 
 import numpy as np
 import pyarrow as pa
@@ -6,7 +6,7 @@ import pyarrow.compute as pc
 import pytest
 
 from treeflow.pipeline import synth_episodes
-from treeflow.stages import CostModel, Fragment, Pack, Shard
+from treeflow.stages import CostModel, Fragment, Pack, RankBinding, Shard
 from treeflow.stages._deal import deal, layout_costs
 from treeflow.stages.flat import list_values
 from treeflow.stages.shard import bin_costs
@@ -27,7 +27,7 @@ def _occurrences(bins):
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_every_rank_runs_the_plan_of_its_own_share(ranks):
     layouts, budget = _layouts(), 2048
-    bins = Fragment(max_tokens=budget, ranks=ranks)(layouts)
+    bins = Fragment(max_tokens=budget)(layouts, binding=RankBinding(ranks))
     share = deal(layout_costs(layouts, CostModel.llama_1b()), ranks)
     counts = np.bincount(bins.column("rank").to_numpy(), minlength=ranks)
     assert len(set(counts)) == 1 and counts[0] >= 1  # one bin count on every rank (lock step)
@@ -49,13 +49,13 @@ def test_every_rank_runs_the_plan_of_its_own_share(ranks):
 
 def test_shard_keeps_the_deal_and_reports_its_cost():
     layouts = _layouts()
-    bins = Fragment(max_tokens=2048, ranks=2)(layouts)
+    bins = Fragment(max_tokens=2048)(layouts, binding=RankBinding(2))
     out, report = Shard(num_ranks=2).plan(bins)
     assert out.column("rank").to_pylist() == bins.column("rank").to_pylist()
     costs = bin_costs(bins, CostModel.llama_1b())
     assert report.rank_cost.tolist() == pytest.approx(
         np.bincount(bins.column("rank").to_numpy(), weights=costs, minlength=2).tolist())
-    with pytest.raises(ValueError, match=r"Fragment\(ranks=2\) but Shard has num_ranks=3"):
+    with pytest.raises(ValueError, match="a Fragment bound to 2 ranks but Shard has num_ranks=3"):
         Shard(num_ranks=3).plan(bins)
 
 
@@ -67,7 +67,8 @@ def test_dealing_whole_trees_beats_dealing_shared_bins_on_big_trees():
     for seed in range(8):
         layouts = _layouts(n=32, group_size=8, seed=seed)
         shared = Shard(num_ranks=2, cost=cost).plan(Fragment(max_tokens=2048, pad_to_multiple=2)(layouts))[1]
-        dealt = Shard(num_ranks=2, cost=cost).plan(Fragment(max_tokens=2048, ranks=2)(layouts))[1]
+        dealt = Shard(num_ranks=2, cost=cost).plan(
+            Fragment(max_tokens=2048)(layouts, binding=RankBinding(2)))[1]
         ratios.append(dealt.rank_cost.max() / shared.rank_cost.max())
     assert max(ratios) < 1.001  # never measurably worse on this data
     assert np.mean(ratios) < 0.98 and sum(r < 0.97 for r in ratios) >= 3
@@ -75,4 +76,4 @@ def test_dealing_whole_trees_beats_dealing_shared_bins_on_big_trees():
 
 def test_fragment_refuses_ranks_with_another_padding():
     with pytest.raises(ValueError, match="drop pad_to_multiple"):
-        Fragment(max_tokens=64, ranks=2, pad_to_multiple=4)
+        Fragment(max_tokens=64, pad_to_multiple=4)(_layouts(), binding=RankBinding(2))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.stages.conftest import check_bins, episode_tables
 from treeflow.pipeline.synth import synth_episodes
-from treeflow.stages import Fragment, Pack, Shard
+from treeflow.stages import Fragment, Pack, RankBinding, Shard
 from treeflow.stages import summed_costs
 from treeflow.stages._share import Deal, lpt_deal, tree_summaries
 from treeflow.stages.shard import CostModel, bin_costs
@@ -36,9 +36,9 @@ def sharded(eps, ranks, max_tokens, scope=None, layout="tree", balance="exact"):
     costs = summed_costs(eps, layout=layout, scope=scope, cost=COST)
     parts = []
     for r in range(ranks):
-        layouts = Pack(layout=layout, scope=scope, ranks=ranks, rank=r, balance=balance,
-                       exchange=lambda mine: costs)(eps)
-        bins = Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens, ranks=ranks, rank=r)(layouts))
+        bound = RankBinding(ranks=ranks, rank=r, exchange=lambda mine: costs)
+        layouts = Pack(layout=layout, scope=scope, balance=balance)(eps, binding=bound)
+        bins = Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens)(layouts, binding=bound))
         assert set(bins.column("rank").to_pylist()) <= {r}
         parts.append(bins)
     return pa.concat_tables(parts)
@@ -46,7 +46,8 @@ def sharded(eps, ranks, max_tokens, scope=None, layout="tree", balance="exact"):
 
 def whole(eps, ranks, max_tokens, scope=None):
     layouts = Pack(scope=scope)(eps)
-    return Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens, ranks=ranks)(layouts))
+    return Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens)(layouts,
+                                                                  binding=RankBinding(ranks)))
 
 
 def rank_cost(bins, ranks):
@@ -135,7 +136,7 @@ def test_the_ranks_contributions_sum_to_every_trees_cost_once(episodes, group_si
     costs = summed_costs(eps, layout="tree", scope=None, cost=COST)
     sent = []
     for r in range(ranks):
-        Pack(ranks=ranks, rank=r, exchange=lambda mine: sent.append(mine.copy()) or costs)(eps)
+        Pack()(eps, binding=RankBinding(ranks, r, lambda mine: sent.append(mine.copy()) or costs))
     assert np.array_equal(np.sum(sent, axis=0), costs)
     assert (costs > 0).all()
 
@@ -152,12 +153,12 @@ def test_renaming_the_ranks_is_a_permutation_that_keeps_the_heaviest_overlap():
 def test_exact_balance_needs_an_exchange_of_every_tree():
     eps = small(16, 4, seed=2)
     with pytest.raises(ValueError, match="needs the ranks' exchange"):
-        Pack(ranks=2, rank=0)(eps)
+        Pack()(eps, binding=RankBinding(2, 0))
     with pytest.raises(ValueError, match="gave 3 tree costs.*step of 4 trees"):
-        Pack(ranks=2, rank=0, exchange=lambda mine: np.ones(3))(eps)
+        Pack()(eps, binding=RankBinding(2, 0, lambda mine: np.ones(3)))
     with pytest.raises(ValueError, match="1 not positive"):  # a rank left its tree unwritten
-        Pack(ranks=2, rank=0, exchange=lambda mine: np.array([1.0, 0.0, 1.0, 1.0]))(eps)
-    assert Pack(ranks=2, rank=0, exchange=len) == Pack(ranks=2, rank=0)  # a handle, not config
+        Pack()(eps, binding=RankBinding(2, 0, lambda mine: np.array([1.0, 0.0, 1.0, 1.0])))
+    assert RankBinding(2, 0, exchange=len) == RankBinding(2, 0)  # a handle, not what is planned
 
 
 def test_summaries_estimate_tree_sizes_from_offsets():
@@ -179,6 +180,25 @@ def test_lpt_deal_is_largest_first_onto_the_lightest_rank():
 
 def test_rank_out_of_range_is_refused():
     with pytest.raises(ValueError, match="rank=2, ranks=2"):
-        Pack(ranks=2, rank=2)
+        RankBinding(ranks=2, rank=2)
     with pytest.raises(ValueError, match="rank=-1"):
-        Fragment(max_tokens=64, ranks=2, rank=-1)
+        RankBinding(ranks=2, rank=-1)
+
+
+def test_stage_configs_hold_no_rank():
+    """What rank a stage plans for is the plan's binding (Plan.for_rank), never its config."""
+    from dataclasses import fields
+
+    from treeflow.pipeline import Pipeline
+
+    for stage in (Pack, Fragment):
+        assert not {f.name for f in fields(stage)} & {"ranks", "rank", "exchange", "world"}, stage
+    eps = small(16, 4, seed=2)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=256), Shard(num_ranks=2))
+    costs = summed_costs(eps, layout="tree", scope=None, cost=COST)
+    bound = pipe.for_rank(2, 1, lambda mine: costs)
+    assert bound.stages == pipe.stages and pipe.plan.binding is None
+    mine = bound.plan.prepare(eps, step=0)
+    assert set(mine.column("rank").to_pylist()) == {1}  # rank 1 planned its share alone
+    every = pipe.for_rank(2).plan.prepare(eps, step=0)
+    assert set(every.column("rank").to_pylist()) == {0, 1}

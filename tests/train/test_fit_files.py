@@ -18,11 +18,14 @@ def _stages(**kw):
 def test_step_stages_are_rank_stages_between_before_and_reduce():
     s = _stages(layout="chain")
     for world, rank in ((1, 0), (2, 1)):
-        got = s.pipeline(world, rank).stages
+        pipe = s.pipeline(world, rank)
+        got = pipe.stages
         want = rank_stages(layout="chain", scope=None, share_rules="default", max_tokens=256,
-                           num_ranks=world, rank=rank)
-        assert [repr(x) for x in got[:-2]] == [repr(x) for x in want]  # exchange aside
-        assert got[-2:] == (s.forward, s.reduce)
+                           num_ranks=world)
+        assert got[:-2] == want and got[-2:] == (s.forward, s.reduce)
+        binding = pipe.plan.binding  # the rank is the plan's, never a stage's
+        assert (None if binding is None else (binding.ranks, binding.rank)) == \
+            (None if world == 1 else (world, rank))
 
 
 def test_logprobs_pipeline_budget_and_shard():

@@ -93,8 +93,10 @@ class MapOp:
     def __init__(self, stage):
         self.stage = stage
 
-    def __call__(self, table, *, step: int):
-        return self.stage.map(table, step=step)
+    def __call__(self, table, *, step: int, binding=None):
+        from treeflow.stages.binding import map_bound
+
+        return map_bound(self.stage, table, step, binding)
 
 
 class ReassembleOp:

@@ -14,7 +14,6 @@ Ray operators, rank actors), given as an object or by name.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
@@ -62,6 +61,15 @@ class Pipeline:
 
     def __repr__(self) -> str:
         return "Pipeline(" + ", ".join(map(repr, self.stages)) + ")"
+
+    def for_rank(self, ranks: int, rank: int | None = None, exchange=None) -> "Pipeline":
+        """The same stages, their plan bound to data-parallel rank `rank` of `ranks`
+        (`Plan.for_rank`): what one training rank runs."""
+        import copy
+
+        bound = copy.copy(self)
+        bound.plan = self.plan.for_rank(ranks, rank, exchange)
+        return bound
 
     @property
     def output_schema(self) -> pa.Schema:

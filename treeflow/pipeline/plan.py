@@ -35,14 +35,28 @@ from treeflow.ops.registry import operator_for, physical
 from treeflow.ops.train import Window
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages.base import KINDS, Stage
+from treeflow.stages.binding import RankBinding, map_bound
 from treeflow.stages.fragment import Fragment
 from treeflow.stages.pack import Pack
 from treeflow.stages.shard import CostModel, Shard
 
 
-def _deals(stage) -> bool:
-    """Whether `stage` deals work to ranks by a cost model (its `cost` field)."""
-    return isinstance(stage, Shard) or (isinstance(stage, (Pack, Fragment)) and stage.ranks > 1)
+def _deals(stage, binding: RankBinding | None = None) -> bool:
+    """Whether `stage` deals work to ranks by a cost model (its `cost` field): Shard, and Pack
+    and Fragment in a plan bound to several ranks (Plan.for_rank)."""
+    return isinstance(stage, Shard) or (isinstance(stage, (Pack, Fragment)) and
+                                        binding is not None and binding.ranks > 1)
+
+
+def _model_cost(maps, model, binding: RankBinding | None = None):
+    """`maps` with the model's own cost model bound where a stage deals by one and has none:
+    the bins' and trees' cost as the Trainer reckons it (not a fixed 1B shape)."""
+    shape = model.model_config() if model is not None else None
+    if shape is None or not any(_deals(s, binding) and s.cost is None for s in maps):
+        return tuple(maps)
+    cost = CostModel.from_config(shape)
+    return tuple(replace(s, cost=cost) if _deals(s, binding) and s.cost is None else s
+                 for s in maps)
 
 
 @dataclass
@@ -68,7 +82,8 @@ class Plan:
 
     max_tokens: the bins' token budget (the last Fragment's), which the model op pads
     flex bins to. fused: the accumulator holds the model (training): engines run it where
-    the model runs, one `add` per window, windows in order.
+    the model runs, one `add` per window, windows in order. binding: the data-parallel rank
+    the plan is bound to (`for_rank`; None: one rank), which its maps plan for.
     """
 
     maps: tuple[Stage, ...]
@@ -76,6 +91,20 @@ class Plan:
     accumulate: Stage | None
     max_tokens: int | None = None
     fused: bool = False
+    binding: RankBinding | None = None
+
+    def for_rank(self, ranks: int, rank: int | None = None, exchange=None) -> Plan:
+        """This plan bound to data-parallel rank `rank` of `ranks` (None: every rank's share
+        planned here): Pack and Fragment plan that rank's share, dealt on exact costs through
+        `exchange` (the ranks' sum, e.g. `DataParallel.planning_exchange()`; default
+        IN_PROCESS_EXCHANGE: the same sum computed in this process, every tree packed once,
+        O(N) instead of O(N / ranks))."""
+        from treeflow.stages import IN_PROCESS_EXCHANGE
+
+        if exchange is None:
+            exchange = IN_PROCESS_EXCHANGE
+        binding = RankBinding(ranks=ranks, rank=rank, exchange=exchange)
+        return replace(self, binding=binding, maps=_model_cost(self.maps, self.model, binding))
 
     @classmethod
     def compile(cls, stages: tuple[Stage, ...]) -> Plan:
@@ -109,13 +138,8 @@ class Plan:
         budget = None
         for s in maps:
             budget = s.max_tokens_hint() if s.max_tokens_hint() is not None else budget
-        shape = model.model_config() if model is not None else None
-        if shape is not None and any(_deals(s) and s.cost is None for s in maps):
-            # the bins' and trees' cost is the model's own, as the Trainer reckons it (not a
-            # fixed 1B): Shard's deal and Pack's and Fragment's deal to the ranks
-            cost = CostModel.from_config(shape)
-            maps = [replace(s, cost=cost) if _deals(s) and s.cost is None else s for s in maps]
-        return cls(maps=tuple(maps), model=model, accumulate=acc, max_tokens=budget, fused=fused)
+        return cls(maps=_model_cost(maps, model), model=model, accumulate=acc, max_tokens=budget,
+                   fused=fused)
 
     def _on_episodes(self) -> list[bool]:
         return [operator_for(s).on_episodes for s in self.maps]
@@ -133,7 +157,7 @@ class Plan:
         """
         for s, on in zip(self.maps, self._on_episodes()):
             if on:
-                episodes = s.map(episodes, step=step)
+                episodes = map_bound(s, episodes, step, self.binding)
         return episodes
 
     def prepare(self, episodes: pa.Table, *, step: int) -> pa.Table:
@@ -144,7 +168,7 @@ class Plan:
         data = episodes
         for s, on in zip(self.maps, self._on_episodes()):
             if not on:
-                data = s.map(data, step=step)
+                data = map_bound(s, data, step, self.binding)
         return data
 
     def worker(self, *, device="cpu", model=None, trainer=None, **options) -> Worker:

@@ -1,11 +1,12 @@
 """Each data-parallel rank's share of a training step: its map stages, and what they plan.
 
-`rank_stages(...)` is what replica `rank` of `num_ranks` runs before its Forward: Pack and
-Fragment of only its own share of the step (dealt on the trees' exact costs, which `exchange`
-sums over the replicas; stages/_exchange.py), then Shard, which keeps the replicas; one rank
-runs Pack and Fragment alone. Training (`replay`/`stream --mode train`) builds each rank's
-pipeline from it (`StepStages.pipeline`: what comes before, the rank's map stages, Forward and
-Reduce), and `plan_windows(...)` runs it for every rank (or one) over windows of
+`rank_stages(...)` are the map stages every replica of `num_ranks` runs before its Forward:
+Pack, Fragment and (with several) Shard, which keeps the replicas. They are rank-agnostic
+configs; bound to replica `rank` (`rank_binding`, which `Pipeline.for_rank` hands the plan),
+Pack and Fragment plan only its own share of the step (dealt on the trees' exact costs, which
+the binding's exchange sums over the replicas; stages/_exchange.py). Training
+(`replay`/`stream --mode train`) builds each rank's pipeline from them (`StepStages.pipeline`:
+what comes before, the map stages, Forward and Reduce, bound to the rank), and `plan_windows(...)` runs it for every rank (or one) over windows of
 episodes and sums what the bins hold -- the figures `treeflow plan` prints -- so a plan shows the
 bins training runs. `deal_cost(model)` is the cost the ranks are dealt by: the model's own, as
 training deals. The trade-off: ranks planned in one process run one after another, so each
@@ -23,28 +24,37 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["StepStages", "deal_cost", "plan_windows", "rank_stages"]
+__all__ = ["StepStages", "deal_cost", "plan_windows", "rank_binding", "rank_stages"]
 
 
 def rank_stages(*, layout: str, scope: str | None, share_rules: str, max_tokens: int,
-                num_ranks: int, rank: int, exchange=None, cost=None) -> tuple:
-    """The map stages that plan a training step on data-parallel replica `rank` of `num_ranks`.
+                num_ranks: int, cost=None) -> tuple:
+    """The map stages that plan a training step over `num_ranks` data-parallel replicas.
 
-    exchange: the replicas' sum of per-tree costs (None: summed in this process, for ranks
-    planned in one process); cost: the CostModel the ranks are dealt by (None: the model's,
-    which the training plan binds from Forward; pipeline/plan.py). A context-parallel group is
-    one replica whose bins hold C times a process's tokens: pass that as max_tokens.
+    cost: the CostModel the ranks are dealt by (None: the model's, which the training plan
+    binds from Forward; pipeline/plan.py). A context-parallel group is one replica whose bins
+    hold C times a process's tokens: pass that as max_tokens. Each replica runs them bound to
+    itself (`rank_binding`).
     """
-    from treeflow.stages import IN_PROCESS_EXCHANGE, Fragment, Pack, Shard
+    from treeflow.stages import Fragment, Pack, Shard
 
     if num_ranks == 1:
         return (Pack(layout=layout, scope=scope, share_rules=share_rules),
                 Fragment(max_tokens=max_tokens))
-    return (Pack(layout=layout, scope=scope, share_rules=share_rules, ranks=num_ranks,
-                 rank=rank, exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange,
-                 cost=cost),
-            Fragment(max_tokens=max_tokens, ranks=num_ranks, rank=rank, cost=cost),
-            Shard(num_ranks=num_ranks, cost=cost))
+    return (Pack(layout=layout, scope=scope, share_rules=share_rules, cost=cost),
+            Fragment(max_tokens=max_tokens, cost=cost), Shard(num_ranks=num_ranks, cost=cost))
+
+
+def rank_binding(num_ranks: int, rank: int, exchange=None):
+    """The RankBinding of replica `rank` of `num_ranks` (None with one replica). exchange: the
+    replicas' sum of per-tree costs (None: summed in this process, for ranks planned in one
+    process)."""
+    from treeflow.stages import IN_PROCESS_EXCHANGE, RankBinding
+
+    if num_ranks == 1:
+        return None
+    return RankBinding(ranks=num_ranks, rank=rank,
+                       exchange=IN_PROCESS_EXCHANGE if exchange is None else exchange)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,13 +73,17 @@ class StepStages:
     max_tokens: int = 16384
 
     def pipeline(self, num_ranks: int = 1, rank: int = 0, exchange=None):
-        """The training Pipeline of replica `rank` of `num_ranks` (exchange: rank_stages')."""
+        """The training Pipeline of replica `rank` of `num_ranks`, bound to it (exchange:
+        rank_binding's)."""
         from treeflow.pipeline.pipeline import Pipeline
 
-        return Pipeline(*self.before, *rank_stages(
+        pipe = Pipeline(*self.before, *rank_stages(
             layout=self.layout, scope=self.scope, share_rules=self.share_rules,
-            max_tokens=self.max_tokens * self.forward.context_parallel, num_ranks=num_ranks,
-            rank=rank, exchange=exchange), self.forward, self.reduce)
+            max_tokens=self.max_tokens * self.forward.context_parallel, num_ranks=num_ranks),
+            self.forward, self.reduce)
+        if num_ranks == 1:
+            return pipe
+        return pipe.for_rank(num_ranks, rank, rank_binding(num_ranks, rank, exchange).exchange)
 
 
 def deal_cost(model: str | None):
@@ -102,6 +116,7 @@ def plan_windows(windows: Iterable[pa.Table], *, layout: str, scope: str | None,
     without bins.
     """
     from treeflow.stages import summed_costs
+    from treeflow.stages.binding import map_bound
     from treeflow.stages.shard import bin_costs
 
     plan_ranks = range(num_ranks) if rank is None else (rank,)
@@ -114,14 +129,14 @@ def plan_windows(windows: Iterable[pa.Table], *, layout: str, scope: str | None,
                              cost=cost) if num_ranks > 1 else None
         for r in plan_ranks:
             pack, *maps = rank_stages(layout=layout, scope=scope, share_rules=share_rules,
-                                      max_tokens=max_tokens, num_ranks=num_ranks, rank=r,
-                                      exchange=lambda mine, c=costs: c, cost=cost)
+                                      max_tokens=max_tokens, num_ranks=num_ranks, cost=cost)
+            binding = rank_binding(num_ranks, r, lambda mine, c=costs: c)
             tracemalloc.start()
             t1 = time.perf_counter()
-            layouts = pack.map(window, step=step)
+            layouts = map_bound(pack, window, step, binding)
             bins = layouts
             for stage in maps:
-                bins = stage.map(bins, step=step)
+                bins = map_bound(stage, bins, step, binding)
             seconds.append(time.perf_counter() - t1)
             peaks.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()

@@ -145,7 +145,7 @@ class RayRanks:
     on CUDA) that run each of its bins together.
 
     plans: one plan per rank for per-rank planning (rank r's maps plan only its share:
-    `Pack(ranks=R, rank=r)`, `Fragment(ranks=R, rank=r)`), as data-parallel training plans
+    each plan bound to its rank, `Plan.for_rank(R, r)`), as data-parallel training plans
     each rank; default: `plan` for the whole window, its bins dealt by Shard's `rank`.
     threads: torch threads per rank (default: this process's with one rank, the cores shared
     out with several, as spawned ranks get them; on CPU with 8 free Ray CPUs or more, the

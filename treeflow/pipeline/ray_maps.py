@@ -5,7 +5,7 @@
 
 Every block is one window's table (episodes, then layouts, then bins) with two
 tag columns: `_window` and `_rank` (-1 while the window is planned whole; r once
-rank r's share is planned on its own, as `Pack(ranks=R, rank=r)` does). The
+rank r's share is planned on its own, as Pack bound to rank r of R does). The
 window's episodes -- after the maps over episodes, which the accumulator and a
 training step weigh with -- do not ride along: the driver has them (it reads
 each window's rows itself, pipeline/ray_feed.py) and hands them to a training
@@ -91,16 +91,22 @@ class StageOp:
     on a 2-core machine taken from the forward's threads while the first windows ran).
     """
 
-    def __init__(self, stages, *, first: bool, last: bool, ranks: int):
+    def __init__(self, stages, *, first: bool, last: bool, ranks: int, bindings=None):
         from treeflow.ops.registry import physical
 
         # what builds this operator again in a Ray Data actor (pipeline/ray_feed.py)
         stages = tuple(stages)
+        # a rank's binding matters only to the stages that plan shares (Pack, Fragment)
+        bindings = tuple(b if s.plans_shares else None for s, b in
+                         zip(stages, bindings if bindings is not None else (None,) * len(stages)))
         self.args = (stages,)
-        self.kwargs = dict(first=first, last=last, ranks=ranks)
-        self.per_rank = len(stages) > 1 and any(s != stages[0] for s in stages)
+        self.kwargs = dict(first=first, last=last, ranks=ranks, bindings=bindings)
+        # one plan per rank: each rank's share planned by its own binding (Plan.for_rank)
+        self.per_rank = len(stages) > 1 and any(
+            (s, b) != (stages[0], bindings[0]) for s, b in zip(stages, bindings))
         # the physical map operators the registry builds for the stage configs (ops/registry.py)
-        self.ops = [physical(s) for s in (stages if self.per_rank else stages[:1])]
+        n = len(stages) if self.per_rank else 1
+        self.ops = [(physical(s), b) for s, b in zip(stages[:n], bindings[:n])]
         self.first, self.last, self.ranks = first, last, ranks
 
     def __call__(self, block: pa.Table) -> pa.Table:
@@ -114,9 +120,11 @@ class StageOp:
                           for r in np.unique(rows.column("_rank").to_numpy())]
             for r, data in groups:
                 if r < 0 and self.per_rank:
-                    mapped = [(q, op(data, step=w)) for q, op in enumerate(self.ops)]
+                    mapped = [(q, op(data, step=w, binding=b))
+                              for q, (op, b) in enumerate(self.ops)]
                 else:
-                    mapped = [(r, self.ops[max(r, 0) if self.per_rank else 0](data, step=w))]
+                    op, b = self.ops[max(r, 0) if self.per_rank else 0]
+                    mapped = [(r, op(data, step=w, binding=b))]
                 for q, table in mapped:
                     out.append(self._tag(table, w, q))
         return pa.concat_tables(out) if len(out) > 1 else out[0]
@@ -145,7 +153,7 @@ def stage_ops(plans, ranks: int) -> list[StageOp]:
     if any(len(p.maps) != len(maps) or [type(s) for s in p.maps] != [type(s) for s in maps]
            for p in plans):
         raise ValueError("the per-rank plans differ in their stages; give each rank the same "
-                         "stage types (Pack(ranks=R, rank=r), Fragment(ranks=R, rank=r), ...)")
+                         "stages, bound to its rank (Pipeline(...).for_rank(R, r))")
     from treeflow.ops.registry import operator_for
 
     episodic = [operator_for(s).on_episodes for s in maps]
@@ -155,7 +163,8 @@ def stage_ops(plans, ranks: int) -> list[StageOp]:
     first = next(i for i in order if not episodic[i])
     # a subclass named after the stage: Ray Data names the operator after the callable's class
     return [type(maps[i].name, (StageOp,), {})([p.maps[i] for p in plans], first=(i == first),
-                                               last=(i == order[-1]), ranks=ranks)
+                                               last=(i == order[-1]), ranks=ranks,
+                                               bindings=[p.binding for p in plans])
             for i in order]
 
 

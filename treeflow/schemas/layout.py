@@ -46,7 +46,7 @@ LAYOUT_SCHEMA = pa.schema(
         _f("edge_nodes", I32, "child node of each loss edge; source = parents[child]"),
         *OCCURRENCE_FIELDS,
         _f("share", I32, "[slot, slots] when this rank takes part `slot` of this tree's bins, dealt "
-                         "over `slots` ranks (Pack(ranks=R, rank=r)); null: the tree is one rank's",
+                         "over `slots` ranks (Pack bound to rank r of R); null: the tree is one rank's",
            nullable=True),
     ],
     metadata={"treeflow.schema": "layout/1"},

@@ -7,6 +7,7 @@ from treeflow._lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "base": ("Stage",),
+    "binding": ("RankBinding",),
     "advantage": ("Advantage", "group_advantages"),
     "forward": ("Forward",),
     "fragment": ("Fragment",),

@@ -11,7 +11,7 @@ one packing per rank (the same total work), and a share cannot borrow space in a
 last bin. Every share is padded with empty bins to the same bin count (FSDP's ranks run in
 lock step), and the bins carry their rank, which Shard keeps.
 
-`fragment_share` is the per-rank form used in training (`Fragment(ranks=R, rank=r)`): it bins
+`fragment_share` is the per-rank form used in training (Fragment bound to rank r of R): it bins
 only the layouts of rank r's share, dealt before Pack from per-tree summaries
 (stages/_share.py), and shares out the bins of a tree that several ranks split.
 """
@@ -98,7 +98,7 @@ def _empty_bins(n: int) -> pa.Table:
 
 def fragment_share(layouts: pa.Table, *, max_tokens: int, ranks: int, rank: int, pack,
                    cost) -> pa.Table:
-    """Bins of rank `rank` from the layouts of its share (`Pack(ranks=, rank=)`, stages/_share.py).
+    """Bins of rank `rank` from the layouts of its share (Pack bound to the same rank, stages/_share.py).
 
     The rank's own trees are packed together by `pack(layouts, budget)`; a tree whose bins several
     ranks share (its `share` is [slot, slots]) is planned alone, with the budget lowered (never

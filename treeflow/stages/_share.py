@@ -1,6 +1,6 @@
 """Sharded planning: deal a step's trees to ranks from per-tree summaries, so each rank plans its share.
 
-Planning a whole step on every rank (Pack, then `Fragment(ranks=N)`'s deal on the layouts' exact
+Planning a whole step on every rank (Pack, then a Fragment bound to N ranks dealing on the layouts' exact
 costs, then every share packed and Shard's cost model over all bins) costs every rank O(N log N)
 time and O(N) memory for N tokens. Here each rank reads only Arrow *offsets* of the whole step --
 calls per episode, tokens per call, `sampled_start` -- and estimates every tree's size and cost from
@@ -11,7 +11,7 @@ The trees are dealt largest estimated cost first onto the least-loaded rank (who
 step has at least as many trees as ranks); with fewer trees than ranks the ranks are divided among
 the trees in proportion to their cost (at most one rank per estimated branch of a tree, since
 Fragment never splits an append-only run), and the ranks of one tree share out its bins. A rank then
-packs only its trees (`Pack(ranks=R, rank=r)`) and bins them (`Fragment(ranks=R, rank=r)`): time and
+packs only its trees (Pack bound to rank r of R: `Plan.for_rank`) and bins them (Fragment, bound alike): time and
 memory O(N/R + trees) per rank.
 
 The trade-off: a deal on *estimated* costs (within ~5% of a tree's nodes on agentic episodes) is a

@@ -28,6 +28,9 @@ class Stage:
     input_schema: ClassVar[pa.Schema]
     output_schema: ClassVar[pa.Schema]
     kind: ClassVar[str] = "map"
+    # whether `map` takes `binding=` (a RankBinding): the stages that plan a rank's share of
+    # a step (Pack, Fragment); the plan passes it to those alone
+    plans_shares: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -37,7 +40,8 @@ class Stage:
         raise NotImplementedError
 
     def map(self, table: pa.Table, *, step: int) -> pa.Table:
-        """The stage as a stateless map of one window's table (`step`: the window's index)."""
+        """The stage as a stateless map of one window's table (`step`: the window's index).
+        A stage with `plans_shares` also takes `binding=`, the plan's RankBinding."""
         return self(table)
 
     def requires(self) -> set[str]:

@@ -40,23 +40,23 @@ class Fragment(Stage):
 
     pad_to_multiple: append empty bins so that the bin count is a multiple of
     it (for example the number of data-parallel ranks).
-    ranks: plan for this many data-parallel ranks: deal whole layouts to the ranks first
-    (largest modelled cost onto the lightest rank), pack every rank's share on its own and pad
-    the shares to one bin count; the bins carry their rank, which Shard keeps (stages/_deal.py
-    says why: a rank gets the plan one rank would make for its share).
-    rank: plan only this rank's bins, from the layouts of its share (`Pack(ranks=, rank=)` with
-    the same ranks and rank; stages/_share.py): O(N / ranks) per rank, no padding bins.
+    Bound to R data-parallel ranks (a `RankBinding`, which the plan passes: `Plan.for_rank`)
+    with no rank, it plans for all of them: deal whole layouts to the ranks first (largest
+    modelled cost onto the lightest rank), pack every rank's share on its own and pad the
+    shares to one bin count; the bins carry their rank, which Shard keeps (stages/_deal.py says
+    why: a rank gets the plan one rank would make for its share). Bound to rank r, it plans
+    only that rank's bins, from the layouts of its share (Pack bound alike; stages/_share.py):
+    O(N / ranks) per rank, no padding bins.
     cost: the cost model the layouts are dealt by; None is the model's own when the pipeline's
     Forward names one (the plan binds it, pipeline/plan.py), else `CostModel.llama_1b()`.
     """
 
     input_schema = LAYOUT_SCHEMA
     output_schema = BIN_SCHEMA
+    plans_shares = True
 
     max_tokens: int
     pad_to_multiple: int = 1
-    ranks: int = 1
-    rank: int | None = None
     cost: CostModel | None = None
 
     def __post_init__(self):
@@ -64,32 +64,35 @@ class Fragment(Stage):
             raise ValueError(f"Fragment(max_tokens={self.max_tokens!r}): give an int >= 2")
         if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
             raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple!r}): give an int >= 1")
-        from treeflow.stages.pack import check_rank
-
-        check_rank(self)
-        if self.ranks > 1 and self.pad_to_multiple not in (1, self.ranks):
-            raise ValueError(f"Fragment(ranks={self.ranks}, pad_to_multiple={self.pad_to_multiple}): "
-                             "with ranks every rank gets the same bin count already; drop "
-                             "pad_to_multiple")
 
     def max_tokens_hint(self) -> int:
         return self.max_tokens
 
-    def __call__(self, layouts: pa.Table) -> pa.Table:
+    def map(self, layouts: pa.Table, *, step: int, binding=None) -> pa.Table:
+        return self(layouts, binding=binding)
+
+    def __call__(self, layouts: pa.Table, *, binding=None) -> pa.Table:
+        """The layouts' bins; bound to ranks (`binding`, a RankBinding), dealt to them."""
         from treeflow.stages.shard import CostModel
 
         cost = self.cost or CostModel.llama_1b()
-        if self.rank is not None:
+        ranks = 1 if binding is None else binding.ranks
+        if ranks > 1 and self.pad_to_multiple not in (1, ranks):
+            raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple}) bound to {ranks} "
+                             "ranks: every rank gets the same bin count already; drop "
+                             "pad_to_multiple")
+        if binding is not None and binding.rank is not None:
             from treeflow.stages._deal import fragment_share
 
-            return fragment_share(layouts, max_tokens=self.max_tokens, ranks=self.ranks,
-                                  rank=self.rank, cost=cost,
+            return fragment_share(layouts, max_tokens=self.max_tokens, ranks=ranks,
+                                  rank=binding.rank, cost=cost,
                                   pack=lambda share, budget: fragment(share, max_tokens=budget))
-        if self.ranks > 1:
+        if ranks > 1:
             from treeflow.stages._deal import fragment_for_ranks
 
-            return fragment_for_ranks(layouts, max_tokens=self.max_tokens, ranks=self.ranks,
-                                      pack=lambda share: fragment(share, max_tokens=self.max_tokens),
+            return fragment_for_ranks(layouts, max_tokens=self.max_tokens, ranks=ranks,
+                                      pack=lambda share: fragment(share,
+                                                                  max_tokens=self.max_tokens),
                                       cost=cost)
         return fragment(layouts, max_tokens=self.max_tokens, pad_to_multiple=self.pad_to_multiple)
 

@@ -20,8 +20,8 @@ E edges, W route width.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -56,31 +56,26 @@ class Pack(Stage):
     sharing bit for bit (stages/_nrl_share.py: cuts at replica / weight-version mismatches
     and page-aligned route cuts from the calls' `execution` metadata). Both are exact: "nrl"
     only shares less. It needs layout "tree" or "chain".
-    ranks, rank: lay out only rank `rank`'s share of the window for `ranks` data-parallel
-    ranks: its trees, dealt from per-tree summaries (stages/_share.py), and the trees whose bins
-    it shares with other ranks (their `share` column); give `Fragment` the same ranks and rank.
+    Bound to rank r of R (a `RankBinding`, which the plan passes: `Plan.for_rank`), it lays
+    out only that rank's share of the window: its trees, dealt from per-tree summaries
+    (stages/_share.py), and the trees whose bins it shares with other ranks (their `share`
+    column); Fragment, bound alike, bins them.
     balance: "exact" deals the trees on their packed layouts' exact costs, as the whole-step
-    planner does (`Fragment(ranks=R)`), through one exchange of per-tree costs between the ranks
-    (stages/_exchange.py); "estimate" deals on costs estimated from list offsets, with no
-    exchange (a point or two less balanced).
-    exchange: the runtime's sum over the ranks of a float64 array (the trainer binds a gloo
-    all-reduce; `summed_costs` is the in-process stand-in). A runtime handle, not configuration:
-    ignored by ==, repr and hash; required by balance="exact" when rank is set and ranks > 1.
+    planner does (Fragment bound to R ranks and no rank), through one exchange of per-tree
+    costs between the ranks (the binding's `exchange`, stages/_exchange.py); "estimate" deals
+    on costs estimated from list offsets, with no exchange (a point or two less balanced).
     cost: the cost model the trees are dealt by; None is the model's own when the pipeline's
     Forward names one (the plan binds it, pipeline/plan.py), else `CostModel.llama_1b()`.
     """
 
     input_schema = EPISODE_SCHEMA
     output_schema = LAYOUT_SCHEMA
+    plans_shares = True
 
     layout: Literal["tree", "chain", "exact"] = "tree"
     scope: Literal["episode", "group"] | None = None
     share_rules: Literal["default", "nrl"] = "default"
-    ranks: int = 1
-    rank: int | None = None
     balance: Literal["exact", "estimate"] = "exact"
-    exchange: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False,
-                                                                repr=False)
     cost: CostModel | None = None
 
     def __post_init__(self):
@@ -99,44 +94,32 @@ class Pack(Stage):
                              "'chain', or share_rules='default'")
         if self.share_rules == "nrl" and self.scope is None:  # NeMo RL builds one tree per rollout
             object.__setattr__(self, "scope", "episode")
-        check_rank(self)
         if self.balance not in ("exact", "estimate"):
             raise ValueError(f"Pack(balance={self.balance!r}): choose 'exact' or 'estimate'")
-        if self.exchange is not None and not callable(self.exchange):
-            raise TypeError(f"Pack(exchange={self.exchange!r}): give a callable (the ranks' sum "
-                            "of a float64 array) or None")
 
-    def map(self, episodes: pa.Table, *, step: int) -> pa.Table:
-        return self(episodes, step=step)
+    def map(self, episodes: pa.Table, *, step: int, binding=None) -> pa.Table:
+        return self(episodes, step=step, binding=binding)
 
-    def __call__(self, episodes: pa.Table, *, step: int = 0) -> pa.Table:
+    def __call__(self, episodes: pa.Table, *, step: int = 0, binding=None) -> pa.Table:
+        """The window's layouts; bound to a rank (`binding`, a RankBinding), its share's."""
         if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
             raise TypeError("Pack takes validated episodes: pass the table through "
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
-        if self.rank is None:
+        if binding is None or binding.rank is None:
             if is_unvalidated(episodes):  # a memory-mapped window (schemas/window.py)
                 episodes = validate_taken(episodes, np.arange(episodes.num_rows), episodes)
             return pack(episodes, layout=self.layout, scope=self.scope, step=step,
                         share_rules=self.share_rules)
-        exact = self.balance == "exact" and self.ranks > 1
-        if exact and self.exchange is None:
-            raise ValueError(f"Pack(ranks={self.ranks}, rank={self.rank}, balance='exact') needs "
-                             "the ranks' exchange of tree costs: give exchange= (a trainer binds "
-                             "it; stages.summed_costs in one process), or "
-                             "balance='estimate'")
+        exact = self.balance == "exact" and binding.ranks > 1
+        if exact and binding.exchange is None:
+            raise ValueError(f"Pack(balance='exact') bound to rank {binding.rank} of "
+                             f"{binding.ranks} needs the ranks' exchange of tree costs: bind one "
+                             "(plan.for_rank(R, rank=r, exchange=...); IN_PROCESS_EXCHANGE in "
+                             "one process), or give Pack(balance='estimate')")
         return pack_share(episodes, layout=self.layout, scope=self.scope, step=step,
-                          ranks=self.ranks, rank=self.rank, cost=self.cost,
-                          exchange=self.exchange if exact else None, share_rules=self.share_rules)
-
-
-def check_rank(stage) -> None:
-    """ranks >= 1 and rank None or in [0, ranks): shared by Pack and Fragment."""
-    name = type(stage).__name__
-    if not isinstance(stage.ranks, int) or stage.ranks < 1:
-        raise ValueError(f"{name}(ranks={stage.ranks!r}): give an int >= 1")
-    if stage.rank is not None and (not isinstance(stage.rank, int) or not 0 <= stage.rank < stage.ranks):
-        raise ValueError(f"{name}(rank={stage.rank!r}, ranks={stage.ranks}): give a rank in "
-                         f"[0, {stage.ranks}), or None to plan every rank")
+                          ranks=binding.ranks, rank=binding.rank, cost=self.cost,
+                          exchange=binding.exchange if exact else None,
+                          share_rules=self.share_rules)
 
 
 def pack_share(episodes: pa.Table, *, layout: str, scope: str | None, step: int, ranks: int,

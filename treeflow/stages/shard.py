@@ -21,7 +21,7 @@ The coefficients are FLOPs, not seconds: kernels reach different fractions of pe
 bench/bench_dp_gpu.py fits measured per-rank seconds on bins, tokens, pairs and edges to
 check them (its `calibration`).
 
-Bins that `Fragment(ranks=N)` dealt already (their `rank` is set, >= 0) keep it: Fragment packed
+Bins that a Fragment bound to N ranks dealt already (their `rank` is set, >= 0) keep it: Fragment packed
 each rank's share of whole layouts on its own (stages/_deal.py), and re-dealing its bins would
 undo that; N must equal `num_ranks`.
 """
@@ -214,13 +214,13 @@ class Shard(Stage):
     def plan(self, bins: pa.Table) -> tuple[pa.Table, ShardReport]:
         costs = bin_costs(bins, self.cost_model())
         given = bins.column("rank").to_numpy()
-        if len(given) and given.min() >= 0:  # dealt by Fragment(ranks=...)
+        if len(given) and given.min() >= 0:  # dealt by a Fragment bound to ranks
             dealt = len(np.unique(given))
-            # one rank's share (Fragment(rank=r)) holds only its own rank
+            # one rank's share (a Fragment bound to rank r) holds only its own rank
             if (dealt != self.num_ranks and dealt != 1) or given.max() >= self.num_ranks:
-                raise ValueError(f"the bins were dealt to {dealt} ranks by Fragment(ranks={dealt}) "
-                                 f"but Shard has num_ranks={self.num_ranks}; give both the same "
-                                 "rank count")
+                raise ValueError(f"the bins were dealt to {dealt} ranks by a Fragment bound to "
+                                 f"{dealt} ranks but Shard has num_ranks={self.num_ranks}; bind "
+                                 "the plan to as many ranks as Shard deals to")
             ranks = given.astype(np.int32)
         else:
             ranks = lpt(costs, self.num_ranks)
