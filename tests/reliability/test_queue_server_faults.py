@@ -29,9 +29,15 @@ from treeflow.tq.embedded import _Client, alive
 from treeflow.tq.ledger import Group
 
 _SERVE = ("import resource, runpy, sys\n"
-          "n = int(sys.argv[3])\n"
+          "n, handshake = int(sys.argv[3]), float(sys.argv[4])\n"
           "if n: resource.setrlimit(resource.RLIMIT_NOFILE, "
           "(n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+          "if handshake:  # a tree before tq/server.py had its fixed 10 s per read\n"
+          "    try:\n"
+          "        import treeflow.tq.server\n"
+          "        treeflow.tq.server.HANDSHAKE_S = handshake\n"
+          "    except ImportError:\n"
+          "        pass\n"
           "sys.argv = sys.argv[:3]\n"
           "runpy.run_module('treeflow.tq.embedded', run_name='__main__')\n")
 
@@ -39,13 +45,14 @@ _SERVE = ("import resource, runpy, sys\n"
 class _Server:
     """A queue server process at a Unix socket in `tmp`, its output in `log`."""
 
-    def __init__(self, tmp, *, nofile: int = 0, options: str = "{}"):
+    def __init__(self, tmp, *, nofile: int = 0, options: str = "{}", handshake: float = 0.0):
         self.address, self.log = str(tmp / "q.sock"), tmp / "server.log"
         wire.check_private(self.address, create=True)
         wire.write_secret(self.address)
         with open(self.log, "wb") as out:  # stdin: the lifeline this test holds
             self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, self.address, options,
-                                          str(nofile)], stdin=subprocess.PIPE, stdout=out,
+                                          str(nofile), str(handshake)], stdin=subprocess.PIPE,
+                                         stdout=out,
                                          stderr=subprocess.STDOUT,
                                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
         deadline = time.monotonic() + 120
@@ -132,6 +139,27 @@ def test_a_flood_of_unauthenticated_connections_is_shed_and_the_queue_serves_on(
     assert stats["connections_shed"] > 0 and stats["connections_open"] == 2
     log = server.stop()
     assert "closed a new connection at once" in log and "Traceback" not in log, log
+
+
+def test_a_client_that_trickles_its_handshake_is_hung_up_on_at_one_deadline(served):
+    # before: each byte restarted a 10 s timeout, so 64 bytes a few seconds apart held a
+    # handshake slot (and a descriptor) for minutes; now the whole answer has one deadline
+    server = served(handshake=1.0)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(60)
+    conn.connect(server.address)
+    assert conn.recv(len(wire.MAGIC) + wire.NONCE)   # the challenge
+    sent = 0
+    try:
+        while sent < 64:   # the answer is 64 bytes: one every 0.5 s would take 32 s
+            conn.sendall(b"\0")
+            sent += 1
+            time.sleep(0.5)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        conn.close()
+    assert sent < 64
 
 
 def _frame(header: bytes, sizes: list[int]) -> bytes:
