@@ -18,10 +18,12 @@ put each GRPO group whole; in exchange a consumer never sees half a group
 and the step's loss weights are exact.
 
 A consumer checks each step again when it leases it, against its own model
-(a producer may run a model with a larger vocabulary): a step it cannot run
-is given back with the reason (`StepRejected` tells the caller) and, after
-the queue's `max_attempts`, dead-lettered instead of failing every consumer
-that leases it. A producer id belongs to one live client at a time (see
+(a producer may run a model with a larger vocabulary), and checks what the
+queue cannot (its server never opens a payload): every payload is Arrow, and
+the step holds as many episodes as its producers declared. A step it cannot
+run is given back with the reason and the producers that put it
+(`StepRejected` tells the caller) and, after the queue's `max_attempts`,
+dead-lettered instead of failing every consumer that leases it. A producer id belongs to one live client at a time (see
 tq/ledger.py); this client renews its producers' registrations from a
 background thread while it lives.
 """
