@@ -18,6 +18,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -114,6 +115,7 @@ def test_a_flood_of_unauthenticated_connections_is_shed_and_the_queue_serves_on(
             s.close()
             continue
         flood.append(s)
+    joined, late = [], None
     try:
         assert a.stats()["held_episodes"] == 4   # the connection made before it is served
         deadline = time.monotonic() + 120
@@ -124,19 +126,21 @@ def test_a_flood_of_unauthenticated_connections_is_shed_and_the_queue_serves_on(
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
         assert stats["connections_pending"] <= 16 and stats["connections_open"] <= 32
+        # a client arriving now is shed, and retries within its connect timeout
+        late = threading.Thread(target=lambda: joined.append(connect_queue(server.address,
+                                                                           timeout=120)))
+        late.start()
     finally:
         for s in flood:
             s.close()
-    deadline = time.monotonic() + 120
-    while a.stats().get("connections_pending"):   # the server sees the flood close
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        if late is not None:
+            late.join(150)
     assert server.proc.poll() is None
-    b = connect_queue(server.address, timeout=60)  # a new client is admitted again
+    (b,) = joined   # admitted once the flood closed
     got = b.get(4, timeout=30)
     assert got.episodes.equals(eps)
     stats = a.stats()
-    assert stats["connections_shed"] > 0 and stats["connections_open"] == 2
+    assert stats["connections_shed"] > 0
     log = server.stop()
     assert "closed a new connection at once" in log and "Traceback" not in log, log
 

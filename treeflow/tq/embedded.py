@@ -51,6 +51,10 @@ _LIFELINES: dict[int, object] = {}
 
 
 # ------------------------------------------------------------------ client
+class _Shed(ConnectionError):
+    """The server closed a new connection before its greeting (tq/server.py sheds it)."""
+
+
 class _Client:
     """The ledger of a queue server: one authenticated connection per thread and process."""
 
@@ -80,6 +84,12 @@ class _Client:
             raise ValueError(f"{self._address}: what listens there did not complete the queue's "
                              f"handshake within {_HANDSHAKE_S:g} s: not a treeflow queue server "
                              "(or a hung one); refused") from None
+        except wire.PeerClosed:
+            conn.close()
+            raise _Shed(f"{self._address}: the queue server closed this connection "
+                                  "before its greeting: it sheds new connections while too many "
+                                  "are open or in the handshake (see its log); retry, or look "
+                                  "for clients that connect without authenticating") from None
         except OSError as e:
             conn.close()
             raise ConnectionError(f"{self._address}: the queue server cannot be reached "
@@ -263,7 +273,7 @@ def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | 
             tcp.tcp_secret(addr, secret_file, serving=False)  # refused now, not after the wait
         _wait_alive(str(addr), timeout)
         client = _Client(str(addr), *tcp.tcp_secret(addr, secret_file, serving=False))
-        client._connection()
+        _first_connection(client, timeout)
         return client
     if secret_file is not None:
         raise ValueError(f"--queue-secret {secret_file}: a Unix socket queue ({address}) has its "
@@ -274,8 +284,21 @@ def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | 
     _wait_alive(address, timeout)
     wire.check_private(address)
     client = _Client(address, wire.read_secret(address))
-    client._connection()  # authenticate now, so that a refusal surfaces here
+    _first_connection(client, timeout)  # authenticate now, so that a refusal surfaces here
     return client
+
+
+def _first_connection(client: _Client, timeout: float) -> None:
+    """Authenticate `client`, retrying within `timeout` s while the server sheds it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client._connection()
+            return
+        except _Shed:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _wait_started(server: EmbeddedServer, address: str, timeout: float, *, name: str,
