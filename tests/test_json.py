@@ -1,4 +1,4 @@
-"""treeflow/_json.py: JSON read with a nesting limit, every failure a ValueError naming the input."""
+"""treeflow/_json.py: JSON with a nesting limit; every failure a ValueError naming the input."""
 
 import json
 

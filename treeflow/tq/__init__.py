@@ -81,7 +81,7 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
 
 
 def _say_attached(queue) -> None:
-    """open_queue found a server already there: say whose, so a leftover is never joined unawares."""
+    """open_queue found a server already there: say whose (never join a leftover unawares)."""
     import sys
 
     stats = queue.stats()

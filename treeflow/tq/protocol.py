@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CALL_SLACK_S", "CLOSE_WHEN", "IDLE_TIMEOUT_S", "END", "LEDGER_METHODS", "Delivery", "Group",
-           "QueueClosed", "QueueFull", "call_deadline", "check_groups", "parse_close_when"]
+__all__ = ["CALL_SLACK_S", "CLOSE_WHEN", "END", "IDLE_TIMEOUT_S", "LEDGER_METHODS", "Delivery",
+           "Group", "QueueClosed", "QueueFull", "call_deadline", "check_groups", "parse_close_when"]
 
 END = "end"  # get(): the queue is closed and nothing more can reach this consumer
 CLOSE_WHEN = ("all", "first")  # or a number of producers

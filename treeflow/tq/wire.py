@@ -42,7 +42,8 @@ from treeflow.tq import protocol as _protocol
 from treeflow.tq.access import (check_private, check_private_file, read_secret, read_secret_file,
                                 resolve, secret_path, write_secret, write_secret_to)
 
-__all__ = ["Blob", "MAX_FRAME", "PeerClosed", "PeerError", "Unreadable", "check_private", "check_private_file", "client_handshake", "decode", "encode", "pack",
+__all__ = ["Blob", "MAX_FRAME", "PeerClosed", "PeerError", "Unreadable", "check_private",
+           "check_private_file", "client_handshake", "decode", "encode", "pack",
            "read_secret", "read_secret_file", "recv", "resolve", "secret_path", "send",
            "server_handshake", "unpack", "write_secret", "write_secret_to"]
 
