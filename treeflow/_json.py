@@ -1,4 +1,5 @@
-"""The one JSON reader for everything treeflow reads from a file: bounded depth, no duplicate keys.
+"""The one JSON reader for what crosses a trust boundary (files, queue frame headers): bounded
+depth, no duplicate keys.
 
 `json.loads` recurses once per nesting level, so a document nested 100,000 deep raises
 RecursionError (a traceback, or worse in a thread), and it keeps the last of two equal keys
@@ -51,8 +52,9 @@ def loads(text: str | bytes, *, what: str, max_depth: int = 64):
     deeper than `max_depth`, or repeats a key within one object."""
     raw = text if isinstance(text, (bytes, bytearray)) else text.encode("utf-8", "surrogatepass")
     if raw.count(b"[") + raw.count(b"{") > max_depth and depth(raw) > max_depth:
-        raise ValueError(f"{what}: JSON nested too deeply (more than {max_depth} levels); "
-                         "nothing treeflow reads needs more: check how it was written")
+        raise ValueError(f"{what}: JSON nested more than the {max_depth} levels allowed (nested "
+                         "too deeply: nothing treeflow reads needs more); check how it was "
+                         "written")
     try:
         return json.loads(raw, object_pairs_hook=_pairs(what))
     except UnicodeDecodeError as e:

@@ -423,11 +423,11 @@ def _tcp_server(secret_file: str) -> str:
     import threading
 
     from treeflow.tq import tcp, wire
-    from treeflow.tq.embedded import _accept
     from treeflow.tq.ledger import Ledger
+    from treeflow.tq.server import serve_connections
 
     listener = tcp.listen(tcp.TcpAddress("127.0.0.1", 0))
-    threading.Thread(target=_accept, args=(listener, Ledger(), wire.read_secret_file(secret_file)),
+    threading.Thread(target=serve_connections, args=(listener, Ledger(), wire.read_secret_file(secret_file)),
                      daemon=True).start()
     return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
 

@@ -195,7 +195,7 @@ def test_the_spawned_queue_server_does_not_hold_the_callers_pipes(tmp_path):
         _wait_alive(sock, proc)
         server = _server_pid(sock)
         assert server is not None
-        proc.send_signal(signal.SIGKILL)           # the server lives on (it holds the queue)
+        proc.send_signal(signal.SIGKILL)           # the server ends with it (its lifeline)
         proc.wait(30)
         done = threading.Event()
         threading.Thread(target=lambda: (proc.stdout.read(), proc.stderr.read(), done.set()),
@@ -206,7 +206,7 @@ def test_the_spawned_queue_server_does_not_hold_the_callers_pipes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        if server is not None:
+        if server is not None and _server_pid(sock) == server:
             os.kill(server, signal.SIGKILL)
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from tests.reliability.helpers import small_episodes
 from treeflow.tq import connect_queue, open_queue, tcp, wire
-from treeflow.tq.embedded import _accept, connect_embedded, serve_embedded
+from treeflow.tq.embedded import connect_embedded, serve_embedded
+from treeflow.tq.server import serve_connections
 from treeflow.tq.ledger import Ledger
 
 
@@ -34,7 +35,7 @@ def served(tmp_path):
     listener = tcp.listen(tcp.TcpAddress("127.0.0.1", 0))
     path = secret_file(tmp_path / "q.secret")
     ledger = Ledger(capacity=64)
-    threading.Thread(target=_accept, args=(listener, ledger, wire.read_secret_file(path)),
+    threading.Thread(target=serve_connections, args=(listener, ledger, wire.read_secret_file(path)),
                      daemon=True).start()
     yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", path, ledger
     listener.close()

@@ -21,6 +21,7 @@ from treeflow.cli.options import (add_sampling_options, add_train_options, model
 from treeflow.cli.queue import open_cli_queue
 from treeflow.cli.stream_logprobs import check_output, stream_logprobs
 from treeflow.cli.stream_train import check_train, stream_train
+from treeflow.tq.protocol import IDLE_TIMEOUT_S
 
 
 def _check(args) -> None:
@@ -130,7 +131,9 @@ def add_stream_parsers(sub, common) -> None:
                    "every rank leases its own B/N episodes of it over its own connection")
     q.add_argument("--return-results", action="store_true",
                    help="logprobs: write each step's results back into the queue")
-    q.add_argument("--idle-timeout", type=float, default=None, help="fail after this many idle s")
+    q.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
+                   help="fail when no step arrived and no producer was heard from for this many "
+                        "seconds")
     q.add_argument("--linger", type=float, default=1.0, help=argparse.SUPPRESS)
     t = group(s, "train")
     t.add_argument("--max-staleness", type=int, default=None,

@@ -52,8 +52,9 @@ import pyarrow as pa
 from treeflow.pipeline.queue_put import put_files  # noqa: F401 (its old home: re-exported)
 from treeflow.pipeline.source import Source
 from treeflow.tq import END, StepRejected
+from treeflow.tq.protocol import IDLE_TIMEOUT_S
 
-__all__ = ["QueueReader", "QueueSource", "put_files"]
+__all__ = ["IDLE_TIMEOUT_S", "QueueReader", "QueueSource", "put_files"]
 
 _ACKS = ("auto", "manual")
 
@@ -70,7 +71,10 @@ class QueueSource:
     max_staleness/version: see the module docstring (training only).
     ack: "auto" (a step is acknowledged when the caller asks for the next
     result) or "manual" (`QueueReader.ack_finished()`). idle_timeout: fail
-    when no step arrived for this many seconds (None: wait for ever).
+    (TimeoutError) when for this many seconds no step arrived and no producer
+    was heard from (a live producer renews its registration every second, so
+    a slow one is waited for; a failed or never-started one is not); None:
+    wait for ever.
     """
 
     episodes_per_step: int
@@ -79,7 +83,7 @@ class QueueSource:
     max_staleness: int | None = None
     version: int = 0
     ack: str = "auto"
-    idle_timeout: float | None = None
+    idle_timeout: float | None = IDLE_TIMEOUT_S
 
     def __post_init__(self):
         if self.episodes_per_step < 1:
@@ -90,6 +94,9 @@ class QueueSource:
             raise ValueError(f"QueueSource(max_staleness={self.max_staleness}): give K >= 0 steps")
         if self.ack not in _ACKS:
             raise ValueError(f"QueueSource(ack={self.ack!r}): choose one of {_ACKS}")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise ValueError(f"QueueSource(idle_timeout={self.idle_timeout}): give seconds > 0, "
+                             "or None to wait for ever")
 
     def open(self, queue, state: dict | None = None) -> QueueReader:
         """A reader of `queue`, continued from `state` (a reader's `get_state()`, e.g. a
@@ -154,10 +161,17 @@ class QueueReader(Source):
                 print(f"warning: {e}", file=sys.stderr, flush=True)
                 continue
             if got is None:
-                if src.idle_timeout is not None and time.monotonic() - idle_since > src.idle_timeout:
-                    raise TimeoutError(f"no step arrived in the queue for {src.idle_timeout:g} s"
-                                       f"{_producers_note(self.queue)}; is a producer running "
-                                       "(or raise the idle timeout)?")
+                now = time.monotonic()
+                if src.idle_timeout is not None and now - idle_since > src.idle_timeout:
+                    heard, note = _producers_heard(self.queue)
+                    if heard is not None and heard < src.idle_timeout:
+                        idle_since = now - heard   # a live producer: wait on
+                        continue
+                    raise TimeoutError(f"no step arrived in {self.queue.name} for "
+                                       f"{src.idle_timeout:g} s and no producer was heard from "
+                                       f"in that time{note}; did the producer fail, or was "
+                                       "none started? Start one, or raise the idle timeout "
+                                       "(QueueSource(idle_timeout=...), --idle-timeout)")
                 continue
             if got == END:
                 raise StopIteration
@@ -333,12 +347,21 @@ class QueueReader(Source):
                   "lease_seconds)", file=sys.stderr, flush=True)
 
 
-def _producers_note(queue) -> str:
+def _producers_heard(queue) -> tuple[float | None, str]:
+    """(seconds since the most recently heard open producer renewed, or None if none is open
+    or the server does not say; a note naming the open producers and their silence)."""
     try:
-        open_ = queue.stats().get("producers_open") or []
+        stats = queue.stats()
     except Exception:  # noqa: BLE001 - the message is what matters
-        return ""
-    return f" (producers still open: {', '.join(open_)})" if open_ else ""
+        return None, ""
+    silent = stats.get("producers_silent_s")
+    if silent is None:   # a server that does not say (TransferQueue's, an older one)
+        open_ = stats.get("producers_open") or []
+        return None, f" (producers still open: {', '.join(open_)})" if open_ else ""
+    if not silent:
+        return None, " (no producer has registered)"
+    note = ", ".join(f"{name!r} silent {s:g} s" for name, s in sorted(silent.items()))
+    return min(silent.values()), f" (producers open: {note})"
 
 
 def acknowledged(records: Iterator, reader: QueueReader) -> Iterator:

@@ -50,6 +50,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from treeflow.tq.protocol import IDLE_TIMEOUT_S
+
 __all__ = ["LEASES", "QueueTraining", "fit_queue", "merge_rank_summaries"]
 
 LEASES = ("lead", "per-rank")
@@ -67,14 +69,15 @@ class QueueTraining:
     "local" (this process, or spawned ranks) or "ray" (rank actors fed by the driver).
 
     consumer: this consumer's name (leases, stats). max_staleness: see the module docstring.
-    idle_timeout: fail when no step arrived for this many seconds (None: wait for ever).
+    idle_timeout: fail when for this many seconds no step arrived and no producer was heard
+    from (QueueSource's; None: wait for ever).
     """
 
     episodes_per_step: int
     steps: int | None = None
     consumer: str = "stream"
     max_staleness: int | None = None
-    idle_timeout: float | None = None
+    idle_timeout: float | None = IDLE_TIMEOUT_S
     lease: str = "lead"
     num_ranks: int = 1
     engine: str = "local"

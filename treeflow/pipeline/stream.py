@@ -126,6 +126,7 @@ def _end_queue(queue, thread, ok: bool, linger: float, log) -> None:
         keep = held or None
     if keep:
         pid = getattr(queue, "server_pid", None)  # a TransferQueue client has none
+        queue.keep_serving()
         log(f"note: {queue.name} still holds {keep} episodes; it keeps serving for the next "
             f"consumer (`treeflow stream --queue {queue.address} ...`, `--resume` to continue)"
             + (f"; stop it with `kill {pid}`" if pid else ""))

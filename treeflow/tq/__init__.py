@@ -48,7 +48,8 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
     close_when: "all" (the queue closes when every registered producer has closed),
     "first", or N (once N producers have closed and none is open).
     max_attempts: consumers that may reject a step before it is dead-lettered.
-    An attached queue keeps the options it was started with.
+    An attached queue keeps the options it was started with (said on stderr, with its pid).
+    A server this starts ends with this process unless `queue.keep_serving()` is called.
     """
     from treeflow.tq.queue import Queue, local_queue
 
@@ -61,8 +62,11 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
 
         server = None if alive(address) else serve_embedded(address, secret_file=secret_file,
                                                              **options)
-        return Queue(connect_embedded(address, secret_file=secret_file), backend=backend,
-                     vocab_size=vocab_size, owner=server, address=address)
+        queue = Queue(connect_embedded(address, secret_file=secret_file), backend=backend,
+                      vocab_size=vocab_size, owner=server, address=address)
+        if server is None:
+            _say_attached(queue)
+        return queue
     if secret_file is not None:
         raise ValueError(f"--queue-secret {secret_file}: the {backend} backend does not take one "
                          "(it is for tcp:// addresses of the embedded queue)")
@@ -74,6 +78,18 @@ def open_queue(address: str | None = None, *, backend: str = "embedded", capacit
                      owner=owner if owner.created else None,  # attached: shutdown() stops nothing
                      address=address or "default")
     raise ValueError(f"queue backend {backend!r}: choose one of {BACKENDS}")
+
+
+def _say_attached(queue) -> None:
+    """open_queue found a server already there: say whose (never join a leftover unawares)."""
+    import sys
+
+    stats = queue.stats()
+    pid, kept = stats.get("server_pid"), stats.get("kept")
+    print(f"note: {queue.name} was already serving (server pid {pid}"
+          + (", kept by the process that started it after it ended" if kept else "")
+          + f", {stats.get('held_episodes', 0)} episodes held, options as it was started "
+          "with); attached to it instead of starting one", file=sys.stderr, flush=True)
 
 
 def connect_queue(address: str, *, backend: str = "embedded", timeout: float = 30.0,

@@ -4,10 +4,14 @@ Why a server process on a Unix socket (and not a Ray actor): it needs no extra
 install and no cluster (`ray.init` costs ~3 s and ~800 MB on this machine), any
 process of the same user on the machine that knows the socket path attaches to
 it, and it serves one thread per client connection, so a producer waiting on a
-full queue never blocks a consumer. The server is its own process so that the
-queue outlives a consumer that dies mid-step: redelivery needs someone to
-remember the lease. Without an address the ledger lives in the caller's process
-and tables are handed over by reference (threads only).
+full queue never blocks a consumer (tq/server.py: the accept loop and the
+bounds that keep it serving). The server is its own process so that the queue
+outlives an attached consumer that dies mid-step: redelivery needs someone to
+remember the lease. It does not outlive the process that started it, unless
+that process says so (`EmbeddedServer.keep()`): a killed owner's queue is not
+left behind for the next `open_queue` to attach to unawares. Without an address
+the ledger lives in the caller's process and tables are handed over by
+reference (threads only).
 
 What travels is JSON and Arrow IPC only (tq/wire.py): no pickle, so neither a
 client nor a process squatting at the socket path can run code in the other.
@@ -31,6 +35,7 @@ import sys
 import threading
 import time
 
+from treeflow.tq import server as _server
 from treeflow.tq import tcp, wire
 from treeflow.tq.ledger import Ledger
 from treeflow.tq.protocol import LEDGER_METHODS, call_deadline
@@ -40,56 +45,16 @@ __all__ = ["EmbeddedServer", "alive", "connect_embedded", "serve_embedded"]
 # what a client may call: the one list of served methods (treeflow/tq/protocol.py)
 _HANDSHAKE_S = 10.0
 _METHODS = frozenset(LEDGER_METHODS)
-
-
-# ------------------------------------------------------------------ server (its own process)
-def _serve(address: str, options: dict) -> None:
-    ledger = Ledger(**options)
-    if tcp.is_tcp(address):  # the secret comes on stdin (never in argv, which `ps` shows)
-        secret = bytes.fromhex(sys.stdin.readline().strip())
-        listener = tcp.listen(tcp.parse_tcp(address))
-    else:
-        secret = wire.read_secret(address)  # written by serve_embedded, checked like a client does
-        os.umask(0o077)                      # the socket is created mode 0600
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(address)
-        listener.listen(128)
-    _accept(listener, ledger, secret)
-
-
-def _accept(listener: socket.socket, ledger: Ledger, secret: bytes) -> None:
-    """Serve every connection to `listener` in a thread of its own, until it is closed."""
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            if listener.fileno() == -1:  # closed (an in-process server's owner is done)
-                return
-            raise
-        threading.Thread(target=_handle, args=(conn, ledger, secret), daemon=True).start()
-
-
-def _handle(conn: socket.socket, ledger: Ledger, secret: bytes) -> None:
-    with conn:
-        try:
-            conn.settimeout(_HANDSHAKE_S)  # the handshake is a few bytes each way
-            if not wire.server_handshake(conn, secret):
-                return
-            conn.settimeout(None)
-            while True:
-                method, args, kwargs = wire.decode(*wire.recv(conn), arrow=False)
-                try:
-                    if method not in _METHODS:
-                        raise ValueError(f"the queue has no method {method!r}")
-                    reply = {"ok": getattr(ledger, method)(*args, **kwargs)}
-                except Exception as e:  # noqa: BLE001 - every error goes back to the caller
-                    reply = {"error": e}
-                wire.send(conn, *wire.encode(reply))
-        except (OSError, ValueError, TypeError):
-            return                       # the client went away or broke the protocol: hang up
+# the write end of each started server's stdin, held for this process's lifetime (not the
+# handle's): the server exits when it closes (tq/server.py, "Lifeline")
+_LIFELINES: dict[int, object] = {}
 
 
 # ------------------------------------------------------------------ client
+class _Shed(ConnectionError):
+    """The server closed a new connection before its greeting (tq/server.py sheds it)."""
+
+
 class _Client:
     """The ledger of a queue server: one authenticated connection per thread and process."""
 
@@ -119,6 +84,12 @@ class _Client:
             raise ValueError(f"{self._address}: what listens there did not complete the queue's "
                              f"handshake within {_HANDSHAKE_S:g} s: not a treeflow queue server "
                              "(or a hung one); refused") from None
+        except wire.PeerClosed:
+            conn.close()
+            raise _Shed(f"{self._address}: the queue server closed this connection "
+                                  "before its greeting: it sheds new connections while too many "
+                                  "are open or in the handshake (see its log); retry, or look "
+                                  "for clients that connect without authenticating") from None
         except OSError as e:
             conn.close()
             raise ConnectionError(f"{self._address}: the queue server cannot be reached "
@@ -142,7 +113,7 @@ class _Client:
         try:
             conn.settimeout(deadline)  # a hung server ends the call, never the run's patience
             wire.send(conn, *frame)
-            reply = wire.decode(*wire.recv(conn), arrow=True)
+            reply = wire.decode(*wire.recv(conn), arrow=True, lenient=True)
         except socket.timeout:
             self._drop()
             raise TimeoutError(f"{self._address}: the queue server did not answer {method}() "
@@ -189,14 +160,34 @@ def alive(address: str) -> bool:
 
 
 class EmbeddedServer:
-    """A ledger served from a child process at a Unix socket path; stop() ends it."""
+    """A ledger served from a child process at a Unix socket path; stop() ends it, and so
+    does the end of this process, unless keep() was called."""
 
     def __init__(self, address: str, process, files: tuple | None = None):
         self.address, self.process = address, process
         # what stop() removes: the socket and its secret; a TCP queue's generated secret only
         self._files = (address, wire.secret_path(address)) if files is None else files
+        _LIFELINES[process.pid] = process.stdin
+        process.stdin = None  # held in _LIFELINES: closing it ends the server
+
+    def keep(self) -> None:
+        """Let the server outlive this process (the caller says so, with its pid, to the user)."""
+        line = _LIFELINES.pop(self.process.pid, None)
+        if line is not None:
+            try:
+                line.write(_server.KEEP)
+                line.flush()
+            except OSError:
+                pass  # it exited already: stop() and poll() say so
+            line.close()
 
     def stop(self) -> None:
+        line = _LIFELINES.pop(self.process.pid, None)
+        if line is not None:
+            try:
+                line.close()
+            except OSError:
+                pass
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
@@ -237,10 +228,11 @@ def serve_embedded(address: str, *, timeout: float = 30.0, secret_file: str | No
     # end of output even while the server lives on): its output goes to <socket>.log
     with open(address + ".log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "treeflow.tq.embedded", address,
-                                 json.dumps(ledger_options)], stdin=subprocess.DEVNULL, stdout=log,
+                                 json.dumps(ledger_options)], stdin=subprocess.PIPE, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-    _wait_started(proc, address, timeout, name=address, log=address + ".log")
-    return EmbeddedServer(address, proc)
+    server = EmbeddedServer(address, proc)
+    _wait_started(server, address, timeout, name=address, log=address + ".log")
+    return server
 
 
 def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> EmbeddedServer:
@@ -258,12 +250,12 @@ def _serve_tcp(address: str, timeout: float, secret_file, options: dict) -> Embe
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     try:
         proc.stdin.write((secret.hex() + "\n").encode())
-        proc.stdin.close()
+        proc.stdin.flush()  # stdin stays open: it is the server's lifeline
     except BrokenPipeError:
         pass  # it exited before reading the secret: _wait_started reports its status and log
     server = EmbeddedServer(str(addr), proc,
                             files=(source,) if source == addr.local_secret_path() else ())
-    _wait_started(proc, address, timeout, name=str(addr), log=log)
+    _wait_started(server, address, timeout, name=str(addr), log=log)
     return server
 
 
@@ -281,7 +273,7 @@ def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | 
             tcp.tcp_secret(addr, secret_file, serving=False)  # refused now, not after the wait
         _wait_alive(str(addr), timeout)
         client = _Client(str(addr), *tcp.tcp_secret(addr, secret_file, serving=False))
-        client._connection()
+        _first_connection(client, timeout)
         return client
     if secret_file is not None:
         raise ValueError(f"--queue-secret {secret_file}: a Unix socket queue ({address}) has its "
@@ -292,20 +284,35 @@ def connect_embedded(address: str, *, timeout: float = 30.0, secret_file: str | 
     _wait_alive(address, timeout)
     wire.check_private(address)
     client = _Client(address, wire.read_secret(address))
-    client._connection()  # authenticate now, so that a refusal surfaces here
+    _first_connection(client, timeout)  # authenticate now, so that a refusal surfaces here
     return client
 
 
-def _wait_started(proc, address: str, timeout: float, *, name: str, log: str) -> None:
-    """Until the server process `proc` answers at `address`; RuntimeError if it exits first
-    (its output is in `log`) or is not up within `timeout` s (then it is terminated)."""
+def _first_connection(client: _Client, timeout: float) -> None:
+    """Authenticate `client`, retrying within `timeout` s while the server sheds it."""
     deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client._connection()
+            return
+        except _Shed:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _wait_started(server: EmbeddedServer, address: str, timeout: float, *, name: str,
+                  log: str) -> None:
+    """Until the server process answers at `address`; RuntimeError if it exits first
+    (its output is in `log`) or is not up within `timeout` s (then it is stopped)."""
+    deadline, proc = time.monotonic() + timeout, server.process
     while not alive(address):
         if proc.poll() is not None:
+            server.stop()
             raise RuntimeError(f"the queue server at {name} exited with {proc.returncode}; "
                                f"its output is in {log}")
         if time.monotonic() > deadline:
-            proc.terminate()
+            server.stop()
             raise RuntimeError(f"the queue server at {name} did not come up in {timeout} s")
         time.sleep(0.02)
 
@@ -320,4 +327,4 @@ def _wait_alive(address: str, timeout: float) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], json.loads(sys.argv[2]))
+    _server.serve(sys.argv[1], json.loads(sys.argv[2]))

@@ -97,7 +97,8 @@ class Leases:
     def reject(self, lease: int, reason: str) -> dict | None:
         """A consumer found the leased step invalid: redeliver it, or dead-letter it at max_attempts.
 
-        {"step", "attempts", "dead"}; None if the lease had expired (it was redelivered already).
+        {"step", "attempts", "dead", "producers"}; None if the lease had expired (it was
+        redelivered already). producers: who put the step's groups, for the messages.
         """
         with self._cv:
             le = self._leases.pop(lease, None)
@@ -107,12 +108,14 @@ class Leases:
             n = self._attempts.get(le.step, 0) + 1
             self._attempts[le.step] = n
             dead = n >= self.max_attempts
+            producers = sorted({g.producer for g in le.groups if g.producer is not None})
             if dead:
                 episodes = sum(g.episodes for g in le.groups)
                 for g in le.groups:
                     self._free(g)
                 self._dead.append(({"step": le.step, "reason": str(reason), "attempts": n,
-                                    "episodes": episodes, "consumer": le.consumer},
+                                    "episodes": episodes, "consumer": le.consumer,
+                                    "producers": producers},
                                    [g.payload for g in le.groups]))
                 self._stats.dead_lettered_steps += 1
                 self._stats.dead_lettered_episodes += episodes
@@ -120,7 +123,7 @@ class Leases:
                 self._redeliver.append((le.step, le.groups))
                 self._stats.redeliveries += 1
             self._cv.notify_all()
-            return {"step": le.step, "attempts": n, "dead": dead}
+            return {"step": le.step, "attempts": n, "dead": dead, "producers": producers}
 
     def dead_letters(self) -> list[tuple[dict, list]]:
         """(what and why, payloads) of every dead-lettered step, oldest first."""

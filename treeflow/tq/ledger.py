@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 from treeflow.tq.leases import Leases
 from treeflow.tq.protocol import (CLOSE_WHEN, END, LEDGER_METHODS, Delivery, Group, QueueClosed,
-                                  QueueFull, parse_close_when)
+                                  QueueFull, check_groups, parse_close_when)
 
 # the values that cross (tq/protocol.py) stay importable from here, where they began
 __all__ = ["CLOSE_WHEN", "END", "LEDGER_METHODS", "Delivery", "Group", "Ledger", "QueueClosed",
@@ -175,8 +175,10 @@ class Ledger(Leases):
     def put(self, producer: str, seq: int, groups: list[Group], episode_ids: list[str],
             sample_indices: list[int], wait_s: float = 0.0) -> bool:
         """Queue whole groups atomically; False if (producer, seq) was already accepted."""
-        n = sum(g.episodes for g in groups)
+        n = check_groups(groups, producer, seq, episode_ids, sample_indices)
         nbytes = sum(g.nbytes for g in groups)
+        for g in groups:
+            g.producer = producer
         deadline = time.monotonic() + wait_s
         with self._cv:
             while True:
@@ -368,6 +370,9 @@ class Ledger(Leases):
             return self._weights
 
     def stats(self) -> dict:
+        """Counts, room and options; producers_silent_s: seconds since each open producer's
+        last renewal or put (one silent past PRODUCER_SECONDS is presumed dead)."""
+        now = time.monotonic()
         with self._cv:
             s = dict(vars(self._stats))
             s.pop("extra")
@@ -376,5 +381,7 @@ class Ledger(Leases):
                      closed=self._closed, closed_by=self._closed_by, capacity=self.capacity,
                      lease_seconds=self.lease_seconds, close_when=self.close_when,
                      max_attempts=self.max_attempts,
-                     producers_open=sorted(n for n, p in self._producers.items() if not p.closed))
+                     producers_open=sorted(n for n, p in self._producers.items() if not p.closed),
+                     producers_silent_s={n: round(now - p.deadline + PRODUCER_SECONDS, 1)
+                                         for n, p in self._producers.items() if not p.closed})
             return s

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CALL_SLACK_S", "CLOSE_WHEN", "END", "LEDGER_METHODS", "Delivery", "Group",
-           "QueueClosed", "QueueFull", "call_deadline", "parse_close_when"]
+__all__ = ["CALL_SLACK_S", "CLOSE_WHEN", "END", "IDLE_TIMEOUT_S", "LEDGER_METHODS", "Delivery",
+           "Group", "QueueClosed", "QueueFull", "call_deadline", "check_groups", "parse_close_when"]
 
 END = "end"  # get(): the queue is closed and nothing more can reach this consumer
 CLOSE_WHEN = ("all", "first")  # or a number of producers
@@ -34,6 +34,9 @@ LEDGER_METHODS = ("next_seq", "open_producer", "renew_producer", "put", "close",
 # CALL_SLACK_S, past which the server is presumed hung or gone
 WAIT_ARGS = {"put": 5, "get": 2, "put_result": 2, "take_result": 0, "open_producer": 2}
 CALL_SLACK_S = 60.0
+# a consumer's default wait for a step while no producer is heard from: a producer that failed
+# ends its consumers with a message instead of leaving them waiting for ever
+IDLE_TIMEOUT_S = 300.0
 
 
 def call_deadline(method: str, args: tuple, kwargs: dict | None = None) -> float:
@@ -62,6 +65,36 @@ class Group:
     nbytes: int
     min_version: int | None
     group_id: str | None = None
+    producer: str | None = None   # set by the ledger at put (messages name it), never sent
+
+
+def check_groups(groups, producer: str, seq: int, episode_ids: list, sample_indices: list) -> int:
+    """The episodes `groups` hold, once each group's declared fields are the right kinds and
+    add up to the episode ids and sample indices the put names; ValueError naming the put."""
+    where = f"put {seq} of producer {producer!r}"
+    if not isinstance(groups, list) or not groups:
+        raise ValueError(f"{where}: holds no groups; put whole groups (Queue.put cuts them)")
+    n = 0
+    for i, g in enumerate(groups):
+        if not isinstance(g, Group):
+            raise ValueError(f"{where}: group {i} is a {type(g).__name__}, not a Group")
+        for name, ok in (("episodes", _count(g.episodes, 1)), ("nbytes", _count(g.nbytes, 0)),
+                         ("min_version", g.min_version is None or _count(g.min_version, None)),
+                         ("group_id", g.group_id is None or isinstance(g.group_id, str))):
+            if not ok:
+                raise ValueError(f"{where}: group {i} declares {name}={getattr(g, name)!r}; "
+                                 "a producer's groups are cut by Queue.put, which fills these")
+        n += g.episodes
+    if not (isinstance(episode_ids, list) and isinstance(sample_indices, list)) or \
+            len(episode_ids) != n or len(sample_indices) != n:
+        raise ValueError(f"{where}: its groups declare {n} episodes but it names "
+                         f"{len(episode_ids)} episode ids and {len(sample_indices)} sample "
+                         "indices; put whole groups through Queue.put, which counts them")
+    return n
+
+
+def _count(v, least: int | None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and (least is None or v >= least)
 
 
 @dataclass

@@ -18,10 +18,12 @@ put each GRPO group whole; in exchange a consumer never sees half a group
 and the step's loss weights are exact.
 
 A consumer checks each step again when it leases it, against its own model
-(a producer may run a model with a larger vocabulary): a step it cannot run
-is given back with the reason (`StepRejected` tells the caller) and, after
-the queue's `max_attempts`, dead-lettered instead of failing every consumer
-that leases it. A producer id belongs to one live client at a time (see
+(a producer may run a model with a larger vocabulary), and checks what the
+queue cannot (its server never opens a payload): every payload is Arrow, and
+the step holds as many episodes as its producers declared. A step it cannot
+run is given back with the reason and the producers that put it
+(`StepRejected` tells the caller) and, after the queue's `max_attempts`,
+dead-lettered instead of failing every consumer that leases it. A producer id belongs to one live client at a time (see
 tq/ledger.py); this client renews its producers' registrations from a
 background thread while it lives.
 """
@@ -212,9 +214,8 @@ class Queue:
             except Exception:  # noqa: BLE001 - the lease lapses there anyway
                 pass
             raise
-        table = pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table()
         try:   # this consumer's own check (its model's vocabulary), before anything runs the step
-            validate_episodes(table, source=f"queue step {got.step}", vocab_size=self.vocab_size)
+            table = _step_table(tables, got, self.vocab_size)
         except ValueError as e:
             verdict = self._ledger.reject(got.lease, str(e))
             if verdict is None:   # our lease had lapsed: another consumer has the step
@@ -222,7 +223,10 @@ class Queue:
             what = (f"dead-lettered after {verdict['attempts']} attempts (queue.dead_letters())"
                     if verdict["dead"] else
                     f"given back for another consumer (attempt {verdict['attempts']})")
-            raise StepRejected(f"{self.name}: step {got.step} cannot run here, {what}: {e}",
+            who = ", ".join(map(repr, verdict.get("producers") or ()))
+            raise StepRejected(f"{self.name}: step {got.step}"
+                               + (f" (put by producer {who})" if who else "")
+                               + f" cannot run here, {what}: {e}",
                                step=got.step, attempts=verdict["attempts"], dead=verdict["dead"],
                                reason=str(e)) from None
         return Leased(step=got.step, lease=got.lease, episodes=table, redelivered=got.redelivered,
@@ -260,12 +264,16 @@ class Queue:
         return self._ledger.weights()
 
     def dead_letters(self) -> list[dict]:
-        """Dead-lettered steps, oldest first: step, reason, attempts, episodes (a table)."""
+        """Dead-lettered steps, oldest first: step, reason, attempts, producers, episodes (a
+        table; None where a payload is not one: the reason says what it was)."""
         out = []
         for info, payloads in self._ledger.dead_letters():
             tables = self._store.read(payloads)
-            out.append({**info, "episodes": pa.concat_tables(tables) if tables
-                        else EPISODE_SCHEMA.empty_table()})
+            try:
+                episodes = (pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table())
+            except (pa.ArrowException, TypeError):
+                episodes = None
+            out.append({**info, "episodes": episodes})
         return out
 
     def stats(self) -> dict:
@@ -281,6 +289,15 @@ class Queue:
         """The process of the server this client started (None: attached, or an actor)."""
         return getattr(self._owner, "pid", None)
 
+    def keep_serving(self) -> None:
+        """Let the server this client started outlive this process (by default it ends with
+        it, tq/server.py); the caller tells the user, with `server_pid`. Nothing for an
+        attached client."""
+        keep = getattr(self._owner, "keep", None)
+        if keep is not None:
+            keep()
+        self._owner = None
+
     def shutdown(self) -> None:
         """Stop the server or actor this client started (attached clients stop nothing)."""
         if self._beat is not None:
@@ -288,6 +305,31 @@ class Queue:
         if self._owner is not None:
             self._owner.stop()
             self._owner = None
+
+
+def _step_table(tables: list, got, vocab_size: int | None) -> pa.Table:
+    """The leased step's episodes as one table, checked: every payload an Arrow table of
+    episodes, as many as its producers declared, valid for this consumer's model; a
+    ValueError (the step is rejected, not the connection) if not."""
+    from treeflow.tq.wire import Unreadable
+
+    for i, t in enumerate(tables):
+        if isinstance(t, Unreadable):
+            raise ValueError(f"queue step {got.step}: payload {i} is not an Arrow IPC stream "
+                             f"({t.reason}); its producer wrote something other than episodes")
+        if not isinstance(t, pa.Table):
+            raise ValueError(f"queue step {got.step}: payload {i} is a {type(t).__name__}, not "
+                             "an Arrow table of episodes")
+    try:
+        table = pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table()
+    except pa.ArrowException as e:
+        raise ValueError(f"queue step {got.step}: its payloads do not share one schema ({e})") \
+            from None
+    if table.num_rows != got.episodes:
+        raise ValueError(f"queue step {got.step}: its payloads hold {table.num_rows} episodes "
+                         f"where its producers declared {got.episodes}")
+    validate_episodes(table, source=f"queue step {got.step}", vocab_size=vocab_size)
+    return table
 
 
 def _group_bounds(table: pa.Table, producer: str, seq: int) -> tuple[list[int], list[str | None]]:

@@ -35,12 +35,15 @@ import hmac
 import json
 import secrets
 import struct
+import time
 
+from treeflow import _json
 from treeflow.tq import protocol as _protocol
 from treeflow.tq.access import (check_private, check_private_file, read_secret, read_secret_file,
                                 resolve, secret_path, write_secret, write_secret_to)
 
-__all__ = ["Blob", "PeerError", "check_private", "check_private_file", "client_handshake", "decode", "encode", "pack",
+__all__ = ["Blob", "MAX_FRAME", "PeerClosed", "PeerError", "Unreadable", "check_private",
+           "check_private_file", "client_handshake", "decode", "encode", "pack",
            "read_secret", "read_secret_file", "recv", "resolve", "secret_path", "send",
            "server_handshake", "unpack", "write_secret", "write_secret_to"]
 
@@ -49,7 +52,9 @@ NONCE = 32
 _PREFIX = struct.Struct("!II")
 _MAX_HEADER = 64 << 20
 _MAX_BLOBS = 1 << 20
-_MAX_BLOB = 1 << 40
+_MAX_DEPTH = 64                # a frame nests under 10 levels; deeper is refused before parsing
+MAX_FRAME = 4 << 30            # a frame's announced bytes (header and blobs) a server accepts
+_CHUNK = 1 << 20               # a blob's buffer starts this big and doubles as its bytes arrive
 
 _DATACLASSES = {n: getattr(_protocol, n) for n in _protocol.__all__
                 if dataclasses.is_dataclass(getattr(_protocol, n))}
@@ -64,6 +69,10 @@ class PeerError(ConnectionError):
     """The other end broke the protocol or went away (the call's outcome is unknown)."""
 
 
+class PeerClosed(PeerError):
+    """The other end closed the connection before the first byte of a read (between calls)."""
+
+
 class Blob:
     """A payload as bytes, kept unopened by the server."""
 
@@ -71,6 +80,19 @@ class Blob:
 
     def __init__(self, data):
         self.data = data
+
+
+class Unreadable:
+    """A payload that is not an Arrow IPC stream (`decode(..., lenient=True)`): the frame
+    itself was sound, so the caller decides (a consumer rejects the step that holds it)."""
+
+    __slots__ = ("index", "reason")
+
+    def __init__(self, index: int, reason: str):
+        self.index, self.reason = index, reason
+
+    def __repr__(self) -> str:
+        return f"Unreadable(blob {self.index}: {self.reason})"
 
 
 # ------------------------------------------------------------------ values
@@ -104,8 +126,11 @@ def _enc(v, blobs):
         text = str(v) if name == type(v).__name__ else f"{type(v).__name__}: {v}"
         return {"~e": name, "m": text}
     if dataclasses.is_dataclass(v) and type(v).__name__ in _DATACLASSES:
+        # a field at its default is not sent: a field added later reaches an older peer
+        # (which would refuse its name) only when it is set
         return {"~c": type(v).__name__,
-                "f": {f.name: _enc(getattr(v, f.name), blobs) for f in dataclasses.fields(v)}}
+                "f": {f.name: _enc(getattr(v, f.name), blobs) for f in dataclasses.fields(v)
+                      if f.default is dataclasses.MISSING or getattr(v, f.name) != f.default}}
     if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # a numpy scalar
         return _enc(v.item(), blobs)
     import pyarrow as pa
@@ -120,24 +145,28 @@ def _enc(v, blobs):
                     "tuples and Arrow tables only)")
 
 
-def decode(header: bytes, blobs: list, *, arrow: bool):
-    """The value `encode` made; blobs become Arrow tables (`arrow`) or stay `Blob`s."""
+def decode(header: bytes, blobs: list, *, arrow: bool, lenient: bool = False):
+    """The value `encode` made; blobs become Arrow tables (`arrow`) or stay `Blob`s.
+
+    lenient: a blob that is not an Arrow IPC stream becomes an `Unreadable` (a payload a
+    producer got wrong, for the consumer to reject) instead of failing the whole frame."""
     try:
-        tree = json.loads(header)
+        tree = _json.loads(header, what="a frame header", max_depth=_MAX_DEPTH)
     except ValueError as e:
-        raise PeerError(f"a frame header is not JSON ({e})") from None
-    return _dec(tree, blobs, arrow)
+        raise PeerError(str(e)) from None
+    return _dec(tree, blobs, arrow, lenient)
 
 
-def _dec(v, blobs, arrow):
+def _dec(v, blobs, arrow, lenient):
     if isinstance(v, list):
-        return [_dec(x, blobs, arrow) for x in v]
+        return [_dec(x, blobs, arrow, lenient) for x in v]
     if not isinstance(v, dict):
         return v
     if "~t" in v:
-        return tuple(_dec(x, blobs, arrow) for x in v["~t"])
+        return tuple(_dec(x, blobs, arrow, lenient) for x in v["~t"])
     if "~d" in v:
-        return {_hashable(_dec(k, blobs, arrow)): _dec(x, blobs, arrow) for k, x in v["~d"]}
+        return {_hashable(_dec(k, blobs, arrow, lenient)): _dec(x, blobs, arrow, lenient)
+                for k, x in v["~d"]}
     if "~a" in v:
         i = v["~a"]
         if not isinstance(i, int) or not 0 <= i < len(blobs):
@@ -149,18 +178,20 @@ def _dec(v, blobs, arrow):
         try:
             return pa.ipc.open_stream(pa.py_buffer(blobs[i])).read_all()
         except pa.ArrowException as e:
+            if lenient:
+                return Unreadable(i, str(e))
             raise PeerError(f"blob {i} is not an Arrow IPC stream ({e})") from None
     if "~c" in v:
         cls = _DATACLASSES.get(v["~c"])
         if cls is None or not isinstance(v.get("f"), dict):
             raise PeerError(f"a frame names the type {v['~c']!r}, which the queue does not send")
         try:
-            return cls(**{k: _dec(x, blobs, arrow) for k, x in v["f"].items()})
+            return cls(**{k: _dec(x, blobs, arrow, lenient) for k, x in v["f"].items()})
         except TypeError as e:
             raise PeerError(f"a frame's {v['~c']} does not fit ({e})") from None
     if "~e" in v:
         return _ERRORS.get(v["~e"], RuntimeError)(str(v.get("m", "")))
-    return {k: _dec(x, blobs, arrow) for k, x in v.items()}
+    return {k: _dec(x, blobs, arrow, lenient) for k, x in v.items()}
 
 
 def _hashable(k):
@@ -186,26 +217,44 @@ def send(sock, header: bytes, blobs: list) -> None:
                 n = 0
 
 
-def _read_exact(sock, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _read_exact(sock, n: int, deadline: float | None = None) -> bytearray:
+    """n bytes from `sock`, in a buffer that grows (doubling) as they arrive: a peer that
+    announces a large blob and sends little holds little (the announcement allocates nothing).
+    deadline: a time.monotonic() by which all n must have come (socket.timeout past it)."""
+    buf = bytearray(min(n, _CHUNK))
+    got = 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        if got == len(buf):
+            buf.extend(bytes(min(n, 2 * len(buf)) - len(buf)))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+        k = sock.recv_into(memoryview(buf)[got:])
         if k == 0:
-            raise PeerError("the queue connection closed in the middle of a message"
-                            if got else "the queue connection closed")
+            if got:
+                raise PeerError("the queue connection closed in the middle of a message")
+            raise PeerClosed("the queue connection closed")
         got += k
     return buf
 
 
-def recv(sock) -> tuple[bytes, list]:
-    """(header, blobs) of the next frame, each blob its own buffer; PeerError on a bad one."""
+def recv(sock, max_frame: int | None = None) -> tuple[bytes, list]:
+    """(header, blobs) of the next frame, each blob its own buffer; PeerError on a bad one.
+
+    max_frame: the most bytes (header and blobs) a frame may announce; refused before
+    anything is allocated for it (None: no limit but the format's)."""
     hlen, nblobs = _PREFIX.unpack(_read_exact(sock, _PREFIX.size))
     if hlen > _MAX_HEADER or nblobs > _MAX_BLOBS:
-        raise PeerError(f"a frame announces a {hlen}-byte header and {nblobs} blobs; refused")
+        raise PeerError(f"a frame announces a {hlen}-byte header and {nblobs} blobs, more than "
+                        f"the {_MAX_HEADER} bytes and {_MAX_BLOBS} blobs a frame may hold; refused")
     sizes = struct.unpack(f"!{nblobs}Q", _read_exact(sock, 8 * nblobs)) if nblobs else ()
-    if any(s > _MAX_BLOB for s in sizes):
-        raise PeerError(f"a frame announces a blob of {max(sizes)} bytes; refused")
+    total = hlen + sum(sizes)
+    if max_frame is not None and total > max_frame:
+        raise PeerError(f"a frame announces {total} bytes ({nblobs} blobs, the largest "
+                        f"{max(sizes, default=0)} bytes), more than the {max_frame} bytes this "
+                        "queue takes in one call; refused before reading it")
     header = bytes(_read_exact(sock, hlen))
     return header, [_read_exact(sock, s) for s in sizes]
 
@@ -215,11 +264,14 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def server_handshake(sock, secret: bytes) -> bool:
-    """Challenge the client, answer its challenge; False (connection unusable) if it failed."""
+def server_handshake(sock, secret: bytes, deadline: float | None = None) -> bool:
+    """Challenge the client, answer its challenge; False (connection unusable) if it failed.
+
+    deadline: a time.monotonic() by which the client's whole answer must have come (a peer
+    that trickles a byte at a time does not hold its connection past it)."""
     nonce = secrets.token_bytes(NONCE)
     sock.sendall(MAGIC + nonce)
-    reply = _read_exact(sock, 32 + NONCE)
+    reply = _read_exact(sock, 32 + NONCE, deadline)
     if not hmac.compare_digest(bytes(reply[:32]), _mac(secret, b"client", nonce)):
         sock.sendall(b"\x00")
         return False
