@@ -37,10 +37,36 @@ def cp_values(backend, rows, weights: dict, *, size: int, max_tokens: int, routi
     return keys, values, grads, tally
 
 
-def group_run(size: int, configs: list) -> dict:
-    """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing)."""
+def aux_step(dp, path: str, rows: list) -> dict:
+    """One training step (token-mean NLL + the router aux loss, routing replay) through the
+    Trainer on this rank's share: the group's loss and float64 gradients."""
+    import pyarrow as pa
+
+    from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
+    from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce
+    from treeflow.train import Trainer
+
+    trainer = Trainer(Forward(model=path, routing="replay", context_parallel=dp.cp.size),
+                      Reduce(loss=Loss(kind="nll")), dp=dp, grad_sum="float64")
+    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    step = trainer.open_step(table)
+    step.add(Fragment(max_tokens=24)(Pack(layout="tree", scope="group")(table)))
+    grads = {n: torch.zeros_like(p, dtype=torch.float64) if n not in step._grad64
+             else step._grad64[n].clone() for n, p in trainer.model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=dp.cp.group)
+    loss = float(dp.sum_array(np.array([step.loss_sum]))[0])
+    step.abort()
+    return {"loss": loss, "grads": grads}
+
+
+def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
+    """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing); aux:
+    (checkpoint with a router aux loss, routed rows) for one Trainer step (aux_step)."""
     dp = DataParallel.from_env("cpu", context_parallel=size)
     out, backends = {}, {}
+    if aux is not None:
+        out["aux"] = aux_step(dp, *aux)
     for name, path, fork, state, rows, weights, max_tokens, routing in configs:
         key = (path, fork, state)
         if key not in backends:

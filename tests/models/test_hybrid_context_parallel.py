@@ -37,9 +37,11 @@ import torch
 from hybrid_cp_workers import group_run
 from hybrid_helpers import episodes, token_weights
 from hybrid_helpers import hf_model as dense_hf_model
-from hybrid_moe_helpers import hf_model, hf_values, tf_values, with_routes
+from hybrid_moe_helpers import (forced_routes, hf_model, hf_values, routers, tf_values,
+                               with_routes)
 
 from tests.deps import require
+from tests.models.moe_helpers import hf_aux_and_nll
 from treeflow.models import Tuning, load_backend
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.train.launch import spawn
@@ -107,9 +109,24 @@ def setup(tmp_path_factory):
 
 
 @functools.cache
+def _aux_setup(root: str):
+    """GraniteMoeHybrid with the router aux loss (coefficient 0.5), its routed rows and the
+    hand formula's loss and gradients on transformers call by call."""
+    hf = hf_model("granitemoehybrid", output_router_logits=True, router_aux_loss_coef=0.5)
+    hf.save_pretrained(f"{root}/granite-aux")
+    rows = with_routes(hf, episodes(9, seed=9).to_pylist(), shift=1)
+    hf.zero_grad()
+    want = hf_aux_and_nll(hf, rows, routers=routers, forced=forced_routes)
+    want.backward()
+    return (f"{root}/granite-aux", rows), float(want.detach()), {
+        n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+
+
+@functools.cache
 def _group(root: str, size: int):
     configs = _configs(_setup(root))
-    return spawn(group_run, size, size, configs, timeout_s=TIMEOUT_S, threads=1)
+    aux = _aux_setup(root)[0]
+    return spawn(group_run, size, size, configs, aux, timeout_s=TIMEOUT_S, threads=1)
 
 
 @functools.cache
@@ -189,6 +206,21 @@ def test_hybrid_context_parallel_equals_one_process_and_transformers(setup, size
         worst["hf_lp"] = max(worst["hf_lp"], lp_err)
         assert lp_err < HF_ABS, (name, lp_err)
     print(f"CP={size} worst: {worst}")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_router_aux_loss_under_context_parallel_equals_the_hand_formula(setup, size):
+    """Each rank weights the aux rows of its own nodes: the group's step loss (NLL + 0.5 x
+    Switch aux) and gradients equal transformers' call by call (test_hybrid_moe_train.py's
+    bounds for the same model in one process)."""
+    root = _root(setup)
+    _, want, want_grads = _aux_setup(root)
+    got = _group(root, size)[0]["aux"]
+    assert abs(got["loss"] - want) < 1e-5 * abs(want)
+    assert want_grads.keys() <= got["grads"].keys()
+    for n, g in want_grads.items():
+        g = g.double()
+        assert float((got["grads"][n] - g).abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-9, n
 
 
 def test_fewer_mamba_heads_than_ranks_is_refused_by_name():
