@@ -331,7 +331,10 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI = _act(_grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X), gated)
-        out_RH = _grouped(h_RI.contiguous(), down_XHI.transpose(1, 2), offs_X)
+        # the activation may leave the compute dtype (CUDA autocast runs relu^2's pow in
+        # float32): the second matmul takes it in its weight's dtype, as autocast casts a
+        # matmul's inputs
+        out_RH = _grouped(h_RI.to(down_XHI.dtype).contiguous(), down_XHI.transpose(1, 2), offs_X)
     else:
         out_RH = _padded_bmm(xs_RH, flat_R[order_R], counts_X, gate_up_XIH, down_XHI,
                              gated=gated)
