@@ -1,4 +1,4 @@
-"""Rank function of the hybrid context-parallel tests (tests/models/test_hybrid_context_parallel.py).
+"""Rank function of the hybrid context-parallel tests (test_hybrid_context_parallel.py).
 
 Every spawned process runs every configuration (family, fork, state dtype, episodes, budget)
 through Pack -> Fragment -> Forward(context_parallel=C) on its share of each bin, and returns

@@ -7,8 +7,8 @@ families: Nemotron-H with MoE blocks and GraniteMoeHybrid under routing replay (
 the model's own shifted by one expert, so a rank that recomputed its routers would differ) and
 Bamba. The episodes (tests/models/hybrid_helpers.py): a GRPO group whose prompt ends inside a
 scan chunk (9 tokens, chunk 4) or on its boundary (8) plus a multi-level agent episode, and one
-long linear episode; budgets that keep whole trees (512) and that cut them into fragments (24; 64 for the chain,
-whose last call needs 63).
+long linear episode; budgets that keep whole trees (512) and that cut them into fragments
+(24; 64 for the chain, whose last call needs 63).
 Both --ssm-fork modes; bfloat16 states against one process.
 
 Each group size is spawned once per module: 2 by default, 3 (heads 4 over 3 ranks: a rank

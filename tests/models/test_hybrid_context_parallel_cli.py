@@ -3,11 +3,11 @@ logprobs and training equal one process given bins of the same budget (C x --max
 
 The gate runs the design's configuration on the same checkpoint: CP=2 steps as CP=1 on the
 same sampled episodes (default); a corrupted route still fails it and the TransferQueue
-backend passes (slow). The checkpoint is the design's gate model in miniature: a Nemotron-H with MoE blocks
-(sigmoid router, correction bias, group-limited top-k) and one MTP layer's tensors, trained
-with `--routing replay` on the model's own routes (agreement 1.0 on the first step). The MTP
-tensors are never run nor trained: the CP run's checkpoint holds them byte for byte. The
-data-parallel x context-parallel run (4 processes) is marked slow.
+backend passes (slow). The checkpoint is the design's gate model in miniature: a Nemotron-H
+with MoE blocks (sigmoid router, correction bias, group-limited top-k) and one MTP layer's
+tensors, trained with `--routing replay` on the model's own routes (agreement 1.0 on the
+first step). The MTP tensors are never run nor trained: the CP run's checkpoint holds them
+byte for byte. The data-parallel x context-parallel run (4 processes) is marked slow.
 
 Tolerances: logprobs 1e-6 of the largest (measured against the single-process run, whose own
 parity with transformers is tests/models/test_hybrid_context_parallel.py's); loss and
