@@ -79,6 +79,10 @@ def _setup(root: str):
         hf.save_pretrained(path)
         cases = {f"prompt{p}": episodes(p, seed=p).to_pylist() for p in (9, 8)}
         cases["linear"] = linear_rows()
+        if family == "nemotron_h_moe":  # two nodes: at CP=3 a rank holds none and takes part
+            cases["short"] = validate_episodes(pa.Table.from_pylist([{
+                "episode_id": "short", "group_id": None, "advantage": 1.0,
+                "calls": [{"token_ids": [5, 9, 11], "sampled_start": 1}]}])).to_pylist()
         if family != "bamba":
             cases = {k: with_routes(hf, v, shift=1) for k, v in cases.items()}
         weights = {k: token_weights(validate_episodes(pa.Table.from_pylist(
@@ -94,7 +98,8 @@ def _configs(setup) -> list:
         routing = "auto" if family == "bamba" else "replay"
         for fork in ("exact", "chunk"):
             for case, rows in cases.items():
-                for budget in (512, 64 if case == "linear" else 24):
+                for budget in ((512,) if case == "short" else
+                               (512, 64 if case == "linear" else 24)):
                     out.append((f"{family}/{fork}/float32/{case}/{budget}", path, fork,
                                 "float32", rows, weights[case], budget, routing))
         rows = cases["prompt9"]
@@ -185,7 +190,7 @@ def test_hybrid_context_parallel_equals_one_process_and_transformers(setup, size
         assert got["grads"].keys() == grads.keys(), name
         if routing == "replay":  # each rank replayed the routes of its own nodes
             total = sum(r[name]["tally"] for r in ranks)
-            assert all(int(r[name]["tally"][1]) > 0 for r in ranks), name
+            assert case == "short" or all(int(r[name]["tally"][1]) > 0 for r in ranks), name
             assert total.tolist() == list(tally[:2]), name
         if state != "float32":
             for n, g in grads.items():

@@ -36,7 +36,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y_NI: torch.Tensor, z_NI: torch.Tensor) -> torch.Tensor:
         dtype = y_NI.dtype
         x = y_NI.float() * F.silu(z_NI.float())
-        x_NGS = x.view(*x.shape[:-1], -1, self.group_size)
+        x_NGS = x.view(*x.shape[:-1], x.shape[-1] // self.group_size, self.group_size)
         x_NGS = x_NGS * torch.rsqrt(x_NGS.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x_NGS.reshape(x.shape).to(dtype)
 

@@ -268,10 +268,11 @@ class MoeBlock(nn.Module):
         choice_NX = probs_NX + self._gate.e_score_correction_bias
         if moe.topk_group < moe.n_group:  # only the best topk_group groups (by their top-2 sum)
             n = choice_NX.shape[0]
-            group_NG = choice_NX.view(n, moe.n_group, -1).topk(2, dim=-1).values.sum(-1)
+            per = moe.num_experts // moe.n_group  # not -1: a rank may hold no node (CP)
+            group_NG = choice_NX.view(n, moe.n_group, per).topk(2, dim=-1).values.sum(-1)
             keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(
                 1, torch.topk(group_NG, moe.topk_group, dim=-1).indices, True)
-            keep_NX = keep_NG.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+            keep_NX = keep_NG.repeat_interleave(per, dim=1)
             choice_NX = choice_NX.masked_fill(~keep_NX, float("-inf"))
         return choice_NX
 
