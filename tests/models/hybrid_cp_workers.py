@@ -18,12 +18,13 @@ from treeflow.models import Tuning, load_backend
 from treeflow.train import DataParallel
 
 
-def cp_values(backend, rows, weights: dict, *, size: int, max_tokens: int, routing: str):
+def cp_values(backend, rows, weights: dict, *, size: int, max_tokens: int, routing: str,
+              kernel: str = "dense"):
     """(sorted occurrence keys, their logprobs, every gradient, route tally), summed over the
     group, for one configuration on this rank."""
     backend.module.zero_grad(set_to_none=True)
     lp, runner, _ = occurrence_logprobs(backend, rows, layout="tree", routing=routing,
-                                        max_tokens=max_tokens, scope="group", kernel="dense",
+                                        max_tokens=max_tokens, scope="group", kernel=kernel,
                                         context_parallel=size)
     keys = sorted(lp)
     sum(weights[k] * lp[k] for k in keys).backward()
@@ -61,7 +62,8 @@ def aux_step(dp, path: str, rows: list) -> dict:
 
 
 def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
-    """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing); aux:
+    """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing), the
+    attention kernel the name's sixth part (default dense); aux:
     (checkpoint with a router aux loss, routed rows) for one Trainer step (aux_step)."""
     dp = DataParallel.from_env("cpu", context_parallel=size)
     out, backends = {}, {}
@@ -72,8 +74,10 @@ def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
         if key not in backends:
             backends[key] = load_backend("reference", path,
                                          tuning=Tuning(ssm_fork=fork, ssm_state_dtype=state))
+        kernel = (name.split("/")[5:] or ["dense"])[0]
         keys, values, grads, tally = cp_values(backends[key], rows, weights, size=size,
-                                               max_tokens=max_tokens, routing=routing)
+                                               max_tokens=max_tokens, routing=routing,
+                                               kernel=kernel)
         out[name] = {"keys": torch.tensor(keys, dtype=torch.int64), "values": values,
                      "grads": grads, "tally": None if tally is None else
                      torch.tensor(np.asarray(tally[:2], dtype=np.int64))}

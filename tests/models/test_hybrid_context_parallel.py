@@ -9,7 +9,8 @@ Bamba. The episodes (tests/models/hybrid_helpers.py): a GRPO group whose prompt 
 scan chunk (9 tokens, chunk 4) or on its boundary (8) plus a multi-level agent episode, and one
 long linear episode; budgets that keep whole trees (512) and that cut them into fragments
 (24; 64 for the chain, whose last call needs 63).
-Both --ssm-fork modes; bfloat16 states against one process.
+Both --ssm-fork modes; bfloat16 states against one process; attention kernel dense (runs and
+flex once); two nodes, so that at CP=3 a rank holds none and still joins every exchange.
 
 Each group size is spawned once per module: 2 by default, 3 (heads 4 over 3 ranks: a rank
 holds one head of a B/C group another rank also reads) marked slow.
@@ -105,6 +106,9 @@ def _configs(setup) -> list:
         rows = cases["prompt9"]
         out.append((f"{family}/chunk/bfloat16/prompt9/24", path, "chunk", "bfloat16", rows,
                     weights["prompt9"], 24, routing))
+        if family == "nemotron_h_moe":  # the other attention kernels (one process: dense)
+            out += [(f"{family}/chunk/float32/prompt9/24/{k}", path, "chunk", "float32", rows,
+                     weights["prompt9"], 24, routing) for k in ("runs", "flex")]
     return out
 
 
