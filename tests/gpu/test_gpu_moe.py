@@ -62,3 +62,25 @@ def test_grouped_experts_equal_the_padded_path_on_cuda():
     out = _padded_bmm(xs[order // k], flat[order], torch.bincount(flat, minlength=x), gu, dn)
     ref = torch.zeros_like(xs).index_add(0, order // k, out * w.reshape(-1)[order, None]).float()
     assert (got - ref).abs().max() < 2e-2 * ref.abs().max()
+
+
+def test_relu2_experts_under_cuda_autocast():
+    """Nemotron-H's relu^2 experts under mixed precision on CUDA: autocast runs the pow in
+    float32 and does not cover torch._grouped_mm; the second matmul still takes bfloat16
+    operands (the gate's bf16 trainer failed here) and equals the hand formula."""
+    from treeflow.models import moe
+
+    g = torch.Generator().manual_seed(1)
+    n, h, i, x, k = 48, 32, 16, 6, 2
+    x_NH, up = torch.randn(n, h, generator=g), 0.2 * torch.randn(x, i, h, generator=g)
+    dn = 0.2 * torch.randn(x, h, i, generator=g)
+    idx, w = torch.rand(n, x, generator=g).topk(k).indices, torch.rand(n, k, generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = moe.expert_mix(*(t.cuda() for t in (x_NH, idx, w, up, dn)), gated=False).cpu()
+    bf, want = torch.bfloat16, torch.zeros(n, h)
+    for t in range(n):
+        for j in range(k):
+            e = int(idx[t, j])
+            act = torch.relu((x_NH[t].to(bf) @ up[e].to(bf).T).float()).square()
+            want[t] += ((act.to(bf) @ dn[e].to(bf).T) * w[t, j]).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

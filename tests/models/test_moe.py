@@ -236,3 +236,34 @@ def test_experts_run_in_the_autocast_dtype():
             want[t] += (out * w[t, j]).float()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_relu2_experts_take_a_float32_activation_in_the_weight_dtype(monkeypatch):
+    """The gate's bfloat16 trainer failure on CUDA (Nemotron-H MoE: "expected mat1 and mat2 to
+    have the same dtype, but got: float != c10::BFloat16" in the second grouped matmul): CUDA
+    autocast runs relu^2's pow in float32 (its float32 op list; CPU autocast keeps bfloat16),
+    and autocast does not cover torch._grouped_mm, so the float32 activation met the bfloat16
+    down weights. Here the activation returns float32 as it does under CUDA autocast; the
+    second matmul must take it in the weights' dtype, as autocast casts a matmul's inputs."""
+    from treeflow.models import moe
+
+    real = moe._act
+    monkeypatch.setattr(moe, "_act", lambda h, gated: real(h, gated).float())
+    g = torch.Generator().manual_seed(1)
+    n, h, i, x, k = 48, 32, 16, 6, 2
+    x_NH = torch.randn(n, h, generator=g)
+    up = 0.2 * torch.randn(x, i, h, generator=g)
+    dn = 0.2 * torch.randn(x, h, i, generator=g)
+    idx = torch.rand(n, x, generator=g).topk(k).indices
+    w = torch.rand(n, k, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = moe.expert_mix(x_NH, idx, w, up, dn, gated=False)
+    bf = torch.bfloat16
+    want = torch.zeros(n, h)
+    for t in range(n):
+        for j in range(k):
+            e = int(idx[t, j])
+            act = torch.relu((x_NH[t].to(bf) @ up[e].to(bf).T).float()).square()
+            want[t] += ((act.to(bf) @ dn[e].to(bf).T) * w[t, j]).float()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -252,6 +252,18 @@ def _file_case(kind):
                  "hidden_size": 32, "layers_block_type": ["linear_attention"]}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
                     "--ssm-kernel", "triton"], ["--ssm-kernel triton"]
+        if kind in ("hybrid-cp-heads", "gate-hybrid-cp-heads"):  # models/support.py, before a load
+            (tmp / "m").mkdir()
+            cfg = {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                   "intermediate_size": 64, "mamba_num_heads": 4, "mamba_head_dim": 8,
+                   "n_groups": 2, "ssm_state_size": 8, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 8,
+                   "layers_block_type": ["linear_attention", "full_attention"]}
+            (tmp / "m" / "config.json").write_text(json.dumps(cfg))
+            argv = (["gate", "--model", tmp / "m"] if kind.startswith("gate") else
+                    ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"])
+            return [*argv, "--context-parallel", "5"], ["--context-parallel 5",
+                                                         "mamba_num_heads=4"]
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
@@ -483,7 +495,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
-         "model-mtp", "model-hybrid-moe", "no-batch", "steps-0",
+         "model-mtp", "model-hybrid-moe", "hybrid-cp-heads", "gate-hybrid-cp-heads",
+         "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",

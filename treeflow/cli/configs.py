@@ -34,8 +34,10 @@ def forward(args, *, entropy: bool = False):
     text = tuning_text(args, model)
     tuning = Tuning.parse(text, **ssm_flags(args))
     ssm_kernel(args, tuning)  # refuses a scan kernel that cannot run here, before any work
-    return Forward(model=model, dtype=args.dtype, kernel=args.kernel,
-                   entropy=entropy, tuning=tuning, **given)
+    fwd = Forward(model=model, dtype=args.dtype, kernel=args.kernel,
+                  entropy=entropy, tuning=tuning, **given)
+    fwd.check_model()  # models/support.py: refused before a model loads or an episode is sampled
+    return fwd
 
 
 def ssm_kernel(args, tuning) -> dict:
@@ -60,10 +62,12 @@ def launch(args, *, train: bool):
     (--backend, --engine, --launcher, ...); refuses a split that cannot run, starting nothing."""
     from treeflow.train.launch_plan import Launch
 
-    return Launch(train=train, num_ranks=args.num_ranks, tensor_parallel=args.tensor_parallel,
-                  context_parallel=args.context_parallel, backend=args.backend,
-                  engine=engine(args), launcher=args.launcher, kernel=args.kernel,
-                  shard_params=args.shard_params, device=args.device, model=args.model)
+    launch = Launch(train=train, num_ranks=args.num_ranks, tensor_parallel=args.tensor_parallel,
+                    context_parallel=args.context_parallel, backend=args.backend,
+                    engine=engine(args), launcher=args.launcher, kernel=args.kernel,
+                    shard_params=args.shard_params, device=args.device, model=args.model)
+    forward(args)  # what the model cannot run with (models/support.py), before a process starts
+    return launch
 
 
 def tuning_text(args, model) -> str:

@@ -80,6 +80,21 @@ class ReferenceBackend(ModuleBackend):
             plan = HybridPlan.build(plan, parents_N, self.config, self.tuning)
         return plan
 
+    def context_parallel_plan(self, parents_N, depths_N, bounds, cp, *, kernel: str,
+                              overlap: bool):
+        """This rank's plan of a bin cut at `bounds` over the context-parallel group `cp`:
+        a ContextParallelPlan, wrapped with the rank's Mamba-2 heads (ssm_cp.py) for a
+        hybrid model."""
+        from treeflow.models.context_parallel import ContextParallelPlan
+
+        plan = ContextParallelPlan(parents_N, depths_N, bounds, cp, kernel=kernel,
+                                   device=self.device, overlap=overlap)
+        if getattr(self.config, "recurrent", False):
+            from treeflow.models.hybrid import HybridPlan
+
+            plan = HybridPlan.build_context_parallel(plan, parents_N, self.config, self.tuning)
+        return plan
+
     def hidden_states(self, tokens_N, positions_N, plan, routes_NW=None, replay=True,
                       aux_weights_N=None):
         """routes_NW: captured MoE expert ids per token (models/moe.py), or None; replay=False

@@ -27,12 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.attention import AttentionPlan
+from treeflow.models.context_parallel import ContextParallelPlan
 from treeflow.models.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.ssm_cp import SsmShard
 from treeflow.models.ssm_tree import SegmentPlan
 from treeflow.models.tuning import Tuning
 
@@ -40,15 +42,20 @@ __all__ = ["HybridDecoder", "HybridPlan"]
 
 
 class HybridPlan:
-    """A bin's tree attention and Mamba segment plan; called like its AttentionPlan."""
+    """A bin's tree attention and Mamba segment plan; called like its AttentionPlan.
 
-    def __init__(self, attention: AttentionPlan, segments: SegmentPlan) -> None:
+    Under context parallelism: the rank's ContextParallelPlan and its SsmShard (ssm_cp.py).
+    """
+
+    def __init__(self, attention: AttentionPlan | ContextParallelPlan,
+                 segments: SegmentPlan | SsmShard) -> None:
         if attention.num_tokens != segments.num_tokens:
             raise ValueError(f"attention plan for {attention.num_tokens} tokens, segment plan for "
                              f"{segments.num_tokens}")
         self.attention, self.segments = attention, segments
         self.num_tokens, self.kernel = attention.num_tokens, attention.kernel
         self.device, self.branching = attention.device, attention.branching
+        self.cpu_flex_backward = getattr(attention, "cpu_flex_backward", False)
 
     @classmethod
     def build(cls, attention: AttentionPlan, parents_N, config: HybridConfig,
@@ -58,11 +65,22 @@ class HybridPlan:
                                           state_dtype=tuning.ssm_state_dtype,
                                           device=attention.device, kernel=tuning.ssm_kernel))
 
+    @classmethod
+    def build_context_parallel(cls, attention: ContextParallelPlan, parents_N,
+                               config: HybridConfig, tuning: Tuning) -> HybridPlan:
+        """This rank's plan of a bin under context parallelism: its attention range and its
+        heads of every Mamba-2 layer over the whole bin."""
+        return cls(attention, SsmShard(parents_N, attention.bounds, attention.cp, config,
+                                       fork=tuning.ssm_fork, state_dtype=tuning.ssm_state_dtype,
+                                       device=attention.device))
+
     def __call__(self, q, k, v):
         return self.attention(q, k, v)
 
     def __repr__(self) -> str:
         s = self.segments
+        if isinstance(s, SsmShard):
+            return f"HybridPlan({self.attention!r}, {s!r})"
         return (f"HybridPlan({self.attention!r}, segments={s.segments}, launches={s.launches}, "
                 f"fork={s.fork!r}, state_dtype={s.state_dtype}, kernel={s.kernel!r})")
 
@@ -284,8 +302,10 @@ class HybridDecoder(Decoder):
             raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for the hybrid "
                              f"{self.config.architecture}; leave them off (got {tuning})")
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        # a context-parallel plan runs flex backward on CPU through the operator's math path
+        checked_grad = requires_grad and not attention.cpu_flex_backward
         self.check_supported(kernel=attention.kernel, device=attention.device,
-                             requires_grad=requires_grad, branching=attention.branching)
+                             requires_grad=checked_grad, branching=attention.branching)
         c = self.config
         check_routes(c, routes_NW, tokens_N.shape[0])
         x_NH = self._embed(tokens_N)

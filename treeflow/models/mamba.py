@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.ssm_cp import SsmShard
 from treeflow.models.ssm_tree import SegmentPlan, tree_conv, tree_ssd
 
 __all__ = ["GatedRMSNorm", "Mamba2Mixer"]
@@ -35,7 +36,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y_NI: torch.Tensor, z_NI: torch.Tensor) -> torch.Tensor:
         dtype = y_NI.dtype
         x = y_NI.float() * F.silu(z_NI.float())
-        x_NGS = x.view(*x.shape[:-1], -1, self.group_size)
+        x_NGS = x.view(*x.shape[:-1], x.shape[-1] // self.group_size, self.group_size)
         x_NGS = x_NGS * torch.rsqrt(x_NGS.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x_NGS.reshape(x.shape).to(dtype)
 
@@ -56,17 +57,40 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.inner, self.inner // self.groups, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=False)
 
-    def forward(self, x_NH: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+    def forward(self, x_NH: torch.Tensor, plan: SegmentPlan | SsmShard) -> torch.Tensor:
         n = x_NH.shape[0]
-        z_NI, xbc_NC, dt_Nh = self.in_proj(x_NH).split([self.inner, self.conv_dim, self.heads], -1)
-        xbc_NC = tree_conv(xbc_NC, self.conv1d.weight, self.conv1d.bias, plan)
-        x_NI, b_N, c_N = xbc_NC.split([self.inner, self.groups * self.state,
-                                       self.groups * self.state], -1)
-        dt_Nh = F.softplus(dt_Nh + self.dt_bias.to(dt_Nh.dtype))
-        dt_Nh = torch.clamp(dt_Nh, min=self.time_step_limit[0], max=self.time_step_limit[1])
-        y_Nhp = tree_ssd(x_NI.reshape(n, self.heads, self.head_dim), dt_Nh,
-                         -torch.exp(self.A_log.float()),
-                         b_N.reshape(n, self.groups, self.state),
-                         c_N.reshape(n, self.groups, self.state), self.D, plan)
-        y_NI = self.norm(y_Nhp.reshape(n, self.inner), z_NI)
+        proj_NF = self.in_proj(x_NH)
+        z_NI = proj_NF[:, :self.inner]
+        if isinstance(plan, SsmShard):  # the whole bin for this rank's heads, then back
+            part_Nf = plan.to_bin(proj_NF)
+            xbc_NC, dt_Nh = part_Nf.split([plan.conv_width, plan.h1 - plan.h0], -1)
+            heads = slice(plan.h0, plan.h1)
+            y_Nhp = self._scan(xbc_NC, dt_Nh, plan.segments, heads, plan.groups,
+                               plan.conv_channels, plan.head_groups)
+            y_NI = plan.to_tokens(y_Nhp.reshape(y_Nhp.shape[0], -1), self.inner)
+        else:
+            xbc_NC, dt_Nh = proj_NF[:, self.inner:].split([self.conv_dim, self.heads], -1)
+            y_NI = self._scan(xbc_NC, dt_Nh, plan, slice(None), self.groups).reshape(n, -1)
+        y_NI = self.norm(y_NI, z_NI)
         return self.out_proj(y_NI.to(x_NH.dtype))
+
+    def _scan(self, xbc_NC, dt_Nh, plan: SegmentPlan, heads: slice, groups: int,
+              channels=None, head_groups=None) -> torch.Tensor:
+        """Conv and scan of the heads `heads` (their `groups` B/C groups, conv `channels`) over
+        every node of `plan`: float32 [N, heads, p]. head_groups: each head's group among
+        them, when the heads do not cover whole groups."""
+        n = xbc_NC.shape[0]
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        if channels is not None:
+            weight = weight.index_select(0, channels)
+            bias = None if bias is None else bias.index_select(0, channels)
+        xbc_NC = tree_conv(xbc_NC, weight, bias, plan)
+        width = groups * self.state
+        x_Nc, b_N, c_N = xbc_NC.split([xbc_NC.shape[1] - 2 * width, width, width], -1)
+        dt_Nh = F.softplus(dt_Nh + self.dt_bias[heads].to(dt_Nh.dtype))
+        dt_Nh = torch.clamp(dt_Nh, min=self.time_step_limit[0], max=self.time_step_limit[1])
+        b_Ngn, c_Ngn = b_N.reshape(n, groups, self.state), c_N.reshape(n, groups, self.state)
+        if head_groups is not None:
+            b_Ngn, c_Ngn = b_Ngn.index_select(1, head_groups), c_Ngn.index_select(1, head_groups)
+        return tree_ssd(x_Nc.reshape(n, -1, self.head_dim), dt_Nh,
+                        -torch.exp(self.A_log[heads].float()), b_Ngn, c_Ngn, self.D[heads], plan)

@@ -268,10 +268,11 @@ class MoeBlock(nn.Module):
         choice_NX = probs_NX + self._gate.e_score_correction_bias
         if moe.topk_group < moe.n_group:  # only the best topk_group groups (by their top-2 sum)
             n = choice_NX.shape[0]
-            group_NG = choice_NX.view(n, moe.n_group, -1).topk(2, dim=-1).values.sum(-1)
+            per = moe.num_experts // moe.n_group  # not -1: a rank may hold no node (CP)
+            group_NG = choice_NX.view(n, moe.n_group, per).topk(2, dim=-1).values.sum(-1)
             keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(
                 1, torch.topk(group_NG, moe.topk_group, dim=-1).indices, True)
-            keep_NX = keep_NG.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+            keep_NX = keep_NG.repeat_interleave(per, dim=1)
             choice_NX = choice_NX.masked_fill(~keep_NX, float("-inf"))
         return choice_NX
 
@@ -331,7 +332,10 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI = _act(_grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X), gated)
-        out_RH = _grouped(h_RI.contiguous(), down_XHI.transpose(1, 2), offs_X)
+        # the activation may leave the compute dtype (CUDA autocast runs relu^2's pow in
+        # float32): the second matmul takes it in its weight's dtype, as autocast casts a
+        # matmul's inputs
+        out_RH = _grouped(h_RI.to(down_XHI.dtype).contiguous(), down_XHI.transpose(1, 2), offs_X)
     else:
         out_RH = _padded_bmm(xs_RH, flat_R[order_R], counts_X, gate_up_XIH, down_XHI,
                              gated=gated)

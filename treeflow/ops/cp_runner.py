@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from treeflow.models.context_parallel import ContextParallelPlan, cp_bounds
+from treeflow.models.context_parallel import cp_bounds
 from treeflow.ops.runner import ForwardRunner, PreparedBin, PreparedBins
 
 
@@ -63,10 +63,10 @@ class ContextParallelRunner(ForwardRunner):
             a, b = span
             depths = val["positions"][a["positions"]:b["positions"]].astype(np.int64)
             bounds = cp_bounds(depths, self.cp.size)
-            plan = ContextParallelPlan(val["parents"][a["parents"]:b["parents"]], depths, bounds,
-                                       self.cp, kernel=self.config.kernel, device=self.device,
-                                       overlap=self.config.context_overlap)
-            lo, hi = plan.local
+            plan = self.backend.context_parallel_plan(
+                val["parents"][a["parents"]:b["parents"]], depths, bounds, self.cp,
+                kernel=self.config.kernel, overlap=self.config.context_overlap)
+            lo, hi = getattr(plan, "attention", plan).local  # a hybrid's: its attention range
             src = val["edge_sources"][a["edge_sources"]:b["edge_sources"]].astype(np.int64)
             owned = np.flatnonzero((src >= lo) & (src < hi))
             tgt = val["edge_targets"][a["edge_targets"]:b["edge_targets"]]
@@ -125,7 +125,8 @@ class ContextParallelRunner(ForwardRunner):
             mine[lo:hi] = owned[occ_edge[lo:hi]]
         return mine
 
-    def _count(self, plan: ContextParallelPlan) -> None:
+    def _count(self, plan) -> None:
+        plan = getattr(plan, "attention", plan)  # a hybrid's: its ContextParallelPlan
         s = self.stats
         s["recv_bytes"] += plan.recv_rows * plan.row_bytes
         s["allgather_bytes"] += plan.allgather_rows * plan.row_bytes

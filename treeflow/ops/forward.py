@@ -36,6 +36,7 @@ def build_forward(forward: Forward, *, device="cpu", model=None, max_tokens: int
 
     device = resolve_device(device)
     if model is None:
+        forward.check_model()  # models/support.py, before the model loads
         options = {"tensor_parallel": forward.tensor_parallel} if forward.tensor_parallel > 1 else {}
         if forward.backend == "reference":
             options["tuning"] = forward.tuning
@@ -57,6 +58,10 @@ def build_forward(forward: Forward, *, device="cpu", model=None, max_tokens: int
     if backend.name != forward.backend:
         raise ValueError(f"Forward(backend={forward.backend!r}) was given a {backend.name!r} "
                          "model; build it with the matching backend")
+    if model is not None:
+        from treeflow.models.support import check
+
+        check(forward, backend.config)
     backend.train(False)
     if forward.context_parallel > 1 or cp is not None:
         from treeflow.models.context_parallel import ContextParallelGroup

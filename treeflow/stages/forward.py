@@ -127,22 +127,9 @@ class Forward(Stage):
         if not isinstance(self.context_overlap, bool):
             raise TypeError(f"Forward(context_overlap={self.context_overlap!r}): give True or "
                             "False")
-        if self.context_parallel > 1:
-            from treeflow.models.context_parallel import CP_KERNELS
+        from treeflow.models.support import check
 
-            if self.backend != "reference":
-                raise ValueError(f"Forward(context_parallel={self.context_parallel}) runs on the "
-                                 f"reference backend; backend {self.backend!r} has no tree "
-                                 "context parallelism yet: use backend='reference'")
-            if self.tuning.recompute in ("attention", "layer"):
-                raise ValueError(f"Forward(context_parallel={self.context_parallel}) with "
-                                 f"tuning recompute={self.tuning.recompute!r} is not supported "
-                                 "yet (it would rerun the K/V exchange in backward): use "
-                                 "recompute='mlp' or 'none'")
-            if self.kernel not in ("auto", *CP_KERNELS):
-                raise ValueError(f"Forward(context_parallel={self.context_parallel}, "
-                                 f"kernel={self.kernel!r}): under context parallelism use "
-                                 f"kernel 'auto' or one of {CP_KERNELS}")
+        check(self)  # models/support.py: what runs with what
 
     def produces(self) -> set[str]:
         """Per-edge values this forward gives (losses are checked against it)."""
@@ -151,6 +138,13 @@ class Forward(Stage):
     def vocab_size_hint(self) -> int:
         """The model's vocabulary size, read from its config, for validating input early."""
         return self.model_config().vocab_size
+
+    def check_model(self) -> None:
+        """Refuse what this Forward cannot run with its model (models/support.py's table), from
+        the model's config.json alone: call it before loading the model or sampling."""
+        from treeflow.models.support import check
+
+        check(self, self.model_config())
 
     def model_config(self):
         """The model's shape (a treeflow.models.ModelConfig), read from its config.json."""
