@@ -154,3 +154,24 @@ def test_hybrid_moe_cost_counts_active_experts(tmp_path, family):
              if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
     pairs = n * (n + 1) // 2
     assert 0.8 < (cost.token * n + cost.pair * pairs) / mm < 1.25
+
+
+def test_qwen3_cost_counts_its_head_dim_exactly(tmp_path):
+    """Qwen3 dense (head_dim 16 != hidden / heads = 8; q/k norms are elementwise): from_config's
+    token term is exactly the matrix products torch counts in training, its edge term the
+    projection's."""
+    from tests.models.families_helpers import hf_qwen3
+    from treeflow.models import load_model
+
+    hf_qwen3().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    cost = CostModel.from_config(model.config, block=1)
+    assert cost == _cost(model.config, block=1)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % model.config.vocab_size, torch.from_numpy(pos),
+              plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    assert sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm")) == cost.token * n

@@ -22,7 +22,10 @@ from treeflow.models.moe_config import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
 # the model backends (models/backend.py loads them); here, in plain Python, so that checking a
 # Forward(backend=...) imports no torch
 BACKENDS = ("reference", "megatron")
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", **MOE_ARCHITECTURES}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3", **MOE_ARCHITECTURES}
+# per-head RMSNorm of q and k before RoPE (transformers' Qwen3Attention.q_norm / k_norm)
+QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 # Keys ModelConfig models itself (or checks and drops); everything else is an extra.
 _MODELLED = {
@@ -51,7 +54,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); never on o_proj
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
-    qk_norm: bool = False  # RMSNorm of q and k per head before RoPE (Qwen3-MoE)
+    # RMSNorm of q and k per head before RoPE (Qwen3, Qwen3-MoE); None: the architecture's
+    qk_norm: bool | None = None
     moe: MoeConfig | None = None  # expert layers (models/moe_config.py); None for a dense model
     hf_extras: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False)
@@ -69,6 +73,12 @@ class ModelConfig:
                 raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
                                  f"num_attention_heads={self.num_attention_heads}; set head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.architecture in QK_NORM_ARCHITECTURES)
+        if self.qk_norm != (self.architecture in QK_NORM_ARCHITECTURES):
+            raise ValueError(f"architecture {self.architecture!r} with qk_norm={self.qk_norm}: "
+                             f"q/k norms belong to {sorted(QK_NORM_ARCHITECTURES)} and to no "
+                             "other (a checkpoint saved otherwise would not load as its class)")
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"architecture {self.architecture!r} with moe={self.moe!r}: the MoE "
                              f"architectures {sorted(MOE_ARCHITECTURES)} need a MoeConfig, the "
@@ -111,7 +121,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Read a Llama / Qwen2 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (transformers 4/5);
+        """Read a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (4/5);
         a registered family's (the Mamba-2 hybrids: Nemotron-H, Bamba, GraniteMoeHybrid) gives
         that family's subclass (a HybridConfig, hybrid_config.py)."""
         archs = d.get("architectures") or ()
@@ -137,7 +147,7 @@ class ModelConfig:
             attention_bias=(arch == "Qwen2ForCausalLM"
                             or (arch == "Qwen2MoeForCausalLM" and bool(d.get("qkv_bias", True)))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            architecture=arch, qk_norm=arch == "Qwen3MoeForCausalLM", moe=moe,
+            architecture=arch, qk_norm=arch in QK_NORM_ARCHITECTURES, moe=moe,
             hf_extras={k: v for k, v in d.items() if k not in _MODELLED},
         )
 
@@ -163,7 +173,7 @@ class ModelConfig:
             d.update(use_sliding_window=False)
         if self.architecture == "Qwen2MoeForCausalLM":
             d.update(qkv_bias=self.attention_bias)
-        elif self.architecture == "Qwen3MoeForCausalLM":
+        elif self.architecture in QK_NORM_ARCHITECTURES:
             d.update(attention_bias=False)
         if self.moe is not None:
             d.update(self.moe.to_hf_dict())
@@ -239,7 +249,7 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
         refuse(f"hidden_act={d['hidden_act']!r} (only 'silu')")
     if d.get("mlp_bias"):
         refuse("mlp_bias=true")
-    if arch in ("LlamaForCausalLM", "Qwen3MoeForCausalLM") and d.get("attention_bias"):
+    if arch in ("LlamaForCausalLM", *QK_NORM_ARCHITECTURES) and d.get("attention_bias"):
         refuse("attention_bias=true (q/k/v/o biases)")
     if d.get("use_sliding_window"):
         refuse("use_sliding_window=true")
