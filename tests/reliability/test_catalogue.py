@@ -244,6 +244,12 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
                  ["config.json", "n_shared_experts=2"])
+        if kind == "model-family-not-yet":  # a family the field trains, not read yet
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "gpt-oss", "is not supported", "Qwen3 (Qwen3ForCausalLM)"]
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
@@ -460,7 +466,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
-         "model-mtp", "model-hybrid-moe", "no-batch", "steps-0",
+         "model-mtp", "model-hybrid-moe", "model-family-not-yet", "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",

@@ -38,6 +38,7 @@ from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import BACKENDS, ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.families import require
 from treeflow.models.tuning import Tuning
 
 __all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"]
@@ -62,6 +63,8 @@ class ReferenceBackend(ModuleBackend):
         self.device = next(model.parameters()).device
         self.tuning = tuning or Tuning()
         t, plain = self.tuning, Tuning()
+        if t.compile_layers or t.recompute != plain.recompute:
+            require(self.config.architecture, "recompute")  # models/families.py
         if ((t.ssm_fork, t.ssm_state_dtype) != (plain.ssm_fork, plain.ssm_state_dtype)
                 and not getattr(self.config, "recurrent", False)):
             warnings.warn(f"ssm_fork={t.ssm_fork!r} / ssm_state_dtype={t.ssm_state_dtype!r} have "

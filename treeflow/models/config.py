@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from treeflow.models.families import unsupported
 from treeflow.models.moe_config import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
 
 # the model backends (models/backend.py loads them); here, in plain Python, so that checking a
@@ -62,8 +63,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"use one of {sorted(ARCHITECTURES)}")
+            raise ValueError(f"ModelConfig: {unsupported(self.architecture)}")
         require_positive(self, ("vocab_size", "hidden_size", "intermediate_size",
                                 "num_hidden_layers", "num_attention_heads",
                                 "num_key_value_heads"), where="ModelConfig.")
@@ -222,14 +222,11 @@ def _architecture(d: Mapping[str, Any]) -> str:
             raise ValueError(f"'architectures' is {json.dumps(archs)}; give a list of one class "
                              f"name, e.g. [\"LlamaForCausalLM\"]")
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-            raise ValueError(f"architectures {archs} are not supported; the reference decoder "
-                             f"reads {sorted(ARCHITECTURES)} and the Mamba-2 hybrids "
-                             "NemotronHForCausalLM, BambaForCausalLM")
+            raise ValueError(unsupported(archs[0] if len(archs) == 1 else archs))
         return archs[0]
     by_type = {v: k for k, v in ARCHITECTURES.items()}
     if not isinstance(d.get("model_type"), str) or d["model_type"] not in by_type:
-        raise ValueError(f"model_type {d.get('model_type')!r} is not supported; "
-                         f"use one of {sorted(by_type)}")
+        raise ValueError(unsupported(f"model_type {d.get('model_type')!r}"))
     return by_type[d["model_type"]]
 
 
