@@ -1,6 +1,7 @@
-"""Tiny random models of transformers' own dense families (Qwen3, ...), weights drawn so that
-a skipped or misplaced norm cannot hide: norms 1 + 0.3 N(0, 1), every other weight 0.3 N(0, 1)
-(sharp attention), from a fixed CPU generator."""
+"""Tiny random models of transformers' own dense families (Qwen3, Gemma 3), weights drawn so
+that a skipped or misplaced norm cannot hide: norms 0.3 N(0, 1) off their unit value (1 for
+Qwen3's w, 0 for Gemma 3's 1 + w), every other weight 0.3 N(0, 1) (sharp attention), from a
+fixed CPU generator."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ transformers = require("transformers")
 VOCAB = 61
 
 
-def drawn(model, seed: int = 0):
-    """`model` with its weights redrawn as the module docstring says; in eval mode."""
+def drawn(model, seed: int = 0, unit: float = 1.0):
+    """`model` with its weights redrawn as the module docstring says (`unit`: a unit norm's
+    stored weight); in eval mode."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+            p.copy_((unit if "norm" in name else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
@@ -30,3 +32,24 @@ def hf_qwen3(seed: int = 0, **over):
         tie_word_embeddings=False), **over})
     torch.manual_seed(seed)
     return drawn(transformers.AutoModelForCausalLM.from_config(config), seed)
+
+
+WINDOW = 4
+GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def hf_gemma3(seed: int = 0, **over):
+    """A random Gemma3ForCausalLM: local layers with a window of WINDOW tokens (shorter than
+    the test paths), global layers with linear RoPE scaling (factor 2) and another base,
+    query_pre_attn_scalar 12 != head_dim 16, tied embeddings (Gemma 3's default)."""
+    config = transformers.Gemma3TextConfig(**{**dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+        query_pre_attn_scalar=12, layer_types=GEMMA3_TYPES,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        **over})
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    return drawn(transformers.Gemma3ForCausalLM(config), seed, unit=0.0)

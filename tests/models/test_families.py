@@ -11,6 +11,7 @@ import pytest
 
 from treeflow.models import families
 from treeflow.models.config import ARCHITECTURES, ModelConfig
+from treeflow.models.gemma3_config import GEMMA3_ARCHITECTURES
 from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
@@ -31,7 +32,8 @@ def test_readme_table_is_generated_from_the_declarations():
 def test_declarations_cover_exactly_what_the_configs_read():
     declared = [a for f in families.FAMILIES for a in f.architectures]
     assert len(declared) == len(set(declared))
-    assert set(declared) == set(ARCHITECTURES) | set(HYBRID_ARCHITECTURES)
+    assert set(declared) == set(ARCHITECTURES) | set(HYBRID_ARCHITECTURES) | set(
+        GEMMA3_ARCHITECTURES)
     assert not set(families.NOT_YET) & set(declared)
 
 

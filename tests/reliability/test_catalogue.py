@@ -244,6 +244,14 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
                  ["config.json", "n_shared_experts=2"])
+        if kind == "model-gemma3-softcap":  # a Gemma 3 option the decoder does not implement
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "final_logit_softcapping": 30.0}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "final_logit_softcapping=30.0"]
         if kind == "model-family-not-yet":  # a family the field trains, not read yet
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -466,7 +474,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "vocab", "o-is-input", "o-dir-missing", "o-is-dir", "o-csv", "logprobs-no-o", "ranks-0",
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
-         "model-mtp", "model-hybrid-moe", "model-family-not-yet", "no-batch", "steps-0",
+         "model-mtp", "model-hybrid-moe", "model-family-not-yet", "model-gemma3-softcap",
+         "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",

@@ -175,3 +175,32 @@ def test_qwen3_cost_counts_its_head_dim_exactly(tmp_path):
               plan).sum().backward()
     counts = fc.get_flop_counts()["Global"]
     assert sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm")) == cost.token * n
+
+
+def test_gemma3_cost_counts_window_pairs_by_depth(tmp_path):
+    """Gemma 3: the token term is the matrix products torch counts; local layers pay
+    min(depth + 1, window) pairs per node, global layers depth + 1 (the hand formula)."""
+    from tests.models.families_helpers import WINDOW, hf_gemma3
+    from treeflow.models import load_model
+
+    hf_gemma3().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    plain = _cost(c, block=1)
+    assert cost.token == plain.token and cost.edge == plain.edge
+    assert (cost.pair, cost.window_pair, cost.window) == (plain.pair / 2, plain.pair / 2, WINDOW)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    assert sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm")) == cost.token * n
+    depths = [0, 1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 7]
+    bins = pa.Table.from_pylist([{"positions": depths, "edge_sources": [0, 5, 12]}],
+                                schema=pa.schema([("positions", pa.list_(pa.int32())),
+                                                  ("edge_sources", pa.list_(pa.int32()))]))
+    want = (cost.token * len(depths) + cost.pair * sum(d + 1 for d in depths)
+            + cost.window_pair * sum(min(d + 1, WINDOW) for d in depths) + cost.edge * 3)
+    assert bin_costs(bins, cost).tolist() == pytest.approx([want], rel=1e-12)

@@ -26,6 +26,11 @@ then serves every layer. Three kernels trade generality for speed:
   the tree over its ancestor path. Exact, forward and backward on any device,
   memory of one run's scores; needs the bin's parents.
 
+A sliding window (Gemma 3's local layers; `AttentionPlan.windowed`) narrows every kernel's
+mask to keys at most window - 1 levels above the query: depth distance along its ancestor
+path (depths from `subtree_end`), never DFS index distance, which on a tree would count a
+sibling subtree lying between a query and its ancestor.
+
 `kernel="auto"` picks causal for chain-only bins (on CUDA varlen FlashAttention,
 on CPU SDPA's fused flash kernel, blocked, so memory stays bounded) and, for
 trees, flex on CUDA and on CPU runs when the parents are given, else dense
@@ -123,7 +128,8 @@ class AttentionPlan:
     def __init__(self, subtree_end_N: np.ndarray, *, kernel: str = "auto",
                  device: torch.device | str = "cpu", branching: bool | None = None,
                  block_size: int = 128, parents_N: np.ndarray | None = None,
-                 pad_to: int | None = None, kernel_options: dict | None = None) -> None:
+                 pad_to: int | None = None, kernel_options: dict | None = None,
+                 window: int | None = None) -> None:
         end_N = np.asarray(subtree_end_N)
         n = len(end_N)
         if end_N.ndim != 1 or (n and not np.issubdtype(end_N.dtype, np.integer)):
@@ -149,18 +155,30 @@ class AttentionPlan:
                 kernel = "runs" if parents_N is not None else "dense"
         TORCH_KERNELS.check(kernel=kernel, device=self.device, requires_grad=False,
                             branching=self.branching)
-        self.kernel = kernel
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r}: give a sliding window of >= 1 tokens, or None")
+        self.kernel, self.window = kernel, window
+        # what `windowed` needs to build this bin's plan again under a window
+        self._build = dict(subtree_end_N=end_N, kernel=kernel, device=self.device,
+                           block_size=block_size, parents_N=parents_N, pad_to=pad_to,
+                           kernel_options=kernel_options)
+        self._windows: dict[int, AttentionPlan] = {}
+        depths_N = None if window is None else depths_from_subtree_end(end_N)
         if kernel == "runs":
             if parents_N is None or len(parents_N) != n:
                 raise ValueError("kernel 'runs' needs the bin's parents_N (one per token)")
-            self._runs = AncestorRuns(parents_N, device=self.device)
+            self._runs = AncestorRuns(parents_N, device=self.device, window=window)
         elif kernel == "dense":
-            self._mask_NN = torch.from_numpy(ancestor_mask(end_N)).to(self.device)
+            mask_NN = ancestor_mask(end_N)
+            if window is not None:  # depth distance along the path, not DFS index distance
+                mask_NN &= depths_N[:, None] - depths_N[None, :] < window
+            self._mask_NN = torch.from_numpy(mask_NN).to(self.device)
         elif kernel == "flex":
             self._kernel_options = dict(kernel_options) if kernel_options else None
             self._padded = bucket(n, block_size, pad_to)
             self._block_size = block_size
-            self._mask = mask_entry(end_N, self._padded, block_size, self.device)
+            self._mask = mask_entry(end_N, self._padded, block_size, self.device,
+                                    depths_N=depths_N, window=window)
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
@@ -168,8 +186,20 @@ class AttentionPlan:
             self._max_len = int(np.diff(starts).max(initial=0))
 
     def __repr__(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
         return (f"AttentionPlan(kernel={self.kernel!r}, num_tokens={self.num_tokens}, "
-                f"branching={self.branching}, device={self.device})")
+                f"branching={self.branching}, device={self.device}{window})")
+
+    def windowed(self, window: int) -> AttentionPlan:
+        """This bin's plan (same kernel) restricted to a sliding window: a query sees the keys
+        on its path at most `window` - 1 tokens above it (transformers' `kv > q - window` with
+        depths for indices). Built once per window and kept with this plan."""
+        if self.window is not None:
+            raise ValueError(f"this plan already has window={self.window}")
+        plan = self._windows.get(window)
+        if plan is None:
+            plan = self._windows[window] = AttentionPlan(**self._build, window=window)
+        return plan
 
     def __call__(self, query_NQD: torch.Tensor, key_NKD: torch.Tensor,
                  value_NKD: torch.Tensor) -> torch.Tensor:
@@ -205,7 +235,7 @@ class AttentionPlan:
             # grad on CUDA an AOTInductor graph, loaded with no dynamo in the process
             out = precompiled_flex("inductor" if cuda else "eager")(
                 to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._mask.tables,
-                self._block_size, self._kernel_options)
+                self._block_size, self.window, self._kernel_options)
         elif cuda:
             # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
             # flex would silently fall back to the unfused kernel that materialises the
@@ -231,12 +261,30 @@ class AttentionPlan:
             else:
                 gqa, groups = {}, q_NQD.shape[1] // k_NKD.shape[1]
                 k_NKD, v_NKD = (x.repeat_interleave(groups, dim=1) for x in (k_NKD, v_NKD))
+            left = -1 if self.window is None else self.window - 1
             return varlen_attn(q_NQD, k_NKD, v_NKD, self._cu_seqlens, self._cu_seqlens,
-                               self._max_len, self._max_len, window_size=(-1, 0), **gqa)
+                               self._max_len, self._max_len, window_size=(left, 0), **gqa)
         bounds = self._bounds
+        if self.window is not None:  # a chain's depths are its indices from its root
+            outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], attn_mask=_band(b - a, self.window,
+                                                                              q_NQD.device))
+                    for a, b in zip(bounds[:-1], bounds[1:])]
+            return torch.cat(outs) if outs else torch.zeros_like(q_NQD)
         outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], is_causal=True)
                 for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(outs) if outs else torch.zeros_like(q_NQD)
+
+
+def _band(n: int, window: int, device) -> torch.Tensor:
+    """[n, n] causal sliding-window mask of one chain: key j visible from i iff i - window < j <= i."""
+    i_N1, j_1N = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
+    return (j_1N <= i_N1) & (j_1N > i_N1 - window)
+
+
+def depths_from_subtree_end(end_N: np.ndarray) -> np.ndarray:
+    """Each node's depth from `subtree_end` alone: i minus the subtrees closed by i, O(N log N)."""
+    n = len(end_N)
+    return np.arange(n) - np.searchsorted(np.sort(end_N), np.arange(n), side="right")
 
 
 def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):

@@ -55,6 +55,10 @@ FAMILIES = (
            note="shared expert; megatron: TP/EP > 1 on CUDA only"),
     Family(name="Mixtral", architectures=("MixtralForCausalLM",), moe_replay=True,
            note="megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), context_parallel=False,
+           recompute=False, megatron=False,
+           note="text only; sliding-window layers (depth distance on trees), (1+w) norms; "
+                "logit softcapping refused"),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), moe_replay=True,
            context_parallel=False, recompute=False, megatron=False,
            note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
@@ -71,7 +75,8 @@ NOT_YET = {
     "Qwen3_5ForCausalLM": "Qwen3.5 (Gated DeltaNet hybrid)",
     "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (Gated DeltaNet hybrid)",
     "GptOssForCausalLM": "gpt-oss (attention sinks, sliding windows, MoE)",
-    "Gemma3ForCausalLM": "Gemma 3 (sliding-window layers)",
+    "Gemma3ForConditionalGeneration": "Gemma 3 vision-language (its text model, "
+                                      "Gemma3ForCausalLM, is read)",
     "DeepseekV3ForCausalLM": "DeepSeek-V3 / Kimi (MLA, group-limited MoE)",
     "Glm4MoeForCausalLM": "GLM-4.5 (group-limited MoE)",
 }

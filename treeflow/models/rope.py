@@ -20,9 +20,12 @@ __all__ = ["Rotary", "apply_rotary"]
 class Rotary:
     """cos/sin tables for given positions; one instance per model."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, factor: float = 1.0) -> None:
+        """factor: linear RoPE scaling (positions / factor; transformers' "linear" rope_type)."""
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self._inv_freq_cpu = 1.0 / (theta ** exponents)
+        if factor != 1.0:
+            self._inv_freq_cpu = self._inv_freq_cpu / factor
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def angles(self, positions_N: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ class AncestorRuns:
     so peak attention memory is heads x block x (path + run), never N^2.
     """
 
-    def __init__(self, parents_N: np.ndarray, device: torch.device | str = "cpu", block: int = 1024):
+    def __init__(self, parents_N: np.ndarray, device: torch.device | str = "cpu", block: int = 1024,
+                 window: int | None = None):
         parents_N = np.asarray(parents_N, dtype=np.int64)
         n = len(parents_N)
         starts = run_starts(parents_N)
@@ -49,6 +50,7 @@ class AncestorRuns:
         self.bounds: list[tuple[int, int]] = []
         self.keys: list[torch.Tensor] = []
         self.seen: list[int] = []
+        self.window = window
         self.pairs = 0  # ancestor pairs attended: L * P + L * (L + 1) / 2 per run
         for r, (a, b) in enumerate(runs):
             p = int(heads[r])
@@ -61,23 +63,29 @@ class AncestorRuns:
             for qa in range(a, b, block):
                 qb = min(qa + block, b)
                 seen = prefix + (qa - a)  # keys before this block's first query
+                # under a sliding window: key j of the path is at depth j, so the block's
+                # first query (depth `seen`) reaches back to depth seen - window + 1 at most
+                skip = 0 if window is None else max(0, seen - window + 1)
                 self.bounds.append((qa, qb))
-                self.keys.append(idx_t[: seen + qb - qa])
-                self.seen.append(seen)
+                self.keys.append(idx_t[skip: seen + qb - qa])
+                self.seen.append(seen - skip)
 
     def __len__(self) -> int:
         return len(self.bounds)
 
     def attend(self, q_NQD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor) -> torch.Tensor:
-        """out_NQD = softmax(q k^T / sqrt(D) over ancestors and self) v, GQA by head repetition."""
+        """out_NQD = softmax(q k^T / sqrt(D) over ancestors and self, within the window) v."""
         heads, kv_heads = q_NQD.shape[1], k_NKD.shape[1]
         outs = []
         for (a, b), idx, seen in zip(self.bounds, self.keys, self.seen):
             # query j of the block sees keys [0, seen + j]: lower-right causal. An explicit mask
             # (rebuilt per call: cheap, and no N x path bools held) measured faster on CPU than
             # padding the queries for the fused upper-left causal kernel.
-            mask = (torch.arange(len(idx), device=idx.device)[None, :]
-                    <= torch.arange(b - a, device=idx.device)[:, None] + seen)
+            key_1P = torch.arange(len(idx), device=idx.device)[None, :]
+            last_L1 = torch.arange(b - a, device=idx.device)[:, None] + seen  # query's own key
+            mask = key_1P <= last_L1
+            if self.window is not None:  # depth distance along the path (key j at depth j)
+                mask &= key_1P > last_L1 - self.window
             # 4-D [1, heads, len, D] inputs: SDPA's fused kernels (the CPU flash kernel too)
             # take only 4-D; 3-D ones fall back to the math path, 5x slower on CPU
             q_1QLD = q_NQD[a:b].transpose(0, 1).unsqueeze(0)

@@ -28,6 +28,7 @@ undo that; N must equal `num_ranks`.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -52,6 +53,10 @@ class CostModel:
     pair: float = 0.0
     edge: float = 0.0
     block: int = 1
+    # sliding-window layers (Gemma 3): FLOPs per pair of theirs; a node of depth d has
+    # min(d + 1, window) of them (exact pairs: the window's tiles are not modelled)
+    window_pair: float = 0.0
+    window: int = 0
 
     @classmethod
     def from_shape(cls, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
@@ -74,6 +79,17 @@ class CostModel:
         dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
         and their outputs, per token); an MoE block its router, top_k active experts and shared
         expert (`_moe_macs`); only attention layers pay per pair."""
+        windows = getattr(c, "windows", None)  # Gemma 3: a window per layer, None = global
+        if windows is not None:
+            base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
+                                  intermediate=c.intermediate_size, heads=c.num_attention_heads,
+                                  kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                                  head_dim=c.head_dim, training=training, block=block)
+            local = sum(w is not None for w in windows)
+            per_layer = base.pair / c.num_hidden_layers
+            return dataclasses.replace(base, pair=per_layer * (len(windows) - local),
+                                       window_pair=per_layer * local,
+                                       window=c.sliding_window if local else 0)
         if not getattr(c, "layer_types", None):
             return cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
@@ -129,7 +145,15 @@ def bin_costs(bins: pa.Table, cost: CostModel) -> np.ndarray:
         if len(full):
             pairs[full] = np.add.reduceat(vals, off[full], dtype=np.int64)
         pairs += tokens
-    return cost.token * tokens + cost.pair * pairs.astype(np.float64) + cost.edge * edges
+    costs = cost.token * tokens + cost.pair * pairs.astype(np.float64) + cost.edge * edges
+    if cost.window_pair:
+        seen = np.minimum(vals.astype(np.int64) + 1, cost.window)  # pairs per node in a window
+        windowed = np.zeros(len(tokens), dtype=np.int64)
+        full = np.flatnonzero(tokens > 0)
+        if len(full):
+            windowed[full] = np.add.reduceat(seen, off[full])
+        costs = costs + cost.window_pair * windowed.astype(np.float64)
+    return costs
 
 
 def tile_pairs(depths_N: np.ndarray, block: int) -> int:
