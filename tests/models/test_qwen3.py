@@ -88,3 +88,28 @@ def test_cli_replay_and_train_on_a_qwen3_checkpoint(pair, tmp_path, capsys):
     hf, _, path = pair
     check_cli(hf, path, tmp_path, capsys)
     assert load_model(path).config.qk_norm
+
+
+@pytest.mark.multiprocess
+def test_context_parallelism_equals_transformers(tmp_path):
+    """The family declares context parallelism: one bin over 2 gloo processes (every CP
+    kernel, tests/models/cp_workers.py's cases) = transformers call by call, logprobs and
+    every gradient within 1e-5 of the tensor's largest entry."""
+    from cp_workers import CASES, KERNELS, bin_step, hf_reference
+
+    from treeflow.train.launch import spawn
+
+    hf = hf_qwen3(vocab_size=256)
+    hf.save_pretrained(tmp_path)
+    ranks = spawn(bin_step, 2, str(tmp_path), 2, timeout_s=240, threads=1)
+    for case in ("branching", "late"):
+        want_lp, want_grads = hf_reference(hf, CASES[case]())
+        for kernel in KERNELS:
+            got = ranks[0][case, kernel]
+            lp = np.asarray(got["logprobs"], np.float64)
+            assert lp.shape == want_lp.shape
+            assert np.abs(lp - want_lp).max() <= 1e-5 * np.abs(want_lp).max(), (case, kernel)
+            assert got["grads"].keys() == want_grads.keys()
+            for n, g in want_grads.items():
+                scale = float(g.abs().max())
+                assert float((got["grads"][n] - g).abs().max()) <= 1e-5 * scale, (case, n)

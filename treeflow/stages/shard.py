@@ -73,8 +73,9 @@ class CostModel:
 
     @classmethod
     def from_config(cls, c, *, training: bool = True, block: int = 128) -> "CostModel":
-        """From a model's config: `from_shape` for attention decoders; for Mamba-2 hybrids
-        (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
+        """From a model's config: `from_shape` for attention decoders (Gemma 3's sliding-window
+        layers pay `window_pair` per pair, min(depth + 1, window) pairs a node); for Mamba-2
+        hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
         in/out projections, the depthwise conv and the chunked scan (C x heads x (state + head
         dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
         and their outputs, per token); an MoE block its router, top_k active experts and shared
