@@ -133,3 +133,33 @@ def test_what_gemma3_does_not_run_is_refused_by_name(pair):
     pytest.importorskip("megatron.core")
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): the megatron backend"):
         load_backend("megatron", str(path))
+
+
+@pytest.mark.parametrize("kernel", ["runs", "causal", "dense"])
+def test_window_across_query_blocks_matches_a_walk(kernel):
+    """Kernel level, past the ancestor-run kernel's 1024-query blocks: chains of 2500 and 700
+    tokens (causal), or them with a fork (runs, dense), window 300; sampled nodes' outputs =
+    float64 softmax over the last 300 nodes of their path, found by walking parents."""
+    import torch
+
+    from treeflow.models import AttentionPlan
+
+    window = 300
+    parents = np.concatenate([np.arange(-1, 2499), np.arange(2499, 3199)])
+    parents[2500] = -1 if kernel == "causal" else 1800  # a second root, or a fork at 1800
+    depths = depths_from_parents(parents)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(len(parents), h, 8, generator=g) for h in (4, 2, 2))
+    plan = AttentionPlan(subtree_end(depths), kernel=kernel,
+                         parents_N=parents if kernel == "runs" else None).windowed(window)
+    out = plan(q, k, v).double()
+    for i in np.random.default_rng(0).choice(len(parents), 60, replace=False).tolist() + [
+            1023, 1024, 2047, 2048, 2499, 2500, 2801, 3199]:
+        path, j = [], i
+        while j >= 0 and len(path) < window:
+            path.append(j)
+            j = int(parents[j])
+        kk, vv = (x[path].double().repeat_interleave(2, 1) for x in (k, v))
+        s = torch.einsum("hd,phd->hp", q[i].double(), kk) / 8 ** 0.5
+        want = torch.einsum("hp,phd->hd", s.softmax(-1), vv)
+        assert float((out[i] - want).abs().max()) < 1e-5, i

@@ -182,6 +182,10 @@ class AttentionPlan:
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
+            if window is not None:  # off varlen FlashAttention: ancestor runs, memory bounded
+                chain_parents = np.arange(-1, n - 1)
+                chain_parents[starts[:-1]] = -1
+                self._chain_runs = AncestorRuns(chain_parents, device=self.device, window=window)
             (self._cu_seqlens,) = to_device([starts.astype(np.int32)], self.device)
             self._max_len = int(np.diff(starts).max(initial=0))
 
@@ -264,21 +268,12 @@ class AttentionPlan:
             left = -1 if self.window is None else self.window - 1
             return varlen_attn(q_NQD, k_NKD, v_NKD, self._cu_seqlens, self._cu_seqlens,
                                self._max_len, self._max_len, window_size=(left, 0), **gqa)
+        if self.window is not None:  # each root's chain: one run, blocks of queries
+            return self._chain_runs.attend(q_NQD, k_NKD, v_NKD)
         bounds = self._bounds
-        if self.window is not None:  # a chain's depths are its indices from its root
-            outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], attn_mask=_band(b - a, self.window,
-                                                                              q_NQD.device))
-                    for a, b in zip(bounds[:-1], bounds[1:])]
-            return torch.cat(outs) if outs else torch.zeros_like(q_NQD)
         outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], is_causal=True)
                 for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(outs) if outs else torch.zeros_like(q_NQD)
-
-
-def _band(n: int, window: int, device) -> torch.Tensor:
-    """[n, n] causal sliding-window mask of one chain: key j visible from i iff i - window < j <= i."""
-    i_N1, j_1N = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
-    return (j_1N <= i_N1) & (j_1N > i_N1 - window)
 
 
 def depths_from_subtree_end(end_N: np.ndarray) -> np.ndarray:
