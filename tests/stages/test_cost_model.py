@@ -204,3 +204,36 @@ def test_gemma3_cost_counts_window_pairs_by_depth(tmp_path):
     want = (cost.token * len(depths) + cost.pair * sum(d + 1 for d in depths)
             + cost.window_pair * sum(min(d + 1, WINDOW) for d in depths) + cost.edge * 3)
     assert bin_costs(bins, cost).tolist() == pytest.approx([want], rel=1e-12)
+
+
+def _per_expert_mm(a_RK, b_XKM, offs_X):
+    """torch._grouped_mm as one counted matmul per expert (torch's FLOP counter has no
+    formula for the grouped op): each expert's rows times its matrix."""
+    starts = [0, *offs_X.tolist()]
+    return torch.cat([a_RK[s:e] @ b_XKM[x] for x, (s, e) in enumerate(zip(starts, starts[1:]))])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_attention_moe_cost_counts_active_experts_exactly(tmp_path, monkeypatch, family):
+    """Qwen3-MoE (a dense layer among expert layers), Qwen2-MoE (shared expert and its gate),
+    Mixtral: the token term is exactly the matrix products torch counts in training, the
+    router and top_k active experts per token (not the dense intermediate_size MLP)."""
+    from tests.models.moe_helpers import hf_model
+    from treeflow.models import load_model, moe
+
+    monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
+
+    hf_model(family).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items()
+             if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
+    assert mm == cost.token * n, (mm, cost.token * n)
+    assert cost.pair == _cost(c, block=1).pair and cost.edge == _cost(c, block=1).edge

@@ -74,7 +74,8 @@ class CostModel:
     @classmethod
     def from_config(cls, c, *, training: bool = True, block: int = 128) -> "CostModel":
         """From a model's config: `from_shape` for attention decoders (Gemma 3's sliding-window
-        layers pay `window_pair` per pair, min(depth + 1, window) pairs a node); for Mamba-2
+        layers pay `window_pair` per pair, min(depth + 1, window) pairs a node; an MoE
+        decoder's expert layers their `_moe_macs`, its dense layers their MLP); for Mamba-2
         hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
         in/out projections, the depthwise conv and the chunked scan (C x heads x (state + head
         dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
@@ -91,6 +92,16 @@ class CostModel:
             return dataclasses.replace(base, pair=per_layer * (len(windows) - local),
                                        window_pair=per_layer * local,
                                        window=c.sliding_window if local else 0)
+        moe = getattr(c, "moe", None)
+        if moe is not None and not getattr(c, "layer_types", None):  # attention MoE decoder
+            base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
+                                  intermediate=0, heads=c.num_attention_heads,
+                                  kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                                  head_dim=c.head_dim, training=training, block=block)
+            sparse = len(moe.moe_layers)
+            mlp = (3 * c.hidden_size * c.intermediate_size * (c.num_hidden_layers - sparse)
+                   + _moe_macs(c) * sparse)
+            return dataclasses.replace(base, token=base.token + (6.0 if training else 2.0) * mlp)
         if not getattr(c, "layer_types", None):
             return cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
@@ -128,6 +139,7 @@ def _moe_macs(c) -> float:
     h, inner = c.hidden_size, moe.latent_size or c.hidden_size
     mats = 2 if moe.family == "nemotron_h" else 3
     shared = (2 if moe.family == "nemotron_h" else 3) * h * moe.shared_expert_intermediate_size
+    shared += h if moe.family == "qwen2_moe" else 0  # its shared expert's sigmoid gate
     latent = 2 * h * moe.latent_size
     return h * moe.num_experts + moe.top_k * mats * inner * moe.moe_intermediate_size + shared + latent
 
