@@ -70,11 +70,12 @@ def check_forks(hf, ours, tokens, parents, kernel: str) -> None:
             torch.testing.assert_close(got[node], want, atol=1e-5, rtol=0)
 
 
-def check_training(hf, path, rows, tmp_path, *, kernel: str) -> None:
+def check_training(hf, path, rows, tmp_path, *, kernel: str,
+                   changed: str = "self_attn.q_norm") -> None:
     """A Trainer step (token-mean NLL over fragments of the tree layout): its loss and every
     float64-summed gradient = the hand formula on transformers call by call; after the
-    optimizer step the saved checkpoint loads in transformers as the same class and gives
-    treeflow's logprobs."""
+    optimizer step (which moved the `changed` parameter) the saved checkpoint loads in
+    transformers as the same class and gives treeflow's logprobs."""
     from treeflow.stages import Loss, Reduce
     from treeflow.train import Trainer
 
@@ -99,8 +100,8 @@ def check_training(hf, path, rows, tmp_path, *, kernel: str) -> None:
         g, mine = p.grad.double(), step._grad64[n]
         assert float((mine - g).abs().max()) <= 1e-5 * float(g.abs().max()), n
     step.finish()
-    assert not torch.equal(ours.model.layers[0].self_attn.q_norm.weight,
-                           load_model(path).model.layers[0].self_attn.q_norm.weight)
+    name = f"model.layers.0.{changed}" + ("" if changed.endswith("sinks") else ".weight")
+    assert not torch.equal(ours.state_dict()[name], load_model(path).state_dict()[name])
     save_model(ours, tmp_path / "after")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "after").eval()
     assert type(back).__name__ == type(hf).__name__

@@ -12,6 +12,7 @@ import pytest
 from treeflow.models import families
 from treeflow.models.config import ARCHITECTURES, ModelConfig
 from treeflow.models.gemma3_config import GEMMA3_ARCHITECTURES
+from treeflow.models.gpt_oss_config import GPT_OSS_ARCHITECTURES
 from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
@@ -33,7 +34,7 @@ def test_declarations_cover_exactly_what_the_configs_read():
     declared = [a for f in families.FAMILIES for a in f.architectures]
     assert len(declared) == len(set(declared))
     assert set(declared) == set(ARCHITECTURES) | set(HYBRID_ARCHITECTURES) | set(
-        GEMMA3_ARCHITECTURES)
+        GEMMA3_ARCHITECTURES) | set(GPT_OSS_ARCHITECTURES)
     assert not set(families.NOT_YET) & set(declared)
 
 

@@ -56,7 +56,8 @@ def test_config_reads_and_writes_qwen3(pair):
                              ("layer_types", ["sliding_attention", "full_attention"],
                               "layer_types"),
                              ("rope_parameters", {"rope_type": "yarn", "factor": 4.0,
-                                                  "rope_theta": 1e6}, "rope_parameters.rope_type=.yarn.")]:
+                                                  "rope_theta": 1e6},
+                              "rope_parameters.rope_type=.yarn.")]:
         with pytest.raises(ValueError, match=rf"Qwen3ForCausalLM config uses {what}"):
             ModelConfig.from_hf_dict({**d, key: value})
 

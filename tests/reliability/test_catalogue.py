@@ -255,9 +255,18 @@ def _file_case(kind):
         if kind == "model-family-not-yet":  # a family the field trains, not read yet
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
-                {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}))
+                {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
-                ["config.json", "gpt-oss", "is not supported", "Qwen3 (Qwen3ForCausalLM)"]
+                ["config.json", "Qwen3-Next", "is not supported", "Qwen3 (Qwen3ForCausalLM)"]
+        if kind == "model-gpt-oss-mxfp4":  # the released gpt-oss checkpoints' MXFP4 experts
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "quantization_config": {"quant_method": "mxfp4"}}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "quantization_config", "dequantize"]
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
@@ -475,6 +484,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
          "model-mtp", "model-hybrid-moe", "model-family-not-yet", "model-gemma3-softcap",
+         "model-gpt-oss-mxfp4",
          "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",

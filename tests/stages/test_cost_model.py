@@ -174,7 +174,8 @@ def test_qwen3_cost_counts_its_head_dim_exactly(tmp_path):
         model(torch.arange(n) % model.config.vocab_size, torch.from_numpy(pos),
               plan).sum().backward()
     counts = fc.get_flop_counts()["Global"]
-    assert sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm")) == cost.token * n
+    mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    assert mm == cost.token * n
 
 
 def test_gemma3_cost_counts_window_pairs_by_depth(tmp_path):
@@ -196,7 +197,8 @@ def test_gemma3_cost_counts_window_pairs_by_depth(tmp_path):
     with FlopCounterMode(display=False) as fc:
         model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
     counts = fc.get_flop_counts()["Global"]
-    assert sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm")) == cost.token * n
+    mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    assert mm == cost.token * n
     depths = [0, 1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 7]
     bins = pa.Table.from_pylist([{"positions": depths, "edge_sources": [0, 5, 12]}],
                                 schema=pa.schema([("positions", pa.list_(pa.int32())),
@@ -237,3 +239,26 @@ def test_attention_moe_cost_counts_active_experts_exactly(tmp_path, monkeypatch,
              if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
     assert mm == cost.token * n, (mm, cost.token * n)
     assert cost.pair == _cost(c, block=1).pair and cost.edge == _cost(c, block=1).edge
+
+
+def test_gpt_oss_cost_counts_router_and_active_experts(tmp_path):
+    """gpt-oss: the token term is exactly the matrix products torch counts in training (its
+    router and top_k of its experts per token; biases and sinks are elementwise), and its
+    alternate layers pay windowed pairs."""
+    from tests.models.families_helpers import WINDOW, hf_gpt_oss
+    from treeflow.models import load_model
+
+    hf_gpt_oss().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    assert (cost.window, cost.window_pair, cost.pair) == (WINDOW, _cost(c).pair / 2,
+                                                          _cost(c).pair / 2)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    assert mm == cost.token * n, (mm, cost.token * n)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from treeflow.models import precompiled
 from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, compiled_flex, flex_api,
                                        flex_present, mask_entry, precompiled_flex, to_device)
-from treeflow.models.runs import AncestorRuns
+from treeflow.models.runs import AncestorRuns, sink_attention
 from treeflow.tree import ancestor_mask
 
 
@@ -182,10 +182,6 @@ class AttentionPlan:
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
-            if window is not None:  # off varlen FlashAttention: ancestor runs, memory bounded
-                chain_parents = np.arange(-1, n - 1)
-                chain_parents[starts[:-1]] = -1
-                self._chain_runs = AncestorRuns(chain_parents, device=self.device, window=window)
             (self._cu_seqlens,) = to_device([starts.astype(np.int32)], self.device)
             self._max_len = int(np.diff(starts).max(initial=0))
 
@@ -206,29 +202,43 @@ class AttentionPlan:
         return plan
 
     def __call__(self, query_NQD: torch.Tensor, key_NKD: torch.Tensor,
-                 value_NKD: torch.Tensor) -> torch.Tensor:
+                 value_NKD: torch.Tensor, sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+        """sinks_Q: an attention sink per query head (gpt-oss): a logit in every query's
+        softmax with no value, so the weights over the keys sum to less than one."""
         if query_NQD.shape[0] != self.num_tokens or query_NQD.device != self.device:
             raise ValueError(f"plan is for {self.num_tokens} tokens on {self.device}, got "
                              f"{query_NQD.shape[0]} on {query_NQD.device}")
         if self.kernel == "dense":
+            if sinks_Q is not None:
+                return sink_attention(query_NQD, key_NKD, value_NKD, self._mask_NN, sinks_Q)
             return _sdpa(query_NQD, key_NKD, value_NKD, attn_mask=self._mask_NN)
         if self.kernel == "runs":
-            return self._runs.attend(query_NQD, key_NKD, value_NKD)
+            return self._runs.attend(query_NQD, key_NKD, value_NKD, sinks_Q)
         if self.kernel == "flex":
             requires_grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (query_NQD, key_NKD, value_NKD))
             TORCH_KERNELS.check(kernel="flex", device=self.device, requires_grad=requires_grad,
                                 branching=True)
-            return self._flex(query_NQD, key_NKD, value_NKD)
+            return self._flex(query_NQD, key_NKD, value_NKD, sinks_Q)
+        if sinks_Q is not None:  # each root's chain as one run: the runs kernel's sink path
+            return self._chain_runs_of().attend(query_NQD, key_NKD, value_NKD, sinks_Q)
         return self._causal(query_NQD, key_NKD, value_NKD)
 
-    def _flex(self, q_NQD, k_NKD, v_NKD):
+    def _chain_runs_of(self) -> AncestorRuns:
+        """The chain kernel's roots as ancestor runs (built once; under a window at __init__)."""
+        if not hasattr(self, "_chain_runs"):
+            chain_parents = np.arange(-1, self.num_tokens - 1)
+            chain_parents[np.asarray(self._bounds[:-1], dtype=np.int64)] = -1
+            self._chain_runs = AncestorRuns(chain_parents, device=self.device, window=self.window)
+        return self._chain_runs
+
+    def _flex(self, q_NQD, k_NKD, v_NKD, sinks_Q=None):
         pad = self._padded - self.num_tokens
 
         def to_1ALD(x_NAD):
             return F.pad(x_NAD, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
 
-        cuda = self.device.type == "cuda"
+        cuda, lse = self.device.type == "cuda", sinks_Q is not None
         if cuda and q_NQD.shape[-1] < 16:
             raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
                              f"{q_NQD.shape[-1]}; use kernel 'dense'")
@@ -239,7 +249,7 @@ class AttentionPlan:
             # grad on CUDA an AOTInductor graph, loaded with no dynamo in the process
             out = precompiled_flex("inductor" if cuda else "eager")(
                 to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._mask.tables,
-                self._block_size, self.window, self._kernel_options)
+                self._block_size, self.window, lse, self._kernel_options)
         elif cuda:
             # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
             # flex would silently fall back to the unfused kernel that materialises the
@@ -247,13 +257,17 @@ class AttentionPlan:
             with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
                 out = compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                        block_mask=self._mask.block_mask, enable_gqa=True,
-                                       kernel_options=self._kernel_options)
+                                       kernel_options=self._kernel_options, return_lse=lse)
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
                 out = flex_api()[1](to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                      block_mask=self._mask.block_mask, enable_gqa=True,
-                                     kernel_options=self._kernel_options)
+                                     kernel_options=self._kernel_options, return_lse=lse)
+        if lse:  # a sink adds exp(sink) to each softmax's sum: out x sigmoid(lse - sink)
+            out, lse_1QL = out
+            keep_1QL = torch.sigmoid(lse_1QL.float() - sinks_Q.float()[None, :, None])
+            out = (out.float() * keep_1QL[..., None]).to(out.dtype)
         return out[0].transpose(0, 1)[: self.num_tokens]
 
     def _causal(self, q_NQD, k_NKD, v_NKD):
@@ -268,8 +282,8 @@ class AttentionPlan:
             left = -1 if self.window is None else self.window - 1
             return varlen_attn(q_NQD, k_NKD, v_NKD, self._cu_seqlens, self._cu_seqlens,
                                self._max_len, self._max_len, window_size=(left, 0), **gqa)
-        if self.window is not None:  # each root's chain: one run, blocks of queries
-            return self._chain_runs.attend(q_NQD, k_NKD, v_NKD)
+        if self.window is not None:  # off FlashAttention: ancestor runs, memory bounded
+            return self._chain_runs_of().attend(q_NQD, k_NKD, v_NKD)
         bounds = self._bounds
         outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], is_causal=True)
                 for a, b in zip(bounds[:-1], bounds[1:])]

@@ -27,6 +27,8 @@ from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.gemma3 import Gemma3Decoder
 from treeflow.models.gemma3_config import Gemma3Config
+from treeflow.models.gpt_oss import GptOssDecoder
+from treeflow.models.gpt_oss_config import GptOssConfig
 from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
@@ -113,12 +115,14 @@ def _empty_decoder(config: ModelConfig) -> Decoder:
 
 
 def _decoder(config: ModelConfig) -> Decoder:
-    """The reference module for `config`: the attention decoder, Gemma 3's or the Mamba-2
-    hybrid."""
+    """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's or the
+    Mamba-2 hybrid."""
     if isinstance(config, HybridConfig):
         return HybridDecoder(config)
     if isinstance(config, Gemma3Config):
         return Gemma3Decoder(config)
+    if isinstance(config, GptOssConfig):
+        return GptOssDecoder(config)
     return Decoder(config)
 
 

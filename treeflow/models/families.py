@@ -37,6 +37,7 @@ class Family:
 
     name: str
     architectures: tuple[str, ...]
+    experts: bool = False  # some checkpoints of the family have MoE layers
     moe_replay: bool = False
     context_parallel: bool = True
     recompute: bool = True
@@ -49,23 +50,27 @@ FAMILIES = (
     Family(name="Qwen2", architectures=("Qwen2ForCausalLM",), note="q/k/v biases"),
     Family(name="Qwen3", architectures=("Qwen3ForCausalLM",),
            note="q/k RMSNorm per head (MCore qk_layernorm)"),
-    Family(name="Qwen3-MoE", architectures=("Qwen3MoeForCausalLM",), moe_replay=True,
-           note="megatron: TP/EP > 1 on CUDA only"),
-    Family(name="Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",), moe_replay=True,
-           note="shared expert; megatron: TP/EP > 1 on CUDA only"),
-    Family(name="Mixtral", architectures=("MixtralForCausalLM",), moe_replay=True,
-           note="megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Qwen3-MoE", architectures=("Qwen3MoeForCausalLM",), experts=True,
+           moe_replay=True, note="megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",), experts=True,
+           moe_replay=True, note="shared expert; megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Mixtral", architectures=("MixtralForCausalLM",), experts=True,
+           moe_replay=True, note="megatron: TP/EP > 1 on CUDA only"),
     Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), context_parallel=False,
            recompute=False, megatron=False,
            note="text only; sliding-window layers (depth distance on trees), (1+w) norms; "
                 "logit softcapping refused"),
-    Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), moe_replay=True,
+    Family(name="gpt-oss", architectures=("GptOssForCausalLM",), experts=True,
            context_parallel=False, recompute=False, megatron=False,
+           note="attention sinks, sliding-window layers, YaRN; experts routed by their router "
+                "(no replay yet); dequantized (bf16/fp32) weights, MXFP4 refused"),
+    Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
+           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
            note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
     Family(name="Bamba", architectures=("BambaForCausalLM",), context_parallel=False,
            recompute=False, megatron=False, note="Mamba-2 tree state forks"),
     Family(name="GraniteMoeHybrid", architectures=("GraniteMoeHybridForCausalLM",),
-           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           experts=True, moe_replay=True, context_parallel=False, recompute=False, megatron=False,
            note="Mamba-2 tree state forks; Granite 4.0-H"),
 )
 
@@ -74,7 +79,6 @@ NOT_YET = {
     "Qwen3NextForCausalLM": "Qwen3-Next (Gated DeltaNet hybrid)",
     "Qwen3_5ForCausalLM": "Qwen3.5 (Gated DeltaNet hybrid)",
     "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (Gated DeltaNet hybrid)",
-    "GptOssForCausalLM": "gpt-oss (attention sinks, sliding windows, MoE)",
     "Gemma3ForConditionalGeneration": "Gemma 3 vision-language (its text model, "
                                       "Gemma3ForCausalLM, is read)",
     "DeepseekV3ForCausalLM": "DeepSeek-V3 / Kimi (MLA, group-limited MoE)",

@@ -65,7 +65,8 @@ def _tree_mask_mod(end_L, depth_L, window: int | None):
 
 
 def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, depth_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n,
-               fq_i, block_size: int, window: int | None, kernel_options: dict | None):
+               fq_i, block_size: int, window: int | None, return_lse: bool,
+               kernel_options: dict | None):
     """flex_attention over the tree mask of `mask_entry`'s tables, the BlockMask built here:
     a function of tensors and constants, which the precompile API saves (a BlockMask argument
     would put its mask_mod closure into the guards)."""
@@ -81,7 +82,7 @@ def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, depth_L, kv_n, kv_i, fkv_n, fkv_i,
         full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
         mask_mod=mask_mod)
     return flex_attention(q_1QLD, k_1KLD, v_1KLD, block_mask=block_mask, enable_gqa=True,
-                          kernel_options=kernel_options)
+                          kernel_options=kernel_options, return_lse=return_lse)
 
 
 @functools.cache

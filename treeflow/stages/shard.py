@@ -73,20 +73,26 @@ class CostModel:
 
     @classmethod
     def from_config(cls, c, *, training: bool = True, block: int = 128) -> "CostModel":
-        """From a model's config: `from_shape` for attention decoders (Gemma 3's sliding-window
-        layers pay `window_pair` per pair, min(depth + 1, window) pairs a node; an MoE
-        decoder's expert layers their `_moe_macs`, its dense layers their MLP); for Mamba-2
-        hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
-        in/out projections, the depthwise conv and the chunked scan (C x heads x (state + head
-        dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
-        and their outputs, per token); an MoE block its router, top_k active experts and shared
-        expert (`_moe_macs`); only attention layers pay per pair."""
-        windows = getattr(c, "windows", None)  # Gemma 3: a window per layer, None = global
+        """From a model's config: `from_shape` for attention decoders (Gemma 3's and gpt-oss's
+        sliding-window layers pay `window_pair` per pair, min(depth + 1, window) pairs a node;
+        an MoE decoder's expert layers their router and top_k experts, its dense layers their
+        MLP); for Mamba-2 hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2
+        layer is linear in tokens: in/out projections, the depthwise conv and the chunked scan
+        (C x heads x (state + head dim) for the intra-chunk products, 2 x heads x head dim x
+        state for the chunk states and their outputs, per token); an MoE block its router,
+        top_k active experts and shared expert (`_moe_macs`); only attention layers pay per
+        pair."""
+        windows = getattr(c, "windows", None)  # Gemma 3, gpt-oss: a window per layer or None
         if windows is not None:
             base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
                                   kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
                                   head_dim=c.head_dim, training=training, block=block)
+            if getattr(c, "num_experts", 0):  # gpt-oss: router + top_k experts, not one MLP
+                h, i = c.hidden_size, c.intermediate_size
+                extra = h * c.num_experts + (c.top_k - 1) * 3 * h * i
+                base = dataclasses.replace(base, token=base.token + (6.0 if training else 2.0)
+                                           * c.num_hidden_layers * extra)
             local = sum(w is not None for w in windows)
             per_layer = base.pair / c.num_hidden_layers
             return dataclasses.replace(base, pair=per_layer * (len(windows) - local),

@@ -101,7 +101,8 @@ class MegatronBackend(ModuleBackend):
         steps and export refuse it (see clip_grad_norm)."""
         if isinstance(source, ModelConfig) or (source != "tiny" and os.path.isdir(source)):
             # before loading the whole checkpoint
-            declared = source if isinstance(source, ModelConfig) else ModelConfig.from_hf_dir(source)
+            declared = (source if isinstance(source, ModelConfig)
+                        else ModelConfig.from_hf_dir(source))
             require(declared.architecture, "megatron")  # models/families.py
             refuse_moe(declared)
         device = _resolve(torch.device(device))
