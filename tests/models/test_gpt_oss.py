@@ -98,3 +98,23 @@ def test_what_gpt_oss_does_not_run_is_refused_by_name(pair):
         load_backend("reference", str(path), tuning=Tuning(recompute="mlp"))
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): context parallelism"):
         build_forward(Forward(context_parallel=2), model=load_backend("reference", str(path)))
+
+
+def test_captured_routes_are_left_unused_with_a_warning(pair, rows):
+    """Episodes that carry routed_experts (from an engine) run with the routers' own choice
+    and say so: the logprobs are transformers' unforced ones."""
+    import torch
+
+    from tests.models.moe_helpers import hf_occurrence_logprobs, occurrence_logprobs
+    from treeflow.ops import runner
+
+    hf, ours, _ = pair
+    routed = [{**r, "calls": [{**c, "routed_experts": [[0, 1]] * len(c["token_ids"])}
+                              for c in r["calls"]]} for r in rows]
+    runner._warn_not_replayed.cache_clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"GptOssForCausalLM: the episodes "
+                                                          r"carry routed_experts, but routing "
+                                                          r"replay is not supported"):
+        got, _, _ = occurrence_logprobs(ours, routed, layout="tree", routing="auto")
+        want = hf_occurrence_logprobs(hf, rows, replay=False)
+    assert max(abs(float(got[k]) - float(want[k])) for k in want) < 1e-5
