@@ -105,6 +105,7 @@ def test_mtp_without_a_bypass_is_refused_by_name(tmp_path):
 def test_megatron_backend_refuses_hybrids_by_name(tmp_path):
     pytest.importorskip("megatron.core")
     save_hf("nemotron_h", tmp_path)
-    with pytest.raises(ValueError, match=r"megatron backend runs attention decoders only; "
-                                         r"NemotronHForCausalLM has Mamba-2"):
+    with pytest.raises(ValueError, match=r"Nemotron-H \(NemotronHForCausalLM\): the megatron "
+                                         r"backend .*is not supported yet; families that have "
+                                         r"it: Llama, "):
         load_backend("megatron", str(tmp_path))

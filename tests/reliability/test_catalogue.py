@@ -264,6 +264,29 @@ def _file_case(kind):
                     ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"])
             return [*argv, "--context-parallel", "5"], ["--context-parallel 5",
                                                          "mamba_num_heads=4"]
+        if kind == "model-gemma3-softcap":  # a Gemma 3 option the decoder does not implement
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "final_logit_softcapping": 30.0}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "final_logit_softcapping=30.0"]
+        if kind == "model-family-not-yet":  # a family the field trains, not read yet
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "Qwen3-Next", "is not supported", "Qwen3 (Qwen3ForCausalLM)"]
+        if kind == "model-gpt-oss-mxfp4":  # the released gpt-oss checkpoints' MXFP4 experts
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "quantization_config": {"quant_method": "mxfp4"}}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "quantization_config", "dequantize"]
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
@@ -496,6 +519,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
          "model-mtp", "model-hybrid-moe", "hybrid-cp-heads", "gate-hybrid-cp-heads",
+         "model-mtp", "model-hybrid-moe", "model-family-not-yet", "model-gemma3-softcap",
+         "model-gpt-oss-mxfp4",
          "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",

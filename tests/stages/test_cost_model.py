@@ -154,3 +154,111 @@ def test_hybrid_moe_cost_counts_active_experts(tmp_path, family):
              if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
     pairs = n * (n + 1) // 2
     assert 0.8 < (cost.token * n + cost.pair * pairs) / mm < 1.25
+
+
+def test_qwen3_cost_counts_its_head_dim_exactly(tmp_path):
+    """Qwen3 dense (head_dim 16 != hidden / heads = 8; q/k norms are elementwise): from_config's
+    token term is exactly the matrix products torch counts in training, its edge term the
+    projection's."""
+    from tests.models.families_helpers import hf_qwen3
+    from treeflow.models import load_model
+
+    hf_qwen3().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    cost = CostModel.from_config(model.config, block=1)
+    assert cost == _cost(model.config, block=1)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % model.config.vocab_size, torch.from_numpy(pos),
+              plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    assert mm == cost.token * n
+
+
+def test_gemma3_cost_counts_window_pairs_by_depth(tmp_path):
+    """Gemma 3: the token term is the matrix products torch counts; local layers pay
+    min(depth + 1, window) pairs per node, global layers depth + 1 (the hand formula)."""
+    from tests.models.families_helpers import WINDOW, hf_gemma3
+    from treeflow.models import load_model
+
+    hf_gemma3().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    plain = _cost(c, block=1)
+    assert cost.token == plain.token and cost.edge == plain.edge
+    assert (cost.pair, cost.window_pair, cost.window) == (plain.pair / 2, plain.pair / 2, WINDOW)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    assert mm == cost.token * n
+    depths = [0, 1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 7]
+    bins = pa.Table.from_pylist([{"positions": depths, "edge_sources": [0, 5, 12]}],
+                                schema=pa.schema([("positions", pa.list_(pa.int32())),
+                                                  ("edge_sources", pa.list_(pa.int32()))]))
+    want = (cost.token * len(depths) + cost.pair * sum(d + 1 for d in depths)
+            + cost.window_pair * sum(min(d + 1, WINDOW) for d in depths) + cost.edge * 3)
+    assert bin_costs(bins, cost).tolist() == pytest.approx([want], rel=1e-12)
+
+
+def _per_expert_mm(a_RK, b_XKM, offs_X):
+    """torch._grouped_mm as one counted matmul per expert (torch's FLOP counter has no
+    formula for the grouped op): each expert's rows times its matrix."""
+    starts = [0, *offs_X.tolist()]
+    return torch.cat([a_RK[s:e] @ b_XKM[x] for x, (s, e) in enumerate(zip(starts, starts[1:]))])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_attention_moe_cost_counts_active_experts_exactly(tmp_path, monkeypatch, family):
+    """Qwen3-MoE (a dense layer among expert layers), Qwen2-MoE (shared expert and its gate),
+    Mixtral: the token term is exactly the matrix products torch counts in training, the
+    router and top_k active experts per token (not the dense intermediate_size MLP)."""
+    from tests.models.moe_helpers import hf_model
+    from treeflow.models import load_model, moe
+
+    monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
+
+    hf_model(family).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items()
+             if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
+    assert mm == cost.token * n, (mm, cost.token * n)
+    assert cost.pair == _cost(c, block=1).pair and cost.edge == _cost(c, block=1).edge
+
+
+def test_gpt_oss_cost_counts_router_and_active_experts(tmp_path):
+    """gpt-oss: the token term is exactly the matrix products torch counts in training (its
+    router and top_k of its experts per token; biases and sinks are elementwise), and its
+    alternate layers pay windowed pairs."""
+    from tests.models.families_helpers import WINDOW, hf_gpt_oss
+    from treeflow.models import load_model
+
+    hf_gpt_oss().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    assert (cost.window, cost.window_pair, cost.pair) == (WINDOW, _cost(c).pair / 2,
+                                                          _cost(c).pair / 2)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
+    assert mm == cost.token * n, (mm, cost.token * n)

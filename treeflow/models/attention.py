@@ -26,6 +26,11 @@ then serves every layer. Three kernels trade generality for speed:
   the tree over its ancestor path. Exact, forward and backward on any device,
   memory of one run's scores; needs the bin's parents.
 
+A sliding window (Gemma 3's local layers; `AttentionPlan.windowed`) narrows every kernel's
+mask to keys at most window - 1 levels above the query: depth distance along its ancestor
+path (depths from `subtree_end`), never DFS index distance, which on a tree would count a
+sibling subtree lying between a query and its ancestor.
+
 `kernel="auto"` picks causal for chain-only bins (on CUDA varlen FlashAttention,
 on CPU SDPA's fused flash kernel, blocked, so memory stays bounded) and, for
 trees, flex on CUDA and on CPU runs when the parents are given, else dense
@@ -50,7 +55,7 @@ import torch.nn.functional as F
 from treeflow.models import precompiled
 from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, compiled_flex, flex_api,
                                        flex_present, mask_entry, precompiled_flex, to_device)
-from treeflow.models.runs import AncestorRuns
+from treeflow.models.runs import AncestorRuns, sink_attention
 from treeflow.tree import ancestor_mask
 
 
@@ -123,7 +128,8 @@ class AttentionPlan:
     def __init__(self, subtree_end_N: np.ndarray, *, kernel: str = "auto",
                  device: torch.device | str = "cpu", branching: bool | None = None,
                  block_size: int = 128, parents_N: np.ndarray | None = None,
-                 pad_to: int | None = None, kernel_options: dict | None = None) -> None:
+                 pad_to: int | None = None, kernel_options: dict | None = None,
+                 window: int | None = None) -> None:
         end_N = np.asarray(subtree_end_N)
         n = len(end_N)
         if end_N.ndim != 1 or (n and not np.issubdtype(end_N.dtype, np.integer)):
@@ -149,18 +155,30 @@ class AttentionPlan:
                 kernel = "runs" if parents_N is not None else "dense"
         TORCH_KERNELS.check(kernel=kernel, device=self.device, requires_grad=False,
                             branching=self.branching)
-        self.kernel = kernel
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r}: give a sliding window of >= 1 tokens, or None")
+        self.kernel, self.window = kernel, window
+        # what `windowed` needs to build this bin's plan again under a window
+        self._build = dict(subtree_end_N=end_N, kernel=kernel, device=self.device,
+                           block_size=block_size, parents_N=parents_N, pad_to=pad_to,
+                           kernel_options=kernel_options)
+        self._windows: dict[int, AttentionPlan] = {}
+        depths_N = None if window is None else depths_from_subtree_end(end_N)
         if kernel == "runs":
             if parents_N is None or len(parents_N) != n:
                 raise ValueError("kernel 'runs' needs the bin's parents_N (one per token)")
-            self._runs = AncestorRuns(parents_N, device=self.device)
+            self._runs = AncestorRuns(parents_N, device=self.device, window=window)
         elif kernel == "dense":
-            self._mask_NN = torch.from_numpy(ancestor_mask(end_N)).to(self.device)
+            mask_NN = ancestor_mask(end_N)
+            if window is not None:  # depth distance along the path, not DFS index distance
+                mask_NN &= depths_N[:, None] - depths_N[None, :] < window
+            self._mask_NN = torch.from_numpy(mask_NN).to(self.device)
         elif kernel == "flex":
             self._kernel_options = dict(kernel_options) if kernel_options else None
             self._padded = bucket(n, block_size, pad_to)
             self._block_size = block_size
-            self._mask = mask_entry(end_N, self._padded, block_size, self.device)
+            self._mask = mask_entry(end_N, self._padded, block_size, self.device,
+                                    depths_N=depths_N, window=window)
         else:
             starts = np.append(_root_starts(end_N), n)
             self._bounds = starts.tolist()
@@ -168,33 +186,59 @@ class AttentionPlan:
             self._max_len = int(np.diff(starts).max(initial=0))
 
     def __repr__(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
         return (f"AttentionPlan(kernel={self.kernel!r}, num_tokens={self.num_tokens}, "
-                f"branching={self.branching}, device={self.device})")
+                f"branching={self.branching}, device={self.device}{window})")
+
+    def windowed(self, window: int) -> AttentionPlan:
+        """This bin's plan (same kernel) restricted to a sliding window: a query sees the keys
+        on its path at most `window` - 1 tokens above it (transformers' `kv > q - window` with
+        depths for indices). Built once per window and kept with this plan."""
+        if self.window is not None:
+            raise ValueError(f"this plan already has window={self.window}")
+        plan = self._windows.get(window)
+        if plan is None:
+            plan = self._windows[window] = AttentionPlan(**self._build, window=window)
+        return plan
 
     def __call__(self, query_NQD: torch.Tensor, key_NKD: torch.Tensor,
-                 value_NKD: torch.Tensor) -> torch.Tensor:
+                 value_NKD: torch.Tensor, sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+        """sinks_Q: an attention sink per query head (gpt-oss): a logit in every query's
+        softmax with no value, so the weights over the keys sum to less than one."""
         if query_NQD.shape[0] != self.num_tokens or query_NQD.device != self.device:
             raise ValueError(f"plan is for {self.num_tokens} tokens on {self.device}, got "
                              f"{query_NQD.shape[0]} on {query_NQD.device}")
         if self.kernel == "dense":
+            if sinks_Q is not None:
+                return sink_attention(query_NQD, key_NKD, value_NKD, self._mask_NN, sinks_Q)
             return _sdpa(query_NQD, key_NKD, value_NKD, attn_mask=self._mask_NN)
         if self.kernel == "runs":
-            return self._runs.attend(query_NQD, key_NKD, value_NKD)
+            return self._runs.attend(query_NQD, key_NKD, value_NKD, sinks_Q)
         if self.kernel == "flex":
             requires_grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (query_NQD, key_NKD, value_NKD))
             TORCH_KERNELS.check(kernel="flex", device=self.device, requires_grad=requires_grad,
                                 branching=True)
-            return self._flex(query_NQD, key_NKD, value_NKD)
+            return self._flex(query_NQD, key_NKD, value_NKD, sinks_Q)
+        if sinks_Q is not None:  # each root's chain as one run: the runs kernel's sink path
+            return self._chain_runs_of().attend(query_NQD, key_NKD, value_NKD, sinks_Q)
         return self._causal(query_NQD, key_NKD, value_NKD)
 
-    def _flex(self, q_NQD, k_NKD, v_NKD):
+    def _chain_runs_of(self) -> AncestorRuns:
+        """The chain kernel's roots as ancestor runs (built once; under a window at __init__)."""
+        if not hasattr(self, "_chain_runs"):
+            chain_parents = np.arange(-1, self.num_tokens - 1)
+            chain_parents[np.asarray(self._bounds[:-1], dtype=np.int64)] = -1
+            self._chain_runs = AncestorRuns(chain_parents, device=self.device, window=self.window)
+        return self._chain_runs
+
+    def _flex(self, q_NQD, k_NKD, v_NKD, sinks_Q=None):
         pad = self._padded - self.num_tokens
 
         def to_1ALD(x_NAD):
             return F.pad(x_NAD, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
 
-        cuda = self.device.type == "cuda"
+        cuda, lse = self.device.type == "cuda", sinks_Q is not None
         if cuda and q_NQD.shape[-1] < 16:
             raise ValueError(f"compiled flex_attention needs head_dim >= 16, got "
                              f"{q_NQD.shape[-1]}; use kernel 'dense'")
@@ -205,7 +249,7 @@ class AttentionPlan:
             # grad on CUDA an AOTInductor graph, loaded with no dynamo in the process
             out = precompiled_flex("inductor" if cuda else "eager")(
                 to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD), *self._mask.tables,
-                self._block_size, self._kernel_options)
+                self._block_size, self.window, lse, self._kernel_options)
         elif cuda:
             # past dynamo's recompile limit (8 per function: lengths x dtypes x grad modes)
             # flex would silently fall back to the unfused kernel that materialises the
@@ -213,13 +257,17 @@ class AttentionPlan:
             with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
                 out = compiled_flex()(to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                        block_mask=self._mask.block_mask, enable_gqa=True,
-                                       kernel_options=self._kernel_options)
+                                       kernel_options=self._kernel_options, return_lse=lse)
         else:  # eager is the only CPU path without a C++ toolchain; it is forward only
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without")
                 out = flex_api()[1](to_1ALD(q_NQD), to_1ALD(k_NKD), to_1ALD(v_NKD),
                                      block_mask=self._mask.block_mask, enable_gqa=True,
-                                     kernel_options=self._kernel_options)
+                                     kernel_options=self._kernel_options, return_lse=lse)
+        if lse:  # a sink adds exp(sink) to each softmax's sum: out x sigmoid(lse - sink)
+            out, lse_1QL = out
+            keep_1QL = torch.sigmoid(lse_1QL.float() - sinks_Q.float()[None, :, None])
+            out = (out.float() * keep_1QL[..., None]).to(out.dtype)
         return out[0].transpose(0, 1)[: self.num_tokens]
 
     def _causal(self, q_NQD, k_NKD, v_NKD):
@@ -231,12 +279,21 @@ class AttentionPlan:
             else:
                 gqa, groups = {}, q_NQD.shape[1] // k_NKD.shape[1]
                 k_NKD, v_NKD = (x.repeat_interleave(groups, dim=1) for x in (k_NKD, v_NKD))
+            left = -1 if self.window is None else self.window - 1
             return varlen_attn(q_NQD, k_NKD, v_NKD, self._cu_seqlens, self._cu_seqlens,
-                               self._max_len, self._max_len, window_size=(-1, 0), **gqa)
+                               self._max_len, self._max_len, window_size=(left, 0), **gqa)
+        if self.window is not None:  # off FlashAttention: ancestor runs, memory bounded
+            return self._chain_runs_of().attend(q_NQD, k_NKD, v_NKD)
         bounds = self._bounds
         outs = [_sdpa(q_NQD[a:b], k_NKD[a:b], v_NKD[a:b], is_causal=True)
                 for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(outs) if outs else torch.zeros_like(q_NQD)
+
+
+def depths_from_subtree_end(end_N: np.ndarray) -> np.ndarray:
+    """Each node's depth from `subtree_end` alone: i minus the subtrees closed by i, O(N log N)."""
+    n = len(end_N)
+    return np.arange(n) - np.searchsorted(np.sort(end_N), np.arange(n), side="right")
 
 
 def _sdpa(q_NQD, k_NKD, v_NKD, **kwargs):

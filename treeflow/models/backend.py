@@ -38,6 +38,7 @@ from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config import BACKENDS, ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.families import require
 from treeflow.models.tuning import Tuning
 
 __all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layout"]
@@ -62,6 +63,8 @@ class ReferenceBackend(ModuleBackend):
         self.device = next(model.parameters()).device
         self.tuning = tuning or Tuning()
         t, plain = self.tuning, Tuning()
+        if t.compile_layers or t.recompute != plain.recompute:
+            require(self.config.architecture, "recompute")  # models/families.py
         changed = [f"{n}={getattr(t, n)!r}" for n in ("ssm_fork", "ssm_state_dtype", "ssm_kernel")
                    if getattr(t, n) != getattr(plain, n)]
         if changed and not getattr(self.config, "recurrent", False):

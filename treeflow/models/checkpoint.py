@@ -25,6 +25,10 @@ from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.gemma3 import Gemma3Decoder
+from treeflow.models.gemma3_config import Gemma3Config
+from treeflow.models.gpt_oss import GptOssDecoder
+from treeflow.models.gpt_oss_config import GptOssConfig
 from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
@@ -111,9 +115,14 @@ def _empty_decoder(config: ModelConfig) -> Decoder:
 
 
 def _decoder(config: ModelConfig) -> Decoder:
-    """The reference module for `config`: the attention decoder or the Mamba-2 hybrid."""
+    """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's or the
+    Mamba-2 hybrid."""
     if isinstance(config, HybridConfig):
         return HybridDecoder(config)
+    if isinstance(config, Gemma3Config):
+        return Gemma3Decoder(config)
+    if isinstance(config, GptOssConfig):
+        return GptOssDecoder(config)
     return Decoder(config)
 
 
@@ -164,11 +173,14 @@ def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
 
 
 def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
-    """normal(0, 0.02) weights, zero biases, unit norms, drawn in place from `generator`;
-    Mamba-2's A_log = log(1..heads), D = 1 and dt_bias = softplus^-1 of dt in [1e-3, 0.1]."""
+    """normal(0, 0.02) weights, zero biases, unit norms (stored as the model's `norm_init`:
+    Gemma 3's (1 + w) norms store 0), drawn in place from `generator`; Mamba-2's A_log =
+    log(1..heads), D = 1 and dt_bias = softplus^-1 of dt in [1e-3, 0.1]."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".D"):
+            if name.endswith("norm.weight"):
+                p.fill_(getattr(model, "norm_init", 1.0))
+            elif name.endswith(".D"):
                 p.fill_(1.0)
             elif name.endswith(".A_log"):
                 p.copy_(torch.log(torch.arange(1, len(p) + 1, dtype=torch.float32)))

@@ -17,12 +17,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from treeflow.models.families import unsupported
 from treeflow.models.moe_config import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
 
 # the model backends (models/backend.py loads them); here, in plain Python, so that checking a
 # Forward(backend=...) imports no torch
 BACKENDS = ("reference", "megatron")
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", **MOE_ARCHITECTURES}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3", **MOE_ARCHITECTURES}
+# per-head RMSNorm of q and k before RoPE (transformers' Qwen3Attention.q_norm / k_norm)
+QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 # Keys ModelConfig models itself (or checks and drops); everything else is an extra.
 _MODELLED = {
@@ -51,15 +55,15 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); never on o_proj
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
-    qk_norm: bool = False  # RMSNorm of q and k per head before RoPE (Qwen3-MoE)
+    # RMSNorm of q and k per head before RoPE (Qwen3, Qwen3-MoE); None: the architecture's
+    qk_norm: bool | None = None
     moe: MoeConfig | None = None  # expert layers (models/moe_config.py); None for a dense model
     hf_extras: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"use one of {sorted(ARCHITECTURES)}")
+            raise ValueError(f"ModelConfig: {unsupported(self.architecture)}")
         require_positive(self, ("vocab_size", "hidden_size", "intermediate_size",
                                 "num_hidden_layers", "num_attention_heads",
                                 "num_key_value_heads"), where="ModelConfig.")
@@ -69,6 +73,12 @@ class ModelConfig:
                 raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
                                  f"num_attention_heads={self.num_attention_heads}; set head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.architecture in QK_NORM_ARCHITECTURES)
+        if self.qk_norm != (self.architecture in QK_NORM_ARCHITECTURES):
+            raise ValueError(f"architecture {self.architecture!r} with qk_norm={self.qk_norm}: "
+                             f"q/k norms belong to {sorted(QK_NORM_ARCHITECTURES)} and to no "
+                             "other (a checkpoint saved otherwise would not load as its class)")
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"architecture {self.architecture!r} with moe={self.moe!r}: the MoE "
                              f"architectures {sorted(MOE_ARCHITECTURES)} need a MoeConfig, the "
@@ -111,9 +121,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Read a Llama / Qwen2 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (transformers 4/5);
-        a registered family's (the Mamba-2 hybrids: Nemotron-H, Bamba, GraniteMoeHybrid) gives
-        that family's subclass (a HybridConfig, hybrid_config.py)."""
+        """Read a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (4/5);
+        a registered family's (the Mamba-2 hybrids, Gemma 3, gpt-oss) gives that family's
+        subclass (hybrid_config.py, gemma3_config.py, gpt_oss_config.py)."""
         archs = d.get("architectures") or ()
         first = archs[0] if isinstance(archs, list) and archs else None
         family = _FAMILIES.get(first) if isinstance(first, str) else None
@@ -137,7 +147,7 @@ class ModelConfig:
             attention_bias=(arch == "Qwen2ForCausalLM"
                             or (arch == "Qwen2MoeForCausalLM" and bool(d.get("qkv_bias", True)))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            architecture=arch, qk_norm=arch == "Qwen3MoeForCausalLM", moe=moe,
+            architecture=arch, qk_norm=arch in QK_NORM_ARCHITECTURES, moe=moe,
             hf_extras={k: v for k, v in d.items() if k not in _MODELLED},
         )
 
@@ -163,7 +173,7 @@ class ModelConfig:
             d.update(use_sliding_window=False)
         if self.architecture == "Qwen2MoeForCausalLM":
             d.update(qkv_bias=self.attention_bias)
-        elif self.architecture == "Qwen3MoeForCausalLM":
+        elif self.architecture in QK_NORM_ARCHITECTURES:
             d.update(attention_bias=False)
         if self.moe is not None:
             d.update(self.moe.to_hf_dict())
@@ -173,9 +183,10 @@ class ModelConfig:
 
 
 # Config families read by a subclass of ModelConfig ({architecture or model_type: subclass}):
-# each registers itself where it is defined (hybrid_config.py), and treeflow/models/__init__.py
-# imports it, so from_hf_dict reads every family while this module imports none of its
-# subclasses (a subclass imports its base; the base importing it back was a cycle).
+# each registers itself where it is defined (hybrid_config.py, gemma3_config.py,
+# gpt_oss_config.py), and treeflow/models/__init__.py imports it, so from_hf_dict reads every
+# family while this module imports none of its subclasses (a subclass imports its base; the
+# base importing it back was a cycle).
 _FAMILIES: dict[str, type] = {}
 _FAMILY_TYPES: dict[str, type] = {}
 
@@ -212,14 +223,11 @@ def _architecture(d: Mapping[str, Any]) -> str:
             raise ValueError(f"'architectures' is {json.dumps(archs)}; give a list of one class "
                              f"name, e.g. [\"LlamaForCausalLM\"]")
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-            raise ValueError(f"architectures {archs} are not supported; the reference decoder "
-                             f"reads {sorted(ARCHITECTURES)} and the Mamba-2 hybrids "
-                             "NemotronHForCausalLM, BambaForCausalLM")
+            raise ValueError(unsupported(archs[0] if len(archs) == 1 else archs))
         return archs[0]
     by_type = {v: k for k, v in ARCHITECTURES.items()}
     if not isinstance(d.get("model_type"), str) or d["model_type"] not in by_type:
-        raise ValueError(f"model_type {d.get('model_type')!r} is not supported; "
-                         f"use one of {sorted(by_type)}")
+        raise ValueError(unsupported(f"model_type {d.get('model_type')!r}"))
     return by_type[d["model_type"]]
 
 
@@ -239,7 +247,7 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
         refuse(f"hidden_act={d['hidden_act']!r} (only 'silu')")
     if d.get("mlp_bias"):
         refuse("mlp_bias=true")
-    if arch in ("LlamaForCausalLM", "Qwen3MoeForCausalLM") and d.get("attention_bias"):
+    if arch in ("LlamaForCausalLM", *QK_NORM_ARCHITECTURES) and d.get("attention_bias"):
         refuse("attention_bias=true (q/k/v/o biases)")
     if d.get("use_sliding_window"):
         refuse("use_sliding_window=true")

@@ -51,8 +51,22 @@ def compiled_flex():
     return torch.compile(flex_api()[1], dynamic=False)
 
 
-def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i,
-               block_size: int, kernel_options: dict | None):
+def _tree_mask_mod(end_L, depth_L, window: int | None):
+    """kv is q or its ancestor (`kv <= q < end[kv]`), and with a sliding `window` at most
+    window - 1 tokens above q along q's path: depth[q] - depth[kv] < window (depth distance,
+    not DFS index distance: a sibling subtree between them does not count)."""
+    if window is None:
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < end_L[kv])
+    else:
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < end_L[kv]) & (depth_L[q] - depth_L[kv] < window)
+    return mask_mod
+
+
+def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, depth_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n,
+               fq_i, block_size: int, window: int | None, return_lse: bool,
+               kernel_options: dict | None):
     """flex_attention over the tree mask of `mask_entry`'s tables, the BlockMask built here:
     a function of tensors and constants, which the precompile API saves (a BlockMask argument
     would put its mask_mod closure into the guards)."""
@@ -60,9 +74,7 @@ def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     padded = end_L.shape[0]
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (q < end_L[kv])
+    mask_mod = _tree_mask_mod(end_L, depth_L, window)
 
     block_mask = BlockMask(
         seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
@@ -70,7 +82,7 @@ def _flex_call(q_1QLD, k_1KLD, v_1KLD, end_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i
         full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block_size, block_size),
         mask_mod=mask_mod)
     return flex_attention(q_1QLD, k_1KLD, v_1KLD, block_mask=block_mask, enable_gqa=True,
-                          kernel_options=kernel_options)
+                          kernel_options=kernel_options, return_lse=return_lse)
 
 
 @functools.cache
@@ -107,20 +119,19 @@ def block_mask_of(end_N: np.ndarray, padded: int, block_size: int, device: torch
 
 
 class MaskEntry:
-    """A tree's flex mask: `tables` (the padded subtree_end and the eight block tables, in
-    `_flex_call`'s order) and `block_mask`, the BlockMask over them, made on first use
-    (importing BlockMask imports dynamo, which the precompiled call never needs)."""
+    """A tree's flex mask: `tables` (the padded subtree_end and depths and the eight block
+    tables, in `_flex_call`'s order), its sliding `window` (None: none) and `block_mask`, the
+    BlockMask over them, made on first use (importing BlockMask imports dynamo, which the
+    precompiled call never needs)."""
 
-    def __init__(self, tables, padded: int, block_size: int) -> None:
+    def __init__(self, tables, padded: int, block_size: int, window: int | None = None) -> None:
         self.tables, self.padded, self.block_size = tables, padded, block_size
+        self.window = window
 
     @functools.cached_property
     def block_mask(self):
-        end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = self.tables
-
-        def mask_mod(b, h, q, kv):
-            return (kv <= q) & (q < end_t[kv])
-
+        end_t, depth_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = self.tables
+        mask_mod = _tree_mask_mod(end_t, depth_t, self.window)
         padded, block = self.padded, self.block_size
         return flex_api()[0](
             seq_lengths=(padded, padded), kv_num_blocks=kv_n, kv_indices=kv_i,
@@ -129,18 +140,31 @@ class MaskEntry:
             mask_mod=mask_mod)
 
 
-def mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.device):
-    """The MaskEntry over `padded` tokens.
+def mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.device,
+               depths_N: np.ndarray | None = None, window: int | None = None):
+    """The MaskEntry over `padded` tokens (with a sliding `window`: `depths_N` are needed).
 
     The block tables come straight from `subtree_end` in O((L / block)^2) numpy,
     not from evaluating the mask per token pair (`create_block_mask`, which on
     CUDA must be compiled per shape to be fast). Query block qb = [q0, q1) and
     key block kb: some pair is visible iff kb <= qb and some key of kb has
     end > q0; every pair is visible iff kb < qb and every key of kb has end >= q1.
+    Under a window a block is skipped when even its closest depths are `window` apart
+    (min query depth - max key depth >= window), and full only when even its farthest are
+    not (max query depth - min key depth < window); the mask_mod decides the rest.
     """
     n = len(end_N)
     end_L = np.concatenate((end_N, np.arange(n + 1, padded + 1))).astype(np.int32)
-    key = (str(device), padded, block_size, hashlib.blake2b(end_L.tobytes()).digest())
+    if window is None:
+        depth_L = np.zeros(0, dtype=np.int32)
+        tag = b""
+    else:
+        if depths_N is None or len(depths_N) != n:
+            raise ValueError("a windowed flex mask needs the bin's depths_N (one per token)")
+        depth_L = np.concatenate((depths_N, np.zeros(padded - n))).astype(np.int32)
+        tag = depth_L.tobytes() + str(window).encode()
+    key = (str(device), padded, block_size, window,
+           hashlib.blake2b(end_L.tobytes() + tag).digest())
 
     def make():
         blocks = padded // block_size
@@ -149,12 +173,19 @@ def mask_entry(end_N: np.ndarray, padded: int, block_size: int, device: torch.de
         kb_1B, qb_B1 = np.arange(blocks)[None, :], np.arange(blocks)[:, None]
         full_BB = (kb_1B < qb_B1) & (end_BK.min(1)[None, :] >= q0_B1 + block_size)
         partial_BB = (kb_1B <= qb_B1) & (end_BK.max(1)[None, :] > q0_B1) & ~full_BB
-        # all nine tables in one host buffer and one copy; the query-side (transposed) tables,
+        if window is not None:
+            dep_BK = depth_L.reshape(blocks, block_size)
+            lo_B, hi_B = dep_BK.min(1), dep_BK.max(1)
+            near_BB = lo_B[:, None] - hi_B[None, :] < window  # [query block, key block]
+            within_BB = hi_B[:, None] - lo_B[None, :] < window
+            partial_BB = (partial_BB | full_BB & ~within_BB) & near_BB
+            full_BB = full_BB & within_BB
+        # all tables in one host buffer and one copy; the query-side (transposed) tables,
         # which backward reads, from numpy too: BlockMask.from_kv_blocks would derive them with
         # vmapped torch ops, Python-heavy work that competes with kernel launches for the GIL
-        parts = (end_L, *block_tables_of(partial_BB), *block_tables_of(full_BB),
+        parts = (end_L, depth_L, *block_tables_of(partial_BB), *block_tables_of(full_BB),
                  *block_tables_of(partial_BB.T), *block_tables_of(full_BB.T))
-        return MaskEntry(tuple(to_device(parts, device)), padded, block_size)
+        return MaskEntry(tuple(to_device(parts, device)), padded, block_size, window)
 
     return _BLOCK_MASKS.get_or_make(key, make)
 

@@ -12,6 +12,10 @@ Legend: N tokens, A heads (query or key/value), D head dim.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 __all__ = ["Rotary", "apply_rotary"]
@@ -20,9 +24,18 @@ __all__ = ["Rotary", "apply_rotary"]
 class Rotary:
     """cos/sin tables for given positions; one instance per model."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, factor: float = 1.0,
+                 yarn: Mapping[str, Any] | None = None) -> None:
+        """factor: linear RoPE scaling (positions / factor; transformers' "linear" rope_type);
+        yarn: transformers' "yarn" rope_parameters (gpt-oss): blended frequencies and cos/sin
+        scaled by its attention factor."""
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self._inv_freq_cpu = 1.0 / (theta ** exponents)
+        self.scaling = 1.0
+        if factor != 1.0:
+            self._inv_freq_cpu = self._inv_freq_cpu / factor
+        if yarn is not None:
+            self._inv_freq_cpu, self.scaling = _yarn(head_dim, theta, yarn)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def angles(self, positions_N: torch.Tensor) -> torch.Tensor:
@@ -36,7 +49,38 @@ class Rotary:
 
     def cos_sin(self, positions_N: torch.Tensor, dtype: torch.dtype):
         emb_ND = self.angles(positions_N)
+        if self.scaling != 1.0:
+            return (emb_ND.cos() * self.scaling).to(dtype), (emb_ND.sin() * self.scaling).to(dtype)
         return emb_ND.cos().to(dtype), emb_ND.sin().to(dtype)
+
+
+def _yarn(head_dim: int, theta: float, p: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention factor) of YaRN as transformers computes them
+    (`_compute_yarn_parameters`: float32 frequencies, a linear ramp between the correction
+    dims, optionally truncated)."""
+    factor = float(p["factor"])
+    original = p["original_max_position_embeddings"]
+    attention = p.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low)
+                       / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+                + (1.0 / pos_freqs) * extrapolation)
+    return inv_freq, float(attention)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

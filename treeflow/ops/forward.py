@@ -65,7 +65,10 @@ def build_forward(forward: Forward, *, device="cpu", model=None, max_tokens: int
     backend.train(False)
     if forward.context_parallel > 1 or cp is not None:
         from treeflow.models.context_parallel import ContextParallelGroup
+        from treeflow.models.families import require
         from treeflow.ops.cp_runner import ContextParallelRunner
+
+        require(backend.config.architecture, "context_parallel")
 
         cp = cp if cp is not None else ContextParallelGroup.from_world(forward.context_parallel)
         if cp.size != forward.context_parallel:

@@ -166,6 +166,10 @@ class ForwardRunner:
     def _routes(self, bins: pa.Table, node_off: np.ndarray) -> torch.Tensor | None:
         """All nodes' routes [nodes of the batch, W] on the device, or None (no MoE / no routes)."""
         if self.route_width is None or "routes" not in bins.column_names:
+            if (self.route_width is None and "routes" in bins.column_names
+                    and bins.column("routes").null_count < len(bins)
+                    and _family_experts(self.backend.config.architecture)):
+                _warn_not_replayed(self.backend.config.architecture)
             return None
         col = bins.column("routes").combine_chunks()
         if col.null_count == len(col):
@@ -345,6 +349,19 @@ def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
 __all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins"]
 
 
+def _family_experts(architecture: str) -> bool:
+    from treeflow.models.families import FAMILIES
+
+    return any(architecture in f.architectures and f.experts for f in FAMILIES)
+
+
+@functools.cache
+def _warn_not_replayed(architecture: str) -> None:
+    warnings.warn(f"{architecture}: the episodes carry routed_experts, but routing replay is not "
+                  "supported for this family yet (models/families.py): its routers choose",
+                  stacklevel=3)
+
+
 @functools.cache
 def _warn_no_agreement(width: int, model_width: int) -> None:
     warnings.warn(f"routing='recompute': the routes have width {width}, this model's {model_width} "
@@ -357,6 +374,11 @@ def _routing(config, backend) -> tuple[int | None, str]:
 
     width = route_width(backend.config)
     routing = getattr(config, "routing", "auto")
+    arch = backend.config.architecture
+    if routing == "replay" and width is None and _family_experts(arch):
+        from treeflow.models.families import require
+
+        require(arch, "moe_replay")  # experts whose routes cannot be replayed yet: by name
     if routing == "replay" and width is None:
         raise ValueError(f"Forward(routing='replay'): {backend.config.architecture} has no "
                          "experts to replay routes into; use routing='auto' or 'recompute'")

@@ -64,8 +64,13 @@ class TreeSummaries:
     branches_T: np.ndarray  # estimated append-only runs (the most pieces Fragment can cut)
 
     def costs(self, cost) -> np.ndarray:
-        """Shard's formula (`CostModel` coefficients) on the estimates."""
-        return cost.token * self.nodes_T + cost.pair * self.pairs_T + cost.edge * self.edges_T
+        """Shard's formula (`CostModel` coefficients) on the estimates; a sliding window's
+        pairs bounded by both the pairs and window x nodes."""
+        costs = cost.token * self.nodes_T + cost.pair * self.pairs_T + cost.edge * self.edges_T
+        if getattr(cost, "window_pair", 0.0):
+            costs = costs + cost.window_pair * np.minimum(self.pairs_T,
+                                                          cost.window * self.nodes_T)
+        return costs
 
 
 def _lengths(col) -> np.ndarray:

@@ -28,6 +28,7 @@ undo that; N must equal `num_ranks`.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -52,6 +53,10 @@ class CostModel:
     pair: float = 0.0
     edge: float = 0.0
     block: int = 1
+    # sliding-window layers (Gemma 3): FLOPs per pair of theirs; a node of depth d has
+    # min(d + 1, window) of them (exact pairs: the window's tiles are not modelled)
+    window_pair: float = 0.0
+    window: int = 0
 
     @classmethod
     def from_shape(cls, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
@@ -68,12 +73,41 @@ class CostModel:
 
     @classmethod
     def from_config(cls, c, *, training: bool = True, block: int = 128) -> "CostModel":
-        """From a model's config: `from_shape` for attention decoders; for Mamba-2 hybrids
-        (models/hybrid_config.py) each layer by its kind. A Mamba-2 layer is linear in tokens:
-        in/out projections, the depthwise conv and the chunked scan (C x heads x (state + head
-        dim) for the intra-chunk products, 2 x heads x head dim x state for the chunk states
-        and their outputs, per token); an MoE block its router, top_k active experts and shared
-        expert (`_moe_macs`); only attention layers pay per pair."""
+        """From a model's config: `from_shape` for attention decoders (Gemma 3's and gpt-oss's
+        sliding-window layers pay `window_pair` per pair, min(depth + 1, window) pairs a node;
+        an MoE decoder's expert layers their router and top_k experts, its dense layers their
+        MLP); for Mamba-2 hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2
+        layer is linear in tokens: in/out projections, the depthwise conv and the chunked scan
+        (C x heads x (state + head dim) for the intra-chunk products, 2 x heads x head dim x
+        state for the chunk states and their outputs, per token); an MoE block its router,
+        top_k active experts and shared expert (`_moe_macs`); only attention layers pay per
+        pair."""
+        windows = getattr(c, "windows", None)  # Gemma 3, gpt-oss: a window per layer or None
+        if windows is not None:
+            base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
+                                  intermediate=c.intermediate_size, heads=c.num_attention_heads,
+                                  kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                                  head_dim=c.head_dim, training=training, block=block)
+            if getattr(c, "num_experts", 0):  # gpt-oss: router + top_k experts, not one MLP
+                h, i = c.hidden_size, c.intermediate_size
+                extra = h * c.num_experts + (c.top_k - 1) * 3 * h * i
+                base = dataclasses.replace(base, token=base.token + (6.0 if training else 2.0)
+                                           * c.num_hidden_layers * extra)
+            local = sum(w is not None for w in windows)
+            per_layer = base.pair / c.num_hidden_layers
+            return dataclasses.replace(base, pair=per_layer * (len(windows) - local),
+                                       window_pair=per_layer * local,
+                                       window=c.sliding_window if local else 0)
+        moe = getattr(c, "moe", None)
+        if moe is not None and not getattr(c, "layer_types", None):  # attention MoE decoder
+            base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
+                                  intermediate=0, heads=c.num_attention_heads,
+                                  kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                                  head_dim=c.head_dim, training=training, block=block)
+            sparse = len(moe.moe_layers)
+            mlp = (3 * c.hidden_size * c.intermediate_size * (c.num_hidden_layers - sparse)
+                   + _moe_macs(c) * sparse)
+            return dataclasses.replace(base, token=base.token + (6.0 if training else 2.0) * mlp)
         if not getattr(c, "layer_types", None):
             return cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
@@ -111,6 +145,7 @@ def _moe_macs(c) -> float:
     h, inner = c.hidden_size, moe.latent_size or c.hidden_size
     mats = 2 if moe.family == "nemotron_h" else 3
     shared = (2 if moe.family == "nemotron_h" else 3) * h * moe.shared_expert_intermediate_size
+    shared += h if moe.family == "qwen2_moe" else 0  # its shared expert's sigmoid gate
     latent = 2 * h * moe.latent_size
     return h * moe.num_experts + moe.top_k * mats * inner * moe.moe_intermediate_size + shared + latent
 
@@ -129,7 +164,15 @@ def bin_costs(bins: pa.Table, cost: CostModel) -> np.ndarray:
         if len(full):
             pairs[full] = np.add.reduceat(vals, off[full], dtype=np.int64)
         pairs += tokens
-    return cost.token * tokens + cost.pair * pairs.astype(np.float64) + cost.edge * edges
+    costs = cost.token * tokens + cost.pair * pairs.astype(np.float64) + cost.edge * edges
+    if cost.window_pair:
+        seen = np.minimum(vals.astype(np.int64) + 1, cost.window)  # pairs per node in a window
+        windowed = np.zeros(len(tokens), dtype=np.int64)
+        full = np.flatnonzero(tokens > 0)
+        if len(full):
+            windowed[full] = np.add.reduceat(seen, off[full])
+        costs = costs + cost.window_pair * windowed.astype(np.float64)
+    return costs
 
 
 def tile_pairs(depths_N: np.ndarray, block: int) -> int:

@@ -54,6 +54,7 @@ from treeflow.models.attention import AttentionPlan
 from treeflow.models.backend_base import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config import ModelConfig
+from treeflow.models.families import require
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
                                               unshard_tensor)
@@ -98,17 +99,19 @@ class MegatronBackend(ModuleBackend):
         expert-model-parallel group); every rank of that group must run every bin with the
         others (the dispatcher gathers their tokens). Forward and backward only: training
         steps and export refuse it (see clip_grad_norm)."""
-        if isinstance(source, ModelConfig):
-            refuse_moe(source)
-        elif source != "tiny" and os.path.isdir(source):  # before loading the whole checkpoint
-            refuse_moe(ModelConfig.from_hf_dir(source))
+        if isinstance(source, ModelConfig) or (source != "tiny" and os.path.isdir(source)):
+            # before loading the whole checkpoint
+            declared = (source if isinstance(source, ModelConfig)
+                        else ModelConfig.from_hf_dir(source))
+            require(declared.architecture, "megatron")  # models/families.py
+            refuse_moe(declared)
         device = _resolve(torch.device(device))
         reference = load_model(source, dtype=torch.float32, device="cpu")  # HF names, checked
         config = reference.config
-        if getattr(config, "recurrent", False) or getattr(reference, "frozen_tensors", None):
-            raise ValueError(f"the megatron backend runs attention decoders only; "
-                             f"{config.architecture} has Mamba-2 layers and/or MTP layers "
-                             "(multi-token prediction): use --backend reference")
+        if getattr(reference, "frozen_tensors", None):  # Mamba-2 families: require() above
+            raise ValueError(f"the megatron backend runs attention decoders only; this "
+                             f"{config.architecture} checkpoint has MTP layers (multi-token "
+                             "prediction): use --backend reference")
         check_expert_parallel(config, tensor_parallel, expert_parallel)
         if config.moe is not None and (tensor_parallel > 1 or expert_parallel > 1) \
                 and device.type != "cuda":

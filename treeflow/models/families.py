@@ -1,0 +1,153 @@
+"""Which model families run where: the one declaration the code refuses from and README shows.
+
+Each `Family` names the Hugging Face classes it reads and what it supports beyond the reference
+backend's tree / chain / exact layouts (which every family has): MoE routing replay, context
+parallelism, the reference backend's compile / recompute levers (`Tuning`), and the megatron
+backend. The checks that refuse a combination (`require`) read these declarations, and
+README's compatibility table is generated from them (`markdown_table`;
+tests/models/test_families.py fails when README's copy is stale), so the table cannot claim
+what the code refuses. Families the field trains but treeflow does not read yet are listed by
+name (`NOT_YET`), so that refusing one names the family and what is supported instead of a
+bare class name. The trade-off: a capability is declared per family, not per checkpoint, so a
+checkpoint-level limit (MTP heads, a router aux loss, expert count) is still checked where the
+checkpoint is read; the table says "per checkpoint" facts in its notes.
+
+Plain Python (no torch): the CLI and configs check against it before anything loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["FAMILIES", "NOT_YET", "Family", "family_of", "markdown_table", "require",
+           "unsupported", "write_readme"]
+
+LAYOUTS = ("tree", "chain", "exact")
+FEATURES = {  # feature -> (table header, what a refusal calls it)
+    "moe_replay": ("MoE routing replay", "MoE routing replay (--routing replay)"),
+    "context_parallel": ("context parallel", "context parallelism (--context-parallel)"),
+    "recompute": ("compile / recompute", "Tuning(compile_layers / recompute) (--tuning)"),
+    "megatron": ("megatron backend", "the megatron backend (--backend megatron)"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Family:
+    """One model family: its HF classes and what it supports (see the module docstring)."""
+
+    name: str
+    architectures: tuple[str, ...]
+    experts: bool = False  # some checkpoints of the family have MoE layers
+    moe_replay: bool = False
+    context_parallel: bool = True
+    recompute: bool = True
+    megatron: bool = True
+    note: str = ""
+
+
+FAMILIES = (
+    Family(name="Llama", architectures=("LlamaForCausalLM",)),
+    Family(name="Qwen2", architectures=("Qwen2ForCausalLM",), note="q/k/v biases"),
+    Family(name="Qwen3", architectures=("Qwen3ForCausalLM",),
+           note="q/k RMSNorm per head (MCore qk_layernorm)"),
+    Family(name="Qwen3-MoE", architectures=("Qwen3MoeForCausalLM",), experts=True,
+           moe_replay=True, note="megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",), experts=True,
+           moe_replay=True, note="shared expert; megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Mixtral", architectures=("MixtralForCausalLM",), experts=True,
+           moe_replay=True, note="megatron: TP/EP > 1 on CUDA only"),
+    Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), context_parallel=False,
+           recompute=False, megatron=False,
+           note="text only; sliding-window layers (depth distance on trees), (1+w) norms; "
+                "logit softcapping refused"),
+    Family(name="gpt-oss", architectures=("GptOssForCausalLM",), experts=True,
+           context_parallel=False, recompute=False, megatron=False,
+           note="attention sinks, sliding-window layers, YaRN; experts routed by their router "
+                "(no replay yet); dequantized (bf16/fp32) weights, MXFP4 refused"),
+    Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
+           moe_replay=True, recompute=False, megatron=False,
+           note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
+    Family(name="Bamba", architectures=("BambaForCausalLM",),
+           recompute=False, megatron=False, note="Mamba-2 tree state forks"),
+    Family(name="GraniteMoeHybrid", architectures=("GraniteMoeHybridForCausalLM",),
+           experts=True, moe_replay=True, recompute=False, megatron=False,
+           note="Mamba-2 tree state forks; Granite 4.0-H"),
+)
+
+# families read by nothing yet: {HF class: family name}
+NOT_YET = {
+    "Qwen3NextForCausalLM": "Qwen3-Next (Gated DeltaNet hybrid)",
+    "Qwen3_5ForCausalLM": "Qwen3.5 (Gated DeltaNet hybrid)",
+    "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (Gated DeltaNet hybrid)",
+    "Gemma3ForConditionalGeneration": "Gemma 3 vision-language (its text model, "
+                                      "Gemma3ForCausalLM, is read)",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 / Kimi (MLA, group-limited MoE)",
+    "Glm4MoeForCausalLM": "GLM-4.5 (group-limited MoE)",
+}
+
+_BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
+
+
+def family_of(architecture: str) -> Family:
+    """The declared family of an HF class; ValueError naming it and what is supported."""
+    family = _BY_ARCH.get(architecture)
+    if family is None:
+        raise ValueError(unsupported(architecture))
+    return family
+
+
+def unsupported(architecture) -> str:
+    """One line: the family `architecture` belongs to (when known) and what is supported."""
+    known = NOT_YET.get(architecture) if isinstance(architecture, str) else None
+    what = f"{architecture} ({known})" if known else f"{architecture!r}"
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES)
+    return f"model family {what} is not supported; treeflow reads {supported}"
+
+
+def require(architecture: str, feature: str) -> None:
+    """ValueError naming the family, the feature and the families that have it, unless the
+    family of `architecture` declares `feature` (a key of FEATURES)."""
+    if feature not in FEATURES:
+        raise AssertionError(f"unknown feature {feature!r}")
+    family = family_of(architecture)
+    if not getattr(family, feature):
+        having = [f.name for f in FAMILIES if getattr(f, feature)]
+        raise ValueError(f"{family.name} ({architecture}): {FEATURES[feature][1]} is not "
+                         f"supported yet; families that have it: {', '.join(having)}")
+
+
+def markdown_table() -> str:
+    """README's compatibility table, one row per family, from the declarations above."""
+    head = ["family", "HF class", "layouts (reference)", *(h for h, _ in FEATURES.values()),
+            "notes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for f in FAMILIES:
+        cells = [f.name, ", ".join(f"`{a}`" for a in f.architectures), " / ".join(LAYOUTS),
+                 *("yes" if getattr(f, k) else "no" for k in FEATURES), f.note]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Not read yet (refused with this list): "
+                 + "; ".join(f"{v} (`{k}`)" for k, v in NOT_YET.items()) + ".")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
+
+
+def readme_with_table(text: str) -> str:
+    """`text` (README.md) with the part between BEGIN and END replaced by `markdown_table()`."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"README needs one {BEGIN} line before one {END} line")
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{markdown_table()}\n{END}{tail}"
+
+
+def write_readme(path) -> None:
+    """Rewrite README.md's table at `path` (between BEGIN and END) from the declarations."""
+    from treeflow.atomic import atomic_open
+
+    with open(path) as f:
+        new = readme_with_table(f.read())
+    with atomic_open(path, "w") as f:
+        f.write(new)

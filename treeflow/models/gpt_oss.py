@@ -1,0 +1,167 @@
+"""gpt-oss over one tree bin: attention sinks, alternating sliding windows, experts.
+
+Parameter names are transformers' (`model.layers.i.self_attn.sinks`,
+`model.layers.i.mlp.experts.gate_up_proj`, ...), so a checkpoint loads and saves 1:1. Every
+query head's sink enters each tree kernel's softmax (`AttentionPlan(..., sinks_Q)`: an
+explicit float32 softmax in the dense, ancestor-run and chain kernels, flex's log-sum-exp
+otherwise); local layers take the plan under their window (`AttentionPlan.windowed`: depth
+distance along the path). Each token's router picks top_k experts from its biased logits,
+weighted by the softmax of the chosen logits; an expert is `(up + 1) * gate *
+sigmoid(alpha * gate)` over clamped, interleaved gate/up columns, with biases. A shared node
+has one hidden state, so one routing, whichever calls share it. The trade-off: the experts
+run one matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of
+moe.py), and routes are never replayed (models/families.py declares it).
+
+Legend: N tokens, H hidden, I expert width, X experts, K top_k, Q query heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflow.models.attention import AttentionPlan
+from treeflow.models.decoder import Decoder, RMSNorm
+from treeflow.models.gpt_oss_config import GptOssConfig
+from treeflow.models.layer_ops import layer_ops
+from treeflow.models.moe import check_routes
+from treeflow.models.rope import Rotary, apply_rotary
+
+__all__ = ["GptOssDecoder"]
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (c.num_attention_heads,
+                                                    c.num_key_value_heads, c.head_dim)
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.heads))
+
+    def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
+        n = x_NH.shape[0]
+        q_NQD = self.q_proj(x_NH).view(n, self.heads, self.head_dim)
+        k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
+        q_NQD, k_NKD = apply_rotary(q_NQD, cos_ND, sin_ND), apply_rotary(k_NKD, cos_ND, sin_ND)
+        out_NQD = attention(q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD, self.sinks)
+        return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
+
+
+class GptOssRouter(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.top_k = c.top_k
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(c.num_experts))
+
+    def forward(self, x_NH):
+        """(expert ids [N, K], weights [N, K]): top_k logits, softmax over them."""
+        top_NK, idx_NK = torch.topk(F.linear(x_NH, self.weight, self.bias), self.top_k, dim=-1)
+        return idx_NK, torch.softmax(top_NK, dim=-1)
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        x, h, i = c.num_experts, c.hidden_size, c.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(x, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(x, 2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(x, i, h))
+        self.down_proj_bias = nn.Parameter(torch.zeros(x, h))
+        self.alpha, self.limit = c.swiglu_alpha, c.swiglu_limit
+
+    def forward(self, x_NH, idx_NK, w_NK):
+        y_NH = torch.zeros_like(x_NH)
+        for e in torch.unique(idx_NK).tolist():  # the experts hit, each over its rows
+            token_R, slot_R = torch.where(idx_NK == e)
+            gu_RI = x_NH[token_R] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            gate_RI = gu_RI[..., ::2].clamp(max=self.limit)
+            up_RI = gu_RI[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            h_RI = (up_RI + 1) * (gate_RI * torch.sigmoid(gate_RI * self.alpha))
+            out_RH = h_RI @ self.down_proj[e] + self.down_proj_bias[e]
+            y_NH = y_NH.index_add(0, token_R, (out_RH * w_NK[token_R, slot_R, None]).to(y_NH.dtype))
+        return y_NH
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.router = GptOssRouter(c)
+        self.experts = GptOssExperts(c)
+
+    def forward(self, x_NH):
+        return self.experts(x_NH, *self.router(x_NH))
+
+
+class GptOssLayer(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = GptOssAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GptOssMLP(c)
+
+    def forward(self, x_NH, cos_ND, sin_ND, attention):
+        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
+        return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+
+
+class _Body(nn.Module):
+    """Holds the `model.*` parameters under transformers' names."""
+
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(GptOssLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class GptOssDecoder(Decoder):
+    """gpt-oss decoder: `forward` -> final-normed hidden states, `project` -> logits."""
+
+    def __init__(self, config: GptOssConfig) -> None:
+        nn.Module.__init__(self)
+        if not isinstance(config, GptOssConfig):
+            raise TypeError(f"GptOssDecoder needs a GptOssConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = _Body(config)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self._rotary = Rotary(config.head_dim, config.rope_theta, yarn=config.yarn)
+
+    def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
+                attention: AttentionPlan, tuning=None, routes_NW=None, replay: bool = True,
+                aux_weights_N=None) -> torch.Tensor:
+        """As Decoder.forward; local layers run `attention.windowed(sliding_window)`, every
+        router chooses (routes_NW must be None: no replay yet)."""
+        c = self.config
+        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
+            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
+                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
+        if tokens_N.shape[0] != attention.num_tokens:
+            raise ValueError(f"attention plan is for {attention.num_tokens} tokens, "
+                             f"got {tokens_N.shape[0]}")
+        if layer_ops(tuning, tokens_N.device) is not None:  # families.py refuses it first
+            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
+                             f"{c.architecture}; leave them off (got {tuning})")
+        if not isinstance(attention, AttentionPlan):
+            raise ValueError(f"{c.architecture} needs an AttentionPlan (its local layers "
+                             f"restrict it to their window), got {type(attention).__name__}")
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        self.check_supported(kernel=attention.kernel, device=attention.device,
+                             requires_grad=requires_grad, branching=attention.branching)
+        check_routes(c, routes_NW, tokens_N.shape[0])
+        x_NH = self.model.embed_tokens(tokens_N)
+        cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
+        plans = {None: attention}
+        for window in set(c.windows) - {None}:
+            plans[window] = attention.windowed(window)
+        for layer, window in zip(self.model.layers, c.windows):
+            x_NH = layer(x_NH, cos_ND, sin_ND, plans[window])
+        return self.model.norm(x_NH)
