@@ -22,11 +22,14 @@ GRAD_REL_TOL = 1e-4
 
 
 def _extra(family) -> dict:
-    """transformers before 5.2x normalised Bamba's gated RMSNorm over the whole inner width,
-    not per group as mamba_ssm (and treeflow, and later transformers) do: with such an oracle
-    the tiny Bamba gets one group, where both readings agree (the GPU machine has 5.17)."""
-    if family != "bamba":
-        return {}
+    """Settings where transformers of the GPU machine (5.17) and of the CPU oracle (>= 5.25)
+    compute the same model, so either is an oracle. Nemotron-H: before 5.25 transformers
+    floored dt at time_step_min where mamba_ssm (treeflow, 5.25) clamps it to time_step_limit,
+    (0, inf) by default; a limit of (time_step_min, inf) makes the two one function. Bamba:
+    before 5.2x its gated RMSNorm normalised over the whole inner width, not per group as
+    mamba_ssm does; with one group both readings agree."""
+    if family == "nemotron_h":
+        return {"time_step_limit": (1e-3, float("inf")), "time_step_min": 1e-3}
     import inspect
 
     from transformers.models.bamba import modeling_bamba

@@ -37,20 +37,21 @@ def hf_model(family: str, seed: int = 0, **extra):
     import transformers
 
     torch.manual_seed(seed)
+    # `extra` overrides these (a test's own setting replaces the default, never doubles it)
     if family == "nemotron_h":
-        cfg = transformers.NemotronHConfig(
-            vocab_size=61, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, ssm_state_size=8, mamba_num_heads=4,
-            mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=CHUNK,
-            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention",
-                               "mlp"], **extra)
+        cfg = transformers.NemotronHConfig(**{
+            **dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, ssm_state_size=8, mamba_num_heads=4,
+                   mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=CHUNK,
+                   layers_block_type=["linear_attention", "mlp", "full_attention",
+                                      "linear_attention", "mlp"]), **extra})
         model = transformers.NemotronHForCausalLM(cfg)
     else:
-        cfg = transformers.BambaConfig(
-            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-            attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
-            mamba_d_state=8, mamba_n_heads=4, mamba_n_groups=2, mamba_d_conv=4,
-            mamba_chunk_size=CHUNK, pad_token_id=None, **extra)
+        cfg = transformers.BambaConfig(**{
+            **dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                   attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                   mamba_d_state=8, mamba_n_heads=4, mamba_n_groups=2, mamba_d_conv=4,
+                   mamba_chunk_size=CHUNK, pad_token_id=None), **extra})
         model = transformers.BambaForCausalLM(cfg)
     _sharpen(model, seed)
     return model.eval()
