@@ -153,6 +153,8 @@ def main() -> None:
                     help="--ssm-state-dtype values to replay with (each: three replays)")
     ap.add_argument("--moe", action="store_true",
                     help="the Hybrid MoE shape, routed episodes, --routing replay")
+    ap.add_argument("--ssm-kernel", default=None, choices=("auto", "torch", "triton"),
+                    help="the CLI runs' --ssm-kernel (default: theirs, auto)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shape = ("smoke" if args.smoke else "nemotron-h-1b") + ("-moe" if args.moe else "")
@@ -215,7 +217,8 @@ def main() -> None:
     print(json.dumps(result["fidelity"]), flush=True)
     common = ["--model", ckpt, "--device", args.device, "--dtype", "bfloat16",
               "--max-tokens", str(max_tokens), "--json", *(["--routing", "replay"] if args.moe
-                                                            else [])]
+                                                            else []),
+              *(["--ssm-kernel", args.ssm_kernel] if args.ssm_kernel else [])]
     runs = {"tree_exact_fork": ["--layout", "tree", "--ssm-fork", "exact"],
             "tree_chunk_fork": ["--layout", "tree", "--ssm-fork", "chunk"],
             "exact_layout": ["--layout", "exact"]}
