@@ -91,11 +91,11 @@ def test_triton_scan_matches_torch_scan_at_nemotron_shape(fork):
         assert _rel(a, b) < TOL, (fork, name, _rel(a, b))
 
 
-def test_auto_picks_triton_on_cuda():
-    pytest.importorskip("triton")
+def test_auto_keeps_the_torch_scan_on_cuda():
+    """The fused kernels are opt-in until they run at the real shape (ssm_tree.resolve_kernel)."""
     from treeflow.models.ssm_tree import resolve_kernel
 
-    assert resolve_kernel("auto", "cuda") == "triton"
+    assert resolve_kernel("auto", "cuda") == "torch"
 
 
 @pytest.mark.parametrize("fork", ["exact", "chunk"])

@@ -58,8 +58,9 @@ def _hybrid(tmp_path):
 
 
 def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
-    """Context parallelism and compile/recompute on a Mamba-2 hybrid (declared without them);
-    flipping the declaration is what lets the run through to the next check."""
+    """Compile/recompute on a Mamba-2 hybrid, and context parallelism on a family declared
+    without it (Bamba's declaration, flipped: hybrids have it); flipping the declaration back
+    is what lets the run through to the next check."""
     from treeflow.models import Tuning, load_backend
     from treeflow.ops import build_forward
     from treeflow.stages import Forward
@@ -70,12 +71,17 @@ def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
                                          r"it: Llama, Qwen2, Qwen3, "):
         load_backend("reference", path, tuning=Tuning(recompute="mlp"))
     backend = load_backend("reference", path)
+    bamba = next(f for f in families.FAMILIES if f.name == "Bamba")
+
+    def declare(context_parallel: bool) -> None:
+        flipped = tuple(f if f is not bamba else families.Family(
+            **{**bamba.__dict__, "context_parallel": context_parallel}) for f in families.FAMILIES)
+        monkeypatch.setattr(families, "_BY_ARCH", {a: f for f in flipped for a in f.architectures})
+
+    declare(False)
     with pytest.raises(ValueError, match=r"Bamba \(BambaForCausalLM\): context parallelism"):
         build_forward(Forward(context_parallel=2), model=backend)
-    bamba = next(f for f in families.FAMILIES if f.name == "Bamba")
-    flipped = tuple(f if f is not bamba else families.Family(
-        **{**bamba.__dict__, "context_parallel": True}) for f in families.FAMILIES)
-    monkeypatch.setattr(families, "_BY_ARCH", {a: f for f in flipped for a in f.architectures})
+    declare(True)
     with pytest.raises(ValueError, match="process group"):  # past the declaration
         build_forward(Forward(context_parallel=2), model=backend)
 

@@ -86,12 +86,14 @@ def test_state_dtype_is_the_dtype_kept(tmp_path, fork):
 
 
 def test_scan_kernel_choice_and_refusals(monkeypatch):
-    """auto is torch off CUDA; triton where it cannot run is refused by name with the fix."""
+    """auto is torch (on CUDA too, until the fused kernels run at the real shape); triton where
+    it cannot run is refused by name with the fix."""
     import treeflow.models.ssm_tree as ssm_tree
 
     par = _star(5, 2, 3)
     assert SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="auto").kernel == "torch"
     assert ssm_tree.resolve_kernel("auto", "cpu") == "torch"
+    assert ssm_tree.resolve_kernel("auto", "cuda") == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(ssm_tree, "_has_triton", lambda: False)
     with pytest.raises(ValueError, match=r"needs triton.*pip install 'treeflow\[triton\]'"):

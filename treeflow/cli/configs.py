@@ -43,10 +43,10 @@ def forward(args, *, entropy: bool = False):
 def ssm_kernel(args, tuning) -> dict:
     """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
     from treeflow.models.hybrid_config import is_hybrid_dir
-    from treeflow.models.ssm_tree import resolve_kernel
 
     if not is_hybrid_dir(args.model):
         return {}
+    from treeflow.models.ssm_tree import resolve_kernel  # torch: a hybrid's run imports it anyway
     return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
 
 

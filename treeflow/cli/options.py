@@ -67,7 +67,8 @@ def model_options(p) -> None:
     s.add_argument("--ssm-kernel", choices=("auto", "torch", "triton"), default=None,
                    help="Mamba-2 hybrids: the tree scan's implementation: torch (the reference) "
                         "or triton (fused kernels, CUDA; pip install 'treeflow[triton]'); "
-                        "default auto: triton on CUDA when installed, else torch")
+                        "default auto: torch (triton is opt-in until it is validated on a GPU at "
+                        "full model shapes)")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "

@@ -53,7 +53,6 @@ __all__ = ["FORKS", "KERNELS", "STATE_DTYPES", "SegmentPlan", "depths", "resolve
 FORKS = ("exact", "chunk")
 KERNELS = ("auto", "torch", "triton")
 TRITON_INSTALL = "pip install 'treeflow[triton]' (or pip install triton)"
-_said: set = set()
 
 
 def _has_triton() -> bool:
@@ -65,8 +64,11 @@ def _has_triton() -> bool:
 def resolve_kernel(kernel: str, device: torch.device | str) -> str:
     """The scan kernel that runs for `kernel` ("auto" | "torch" | "triton") on `device`.
 
-    auto: triton on CUDA when triton is installed (said once on stderr when it is not),
-    torch elsewhere. triton where it cannot run is refused by name.
+    auto: torch, everywhere. The fused triton kernels are exact (tests/models/test_ssm_triton.py,
+    in triton's interpreter) but on an H100 at Nemotron-H 1.3B's shape (64 heads x 64, state
+    128, chunk 128) one bin had not finished compiling and running within 150 s: they are
+    opt-in (--ssm-kernel triton) until tests/gpu/test_gpu_scan.py and bench/bench_scan_gpu.py
+    pass there. triton where it cannot run is refused by name.
     """
     import os
     import sys
@@ -77,15 +79,6 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> str:
     if kernel == "torch":
         return "torch"
     if kernel == "auto":
-        if dev != "cuda":
-            return "torch"
-        if _has_triton():
-            return "triton"
-        if "no-triton" not in _said:
-            _said.add("no-triton")
-            print(f"treeflow: --ssm-kernel auto: triton is not installed, the Mamba-2 scan runs "
-                  f"the torch kernel on CUDA; {TRITON_INSTALL} for the fused one",
-                  file=sys.stderr, flush=True)
         return "torch"
     if not _has_triton():
         raise ValueError(f"--ssm-kernel triton (Tuning.ssm_kernel) needs triton, which is not "

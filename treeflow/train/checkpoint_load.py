@@ -283,10 +283,10 @@ def _check_param_groups(path: str, groups: list) -> None:
                 raise ValueError(f"{path}: optimizer.param_groups[{i}].{field} is "
                                  f"{json.dumps(v)[:60]}; it must be {want} (the file is "
                                  "corrupted or was edited)")
-        params = g.get("params")
-        if not (isinstance(params, list) and all(type(x) is int for x in params)):
+        params = g.get("params")  # indices (torch's AdamW) or names (megatron's optimizer)
+        if not (isinstance(params, list) and all(type(x) in (int, str) for x in params)):
             raise ValueError(f"{path}: optimizer.param_groups[{i}].params must be a list of "
-                             "parameter indices")
+                             "parameter indices or names")
 
 
 def _finite_number(x) -> bool:
