@@ -283,7 +283,7 @@ def _check_param_groups(path: str, groups: list) -> None:
                 raise ValueError(f"{path}: optimizer.param_groups[{i}].{field} is "
                                  f"{json.dumps(v)[:60]}; it must be {want} (the file is "
                                  "corrupted or was edited)")
-        params = g.get("params")  # indices (torch's AdamW) or names (megatron's optimizer)
+        params = g.get("params", [])  # indices or names; absent where DCP holds the state
         if not (isinstance(params, list) and all(type(x) in (int, str) for x in params)):
             raise ValueError(f"{path}: optimizer.param_groups[{i}].params must be a list of "
                              "parameter indices or names")
