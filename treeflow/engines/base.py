@@ -8,8 +8,8 @@ the Ray engine starts its own rank actors. It owns the run's `ParallelDims`, so 
 (`owns_processes`, `dims`) instead of comparing engine names, and a new engine is a subclass
 (engines/local.py, engines/ray.py, or a user's own: `Pipeline.run(engine=MyEngine())`), not a
 branch in every caller. Names given on the command line (`--engine ray`) are resolved once, at
-the edge, by `engine_for` (engines/registry.py). The trade-off: an engine object is built per run, with its options, where a
-string could be passed around for free.
+the edge, by `engine_for` (engines/registry.py). The trade-off: an engine object is built per
+run, with its options, where a string could be passed around for free.
 """
 
 from __future__ import annotations
