@@ -31,3 +31,19 @@ def test_brackets_and_escaped_quotes_inside_strings_are_not_levels():
 def test_other_failures_are_one_value_error_naming_what(text, needle):
     with pytest.raises(ValueError, match=f"^log line 3: {needle}"):
         loads(text, what="log line 3", max_depth=8)
+
+
+@pytest.mark.parametrize("text, needle", [("[" * 100_000 + "]" * 100_000, "nested more than"),
+                                          ('{"a": 1, "a": 2}', "key 'a' appears twice")])
+def test_a_models_config_and_a_safetensors_index_are_read_through_it(tmp_path, text, needle):
+    """What a user's checkpoint directory holds is read by the one reader: a config.json nested
+    100,000 deep was a RecursionError traceback, a repeated key silently the last value."""
+    from treeflow.models import ModelConfig
+    from treeflow.tensorfile import stored_files
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"config.json: .*{needle}"):
+        ModelConfig.from_hf_dir(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=f"index.json.*{needle}"):
+        stored_files(str(tmp_path), "model")

@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from treeflow._json import load as load_json
+
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
            torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -290,8 +292,7 @@ def stored_files(directory: str | os.PathLike, stem: str) -> list[str] | None:
     if not os.path.isfile(index):
         return None
     try:
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        names = sorted(set(load_json(index)["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object; "
                          f"{type(e).__name__}: {e})") from e

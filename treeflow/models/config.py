@@ -101,11 +101,9 @@ class ModelConfig:
         if not os.path.isfile(config_path):
             raise ValueError(f"no config.json in {os.fspath(path)}; a model directory holds a Hugging "
                              "Face config.json and model.safetensors")
-        with open(config_path) as f:
-            try:
-                d = json.load(f)
-            except ValueError as e:
-                raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+        from treeflow._json import load as load_json
+
+        d = load_json(config_path)  # depth-limited, a repeated key refused, the file named
         if not isinstance(d, dict):
             raise ValueError(f"{config_path}: holds {type(d).__name__}, not a JSON object of model "
                              "settings")

@@ -50,12 +50,12 @@ HYBRID_ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "BambaForCausalLM"
 def is_hybrid_dir(model) -> bool:
     """Whether a model directory's config.json names a Mamba-2 hybrid (False for `tiny`, for a
     directory without a readable config: Forward reports on that itself)."""
-    import json
     import os
 
+    from treeflow._json import load as load_json
+
     try:
-        with open(os.path.join(os.fspath(model), "config.json")) as f:
-            d = json.load(f)
+        d = load_json(os.path.join(os.fspath(model), "config.json"))
     except (OSError, TypeError, ValueError):
         return False
     if not isinstance(d, dict):

@@ -20,9 +20,10 @@ saves, prunes, resumes and checks exactly as a local one.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
+
+from treeflow._json import load as load_json
 
 __all__ = ["LastSaved", "RemoteTraining", "resumed_state", "saved_position"]
 
@@ -47,8 +48,7 @@ def _trainer_state(step_dir: str) -> dict:
     from treeflow.train.checkpoint import TRAINER_JSON
 
     try:
-        with open(os.path.join(step_dir, TRAINER_JSON)) as f:
-            return json.load(f)
+        return load_json(os.path.join(step_dir, TRAINER_JSON))
     except (OSError, ValueError) as e:
         raise ValueError(f"{step_dir}: no readable {TRAINER_JSON} ({e}); an engine whose ranks "
                          "run elsewhere resumes treeflow checkpoints only") from None

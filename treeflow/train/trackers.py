@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from treeflow._json import load as load_json
+
 __all__ = ["MlflowSink", "TRACKERS_RECORD", "WandbSink", "require"]
 
 TRACKERS_RECORD = "trackers.json"
@@ -58,8 +60,7 @@ def _read_record(directory: str | None) -> dict:
         return {}
     path = os.path.join(directory, TRACKERS_RECORD)
     try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
+        record = load_json(path)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
