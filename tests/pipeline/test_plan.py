@@ -252,18 +252,18 @@ def test_files_reader_position_resumes_and_cycles(tmp_path):
     assert sum(w.num_rows for w in once) == 8
 
 
-def test_old_window_names_are_accepted_for_one_release_with_a_warning(tmp_path):
+def test_old_window_names_fail_naming_the_new_one(tmp_path):
+    """`window=` had its release with a warning; now it is refused in one line naming
+    `episodes_per_step` (as the command line's --window is)."""
     write_episodes(small_eps(8), tmp_path / "e.arrow")
     paths = (str(tmp_path / "e.arrow"),)
-    with pytest.warns(DeprecationWarning, match="episodes_per_step"):
-        old = Files(paths=paths, window=2)
-    assert old == Files(paths=paths, episodes_per_step=2)
-    with pytest.raises(ValueError, match="give episodes_per_step only"):
-        Files(paths=paths, window=2, episodes_per_step=3)
+    with pytest.raises(TypeError, match=r"^Files\(window=2\) is now Files\(episodes_per_step=2\)"):
+        Files(paths=paths, window=2)
     pipe = Pipeline(Pack(), Fragment(max_tokens=512))
-    with pytest.warns(DeprecationWarning, match="episodes_per_step"):
-        got = [r.stats["episodes"] for r in pipe.run(paths[0], window=4)]
-    assert got == [r.stats["episodes"] for r in pipe.run(paths[0], episodes_per_step=4)] == [4, 4]
+    with pytest.raises(TypeError, match=r"Pipeline.run\(window=4\) is now Pipeline.run\("
+                                        r"episodes_per_step=4\)"):
+        pipe.run(paths[0], window=4)
+    assert [r.stats["episodes"] for r in pipe.run(paths[0], episodes_per_step=4)] == [4, 4]
 
 
 def test_files_spans_cut_windows_like_iteration(tmp_path):

@@ -21,7 +21,7 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("ranks", [1, 3, 8])
 def test_each_rank_reads_exactly_its_rows_of_every_window(files, ranks):
     paths, _ = files
-    source = Files(paths=paths, window=12)
+    source = Files(paths=paths, episodes_per_step=12)
     for window, pieces in zip(source, source.spans()):
         mapped = mapped_window(pieces)
         assert mapped is not None and mapped.num_rows == window.num_rows
@@ -47,7 +47,7 @@ def test_rows_are_validated_and_numbered_as_files_numbers_them(tmp_path):
         paths.append(str(tmp_path / f"e{k}.parquet"))
         pq.write_table(eps.slice(6 * k, 6).drop_columns(["sample_index"]), paths[-1],
                        row_group_size=2)  # read_rows reads only the row groups it needs
-    source = Files(paths=tuple(paths), window=4, vocab_size=10**6)
+    source = Files(paths=tuple(paths), episodes_per_step=4, vocab_size=10**6)
     for window, pieces in zip(source, source.spans()):
         assert mapped_window(pieces) is None  # Parquet: read the window whole
         assert read_rows(pieces, np.arange(window.num_rows)).equals(window)

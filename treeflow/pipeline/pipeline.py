@@ -86,8 +86,8 @@ class Pipeline:
         queue reader (`QueueSource(...).open(queue, state)`): live steps
         from a tensor queue, one window per queue step, each acknowledged when
         the caller asks for the next result (pipeline/queue_source.py).
-        `episodes_per_step` episodes are packed together (default 256; `window`
-        is its old name, accepted for one release); for an iterable of tables
+        `episodes_per_step` episodes are packed together (default 256; `window=`,
+        its old name, is refused naming it); for an iterable of tables
         and none given, each table is one window (one step in training). For
         a training pipeline (ending in Reduce) each window is one optimizer
         step and the output is its metrics row; pass `trainer` (a Trainer, e.g.
@@ -108,14 +108,9 @@ class Pipeline:
             engine_options["ranks"] = ranks
         engine = engine_for(engine, **engine_options)
         if window is not None:
-            import warnings
-
-            if episodes_per_step not in (None, window):
-                raise ValueError(f"Pipeline.run(window={window}, episodes_per_step="
-                                 f"{episodes_per_step}): give episodes_per_step only")
-            warnings.warn("Pipeline.run(window=) is now Pipeline.run(episodes_per_step=)",
-                          DeprecationWarning, stacklevel=2)
-            episodes_per_step = window
+            raise TypeError(f"Pipeline.run(window={window}) is now Pipeline.run("
+                            f"episodes_per_step={window}) (the old name was accepted for one "
+                            "release)")
         window = episodes_per_step
         from treeflow.pipeline.queue_source import QueueReader, QueueSource, acknowledged
 

@@ -18,7 +18,6 @@ the window, only the compute does.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -134,19 +133,14 @@ class Files:
     cycle: bool = False
     route_width: int | None = None  # routed_experts width a replaying MoE model needs
     whole_groups: bool = False
-    window: int | None = None  # the old name of episodes_per_step, accepted for one release
+    window: int | None = None  # the old name of episodes_per_step: refused, naming the new one
 
     def __post_init__(self):
         if isinstance(self.paths, str):
             raise TypeError(f"Files(paths={self.paths!r}): give a tuple of paths, e.g. (path,)")
         if self.window is not None:
-            if self.episodes_per_step not in (DEFAULT_EPISODES_PER_STEP, self.window):
-                raise ValueError(f"Files(window={self.window}, episodes_per_step="
-                                 f"{self.episodes_per_step}): give episodes_per_step only")
-            warnings.warn("Files(window=) is now Files(episodes_per_step=)", DeprecationWarning,
-                          stacklevel=3)
-            object.__setattr__(self, "episodes_per_step", self.window)
-            object.__setattr__(self, "window", None)
+            raise TypeError(f"Files(window={self.window}) is now Files(episodes_per_step="
+                            f"{self.window}) (the old name was accepted for one release)")
         if self.episodes_per_step < 1:
             raise ValueError(f"Files(episodes_per_step={self.episodes_per_step!r}): give an "
                              "int >= 1")
