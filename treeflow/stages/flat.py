@@ -119,10 +119,7 @@ class Calls:
         rpresent = ~_null_mask(routes)
         if rpresent.any():
             if not rpresent.all():
-                row = int(call_row[np.flatnonzero(~rpresent)[0]])
-                raise ValueError(
-                    f"episode {table.column('episode_id')[row].as_py()!r}: field 'routed_experts' is "
-                    "null for some calls and set for others; give routes for every call or none")
+                _mixed_routes(table.column("episode_id"), call_row, rpresent)
             inner = routes.flatten()
             width = int(pc.list_value_length(inner)[0].as_py()) if len(inner) else 0
             routes_tw = list_values(inner, np.int16).reshape(-1, width) if width else None
@@ -141,3 +138,24 @@ class Calls:
             genlp_S=sampled("generation_logprobs", np.nan, np.float32),
             mask_S=sampled("loss_mask", True, np.bool_),
         )
+
+
+def _mixed_routes(episode_ids, call_row_C, routed_C) -> None:
+    """Refuse a window whose calls carry routes for some calls and not others, naming the
+    episode that mixes them, or else one episode of each kind (routes are per window: a
+    layout shares by (token, route), and a replaying model needs every call's)."""
+    rows = len(episode_ids)
+    with_r = np.bincount(call_row_C[routed_C], minlength=rows) > 0
+    without = np.bincount(call_row_C[~routed_C], minlength=rows) > 0
+    both = np.flatnonzero(with_r & without)
+    if len(both):
+        raise ValueError(f"episode {episode_ids[int(both[0])].as_py()!r}: field 'routed_experts' "
+                         "is null for some of its calls and set for others; give routes for "
+                         "every call or none")
+    a, b = int(np.flatnonzero(with_r)[0]), int(np.flatnonzero(without)[0])
+    raise ValueError(f"episode {episode_ids[a].as_py()!r} carries routed_experts and episode "
+                     f"{episode_ids[b].as_py()!r} does not, in one window: routes are read per "
+                     "window, so give every episode routes or none (for a model without "
+                     "experts, drop the routed_experts field; else keep routed and unrouted "
+                     "episodes in separate files)")
+
