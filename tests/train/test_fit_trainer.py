@@ -57,3 +57,19 @@ def test_fit_refuses_a_trainer_with_resume_options_or_a_remote_engine(tmp_path):
         fit(pipe, source, steps=1, trainer=trainer, trainer_options={"precision": "fp32"})
     with pytest.raises(ValueError, match="RayEngine.*builds each rank's Trainer"):
         fit(pipe, source, steps=1, trainer=trainer, engine=RayEngine())
+
+
+def test_fit_refuses_another_runs_checkpoint_directory_as_the_cli_does(tmp_path):
+    """fit() used to write step-000001 over another run's checkpoint; now it refuses the
+    directory unless it resumes from it (as `--save` without `--resume` is refused)."""
+    from treeflow.ops import Checkpointing
+
+    pipe, source, _, _ = _setup(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    fit(pipe, source, steps=1, checkpointing=Checkpointing(dir=ckpt, every=1), progress=None)
+    with pytest.raises(ValueError, match=r"already holds checkpoints of a run; continue it with "
+                                         r"resume=Resume"):
+        fit(pipe, source, steps=2, checkpointing=Checkpointing(dir=ckpt, every=1), progress=None)
+    report = fit(pipe, source, steps=2, checkpointing=Checkpointing(dir=ckpt, every=1),
+                 resume=Resume(path=ckpt), progress=None)
+    assert report["steps"] == 2 and len(report["rows"]) == 1  # one more step, after the first

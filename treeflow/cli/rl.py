@@ -49,12 +49,11 @@ def check_train_options(args, *, inputs, outputs=()) -> None:
 
     outputs: (flag, path, is a directory) beyond --save, --metrics and --tensorboard.
     """
-    import os
 
     from treeflow.atomic import check_output, refuse_inputs
     from treeflow.lock import claim_output
     from treeflow.ops import Checkpointing
-    from treeflow.train.checkpoint import LATEST
+    from treeflow.train.checkpoint_layout import is_checkpoint_root
     from treeflow.train.launch import rank_of
 
     from treeflow.cli.trackers import loggers
@@ -73,9 +72,7 @@ def check_train_options(args, *, inputs, outputs=()) -> None:
             else:
                 check_output(path, what=option, directory=directory)
                 refuse_inputs(path, inputs, option=option)
-    if args.save and not args.resume and os.path.isdir(args.save) and \
-            (os.path.exists(os.path.join(args.save, LATEST)) or
-             any(n.startswith("step-") for n in os.listdir(args.save))):
+    if args.save and not args.resume and is_checkpoint_root(args.save):
         raise ValueError(f"--save {args.save}: already holds checkpoints of a run; --resume "
                          f"{args.save} to continue it, or give an empty directory")
 

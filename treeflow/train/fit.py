@@ -167,6 +167,14 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     remote = engine is not None and engine.owns_processes
     position = None  # where a remote run's source starts (a local one: the trainer's)
     given = trainer is not None
+    if not given and checkpointing.dir and (resume is None or resume.path is None):
+        from treeflow.train.checkpoint_layout import is_checkpoint_root
+
+        if is_checkpoint_root(checkpointing.dir):  # as the CLI's --save refuses it
+            raise ValueError(f"fit(checkpointing=Checkpointing(dir={checkpointing.dir!r})): the "
+                             "directory already holds checkpoints of a run; continue it with "
+                             f"resume=Resume(path={checkpointing.dir!r}), or give an empty "
+                             "directory")
     if remote:  # the training operators live in the engine's ranks (train/remote.py)
         from treeflow.train.remote import RemoteTraining, resumed_state
 
