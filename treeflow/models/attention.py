@@ -69,7 +69,7 @@ def _varlen_api():
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters  # >= 2.12
 
 
-__all__ = ["KERNELS", "AttentionPlan", "Capabilities"]
+__all__ = ["KERNELS", "AttentionPlan", "Capabilities", "check_tokens"]
 
 
 KERNELS = ("dense", "flex", "causal", "runs")
@@ -334,3 +334,15 @@ def _root_starts(end_N: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     reach = np.concatenate(([0], np.maximum.accumulate(end_N)[:-1]))
     return np.flatnonzero(reach <= np.arange(len(end_N)))
+
+
+def check_tokens(tokens_N: torch.Tensor, positions_N: torch.Tensor, plan) -> None:
+    """A decoder's inputs: 1-D tokens and positions of one length, as many as `plan` (an
+    attention or hybrid plan) was built for."""
+    if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
+        raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
+                         f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
+    if tokens_N.shape[0] != plan.num_tokens:
+        raise ValueError(f"attention plan is for {plan.num_tokens} tokens, "
+                         f"got {tokens_N.shape[0]}")
+

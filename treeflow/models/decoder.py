@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities
+from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities, check_tokens
 from treeflow.models.config import ModelConfig
 from treeflow.models.layer_ops import LayerOps, layer_ops
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
@@ -150,12 +150,7 @@ class Decoder(nn.Module):
         Route agreement accumulates in `route_tally`; with aux_weights_N (baseline rows per
         node, train/router_aux.py) the weighted router probabilities go to `router_mass`.
         """
-        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
-            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
-                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
-        if tokens_N.shape[0] != attention.num_tokens:
-            raise ValueError(f"attention plan is for {attention.num_tokens} tokens, "
-                             f"got {tokens_N.shape[0]}")
+        check_tokens(tokens_N, positions_N, attention)
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         # a context-parallel plan runs flex backward on CPU through the operator's math path
         checked_grad = requires_grad and not getattr(attention, "cpu_flex_backward", False)

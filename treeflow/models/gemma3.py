@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.decoder import Decoder
 from treeflow.models.gemma3_config import Gemma3Config
 from treeflow.models.layer_ops import layer_ops
@@ -133,12 +133,7 @@ class Gemma3Decoder(Decoder):
                 aux_weights_N=None) -> torch.Tensor:
         """As Decoder.forward; local layers run `attention.windowed(sliding_window)`."""
         c = self.config
-        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
-            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
-                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
-        if tokens_N.shape[0] != attention.num_tokens:
-            raise ValueError(f"attention plan is for {attention.num_tokens} tokens, "
-                             f"got {tokens_N.shape[0]}")
+        check_tokens(tokens_N, positions_N, attention)
         if layer_ops(tuning, tokens_N.device) is not None:  # families.py refuses it first
             raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
                              f"{c.architecture}; leave them off (got {tuning})")

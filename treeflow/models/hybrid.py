@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.context_parallel import ContextParallelPlan
 from treeflow.models.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.hybrid_config import HybridConfig
@@ -293,11 +293,7 @@ class HybridDecoder(Decoder):
                              "HybridPlan (the bin's parents give each segment its state); build "
                              "the plan with ReferenceBackend.attention_plan, got "
                              f"{type(attention).__name__}")
-        if tokens_N.ndim != 1 or tokens_N.shape != positions_N.shape:
-            raise ValueError(f"tokens_N and positions_N must be 1-D of one length, got "
-                             f"{tuple(tokens_N.shape)} and {tuple(positions_N.shape)}")
-        if tokens_N.shape[0] != attention.num_tokens:
-            raise ValueError(f"plan is for {attention.num_tokens} tokens, got {tokens_N.shape[0]}")
+        check_tokens(tokens_N, positions_N, attention)
         if layer_ops(tuning, tokens_N.device) is not None:
             raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for the hybrid "
                              f"{self.config.architecture}; leave them off (got {tuning})")
