@@ -171,3 +171,21 @@ def test_two_ranks_log_once(data, tmp_path, monkeypatch, capsys):
     assert len(runs) == 1, [r.info.run_id for r in runs]
     history = client.get_metric_history(runs[0].info.run_id, "perf/ranks")
     assert [(m.step, m.value) for m in history] == [(1, 2), (2, 2)]
+
+
+def test_an_offline_run_after_a_failed_online_start_in_one_process(data, tmp_path, monkeypatch):
+    """A wandb start that failed (no API key, online) left wandb's process-wide settings behind,
+    and a later offline run in the same process then asked for an API key too: the suite
+    failed or passed by which tests shared a worker."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR"):
+        monkeypatch.setenv(name, str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+    argv = ["replay", data, "--mode", "train", "--episodes-per-step", "2", "--lr", "1e-2",
+            "--loss", "nll", "--max-tokens", "256", "--steps", "1", "--logger", "wandb"]
+    assert main(argv) == 2  # refused: no API key
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(argv) == 0

@@ -218,10 +218,18 @@ class WandbSink(_Tracker):
 
         if self.directory:
             os.makedirs(self.directory, exist_ok=True)
-        self._run = wandb.init(project=self.project, name=self.run_name, id=run_id,
-                               resume="allow" if run_id else None,
-                               dir=self.directory, config=self.config,
-                               settings=wandb.Settings(silent=True, console="off"))
+        # WANDB_MODE read now, not from the settings wandb cached at an earlier start in this
+        # process (an online start that failed left them, and an offline run then asked for
+        # an API key)
+        mode = {"mode": os.environ["WANDB_MODE"]} if os.environ.get("WANDB_MODE") else {}
+        try:
+            self._run = wandb.init(project=self.project, name=self.run_name, id=run_id,
+                                   resume="allow" if run_id else None,
+                                   dir=self.directory, config=self.config,
+                                   settings=wandb.Settings(silent=True, console="off", **mode))
+        except BaseException:
+            wandb.teardown()  # a failed start leaves no process-wide state behind
+            raise
         return self._run.id
 
     def _log(self, step: int, metrics: dict) -> None:
