@@ -173,10 +173,12 @@ def test_two_ranks_log_once(data, tmp_path, monkeypatch, capsys):
     assert [(m.step, m.value) for m in history] == [(1, 2), (2, 2)]
 
 
-def test_an_offline_run_after_a_failed_online_start_in_one_process(data, tmp_path, monkeypatch):
-    """A wandb start that failed (no API key, online) left wandb's process-wide settings behind,
-    and a later offline run in the same process then asked for an API key too: the suite
-    failed or passed by which tests shared a worker."""
+@pytest.mark.parametrize("order", ["online first", "offline first"])
+def test_wandb_starts_in_one_process_each_read_their_own_mode(data, tmp_path, monkeypatch, order):
+    """wandb caches its settings process-wide: a refused online start (no API key) made a later
+    offline run in the same process ask for a key, and an offline run made a later keyless
+    online start run offline instead of being refused. The suite passed or failed by which
+    tests shared a worker; each start now reads its own mode, in either order."""
     home = tmp_path / "home"
     home.mkdir()
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
@@ -186,6 +188,15 @@ def test_an_offline_run_after_a_failed_online_start_in_one_process(data, tmp_pat
     monkeypatch.setenv("NETRC", str(home / ".netrc"))
     argv = ["replay", data, "--mode", "train", "--episodes-per-step", "2", "--lr", "1e-2",
             "--loss", "nll", "--max-tokens", "256", "--steps", "1", "--logger", "wandb"]
-    assert main(argv) == 2  # refused: no API key
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    assert main(argv) == 0
+
+    def online_refused():
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        assert main(argv) == 2  # refused: no API key
+
+    def offline_runs():
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        assert main(argv) == 0
+
+    steps = [online_refused, offline_runs, online_refused]
+    for step in steps if order == "online first" else steps[1:]:
+        step()

@@ -218,9 +218,12 @@ class WandbSink(_Tracker):
 
         if self.directory:
             os.makedirs(self.directory, exist_ok=True)
-        # WANDB_MODE read now, not from the settings wandb cached at an earlier start in this
-        # process (an online start that failed left them, and an offline run then asked for
-        # an API key)
+        # wandb caches its settings process-wide at the first start: a later start in this
+        # process (an offline run after a refused online one, or the reverse) would get the
+        # old mode. With no run of the caller's open, start from fresh settings; WANDB_MODE is
+        # read now either way.
+        if wandb.run is None:
+            wandb.teardown()
         mode = {"mode": os.environ["WANDB_MODE"]} if os.environ.get("WANDB_MODE") else {}
         try:
             self._run = wandb.init(project=self.project, name=self.run_name, id=run_id,
