@@ -18,6 +18,11 @@ episodes in groups of 8 (`treeflow synth`):
   CUPTI traced (torch.profiler, CUDA activity only) from the end of warm-up
   to the end of the run, over that span's wall time -- this one cannot count
   a gap inside a bin as busy;
+- plain transformers (bench/bench_transformers_padded.py, a process of its own): every
+  exact call its own sequence, sorted by length, right-padded batches of at most
+  `--max-tokens` padded tokens, `AutoModelForCausalLM` with SDPA; its process and steady
+  seconds over the tree's (`tree_over_transformers_*`) and its logprobs' distance to the
+  tree's (both bf16);
 - `treeflow replay --mode train --episodes-per-step 64 --steps S` per layout:
   steady-state seconds per optimizer step (first step excluded);
 - `--backends reference,megatron`: also the megatron-core backend through the same
@@ -159,6 +164,45 @@ def megatron_runs(res, shape, data, work, common, args, env, left, save, elapsed
         save()
 
 
+def transformers_run(res, shape, data, work, ckpt, dtype, args, env, left, save, elapsed) -> None:
+    """Plain transformers, every call its own sequence in padded batches, same budget."""
+    import numpy as np
+    import pyarrow as pa
+
+    if left() < 30:
+        res["replay_transformers"] = "skipped (time budget)"
+        return
+    print(f"[{elapsed():.0f}s] {shape}: plain transformers, padded batches", flush=True)
+    path = os.path.join(work, f"{shape}-transformers.arrow")
+    r = cli([data, "--model", ckpt, "--device", args.device, "--dtype", dtype, "--max-tokens",
+             str(args.max_tokens), "-o", path], env, "transformers",
+            script=os.path.join(HERE, "bench_transformers_padded.py"))
+    res["replay_transformers"] = r
+    tree = res.get("replay_tree")
+    if "error" not in r and isinstance(tree, dict) and "error" not in tree:
+        res["tree_over_transformers_process"] = round(
+            r["process_seconds"] / tree["process_seconds"], 3)
+        res["tree_over_transformers_steady"] = round(
+            r["steady_seconds"] / tree["steady_seconds"], 3)
+
+        def by_id(p):
+            t = pa.ipc.open_file(p).read_all()
+            ids = t.column("episode_id").to_pylist()
+            col = t.column("logprobs").combine_chunks()
+            while pa.types.is_list(col.type.value_type):  # treeflow's: per call, per token
+                inner = col.values.offsets.to_numpy()[col.offsets.to_numpy()]
+                col = pa.ListArray.from_arrays(pa.array(inner), col.values.values)
+            return dict(zip(ids, col.to_pylist()))
+
+        hf, tf = by_id(path), by_id(os.path.join(work, f"{shape}-tree.arrow"))
+        d = np.abs(np.concatenate([np.asarray(hf[k], np.float64) - np.asarray(tf[k], np.float64)
+                                   for k in hf]))
+        res["tree_logprob_diff_vs_transformers"] = {"mean": float(d.mean()),
+                                                    "max": float(d.max())}
+    print(f"  {json.dumps(r)[:400]}", flush=True)
+    save()
+
+
 def tuning_runs(res, shape, data, work, common, args, env, left, save, elapsed) -> None:
     """The reference backend's --tuning presets through the same commands, tree layout."""
     for name in (t for t in args.tunings.split(",") if t != "plain"):
@@ -207,6 +251,8 @@ def main() -> None:
     ap.add_argument("--tunings", default="plain",
                     help="reference --tuning presets to run on the tree layout besides plain")
     ap.add_argument("--no-kernel-bench", action="store_true")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="skip the plain-transformers padded-batch baseline")
     ap.add_argument("--no-train", action="store_true", help="skip the --mode train runs")
     ap.add_argument("--profile-busy", action="store_true",
                     help="one more replay per layout with CUDA kernels traced (kernel_busy)")
@@ -275,6 +321,9 @@ def main() -> None:
             res[f"replay_{layout}"] = r
             print(f"  {json.dumps(r)[:400]}", flush=True)
             save()
+        if not args.no_transformers:
+            transformers_run(res, shape, data, work, ckpt, dtype, args, env, left, save,
+                             lambda: time.perf_counter() - t_start)
         ex, tr = res.get("replay_exact"), res.get("replay_tree")
         if isinstance(ex, dict) and isinstance(tr, dict) and "error" not in ex and "error" not in tr:
             res["replay_speedup_steady"] = round(ex["steady_seconds"] / tr["steady_seconds"], 3)
