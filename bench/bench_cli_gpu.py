@@ -79,15 +79,21 @@ SYNTH_VOCAB = 32000  # token ids of the synthetic episodes (below every real sha
 
 
 def make_checkpoint(shape: str, path: str, device: str) -> None:
-    """Random normal(0, 0.02) weights of the shape, saved as a HF checkpoint (bf16 on GPU)."""
-    import torch
+    """Random normal(0, 0.02) weights of the shape, saved as a HF checkpoint (bf16 on GPU).
 
-    from treeflow.models import ModelConfig, save_model
-    from treeflow.models.checkpoint import seeded_decoder
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    save_model(seeded_decoder(ModelConfig.from_hf_dict(SHAPES[shape]), device=device,
-                              dtype=dtype), path)
+    Built in a child process: a parent that touched CUDA keeps its context and cached
+    blocks (6.5 GiB for Llama-3.2-1B) on the card for the whole bench, and the runs it
+    measures would find that much less memory."""
+    code = ("import sys, torch; sys.path.insert(0, %r)\n"
+            "from treeflow.models import ModelConfig, save_model\n"
+            "from treeflow.models.checkpoint import seeded_decoder\n"
+            "from bench_cli_gpu import SHAPES\n"
+            "dtype = torch.bfloat16 if %r == 'cuda' else torch.float32\n"
+            "save_model(seeded_decoder(ModelConfig.from_hf_dict(SHAPES[%r]), device=%r, "
+            "dtype=dtype), %r)\n" % (ROOT, device, shape, device, path))
+    paths = [HERE, ROOT, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
 def cli(args: list[str], env: dict, log: str, script: str | None = None,
