@@ -32,8 +32,12 @@ def converter_from_args(args):
     if args.tokenizer is not None and args.format != "chat":
         raise ValueError(f"--tokenizer is only used by --format chat (logs without token ids); the "
                          f"{args.format!r} format reads the engine's token ids as logged")
+    if args.format != "openai" and (args.num_experts is not None or args.route_width is not None):
+        raise ValueError(f"--num-experts and --route-width check engine route payloads, which only "
+                         f"--format openai reads; drop them for --format {args.format}")
     if args.format == "openai":
-        return OpenAITokens(fields=fields, calls_field=args.calls_field)
+        return OpenAITokens(fields=fields, calls_field=args.calls_field,
+                            num_experts=args.num_experts, route_width=args.route_width)
     if args.format == "chat":
         if args.tokenizer is None:
             raise ValueError("--format chat needs --tokenizer DIR (a local Hugging Face tokenizer "
@@ -99,6 +103,10 @@ def add_convert_parser(sub) -> None:
     g.add_argument("--weight-version-field", default=None)
     g.add_argument("--calls-field", default="calls", help="openai: the list of engine responses")
     g.add_argument("--messages-field", default="messages", help="chat: the message list")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="openai: routed experts per MoE layer; route ids outside [0, N) are refused")
+    g.add_argument("--route-width", type=int, default=None,
+                   help="openai: MoE layers x top_k; routes of another width are refused")
     g.add_argument("--message-log-field", default="message_log", help="nemo-rl: the message log")
     g.add_argument("--no-logprobs", action="store_true",
                    help="nemo-rl: take assistant messages without generation_logprobs as sampled")
