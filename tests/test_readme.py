@@ -49,6 +49,10 @@ SUBSTITUTIONS = [
 
 # first line of a block -> why it does not run here
 SKIPPED = {
+    "treeflow convert rollouts.jsonl --format openai --num-experts 128 --route-width 384 -o episodes.arrow":
+        "needs an engine's MoE rollout log (tests/io/test_routes.py converts every payload format)",
+    "treeflow convert episodes.arrow --format episodes -o trajectories.jsonl":
+        "tests/io/test_atif.py runs the round trip through convert on routed episodes",
     "treeflow gate --model NEMOTRON_H_MOE_MTP_DIR --group-size 16 --episodes 16 --routing replay \\":
         "needs a Nemotron-H MoE checkpoint, Ray and TransferQueue; run by "
         "tests/models/test_hybrid_context_parallel_cli.py (slow)",

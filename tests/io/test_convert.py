@@ -190,7 +190,8 @@ def test_nemo_rl_mixed_route_widths_name_the_right_line(tmp_path, capsys):
 
 def test_engine_routed_experts_are_kept(tmp_path):
     """vLLM's choices[0].routed_experts (nested) and SGLang's meta_info.routed_experts (base64
-    int32) survive conversion; a route for all but the final token gets the -1 sentinel."""
+    int32, covering [0, seqlen-1) as SGLang documents) survive conversion; a route for all but
+    the final token gets the -1 sentinel (tests/io/test_routes.py: every payload format)."""
     import base64
 
     import numpy as np
@@ -199,7 +200,7 @@ def test_engine_routed_experts_are_kept(tmp_path):
         "token_ids": [4, 5], "routed_experts": [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]],
         "logprobs": {"content": [{"token": "token_id:4", "logprob": -0.5},
                                  {"token": "token_id:5", "logprob": -0.25}]}}]}
-    ids = np.array([[1, 2], [3, 4], [5, 6], [7, 0], [1, 3]], dtype="<i4")
+    ids = np.array([[1, 2], [3, 4], [5, 6], [7, 0]], dtype="<i4")
     sglang = {"request": {"input_ids": [1, 2, 3]}, "response": {"output_ids": [10, 11], "meta_info": {
         "output_token_logprobs": [[-0.5, 10, None], [-2.0, 11, None]],
         "routed_experts": base64.b64encode(ids.tobytes()).decode()}}}
@@ -210,4 +211,4 @@ def test_engine_routed_experts_are_kept(tmp_path):
     convert([str(src)], out, OPENAI)
     calls = read_episodes(out).to_pylist()[0]["calls"]
     assert calls[0]["routed_experts"] == [[0, 1], [2, 3], [4, 5], [6, 7], [-1, -1]]
-    assert calls[1]["routed_experts"] == ids.tolist()
+    assert calls[1]["routed_experts"] == ids.tolist() + [[-1, -1]]

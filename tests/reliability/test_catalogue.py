@@ -392,6 +392,16 @@ def _file_case(kind):
             (tmp / "log.jsonl").write_text(bad + "\n")
             return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "openai"], \
                 ["log.jsonl line 1"]
+        if kind == "route-expert-range":  # issue 50: an SGLang payload with an id past the experts
+            import base64
+
+            ids = base64.b64encode(bytes([1, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0])).decode()
+            call = {"request": {"input_ids": [1, 2]}, "response": {"output_ids": [3], "meta_info": {
+                "output_token_logprobs": [[-0.5, 3, None]], "routed_experts": ids}}}
+            (tmp / "log.jsonl").write_text(json.dumps({"episode_id": "a", "calls": [call]}) + "\n")
+            return ["convert", tmp / "log.jsonl", "-o", tmp / "c.arrow", "--format", "openai",
+                    "--num-experts", "8"], ["log.jsonl line 1, call 0", "meta_info.routed_experts",
+                                            "expert id 9", "--num-experts"]
         if kind == "nemo-rl-replica-disagrees":
             msgs = [{"role": "user", "token_ids": [1, 2], "ng_generation_replica_id": "a"},
                     {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5],
@@ -540,6 +550,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "compile-cache-open",
          # issue 22
          "nemo-rl-replica-disagrees", "megatron-moe-tp-cpu", "megatron-moe-aux",
+         # issue 50: engine route payloads
+         "route-expert-range",
          # issue 26: trackers
          "logger-unknown", "logger-jsonl",
          # issue 45: the fused Mamba-2 scan

@@ -136,6 +136,29 @@ def episodes_from_jsonl(
         yield _table(rows, wheres)
 
 
+def _writer(output: str | os.PathLike):
+    if os.fspath(output).endswith(".jsonl"):
+        from treeflow.io.atif import ATIFFileWriter
+
+        return ATIFFileWriter(output)
+    return EpisodeFileWriter(output)
+
+
+def _episode_tables(paths, batch_rows: int, report: ConvertReport, on_progress) -> Iterator[pa.Table]:
+    """Episode files read back (the `episodes` format: an export's input), counted as converted."""
+    from treeflow.schemas.episode import iter_episode_batches
+
+    report.format = "episodes"
+    for table in iter_episode_batches(list(paths), batch_rows=batch_rows):
+        tokens = 0
+        for ep in table.to_pylist():
+            report.lines += 1
+            tokens += _count(report, ep)
+        if on_progress is not None:
+            on_progress(0, table.num_rows, tokens)
+        yield table
+
+
 def convert(
     paths: Sequence[str | os.PathLike],
     output: str | os.PathLike,
@@ -144,13 +167,19 @@ def convert(
     batch_rows: int = 256,
     on_progress: Callable[[int, int, int], None] | None = None,
 ) -> ConvertReport:
-    """Convert JSON-lines logs to one episode file (`.arrow` or `.parquet`), atomically."""
+    """Convert logs to one output file, atomically: an episode file (`.arrow`, `.parquet`) or
+    ATIF v1.8 trajectories (`.jsonl`). `converter` None reads episode files (an export)."""
     t0 = time.perf_counter()
     report = ConvertReport()
-    with EpisodeFileWriter(output) as sink:
-        for table in episodes_from_jsonl(paths, converter, batch_rows=batch_rows, report=report,
-                                         on_progress=on_progress):
+    tables = (_episode_tables(paths, batch_rows, report, on_progress) if converter is None else
+              episodes_from_jsonl(paths, converter, batch_rows=batch_rows, report=report,
+                                  on_progress=on_progress))
+    with _writer(output) as sink:
+        for table in tables:
             sink.write(table)
+    if converter is None:
+        report.seconds = round(time.perf_counter() - t0, 3)
+        return report
     if converter.retokenised:
         from treeflow.io.chat_template import RETOKENISE_WARNING
 

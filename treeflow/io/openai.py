@@ -13,6 +13,9 @@ list of LLM calls. Each call is the engine's response, as logged:
   `meta_info.output_token_logprobs` as [logprob, token_id, text] triples; the
   prompt in the request's `input_ids`.
 
+Routes (`routed_experts`, `prompt_routed_experts`, `sgl_ext`, `routed_experts_start_len`) are
+decoded by io/routes.py.
+
 A call may also be {"request": {...}, "response": {...}}; prompt ids are then
 looked up in the response first and the request second. Nothing is
 retokenised: the ids are the ones the engine ran, which is what makes the
@@ -26,13 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import base64
-import binascii
-
-import numpy as np
-
-from treeflow.io.nemo_rl import message_routes
 from treeflow.io.records import FieldMap, logprobs, nonempty_list, token_ids
+from treeflow.io.routes import call_routes
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)\Z")
 
@@ -46,15 +44,27 @@ class OpenAITokens:
 
     fields: FieldMap = field(default_factory=FieldMap)
     calls_field: str = "calls"
+    num_experts: int | None = None  # routed experts per MoE layer: expert ids are checked against it
+    route_width: int | None = None  # MoE layers x top_k: every call's routes are checked against it
+
+    def __post_init__(self):
+        if self.num_experts is not None and (type(self.num_experts) is not int
+                                             or not 1 <= self.num_experts <= 2**15):
+            raise ValueError(f"--num-experts {self.num_experts!r}: give the model's routed expert "
+                             "count per MoE layer, an int in [1, 32768]")
+        if self.route_width is not None and (type(self.route_width) is not int or self.route_width < 1):
+            raise ValueError(f"--route-width {self.route_width!r}: give MoE layers x top_k, an int >= 1")
 
     def episode(self, record: dict, where: str, *, path: str, line: int) -> dict:
         out = self.fields.episode(record, where, path=path, line=line)
         calls = nonempty_list(record, self.calls_field, where, option="--calls-field",
                               of="LLM calls (engine responses)")
-        out["calls"] = [self._call(c, f"{where}, call {k}") for k, c in enumerate(calls)]
+        out["calls"] = []
+        for k, c in enumerate(calls):
+            out["calls"].append(self._call(c, f"{where}, call {k}", out["calls"]))
         return out
 
-    def _call(self, call, where: str) -> dict:
+    def _call(self, call, where: str, earlier: list[dict]) -> dict:
         if not isinstance(call, dict):
             raise ValueError(f"{where}: a {type(call).__name__}, expected an engine response object")
         request = call.get("request") if isinstance(call.get("request"), dict) else {}
@@ -74,9 +84,11 @@ class OpenAITokens:
         if not prompt:
             raise ValueError(f"{where}: the prompt has no tokens; a call needs at least one prompt token")
         tokens = prompt + completion
+        routes = call_routes(response, request, tokens, len(prompt), where, earlier=earlier,
+                             num_experts=self.num_experts, route_width=self.route_width)
         return {"token_ids": tokens, "sampled_start": len(prompt),
                 "generation_logprobs": lps, "loss_mask": None, "advantages": None,
-                "routed_experts": _engine_routes(response, len(tokens), where)}
+                "routed_experts": None if routes is None else routes.tolist()}
 
     @staticmethod
     def _prompt(response, request, call, where, names, fix) -> list[int]:
@@ -160,36 +172,3 @@ def _sglang_completion(response: dict, where: str) -> tuple[list[int], list[floa
         raise ValueError(f"{where}: output_ids and the ids in meta_info.output_token_logprobs "
                          "disagree; the log is corrupt or mixes two responses")
     return ids, logprobs(values, where, "meta_info.output_token_logprobs[][0]", len(ids))
-
-
-def _engine_routes(response: dict, n: int, where: str) -> list[list[int]] | None:
-    """The engine's returned `routed_experts` (routing replay), one flat row per token, or None.
-
-    Looked up in `choices[0]` (vLLM), the response and `meta_info` (SGLang). Nested lists of
-    [layers, top_k] per token, or SGLang's base64 string of int32 ids in (token, layer, slot)
-    order. Rows for every token but the last (the engine never ran the final sampled token as
-    an input) get NeMo Gym's sentinel row of -1 appended, so sharing treats it as a wildcard.
-    """
-    holders = [response, response.get("meta_info") or {}]
-    choices = response.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        holders.insert(0, choices[0])
-    raw = next((h["routed_experts"] for h in holders
-                if isinstance(h, dict) and h.get("routed_experts") is not None), None)
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        try:
-            ids = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4")
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"{where}: field 'routed_experts' is a string but not base64 of int32 "
-                             f"expert ids ({e})") from None
-        rows = n if ids.size % n == 0 else n - 1
-        if rows < 1 or ids.size % rows:
-            raise ValueError(f"{where}: field 'routed_experts' holds {ids.size} expert ids, not a "
-                             f"multiple of the call's {n} tokens (or {n - 1}); the log mixes calls")
-        raw = ids.reshape(rows, -1).tolist()
-    if isinstance(raw, list) and len(raw) == n - 1 and raw:
-        first = message_routes({"routed_experts": raw[:1]}, 1, where)[0]
-        raw = raw + [[-1] * len(first)]
-    return message_routes({"routed_experts": raw}, n, where)

@@ -140,10 +140,19 @@ def logprobs(value, where: str, field: str, n: int) -> list[float]:
 
 
 def read_jsonl(paths: Sequence[str | os.PathLike]) -> Iterator[tuple[str, int, dict, int]]:
-    """(path, 1-based line number, object, bytes of the line) for every non-blank line."""
+    """(path, 1-based line number, object, bytes of the line) for every non-blank line; a
+    `.json` file is one object (line 1), as ATIF writes one trajectory per file."""
     for path in map(os.fspath, paths):
         if not os.path.isfile(path):
             raise ValueError(f"{path}: no such file")
+        if path.endswith(".json"):
+            with open(path, "rb") as f:
+                data = f.read()
+            obj = loads(data, what=f"{path}", max_depth=_MAX_DEPTH)
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}: a {type(obj).__name__}, expected one JSON object (an episode)")
+            yield path, 1, obj, len(data)
+            continue
         with open(path, "rb") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
