@@ -107,10 +107,12 @@ def validate_episodes(
     n = table.num_rows
     cols = {}
     for field in EPISODE_SCHEMA:
-        if field.name in names:
-            col = table.column(field.name)
-        elif field.name == "sample_index":
+        if field.name == "sample_index" and (field.name not in names
+                                             or table.column(field.name).null_count == n):
+            # absent, or all null (a table built with EPISODE_SCHEMA and no sample_index): row order
             col = pa.chunked_array([pa.array(np.arange(row_offset, row_offset + n, dtype=np.int64))])
+        elif field.name in names:
+            col = table.column(field.name)
         else:
             col = pa.chunked_array([pa.nulls(n, field.type)])
         if field.name == "calls":
