@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from treeflow.models.checkpoint import _empty_decoder
+from treeflow.models.checkpoint import empty_decoder
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 
@@ -57,7 +57,7 @@ def adopt_module(module: torch.nn.Module) -> Decoder:
         raise TypeError(f"{name}: not a transformers model (no .config); give a "
                         "transformers *ForCausalLM module or a checkpoint directory")
     tf_config = ModelConfig.from_hf_dict(config.to_dict())
-    decoder = _empty_decoder(tf_config)
+    decoder = empty_decoder(tf_config)
     hf = dict(module.named_parameters(remove_duplicate=False))
     hf.update(dict(module.named_buffers()))
     state, used = {}, set()
