@@ -124,12 +124,14 @@ DATA = [
     ("empty-calls", top_edit(calls=[]), ["'calls' is empty"]),
     ("null-calls", top_edit(calls=None), ["'calls' is null"]),
     ("null-id", top_edit(episode_id=None), ["row 2", "'episode_id' is null"]),
+    # one row's sample_index null (all null is row order, as absent is)
+    ("null-sample-index", top_edit(sample_index=None), ["'sample_index' is null", "row order"]),
 ]
 
 
 # nulls where the episode schema says non-nullable: written with an inferred schema, as a user's
 # own writer would (the declared schema would refuse them before they reach a file)
-_INFERRED = {"null-tokens", "null-start", "null-calls", "null-id"}
+_INFERRED = {"null-tokens", "null-start", "null-calls", "null-id", "null-sample-index"}
 
 
 def _data_case(name, edit, needles):

@@ -14,6 +14,7 @@ from treeflow.models import gpt_oss_config as _gpt_oss_config  # noqa: F401 (reg
 from treeflow.models import hybrid_config as _hybrid_config  # noqa: F401 (registers its family)
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "adopt": ("adopt_module",),
     "backend": ("ReferenceBackend", "load_backend", "tensor_parallel_layout"),
     "backend_base": ("Backend", "check_tensor_parallel"),
     "attention": ("KERNELS", "AttentionPlan", "Capabilities"),

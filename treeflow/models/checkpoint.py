@@ -34,7 +34,7 @@ from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
 from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
 
-__all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
+__all__ = ["empty_decoder", "load_model", "save_model", "save_state", "seeded_decoder"]
 
 _STEM = "model"
 _WEIGHTS = f"{_STEM}.safetensors"
@@ -56,7 +56,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
         raise ValueError(f"--model {path}: is a file; give the checkpoint directory that holds "
                          "config.json and model.safetensors")
     config = ModelConfig.from_hf_dir(path)
-    model = _empty_decoder(config)
+    model = empty_decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     state, experts, frozen = {}, {}, {}
     for file in _weight_files(path):
@@ -108,7 +108,7 @@ class _NoInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _empty_decoder(config: ModelConfig) -> Decoder:
+def empty_decoder(config: ModelConfig) -> Decoder:
     """The module for `config` on the meta device, nothing initialised."""
     with torch.device("meta"), _NoInit():
         return _decoder(config)
@@ -167,7 +167,7 @@ def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
     ~30 s); the price is that the weights depend on the device and dtype, unlike
     `load_model("tiny")`'s, which are drawn on the CPU in float32 and then moved.
     """
-    model = _empty_decoder(config).to_empty(device=device).to(dtype)
+    model = empty_decoder(config).to_empty(device=device).to(dtype)
     _seeded_init(model, torch.Generator(device=device).manual_seed(seed))
     return model
 

@@ -107,10 +107,12 @@ def validate_episodes(
     n = table.num_rows
     cols = {}
     for field in EPISODE_SCHEMA:
-        if field.name in names:
-            col = table.column(field.name)
-        elif field.name == "sample_index":
+        if field.name == "sample_index" and (field.name not in names
+                                             or table.column(field.name).null_count == n):
+            # absent, or all null (a table built with EPISODE_SCHEMA and no sample_index): row order
             col = pa.chunked_array([pa.array(np.arange(row_offset, row_offset + n, dtype=np.int64))])
+        elif field.name in names:
+            col = table.column(field.name)
         else:
             col = pa.chunked_array([pa.nulls(n, field.type)])
         if field.name == "calls":
@@ -119,8 +121,10 @@ def validate_episodes(
             col = _cast(col, field.type, f"column {field.name!r}", source)
         if not field.nullable and col.null_count:
             row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            fix = ("give every episode one, or leave the whole column null (or out) to number "
+                   "them by row order" if field.name == "sample_index" else "it is required")
             raise ValueError(f"{_name(table, row, source, row_offset)}: field {field.name!r} is null; "
-                             "it is required")
+                             f"{fix}")
         cols[field.name] = col.combine_chunks()
     out = pa.Table.from_arrays([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     _check_calls(out, source, row_offset, vocab_size)

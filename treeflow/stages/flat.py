@@ -123,6 +123,13 @@ class Calls:
             inner = routes.flatten()
             width = int(pc.list_value_length(inner)[0].as_py()) if len(inner) else 0
             routes_tw = list_values(inner, np.int16).reshape(-1, width) if width else None
+        si = table.column("sample_index")
+        if si.null_count:  # validate_episodes numbers them; a table that skipped it must not pass
+            row = int(np.flatnonzero(si.is_null().to_numpy(zero_copy_only=False))[0])
+            raise ValueError(f"episode {table.column('episode_id')[row].as_py()!r}: field "
+                             "'sample_index' is null (a table built with EPISODE_SCHEMA and no "
+                             "sample_index); validate the episodes with "
+                             "treeflow.schemas.validate_episodes, which numbers them by row order")
         return cls(
             episode_ids=table.column("episode_id").to_pylist(),
             group_ids=table.column("group_id").to_pylist(),

@@ -16,6 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "sinks": ("JsonlSink", "MetricsSink", "TensorBoardSink"),
     "trackers": ("MlflowSink", "WandbSink"),
     "launch": ("spawn", "ray_ranks", "rank_of", "torchrun_world"),
+    "policy": ("Policy", "Tokens"),
     "precision": ("PRECISIONS",),
     "step": ("Step", "StepOpenError"),
     "trainer": ("Trainer",),

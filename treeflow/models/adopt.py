@@ -1,0 +1,86 @@
+"""Adopt a caller's Hugging Face model: a treeflow decoder over the very same parameters.
+
+`adopt_module(hf_model)` reads the module's `config` (as `ModelConfig.from_hf_dict` reads a
+checkpoint's config.json), builds treeflow's decoder for that family on the meta device and
+then assigns the caller's own `nn.Parameter` objects to it (`load_state_dict(assign=True)`
+with the parameters themselves, not copies). Nothing is copied: a forward through the
+adopted decoder reads the caller's weights, its backward writes the caller's `.grad`, and the
+caller's optimizer, scheduler and checkpointing keep working on their own module.
+
+The trade-off: only families whose transformers in-memory names and shapes are treeflow's
+are adopted (every family `families.py` reads; transformers 5 fuses experts in memory as
+treeflow does). A name the two sides spell differently is mapped in `_PREFIXES`; any other
+mismatch (a tensor missing on either side, another shape) is refused naming the tensor,
+never patched by a copy. A module wrapped by FSDP, DDP or PEFT must be unwrapped first: the
+wrappers rename or shard the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeflow.models.checkpoint import empty_decoder
+from treeflow.models.config import ModelConfig
+from treeflow.models.decoder import Decoder
+
+__all__ = ["adopt_module"]
+
+# treeflow's name prefix -> transformers' in-memory one, where they differ (Nemotron-H's body is
+# `backbone` on disk and in treeflow, `model` in transformers 5's module)
+_PREFIXES = {"backbone.": "model."}
+
+
+def _hf_name(name: str, hf: dict) -> str:
+    if name in hf:
+        return name
+    for ours, theirs in _PREFIXES.items():
+        if name.startswith(ours) and theirs + name[len(ours):] in hf:
+            return theirs + name[len(ours):]
+    return name
+
+
+def adopt_module(module: torch.nn.Module) -> Decoder:
+    """treeflow's decoder for `module` (a transformers causal LM), sharing its parameters.
+
+    Raises TypeError for a module without a transformers `config`, and ValueError naming the
+    tensor when the module's parameters are not the family's (missing, extra or reshaped).
+    """
+    if isinstance(module, Decoder):
+        return module
+    name = type(module).__name__
+    if any(hasattr(module, a) for a in ("_fsdp_wrapped_module", "module", "base_model")) \
+            and not hasattr(module, "config"):
+        raise TypeError(f"{name}: a wrapped module (FSDP, DDP or PEFT); pass the unwrapped "
+                        "transformers model (e.g. accelerator.unwrap_model(model))")
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"{name}: not a transformers model (no .config); give a "
+                        "transformers *ForCausalLM module or a checkpoint directory")
+    tf_config = ModelConfig.from_hf_dict(config.to_dict())
+    decoder = empty_decoder(tf_config)
+    hf = dict(module.named_parameters(remove_duplicate=False))
+    hf.update(dict(module.named_buffers()))
+    state, used = {}, set()
+    for key, ours in decoder.state_dict(keep_vars=True).items():
+        theirs = _hf_name(key, hf)
+        if theirs not in hf:
+            raise ValueError(f"{name}: has no tensor {theirs!r}, which treeflow's "
+                             f"{tf_config.architecture} decoder needs; the module is not the "
+                             "family its config names (or it is wrapped: pass it unwrapped)")
+        t = hf[theirs]
+        if tuple(t.shape) != tuple(ours.shape):
+            raise ValueError(f"{name}: tensor {theirs!r} has shape {tuple(t.shape)}, treeflow's "
+                             f"{tf_config.architecture} decoder needs {tuple(ours.shape)}")
+        state[key] = t
+        used.add(theirs)
+    tied = decoder.lm_head is None and "lm_head.weight" in hf
+    if tied and hf["lm_head.weight"] is not hf.get(_hf_name("model.embed_tokens.weight", hf)):
+        raise ValueError(f"{name}: config says tie_word_embeddings but lm_head.weight is not the "
+                         "embedding's tensor; fix the config or tie the weights")
+    extra = sorted(k for k, p in module.named_parameters(remove_duplicate=False)
+                   if k not in used and not (tied and k == "lm_head.weight"))
+    if extra:
+        raise ValueError(f"{name}: parameter(s) {extra[:3]} have no place in treeflow's "
+                         f"{tf_config.architecture} decoder; they would not be trained")
+    decoder.load_state_dict(state, strict=True, assign=True)
+    return decoder
