@@ -6,7 +6,9 @@ ranks (`RankWindows`, pipeline/queue_ranks.py), a plain iterable of tables
 -- is opened into a reader of one shape, `Source` (torchdata.nodes'):
 `next()` the next window (StopIteration at the end), `get_state()` the
 position after the last window (what a checkpoint saves), `reset(state)`
-back to a saved position. A config (frozen, pure) opens a reader with
+back to a saved position, `commit(position)` that a checkpoint now holds
+what was read up to `position` (a queue acknowledges those steps then; a
+file has nothing to acknowledge), so a training loop treats every source alike. A config (frozen, pure) opens a reader with
 `open(state)`; engines read every reader through the one read-ahead wrapper
 (pipeline/prefetch.py).
 
@@ -48,6 +50,11 @@ class Source:
     def reset(self, state: dict | None = None) -> None:
         """Continue from `state` (a `get_state()`), or from the start with None."""
         raise TypeError(f"{type(self).__name__} cannot be reset; open a new reader")
+
+    def commit(self, position: dict | None = None) -> None:
+        """What was read up to `position` (a `get_state()`; None: everything handed out) is
+        durable now (a checkpoint holds it): a source with delivery guarantees acknowledges
+        it (a queue reader), others have nothing to do."""
 
     def state_dict(self) -> dict | None:
         return self.get_state()
