@@ -433,11 +433,16 @@ def _file_case(kind):
             rs = [dict(r, reward=None, advantage=None) for r in rows()]
             return ["replay", write_rows(tmp / "nr.arrow", rs), *TRAIN, "--advantage", "grpo"], \
                 ["'reward' is missing", "--advantage grpo"]
-        if kind == "group-split":
+        if kind == "group-split":   # interleaved groups are gathered, within --group-window
             rs = rows()
-            rs = [rs[0], rs[2], rs[1], rs[3]]  # g0 g1 g0 g1: each group in two steps
-            return ["replay", write_rows(tmp / "gs.arrow", rs), *TRAIN, "--advantage", "rloo"], \
-                ["group 'g0'", "next to each other"]
+            rs = [rs[0], rs[2], rs[1], rs[3]]  # g0 g1 g0 g1: g0 spans 3 episodes
+            return ["replay", write_rows(tmp / "gs.arrow", rs), *TRAIN, "--advantage", "rloo",
+                    "--group-window", "2"], \
+                ["group 'g0'", "gs.arrow row 0", "--group-window"]
+        if kind == "advantage-no-group":
+            rs = top_edit(group_id=None)(rows())
+            return ["replay", write_rows(tmp / "ng.arrow", rs), *TRAIN, "--advantage", "grpo"], \
+                [f"episode {bad_id()!r}", "ng.arrow row 2", "has no group_id", "--advantage grpo"]
         if kind == "config-unknown-key":
             (tmp / "run.yaml").write_text("episode_per_step: 2\n")
             return ["replay", good, "--config", tmp / "run.yaml"], \
@@ -538,7 +543,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",
          "moe-route-width", "moe-capacity", "replay-dense", "moe-aux-no-routes",
          "context-parallel-0", "context-parallel-megatron", "close-when", "max-attempts-0",
-         "advantage-no-reward", "group-split", "config-unknown-key", "lr-negative", "kl-coef",
+         "advantage-no-reward", "group-split", "advantage-no-group", "config-unknown-key",
+         "lr-negative", "kl-coef",
          "ref-model-no-kl", "ref-model-vocab",
          # issue 20
          "token-strings", "token-floats", "int-episode-id", "stream-metrics-is-input",

@@ -84,16 +84,23 @@ def test_stored_advantage_replaced_with_a_warning():
     assert out.column("advantage").to_pylist() != t.column("advantage").to_pylist()
 
 
-def test_files_refuse_a_group_split_over_windows(tmp_path):
+def test_files_gather_interleaved_groups_and_refuse_an_ungrouped_episode(tmp_path):
     t = _episodes(8, 4)
     order = [0, 1, 4, 5, 2, 3, 6, 7]  # group 0, group 1, group 0 again ...
     path = tmp_path / "split.arrow"
     write_episodes(t.take(order), path)
-    assert list(Files(paths=(str(path),), episodes_per_step=2))  # logprob windows do not care
-    with pytest.raises(ValueError, match="is split over steps"):
-        list(Files(paths=(str(path),), episodes_per_step=2, whole_groups=True))
-    with pytest.raises(ValueError, match="is split over steps"):
-        Files(paths=(str(path),), episodes_per_step=2, whole_groups=True).spans()
+    # whole groups, in the order they complete (tests/test_steps.py holds the rule)
+    wins = list(Files(paths=(str(path),), episodes_per_step=2))
+    assert [w.column("group_id").to_pylist() for w in wins] == [["g0"] * 4, ["g1"] * 4]
+    t = t.set_column(t.schema.get_field_index("group_id"), "group_id",
+                     pa.array(["g0"] * 4 + [None] * 4, pa.string()))
+    write_episodes(t, tmp_path / "loose.arrow")
+    files = Files(paths=(str(tmp_path / "loose.arrow"),), episodes_per_step=2,
+                  require_groups="--advantage grpo")
+    for read in (list, Files.spans):
+        with pytest.raises(ValueError, match=r"episode 'g1-e0' \(.*loose.arrow row 4\) has no "
+                                             "group_id, and --advantage grpo"):
+            read(files)
 
 
 def _rollouts(path, groups=2, group_size=4):

@@ -137,7 +137,7 @@ def files(args, forward, **options):
 
     return Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step,
                  vocab_size=forward.vocab_size_hint(), route_width=forward.route_width_hint(),
-                 **options)
+                 group_window=args.group_window, **options)
 
 
 def fit_options(args) -> dict:

@@ -14,8 +14,10 @@ from treeflow.cli.groups import group
 from treeflow.cli.names import LOGPROBS_EPISODES_PER_STEP
 from treeflow.compile_cache import add_option as add_compile_cache_option
 from treeflow.engines import ENGINES
+from treeflow.steps import GROUP_WINDOW
 
-__all__ = ["add_logger_options", "add_rl_options", "add_sampling_options", "add_train_options", "layout_options",
+__all__ = ["add_logger_options", "add_rl_options", "add_sampling_options", "add_train_options",
+           "group_window_option", "layout_options",
            "model_options",
            "queue_options"]
 
@@ -77,6 +79,7 @@ def model_options(p) -> None:
                    help="episodes planned and run together: an optimizer step in --mode train "
                         "(whole groups; required there), a window of results in --mode logprobs "
                         f"(default {LOGPROBS_EPISODES_PER_STEP})")
+    group_window_option(p)
     par = group(p, "parallel")
     par.add_argument("--engine", choices=tuple(ENGINES), default="local",
                      help="local: one process; ray: a Ray Data graph (RAY_ADDRESS or a local "
@@ -88,6 +91,14 @@ def model_options(p) -> None:
                      help="result file, .arrow (Arrow IPC) or .parquet (logprobs mode)")
     out.add_argument("--json", action="store_true")
     out.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+
+
+def group_window_option(p) -> None:
+    """--group-window: the look-ahead in which a step gathers a group (treeflow/steps.py)."""
+    group(p, "data").add_argument(
+        "--group-window", type=int, default=GROUP_WINDOW, metavar="N",
+        help="a step holds whole groups, taken in the order they complete in the input; a "
+             "group's episodes must lie within N consecutive episodes (else it is refused)")
 
 
 def add_train_options(p) -> None:

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from treeflow._display import console, count_rows, progress, table
 from treeflow.cli.common import positive, show
 from treeflow.cli.groups import group
-from treeflow.cli.options import layout_options
+from treeflow.cli.options import group_window_option, layout_options
 
 __all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "cmd_synth"]
 
@@ -52,7 +52,8 @@ def cmd_inspect(args) -> int:
     positive(args, "max_tokens", "episodes_per_step")
     with progress("inspect", count_rows(args.files), args.json or args.quiet) as advance:
         figures = inspect_windows(Files(paths=tuple(args.files),
-                                        episodes_per_step=args.episodes_per_step),
+                                        episodes_per_step=args.episodes_per_step,
+                                        group_window=args.group_window),
                                   max_tokens=args.max_tokens, plot=args.plot,
                                   num_ranks=args.num_ranks, what=" ".join(args.files),
                                   advance=advance)
@@ -95,7 +96,8 @@ def cmd_plan(args) -> int:
         advance = stack.enter_context(progress("plan", count_rows(args.files),
                                                 args.json or args.quiet))
         sums = plan_windows(Files(paths=tuple(args.files),
-                                  episodes_per_step=args.episodes_per_step),
+                                  episodes_per_step=args.episodes_per_step,
+                                  group_window=args.group_window),
                             layout=args.layout, scope=args.scope, share_rules=args.share_rules,
                             max_tokens=args.max_tokens * args.context_parallel,
                             num_ranks=args.num_ranks, rank=args.rank, cost=cost,
@@ -141,6 +143,7 @@ def add_plan_parsers(sub, common) -> None:
     data.add_argument("files", nargs="+")
     data.add_argument("--episodes-per-step", type=int, default=256,
                       help="episodes packed together (a training step's window)")
+    group_window_option(s)
     group(s, "layout").add_argument("--max-tokens", type=int, default=None,
                                     help="also plan bins of this budget")
     group(s, "parallel").add_argument("--num-ranks", type=int, default=1,
@@ -157,6 +160,7 @@ def add_plan_parsers(sub, common) -> None:
     data.add_argument("files", nargs="+")
     data.add_argument("--episodes-per-step", type=int, default=256,
                       help="episodes per optimizer step, planned as --mode train plans them")
+    group_window_option(s)
     group(s, "model").add_argument(
         "--model", default=None, help="deal the ranks by this model's cost ('tiny' or a local HF "
         "checkpoint dir), as training with it does (default: a Llama-1B shape)")

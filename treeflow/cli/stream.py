@@ -66,7 +66,10 @@ def cmd_stream(args) -> int:
 
     _check(args)
     vocab = configs.forward(args).vocab_size_hint()
-    feed = dict(rate=args.rate, vocab_size=vocab, chunk=args.chunk, producer=args.producer)
+    grouped = args.mode == "train" and getattr(args, "advantage", None) not in (None, "none")
+    feed = dict(rate=args.rate, vocab_size=vocab, chunk=args.chunk, producer=args.producer,
+                group_window=args.group_window,
+                require_groups=f"--advantage {args.advantage}" if grouped else None)
     if args.produce_only:
         if not args.from_files:
             raise ValueError("--produce-only needs --from FILE...")

@@ -181,7 +181,7 @@ def score_queue(pipeline, queue, source, output: StreamOutput, *, metrics: str |
                          title="stream", quiet=quiet, **run_options)
             if output.one_file and sums["steps"] == 0:
                 raise ValueError("no episodes arrived before the queue closed; nothing written")
-        reader.ack_finished()  # one file: its steps are durable only now
+        reader.commit()  # one file: its steps are durable only now
     finally:
         reader.close()
         if log:

@@ -128,6 +128,11 @@ class RankWindows(Source):
 
         return all_gather(mine, group=self._group)  # JSON and Arrow, no pickle
 
+    def commit(self, position: dict | None = None) -> None:
+        """A checkpoint holds `position`: this rank's reader (if any) acknowledges its steps."""
+        if self.reader is not None:
+            self.reader.commit(position)
+
     def reset(self, state: dict | None = None) -> None:
         """Every rank continues from `state`; rank 0's reader resets to it (own: every rank's)."""
         if self.reader is not None:

@@ -267,6 +267,10 @@ class QueueReader(Source):
         if self.source.ack == "auto":
             self._ack([step])
 
+    def commit(self, position: dict | None = None) -> None:
+        """A checkpoint holds `position`: acknowledge its steps (`ack_finished`)."""
+        self.ack_finished(position)
+
     def ack_finished(self, position: dict | None = None) -> list[int]:
         """Acknowledge every step whose result was handed to the caller (now durable).
 

@@ -196,7 +196,6 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
     from treeflow.pipeline.queue_source import QueueSource
     from treeflow.train.fit import fit
     from treeflow.train.metric_names import logged_with_flat
-    from treeflow.train.remote import saved_position
 
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
@@ -243,10 +242,6 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
                 shown.ack_finished()
         return extra
 
-    def acknowledge(op, path) -> None:   # the steps a checkpoint holds are durable now
-        if reads:   # Ray: heard of with the next step's result, which stays unacknowledged
-            opened["reader"].ack_finished(None if op is not None else saved_position(path))
-
     options = dict(trainer_options or {}, **({"dp": dp} if dp is not None else {}))
     from treeflow.engines import engine_for
 
@@ -259,13 +254,11 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
                      cap_steps=False, trainer_options=options, lead=lead, log=log,
                      publish=PublishWeights(root, announce=_announcer(queue, log) if lead
                                             else None),
-                     on_result=on_result, on_saved=[acknowledge] if hold else [],
+                     on_result=on_result,
                      checkpointing=checkpointing, progress=progress,
                      engine=engine_for(training.engine, ranks=len(pipelines),
                                        plans=[p.plan for p in pipelines]) if owned else engine,
                      **fit_options)
-        if reads and "reader" in opened:
-            opened["reader"].ack_finished()
     finally:
         if reads and "reader" in opened:
             opened["reader"].close()

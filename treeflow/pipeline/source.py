@@ -6,14 +6,17 @@ ranks (`RankWindows`, pipeline/queue_ranks.py), a plain iterable of tables
 -- is opened into a reader of one shape, `Source` (torchdata.nodes'):
 `next()` the next window (StopIteration at the end), `get_state()` the
 position after the last window (what a checkpoint saves), `reset(state)`
-back to a saved position. A config (frozen, pure) opens a reader with
+back to a saved position, `commit(position)` that a checkpoint now holds
+what was read up to `position` (a queue acknowledges those steps then; a
+file has nothing to acknowledge), so a training loop treats every source alike. A config (frozen, pure) opens a reader with
 `open(state)`; engines read every reader through the one read-ahead wrapper
 (pipeline/prefetch.py).
 
 A window is the unit Pack sees: a step's logical batch in training, a bounded
-slice in logprob mode. Windows are cut at group boundaries when group ids are
-contiguous, so group-scope trees see whole groups; results never depend on
-the window, only the compute does.
+slice in logprob mode. Every source's windows follow the one step rule
+(treeflow/steps.py): whole groups, in the order they complete in the source,
+so group-scope trees and group advantages see whole groups however the
+groups interleave; results never depend on the window, only the compute does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.episode import iter_episode_batches
+from treeflow.steps import GROUP_WINDOW, assemble
 
 
 DEFAULT_EPISODES_PER_STEP = 256  # a window's episodes when none is given
@@ -47,6 +51,11 @@ class Source:
         """Continue from `state` (a `get_state()`), or from the start with None."""
         raise TypeError(f"{type(self).__name__} cannot be reset; open a new reader")
 
+    def commit(self, position: dict | None = None) -> None:
+        """What was read up to `position` (a `get_state()`; None: everything handed out) is
+        durable now (a checkpoint holds it): a source with delivery guarantees acknowledges
+        it (a queue reader), others have nothing to do."""
+
     def state_dict(self) -> dict | None:
         return self.get_state()
 
@@ -67,53 +76,11 @@ class IterSource(Source):
         return next(self._it)
 
 
-def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True,
-            groups_once: bool = False) -> Iterator[pa.Table]:
-    """Re-cut a stream of episode tables into windows of about `size` rows.
-
-    With whole_groups, a window ends at a change of group_id (it may grow past
-    `size` to finish a group, never beyond a group of non-contiguous ids).
-    groups_once: refuse a group id that recurs in a later window (its rows not
-    contiguous in the data, so the group would be split over steps).
-    """
-    if size < 1:
-        raise ValueError(f"window size {size!r}: give an int >= 1")
-    if groups_once:
-        yield from _groups_once(windows(batches, size, whole_groups=whole_groups))
-        return
-    buf: list[pa.Table] = []
-    n = 0
-    for t in batches:
-        buf.append(t)
-        n += t.num_rows
-        while n >= size:
-            table = pa.concat_tables(buf)
-            cut = size
-            if whole_groups:
-                groups = table.column("group_id").to_pylist()
-                while cut < len(groups) and groups[cut] is not None and groups[cut] == groups[cut - 1]:
-                    cut += 1
-                if cut == len(groups):
-                    break  # the group may continue in the next batch
-            yield table.slice(0, cut)
-            rest = table.slice(cut)
-            buf, n = ([rest] if rest.num_rows else []), rest.num_rows
-    if n:
-        yield pa.concat_tables(buf)
-
-
-def _groups_once(wins: Iterator[pa.Table]) -> Iterator[pa.Table]:
-    ended: set = set()
-    for step, window in enumerate(wins):
-        groups = set(window.column("group_id").drop_null().to_pylist())
-        again = groups & ended
-        if again:
-            raise ValueError(f"group {sorted(again)[0]!r} is split over steps (window {step} holds "
-                             "episodes of it after an earlier window ended): group advantages "
-                             "need whole groups in a step; put each group's episodes next to each "
-                             "other in the file")
-        ended |= groups
-        yield window
+def windows(batches: Iterator[pa.Table], size: int, *,
+            group_window: int = GROUP_WINDOW) -> Iterator[pa.Table]:
+    """Re-cut a stream of episode tables into windows of whole groups, `size` episodes or a
+    little more, by the step rule (treeflow/steps.py: groups in order of completion)."""
+    return assemble(batches, size, window=group_window)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +91,10 @@ class Files:
     steps, not of passes). `open(state)` gives a reader whose `get_state()`
     is its position (episodes consumed, over all passes), so a run restarted
     from a saved state reads exactly the windows it would have read next.
-    whole_groups: refuse a group split over windows (group advantages need it).
+    Windows follow the step rule (treeflow/steps.py): whole groups, taken in the order they
+    complete, each gathered within `group_window` episodes of look-ahead (a group spread
+    wider is refused by name). require_groups: refuse an episode without a group id, naming
+    this (what needs groups, e.g. "--advantage grpo").
     """
 
     paths: tuple[str, ...]
@@ -132,7 +102,8 @@ class Files:
     vocab_size: int | None = None
     cycle: bool = False
     route_width: int | None = None  # routed_experts width a replaying MoE model needs
-    whole_groups: bool = False
+    group_window: int = GROUP_WINDOW
+    require_groups: str | None = None
     window: int | None = None  # the old name of episodes_per_step: refused, naming the new one
 
     def __post_init__(self):
@@ -144,15 +115,40 @@ class Files:
         if self.episodes_per_step < 1:
             raise ValueError(f"Files(episodes_per_step={self.episodes_per_step!r}): give an "
                              "int >= 1")
+        if not isinstance(self.group_window, int) or self.group_window < 1:
+            raise ValueError(f"Files(group_window={self.group_window!r}) (--group-window): give "
+                             "the episodes of look-ahead in which a group must complete, >= 1")
 
     def __iter__(self) -> Iterator[pa.Table]:
         return self.open()
 
     def _one_pass(self) -> Iterator[pa.Table]:
-        batches = iter_episode_batches(list(self.paths),
-                                       batch_rows=min(self.episodes_per_step, 1024),
+        paths = self._paths(absolute=False)
+        batches = iter_episode_batches(paths, batch_rows=min(self.episodes_per_step, 1024),
                                        vocab_size=self.vocab_size, route_width=self.route_width)
-        return windows(batches, self.episodes_per_step, groups_once=self.whole_groups)
+        return self._assemble(batches, paths)
+
+    def _paths(self, *, absolute: bool) -> list[str]:
+        import os
+
+        from treeflow.schemas.episode import expand_paths
+
+        paths = expand_paths(list(self.paths))
+        # absolute paths: the workers that read them may run in another directory (a cluster)
+        return [os.path.abspath(p) for p in paths] if absolute else paths
+
+    def _assemble(self, tables, paths: list[str]) -> Iterator[pa.Table]:
+        """`tables` (rows of `paths` in order) cut into windows by the step rule."""
+        from treeflow.schemas.episode import open_episode_file
+
+        ends = np.cumsum([open_episode_file(p).count_rows() for p in paths])
+
+        def where(row: int) -> str:
+            f = int(np.searchsorted(ends, row, side="right"))
+            return f"{paths[f]} row {row - (int(ends[f - 1]) if f else 0)}"
+
+        return assemble(tables, self.episodes_per_step, window=self.group_window, where=where,
+                        require_groups=self.require_groups)
 
     def open(self, state: dict | None = None, *, mapped: bool = False) -> FilesReader:
         """A reader of windows, continued from `state` (a reader's `get_state()`).
@@ -169,44 +165,42 @@ class Files:
     def spans(self) -> list[list[tuple[str, int, int, int]]]:
         """Each window as (path, first row, end row, global row offset) pieces, one pass.
 
-        Reads only the group_id column, so windows can be cut (exactly as
-        iteration cuts them) by a driver that leaves the reading to workers;
-        the paths are absolute, so workers in another directory find them.
+        Reads only the group_id and episode_id columns, so windows can be cut (exactly as
+        iteration cuts them, by the step rule) by a driver that leaves the reading to
+        workers; the paths are absolute, so workers in another directory find them. A
+        window of interleaved groups is several pieces per file, in the window's row order.
         """
-        import os
+        from treeflow.schemas.episode import open_episode_file
 
-        from treeflow.schemas.episode import expand_paths, open_episode_file
+        paths = self._paths(absolute=True)
+        lengths = []
 
-        rows: list[tuple[str, int]] = []  # (path, rows) per file
-        groups: list = []
-        # absolute paths: the workers that read them may run in another directory (a cluster)
-        for path in map(os.path.abspath, expand_paths(list(self.paths))):
-            ds = open_episode_file(path)
-            if "group_id" in ds.schema.names:
-                g = ds.to_table(columns=["group_id"]).column("group_id").cast(pa.string()).to_pylist()
-            else:
-                g = [None] * ds.count_rows()
-            rows.append((path, len(g)))
-            groups.extend(g)
-        cuts = [0]
-        n = len(groups)
-        while cuts[-1] < n:
-            cut = min(cuts[-1] + self.episodes_per_step, n)
-            while cut < n and groups[cut] is not None and groups[cut] == groups[cut - 1]:
-                cut += 1
-            cuts.append(cut)
-        if self.whole_groups:  # the same refusal as iteration's, before any worker reads
-            for _ in _groups_once(pa.table({"group_id": pa.array(groups[a:b], pa.string())})
-                                  for a, b in zip(cuts[:-1], cuts[1:])):
-                pass
-        file_start = np.cumsum([0] + [r for _, r in rows])
+        def ids():
+            for path in paths:
+                ds = open_episode_file(path)
+                cols = [c for c in ("group_id", "episode_id") if c in ds.schema.names]
+                t = ds.to_table(columns=cols)
+                n = t.num_rows
+                lengths.append(n)
+                g = t.column("group_id").cast(pa.string()) if "group_id" in cols else \
+                    pa.nulls(n, pa.string())
+                e = t.column("episode_id") if "episode_id" in cols else pa.nulls(n, pa.string())
+                row0 = sum(lengths[:-1])
+                yield pa.table({"group_id": g, "episode_id": e,
+                                "row": pa.array(np.arange(row0, row0 + n))})
+
         out = []
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for window in self._assemble(ids(), paths):
+            rows = window.column("row").to_numpy()
+            file_start = np.cumsum([0] + lengths)
+            # runs of consecutive rows within one file
+            f_R = np.searchsorted(file_start, rows, side="right") - 1
+            brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(f_R) != 0)) + 1
             pieces = []
-            for (path, _), f0, f1 in zip(rows, file_start[:-1], file_start[1:]):
-                lo, hi = max(a, f0), min(b, f1)
-                if lo < hi:
-                    pieces.append((path, int(lo - f0), int(hi - f0), int(lo)))
+            for a, b in zip(np.r_[0, brk], np.r_[brk, len(rows)]):
+                f, lo = int(f_R[a]), int(rows[a])
+                pieces.append((paths[f], lo - int(file_start[f]), int(rows[b - 1]) + 1 -
+                               int(file_start[f]), lo))
             out.append(pieces)
         return out
 

@@ -36,13 +36,12 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def produce_files(queue, files, *, rate: float | None = None, vocab_size: int | None = None,
-                  chunk: int = 64, producer: str = "files") -> dict:
-    """put_files of `files` into `queue`; a queue closed while episodes were left is a
-    ValueError naming the files."""
+def produce_files(queue, files, **options) -> dict:
+    """put_files of `files` into `queue` (its options: rate, vocab_size, chunk, producer,
+    group_window, require_groups); a queue closed while episodes were left is a ValueError
+    naming the files."""
     try:
-        return put_files(queue, files, rate=rate, vocab_size=vocab_size, chunk=chunk,
-                         producer=producer)
+        return put_files(queue, files, **options)
     except QueueClosed as e:
         raise _closed(files, e) from None
 

@@ -10,9 +10,11 @@ see the same advantages. Estimators, per group g of n episodes with rewards r:
 
 A group must be whole in the window it is computed on: a group whose rows are
 not contiguous in the window, or of one episode, or an episode without a group
-or a reward, is refused by name. That a group is not split over windows is the
-source's part (`Files(whole_groups=True)` refuses a group id that recurs after
-its rows ended; a queue step holds whole puts). Where the episodes already
+or a reward, is refused by name. That a window holds whole groups, each
+contiguous, is the step rule's part (treeflow/steps.py: every source's windows
+are whole groups in the order they complete, however the input interleaves
+them; `Files(require_groups=...)` names the file of an episode without a
+group). Where the episodes already
 carry an `advantage`, the computed one replaces it and a warning says so.
 The trade-off: advantages are fixed per window before anything is split, so
 they never depend on fragmentation or sharding, but a group must fit a step.
@@ -117,15 +119,15 @@ def group_advantages(rewards, group_ids, *, estimator: str = "grpo", std_normali
     if len(set(run_ids)) != len(run_ids):
         seen: set = set()
         dup = next(g for g in run_ids if g in seen or seen.add(g))
-        raise ValueError(f"group {dup!r}: its episodes are not contiguous in the window; put each "
-                         "group's episodes next to each other so a step holds the whole group")
+        raise ValueError(f"group {dup!r}: its episodes are not contiguous in the window; give "
+                         "each group's episodes next to each other (windows cut by a treeflow "
+                         "source are: treeflow.steps.assemble)")
     sizes = np.diff(np.append(starts, n))
     if (sizes < 2).any():
         g = int(np.flatnonzero(sizes < 2)[0])
         raise ValueError(f"group {run_ids[g]!r} has one episode in this step; --advantage "
                          f"{estimator} compares an episode with the rest of its group, so give "
-                         "groups of >= 2 episodes, each group's episodes next to each other in "
-                         "the data (a group split over steps is refused)")
+                         "groups of >= 2 episodes")
     group_E = np.repeat(np.arange(len(sizes)), sizes)
     size_E = sizes[group_E].astype(np.float64)
     mean_E = (np.bincount(group_E, weights=r_E) / sizes)[group_E]

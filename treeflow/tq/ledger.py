@@ -11,7 +11,9 @@ with their episode count, byte size and weight versions.
   and not yet acknowledged -- never exceed the limit; `put` waits for room
   and raises `QueueFull` when its wait runs out.
 - Whole steps: `get(episodes=B)` releases a step only when B episodes of
-  whole groups are queued (or the queue is closed: then the remainder).
+  whole groups are queued (or the queue is closed: then the remainder): the
+  step rule's cut (treeflow/steps.py), whole groups in the order they were
+  put until the step holds >= B episodes.
   A released step gets a number, fixed for ever: a redelivered step is the
   same number with the same groups, so a consumer that already applied it
   can skip it (idempotent redelivery, not an error).
@@ -58,6 +60,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from treeflow.steps import take_groups
 from treeflow.tq.leases import Leases
 from treeflow.tq.protocol import (CLOSE_WHEN, END, LEDGER_METHODS, Delivery, Group, QueueClosed,
                                   QueueFull, check_groups, parse_close_when)
@@ -293,11 +296,10 @@ class Ledger(Leases):
                 if min_version is not None:
                     dropped += self._drop_stale(min_version)
                 if self._queued_episodes >= episodes or (self._closed and self._queued):
-                    groups, n = [], 0
-                    while self._queued and n < episodes:
-                        g = self._queued.popleft()
-                        groups.append(g)
-                        n += g.episodes
+                    # the step rule's cut (treeflow/steps.py), on groups in the order put
+                    k = take_groups((g.episodes for g in self._queued), episodes)
+                    groups = [self._queued.popleft() for _ in range(k)]
+                    n = sum(g.episodes for g in groups)
                     self._queued_episodes -= n
                     step = self._next_step
                     self._next_step += 1

@@ -20,8 +20,8 @@ the rank actors:
 fit reads the checkpoint to resume on the driver (its counters, position and
 fingerprint, checked here), opens the source at its position and sends the
 engine a `RemoteTraining` (train/remote.py) from which every rank builds its
-operator; it announces the weights rank 0 wrote and runs `on_saved` for each
-checkpoint the ranks report.
+operator; it announces the weights rank 0 wrote and commits the source at the
+position of each checkpoint the ranks report.
 
 The trade-off: one loop with a few callbacks instead of three loops that
 each read clearly on their own; the CLI commands only build their stages and
@@ -89,7 +89,8 @@ def step_size_check(row: dict, episodes_per_step: int | None, note, said: set) -
     if kind in said:
         return
     said.add(kind)
-    why = ("a step holds whole groups, so the window was rounded up to the end of a group"
+    why = ("a step holds whole groups (taken in the order they complete), so it ends at the "
+           "end of the group that reaches --episodes-per-step"
            if kind == "more" else
            "a step does not cross the end of the data (the file, or what the queue held)")
     note(f"warning: --episodes-per-step {want}: step {row.get('step')} trained {got} episodes; "
@@ -130,7 +131,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         run: dict | None = None, config: dict | None = None, resume: Resume | None = None,
         checkpointing: Checkpointing | None = None, sinks: Sequence = (),
         publish: PublishWeights | None = None, on_result: Callable | None = None,
-        on_saved: Sequence[Callable] = (), episodes_per_step: int | None = None,
+        episodes_per_step: int | None = None,
         loss: str | None = None, cap_steps: bool = True, lead: bool = True, log=_stderr,
         progress: str | None = "train", device: str = "cpu", prefetch: int = 2,
         engine=None, trainer=None) -> dict:
@@ -142,10 +143,10 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     comes from the plan. run: the run fingerprint (train/run.py), saved and checked on
     resume. config: the resolved configuration saved in every checkpoint.
     on_result(rec, row) -> extra fields of the step's metrics row (the lead's results only;
-    called before `seconds` is added). on_saved: hooks `hook(op, path)` after each checkpoint
-    (an engine that owns its processes: `hook(None, path)` once the driver hears of it, with the next step's result,
-    which may already be handed to the caller: `train.remote.saved_position(path)` says what
-    the checkpoint holds).
+    called before `seconds` is added). After each checkpoint fit commits the source
+    (`Source.commit(position)`: a queue reader acknowledges the steps the checkpoint holds; an
+    engine that owns its processes: once the driver hears of it, with the next step's result,
+    at the position that checkpoint saved), and once more at the end of a run that finished.
     engine: the Engine object to run on (treeflow.engines; None: this process, the local
     engine); one that owns its processes (the Ray engine) builds each rank's Trainer there
     from `trainer_options`.
@@ -226,12 +227,20 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                  "nothing to do")
         report["nothing_to_do"] = True
         return report
+    opened_src: list = []   # the source, once opened: committed after each checkpoint
+
+    def commit(position: dict | None) -> None:
+        if opened_src and hasattr(opened_src[0], "commit"):
+            opened_src[0].commit(position)
+
     if trainer is not None:
         hooks = [publish] if publish is not None and lead else []
-        op = TrainOp(trainer, checkpointing=checkpointing, on_step=hooks, on_saved=on_saved)
+        op = TrainOp(trainer, checkpointing=checkpointing, on_step=hooks,
+                     on_saved=[lambda op, path: commit(None)])
         if publish is not None and lead and done:
             publish(op)  # the resumed weights, for the producers that refit
     src = source(position if trainer is None else trainer.position, done)
+    opened_src.append(src)
     rows, said, seconds0 = report["rows"], set(), time.perf_counter()
     opened: list = []
     failed = True
@@ -251,8 +260,9 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                 trainer.on_bin = advance.bins
             for rec in pipeline.run(src, **run_options):
                 if remote and "saved" in rec.stats:  # the ranks wrote the step before's checkpoint
-                    for hook in on_saved:
-                        hook(None, rec.stats["saved"])
+                    from treeflow.train.remote import saved_position
+
+                    commit(saved_position(rec.stats["saved"]))
                 report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
                 if "recompiles" in rec.stats:
                     report["recompiles"] = (report["recompiles"] or 0) + rec.stats["recompiles"]
@@ -280,6 +290,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         if op is not None:
             op.close()
             report["steps"] = op.steps
+        commit(None)   # the run finished: what it read is done with
         failed = False
     finally:
         if trainer is not None:

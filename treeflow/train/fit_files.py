@@ -35,8 +35,9 @@ __all__ = ["fit_files", "fit_summary"]
 def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=None,
               device: str = "cpu", trainer_options: dict | None = None,
               **fit_options) -> dict | None:
-    """Train `stages` (a `pipeline.rank_plan.StepStages`) on `files` (a `Files`; cycled, whole
-    groups when a stage before Pack needs them) for `steps` optimizer steps in all.
+    """Train `stages` (a `pipeline.rank_plan.StepStages`) on `files` (a `Files`; cycled; every
+    episode grouped when a stage before Pack computes group advantages) for `steps` optimizer
+    steps in all.
 
     distributed: this process is one rank of torchrun's (or spawn's) process group; engine:
     an Engine object that owns its processes (`RayEngine(ranks=N)`): this process is the
@@ -49,8 +50,10 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=No
     from treeflow.train.distributed import training_ranks
     from treeflow.train.fit import fit
 
-    files = replace(files, cycle=True, whole_groups=files.whole_groups or any(
-        isinstance(s, Advantage) for s in stages.before))
+    grouped = next((s for s in stages.before if isinstance(s, Advantage)
+                    and s.estimator != "none"), None)
+    files = replace(files, cycle=True, require_groups=files.require_groups or (
+        None if grouped is None else f"--advantage {grouped.estimator}"))
     options = dict(steps=steps, device=device, **fit_options)
     forward = stages.forward
     if engine is not None and engine.owns_processes:  # each rank plans its own share, as a spawned rank does
