@@ -66,6 +66,9 @@ COMMANDS = (
     ("h200_bench_cli_tunings", "python3 bench/bench_cli_gpu.py --shapes llama-3.2-1b --layouts tree "
                                "--tunings plain,fast,lean --no-kernel-bench"),
     ("h200_bench_cli_gpu", "python3 bench/bench_cli_gpu.py"),
+    ("h100_bench_cli_gpu_llama_train", "python3 bench/bench_cli_gpu.py --shapes llama-3.2-1b "
+     "--no-kernel-bench --no-transformers --budget-seconds 290 --out bench_cli_gpu_llama.json"),
+    ("h100_bench_cli_gpu", "python3 bench/bench_cli_gpu.py --no-kernel-bench --budget-seconds 540"),
     ("h200_bench_compile_cache", "python bench/bench_compile_cache.py"),
     ("h200_bench_dp_precision", "python3 bench/bench_dp_gpu.py precision"),
     ("h200x2_bench_dp", "python3 bench/bench_dp_gpu.py scaling"),
