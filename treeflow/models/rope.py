@@ -89,4 +89,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x_NAD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    """x rotated by the angles; tables narrower than x's heads turn only their first dims, the
+    rest pass unchanged (partial rotary: GLM-4.5's partial_rotary_factor)."""
+    r = cos_ND.shape[-1]
+    if r < x_NAD.shape[-1]:
+        return torch.cat((apply_rotary(x_NAD[..., :r], cos_ND, sin_ND), x_NAD[..., r:]), dim=-1)
     return x_NAD * cos_ND[:, None, :] + _rotate_half(x_NAD) * sin_ND[:, None, :]

@@ -1,0 +1,117 @@
+"""DeepSeek-V3 (MLA) and GLM-4.5: sigmoid-routed, group-limited MoE with shared experts and a
+dense first layer, on trees = transformers call by call (float32).
+
+Replayed routes are the models' own shifted by one expert (a perturbation replay must
+follow), forced into transformers' routers by an independent patch
+(hybrid_moe_helpers.forced_routes); every logprob and parameter gradient of tree / chain /
+exact layouts, whole and in fragments. The routers' own choice (group limit, bias correction)
+is checked twice: captured routes agree with treeflow's on every row, and recomputed routing
+gives transformers' unforced logprobs on random forks through each tree kernel.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from family_checks import check_cli, check_forks, check_layouts, check_training
+from models_helpers import random_forest
+
+from tests.models.families_helpers import DEEPSEEK_FAMILIES, VOCAB, hf_deepseek
+from tests.models.hybrid_moe_helpers import forced_routes, with_routes
+from tests.models.moe_helpers import episodes, occurrence_logprobs
+from treeflow.models import ModelConfig, load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+_ROWS: dict = {}
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK_FAMILIES)
+def pair(request, tmp_path_factory):
+    """(transformers model, treeflow's decoder loaded from its saved checkpoint, the path)."""
+    hf = hf_deepseek(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, load_model(path), path
+
+
+def _rows(hf, shift):
+    key = (type(hf).__name__, shift)
+    if key not in _ROWS:
+        _ROWS[key] = with_routes(hf, episodes(np.random.default_rng(3)), shift=shift)
+    return _ROWS[key]
+
+
+def test_config_reads_the_family_and_refuses_what_it_cannot_honour(pair):
+    hf, ours, path = pair
+    c = ours.config
+    assert type(ours).__name__ == "DeepseekDecoder"
+    assert c.moe.moe_layers == (1, 2) and (c.moe.n_group, c.moe.topk_group) == (4, 2)
+    assert c.moe.shared_expert_intermediate_size == 16 and c.moe.routed_scaling_factor == 2.5
+    assert c.rotary_dim == 8 and c.qk_norm == (not c.mla)  # GLM: half of 16; MLA: rope 8
+    d = json.loads((path / "config.json").read_text())
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    arch = d["architectures"][0]
+    for key, value, what in [
+            ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+            ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+             "rope_parameters.rope_type='yarn'"),
+            ("scoring_func", "softmax", "scoring_func='softmax'"),
+            ("moe_layer_freq", 2, "moe_layer_freq=2"),
+            ("n_shared_experts", 0, "n_shared_experts=0")]:
+        with pytest.raises(ValueError, match=rf"{arch} config uses {what}"):
+            ModelConfig.from_hf_dict({**d, key: value})
+
+
+@pytest.mark.parametrize("max_tokens", [24, 4096])
+def test_replayed_logprobs_and_gradients_match_transformers(pair, max_tokens):
+    """Shifted routes replayed: tree / chain / exact, fragments under 24 tokens or whole;
+    every gradient (routers, experts, shared experts, MLA's latents) to 1e-5 relative."""
+    hf, ours, _ = pair
+    check_layouts(hf, ours, _rows(hf, 1), max_tokens=max_tokens, kernel="auto",
+                  fragmented=max_tokens == 24, forced=forced_routes)
+
+
+def test_captured_routes_agree_and_recompute_matches_transformers(pair):
+    """The models' own routes (transformers' group-limited, bias-corrected choice) agree with
+    treeflow's on every row; recomputed routing = transformers unforced, layouts and grads."""
+    hf, ours, _ = pair
+    _, runner, _ = occurrence_logprobs(ours, _rows(hf, 0), layout="tree", routing="replay")
+    agree, total = runner.take_route_tally()
+    assert total > 0 and agree == total
+    _, runner, _ = occurrence_logprobs(ours, _rows(hf, 1), layout="tree", routing="replay")
+    agree, total = runner.take_route_tally()
+    assert agree < total / 2  # the shifted routes really differ
+    check_layouts(hf, ours, episodes(np.random.default_rng(3)), max_tokens=24, kernel="auto",
+                  fragmented=True)
+
+
+@pytest.mark.parametrize("kernel", ["dense", "runs", "flex"])
+def test_random_forks_match_transformers(pair, kernel):
+    hf, ours, _ = pair
+    tokens, parents = random_forest(np.random.default_rng(11), 40, vocab=VOCAB, extend=0.7)
+    check_forks(hf, ours, tokens, parents, kernel)
+
+
+def test_mla_without_q_latent_and_with_wide_values_matches_transformers(tmp_path):
+    """MLA variants: a full q_proj (q_lora_rank null), values wider than query/key heads (q/k
+    padded, q rescaled), rope on halves instead of interleaved pairs."""
+    hf = hf_deepseek("deepseek_v3", seed=1, q_lora_rank=None, v_head_dim=28,
+                     rope_interleave=False)
+    hf.save_pretrained(tmp_path)
+    tokens, parents = random_forest(np.random.default_rng(12), 30, vocab=VOCAB, extend=0.7)
+    check_forks(hf, load_model(tmp_path), tokens, parents, "dense")
+
+
+def test_training_step_equals_transformers_and_saves_back(pair, tmp_path):
+    hf, ours, path = pair
+    changed = "self_attn.kv_b_proj" if ours.config.mla else "self_attn.q_norm"
+    check_training(hf, path, episodes(np.random.default_rng(3)), tmp_path, kernel="auto",
+                   changed=changed)
+
+
+def test_cli_replay_and_train(pair, tmp_path, capsys):
+    hf, _, path = pair
+    check_cli(hf, path, tmp_path, capsys)
