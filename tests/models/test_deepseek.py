@@ -15,6 +15,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from family_checks import check_cli, check_forks, check_layouts, check_training
 from models_helpers import random_forest
 
@@ -115,3 +116,53 @@ def test_training_step_equals_transformers_and_saves_back(pair, tmp_path):
 def test_cli_replay_and_train(pair, tmp_path, capsys):
     hf, _, path = pair
     check_cli(hf, path, tmp_path, capsys)
+
+
+def test_what_the_family_does_not_run_is_refused_by_name(pair):
+    from treeflow.models import Tuning, load_backend
+    from treeflow.ops import build_forward
+    from treeflow.stages import Forward
+
+    _, ours, path = pair
+    name = "DeepSeek-V3" if ours.config.mla else "GLM-4.5"
+    arch = ours.config.architecture
+    with pytest.raises(ValueError, match=rf"{name} \({arch}\): Tuning"):
+        load_backend("reference", str(path), tuning=Tuning(recompute="mlp"))
+    with pytest.raises(ValueError, match=rf"{name} \({arch}\): context parallelism"):
+        build_forward(Forward(context_parallel=2), model=load_backend("reference", str(path)))
+    pytest.importorskip("megatron.core")
+    with pytest.raises(ValueError, match=rf"{name} \({arch}\): the megatron backend"):
+        load_backend("megatron", str(path))
+
+
+def test_mtp_layers_past_the_decoder_are_held_frozen_and_saved_back(tmp_path):
+    """GLM-4.5 / DeepSeek-V3 keep MTP as extra model.layers.{N+k}: a checkpoint of 3 layers
+    plus one declared MTP layer loads with that layer frozen (never run), saves it back byte
+    for byte, and runs as transformers' 3-layer model."""
+    from safetensors import safe_open
+
+    from treeflow.models import save_model
+
+    hf4 = hf_deepseek("glm4_moe", num_hidden_layers=4)
+    hf4.save_pretrained(tmp_path / "m")
+    d = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {**d, "num_hidden_layers": 3, "num_nextn_predict_layers": 1}))
+    ours = load_model(tmp_path / "m")
+    assert ours.frozen_tensors and all(k.startswith("model.layers.3.")
+                                       for k in ours.frozen_tensors)
+    save_model(ours, tmp_path / "back")
+    with safe_open(tmp_path / "m" / "model.safetensors", "pt") as a, \
+            safe_open(tmp_path / "back" / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for k in ours.frozen_tensors:
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k))
+    hf3 = hf_deepseek("glm4_moe", num_hidden_layers=3)
+    hf3.load_state_dict({k: v for k, v in hf4.state_dict().items()
+                         if not k.startswith("model.layers.3.")})
+    tokens, parents = random_forest(np.random.default_rng(13), 20, vocab=VOCAB, extend=0.7)
+    check_forks(hf3, ours, tokens, parents, "dense")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {**d, "num_hidden_layers": 3, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.3\."):
+        load_model(tmp_path / "m")
