@@ -57,8 +57,8 @@ def test_config_reads_the_family_and_refuses_what_it_cannot_honour(pair):
     arch = d["architectures"][0]
     for key, value, what in [
             ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
-            ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
-             "rope_parameters.rope_type='yarn'"),
+            ("rope_parameters", {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e4},
+             "rope_parameters.rope_type='llama3'"),
             ("scoring_func", "softmax", "scoring_func='softmax'"),
             ("moe_layer_freq", 2, "moe_layer_freq=2"),
             ("n_shared_experts", 0, "n_shared_experts=0")]:
@@ -96,11 +96,16 @@ def test_random_forks_match_transformers(pair, kernel):
     check_forks(hf, ours, tokens, parents, kernel)
 
 
-def test_mla_without_q_latent_and_with_wide_values_matches_transformers(tmp_path):
+def test_mla_variants_and_yarn_match_transformers(tmp_path):
     """MLA variants: a full q_proj (q_lora_rank null), values wider than query/key heads (q/k
-    padded, q rescaled), rope on halves instead of interleaved pairs."""
+    padded, q rescaled), rope on halves instead of interleaved pairs; YaRN as DeepSeek-V3's
+    released config has it (factor 4 over 8 original positions, the blend active at these
+    depths; mscale != mscale_all_dim: cos/sin and the softmax both rescaled)."""
     hf = hf_deepseek("deepseek_v3", seed=1, q_lora_rank=None, v_head_dim=28,
-                     rope_interleave=False)
+                     rope_interleave=False, max_position_embeddings=64, rope_parameters={
+                         "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                         "original_max_position_embeddings": 8, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5})
     hf.save_pretrained(tmp_path)
     tokens, parents = random_forest(np.random.default_rng(12), 30, vocab=VOCAB, extend=0.7)
     check_forks(hf, load_model(tmp_path), tokens, parents, "dense")

@@ -29,7 +29,7 @@ from treeflow.models.attention import AttentionPlan
 from treeflow.models.decoder import MLP, Decoder, DecoderLayer, RMSNorm
 from treeflow.models.deepseek_config import DeepseekConfig
 from treeflow.models.moe import MoeBlock
-from treeflow.models.rope import apply_rotary
+from treeflow.models.rope import Rotary, apply_rotary, yarn_mscale
 
 __all__ = ["DeepseekDecoder", "MlaAttention"]
 
@@ -57,9 +57,13 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora, _LATENT_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora, self.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, c.hidden_size, bias=bias)
-        # the kernels scale scores by (their head width)^-1/2; MLA by (nope + rope)^-1/2
+        # the kernels scale scores by (their head width)^-1/2; MLA by (nope + rope)^-1/2, under
+        # YaRN times mscale(mscale_all_dim)^2 (transformers' yarn_apply_mscale)
         self.width = max(qk, self.v_dim)
-        self.q_scale = None if self.width == qk else (self.width / qk) ** 0.5
+        scale = (self.width / qk) ** 0.5
+        if c.yarn and c.yarn.get("mscale_all_dim"):
+            scale *= yarn_mscale(c.yarn["factor"], c.yarn["mscale_all_dim"]) ** 2
+        self.q_scale = None if scale == 1.0 else scale
 
     def _rotate(self, x_NAR, cos_NR, sin_NR):
         if not self.interleave:
@@ -87,8 +91,10 @@ class MlaAttention(nn.Module):
         q_NQD = torch.cat((q_pass, q_rot.to(q_pass.dtype)), dim=-1)
         k_NQD = torch.cat((k_nope, k_rot.to(k_nope.dtype).expand(-1, self.heads, -1)), dim=-1)
         w = self.width
-        if self.q_scale is not None:  # values wider: pad q/k, scale q to keep (nope+rope)^-1/2
-            q_NQD = F.pad(q_NQD * self.q_scale, (0, w - q_NQD.shape[-1]))
+        if self.q_scale is not None:
+            q_NQD = q_NQD * self.q_scale
+        if w > q_NQD.shape[-1]:  # values wider: q/k zero-padded (q_scale keeps their scale)
+            q_NQD = F.pad(q_NQD, (0, w - q_NQD.shape[-1]))
             k_NQD = F.pad(k_NQD, (0, w - k_NQD.shape[-1]))
         v_NQW = F.pad(v_NQV, (0, w - self.v_dim))
         return q_NQD.to(v_NQW.dtype), k_NQD.to(v_NQW.dtype), v_NQW
@@ -119,3 +125,5 @@ class DeepseekDecoder(Decoder):
                             f"{type(config).__name__}")
         object.__setattr__(self, "layer_class", MlaLayer if config.mla else DecoderLayer)
         super().__init__(config)
+        if config.yarn is not None:
+            self._rotary = Rotary(config.rotary_dim, config.rope_theta, yarn=config.yarn)

@@ -11,8 +11,9 @@ head and optional per-head q/k RMSNorm (`use_qk_norm`); DeepSeek-V3 uses multi-h
 attention (MLA: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
 `v_head_dim`, RoPE on interleaved pairs when `rope_interleave`), run by models/deepseek.py.
 
-Refused by name rather than ignored: RoPE types other than default (DeepSeek-V3's released
-YaRN included), quantized (FP8) weights, a router other than sigmoid / noaux_tc, experts on
+RoPE is default or YaRN (DeepSeek-V3's released checkpoints: `mscale` / `mscale_all_dim`
+scale cos/sin, and MLA's softmax by mscale(mscale_all_dim)^2, as transformers does).
+Refused by name rather than ignored: other RoPE types, quantized (FP8) weights, a router other than sigmoid / noaux_tc, experts on
 every `moe_layer_freq`-th layer only, the router aux loss, an MLA config whose key/value heads
 differ from its query heads. Multi-token-prediction layers (`num_nextn_predict_layers`, stored
 as extra `model.layers.{N+k}`) are held frozen and saved back unchanged (models/mtp.py). The
@@ -51,6 +52,8 @@ class DeepseekConfig(ModelConfig):
     v_head_dim: int = 0
     rope_interleave: bool = True
     mtp_layers: int = 0  # extra model.layers.{N+k}: held frozen, never run
+    # transformers' "yarn" rope_parameters (factor filled in), None for plain RoPE
+    yarn: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         arch, moe, qk_norm = self.architecture, self.moe, self.qk_norm
@@ -95,8 +98,13 @@ class DeepseekConfig(ModelConfig):
         arch = archs[0]
         _refuse_unsupported(d, arch)
         layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
-        rope = d.get("rope_parameters") or {}
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        yarn = None
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            original = rope["original_max_position_embeddings"]
+            yarn = {**rope, "factor": float(rope.get("factor") or
+                                             d["max_position_embeddings"] / original)}
         mla = arch == "DeepseekV3ForCausalLM"
         dense = int(d.get("first_k_dense_replace", 0 if mla else 1))
         experts = d.get("n_routed_experts", d.get("num_local_experts"))
@@ -116,7 +124,7 @@ class DeepseekConfig(ModelConfig):
             rope_theta=theta, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), moe=moe,
-            mtp_layers=mtp_layer_count(d), hf_extras=dict(d))
+            mtp_layers=mtp_layer_count(d), yarn=yarn, hf_extras=dict(d))
         if mla:
             nope, rot = d["qk_nope_head_dim"], d["qk_rope_head_dim"]
             return cls(**common, head_dim=nope + rot, rotary_dim=rot, mla=True,
@@ -148,8 +156,13 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
                "first)")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        refuse(f"rope_parameters.rope_type={kind!r} (only 'default')")
+    if kind not in ("default", "yarn"):
+        refuse(f"rope_parameters.rope_type={kind!r} (only 'default' or 'yarn')")
+    if kind == "yarn" and "original_max_position_embeddings" not in rope:
+        refuse("rope_parameters.rope_type='yarn' without original_max_position_embeddings")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and arch == "DeepseekV3ForCausalLM":
+        refuse(f"partial_rotary_factor={rope['partial_rotary_factor']} (MLA's rope part is "
+               "qk_rope_head_dim)")
     if d.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act={d['hidden_act']!r} (only 'silu')")
     if d.get("scoring_func", "sigmoid") != "sigmoid":

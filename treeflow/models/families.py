@@ -70,8 +70,8 @@ FAMILIES = (
                 "first layers; partial rotary, q/k norm; MTP layers frozen"),
     Family(name="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",), experts=True,
            moe_replay=True, context_parallel=False, recompute=False, megatron=False,
-           note="MLA (latent K/V expanded per head) and GLM-4.5's MoE; YaRN and FP8 refused; "
-                "MTP layers frozen"),
+           note="MLA (latent K/V expanded per head), YaRN, GLM-4.5's MoE; FP8 weights "
+                "refused; MTP layers frozen"),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
            moe_replay=True, recompute=False, megatron=False,
            note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
