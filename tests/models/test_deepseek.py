@@ -171,3 +171,38 @@ def test_mtp_layers_past_the_decoder_are_held_frozen_and_saved_back(tmp_path):
         {**d, "num_hidden_layers": 3, "num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.3\."):
         load_model(tmp_path / "m")
+
+
+def test_cli_replays_synthesized_routes_as_transformers_forced(pair, tmp_path, capsys):
+    """Episodes with routes of the checkpoint's shape (`synth --routes-from DIR`'s
+    `routes_like`, at small sizes), then `treeflow replay --routing replay`: every logprob =
+    transformers call by call with the episodes' routes forced into its routers."""
+    check_cli_routes(pair[0], pair[2], tmp_path, capsys)
+
+
+def check_cli_routes(hf, path, tmp_path, capsys) -> None:
+    import pyarrow as pa
+
+    from tests.models.moe_helpers import hf_call_logprobs
+    from treeflow.cli import main
+
+    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.pipeline.synth import routes_like
+
+    eps, out = str(tmp_path / "e.arrow"), str(tmp_path / "lp.arrow")
+    write_episodes(synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=10,
+                                  user_tokens=(2, 5), completion_tokens=(2, 6),
+                                  tool_tokens=(2, 5), branch_prob=0.3, vocab_size=VOCAB,
+                                  seed=2, **routes_like(str(path))), eps)
+    assert main(["replay", eps, "--model", str(path), "--layout", "tree", "--max-tokens", "48",
+                 "--routing", "replay", "--json", "-o", out]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.0 <= summary["route_agreement"] < 1.0  # synthesized routes, not the model's own
+    got = np.concatenate([np.concatenate(r["logprobs"]) for r in
+                          pa.ipc.open_file(out).read_all().to_pylist()])
+    with torch.no_grad():
+        want = np.concatenate([
+            hf_call_logprobs(hf, c["token_ids"], c["sampled_start"],
+                             np.asarray(c["routed_experts"]), forced=forced_routes).numpy()
+            for r in pa.ipc.open_file(eps).read_all().to_pylist() for c in r["calls"]])
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5

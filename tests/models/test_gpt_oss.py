@@ -116,3 +116,10 @@ def test_replayed_routes_match_transformers_forced_and_captured_routes_agree(pai
     assert agree < total / 2  # the shifted routes really differ
     check_layouts(hf, ours, shifted, max_tokens=24, kernel="auto", fragmented=True,
                   forced=forced_routes)
+
+
+def test_cli_replays_synthesized_routes_as_transformers_forced(pair, tmp_path, capsys):
+    from tests.models.test_deepseek import check_cli_routes
+
+    hf, _, path = pair
+    check_cli_routes(hf, path, tmp_path, capsys)
