@@ -68,10 +68,12 @@ class SelfAttention(nn.Module):
         # fused kernels (flex, varlen) need q, k and v in one dtype: the projections' one
         return q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD
 
+    def output(self, out_NQD):
+        """o_proj of the attention's per-head output."""
+        return self.o_proj(out_NQD.reshape(out_NQD.shape[0], -1))
+
     def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
-        n = x_NH.shape[0]
-        out_NQD = attention(*self.inputs(x_NH, cos_ND, sin_ND))
-        return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
+        return self.output(attention(*self.inputs(x_NH, cos_ND, sin_ND)))
 
 
 class MLP(nn.Module):

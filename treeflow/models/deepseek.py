@@ -12,8 +12,9 @@ MLA in the tree kernels: the latent is expanded to per-head keys and values befo
 runs, flex, chain) runs it unchanged. Its query/key heads (nope + rope) are wider than its
 value heads; the kernels take one head width, so values are zero-padded to it and the output
 cut back (the padding's products are zeros: exact). The trade-off: the padded P.V product
-costs (qk - v) / v more than it must (DeepSeek-V3: 192 vs 128, half again), and recompute /
-compile levers, which call the attention kernels themselves, are not offered (families.py).
+costs (qk - v) / v more than it must (DeepSeek-V3: 192 vs 128, half again). The recompute
+and compile levers (layer_ops.py) run MLA through the same `inputs` / `output` pair as the
+base attention.
 
 Legend: N tokens, H hidden, Q heads, D query/key head width, V value head width, R rope width,
 L latent rank.
@@ -99,10 +100,12 @@ class MlaAttention(nn.Module):
         v_NQW = F.pad(v_NQV, (0, w - self.v_dim))
         return q_NQD.to(v_NQW.dtype), k_NQD.to(v_NQW.dtype), v_NQW
 
+    def output(self, out_NQW):
+        """o_proj of the attention's per-head output, its value padding cut off."""
+        return self.o_proj(out_NQW[..., :self.v_dim].reshape(out_NQW.shape[0], -1))
+
     def forward(self, x_NH, cos_NR, sin_NR, attention: AttentionPlan):
-        n = x_NH.shape[0]
-        out_NQW = attention(*self.inputs(x_NH, cos_NR, sin_NR))
-        return self.o_proj(out_NQW[..., :self.v_dim].reshape(n, self.heads * self.v_dim))
+        return self.output(attention(*self.inputs(x_NH, cos_NR, sin_NR)))
 
 
 class MlaLayer(DecoderLayer):
