@@ -252,3 +252,27 @@ def test_replay_under_context_parallel_2_equals_transformers(tmp_path, family):
     for n, p in hf.named_parameters():
         g, mine = p.grad.double(), ranks[0]["grads"][n]
         assert float((mine - g).abs().max()) <= 1e-5 * float(g.abs().max()), n
+
+
+def test_rollout_captures_the_routes_transformers_chooses(pair):
+    check_rollout_routes(pair[0], pair[2])
+
+
+def check_rollout_routes(hf, path) -> None:
+    """The rollout sampler's route capture (pipeline/rollout.py, each block's own_routes) on a
+    checkpoint: every call's routes = transformers' own routers' choice on that call, row by
+    row but the final sampled token's (the sampler never ran it as an input)."""
+    from tests.models.hybrid_moe_helpers import call_routes
+    from treeflow.models import load_backend
+    from treeflow.pipeline import Rollout, sample_group
+
+    config = Rollout(group_size=2, turns=(1, 2), prompt_tokens=(6, 10), completion_tokens=(3, 6),
+                     tool_tokens=(2, 4), seed=7)
+    eps = sample_group(load_backend("reference", str(path)), config, 0)
+    k = hf.config.num_experts_per_tok
+    for call in (c for cs in eps.column("calls").to_pylist() for c in cs):
+        got = np.asarray(call["routed_experts"])
+        got = np.concatenate([np.sort(got[:, j:j + k], -1) for j in range(0, got.shape[1], k)],
+                             -1)
+        want = call_routes(hf, call["token_ids"])
+        assert got.shape == want.shape and (got[:-1] == want[:-1]).all()

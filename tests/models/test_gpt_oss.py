@@ -123,3 +123,9 @@ def test_cli_replays_synthesized_routes_as_transformers_forced(pair, tmp_path, c
 
     hf, _, path = pair
     check_cli_routes(hf, path, tmp_path, capsys)
+
+
+def test_rollout_captures_the_routes_transformers_chooses(pair):
+    from tests.models.test_deepseek import check_rollout_routes
+
+    check_rollout_routes(pair[0], pair[2])
