@@ -239,8 +239,9 @@ class MoeBlock(nn.Module):
 
     def _scores(self, x_NH):
         """(router logits, float32 scores the choice and weights read: softmax, or the sigmoid
-        of float32 logits of the SIGMOID_ROUTED families). Logits in float32 under router_dtype="float32" (autocast
-        off: the input as it arrives, the float32 master weight), else in the compute dtype."""
+        of float32 logits of the SIGMOID_ROUTED families). Logits in float32 under
+        router_dtype="float32" (autocast off: the input as it arrives, the float32 master
+        weight), else in the compute dtype."""
         sigmoid = self.moe.family in SIGMOID_ROUTED
         if sigmoid or self.moe.router_dtype == "float32":
             with torch.autocast(x_NH.device.type, enabled=False):
