@@ -74,3 +74,35 @@ def hf_gpt_oss(seed: int = 0, **over):
     config.architectures = ["GptOssForCausalLM"]
     torch.manual_seed(seed)
     return drawn(transformers.GptOssForCausalLM(config), seed, scale=0.2)
+
+
+DEEPSEEK_FAMILIES = ("glm4_moe", "deepseek_v3")
+
+
+def hf_deepseek(family: str, seed: int = 0, **over):
+    """A random Glm4MoeForCausalLM or DeepseekV3ForCausalLM: 3 layers, the first dense
+    (first_k_dense_replace=1), 8 experts top-2 in 4 groups of which 2 are kept (the group
+    limit decides), routed_scaling_factor 2.5, e_score_correction_bias drawn at 0.3 (it moves
+    the choice). GLM: partial rotary 0.5, q/k norms, q/k/v biases; DeepSeek-V3: MLA with a
+    q latent, values (12) narrower than query/key heads (16 + 8), interleaved rope. Weights at
+    spread 0.2, as gpt-oss's: at 0.3 transformers' own float32 logprobs on the fork test's
+    paths were 8.4e-6 from its float64 run, too near the 1e-5 bound; at 0.2 3.8e-6."""
+    moe = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+               num_attention_heads=4, moe_intermediate_size=16, n_routed_experts=8,
+               num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+               routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)
+    if family == "glm4_moe":
+        config = transformers.Glm4MoeConfig(**{**moe, **dict(
+            num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True), **over})
+    else:
+        config = transformers.DeepseekV3Config(**{**moe, **dict(
+            num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12), **over})
+    torch.manual_seed(seed)
+    model = drawn(transformers.AutoModelForCausalLM.from_config(config), seed, scale=0.2)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    return model

@@ -25,21 +25,27 @@ def _weights(keys):
     return {k: float(rng.uniform(0.5, 1.5)) for k in sorted(keys)}
 
 
-def check_layouts(hf, ours, rows, *, max_tokens: int, kernel: str, fragmented: bool) -> None:
+def check_layouts(hf, ours, rows, *, max_tokens: int, kernel: str, fragmented: bool,
+                  forced=None) -> None:
     """Every sampled token's logprob and every parameter gradient of a weighted sum of them:
     tree (the groups' prompts shared), chain and exact, under a `max_tokens` budget, =
     transformers call by call (1e-5 absolute on logprobs, 1e-5 of each tensor's largest entry
-    on gradients: float32 sums in another order)."""
+    on gradients: float32 sums in another order). forced: the rows' routes replayed
+    (routing="replay") and forced into transformers' routers by this patch
+    (hybrid_moe_helpers.forced_routes); None: every router chooses."""
+    replay = forced is not None
+    oracle = dict(replay=replay, **({"forced": forced} if replay else {}))
     with torch.no_grad():
-        want = hf_occurrence_logprobs(hf, rows, replay=False)
+        want = hf_occurrence_logprobs(hf, rows, **oracle)
     w = _weights(want)
     hf.zero_grad()
-    sum(w[k] * v for k, v in hf_occurrence_logprobs(hf, rows, replay=False).items()).backward()
+    sum(w[k] * v for k, v in hf_occurrence_logprobs(hf, rows, **oracle).items()).backward()
     hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
     tokens = {}
     for layout in LAYOUTS:
         ours.zero_grad()
-        got, _, bins = occurrence_logprobs(ours, rows, layout=layout, routing="auto",
+        got, _, bins = occurrence_logprobs(ours, rows, layout=layout,
+                                           routing="replay" if replay else "auto",
                                            max_tokens=max_tokens, kernel=kernel)
         assert got.keys() == want.keys()
         diff = max(abs(float(got[k].detach()) - float(want[k])) for k in want)

@@ -76,6 +76,11 @@ def routers(model) -> list:
             out.append(moe.router)
         elif getattr(layer, "block_type", None) == "moe":
             out.append(layer.mixer.gate)
+        elif hasattr(getattr(getattr(layer, "mlp", None), "gate", None),
+                     "e_score_correction_bias"):  # GLM-4.5, DeepSeek-V3 (dense layers: none)
+            out.append(layer.mlp.gate)
+        elif hasattr(getattr(layer, "mlp", None), "router"):  # gpt-oss
+            out.append(layer.mlp.router)
     return out
 
 
@@ -87,13 +92,16 @@ def _forced_forward(gate, original, forced):
         _, _, own = original(hidden_states)
         f = forced.to(own.device)
         idx = torch.where((f >= 0).all(-1, keepdim=True), f, own)
-        if hasattr(gate, "e_score_correction_bias"):  # NemotronHTopkRouter
+        if hasattr(gate, "e_score_correction_bias"):  # NemotronH/Glm4Moe/DeepseekV3TopkRouter
             h = hidden_states.view(-1, gate.hidden_dim)
             logits = F.linear(h.type(torch.float32), gate.weight.type(torch.float32))
             w = logits.sigmoid().gather(1, idx)
             if gate.norm_topk_prob:
                 w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
             return logits, w * gate.routed_scaling_factor, idx
+        if isinstance(getattr(gate, "bias", None), torch.nn.Parameter):  # GptOssTopKRouter
+            logits = F.linear(hidden_states, gate.weight, gate.bias)
+            return logits, torch.softmax(logits.gather(1, idx), dim=1), idx
         logits = F.linear(hidden_states, gate.weight).float()  # GraniteMoeHybridTopKRouter
         w = torch.softmax(logits.gather(1, idx), dim=-1).type_as(hidden_states)
         return logits, w, idx

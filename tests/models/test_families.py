@@ -11,6 +11,7 @@ import pytest
 
 from treeflow.models import families
 from treeflow.models.config import ARCHITECTURES, ModelConfig
+from treeflow.models.deepseek_config import DEEPSEEK_ARCHITECTURES
 from treeflow.models.gemma3_config import GEMMA3_ARCHITECTURES
 from treeflow.models.gpt_oss_config import GPT_OSS_ARCHITECTURES
 from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
@@ -34,7 +35,7 @@ def test_declarations_cover_exactly_what_the_configs_read():
     declared = [a for f in families.FAMILIES for a in f.architectures]
     assert len(declared) == len(set(declared))
     assert set(declared) == set(ARCHITECTURES) | set(HYBRID_ARCHITECTURES) | set(
-        GEMMA3_ARCHITECTURES) | set(GPT_OSS_ARCHITECTURES)
+        GEMMA3_ARCHITECTURES) | set(GPT_OSS_ARCHITECTURES) | set(DEEPSEEK_ARCHITECTURES)
     assert not set(families.NOT_YET) & set(declared)
 
 
@@ -92,9 +93,9 @@ def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(
-        {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}))
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}))
     write_episodes(synth_episodes(episodes=2, vocab_size=61, seed=0), tmp_path / "e.arrow")
     assert main(["replay", str(tmp_path / "e.arrow"), "--model", str(tmp_path / "m"),
                  "-o", str(tmp_path / "o.arrow")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "DeepSeek-V3" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and "vision-language" in err[0], err

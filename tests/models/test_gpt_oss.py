@@ -4,8 +4,8 @@ call by call (float32, its eager attention with sinks).
 The forests have paths several windows deep and forks that a DFS-index window would
 misread; every tree kernel carries the sinks (dense, runs, flex; the chain kernel through
 the exact and chain layouts). Experts are routed by their router on every node (a shared
-node has one hidden state, so one routing); replaying captured routes is not supported yet
-and is refused by name.
+node has one hidden state, so one routing), or by replayed routes, forced into transformers'
+routers by hybrid_moe_helpers.forced_routes.
 """
 
 from __future__ import annotations
@@ -92,29 +92,40 @@ def test_what_gpt_oss_does_not_run_is_refused_by_name(pair):
     from treeflow.stages import Forward
 
     _, _, path = pair
-    with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): MoE routing replay"):
-        build_forward(Forward(model=str(path), routing="replay"))
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="mlp"))
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): context parallelism"):
         build_forward(Forward(context_parallel=2), model=load_backend("reference", str(path)))
 
 
-def test_captured_routes_are_left_unused_with_a_warning(pair, rows):
-    """Episodes that carry routed_experts (from an engine) run with the routers' own choice
-    and say so: the logprobs are transformers' unforced ones."""
-    import torch
-
-    from tests.models.moe_helpers import hf_occurrence_logprobs, occurrence_logprobs
-    from treeflow.ops import runner
+def test_replayed_routes_match_transformers_forced_and_captured_routes_agree(pair, rows):
+    """Routes captured from transformers agree with treeflow's routers on every row; the same
+    routes shifted by one expert, replayed, give transformers' logprobs and every gradient
+    with those routes forced into its routers (fragments of a 24-token budget)."""
+    from tests.models.hybrid_moe_helpers import forced_routes, with_routes
+    from tests.models.moe_helpers import occurrence_logprobs
 
     hf, ours, _ = pair
-    routed = [{**r, "calls": [{**c, "routed_experts": [[0, 1]] * len(c["token_ids"])}
-                              for c in r["calls"]]} for r in rows]
-    runner._warn_not_replayed.cache_clear()
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"GptOssForCausalLM: the episodes "
-                                                          r"carry routed_experts, but routing "
-                                                          r"replay is not supported"):
-        got, _, _ = occurrence_logprobs(ours, routed, layout="tree", routing="auto")
-        want = hf_occurrence_logprobs(hf, rows, replay=False)
-    assert max(abs(float(got[k]) - float(want[k])) for k in want) < 1e-5
+    _, runner, _ = occurrence_logprobs(ours, with_routes(hf, rows), layout="tree",
+                                       routing="replay")
+    agree, total = runner.take_route_tally()
+    assert total > 0 and agree == total
+    shifted = with_routes(hf, rows, shift=1)
+    _, runner, _ = occurrence_logprobs(ours, shifted, layout="tree", routing="replay")
+    agree, total = runner.take_route_tally()
+    assert agree < total / 2  # the shifted routes really differ
+    check_layouts(hf, ours, shifted, max_tokens=24, kernel="auto", fragmented=True,
+                  forced=forced_routes)
+
+
+def test_cli_replays_synthesized_routes_as_transformers_forced(pair, tmp_path, capsys):
+    from tests.models.test_deepseek import check_cli_routes
+
+    hf, _, path = pair
+    check_cli_routes(hf, path, tmp_path, capsys)
+
+
+def test_rollout_captures_the_routes_transformers_chooses(pair):
+    from tests.models.test_deepseek import check_rollout_routes
+
+    check_rollout_routes(pair[0], pair[2])

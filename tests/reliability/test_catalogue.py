@@ -289,6 +289,17 @@ def _file_case(kind):
                  "quantization_config": {"quant_method": "mxfp4"}}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 ["config.json", "quantization_config", "dequantize"]
+        if kind == "model-deepseek-fp8":  # the released DeepSeek-V3 checkpoints' FP8 weights
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                 "n_shared_experts": 1, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+                 "qk_rope_head_dim": 8, "v_head_dim": 8,
+                 "quantization_config": {"quant_method": "fp8"}}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
+                ["config.json", "DeepseekV3ForCausalLM", "quantization_config", "dequantize"]
         if kind == "no-batch":
             return ["replay", good, "--mode", "train"], ["--episodes-per-step"]
         if kind == "steps-0":
@@ -537,7 +548,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
          "model-mtp", "model-hybrid-moe", "hybrid-cp-heads", "gate-hybrid-cp-heads",
          "model-mtp", "model-hybrid-moe", "model-family-not-yet", "model-gemma3-softcap",
-         "model-gpt-oss-mxfp4",
+         "model-gpt-oss-mxfp4", "model-deepseek-fp8",
          "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",

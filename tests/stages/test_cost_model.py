@@ -262,3 +262,29 @@ def test_gpt_oss_cost_counts_router_and_active_experts(tmp_path):
     counts = fc.get_flop_counts()["Global"]
     mm = sum(v for k, v in counts.items() if str(k) in ("aten.mm", "aten.addmm"))
     assert mm == cost.token * n, (mm, cost.token * n)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_deepseek_cost_counts_mla_shared_experts_and_dense_layers(tmp_path, monkeypatch, family):
+    """GLM-4.5 and DeepSeek-V3 (a dense first layer, shared experts; DeepSeek-V3's MLA
+    latents): the token term is exactly the matrix products torch counts in training; MLA's
+    pairs are QK^T and P.V at its padded head width (hand formula)."""
+    from tests.models.families_helpers import hf_deepseek
+    from treeflow.models import load_model, moe
+
+    monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
+    hf_deepseek(family).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    c = model.config
+    cost = CostModel.from_config(c, block=1)
+    n = 48
+    pos = np.arange(n)
+    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+    with FlopCounterMode(display=False) as fc:
+        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+    counts = fc.get_flop_counts()["Global"]
+    mm = sum(v for k, v in counts.items()
+             if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
+    assert mm == cost.token * n, (mm, cost.token * n)
+    width = max(c.head_dim, c.v_head_dim) if c.mla else c.head_dim  # MLA: 16 + 8 vs 12
+    assert cost.pair == 6.0 * c.num_hidden_layers * 2 * c.num_attention_heads * width

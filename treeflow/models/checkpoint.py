@@ -25,6 +25,8 @@ from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.deepseek import DeepseekDecoder
+from treeflow.models.deepseek_config import DeepseekConfig
 from treeflow.models.gemma3 import Gemma3Decoder
 from treeflow.models.gemma3_config import Gemma3Config
 from treeflow.models.gpt_oss import GptOssDecoder
@@ -32,7 +34,7 @@ from treeflow.models.gpt_oss_config import GptOssConfig
 from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
-from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
+from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
 
 __all__ = ["empty_decoder", "load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -63,8 +65,9 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    if is_mtp_tensor(name) and name not in expected:
-                        if not bypassed(config.architecture, name):
+                    trailing = trailing_mtp_layer(config, name)  # DeepSeek-V3 / GLM's MTP
+                    if (is_mtp_tensor(name) or trailing) and name not in expected:
+                        if not (trailing or bypassed(config.architecture, name)):
                             refuse_mtp(config.architecture, f"tensor {name!r}")
                         frozen[name] = f.get_tensor(name)  # stored dtype, host: never run
                         continue
@@ -115,14 +118,16 @@ def empty_decoder(config: ModelConfig) -> Decoder:
 
 
 def _decoder(config: ModelConfig) -> Decoder:
-    """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's or the
-    Mamba-2 hybrid."""
+    """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's,
+    DeepSeek-V3 / GLM-4.5's or the Mamba-2 hybrid."""
     if isinstance(config, HybridConfig):
         return HybridDecoder(config)
     if isinstance(config, Gemma3Config):
         return Gemma3Decoder(config)
     if isinstance(config, GptOssConfig):
         return GptOssDecoder(config)
+    if isinstance(config, DeepseekConfig):
+        return DeepseekDecoder(config)
     return Decoder(config)
 
 

@@ -120,8 +120,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Read a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (4/5);
-        a registered family's (the Mamba-2 hybrids, Gemma 3, gpt-oss) gives that family's
-        subclass (hybrid_config.py, gemma3_config.py, gpt_oss_config.py)."""
+        a registered family's (the Mamba-2 hybrids, Gemma 3, gpt-oss, DeepSeek-V3 / GLM-4.5)
+        gives that family's subclass (hybrid_config.py, gemma3_config.py, gpt_oss_config.py,
+        deepseek_config.py)."""
         archs = d.get("architectures") or ()
         first = archs[0] if isinstance(archs, list) and archs else None
         family = _FAMILIES.get(first) if isinstance(first, str) else None
@@ -182,7 +183,7 @@ class ModelConfig:
 
 # Config families read by a subclass of ModelConfig ({architecture or model_type: subclass}):
 # each registers itself where it is defined (hybrid_config.py, gemma3_config.py,
-# gpt_oss_config.py), and treeflow/models/__init__.py imports it, so from_hf_dict reads every
+# gpt_oss_config.py, deepseek_config.py), and treeflow/models/__init__.py imports it, so from_hf_dict reads every
 # family while this module imports none of its subclasses (a subclass imports its base; the
 # base importing it back was a cycle).
 _FAMILIES: dict[str, type] = {}

@@ -68,10 +68,12 @@ class SelfAttention(nn.Module):
         # fused kernels (flex, varlen) need q, k and v in one dtype: the projections' one
         return q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD
 
+    def output(self, out_NQD):
+        """o_proj of the attention's per-head output."""
+        return self.o_proj(out_NQD.reshape(out_NQD.shape[0], -1))
+
     def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
-        n = x_NH.shape[0]
-        out_NQD = attention(*self.inputs(x_NH, cos_ND, sin_ND))
-        return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
+        return self.output(attention(*self.inputs(x_NH, cos_ND, sin_ND)))
 
 
 class MLP(nn.Module):
@@ -109,10 +111,10 @@ class DecoderLayer(nn.Module):
 class _Body(nn.Module):
     """Holds the `model.*` parameters under Hugging Face's names."""
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: type = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -120,14 +122,16 @@ class Decoder(nn.Module):
     """Llama/Qwen2 decoder: `forward` -> final-normed hidden states, `project` -> logits."""
 
     capabilities: Capabilities = TORCH_KERNELS
+    layer_class: type = DecoderLayer  # a family's layers (models/deepseek.py: MLA)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = _Body(config)
+        self.model = _Body(config, self.layer_class)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        self._rotary = Rotary(config.head_dim, config.rope_theta)
+        # partial rotary (GLM-4.5, MLA's rope part): the tables cover rotary_dim of each head
+        self._rotary = Rotary(getattr(config, "rotary_dim", config.head_dim), config.rope_theta)
 
     @property
     def output_weight_VH(self) -> torch.Tensor:

@@ -61,9 +61,17 @@ FAMILIES = (
            note="text only; sliding-window layers (depth distance on trees), (1+w) norms; "
                 "logit softcapping refused"),
     Family(name="gpt-oss", architectures=("GptOssForCausalLM",), experts=True,
-           context_parallel=False, recompute=False, megatron=False,
-           note="attention sinks, sliding-window layers, YaRN; experts routed by their router "
-                "(no replay yet); dequantized (bf16/fp32) weights, MXFP4 refused"),
+           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           note="attention sinks, sliding-window layers, YaRN; dequantized (bf16/fp32) "
+                "weights, MXFP4 refused"),
+    Family(name="GLM-4.5", architectures=("Glm4MoeForCausalLM",), experts=True,
+           moe_replay=True, megatron=False,
+           note="sigmoid group-limited router with bias correction, shared experts, dense "
+                "first layers; partial rotary, q/k norm; MTP layers frozen"),
+    Family(name="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",), experts=True,
+           moe_replay=True, megatron=False,
+           note="MLA (latent K/V expanded per head), YaRN, GLM-4.5's MoE; FP8 weights "
+                "refused; MTP layers frozen"),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
            moe_replay=True, recompute=False, megatron=False,
            note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
@@ -81,8 +89,6 @@ NOT_YET = {
     "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (Gated DeltaNet hybrid)",
     "Gemma3ForConditionalGeneration": "Gemma 3 vision-language (its text model, "
                                       "Gemma3ForCausalLM, is read)",
-    "DeepseekV3ForCausalLM": "DeepSeek-V3 / Kimi (MLA, group-limited MoE)",
-    "Glm4MoeForCausalLM": "GLM-4.5 (group-limited MoE)",
 }
 
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}

@@ -8,9 +8,11 @@ otherwise); local layers take the plan under their window (`AttentionPlan.window
 distance along the path). Each token's router picks top_k experts from its biased logits,
 weighted by the softmax of the chosen logits; an expert is `(up + 1) * gate *
 sigmoid(alpha * gate)` over clamped, interleaved gate/up columns, with biases. A shared node
-has one hidden state, so one routing, whichever calls share it. The trade-off: the experts
-run one matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of
-moe.py), and routes are never replayed (models/families.py declares it).
+has one hidden state, so one routing, whichever calls share it. Routing replay as every MoE
+family has it (models/moe.py's `replayed`): replayed ids where given, weighted by the softmax
+of the current router's logits at them, so the router still gets gradients; agreement and
+near-ties counted as for a softmax router (route_ties.py). The trade-off: the experts run one
+matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of moe.py).
 
 Legend: N tokens, H hidden, I expert width, X experts, K top_k, Q query heads, D head dim.
 """
@@ -25,7 +27,8 @@ from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.decoder import Decoder, RMSNorm
 from treeflow.models.gpt_oss_config import GptOssConfig
 from treeflow.models.layer_ops import layer_ops
-from treeflow.models.moe import check_routes
+from treeflow.models.moe import block_args, check_routes, record_tally, replayed
+from treeflow.models.route_ties import compute_dtype, topk_margin
 from treeflow.models.rope import Rotary, apply_rotary
 
 __all__ = ["GptOssDecoder"]
@@ -60,10 +63,29 @@ class GptOssRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
         self.bias = nn.Parameter(torch.zeros(c.num_experts))
 
-    def forward(self, x_NH):
-        """(expert ids [N, K], weights [N, K]): top_k logits, softmax over them."""
-        top_NK, idx_NK = torch.topk(F.linear(x_NH, self.weight, self.bias), self.top_k, dim=-1)
-        return idx_NK, torch.softmax(top_NK, dim=-1)
+    def forward(self, x_NH, route_NK=None, tally=None, replay: bool = True, layer: int = 0):
+        """(expert ids [N, K], weights [N, K]): the top_k logits (or, replayed, route_NK's ids
+        where given), softmax over the chosen logits."""
+        logits_NX = F.linear(x_NH, self.weight, self.bias)
+        own_NK, decided_N = self.choose(logits_NX, compute_dtype(x_NH),
+                                        decide=route_NK is not None and tally is not None)
+        idx_NK = replayed(own_NK, decided_N, route_NK, tally, replay, layer)
+        return idx_NK, torch.softmax(logits_NX.gather(1, idx_NK), dim=-1)
+
+    @torch.no_grad()
+    def choose(self, logits_NX, compute: torch.dtype, decide: bool = False, margins=False):
+        """(own top-k [N, K], decided_N or None); margins=True: (top-k, margin_N, band_N)."""
+        k = self.top_k
+        own_NK = torch.topk(logits_NX, k, dim=-1).indices
+        if not (decide or margins):
+            return own_NK, None
+        if k == logits_NX.shape[-1]:  # every expert chosen: no boundary to tie at
+            inf_N = logits_NX.new_full(logits_NX.shape[:1], float("inf"))
+            return (own_NK, inf_N, torch.zeros_like(inf_N)) if margins else (own_NK, inf_N > 0)
+        top = torch.topk(logits_NX, k + 1, dim=-1)
+        margin_N, band_N = topk_margin("gpt_oss", logits_NX.float(), top.values[:, k - 1:],
+                                       top.indices[:, k - 1:], torch.finfo(compute).eps)
+        return (own_NK, margin_N, band_N) if margins else (own_NK, margin_N > band_N)
 
 
 class GptOssExperts(nn.Module):
@@ -90,26 +112,42 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, c: GptOssConfig) -> None:
+    """The experts of layer `layer_index`: `mlp(x_NH, route_NK, tally, replay, aux_weights_N)`
+    as models/moe.py's MoeBlock (no router aux loss: gpt_oss_config.py refuses it)."""
+
+    def __init__(self, c: GptOssConfig, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.router = GptOssRouter(c)
         self.experts = GptOssExperts(c)
 
-    def forward(self, x_NH):
-        return self.experts(x_NH, *self.router(x_NH))
+    def forward(self, x_NH, route_NK=None, tally=None, replay: bool = True, aux_weights_N=None):
+        return self.experts(x_NH, *self.router(x_NH, route_NK, tally, replay, self.layer_index))
+
+    def _logits(self, x_NH):
+        return F.linear(x_NH, self.router.weight, self.router.bias)
+
+    def own_routes(self, x_NH):
+        """The experts this layer's router chooses for each row [N, top_k] (route capture)."""
+        return self.router.choose(self._logits(x_NH), compute_dtype(x_NH))[0]
+
+    @torch.no_grad()
+    def route_margins(self, x_NH):
+        """(own top-k, margin_N, band_N), as MoeBlock.route_margins."""
+        return self.router.choose(self._logits(x_NH), compute_dtype(x_NH), margins=True)
 
 
 class GptOssLayer(nn.Module):
-    def __init__(self, c: GptOssConfig) -> None:
+    def __init__(self, c: GptOssConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = GptOssAttention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = GptOssMLP(c)
+        self.mlp = GptOssMLP(c, index)
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention):
+    def forward(self, x_NH, cos_ND, sin_ND, attention, moe=()):
         x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
-        return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+        return x_NH + self.mlp(self.post_attention_layernorm(x_NH), *moe)
 
 
 class _Body(nn.Module):
@@ -118,7 +156,7 @@ class _Body(nn.Module):
     def __init__(self, c: GptOssConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(GptOssLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(GptOssLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -138,8 +176,8 @@ class GptOssDecoder(Decoder):
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                 attention: AttentionPlan, tuning=None, routes_NW=None, replay: bool = True,
                 aux_weights_N=None) -> torch.Tensor:
-        """As Decoder.forward; local layers run `attention.windowed(sliding_window)`, every
-        router chooses (routes_NW must be None: no replay yet)."""
+        """As Decoder.forward (routes replayed or recomputed, agreement in `route_tally`);
+        local layers run `attention.windowed(sliding_window)`."""
         c = self.config
         check_tokens(tokens_N, positions_N, attention)
         if layer_ops(tuning, tokens_N.device) is not None:  # families.py refuses it first
@@ -157,6 +195,9 @@ class GptOssDecoder(Decoder):
         plans = {None: attention}
         for window in set(c.windows) - {None}:
             plans[window] = attention.windowed(window)
-        for layer, window in zip(self.model.layers, c.windows):
-            x_NH = layer(x_NH, cos_ND, sin_ND, plans[window])
+        tally: dict = {}
+        for i, (layer, window) in enumerate(zip(self.model.layers, c.windows)):
+            moe = block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N)
+            x_NH = layer(x_NH, cos_ND, sin_ND, plans[window], moe)
+        record_tally(self, tally)
         return self.model.norm(x_NH)

@@ -6,9 +6,9 @@ projections, rotates with YaRN, and routes each token to top_k of its experts (a
 router; softmax over the chosen logits; experts with biases, interleaved gate/up columns and
 a clamped SwiGLU). Refused by name rather than ignored: MXFP4-quantised weights (the released
 checkpoints: dequantise them first), the router aux loss, RoPE types other than YaRN or
-none. The trade-off: expert routing is recomputed, never replayed from captured routes yet
-(models/families.py declares it, and a replay request is refused by name); the whole
-config.json is kept (`hf_extras`) and written back as it was.
+none. Its experts are described once more as a MoeConfig (`moe`, family "gpt_oss": every
+layer, top_k, fused tensors on disk), which gives routing replay its route width. The
+trade-off: the whole config.json is kept (`hf_extras`) and written back as it was.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from treeflow.models.config import ModelConfig, register_family, require_positive
+from treeflow.models.moe_config import MoeConfig
 
 __all__ = ["GPT_OSS_ARCHITECTURES", "GptOssConfig"]
 
@@ -44,11 +45,14 @@ class GptOssConfig(ModelConfig):
         if arch not in GPT_OSS_ARCHITECTURES:
             raise ValueError(f"GptOssConfig architecture {arch!r}: use one of "
                              f"{sorted(GPT_OSS_ARCHITECTURES)}")
+        moe = self.moe
         object.__setattr__(self, "architecture", "LlamaForCausalLM")  # base checks only
+        object.__setattr__(self, "moe", None)
         try:
             super().__post_init__()
         finally:
             object.__setattr__(self, "architecture", arch)
+            object.__setattr__(self, "moe", moe)
         if len(self.attention_types) != self.num_hidden_layers:
             raise ValueError(f"{arch}: {len(self.attention_types)} layer types for "
                              f"num_hidden_layers={self.num_hidden_layers}")
@@ -60,6 +64,14 @@ class GptOssConfig(ModelConfig):
         if self.top_k > self.num_experts:
             raise ValueError(f"{arch}: num_experts_per_tok={self.top_k} exceeds "
                              f"num_local_experts={self.num_experts}")
+        want = MoeConfig(family="gpt_oss", num_experts=self.num_experts, top_k=self.top_k,
+                         moe_intermediate_size=self.intermediate_size,
+                         moe_layers=tuple(range(self.num_hidden_layers)),
+                         router_dtype="compute")  # its router: logits in the model's dtype
+        if moe is None:
+            object.__setattr__(self, "moe", want)
+        elif moe != want:
+            raise ValueError(f"{arch}: moe={moe!r} does not describe its experts ({want!r})")
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -115,7 +115,7 @@ def _attention_inputs(layer, x_NH, cos_ND, sin_ND):
 
 
 def _attention_output(layer, x_NH, out_NQD):
-    return x_NH + layer.self_attn.o_proj(out_NQD.reshape(x_NH.shape[0], -1))
+    return x_NH + layer.self_attn.output(out_NQD)
 
 
 def _mlp_block(layer, x_NH):

@@ -8,7 +8,9 @@ whose choice adds `e_score_correction_bias` and is limited to `topk_group` of
 `n_group` expert groups, weights renormalised and scaled by
 `routed_scaling_factor`; non-gated relu^2 experts, optional latent projections
 around them, and a relu^2 shared expert) and GraniteMoeHybrid (softmax over
-the chosen experts' logits; its shared MLP is the layer's). Parameters are held as
+the chosen experts' logits; its shared MLP is the layer's); and the DeepSeek-V3-style
+decoders (models/deepseek.py: DeepSeek-V3, GLM-4.5): Nemotron-H's router with SwiGLU
+experts and SwiGLU shared experts. Parameters are held as
 transformers 5 holds them in memory (`mlp.gate.weight`, fused
 `mlp.experts.gate_up_proj` [X, 2I, H] and `mlp.experts.down_proj` [X, H, I]);
 checkpoint.py maps the per-expert tensors of the on-disk format to and from
@@ -52,7 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.moe_config import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS, MoeConfig,
+from treeflow.models.moe_config import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS,
+                                       DEEPSEEK_MOE_FAMILIES, SIGMOID_ROUTED, MoeConfig,
                                        route_width)
 from treeflow.models.route_ties import compute_dtype, topk_margin
 
@@ -82,6 +85,20 @@ def block_args(moe: MoeConfig | None, i: int, routes_NW, tally: dict, replay: bo
     j = moe.moe_layers.index(i) * moe.top_k
     return (None if routes_NW is None else routes_NW[:, j:j + moe.top_k], tally, replay,
             aux_weights_N)
+
+
+def replayed(own_NK, decided_N, route_NK, tally: dict | None, replay: bool, layer: int):
+    """The expert ids a block runs: `route_NK`'s rows where given (>= 0) under replay, else the
+    router's own `own_NK`; writes the layer's (agreeing, given, agreeing decided, decided)
+    row counts into `tally` (decided_N: rows whose top-k is no near-tie, route_ties.py)."""
+    if route_NK is None:
+        return own_NK
+    given_N = (route_NK >= 0).all(dim=-1)
+    if tally is not None:
+        same_N = (own_NK.sort(-1).values == route_NK.sort(-1).values).all(-1) & given_N
+        tally[layer] = torch.stack([same_N.sum(), given_N.sum(), (same_N & decided_N).sum(),
+                                    (given_N & decided_N).sum()])
+    return torch.where(given_N[:, None], route_NK, own_NK) if replay else own_NK
 
 
 def record_tally(module, tally: dict) -> None:
@@ -159,7 +176,8 @@ class MoeBlock(nn.Module):
         super().__init__()
         self.moe, self.layer_index = moe, layer_index
         nemotron = moe.family == "nemotron_h"
-        router = _Router(c.hidden_size, moe.num_experts, correction_bias=nemotron)
+        router = _Router(c.hidden_size, moe.num_experts,
+                         correction_bias=moe.family in SIGMOID_ROUTED)
         self._router_name = "router" if moe.family == "granitemoehybrid" else "gate"
         self.add_module(self._router_name, router)
         inner = moe.latent_size or c.hidden_size
@@ -168,6 +186,9 @@ class MoeBlock(nn.Module):
         if moe.family == "qwen2_moe":
             self.shared_expert = _SharedExpert(c.hidden_size, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        if moe.family in DEEPSEEK_MOE_FAMILIES:  # SwiGLU shared experts, ungated
+            self.shared_experts = _SharedExpert(c.hidden_size,
+                                                moe.shared_expert_intermediate_size)
         if nemotron:
             self.shared_experts = Relu2MLP(c.hidden_size, moe.shared_expert_intermediate_size)
             if moe.latent_size:
@@ -187,16 +208,7 @@ class MoeBlock(nn.Module):
             tally[("mass", self.layer_index)] = aux_weights_N @ probs_NX
         counting = route_NK is not None and tally is not None
         own_NK, decided_N = self._choose(logits_NX, probs_NX, compute_dtype(x_NH), counting)
-        if route_NK is None:
-            idx_NK = own_NK
-        else:
-            given_N = (route_NK >= 0).all(dim=-1)
-            if tally is not None:
-                same_N = (own_NK.sort(-1).values == route_NK.sort(-1).values).all(-1) & given_N
-                tally[self.layer_index] = torch.stack([same_N.sum(), given_N.sum(),
-                                                       (same_N & decided_N).sum(),
-                                                       (given_N & decided_N).sum()])
-            idx_NK = torch.where(given_N[:, None], route_NK, own_NK) if replay else own_NK
+        idx_NK = replayed(own_NK, decided_N, route_NK, tally, replay, self.layer_index)
         w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype, compute_dtype(x_NH))
         h_NH = self.fc1_latent_proj(x_NH) if hasattr(self, "fc1_latent_proj") else x_NH
         y_NH = expert_mix(h_NH, idx_NK, w_NK, self.experts.in_proj, self.experts.down_proj,
@@ -205,7 +217,7 @@ class MoeBlock(nn.Module):
             y_NH = self.fc2_latent_proj(y_NH)
         if moe.family == "qwen2_moe":
             y_NH = y_NH + torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(x_NH)
-        if moe.family == "nemotron_h":
+        if hasattr(self, "shared_experts"):
             y_NH = y_NH + self.shared_experts(x_NH)
         return y_NH
 
@@ -226,15 +238,17 @@ class MoeBlock(nn.Module):
         return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), True, margins=True)
 
     def _scores(self, x_NH):
-        """(router logits, float32 scores the choice and weights read: softmax, or Nemotron-H's
-        sigmoid of float32 logits). Logits in float32 under router_dtype="float32" (autocast
-        off: the input as it arrives, the float32 master weight), else in the compute dtype."""
-        if self.moe.family == "nemotron_h" or self.moe.router_dtype == "float32":
+        """(router logits, float32 scores the choice and weights read: softmax, or the sigmoid
+        of float32 logits of the SIGMOID_ROUTED families). Logits in float32 under
+        router_dtype="float32" (autocast off: the input as it arrives, the float32 master
+        weight), else in the compute dtype."""
+        sigmoid = self.moe.family in SIGMOID_ROUTED
+        if sigmoid or self.moe.router_dtype == "float32":
             with torch.autocast(x_NH.device.type, enabled=False):
                 logits_NX = F.linear(x_NH.float(), self._gate.weight.float())
         else:
             logits_NX = F.linear(x_NH, self._gate.weight)
-        if self.moe.family == "nemotron_h":
+        if sigmoid:
             return logits_NX, torch.sigmoid(logits_NX)
         return logits_NX, torch.softmax(logits_NX.float(), dim=-1)
 
@@ -260,10 +274,10 @@ class MoeBlock(nn.Module):
         return own_NK, margin_N > resolution_N
 
     def _choice_scores(self, probs_NX: torch.Tensor) -> torch.Tensor:
-        """The scores the top-k reads: the probabilities, or Nemotron-H's biased, group-limited
-        sigmoid scores."""
+        """The scores the top-k reads: the probabilities, or the biased, group-limited sigmoid
+        scores of the SIGMOID_ROUTED families (the bias moves the choice, never the weights)."""
         moe = self.moe
-        if moe.family != "nemotron_h":
+        if moe.family not in SIGMOID_ROUTED:
             return probs_NX
         choice_NX = probs_NX + self._gate.e_score_correction_bias
         if moe.topk_group < moe.n_group:  # only the best topk_group groups (by their top-2 sum)
@@ -282,7 +296,7 @@ class MoeBlock(nn.Module):
         if moe.family == "granitemoehybrid":  # softmax over the chosen experts' logits
             return torch.softmax(logits_NX.float().gather(1, idx_NK), dim=-1).to(dtype)
         w_NK = probs_NX.gather(1, idx_NK)
-        if moe.family == "nemotron_h":  # float32 throughout, as its router
+        if moe.family in SIGMOID_ROUTED:  # float32 throughout, as their routers
             if moe.norm_topk_prob:
                 w_NK = w_NK / (w_NK.sum(dim=-1, keepdim=True) + 1e-20)
             return w_NK * moe.routed_scaling_factor

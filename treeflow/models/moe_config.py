@@ -21,14 +21,23 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["HYBRID_MOE_FAMILIES", "MOE_ARCHITECTURES", "MOE_KEYS", "MoeConfig", "ROUTER_DTYPES",
-           "ROUTINGS", "refuse_dropping", "route_width"]
+__all__ = ["DEEPSEEK_MOE_FAMILIES", "HYBRID_MOE_FAMILIES", "MOE_ARCHITECTURES", "MOE_KEYS",
+           "MoeConfig", "ROUTER_DTYPES", "ROUTINGS", "SIGMOID_ROUTED", "refuse_dropping",
+           "route_width"]
 
 MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                      "MixtralForCausalLM": "mixtral"}
 # the MoE blocks of the Mamba-2 hybrids (hybrid_config.py builds their MoeConfig)
 HYBRID_MOE_FAMILIES = ("nemotron_h", "granitemoehybrid")
-_SHARED_IN_BLOCK = ("qwen2_moe", "nemotron_h")
+# DeepSeek-V3-style decoders (deepseek_config.py builds their MoeConfig): SwiGLU experts and
+# shared experts, dense first layers
+DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
+# routers choosing by sigmoid scores + e_score_correction_bias, limited to topk_group of n_group
+# expert groups, weights renormalised and scaled by routed_scaling_factor
+SIGMOID_ROUTED = ("nemotron_h", *DEEPSEEK_MOE_FAMILIES)
+# gpt-oss's experts (gpt_oss_config.py builds their MoeConfig; models/gpt_oss.py runs them)
+GPT_OSS_MOE_FAMILIES = ("gpt_oss",)
+_SHARED_IN_BLOCK = ("qwen2_moe", *SIGMOID_ROUTED)
 ROUTINGS = ("auto", "replay", "recompute")
 ROUTER_DTYPES = ("float32", "compute")
 
@@ -46,18 +55,20 @@ _DROPPING = ("capacity_factor", "moe_capacity_factor", "expert_capacity", "drop_
 class MoeConfig:
     """Expert layers of an MoE decoder. `moe_layers`: indices of the layers with experts."""
 
-    family: str  # qwen3_moe | qwen2_moe | mixtral | nemotron_h | granitemoehybrid
+    family: str  # qwen3_moe | qwen2_moe | mixtral | nemotron_h | granitemoehybrid | glm4_moe
+    #              | deepseek_v3 | gpt_oss
     num_experts: int
     top_k: int
     moe_intermediate_size: int
     moe_layers: tuple[int, ...]
     norm_topk_prob: bool = True
-    shared_expert_intermediate_size: int = 0  # qwen2_moe, nemotron_h
+    shared_expert_intermediate_size: int = 0  # qwen2_moe and the SIGMOID_ROUTED families
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
-    # nemotron_h's router: group-limited choice, scaled weights; latent_size 0 = none
+    # SIGMOID_ROUTED routers: group-limited choice, scaled weights; latent_size (nemotron_h
+    # only) 0 = none
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -69,7 +80,8 @@ class MoeConfig:
         if self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"MoeConfig.router_dtype {self.router_dtype!r}: use one of "
                              f"{ROUTER_DTYPES}")
-        families = (*MOE_ARCHITECTURES.values(), *HYBRID_MOE_FAMILIES)
+        families = (*MOE_ARCHITECTURES.values(), *HYBRID_MOE_FAMILIES, *DEEPSEEK_MOE_FAMILIES,
+                    *GPT_OSS_MOE_FAMILIES)
         if self.family not in families:
             raise ValueError(f"MoeConfig.family {self.family!r}: use one of {sorted(families)}")
         for name in ("num_experts", "top_k", "moe_intermediate_size"):
@@ -85,10 +97,12 @@ class MoeConfig:
         if not shared and self.shared_expert_intermediate_size:
             raise ValueError(f"{self.family} has no shared expert; shared_expert_intermediate_size "
                              f"{self.shared_expert_intermediate_size} would be ignored")
-        if self.family != "nemotron_h" and (self.n_group, self.topk_group, self.latent_size,
-                                            self.routed_scaling_factor) != (1, 1, 0, 1.0):
-            raise ValueError(f"{self.family}: n_group / topk_group / latent_size / "
-                             "routed_scaling_factor are Nemotron-H router settings")
+        if self.family not in SIGMOID_ROUTED and (self.n_group, self.topk_group,
+                                                  self.routed_scaling_factor) != (1, 1, 1.0):
+            raise ValueError(f"{self.family}: n_group / topk_group / routed_scaling_factor are "
+                             f"settings of the sigmoid routers {SIGMOID_ROUTED}")
+        if self.family != "nemotron_h" and self.latent_size:
+            raise ValueError(f"{self.family}: latent_size is a Nemotron-H setting")
         if (self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
                 or (self.n_group > 1 and self.num_experts // self.n_group < 2)):
             raise ValueError(f"n_group={self.n_group}, topk_group={self.topk_group} do not split "

@@ -13,7 +13,8 @@ block as `block_sparse_moe.*` with experts w1/w3/w2 (gate, up, down);
 Nemotron-H stores `mixer.experts.E.{up,down}_proj` (non-gated experts, fused
 to `up_proj` and `down_proj`); GraniteMoeHybrid stores the fused tensors
 already, as `block_sparse_moe.input_linear` / `output_linear`, and its router
-as `router.layer`.
+as `router.layer`; gpt-oss stores its fused tensors under the model's names. DeepSeek-V3 and
+GLM-4.5 store experts as Qwen3-MoE does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _SCHEMES = {
     "nemotron_h": (".mixer.experts.", {"up_proj": "up", "down_proj": "down"},
                    {"up_proj": ("up",), "down_proj": ("down",)}),
     "granitemoehybrid": None,  # fused on disk
+    "gpt_oss": None,  # fused on disk (with biases), under the model's own names
 }
 # family -> [(on-disk substring, model substring)]
 _RENAMES = {

@@ -19,10 +19,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["BYPASS_PREFIXES", "is_mtp_tensor", "mtp_layer_count", "refuse_mtp"]
+__all__ = ["BYPASS_PREFIXES", "LAYER_MTP", "is_mtp_tensor", "mtp_layer_count", "refuse_mtp",
+           "trailing_mtp_layer"]
 
 # families whose MTP tensors treeflow can hold frozen, by the prefix they live under
 BYPASS_PREFIXES = {"NemotronHForCausalLM": ("mtp.",)}
+# families whose MTP layers are `model.layers.{N+k}` past the config's N layers: held frozen
+LAYER_MTP = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 _COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers",
                "mtp_num_layers")
 _MTP_NAME = re.compile(r"^(mtp\.|model\.mtp_layers\.|model\.mtp\.|backbone\.mtp\.)")
@@ -38,6 +41,18 @@ def is_mtp_tensor(name: str) -> bool:
     keep MTP as extra `model.layers.{N+k}`, which only their config tells apart from a wrong
     layer count: those are refused by their config's `num_nextn_predict_layers`."""
     return bool(_MTP_NAME.match(name))
+
+
+def trailing_mtp_layer(config, name: str) -> bool:
+    """`name` lies in one of the `mtp_layers` extra `model.layers.{N+k}` of a LAYER_MTP family."""
+    if config.architecture not in LAYER_MTP:
+        return False
+    m = _LAYER.match(name)
+    n = config.num_hidden_layers
+    return m is not None and n <= int(m.group(1)) < n + getattr(config, "mtp_layers", 0)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def bypassed(architecture: str, name: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Rotary", "apply_rotary"]
+__all__ = ["Rotary", "apply_rotary", "yarn_mscale"]
 
 
 class Rotary:
@@ -27,7 +27,7 @@ class Rotary:
     def __init__(self, head_dim: int, theta: float, factor: float = 1.0,
                  yarn: Mapping[str, Any] | None = None) -> None:
         """factor: linear RoPE scaling (positions / factor; transformers' "linear" rope_type);
-        yarn: transformers' "yarn" rope_parameters (gpt-oss): blended frequencies and cos/sin
+        yarn: transformers' "yarn" rope_parameters (gpt-oss, DeepSeek-V3): blended frequencies and cos/sin
         scaled by its attention factor."""
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self._inv_freq_cpu = 1.0 / (theta ** exponents)
@@ -61,8 +61,10 @@ def _yarn(head_dim: int, theta: float, p: Mapping[str, Any]) -> tuple[torch.Tens
     factor = float(p["factor"])
     original = p["original_max_position_embeddings"]
     attention = p.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    if attention is None:  # DeepSeek's mscale / mscale_all_dim, when both are set
+        ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, ms) / yarn_mscale(factor, ms_all) if ms and ms_all
+                     else yarn_mscale(factor))
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
 
     def correction_dim(rotations):
@@ -83,10 +85,20 @@ def _yarn(head_dim: int, theta: float, p: Mapping[str, Any]) -> tuple[torch.Tens
     return inv_freq, float(attention)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction: 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary(x_NAD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    """x rotated by the angles; tables narrower than x's heads turn only their first dims, the
+    rest pass unchanged (partial rotary: GLM-4.5's partial_rotary_factor)."""
+    r = cos_ND.shape[-1]
+    if r < x_NAD.shape[-1]:
+        return torch.cat((apply_rotary(x_NAD[..., :r], cos_ND, sin_ND), x_NAD[..., r:]), dim=-1)
     return x_NAD * cos_ND[:, None, :] + _rotate_half(x_NAD) * sin_ND[:, None, :]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from treeflow.models.moe_config import SIGMOID_ROUTED
+
 __all__ = ["TIE_ULPS", "compute_dtype", "topk_margin"]
 
 TIE_ULPS = 2.0
@@ -38,13 +40,14 @@ def topk_margin(family: str, logits_NX, edge_N2, idx_N2, eps: float):
     expert ids of the k-th and (k+1)-th expert.
 
     Softmax routers choose by logit order: the margin is the logit gap, the band
-    TIE_ULPS * eps * (|l_k| + |l_k+1|). Nemotron-H chooses by biased sigmoid scores: the
+    TIE_ULPS * eps * (|l_k| + |l_k+1|). The sigmoid routers (Nemotron-H, DeepSeek-V3, GLM-4.5)
+    choose by biased sigmoid scores: the
     margin is their gap, the band the same logit band through the sigmoid's slope s(1 - s).
     An excluded (k+1)-th (-inf, group-limited choice) is never a tie.
     """
     l_N2 = logits_NX.gather(1, idx_N2)
     band_N2 = TIE_ULPS * eps * l_N2.abs()
-    if family == "nemotron_h":
+    if family in SIGMOID_ROUTED:
         s_N2 = torch.sigmoid(l_N2)
         return edge_N2[:, 0] - edge_N2[:, 1], (band_N2 * s_N2 * (1 - s_N2)).sum(-1)
     return l_N2[:, 0] - l_N2[:, 1], band_N2.sum(-1)

@@ -159,8 +159,8 @@ def routes_like(model_dir: str) -> dict:
     moe = ModelConfig.from_hf_dir(model_dir).moe
     if moe is None or not moe.moe_layers:
         raise ValueError(f"--routes-from {model_dir}: the model has no experts; give an "
-                         "MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, Nemotron-H with MoE "
-                         "blocks, GraniteMoeHybrid) or use --routes")
+                         "MoE checkpoint (a family with MoE routing replay in README's model "
+                         "family table) or use --routes")
     return dict(routes=moe.top_k, route_layers=len(moe.moe_layers), num_experts=moe.num_experts)
 
 

@@ -76,7 +76,7 @@ class CostModel:
         """From a model's config: `from_shape` for attention decoders (Gemma 3's and gpt-oss's
         sliding-window layers pay `window_pair` per pair, min(depth + 1, window) pairs a node;
         an MoE decoder's expert layers their router and top_k experts, its dense layers their
-        MLP); for Mamba-2 hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2
+        MLP; DeepSeek-V3's MLA layers their latent projections, `_mla_macs`); for Mamba-2 hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2
         layer is linear in tokens: in/out projections, the depthwise conv and the chunked scan
         (C x heads x (state + head dim) for the intra-chunk products, 2 x heads x head dim x
         state for the chunk states and their outputs, per token); an MoE block its router,
@@ -104,10 +104,15 @@ class CostModel:
                                   intermediate=0, heads=c.num_attention_heads,
                                   kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
                                   head_dim=c.head_dim, training=training, block=block)
+            mult = 6.0 if training else 2.0
+            if getattr(c, "mla", False):  # DeepSeek-V3: MLA's projections and padded heads
+                token, pair = _mla_macs(c)
+                base = dataclasses.replace(base, token=mult * c.num_hidden_layers * token,
+                                           pair=mult * c.num_hidden_layers * pair)
             sparse = len(moe.moe_layers)
             mlp = (3 * c.hidden_size * c.intermediate_size * (c.num_hidden_layers - sparse)
                    + _moe_macs(c) * sparse)
-            return dataclasses.replace(base, token=base.token + (6.0 if training else 2.0) * mlp)
+            return dataclasses.replace(base, token=base.token + mult * mlp)
         if not getattr(c, "layer_types", None):
             return cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
@@ -134,6 +139,18 @@ class CostModel:
     def llama_1b(cls) -> "CostModel":
         return cls.from_shape(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8,
                               vocab=128256)
+
+
+def _mla_macs(c) -> tuple[float, float]:
+    """(multiply-adds per token, per attention pair) of one MLA layer (models/deepseek.py):
+    q (through its latent or whole), the shared latent and rope key, its per-head expansion,
+    o; per pair QK^T and P.V at the kernels' one head width max(nope + rope, v) (the narrower
+    side zero-padded)."""
+    h, heads, qk = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = h * heads * qk if c.q_lora_rank is None else c.q_lora_rank * (h + heads * qk)
+    kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * heads * (
+        c.qk_nope_head_dim + c.v_head_dim)
+    return q + kv + heads * c.v_head_dim * h, 2 * heads * max(qk, c.v_head_dim)
 
 
 def _moe_macs(c) -> float:
