@@ -293,7 +293,12 @@ def tree_ssd(x_Nhp: torch.Tensor, dt_Nh: torch.Tensor, A_h: torch.Tensor, B_Ngn:
         xdt = torch.cat([x * dt[..., None], x.new_zeros(1, h, p)])
         adt = torch.cat([A_h.float() * dt, dt.new_zeros(1, h)])
         if plan.kernel == "triton":  # groups stay groups: the kernels pick a head's group
-            from treeflow.models.ssm_triton import level_scan as scan
+            import functools
+
+            from treeflow.models.ssm_triton import level_scan, precision_for
+
+            # float32 products for a float32 model, tf32x3 tensor cores for bf16 / fp16 ones
+            scan = functools.partial(level_scan, precision=precision_for(x_Nhp.dtype))
         else:
             scan = _level_scan
             B = B.repeat_interleave(h // B.shape[1], dim=1)
