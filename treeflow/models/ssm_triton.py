@@ -23,13 +23,13 @@ its decay mask and the two operands of the next product), never a whole
   a segment's chunks in order from its initial state (zero for a root, its
   parent's state at the fork otherwise), writing the state before every chunk
   and after the last into the level's state table (the PyTorch path's row
-  layout, so children index it by the plan's `init_from`). `_state_pass_bwd`
+  layout, so children index it by the plan's `init_from`). `state_pass_bwd`
   walks it backwards, adding what children took from each row.
 - `_chunk_scan_fwd` (chunks x heads x (C, p) tiles): intra-chunk output, the C B^T
   blocks (looped over n) masked by the decays, on or below the diagonal only,
   applied to x dt; plus the chunk-start state's contribution.
 - Backward of a chunk (the kernels in ssm_triton_bwd.py), split three ways so
-  none holds more than the forward's tiles: `_dx_bwd` (chunks x heads x (C, p) tiles), `_dc_bwd` and `_db_bwd`
+  none holds more than the forward's tiles: `dx_bwd` (chunks x heads x (C, p) tiles), `dc_bwd` and `db_bwd`
   (chunks x groups x (C, n) tiles, each looping over its group's heads, so
   group-shared B and C get their gradient summed in the kernel, in a fixed order,
   and no tokens x heads x state buffer exists).
@@ -64,8 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflow.models.ssm_triton_bwd import (_db_bwd, _dc_bwd, _decay, _dx_bwd, _state_pass_bwd,
-                                            _tile)
+from treeflow.models.ssm_triton_bwd import db_bwd, dc_bwd, decay, dx_bwd, state_pass_bwd, tile
 
 __all__ = ["PRECISIONS", "level_scan", "precision_for"]
 
@@ -112,7 +111,7 @@ def _state_pass_fwd(s_ptr, acs_ptr, init_ptr, table_ptr, seg_ptr, C, H, P, NS,
     k0 = tl.load(seg_ptr + 3 * j)
     nk = tl.load(seg_ptr + 3 * j + 1)
     r0 = tl.load(seg_ptr + 3 * j + 2)
-    pn, m = _tile(P, NS, BP, BN)
+    pn, m = tile(P, NS, BP, BN)
     st = tl.load(init_ptr + (j * H + h) * P * NS + pn, mask=m, other=0.0).to(tl.float32)
     tl.store(table_ptr + (r0 * H + h) * P * NS + pn, st.to(table_ptr.dtype.element_ty), mask=m)
     for c in range(0, nk):
@@ -162,7 +161,7 @@ def _chunk_scan_fwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, y_ptr, C,
             cb += tl.dot(cm, tl.trans(bm), input_precision=PREC)
         x = tl.load(x_ptr + ((k * C + s[:, None]) * H + h) * P + p[None, :],
                     mask=sm[:, None] & pm[None, :], other=0.0)
-        acc += tl.dot(cb * _decay(acs_ptr, row, l, s, C), x, input_precision=PREC)
+        acc += tl.dot(cb * decay(acs_ptr, row, l, s, C), x, input_precision=PREC)
     tl.store(y_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :], acc,
              mask=lm[:, None] & pm[None, :])
 
@@ -225,20 +224,20 @@ class _LevelScan(torch.autograd.Function):
         dchunk = torch.zeros(K, H, P, NS, **f32)
         dlast = torch.zeros(K, H, npb * nnb, **f32)
         dinit = torch.empty(S, H, P, NS, **f32)
-        _state_pass_bwd[(S, H, npb * nnb)](dstart, dtable, table, acs, seg, dchunk, dlast, dinit,
+        state_pass_bwd[(S, H, npb * nnb)](dstart, dtable, table, acs, seg, dchunk, dlast, dinit,
                                            C, H, P, NS, **kw)
         del dstart
         dx = torch.empty_like(x)
-        _dx_bwd[(K, H, nlb * npb)](B, Cm, acs, dy, dchunk, dx, C, H, P, G, NS, hpg, BL=BL,
+        dx_bwd[(K, H, nlb * npb)](B, Cm, acs, dy, dchunk, dx, C, H, P, G, NS, hpg, BL=BL,
                                    PREC=prec, **kw)
         dc = torch.empty(K, C, G, NS, **f32)
         dacs_c = torch.empty(K, H, nnb, C, **f32)
-        _dc_bwd[(K, G, nlb * nnb)](x, B, Cm, acs, table, start_rows, dy, dc, dacs_c,
+        dc_bwd[(K, G, nlb * nnb)](x, B, Cm, acs, table, start_rows, dy, dc, dacs_c,
                                    C, H, P, G, NS, hpg, BL=BL, PREC=prec, **kw)
         db = torch.empty(K, C, G, NS, **f32)
         dacs_b = torch.empty(K, H, nnb, C, **f32)
         dw = torch.empty(K, H, nlb * nnb, **f32)
-        _db_bwd[(K, G, nlb * nnb)](x, B, Cm, acs, dy, dchunk, db, dacs_b, dw,
+        db_bwd[(K, G, nlb * nnb)](x, B, Cm, acs, dy, dchunk, db, dacs_b, dw,
                                    C, H, P, G, NS, hpg, BL=BL, PREC=prec, **kw)
         dacs = dacs_c.sum(2) + dacs_b.sum(2)
         dacs[:, :, C - 1] += dw.sum(2) + dlast.sum(2)

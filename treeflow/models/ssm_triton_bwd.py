@@ -15,9 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+__all__ = ["db_bwd", "dc_bwd", "decay", "dx_bwd", "state_pass_bwd", "tile"]
+
 
 @triton.jit
-def _tile(P, NS, BP: tl.constexpr, BN: tl.constexpr):
+def tile(P, NS, BP: tl.constexpr, BN: tl.constexpr):
     """The (p, n) tile of program axis 2: offsets into a [p, n] state and its mask."""
     nnb = tl.cdiv(NS, BN)
     p = (tl.program_id(2) // nnb) * BP + tl.arange(0, BP)
@@ -26,7 +28,7 @@ def _tile(P, NS, BP: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _decay(acs_ptr, row, l, s, C):
+def decay(acs_ptr, row, l, s, C):
     """exp(acs_l - acs_s) where s <= l < C, else 0: [len(l), len(s)]."""
     al = tl.load(acs_ptr + row + l, mask=l < C, other=0.0)
     a_s = tl.load(acs_ptr + row + s, mask=s < C, other=0.0)
@@ -35,7 +37,7 @@ def _decay(acs_ptr, row, l, s, C):
 
 
 @triton.jit
-def _state_pass_bwd(dstart_ptr, dtable_ptr, table_ptr, acs_ptr, seg_ptr, dchunk_ptr, dlast_ptr,
+def state_pass_bwd(dstart_ptr, dtable_ptr, table_ptr, acs_ptr, seg_ptr, dchunk_ptr, dlast_ptr,
                     dinit_ptr, C, H, P, NS, BP: tl.constexpr, BN: tl.constexpr):
     """dchunk[k] = d(state after chunk k) = what chunk k's own state receives; dlast[k, h, t]
     tile t's share of the gradient of acs_last through the carry; dinit[j] the segment's
@@ -47,7 +49,7 @@ def _state_pass_bwd(dstart_ptr, dtable_ptr, table_ptr, acs_ptr, seg_ptr, dchunk_
     k0 = tl.load(seg_ptr + 3 * j)
     nk = tl.load(seg_ptr + 3 * j + 1)
     r0 = tl.load(seg_ptr + 3 * j + 2)
-    pn, m = _tile(P, NS, BP, BN)
+    pn, m = tile(P, NS, BP, BN)
     g = tl.load(dtable_ptr + ((r0 + nk) * H + h) * P * NS + pn, mask=m, other=0.0).to(tl.float32)
     for i in range(0, nk):
         c = nk - 1 - i
@@ -64,7 +66,7 @@ def _state_pass_bwd(dstart_ptr, dtable_ptr, table_ptr, acs_ptr, seg_ptr, dchunk_
 
 
 @triton.jit
-def _dx_bwd(b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, dx_ptr, C, H, P, G, NS, HPG,
+def dx_bwd(b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, dx_ptr, C, H, P, G, NS, HPG,
             BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """dx_s = sum_{l >= s} (C_l . B_s) exp(acs_l - acs_s) dy_l + exp(acs_last - acs_s) dS B_s."""
     k = tl.program_id(0).to(tl.int64)
@@ -102,13 +104,13 @@ def _dx_bwd(b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, dx_ptr, C, H, P, G, NS, H
             bc += tl.dot(bm, tl.trans(cm), input_precision=PREC)
         dy = tl.load(dy_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :],
                      mask=lm[:, None] & pm[None, :], other=0.0)
-        acc += tl.dot(bc * tl.trans(_decay(acs_ptr, row, l, s, C)), dy, input_precision=PREC)
+        acc += tl.dot(bc * tl.trans(decay(acs_ptr, row, l, s, C)), dy, input_precision=PREC)
     tl.store(dx_ptr + ((k * C + s[:, None]) * H + h) * P + p[None, :], acc,
              mask=sm[:, None] & pm[None, :])
 
 
 @triton.jit
-def _dc_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, dy_ptr, dc_ptr, dacs_ptr,
+def dc_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, dy_ptr, dc_ptr, dacs_ptr,
             C, H, P, G, NS, HPG, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
             PREC: tl.constexpr):
     """dC_l = sum over the group's heads of exp(acs_l) dy_l st + sum_{s <= l} (dy_l . x_s)
@@ -153,14 +155,14 @@ def _dc_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, dy_ptr, dc_ptr, d
                 gram += tl.dot(dy, tl.trans(x), input_precision=PREC)
             bm = tl.load(b_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :],
                          mask=sm[:, None] & nm[None, :], other=0.0)
-            dc += tl.dot(gram * _decay(acs_ptr, row, l, s, C), bm, input_precision=PREC)
+            dc += tl.dot(gram * decay(acs_ptr, row, l, s, C), bm, input_precision=PREC)
         tl.store(dacs_ptr + ((k * H + h) * nnb + nb) * C + l, tl.sum(cm * dc, axis=1), mask=lm)
         total += dc
     tl.store(dc_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], total, mask=ln)
 
 
 @triton.jit
-def _db_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, db_ptr, dacs_ptr, dw_ptr,
+def db_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, db_ptr, dacs_ptr, dw_ptr,
             C, H, P, G, NS, HPG, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
             PREC: tl.constexpr):
     """dB_s = sum over the group's heads of exp(acs_last - acs_s) x_s dS + sum_{l >= s}
@@ -208,7 +210,7 @@ def _db_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, db_ptr, dacs_ptr, 
                 gram += tl.dot(x, tl.trans(dy), input_precision=PREC)
             cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :],
                          mask=lm[:, None] & nm[None, :], other=0.0)
-            db += tl.dot(gram * tl.trans(_decay(acs_ptr, row, l, s, C)), cm,
+            db += tl.dot(gram * tl.trans(decay(acs_ptr, row, l, s, C)), cm,
                          input_precision=PREC)
         tl.store(dacs_ptr + ((k * H + h) * nnb + nb) * C + s, -tl.sum(bm * db, axis=1), mask=sm)
         total += db
