@@ -5,7 +5,8 @@ run on the CPU) at tiny sizes with forks inside chunks and on chunk boundaries;
 against the PyTorch tree scan at the Nemotron-H 1.3B Mamba shape (64 heads x 64,
 state 128, 8 groups, chunk 128: several of the kernels' real tiles per dim) on a
 branching tree of ~1,500 tokens, with float32 inputs ("ieee" products) and bf16
-ones (what a bf16 model hands the scan: "tf32x3" tensor-core products); and the whole tiny Nemotron-H through Pack/Fragment/Forward with
+ones (what a bf16 model hands the scan: "tf32x3" tensor-core products); and the whole tiny
+Nemotron-H through Pack/Fragment/Forward with
 `ssm_kernel="triton"` against transformers call by call (logprobs and every
 parameter gradient). Needs CUDA and triton (CUDA torch ships it). Bounded: the
 largest case is one ~1,500-token mixer call per kernel (the kernels compile once

@@ -29,8 +29,8 @@ its decay mask and the two operands of the next product), never a whole
   blocks (looped over n) masked by the decays, on or below the diagonal only,
   applied to x dt; plus the chunk-start state's contribution.
 - Backward of a chunk (the kernels in ssm_triton_bwd.py), split three ways so
-  none holds more than the forward's tiles: `dx_bwd` (chunks x heads x (C, p) tiles), `dc_bwd` and `db_bwd`
-  (chunks x groups x (C, n) tiles, each looping over its group's heads, so
+  none holds more than the forward's tiles: `dx_bwd` (chunks x heads x (C, p)
+  tiles), `dc_bwd` and `db_bwd` (chunks x groups x (C, n) tiles, each looping over its group's heads, so
   group-shared B and C get their gradient summed in the kernel, in a fixed order,
   and no tokens x heads x state buffer exists).
 
