@@ -30,9 +30,9 @@ its decay mask and the two operands of the next product), never a whole
   applied to x dt; plus the chunk-start state's contribution.
 - Backward of a chunk (the kernels in ssm_triton_bwd.py), split three ways so
   none holds more than the forward's tiles: `dx_bwd` (chunks x heads x (C, p)
-  tiles), `dc_bwd` and `db_bwd` (chunks x groups x (C, n) tiles, each looping over its group's heads, so
-  group-shared B and C get their gradient summed in the kernel, in a fixed order,
-  and no tokens x heads x state buffer exists).
+  tiles), `dc_bwd` and `db_bwd` (chunks x groups x (C, n) tiles, each looping
+  over its group's heads, so group-shared B and C get their gradient summed in
+  the kernel, in a fixed order, and no tokens x heads x state buffer exists).
 
 Recomputed, not kept: C B^T, the decays and x dy^T are recomputed in every
 backward kernel that needs them (a [64, 64] block costs 2 x 64^3 flops, cheaper
