@@ -65,10 +65,11 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> str:
     """The scan kernel that runs for `kernel` ("auto" | "torch" | "triton") on `device`.
 
     auto: torch, everywhere. The fused triton kernels are exact (tests/models/test_ssm_triton.py,
-    in triton's interpreter) but on an H100 at Nemotron-H 1.3B's shape (64 heads x 64, state
-    128, chunk 128) one bin had not finished compiling and running within 150 s: they are
-    opt-in (--ssm-kernel triton) until tests/gpu/test_gpu_scan.py and bench/bench_scan_gpu.py
-    pass there. triton where it cannot run is refused by name.
+    in triton's interpreter); their first version, whole-dim tiles per program, had not finished
+    one bin within 150 s on an H100 at Nemotron-H 1.3B's shape (64 heads x 64, state 128, chunk
+    128). They are now tiled (ssm_triton.py) but stay opt-in (--ssm-kernel triton) until
+    tests/gpu/test_gpu_scan.py and bench/bench_scan_gpu.py pass there. triton where it cannot
+    run is refused by name.
     """
     import os
     import sys
