@@ -124,7 +124,6 @@ def dc_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, dy_ptr, dc_ptr, da
     n = nb * BN + tl.arange(0, BN)
     lm, nm = l < C, n < NS
     ln = lm[:, None] & nm[None, :]
-    cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], mask=ln, other=0.0)
     r = tl.load(rows_ptr + k)
     total = tl.zeros((BL, BN), dtype=tl.float32)
     for hh in range(0, HPG):
@@ -156,6 +155,8 @@ def dc_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, dy_ptr, dc_ptr, da
             bm = tl.load(b_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :],
                          mask=sm[:, None] & nm[None, :], other=0.0)
             dc += tl.dot(gram * decay(acs_ptr, row, l, s, C), bm, input_precision=PREC)
+        # operand tiles are loaded where used (cache hits), never held across the loops
+        cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], mask=ln, other=0.0)
         tl.store(dacs_ptr + ((k * H + h) * nnb + nb) * C + l, tl.sum(cm * dc, axis=1), mask=lm)
         total += dc
     tl.store(dc_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], total, mask=ln)
@@ -177,7 +178,6 @@ def db_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, db_ptr, dacs_ptr, d
     n = nb * BN + tl.arange(0, BN)
     sm, nm = s < C, n < NS
     sn = sm[:, None] & nm[None, :]
-    bm = tl.load(b_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :], mask=sn, other=0.0)
     total = tl.zeros((BL, BN), dtype=tl.float32)
     for hh in range(0, HPG):
         h = g * HPG + hh
@@ -194,6 +194,7 @@ def db_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, db_ptr, dacs_ptr, d
                           mask=pm[:, None] & nm[None, :], other=0.0)
             db += tl.dot(x, dst, input_precision=PREC)
         db = db * tl.where(sm, tl.exp(last - acs), 0.0)[:, None]
+        bm = tl.load(b_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :], mask=sn, other=0.0)
         tl.store(dw_ptr + (k * H + h) * tl.num_programs(2) + tl.program_id(2),
                  tl.sum(tl.sum(bm * db, axis=1), axis=0))
         for l0 in range(sb * BL, C, BL):
@@ -212,6 +213,7 @@ def db_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, dy_ptr, dchunk_ptr, db_ptr, dacs_ptr, d
                          mask=lm[:, None] & nm[None, :], other=0.0)
             db += tl.dot(gram * tl.trans(decay(acs_ptr, row, l, s, C)), cm,
                          input_precision=PREC)
+        bm = tl.load(b_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :], mask=sn, other=0.0)
         tl.store(dacs_ptr + ((k * H + h) * nnb + nb) * C + s, -tl.sum(bm * db, axis=1), mask=sm)
         total += db
     tl.store(db_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :], total, mask=sn)
