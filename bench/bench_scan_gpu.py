@@ -3,10 +3,13 @@
 One Nemotron-H 1.3B-shaped Mamba-2 mixer (hidden 2048, 64 heads x 64, state 128,
 8 groups, conv 4, scan chunk 128), bf16 weights and activations, float32 states,
 run over the tree bins of synthetic agent episodes (Pack(layout="tree", scope="group")
--> Fragment(max_tokens)). Per kernel and fork mode: forward and forward+backward
-tokens/s (bin tokens / seconds, CUDA events, after warm-up), peak CUDA memory
-above the inputs, and the outputs' and input gradient's distance between the two
-kernels (a sanity line, not the correctness test: tests/models/test_ssm_triton.py
+-> Fragment(max_tokens), by default 128 episodes in bins of up to 32768 tokens, the
+two largest timed, ~30k tokens each). Per kernel and fork mode: forward and
+forward+backward tokens/s (bin tokens / seconds, after warm-up), the first call's
+seconds (`*_first_seconds`; for triton the kernels' compilation, which happens in
+the first bin's first call of each pass; `first_call_seconds` in the summary),
+peak CUDA memory above the inputs, and the outputs' and input gradient's distance
+between the two kernels (a sanity line, not the correctness test: tests/models/test_ssm_triton.py
 and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200
@@ -43,9 +46,12 @@ def parse(argv=None):
     p.add_argument("--kernels", default=None, help="comma list of torch,triton "
                    "(default: both on CUDA, torch on CPU)")
     p.add_argument("--forks", default="chunk,exact")
-    p.add_argument("--max-tokens", type=int, default=None, help="bin budget (default 16384)")
-    p.add_argument("--episodes", type=int, default=None, help="synthetic episodes (default 64)")
-    p.add_argument("--bins", type=int, default=None, help="bins timed (default 4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="bin budget (default 32768)")
+    p.add_argument("--episodes", type=int, default=None, help="synthetic episodes (default 128)")
+    p.add_argument("--bins", type=int, default=None, help="bins timed (default 2)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                   help="compute dtype (default bfloat16 on CUDA: the triton kernels' tf32x3 "
+                   "products; float32: their ieee products)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
     return p.parse_args(argv)
@@ -60,11 +66,11 @@ def _bins(args):
                              system_tokens=40, user_tokens=(5, 20), completion_tokens=(5, 20),
                              tool_tokens=(5, 30), branch_prob=0.3, vocab_size=500, seed=0)
     else:
-        eps = synth_episodes(episodes=args.episodes or 64, seed=0)
+        eps = synth_episodes(episodes=args.episodes or 128, seed=0)
     layouts = Pack(layout="tree", scope="group")(eps)
-    bins = Fragment(max_tokens=args.max_tokens or (256 if args.smoke else 16384))(layouts)
+    bins = Fragment(max_tokens=args.max_tokens or (256 if args.smoke else 32768))(layouts)
     rows = sorted(bins.to_pylist(), key=lambda b: -len(b["parents"]))
-    return [b["parents"] for b in rows[:args.bins or (2 if args.smoke else 4)]]
+    return [b["parents"] for b in rows[:args.bins or 2]]
 
 
 def _sync(device):
@@ -75,16 +81,19 @@ def _sync(device):
 
 
 def _time(fn, device, repeats):
-    """Median seconds of fn() over repeats, after one warm-up call (compiles the kernels)."""
+    """(seconds of the first call, which compiles the kernels; median seconds of fn() over
+    repeats after it)."""
+    t0 = time.perf_counter()
     fn()
     _sync(device)
+    first = time.perf_counter() - t0
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         _sync(device)
         out.append(time.perf_counter() - t0)
-    return sorted(out)[len(out) // 2]
+    return first, sorted(out)[len(out) // 2]
 
 
 def run(args) -> dict:
@@ -101,7 +110,7 @@ def run(args) -> dict:
                                      "intermediate_size": 96, "hybrid_override_pattern": "M",
                                      "num_attention_heads": 4, "num_key_value_heads": 2,
                                      "head_dim": 16, **shape})
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     torch.manual_seed(0)
     mixer = Mamba2Mixer(cfg).to(device=device, dtype=dtype)
     kernels = (args.kernels or ("torch,triton" if device.type == "cuda" else "torch")).split(",")
@@ -138,7 +147,8 @@ def run(args) -> dict:
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats(device)
                         base = torch.cuda.memory_allocated(device)
-                    sec = _time(fn, device, args.repeats)
+                    first, sec = _time(fn, device, args.repeats)
+                    row[f"{name}_first_seconds"] = round(first, 3)
                     row[f"{name}_seconds"] = round(sec, 5)
                     row[f"{name}_tokens_per_s"] = round(n / sec, 1)
                     if device.type == "cuda":
@@ -166,6 +176,8 @@ def _summary(runs, kernels) -> dict:
             tok = sum(r["tokens"] for r in rs)
             per[k] = {m: round(tok / sum(r[f"{m}_seconds"] for r in rs), 1)
                       for m in ("forward", "forward_backward")}
+            per[k]["first_call_seconds"] = {m: rs[0][f"{m}_first_seconds"]
+                                            for m in ("forward", "forward_backward")}
             peaks = [r.get("forward_backward_peak_mib") for r in rs]
             if all(p is not None for p in peaks):
                 per[k]["max_forward_backward_peak_mib"] = max(peaks)

@@ -44,13 +44,13 @@ def _tree(seed: int, n: int = 44) -> np.ndarray:
             return par
 
 
-def _inputs(n: int, seed: int):
+def _inputs(n: int, seed: int, p: int = P, ns: int = NS):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, H, P, generator=g, dtype=torch.float64),
+    return [torch.randn(n, H, p, generator=g, dtype=torch.float64),
             torch.rand(n, H, generator=g, dtype=torch.float64) * 0.6 + 0.05,
             -(torch.rand(H, generator=g, dtype=torch.float64) + 0.3),
-            torch.randn(n, G, NS, generator=g, dtype=torch.float64),
-            torch.randn(n, G, NS, generator=g, dtype=torch.float64),
+            torch.randn(n, G, ns, generator=g, dtype=torch.float64),
+            torch.randn(n, G, ns, generator=g, dtype=torch.float64),
             torch.randn(H, generator=g, dtype=torch.float64)]
 
 
@@ -60,7 +60,7 @@ def _path_recurrence(par, x, dt, A, B, C, D):
     Bh, Ch = B.repeat_interleave(rep, 1), C.repeat_interleave(rep, 1)
     states, ys = [], []
     for i, p in enumerate(par.tolist()):
-        prev = states[p] if p >= 0 else x.new_zeros(H, P, NS)
+        prev = states[p] if p >= 0 else x.new_zeros(H, x.shape[2], B.shape[2])
         s = torch.exp(A * dt[i])[:, None, None] * prev + \
             (dt[i][:, None] * x[i])[:, :, None] * Bh[i][:, None, :]
         states.append(s)
@@ -101,6 +101,44 @@ def test_triton_scan_matches_path_recurrence_and_torch_scan(fork, seed):
     for name, a, b in zip(names, [got["triton"][0], *got["triton"][1]],
                           [got["torch"][0], *got["torch"][1]]):
         assert _rel(a, b) < 1e-5, ("triton vs torch", name, _rel(a, b))
+
+
+def _multi_tile_tree() -> np.ndarray:
+    """A 50-token trunk; a branch at depth 32 (a chunk boundary of 32-token chunks), one at
+    depth 41 (inside a chunk) that forks again."""
+    par = list(range(-1, 49))
+
+    def chain(at, length):
+        start = len(par)
+        par.extend([at] + [start + i for i in range(length - 1)])
+        return start
+
+    chain(31, 12)
+    b = chain(40, 20)
+    chain(b + 5, 8)
+    return np.array(par)
+
+
+def test_triton_scan_with_several_tiles_per_dim(monkeypatch, fork="chunk"):
+    """Tiles of 16 over chunk 32, head dim 32 and state 32: every tile loop (over chunk
+    blocks, head-dim blocks, state blocks, the (p, n) tiles of the state passing and the
+    group's heads) runs more than once; a tile written to the wrong offset fails here and
+    nowhere in the one-tile tests above."""
+    from treeflow.models import ssm_triton
+
+    monkeypatch.setattr(ssm_triton, "BLOCKS", {"ieee": 16, "tf32x3": 16})
+    assert ssm_triton._blocks(32, 32, 32, "ieee") == (16, 16, 16)
+    par, chunk = _multi_tile_tree(), 32
+    ins = _inputs(len(par), 5, p=32, ns=32)
+    weight = torch.randn(len(par), H, 32, generator=torch.Generator().manual_seed(7),
+                         dtype=torch.float64)
+    want = _run(lambda *a: _path_recurrence(par, *a), ins, weight)
+    plan = SegmentPlan(par, chunk_size=chunk, conv_kernel=4, fork=fork, kernel="triton")
+    assert plan.launches >= 3 and max(lv.gather_KC.shape[0] for lv in plan.levels) > 1
+    y, grads = _run(lambda *a: tree_ssd(*a, plan), [t.float() for t in ins], weight.float())
+    for name, a, b in zip(("y", "dx", "ddt", "dA", "dB", "dC", "dD"), [y, *grads],
+                          [want[0], *want[1]]):
+        assert _rel(a, b) < 1e-5, (fork, name, _rel(a, b))
 
 
 def test_bfloat16_states_are_kept_in_bfloat16():

@@ -65,10 +65,11 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> str:
     """The scan kernel that runs for `kernel` ("auto" | "torch" | "triton") on `device`.
 
     auto: torch, everywhere. The fused triton kernels are exact (tests/models/test_ssm_triton.py,
-    in triton's interpreter) but on an H100 at Nemotron-H 1.3B's shape (64 heads x 64, state
-    128, chunk 128) one bin had not finished compiling and running within 150 s: they are
-    opt-in (--ssm-kernel triton) until tests/gpu/test_gpu_scan.py and bench/bench_scan_gpu.py
-    pass there. triton where it cannot run is refused by name.
+    in triton's interpreter); their first version, whole-dim tiles per program, had not finished
+    one bin within 150 s on an H100 at Nemotron-H 1.3B's shape (64 heads x 64, state 128, chunk
+    128). They are now tiled (ssm_triton.py) but stay opt-in (--ssm-kernel triton) until
+    tests/gpu/test_gpu_scan.py and bench/bench_scan_gpu.py pass there. triton where it cannot
+    run is refused by name.
     """
     import os
     import sys
@@ -293,7 +294,12 @@ def tree_ssd(x_Nhp: torch.Tensor, dt_Nh: torch.Tensor, A_h: torch.Tensor, B_Ngn:
         xdt = torch.cat([x * dt[..., None], x.new_zeros(1, h, p)])
         adt = torch.cat([A_h.float() * dt, dt.new_zeros(1, h)])
         if plan.kernel == "triton":  # groups stay groups: the kernels pick a head's group
-            from treeflow.models.ssm_triton import level_scan as scan
+            import functools
+
+            from treeflow.models.ssm_triton import level_scan, precision_for
+
+            # float32 products for a float32 model, tf32x3 tensor cores for bf16 / fp16 ones
+            scan = functools.partial(level_scan, precision=precision_for(x_Nhp.dtype))
         else:
             scan = _level_scan
             B = B.repeat_interleave(h // B.shape[1], dim=1)

@@ -4,37 +4,58 @@ Same plan, same mathematics as ssm_tree.py's PyTorch levels: a level's segments
 are laid out as whole chunks (`gather_KC`), and a segment starts from the state
 its parent's scan had at the fork (the parent's final state for `exact` forks,
 its state at the path's chunk boundary for `chunk` forks; the unaligned tail is
-replayed). What changes is how a level runs: three kernels instead of einsums
-over [chunks, C, C, heads] tensors.
+replayed). What changes is how a level runs: kernels over tiles instead of
+einsums over [chunks, C, C, heads] tensors.
 
-- `_chunk_state_fwd` (grid chunks x heads): each chunk's own state at its end,
-  sum_l exp(acs_last - acs_l) x_l dt_l B_l^T, float32.
-- `_state_pass_fwd` (grid segments x heads): walks a segment's chunks in order
-  from its initial state (zero for a root, its parent's state at the fork
-  otherwise), writing the state before every chunk and after the last into the
-  level's state table (the same row layout as the PyTorch path, so children
-  index it by the plan's `init_from`). This is the only sequential loop; its
-  length is a segment's chunk count.
-- `_chunk_scan_fwd` (grid chunks x heads): intra-chunk output (C B^T masked by
-  the decays, applied to x dt) plus the chunk-start state's contribution.
+Tiling. Every program owns one output tile of at most BLOCK x BLOCK float32
+(64 x 64 with tensor cores, 32 x 32 for "ieee" products, whose FMA lowering
+keeps both operands in registers) and loops over the reduction dims in blocks
+of the same size, so at Nemotron-H 1.3B's shape (C 128, p 64, n 128) no program
+holds more than about five such tiles at once (the accumulator, the C B^T block,
+its decay mask and the two operands of the next product), never a whole
+[C, n] or [C, C] one. The grids:
 
-Backward recomputes every intra-chunk quantity (C B^T, decays) per chunk from the
-gathered inputs; what is kept across the layer is the inputs the level gathered
-(tokens x heads x head dim, as the PyTorch path's gather keeps) and the state
-table (one row per chunk and per segment: tokens / chunk_size x heads x p x n),
-never tokens x heads x state. `_dstart_bwd` gives each chunk's start-state
-gradient, `_state_pass_bwd` walks the segments backwards (adding what children
-took from each row), and `_chunk_bwd` gives dx dt, dB, dC and the decay
-gradients of one chunk. Head gradients of group-shared B/C are summed over a
-group's heads by torch; node gradients of gathered slots are summed by the
-gather's own backward (index_put with accumulate): no atomics, deterministic.
+- `_chunk_outer` (chunks x heads x (p, n) tiles): sum_l a_l^T b_l wt_l, looping
+  over C. Forward: a chunk's own state at its end (a = x dt, b = B,
+  wt = exp(acs_last - acs_l)); backward: the gradient of a chunk's start state
+  (a = dy, b = C, wt = exp(acs_l)).
+- `_state_pass_fwd` (segments x heads x (p, n) tiles): the only sequential loop,
+  a segment's chunks in order from its initial state (zero for a root, its
+  parent's state at the fork otherwise), writing the state before every chunk
+  and after the last into the level's state table (the PyTorch path's row
+  layout, so children index it by the plan's `init_from`). `state_pass_bwd`
+  walks it backwards, adding what children took from each row.
+- `_chunk_scan_fwd` (chunks x heads x (C, p) tiles): intra-chunk output, the C B^T
+  blocks (looped over n) masked by the decays, on or below the diagonal only,
+  applied to x dt; plus the chunk-start state's contribution.
+- Backward of a chunk (the kernels in ssm_triton_bwd.py), split three ways so
+  none holds more than the forward's tiles: `dx_bwd` (chunks x heads x (C, p)
+  tiles), `dc_bwd` and `db_bwd` (chunks x groups x (C, n) tiles, each looping
+  over its group's heads, so group-shared B and C get their gradient summed in
+  the kernel, in a fixed order, and no tokens x heads x state buffer exists).
 
-Every product is float32 (`input_precision="ieee"`: no TF32), as the PyTorch
-path. The chunk cumsum of A dt stays a torch cumsum (tokens x heads, a trivial
-kernel) so its backward is autograd's.
+Recomputed, not kept: C B^T, the decays and x dy^T are recomputed in every
+backward kernel that needs them (a [64, 64] block costs 2 x 64^3 flops, cheaper
+than its round trip through memory). Kept across the layer: the inputs the level
+gathered (tokens x heads x head dim, as the PyTorch path's gather) and the state
+table (one row per chunk and per segment: tokens / C x heads x p x n). Transient
+within a level's backward: the start- and end-of-chunk state gradients (chunks x
+heads x p x n, float32). The cumsum of A dt's gradient is assembled from
+per-tile partial sums (sum_n C dC - B dB per token, d(acs_last) per state tile)
+added by torch: no atomics, deterministic.
+
+Precision (`precision`): states and every accumulation are float32. Products
+of float32 inputs (the exactness tests, float32 models) are "ieee", no TF32.
+When the model computes in bf16/fp16 the products run as "tf32x3" (three TF32
+tensor-core products, about float32 accuracy, ~1e-6 relative) rather than on
+bf16 operands: the scan's inputs here are float32 products (x dt, C B^T times
+decays) whose rounding to bf16 would add a bf16 error per product on top of the
+model's own, and the tensor cores are used either way. Launches pass num_warps=4,
+num_stages=2: one fixed configuration per (precision, block) pair, no autotuning,
+so the first call compiles each kernel once.
 
 Legend: K chunks of a level, C chunk size, h heads, p head dim, g groups, n state
-size, S segments of a level, R state rows of a level.
+size, S segments of a level, R state rows of a level, T (p, n) tiles.
 """
 
 from __future__ import annotations
@@ -43,26 +64,42 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["level_scan"]
+from treeflow.models.ssm_triton_bwd import db_bwd, dc_bwd, decay, dx_bwd, state_pass_bwd, tile
+
+__all__ = ["PRECISIONS", "level_scan", "precision_for"]
+
+PRECISIONS = ("ieee", "tf32x3")
+BLOCKS = {"ieee": 32, "tf32x3": 64}  # largest tile edge per product precision
+LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
-def _chunk_state_fwd(x_ptr, b_ptr, acs_ptr, s_ptr, C, H, P, G, NS, HPG,
-                     BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+def _chunk_outer(a_ptr, b_ptr, acs_ptr, out_ptr, C, H, P, G, NS, HPG,
+                 FROM_END: tl.constexpr, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                 PREC: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     g = h // HPG
-    l, p, n = tl.arange(0, BC), tl.arange(0, BP), tl.arange(0, BN)
-    lm, pm, nm = l < C, p < P, n < NS
-    acs = tl.load(acs_ptr + (k * H + h) * C + l, mask=lm, other=0.0)
+    nnb = tl.cdiv(NS, BN)
+    p = (tl.program_id(2) // nnb) * BP + tl.arange(0, BP)
+    n = (tl.program_id(2) % nnb) * BN + tl.arange(0, BN)
+    pm, nm = p < P, n < NS
     last = tl.load(acs_ptr + (k * H + h) * C + C - 1)
-    w = tl.where(lm, tl.exp(last - acs), 0.0)
-    x = tl.load(x_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :],
-                mask=lm[:, None] & pm[None, :], other=0.0)
-    b = tl.load(b_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :],
-                mask=lm[:, None] & nm[None, :], other=0.0)
-    s = tl.dot(tl.trans(x), b * w[:, None], input_precision="ieee")
-    tl.store(s_ptr + ((k * H + h) * P + p[:, None]) * NS + n[None, :], s,
+    acc = tl.zeros((BP, BN), dtype=tl.float32)
+    for l0 in range(0, C, BL):
+        l = l0 + tl.arange(0, BL)
+        lm = l < C
+        acs = tl.load(acs_ptr + (k * H + h) * C + l, mask=lm, other=0.0)
+        if FROM_END:
+            wt = tl.where(lm, tl.exp(last - acs), 0.0)
+        else:
+            wt = tl.where(lm, tl.exp(acs), 0.0)
+        a = tl.load(a_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :],
+                    mask=lm[:, None] & pm[None, :], other=0.0)
+        b = tl.load(b_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :],
+                    mask=lm[:, None] & nm[None, :], other=0.0)
+        acc += tl.dot(tl.trans(a * wt[:, None]), b, input_precision=PREC)
+    tl.store(out_ptr + ((k * H + h) * P + p[:, None]) * NS + n[None, :], acc,
              mask=pm[:, None] & nm[None, :])
 
 
@@ -74,9 +111,7 @@ def _state_pass_fwd(s_ptr, acs_ptr, init_ptr, table_ptr, seg_ptr, C, H, P, NS,
     k0 = tl.load(seg_ptr + 3 * j)
     nk = tl.load(seg_ptr + 3 * j + 1)
     r0 = tl.load(seg_ptr + 3 * j + 2)
-    p, n = tl.arange(0, BP), tl.arange(0, BN)
-    m = (p[:, None] < P) & (n[None, :] < NS)
-    pn = p[:, None] * NS + n[None, :]
+    pn, m = tile(P, NS, BP, BN)
     st = tl.load(init_ptr + (j * H + h) * P * NS + pn, mask=m, other=0.0).to(tl.float32)
     tl.store(table_ptr + (r0 * H + h) * P * NS + pn, st.to(table_ptr.dtype.element_ty), mask=m)
     for c in range(0, nk):
@@ -89,133 +124,61 @@ def _state_pass_fwd(s_ptr, acs_ptr, init_ptr, table_ptr, seg_ptr, C, H, P, NS,
 
 @triton.jit
 def _chunk_scan_fwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, y_ptr, C, H, P, G, NS,
-                    HPG, BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+                    HPG, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    PREC: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     g = h // HPG
-    l, p, n = tl.arange(0, BC), tl.arange(0, BP), tl.arange(0, BN)
-    lm, pm, nm = l < C, p < P, n < NS
-    acs = tl.load(acs_ptr + (k * H + h) * C + l, mask=lm, other=0.0)
-    ln = lm[:, None] & nm[None, :]
-    cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], mask=ln, other=0.0)
-    bm = tl.load(b_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], mask=ln, other=0.0)
-    x = tl.load(x_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :],
-                mask=lm[:, None] & pm[None, :], other=0.0)
-    causal = (l[:, None] >= l[None, :]) & lm[:, None] & lm[None, :]
-    decay = tl.exp(tl.where(causal, acs[:, None] - acs[None, :], float("-inf")))
-    cb = tl.dot(cm, tl.trans(bm), input_precision="ieee")
-    y = tl.dot(cb * decay, x, input_precision="ieee")
+    npb = tl.cdiv(P, BP)
+    lb = tl.program_id(2) // npb
+    l = lb * BL + tl.arange(0, BL)
+    p = (tl.program_id(2) % npb) * BP + tl.arange(0, BP)
+    lm, pm = l < C, p < P
+    row = (k * H + h) * C
+    acs = tl.load(acs_ptr + row + l, mask=lm, other=0.0)
     r = tl.load(rows_ptr + k)
-    st = tl.load(table_ptr + ((r * H + h) * P + p[:, None]) * NS + n[None, :],
-                 mask=pm[:, None] & nm[None, :], other=0.0).to(tl.float32)
-    y += tl.dot(cm, tl.trans(st), input_precision="ieee") * tl.exp(acs)[:, None]
-    tl.store(y_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :], y,
+    acc = tl.zeros((BL, BP), dtype=tl.float32)
+    for n0 in range(0, NS, BN):  # the chunk-start state's part: C_l st^T
+        n = n0 + tl.arange(0, BN)
+        nm = n < NS
+        cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :],
+                     mask=lm[:, None] & nm[None, :], other=0.0)
+        st = tl.load(table_ptr + ((r * H + h) * P + p[:, None]) * NS + n[None, :],
+                     mask=pm[:, None] & nm[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(cm, tl.trans(st), input_precision=PREC)
+    acc = acc * tl.where(lm, tl.exp(acs), 0.0)[:, None]
+    for s0 in range(0, (lb + 1) * BL, BL):  # intra-chunk: blocks on or below the diagonal
+        s = s0 + tl.arange(0, BL)
+        sm = s < C
+        cb = tl.zeros((BL, BL), dtype=tl.float32)
+        for n0 in range(0, NS, BN):
+            n = n0 + tl.arange(0, BN)
+            nm = n < NS
+            cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :],
+                         mask=lm[:, None] & nm[None, :], other=0.0)
+            bm = tl.load(b_ptr + ((k * C + s[:, None]) * G + g) * NS + n[None, :],
+                         mask=sm[:, None] & nm[None, :], other=0.0)
+            cb += tl.dot(cm, tl.trans(bm), input_precision=PREC)
+        x = tl.load(x_ptr + ((k * C + s[:, None]) * H + h) * P + p[None, :],
+                    mask=sm[:, None] & pm[None, :], other=0.0)
+        acc += tl.dot(cb * decay(acs_ptr, row, l, s, C), x, input_precision=PREC)
+    tl.store(y_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :], acc,
              mask=lm[:, None] & pm[None, :])
 
 
-@triton.jit
-def _dstart_bwd(dy_ptr, c_ptr, acs_ptr, ds_ptr, C, H, P, G, NS, HPG,
-                BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
-    k = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    g = h // HPG
-    l, p, n = tl.arange(0, BC), tl.arange(0, BP), tl.arange(0, BN)
-    lm, pm, nm = l < C, p < P, n < NS
-    acs = tl.load(acs_ptr + (k * H + h) * C + l, mask=lm, other=0.0)
-    dy = tl.load(dy_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :],
-                 mask=lm[:, None] & pm[None, :], other=0.0)
-    cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :],
-                 mask=lm[:, None] & nm[None, :], other=0.0)
-    e = tl.where(lm, tl.exp(acs), 0.0)
-    d = tl.dot(tl.trans(dy * e[:, None]), cm, input_precision="ieee")
-    tl.store(ds_ptr + ((k * H + h) * P + p[:, None]) * NS + n[None, :], d,
-             mask=pm[:, None] & nm[None, :])
+def precision_for(dtype: torch.dtype) -> str:
+    """The products' precision for a model computing in `dtype` (module docstring)."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32x3"
 
 
-@triton.jit
-def _state_pass_bwd(dstart_ptr, dtable_ptr, table_ptr, acs_ptr, seg_ptr, dchunk_ptr, dlast_ptr,
-                    dinit_ptr, C, H, P, NS, BP: tl.constexpr, BN: tl.constexpr):
-    """dchunk[k] = d(state after chunk k) = what chunk k's own state receives; dlast[k, h]
-    the gradient of exp(acs_last) through the carry; dinit[j] the segment's initial state's."""
-    j = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    k0 = tl.load(seg_ptr + 3 * j)
-    nk = tl.load(seg_ptr + 3 * j + 1)
-    r0 = tl.load(seg_ptr + 3 * j + 2)
-    p, n = tl.arange(0, BP), tl.arange(0, BN)
-    m = (p[:, None] < P) & (n[None, :] < NS)
-    pn = p[:, None] * NS + n[None, :]
-    g = tl.load(dtable_ptr + ((r0 + nk) * H + h) * P * NS + pn, mask=m, other=0.0).to(tl.float32)
-    for i in range(0, nk):
-        c = nk - 1 - i
-        k = k0 + c
-        tl.store(dchunk_ptr + (k * H + h) * P * NS + pn, g, mask=m)
-        e = tl.exp(tl.load(acs_ptr + (k * H + h) * C + C - 1))
-        before = tl.load(table_ptr + ((r0 + c) * H + h) * P * NS + pn, mask=m,
-                         other=0.0).to(tl.float32)
-        tl.store(dlast_ptr + k * H + h, e * tl.sum(tl.sum(g * before, axis=1), axis=0))
-        g = (e * g + tl.load(dtable_ptr + ((r0 + c) * H + h) * P * NS + pn, mask=m,
-                             other=0.0).to(tl.float32)
-             + tl.load(dstart_ptr + (k * H + h) * P * NS + pn, mask=m, other=0.0))
-    tl.store(dinit_ptr + (j * H + h) * P * NS + pn, g, mask=m)
+def _blocks(C, P, NS, precision):
+    """Tile edges: the dims' next powers of two, at least 16 (tl.dot's least), at most the
+    precision's BLOCKS entry."""
+    cap = BLOCKS[precision]
 
-
-@triton.jit
-def _chunk_bwd(x_ptr, b_ptr, c_ptr, acs_ptr, table_ptr, rows_ptr, dy_ptr, dchunk_ptr, dlast_ptr,
-               dx_ptr, db_ptr, dc_ptr, dacs_ptr, C, H, P, G, NS, HPG,
-               BC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
-    k = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    g = h // HPG
-    l, p, n = tl.arange(0, BC), tl.arange(0, BP), tl.arange(0, BN)
-    lm, pm, nm = l < C, p < P, n < NS
-    lp, ln, pn = lm[:, None] & pm[None, :], lm[:, None] & nm[None, :], pm[:, None] & nm[None, :]
-    acs = tl.load(acs_ptr + (k * H + h) * C + l, mask=lm, other=0.0)
-    last = tl.load(acs_ptr + (k * H + h) * C + C - 1)
-    e = tl.where(lm, tl.exp(acs), 0.0)
-    w = tl.where(lm, tl.exp(last - acs), 0.0)
-    x = tl.load(x_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :], mask=lp, other=0.0)
-    dy = tl.load(dy_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :], mask=lp, other=0.0)
-    cm = tl.load(c_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], mask=ln, other=0.0)
-    bm = tl.load(b_ptr + ((k * C + l[:, None]) * G + g) * NS + n[None, :], mask=ln, other=0.0)
-    r = tl.load(rows_ptr + k)
-    st = tl.load(table_ptr + ((r * H + h) * P + p[:, None]) * NS + n[None, :], mask=pn,
-                 other=0.0).to(tl.float32)
-    dst = tl.load(dchunk_ptr + ((k * H + h) * P + p[:, None]) * NS + n[None, :], mask=pn,
-                  other=0.0)
-    # y_off[l] = exp(acs_l) st C_l
-    dyst = tl.dot(dy, st, input_precision="ieee")  # [C, n]
-    dc = dyst * e[:, None]
-    dacs = tl.sum(dyst * cm, axis=1) * e
-    # y_in[l] = sum_s (C_l . B_s) exp(acs_l - acs_s) x_s, s <= l
-    causal = (l[:, None] >= l[None, :]) & lm[:, None] & lm[None, :]
-    decay = tl.exp(tl.where(causal, acs[:, None] - acs[None, :], float("-inf")))
-    cb = tl.dot(cm, tl.trans(bm), input_precision="ieee")
-    gram = tl.dot(dy, tl.trans(x), input_precision="ieee")  # [l, s]
-    dx = tl.dot(tl.trans(cb * decay), dy, input_precision="ieee")
-    dcb = gram * decay
-    dc += tl.dot(dcb, bm, input_precision="ieee")
-    db = tl.dot(tl.trans(dcb), cm, input_precision="ieee")
-    dseg = dcb * cb
-    dacs += tl.sum(dseg, axis=1) - tl.sum(dseg, axis=0)
-    # chunk state: S = sum_l x_l B_l^T exp(acs_last - acs_l)
-    xds = tl.dot(x, dst, input_precision="ieee")  # [C, n]
-    db += xds * w[:, None]
-    dx += tl.dot(bm, tl.trans(dst), input_precision="ieee") * w[:, None]
-    dw = tl.sum(xds * bm, axis=1) * w
-    dacs -= dw
-    tot = tl.sum(dw, axis=0) + tl.load(dlast_ptr + k * H + h)
-    dacs += tl.where(l == C - 1, tot, 0.0)
-    tl.store(dx_ptr + ((k * C + l[:, None]) * H + h) * P + p[None, :], dx, mask=lp)
-    tl.store(db_ptr + ((k * C + l[:, None]) * H + h) * NS + n[None, :], db, mask=ln)
-    tl.store(dc_ptr + ((k * C + l[:, None]) * H + h) * NS + n[None, :], dc, mask=ln)
-    tl.store(dacs_ptr + (k * H + h) * C + l, dacs, mask=lm)
-
-
-def _blocks(C, P, NS):
     def b(v):
-        return max(16, triton.next_power_of_2(v))
-    return {"BC": b(C), "BP": b(P), "BN": b(NS)}
+        return max(16, min(cap, triton.next_power_of_2(v)))
+    return b(C), b(P), b(NS)
 
 
 class _LevelScan(torch.autograd.Function):
@@ -223,22 +186,24 @@ class _LevelScan(torch.autograd.Function):
     -> (y [K,C,h,p], state table [R,h,p,n] in the state dtype)."""
 
     @staticmethod
-    def forward(ctx, x, acs, B, Cm, init, seg, start_rows, rows, state_dtype):
+    def forward(ctx, x, acs, B, Cm, init, seg, start_rows, rows, state_dtype, precision):
         K, C, H, P = x.shape
         G, NS = B.shape[2], B.shape[3]
-        S = seg.shape[0]
-        hpg = H // G
-        blk = _blocks(C, P, NS)
+        S, hpg = seg.shape[0], H // G
+        BL, BP, BN = _blocks(C, P, NS, precision)
+        tiles = triton.cdiv(P, BP) * triton.cdiv(NS, BN)
+        kw = dict(BP=BP, BN=BN, **LAUNCH)
         chunk_states = torch.empty(K, H, P, NS, dtype=torch.float32, device=x.device)
-        _chunk_state_fwd[(K, H)](x, B, acs, chunk_states, C, H, P, G, NS, hpg, **blk)
+        _chunk_outer[(K, H, tiles)](x, B, acs, chunk_states, C, H, P, G, NS, hpg, FROM_END=True,
+                                    BL=BL, PREC=precision, **kw)
         table = torch.zeros(rows, H, P, NS, dtype=state_dtype, device=x.device)
-        _state_pass_fwd[(S, H)](chunk_states, acs, init, table, seg, C, H, P, NS,
-                                BP=blk["BP"], BN=blk["BN"])
+        _state_pass_fwd[(S, H, tiles)](chunk_states, acs, init, table, seg, C, H, P, NS, **kw)
         del chunk_states
         y = torch.empty_like(x)
-        _chunk_scan_fwd[(K, H)](x, B, Cm, acs, table, start_rows, y, C, H, P, G, NS, hpg, **blk)
+        _chunk_scan_fwd[(K, H, triton.cdiv(C, BL) * triton.cdiv(P, BP))](
+            x, B, Cm, acs, table, start_rows, y, C, H, P, G, NS, hpg, BL=BL, PREC=precision, **kw)
         ctx.save_for_backward(x, acs, B, Cm, table, seg, start_rows)
-        ctx.init_dtype = init.dtype
+        ctx.init_dtype, ctx.precision = init.dtype, precision
         return y, table
 
     @staticmethod
@@ -246,33 +211,45 @@ class _LevelScan(torch.autograd.Function):
         x, acs, B, Cm, table, seg, start_rows = ctx.saved_tensors
         K, C, H, P = x.shape
         G, NS = B.shape[2], B.shape[3]
-        S = seg.shape[0]
-        hpg = H // G
-        blk = _blocks(C, P, NS)
+        S, hpg, prec = seg.shape[0], H // G, ctx.precision
+        BL, BP, BN = _blocks(C, P, NS, prec)
+        nlb, npb, nnb = triton.cdiv(C, BL), triton.cdiv(P, BP), triton.cdiv(NS, BN)
+        kw = dict(BP=BP, BN=BN, **LAUNCH)
+        f32 = dict(dtype=torch.float32, device=x.device)
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
         dtable = torch.zeros_like(table) if dtable is None else dtable.contiguous()
-        dstart = torch.empty(K, H, P, NS, dtype=torch.float32, device=x.device)
-        _dstart_bwd[(K, H)](dy, Cm, acs, dstart, C, H, P, G, NS, hpg, **blk)
-        dchunk = torch.zeros(K, H, P, NS, dtype=torch.float32, device=x.device)
-        dlast = torch.zeros(K, H, dtype=torch.float32, device=x.device)
-        dinit = torch.empty(S, H, P, NS, dtype=torch.float32, device=x.device)
-        _state_pass_bwd[(S, H)](dstart, dtable, table, acs, seg, dchunk, dlast, dinit,
-                                C, H, P, NS, BP=blk["BP"], BN=blk["BN"])
+        dstart = torch.empty(K, H, P, NS, **f32)
+        _chunk_outer[(K, H, npb * nnb)](dy, Cm, acs, dstart, C, H, P, G, NS, hpg,
+                                        FROM_END=False, BL=BL, PREC=prec, **kw)
+        dchunk = torch.zeros(K, H, P, NS, **f32)
+        dlast = torch.zeros(K, H, npb * nnb, **f32)
+        dinit = torch.empty(S, H, P, NS, **f32)
+        state_pass_bwd[(S, H, npb * nnb)](dstart, dtable, table, acs, seg, dchunk, dlast, dinit,
+                                           C, H, P, NS, **kw)
         del dstart
         dx = torch.empty_like(x)
-        db = torch.empty(K, C, H, NS, dtype=torch.float32, device=x.device)
-        dc = torch.empty(K, C, H, NS, dtype=torch.float32, device=x.device)
-        dacs = torch.empty_like(acs)
-        _chunk_bwd[(K, H)](x, B, Cm, acs, table, start_rows, dy, dchunk, dlast, dx, db, dc, dacs,
-                           C, H, P, G, NS, hpg, **blk)
-        db = db.view(K, C, G, hpg, NS).sum(3)
-        dc = dc.view(K, C, G, hpg, NS).sum(3)
-        return dx, dacs, db, dc, dinit.to(ctx.init_dtype), None, None, None, None
+        dx_bwd[(K, H, nlb * npb)](B, Cm, acs, dy, dchunk, dx, C, H, P, G, NS, hpg, BL=BL,
+                                   PREC=prec, **kw)
+        dc = torch.empty(K, C, G, NS, **f32)
+        dacs_c = torch.empty(K, H, nnb, C, **f32)
+        dc_bwd[(K, G, nlb * nnb)](x, B, Cm, acs, table, start_rows, dy, dc, dacs_c,
+                                   C, H, P, G, NS, hpg, BL=BL, PREC=prec, **kw)
+        db = torch.empty(K, C, G, NS, **f32)
+        dacs_b = torch.empty(K, H, nnb, C, **f32)
+        dw = torch.empty(K, H, nlb * nnb, **f32)
+        db_bwd[(K, G, nlb * nnb)](x, B, Cm, acs, dy, dchunk, db, dacs_b, dw,
+                                   C, H, P, G, NS, hpg, BL=BL, PREC=prec, **kw)
+        dacs = dacs_c.sum(2) + dacs_b.sum(2)
+        dacs[:, :, C - 1] += dw.sum(2) + dlast.sum(2)
+        return dx, dacs, db, dc, dinit.to(ctx.init_dtype), None, None, None, None, None
 
 
-def level_scan(lv, xdt_Nhp, adt_Nh, B_Ngn, C_Ngn, prev_Rhpn, state_dtype):
+def level_scan(lv, xdt_Nhp, adt_Nh, B_Ngn, C_Ngn, prev_Rhpn, state_dtype, precision="ieee"):
     """ssm_tree._level_scan's contract on the Triton kernels: (y of the level's own nodes,
-    the level's state table). Inputs carry one zero pad row at the end (gather's pad)."""
+    the level's state table). Inputs carry one zero pad row at the end (gather's pad);
+    `precision` is one of PRECISIONS (precision_for gives the model's)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"ssm_triton precision {precision!r}: choose one of {PRECISIONS}")
     g = lv.gather_KC
     K, C = g.shape
     x = xdt_Nhp[g].contiguous()
@@ -283,5 +260,6 @@ def level_scan(lv, xdt_Nhp, adt_Nh, B_Ngn, C_Ngn, prev_Rhpn, state_dtype):
     init = torch.zeros(S, h, p, n, dtype=state_dtype, device=x.device)
     if lv.has_init:
         init = init.index_put((lv.init_local,), prev_Rhpn[lv.init_from])
-    y, table = _LevelScan.apply(x, acs, B, Cm, init, lv.seg, lv.start_rows, lv.rows, state_dtype)
+    y, table = _LevelScan.apply(x, acs, B, Cm, init, lv.seg, lv.start_rows, lv.rows, state_dtype,
+                                precision)
     return y.reshape(K * C, h, p)[lv.out_slots], table
