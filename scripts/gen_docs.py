@@ -68,6 +68,7 @@ COMMANDS = (
     ("h200_bench_cli_gpu", "python3 bench/bench_cli_gpu.py"),
     ("h100_bench_cli_gpu_llama_train", "python3 bench/bench_cli_gpu.py --shapes llama-3.2-1b "
      "--no-kernel-bench --no-transformers --budget-seconds 290 --out bench_cli_gpu_llama.json"),
+    ("h100_bench_scan_gpu", "python3 bench/bench_scan_gpu.py"),
     ("h100_bench_cli_gpu", "python3 bench/bench_cli_gpu.py --no-kernel-bench --budget-seconds 540"),
     ("h200_bench_compile_cache", "python bench/bench_compile_cache.py"),
     ("h200_bench_dp_precision", "python3 bench/bench_dp_gpu.py precision"),
