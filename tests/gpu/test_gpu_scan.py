@@ -100,11 +100,12 @@ def test_triton_scan_matches_torch_scan_at_nemotron_shape(fork, dtype):
         assert _rel(a, b) < (TOL if name == "y" else grad_tol), (fork, dtype, name, _rel(a, b))
 
 
-def test_auto_keeps_the_torch_scan_on_cuda():
-    """The fused kernels are opt-in until they run at the real shape (ssm_tree.resolve_kernel)."""
+def test_auto_runs_the_triton_scan_on_cuda():
+    """The fused kernels are auto's choice on CUDA (ssm_tree.resolve_kernel), torch on CPU."""
     from treeflow.models.ssm_tree import resolve_kernel
 
-    assert resolve_kernel("auto", "cuda") == "torch"
+    assert resolve_kernel("auto", "cuda") == "triton"
+    assert resolve_kernel("auto", "cpu") == "torch"
 
 
 @pytest.mark.parametrize("fork", ["exact", "chunk"])

@@ -85,17 +85,22 @@ def test_state_dtype_is_the_dtype_kept(tmp_path, fork):
     assert 0 < diff < 0.5  # the rounding of the states shows, and only it
 
 
-def test_scan_kernel_choice_and_refusals(monkeypatch):
-    """auto is torch (on CUDA too, until the fused kernels run at the real shape); triton where
-    it cannot run is refused by name with the fix."""
+def test_scan_kernel_choice_and_refusals(monkeypatch, capsys):
+    """auto is triton on CUDA and torch elsewhere (and torch, said on stderr, on CUDA without
+    triton); triton where it cannot run is refused by name with the fix."""
     import treeflow.models.ssm_tree as ssm_tree
 
     par = _star(5, 2, 3)
     assert SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="auto").kernel == "torch"
     assert ssm_tree.resolve_kernel("auto", "cpu") == "torch"
-    assert ssm_tree.resolve_kernel("auto", "cuda") == "torch"
+    monkeypatch.setattr(ssm_tree, "_has_triton", lambda: True)
+    assert ssm_tree.resolve_kernel("auto", "cuda") == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(ssm_tree, "_has_triton", lambda: False)
+    capsys.readouterr()
+    assert ssm_tree.resolve_kernel("auto", "cuda") == "torch"
+    err = capsys.readouterr().err
+    assert "--ssm-kernel auto runs the torch scan: triton is not installed" in err
     with pytest.raises(ValueError, match=r"needs triton.*pip install 'treeflow\[triton\]'"):
         SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="triton")
     monkeypatch.setattr(ssm_tree, "_has_triton", lambda: True)

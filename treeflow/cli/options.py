@@ -69,8 +69,7 @@ def model_options(p) -> None:
     s.add_argument("--ssm-kernel", choices=("auto", "torch", "triton"), default=None,
                    help="Mamba-2 hybrids: the tree scan's implementation: torch (the reference) "
                         "or triton (fused kernels, CUDA; pip install 'treeflow[triton]'); "
-                        "default auto: torch (triton is opt-in until it is validated on a GPU at "
-                        "full model shapes)")
+                        "default auto: triton on CUDA, torch elsewhere")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "
