@@ -68,9 +68,12 @@ def cmd_inspect(args) -> int:
         return 0
     con = console()
     con.print(table("totals", list(totals.items())))
+    import sys
+
+    from rich import box
     from rich.table import Table
 
-    t = Table(title="per episode")
+    t = Table(title="per episode", box=box.HEAVY_HEAD if sys.stdout.isatty() else box.ASCII)
     for h in ("field", "mean", "min", "p50", "p90", "max"):
         t.add_column(h, justify="right" if h != "field" else "left")
     for c, d in dist.items():

@@ -293,7 +293,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                              and row["step"] % checkpointing.every == 0)):
                     for sink in opened:  # on disk before the checkpoint that holds this step
                         sink.flush(durable=True)
-                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
+                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"], metrics=row)
         if op is not None:
             op.close()
             report["steps"] = op.steps
