@@ -155,7 +155,7 @@ def _train(args, env, data, model, dtype, tuning, cache, work) -> dict:
         return {"error": proc.stderr[-2000:]}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in open(metrics)]
-    steps = [round(b["seconds"] - a["seconds"], 3) for a, b in zip(rows, rows[1:])]
+    steps = [row["perf/step_seconds"] for row in rows[1:]]
     median = sorted(steps)[len(steps) // 2] if steps else None
     reasons = [line.strip()[:300] for line in proc.stderr.splitlines()
                if "ecompil" in line or "triggered by" in line]

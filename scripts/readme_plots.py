@@ -61,23 +61,13 @@ def inspect_plots(out_dir: str, *, draw: bool = True) -> list[str]:
 
 
 def _inspect_data(episodes: str, out_dir: str) -> None:
-    import polars as pl
-
+    """What `inspect --plot` writes, as data only (the same function, draw=False)."""
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.stats import bin_stats, call_stats, merge_totals, window_stats
-    from treeflow.plots import write_inspect_plots
+    from treeflow.pipeline.inspect import inspect_windows
 
     max_tokens, ranks, per_step = (int(INSPECT[i]) for i in (1, 3, 5))
-    frames, parts, calls, bins = [], [], [], []
-    for step, window in enumerate(Files(paths=(episodes,), episodes_per_step=per_step)):
-        frame, totals = window_stats(window, max_tokens=max_tokens)
-        frames.append(frame)
-        parts.append(totals)
-        calls.append(call_stats(window))
-        bins.append(bin_stats(window, max_tokens=max_tokens, ranks=ranks, step=step))
-    write_inspect_plots(out_dir, episodes=pl.concat(frames), calls=pl.concat(calls),
-                        totals=merge_totals(parts), bins=pl.concat(bins), max_tokens=max_tokens,
-                        ranks=ranks, draw=False)
+    inspect_windows(Files(paths=(episodes,), episodes_per_step=per_step), max_tokens=max_tokens,
+                    num_ranks=ranks, plot=out_dir, draw=False)
 
 
 def grpo_plot(out_dir: str, *, draw: bool = True) -> list[str]:

@@ -118,3 +118,26 @@ def test_train_logs_to_tensorboard(tmp_path, capsys):
     assert [e.step for e in loss] == [1, 2, 3]
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     assert [e.value for e in acc.Scalars("train/episodes_consumed")] == [2, 4, 6]
+
+
+def test_nemo_rl_sample_mixed_routes_refused_by_file_and_episode_then_runs_apart(tmp_path,
+                                                                                capsys):
+    """tests/data/nemo_rl.jsonl: line 1 has no routes, line 2 routes on every call. A window
+    holding both is refused by inspect, replay and training, naming the file and one episode
+    of each kind (issue 48: the message named the unrouted episode as if it mixed routes);
+    steps of one episode each run (routes are per window)."""
+    ep = str(tmp_path / "nrl.arrow")
+    assert main(["convert", os.path.join(DATA, "nemo_rl.jsonl"), "-o", ep, "--format",
+                 "nemo-rl", "--quiet"]) == 0
+    train = ["--mode", "train", "--loss", "nll", "--steps", "2", "--max-tokens", "64", "--quiet"]
+    for argv in (["inspect", ep], ["replay", ep, "-o", str(tmp_path / "lp.arrow")],
+                 ["replay", ep, *train, "--episodes-per-step", "2"]):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"error: {ep}: episode 'nemo_rl.jsonl:2' carries routed_experts and episode " \
+               "'nemo_rl.jsonl:1' does not, in one window" in err, err
+        assert "--episodes-per-step" in err
+    for argv in (["inspect", ep, "--json"],
+                 ["replay", ep, "-o", str(tmp_path / "lp1.arrow"), "--json"],
+                 ["replay", ep, *train]):
+        assert main([*argv, "--episodes-per-step", "1"]) == 0, capsys.readouterr().err

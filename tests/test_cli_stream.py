@@ -261,3 +261,27 @@ def test_stream_ranks_leasing_their_own_parts_train_as_rank_0_leasing_and_surviv
     assert s["leased_steps"] == 0 and s["queued_episodes"] == 0
     got = _weights(os.path.join(ck, "step-000004"))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_stream_that_cannot_train_its_steps_says_so_when_it_happens(tmp_path, capsys):
+    """Episodes dropped as stale are said on stderr as they are dropped (counts per event),
+    and a run that ends before --steps says trained N of M (issue 48: 8 of 20 steps, said
+    only in the final summary). Every episode was sampled at version 0; with --max-staleness 0
+    step 1 trains at version 0 and every later episode is too old: 1 of 3 steps, 12 dropped."""
+    import re
+
+    eps = synth_episodes(episodes=16, group_size=4, turns=(1, 2), system_tokens=12,
+                         user_tokens=(2, 5), completion_tokens=(2, 5), tool_tokens=(2, 5), seed=9)
+    i = eps.schema.get_field_index("weight_version")
+    eps = eps.set_column(i, eps.schema.field(i), pa.array([0] * 16, pa.int64()))
+    path = str(tmp_path / "v0.arrow")
+    write_episodes(eps, path)
+    assert main(["stream", "--from", path, "--chunk", "4", "--mode", "train",
+                 "--episodes-per-step", "4", "--steps", "3", "--max-staleness", "0",
+                 "--loss", "nll", "--max-tokens", "512", "--json"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["dropped_stale"] == 12
+    told = [int(n) for n in re.findall(r"^warning: .*: dropped (\d+) stale episode", err, re.M)]
+    assert told and sum(told) == 12, err
+    assert "warning: trained 1 of --steps 3 steps" in err and "12 were dropped as stale" in err

@@ -80,10 +80,12 @@ def test_regenerated_data_equals_the_committed(tmp_path):
 def test_bins_picture_counts_padding_apart_and_keeps_the_legend_off_the_bars():
     data = _committed("docs/plots/bins.png")["data"]
     tokens = np.asarray(data["tokens"])
-    assert data["padding_bins"] == int((tokens == 0).sum()) == 4
+    assert data["padding_bins"] == int((tokens == 0).sum())
     used = int((tokens > 0).sum())
     assert data["fill"] == pytest.approx(tokens.sum() / (used * data["max_tokens"]))
-    assert data["fill"] > 0.9  # the bins that hold tokens are nearly full (padding aside)
+    # training's planner (`treeflow plan`'s), not an older one of its own: 6.6% mean rank
+    # imbalance over 4 ranks where the older planner showed 34.6% (issue 48)
+    assert data["ranks"] == 4 and data["imbalance_mean"] < 0.1
     fig = draw_bins(data)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

@@ -73,6 +73,13 @@ def set_list(field, value_at, index=0):
     return edit
 
 
+def routed_among_unrouted(rs):
+    """Episode BAD carries routes on every call, the others none: one window mixes them."""
+    for c in rs[BAD]["calls"]:
+        c["routed_experts"] = [[1, 2]] * len(c["token_ids"])
+    return rs
+
+
 def null_call(rs):
     rs[BAD]["calls"].append(None)
     return rs
@@ -121,6 +128,8 @@ DATA = [
     ("short-mask", lambda rs: call_edit(loss_mask=[True] * (sampled(rs) + 2))(rs), ["'loss_mask' has"]),
     ("short-routes", call_edit(routed_experts=[[1]]), ["'routed_experts' has 1 entries"]),
     ("mixed-routes", mixed_routes, ["mixes route widths"]),
+    ("routed-and-unrouted", routed_among_unrouted,
+     ["bad.parquet", "carries routed_experts and episode", "does not, in one window"]),
     ("empty-calls", top_edit(calls=[]), ["'calls' is empty"]),
     ("null-calls", top_edit(calls=None), ["'calls' is null"]),
     ("null-id", top_edit(episode_id=None), ["row 2", "'episode_id' is null"]),

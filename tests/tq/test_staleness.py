@@ -60,3 +60,21 @@ def test_max_staleness_zero_trains_only_on_the_current_version():
         assert reader.dropped_stale == 2
     finally:
         reader.close()
+
+
+def test_drops_by_a_get_that_leased_nothing_are_told_with_the_next_lease_or_at_the_end():
+    """A get that drops stale groups and then times out (or ends) leases nothing; its drops
+    are told with the consumer's next lease, or after END in stats()['untold_stale'], never
+    lost from the consumer's count (the reader warns of them as they are told)."""
+    eps = small_episodes()
+    q = local_queue(capacity=100)
+    q.put(_with_versions(eps.slice(0, 2), [0, 0]), producer="p")
+    assert q.get(B, consumer="c", timeout=0.05, min_version=1) is None  # dropped 2, leased none
+    q.put(_with_versions(eps.slice(2, B), [1] * B), producer="p")
+    got = q.get(B, consumer="c", timeout=1, min_version=1)
+    assert got.dropped_stale == 2 and q.stats()["untold_stale"] == {}
+    q.ack(got)
+    q.put(_with_versions(eps.slice(2 + B, 2), [1, 1]), producer="p")
+    q.close()
+    assert q.get(B, consumer="c", timeout=1, min_version=2) == "end"
+    assert q.stats()["untold_stale"] == {"c": 2}

@@ -15,8 +15,8 @@ from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.train.metric_names import NAMESPACES, logged_with_flat, metric_name
 
 # what fit() and the queue reader add to a step's row
-EXTRA = ("seconds", "episodes_consumed", "queue_step", "dropped_stale", "redelivered",
-         "version_lag_mean", "version_lag_max")
+EXTRA = ("step_seconds", "elapsed_seconds", "episodes_consumed", "queue_step", "dropped_stale",
+         "redelivered", "version_lag_mean", "version_lag_max")
 
 
 def test_every_field_has_a_namespace_named_as_peers_name_theirs():
@@ -57,9 +57,17 @@ def test_jsonl_tensorboard_json_and_console_use_the_namespaced_names(data, tmp_p
         named = {k: v for k, v in row.items() if "/" in k}
         flat = {k: v for k, v in row.items() if "/" not in k and k != "step"}
         assert {"train/loss", "train/grad_norm", "train/lr", "rollout/gen_kl",
-                "perf/executed_tokens", "perf/seconds"} <= set(named)
+                "perf/executed_tokens", "perf/step_seconds", "perf/elapsed_seconds"} <= set(named)
+        assert "perf/seconds" not in named  # was cumulative under a per-step-sounding name
         # the deprecated flat keys: each one the namespaced value under its old name
         assert flat == {k.split("/", 1)[1]: v for k, v in named.items()}
+    # step_seconds is this step's wall time (verl's perf/time_per_step), elapsed_seconds the
+    # running total: the steps add up to it (each rounded to 1 ms)
+    elapsed = [r["perf/elapsed_seconds"] for r in rows]
+    steps = [r["perf/step_seconds"] for r in rows]
+    assert steps[0] == elapsed[0] and elapsed[1] > elapsed[0] > 0
+    assert steps[1] == pytest.approx(elapsed[1] - elapsed[0], abs=1e-3)
+    assert steps[1] < elapsed[1]
     assert out["last"] == rows[-1]
     acc = EventAccumulator(tb)
     acc.Reload()

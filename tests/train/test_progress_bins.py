@@ -22,8 +22,9 @@ def test_bar_shows_bins_of_the_step_in_progress(monkeypatch):
     monkeypatch.setattr(display, "console",
                         lambda stderr=False: Console(file=out, force_terminal=True, width=150))
     with display.progress("train", 4) as advance:
+        advance(1, metrics={"step": 1, "loss": 0.2468})  # the last step's loss, as verl's
         advance.bins(2, 7)  # the last render (before the transient bar is cleared) shows it
-    assert "bins 2/7" in out.getvalue()
+    assert "bins 2/7" in out.getvalue() and "loss 0.2468" in out.getvalue()
     with display.progress("train", 4, quiet=True) as advance:
         advance.bins(1, 2)  # quiet: nothing at all
 

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "print_config", False):
         return print_config(parser, args)
     quiet_libraries(getattr(args, "verbose", False) or debug_wanted(getattr(args, "debug", False)))
+    from treeflow._display import warning_lines
+
+    warning_lines(False)  # treeflow's own warnings as one `warning: ...` line, even --verbose
     if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
         code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))
         if code:

@@ -103,7 +103,9 @@ def group_window_option(p) -> None:
 def add_train_options(p) -> None:
     """--mode train's options: the step, checkpoints, data-parallel ranks, loss and loggers."""
     g = group(p, "train")
-    g.add_argument("--steps", type=int, default=1, help="total optimizer steps")
+    g.add_argument("--steps", type=int, default=1,
+                   help="optimizer steps to train, each of --episodes-per-step episodes (stream: "
+                        "at most; ends earlier, said on stderr, when the queue closes first)")
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--warmup-episodes", type=int, default=0)
     g.add_argument("--decay-episodes", type=int, default=None, help="cosine decay length")

@@ -46,16 +46,19 @@ def cmd_synth(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from treeflow.pipeline.rank_plan import deal_cost
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.stats import inspect_windows
+    from treeflow.pipeline.inspect import inspect_windows
 
-    positive(args, "max_tokens", "episodes_per_step")
+    positive(args, "max_tokens", "episodes_per_step", "num_ranks")
+    cost = deal_cost(args.model)[0] if args.max_tokens else None
     with progress("inspect", count_rows(args.files), args.json or args.quiet) as advance:
         figures = inspect_windows(Files(paths=tuple(args.files),
                                         episodes_per_step=args.episodes_per_step,
                                         group_window=args.group_window),
                                   max_tokens=args.max_tokens, plot=args.plot,
-                                  num_ranks=args.num_ranks, what=" ".join(args.files),
+                                  num_ranks=args.num_ranks, cost=cost,
+                                  what=" ".join(args.files),
                                   advance=advance)
     totals, dist, plots = figures["totals"], figures["per_episode"], figures["plots"]
     if args.json:
@@ -65,9 +68,12 @@ def cmd_inspect(args) -> int:
         return 0
     con = console()
     con.print(table("totals", list(totals.items())))
+    import sys
+
+    from rich import box
     from rich.table import Table
 
-    t = Table(title="per episode")
+    t = Table(title="per episode", box=box.HEAVY_HEAD if sys.stdout.isatty() else box.ASCII)
     for h in ("field", "mean", "min", "p50", "p90", "max"):
         t.add_column(h, justify="right" if h != "field" else "left")
     for c, d in dist.items():
@@ -144,10 +150,14 @@ def add_plan_parsers(sub, common) -> None:
     data.add_argument("--episodes-per-step", type=int, default=256,
                       help="episodes packed together (a training step's window)")
     group_window_option(s)
+    group(s, "model").add_argument(
+        "--model", default=None, help="deal the ranks by this model's cost, as `plan` and "
+        "training do ('tiny' or a local HF checkpoint dir; default: a Llama-1B shape)")
     group(s, "layout").add_argument("--max-tokens", type=int, default=None,
-                                    help="also plan bins of this budget")
+                                    help="also plan the tree's bins of this budget, as `plan` "
+                                         "and training do")
     group(s, "parallel").add_argument("--num-ranks", type=int, default=1,
-                                      help="data-parallel ranks of the bin plan (--plot)")
+                                      help="data-parallel ranks of the bin plan")
     out = group(s, "output")
     out.add_argument("--plot", default=None, metavar="DIR",
                      help="write PNGs: savings.png, call_growth.png (+ bins.png with --max-tokens)")

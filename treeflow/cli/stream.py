@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from treeflow.cli import configs
-from treeflow.cli.common import check_device, positive, show
+from treeflow.cli.common import check_device, positive, say, show
 from treeflow.cli.groups import group
 from treeflow.cli.options import (add_sampling_options, add_train_options, model_options,
                                   queue_options)
@@ -86,7 +86,24 @@ def cmd_stream(args) -> int:
                          else stream_logprobs(args, q, out), files=args.from_files,
                          linger=args.linger, **feed)
     show(args, f"stream ({args.mode}, {args.queue_backend} queue)", summary)
+    if train:
+        _say_short(args, summary)
     return 0
+
+
+def _say_short(args, summary: dict) -> None:
+    """A training run that ended before --steps says so (stderr, under --quiet and --json too):
+    the producers closed the queue before enough episodes reached a step."""
+    trained = summary.get("steps")
+    if args.steps is None or "note" in summary or trained is None or trained >= args.steps:
+        return
+    stale = summary.get("dropped_stale") or 0
+    say(f"warning: trained {trained} of --steps {args.steps} steps: the producers closed the "
+        f"queue after {summary.get('episodes', 0)} episodes reached a step"
+        + (f" and {stale} were dropped as stale (--max-staleness {args.max_staleness}; raise it, "
+           "or produce faster than training consumes)" if stale else "")
+        + f"; --steps counts steps trained, each of --episodes-per-step {args.episodes_per_step} "
+        "episodes")
 
 
 def cmd_rollout(args) -> int:

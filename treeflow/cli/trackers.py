@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import os
 
+from treeflow._display import QUIET_ENV, warning_lines
+
 __all__ = ["LOGGERS", "add_verbose_option", "quiet_libraries", "sinks_from_args"]
 
-QUIET_ENV = "TREEFLOW_QUIET_LIBRARIES"
 LOGGERS = ("console", "wandb", "mlflow")
 # names --logger took that switched nothing on: their logs are written by these flags alone
 _BY_FLAG = {"jsonl": "--metrics FILE", "tensorboard": "--tensorboard DIR"}
@@ -80,8 +81,6 @@ def quiet_libraries(verbose: bool) -> None:
     """Libraries' logs off on stderr (before they are imported); nothing when verbose."""
     if verbose:
         return
-    import warnings
-
     for key, value in (("RAY_LOGGER_LEVEL", "error"),  # "Started a local Ray instance", ...
                        ("RAY_DATA_DISABLE_PROGRESS_BARS", "1"),
                        ("RAY_DEDUP_LOGS", "1"),
@@ -90,7 +89,7 @@ def quiet_libraries(verbose: bool) -> None:
                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
                        ("TQDM_DISABLE", "1")):  # "Writing model shards", "Loading weights"
         os.environ.setdefault(key, value)
-    os.environ[QUIET_ENV] = "1"  # Ray Data's own logger, set where Ray is started
+    os.environ[QUIET_ENV] = "1"  # Ray Data's logger, spawned ranks' and Ray actors' warnings
     # a warning attributed to a library's module (torch.jit deprecations, megatron's Apex
     # notes); treeflow's own, and those raised at treeflow's call sites, still show
-    warnings.filterwarnings("ignore", module=r"(?!treeflow\b|__main__\b)")
+    warning_lines(True)

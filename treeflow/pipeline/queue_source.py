@@ -174,8 +174,12 @@ class QueueReader(Source):
                                        "(QueueSource(idle_timeout=...), --idle-timeout)")
                 continue
             if got == END:
+                if min_version is not None:   # dropped by the gets that leased nothing
+                    untold = self.queue.stats().get("untold_stale", {}).get(self.consumer, 0)
+                    self._dropped(untold, min_version, "the queue ended")
                 raise StopIteration
-            self.dropped_stale += got.dropped_stale
+            self._dropped(got.dropped_stale, min_version,
+                          f"training step {src.version + self.windows + 1}")
             lost = None
             with self._lock:
                 if got.step in self._held:  # our lease lapsed (a stalled heartbeat): keep the new one
@@ -213,6 +217,16 @@ class QueueReader(Source):
             self._last = got.step
             return got.episodes
         raise StopIteration
+
+    def _dropped(self, n: int, min_version: int | None, before: str) -> None:
+        """Count `n` episodes dropped as stale and say so on stderr, when it happens."""
+        if not n:
+            return
+        self.dropped_stale += n
+        print(f"warning: {self.queue.name}: dropped {n} stale episode(s) sampled before weight "
+              f"version {min_version} (max_staleness {self.source.max_staleness}, "
+              f"--max-staleness) before {before}; {self.dropped_stale} dropped so far",
+              file=sys.stderr, flush=True)
 
     def reset(self, state: dict | None = None) -> None:
         """Continue from `state` (a `get_state()`): the queue steps it names count as applied.

@@ -276,5 +276,5 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
             "last": logged_with_flat(rows[-1]) if rows else None,
             "compile_seconds": round(report["compile_seconds"], 3),
             "steady_seconds_per_step": report["steady_seconds_per_step"], "weights": root,
-            "wall_seconds": round(time.perf_counter() - t0, 3),
+            "train_seconds": round(time.perf_counter() - t0, 3),
             "process_seconds": round(process_seconds(), 3)}

@@ -115,6 +115,7 @@ def plan_windows(windows: Iterable[pa.Table], *, layout: str, scope: str | None,
     rank, the largest and mean cost imbalance (max / mean - 1 per step) and the ranks left
     without bins.
     """
+    from treeflow.pipeline.stats import episode_sums
     from treeflow.stages import summed_costs
     from treeflow.stages.binding import map_bound
     from treeflow.stages.shard import bin_costs
@@ -145,20 +146,24 @@ def plan_windows(windows: Iterable[pa.Table], *, layout: str, scope: str | None,
             rank_cost[r] = float(bin_costs(bins, cost).sum())
             empty += int(bins.num_rows == 0)
             sums["bins"] += bins.num_rows
-            sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
+            if rank is not None:  # one rank's share: the exact tokens of its layouts
+                sums["exact_tokens"] += int(np.sum(layouts.column("exact_tokens").to_numpy()))
             sums["layout_tokens"] += _total_len(layouts, "tokens")
             sums["executed_tokens"] += _total_len(bins, "tokens")
             sums["repeated_tokens"] += int(np.sum(bins.column("repeated_tokens").to_numpy()))
             sums["edges"] += _total_len(bins, "edge_sources")
             sums["occurrences"] += _total_len(bins, "occ_edge")
-        if rank is None:
+        if rank is None:  # once: a tree split over ranks is in each one's layouts
+            sums["exact_tokens"] += episode_sums(window)["exact_tokens"]
             mean = rank_cost.mean()
             imbalances.append(float(rank_cost.max() / mean - 1.0) if mean > 0 else 0.0)
         sums["episodes"] += window.num_rows
         sums["steps"] += 1
         if advance is not None:
             advance(window.num_rows)
-    sums["saving"] = sums["exact_tokens"] / max(sums["executed_tokens"], 1)
+    from treeflow.pipeline.stats import saving
+
+    sums["saving"] = saving(sums["exact_tokens"], sums["executed_tokens"])
     sums["repeated_share"] = sums["repeated_tokens"] / max(sums["executed_tokens"], 1)
     if rank is None:  # a split tree's layout is counted by each rank that shares it
         sums["rank_imbalance_max"] = float(max(imbalances, default=0.0))

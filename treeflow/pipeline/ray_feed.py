@@ -100,6 +100,27 @@ def file_windows(files: Files, position: dict | None, steps: int | None) -> list
     return out
 
 
+def _stage_map(ds, op, ray, cpus: float):
+    """One stage's operator: one actor, whole windows, Arrow in and out.
+
+    max_restarts=0: Ray Data hands every pool actor its constructor (its context and map
+    transformer) as object-store refs, and Ray core does not trust a restart of an actor built
+    from those (ray#53727), saying so with an `E ... core_worker.cc` line on the driver's
+    stderr in every run. A stage actor holds no state worth a restart, so one that dies fails
+    the run (Ray's error names it) instead. Ray 2.60 takes it only as a remote arg, which it
+    says is deprecated (no named parameter replaces it yet): that warning is Ray's to itself.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map_batches(
+            type(op), fn_constructor_args=op.args, fn_constructor_kwargs=op.kwargs,
+            compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
+            batch_size=None, batch_format="pyarrow", zero_copy_batch=True, num_cpus=cpus,
+            max_restarts=0)
+
+
 def _files(engine, files: Files, position, steps):
     ray = engine.ray
     from ray.data import DataContext
@@ -125,10 +146,7 @@ def _files(engine, files: Files, position, steps):
     # one actor that builds the stage's operator once and streams the windows through it
     # (Arrow blocks in the object store between stages, Ray Data's backpressure on each).
     for op in ops:
-        ds = ds.map_batches(type(op), fn_constructor_args=op.args, fn_constructor_kwargs=op.kwargs,
-                            compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
-                            batch_size=None,
-                            batch_format="pyarrow", zero_copy_batch=True, num_cpus=cpus)
+        ds = _stage_map(ds, op, ray, cpus)
     engine.dataset = ds  # its stats() name the operators it ran (tests/pipeline/test_ray_engine.py)
     plan = engine.plans[0]
     for bundle in ds.iter_internal_ref_bundles():

@@ -40,6 +40,9 @@ class RankActor:
                  cp_rank: int = 0):
         import torch
 
+        from treeflow._display import warning_lines
+
+        warning_lines()  # as the CLI that started it (QUIET_ENV, which the actor inherits)
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU

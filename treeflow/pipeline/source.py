@@ -268,6 +268,7 @@ class FilesReader(Source):
                         f"boundary of this data (windows of {self.files.episodes_per_step}); resume "
                         "with the same window (--episodes-per-step) and files")
                 self.episodes = consumed
+                _check_routes(window, self.files.paths)
                 yield window
             if not seen_any:
                 raise ValueError(f"{list(self.files.paths)}: no episodes to read")
@@ -285,3 +286,16 @@ class FilesReader(Source):
                     raise ValueError(f"the saved input position ({self._skip} episodes) is past "
                                      f"the end of the data ({consumed} episodes)")
                 return
+
+
+def _check_routes(window: pa.Table, paths) -> None:
+    """A window mixing routed and unrouted episodes, refused naming its files (Calls refuses
+    it later, naming only the episodes)."""
+    from treeflow.stages.flat import check_window_routes
+
+    try:
+        check_window_routes(window)
+    except ValueError as e:
+        raise ValueError(f"{', '.join(map(str, paths))}: {e}; or give --episodes-per-step small "
+                         "enough that no step holds both") from None
+

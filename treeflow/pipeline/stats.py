@@ -4,8 +4,13 @@ and the summary of a logprobs run (its steady-state throughput, MoE route agreem
 Per episode we count calls, sampled tokens, exact-call tokens, chain tokens
 and episode-scope tree tokens (plus attention pairs, the sum over nodes of
 depth + 1); per window we add group-scope tree tokens and, given a budget,
-the bins and the repeated context that fragmentation costs. `inspect_windows` is what
-`treeflow inspect` prints: the totals, the per-episode distributions and the plots written.
+the bins and the repeated context that fragmentation costs (pipeline/inspect.py puts them
+together for `treeflow inspect`, with the tree's bins from training's planner).
+
+One definition of saving (`saving`), used by inspect, plan and replay: exact-call tokens over
+the tokens the model executes for them (the bins' tokens, repeated context included). Without
+a budget nothing is cut, so a layout's tokens are what it executes. The trade-off: a budget
+that cuts trees lowers the saving inspect reports, as it lowers what a run saves.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ if TYPE_CHECKING:  # polars (0.5 s to import) only for inspect's and plan's fram
     import polars as pl
 
 LAYOUT_NAMES = ("exact", "chain", "tree_episode", "tree_group")
+
+
+def saving(exact_tokens: int, executed_tokens: int) -> float:
+    """The one saving: exact-call tokens / tokens the model executes (repeated context in)."""
+    return exact_tokens / max(executed_tokens, 1)
 
 
 def _per_layout(layouts: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +74,7 @@ def window_stats(episodes: pa.Table, *, max_tokens: int | None = None) -> tuple[
             idx = {e: i for i, e in enumerate(per_ep["episode_id"])}
             ep_of = [idx[ids[0]] for ids in lays.column("episode_ids").to_pylist()]
             per_ep[f"{name}_tokens"] = np.bincount(ep_of, toks, episodes.num_rows).astype(np.int64)
-        if max_tokens is not None and name in ("chain", "tree_group", "exact"):
+        if max_tokens is not None and name in ("chain", "exact"):  # tree_group: plan_windows
             bins = fragment(lays, max_tokens=max_tokens)
             executed = int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)
             totals[f"{name}_bins"] = bins.num_rows
@@ -127,7 +137,7 @@ def steady_state(sums: dict, wall: float, setup: float) -> float:
                 compile_seconds=round(sums["compile_seconds"], 3), steady_seconds=round(steady, 3),
                 exact_tokens_per_s=round(sums["exact_tokens"] / steady),
                 executed_tokens_per_s=round(sums["executed_tokens"] / steady),
-                saving=round(sums["exact_tokens"] / max(sums["executed_tokens"], 1), 3),
+                saving=round(saving(sums["exact_tokens"], sums["executed_tokens"]), 3),
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 phases={**{k: round(v, 3) for k, v in marks.items()}, "engine": round(setup, 3),
                         "done": round(wall, 3)})
@@ -156,10 +166,17 @@ def merge_totals(parts: list[dict]) -> dict:
     for p in parts:
         for k, v in p.items():
             out[k] = out.get(k, 0) + v
+    return layout_savings(out)
+
+
+def layout_savings(out: dict) -> dict:
+    """Fill `saving_<layout>` (`saving`: over the executed tokens where a budget cut the layout
+    into bins, else its tokens) and `<layout>_repeated_share` into totals (in place)."""
     exact = out.get("exact_tokens", 0)
     for name in LAYOUT_NAMES[1:]:
-        if out.get(f"{name}_tokens"):
-            out[f"saving_{name}"] = exact / out[f"{name}_tokens"]
+        ran = out.get(f"{name}_executed_tokens") or out.get(f"{name}_tokens")
+        if ran:
+            out[f"saving_{name}"] = saving(exact, ran)
     for name in ("exact", "chain", "tree_group"):
         ex = out.get(f"{name}_executed_tokens")
         if ex:
@@ -201,59 +218,23 @@ def call_stats(episodes: pa.Table) -> pl.DataFrame:
                          "sampled_tokens": lens - starts})
 
 
-def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int = 0) -> pl.DataFrame:
-    """One row per bin of the tree layout's plan for this window: fill, repeated context, rank, cost."""
+def bin_frame(bins: pa.Table, cost) -> pl.DataFrame:
+    """One row per bin of a planned step (plan_windows' bins, which carry their step and
+    rank): tokens, repeated context, edges and the cost the ranks were dealt by."""
     import polars as pl
 
-    from treeflow.stages import Fragment, Pack, Shard
     from treeflow.stages.shard import bin_costs
 
-    shard = Shard(num_ranks=ranks)
-    bins, _ = shard.plan(Fragment(max_tokens=max_tokens, pad_to_multiple=ranks)(
-        Pack(layout="tree")(episodes, step=step)))
+    n = bins.num_rows
+    # one rank's plan (no Shard) leaves rank unset (-1): every bin is rank 0's
+    rank = np.maximum(bins.column("rank").to_numpy(), 0) if "rank" in bins.column_names \
+        else np.zeros(n, np.int64)
     return pl.DataFrame({
-        "step": np.full(bins.num_rows, step, dtype=np.int64),
+        "step": bins.column("step").to_numpy().astype(np.int64),
         "bin_id": bins.column("bin_id").to_numpy(),
-        "rank": bins.column("rank").to_numpy(),
+        "rank": rank.astype(np.int64),
         "tokens": pc.list_value_length(bins.column("tokens")).to_numpy(zero_copy_only=False).astype(np.int64),
         "repeated_tokens": bins.column("repeated_tokens").to_numpy(),
         "edges": pc.list_value_length(bins.column("edge_sources")).to_numpy(zero_copy_only=False).astype(np.int64),
-        "cost": bin_costs(bins, shard.cost_model()),
+        "cost": bin_costs(bins, cost),
     })
-
-
-def inspect_windows(windows, *, max_tokens: int | None = None, plot: str | None = None,
-                    num_ranks: int = 1, what: str = "the episodes", advance=None) -> dict:
-    """`treeflow inspect`'s figures over `windows` (tables of episodes, one step each):
-    {"totals": merge_totals, "per_episode": episode_distributions, "plots": the PNGs written}.
-
-    max_tokens: also plan bins of this budget; plot: a directory for savings.png and
-    call_growth.png (+ bins.png of `num_ranks` ranks with max_tokens); what: the input, named
-    in the error when there is nothing to plot; advance(rows, tokens=): progress.
-    """
-    import polars as pl
-
-    frames, parts, call_frames, bin_frames = [], [], [], []
-    for step, window in enumerate(windows):
-        frame, totals = window_stats(window, max_tokens=max_tokens)
-        frames.append(frame)
-        parts.append(totals)
-        if plot:
-            call_frames.append(call_stats(window))
-            if max_tokens:
-                bin_frames.append(bin_stats(window, max_tokens=max_tokens, ranks=num_ranks,
-                                            step=step))
-        if advance is not None:
-            advance(window.num_rows, tokens=totals["exact_tokens"])
-    totals = merge_totals(parts)
-    frame = pl.concat(frames) if frames else pl.DataFrame()
-    plots = []
-    if plot:
-        from treeflow.plots import write_inspect_plots
-
-        if not frame.height:
-            raise ValueError(f"{what}: no episodes to plot")
-        plots = write_inspect_plots(plot, episodes=frame, calls=pl.concat(call_frames),
-                                    totals=totals, bins=pl.concat(bin_frames) if bin_frames else None,
-                                    max_tokens=max_tokens, ranks=num_ranks)
-    return {"totals": totals, "per_episode": episode_distributions(frame), "plots": plots}

@@ -147,6 +147,17 @@ class Calls:
         )
 
 
+def check_window_routes(episodes: pa.Table) -> None:
+    """Refuse a window of episodes whose calls carry routed_experts for some calls and not
+    others (what Calls refuses), naming the episodes: a reader of files calls it to name the
+    files too."""
+    calls = episodes.column("calls").combine_chunks()
+    routed_C = ~_null_mask(calls.flatten().field("routed_experts"))
+    if routed_C.any() and not routed_C.all():
+        n_calls = pc.list_value_length(calls).fill_null(0).to_numpy(zero_copy_only=False)
+        _mixed_routes(episodes.column("episode_id"), segment_ids(n_calls), routed_C)
+
+
 def _mixed_routes(episode_ids, call_row_C, routed_C) -> None:
     """Refuse a window whose calls carry routes for some calls and not others, naming the
     episode that mixes them, or else one episode of each kind (routes are per window: a

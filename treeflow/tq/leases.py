@@ -43,8 +43,12 @@ class Leases:
         self._next_lease = 0
         self._attempts: dict[int, int] = {}
         self._dead: list[tuple[dict, list]] = []
+        # episodes dropped as stale for a consumer by a get that leased nothing (it timed out,
+        # or ended): told with its next lease, or in stats() after END
+        self._untold_stale: dict[str, int] = {}
 
     def _lease(self, consumer, step, groups, *, redelivered, dropped) -> Delivery:
+        dropped += self._untold_stale.pop(consumer, 0)
         lid = self._next_lease
         self._next_lease += 1
         self._leases[lid] = _Lease(step, groups, time.monotonic() + self.lease_seconds, consumer,

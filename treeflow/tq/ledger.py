@@ -307,11 +307,17 @@ class Ledger(Leases):
                     return self._lease(consumer, step, groups, redelivered=False, dropped=dropped)
                 if self._closed and not self._queued and all(
                         own_leases_end and le.consumer == consumer for le in self._leases.values()):
+                    self._untell(consumer, dropped)
                     return END
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._untell(consumer, dropped)
                     return None
                 self._cv.wait(min(left, 0.25))
+
+    def _untell(self, consumer: str, dropped: int) -> None:
+        if dropped:
+            self._untold_stale[consumer] = self._untold_stale.get(consumer, 0) + dropped
 
     def _drop_stale(self, min_version: int) -> int:
         keep, dropped = deque(), 0
@@ -373,7 +379,9 @@ class Ledger(Leases):
 
     def stats(self) -> dict:
         """Counts, room and options; producers_silent_s: seconds since each open producer's
-        last renewal or put (one silent past PRODUCER_SECONDS is presumed dead)."""
+        last renewal or put (one silent past PRODUCER_SECONDS is presumed dead);
+        untold_stale: per consumer, episodes dropped as stale that no lease told it of (a
+        consumer that got END reads its own here)."""
         now = time.monotonic()
         with self._cv:
             s = dict(vars(self._stats))
@@ -385,5 +393,6 @@ class Ledger(Leases):
                      max_attempts=self.max_attempts,
                      producers_open=sorted(n for n, p in self._producers.items() if not p.closed),
                      producers_silent_s={n: round(now - p.deadline + PRODUCER_SECONDS, 1)
-                                         for n, p in self._producers.items() if not p.closed})
+                                         for n, p in self._producers.items() if not p.closed},
+                     untold_stale=dict(self._untold_stale))
             return s

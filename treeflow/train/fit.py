@@ -143,10 +143,13 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     comes from the plan. run: the run fingerprint (train/run.py), saved and checked on
     resume. config: the resolved configuration saved in every checkpoint.
     on_result(rec, row) -> extra fields of the step's metrics row (the lead's results only;
-    called before `seconds` is added). After each checkpoint fit commits the source
-    (`Source.commit(position)`: a queue reader acknowledges the steps the checkpoint holds; an
-    engine that owns its processes: once the driver hears of it, with the next step's result,
-    at the position that checkpoint saved), and once more at the end of a run that finished.
+    called before the timing fields are added: `step_seconds`, this step's wall seconds
+    (from the previous step's row, the first from the start of reading), verl's
+    `perf/time_per_step`; `elapsed_seconds`, wall seconds since fit began reading). After each
+    checkpoint fit commits the source (`Source.commit(position)`: a queue reader acknowledges
+    the steps the checkpoint holds; an engine that owns its processes: once the driver hears of
+    it, with the next step's result, at the position that checkpoint saved), and once more at
+    the end of a run that finished.
     engine: the Engine object to run on (treeflow.engines; None: this process, the local
     engine); one that owns its processes (the Ray engine) builds each rank's Trainer there
     from `trainer_options`.
@@ -156,7 +159,8 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
     of building one from `trainer_options`; `steps` counts its steps too (one that has taken
     them trains nothing: `nothing_to_do`, said on stderr), and its `on_bin` hook is restored.
     Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
-    "steady_seconds_per_step", "wall_seconds", "nothing_to_do", "checkpoint"}.
+    "steady_seconds_per_step", "train_seconds" (wall seconds from the start of reading to
+    the last step), "nothing_to_do", "checkpoint"}.
     """
     from treeflow._display import progress as progress_bar
 
@@ -217,7 +221,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
             trainer.config = config
         done = trainer.steps
     report = {"steps": done, "rows": [], "last": None, "compile_seconds": 0.0, "recompiles": None,
-              "steady_seconds_per_step": None, "wall_seconds": 0.0, "nothing_to_do": False,
+              "steady_seconds_per_step": None, "train_seconds": 0.0, "nothing_to_do": False,
               "checkpoint": trainer.checkpoint_path if trainer is not None else
               (resumed or {}).get("checkpoint")}
     todo = None if steps is None else steps - done
@@ -269,7 +273,10 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                 row = rec.output.to_pylist()[0]
                 if on_result is not None and lead:
                     row.update(on_result(rec, row))
-                row["seconds"] = round(time.perf_counter() - seconds0, 3)
+                elapsed = round(time.perf_counter() - seconds0, 3)
+                row["step_seconds"] = round(elapsed - (rows[-1]["elapsed_seconds"] if rows
+                                                       else 0.0), 3)
+                row["elapsed_seconds"] = elapsed
                 if not rows:
                     first_step_check(row, loss, note)
                 step_size_check(row, episodes_per_step, note, said)
@@ -286,7 +293,7 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
                              and row["step"] % checkpointing.every == 0)):
                     for sink in opened:  # on disk before the checkpoint that holds this step
                         sink.flush(durable=True)
-                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"])
+                advance(1, episodes=row["episodes"], tokens=row["executed_tokens"], metrics=row)
         if op is not None:
             op.close()
             report["steps"] = op.steps
@@ -300,8 +307,9 @@ def fit(pipeline, source, *, steps: int | None, trainer_options: dict | None = N
         for sink in opened:
             sink.close()
     report["last"] = rows[-1] if rows else None
-    report["wall_seconds"] = round(time.perf_counter() - seconds0, 3)
+    report["train_seconds"] = round(time.perf_counter() - seconds0, 3)
     if len(rows) > 1:  # steady state: from the end of the first step to the end of the last
-        report["steady_seconds_per_step"] = (rows[-1]["seconds"] - rows[0]["seconds"]) / \
+        report["steady_seconds_per_step"] = (rows[-1]["elapsed_seconds"] -
+                                             rows[0]["elapsed_seconds"]) / \
             (len(rows) - 1)
     return report

@@ -96,6 +96,9 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, out_dir: str, threads: int, fn, args) -> None:
     import torch
 
+    from treeflow._display import warning_lines
+
+    warning_lines()  # as the CLI that spawned it: library warnings off (QUIET_ENV), one line each
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if threads:

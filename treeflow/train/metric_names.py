@@ -14,8 +14,10 @@ rollout data's fidelity and the run's speed as three panels:
 - rollout/ how the episodes relate to this policy: gen_kl (NeMo RL `train/gen_kl_error`),
            gen_logprob_max_diff, route_agreement, and for a queue the step, staleness
            and version lag of what arrived.
-- perf/    what the step cost: executed tokens, bins, ranks and their seconds, imbalance,
-           wall seconds, context-parallel exchange bytes.
+- perf/    what the step cost: executed tokens, bins, ranks and their compute seconds
+           (rank_seconds_*), imbalance, the step's wall seconds (step_seconds, verl
+           `perf/time_per_step`) and the wall seconds since training began
+           (elapsed_seconds), context-parallel exchange bytes.
 
 `step` stays as it is (every tracker's x axis, the key resume cuts the log back on).
 The rule is only a prefix, so the old name is the part after the slash. The JSON-lines
@@ -36,7 +38,8 @@ _GROUPS = {
                 "route_near_ties", "queue_step",
                 "dropped_stale", "redelivered", "version_lag_mean", "version_lag_max"),
     "perf": ("executed_tokens", "bins", "ranks", "rank_seconds_max", "rank_seconds_mean",
-             "idle_fraction", "time_imbalance", "cost_imbalance", "seconds", "context_parallel",
+             "idle_fraction", "time_imbalance", "cost_imbalance", "step_seconds",
+             "elapsed_seconds", "context_parallel",
              "cp_exchange_bytes", "cp_exchange_bytes_max", "cp_allgather_bytes",
              "cp_cost_imbalance", "save_wait_s"),
 }
