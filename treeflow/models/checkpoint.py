@@ -25,6 +25,7 @@ from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
+from treeflow.models.gdn_config import GdnConfig
 from treeflow.models.gemma3 import Gemma3Decoder
 from treeflow.models.gemma3_config import Gemma3Config
 from treeflow.models.gpt_oss import GptOssDecoder
@@ -33,6 +34,7 @@ from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
 from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp
+from treeflow.models.qwen3_next import Qwen3NextDecoder
 
 __all__ = ["load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -115,10 +117,12 @@ def _empty_decoder(config: ModelConfig) -> Decoder:
 
 
 def _decoder(config: ModelConfig) -> Decoder:
-    """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's or the
-    Mamba-2 hybrid."""
+    """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's, the
+    Mamba-2 hybrid or the Gated DeltaNet hybrid (Qwen3-Next)."""
     if isinstance(config, HybridConfig):
         return HybridDecoder(config)
+    if isinstance(config, GdnConfig):
+        return Qwen3NextDecoder(config)
     if isinstance(config, Gemma3Config):
         return Gemma3Decoder(config)
     if isinstance(config, GptOssConfig):
@@ -178,8 +182,9 @@ def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
     log(1..heads), D = 1 and dt_bias = softplus^-1 of dt in [1e-3, 0.1]."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(getattr(model, "norm_init", 1.0))
+            if name.endswith("norm.weight"):  # Qwen3-Next's gated GDN norm stores w, not 1 + w
+                plain = name.endswith("linear_attn.norm.weight")
+                p.fill_(1.0 if plain else getattr(model, "norm_init", 1.0))
             elif name.endswith(".D"):
                 p.fill_(1.0)
             elif name.endswith(".A_log"):
