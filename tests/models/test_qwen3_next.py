@@ -106,7 +106,8 @@ def _ours64_values(path, eps, weights, *, fork, layout, max_tokens):
         lp = torch.log_softmax(model.project(h[src]), -1).gather(-1, torch.as_tensor(tgt)[:, None])
         occ = torch.as_tensor(b["occ_edge"])
         keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
-        (torch.tensor([weights[k] for k in keys], dtype=torch.float64) * lp[occ, 0]).sum().backward()
+        w = torch.tensor([weights[k] for k in keys], dtype=torch.float64)
+        (w * lp[occ, 0]).sum().backward()
         values.update(zip(keys, lp[occ, 0].tolist()))
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return values, grads, bins.num_rows
@@ -151,6 +152,19 @@ def test_config_reads_qwen3_next_and_refuses_what_it_cannot_honour(pair):
                        ("mtp_num_hidden_layers", 1)]:
         with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM"):
             ModelConfig.from_hf_dict({**d, key: value})
+
+
+def test_cost_model_counts_each_layer_by_its_kind(pair):
+    """CostModel.from_config by hand for the tiny shape (multiply-adds per token): a GDN layer
+    32 x (2 x 16 + 2 x 32 + 2 x 4) + 32 x 32 projections, 4 x 64 conv, 4 heads x (64 x
+    (3 x 8 + 2 x 8) + 3 x 8 x 8) scan = 15616; the gated attention 32 x (2 x 64 + 2 x 32) + 64
+    x 32 = 8192; an MoE block 32 x 4 router + 2 x 3 x 32 x 16 experts + 3 x 32 x 24 shared + 32
+    gate = 5536; the dense MLP 3 x 32 x 48 = 4608. Only the attention layer pays per pair."""
+    from treeflow.stages.shard import CostModel
+
+    cost = CostModel.from_config(load_model(pair[1]).config)
+    assert cost.token == 6 * (3 * 15616 + 8192 + 3 * 5536 + 4608)
+    assert (cost.pair, cost.edge) == (6 * 2 * 64, 8 * 32 * VOCAB)
 
 
 @pytest.mark.parametrize("prompt", [65, 64], ids=["fork-inside-chunk", "fork-on-boundary"])
@@ -218,20 +232,19 @@ def test_random_forks_inside_and_on_chunks_match_transformers(pair, fork):
 
 
 def test_layouts_fragments_and_grpo_groups_match_transformers(pair, monkeypatch):
-    """Two GRPO groups of append-only agent episodes: tree (groups' prompts shared), chain and
-    exact under a 24-token budget (fragments), float64 as above."""
+    """Two GRPO groups of append-only agent episodes: tree (groups' prompts shared) whole and
+    under a 24-token budget (fragments), chain and exact; float64 as above."""
     hf, path = pair
     eps = validate_episodes(pa.Table.from_pylist(moe_rows(np.random.default_rng(3)),
                                                  schema=EPISODE_SCHEMA))
     w = token_weights(eps)
     want, hf_grads = _hf64_values(hf, eps, w, monkeypatch)
-    tokens = {}
-    for layout in ("tree", "chain", "exact"):
+    for layout, budget in (("tree", 4096), ("tree", 24), ("chain", 24), ("exact", 24)):
         vals, grads, bins = _ours64_values(path, eps, w, fork="chunk", layout=layout,
-                                           max_tokens=24)
+                                           max_tokens=budget)
         _check(want, vals, hf_grads, grads, tol=1e-6)
-        tokens[layout] = bins
-    assert tokens["tree"] > 2  # the budget cut the trees into fragments
+        if layout == "tree":  # whole trees (forks after the prompts), or fragments of them
+            assert (bins == 1) == (budget == 4096), bins
 
 
 def test_routing_replay_of_perturbed_routes_matches_forced_transformers(pair):

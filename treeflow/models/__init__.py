@@ -3,8 +3,8 @@ request) and tree-attention kernels.
 
 Names load on first use (treeflow/_lazy.py): `treeflow.models.config` and `.tuning` are
 plain Python and do not import torch. The config families other than the dense/MoE decoder's
-(`hybrid_config`, `gdn_config`, `gemma3_config`, `gpt_oss_config`, plain Python too) are imported here,
-whatever is asked for, because that is where they register with `ModelConfig.from_hf_dict`
+(`hybrid_config`, `gdn_config`, `gemma3_config`, `gpt_oss_config`, plain Python too) are
+imported here, whatever is asked for, because that is where they register with `ModelConfig.from_hf_dict`
 (config.py imports none of them).
 """
 

@@ -72,8 +72,8 @@ ROWS = (
     Row(what="Mamba-2 hybrid x backend megatron", needs_model=True,
         applies=lambda f, c: _recurrent(c) and f.backend == "megatron",
         message=lambda f, c: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
-                              "DeltaNet) layers and the megatron backend runs attention decoders only: use --backend "
-                              "reference")),
+                              "DeltaNet) layers and the megatron backend runs attention "
+                              "decoders only: use --backend reference")),
     Row(what="Mamba-2 hybrid x tuning compile_layers or recompute", needs_model=True,
         applies=lambda f, c: _recurrent(c) and (f.tuning.compile_layers
                                                 or f.tuning.recompute != "none"),
