@@ -41,10 +41,10 @@ def test_declarations_cover_exactly_what_the_configs_read():
 
 def test_an_unsupported_family_is_one_line_naming_it_and_what_is_supported():
     with pytest.raises(ValueError) as e:
-        ModelConfig.from_hf_dict({"architectures": ["Qwen3_5ForCausalLM"]})
+        ModelConfig.from_hf_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("model family Qwen3_5ForCausalLM (Qwen3.5 (Gated DeltaNet")
+    assert msg.startswith("model family Qwen3_5ForConditionalGeneration (Qwen3.5 vision-language")
     assert all(f"{f.name} ({f.architectures[0]})" in msg for f in families.FAMILIES)
     with pytest.raises(ValueError, match=r"model family 'FalconForCausalLM' is not supported; "
                                          r"treeflow reads Llama \(LlamaForCausalLM\)"):

@@ -69,9 +69,10 @@ def _delta_rule64(query, key, value, g, beta, initial_state=None, output_final_s
 def _hf64_values(hf, eps, weights, monkeypatch):
     """hybrid_helpers.hf_values in float64 end to end (its log-softmax too, its delta rule the
     float64 recurrence above), experts eager."""
-    from transformers.models.qwen3_next import modeling_qwen3_next
+    import sys
 
-    monkeypatch.setattr(modeling_qwen3_next, "torch_chunk_gated_delta_rule", _delta_rule64)
+    modeling = sys.modules[type(hf).__module__]  # the family's own modeling module
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", _delta_rule64)
     model = copy.deepcopy(hf).double()
     model.set_experts_implementation("eager")  # grouped_mm has no float64
     values = {}

@@ -127,9 +127,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next's `linear_attn`: parameter names and shapes are transformers' (in_proj_qkvz
-    and in_proj_ba grouped per key head, conv1d over q | k | v, dt_bias, A_log, norm,
-    out_proj), so state dicts load 1:1."""
+    """Qwen3-Next's / Qwen3.5's `linear_attn`: parameter names and shapes are transformers'
+    (Qwen3-Next: in_proj_qkvz and in_proj_ba grouped per key head; Qwen3.5: in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a; conv1d over q | k | v, dt_bias, A_log, norm, out_proj),
+    so state dicts load 1:1."""
 
     def __init__(self, c: GdnConfig) -> None:
         super().__init__()
@@ -138,8 +139,16 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = c.key_dim, c.value_dim
         self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.conv_kernel, groups=c.conv_dim,
                                 padding=c.conv_kernel - 1, bias=False)
-        self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * c.key_dim + 2 * c.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.vh, bias=False)
+        self.split = c.split_projections
+        if self.split:  # Qwen3.5
+            self.in_proj_qkv = nn.Linear(c.hidden_size, c.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(c.hidden_size, self.vh, bias=False)
+            self.in_proj_a = nn.Linear(c.hidden_size, self.vh, bias=False)
+        else:  # Qwen3-Next
+            self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * c.key_dim + 2 * c.value_dim,
+                                          bias=False)
+            self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.vh, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.vh))
         self.A_log = nn.Parameter(torch.zeros(self.vh))
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
@@ -153,11 +162,14 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"Gated DeltaNet layers run the torch scan; --ssm-kernel "
                              f"{plan.kernel} is a Mamba-2 kernel: use --ssm-kernel torch/auto")
         n, r = x_NH.shape[0], self.vh // self.kh
-        # per key head: q (dk), k (dk), v (r x dv), z (r x dv); b (r), a (r)
-        qkvz = self.in_proj_qkvz(x_NH).view(n, self.kh, -1)
-        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
-        b, a = self.in_proj_ba(x_NH).view(n, self.kh, 2 * r).split([r, r], -1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1)
+        if self.split:
+            mixed = self.in_proj_qkv(x_NH)
+            z, b, a = self.in_proj_z(x_NH), self.in_proj_b(x_NH), self.in_proj_a(x_NH)
+        else:  # per key head: q (dk), k (dk), v (r x dv), z (r x dv); b (r), a (r)
+            qkvz = self.in_proj_qkvz(x_NH).view(n, self.kh, -1)
+            q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
+            b, a = self.in_proj_ba(x_NH).view(n, self.kh, 2 * r).split([r, r], -1)
+            mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1)
         mixed = tree_conv(mixed, self.conv1d.weight, None, plan)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
         beta_Nh = b.reshape(n, self.vh).sigmoid()

@@ -1,4 +1,4 @@
-"""Shape of a Gated DeltaNet hybrid decoder (Qwen3-Next), from a `config.json`.
+"""Shape of a Gated DeltaNet hybrid decoder (Qwen3-Next, Qwen3.5), from a `config.json`.
 
 `GdnConfig` is a `ModelConfig` (so the cost model, the trainer and the backend
 protocol read the attention/MLP fields they already know) plus the layer
@@ -19,9 +19,12 @@ the same tree segment plan as the Mamba-2 hybrids (ssm_tree.py), with
 in (a chunk fork then reproduces their chunk partition; any chunk size gives
 the same values in exact arithmetic).
 
-Qwen3.5 (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM) has the same layer kinds
-but splits the mixer's input projection (in_proj_qkv / z / b / a) and reads
-multimodal RoPE sections: it stays in families.NOT_YET until it is modelled.
+Qwen3.5's text models (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) have the same
+layer kinds; their mixer projects q | k | v, z, b and a apart (`split_projections`)
+rather than grouped per key head, and Qwen3.5-MoE has experts in every layer, top-k
+always renormalised. Their multimodal RoPE sections (`mrope_section`) rotate every
+section by the same text position, which is plain RoPE: text positions are all a
+tree gives. The vision-language classes (Qwen3_5ForConditionalGeneration) are not read.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from treeflow.models.moe_config import MoeConfig, refuse_dropping
 
 __all__ = ["GDN_ARCHITECTURES", "GDN_CHUNK", "GdnConfig"]
 
-GDN_ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next"}
+GDN_ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule and FLA's chunk
 _TYPES = {"linear_attention": "gdn", "full_attention": "attention"}
 
@@ -54,6 +58,7 @@ class GdnConfig(ModelConfig):
     conv_kernel: int = 4
     chunk_size: int = GDN_CHUNK
     partial_rotary_factor: float = 1.0
+    split_projections: bool = False  # Qwen3.5: in_proj_qkv / z / b / a, not qkvz / ba
 
     def __post_init__(self) -> None:
         if self.architecture not in GDN_ARCHITECTURES:
@@ -73,6 +78,9 @@ class GdnConfig(ModelConfig):
         for i, t in enumerate(self.layer_types):
             if t not in ("gdn", "attention"):
                 raise ValueError(f"{arch} layer {i} has type {t!r}; use 'gdn' or 'attention'")
+        if self.split_projections != arch.startswith("Qwen3_5"):
+            raise ValueError(f"{arch}: split_projections={self.split_projections} belongs to "
+                             "Qwen3.5 (in_proj_qkv / z / b / a) and to no other")
         if moe is not None and moe.family != "qwen2_moe":
             raise ValueError(f"{arch}: moe.family {moe.family!r}; its block is 'qwen2_moe'")
         require_positive(self, ("linear_num_key_heads", "linear_num_value_heads",
@@ -145,7 +153,8 @@ class GdnConfig(ModelConfig):
             conv_kernel=d.get("linear_conv_kernel_dim", 4),
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  d.get("partial_rotary_factor", 0.25))),
-            moe=_moe(d, arch, layers), hf_extras=dict(d))
+            split_projections=arch.startswith("Qwen3_5"), moe=_moe(d, arch, layers),
+            hf_extras=dict(d))
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         """The checkpoint's own config.json keys (kept in hf_extras), with the dtype updated."""
@@ -185,7 +194,10 @@ def _refuse(arch: str, d: Mapping[str, Any]) -> None:
 
 def _moe(d: Mapping[str, Any], arch: str, layers: int) -> MoeConfig | None:
     """Qwen3-Next's sparse layers (as transformers picks them: not in mlp_only_layers, every
-    decoder_sparse_step-th, when num_experts > 0), or None when there are none."""
+    decoder_sparse_step-th, when num_experts > 0; Qwen3.5-MoE: every layer, top-k
+    renormalised), or None when there are none (Qwen3.5 dense: its config has no experts)."""
+    if arch == "Qwen3_5ForCausalLM":
+        return None  # transformers' dense Qwen3.5 reads no expert keys
     experts = int(d.get("num_experts") or 0)
     step = int(d.get("decoder_sparse_step", 1) or 1)
     only = tuple(sorted(int(i) for i in (d.get("mlp_only_layers") or ())))
@@ -197,7 +209,8 @@ def _moe(d: Mapping[str, Any], arch: str, layers: int) -> MoeConfig | None:
     return MoeConfig(family="qwen2_moe", num_experts=experts,
                      top_k=d.get("num_experts_per_tok", 10),
                      moe_intermediate_size=d["moe_intermediate_size"], moe_layers=moe_layers,
-                     norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                     norm_topk_prob=(arch == "Qwen3_5MoeForCausalLM"
+                                     or bool(d.get("norm_topk_prob", True))),
                      shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"]),
                      decoder_sparse_step=step, mlp_only_layers=only,
                      router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),

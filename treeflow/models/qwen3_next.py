@@ -1,4 +1,5 @@
-"""Qwen3-Next over one tree bin: Gated DeltaNet layers (gdn.py) between gated full attention.
+"""Qwen3-Next and Qwen3.5 over one tree bin: Gated DeltaNet layers (gdn.py) between gated
+full attention.
 
 Parameter names are transformers' (`model.layers.i.linear_attn.*`, `self_attn.*`, `mlp.*`),
 so a checkpoint loads and saves 1:1. Every layer: (1 + w) RMSNorm in float32, its mixer,
@@ -98,7 +99,7 @@ class _Body(nn.Module):
 
 
 class Qwen3NextDecoder(Decoder):
-    """Qwen3-Next: `forward` -> final-normed hidden states, `project` -> logits."""
+    """Qwen3-Next / Qwen3.5: `forward` -> final-normed hidden states, `project` -> logits."""
 
     norm_init = 0.0  # its (1 + w) norms store w = 0 for a unit norm (checkpoint.py)
 
