@@ -80,19 +80,13 @@ def _level(lv, q, k, v, g, beta, prev, state_dtype):
     qd_KhCd = q_KhCd * cum_KhC.exp()[..., None]
     kd_KhCd = k_KhCd * (cum_KhC[..., -1:] - cum_KhC).exp()[..., None]
     last_Kh = cum_KhC[..., -1].exp()[..., None, None]
-    # segments longest first: those still running at chunk position z are a prefix
-    first, chunks, row0 = lv.seg.unbind(1)
-    order = torch.argsort(chunks, descending=True, stable=True)
-    first, chunks, row0 = first[order], chunks[order], row0[order]
-    S, h, d, e = len(order), q.shape[1], q.shape[2], v.shape[2]
+    first, row0, children, running = _steps(lv)
+    S, h, d, e = len(first), q.shape[1], q.shape[2], v.shape[2]
     state = q.new_zeros(S, h, d, e)
     if lv.has_init:  # children start from their parents' states (previous level's table)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(S, device=order.device)
-        state = state.index_put((rank[lv.init_local],), prev[lv.init_from].to(q.dtype))
+        state = state.index_put((children,), prev[lv.init_from].to(q.dtype))
     rows, states, outs, ids = [row0], [state], [], []
-    counts = torch.bincount(chunks, minlength=int(chunks.max()) + 1).flip(0).cumsum(0).flip(0)
-    for z, m in enumerate(counts.tolist()[1:]):  # m segments have more than z chunks
+    for z, m in enumerate(running):  # m segments have more than z chunks
         c = first[:m] + z
         s = state[:m]
         vn = u_KhCe[c] - w_KhCd[c] @ s
@@ -108,6 +102,23 @@ def _level(lv, q, k, v, g, beta, prev, state_dtype):
     y_KhCe = torch.zeros(K, h, C, e, dtype=q.dtype, device=q.device).index_put(
         (torch.cat(ids),), torch.cat(outs))
     return y_KhCe.transpose(1, 2).reshape(K * C, h, e)[lv.out_slots], table
+
+
+def _steps(lv):
+    """A level's segments longest first (those still running at chunk position z are then a
+    prefix): their first chunks and state rows, the sorted positions of the segments with a
+    parent, and how many run at each chunk position. Computed once per level and kept on it,
+    so the host reads the counts once per bin, not once per GDN layer."""
+    steps = getattr(lv, "gdn_steps", None)
+    if steps is None:
+        first, chunks, row0 = lv.seg.unbind(1)
+        order = torch.argsort(chunks, descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order), device=order.device)
+        counts = torch.bincount(chunks, minlength=int(chunks.max()) + 1).flip(0).cumsum(0)
+        steps = lv.gdn_steps = (first[order], row0[order], rank[lv.init_local],
+                                counts.flip(0).tolist()[1:])
+    return steps
 
 
 class GatedRMSNorm(nn.Module):
