@@ -8,14 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import torch
-from models_helpers import hf_call_logprobs, path_to, run_path, tree_tensors
+from models_helpers import hf_call_logprobs, path_to, tree_tensors
 
 from tests.models.families_helpers import VOCAB, transformers
 from tests.models.moe_helpers import hf_occurrence_logprobs, occurrence_logprobs
-from treeflow.models import AttentionPlan, load_model, save_model
+from treeflow.models import AttentionPlan, ReferenceBackend, load_model, save_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Pack
 from treeflow.stages.fragment import fragment
+from treeflow.tree import subtree_end
 
 LAYOUTS = ("tree", "chain", "exact")
 
@@ -113,8 +114,11 @@ def check_training(hf, path, rows, tmp_path, *, kernel: str,
     assert type(back).__name__ == type(hf).__name__
     seq = rows[0]["calls"][-1]["token_ids"]
     with torch.no_grad():
-        mine = torch.log_softmax(ours.project(run_path(ours, np.asarray(seq),
-                                                       list(range(len(seq))))), -1)
+        n = len(seq)  # the backend's plan: a recurrent family's carries its segments
+        plan = ReferenceBackend(ours).attention_plan(np.arange(-1, n - 1), subtree_end(
+            np.arange(n)), kernel="causal")
+        mine = torch.log_softmax(ours.project(ours(torch.as_tensor(seq), torch.arange(n),
+                                                   plan)), -1)
         theirs = torch.log_softmax(back(torch.as_tensor([seq])).logits[0], -1)
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
 

@@ -79,7 +79,9 @@ def router_modules(model) -> list:
 
 
 def _normalises(model) -> bool:
-    return model.config.model_type == "mixtral" or bool(model.config.norm_topk_prob)
+    # Qwen3.5-MoE's config has no norm_topk_prob: its router always renormalises
+    return model.config.model_type == "mixtral" or bool(getattr(model.config, "norm_topk_prob",
+                                                                True))
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import pytest
 from treeflow.models import families
 from treeflow.models.config import ARCHITECTURES, ModelConfig
 from treeflow.models.deepseek_config import DEEPSEEK_ARCHITECTURES
+from treeflow.models.gdn_config import GDN_ARCHITECTURES
 from treeflow.models.gemma3_config import GEMMA3_ARCHITECTURES
 from treeflow.models.gpt_oss_config import GPT_OSS_ARCHITECTURES
 from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
@@ -35,16 +36,17 @@ def test_declarations_cover_exactly_what_the_configs_read():
     declared = [a for f in families.FAMILIES for a in f.architectures]
     assert len(declared) == len(set(declared))
     assert set(declared) == set(ARCHITECTURES) | set(HYBRID_ARCHITECTURES) | set(
-        GEMMA3_ARCHITECTURES) | set(GPT_OSS_ARCHITECTURES) | set(DEEPSEEK_ARCHITECTURES)
+        GEMMA3_ARCHITECTURES) | set(GPT_OSS_ARCHITECTURES) | set(DEEPSEEK_ARCHITECTURES) | set(
+            GDN_ARCHITECTURES)
     assert not set(families.NOT_YET) & set(declared)
 
 
 def test_an_unsupported_family_is_one_line_naming_it_and_what_is_supported():
     with pytest.raises(ValueError) as e:
-        ModelConfig.from_hf_dict({"architectures": ["Qwen3NextForCausalLM"]})
+        ModelConfig.from_hf_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("model family Qwen3NextForCausalLM (Qwen3-Next (Gated DeltaNet")
+    assert msg.startswith("model family Qwen3_5ForConditionalGeneration (Qwen3.5 vision-language")
     assert all(f"{f.name} ({f.architectures[0]})" in msg for f in families.FAMILIES)
     with pytest.raises(ValueError, match=r"model family 'FalconForCausalLM' is not supported; "
                                          r"treeflow reads Llama \(LlamaForCausalLM\)"):

@@ -286,9 +286,17 @@ def _file_case(kind):
         if kind == "model-family-not-yet":  # a family the field trains, not read yet
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
-                {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
+                {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
-                ["config.json", "Qwen3-Next", "is not supported", "Qwen3 (Qwen3ForCausalLM)"]
+                ["config.json", "Qwen3.5 vision-language", "is not supported",
+                 "Qwen3 (Qwen3ForCausalLM)"]
+        if kind == "gdn-cp":  # Gated DeltaNet layers under context parallelism (support.py)
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
+                    "--context-parallel", "2"], ["Gated DeltaNet", "--context-parallel 2"]
         if kind == "model-gpt-oss-mxfp4":  # the released gpt-oss checkpoints' MXFP4 experts
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -556,8 +564,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "plan-rank-out-of-range",
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
          "model-mtp", "model-hybrid-moe", "hybrid-cp-heads", "gate-hybrid-cp-heads",
-         "model-mtp", "model-hybrid-moe", "model-family-not-yet", "model-gemma3-softcap",
-         "model-gpt-oss-mxfp4", "model-deepseek-fp8",
+         "model-mtp", "model-hybrid-moe", "model-family-not-yet", "gdn-cp",
+         "model-gemma3-softcap", "model-gpt-oss-mxfp4", "model-deepseek-fp8",
          "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
          "metrics-exists", "resume-missing", "resume-not-checkpoint", "resume-unverifiable",

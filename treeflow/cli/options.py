@@ -60,12 +60,14 @@ def model_options(p) -> None:
                         "them; auto = replay when the episodes carry routes and the model has "
                         "experts")
     s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
-                   help="Mamba-2 hybrids: fork a branch's recurrent state at the branch token "
+                   help="Mamba-2 and Gated DeltaNet hybrids: fork a branch's recurrent state at "
+                        "the branch token "
                         "(exact) or at the last scan-chunk boundary, replaying the tail (chunk); "
                         "default: chunk")
     s.add_argument("--ssm-state-dtype", choices=("float32", "bfloat16"), default=None,
                    help="Mamba-2 hybrids: dtype of the materialised inter-chunk states in "
-                        "forward and backward (default float32), whatever --dtype is")
+                        "forward and backward (default float32), whatever --dtype is; Gated "
+                        "DeltaNet: of the states handed to branches")
     s.add_argument("--ssm-kernel", choices=("auto", "torch", "triton"), default=None,
                    help="Mamba-2 hybrids: the tree scan's implementation: torch (the reference) "
                         "or triton (fused kernels, CUDA; pip install 'treeflow[triton]'); "

@@ -3,13 +3,15 @@ request) and tree-attention kernels.
 
 Names load on first use (treeflow/_lazy.py): `treeflow.models.config` and `.tuning` are
 plain Python and do not import torch. The config families other than the dense/MoE decoder's
-(`hybrid_config`, `gemma3_config`, `gpt_oss_config`, `deepseek_config`, plain Python too) are imported here,
-whatever is asked for, because that is where they register with `ModelConfig.from_hf_dict`
+(`hybrid_config`, `gdn_config`, `gemma3_config`, `gpt_oss_config`, `deepseek_config`, plain
+Python too) are imported here, whatever is asked for, because that is where they register with
+`ModelConfig.from_hf_dict`
 (config.py imports none of them).
 """
 
 from treeflow._lazy import lazy_exports
 from treeflow.models import deepseek_config as _deepseek_config  # noqa: F401 (registers its family)
+from treeflow.models import gdn_config as _gdn_config  # noqa: F401 (registers its family)
 from treeflow.models import gemma3_config as _gemma3_config  # noqa: F401 (registers its family)
 from treeflow.models import gpt_oss_config as _gpt_oss_config  # noqa: F401 (registers its family)
 from treeflow.models import hybrid_config as _hybrid_config  # noqa: F401 (registers its family)

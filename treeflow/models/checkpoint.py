@@ -27,6 +27,7 @@ from treeflow.models.config import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.deepseek import DeepseekDecoder
 from treeflow.models.deepseek_config import DeepseekConfig
+from treeflow.models.gdn_config import GdnConfig
 from treeflow.models.gemma3 import Gemma3Decoder
 from treeflow.models.gemma3_config import Gemma3Config
 from treeflow.models.gpt_oss import GptOssDecoder
@@ -35,6 +36,7 @@ from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
 from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
+from treeflow.models.qwen3_next import Qwen3NextDecoder
 
 __all__ = ["empty_decoder", "load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -119,9 +121,11 @@ def empty_decoder(config: ModelConfig) -> Decoder:
 
 def _decoder(config: ModelConfig) -> Decoder:
     """The reference module for `config`: the attention decoder, Gemma 3's, gpt-oss's,
-    DeepSeek-V3 / GLM-4.5's or the Mamba-2 hybrid."""
+    DeepSeek-V3 / GLM-4.5's, the Mamba-2 hybrid or the Gated DeltaNet hybrid (Qwen3-Next)."""
     if isinstance(config, HybridConfig):
         return HybridDecoder(config)
+    if isinstance(config, GdnConfig):
+        return Qwen3NextDecoder(config)
     if isinstance(config, Gemma3Config):
         return Gemma3Decoder(config)
     if isinstance(config, GptOssConfig):
@@ -183,8 +187,9 @@ def _seeded_init(model: Decoder, generator: torch.Generator) -> None:
     log(1..heads), D = 1 and dt_bias = softplus^-1 of dt in [1e-3, 0.1]."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(getattr(model, "norm_init", 1.0))
+            if name.endswith("norm.weight"):  # Qwen3-Next's gated GDN norm stores w, not 1 + w
+                plain = name.endswith("linear_attn.norm.weight")
+                p.fill_(1.0 if plain else getattr(model, "norm_init", 1.0))
             elif name.endswith(".D"):
                 p.fill_(1.0)
             elif name.endswith(".A_log"):

@@ -80,13 +80,22 @@ FAMILIES = (
     Family(name="GraniteMoeHybrid", architectures=("GraniteMoeHybridForCausalLM",),
            experts=True, moe_replay=True, recompute=False, megatron=False,
            note="Mamba-2 tree state forks; Granite 4.0-H"),
+    Family(name="Qwen3-Next", architectures=("Qwen3NextForCausalLM",), experts=True,
+           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           note="Gated DeltaNet tree state forks (as Mamba-2's), gated attention, MoE with a "
+                "shared expert; MTP refused"),
+    Family(name="Qwen3.5", architectures=("Qwen3_5ForCausalLM",), context_parallel=False,
+           recompute=False, megatron=False,
+           note="text model; Gated DeltaNet tree state forks, gated attention; MTP refused"),
+    Family(name="Qwen3.5-MoE", architectures=("Qwen3_5MoeForCausalLM",), experts=True,
+           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           note="text model; as Qwen3.5, experts in every layer with a shared expert"),
 )
 
 # families read by nothing yet: {HF class: family name}
 NOT_YET = {
-    "Qwen3NextForCausalLM": "Qwen3-Next (Gated DeltaNet hybrid)",
-    "Qwen3_5ForCausalLM": "Qwen3.5 (Gated DeltaNet hybrid)",
-    "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (Gated DeltaNet hybrid)",
+    "Qwen3_5ForConditionalGeneration": "Qwen3.5 vision-language (its text model, "
+                                       "Qwen3_5ForCausalLM, is read)",
     "Gemma3ForConditionalGeneration": "Gemma 3 vision-language (its text model, "
                                       "Gemma3ForCausalLM, is read)",
 }

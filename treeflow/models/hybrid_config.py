@@ -48,11 +48,13 @@ HYBRID_ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "BambaForCausalLM"
 
 
 def is_hybrid_dir(model) -> bool:
-    """Whether a model directory's config.json names a Mamba-2 hybrid (False for `tiny`, for a
-    directory without a readable config: Forward reports on that itself)."""
+    """Whether a model directory's config.json names a recurrent hybrid: Mamba-2 or Gated
+    DeltaNet (False for `tiny`, for a directory without a readable config: Forward reports on
+    that itself)."""
     import os
 
     from treeflow._json import load as load_json
+    from treeflow.models.gdn_config import GDN_ARCHITECTURES
 
     try:
         d = load_json(os.path.join(os.fspath(model), "config.json"))
@@ -61,8 +63,8 @@ def is_hybrid_dir(model) -> bool:
     if not isinstance(d, dict):
         return False
     archs = [a for a in d.get("architectures") or [] if isinstance(a, str)]
-    return (any(a in HYBRID_ARCHITECTURES for a in archs)
-            or d.get("model_type") in HYBRID_ARCHITECTURES.values())
+    known = {**HYBRID_ARCHITECTURES, **GDN_ARCHITECTURES}
+    return any(a in known for a in archs) or d.get("model_type") in known.values()
 MIXERS = ("mamba", "attention", "mlp", "moe")
 _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
                    "full_attention": "attention", "attention": "attention", "*": "attention",

@@ -312,10 +312,11 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 def _grouped_ok(xs_RH, gate_up_XIH, down_XHI) -> bool:
-    """torch._grouped_mm serves this call: present, 16-byte aligned rows, one dtype, and on
+    """torch._grouped_mm serves this call: present, 16-byte aligned rows, one dtype (not
+    float64, which it refuses: float64 reference runs take the padded bmm), and on
     CUDA bf16 (its CUDA kernels are bf16; float32 on CUDA takes the padded bmm)."""
     return (hasattr(torch, "_grouped_mm") and _aligned(xs_RH, gate_up_XIH, down_XHI)
-            and xs_RH.dtype == gate_up_XIH.dtype == down_XHI.dtype
+            and xs_RH.dtype == gate_up_XIH.dtype == down_XHI.dtype != torch.float64
             and (xs_RH.device.type != "cuda" or xs_RH.dtype == torch.bfloat16))
 
 

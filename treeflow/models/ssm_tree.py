@@ -277,15 +277,17 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
 
 def tree_conv(xbc_NC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               plan: SegmentPlan) -> torch.Tensor:
-    """SiLU(causal depthwise conv) along each token's path, in float32, cast back."""
+    """SiLU(causal depthwise conv) along each token's path, in float32 (float64 for float64
+    inputs), cast back."""
     k = weight.shape[-1]
+    work = torch.float64 if xbc_NC.dtype == torch.float64 else torch.float32
     with torch.autocast(xbc_NC.device.type, enabled=False):
-        pad = torch.cat([xbc_NC.float(), xbc_NC.new_zeros(1, xbc_NC.shape[1], dtype=torch.float32)])
+        pad = torch.cat([xbc_NC.to(work), xbc_NC.new_zeros(1, xbc_NC.shape[1], dtype=work)])
         window_kNC = pad[plan.conv_index]  # m-th ancestor's input at row m
-        w_Ck = weight.reshape(weight.shape[0], k).float().flip(-1)  # column m weighs ancestor m
+        w_Ck = weight.reshape(weight.shape[0], k).to(work).flip(-1)  # column m: ancestor m
         out = torch.einsum("mnc,cm->nc", window_kNC, w_Ck)
         if bias is not None:
-            out = out + bias.float()
+            out = out + bias.to(work)
         return F.silu(out).to(xbc_NC.dtype)
 
 

@@ -49,6 +49,10 @@ def _recurrent(c) -> bool:
     return bool(getattr(c, "recurrent", False))
 
 
+def _gdn(c) -> bool:
+    return "gdn" in (getattr(c, "layer_types", None) or ())
+
+
 ROWS = (
     Row(what="context parallelism x a backend other than reference", needs_model=False,
         applies=lambda f, c: _cp(f) > 1 and f.backend != "reference",
@@ -67,9 +71,9 @@ ROWS = (
                               f"{_cp_kernels()}")),
     Row(what="Mamba-2 hybrid x backend megatron", needs_model=True,
         applies=lambda f, c: _recurrent(c) and f.backend == "megatron",
-        message=lambda f, c: (f"{f.model}: {c.architecture} has Mamba-2 layers and the "
-                              "megatron backend runs attention decoders only: use --backend "
-                              "reference")),
+        message=lambda f, c: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
+                              "DeltaNet) layers and the megatron backend runs attention "
+                              "decoders only: use --backend reference")),
     Row(what="Mamba-2 hybrid x tuning compile_layers or recompute", needs_model=True,
         applies=lambda f, c: _recurrent(c) and (f.tuning.compile_layers
                                                 or f.tuning.recompute != "none"),
@@ -77,8 +81,13 @@ ROWS = (
                               f"for the hybrid {c.architecture}; leave them off (got "
                               f"compile_layers={f.tuning.compile_layers}, recompute="
                               f"{f.tuning.recompute!r})")),
+    Row(what="Gated DeltaNet hybrid x context parallelism", needs_model=True,
+        applies=lambda f, c: _gdn(c) and _cp(f) > 1,
+        message=lambda f, c: (f"{f.model}: {c.architecture} has Gated DeltaNet layers, which "
+                              f"do not run under context parallelism yet (--context-parallel "
+                              f"{_cp(f)}): use --context-parallel 1")),
     Row(what="Mamba-2 hybrid x context parallelism above its Mamba heads", needs_model=True,
-        applies=lambda f, c: _recurrent(c) and _cp(f) > c.mamba_num_heads,
+        applies=lambda f, c: _recurrent(c) and not _gdn(c) and _cp(f) > c.mamba_num_heads,
         message=lambda f, c: (f"{f.model}: --context-parallel {_cp(f)} splits each Mamba-2 "
                               f"layer's heads over the ranks, and {c.architecture} has "
                               f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "

@@ -81,7 +81,7 @@ class CostModel:
         (C x heads x (state + head dim) for the intra-chunk products, 2 x heads x head dim x
         state for the chunk states and their outputs, per token); an MoE block its router,
         top_k active experts and shared expert (`_moe_macs`); only attention layers pay per
-        pair."""
+        pair. Gated DeltaNet hybrids (models/gdn_config.py): `_gdn`."""
         windows = getattr(c, "windows", None)  # Gemma 3, gpt-oss: a window per layer or None
         if windows is not None:
             base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
@@ -118,6 +118,8 @@ class CostModel:
                                   intermediate=c.intermediate_size, heads=c.num_attention_heads,
                                   kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
                                   head_dim=c.head_dim, training=training, block=block)
+        if hasattr(c, "linear_num_value_heads"):  # Gated DeltaNet hybrid (Qwen3-Next)
+            return cls._gdn(c, training=training, block=block)
         h, q = c.hidden_size, c.num_attention_heads * c.head_dim
         kv = c.num_key_value_heads * c.head_dim
         heads, p, n = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
@@ -131,6 +133,27 @@ class CostModel:
             per_token += (per_kind["moe"] + 3 * h * c.shared_intermediate_size) * len(c.layer_types)
         elif c.mlp_act == "swiglu":  # Bamba: every layer's mixer is followed by an MLP
             per_token += mlp * len(c.layer_types)
+        mult = 6.0 if training else 2.0
+        return cls(token=mult * per_token, pair=mult * c.attention_layers * 2 * q,
+                   edge=(8.0 if training else 2.0) * h * c.vocab_size, block=block)
+
+    @classmethod
+    def _gdn(cls, c, *, training: bool, block: int) -> "CostModel":
+        """A Gated DeltaNet hybrid, layer by kind. A GDN layer is linear in tokens: its
+        projections (qkvz, ba, out), the depthwise conv, and per value head the chunked delta
+        rule: C x (3 key dims + 2 value dims) for the intra-chunk products and the triangular
+        solves, 3 key x value dims for the state reads and update. A full attention layer
+        projects q twice (its output gate); each layer's MLP is dense or an MoE block."""
+        h, q = c.hidden_size, c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        dk, dv, vh = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_value_heads
+        gdn = (h * (2 * c.key_dim + 2 * c.value_dim + 2 * vh) + c.value_dim * h
+               + c.conv_kernel * c.conv_dim + vh * (c.chunk_size * (3 * dk + 2 * dv) + 3 * dk * dv))
+        attention = h * (2 * q + 2 * kv) + q * h
+        moe_layers = set(c.moe.moe_layers) if c.moe is not None else set()
+        per_token = sum((gdn if t == "gdn" else attention)
+                        + (_moe_macs(c) if i in moe_layers else 3 * h * c.intermediate_size)
+                        for i, t in enumerate(c.layer_types))
         mult = 6.0 if training else 2.0
         return cls(token=mult * per_token, pair=mult * c.attention_layers * 2 * q,
                    edge=(8.0 if training else 2.0) * h * c.vocab_size, block=block)
