@@ -35,12 +35,15 @@ Hugging Face's choice (logits in the model's dtype, softmax in float32). The two
 are the same computation in float32. Combine weights are cast to the compute
 dtype either way, as Hugging Face casts them to its logits' dtype.
 
-Expert compute is one sort by expert and two grouped matmuls
-(`torch._grouped_mm`: CUDA in bf16, CPU in any dtype, rows 16-byte aligned),
-else a padded batched matmul over experts ([X, max rows per expert, H]) --
-never a loop over tokens or experts. The trade-off of the padded path is
-memory proportional to the busiest expert times the number of experts; it
-serves only odd tiny shapes.
+Expert compute is one sort by expert (`dispatch`: order, inverse and counts on the device),
+two grouped matmuls (`torch._grouped_mm`: CUDA in bf16, CPU in 16/32-bit floats, rows
+16-byte aligned, offsets from the device counts) and one gather back to token order summed
+over the top-k (`combine`); nothing reads a device value on the host, forward or backward
+(tests/models/test_moe_host_sync.py), so a layer never makes CUDA wait.
+Else a padded batched matmul over experts ([X, max rows per expert, H]) -- never a
+loop over tokens or experts. The trade-offs of the padded path: memory proportional
+to the busiest expert times the number of experts, and one host read of that count
+per layer; it serves float32 on CUDA, float64 and odd tiny shapes.
 
 Legend: N tokens, H hidden, I expert intermediate, X experts, K top-k,
 R = N*K routed rows, W route width.
@@ -299,10 +302,13 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 def _grouped_ok(xs_RH, gate_up_XIH, down_XHI) -> bool:
     """torch._grouped_mm serves this call: present, 16-byte aligned rows, one dtype, and on
-    CUDA bf16 (its CUDA kernels are bf16; float32 on CUDA takes the padded bmm)."""
+    CUDA bf16 (its CUDA kernels are bf16; float32 on CUDA takes the padded bmm), on CPU a
+    16- or 32-bit float (it refuses float64, which takes the padded bmm)."""
+    dtype = xs_RH.dtype
     return (hasattr(torch, "_grouped_mm") and _aligned(xs_RH, gate_up_XIH, down_XHI)
-            and xs_RH.dtype == gate_up_XIH.dtype == down_XHI.dtype
-            and (xs_RH.device.type != "cuda" or xs_RH.dtype == torch.bfloat16))
+            and dtype == gate_up_XIH.dtype == down_XHI.dtype
+            and (dtype == torch.bfloat16 if xs_RH.device.type == "cuda"
+                 else dtype in (torch.float32, torch.bfloat16, torch.float16)))
 
 
 def _act(h_RI: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -313,17 +319,42 @@ def _act(h_RI: torch.Tensor, gated: bool) -> torch.Tensor:
     return F.silu(g_RI) * u_RI
 
 
-def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True) -> torch.Tensor:
-    """sum_k w[n,k] * expert_{idx[n,k]}(x[n]), grouped by expert; SwiGLU experts
-    (gate_up [X, 2I, H]) or, gated=False, relu^2 experts (up [X, I, H])."""
-    n, k = idx_NK.shape
-    experts = gate_up_XIH.shape[0]
+def dispatch(idx_NK: torch.Tensor, experts: int):
+    """(order_R, inverse_R, counts_X) of the R = N*K routed rows (row n*K + j: token n's j-th
+    expert): the rows sorted by expert (stable), the inverse permutation (sorted position of
+    each row) and the rows per expert, all computed on idx's device from device tensors.
+
+    Not bincount, nonzero or a loop over experts: their output sizes (or a Python loop's bounds)
+    depend on the data, so on CUDA each would make the host wait for the device once per layer.
+    """
     flat_R = idx_NK.reshape(-1)
     order_R = torch.argsort(flat_R, stable=True)
-    token_R = order_R // k
-    # not bincount: its output length depends on the data, which makes CUDA wait for the host
+    inverse_R = torch.empty_like(order_R).scatter_(
+        0, order_R, torch.arange(order_R.numel(), device=order_R.device))
     counts_X = torch.zeros(experts, dtype=torch.int64, device=flat_R.device).scatter_add_(
         0, flat_R, torch.ones_like(flat_R))
+    return order_R, inverse_R, counts_X
+
+
+def combine(out_RH: torch.Tensor, w_R: torch.Tensor, inverse_R: torch.Tensor, k: int
+            ) -> torch.Tensor:
+    """y[n] = sum_j w[n*K+j] * out[inverse[n*K+j]]: the expert outputs (sorted by expert) put
+    back in token order with one gather and summed over each token's K experts.
+
+    A sum over a [N, K, H] view instead of index_add's atomic adds: deterministic on CUDA,
+    one rounding per token in a bfloat16 output (index_add rounded after each of the K adds)
+    and a backward that is a gather and a permutation (each row written once), no atomics."""
+    weighted_RH = out_RH * w_R[:, None]
+    return weighted_RH.index_select(0, inverse_R).view(-1, k, out_RH.shape[-1]).sum(1)
+
+
+def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True) -> torch.Tensor:
+    """sum_k w[n,k] * expert_{idx[n,k]}(x[n]), grouped by expert; SwiGLU experts
+    (gate_up [X, 2I, H]) or, gated=False, relu^2 experts (up [X, I, H]). On the grouped path
+    (CUDA bf16, CPU) nothing here reads a device value on the host, forward or backward."""
+    n, k = idx_NK.shape
+    order_R, inverse_R, counts_X = dispatch(idx_NK, gate_up_XIH.shape[0])
+    token_R = order_R // k
     xs_RH = x_NH[token_R]
     device = x_NH.device.type
     if torch.is_autocast_enabled(device):  # autocast does not cover _grouped_mm: cast as it would
@@ -336,12 +367,11 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
         # float32): the second matmul takes it in its weight's dtype, as autocast casts a
         # matmul's inputs
         out_RH = _grouped(h_RI.to(down_XHI.dtype).contiguous(), down_XHI.transpose(1, 2), offs_X)
-    else:
-        out_RH = _padded_bmm(xs_RH, flat_R[order_R], counts_X, gate_up_XIH, down_XHI,
-                             gated=gated)
-    out_RH = out_RH * w_NK.reshape(-1)[order_R, None]
-    y_NH = torch.zeros_like(x_NH)
-    return y_NH.index_add(0, token_R, out_RH.to(x_NH.dtype))
+    else:  # float32 on CUDA, odd shapes: reads the busiest expert's count on the host
+        out_RH = _padded_bmm(xs_RH, idx_NK.reshape(-1)[order_R], counts_X, gate_up_XIH,
+                             down_XHI, gated=gated)
+    w_R = w_NK.reshape(-1).index_select(0, order_R)
+    return combine(out_RH, w_R, inverse_R, k).to(x_NH.dtype)
 
 
 def _grouped(a_RK, b_XKM, offs_X):
