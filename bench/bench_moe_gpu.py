@@ -19,11 +19,19 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   work the tree layout stands in for);
 - expert matmuls' achieved TFLOP/s: `models/moe.py`'s `expert_mix` (sort by
   expert, two grouped matmuls) alone on `--expert-tokens` tokens with random
-  routes, forward and forward+backward, timed with CUDA events.
+  routes, forward and forward+backward, timed with CUDA events;
+- `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
+  largest tree and exact bin of the first window: the whole bin's forward, its first MoE
+  layer forward, and that layer forward+backward as training runs it; top ops by device
+  time, per token, and the grouped matmuls' share.
 
-The JSON lands in $OUT/bench_moe_gpu.json (or bench/results).
+The JSON lands in $OUT/bench_moe_gpu.json (or bench/results). Without CUDA, --device cuda
+prints a skip and exits 0. Training at --max-tokens 32768 peaked at 94 GB on an H200: on an
+H100 (80 GB) give --train-max-tokens (16384) or --no-train.
 
     PYTHONUNBUFFERED=1 python bench/bench_moe_gpu.py                 # one H200, < 9 min
+    PYTHONUNBUFFERED=1 python bench/bench_moe_gpu.py --train-max-tokens 16384 \
+        --train-steps 2 --budget-seconds 290                         # one H100, ~5 min
     python bench/bench_moe_gpu.py --smoke --device cpu               # logic check, tiny sizes
 """
 
@@ -133,6 +141,9 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--train-max-tokens", type=int, default=None,
+                    help="--max-tokens of the --mode train runs (default: --max-tokens)")
+    ap.add_argument("--no-profile", action="store_true", help="skip bench/moe_profile.py")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -149,6 +160,10 @@ def main() -> None:
         args.window, args.train_batch, args.train_steps, args.expert_tokens = 4, 4, 2, 256
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "--device cuda and no CUDA device (use --smoke --device "
+                                     "cpu for the logic check)"}))
+        return
     from treeflow.models import ModelConfig, save_model
     from treeflow.models.checkpoint import seeded_decoder
 
@@ -189,8 +204,21 @@ def main() -> None:
                                          else 10)
     print(f"  {json.dumps(res['expert_matmul'])}", flush=True)
     save()
-    common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--max-tokens",
-              str(args.max_tokens), "--routing", "replay", "--json"]
+    if not args.no_profile:
+        from moe_profile import moe_profile
+
+        print(f"[{time.perf_counter() - t_start:.0f}s] profile", flush=True)
+        try:
+            res["profile"] = moe_profile(ckpt, data, window=args.window,
+                                         max_tokens=args.max_tokens, device=args.device)
+        except Exception as e:  # noqa: BLE001 (the CLI runs still measure; the JSON says why)
+            res["profile"] = {"error": repr(e)[:2000]}
+        print(f"  {json.dumps(res['profile'])[:800]}", flush=True)
+        save()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the CLI subprocesses get the memory this process held
+    common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--routing", "replay",
+              "--json"]
     n_active, peak = res["active_params"], args.peak_tflops * 1e12
     for mode in ("replay",) + (() if args.no_train else ("train",)):
         for layout in ("exact", "tree"):
@@ -203,6 +231,8 @@ def main() -> None:
                      if mode == "replay" else
                      ["--mode", "train", "--episodes-per-step", str(args.train_batch), "--steps",
                       str(args.train_steps), "--lr", "1e-6"])
+            extra += ["--max-tokens", str(args.max_tokens if mode == "replay"
+                                          else args.train_max_tokens or args.max_tokens)]
             r = res[key] = cli(["replay", data, "--layout", layout, *extra, *common], env, key)
             if mode == "replay" and "error" not in r:
                 s = r["steady_seconds"]

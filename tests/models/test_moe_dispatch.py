@@ -1,4 +1,4 @@
-"""models/moe.py's vectorised expert path (dispatch, grouped matmuls, combine) against a plain
+"""models/moe.py's vectorised expert path (dispatch, permute, grouped matmuls, combine) against a plain
 per-expert loop, in float64: values and gradients of the tokens, combine weights and expert
 weights.
 
@@ -6,7 +6,8 @@ The reference walks the experts one by one in Python and runs each expert's rows
 F.linear: nothing of the sort/permute/offset machinery it checks. Bugs each test is for
 (planted and seen failing): counts off by one expert (every offset after it moves a row to
 the wrong expert), the combine gathering with the forward permutation instead of its
-inverse, weights taken in token order instead of sorted order.
+inverse, weights taken in token order instead of sorted order, permute's backward summing
+through a wrong permutation (the tokens' gradient).
 """
 
 from __future__ import annotations

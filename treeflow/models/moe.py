@@ -336,6 +336,32 @@ def dispatch(idx_NK: torch.Tensor, experts: int):
     return order_R, inverse_R, counts_X
 
 
+class _Permute(torch.autograd.Function):
+    """x[order // K] (each token's row once per expert, sorted by expert); backward sums each
+    token's K row gradients through the inverse permutation: a gather and a sum over a
+    [N, K, H] view, where indexing's backward (index_put with accumulate) sorts the R
+    indices on CUDA and accumulates duplicates."""
+
+    @staticmethod
+    def forward(ctx, x_NH, order_R, inverse_R, k):
+        ctx.save_for_backward(inverse_R)
+        ctx.k = k
+        return x_NH.index_select(0, torch.div(order_R, k, rounding_mode="floor"))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_RH):
+        (inverse_R,) = ctx.saved_tensors
+        grad_NH = grad_RH.index_select(0, inverse_R).view(-1, ctx.k, grad_RH.shape[-1]).sum(1)
+        return grad_NH, None, None, None
+
+
+def permute(x_NH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, k: int
+            ) -> torch.Tensor:
+    """The routed rows x[order // K] in expert order ([R, H]); `dispatch` gives order/inverse."""
+    return _Permute.apply(x_NH, order_R, inverse_R, k)
+
+
 def combine(out_RH: torch.Tensor, w_R: torch.Tensor, inverse_R: torch.Tensor, k: int
             ) -> torch.Tensor:
     """y[n] = sum_j w[n*K+j] * out[inverse[n*K+j]]: the expert outputs (sorted by expert) put
@@ -354,8 +380,7 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
     (CUDA bf16, CPU) nothing here reads a device value on the host, forward or backward."""
     n, k = idx_NK.shape
     order_R, inverse_R, counts_X = dispatch(idx_NK, gate_up_XIH.shape[0])
-    token_R = order_R // k
-    xs_RH = x_NH[token_R]
+    xs_RH = permute(x_NH, order_R, inverse_R, k)
     device = x_NH.device.type
     if torch.is_autocast_enabled(device):  # autocast does not cover _grouped_mm: cast as it would
         compute = torch.get_autocast_dtype(device)
