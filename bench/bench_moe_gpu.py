@@ -23,7 +23,8 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
 - `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
   largest tree and exact bin of the first window: the whole bin's forward, its first MoE
   layer forward, and that layer forward+backward as training runs it; top ops by device
-  time, per token, and the grouped matmuls' share.
+  time, per token, and the grouped matmuls' share (a subprocess; `--profile-before DIR`:
+  again with DIR's treeflow, e.g. a `git archive` of the base commit, as `profile_before`).
 
 The JSON lands in $OUT/bench_moe_gpu.json (or bench/results). Without CUDA, --device cuda
 prints a skip and exits 0. Training at --max-tokens 32768 peaked at 94 GB on an H200: on an
@@ -134,6 +135,20 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
             "fwd_bwd_seconds": round(fb, 6), "fwd_bwd_tflops": round(3 * flops / fb / 1e12, 2)}
 
 
+def profile_run(tree: str, ckpt: str, data: str, work: str, args, env: dict) -> dict:
+    """bench/moe_profile.py in a subprocess with `tree`'s treeflow first on the path."""
+    out = os.path.join(work, "profile.json")
+    run_env = {**env, "PYTHONPATH": os.pathsep.join([tree, env["PYTHONPATH"]])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_profile.py"), ckpt, data,
+                           "--window", str(args.window), "--max-tokens", str(args.max_tokens),
+                           "--device", args.device, "--out", out],
+                          capture_output=True, text=True, env=run_env)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    with open(out) as f:
+        return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -144,6 +159,8 @@ def main() -> None:
     ap.add_argument("--train-max-tokens", type=int, default=None,
                     help="--max-tokens of the --mode train runs (default: --max-tokens)")
     ap.add_argument("--no-profile", action="store_true", help="skip bench/moe_profile.py")
+    ap.add_argument("--profile-before", default=None, metavar="DIR",
+                    help="also profile with DIR's treeflow (a source tree from before a change)")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -205,16 +222,13 @@ def main() -> None:
     print(f"  {json.dumps(res['expert_matmul'])}", flush=True)
     save()
     if not args.no_profile:
-        from moe_profile import moe_profile
-
-        print(f"[{time.perf_counter() - t_start:.0f}s] profile", flush=True)
-        try:
-            res["profile"] = moe_profile(ckpt, data, window=args.window,
-                                         max_tokens=args.max_tokens, device=args.device)
-        except Exception as e:  # noqa: BLE001 (the CLI runs still measure; the JSON says why)
-            res["profile"] = {"error": repr(e)[:2000]}
-        print(f"  {json.dumps(res['profile'])[:800]}", flush=True)
-        save()
+        runs = [("profile", ROOT)] + ([("profile_before", os.path.abspath(args.profile_before))]
+                                      if args.profile_before else [])
+        for key, tree in runs:
+            print(f"[{time.perf_counter() - t_start:.0f}s] {key} ({tree})", flush=True)
+            res[key] = profile_run(tree, ckpt, data, work, args, env)
+            print(f"  {json.dumps(res[key])[:800]}", flush=True)
+            save()
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the CLI subprocesses get the memory this process held
     common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--routing", "replay",

@@ -17,11 +17,19 @@ their share of its total; `grouped_mm_share` is the expert grouped matmuls' shar
 the issue wants to be most of the MoE layer). Per-token numbers make tree and exact bins
 (which differ in size) comparable. The trade-off: ops, not kernels, are named, so an op
 that launches several kernels counts them together.
+
+bench_moe_gpu.py runs it as a subprocess (its GPU memory is given back before the CLI runs),
+and with --profile-before DIR once more with DIR's treeflow first on PYTHONPATH (a source
+tree of the code before a change: the before/after table):
+
+    python bench/moe_profile.py CKPT EPISODES --window 64 --max-tokens 32768 --out FILE
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import time
 
 TOP = 15
@@ -135,3 +143,26 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("episodes")
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import treeflow
+
+    res = moe_profile(args.model, args.episodes, window=args.window, max_tokens=args.max_tokens,
+                      device=args.device, repeats=args.repeats)
+    res["treeflow"] = treeflow.__file__
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
-"""models/moe.py's vectorised expert path (dispatch, permute, grouped matmuls, combine) against a plain
-per-expert loop, in float64: values and gradients of the tokens, combine weights and expert
-weights.
+"""models/moe.py's vectorised expert path (dispatch, permute, grouped matmuls, combine)
+against a plain per-expert loop in float64: values and gradients of the tokens, combine
+weights and expert weights.
 
 The reference walks the experts one by one in Python and runs each expert's rows through
 F.linear: nothing of the sort/permute/offset machinery it checks. Bugs each test is for
@@ -44,7 +44,8 @@ def _loop_mix(x_NH, idx_NK, w_NK, in_XIH, down_XHI, gated):
                 a_I = F.silu(gate) * up
             else:
                 a_I = F.relu(h_I).square()
-            y_NH = y_NH.index_add(0, torch.tensor([t]), (w_NK[t, j] * F.linear(a_I, down_XHI[e]))[None])
+            out_H = w_NK[t, j] * F.linear(a_I, down_XHI[e])
+            y_NH = y_NH.index_add(0, torch.tensor([t]), out_H[None])
     return y_NH
 
 
