@@ -107,5 +107,9 @@ def test_combine_puts_rows_back_in_token_order():
     w_R = torch.tensor([1.0, 2.0, 3.0, 4.0])
     # sorted position of row n*K + j: token 0 -> sorted 2, 0; token 1 -> sorted 3, 1
     inverse_R = torch.tensor([2, 0, 3, 1])
-    got = moe.combine(out_RH, w_R, inverse_R, 2)
+    order_R = torch.tensor([1, 3, 0, 2])  # the rows sorted: row 1 (token 0), 3, 0, 2
+    got = moe.combine(out_RH.requires_grad_(), w_R.requires_grad_(), order_R, inverse_R, 2)
     assert got.tolist() == [[3 * 100.0 + 1 * 1.0], [4 * 1000.0 + 2 * 10.0]]
+    got.backward(torch.tensor([[1.0], [-1.0]]))  # sorted row r belongs to token order[r] // 2
+    assert out_RH.grad.flatten().tolist() == [1.0, -2.0, 3.0, -4.0]
+    assert w_R.grad.tolist() == [1.0, -10.0, 100.0, -1000.0]

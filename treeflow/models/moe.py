@@ -336,24 +336,48 @@ def dispatch(idx_NK: torch.Tensor, experts: int):
     return order_R, inverse_R, counts_X
 
 
+def _rows(x_NH: torch.Tensor, order_R: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's row once per chosen expert, in expert order: x[order // K] ([R, H])."""
+    return x_NH.index_select(0, torch.div(order_R, k, rounding_mode="floor"))
+
+
+def _token_sums(rows_RH: torch.Tensor, inverse_R: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's K rows summed ([N, H]): one gather to token order, a sum over [N, K, H]."""
+    return rows_RH.index_select(0, inverse_R).view(-1, k, rows_RH.shape[-1]).sum(1)
+
+
 class _Permute(torch.autograd.Function):
-    """x[order // K] (each token's row once per expert, sorted by expert); backward sums each
-    token's K row gradients through the inverse permutation: a gather and a sum over a
-    [N, K, H] view, where indexing's backward (index_put with accumulate) sorts the R
-    indices on CUDA and accumulates duplicates."""
+    """`_rows` forward, `_token_sums` backward: plain indexing's backward (index_put with
+    accumulate) sorts the R indices on CUDA to add duplicates; this one gathers."""
 
     @staticmethod
     def forward(ctx, x_NH, order_R, inverse_R, k):
         ctx.save_for_backward(inverse_R)
         ctx.k = k
-        return x_NH.index_select(0, torch.div(order_R, k, rounding_mode="floor"))
+        return _rows(x_NH, order_R, k)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_RH):
         (inverse_R,) = ctx.saved_tensors
-        grad_NH = grad_RH.index_select(0, inverse_R).view(-1, ctx.k, grad_RH.shape[-1]).sum(1)
-        return grad_NH, None, None, None
+        return _token_sums(grad_RH, inverse_R, ctx.k), None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """`_token_sums` forward, `_rows` backward: index_add (forward) and index_select's backward
+    (index_add into zeros) add with atomics on CUDA; both directions here are gathers."""
+
+    @staticmethod
+    def forward(ctx, rows_RH, order_R, inverse_R, k):
+        ctx.save_for_backward(order_R)
+        ctx.k = k
+        return _token_sums(rows_RH, inverse_R, k)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_NH):
+        (order_R,) = ctx.saved_tensors
+        return _rows(grad_NH, order_R, ctx.k), None, None, None
 
 
 def permute(x_NH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, k: int
@@ -362,16 +386,15 @@ def permute(x_NH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, 
     return _Permute.apply(x_NH, order_R, inverse_R, k)
 
 
-def combine(out_RH: torch.Tensor, w_R: torch.Tensor, inverse_R: torch.Tensor, k: int
-            ) -> torch.Tensor:
+def combine(out_RH: torch.Tensor, w_R: torch.Tensor, order_R: torch.Tensor,
+            inverse_R: torch.Tensor, k: int) -> torch.Tensor:
     """y[n] = sum_j w[n*K+j] * out[inverse[n*K+j]]: the expert outputs (sorted by expert) put
-    back in token order with one gather and summed over each token's K experts.
+    back in token order and summed over each token's K experts.
 
-    A sum over a [N, K, H] view instead of index_add's atomic adds: deterministic on CUDA,
-    one rounding per token in a bfloat16 output (index_add rounded after each of the K adds)
-    and a backward that is a gather and a permutation (each row written once), no atomics."""
-    weighted_RH = out_RH * w_R[:, None]
-    return weighted_RH.index_select(0, inverse_R).view(-1, k, out_RH.shape[-1]).sum(1)
+    A gather and a sum over a [N, K, H] view instead of index_add: no atomic adds forward or
+    backward, deterministic on CUDA, and one rounding per token in a bfloat16 output
+    (index_add rounded after each of the K adds)."""
+    return _Unpermute.apply(out_RH * w_R[:, None], order_R, inverse_R, k)
 
 
 def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True) -> torch.Tensor:
@@ -380,11 +403,11 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
     (CUDA bf16, CPU) nothing here reads a device value on the host, forward or backward."""
     n, k = idx_NK.shape
     order_R, inverse_R, counts_X = dispatch(idx_NK, gate_up_XIH.shape[0])
-    xs_RH = permute(x_NH, order_R, inverse_R, k)
-    device = x_NH.device.type
+    device, h_NH = x_NH.device.type, x_NH
     if torch.is_autocast_enabled(device):  # autocast does not cover _grouped_mm: cast as it would
-        compute = torch.get_autocast_dtype(device)
-        xs_RH, gate_up_XIH, down_XHI = (t.to(compute) for t in (xs_RH, gate_up_XIH, down_XHI))
+        compute = torch.get_autocast_dtype(device)  # (the N token rows, before they become R)
+        h_NH, gate_up_XIH, down_XHI = (t.to(compute) for t in (x_NH, gate_up_XIH, down_XHI))
+    xs_RH = permute(h_NH, order_R, inverse_R, k)
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI = _act(_grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X), gated)
@@ -396,7 +419,7 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
         out_RH = _padded_bmm(xs_RH, idx_NK.reshape(-1)[order_R], counts_X, gate_up_XIH,
                              down_XHI, gated=gated)
     w_R = w_NK.reshape(-1).index_select(0, order_R)
-    return combine(out_RH, w_R, inverse_R, k).to(x_NH.dtype)
+    return combine(out_RH, w_R, order_R, inverse_R, k).to(x_NH.dtype)
 
 
 def _grouped(a_RK, b_XKM, offs_X):
