@@ -23,7 +23,7 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
 - `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
   largest tree and exact bin of the first window: the whole bin's forward, its first MoE
   layer forward, and that layer forward+backward as training runs it; top ops by device
-  time, per token, and the grouped matmuls' share (a subprocess; `--profile-before DIR`:
+X
   again with DIR's treeflow, e.g. a `git archive` of the base commit, as `profile_before`).
 
 The JSON lands in $OUT/bench_moe_gpu.json (or bench/results). Without CUDA, --device cuda
@@ -221,16 +221,10 @@ def main() -> None:
                                          else 10)
     print(f"  {json.dumps(res['expert_matmul'])}", flush=True)
     save()
-    if not args.no_profile:
-        runs = [("profile", ROOT)] + ([("profile_before", os.path.abspath(args.profile_before))]
-                                      if args.profile_before else [])
-        for key, tree in runs:
-            print(f"[{time.perf_counter() - t_start:.0f}s] {key} ({tree})", flush=True)
-            res[key] = profile_run(tree, ckpt, data, work, args, env)
-            print(f"  {json.dumps(res[key])[:800]}", flush=True)
-            save()
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the CLI subprocesses get the memory this process held
+    profiles = [] if args.no_profile else [("profile", ROOT)] + (
+        [("profile_before", os.path.abspath(args.profile_before))] if args.profile_before else [])
     common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--routing", "replay",
               "--json"]
     n_active, peak = res["active_params"], args.peak_tflops * 1e12
@@ -253,6 +247,14 @@ def main() -> None:
                 r["mfu_executed"] = round(2 * n_active * r["executed_tokens"] / s / peak, 4)
                 r["mfu_exact_equivalent"] = round(2 * n_active * r["exact_tokens"] / s / peak, 4)
             print(f"  {json.dumps(r)[:500]}", flush=True)
+            save()
+        for key, tree in profiles if mode == "replay" else ():  # after the replay numbers
+            if left() < 60:
+                res[key] = "skipped (time budget)"
+                continue
+            print(f"[{time.perf_counter() - t_start:.0f}s] {key} ({tree})", flush=True)
+            res[key] = profile_run(tree, ckpt, data, work, args, env)
+            print(f"  {json.dumps(res[key])[:800]}", flush=True)
             save()
     ex, tr = res.get("replay_exact"), res.get("replay_tree")
     if isinstance(ex, dict) and isinstance(tr, dict) and "error" not in ex and "error" not in tr:
