@@ -23,8 +23,8 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
 - `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
   largest tree and exact bin of the first window: the whole bin's forward, its first MoE
   layer forward, and that layer forward+backward as training runs it; top ops by device
-X
-  again with DIR's treeflow, e.g. a `git archive` of the base commit, as `profile_before`).
+  time, per token, and the grouped matmuls' share (a subprocess after the replay runs;
+  `--profile-before DIR`: again with DIR's treeflow, e.g. a `git archive` of the base commit, as `profile_before`).
 
 The JSON lands in $OUT/bench_moe_gpu.json (or bench/results). Without CUDA, --device cuda
 prints a skip and exits 0. Training at --max-tokens 32768 peaked at 94 GB on an H200: on an
