@@ -24,7 +24,8 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   largest tree and exact bin of the first window: the whole bin's forward, its first MoE
   layer forward, and that layer forward+backward as training runs it; top ops by device
   time, per token, and the grouped matmuls' share (a subprocess after the replay runs;
-  `--profile-before DIR`: again with DIR's treeflow, e.g. a `git archive` of the base commit, as `profile_before`).
+  `--profile-before DIR`: again with DIR's treeflow, e.g. a `git archive` of the base
+  commit, as `profile_before`).
 
 The JSON lands in $OUT/bench_moe_gpu.json (or bench/results). Without CUDA, --device cuda
 prints a skip and exits 0. Training at --max-tokens 32768 peaked at 94 GB on an H200: on an
