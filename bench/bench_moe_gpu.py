@@ -19,11 +19,21 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   work the tree layout stands in for);
 - expert matmuls' achieved TFLOP/s: `models/moe.py`'s `expert_mix` (sort by
   expert, two grouped matmuls) alone on `--expert-tokens` tokens with random
-  routes, forward and forward+backward, timed with CUDA events.
+  routes, forward and forward+backward, timed with CUDA events;
+- `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
+  largest tree and exact bin of the first window: the whole bin's forward, its first MoE
+  layer forward, and that layer forward+backward as training runs it; top ops by device
+  time, per token, and the grouped matmuls' share (a subprocess after the replay runs;
+  `--profile-before DIR`: again with DIR's treeflow, e.g. a `git archive` of the base
+  commit, as `profile_before`).
 
-The JSON lands in $OUT/bench_moe_gpu.json (or bench/results).
+The JSON lands in $OUT/bench_moe_gpu.json (or bench/results). Without CUDA, --device cuda
+prints a skip and exits 0. Training at --max-tokens 32768 peaked at 94 GB on an H200: on an
+H100 (80 GB) give --train-max-tokens (16384) or --no-train.
 
     PYTHONUNBUFFERED=1 python bench/bench_moe_gpu.py                 # one H200, < 9 min
+    PYTHONUNBUFFERED=1 python bench/bench_moe_gpu.py --train-max-tokens 16384 \
+        --train-steps 2 --budget-seconds 290                         # one H100, ~5 min
     python bench/bench_moe_gpu.py --smoke --device cpu               # logic check, tiny sizes
 """
 
@@ -126,6 +136,20 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
             "fwd_bwd_seconds": round(fb, 6), "fwd_bwd_tflops": round(3 * flops / fb / 1e12, 2)}
 
 
+def profile_run(tree: str, ckpt: str, data: str, work: str, args, env: dict) -> dict:
+    """bench/moe_profile.py in a subprocess with `tree`'s treeflow first on the path."""
+    out = os.path.join(work, "profile.json")
+    run_env = {**env, "PYTHONPATH": os.pathsep.join([tree, env["PYTHONPATH"]])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_profile.py"), ckpt, data,
+                           "--window", str(args.window), "--max-tokens", str(args.max_tokens),
+                           "--device", args.device, "--out", out],
+                          capture_output=True, text=True, env=run_env)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    with open(out) as f:
+        return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -133,6 +157,11 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--train-max-tokens", type=int, default=None,
+                    help="--max-tokens of the --mode train runs (default: --max-tokens)")
+    ap.add_argument("--no-profile", action="store_true", help="skip bench/moe_profile.py")
+    ap.add_argument("--profile-before", default=None, metavar="DIR",
+                    help="also profile with DIR's treeflow (a source tree from before a change)")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -149,6 +178,10 @@ def main() -> None:
         args.window, args.train_batch, args.train_steps, args.expert_tokens = 4, 4, 2, 256
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "--device cuda and no CUDA device (use --smoke --device "
+                                     "cpu for the logic check)"}))
+        return
     from treeflow.models import ModelConfig, save_model
     from treeflow.models.checkpoint import seeded_decoder
 
@@ -189,8 +222,12 @@ def main() -> None:
                                          else 10)
     print(f"  {json.dumps(res['expert_matmul'])}", flush=True)
     save()
-    common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--max-tokens",
-              str(args.max_tokens), "--routing", "replay", "--json"]
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the CLI subprocesses get the memory this process held
+    profiles = [] if args.no_profile else [("profile", ROOT)] + (
+        [("profile_before", os.path.abspath(args.profile_before))] if args.profile_before else [])
+    common = ["--model", ckpt, "--device", args.device, "--dtype", dtype, "--routing", "replay",
+              "--json"]
     n_active, peak = res["active_params"], args.peak_tflops * 1e12
     for mode in ("replay",) + (() if args.no_train else ("train",)):
         for layout in ("exact", "tree"):
@@ -203,12 +240,22 @@ def main() -> None:
                      if mode == "replay" else
                      ["--mode", "train", "--episodes-per-step", str(args.train_batch), "--steps",
                       str(args.train_steps), "--lr", "1e-6"])
+            extra += ["--max-tokens", str(args.max_tokens if mode == "replay"
+                                          else args.train_max_tokens or args.max_tokens)]
             r = res[key] = cli(["replay", data, "--layout", layout, *extra, *common], env, key)
             if mode == "replay" and "error" not in r:
                 s = r["steady_seconds"]
                 r["mfu_executed"] = round(2 * n_active * r["executed_tokens"] / s / peak, 4)
                 r["mfu_exact_equivalent"] = round(2 * n_active * r["exact_tokens"] / s / peak, 4)
             print(f"  {json.dumps(r)[:500]}", flush=True)
+            save()
+        for key, tree in profiles if mode == "replay" else ():  # after the replay numbers
+            if left() < 60:
+                res[key] = "skipped (time budget)"
+                continue
+            print(f"[{time.perf_counter() - t_start:.0f}s] {key} ({tree})", flush=True)
+            res[key] = profile_run(tree, ckpt, data, work, args, env)
+            print(f"  {json.dumps(res[key])[:800]}", flush=True)
             save()
     ex, tr = res.get("replay_exact"), res.get("replay_tree")
     if isinstance(ex, dict) and isinstance(tr, dict) and "error" not in ex and "error" not in tr:

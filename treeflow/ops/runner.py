@@ -194,7 +194,7 @@ class ForwardRunner:
         assert len(inner) == node_off[-1] - node_off[0], "one route per node"
         ids_NW = values.reshape(-1, width)
         self._check_routes(bins, ids_NW, node_off)
-        return self._to_device(ids_NW)
+        return self._to_device(ids_NW, compact=np.int16)
 
     def _check_routes(self, bins: pa.Table, ids_NW: np.ndarray, node_off: np.ndarray) -> None:
         from treeflow.ops.route_ranges import check_route_ranges
@@ -213,11 +213,14 @@ class ForwardRunner:
         take = getattr(self.backend, "take_route_tally", None)
         return None if take is None or self.route_width is None else take(full=full)
 
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    def _to_device(self, values: np.ndarray, compact=None) -> torch.Tensor:
+        """int64 ids on the device in one copy; compact=np.int16 copies them at that width and
+        widens them on the device (routes: a quarter of the bytes to pin and copy, no int64
+        array built on the host)."""
+        host = torch.from_numpy(np.require(values, compact or np.int64, ["C", "W"]))
         if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+            return host.long()
+        return host.pin_memory().to(self.device, non_blocking=True).long()
 
     def _check_vocab(self, bins, off, val) -> None:
         for name in ("tokens", "edge_targets"):  # a trailing target is not a node of its bin

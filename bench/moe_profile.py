@@ -1,0 +1,168 @@
+"""Where a bin's MoE layer spends its device time: torch.profiler tables for bench_moe_gpu.py.
+
+In the bench's own process (not through the CLI, whose process cannot be profiled from
+outside): the checkpoint loaded as `treeflow replay` loads it, the first `--window` episodes
+packed per layout (tree, exact) and fragmented at the bench's `--max-tokens`, and the
+largest bin of each layout run once through the replay runner (routes replayed). Then:
+
+- `bin_forward`: that whole bin's forward (no grad), top ops by device time: how the MoE
+  layers' ops weigh against attention and the rest;
+- `moe_forward`: the first MoE layer alone, at the input and routes it saw in that bin
+  (replayed, agreement counted, as in the run), forward in the bin's dtype;
+- `moe_train`: the same layer as training runs it (float32 weights under bf16 autocast),
+  forward + backward.
+
+Each table lists the top ops by self device time per call of the profiled region, with
+their share of its total; `grouped_mm_share` is the expert grouped matmuls' share (what
+the issue wants to be most of the MoE layer). Per-token numbers make tree and exact bins
+(which differ in size) comparable. The trade-off: ops, not kernels, are named, so an op
+that launches several kernels counts them together.
+
+bench_moe_gpu.py runs it as a subprocess (its GPU memory is given back before the CLI runs),
+and with --profile-before DIR once more with DIR's treeflow first on PYTHONPATH (a source
+tree of the code before a change: the before/after table):
+
+    python bench/moe_profile.py CKPT EPISODES --window 64 --max-tokens 32768 --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+TOP = 15
+
+
+def _device_us(evt, device: str) -> float:
+    names = ("self_cpu_time_total",) if device == "cpu" else ("self_device_time_total",
+                                                               "self_cuda_time_total")
+    for name in names:
+        if hasattr(evt, name):
+            return float(getattr(evt, name))
+    return 0.0
+
+
+def _table(prof, repeats: int, tokens: int, device: str) -> dict:
+    rows = [(e.key, e.count, _device_us(e, device)) for e in prof.key_averages()]
+    rows = [r for r in rows if r[2] > 0 and r[0].startswith("aten::")]
+    total = sum(r[2] for r in rows)
+    rows.sort(key=lambda r: -r[2])
+    grouped = sum(r[2] for r in rows if "grouped_mm" in r[0])
+    return {"device_ms": round(total / 1e3 / repeats, 3),
+            "device_us_per_token": round(total / repeats / max(tokens, 1), 4),
+            "tokens": tokens,
+            "grouped_mm_share": round(grouped / total, 3) if total else None,
+            "top_ops": [{"op": k, "calls": c // repeats, "ms": round(us / 1e3 / repeats, 3),
+                         "share": round(us / total, 3)} for k, c, us in rows[:TOP]]}
+
+
+def _profiled(fn, repeats: int, tokens: int, device: str) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    fn()  # warm-up outside the profile
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                 ) as prof:
+        for _ in range(repeats):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return _table(prof, repeats, tokens, device)
+
+
+def _largest_bin(runner, episodes, layout: str, max_tokens: int):
+    from treeflow.stages import Fragment, Pack
+
+    bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout)(episodes))
+    prepared = runner.prepare(bins)
+    runner.wait_ready(prepared)
+    items = [i for i in prepared.items if i is not None]
+    return max(items, key=lambda i: i.num_tokens)
+
+
+def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: str = "cuda",
+                repeats: int = 5) -> dict:
+    """{layout: {bin_forward, moe_forward, moe_train}} tables (module docstring); on CPU
+    (the bench's --smoke check) host time stands in for device time."""
+    import torch
+
+    from treeflow.models import load_model
+    from treeflow.models.moe import MoeBlock
+    from treeflow.ops import build_forward
+    from treeflow.schemas import read_episodes
+    from treeflow.stages import Forward
+
+    t0 = time.perf_counter()
+    episodes = read_episodes(data).slice(0, window)
+    cuda = device == "cuda"
+    model = load_model(ckpt, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    runner = build_forward(Forward(routing="replay"), device=device, model=model,
+                           max_tokens=max_tokens)
+    block = next(m for m in model.modules() if isinstance(m, MoeBlock))
+    seen: dict = {}
+
+    def keep_input(module, args):
+        seen["x"], seen["route"] = args[0].detach(), args[1]
+
+    train_block = copy.deepcopy(block).float()  # training's float32 master weights
+    out: dict = {}
+    for layout in ("tree", "exact"):
+        item = _largest_bin(runner, episodes, layout, max_tokens)
+        hook = block.register_forward_pre_hook(keep_input)
+        with torch.no_grad():
+            runner.run_bin(item)  # compiles this layout's kernels, captures the layer's input
+        hook.remove()
+        x_NH, route_NK, n = seen["x"], seen["route"], item.num_tokens
+
+        def bin_forward():
+            with torch.no_grad():
+                runner.run_bin(item)
+
+        def moe_forward():
+            with torch.no_grad():
+                block(x_NH, route_NK, {}, True)
+
+        def moe_train():
+            x = x_NH.float().requires_grad_()
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = train_block(x, route_NK, {}, True)
+            y.float().square().mean().backward()
+
+        out[layout] = {"bin_tokens": n,
+                       **{f.__name__: _profiled(f, repeats, n, device)
+                          for f in (bin_forward, moe_forward, moe_train)}}
+        train_block.zero_grad(set_to_none=True)
+        runner.take_route_tally()
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    del model, runner, block, train_block, seen
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("episodes")
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import treeflow
+
+    res = moe_profile(args.model, args.episodes, window=args.window, max_tokens=args.max_tokens,
+                      device=args.device, repeats=args.repeats)
+    res["treeflow"] = treeflow.__file__
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
