@@ -55,7 +55,7 @@ def _routes_in(value, n: int, where: str):
     if ids.size != n * value["width"]:
         raise ValueError(f"{where}: metrics.extra.{KEY}.routed_experts holds {ids.size} ids, not "
                          f"{n} tokens x width {value['width']}; the routes belong to another step")
-    return ids.reshape(n, value["width"]).tolist()
+    return ids.reshape(n, value["width"]).astype(np.int16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +148,24 @@ def episode_to_atif(row: dict, *, agent: str = "treeflow") -> dict:
     return traj.to_json_dict()
 
 
+def _rows(table) -> list[dict]:
+    """The table's rows as dicts, each call's routes its int16 ids ("no route" -1, whichever
+    type the table stores: schemas/route_ids.py), not the stored values."""
+    from treeflow.schemas.route_ids import route_ids
+
+    routes = table.column("calls").combine_chunks().flatten().field("routed_experts")
+    rows = table.to_pylist()
+    if routes.null_count == len(routes):
+        return rows
+    ids = route_ids(routes.flatten())
+    ends = np.cumsum(routes.value_lengths().fill_null(0).to_numpy(zero_copy_only=False))
+    calls = [c for r in rows for c in r["calls"]]
+    for k, c in enumerate(calls):
+        if c["routed_experts"] is not None:
+            c["routed_experts"] = ids[ends[k] - len(c["routed_experts"]):ends[k]]
+    return rows
+
+
 class ATIFFileWriter:
     """Episode tables -> ATIF JSON lines, one trajectory a line; the file appears only when
     complete (treeflow.atomic), as EpisodeFileWriter's does."""
@@ -164,7 +182,7 @@ class ATIFFileWriter:
     def write(self, table) -> None:
         if self._f is None:
             self._f = self._ctx.__enter__()
-        for row in table.to_pylist():
+        for row in _rows(table):
             self._f.write(json.dumps(episode_to_atif(row), separators=(",", ":")) + "\n")
             self.rows += 1
 

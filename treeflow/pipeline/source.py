@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from treeflow.schemas.episode import iter_episode_batches
+from treeflow.schemas.episode import concat_episodes, iter_episode_batches
 
 
 DEFAULT_EPISODES_PER_STEP = 256  # a window's episodes when none is given
@@ -87,7 +87,7 @@ def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True
         buf.append(t)
         n += t.num_rows
         while n >= size:
-            table = pa.concat_tables(buf)
+            table = concat_episodes(buf)
             cut = size
             if whole_groups:
                 groups = table.column("group_id").to_pylist()
@@ -99,7 +99,7 @@ def windows(batches: Iterator[pa.Table], size: int, *, whole_groups: bool = True
             rest = table.slice(cut)
             buf, n = ([rest] if rest.num_rows else []), rest.num_rows
     if n:
-        yield pa.concat_tables(buf)
+        yield concat_episodes(buf)
 
 
 def _groups_once(wins: Iterator[pa.Table]) -> Iterator[pa.Table]:

@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from treeflow.schemas.route_ids import route_ids
+
 
 def list_offsets(arr: pa.Array) -> np.ndarray:
     """int64 offsets of a list array, rebased to zero."""
@@ -120,9 +122,8 @@ class Calls:
         if rpresent.any():
             if not rpresent.all():
                 _mixed_routes(table.column("episode_id"), call_row, rpresent)
-            inner = routes.flatten()
-            width = int(pc.list_value_length(inner)[0].as_py()) if len(inner) else 0
-            routes_tw = list_values(inner, np.int16).reshape(-1, width) if width else None
+            ids_TW = route_ids(routes.flatten())
+            routes_tw = ids_TW if ids_TW.shape[1] else None
         return cls(
             episode_ids=table.column("episode_id").to_pylist(),
             group_ids=table.column("group_id").to_pylist(),
