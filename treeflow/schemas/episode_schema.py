@@ -95,11 +95,12 @@ def episode_schema(id_type: pa.DataType = pa.int16()) -> pa.Schema:
 def routes_id_type(schema: pa.Schema) -> pa.DataType:
     """The `routed_experts` id type of an episode table's schema (int16 when it has none)."""
     t = schema.field("calls").type if "calls" in schema.names else None
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+    if t is None or not (pa.types.is_list(t) or pa.types.is_large_list(t)) \
+            or not pa.types.is_struct(t.value_type):
         return pa.int16()
     i = t.value_type.get_field_index("routed_experts")
     r = t.value_type.field(i).type if i >= 0 else None
-    if not (pa.types.is_list(r) and pa.types.is_list(r.value_type)):
+    if r is None or not (pa.types.is_list(r) and pa.types.is_list(r.value_type)):
         return pa.int16()
     return r.value_type.value_type
 
