@@ -152,8 +152,9 @@ def _rows(table) -> list[dict]:
     """The table's rows as dicts, each call's routes its int16 ids ("no route" -1, whichever
     type the table stores: schemas/route_ids.py), not the stored values."""
     from treeflow.schemas.route_ids import route_ids
+    from treeflow.schemas.arrays import one_array
 
-    routes = table.column("calls").combine_chunks().flatten().field("routed_experts")
+    routes = one_array(table.column("calls")).flatten().field("routed_experts")
     rows = table.to_pylist()
     if routes.null_count == len(routes):
         return rows

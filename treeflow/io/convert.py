@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from treeflow.io.records import read_jsonl
 from treeflow.io.sink import EpisodeFileWriter
+from treeflow.schemas.arrays import one_array
 from treeflow.schemas.episode import EPISODE_SCHEMA, episode_schema, validate_episodes
 from treeflow.schemas.route_ids import compact_routes, route_ids, routes_array
 
@@ -123,7 +124,7 @@ def _build(rows: list[dict], id_type: pa.DataType) -> pa.Table:
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
         raise ValueError(str(e)) from e
     routes = _routes_column(calls, id_type)
-    col = table.column("calls").combine_chunks()
+    col = one_array(table.column("calls"))
     flat = col.flatten()
     schema = episode_schema(id_type)
     call_type = schema.field("calls").type.value_type

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from treeflow.schemas._strict import refuse_lossy_cast
+from treeflow.schemas.arrays import one_array
 from treeflow.schemas.route_check import check_sentinels
 from treeflow.schemas.episode_schema import (CALL_TYPE, SAMPLED_LISTS,
                                              check_version, episode_schema, routes_id_type)
@@ -124,7 +125,7 @@ def validate_episodes(
             row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
             raise ValueError(f"{_name(table, row, source, row_offset)}: field {field.name!r} is null; "
                              "it is required")
-        cols[field.name] = col.combine_chunks()
+        cols[field.name] = one_array(col)
     out = pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
     _check_calls(out, source, row_offset, vocab_size)
     if route_width is not None:  # routes to be replayed: their width, then their ids
@@ -158,7 +159,7 @@ def _cast_calls(table, col, source, row_offset, call_type):
     if unknown:
         raise ValueError(f"{source}: calls[] has unknown field(s) {sorted(unknown)}; known fields are "
                          f"{[f.name for f in CALL_TYPE]}")
-    col = col.combine_chunks()
+    col = one_array(col)
     flat = col.flatten()
     children = []
     for f in call_type:

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
+from treeflow.schemas.arrays import one_array
+
 __all__ = ["CALL_TYPE", "EPISODE_SCHEMA", "EXECUTION_TYPE", "SAMPLED_LISTS", "SCHEMA_VERSION",
            "check_version", "concat_episodes", "episode_schema", "is_episode_schema",
            "routes_id_type"]
@@ -127,7 +129,7 @@ def _widen_calls(calls: pa.ChunkedArray) -> pa.Array:
     """A calls column with uint8 route ids as one with int16 ids (255 -> -1, route_ids)."""
     from treeflow.schemas.route_ids import widen_routes
 
-    col = calls.combine_chunks()
+    col = one_array(calls)
     flat = col.flatten()
     children = [widen_routes(flat.field(f.name)) if f.name == "routed_experts" else flat.field(f.name)
                 for f in CALL_TYPE]

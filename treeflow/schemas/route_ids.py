@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from treeflow.schemas.arrays import one_array
+
 __all__ = ["NO_ROUTE", "ROUTE_ID_TYPES", "U8_NO_ROUTE", "compact_routes", "route_ids",
            "route_type_for", "routes_array", "widen_routes"]
 
@@ -87,7 +89,7 @@ def route_ids(token_routes: pa.Array | pa.ChunkedArray | np.ndarray) -> np.ndarr
         ids, t, n = token_routes.reshape(-1), pa.from_numpy_dtype(token_routes.dtype), len(token_routes)
     else:
         if isinstance(token_routes, pa.ChunkedArray):
-            token_routes = token_routes.combine_chunks()
+            token_routes = one_array(token_routes)
         values = token_routes.flatten()
         ids, t, n = values.to_numpy(zero_copy_only=False), values.type, len(token_routes)
     if t == pa.uint8():

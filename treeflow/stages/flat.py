@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from treeflow.schemas.arrays import one_array
 from treeflow.schemas.route_ids import route_ids
 
 
@@ -80,7 +81,7 @@ class Calls:
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "Calls":
-        calls = table.column("calls").combine_chunks()
+        calls = one_array(table.column("calls"))
         n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False).astype(np.int64)
         flat = calls.flatten()
         toks = flat.field("token_ids")
