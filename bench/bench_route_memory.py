@@ -8,8 +8,8 @@ a fresh process (so peaks are its own): `uint8` (--num-experts 128: the compact 
 storage) the same convert call runs on that tree too. Per variant: tracemalloc's peak (Python
 objects and numpy buffers), the Arrow memory pool's peak, the peak RSS over the RSS before
 converting (VmHWM, reset where the kernel allows), and the route column's bytes in the written
-file, each per million tokens. The JSON parse of one line (the engine's nested lists) is in
-every variant's peak alike.
+file, each per million tokens; `*_over_one_call` subtracts a run on one call, so what does not
+grow with the batch (imports, the JSON parse and int64 decode of one line) drops out.
 
 The first section, `one_batch`, is the micro view of the current tree: the route arrays the
 converter holds for one batch before the column is built, and the column's bytes.
@@ -31,10 +31,10 @@ import numpy as np
 MiB = 2**20
 
 
-def _records(a):
+def _records(a, calls=None):
     rng = np.random.default_rng(0)
     prompt = a.tokens // 2
-    for i in range(a.calls):
+    for i in range(a.calls if calls is None else calls):
         ref = rng.integers(0, a.experts, (a.tokens - 1, a.layers, a.top_k), dtype=np.int16)
         yield {"episode_id": str(i), "calls": [{
             "prompt_token_ids": list(range(1, prompt + 1)),
@@ -73,11 +73,11 @@ def child(src: str, out: str, num_experts: int | None) -> dict:
     seconds = time.perf_counter() - t0
     traced_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    hwm = _vm("VmHWM:")
+    hwm, pool_peak = _vm("VmHWM:"), pool.max_memory()
     table = read_episodes(out)
-    routes = table.column("calls").combine_chunks().flatten().field("routed_experts")
+    routes = table.column("calls").chunk(0).flatten().field("routed_experts")
     return {"tokens": report.exact_tokens, "traced_peak": traced_peak,
-            "arrow_pool_peak": pool.max_memory(), "rss_peak_over_start": hwm - rss0,
+            "arrow_pool_peak": pool_peak, "rss_peak_over_start": hwm - rss0,
             "rss_peak_reset": reset, "route_column_bytes": routes.nbytes,
             "stored_ids": str(routes.type.value_type.value_type), "seconds": round(seconds, 2)}
 
@@ -101,7 +101,7 @@ def one_batch(a) -> dict:
     pool = pa.default_memory_pool()
     arrow0 = pool.bytes_allocated()
     table = _table(rows, ["bench"] * len(rows), conv.route_type)
-    routes = table.column("calls").combine_chunks().flatten().field("routed_experts")
+    routes = table.column("calls").chunk(0).flatten().field("routed_experts")
     per_m = 1e6 / (a.calls * a.tokens) / MiB
     return {"converter_route_arrays_MiB_per_Mtok": round(held * per_m, 1),
             "route_column_MiB_per_Mtok": round(routes.nbytes * per_m, 1),
@@ -137,26 +137,32 @@ def main() -> None:
     if a.before:
         runs.append(("before_int16", os.path.abspath(a.before), str(a.experts)))
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "calls.jsonl")
-        with open(src, "w") as f:
-            for r in _records(a):
-                f.write(json.dumps(r) + "\n")
-        result["jsonl_MiB"] = round(os.path.getsize(src) / MiB, 1)
+        srcs = {}
+        for size, calls in (("one", 1), ("all", a.calls)):
+            srcs[size] = os.path.join(tmp, f"{size}.jsonl")
+            with open(srcs[size], "w") as f:
+                for r in _records(a, calls):
+                    f.write(json.dumps(r) + "\n")
+        result["jsonl_MiB"] = round(os.path.getsize(srcs["all"]) / MiB, 1)
         for name, tree, experts in runs:
             env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-            got = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", src,
-                                  os.path.join(tmp, name + ".arrow"), experts], env=env,
-                                 capture_output=True, text=True, check=True, cwd=tree)
-            m = json.loads(got.stdout.strip().splitlines()[-1])
-            per_m = 1e6 / m["tokens"] / MiB
-            result[name] = {
-                "stored_ids": m["stored_ids"],
-                "traced_peak_MiB_per_Mtok": round(m["traced_peak"] * per_m, 1),
-                "arrow_pool_peak_MiB_per_Mtok": round(m["arrow_pool_peak"] * per_m, 1),
-                "rss_peak_over_start_MiB_per_Mtok": round(m["rss_peak_over_start"] * per_m, 1),
-                "rss_peak_reset": m["rss_peak_reset"],
-                "route_column_MiB_per_Mtok": round(m["route_column_bytes"] * per_m, 1),
-                "seconds": m["seconds"]}
+            m = {}
+            for size, src in srcs.items():
+                got = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", src,
+                                      os.path.join(tmp, f"{name}-{size}.arrow"), experts], env=env,
+                                     capture_output=True, text=True, check=True, cwd=tree)
+                m[size] = json.loads(got.stdout.strip().splitlines()[-1])
+            one, full = m["one"], m["all"]
+            per_m = 1e6 / full["tokens"] / MiB
+            slope = 1e6 / (full["tokens"] - one["tokens"]) / MiB  # one call's run subtracted:
+            result[name] = {                                      # imports, one line's parse
+                "stored_ids": full["stored_ids"],
+                "route_column_MiB_per_Mtok": round(full["route_column_bytes"] * per_m, 1),
+                "seconds": full["seconds"], "rss_peak_reset": full["rss_peak_reset"],
+                **{f"{k}_MiB_per_Mtok": round(full[k] * per_m, 1)
+                   for k in ("traced_peak", "arrow_pool_peak", "rss_peak_over_start")},
+                **{f"{k}_over_one_call_MiB_per_Mtok": round((full[k] - one[k]) * slope, 1)
+                   for k in ("traced_peak", "arrow_pool_peak", "rss_peak_over_start")}}
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

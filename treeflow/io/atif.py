@@ -11,8 +11,9 @@ treeflow needs each call's exact tokens.
 What ATIF has no field for travels in its extension fields under the key "treeflow": the
 episode's group id, reward, advantage, weight version and sample index in the trajectory's
 `extra`, and a call's loss mask, per-token advantages, engine metadata and routes in the step's
-`metrics.extra` (routes as base64 of little-endian int16 [tokens, width], the episode file's
-own type, so a round trip treeflow -> ATIF -> treeflow is exact). The trade-off: another ATIF
+`metrics.extra` (routes as base64 of little-endian int16 [tokens, width], -1 for no route,
+whichever id type the episode file stores, so a round trip treeflow -> ATIF -> treeflow gives
+the same routes). The trade-off: another ATIF
 consumer sees the routes as an opaque string; a producer other than treeflow that wants routes
 read writes the same key.
 """

@@ -94,9 +94,10 @@ def _routes_column(calls: list[dict], id_type: pa.DataType) -> pa.Array:
                 raise ValueError(f"field 'routed_experts' mixes route widths {a} and {b}; every "
                                  "token needs the same number of expert ids")
             m = np.asarray(m, dtype=np.int64).reshape(len(m), -1 if m and m[0] else 0)
+        stored = pa.from_numpy_dtype(m.dtype)
         try:
-            m = compact_routes(m if pa.from_numpy_dtype(m.dtype) != pa.uint8() else route_ids(m),
-                               id_type)
+            if stored != id_type:   # already stored as id_type: kept, not copied
+                m = compact_routes(route_ids(m) if stored == pa.uint8() else m, id_type)
         except ValueError as e:
             raise ValueError(f"field 'routed_experts': {e}") from None
         mats[k] = m
