@@ -11,6 +11,12 @@ The report also counts calls whose whole sequence is not a prefix of the next
 call's prompt in the same episode: such a call starts a new branch or root
 (context compaction, sub-agents -- or retokenisation drift, which is why the
 count matters most for the `chat` format).
+
+Routes, the largest column by far, never become Python lists here: a converter gives each
+call's routes as a numpy matrix of stored ids (uint8 where its expert count allows, else int16:
+schemas/route_ids.py), and a batch's column is one buffer they are copied into (each call's
+matrix then a view of it), wrapped by Arrow without a copy. The price is a batch-sized buffer
+allocated before the calls' matrices are released.
 """
 
 from __future__ import annotations
