@@ -194,3 +194,13 @@ def test_atif_export_of_uint8_equals_int16(pair, tmp_path):
         convert([str(src)], str(out), None)
         lines[name] = [json.loads(x)["steps"] for x in out.read_text().splitlines()]
     assert lines["uint8"] == lines["int16"]
+
+
+def test_the_gates_route_fault_corrupts_both_types_alike(pair):
+    from treeflow.pipeline.gate import _corrupt_route
+
+    ref, u8 = pair
+    got16, got8 = _ids(_corrupt_route(ref)), _ids(_corrupt_route(u8))
+    assert np.array_equal(got16, got8)
+    changed = np.flatnonzero((got16 != _ids(ref)).any(axis=1))
+    assert changed.tolist() == [0] and (got8 >= 0).all(axis=1).sum() == (_ids(ref) >= 0).all(axis=1).sum()
