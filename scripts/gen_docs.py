@@ -57,6 +57,8 @@ COMMANDS = (
     ("cpu_ray_floor", "python bench/bench_ray_floor.py --repeats 5 --engines FILE"),
     ("h200host_ray_floor", "python bench/bench_ray_floor.py --repeats 5 --engines FILE"),
     ("cpu_replay", "python bench/bench_replay_cpu.py --repeats 2"),
+    ("cpu_route_memory", "python bench/bench_route_memory.py --calls 64 --tokens 1024 --before DIR "
+                         "--out FILE"),
     ("cpu_tq", "python bench/bench_tq.py"),
     ("tq_stream_ray_engine", "python bench/bench_tq.py --skip throughput memory --stream-engine ray"),
     ("fragment_vs_nrl", "python bench/bench_fragment_vs_nrl.py --out bench/results/fragment_vs_nrl.json "

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from treeflow.schemas.episode import concat_episodes
+
 __all__ = ["GROUP_WINDOW", "GroupOrder", "assemble", "take_groups"]
 
 GROUP_WINDOW = 1024  # episodes of look-ahead in which a group must complete (--group-window)
@@ -144,7 +146,7 @@ def assemble(tables: Iterable[pa.Table], episodes_per_step: int, *,
             k = take_groups((len(g) for g in groups), episodes_per_step)
             rows = np.concatenate(groups[:k])
             groups, ready = groups[k:], ready - len(rows)
-            table = pa.concat_tables(held) if len(held) > 1 else held[0]
+            table = concat_episodes(held) if len(held) > 1 else held[0]
             at = np.searchsorted(held_rows, rows)
             yield table.take(pa.array(at))
             keep = np.ones(len(held_rows), bool)

@@ -14,6 +14,7 @@ import pytest
 
 from treeflow.io import OpenAITokens, convert
 from treeflow.schemas import read_episodes
+from treeflow.schemas.route_ids import route_ids
 
 L, K, E = 3, 2, 8  # MoE layers, top_k, experts
 PROMPT, COMPLETION = [5, 6, 7, 8], [9, 10, 11]
@@ -51,7 +52,9 @@ def routes_of(*calls, num_experts=None, route_width=None):
     conv = OpenAITokens(num_experts=num_experts, route_width=route_width)
     ep = conv.episode({"episode_id": "e", "calls": list(calls)}, "log.jsonl line 1", path="log.jsonl",
                       line=1)
-    return [c["routed_experts"] for c in ep["calls"]]
+    # a call's routes are its stored ids (uint8 under --num-experts <= 255, else int16)
+    return [None if c["routed_experts"] is None else route_ids(c["routed_experts"]).tolist()
+            for c in ep["calls"]]
 
 
 REF = reference(N, 0)
@@ -132,6 +135,12 @@ def test_convert_writes_the_reference_routes(tmp_path):
     src.write_text(json.dumps({"episode_id": "e", "calls": [
         chat(prompt_routed_experts=REF[:len(PROMPT)].tolist(),
              choice={"routed_experts": REF[len(PROMPT):].tolist()})]}) + "\n")
-    out = str(tmp_path / "r.arrow")
-    convert([str(src)], out, OpenAITokens(num_experts=E))
-    assert read_episodes(out).to_pylist()[0]["calls"][0]["routed_experts"] == want(REF)
+    for num_experts, stored, sentinel in ((E, "uint8", 255), (None, "int16", -1)):
+        out = str(tmp_path / f"r-{stored}.arrow")
+        report = convert([str(src)], out, OpenAITokens(num_experts=num_experts))
+        table = read_episodes(out)
+        routes = table.column("calls").chunk(0).flatten().field("routed_experts")
+        assert str(routes.type.value_type.value_type) == stored
+        assert routes.to_pylist()[0][-1] == [sentinel] * (L * K)   # the file's own sentinel
+        assert route_ids(routes.flatten()).tolist() == want(REF)  # read back as -1
+        assert any("--num-experts" in w for w in report.warnings) == (num_experts is None)

@@ -201,10 +201,12 @@ _OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_edge")
 
 def occurrence_logprobs(model, rows, *, layout: str, routing: str, max_tokens: int = 40,
                         scope: str | None = None, **forward):
-    """({(episode index, call, offset): logprob tensor}, runner, bins): the rows through
+    """({(episode index, call, offset): logprob tensor}, runner, bins): the rows (dicts, or a
+    validated episode table) through
     Pack(layout, scope) -> Fragment(max_tokens) -> Forward(routing, **forward) built on `model`
     (a Decoder or a backend), bin by bin; the runner's route tally counts this run only."""
-    table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
+    table = rows if isinstance(rows, pa.Table) else validate_episodes(
+        pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
     runner = build_forward(Forward(routing=routing, **forward), model=model)
     runner.take_route_tally()

@@ -117,7 +117,8 @@ def add_convert_parser(sub) -> None:
     g.add_argument("--calls-field", default="calls", help="openai: the list of engine responses")
     g.add_argument("--messages-field", default="messages", help="chat: the message list")
     g.add_argument("--num-experts", type=int, default=None,
-                   help="openai: routed experts per MoE layer; route ids outside [0, N) are refused")
+                   help="openai: routed experts per MoE layer; route ids outside [0, N) are "
+                        "refused; N <= 255 stores routes as uint8 (else int16)")
     g.add_argument("--route-width", type=int, default=None,
                    help="openai: MoE layers x top_k; routes of another width are refused")
     g.add_argument("--message-log-field", default="message_log", help="nemo-rl: the message log")

@@ -11,8 +11,9 @@ treeflow needs each call's exact tokens.
 What ATIF has no field for travels in its extension fields under the key "treeflow": the
 episode's group id, reward, advantage, weight version and sample index in the trajectory's
 `extra`, and a call's loss mask, per-token advantages, engine metadata and routes in the step's
-`metrics.extra` (routes as base64 of little-endian int16 [tokens, width], the episode file's
-own type, so a round trip treeflow -> ATIF -> treeflow is exact). The trade-off: another ATIF
+`metrics.extra` (routes as base64 of little-endian int16 [tokens, width], -1 for no route,
+whichever id type the episode file stores, so a round trip treeflow -> ATIF -> treeflow gives
+the same routes). The trade-off: another ATIF
 consumer sees the routes as an opaque string; a producer other than treeflow that wants routes
 read writes the same key.
 """
@@ -55,7 +56,7 @@ def _routes_in(value, n: int, where: str):
     if ids.size != n * value["width"]:
         raise ValueError(f"{where}: metrics.extra.{KEY}.routed_experts holds {ids.size} ids, not "
                          f"{n} tokens x width {value['width']}; the routes belong to another step")
-    return ids.reshape(n, value["width"]).tolist()
+    return ids.reshape(n, value["width"]).astype(np.int16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +149,25 @@ def episode_to_atif(row: dict, *, agent: str = "treeflow") -> dict:
     return traj.to_json_dict()
 
 
+def _rows(table) -> list[dict]:
+    """The table's rows as dicts, each call's routes its int16 ids ("no route" -1, whichever
+    type the table stores: schemas/route_ids.py), not the stored values."""
+    from treeflow.schemas.route_ids import route_ids
+    from treeflow.schemas.arrays import one_array
+
+    routes = one_array(table.column("calls")).flatten().field("routed_experts")
+    rows = table.to_pylist()
+    if routes.null_count == len(routes):
+        return rows
+    ids = route_ids(routes.flatten())
+    ends = np.cumsum(routes.value_lengths().fill_null(0).to_numpy(zero_copy_only=False))
+    calls = [c for r in rows for c in r["calls"]]
+    for k, c in enumerate(calls):
+        if c["routed_experts"] is not None:
+            c["routed_experts"] = ids[ends[k] - len(c["routed_experts"]):ends[k]]
+    return rows
+
+
 class ATIFFileWriter:
     """Episode tables -> ATIF JSON lines, one trajectory a line; the file appears only when
     complete (treeflow.atomic), as EpisodeFileWriter's does."""
@@ -164,7 +184,7 @@ class ATIFFileWriter:
     def write(self, table) -> None:
         if self._f is None:
             self._f = self._ctx.__enter__()
-        for row in table.to_pylist():
+        for row in _rows(table):
             self._f.write(json.dumps(episode_to_atif(row), separators=(",", ":")) + "\n")
             self.rows += 1
 

@@ -11,6 +11,12 @@ The report also counts calls whose whole sequence is not a prefix of the next
 call's prompt in the same episode: such a call starts a new branch or root
 (context compaction, sub-agents -- or retokenisation drift, which is why the
 count matters most for the `chat` format).
+
+Routes, the largest column by far, never become Python lists here: a converter gives each
+call's routes as a numpy matrix of stored ids (uint8 where its expert count allows, else int16:
+schemas/route_ids.py), and a batch's column is one buffer they are copied into (each call's
+matrix then a view of it), wrapped by Arrow without a copy. The price is a batch-sized buffer
+allocated before the calls' matrices are released.
 """
 
 from __future__ import annotations
@@ -20,11 +26,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import pyarrow as pa
 
 from treeflow.io.records import read_jsonl
 from treeflow.io.sink import EpisodeFileWriter
-from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.schemas.arrays import one_array
+from treeflow.schemas.episode import EPISODE_SCHEMA, episode_schema, validate_episodes
+from treeflow.schemas.route_ids import compact_routes, route_ids, routes_array
+
+# the episode schema without calls[].routed_experts: Arrow's Python converter builds the rest
+_NO_ROUTES = pa.schema([f.with_type(pa.list_(pa.struct([c for c in f.type.value_type
+                                                         if c.name != "routed_experts"])))
+                        if f.name == "calls" else f for f in EPISODE_SCHEMA],
+                       metadata=EPISODE_SCHEMA.metadata)
 
 
 @dataclass
@@ -69,12 +84,66 @@ def _count(report: ConvertReport, ep: dict) -> int:
     return tokens
 
 
-def _table(rows: list[dict], wheres: list[str]) -> pa.Table:
-    def build(rs):
+def _routes_column(calls: list[dict], id_type: pa.DataType) -> pa.Array:
+    """The batch's `routed_experts` column from the calls' route matrices, with one copy of the
+    ids: each call's matrix (stored ids from `compact_routes`; a nested list from a converter
+    that gives lists) is copied into one buffer and replaced in its call by a view of it, so
+    the per-call arrays are freed as the column fills, and the column wraps the buffer."""
+    mats = [None if c is None else c.get("routed_experts") for c in calls]
+    for k, m in enumerate(mats):
+        if m is None:
+            continue
+        if not isinstance(m, np.ndarray):
+            widths = {len(r) if isinstance(r, list) else -1 for r in m}
+            if len(widths) > 1 or -1 in widths:
+                a, b = sorted(widths)[:2]
+                raise ValueError(f"field 'routed_experts' mixes route widths {a} and {b}; every "
+                                 "token needs the same number of expert ids")
+            m = np.asarray(m, dtype=np.int64).reshape(len(m), -1 if m and m[0] else 0)
+        stored = pa.from_numpy_dtype(m.dtype)
         try:
-            return pa.Table.from_pylist(rs, schema=EPISODE_SCHEMA)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
-            raise ValueError(str(e)) from e
+            if stored != id_type:   # already stored as id_type: kept, not copied
+                m = compact_routes(route_ids(m) if stored == pa.uint8() else m, id_type)
+        except ValueError as e:
+            raise ValueError(f"field 'routed_experts': {e}") from None
+        mats[k] = m
+    valid_C = np.array([m is not None for m in mats], dtype=bool)
+    calls_T = np.array([0 if m is None else len(m) for m in mats], dtype=np.int64)
+    width_T = np.repeat(np.array([0 if m is None else m.shape[1] for m in mats], np.int64), calls_T)
+    ids = np.empty(int(width_T.sum()), dtype=id_type.to_pandas_dtype())
+    at = 0
+    for k, c in enumerate(calls):
+        m, mats[k] = mats[k], None
+        if m is not None:
+            view = ids[at:at + m.size].reshape(m.shape)
+            view[...] = m
+            c["routed_experts"] = view   # the call's own array is freed here
+            at += m.size
+    return routes_array(ids, width_T, calls_T, valid_C)
+
+
+def _build(rows: list[dict], id_type: pa.DataType) -> pa.Table:
+    """The rows as an episode table; routes straight from numpy (`_routes_column`), the rest
+    through Arrow's converter (which skips the routes: its call type has no such field)."""
+    calls = [c for r in rows for c in r["calls"]]
+    try:
+        table = pa.Table.from_pylist(rows, schema=_NO_ROUTES)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+        raise ValueError(str(e)) from e
+    routes = _routes_column(calls, id_type)
+    col = one_array(table.column("calls"))
+    flat = col.flatten()
+    schema = episode_schema(id_type)
+    call_type = schema.field("calls").type.value_type
+    children = [routes if f.name == "routed_experts" else flat.field(f.name) for f in call_type]
+    structs = pa.StructArray.from_arrays(children, fields=list(call_type), mask=flat.is_null())
+    calls_col = pa.ListArray.from_arrays(col.offsets, structs, mask=col.is_null())
+    return table.set_column(table.schema.get_field_index("calls"), schema.field("calls"), calls_col)
+
+
+def _table(rows: list[dict], wheres: list[str], id_type: pa.DataType = pa.int16()) -> pa.Table:
+    def build(rs):
+        return _build(rs, id_type)
 
     try:
         return validate_episodes(build(rows), source=wheres[0])
@@ -110,6 +179,7 @@ def episodes_from_jsonl(
         raise ValueError(f"batch_rows={batch_rows}: give an int >= 1")
     report = report if report is not None else ConvertReport()
     report.format, report.retokenised = converter.name, converter.retokenised
+    id_type = getattr(converter, "route_type", pa.int16())  # uint8 where it knows the experts fit
     seen: dict[str, str] = {}
     rows: list[dict] = []
     wheres: list[str] = []
@@ -128,12 +198,15 @@ def episodes_from_jsonl(
         rows.append(ep)
         wheres.append(where)
         if len(rows) >= batch_rows:
-            yield _table(rows, wheres)
-            rows, wheres = [], []
+            table = _table(rows, wheres, id_type)
+            rows, wheres = [], []   # the routes live on in the table only
+            yield table
         if on_progress is not None:
             on_progress(nbytes, 1, tokens)
     if rows:
-        yield _table(rows, wheres)
+        table = _table(rows, wheres, id_type)
+        rows, wheres = [], []
+        yield table
 
 
 def _writer(output: str | os.PathLike):
@@ -189,6 +262,9 @@ def convert(
                 f"{report.non_prefix_calls} of {report.call_pairs} calls are not a prefix of the next "
                 "call's prompt after retokenisation; they start new branches (less sharing) and "
                 "their replayed context differs from what the engine saw")
+    if report.calls_with_routes and getattr(converter, "num_experts", 0) is None:
+        report.warnings.append("routes stored as int16 (2 bytes an expert id): give --num-experts "
+                               "(the model's routed experts, at most 255) to store them as uint8")
     if report.calls_with_logprobs == 0 and not converter.retokenised:
         report.warnings.append("no call carries engine logprobs (generation_logprobs is null): "
                                "importance-sampling corrections and logprob checks are unavailable")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from treeflow.io.records import FieldMap, logprobs, nonempty_list, token_ids
 from treeflow.io.routes import call_routes
+from treeflow.schemas.route_ids import compact_routes, route_type_for
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)\Z")
 
@@ -54,6 +55,11 @@ class OpenAITokens:
                              "count per MoE layer, an int in [1, 32768]")
         if self.route_width is not None and (type(self.route_width) is not int or self.route_width < 1):
             raise ValueError(f"--route-width {self.route_width!r}: give MoE layers x top_k, an int >= 1")
+
+    @property
+    def route_type(self):
+        """The id type routes are stored as: uint8 for at most 255 experts, else int16."""
+        return route_type_for(self.num_experts)
 
     def episode(self, record: dict, where: str, *, path: str, line: int) -> dict:
         out = self.fields.episode(record, where, path=path, line=line)
@@ -88,7 +94,7 @@ class OpenAITokens:
                              num_experts=self.num_experts, route_width=self.route_width)
         return {"token_ids": tokens, "sampled_start": len(prompt),
                 "generation_logprobs": lps, "loss_mask": None, "advantages": None,
-                "routed_experts": None if routes is None else routes.tolist()}
+                "routed_experts": None if routes is None else compact_routes(routes, self.route_type)}
 
     @staticmethod
     def _prompt(response, request, call, where, names, fix) -> list[int]:

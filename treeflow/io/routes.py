@@ -31,6 +31,8 @@ import binascii
 
 import numpy as np
 
+from treeflow.schemas.route_ids import route_ids
+
 __all__ = ["call_routes"]
 
 _WIRE = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
@@ -174,7 +176,7 @@ def _prefix(earlier: list[dict], tokens: list[int], start: int, width: int, wher
         if (routes is None or len(call["token_ids"]) - 1 < start
                 or call["token_ids"][:start] != tokens[:start]):
             continue
-        got = np.asarray(routes[:start], dtype=np.int64)
+        got = route_ids(np.asarray(routes[:start])).astype(np.int64)
         if got.shape == (start, width):
             return got
     raise ValueError(f"{where}: routed_experts_start_len={start}, but no earlier call of this "

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from treeflow.atomic import check_output, commit, remove_stale, temp_name
-from treeflow.schemas.episode import EPISODE_SCHEMA
+from treeflow.schemas.episode import episode_schema, routes_id_type
 
 
 @contextmanager
@@ -53,12 +53,17 @@ class EpisodeFileWriter:
             self._write(table)
 
     def _write(self, table: pa.Table) -> None:
-        if self._writer is None:
+        if self._writer is None:  # the first table's route id type is the file's (uint8 stays)
+            self._schema = episode_schema(routes_id_type(table.schema))
             if self.path.endswith(".arrow"):
-                self._writer = pa.ipc.new_file(self._tmp, EPISODE_SCHEMA)
+                self._writer = pa.ipc.new_file(self._tmp, self._schema)
             else:
-                self._writer = pq.ParquetWriter(self._tmp, EPISODE_SCHEMA)
-        self._writer.write_table(table.cast(EPISODE_SCHEMA))
+                self._writer = pq.ParquetWriter(self._tmp, self._schema)
+        if routes_id_type(table.schema) != routes_id_type(self._schema):
+            raise ValueError(f"{self.path}: episodes with {routes_id_type(table.schema)} route ids "
+                             f"after {routes_id_type(self._schema)} ones; one file holds one "
+                             "route id type: write them to separate files")
+        self._writer.write_table(table.cast(self._schema))
         self.rows += table.num_rows
 
     def commit(self) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from treeflow.schemas.route_ids import route_ids
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.tree import subtree_end
 
@@ -182,8 +183,8 @@ class ForwardRunner:
             raise ValueError(f"bin {bins.column('bin_id')[r].as_py()} has no routes while others "
                              "do; give routed_experts for every episode or none")
         inner = col.flatten()
-        values = list_values(inner, np.int16)
-        width = len(values) // max(len(inner), 1)
+        ids_NW = route_ids(inner)
+        width = ids_NW.shape[1]
         if width != self.route_width and self.routing == "recompute":
             _warn_no_agreement(width, self.route_width)  # nothing replayed: only the metric goes
             return None
@@ -192,7 +193,6 @@ class ForwardRunner:
                              f"{self.route_width} (MoE layers x top_k); capture the routes with "
                              "this model's configuration")
         assert len(inner) == node_off[-1] - node_off[0], "one route per node"
-        ids_NW = values.reshape(-1, width)
         self._check_routes(bins, ids_NW, node_off)
         return self._to_device(ids_NW, compact=np.int16)
 

@@ -134,15 +134,21 @@ class _Transport:
 
 def _corrupt_route(table: pa.Table) -> pa.Table:
     """The first token's captured route replaced by another token's (valid experts, another set)."""
+    from treeflow.schemas.episode import routes_id_type
+    from treeflow.schemas.route_ids import compact_routes, route_ids
+
     rows = table.to_pylist()
-    routes = rows[0]["calls"][0].get("routed_experts")
-    if not routes:
+    first = table.column("calls").chunk(0).flatten().field("routed_experts")[0]
+    if not first.is_valid or not len(first):
         raise ValueError("fault corrupt-route: the episodes carry no routed_experts (the model "
                          "has no experts); use an MoE model")
-    other = next((r for r in routes[1:] if min(r) >= 0 and sorted(r) != sorted(routes[0])), None)
+    ids = route_ids(first.values).copy()   # -1 for no route, whichever type the table stores
+    other = next((r for r in ids[1:] if r.min() >= 0 and sorted(r) != sorted(ids[0])), None)
     if other is None:
         raise ValueError("fault corrupt-route: every token of the first call has the same route")
-    routes[0] = list(other)
+    ids[0] = other
+    rows[0]["calls"][0]["routed_experts"] = compact_routes(
+        ids, routes_id_type(table.schema)).tolist()
     return pa.Table.from_pylist(rows, schema=table.schema)
 
 

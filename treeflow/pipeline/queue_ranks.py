@@ -37,9 +37,8 @@ parts there are, as one reader trains on a closed queue's remainder.
 
 from __future__ import annotations
 
-import pyarrow as pa
-
 from treeflow.pipeline.source import Source
+from treeflow.schemas.episode import concat_episodes
 
 __all__ = ["RankWindows"]
 
@@ -111,7 +110,7 @@ class RankWindows(Source):
             raise StopIteration
         steps = [q for q, _ in parts]
         self.reader.applied(steps)
-        window = pa.concat_tables([t for _, t in parts])
+        window = concat_episodes([t for _, t in parts])
         self._position = _union(self._position, steps, window.num_rows)
         self._own_parts[self._position["queue_step"]] = self.own_step
         return window

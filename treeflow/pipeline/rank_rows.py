@@ -31,7 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from treeflow.schemas.episode import EPISODE_SCHEMA, open_episode_file, validate_episodes
+from treeflow.schemas.episode import (EPISODE_SCHEMA, concat_episodes, is_episode_schema,
+                                      open_episode_file, validate_episodes)
 from treeflow.schemas.window import mark_unvalidated
 
 __all__ = ["mapped", "mapped_window", "read_rows"]
@@ -50,7 +51,7 @@ def _mapped(path: str) -> pa.Table | None:
 def _ipc_table(path: str) -> pa.Table | None:
     """The file's rows, mapped, if it is an IPC file in the episode schema of this version."""
     table = _mapped(path)
-    if table is None or not table.schema.equals(EPISODE_SCHEMA, check_metadata=False):
+    if table is None or not is_episode_schema(table.schema):
         return None
     version = EPISODE_SCHEMA.metadata[b"treeflow.schema"]
     return table if (table.schema.metadata or {}).get(b"treeflow.schema", version) == version else None
@@ -117,7 +118,7 @@ def mapped_window(pieces: list, *, vocab_size: int | None = None,
         if table is None:
             return None
         parts.append(table.slice(lo, hi - lo))
-    window = pa.concat_tables(parts) if parts else EPISODE_SCHEMA.empty_table()
+    window = concat_episodes(parts)
     ids = window.column("episode_id")
     if ids.null_count or pc.count_distinct(ids).as_py() != window.num_rows:
         dup = [v["values"] for v in pc.value_counts(ids).to_pylist() if v["counts"] > 1]
@@ -141,4 +142,4 @@ def read_rows(pieces: list, rows: np.ndarray, *, vocab_size: int | None = None,
             out.append(validate_episodes(table, source=path, vocab_size=vocab_size,
                                          route_width=route_width))
         start += hi - lo
-    return pa.concat_tables(out) if out else EPISODE_SCHEMA.empty_table()
+    return concat_episodes(out)

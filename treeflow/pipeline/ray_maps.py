@@ -36,7 +36,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.schemas.episode import (concat_episodes, episode_schema, routes_id_type,
+                                      validate_episodes)
 
 TAGS = ("_window", "_rank")
 
@@ -75,7 +76,7 @@ def read_window(pieces, vocab_size, route_width=None) -> pa.Table:
         table = open_episode_file(path).take(pa.array(np.arange(a, b)))
         parts.append(validate_episodes(table, source=path, row_offset=row0, vocab_size=vocab_size,
                                        route_width=route_width))
-    return pa.concat_tables(parts)
+    return concat_episodes(parts)
 
 
 # ------------------------------------------------------------------ operators
@@ -114,7 +115,8 @@ class StageOp:
         for w in windows_of(block):
             rows = rows_of(block, w)
             if self.first:
-                groups = [(-1, untag(rows).cast(EPISODE_SCHEMA))]
+                rows = untag(rows)
+                groups = [(-1, rows.cast(episode_schema(routes_id_type(rows.schema))))]
             else:
                 groups = [(int(r), untag(rows_of(rows, w, int(r))))
                           for r in np.unique(rows.column("_rank").to_numpy())]
@@ -170,7 +172,7 @@ def stage_ops(plans, ranks: int) -> list[StageOp]:
 
 def window_block(episodes: pa.Table, window: int) -> pa.Table:
     """A window read by the driver, as the first operator's input block."""
-    return tag(episodes.cast(EPISODE_SCHEMA), window, -1)
+    return tag(episodes.cast(episode_schema(routes_id_type(episodes.schema))), window, -1)
 
 
 class WindowRead:
@@ -195,7 +197,7 @@ class WindowRead:
                             return
                         # windows of several files may differ in their columns' order: the
                         # episode schema, which the first stage casts to anyway
-                        yield pa.concat_tables([window_block(read_window(pieces, vocab_size,
+                        yield concat_episodes([window_block(read_window(pieces, vocab_size,
                                                                          route_width), w)
                                                 for w, pieces in group])
                     rows = sum(b - a for _, pieces in group for _, a, b, _ in pieces)

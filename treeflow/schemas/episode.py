@@ -9,8 +9,10 @@ from treeflow.schemas.episode_check import validate_episodes
 from treeflow.schemas.episode_files import (count_rows, expand_paths, iter_episode_batches,
                                             open_episode_file, read_episodes)
 from treeflow.schemas.episode_schema import (CALL_TYPE, EPISODE_SCHEMA, EXECUTION_TYPE,
-                                             SCHEMA_VERSION, concat_episodes)
+                                             SCHEMA_VERSION, concat_episodes, episode_schema,
+                                             is_episode_schema, routes_id_type)
 
 __all__ = ["CALL_TYPE", "EPISODE_SCHEMA", "EXECUTION_TYPE", "SCHEMA_VERSION", "concat_episodes",
-           "count_rows", "expand_paths", "iter_episode_batches", "open_episode_file",
-           "read_episodes", "validate_episodes"]
+           "count_rows", "episode_schema", "expand_paths", "is_episode_schema",
+           "iter_episode_batches", "open_episode_file", "read_episodes", "routes_id_type",
+           "validate_episodes"]

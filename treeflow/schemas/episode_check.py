@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from treeflow.schemas._strict import refuse_lossy_cast
+from treeflow.schemas.arrays import one_array
 from treeflow.schemas.route_check import check_sentinels
-from treeflow.schemas.episode_schema import (CALL_TYPE, EPISODE_SCHEMA, SAMPLED_LISTS,
-                                             check_version)
+from treeflow.schemas.episode_schema import (CALL_TYPE, SAMPLED_LISTS,
+                                             check_version, episode_schema, routes_id_type)
 
 __all__ = ["validate_episodes"]
 
@@ -89,7 +90,9 @@ def validate_episodes(
     vocab_size: int | None = None,
     route_width: int | None = None,
 ) -> pa.Table:
-    """Check `table` against the episode schema and return it cast to it.
+    """Check `table` against the episode schema and return it cast to it; `routed_experts` ids
+    stay uint8 when given so (compact, schemas/route_ids.py), any other integer type is cast to
+    int16.
 
     route_width: the `routed_experts` width a model replays (MoE layers x top_k); routes of
     another width are refused naming the episode and both widths.
@@ -106,7 +109,8 @@ def validate_episodes(
                              "'episode_id' (string) and 'calls' (list of call structs)")
     n = table.num_rows
     cols = {}
-    for field in EPISODE_SCHEMA:
+    schema = episode_schema(pa.uint8() if routes_id_type(table.schema) == pa.uint8() else pa.int16())
+    for field in schema:
         if field.name == "sample_index" and (field.name not in names
                                              or table.column(field.name).null_count == n):
             # absent, or all null (a table built with EPISODE_SCHEMA and no sample_index): row order
@@ -116,7 +120,7 @@ def validate_episodes(
         else:
             col = pa.chunked_array([pa.nulls(n, field.type)])
         if field.name == "calls":
-            col = _cast_calls(table, col, source, row_offset)
+            col = _cast_calls(table, col, source, row_offset, field.type.value_type)
         else:
             col = _cast(col, field.type, f"column {field.name!r}", source)
         if not field.nullable and col.null_count:
@@ -125,8 +129,8 @@ def validate_episodes(
                    "them by row order" if field.name == "sample_index" else "it is required")
             raise ValueError(f"{_name(table, row, source, row_offset)}: field {field.name!r} is null; "
                              f"{fix}")
-        cols[field.name] = col.combine_chunks()
-    out = pa.Table.from_arrays([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
+        cols[field.name] = one_array(col)
+    out = pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
     _check_calls(out, source, row_offset, vocab_size)
     if route_width is not None:  # routes to be replayed: their width, then their ids
         _check_route_width(out, source, row_offset, route_width)
@@ -145,7 +149,7 @@ def validate_episodes(
     return out
 
 
-def _cast_calls(table, col, source, row_offset):
+def _cast_calls(table, col, source, row_offset, call_type):
     t = col.type
     if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
         raise ValueError(f"{source}: column 'calls' has type {t}; expected list<struct<token_ids, "
@@ -159,17 +163,17 @@ def _cast_calls(table, col, source, row_offset):
     if unknown:
         raise ValueError(f"{source}: calls[] has unknown field(s) {sorted(unknown)}; known fields are "
                          f"{[f.name for f in CALL_TYPE]}")
-    col = col.combine_chunks()
+    col = one_array(col)
     flat = col.flatten()
     children = []
-    for f in CALL_TYPE:
+    for f in call_type:
         if f.name in inner:
             child = flat.field(f.name)
             child = _cast(child, f.type, f"calls[].{f.name}", source)
         else:
             child = pa.nulls(len(flat), f.type)
         children.append(child)
-    structs = pa.StructArray.from_arrays(children, fields=list(CALL_TYPE), mask=flat.is_null())
+    structs = pa.StructArray.from_arrays(children, fields=list(call_type), mask=flat.is_null())
     offsets = col.offsets
     if col.offset or col.null_count:
         # rebuild the offsets so that the list starts at zero; nulls are reported later

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from treeflow.schemas._strict import warn_unknown_columns
 from treeflow.schemas.episode_check import validate_episodes
-from treeflow.schemas.episode_schema import EPISODE_SCHEMA, check_version
+from treeflow.schemas.episode_schema import EPISODE_SCHEMA, check_version, concat_episodes
 
 __all__ = ["count_rows", "expand_paths", "iter_episode_batches", "open_episode_file",
            "read_episodes"]
@@ -195,7 +195,4 @@ def iter_episode_batches(
 
 def read_episodes(paths, *, vocab_size: int | None = None) -> pa.Table:
     """Read and validate every episode of one or many files into one table."""
-    tables = list(iter_episode_batches(paths, batch_rows=1 << 16, vocab_size=vocab_size))
-    if not tables:
-        return EPISODE_SCHEMA.empty_table()
-    return pa.concat_tables(tables)
+    return concat_episodes(iter_episode_batches(paths, batch_rows=1 << 16, vocab_size=vocab_size))

@@ -17,20 +17,21 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from treeflow.schemas.route_ids import route_ids
+
 __all__ = ["check_sentinels"]
 
 
 def check_sentinels(routes: pa.Array, rvalid: np.ndarray, rlen: np.ndarray, fail) -> None:
-    """`routes`: the calls' routed_experts (list<list<int16>>, one route per token, one width);
+    """`routes`: the calls' routed_experts (list<list<int16 | uint8>>, one route per token, one width);
     `rvalid`/`rlen`: which calls hold routes and how many; `fail(call, message)` raises."""
     inner = routes.flatten()
     if not len(inner):
         return
-    values = inner.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    width = len(values) // len(inner)
-    if not width or not (values < 0).any():
+    ids_TW = route_ids(inner)
+    width = ids_TW.shape[1]
+    if not width or not (ids_TW < 0).any():
         return
-    ids_TW = values.reshape(-1, width)
     counts = np.where(rvalid, rlen, 0)
     owner_T = np.repeat(np.arange(len(counts)), counts)
     first_T = np.repeat(np.cumsum(counts) - counts, counts)

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.schemas.episode import EPISODE_SCHEMA, concat_episodes, validate_episodes
 
 __all__ = ["is_unvalidated", "mark_unvalidated", "validate_taken", "validated_where_taken"]
 
@@ -69,4 +69,4 @@ def validate_taken(window: pa.Table, rows: np.ndarray, taken: pa.Table) -> pa.Ta
         start += hi - lo
     if start != window.num_rows:
         raise AssertionError(f"marked window of {window.num_rows} rows holds pieces of {start}")
-    return pa.concat_tables(out) if out else EPISODE_SCHEMA.empty_table()
+    return concat_episodes(out)

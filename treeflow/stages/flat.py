@@ -11,6 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from treeflow.schemas.arrays import one_array
+from treeflow.schemas.route_ids import route_ids
+
 
 def list_offsets(arr: pa.Array) -> np.ndarray:
     """int64 offsets of a list array, rebased to zero."""
@@ -78,7 +81,7 @@ class Calls:
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "Calls":
-        calls = table.column("calls").combine_chunks()
+        calls = one_array(table.column("calls"))
         n_calls = pc.list_value_length(calls).to_numpy(zero_copy_only=False).astype(np.int64)
         flat = calls.flatten()
         toks = flat.field("token_ids")
@@ -120,9 +123,8 @@ class Calls:
         if rpresent.any():
             if not rpresent.all():
                 _mixed_routes(table.column("episode_id"), call_row, rpresent)
-            inner = routes.flatten()
-            width = int(pc.list_value_length(inner)[0].as_py()) if len(inner) else 0
-            routes_tw = list_values(inner, np.int16).reshape(-1, width) if width else None
+            ids_TW = route_ids(routes.flatten())
+            routes_tw = ids_TW if ids_TW.shape[1] else None
         si = table.column("sample_index")
         if si.null_count:  # validate_episodes numbers them; a table that skipped it must not pass
             row = int(np.flatnonzero(si.is_null().to_numpy(zero_copy_only=False))[0])

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.schemas.layout import BIN_SCHEMA, LAYOUT_SCHEMA
+from treeflow.schemas.route_ids import route_ids
 from treeflow.stages.flat import list_offsets, list_values, ranges
 from treeflow.stages.base import Stage
 from treeflow.stages._fragment_plan import BinPlan, plan
@@ -157,7 +158,7 @@ class _Columns:
             if routes.null_count < len(routes):
                 inner = routes.flatten()
                 width = len(inner[0]) if len(inner) else 0
-                self._routes = (list_values(inner, np.int16).reshape(-1, max(width, 1)),
+                self._routes = (route_ids(inner).reshape(-1, max(width, 1)),
                                 list_offsets(routes))
         return None if self._routes[0] is None else self._routes
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import pyarrow as pa
 
-from treeflow.schemas.episode import EPISODE_SCHEMA
+from treeflow.schemas.episode import EPISODE_SCHEMA, is_episode_schema
 from treeflow.schemas.layout import LAYOUT_SCHEMA
 from treeflow.schemas.window import is_unvalidated, validate_taken
 from treeflow.stages.flat import Calls, ranges, segment_ids
@@ -102,7 +102,7 @@ class Pack(Stage):
 
     def __call__(self, episodes: pa.Table, *, step: int = 0, binding=None) -> pa.Table:
         """The window's layouts; bound to a rank (`binding`, a RankBinding), its share's."""
-        if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
+        if not is_episode_schema(episodes.schema):
             raise TypeError("Pack takes validated episodes: pass the table through "
                             "treeflow.schemas.validate_episodes (or read it with read_episodes)")
         if binding is None or binding.rank is None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from treeflow.schemas.episode import EPISODE_SCHEMA
+from treeflow.schemas.episode import is_episode_schema
 from treeflow.stages.flat import Calls
 
 
 class Slots:
     def __init__(self, episodes: pa.Table):
-        if not EPISODE_SCHEMA.equals(episodes.schema, check_metadata=False):
+        if not is_episode_schema(episodes.schema):
             raise TypeError("slots need the validated episode table (EPISODE_SCHEMA)")
         self.calls = calls = Calls.from_table(episodes)
         self.episode_ids = calls.episode_ids

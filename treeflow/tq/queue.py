@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
+from treeflow.schemas.episode import concat_episodes, validate_episodes
 from treeflow.tq.ledger import END, Group, Ledger, QueueClosed
 
 __all__ = ["END", "Leased", "Queue", "StepRejected"]
@@ -270,7 +270,7 @@ class Queue:
         for info, payloads in self._ledger.dead_letters():
             tables = self._store.read(payloads)
             try:
-                episodes = (pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table())
+                episodes = concat_episodes(tables)
             except (pa.ArrowException, TypeError):
                 episodes = None
             out.append({**info, "episodes": episodes})
@@ -321,7 +321,7 @@ def _step_table(tables: list, got, vocab_size: int | None) -> pa.Table:
             raise ValueError(f"queue step {got.step}: payload {i} is a {type(t).__name__}, not "
                              "an Arrow table of episodes")
     try:
-        table = pa.concat_tables(tables) if tables else EPISODE_SCHEMA.empty_table()
+        table = concat_episodes(tables)
     except pa.ArrowException as e:
         raise ValueError(f"queue step {got.step}: its payloads do not share one schema ({e})") \
             from None
