@@ -167,7 +167,7 @@ def train_steps(path: str, size: int, eps, budget: int, steps: int = 2) -> dict:
     fwd = Forward(model=path, context_parallel=c)
     red = Reduce(loss=Loss(kind="pg", norm="seq-mean"),
                  schedule=EpisodeSchedule(lr=1e-2, warmup_episodes=2, decay_episodes=8))
-    shard = (Shard(num_ranks=dp.replicas),) if dp.replicas > 1 else ()
+    shard = (Shard(),) if dp.replicas > 1 else ()
     pipe = Pipeline(Pack(), Fragment(max_tokens=budget), *shard, fwd, red).for_rank(dp.replicas)
     tr = Trainer(fwd, red, dp=dp, grad_sum="float64")
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=4, trainer=tr)][:steps]

@@ -60,8 +60,8 @@ def bins(eps, ranks: int):
     from treeflow.stages import RankBinding
 
     layouts = Pack(layout="tree")(eps)
-    return Shard(num_ranks=ranks)(Fragment(max_tokens=MAX_TOKENS)(layouts,
-                                                                  binding=RankBinding(ranks)))
+    return Shard()(Fragment(max_tokens=MAX_TOKENS)(layouts,
+                                                                  binding=RankBinding(ranks)), ranks=ranks)
 
 
 def logprobs(trainer, eps) -> np.ndarray:

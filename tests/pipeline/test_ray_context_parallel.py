@@ -108,7 +108,7 @@ def test_one_rank_of_two_ray_actors_trains_as_two_local_processes(ray_cluster, d
 
 
 def replay_pipe(cp):
-    return Pipeline(Pack(), Fragment(max_tokens=2 * BUDGET), Shard(num_ranks=1),
+    return Pipeline(Pack(), Fragment(max_tokens=2 * BUDGET), Shard(),
                     Forward(context_parallel=cp), Reassemble())
 
 

@@ -33,7 +33,7 @@ def data(tmp_path_factory):
 
 
 def replay_pipe(ranks):
-    return Pipeline(Pack(), Fragment(max_tokens=96, pad_to_multiple=ranks), Shard(num_ranks=ranks),
+    return Pipeline(Pack(), Fragment(max_tokens=96, pad_to_multiple=ranks), Shard(),
                     Forward(entropy=True), Reassemble(entropy=True))
 
 
@@ -110,7 +110,8 @@ def test_a_training_rank_refuses_a_window_out_of_order(data):
 
 def test_a_rank_runs_only_the_bins_shard_dealt_it(data):
     # Shard's deal decides which actor runs a bin: rank r's actor runs the bins of rank r
-    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward(), Reassemble())
+    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Shard(), Forward(),
+                    Reassemble()).for_rank(2, shares=False)
     whole = Files(paths=data.paths, episodes_per_step=12)  # one window, 8 bins
     (block,) = _blocks(pipe.plan, whole, 1, ranks=2)
     bins = pipe.plan.prepare(pipe.plan.episodes(list(whole)[0], step=0), step=0)
@@ -245,7 +246,7 @@ def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
     from treeflow.stages import Advantage
 
     def plan(r):
-        return Pipeline(Advantage(), Pack(), Fragment(max_tokens=64), Shard(num_ranks=2),
+        return Pipeline(Advantage(), Pack(), Fragment(max_tokens=64), Shard(),
                         Forward(), Reduce(loss=Loss(kind="pg"))).plan.for_rank(2, r)
 
     plans = [plan(0), plan(1)]
@@ -269,7 +270,7 @@ def test_each_cpu_stage_is_its_own_ray_data_operator(ray_cluster, data):
     from treeflow.stages import Advantage
 
     pipe = Pipeline(Advantage(), Pack(), Fragment(max_tokens=96, pad_to_multiple=2),
-                    Shard(num_ranks=2), Forward(), Reassemble())
+                    Shard(), Forward(), Reassemble())
     engine = RayRanks(pipe.plan, ranks=2)
     try:
         got = outputs(engine.run(data))

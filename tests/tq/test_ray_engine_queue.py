@@ -204,8 +204,8 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
     from treeflow.pipeline.queue_source import acknowledged
     from treeflow.stages import Forward, Fragment, Pack, Shard
 
-    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=48), Shard(num_ranks=2),
-                    Forward(model="tiny"))
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=48), Shard(),
+                    Forward(model="tiny")).for_rank(2, shares=False)
     q = local_queue()
     fill(q, small)
     reader = QueueSource(episodes_per_step=B).open(q)

@@ -38,7 +38,7 @@ def _replay(args) -> int:
     forward = configs.forward(args, entropy=args.entropy)
     sums = replay_logprobs(logprobs_pipeline(forward, layout=args.layout, scope=args.scope,
                                              share_rules=args.share_rules,
-                                             max_tokens=args.max_tokens, num_ranks=args.num_ranks),
+                                             max_tokens=args.max_tokens),
                            configs.files(args, forward), args.output, inputs=args.files,
                            device=args.device, engine=configs.engine(args),
                            prefetch=args.prefetch, quiet=args.json or args.quiet, log=say)

@@ -17,7 +17,7 @@ __all__ = ["LocalEngine"]
 
 class LocalEngine(Engine):
     """Runs the plan here. ranks: the data-parallel ranks the run has (each its own process;
-    this is one of them), as `Shard(num_ranks=)` deals the bins."""
+    this is one of them), as Shard deals the bins (the plan bound to them, Engine.bind)."""
 
     name = "local"
     owns_processes = False
@@ -36,7 +36,10 @@ class LocalEngine(Engine):
             steps: int | None = None):
         from treeflow.pipeline.local import run_local
 
-        plan = pipeline.plan
+        # a trainer given from outside is one of its process group's replicas (a runtime
+        # handle): an unbound plan deals its bins to as many
+        plan = self.bind(pipeline.plan, ranks=None if trainer is None or self.ranks > 1
+                         else _replicas(trainer))
         if plan.fused and trainer is None:  # a training pipeline run on its own: a new Trainer
             from treeflow.train import Trainer
 
@@ -45,3 +48,10 @@ class LocalEngine(Engine):
         worker = plan.worker(device=device, trainer=trainer) if trainer is not None else None
         records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch)
         return records if steps is None else itertools.islice(records, steps)
+
+
+def _replicas(trainer) -> int:
+    """The data-parallel replicas of a Trainer or of the training operator holding one."""
+    from treeflow.ops.train import TrainOp
+
+    return trainer.replicas if isinstance(trainer, TrainOp) else trainer.dp.replicas

@@ -42,7 +42,7 @@ class RayEngine(Engine):
             steps: int | None = None):
         from treeflow.pipeline.ray import run_ray
 
-        plan = pipeline.plan
+        plan = self.bind(pipeline.plan)
         if trainer is not None:
             raise ValueError("engine='ray' builds its trainers in the rank actors; pass no "
                              "trainer (resume through treeflow.train.fit, or the CLI's --resume)")

@@ -42,7 +42,7 @@ def rank_stages(*, layout: str, scope: str | None, share_rules: str, max_tokens:
         return (Pack(layout=layout, scope=scope, share_rules=share_rules),
                 Fragment(max_tokens=max_tokens))
     return (Pack(layout=layout, scope=scope, share_rules=share_rules, cost=cost),
-            Fragment(max_tokens=max_tokens, cost=cost), Shard(num_ranks=num_ranks, cost=cost))
+            Fragment(max_tokens=max_tokens, cost=cost), Shard(cost=cost))
 
 
 def rank_binding(num_ranks: int, rank: int, exchange=None):

@@ -168,6 +168,8 @@ class RayRanks:
 
             train = RemoteTraining()
         self.cp = getattr(plan.model, "context_parallel", 1)  # actors per rank
+        if plans is None and plan.binding is None and ranks > 1:  # Shard deals to the ranks
+            plan = plan.for_rank(ranks, shares=False)
         plans = tuple(plans) if plans is not None else (plan,)
         if len(plans) not in (1, ranks):
             raise ValueError(f"{len(plans)} plans for {ranks} ranks: give one, or one per rank")

@@ -24,17 +24,17 @@ __all__ = ["logprobs_pipeline", "replay_logprobs"]
 
 
 def logprobs_pipeline(forward, *, layout: str = "tree", scope: str | None = None,
-                      share_rules: str = "default", max_tokens: int = 16384, num_ranks: int = 1):
+                      share_rules: str = "default", max_tokens: int = 16384):
     """Pack -> Fragment -> Shard -> `forward` -> Reassemble (entropies when the Forward computes
     them). max_tokens: one process's bin budget; a context-parallel group's bins hold
-    `forward.context_parallel` times it. num_ranks: the ranks Shard balances the bins over (the
-    Ray engine's forward actors), by the cost of the Forward's model."""
+    `forward.context_parallel` times it. Shard balances the bins, by the cost of the Forward's
+    model, over the ranks the engine binds the plan to (the Ray engine's forward actors)."""
     from treeflow.pipeline.pipeline import Pipeline
     from treeflow.stages import CostModel, Fragment, Pack, Reassemble, Shard
 
     return Pipeline(Pack(layout=layout, scope=scope, share_rules=share_rules),
                     Fragment(max_tokens=max_tokens * forward.context_parallel),
-                    Shard(num_ranks=num_ranks, cost=CostModel.from_config(
+                    Shard(cost=CostModel.from_config(
                         forward.model_config(), training=False)), forward,
                     Reassemble(entropy=forward.entropy))
 

@@ -208,9 +208,9 @@ def bin_stats(episodes: pa.Table, *, max_tokens: int, ranks: int = 1, step: int 
     from treeflow.stages import Fragment, Pack, Shard
     from treeflow.stages.shard import bin_costs
 
-    shard = Shard(num_ranks=ranks)
+    shard = Shard()
     bins, _ = shard.plan(Fragment(max_tokens=max_tokens, pad_to_multiple=ranks)(
-        Pack(layout="tree")(episodes, step=step)))
+        Pack(layout="tree")(episodes, step=step)), ranks=ranks)
     return pl.DataFrame({
         "step": np.full(bins.num_rows, step, dtype=np.int64),
         "bin_id": bins.column("bin_id").to_numpy(),

@@ -157,7 +157,7 @@ class DataParallel:
         ranks = bins.column("rank")
         if bins.num_rows and int(pc.max(ranks).as_py()) >= self.replicas:
             raise ValueError(f"bins were sharded for more ranks ({int(pc.max(ranks).as_py()) + 1}) "
-                             f"than run ({self.replicas}); use Shard(num_ranks={self.replicas})")
+                             f"than run ({self.replicas}); bind the plan to {self.replicas} ranks (Plan.for_rank)")
         return bins.filter(pc.equal(ranks, self.replica))
 
     # ---------------------------------------------------------------- agreement
