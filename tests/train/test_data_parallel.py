@@ -257,3 +257,32 @@ def test_ray_actor_group_ranks_equal_one_rank(ray_cluster):
     assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], rel=1e-6)
     for n, w in weights(tr).items():
         assert torch.equal(got[n], w), n
+
+
+def test_a_world_the_dims_cannot_split_is_refused_before_joining(monkeypatch):
+    """DataParallel.from_env reads the split from the engine's ParallelDims: a world that is
+    no multiple of its context-parallel size fails before any process waits in the group."""
+    import torch.distributed as dist
+
+    from treeflow.parallel import ParallelDims
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"3 processes, which ParallelDims\(.*cp=2.*groups of 2"):
+        DataParallel.from_env("cpu", dims=ParallelDims(cp=2))
+    assert not dist.is_initialized()
+    with pytest.raises(TypeError, match="give a ParallelDims"):
+        DataParallel.from_env("cpu", dims=2)
+
+
+def test_a_local_engine_will_not_train_a_split_without_its_group(tmp_path):
+    """A training pipeline split over processes needs the group's Trainer; the local engine
+    does not make one up from a single process (its gradient would not be summed)."""
+    from treeflow.engines import LocalEngine
+    from treeflow.parallel import ParallelDims
+
+    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Forward(), Reduce(loss=Loss(kind="nll")))
+    with pytest.raises(ValueError, match="give trainer="):
+        list(pipe.run(episodes(2), episodes_per_step=2,
+                      engine=LocalEngine(dims=ParallelDims(cp=2))))

@@ -17,7 +17,9 @@ __all__ = ["LocalEngine"]
 
 class LocalEngine(Engine):
     """Runs the plan here. ranks: the data-parallel ranks the run has (each its own process;
-    this is one of them), as Shard deals the bins (the plan bound to them, Engine.bind)."""
+    this is one of them), as Shard deals the bins (the plan bound to them, Engine.bind).
+    dims: all of the run's dimensions (ParallelDims; its cp or tp processes split each bin,
+    this process one of them)."""
 
     name = "local"
     owns_processes = False
@@ -43,10 +45,16 @@ class LocalEngine(Engine):
         if plan.fused and trainer is None:  # a training pipeline run on its own: a new Trainer
             from treeflow.train import Trainer
 
+            if self.dims.split > 1:
+                raise ValueError(f"{self!r} runs a training pipeline over a process group: "
+                                 "give trainer= (a Trainer with dp=DataParallel.from_env("
+                                 "dims=...)), or train through treeflow.train.fit_files")
+
             trainer = Trainer(plan.model, plan.accumulate, device=device,
                               max_tokens=plan.max_tokens)
         worker = plan.worker(device=device, trainer=trainer) if trainer is not None else None
-        records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch)
+        records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch,
+                            dims=self.dims)
         return records if steps is None else itertools.islice(records, steps)
 
 

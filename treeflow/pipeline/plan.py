@@ -174,12 +174,14 @@ class Plan:
                 data = map_bound(s, data, step, self.binding)
         return data
 
-    def worker(self, *, device="cpu", model=None, trainer=None, **options) -> Worker:
+    def worker(self, *, device="cpu", model=None, trainer=None, dims=None,
+               **options) -> Worker:
         """What one rank holds: the model op, or the training op of a fused plan.
 
         trainer: for a fused plan, the Trainer to continue or a built TrainOp (ops/train.py;
-        engines build a new Trainer when their caller gave none). options: the training op's
-        (checkpointing=, on_step=, ...).
+        engines build a new Trainer when their caller gave none; its process group says how
+        a bin is split). dims: the engine's ParallelDims, which split one bin of the model op
+        (build_forward). options: the training op's (checkpointing=, on_step=, ...).
         """
         if self.fused:
             op = physical(self.accumulate, forward=self.model, device=device, model=model,
@@ -192,7 +194,7 @@ class Plan:
             raise ValueError(f"options {sorted(options)} are for training pipelines (ending in "
                              "Reduce)")
         runner = None if self.model is None else physical(self.model, device=device, model=model,
-                                                          max_tokens=self.max_tokens)
+                                                          max_tokens=self.max_tokens, dims=dims)
         acc = None if self.accumulate is None else physical(self.accumulate)
         return Worker(self, runner=runner, accumulator=acc)
 
