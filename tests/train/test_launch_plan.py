@@ -80,6 +80,8 @@ def test_the_sizes_are_the_engines_dims(no_torchrun):
     with pytest.raises(ValueError, match="--tensor-parallel 0: give an integer >= 1"):
         dims(argparse.Namespace(num_ranks=1, tensor_parallel=0, context_parallel=1))
     assert dims(argparse.Namespace(num_ranks=3, context_parallel=2)) == ParallelDims(dp=3, cp=2)
+    with pytest.raises(ValueError, match="--context-parallel 2 with --tensor-parallel 2"):
+        dims(argparse.Namespace(num_ranks=1, context_parallel=2, tensor_parallel=2))
     with pytest.raises(ValueError, match="context and tensor parallelism together"):
         local(cp=2, tp=2)
     launch = Launch(train=True, engine=local(dp=3, cp=2))
