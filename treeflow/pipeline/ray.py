@@ -173,7 +173,8 @@ class RayRanks:
             from treeflow.train.remote import RemoteTraining
 
             train = RemoteTraining()
-        self.dims, self.cp = dims, dims.cp  # actors per rank
+        # actors per rank: the split of a replica (context-parallel processes; tp is refused)
+        self.dims, self.cp = dims, dims.split
         if plans is None and plan.binding is None and ranks > 1:  # Shard deals to the ranks
             plan = plan.for_rank(ranks, shares=False)
         plans = tuple(plans) if plans is not None else (plan,)

@@ -45,7 +45,7 @@ class RankActor:
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.plan, self.rank, self.dims, self.device = plan, rank, dims, device
-        self.cp = dims.cp  # processes per rank (the engine's ParallelDims)
+        self.cp = dims.split  # processes per rank (the engine's ParallelDims)
         self.cp_rank = cp_rank
         self.train = train  # training: a RemoteTraining (train/remote.py)
         self.worker = self.dp = self.publish = self.saved = None

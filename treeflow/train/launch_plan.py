@@ -111,9 +111,9 @@ class Launch:
             raise ValueError(f"training over {self.num_ranks} ranks failed: {e}") from None
 
     def _group(self) -> int:
-        """Logprobs mode: the processes of the one replica (Ray's context-parallel actors are
-        the engine's, not started here)."""
-        return self.dims.tp if self.dims.tp > 1 else self.dims.cp if not self._owned else 1
+        """Logprobs mode: the processes of the one replica, its split (Ray's actors are the
+        engine's, not started here)."""
+        return 1 if self._owned else self.dims.split
 
     def _check_tensor_parallel(self) -> None:
         tp = self.dims.tp
