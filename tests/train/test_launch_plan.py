@@ -77,7 +77,7 @@ def test_the_sizes_are_the_engines_dims(no_torchrun):
 
     from treeflow.cli.parallel import dims
 
-    with pytest.raises(ValueError, match="--tensor-parallel 0: give an integer >= 1"):
+    with pytest.raises(ValueError, match="--tensor-parallel 0: give 1 or more processes"):
         dims(argparse.Namespace(num_ranks=1, tensor_parallel=0, context_parallel=1))
     assert dims(argparse.Namespace(num_ranks=3, context_parallel=2)) == ParallelDims(dp=3, cp=2)
     with pytest.raises(ValueError, match="--context-parallel 2 with --tensor-parallel 2"):

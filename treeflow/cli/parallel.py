@@ -45,10 +45,12 @@ DIMS = {"dp": "num_ranks", "cp": "context_parallel", "tp": "tensor_parallel"}
 
 def dims(args):
     """The run's ParallelDims from the parsed flags (DIMS): what the engine owns."""
-    from treeflow.cli.common import positive
     from treeflow.parallel import ParallelDims
 
-    positive(args, *DIMS.values())  # the flag named, not the field it reaches
+    for dest in DIMS.values():  # the flag named, not the field it reaches
+        n = getattr(args, dest, None)
+        if n is not None and n < 1:
+            raise ValueError(f"--{dest.replace('_', '-')} {n}: give 1 or more processes")
     cp, tp = (getattr(args, DIMS[f], None) or 1 for f in ("cp", "tp"))
     if cp > 1 and tp > 1:
         raise ValueError(f"--context-parallel {cp} with --tensor-parallel {tp} is not supported "
