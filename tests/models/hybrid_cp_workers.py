@@ -1,8 +1,8 @@
 """Rank function of the hybrid context-parallel tests (test_hybrid_context_parallel.py).
 
 Every spawned process runs every configuration (family, fork, state dtype, episodes, budget)
-through Pack -> Fragment -> Forward split as ParallelDims(cp=C) on its share of each bin, and returns
-the group's values: occurrence logprobs and weighted-sum gradients summed over the group (an
+through Pack -> Fragment -> Forward split as ParallelDims(cp=C) on its share of each bin, and
+returns the group's values: occurrence logprobs and weighted-sum gradients summed over the group (an
 edge another rank owns is zero here, so the sums are every edge's value and the whole
 gradient). The parent compares them with one process and with transformers call by call.
 """

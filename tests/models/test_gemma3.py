@@ -131,7 +131,8 @@ def test_what_gemma3_does_not_run_is_refused_by_name(pair):
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="layer"))
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): context parallelism"):
-        build_forward(Forward(), model=load_backend("reference", str(path)), dims=ParallelDims(cp=2))
+        build_forward(Forward(), model=load_backend("reference", str(path)),
+                      dims=ParallelDims(cp=2))
     pytest.importorskip("megatron.core")
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): the megatron backend"):
         load_backend("megatron", str(path))

@@ -99,7 +99,8 @@ def test_what_gpt_oss_does_not_run_is_refused_by_name(pair):
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="mlp"))
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): context parallelism"):
-        build_forward(Forward(), model=load_backend("reference", str(path)), dims=ParallelDims(cp=2))
+        build_forward(Forward(), model=load_backend("reference", str(path)),
+                      dims=ParallelDims(cp=2))
 
 
 def test_captured_routes_are_left_unused_with_a_warning(pair, rows):

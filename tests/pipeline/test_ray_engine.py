@@ -145,7 +145,8 @@ def test_killed_rank_is_restarted_and_its_bins_rerun(ray_cluster, data, tmp_path
     marker = tmp_path / "killed"
     pipe = replay_pipe(2)
     local = outputs(pipe.run(data))
-    records = list(run_ray(pipe.plan, data, dims=ParallelDims(dp=2), rank_cls=dies_once(str(marker))))
+    records = list(run_ray(pipe.plan, data, dims=ParallelDims(dp=2),
+                           rank_cls=dies_once(str(marker))))
     assert marker.exists()  # a rank did die
     assert sum(r.stats["redelivered_parts"] for r in records) >= 1  # and its window was re-run
     assert outputs(records).equals(local)
