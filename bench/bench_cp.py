@@ -52,6 +52,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from treeflow.models.context_parallel import cp_bounds, exchange_stats  # noqa: E402
+from treeflow.parallel import ParallelDims  # noqa: E402
 from treeflow.pipeline.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
@@ -112,9 +113,8 @@ def _rank_run(model: str, size: int, eps, bin_budget: int, device: str, dtype: s
     from treeflow.stages import Forward, Loss, Reduce
     from treeflow.train import DataParallel, Trainer
 
-    dp = DataParallel.from_env(device, context_parallel=size) if size > 1 else \
-        DataParallel.from_env(device)
-    fwd = Forward(model=model, context_parallel=size, dtype=dtype)
+    dp = DataParallel.from_env(device, dims=ParallelDims(cp=size))
+    fwd = Forward(model=model, dtype=dtype)  # the context parallelism is dp's group's
     tr = Trainer(fwd, Reduce(loss=Loss(kind="nll", norm="token")), dp=dp)
     bins = Fragment(max_tokens=bin_budget)(Pack(scope="group")(eps)).slice(0, 1)
     values = tr.logprobs(bins)
@@ -184,7 +184,7 @@ def _rank_overlap(size: int, parents, shape: tuple, kernel: str, device: str, dt
     from treeflow.train import DataParallel
     from treeflow.tree import depths_from_parents
 
-    dp = DataParallel.from_env(device, context_parallel=size)
+    dp = DataParallel.from_env(device, dims=ParallelDims(cp=size))
     cp, dev = dp.cp, torch.device(dp.device)
     heads, kv_heads, dim = shape
     parents = np.asarray(parents, dtype=np.int64)

@@ -84,9 +84,9 @@ def _scaling_rank(cfg: dict) -> dict:
                                 intermediate=c.intermediate_size, heads=c.num_attention_heads,
                                 kv_heads=c.num_key_value_heads, vocab=c.vocab_size)
     pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=cfg["max_tokens"]),
-                    Shard(num_ranks=dp.world, cost=cost), fwd, red)
-    if cfg["deal"]:  # Fragment deals whole trees to the ranks
-        pipe = pipe.for_rank(dp.world)
+                    Shard(cost=cost), fwd, red)
+    # Fragment deals whole trees to the ranks, or Shard deals the whole step's bins
+    pipe = pipe.for_rank(dp.world, shares=bool(cfg["deal"]))
     tr = Trainer(fwd, red, model=model, dp=dp, max_tokens=cfg["max_tokens"],
                  overlap_reduce=cfg["overlap"])
     rows, walls, local = [], [], []
@@ -109,7 +109,7 @@ def _scaling_rank(cfg: dict) -> dict:
         every = [local]
     dp.close()
     # what each rank ran: the plan again on the CPU (Pack, Fragment and Shard are deterministic)
-    shapes = _rank_shapes(eps, batch, frag, Shard(num_ranks=dp.world, cost=cost), cost)
+    shapes = _rank_shapes(eps, batch, frag, Shard(cost=cost), cost, dp.world)
     per_step = []
     for s in range(len(rows)):
         step = {k: [every[r][s][k] for r in range(dp.world)] for k in (*TIMING, "wall_s", "new_graphs")}
@@ -143,7 +143,7 @@ def _episodes(cfg, total):
                           seed=cfg["seed"], **small)
 
 
-def _rank_shapes(eps, batch, frag, shard, cost) -> list[dict]:
+def _rank_shapes(eps, batch, frag, shard, cost, ranks) -> list[dict]:
     """Per window, per rank: real bins, tokens, attention pairs, edges and modelled cost."""
     import numpy as np
 
@@ -152,7 +152,7 @@ def _rank_shapes(eps, batch, frag, shard, cost) -> list[dict]:
 
     out = []
     for w in range(eps.num_rows // batch):
-        bins, _ = shard.plan(frag(Pack(layout="tree")(eps.slice(w * batch, batch))))
+        bins, _ = shard.plan(frag(Pack(layout="tree")(eps.slice(w * batch, batch))), ranks=ranks)
         rank = bins.column("rank").to_numpy()
         pos = [np.asarray(p, dtype=np.int64) for p in bins.column("positions").to_pylist()]
         tokens = np.array([len(p) for p in pos])
@@ -161,7 +161,7 @@ def _rank_shapes(eps, batch, frag, shard, cost) -> list[dict]:
         costs = bin_costs(bins, cost)
 
         def per_rank(v):
-            return np.bincount(rank, weights=v, minlength=shard.num_ranks).tolist()
+            return np.bincount(rank, weights=v, minlength=ranks).tolist()
         out.append({"bins": per_rank((edges > 0).astype(float)), "tokens": per_rank(tokens),
                     "pairs": per_rank(pairs), "edges": per_rank(edges), "cost": per_rank(costs)})
     return out

@@ -74,12 +74,12 @@ def _best(fn, repeats: int, max_seconds: float):
 
 
 def _treeflow_row(layouts, budget, ranks, repeats, max_seconds):
-    shard = Shard(num_ranks=ranks)
+    shard = Shard()
     fragment = Fragment(max_tokens=budget, pad_to_multiple=ranks)
     plan_s, _ = _best(lambda: plan_bins(layouts, max_tokens=budget, pad_to_multiple=ranks),
                       repeats, max_seconds)
     full_s, bins = _best(lambda: fragment(layouts), repeats, max_seconds)
-    shard_s, (bins, report) = _best(lambda: shard.plan(bins), repeats, max_seconds)
+    shard_s, (bins, report) = _best(lambda: shard.plan(bins, ranks=ranks), repeats, max_seconds)
     executed = int(pc.sum(pc.list_value_length(bins.column("tokens"))).as_py() or 0)
     repeated = int(pc.sum(bins.column("repeated_tokens")).as_py() or 0)
     return {"bins": bins.num_rows, "executed_tokens": executed, "padding_tokens": 0,

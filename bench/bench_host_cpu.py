@@ -107,7 +107,7 @@ def _stages(path, layout, max_tokens, window, runner, out_dir) -> tuple[dict, di
         wall[name] = wall.get(name, 0.0) + time.perf_counter() - w0
         return r
 
-    pack, frag, shard = Pack(layout=layout), Fragment(max_tokens=max_tokens), Shard(num_ranks=1)
+    pack, frag, shard = Pack(layout=layout), Fragment(max_tokens=max_tokens), Shard()
     reasm = Reassemble()
     nbins = 0
     it = iter(Files(paths=(path,), episodes_per_step=window, vocab_size=runner.vocab_size))
@@ -133,7 +133,7 @@ def _stages(path, layout, max_tokens, window, runner, out_dir) -> tuple[dict, di
 
 def _engine(path, layout, max_tokens, window, runner, out_dir) -> dict:
     """The local engine end to end with the no-op model, results written as the CLI does."""
-    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=max_tokens), Shard(num_ranks=1),
+    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=max_tokens), Shard(),
                     Forward(), Reassemble())
     from treeflow.pipeline.plan import Worker
 

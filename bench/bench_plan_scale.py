@@ -8,9 +8,9 @@ the way a trainer rank does and reports its seconds (best of --repeats, one core
 and the peak traced by tracemalloc):
 
 - `whole`: today's planner before sharded planning -- Pack the whole step,
-  Fragment bound to R ranks (deal the layouts, pack every share), `Shard(num_ranks=R)` over all bins;
+  Fragment bound to R ranks (deal the layouts, pack every share), Shard over R ranks over all bins;
   every rank does all of it and keeps its own bins, so one rank's time is the whole plan's.
-- `sharded`: Pack, Fragment (bound to rank r of R) and `Shard(num_ranks=R)`
+- `sharded`: Pack, Fragment (bound to rank r of R) and Shard over R ranks
   (treeflow.pipeline.rank_plan.rank_stages, rank_binding): rank r reads offsets of the whole step and the
   tokens of its own trees only, packs its provisional share, and deals on the exact tree costs the planning
   exchange returns (stages/_exchange.py); the exchange's result (every tree's exact cost, the
@@ -145,8 +145,8 @@ def worker(args) -> dict:
 
     def whole(rank):
         layouts = Pack(layout="tree", scope=args.scope)(table)
-        bins, _ = Shard(num_ranks=ranks).plan(Fragment(max_tokens=args.max_tokens)(
-            layouts, binding=RankBinding(ranks)))
+        bins, _ = Shard().plan(Fragment(max_tokens=args.max_tokens)(
+            layouts, binding=RankBinding(ranks)), ranks=ranks)
         return bins.filter(pc.equal(bins.column("rank"), rank)), bins
 
     def sharded(rank):

@@ -75,7 +75,9 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
     (["--engine", "ray", "--shard-params", "--num-ranks", "2"], "--shard-params"),
     (["--engine", "ray", "--kernel", "causal"], "--kernel causal"),
     (["--engine", "ray", "--backend", "megatron"], "--backend reference"),
-    (["--tensor-parallel", "2", "--backend", "megatron"], "--backend reference"),
+    # both splits at once: refused where the flags become the engine's ParallelDims
+    (["--tensor-parallel", "2", "--backend", "megatron"], "--context-parallel 2 with "
+                                                          "--tensor-parallel 2"),
     (["--context-parallel", "0"], "--context-parallel 0"),
 ])
 def test_refused_combinations_name_the_flag(data, capsys, extra, flag):

@@ -69,7 +69,7 @@ def test_gate_refuses_what_this_build_lacks_by_name(capsys):
     if not _has("routing"):
         assert main(["gate", "--routing", "replay"]) == 2
         assert "--routing replay" in capsys.readouterr().err
-    if not _has("context_parallel"):
+    if not _has_dim("cp"):  # context parallelism is the engine's ParallelDims, not Forward's
         assert main(["gate", "--context-parallel", "2"]) == 2
         assert "--context-parallel 2" in capsys.readouterr().err
     assert main(["gate", "--episodes", "6"]) == 2                      # not whole groups of 4
@@ -84,6 +84,14 @@ def _has(field):
     from treeflow.stages import Forward
 
     return field in {f.name for f in dataclasses.fields(Forward)}
+
+
+def _has_dim(field):
+    import dataclasses
+
+    from treeflow.parallel import ParallelDims
+
+    return field in {f.name for f in dataclasses.fields(ParallelDims)}
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +239,17 @@ def test_gate_at_context_parallel_2_fails_naming_each_fault(fault, moe, cause, c
 
 
 def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
+    from treeflow.parallel import ParallelDims
     from treeflow.pipeline import Gate, run_gate
     from treeflow.stages import Forward, Loss, Reduce
     from treeflow.tq import open_queue
 
     queue = open_queue()   # in-process: the trainer's processes could not attach to it
     with pytest.raises(ValueError, match="attach to the\\s+queue by its address"):
-        run_gate(queue, forward=Forward(model="tiny", context_parallel=2),
+        run_gate(queue, forward=Forward(model="tiny"), dims=ParallelDims(cp=2),
                  reduce=Reduce(loss=Loss(kind="pg")), gate=Gate(episodes=4))
+    for dims in (ParallelDims(dp=2), ParallelDims(tp=2)):  # the gate trains one replica
+        with pytest.raises(ValueError, match=r"run_gate\(dims=.*give ParallelDims\(cp=C\)"):
+            run_gate(queue, forward=Forward(model="tiny"), dims=dims,
+                     reduce=Reduce(loss=Loss(kind="pg")), gate=Gate(episodes=4))
     assert not queue.stats()["closed"]   # refused before anything started

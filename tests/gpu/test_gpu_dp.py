@@ -27,7 +27,7 @@ def _model(device):
 def _train(dp, device, dtype, layout, grad_sum="float32", deal=False):
     fwd = Forward(dtype=dtype)
     red = Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-3))
-    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=256), Shard(num_ranks=dp.world),
+    pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=256), Shard(),
                     fwd, red)
     if deal:  # Fragment deals whole trees to the ranks, as the plan bound to them does
         pipe = pipe.for_rank(dp.world)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from treeflow.parallel import ParallelDims
 from treeflow.pipeline import synth_episodes
 from treeflow.schemas import validate_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
@@ -93,11 +94,11 @@ def bins_of(eps, max_tokens: int = 4096):
 def bin_step(path: str, size: int, device: str = "cpu") -> dict:
     """Per case and kernel: the group's edge values, its summed gradients and what each rank held
     (gradients and values on the host)."""
-    dp = DataParallel.from_env(device, context_parallel=size)
+    dp = DataParallel.from_env(device, dims=ParallelDims(cp=size))
     out = {}
     for kernel in KERNELS:
         name, _, blocking = kernel.partition("/")
-        fwd = Forward(model=path, kernel=name, context_parallel=size, context_overlap=not blocking)
+        fwd = Forward(model=path, kernel=name, context_overlap=not blocking)
         tr = Trainer(fwd, reduce_nll(), dp=dp)
         for name, make in CASES.items():
             eps = make()
@@ -162,12 +163,12 @@ def train_steps(path: str, size: int, eps, budget: int, steps: int = 2) -> dict:
     from treeflow.pipeline import Pipeline
     from treeflow.stages import EpisodeSchedule, Shard
 
-    dp = DataParallel.from_env("cpu", context_parallel=size) if size else DataParallel()
+    dp = DataParallel.from_env("cpu", dims=ParallelDims(cp=size)) if size else DataParallel()
     c = dp.cp.size if dp.cp is not None else 1
-    fwd = Forward(model=path, context_parallel=c)
+    fwd = Forward(model=path)
     red = Reduce(loss=Loss(kind="pg", norm="seq-mean"),
                  schedule=EpisodeSchedule(lr=1e-2, warmup_episodes=2, decay_episodes=8))
-    shard = (Shard(num_ranks=dp.replicas),) if dp.replicas > 1 else ()
+    shard = (Shard(),) if dp.replicas > 1 else ()
     pipe = Pipeline(Pack(), Fragment(max_tokens=budget), *shard, fwd, red).for_rank(dp.replicas)
     tr = Trainer(fwd, red, dp=dp, grad_sum="float64")
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=4, trainer=tr)][:steps]

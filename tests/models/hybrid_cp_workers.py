@@ -1,8 +1,8 @@
 """Rank function of the hybrid context-parallel tests (test_hybrid_context_parallel.py).
 
 Every spawned process runs every configuration (family, fork, state dtype, episodes, budget)
-through Pack -> Fragment -> Forward(context_parallel=C) on its share of each bin, and returns
-the group's values: occurrence logprobs and weighted-sum gradients summed over the group (an
+through Pack -> Fragment -> Forward split as ParallelDims(cp=C) on its share of each bin, and
+returns the group's values: occurrence logprobs and weighted-sum gradients summed over the group (an
 edge another rank owns is zero here, so the sums are every edge's value and the whole
 gradient). The parent compares them with one process and with transformers call by call.
 """
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tests.models.moe_helpers import occurrence_logprobs
 from treeflow.models import Tuning, load_backend
+from treeflow.parallel import ParallelDims
 from treeflow.train import DataParallel
 
 
@@ -25,7 +26,7 @@ def cp_values(backend, rows, weights: dict, *, size: int, max_tokens: int, routi
     backend.module.zero_grad(set_to_none=True)
     lp, runner, _ = occurrence_logprobs(backend, rows, layout="tree", routing=routing,
                                         max_tokens=max_tokens, scope="group", kernel=kernel,
-                                        context_parallel=size)
+                                        dims=ParallelDims(cp=size))
     keys = sorted(lp)
     sum(weights[k] * lp[k] for k in keys).backward()
     values = torch.stack([lp[k].detach() for k in keys]).double()
@@ -47,7 +48,7 @@ def aux_step(dp, path: str, rows: list) -> dict:
     from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce
     from treeflow.train import Trainer
 
-    trainer = Trainer(Forward(model=path, routing="replay", context_parallel=dp.cp.size),
+    trainer = Trainer(Forward(model=path, routing="replay"),
                       Reduce(loss=Loss(kind="nll")), dp=dp, grad_sum="float64")
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     step = trainer.open_step(table)
@@ -65,7 +66,7 @@ def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
     """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing), the
     attention kernel the name's sixth part (default dense); aux:
     (checkpoint with a router aux loss, routed rows) for one Trainer step (aux_step)."""
-    dp = DataParallel.from_env("cpu", context_parallel=size)
+    dp = DataParallel.from_env("cpu", dims=ParallelDims(cp=size))
     out, backends = {}, {}
     if aux is not None:
         out["aux"] = aux_step(dp, *aux)

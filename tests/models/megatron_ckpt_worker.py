@@ -50,7 +50,7 @@ MAX_TOKENS = 96
 def stages(model: str, tp: int):
     from treeflow.stages import EpisodeSchedule, Forward, Loss, Reduce
 
-    return (Forward(model=model, backend="megatron", tensor_parallel=tp, chunk_size=64),
+    return (Forward(model=model, backend="megatron", chunk_size=64),
             Reduce(loss=Loss(kind="pg", norm="token"), schedule=EpisodeSchedule(lr=1e-3)))
 
 
@@ -60,8 +60,8 @@ def bins(eps, ranks: int):
     from treeflow.stages import RankBinding
 
     layouts = Pack(layout="tree")(eps)
-    return Shard(num_ranks=ranks)(Fragment(max_tokens=MAX_TOKENS)(layouts,
-                                                                  binding=RankBinding(ranks)))
+    return Shard()(Fragment(max_tokens=MAX_TOKENS)(layouts,
+                                                                  binding=RankBinding(ranks)), ranks=ranks)
 
 
 def logprobs(trainer, eps) -> np.ndarray:
@@ -136,7 +136,8 @@ def main() -> None:
         # where CUDA has them (cuBLAS needs CUBLAS_WORKSPACE_CONFIG, set by the caller)
         torch.use_deterministic_algorithms(True, warn_only=True)
     _, rank, world, group = tensor_parallel_layout("megatron", args.tp, device)
-    dp = DataParallel(rank=rank, world=world, device=device, group=group)
+    # the tensor-parallel processes are the group's (the Trainer loads its model split so)
+    dp = DataParallel(rank=rank, world=world, device=device, group=group, tp=args.tp)
     results = [run_model(m, args, dp) for m in args.models]
     report(results, args.out)
 

@@ -200,15 +200,16 @@ _OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_edge")
 
 
 def occurrence_logprobs(model, rows, *, layout: str, routing: str, max_tokens: int = 40,
-                        scope: str | None = None, **forward):
+                        scope: str | None = None, dims=None, **forward):
     """({(episode index, call, offset): logprob tensor}, runner, bins): the rows (dicts, or a
     validated episode table) through
     Pack(layout, scope) -> Fragment(max_tokens) -> Forward(routing, **forward) built on `model`
-    (a Decoder or a backend), bin by bin; the runner's route tally counts this run only."""
+    (a Decoder or a backend), split as `dims` (a ParallelDims), bin by bin; the runner's route
+    tally counts this run only."""
     table = rows if isinstance(rows, pa.Table) else validate_episodes(
         pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout, scope=scope)(table))
-    runner = build_forward(Forward(routing=routing, **forward), model=model)
+    runner = build_forward(Forward(routing=routing, **forward), model=model, dims=dims)
     runner.take_route_tally()
     prepared = runner.prepare(bins)
     cols = {n: bins.column(n).combine_chunks() for n in _OCC}

@@ -214,13 +214,28 @@ def test_refused_combinations_name_the_option():
     from treeflow.models import Tuning
     from treeflow.stages import Forward
 
-    with pytest.raises(ValueError, match="context_parallel=2.*reference backend"):
-        Forward(backend="megatron", context_parallel=2)
+    from treeflow.parallel import ParallelDims
+
+    cp2 = ParallelDims(cp=2)
+    with pytest.raises(ValueError, match="context parallelism 2.*reference backend"):
+        Forward(backend="megatron").check_model(cp2)
     with pytest.raises(ValueError, match="kernel 'auto' or one of"):
-        Forward(kernel="causal", context_parallel=2)
+        Forward(kernel="causal").check_model(cp2)
     with pytest.raises(ValueError, match="recompute='layer' is not supported"):
-        Forward(context_parallel=2, tuning=Tuning(recompute="layer"))
-    with pytest.raises(ValueError, match="context_parallel=0"):
-        Forward(context_parallel=0)
+        Forward(tuning=Tuning(recompute="layer")).check_model(cp2)
+    with pytest.raises(ValueError, match=r"ParallelDims\(cp=0\)"):
+        ParallelDims(cp=0)
     with pytest.raises(ValueError, match="process group of 2 ranks"):
-        build_forward(Forward(context_parallel=2))
+        build_forward(Forward(), dims=cp2)
+    # the old spelling fails naming the new way
+    with pytest.raises(TypeError, match=r"Forward\(context_parallel=...\).*ParallelDims\(cp=C\)"
+                                        r".*--context-parallel"):
+        Forward(context_parallel=2)
+    with pytest.raises(TypeError, match=r"Forward\(tensor_parallel=...\).*ParallelDims\(tp=T\)"
+                                        r".*--tensor-parallel"):
+        Forward(backend="megatron", tensor_parallel=2)
+    # a group given to build_forward must be the size the dims say
+    from treeflow.models.context_parallel import ContextParallelGroup
+
+    with pytest.raises(ValueError, match="group of 3 ranks"):
+        build_forward(Forward(), dims=cp2, cp=ContextParallelGroup(rank=0, size=3))

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from treeflow.parallel import ParallelDims
+
 from treeflow.models import families
 from treeflow.models.config import ARCHITECTURES, ModelConfig
 from treeflow.models.deepseek_config import DEEPSEEK_ARCHITECTURES
@@ -83,10 +85,10 @@ def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
 
     declare(False)
     with pytest.raises(ValueError, match=r"Bamba \(BambaForCausalLM\): context parallelism"):
-        build_forward(Forward(context_parallel=2), model=backend)
+        build_forward(Forward(), model=backend, dims=ParallelDims(cp=2))
     declare(True)
     with pytest.raises(ValueError, match="process group"):  # past the declaration
-        build_forward(Forward(context_parallel=2), model=backend)
+        build_forward(Forward(), model=backend, dims=ParallelDims(cp=2))
 
 
 def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):

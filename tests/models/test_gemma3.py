@@ -17,6 +17,8 @@ import json
 
 import numpy as np
 import pytest
+
+from treeflow.parallel import ParallelDims
 from family_checks import check_cli, check_forks, check_layouts, check_training
 from models_helpers import random_forest
 
@@ -129,7 +131,8 @@ def test_what_gemma3_does_not_run_is_refused_by_name(pair):
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="layer"))
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): context parallelism"):
-        build_forward(Forward(context_parallel=2), model=load_backend("reference", str(path)))
+        build_forward(Forward(), model=load_backend("reference", str(path)),
+                      dims=ParallelDims(cp=2))
     pytest.importorskip("megatron.core")
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): the megatron backend"):
         load_backend("megatron", str(path))

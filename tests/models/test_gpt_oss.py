@@ -14,6 +14,8 @@ import json
 
 import numpy as np
 import pytest
+
+from treeflow.parallel import ParallelDims
 from family_checks import check_cli, check_forks, check_layouts, check_training
 from models_helpers import random_forest
 
@@ -95,7 +97,8 @@ def test_what_gpt_oss_does_not_run_is_refused_by_name(pair):
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="mlp"))
     with pytest.raises(ValueError, match=r"gpt-oss \(GptOssForCausalLM\): context parallelism"):
-        build_forward(Forward(context_parallel=2), model=load_backend("reference", str(path)))
+        build_forward(Forward(), model=load_backend("reference", str(path)),
+                      dims=ParallelDims(cp=2))
 
 
 def test_replayed_routes_match_transformers_forced_and_captured_routes_agree(pair, rows):

@@ -27,10 +27,11 @@ def cp_step(path: str, rows: list) -> dict:
     from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
     from treeflow.stages import Forward, Loss, Pack, Reduce
     from treeflow.stages.fragment import fragment
+    from treeflow.parallel import ParallelDims
     from treeflow.train import DataParallel, Trainer
 
-    dp = DataParallel.from_env("cpu", context_parallel=2)
-    trainer = Trainer(Forward(model=path, routing="replay", context_parallel=2),
+    dp = DataParallel.from_env("cpu", dims=ParallelDims(cp=2))
+    trainer = Trainer(Forward(model=path, routing="replay"),
                       Reduce(loss=Loss(kind="nll")), dp=dp, grad_sum="float64")
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     step = trainer.open_step(table)

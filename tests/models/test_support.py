@@ -12,6 +12,7 @@ from tests.deps import require
 from treeflow.models import Tuning
 from treeflow.models.support import ROWS
 from treeflow.ops import build_forward
+from treeflow.parallel import ParallelDims
 from treeflow.stages import Forward
 
 transformers = require("transformers")
@@ -28,15 +29,15 @@ def hybrid_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("fields,needles", [
-    (dict(context_parallel=5), ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"]),
-    (dict(tuning=Tuning(recompute="mlp")), ["recompute='mlp'", "NemotronHForCausalLM"]),
-    (dict(backend="megatron"), ["megatron backend runs attention decoders only",
-                                "--backend reference"]),
+@pytest.mark.parametrize("fields,dims,needles", [
+    ({}, ParallelDims(cp=5), ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"]),
+    (dict(tuning=Tuning(recompute="mlp")), None, ["recompute='mlp'", "NemotronHForCausalLM"]),
+    (dict(backend="megatron"), None, ["megatron backend runs attention decoders only",
+                                      "--backend reference"]),
 ], ids=["cp-above-heads", "recompute", "megatron"])
-def test_hybrid_rows_refuse_before_the_model_loads(hybrid_dir, fields, needles):
+def test_hybrid_rows_refuse_before_the_model_loads(hybrid_dir, fields, dims, needles):
     forward = Forward(model=hybrid_dir, **fields)
-    for call in (forward.check_model, lambda: build_forward(forward)):
+    for call in (lambda: forward.check_model(dims), lambda: build_forward(forward, dims=dims)):
         with pytest.raises(ValueError) as err:
             call()
         assert all(n in str(err.value) for n in needles), str(err.value)
@@ -44,7 +45,22 @@ def test_hybrid_rows_refuse_before_the_model_loads(hybrid_dir, fields, needles):
 
 
 def test_a_hybrid_at_context_parallel_up_to_its_heads_is_not_refused(hybrid_dir):
-    Forward(model=hybrid_dir, context_parallel=4).check_model()
+    Forward(model=hybrid_dir).check_model(ParallelDims(cp=4))
+
+
+def test_split_rows_check_the_engines_dims_not_the_forward():
+    """Context and tensor parallelism are the engine's ParallelDims: the same Forward is
+    refused under a split its backend cannot run, and accepted in one process."""
+    megatron = Forward(backend="megatron")
+    megatron.check_model()  # one process: nothing to refuse
+    with pytest.raises(ValueError, match="context parallelism 2 .*--context-parallel"):
+        megatron.check_model(ParallelDims(cp=2))
+    reference = Forward()
+    reference.check_model(ParallelDims(cp=2))
+    with pytest.raises(ValueError, match="tensor parallelism 2 .*needs backend='megatron'"):
+        reference.check_model(ParallelDims(tp=2))
+    with pytest.raises(TypeError, match="give a treeflow.parallel.ParallelDims"):
+        reference.check_model(2)
 
 
 def test_the_docs_list_every_row():

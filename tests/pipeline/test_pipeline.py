@@ -39,7 +39,7 @@ def test_bad_stage_configs_fail_when_declared(monkeypatch):
 
 def test_partial_pipeline_yields_bins_per_window():
     eps = synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20, seed=0)
-    out = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=4096), Shard(num_ranks=2)).run(eps, episodes_per_step=4)]
+    out = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=4096), Shard()).run(eps, episodes_per_step=4, ranks=2)]
     assert len(out) == 2
     assert [t.column("step").to_pylist()[0] for t in out] == [0, 1]
 

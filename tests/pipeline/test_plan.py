@@ -22,10 +22,10 @@ def small_eps(n=8, seed=0):
 
 
 def test_plan_compiles_stage_kinds_into_three_operators():
-    pack, frag, shard, fwd = Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward()
+    pack, frag, shard, fwd = Pack(), Fragment(max_tokens=64), Shard(), Forward()
     plan = Pipeline(pack, frag, shard, fwd, Reassemble()).plan
     assert plan.maps[:2] == (pack, frag) and plan.model is fwd
-    assert plan.maps[2] == Shard(num_ranks=2, cost=CostModel.from_config(fwd.model_config()))
+    assert plan.maps[2] == Shard(cost=CostModel.from_config(fwd.model_config()))
     assert isinstance(plan.accumulate, Reassemble) and not plan.fused
     assert plan.max_tokens == 64  # Fragment's bound, for padding flex bins
     train = Pipeline(pack, frag, fwd, Reduce()).plan
@@ -78,15 +78,15 @@ def test_shard_deals_by_the_cost_model_of_the_model_the_trainer_runs(tmp_path):
     trainer = Trainer(Forward(), Reduce())  # the tiny model's
     for forward, want in ((fwd, CostModel.from_config(fwd.model_config())),
                           (Forward(), trainer.cost_model)):
-        plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), forward,
+        plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(), forward,
                         Reassemble()).plan
         assert plan.maps[2].cost == want and want != CostModel.llama_1b()
     assert CostModel.from_config(fwd.model_config()) != trainer.cost_model  # another shape
     mine = CostModel.llama_1b()
-    kept = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2, cost=mine), fwd,
+    kept = Pipeline(Pack(), Fragment(max_tokens=64), Shard(cost=mine), fwd,
                     Reassemble()).plan
     assert kept.maps[2].cost is mine  # a cost model given is kept
-    assert Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2)).plan.maps[2] \
+    assert Pipeline(Pack(), Fragment(max_tokens=64), Shard()).plan.maps[2] \
         .cost_model() == CostModel.llama_1b()  # no model named: the documented default
 
 
@@ -98,7 +98,7 @@ def test_pack_and_fragment_deal_ranks_by_the_models_cost_model():
 
     want = Trainer(Forward(), Reduce()).cost_model
     assert want != CostModel.llama_1b()
-    plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward(),
+    plan = Pipeline(Pack(), Fragment(max_tokens=64), Shard(), Forward(),
                     Reduce()).plan.for_rank(2, 1)
     assert [s.cost for s in plan.maps] == [want, want, want]
     # Pack and Fragment deal (and are given the model's cost) only in a plan bound to ranks;

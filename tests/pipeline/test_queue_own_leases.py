@@ -40,7 +40,7 @@ def _rank(address, own, steps, ckpt, resume, ack):
     windows = RankWindows(reader, dp, own=own)
     windows.reset(trainer.position)
     r, n = dp.rank, dp.world
-    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=512), Shard(num_ranks=n), fwd,
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=512), Shard(), fwd,
                     red).for_rank(n, r, dp.planning_exchange())
     losses = []
     for rec in pipe.run(windows, trainer=trainer):

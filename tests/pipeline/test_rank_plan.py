@@ -45,7 +45,7 @@ def test_rank_stages_shape():
 
     assert [type(s).__name__ for s in rank_stages(**PACK, num_ranks=1)] == ["Pack", "Fragment"]
     pack, fragment, shard = rank_stages(**PACK, num_ranks=3)
-    assert shard.num_ranks == 3 and rank_stages(**PACK, num_ranks=3) == (pack, fragment, shard)
+    assert type(shard).__name__ == "Shard" and rank_stages(**PACK, num_ranks=3) == (pack, fragment, shard)
     assert rank_binding(1, 0) is None
     bound = rank_binding(3, 2)
     assert (bound.ranks, bound.rank) == (3, 2) and bound.exchange is not None

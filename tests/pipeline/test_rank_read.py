@@ -32,7 +32,7 @@ def _plan(window, ranks, rank, step, costs):
     bound = RankBinding(ranks, rank, lambda mine: costs)
     layouts = Pack(layout="tree")(window, step=step, binding=bound)
     bins = Fragment(max_tokens=256)(layouts, binding=bound)
-    return Shard(num_ranks=ranks)(bins)
+    return Shard()(bins, ranks=ranks)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from treeflow.parallel import ParallelDims
 from treeflow.cli import main
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.pipeline.ray import run_ray
@@ -107,9 +108,8 @@ def test_one_rank_of_two_ray_actors_trains_as_two_local_processes(ray_cluster, d
         assert torch.equal(a[k], b[k]), k
 
 
-def replay_pipe(cp):
-    return Pipeline(Pack(), Fragment(max_tokens=2 * BUDGET), Shard(num_ranks=1),
-                    Forward(context_parallel=cp), Reassemble())
+def replay_pipe():
+    return Pipeline(Pack(), Fragment(max_tokens=2 * BUDGET), Shard(), Forward(), Reassemble())
 
 
 def dies_once(marker: str, process: int):
@@ -132,9 +132,9 @@ def dies_once(marker: str, process: int):
 def test_a_killed_context_parallel_actor_restarts_its_rank_and_reruns(ray_cluster, data,
                                                                      tmp_path):
     files = Files(paths=(data,), episodes_per_step=4)
-    want = pa.concat_tables([r.output for r in replay_pipe(1).run(files)])
+    want = pa.concat_tables([r.output for r in replay_pipe().run(files)])
     marker = tmp_path / "killed"
-    records = list(run_ray(replay_pipe(2).plan, files, ranks=1,
+    records = list(run_ray(replay_pipe().plan, files, dims=ParallelDims(cp=2),
                            rank_cls=dies_once(str(marker), process=1)))
     assert marker.exists()  # an actor did die
     assert sum(r.stats["redelivered_parts"] for r in records) >= 1  # and its rank re-ran
@@ -169,10 +169,10 @@ def test_a_killed_context_parallel_training_actor_stops_the_run(ray_cluster, dat
     from treeflow.stages import EpisodeSchedule, Loss, Reduce
 
     marker = tmp_path / "killed"
-    pipe = Pipeline(Pack(), Fragment(max_tokens=2 * BUDGET), Forward(context_parallel=2),
+    pipe = Pipeline(Pack(), Fragment(max_tokens=2 * BUDGET), Forward(),
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-3)))
     files = Files(paths=(data,), episodes_per_step=4, cycle=True)
     with pytest.raises(RuntimeError, match=r"training rank 0 \(context-parallel process 1 of 2\) "
                                            r"of 1 died at window 0"):
-        list(run_ray(pipe.plan, files, ranks=1, steps=2,
+        list(run_ray(pipe.plan, files, dims=ParallelDims(cp=2), steps=2,
                      rank_cls=dies_once(str(marker), process=1)))

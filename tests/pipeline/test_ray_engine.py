@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from treeflow.parallel import ParallelDims
 from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
 from treeflow.pipeline.ray import run_ray
 from treeflow.pipeline.ray_maps import stage_ops, window_block
@@ -33,7 +34,7 @@ def data(tmp_path_factory):
 
 
 def replay_pipe(ranks):
-    return Pipeline(Pack(), Fragment(max_tokens=96, pad_to_multiple=ranks), Shard(num_ranks=ranks),
+    return Pipeline(Pack(), Fragment(max_tokens=96, pad_to_multiple=ranks), Shard(),
                     Forward(entropy=True), Reassemble(entropy=True))
 
 
@@ -98,7 +99,7 @@ def test_a_training_rank_refuses_a_window_out_of_order(data):
                     Reduce(loss=Loss(kind="pg", norm="seq-mean"), schedule=EpisodeSchedule(lr=1e-2)))
     blocks = _blocks(pipe.plan, data, 3)
     eps = [pipe.plan.episodes(e, step=w) for w, e in enumerate(list(data)[:3])]
-    rank = RankActor(pipe.plan, 0, 1, "cpu", torch.get_num_threads(), RemoteTraining())
+    rank = RankActor(pipe.plan, 0, ParallelDims(), "cpu", torch.get_num_threads(), RemoteTraining())
     rank.setup({})
     rank.run(0, blocks[0], None, eps[0])
     with pytest.raises(RuntimeError, match="rank 0 got window 2 while step 1 is next"):
@@ -110,14 +111,15 @@ def test_a_training_rank_refuses_a_window_out_of_order(data):
 
 def test_a_rank_runs_only_the_bins_shard_dealt_it(data):
     # Shard's deal decides which actor runs a bin: rank r's actor runs the bins of rank r
-    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Shard(num_ranks=2), Forward(), Reassemble())
+    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Shard(), Forward(),
+                    Reassemble()).for_rank(2, shares=False)
     whole = Files(paths=data.paths, episodes_per_step=12)  # one window, 8 bins
     (block,) = _blocks(pipe.plan, whole, 1, ranks=2)
     bins = pipe.plan.prepare(pipe.plan.episodes(list(whole)[0], step=0), step=0)
     dealt = bins.column("rank").to_pylist()
     assert dealt != [i % 2 for i in range(len(dealt))]  # not what a round-robin gives
     for r in range(2):
-        rank = RankActor(pipe.plan, r, 2, "cpu", torch.get_num_threads())
+        rank = RankActor(pipe.plan, r, ParallelDims(dp=2), "cpu", torch.get_num_threads())
         rank.setup({})
         got = rank.run(0, block, None)[0].column("bin_id").to_pylist()
         want = [b for b, d in zip(bins.column("bin_id").to_pylist(), dealt) if d == r]
@@ -143,7 +145,8 @@ def test_killed_rank_is_restarted_and_its_bins_rerun(ray_cluster, data, tmp_path
     marker = tmp_path / "killed"
     pipe = replay_pipe(2)
     local = outputs(pipe.run(data))
-    records = list(run_ray(pipe.plan, data, ranks=2, rank_cls=dies_once(str(marker))))
+    records = list(run_ray(pipe.plan, data, dims=ParallelDims(dp=2),
+                           rank_cls=dies_once(str(marker))))
     assert marker.exists()  # a rank did die
     assert sum(r.stats["redelivered_parts"] for r in records) >= 1  # and its window was re-run
     assert outputs(records).equals(local)
@@ -191,11 +194,15 @@ def test_ray_engine_refuses_a_trainer_and_training_options_for_replay(data):
 
 def test_ray_engine_refuses_maps_only_pipelines_and_bad_rank_counts(data):
     # checked before Ray starts, whatever the source
-    for pipe, ranks, message in [(Pipeline(Pack()), 1, "with a Forward stage"),
-                                 (replay_pipe(1), 0, "give an int >= 1"),
-                                 (replay_pipe(1), 1.0, "give an int >= 1")]:
+    for pipe, dims, message in [(Pipeline(Pack()), lambda: ParallelDims(), "with a Forward stage"),
+                                (replay_pipe(1), lambda: ParallelDims(dp=0), "give an int >= 1"),
+                                (replay_pipe(1), lambda: ParallelDims(dp=1.0), "give an int >= 1"),
+                                (replay_pipe(1), lambda: ParallelDims(tp=2),
+                                 "tensor parallelism with LocalEngine")]:
         with pytest.raises(ValueError, match=message):
-            run_ray(pipe.plan, data, ranks=ranks)
+            run_ray(pipe.plan, data, dims=dims())
+    with pytest.raises(TypeError, match="give a treeflow.parallel.ParallelDims"):
+        run_ray(replay_pipe(1).plan, data, dims=2)
 
 
 @pytest.mark.ray
@@ -245,7 +252,7 @@ def test_the_stage_operators_make_the_local_engines_bins_and_episodes(data):
     from treeflow.stages import Advantage
 
     def plan(r):
-        return Pipeline(Advantage(), Pack(), Fragment(max_tokens=64), Shard(num_ranks=2),
+        return Pipeline(Advantage(), Pack(), Fragment(max_tokens=64), Shard(),
                         Forward(), Reduce(loss=Loss(kind="pg"))).plan.for_rank(2, r)
 
     plans = [plan(0), plan(1)]
@@ -269,8 +276,8 @@ def test_each_cpu_stage_is_its_own_ray_data_operator(ray_cluster, data):
     from treeflow.stages import Advantage
 
     pipe = Pipeline(Advantage(), Pack(), Fragment(max_tokens=96, pad_to_multiple=2),
-                    Shard(num_ranks=2), Forward(), Reassemble())
-    engine = RayRanks(pipe.plan, ranks=2)
+                    Shard(), Forward(), Reassemble())
+    engine = RayRanks(pipe.plan, dims=ParallelDims(dp=2))
     try:
         got = outputs(engine.run(data))
     finally:

@@ -56,7 +56,7 @@ def test_rank_threads_are_the_cpus_free_beside_the_read_and_the_stage_operators(
 
 
 def one_rank_pipe() -> Pipeline:
-    return Pipeline(Pack(), Fragment(max_tokens=96), Shard(num_ranks=1), Forward(), Reassemble())
+    return Pipeline(Pack(), Fragment(max_tokens=96), Shard(), Forward(), Reassemble())
 
 
 def rule(free: float, engine: RayRanks, pipe: Pipeline) -> tuple:

@@ -195,7 +195,8 @@ def _file_case(kind):
         if kind == "gate-capacity":
             return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
         if kind == "gate-context-parallel-zero":
-            return ["gate", "--context-parallel", "0"], ["context_parallel=0", "int >= 1"]
+            return ["gate", "--context-parallel", "0"], ["--context-parallel 0",
+                                                         "give 1 or more processes"]
         if kind == "csv-input":
             (tmp / "x.csv").write_text("a,b\n")
             return ["inspect", tmp / "x.csv"], ["x.csv", "unknown episode file type"]

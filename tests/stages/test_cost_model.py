@@ -85,7 +85,7 @@ def test_bin_cost_is_the_hand_formula_of_tokens_pairs_and_edges():
     want = [exact.token * 7 + exact.pair * 16 + exact.edge * 3,
             exact.token * 5 + exact.pair * 15 + exact.edge * 4]
     assert bin_costs(bins, exact).tolist() == pytest.approx(want, rel=1e-12)
-    _, report = Shard(num_ranks=2, cost=exact).plan(bins)
+    _, report = Shard(cost=exact).plan(bins, ranks=2)
     assert sorted(report.rank_cost.tolist()) == pytest.approx(sorted(want), rel=1e-12)
 
     tiled = CostModel.from_shape(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2,

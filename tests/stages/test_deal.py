@@ -50,13 +50,13 @@ def test_every_rank_runs_the_plan_of_its_own_share(ranks):
 def test_shard_keeps_the_deal_and_reports_its_cost():
     layouts = _layouts()
     bins = Fragment(max_tokens=2048)(layouts, binding=RankBinding(2))
-    out, report = Shard(num_ranks=2).plan(bins)
+    out, report = Shard().plan(bins, ranks=2)
     assert out.column("rank").to_pylist() == bins.column("rank").to_pylist()
     costs = bin_costs(bins, CostModel.llama_1b())
     assert report.rank_cost.tolist() == pytest.approx(
         np.bincount(bins.column("rank").to_numpy(), weights=costs, minlength=2).tolist())
-    with pytest.raises(ValueError, match="a Fragment bound to 2 ranks but Shard has num_ranks=3"):
-        Shard(num_ranks=3).plan(bins)
+    with pytest.raises(ValueError, match="a Fragment bound to 2 ranks but Shard deals to 3"):
+        Shard().plan(bins, ranks=3)
 
 
 def test_dealing_whole_trees_beats_dealing_shared_bins_on_big_trees():
@@ -66,9 +66,9 @@ def test_dealing_whole_trees_beats_dealing_shared_bins_on_big_trees():
     ratios = []
     for seed in range(8):
         layouts = _layouts(n=32, group_size=8, seed=seed)
-        shared = Shard(num_ranks=2, cost=cost).plan(Fragment(max_tokens=2048, pad_to_multiple=2)(layouts))[1]
-        dealt = Shard(num_ranks=2, cost=cost).plan(
-            Fragment(max_tokens=2048)(layouts, binding=RankBinding(2)))[1]
+        shared = Shard(cost=cost).plan(Fragment(max_tokens=2048, pad_to_multiple=2)(layouts), ranks=2)[1]
+        dealt = Shard(cost=cost).plan(
+            Fragment(max_tokens=2048)(layouts, binding=RankBinding(2)), ranks=2)[1]
         ratios.append(dealt.rank_cost.max() / shared.rank_cost.max())
     assert max(ratios) < 1.001  # never measurably worse on this data
     assert np.mean(ratios) < 0.98 and sum(r < 0.97 for r in ratios) >= 3
@@ -77,3 +77,13 @@ def test_dealing_whole_trees_beats_dealing_shared_bins_on_big_trees():
 def test_fragment_refuses_ranks_with_another_padding():
     with pytest.raises(ValueError, match="drop pad_to_multiple"):
         Fragment(max_tokens=64, pad_to_multiple=4)(_layouts(), binding=RankBinding(2))
+
+
+def test_shard_holds_no_rank_count_and_the_old_spelling_names_the_new_way():
+    # the ranks are bound at run time (the plan's RankBinding, the engine's ParallelDims)
+    from dataclasses import fields
+
+    assert [f.name for f in fields(Shard)] == ["cost"]
+    with pytest.raises(TypeError, match=r"Shard\(num_ranks=...\): .*ParallelDims\(dp=R\).*"
+                                        r"for_rank\(R\)"):
+        Shard(num_ranks=2)

@@ -43,7 +43,7 @@ def per_call_reference(tiny, episodes: pa.Table) -> list[list[np.ndarray]]:
 def run(tiny, episodes, layout, max_tokens, ranks=1, window=64, kernel="auto"):
     fwd = Forward(model=tiny[1], kernel=kernel)
     pipe = Pipeline(Pack(layout=layout), Fragment(max_tokens=max_tokens, pad_to_multiple=ranks),
-                    Shard(num_ranks=ranks), fwd, Reassemble())
+                    Shard(), fwd, Reassemble()).for_rank(ranks, shares=False)
     import treeflow.pipeline.local as local
 
     records = list(local.run_local(pipe.plan, iter([episodes])) if window >= episodes.num_rows

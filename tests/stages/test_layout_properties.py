@@ -71,7 +71,7 @@ def test_fragmented_bins_cover_every_occurrence_once(eps, layout, frac, ranks):
         if n > max_tokens:  # it cannot fit in one bin: it was split
             assert k >= 2, (n, max_tokens)
     event(f"split a layout: {any(k >= 2 for k in spread)}")
-    sharded, report = Shard(num_ranks=ranks).plan(bins)
+    sharded, report = Shard().plan(bins, ranks=ranks)
     assert set(sharded.column("rank").to_pylist()) <= set(range(ranks))
     # padded bins are spread so that every rank runs the same number of micro-batches
     assert report.rank_bins.tolist() == [bins.num_rows // ranks] * ranks

@@ -38,7 +38,7 @@ def sharded(eps, ranks, max_tokens, scope=None, layout="tree", balance="exact"):
     for r in range(ranks):
         bound = RankBinding(ranks=ranks, rank=r, exchange=lambda mine: costs)
         layouts = Pack(layout=layout, scope=scope, balance=balance)(eps, binding=bound)
-        bins = Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens)(layouts, binding=bound))
+        bins = Shard()(Fragment(max_tokens=max_tokens)(layouts, binding=bound), ranks=ranks)
         assert set(bins.column("rank").to_pylist()) <= {r}
         parts.append(bins)
     return pa.concat_tables(parts)
@@ -46,8 +46,8 @@ def sharded(eps, ranks, max_tokens, scope=None, layout="tree", balance="exact"):
 
 def whole(eps, ranks, max_tokens, scope=None):
     layouts = Pack(scope=scope)(eps)
-    return Shard(num_ranks=ranks)(Fragment(max_tokens=max_tokens)(layouts,
-                                                                  binding=RankBinding(ranks)))
+    return Shard()(Fragment(max_tokens=max_tokens)(layouts,
+                                                                  binding=RankBinding(ranks)), ranks=ranks)
 
 
 def rank_cost(bins, ranks):
@@ -191,10 +191,11 @@ def test_stage_configs_hold_no_rank():
 
     from treeflow.pipeline import Pipeline
 
-    for stage in (Pack, Fragment):
-        assert not {f.name for f in fields(stage)} & {"ranks", "rank", "exchange", "world"}, stage
+    for stage in (Pack, Fragment, Shard):  # no stage config holds a rank or a world
+        assert not {f.name for f in fields(stage)} & {
+            "ranks", "rank", "exchange", "world", "num_ranks", "replicas"}, stage
     eps = small(16, 4, seed=2)
-    pipe = Pipeline(Pack(), Fragment(max_tokens=256), Shard(num_ranks=2))
+    pipe = Pipeline(Pack(), Fragment(max_tokens=256), Shard())
     costs = summed_costs(eps, layout="tree", scope=None, cost=COST)
     bound = pipe.for_rank(2, 1, lambda mine: costs)
     assert bound.stages == pipe.stages and pipe.plan.binding is None

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tests.tq.queue_helpers import (B, assert_same_weights, close_transferqueue, fill, logprob_pipe,
                                     queued_logprobs, train_parts)
+from treeflow.parallel import ParallelDims
 from treeflow.pipeline import QueueSource
 from treeflow.pipeline.ray import run_ray
 from treeflow.pipeline.ray_rank import RankActor
@@ -114,7 +115,7 @@ def test_killed_forward_actor_is_redelivered_and_changes_nothing(cluster, small,
     from treeflow.pipeline.queue_source import acknowledged
 
     # one window in flight: the actor that dies holds one call, which a live process re-runs
-    records = list(acknowledged(run_ray(logprob_pipe().plan, reader, ranks=2, prefetch=1,
+    records = list(acknowledged(run_ray(logprob_pipe().plan, reader, dims=ParallelDims(dp=2), prefetch=1,
                                         rank_cls=dies_once(marker)), reader))
     assert os.path.exists(marker)                                   # an actor did die mid-item
     assert sum(r.stats["redelivered_parts"] for r in records) == 1  # re-run by a live actor
@@ -204,13 +205,13 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
     from treeflow.pipeline.queue_source import acknowledged
     from treeflow.stages import Forward, Fragment, Pack, Shard
 
-    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=48), Shard(num_ranks=2),
-                    Forward(model="tiny"))
+    pipe = Pipeline(Pack(layout="tree"), Fragment(max_tokens=48), Shard(),
+                    Forward(model="tiny")).for_rank(2, shares=False)
     q = local_queue()
     fill(q, small)
     reader = QueueSource(episodes_per_step=B).open(q)
     # one window open at a time: both actors never wait on part 0s of different windows
-    records = list(acknowledged(run_ray(pipe.plan, reader, ranks=2, prefetch=1,
+    records = list(acknowledged(run_ray(pipe.plan, reader, dims=ParallelDims(dp=2), prefetch=1,
                                         rank_cls=part_one_first(str(tmp_path))), reader))
     local = [rec.output for rec in pipe.run(windows(iter([small]), B))]
     assert len(records) == len(local) == 3

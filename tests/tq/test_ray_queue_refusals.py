@@ -18,7 +18,7 @@ def test_ray_engine_on_a_queue_refuses_what_it_cannot_run(small):
 
     q = local_queue()
     train, _, _ = train_parts()
-    cases = [(train, dict(ranks=2), "Shard\\(num_ranks=2\\) before Forward"),
+    cases = [(train, dict(ranks=2), "no Shard stage; put Shard\\(\\) before Forward"),
              (logprob_pipe(), dict(save="ckpt"), "for training pipelines"),
              (Pipeline(Pack()), {}, "with a Forward stage"),
              (logprob_pipe(), dict(ranks=0), "give an int >= 1")]

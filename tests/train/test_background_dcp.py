@@ -31,7 +31,7 @@ def _slow_dcp_writes():
 
 
 def _step(tr, dp, eps, budget):
-    bins = Shard(num_ranks=dp.world)(Fragment(max_tokens=budget)(Pack()(eps)))
+    bins = Shard()(Fragment(max_tokens=budget)(Pack()(eps)), ranks=dp.world)
     tr.train_step(eps, bins)
 
 

@@ -32,7 +32,7 @@ def _trainer():
 
 def _step(tr, seed):
     eps = _episodes(seed)
-    tr.train_step(eps, Shard(num_ranks=1)(Fragment(max_tokens=4096)(Pack(layout="tree")(eps))))
+    tr.train_step(eps, Shard()(Fragment(max_tokens=4096)(Pack(layout="tree")(eps)), ranks=1))
 
 
 def _hashes(step_dir):

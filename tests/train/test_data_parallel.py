@@ -55,7 +55,7 @@ def reduce_for(kind, norm):
 
 def train(dp, eps, kind, norm, max_tokens, trainer=None, window=4):
     fwd, red = Forward(), reduce_for(kind, norm)
-    pipe = Pipeline(Pack(), Fragment(max_tokens=max_tokens), Shard(num_ranks=dp.world), fwd, red)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=max_tokens), Shard(), fwd, red)
     tr = trainer or Trainer(fwd, red, model=small_model(), dp=dp, grad_sum=GRAD_SUM)
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=window, trainer=tr)]
     return tr, rows
@@ -94,7 +94,7 @@ def _resume_and_failure(dp, ckpt):
         {"episode_id": "tree", "calls": [{"token_ids": [1, 2, 3, 5], "sampled_start": 1},
                                          {"token_ids": [1, 2, 4, 5], "sampled_start": 1}]},
         {"episode_id": "chain", "calls": [{"token_ids": [7, 8, 9, 10, 11], "sampled_start": 2}]}]))
-    bins = Shard(num_ranks=dp.world)(Fragment(max_tokens=6)(Pack()(bad)))
+    bins = Shard()(Fragment(max_tokens=6)(Pack()(bad)), ranks=dp.world)
     tr = Trainer(Forward(kernel="causal"), reduce_for("nll", "token"), model=small_model(), dp=dp)
     before = weights(tr)
     try:
@@ -104,7 +104,7 @@ def _resume_and_failure(dp, ckpt):
         failure = str(e)
     unchanged = all(torch.equal(a, b) for a, b in zip(before.values(), weights(tr).values()))
     # the group is still in step: a good step afterwards runs on both ranks
-    good = Shard(num_ranks=dp.world)(Fragment(max_tokens=6)(Pack()(bad.slice(1))))
+    good = Shard()(Fragment(max_tokens=6)(Pack()(bad.slice(1))), ranks=dp.world)
     after = tr.train_step(bad.slice(1), good).to_pylist()[0]
     return {"same": same, "steps_after_resume": steps_after_resume, "failure": failure,
             "unchanged": unchanged, "open": tr.step_open, "after_step": after["step"],
@@ -118,7 +118,7 @@ def _sharded(dp, ckpt):
 
     eps, budget = data()
     fwd, red = Forward(), reduce_for("pg", "seq-mean")
-    pipe = Pipeline(Pack(), Fragment(max_tokens=budget), Shard(num_ranks=dp.world), fwd, red)
+    pipe = Pipeline(Pack(), Fragment(max_tokens=budget), Shard(), fwd, red)
     tr = Trainer(fwd, red, model=small_model(), dp=dp, shard_params=True)
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=4, trainer=tr)]
     tr.save(ckpt)
@@ -150,7 +150,7 @@ def assert_same_as_single(runs):
 def test_forced_fragmentation_spreads_bins_over_ranks():
     eps, budget = data()
     steps = [r.output for r in Pipeline(Pack(), Fragment(max_tokens=budget),
-                                        Shard(num_ranks=3)).run(eps, episodes_per_step=4)]
+                                        Shard()).run(eps, episodes_per_step=4, ranks=3)]
     assert len(steps) == 2
     for bins in steps:
         assert sum(bins.column("repeated_tokens").to_pylist()) > 0
@@ -257,3 +257,32 @@ def test_ray_actor_group_ranks_equal_one_rank(ray_cluster):
     assert rows[0]["loss"] == pytest.approx(ref_rows[0]["loss"], rel=1e-6)
     for n, w in weights(tr).items():
         assert torch.equal(got[n], w), n
+
+
+def test_a_world_the_dims_cannot_split_is_refused_before_joining(monkeypatch):
+    """DataParallel.from_env reads the split from the engine's ParallelDims: a world that is
+    no multiple of its context-parallel size fails before any process waits in the group."""
+    import torch.distributed as dist
+
+    from treeflow.parallel import ParallelDims
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"3 processes, which ParallelDims\(.*cp=2.*groups of 2"):
+        DataParallel.from_env("cpu", dims=ParallelDims(cp=2))
+    assert not dist.is_initialized()
+    with pytest.raises(TypeError, match="give a ParallelDims"):
+        DataParallel.from_env("cpu", dims=2)
+
+
+def test_a_local_engine_will_not_train_a_split_without_its_group(tmp_path):
+    """A training pipeline split over processes needs the group's Trainer; the local engine
+    does not make one up from a single process (its gradient would not be summed)."""
+    from treeflow.engines import LocalEngine
+    from treeflow.parallel import ParallelDims
+
+    pipe = Pipeline(Pack(), Fragment(max_tokens=64), Forward(), Reduce(loss=Loss(kind="nll")))
+    with pytest.raises(ValueError, match="give trainer="):
+        list(pipe.run(episodes(2), episodes_per_step=2,
+                      engine=LocalEngine(dims=ParallelDims(cp=2))))

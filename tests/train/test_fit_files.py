@@ -3,6 +3,7 @@ runs, against a hand-built pipeline and Trainer steps (not through the CLI)."""
 
 import pytest
 
+from treeflow.engines import LocalEngine
 from treeflow.pipeline import Files, synth_episodes, write_episodes
 from treeflow.pipeline.rank_plan import StepStages, rank_stages
 from treeflow.pipeline.replay import logprobs_pipeline
@@ -29,10 +30,14 @@ def test_step_stages_are_rank_stages_between_before_and_reduce():
 
 
 def test_logprobs_pipeline_budget_and_shard():
-    pipe = logprobs_pipeline(Forward(model="tiny"), max_tokens=300, num_ranks=3)
+    pipe = logprobs_pipeline(Forward(model="tiny"), max_tokens=300)
     frag = next(x for x in pipe.stages if isinstance(x, Fragment))
     shard = next(x for x in pipe.stages if isinstance(x, Shard))
-    assert frag.max_tokens == 300 and shard.num_ranks == 3
+    assert frag.max_tokens == 300 and shard.cost is not None
+    # the ranks are the engine's: an unbound plan is bound to its dp ranks, Shard dealing bins
+    bound = LocalEngine(ranks=3).bind(pipe.plan)
+    assert (bound.binding.ranks, bound.binding.rank, bound.binding.shares) == (3, None, False)
+    assert LocalEngine().bind(pipe.plan) is pipe.plan
 
 
 def test_fit_files_trains_the_steps_asked_and_summarises(tmp_path):

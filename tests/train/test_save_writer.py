@@ -218,4 +218,4 @@ def _bins(seed):
     from treeflow.stages import Fragment, Pack, Shard
 
     eps = _episodes(seed)
-    return eps, Shard(num_ranks=1)(Fragment(max_tokens=4096)(Pack(layout="tree")(eps)))
+    return eps, Shard()(Fragment(max_tokens=4096)(Pack(layout="tree")(eps)), ranks=1)

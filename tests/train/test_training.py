@@ -40,7 +40,7 @@ def episodes(seed=3, n=6, group_size=3):
 
 def bins_for(eps, layout, max_tokens, ranks=1):
     bins = Fragment(max_tokens=max_tokens, pad_to_multiple=ranks)(Pack(layout=layout)(eps))
-    return Shard(num_ranks=ranks)(bins)
+    return Shard()(bins, ranks=ranks)
 
 
 def ref_logprobs(eps):

@@ -84,8 +84,8 @@ def deepest(eps):
 def layouts(eps):
     """(name, bins fed in order): whole trees; fragmented trees over 2 ranks, fed in reverse."""
     whole = Fragment(max_tokens=4096)(Pack(layout="tree")(eps))
-    frag = Shard(num_ranks=2)(Fragment(max_tokens=deepest(eps) + 4, pad_to_multiple=2)(
-        Pack(layout="tree")(eps)))
+    frag = Shard()(Fragment(max_tokens=deepest(eps) + 4, pad_to_multiple=2)(
+        Pack(layout="tree")(eps)), ranks=2)
     assert sum(frag.column("repeated_tokens").to_pylist()) > 0  # trees were really split
     feeds = [frag.filter(pa.compute.equal(frag.column("rank"), r)) for r in (1, 0)]
     return [("tree", [whole]), ("tree-fragmented-2-ranks", [f.take(pa.array(range(f.num_rows)[::-1]))
@@ -218,8 +218,8 @@ def test_random_branching_groups_step_matches_per_call_reference(eps, norm, slac
     model = copy.deepcopy(base)
     tr = Trainer(Forward(), Reduce(loss=Loss(kind="pg", norm=norm)), model=model)
     step = tr.open_step(eps)
-    bins = Shard(num_ranks=2)(Fragment(max_tokens=deepest(eps) + slack, pad_to_multiple=2)(
-        Pack(layout="tree")(eps)))
+    bins = Shard()(Fragment(max_tokens=deepest(eps) + slack, pad_to_multiple=2)(
+        Pack(layout="tree")(eps)), ranks=2)
     for r in (1, 0):
         step.add(bins.filter(pa.compute.equal(bins.column("rank"), r)))
     assert step.loss_sum == pytest.approx(want, rel=1e-5, abs=1e-7)

@@ -14,8 +14,7 @@ __all__ = ["engine", "files", "fit_options", "forward", "launch", "reduce", "ref
            "rollout_config", "step_stages", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
-_FORWARD_FLAGS = ("backend", "chunk_size", "tensor_parallel", "context_parallel", "routing",
-                  "allow_nonfinite")
+_FORWARD_FLAGS = ("backend", "chunk_size", "routing", "allow_nonfinite")
 
 
 def forward(args, *, entropy: bool = False):
@@ -36,7 +35,9 @@ def forward(args, *, entropy: bool = False):
     ssm_kernel(args, tuning)  # refuses a scan kernel that cannot run here, before any work
     fwd = Forward(model=model, dtype=args.dtype, kernel=args.kernel,
                   entropy=entropy, tuning=tuning, **given)
-    fwd.check_model()  # models/support.py: refused before a model loads or an episode is sampled
+    # models/support.py, split as the engine will run it: refused before a model loads or an
+    # episode is sampled
+    fwd.check_model(_dims(args))
     return fwd
 
 
@@ -50,20 +51,27 @@ def ssm_kernel(args, tuning) -> dict:
     return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
 
 
+def _dims(args):
+    from treeflow.cli.parallel import dims
+
+    return dims(args)
+
+
 def engine(args):
-    """The Engine object of --engine (treeflow.engines), over --num-ranks ranks."""
+    """The Engine object of --engine (treeflow.engines), owning the ParallelDims of the
+    parallel flags (--num-ranks, --context-parallel, --tensor-parallel: cli/parallel.py)."""
     from treeflow.engines import engine_for
 
-    return engine_for(args.engine, ranks=args.num_ranks)
+    return engine_for(args.engine, dims=_dims(args))
 
 
 def launch(args, *, train: bool):
-    """Launch(...) from --num-ranks, --tensor-parallel, --context-parallel and what they need
-    (--backend, --engine, --launcher, ...); refuses a split that cannot run, starting nothing."""
+    """Launch(...) from the engine (its ParallelDims: --num-ranks, --tensor-parallel,
+    --context-parallel) and what they need (--backend, --launcher, ...); refuses a split that
+    cannot run, starting nothing."""
     from treeflow.train.launch_plan import Launch
 
-    launch = Launch(train=train, num_ranks=args.num_ranks, tensor_parallel=args.tensor_parallel,
-                    context_parallel=args.context_parallel, backend=args.backend,
+    launch = Launch(train=train, backend=args.backend,
                     engine=engine(args), launcher=args.launcher, kernel=args.kernel,
                     shard_params=args.shard_params, device=args.device, model=args.model)
     forward(args)  # what the model cannot run with (models/support.py), before a process starts
@@ -83,8 +91,7 @@ def tuning_text(args, model) -> str:
         getattr(args, "tuning", "") or "", device=device, model=model,
         backend=getattr(args, "backend", None) or "reference",
         sharded=bool(getattr(args, "shard_params", False)),
-        parallel=(getattr(args, "tensor_parallel", None) or 1) > 1
-        or (getattr(args, "context_parallel", None) or 1) > 1)
+        parallel=_dims(args).split > 1)
     if why is None:
         args.tuning_chosen = chosen
         return getattr(args, "tuning", "") or ""

@@ -7,8 +7,8 @@ Prints the gate's figures and writes them as JSON (`-o`); exits 0 when the
 gate passes and 3 naming every cause when it fails (a lost or masked
 episode, a generation KL above --max-gen-kl, a refit that did not happen,
 route agreement over the decided rows, those whose top-k is no near-tie, below
---min-route-agreement under --routing replay). --routing and
---context-parallel go to the trainer's Forward; --context-parallel C trains
+--min-route-agreement under --routing replay). --routing goes to the trainer's
+Forward, --context-parallel to its ParallelDims; --context-parallel C trains
 in C processes (gloo on CPU, one GPU each on CUDA) that attach to the queue,
 served on a temporary socket when --queue is not given. --fault is a test hook.
 """
@@ -42,19 +42,22 @@ def cmd_gate(args) -> int:
         claim_output(args.output, option="-o")
     if args.threads:
         torch.set_num_threads(args.threads)
-    forward = configs.forward(args)  # the trainer's (--context-parallel C: C processes per bin)
+    from treeflow.cli.parallel import dims
+
+    forward = configs.forward(args)  # the trainer's
+    split = dims(args)  # --context-parallel C: C processes per bin
     gate = Gate(episodes=args.episodes, max_gen_kl=args.max_gen_kl, fault=args.fault,
                 min_route_agreement=args.min_route_agreement,
                 timeout=args.timeout,
                 rollout=configs.rollout_config(args))
     reduce = gate_reduce(args.lr)
     gate.check_capacity(args.capacity)
-    args.queue = gate_address(forward.context_parallel, args.queue_backend, args.queue)
+    args.queue = gate_address(split.cp, args.queue_backend, args.queue)
     queue = open_cli_queue(args, forward.vocab_size_hint())
     try:
         figures = run_gate(queue, forward=forward, reduce=reduce, gate=gate, layout=args.layout,
                            scope=args.scope, max_tokens=args.max_tokens, device=args.device,
-                           queue_secret=args.queue_secret)
+                           queue_secret=args.queue_secret, dims=split)
     finally:
         queue.shutdown()
     figures.update(model=args.model, dtype=args.dtype, layout=args.layout,

@@ -2,7 +2,7 @@
 
 The window of episodes planned and run together is `--episodes-per-step` (`episodes_per_step`
 in config files and checkpoints, `QueueSource(episodes_per_step=)`), the data-parallel ranks are
-`--num-ranks` (`Shard(num_ranks=)`), the bin budget is `--max-tokens` (`Fragment(max_tokens=)`),
+`--num-ranks` (the engine's `ParallelDims(dp=)`, which binds Shard's ranks), the bin budget is `--max-tokens` (`Fragment(max_tokens=)`),
 the names NeMo RL (`num_prompts_per_step`, `train_mb_tokens`) and verl
 (`ppo_max_token_len_per_gpu`) users read the same way. The flags they replaced (`--window`,
 `--batch-episodes`, `--ranks`) and their config keys were accepted with a warning for one

@@ -35,7 +35,28 @@ the same D x T and reshards onto another one (train/checkpoint.py).
 
 from __future__ import annotations
 
-__all__ = ["add_parallel_options"]
+__all__ = ["DIMS", "add_parallel_options", "dims"]
+
+# ParallelDims field -> the option (argparse dest) that sizes it; a command without the flag
+# leaves the dimension at 1. `dims(args)` reads them all, so a new dimension is one row here,
+# its flag below, and its field and group (parallel/dims.py, train/distributed.py).
+DIMS = {"dp": "num_ranks", "cp": "context_parallel", "tp": "tensor_parallel"}
+
+
+def dims(args):
+    """The run's ParallelDims from the parsed flags (DIMS): what the engine owns."""
+    from treeflow.parallel import ParallelDims
+
+    for dest in DIMS.values():  # the flag named, not the field it reaches
+        n = getattr(args, dest, None)
+        if n is not None and n < 1:
+            raise ValueError(f"--{dest.replace('_', '-')} {n}: give 1 or more processes")
+    cp, tp = (getattr(args, DIMS[f], None) or 1 for f in ("cp", "tp"))
+    if cp > 1 and tp > 1:
+        raise ValueError(f"--context-parallel {cp} with --tensor-parallel {tp} is not supported "
+                         "yet: give one of them")
+    return ParallelDims(**{field: getattr(args, dest, None) or 1
+                           for field, dest in DIMS.items()})
 
 
 def add_parallel_options(p) -> None:

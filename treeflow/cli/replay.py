@@ -35,12 +35,12 @@ def _replay(args) -> int:
 
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
     check_device(args.device)
-    forward = configs.forward(args, entropy=args.entropy)
+    forward, engine = configs.forward(args, entropy=args.entropy), configs.engine(args)
     sums = replay_logprobs(logprobs_pipeline(forward, layout=args.layout, scope=args.scope,
                                              share_rules=args.share_rules,
-                                             max_tokens=args.max_tokens, num_ranks=args.num_ranks),
+                                             max_tokens=args.max_tokens, cp=engine.dims.cp),
                            configs.files(args, forward), args.output, inputs=args.files,
-                           device=args.device, engine=configs.engine(args),
+                           device=args.device, engine=engine,
                            prefetch=args.prefetch, quiet=args.json or args.quiet, log=say)
     if sums is None:
         return 0

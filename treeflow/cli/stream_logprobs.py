@@ -24,7 +24,7 @@ def stream_logprobs(args, queue, out) -> dict:
 
     pipe = logprobs_pipeline(configs.forward(args, entropy=args.entropy), layout=args.layout,
                              scope=args.scope, share_rules=args.share_rules,
-                             max_tokens=args.max_tokens, num_ranks=args.num_ranks)
+                             max_tokens=args.max_tokens)
     source = QueueSource(episodes_per_step=args.episodes_per_step, consumer=args.consumer,
                          max_steps=args.steps, idle_timeout=args.idle_timeout)
     return score_queue(pipe, queue, source, out, metrics=args.metrics,

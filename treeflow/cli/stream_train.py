@@ -50,7 +50,7 @@ def stream_train(args, queue) -> dict:
     if args.publish_weights is None and not args.save:  # one directory for every rank
         args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
     # spawned: every rank attaches to the queue (--launcher has no say in stream)
-    return merge_rank_summaries(Launch(train=True, num_ranks=args.num_ranks).start(_stream_rank,
+    return merge_rank_summaries(Launch(train=True, engine=configs.engine(args)).start(_stream_rank,
                                                                                    args))
 
 

@@ -53,6 +53,16 @@ class Engine:
         """Data-parallel ranks this engine runs (the bins' `rank` column takes these values)."""
         return self.dims.dp
 
+    def bind(self, plan, ranks: int | None = None):
+        """`plan` as this engine runs it: an unbound plan is bound to `ranks` data-parallel ranks
+        (default the engine's `dims.dp`), the whole step planned at once and Shard dealing its
+        bins (`Plan.for_rank(ranks, shares=False)`); a plan bound already (per-rank planning,
+        `Pipeline.for_rank`) is left as it is. Stage configs never hold the rank count."""
+        ranks = self.ranks if ranks is None else ranks
+        if plan.binding is not None or ranks == 1:
+            return plan
+        return plan.for_rank(ranks, shares=False)
+
     def run(self, pipeline, source, *, device: str = "cpu", trainer=None, prefetch: int = 2,
             steps: int | None = None) -> Iterator:
         """One WindowResult per window of `source`, in order.

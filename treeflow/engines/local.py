@@ -17,7 +17,9 @@ __all__ = ["LocalEngine"]
 
 class LocalEngine(Engine):
     """Runs the plan here. ranks: the data-parallel ranks the run has (each its own process;
-    this is one of them), as `Shard(num_ranks=)` deals the bins."""
+    this is one of them), as Shard deals the bins (the plan bound to them, Engine.bind).
+    dims: all of the run's dimensions (ParallelDims; its cp or tp processes split each bin,
+    this process one of them)."""
 
     name = "local"
     owns_processes = False
@@ -36,12 +38,28 @@ class LocalEngine(Engine):
             steps: int | None = None):
         from treeflow.pipeline.local import run_local
 
-        plan = pipeline.plan
+        # a trainer given from outside is one of its process group's replicas (a runtime
+        # handle): an unbound plan deals its bins to as many
+        plan = self.bind(pipeline.plan, ranks=None if trainer is None or self.ranks > 1
+                         else _replicas(trainer))
         if plan.fused and trainer is None:  # a training pipeline run on its own: a new Trainer
             from treeflow.train import Trainer
+
+            if self.dims.split > 1:
+                raise ValueError(f"{self!r} runs a training pipeline over a process group: "
+                                 "give trainer= (a Trainer with dp=DataParallel.from_env("
+                                 "dims=...)), or train through treeflow.train.fit_files")
 
             trainer = Trainer(plan.model, plan.accumulate, device=device,
                               max_tokens=plan.max_tokens)
         worker = plan.worker(device=device, trainer=trainer) if trainer is not None else None
-        records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch)
+        records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch,
+                            dims=self.dims)
         return records if steps is None else itertools.islice(records, steps)
+
+
+def _replicas(trainer) -> int:
+    """The data-parallel replicas of a Trainer or of the training operator holding one."""
+    from treeflow.ops.train import TrainOp
+
+    return trainer.replicas if isinstance(trainer, TrainOp) else trainer.dp.replicas

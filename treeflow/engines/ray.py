@@ -2,7 +2,7 @@
 
 The engine object a user or the CLI picks (`--engine ray`); the running machinery (rank actors,
 the stage operators, the driver's window assembly) is pipeline/ray.py's `RayRanks`. It owns its
-processes: `dims.dp` ranks of `dims.cp` actors each (the Forward's context parallelism), so a
+processes: `dims.dp` ranks of `dims.cp` actors each (the run's context parallelism), so a
 training run's trainers are built in the actors (train/remote.py), never in this process.
 """
 
@@ -42,14 +42,10 @@ class RayEngine(Engine):
             steps: int | None = None):
         from treeflow.pipeline.ray import run_ray
 
-        plan = pipeline.plan
+        plan = self.bind(pipeline.plan)
         if trainer is not None:
             raise ValueError("engine='ray' builds its trainers in the rank actors; pass no "
                              "trainer (resume through treeflow.train.fit, or the CLI's --resume)")
-        cp = getattr(plan.model, "context_parallel", 1)
-        if self.dims.cp not in (1, cp):
-            raise ValueError(f"{self!r} but the pipeline's Forward has context_parallel={cp}; "
-                             "give the same to both")
         options = dict(self.options)
         given = {k: options.pop(k) for k in _TRAINING if options.get(k) is not None}
         if given:
@@ -66,5 +62,5 @@ class RayEngine(Engine):
                                             every=given.get("save_every", 0),
                                             keep=given.get("keep"), background=False),
                 publish=given.get("publish"))
-        return run_ray(plan, source, device=device, ranks=self.ranks, prefetch=prefetch,
+        return run_ray(plan, source, device=device, dims=self.dims, prefetch=prefetch,
                        steps=steps, **options)

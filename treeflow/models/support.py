@@ -1,11 +1,13 @@
 """What runs with what: the one table of combinations a Forward refuses before any model loads.
 
-Each row names a combination that cannot run yet, when it applies (from the Forward's fields
-and, for rows that need it, the model's config.json), and the message that names the flag
-and the fix. `check(forward)` runs the rows that need no model (Forward.__post_init__);
-`check(forward, config)` all of them (Forward.check_model: the CLI's commands call it when
-they build their Forward, before a model is loaded, an episode sampled or a process
-started; build_forward before it loads the model). README's compatibility table is `ROWS`.
+Each row names a combination that cannot run yet, when it applies (from the Forward's fields,
+the run's ParallelDims -- how many processes split a bin, which is the engine's, not the
+Forward's -- and, for rows that need it, the model's config.json), and the message that names
+the flag and the fix. `check(forward)` runs the rows that need no model or split
+(Forward.__post_init__); `check(forward, config, dims=)` all of them (Forward.check_model: the
+CLI's commands call it when they build their Forward, before a model is loaded, an episode
+sampled or a process started; build_forward before it loads the model). README's
+compatibility table is `ROWS`.
 
 Refusals that belong to the running layout rather than the model (--shard-params with
 context parallelism, an engine, a launcher) stay with the launch plan (train/launch_plan.py),
@@ -27,7 +29,8 @@ __all__ = ["ROWS", "Row", "check"]
 @dataclass(frozen=True, kw_only=True)
 class Row:
     """One refused combination: `what` (README's row), whether it reads the model's config,
-    `applies(forward, config)` and `message(forward, config)`."""
+    `applies(forward, config, dims)` and `message(forward, config, dims)` (dims: the run's
+    ParallelDims)."""
 
     what: str
     needs_model: bool
@@ -35,8 +38,12 @@ class Row:
     message: Callable
 
 
-def _cp(f) -> int:
-    return f.context_parallel
+def _cp(d) -> int:
+    return d.cp
+
+
+def _tp(d) -> int:
+    return d.tp
 
 
 def _cp_kernels() -> tuple:
@@ -55,48 +62,63 @@ def _gdn(c) -> bool:
 
 ROWS = (
     Row(what="context parallelism x a backend other than reference", needs_model=False,
-        applies=lambda f, c: _cp(f) > 1 and f.backend != "reference",
-        message=lambda f, c: (f"Forward(context_parallel={_cp(f)}) runs on the reference "
-                              f"backend; backend {f.backend!r} has no tree context parallelism "
-                              "yet: use backend='reference'")),
+        applies=lambda f, c, d: _cp(d) > 1 and f.backend != "reference",
+        message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel, "
+                                 f"ParallelDims(cp=)) runs on the reference backend; backend "
+                                 f"{f.backend!r} has no tree context parallelism yet: use "
+                                 "backend='reference'")),
+    Row(what="tensor parallelism x a backend other than megatron", needs_model=False,
+        applies=lambda f, c, d: _tp(d) > 1 and f.backend != "megatron",
+        message=lambda f, c, d: (f"tensor parallelism {_tp(d)} (--tensor-parallel, "
+                                 f"ParallelDims(tp=)) needs backend='megatron'; the "
+                                 f"{f.backend!r} backend runs whole on one device (use "
+                                 "data-parallel ranks instead)")),
     Row(what="context parallelism x recompute attention or layer", needs_model=False,
-        applies=lambda f, c: _cp(f) > 1 and f.tuning.recompute in ("attention", "layer"),
-        message=lambda f, c: (f"Forward(context_parallel={_cp(f)}) with tuning recompute="
-                              f"{f.tuning.recompute!r} is not supported yet (it would rerun "
-                              "the K/V exchange in backward): use recompute='mlp' or 'none'")),
+        applies=lambda f, c, d: _cp(d) > 1 and f.tuning.recompute in ("attention", "layer"),
+        message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "
+                                 f"tuning recompute={f.tuning.recompute!r} is not supported "
+                                 "yet (it would rerun the K/V exchange in backward): use "
+                                 "recompute='mlp' or 'none'")),
     Row(what="context parallelism x kernel causal", needs_model=False,
-        applies=lambda f, c: _cp(f) > 1 and f.kernel not in ("auto", *_cp_kernels()),
-        message=lambda f, c: (f"Forward(context_parallel={_cp(f)}, kernel={f.kernel!r}): under "
-                              f"context parallelism use kernel 'auto' or one of "
-                              f"{_cp_kernels()}")),
+        applies=lambda f, c, d: _cp(d) > 1 and f.kernel not in ("auto", *_cp_kernels()),
+        message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "
+                                 f"kernel={f.kernel!r}: under context parallelism use kernel "
+                                 f"'auto' or one of {_cp_kernels()}")),
     Row(what="Mamba-2 hybrid x backend megatron", needs_model=True,
-        applies=lambda f, c: _recurrent(c) and f.backend == "megatron",
-        message=lambda f, c: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
+        applies=lambda f, c, d: _recurrent(c) and f.backend == "megatron",
+        message=lambda f, c, d: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
                               "DeltaNet) layers and the megatron backend runs attention "
                               "decoders only: use --backend reference")),
     Row(what="Mamba-2 hybrid x tuning compile_layers or recompute", needs_model=True,
-        applies=lambda f, c: _recurrent(c) and (f.tuning.compile_layers
+        applies=lambda f, c, d: _recurrent(c) and (f.tuning.compile_layers
                                                 or f.tuning.recompute != "none"),
-        message=lambda f, c: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
+        message=lambda f, c, d: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
                               f"for the hybrid {c.architecture}; leave them off (got "
                               f"compile_layers={f.tuning.compile_layers}, recompute="
                               f"{f.tuning.recompute!r})")),
     Row(what="Gated DeltaNet hybrid x context parallelism", needs_model=True,
-        applies=lambda f, c: _gdn(c) and _cp(f) > 1,
-        message=lambda f, c: (f"{f.model}: {c.architecture} has Gated DeltaNet layers, which "
+        applies=lambda f, c, d: _gdn(c) and _cp(d) > 1,
+        message=lambda f, c, d: (f"{f.model}: {c.architecture} has Gated DeltaNet layers, which "
                               f"do not run under context parallelism yet (--context-parallel "
-                              f"{_cp(f)}): use --context-parallel 1")),
+                              f"{_cp(d)}): use --context-parallel 1")),
     Row(what="Mamba-2 hybrid x context parallelism above its Mamba heads", needs_model=True,
-        applies=lambda f, c: _recurrent(c) and not _gdn(c) and _cp(f) > c.mamba_num_heads,
-        message=lambda f, c: (f"{f.model}: --context-parallel {_cp(f)} splits each Mamba-2 "
+        applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and _cp(d) > c.mamba_num_heads,
+        message=lambda f, c, d: (f"{f.model}: --context-parallel {_cp(d)} splits each Mamba-2 "
                               f"layer's heads over the ranks, and {c.architecture} has "
                               f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "
                               f"{c.mamba_num_heads} or fewer")),
 )
 
 
-def check(forward, config=None) -> None:
-    """Raise ValueError for the first row that applies (rows needing a model: with `config`)."""
+def check(forward, config=None, *, dims=None) -> None:
+    """Raise ValueError for the first row that applies (rows needing a model: with `config`),
+    the Forward run split as `dims` (a ParallelDims; None: one process)."""
+    from treeflow.parallel import ParallelDims
+
+    if dims is None:
+        dims = ParallelDims()
+    elif not isinstance(dims, ParallelDims):
+        raise TypeError(f"check(dims={dims!r}): give a treeflow.parallel.ParallelDims")
     for row in ROWS:
-        if (config is not None or not row.needs_model) and row.applies(forward, config):
-            raise ValueError(row.message(forward, config))
+        if (config is not None or not row.needs_model) and row.applies(forward, config, dims):
+            raise ValueError(row.message(forward, config, dims))

@@ -1,9 +1,9 @@
 """The model-bound map operator: a Forward config bound to a loaded model on one device.
 
-`build_forward(forward, device=, model=, max_tokens=)` loads (or wraps) the model
+`build_forward(forward, device=, model=, max_tokens=, dims=, cp=)` loads (or wraps) the model
 and returns its runner (ops/runner.py: host half, device half, result), or
-under `context_parallel > 1` the runner one process of a context-parallel
-group runs (ops/cp_runner.py). Engines build it once per worker through the
+under context parallelism (the engine's `ParallelDims.cp` > 1, or a group given) the runner
+one process of a context-parallel group runs (ops/cp_runner.py). Engines build it once per worker through the
 planner's registry (ops/registry.py); the Forward config itself stays pure
 (stages/forward.py), so it can be declared, printed and shipped to a Ray
 actor without a model behind it.
@@ -21,23 +21,37 @@ __all__ = ["build_forward"]
 
 
 def build_forward(forward: Forward, *, device="cpu", model=None, max_tokens: int | None = None,
-          cp=None) -> ForwardRunner:
+                  dims=None, cp=None) -> ForwardRunner:
     """Bind `forward`'s model backend on `device` for running bins.
 
     model: None (load `forward.model` into `forward.backend` on `device`), a
     loaded Backend, or a reference Decoder (wrapped in the reference
     backend). max_tokens: the bins' token budget (`Fragment.max_tokens`);
     flex attention pads every bin to it (a context-parallel process to its
-    share, max_tokens / C) so one compiled kernel serves all. cp: this
-    process's ContextParallelGroup under context_parallel > 1 (default: the
-    whole process group, which must then have context_parallel ranks).
+    share, max_tokens / C) so one compiled kernel serves all. dims: the engine's
+    ParallelDims, of which the split of one bin is read (tp: the megatron backend's
+    tensor-parallel processes; cp: the context-parallel ones); default one process. cp:
+    this process's ContextParallelGroup (its size is the context parallelism; default under
+    dims.cp > 1: the whole process group, which must then have dims.cp ranks).
     """
     from treeflow.models import Backend, Decoder, ReferenceBackend, load_backend
+    from treeflow.parallel import ParallelDims
 
+    if dims is None:
+        dims = ParallelDims(cp=cp.size) if cp is not None else ParallelDims()
+    elif not isinstance(dims, ParallelDims):
+        raise TypeError(f"build_forward(dims={dims!r}): give a treeflow.parallel.ParallelDims")
+    elif cp is not None and dims.cp not in (1, cp.size):
+        raise ValueError(f"build_forward(dims={dims}) was given a context-parallel group of "
+                         f"{cp.size} ranks; give matching sizes")
+    elif cp is not None:
+        from dataclasses import replace
+
+        dims = replace(dims, cp=cp.size)
     device = resolve_device(device)
     if model is None:
-        forward.check_model()  # models/support.py, before the model loads
-        options = {"tensor_parallel": forward.tensor_parallel} if forward.tensor_parallel > 1 else {}
+        forward.check_model(dims)  # models/support.py, before the model loads
+        options = {"tensor_parallel": dims.tp} if dims.tp > 1 else {}
         if forward.backend == "reference":
             options["tuning"] = forward.tuning
         backend = load_backend(forward.backend, forward.model, dtype=DTYPES[forward.dtype],
@@ -61,19 +75,16 @@ def build_forward(forward: Forward, *, device="cpu", model=None, max_tokens: int
     if model is not None:
         from treeflow.models.support import check
 
-        check(forward, backend.config)
+        check(forward, backend.config, dims=dims)
     backend.train(False)
-    if forward.context_parallel > 1 or cp is not None:
+    if dims.cp > 1:
         from treeflow.models.context_parallel import ContextParallelGroup
         from treeflow.models.families import require
         from treeflow.ops.cp_runner import ContextParallelRunner
 
         require(backend.config.architecture, "context_parallel")
 
-        cp = cp if cp is not None else ContextParallelGroup.from_world(forward.context_parallel)
-        if cp.size != forward.context_parallel:
-            raise ValueError(f"Forward(context_parallel={forward.context_parallel}) was given a "
-                             f"context-parallel group of {cp.size} ranks; give matching sizes")
+        cp = cp if cp is not None else ContextParallelGroup.from_world(dims.cp)
         share = None if max_tokens is None else math.ceil(max_tokens / cp.size)
         return ContextParallelRunner(forward, backend, cp, max_tokens=share)
     return ForwardRunner(forward, backend, max_tokens=max_tokens)

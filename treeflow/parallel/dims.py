@@ -7,10 +7,12 @@ One frozen object says how many processes a run has and what each one is: the da
 replica it belongs to, its place in that replica's context- or tensor-parallel group, whether it
 plans its replica's share of a step (writes the planning exchange) and whether it leads the run
 (prints, writes metrics). Everything that used to recompute this from `num_ranks`,
-`context_parallel` and `tensor_parallel` on its own asks this object instead, so a new dimension
-(expert parallelism) is added here and in the engine that builds its groups, not in every
-caller. Process groups are built by the engine that owns the dims (engines/), never here: this
-module imports neither torch nor a process group.
+`context_parallel` and `tensor_parallel` on its own asks this object instead (the engine owns
+it; Launch, DataParallel.from_env, build_forward and the Ray engine's actors read it), so a new
+dimension (expert parallelism) is its field here, its flag (cli/parallel.py `DIMS`) and its
+process group (train/distributed.py), not a change in every caller. Process groups are built
+where the processes run (train/distributed.py, the backends), never here: this module imports
+neither torch nor a process group.
 
 Layout: ranks are numbered with the tensor-parallel index fastest, then context-parallel, then
 data-parallel -- rank = (replica * cp + cp_index) * tp + tp_index -- so a replica's processes

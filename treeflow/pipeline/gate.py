@@ -22,7 +22,7 @@ disagrees on decided rows. The raw `route_agreement` over every replayed row
 and the count of near-ties (`route_near_ties`) are reported beside it.
 
 The trainer (pipeline/gate_train.py) runs in this process, or under
-`Forward(context_parallel=C)` as C gloo/NCCL processes of one
+`ParallelDims(cp=C)` as C gloo/NCCL processes of one
 context-parallel group that attach to the queue by its address; rank 0
 alone reads the queue and writes the weights (a second writer fails the
 gate).
@@ -49,6 +49,7 @@ import time
 
 import pyarrow as pa
 
+from treeflow.parallel import ParallelDims
 from treeflow.pipeline.rollout import Rollout, run_rollout
 
 __all__ = ["FAULTS", "Gate", "gate_address", "gate_reduce", "run_gate"]
@@ -154,10 +155,12 @@ def _corrupt_route(table: pa.Table) -> pa.Table:
 
 def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree",
              scope: str | None = None, max_tokens: int = 16384, device: str = "cpu",
-             weights: str | None = None, queue_secret: str | None = None) -> dict:
+             weights: str | None = None, queue_secret: str | None = None,
+             dims: ParallelDims = ParallelDims()) -> dict:
     """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`.
 
-    Under `forward.context_parallel` C > 1 the trainer is C processes (pipeline/gate_train.py)
+    dims: how the trainer is split (ParallelDims; the gate trains one replica, so only cp).
+    Under `dims.cp` C > 1 the trainer is C processes (pipeline/gate_train.py)
     that attach to `queue` by its address (an embedded queue served on a socket, or a
     TransferQueue name; `queue_secret` for a tcp:// one); the producer stays here.
     """
@@ -165,7 +168,10 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
 
     G = gate.rollout.group_size
     per_round = gate.episodes // G
-    C = forward.context_parallel
+    if not isinstance(dims, ParallelDims) or dims.dp > 1 or dims.tp > 1:
+        raise ValueError(f"run_gate(dims={dims!r}): the gate trains one replica, split only "
+                         "by context parallelism; give ParallelDims(cp=C)")
+    C = dims.cp
     routed = getattr(forward, "routing", "recompute") == "replay"
     max_kl = gate.max_gen_kl if gate.max_gen_kl is not None else _DEFAULT_KL[forward.dtype]
     min_agree = (gate.min_route_agreement if gate.min_route_agreement is not None
@@ -177,7 +183,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     side = GateTrainer(forward=forward, reduce=reduce, gate=gate, layout=layout, scope=scope,
                        max_tokens=max_tokens, device=device, weights=weights, routed=routed,
                        queue_address=queue.address, queue_backend=queue.backend,
-                       queue_secret=queue_secret, vocab_size=queue.vocab_size)
+                       queue_secret=queue_secret, vocab_size=queue.vocab_size, cp=C)
     sampled: list[dict] = []   # per put: its round, episode ids, version
     errors: list[BaseException] = []
 

@@ -1,6 +1,6 @@
 """The gate's trainer: one step on the first round, the weights published, the refit round scored.
 
-It runs in the calling process, or -- under `Forward(context_parallel=C)` -- as
+It runs in the calling process, or -- under context parallelism (`cp` C > 1) -- as
 the C processes of one context-parallel group, started by the one launcher
 (train/launch.py `spawn`; gloo on CPU, one GPU each on CUDA). Then rank 0
 alone reads the queue: it leases the step's episodes and broadcasts them
@@ -49,6 +49,7 @@ class GateTrainer:
     queue_backend: str = "embedded"
     queue_secret: str | None = None
     vocab_size: int | None = None
+    cp: int = 1                          # the context-parallel processes (ParallelDims.cp)
 
 
 def received(episodes: pa.Table | None, routed: bool) -> dict | None:
@@ -83,12 +84,12 @@ def run_ranks(side: GateTrainer) -> list[dict]:
 
     timeout = 4 * side.gate.timeout + 300.0  # the ranks' own waits are bounded by gate.timeout
     if side.queue_backend != "transferqueue" or os.environ.get("RAY_ADDRESS"):
-        return spawn(_rank, side.forward.context_parallel, side, timeout_s=timeout)
+        return spawn(_rank, side.cp, side, timeout_s=timeout)
     import ray  # the ranks join this process's cluster, where the queue lives
 
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:  # the processes inherit it when they start
-        return spawn(_rank, side.forward.context_parallel, side, timeout_s=timeout)
+        return spawn(_rank, side.cp, side, timeout_s=timeout)
     finally:
         del os.environ["RAY_ADDRESS"]
 
@@ -98,8 +99,10 @@ def _rank(side: GateTrainer) -> dict:
     from treeflow.tq import connect_queue
     from treeflow.train import DataParallel
 
+    from treeflow.parallel import ParallelDims
+
     dp = DataParallel.from_env(side.device, timeout_s=4 * side.gate.timeout + 300.0,
-                               context_parallel=side.forward.context_parallel)
+                               dims=ParallelDims(cp=side.cp))
     try:
         queue = (connect_queue(side.queue_address, backend=side.queue_backend,
                                timeout=side.gate.timeout, vocab_size=side.vocab_size,
@@ -121,7 +124,7 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     from treeflow.train.fit import fit
 
     gate, lead = side.gate, dp is None or dp.rank == 0
-    budget = side.max_tokens * side.forward.context_parallel  # a group's bins hold C x budget
+    budget = side.max_tokens * side.cp  # a group's bins hold C x budget
     trainer = Trainer(side.forward, side.reduce, device=side.device, max_tokens=budget,
                       **({"dp": dp} if dp is not None else {}))
     pack, fragment = Pack(layout=side.layout, scope=side.scope), Fragment(max_tokens=budget)

@@ -29,8 +29,12 @@ from treeflow.pipeline.prefetch import Prefetch
 from treeflow.pipeline.stats import bin_sums, episode_sums
 
 def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=None,
-              prefetch: int = 2, background: bool | None = None) -> Iterator[WindowResult]:
+              prefetch: int = 2, background: bool | None = None,
+              dims=None) -> Iterator[WindowResult]:
     """Yield one WindowResult per window, in input order.
+
+    dims: the engine's ParallelDims, which split the model op's bins (Plan.worker) when no
+    worker is given.
 
     background: prepare windows in a background thread (default: when the
     model runs on an accelerator). Reading and the maps then start at once,
@@ -73,7 +77,7 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
         try:
             t0 = time.perf_counter()
             if worker is None:
-                worker = plan.worker(device=device)
+                worker = plan.worker(device=device, dims=dims)
             load_seconds, loaded_at = time.perf_counter() - t0, process_seconds()
             compile_seconds = worker.warm_up()
             compiled_at = process_seconds()

@@ -1,6 +1,6 @@
 """Declaring a pipeline: an ordered list of stage configs, type-checked before anything runs.
 
-    Pipeline(Pack(layout="tree"), Fragment(max_tokens=8192), Shard(num_ranks=2),
+    Pipeline(Pack(layout="tree"), Fragment(max_tokens=8192), Shard(),
              Forward(model="tiny"), Reassemble())
 
 Each stage declares its input and output Arrow schemas and which per-edge
@@ -62,13 +62,14 @@ class Pipeline:
     def __repr__(self) -> str:
         return "Pipeline(" + ", ".join(map(repr, self.stages)) + ")"
 
-    def for_rank(self, ranks: int, rank: int | None = None, exchange=None) -> "Pipeline":
+    def for_rank(self, ranks: int, rank: int | None = None, exchange=None, *,
+                 shares: bool = True) -> "Pipeline":
         """The same stages, their plan bound to data-parallel rank `rank` of `ranks`
         (`Plan.for_rank`): what one training rank runs."""
         import copy
 
         bound = copy.copy(self)
-        bound.plan = self.plan.for_rank(ranks, rank, exchange)
+        bound.plan = self.plan.for_rank(ranks, rank, exchange, shares=shares)
         return bound
 
     @property

@@ -44,8 +44,8 @@ from treeflow.stages.shard import CostModel, Shard
 def _deals(stage, binding: RankBinding | None = None) -> bool:
     """Whether `stage` deals work to ranks by a cost model (its `cost` field): Shard, and Pack
     and Fragment in a plan bound to several ranks (Plan.for_rank)."""
-    return isinstance(stage, Shard) or (isinstance(stage, (Pack, Fragment)) and
-                                        binding is not None and binding.ranks > 1)
+    return isinstance(stage, Shard) or (isinstance(stage, (Pack, Fragment)) and binding is not None
+                                        and binding.shares and binding.ranks > 1)
 
 
 def _model_cost(maps, model, binding: RankBinding | None = None):
@@ -93,17 +93,20 @@ class Plan:
     fused: bool = False
     binding: RankBinding | None = None
 
-    def for_rank(self, ranks: int, rank: int | None = None, exchange=None) -> Plan:
+    def for_rank(self, ranks: int, rank: int | None = None, exchange=None, *,
+                 shares: bool = True) -> Plan:
         """This plan bound to data-parallel rank `rank` of `ranks` (None: every rank's share
         planned here): Pack and Fragment plan that rank's share, dealt on exact costs through
         `exchange` (the ranks' sum, e.g. `DataParallel.planning_exchange()`; default
         IN_PROCESS_EXCHANGE: the same sum computed in this process, every tree packed once,
-        O(N) instead of O(N / ranks))."""
+        O(N) instead of O(N / ranks)), and Shard keeps their ranks. shares=False: the whole
+        step planned as for one rank, Shard dealing its bins to `ranks` (what an engine binds
+        an unbound plan to, Engine.bind)."""
         from treeflow.stages import IN_PROCESS_EXCHANGE
 
-        if exchange is None:
+        if exchange is None and shares:
             exchange = IN_PROCESS_EXCHANGE
-        binding = RankBinding(ranks=ranks, rank=rank, exchange=exchange)
+        binding = RankBinding(ranks=ranks, rank=rank, exchange=exchange, shares=shares)
         return replace(self, binding=binding, maps=_model_cost(self.maps, self.model, binding))
 
     @classmethod
@@ -171,12 +174,14 @@ class Plan:
                 data = map_bound(s, data, step, self.binding)
         return data
 
-    def worker(self, *, device="cpu", model=None, trainer=None, **options) -> Worker:
+    def worker(self, *, device="cpu", model=None, trainer=None, dims=None,
+               **options) -> Worker:
         """What one rank holds: the model op, or the training op of a fused plan.
 
         trainer: for a fused plan, the Trainer to continue or a built TrainOp (ops/train.py;
-        engines build a new Trainer when their caller gave none). options: the training op's
-        (checkpointing=, on_step=, ...).
+        engines build a new Trainer when their caller gave none; its process group says how
+        a bin is split). dims: the engine's ParallelDims, which split one bin of the model op
+        (build_forward). options: the training op's (checkpointing=, on_step=, ...).
         """
         if self.fused:
             op = physical(self.accumulate, forward=self.model, device=device, model=model,
@@ -189,16 +194,21 @@ class Plan:
             raise ValueError(f"options {sorted(options)} are for training pipelines (ending in "
                              "Reduce)")
         runner = None if self.model is None else physical(self.model, device=device, model=model,
-                                                          max_tokens=self.max_tokens)
+                                                          max_tokens=self.max_tokens, dims=dims)
         acc = None if self.accumulate is None else physical(self.accumulate)
         return Worker(self, runner=runner, accumulator=acc)
 
     def _check_sharding(self, world: int) -> None:
-        ranks = [s.num_ranks for s in self.maps if isinstance(s, Shard)]
-        if world > 1 and (not ranks or ranks[-1] != world):
-            have = f"Shard(num_ranks={ranks[-1]})" if ranks else "no Shard stage"
+        if world <= 1:
+            return
+        if not any(isinstance(s, Shard) for s in self.maps):
             raise ValueError(f"the trainer is one of {world} data-parallel ranks but the pipeline "
-                             f"has {have}; put Shard(num_ranks={world}) before Forward")
+                             "has no Shard stage; put Shard() before Forward")
+        ranks = 1 if self.binding is None else self.binding.ranks
+        if ranks != world:
+            raise ValueError(f"the trainer is one of {world} data-parallel ranks but the plan is "
+                             f"bound to {ranks}; bind it to {world} (Pipeline(...).for_rank("
+                             f"{world}, rank), or the engine's ParallelDims(dp={world}))")
 
 
 class Worker:

@@ -2,7 +2,7 @@
 
     reader = QueueSource(episodes_per_step=B, ack="manual").open(q) if rank == 0 else None
     windows = RankWindows(reader, dp)          # the same windows, and positions, on every rank
-    for rec in pipe.run(windows, trainer=trainer): ...   # pipe has Shard(num_ranks=dp.world)
+    for rec in pipe.run(windows, trainer=trainer): ...   # pipe bound to dp.world ranks
 
 A queue step is leased to one consumer, so one process -- rank 0 -- reads the
 queue (leases, renewals, staleness, the position of applied steps, acks) and

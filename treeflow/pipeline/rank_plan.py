@@ -42,7 +42,7 @@ def rank_stages(*, layout: str, scope: str | None, share_rules: str, max_tokens:
         return (Pack(layout=layout, scope=scope, share_rules=share_rules),
                 Fragment(max_tokens=max_tokens))
     return (Pack(layout=layout, scope=scope, share_rules=share_rules, cost=cost),
-            Fragment(max_tokens=max_tokens, cost=cost), Shard(num_ranks=num_ranks, cost=cost))
+            Fragment(max_tokens=max_tokens, cost=cost), Shard(cost=cost))
 
 
 def rank_binding(num_ranks: int, rank: int, exchange=None):
@@ -62,7 +62,7 @@ class StepStages:
     """The stages of a training step as every data-parallel rank runs them: `before` (e.g.
     `(Advantage(...),)`), the rank's map stages (rank_stages, from the layout fields), then
     `forward` and `reduce`. max_tokens: one process's bin budget; a context-parallel group's
-    bins hold `forward.context_parallel` times it."""
+    bins hold C times it (`pipeline(cp=C)`, the engine's ParallelDims.cp)."""
 
     forward: object
     reduce: object
@@ -72,14 +72,14 @@ class StepStages:
     share_rules: str = "default"
     max_tokens: int = 16384
 
-    def pipeline(self, num_ranks: int = 1, rank: int = 0, exchange=None):
+    def pipeline(self, num_ranks: int = 1, rank: int = 0, exchange=None, *, cp: int = 1):
         """The training Pipeline of replica `rank` of `num_ranks`, bound to it (exchange:
-        rank_binding's)."""
+        rank_binding's), its bins sized for context-parallel groups of `cp` processes."""
         from treeflow.pipeline.pipeline import Pipeline
 
         pipe = Pipeline(*self.before, *rank_stages(
             layout=self.layout, scope=self.scope, share_rules=self.share_rules,
-            max_tokens=self.max_tokens * self.forward.context_parallel, num_ranks=num_ranks),
+            max_tokens=self.max_tokens * cp, num_ranks=num_ranks),
             self.forward, self.reduce)
         if num_ranks == 1:
             return pipe

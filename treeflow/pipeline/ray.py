@@ -38,7 +38,7 @@ RAY_ADDRESS or starts a local cluster sized to the machine, its workers at the
 driver's priority (Ray's default niceness of 15 starves the rank actors on a
 shared machine).
 
-Context parallelism (`Forward(context_parallel=C)`): a rank is C actors that
+Context parallelism (the engine's `ParallelDims(cp=C)`): a rank is C actors that
 run each of its bins together; pipeline/ray_groups.py forms their process
 groups (one per rank for replay, one of all R x C for training). When a replay
 actor dies, the driver restarts its rank's C actors (their group died with
@@ -53,6 +53,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from treeflow.parallel import ParallelDims
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.ray_drive import Driver
 from treeflow.pipeline.ray_feed import feed
@@ -106,13 +107,17 @@ def init_ray(**kwargs):
     return ray
 
 
-def check_ray_plan(plan: Plan, ranks) -> None:
-    """Refuse a plan or rank count the Ray engine cannot run, before Ray starts."""
+def check_ray_plan(plan: Plan, dims) -> None:
+    """Refuse a plan or parallel dimensions the Ray engine cannot run, before Ray starts."""
     if plan.model is None:
         raise ValueError("engine 'ray' runs pipelines with a Forward stage; run maps-only "
                          "pipelines with engine='local'")
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise ValueError(f"ranks={ranks!r}: give an int >= 1")
+    if not isinstance(dims, ParallelDims):
+        raise TypeError(f"dims={dims!r}: give a treeflow.parallel.ParallelDims")
+    if dims.tp > 1:
+        raise ValueError(f"{dims}: the Ray engine's ranks run whole models (or context-"
+                         "parallel groups); run tensor parallelism with LocalEngine under "
+                         "spawn or torchrun")
 
 
 def _wait_returned(ray, timeout: float = RETURN_WAIT) -> None:
@@ -141,8 +146,8 @@ def _wait_returned(ray, timeout: float = RETURN_WAIT) -> None:
 class RayRanks:
     """R rank actors fed by the Ray graph of a plan; `start()`, then `run(source)`, then `close()`.
 
-    Under `Forward(context_parallel=C)` each rank is C actors (R x C in all, one GPU each
-    on CUDA) that run each of its bins together.
+    dims: the engine's ParallelDims: `dims.dp` ranks R, each `dims.cp` actors C (R x C in
+    all, one GPU each on CUDA) that run each of its bins together.
 
     plans: one plan per rank for per-rank planning (rank r's maps plan only its share:
     each plan bound to its rank, `Plan.for_rank(R, r)`), as data-parallel training plans
@@ -155,10 +160,11 @@ class RayRanks:
     train/remote.py; default a new Trainer that saves nothing).
     """
 
-    def __init__(self, plan: Plan, *, ranks: int = 1, device: str = "cpu", plans=None,
-                 threads: int | None = None, prefetch: int = 2, train=None,
+    def __init__(self, plan: Plan, *, dims: ParallelDims = ParallelDims(), device: str = "cpu",
+                 plans=None, threads: int | None = None, prefetch: int = 2, train=None,
                  rank_cls=RankActor):
-        check_ray_plan(plan, ranks)
+        check_ray_plan(plan, dims)
+        ranks = dims.dp
         if prefetch < 1:
             raise ValueError(f"prefetch={prefetch!r}: give an int >= 1 (windows in flight)")
         if train is not None and not plan.fused:
@@ -167,7 +173,10 @@ class RayRanks:
             from treeflow.train.remote import RemoteTraining
 
             train = RemoteTraining()
-        self.cp = getattr(plan.model, "context_parallel", 1)  # actors per rank
+        # actors per rank: the split of a replica (context-parallel processes; tp is refused)
+        self.dims, self.cp = dims, dims.split
+        if plans is None and plan.binding is None and ranks > 1:  # Shard deals to the ranks
+            plan = plan.for_rank(ranks, shares=False)
         plans = tuple(plans) if plans is not None else (plan,)
         if len(plans) not in (1, ranks):
             raise ValueError(f"{len(plans)} plans for {ranks} ranks: give one, or one per rank")
@@ -237,7 +246,7 @@ class RayRanks:
         C, (n, cpus, _, _) = self.cp, threads
         # a replay actor that dies is restarted (its windows re-run); a training one is not.
         # actor a is context-parallel process a % C of rank a // C
-        self.actors = [rank_actors(self.rank_cls, 1, self.plan, a // C, self.ranks, self.device,
+        self.actors = [rank_actors(self.rank_cls, 1, self.plan, a // C, self.dims, self.device,
                                    n, self.train, a % C, num_cpus=cpus,
                                    num_gpus=1 if cuda else 0,
                                    max_restarts=0 if self.plan.fused else -1)[0]
@@ -305,13 +314,14 @@ class RayRanks:
         return Driver(self, items).windows()
 
 
-def run_ray(plan: Plan, source, *, ranks: int = 1, device: str = "cpu", steps: int | None = None,
-            prefetch: int = 2, **options) -> Iterator[WindowResult]:
-    """Yield one WindowResult per window, in logical order, from the Ray engine; then stop it.
+def run_ray(plan: Plan, source, *, dims: ParallelDims = ParallelDims(), device: str = "cpu",
+            steps: int | None = None, prefetch: int = 2, **options) -> Iterator[WindowResult]:
+    """Yield one WindowResult per window, in logical order, from the Ray engine (`dims`: its
+    ParallelDims); then stop it.
 
     options: as for RayRanks (plans, threads, train, rank_cls).
     """
-    engine = RayRanks(plan, ranks=ranks, device=device, prefetch=prefetch, **options)
+    engine = RayRanks(plan, dims=dims, device=device, prefetch=prefetch, **options)
     return _closing(engine, source, steps)
 
 

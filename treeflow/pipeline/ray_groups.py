@@ -1,12 +1,12 @@
 """The Ray engine's process groups: which rank actors form a group, and forming one again.
 
-A logical rank of the Ray engine is C actors, C being the Forward's
-`context_parallel` (the processes that run each of the rank's bins together,
+A logical rank of the Ray engine is C actors, C being the engine's
+`ParallelDims.cp` (the processes that run each of the rank's bins together,
 models/context_parallel.py); actor a = r * C + c is context-parallel process
 c of rank r, and all C of them read rank r's bins. The groups:
 
 - training: all R x C actors are one process group (gloo on CPU, NCCL on
-  CUDA), actor a its rank a, so that `DataParallel.from_env(context_parallel=C)`
+  CUDA), actor a its rank a, so that `DataParallel.from_env(dims=)`
   makes each rank's C consecutive processes one context-parallel group and
   sums the gradient over all R x C, exactly as for spawned or torchrun ranks
   (train/distributed.py).

@@ -145,7 +145,8 @@ class StageOp:
             dest[unassigned] = np.arange(int(unassigned.sum())) % self.ranks
         if table.num_rows and int(dest.max()) >= self.ranks:
             raise ValueError(f"window {w}: bins were sharded for {int(dest.max()) + 1} ranks but "
-                             f"{self.ranks} run; use Shard(num_ranks={self.ranks})")
+                             f"{self.ranks} run; bind the plan to {self.ranks} ranks "
+                             "(the engine's ParallelDims(dp=), Plan.for_rank)")
         return tag(table, w, dest)
 
 

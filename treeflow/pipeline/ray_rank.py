@@ -1,7 +1,7 @@
 """A rank actor of the Ray engine: one process holding one data-parallel rank's operator.
 
 The driver (pipeline/ray.py) creates R of them -- R x C under context
-parallelism (`Forward(context_parallel=C)`): rank r is then C actors, each one
+parallelism (the engine's `ParallelDims(cp=C)`): rank r is then C actors, each one
 context-parallel process of it, all reading rank r's bins -- gives them
 torchrun's variables (`setup(env)`: the process group forms here, gloo on CPU
 and NCCL on CUDA, exactly as for spawned ranks; which actors form which group
@@ -26,6 +26,7 @@ last checkpoint).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pyarrow as pa
 
@@ -36,7 +37,7 @@ class RankActor:
     """One rank (or one context-parallel process `cp_rank` of it): `setup(env)` builds the
     worker; `run(window, block, position)` per window."""
 
-    def __init__(self, plan, rank: int, ranks: int, device: str, threads: int, train=None,
+    def __init__(self, plan, rank: int, dims, device: str, threads: int, train=None,
                  cp_rank: int = 0):
         import torch
 
@@ -46,8 +47,8 @@ class RankActor:
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        self.plan, self.rank, self.ranks, self.device = plan, rank, ranks, device
-        self.cp = getattr(plan.model, "context_parallel", 1)  # processes per rank
+        self.plan, self.rank, self.dims, self.device = plan, rank, dims, device
+        self.cp = dims.split  # processes per rank (the engine's ParallelDims)
         self.cp_rank = cp_rank
         self.train = train  # training: a RemoteTraining (train/remote.py)
         self.worker = self.dp = self.publish = self.saved = None
@@ -79,8 +80,8 @@ class RankActor:
         os.environ.update(env)
         if self.plan.fused:
             # all R x C processes: C consecutive ones per rank run its bins together
-            self.dp = (DataParallel.from_env(self.device, context_parallel=self.cp)
-                       if self.ranks * self.cp > 1 else DataParallel(device=self.device))
+            self.dp = (DataParallel.from_env(self.device, dims=self.dims)
+                       if self.dims.world > 1 else DataParallel(device=self.device))
             if self.dp.replica != self.rank or (self.dp.cp is not None
                                                 and self.dp.cp.rank != self.cp_rank):
                 raise RuntimeError(f"rank actor {self.rank}.{self.cp_rank} joined the group as "
@@ -94,7 +95,7 @@ class RankActor:
         else:
             if self.cp > 1:  # this rank's C actors: a process group of their own
                 self.dp = DataParallel.from_env(self.device)
-            self.worker = self.plan.worker(device=self.device)
+            self.worker = self.plan.worker(device=self.device, dims=replace(self.dims, dp=1))
         self.compile_seconds = self.worker.warm_up()
         # pyarrow imports pandas (0.3 s, where it is installed) for the first array it makes
         # from Python values, which the first window's call would pay: here, while the

@@ -5,7 +5,8 @@
 
 `logprobs_pipeline` declares the stages: Pack, Fragment, Shard (over the Ray engine's forward
 actors, by the model's own cost), the Forward, Reassemble. `replay_logprobs` runs it as one
-process of the Forward's tensor- or context-parallel group when it has one (torchrun's
+process of the engine's tensor- or context-parallel group when its ParallelDims split a
+replica (torchrun's
 environment: `train.launch.spawn` or torchrun started the processes; with the Ray engine a
 context-parallel group is the engine's actors instead), writes the results (the first process
 of a group; every other computes the same bins and discards them) and returns the run's
@@ -24,17 +25,17 @@ __all__ = ["logprobs_pipeline", "replay_logprobs"]
 
 
 def logprobs_pipeline(forward, *, layout: str = "tree", scope: str | None = None,
-                      share_rules: str = "default", max_tokens: int = 16384, num_ranks: int = 1):
+                      share_rules: str = "default", max_tokens: int = 16384, cp: int = 1):
     """Pack -> Fragment -> Shard -> `forward` -> Reassemble (entropies when the Forward computes
-    them). max_tokens: one process's bin budget; a context-parallel group's bins hold
-    `forward.context_parallel` times it. num_ranks: the ranks Shard balances the bins over (the
-    Ray engine's forward actors), by the cost of the Forward's model."""
+    them). max_tokens: one process's bin budget; a context-parallel group's bins hold `cp`
+    times it (the engine's ParallelDims.cp). Shard balances the bins, by the cost of the Forward's
+    model, over the ranks the engine binds the plan to (the Ray engine's forward actors)."""
     from treeflow.pipeline.pipeline import Pipeline
     from treeflow.stages import CostModel, Fragment, Pack, Reassemble, Shard
 
     return Pipeline(Pack(layout=layout, scope=scope, share_rules=share_rules),
-                    Fragment(max_tokens=max_tokens * forward.context_parallel),
-                    Shard(num_ranks=num_ranks, cost=CostModel.from_config(
+                    Fragment(max_tokens=max_tokens * cp),
+                    Shard(cost=CostModel.from_config(
                         forward.model_config(), training=False)), forward,
                     Reassemble(entropy=forward.entropy))
 
@@ -57,7 +58,8 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
     """Run the logprobs `pipeline` over `source` (a `Files`), write one row per input episode
     to `output` (.arrow or .parquet, published when the run completes; `inputs`: the episode
     files it must not be); the run's summary, or None in a group's process other than the
-    first. engine: an Engine or its name (built with `num_ranks` ranks); prefetch:
+    first. engine: an Engine or its name (built with `num_ranks` ranks; its ParallelDims'
+    tp or, with the local engine, cp processes run each bin, this one of them); prefetch:
     Pipeline.run's. log: where a warning goes (an engine's forward actors left without bins;
     default stderr)."""
     from treeflow._clock import process_seconds
@@ -74,8 +76,8 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
     if not engine.owns_processes:  # the model code's import is start-up, before the engine
         import treeflow.pipeline.local  # noqa: F401 (an engine's driver runs no model)
     imported = process_seconds()
-    forward, lead, group = pipeline.plan.model, True, None
-    if forward.tensor_parallel > 1:  # one of the processes that hold a share of the model
+    dims, lead, group = engine.dims, True, None
+    if dims.tp > 1:  # one of the processes that hold a share of the model
         from treeflow.train.distributed import rank_device
         from treeflow.train.launch import rank_of
 
@@ -85,7 +87,7 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
             import torch
 
             torch.cuda.set_device(torch.device(device))
-    if forward.context_parallel > 1 and not engine.owns_processes:  # a process of a bin
+    if dims.cp > 1 and not engine.owns_processes:  # a process of a bin
         from treeflow.train.distributed import DataParallel
 
         group = DataParallel.from_env(device)
@@ -120,7 +122,7 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
         return None
     if (idle := engine.idle_ranks_warning(sums["bins"])) is not None:
         (log or _stderr)(idle)
-    for name in ("tensor_parallel", "context_parallel"):
-        if getattr(forward, name) > 1:
-            sums[name] = getattr(forward, name)
+    for name, n in (("tensor_parallel", dims.tp), ("context_parallel", dims.cp)):
+        if n > 1:
+            sums[name] = n
     return sums

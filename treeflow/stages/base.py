@@ -11,6 +11,11 @@ neighbours at declaration: `requires` / `produces` name per-edge values
 (`edge_logprobs`, `edge_entropies`), `vocab_size_hint` lets a source validate
 token ids before anything runs, `max_tokens_hint` is the bin size a Fragment
 guarantees (so a model can pad every bin to it and compile once).
+
+No stage config holds a rank or a world size: how many data-parallel ranks a step is dealt
+to is the plan's RankBinding (`Plan.for_rank`, bound by the engine from its ParallelDims),
+and how many processes split one bin is the engine's ParallelDims. `retired` names the
+keyword arguments a stage no longer takes, so an old spelling fails with the new way.
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ class Stage:
     # whether `map` takes `binding=` (a RankBinding): the stages that plan a rank's share of
     # a step (Pack, Fragment); the plan passes it to those alone
     plans_shares: ClassVar[bool] = False
+    # keyword arguments this stage no longer takes -> the one line that says the new way (a
+    # rank or world is bound at run time, never stored in a config)
+    retired: ClassVar[dict[str, str]] = {}
+
+    def __new__(cls, *args, **kwargs):
+        for name in kwargs.keys() & cls.retired.keys():
+            raise TypeError(f"{cls.__name__}({name}=...): {cls.retired[name]}")
+        return super().__new__(cls)
 
     @property
     def name(self) -> str:

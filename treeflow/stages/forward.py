@@ -60,11 +60,9 @@ class Forward(Stage):
     model: "tiny" (built-in seeded model) or a local Hugging Face checkpoint dir.
     backend: "reference" (treeflow's PyTorch decoder) or "megatron" (megatron-core GPTModel).
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
-    tensor_parallel: split the model over this many processes (megatron only; every one of
-        them runs this stage on the same bins, each with its shard of the model).
-    context_parallel: run each bin over this many processes together (reference backend;
-        models/context_parallel.py): each holds a range of the bin's nodes and fetches only
-        the K/V of their ancestors; the group is a runtime handle given to `build`.
+    How many processes split one bin (tensor parallelism on the megatron backend, context
+    parallelism on the reference one: models/context_parallel.py) is not configuration: it
+    is the engine's ParallelDims (tp, cp), handed to `build_forward` with the group.
     context_overlap: under context parallelism, attend to a rank's own keys while the K/V
         exchange is in flight and merge the received part by log-sum-exp (default); False
         waits for the exchange and attends over all keys in one call (on CUDA only flex
@@ -83,6 +81,14 @@ class Forward(Stage):
     input_schema = BIN_SCHEMA
     output_schema = EDGE_VALUES_SCHEMA
     kind = "model"
+    retired = {
+        "context_parallel": "how many processes run one bin is the engine's now: "
+                            "ParallelDims(cp=C) (RayEngine(dims=...) or LocalEngine(dims=...), "
+                            "build_forward(dims=...)), or --context-parallel C",
+        "tensor_parallel": "how many processes hold the model is the engine's now: "
+                           "ParallelDims(tp=T) (LocalEngine(dims=...), build_forward(dims=...)),"
+                           " or --tensor-parallel T",
+    }
 
     model: str = "tiny"
     backend: str = "reference"
@@ -90,8 +96,6 @@ class Forward(Stage):
     kernel: str = "auto"
     chunk_size: int = 1024
     entropy: bool = False
-    tensor_parallel: int = 1
-    context_parallel: int = 1
     context_overlap: bool = True
     tuning: Tuning = Tuning()
     routing: str = "auto"
@@ -116,14 +120,6 @@ class Forward(Stage):
             raise ValueError(f"Forward(routing={self.routing!r}): choose one of {ROUTINGS}")
         if self.chunk_size < 1:
             raise ValueError(f"Forward(chunk_size={self.chunk_size}): give an int >= 1")
-        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
-            raise ValueError(f"Forward(tensor_parallel={self.tensor_parallel!r}): give an int >= 1")
-        if self.tensor_parallel > 1 and self.backend != "megatron":
-            raise ValueError(f"Forward(tensor_parallel={self.tensor_parallel}) needs "
-                             f"backend='megatron'; the {self.backend!r} backend runs whole on "
-                             "one device (use data-parallel ranks instead)")
-        if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
-            raise ValueError(f"Forward(context_parallel={self.context_parallel!r}): give an int >= 1")
         if not isinstance(self.context_overlap, bool):
             raise TypeError(f"Forward(context_overlap={self.context_overlap!r}): give True or "
                             "False")
@@ -139,12 +135,13 @@ class Forward(Stage):
         """The model's vocabulary size, read from its config, for validating input early."""
         return self.model_config().vocab_size
 
-    def check_model(self) -> None:
+    def check_model(self, dims=None) -> None:
         """Refuse what this Forward cannot run with its model (models/support.py's table), from
-        the model's config.json alone: call it before loading the model or sampling."""
+        the model's config.json alone, split as `dims` (a ParallelDims: the engine's; None: one
+        process): call it before loading the model or sampling."""
         from treeflow.models.support import check
 
-        check(self, self.model_config())
+        check(self, self.model_config(), dims=dims)
 
     def model_config(self):
         """The model's shape (a treeflow.models.ModelConfig), read from its config.json."""

@@ -77,7 +77,7 @@ class Fragment(Stage):
         from treeflow.stages.shard import CostModel
 
         cost = self.cost or CostModel.llama_1b()
-        ranks = 1 if binding is None else binding.ranks
+        ranks = 1 if binding is None or not binding.shares else binding.ranks
         if ranks > 1 and self.pad_to_multiple not in (1, ranks):
             raise ValueError(f"Fragment(pad_to_multiple={self.pad_to_multiple}) bound to {ranks} "
                              "ranks: every rank gets the same bin count already; drop "

@@ -23,7 +23,11 @@ check them (its `calibration`).
 
 Bins that a Fragment bound to N ranks dealt already (their `rank` is set, >= 0) keep it: Fragment packed
 each rank's share of whole layouts on its own (stages/_deal.py), and re-dealing its bins would
-undo that; N must equal `num_ranks`.
+undo that; N must equal the ranks Shard deals to.
+
+Shard holds no rank count: the ranks come from the plan's RankBinding (`Plan.for_rank`, which
+an engine binds from its `ParallelDims.dp`), or `Shard().plan(bins, ranks=R)` called directly,
+so the same config serves one process and any number of data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -274,7 +278,8 @@ def lpt(costs: np.ndarray, num_ranks: int) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True)
 class Shard(Stage):
-    """Assign each bin of a step to one of `num_ranks` ranks.
+    """Assign each bin of a step to one of the data-parallel ranks the plan is bound to
+    (`Plan.for_rank(R)`; the engine binds its `ParallelDims.dp`; unbound: one rank).
 
     cost: the bins' cost model; None (the default) is the model's own when the pipeline's
     Forward names one (the plan binds it, pipeline/plan.py), else `CostModel.llama_1b()`.
@@ -282,37 +287,42 @@ class Shard(Stage):
 
     input_schema = BIN_SCHEMA
     output_schema = BIN_SCHEMA
+    plans_shares = True
+    retired = {"num_ranks": "Shard holds no rank count now: bind the ranks at run time "
+                            "(the engine's ParallelDims(dp=R), e.g. RayEngine(ranks=R) or "
+                            "--num-ranks R; Pipeline(...).for_rank(R); Shard().plan(bins, ranks=R))"}
 
-    num_ranks: int = 1
     cost: CostModel | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
-            raise ValueError(f"Shard(num_ranks={self.num_ranks!r}): give an int >= 1")
 
     def cost_model(self) -> CostModel:
         """The cost model this Shard deals by (llama_1b when none was given or bound)."""
         return self.cost if self.cost is not None else CostModel.llama_1b()
 
-    def plan(self, bins: pa.Table) -> tuple[pa.Table, ShardReport]:
+    def map(self, bins: pa.Table, *, step: int, binding=None) -> pa.Table:
+        return self.plan(bins, ranks=1 if binding is None else binding.ranks)[0]
+
+    def plan(self, bins: pa.Table, *, ranks: int = 1) -> tuple[pa.Table, ShardReport]:
+        """The bins with their `rank` set for `ranks` data-parallel ranks, and the deal's report."""
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"Shard().plan(ranks={ranks!r}): give an int >= 1")
         costs = bin_costs(bins, self.cost_model())
         given = bins.column("rank").to_numpy()
         if len(given) and given.min() >= 0:  # dealt by a Fragment bound to ranks
             dealt = len(np.unique(given))
             # one rank's share (a Fragment bound to rank r) holds only its own rank
-            if (dealt != self.num_ranks and dealt != 1) or given.max() >= self.num_ranks:
+            if (dealt != ranks and dealt != 1) or given.max() >= ranks:
                 raise ValueError(f"the bins were dealt to {dealt} ranks by a Fragment bound to "
-                                 f"{dealt} ranks but Shard has num_ranks={self.num_ranks}; bind "
-                                 "the plan to as many ranks as Shard deals to")
-            ranks = given.astype(np.int32)
+                                 f"{dealt} ranks but Shard deals to {ranks}; bind the plan to "
+                                 "as many ranks as Shard deals to")
+            assigned = given.astype(np.int32)
         else:
-            ranks = lpt(costs, self.num_ranks)
+            assigned = lpt(costs, ranks)
         out = bins.set_column(bins.schema.get_field_index("rank"), BIN_SCHEMA.field("rank"),
-                              pa.array(ranks, pa.int32()))
+                              pa.array(assigned, pa.int32()))
         report = ShardReport(
-            rank_cost=np.bincount(ranks, weights=costs, minlength=self.num_ranks),
-            rank_bins=np.bincount(ranks, minlength=self.num_ranks))
+            rank_cost=np.bincount(assigned, weights=costs, minlength=ranks),
+            rank_bins=np.bincount(assigned, minlength=ranks))
         return out, report
 
-    def __call__(self, bins: pa.Table) -> pa.Table:
-        return self.plan(bins)[0]
+    def __call__(self, bins: pa.Table, *, ranks: int = 1) -> pa.Table:
+        return self.plan(bins, ranks=ranks)[0]

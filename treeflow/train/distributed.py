@@ -69,7 +69,7 @@ class DataParallel:
     """
 
     def __init__(self, *, rank: int = 0, world: int = 1, device: str = "cpu", group=None,
-                 cp=None):
+                 cp=None, tp: int = 1):
         if not (0 <= rank < world):
             raise ValueError(f"DataParallel(rank={rank}, world={world}): need 0 <= rank < world")
         if cp is not None and (world % cp.size or rank % cp.size != cp.rank):
@@ -77,6 +77,7 @@ class DataParallel:
                              f"rank {cp.rank} of {cp.size}: groups are consecutive ranks")
         self.rank, self.world, self.group = rank, world, group
         self.cp = cp  # this process's ContextParallelGroup, or None
+        self.tp = tp  # the tensor-parallel processes holding one replica's model (the backend's)
         self.device = torch.device(device)
 
     def __repr__(self) -> str:
@@ -84,12 +85,18 @@ class DataParallel:
 
     @classmethod
     def from_env(cls, device: str = "cpu", *, timeout_s: float = 600.0,
-                 context_parallel: int = 1) -> "DataParallel":
+                 dims=None) -> "DataParallel":
         """Join torchrun's process group: NCCL on cuda (device cuda:LOCAL_RANK), gloo on cpu.
 
-        context_parallel: C > 1 splits the processes into groups of C consecutive ranks
-        that run each bin together (models/context_parallel.py).
+        dims: the run's ParallelDims (the engine's), of which the split of a replica is read:
+        cp C > 1 splits the processes into groups of C consecutive ranks that run each bin
+        together (models/context_parallel.py); the replicas are the processes over the split.
         """
+        from treeflow.parallel import ParallelDims
+
+        dims = ParallelDims() if dims is None else dims
+        if not isinstance(dims, ParallelDims):
+            raise TypeError(f"DataParallel.from_env(dims={dims!r}): give a ParallelDims")
         need = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         missing = [k for k in need if k not in os.environ]
         if missing:
@@ -97,6 +104,10 @@ class DataParallel:
                              "the ranks with torchrun --nproc-per-node N, or with treeflow's "
                              "--num-ranks N, which spawns them")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world % dims.cp:  # before any process waits in the group for the others
+            raise ValueError(f"the process group has {world} processes, which {dims} cannot "
+                             f"split into context-parallel groups of {dims.cp}; start a "
+                             "multiple of it")
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = rank_device(device, local)
         cuda = device.startswith("cuda")
@@ -113,10 +124,10 @@ class DataParallel:
             raise ValueError(f"the process group is rank {dist.get_rank()} of "
                              f"{dist.get_world_size()} but the environment says {rank} of {world}")
         cp = None
-        if context_parallel > 1:
+        if dims.cp > 1:
             from treeflow.models.context_parallel import context_parallel_layout
 
-            cp, _, _ = context_parallel_layout(context_parallel)
+            cp, _, _ = context_parallel_layout(dims.cp)
         return cls(rank=rank, world=world, device=device, group=dist.group.WORLD, cp=cp)
 
     @property
@@ -157,7 +168,7 @@ class DataParallel:
         ranks = bins.column("rank")
         if bins.num_rows and int(pc.max(ranks).as_py()) >= self.replicas:
             raise ValueError(f"bins were sharded for more ranks ({int(pc.max(ranks).as_py()) + 1}) "
-                             f"than run ({self.replicas}); use Shard(num_ranks={self.replicas})")
+                             f"than run ({self.replicas}); bind the plan to {self.replicas} ranks (Plan.for_rank)")
         return bins.filter(pc.equal(ranks, self.replica))
 
     # ---------------------------------------------------------------- agreement
@@ -245,26 +256,31 @@ class DataParallel:
         return out.cpu().numpy()
 
 
-def training_ranks(device: str, *, distributed: bool, backend: str = "reference",
-                   tensor_parallel: int = 1, context_parallel: int = 1):
+def training_ranks(device: str, *, distributed: bool, backend: str = "reference", dims=None):
     """(DataParallel over the data-parallel replicas, whether this process leads, the planning
     exchange) of one training process: torchrun's process group when `distributed`, else one
     process.
 
-    Under tensor parallelism the data-parallel ranks are the tensor-parallel groups (the
-    backend's layout); under context parallelism a group of C processes is one replica. The
+    dims: the run's ParallelDims (the engine's; default one process per replica), of which
+    the split is read. Under tensor parallelism the data-parallel ranks are the
+    tensor-parallel groups (the backend's layout); under context parallelism a group of C
+    processes is one replica. The
     processes of one replica plan the same share, so only the first of each writes its trees'
     costs into the planning exchange (None with one replica); the lead (rank 0 of the first
     replica) writes metrics and prints.
     """
-    dp = (DataParallel.from_env(device, context_parallel=context_parallel)
+    from treeflow.parallel import ParallelDims
+
+    dims = ParallelDims() if dims is None else dims
+    dp = (DataParallel.from_env(device, dims=dims)
           if distributed else DataParallel(device=device))
     lead, first = dp.rank == 0, True
-    if tensor_parallel > 1:
+    if dims.tp > 1:
         from treeflow.models import tensor_parallel_layout
 
-        tp_rank, rank, world, group = tensor_parallel_layout(backend, tensor_parallel, dp.device)
-        dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group)
+        tp_rank, rank, world, group = tensor_parallel_layout(backend, dims.tp, dp.device)
+        dp = DataParallel(rank=rank, world=world, device=str(dp.device), group=group,
+                          tp=dims.tp)
         lead, first = rank == 0 and tp_rank == 0, tp_rank == 0
     first = first and dp.dims.plans(dp.rank)
     return dp, lead, dp.planning_exchange(contributes=first) if dp.replicas > 1 else None

@@ -11,14 +11,15 @@ metrics sinks. Data parallelism:
 
 - `distributed=True`: this process is one rank of a process group that torchrun, `spawn` or
   `ray_ranks` (train/launch.py) started; `training_ranks` (train/distributed.py) makes the
-  group, with tensor- or context-parallel groups read from the Forward. Every rank reads the
+  group, with tensor- or context-parallel groups read from the engine's ParallelDims
+  (`engine=LocalEngine(dims=...)`; default one process per replica). Every rank reads the
   same windows (memory-mapped when there are several replicas: the offsets of the window and
   the tokens of its own trees, pipeline/rank_rows.py), lays out and bins only its own share of
   each step (`StepStages.pipeline`, the same stages `treeflow plan --num-ranks N` plans) and
   runs those bins; the lead (rank 0) writes the metrics; all ranks write the checkpoint.
 - `engine=RayEngine(ranks=N)`: this process is the driver of N Ray rank actors (engines/),
   fed by the Ray engine, each planning its share as a spawned rank does (C actors per rank
-  under the Forward's context_parallel C), with the same checkpoints and --resume.
+  under the engine's ParallelDims(cp=C)), with the same checkpoints and --resume.
 
 `fit_summary(report)` is the JSON-ready summary a command prints. The trade-off: starting
 the ranks stays with the caller (one call is one process), so a run launched by torchrun
@@ -41,7 +42,9 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=No
 
     distributed: this process is one rank of torchrun's (or spawn's) process group; engine:
     an Engine object that owns its processes (`RayEngine(ranks=N)`): this process is the
-    driver of its rank actors (None: this process is one rank, the local engine). trainer_options: the Trainer's (precision,
+    driver of its rank actors; or one that does not (`LocalEngine(dims=...)`, whose
+    ParallelDims split each replica over processes; None: one process per replica): this
+    process is one rank. trainer_options: the Trainer's (precision,
     grad_sum, shard_params, reference); fit_options: fit()'s (checkpointing, resume, sinks,
     run, config, log, progress, ...). Returns fit()'s report with `ranks` (the processes that
     trained) on the lead process, None on the others.
@@ -55,19 +58,22 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=No
     files = replace(files, cycle=True, require_groups=files.require_groups or (
         None if grouped is None else f"--advantage {grouped.estimator}"))
     options = dict(steps=steps, device=device, **fit_options)
+    from treeflow.parallel import ParallelDims
+
     forward = stages.forward
+    dims = engine.dims if engine is not None else ParallelDims()
     if engine is not None and engine.owns_processes:  # each rank plans its own share, as a spawned rank does
-        pipes = [stages.pipeline(engine.ranks, r) for r in range(engine.ranks)]
+        pipes = [stages.pipeline(engine.ranks, r, cp=dims.cp)
+                 for r in range(engine.ranks)]
         report = fit(pipes[0], lambda position, done: files.open(position),
                      trainer_options=dict(trainer_options or {}),
                      engine=engine.with_options(plans=[p.plan for p in pipes]), **options)
-        return {**report, "ranks": engine.ranks * forward.context_parallel}
+        return {**report, "ranks": dims.world}
     dp, lead, exchange = training_ranks(device, distributed=distributed, backend=forward.backend,
-                                        tensor_parallel=forward.tensor_parallel,
-                                        context_parallel=forward.context_parallel)
+                                        dims=dims)
     try:  # several replicas: each reads the window's offsets and only its own trees' rows
         mapped = dp.replicas > 1
-        report = fit(stages.pipeline(dp.replicas, dp.replica, exchange),
+        report = fit(stages.pipeline(dp.replicas, dp.replica, exchange, cp=dims.cp),
                      lambda position, done: files.open(position, mapped=mapped),
                      trainer_options={**(trainer_options or {}), "dp": dp}, lead=lead, **options)
     finally:

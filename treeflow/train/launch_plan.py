@@ -1,11 +1,12 @@
 """Which processes a command's run needs, checked before any starts: the CLI's launch decision.
 
-    launch = Launch(train=True, num_ranks=2, context_parallel=2, device="cpu")
+    launch = Launch(train=True, engine=LocalEngine(dims=ParallelDims(dp=2, cp=2)), device="cpu")
     results = [fn(*args)] if launch.here() else launch.start(fn, *args)
 
 `Launch` holds the rules of which engine and launcher can start a data-parallel run split over
 tensor- or context-parallel processes (the split's own rules live in models/), and starts them
-through the one launcher module, train/launch.py (spawned processes, torchrun's environment,
+through the one launcher module. The sizes are the engine's ParallelDims alone (`dims.world`
+processes, `dims.split` per replica), so a new dimension changes no field here; train/launch.py (spawned processes, torchrun's environment,
 Ray actors). The trade-off: the flags' names in its messages tie it to the CLI's vocabulary,
 which is also the fields' names a Python user gives.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treeflow.parallel import ParallelDims
 from treeflow.train.launch import LAUNCHERS, spawn, torchrun_world
 
 __all__ = ["Launch"]
@@ -23,24 +25,21 @@ __all__ = ["Launch"]
 class Launch:
     """Which processes run a replay (`train=False`: logprobs) or a training run, and how.
 
-    Data-parallel ranks (`num_ranks`), each split over `tensor_parallel` (megatron backend)
-    or `context_parallel` (reference backend) processes: D x T or D x C processes in
-    training, T or C in logprobs mode (where --num-ranks sizes the Ray engine's forward
-    actors). Construction refuses, before any process starts, what the split cannot run with
+    The engine's ParallelDims: data-parallel ranks D (`dp`, --num-ranks), each split over
+    T tensor-parallel (`tp`, megatron backend) or C context-parallel (`cp`, reference backend)
+    processes: D x T or D x C processes in training, T or C in logprobs mode (where
+    --num-ranks sizes the Ray engine's forward actors). Construction refuses, before any process starts, what the split cannot run with
     (the backend, --shard-params, the Ray engine or launcher, the model's shape, the processes
     torchrun started or the GPUs there are); the messages name the CLI's flags, which are
-    these fields' names. `here()` says whether this process runs the work itself, `start(fn,
+    ParallelDims' and these fields' names. `here()` says whether this process runs the work itself, `start(fn,
     *args)` starts the processes that do (spawned, or a Ray actor group with
     `launcher="ray"`). The split's rules live in models/ (`check_tensor_parallel`) and
     models/context_parallel.py; this holds which engine and launcher can start them.
     """
 
     train: bool
-    num_ranks: int = 1
-    tensor_parallel: int = 1
-    context_parallel: int = 1
+    engine: object = None  # an Engine (treeflow.engines); None: this process, one of one
     backend: str = "reference"
-    engine: object = None  # an Engine (treeflow.engines); None: this process, the local engine
     launcher: str = "spawn"
     kernel: str = "auto"
     shard_params: bool = False
@@ -64,9 +63,19 @@ class Launch:
         return LAUNCHERS[self.launcher].actors
 
     @property
+    def dims(self):
+        """The run's ParallelDims (the engine's)."""
+        return self.engine.dims if self.engine is not None else ParallelDims()
+
+    @property
+    def num_ranks(self) -> int:
+        """Data-parallel ranks (--num-ranks)."""
+        return self.dims.dp
+
+    @property
     def split(self) -> int:
         """Processes per model replica (T x C; one of them is 1)."""
-        return self.tensor_parallel * self.context_parallel
+        return self.dims.split
 
     def here(self) -> bool:
         """Whether this process runs the work itself (alone, as the Ray engine's driver, or as
@@ -88,7 +97,7 @@ class Launch:
         """Run `fn(*args)` in every process of the run (when `here()` is False); each joins
         its group with `DataParallel.from_env`. Their return values, in rank order."""
         if not self.train or self.split > 1:
-            processes = self._group() if not self.train else self.num_ranks * self.split
+            processes = self._group() if not self.train else self.dims.world
             from treeflow._clock import inherited
 
             try:
@@ -102,13 +111,12 @@ class Launch:
             raise ValueError(f"training over {self.num_ranks} ranks failed: {e}") from None
 
     def _group(self) -> int:
-        """Logprobs mode: the processes of the one replica (Ray's context-parallel actors are
-        the engine's, not started here)."""
-        return self.tensor_parallel if self.tensor_parallel > 1 else \
-            self.context_parallel if not self._owned else 1
+        """Logprobs mode: the processes of the one replica, its split (Ray's actors are the
+        engine's, not started here)."""
+        return 1 if self._owned else self.dims.split
 
     def _check_tensor_parallel(self) -> None:
-        tp = self.tensor_parallel
+        tp = self.dims.tp
         if not self._splits("--tensor-parallel", tp, backend="megatron",
                             why=f"the {self.backend} backend runs whole on one device (use "
                                 "--num-ranks for data parallelism)"):
@@ -131,13 +139,10 @@ class Launch:
         self._process_count("--tensor-parallel", tp)
 
     def _check_context_parallel(self) -> None:
-        cp = self.context_parallel
+        cp = self.dims.cp
         if not self._splits("--context-parallel", cp, backend="reference",
                             why=f"the {self.backend} backend has no tree context parallelism yet"):
             return
-        if self.tensor_parallel > 1:
-            raise ValueError(f"--context-parallel {cp} with --tensor-parallel "
-                             f"{self.tensor_parallel} is not supported yet: give one of them")
         if self.kernel not in ("auto", "dense", "runs", "flex"):
             raise ValueError(f"--context-parallel {cp} with --kernel {self.kernel}: a rank "
                              "attends over its gathered keys with --kernel runs, dense or flex "

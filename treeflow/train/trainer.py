@@ -37,6 +37,7 @@ import torch
 from treeflow.stages.forward import DTYPES, Forward
 from treeflow.stages.reduce import Reduce
 from treeflow.ops.forward import build_forward
+from treeflow.parallel import ParallelDims
 from treeflow.ops.runner import PreparedBins
 from treeflow.stages.shard import CostModel
 from treeflow.train.background_save import NEXT_SAVE, OPTIMIZER_STEP, BackgroundSave
@@ -101,10 +102,11 @@ class Trainer:
         if self.dp.cp is not None and shard_params:
             raise ValueError("shard_params=True (--shard-params) with context parallelism is not "
                              "supported yet: drop --shard-params or --context-parallel")
-        cp = {"cp": self.dp.cp} if self.dp.cp is not None else {}
+        # how a bin is split is the process group's: its context-parallel group (the size
+        # read from it) and the tensor-parallel processes holding the model
         self.runner = build_forward(replace(forward, dtype=storage_dtype(forward.dtype, precision)),
                                     device=self.dp.device, model=model, max_tokens=max_tokens,
-                                    **cp)
+                                    dims=ParallelDims(tp=self.dp.tp), cp=self.dp.cp)
         self.backend = self.runner.backend
         self.model = self.runner.model
         self.backend.train(True)
@@ -143,8 +145,7 @@ class Trainer:
         if not self.reduce.loss.needs_ref_logprobs:
             raise ValueError(f"Trainer(reference={reference.model!r}): the reference policy feeds "
                              "only the KL penalty; give Loss(kl_coef > 0) (--kl-coef) or drop it")
-        if self.dp.cp is not None or reference.context_parallel > 1 or \
-                reference.tensor_parallel > 1:
+        if self.dp.cp is not None or self.dp.tp > 1:
             raise ValueError(f"a reference policy ({reference.model}) under tensor or context "
                              "parallelism is not supported yet: train with --tensor-parallel 1 "
                              "--context-parallel 1, or pass ref_logprobs from Python")
