@@ -275,15 +275,17 @@ def test_cli_replay_and_train_on_a_qwen3_next_checkpoint(pair, tmp_path, capsys)
 
 def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
     from treeflow.ops import build_forward
+    from treeflow.parallel import ParallelDims
     from treeflow.stages import Forward
 
     _, path = pair
     with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="layer"))
     with pytest.raises(ValueError, match=r"Gated DeltaNet .*context parallelism"):
-        Forward(context_parallel=2, model=str(path)).check_model()
+        Forward(model=str(path)).check_model(dims=ParallelDims(cp=2))
     with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has Gated DeltaNet layers"):
-        build_forward(Forward(context_parallel=2), model=load_backend("reference", str(path)))
+        build_forward(Forward(), model=load_backend("reference", str(path)),
+                      dims=ParallelDims(cp=2))
 
 
 def test_bfloat16_tree_is_as_close_to_float32_as_transformers_bf16(pair):
