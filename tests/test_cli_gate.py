@@ -240,3 +240,23 @@ def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
         run_gate(queue, forward=Forward(model="tiny", context_parallel=2),
                  reduce=Reduce(loss=Loss(kind="pg")), gate=Gate(episodes=4))
     assert not queue.stats()["closed"]   # refused before anything started
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_infrastructure_failure_shows_its_traceback_under_debug(debug, capsys, monkeypatch):
+    """A failure the gate reports with its figures (here: the refit round's lease breaks)
+    fails the gate by name; --debug adds its traceback on stderr, and only --debug."""
+    import treeflow.pipeline.gate_train as gate_train
+
+    def broken(*_, **__):
+        raise RuntimeError("planted: the queue connection dropped")
+
+    monkeypatch.setattr(gate_train, "_refit_round", broken)
+    monkeypatch.delenv("TREEFLOW_DEBUG", raising=False)
+    rc, fig, err = _gate(capsys, "--episodes", "4", *(["--debug"] if debug else []))
+    assert rc == GATE_FAILED and not fig["passed"]
+    assert "infrastructure: planted: the queue connection dropped" in fig["failures"]
+    assert ("Traceback (most recent call last)" in err) == debug, err
+    if debug:
+        assert "in broken" in err and "in train_and_score" in err, err
+    assert "TREEFLOW_DEBUG" not in __import__("os").environ  # restored after the run
