@@ -260,3 +260,15 @@ def test_an_infrastructure_failure_shows_its_traceback_under_debug(debug, capsys
     if debug:
         assert "in broken" in err and "in train_and_score" in err, err
     assert "TREEFLOW_DEBUG" not in __import__("os").environ  # restored after the run
+
+
+def test_the_designs_gate_configuration_is_one_file(capsys):
+    """examples/gate_design.yaml resolves to the design's gate: one group of 16, routing
+    replay, TransferQueue, context parallelism 2, bfloat16 (docs/how-to/gate.md)."""
+    assert main(["gate", "--config", "examples/gate_design.yaml", "--model", "tiny",
+                 "--print-config"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    flat = {k: v for group in got.values() if isinstance(group, dict) for k, v in group.items()}
+    want = {"group_size": 16, "episodes": 16, "routing": "replay", "dtype": "bfloat16",
+            "queue_backend": "transferqueue", "context_parallel": 2}
+    assert {k: flat.get(k) for k in want} == want
