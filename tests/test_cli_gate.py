@@ -253,3 +253,35 @@ def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
             run_gate(queue, forward=Forward(model="tiny"), dims=dims,
                      reduce=Reduce(loss=Loss(kind="pg")), gate=Gate(episodes=4))
     assert not queue.stats()["closed"]   # refused before anything started
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_infrastructure_failure_shows_its_traceback_under_debug(debug, capsys, monkeypatch):
+    """A failure the gate reports with its figures (here: the refit round's lease breaks)
+    fails the gate by name; --debug adds its traceback on stderr, and only --debug."""
+    import treeflow.pipeline.gate_train as gate_train
+
+    def broken(*_, **__):
+        raise RuntimeError("planted: the queue connection dropped")
+
+    monkeypatch.setattr(gate_train, "_refit_round", broken)
+    monkeypatch.delenv("TREEFLOW_DEBUG", raising=False)
+    rc, fig, err = _gate(capsys, "--episodes", "4", *(["--debug"] if debug else []))
+    assert rc == GATE_FAILED and not fig["passed"]
+    assert "infrastructure: planted: the queue connection dropped" in fig["failures"]
+    assert ("Traceback (most recent call last)" in err) == debug, err
+    if debug:
+        assert "in broken" in err and "in train_and_score" in err, err
+    assert "TREEFLOW_DEBUG" not in __import__("os").environ  # restored after the run
+
+
+def test_the_designs_gate_configuration_is_one_file(capsys):
+    """examples/gate_design.yaml resolves to the design's gate: one group of 16, routing
+    replay, TransferQueue, context parallelism 2, bfloat16 (docs/how-to/gate.md)."""
+    assert main(["gate", "--config", "examples/gate_design.yaml", "--model", "tiny",
+                 "--print-config"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    flat = {k: v for group in got.values() if isinstance(group, dict) for k, v in group.items()}
+    want = {"group_size": 16, "episodes": 16, "routing": "replay", "dtype": "bfloat16",
+            "queue_backend": "transferqueue", "context_parallel": 2}
+    assert {k: flat.get(k) for k in want} == want

@@ -53,9 +53,9 @@ SKIPPED = {
         "needs an engine's MoE rollout log (tests/io/test_routes.py converts every payload format)",
     "treeflow convert episodes.arrow --format episodes -o trajectories.jsonl":
         "tests/io/test_atif.py runs the round trip through convert on routed episodes",
-    "treeflow gate --model NEMOTRON_H_MOE_MTP_DIR --group-size 16 --episodes 16 --routing replay \\":
-        "needs a Nemotron-H MoE checkpoint, Ray and TransferQueue; run by "
-        "tests/models/test_hybrid_context_parallel_cli.py (slow)",
+    "treeflow gate --config examples/gate_design.yaml --model NEMOTRON_H_MOE_MTP_DIR --device cuda -o gate.json":
+        "needs a Nemotron-H MoE checkpoint, a GPU, Ray and TransferQueue; tests/test_cli_gate.py "
+        "checks the file's settings, tests/models/test_hybrid_context_parallel_cli.py runs them",
     "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
     ". .venv/bin/activate && mkdocs serve":
         "serves the site until stopped (tests/test_docs.py builds it with mkdocs build --strict)",

@@ -176,3 +176,14 @@ def test_the_designs_gate_passes_through_transferqueue_at_context_parallel_2(set
         close_transferqueue(ray_cluster)
     assert rc == 0 and fig["passed"] and fig["episodes_retained"] == 32, err
     assert fig["refit_version"] == 1 and fig["weights_written_by_ranks"] == [0]
+
+
+@pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_designs_gate_passes_its_route_check_in_bfloat16(setup, capsys, cp):
+    """bf16 (the design's dtype): the sampler's pure bf16 forward and the trainer's mixed
+    precision one agree on every decided route row of the sigmoid, bias-corrected,
+    group-limited router (models/route_ties.py); before, decided agreement was 0.9956."""
+    rc, fig, err = _gate(capsys, setup[0], "--dtype", "bfloat16", "--context-parallel", str(cp))
+    assert rc == 0 and fig["passed"] and fig["failures"] == [], err
+    assert fig["episodes_retained"] == 32 and fig["route_agreement_decided"] == 1.0
+    assert fig["route_agreement"] < 1.0 and fig["route_near_ties"] > 0  # ties did flip

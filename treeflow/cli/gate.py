@@ -16,6 +16,7 @@ served on a temporary socket when --queue is not given. --fault is a test hook.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from treeflow.cli import configs
@@ -54,12 +55,21 @@ def cmd_gate(args) -> int:
     gate.check_capacity(args.capacity)
     args.queue = gate_address(split.cp, args.queue_backend, args.queue)
     queue = open_cli_queue(args, forward.vocab_size_hint())
+    # --debug: tracebacks of the failures the gate reports with its figures, in this process
+    # and in its context-parallel ranks (they inherit the environment)
+    debug = os.environ.get("TREEFLOW_DEBUG")
+    if getattr(args, "debug", False):
+        os.environ["TREEFLOW_DEBUG"] = "1"
     try:
         figures = run_gate(queue, forward=forward, reduce=reduce, gate=gate, layout=args.layout,
                            scope=args.scope, max_tokens=args.max_tokens, device=args.device,
                            queue_secret=args.queue_secret, dims=split)
     finally:
         queue.shutdown()
+        if debug is None:
+            os.environ.pop("TREEFLOW_DEBUG", None)
+        else:
+            os.environ["TREEFLOW_DEBUG"] = debug
     figures.update(model=args.model, dtype=args.dtype, layout=args.layout,
                    queue_backend=args.queue_backend, routing=args.routing,
                    context_parallel=args.context_parallel, fault=args.fault)

@@ -34,6 +34,7 @@ from treeflow.models.gpt_oss import GptOssDecoder
 from treeflow.models.gpt_oss_config import GptOssConfig
 from treeflow.models.hybrid import HybridDecoder
 from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.moe import float32_router_names
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
 from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
 from treeflow.models.qwen3_next import Qwen3NextDecoder
@@ -51,7 +52,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     if isinstance(path_or_name, ModelConfig) or path_or_name == "tiny":
         config = ModelConfig.tiny() if path_or_name == "tiny" else path_or_name
         # drawn on the CPU in float32 (runs on every device agree), then moved
-        return seeded_decoder(config).to(dtype=dtype, device=device)
+        return _cast(seeded_decoder(config), dtype, device)
     path = os.fspath(path_or_name)
     if not os.path.exists(path):
         raise ValueError(f"--model {path}: does not exist; give 'tiny' or a local checkpoint "
@@ -62,6 +63,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
     config = ModelConfig.from_hf_dir(path)
     model = empty_decoder(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    keep = _kept_float32(model, dtype)
     state, experts, frozen = {}, {}, {}
     for file in _weight_files(path):
         try:
@@ -77,7 +79,9 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
                     if isinstance(key, tuple):  # one expert's matrix: fused below
                         experts[key] = f.get_tensor(name).to(device=device, dtype=dtype)
                     else:
-                        state[key] = _read(f, name, expected, config, dtype, device, key)
+                        state[key] = _read(f, name, expected, config,
+                                           torch.float32 if key in keep else dtype,
+                                           device, key)
         except SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e}); the file is truncated "
                              "or corrupted: copy it again") from e
@@ -93,6 +97,23 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
         print(f"treeflow: {path} holds {len(frozen)} multi-token-prediction tensor(s) "
               f"({sorted(frozen)[0]}, ...): loaded frozen, never run or trained, saved back "
               "unchanged", file=sys.stderr)
+    return model
+
+
+def _kept_float32(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """The tensors that stay float32 in a model of a narrower dtype (float32 routers, moe.py)."""
+    narrower = dtype.is_floating_point and torch.finfo(dtype).bits < 32
+    return float32_router_names(model) if narrower else set()
+
+
+def _cast(model: Decoder, dtype: torch.dtype, device) -> Decoder:
+    """`model.to(dtype, device)`, the float32 routers (`_kept_float32`) left in float32."""
+    keep = _kept_float32(model, dtype)
+    model.to(device=device)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.to(torch.float32 if name in keep else dtype)
     return model
 
 
@@ -176,7 +197,7 @@ def seeded_decoder(config: ModelConfig, *, device: torch.device | str = "cpu",
     ~30 s); the price is that the weights depend on the device and dtype, unlike
     `load_model("tiny")`'s, which are drawn on the CPU in float32 and then moved.
     """
-    model = empty_decoder(config).to_empty(device=device).to(dtype)
+    model = _cast(empty_decoder(config).to_empty(device=device), dtype, device)
     _seeded_init(model, torch.Generator(device=device).manual_seed(seed))
     return model
 

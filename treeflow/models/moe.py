@@ -35,7 +35,12 @@ the router logits and the top-k in float32 from the block's input as it arrives
 (float32 weights, autocast off), in sampler and trainer alike; "compute" keeps
 Hugging Face's choice (logits in the model's dtype, softmax in float32). The two
 are the same computation in float32. Combine weights are cast to the compute
-dtype either way, as Hugging Face casts them to its logits' dtype.
+dtype either way, as Hugging Face casts them to its logits' dtype. A float32 router keeps its
+weight (and correction bias) in float32 in a bfloat16 model too (`float32_router_names`,
+honoured by checkpoint.py's loads): a bf16 sampler then decides from the very numbers a
+mixed-precision trainer holds, as vLLM and SGLang keep such gates in float32. Rounded to
+bf16, the weight moves every logit by ~1e-3 relative and the bias moves the choice by up to
+half a bf16 ulp of itself: routes that disagree far outside the near-tie band.
 
 Expert compute is one sort by expert (`dispatch`: order, inverse and counts on the device),
 two grouped matmuls (`torch._grouped_mm`: CUDA in bf16, CPU in 16/32-bit floats, rows
@@ -60,11 +65,25 @@ from torch import nn
 from treeflow.models.moe_config import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS,
                                        DEEPSEEK_MOE_FAMILIES, SIGMOID_ROUTED, MoeConfig,
                                        route_width)
-from treeflow.models.route_ties import compute_dtype, topk_margin
+from treeflow.models.route_ties import (compute_dtype, group_margin, score_band, tighter,
+                                        topk_margin)
 
 # the config's names (models/moe_config.py) stay importable from here, where they began
 __all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS",
-           "route_width"]
+           "float32_router_names", "route_width"]
+
+
+def float32_router_names(module: nn.Module) -> set[str]:
+    """State-dict names of the router tensors held in float32 whatever the model's dtype: the
+    weight and correction bias of every MoeBlock whose router computes in float32
+    (router_dtype "float32", the SIGMOID_ROUTED families); see "Router precision" above."""
+    names = set()
+    for prefix, m in module.named_modules():
+        if isinstance(m, MoeBlock) and (m.moe.router_dtype == "float32"
+                                        or m.moe.family in SIGMOID_ROUTED):
+            gate = f"{prefix}.{m._router_name}." if prefix else f"{m._router_name}."
+            names.update(gate + n for n, _ in m._gate.state_dict().items())
+    return names
 
 
 def check_routes(config, routes_NW: torch.Tensor | None, n: int) -> None:
@@ -210,7 +229,8 @@ class MoeBlock(nn.Module):
         if aux_weights_N is not None and tally is not None:  # router mass for the aux loss
             tally[("mass", self.layer_index)] = aux_weights_N @ probs_NX
         counting = route_NK is not None and tally is not None
-        own_NK, decided_N = self._choose(logits_NX, probs_NX, compute_dtype(x_NH), counting)
+        own_NK, decided_N = self._choose(logits_NX, probs_NX, compute_dtype(x_NH), counting,
+                                         self._logit_scale(x_NH) if counting else None)
         idx_NK = replayed(own_NK, decided_N, route_NK, tally, replay, self.layer_index)
         w_NK = self._weights(logits_NX, probs_NX, idx_NK, x_NH.dtype, compute_dtype(x_NH))
         h_NH = self.fc1_latent_proj(x_NH) if hasattr(self, "fc1_latent_proj") else x_NH
@@ -238,7 +258,17 @@ class MoeBlock(nn.Module):
         k-th and (k+1)-th score and the band under which that gap is a near-tie (route_ties.py);
         the rows `route_agreement_decided` counts are those with margin > resolution."""
         logits_NX, probs_NX = self._scores(x_NH)
-        return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), True, margins=True)
+        return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), True,
+                            self._logit_scale(x_NH), margins=True)
+
+    @torch.no_grad()
+    def _logit_scale(self, x_NH):
+        """The error scale of each router logit (route_ties.py): sum_i |w_i x_i| for the
+        sigmoid routers, None (|logit|) for the softmax ones."""
+        if self.moe.family not in SIGMOID_ROUTED:
+            return None
+        with torch.autocast(x_NH.device.type, enabled=False):
+            return F.linear(x_NH.float().abs(), self._gate.weight.float().abs())
 
     def _scores(self, x_NH):
         """(router logits, float32 scores the choice and weights read: softmax, or the sigmoid
@@ -257,8 +287,9 @@ class MoeBlock(nn.Module):
 
     @torch.no_grad()
     def _choose(self, logits_NX, probs_NX, compute: torch.dtype, decide: bool,
-                margins: bool = False):
-        """(top-k [N, K], decided_N or None); margins=True: (top-k, margin_N, resolution_N)."""
+                scale_NX=None, margins: bool = False):
+        """(top-k [N, K], decided_N or None); margins=True: (top-k, margin_N, resolution_N).
+        scale_NX: `_logit_scale`'s (the logits' error scale, route_ties.py)."""
         moe = self.moe
         choice_NX = self._choice_scores(probs_NX)
         k = moe.top_k
@@ -270,8 +301,14 @@ class MoeBlock(nn.Module):
             return (own_NK, inf_N, torch.zeros_like(inf_N)) if margins else (own_NK, inf_N > 0)
         own_NK = torch.topk(choice_NX, k, dim=-1).indices   # the choice, as without counting
         top = torch.topk(choice_NX, k + 1, dim=-1)           # its boundary: k-th and (k+1)-th
+        eps = torch.finfo(compute).eps
         margin_N, resolution_N = topk_margin(moe.family, logits_NX.float(), top.values[:, k - 1:],
-                                             top.indices[:, k - 1:], torch.finfo(compute).eps)
+                                             top.indices[:, k - 1:], eps, scale_NX)
+        if moe.family in SIGMOID_ROUTED and moe.topk_group < moe.n_group:  # the group boundary
+            band_NX = score_band(moe.family, logits_NX.float(), eps, scale_NX)
+            margin_N, resolution_N = tighter(margin_N, resolution_N, *group_margin(
+                probs_NX + self._gate.e_score_correction_bias, band_NX, moe.n_group,
+                moe.topk_group))
         if margins:
             return own_NK, margin_N, resolution_N
         return own_NK, margin_N > resolution_N

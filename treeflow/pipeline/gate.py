@@ -164,7 +164,8 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     that attach to `queue` by its address (an embedded queue served on a socket, or a
     TransferQueue name; `queue_secret` for a tcp:// one); the producer stays here.
     """
-    from treeflow.pipeline.gate_train import GateTrainer, run_ranks, train_and_score
+    from treeflow.pipeline.gate_train import (GateTrainer, infrastructure, run_ranks,
+                                              train_and_score)
 
     G = gate.rollout.group_size
     per_round = gate.episodes // G
@@ -209,7 +210,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     try:
         ranks = run_ranks(side) if C > 1 else [train_and_score(side, queue)]
     except (TimeoutError, RuntimeError) as e:  # a rank failed: the launcher stopped the others
-        failures.append(f"infrastructure: {e}")
+        failures.append(infrastructure(e))
     finally:
         queue.close()
         producer.join(timeout=gate.timeout)
@@ -218,7 +219,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     out = ranks[0] if ranks else {}
     failures += out.get("failures", [])
     for e in errors:
-        failures.append(f"producer: {type(e).__name__}: {e}")
+        failures.append(infrastructure(e, "producer"))
     step_row = out.get("step_row")
     got = [r for r in (out.get("trained"), out.get("refit")) if r is not None]
     received = set(i for r in got for i in r["ids"])

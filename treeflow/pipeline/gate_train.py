@@ -29,7 +29,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["GateTrainer", "received", "run_ranks", "train_and_score"]
+__all__ = ["GateTrainer", "infrastructure", "received", "run_ranks", "train_and_score"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,7 +156,7 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
             if leased is not None:
                 queue.ack(leased)
     except (TimeoutError, RuntimeError) as e:
-        failures.append(f"infrastructure: {e}")
+        failures.append(infrastructure(e))
         refit, refit_kl = None, None
     finally:
         if reader is not None:
@@ -167,6 +167,21 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
             "refit": received(refit, side.routed), "refit_gen_kl": refit_kl,
             "failures": failures, "trainer_version": trainer.steps,
             "wrote_weights": publish is not None and publish.last is not None}
+
+
+def infrastructure(e: BaseException, what: str = "infrastructure") -> str:
+    """The gate's failure line for an exception it reports with its figures; under --debug
+    (TREEFLOW_DEBUG=1, which `treeflow gate --debug` sets for its run and its ranks) the
+    traceback goes to stderr first, as the CLI shows one for an error that escapes."""
+    from treeflow._errors import debug_wanted
+
+    if debug_wanted(False):
+        import sys
+        import traceback
+
+        print(f"treeflow gate: {what} failure (--debug):", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)
+    return f"{what}: {e}" if what == "infrastructure" else f"{what}: {type(e).__name__}: {e}"
 
 
 def _quiet(message: str) -> None:
