@@ -218,8 +218,8 @@ def test_refused_combinations_name_the_option():
         Forward(backend="megatron", context_parallel=2)
     with pytest.raises(ValueError, match="kernel 'auto' or one of"):
         Forward(kernel="causal", context_parallel=2)
-    with pytest.raises(ValueError, match="recompute='layer' is not supported"):
-        Forward(context_parallel=2, tuning=Tuning(recompute="layer"))
+    with pytest.raises(ValueError, match="recompute='full' is not supported"):
+        Forward(context_parallel=2, tuning=Tuning(recompute="full"))
     with pytest.raises(ValueError, match="context_parallel=0"):
         Forward(context_parallel=0)
     with pytest.raises(ValueError, match="process group of 2 ranks"):

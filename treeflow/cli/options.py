@@ -57,6 +57,14 @@ def model_options(p) -> None:
                         "(combine weights from the current router), or let the router recompute "
                         "them; auto = replay when the episodes carry routes and the model has "
                         "experts")
+    s.add_argument("--recompute", choices=("none", "selective", "full", "mlp", "attention"),
+                   default=None,
+                   help="activation recomputation in training (reference backend): full "
+                        "checkpoints each layer (+~33%% FLOPs, activations ~ one [tokens, hidden] "
+                        "per layer); selective keeps matmul and attention outputs, recomputes "
+                        "norms, activations and the Mamba-2 scan's chunk tensors; mlp/attention: "
+                        "that part of each attention-decoder layer; default: --tuning's (none). "
+                        "docs/how-to/memory.md")
     s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
                    help="Mamba-2 hybrids: fork a branch's recurrent state at the branch token "
                         "(exact) or at the last scan-chunk boundary, replaying the tail (chunk); "

@@ -65,7 +65,7 @@ def _train(args, *, distributed: bool) -> int:
         import json
 
         print(json.dumps(fit_summary(report, tuning=getattr(args, "tuning_chosen", args.tuning),
-                                     **configs.ssm_kernel(args, stages.forward.tuning))),
+                                     **configs.levers(args, stages.forward.tuning))),
               flush=True)
     elif not args.quiet:
         from treeflow.train.metric_names import logged

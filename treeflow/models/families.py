@@ -65,13 +65,15 @@ FAMILIES = (
            note="attention sinks, sliding-window layers, YaRN; experts routed by their router "
                 "(no replay yet); dequantized (bf16/fp32) weights, MXFP4 refused"),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
-           moe_replay=True, recompute=False, megatron=False,
-           note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
-    Family(name="Bamba", architectures=("BambaForCausalLM",),
-           recompute=False, megatron=False, note="Mamba-2 tree state forks"),
+           moe_replay=True, megatron=False,
+           note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen); "
+                "recompute selective/full, no compiled layers"),
+    Family(name="Bamba", architectures=("BambaForCausalLM",), megatron=False,
+           note="Mamba-2 tree state forks; recompute selective/full, no compiled layers"),
     Family(name="GraniteMoeHybrid", architectures=("GraniteMoeHybridForCausalLM",),
-           experts=True, moe_replay=True, recompute=False, megatron=False,
-           note="Mamba-2 tree state forks; Granite 4.0-H"),
+           experts=True, moe_replay=True, megatron=False,
+           note="Mamba-2 tree state forks; Granite 4.0-H; recompute selective/full, no "
+                "compiled layers"),
 )
 
 # families read by nothing yet: {HF class: family name}

@@ -55,8 +55,9 @@ ROWS = (
         message=lambda f, c: (f"Forward(context_parallel={_cp(f)}) runs on the reference "
                               f"backend; backend {f.backend!r} has no tree context parallelism "
                               "yet: use backend='reference'")),
-    Row(what="context parallelism x recompute attention or layer", needs_model=False,
-        applies=lambda f, c: _cp(f) > 1 and f.tuning.recompute in ("attention", "layer"),
+    Row(what="context parallelism x recompute attention, selective or full", needs_model=False,
+        applies=lambda f, c: _cp(f) > 1 and f.tuning.recompute in ("attention", "selective",
+                                                                    "full"),
         message=lambda f, c: (f"Forward(context_parallel={_cp(f)}) with tuning recompute="
                               f"{f.tuning.recompute!r} is not supported yet (it would rerun "
                               "the K/V exchange in backward): use recompute='mlp' or 'none'")),
@@ -70,11 +71,13 @@ ROWS = (
         message=lambda f, c: (f"{f.model}: {c.architecture} has Mamba-2 layers and the "
                               "megatron backend runs attention decoders only: use --backend "
                               "reference")),
-    Row(what="Mamba-2 hybrid x tuning compile_layers or recompute", needs_model=True,
+    Row(what="Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention",
+        needs_model=True,
         applies=lambda f, c: _recurrent(c) and (f.tuning.compile_layers
-                                                or f.tuning.recompute != "none"),
+                                                or f.tuning.recompute in ("mlp", "attention")),
         message=lambda f, c: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
-                              f"for the hybrid {c.architecture}; leave them off (got "
+                              f"for the hybrid {c.architecture}: leave compile_layers off and "
+                              "use --recompute selective, full or none (got "
                               f"compile_layers={f.tuning.compile_layers}, recompute="
                               f"{f.tuning.recompute!r})")),
     Row(what="Mamba-2 hybrid x context parallelism above its Mamba heads", needs_model=True,
