@@ -109,6 +109,11 @@ def add_train_options(p) -> None:
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
+    g.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="the card's memory (e.g. 80GiB) for the check before the model loads: "
+                        "a run whose predicted per-rank peak (treeflow plan --memory) exceeds it "
+                        "is refused, naming the flag to change; default: the CUDA device's "
+                        "total memory, no check on CPU")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
     c = group(p, "checkpoint")
