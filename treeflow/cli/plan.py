@@ -188,10 +188,12 @@ def add_plan_parsers(sub, common) -> None:
                      help="activation recomputation the run will use (default none)")
     mem.add_argument("--shard-params", action="store_true",
                      help="FSDP2 shards weights, gradients and AdamW state over --num-ranks")
-    mem.add_argument("--precision", choices=("mixed", "pure"), default="mixed")
+    mem.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
+                     help="mixed: float32 weights and AdamW, --dtype computes; pure: all in --dtype")
     mem.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                      help="the compute dtype")
-    mem.add_argument("--grad-sum", choices=("float32", "float64"), default="float32")
+    mem.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
+                     help="float64: the step's gradient sums add 8 bytes per parameter")
     out = group(s, "output")
     out.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
     out.add_argument("--json", action="store_true")
