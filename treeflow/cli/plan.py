@@ -189,7 +189,8 @@ def add_plan_parsers(sub, common) -> None:
     mem.add_argument("--shard-params", action="store_true",
                      help="FSDP2 shards weights, gradients and AdamW state over --num-ranks")
     mem.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
-                     help="mixed: float32 weights and AdamW, --dtype computes; pure: all in --dtype")
+                     help="mixed: float32 weights and AdamW, --dtype computes; pure: all in "
+                          "--dtype")
     mem.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                      help="the compute dtype")
     mem.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
