@@ -6,8 +6,9 @@ runs `treeflow replay --mode train` (one optimizer step of --episodes-per-step e
 mixed precision, `--tuning plain`: the eager path the planner models) with the tree and the
 exact layout and each `--recompute`, reads the run's `peak_cuda_mib`
 (torch.cuda.max_memory_allocated of the training process) and `steady_seconds_per_step`, and
-puts `treeflow plan --memory --json`'s prediction for the same knobs beside it
-(`ratio` = predicted / measured). Runs are given `--device-memory 100000GiB` so that the
+puts `treeflow plan EPISODES --memory --json`'s prediction for the same knobs and the same
+episodes' bins beside it (`ratio` = predicted / measured), with the plan of a full budget and
+the largest `--max-tokens` that fits 80 GiB. Runs are given `--device-memory 100000GiB` so that the
 refusal does not stop a run the plan says will not fit: an out-of-memory run is recorded as
 such next to its prediction. Without CUDA it prints {"skipped": ...} and exits 0
 (`--smoke --device cpu` runs the logic on the tiny shapes, where there is no peak to read).
@@ -163,14 +164,20 @@ def main() -> None:
         data = os.path.join(ckpt, "episodes.arrow")
         knobs = ["--max-tokens", str(run["max_tokens"]), "--recompute", run["recompute"],
                  "--dtype", dtype, "--model", ckpt]
-        plan = cli(["plan", "--memory", *knobs, "--device-memory", "80GiB", "--json"], env,
+        # the plan of the run's own bins (its largest), and the largest budget on 80 GiB
+        plan = cli(["plan", data, "--memory", *knobs, "--layout", run["layout"],
+                    "--episodes-per-step", str(args.episodes_per_step), "--json"], env,
+                   "plan --memory")
+        card = cli(["plan", "--memory", *knobs, "--device-memory", "80GiB", "--json"], env,
                    "plan --memory")
         got = cli(["replay", data, "--mode", "train", "--layout", run["layout"], *knobs,
                    "--device", args.device, "--tuning", "plain", "--episodes-per-step",
                    str(args.episodes_per_step), "--steps", "2", "--loss", "nll",
                    "--device-memory", "100000GiB", "--json"], env, f"{kind} {run}")
         row = {**run, "predicted_gib": plan.get("total_gib"), "predicted": plan.get("gib"),
-               "largest_max_tokens_80gib": plan.get("largest_max_tokens")}
+               "bin_tokens": plan.get("max_tokens"), "scan_fill": plan.get("scan_fill"),
+               "full_budget_gib": card.get("total_gib"),
+               "largest_max_tokens_80gib": card.get("largest_max_tokens")}
         if "error" in got:
             row["error"] = ("out of memory" if "out of memory" in got["error"]
                             else got["error"][-400:])

@@ -49,7 +49,8 @@ class Held(TorchDispatchMode):
 
 def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
                     kernel: str = "dense"):
-    """(bytes held after the largest bin's forward under mixed precision, its tokens, its edges)."""
+    """(bytes held after the largest bin's forward under mixed precision, its tokens, its edges,
+    its Mamba-2 scan's fill: tokens / chunk slots of the segment plan, 1.0 without one)."""
     from treeflow.models import Tuning
     from treeflow.ops import build_forward
     from treeflow.stages import Forward
@@ -69,4 +70,7 @@ def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", rout
     n = held.alive()
     lp_E.sum().backward()  # the graph was real: backward runs through it
     model.zero_grad(set_to_none=True)
-    return n, item.num_tokens, int(item.sources_E.shape[0])
+    segments = getattr(item.plan, "segments", None)
+    fill = 1.0 if segments is None else item.num_tokens / sum(
+        int(lv.gather_KC.numel()) for lv in segments.levels)
+    return n, item.num_tokens, int(item.sources_E.shape[0]), fill

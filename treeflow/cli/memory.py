@@ -1,7 +1,11 @@
 """`treeflow plan --memory` and the memory check `replay --mode train` runs before a model loads.
 
 Both read the model's config.json only (no weights) and call train/memory_plan.py's formulas
-with the run's knobs, so the plan printed is the plan checked. The check runs only where the
+with the run's knobs, so the plan printed is the plan checked. Given episode files, `plan
+--memory` plans their bins as training does and reports the largest bin's plan, with its own
+token and edge counts and, for a Mamba-2 hybrid, its scan chunks' fill (a tree's short
+segments pad chunks); without files every bin is taken full, every token an edge, every
+chunk full. The check runs only where the
 card's size is known: `--device-memory` given, or a CUDA device (its total memory); on CPU
 without the flag there is nothing to check against and it is skipped.
 """
@@ -39,9 +43,6 @@ def cmd_memory(args) -> int:
     from treeflow.cli.common import show
     from treeflow.train.memory_plan import largest_max_tokens, parse_bytes, plan_memory
 
-    if args.files:
-        raise ValueError("plan --memory plans one rank's device memory from --model's config; "
-                         f"leave out the episode files ({' '.join(args.files)})")
     if args.model is None:
         raise ValueError("plan --memory needs --model ('tiny' or a local HF checkpoint dir)")
     if args.recompute in ("mlp", "attention"):
@@ -49,7 +50,14 @@ def cmd_memory(args) -> int:
                          "selective and full")
     config = _config(args.model)
     knobs = memory_knobs(args, recompute=args.recompute or "none")
-    out = plan_memory(config, **knobs).as_dict()
+    if args.files:  # the episodes' own bins: the largest plan over them, not a full budget
+        worst = max((plan_memory(config, **{**knobs, **b}) for b in _bins(args, config)),
+                    key=lambda p: p.total, default=None)
+        if worst is None:
+            raise ValueError(f"plan --memory: {' '.join(args.files)} planned no bin")
+        out = {**worst.as_dict(), "max_tokens": args.max_tokens, "from_bins": True}
+    else:
+        out = plan_memory(config, **knobs).as_dict()
     out["model"] = args.model
     if args.device_memory:
         card = parse_bytes(args.device_memory)
@@ -62,6 +70,38 @@ def cmd_memory(args) -> int:
           **{k: out[k] for k in ("fits", "largest_max_tokens") if k in out}} if not args.json
          else out)
     return 0
+
+
+def _bins(args, config):
+    """Per bin of the episodes, planned as training plans them: the plan_memory knobs of one
+    rank's share of it (tokens / C under context parallelism, its edges, and for a Mamba-2
+    hybrid the fill of its scan chunks: tokens / chunk slots of its segment plan)."""
+    import math
+
+    import numpy as np
+
+    from treeflow.pipeline.rank_plan import deal_cost, plan_windows
+    from treeflow.pipeline.source import Files
+
+    tables = []
+    cp = getattr(args, "context_parallel", 1) or 1
+    plan_windows(Files(paths=tuple(args.files), episodes_per_step=args.episodes_per_step),
+                 layout=args.layout, scope=args.scope, share_rules=args.share_rules,
+                 max_tokens=args.max_tokens * cp, num_ranks=args.num_ranks,
+                 cost=deal_cost(args.model)[0], write=tables.append)
+    recurrent = getattr(config, "recurrent", False)
+    for t in tables:
+        parents = t.column("parents").to_pylist()
+        edges = t.column("edge_sources").to_pylist()
+        for p, e in zip(parents, edges):
+            knobs = {"max_tokens": math.ceil(len(p) / cp), "edges": math.ceil(len(e) / cp)}
+            if recurrent:
+                from treeflow.models.ssm_tree import SegmentPlan
+
+                seg = SegmentPlan(np.asarray(p), chunk_size=config.chunk_size,
+                                  conv_kernel=config.conv_kernel, fork=args.ssm_fork or "chunk")
+                knobs["scan_fill"] = len(p) / sum(int(lv.gather_KC.numel()) for lv in seg.levels)
+            yield knobs
 
 
 def _device_memory(args) -> int | None:

@@ -180,8 +180,12 @@ def add_plan_parsers(sub, common) -> None:
     mem.add_argument("--memory", action="store_true",
                      help="print one training rank's predicted peak device memory by component "
                           "(weights, weight casts, gradients, optimizer, activations at "
-                          "--max-tokens, temporaries) for --model, no episode files; with "
-                          "--device-memory also the largest --max-tokens that fits")
+                          "--max-tokens, temporaries) for --model; with episode files, of their "
+                          "largest bin; with --device-memory also the largest --max-tokens "
+                          "that fits")
+    mem.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
+                     help="Mamba-2 hybrids: where the run forks a branch's state (its scan's "
+                          "chunk fill, with episode files); default chunk")
     mem.add_argument("--device-memory", default=None, metavar="SIZE",
                      help="the card's memory, e.g. 80GiB (H100 80GB: 79.2GiB usable)")
     mem.add_argument("--recompute", choices=("none", "selective", "full"), default=None,

@@ -123,13 +123,13 @@ def _rotary_dim(c) -> int:
 
 
 def parameter_counts(c) -> dict:
-    """{"total", "matmul" (the layers' weights an autocast matmul casts and keeps), "embedding"}
-    parameter counts."""
+    """{"total", "matmul" (the layers' matmul weights), "embedding", "float32_router" (router
+    weights read in float32: never cast)} parameter counts."""
     g = _dims(c)
     H, I, Hq, Hkv, V = g["H"], g["I"], g["Hq"], g["Hkv"], g["V"]
     embed = V * H
     head = 0 if c.tie_word_embeddings else V * H
-    total, matmul = embed + head + H, 0  # the head's cast is transient (loss chunks)
+    total, matmul, router = embed + head + H, 0, 0  # the head's cast is transient (loss chunks)
     hybrid = bool(getattr(c, "layer_types", None))
     attn_mm = H * (Hq + 2 * Hkv) + Hq * H
     attn_other = (Hq + 2 * Hkv if getattr(c, "attention_bias", False) else 0) + \
@@ -146,6 +146,8 @@ def parameter_counts(c) -> dict:
             inner = m.latent_size or H
             per = (2 if m.family == "nemotron_h" else 3) * inner * m.moe_intermediate_size
             mm += m.num_experts * per + m.num_experts * H
+            if m.router_dtype == "float32" or m.family == "nemotron_h":
+                router += m.num_experts * H  # read in float32: never cast
             s = m.shared_expert_intermediate_size
             mm += (2 if m.family == "nemotron_h" else 3) * H * s if s else 0
             mm += H if m.family == "qwen2_moe" else 0
@@ -157,10 +159,11 @@ def parameter_counts(c) -> dict:
         norms = 1 if kind in ("mamba", "attention_only", "mlp", "moe_only") else 2
         total += mm + other + norms * H
         matmul += mm
-    return {"total": total, "matmul": matmul, "embedding": embed}
+    return {"total": total, "matmul": matmul, "embedding": embed, "float32_router": router}
 
 
-def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int) -> float:
+def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
+               scan_fill: float = 1.0) -> float:
     """Bytes one layer of `kind` holds per token after forward, under recompute `mode`."""
     g = _dims(c)
     H, I, Hq, Hkv, heads = g["H"], g["I"], g["Hq"], g["Hkv"], g["heads"]
@@ -187,14 +190,17 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int) -> flo
     if kind in ("moe", "moe_only"):
         m = c.moe
         k, x, ie, inner = m.top_k, m.num_experts, m.moe_intermediate_size, m.latent_size or H
-        # per routed row: input, gate|up, act, product, output, weighted output
-        rows = 3 * cb * inner + 4 * cb * ie
+        # per routed row: input (cast), gate|up, act, product, output, and the output in the
+        # residual's dtype that the combine weight multiplies
+        # (SwiGLU: gate|up, SiLU, product; Nemotron-H's relu^2: relu and square outputs)
+        gated = m.family != "nemotron_h"
+        rows = 2 * cb * inner + r * inner + (4 if gated else 2) * cb * ie
         # the router reads the norm's output itself (float32 router: no autocast cast)
         router_in = (r * H if cast else 0) if m.router_dtype == "float32" or \
             m.family == "nemotron_h" else cast * H
         # probabilities; chosen ids, their sort and token rows (int64); combine weights
         none += norm + router_in + _F32 * x + 32 * k + 4 + k * rows
-        sel += _F32 * x + k * (2 * cb * ie + cb * inner)
+        sel += _F32 * x + k * ((2 if gated else 1) * cb * ie + cb * inner)
         s = m.shared_expert_intermediate_size
         if s and m.family == "nemotron_h":
             none += cast * H + 2 * cb * s
@@ -206,14 +212,18 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int) -> flo
             none += cast * H + 2 * cb * m.latent_size
             sel += cb * m.latent_size + cb * H
         kept += 12 * (2 * k + 1)  # the router's top-k and top-(k+1) (values, ids), kept
+        if m.family == "nemotron_h" and m.topk_group < m.n_group:  # and its group choice
+            kept += 12 * (2 * m.n_group + m.topk_group)
     if kind in ("mamba", "mamba+mlp"):
         h, p, n, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.chunk_size
         inner, conv, kc = c.mamba_intermediate, c.conv_dim, c.conv_kernel
         proj = cb * (inner + conv + h)
         conv_b = _F32 * conv * (kc + 1) + cb * conv  # path windows, SiLU input, output
-        scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h)
+        # per chunk slot; a tree's short segments leave slots empty: / scan_fill
+        scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
         gated_norm = 5 * _F32 * inner + cast * inner  # float32 y, z, SiLU, normed; out_proj cast
-        none += norm + cast * H + proj + conv_b + scan + gated_norm
+        # in_proj's output is kept only in float32: below it every reader takes a float32 copy
+        none += norm + cast * H + (proj if cb == _F32 else 0) + conv_b + scan + gated_norm
         sel += proj + cb * H
     if mode == "none":
         return none
@@ -227,7 +237,8 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int) -> flo
 def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel: int = 1,
                 shard_params: bool = False, recompute: str = "none", precision: str = "mixed",
                 dtype: str = "bfloat16", grad_sum: str = "float32", chunk_size: int = 1024,
-                kernel: str = "flex", edges: int | None = None) -> MemoryPlan:
+                kernel: str = "flex", edges: int | None = None,
+                scan_fill: float = 1.0) -> MemoryPlan:
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
@@ -242,10 +253,10 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     # autocast over float32 weights (mixed, unsharded): float32 residual, bf16 input casts;
     # FSDP2 gathers the weights in the compute dtype instead: everything in it, no casts
     autocast = mixed and not shard_params
-    per_layer = {k: _per_token(config, k, recompute, cb=cb, mixed=autocast, cp=context_parallel)
-                 for k in set(kinds)}
-    none_layer = max(_per_token(config, k, "none", cb=cb, mixed=autocast, cp=context_parallel)
-                     for k in set(kinds))
+    per_layer = {k: _per_token(config, k, recompute, cb=cb, mixed=autocast, cp=context_parallel,
+                               scan_fill=scan_fill) for k in set(kinds)}
+    none_layer = max(_per_token(config, k, "none", cb=cb, mixed=autocast, cp=context_parallel,
+                                scan_fill=scan_fill) for k in set(kinds))
     r = _F32 if autocast else cb
     # around the layers: the final norm (its float32 input, normed rows, rsqrt), RoPE's cos and
     # sin (float32, shared by the layers), the edge rows the loss head's checkpointed chunks keep
@@ -268,8 +279,9 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
         per_layer_params = (counts["total"] - counts["embedding"]) / max(len(kinds), 1)
         casts = 2 * per_layer_params * cb
     elif autocast and cb < _F32:  # kept for backward; a checkpointed layer casts again in it
-        layer_casts = counts["matmul"] * cb / max(len(kinds), 1)
-        casts = counts["matmul"] * cb if recompute == "none" else 0
+        cast_params = counts["matmul"] - counts["float32_router"]
+        layer_casts = cast_params * cb / max(len(kinds), 1)
+        casts = cast_params * cb if recompute == "none" else 0
         temporaries += 0 if recompute == "none" else layer_casts
     else:
         casts = 0
@@ -279,7 +291,8 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
              "temporaries": temporaries}
     knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
                  shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
-                 grad_sum=grad_sum, parameters=P, layers=len(kinds))
+                 grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
+                 scan_fill=scan_fill)
     return MemoryPlan(components={k: int(v) for k, v in comps.items()}, knobs=knobs)
 
 
