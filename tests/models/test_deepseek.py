@@ -123,8 +123,8 @@ def test_cli_replay_and_train(pair, tmp_path, capsys):
     check_cli(hf, path, tmp_path, capsys)
 
 
-@pytest.mark.parametrize("tuning", ["recompute=layer", "recompute=attention", "recompute=mlp",
-                                    "compile_layers=1,compile_backend=aot_eager"])
+@pytest.mark.parametrize("tuning", ["recompute=full", "recompute=selective", "recompute=attention",
+                                    "recompute=mlp", "compile_layers=1,compile_backend=aot_eager"])
 def test_layer_levers_replay_as_transformers(pair, tuning):
     """Tuning's recompute and compile levers run MLA and the MoE blocks through layer_ops.py:
     replayed logprobs and every gradient = transformers with the routes forced (fragments)."""

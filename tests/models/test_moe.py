@@ -174,7 +174,7 @@ def test_router_aux_loss_needs_replayed_routes(tmp_path, rows):
         trainer.open_step(table)
 
 
-@pytest.mark.parametrize("recompute", ["mlp", "layer"])
+@pytest.mark.parametrize("recompute", ["mlp", "full", "selective"])
 def test_recomputation_keeps_values_gradients_and_agreement(pair, rows, recompute):
     """Tuning(recompute=...) reruns MoE blocks in backward: same numbers, rows counted once."""
     from treeflow.models import ReferenceBackend, Tuning

@@ -280,7 +280,7 @@ def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
 
     _, path = pair
     with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): Tuning"):
-        load_backend("reference", str(path), tuning=Tuning(recompute="layer"))
+        load_backend("reference", str(path), tuning=Tuning(recompute="full"))
     with pytest.raises(ValueError, match=r"Gated DeltaNet .*context parallelism"):
         Forward(model=str(path)).check_model(dims=ParallelDims(cp=2))
     with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has Gated DeltaNet layers"):

@@ -226,7 +226,7 @@ def _hidden_and_grads(model, tuning, kernel="runs", grad=True):
 
 
 @pytest.mark.parametrize("tuning", [
-    Tuning(recompute="mlp"), Tuning(recompute="attention"), Tuning(recompute="layer"),
+    Tuning(recompute="mlp"), Tuning(recompute="attention"), Tuning(recompute="full"),
     Tuning(compile_layers=True, compile_backend="aot_eager"),
     Tuning(compile_layers=True, compile_backend="aot_eager", recompute="mlp")],
     ids=["recompute-mlp", "recompute-attention", "recompute-layer", "compiled", "compiled+mlp"])

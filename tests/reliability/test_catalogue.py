@@ -257,6 +257,12 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 (["config.json", "multi-token-prediction"] if kind == "model-mtp" else
                  ["config.json", "n_shared_experts=2"])
+        if kind == "train-over-device-memory":  # cli/memory.py, before the model loads
+            return ["replay", good, *TRAIN[:-3], "--max-tokens", "4096", "--json",
+                    "--device-memory", "100MiB"], ["--max-tokens 4096", "--recompute selective"]
+        if kind == "device-memory-junk":
+            return ["plan", "--memory", "--model", "tiny", "--max-tokens", "64",
+                    "--device-memory", "lots"], ["--device-memory 'lots'", "80GiB"]
         if kind == "ssm-kernel-triton-cpu":  # the fused scan runs on CUDA only
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -593,6 +599,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "logger-unknown", "logger-jsonl",
          # issue 45: the fused Mamba-2 scan
          "ssm-kernel-triton-cpu",
+         # issue 44: memory
+         "train-over-device-memory", "device-memory-junk",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice"]
 

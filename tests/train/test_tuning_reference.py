@@ -24,7 +24,7 @@ from treeflow.train import Trainer
 
 LEVERS = {
     "fused-loss": Tuning(fused_loss=True, loss_vocab_chunk=100),
-    "fused+recompute-layer+traced": Tuning(fused_loss=True, loss_vocab_chunk=64, recompute="layer",
+    "fused+recompute-full+traced": Tuning(fused_loss=True, loss_vocab_chunk=64, recompute="full",
                                            compile_layers=True, compile_backend="aot_eager"),
     "recompute-mlp": Tuning(recompute="mlp"),
 }

@@ -10,7 +10,7 @@ sinks) are built here too, from the flags every training command shares.
 
 from __future__ import annotations
 
-__all__ = ["engine", "files", "fit_options", "forward", "launch", "reduce", "reference",
+__all__ = ["engine", "files", "fit_options", "forward", "launch", "levers", "reduce", "reference",
            "rollout_config", "step_stages", "tuning_text"]
 
 # Forward fields a command may have a flag for (same name), left at Forward's default if not
@@ -55,6 +55,12 @@ def _dims(args):
     from treeflow.cli.parallel import dims
 
     return dims(args)
+
+
+def levers(args, tuning) -> dict:
+    """What the run JSON says of how the model ran: {"recompute": the recompute mode that ran}
+    and, for a hybrid model, the Mamba-2 scan (ssm_kernel)."""
+    return {"recompute": tuning.recompute, **ssm_kernel(args, tuning)}
 
 
 def engine(args):

@@ -59,6 +59,14 @@ def model_options(p) -> None:
                         "(combine weights from the current router), or let the router recompute "
                         "them; auto = replay when the episodes carry routes and the model has "
                         "experts")
+    s.add_argument("--recompute", choices=("none", "selective", "full", "mlp", "attention"),
+                   default=None,
+                   help="activation recomputation in training (reference backend): full "
+                        "checkpoints each layer (+~33%% FLOPs, activations ~ one [tokens, hidden] "
+                        "per layer); selective keeps matmul and attention outputs, recomputes "
+                        "norms, activations and the Mamba-2 scan's chunk tensors; mlp/attention: "
+                        "that part of each attention-decoder layer; default: --tuning's (none). "
+                        "docs/how-to/memory.md")
     s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
                    help="Mamba-2 and Gated DeltaNet hybrids: fork a branch's recurrent state at "
                         "the branch token "
@@ -115,6 +123,11 @@ def add_train_options(p) -> None:
     g.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                    help="mixed: float32 weights and AdamW, --dtype is the compute dtype; "
                         "pure: everything in --dtype (for comparison)")
+    g.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="the card's memory (e.g. 80GiB) for the check before the model loads: "
+                        "a run whose predicted per-rank peak (treeflow plan --memory) exceeds it "
+                        "is refused, naming the flag to change; default: the CUDA device's "
+                        "total memory, no check on CPU")
     g.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
                    help="float64: exact gradient sums, independent of bin order and rank count")
     c = group(p, "checkpoint")

@@ -86,11 +86,18 @@ def cmd_inspect(args) -> int:
 
 def cmd_plan(args) -> int:
     """Plan steps the way `replay --mode train --num-ranks R` does: every rank its own share."""
+    positive(args, "max_tokens", "num_ranks", "episodes_per_step", "context_parallel")
+    if args.memory:
+        from treeflow.cli.memory import cmd_memory
+
+        return cmd_memory(args)
+    if not args.files:
+        raise ValueError("plan: give the episode files to plan into bins (or --memory to plan "
+                         "one rank's device memory from --model)")
     from treeflow._output import table_output
     from treeflow.pipeline.rank_plan import deal_cost, plan_windows
     from treeflow.pipeline.source import Files
 
-    positive(args, "max_tokens", "num_ranks", "episodes_per_step", "context_parallel")
     cost, cost_name = deal_cost(args.model)
     if args.rank is not None and not 0 <= args.rank < args.num_ranks:
         raise ValueError(f"--rank {args.rank}: give a rank in [0, {args.num_ranks}) (--num-ranks "
@@ -165,9 +172,10 @@ def add_plan_parsers(sub, common) -> None:
     out.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     s.set_defaults(fn=cmd_inspect)
 
-    s = sub.add_parser("plan", parents=[common], help="pack, fragment and shard episodes into bins")
+    s = sub.add_parser("plan", parents=[common], help="pack, fragment and shard episodes into "
+                       "bins; --memory: one training rank's predicted peak device memory")
     data = group(s, "data")
-    data.add_argument("files", nargs="+")
+    data.add_argument("files", nargs="*")
     data.add_argument("--episodes-per-step", type=int, default=256,
                       help="episodes per optimizer step, planned as --mode train plans them")
     group_window_option(s)
@@ -182,6 +190,29 @@ def add_plan_parsers(sub, common) -> None:
                      help="plan bins of C x --max-tokens (each run over C processes)")
     par.add_argument("--rank", type=int, default=None,
                      help="plan only this rank's share (default: every rank, one after another)")
+    mem = group(s, "train")  # the knobs of the training run the memory plan is for
+    mem.add_argument("--memory", action="store_true",
+                     help="print one training rank's predicted peak device memory by component "
+                          "(weights, weight casts, gradients, optimizer, activations at "
+                          "--max-tokens, temporaries) for --model; with episode files, of their "
+                          "largest bin; with --device-memory also the largest --max-tokens "
+                          "that fits")
+    mem.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
+                     help="Mamba-2 hybrids: where the run forks a branch's state (its scan's "
+                          "chunk fill, with episode files); default chunk")
+    mem.add_argument("--device-memory", default=None, metavar="SIZE",
+                     help="the card's memory, e.g. 80GiB (H100 80GB: 79.2GiB usable)")
+    mem.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                     help="activation recomputation the run will use (default none)")
+    mem.add_argument("--shard-params", action="store_true",
+                     help="FSDP2 shards weights, gradients and AdamW state over --num-ranks")
+    mem.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
+                     help="mixed: float32 weights and AdamW, --dtype computes; pure: all in "
+                          "--dtype")
+    mem.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                     help="the compute dtype")
+    mem.add_argument("--grad-sum", choices=("float32", "float64"), default="float32",
+                     help="float64: the step's gradient sums add 8 bytes per parameter")
     out = group(s, "output")
     out.add_argument("-o", "--output", default=None, help="write the bins (.arrow or .parquet)")
     out.add_argument("--json", action="store_true")

@@ -45,7 +45,7 @@ def _replay(args) -> int:
     if sums is None:
         return 0
     sums["tuning"] = getattr(args, "tuning_chosen", args.tuning)
-    sums.update(configs.ssm_kernel(args, forward.tuning))
+    sums.update(configs.levers(args, forward.tuning))
     if "threads" not in sums:  # the local engine's forward runs in this process
         from treeflow.train.launch import thread_report
 

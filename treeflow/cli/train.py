@@ -30,6 +30,10 @@ def cmd_train(args) -> int:
     check_train_options(args, inputs=expand_paths(args.files))
     launch = configs.launch(args, train=True)
     check_device(args.device)
+    from treeflow.cli.memory import check_fits
+
+    # the predicted per-rank peak against the card, before any model loads (cli/memory.py)
+    check_fits(args, recompute=configs.forward(args).tuning.recompute)
     if launch.here():
         return _train(args, distributed=launch.distributed())
     launch.start(_train_rank, args)
@@ -65,7 +69,7 @@ def _train(args, *, distributed: bool) -> int:
         import json
 
         print(json.dumps(fit_summary(report, tuning=getattr(args, "tuning_chosen", args.tuning),
-                                     **configs.ssm_kernel(args, stages.forward.tuning))),
+                                     **configs.levers(args, stages.forward.tuning))),
               flush=True)
     elif not args.quiet:
         from treeflow.train.metric_names import logged

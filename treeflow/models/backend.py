@@ -65,6 +65,12 @@ class ReferenceBackend(ModuleBackend):
         t, plain = self.tuning, Tuning()
         if t.compile_layers or t.recompute != plain.recompute:
             require(self.config.architecture, "recompute")  # models/families.py
+        if getattr(self.config, "recurrent", False) and (t.compile_layers or t.recompute in
+                                                         ("mlp", "attention")):
+            raise ValueError(f"{self.config.architecture}: Tuning(compile_layers="
+                             f"{t.compile_layers}, recompute={t.recompute!r}) is not implemented "
+                             "for a Mamba-2 hybrid: leave compile_layers off and use --recompute "
+                             "selective, full or none")
         changed = [f"{n}={getattr(t, n)!r}" for n in ("ssm_fork", "ssm_state_dtype", "ssm_kernel")
                    if getattr(t, n) != getattr(plain, n)]
         if changed and not getattr(self.config, "recurrent", False):

@@ -70,7 +70,7 @@ class SelfAttention(nn.Module):
 
     def output(self, out_NQD):
         """o_proj of the attention's per-head output."""
-        return self.o_proj(out_NQD.reshape(out_NQD.shape[0], -1))
+        return self.o_proj(out_NQD.flatten(1))
 
     def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
         return self.output(attention(*self.inputs(x_NH, cos_ND, sin_ND)))

@@ -102,7 +102,7 @@ class MlaAttention(nn.Module):
 
     def output(self, out_NQW):
         """o_proj of the attention's per-head output, its value padding cut off."""
-        return self.o_proj(out_NQW[..., :self.v_dim].reshape(out_NQW.shape[0], -1))
+        return self.o_proj(out_NQW[..., :self.v_dim].flatten(1))
 
     def forward(self, x_NH, cos_NR, sin_NR, attention: AttentionPlan):
         return self.output(attention(*self.inputs(x_NH, cos_NR, sin_NR)))

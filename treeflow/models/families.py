@@ -73,13 +73,15 @@ FAMILIES = (
            note="MLA (latent K/V expanded per head), YaRN, GLM-4.5's MoE; FP8 weights "
                 "refused; MTP layers frozen"),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
-           moe_replay=True, recompute=False, megatron=False,
-           note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen)"),
-    Family(name="Bamba", architectures=("BambaForCausalLM",),
-           recompute=False, megatron=False, note="Mamba-2 tree state forks"),
+           moe_replay=True, megatron=False,
+           note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen); "
+                "recompute selective/full, no compiled layers"),
+    Family(name="Bamba", architectures=("BambaForCausalLM",), megatron=False,
+           note="Mamba-2 tree state forks; recompute selective/full, no compiled layers"),
     Family(name="GraniteMoeHybrid", architectures=("GraniteMoeHybridForCausalLM",),
-           experts=True, moe_replay=True, recompute=False, megatron=False,
-           note="Mamba-2 tree state forks; Granite 4.0-H"),
+           experts=True, moe_replay=True, megatron=False,
+           note="Mamba-2 tree state forks; Granite 4.0-H; recompute selective/full, no "
+                "compiled layers"),
     Family(name="Qwen3-Next", architectures=("Qwen3NextForCausalLM",), experts=True,
            moe_replay=True, context_parallel=False, recompute=False, megatron=False,
            note="Gated DeltaNet tree state forks (as Mamba-2's), gated attention, MoE with a "

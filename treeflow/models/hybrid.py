@@ -13,9 +13,10 @@ moe.py's `MoeBlock`, with routing replay exactly as in the attention decoder:
 each MoE layer takes its top_k columns of the bin's routes, in layer order.
 GraniteMoeHybrid's logits_scaling divides the final hidden states (logits
 are linear in them), so every projection path -- chunked, fused, sampling --
-divides exactly once. Compiled or
-recomputed layers (Tuning's compile_layers / recompute) are attention-decoder
-levers and are refused here rather than silently ignored.
+divides exactly once. Recomputation (Tuning's recompute "full" or "selective",
+models/recompute.py) checkpoints each block, the Mamba-2 scan's chunk tensors
+rebuilt in backward; compiled layers and the finer "mlp"/"attention" modes are
+attention-decoder levers and are refused here rather than silently ignored.
 
 Legend: N tokens, H hidden, Q query heads, K key/value heads, D head dim.
 """
@@ -30,9 +31,9 @@ from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.context_parallel import ContextParallelPlan
 from treeflow.models.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.hybrid_config import HybridConfig
-from treeflow.models.layer_ops import layer_ops
 from treeflow.models.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
+from treeflow.models.recompute import checkpoint_layer
 from treeflow.models.rope import Rotary, apply_rotary
 from treeflow.models.ssm_cp import SsmShard
 from treeflow.models.ssm_tree import SegmentPlan
@@ -294,9 +295,12 @@ class HybridDecoder(Decoder):
                              "the plan with ReferenceBackend.attention_plan, got "
                              f"{type(attention).__name__}")
         check_tokens(tokens_N, positions_N, attention)
-        if layer_ops(tuning, tokens_N.device) is not None:
-            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for the hybrid "
-                             f"{self.config.architecture}; leave them off (got {tuning})")
+        recompute = "none" if tuning is None else tuning.recompute
+        if tuning is not None and (tuning.compile_layers or recompute in ("mlp", "attention")):
+            raise ValueError(f"Tuning(compile_layers/recompute={recompute!r}) is not implemented "
+                             f"for the hybrid {self.config.architecture}: leave compile_layers "
+                             "off and use recompute 'selective', 'full' or 'none' (got "
+                             f"{tuning})")
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         # a context-parallel plan runs flex backward on CPU through the operator's math path
         checked_grad = requires_grad and not attention.cpu_flex_backward
@@ -311,9 +315,14 @@ class HybridDecoder(Decoder):
         if self._rotary is not None:
             cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
         tally: dict = {}
+        recompute = recompute if requires_grad else "none"
         for i, layer in enumerate(self._body.layers):
-            x_NH = layer(x_NH, cos_ND, sin_ND, attention,
-                         block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N))
+            block = block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N)
+            if recompute == "none":
+                x_NH = layer(x_NH, cos_ND, sin_ND, attention, block)
+            else:  # models/recompute.py: the block reruns in backward, its routes kept
+                x_NH = checkpoint_layer(layer, x_NH, cos_ND, sin_ND, attention, block,
+                                        mode=recompute)
         record_tally(self, tally)
         body = self._body
         norm = next(getattr(body, n) for n in ("norm_f", "norm", "final_layernorm")

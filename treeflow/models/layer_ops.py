@@ -17,9 +17,10 @@ varlen/SDPA kernels are already fused.
   Where torch has the precompile API, each part is a `Precompiled` (precompiled.py): its
   graphs are saved whole in the compile cache, so a later process loads them instead of
   tracing them again (without a cache, or without the API, plain torch.compile).
-- Recomputation (`recompute`) wraps the MLP block, the attention half or the
-  whole layer in non-reentrant activation checkpointing: backward reruns it
-  from its input instead of keeping its intermediates.
+- Recomputation (`recompute`) wraps the MLP block or the attention half in
+  non-reentrant activation checkpointing ("mlp", "attention"), or the whole
+  layer ("full", "selective": recompute.py, whose policies say what each keeps):
+  backward reruns it from its input instead of keeping its intermediates.
 
 With neither lever the decoder does not come here at all: its plain path is
 the numerical reference. Legend: N tokens, H hidden, Q query heads, D head dim.
@@ -34,6 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from treeflow.models import precompiled
+from treeflow.models.recompute import LAYER_MODES, checkpoint_layer
 
 __all__ = ["LayerOps", "layer_ops"]
 
@@ -84,8 +86,9 @@ class LayerOps:
             if mark:
                 torch._dynamo.maybe_mark_dynamic(out_NQD, 0)
             return self._after(layer, x_NH, out_NQD)
-        if grad and self.recompute == "layer":
-            return _checkpoint(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe)
+        if grad and self.recompute in LAYER_MODES:
+            return checkpoint_layer(self._layer, layer, x_NH, cos_ND, sin_ND, attention, moe,
+                                    mode=self.recompute)
         if grad and self.recompute == "attention":
             x_NH = _checkpoint(self._attention, layer, x_NH, cos_ND, sin_ND, attention)
         else:

@@ -73,8 +73,9 @@ ROWS = (
                                  f"ParallelDims(tp=)) needs backend='megatron'; the "
                                  f"{f.backend!r} backend runs whole on one device (use "
                                  "data-parallel ranks instead)")),
-    Row(what="context parallelism x recompute attention or layer", needs_model=False,
-        applies=lambda f, c, d: _cp(d) > 1 and f.tuning.recompute in ("attention", "layer"),
+    Row(what="context parallelism x recompute attention, selective or full", needs_model=False,
+        applies=lambda f, c, d: _cp(d) > 1 and f.tuning.recompute in ("attention", "selective",
+                                                                       "full"),
         message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "
                                  f"tuning recompute={f.tuning.recompute!r} is not supported "
                                  "yet (it would rerun the K/V exchange in backward): use "
@@ -89,12 +90,21 @@ ROWS = (
         message=lambda f, c, d: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
                               "DeltaNet) layers and the megatron backend runs attention "
                               "decoders only: use --backend reference")),
-    Row(what="Mamba-2 hybrid x tuning compile_layers or recompute", needs_model=True,
-        applies=lambda f, c, d: _recurrent(c) and (f.tuning.compile_layers
-                                                or f.tuning.recompute != "none"),
+    Row(what="Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention",
+        needs_model=True,
+        applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and (
+            f.tuning.compile_layers or f.tuning.recompute in ("mlp", "attention")),
         message=lambda f, c, d: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
-                              f"for the hybrid {c.architecture}; leave them off (got "
+                              f"for the hybrid {c.architecture}: leave compile_layers off and "
+                              "use --recompute selective, full or none (got "
                               f"compile_layers={f.tuning.compile_layers}, recompute="
+                              f"{f.tuning.recompute!r})")),
+    Row(what="Gated DeltaNet hybrid x tuning compile_layers or recompute", needs_model=True,
+        applies=lambda f, c, d: _gdn(c) and (f.tuning.compile_layers
+                                              or f.tuning.recompute != "none"),
+        message=lambda f, c, d: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
+                              f"for the Gated DeltaNet hybrid {c.architecture}: leave them off "
+                              f"(got compile_layers={f.tuning.compile_layers}, recompute="
                               f"{f.tuning.recompute!r})")),
     Row(what="Gated DeltaNet hybrid x context parallelism", needs_model=True,
         applies=lambda f, c, d: _gdn(c) and _cp(d) > 1,

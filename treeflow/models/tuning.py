@@ -28,10 +28,14 @@ in bench/results/ rather than assumed.
   implementation ("torch": the reference einsums; "triton": the fused kernels of
   models/ssm_triton.py, which recompute per chunk in backward; "auto": triton on
   CUDA when triton is installed, torch elsewhere).
-- `recompute`: selective activation recomputation per layer ("mlp":
-  post-attention norm + SwiGLU; "attention": input norm, projections, RoPE,
-  attention, output projection; "layer": both): activation memory for about
-  one more forward of the recomputed part.
+- `recompute`: activation recomputation per layer (torchtitan's names;
+  models/recompute.py): "full" checkpoints each decoder layer (keeps its input
+  and the MoE route choices; backward reruns the layer, about +33% FLOPs);
+  "selective" keeps the matmul and attention-kernel outputs and recomputes
+  norms, RoPE, activations and the Mamba-2 scan's chunk tensors (a few percent
+  of time). Finer, attention decoders only: "mlp" (post-attention norm +
+  SwiGLU) and "attention" (input norm, projections, RoPE, attention, output
+  projection). The CLI's `--recompute` sets it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from collections.abc import Mapping
 __all__ = ["AUTO", "COMPILE_BACKENDS", "PRESETS", "RECOMPUTE", "Tuning", "auto_preset",
            "resolve_auto"]
 
-RECOMPUTE = ("none", "mlp", "attention", "layer")
+RECOMPUTE = ("none", "selective", "full", "mlp", "attention")
 SSM_FORKS = ("exact", "chunk")
 SSM_STATE_DTYPES = ("float32", "bfloat16")
 SSM_KERNELS = ("auto", "torch", "triton")
@@ -77,7 +81,7 @@ class Tuning:
         on any device: a check that the layers compile, not a speed-up).
     fused_loss: fused linear + online log-softmax for the selected edges.
     loss_vocab_chunk: vocabulary rows per chunk of the fused loss.
-    recompute: "none" | "mlp" | "attention" | "layer".
+    recompute: "none" | "selective" | "full" | "mlp" | "attention".
     ssm_fork: "exact" | "chunk" (hybrid models only).
     ssm_state_dtype: "float32" | "bfloat16" (hybrid models only).
     ssm_kernel: "auto" | "torch" | "triton" (hybrid models only).
@@ -119,6 +123,8 @@ class Tuning:
         c = self.loss_vocab_chunk
         if not isinstance(c, int) or isinstance(c, bool) or c < 1:
             raise ValueError(f"Tuning(loss_vocab_chunk={c!r}): give an int >= 1")
+        if self.recompute == "layer":  # the name before torchtitan's
+            raise ValueError("Tuning(recompute='layer') is now called 'full' (--recompute full)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Tuning(recompute={self.recompute!r}): choose one of {RECOMPUTE}")
         if self.ssm_fork not in SSM_FORKS:
@@ -142,7 +148,7 @@ class Tuning:
         Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
         A preset name may come first and the settings after it override it: `fast`,
         `fast,recompute=mlp` (see PRESETS). `flags`: settings given by their own CLI
-        options (`--ssm-fork`, `--ssm-state-dtype`, `--ssm-kernel`); None leaves the
+        options (`--recompute`, `--ssm-fork`, `--ssm-state-dtype`, `--ssm-kernel`); None leaves the
         setting alone.
         """
         fields, kernel = {}, {}
@@ -178,9 +184,10 @@ class Tuning:
 
 
 def ssm_flags(args) -> dict:
-    """The Mamba-2 settings of parsed CLI options (--ssm-fork, --ssm-state-dtype,
-    --ssm-kernel) for `Tuning.parse`; None where not given."""
-    return {"ssm_fork": getattr(args, "ssm_fork", None),
+    """The settings given by their own CLI options (--recompute, --ssm-fork,
+    --ssm-state-dtype, --ssm-kernel) for `Tuning.parse`; None where not given."""
+    return {"recompute": getattr(args, "recompute", None),
+            "ssm_fork": getattr(args, "ssm_fork", None),
             "ssm_state_dtype": getattr(args, "ssm_state_dtype", None),
             "ssm_kernel": getattr(args, "ssm_kernel", None)}
 

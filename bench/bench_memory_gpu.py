@@ -1,0 +1,203 @@
+"""GPU: measured training peak memory through the CLI next to `treeflow plan --memory`'s prediction.
+
+For each model (a random Llama-3.2-1B-shaped dense decoder, Qwen3-30B-A3B's MoE layer shape,
+Nemotron-H 1.3B's Mamba-2 hybrid shape), each layer count and each `--max-tokens` budget, it
+runs `treeflow replay --mode train` (one optimizer step of --episodes-per-step episodes, bf16
+mixed precision, `--tuning plain`: the eager path the planner models) with the tree and the
+exact layout and each `--recompute`, reads the run's `peak_cuda_mib`
+(torch.cuda.max_memory_allocated of the training process) and `steady_seconds_per_step`, and
+puts `treeflow plan EPISODES --memory --json`'s prediction for the same knobs and the same
+episodes' bins beside it (`ratio` = predicted / measured), with the plan of a full budget and
+the largest `--max-tokens` that fits 80 GiB. Runs are given `--device-memory 100000GiB` so that the
+refusal does not stop a run the plan says will not fit: an out-of-memory run is recorded as
+such next to its prediction. Without CUDA it prints {"skipped": ...} and exits 0
+(`--smoke --device cpu` runs the logic on the tiny shapes, where there is no peak to read).
+
+Usage: PYTHONUNBUFFERED=1 python3 bench/bench_memory_gpu.py [--budget-seconds 540]
+       [--shapes dense,moe,hybrid] [--tokens 8192,32768] [--out memory.json]
+Prints one JSON object; writes it to $OUT/bench_memory_gpu.json (or bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from bench_cli_gpu import SHAPES as DENSE_SHAPES  # noqa: E402
+from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
+
+# layer counts per shape: the first runs every layout/recompute, the others tree/none only
+LAYERS = {"dense": [4, 16], "moe": [2, 4], "hybrid": [9, 27]}
+
+
+def _hybrid_config(layers: int, smoke: bool) -> dict:
+    from bench_hybrid_gpu import SHAPES
+
+    cfg = dict(SHAPES["smoke" if smoke else "nemotron-h-1b"])
+    pattern = ("M-M-M-M*-" * 3)[:layers] if not smoke else cfg["hybrid_override_pattern"]
+    if "*" not in pattern:  # keep an attention layer
+        pattern = pattern[:-1] + "*"
+    cfg["hybrid_override_pattern"] = pattern
+    return cfg
+
+
+def make_checkpoint(kind: str, layers: int, path: str, device: str, smoke: bool) -> None:
+    import torch
+
+    from treeflow.models import ModelConfig, save_model
+    from treeflow.models.checkpoint import seeded_decoder
+
+    if kind == "hybrid":
+        import transformers
+
+        torch.manual_seed(0)
+        cfg = transformers.NemotronHConfig(**_hybrid_config(layers, smoke))
+        with torch.device(device):
+            model = transformers.NemotronHForCausalLM(cfg)
+        model.save_pretrained(path)
+        return
+    if kind == "moe":
+        from bench_moe_gpu import shape
+
+        d = shape(layers, smoke)
+    else:
+        d = dict(DENSE_SHAPES["llama-3.2-1b"], num_hidden_layers=layers)
+        if smoke:
+            d.update(vocab_size=512, hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    save_model(seeded_decoder(ModelConfig.from_hf_dict(d), device=device, dtype=dtype), path)
+
+
+def plan_runs(shapes: list[str], layers: dict, tokens: list[int]) -> list[dict]:
+    """Every run, most telling first (a run past the time budget is recorded as skipped): tree
+    and exact without recompute at the largest budget, then tree with selective and full, the
+    smaller budgets, the layer-scaled points (tree, none), then exact with recompute."""
+    big, rest = tokens[-1], tokens[:-1]
+    tiers = [[(k, layers[k][0], big, lay, "none") for k in shapes for lay in ("tree", "exact")],
+             [(k, layers[k][0], big, "tree", rc) for k in shapes for rc in ("selective", "full")],
+             [(k, layers[k][0], t, lay, "none") for t in rest for k in shapes
+              for lay in ("tree", "exact")],
+             [(k, n, big, "tree", "none") for k in shapes for n in layers[k][1:]],
+             [(k, layers[k][0], big, "exact", rc) for k in shapes
+              for rc in ("selective", "full")]]
+    return [dict(kind=k, layers=n, max_tokens=t, layout=lay, recompute=rc)
+            for tier in tiers for k, n, t, lay, rc in tier]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="dense,moe,hybrid")
+    ap.add_argument("--tokens", default="8192,32768", help="--max-tokens budgets")
+    ap.add_argument("--episodes", type=int, default=128)
+    ap.add_argument("--episodes-per-step", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget-seconds", type=float, default=540)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and data (logic check)")
+    args = ap.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device (use --smoke --device cpu for the logic)"}))
+        return
+    if args.smoke:
+        args.episodes, args.episodes_per_step = 8, 4
+    t_start = time.perf_counter()
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out_file = os.path.join(out_dir, args.out or ("bench_memory_gpu_smoke.json" if args.smoke
+                                                  else "bench_memory_gpu.json"))
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, *site, os.environ.get("PYTHONPATH", "")])}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.smoke:  # the logic only: short episodes, one budget, tree with none and full
+        tokens = [4096]
+    res: dict = {"settings": vars(args), "device": (torch.cuda.get_device_name()
+                                                    if args.device == "cuda" else "cpu"),
+                 "runs": []}
+
+    def save():
+        res["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        with open(out_file, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def left() -> float:
+        return args.budget_seconds - (time.perf_counter() - t_start)
+
+    work = tempfile.mkdtemp(prefix="treeflow-memory-bench-")
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    shapes = args.shapes.split(",")
+    layers = {k: (LAYERS[k] if not args.smoke else LAYERS[k][:1]) for k in shapes}
+    made = {}
+    runs = plan_runs(shapes, layers, tokens)
+    if args.smoke:
+        runs = [r for r in runs if r["layout"] == "tree" and r["recompute"] in ("none", "full")]
+    for run in runs:
+        kind = run["kind"]
+        if left() < 45:
+            res["runs"].append({**run, "skipped": "time budget"})
+            continue
+        ckpt = made.get((kind, run["layers"]))
+        if ckpt is None:
+            ckpt = os.path.join(work, f"{kind}-{run['layers']}")
+            make_checkpoint(kind, run["layers"], ckpt, args.device, args.smoke)
+            routes = ["--routes-from", ckpt] if kind == "moe" else []
+            subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o",
+                            os.path.join(ckpt, "episodes.arrow"), "--episodes",
+                            str(args.episodes), "--group-size", "8", "--vocab-size",
+                            "512" if args.smoke else "32000", "--seed", "0", "--quiet",
+                            *(["--max-turns", "3"] if args.smoke else []), *routes],
+                           check=True, env=env)
+            made[kind, run["layers"]] = ckpt
+        data = os.path.join(ckpt, "episodes.arrow")
+        knobs = ["--max-tokens", str(run["max_tokens"]), "--recompute", run["recompute"],
+                 "--dtype", dtype, "--model", ckpt]
+        # the plan of the run's own bins (its largest), and the largest budget on 80 GiB
+        plan = cli(["plan", data, "--memory", *knobs, "--layout", run["layout"],
+                    "--episodes-per-step", str(args.episodes_per_step), "--json"], env,
+                   "plan --memory")
+        card = cli(["plan", "--memory", *knobs, "--device-memory", "80GiB", "--json"], env,
+                   "plan --memory")
+        got = cli(["replay", data, "--mode", "train", "--layout", run["layout"], *knobs,
+                   "--device", args.device, "--tuning", "plain", "--episodes-per-step",
+                   str(args.episodes_per_step), "--steps", "2", "--loss", "nll",
+                   "--device-memory", "100000GiB", "--json"], env, f"{kind} {run}")
+        row = {**run, "predicted_gib": plan.get("total_gib"), "predicted": plan.get("gib"),
+               "bin_tokens": plan.get("max_tokens"), "scan_fill": plan.get("scan_fill"),
+               "full_budget_gib": card.get("total_gib"),
+               "largest_max_tokens_80gib": card.get("largest_max_tokens")}
+        if "error" in got:
+            row["error"] = ("out of memory" if "out of memory" in got["error"]
+                            else got["error"][-400:])
+        else:
+            peak = got.get("peak_cuda_mib")
+            row.update(measured_gib=None if peak is None else round(peak / 1024, 3),
+                       steady_seconds_per_step=got.get("steady_seconds_per_step"),
+                       recompute_ran=got.get("recompute"),
+                       process_seconds=got.get("process_seconds"))
+            if peak:
+                row["ratio"] = round(plan["total_gib"] / (peak / 1024), 3)
+        res["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    ok = [r for r in res["runs"] if r.get("ratio")]
+    if ok:
+        res["worst_ratio"] = max(ok, key=lambda r: abs(r["ratio"] - 1))["ratio"]
+    save()
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""What a bin's forward leaves held for backward, measured: storages created during the forward
+and still alive after it (a TorchDispatchMode that records a weak reference to every output's
+storage). Independent of the planner's formulas: it sees the tensors autograd, activation
+checkpointing and autocast really keep, not what anyone says they keep."""
+
+from __future__ import annotations
+
+import collections
+import gc
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class Held(TorchDispatchMode):
+    """`with Held(params) as h: ...`; then `h.alive()` bytes, `h.table()` by (op, shape).
+
+    params: tensors whose storages are not counted (the weights: views of them are op outputs)."""
+
+    def __init__(self, exclude=()) -> None:
+        super().__init__()
+        self.refs = {}
+        for p in exclude:
+            s = p.untyped_storage()
+            self.refs[s._cdata] = (StorageWeakRef(s), 0, "excluded", ())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s._cdata not in self.refs:
+                    self.refs[s._cdata] = (StorageWeakRef(s), s.nbytes(), str(func), tuple(t.shape))
+        return out
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(v[1] for v in self.refs.values() if not v[0].expired())
+
+    def table(self) -> list:
+        agg = collections.Counter()
+        for ref, n, op, shape in self.refs.values():
+            if not ref.expired():
+                agg[op, shape] += n
+        return agg.most_common()
+
+
+def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
+                    kernel: str = "dense"):
+    """(bytes held after the largest bin's forward under mixed precision, its tokens, its edges,
+    its Mamba-2 scan's fill: tokens / chunk slots of the segment plan, 1.0 without one)."""
+    from treeflow.models import Tuning
+    from treeflow.ops import build_forward
+    from treeflow.stages import Forward
+    from treeflow.train.precision import compute_context
+
+    extra = {} if routing is None else {"routing": routing}
+    tuning = Tuning(recompute=recompute, **({"ssm_kernel": "torch"}
+                                            if getattr(model.config, "recurrent", False) else {}))
+    runner = build_forward(Forward(tuning=tuning, kernel=kernel, dtype=dtype, **extra),
+                           model=model)
+    prepared = runner.prepare(bins)
+    item = max((i for i in prepared.items if i is not None), key=lambda i: i.num_tokens)
+    gc.collect()
+    held = Held(list(model.parameters()))
+    with held, compute_context("cpu", getattr(torch, dtype), "mixed"):
+        lp_E, _ = runner.run_bin(item)
+    n = held.alive()
+    lp_E.sum().backward()  # the graph was real: backward runs through it
+    model.zero_grad(set_to_none=True)
+    segments = getattr(item.plan, "segments", None)
+    fill = 1.0 if segments is None else item.num_tokens / sum(
+        int(lv.gather_KC.numel()) for lv in segments.levels)
+    return n, item.num_tokens, int(item.sources_E.shape[0]), fill

@@ -1,0 +1,314 @@
+"""Predicted peak device memory of one training rank, from hand formulas over the model config.
+
+`plan_memory` adds six components, each a formula written from the code it counts:
+
+- weights: every parameter, 4 bytes under `--precision mixed` (float32 master weights),
+  the compute dtype's under `pure`; / data-parallel ranks with `--shard-params` (FSDP2).
+- weight_casts: the compute-dtype copies of the layers' matmul weights that a mixed-precision
+  forward makes and keeps for backward (autocast's casts; the experts' explicit casts in
+  models/moe.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
+  under `--recompute selective|full` (a checkpointed layer casts again in backward: one
+  layer's casts go to temporaries). With
+  `--shard-params` it is the all-gathered layer instead (2 layers: the one running and the
+  one prefetched), in the compute dtype.
+- gradients: one per parameter in the weights' dtype (/ ranks when sharded), plus the float64
+  sums of `--grad-sum float64` (8 bytes per parameter of the rank's shard).
+- optimizer: AdamW's two moments (exp_avg, exp_avg_sq) in the weights' dtype (/ ranks when
+  sharded): 8 bytes per parameter under mixed.
+- activations: what autograd holds after a bin's forward at the bin budget (`--max-tokens`
+  tokens per rank; under context parallelism each rank holds 1/C of a C x budget bin, plus
+  the ancestors' K/V it received), summed over layers by kind (attention decoder layer,
+  MoE layer, Mamba-2 block, MLP block). Per token and layer, by `--recompute`:
+  `none` counts every tensor the layer's ops save (norm statistics and float32 copies, the
+  autocast input casts of each projection, q/k/v/out and log-sum-exp of the attention
+  kernel, the SwiGLU products, per routed row the expert's input/activations/output, the
+  Mamba-2 conv windows, the scan's chunk tensors at the model's chunk size); `full` counts the
+  layer's input (and the kept route choices); `selective` the input plus the outputs of the
+  matmuls and attention kernels (models/recompute.py's policy). The loss head adds the
+  gathered edge rows (every token taken as an edge: an upper bound).
+- temporaries: the largest transient over a step: one layer's `none` activations (the layer
+  being recomputed, or the gradients of the layer in backward), the loss head's vocabulary
+  chunk (logits in the compute dtype, their float32 upcast, log-softmax and its gradient),
+  and a dense attention mask where the kernel is `dense` (CPU tests only).
+
+The trade-off: formulas, not a trace. They are exact for what they name (parameters are
+checked against a loaded model's, activations against the storages a CPU forward holds in
+tests/train/test_memory_plan.py) but they model the eager path: compiled layers
+(`--tuning fast`) save less, so the plan is an upper bound there, and the CUDA caching
+allocator's fragmentation is not counted (the plan predicts `max_memory_allocated`). The
+scan's chunks are taken full (a tree's short segments pad chunks: more on branchy bins).
+
+Legend: N tokens, H hidden, I intermediate, Hq = heads x head_dim, Hkv = kv heads x head_dim,
+X experts, K top-k, h Mamba heads, p head dim, n state size, C chunk size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["GIB", "MemoryPlan", "largest_max_tokens", "parameter_counts", "plan_memory",
+           "parse_bytes"]
+
+GIB = 2 ** 30
+_F32 = 4
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+COMPONENTS = ("weights", "weight_casts", "gradients", "optimizer", "activations", "temporaries")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Bytes per rank by component (COMPONENTS), and the knobs they were computed for."""
+
+    components: dict
+    knobs: dict
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+    def as_dict(self) -> dict:
+        return {"bytes": dict(self.components), "total_bytes": self.total,
+                "gib": {k: round(v / GIB, 3) for k, v in self.components.items()},
+                "total_gib": round(self.total / GIB, 3), **self.knobs}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB' (decimal), '81920MiB', '8.5e10' -> bytes."""
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+             "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
+    s = str(text).strip().lower()
+    for unit, scale in units.items():
+        if s.endswith(unit):
+            s, mult = s[:-len(unit)], scale
+            break
+    else:
+        mult = 1
+    try:
+        value = float(s) * mult
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ValueError(f"--device-memory {text!r}: give a size such as 80GiB, 80GB or 81920MiB")
+    return int(value)
+
+
+def _layer_kinds(c) -> list[str]:
+    """Each layer's kind: attention (+ its MLP), moe (attention + experts), or a hybrid block's
+    mixer (mamba, attention_only, mlp, moe_only); Bamba/Granite layers are mixer + MLP."""
+    layer_types = getattr(c, "layer_types", None)
+    if not layer_types:  # attention decoder
+        moe = c.moe.moe_layers if c.moe is not None else ()
+        return ["moe" if i in moe else "attention" for i in range(c.num_hidden_layers)]
+    if c.architecture == "NemotronHForCausalLM":
+        return [{"mamba": "mamba", "attention": "attention_only", "mlp": "mlp",
+                 "moe": "moe_only"}[t] for t in layer_types]
+    if c.architecture == "BambaForCausalLM":
+        return ["mamba+mlp" if t == "mamba" else "attention" for t in layer_types]
+    raise ValueError(f"the memory planner has no formula for {c.architecture} yet (it models "
+                     "Llama/Qwen2/Qwen3, Qwen3-MoE/Qwen2-MoE/Mixtral, Nemotron-H and Bamba)")
+
+
+def _dims(c) -> dict:
+    d = c.head_dim
+    return dict(H=c.hidden_size, I=c.intermediate_size, Hq=c.num_attention_heads * d,
+                Hkv=c.num_key_value_heads * d, heads=c.num_attention_heads, V=c.vocab_size)
+
+
+def _rotary_dim(c) -> int:
+    if getattr(c, "layer_types", None):
+        if c.architecture == "NemotronHForCausalLM":
+            return 0
+        return int(c.head_dim * c.partial_rotary_factor)
+    return c.head_dim
+
+
+def parameter_counts(c) -> dict:
+    """{"total", "matmul" (the layers' matmul weights), "embedding", "float32_router" (router
+    weights read in float32: never cast)} parameter counts."""
+    g = _dims(c)
+    H, I, Hq, Hkv, V = g["H"], g["I"], g["Hq"], g["Hkv"], g["V"]
+    embed = V * H
+    head = 0 if c.tie_word_embeddings else V * H
+    total, matmul, router = embed + head + H, 0, 0  # the head's cast is transient (loss chunks)
+    hybrid = bool(getattr(c, "layer_types", None))
+    attn_mm = H * (Hq + 2 * Hkv) + Hq * H
+    attn_other = (Hq + 2 * Hkv if getattr(c, "attention_bias", False) else 0) + \
+        (2 * c.head_dim if getattr(c, "qk_norm", False) else 0)
+    gated = 3 if not hybrid or c.architecture != "NemotronHForCausalLM" else 2  # relu^2: 2
+    for kind in _layer_kinds(c):
+        mm = other = 0
+        if kind in ("attention", "moe", "attention_only"):
+            mm, other = mm + attn_mm, other + attn_other
+        if kind in ("attention", "mlp", "mamba+mlp"):
+            mm += gated * H * I
+        if kind in ("moe", "moe_only"):
+            m = c.moe
+            inner = m.latent_size or H
+            per = (2 if m.family == "nemotron_h" else 3) * inner * m.moe_intermediate_size
+            mm += m.num_experts * per + m.num_experts * H
+            if m.router_dtype == "float32" or m.family == "nemotron_h":
+                router += m.num_experts * H  # read in float32: never cast
+            s = m.shared_expert_intermediate_size
+            mm += (2 if m.family == "nemotron_h" else 3) * H * s if s else 0
+            mm += H if m.family == "qwen2_moe" else 0
+            mm += 2 * H * m.latent_size if m.latent_size else 0
+        if kind in ("mamba", "mamba+mlp"):
+            h, inner, conv = c.mamba_num_heads, c.mamba_intermediate, c.conv_dim
+            mm += H * (inner + conv + h) + inner * H
+            other += conv * c.conv_kernel + (conv if c.use_conv_bias else 0) + 3 * h + inner
+        norms = 1 if kind in ("mamba", "attention_only", "mlp", "moe_only") else 2
+        total += mm + other + norms * H
+        matmul += mm
+    return {"total": total, "matmul": matmul, "embedding": embed, "float32_router": router}
+
+
+def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
+               scan_fill: float = 1.0) -> float:
+    """Bytes one layer of `kind` holds per token after forward, under recompute `mode`."""
+    g = _dims(c)
+    H, I, Hq, Hkv, heads = g["H"], g["I"], g["Hq"], g["Hkv"], g["heads"]
+    r = _F32 if mixed else cb  # the residual stream: float32 weights make it float32
+    cast = cb if (mixed and cb < _F32) else 0  # autocast's copy of a projection's input
+    # an RMSNorm keeps its float32 input (pow), normed rows in the residual's dtype (weight *) and
+    # rsqrt; its output is kept by the projection after it unless autocast keeps a cast instead
+    norm = _F32 * H + r * H + _F32 + (0 if cast else r * H)
+    kept = r * H  # the layer's input: what full recompute keeps
+    none = sel = 0.0
+    if kind in ("attention", "moe", "attention_only"):
+        q_k_v_out = cb * (2 * Hq + 2 * Hkv)
+        qk = ((_F32 + cb) * (Hq + Hkv) + _F32 * (heads + c.num_key_value_heads)
+              if getattr(c, "qk_norm", False) else 0)
+        recv = (cp - 1) * cb * 2 * Hkv  # ancestors' K/V from the other context ranks (bound)
+        none += norm + 3 * cast * H + qk + q_k_v_out + _F32 * heads + recv
+        sel += cb * (Hq + 2 * Hkv) + cb * H + cb * Hq + _F32 * heads + recv
+    if kind in ("attention", "mamba+mlp"):  # SwiGLU
+        none += norm + 2 * cast * H + 4 * cb * I
+        sel += 2 * cb * I + cb * H  # gate, up, down outputs
+    if kind == "mlp":  # Nemotron-H relu^2 block
+        none += norm + cast * H + 2 * cb * I
+        sel += cb * I + cb * H
+    if kind in ("moe", "moe_only"):
+        m = c.moe
+        k, x, ie, inner = m.top_k, m.num_experts, m.moe_intermediate_size, m.latent_size or H
+        # per routed row: input (cast), gate|up, act, product, output, and the output in the
+        # residual's dtype that the combine weight multiplies
+        # (SwiGLU: gate|up, SiLU, product; Nemotron-H's relu^2: relu and square outputs)
+        gated = m.family != "nemotron_h"
+        rows = 2 * cb * inner + r * inner + (4 if gated else 2) * cb * ie
+        # the router reads the norm's output itself (float32 router: no autocast cast)
+        router_in = (r * H if cast else 0) if m.router_dtype == "float32" or \
+            m.family == "nemotron_h" else cast * H
+        # probabilities; chosen ids, their sort and token rows (int64); combine weights
+        none += norm + router_in + _F32 * x + 32 * k + 4 + k * rows
+        sel += _F32 * x + k * ((2 if gated else 1) * cb * ie + cb * inner)
+        s = m.shared_expert_intermediate_size
+        if s and m.family == "nemotron_h":
+            none += cast * H + 2 * cb * s
+            sel += cb * s + cb * H
+        elif s:
+            none += 3 * cast * H + 4 * cb * s + cb
+            sel += 3 * cb * s + cb * H + cb
+        if m.latent_size:
+            none += cast * H + 2 * cb * m.latent_size
+            sel += cb * m.latent_size + cb * H
+        kept += 12 * (2 * k + 1)  # the router's top-k and top-(k+1) (values, ids), kept
+        if m.family == "nemotron_h" and m.topk_group < m.n_group:  # and its group choice
+            kept += 12 * (2 * m.n_group + m.topk_group)
+    if kind in ("mamba", "mamba+mlp"):
+        h, p, n, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.chunk_size
+        inner, conv, kc = c.mamba_intermediate, c.conv_dim, c.conv_kernel
+        proj = cb * (inner + conv + h)
+        conv_b = _F32 * conv * (kc + 1) + cb * conv  # path windows, SiLU input, output
+        # per chunk slot; a tree's short segments leave slots empty: / scan_fill
+        scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
+        gated_norm = 5 * _F32 * inner + cast * inner  # float32 y, z, SiLU, normed; out_proj cast
+        # in_proj's output is kept only in float32: below it every reader takes a float32 copy
+        none += norm + cast * H + (proj if cb == _F32 else 0) + conv_b + scan + gated_norm
+        sel += proj + cb * H
+    if mode == "none":
+        return none
+    if mode == "full":
+        return kept
+    if mode == "selective":
+        return kept + sel
+    raise ValueError(f"--recompute {mode!r}: the planner knows none, selective and full")
+
+
+def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel: int = 1,
+                shard_params: bool = False, recompute: str = "none", precision: str = "mixed",
+                dtype: str = "bfloat16", grad_sum: str = "float32", chunk_size: int = 1024,
+                kernel: str = "flex", edges: int | None = None,
+                scan_fill: float = 1.0) -> MemoryPlan:
+    """Peak bytes of one training rank by component (see the module docstring)."""
+    if recompute in ("mlp", "attention"):
+        raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
+    cb = _DTYPE_BYTES[dtype]
+    mixed = precision == "mixed"
+    wb = _F32 if mixed else cb
+    counts = parameter_counts(config)
+    P, shards = counts["total"], (num_ranks if shard_params else 1)
+    kinds = _layer_kinds(config)
+    tokens = max_tokens
+    g = _dims(config)
+    # autocast over float32 weights (mixed, unsharded): float32 residual, bf16 input casts;
+    # FSDP2 gathers the weights in the compute dtype instead: everything in it, no casts
+    autocast = mixed and not shard_params
+    per_layer = {k: _per_token(config, k, recompute, cb=cb, mixed=autocast, cp=context_parallel,
+                               scan_fill=scan_fill) for k in set(kinds)}
+    none_layer = max(_per_token(config, k, "none", cb=cb, mixed=autocast, cp=context_parallel,
+                                scan_fill=scan_fill) for k in set(kinds))
+    r = _F32 if autocast else cb
+    # around the layers: the final norm (its float32 input, normed rows, rsqrt), RoPE's cos and
+    # sin (float32, shared by the layers), the edge rows the loss head's checkpointed chunks keep
+    # (every token an edge unless `edges` is given), a dense kernel's float mask per attention
+    rotary = 2 * _F32 * _rotary_dim(config)
+    moe = getattr(config, "moe", None)
+    routes = 8 * moe.route_width if moe is not None else 0  # the bin's replayed routes (int64)
+    around = _F32 * g["H"] + r * g["H"] + _F32 + rotary + routes
+    attention_layers = sum(k in ("attention", "moe", "attention_only") for k in kinds)
+    # (kept by SDPA's math path in forward; inside a checkpointed layer it is rebuilt in backward)
+    dense = (cb * tokens * tokens * attention_layers
+             if kernel == "dense" and recompute == "none" else 0)
+    activations = (tokens * (sum(per_layer[k] for k in kinds) + around)
+                   + (tokens if edges is None else edges) * r * g["H"] + dense)
+    chunk = min(chunk_size, tokens)
+    head_temp = chunk * g["V"] * (cb + 3 * _F32) + (g["V"] * g["H"] * cb if cb < wb else 0)
+    mask = tokens * tokens if kernel == "dense" else 0  # the plan's boolean mask
+    temporaries = tokens * none_layer + head_temp + mask
+    if shard_params:
+        per_layer_params = (counts["total"] - counts["embedding"]) / max(len(kinds), 1)
+        casts = 2 * per_layer_params * cb
+    elif autocast and cb < _F32:  # kept for backward; a checkpointed layer casts again in it
+        cast_params = counts["matmul"] - counts["float32_router"]
+        layer_casts = cast_params * cb / max(len(kinds), 1)
+        casts = cast_params * cb if recompute == "none" else 0
+        temporaries += 0 if recompute == "none" else layer_casts
+    else:
+        casts = 0
+    comps = {"weights": P * wb / shards, "weight_casts": casts,
+             "gradients": P * wb / shards + (P * 8 / shards if grad_sum == "float64" else 0),
+             "optimizer": 2 * P * wb / shards, "activations": activations,
+             "temporaries": temporaries}
+    knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
+                 shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
+                 grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
+                 scan_fill=scan_fill)
+    return MemoryPlan(components={k: int(v) for k, v in comps.items()}, knobs=knobs)
+
+
+def largest_max_tokens(config, device_memory: int, **knobs) -> int:
+    """The largest --max-tokens whose plan fits `device_memory` bytes (0: none fits)."""
+    knobs.pop("max_tokens", None)
+
+    def fits(t: int) -> bool:
+        return plan_memory(config, max_tokens=t, **knobs).total <= device_memory
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 2 ** 26:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
