@@ -99,6 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dense,moe,hybrid")
     ap.add_argument("--tokens", default="8192,32768", help="--max-tokens budgets")
+    ap.add_argument("--layers", default=None,
+                    help="layer counts per shape, first fully measured, e.g. moe=4/2,hybrid=27/9 "
+                         f"(default {LAYERS})")
     ap.add_argument("--episodes", type=int, default=128)
     ap.add_argument("--episodes-per-step", type=int, default=64)
     ap.add_argument("--device", default="cuda")
@@ -139,7 +142,11 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="treeflow-memory-bench-")
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     shapes = args.shapes.split(",")
-    layers = {k: (LAYERS[k] if not args.smoke else LAYERS[k][:1]) for k in shapes}
+    given = dict(LAYERS)
+    for item in (args.layers.split(",") if args.layers else []):
+        kind, _, counts = item.partition("=")
+        given[kind] = [int(n) for n in counts.split("/")]
+    layers = {k: (given[k] if not args.smoke else given[k][:1]) for k in shapes}
     made = {}
     runs = plan_runs(shapes, layers, tokens)
     if args.smoke:
