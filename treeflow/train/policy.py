@@ -275,19 +275,45 @@ class Policy:
         return total
 
     def train_step(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
-                   ref_logprobs: pa.Table | None = None) -> dict:
-        """One optimizer step with treeflow's AdamW and `reduce` (the Trainer's step, as
-        `replay --mode train` runs it: bin by bin, one bin's activations at a time); the
-        step's metrics row. The optimizer is built on the first call and kept."""
+                   ref_logprobs: pa.Table | None = None,
+                   loss_fn: Callable[[Tokens], torch.Tensor] | None = None) -> dict:
+        """One optimizer step with treeflow's AdamW, clipping and schedule (`reduce`); the
+        optimizer is built on the first call and kept.
+
+        Without `loss_fn`: the Trainer's step with `reduce.loss`, as `replay --mode train` runs
+        it (bin by bin, one bin's activations at a time); the step's metrics row. With
+        `loss_fn`: `loss_fn(tokens)` (as `loss(loss_fn=...)`: every bin's activations alive
+        until its backward), then the same clip, AdamW and schedule step; the row has step,
+        episodes, loss, grad_norm and lr.
+        """
         from treeflow.train.trainer import Trainer
 
-        episodes = self.episodes(episodes, advantages)
         if self._trainer is None:
             self._trainer = Trainer(self.forward, self.reduce, model=self.backend,
                                     device=self.device, max_tokens=self.fragment.max_tokens)
-        row = self._trainer.train_step(episodes, self._bins(episodes), old_logprobs=old_logprobs,
-                                       ref_logprobs=ref_logprobs)
-        return row.to_pylist()[0]
+        if loss_fn is None:
+            episodes = self.episodes(episodes, advantages)
+            row = self._trainer.train_step(episodes, self._bins(episodes),
+                                           old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+            return row.to_pylist()[0]
+        if self._trainer.step_open:
+            raise ValueError("Policy.train_step(loss_fn=...): a step of this policy's trainer "
+                             "is open; finish or abort it first")
+        total = self.loss(episodes, advantages=advantages, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, loss_fn=loss_fn)
+        if not (isinstance(total, torch.Tensor) and total.ndim == 0 and total.requires_grad):
+            raise TypeError("Policy.train_step: loss_fn must return a scalar tensor that depends "
+                            f"on tokens.logprobs, got {total!r}")
+        total.backward()
+        grad_norm, lr, _ = self._trainer.apply_gradients(
+            _num_rows(episodes), f"loss {float(total)}; the gradients stay on the parameters: "
+            "zero them before the next step")
+        return {"step": self._trainer.steps, "episodes": _num_rows(episodes),
+                "loss": float(total.detach()), "grad_norm": grad_norm, "lr": lr}
+
+
+def _num_rows(episodes) -> int:
+    return episodes.num_rows if isinstance(episodes, pa.Table) else len(episodes)
 
 
 def _model_dir(model: str) -> str:
