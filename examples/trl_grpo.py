@@ -26,6 +26,11 @@ async_grpo_trainer.py, "Dropping a rollout sample ... exceeds token_budget"); GR
 the trainer this recipe extends, scores every row it generated (it caps the generation at
 `max_completion_length` instead).
 
+Several processes (accelerate's DDP): treeflow's forward runs on the unwrapped module, not
+through DDP.forward, which is what arms DDP's gradient all-reduce, so `training_step` averages
+the gradients over the processes itself on the micro-batch that ends an optimizer step (as
+DDP would, before TRL clips them). FSDP and DeepSpeed are refused.
+
 Run (CPU, a random tiny model; a real run gives a checkpoint and a dataset):
     python examples/trl_grpo.py
 """
@@ -40,7 +45,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from treeflow.stages import Fragment
-from treeflow.train import Policy
+from treeflow.train import DataParallel, Policy
 
 __all__ = ["TreeflowGRPOTrainer", "episodes_from_rows", "logps_to_rows"]
 
@@ -82,6 +87,29 @@ class TreeflowGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self._treeflow_fragment = treeflow_fragment or Fragment(max_tokens=8192)
         self._policies: dict[tuple[int, int], Policy] = {}
+        kind = self.accelerator.distributed_type.value
+        if kind not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+            raise ValueError(f"TreeflowGRPOTrainer: accelerate's {kind}; treeflow's forward "
+                             "bypasses its sharding hooks. Run single-process or plain DDP "
+                             "(MULTI_GPU / MULTI_CPU)")
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            self._average_gradients(model)
+        return loss
+
+    def _average_gradients(self, model) -> None:
+        """DDP's gradient mean over the processes, which treeflow's forward did not arm."""
+        params = [p for p in self.accelerator.unwrap_model(model).parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every process reduces the same tensors
+                p.grad = torch.zeros_like(p)
+        dp = DataParallel(rank=self.accelerator.process_index,
+                          world=self.accelerator.num_processes, device=str(params[0].device))
+        dp.sum_tensors([p.grad for p in params])
+        for p in params:
+            p.grad.div_(self.accelerator.num_processes)
 
     def _policy(self, model, longest: int) -> Policy:
         """The Policy on `model`'s module whose bins hold a row of `longest` tokens."""
