@@ -1,6 +1,8 @@
 """examples/trl_grpo.py against the real TRL package: TreeflowGRPOTrainer's logprobs, entropies
 and their gradients equal GRPOTrainer's own computation on the same padded rows (dense model,
-short samples, float32 on CPU), and one TRL training step runs through treeflow.
+short samples, float32 on CPU), and one TRL training step runs through treeflow. A row longer
+than the budget, which TRL's AsyncGRPO batcher drops (checked with TRL's own
+`TokenBudgetBatcher`), is scored whole, equal to transformers on that sequence alone.
 
 The oracle is TRL's own `GRPOTrainer._get_per_token_logps_and_entropies` (transformers' forward
 of the padded batch); the rows are built by hand: a group of three completions of one
