@@ -17,18 +17,35 @@ unchanged on gradients treeflow's forward produced. The trade-off: a batch is pa
 every call (cheap next to the forward), and TRL's multimodal inputs and the MoE aux loss are
 not carried (refused by name).
 
+Long samples are kept, never dropped or cut: `treeflow_fragment.max_tokens` is the bin budget
+trees are packed and fragmented to, and a row whose own context is longer than it (one call
+cannot be split over bins without context parallelism) is scored in a batch planned with a
+budget that holds it (the next power of two, so few kernel shapes), said on stderr. TRL's
+AsyncGRPO drops such a sample (`TokenBudgetBatcher`, trl/experimental/async_grpo/
+async_grpo_trainer.py, "Dropping a rollout sample ... exceeds token_budget"); GRPOTrainer,
+the trainer this recipe extends, scores every row it generated (it caps the generation at
+`max_completion_length` instead).
+
+Several processes (accelerate's DDP): treeflow's forward runs on the unwrapped module, not
+through DDP.forward, which is what arms DDP's gradient all-reduce, so `training_step` averages
+the gradients over the processes itself on the micro-batch that ends an optimizer step (as
+DDP would, before TRL clips them). FSDP and DeepSpeed are refused.
+
 Run (CPU, a random tiny model; a real run gives a checkpoint and a dataset):
     python examples/trl_grpo.py
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+
 import numpy as np
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from treeflow.stages import Fragment
-from treeflow.train import Policy
+from treeflow.train import DataParallel, Policy
 
 __all__ = ["TreeflowGRPOTrainer", "episodes_from_rows", "logps_to_rows"]
 
@@ -69,13 +86,47 @@ class TreeflowGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, treeflow_fragment: Fragment | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._treeflow_fragment = treeflow_fragment or Fragment(max_tokens=8192)
-        self._policies: dict[int, Policy] = {}
+        self._policies: dict[tuple[int, int], Policy] = {}
+        kind = self.accelerator.distributed_type.value
+        if kind not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+            raise ValueError(f"TreeflowGRPOTrainer: accelerate's {kind}; treeflow's forward "
+                             "bypasses its sharding hooks. Run single-process or plain DDP "
+                             "(MULTI_GPU / MULTI_CPU)")
 
-    def _policy(self, model) -> Policy:
+    def training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            self._average_gradients(model)
+        return loss
+
+    def _average_gradients(self, model) -> None:
+        """DDP's gradient mean over the processes, which treeflow's forward did not arm."""
+        params = [p for p in self.accelerator.unwrap_model(model).parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every process reduces the same tensors
+                p.grad = torch.zeros_like(p)
+        dp = DataParallel(rank=self.accelerator.process_index,
+                          world=self.accelerator.num_processes, device=str(params[0].device))
+        dp.sum_tensors([p.grad for p in params])
+        for p in params:
+            p.grad.div_(self.accelerator.num_processes)
+
+    def _policy(self, model, longest: int) -> Policy:
+        """The Policy on `model`'s module whose bins hold a row of `longest` tokens."""
         module = self.accelerator.unwrap_model(model)
-        policy = self._policies.get(id(module))
-        if policy is None:  # built once per module (the policy; the reference model if any)
-            policy = self._policies[id(module)] = Policy(module, fragment=self._treeflow_fragment)
+        fragment = self._treeflow_fragment
+        if longest - 1 > fragment.max_tokens:  # the last sampled token's context: longest - 1
+            budget = 1 << (longest - 2).bit_length()
+            if (id(module), budget) not in self._policies:
+                print(f"TreeflowGRPOTrainer: a row of {longest} tokens is longer than "
+                      f"treeflow_fragment.max_tokens={fragment.max_tokens}; scoring its batches "
+                      f"with bins of {budget} tokens (raise max_tokens to bound memory "
+                      "up front)", file=sys.stderr)
+            fragment = replace(fragment, max_tokens=budget)
+        key = (id(module), fragment.max_tokens)
+        policy = self._policies.get(key)
+        if policy is None:  # built once per module and budget (the policy; the reference model)
+            policy = self._policies[key] = Policy(module, fragment=fragment)
         return policy
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
@@ -90,7 +141,8 @@ class TreeflowGRPOTrainer(GRPOTrainer):
             raise ValueError(f"TreeflowGRPOTrainer: temperature {self.temperature}; treeflow "
                              "scores the model's own distribution (GRPOConfig(temperature=1.0))")
         episodes = episodes_from_rows(input_ids, attention_mask, logits_to_keep)
-        tokens = self._policy(model).tokens(episodes, entropy=compute_entropy)  # grad as TRL's
+        longest = int(attention_mask.sum(dim=1).max()) if len(attention_mask) else 0
+        tokens = self._policy(model, longest).tokens(episodes, entropy=compute_entropy)  # grad as TRL's
         logps = logps_to_rows(tokens.logprobs, attention_mask, logits_to_keep, tokens.episode,
                               tokens.offset)
         entropies = None if not compute_entropy else logps_to_rows(

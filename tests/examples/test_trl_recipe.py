@@ -1,6 +1,8 @@
 """examples/trl_grpo.py against the real TRL package: TreeflowGRPOTrainer's logprobs, entropies
 and their gradients equal GRPOTrainer's own computation on the same padded rows (dense model,
-short samples, float32 on CPU), and one TRL training step runs through treeflow.
+short samples, float32 on CPU), and one TRL training step runs through treeflow. A row longer
+than the budget, which TRL's AsyncGRPO batcher drops (checked with TRL's own
+`TokenBudgetBatcher`), is scored whole, equal to transformers on that sequence alone.
 
 The oracle is TRL's own `GRPOTrainer._get_per_token_logps_and_entropies` (transformers' forward
 of the padded batch); the rows are built by hand: a group of three completions of one
@@ -97,3 +99,47 @@ def test_a_trl_step_runs_through_treeflow(trainer):
     trainer.train()
     assert trainer.state.global_step == 1
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_a_sample_trl_would_drop_is_kept_and_scored_whole(trainer, capsys):
+    """A row longer than the budget: TRL's AsyncGRPO batcher (its own code) drops it; the recipe
+    scores it whole, each token equal to transformers' forward of that one unpadded sequence."""
+    from trl.experimental.async_grpo.async_grpo_trainer import TokenBudgetBatcher
+
+    budget = trainer._treeflow_fragment.max_tokens  # 24, as TRL's token_budget below
+    rng = np.random.default_rng(2)
+    prompt, long_completion = rng.integers(1, 300, 7).tolist(), rng.integers(1, 300, 30).tolist()
+    short = rng.integers(1, 300, 5).tolist()
+    long_row, short_row = prompt + long_completion, prompt + short
+    assert len(long_row) - 1 > budget
+
+    def sample(ids, group):
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        mask[len(prompt):] = 1
+        return {"input_ids": torch.tensor(ids), "completion_mask": mask, "group_id": group}
+
+    metrics = {"batch/dropped_oversize_total": []}
+    closer = rng.integers(300, 600, 20).tolist()  # fits no row with short_row: closes its batch
+    batches = list(TokenBudgetBatcher([sample(long_row, "a"), sample(short_row, "b"),
+                                       sample(closer, "c")],
+                                      num_processes=1, token_budget=budget, metrics=metrics))
+    kept = [s["input_ids"].tolist() for rows in batches for row in rows for s in row.samples]
+    assert kept == [short_row] and metrics["batch/dropped_oversize_total"] == [1.0]
+
+    P, C = len(prompt), len(long_completion)
+    ids = torch.zeros(2, P + C, dtype=torch.long)
+    mask = torch.zeros(2, P + C, dtype=torch.long)
+    for b, row in enumerate((long_row, short_row)):
+        ids[b, :len(row)], mask[b, :len(row)] = torch.tensor(row), 1
+    logps, _, _ = TreeflowGRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, trainer.model, ids, mask, C)
+    assert "a row of 37 tokens is longer than treeflow_fragment.max_tokens=24" in \
+        capsys.readouterr().err
+    with torch.no_grad():  # the oracle: transformers on each unpadded sequence alone
+        for b, row in enumerate((long_row, short_row)):
+            logits = trainer.model(torch.tensor([row])).logits[0].float()
+            want = torch.log_softmax(logits[:-1], -1).gather(
+                1, torch.tensor(row[1:])[:, None])[:, 0][P - 1:]
+            got = logps[b, :len(row) - P].detach()
+            assert len(got) == len(want) == len(row) - P
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-5)

@@ -11,8 +11,17 @@ The trade-off: only families whose transformers in-memory names and shapes are t
 are adopted (every family `families.py` reads; transformers 5 fuses experts in memory as
 treeflow does). A name the two sides spell differently is mapped in `_PREFIXES`; any other
 mismatch (a tensor missing on either side, another shape) is refused naming the tensor,
-never patched by a copy. A module wrapped by FSDP, DDP or PEFT must be unwrapped first: the
-wrappers rename or shard the parameters.
+never patched by a copy.
+
+Wrapped modules are refused, each naming its fix, because treeflow runs the layers itself
+and never goes through the wrapper's forward. DDP arms its gradient all-reduce in
+`DistributedDataParallel.forward`: a forward of `ddp.module` leaves every rank's gradients
+its own, silently, so the fix is the unwrapped module with treeflow's own data parallelism
+(`Policy(module, dp=DataParallel...)`, whose `train_step` sums the gradients over ranks).
+FSDP2 (`fully_shard`) keeps sharded DTensor parameters on the module; the full tensors exist
+only between its pre-forward all-gather and post-forward reshard, and the reduce-scatter of
+the gradients is wired by those same hooks, so treeflow's decoder would see shards and no
+gradient would be reduced: pass the module before `fully_shard`. PEFT renames parameters.
 """
 
 from __future__ import annotations
@@ -39,6 +48,33 @@ def _hf_name(name: str, hf: dict) -> str:
     return name
 
 
+def _refuse_wrapped(module: torch.nn.Module, name: str) -> None:
+    """TypeError naming the fix for a DDP-, FSDP- or PEFT-wrapped module (module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        raise TypeError(
+            f"{name}: a DistributedDataParallel module; treeflow runs the layers itself, not "
+            "through DDP.forward, which is what arms DDP's gradient all-reduce, so each rank "
+            "would keep its own gradients. Pass ddp.module and Policy(..., dp=DataParallel(rank=, "
+            "world=, group=ddp.process_group)) with Policy.train_step (treeflow sums the "
+            "gradients over ranks), or all-reduce the gradients yourself after backward")
+    fsdp = [n or "(the module)" for n, m in module.named_modules()
+            if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
+    if fsdp:
+        raise TypeError(
+            f"{name}: FSDP-sharded ({fsdp[0]} is wrapped); treeflow's forward bypasses FSDP's "
+            "all-gather and gradient reduce-scatter hooks. Pass the module before fully_shard "
+            "(with Policy(..., dp=...) for data parallelism), or train from a checkpoint with "
+            "treeflow's own FSDP2 (replay --mode train --shard-params)")
+    if any(hasattr(module, a) for a in ("module", "base_model")) and (
+            not hasattr(module, "config") or hasattr(module, "peft_config")):
+        raise TypeError(f"{name}: a wrapped module (PEFT or another wrapper); pass the "
+                        "unwrapped transformers model (e.g. accelerator.unwrap_model(model); "
+                        "PEFT: model.merge_and_unload())")
+
+
 def adopt_module(module: torch.nn.Module) -> Decoder:
     """treeflow's decoder for `module` (a transformers causal LM), sharing its parameters.
 
@@ -48,10 +84,7 @@ def adopt_module(module: torch.nn.Module) -> Decoder:
     if isinstance(module, Decoder):
         return module
     name = type(module).__name__
-    if any(hasattr(module, a) for a in ("_fsdp_wrapped_module", "module", "base_model")) \
-            and not hasattr(module, "config"):
-        raise TypeError(f"{name}: a wrapped module (FSDP, DDP or PEFT); pass the unwrapped "
-                        "transformers model (e.g. accelerator.unwrap_model(model))")
+    _refuse_wrapped(module, name)
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"{name}: not a transformers model (no .config); give a "

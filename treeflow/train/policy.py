@@ -11,6 +11,14 @@ stage configs the command line builds from its flags (Pack, Fragment, Forward, R
 same planner, kernels, routing replay and Hybrid state forks run. Episodes are Arrow tables
 or plain dicts (EPISODE_SCHEMA's fields), validated once here.
 
+Data parallelism: `Policy(module, dp=DataParallel.from_env())` on every rank (each with the
+same weights), then `train_step(batch)` with the same logical batch on every rank: each rank
+runs the bins Shard deals it and the gradients are summed over the ranks before the step
+(train/distributed.py), so N ranks take the step one process would. A DDP- or FSDP-wrapped
+module is refused (models/adopt.py says why): DDP's all-reduce is armed by its own forward,
+which treeflow does not run. `loss()` / `tokens()` are per process (the caller's backward and
+optimizer): under `dp` they are refused, since their gradients would be this rank's alone.
+
 `loss()` runs every bin of the batch with autograd on and scatters the edges' logprobs to the
 batch's occurrences in logical order (`Tokens`), so a custom loss sees one tensor per
 sampled token and any PPO/GRPO/DAPO/GSPO variant is a few tensor lines. The trade-off: the
@@ -35,10 +43,12 @@ import torch
 from treeflow.models.moe_config import route_width
 from treeflow.ops.forward import build_forward
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
-from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
+from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
+from treeflow.stages.shard import CostModel
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
 from treeflow.stages.slots import Slots
+from treeflow.train.distributed import DataParallel
 
 __all__ = ["Policy", "Tokens"]
 
@@ -89,11 +99,18 @@ class Policy:
     pack / fragment / forward: the stage configs (`Forward.model` is taken from `model`).
     reduce: the loss, schedule and clipping of `train_step` (treeflow's AdamW) and the default
     loss of `loss()`. device: where a checkpoint loads (a module runs where it is).
+    dp: this process's data-parallel rank (`DataParallel.from_env()`); `train_step` then sums
+    the gradients over the ranks (see the module docstring).
     """
 
     def __init__(self, model, *, pack: Pack = Pack(), fragment: Fragment | None = None,
                  forward: Forward = Forward(), reduce: Reduce = Reduce(),
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, dp: DataParallel | None = None):
+        if dp is not None:
+            if device is not None and torch.device(device) != dp.device:
+                raise ValueError(f"Policy(device={str(device)!r}, dp={dp}): a rank runs on "
+                                 "dp.device; give one of them")
+            device = dp.device
         self.pack = pack
         self.fragment = fragment if fragment is not None else Fragment(max_tokens=8192)
         self.reduce = reduce
@@ -121,6 +138,7 @@ class Policy:
                             f"module, got {type(model).__name__}")
         self.backend = self._runner.backend
         self.device = self._runner.device
+        self.dp = dp if dp is not None else DataParallel(device=str(self.device))
         self._runners = {self.forward.entropy: self._runner}
         self._trainer = None
 
@@ -160,6 +178,12 @@ class Policy:
     def _bins(self, episodes: pa.Table) -> pa.Table:
         return self.fragment(self.pack(episodes))
 
+    def _local_only(self, what: str) -> None:
+        if self.dp.distributed:
+            raise ValueError(f"Policy.{what} under dp={self.dp}: its gradients would be this "
+                             "rank's alone; use train_step (built-in loss: gradients summed "
+                             "over ranks), or a Policy without dp= and all-reduce yourself")
+
     def _runner_for(self, entropy: bool):
         if entropy not in self._runners:
             self._runners[entropy] = build_forward(replace(self.forward, entropy=entropy),
@@ -179,6 +203,7 @@ class Policy:
     def tokens(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
                entropy: bool = False) -> Tokens:
         """The batch's occurrences in logical order, logprobs with autograd (see `Tokens`)."""
+        self._local_only("tokens()")
         episodes = self.episodes(episodes, advantages)
         return self._tokens(episodes, Slots(episodes), old_logprobs, entropy)
 
@@ -240,6 +265,7 @@ class Policy:
              entropy: bool = False) -> torch.Tensor:
         """A differentiable scalar over the batch: `loss_fn(tokens)`, or the built-in `loss`
         (default `reduce.loss`) normalised over the whole batch as a training step is."""
+        self._local_only("loss()")
         if loss is not None and loss_fn is not None:
             raise ValueError("Policy.loss: give loss= (a built-in Loss) or loss_fn=, not both")
         episodes = self.episodes(episodes, advantages)
@@ -275,19 +301,50 @@ class Policy:
         return total
 
     def train_step(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
-                   ref_logprobs: pa.Table | None = None) -> dict:
-        """One optimizer step with treeflow's AdamW and `reduce` (the Trainer's step, as
-        `replay --mode train` runs it: bin by bin, one bin's activations at a time); the
-        step's metrics row. The optimizer is built on the first call and kept."""
+                   ref_logprobs: pa.Table | None = None,
+                   loss_fn: Callable[[Tokens], torch.Tensor] | None = None) -> dict:
+        """One optimizer step with treeflow's AdamW, clipping and schedule (`reduce`); the
+        optimizer is built on the first call and kept.
+
+        Without `loss_fn`: the Trainer's step with `reduce.loss`, as `replay --mode train` runs
+        it (bin by bin, one bin's activations at a time); the step's metrics row. With
+        `loss_fn`: `loss_fn(tokens)` (as `loss(loss_fn=...)`: every bin's activations alive
+        until its backward), then the same clip, AdamW and schedule step; the row has step,
+        episodes, loss, grad_norm and lr.
+        """
         from treeflow.train.trainer import Trainer
 
-        episodes = self.episodes(episodes, advantages)
         if self._trainer is None:
             self._trainer = Trainer(self.forward, self.reduce, model=self.backend,
-                                    device=self.device, max_tokens=self.fragment.max_tokens)
-        row = self._trainer.train_step(episodes, self._bins(episodes), old_logprobs=old_logprobs,
-                                       ref_logprobs=ref_logprobs)
-        return row.to_pylist()[0]
+                                    dp=self.dp, max_tokens=self.fragment.max_tokens)
+        if loss_fn is None:
+            episodes = self.episodes(episodes, advantages)
+            bins = self._bins(episodes)
+            if self.dp.replicas > 1:  # every rank plans the step alike and runs its own share
+                bins = Shard(num_ranks=self.dp.replicas,
+                             cost=CostModel.from_config(self.backend.config))(bins)
+            row = self._trainer.train_step(episodes, bins,
+                                           old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+            return row.to_pylist()[0]
+        self._local_only("train_step(loss_fn=...)")
+        if self._trainer.step_open:
+            raise ValueError("Policy.train_step(loss_fn=...): a step of this policy's trainer "
+                             "is open; finish or abort it first")
+        total = self.loss(episodes, advantages=advantages, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, loss_fn=loss_fn)
+        if not (isinstance(total, torch.Tensor) and total.ndim == 0 and total.requires_grad):
+            raise TypeError("Policy.train_step: loss_fn must return a scalar tensor that depends "
+                            f"on tokens.logprobs, got {total!r}")
+        total.backward()
+        grad_norm, lr, _ = self._trainer.apply_gradients(
+            _num_rows(episodes), f"loss {float(total)}; the gradients stay on the parameters: "
+            "zero them before the next step")
+        return {"step": self._trainer.steps, "episodes": _num_rows(episodes),
+                "loss": float(total.detach()), "grad_norm": grad_norm, "lr": lr}
+
+
+def _num_rows(episodes) -> int:
+    return episodes.num_rows if isinstance(episodes, pa.Table) else len(episodes)
 
 
 def _model_dir(model: str) -> str:

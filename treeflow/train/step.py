@@ -332,23 +332,10 @@ class Step:
                         p.grad = torch.zeros_like(p)
                 dp.sum_tensors([p.grad for _, p in params])
         timing["reduce_s"] = self._lap()
-        grad_norm = tr.clip_grad_norm()
-        if not np.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"step {tr.steps + 1}: the gradient norm is {grad_norm} (loss {self.loss_sum}); "
-                "the optimizer did not step and the step stays open: abort() it and check the "
-                "data (advantages, logprobs) or lower the learning rate")
-        lr = tr.reduce.schedule(tr.scheduler_episodes)
-        for g in tr.optimizer.param_groups:
-            g["lr"] = lr
-        # a background checkpoint still reading these tensors must finish first
-        fence = tr.fence_save()
-        tr.optimizer.step()
-        tr.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr, fence = tr.apply_gradients(
+            self.episodes, f"loss {self.loss_sum}; the step stays open: abort() it")
         timing["optimizer_s"] = self._lap() - fence
         timing["save_wait_s"] = fence + tr.take_save_wait()
-        tr.steps += 1
-        tr.scheduler_episodes += self.episodes
         tr._closed(self)
         row = metrics_row(self, grad_norm, lr, gen=self._gen, save_wait=timing["save_wait_s"])
         timing["metrics_s"] = self._lap()

@@ -174,6 +174,30 @@ class Trainer:
             return clip_sharded_grad_norm(self.backend.module, self.reduce.max_grad_norm)
         return self.backend.clip_grad_norm(self.reduce.max_grad_norm)
 
+    def apply_gradients(self, episodes: int, detail: str) -> tuple[float, float, float]:
+        """The end of every step: clip the (reduced) gradients, AdamW at the schedule's lr, zero
+        the gradients, count the step and its `episodes` (Step.finish; Policy.train_step with a
+        custom loss). (grad norm before clipping, lr, seconds waited for a background save).
+
+        A non-finite gradient norm raises FloatingPointError before anything changes (`detail`
+        says what the caller must do with the gradients left in place)."""
+        grad_norm = self.clip_grad_norm()
+        if not np.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"step {self.steps + 1}: the gradient norm is {grad_norm} ({detail}); the "
+                "optimizer did not step: check the data (advantages, logprobs) or lower the "
+                "learning rate")
+        lr = self.reduce.schedule(self.scheduler_episodes)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        # a background checkpoint still reading these tensors must finish first
+        fence = self.fence_save()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self.scheduler_episodes += episodes
+        return grad_norm, lr, fence
+
     # ---------------------------------------------------------------- steps
     @property
     def step_open(self) -> bool:
