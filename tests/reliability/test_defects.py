@@ -187,7 +187,7 @@ def test_debug_shows_the_traceback_and_bugs_stay_bugs(tmp_path, capsys, data, mo
 
     def bug(window, **kw):
         raise AssertionError("an internal invariant")
-    monkeypatch.setattr("treeflow.pipeline.stats.window_stats", bug)
+    monkeypatch.setattr("treeflow.pipeline.inspect.window_stats", bug)
     rc, _, err = cli(capsys, "inspect", data)
     assert rc == 1 and "Traceback" in err and "internal error (AssertionError)" in err
 

@@ -90,7 +90,7 @@ def step_size_check(row: dict, episodes_per_step: int | None, note, said: set) -
         return
     said.add(kind)
     why = ("a step holds whole groups (taken in the order they complete), so it ends at the "
-           "end of the group that reaches --episodes-per-step"
+           "end of the group that reaches that many episodes"
            if kind == "more" else
            "a step does not cross the end of the data (the file, or what the queue held)")
     note(f"warning: --episodes-per-step {want}: step {row.get('step')} trained {got} episodes; "
