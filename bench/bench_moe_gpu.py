@@ -90,7 +90,7 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
     """Achieved TFLOP/s of the expert matmuls (expert_mix) on random routes."""
     import torch
 
-    from treeflow.models.moe import expert_mix
+    from treeflow.models.moe_experts import expert_mix
 
     moe, h = config.moe, config.hidden_size
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -127,7 +127,7 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
     def fwd_bwd():
         expert_mix(x, idx, w, gate_up, down).float().square().mean().backward()
 
-    from treeflow.models.moe import _grouped_ok
+    from treeflow.models.moe_experts import _grouped_ok
 
     grouped = _grouped_ok(x, gate_up, down)
     f, fb = timed(fwd), timed(fwd_bwd)

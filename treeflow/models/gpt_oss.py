@@ -12,7 +12,7 @@ has one hidden state, so one routing, whichever calls share it. Routing replay a
 family has it (models/moe.py's `replayed`): replayed ids where given, weighted by the softmax
 of the current router's logits at them, so the router still gets gradients; agreement and
 near-ties counted as for a softmax router (route_ties.py). The trade-off: the experts run one
-matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of moe.py).
+matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of moe_experts.py).
 
 Legend: N tokens, H hidden, I expert width, X experts, K top_k, Q query heads, D head dim.
 """
