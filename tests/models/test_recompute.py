@@ -135,7 +135,7 @@ def _two_rank_runs():
     out = {}
     for mode in ("none", *MODES):
         fwd, red = Forward(tuning=Tuning(recompute=mode)), reduce_for("pg", "seq-mean")
-        pipe = Pipeline(Pack(), Fragment(max_tokens=budget), Shard(num_ranks=dp.world), fwd, red)
+        pipe = Pipeline(Pack(), Fragment(max_tokens=budget), Shard(), fwd, red)
         tr = Trainer(fwd, red, model=small_model(), dp=dp, grad_sum=GRAD_SUM)
         rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=4, trainer=tr)]
         out[mode] = ([(r["loss"], r["grad_norm"]) for r in rows], weights(tr))
@@ -156,3 +156,27 @@ def test_two_data_parallel_ranks_train_the_same_weights():
             rows, w = run[mode]
             assert rows == rows0, mode
             assert all(torch.equal(w[n], w0[n]) for n in w0), mode
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compiled_layers_under_whole_layer_recompute_run_with_the_compile_cache(tmp_path, mode):
+    """The CLI turns the compile cache on, and with it the precompiled capture of the compiled
+    layers; inside a whole-layer checkpoint torch's capture and AOTAutograd cache failed
+    (BackendCompilerFailed: '>' between None and None in cleanup_recompute_tags), so a run of
+    --tuning compile_layers=1 with --recompute full or selective died. Run as a user runs it,
+    twice: the second process finds the first one's cache."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "e.arrow"
+    cli = [sys.executable, "-m", "treeflow.cli"]
+    subprocess.run([*cli, "synth", "-o", str(data), "--episodes", "4", "--group-size", "2"],
+                   check=True, capture_output=True)
+    for _ in range(2):
+        proc = subprocess.run(
+            [*cli, "replay", str(data), "--mode", "train", "--loss", "nll",
+             "--episodes-per-step", "2", "--steps", "1", "--quiet", "--compile-cache",
+             str(tmp_path / "cache"), "--tuning",
+             f"compile_layers=1,compile_backend=aot_eager,recompute={mode}"],
+            capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]

@@ -59,7 +59,7 @@ def test_two_ranks_take_the_hand_step_and_wrapped_modules_are_refused():
     model = _model()
     loss, norm, max_norm, lr, want = hand_step(model, rows, hand_pg_token)
     # the batch is two bins (the group's tree and the agent episode): one per rank
-    bins = Shard(num_ranks=2)(Fragment(max_tokens=24)(Pack()(Policy(model).episodes(rows))))
+    bins = Shard()(Fragment(max_tokens=24)(Pack()(Policy(model).episodes(rows))), ranks=2)
     assert sorted(bins.column("rank").to_pylist()) == [0, 1]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     results = spawn(_rank, 2, max_norm, timeout_s=240, threads=1)

@@ -53,7 +53,11 @@ class LayerOps:
         tokens = ((1, 2, 3), (1, 2), (1,), (1, 2))
         # read without importing dynamo: a process that loads every graph ahead of time never
         # imports it (aoti.py)
-        self.precompiled = compile_backend is not None and precompiled.api_present()
+        # not inside a whole-layer checkpoint: torch's capture and its AOTAutograd cache fail
+        # there (min-cut's cleanup_recompute_tags compares None > None; torch 2.13): plain
+        # torch.compile then, which recompiles in each process instead of loading
+        self.precompiled = (compile_backend is not None and precompiled.api_present()
+                            and recompute not in LAYER_MODES)
         if self.precompiled:  # saved whole in the compile cache: a later process loads them
             parts = tuple(precompiled.Precompiled(f, backend=compile_backend, name=f.__name__[1:],
                                                   dynamic=d, recompile_limit=_RECOMPILE_LIMIT,

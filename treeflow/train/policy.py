@@ -321,8 +321,8 @@ class Policy:
             episodes = self.episodes(episodes, advantages)
             bins = self._bins(episodes)
             if self.dp.replicas > 1:  # every rank plans the step alike and runs its own share
-                bins = Shard(num_ranks=self.dp.replicas,
-                             cost=CostModel.from_config(self.backend.config))(bins)
+                bins = Shard(cost=CostModel.from_config(self.backend.config))(
+                    bins, ranks=self.dp.replicas)
             row = self._trainer.train_step(episodes, bins,
                                            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
             return row.to_pylist()[0]
