@@ -190,11 +190,11 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
     if kind in ("moe", "moe_only"):
         m = c.moe
         k, x, ie, inner = m.top_k, m.num_experts, m.moe_intermediate_size, m.latent_size or H
-        # per routed row: input (cast), gate|up, act, product, output, and the output in the
-        # residual's dtype that the combine weight multiplies
+        # per routed row: its input (the token's row gathered, cast before the gather),
+        # gate|up, act, product and output, which the combine's gather-and-sum keeps to weigh
         # (SwiGLU: gate|up, SiLU, product; Nemotron-H's relu^2: relu and square outputs)
         gated = m.family != "nemotron_h"
-        rows = 2 * cb * inner + r * inner + (4 if gated else 2) * cb * ie
+        rows = 2 * cb * inner + (4 if gated else 2) * cb * ie
         # the router reads the norm's output itself (float32 router: no autocast cast)
         router_in = (r * H if cast else 0) if m.router_dtype == "float32" or \
             m.family == "nemotron_h" else cast * H
@@ -214,6 +214,10 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
         kept += 12 * (2 * k + 1)  # the router's top-k and top-(k+1) (values, ids), kept
         if m.family == "nemotron_h" and m.topk_group < m.n_group:  # and its group choice
             kept += 12 * (2 * m.n_group + m.topk_group)
+            # the near-tie check at the group boundary (route_ties.group_margin): the top-2 of
+            # each group's scores and of their bands and the groups' top-(topk_group+1), held
+            # with the route choices in every mode (measured: tests/train/test_memory_plan.py)
+            kept += 12 * (2 * 2 * m.n_group + m.topk_group + 1)
     if kind in ("mamba", "mamba+mlp"):
         h, p, n, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.chunk_size
         inner, conv, kc = c.mamba_intermediate, c.conv_dim, c.conv_kernel
