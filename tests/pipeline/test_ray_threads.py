@@ -77,7 +77,7 @@ def data(tmp_path_factory):
 @pytest.mark.ray
 def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(ray_cluster, data):
     pipe = one_rank_pipe()
-    engine = RayRanks(pipe.plan, ranks=1)
+    engine = RayRanks(pipe.plan)
     try:
         records = list(engine.run(data))
     finally:
@@ -104,7 +104,7 @@ def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_clus
     pipe = one_rank_pipe()
     free = wait_for_free_cpus(ray_cluster)  # what the engine will find (the last test's
     # actors' CPUs come back a moment after their engine closed)
-    engine = RayRanks(pipe.plan, ranks=1)
+    engine = RayRanks(pipe.plan)
     try:
         records = list(engine.run(data))
     finally:
@@ -135,7 +135,7 @@ def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluste
     monkeypatch.setattr(RayRanks, "_rank_threads", worded)
     monkeypatch.setattr(RayRanks, "_rank_actors", counted)
     pipe = one_rank_pipe()
-    engine = RayRanks(pipe.plan, ranks=1)
+    engine = RayRanks(pipe.plan)
     try:
         list(engine.run(data))
     finally:
@@ -190,7 +190,7 @@ def test_an_engine_started_as_the_last_one_closes_plans_on_the_cpus_the_last_one
     pipe = one_rank_pipe()
     chosen = []
     for _ in range(2):
-        engine = RayRanks(pipe.plan, ranks=1)
+        engine = RayRanks(pipe.plan)
         try:
             list(engine.run(data))
         finally:

@@ -269,8 +269,9 @@ class Queue:
         out = []
         for info, payloads in self._ledger.dead_letters():
             tables = self._store.read(payloads)
-            try:
-                episodes = concat_episodes(tables)
+            try:  # a payload that is not a table (Unreadable) leaves the step's episodes None
+                episodes = (concat_episodes(tables)
+                            if all(isinstance(t, pa.Table) for t in tables) else None)
             except (pa.ArrowException, TypeError):
                 episodes = None
             out.append({**info, "episodes": episodes})
