@@ -269,9 +269,12 @@ def test_a_world_the_dims_cannot_split_is_refused_before_joining(monkeypatch):
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
+    joined = []  # whether the refusal came before joining: a group another test of this
+    # process left initialised must not decide it, so watch the join itself
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: joined.append(a))
     with pytest.raises(ValueError, match=r"3 processes, which ParallelDims\(.*cp=2.*groups of 2"):
         DataParallel.from_env("cpu", dims=ParallelDims(cp=2))
-    assert not dist.is_initialized()
+    assert not joined
     with pytest.raises(TypeError, match="give a ParallelDims"):
         DataParallel.from_env("cpu", dims=2)
 
