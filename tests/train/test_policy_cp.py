@@ -2,7 +2,7 @@
 
 Each of two spawned processes builds the caller's module (a dense Llama and a Nemotron-H
 hybrid, seeded alike), joins `DataParallel.from_env(dims=ParallelDims(cp=2))` and runs
-`logprobs`, a custom loss (`loss(loss_fn=)` + `sum_gradients()`) and a built-in
+`logprobs`, a custom loss (`loss(loss_fn=)` + `reduce_gradients()`) and a built-in
 `train_step`. The references are independent of treeflow's layout and loss code: transformers
 call by call (float32 forward, the loss in float64, AdamW by its formula:
 tests/train/test_policy_step.py's hand step); the one-process Policy (cp=1) is checked
@@ -51,7 +51,7 @@ def _run(policy: Policy, model) -> dict:
     res = policy.logprobs(rows, entropy=True)
     loss = policy.loss(rows, loss_fn=gspo)
     loss.backward()
-    policy.sum_gradients()
+    policy.reduce_gradients()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     row = policy.train_step(rows)

@@ -21,9 +21,13 @@ old and reference logprobs on every rank it computes a loss on, so no rank waits
 `tokens()` / `loss()` give every process the whole batch's per-token logprobs (summed over
 processes; backward the identity, as each process computes the same loss once), so a custom
 loss sees every token; their backward leaves each process its part of the gradient (its
-bins, its nodes) and `sum_gradients()` sums them (`train_step` does, with or without
-`loss_fn`). A DDP- or FSDP-wrapped module is refused (models/adopt.py says why): DDP's
+bins, its nodes) and `reduce_gradients()` sums them (`train_step` does, with or without
+`loss_fn`). A DDP-wrapped module is refused (models/adopt.py says why): DDP's
 all-reduce is armed by its own forward, which treeflow does not run.
+
+An FSDP2-wrapped module (`fully_shard`) is used in place too, as FSDP2 trains: each rank its
+own batch, `loss(...).backward()`, `reduce_gradients()` (the sharded `.grad` averaged over the
+mesh), the caller's optimizer; train/policy_fsdp.py says how, and what it costs.
 
 `loss()` runs every bin of the batch with autograd on and scatters the edges' logprobs to the
 batch's occurrences in logical order (`Tokens`), so a custom loss sees one tensor per
@@ -107,7 +111,7 @@ class Policy:
     loss of `loss()`. device: where a checkpoint loads (a module runs where it is).
     dp: this process's place among the data- and context-parallel processes
     (`DataParallel.from_env(dims=)`); `train_step` sums the gradients over them, `loss()`
-    callers call `sum_gradients()` (see the module docstring).
+    callers call `reduce_gradients()` (see the module docstring).
     """
 
     def __init__(self, model, *, pack: Pack = Pack(), fragment: Fragment | None = None,
@@ -119,6 +123,7 @@ class Policy:
                                  "dp.device; give one of them")
             device = dp.device
         self.pack = pack
+        self._fsdp = None  # an FSDP2 module's binding (train/policy_fsdp.py)
         self.fragment = fragment if fragment is not None else Fragment(max_tokens=8192)
         self.reduce = reduce
         if isinstance(model, (str, os.PathLike)):
@@ -132,8 +137,18 @@ class Policy:
                                          cp=None if dp is None else dp.cp)
         elif isinstance(model, torch.nn.Module):
             from treeflow.models.adopt import adopt_module
+            from treeflow.train.policy_fsdp import fsdp_binding
 
-            decoder = adopt_module(model)
+            self._fsdp = fsdp_binding(model)
+            if self._fsdp is not None:
+                if dp is not None:
+                    raise ValueError("Policy(fsdp_module, dp=...): an FSDP2 module's data "
+                                     "parallelism is its mesh (each rank scores its own batch; "
+                                     "reduce_gradients() averages as FSDP2 does); drop dp=")
+                self._fsdp.unshard()  # adopted while gathered; re-bound before each use
+            decoder = adopt_module(model, fsdp_unsharded=self._fsdp is not None)
+            if self._fsdp is not None:
+                self._fsdp.reshard()
             where = next(decoder.parameters()).device
             if device is not None and torch.device(device) != where:
                 raise ValueError(f"Policy(device={str(device)!r}): the module's parameters are on "
@@ -187,12 +202,30 @@ class Policy:
     def _bins(self, episodes: pa.Table) -> pa.Table:
         return self.fragment(self.pack(episodes))
 
-    def sum_gradients(self) -> None:
-        """Under `dp`: sum this process's gradients over every process (after the backward of
-        `loss()` / `tokens()`, before the caller's optimizer steps). Each process's backward
+    def reduce_gradients(self) -> None:
+        """After the backward of `loss()` / `tokens()`, before the caller's optimizer steps.
+
+        Under `dp`: sum this process's gradients over every process; each one's backward
         reaches only its part (its replica's bins, its context-parallel share of each), so the
-        sum is the whole batch's gradient on every process. A no-op on one process."""
+        sum is the whole batch's gradient everywhere. An FSDP2 module: average the gathered
+        gradients over its mesh into the sharded `.grad` and reshard (train/policy_fsdp.py).
+        A no-op on one process."""
+        if self._fsdp is not None:
+            self._fsdp.reduce()
+            return
         self.dp.sum_gradients(p for _, p in self.backend.named_parameters())
+
+    def _gather(self, keep: bool) -> bool:
+        """An FSDP2 module's parameters gathered and bound (kept until reduce_gradients when
+        `keep`); whether the caller must reshard after its forward."""
+        if self._fsdp is None or self._fsdp.gathered:
+            return False
+        from treeflow.models.adopt import rebind
+
+        self._fsdp.unshard()
+        rebind(self.backend.module, self._fsdp.module)
+        self._fsdp.gathered = keep
+        return not keep
 
     def _runner_for(self, entropy: bool):
         if entropy not in self._runners:
@@ -207,19 +240,25 @@ class Policy:
         """Per episode, per call, per sampled token: logprobs (and entropies), RESULT_SCHEMA
         rows in the input's order, under no_grad."""
         episodes = self.episodes(episodes)
-        with torch.no_grad():
-            values = self._runner_for(entropy)(self._bins(episodes))
+        reshard = self._gather(keep=False)
+        try:
+            with torch.no_grad():
+                values = self._runner_for(entropy)(self._bins(episodes))
+        finally:
+            if reshard:
+                self._fsdp.reshard()
         return Reassemble(entropy=entropy)(values, episodes=episodes)
 
     def tokens(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
                entropy: bool = False) -> Tokens:
         """The batch's occurrences in logical order, logprobs with autograd (see `Tokens`);
-        under `dp`, call `sum_gradients()` after their backward."""
+        under `dp`, call `reduce_gradients()` after their backward."""
         episodes = self.episodes(episodes, advantages)
         return self._tokens(episodes, Slots(episodes), old_logprobs, entropy)
 
     def _tokens(self, episodes, slots: Slots, old_logprobs, entropy) -> Tokens:
         runner = self._runner_for(entropy)
+        self._gather(keep=True)
         bins = self._bins(episodes)
         counts = np.bincount(_occurrences(bins, slots)[2], minlength=len(slots))
         if (counts != 1).any():  # the planner's invariant: every occurrence exactly once
@@ -278,7 +317,7 @@ class Policy:
         """A differentiable scalar over the batch: `loss_fn(tokens)`, or the built-in `loss`
         (default `reduce.loss`) normalised over the whole batch as a training step is. Under
         `dp` every process returns the whole batch's loss; its backward leaves this process's
-        part of the gradient: call `sum_gradients()` before the optimizer steps."""
+        part of the gradient: call `reduce_gradients()` before the optimizer steps."""
         if loss is not None and loss_fn is not None:
             raise ValueError("Policy.loss: give loss= (a built-in Loss) or loss_fn=, not both")
         episodes = self.episodes(episodes, advantages)
@@ -327,6 +366,10 @@ class Policy:
         """
         from treeflow.train.trainer import Trainer
 
+        if self._fsdp is not None:
+            raise ValueError("Policy.train_step on an FSDP2 module: treeflow's AdamW would step "
+                             "the gathered copies, not the shards; use loss(...).backward(), "
+                             "reduce_gradients() and your own optimizer")
         if self._trainer is None:
             self._trainer = Trainer(self.forward, self.reduce, model=self.backend,
                                     dp=self.dp, max_tokens=self.fragment.max_tokens)
@@ -348,7 +391,7 @@ class Policy:
             raise TypeError("Policy.train_step: loss_fn must return a scalar tensor that depends "
                             f"on tokens.logprobs, got {total!r}")
         total.backward()
-        self.sum_gradients()
+        self.reduce_gradients()
         grad_norm, lr, _ = self._trainer.apply_gradients(
             _num_rows(episodes), f"loss {float(total)}; the gradients stay on the parameters: "
             "zero them before the next step")
