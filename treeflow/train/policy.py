@@ -139,16 +139,10 @@ class Policy:
             from treeflow.models.adopt import adopt_module
             from treeflow.train.policy_fsdp import fsdp_binding
 
-            self._fsdp = fsdp_binding(model)
-            if self._fsdp is not None:
-                if dp is not None:
-                    raise ValueError("Policy(fsdp_module, dp=...): an FSDP2 module's data "
-                                     "parallelism is its mesh (each rank scores its own batch; "
-                                     "reduce_gradients() averages as FSDP2 does); drop dp=")
-                self._fsdp.unshard()  # adopted while gathered; re-bound before each use
+            self._fsdp = fsdp_binding(model, dp)  # gathered now, if FSDP2-wrapped
             decoder = adopt_module(model, fsdp_unsharded=self._fsdp is not None)
             if self._fsdp is not None:
-                self._fsdp.reshard()
+                self._fsdp.reshard()  # re-bound to the gathered tensors before each use
             where = next(decoder.parameters()).device
             if device is not None and torch.device(device) != where:
                 raise ValueError(f"Policy(device={str(device)!r}): the module's parameters are on "
@@ -216,16 +210,8 @@ class Policy:
         self.dp.sum_gradients(p for _, p in self.backend.named_parameters())
 
     def _gather(self, keep: bool) -> bool:
-        """An FSDP2 module's parameters gathered and bound (kept until reduce_gradients when
-        `keep`); whether the caller must reshard after its forward."""
-        if self._fsdp is None or self._fsdp.gathered:
-            return False
-        from treeflow.models.adopt import rebind
-
-        self._fsdp.unshard()
-        rebind(self.backend.module, self._fsdp.module)
-        self._fsdp.gathered = keep
-        return not keep
+        """FSDPBinding.gather (False without FSDP2): whether to reshard after the forward."""
+        return self._fsdp is not None and self._fsdp.gather(self.backend.module, keep)
 
     def _runner_for(self, entropy: bool):
         if entropy not in self._runners:

@@ -32,12 +32,21 @@ import torch.distributed as dist
 __all__ = ["FSDPBinding", "fsdp_binding"]
 
 
-def fsdp_binding(module: torch.nn.Module) -> "FSDPBinding | None":
-    """The binding of an FSDP2-wrapped `module`, or None when nothing in it is wrapped."""
+def fsdp_binding(module: torch.nn.Module, dp=None) -> "FSDPBinding | None":
+    """The binding of an FSDP2-wrapped `module`, unsharded (for adopt_module), or None when
+    nothing in it is wrapped. `dp` (Policy's) is refused: the mesh is the data parallelism."""
     from torch.distributed.fsdp import FSDPModule
 
     wrapped = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    return FSDPBinding(module, wrapped) if wrapped else None
+    if not wrapped:
+        return None
+    if dp is not None:
+        raise ValueError("Policy(fsdp_module, dp=...): an FSDP2 module's data parallelism is "
+                         "its mesh (each rank scores its own batch; reduce_gradients() "
+                         "averages as FSDP2 does); drop dp=")
+    binding = FSDPBinding(module, wrapped)
+    binding.unshard()
+    return binding
 
 
 class FSDPBinding:
@@ -58,6 +67,19 @@ class FSDPBinding:
     def unshard(self) -> None:
         for m in self.wrapped:
             m.unshard()
+
+    def gather(self, decoder, keep: bool) -> bool:
+        """Unshard and re-bind `decoder` to the gathered tensors (unless a loss's gradients are
+        pending: then they are gathered already); `keep`: stay gathered until `reduce()`.
+        Whether the caller reshards after its forward."""
+        if self.gathered:
+            return False
+        from treeflow.models.adopt import rebind
+
+        self.unshard()
+        rebind(decoder, self.module)
+        self.gathered = keep
+        return not keep
 
     def reshard(self) -> None:
         for m in self.wrapped:
