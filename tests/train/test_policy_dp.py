@@ -49,8 +49,13 @@ def _rank(max_norm):
     policy.reduce_gradients()
     grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
     model.zero_grad(set_to_none=True)
+    one = policy.loss(_rows()[:1])  # one bin: rank 1 runs none, yet joins backward and the sum
+    one.backward()
+    policy.reduce_gradients()
+    one_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    model.zero_grad(set_to_none=True)
     row = policy.train_step(_rows())
-    refused["loss"] = (float(loss), grad_norm)
+    refused["loss"] = (float(loss), grad_norm, float(one), one_norm)
     return row, {n: p.detach().clone() for n, p in model.named_parameters()}, refused
 
 
@@ -58,6 +63,7 @@ def test_two_ranks_take_the_hand_step_and_ddp_modules_are_refused():  # and loss
     rows = _rows()
     model = _model()
     loss, norm, max_norm, lr, want = hand_step(model, rows, hand_pg_token)
+    one_loss, one_norm = hand_step(model, rows[:1], hand_pg_token)[:2]
     # the batch is two bins (the group's tree and the agent episode): one per rank
     bins = Shard()(Fragment(max_tokens=24)(Pack()(Policy(model).episodes(rows))), ranks=2)
     assert sorted(bins.column("rank").to_pylist()) == [0, 1]
@@ -71,5 +77,7 @@ def test_two_ranks_take_the_hand_step_and_ddp_modules_are_refused():  # and loss
         assert "DDP.forward" in refused["ddp"] and "dp=DataParallel" in refused["ddp"]
         assert abs(refused["loss"][0] - loss) < 1e-6  # loss() + reduce_gradients(): the same
         assert abs(refused["loss"][1] - norm) <= 1e-4 * norm
+        assert abs(refused["loss"][2] - one_loss) < 1e-6
+        assert abs(refused["loss"][3] - one_norm) <= 1e-4 * one_norm
     for n in want:  # both ranks stepped alike
         assert torch.equal(results[0][1][n], results[1][1][n]), n

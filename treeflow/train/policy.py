@@ -269,6 +269,9 @@ class Policy:
         index = torch.from_numpy(np.concatenate(slot_parts) if slot_parts
                                  else np.zeros(0, np.int64)).to(self.device)
         lp_O = torch.cat(lp_parts) if lp_parts else torch.zeros(0, device=self.device)
+        if not lp_O.requires_grad and torch.is_grad_enabled():  # a replica Shard gave no bin:
+            # its backward must still run (and reach reduce_gradients) as the others' do
+            lp_O = lp_O + 0.0 * next(self.backend.module.parameters()).sum()
         n = len(slots)
         # each occurrence is this process's or another's (zero here): the sum holds every one
         logprobs = self.dp.sum_values(
