@@ -216,6 +216,8 @@ class DataParallel:
     def sum_gradients(self, params) -> None:
         """All-reduce SUM of the `.grad` of `params` (those that require grad) over every
         process; a parameter this process's bins never reached sums a zero."""
+        if not self.distributed:
+            return
         params = [p for p in params if p.requires_grad]
         for p in params:
             if p.grad is None:
