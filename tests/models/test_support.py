@@ -75,7 +75,8 @@ def test_the_docs_list_every_row():
 # (build_forward) and the CLI a user runs (gate where it has the flags, replay for --backend
 # and --tensor-parallel, which gate lacks). The models are config.json alone, and the loaders
 # and the gate's sampler are replaced by recorders: a refusal moved after the load or the
-# sampling start records a call (or fails the load of a checkpoint with no weights).
+# sampling start or the ranks' spawn records a call (or fails the load of a checkpoint with no
+# weights).
 _DENSE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
 _GDN = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
@@ -119,6 +120,10 @@ BEFORE_LOAD = {
     "Mamba-2 hybrid x context parallelism above its Mamba heads": (
         "hybrid", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
         ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"], "--context-parallel 5"),
+    "Mamba-2 / Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
+        "hybrid", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
+                             "2", "--shard-params"],
+        ["--shard-params", "NemotronHForCausalLM", "drop --shard-params"], "--shard-params"),
 }
 
 
@@ -147,10 +152,13 @@ def models(hybrid_dir, tmp_path_factory):
 
 @pytest.fixture
 def recorder(monkeypatch):
-    """Model loads (the trainer's and the sampler's) and the gate's sampling, recorded."""
+    """Model loads (the trainer's and the sampler's), the gate's sampling and the training
+    ranks' processes, recorded."""
     import treeflow.models
     import treeflow.models.backend
     import treeflow.pipeline.gate
+    import treeflow.train.launch
+    import treeflow.train.launch_plan
 
     calls = []
 
@@ -164,6 +172,12 @@ def recorder(monkeypatch):
     monkeypatch.setattr(treeflow.models, "load_backend", record("trainer load"))
     monkeypatch.setattr(treeflow.models.backend, "load_backend", record("sampler load"))
     monkeypatch.setattr(treeflow.pipeline.gate, "run_rollout", record("sampling"))
+    # processes: the gate's context-parallel ranks (launch.spawn), a replay's (launch_plan's
+    # spawn) and training ranks (LAUNCHERS)
+    for module in (treeflow.train.launch, treeflow.train.launch_plan):
+        monkeypatch.setattr(module, "spawn", record("processes started"))
+    for name in list(treeflow.train.launch.LAUNCHERS):
+        monkeypatch.setitem(treeflow.train.launch.LAUNCHERS, name, record("processes started"))
     return calls
 
 
@@ -172,8 +186,15 @@ def test_every_row_refuses_before_a_model_load_or_a_sampled_episode(what, models
                                                                     capsys, tmp_path):
     kind, fields, dims, (command, *flags), needles, flag = BEFORE_LOAD[what]
     model = models[kind]
+    forward = Forward(model=model, **fields)
     with pytest.raises(ValueError) as err:
-        build_forward(Forward(model=model, **fields), dims=dims)
+        if next(row for row in ROWS if row.what == what).sharded:
+            from treeflow.stages import Loss, Reduce
+            from treeflow.train import Trainer
+
+            Trainer(forward, Reduce(loss=Loss(kind="nll")), shard_params=True)
+        else:
+            build_forward(forward, dims=dims)
     assert all(n in str(err.value) for n in needles), str(err.value)
     assert recorder == []
     argv = ([command, "--model", model, "--timeout", "20"] if command == "gate" else
