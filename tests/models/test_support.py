@@ -1,6 +1,8 @@
 """models/support.py: every row of the table refuses its combination by name before a model
-loads (the checkpoint holds only config.json, so a load would fail otherwise), and the context
-parallelism page's table (docs/how-to/context-parallel.md) lists every row."""
+loads (the checkpoint holds only config.json, so a load would fail otherwise), an episode is
+sampled or a process starts -- through the Python path and the CLI, with the loaders, the
+gate's sampler and the launchers replaced by recorders (a case per row is required) -- and
+the context parallelism page's table (docs/how-to/context-parallel.md) lists every row."""
 
 from __future__ import annotations
 
