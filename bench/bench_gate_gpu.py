@@ -28,6 +28,13 @@ no experts); `--margin-groups 0` skips it.
     python bench/bench_gate_gpu.py --model DIR                           # your checkpoint
     python bench/bench_gate_gpu.py --smoke --device cpu                  # logic check: tiny dense
     python bench/bench_gate_gpu.py --smoke --device cpu --context-parallel 2   # ... as 2 gloo ranks
+    PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py --design --margin-groups 0   # design, one GPU
+    python bench/bench_gate_gpu.py --design --smoke --device cpu --dtype bfloat16  # its logic check
+
+`--design` is the design's gate configuration on one GPU (CP=1): a random Nemotron-H MoE + MTP
+checkpoint (~1.8B, bench_hybrid_gpu.py's `nemotron-h-moe` shape, and one MTP layer's tensors),
+`--group-size 16 --episodes 16 --routing replay`, bf16, in $OUT/bench_gate_gpu_design.json;
+`--queue-backend transferqueue` where Ray and TransferQueue are installed (the design's queue).
 
 `--smoke` uses the built-in dense tiny model (no routes; `--routing` left
 out) at tiny sizes; `--queue-backend transferqueue` runs the gate through
@@ -47,6 +54,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)  # bench_hybrid_gpu's shapes, bench_route_margins
 
 
 def qwen3_30b_a3b_shape(layers: int) -> dict:
@@ -73,12 +81,49 @@ def write_random_moe(path: str, layers: int, device: str) -> float:
     return round(time.perf_counter() - t0, 1)
 
 
+def write_design_model(path: str, device: str, smoke: bool) -> float:
+    """The design's gate model class: a random Nemotron-H with MoE blocks (bench_hybrid_gpu.py's
+    `nemotron-h-moe`, ~1.8B; `--smoke`: `smoke-moe`) written by transformers, and one MTP
+    layer's tensors (loaded frozen, never run, as in a Nemotron-H MTP checkpoint); seconds."""
+    import torch
+    import transformers
+    from bench_hybrid_gpu import SHAPES
+    from safetensors.torch import load_file, save_file
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    cfg = transformers.NemotronHConfig(**SHAPES["smoke-moe" if smoke else "nemotron-h-moe"],
+                                       num_nextn_predict_layers=1)
+    with torch.device(device):
+        model = transformers.NemotronHForCausalLM(cfg)
+    model.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    last = os.path.join(path, files[-1])
+    state = load_file(last)
+    g = torch.Generator().manual_seed(3)
+    h = cfg.hidden_size
+    mtp = {"mtp.layers.0.norm.weight": torch.randn(h, generator=g).to(torch.bfloat16),
+           "mtp.layers.0.eh_proj.weight": torch.randn(h, 2 * h, generator=g)}
+    save_file({**state, **mtp}, last, metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):  # sharded: the index names the file holding each tensor
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"].update({k: files[-1] for k in mtp})
+        with open(index, "w") as f:
+            json.dump(idx, f)
+    return round(time.perf_counter() - t0, 1)
+
+
 def has_experts(model: str) -> bool:
     if model == "tiny":
         return False
     with open(os.path.join(model, "config.json")) as f:
         c = json.load(f)
-    return bool(c.get("num_experts") or c.get("num_local_experts"))
+    return bool(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts"))
 
 
 def margins(args, model: str | None, dtype: str, work: str) -> dict:
@@ -128,13 +173,18 @@ def main() -> int:
     ap.add_argument("--max-gen-kl", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny dense model and sizes")
+    ap.add_argument("--design", action="store_true",
+                    help="the design's configuration: a random Nemotron-H MoE + MTP checkpoint "
+                         "(--smoke: a small one), one group of 16, --routing replay")
     ap.add_argument("--margin-groups", type=int, default=1,
                     help="groups sampled for the route-margin diagnostic (0: skip it)")
     args = ap.parse_args()
+    if args.design:
+        args.group_size, args.episodes = 16, 16
     if args.smoke:
         args.turns, args.prompt_tokens, args.completion_tokens, args.tool_tokens = \
             "2,3", "8,16", "3,6", "2,4"
-        args.model = args.model or "tiny"
+        args.model = args.model or (None if args.design else "tiny")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda":
         import torch
@@ -145,12 +195,17 @@ def main() -> int:
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
     cp = "" if args.context_parallel == 1 else f"_cp{args.context_parallel}"
-    out_file = os.path.join(out_dir, args.out or (f"bench_gate_gpu{cp}_smoke.json" if args.smoke
-                                                  else f"bench_gate_gpu{cp}.json"))
+    name = "bench_gate_gpu" + ("_design" if args.design else "") + cp
+    out_file = os.path.join(out_dir, args.out or (f"{name}_smoke.json" if args.smoke
+                                                  else f"{name}.json"))
     res: dict = {"settings": {**vars(args), "dtype": dtype}}
     work = tempfile.mkdtemp(prefix="treeflow-gate-bench-")
     model = args.model
-    if model is None:
+    if model is None and args.design:
+        model = os.path.join(work, "model")
+        print("writing a random Nemotron-H MoE + MTP checkpoint", flush=True)
+        res["checkpoint_seconds"] = write_design_model(model, args.device, args.smoke)
+    elif model is None:
         model = os.path.join(work, "model")
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers", flush=True)
         res["checkpoint_seconds"] = write_random_moe(model, args.layers, args.device)

@@ -297,6 +297,16 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 ["config.json", "Qwen3.5 vision-language", "is not supported",
                  "Qwen3 (Qwen3ForCausalLM)"]
+        if kind == "hybrid-shard-params":  # FSDP2 shards attention decoders only (support.py)
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "mamba_num_heads": 4, "mamba_head_dim": 8,
+                 "n_groups": 2, "ssm_state_size": 8, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 8,
+                 "layers_block_type": ["linear_attention", "full_attention"]}))
+            return ["replay", good, *TRAIN, "--model", tmp / "m", "--num-ranks", "2",
+                    "--shard-params"], ["--shard-params", "NemotronHForCausalLM"]
         if kind == "gdn-cp":  # Gated DeltaNet layers under context parallelism (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -602,7 +612,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 44: memory
          "train-over-device-memory", "device-memory-junk",
          # issue 47: the command line's groups and removed names
-         "old-flag", "old-config-key", "config-wrong-group", "config-twice"]
+         "old-flag", "old-config-key", "config-wrong-group", "config-twice",
+         # issue 43: a hybrid with FSDP2
+         "hybrid-shard-params"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -37,7 +37,8 @@ def forward(args, *, entropy: bool = False):
                   entropy=entropy, tuning=tuning, **given)
     # models/support.py, split as the engine will run it: refused before a model loads or an
     # episode is sampled
-    fwd.check_model(_dims(args))
+    fwd.check_model(_dims(args), shard_params=bool(getattr(args, "shard_params", False))
+                    and getattr(args, "mode", "train") == "train")
     return fwd
 
 

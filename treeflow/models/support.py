@@ -9,9 +9,12 @@ CLI's commands call it when they build their Forward, before a model is loaded, 
 sampled or a process started; build_forward before it loads the model). README's
 compatibility table is `ROWS`.
 
-Refusals that belong to the running layout rather than the model (--shard-params with
-context parallelism, an engine, a launcher) stay with the launch plan (train/launch_plan.py),
-and what a kernel supports on a device with Capabilities (models/attention.py).
+Rows marked `sharded` apply to training runs that shard parameters with FSDP2
+(--shard-params, Trainer(shard_params=True), train/fsdp.py) and are checked when the caller
+says so (`check(..., shard_params=True)`). Refusals that belong to the running layout rather
+than the model (--shard-params with context parallelism, an engine, a launcher) stay with the
+launch plan (train/launch_plan.py), and what a kernel supports on a device with Capabilities
+(models/attention.py).
 
 Trade-off: a refusal here reads config.json once more (a small JSON file) to fail before a
 model load, a spawn or a sampled episode costs anything; the modules that run the
@@ -30,12 +33,13 @@ __all__ = ["ROWS", "Row", "check"]
 class Row:
     """One refused combination: `what` (README's row), whether it reads the model's config,
     `applies(forward, config, dims)` and `message(forward, config, dims)` (dims: the run's
-    ParallelDims)."""
+    ParallelDims); `sharded`: only for a training run that shards parameters (FSDP2)."""
 
     what: str
     needs_model: bool
     applies: Callable
     message: Callable
+    sharded: bool = False
 
 
 def _cp(d) -> int:
@@ -117,12 +121,20 @@ ROWS = (
                               f"layer's heads over the ranks, and {c.architecture} has "
                               f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "
                               f"{c.mamba_num_heads} or fewer")),
+    Row(what="Mamba-2 / Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
+        applies=lambda f, c, d: _recurrent(c),
+        message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "
+                              f"shards attention decoders only; {c.architecture} has recurrent "
+                              "(Mamba-2 / Gated DeltaNet) layers, whose float32 state "
+                              "parameters FSDP2 would gather in the compute dtype: drop "
+                              "--shard-params (--num-ranks N replicates the weights)")),
 )
 
 
-def check(forward, config=None, *, dims=None) -> None:
+def check(forward, config=None, *, dims=None, shard_params: bool = False) -> None:
     """Raise ValueError for the first row that applies (rows needing a model: with `config`),
-    the Forward run split as `dims` (a ParallelDims; None: one process)."""
+    the Forward run split as `dims` (a ParallelDims; None: one process); `shard_params`: a
+    training run that shards parameters with FSDP2 (the `sharded` rows)."""
     from treeflow.parallel import ParallelDims
 
     if dims is None:
@@ -130,5 +142,7 @@ def check(forward, config=None, *, dims=None) -> None:
     elif not isinstance(dims, ParallelDims):
         raise TypeError(f"check(dims={dims!r}): give a treeflow.parallel.ParallelDims")
     for row in ROWS:
+        if row.sharded and not shard_params:
+            continue
         if (config is not None or not row.needs_model) and row.applies(forward, config, dims):
             raise ValueError(row.message(forward, config, dims))
