@@ -42,13 +42,18 @@ def forward(args, *, entropy: bool = False):
 
 
 def ssm_kernel(args, tuning) -> dict:
-    """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
+    """{"ssm_kernel": the recurrent scan that runs} for the run JSON of a hybrid model (Mamba-2's
+    as --ssm-kernel resolves on the device; Gated DeltaNet's torch scan), else {}."""
     from treeflow.models.hybrid_config import is_hybrid_dir
 
     if not is_hybrid_dir(args.model):
         return {}
+    from treeflow.models.config import ModelConfig
+    from treeflow.models.gdn_config import scan_kernel
     from treeflow.models.ssm_tree import resolve_kernel  # torch: a hybrid's run imports it anyway
-    return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
+
+    kernel = scan_kernel(ModelConfig.from_hf_dir(args.model), tuning.ssm_kernel)
+    return {"ssm_kernel": resolve_kernel(kernel, getattr(args, "device", "cpu"))}
 
 
 def _dims(args):

@@ -37,7 +37,7 @@ from treeflow.models.config import FamilyConfig, refuse_unmodelled, register_fam
     require_multiple, require_positive
 from treeflow.models.moe_config import MoeConfig, refuse_dropping
 
-__all__ = ["GDN_ARCHITECTURES", "GDN_CHUNK", "GdnConfig"]
+__all__ = ["GDN_ARCHITECTURES", "GDN_CHUNK", "GdnConfig", "scan_kernel"]
 
 GDN_ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
                      "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
@@ -152,6 +152,20 @@ class GdnConfig(FamilyConfig):
 
 
 register_family(GdnConfig, GDN_ARCHITECTURES)  # ModelConfig.from_hf_dict reads them
+
+
+def scan_kernel(config, kernel: str) -> str:
+    """The scan kernel (Tuning.ssm_kernel) a recurrent model's segment plan is built with:
+    `kernel` for Mamba-2 layers; Gated DeltaNet layers (gdn.py) have the torch scan only, so
+    "auto" means torch for them (on CUDA it would pick Mamba-2's fused scan, which they
+    refuse) and "triton" is refused by name."""
+    if not isinstance(config, GdnConfig):
+        return kernel
+    if kernel == "triton":
+        raise ValueError(f"{config.architecture}: --ssm-kernel triton (Tuning.ssm_kernel) is "
+                         "Mamba-2's fused scan; Gated DeltaNet layers run the torch scan: use "
+                         "--ssm-kernel torch or auto")
+    return "torch"
 
 
 def _refuse(arch: str, d: Mapping[str, Any]) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.context_parallel import ContextParallelPlan
 from treeflow.models.decoder import MLP, Decoder, RMSNorm
-from treeflow.models.gdn_config import GdnConfig
+from treeflow.models.gdn_config import scan_kernel
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
@@ -41,19 +41,6 @@ from treeflow.models.ssm_tree import SegmentPlan
 from treeflow.models.tuning import Tuning
 
 __all__ = ["HybridDecoder", "HybridPlan"]
-
-
-def _scan_kernel(config, tuning: Tuning) -> str:
-    """The segment plan's scan kernel: Tuning.ssm_kernel for Mamba-2 layers; Gated DeltaNet
-    layers (gdn.py) have the torch scan only, so "auto" means torch there (on CUDA it would
-    pick Mamba-2's fused scan, which GDN layers refuse) and "triton" is refused by name."""
-    if not isinstance(config, GdnConfig):
-        return tuning.ssm_kernel
-    if tuning.ssm_kernel == "triton":
-        raise ValueError(f"{config.architecture}: --ssm-kernel triton (Tuning.ssm_kernel) is "
-                         "Mamba-2's fused scan; Gated DeltaNet layers run the torch scan: use "
-                         "--ssm-kernel torch or auto")
-    return "torch"
 
 
 class HybridPlan:
@@ -79,7 +66,7 @@ class HybridPlan:
                                           conv_kernel=config.conv_kernel, fork=tuning.ssm_fork,
                                           state_dtype=tuning.ssm_state_dtype,
                                           device=attention.device,
-                                          kernel=_scan_kernel(config, tuning)))
+                                          kernel=scan_kernel(config, tuning.ssm_kernel)))
 
     @classmethod
     def build_context_parallel(cls, attention: ContextParallelPlan, parents_N,
