@@ -103,3 +103,43 @@ def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):
                  "-o", str(tmp_path / "o.arrow")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "vision-language" in err[0], err
+
+
+def _tiny_checkpoint(architecture: str, path) -> None:
+    """A tiny random checkpoint of `architecture`, saved by transformers' own class."""
+    from hybrid_helpers import hf_model as hf_hybrid
+    from hybrid_moe_helpers import hf_model as hf_hybrid_moe
+    from qwen3_next_helpers import hf_qwen3_next
+
+    from tests.models.families_helpers import hf_deepseek, hf_gemma3, hf_gpt_oss
+
+    makers = {"Gemma3ForCausalLM": hf_gemma3, "GptOssForCausalLM": hf_gpt_oss,
+              "Glm4MoeForCausalLM": lambda: hf_deepseek("glm4_moe"),
+              "DeepseekV3ForCausalLM": lambda: hf_deepseek("deepseek_v3"),
+              "NemotronHForCausalLM": lambda: hf_hybrid("nemotron_h"),
+              "BambaForCausalLM": lambda: hf_hybrid("bamba"),
+              "GraniteMoeHybridForCausalLM": lambda: hf_hybrid_moe("granitemoehybrid"),
+              "Qwen3NextForCausalLM": lambda: hf_qwen3_next(family="qwen3_next"),
+              "Qwen3_5ForCausalLM": lambda: hf_qwen3_next(family="qwen3_5"),
+              "Qwen3_5MoeForCausalLM": lambda: hf_qwen3_next(family="qwen3_5_moe")}
+    makers[architecture]().save_pretrained(path)  # a KeyError: a new family needs its maker
+
+
+@pytest.mark.parametrize("family", [f for f in families.FAMILIES if not f.megatron],
+                         ids=lambda f: f.name)
+def test_megatron_is_refused_by_family_name_where_mcore_lacks_the_family(family, tmp_path):
+    """Every family declared without megatron: the CLI's check (before any load) and the
+    megatron backend itself refuse it in one line naming the family and those that have it."""
+    from treeflow.models import load_backend
+    from treeflow.stages import Forward
+
+    arch = family.architectures[0]
+    _tiny_checkpoint(arch, tmp_path)
+    line = (rf"{family.name} \({arch}\): the megatron backend \(--backend megatron\) is not "
+            rf"supported yet; families that have it: Llama, Qwen2, Qwen3, Qwen3-MoE")
+    with pytest.raises(ValueError, match=rf"{tmp_path}: {line}.*: use --backend reference") as e:
+        Forward(model=str(tmp_path), backend="megatron").check_model()
+    assert "\n" not in str(e.value)
+    pytest.importorskip("megatron.core")
+    with pytest.raises(ValueError, match=line):
+        load_backend("megatron", str(tmp_path))
