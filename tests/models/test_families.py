@@ -105,15 +105,28 @@ def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and "vision-language" in err[0], err
 
 
-def _tiny_checkpoint(architecture: str, path) -> None:
-    """A tiny random checkpoint of `architecture`, saved by transformers' own class."""
+def _tiny_checkpoint(architecture: str, path):
+    """A tiny random checkpoint of `architecture`, saved by transformers' own class (the
+    family tests' models); the transformers model."""
     from hybrid_helpers import hf_model as hf_hybrid
     from hybrid_moe_helpers import hf_model as hf_hybrid_moe
     from qwen3_next_helpers import hf_qwen3_next
 
-    from tests.models.families_helpers import hf_deepseek, hf_gemma3, hf_gpt_oss
+    from tests.models.families_helpers import (VOCAB, drawn, hf_deepseek, hf_gemma3,
+                                               hf_gpt_oss, hf_qwen3, transformers)
+    from tests.models.moe_helpers import hf_model as hf_moe
 
-    makers = {"Gemma3ForCausalLM": hf_gemma3, "GptOssForCausalLM": hf_gpt_oss,
+    def dense(config_class):
+        return lambda: drawn(transformers.AutoModelForCausalLM.from_config(config_class(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)))
+
+    makers = {"LlamaForCausalLM": dense(transformers.LlamaConfig),
+              "Qwen2ForCausalLM": dense(transformers.Qwen2Config), "Qwen3ForCausalLM": hf_qwen3,
+              "Qwen3MoeForCausalLM": lambda: hf_moe("qwen3_moe"),
+              "Qwen2MoeForCausalLM": lambda: hf_moe("qwen2_moe"),
+              "MixtralForCausalLM": lambda: hf_moe("mixtral"),
+              "Gemma3ForCausalLM": hf_gemma3, "GptOssForCausalLM": hf_gpt_oss,
               "Glm4MoeForCausalLM": lambda: hf_deepseek("glm4_moe"),
               "DeepseekV3ForCausalLM": lambda: hf_deepseek("deepseek_v3"),
               "NemotronHForCausalLM": lambda: hf_hybrid("nemotron_h"),
@@ -122,7 +135,9 @@ def _tiny_checkpoint(architecture: str, path) -> None:
               "Qwen3NextForCausalLM": lambda: hf_qwen3_next(family="qwen3_next"),
               "Qwen3_5ForCausalLM": lambda: hf_qwen3_next(family="qwen3_5"),
               "Qwen3_5MoeForCausalLM": lambda: hf_qwen3_next(family="qwen3_5_moe")}
-    makers[architecture]().save_pretrained(path)  # a KeyError: a new family needs its maker
+    model = makers[architecture]()  # a KeyError: a new family needs its maker here
+    model.save_pretrained(path)
+    return model
 
 
 @pytest.mark.parametrize("family", [f for f in families.FAMILIES if not f.megatron],
@@ -143,3 +158,14 @@ def test_megatron_is_refused_by_family_name_where_mcore_lacks_the_family(family,
     pytest.importorskip("megatron.core")
     with pytest.raises(ValueError, match=line):
         load_backend("megatron", str(tmp_path))
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_replay_runs_every_family_as_readme_says(family, tmp_path):
+    """`treeflow replay EPISODES --model DIR` on each declared family's tiny checkpoint:
+    the sampled tokens' logprobs = transformers' own class call by call (1e-5)."""
+    from family_checks import check_cli_replay
+
+    for arch in family.architectures:
+        hf = _tiny_checkpoint(arch, tmp_path / arch)
+        check_cli_replay(hf, tmp_path / arch, tmp_path)
