@@ -32,10 +32,11 @@ episodes in 32k-token bins (CPU), the tree's 8 bins take 1,059 sequential chunk 
 layer in all and the exact layout's 28 bins 1,757, ~15 small kernels a step: some 19k / 32k
 steps over 18 GDN layers, seconds on a GPU, so 64 episodes fit the time; the tree's speedup
 over exact is smaller here than for attention layers (the steps follow branching depth and
-the longest segment, not tokens). transformers' oracle uses flash-linear-attention where installed, else its
-own torch_chunk_gated_delta_rule (`transformers_gdn_kernel` in the JSON). Every part is
-skipped with a reason once `--budget-seconds` is spent, and a failed command is recorded,
-not raised, so one family's failure leaves the other's numbers.
+the longest segment, not tokens). transformers' oracle uses flash-linear-attention where
+installed, else its own torch_chunk_gated_delta_rule (`transformers_gdn_kernel` in the
+JSON). Every part is skipped with a reason once `--budget-seconds` is spent, and a failed
+command or shape is recorded (its `error`), not raised, so one family's failure leaves the
+other's numbers.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_families_gpu.py            # one H100, ~5 min
     python3 bench/bench_families_gpu.py --tiny --device cpu           # logic check, tiny sizes
@@ -254,7 +255,14 @@ def main() -> None:
             if left() < 60:
                 result["shapes"][shape] = {"skipped": "time budget"}
                 continue
-            run_shape(shape, args, env, work, left, save, result)
+            try:
+                run_shape(shape, args, env, work, left, save, result)
+            except Exception as e:  # noqa: BLE001 -- recorded: the next shape still runs
+                import traceback
+
+                traceback.print_exc()
+                result["shapes"].setdefault(shape, {})["error"] = f"{type(e).__name__}: {e}"[:2000]
+                save()
     save()
     print(json.dumps({"out": out_file, "wall_seconds": result["wall_seconds"]}), flush=True)
 
