@@ -169,3 +169,24 @@ def test_replay_runs_every_family_as_readme_says(family, tmp_path):
     for arch in family.architectures:
         hf = _tiny_checkpoint(arch, tmp_path / arch)
         check_cli_replay(hf, tmp_path / arch, tmp_path)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_auto_tuning_on_a_hopper_gpu_picks_what_the_family_runs(family, tmp_path, monkeypatch):
+    """`--tuning auto` (the CLI's default) on an H100 picks "fast" (compiled layers); a family
+    declared without those levers must get a preset its backend accepts (it had refused every
+    default GPU run of Gemma 3 and gpt-oss). The device is made to answer as a Hopper GPU."""
+    import torch
+
+    from treeflow.models import Tuning, load_backend
+    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.tuning import resolve_auto
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    arch = family.architectures[0]
+    _tiny_checkpoint(arch, tmp_path)
+    chosen, why = resolve_auto("auto", device="cuda", model=tmp_path)
+    levers = family.recompute and not is_hybrid_dir(tmp_path)  # Mamba-2: no compiled layers
+    assert chosen == ("fast" if levers else "plain"), (chosen, why)
+    load_backend("reference", str(tmp_path), tuning=Tuning.parse(chosen))  # accepted
