@@ -154,15 +154,15 @@ class GdnConfig(FamilyConfig):
 register_family(GdnConfig, GDN_ARCHITECTURES)  # ModelConfig.from_hf_dict reads them
 
 
-def scan_kernel(config, kernel: str) -> str:
-    """The scan kernel (Tuning.ssm_kernel) a recurrent model's segment plan is built with:
-    `kernel` for Mamba-2 layers; Gated DeltaNet layers (gdn.py) have the torch scan only, so
-    "auto" means torch for them (on CUDA it would pick Mamba-2's fused scan, which they
-    refuse) and "triton" is refused by name."""
-    if not isinstance(config, GdnConfig):
+def scan_kernel(architecture: str, kernel: str) -> str:
+    """The scan kernel (Tuning.ssm_kernel) the segment plan of a recurrent `architecture` is
+    built with: `kernel` for Mamba-2 layers; Gated DeltaNet layers (gdn.py) have the torch
+    scan only, so "auto" means torch for them (on CUDA it would pick Mamba-2's fused scan,
+    which they refuse) and "triton" is refused by name."""
+    if architecture not in GDN_ARCHITECTURES:
         return kernel
     if kernel == "triton":
-        raise ValueError(f"{config.architecture}: --ssm-kernel triton (Tuning.ssm_kernel) is "
+        raise ValueError(f"{architecture}: --ssm-kernel triton (Tuning.ssm_kernel) is "
                          "Mamba-2's fused scan; Gated DeltaNet layers run the torch scan: use "
                          "--ssm-kernel torch or auto")
     return "torch"

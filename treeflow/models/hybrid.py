@@ -66,7 +66,8 @@ class HybridPlan:
                                           conv_kernel=config.conv_kernel, fork=tuning.ssm_fork,
                                           state_dtype=tuning.ssm_state_dtype,
                                           device=attention.device,
-                                          kernel=scan_kernel(config, tuning.ssm_kernel)))
+                                          kernel=scan_kernel(config.architecture,
+                                                             tuning.ssm_kernel)))
 
     @classmethod
     def build_context_parallel(cls, attention: ContextParallelPlan, parents_N,

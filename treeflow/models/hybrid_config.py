@@ -41,7 +41,7 @@ from treeflow.models.config import (FamilyConfig, refuse_unmodelled, register_fa
                                      require_multiple, require_positive)
 from treeflow.models.moe_config import MoeConfig, refuse_dropping
 
-__all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir"]
+__all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir", "recurrent_architecture"]
 
 HYBRID_ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "BambaForCausalLM": "bamba",
                         "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
@@ -51,6 +51,12 @@ def is_hybrid_dir(model) -> bool:
     """Whether a model directory's config.json names a recurrent hybrid: Mamba-2 or Gated
     DeltaNet (False for `tiny`, for a directory without a readable config: Forward reports on
     that itself)."""
+    return recurrent_architecture(model) is not None
+
+
+def recurrent_architecture(model) -> str | None:
+    """The recurrent hybrid class (Mamba-2 or Gated DeltaNet) a model directory's config.json
+    names, by `architectures` or `model_type`; None otherwise (as is_hybrid_dir)."""
     import os
 
     from treeflow._json import load as load_json
@@ -59,12 +65,13 @@ def is_hybrid_dir(model) -> bool:
     try:
         d = load_json(os.path.join(os.fspath(model), "config.json"))
     except (OSError, TypeError, ValueError):
-        return False
+        return None
     if not isinstance(d, dict):
-        return False
-    archs = [a for a in d.get("architectures") or [] if isinstance(a, str)]
+        return None
     known = {**HYBRID_ARCHITECTURES, **GDN_ARCHITECTURES}
-    return any(a in known for a in archs) or d.get("model_type") in known.values()
+    archs = [a for a in d.get("architectures") or [] if isinstance(a, str) and a in known]
+    by_type = {t: a for a, t in known.items()}
+    return archs[0] if archs else by_type.get(d.get("model_type"))
 MIXERS = ("mamba", "attention", "mlp", "moe")
 _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
                    "full_attention": "attention", "attention": "attention", "*": "attention",
