@@ -35,7 +35,8 @@ def hybrid_dir(tmp_path_factory):
 @pytest.mark.parametrize("fields,dims,needles", [
     ({}, ParallelDims(cp=5), ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"]),
     (dict(tuning=Tuning(recompute="mlp")), None, ["recompute='mlp'", "NemotronHForCausalLM"]),
-    (dict(backend="megatron"), None, ["megatron backend runs attention decoders only",
+    (dict(backend="megatron"), None, ["Nemotron-H (NemotronHForCausalLM): the megatron "
+                                      "backend (--backend megatron) is not supported yet",
                                       "--backend reference"]),
 ], ids=["cp-above-heads", "recompute", "megatron"])
 def test_hybrid_rows_refuse_before_the_model_loads(hybrid_dir, fields, dims, needles):

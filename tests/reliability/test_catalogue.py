@@ -314,6 +314,21 @@ def _file_case(kind):
                  "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
                     "--context-parallel", "2"], ["Gated DeltaNet", "--context-parallel 2"]
+        if kind == "gdn-ssm-kernel-triton":  # Mamba-2's fused scan asked of a GDN model
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
+                    "--ssm-kernel", "triton"], ["Qwen3NextForCausalLM", "--ssm-kernel torch"]
+        if kind == "megatron-family":  # a family MCore has no model of (families.py)
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "sliding_window": 4}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m", "--backend",
+                    "megatron"], ["Gemma 3 (Gemma3ForCausalLM)", "--backend reference"]
         if kind == "model-gpt-oss-mxfp4":  # the released gpt-oss checkpoints' MXFP4 experts
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -582,6 +597,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
          "model-mtp", "model-hybrid-moe", "hybrid-cp-heads", "gate-hybrid-cp-heads",
          "model-mtp", "model-hybrid-moe", "model-family-not-yet", "gdn-cp",
+         "gdn-ssm-kernel-triton", "megatron-family",
          "model-gemma3-softcap", "model-gpt-oss-mxfp4", "model-deepseek-fp8",
          "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",

@@ -102,14 +102,15 @@ def test_bin_cost_is_the_hand_formula_of_tokens_pairs_and_edges():
     assert exact.pair > 0 and exact.edge > 0  # every term weighs: dropping one changes the cost
 
 
-def test_hybrid_cost_counts_mamba_layers_linear_in_tokens(tmp_path):
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba"])
+def test_hybrid_cost_counts_mamba_layers_linear_in_tokens(tmp_path, family):
     """A Mamba-2 hybrid's token term is the matrix products torch counts on a chain (the
     scan's inter-chunk recurrence, quadratic in chunks, is the small rest); pairs only from
-    its attention layers."""
+    its attention layers. Bamba: every layer's mixer is followed by a SwiGLU MLP."""
     from tests.models.hybrid_helpers import save_hf
     from treeflow.models import load_backend
 
-    save_hf("nemotron_h", tmp_path)
+    save_hf(family, tmp_path)
     backend = load_backend("reference", str(tmp_path))
     c = backend.config
     cost = CostModel.from_config(c, block=1)

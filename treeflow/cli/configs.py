@@ -43,13 +43,18 @@ def forward(args, *, entropy: bool = False):
 
 
 def ssm_kernel(args, tuning) -> dict:
-    """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    """{"ssm_kernel": the recurrent scan that runs} for the run JSON of a hybrid model (Mamba-2's
+    as --ssm-kernel resolves on the device; Gated DeltaNet's torch scan), else {}."""
+    from treeflow.models.hybrid_config import recurrent_architecture
 
-    if not is_hybrid_dir(args.model):
+    architecture = recurrent_architecture(args.model)
+    if architecture is None:
         return {}
+    from treeflow.models.gdn_config import scan_kernel
     from treeflow.models.ssm_tree import resolve_kernel  # torch: a hybrid's run imports it anyway
-    return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
+
+    kernel = scan_kernel(architecture, tuning.ssm_kernel)
+    return {"ssm_kernel": resolve_kernel(kernel, getattr(args, "device", "cpu"))}
 
 
 def _dims(args):

@@ -30,6 +30,7 @@ from torch import nn
 from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.context_parallel import ContextParallelPlan
 from treeflow.models.decoder import MLP, Decoder, RMSNorm
+from treeflow.models.gdn_config import scan_kernel
 from treeflow.models.hybrid_config import HybridConfig
 from treeflow.models.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
@@ -64,7 +65,9 @@ class HybridPlan:
         return cls(attention, SegmentPlan(parents_N, chunk_size=config.chunk_size,
                                           conv_kernel=config.conv_kernel, fork=tuning.ssm_fork,
                                           state_dtype=tuning.ssm_state_dtype,
-                                          device=attention.device, kernel=tuning.ssm_kernel))
+                                          device=attention.device,
+                                          kernel=scan_kernel(config.architecture,
+                                                             tuning.ssm_kernel)))
 
     @classmethod
     def build_context_parallel(cls, attention: ContextParallelPlan, parents_N,

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from treeflow.models.families import lacks
+
 __all__ = ["ROWS", "Row", "check"]
 
 
@@ -54,6 +56,11 @@ def _cp_kernels() -> tuple:
     from treeflow.models.context_parallel import CP_KERNELS
 
     return CP_KERNELS
+
+
+def _lacks(c, feature: str) -> str | None:
+    """The refusal of models/families.py's declaration of c's family, None where declared."""
+    return lacks(c.architecture, feature)
 
 
 def _recurrent(c) -> bool:
@@ -89,11 +96,10 @@ ROWS = (
         message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "
                                  f"kernel={f.kernel!r}: under context parallelism use kernel "
                                  f"'auto' or one of {_cp_kernels()}")),
-    Row(what="Mamba-2 hybrid x backend megatron", needs_model=True,
-        applies=lambda f, c, d: _recurrent(c) and f.backend == "megatron",
-        message=lambda f, c, d: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
-                              "DeltaNet) layers and the megatron backend runs attention "
-                              "decoders only: use --backend reference")),
+    Row(what="a family without megatron x backend megatron", needs_model=True,
+        applies=lambda f, c, d: f.backend == "megatron" and _lacks(c, "megatron") is not None,
+        message=lambda f, c, d: (f"{f.model}: {_lacks(c, 'megatron')}: use --backend "
+                                 "reference")),
     Row(what="Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention",
         needs_model=True,
         applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and (
