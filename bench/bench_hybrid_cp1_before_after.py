@@ -78,8 +78,10 @@ def env_for(tree: str) -> dict:
 
 def run_cli(tree: str, argv: list[str], log: str) -> dict:
     t0 = time.perf_counter()
+    # cwd=tree: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH,
+    # so a run started from this checkout would import this checkout's treeflow for both trees
     proc = subprocess.run([sys.executable, "-m", "treeflow.cli", *argv], capture_output=True,
-                          text=True, env=env_for(tree))
+                          text=True, env=env_for(tree), cwd=tree)
     wall = round(time.perf_counter() - t0, 2)
     if proc.returncode != 0:
         raise SystemExit(f"{log} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
