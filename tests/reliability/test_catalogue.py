@@ -6,6 +6,11 @@ stderr that starts with "error:" and names the episode, field, option or
 file at fault; no traceback; and every file in the working directory --
 inputs, earlier outputs, checkpoints -- must be byte for byte as before,
 with nothing new left behind.
+
+The library API (treeflow.train.Policy) has its own section at the end, the same contract in
+Python terms (tests/reliability/catalogue_rows_api.py): exactly the row's ValueError or
+TypeError, naming the argument or field and the fix; the caller's module and the working
+directory unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.reliability import catalogue_rows_52
+from tests.reliability import catalogue_rows_52, catalogue_rows_api
 from tests.reliability.helpers import TRAIN, cli, small_episodes, tree_hashes, write_small
 from treeflow.schemas import EPISODE_SCHEMA
 
@@ -664,3 +669,35 @@ def test_refused_cleanly_and_nothing_changes(setup, tmp_path, capsys, monkeypatc
         assert str(n) in err, f"{n!r} not in {err!r}"
     assert after == before
     assert not partial
+
+
+# the library API (issue 50): Policy's refusals, as a trainer's author meets them
+API_CASES = [pytest.param(name, id=name) for name in catalogue_rows_api.ROWS]
+API_GROUP_CASES = [pytest.param(name, id=name) for name in catalogue_rows_api.group_needles()]
+
+
+def _api_refusal(name, got, cls, needles):
+    kind, message, unchanged = got
+    assert kind == cls.__name__, (name, kind, message)
+    for n in needles:
+        assert n in message, f"{n!r} not in {message!r}"
+    assert "Traceback" not in message
+    assert unchanged, f"{name}: the caller's module changed"
+
+
+@pytest.mark.parametrize("name", API_CASES)
+def test_api_refused_cleanly_and_nothing_changes(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bins.arrow").write_bytes(b"an earlier output")
+    before = tree_hashes(tmp_path)
+    action, cls, needles = catalogue_rows_api.ROWS[name]
+    got = catalogue_rows_api.run_row(catalogue_rows_api.model(), action)
+    _api_refusal(name, got, cls, needles)
+    assert tree_hashes(tmp_path) == before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", API_GROUP_CASES)
+def test_api_refused_cleanly_under_a_process_group(name):
+    cls, needles = catalogue_rows_api.group_needles()[name]
+    _api_refusal(name, catalogue_rows_api.group_results()[name], cls, needles)

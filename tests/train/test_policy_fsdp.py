@@ -5,7 +5,9 @@ two; each rank scores its own batch (as FSDP2 trains). The references: transform
 call on an unwrapped copy, the loss in float64, the two ranks' gradients averaged (what FSDP2's
 reduce-scatter gives); and FSDP2's own forward/backward of the same per-call loss on a second
 wrapped copy, its sharded gradients gathered. Nothing of treeflow's layout or loss code is on
-either side.
+either side. A loss() that raises (the caller's loss_fn, or a batch treeflow refuses) leaves the
+model resharded, unless an earlier loss's gradients wait for reduce_gradients() (then it stays
+gathered and those gradients still count).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from tests.deps import require
 from tests.train.test_policy import _oracle, _rows
 from tests.train.test_policy_step import gspo, hand_gspo
-from treeflow.stages import Fragment
+from treeflow.stages import Fragment, Loss
 from treeflow.train import DataParallel, Policy
 from treeflow.train.launch import spawn
 
@@ -50,6 +52,10 @@ def _sharded(mesh):
     return fully_shard(model, mesh=mesh)
 
 
+def _raises(tokens):
+    raise RuntimeError("boom")
+
+
 def _rank():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -72,12 +78,23 @@ def _rank():
     except ValueError as e:
         refused["train_step"] = str(e)
     lp = policy.logprobs(rows).column("logprobs").to_pylist()
+    sharded = lambda: all(isinstance(p, DTensor) for p in model.parameters())  # noqa: E731
+    no_old = [{**r, "calls": [{k: v for k, v in c.items() if k != "generation_logprobs"}
+                              for c in r["calls"]]} for r in rows]
+    for bad in (lambda: policy.loss(rows, loss_fn=_raises),  # the caller's loss raises
+                lambda: policy.loss(no_old, loss=Loss(kind="pg"))):  # treeflow refuses the batch
+        with pytest.raises((RuntimeError, ValueError), match="boom|old_logprobs is missing"):
+            bad()
+        refused.setdefault("resharded", []).append(sharded())
     out = []
     for _ in range(2):  # twice without zeroing: accumulates into the sharded .grad as FSDP2 does
         loss = policy.loss(rows, loss_fn=gspo)
+        with pytest.raises(RuntimeError, match="boom"):  # with gradients pending: stays gathered,
+            policy.loss(rows, loss_fn=_raises)  # so the first loss's backward still counts
+        refused.setdefault("pending_gathered", []).append(not sharded())
         loss.backward()
         policy.reduce_gradients()
-        assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded
+        assert sharded()
         out.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
     return {"logprobs": lp, "loss": float(loss), "grads": out, "fsdp": fsdp_grads,
             "refused": refused}
@@ -113,3 +130,5 @@ def test_fsdp2_module_gradients_equal_transformers_averaged_over_ranks():
                 assert err <= 1e-4 * scale + 1e-7, (r, name, n, err, scale)
         assert "drop dp=" in got["refused"]["dp"]
         assert "reduce_gradients() and your own optimizer" in got["refused"]["train_step"]
+        assert got["refused"]["resharded"] == [True, True]  # a raising loss() reshards
+        assert got["refused"]["pending_gathered"] == [True, True]

@@ -61,8 +61,14 @@ def _refuse_wrapped(module: torch.nn.Module, name: str, fsdp_unsharded: bool = F
             "would keep its own gradients. Pass ddp.module and Policy(..., dp=DataParallel(rank=, "
             "world=, group=ddp.process_group)) with Policy.train_step (treeflow sums the "
             "gradients over ranks), or all-reduce the gradients yourself after backward")
-    fsdp = [n or "(the module)" for n, m in module.named_modules()
-            if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
+    fsdp1 = [n or "(the module)" for n, m in module.named_modules()
+             if isinstance(m, FullyShardedDataParallel)]
+    if fsdp1:
+        raise TypeError(
+            f"{name}: wrapped by FullyShardedDataParallel (FSDP1: {fsdp1[0]}), whose flat "
+            "parameters treeflow cannot read; wrap with torch.distributed.fsdp.fully_shard "
+            "(FSDP2, used in place), or pass the unwrapped module with Policy(..., dp=...)")
+    fsdp = [n or "(the module)" for n, m in module.named_modules() if isinstance(m, FSDPModule)]
     if fsdp and not fsdp_unsharded:
         raise TypeError(
             f"{name}: FSDP-sharded ({fsdp[0]} is wrapped); treeflow's forward bypasses FSDP's "

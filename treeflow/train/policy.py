@@ -42,9 +42,10 @@ Legend: S the batch's occurrences (sampled tokens) in logical order, R its episo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -59,46 +60,9 @@ from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
 from treeflow.stages.slots import Slots
 from treeflow.train.distributed import DataParallel
+from treeflow.train.tokens import Tokens
 
 __all__ = ["Policy", "Tokens"]
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """A batch's occurrences (episode, call, sampled token) in logical order, for a loss.
-
-    logprobs / entropies: the policy's, differentiable (entropies None unless asked for).
-    old_logprobs: the `old_logprobs` table's values, else the episodes' generation logprobs
-    (NaN where there are none). advantages: per token (the episode's, or `calls[].advantages`).
-    mask: `loss_mask`. episode / call / offset: the row of the input, the call in it, the
-    offset in its sampled span. weights: the built-in normalisation (`Loss.norm`) of each
-    token, fixed from the whole batch (0 where masked).
-    """
-
-    logprobs: torch.Tensor
-    entropies: torch.Tensor | None
-    old_logprobs: torch.Tensor
-    generation_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    episode: torch.Tensor
-    call: torch.Tensor
-    offset: torch.Tensor
-    num_episodes: int
-
-    def episode_sum(self, x_S: torch.Tensor) -> torch.Tensor:
-        """Per episode (R), the sum of `x_S` over its unmasked tokens."""
-        out = torch.zeros(self.num_episodes, dtype=x_S.dtype, device=x_S.device)
-        return out.index_add(0, self.episode, torch.where(self.mask, x_S, 0))
-
-    def episode_mean(self, x_S: torch.Tensor) -> torch.Tensor:
-        """Per episode (R), the mean of `x_S` over its unmasked tokens (0 for none)."""
-        n = self.episode_sum(torch.ones_like(x_S))
-        return self.episode_sum(x_S) / n.clamp(min=1)
-
-    def token_mean(self, x_S: torch.Tensor) -> torch.Tensor:
-        """The mean of `x_S` over the batch's unmasked tokens."""
-        return torch.where(self.mask, x_S, 0).sum() / self.mask.sum().clamp(min=1)
 
 
 class Policy:
@@ -240,7 +204,13 @@ class Policy:
         """The batch's occurrences in logical order, logprobs with autograd (see `Tokens`);
         under `dp`, call `reduce_gradients()` after their backward."""
         episodes = self.episodes(episodes, advantages)
-        return self._tokens(episodes, Slots(episodes), old_logprobs, entropy)
+        with self._resharded_on_error():
+            return self._tokens(episodes, Slots(episodes), old_logprobs, entropy)
+
+    def _resharded_on_error(self):
+        """An FSDP2 module that a raising loss()/tokens() gathered is resharded (FSDPBinding)."""
+        return (contextlib.nullcontext() if self._fsdp is None
+                else self._fsdp.resharded_on_error())
 
     def _tokens(self, episodes, slots: Slots, old_logprobs, entropy) -> Tokens:
         runner = self._runner_for(entropy)
@@ -310,36 +280,37 @@ class Policy:
         if loss is not None and loss_fn is not None:
             raise ValueError("Policy.loss: give loss= (a built-in Loss) or loss_fn=, not both")
         episodes = self.episodes(episodes, advantages)
-        slots = Slots(episodes)
-        if loss_fn is not None:
-            if ref_logprobs is not None:
-                raise ValueError("Policy.loss(loss_fn=...): read reference logprobs in your "
-                                 "loss_fn; ref_logprobs= feeds the built-in Loss(kl_coef) only")
-            return loss_fn(self._tokens(episodes, slots, old_logprobs, entropy))
-        loss = loss if loss is not None else self.reduce.loss
-        tok = self._tokens(episodes, slots, old_logprobs, entropy or bool(loss.entropy_coef))
-        mask = slots.calls.mask_S
-        per_ep = np.bincount(slots.row_S[mask], minlength=episodes.num_rows)
-        weight_S = occurrence_weights(loss.norm, slots.row_S, mask, per_ep,
-                                      int(np.count_nonzero(per_ep)), int(mask.sum()))
-        ref = None
-        if loss.needs_ref_logprobs:
-            if ref_logprobs is None:
-                raise ValueError("Policy.loss: Loss(kl_coef > 0) needs ref_logprobs (a result "
-                                 "table of the reference policy on these episodes)")
-            ref = torch.from_numpy(slots.values_from_results(ref_logprobs)).to(self.device)
-        for name, values in (("old_logprobs", tok.old_logprobs), ("advantage", tok.advantages)):
-            bad = np.flatnonzero(~np.isfinite(values.detach().cpu().numpy()) & (weight_S > 0))
-            if loss.needs_old_logprobs and len(bad):
-                raise ValueError(f"{slots.name_slot(int(bad[0]))}: {name} is missing or not "
-                                 "finite and the loss needs it; give generation_logprobs (or "
-                                 "old_logprobs=) and an advantage (or advantages=)")
-        total, _ = occurrence_loss(
-            loss, tok.logprobs, weight_O=torch.from_numpy(weight_S).to(tok.logprobs),
-            advantage_O=tok.advantages, old_logprob_O=tok.old_logprobs,
-            generation_logprob_O=tok.generation_logprobs, ref_logprob_O=ref,
-            entropy_O=tok.entropies)
-        return total
+        with self._resharded_on_error():
+            slots = Slots(episodes)
+            if loss_fn is not None:
+                if ref_logprobs is not None:
+                    raise ValueError("Policy.loss(loss_fn=...): read reference logprobs in your "
+                                     "loss_fn; ref_logprobs= feeds the built-in Loss(kl_coef) only")
+                return loss_fn(self._tokens(episodes, slots, old_logprobs, entropy))
+            loss = loss if loss is not None else self.reduce.loss
+            tok = self._tokens(episodes, slots, old_logprobs, entropy or bool(loss.entropy_coef))
+            mask = slots.calls.mask_S
+            per_ep = np.bincount(slots.row_S[mask], minlength=episodes.num_rows)
+            weight_S = occurrence_weights(loss.norm, slots.row_S, mask, per_ep,
+                                          int(np.count_nonzero(per_ep)), int(mask.sum()))
+            ref = None
+            if loss.needs_ref_logprobs:
+                if ref_logprobs is None:
+                    raise ValueError("Policy.loss: Loss(kl_coef > 0) needs ref_logprobs (a result "
+                                     "table of the reference policy on these episodes)")
+                ref = torch.from_numpy(slots.values_from_results(ref_logprobs)).to(self.device)
+            for name, values in (("old_logprobs", tok.old_logprobs), ("advantage", tok.advantages)):
+                bad = np.flatnonzero(~np.isfinite(values.detach().cpu().numpy()) & (weight_S > 0))
+                if loss.needs_old_logprobs and len(bad):
+                    raise ValueError(f"{slots.name_slot(int(bad[0]))}: {name} is missing or not "
+                                     "finite and the loss needs it; give generation_logprobs (or "
+                                     "old_logprobs=) and an advantage (or advantages=)")
+            total, _ = occurrence_loss(
+                loss, tok.logprobs, weight_O=torch.from_numpy(weight_S).to(tok.logprobs),
+                advantage_O=tok.advantages, old_logprob_O=tok.old_logprobs,
+                generation_logprob_O=tok.generation_logprobs, ref_logprob_O=ref,
+                entropy_O=tok.entropies)
+            return total
 
     def train_step(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
                    ref_logprobs: pa.Table | None = None,

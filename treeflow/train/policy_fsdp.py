@@ -26,6 +26,8 @@ not applied (the average is taken in the sharded parameter's dtype).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -80,6 +82,19 @@ class FSDPBinding:
         rebind(decoder, self.module)
         self.gathered = keep
         return not keep
+
+    @contextlib.contextmanager
+    def resharded_on_error(self):
+        """Around a loss's forward: if it raises, reshard what it gathered, so the model is not
+        left whole until a reduce() that will not come. Gradients of an earlier loss still
+        waiting for reduce() keep the model gathered (resharding would drop them)."""
+        pending = self.gathered
+        try:
+            yield
+        except BaseException:
+            if not pending and self.gathered:
+                self.reshard()
+            raise
 
     def reshard(self) -> None:
         for m in self.wrapped:
