@@ -26,10 +26,17 @@
   layer's input (and the kept route choices); `selective` the input plus the outputs of the
   matmuls and attention kernels (models/recompute.py's policy). The loss head adds the
   gathered edge rows (every token taken as an edge: an upper bound).
-- temporaries: the largest transient over a step: one layer's `none` activations (the layer
-  being recomputed, or the gradients of the layer in backward), the loss head's vocabulary
-  chunk (logits in the compute dtype, their float32 upcast, log-softmax and its gradient),
-  and a dense attention mask where the kernel is `dense` (CPU tests only).
+- temporaries: the largest transient over a step, above what is held at that moment. Two
+  moments compete: a bin's backward (the activations held, plus the larger of one layer's
+  `none` activations -- the layer being recomputed, or the gradients of the layer in backward
+  -- and the loss head's vocabulary chunk: logits in the compute dtype, their float32 upcast,
+  log-softmax and its gradient; plus a dense attention mask where the kernel is `dense`, CPU
+  tests only), and the optimizer step, when no activation is held but torch's foreach AdamW
+  (its default on CUDA) builds one parameter-sized temporary (the moments' denominator, in
+  the weights' dtype, / ranks when sharded). The 4-layer Qwen3-30B-A3B shape under `full`
+  peaks at the step (measured 58.3 GiB on an H100: the state's 46.4 plus 11.6). temporaries
+  is the backward's transient, or the step's less the activations where the step is higher;
+  `as_dict()["transients"]` gives both and `peak_at` says which one sets the peak.
 
 The trade-off: formulas, not a trace. They are exact for what they name (parameters are
 checked against a loaded model's, activations against the storages a CPU forward holds in
@@ -275,20 +282,28 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
              if kernel == "dense" and recompute == "none" else 0)
     activations = (tokens * (sum(per_layer[k] for k in kinds) + around)
                    + (tokens if edges is None else edges) * r * g["H"] + dense)
-    chunk = min(chunk_size, tokens)
-    head_temp = chunk * g["V"] * (cb + 3 * _F32) + (g["V"] * g["H"] * cb if cb < wb else 0)
+    # the loss head runs before the layers' backward: its chunk and a layer's transient are
+    # never held at once (the head's rows are the edges, at most `chunk_size` at a time)
+    chunk = min(chunk_size, tokens if edges is None else max(edges, 1))
+    # per row: logits, their float32 upcast (below float32), log-sum-exp's shifted exponent and
+    # the backward's two float32 [rows, V] gradients; the head's weight cast and its gradient
+    # (or the float32 gradient itself) -- measured in tests/train/test_memory_plan.py
+    head_temp = (chunk * g["V"] * (cb + 3 * _F32 + (_F32 if cb < _F32 else 0))
+                 + g["V"] * g["H"] * (2 * cb if cb < wb else wb))
     mask = tokens * tokens if kernel == "dense" else 0  # the plan's boolean mask
-    temporaries = tokens * none_layer + head_temp + mask
+    layer_temp = tokens * none_layer
     if shard_params:
         per_layer_params = (counts["total"] - counts["embedding"]) / max(len(kinds), 1)
         casts = 2 * per_layer_params * cb
     elif autocast and cb < _F32:  # kept for backward; a checkpointed layer casts again in it
         cast_params = counts["matmul"] - counts["float32_router"]
-        layer_casts = cast_params * cb / max(len(kinds), 1)
         casts = cast_params * cb if recompute == "none" else 0
-        temporaries += 0 if recompute == "none" else layer_casts
+        layer_temp += 0 if recompute == "none" else cast_params * cb / max(len(kinds), 1)
     else:
         casts = 0
+    backward = max(layer_temp, head_temp) + mask
+    step = P * wb / shards  # foreach AdamW's denominator (torch._foreach_sqrt of exp_avg_sq)
+    temporaries = max(backward, step - activations - casts)
     comps = {"weights": P * wb / shards, "weight_casts": casts,
              "gradients": P * wb / shards + (P * 8 / shards if grad_sum == "float64" else 0),
              "optimizer": 2 * P * wb / shards, "activations": activations,
@@ -296,7 +311,10 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
                  shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
                  grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
-                 scan_fill=scan_fill)
+                 scan_fill=scan_fill,
+                 transients={"backward": int(backward), "optimizer_step": int(step)},
+                 peak_at="backward" if backward >= step - activations - casts
+                 else "optimizer_step")
     return MemoryPlan(components={k: int(v) for k, v in comps.items()}, knobs=knobs)
 
 
