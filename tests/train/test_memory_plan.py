@@ -288,3 +288,23 @@ def test_full_recompute_moe_peaks_at_the_optimizer_step():
     assert plan.knobs["peak_at"] == "optimizer_step"
     assert plan.knobs["transients"]["optimizer_step"] == plan.components["weights"]
     assert abs(plan.total / GIB - run["measured_gib"]) <= 0.1 * run["measured_gib"]
+
+
+def test_plan_memory_reads_a_config_file_alone(tmp_path, capsys):
+    """A user's question for a model they have not downloaded: its config.json (any name) is
+    enough, and gives the plan of the same config in a directory; a file that is not a JSON
+    object is refused naming it."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    (tmp_path / "qwen3.json").write_text(json.dumps(QWEN3_30B_A3B))
+    knobs = ["--max-tokens", "32768", "--num-ranks", "8", "--shard-params", "--recompute",
+             "full", "--device-memory", "80GiB", "--json"]
+    outs = []
+    for model in (tmp_path / "m", tmp_path / "qwen3.json"):
+        assert main(["plan", "--memory", "--model", str(model), *knobs]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["bytes"] == outs[1]["bytes"] and outs[1]["parameters"] > 30e9
+    assert outs[1]["fits"] is True and outs[1]["largest_max_tokens"] > 32768
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main(["plan", "--memory", "--model", str(tmp_path / "bad.json"), *knobs]) == 2
+    assert "bad.json: holds list" in capsys.readouterr().err

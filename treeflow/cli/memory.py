@@ -32,9 +32,22 @@ def memory_knobs(args, *, recompute: str) -> dict:
 
 
 def _config(model: str):
+    """The model's shape from a checkpoint directory, a directory holding only config.json, or
+    a Hugging Face config.json file itself (`plan --memory` needs no weights)."""
+    import os
+
     from treeflow.stages import Forward
     from treeflow.train.checkpoint import model_dir
 
+    if model != "tiny" and os.path.isfile(model):
+        from treeflow._json import load as load_json
+        from treeflow.models import ModelConfig
+
+        d = load_json(model)
+        if not isinstance(d, dict):
+            raise ValueError(f"--model {model}: holds {type(d).__name__}, not a JSON object of "
+                             "model settings (a Hugging Face config.json)")
+        return ModelConfig.from_hf_dict(d)
     return Forward(model=model_dir(model) if model != "tiny" else model).model_config()
 
 
@@ -44,7 +57,8 @@ def cmd_memory(args) -> int:
     from treeflow.train.memory_plan import largest_max_tokens, parse_bytes, plan_memory
 
     if args.model is None:
-        raise ValueError("plan --memory needs --model ('tiny' or a local HF checkpoint dir)")
+        raise ValueError("plan --memory needs --model ('tiny', a local HF checkpoint dir or its "
+                         "config.json alone)")
     if args.recompute in ("mlp", "attention"):
         raise ValueError(f"plan --memory --recompute {args.recompute}: the planner models none, "
                          "selective and full")
