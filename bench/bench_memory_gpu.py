@@ -188,8 +188,10 @@ def main() -> None:
     if args.suite:
         runs = [dict(r) for r in SUITES[args.suite]]
         if args.smoke:  # the same run list at the tiny shapes: one layer count per kind
-            runs = [{**r, "layers": layers.get(r["kind"], [2])[0], "max_tokens": tokens[0]}
-                    for r in runs if r["kind"] in layers]
+            tiny = {tuple(sorted({**r, "layers": layers[r["kind"]][0],
+                                  "max_tokens": tokens[0]}.items())) for r in runs
+                    if r["kind"] in layers}
+            runs = [dict(t) for t in sorted(tiny, key=str)]
     elif args.smoke:
         runs = [r for r in runs if r["layout"] == "tree" and r["recompute"] in ("none", "full")]
     for run in runs:

@@ -48,7 +48,7 @@ class Held(TorchDispatchMode):
 
 
 def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
-                    kernel: str = "dense"):
+                    kernel: str = "dense", ssm_kernel: str = "torch", backward: bool = True):
     """(bytes held after the largest bin's forward under mixed precision, its tokens, its edges,
     its Mamba-2 scan's fill: tokens / chunk slots of the segment plan, 1.0 without one)."""
     from treeflow.models import Tuning
@@ -57,7 +57,7 @@ def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", rout
     from treeflow.train.precision import compute_context
 
     extra = {} if routing is None else {"routing": routing}
-    tuning = Tuning(recompute=recompute, **({"ssm_kernel": "torch"}
+    tuning = Tuning(recompute=recompute, **({"ssm_kernel": ssm_kernel}
                                             if getattr(model.config, "recurrent", False) else {}))
     runner = build_forward(Forward(tuning=tuning, kernel=kernel, dtype=dtype, **extra),
                            model=model)
@@ -68,7 +68,9 @@ def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", rout
     with held, compute_context("cpu", getattr(torch, dtype), "mixed"):
         lp_E, _ = runner.run_bin(item)
     n = held.alive()
-    lp_E.sum().backward()  # the graph was real: backward runs through it
+    if backward:  # the graph was real: backward runs through it
+        lp_E.sum().backward()
+    del lp_E
     model.zero_grad(set_to_none=True)
     segments = getattr(item.plan, "segments", None)
     fill = 1.0 if segments is None else item.num_tokens / sum(

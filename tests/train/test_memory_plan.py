@@ -163,6 +163,24 @@ def test_hybrid_activations_equal_what_the_forward_holds(tmp_path, family, dtype
         assert abs(got - held) <= 0.02 * held, (mode, got, held)
 
 
+def test_fused_scan_activations_equal_what_the_forward_holds(tmp_path):
+    """CUDA runs the fused Mamba-2 scan (models/ssm_triton.py; here in triton's interpreter):
+    it keeps x dt, the cumulative decay, B, C and one state per chunk and per segment start
+    instead of the torch scan's chunk tensors. Without recompute (the mode that keeps the scan)
+    the plan with ssm_kernel="triton" holds to 2% of the storages its forward leaves alive."""
+    pytest.importorskip("triton")
+    model, eps = _hybrid(tmp_path, "nemotron_h")
+    bins = Fragment(max_tokens=128)(Pack()(eps))
+    held, n, e, fill = held_by_forward(model, bins, recompute="none", ssm_kernel="triton",
+                                       backward=False)
+    plan = plan_memory(model.config, max_tokens=n, edges=e, kernel="dense", scan_fill=fill,
+                       dtype="float32", ssm_kernel="triton").components
+    torch_scan = plan_memory(model.config, max_tokens=n, edges=e, kernel="dense",
+                             scan_fill=fill, dtype="float32").components
+    assert torch_scan["activations"] > 1.2 * held  # the two scans' plans differ this much
+    assert abs(plan["activations"] - held) <= 0.02 * held, (plan["activations"], held)
+
+
 def test_recompute_orders_the_plan_and_largest_max_tokens_is_the_fit():
     model, _ = _dense()
     c = model.config
@@ -207,8 +225,11 @@ def test_plan_memory_of_episode_files_plans_their_largest_bin(tmp_path, capsys):
         pa.ipc.open_file(str(tmp_path / "e.arrow")).read_all())))
     biggest = max(len(p) for p in bins.column("parents").to_pylist())
     assert out["from_bins"] and 0 < out["scan_fill"] < 1
+    # no --device: the plan is a CUDA run's, whose scan is the fused one (--ssm-kernel auto)
+    assert out["ssm_kernel"] == "triton"
     assert out["bytes"] == plan_memory(load_model(tmp_path / "m").config, max_tokens=biggest,
-                                       edges=out["edges"], scan_fill=out["scan_fill"]).components
+                                       edges=out["edges"], scan_fill=out["scan_fill"],
+                                       ssm_kernel="triton").components
 
 
 def test_train_refuses_a_run_over_the_card_naming_the_flags(tmp_path, capsys):

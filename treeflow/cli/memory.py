@@ -23,7 +23,10 @@ def memory_knobs(args, *, recompute: str) -> dict:
     kernel = getattr(args, "kernel", "auto")
     if kernel == "auto":
         kernel = "flex" if device.startswith("cuda") else "dense"
-    return dict(max_tokens=args.max_tokens, num_ranks=args.num_ranks,
+    scan = getattr(args, "ssm_kernel", None) or "auto"
+    if scan == "auto":  # models/ssm_tree.resolve_kernel's choice: the fused scan on CUDA
+        scan = "triton" if device.startswith("cuda") else "torch"
+    return dict(max_tokens=args.max_tokens, num_ranks=args.num_ranks, ssm_kernel=scan,
                 context_parallel=getattr(args, "context_parallel", 1) or 1,
                 shard_params=bool(getattr(args, "shard_params", False)), recompute=recompute,
                 precision=args.precision, dtype=args.dtype,

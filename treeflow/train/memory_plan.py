@@ -22,7 +22,9 @@
   `none` counts every tensor the layer's ops save (norm statistics and float32 copies, the
   autocast input casts of each projection, q/k/v/out and log-sum-exp of the attention
   kernel, the SwiGLU products, per routed row the expert's input/activations/output, the
-  Mamba-2 conv windows, the scan's chunk tensors at the model's chunk size); `full` counts the
+  Mamba-2 conv windows, the scan's chunk tensors at the model's chunk size -- or, with
+  `ssm_kernel="triton"`, the fused scan's x dt, decay, B, C and one state per chunk and
+  segment start: CUDA's scan under `--ssm-kernel auto`); `full` counts the
   layer's input (and the kept route choices); `selective` the input plus the outputs of the
   matmuls and attention kernels (models/recompute.py's policy). The loss head adds the
   gathered edge rows (every token taken as an edge: an upper bound).
@@ -170,7 +172,7 @@ def parameter_counts(c) -> dict:
 
 
 def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
-               scan_fill: float = 1.0) -> float:
+               scan_fill: float = 1.0, ssm_kernel: str = "torch") -> float:
     """Bytes one layer of `kind` holds per token after forward, under recompute `mode`."""
     g = _dims(c)
     H, I, Hq, Hkv, heads = g["H"], g["I"], g["Hq"], g["Hkv"], g["heads"]
@@ -232,6 +234,14 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
         conv_b = _F32 * conv * (kc + 1) + cb * conv  # path windows, SiLU input, output
         # per chunk slot; a tree's short segments leave slots empty: / scan_fill
         scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
+        if ssm_kernel == "triton":
+            # the fused scan (models/ssm_triton.py) keeps per chunk slot the gathered x dt
+            # (h p), the cumulative decay (h), B and C (2 g n), the dt terms around it (6 h), and
+            # one float32 state [h, p, n] per chunk and per segment start (a segment pads half
+            # a chunk on average: 2 (1 - fill) / C of them per slot), not the chunk tensors
+            g = c.n_groups
+            rows = (1 + 2 * (1 - scan_fill)) / C
+            scan = (_F32 * (h * p + h + 2 * g * n + 6 * h) + _F32 * h * p * n * rows) / scan_fill
         gated_norm = 5 * _F32 * inner + cast * inner  # float32 y, z, SiLU, normed; out_proj cast
         # in_proj's output is kept only in float32: below it every reader takes a float32 copy
         none += norm + cast * H + (proj if cb == _F32 else 0) + conv_b + scan + gated_norm
@@ -249,10 +259,12 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
                 shard_params: bool = False, recompute: str = "none", precision: str = "mixed",
                 dtype: str = "bfloat16", grad_sum: str = "float32", chunk_size: int = 1024,
                 kernel: str = "flex", edges: int | None = None,
-                scan_fill: float = 1.0) -> MemoryPlan:
+                scan_fill: float = 1.0, ssm_kernel: str = "torch") -> MemoryPlan:
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
+    if ssm_kernel not in ("torch", "triton"):
+        raise ValueError(f"--ssm-kernel {ssm_kernel!r}: the planner models torch and triton")
     cb = _DTYPE_BYTES[dtype]
     mixed = precision == "mixed"
     wb = _F32 if mixed else cb
@@ -265,9 +277,9 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     # FSDP2 gathers the weights in the compute dtype instead: everything in it, no casts
     autocast = mixed and not shard_params
     per_layer = {k: _per_token(config, k, recompute, cb=cb, mixed=autocast, cp=context_parallel,
-                               scan_fill=scan_fill) for k in set(kinds)}
+                               scan_fill=scan_fill, ssm_kernel=ssm_kernel) for k in set(kinds)}
     none_layer = max(_per_token(config, k, "none", cb=cb, mixed=autocast, cp=context_parallel,
-                                scan_fill=scan_fill) for k in set(kinds))
+                                scan_fill=scan_fill, ssm_kernel=ssm_kernel) for k in set(kinds))
     r = _F32 if autocast else cb
     # around the layers: the final norm (its float32 input, normed rows, rsqrt), RoPE's cos and
     # sin (float32, shared by the layers), the edge rows the loss head's checkpointed chunks keep
@@ -311,7 +323,7 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
                  shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
                  grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
-                 scan_fill=scan_fill,
+                 scan_fill=scan_fill, ssm_kernel=ssm_kernel,
                  transients={"backward": int(backward), "optimizer_step": int(step)},
                  peak_at="backward" if backward >= step - activations - casts
                  else "optimizer_step")
