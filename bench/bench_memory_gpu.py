@@ -15,6 +15,8 @@ such next to its prediction. Without CUDA it prints {"skipped": ...} and exits 0
 
 Usage: PYTHONUNBUFFERED=1 python3 bench/bench_memory_gpu.py [--budget-seconds 540]
        [--shapes dense,moe,hybrid] [--tokens 8192,32768] [--out memory.json]
+       PYTHONUNBUFFERED=1 python3 bench/bench_memory_gpu.py --suite issue44 --budget-seconds 480
+       (issue 44's runs in one ~8 minute call; `--smoke --device cpu` dry-runs the list)
 Prints one JSON object; writes it to $OUT/bench_memory_gpu.json (or bench/results/).
 """
 
@@ -106,6 +108,9 @@ SUITES = {"issue44": [
     dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="selective"),
     dict(kind="moe", layers=4, max_tokens=32768, layout="exact", recompute="full"),
     dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective"),
+    # the same with the allocator's expandable segments: fits where the miss is fragmentation
+    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective",
+         alloc="expandable_segments:True"),
     dict(kind="hybrid", layers=27, max_tokens=32768, layout="exact", recompute="selective"),
     dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="full"),
 ]}
@@ -220,10 +225,11 @@ def main() -> None:
                    "plan --memory")
         card = cli(["plan", "--memory", *knobs, "--device-memory", "80GiB", "--json"], env,
                    "plan --memory")
+        run_env = env if "alloc" not in run else {**env, "PYTORCH_CUDA_ALLOC_CONF": run["alloc"]}
         got = cli(["replay", data, "--mode", "train", "--layout", run["layout"], *knobs,
                    "--device", args.device, "--tuning", "plain", "--episodes-per-step",
                    str(args.episodes_per_step), "--steps", "2", "--loss", "nll",
-                   "--device-memory", "100000GiB", "--json"], env, f"{kind} {run}")
+                   "--device-memory", "100000GiB", "--json"], run_env, f"{kind} {run}")
         row = {**run, "predicted_gib": plan.get("total_gib"), "predicted": plan.get("gib"),
                "bin_tokens": plan.get("max_tokens"), "scan_fill": plan.get("scan_fill"),
                "peak_at": plan.get("peak_at"), "transients": plan.get("transients"),
@@ -257,7 +263,8 @@ def compare(runs: list[dict]) -> dict:
     none's at the same shape and budget (issue 44: tree <= exact; selective within 15%)."""
     def key(r, **over):
         r = {**r, **over}
-        return (r["kind"], r["layers"], r["max_tokens"], r["layout"], r["recompute"])
+        return (r["kind"], r["layers"], r["max_tokens"], r["layout"], r["recompute"],
+                r.get("alloc", ""))
 
     done = {key(r): r for r in runs if r.get("measured_gib")}
     out = {}

@@ -103,7 +103,7 @@ def _allocated_peak(fn) -> int:
 
 
 def peak_of_bin(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
-                kernel: str = "dense", ssm_kernel: str = "torch"):
+                kernel: str = "dense", ssm_kernel: str = "torch", chunk_size: int = 1024):
     """(peak bytes above the held state over the largest bin's forward and backward under
     mixed precision, its tokens, its edges, its scan fill). A first pass over the bin makes
     the parameters' .grad, so the measured pass is a later bin's: its gradients accumulate."""
@@ -115,8 +115,8 @@ def peak_of_bin(model, bins, *, recompute: str, dtype: str = "float32", routing=
     extra = {} if routing is None else {"routing": routing}
     recurrent = getattr(model.config, "recurrent", False)
     tuning = Tuning(recompute=recompute, **({"ssm_kernel": ssm_kernel} if recurrent else {}))
-    runner = build_forward(Forward(tuning=tuning, kernel=kernel, dtype=dtype, **extra),
-                           model=model)
+    runner = build_forward(Forward(tuning=tuning, kernel=kernel, dtype=dtype,
+                                   chunk_size=chunk_size, **extra), model=model)
     prepared = runner.prepare(bins)
     item = max((i for i in prepared.items if i is not None), key=lambda i: i.num_tokens)
 
