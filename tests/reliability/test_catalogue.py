@@ -268,6 +268,10 @@ def _file_case(kind):
         if kind == "device-memory-junk":
             return ["plan", "--memory", "--model", "tiny", "--max-tokens", "64",
                     "--device-memory", "lots"], ["--device-memory 'lots'", "80GiB"]
+        if kind == "plan-memory-config-not-object":  # cli/memory.py: --model as a config file
+            (tmp / "bad.json").write_text("[1, 2]")
+            return ["plan", "--memory", "--model", tmp / "bad.json", "--max-tokens", "64"], \
+                ["bad.json", "holds list", "config.json"]
         if kind == "ssm-kernel-triton-cpu":  # the fused scan runs on CUDA only
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -631,7 +635,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 45: the fused Mamba-2 scan
          "ssm-kernel-triton-cpu",
          # issue 44: memory
-         "train-over-device-memory", "device-memory-junk",
+         "train-over-device-memory", "device-memory-junk", "plan-memory-config-not-object",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
          # issue 43: a hybrid with FSDP2
