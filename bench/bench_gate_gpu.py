@@ -36,6 +36,13 @@ checkpoint (~1.8B, bench_hybrid_gpu.py's `nemotron-h-moe` shape, and one MTP lay
 `--group-size 16 --episodes 16 --routing replay`, bf16, in $OUT/bench_gate_gpu_design.json;
 `--queue-backend transferqueue` where Ray and TransferQueue are installed (the design's queue).
 
+The bf16 floor (`--design`; `--floor-episodes N`, 0 skips it): the gate keeps its sampled
+episodes (`--episodes-out`), and bench/gate_kl_floor.py scores the first N of the round the
+step trained on (sampled with the checkpoint's weights) with transformers in float32 (the
+captured routes forced), transformers in bf16 and under bf16 autocast, and treeflow's bf16
+trainer, each as the gate's k3 estimator against float32 (`kl_floor`): "gen_kl X vs the bf16
+floor Y", Y = transformers bf16 vs transformers autocast on the same tokens.
+
 `--smoke` uses the built-in dense tiny model (no routes; `--routing` left
 out) at tiny sizes; `--queue-backend transferqueue` runs the gate through
 TransferQueue (Ray must be importable).
@@ -154,6 +161,23 @@ def margins(args, model: str | None, dtype: str, work: str) -> dict:
     return res
 
 
+def kl_floor(model: str, kept: str, args) -> dict:
+    """bench/gate_kl_floor.py's figures on the trained round's first --floor-episodes."""
+    import pyarrow.compute as pc
+    from gate_kl_floor import floor
+
+    from treeflow.schemas.episode_files import read_episodes
+
+    eps = read_episodes(kept)
+    first = eps.filter(pc.equal(eps.column("weight_version"), 0))
+    t0 = time.perf_counter()
+    print(f"bf16 floor: {args.floor_episodes} of {first.num_rows} episodes", flush=True)
+    res = floor(model, first, device=args.device, max_episodes=args.floor_episodes)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a random MoE one)")
@@ -176,6 +200,9 @@ def main() -> int:
     ap.add_argument("--design", action="store_true",
                     help="the design's configuration: a random Nemotron-H MoE + MTP checkpoint "
                          "(--smoke: a small one), one group of 16, --routing replay")
+    ap.add_argument("--floor-episodes", type=int, default=4,
+                    help="--design: episodes of the trained round scored for the bf16 floor "
+                         "(bench/gate_kl_floor.py; 0 skips it)")
     ap.add_argument("--margin-groups", type=int, default=1,
                     help="groups sampled for the route-margin diagnostic (0: skip it)")
     args = ap.parse_args()
@@ -222,6 +249,7 @@ def main() -> int:
            "--tool-tokens", *pair(args.tool_tokens), "--queue-backend", args.queue_backend,
            "--context-parallel", str(args.context_parallel),
            "--json", "-o", os.path.join(work, "gate.json"),
+           "--episodes-out", os.path.join(work, "episodes.arrow"),
            *(["--threads", "1"] if args.device == "cpu" else []),
            *(["--routing", "replay"] if routed else []),
            *(["--max-gen-kl", args.max_gen_kl] if args.max_gen_kl else [])]
@@ -240,6 +268,10 @@ def main() -> int:
             json.dump(res, f, indent=1)
 
     write()  # the gate's figures survive a diagnostic that runs past a device call's limit
+    kept = os.path.join(work, "episodes.arrow")
+    if args.design and args.floor_episodes and os.path.exists(kept):
+        res["kl_floor"] = kl_floor(model, kept, args)
+        write()
     if args.margin_groups and (routed or args.smoke):
         res["route_margins"] = margins(args, model if routed else None, dtype, work)
         write()

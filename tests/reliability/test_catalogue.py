@@ -199,6 +199,9 @@ def _file_case(kind):
             return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
         if kind == "gate-capacity":
             return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
+        if kind == "gate-episodes-out-suffix":  # refused before any sampling
+            return ["gate", "--episodes-out", tmp / "kept.json"], ["--episodes-out", "kept.json",
+                                                                   "'.arrow'"]
         if kind == "gate-context-parallel-zero":
             return ["gate", "--context-parallel", "0"], ["--context-parallel 0",
                                                          "give 1 or more processes"]
@@ -645,6 +648,7 @@ CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, 
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
 CASES += [pytest.param(_file_case(kind), id=kind) for kind in ("gate-episodes-groups",
                                                                "gate-capacity",
+                                                               "gate-episodes-out-suffix",
                                                                "gate-context-parallel-zero")]
 
 # issue 52: config files, checkpoints, convert lines, trackers, outputs (catalogue_rows_52.py)
