@@ -329,3 +329,20 @@ def test_plan_memory_reads_a_config_file_alone(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert main(["plan", "--memory", "--model", str(tmp_path / "bad.json"), *knobs]) == 2
     assert "bad.json: holds list" in capsys.readouterr().err
+
+
+def test_plan_memory_refuses_sharding_a_hybrid_as_training_would(tmp_path, capsys):
+    """`--shard-params` on a Mamba-2 hybrid is refused by the support table before training
+    loads a model; the plan refuses it the same way instead of answering for a run that cannot
+    start (the 8 x 80 GB question for a Nemotron-H-class model would otherwise look answered)."""
+    from tests.models import hybrid_helpers
+
+    hf = hybrid_helpers.hf_model("nemotron_h")
+    (tmp_path / "h.json").write_text(json.dumps(hf.config.to_dict()))
+    knobs = ["--max-tokens", "4096", "--num-ranks", "8", "--recompute", "full", "--json"]
+    assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), *knobs]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), "--shard-params",
+                 *knobs]) == 2
+    err = capsys.readouterr().err
+    assert "h.json" in err and "--shard-params" in err and "drop" in err

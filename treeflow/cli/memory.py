@@ -67,6 +67,10 @@ def cmd_memory(args) -> int:
                          "selective and full")
     config = _config(args.model)
     knobs = memory_knobs(args, recompute=args.recompute or "none")
+    if knobs["shard_params"]:
+        from treeflow.models.support import check_sharded
+
+        check_sharded(args.model, config)
     if args.files:  # the episodes' own bins: the largest plan over them, not a full budget
         worst = max((plan_memory(config, **{**knobs, **b}) for b in _bins(args, config)),
                     key=lambda p: p.total, default=None)

@@ -28,7 +28,7 @@ from typing import Callable
 
 from treeflow.models.families import lacks
 
-__all__ = ["ROWS", "Row", "check"]
+__all__ = ["ROWS", "Row", "check", "check_sharded"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,4 +151,17 @@ def check(forward, config=None, *, dims=None, shard_params: bool = False) -> Non
         if row.sharded and not shard_params:
             continue
         if (config is not None or not row.needs_model) and row.applies(forward, config, dims):
+            raise ValueError(row.message(forward, config, dims))
+
+
+def check_sharded(model: str, config) -> None:
+    """The `sharded` rows alone, for a caller that holds only a model's config.json (`plan
+    --memory --shard-params`): a plan must not answer for a run `check` would refuse."""
+    from types import SimpleNamespace
+
+    from treeflow.parallel import ParallelDims
+
+    forward, dims = SimpleNamespace(model=model), ParallelDims()
+    for row in ROWS:
+        if row.sharded and row.applies(forward, config, dims):
             raise ValueError(row.message(forward, config, dims))
