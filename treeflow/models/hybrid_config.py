@@ -71,7 +71,9 @@ def recurrent_architecture(model) -> str | None:
     known = {**HYBRID_ARCHITECTURES, **GDN_ARCHITECTURES}
     archs = [a for a in d.get("architectures") or [] if isinstance(a, str) and a in known]
     by_type = {t: a for a, t in known.items()}
-    return archs[0] if archs else by_type.get(d.get("model_type"))
+    model_type = d.get("model_type")  # anything but a string: Forward refuses it by name
+    return archs[0] if archs else (by_type.get(model_type) if isinstance(model_type, str)
+                                   else None)
 MIXERS = ("mamba", "attention", "mlp", "moe")
 _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
                    "full_attention": "attention", "attention": "attention", "*": "attention",
