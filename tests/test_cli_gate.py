@@ -188,7 +188,7 @@ def test_gate_output_has_one_writer(tmp_path, capsys):
 
 def _puts(monkeypatch):
     """The tables the gate's producer puts (it runs in this process under any trainer layout)."""
-    from treeflow.pipeline import gate as gate_module
+    from treeflow.programs import gate as gate_module
 
     seen, put = [], gate_module._Transport.put
 
@@ -240,7 +240,7 @@ def test_gate_at_context_parallel_2_fails_naming_each_fault(fault, moe, cause, c
 
 def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
     from treeflow.parallel import ParallelDims
-    from treeflow.pipeline import Gate, run_gate
+    from treeflow.programs import Gate, run_gate
     from treeflow.stages import Forward, Loss, Reduce
     from treeflow.tq import open_queue
 
@@ -259,7 +259,7 @@ def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
 def test_an_infrastructure_failure_shows_its_traceback_under_debug(debug, capsys, monkeypatch):
     """A failure the gate reports with its figures (here: the refit round's lease breaks)
     fails the gate by name; --debug adds its traceback on stderr, and only --debug."""
-    import treeflow.pipeline.gate_train as gate_train
+    import treeflow.programs.gate_train as gate_train
 
     def broken(*_, **__):
         raise RuntimeError("planted: the queue connection dropped")

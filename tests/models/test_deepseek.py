@@ -259,12 +259,12 @@ def test_rollout_captures_the_routes_transformers_chooses(pair):
 
 
 def check_rollout_routes(hf, path) -> None:
-    """The rollout sampler's route capture (pipeline/rollout.py, each block's own_routes) on a
+    """The rollout sampler's route capture (programs/rollout.py, each block's own_routes) on a
     checkpoint: every call's routes = transformers' own routers' choice on that call, row by
     row but the final sampled token's (the sampler never ran it as an input)."""
     from tests.models.hybrid_moe_helpers import call_routes
     from treeflow.models import load_backend
-    from treeflow.pipeline import Rollout, sample_group
+    from treeflow.programs import Rollout, sample_group
 
     config = Rollout(group_size=2, turns=(1, 2), prompt_tokens=(6, 10), completion_tokens=(3, 6),
                      tool_tokens=(2, 4), seed=7)

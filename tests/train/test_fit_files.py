@@ -6,7 +6,7 @@ import pytest
 from treeflow.engines import LocalEngine
 from treeflow.pipeline import Files, synth_episodes, write_episodes
 from treeflow.pipeline.rank_plan import StepStages, rank_stages
-from treeflow.pipeline.replay import logprobs_pipeline
+from treeflow.programs.replay import logprobs_pipeline
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Reduce, Shard
 from treeflow.train.fit_files import fit_files, fit_summary
 

@@ -2,7 +2,7 @@
 
 The step accumulates k3 = exp(d) - 1 - d, d = logprob - generation_logprob, on the device
 inside its bins; the reference reassembles a logprob replay of the same episodes per token and
-computes it with numpy (pipeline/fidelity.py): two independent paths over the same tokens.
+computes it with numpy (programs/fidelity.py): two independent paths over the same tokens.
 """
 
 import math
@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from treeflow.pipeline import Pipeline, synth_episodes
-from treeflow.pipeline.fidelity import generation_kl
+from treeflow.programs.fidelity import generation_kl
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
 

@@ -168,7 +168,7 @@ def fit_options(args) -> dict:
 
 def rollout_config(args):
     """The Rollout the sampling flags describe (rollout, gate)."""
-    from treeflow.pipeline.rollout import Rollout
+    from treeflow.programs.rollout import Rollout
 
     return Rollout(group_size=args.group_size, turns=tuple(args.turns),
                    prompt_tokens=tuple(args.prompt_tokens),

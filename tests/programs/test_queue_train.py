@@ -1,4 +1,4 @@
-"""QueueTraining and fit_queue (pipeline/queue_train.py): training on queue steps.
+"""QueueTraining and fit_queue (programs/queue_train.py): training on queue steps.
 
 The reference is fit() over the stored file the queue was fed from: the same windows in the
 same order, so the same losses; the queue-only fields (version lag, queue step) and the
@@ -11,7 +11,7 @@ import pytest
 
 from treeflow.ops import Checkpointing
 from treeflow.pipeline import Files, Pipeline, put_files, synth_episodes, write_episodes
-from treeflow.pipeline.queue_train import QueueTraining, fit_queue, merge_rank_summaries
+from treeflow.programs.queue_train import QueueTraining, fit_queue, merge_rank_summaries
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.tq import open_queue
 from treeflow.train.fit import fit

@@ -1,4 +1,4 @@
-"""run_stream (pipeline/stream.py): a file producer thread beside the consumer, and the queue's end.
+"""run_stream (programs/stream.py): a file producer thread beside the consumer, and the queue's end.
 
 The guarantees: a stream that ended closes the queue and reports its stats; the producer's
 error is the run's, raised in place of the consumer's (its effect); a failed consumer leaves a
@@ -8,7 +8,7 @@ queue it started serving while it holds episodes, said on stderr.
 import pytest
 
 from treeflow.pipeline import QueueSource, synth_episodes, write_episodes
-from treeflow.pipeline.stream import local_address, produce_files, run_stream
+from treeflow.programs.stream import local_address, produce_files, run_stream
 from treeflow.tq import open_queue
 
 

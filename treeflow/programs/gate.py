@@ -21,7 +21,7 @@ differently, so it proves nothing either way; a corrupted or misaligned route
 disagrees on decided rows. The raw `route_agreement` over every replayed row
 and the count of near-ties (`route_near_ties`) are reported beside it.
 
-The trainer (pipeline/gate_train.py) runs in this process, or under
+The trainer (programs/gate_train.py) runs in this process, or under
 `ParallelDims(cp=C)` as C gloo/NCCL processes of one
 context-parallel group that attach to the queue by its address; rank 0
 alone reads the queue and writes the weights (a second writer fails the
@@ -50,7 +50,7 @@ import time
 import pyarrow as pa
 
 from treeflow.parallel import ParallelDims
-from treeflow.pipeline.rollout import Rollout, run_rollout
+from treeflow.programs.rollout import Rollout, run_rollout
 
 __all__ = ["FAULTS", "Gate", "gate_address", "gate_reduce", "run_gate"]
 
@@ -106,10 +106,10 @@ def gate_reduce(lr: float = 1e-5):
 
 def gate_address(context_parallel: int, backend: str, address: str | None = None) -> str | None:
     """The address of the queue the gate opens: `address`, or under context_parallel > 1,
-    whose trainer processes attach to the queue, one it serves (pipeline/stream.py
+    whose trainer processes attach to the queue, one it serves (programs/stream.py
     local_address: a private socket (embedded), or the name "gate" (transferqueue))."""
     if context_parallel > 1 and not address:
-        from treeflow.pipeline.stream import local_address
+        from treeflow.programs.stream import local_address
 
         return local_address(backend, "gate")
     return address
@@ -160,11 +160,11 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`.
 
     dims: how the trainer is split (ParallelDims; the gate trains one replica, so only cp).
-    Under `dims.cp` C > 1 the trainer is C processes (pipeline/gate_train.py)
+    Under `dims.cp` C > 1 the trainer is C processes (programs/gate_train.py)
     that attach to `queue` by its address (an embedded queue served on a socket, or a
     TransferQueue name; `queue_secret` for a tcp:// one); the producer stays here.
     """
-    from treeflow.pipeline.gate_train import (GateTrainer, infrastructure, run_ranks,
+    from treeflow.programs.gate_train import (GateTrainer, infrastructure, run_ranks,
                                               train_and_score)
 
     G = gate.rollout.group_size

@@ -1,11 +1,11 @@
-"""The gate's setup as a Python user writes it (pipeline/gate.py): the queue it needs, the
+"""The gate's setup as a Python user writes it (programs/gate.py): the queue it needs, the
 address its context-parallel trainer attaches by, its training step."""
 
 import os
 
 import pytest
 
-from treeflow.pipeline import Gate, gate_address, gate_reduce
+from treeflow.programs import Gate, gate_address, gate_reduce
 from treeflow.stages import Reduce
 
 

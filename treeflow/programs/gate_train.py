@@ -115,7 +115,7 @@ def _rank(side: GateTrainer) -> dict:
 def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     """The step on the first round, weights published, the refit round scored (see above)."""
     from treeflow.ops.train import PublishWeights
-    from treeflow.pipeline.fidelity import generation_kl
+    from treeflow.programs.fidelity import generation_kl
     from treeflow.pipeline.pipeline import Pipeline
     from treeflow.pipeline.queue_ranks import RankWindows
     from treeflow.pipeline.queue_source import QueueSource

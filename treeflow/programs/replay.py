@@ -64,7 +64,7 @@ def replay_logprobs(pipeline, source, output: str, *, inputs=(), device: str = "
     default stderr)."""
     from treeflow._clock import process_seconds
     from treeflow._output import table_output
-    from treeflow.pipeline.logprobs import run_logprobs
+    from treeflow.programs.logprobs import run_logprobs
     from treeflow.engines import engine_for
     from treeflow.pipeline.stats import route_agreement
     from treeflow.schemas.episode import count_rows

@@ -6,8 +6,9 @@ import torch
 
 from treeflow.models import load_model, save_model
 from treeflow.models.backend import load_backend
-from treeflow.pipeline import Pipeline, Rollout, run_rollout, sample_group
-from treeflow.pipeline.fidelity import generation_kl
+from treeflow.pipeline import Pipeline
+from treeflow.programs import Rollout, run_rollout, sample_group
+from treeflow.programs.fidelity import generation_kl
 from treeflow.stages import Forward, Fragment, Pack, Reassemble
 from treeflow.tq import END, local_queue
 

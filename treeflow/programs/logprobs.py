@@ -143,7 +143,7 @@ def score_queue(pipeline, queue, source, output: StreamOutput, *, metrics: str |
 
     from treeflow._output import table_output
     from treeflow.atomic import atomic_path
-    from treeflow.pipeline.fidelity import generation_kl
+    from treeflow.programs.fidelity import generation_kl
 
     reader = replace(source, ack="manual" if output.one_file else "auto").open(
         queue, {"queue_steps_extra": list(output.done)})

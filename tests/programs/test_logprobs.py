@@ -1,4 +1,4 @@
-"""run_logprobs, claim_stream_output and score_queue (pipeline/logprobs.py).
+"""run_logprobs, claim_stream_output and score_queue (programs/logprobs.py).
 
 score_queue's per-step files hold what the same pipeline gives over the stored file (the CLI's
 tests hold `stream` to `replay`); the sums are the episodes' own counts, written by hand here;
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from treeflow.pipeline import Files, Pipeline, QueueSource, put_files, synth_episodes, write_episodes
-from treeflow.pipeline.logprobs import claim_stream_output, run_logprobs, score_queue
+from treeflow.programs.logprobs import claim_stream_output, run_logprobs, score_queue
 from treeflow.stages import Forward, Fragment, Pack, Reassemble
 from treeflow.tq import open_queue
 
