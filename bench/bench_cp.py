@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from treeflow.models.context_parallel import cp_bounds, exchange_stats  # noqa: E402
 from treeflow.parallel import ParallelDims  # noqa: E402
-from treeflow.pipeline.synth import synth_episodes  # noqa: E402
+from treeflow.tools.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
 

@@ -48,7 +48,7 @@ def main() -> None:
 
     from treeflow.models import ModelConfig
     from treeflow.models.attention import AttentionPlan
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
     from treeflow.stages import Fragment, Pack
     from treeflow.tree import subtree_end
 

@@ -58,7 +58,7 @@ def parse(argv=None):
 
 
 def _bins(args):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
     from treeflow.stages import Fragment, Pack
 
     if args.smoke:

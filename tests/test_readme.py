@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 ROOT = Path(__file__).resolve().parents[1]
 # README and every page of the site, relative to ROOT

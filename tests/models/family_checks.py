@@ -127,7 +127,7 @@ def check_cli(hf, path, tmp_path, capsys) -> None:
     """`treeflow replay --model DIR` as README says: logprobs = transformers call by call;
     `--mode train --save` writes a checkpoint transformers loads as the same class."""
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=10,
                          user_tokens=(2, 5), completion_tokens=(2, 6), tool_tokens=(2, 5),

@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", module="megatron")
 
 
 def _episodes(vocab: int, tokens: int):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     scale = max(tokens // 200, 1)
     return synth_episodes(episodes=8, group_size=4, turns=(2, 4), system_tokens=20 * scale,

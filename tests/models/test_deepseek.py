@@ -203,8 +203,8 @@ def check_cli_routes(hf, path, tmp_path, capsys) -> None:
     from tests.models.moe_helpers import hf_call_logprobs
     from treeflow.cli import main
 
-    from treeflow.pipeline import synth_episodes, write_episodes
-    from treeflow.pipeline.synth import routes_like
+    from treeflow.tools import synth_episodes, write_episodes
+    from treeflow.tools.synth import routes_like
 
     eps, out = str(tmp_path / "e.arrow"), str(tmp_path / "lp.arrow")
     write_episodes(synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=10,

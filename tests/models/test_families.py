@@ -93,7 +93,7 @@ def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
 
 def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.deps import require
 from treeflow.cli import main
-from treeflow.pipeline import write_episodes
+from treeflow.tools import write_episodes
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 
 require("transformers")

@@ -23,7 +23,8 @@ from models_helpers import hf_call_logprobs  # noqa: E402
 from tests.weights import perturb  # noqa: E402
 from treeflow.models import load_backend  # noqa: E402
 from treeflow.models.megatron import hf_to_mcore, mcore_to_hf, shard, unshard  # noqa: E402
-from treeflow.pipeline import Pipeline, synth_episodes  # noqa: E402
+from treeflow.pipeline import Pipeline  # noqa: E402
+from treeflow.tools import synth_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce  # noqa: E402
 from treeflow.train import Trainer  # noqa: E402
 
@@ -208,7 +209,7 @@ def test_cli_replay_and_train_with_the_megatron_backend(ckpt, tmp_path, capsys):
     import json
 
     from treeflow.cli import main
-    from treeflow.pipeline import write_episodes
+    from treeflow.tools import write_episodes
 
     path, hf = ckpt
     data = tmp_path / "e.arrow"

@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
 from test_megatron_tp import write_checkpoint  # noqa: E402
 
 from treeflow.cli import main  # noqa: E402
-from treeflow.pipeline import synth_episodes, write_episodes  # noqa: E402
+from treeflow.tools import synth_episodes, write_episodes  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from treeflow.pipeline import Files, Pipeline, QueueSource, put_files, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline, QueueSource, put_files
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.programs.logprobs import claim_stream_output, run_logprobs, score_queue
 from treeflow.stages import Forward, Fragment, Pack, Reassemble
 from treeflow.tq import open_queue

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from treeflow.ops import Checkpointing
-from treeflow.pipeline import Files, Pipeline, put_files, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline, put_files
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.programs.queue_train import QueueTraining, fit_queue, merge_rank_summaries
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.tq import open_queue

@@ -7,7 +7,8 @@ queue it started serving while it holds episodes, said on stderr.
 
 import pytest
 
-from treeflow.pipeline import QueueSource, synth_episodes, write_episodes
+from treeflow.pipeline import QueueSource
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.programs.stream import local_address, produce_files, run_stream
 from treeflow.tq import open_queue
 

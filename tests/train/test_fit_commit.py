@@ -4,7 +4,8 @@ steps until they are durable (ack="manual") is acknowledged by fit alone, no que
 import pytest
 
 from treeflow.ops import Checkpointing
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
 from treeflow.pipeline.queue_source import QueueSource
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.tq import open_queue

@@ -4,7 +4,8 @@ runs, against a hand-built pipeline and Trainer steps (not through the CLI)."""
 import pytest
 
 from treeflow.engines import LocalEngine
-from treeflow.pipeline import Files, synth_episodes, write_episodes
+from treeflow.pipeline import Files
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.rank_plan import StepStages, rank_stages
 from treeflow.programs.replay import logprobs_pipeline
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Reduce, Shard

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from treeflow.engines import RayEngine
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.train import Trainer
 from treeflow.train.fit import Resume, fit

@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
 from treeflow.programs.fidelity import generation_kl
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer

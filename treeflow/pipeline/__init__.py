@@ -15,5 +15,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "queue_source": ("QueueReader", "QueueSource", "put_files"),
     "sink": ("ArrowSink",),
     "source": ("Files", "FilesReader", "IterSource", "Source", "windows"),
-    "synth": ("routes_like", "synth_episodes", "write_episodes"),
 })

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeflow.pipeline.synth import synth_episodes, write_episodes
+from treeflow.tools.synth import synth_episodes, write_episodes
 from treeflow.schemas.episode import EPISODE_SCHEMA, read_episodes, validate_episodes
 
 SMALL = dict(system_tokens=40, user_tokens=(5, 20), completion_tokens=(3, 15), tool_tokens=(2, 25))
@@ -249,7 +249,7 @@ def test_routes_like_reads_a_moe_checkpoints_shape(tmp_path):
     from transformers import LlamaConfig
 
     from tests.models.moe_helpers import hf_model
-    from treeflow.pipeline import routes_like
+    from treeflow.tools import routes_like
 
     hf_model("qwen3_moe").config.save_pretrained(tmp_path / "moe")
     routes = routes_like(str(tmp_path / "moe"))
