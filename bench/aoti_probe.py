@@ -15,7 +15,7 @@ configure(sys.argv[1])
 import torch  # noqa: E402
 
 from treeflow.models import precompiled  # noqa: E402
-from treeflow.models.config import ModelConfig  # noqa: E402
+from treeflow.models.config.model import ModelConfig  # noqa: E402
 from treeflow.models.decoder import DecoderLayer  # noqa: E402
 
 

@@ -100,7 +100,7 @@ def run(args) -> dict:
     import numpy as np
     import torch
 
-    from treeflow.models.hybrid_config import HybridConfig
+    from treeflow.models.config.hybrid import HybridConfig
     from treeflow.models.mamba import Mamba2Mixer
     from treeflow.models.ssm_tree import SegmentPlan
 

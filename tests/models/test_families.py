@@ -12,12 +12,12 @@ import pytest
 from treeflow.parallel import ParallelDims
 
 from treeflow.models import families
-from treeflow.models.config import ARCHITECTURES, ModelConfig
-from treeflow.models.deepseek_config import DEEPSEEK_ARCHITECTURES
-from treeflow.models.gdn_config import GDN_ARCHITECTURES
-from treeflow.models.gemma3_config import GEMMA3_ARCHITECTURES
-from treeflow.models.gpt_oss_config import GPT_OSS_ARCHITECTURES
-from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
+from treeflow.models.config.model import ARCHITECTURES, ModelConfig
+from treeflow.models.config.deepseek import DEEPSEEK_ARCHITECTURES
+from treeflow.models.config.gdn import GDN_ARCHITECTURES
+from treeflow.models.config.gemma3 import GEMMA3_ARCHITECTURES
+from treeflow.models.config.gpt_oss import GPT_OSS_ARCHITECTURES
+from treeflow.models.config.hybrid import HYBRID_ARCHITECTURES
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 

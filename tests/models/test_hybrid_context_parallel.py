@@ -234,7 +234,7 @@ def test_router_aux_loss_under_context_parallel_equals_the_hand_formula(setup, s
 
 def test_fewer_mamba_heads_than_ranks_is_refused_by_name():
     from treeflow.models.context_parallel import ContextParallelGroup
-    from treeflow.models.hybrid_config import HybridConfig
+    from treeflow.models.config.hybrid import HybridConfig
     from treeflow.models.ssm_cp import SsmShard
 
     config = HybridConfig.from_hf_dict(dense_hf_model("bamba").config.to_dict())

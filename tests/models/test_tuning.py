@@ -76,7 +76,7 @@ def test_auto_is_resolved_for_the_device_and_the_model_directory(tmp_path):
     directory (by architecture or model_type) is one, a Llama's, a missing config and `tiny` not."""
     import json
 
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.config.hybrid import is_hybrid_dir
     from treeflow.models.tuning import resolve_auto
 
     assert resolve_auto("auto,recompute=mlp", device="cpu", model="tiny") == (

@@ -43,7 +43,7 @@ def forward(args, *, entropy: bool = False):
 
 def ssm_kernel(args, tuning) -> dict:
     """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.config.hybrid import is_hybrid_dir
 
     if not is_hybrid_dir(args.model):
         return {}

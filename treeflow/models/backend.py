@@ -36,7 +36,7 @@ import torch
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
-from treeflow.models.config import BACKENDS, ModelConfig
+from treeflow.models.config.model import BACKENDS, ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.families import require
 from treeflow.models.tuning import Tuning

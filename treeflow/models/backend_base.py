@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from treeflow.models.attention import AttentionPlan
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 
 __all__ = ["Backend", "ModuleBackend", "check_tensor_parallel"]
 

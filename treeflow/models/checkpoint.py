@@ -23,17 +23,17 @@ from torch.overrides import TorchFunctionMode
 
 from treeflow.atomic import atomic_open, atomic_path
 
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 from treeflow.models.decoder import Decoder
 from treeflow.models.deepseek import DeepseekDecoder
-from treeflow.models.deepseek_config import DeepseekConfig
-from treeflow.models.gdn_config import GdnConfig
+from treeflow.models.config.deepseek import DeepseekConfig
+from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.gemma3 import Gemma3Decoder
-from treeflow.models.gemma3_config import Gemma3Config
+from treeflow.models.config.gemma3 import Gemma3Config
 from treeflow.models.gpt_oss import GptOssDecoder
-from treeflow.models.gpt_oss_config import GptOssConfig
+from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.hybrid import HybridDecoder
-from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.moe import float32_router_names
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
 from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer

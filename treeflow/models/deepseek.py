@@ -28,7 +28,7 @@ from torch import nn
 
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.decoder import MLP, Decoder, DecoderLayer, RMSNorm
-from treeflow.models.deepseek_config import DeepseekConfig
+from treeflow.models.config.deepseek import DeepseekConfig
 from treeflow.models.moe import MoeBlock
 from treeflow.models.rope import Rotary, apply_rotary, yarn_mscale
 

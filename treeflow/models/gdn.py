@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.gdn_config import GdnConfig
+from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.ssm_tree import SegmentPlan, tree_conv
 
 __all__ = ["GatedDeltaNet", "tree_gated_delta"]

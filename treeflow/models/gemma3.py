@@ -23,7 +23,7 @@ from torch import nn
 
 from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.decoder import Decoder
-from treeflow.models.gemma3_config import Gemma3Config
+from treeflow.models.config.gemma3 import Gemma3Config
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.moe import check_routes
 from treeflow.models.rope import Rotary, apply_rotary

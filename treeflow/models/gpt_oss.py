@@ -25,7 +25,7 @@ from torch import nn
 
 from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.decoder import Decoder, RMSNorm
-from treeflow.models.gpt_oss_config import GptOssConfig
+from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.moe import block_args, check_routes, record_tally, replayed
 from treeflow.models.route_ties import compute_dtype, topk_margin
@@ -113,7 +113,7 @@ class GptOssExperts(nn.Module):
 
 class GptOssMLP(nn.Module):
     """The experts of layer `layer_index`: `mlp(x_NH, route_NK, tally, replay, aux_weights_N)`
-    as models/moe.py's MoeBlock (no router aux loss: gpt_oss_config.py refuses it)."""
+    as models/moe.py's MoeBlock (no router aux loss: config/gpt_oss.py refuses it)."""
 
     def __init__(self, c: GptOssConfig, layer_index: int = 0) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ from torch import nn
 from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.context_parallel import ContextParallelPlan
 from treeflow.models.decoder import MLP, Decoder, RMSNorm
-from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.recompute import checkpoint_layer

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.hybrid_config import HybridConfig
+from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.ssm_cp import SsmShard
 from treeflow.models.ssm_tree import SegmentPlan, tree_conv, tree_ssd
 

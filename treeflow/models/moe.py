@@ -15,7 +15,7 @@ transformers 5 holds them in memory (`mlp.gate.weight`, fused
 `mlp.experts.gate_up_proj` [X, 2I, H] and `mlp.experts.down_proj` [X, H, I]);
 checkpoint.py maps the per-expert tensors of the on-disk format to and from
 them. What the checkpoint's config says of its experts (MoeConfig) is read and
-checked in models/moe_config.py.
+checked in models/config/moe.py.
 
 Routing replay: a bin's `routes` column gives every node the expert ids the
 inference engine chose, per MoE layer (width = MoE layers x top_k, layers in
@@ -54,14 +54,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.moe_config import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS,
+from treeflow.models.config.moe import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS,
                                        DEEPSEEK_MOE_FAMILIES, SIGMOID_ROUTED, MoeConfig,
                                        route_width)
 from treeflow.models.moe_experts import expert_mix
 from treeflow.models.route_ties import (compute_dtype, group_margin, score_band, tighter,
                                         topk_margin)
 
-# the config's names (models/moe_config.py) stay importable from here, where they began
+# the config's names (models/config/moe.py) stay importable from here, where they began
 __all__ = ["MOE_ARCHITECTURES", "MoeBlock", "MoeConfig", "ROUTER_DTYPES", "ROUTINGS",
            "float32_router_names", "route_width"]
 

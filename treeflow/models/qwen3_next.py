@@ -27,7 +27,7 @@ from torch import nn
 from treeflow.models.attention import check_tokens
 from treeflow.models.decoder import MLP, Decoder
 from treeflow.models.gdn import GatedDeltaNet
-from treeflow.models.gdn_config import GdnConfig
+from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.gemma3 import Gemma3Norm
 from treeflow.models.hybrid import HybridPlan
 from treeflow.models.layer_ops import layer_ops

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from treeflow.models.moe_config import SIGMOID_ROUTED
+from treeflow.models.config.moe import SIGMOID_ROUTED
 
 __all__ = ["TIE_ULPS", "compute_dtype", "group_margin", "score_band", "tighter", "topk_margin"]
 

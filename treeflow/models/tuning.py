@@ -284,7 +284,7 @@ def resolve_auto(text: str, *, device: str, model, backend: str = "reference",
     """(the tuning text to run, why) with a leading `auto` replaced by auto_preset's choice for
     `device` (its CUDA capability read from torch) and `model` (a hybrid's directory refuses
     compiled layers); why is None when the text holds no `auto` (taken as given, "" = plain)."""
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.config.hybrid import is_hybrid_dir
 
     head, sep, rest = (text or "").partition(",")
     if head.strip() != AUTO:

@@ -373,7 +373,7 @@ def _warn_no_agreement(width: int, model_width: int) -> None:
 
 def _routing(config, backend) -> tuple[int | None, str]:
     """(route width of the model or None if dense, the Forward's routing), checked."""
-    from treeflow.models.moe_config import route_width
+    from treeflow.models.config.moe import route_width
 
     width = route_width(backend.config)
     routing = getattr(config, "routing", "auto")

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from treeflow.models.moe_config import route_width
+from treeflow.models.config.moe import route_width
 from treeflow.ops.forward import build_forward
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard

@@ -53,7 +53,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.backend_base import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 from treeflow.models.families import require
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,

@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 
 __all__ = ["Routers", "TreeReplay", "TreeTopKRouter", "check_expert_parallel", "expert_shard", "moe_config",
            "moe_hf_to_mcore", "moe_mcore_to_hf", "tree_moe_spec"]

@@ -28,8 +28,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config import ModelConfig, register_family, require_positive
-from treeflow.models.moe_config import MoeConfig, refuse_dropping
+from treeflow.models.config.model import ModelConfig, register_family, require_positive
+from treeflow.models.config.moe import MoeConfig, refuse_dropping
 from treeflow.models.mtp import mtp_layer_count
 
 __all__ = ["DEEPSEEK_ARCHITECTURES", "DeepseekConfig"]

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config import ModelConfig, register_family, require_positive
+from treeflow.models.config.model import ModelConfig, register_family, require_positive
 
 __all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Config"]
 

@@ -3,8 +3,8 @@
 `HybridConfig` is a `ModelConfig` (so the cost model, the trainer and the
 backend protocol read the attention/MLP fields they already know) plus the
 layer pattern, the Mamba-2 mixer's shape and, for MoE blocks, a `moe`
-MoeConfig (models/moe_config.py; models/moe.py: routing replay, route width = MoE layers x top_k).
-Like config.py it models only what changes the computation and refuses what
+MoeConfig (models/config/moe.py; models/moe.py: routing replay, route width = MoE layers x top_k).
+Like config/model.py it models only what changes the computation and refuses what
 it cannot honour: RoPE scaling, biases, sliding windows, quantisation, token
 dropping, and MTP layers in a family without a bypass (mtp.py). Everything
 else is carried through `hf_extras`, and `to_hf_dict` writes back the very
@@ -37,9 +37,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config import (ModelConfig, register_family, require_multiple,
+from treeflow.models.config.model import (ModelConfig, register_family, require_multiple,
                                      require_positive)
-from treeflow.models.moe_config import MoeConfig, refuse_dropping
+from treeflow.models.config.moe import MoeConfig, refuse_dropping
 
 __all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir"]
 
@@ -54,7 +54,7 @@ def is_hybrid_dir(model) -> bool:
     import os
 
     from treeflow._json import load as load_json
-    from treeflow.models.gdn_config import GDN_ARCHITECTURES
+    from treeflow.models.config.gdn import GDN_ARCHITECTURES
 
     try:
         d = load_json(os.path.join(os.fspath(model), "config.json"))

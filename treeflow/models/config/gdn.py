@@ -6,7 +6,7 @@ pattern (`layer_types`: "gdn" for transformers' "linear_attention", "attention"
 for its "full_attention"), the Gated DeltaNet mixer's shape and, for MoE
 blocks, a `moe` MoeConfig of family "qwen2_moe" (softmax top-k router, optional
 top-k renormalisation, a shared expert scaled by a sigmoid gate: Qwen3-Next's
-block is that block, under the same names). Like config.py it models only what
+block is that block, under the same names). Like config/model.py it models only what
 changes the computation and refuses what it cannot honour (RoPE scaling,
 biases, sliding windows, quantisation, token dropping, MTP layers); every key
 of the checkpoint is carried through `hf_extras`, and `to_hf_dict` writes back
@@ -33,9 +33,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config import ModelConfig, register_family, require_multiple, \
+from treeflow.models.config.model import ModelConfig, register_family, require_multiple, \
     require_positive
-from treeflow.models.moe_config import MoeConfig, refuse_dropping
+from treeflow.models.config.moe import MoeConfig, refuse_dropping
 
 __all__ = ["GDN_ARCHITECTURES", "GDN_CHUNK", "GdnConfig"]
 

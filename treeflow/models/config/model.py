@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from treeflow.models.families import unsupported
-from treeflow.models.moe_config import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
+from treeflow.models.config.moe import MOE_ARCHITECTURES, MOE_KEYS, MoeConfig
 
 # the model backends (models/backend.py loads them); here, in plain Python, so that checking a
 # Forward(backend=...) imports no torch
@@ -57,7 +57,7 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     # RMSNorm of q and k per head before RoPE (Qwen3, Qwen3-MoE); None: the architecture's
     qk_norm: bool | None = None
-    moe: MoeConfig | None = None  # expert layers (models/moe_config.py); None for a dense model
+    moe: MoeConfig | None = None  # expert layers (models/config/moe.py); None for a dense model
     hf_extras: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -121,8 +121,8 @@ class ModelConfig:
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Read a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral `config.json` (4/5);
         a registered family's (the Mamba-2 hybrids, Gemma 3, gpt-oss, DeepSeek-V3 / GLM-4.5)
-        gives that family's subclass (hybrid_config.py, gemma3_config.py, gpt_oss_config.py,
-        deepseek_config.py)."""
+        gives that family's subclass (config/hybrid.py, config/gemma3.py, config/gpt_oss.py,
+        config/deepseek.py)."""
         archs = d.get("architectures") or ()
         first = archs[0] if isinstance(archs, list) and archs else None
         family = _FAMILIES.get(first) if isinstance(first, str) else None
@@ -182,8 +182,8 @@ class ModelConfig:
 
 
 # Config families read by a subclass of ModelConfig ({architecture or model_type: subclass}):
-# each registers itself where it is defined (hybrid_config.py, gemma3_config.py,
-# gpt_oss_config.py, deepseek_config.py), and treeflow/models/__init__.py imports it, so from_hf_dict reads every
+# each registers itself where it is defined (config/hybrid.py, config/gemma3.py,
+# config/gpt_oss.py, config/deepseek.py), and treeflow/models/__init__.py imports it, so from_hf_dict reads every
 # family while this module imports none of its subclasses (a subclass imports its base; the
 # base importing it back was a cycle).
 _FAMILIES: dict[str, type] = {}

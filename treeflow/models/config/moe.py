@@ -1,7 +1,7 @@
 """What an MoE checkpoint's config says: its family, its expert layers, and what is refused.
 
 `MoeConfig` reads the expert settings of a Hugging Face config.json (Qwen3-MoE,
-Qwen2-MoE, Mixtral; hybrid_config.py builds it for the MoE blocks of the
+Qwen2-MoE, Mixtral; config/hybrid.py builds it for the MoE blocks of the
 Mamba-2 hybrids) into one frozen description: which layers have experts, how
 many, top-k and its normalisation, the shared expert, the router aux loss,
 and the routed_experts width a bin must carry (`route_width`). Settings that
@@ -27,15 +27,15 @@ __all__ = ["DEEPSEEK_MOE_FAMILIES", "HYBRID_MOE_FAMILIES", "MOE_ARCHITECTURES", 
 
 MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                      "MixtralForCausalLM": "mixtral"}
-# the MoE blocks of the Mamba-2 hybrids (hybrid_config.py builds their MoeConfig)
+# the MoE blocks of the Mamba-2 hybrids (config/hybrid.py builds their MoeConfig)
 HYBRID_MOE_FAMILIES = ("nemotron_h", "granitemoehybrid")
-# DeepSeek-V3-style decoders (deepseek_config.py builds their MoeConfig): SwiGLU experts and
+# DeepSeek-V3-style decoders (config/deepseek.py builds their MoeConfig): SwiGLU experts and
 # shared experts, dense first layers
 DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
 # routers choosing by sigmoid scores + e_score_correction_bias, limited to topk_group of n_group
 # expert groups, weights renormalised and scaled by routed_scaling_factor
 SIGMOID_ROUTED = ("nemotron_h", *DEEPSEEK_MOE_FAMILIES)
-# gpt-oss's experts (gpt_oss_config.py builds their MoeConfig; models/gpt_oss.py runs them)
+# gpt-oss's experts (config/gpt_oss.py builds their MoeConfig; models/gpt_oss.py runs them)
 GPT_OSS_MOE_FAMILIES = ("gpt_oss",)
 _SHARED_IN_BLOCK = ("qwen2_moe", *SIGMOID_ROUTED)
 ROUTINGS = ("auto", "replay", "recompute")

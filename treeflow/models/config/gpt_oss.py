@@ -17,8 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config import ModelConfig, register_family, require_positive
-from treeflow.models.moe_config import MoeConfig
+from treeflow.models.config.model import ModelConfig, register_family, require_positive
+from treeflow.models.config.moe import MoeConfig
 
 __all__ = ["GPT_OSS_ARCHITECTURES", "GptOssConfig"]
 
