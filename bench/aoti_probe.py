@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from treeflow.models import precompiled  # noqa: E402
 from treeflow.models.config.model import ModelConfig  # noqa: E402
-from treeflow.models.decoder import DecoderLayer  # noqa: E402
+from treeflow.models.reference.decoder import DecoderLayer  # noqa: E402
 
 
 def mlp_block(layer, x_NH):

@@ -85,7 +85,8 @@ from treeflow.compile_cache import configure
 configure(sys.argv[1])
 import numpy as np, torch
 from torch._dynamo import utils
-from treeflow.models import ModelConfig, decoder
+from treeflow.models import ModelConfig
+from treeflow.models.reference import decoder
 from treeflow.models import precompiled
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder

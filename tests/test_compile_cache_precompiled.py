@@ -194,7 +194,7 @@ def test_a_cache_directory_opened_to_others_after_configure_is_refused(cache):
 
 def test_the_key_holds_the_module_s_constants(cache):
     """Two RMSNorm eps give two variants: a constant dynamo bakes into the graph is in the key."""
-    from treeflow.models.decoder import RMSNorm
+    from treeflow.models.reference.decoder import RMSNorm
 
     def norm(m, x):
         return m(x)

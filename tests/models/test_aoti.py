@@ -29,7 +29,8 @@ import json, sys
 from treeflow.compile_cache import configure
 configure(sys.argv[1])
 import numpy as np, torch
-from treeflow.models import ModelConfig, decoder, precompiled
+from treeflow.models import ModelConfig, precompiled
+from treeflow.models.reference import decoder
 from treeflow.models.attention import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
 from treeflow.models.layer_ops import LayerOps

@@ -30,7 +30,7 @@ import torch
 
 from treeflow.models.checkpoint import empty_decoder
 from treeflow.models.config.model import ModelConfig
-from treeflow.models.decoder import Decoder
+from treeflow.models.reference.decoder import Decoder
 
 __all__ = ["adopt_module"]
 

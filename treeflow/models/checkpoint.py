@@ -24,20 +24,20 @@ from torch.overrides import TorchFunctionMode
 from treeflow.atomic import atomic_open, atomic_path
 
 from treeflow.models.config.model import ModelConfig
-from treeflow.models.decoder import Decoder
-from treeflow.models.deepseek import DeepseekDecoder
+from treeflow.models.reference.decoder import Decoder
+from treeflow.models.reference.deepseek import DeepseekDecoder
 from treeflow.models.config.deepseek import DeepseekConfig
 from treeflow.models.config.gdn import GdnConfig
-from treeflow.models.gemma3 import Gemma3Decoder
+from treeflow.models.reference.gemma3 import Gemma3Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
-from treeflow.models.gpt_oss import GptOssDecoder
+from treeflow.models.reference.gpt_oss import GptOssDecoder
 from treeflow.models.config.gpt_oss import GptOssConfig
-from treeflow.models.hybrid import HybridDecoder
+from treeflow.models.reference.hybrid import HybridDecoder
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.moe import float32_router_names
 from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
-from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
-from treeflow.models.qwen3_next import Qwen3NextDecoder
+from treeflow.models.reference.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
+from treeflow.models.reference.qwen3_next import Qwen3NextDecoder
 
 __all__ = ["empty_decoder", "load_model", "save_model", "save_state", "seeded_decoder"]
 

@@ -3,13 +3,13 @@
 Three Hugging Face families: Qwen3-MoE (top-k router, optional top-k
 renormalisation), Qwen2-MoE (the same plus a shared expert scaled by a
 sigmoid gate) and Mixtral (top-k always renormalised); and the MoE blocks of
-two Mamba-2 hybrids (models/hybrid.py): Nemotron-H (a float32 sigmoid router
+two Mamba-2 hybrids (models/reference/hybrid.py): Nemotron-H (a float32 sigmoid router
 whose choice adds `e_score_correction_bias` and is limited to `topk_group` of
 `n_group` expert groups, weights renormalised and scaled by
 `routed_scaling_factor`; non-gated relu^2 experts, optional latent projections
 around them, and a relu^2 shared expert) and GraniteMoeHybrid (softmax over
 the chosen experts' logits; its shared MLP is the layer's); and the DeepSeek-V3-style
-decoders (models/deepseek.py: DeepSeek-V3, GLM-4.5): Nemotron-H's router with SwiGLU
+decoders (models/reference/deepseek.py: DeepSeek-V3, GLM-4.5): Nemotron-H's router with SwiGLU
 experts and SwiGLU shared experts. Parameters are held as
 transformers 5 holds them in memory (`mlp.gate.weight`, fused
 `mlp.experts.gate_up_proj` [X, 2I, H] and `mlp.experts.down_proj` [X, H, I]);

@@ -169,7 +169,7 @@ class CostModel:
 
 
 def _mla_macs(c) -> tuple[float, float]:
-    """(multiply-adds per token, per attention pair) of one MLA layer (models/deepseek.py):
+    """(multiply-adds per token, per attention pair) of one MLA layer (models/reference/deepseek.py):
     q (through its latent or whole), the shared latent and rope key, its per-head expansion,
     o; per pair QK^T and P.V at the kernels' one head width max(nope + rope, v) (the narrower
     side zero-padded)."""

@@ -9,14 +9,14 @@ Both route tokens as Nemotron-H's MoE blocks do (moe_config.SIGMOID_ROUTED: sigm
 GLM-4.5 keeps grouped-query attention, with RoPE on the first `partial_rotary_factor` of each
 head and optional per-head q/k RMSNorm (`use_qk_norm`); DeepSeek-V3 uses multi-head latent
 attention (MLA: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
-`v_head_dim`, RoPE on interleaved pairs when `rope_interleave`), run by models/deepseek.py.
+`v_head_dim`, RoPE on interleaved pairs when `rope_interleave`), run by models/reference/deepseek.py.
 
 RoPE is default or YaRN (DeepSeek-V3's released checkpoints: `mscale` / `mscale_all_dim`
 scale cos/sin, and MLA's softmax by mscale(mscale_all_dim)^2, as transformers does).
 Refused by name rather than ignored: other RoPE types, quantized (FP8) weights, a router other than sigmoid / noaux_tc, experts on
 every `moe_layer_freq`-th layer only, the router aux loss, an MLA config whose key/value heads
 differ from its query heads. Multi-token-prediction layers (`num_nextn_predict_layers`, stored
-as extra `model.layers.{N+k}`) are held frozen and saved back unchanged (models/mtp.py). The
+as extra `model.layers.{N+k}`) are held frozen and saved back unchanged (models/reference/mtp.py). The
 trade-off: the whole config.json is kept (`hf_extras`) and written back as it was, so nothing
 this file does not model is lost on save; `head_dim` is the query/key head width (MLA: nope +
 rope), `rotary_dim` the part RoPE turns.
@@ -30,7 +30,7 @@ from typing import Any
 
 from treeflow.models.config.model import ModelConfig, register_family, require_positive
 from treeflow.models.config.moe import MoeConfig, refuse_dropping
-from treeflow.models.mtp import mtp_layer_count
+from treeflow.models.reference.mtp import mtp_layer_count
 
 __all__ = ["DEEPSEEK_ARCHITECTURES", "DeepseekConfig"]
 

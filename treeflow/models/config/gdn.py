@@ -13,7 +13,7 @@ of the checkpoint is carried through `hf_extras`, and `to_hf_dict` writes back
 the very keys the checkpoint had, so a saved model loads in transformers as the
 same model.
 
-`recurrent` is true, so the reference backend builds a HybridPlan (hybrid.py):
+`recurrent` is true, so the reference backend builds a HybridPlan (reference/hybrid.py):
 the same tree segment plan as the Mamba-2 hybrids (ssm_tree.py), with
 `chunk_size` = 64, the chunk transformers' torch path and FLA's kernels scan
 in (a chunk fork then reproduces their chunk partition; any chunk size gives
@@ -169,7 +169,7 @@ register_family(GdnConfig, GDN_ARCHITECTURES)  # ModelConfig.from_hf_dict reads 
 
 
 def _refuse(arch: str, d: Mapping[str, Any]) -> None:
-    from treeflow.models.mtp import mtp_layer_count, refuse_mtp
+    from treeflow.models.reference.mtp import mtp_layer_count, refuse_mtp
 
     rope = d.get("rope_parameters") or {}
     checks = {

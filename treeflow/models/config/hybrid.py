@@ -6,7 +6,7 @@ layer pattern, the Mamba-2 mixer's shape and, for MoE blocks, a `moe`
 MoeConfig (models/config/moe.py; models/moe.py: routing replay, route width = MoE layers x top_k).
 Like config/model.py it models only what changes the computation and refuses what
 it cannot honour: RoPE scaling, biases, sliding windows, quantisation, token
-dropping, and MTP layers in a family without a bypass (mtp.py). Everything
+dropping, and MTP layers in a family without a bypass (reference/mtp.py). Everything
 else is carried through `hf_extras`, and `to_hf_dict` writes back the very
 keys the checkpoint had, so a saved model loads in transformers as the same
 model.
@@ -209,7 +209,7 @@ def _common(d: Mapping[str, Any], arch: str) -> None:
 
 
 def _nemotron_h(d: Mapping[str, Any]) -> HybridConfig:
-    from treeflow.models.mtp import mtp_layer_count
+    from treeflow.models.reference.mtp import mtp_layer_count
 
     arch = "NemotronHForCausalLM"
     _common(d, arch)

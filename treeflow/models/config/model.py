@@ -260,7 +260,7 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
             refuse(f"{key}={d[key]}")
     if d.get("quantization_config") is not None:
         refuse("quantization_config (quantized weights)")
-    from treeflow.models.mtp import mtp_layer_count, refuse_mtp
+    from treeflow.models.reference.mtp import mtp_layer_count, refuse_mtp
 
     if mtp_layer_count(d):
         refuse_mtp(arch, f"config declares {mtp_layer_count(d)}")

@@ -35,7 +35,7 @@ DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
 # routers choosing by sigmoid scores + e_score_correction_bias, limited to topk_group of n_group
 # expert groups, weights renormalised and scaled by routed_scaling_factor
 SIGMOID_ROUTED = ("nemotron_h", *DEEPSEEK_MOE_FAMILIES)
-# gpt-oss's experts (config/gpt_oss.py builds their MoeConfig; models/gpt_oss.py runs them)
+# gpt-oss's experts (config/gpt_oss.py builds their MoeConfig; models/reference/gpt_oss.py runs them)
 GPT_OSS_MOE_FAMILIES = ("gpt_oss",)
 _SHARED_IN_BLOCK = ("qwen2_moe", *SIGMOID_ROUTED)
 ROUTINGS = ("auto", "replay", "recompute")

@@ -63,7 +63,7 @@ from treeflow.models.megatron.gpt import (build_gpt_model, load_exact, refuse_mo
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
 from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard
 from treeflow.models.megatron.parallel import init_parallel
-from treeflow.models.rope import Rotary
+from treeflow.models.reference.rope import Rotary
 
 __all__ = ["MegatronBackend", "build_gpt_model"]
 

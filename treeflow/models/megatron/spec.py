@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.utils import divide
 
 from treeflow.models.attention import AttentionPlan
-from treeflow.models.decoder import RMSNorm
+from treeflow.models.reference.decoder import RMSNorm
 from treeflow.models.megatron.submodules import mlp_submodules, with_mlp_submodules
 
 __all__ = ["TreeColumnParallelLinear", "TreeCoreAttention", "TreeRMSNorm", "TreeRowParallelLinear",

@@ -1,6 +1,6 @@
 """The reference Mamba-2 hybrid decoder (Nemotron-H, Bamba, GraniteMoeHybrid) over one tree bin.
 
-The same contract as decoder.py's `Decoder` (which it subclasses, so every
+The same contract as reference/decoder.py's `Decoder` (which it subclasses, so every
 backend seam takes it): `forward(tokens, positions, plan)` gives final-normed
 hidden states, `project` the vocabulary logits of chosen rows. Attention
 layers run the bin's tree-attention kernel unchanged; Mamba-2 layers
@@ -29,12 +29,12 @@ from torch import nn
 
 from treeflow.models.attention import AttentionPlan, check_tokens
 from treeflow.models.context_parallel import ContextParallelPlan
-from treeflow.models.decoder import MLP, Decoder, RMSNorm
+from treeflow.models.reference.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.recompute import checkpoint_layer
-from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.ssm_cp import SsmShard
 from treeflow.models.ssm_tree import SegmentPlan
 from treeflow.models.tuning import Tuning
@@ -252,7 +252,7 @@ class HybridDecoder(Decoder):
     """A Mamba-2 hybrid: `forward` -> final-normed hidden states, `project` -> logits.
 
     frozen_tensors: tensors the checkpoint holds that are never run nor trained (MTP
-    layers, mtp.py), kept in their stored dtype on the host and saved back unchanged.
+    layers, reference/mtp.py), kept in their stored dtype on the host and saved back unchanged.
     """
 
     def __init__(self, config: HybridConfig) -> None:

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.attention import AttentionPlan, check_tokens
-from treeflow.models.decoder import Decoder
+from treeflow.models.reference.decoder import Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.moe import check_routes
-from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["Gemma3Decoder"]
 

@@ -23,7 +23,7 @@ from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities
 from treeflow.models.config.model import ModelConfig
 from treeflow.models.layer_ops import LayerOps, layer_ops
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
-from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.tuning import Tuning
 
 __all__ = ["Decoder"]
@@ -122,7 +122,7 @@ class Decoder(nn.Module):
     """Llama/Qwen2 decoder: `forward` -> final-normed hidden states, `project` -> logits."""
 
     capabilities: Capabilities = TORCH_KERNELS
-    layer_class: type = DecoderLayer  # a family's layers (models/deepseek.py: MLA)
+    layer_class: type = DecoderLayer  # a family's layers (models/reference/deepseek.py: MLA)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.attention import AttentionPlan, check_tokens
-from treeflow.models.decoder import Decoder, RMSNorm
+from treeflow.models.reference.decoder import Decoder, RMSNorm
 from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.moe import block_args, check_routes, record_tally, replayed
 from treeflow.models.route_ties import compute_dtype, topk_margin
-from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["GptOssDecoder"]
 

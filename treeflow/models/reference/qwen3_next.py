@@ -25,14 +25,14 @@ import torch
 from torch import nn
 
 from treeflow.models.attention import check_tokens
-from treeflow.models.decoder import MLP, Decoder
+from treeflow.models.reference.decoder import MLP, Decoder
 from treeflow.models.gdn import GatedDeltaNet
 from treeflow.models.config.gdn import GdnConfig
-from treeflow.models.gemma3 import Gemma3Norm
-from treeflow.models.hybrid import HybridPlan
+from treeflow.models.reference.gemma3 import Gemma3Norm
+from treeflow.models.reference.hybrid import HybridPlan
 from treeflow.models.layer_ops import layer_ops
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
-from treeflow.models.rope import Rotary, apply_rotary
+from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["Qwen3NextDecoder"]
 
