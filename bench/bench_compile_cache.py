@@ -88,7 +88,7 @@ from torch._dynamo import utils
 from treeflow.models import ModelConfig
 from treeflow.models.reference import decoder
 from treeflow.models import precompiled
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
 from treeflow.models.layer_ops import LayerOps
 from treeflow.tree import subtree_end

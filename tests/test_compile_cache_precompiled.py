@@ -33,7 +33,7 @@ configure(sys.argv[1])
 import numpy as np, torch
 from torch._dynamo.utils import counters
 from treeflow.models import ModelConfig, precompiled
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
 from treeflow.models.tuning import Tuning
 from treeflow.tree import subtree_end

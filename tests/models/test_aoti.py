@@ -31,7 +31,7 @@ configure(sys.argv[1])
 import numpy as np, torch
 from treeflow.models import ModelConfig, precompiled
 from treeflow.models.reference import decoder
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
 from treeflow.models.layer_ops import LayerOps
 from treeflow.tree import subtree_end

@@ -16,7 +16,7 @@ import torch
 from models_helpers import random_forest, tree_tensors
 
 from tests.reference import ancestor_mask_by_walk
-from treeflow.models import flex_mask
+from treeflow.models.attention import flex as flex_mask
 
 BlockMask = pytest.importorskip("torch.nn.attention.flex_attention").BlockMask
 

@@ -29,7 +29,7 @@ from cp_workers import CASES, KERNELS, VOCAB, bin_step, hf_reference, one_proces
 
 from tests.deps import require
 from tests.weights import perturb
-from treeflow.models.context_parallel import ContextParallelGroup, ContextParallelPlan, cp_bounds
+from treeflow.models.attention.context_parallel import ContextParallelGroup, ContextParallelPlan, cp_bounds
 from treeflow.train.launch import spawn
 from treeflow.tree import depths_from_parents
 from treeflow.ops import build_forward
@@ -235,7 +235,7 @@ def test_refused_combinations_name_the_option():
                                         r".*--tensor-parallel"):
         Forward(backend="megatron", tensor_parallel=2)
     # a group given to build_forward must be the size the dims say
-    from treeflow.models.context_parallel import ContextParallelGroup
+    from treeflow.models.attention.context_parallel import ContextParallelGroup
 
     with pytest.raises(ValueError, match="group of 3 ranks"):
         build_forward(Forward(), dims=cp2, cp=ContextParallelGroup(rank=0, size=3))

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from cp_attention_workers import MODES, attend, inputs
 from models_helpers import path_to, random_forest
 
-from treeflow.models.context_parallel import cp_bounds
-from treeflow.models.cp_kernels import OffsetBlockMask
+from treeflow.models.attention.context_parallel import cp_bounds
+from treeflow.models.attention.cp_kernels import OffsetBlockMask
 from treeflow.train.launch import spawn
 from treeflow.tree import depths_from_parents, subtree_end
 
@@ -189,7 +189,7 @@ def _table(num, idx):
 def test_off_cpu_only_flex_overlaps_and_says_so(kernel):
     """Off CPU the dense and runs parts would materialise their scores: they wait for the
     exchange instead, with a warning (here on the meta device, which needs no GPU)."""
-    from treeflow.models import context_parallel
+    from treeflow.models.attention import context_parallel
 
     parents = _deep_tree(40)
     depths = depths_from_parents(parents)

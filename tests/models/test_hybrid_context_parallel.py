@@ -233,7 +233,7 @@ def test_router_aux_loss_under_context_parallel_equals_the_hand_formula(setup, s
 
 
 def test_fewer_mamba_heads_than_ranks_is_refused_by_name():
-    from treeflow.models.context_parallel import ContextParallelGroup
+    from treeflow.models.attention.context_parallel import ContextParallelGroup
     from treeflow.models.config.hybrid import HybridConfig
     from treeflow.models.ssm_cp import SsmShard
 

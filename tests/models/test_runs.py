@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeflow.models.runs import AncestorRuns
+from treeflow.models.attention.runs import AncestorRuns
 from treeflow.tree import ancestor_mask, depths_from_parents, subtree_end
 
 

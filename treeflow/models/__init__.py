@@ -20,7 +20,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "adopt": ("adopt_module",),
     "backend": ("ReferenceBackend", "load_backend", "tensor_parallel_layout"),
     "backend_base": ("Backend", "check_tensor_parallel"),
-    "attention": ("KERNELS", "AttentionPlan", "Capabilities"),
+    "attention.tree": ("KERNELS", "AttentionPlan", "Capabilities"),
     "reference.decoder": ("Decoder",),
     "config.hybrid": ("HybridConfig",),
     "reference.hybrid": ("HybridDecoder",),

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config.model import BACKENDS, ModelConfig
@@ -94,7 +94,7 @@ class ReferenceBackend(ModuleBackend):
         """This rank's plan of a bin cut at `bounds` over the context-parallel group `cp`:
         a ContextParallelPlan, wrapped with the rank's Mamba-2 heads (ssm_cp.py) for a
         hybrid model."""
-        from treeflow.models.context_parallel import ContextParallelPlan
+        from treeflow.models.attention.context_parallel import ContextParallelPlan
 
         plan = ContextParallelPlan(parents_N, depths_N, bounds, cp, kernel=kernel,
                                    device=self.device, overlap=overlap)

@@ -4,7 +4,7 @@ A layer is cut around its attention kernel into three parts: attention
 inputs (input RMSNorm, q/k/v projections, RoPE, the cast to one dtype), the
 attention output (o_proj and the residual add) and the MLP block
 (post-attention RMSNorm, SwiGLU, residual add). The attention kernel itself
-stays outside: FlexAttention is compiled on its own (attention.py) and the
+stays outside: FlexAttention is compiled on its own (attention/tree.py) and the
 varlen/SDPA kernels are already fused.
 
 - Compilation (`compile_layers`) compiles each part once with

@@ -1,6 +1,6 @@
 """Mamba-2 layers under context parallelism: head parallelism around each mixer.
 
-Attention layers split a bin by DFS ranges (context_parallel.py); a Mamba-2
+Attention layers split a bin by DFS ranges (attention/context_parallel.py); a Mamba-2
 layer cannot, because a node's state depends on every node of its path, and
 its tree scan forks states across segments that the cuts may split. So each
 Mamba mixer switches to head parallelism for its scan: after `in_proj` (on

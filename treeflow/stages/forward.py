@@ -61,7 +61,7 @@ class Forward(Stage):
     backend: "reference" (treeflow's PyTorch decoder) or "megatron" (megatron-core GPTModel).
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
     How many processes split one bin (tensor parallelism on the megatron backend, context
-    parallelism on the reference one: models/context_parallel.py) is not configuration: it
+    parallelism on the reference one: models/attention/context_parallel.py) is not configuration: it
     is the engine's ParallelDims (tp, cp), handed to `build_forward` with the group.
     context_overlap: under context parallelism, attend to a rank's own keys while the K/V
         exchange is in flight and merge the received part by log-sum-exp (default); False

@@ -50,7 +50,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.backend_base import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
 from treeflow.models.config.model import ModelConfig

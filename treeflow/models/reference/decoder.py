@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import TORCH_KERNELS, AttentionPlan, Capabilities, check_tokens
+from treeflow.models.attention.tree import TORCH_KERNELS, AttentionPlan, Capabilities, check_tokens
 from treeflow.models.config.model import ModelConfig
 from treeflow.models.layer_ops import LayerOps, layer_ops
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally

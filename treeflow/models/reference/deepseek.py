@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.reference.decoder import MLP, Decoder, DecoderLayer, RMSNorm
 from treeflow.models.config.deepseek import DeepseekConfig
 from treeflow.models.moe import MoeBlock

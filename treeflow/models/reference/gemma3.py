@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import AttentionPlan, check_tokens
+from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.reference.decoder import Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
 from treeflow.models.layer_ops import layer_ops

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import AttentionPlan, check_tokens
+from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.reference.decoder import Decoder, RMSNorm
 from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.layer_ops import layer_ops

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention import AttentionPlan, check_tokens
-from treeflow.models.context_parallel import ContextParallelPlan
+from treeflow.models.attention.tree import AttentionPlan, check_tokens
+from treeflow.models.attention.context_parallel import ContextParallelPlan
 from treeflow.models.reference.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.mamba import Mamba2Mixer

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeflow.models.attention import check_tokens
+from treeflow.models.attention.tree import check_tokens
 from treeflow.models.reference.decoder import MLP, Decoder
 from treeflow.models.gdn import GatedDeltaNet
 from treeflow.models.config.gdn import GdnConfig

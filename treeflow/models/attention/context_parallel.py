@@ -12,14 +12,14 @@ next range starts at most half as deep: at a root (another episode, another
 group) no row moves at all.
 
 Per layer one all_to_all moves those rows (K and V in one buffer, each row
-sent once per rank pair; models/cp_exchange.py); its backward is the reverse
+sent once per rank pair; models/attention/cp_exchange.py); its backward is the reverse
 all_to_all, which returns dK/dV to the rows' owners (summed over every rank
 that read them). Attention runs over [received ancestors, own rows] -- itself
 a DFS-ordered forest, the path to a_r followed by the range -- with the tree
 mask restricted to ancestors: `dense` (SDPA with a [n, G] mask, the
-reference), `runs` (models/runs.py: one causal call per run over its ancestor
+reference), `runs` (models/attention/runs.py: one causal call per run over its ancestor
 path, for the range's queries only) or `flex` (a FlexAttention block mask for
-the range's queries against G, models/cp_kernels.py). The chain-only kernel
+the range's queries against G, models/attention/cp_kernels.py). The chain-only kernel
 is refused under context parallelism.
 
 With `overlap` (the default) the exchange is issued asynchronously and the
@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from treeflow.models import cp_exchange, cp_kernels
-from treeflow.models.runs import AncestorRuns
+from treeflow.models.attention import cp_exchange, cp_kernels
+from treeflow.models.attention.runs import AncestorRuns
 from treeflow.tree import subtree_end
 
 __all__ = ["CP_KERNELS", "ContextParallelGroup", "ContextParallelPlan", "context_parallel_layout",
@@ -389,7 +389,7 @@ def _sdpa_masked(q_LQD, k_PKD, v_PKD, mask_LP) -> torch.Tensor:
 
 
 def _attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int) -> torch.Tensor:
-    """Ancestor-run attention for this rank's queries (runs.py's scheme, offset by `first`)."""
+    """Ancestor-run attention for this rank's queries (attention/runs.py's scheme, offset by `first`)."""
     outs = [_sdpa_masked(q_nQD[a - first:b - first], k_GKD.index_select(0, idx),
                          v_GKD.index_select(0, idx), _run_mask(len(idx), b - a, seen, idx.device))
             for a, b, idx, seen in blocks]

@@ -15,14 +15,14 @@ then serves every layer. Three kernels trade generality for speed:
   one compile serves all bins of a run. Padding is nearly free: a padding
   token attends only to itself, so its block-sparse mask adds just the
   diagonal blocks. Where torch has the precompile API the call (mask built
-  inside from the tables, flex_mask.py) is a `Precompiled` (precompiled.py), saved whole in
+  inside from the tables, attention/flex.py) is a `Precompiled` (precompiled.py), saved whole in
   the compile cache: a later process loads it instead of tracing flex (CPU's
   eager flex runs dynamo too, with the eager backend; so does this there).
 - `causal`: bins whose trees are chains (no node has two children) are packed
   causal sequences, one per root: variable-length FlashAttention on CUDA in
   fp16/bf16, else one causal SDPA call per root. A bin that branches is refused.
 
-- `runs`: ancestor-run attention (models/runs.py): one causal call per run of
+- `runs`: ancestor-run attention (models/attention/runs.py): one causal call per run of
   the tree over its ancestor path. Exact, forward and backward on any device,
   memory of one run's scores; needs the bin's parents.
 
@@ -53,9 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from treeflow.models import precompiled
-from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, compiled_flex, flex_api,
+from treeflow.models.attention.flex import (FLEX_RECOMPILE_LIMIT, compiled_flex, flex_api,
                                        flex_present, mask_entry, precompiled_flex, to_device)
-from treeflow.models.runs import AncestorRuns, sink_attention
+from treeflow.models.attention.runs import AncestorRuns, sink_attention
 from treeflow.tree import ancestor_mask
 
 

@@ -3,8 +3,8 @@
 A rank's keys G are a DFS sub-forest: the R received rows (the ancestors of its
 first node, in DFS order) followed by its own n rows, whose queries are the last
 n of G. Query i (G index R + i) sees key g iff `g <= R + i < end_G[g]` -- the
-tree mask of attention.py with the query side offset by R. This module holds
-what the plan (models/context_parallel.py) runs over those keys:
+tree mask of attention/tree.py with the query side offset by R. This module holds
+what the plan (models/attention/context_parallel.py) runs over those keys:
 
 - `OffsetBlockMask`: a FlexAttention BlockMask for queries offset by `q_offset`
   against keys [0, K) with subtree ends `end_K`, its block tables computed in
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeflow.models.attention import bucket
-from treeflow.models.flex_mask import (FLEX_RECOMPILE_LIMIT, block_tables_of, compiled_flex,
+from treeflow.models.attention.tree import bucket
+from treeflow.models.attention.flex import (FLEX_RECOMPILE_LIMIT, block_tables_of, compiled_flex,
                                        to_device)
 
 try:
