@@ -1,4 +1,4 @@
-"""The Mamba-2 tree scan: fused Triton kernels (models/ssm_triton.py) vs the PyTorch scan.
+"""The Mamba-2 tree scan: fused Triton kernels (models/ssm/triton_scan.py) vs the PyTorch scan.
 
 One Nemotron-H 1.3B-shaped Mamba-2 mixer (hidden 2048, 64 heads x 64, state 128,
 8 groups, conv 4, scan chunk 128), bf16 weights and activations, float32 states,
@@ -101,8 +101,8 @@ def run(args) -> dict:
     import torch
 
     from treeflow.models.config.hybrid import HybridConfig
-    from treeflow.models.mamba import Mamba2Mixer
-    from treeflow.models.ssm_tree import SegmentPlan
+    from treeflow.models.ssm.mamba import Mamba2Mixer
+    from treeflow.models.ssm.tree import SegmentPlan
 
     device = torch.device(args.device)
     shape = SHAPES["smoke" if args.smoke else "nemotron-h-1b"]

@@ -2,7 +2,7 @@
 transformers call by call, for occurrence logprobs and every parameter gradient.
 
 Attention layers take the tree split (DFS ranges, ancestor-only K/V); each Mamba-2 mixer turns
-the rank's nodes into the whole bin for its share of the heads and back (models/ssm_cp.py). The
+the rank's nodes into the whole bin for its share of the heads and back (models/ssm/cp.py). The
 families: Nemotron-H with MoE blocks and GraniteMoeHybrid under routing replay (the routes are
 the model's own shifted by one expert, so a rank that recomputed its routers would differ) and
 Bamba. The episodes (tests/models/hybrid_helpers.py): a GRPO group whose prompt ends inside a
@@ -235,7 +235,7 @@ def test_router_aux_loss_under_context_parallel_equals_the_hand_formula(setup, s
 def test_fewer_mamba_heads_than_ranks_is_refused_by_name():
     from treeflow.models.attention.context_parallel import ContextParallelGroup
     from treeflow.models.config.hybrid import HybridConfig
-    from treeflow.models.ssm_cp import SsmShard
+    from treeflow.models.ssm.cp import SsmShard
 
     config = HybridConfig.from_hf_dict(dense_hf_model("bamba").config.to_dict())
     with pytest.raises(ValueError, match="mamba_num_heads=4 < context_parallel=5"):

@@ -9,7 +9,7 @@ from hybrid_helpers import save_hf
 
 from tests.deps import require
 from treeflow.models import Tuning, load_backend
-from treeflow.models.ssm_tree import SegmentPlan, depths
+from treeflow.models.ssm.tree import SegmentPlan, depths
 from treeflow.tree import subtree_end
 
 require("transformers")
@@ -88,7 +88,7 @@ def test_state_dtype_is_the_dtype_kept(tmp_path, fork):
 def test_scan_kernel_choice_and_refusals(monkeypatch, capsys):
     """auto is triton on CUDA and torch elsewhere (and torch, said on stderr, on CUDA without
     triton); triton where it cannot run is refused by name with the fix."""
-    import treeflow.models.ssm_tree as ssm_tree
+    import treeflow.models.ssm.tree as ssm_tree
 
     par = _star(5, 2, 3)
     assert SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="auto").kernel == "torch"

@@ -1,8 +1,8 @@
-"""The Triton tree scan (models/ssm_triton.py) under TRITON_INTERPRET=1 on CPU, float32.
+"""The Triton tree scan (models/ssm/triton_scan.py) under TRITON_INTERPRET=1 on CPU, float32.
 
 Oracles: a per-node float64 recurrence written here (state = exp(A dt) state_parent
 + dt x B^T along each node's own path: no chunks, no segments, no plan), the PyTorch
-tree scan (models/ssm_tree.py) and transformers' Nemotron-H call by call. Trees are
+tree scan (models/ssm/tree.py) and transformers' Nemotron-H call by call. Trees are
 random, with forks inside scan chunks and on chunk boundaries, nested forks and
 roots; outputs and every input / parameter gradient are compared. Skipped where
 triton is not installed (`pip install 'treeflow[triton]'`).
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # tests/conftest.py sets it first; this for a
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from treeflow.models.ssm_tree import SegmentPlan, depths, tree_ssd  # noqa: E402
+from treeflow.models.ssm.tree import SegmentPlan, depths, tree_ssd  # noqa: E402
 
 CHUNK = 4
 H, P, G, NS = 4, 8, 2, 8
@@ -124,7 +124,7 @@ def test_triton_scan_with_several_tiles_per_dim(monkeypatch, fork="chunk"):
     blocks, head-dim blocks, state blocks, the (p, n) tiles of the state passing and the
     group's heads) runs more than once; a tile written to the wrong offset fails here and
     nowhere in the one-tile tests above."""
-    from treeflow.models import ssm_triton
+    from treeflow.models.ssm import triton_scan as ssm_triton
 
     monkeypatch.setattr(ssm_triton, "BLOCKS", {"ieee": 16, "tf32x3": 16})
     assert ssm_triton._blocks(32, 32, 32, "ieee") == (16, 16, 16)

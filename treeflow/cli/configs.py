@@ -47,7 +47,7 @@ def ssm_kernel(args, tuning) -> dict:
 
     if not is_hybrid_dir(args.model):
         return {}
-    from treeflow.models.ssm_tree import resolve_kernel  # torch: a hybrid's run imports it anyway
+    from treeflow.models.ssm.tree import resolve_kernel  # torch: a hybrid's run imports it anyway
     return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
 
 

@@ -92,7 +92,7 @@ class ReferenceBackend(ModuleBackend):
     def context_parallel_plan(self, parents_N, depths_N, bounds, cp, *, kernel: str,
                               overlap: bool):
         """This rank's plan of a bin cut at `bounds` over the context-parallel group `cp`:
-        a ContextParallelPlan, wrapped with the rank's Mamba-2 heads (ssm_cp.py) for a
+        a ContextParallelPlan, wrapped with the rank's Mamba-2 heads (ssm/cp.py) for a
         hybrid model."""
         from treeflow.models.attention.context_parallel import ContextParallelPlan
 

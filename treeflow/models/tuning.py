@@ -20,13 +20,13 @@ in bench/results/ rather than assumed.
   online log-sum-exp over vocabulary chunks with a recomputing backward
   (models/fused_loss.py): never edges x vocabulary float32 logits, for a
   second projection in backward (the checkpointed chunks pay that too).
-- `ssm_fork`, `ssm_state_dtype` (Mamba-2 hybrids, models/ssm_tree.py): where a
+- `ssm_fork`, `ssm_state_dtype` (Mamba-2 hybrids, models/ssm/tree.py): where a
   branch's recurrent state forks ("exact": at the branch token; "chunk": at the
   last scan-chunk boundary, replaying the tail) and the dtype the materialised
   inter-chunk states are held in (float32, or bfloat16 for half their memory).
   Both keep the mathematics; they move rounding. `ssm_kernel`: the scan's
   implementation ("torch": the reference einsums; "triton": the fused kernels of
-  models/ssm_triton.py, which recompute per chunk in backward; "auto": triton on
+  models/ssm/triton_scan.py, which recompute per chunk in backward; "auto": triton on
   CUDA when triton is installed, torch elsewhere).
 - `recompute`: activation recomputation per layer (torchtitan's names;
   models/recompute.py): "full" checkpoints each decoder layer (keeps its input

@@ -14,7 +14,7 @@ the very keys the checkpoint had, so a saved model loads in transformers as the
 same model.
 
 `recurrent` is true, so the reference backend builds a HybridPlan (reference/hybrid.py):
-the same tree segment plan as the Mamba-2 hybrids (ssm_tree.py), with
+the same tree segment plan as the Mamba-2 hybrids (ssm/tree.py), with
 `chunk_size` = 64, the chunk transformers' torch path and FLA's kernels scan
 in (a chunk fork then reproduces their chunk partition; any chunk size gives
 the same values in exact arithmetic).

@@ -4,7 +4,7 @@ The same contract as reference/decoder.py's `Decoder` (which it subclasses, so e
 backend seam takes it): `forward(tokens, positions, plan)` gives final-normed
 hidden states, `project` the vocabulary logits of chosen rows. Attention
 layers run the bin's tree-attention kernel unchanged; Mamba-2 layers
-(mamba.py) run the segment plan of the same bin (ssm_tree.py), so one bin
+(ssm/mamba.py) run the segment plan of the same bin (ssm/tree.py), so one bin
 carries a `HybridPlan`: its `AttentionPlan` plus its `SegmentPlan`, built once
 by the backend and used by every layer. Parameter names are the checkpoint
 family's own (`backbone.*` for Nemotron-H, `model.*` for Bamba and Granite).
@@ -31,12 +31,12 @@ from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.attention.context_parallel import ContextParallelPlan
 from treeflow.models.reference.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.config.hybrid import HybridConfig
-from treeflow.models.mamba import Mamba2Mixer
+from treeflow.models.ssm.mamba import Mamba2Mixer
 from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.recompute import checkpoint_layer
 from treeflow.models.reference.rope import Rotary, apply_rotary
-from treeflow.models.ssm_cp import SsmShard
-from treeflow.models.ssm_tree import SegmentPlan
+from treeflow.models.ssm.cp import SsmShard
+from treeflow.models.ssm.tree import SegmentPlan
 from treeflow.models.tuning import Tuning
 
 __all__ = ["HybridDecoder", "HybridPlan"]
@@ -45,7 +45,7 @@ __all__ = ["HybridDecoder", "HybridPlan"]
 class HybridPlan:
     """A bin's tree attention and Mamba segment plan; called like its AttentionPlan.
 
-    Under context parallelism: the rank's ContextParallelPlan and its SsmShard (ssm_cp.py).
+    Under context parallelism: the rank's ContextParallelPlan and its SsmShard (ssm/cp.py).
     """
 
     def __init__(self, attention: AttentionPlan | ContextParallelPlan,

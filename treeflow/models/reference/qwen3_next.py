@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 over one tree bin: Gated DeltaNet layers (gdn.py) between gated
+"""Qwen3-Next and Qwen3.5 over one tree bin: Gated DeltaNet layers (ssm/gdn.py) between gated
 full attention.
 
 Parameter names are transformers' (`model.layers.i.linear_attn.*`, `self_attn.*`, `mlp.*`),
@@ -12,7 +12,7 @@ the output by sigmoid(gate) before o_proj. GDN layers run on the plan's Mamba-2 
 plan (`HybridPlan.segments`), so their state forks at branch points exactly as Mamba-2's.
 
 The trade-off: no compiled or recomputed layer variants and no context parallelism
-(a GDN layer needs whole paths; head parallelism around the mixer, as ssm_cp.py does for
+(a GDN layer needs whole paths; head parallelism around the mixer, as ssm/cp.py does for
 Mamba-2, is not written yet): declared in models/families.py and refused there and in
 models/support.py.
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from treeflow.models.attention.tree import check_tokens
 from treeflow.models.reference.decoder import MLP, Decoder
-from treeflow.models.gdn import GatedDeltaNet
+from treeflow.models.ssm.gdn import GatedDeltaNet
 from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.reference.gemma3 import Gemma3Norm
 from treeflow.models.reference.hybrid import HybridPlan

@@ -1,6 +1,6 @@
-"""The Mamba-2 tree scan (ssm_tree.py's plan) as Triton kernels: forward and backward.
+"""The Mamba-2 tree scan (ssm/tree.py's plan) as Triton kernels: forward and backward.
 
-Same plan, same mathematics as ssm_tree.py's PyTorch levels: a level's segments
+Same plan, same mathematics as ssm/tree.py's PyTorch levels: a level's segments
 are laid out as whole chunks (`gather_KC`), and a segment starts from the state
 its parent's scan had at the fork (the parent's final state for `exact` forks,
 its state at the path's chunk boundary for `chunk` forks; the unaligned tail is
@@ -28,7 +28,7 @@ its decay mask and the two operands of the next product), never a whole
 - `_chunk_scan_fwd` (chunks x heads x (C, p) tiles): intra-chunk output, the C B^T
   blocks (looped over n) masked by the decays, on or below the diagonal only,
   applied to x dt; plus the chunk-start state's contribution.
-- Backward of a chunk (the kernels in ssm_triton_bwd.py), split three ways so
+- Backward of a chunk (the kernels in ssm/triton_bwd.py), split three ways so
   none holds more than the forward's tiles: `dx_bwd` (chunks x heads x (C, p)
   tiles), `dc_bwd` and `db_bwd` (chunks x groups x (C, n) tiles, each looping
   over its group's heads, so group-shared B and C get their gradient summed in
@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflow.models.ssm_triton_bwd import db_bwd, dc_bwd, decay, dx_bwd, state_pass_bwd, tile
+from treeflow.models.ssm.triton_bwd import db_bwd, dc_bwd, decay, dx_bwd, state_pass_bwd, tile
 
 __all__ = ["PRECISIONS", "level_scan", "precision_for"]
 

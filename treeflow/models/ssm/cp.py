@@ -6,7 +6,7 @@ its tree scan forks states across segments that the cuts may split. So each
 Mamba mixer switches to head parallelism for its scan: after `in_proj` (on
 the rank's own nodes) one all_to_all gives rank r the *whole bin* for its
 share of the SSM heads -- their x channels, their B/C groups and their dt --
-the unchanged tree conv and tree scan (ssm_tree.py, one whole-bin
+the unchanged tree conv and tree scan (ssm/tree.py, one whole-bin
 SegmentPlan, both fork modes, both state dtypes) run on that share, and a
 second all_to_all returns every node's scan output (float32, as the
 single-process path hands it to the norm) to the rank that holds the node.
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treeflow.models.ssm_tree import SegmentPlan
+from treeflow.models.ssm.tree import SegmentPlan
 
 __all__ = ["SsmShard", "head_shares"]
 

@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer of the hybrid decoders, over a tree bin (ssm_tree.py does the scan).
+"""The Mamba-2 mixer of the hybrid decoders, over a tree bin (ssm/tree.py does the scan).
 
 Parameter names and shapes are Hugging Face's (`in_proj`, `conv1d`, `dt_bias`,
 `A_log`, `D`, `norm`, `out_proj`), so Nemotron-H and Bamba state dicts load 1:1.
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.config.hybrid import HybridConfig
-from treeflow.models.ssm_cp import SsmShard
-from treeflow.models.ssm_tree import SegmentPlan, tree_conv, tree_ssd
+from treeflow.models.ssm.cp import SsmShard
+from treeflow.models.ssm.tree import SegmentPlan, tree_conv, tree_ssd
 
 __all__ = ["GatedRMSNorm", "Mamba2Mixer"]
 

@@ -1,7 +1,7 @@
 """Gated DeltaNet (Qwen3-Next's linear attention) over a prefix tree, on the Mamba-2 segment plan.
 
 A GDN layer is a recurrent state (per value head a [key dim, value dim] matrix) fed
-through a short causal conv, like Mamba-2's: so it reuses ssm_tree.py's
+through a short causal conv, like Mamba-2's: so it reuses ssm/tree.py's
 `SegmentPlan` unchanged. The conv window is each token's last `conv_kernel` path
 nodes (`tree_conv`, gathered through the parents: a child segment's window reads its
 parent's last tokens); the state is scanned segment by segment, level by level, each
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.config.gdn import GdnConfig
-from treeflow.models.ssm_tree import SegmentPlan, tree_conv
+from treeflow.models.ssm.tree import SegmentPlan, tree_conv
 
 __all__ = ["GatedDeltaNet", "tree_gated_delta"]
 

@@ -1,4 +1,4 @@
-"""The backward kernels of the Triton tree scan (ssm_triton.py holds the design notes),
+"""The backward kernels of the Triton tree scan (ssm/triton_scan.py holds the design notes),
 and the two tile helpers both directions share.
 
 Each backward kernel recomputes what it needs of the forward (C B^T, x dy^T, the
@@ -7,7 +7,7 @@ tokens x heads x state is read or written. dB and dC are summed over a group's
 heads inside the kernel (a loop, fixed order); acs's gradient leaves as per-tile
 partial sums that the caller adds (no atomics).
 
-Legend: as ssm_triton.py's; l a target position of a chunk, s a source one.
+Legend: as ssm/triton_scan.py's; l a target position of a chunk, s a source one.
 """
 
 from __future__ import annotations

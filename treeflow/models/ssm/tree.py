@@ -26,7 +26,7 @@ recurrence (states, not tokens) is padded: segments are bucketed by chunk count
 (powers of two), one batched recurrence per bucket, at most 2x padding.
 
 Kernels (`kernel`): "torch" runs each level as the einsums below (the
-reference); "triton" runs the same plan through ssm_triton.py's fused kernels
+reference); "triton" runs the same plan through ssm/triton_scan.py's fused kernels
 (CUDA, or CPU under TRITON_INTERPRET=1 for tests); "auto" is triton on CUDA when
 triton is installed, torch elsewhere. Both give the same partition and the same
 mathematics; they differ in rounding order and in what backward keeps.
@@ -133,7 +133,7 @@ class _Level:
         self.init_rows, self.init_from = t(init_rows), t(init_from)
         self.buckets, self.rows = buckets, rows  # [(first row, segments, Z)], total rows
         # per segment (first chunk, chunks, first row) and the segments with a parent, for
-        # the Triton kernels (ssm_triton.py)
+        # the Triton kernels (ssm/triton_scan.py)
         self.seg, self.init_local = t(seg), t(init_local)
 
 
@@ -304,7 +304,7 @@ def tree_ssd(x_Nhp: torch.Tensor, dt_Nh: torch.Tensor, A_h: torch.Tensor, B_Ngn:
         if plan.kernel == "triton":  # groups stay groups: the kernels pick a head's group
             import functools
 
-            from treeflow.models.ssm_triton import level_scan, precision_for
+            from treeflow.models.ssm.triton_scan import level_scan, precision_for
 
             # float32 products for a float32 model, tf32x3 tensor cores for bf16 / fp16 ones
             scan = functools.partial(level_scan, precision=precision_for(x_Nhp.dtype))
