@@ -2,7 +2,7 @@
 
 The gate (`treeflow gate --routing replay`) reports `route_agreement` over every
 replayed (token, MoE layer) row and checks `route_agreement_decided` over the
-rows whose recomputed top-k is no near-tie (models/route_ties.py: the k-th minus
+rows whose recomputed top-k is no near-tie (models/moe/ties.py: the k-th minus
 (k+1)-th router logit above TIE_ULPS * eps * (|l_k| + |l_k+1|)). This script
 shows whether every disagreement is such a near-tie, row by row: it samples
 `--groups` groups with the gate's own sampler (programs/rollout.py
@@ -67,8 +67,8 @@ def route_margins(model: str, *, device: str = "cuda", dtype: str = "bfloat16",
     import torch
 
     from treeflow.models.backend import load_backend
-    from treeflow.models.moe import MoeBlock
-    from treeflow.models.route_ties import TIE_ULPS
+    from treeflow.models.moe.block import MoeBlock
+    from treeflow.models.moe.ties import TIE_ULPS
     from treeflow.programs.rollout import Rollout, sample_group
     from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
     from treeflow.train import Trainer

@@ -182,7 +182,7 @@ def test_the_designs_gate_passes_through_transferqueue_at_context_parallel_2(set
 def test_the_designs_gate_passes_its_route_check_in_bfloat16(setup, capsys, cp):
     """bf16 (the design's dtype): the sampler's pure bf16 forward and the trainer's mixed
     precision one agree on every decided route row of the sigmoid, bias-corrected,
-    group-limited router (models/route_ties.py); before, decided agreement was 0.9956."""
+    group-limited router (models/moe/ties.py); before, decided agreement was 0.9956."""
     rc, fig, err = _gate(capsys, setup[0], "--dtype", "bfloat16", "--context-parallel", str(cp))
     assert rc == 0 and fig["passed"] and fig["failures"] == [], err
     assert fig["episodes_retained"] == 32 and fig["route_agreement_decided"] == 1.0

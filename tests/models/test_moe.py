@@ -201,7 +201,7 @@ def test_experts_run_in_the_autocast_dtype():
     autocast dtype, like every F.linear around them: autocast does not cover
     torch._grouped_mm, so without the cast they ran in float32 (on CUDA the padded float32
     bmm, which ran a Qwen3-30B-A3B-shaped training step out of GPU memory)."""
-    from treeflow.models import moe_experts as moe
+    from treeflow.models.moe import experts as moe
 
     g = torch.Generator().manual_seed(0)
     n, h, i, x, k = 64, 32, 16, 8, 2
@@ -245,7 +245,7 @@ def test_relu2_experts_take_a_float32_activation_in_the_weight_dtype(monkeypatch
     and autocast does not cover torch._grouped_mm, so the float32 activation met the bfloat16
     down weights. Here the activation returns float32 as it does under CUDA autocast; the
     second matmul must take it in the weights' dtype, as autocast casts a matmul's inputs."""
-    from treeflow.models import moe_experts as moe
+    from treeflow.models.moe import experts as moe
 
     real = moe._act
     monkeypatch.setattr(moe, "_act", lambda h, gated: real(h, gated).float())

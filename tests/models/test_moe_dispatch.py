@@ -1,4 +1,4 @@
-"""models/moe_experts.py's vectorised expert path (dispatch, permute, grouped matmuls, combine)
+"""models/moe/experts.py's vectorised expert path (dispatch, permute, grouped matmuls, combine)
 against a plain per-expert loop in float64: values and gradients of the tokens, combine
 weights and expert weights.
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treeflow.models import moe_experts as moe
+from treeflow.models.moe import experts as moe
 
 
 def _case(n=37, k=3, experts=7, h=8, i=4, seed=0, gated=True):

@@ -16,8 +16,8 @@ import torch
 
 from tests.deps import require
 from treeflow.models import ModelConfig
-from treeflow.models.moe import MoeBlock
-from treeflow.models.route_ties import TIE_ULPS
+from treeflow.models.moe.block import MoeBlock
+from treeflow.models.moe.ties import TIE_ULPS
 
 transformers = require("transformers")
 
@@ -124,7 +124,7 @@ def test_near_tie_band_is_the_hand_formula_and_decided_rows_are_counted_apart():
 def test_nemotron_h_band_goes_through_the_sigmoid_slope():
     """Nemotron-H chooses by biased sigmoid scores: the margin is their gap, the band the
     logit band times s(1 - s) (first order), written out here."""
-    from treeflow.models.route_ties import topk_margin
+    from treeflow.models.moe.ties import topk_margin
 
     logits = torch.tensor([[2.0, 0.5, -1.0, 0.25]])
     bias = torch.tensor([0.0, 0.1, 0.0, 0.2])

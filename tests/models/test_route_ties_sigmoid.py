@@ -19,8 +19,8 @@ import torch
 
 from tests.deps import require
 from treeflow.models import ModelConfig
-from treeflow.models.moe import MoeBlock
-from treeflow.models.route_ties import TIE_ULPS
+from treeflow.models.moe.block import MoeBlock
+from treeflow.models.moe.ties import TIE_ULPS
 
 transformers = require("transformers")
 

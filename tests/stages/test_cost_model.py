@@ -222,7 +222,7 @@ def test_attention_moe_cost_counts_active_experts_exactly(tmp_path, monkeypatch,
     router and top_k active experts per token (not the dense intermediate_size MLP)."""
     from tests.models.moe_helpers import hf_model
     from treeflow.models import load_model
-    from treeflow.models import moe_experts as moe
+    from treeflow.models.moe import experts as moe
 
     monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
 
@@ -272,7 +272,7 @@ def test_deepseek_cost_counts_mla_shared_experts_and_dense_layers(tmp_path, monk
     pairs are QK^T and P.V at its padded head width (hand formula)."""
     from tests.models.families_helpers import hf_deepseek
     from treeflow.models import load_model
-    from treeflow.models import moe_experts as moe
+    from treeflow.models.moe import experts as moe
 
     monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
     hf_deepseek(family).save_pretrained(tmp_path)

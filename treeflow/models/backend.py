@@ -106,7 +106,7 @@ class ReferenceBackend(ModuleBackend):
 
     def hidden_states(self, tokens_N, positions_N, plan, routes_NW=None, replay=True,
                       aux_weights_N=None):
-        """routes_NW: captured MoE expert ids per token (models/moe.py), or None; replay=False
+        """routes_NW: captured MoE expert ids per token (models/moe/block.py), or None; replay=False
         lets the routers choose and only counts their agreement with routes_NW; aux_weights_N:
         baseline rows per node for the router aux loss (train/router_aux.py)."""
         return self.module(tokens_N, positions_N, plan, self.tuning, routes_NW, replay,

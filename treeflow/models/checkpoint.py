@@ -34,8 +34,8 @@ from treeflow.models.reference.gpt_oss import GptOssDecoder
 from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.reference.hybrid import HybridDecoder
 from treeflow.models.config.hybrid import HybridConfig
-from treeflow.models.moe import float32_router_names
-from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
+from treeflow.models.moe.block import float32_router_names
+from treeflow.models.moe.disk import disk_name, fuse_experts, split_experts
 from treeflow.models.reference.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
 from treeflow.models.reference.qwen3_next import Qwen3NextDecoder
 
@@ -101,7 +101,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
 
 
 def _kept_float32(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
-    """The tensors that stay float32 in a model of a narrower dtype (float32 routers, moe.py)."""
+    """The tensors that stay float32 in a model of a narrower dtype (float32 routers, moe/block.py)."""
     narrower = dtype.is_floating_point and torch.finfo(dtype).bits < 32
     return float32_router_names(model) if narrower else set()
 

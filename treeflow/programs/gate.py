@@ -15,7 +15,7 @@ happen, route agreement below `min_route_agreement` under routing replay.
 Route agreement is checked over the *decided* rows (`route_agreement_decided`):
 (token, MoE layer) rows whose recomputed top-k is no near-tie, i.e. whose k-th
 minus (k+1)-th router logit exceeds the compute dtype's resolution
-(models/route_ties.py). A near-tie is a row two correct bf16 computations
+(models/moe/ties.py). A near-tie is a row two correct bf16 computations
 (the sampler's pure bf16 forward, the trainer's mixed precision one) may order
 differently, so it proves nothing either way; a corrupted or misaligned route
 disagrees on decided rows. The raw `route_agreement` over every replayed row

@@ -6,7 +6,7 @@
   the compute dtype's under `pure`; / data-parallel ranks with `--shard-params` (FSDP2).
 - weight_casts: the compute-dtype copies of the layers' matmul weights that a mixed-precision
   forward makes and keeps for backward (autocast's casts; the experts' explicit casts in
-  models/moe.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
+  models/moe/block.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
   under `--recompute selective|full` (a checkpointed layer casts again in backward: one
   layer's casts go to temporaries). With
   `--shard-params` it is the all-gathered layer instead (2 layers: the one running and the

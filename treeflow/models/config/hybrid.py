@@ -3,7 +3,7 @@
 `HybridConfig` is a `ModelConfig` (so the cost model, the trainer and the
 backend protocol read the attention/MLP fields they already know) plus the
 layer pattern, the Mamba-2 mixer's shape and, for MoE blocks, a `moe`
-MoeConfig (models/config/moe.py; models/moe.py: routing replay, route width = MoE layers x top_k).
+MoeConfig (models/config/moe.py; models/moe/block.py: routing replay, route width = MoE layers x top_k).
 Like config/model.py it models only what changes the computation and refuses what
 it cannot honour: RoPE scaling, biases, sliding windows, quantisation, token
 dropping, and MTP layers in a family without a bypass (reference/mtp.py). Everything

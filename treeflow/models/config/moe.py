@@ -7,7 +7,7 @@ many, top-k and its normalisation, the shared expert, the router aux loss,
 and the routed_experts width a bin must carry (`route_width`). Settings that
 drop tokens (capacity factors) are refused by name (`refuse_dropping`): a
 dropped row of a shared prefix node would vanish from every call sharing it.
-The blocks that run it are in models/moe.py.
+The blocks that run it are in models/moe/block.py.
 
 The trade-off: the config is validated here, once, when a checkpoint is
 read, so a block never has to decide what an unknown key means; a family

@@ -190,7 +190,7 @@ def moe_config(c: ModelConfig, *, expert_parallel: int = 1) -> dict:
 
 
 def moe_hf_to_mcore(hf: dict, c: ModelConfig, layer: int, take) -> dict:
-    """One MoE layer's HF tensors (fused experts, as models/moe.py holds them) -> MCore's."""
+    """One MoE layer's HF tensors (fused experts, as models/moe/block.py holds them) -> MCore's."""
     a, m = f"model.layers.{layer}.mlp.", f"decoder.layers.{layer}.mlp."
     out = {m + "router.weight": take(hf, a + "gate.weight")}
     gate_up, down = take(hf, a + "experts.gate_up_proj"), take(hf, a + "experts.down_proj")

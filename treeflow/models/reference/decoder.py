@@ -1,4 +1,4 @@
-"""The reference PyTorch decoder (Llama/Qwen2 family; MoE layers in moe.py) over one tree bin.
+"""The reference PyTorch decoder (Llama/Qwen2 family; MoE layers in moe/block.py) over one tree bin.
 
 Plain modules, no fused kernels, parameter names identical to Hugging Face's so
 that a state dict loads and saves 1:1. It runs one bin at a time as a single
@@ -22,7 +22,7 @@ from torch import nn
 from treeflow.models.attention.tree import TORCH_KERNELS, AttentionPlan, Capabilities, check_tokens
 from treeflow.models.config.model import ModelConfig
 from treeflow.models.layer_ops import LayerOps, layer_ops
-from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
+from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.tuning import Tuning
 
@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x_NH, cos_ND, sin_ND, attention, ops: LayerOps | None = None, moe=None):
         """One layer; `ops` (layer_ops.py) compiles and/or recomputes its parts.
 
-        moe: (route_NK or None, tally) for an MoE layer (models/moe.py), else None.
+        moe: (route_NK or None, tally) for an MoE layer (models/moe/block.py), else None.
         """
         if ops is None:
             x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
@@ -172,7 +172,7 @@ class Decoder(nn.Module):
         record_tally(self, tally)
         return self.model.norm(x_NH)
 
-    # (agreeing, replayed, agreeing decided, decided) (token, MoE layer) rows (models/moe.py)
+    # (agreeing, replayed, agreeing decided, decided) (token, MoE layer) rows (models/moe/block.py)
     route_tally: torch.Tensor | None = None
     router_mass: torch.Tensor | None = None  # [experts] weighted router probabilities (aux loss)
 

@@ -1,6 +1,6 @@
 """DeepSeek-V3 and GLM-4.5 over one tree bin: multi-head latent attention and sigmoid-routed MoE.
 
-Both are the reference decoder (models/reference/decoder.py) with its MoE blocks (models/moe.py: the
+Both are the reference decoder (models/reference/decoder.py) with its MoE blocks (models/moe/block.py: the
 sigmoid, bias-corrected, group-limited router of moe_config.SIGMOID_ROUTED, shared experts,
 dense first layers) and routing replay as every MoE family has it. GLM-4.5 keeps the base
 attention (partial rotary through `rotary_dim`, optional q/k norms). DeepSeek-V3's layers
@@ -29,7 +29,7 @@ from torch import nn
 from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.reference.decoder import MLP, Decoder, DecoderLayer, RMSNorm
 from treeflow.models.config.deepseek import DeepseekConfig
-from treeflow.models.moe import MoeBlock
+from treeflow.models.moe.block import MoeBlock
 from treeflow.models.reference.rope import Rotary, apply_rotary, yarn_mscale
 
 __all__ = ["DeepseekDecoder", "MlaAttention"]

@@ -25,7 +25,7 @@ from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.reference.decoder import Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
 from treeflow.models.layer_ops import layer_ops
-from treeflow.models.moe import check_routes
+from treeflow.models.moe.block import check_routes
 from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["Gemma3Decoder"]

@@ -9,10 +9,10 @@ distance along the path). Each token's router picks top_k experts from its biase
 weighted by the softmax of the chosen logits; an expert is `(up + 1) * gate *
 sigmoid(alpha * gate)` over clamped, interleaved gate/up columns, with biases. A shared node
 has one hidden state, so one routing, whichever calls share it. Routing replay as every MoE
-family has it (models/moe.py's `replayed`): replayed ids where given, weighted by the softmax
+family has it (models/moe/block.py's `replayed`): replayed ids where given, weighted by the softmax
 of the current router's logits at them, so the router still gets gradients; agreement and
-near-ties counted as for a softmax router (route_ties.py). The trade-off: the experts run one
-matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of moe_experts.py).
+near-ties counted as for a softmax router (moe/ties.py). The trade-off: the experts run one
+matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of moe/experts.py).
 
 Legend: N tokens, H hidden, I expert width, X experts, K top_k, Q query heads, D head dim.
 """
@@ -27,8 +27,8 @@ from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.reference.decoder import Decoder, RMSNorm
 from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.layer_ops import layer_ops
-from treeflow.models.moe import block_args, check_routes, record_tally, replayed
-from treeflow.models.route_ties import compute_dtype, topk_margin
+from treeflow.models.moe.block import block_args, check_routes, record_tally, replayed
+from treeflow.models.moe.ties import compute_dtype, topk_margin
 from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["GptOssDecoder"]
@@ -113,7 +113,7 @@ class GptOssExperts(nn.Module):
 
 class GptOssMLP(nn.Module):
     """The experts of layer `layer_index`: `mlp(x_NH, route_NK, tally, replay, aux_weights_N)`
-    as models/moe.py's MoeBlock (no router aux loss: config/gpt_oss.py refuses it)."""
+    as models/moe/block.py's MoeBlock (no router aux loss: config/gpt_oss.py refuses it)."""
 
     def __init__(self, c: GptOssConfig, layer_index: int = 0) -> None:
         super().__init__()

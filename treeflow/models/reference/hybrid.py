@@ -9,7 +9,7 @@ carries a `HybridPlan`: its `AttentionPlan` plus its `SegmentPlan`, built once
 by the backend and used by every layer. Parameter names are the checkpoint
 family's own (`backbone.*` for Nemotron-H, `model.*` for Bamba and Granite).
 MoE blocks (Nemotron-H's "moe" blocks, GraniteMoeHybrid's experts) are
-moe.py's `MoeBlock`, with routing replay exactly as in the attention decoder:
+moe/block.py's `MoeBlock`, with routing replay exactly as in the attention decoder:
 each MoE layer takes its top_k columns of the bin's routes, in layer order.
 GraniteMoeHybrid's logits_scaling divides the final hidden states (logits
 are linear in them), so every projection path -- chunked, fused, sampling --
@@ -32,7 +32,7 @@ from treeflow.models.attention.context_parallel import ContextParallelPlan
 from treeflow.models.reference.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.ssm.mamba import Mamba2Mixer
-from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
+from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.recompute import checkpoint_layer
 from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.ssm.cp import SsmShard

@@ -3,7 +3,7 @@ full attention.
 
 Parameter names are transformers' (`model.layers.i.linear_attn.*`, `self_attn.*`, `mlp.*`),
 so a checkpoint loads and saves 1:1. Every layer: (1 + w) RMSNorm in float32, its mixer,
-residual; (1 + w) RMSNorm, a SwiGLU MLP or the sparse MoE block (models/moe.py's
+residual; (1 + w) RMSNorm, a SwiGLU MLP or the sparse MoE block (models/moe/block.py's
 "qwen2_moe" block: softmax top-k router, shared expert times a sigmoid gate, routing
 replay), residual. Full attention layers project q together with an output gate (q_proj
 gives [q | gate] per head), norm q and k per head ((1 + w)), rotate the first
@@ -31,7 +31,7 @@ from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.reference.gemma3 import Gemma3Norm
 from treeflow.models.reference.hybrid import HybridPlan
 from treeflow.models.layer_ops import layer_ops
-from treeflow.models.moe import MoeBlock, block_args, check_routes, record_tally
+from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["Qwen3NextDecoder"]

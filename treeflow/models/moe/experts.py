@@ -1,5 +1,5 @@
 """The experts of an MoE block: tokens sorted to their experts, two grouped matmuls, and the
-rows gathered back to token order (models/moe.py routes; this computes).
+rows gathered back to token order (models/moe/block.py routes; this computes).
 
 Expert compute is one sort by expert (`dispatch`: order, inverse and counts on the device),
 two grouped matmuls (`torch._grouped_mm`: CUDA in bf16, CPU in 16/32-bit floats, rows

@@ -26,7 +26,7 @@ route is the sentinel -1 (the final sampled token: the engine never ran it as
 an input) takes the router's own top-k; such a row is a target-only leaf, so
 its value reaches no logprob. `route_agreement` counts the (token, MoE layer)
 rows whose recomputed top-k set equals the replayed one; `route_agreement_decided`
-counts the same over the rows whose top-k is no near-tie (models/route_ties.py:
+counts the same over the rows whose top-k is no near-tie (models/moe/ties.py:
 the k-th minus (k+1)-th router logit above two ulps of the compute dtype per logit).
 
 Router precision: `MoeConfig.router_dtype="float32"` (the default, as Megatron's
@@ -42,7 +42,7 @@ mixed-precision trainer holds, as vLLM and SGLang keep such gates in float32. Ro
 bf16, the weight moves every logit by ~1e-3 relative and the bias moves the choice by up to
 half a bf16 ulp of itself: routes that disagree far outside the near-tie band.
 
-Expert compute (dispatch, grouped matmuls, combine): models/moe_experts.py.
+Expert compute (dispatch, grouped matmuls, combine): models/moe/experts.py.
 
 Legend: N tokens, H hidden, I expert intermediate, X experts, K top-k,
 R = N*K routed rows, W route width.
@@ -57,8 +57,8 @@ from torch import nn
 from treeflow.models.config.moe import (MOE_ARCHITECTURES, ROUTER_DTYPES, ROUTINGS,
                                        DEEPSEEK_MOE_FAMILIES, SIGMOID_ROUTED, MoeConfig,
                                        route_width)
-from treeflow.models.moe_experts import expert_mix
-from treeflow.models.route_ties import (compute_dtype, group_margin, score_band, tighter,
+from treeflow.models.moe.experts import expert_mix
+from treeflow.models.moe.ties import (compute_dtype, group_margin, score_band, tighter,
                                         topk_margin)
 
 # the config's names (models/config/moe.py) stay importable from here, where they began
@@ -105,7 +105,7 @@ def block_args(moe: MoeConfig | None, i: int, routes_NW, tally: dict, replay: bo
 def replayed(own_NK, decided_N, route_NK, tally: dict | None, replay: bool, layer: int):
     """The expert ids a block runs: `route_NK`'s rows where given (>= 0) under replay, else the
     router's own `own_NK`; writes the layer's (agreeing, given, agreeing decided, decided)
-    row counts into `tally` (decided_N: rows whose top-k is no near-tie, route_ties.py)."""
+    row counts into `tally` (decided_N: rows whose top-k is no near-tie, moe/ties.py)."""
     if route_NK is None:
         return own_NK
     given_N = (route_NK >= 0).all(dim=-1)
@@ -248,7 +248,7 @@ class MoeBlock(nn.Module):
     @torch.no_grad()
     def route_margins(self, x_NH: torch.Tensor):
         """(own top-k [N, K], margin_N, resolution_N): the router's choice, the gap between its
-        k-th and (k+1)-th score and the band under which that gap is a near-tie (route_ties.py);
+        k-th and (k+1)-th score and the band under which that gap is a near-tie (moe/ties.py);
         the rows `route_agreement_decided` counts are those with margin > resolution."""
         logits_NX, probs_NX = self._scores(x_NH)
         return self._choose(logits_NX, probs_NX, compute_dtype(x_NH), True,
@@ -256,7 +256,7 @@ class MoeBlock(nn.Module):
 
     @torch.no_grad()
     def _logit_scale(self, x_NH):
-        """The error scale of each router logit (route_ties.py): sum_i |w_i x_i| for the
+        """The error scale of each router logit (moe/ties.py): sum_i |w_i x_i| for the
         sigmoid routers, None (|logit|) for the softmax ones."""
         if self.moe.family not in SIGMOID_ROUTED:
             return None
@@ -282,7 +282,7 @@ class MoeBlock(nn.Module):
     def _choose(self, logits_NX, probs_NX, compute: torch.dtype, decide: bool,
                 scale_NX=None, margins: bool = False):
         """(top-k [N, K], decided_N or None); margins=True: (top-k, margin_N, resolution_N).
-        scale_NX: `_logit_scale`'s (the logits' error scale, route_ties.py)."""
+        scale_NX: `_logit_scale`'s (the logits' error scale, moe/ties.py)."""
         moe = self.moe
         choice_NX = self._choice_scores(probs_NX)
         k = moe.top_k
