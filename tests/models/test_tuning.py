@@ -145,7 +145,7 @@ def test_fused_loss_equals_chunked_path_and_full_log_softmax(vocab, tied, chunk,
 
 def test_fused_loss_gradient_of_entropy_alone_and_of_logprobs_alone():
     """Each output's gradient on its own (the other's is None) against float64 autograd."""
-    from treeflow.models.fused_loss import fused_selected_logprobs
+    from treeflow.models.heads.fused_loss import fused_selected_logprobs
 
     gen = torch.Generator().manual_seed(3)
     hidden_EH = torch.randn(9, 16, generator=gen)
@@ -195,7 +195,7 @@ def test_fused_loss_never_holds_rows_x_vocabulary_float32_logits():
 
 
 def test_fused_loss_refuses_a_sharded_weight():
-    from treeflow.models.fused_loss import fused_selected_logprobs
+    from treeflow.models.heads.fused_loss import fused_selected_logprobs
 
     class Sharded(torch.Tensor):
         pass

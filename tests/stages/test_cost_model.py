@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tests.reference import ancestor_mask_by_walk
 from tests.train.test_training import small_model
 from treeflow.models import AttentionPlan
-from treeflow.models.logprobs import selected_logprobs
+from treeflow.models.heads.logprobs import selected_logprobs
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages import CostModel, Shard
 from treeflow.stages.shard import bin_costs, tile_pairs

@@ -26,6 +26,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "reference.hybrid": ("HybridDecoder",),
     "config.model": ("BACKENDS", "ModelConfig"),
     "checkpoint": ("load_model", "save_model"),
-    "logprobs": ("selected_logprobs",),
+    "heads.logprobs": ("selected_logprobs",),
     "tuning": ("Tuning",),
 })

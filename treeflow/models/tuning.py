@@ -18,7 +18,7 @@ in bench/results/ rather than assumed.
   CUDA only: elsewhere it warns once and runs eager.
 - `fused_loss`: the selected edges' log-softmax through a fused linear +
   online log-sum-exp over vocabulary chunks with a recomputing backward
-  (models/fused_loss.py): never edges x vocabulary float32 logits, for a
+  (models/heads/fused_loss.py): never edges x vocabulary float32 logits, for a
   second projection in backward (the checkpointed chunks pay that too).
 - `ssm_fork`, `ssm_state_dtype` (Mamba-2 hybrids, models/ssm/tree.py): where a
   branch's recurrent state forks ("exact": at the branch token; "chunk": at the

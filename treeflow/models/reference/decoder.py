@@ -190,12 +190,12 @@ class Decoder(nn.Module):
         return F.linear(hidden_EH, self.output_weight_VH)
 
     def selected_logprobs(self, hidden_EH: torch.Tensor, targets_E: torch.Tensor, **options):
-        """models/logprobs.py's `selected_logprobs` of these rows, in one call of this module.
+        """models/heads/logprobs.py's `selected_logprobs` of these rows, in one call of this module.
 
         Under FSDP (train/fsdp.py) this is the forward method that gathers the output weight:
         once per bin, whatever its chunk count, so ranks whose bins hold different edge counts
         still run the same collectives (one call per chunk of `project` did not).
         """
-        from treeflow.models.logprobs import selected_logprobs
+        from treeflow.models.heads.logprobs import selected_logprobs
 
         return selected_logprobs(self, hidden_EH, targets_E, **options)

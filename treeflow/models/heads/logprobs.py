@@ -7,7 +7,7 @@ row before the next chunk starts. Under autograd each chunk runs inside
 activation checkpointing, so its logits are recomputed in backward instead of
 being kept: the trade is one extra projection per chunk for memory that grows
 with rows, not rows x vocab. `fused=True` takes the fused path instead
-(models/fused_loss.py: vocabulary chunks too, an online log-sum-exp and a
+(models/heads/fused_loss.py: vocabulary chunks too, an online log-sum-exp and a
 recomputing backward, so no rows x vocab float32 tile is ever held).
 
 Legend: E selected rows (loss edges), H hidden, C rows in a chunk, V vocabulary.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from treeflow.models.fused_loss import fused_selected_logprobs
+from treeflow.models.heads.fused_loss import fused_selected_logprobs
 
 __all__ = ["check_selected", "chunked_selected", "selected_logprobs"]
 
