@@ -1,4 +1,4 @@
-"""Graphs without grad compiled ahead of time (models/aoti.py), on CPU through inductor's C++.
+"""Graphs without grad compiled ahead of time (models/compile/aoti.py), on CPU through inductor's C++.
 
 A two-layer decoder's forward without grad through the fast preset's layer graphs (LayerOps
 with inductor, ahead_of_time=True), in two fresh processes on one compile cache: the first
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.test_compile_cache_precompiled import cache  # noqa: F401 (the fixture)
-from treeflow.models import aoti
+from treeflow.models.compile import aoti
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,11 +29,12 @@ import json, sys
 from treeflow.compile_cache import configure
 configure(sys.argv[1])
 import numpy as np, torch
-from treeflow.models import ModelConfig, precompiled
+from treeflow.models import ModelConfig
+from treeflow.models.compile import precompiled
 from treeflow.models.reference import decoder
 from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
-from treeflow.models.layer_ops import LayerOps
+from treeflow.models.compile.layer_ops import LayerOps
 from treeflow.tree import subtree_end
 
 cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -155,7 +156,7 @@ def test_the_signature_tells_dtypes_sizes_layouts_and_constants_apart():
 
 
 def test_a_call_under_autocast_never_gets_a_graph_built_without_it(cache, monkeypatch):
-    from treeflow.models import precompiled
+    from treeflow.models.compile import precompiled
 
     built = []
 
@@ -189,7 +190,7 @@ def test_misaligned_inputs_are_copied_with_their_strides_and_module_tensors_come
 
 
 def test_a_build_that_failed_is_recorded_and_not_paid_again(cache, monkeypatch, capfd):
-    from treeflow.models import precompiled
+    from treeflow.models.compile import precompiled
 
     tries = []
 

@@ -71,7 +71,7 @@ def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
     from treeflow.stages import Forward
 
     path = _hybrid(tmp_path)
-    # a hybrid recomputes whole blocks only (models/recompute.py); the finer modes are refused
+    # a hybrid recomputes whole blocks only (models/compile/recompute.py); the finer modes are refused
     with pytest.raises(ValueError, match=r"BambaForCausalLM: Tuning\(compile_layers=False, "
                                          r"recompute='mlp'\).*use --recompute selective, full"):
         load_backend("reference", path, tuning=Tuning(recompute="mlp"))

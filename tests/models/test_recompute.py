@@ -1,4 +1,4 @@
-"""Activation recomputation (`--recompute selective|full`, models/recompute.py) changes no number.
+"""Activation recomputation (`--recompute selective|full`, models/compile/recompute.py) changes no number.
 
 A training step through the real path (Pack -> Fragment -> Trainer: the loss head's
 vocabulary chunks at the edges, backward, gradient sums) with recomputation on must give the

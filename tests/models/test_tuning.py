@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from treeflow.models import (AttentionPlan, ReferenceBackend, Tuning, load_model,
                              selected_logprobs)
-from treeflow.models.layer_ops import layer_ops
+from treeflow.models.compile.layer_ops import layer_ops
 from treeflow.stages import Forward
 from treeflow.ops import build_forward
 
@@ -266,7 +266,7 @@ def test_compiled_layers_share_one_graph_per_part_across_layers_and_lengths():
 
 
 def test_inductor_on_cpu_warns_and_runs_the_plain_path():
-    import treeflow.models.layer_ops as lo
+    import treeflow.models.compile.layer_ops as lo
 
     lo._warn_eager.cache_clear()
     model = small_model()

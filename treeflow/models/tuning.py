@@ -29,7 +29,7 @@ in bench/results/ rather than assumed.
   models/ssm/triton_scan.py, which recompute per chunk in backward; "auto": triton on
   CUDA when triton is installed, torch elsewhere).
 - `recompute`: activation recomputation per layer (torchtitan's names;
-  models/recompute.py): "full" checkpoints each decoder layer (keeps its input
+  models/compile/recompute.py): "full" checkpoints each decoder layer (keeps its input
   and the MoE route choices; backward reruns the layer, about +33% FLOPs);
   "selective" keeps the matmul and attention-kernel outputs and recomputes
   norms, RoPE, activations and the Mamba-2 scan's chunk tensors (a few percent

@@ -310,7 +310,7 @@ class ForwardRunner:
         tree_parents = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
         shapes = {"tree_bin": tree_parents}
         if grad:  # without grad it compiles nothing either, but importing varlen imports dynamo,
-            # which a replay that loads its graphs ahead of time (models/aoti.py) never needs
+            # which a replay that loads its graphs ahead of time (models/compile/aoti.py) never needs
             shapes["chain_bin"] = np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)
         self.warm_up_parts = {}  # seconds per dummy bin (what bench/compile_times_cli.py reports)
         for name, parents in shapes.items():

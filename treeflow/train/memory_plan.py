@@ -24,7 +24,7 @@
   kernel, the SwiGLU products, per routed row the expert's input/activations/output, the
   Mamba-2 conv windows, the scan's chunk tensors at the model's chunk size); `full` counts the
   layer's input (and the kept route choices); `selective` the input plus the outputs of the
-  matmuls and attention kernels (models/recompute.py's policy). The loss head adds the
+  matmuls and attention kernels (models/compile/recompute.py's policy). The loss head adds the
   gathered edge rows (every token taken as an edge: an upper bound).
 - temporaries: the largest transient over a step: one layer's `none` activations (the layer
   being recomputed, or the gradients of the layer in backward), the loss head's vocabulary

@@ -4,7 +4,7 @@ The block tables come straight from `subtree_end` in numpy (`mask_entry`), cache
 shape (an LRU of 32: every layer and every step of one bin shape reuses one mask), and copied
 to the device in one pinned transfer (`to_device`). `_flex_call` builds the BlockMask inside
 the function from those tables, so the whole call is a function of tensors and constants that
-the precompile API (precompiled.py) saves and a later process loads without tracing flex.
+the precompile API (compile/precompiled.py) saves and a later process loads without tracing flex.
 The trade-off: the mask is rebuilt inside every call from its tables (a few tensor views, no
 kernel), where a BlockMask argument would put its mask_mod closure into the guards.
 """
@@ -20,7 +20,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from treeflow.models import precompiled
+from treeflow.models.compile import precompiled
 
 __all__ = ["FLEX_RECOMPILE_LIMIT", "MaskEntry", "block_mask_of", "block_tables_of", "compiled_flex",
            "flex_api", "flex_present", "mask_entry", "precompiled_flex", "to_device"]

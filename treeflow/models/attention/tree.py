@@ -15,7 +15,7 @@ then serves every layer. Three kernels trade generality for speed:
   one compile serves all bins of a run. Padding is nearly free: a padding
   token attends only to itself, so its block-sparse mask adds just the
   diagonal blocks. Where torch has the precompile API the call (mask built
-  inside from the tables, attention/flex.py) is a `Precompiled` (precompiled.py), saved whole in
+  inside from the tables, attention/flex.py) is a `Precompiled` (compile/precompiled.py), saved whole in
   the compile cache: a later process loads it instead of tracing flex (CPU's
   eager flex runs dynamo too, with the eager backend; so does this there).
 - `causal`: bins whose trees are chains (no node has two children) are packed
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeflow.models import precompiled
+from treeflow.models.compile import precompiled
 from treeflow.models.attention.flex import (FLEX_RECOMPILE_LIMIT, compiled_flex, flex_api,
                                        flex_present, mask_entry, precompiled_flex, to_device)
 from treeflow.models.attention.runs import AncestorRuns, sink_attention

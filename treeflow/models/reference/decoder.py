@@ -21,7 +21,7 @@ from torch import nn
 
 from treeflow.models.attention.tree import TORCH_KERNELS, AttentionPlan, Capabilities, check_tokens
 from treeflow.models.config.model import ModelConfig
-from treeflow.models.layer_ops import LayerOps, layer_ops
+from treeflow.models.compile.layer_ops import LayerOps, layer_ops
 from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.tuning import Tuning
@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoeBlock(c, c.moe, index) if moe else MLP(c)
 
     def forward(self, x_NH, cos_ND, sin_ND, attention, ops: LayerOps | None = None, moe=None):
-        """One layer; `ops` (layer_ops.py) compiles and/or recomputes its parts.
+        """One layer; `ops` (compile/layer_ops.py) compiles and/or recomputes its parts.
 
         moe: (route_NK or None, tally) for an MoE layer (models/moe/block.py), else None.
         """

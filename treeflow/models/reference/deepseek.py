@@ -13,7 +13,7 @@ runs, flex, chain) runs it unchanged. Its query/key heads (nope + rope) are wide
 value heads; the kernels take one head width, so values are zero-padded to it and the output
 cut back (the padding's products are zeros: exact). The trade-off: the padded P.V product
 costs (qk - v) / v more than it must (DeepSeek-V3: 192 vs 128, half again). The recompute
-and compile levers (layer_ops.py) run MLA through the same `inputs` / `output` pair as the
+and compile levers (compile/layer_ops.py) run MLA through the same `inputs` / `output` pair as the
 base attention.
 
 Legend: N tokens, H hidden, Q heads, D query/key head width, V value head width, R rope width,

@@ -9,7 +9,7 @@ scaling q before the kernel, so every tree kernel serves unchanged. Local layers
 the bin's plan restricted to the window (`AttentionPlan.windowed`): on a tree a window is a
 limit on depth distance along a query's ancestor path, never on DFS index distance (a
 sibling subtree lying between a query and its ancestor in DFS order is not in its context).
-The trade-off: no compiled or recomputed layer variants (layer_ops.py cuts the Llama layer's
+The trade-off: no compiled or recomputed layer variants (compile/layer_ops.py cuts the Llama layer's
 shape), declared in models/families.py and refused there.
 
 Legend: N tokens, H hidden, Q query heads, K key/value heads, D head dim.
@@ -24,7 +24,7 @@ from torch import nn
 from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.reference.decoder import Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
-from treeflow.models.layer_ops import layer_ops
+from treeflow.models.compile.layer_ops import layer_ops
 from treeflow.models.moe.block import check_routes
 from treeflow.models.reference.rope import Rotary, apply_rotary
 

@@ -26,7 +26,7 @@ from torch import nn
 from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.reference.decoder import Decoder, RMSNorm
 from treeflow.models.config.gpt_oss import GptOssConfig
-from treeflow.models.layer_ops import layer_ops
+from treeflow.models.compile.layer_ops import layer_ops
 from treeflow.models.moe.block import block_args, check_routes, record_tally, replayed
 from treeflow.models.moe.ties import compute_dtype, topk_margin
 from treeflow.models.reference.rope import Rotary, apply_rotary

@@ -14,7 +14,7 @@ each MoE layer takes its top_k columns of the bin's routes, in layer order.
 GraniteMoeHybrid's logits_scaling divides the final hidden states (logits
 are linear in them), so every projection path -- chunked, fused, sampling --
 divides exactly once. Recomputation (Tuning's recompute "full" or "selective",
-models/recompute.py) checkpoints each block, the Mamba-2 scan's chunk tensors
+models/compile/recompute.py) checkpoints each block, the Mamba-2 scan's chunk tensors
 rebuilt in backward; compiled layers and the finer "mlp"/"attention" modes are
 attention-decoder levers and are refused here rather than silently ignored.
 
@@ -33,7 +33,7 @@ from treeflow.models.reference.decoder import MLP, Decoder, RMSNorm
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.ssm.mamba import Mamba2Mixer
 from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
-from treeflow.models.recompute import checkpoint_layer
+from treeflow.models.compile.recompute import checkpoint_layer
 from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.ssm.cp import SsmShard
 from treeflow.models.ssm.tree import SegmentPlan
@@ -320,7 +320,7 @@ class HybridDecoder(Decoder):
             block = block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N)
             if recompute == "none":
                 x_NH = layer(x_NH, cos_ND, sin_ND, attention, block)
-            else:  # models/recompute.py: the block reruns in backward, its routes kept
+            else:  # models/compile/recompute.py: the block reruns in backward, its routes kept
                 x_NH = checkpoint_layer(layer, x_NH, cos_ND, sin_ND, attention, block,
                                         mode=recompute)
         record_tally(self, tally)

@@ -30,7 +30,7 @@ from treeflow.models.ssm.gdn import GatedDeltaNet
 from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.reference.gemma3 import Gemma3Norm
 from treeflow.models.reference.hybrid import HybridPlan
-from treeflow.models.layer_ops import layer_ops
+from treeflow.models.compile.layer_ops import layer_ops
 from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.reference.rope import Rotary, apply_rotary
 

@@ -1,6 +1,6 @@
 """What selects a compiled graph: the JSON fields of a compile-cache file's key.
 
-Shared by precompiled.py (dynamo's saved graphs) and aoti.py (AOTInductor's packages): a
+Shared by compile/precompiled.py (dynamo's saved graphs) and compile/aoti.py (AOTInductor's packages): a
 file is named by a digest of these fields and opens with them, compared before it is used.
 """
 

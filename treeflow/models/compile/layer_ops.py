@@ -14,12 +14,12 @@ varlen/SDPA kernels are already fused.
   statistics, RoPE, SiLU x up) and smaller saved activations. Without
   recomputation (and outside MoE layers) the attention output and the MLP
   block are one graph: two graphs per grad mode for dynamo to trace, not three.
-  Where torch has the precompile API, each part is a `Precompiled` (precompiled.py): its
+  Where torch has the precompile API, each part is a `Precompiled` (compile/precompiled.py): its
   graphs are saved whole in the compile cache, so a later process loads them instead of
   tracing them again (without a cache, or without the API, plain torch.compile).
 - Recomputation (`recompute`) wraps the MLP block or the attention half in
   non-reentrant activation checkpointing ("mlp", "attention"), or the whole
-  layer ("full", "selective": recompute.py, whose policies say what each keeps):
+  layer ("full", "selective": compile/recompute.py, whose policies say what each keeps):
   backward reruns it from its input instead of keeping its intermediates.
 
 With neither lever the decoder does not come here at all: its plain path is
@@ -34,8 +34,8 @@ import warnings
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from treeflow.models import precompiled
-from treeflow.models.recompute import LAYER_MODES, checkpoint_layer
+from treeflow.models.compile import precompiled
+from treeflow.models.compile.recompute import LAYER_MODES, checkpoint_layer
 
 __all__ = ["LayerOps", "layer_ops"]
 
@@ -52,7 +52,7 @@ class LayerOps:
         # the tensor arguments whose first dimension is the token count (dynamic)
         tokens = ((1, 2, 3), (1, 2), (1,), (1, 2))
         # read without importing dynamo: a process that loads every graph ahead of time never
-        # imports it (aoti.py)
+        # imports it (compile/aoti.py)
         # not inside a whole-layer checkpoint: torch's capture and its AOTAutograd cache fail
         # there (min-cut's cleanup_recompute_tags compares None > None; torch 2.13): plain
         # torch.compile then, which recompiles in each process instead of loading

@@ -1,7 +1,7 @@
 """Graphs without grad compiled ahead of time (AOTInductor): a later process runs them with no
 dynamo and no inductor in it.
 
-A variant of precompiled.py (dynamo's precompile API) still needs torch's compile stack in the
+A variant of compile/precompiled.py (dynamo's precompile API) still needs torch's compile stack in the
 process that loads it: on an H200, importing torch._dynamo and inductor's runtime was 2.7 s of
 a warm `--tuning fast` replay's 4.0 s of compiling
 (bench/results/h200_bench_compile_cache_auto_512_flex_precompiled.json). A call without grad

@@ -9,7 +9,7 @@ code, building guards, computing the cache keys (on an H200, 4.3 s of a warm
 once and saves dynamo's bytecode, its guards and the compiled graph (inductor's
 code bundled in) to one file; a later process only loads that file.
 
-Users: the layer parts (layer_ops.py) and the FlexAttention call
+Users: the layer parts (compile/layer_ops.py) and the FlexAttention call
 (`flex_mask.precompiled_flex`, the BlockMask built inside from its tables, so the arguments are
 tensors and constants; on CPU with the eager backend, as flex's own eager path).
 
@@ -34,7 +34,7 @@ others cannot write it (checked on the open file): the same trust as torch's
 inductor cache in that directory, whose generated code the process imports and
 runs anyway. With the cache off nothing is saved or loaded.
 
-A call without grad with the inductor backend on CUDA takes another route, aoti.py: the
+A call without grad with the inductor backend on CUDA takes another route, compile/aoti.py: the
 function exported and built by AOTInductor, which a later process loads with no dynamo and no
 inductor imported (their imports were most of a warm replay's compile seconds).
 
@@ -60,7 +60,7 @@ import weakref
 import torch
 
 from treeflow import atomic, compile_cache
-from treeflow.models import aoti, graph_key
+from treeflow.models.compile import aoti, graph_key
 
 __all__ = ["Precompiled", "api_present", "available", "stats"]
 
@@ -100,7 +100,7 @@ class Precompiled:
                  ahead_of_time: bool | None = None) -> None:
         self.fn, self.backend, self.name, self.dynamic = fn, backend, name, dynamic
         self.recompile_limit = recompile_limit  # dynamo's, for the torch.compile fallback
-        # calls without grad as AOTInductor graphs (aoti.py): None = on CUDA (where inductor
+        # calls without grad as AOTInductor graphs (compile/aoti.py): None = on CUDA (where inductor
         # compiles treeflow's graphs), True = on any device (the CPU tests), False = never
         self.ahead_of_time = ahead_of_time
         self._fallback = None  # the torch.compile'd fn, made on first need
@@ -150,7 +150,7 @@ class Precompiled:
         return self._fallback
 
     def _graph(self, args, kwargs):
-        """The AOTInductor graph for this call (aoti.py), loaded or built; None: not for it."""
+        """The AOTInductor graph for this call (compile/aoti.py), loaded or built; None: not for it."""
         where = compile_cache._active
         if where is None:  # the cache is off: nothing saved or loaded, torch.compile below
             return None
