@@ -13,7 +13,7 @@ import os
 
 import torch
 
-__all__ = ["device_name", "digest", "module_spec", "source_hash", "spec"]
+__all__ = ["device_name", "digest", "module_spec", "source_hash", "spec", "tree_hash"]
 
 
 def digest(key: dict) -> str:
@@ -29,13 +29,21 @@ def device_name(dev: torch.device) -> str:
 
 @functools.cache
 def source_hash() -> str:
-    """sha256 of treeflow.models' source: what a compiled function can inline."""
-    root = os.path.dirname(os.path.abspath(__file__))
+    """sha256 of treeflow.models' source (every sub-package but megatron/): what a compiled
+    function can inline."""
+    return tree_hash(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tree_hash(root: str) -> str:
+    """sha256 of the .py files under `root` and their relative paths, megatron/ left out."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("megatron", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    h.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
     return h.hexdigest()
 
 
