@@ -9,7 +9,7 @@ forward+backward tokens/s (bin tokens / seconds, after warm-up), the first call'
 seconds (`*_first_seconds`; for triton the kernels' compilation, which happens in
 the first bin's first call of each pass; `first_call_seconds` in the summary),
 peak CUDA memory above the inputs, and the outputs' and input gradient's distance
-between the two kernels (a sanity line, not the correctness test: tests/models/test_ssm_triton.py
+between the two kernels (a sanity line, not the correctness test: tests/models/ssm/test_ssm_triton.py
 and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200

@@ -55,7 +55,7 @@ SKIPPED = {
         "tests/io/test_atif.py runs the round trip through convert on routed episodes",
     "treeflow gate --config examples/gate_design.yaml --model NEMOTRON_H_MOE_MTP_DIR --device cuda -o gate.json":
         "needs a Nemotron-H MoE checkpoint, a GPU, Ray and TransferQueue; tests/test_cli_gate.py "
-        "checks the file's settings, tests/models/test_hybrid_context_parallel_cli.py runs them",
+        "checks the file's settings, tests/models/ssm/test_hybrid_context_parallel_cli.py runs them",
     "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
     ". .venv/bin/activate && mkdocs serve":
         "serves the site until stopped (tests/test_docs.py builds it with mkdocs build --strict)",
@@ -89,7 +89,7 @@ SKIPPED = {
     "treeflow replay episodes.arrow --engine ray --num-ranks 2 --context-parallel 2 \\":
         "starts Ray and C actors per rank (tests/pipeline/test_ray_context_parallel.py, marked ray)",
     "treeflow synth -o ep.arrow --routes-from DIR      # routes of DIR's shape (MoE layers x top_k)":
-        "needs a local MoE checkpoint (tests/models/test_moe_cli.py runs these on a tiny one)",
+        "needs a local MoE checkpoint (tests/models/moe/test_moe_cli.py runs these on a tiny one)",
     "treeflow replay episodes.arrow --model NEMOTRON_H_DIR --ssm-fork chunk -o lp.arrow":
         "needs a local Nemotron-H checkpoint (tests/test_cli_hybrid.py runs it on a tiny one)",
 }

@@ -1,6 +1,6 @@
 """On CUDA, the fused Triton tree scan (models/ssm/triton_scan.py), compiled, float32.
 
-Against a float64 per-node path recurrence (tests/models/test_ssm_triton.py's oracle,
+Against a float64 per-node path recurrence (tests/models/ssm/test_ssm_triton.py's oracle,
 run on the CPU) at tiny sizes with forks inside chunks and on chunk boundaries;
 against the PyTorch tree scan at the Nemotron-H 1.3B Mamba shape (64 heads x 64,
 state 128, 8 groups, chunk 128: several of the kernels' real tiles per dim) on a

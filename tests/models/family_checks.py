@@ -1,5 +1,5 @@
 """The checks every dense family passes against transformers' own class, call by call in
-float32 (tests/models/test_qwen3.py, test_gemma3.py): layouts with fragments and GRPO groups
+float32 (tests/models/reference/test_qwen3.py, test_gemma3.py): layouts with fragments and GRPO groups
 (logprobs and every parameter gradient), random forks through each tree kernel, a training
 step saved back, and the CLI. `hf` is the transformers model, `path` its saved checkpoint."""
 

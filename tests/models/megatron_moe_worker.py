@@ -12,7 +12,7 @@ with the routes forced into its router (tests/models/moe_helpers.py); its gradie
 mapped to MCore's names and cut to this rank's TP / EP part (an expert's gradient E times
 transformers': the E ranks each contribute one copy of every token). Rank 0 writes the largest
 logprob difference and, per rank, the largest gradient difference relative to that
-gradient's largest entry, and the route tally; tests/models/test_megatron_moe.py decides.
+gradient's largest entry, and the route tally; tests/models/megatron/test_megatron_moe.py decides.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Expert compute is one sort by expert (`dispatch`: order, inverse and counts on t
 two grouped matmuls (`torch._grouped_mm`: CUDA in bf16, CPU in 16/32-bit floats, rows
 16-byte aligned, offsets from the device counts) and one gather back to token order summed
 over the top-k (`combine`); nothing reads a device value on the host, forward or backward
-(tests/models/test_moe_host_sync.py), so a layer never makes CUDA wait.
+(tests/models/moe/test_moe_host_sync.py), so a layer never makes CUDA wait.
 Else a padded batched matmul over experts ([X, max rows per expert, H]) -- never a
 loop over tokens or experts. The trade-offs of the padded path: memory proportional
 to the busiest expert times the number of experts, and one host read of that count

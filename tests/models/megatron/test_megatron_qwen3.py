@@ -1,7 +1,7 @@
 """Qwen3 dense on the megatron backend (MCore's GPT spec with `qk_layernorm=True`) =
 transformers' Qwen3ForCausalLM call by call (CPU, float32, TP=1).
 
-The same GRPO-group episodes as tests/models/test_qwen3.py as tree, chain and exact bins;
+The same GRPO-group episodes as tests/models/reference/test_qwen3.py as tree, chain and exact bins;
 logprobs within 1e-5 and every parameter gradient (q/k norms included) within 1e-5 of each
 tensor's largest entry, transformers' gradients mapped to MCore's names by the conversion
 that the export round trip checks against transformers' own loading.

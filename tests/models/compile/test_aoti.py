@@ -22,7 +22,7 @@ import torch
 from tests.test_compile_cache_precompiled import cache  # noqa: F401 (the fixture)
 from treeflow.models.compile import aoti
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 _SCRIPT = r"""
 import json, sys

@@ -37,7 +37,8 @@ from test_megatron_tp import repo_env, write_checkpoint  # noqa: E402
 from treeflow.train import Trainer  # noqa: E402
 from treeflow.train.checkpoint import model_dir  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "megatron_ckpt_worker.py")
+MODELS_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/models
+WORKER = os.path.join(MODELS_TESTS, "megatron_ckpt_worker.py")
 MODELS = ("llama", "qwen2")
 
 

@@ -10,7 +10,7 @@ first step). The MTP tensors are never run nor trained: the CP run's checkpoint 
 byte for byte. The data-parallel x context-parallel run (4 processes) is marked slow.
 
 Tolerances: logprobs 1e-6 of the largest (measured against the single-process run, whose own
-parity with transformers is tests/models/test_hybrid_context_parallel.py's); loss and
+parity with transformers is tests/models/ssm/test_hybrid_context_parallel.py's); loss and
 gradient norm 1e-6 relative (float64 gradient sums, as tests/test_cli_context_parallel.py).
 """
 

@@ -290,7 +290,7 @@ def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
 
 def test_bfloat16_tree_is_as_close_to_float32_as_transformers_bf16(pair):
     """Pure bf16 (float32 states): the tree's logprobs sit as near float32 transformers as its
-    own bf16 model (measured mean 0.0017 vs 0.0023 nats), as tests/models/test_hybrid.py asks
+    own bf16 model (measured mean 0.0017 vs 0.0023 nats), as tests/models/reference/test_hybrid.py asks
     of Mamba-2."""
     hf, path = pair
     eps = episodes(65, seed=65, vocab=VOCAB)

@@ -27,8 +27,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
 from tests.weights import perturb  # noqa: E402
 from treeflow.models import ModelConfig, load_model, save_model  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODELS_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/models
+WORKER = os.path.join(MODELS_TESTS, "megatron_tp_worker.py")
+REPO = os.path.dirname(os.path.dirname(MODELS_TESTS))
 
 
 def repo_env() -> dict:
