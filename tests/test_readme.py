@@ -76,8 +76,8 @@ SKIPPED = {
     "treeflow replay episodes.arrow --engine ray --num-ranks 2 --episodes-per-step 64 -o logprobs.parquet":
         "starts Ray and rank processes (tests/pipeline/test_ray_train.py, marked ray)",
     'pip install -e ".[megatron]"   # megatron-core 0.16.1 on Python 3.11, 0.19.2 on >= 3.12':
-        "installs megatron-core; tensor parallelism on GPUs (tests/models/test_megatron*.py)",
-    "from treeflow.pipeline import Pipeline, QueueSource, Rollout, run_rollout":
+        "installs megatron-core; tensor parallelism on GPUs (tests/models/megatron/test_megatron*.py)",
+    "from treeflow.pipeline import Pipeline, QueueSource":
         "waits for a producer in another process (tests/tq)",
     "# on host A (node 0) and host B (node 1), the same command but --node-rank:":
         "torchrun across hosts (tests/test_cli_multinode.py runs --nnodes 2 on localhost)",
