@@ -15,6 +15,7 @@ from treeflow.tools import synth_episodes, write_episodes
 from treeflow.programs.queue_train import QueueTraining, fit_queue, merge_rank_summaries
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.tq import open_queue
+from treeflow.train.checkpointer import Checkpointer
 from treeflow.train.fit import fit
 
 
@@ -74,12 +75,13 @@ def test_merge_rank_summaries_adds_every_ranks_reader_counts():
 
 def test_fit_queue_trains_the_queues_steps_as_fit_trains_the_file(data, tmp_path):
     want = fit(_pipe(), lambda position, done: Files(paths=(data,), episodes_per_step=4).open(
-        position), steps=2, progress=None)["rows"]
+        position), steps=2)["rows"]
     queue = open_queue(capacity=64)
     put_files(queue, [data], chunk=2)
     watch = _Watch(_pipe(), queue)
-    summary = fit_queue([watch], queue, QueueTraining(episodes_per_step=4), progress=None,
-                        checkpointing=Checkpointing(dir=str(tmp_path / "ck"), every=1))
+    summary = fit_queue([watch], queue, QueueTraining(episodes_per_step=4),
+                        checkpointer=Checkpointer(
+                            checkpointing=Checkpointing(dir=str(tmp_path / "ck"), every=1)))
     assert watch.acked == [0, 1]   # step 0 acknowledged once its checkpoint was written
     assert summary["steps"] == 2 and summary["episodes"] == 8 and summary["redelivered"] == 0
     last = summary["last"]
@@ -94,8 +96,7 @@ def test_fit_queue_trains_the_queues_steps_as_fit_trains_the_file(data, tmp_path
 def test_fit_queue_stops_after_its_steps_and_gives_the_rest_back(data):
     queue = open_queue(capacity=64)
     put_files(queue, [data], chunk=2)
-    summary = fit_queue([_pipe()], queue, QueueTraining(episodes_per_step=4, steps=1),
-                        progress=None)
+    summary = fit_queue([_pipe()], queue, QueueTraining(episodes_per_step=4, steps=1))
     assert summary["steps"] == 1 and summary["episodes"] == 4
     stats = queue.stats()
     assert stats["steps_acked"] == 1 and stats["queued_episodes"] + stats["held_episodes"] >= 4

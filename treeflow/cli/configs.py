@@ -153,17 +153,28 @@ def files(args, forward, **options):
                  group_window=args.group_window, **options)
 
 
-def fit_options(args) -> dict:
-    """What fit() takes from the training flags every training command shares."""
-    from treeflow.ops import Checkpointing
-    from treeflow.train.fit import Resume
+def fit_options(args, *, run: dict | None, config: dict | None, title: str,
+                episodes_per_step: int | None = None) -> dict:
+    """What fit() takes from the training flags every training command shares: the
+    Checkpointer (--save, --save-every, --keep, --resume), the sinks (the step checks,
+    --metrics, --tensorboard, --logger, the console's progress unless --json or --quiet),
+    --prefetch and --device."""
+    from treeflow.cli.common import say
     from treeflow.cli.trackers import sinks_from_args
+    from treeflow.ops import Checkpointing
+    from treeflow.train.checkpointer import Checkpointer, Resume
+    from treeflow.train.sinks import ProgressSink, StepChecks
 
-    return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
-                resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
-                              allow_different_data=args.allow_different_data),
-                sinks=sinks_from_args(args),
-                loss=args.loss, prefetch=args.prefetch, device=args.device)
+    checkpointer = Checkpointer(
+        checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
+        resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
+                      allow_different_data=args.allow_different_data),
+        run=run, config=config, log=say)
+    console = [] if args.json or args.quiet else [ProgressSink(title, steps=args.steps)]
+    return dict(checkpointer=checkpointer,
+                sinks=[StepChecks(loss=args.loss, episodes_per_step=episodes_per_step, log=say),
+                       *sinks_from_args(args), *console],
+                prefetch=args.prefetch, device=args.device)
 
 
 def rollout_config(args):

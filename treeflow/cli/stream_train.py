@@ -83,9 +83,9 @@ def _stream_train(args, queue, dp=None, exchange=None) -> dict | None:
         pipes, queue, _training(args), dp=dp, publish=args.publish_weights, log=say,
         trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                              reference=configs.reference(args, pipes[0].plan.model)),
-        run=run_fingerprint([], vars(args)),  # a queue's steps: no data fingerprint
-        config=resolved_config(args), progress=None if args.json or args.quiet else "stream train",
-        **configs.fit_options(args))
+        **configs.fit_options(args, title="stream train",
+                              run=run_fingerprint([], vars(args)),  # a queue's: no data
+                              config=resolved_config(args)))
     last = (summary or {}).get("last")
     if last and not (args.json or args.quiet):  # the logged names, not the deprecated flat ones
         console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",

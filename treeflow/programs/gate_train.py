@@ -121,6 +121,7 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     from treeflow.pipeline.queue_source import QueueSource
     from treeflow.stages import Fragment, Pack, Reassemble
     from treeflow.train import Trainer
+    from treeflow.train.checkpointer import Checkpointer
     from treeflow.train.fit import fit
 
     gate, lead = side.gate, dp is None or dp.rank == 0
@@ -144,8 +145,8 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     try:
         report = fit(Pipeline(pack, fragment, side.forward, side.reduce), lambda *_: source,
                      steps=1, cap_steps=False, trainer=trainer, publish=publish,
-                     on_result=on_result, lead=lead,
-                     progress=None, device=side.device, log=_quiet)
+                     on_result=on_result if lead else None, device=side.device,
+                     checkpointer=Checkpointer(log=_quiet))
         step_row = report["last"]
         if step_row is None:
             raise RuntimeError("the queue closed before a step arrived")
@@ -185,7 +186,7 @@ def infrastructure(e: BaseException, what: str = "infrastructure") -> str:
 
 
 def _quiet(message: str) -> None:
-    """fit()'s notes (first-step ratio, step size): the gate's figures say what it checks."""
+    """fit()'s notes (a Trainer with nothing left to do): the gate's figures say what it checks."""
 
 
 def _refit_round(queue, gate, dp, lead: bool):

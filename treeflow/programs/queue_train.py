@@ -2,7 +2,8 @@
 
     training = QueueTraining(episodes_per_step=8, steps=20, max_staleness=1)
     summary = fit_queue([Pipeline(Pack(), Fragment(max_tokens=4096), Forward(), Reduce())],
-                        queue, training, checkpointing=Checkpointing(dir="ck", every=5))
+                        queue, training,
+                        checkpointer=Checkpointer(checkpointing=Checkpointing(dir="ck", every=5)))
 
 One queue step (whole groups, `episodes_per_step` episodes) is one optimizer step of fit()
 (train/fit.py: checkpoints, resume, metrics sinks, precision). After each step the new
@@ -178,28 +179,32 @@ def _announcer(queue, log):
 
 def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
               publish: str | None = None, trainer_options: dict | None = None,
-              checkpointing=None, log=_stderr, progress: str | None = "stream train",
-              **fit_options) -> dict | None:
+              checkpointer=None, sinks=(), log=_stderr, device: str = "cpu",
+              prefetch: int = 2) -> dict | None:
     """Train on `queue`'s steps with fit(); the run's summary (on rank 0; per-rank leases: the
     other ranks return their reader's counts, for merge_rank_summaries; else None).
 
     pipelines: this rank's training pipeline (ending in Reduce), or with engine "ray" one per
     rank actor. queue: the queue, on every rank that reads it (rank 0; per-rank leases: each).
     dp: this process's DataParallel, when it is one of several ranks. publish: the directory
-    of the published weights. trainer_options, checkpointing, log, progress and fit_options
-    (run, config, resume, sinks, loss, prefetch, device): fit()'s; saves are synchronous (the
-    steps a checkpoint holds are acknowledged once it is written).
+    of the published weights. trainer_options, checkpointer, sinks, device, prefetch: fit()'s
+    (the sinks are written and the checkpointer's notes said by rank 0 only); saves are
+    synchronous (the steps a checkpoint holds are acknowledged once it is written). log: the
+    weights' notes.
     """
     from treeflow._clock import process_seconds
-    from treeflow.ops import Checkpointing, PublishWeights
+    from treeflow.ops import PublishWeights
     from treeflow.pipeline.queue_ranks import RankWindows
     from treeflow.pipeline.queue_source import QueueSource
+    from treeflow.train.checkpointer import Checkpointer
     from treeflow.train.fit import fit
     from treeflow.train.metric_names import logged_with_flat
 
     world = dp.world if dp is not None else 1
     lead = dp is None or dp.rank == 0
-    checkpointing = replace(checkpointing or Checkpointing(), background=False)
+    checkpointer = checkpointer or Checkpointer()
+    checkpointing = replace(checkpointer.checkpointing, background=False)
+    checkpointer = checkpointer.replace(checkpointing=checkpointing)
     root = publish or (os.path.join(checkpointing.dir, "weights") if checkpointing.dir
                        else tempfile.mkdtemp(prefix="treeflow-weights-"))
     if lead:
@@ -251,14 +256,14 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
     t0 = time.perf_counter()
     try:
         report = fit(_OwnParts(pipe, opened, hold) if own else pipe, source, steps=training.steps,
-                     cap_steps=False, trainer_options=options, lead=lead, log=log,
-                     publish=PublishWeights(root, announce=_announcer(queue, log) if lead
-                                            else None),
-                     on_result=on_result,
-                     checkpointing=checkpointing, progress=progress,
+                     cap_steps=False, trainer_options=options,
+                     checkpointer=checkpointer if lead else checkpointer.quiet(),
+                     sinks=sinks if lead else (),
+                     publish=PublishWeights(root, announce=_announcer(queue, log))
+                     if lead else None,
+                     on_result=on_result if lead else None, device=device, prefetch=prefetch,
                      engine=engine_for(training.engine, ranks=len(pipelines),
-                                       plans=[p.plan for p in pipelines]) if owned else engine,
-                     **fit_options)
+                                       plans=[p.plan for p in pipelines]) if owned else engine)
     finally:
         if reads and "reader" in opened:
             opened["reader"].close()
