@@ -1,24 +1,11 @@
 """fit()'s console as sinks (train/sinks.py ProgressSink, StepChecks) and the Checkpointer's
 notes (train/checkpointer.py): what the CLI shows, given to the loop as objects."""
 
-from treeflow.pipeline import Files, Pipeline
-from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
-from treeflow.tools import synth_episodes, write_episodes
+from tests.train.test_fit_trainer import _setup
 from treeflow.train import Trainer
 from treeflow.train.checkpointer import Checkpointer
 from treeflow.train.fit import fit
 from treeflow.train.sinks import ProgressSink, StepChecks
-
-
-def _setup(tmp_path):
-    eps = synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=8,
-                         user_tokens=(2, 4), completion_tokens=(2, 4), tool_tokens=(2, 4), seed=3)
-    write_episodes(eps, tmp_path / "e.arrow")
-    forward = Forward(model="tiny")
-    reduce = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-2))
-    pipe = Pipeline(Pack(), Fragment(max_tokens=64), forward, reduce)
-    files = Files(paths=(str(tmp_path / "e.arrow"),), episodes_per_step=4, cycle=True)
-    return pipe, lambda position, done: files.open(position), forward, reduce
 
 
 class _Bar(ProgressSink):
@@ -39,7 +26,7 @@ class _Bar(ProgressSink):
 
 def test_the_progress_sink_moves_by_bins_and_steps_and_the_trainers_hook_comes_back(tmp_path):
     pipe, source, forward, reduce = _setup(tmp_path)
-    trainer = Trainer(forward, reduce, max_tokens=64)
+    trainer = Trainer(forward, reduce, max_tokens=256)
     hook = trainer.on_bin = lambda done, total: None
     bar = _Bar(steps=2)
     report = fit(pipe, source, steps=2, trainer=trainer, sinks=[bar])
@@ -69,7 +56,7 @@ def test_step_checks_warn_once_per_kind_and_only_under_pg():
 
 def test_a_quiet_checkpointer_says_nothing_a_loud_one_says(tmp_path):
     pipe, source, forward, reduce = _setup(tmp_path)
-    trainer = Trainer(forward, reduce, max_tokens=64)
+    trainer = Trainer(forward, reduce, max_tokens=256)
     fit(pipe, source, steps=1, trainer=trainer)
     loud, quiet = [], []
     for said, checkpointer in ((loud, Checkpointer(log=loud.append)),
