@@ -202,6 +202,10 @@ def api_page() -> str:
         out.append(f"\n## treeflow.{pkg}\n\n" + _text_block(mod.__doc__))
         for name in sorted(mod.__all__):
             obj = getattr(mod, name)
+            if inspect.ismodule(obj) and obj.__name__ == f"{mod.__name__}.{name}":
+                # an export named as the submodule holding it (treeflow.train's fit): once that
+                # submodule was imported, the package attribute is the module, not the export
+                obj = getattr(obj, name, obj)
             if inspect.ismodule(obj):
                 out.append(f"\n### {name}\n\n`module {obj.__name__}`\n\n{_text_block(obj.__doc__)}")
             elif inspect.isclass(obj):
