@@ -40,7 +40,7 @@ def _grads(fn, leaves, weight):
 @pytest.mark.parametrize("fork", ["exact", "chunk"])
 def test_triton_scan_matches_path_recurrence_on_cuda(fork):
     pytest.importorskip("triton")
-    from tests.models.test_ssm_triton import H, P, _inputs, _path_recurrence, _tree
+    from tests.models.ssm.test_ssm_triton import H, P, _inputs, _path_recurrence, _tree
     from treeflow.models.ssm.tree import SegmentPlan, tree_ssd
 
     for seed in (0, 1, 2):

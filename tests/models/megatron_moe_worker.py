@@ -49,7 +49,7 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from tests.models.moe_helpers import episodes, hf_occurrence_logprobs, with_routes
-    from tests.models.test_megatron_moe import _logprobs
+    from tests.models.megatron.test_megatron_moe import _logprobs
     from treeflow.models import load_backend
     from treeflow.models.megatron import hf_to_mcore, shard
     from treeflow.models.megatron.moe import expert_shard

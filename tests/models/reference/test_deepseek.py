@@ -233,7 +233,7 @@ def test_replay_under_context_parallel_2_equals_transformers(tmp_path, family):
     summed over the group = the hand formula on transformers call by call with the shifted
     routes forced."""
     from tests.models.moe_helpers import hf_call_logprobs
-    from tests.models.test_moe_context_parallel import cp_step
+    from tests.models.moe.test_moe_context_parallel import cp_step
     from treeflow.train.launch import spawn
 
     hf = hf_deepseek(family)

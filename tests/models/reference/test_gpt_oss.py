@@ -122,13 +122,13 @@ def test_replayed_routes_match_transformers_forced_and_captured_routes_agree(pai
 
 
 def test_cli_replays_synthesized_routes_as_transformers_forced(pair, tmp_path, capsys):
-    from tests.models.test_deepseek import check_cli_routes
+    from tests.models.reference.test_deepseek import check_cli_routes
 
     hf, _, path = pair
     check_cli_routes(hf, path, tmp_path, capsys)
 
 
 def test_rollout_captures_the_routes_transformers_chooses(pair):
-    from tests.models.test_deepseek import check_rollout_routes
+    from tests.models.reference.test_deepseek import check_rollout_routes
 
     check_rollout_routes(pair[0], pair[2])
