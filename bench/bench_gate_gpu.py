@@ -28,6 +28,20 @@ no experts); `--margin-groups 0` skips it.
     python bench/bench_gate_gpu.py --model DIR                           # your checkpoint
     python bench/bench_gate_gpu.py --smoke --device cpu                  # logic check: tiny dense
     python bench/bench_gate_gpu.py --smoke --device cpu --context-parallel 2   # ... as 2 gloo ranks
+    PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py --design --margin-groups 0   # design, one GPU
+    python bench/bench_gate_gpu.py --design --smoke --device cpu --dtype bfloat16  # its logic check
+
+`--design` is the design's gate configuration on one GPU (CP=1): a random Nemotron-H MoE + MTP
+checkpoint (~1.8B, bench_hybrid_gpu.py's `nemotron-h-moe` shape, and one MTP layer's tensors),
+`--group-size 16 --episodes 16 --routing replay`, bf16, in $OUT/bench_gate_gpu_design.json;
+`--queue-backend transferqueue` where Ray and TransferQueue are installed (the design's queue).
+
+The bf16 floor (`--design`; `--floor-episodes N`, 0 skips it): the gate keeps its sampled
+episodes (`--episodes-out`), and bench/gate_kl_floor.py scores the first N of the round the
+step trained on (sampled with the checkpoint's weights) with transformers in float32 (the
+captured routes forced), transformers in bf16 and under bf16 autocast, and treeflow's bf16
+trainer, each as the gate's k3 estimator against float32 (`kl_floor`): "gen_kl X vs the bf16
+floor Y", Y = transformers bf16 vs transformers autocast on the same tokens.
 
 `--smoke` uses the built-in dense tiny model (no routes; `--routing` left
 out) at tiny sizes; `--queue-backend transferqueue` runs the gate through
@@ -47,6 +61,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)  # bench_hybrid_gpu's shapes, bench_route_margins
 
 
 def qwen3_30b_a3b_shape(layers: int) -> dict:
@@ -73,12 +88,49 @@ def write_random_moe(path: str, layers: int, device: str) -> float:
     return round(time.perf_counter() - t0, 1)
 
 
+def write_design_model(path: str, device: str, smoke: bool) -> float:
+    """The design's gate model class: a random Nemotron-H with MoE blocks (bench_hybrid_gpu.py's
+    `nemotron-h-moe`, ~1.8B; `--smoke`: `smoke-moe`) written by transformers, and one MTP
+    layer's tensors (loaded frozen, never run, as in a Nemotron-H MTP checkpoint); seconds."""
+    import torch
+    import transformers
+    from bench_hybrid_gpu import SHAPES
+    from safetensors.torch import load_file, save_file
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    cfg = transformers.NemotronHConfig(**SHAPES["smoke-moe" if smoke else "nemotron-h-moe"],
+                                       num_nextn_predict_layers=1)
+    with torch.device(device):
+        model = transformers.NemotronHForCausalLM(cfg)
+    model.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    last = os.path.join(path, files[-1])
+    state = load_file(last)
+    g = torch.Generator().manual_seed(3)
+    h = cfg.hidden_size
+    mtp = {"mtp.layers.0.norm.weight": torch.randn(h, generator=g).to(torch.bfloat16),
+           "mtp.layers.0.eh_proj.weight": torch.randn(h, 2 * h, generator=g)}
+    save_file({**state, **mtp}, last, metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):  # sharded: the index names the file holding each tensor
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"].update({k: files[-1] for k in mtp})
+        with open(index, "w") as f:
+            json.dump(idx, f)
+    return round(time.perf_counter() - t0, 1)
+
+
 def has_experts(model: str) -> bool:
     if model == "tiny":
         return False
     with open(os.path.join(model, "config.json")) as f:
         c = json.load(f)
-    return bool(c.get("num_experts") or c.get("num_local_experts"))
+    return bool(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts"))
 
 
 def margins(args, model: str | None, dtype: str, work: str) -> dict:
@@ -109,6 +161,23 @@ def margins(args, model: str | None, dtype: str, work: str) -> dict:
     return res
 
 
+def kl_floor(model: str, kept: str, args) -> dict:
+    """bench/gate_kl_floor.py's figures on the trained round's first --floor-episodes."""
+    import pyarrow.compute as pc
+    from gate_kl_floor import floor
+
+    from treeflow.schemas.episode_files import read_episodes
+
+    eps = read_episodes(kept)
+    first = eps.filter(pc.equal(eps.column("weight_version"), 0))
+    t0 = time.perf_counter()
+    print(f"bf16 floor: {args.floor_episodes} of {first.num_rows} episodes", flush=True)
+    res = floor(model, first, device=args.device, max_episodes=args.floor_episodes)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a random MoE one)")
@@ -128,13 +197,21 @@ def main() -> int:
     ap.add_argument("--max-gen-kl", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny dense model and sizes")
+    ap.add_argument("--design", action="store_true",
+                    help="the design's configuration: a random Nemotron-H MoE + MTP checkpoint "
+                         "(--smoke: a small one), one group of 16, --routing replay")
+    ap.add_argument("--floor-episodes", type=int, default=4,
+                    help="--design: episodes of the trained round scored for the bf16 floor "
+                         "(bench/gate_kl_floor.py; 0 skips it)")
     ap.add_argument("--margin-groups", type=int, default=1,
                     help="groups sampled for the route-margin diagnostic (0: skip it)")
     args = ap.parse_args()
+    if args.design:
+        args.group_size, args.episodes = 16, 16
     if args.smoke:
         args.turns, args.prompt_tokens, args.completion_tokens, args.tool_tokens = \
             "2,3", "8,16", "3,6", "2,4"
-        args.model = args.model or "tiny"
+        args.model = args.model or (None if args.design else "tiny")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda":
         import torch
@@ -145,12 +222,17 @@ def main() -> int:
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
     cp = "" if args.context_parallel == 1 else f"_cp{args.context_parallel}"
-    out_file = os.path.join(out_dir, args.out or (f"bench_gate_gpu{cp}_smoke.json" if args.smoke
-                                                  else f"bench_gate_gpu{cp}.json"))
+    name = "bench_gate_gpu" + ("_design" if args.design else "") + cp
+    out_file = os.path.join(out_dir, args.out or (f"{name}_smoke.json" if args.smoke
+                                                  else f"{name}.json"))
     res: dict = {"settings": {**vars(args), "dtype": dtype}}
     work = tempfile.mkdtemp(prefix="treeflow-gate-bench-")
     model = args.model
-    if model is None:
+    if model is None and args.design:
+        model = os.path.join(work, "model")
+        print("writing a random Nemotron-H MoE + MTP checkpoint", flush=True)
+        res["checkpoint_seconds"] = write_design_model(model, args.device, args.smoke)
+    elif model is None:
         model = os.path.join(work, "model")
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers", flush=True)
         res["checkpoint_seconds"] = write_random_moe(model, args.layers, args.device)
@@ -167,6 +249,7 @@ def main() -> int:
            "--tool-tokens", *pair(args.tool_tokens), "--queue-backend", args.queue_backend,
            "--context-parallel", str(args.context_parallel),
            "--json", "-o", os.path.join(work, "gate.json"),
+           "--episodes-out", os.path.join(work, "episodes.arrow"),
            *(["--threads", "1"] if args.device == "cpu" else []),
            *(["--routing", "replay"] if routed else []),
            *(["--max-gen-kl", args.max_gen_kl] if args.max_gen_kl else [])]
@@ -185,6 +268,10 @@ def main() -> int:
             json.dump(res, f, indent=1)
 
     write()  # the gate's figures survive a diagnostic that runs past a device call's limit
+    kept = os.path.join(work, "episodes.arrow")
+    if args.design and args.floor_episodes and os.path.exists(kept):
+        res["kl_floor"] = kl_floor(model, kept, args)
+        write()
     if args.margin_groups and (routed or args.smoke):
         res["route_margins"] = margins(args, model if routed else None, dtype, work)
         write()

@@ -15,6 +15,8 @@ such next to its prediction. Without CUDA it prints {"skipped": ...} and exits 0
 
 Usage: PYTHONUNBUFFERED=1 python3 bench/bench_memory_gpu.py [--budget-seconds 540]
        [--shapes dense,moe,hybrid] [--tokens 8192,32768] [--out memory.json]
+       PYTHONUNBUFFERED=1 python3 bench/bench_memory_gpu.py --suite issue44 --budget-seconds 480
+       (issue 44's runs in one ~8 minute call; `--smoke --device cpu` dry-runs the list)
 Prints one JSON object; writes it to $OUT/bench_memory_gpu.json (or bench/results/).
 """
 
@@ -95,6 +97,41 @@ def plan_runs(shapes: list[str], layers: dict, tokens: list[int]) -> list[dict]:
             for tier in tiers for k, n, t, lay, rc in tier]
 
 
+# issue 44's measurements in one ~8 minute call, most telling first: the recompute that fits
+# each shape at the defaults (64 episodes a step, 32768 tokens) with tree and exact (tree peak
+# <= exact peak), MoE selective (the plan's worst miss) and, on a shape where `none` fits,
+# selective's and full's step time next to none's
+SUITES = {"issue44": [
+    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="full"),
+    dict(kind="hybrid", layers=27, max_tokens=32768, layout="tree", recompute="selective"),
+    dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="none"),
+    dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="selective"),
+    dict(kind="moe", layers=4, max_tokens=32768, layout="exact", recompute="full"),
+    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective"),
+    # the same with the allocator's expandable segments: fits where the miss is fragmentation
+    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective",
+         alloc="expandable_segments:True"),
+    dict(kind="hybrid", layers=27, max_tokens=32768, layout="exact", recompute="selective"),
+    dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="full"),
+]}
+
+
+def oom_detail(text: str) -> dict:
+    """The numbers torch's CUDA out-of-memory message gives (GiB): what the failing allocation
+    asked for, what PyTorch had allocated and reserved-but-unallocated (fragmentation)."""
+    import re
+
+    out = {}
+    for key, pattern in (("tried_gib", r"Tried to allocate ([0-9.]+) ([GM]iB)"),
+                         ("allocated_gib", r"([0-9.]+) ([GM]iB) is allocated by PyTorch"),
+                         ("reserved_unallocated_gib",
+                          r"([0-9.]+) ([GM]iB) is reserved by PyTorch but unallocated")):
+        m = re.search(pattern, text)
+        if m:
+            out[key] = round(float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1), 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dense,moe,hybrid")
@@ -108,6 +145,10 @@ def main() -> None:
     ap.add_argument("--budget-seconds", type=float, default=540)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and data (logic check)")
+    ap.add_argument("--suite", choices=sorted(SUITES), default=None,
+                    help="a fixed run list instead of --shapes/--tokens/--layers (issue44: "
+                         "the runs issue 44 needs, ~8 minutes on an H100 with "
+                         "--budget-seconds 480)")
     args = ap.parse_args()
     import torch
 
@@ -149,7 +190,14 @@ def main() -> None:
     layers = {k: (given[k] if not args.smoke else given[k][:1]) for k in shapes}
     made = {}
     runs = plan_runs(shapes, layers, tokens)
-    if args.smoke:
+    if args.suite:
+        runs = [dict(r) for r in SUITES[args.suite]]
+        if args.smoke:  # the same run list at the tiny shapes: one layer count per kind
+            tiny = {tuple(sorted({**r, "layers": layers[r["kind"]][0],
+                                  "max_tokens": tokens[0]}.items())) for r in runs
+                    if r["kind"] in layers}
+            runs = [dict(t) for t in sorted(tiny, key=str)]
+    elif args.smoke:
         runs = [r for r in runs if r["layout"] == "tree" and r["recompute"] in ("none", "full")]
     for run in runs:
         kind = run["kind"]
@@ -177,17 +225,20 @@ def main() -> None:
                    "plan --memory")
         card = cli(["plan", "--memory", *knobs, "--device-memory", "80GiB", "--json"], env,
                    "plan --memory")
+        run_env = env if "alloc" not in run else {**env, "PYTORCH_CUDA_ALLOC_CONF": run["alloc"]}
         got = cli(["replay", data, "--mode", "train", "--layout", run["layout"], *knobs,
                    "--device", args.device, "--tuning", "plain", "--episodes-per-step",
                    str(args.episodes_per_step), "--steps", "2", "--loss", "nll",
-                   "--device-memory", "100000GiB", "--json"], env, f"{kind} {run}")
+                   "--device-memory", "100000GiB", "--json"], run_env, f"{kind} {run}")
         row = {**run, "predicted_gib": plan.get("total_gib"), "predicted": plan.get("gib"),
                "bin_tokens": plan.get("max_tokens"), "scan_fill": plan.get("scan_fill"),
+               "peak_at": plan.get("peak_at"), "transients": plan.get("transients"),
                "full_budget_gib": card.get("total_gib"),
                "largest_max_tokens_80gib": card.get("largest_max_tokens")}
         if "error" in got:
             row["error"] = ("out of memory" if "out of memory" in got["error"]
                             else got["error"][-400:])
+            row.update(oom_detail(got["error"]))
         else:
             peak = got.get("peak_cuda_mib")
             row.update(measured_gib=None if peak is None else round(peak / 1024, 3),
@@ -202,8 +253,32 @@ def main() -> None:
     ok = [r for r in res["runs"] if r.get("ratio")]
     if ok:
         res["worst_ratio"] = max(ok, key=lambda r: abs(r["ratio"] - 1))["ratio"]
+    res["comparisons"] = compare(res["runs"])
     save()
     print(json.dumps(res))
+
+
+def compare(runs: list[dict]) -> dict:
+    """tree peak over exact peak at the same knobs, and each recompute's seconds per step over
+    none's at the same shape and budget (issue 44: tree <= exact; selective within 15%)."""
+    def key(r, **over):
+        r = {**r, **over}
+        return (r["kind"], r["layers"], r["max_tokens"], r["layout"], r["recompute"],
+                r.get("alloc", ""))
+
+    done = {key(r): r for r in runs if r.get("measured_gib")}
+    out = {}
+    for k, r in done.items():
+        exact = done.get(key(r, layout="exact"))
+        if r["layout"] == "tree" and exact:
+            out["tree_over_exact_peak " + " ".join(map(str, k))] = round(
+                r["measured_gib"] / exact["measured_gib"], 3)
+        none = done.get(key(r, recompute="none"))
+        if r["recompute"] != "none" and none and none.get("steady_seconds_per_step") \
+                and r.get("steady_seconds_per_step"):
+            out["seconds_over_none " + " ".join(map(str, k))] = round(
+                r["steady_seconds_per_step"] / none["steady_seconds_per_step"], 3)
+    return out
 
 
 if __name__ == "__main__":

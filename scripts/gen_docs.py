@@ -71,6 +71,7 @@ COMMANDS = (
     ("h100_bench_cli_gpu_llama_train", "python3 bench/bench_cli_gpu.py --shapes llama-3.2-1b "
      "--no-kernel-bench --no-transformers --budget-seconds 290 --out bench_cli_gpu_llama.json"),
     ("h100_bench_scan_gpu", "python3 bench/bench_scan_gpu.py"),
+    ("h100_bench_families_gpu", "python3 bench/bench_families_gpu.py"),
     ("h100_bench_memory_gpu", "python3 bench/bench_memory_gpu.py --shapes moe,hybrid --layers "
      "moe=4/2,hybrid=27/9 --tokens 32768 --episodes 128 --budget-seconds 250"),
     ("h100_bench_cli_gpu", "python3 bench/bench_cli_gpu.py --no-kernel-bench --budget-seconds 540"),

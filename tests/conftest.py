@@ -114,6 +114,71 @@ def _torch_threads_restored():
         torch.set_num_threads(n)
 
 
+def _leaked_default_group() -> bool:
+    """Whether a torch.distributed default process group is initialised in this process (read
+    only where torch.distributed was imported: asking costs nothing then)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _release_default_group() -> None:
+    """Tear down megatron-core's parallel state and the default group, so later tests in this
+    worker start clean even after a leak was reported."""
+    mcore = sys.modules.get("megatron.core.parallel_state")
+    if mcore is not None and mcore.model_parallel_is_initialized():
+        mcore.destroy_model_parallel()
+    if _leaked_default_group():
+        sys.modules["torch.distributed"].destroy_process_group()
+
+
+def _fail_on_leaked_group(what: str, was: bool) -> None:
+    if not was and _leaked_default_group():
+        _release_default_group()
+        pytest.fail(f"{what} left a torch.distributed default process group initialised in "
+                    "this process: a later test in the same xdist worker would see "
+                    "dist.is_initialized() True. Destroy it where it is made (the megatron "
+                    "backend's one-process group: tests/conftest.py's `megatron_group` or "
+                    "`megatron_module_group` fixture), or run the ranks in child processes.",
+                    pytrace=False)
+
+
+@pytest.fixture
+def megatron_group():
+    """For a test that loads the megatron backend in this process: the one-process group and
+    megatron-core's parallel state that models/megatron/parallel.py makes (and keeps for the
+    process, as MCore's state is per process) are torn down after the test, if it made them."""
+    was = _leaked_default_group()
+    yield
+    if not was:
+        _release_default_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_module_group():
+    """`megatron_group` for a module-scoped fixture that holds a megatron backend: torn down
+    after the module (a fixture that loads the backend takes this one as an argument)."""
+    was = _leaked_default_group()
+    yield
+    if not was:
+        _release_default_group()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_by_module(request):
+    """A module (its module-scoped fixtures included) leaves no default process group."""
+    was = _leaked_default_group()
+    yield
+    _fail_on_leaked_group(f"module {request.node.nodeid}", was)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_by_test(request):
+    """A test leaves no default process group behind (one an xdist worker's later tests see)."""
+    was = _leaked_default_group()
+    yield
+    _fail_on_leaked_group(f"test {request.node.nodeid}", was)
+
+
 RAY_CPUS = 4  # TransferQueue's controller and storage unit reserve one logical CPU each
 RAY_OBJECT_STORE = 100 * 2**20  # small, so that a streaming test can outgrow it
 

@@ -10,6 +10,8 @@ norm, and every fault is still named.
 
 import json
 
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 import torch
 
@@ -285,3 +287,28 @@ def test_the_designs_gate_configuration_is_one_file(capsys):
     want = {"group_size": 16, "episodes": 16, "routing": "replay", "dtype": "bfloat16",
             "queue_backend": "transferqueue", "context_parallel": 2}
     assert {k: flat.get(k) for k in want} == want
+
+
+def test_gate_keeps_its_sampled_episodes_for_a_later_look(capsys, tmp_path):
+    """--episodes-out: both rounds, as sampled (bench/gate_kl_floor.py scores them again)."""
+    from treeflow.programs.fidelity import generation_kl
+    from treeflow.programs.gate import gate_reduce
+    from treeflow.schemas.episode_files import read_episodes
+    from treeflow.stages import Forward, Fragment, Pack, Reassemble
+    from treeflow.train import Trainer
+
+    kept = tmp_path / "kept.arrow"
+    rc, fig, err = _gate(capsys, "--episodes-out", str(kept))
+    assert rc == 0, err
+    eps = read_episodes(str(kept))
+    assert eps.num_rows == fig["episodes_sampled"] == 32
+    assert sorted(set(eps.column("weight_version").to_pylist())) == [0, 1]
+    # the first round scored again with the weights that sampled it: its generation KL is
+    # float32 numerics, as the gate's own (<= 1e-6)
+    first = eps.filter(pa.compute.equal(eps.column("weight_version"), 0))
+    trainer = Trainer(Forward(model="tiny"), gate_reduce(), max_tokens=16384)
+    values = trainer.logprobs(Fragment(max_tokens=16384)(Pack(layout="tree")(first)))
+    kl = generation_kl(first, Reassemble()(values, episodes=first))
+    assert kl["gen_tokens"] == sum(len(c["generation_logprobs"]) for r in first.to_pylist()
+                                   for c in r["calls"]) > 0
+    assert kl["gen_kl"] <= 1e-6, kl

@@ -24,7 +24,7 @@ BF16_SLACK = 1.5
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype):
+def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype, megatron_group):
     pytest.importorskip("megatron.core")
     from tests.models.moe_helpers import episodes, gpu_error_bound, hf_model, with_routes
     from tests.models.megatron.test_megatron_moe import _logprobs

@@ -123,9 +123,9 @@ def check_training(hf, path, rows, tmp_path, *, kernel: str,
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
 
 
-def check_cli(hf, path, tmp_path, capsys) -> None:
-    """`treeflow replay --model DIR` as README says: logprobs = transformers call by call;
-    `--mode train --save` writes a checkpoint transformers loads as the same class."""
+def check_cli_replay(hf, path, tmp_path) -> None:
+    """`treeflow replay EPISODES --model DIR` as README says (tree layout, trees cut into
+    fragments of 48 tokens): the sampled tokens' logprobs = transformers call by call."""
     from treeflow.cli import main
     from treeflow.tools import synth_episodes, write_episodes
 
@@ -141,6 +141,14 @@ def check_cli(hf, path, tmp_path, capsys) -> None:
     want = hf_call_logprobs(hf, eps)
     assert got.shape == want.shape
     assert np.abs(got - want).max() < 1e-5
+
+
+def check_cli(hf, path, tmp_path, capsys) -> None:
+    """check_cli_replay, then `--mode train --save` writes a checkpoint transformers loads as
+    the same class."""
+    from treeflow.cli import main
+
+    check_cli_replay(hf, path, tmp_path)
     assert main(["replay", str(tmp_path / "e.arrow"), "--model", str(path), "--mode", "train",
                  "--episodes-per-step", "2", "--steps", "1", "--loss", "nll",
                  "--max-tokens", "48", "--save", str(tmp_path / "ckpt"), "--quiet"]) == 0

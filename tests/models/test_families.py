@@ -103,3 +103,90 @@ def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):
                  "-o", str(tmp_path / "o.arrow")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "vision-language" in err[0], err
+
+
+def _tiny_checkpoint(architecture: str, path):
+    """A tiny random checkpoint of `architecture`, saved by transformers' own class (the
+    family tests' models); the transformers model."""
+    from hybrid_helpers import hf_model as hf_hybrid
+    from hybrid_moe_helpers import hf_model as hf_hybrid_moe
+    from qwen3_next_helpers import hf_qwen3_next
+
+    from tests.models.families_helpers import (VOCAB, drawn, hf_deepseek, hf_gemma3,
+                                               hf_gpt_oss, hf_qwen3, transformers)
+    from tests.models.moe_helpers import hf_model as hf_moe
+
+    def dense(config_class):
+        return lambda: drawn(transformers.AutoModelForCausalLM.from_config(config_class(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)))
+
+    makers = {"LlamaForCausalLM": dense(transformers.LlamaConfig),
+              "Qwen2ForCausalLM": dense(transformers.Qwen2Config), "Qwen3ForCausalLM": hf_qwen3,
+              "Qwen3MoeForCausalLM": lambda: hf_moe("qwen3_moe"),
+              "Qwen2MoeForCausalLM": lambda: hf_moe("qwen2_moe"),
+              "MixtralForCausalLM": lambda: hf_moe("mixtral"),
+              "Gemma3ForCausalLM": hf_gemma3, "GptOssForCausalLM": hf_gpt_oss,
+              "Glm4MoeForCausalLM": lambda: hf_deepseek("glm4_moe"),
+              "DeepseekV3ForCausalLM": lambda: hf_deepseek("deepseek_v3"),
+              "NemotronHForCausalLM": lambda: hf_hybrid("nemotron_h"),
+              "BambaForCausalLM": lambda: hf_hybrid("bamba"),
+              "GraniteMoeHybridForCausalLM": lambda: hf_hybrid_moe("granitemoehybrid"),
+              "Qwen3NextForCausalLM": lambda: hf_qwen3_next(family="qwen3_next"),
+              "Qwen3_5ForCausalLM": lambda: hf_qwen3_next(family="qwen3_5"),
+              "Qwen3_5MoeForCausalLM": lambda: hf_qwen3_next(family="qwen3_5_moe")}
+    model = makers[architecture]()  # a KeyError: a new family needs its maker here
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family", [f for f in families.FAMILIES if not f.megatron],
+                         ids=lambda f: f.name)
+def test_megatron_is_refused_by_family_name_where_mcore_lacks_the_family(family, tmp_path):
+    """Every family declared without megatron: the CLI's check (before any load) and the
+    megatron backend itself refuse it in one line naming the family and those that have it."""
+    from treeflow.models import load_backend
+    from treeflow.stages import Forward
+
+    arch = family.architectures[0]
+    _tiny_checkpoint(arch, tmp_path)
+    line = (rf"{family.name} \({arch}\): the megatron backend \(--backend megatron\) is not "
+            rf"supported yet; families that have it: Llama, Qwen2, Qwen3, Qwen3-MoE")
+    with pytest.raises(ValueError, match=rf"{tmp_path}: {line}.*: use --backend reference") as e:
+        Forward(model=str(tmp_path), backend="megatron").check_model()
+    assert "\n" not in str(e.value)
+    pytest.importorskip("megatron.core")
+    with pytest.raises(ValueError, match=line):
+        load_backend("megatron", str(tmp_path))
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_replay_runs_every_family_as_readme_says(family, tmp_path):
+    """`treeflow replay EPISODES --model DIR` on each declared family's tiny checkpoint:
+    the sampled tokens' logprobs = transformers' own class call by call (1e-5)."""
+    from family_checks import check_cli_replay
+
+    for arch in family.architectures:
+        hf = _tiny_checkpoint(arch, tmp_path / arch)
+        check_cli_replay(hf, tmp_path / arch, tmp_path)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_auto_tuning_on_a_hopper_gpu_picks_what_the_family_runs(family, tmp_path, monkeypatch):
+    """`--tuning auto` (the CLI's default) on an H100 picks "fast" (compiled layers); a family
+    declared without those levers must get a preset its backend accepts (it had refused every
+    default GPU run of Gemma 3 and gpt-oss). The device is made to answer as a Hopper GPU."""
+    import torch
+
+    from treeflow.models import Tuning, load_backend
+    from treeflow.models.config.hybrid import is_hybrid_dir
+    from treeflow.models.tuning import resolve_auto
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    arch = family.architectures[0]
+    _tiny_checkpoint(arch, tmp_path)
+    chosen, why = resolve_auto("auto", device="cuda", model=tmp_path)
+    levers = family.recompute and not is_hybrid_dir(tmp_path)  # Mamba-2: no compiled layers
+    assert chosen == ("fast" if levers else "plain"), (chosen, why)
+    load_backend("reference", str(tmp_path), tuning=Tuning.parse(chosen))  # accepted

@@ -1,6 +1,8 @@
 """models/support.py: every row of the table refuses its combination by name before a model
-loads (the checkpoint holds only config.json, so a load would fail otherwise), and the context
-parallelism page's table (docs/how-to/context-parallel.md) lists every row."""
+loads (the checkpoint holds only config.json, so a load would fail otherwise), an episode is
+sampled or a process starts -- through the Python path and the CLI, with the loaders, the
+gate's sampler and the launchers replaced by recorders (a case per row is required) -- and
+the context parallelism page's table (docs/how-to/context-parallel.md) lists every row."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import pytest
 
 from tests.deps import require
+from treeflow.cli import main
 from treeflow.models import Tuning
 from treeflow.models.support import ROWS
 from treeflow.ops import build_forward
@@ -32,7 +35,8 @@ def hybrid_dir(tmp_path_factory):
 @pytest.mark.parametrize("fields,dims,needles", [
     ({}, ParallelDims(cp=5), ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"]),
     (dict(tuning=Tuning(recompute="mlp")), None, ["recompute='mlp'", "NemotronHForCausalLM"]),
-    (dict(backend="megatron"), None, ["megatron backend runs attention decoders only",
+    (dict(backend="megatron"), None, ["Nemotron-H (NemotronHForCausalLM): the megatron "
+                                      "backend (--backend megatron) is not supported yet",
                                       "--backend reference"]),
 ], ids=["cp-above-heads", "recompute", "megatron"])
 def test_hybrid_rows_refuse_before_the_model_loads(hybrid_dir, fields, dims, needles):
@@ -68,3 +72,137 @@ def test_the_docs_list_every_row():
                              "context-parallel.md")).read()
     missing = [row.what for row in ROWS if f"| {row.what} |" not in page]
     assert not missing, missing
+
+
+# Every row, refused before a model loads or an episode is sampled, through the Python path
+# (build_forward) and the CLI a user runs (gate where it has the flags, replay for --backend
+# and --tensor-parallel, which gate lacks). The models are config.json alone, and the loaders
+# and the gate's sampler are replaced by recorders: a refusal moved after the load or the
+# sampling start or the ranks' spawn records a call (or fails the load of a checkpoint with no
+# weights).
+_DENSE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+_GDN = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+_CP2 = ParallelDims(cp=2)
+# row.what: (model, Forward fields, dims, CLI command and flags, needles of the row's message,
+#            the flag the CLI's refusal names)
+BEFORE_LOAD = {
+    "context parallelism x a backend other than reference": (
+        "dense", dict(backend="megatron"), _CP2,
+        ["replay", "--backend", "megatron", "--context-parallel", "2"],
+        ["context parallelism 2", "backend 'megatron'", "backend='reference'"], "--backend"),
+    "tensor parallelism x a backend other than megatron": (
+        "dense", {}, ParallelDims(tp=2), ["replay", "--tensor-parallel", "2"],
+        ["tensor parallelism 2", "--tensor-parallel", "needs backend='megatron'"],
+        "--tensor-parallel 2"),
+    "context parallelism x recompute attention, selective or full": (
+        "dense", dict(tuning=Tuning(recompute="selective")), _CP2,
+        ["gate", "--tuning", "recompute=selective", "--context-parallel", "2"],
+        ["--context-parallel", "recompute='selective'", "recompute='mlp' or 'none'"],
+        "recompute='selective'"),
+    "context parallelism x kernel causal": (
+        "dense", dict(kernel="causal"), _CP2, ["gate", "--kernel", "causal",
+                                               "--context-parallel", "2"],
+        ["--context-parallel", "kernel='causal'", "use kernel 'auto'"], "causal"),
+    "a family without megatron x backend megatron": (
+        "hybrid", dict(backend="megatron"), None, ["replay", "--backend", "megatron"],
+        ["NemotronHForCausalLM", "(--backend megatron) is not supported yet",
+         "--backend reference"], "--backend reference"),
+    "Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention": (
+        "hybrid", dict(tuning=Tuning(recompute="mlp")), None,
+        ["gate", "--tuning", "recompute=mlp"],
+        ["NemotronHForCausalLM", "recompute='mlp'", "--recompute selective"], "recompute='mlp'"),
+    "Gated DeltaNet hybrid x tuning compile_layers or recompute": (
+        "gdn", dict(tuning=Tuning(recompute="full")), None, ["gate", "--tuning", "recompute=full"],
+        ["Gated DeltaNet hybrid Qwen3NextForCausalLM", "recompute='full'"], "recompute='full'"),
+    "Gated DeltaNet hybrid x context parallelism": (
+        "gdn", {}, _CP2, ["gate", "--context-parallel", "2"],
+        ["Gated DeltaNet layers", "--context-parallel 2", "use --context-parallel 1"],
+        "--context-parallel 2"),
+    "Mamba-2 hybrid x context parallelism above its Mamba heads": (
+        "hybrid", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
+        ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"], "--context-parallel 5"),
+    "Mamba-2 / Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
+        "hybrid", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
+                             "2", "--shard-params"],
+        ["--shard-params", "NemotronHForCausalLM", "drop --shard-params"], "--shard-params"),
+}
+
+
+def test_every_row_has_a_before_load_case():
+    assert sorted(BEFORE_LOAD) == sorted(row.what for row in ROWS)
+
+
+@pytest.fixture(scope="module")
+def models(hybrid_dir, tmp_path_factory):
+    import json
+
+    from treeflow.tools import synth_episodes, write_episodes
+
+    root = tmp_path_factory.mktemp("config-only-models")
+    out = {"hybrid": hybrid_dir}
+    for name, cfg in (("dense", _DENSE), ("gdn", _GDN)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        out[name] = str(root / name)
+    out["episodes"] = str(root / "e.arrow")
+    write_episodes(synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=4,
+                                  user_tokens=(2, 4), completion_tokens=(2, 4),
+                                  tool_tokens=(2, 4), vocab_size=61, seed=1), out["episodes"])
+    return out
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Model loads (the trainer's and the sampler's), the gate's sampling and the training
+    ranks' processes, recorded."""
+    import treeflow.models
+    import treeflow.models.backend
+    import treeflow.programs.gate
+    import treeflow.train.launch
+    import treeflow.train.launch_plan
+
+    calls = []
+
+    def record(what):
+        def call(*args, **kw):
+            calls.append(what)
+            raise RuntimeError(f"{what} reached before the refusal")
+        return call
+
+    # build_forward imports it from treeflow.models, the sampler from treeflow.models.backend
+    monkeypatch.setattr(treeflow.models, "load_backend", record("trainer load"))
+    monkeypatch.setattr(treeflow.models.backend, "load_backend", record("sampler load"))
+    monkeypatch.setattr(treeflow.programs.gate, "run_rollout", record("sampling"))
+    # processes: the gate's context-parallel ranks (launch.spawn), a replay's (launch_plan's
+    # spawn) and training ranks (LAUNCHERS)
+    for module in (treeflow.train.launch, treeflow.train.launch_plan):
+        monkeypatch.setattr(module, "spawn", record("processes started"))
+    for name in list(treeflow.train.launch.LAUNCHERS):
+        monkeypatch.setitem(treeflow.train.launch.LAUNCHERS, name, record("processes started"))
+    return calls
+
+
+@pytest.mark.parametrize("what", sorted(BEFORE_LOAD))
+def test_every_row_refuses_before_a_model_load_or_a_sampled_episode(what, models, recorder,
+                                                                    capsys, tmp_path):
+    kind, fields, dims, (command, *flags), needles, flag = BEFORE_LOAD[what]
+    model = models[kind]
+    forward = Forward(model=model, **fields)
+    with pytest.raises(ValueError) as err:
+        if next(row for row in ROWS if row.what == what).sharded:
+            from treeflow.stages import Loss, Reduce
+            from treeflow.train import Trainer
+
+            Trainer(forward, Reduce(loss=Loss(kind="nll")), shard_params=True)
+        else:
+            build_forward(forward, dims=dims)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+    assert recorder == []
+    argv = ([command, "--model", model, "--timeout", "20"] if command == "gate" else
+            [command, models["episodes"], "--model", model, "-o", str(tmp_path / "o.arrow")])
+    assert main([*argv, *flags]) == 2  # a refused configuration, not a failed gate (3)
+    err = capsys.readouterr().err
+    assert flag in err, err
+    assert recorder == [], (recorder, err)

@@ -6,6 +6,11 @@ stderr that starts with "error:" and names the episode, field, option or
 file at fault; no traceback; and every file in the working directory --
 inputs, earlier outputs, checkpoints -- must be byte for byte as before,
 with nothing new left behind.
+
+The library API (treeflow.train.Policy) has its own section at the end, the same contract in
+Python terms (tests/reliability/catalogue_rows_api.py): exactly the row's ValueError or
+TypeError, naming the argument or field and the fix; the caller's module and the working
+directory unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.reliability import catalogue_rows_52
+from tests.reliability import catalogue_rows_52, catalogue_rows_api
 from tests.reliability.helpers import TRAIN, cli, small_episodes, tree_hashes, write_small
 from treeflow.schemas import EPISODE_SCHEMA
 
@@ -194,6 +199,9 @@ def _file_case(kind):
             return ["gate", "--episodes", "6", "--group-size", "4"], ["Gate(episodes=6)", "group size 4"]
         if kind == "gate-capacity":
             return ["gate", "--capacity", "16"], ["--capacity 16", ">= 32"]
+        if kind == "gate-episodes-out-suffix":  # refused before any sampling
+            return ["gate", "--episodes-out", tmp / "kept.json"], ["--episodes-out", "kept.json",
+                                                                   "'.arrow'"]
         if kind == "gate-context-parallel-zero":
             return ["gate", "--context-parallel", "0"], ["--context-parallel 0",
                                                          "give 1 or more processes"]
@@ -263,6 +271,10 @@ def _file_case(kind):
         if kind == "device-memory-junk":
             return ["plan", "--memory", "--model", "tiny", "--max-tokens", "64",
                     "--device-memory", "lots"], ["--device-memory 'lots'", "80GiB"]
+        if kind == "plan-memory-config-not-object":  # cli/memory.py: --model as a config file
+            (tmp / "bad.json").write_text("[1, 2]")
+            return ["plan", "--memory", "--model", tmp / "bad.json", "--max-tokens", "64"], \
+                ["bad.json", "holds list", "config.json"]
         if kind == "ssm-kernel-triton-cpu":  # the fused scan runs on CUDA only
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -297,6 +309,16 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 ["config.json", "Qwen3.5 vision-language", "is not supported",
                  "Qwen3 (Qwen3ForCausalLM)"]
+        if kind == "hybrid-shard-params":  # FSDP2 shards attention decoders only (support.py)
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "mamba_num_heads": 4, "mamba_head_dim": 8,
+                 "n_groups": 2, "ssm_state_size": 8, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 8,
+                 "layers_block_type": ["linear_attention", "full_attention"]}))
+            return ["replay", good, *TRAIN, "--model", tmp / "m", "--num-ranks", "2",
+                    "--shard-params"], ["--shard-params", "NemotronHForCausalLM"]
         if kind == "gdn-cp":  # Gated DeltaNet layers under context parallelism (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -304,6 +326,21 @@ def _file_case(kind):
                  "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
                     "--context-parallel", "2"], ["Gated DeltaNet", "--context-parallel 2"]
+        if kind == "gdn-ssm-kernel-triton":  # Mamba-2's fused scan asked of a GDN model
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
+                    "--ssm-kernel", "triton"], ["Qwen3NextForCausalLM", "--ssm-kernel torch"]
+        if kind == "megatron-family":  # a family MCore has no model of (families.py)
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "sliding_window": 4}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m", "--backend",
+                    "megatron"], ["Gemma 3 (Gemma3ForCausalLM)", "--backend reference"]
         if kind == "model-gpt-oss-mxfp4":  # the released gpt-oss checkpoints' MXFP4 experts
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -572,6 +609,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "max-tokens-0", "device", "model-missing", "model-config-null", "model-index-escapes",
          "model-mtp", "model-hybrid-moe", "hybrid-cp-heads", "gate-hybrid-cp-heads",
          "model-mtp", "model-hybrid-moe", "model-family-not-yet", "gdn-cp",
+         "gdn-ssm-kernel-triton", "megatron-family",
          "model-gemma3-softcap", "model-gpt-oss-mxfp4", "model-deepseek-fp8",
          "no-batch", "steps-0",
          "save-every-negative", "save-every-no-save", "keep-0", "save-is-file", "metrics-is-input",
@@ -600,14 +638,17 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 45: the fused Mamba-2 scan
          "ssm-kernel-triton-cpu",
          # issue 44: memory
-         "train-over-device-memory", "device-memory-junk",
+         "train-over-device-memory", "device-memory-junk", "plan-memory-config-not-object",
          # issue 47: the command line's groups and removed names
-         "old-flag", "old-config-key", "config-wrong-group", "config-twice"]
+         "old-flag", "old-config-key", "config-wrong-group", "config-twice",
+         # issue 43: a hybrid with FSDP2
+         "hybrid-shard-params"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
 CASES += [pytest.param(_file_case(kind), id=kind) for kind in ("gate-episodes-groups",
                                                                "gate-capacity",
+                                                               "gate-episodes-out-suffix",
                                                                "gate-context-parallel-zero")]
 
 # issue 52: config files, checkpoints, convert lines, trackers, outputs (catalogue_rows_52.py)
@@ -636,3 +677,35 @@ def test_refused_cleanly_and_nothing_changes(setup, tmp_path, capsys, monkeypatc
         assert str(n) in err, f"{n!r} not in {err!r}"
     assert after == before
     assert not partial
+
+
+# the library API (issue 50): Policy's refusals, as a trainer's author meets them
+API_CASES = [pytest.param(name, id=name) for name in catalogue_rows_api.ROWS]
+API_GROUP_CASES = [pytest.param(name, id=name) for name in catalogue_rows_api.group_needles()]
+
+
+def _api_refusal(name, got, cls, needles):
+    kind, message, unchanged = got
+    assert kind == cls.__name__, (name, kind, message)
+    for n in needles:
+        assert n in message, f"{n!r} not in {message!r}"
+    assert "Traceback" not in message
+    assert unchanged, f"{name}: the caller's module changed"
+
+
+@pytest.mark.parametrize("name", API_CASES)
+def test_api_refused_cleanly_and_nothing_changes(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bins.arrow").write_bytes(b"an earlier output")
+    before = tree_hashes(tmp_path)
+    action, cls, needles = catalogue_rows_api.ROWS[name]
+    got = catalogue_rows_api.run_row(catalogue_rows_api.model(), action)
+    _api_refusal(name, got, cls, needles)
+    assert tree_hashes(tmp_path) == before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", API_GROUP_CASES)
+def test_api_refused_cleanly_under_a_process_group(name):
+    cls, needles = catalogue_rows_api.group_needles()[name]
+    _api_refusal(name, catalogue_rows_api.group_results()[name], cls, needles)

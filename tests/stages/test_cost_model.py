@@ -102,14 +102,15 @@ def test_bin_cost_is_the_hand_formula_of_tokens_pairs_and_edges():
     assert exact.pair > 0 and exact.edge > 0  # every term weighs: dropping one changes the cost
 
 
-def test_hybrid_cost_counts_mamba_layers_linear_in_tokens(tmp_path):
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba"])
+def test_hybrid_cost_counts_mamba_layers_linear_in_tokens(tmp_path, family):
     """A Mamba-2 hybrid's token term is the matrix products torch counts on a chain (the
     scan's inter-chunk recurrence, quadratic in chunks, is the small rest); pairs only from
-    its attention layers."""
+    its attention layers. Bamba: every layer's mixer is followed by a SwiGLU MLP."""
     from tests.models.hybrid_helpers import save_hf
     from treeflow.models import load_backend
 
-    save_hf("nemotron_h", tmp_path)
+    save_hf(family, tmp_path)
     backend = load_backend("reference", str(tmp_path))
     c = backend.config
     cost = CostModel.from_config(c, block=1)
@@ -215,30 +216,44 @@ def _per_expert_mm(a_RK, b_XKM, offs_X):
     return torch.cat([a_RK[s:e] @ b_XKM[x] for x, (s, e) in enumerate(zip(starts, starts[1:]))])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_attention_moe_cost_counts_active_experts_exactly(tmp_path, monkeypatch, family):
-    """Qwen3-MoE (a dense layer among expert layers), Qwen2-MoE (shared expert and its gate),
-    Mixtral: the token term is exactly the matrix products torch counts in training, the
-    router and top_k active experts per token (not the dense intermediate_size MLP)."""
-    from tests.models.moe_helpers import hf_model
+CHAIN = 48  # tokens of the chain the MoE FLOP counts run
+
+
+@pytest.fixture
+def moe_chain_flops(tmp_path, monkeypatch):
+    """run(hf) -> (config, CostModel, matrix-product FLOPs torch counts): a saved transformers
+    MoE checkpoint loaded by treeflow, one training forward and backward on a CHAIN-token
+    chain, torch._grouped_mm counted per expert (`_per_expert_mm`)."""
     from treeflow.models import load_model
     from treeflow.models.moe import experts as moe
 
     monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
 
-    hf_model(family).save_pretrained(tmp_path)
-    model = load_model(tmp_path)
-    c = model.config
-    cost = CostModel.from_config(c, block=1)
-    n = 48
-    pos = np.arange(n)
-    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
-    with FlopCounterMode(display=False) as fc:
-        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
-    counts = fc.get_flop_counts()["Global"]
-    mm = sum(v for k, v in counts.items()
-             if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
-    assert mm == cost.token * n, (mm, cost.token * n)
+    def run(hf):
+        hf.save_pretrained(tmp_path)
+        model = load_model(tmp_path)
+        c = model.config
+        pos = np.arange(CHAIN)
+        plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
+        with FlopCounterMode(display=False) as fc:
+            model(torch.arange(CHAIN) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
+        counts = fc.get_flop_counts()["Global"]
+        mm = sum(v for k, v in counts.items()
+                 if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
+        return c, CostModel.from_config(c, block=1), mm
+
+    return run
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_attention_moe_cost_counts_active_experts_exactly(moe_chain_flops, family):
+    """Qwen3-MoE (a dense layer among expert layers), Qwen2-MoE (shared expert and its gate),
+    Mixtral: the token term is exactly the matrix products torch counts in training, the
+    router and top_k active experts per token (not the dense intermediate_size MLP)."""
+    from tests.models.moe_helpers import hf_model
+
+    c, cost, mm = moe_chain_flops(hf_model(family))
+    assert mm == cost.token * CHAIN, (mm, cost.token * CHAIN)
     assert cost.pair == _cost(c, block=1).pair and cost.edge == _cost(c, block=1).edge
 
 
@@ -266,27 +281,13 @@ def test_gpt_oss_cost_counts_router_and_active_experts(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
-def test_deepseek_cost_counts_mla_shared_experts_and_dense_layers(tmp_path, monkeypatch, family):
+def test_deepseek_cost_counts_mla_shared_experts_and_dense_layers(moe_chain_flops, family):
     """GLM-4.5 and DeepSeek-V3 (a dense first layer, shared experts; DeepSeek-V3's MLA
     latents): the token term is exactly the matrix products torch counts in training; MLA's
     pairs are QK^T and P.V at its padded head width (hand formula)."""
     from tests.models.families_helpers import hf_deepseek
-    from treeflow.models import load_model
-    from treeflow.models.moe import experts as moe
 
-    monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
-    hf_deepseek(family).save_pretrained(tmp_path)
-    model = load_model(tmp_path)
-    c = model.config
-    cost = CostModel.from_config(c, block=1)
-    n = 48
-    pos = np.arange(n)
-    plan = AttentionPlan(subtree_end(pos), kernel="runs", parents_N=pos - 1)
-    with FlopCounterMode(display=False) as fc:
-        model(torch.arange(n) % c.vocab_size, torch.from_numpy(pos), plan).sum().backward()
-    counts = fc.get_flop_counts()["Global"]
-    mm = sum(v for k, v in counts.items()
-             if str(k) in ("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm"))
-    assert mm == cost.token * n, (mm, cost.token * n)
+    c, cost, mm = moe_chain_flops(hf_deepseek(family))
+    assert mm == cost.token * CHAIN, (mm, cost.token * CHAIN)
     width = max(c.head_dim, c.v_head_dim) if c.mla else c.head_dim  # MLA: 16 + 8 vs 12
     assert cost.pair == 6.0 * c.num_hidden_layers * 2 * c.num_attention_heads * width

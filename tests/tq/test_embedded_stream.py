@@ -175,13 +175,17 @@ class _NoRenew:
         return getattr(self._queue, name)
 
 
-def test_a_reader_whose_own_leases_lapse_still_applies_every_step_once(small, legacy_lp):
+def test_a_reader_whose_own_leases_lapse_still_applies_every_step_once(small, legacy_lp,
+                                                                       monkeypatch):
+    clock = _Clock(tick=0.0)            # the leases' clock moves only when the test moves it
+    for module in (ledger_module, leases_module):
+        monkeypatch.setattr(module, "time", clock)
     q = local_queue(lease_seconds=0.05)
-    fill(q, small)
+    fill(q, small)                      # closed: no get waits on the stopped clock
     reader = QueueSource(episodes_per_step=B).open(_NoRenew(q))
     got = []
     for rec in logprob_pipe().run(reader, prefetch=1):
-        time.sleep(0.2)                 # every lease held now has lapsed (and come back to us)
+        clock.now += 0.2                # every lease held now has lapsed (and comes back to us)
         got.append(rec.output)
     assert len(got) == len(legacy_lp)
     for a, b in zip(got, legacy_lp):
@@ -193,14 +197,15 @@ def test_a_reader_whose_own_leases_lapse_still_applies_every_step_once(small, le
 class _Clock:
     """The ledger's clock, moved by the test: a lease lapses when the test says so.
 
-    Each reading advances it a little, so a wait on it still ends if a test goes wrong.
+    Each reading advances it by `tick`, so a wait on it still ends if a test goes wrong
+    (tick=0: it moves only when the test moves `now`).
     """
 
-    def __init__(self):
-        self.now = 0.0
+    def __init__(self, tick: float = 0.05):
+        self.now, self.tick = 0.0, tick
 
     def monotonic(self):
-        self.now += 0.05
+        self.now += self.tick
         return self.now
 
 

@@ -68,23 +68,27 @@ def test_capacity_blocks_a_fast_producer_and_memory_stays_bounded(eps):
         local_queue(capacity=2).put(eps.slice(0, 3), producer="p")
 
 
-def test_unacknowledged_step_is_redelivered_identically(eps):
+def test_unacknowledged_step_is_redelivered_identically(eps, clock):
+    """On the test's clock (tests/tq/conftest.py): a lease lapses when the clock passes it."""
     q = local_queue(capacity=100, lease_seconds=0.2)
     q.put(eps.slice(0, 6), producer="p")
-    first = q.get(6, consumer="a", timeout=1)
-    time.sleep(0.3)                                      # consumer "a" died: no renew, no ack
-    again = q.get(6, consumer="b", timeout=1)
+    first = q.get(6, consumer="a", timeout=0)
+    clock[0] += 0.19
+    assert q.get(6, consumer="b", timeout=0) is None     # still leased to "a"
+    clock[0] += 0.02                                     # consumer "a" died: no renew, no ack
+    again = q.get(6, consumer="b", timeout=0)
     assert again.redelivered and again.step == first.step
     assert again.episodes.equals(first.episodes)
     assert not q.ack(first)                              # a late ack of the dead lease is refused
     assert q.ack(again)
     q.put(eps.slice(6, 3), producer="p")
-    kept = q.get(3, timeout=1)
-    for _ in range(3):                                   # renewing keeps the lease
-        time.sleep(0.1)
+    kept = q.get(3, timeout=0)
+    for _ in range(3):                                   # renewing keeps the lease past 0.2 s
+        clock[0] += 0.15
         assert q.renew(kept)
+        assert q.get(3, consumer="b", timeout=0) is None
     assert q.nack(kept)                                  # given back: redelivered at once
-    assert q.get(3, timeout=1).step == kept.step
+    assert q.get(3, timeout=0).step == kept.step
     assert q.stats()["redeliveries"] == 2
 
 

@@ -33,12 +33,15 @@ def test_a_stopped_server_times_out_the_call(tmp_path, monkeypatch):
     try:
         client = connect_embedded(server.address)
         assert isinstance(client.stats(), dict)  # it answers
-        monkeypatch.setattr(protocol, "CALL_SLACK_S", 1.0)
+        slack = 0.5
+        monkeypatch.setattr(protocol, "CALL_SLACK_S", slack)
         _stopped(server.pid)  # alive, holding the socket, answering nothing
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"did not answer stats\(\) within 1 s"):
+        with pytest.raises(TimeoutError, match=r"did not answer stats\(\) within 0.5 s"):
             client.stats()
-        assert time.monotonic() - t0 < 10
+        # a hang bound only, 20x the deadline the message names (a call without one never
+        # returns): a starved machine adds scheduling delay, never 19 deadlines
+        assert time.monotonic() - t0 < 20 * slack
         os.kill(server.pid, signal.SIGCONT)
         monkeypatch.setattr(protocol, "CALL_SLACK_S", 60.0)
         assert isinstance(client.stats(), dict)  # a new connection, the server is back
@@ -72,6 +75,8 @@ def test_a_server_that_exits_while_starting_is_reported_with_its_log(transport, 
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"exited with 3; its output is in (\S+\.log)") as e:
         serve_embedded(address, timeout=60.0)
+    # the wait ended on the exit, not at its 60 s timeout: the whole test took under 1.1 s
+    # with two busy loops on a shared 2-core machine at load 6-18, so 30 s is a hang bound
     assert time.monotonic() - t0 < 30
     log = e.value.args[0].rsplit(" ", 1)[-1]
     assert "cannot start" in open(log).read()

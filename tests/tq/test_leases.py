@@ -3,29 +3,24 @@
 A lease renewed at time t ends at t + lease_seconds (it is extended *to*, not
 *by*, lease_seconds): measured after N renewals with a clock the test moves.
 The holder -- a QueueReader (queue_source.py), which the Ray engine reads
-through too -- renews well inside the lease; its cadence is measured in real
-time from the renewals the queue sees.
+through too -- renews well inside the lease: its heartbeat's schedule is read
+off the same test clock (its waits end when the test moves the clock), never
+off real time, so a starved machine cannot make a renewal late.
 """
 
 from __future__ import annotations
 
+import queue as stdqueue
 import time
 
 import pytest
 
 from tests.tq.queue_helpers import B, small_episodes
 from treeflow.pipeline import QueueSource
+from treeflow.pipeline.queue_source import QueueReader
 from treeflow.tq import local_queue
 
 LEASE = 10.0
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """time.monotonic under the test's control: now[0] is the time."""
-    now = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    return now
 
 
 def test_a_lease_ends_lease_seconds_after_its_last_renewal(clock):
@@ -61,40 +56,70 @@ def test_an_unrenewed_lease_ends_lease_seconds_after_the_get(clock):
     assert q.get(B, consumer="b", timeout=0).redelivered
 
 
-class _Renewals:
-    """Wraps a queue's renew(): the real-time instants at which each lease was renewed."""
+HANG_S = 120.0   # bounds a hang only: every wait below ends as soon as the heartbeat acts
 
-    def __init__(self, queue):
-        self.at: list[float] = []
+
+class _Heartbeat:
+    """A reader's heartbeat on the test's clock: each wait it asks for is recorded and ends
+    only when the test moves the clock by that much (`wake`); renewals are stamped with it."""
+
+    def __init__(self, monkeypatch, clock, queue):
+        self.clock, self.renewed = clock, []          # renewed: (clock time, lease id)
+        self._asked, self._go = stdqueue.Queue(), stdqueue.Queue()
+
+        def sleep(reader, seconds):
+            self._asked.put(seconds)
+            self._go.get()
+            return reader._stop.is_set()
+        monkeypatch.setattr(QueueReader, "_sleep", sleep)
         real = queue.renew
 
         def renew(leased):
-            self.at.append(time.perf_counter())
+            self.renewed.append((self.clock[0], leased.lease))
             return real(leased)
         queue.renew = renew
 
-    def max_gap(self, since: float, until: float) -> float:
-        """The longest time in [since, until] without a renewal."""
-        stamps = [since, *(t for t in self.at if since < t < until), until]
-        return max(b - a for a, b in zip(stamps, stamps[1:]))
+    def asked(self) -> float:
+        """The seconds the heartbeat's next wait asks for (it has finished its round)."""
+        return self._asked.get(timeout=HANG_S)
+
+    def wake(self, seconds: float) -> None:
+        self.clock[0] += seconds
+        self._go.put(None)
 
 
-def test_a_reader_renews_its_held_steps_well_inside_the_lease():
-    lease, hold = 2.0, 2.5  # renewals every 0.5 s are expected; 1 s without one fails
+def test_a_reader_renews_every_held_step_each_quarter_lease(clock, monkeypatch):
+    """The heartbeat waits lease/4 and, on each wake, renews every lease the reader holds
+    once (and no other); held for two leases' time, no step lapses. Its schedule is read
+    off the test's clock, so a starved machine cannot make it late."""
     eps = small_episodes()
-    q = local_queue(capacity=100, lease_seconds=lease)
-    q.put(eps.slice(0, B), producer="p")
-    renewals = _Renewals(q)
-    reader = QueueSource(episodes_per_step=B).open(q)
+    q = local_queue(capacity=100, lease_seconds=LEASE)
+    q.put(eps.slice(0, 2 * B), producer="p")
+    beat = _Heartbeat(monkeypatch, clock, q)
+    reader = QueueSource(episodes_per_step=B, ack="manual").open(q)
     try:
-        next(reader)                       # the step is held (not acknowledged) while we wait
-        t0 = time.perf_counter()
-        time.sleep(hold)
-        gap = renewals.max_gap(t0, time.perf_counter())
-        assert q.get(B, consumer="other", timeout=0) is None, "the held step's lease lapsed"
-        assert len(renewals.at) >= 3 and gap < lease / 2, (renewals.at, gap)
+        assert beat.asked() == LEASE / 4
+        next(reader), next(reader)        # two steps held (not acknowledged: ack="manual")
+        held = {le.lease for le in reader._held.values()}
+        assert len(held) == 2, reader._held
+        for k in range(1, 9):             # 8 wakes: 2 x LEASE on the clock
+            beat.wake(LEASE / 4)
+            assert beat.asked() == LEASE / 4, k
+            now = clock[0]
+            assert sorted(lid for t, lid in beat.renewed if t == now) == sorted(held), \
+                (k, beat.renewed)
+            assert q.get(B, consumer="other", timeout=0) is None, f"a held lease lapsed at wake {k}"
+        assert len(beat.renewed) == 8 * 2 and q.stats()["redeliveries"] == 0
+        reader.handed(0)                  # step 0's result is out and durable: one step held
+        assert reader.ack_finished() == [0]
+        beat.wake(LEASE / 4)
+        beat.asked()
+        assert [lid for t, lid in beat.renewed if t == clock[0]] == [reader._held[1].lease]
     finally:
         reader.close()
+        beat.wake(0.0)
+        reader._beat.join(HANG_S)
+    assert not reader._beat.is_alive()
 
 
 def test_a_lease_that_ran_out_under_a_stalled_heartbeat_is_said_and_counted(capsys):
@@ -116,7 +141,7 @@ def test_a_lease_that_ran_out_under_a_stalled_heartbeat_is_said_and_counted(caps
     reader = QueueSource(episodes_per_step=B, ack="manual").open(q)
     try:
         next(reader)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S     # bounds a hang: the poll ends at the count
         while reader.lapsed == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert taken and taken[0] is not None and taken[0].redelivered

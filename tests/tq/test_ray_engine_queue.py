@@ -178,26 +178,44 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
     assert_same_weights(saved["ray"], saved["local"])
 
 
+HANG_S = 300.0  # bounds a hang only: a wait below ends as soon as what it waits for happens
+
+
 def part_one_first(markers: str):
-    """Rank actors of which rank 1 returns every window before rank 0 starts computing it."""
+    """Rank actors of which rank 0 computes a window only once the driver holds rank 1's part
+    (the driver says so with a file, `driver_arrivals`): rank 1's part arrives first."""
 
     class PartOneFirst(RankActor):
         def run(self, window, block, position, episodes=None):
-            marker = os.path.join(markers, f"w{window}")
             if self.rank == 0:
-                deadline = time.monotonic() + 60
-                while not os.path.exists(marker) and time.monotonic() < deadline:
+                back = os.path.join(markers, f"back-w{window}-r1")
+                deadline = time.monotonic() + HANG_S
+                while not os.path.exists(back) and time.monotonic() < deadline:
                     time.sleep(0.02)
-                time.sleep(0.2)                    # rank 1's result is back by now ...
-            out = super().run(window, block, position, episodes)
-            if self.rank == 1:
-                open(marker, "w").close()          # ... so rank 0 may go
-            return out
+            return super().run(window, block, position, episodes)
 
     return PartOneFirst
 
 
-def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small, tmp_path):
+def driver_arrivals(monkeypatch, markers: str) -> list:
+    """(window, rank) of each part as the driver (pipeline/ray_drive.py) takes it in, in that
+    order; each also leaves the file back-w{window}-r{rank} in `markers` for the ranks."""
+    from treeflow.pipeline.ray_drive import Driver
+
+    order, real = [], Driver._result
+
+    def result(self, ref):
+        key = self.pending.get(ref)
+        real(self, ref)
+        if key is not None:
+            order.append(key[:2])
+            open(os.path.join(markers, f"back-w{key[0]}-r{key[1]}"), "w").close()
+    monkeypatch.setattr(Driver, "_result", result)
+    return order
+
+
+def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small, tmp_path,
+                                                                  monkeypatch):
     """Two ranks, so every window is two parts (one per rank's shard); rank 1's edge values
     reach the driver first. A window's output is its parts in part order: rank 0's bins, then
     rank 1's, each in bin order -- the local engine's rows, reordered by the bins' ranks."""
@@ -210,6 +228,7 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
     q = local_queue()
     fill(q, small)
     reader = QueueSource(episodes_per_step=B).open(q)
+    arrivals = driver_arrivals(monkeypatch, str(tmp_path))
     # one window open at a time: both actors never wait on part 0s of different windows
     records = list(acknowledged(run_ray(pipe.plan, reader, dims=ParallelDims(dp=2), prefetch=1,
                                         rank_cls=part_one_first(str(tmp_path))), reader))
@@ -220,7 +239,7 @@ def test_parts_that_arrive_out_of_order_are_output_in_part_order(cluster, small,
         rank_of = dict(zip(bins.column("bin_id").to_pylist(), bins.column("rank").to_pylist()))
         ranks = [rank_of[b] for b in want.column("bin_id").to_pylist()]
         assert sorted(set(ranks)) == [0, 1], ranks              # two parts in every window
-        assert os.path.exists(tmp_path / f"w{w}")               # part 1 did come back first
+        assert arrivals[2 * w:2 * w + 2] == [(w, 1), (w, 0)], arrivals  # part 1 came back first
         order = sorted(range(want.num_rows), key=lambda i: ranks[i])  # stable: bin order kept
         want = want.take(order)
         assert got.output.column("bin_id").to_pylist() == want.column("bin_id").to_pylist(), w

@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.multiprocess]
 OPTS = ["--mode", "train", "--num-ranks", "2", "--episodes-per-step", "4", "--loss", "nll",
         "--lr", "1e-3", "--save-every", "1", "--keep", "2", "--json"]
 LEASE_S = 3.0
+HANG_S = 300.0   # bounds a hang only: the waits below end as soon as what they wait for happens
 
 
 def _episodes():
@@ -88,13 +89,15 @@ def runs(ray_cluster, tmp_path_factory):
         drain = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, b"")),
                                  daemon=True)
         drain.start()
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + HANG_S
         # step 3 trained (rank 0 published v3) and its result back on the driver, which heard
         # of checkpoint 2 with it and acknowledged steps 1-2
         while not (os.path.isdir(os.path.join(pub, "v3")) and queue.stats()["steps_acked"] >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, b"".join(err)[-3000:]
             time.sleep(0.05)
-        time.sleep(0.5)              # what the driver would do next (acknowledge) has had its chance
+        # not a wait for anything: a correct driver acknowledges nothing more, so this only
+        # gives a wrong acknowledgement of step 3 a moment to show (it cannot fail a good run)
+        time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGKILL)   # the driver; Ray kills the actors it owned
         proc.wait()
         drain.join(timeout=10)
@@ -103,12 +106,24 @@ def runs(ray_cluster, tmp_path_factory):
         out["killed"] = queue.stats()
         out["killed_steps"] = _steps(ck)
         out["killed_latest"] = (ck / "latest.txt").read_text()
-        time.sleep(LEASE_S + 0.5)    # step 3's lease lapses: it is redelivered to the next consumer
-        _put(queue, eps, 12, 16)
-        queue.close(producer="rollout")
+        # step 3's lease lapses and the resumed run takes it back before step 4 exists: the
+        # rest of the episodes are put once the queue has requeued step 3 (its lease ran out
+        # under the resumed run's get), not after a guessed time (a renewal still in flight
+        # at the kill can extend the lease past kill + LEASE_S on a loaded server)
+        before = out["killed"]["redeliveries"]
+
+        def feed():
+            deadline = time.monotonic() + HANG_S
+            while queue.stats()["redeliveries"] == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _put(queue, eps, 12, 16)
+            queue.close(producer="rollout")
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             out["code"] = main(["stream", *argv, "--resume", str(ck)])
+        feeder.join(HANG_S)
         out["resumed"] = printed.getvalue()
         out["queue"] = queue.stats()
         yield out

@@ -17,6 +17,7 @@ from tests.tq.queue_helpers import (B, assert_same_weights, close_transferqueue,
 
 pytestmark = pytest.mark.ray
 tq = pytest.importorskip("transfer_queue")
+HANG_S = 120.0   # bounds a hang only: a get returns as soon as its step is there
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,12 @@ def test_transferqueue_redelivers_and_refuses_bad_puts(cluster, small):
 
     with pytest.raises(QueueFull):
         q.put(small.slice(4, 4), producer="p", timeout=0.2)
-    first = q.get(4, consumer="a", timeout=5)
-    time.sleep(1.0)                                                        # "a" died
-    again = q.get(4, consumer="b", timeout=5)
+    t0 = time.monotonic()
+    first = q.get(4, consumer="a", timeout=HANG_S)
+    # "a" died: b's get waits until a's lease runs out (the ledger requeues it then), however
+    # slow the machine; HANG_S only bounds a hang. Never before the lease: a lower bound
+    again = q.get(4, consumer="b", timeout=HANG_S)
+    assert time.monotonic() - t0 >= 0.5, "redelivered before the 0.5 s lease ran out"
     assert again.redelivered and again.step == first.step and again.episodes.equals(first.episodes)
     assert not q.ack(first) and q.ack(again)
     q.shutdown()

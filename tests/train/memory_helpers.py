@@ -48,7 +48,7 @@ class Held(TorchDispatchMode):
 
 
 def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
-                    kernel: str = "dense"):
+                    kernel: str = "dense", ssm_kernel: str = "torch", backward: bool = True):
     """(bytes held after the largest bin's forward under mixed precision, its tokens, its edges,
     its Mamba-2 scan's fill: tokens / chunk slots of the segment plan, 1.0 without one)."""
     from treeflow.models import Tuning
@@ -57,7 +57,7 @@ def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", rout
     from treeflow.train.precision import compute_context
 
     extra = {} if routing is None else {"routing": routing}
-    tuning = Tuning(recompute=recompute, **({"ssm_kernel": "torch"}
+    tuning = Tuning(recompute=recompute, **({"ssm_kernel": ssm_kernel}
                                             if getattr(model.config, "recurrent", False) else {}))
     runner = build_forward(Forward(tuning=tuning, kernel=kernel, dtype=dtype, **extra),
                            model=model)
@@ -68,9 +68,91 @@ def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", rout
     with held, compute_context("cpu", getattr(torch, dtype), "mixed"):
         lp_E, _ = runner.run_bin(item)
     n = held.alive()
-    lp_E.sum().backward()  # the graph was real: backward runs through it
+    if backward:  # the graph was real: backward runs through it
+        lp_E.sum().backward()
+    del lp_E
     model.zero_grad(set_to_none=True)
     segments = getattr(item.plan, "segments", None)
     fill = 1.0 if segments is None else item.num_tokens / sum(
         int(lv.gather_KC.numel()) for lv in segments.levels)
     return n, item.num_tokens, int(item.sources_E.shape[0]), fill
+
+
+def _allocated_peak(fn) -> int:
+    """fn()'s peak bytes allocated and not yet freed, counted from its start (the profiler's
+    CPU allocator report: every allocation and free inside fn, kernels' scratch included;
+    what was allocated before fn is not counted, freed or not)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"),
+               default=0)
+
+
+def peak_of_bin(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
+                kernel: str = "dense", ssm_kernel: str = "torch", chunk_size: int = 1024):
+    """(peak bytes above the held state over the largest bin's forward and backward under
+    mixed precision, its tokens, its edges, its scan fill). A first pass over the bin makes
+    the parameters' .grad, so the measured pass is a later bin's: its gradients accumulate."""
+    from treeflow.models import Tuning
+    from treeflow.ops import build_forward
+    from treeflow.stages import Forward
+    from treeflow.train.precision import compute_context
+
+    extra = {} if routing is None else {"routing": routing}
+    recurrent = getattr(model.config, "recurrent", False)
+    tuning = Tuning(recompute=recompute, **({"ssm_kernel": ssm_kernel} if recurrent else {}))
+    runner = build_forward(Forward(tuning=tuning, kernel=kernel, dtype=dtype,
+                                   chunk_size=chunk_size, **extra), model=model)
+    prepared = runner.prepare(bins)
+    item = max((i for i in prepared.items if i is not None), key=lambda i: i.num_tokens)
+
+    def one_pass():
+        with compute_context("cpu", getattr(torch, dtype), "mixed"):
+            lp_E, _ = runner.run_bin(item)
+        lp_E.sum().backward()
+        del lp_E
+
+    model.zero_grad(set_to_none=True)
+    one_pass()
+    gc.collect()
+    peak = _allocated_peak(one_pass)
+    model.zero_grad(set_to_none=True)
+    segments = getattr(item.plan, "segments", None)
+    fill = 1.0 if segments is None else item.num_tokens / sum(
+        int(lv.gather_KC.numel()) for lv in segments.levels)
+    return peak, item.num_tokens, int(item.sources_E.shape[0]), fill
+
+
+def peak_of_optimizer_step(model) -> int:
+    """Peak bytes the Trainer's optimizer step (gradient clipping, then AdamW as the backend
+    builds it) allocates above the held state: the second step's (the first makes the moments).
+    AdamW runs its foreach path, torch's default on CUDA (on CPU it defaults to a loop over
+    tensors, which a GPU run never takes)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+
+    step()
+    gc.collect()
+    peak = _allocated_peak(step)
+    model.zero_grad(set_to_none=True)
+    return peak

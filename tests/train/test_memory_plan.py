@@ -163,6 +163,24 @@ def test_hybrid_activations_equal_what_the_forward_holds(tmp_path, family, dtype
         assert abs(got - held) <= 0.02 * held, (mode, got, held)
 
 
+def test_fused_scan_activations_equal_what_the_forward_holds(tmp_path):
+    """CUDA runs the fused Mamba-2 scan (models/ssm/triton_scan.py; here in triton's interpreter):
+    it keeps x dt, the cumulative decay, B, C and one state per chunk and per segment start
+    instead of the torch scan's chunk tensors. Without recompute (the mode that keeps the scan)
+    the plan with ssm_kernel="triton" holds to 2% of the storages its forward leaves alive."""
+    pytest.importorskip("triton")
+    model, eps = _hybrid(tmp_path, "nemotron_h")
+    bins = Fragment(max_tokens=128)(Pack()(eps))
+    held, n, e, fill = held_by_forward(model, bins, recompute="none", ssm_kernel="triton",
+                                       backward=False)
+    plan = plan_memory(model.config, max_tokens=n, edges=e, kernel="dense", scan_fill=fill,
+                       dtype="float32", ssm_kernel="triton").components
+    torch_scan = plan_memory(model.config, max_tokens=n, edges=e, kernel="dense",
+                             scan_fill=fill, dtype="float32").components
+    assert torch_scan["activations"] > 1.2 * held  # the two scans' plans differ this much
+    assert abs(plan["activations"] - held) <= 0.02 * held, (plan["activations"], held)
+
+
 def test_recompute_orders_the_plan_and_largest_max_tokens_is_the_fit():
     model, _ = _dense()
     c = model.config
@@ -207,8 +225,11 @@ def test_plan_memory_of_episode_files_plans_their_largest_bin(tmp_path, capsys):
         pa.ipc.open_file(str(tmp_path / "e.arrow")).read_all())))
     biggest = max(len(p) for p in bins.column("parents").to_pylist())
     assert out["from_bins"] and 0 < out["scan_fill"] < 1
+    # no --device: the plan is a CUDA run's, whose scan is the fused one (--ssm-kernel auto)
+    assert out["ssm_kernel"] == "triton"
     assert out["bytes"] == plan_memory(load_model(tmp_path / "m").config, max_tokens=biggest,
-                                       edges=out["edges"], scan_fill=out["scan_fill"]).components
+                                       edges=out["edges"], scan_fill=out["scan_fill"],
+                                       ssm_kernel="triton").components
 
 
 def test_train_refuses_a_run_over_the_card_naming_the_flags(tmp_path, capsys):
@@ -229,3 +250,99 @@ def test_train_refuses_a_run_over_the_card_naming_the_flags(tmp_path, capsys):
     assert main([*args, "--max-tokens", "256", "--device-memory", "4GiB"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["recompute"] == \
         "selective"
+
+
+def test_optimizer_step_transient_is_one_parameter_sized_copy():
+    """foreach AdamW (torch's default on CUDA) builds one parameter-sized float32 denominator
+    at the step; measured above the held state, it is the plan's `optimizer_step` transient
+    to the few bytes of its scalar step counters."""
+    from tests.train.memory_helpers import peak_of_optimizer_step
+
+    model, _ = _dense()
+    measured = peak_of_optimizer_step(model)
+    plan = plan_memory(model.config, max_tokens=256, dtype="float32").as_dict()
+    step = plan["transients"]["optimizer_step"]
+    assert step == sum(p.nbytes for p in model.parameters())
+    assert step <= measured <= step + 16 * len(list(model.parameters())), (step, measured)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_peak_of_a_bin_where_the_loss_head_sets_it(dtype):
+    """Measured: the bytes a bin's forward and backward allocate above the held state, the
+    peak of the CPU allocator (kernels' scratch included). In the small dense model the loss
+    head's vocabulary chunk is the largest transient under none and selective; the plan's
+    activations + casts + backward transient holds to 2% there."""
+    from tests.train.memory_helpers import peak_of_bin
+
+    model, eps = _dense()
+    bins = Fragment(max_tokens=256)(Pack()(eps))
+    for mode in ("none", "selective"):
+        peak, n, e, _ = peak_of_bin(model, bins, recompute=mode, dtype=dtype)
+        plan = plan_memory(model.config, max_tokens=n, edges=e, recompute=mode, dtype=dtype,
+                           kernel="dense")
+        c = plan.components
+        got = c["activations"] + c["weight_casts"] + plan.knobs["transients"]["backward"]
+        assert abs(got - peak) <= 0.02 * peak, (mode, got, peak)
+
+
+# 4 layers of Qwen3-30B-A3B (bench/bench_moe_gpu.py's shape)
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "tie_word_embeddings": False}
+
+
+def test_full_recompute_moe_peaks_at_the_optimizer_step():
+    """The H100 run (bench/results/h100_bench_memory_gpu.json): 4 layers of Qwen3-30B-A3B,
+    32768 tokens, --recompute full, 58.3 GiB measured. The state is 4 x 11.6 GiB (weights,
+    gradients, two moments) and AdamW's step adds one more parameter-sized copy; the bin's
+    backward is below that, so the step sets the peak, and the plan is within 10%."""
+    from treeflow.models import ModelConfig
+
+    results = json.loads(open("bench/results/h100_bench_memory_gpu.json").read())
+    run = next(r for r in results["runs"] if r["kind"] == "moe" and r["recompute"] == "full"
+               and r.get("measured_gib"))
+    config = ModelConfig.from_hf_dict({**QWEN3_30B_A3B, "num_hidden_layers": run["layers"]})
+    plan = plan_memory(config, max_tokens=run["bin_tokens"], recompute="full")
+    assert plan.knobs["peak_at"] == "optimizer_step"
+    assert plan.knobs["transients"]["optimizer_step"] == plan.components["weights"]
+    assert abs(plan.total / GIB - run["measured_gib"]) <= 0.1 * run["measured_gib"]
+
+
+def test_plan_memory_reads_a_config_file_alone(tmp_path, capsys):
+    """A user's question for a model they have not downloaded: its config.json (any name) is
+    enough, and gives the plan of the same config in a directory; a file that is not a JSON
+    object is refused naming it."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    (tmp_path / "qwen3.json").write_text(json.dumps(QWEN3_30B_A3B))
+    knobs = ["--max-tokens", "32768", "--num-ranks", "8", "--shard-params", "--recompute",
+             "full", "--device-memory", "80GiB", "--json"]
+    outs = []
+    for model in (tmp_path / "m", tmp_path / "qwen3.json"):
+        assert main(["plan", "--memory", "--model", str(model), *knobs]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["bytes"] == outs[1]["bytes"] and outs[1]["parameters"] > 30e9
+    assert outs[1]["fits"] is True and outs[1]["largest_max_tokens"] > 32768
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main(["plan", "--memory", "--model", str(tmp_path / "bad.json"), *knobs]) == 2
+    assert "bad.json: holds list" in capsys.readouterr().err
+
+
+def test_plan_memory_refuses_sharding_a_hybrid_as_training_would(tmp_path, capsys):
+    """`--shard-params` on a Mamba-2 hybrid is refused by the support table before training
+    loads a model; the plan refuses it the same way instead of answering for a run that cannot
+    start (the 8 x 80 GB question for a Nemotron-H-class model would otherwise look answered)."""
+    from tests.models import hybrid_helpers
+
+    hf = hybrid_helpers.hf_model("nemotron_h")
+    (tmp_path / "h.json").write_text(json.dumps(hf.config.to_dict()))
+    knobs = ["--max-tokens", "4096", "--num-ranks", "8", "--recompute", "full", "--json"]
+    assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), *knobs]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), "--shard-params",
+                 *knobs]) == 2
+    err = capsys.readouterr().err
+    assert "h.json" in err and "--shard-params" in err and "drop" in err

@@ -1,7 +1,9 @@
 """Policy on two data-parallel ranks (gloo, CPU): the caller's module, the same logical batch
 on each rank, each running its share of the bins; the step equals one hand-computed step on
 the whole batch (tests/train/test_policy_step.py's oracle: transformers per call, the loss in
-float64, AdamW by its formula). DDP- and FSDP2-wrapped modules are refused, naming the fix.
+float64, AdamW by its formula), and `loss()` + `reduce_gradients()` give its loss and gradient
+norm on each rank. DDP-wrapped modules are refused, naming the fix (FSDP2:
+tests/train/test_policy_fsdp.py).
 """
 
 from __future__ import annotations
@@ -31,33 +33,37 @@ def _model():
 
 
 def _rank(max_norm):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     dp = DataParallel.from_env()
     refused = {}
-    for name, wrap in (("ddp", DistributedDataParallel),
-                       ("fsdp2", lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (2,))))):
-        try:
-            Policy(wrap(_model()))
-        except TypeError as e:
-            refused[name] = str(e)
+    try:
+        Policy(DistributedDataParallel(_model()))
+    except TypeError as e:
+        refused["ddp"] = str(e)
     model = _model()
     policy = Policy(model, fragment=Fragment(max_tokens=24), dp=dp,
                     reduce=replace(reduce_for(max_norm), loss=Loss(kind="pg", norm="token")))
-    try:
-        policy.loss(_rows())
-    except ValueError as e:
-        refused["loss"] = str(e)
+    loss = policy.loss(_rows())  # every rank: the whole batch's loss, its part of the gradient
+    loss.backward()
+    policy.reduce_gradients()
+    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    model.zero_grad(set_to_none=True)
+    one = policy.loss(_rows()[:1])  # one bin: rank 1 runs none, yet joins backward and the sum
+    one.backward()
+    policy.reduce_gradients()
+    one_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    model.zero_grad(set_to_none=True)
     row = policy.train_step(_rows())
+    refused["loss"] = (float(loss), grad_norm, float(one), one_norm)
     return row, {n: p.detach().clone() for n, p in model.named_parameters()}, refused
 
 
-def test_two_ranks_take_the_hand_step_and_wrapped_modules_are_refused():
+def test_two_ranks_take_the_hand_step_and_ddp_modules_are_refused():  # and loss()
     rows = _rows()
     model = _model()
     loss, norm, max_norm, lr, want = hand_step(model, rows, hand_pg_token)
+    one_loss, one_norm = hand_step(model, rows[:1], hand_pg_token)[:2]
     # the batch is two bins (the group's tree and the agent episode): one per rank
     bins = Shard()(Fragment(max_tokens=24)(Pack()(Policy(model).episodes(rows))), ranks=2)
     assert sorted(bins.column("rank").to_pylist()) == [0, 1]
@@ -69,7 +75,9 @@ def test_two_ranks_take_the_hand_step_and_wrapped_modules_are_refused():
         assert row["ranks"] == 2 and row["bins"] == 2  # each rank ran one of the two bins
         check_step(params, before, want, lr)
         assert "DDP.forward" in refused["ddp"] and "dp=DataParallel" in refused["ddp"]
-        assert "FSDP-sharded" in refused["fsdp2"] and "before fully_shard" in refused["fsdp2"]
-        assert "use train_step" in refused["loss"]
+        assert abs(refused["loss"][0] - loss) < 1e-6  # loss() + reduce_gradients(): the same
+        assert abs(refused["loss"][1] - norm) <= 1e-4 * norm
+        assert abs(refused["loss"][2] - one_loss) < 1e-6
+        assert abs(refused["loss"][3] - one_norm) <= 1e-4 * one_norm
     for n in want:  # both ranks stepped alike
         assert torch.equal(results[0][1][n], results[1][1][n]), n

@@ -37,18 +37,24 @@ def forward(args, *, entropy: bool = False):
                   entropy=entropy, tuning=tuning, **given)
     # models/support.py, split as the engine will run it: refused before a model loads or an
     # episode is sampled
-    fwd.check_model(_dims(args))
+    fwd.check_model(_dims(args), shard_params=bool(getattr(args, "shard_params", False))
+                    and getattr(args, "mode", "train") == "train")
     return fwd
 
 
 def ssm_kernel(args, tuning) -> dict:
-    """{"ssm_kernel": the Mamba-2 scan that runs} for the run JSON of a hybrid model, else {}."""
-    from treeflow.models.config.hybrid import is_hybrid_dir
+    """{"ssm_kernel": the recurrent scan that runs} for the run JSON of a hybrid model (Mamba-2's
+    as --ssm-kernel resolves on the device; Gated DeltaNet's torch scan), else {}."""
+    from treeflow.models.config.hybrid import recurrent_architecture
 
-    if not is_hybrid_dir(args.model):
+    architecture = recurrent_architecture(args.model)
+    if architecture is None:
         return {}
+    from treeflow.models.config.gdn import scan_kernel
     from treeflow.models.ssm.tree import resolve_kernel  # torch: a hybrid's run imports it anyway
-    return {"ssm_kernel": resolve_kernel(tuning.ssm_kernel, getattr(args, "device", "cpu"))}
+
+    kernel = scan_kernel(architecture, tuning.ssm_kernel)
+    return {"ssm_kernel": resolve_kernel(kernel, getattr(args, "device", "cpu"))}
 
 
 def _dims(args):

@@ -11,6 +11,7 @@ route agreement over the decided rows, those whose top-k is no near-tie, below
 Forward, --context-parallel to its ParallelDims; --context-parallel C trains
 in C processes (gloo on CPU, one GPU each on CUDA) that attach to the queue,
 served on a temporary socket when --queue is not given. --fault is a test hook.
+--episodes-out keeps the sampled episodes (both rounds) for a later look at them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def cmd_gate(args) -> int:
                          "trainer (it samples once the weights of its round are out); leave it out")
     if args.output:  # checked and locked for the run (one writer), written atomically below
         claim_output(args.output, option="-o")
+    if args.episodes_out:  # refused before any sampling when it cannot be written
+        if not args.episodes_out.endswith((".arrow", ".parquet")):
+            raise ValueError(f"--episodes-out {args.episodes_out}: give an episode file name "
+                             "ending in '.arrow' (Arrow IPC) or '.parquet'")
+        claim_output(args.episodes_out, option="--episodes-out")
     if args.threads:
         torch.set_num_threads(args.threads)
     from treeflow.cli.parallel import dims
@@ -63,7 +69,8 @@ def cmd_gate(args) -> int:
     try:
         figures = run_gate(queue, forward=forward, reduce=reduce, gate=gate, layout=args.layout,
                            scope=args.scope, max_tokens=args.max_tokens, device=args.device,
-                           queue_secret=args.queue_secret, dims=split)
+                           queue_secret=args.queue_secret, dims=split,
+                           episodes_out=args.episodes_out)
     finally:
         queue.shutdown()
         if debug is None:
@@ -129,6 +136,9 @@ def add_gate_parser(sub, common) -> None:
                    help="seconds to wait for a round or for weights before failing")
     out = group(s, "output")
     out.add_argument("-o", "--output", default=None, help="write the figures as JSON here")
+    out.add_argument("--episodes-out", default=None, metavar="FILE",
+                     help="keep every sampled episode (both rounds; .arrow or .parquet), "
+                          "written when the gate ends, passed or failed")
     out.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     out.add_argument("--quiet", action="store_true", help="print nothing but the failures")
     s.set_defaults(fn=cmd_gate)

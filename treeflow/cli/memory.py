@@ -23,7 +23,10 @@ def memory_knobs(args, *, recompute: str) -> dict:
     kernel = getattr(args, "kernel", "auto")
     if kernel == "auto":
         kernel = "flex" if device.startswith("cuda") else "dense"
-    return dict(max_tokens=args.max_tokens, num_ranks=args.num_ranks,
+    scan = getattr(args, "ssm_kernel", None) or "auto"
+    if scan == "auto":  # models/ssm_tree.resolve_kernel's choice: the fused scan on CUDA
+        scan = "triton" if device.startswith("cuda") else "torch"
+    return dict(max_tokens=args.max_tokens, num_ranks=args.num_ranks, ssm_kernel=scan,
                 context_parallel=getattr(args, "context_parallel", 1) or 1,
                 shard_params=bool(getattr(args, "shard_params", False)), recompute=recompute,
                 precision=args.precision, dtype=args.dtype,
@@ -32,9 +35,22 @@ def memory_knobs(args, *, recompute: str) -> dict:
 
 
 def _config(model: str):
+    """The model's shape from a checkpoint directory, a directory holding only config.json, or
+    a Hugging Face config.json file itself (`plan --memory` needs no weights)."""
+    import os
+
     from treeflow.stages import Forward
     from treeflow.train.checkpoint import model_dir
 
+    if model != "tiny" and os.path.isfile(model):
+        from treeflow._json import load as load_json
+        from treeflow.models import ModelConfig
+
+        d = load_json(model)
+        if not isinstance(d, dict):
+            raise ValueError(f"--model {model}: holds {type(d).__name__}, not a JSON object of "
+                             "model settings (a Hugging Face config.json)")
+        return ModelConfig.from_hf_dict(d)
     return Forward(model=model_dir(model) if model != "tiny" else model).model_config()
 
 
@@ -44,12 +60,17 @@ def cmd_memory(args) -> int:
     from treeflow.train.memory_plan import largest_max_tokens, parse_bytes, plan_memory
 
     if args.model is None:
-        raise ValueError("plan --memory needs --model ('tiny' or a local HF checkpoint dir)")
+        raise ValueError("plan --memory needs --model ('tiny', a local HF checkpoint dir or its "
+                         "config.json alone)")
     if args.recompute in ("mlp", "attention"):
         raise ValueError(f"plan --memory --recompute {args.recompute}: the planner models none, "
                          "selective and full")
     config = _config(args.model)
     knobs = memory_knobs(args, recompute=args.recompute or "none")
+    if knobs["shard_params"]:
+        from treeflow.models.support import check_sharded
+
+        check_sharded(args.model, config)
     if args.files:  # the episodes' own bins: the largest plan over them, not a full budget
         worst = max((plan_memory(config, **{**knobs, **b}) for b in _bins(args, config)),
                     key=lambda p: p.total, default=None)

@@ -19,9 +19,10 @@ and never goes through the wrapper's forward. DDP arms its gradient all-reduce i
 its own, silently, so the fix is the unwrapped module with treeflow's own data parallelism
 (`Policy(module, dp=DataParallel...)`, whose `train_step` sums the gradients over ranks).
 FSDP2 (`fully_shard`) keeps sharded DTensor parameters on the module; the full tensors exist
-only between its pre-forward all-gather and post-forward reshard, and the reduce-scatter of
-the gradients is wired by those same hooks, so treeflow's decoder would see shards and no
-gradient would be reduced: pass the module before `fully_shard`. PEFT renames parameters.
+only between its all-gather and reshard, so an FSDP2 module is adopted only while unsharded
+(`fsdp_unsharded=True`: train/policy_fsdp.py unshards it, `rebind` re-assigns the gathered
+tensors before each use, and reduces the gradients into the shards itself). PEFT renames
+parameters.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from treeflow.models.checkpoint import empty_decoder
 from treeflow.models.config.model import ModelConfig
 from treeflow.models.reference.decoder import Decoder
 
-__all__ = ["adopt_module"]
+__all__ = ["adopt_module", "rebind"]
 
 # treeflow's name prefix -> transformers' in-memory one, where they differ (Nemotron-H's body is
 # `backbone` on disk and in treeflow, `model` in transformers 5's module)
@@ -48,7 +49,7 @@ def _hf_name(name: str, hf: dict) -> str:
     return name
 
 
-def _refuse_wrapped(module: torch.nn.Module, name: str) -> None:
+def _refuse_wrapped(module: torch.nn.Module, name: str, fsdp_unsharded: bool = False) -> None:
     """TypeError naming the fix for a DDP-, FSDP- or PEFT-wrapped module (module docstring)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
@@ -60,9 +61,15 @@ def _refuse_wrapped(module: torch.nn.Module, name: str) -> None:
             "would keep its own gradients. Pass ddp.module and Policy(..., dp=DataParallel(rank=, "
             "world=, group=ddp.process_group)) with Policy.train_step (treeflow sums the "
             "gradients over ranks), or all-reduce the gradients yourself after backward")
-    fsdp = [n or "(the module)" for n, m in module.named_modules()
-            if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
-    if fsdp:
+    fsdp1 = [n or "(the module)" for n, m in module.named_modules()
+             if isinstance(m, FullyShardedDataParallel)]
+    if fsdp1:
+        raise TypeError(
+            f"{name}: wrapped by FullyShardedDataParallel (FSDP1: {fsdp1[0]}), whose flat "
+            "parameters treeflow cannot read; wrap with torch.distributed.fsdp.fully_shard "
+            "(FSDP2, used in place), or pass the unwrapped module with Policy(..., dp=...)")
+    fsdp = [n or "(the module)" for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if fsdp and not fsdp_unsharded:
         raise TypeError(
             f"{name}: FSDP-sharded ({fsdp[0]} is wrapped); treeflow's forward bypasses FSDP's "
             "all-gather and gradient reduce-scatter hooks. Pass the module before fully_shard "
@@ -75,22 +82,32 @@ def _refuse_wrapped(module: torch.nn.Module, name: str) -> None:
                         "PEFT: model.merge_and_unload())")
 
 
-def adopt_module(module: torch.nn.Module) -> Decoder:
+def adopt_module(module: torch.nn.Module, *, fsdp_unsharded: bool = False) -> Decoder:
     """treeflow's decoder for `module` (a transformers causal LM), sharing its parameters.
 
-    Raises TypeError for a module without a transformers `config`, and ValueError naming the
-    tensor when the module's parameters are not the family's (missing, extra or reshaped).
+    fsdp_unsharded: `module` is FSDP2-wrapped and unsharded now (its caller re-binds and
+    reduces: train/policy_fsdp.py). Raises TypeError for a module without a transformers
+    `config`, and ValueError naming the tensor when the module's parameters are not the
+    family's (missing, extra or reshaped).
     """
     if isinstance(module, Decoder):
         return module
     name = type(module).__name__
-    _refuse_wrapped(module, name)
+    _refuse_wrapped(module, name, fsdp_unsharded)
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"{name}: not a transformers model (no .config); give a "
                         "transformers *ForCausalLM module or a checkpoint directory")
-    tf_config = ModelConfig.from_hf_dict(config.to_dict())
-    decoder = empty_decoder(tf_config)
+    decoder = empty_decoder(ModelConfig.from_hf_dict(config.to_dict()))
+    rebind(decoder, module)
+    return decoder
+
+
+def rebind(decoder: Decoder, module: torch.nn.Module) -> None:
+    """Assign `module`'s current parameter objects to `decoder` (no copies), checked by name
+    and shape (adopt_module)."""
+    name = type(module).__name__
+    tf_config = decoder.config
     hf = dict(module.named_parameters(remove_duplicate=False))
     hf.update(dict(module.named_buffers()))
     state, used = {}, set()
@@ -116,4 +133,3 @@ def adopt_module(module: torch.nn.Module) -> Decoder:
         raise ValueError(f"{name}: parameter(s) {extra[:3]} have no place in treeflow's "
                          f"{tf_config.architecture} decoder; they would not be trained")
     decoder.load_state_dict(state, strict=True, assign=True)
-    return decoder

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FAMILIES", "NOT_YET", "Family", "family_of", "markdown_table", "require",
+__all__ = ["FAMILIES", "NOT_YET", "Family", "family_of", "lacks", "markdown_table", "require",
            "unsupported", "write_readme"]
 
 LAYOUTS = ("tree", "chain", "exact")
@@ -121,16 +121,24 @@ def unsupported(architecture) -> str:
     return f"model family {what} is not supported; treeflow reads {supported}"
 
 
-def require(architecture: str, feature: str) -> None:
-    """ValueError naming the family, the feature and the families that have it, unless the
-    family of `architecture` declares `feature` (a key of FEATURES)."""
+def lacks(architecture: str, feature: str) -> str | None:
+    """None when the family of `architecture` declares `feature` (a key of FEATURES), else
+    the refusal: one line naming the family, the feature and the families that have it."""
     if feature not in FEATURES:
         raise AssertionError(f"unknown feature {feature!r}")
     family = family_of(architecture)
-    if not getattr(family, feature):
-        having = [f.name for f in FAMILIES if getattr(f, feature)]
-        raise ValueError(f"{family.name} ({architecture}): {FEATURES[feature][1]} is not "
-                         f"supported yet; families that have it: {', '.join(having)}")
+    if getattr(family, feature):
+        return None
+    having = [f.name for f in FAMILIES if getattr(f, feature)]
+    return (f"{family.name} ({architecture}): {FEATURES[feature][1]} is not supported yet; "
+            f"families that have it: {', '.join(having)}")
+
+
+def require(architecture: str, feature: str) -> None:
+    """ValueError with `lacks`'s line unless the family of `architecture` declares `feature`."""
+    refusal = lacks(architecture, feature)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def markdown_table() -> str:

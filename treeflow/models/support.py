@@ -9,9 +9,12 @@ CLI's commands call it when they build their Forward, before a model is loaded, 
 sampled or a process started; build_forward before it loads the model). README's
 compatibility table is `ROWS`.
 
-Refusals that belong to the running layout rather than the model (--shard-params with
-context parallelism, an engine, a launcher) stay with the launch plan (train/launch_plan.py),
-and what a kernel supports on a device with Capabilities (models/attention/tree.py).
+Rows marked `sharded` apply to training runs that shard parameters with FSDP2
+(--shard-params, Trainer(shard_params=True), train/fsdp.py) and are checked when the caller
+says so (`check(..., shard_params=True)`). Refusals that belong to the running layout rather
+than the model (--shard-params with context parallelism, an engine, a launcher) stay with the
+launch plan (train/launch_plan.py), and what a kernel supports on a device with Capabilities
+(models/attention/tree.py).
 
 Trade-off: a refusal here reads config.json once more (a small JSON file) to fail before a
 model load, a spawn or a sampled episode costs anything; the modules that run the
@@ -23,19 +26,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["ROWS", "Row", "check"]
+from treeflow.models.families import lacks
+
+__all__ = ["ROWS", "Row", "check", "check_sharded"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Row:
     """One refused combination: `what` (README's row), whether it reads the model's config,
     `applies(forward, config, dims)` and `message(forward, config, dims)` (dims: the run's
-    ParallelDims)."""
+    ParallelDims); `sharded`: only for a training run that shards parameters (FSDP2)."""
 
     what: str
     needs_model: bool
     applies: Callable
     message: Callable
+    sharded: bool = False
 
 
 def _cp(d) -> int:
@@ -50,6 +56,11 @@ def _cp_kernels() -> tuple:
     from treeflow.models.attention.context_parallel import CP_KERNELS
 
     return CP_KERNELS
+
+
+def _lacks(c, feature: str) -> str | None:
+    """The refusal of models/families.py's declaration of c's family, None where declared."""
+    return lacks(c.architecture, feature)
 
 
 def _recurrent(c) -> bool:
@@ -85,11 +96,10 @@ ROWS = (
         message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "
                                  f"kernel={f.kernel!r}: under context parallelism use kernel "
                                  f"'auto' or one of {_cp_kernels()}")),
-    Row(what="Mamba-2 hybrid x backend megatron", needs_model=True,
-        applies=lambda f, c, d: _recurrent(c) and f.backend == "megatron",
-        message=lambda f, c, d: (f"{f.model}: {c.architecture} has recurrent (Mamba-2 / Gated "
-                              "DeltaNet) layers and the megatron backend runs attention "
-                              "decoders only: use --backend reference")),
+    Row(what="a family without megatron x backend megatron", needs_model=True,
+        applies=lambda f, c, d: f.backend == "megatron" and _lacks(c, "megatron") is not None,
+        message=lambda f, c, d: (f"{f.model}: {_lacks(c, 'megatron')}: use --backend "
+                                 "reference")),
     Row(what="Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention",
         needs_model=True,
         applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and (
@@ -117,12 +127,20 @@ ROWS = (
                               f"layer's heads over the ranks, and {c.architecture} has "
                               f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "
                               f"{c.mamba_num_heads} or fewer")),
+    Row(what="Mamba-2 / Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
+        applies=lambda f, c, d: _recurrent(c),
+        message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "
+                              f"shards attention decoders only; {c.architecture} has recurrent "
+                              "(Mamba-2 / Gated DeltaNet) layers, whose float32 state "
+                              "parameters FSDP2 would gather in the compute dtype: drop "
+                              "--shard-params (--num-ranks N replicates the weights)")),
 )
 
 
-def check(forward, config=None, *, dims=None) -> None:
+def check(forward, config=None, *, dims=None, shard_params: bool = False) -> None:
     """Raise ValueError for the first row that applies (rows needing a model: with `config`),
-    the Forward run split as `dims` (a ParallelDims; None: one process)."""
+    the Forward run split as `dims` (a ParallelDims; None: one process); `shard_params`: a
+    training run that shards parameters with FSDP2 (the `sharded` rows)."""
     from treeflow.parallel import ParallelDims
 
     if dims is None:
@@ -130,5 +148,20 @@ def check(forward, config=None, *, dims=None) -> None:
     elif not isinstance(dims, ParallelDims):
         raise TypeError(f"check(dims={dims!r}): give a treeflow.parallel.ParallelDims")
     for row in ROWS:
+        if row.sharded and not shard_params:
+            continue
         if (config is not None or not row.needs_model) and row.applies(forward, config, dims):
+            raise ValueError(row.message(forward, config, dims))
+
+
+def check_sharded(model: str, config) -> None:
+    """The `sharded` rows alone, for a caller that holds only a model's config.json (`plan
+    --memory --shard-params`): a plan must not answer for a run `check` would refuse."""
+    from types import SimpleNamespace
+
+    from treeflow.parallel import ParallelDims
+
+    forward, dims = SimpleNamespace(model=model), ParallelDims()
+    for row in ROWS:
+        if row.sharded and row.applies(forward, config, dims):
             raise ValueError(row.message(forward, config, dims))

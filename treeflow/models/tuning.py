@@ -253,7 +253,7 @@ AUTO = "auto"  # the CLI's default --tuning: auto_preset() picks the preset for 
 
 def auto_preset(*, device_type: str, capability: tuple[int, int] | None = None,
                 backend: str = "reference", hybrid: bool = False, sharded: bool = False,
-                parallel: bool = False) -> tuple[str, str]:
+                parallel: bool = False, no_levers: str | None = None) -> tuple[str, str]:
     """(preset name, why) for `--tuning auto`: the fastest preset whose numerics match plain.
 
     "fast" (compiled layers, the fused edge loss, tuned flex tiles) on a Hopper GPU
@@ -262,8 +262,10 @@ def auto_preset(*, device_type: str, capability: tuple[int, int] | None = None,
     compiles once per run (layer parts dynamic in the token count, flex padded to the
     budget). Everywhere else "plain": on CPU inductor does not compile the layers; on
     other GPUs the tiles are unmeasured; the megatron backend has its own kernels; hybrid
-    models refuse compiled layers; FSDP shards (--shard-params) refuse the fused loss; and
-    tensor/context parallel runs are not measured with it.
+    models refuse compiled layers; a family declared without the compile / recompute levers
+    (`no_levers`: its name; models/families.py: Gemma 3, gpt-oss, Gated DeltaNet hybrids)
+    refuses them; FSDP shards (--shard-params) refuse the fused loss; and tensor/context
+    parallel runs are not measured with it.
     """
     if device_type != "cuda":
         return "plain", f"on {device_type} the levers do not pay"
@@ -272,6 +274,7 @@ def auto_preset(*, device_type: str, capability: tuple[int, int] | None = None,
         return "plain", f"the fast preset is measured on Hopper (capability 9.x), not {cap}"
     for off, why in ((backend != "reference", f"the {backend} backend has its own kernels"),
                      (hybrid, "a hybrid (Mamba-2) model refuses compiled layers"),
+                     (no_levers is not None, f"{no_levers} has no compiled layers yet"),
                      (sharded, "--shard-params refuses the fused loss"),
                      (parallel, "tensor/context parallel runs are not measured with it")):
         if off:
@@ -298,5 +301,28 @@ def resolve_auto(text: str, *, device: str, model, backend: str = "reference",
             capability = torch.cuda.get_device_capability(device)
     name, why = auto_preset(device_type=device.split(":")[0], capability=capability,
                             backend=backend, hybrid=is_hybrid_dir(model), sharded=sharded,
-                            parallel=parallel)
+                            parallel=parallel, no_levers=_family_without_levers(model))
     return name + sep + rest, why
+
+
+def _family_without_levers(model) -> str | None:
+    """The family name when `model`'s config.json names a family declared without the compile
+    / recompute levers (models/families.py), else None (`tiny`, no readable config, a family
+    that has them, a class no family reads: the load reports on that itself)."""
+    import os
+
+    from treeflow._json import load as load_json
+    from treeflow.models.families import family_of
+
+    try:
+        d = load_json(os.path.join(os.fspath(model), "config.json"))
+    except (OSError, TypeError, ValueError):
+        return None
+    archs = d.get("architectures") if isinstance(d, dict) else None
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        return None
+    try:
+        family = family_of(archs[0])
+    except ValueError:
+        return None
+    return None if family.recompute else family.name

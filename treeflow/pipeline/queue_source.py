@@ -332,8 +332,13 @@ class QueueReader(Source):
             except Exception:  # noqa: BLE001 - the queue is gone; its leases lapse there anyway
                 break
 
+    def _sleep(self, seconds: float) -> bool:
+        """The heartbeat's one wait: `seconds`, or until the reader closes (True then). A test
+        moves the heartbeat's clock by replacing it (tests/tq/test_leases.py)."""
+        return self._stop.wait(seconds)
+
     def _heartbeat(self, every: float) -> None:
-        while not self._stop.wait(every):
+        while not self._sleep(every):
             with self._lock:
                 held = list(self._held.values())
             try:

@@ -156,13 +156,16 @@ def _corrupt_route(table: pa.Table) -> pa.Table:
 def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree",
              scope: str | None = None, max_tokens: int = 16384, device: str = "cpu",
              weights: str | None = None, queue_secret: str | None = None,
-             dims: ParallelDims = ParallelDims()) -> dict:
+             dims: ParallelDims = ParallelDims(), episodes_out: str | None = None) -> dict:
     """Run the gate on `queue` (which this call closes); its figures, `failures` and `passed`.
 
     dims: how the trainer is split (ParallelDims; the gate trains one replica, so only cp).
     Under `dims.cp` C > 1 the trainer is C processes (programs/gate_train.py)
     that attach to `queue` by its address (an embedded queue served on a socket, or a
     TransferQueue name; `queue_secret` for a tcp:// one); the producer stays here.
+    episodes_out: an episode file (.arrow or .parquet) that keeps every episode the producer
+    sampled, both rounds (`weight_version` tells them apart), written when the gate ends,
+    passed or failed: the sampled calls a later analysis scores again (bench/gate_kl_floor.py).
     """
     from treeflow.programs.gate_train import (GateTrainer, infrastructure, run_ranks,
                                               train_and_score)
@@ -185,12 +188,18 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
                        max_tokens=max_tokens, device=device, weights=weights, routed=routed,
                        queue_address=queue.address, queue_backend=queue.backend,
                        queue_secret=queue_secret, vocab_size=queue.vocab_size, cp=C)
+    if episodes_out is not None and not str(episodes_out).endswith((".arrow", ".parquet")):
+        raise ValueError(f"episodes_out={episodes_out!r}: give an episode file name ending in "
+                         "'.arrow' (Arrow IPC) or '.parquet'")
     sampled: list[dict] = []   # per put: its round, episode ids, version
+    tables: list[pa.Table] = []   # what the producer put (kept for episodes_out)
     errors: list[BaseException] = []
 
     def log(group, table, version):
         sampled.append({"round": group // per_round, "ids": table.column("episode_id").to_pylist(),
                         "version": version})
+        if episodes_out is not None:
+            tables.append(table)
 
     def produce():
         try:
@@ -216,6 +225,10 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
         producer.join(timeout=gate.timeout)
         if own_weights:
             shutil.rmtree(weights, ignore_errors=True)
+    if episodes_out is not None and tables:
+        from treeflow.tools.synth import write_episodes
+
+        write_episodes(pa.concat_tables(tables), episodes_out)
     out = ranks[0] if ranks else {}
     failures += out.get("failures", [])
     for e in errors:

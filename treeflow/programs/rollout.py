@@ -13,7 +13,11 @@ can learn); advantages are group-normalised rewards.
 The trade-off: no KV cache. Every sampled token recomputes the whole group
 (all its episodes' contexts as one forest of causal chains), O(T^2) per call,
 which is fine for the tiny default model and small checkpoints and keeps the
-sampling path the reference decoder's own forward. Sampling is seeded by
+sampling path the reference decoder's own forward. An MoE model's routes are those
+of the step that first computed each token, replayed at every later step (what a
+KV cache keeps): recomputed, a near-tie row could flip between steps as the batch
+shape changes, and a token's logprob would be sampled under other experts than the
+episode carries (the trainer replays the carried ones). Sampling is seeded by
 (seed, group index), so a restarted producer regenerates exactly the groups
 the queue has not accepted.
 
@@ -119,11 +123,15 @@ def _route_capture(backend):
     return seen, [b.register_forward_pre_hook(hook) for b in blocks]
 
 
-def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen, capture=None):
+def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen, capture=None,
+                 known: list[np.ndarray] | None = None):
     """One sampled token per context (one forest of causal chains): ids, logprobs, routes.
 
     routes: with `capture` (an MoE model) each context's expert ids [its length, MoE
-    layers x top_k] as int16, else None.
+    layers x top_k] as int16, else None. known: each context's routes fixed by earlier steps
+    (its first rows): replayed here, as a KV cache keeps a token's experts from the step that
+    first computed it, so the sampled logprobs are those of the routes the episode carries;
+    the rows after them choose their own experts.
     """
     import torch
 
@@ -134,9 +142,16 @@ def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen, c
     parents_N = np.where(positions_N == 0, -1, np.arange(len(tokens_N)) - 1)
     plan = backend.attention_plan(parents_N, np.repeat(ends, lens), kernel="auto")
     dev = backend.device
+    given_NW = None
+    if capture is not None and known is not None:
+        given_NW = np.concatenate([np.concatenate([k, np.full((n - len(k), k.shape[1]), -1,
+                                                              np.int16)])
+                                   for k, n in zip(known, lens)])
     with torch.no_grad():
-        hidden_NH = backend.hidden_states(torch.from_numpy(tokens_N).to(dev),
-                                          torch.from_numpy(positions_N).to(dev), plan)
+        hidden_NH = backend.hidden_states(
+            torch.from_numpy(tokens_N).to(dev), torch.from_numpy(positions_N).to(dev), plan,
+            routes_NW=None if given_NW is None else torch.from_numpy(given_NW.astype(np.int64)
+                                                                     ).to(dev))
         logits_GV = backend.module.project(hidden_NH[torch.from_numpy(ends - 1).to(dev)]).float()
         logp_GV = torch.log_softmax(logits_GV / temperature, dim=-1)
         ids_G = torch.multinomial(logp_GV.exp().cpu(), 1, generator=gen)[:, 0]
@@ -145,14 +160,22 @@ def _sample_step(backend, contexts: list[np.ndarray], temperature: float, gen, c
     if capture is not None:
         seen = capture[0]
         routes_NW = torch.cat([seen[i] for i in sorted(seen)], dim=-1).cpu().numpy()
-        routes = np.split(routes_NW.astype(np.int16), ends[:-1])
+        routes_NW = routes_NW.astype(np.int16)
+        if given_NW is not None:  # the rows that ran replayed carry the routes they ran with
+            routes_NW = np.where((given_NW >= 0).all(-1, keepdims=True), given_NW, routes_NW)
+        routes = np.split(routes_NW, ends[:-1])
         seen.clear()
     return ids_G.numpy().astype(np.int32), lp_G.numpy().astype(np.float32), routes
 
 
 def _sample_turns(backend, config, env, rng, gen, vocab, n_turns, contexts, calls, capture):
-    """Sample every episode's calls turn by turn, tool outputs between them, into `calls`."""
+    """Sample every episode's calls turn by turn, tool outputs between them, into `calls`.
+
+    An MoE model's routes are fixed per token at the first step that computes it (`known`,
+    see _sample_step), so every step and every later call of an episode runs the same ones."""
     G = len(contexts)
+    width = 0 if capture is None else backend.config.moe.route_width
+    known = [np.zeros((0, width), np.int16) for _ in range(G)]
     for turn in range(max(n_turns)):
         live = [g for g in range(G) if turn < n_turns[g]]
         if turn:
@@ -165,12 +188,12 @@ def _sample_turns(backend, config, env, rng, gen, vocab, n_turns, contexts, call
         routes = {}
         for _ in range(length):
             ids, lp, rt = _sample_step(backend, [contexts[g] for g in live], config.temperature,
-                                       gen, capture)
+                                       gen, capture, [known[g] for g in live])
             for k, g in enumerate(live):
                 contexts[g] = np.append(contexts[g], ids[k])
                 lps[g].append(lp[k])
                 if rt is not None:   # the last step saw every token but the final sample
-                    routes[g] = rt[k]
+                    routes[g] = known[g] = rt[k]
         for g in live:
             call = {"token_ids": contexts[g].tolist(), "sampled_start": starts[g],
                     "generation_logprobs": lps[g]}

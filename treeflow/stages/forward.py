@@ -135,13 +135,14 @@ class Forward(Stage):
         """The model's vocabulary size, read from its config, for validating input early."""
         return self.model_config().vocab_size
 
-    def check_model(self, dims=None) -> None:
+    def check_model(self, dims=None, *, shard_params: bool = False) -> None:
         """Refuse what this Forward cannot run with its model (models/support.py's table), from
         the model's config.json alone, split as `dims` (a ParallelDims: the engine's; None: one
-        process): call it before loading the model or sampling."""
+        process), trained with sharded parameters if `shard_params`: call it before loading the
+        model or sampling."""
         from treeflow.models.support import check
 
-        check(self, self.model_config(), dims=dims)
+        check(self, self.model_config(), dims=dims, shard_params=shard_params)
 
     def model_config(self):
         """The model's shape (a treeflow.models.ModelConfig), read from its config.json."""

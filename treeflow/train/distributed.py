@@ -213,6 +213,27 @@ class DataParallel:
                     bucket.append(t)
                     size += t.numel()
 
+    def sum_gradients(self, params) -> None:
+        """All-reduce SUM of the `.grad` of `params` (those that require grad) over every
+        process; a parameter this process's bins never reached sums a zero."""
+        if not self.distributed:
+            return
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.sum_tensors([p.grad for p in params])
+
+    def sum_values(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over every process, differentiable: forward an all-reduce SUM,
+        backward the identity. For values each held by one process (zero on the others) from
+        which EVERY process then computes the same loss: the loss counts once, so the gradient
+        reaching this process's own part is the loss's gradient as it stands, and the sum of
+        the processes' parameter gradients (`sum_gradients`) is the whole gradient."""
+        if not self.distributed:
+            return x
+        return _SumValues.apply(x, self.group)
+
     def sum_array(self, values: np.ndarray) -> np.ndarray:
         """All-reduce SUM of a numpy array (counts, metric sums); float64 or int64."""
         return self._reduce_array(values, dist.ReduceOp.SUM)
@@ -254,6 +275,20 @@ class DataParallel:
         dist.all_gather_into_tensor(out, torch.tensor([value], dtype=torch.float64,
                                                       device=self.device), group=self.group)
         return out.cpu().numpy()
+
+
+class _SumValues(torch.autograd.Function):
+    """All-reduce SUM forward, identity backward (DataParallel.sum_values)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def training_ranks(device: str, *, distributed: bool, backend: str = "reference", dims=None):

@@ -34,15 +34,31 @@ def shard_module(module, compute_dtype: torch.dtype) -> None:
         raise ValueError(f"--shard-params shards the reference decoder; {type(module).__name__} "
                          "is not one (use the reference backend, or the backend's own parallelism)")
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # float32 routers (models/moe/block.py "Router precision") gather their weight in float32, as the
+    # unsharded trainer and the sampler read it: a group of their own (a call unshards it),
+    # left gathered after forward because the near-tie band reads the weight again
+    routers = _float32_routers(module)
+    for router in routers:
+        fully_shard(router, reshard_after_forward=False,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                   reduce_dtype=torch.float32))
     for layer in module.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     # the vocabulary projection reads the root's weights: one gather per bin, not per edge
     # chunk (a chunk count that differs between ranks would misalign their collectives)
     register_fsdp_forward_method(module, "selected_logprobs")
-    for m in [*module.model.layers, module]:
+    for m in [*routers, *module.model.layers, module]:
         m.set_gradient_divide_factor(1.0)  # a SUM over ranks: the weights hold the normalisation
         m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+
+
+def _float32_routers(module) -> list:
+    """The router modules whose weight stays float32 (moe.float32_router_names)."""
+    from treeflow.models.moe.block import float32_router_names
+
+    paths = sorted({name.rpartition(".")[0] for name in float32_router_names(module)})
+    return [module.get_submodule(p) for p in paths]
 
 
 def clip_sharded_grad_norm(module, max_norm: float | None) -> float:

@@ -22,14 +22,23 @@
   `none` counts every tensor the layer's ops save (norm statistics and float32 copies, the
   autocast input casts of each projection, q/k/v/out and log-sum-exp of the attention
   kernel, the SwiGLU products, per routed row the expert's input/activations/output, the
-  Mamba-2 conv windows, the scan's chunk tensors at the model's chunk size); `full` counts the
+  Mamba-2 conv windows, the scan's chunk tensors at the model's chunk size -- or, with
+  `ssm_kernel="triton"`, the fused scan's x dt, decay, B, C and one state per chunk and
+  segment start: CUDA's scan under `--ssm-kernel auto`); `full` counts the
   layer's input (and the kept route choices); `selective` the input plus the outputs of the
   matmuls and attention kernels (models/compile/recompute.py's policy). The loss head adds the
   gathered edge rows (every token taken as an edge: an upper bound).
-- temporaries: the largest transient over a step: one layer's `none` activations (the layer
-  being recomputed, or the gradients of the layer in backward), the loss head's vocabulary
-  chunk (logits in the compute dtype, their float32 upcast, log-softmax and its gradient),
-  and a dense attention mask where the kernel is `dense` (CPU tests only).
+- temporaries: the largest transient over a step, above what is held at that moment. Two
+  moments compete: a bin's backward (the activations held, plus the larger of one layer's
+  `none` activations -- the layer being recomputed, or the gradients of the layer in backward
+  -- and the loss head's vocabulary chunk: logits in the compute dtype, their float32 upcast,
+  log-softmax and its gradient; plus a dense attention mask where the kernel is `dense`, CPU
+  tests only), and the optimizer step, when no activation is held but torch's foreach AdamW
+  (its default on CUDA) builds one parameter-sized temporary (the moments' denominator, in
+  the weights' dtype, / ranks when sharded). The 4-layer Qwen3-30B-A3B shape under `full`
+  peaks at the step (measured 58.3 GiB on an H100: the state's 46.4 plus 11.6). temporaries
+  is the backward's transient, or the step's less the activations where the step is higher;
+  `as_dict()["transients"]` gives both and `peak_at` says which one sets the peak.
 
 The trade-off: formulas, not a trace. They are exact for what they name (parameters are
 checked against a loaded model's, activations against the storages a CPU forward holds in
@@ -163,7 +172,7 @@ def parameter_counts(c) -> dict:
 
 
 def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
-               scan_fill: float = 1.0) -> float:
+               scan_fill: float = 1.0, ssm_kernel: str = "torch") -> float:
     """Bytes one layer of `kind` holds per token after forward, under recompute `mode`."""
     g = _dims(c)
     H, I, Hq, Hkv, heads = g["H"], g["I"], g["Hq"], g["Hkv"], g["heads"]
@@ -225,6 +234,14 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
         conv_b = _F32 * conv * (kc + 1) + cb * conv  # path windows, SiLU input, output
         # per chunk slot; a tree's short segments leave slots empty: / scan_fill
         scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
+        if ssm_kernel == "triton":
+            # the fused scan (models/ssm/triton_scan.py) keeps per chunk slot the gathered x dt
+            # (h p), the cumulative decay (h), B and C (2 g n), the dt terms around it (6 h), and
+            # one float32 state [h, p, n] per chunk and per segment start (a segment pads half
+            # a chunk on average: 2 (1 - fill) / C of them per slot), not the chunk tensors
+            g = c.n_groups
+            rows = (1 + 2 * (1 - scan_fill)) / C
+            scan = (_F32 * (h * p + h + 2 * g * n + 6 * h) + _F32 * h * p * n * rows) / scan_fill
         gated_norm = 5 * _F32 * inner + cast * inner  # float32 y, z, SiLU, normed; out_proj cast
         # in_proj's output is kept only in float32: below it every reader takes a float32 copy
         none += norm + cast * H + (proj if cb == _F32 else 0) + conv_b + scan + gated_norm
@@ -242,10 +259,12 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
                 shard_params: bool = False, recompute: str = "none", precision: str = "mixed",
                 dtype: str = "bfloat16", grad_sum: str = "float32", chunk_size: int = 1024,
                 kernel: str = "flex", edges: int | None = None,
-                scan_fill: float = 1.0) -> MemoryPlan:
+                scan_fill: float = 1.0, ssm_kernel: str = "torch") -> MemoryPlan:
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
+    if ssm_kernel not in ("torch", "triton"):
+        raise ValueError(f"--ssm-kernel {ssm_kernel!r}: the planner models torch and triton")
     cb = _DTYPE_BYTES[dtype]
     mixed = precision == "mixed"
     wb = _F32 if mixed else cb
@@ -258,9 +277,9 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     # FSDP2 gathers the weights in the compute dtype instead: everything in it, no casts
     autocast = mixed and not shard_params
     per_layer = {k: _per_token(config, k, recompute, cb=cb, mixed=autocast, cp=context_parallel,
-                               scan_fill=scan_fill) for k in set(kinds)}
+                               scan_fill=scan_fill, ssm_kernel=ssm_kernel) for k in set(kinds)}
     none_layer = max(_per_token(config, k, "none", cb=cb, mixed=autocast, cp=context_parallel,
-                                scan_fill=scan_fill) for k in set(kinds))
+                                scan_fill=scan_fill, ssm_kernel=ssm_kernel) for k in set(kinds))
     r = _F32 if autocast else cb
     # around the layers: the final norm (its float32 input, normed rows, rsqrt), RoPE's cos and
     # sin (float32, shared by the layers), the edge rows the loss head's checkpointed chunks keep
@@ -275,20 +294,28 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
              if kernel == "dense" and recompute == "none" else 0)
     activations = (tokens * (sum(per_layer[k] for k in kinds) + around)
                    + (tokens if edges is None else edges) * r * g["H"] + dense)
-    chunk = min(chunk_size, tokens)
-    head_temp = chunk * g["V"] * (cb + 3 * _F32) + (g["V"] * g["H"] * cb if cb < wb else 0)
+    # the loss head runs before the layers' backward: its chunk and a layer's transient are
+    # never held at once (the head's rows are the edges, at most `chunk_size` at a time)
+    chunk = min(chunk_size, tokens if edges is None else max(edges, 1))
+    # per row: logits, their float32 upcast (below float32), log-sum-exp's shifted exponent and
+    # the backward's two float32 [rows, V] gradients; the head's weight cast and its gradient
+    # (or the float32 gradient itself) -- measured in tests/train/test_memory_plan.py
+    head_temp = (chunk * g["V"] * (cb + 3 * _F32 + (_F32 if cb < _F32 else 0))
+                 + g["V"] * g["H"] * (2 * cb if cb < wb else wb))
     mask = tokens * tokens if kernel == "dense" else 0  # the plan's boolean mask
-    temporaries = tokens * none_layer + head_temp + mask
+    layer_temp = tokens * none_layer
     if shard_params:
         per_layer_params = (counts["total"] - counts["embedding"]) / max(len(kinds), 1)
         casts = 2 * per_layer_params * cb
     elif autocast and cb < _F32:  # kept for backward; a checkpointed layer casts again in it
         cast_params = counts["matmul"] - counts["float32_router"]
-        layer_casts = cast_params * cb / max(len(kinds), 1)
         casts = cast_params * cb if recompute == "none" else 0
-        temporaries += 0 if recompute == "none" else layer_casts
+        layer_temp += 0 if recompute == "none" else cast_params * cb / max(len(kinds), 1)
     else:
         casts = 0
+    backward = max(layer_temp, head_temp) + mask
+    step = P * wb / shards  # foreach AdamW's denominator (torch._foreach_sqrt of exp_avg_sq)
+    temporaries = max(backward, step - activations - casts)
     comps = {"weights": P * wb / shards, "weight_casts": casts,
              "gradients": P * wb / shards + (P * 8 / shards if grad_sum == "float64" else 0),
              "optimizer": 2 * P * wb / shards, "activations": activations,
@@ -296,7 +323,10 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
                  shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
                  grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
-                 scan_fill=scan_fill)
+                 scan_fill=scan_fill, ssm_kernel=ssm_kernel,
+                 transients={"backward": int(backward), "optimizer_step": int(step)},
+                 peak_at="backward" if backward >= step - activations - casts
+                 else "optimizer_step")
     return MemoryPlan(components={k: int(v) for k, v in comps.items()}, knobs=knobs)
 
 

@@ -11,13 +11,23 @@ stage configs the command line builds from its flags (Pack, Fragment, Forward, R
 same planner, kernels, routing replay and Hybrid state forks run. Episodes are Arrow tables
 or plain dicts (EPISODE_SCHEMA's fields), validated once here.
 
-Data parallelism: `Policy(module, dp=DataParallel.from_env())` on every rank (each with the
-same weights), then `train_step(batch)` with the same logical batch on every rank: each rank
-runs the bins Shard deals it and the gradients are summed over the ranks before the step
-(train/distributed.py), so N ranks take the step one process would. A DDP- or FSDP-wrapped
-module is refused (models/adopt.py says why): DDP's all-reduce is armed by its own forward,
-which treeflow does not run. `loss()` / `tokens()` are per process (the caller's backward and
-optimizer): under `dp` they are refused, since their gradients would be this rank's alone.
+Data and context parallelism: `Policy(module, dp=DataParallel.from_env(dims=ParallelDims(dp=D,
+cp=C)))` on each of D x C processes (torchrun's environment; each with the same weights), the
+same logical batch on every process. A replica's C processes run its bins together, each
+holding its range of every bin's nodes (models/attention/context_parallel.py, as `--context-parallel`);
+Shard deals the bins to the D replicas. `logprobs()` returns the whole table on EVERY process
+(each replica runs the whole batch, its group sums the edges each rank owns): a trainer reads
+old and reference logprobs on every rank it computes a loss on, so no rank waits for a gather.
+`tokens()` / `loss()` give every process the whole batch's per-token logprobs (summed over
+processes; backward the identity, as each process computes the same loss once), so a custom
+loss sees every token; their backward leaves each process its part of the gradient (its
+bins, its nodes) and `reduce_gradients()` sums them (`train_step` does, with or without
+`loss_fn`). A DDP-wrapped module is refused (models/adopt.py says why): DDP's
+all-reduce is armed by its own forward, which treeflow does not run.
+
+An FSDP2-wrapped module (`fully_shard`) is used in place too, as FSDP2 trains: each rank its
+own batch, `loss(...).backward()`, `reduce_gradients()` (the sharded `.grad` averaged over the
+mesh), the caller's optimizer; train/policy_fsdp.py says how, and what it costs.
 
 `loss()` runs every bin of the batch with autograd on and scatters the edges' logprobs to the
 batch's occurrences in logical order (`Tokens`), so a custom loss sees one tensor per
@@ -32,9 +42,10 @@ Legend: S the batch's occurrences (sampled tokens) in logical order, R its episo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -49,46 +60,9 @@ from treeflow.stages.flat import list_offsets, list_values
 from treeflow.stages.losses import occurrence_loss, occurrence_weights
 from treeflow.stages.slots import Slots
 from treeflow.train.distributed import DataParallel
+from treeflow.train.tokens import Tokens
 
 __all__ = ["Policy", "Tokens"]
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """A batch's occurrences (episode, call, sampled token) in logical order, for a loss.
-
-    logprobs / entropies: the policy's, differentiable (entropies None unless asked for).
-    old_logprobs: the `old_logprobs` table's values, else the episodes' generation logprobs
-    (NaN where there are none). advantages: per token (the episode's, or `calls[].advantages`).
-    mask: `loss_mask`. episode / call / offset: the row of the input, the call in it, the
-    offset in its sampled span. weights: the built-in normalisation (`Loss.norm`) of each
-    token, fixed from the whole batch (0 where masked).
-    """
-
-    logprobs: torch.Tensor
-    entropies: torch.Tensor | None
-    old_logprobs: torch.Tensor
-    generation_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    episode: torch.Tensor
-    call: torch.Tensor
-    offset: torch.Tensor
-    num_episodes: int
-
-    def episode_sum(self, x_S: torch.Tensor) -> torch.Tensor:
-        """Per episode (R), the sum of `x_S` over its unmasked tokens."""
-        out = torch.zeros(self.num_episodes, dtype=x_S.dtype, device=x_S.device)
-        return out.index_add(0, self.episode, torch.where(self.mask, x_S, 0))
-
-    def episode_mean(self, x_S: torch.Tensor) -> torch.Tensor:
-        """Per episode (R), the mean of `x_S` over its unmasked tokens (0 for none)."""
-        n = self.episode_sum(torch.ones_like(x_S))
-        return self.episode_sum(x_S) / n.clamp(min=1)
-
-    def token_mean(self, x_S: torch.Tensor) -> torch.Tensor:
-        """The mean of `x_S` over the batch's unmasked tokens."""
-        return torch.where(self.mask, x_S, 0).sum() / self.mask.sum().clamp(min=1)
 
 
 class Policy:
@@ -99,8 +73,9 @@ class Policy:
     pack / fragment / forward: the stage configs (`Forward.model` is taken from `model`).
     reduce: the loss, schedule and clipping of `train_step` (treeflow's AdamW) and the default
     loss of `loss()`. device: where a checkpoint loads (a module runs where it is).
-    dp: this process's data-parallel rank (`DataParallel.from_env()`); `train_step` then sums
-    the gradients over the ranks (see the module docstring).
+    dp: this process's place among the data- and context-parallel processes
+    (`DataParallel.from_env(dims=)`); `train_step` sums the gradients over them, `loss()`
+    callers call `reduce_gradients()` (see the module docstring).
     """
 
     def __init__(self, model, *, pack: Pack = Pack(), fragment: Fragment | None = None,
@@ -112,6 +87,7 @@ class Policy:
                                  "dp.device; give one of them")
             device = dp.device
         self.pack = pack
+        self._fsdp = None  # an FSDP2 module's binding (train/policy_fsdp.py)
         self.fragment = fragment if fragment is not None else Fragment(max_tokens=8192)
         self.reduce = reduce
         if isinstance(model, (str, os.PathLike)):
@@ -121,18 +97,24 @@ class Policy:
                                  "give the model in one place")
             self.forward = replace(forward, model=model)
             self._runner = build_forward(self.forward, device=device or "cpu",
-                                         max_tokens=self.fragment.max_tokens)
+                                         max_tokens=self.fragment.max_tokens,
+                                         cp=None if dp is None else dp.cp)
         elif isinstance(model, torch.nn.Module):
             from treeflow.models.adopt import adopt_module
+            from treeflow.train.policy_fsdp import fsdp_binding
 
-            decoder = adopt_module(model)
+            self._fsdp = fsdp_binding(model, dp)  # gathered now, if FSDP2-wrapped
+            decoder = adopt_module(model, fsdp_unsharded=self._fsdp is not None)
+            if self._fsdp is not None:
+                self._fsdp.reshard()  # re-bound to the gathered tensors before each use
             where = next(decoder.parameters()).device
             if device is not None and torch.device(device) != where:
                 raise ValueError(f"Policy(device={str(device)!r}): the module's parameters are on "
                                  f"{where}; move the module (it is used in place, not copied)")
             self.forward = forward
             self._runner = build_forward(forward, device=where, model=decoder,
-                                         max_tokens=self.fragment.max_tokens)
+                                         max_tokens=self.fragment.max_tokens,
+                                         cp=None if dp is None else dp.cp)
         else:
             raise TypeError(f"Policy(model=...) takes a checkpoint directory or a transformers "
                             f"module, got {type(model).__name__}")
@@ -178,17 +160,29 @@ class Policy:
     def _bins(self, episodes: pa.Table) -> pa.Table:
         return self.fragment(self.pack(episodes))
 
-    def _local_only(self, what: str) -> None:
-        if self.dp.distributed:
-            raise ValueError(f"Policy.{what} under dp={self.dp}: its gradients would be this "
-                             "rank's alone; use train_step (built-in loss: gradients summed "
-                             "over ranks), or a Policy without dp= and all-reduce yourself")
+    def reduce_gradients(self) -> None:
+        """After the backward of `loss()` / `tokens()`, before the caller's optimizer steps.
+
+        Under `dp`: sum this process's gradients over every process; each one's backward
+        reaches only its part (its replica's bins, its context-parallel share of each), so the
+        sum is the whole batch's gradient everywhere. An FSDP2 module: average the gathered
+        gradients over its mesh into the sharded `.grad` and reshard (train/policy_fsdp.py).
+        A no-op on one process."""
+        if self._fsdp is not None:
+            self._fsdp.reduce()
+            return
+        self.dp.sum_gradients(p for _, p in self.backend.named_parameters())
+
+    def _gather(self, keep: bool) -> bool:
+        """FSDPBinding.gather (False without FSDP2): whether to reshard after the forward."""
+        return self._fsdp is not None and self._fsdp.gather(self.backend.module, keep)
 
     def _runner_for(self, entropy: bool):
         if entropy not in self._runners:
             self._runners[entropy] = build_forward(replace(self.forward, entropy=entropy),
                                                    device=self.device, model=self.backend,
-                                                   max_tokens=self.fragment.max_tokens)
+                                                   max_tokens=self.fragment.max_tokens,
+                                                   cp=self.dp.cp)
         return self._runners[entropy]
 
     # ---------------------------------------------------------------- logprobs
@@ -196,30 +190,41 @@ class Policy:
         """Per episode, per call, per sampled token: logprobs (and entropies), RESULT_SCHEMA
         rows in the input's order, under no_grad."""
         episodes = self.episodes(episodes)
-        with torch.no_grad():
-            values = self._runner_for(entropy)(self._bins(episodes))
+        reshard = self._gather(keep=False)
+        try:
+            with torch.no_grad():
+                values = self._runner_for(entropy)(self._bins(episodes))
+        finally:
+            if reshard:
+                self._fsdp.reshard()
         return Reassemble(entropy=entropy)(values, episodes=episodes)
 
     def tokens(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
                entropy: bool = False) -> Tokens:
-        """The batch's occurrences in logical order, logprobs with autograd (see `Tokens`)."""
-        self._local_only("tokens()")
+        """The batch's occurrences in logical order, logprobs with autograd (see `Tokens`);
+        under `dp`, call `reduce_gradients()` after their backward."""
         episodes = self.episodes(episodes, advantages)
-        return self._tokens(episodes, Slots(episodes), old_logprobs, entropy)
+        with self._resharded_on_error():
+            return self._tokens(episodes, Slots(episodes), old_logprobs, entropy)
+
+    def _resharded_on_error(self):
+        """An FSDP2 module that a raising loss()/tokens() gathered is resharded (FSDPBinding)."""
+        return (contextlib.nullcontext() if self._fsdp is None
+                else self._fsdp.resharded_on_error())
 
     def _tokens(self, episodes, slots: Slots, old_logprobs, entropy) -> Tokens:
         runner = self._runner_for(entropy)
-        prepared = runner.prepare(self._bins(episodes))
-        bins = prepared.table
-        cols = {n: bins.column(n).combine_chunks() for n in (
-            "edge_sources", "occ_sample_index", "occ_call", "occ_offset", "occ_edge")}
-        off = {n: list_offsets(c) for n, c in cols.items()}
-        val = {n: list_values(c, np.int64) for n, c in cols.items()}
-        slot_O = slots.slots(val["occ_sample_index"], val["occ_call"], val["occ_offset"])
-        counts = np.bincount(slot_O, minlength=len(slots))
+        self._gather(keep=True)
+        bins = self._bins(episodes)
+        counts = np.bincount(_occurrences(bins, slots)[2], minlength=len(slots))
         if (counts != 1).any():  # the planner's invariant: every occurrence exactly once
             s = int(np.flatnonzero(counts != 1)[0])
             raise AssertionError(f"{slots.name_slot(s)}: planned {counts[s]} times")
+        if self.dp.replicas > 1:  # this replica's share; the values are summed over processes
+            bins = self.dp.local_bins(Shard(cost=CostModel.from_config(self.backend.config))(
+                bins, ranks=self.dp.replicas))
+        prepared = runner.prepare(bins)
+        off, val, slot_O = _occurrences(prepared.table, slots)
         runner.wait_ready(prepared)
         lp_parts, ent_parts, slot_parts = [], [], []
         for r in range(bins.num_rows):
@@ -234,13 +239,18 @@ class Policy:
         index = torch.from_numpy(np.concatenate(slot_parts) if slot_parts
                                  else np.zeros(0, np.int64)).to(self.device)
         lp_O = torch.cat(lp_parts) if lp_parts else torch.zeros(0, device=self.device)
+        if not lp_O.requires_grad and torch.is_grad_enabled():  # a replica Shard gave no bin:
+            # its backward must still run (and reach reduce_gradients) as the others' do
+            lp_O = lp_O + 0.0 * next(self.backend.module.parameters()).sum()
         n = len(slots)
-        logprobs = torch.zeros(n, dtype=lp_O.dtype, device=self.device).index_put((index,), lp_O)
+        # each occurrence is this process's or another's (zero here): the sum holds every one
+        logprobs = self.dp.sum_values(
+            torch.zeros(n, dtype=lp_O.dtype, device=self.device).index_put((index,), lp_O))
         entropies = None
-        if entropy and ent_parts:
-            ent_O = torch.cat(ent_parts)
-            entropies = torch.zeros(n, dtype=ent_O.dtype, device=self.device).index_put(
-                (index,), ent_O)
+        if entropy:
+            ent_O = torch.cat(ent_parts) if ent_parts else lp_O.new_zeros(0)
+            entropies = self.dp.sum_values(torch.zeros(n, dtype=ent_O.dtype, device=self.device)
+                                           .index_put((index,), ent_O))
         calls = slots.calls
         gen = calls.genlp_S
         old = gen if old_logprobs is None else slots.values_from_results(old_logprobs)
@@ -264,41 +274,43 @@ class Policy:
              loss_fn: Callable[[Tokens], torch.Tensor] | None = None,
              entropy: bool = False) -> torch.Tensor:
         """A differentiable scalar over the batch: `loss_fn(tokens)`, or the built-in `loss`
-        (default `reduce.loss`) normalised over the whole batch as a training step is."""
-        self._local_only("loss()")
+        (default `reduce.loss`) normalised over the whole batch as a training step is. Under
+        `dp` every process returns the whole batch's loss; its backward leaves this process's
+        part of the gradient: call `reduce_gradients()` before the optimizer steps."""
         if loss is not None and loss_fn is not None:
             raise ValueError("Policy.loss: give loss= (a built-in Loss) or loss_fn=, not both")
         episodes = self.episodes(episodes, advantages)
-        slots = Slots(episodes)
-        if loss_fn is not None:
-            if ref_logprobs is not None:
-                raise ValueError("Policy.loss(loss_fn=...): read reference logprobs in your "
-                                 "loss_fn; ref_logprobs= feeds the built-in Loss(kl_coef) only")
-            return loss_fn(self._tokens(episodes, slots, old_logprobs, entropy))
-        loss = loss if loss is not None else self.reduce.loss
-        tok = self._tokens(episodes, slots, old_logprobs, entropy or bool(loss.entropy_coef))
-        mask = slots.calls.mask_S
-        per_ep = np.bincount(slots.row_S[mask], minlength=episodes.num_rows)
-        weight_S = occurrence_weights(loss.norm, slots.row_S, mask, per_ep,
-                                      int(np.count_nonzero(per_ep)), int(mask.sum()))
-        ref = None
-        if loss.needs_ref_logprobs:
-            if ref_logprobs is None:
-                raise ValueError("Policy.loss: Loss(kl_coef > 0) needs ref_logprobs (a result "
-                                 "table of the reference policy on these episodes)")
-            ref = torch.from_numpy(slots.values_from_results(ref_logprobs)).to(self.device)
-        for name, values in (("old_logprobs", tok.old_logprobs), ("advantage", tok.advantages)):
-            bad = np.flatnonzero(~np.isfinite(values.detach().cpu().numpy()) & (weight_S > 0))
-            if loss.needs_old_logprobs and len(bad):
-                raise ValueError(f"{slots.name_slot(int(bad[0]))}: {name} is missing or not "
-                                 "finite and the loss needs it; give generation_logprobs (or "
-                                 "old_logprobs=) and an advantage (or advantages=)")
-        total, _ = occurrence_loss(
-            loss, tok.logprobs, weight_O=torch.from_numpy(weight_S).to(tok.logprobs),
-            advantage_O=tok.advantages, old_logprob_O=tok.old_logprobs,
-            generation_logprob_O=tok.generation_logprobs, ref_logprob_O=ref,
-            entropy_O=tok.entropies)
-        return total
+        with self._resharded_on_error():
+            slots = Slots(episodes)
+            if loss_fn is not None:
+                if ref_logprobs is not None:
+                    raise ValueError("Policy.loss(loss_fn=...): read reference logprobs in your "
+                                     "loss_fn; ref_logprobs= feeds the built-in Loss(kl_coef) only")
+                return loss_fn(self._tokens(episodes, slots, old_logprobs, entropy))
+            loss = loss if loss is not None else self.reduce.loss
+            tok = self._tokens(episodes, slots, old_logprobs, entropy or bool(loss.entropy_coef))
+            mask = slots.calls.mask_S
+            per_ep = np.bincount(slots.row_S[mask], minlength=episodes.num_rows)
+            weight_S = occurrence_weights(loss.norm, slots.row_S, mask, per_ep,
+                                          int(np.count_nonzero(per_ep)), int(mask.sum()))
+            ref = None
+            if loss.needs_ref_logprobs:
+                if ref_logprobs is None:
+                    raise ValueError("Policy.loss: Loss(kl_coef > 0) needs ref_logprobs (a result "
+                                     "table of the reference policy on these episodes)")
+                ref = torch.from_numpy(slots.values_from_results(ref_logprobs)).to(self.device)
+            for name, values in (("old_logprobs", tok.old_logprobs), ("advantage", tok.advantages)):
+                bad = np.flatnonzero(~np.isfinite(values.detach().cpu().numpy()) & (weight_S > 0))
+                if loss.needs_old_logprobs and len(bad):
+                    raise ValueError(f"{slots.name_slot(int(bad[0]))}: {name} is missing or not "
+                                     "finite and the loss needs it; give generation_logprobs (or "
+                                     "old_logprobs=) and an advantage (or advantages=)")
+            total, _ = occurrence_loss(
+                loss, tok.logprobs, weight_O=torch.from_numpy(weight_S).to(tok.logprobs),
+                advantage_O=tok.advantages, old_logprob_O=tok.old_logprobs,
+                generation_logprob_O=tok.generation_logprobs, ref_logprob_O=ref,
+                entropy_O=tok.entropies)
+            return total
 
     def train_step(self, episodes, *, advantages=None, old_logprobs: pa.Table | None = None,
                    ref_logprobs: pa.Table | None = None,
@@ -314,6 +326,10 @@ class Policy:
         """
         from treeflow.train.trainer import Trainer
 
+        if self._fsdp is not None:
+            raise ValueError("Policy.train_step on an FSDP2 module: treeflow's AdamW would step "
+                             "the gathered copies, not the shards; use loss(...).backward(), "
+                             "reduce_gradients() and your own optimizer")
         if self._trainer is None:
             self._trainer = Trainer(self.forward, self.reduce, model=self.backend,
                                     dp=self.dp, max_tokens=self.fragment.max_tokens)
@@ -326,7 +342,6 @@ class Policy:
             row = self._trainer.train_step(episodes, bins,
                                            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
             return row.to_pylist()[0]
-        self._local_only("train_step(loss_fn=...)")
         if self._trainer.step_open:
             raise ValueError("Policy.train_step(loss_fn=...): a step of this policy's trainer "
                              "is open; finish or abort it first")
@@ -336,11 +351,21 @@ class Policy:
             raise TypeError("Policy.train_step: loss_fn must return a scalar tensor that depends "
                             f"on tokens.logprobs, got {total!r}")
         total.backward()
+        self.reduce_gradients()
         grad_norm, lr, _ = self._trainer.apply_gradients(
             _num_rows(episodes), f"loss {float(total)}; the gradients stay on the parameters: "
             "zero them before the next step")
         return {"step": self._trainer.steps, "episodes": _num_rows(episodes),
                 "loss": float(total.detach()), "grad_norm": grad_norm, "lr": lr}
+
+
+def _occurrences(bins: pa.Table, slots: Slots):
+    """(offsets, values) of the bins' edge and occurrence columns, and each occurrence's slot."""
+    cols = {n: bins.column(n).combine_chunks() for n in (
+        "edge_sources", "occ_sample_index", "occ_call", "occ_offset", "occ_edge")}
+    off = {n: list_offsets(c) for n, c in cols.items()}
+    val = {n: list_values(c, np.int64) for n, c in cols.items()}
+    return off, val, slots.slots(val["occ_sample_index"], val["occ_call"], val["occ_offset"])
 
 
 def _num_rows(episodes) -> int:

@@ -327,10 +327,7 @@ class Step:
             elif tr.reducer is not None:  # launched during the last backward (or now)
                 tr.reducer.wait()
             else:
-                for _, p in params:
-                    if p.grad is None:  # a rank whose bins never reached this parameter
-                        p.grad = torch.zeros_like(p)
-                dp.sum_tensors([p.grad for _, p in params])
+                dp.sum_gradients([p for _, p in params])  # zeros where no bin reached one
         timing["reduce_s"] = self._lap()
         grad_norm, lr, fence = tr.apply_gradients(
             self.episodes, f"loss {self.loss_sum}; the step stays open: abort() it")

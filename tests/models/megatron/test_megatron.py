@@ -28,6 +28,9 @@ from treeflow.tools import synth_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce  # noqa: E402
 from treeflow.train import Trainer  # noqa: E402
 
+# each test tears down the group the backend makes (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_group")
+
 VOCAB = 256
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

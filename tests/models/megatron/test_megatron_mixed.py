@@ -38,6 +38,10 @@ from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble  # noqa: E
 from treeflow.ops import build_forward
 
 
+# each test tears down the group the backend makes (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_group")
+
+
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen2"])
 def test_mixed_precision_step_is_within_the_reference_backends_bf16_noise(tmp_path, qwen):
     path = write_checkpoint(tmp_path / "m", qwen=qwen)

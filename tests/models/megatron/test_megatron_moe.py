@@ -25,11 +25,12 @@ from treeflow.models.megatron import hf_to_mcore  # noqa: E402
 
 LAYOUTS = ("tree", "chain", "exact")
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+# conftest.py: one thread; the group a backend makes torn down after the test or the module
+pytestmark = pytest.mark.usefixtures("one_thread", "megatron_group")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, megatron_module_group):
     """(transformers model, its checkpoint dir, the megatron backend loaded from it)."""
     hf = hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)

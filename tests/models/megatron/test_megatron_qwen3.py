@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, megatron_module_group):
     hf = hf_qwen3()
     path = tmp_path_factory.mktemp("qwen3")
     hf.save_pretrained(path)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_helpers import (CHUNK, episodes, hf_model, hf_values, save_hf, token_weights,
-                            treeflow_values)
+from hybrid_helpers import (CHUNK, HF_MAMBA_SEMANTICS, episodes, hf_model, hf_values, save_hf,
+                            token_weights, treeflow_values)
 
 from tests.deps import require
 from treeflow.models import Tuning, load_backend
 
-require("transformers")
+require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 
 
 _ORACLE: dict = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from hybrid_helpers import episodes, token_weights
+from hybrid_helpers import HF_MAMBA_SEMANTICS, episodes, token_weights
 from hybrid_moe_helpers import FAMILIES, hf_model, hf_values, routers, tf_values, with_routes
 
 from tests.deps import require
@@ -23,7 +23,7 @@ from treeflow.models import Tuning, load_backend
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Pack
 
-require("transformers")
+require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 
 _CACHE: dict = {}
 

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hybrid_helpers import episodes, token_weights
+from hybrid_helpers import HF_MAMBA_SEMANTICS, episodes, token_weights
 from hybrid_moe_helpers import (FAMILIES, forced_routes, hf_model, hf_values, routers,
                                tf_values, with_routes)
 
@@ -21,7 +21,7 @@ from treeflow.models import load_backend, load_model, save_model
 from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Pack
 
-transformers = require("transformers")
+transformers = require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -42,6 +42,21 @@ def test_config_reads_the_split_mixer_and_the_experts(pair):
         assert c.moe.moe_layers == (0, 1, 2, 3) and c.moe.norm_topk_prob
 
 
+def test_cost_model_counts_each_layer_by_its_kind(pair):
+    """CostModel.from_config by hand (multiply-adds per token), as test_qwen3_next.py's: a GDN
+    layer 15616 (the split in_proj_qkv / z / b / a project as much as Qwen3-Next's grouped
+    ones), the gated attention 8192; Qwen3.5's MLPs all dense (3 x 32 x 48 = 4608), Qwen3.5-
+    MoE's all MoE blocks (32 x 4 router + 2 x 3 x 32 x 16 experts + 3 x 32 x 24 shared + 32
+    gate = 5536). Only the attention layer pays per pair."""
+    from treeflow.stages.shard import CostModel
+
+    family, _, path = pair
+    cost = CostModel.from_config(load_model(path).config)
+    mlp = 4608 if family == "qwen3_5" else 5536
+    assert cost.token == 6 * (3 * 15616 + 8192 + 4 * mlp)
+    assert (cost.pair, cost.edge) == (6 * 2 * 64, 8 * 32 * VOCAB)
+
+
 @pytest.mark.parametrize("prompt", [65, 64], ids=["fork-inside-chunk", "fork-on-boundary"])
 def test_tree_matches_transformers_per_call(pair, prompt, monkeypatch):
     _, hf, path = pair

@@ -288,6 +288,43 @@ def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
                       dims=ParallelDims(cp=2))
 
 
+def test_gdn_runs_the_torch_scan_where_auto_picks_the_fused_mamba_scan(pair, monkeypatch):
+    """On CUDA `--ssm-kernel auto` (the default) resolves to Mamba-2's fused triton scan;
+    a GDN model must run its torch scan there (it had refused every default GPU run) and the
+    CLI's run JSON say so, and an explicit triton is refused by name. resolve_kernel is made
+    to answer as on CUDA."""
+    from treeflow.models.ssm import tree as ssm_tree
+
+    hf, path = pair
+    real = ssm_tree.resolve_kernel
+    monkeypatch.setattr(ssm_tree, "resolve_kernel",
+                        lambda kernel, device: "triton" if kernel == "auto" else real(kernel, device))
+    tokens, parents = _forest()
+    toks, pos, end = tree_tensors(tokens, parents)
+    backend = load_backend("reference", str(path))  # Tuning().ssm_kernel == "auto"
+    plan = backend.attention_plan(parents, end, kernel="dense")
+    assert plan.segments.kernel == "torch"
+    with torch.no_grad():
+        got = torch.log_softmax(backend.module.project(backend.module(toks, pos, plan)), -1)
+        node = len(tokens) - 1
+        want = torch.log_softmax(hf(torch.as_tensor(tokens[path_to(parents, node)])[None])
+                                 .logits[0, -1], -1)
+    torch.testing.assert_close(got[node], want, atol=1e-5, rtol=0)
+    refused = r"Qwen3NextForCausalLM: --ssm-kernel triton .*use --ssm-kernel torch or auto"
+    triton = load_backend("reference", str(path), tuning=Tuning(ssm_kernel="triton"))
+    with pytest.raises(ValueError, match=refused):
+        triton.attention_plan(parents, end, kernel="dense")
+    # the CLI: the run JSON says the scan that runs, and triton is refused before any work
+    from argparse import Namespace
+
+    from treeflow.cli.configs import ssm_kernel
+
+    args = Namespace(model=str(path), device="cuda")
+    assert ssm_kernel(args, Tuning()) == {"ssm_kernel": "torch"}
+    with pytest.raises(ValueError, match=refused):
+        ssm_kernel(args, Tuning(ssm_kernel="triton"))
+
+
 def test_bfloat16_tree_is_as_close_to_float32_as_transformers_bf16(pair):
     """Pure bf16 (float32 states): the tree's logprobs sit as near float32 transformers as its
     own bf16 model (measured mean 0.0017 vs 0.0023 nats), as tests/models/reference/test_hybrid.py asks

@@ -149,6 +149,8 @@ def test_gate_on_the_hybrid_moe_with_mtp_at_context_parallel_2_steps_as_one_proc
     assert rc == 0 and two["passed"] and two["failures"] == [], err
     assert two["context_parallel"] == 2 and two["episodes_retained"] == 32
     assert two["infrastructure_losses"] == 0 and two["route_agreement"] == 1.0
+    for name in ("calls", "generated_tokens", "masked_tokens"):  # the same sampled episodes
+        assert two[name] == one[name], name
     for name in ("loss", "grad_norm"):
         assert two[name] == pytest.approx(one[name], rel=1e-6, abs=0), name
 
@@ -162,20 +164,24 @@ def test_gate_on_the_hybrid_at_context_parallel_2_still_fails_on_a_corrupted_rou
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_designs_gate_passes_through_transferqueue_at_context_parallel_2(setup, capsys,
-                                                                           ray_cluster):
+                                                                           ray_cluster, dtype):
     """`treeflow gate --model <Nemotron-H MoE + MTP> --group-size 16 --episodes 16 --routing
-    replay --queue-backend transferqueue --context-parallel 2`, on CPU in float32."""
+    replay --queue-backend transferqueue --context-parallel 2`, on CPU in float32 and in
+    bfloat16 (the design's dtype: every decided route row agrees, near-ties flip)."""
     pytest.importorskip("transfer_queue")
     from tests.tq.queue_helpers import close_transferqueue
 
     try:
         rc, fig, err = _gate(capsys, setup[0], "--queue-backend", "transferqueue", "--queue",
-                             "gatehybrid", "--context-parallel", "2")
+                             f"gatehybrid{dtype}", "--context-parallel", "2", "--dtype", dtype)
     finally:
         close_transferqueue(ray_cluster)
     assert rc == 0 and fig["passed"] and fig["episodes_retained"] == 32, err
     assert fig["refit_version"] == 1 and fig["weights_written_by_ranks"] == [0]
+    assert fig["dtype"] == dtype and fig["route_agreement_decided"] == 1.0
+    assert fig["infrastructure_losses"] == 0 and fig["gen_kl"] <= fig["max_gen_kl"]
 
 
 @pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.slow)])

@@ -25,10 +25,12 @@ rope), `rotary_dim` the part RoPE turns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config.model import ModelConfig, register_family, require_positive
+from treeflow.models.config.model import FamilyConfig, refuse_unmodelled, register_family, \
+    require_positive, rope_type
 from treeflow.models.config.moe import MoeConfig, refuse_dropping
 from treeflow.models.reference.mtp import mtp_layer_count
 
@@ -39,7 +41,7 @@ DEEPSEEK_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3",
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeepseekConfig(ModelConfig):
+class DeepseekConfig(FamilyConfig):
     """A DeepSeek-V3 / GLM-4.5 decoder: the base shape, `rotary_dim` (RoPE's width per head),
     MLA's ranks and head widths (`mla`), and the MoE layers (`moe`)."""
 
@@ -60,14 +62,8 @@ class DeepseekConfig(ModelConfig):
         if arch not in DEEPSEEK_ARCHITECTURES:
             raise ValueError(f"DeepseekConfig architecture {arch!r}: use one of "
                              f"{sorted(DEEPSEEK_ARCHITECTURES)}")
-        for name, value in (("architecture", "LlamaForCausalLM"), ("moe", None),
-                            ("qk_norm", False)):  # the base's checks of an attention decoder
-            object.__setattr__(self, name, value)
-        try:
-            super().__post_init__()
-        finally:
-            for name, value in (("architecture", arch), ("moe", moe), ("qk_norm", bool(qk_norm))):
-                object.__setattr__(self, name, value)
+        self.check_as_base(moe=None, qk_norm=False)
+        object.__setattr__(self, "qk_norm", bool(qk_norm))
         if moe is None or moe.family != DEEPSEEK_ARCHITECTURES[arch]:
             raise ValueError(f"{arch} needs a MoeConfig of family "
                              f"{DEEPSEEK_ARCHITECTURES[arch]!r}, got {moe!r}")
@@ -136,26 +132,15 @@ class DeepseekConfig(ModelConfig):
         return cls(**common, head_dim=head_dim, rotary_dim=int(head_dim * factor),
                    qk_norm=bool(d.get("use_qk_norm", False)))
 
-    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
-        """The checkpoint's own config.json (kept in hf_extras), with the dtype updated."""
-        d = dict(self.hf_extras)
-        if dtype is not None:
-            d["torch_dtype"] = dtype
-            d.pop("dtype", None)
-        return d
-
 
 def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
-    def refuse(what: str) -> None:
-        raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
-                         "implement; running it anyway would give wrong logprobs")
+    refuse = functools.partial(refuse_unmodelled, arch)
 
     refuse_dropping(d, arch)
     if d.get("quantization_config") is not None:
         refuse("quantization_config (quantized, e.g. FP8, weights: dequantize them to bf16 "
                "first)")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope, kind = rope_type(d)
     if kind not in ("default", "yarn"):
         refuse(f"rope_parameters.rope_type={kind!r} (only 'default' or 'yarn')")
     if kind == "yarn" and "original_max_position_embeddings" not in rope:

@@ -33,11 +33,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config.model import ModelConfig, register_family, require_multiple, \
-    require_positive
+from treeflow.models.config.model import FamilyConfig, refuse_unmodelled, register_family, \
+    require_multiple, require_positive
 from treeflow.models.config.moe import MoeConfig, refuse_dropping
 
-__all__ = ["GDN_ARCHITECTURES", "GDN_CHUNK", "GdnConfig"]
+__all__ = ["GDN_ARCHITECTURES", "GDN_CHUNK", "GdnConfig", "scan_kernel"]
 
 GDN_ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
                      "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
@@ -46,7 +46,7 @@ _TYPES = {"linear_attention": "gdn", "full_attention": "attention"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GdnConfig(ModelConfig):
+class GdnConfig(FamilyConfig):
     """A Gated DeltaNet hybrid: `layer_types` one of ("gdn", "attention") per layer, each
     followed by a SwiGLU MLP or (layers in moe.moe_layers) the sparse MoE block."""
 
@@ -65,13 +65,7 @@ class GdnConfig(ModelConfig):
             raise ValueError(f"GdnConfig architecture {self.architecture!r}: use one of "
                              f"{sorted(GDN_ARCHITECTURES)}")
         arch, moe = self.architecture, self.moe
-        object.__setattr__(self, "architecture", "LlamaForCausalLM")  # base checks only
-        object.__setattr__(self, "moe", None)
-        try:
-            super().__post_init__()
-        finally:
-            object.__setattr__(self, "architecture", arch)
-            object.__setattr__(self, "moe", moe)
+        self.check_as_base(moe=None)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"{arch}: {len(self.layer_types)} layer types for "
                              f"num_hidden_layers={self.num_hidden_layers}")
@@ -156,16 +150,22 @@ class GdnConfig(ModelConfig):
             split_projections=arch.startswith("Qwen3_5"), moe=_moe(d, arch, layers),
             hf_extras=dict(d))
 
-    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
-        """The checkpoint's own config.json keys (kept in hf_extras), with the dtype updated."""
-        d = dict(self.hf_extras)
-        if dtype is not None:
-            d["torch_dtype"] = dtype
-            d.pop("dtype", None)
-        return d
-
 
 register_family(GdnConfig, GDN_ARCHITECTURES)  # ModelConfig.from_hf_dict reads them
+
+
+def scan_kernel(architecture: str, kernel: str) -> str:
+    """The scan kernel (Tuning.ssm_kernel) the segment plan of a recurrent `architecture` is
+    built with: `kernel` for Mamba-2 layers; Gated DeltaNet layers (ssm/gdn.py) have the torch
+    scan only, so "auto" means torch for them (on CUDA it would pick Mamba-2's fused scan,
+    which they refuse) and "triton" is refused by name."""
+    if architecture not in GDN_ARCHITECTURES:
+        return kernel
+    if kernel == "triton":
+        raise ValueError(f"{architecture}: --ssm-kernel triton (Tuning.ssm_kernel) is "
+                         "Mamba-2's fused scan; Gated DeltaNet layers run the torch scan: use "
+                         "--ssm-kernel torch or auto")
+    return "torch"
 
 
 def _refuse(arch: str, d: Mapping[str, Any]) -> None:
@@ -185,9 +185,7 @@ def _refuse(arch: str, d: Mapping[str, Any]) -> None:
     for key, ok in checks.items():
         if not ok:
             value = rope.get("rope_type") if key == "rope_parameters.rope_type" else d[key]
-            raise ValueError(f"{arch} config uses {key}={value!r}, which the reference Gated "
-                             "DeltaNet decoder does not implement; running it anyway would give "
-                             "wrong logprobs")
+            refuse_unmodelled(arch, f"{key}={value!r}", decoder="reference Gated DeltaNet decoder")
     if mtp_layer_count(d):
         refuse_mtp(arch, f"config declares {mtp_layer_count(d)}")
 

@@ -16,10 +16,12 @@ rewriting a key treeflow does not model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config.model import ModelConfig, register_family, require_positive
+from treeflow.models.config.model import FamilyConfig, refuse_unmodelled, register_family, \
+    require_positive
 
 __all__ = ["GEMMA3_ARCHITECTURES", "Gemma3Config"]
 
@@ -28,7 +30,7 @@ ATTENTION_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Gemma3Config(ModelConfig):
+class Gemma3Config(FamilyConfig):
     """Gemma 3's shape: `attention_types` per layer (ATTENTION_TYPES), the local layers'
     `sliding_window` (a query sees its path's last `sliding_window` tokens, itself included),
     their RoPE base `local_rope_theta` (global layers: `rope_theta`, positions divided by
@@ -47,13 +49,8 @@ class Gemma3Config(ModelConfig):
                              f"{sorted(GEMMA3_ARCHITECTURES)}")
         if self.qk_norm is False:
             raise ValueError(f"{arch} has q/k norms; qk_norm=False contradicts it")
-        object.__setattr__(self, "architecture", "LlamaForCausalLM")  # base checks only
-        object.__setattr__(self, "qk_norm", None)
-        try:
-            super().__post_init__()
-        finally:
-            object.__setattr__(self, "architecture", arch)
-            object.__setattr__(self, "qk_norm", True)
+        self.check_as_base(qk_norm=None)
+        object.__setattr__(self, "qk_norm", True)
         if len(self.attention_types) != self.num_hidden_layers:
             raise ValueError(f"{arch}: {len(self.attention_types)} layer types for "
                              f"num_hidden_layers={self.num_hidden_layers}")
@@ -103,19 +100,9 @@ class Gemma3Config(ModelConfig):
             query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
             hf_extras=dict(d))
 
-    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
-        """The checkpoint's own config.json (kept in hf_extras), with the dtype updated."""
-        d = dict(self.hf_extras)
-        if dtype is not None:
-            d["torch_dtype"] = dtype
-            d.pop("dtype", None)
-        return d
-
 
 def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
-    def refuse(what: str) -> None:
-        raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
-                         "implement; running it anyway would give wrong logprobs")
+    refuse = functools.partial(refuse_unmodelled, arch)
 
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if d.get(key) is not None:

@@ -14,10 +14,12 @@ trade-off: the whole config.json is kept (`hf_extras`) and written back as it wa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config.model import ModelConfig, register_family, require_positive
+from treeflow.models.config.model import FamilyConfig, refuse_unmodelled, register_family, \
+    require_positive, rope_type
 from treeflow.models.config.moe import MoeConfig
 
 __all__ = ["GPT_OSS_ARCHITECTURES", "GptOssConfig"]
@@ -27,7 +29,7 @@ _TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GptOssConfig(ModelConfig):
+class GptOssConfig(FamilyConfig):
     """gpt-oss's shape: per-layer `attention_types`, the local layers' `sliding_window`, the
     experts (`num_experts`, `top_k`, `swiglu_alpha`, `swiglu_limit`; intermediate_size is
     an expert's width) and the YaRN `rope_parameters` (None: plain RoPE)."""
@@ -46,13 +48,7 @@ class GptOssConfig(ModelConfig):
             raise ValueError(f"GptOssConfig architecture {arch!r}: use one of "
                              f"{sorted(GPT_OSS_ARCHITECTURES)}")
         moe = self.moe
-        object.__setattr__(self, "architecture", "LlamaForCausalLM")  # base checks only
-        object.__setattr__(self, "moe", None)
-        try:
-            super().__post_init__()
-        finally:
-            object.__setattr__(self, "architecture", arch)
-            object.__setattr__(self, "moe", moe)
+        self.check_as_base(moe=None)
         if len(self.attention_types) != self.num_hidden_layers:
             raise ValueError(f"{arch}: {len(self.attention_types)} layer types for "
                              f"num_hidden_layers={self.num_hidden_layers}")
@@ -103,19 +99,9 @@ class GptOssConfig(ModelConfig):
             yarn=rope if rope.get("rope_type", rope.get("type")) == "yarn" else None,
             hf_extras=dict(d))
 
-    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
-        """The checkpoint's own config.json (kept in hf_extras), with the dtype updated."""
-        d = dict(self.hf_extras)
-        if dtype is not None:
-            d["torch_dtype"] = dtype
-            d.pop("dtype", None)
-        return d
-
 
 def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
-    def refuse(what: str) -> None:
-        raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
-                         "implement; running it anyway would give wrong logprobs")
+    refuse = functools.partial(refuse_unmodelled, arch)
 
     if d.get("quantization_config") is not None:
         refuse("quantization_config (MXFP4 experts: dequantize the checkpoint first, e.g. "
@@ -123,8 +109,7 @@ def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
                "bfloat16)")
     if d.get("output_router_logits"):
         refuse("output_router_logits=true (the router aux loss)")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope, kind = rope_type(d)
     if kind not in ("default", "yarn"):
         refuse(f"rope_parameters.rope_type={kind!r} (only 'yarn' or 'default')")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:

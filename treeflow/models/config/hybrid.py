@@ -37,11 +37,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from treeflow.models.config.model import (ModelConfig, register_family, require_multiple,
-                                     require_positive)
+from treeflow.models.config.model import (FamilyConfig, refuse_unmodelled, register_family,
+                                     require_multiple, require_positive)
 from treeflow.models.config.moe import MoeConfig, refuse_dropping
 
-__all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir"]
+__all__ = ["HYBRID_ARCHITECTURES", "HybridConfig", "is_hybrid_dir", "recurrent_architecture"]
 
 HYBRID_ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "BambaForCausalLM": "bamba",
                         "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
@@ -51,6 +51,12 @@ def is_hybrid_dir(model) -> bool:
     """Whether a model directory's config.json names a recurrent hybrid: Mamba-2 or Gated
     DeltaNet (False for `tiny`, for a directory without a readable config: Forward reports on
     that itself)."""
+    return recurrent_architecture(model) is not None
+
+
+def recurrent_architecture(model) -> str | None:
+    """The recurrent hybrid class (Mamba-2 or Gated DeltaNet) a model directory's config.json
+    names, by `architectures` or `model_type`; None otherwise (as is_hybrid_dir)."""
     import os
 
     from treeflow._json import load as load_json
@@ -59,12 +65,13 @@ def is_hybrid_dir(model) -> bool:
     try:
         d = load_json(os.path.join(os.fspath(model), "config.json"))
     except (OSError, TypeError, ValueError):
-        return False
+        return None
     if not isinstance(d, dict):
-        return False
-    archs = [a for a in d.get("architectures") or [] if isinstance(a, str)]
+        return None
     known = {**HYBRID_ARCHITECTURES, **GDN_ARCHITECTURES}
-    return any(a in known for a in archs) or d.get("model_type") in known.values()
+    archs = [a for a in d.get("architectures") or [] if isinstance(a, str) and a in known]
+    by_type = {t: a for a, t in known.items()}
+    return archs[0] if archs else by_type.get(d.get("model_type"))
 MIXERS = ("mamba", "attention", "mlp", "moe")
 _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
                    "full_attention": "attention", "attention": "attention", "*": "attention",
@@ -72,7 +79,7 @@ _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HybridConfig(ModelConfig):
+class HybridConfig(FamilyConfig):
     """A Mamba-2 hybrid. `layer_types`: one of MIXERS per block (Nemotron-H) or per layer's
     first half (Bamba, GraniteMoeHybrid: "mamba" or "attention", each followed by an MLP /
     the MoE and shared MLP)."""
@@ -101,13 +108,7 @@ class HybridConfig(ModelConfig):
             raise ValueError(f"HybridConfig architecture {self.architecture!r}: use one of "
                              f"{sorted(HYBRID_ARCHITECTURES)}")
         arch, moe = self.architecture, self.moe
-        object.__setattr__(self, "architecture", "LlamaForCausalLM")  # base checks only
-        object.__setattr__(self, "moe", None)
-        try:
-            super().__post_init__()
-        finally:
-            object.__setattr__(self, "architecture", arch)
-            object.__setattr__(self, "moe", moe)
+        self.check_as_base(moe=None)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"{arch}: {len(self.layer_types)} layer types for "
                              f"num_hidden_layers={self.num_hidden_layers}")
@@ -165,14 +166,6 @@ class HybridConfig(ModelConfig):
         raise ValueError(f"architectures {archs or d.get('model_type')!r} is not a supported "
                          f"hybrid; use one of {sorted(HYBRID_ARCHITECTURES)}")
 
-    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
-        """The checkpoint's own config.json keys (kept in hf_extras), with the dtype updated."""
-        d = dict(self.hf_extras)
-        if dtype is not None:
-            d["torch_dtype"] = dtype
-            d.pop("dtype", None)
-        return d
-
 
 register_family(HybridConfig, HYBRID_ARCHITECTURES)  # ModelConfig.from_hf_dict reads them
 
@@ -180,9 +173,7 @@ register_family(HybridConfig, HYBRID_ARCHITECTURES)  # ModelConfig.from_hf_dict 
 def _refuse(arch: str, d: Mapping[str, Any], checks: Mapping[str, Any]) -> None:
     for key, ok in checks.items():
         if key in d and not ok(d[key]):
-            raise ValueError(f"{arch} config uses {key}={d[key]!r}, which the reference hybrid "
-                             "decoder does not implement; running it anyway would give wrong "
-                             "logprobs")
+            refuse_unmodelled(arch, f"{key}={d[key]!r}", decoder="reference hybrid decoder")
 
 
 def _limit(value) -> tuple[float, float]:

@@ -12,6 +12,7 @@ plausible but wrong logprobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -181,6 +182,51 @@ class ModelConfig:
         return d
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FamilyConfig(ModelConfig):
+    """The base of a family read by its own subclass (config/hybrid.py, config/gdn.py,
+    config/gemma3.py, config/gpt_oss.py, config/deepseek.py): it keeps the checkpoint's whole
+    config.json in `hf_extras` and writes it back as it was (`to_hf_dict`), and runs
+    ModelConfig's shape checks on itself as an attention decoder (`check_as_base`)."""
+
+    def check_as_base(self, **stand_ins: Any) -> None:
+        """ModelConfig's own checks (positive sizes, heads a multiple of kv heads, head_dim) on
+        this config as a LlamaForCausalLM, with `stand_ins` ({field: value}, e.g. moe=None) in
+        place of the fields the base would refuse for this family; every swapped field gets
+        its value back, also when a check raises. What the checks fill in (head_dim) stays."""
+        swapped = {"architecture": "LlamaForCausalLM", **stand_ins}
+        kept = {name: getattr(self, name) for name in swapped}
+        for name, value in swapped.items():
+            object.__setattr__(self, name, value)
+        try:
+            ModelConfig.__post_init__(self)
+        finally:
+            for name, value in kept.items():
+                object.__setattr__(self, name, value)
+
+    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        """The checkpoint's own config.json keys (kept in hf_extras), with the dtype updated."""
+        d = dict(self.hf_extras)
+        if dtype is not None:
+            d["torch_dtype"] = dtype
+            d.pop("dtype", None)
+        return d
+
+
+def refuse_unmodelled(arch: str, what: str, *, decoder: str = "reference decoder") -> None:
+    """ValueError: `arch`'s config uses `what` (the setting and its value), which `decoder`
+    does not implement."""
+    raise ValueError(f"{arch} config uses {what}, which the {decoder} does not implement; "
+                     "running it anyway would give wrong logprobs")
+
+
+def rope_type(d: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """(the RoPE parameters, their type) as transformers 5 (`rope_parameters`) or 4.x
+    (`rope_scaling`, `type`) writes them; "default" when none are given."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    return rope, rope.get("rope_type", rope.get("type", "default"))
+
+
 # Config families read by a subclass of ModelConfig ({architecture or model_type: subclass}):
 # each registers itself where it is defined (config/hybrid.py, config/gemma3.py,
 # config/gpt_oss.py, config/deepseek.py), and treeflow/models/__init__.py imports it, so from_hf_dict reads every
@@ -231,9 +277,7 @@ def _architecture(d: Mapping[str, Any]) -> str:
 
 
 def _refuse_unsupported(d: Mapping[str, Any], arch: str) -> None:
-    def refuse(what: str) -> None:
-        raise ValueError(f"{arch} config uses {what}, which the reference decoder does not "
-                         "implement; running it anyway would give wrong logprobs")
+    refuse = functools.partial(refuse_unmodelled, arch)
 
     if d.get("rope_scaling") is not None:
         refuse(f"rope_scaling={d['rope_scaling']!r} (only null is supported)")

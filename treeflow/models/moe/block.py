@@ -133,6 +133,13 @@ class _Router(nn.Module):
         if correction_bias:  # Nemotron-H: added to the scores for the choice only; not trained
             self.register_buffer("e_score_correction_bias", torch.zeros(experts))
 
+    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
+        """Float32 logits from the float32 weight, autocast off (router_dtype "float32" and the
+        sigmoid routers). A module call, so that under --shard-params FSDP2 gathers the weight
+        in float32 (train/fsdp.py) before it is read."""
+        with torch.autocast(x_NH.device.type, enabled=False):
+            return F.linear(x_NH.float(), self.weight.float())
+
 
 class _Experts(nn.Module):
     """Fused expert weights: SwiGLU `gate_up_proj` [X, 2I, H] or non-gated `up_proj` [X, I, H];
@@ -270,8 +277,7 @@ class MoeBlock(nn.Module):
         weight), else in the compute dtype."""
         sigmoid = self.moe.family in SIGMOID_ROUTED
         if sigmoid or self.moe.router_dtype == "float32":
-            with torch.autocast(x_NH.device.type, enabled=False):
-                logits_NX = F.linear(x_NH.float(), self._gate.weight.float())
+            logits_NX = self._gate(x_NH)
         else:
             logits_NX = F.linear(x_NH, self._gate.weight)
         if sigmoid:

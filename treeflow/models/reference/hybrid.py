@@ -30,6 +30,7 @@ from torch import nn
 from treeflow.models.attention.tree import AttentionPlan, check_tokens
 from treeflow.models.attention.context_parallel import ContextParallelPlan
 from treeflow.models.reference.decoder import MLP, Decoder, RMSNorm
+from treeflow.models.config.gdn import scan_kernel
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.ssm.mamba import Mamba2Mixer
 from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
@@ -64,7 +65,9 @@ class HybridPlan:
         return cls(attention, SegmentPlan(parents_N, chunk_size=config.chunk_size,
                                           conv_kernel=config.conv_kernel, fork=tuning.ssm_fork,
                                           state_dtype=tuning.ssm_state_dtype,
-                                          device=attention.device, kernel=tuning.ssm_kernel))
+                                          device=attention.device,
+                                          kernel=scan_kernel(config.architecture,
+                                                             tuning.ssm_kernel)))
 
     @classmethod
     def build_context_parallel(cls, attention: ContextParallelPlan, parents_N,
