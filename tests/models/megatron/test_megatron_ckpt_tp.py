@@ -76,7 +76,7 @@ def make_run(root, *, processes: int = 4, device: str = "cpu"):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, megatron_module_group):
     return make_run(tmp_path_factory.mktemp("ckpt_tp"), processes=4)
 
 

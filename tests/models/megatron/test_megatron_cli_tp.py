@@ -86,7 +86,7 @@ def test_a_torchrun_world_that_does_not_match_is_refused(setup, tmp_path, monkey
 
 
 @pytest.mark.multiprocess
-def test_tp2_replay_and_training_equal_tp1_and_resume_bit_for_bit(setup, tmp_path):
+def test_tp2_replay_and_training_equal_tp1_and_resume_bit_for_bit(setup, tmp_path, megatron_group):
     model, data = setup
     common = ["replay", data, "--model", model, "--backend", "megatron", "--max-tokens", "128",
               "--quiet"]
