@@ -8,7 +8,7 @@ to TP rank 0 alone (rank 1 never holds the unsharded weights). This
 is the CI check of the collective paths (max/sum all-reduces of the
 vocab-parallel log-softmax, TP-aware clipping, shard gathering) that a TP=1
 run only passes through as no-ops. Sequence parallelism needs CUDA (see
-tests/gpu/test_megatron_tp.py).
+tests/gpu/test_gpu_megatron_tp.py).
 """
 
 from __future__ import annotations
