@@ -1,4 +1,4 @@
-"""Probe: one Precompiled graph ahead of time (models/aoti.py) on a device, step by step.
+"""Probe: one Precompiled graph ahead of time (models/compile/aoti.py) on a device, step by step.
 
     python -X faulthandler bench/aoti_probe.py CACHE_DIR [cuda|cpu]   # run twice: build, load
 
@@ -14,9 +14,9 @@ from treeflow.compile_cache import configure
 configure(sys.argv[1])
 import torch  # noqa: E402
 
-from treeflow.models import precompiled  # noqa: E402
-from treeflow.models.config import ModelConfig  # noqa: E402
-from treeflow.models.decoder import DecoderLayer  # noqa: E402
+from treeflow.models.compile import precompiled  # noqa: E402
+from treeflow.models.config.model import ModelConfig  # noqa: E402
+from treeflow.models.reference.decoder import DecoderLayer  # noqa: E402
 
 
 def mlp_block(layer, x_NH):

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from treeflow.models import AttentionPlan
-from treeflow.models.attention import compiled_flex
-from treeflow.pipeline.synth import synth_episodes
+from treeflow.models.attention.tree import compiled_flex
+from treeflow.tools.synth import synth_episodes
 from treeflow.stages import Fragment, Pack
 from treeflow.tree import subtree_end
 

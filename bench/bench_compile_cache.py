@@ -24,7 +24,7 @@ SwiGLU compiled by inductor (C++ through the host compiler) in a fresh process
 after `treeflow.compile_cache.configure(DIR)`, twice, and once with "off", with
 inductor's cache hit/miss counters. It also runs the fast preset's two layer graphs (the real
 decoder's LayerOps, inductor's C++ backend) five ways, each a fresh process: precompiled first
-and second (treeflow/models/precompiled.py: the second loads the saved graphs, dynamo traces
+and second (treeflow/models/compile/precompiled.py: the second loads the saved graphs, dynamo traces
 nothing), plain torch.compile first and second on a cache of its own (the code before), and
 off; with dynamo's timers and whether the hidden states are bit-identical to off.
 
@@ -85,11 +85,12 @@ from treeflow.compile_cache import configure
 configure(sys.argv[1])
 import numpy as np, torch
 from torch._dynamo import utils
-from treeflow.models import ModelConfig, decoder
-from treeflow.models import precompiled
-from treeflow.models.attention import AttentionPlan
+from treeflow.models import ModelConfig
+from treeflow.models.reference import decoder
+from treeflow.models.compile import precompiled
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
-from treeflow.models.layer_ops import LayerOps
+from treeflow.models.compile.layer_ops import LayerOps
 from treeflow.tree import subtree_end
 if sys.argv[3] == "torch.compile":  # the code before precompiled graphs: dynamo every process
     precompiled.available = lambda: "the bench asked for torch.compile"

@@ -18,7 +18,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from treeflow.io import FieldMap, OpenAITokens, convert  # noqa: E402
-from treeflow.pipeline.synth import synth_episodes  # noqa: E402
+from treeflow.tools.synth import synth_episodes  # noqa: E402
 from treeflow.schemas import read_episodes  # noqa: E402
 
 

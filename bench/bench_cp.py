@@ -7,7 +7,7 @@ only, no model:
 - per context-parallel size C and per-rank budget B: the bins Fragment plans with a
   budget of C x B, their repeated context (tokens run again because a tree was cut into
   fragments), or the error when a path does not fit (CP=1 with B below the longest call);
-- per bin, the cuts of models/context_parallel.py: rows each rank receives per layer
+- per bin, the cuts of models/attention/context_parallel.py: rows each rank receives per layer
   (its first node's ancestors) against what an all-gather of the bin's K/V would deliver
   to it (N - n_r), the attention-cost imbalance (max / mean - 1 of pairs per rank), and
   the most tokens and keys one rank holds.
@@ -51,9 +51,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from treeflow.models.context_parallel import cp_bounds, exchange_stats  # noqa: E402
+from treeflow.models.attention.context_parallel import cp_bounds, exchange_stats  # noqa: E402
 from treeflow.parallel import ParallelDims  # noqa: E402
-from treeflow.pipeline.synth import synth_episodes  # noqa: E402
+from treeflow.tools.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
 
@@ -179,8 +179,8 @@ def _rank_overlap(size: int, parents, shape: tuple, kernel: str, device: str, dt
     import torch
     import torch.distributed as dist
 
-    from treeflow.models import cp_exchange
-    from treeflow.models.context_parallel import ContextParallelPlan
+    from treeflow.models.attention import cp_exchange
+    from treeflow.models.attention.context_parallel import ContextParallelPlan
     from treeflow.train import DataParallel
     from treeflow.tree import depths_from_parents
 

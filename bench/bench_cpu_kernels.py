@@ -47,8 +47,8 @@ def main() -> None:
     import torch
 
     from treeflow.models import ModelConfig
-    from treeflow.models.attention import AttentionPlan
-    from treeflow.pipeline import synth_episodes
+    from treeflow.models.attention.tree import AttentionPlan
+    from treeflow.tools import synth_episodes
     from treeflow.stages import Fragment, Pack
     from treeflow.tree import subtree_end
 

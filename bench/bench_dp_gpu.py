@@ -135,7 +135,7 @@ def _scaling_rank(cfg: dict) -> dict:
 
 
 def _episodes(cfg, total):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     small = dict(system_tokens=64, user_tokens=(8, 32), completion_tokens=(8, 32),
                  tool_tokens=(8, 32), turns=(2, 4)) if cfg["smoke"] else {}
@@ -231,7 +231,7 @@ def _cli_check(args) -> dict:
     """The issue's command, `treeflow replay --mode train --num-ranks N --device cuda`, end to end."""
     import subprocess
 
-    from treeflow.pipeline import write_episodes
+    from treeflow.tools import write_episodes
 
     config = SMOKE if args.smoke else LLAMA_1B
     with tempfile.TemporaryDirectory() as tmp:
@@ -315,7 +315,7 @@ def scaling(args) -> dict:
 # ---------------------------------------------------------------- precision
 def precision(args) -> dict:
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     config = SMOKE if args.smoke else SMALL
     if args.smoke:

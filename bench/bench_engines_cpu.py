@@ -241,7 +241,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="treeflow-engines-")
     py = [sys.executable, "-m", "treeflow.cli"]
     sys.path.insert(0, ROOT)
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     files = {}
     for n in (args.episodes // 2, args.episodes):  # short turns: the engines, not the model

@@ -24,7 +24,7 @@ For each, on `treeflow synth` episodes in groups of 8 (`--episodes`, default 128
 - speed: the same two replays' `process_seconds` (the command as a user runs it: imports,
   load, compile, run, write) and `steady_seconds` (the CLI's split), tree over exact.
 
-The GDN layers run treeflow's torch chunked delta rule (models/gdn.py: the intra-chunk
+The GDN layers run treeflow's torch chunked delta rule (models/ssm/gdn.py: the intra-chunk
 products batched over a level's chunks, one step per chunk position of its longest segment;
 no Triton path) on CUDA as on CPU; `--ssm-kernel auto` runs it (Mamba-2's fused scan is not
 a GDN kernel). Its cost is launch-bound: counted from the segment plans of 64 synthetic
@@ -238,7 +238,7 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "max_tokens": args.max_tokens, "max_turns": args.max_turns, "group_size": 8,
         "dtype": "bfloat16", "budget_seconds": args.budget_seconds,
-        "treeflow_gdn_kernel": "torch chunked delta rule (models/gdn.py)",
+        "treeflow_gdn_kernel": "torch chunked delta rule (models/ssm/gdn.py)",
         "transformers_gdn_kernel": gdn_kernel_of_transformers()}, "shapes": {}}
 
     def left() -> float:

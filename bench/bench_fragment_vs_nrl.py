@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
 import nrl_planner as nrl  # noqa: E402
-from treeflow.pipeline.synth import synth_episodes  # noqa: E402
+from treeflow.tools.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack, Shard  # noqa: E402
 from treeflow.stages.fragment import plan_bins  # noqa: E402
 

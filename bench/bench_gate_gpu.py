@@ -136,7 +136,7 @@ def has_experts(model: str) -> bool:
 def margins(args, model: str | None, dtype: str, work: str) -> dict:
     """The route-margin diagnostic on `model` (None: a small random MoE, for --smoke)."""
     from bench_route_margins import route_margins, write_smoke_moe
-    from treeflow.pipeline.rollout import Rollout
+    from treeflow.programs.rollout import Rollout
 
     if model is None:
         model = os.path.join(work, "margins-moe")

@@ -47,7 +47,7 @@ from torch import nn
 
 from treeflow.models import AttentionPlan, Decoder, ModelConfig, selected_logprobs
 from treeflow.models.checkpoint import seeded_decoder
-from treeflow.pipeline.synth import synth_episodes
+from treeflow.tools.synth import synth_episodes
 from treeflow.stages import Fragment, Pack, Reassembly
 from treeflow.stages.forward import edge_values_table
 from treeflow.tree import subtree_end

@@ -54,7 +54,7 @@ from bench_gpu import H200_BF16_DENSE_PEAK, LLAMA_1B, flop_counts  # noqa: E402
 
 from treeflow.models import Decoder, ModelConfig, ReferenceBackend, Tuning  # noqa: E402
 from treeflow.models.checkpoint import seeded_decoder  # noqa: E402
-from treeflow.pipeline.synth import synth_episodes  # noqa: E402
+from treeflow.tools.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 from treeflow.stages.flat import list_offsets, list_values  # noqa: E402
 from treeflow.ops.runner import PreparedBin  # noqa: E402

@@ -52,7 +52,8 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from treeflow.models import AttentionPlan, ModelConfig  # noqa: E402
-from treeflow.pipeline import ArrowSink, Files, Pipeline, synth_episodes, write_episodes  # noqa: E402
+from treeflow.pipeline import ArrowSink, Files, Pipeline  # noqa: E402
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.local import run_local  # noqa: E402
 from treeflow.pipeline.stats import bin_sums, episode_sums  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard  # noqa: E402

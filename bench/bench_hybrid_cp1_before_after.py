@@ -1,6 +1,6 @@
 """One GPU: bf16 hybrid replay at CP=1 before and after Mamba-2 context parallelism (issue 43).
 
-The hybrid-CP work (treeflow/models/ssm_cp.py) changed the Mamba-2 mixer's path for every
+The hybrid-CP work (treeflow/models/ssm/cp.py) changed the Mamba-2 mixer's path for every
 run, so the issue asks that one-process speed stay within 2%. This runs what a user runs,
 `treeflow replay EPISODES --model DIR --dtype bfloat16 --layout tree --json -o OUT`, on a
 random Nemotron-H 1.3B-shaped checkpoint (bench_hybrid_gpu.py's `nemotron-h-1b`, written by
@@ -48,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-BEFORE_COMMIT = "d056f89"  # parent of 57ac22d, the first commit of treeflow/models/ssm_cp.py
+BEFORE_COMMIT = "d056f89"  # parent of 57ac22d, the first commit of treeflow/models/ssm_cp.py (now models/ssm/cp.py)
 BEFORE_DIR = os.path.join(ROOT, ".gpu", "before43")
 RESULT = os.path.join(HERE, "results", "h100_hybrid_cp1_before_after.json")
 

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from treeflow.models import Tuning, load_backend  # noqa: E402
-from treeflow.pipeline import synth_episodes  # noqa: E402
+from treeflow.tools import synth_episodes  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack  # noqa: E402
 from treeflow.ops import build_forward
 

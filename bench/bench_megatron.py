@@ -42,7 +42,7 @@ warnings.filterwarnings("ignore", module="megatron")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from treeflow.models import ModelConfig, load_backend  # noqa: E402
-from treeflow.pipeline import synth_episodes  # noqa: E402
+from treeflow.tools import synth_episodes  # noqa: E402
 from treeflow.stages import Forward, Fragment, Pack  # noqa: E402
 from treeflow.ops import build_forward
 

@@ -17,7 +17,7 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   `--peak-tflops` (H200 dense bf16: 989), for forward (replay) and 6 x for
   training; both for executed tokens (what ran) and exact-call tokens (the
   work the tree layout stands in for);
-- expert matmuls' achieved TFLOP/s: `models/moe.py`'s `expert_mix` (sort by
+- expert matmuls' achieved TFLOP/s: `models/moe/block.py`'s `expert_mix` (sort by
   expert, two grouped matmuls) alone on `--expert-tokens` tokens with random
   routes, forward and forward+backward, timed with CUDA events;
 - `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
@@ -90,7 +90,7 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
     """Achieved TFLOP/s of the expert matmuls (expert_mix) on random routes."""
     import torch
 
-    from treeflow.models.moe_experts import expert_mix
+    from treeflow.models.moe.experts import expert_mix
 
     moe, h = config.moe, config.hidden_size
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -127,7 +127,7 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
     def fwd_bwd():
         expert_mix(x, idx, w, gate_up, down).float().square().mean().backward()
 
-    from treeflow.models.moe_experts import _grouped_ok
+    from treeflow.models.moe.experts import _grouped_ok
 
     grouped = _grouped_ok(x, gate_up, down)
     f, fb = timed(fwd), timed(fwd_bwd)

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pyarrow.compute as pc  # noqa: E402
 
-from treeflow.pipeline.synth import synth_episodes  # noqa: E402
+from treeflow.tools.synth import synth_episodes  # noqa: E402
 from treeflow.stages import Fragment, Pack  # noqa: E402
 
 

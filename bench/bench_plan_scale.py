@@ -60,7 +60,7 @@ def _rss_mib() -> float:
 
 
 def make_data(path: str, episodes: int, seed: int) -> None:
-    from treeflow.pipeline.synth import synth_episodes
+    from treeflow.tools.synth import synth_episodes
     from treeflow.schemas.episode import EPISODE_SCHEMA
 
     tmp = path + ".tmp"

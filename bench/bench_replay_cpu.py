@@ -158,7 +158,7 @@ def _run_child(args) -> dict:
 
 
 def _episodes(args):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     return synth_episodes(episodes=args.episodes, group_size=args.group_size, seed=args.seed)
 

@@ -2,10 +2,10 @@
 
 The gate (`treeflow gate --routing replay`) reports `route_agreement` over every
 replayed (token, MoE layer) row and checks `route_agreement_decided` over the
-rows whose recomputed top-k is no near-tie (models/route_ties.py: the k-th minus
+rows whose recomputed top-k is no near-tie (models/moe/ties.py: the k-th minus
 (k+1)-th router logit above TIE_ULPS * eps * (|l_k| + |l_k+1|)). This script
 shows whether every disagreement is such a near-tie, row by row: it samples
-`--groups` groups with the gate's own sampler (pipeline/rollout.py
+`--groups` groups with the gate's own sampler (programs/rollout.py
 `sample_group`: the checkpoint in the compute dtype, routes captured), runs the
 gate trainer's forward on them (`Trainer.logprobs`: float32 master weights
 under bf16 autocast, tree layout, routing replay) with a hook on every MoE
@@ -67,9 +67,9 @@ def route_margins(model: str, *, device: str = "cuda", dtype: str = "bfloat16",
     import torch
 
     from treeflow.models.backend import load_backend
-    from treeflow.models.moe import MoeBlock
-    from treeflow.models.route_ties import TIE_ULPS
-    from treeflow.pipeline.rollout import Rollout, sample_group
+    from treeflow.models.moe.block import MoeBlock
+    from treeflow.models.moe.ties import TIE_ULPS
+    from treeflow.programs.rollout import Rollout, sample_group
     from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
     from treeflow.train import Trainer
 
@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--smoke", action="store_true", help="a small random MoE, tiny episodes")
     args = ap.parse_args()
-    from treeflow.pipeline.rollout import Rollout
+    from treeflow.programs.rollout import Rollout
 
     rollout = Rollout(group_size=4, turns=(3, 4), prompt_tokens=(256, 512),
                       completion_tokens=(32, 64), tool_tokens=(32, 96))

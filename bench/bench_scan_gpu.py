@@ -1,4 +1,4 @@
-"""The Mamba-2 tree scan: fused Triton kernels (models/ssm_triton.py) vs the PyTorch scan.
+"""The Mamba-2 tree scan: fused Triton kernels (models/ssm/triton_scan.py) vs the PyTorch scan.
 
 One Nemotron-H 1.3B-shaped Mamba-2 mixer (hidden 2048, 64 heads x 64, state 128,
 8 groups, conv 4, scan chunk 128), bf16 weights and activations, float32 states,
@@ -9,7 +9,7 @@ forward+backward tokens/s (bin tokens / seconds, after warm-up), the first call'
 seconds (`*_first_seconds`; for triton the kernels' compilation, which happens in
 the first bin's first call of each pass; `first_call_seconds` in the summary),
 peak CUDA memory above the inputs, and the outputs' and input gradient's distance
-between the two kernels (a sanity line, not the correctness test: tests/models/test_ssm_triton.py
+between the two kernels (a sanity line, not the correctness test: tests/models/ssm/test_ssm_triton.py
 and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200
@@ -58,7 +58,7 @@ def parse(argv=None):
 
 
 def _bins(args):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
     from treeflow.stages import Fragment, Pack
 
     if args.smoke:
@@ -100,9 +100,9 @@ def run(args) -> dict:
     import numpy as np
     import torch
 
-    from treeflow.models.hybrid_config import HybridConfig
-    from treeflow.models.mamba import Mamba2Mixer
-    from treeflow.models.ssm_tree import SegmentPlan
+    from treeflow.models.config.hybrid import HybridConfig
+    from treeflow.models.ssm.mamba import Mamba2Mixer
+    from treeflow.models.ssm.tree import SegmentPlan
 
     device = torch.device(args.device)
     shape = SHAPES["smoke" if args.smoke else "nemotron-h-1b"]

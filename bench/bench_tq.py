@@ -182,7 +182,7 @@ def main():
                          "the work queue; the first run also starts the cluster)")
     ap.add_argument("-o", "--output", default=None, help="also write the JSON here")
     args = ap.parse_args()
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
     from treeflow.tq import open_queue
 
     eps = synth_episodes(episodes=args.episodes, group_size=8, seed=1)

@@ -18,7 +18,7 @@ This wrapper runs the CLI in-process and appends to its JSON line:
 - `warm_up_parts`: seconds of the warm-up's imports of dynamo and inductor (counted in
   `compile_seconds`, as without this wrapper), its budget-sized tree bin and its chain bin;
 - `precompiled`: per layer graph, variants loaded from and captured into the compile
-  cache (treeflow/models/precompiled.py), and whether it fell back to torch.compile.
+  cache (treeflow/models/compile/precompiled.py), and whether it fell back to torch.compile.
 
     python bench/compile_times_cli.py replay EPISODES.arrow --model CKPT --device cuda ... --json
 """
@@ -57,7 +57,7 @@ def compile_report() -> dict:
               "inductor": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
               "aot_autograd": {k: int(v) for k, v in counters["aot_autograd"].items()
                                if "cache" in k}, **_WARM_UP}
-    pre = sys.modules.get("treeflow.models.precompiled")
+    pre = sys.modules.get("treeflow.models.compile.precompiled")
     if pre is not None:
         report["precompiled"] = pre.stats()
     return report

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "models"))  # fo
 
 
 def k3(got: np.ndarray, ref: np.ndarray) -> float:
-    """The gate's estimator (pipeline/fidelity.py) of got against ref: mean(expm1(d) - d)."""
+    """The gate's estimator (programs/fidelity.py) of got against ref: mean(expm1(d) - d)."""
     d = np.asarray(got, np.float64) - np.asarray(ref, np.float64)
     return float(np.mean(np.expm1(d) - d))
 
@@ -73,7 +73,7 @@ def hf_sampled_logprobs(model, rows: list[dict], autocast: bool) -> np.ndarray:
 def treeflow_sampled_logprobs(model: str, episodes, dtype: str, device: str) -> np.ndarray:
     """treeflow's trainer as the gate scores the refit round: the episodes packed as trees,
     `Trainer.logprobs` (mixed precision in bf16), reassembled per call; flattened in call order."""
-    from treeflow.pipeline.gate import gate_reduce
+    from treeflow.programs.gate import gate_reduce
     from treeflow.stages import Forward, Fragment, Pack, Reassemble
     from treeflow.stages.slots import Slots
     from treeflow.train import Trainer
@@ -137,7 +137,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from treeflow.models.backend import load_backend
-    from treeflow.pipeline.rollout import Rollout, sample_group
+    from treeflow.programs.rollout import Rollout, sample_group
 
     model = args.model
     if model is None:

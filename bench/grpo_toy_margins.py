@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from treeflow.pipeline import Rollout
+from treeflow.programs import Rollout
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "grpo_toy.py")
 

@@ -92,7 +92,7 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     import torch
 
     from treeflow.models import load_model
-    from treeflow.models.moe import MoeBlock
+    from treeflow.models.moe.block import MoeBlock
     from treeflow.ops import build_forward
     from treeflow.schemas import read_episodes
     from treeflow.stages import Forward

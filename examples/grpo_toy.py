@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from treeflow.pipeline import Environment, Pipeline, QueueSource, Rollout, run_rollout
+from treeflow.pipeline import Pipeline, QueueSource
+from treeflow.programs import Environment, Rollout, run_rollout
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.tq import open_queue
 from treeflow.train import Trainer

@@ -63,7 +63,7 @@ def inspect_plots(out_dir: str, *, draw: bool = True) -> list[str]:
 def _inspect_data(episodes: str, out_dir: str) -> None:
     """What `inspect --plot` writes, as data only (the same function, draw=False)."""
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.inspect import inspect_windows
+    from treeflow.tools.inspect import inspect_windows
 
     max_tokens, ranks, per_step = (int(INSPECT[i]) for i in (1, 3, 5))
     inspect_windows(Files(paths=(episodes,), episodes_per_step=per_step), max_tokens=max_tokens,

@@ -9,7 +9,7 @@ for comparison.
 
 import pyarrow as pa
 
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 COLUMNS = ["bin_id", "rank", "tokens", "parents", "positions", "edge_ids", "edge_sources",
            "occ_sample_index", "occ_call", "occ_offset", "occ_edge", "repeated_tokens"]

@@ -28,7 +28,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-# Without CUDA, Triton kernels (models/ssm_triton.py) run in triton's interpreter, which
+# Without CUDA, Triton kernels (models/ssm/triton_scan.py) run in triton's interpreter, which
 # triton picks as it decorates a kernel -- its own library's too, at `import triton` -- so it
 # is set before anything imports triton (torch.utils._triton.has_triton does). The CLI's
 # refusal of --ssm-kernel triton on CPU is tested with it unset (tests/reliability).

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 
 @pytest.fixture(scope="module")

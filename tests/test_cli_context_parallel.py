@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 BUDGET = 40  # per rank; the longest call (65 tokens) fits 2 x BUDGET but not BUDGET
 

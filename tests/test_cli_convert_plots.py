@@ -6,7 +6,7 @@ import os
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.schemas import read_episodes
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

@@ -190,7 +190,7 @@ def test_gate_output_has_one_writer(tmp_path, capsys):
 
 def _puts(monkeypatch):
     """The tables the gate's producer puts (it runs in this process under any trainer layout)."""
-    from treeflow.pipeline import gate as gate_module
+    from treeflow.programs import gate as gate_module
 
     seen, put = [], gate_module._Transport.put
 
@@ -242,7 +242,7 @@ def test_gate_at_context_parallel_2_fails_naming_each_fault(fault, moe, cause, c
 
 def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
     from treeflow.parallel import ParallelDims
-    from treeflow.pipeline import Gate, run_gate
+    from treeflow.programs import Gate, run_gate
     from treeflow.stages import Forward, Loss, Reduce
     from treeflow.tq import open_queue
 
@@ -261,7 +261,7 @@ def test_gate_at_context_parallel_2_needs_a_queue_its_processes_can_reach():
 def test_an_infrastructure_failure_shows_its_traceback_under_debug(debug, capsys, monkeypatch):
     """A failure the gate reports with its figures (here: the refit round's lease breaks)
     fails the gate by name; --debug adds its traceback on stderr, and only --debug."""
-    import treeflow.pipeline.gate_train as gate_train
+    import treeflow.programs.gate_train as gate_train
 
     def broken(*_, **__):
         raise RuntimeError("planted: the queue connection dropped")
@@ -291,8 +291,8 @@ def test_the_designs_gate_configuration_is_one_file(capsys):
 
 def test_gate_keeps_its_sampled_episodes_for_a_later_look(capsys, tmp_path):
     """--episodes-out: both rounds, as sampled (bench/gate_kl_floor.py scores them again)."""
-    from treeflow.pipeline.fidelity import generation_kl
-    from treeflow.pipeline.gate import gate_reduce
+    from treeflow.programs.fidelity import generation_kl
+    from treeflow.programs.gate import gate_reduce
     from treeflow.schemas.episode_files import read_episodes
     from treeflow.stages import Forward, Fragment, Pack, Reassemble
     from treeflow.train import Trainer

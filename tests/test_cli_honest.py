@@ -3,7 +3,7 @@
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from tests.deps import require
 from tests.models.hybrid_helpers import save_hf
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 require("transformers")
 

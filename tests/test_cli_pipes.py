@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 ANSI = re.compile(r"\x1b\[")
 LIBRARY = re.compile(r"(FutureWarning|UserWarning|DeprecationWarning|\.py:\d+:|core_worker\.cc)")

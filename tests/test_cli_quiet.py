@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from treeflow.cli.trackers import quiet_libraries
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 
 def test_quiet_drops_library_warnings_never_treeflow_ones(monkeypatch):

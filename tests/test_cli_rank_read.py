@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.train.launch import spawn
 
 TRAIN = ["--mode", "train", "--episodes-per-step", "6", "--steps", "3", "--lr", "1e-2",

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.tq import open_queue
 
 

@@ -1,4 +1,4 @@
-"""Precompiled layer graphs (treeflow/models/precompiled.py): saved whole in the compile cache,
+"""Precompiled layer graphs (treeflow/models/compile/precompiled.py): saved whole in the compile cache,
 loaded by a later process without dynamo tracing, refused when built for something else or
 when the file or the directory is not the user's own alone.
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from treeflow import compile_cache
-from treeflow.models import precompiled
+from treeflow.models.compile import precompiled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
@@ -32,8 +32,9 @@ from treeflow.compile_cache import configure
 configure(sys.argv[1])
 import numpy as np, torch
 from torch._dynamo.utils import counters
-from treeflow.models import ModelConfig, precompiled
-from treeflow.models.attention import AttentionPlan
+from treeflow.models import ModelConfig
+from treeflow.models.compile import precompiled
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.checkpoint import seeded_decoder
 from treeflow.models.tuning import Tuning
 from treeflow.tree import subtree_end
@@ -194,7 +195,7 @@ def test_a_cache_directory_opened_to_others_after_configure_is_refused(cache):
 
 def test_the_key_holds_the_module_s_constants(cache):
     """Two RMSNorm eps give two variants: a constant dynamo bakes into the graph is in the key."""
-    from treeflow.models.decoder import RMSNorm
+    from treeflow.models.reference.decoder import RMSNorm
 
     def norm(m, x):
         return m(x)
@@ -215,7 +216,7 @@ import json, sys
 from treeflow.cli import main
 rc = main(sys.argv[1:])
 from torch._dynamo.utils import counters
-from treeflow.models import precompiled
+from treeflow.models.compile import precompiled
 print("COUNTS " + json.dumps({"graphs": int(counters["stats"]["unique_graphs"]),
                               "stats": precompiled.stats()}), file=sys.stderr)
 raise SystemExit(rc)

@@ -50,6 +50,19 @@ def test_generated_pages_are_current():
     assert not stale, f"{stale} differ from what the code generates: run python scripts/gen_docs.py"
 
 
+def test_the_api_page_is_the_same_after_a_submodule_named_as_its_export_was_imported(
+        monkeypatch):
+    """A first `import treeflow.train.fit` (as the training tests do) makes the package
+    attribute `fit` the module; the page must still show the function, whatever ran before."""
+    import sys
+
+    import treeflow.train
+    import treeflow.train.fit  # noqa: F401
+
+    monkeypatch.setattr(treeflow.train, "fit", sys.modules["treeflow.train.fit"])
+    assert "`fit(pipeline, source, *, steps" in _gen_docs().api_page()
+
+
 def test_every_results_file_names_its_command():
     gen = _gen_docs()
     for path in sorted((ROOT / "bench" / "results").glob("*.json")):

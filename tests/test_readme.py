@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 ROOT = Path(__file__).resolve().parents[1]
 # README and every page of the site, relative to ROOT
@@ -55,7 +55,7 @@ SKIPPED = {
         "tests/io/test_atif.py runs the round trip through convert on routed episodes",
     "treeflow gate --config examples/gate_design.yaml --model NEMOTRON_H_MOE_MTP_DIR --device cuda -o gate.json":
         "needs a Nemotron-H MoE checkpoint, a GPU, Ray and TransferQueue; tests/test_cli_gate.py "
-        "checks the file's settings, tests/models/test_hybrid_context_parallel_cli.py runs them",
+        "checks the file's settings, tests/models/ssm/test_hybrid_context_parallel_cli.py runs them",
     "bash scripts/install.sh": "builds a virtual environment (minutes; CI does it)",
     ". .venv/bin/activate && mkdocs serve":
         "serves the site until stopped (tests/test_docs.py builds it with mkdocs build --strict)",
@@ -76,8 +76,8 @@ SKIPPED = {
     "treeflow replay episodes.arrow --engine ray --num-ranks 2 --episodes-per-step 64 -o logprobs.parquet":
         "starts Ray and rank processes (tests/pipeline/test_ray_train.py, marked ray)",
     'pip install -e ".[megatron]"   # megatron-core 0.16.1 on Python 3.11, 0.19.2 on >= 3.12':
-        "installs megatron-core; tensor parallelism on GPUs (tests/models/test_megatron*.py)",
-    "from treeflow.pipeline import Pipeline, QueueSource, Rollout, run_rollout":
+        "installs megatron-core; tensor parallelism on GPUs (tests/models/megatron/test_megatron*.py)",
+    "from treeflow.pipeline import Pipeline, QueueSource":
         "waits for a producer in another process (tests/tq)",
     "# on host A (node 0) and host B (node 1), the same command but --node-rank:":
         "torchrun across hosts (tests/test_cli_multinode.py runs --nnodes 2 on localhost)",
@@ -89,7 +89,7 @@ SKIPPED = {
     "treeflow replay episodes.arrow --engine ray --num-ranks 2 --context-parallel 2 \\":
         "starts Ray and C actors per rank (tests/pipeline/test_ray_context_parallel.py, marked ray)",
     "treeflow synth -o ep.arrow --routes-from DIR      # routes of DIR's shape (MoE layers x top_k)":
-        "needs a local MoE checkpoint (tests/models/test_moe_cli.py runs these on a tiny one)",
+        "needs a local MoE checkpoint (tests/models/moe/test_moe_cli.py runs these on a tiny one)",
     "treeflow replay episodes.arrow --model NEMOTRON_H_DIR --ssm-fork chunk -o lp.arrow":
         "needs a local Nemotron-H checkpoint (tests/test_cli_hybrid.py runs it on a tiny one)",
 }

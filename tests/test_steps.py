@@ -9,7 +9,8 @@ import pyarrow as pa
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import Files, synth_episodes, write_episodes
+from treeflow.pipeline import Files
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.steps import assemble
 
 

@@ -20,7 +20,7 @@ Trade-off: the cache grows with every new shape, dtype, torch version and GPU
 (tens to hundreds of MB); nothing here prunes it -- delete the directory to
 reclaim it. Dynamo's tracing of the Python code is not in torch's caches; the
 compiled layer graphs are therefore also saved whole, dynamo's output included,
-in `precompiled/` under the directory (models/precompiled.py), which
+in `precompiled/` under the directory (models/compile/precompiled.py), which
 `active_dir` checks again before every load and `open_own` checks file by file;
 FlexAttention's call (block mask built inside it) is saved there the same way.
 """

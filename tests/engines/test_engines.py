@@ -13,9 +13,10 @@ import pytest
 from treeflow.engines import ENGINES, Engine, LocalEngine, RayEngine, engine_for
 from treeflow.ops.train import Window
 from treeflow.parallel import ParallelDims
-from treeflow.pipeline import Files, synth_episodes, write_episodes
+from treeflow.pipeline import Files
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.plan import WindowResult
-from treeflow.pipeline.replay import logprobs_pipeline, replay_logprobs
+from treeflow.programs.replay import logprobs_pipeline, replay_logprobs
 from treeflow.pipeline.stats import bin_sums, episode_sums
 from treeflow.stages import Forward
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from treeflow.pipeline import Rollout
+from treeflow.programs import Rollout
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "grpo_toy.py")
 _spec = importlib.util.spec_from_file_location("grpo_toy", _PATH)

@@ -21,8 +21,10 @@ MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def require_megatron() -> None:
-    """Skip the calling module where megatron-core is missing; make tests/models importable."""
+    """Skip the calling module where megatron-core is missing; make tests/models (its helpers)
+    and tests/models/megatron (the CPU megatron tests these reuse) importable."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                         "pip install 'treeflow[megatron]' (or the megatron_core wheel)")
-    if MODELS not in sys.path:
-        sys.path.insert(0, MODELS)
+    for folder in (MODELS, os.path.join(MODELS, "megatron")):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)

@@ -1,4 +1,4 @@
-"""On CUDA, a warm `treeflow replay --tuning fast` runs its graphs ahead of time (models/aoti.py).
+"""On CUDA, a warm `treeflow replay --tuning fast` runs its graphs ahead of time (models/compile/aoti.py).
 
 Three fresh processes of the command a user runs, on one compile cache: the first builds the
 AOTInductor packages (two layer graphs and the flex call), the second loads them and must
@@ -32,7 +32,7 @@ _CLI = r"""
 import json, sys
 from treeflow.cli import main
 rc = main(sys.argv[1:])
-from treeflow.models import precompiled
+from treeflow.models.compile import precompiled
 print("COUNTS " + json.dumps({"dynamo": "torch._dynamo" in sys.modules,
                               "inductor": "torch._inductor" in sys.modules,
                               "stats": precompiled.stats()}), file=sys.stderr)

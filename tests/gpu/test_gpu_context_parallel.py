@@ -1,6 +1,6 @@
 """On two GPUs (NCCL): context parallelism equals one CPU process, for logprobs and gradients.
 
-The same cases as tests/models/test_context_parallel.py (branching trees, a long chain, a
+The same cases as tests/models/attention/test_context_parallel.py (branching trees, a long chain, a
 rank without loss edges), in float32 on cuda:0 and cuda:1 against the CPU reference.
 """
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from treeflow.models import ModelConfig, load_model
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce, Shard
 from treeflow.train import DataParallel, Trainer, spawn
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from treeflow.models import AttentionPlan, ModelConfig, load_model
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassembly
 from treeflow.tree import subtree_end
 from treeflow.ops import build_forward

@@ -1,6 +1,6 @@
 """Megatron checkpoints on two GPUs (TP=2, sequence parallel, NCCL): the CPU checks, on CUDA.
 
-The tests of tests/models/test_megatron_ckpt_tp.py run here against a worker on
+The tests of tests/models/megatron/test_megatron_ckpt_tp.py run here against a worker on
 two GPUs (tests/models/megatron_ckpt_worker.py --device cuda: TP=2 x DP=1,
 float32): a run resumed from step 2 is bit-identical to the uninterrupted one;
 the HF export after TP training, loaded by transformers on CPU, gives the GPU

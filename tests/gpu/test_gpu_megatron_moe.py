@@ -27,7 +27,7 @@ BF16_SLACK = 1.5
 def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype, megatron_group):
     pytest.importorskip("megatron.core")
     from tests.models.moe_helpers import episodes, gpu_error_bound, hf_model, with_routes
-    from tests.models.test_megatron_moe import _logprobs
+    from tests.models.megatron.test_megatron_moe import _logprobs
     from treeflow.models import load_backend
 
     # head_dim 32 for compiled flex (it needs >= 16)
@@ -59,7 +59,7 @@ def test_tensor_and_expert_parallel_match_transformers(tmp_path, tp, ep):
 
     pytest.importorskip("megatron.core")
     from tests.models.moe_helpers import hf_model
-    from tests.models.test_megatron_tp import repo_env
+    from tests.models.megatron.test_megatron_tp import repo_env
 
     hf_model("qwen2_moe", num_experts=4, vocab_size=64).save_pretrained(tmp_path / "model")
     out = tmp_path / "result.json"

@@ -13,7 +13,7 @@ gradient norm must be within 5% of the float32 reference backend's, every
 parameter's gradient norm within 10%, and every parameter's gradient within
 three times the reference backend's own mixed-precision deviation from float32
 (MCore rounds RoPE to bf16 where the reference rounds once; see
-tests/models/test_megatron_mixed.py).
+tests/models/megatron/test_megatron_mixed.py).
 (An earlier version took the synthetic generation logprobs as the old policy:
 ratios ~1e-5, so the gradient was carried by the few tokens with the largest
 logprob, weighted by exp(logprob), and bf16 noise on them moved the norm by

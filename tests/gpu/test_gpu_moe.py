@@ -47,7 +47,7 @@ def test_tree_and_exact_match_transformers_on_cuda(tmp_path, family, dtype):
 
 
 def test_grouped_experts_equal_the_padded_path_on_cuda():
-    from treeflow.models.moe_experts import _padded_bmm, expert_mix
+    from treeflow.models.moe.experts import _padded_bmm, expert_mix
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, i, x, k = 512, 256, 128, 16, 4
@@ -68,7 +68,7 @@ def test_relu2_experts_under_cuda_autocast():
     """Nemotron-H's relu^2 experts under mixed precision on CUDA: autocast runs the pow in
     float32 and does not cover torch._grouped_mm; the second matmul still takes bfloat16
     operands (the gate's bf16 trainer failed here) and equals the hand formula."""
-    from treeflow.models import moe_experts as moe
+    from treeflow.models.moe import experts as moe
 
     g = torch.Generator().manual_seed(1)
     n, h, i, x, k = 48, 32, 16, 6, 2

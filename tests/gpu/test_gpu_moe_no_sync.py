@@ -6,7 +6,7 @@ grouped-matmul path): replay bins of a tiny Qwen3-MoE prepared and launched with
 replayed (sentinel rows, agreement counted), and one MoE block's forward and backward
 alone (the whole bin's backward also runs the embedding's, which waits in torch itself:
 tests/gpu/test_gpu_no_sync.py). The CPU test of the same property, which names the op
-that would wait: tests/models/test_moe_host_sync.py.
+that would wait: tests/models/moe/test_moe_host_sync.py.
 """
 
 from __future__ import annotations

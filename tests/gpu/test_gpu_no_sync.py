@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from treeflow.models import ModelConfig, load_model
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
 from treeflow.ops import build_forward

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from treeflow.pipeline import Pipeline, QueueSource, synth_episodes, write_episodes
+from treeflow.pipeline import Pipeline, QueueSource
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassemble
 from treeflow.tq import local_queue
 

@@ -12,8 +12,9 @@ import torch
 
 from treeflow.models import ModelConfig, load_model, save_model
 from treeflow.models.backend import load_backend
-from treeflow.pipeline import Pipeline, QueueSource, Rollout, run_rollout, sample_group
-from treeflow.pipeline.fidelity import generation_kl
+from treeflow.pipeline import Pipeline, QueueSource
+from treeflow.programs import Rollout, run_rollout, sample_group
+from treeflow.programs.fidelity import generation_kl
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.tq import local_queue
 from treeflow.train import Trainer

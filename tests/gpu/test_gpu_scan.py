@@ -1,6 +1,6 @@
-"""On CUDA, the fused Triton tree scan (models/ssm_triton.py), compiled, float32.
+"""On CUDA, the fused Triton tree scan (models/ssm/triton_scan.py), compiled, float32.
 
-Against a float64 per-node path recurrence (tests/models/test_ssm_triton.py's oracle,
+Against a float64 per-node path recurrence (tests/models/ssm/test_ssm_triton.py's oracle,
 run on the CPU) at tiny sizes with forks inside chunks and on chunk boundaries;
 against the PyTorch tree scan at the Nemotron-H 1.3B Mamba shape (64 heads x 64,
 state 128, 8 groups, chunk 128: several of the kernels' real tiles per dim) on a
@@ -40,8 +40,8 @@ def _grads(fn, leaves, weight):
 @pytest.mark.parametrize("fork", ["exact", "chunk"])
 def test_triton_scan_matches_path_recurrence_on_cuda(fork):
     pytest.importorskip("triton")
-    from tests.models.test_ssm_triton import H, P, _inputs, _path_recurrence, _tree
-    from treeflow.models.ssm_tree import SegmentPlan, tree_ssd
+    from tests.models.ssm.test_ssm_triton import H, P, _inputs, _path_recurrence, _tree
+    from treeflow.models.ssm.tree import SegmentPlan, tree_ssd
 
     for seed in (0, 1, 2):
         par = _tree(seed)
@@ -75,7 +75,7 @@ def _big_tree(seed: int) -> np.ndarray:
 @pytest.mark.parametrize("fork", ["exact", "chunk"])
 def test_triton_scan_matches_torch_scan_at_nemotron_shape(fork, dtype):
     pytest.importorskip("triton")
-    from treeflow.models.ssm_tree import SegmentPlan, tree_ssd
+    from treeflow.models.ssm.tree import SegmentPlan, tree_ssd
 
     h, p, g, n = 64, 64, 8, 128
     par = _big_tree(0)
@@ -102,7 +102,7 @@ def test_triton_scan_matches_torch_scan_at_nemotron_shape(fork, dtype):
 
 def test_auto_runs_the_triton_scan_on_cuda():
     """The fused kernels are auto's choice on CUDA (ssm_tree.resolve_kernel), torch on CPU."""
-    from treeflow.models.ssm_tree import resolve_kernel
+    from treeflow.models.ssm.tree import resolve_kernel
 
     assert resolve_kernel("auto", "cuda") == "triton"
     assert resolve_kernel("auto", "cpu") == "torch"

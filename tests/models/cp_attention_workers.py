@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treeflow.models.context_parallel import ContextParallelGroup, ContextParallelPlan, cp_bounds
+from treeflow.models.attention.context_parallel import ContextParallelGroup, ContextParallelPlan, cp_bounds
 from treeflow.tree import depths_from_parents
 
 MODES = [(kernel, overlap) for kernel in ("dense", "runs", "flex") for overlap in (False, True)]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from treeflow.parallel import ParallelDims
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.schemas import validate_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import DataParallel, Trainer

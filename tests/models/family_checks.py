@@ -1,5 +1,5 @@
 """The checks every dense family passes against transformers' own class, call by call in
-float32 (tests/models/test_qwen3.py, test_gemma3.py): layouts with fragments and GRPO groups
+float32 (tests/models/reference/test_qwen3.py, test_gemma3.py): layouts with fragments and GRPO groups
 (logprobs and every parameter gradient), random forks through each tree kernel, a training
 step saved back, and the CLI. `hf` is the transformers model, `path` its saved checkpoint."""
 
@@ -127,7 +127,7 @@ def check_cli_replay(hf, path, tmp_path) -> None:
     """`treeflow replay EPISODES --model DIR` as README says (tree layout, trees cut into
     fragments of 48 tokens): the sampled tokens' logprobs = transformers call by call."""
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=10,
                          user_tokens=(2, 5), completion_tokens=(2, 6), tool_tokens=(2, 5),

@@ -34,7 +34,7 @@ VOCAB = 256
 
 
 def episodes(seed: int):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=20,
                          user_tokens=(3, 6), completion_tokens=(3, 7), tool_tokens=(3, 6),

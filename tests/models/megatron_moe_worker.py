@@ -12,7 +12,7 @@ with the routes forced into its router (tests/models/moe_helpers.py); its gradie
 mapped to MCore's names and cut to this rank's TP / EP part (an expert's gradient E times
 transformers': the E ranks each contribute one copy of every token). Rank 0 writes the largest
 logprob difference and, per rank, the largest gradient difference relative to that
-gradient's largest entry, and the route tally; tests/models/test_megatron_moe.py decides.
+gradient's largest entry, and the route tally; tests/models/megatron/test_megatron_moe.py decides.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from tests.models.moe_helpers import episodes, hf_occurrence_logprobs, with_routes
-    from tests.models.test_megatron_moe import _logprobs
+    from tests.models.megatron.test_megatron_moe import _logprobs
     from treeflow.models import load_backend
     from treeflow.models.megatron import hf_to_mcore, shard
     from treeflow.models.megatron.moe import expert_shard

@@ -21,7 +21,7 @@ and per parameter the largest gradient difference to the float32 reference
 backend's gradients (mapped to MCore names) relative to that gradient's
 largest entry and the ratio of the gradient norms; with --dtype other than
 float32 the same for the reference backend's own mixed-precision step.
-The callers (tests/models/test_megatron_tp.py on CPU over gloo,
+The callers (tests/models/megatron/test_megatron_tp.py on CPU over gloo,
 tests/gpu/test_gpu_megatron_tp.py on two GPUs over NCCL) decide the tolerances.
 """
 
@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", module="megatron")
 
 
 def _episodes(vocab: int, tokens: int):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     scale = max(tokens // 200, 1)
     return synth_episodes(episodes=8, group_size=4, turns=(2, 4), system_tokens=20 * scale,

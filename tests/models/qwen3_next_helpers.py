@@ -1,5 +1,5 @@
 """Tiny Qwen3-Next / Qwen3.5 models saved by transformers itself (the oracles of
-tests/models/test_qwen3_next.py and test_qwen3_5.py).
+tests/models/reference/test_qwen3_next.py and test_qwen3_5.py).
 
 Qwen3-Next layers: GDN + MoE, GDN + dense MLP (mlp_only_layers), GDN + MoE, gated full
 attention + MoE (Qwen3.5: the same mixers, every MLP dense; Qwen3.5-MoE: every one MoE);

@@ -12,12 +12,12 @@ import pytest
 from treeflow.parallel import ParallelDims
 
 from treeflow.models import families
-from treeflow.models.config import ARCHITECTURES, ModelConfig
-from treeflow.models.deepseek_config import DEEPSEEK_ARCHITECTURES
-from treeflow.models.gdn_config import GDN_ARCHITECTURES
-from treeflow.models.gemma3_config import GEMMA3_ARCHITECTURES
-from treeflow.models.gpt_oss_config import GPT_OSS_ARCHITECTURES
-from treeflow.models.hybrid_config import HYBRID_ARCHITECTURES
+from treeflow.models.config.model import ARCHITECTURES, ModelConfig
+from treeflow.models.config.deepseek import DEEPSEEK_ARCHITECTURES
+from treeflow.models.config.gdn import GDN_ARCHITECTURES
+from treeflow.models.config.gemma3 import GEMMA3_ARCHITECTURES
+from treeflow.models.config.gpt_oss import GPT_OSS_ARCHITECTURES
+from treeflow.models.config.hybrid import HYBRID_ARCHITECTURES
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
@@ -71,7 +71,7 @@ def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
     from treeflow.stages import Forward
 
     path = _hybrid(tmp_path)
-    # a hybrid recomputes whole blocks only (models/recompute.py); the finer modes are refused
+    # a hybrid recomputes whole blocks only (models/compile/recompute.py); the finer modes are refused
     with pytest.raises(ValueError, match=r"BambaForCausalLM: Tuning\(compile_layers=False, "
                                          r"recompute='mlp'\).*use --recompute selective, full"):
         load_backend("reference", path, tuning=Tuning(recompute="mlp"))
@@ -93,7 +93,7 @@ def test_a_feature_the_family_lacks_is_refused_by_name(tmp_path, monkeypatch):
 
 def test_cli_refuses_a_not_yet_family_in_one_line(tmp_path, capsys):
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(
@@ -179,7 +179,7 @@ def test_auto_tuning_on_a_hopper_gpu_picks_what_the_family_runs(family, tmp_path
     import torch
 
     from treeflow.models import Tuning, load_backend
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.config.hybrid import is_hybrid_dir
     from treeflow.models.tuning import resolve_auto
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

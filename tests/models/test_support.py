@@ -138,7 +138,7 @@ def test_every_row_has_a_before_load_case():
 def models(hybrid_dir, tmp_path_factory):
     import json
 
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     root = tmp_path_factory.mktemp("config-only-models")
     out = {"hybrid": hybrid_dir}
@@ -159,7 +159,7 @@ def recorder(monkeypatch):
     ranks' processes, recorded."""
     import treeflow.models
     import treeflow.models.backend
-    import treeflow.pipeline.gate
+    import treeflow.programs.gate
     import treeflow.train.launch
     import treeflow.train.launch_plan
 
@@ -174,7 +174,7 @@ def recorder(monkeypatch):
     # build_forward imports it from treeflow.models, the sampler from treeflow.models.backend
     monkeypatch.setattr(treeflow.models, "load_backend", record("trainer load"))
     monkeypatch.setattr(treeflow.models.backend, "load_backend", record("sampler load"))
-    monkeypatch.setattr(treeflow.pipeline.gate, "run_rollout", record("sampling"))
+    monkeypatch.setattr(treeflow.programs.gate, "run_rollout", record("sampling"))
     # processes: the gate's context-parallel ranks (launch.spawn), a replay's (launch_plan's
     # spawn) and training ranks (LAUNCHERS)
     for module in (treeflow.train.launch, treeflow.train.launch_plan):

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from treeflow.models import (AttentionPlan, ReferenceBackend, Tuning, load_model,
                              selected_logprobs)
-from treeflow.models.layer_ops import layer_ops
+from treeflow.models.compile.layer_ops import layer_ops
 from treeflow.stages import Forward
 from treeflow.ops import build_forward
 
@@ -76,7 +76,7 @@ def test_auto_is_resolved_for_the_device_and_the_model_directory(tmp_path):
     directory (by architecture or model_type) is one, a Llama's, a missing config and `tiny` not."""
     import json
 
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.config.hybrid import is_hybrid_dir
     from treeflow.models.tuning import resolve_auto
 
     assert resolve_auto("auto,recompute=mlp", device="cpu", model="tiny") == (
@@ -145,7 +145,7 @@ def test_fused_loss_equals_chunked_path_and_full_log_softmax(vocab, tied, chunk,
 
 def test_fused_loss_gradient_of_entropy_alone_and_of_logprobs_alone():
     """Each output's gradient on its own (the other's is None) against float64 autograd."""
-    from treeflow.models.fused_loss import fused_selected_logprobs
+    from treeflow.models.heads.fused_loss import fused_selected_logprobs
 
     gen = torch.Generator().manual_seed(3)
     hidden_EH = torch.randn(9, 16, generator=gen)
@@ -195,7 +195,7 @@ def test_fused_loss_never_holds_rows_x_vocabulary_float32_logits():
 
 
 def test_fused_loss_refuses_a_sharded_weight():
-    from treeflow.models.fused_loss import fused_selected_logprobs
+    from treeflow.models.heads.fused_loss import fused_selected_logprobs
 
     class Sharded(torch.Tensor):
         pass
@@ -266,7 +266,7 @@ def test_compiled_layers_share_one_graph_per_part_across_layers_and_lengths():
 
 
 def test_inductor_on_cpu_warns_and_runs_the_plain_path():
-    import treeflow.models.layer_ops as lo
+    import treeflow.models.compile.layer_ops as lo
 
     lo._warn_eager.cache_clear()
     model = small_model()

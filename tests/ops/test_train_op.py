@@ -5,7 +5,8 @@ import os
 import pytest
 
 from treeflow.ops import Checkpointing, TrainOp
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.train import Trainer
 

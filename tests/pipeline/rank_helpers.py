@@ -3,7 +3,7 @@ writes them (Arrow IPC in record batches of 5 rows), so windows cross file and b
 
 import pyarrow as pa
 
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.schemas import EPISODE_SCHEMA
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.deps import require
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassemble
 
 transformers = require("transformers")  # fails, not skips, in CI

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from treeflow.cli import main
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
 from treeflow.ops import build_forward
 

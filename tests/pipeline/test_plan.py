@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 
-from treeflow.pipeline import ArrowSink, Files, Pipeline, Plan, synth_episodes, write_episodes
+from treeflow.pipeline import ArrowSink, Files, Pipeline, Plan
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.local import run_local
 from treeflow.schemas import validate_episodes
 from treeflow.stages import CostModel, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard

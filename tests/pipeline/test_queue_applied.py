@@ -7,7 +7,8 @@ it: B must neither yield it (applied twice) nor acknowledge it now (lost if the 
 that checkpoint), but hold it and acknowledge it with its own steps.
 """
 
-from treeflow.pipeline import QueueSource, synth_episodes
+from treeflow.pipeline import QueueSource
+from treeflow.tools import synth_episodes
 from treeflow.tq.queue import local_queue
 
 

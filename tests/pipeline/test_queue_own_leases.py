@@ -14,7 +14,7 @@ acknowledged, none applied twice.
 import pytest
 import torch
 
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.tq import open_queue
 from treeflow.train.launch import spawn
 

@@ -7,7 +7,7 @@ between its ranks' bins, and each rank planned alone gives the figures it gives 
 
 import pytest
 
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.pipeline.rank_plan import deal_cost, plan_windows, rank_stages
 from treeflow.pipeline.stats import episode_sums
 

@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.pipeline.rank_helpers import two_files
-from treeflow.pipeline import Files, synth_episodes
+from treeflow.pipeline import Files
+from treeflow.tools import synth_episodes
 from treeflow.pipeline.rank_rows import mapped_window, read_rows
 from treeflow.stages._share import rank_share, tree_summaries
 from treeflow.stages.shard import CostModel

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from treeflow.parallel import ParallelDims
 from treeflow.cli import main
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.ray import run_ray
 from treeflow.pipeline.ray_rank import RankActor
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from treeflow.parallel import ParallelDims
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.ray import run_ray
 from treeflow.pipeline.ray_maps import stage_ops, window_block
 from treeflow.pipeline.ray_rank import RankActor

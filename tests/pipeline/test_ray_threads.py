@@ -16,7 +16,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.ray import RayRanks, rank_threads
 from treeflow.stages import Forward, Fragment, Pack, Reassemble, Shard
 

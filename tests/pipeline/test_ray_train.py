@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 pytestmark = [pytest.mark.ray, pytest.mark.multiprocess]
 

@@ -42,7 +42,7 @@ def test_recompiles_are_counted(episodes, capsys, monkeypatch, tmp_path):
     again, and the JSON says so."""
     import torch._dynamo
 
-    import treeflow.models.layer_ops as layer_ops
+    import treeflow.models.compile.layer_ops as layer_ops
 
     torch._dynamo.reset()
     monkeypatch.setattr(layer_ops.torch._dynamo, "maybe_mark_dynamic", lambda t, d: None)

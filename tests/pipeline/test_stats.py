@@ -37,8 +37,8 @@ def test_inspect_windows_totals_by_hand(tmp_path):
     refused naming the input."""
     import pytest
 
-    from treeflow.pipeline.inspect import inspect_windows
-    from treeflow.pipeline.synth import synth_episodes
+    from treeflow.tools.inspect import inspect_windows
+    from treeflow.tools.synth import synth_episodes
 
     eps = synth_episodes(episodes=12, group_size=4, turns=(2, 4), vocab_size=97, seed=3)
     calls = eps.column("calls").to_pylist()

@@ -9,7 +9,7 @@ import os
 import pyarrow as pa
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 TRAIN = ["--mode", "train", "--episodes-per-step", "2", "--lr", "1e-2", "--loss", "pg",
          "--norm", "seq-mean", "--max-tokens", "256", "--json"]

@@ -19,7 +19,7 @@ import torch
 
 from tests.reliability.helpers import (TRAIN, cli, final_weights, metrics_steps, refused,
     small_episodes, tree_hashes, write_small)
-from treeflow.pipeline import write_episodes
+from treeflow.tools import write_episodes
 from treeflow.schemas import read_episodes
 
 
@@ -187,7 +187,7 @@ def test_debug_shows_the_traceback_and_bugs_stay_bugs(tmp_path, capsys, data, mo
 
     def bug(window, **kw):
         raise AssertionError("an internal invariant")
-    monkeypatch.setattr("treeflow.pipeline.inspect.window_stats", bug)
+    monkeypatch.setattr("treeflow.tools.inspect.window_stats", bug)
     rc, _, err = cli(capsys, "inspect", data)
     assert rc == 1 and "Traceback" in err and "internal error (AssertionError)" in err
 

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pytest
 
 from tests.reliability.helpers import TRAIN, cli, small_episodes, tree_hashes, write_small
-from treeflow.pipeline import Files, write_episodes
+from treeflow.pipeline import Files
+from treeflow.tools import write_episodes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

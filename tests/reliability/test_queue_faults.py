@@ -21,7 +21,8 @@ import pyarrow as pa
 import pytest
 
 from tests.reliability.helpers import cli, small_episodes
-from treeflow.pipeline import QueueSource, write_episodes
+from treeflow.pipeline import QueueSource
+from treeflow.tools import write_episodes
 from treeflow.tq import END, QueueClosed, local_queue, open_queue
 from treeflow.tq.queue import Queue
 

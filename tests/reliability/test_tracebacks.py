@@ -18,7 +18,7 @@ import pytest
 from safetensors import SafetensorError
 
 from tests.reliability.helpers import TRAIN, cli, refused, small_episodes, tree_hashes, write_small
-from treeflow.pipeline import write_episodes
+from treeflow.tools import write_episodes
 
 
 @pytest.fixture(autouse=True)

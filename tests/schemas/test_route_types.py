@@ -197,7 +197,7 @@ def test_atif_export_of_uint8_equals_int16(pair, tmp_path):
 
 
 def test_the_gates_route_fault_corrupts_both_types_alike(pair):
-    from treeflow.pipeline.gate import _corrupt_route
+    from treeflow.programs.gate import _corrupt_route
 
     ref, u8 = pair
     got16, got8 = _ids(_corrupt_route(ref)), _ids(_corrupt_route(u8))

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tests.reference import ancestor_mask_by_walk
 from tests.train.test_training import small_model
 from treeflow.models import AttentionPlan
-from treeflow.models.logprobs import selected_logprobs
+from treeflow.models.heads.logprobs import selected_logprobs
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages import CostModel, Shard
 from treeflow.stages.shard import bin_costs, tile_pairs
@@ -225,7 +225,7 @@ def moe_chain_flops(tmp_path, monkeypatch):
     MoE checkpoint loaded by treeflow, one training forward and backward on a CHAIN-token
     chain, torch._grouped_mm counted per expert (`_per_expert_mm`)."""
     from treeflow.models import load_model
-    from treeflow.models import moe_experts as moe
+    from treeflow.models.moe import experts as moe
 
     monkeypatch.setattr(moe, "_grouped", _per_expert_mm)
 

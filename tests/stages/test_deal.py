@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.stages import CostModel, Fragment, Pack, RankBinding, Shard
 from treeflow.stages._deal import deal, layout_costs
 from treeflow.stages.flat import list_values

@@ -88,7 +88,7 @@ def test_branching_groups_agree_with_each_call_alone(tiny, eps, slack, ranks):
 
 
 def test_synthetic_groups_fragmented_and_windowed(tiny):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     eps = synth_episodes(episodes=6, group_size=3, turns=(2, 4), system_tokens=40, user_tokens=(5, 15),
                          completion_tokens=(3, 12), tool_tokens=(4, 20), branch_prob=0.3,
@@ -104,7 +104,7 @@ def test_synthetic_groups_fragmented_and_windowed(tiny):
 
 @pytest.mark.parametrize("kernel", ["flex", "runs"])
 def test_kernels_match_dense_forward(tiny, kernel):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
                          completion_tokens=(3, 9), tool_tokens=(4, 9), vocab_size=VOCAB, seed=1)
@@ -113,7 +113,7 @@ def test_kernels_match_dense_forward(tiny, kernel):
 
 
 def test_causal_kernel_refuses_tree_bins(tiny):
-    from treeflow.pipeline import synth_episodes
+    from treeflow.tools import synth_episodes
 
     eps = synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=30, user_tokens=(5, 9),
                          completion_tokens=(3, 9), tool_tokens=(4, 9), vocab_size=VOCAB, seed=1)

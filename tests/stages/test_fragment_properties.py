@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.stages.conftest import check_bins, episode_tables, occurrences
-from treeflow.pipeline.synth import synth_episodes
+from treeflow.tools.synth import synth_episodes
 from treeflow.schemas.layout import BIN_SCHEMA
 from treeflow.stages import Fragment, Pack
 

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.stages import Fragment, Pack, Reassemble
 from treeflow.stages.forward import edge_values_table
 

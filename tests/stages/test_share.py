@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.stages.conftest import check_bins, episode_tables
-from treeflow.pipeline.synth import synth_episodes
+from treeflow.tools.synth import synth_episodes
 from treeflow.stages import Fragment, Pack, RankBinding, Shard
 from treeflow.stages import summed_costs
 from treeflow.stages._share import Deal, lpt_deal, tree_summaries

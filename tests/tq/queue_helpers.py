@@ -2,7 +2,8 @@
 
 import torch
 
-from treeflow.pipeline import Pipeline, QueueSource, synth_episodes, windows
+from treeflow.pipeline import Pipeline, QueueSource, windows
+from treeflow.tools import synth_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
 

@@ -17,7 +17,8 @@ import pytest
 
 from tests.tq.queue_helpers import (B, assert_same_weights, fill, logprob_pipe, queued_logprobs,
                                     queued_training, train_parts)
-from treeflow.pipeline import QueueSource, write_episodes
+from treeflow.pipeline import QueueSource
+from treeflow.tools import write_episodes
 from treeflow.tq import END, connect_queue, local_queue, open_queue
 from treeflow.tq import leases as leases_module
 from treeflow.tq import ledger as ledger_module

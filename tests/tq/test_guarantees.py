@@ -6,7 +6,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.tq import END, QueueFull, local_queue
 
 

@@ -147,7 +147,7 @@ def test_cli_stream_engine_ray_writes_and_trains_what_local_does(cluster, tmp_pa
     import json
 
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     data = str(tmp_path / "e.arrow")
     write_episodes(synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=12,
@@ -254,7 +254,7 @@ def test_cli_stream_train_on_two_ray_ranks_equals_two_local_ranks(cluster, tmp_p
     import json
 
     from treeflow.cli import main
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     data = str(tmp_path / "e.arrow")
     write_episodes(synth_episodes(episodes=8, group_size=2, turns=(1, 2), system_tokens=12,

@@ -53,7 +53,7 @@ def _ledger(name, proc, timeout=180.0):
 
 
 def _episodes(path, n):
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     eps = synth_episodes(episodes=n, group_size=2, turns=(1, 2), system_tokens=8, user_tokens=(2, 4),
                          completion_tokens=(2, 4), tool_tokens=(2, 4), seed=3)

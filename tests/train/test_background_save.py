@@ -11,7 +11,7 @@ import torch
 
 import treeflow.tensorfile as tensorfile
 from treeflow.models import ModelConfig, load_model
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce, Shard
 from treeflow.train import Trainer
 

@@ -14,7 +14,7 @@ import torch
 
 from tests.io.conftest import build_tokenizer
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.train.checkpoint import latest_step
 
 

@@ -4,10 +4,12 @@ steps until they are durable (ack="manual") is acknowledged by fit alone, no que
 import pytest
 
 from treeflow.ops import Checkpointing
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
 from treeflow.pipeline.queue_source import QueueSource
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.tq import open_queue
+from treeflow.train.checkpointer import Checkpointer
 from treeflow.train.fit import fit
 
 
@@ -43,9 +45,9 @@ def test_fit_acknowledges_a_manual_queue_reader_at_each_checkpoint(tmp_path, sav
         pipe = Pipeline(Pack(), Fragment(max_tokens=256), Forward(model="tiny"),
                         Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-2)))
         report = fit(pipe, lambda position, done: reader, steps=3, cap_steps=False,
-                     checkpointing=Checkpointing(dir=str(tmp_path / "ck"), every=2,
-                                                 background=False) if save else None,
-                     sinks=[sink], progress=None)
+                     checkpointer=Checkpointer(checkpointing=Checkpointing(
+                         dir=str(tmp_path / "ck"), every=2, background=False)) if save else None,
+                     sinks=[sink])
         assert report["steps"] == 3
         # nothing acknowledged before the first checkpoint (step 2) holds the steps
         assert sink.acked[:2] == [0, 0], sink.acked

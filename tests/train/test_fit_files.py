@@ -4,9 +4,10 @@ runs, against a hand-built pipeline and Trainer steps (not through the CLI)."""
 import pytest
 
 from treeflow.engines import LocalEngine
-from treeflow.pipeline import Files, synth_episodes, write_episodes
+from treeflow.pipeline import Files
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.pipeline.rank_plan import StepStages, rank_stages
-from treeflow.pipeline.replay import logprobs_pipeline
+from treeflow.programs.replay import logprobs_pipeline
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Reduce, Shard
 from treeflow.train.fit_files import fit_files, fit_summary
 
@@ -45,7 +46,7 @@ def test_fit_files_trains_the_steps_asked_and_summarises(tmp_path):
                          user_tokens=(2, 4), completion_tokens=(2, 4), tool_tokens=(2, 4), seed=3)
     write_episodes(eps, tmp_path / "e.arrow")
     files = Files(paths=(str(tmp_path / "e.arrow"),), episodes_per_step=6)
-    report = fit_files(_stages(), files, steps=3, progress=None)
+    report = fit_files(_stages(), files, steps=3)
     # 8 episodes, windows of 6, cycled: 3 steps need a second pass
     assert [r["step"] for r in report["rows"]] == [1, 2, 3] and report["ranks"] == 1
     assert sum(r["episodes"] for r in report["rows"]) == 6 + 2 + 6

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from treeflow.engines import RayEngine
-from treeflow.pipeline import Files, Pipeline, synth_episodes, write_episodes
+from treeflow.pipeline import Files, Pipeline
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reduce
 from treeflow.train import Trainer
-from treeflow.train.fit import Resume, fit
+from treeflow.train.checkpointer import Checkpointer, Resume
+from treeflow.train.fit import fit
 
 
 def _setup(tmp_path):
@@ -23,10 +25,10 @@ def _setup(tmp_path):
 
 def test_fit_trains_the_trainer_given_as_it_trains_its_own(tmp_path):
     pipe, source, forward, reduce = _setup(tmp_path)
-    own = fit(pipe, source, steps=2, progress=None)
+    own = fit(pipe, source, steps=2)
     trainer = Trainer(forward, reduce, max_tokens=256)
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    given = fit(pipe, source, steps=2, trainer=trainer, progress=None)
+    given = fit(pipe, source, steps=2, trainer=trainer)
     assert trainer.steps == 2   # the caller's Trainer took the steps, not a copy
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     assert [r["loss"] for r in given["rows"]] == [r["loss"] for r in own["rows"]]
@@ -41,9 +43,9 @@ def test_fit_refuses_a_trainer_built_from_other_stages_and_keeps_its_hook(tmp_pa
         fit(pipe, source, steps=1, trainer=Trainer(forward, reduce, max_tokens=512))
     trainer = Trainer(forward, reduce, max_tokens=256)
     hook = trainer.on_bin = lambda done, total: None
-    fit(pipe, source, steps=1, trainer=trainer, progress=None)
+    fit(pipe, source, steps=1, trainer=trainer)
     assert trainer.on_bin is hook and trainer.steps == 1
-    again = fit(pipe, source, steps=1, trainer=trainer, progress=None)
+    again = fit(pipe, source, steps=1, trainer=trainer)
     assert again["nothing_to_do"] and trainer.steps == 1
     assert "has taken 1 steps" in capsys.readouterr().err
 
@@ -52,7 +54,8 @@ def test_fit_refuses_a_trainer_with_resume_options_or_a_remote_engine(tmp_path):
     pipe, source, forward, reduce = _setup(tmp_path)
     trainer = Trainer(forward, reduce, max_tokens=256)
     with pytest.raises(ValueError, match="Trainer.resume"):
-        fit(pipe, source, steps=1, trainer=trainer, resume=Resume(path=str(tmp_path)))
+        fit(pipe, source, steps=1, trainer=trainer,
+            checkpointer=Checkpointer(resume=Resume(path=str(tmp_path))))
     with pytest.raises(ValueError, match="Trainer.resume"):
         fit(pipe, source, steps=1, trainer=trainer, trainer_options={"precision": "fp32"})
     with pytest.raises(ValueError, match="RayEngine.*builds each rank's Trainer"):
@@ -66,10 +69,13 @@ def test_fit_refuses_another_runs_checkpoint_directory_as_the_cli_does(tmp_path)
 
     pipe, source, _, _ = _setup(tmp_path)
     ckpt = str(tmp_path / "ckpt")
-    fit(pipe, source, steps=1, checkpointing=Checkpointing(dir=ckpt, every=1), progress=None)
+    fit(pipe, source, steps=1,
+        checkpointer=Checkpointer(checkpointing=Checkpointing(dir=ckpt, every=1)))
     with pytest.raises(ValueError, match=r"already holds checkpoints of a run; continue it with "
                                          r"resume=Resume"):
-        fit(pipe, source, steps=2, checkpointing=Checkpointing(dir=ckpt, every=1), progress=None)
-    report = fit(pipe, source, steps=2, checkpointing=Checkpointing(dir=ckpt, every=1),
-                 resume=Resume(path=ckpt), progress=None)
+        fit(pipe, source, steps=2,
+            checkpointer=Checkpointer(checkpointing=Checkpointing(dir=ckpt, every=1)))
+    report = fit(pipe, source, steps=2,
+                 checkpointer=Checkpointer(checkpointing=Checkpointing(dir=ckpt, every=1),
+                                           resume=Resume(path=ckpt)))
     assert report["steps"] == 2 and len(report["rows"]) == 1  # one more step, after the first

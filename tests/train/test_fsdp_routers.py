@@ -2,7 +2,7 @@
 
 FSDP2 casts what it gathers to its policy's param_dtype: one policy per decoder layer cast the
 router weight to bfloat16, so under --shard-params the routers of the float32-router families
-(models/moe.py "Router precision": router_dtype "float32", the sigmoid routers) decided from
+(models/moe/block.py "Router precision": router_dtype "float32", the sigmoid routers) decided from
 a bf16-rounded weight, unlike the unsharded trainer and the sampler. The routers are now a
 group of their own gathered in float32. Checked on two gloo processes against the float32
 tensors in the checkpoint file: every router call's logits equal x @ W^T computed in float64
@@ -31,7 +31,7 @@ def _rank(path, data):
     import pyarrow.ipc as ipc
     import torch.nn.functional as F
 
-    from treeflow.models.moe import float32_router_names
+    from treeflow.models.moe.block import float32_router_names
     from treeflow.pipeline import Pipeline
     from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
     from treeflow.train import DataParallel, Trainer
@@ -76,7 +76,7 @@ def test_sharded_params_keep_float32_routers_float32(family, tmp_path):
 
     from tests.models.families_helpers import hf_deepseek
     from tests.models.moe_helpers import hf_model, with_routes
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
     from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
 
     hf = hf_deepseek(family) if family == "glm4_moe" else hf_model(family)

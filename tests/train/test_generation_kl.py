@@ -2,7 +2,7 @@
 
 The step accumulates k3 = exp(d) - 1 - d, d = logprob - generation_logprob, on the device
 inside its bins; the reference reassembles a logprob replay of the same episodes per token and
-computes it with numpy (pipeline/fidelity.py): two independent paths over the same tokens.
+computes it with numpy (programs/fidelity.py): two independent paths over the same tokens.
 """
 
 import math
@@ -10,8 +10,9 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from treeflow.pipeline import Pipeline, synth_episodes
-from treeflow.pipeline.fidelity import generation_kl
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
+from treeflow.programs.fidelity import generation_kl
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce
 from treeflow.train import Trainer
 

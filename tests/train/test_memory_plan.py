@@ -164,7 +164,7 @@ def test_hybrid_activations_equal_what_the_forward_holds(tmp_path, family, dtype
 
 
 def test_fused_scan_activations_equal_what_the_forward_holds(tmp_path):
-    """CUDA runs the fused Mamba-2 scan (models/ssm_triton.py; here in triton's interpreter):
+    """CUDA runs the fused Mamba-2 scan (models/ssm/triton_scan.py; here in triton's interpreter):
     it keeps x dt, the cumulative decay, B, C and one state per chunk and per segment start
     instead of the torch scan's chunk tensors. Without recompute (the mode that keeps the scan)
     the plan with ssm_kernel="triton" holds to 2% of the storages its forward leaves alive."""
@@ -211,7 +211,7 @@ def test_plan_memory_of_episode_files_plans_their_largest_bin(tmp_path, capsys):
     """With episodes: each bin's own tokens and edges, and a hybrid's scan fill from its
     segment plan; the largest bin's plan is reported."""
     from tests.models.hybrid_helpers import save_hf
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     save_hf("nemotron_h", tmp_path / "m")
     write_episodes(synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20,
@@ -235,7 +235,7 @@ def test_plan_memory_of_episode_files_plans_their_largest_bin(tmp_path, capsys):
 def test_train_refuses_a_run_over_the_card_naming_the_flags(tmp_path, capsys):
     """Refused before the model loads (no output claimed, nothing trained); fits: it runs and
     its JSON says the recompute mode that ran."""
-    from treeflow.pipeline import synth_episodes, write_episodes
+    from treeflow.tools import synth_episodes, write_episodes
 
     path = tmp_path / "e.arrow"
     write_episodes(synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=20,

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 from treeflow.schemas.layout import STEP_METRICS_SCHEMA
 from treeflow.train.metric_names import NAMESPACES, logged_with_flat, metric_name
 

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from tests.deps import require
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
-from treeflow.pipeline.synth import routes_like
+from treeflow.tools import synth_episodes, write_episodes
+from treeflow.tools.synth import routes_like
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Reduce
 from treeflow.train import Policy
 

@@ -8,7 +8,7 @@ from rich.console import Console
 
 import treeflow._display as display
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 
 def test_bar_shows_bins_of_the_step_in_progress(monkeypatch):

@@ -19,7 +19,7 @@ import torch
 
 from tests.deps import require
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 transformers = require("transformers")
 

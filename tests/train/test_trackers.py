@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from treeflow.cli import main
-from treeflow.pipeline import synth_episodes, write_episodes
+from treeflow.tools import synth_episodes, write_episodes
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from tests.stages.conftest import episode_tables
 from treeflow.models import ModelConfig, load_model
-from treeflow.pipeline import Pipeline, synth_episodes
+from treeflow.pipeline import Pipeline
+from treeflow.tools import synth_episodes
 from treeflow.stages import (EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce,
                              Shard)
 from treeflow.train import StepOpenError, Trainer

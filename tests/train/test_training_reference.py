@@ -26,7 +26,7 @@ from tests.reference import grad_norm, per_call_values, reference_step, result_t
 from tests.stages.conftest import branching_groups
 from tests.weights import sharpen
 from treeflow.models import ModelConfig, load_model
-from treeflow.pipeline import synth_episodes
+from treeflow.tools import synth_episodes
 from treeflow.schemas import validate_episodes
 from treeflow.stages import EpisodeSchedule, Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard
 from treeflow.train import Trainer

@@ -13,9 +13,9 @@
                      which processes run: train/launch_plan.py `Launch`)
     configs.py       parsed flags -> the stage configs a Python user writes (Forward, Reduce,
                      each rank's Pack/Fragment/Shard and training pipeline, Files), fit()'s
-                     options, the Launch; what the commands compute lives in the library
-                     (pipeline/rank_plan.py, stats.py, synth.py, gate.py, models/tuning.py,
-                     train/launch.py, train/)
+                     Checkpointer and sinks, the Launch; what the commands compute lives in
+                     the library (pipeline/rank_plan.py, stats.py, tools/synth.py,
+                     programs/gate.py, models/tuning.py, train/launch.py, train/)
     config.py        --config FILE, --print-config      names.py  old flag names, refused
     help.py          the conventions applied to every subcommand    common.py, queue.py, rl.py
 

@@ -45,13 +45,13 @@ def forward(args, *, entropy: bool = False):
 def ssm_kernel(args, tuning) -> dict:
     """{"ssm_kernel": the recurrent scan that runs} for the run JSON of a hybrid model (Mamba-2's
     as --ssm-kernel resolves on the device; Gated DeltaNet's torch scan), else {}."""
-    from treeflow.models.hybrid_config import recurrent_architecture
+    from treeflow.models.config.hybrid import recurrent_architecture
 
     architecture = recurrent_architecture(args.model)
     if architecture is None:
         return {}
-    from treeflow.models.gdn_config import scan_kernel
-    from treeflow.models.ssm_tree import resolve_kernel  # torch: a hybrid's run imports it anyway
+    from treeflow.models.config.gdn import scan_kernel
+    from treeflow.models.ssm.tree import resolve_kernel  # torch: a hybrid's run imports it anyway
 
     kernel = scan_kernel(architecture, tuning.ssm_kernel)
     return {"ssm_kernel": resolve_kernel(kernel, getattr(args, "device", "cpu"))}
@@ -159,22 +159,33 @@ def files(args, forward, **options):
                  group_window=args.group_window, **options)
 
 
-def fit_options(args) -> dict:
-    """What fit() takes from the training flags every training command shares."""
-    from treeflow.ops import Checkpointing
-    from treeflow.train.fit import Resume
+def fit_options(args, *, run: dict | None, config: dict | None, title: str,
+                episodes_per_step: int | None = None) -> dict:
+    """What fit() takes from the training flags every training command shares: the
+    Checkpointer (--save, --save-every, --keep, --resume), the sinks (the step checks,
+    --metrics, --tensorboard, --logger, the console's progress unless --json or --quiet),
+    --prefetch and --device."""
+    from treeflow.cli.common import say
     from treeflow.cli.trackers import sinks_from_args
+    from treeflow.ops import Checkpointing
+    from treeflow.train.checkpointer import Checkpointer, Resume
+    from treeflow.train.sinks import ProgressSink, StepChecks
 
-    return dict(checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
-                resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
-                              allow_different_data=args.allow_different_data),
-                sinks=sinks_from_args(args),
-                loss=args.loss, prefetch=args.prefetch, device=args.device)
+    checkpointer = Checkpointer(
+        checkpointing=Checkpointing(dir=args.save, every=args.save_every, keep=args.keep),
+        resume=Resume(path=args.resume, trust_checkpoint=args.trust_checkpoint,
+                      allow_different_data=args.allow_different_data),
+        run=run, config=config, log=say)
+    console = [] if args.json or args.quiet else [ProgressSink(title, steps=args.steps)]
+    return dict(checkpointer=checkpointer,
+                sinks=[StepChecks(loss=args.loss, episodes_per_step=episodes_per_step, log=say),
+                       *sinks_from_args(args), *console],
+                prefetch=args.prefetch, device=args.device)
 
 
 def rollout_config(args):
     """The Rollout the sampling flags describe (rollout, gate)."""
-    from treeflow.pipeline.rollout import Rollout
+    from treeflow.programs.rollout import Rollout
 
     return Rollout(group_size=args.group_size, turns=tuple(args.turns),
                    prompt_tokens=tuple(args.prompt_tokens),

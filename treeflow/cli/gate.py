@@ -1,4 +1,4 @@
-"""`treeflow gate`: the design's validation gate as one command (treeflow/pipeline/gate.py).
+"""`treeflow gate`: the design's validation gate as one command (treeflow/programs/gate.py).
 
     treeflow gate --model tiny -o gate.json                      # embedded queue, CPU
     treeflow gate --model DIR --device cuda --dtype bfloat16 --queue-backend transferqueue
@@ -34,7 +34,7 @@ def cmd_gate(args) -> int:
 
     from treeflow.atomic import atomic_open
     from treeflow.lock import claim_output
-    from treeflow.pipeline import Gate, gate_address, gate_reduce, run_gate
+    from treeflow.programs import Gate, gate_address, gate_reduce, run_gate
 
     check_device(args.device)
     if args.rate is not None:
@@ -96,7 +96,7 @@ def cmd_gate(args) -> int:
 
 def add_gate_parser(sub, common) -> None:
     from treeflow.compile_cache import add_option as add_compile_cache_option
-    from treeflow.pipeline.gate import FAULTS
+    from treeflow.programs.gate import FAULTS
 
     s = sub.add_parser("gate", parents=[common],
                        help="the validation gate: sample, queue, one step, refit, sample again")

@@ -117,7 +117,7 @@ def _bins(args, config):
         for p, e in zip(parents, edges):
             knobs = {"max_tokens": math.ceil(len(p) / cp), "edges": math.ceil(len(e) / cp)}
             if recurrent:
-                from treeflow.models.ssm_tree import SegmentPlan
+                from treeflow.models.ssm.tree import SegmentPlan
 
                 seg = SegmentPlan(np.asarray(p), chunk_size=config.chunk_size,
                                   conv_kernel=config.conv_kernel, fork=args.ssm_fork or "chunk")

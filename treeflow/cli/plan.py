@@ -19,7 +19,7 @@ __all__ = ["add_plan_parsers", "add_synth_parser", "cmd_inspect", "cmd_plan", "c
 
 
 def cmd_synth(args) -> int:
-    from treeflow.pipeline.synth import routes_like, synth_episodes, write_episodes
+    from treeflow.tools.synth import routes_like, synth_episodes, write_episodes
 
     from treeflow.atomic import check_output
 
@@ -48,7 +48,7 @@ def cmd_synth(args) -> int:
 def cmd_inspect(args) -> int:
     from treeflow.pipeline.rank_plan import deal_cost
     from treeflow.pipeline.source import Files
-    from treeflow.pipeline.inspect import inspect_windows
+    from treeflow.tools.inspect import inspect_windows
 
     positive(args, "max_tokens", "episodes_per_step", "num_ranks")
     cost = deal_cost(args.model)[0] if args.max_tokens else None

@@ -31,7 +31,7 @@ def cmd_replay(args) -> int:
 
 def _replay(args) -> int:
     """Logprobs mode; in a parallel group one of its processes (the first one prints)."""
-    from treeflow.pipeline.replay import logprobs_pipeline, replay_logprobs
+    from treeflow.programs.replay import logprobs_pipeline, replay_logprobs
 
     positive(args, "max_tokens", "episodes_per_step", "chunk_size", "num_ranks", "prefetch")
     check_device(args.device)

@@ -6,7 +6,7 @@
 
 `stream` runs the pipeline on each whole step of the queue it starts (or joins at --queue) until
 --steps or the producers close it; --from FILE also puts the file from a producer thread
-(--produce-only: just that). The run is pipeline/stream.py's, logprobs.py's, queue_train.py's.
+(--produce-only: just that). The run is programs/stream.py's, logprobs.py's, queue_train.py's.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _check(args) -> None:
 
 
 def cmd_stream(args) -> int:
-    from treeflow.pipeline.stream import local_address, produce_files, run_stream
+    from treeflow.programs.stream import local_address, produce_files, run_stream
 
     _check(args)
     vocab = configs.forward(args).vocab_size_hint()
@@ -109,7 +109,7 @@ def _say_short(args, summary: dict) -> None:
 def cmd_rollout(args) -> int:
     import torch
 
-    from treeflow.pipeline.rollout import run_rollout
+    from treeflow.programs.rollout import run_rollout
     from treeflow.tq import QueueClosed
 
     check_device(args.device)

@@ -1,5 +1,5 @@
 """`treeflow stream --mode logprobs`: the flags' pipeline on the queue's steps, each step written
-before its ack (-o DIR: a file per step; -o FILE: one, at the end): pipeline/logprobs.py."""
+before its ack (-o DIR: a file per step; -o FILE: one, at the end): programs/logprobs.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ __all__ = ["check_output", "stream_logprobs"]
 
 def check_output(args):
     """What -o is (a directory of per-step files, or one file), checked and locked."""
-    from treeflow.pipeline.logprobs import claim_stream_output
+    from treeflow.programs.logprobs import claim_stream_output
 
     return claim_stream_output(args.output, capacity=args.capacity, files=args.from_files,
                                episodes_per_step=args.episodes_per_step, resume=args.resume,
@@ -19,8 +19,8 @@ def check_output(args):
 
 def stream_logprobs(args, queue, out) -> dict:
     from treeflow.pipeline import QueueSource
-    from treeflow.pipeline.logprobs import score_queue
-    from treeflow.pipeline.replay import logprobs_pipeline
+    from treeflow.programs.logprobs import score_queue
+    from treeflow.programs.replay import logprobs_pipeline
 
     pipe = logprobs_pipeline(configs.forward(args, entropy=args.entropy), layout=args.layout,
                              scope=args.scope, share_rules=args.share_rules,

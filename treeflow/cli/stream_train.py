@@ -1,4 +1,4 @@
-"""`treeflow stream --mode train`: fit() on live queue steps (pipeline/queue_train.py: refit,
+"""`treeflow stream --mode train`: fit() on live queue steps (programs/queue_train.py: refit,
 staleness, acks after checkpoints, per-rank leases); `--num-ranks N` spawns N processes that
 attach to the queue, `--engine ray` leads N rank actors from this one."""
 
@@ -17,7 +17,7 @@ from treeflow.cli.rl import check_train_options
 
 def _training(args):
     """QueueTraining(...) from the flags of its fields' names (--lease, --max-staleness, ...)."""
-    from treeflow.pipeline.queue_train import QueueTraining
+    from treeflow.programs.queue_train import QueueTraining
 
     return QueueTraining(**{f.name: getattr(args, f.name) for f in fields(QueueTraining)})
 
@@ -40,7 +40,7 @@ def stream_train(args, queue) -> dict:
     """Train on the queue's steps: in this process, or over --num-ranks N spawned processes."""
     if args.num_ranks == 1 or configs.engine(args).owns_processes:  # its driver leads them
         return _stream_train(args, queue)
-    from treeflow.pipeline.queue_train import merge_rank_summaries
+    from treeflow.programs.queue_train import merge_rank_summaries
     from treeflow.train.launch_plan import Launch
 
     if args.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS"):
@@ -69,7 +69,7 @@ def _stream_rank(args):
 
 def _stream_train(args, queue, dp=None, exchange=None) -> dict | None:
     from treeflow._display import console, table
-    from treeflow.pipeline.queue_train import fit_queue
+    from treeflow.programs.queue_train import fit_queue
     from treeflow.train.run import run_fingerprint
 
     # as replay and `plan --num-ranks N`: each rank plans its own share of the whole step, dealt
@@ -83,9 +83,9 @@ def _stream_train(args, queue, dp=None, exchange=None) -> dict | None:
         pipes, queue, _training(args), dp=dp, publish=args.publish_weights, log=say,
         trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                              reference=configs.reference(args, pipes[0].plan.model)),
-        run=run_fingerprint([], vars(args)),  # a queue's steps: no data fingerprint
-        config=resolved_config(args), progress=None if args.json or args.quiet else "stream train",
-        **configs.fit_options(args))
+        **configs.fit_options(args, title="stream train",
+                              run=run_fingerprint([], vars(args)),  # a queue's: no data
+                              config=resolved_config(args)))
     last = (summary or {}).get("last")
     if last and not (args.json or args.quiet):  # the logged names, not the deprecated flat ones
         console().print(table(f"last step: {args.model} layout={args.layout} loss={args.loss}",

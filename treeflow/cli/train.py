@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from treeflow._display import console, table
 from treeflow.cli import configs
-from treeflow.cli.common import check_device, say
+from treeflow.cli.common import check_device
 from treeflow.cli.config import resolved_config
 from treeflow.cli.rl import check_train_options
 
@@ -55,11 +55,11 @@ def _train(args, *, distributed: bool) -> int:
                        trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                                             shard_params=args.shard_params,
                                             reference=configs.reference(args, stages.forward)),
-                       run=run_fingerprint(args.files, {k: getattr(args, k) for k in STEP_OPTIONS}),
-                       config={**resolved_config(args), "files": list(args.files)},
-                       episodes_per_step=args.episodes_per_step, log=say,
-                       progress=None if args.json or args.quiet else "train",
-                       **configs.fit_options(args))
+                       **configs.fit_options(
+                           args, title="train", episodes_per_step=args.episodes_per_step,
+                           run=run_fingerprint(args.files,
+                                               {k: getattr(args, k) for k in STEP_OPTIONS}),
+                           config={**resolved_config(args), "files": list(args.files)}))
     if report is None:
         return 0
     if report["nothing_to_do"]:

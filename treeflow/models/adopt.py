@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from treeflow.models.checkpoint import empty_decoder
-from treeflow.models.config import ModelConfig
-from treeflow.models.decoder import Decoder
+from treeflow.models.config.model import ModelConfig
+from treeflow.models.reference.decoder import Decoder
 
 __all__ = ["adopt_module", "rebind"]
 

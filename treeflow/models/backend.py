@@ -16,7 +16,7 @@ backend's *name*; `load_backend` binds it at build time, so nothing outside
 `treeflow.models` imports a backend's library.
 
 Two implementations: `ReferenceBackend` (the plain PyTorch decoder in
-decoder.py, the numerical reference) and `MegatronBackend` (megatron-core's
+reference/decoder.py, the numerical reference) and `MegatronBackend` (megatron-core's
 GPTModel with a tree core-attention module, models/megatron/), which is
 imported only when asked for. Both inherit `ModuleBackend` (backend_base.py, with
 the protocol itself), which holds what any backend does the same way with its
@@ -33,11 +33,11 @@ import warnings
 
 import torch
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
-from treeflow.models.config import BACKENDS, ModelConfig
-from treeflow.models.decoder import Decoder
+from treeflow.models.config.model import BACKENDS, ModelConfig
+from treeflow.models.reference.decoder import Decoder
 from treeflow.models.families import require
 from treeflow.models.tuning import Tuning
 
@@ -45,7 +45,7 @@ __all__ = ["BACKENDS", "ReferenceBackend", "load_backend", "tensor_parallel_layo
 
 
 class ReferenceBackend(ModuleBackend):
-    """The reference decoder (decoder.py) behind the backend protocol.
+    """The reference decoder (reference/decoder.py) behind the backend protocol.
 
     tuning: how it runs (flex tiles, compiled layers, fused loss, recomputation;
     models/tuning.py); the default is the plain numerical-reference path.
@@ -84,7 +84,7 @@ class ReferenceBackend(ModuleBackend):
                              pad_to=pad_to, block_size=self.tuning.flex_block_size,
                              kernel_options=self.tuning.kernel_options)
         if getattr(self.config, "recurrent", False):  # Mamba-2 layers: segments and their states
-            from treeflow.models.hybrid import HybridPlan
+            from treeflow.models.reference.hybrid import HybridPlan
 
             plan = HybridPlan.build(plan, parents_N, self.config, self.tuning)
         return plan
@@ -92,21 +92,21 @@ class ReferenceBackend(ModuleBackend):
     def context_parallel_plan(self, parents_N, depths_N, bounds, cp, *, kernel: str,
                               overlap: bool):
         """This rank's plan of a bin cut at `bounds` over the context-parallel group `cp`:
-        a ContextParallelPlan, wrapped with the rank's Mamba-2 heads (ssm_cp.py) for a
+        a ContextParallelPlan, wrapped with the rank's Mamba-2 heads (ssm/cp.py) for a
         hybrid model."""
-        from treeflow.models.context_parallel import ContextParallelPlan
+        from treeflow.models.attention.context_parallel import ContextParallelPlan
 
         plan = ContextParallelPlan(parents_N, depths_N, bounds, cp, kernel=kernel,
                                    device=self.device, overlap=overlap)
         if getattr(self.config, "recurrent", False):
-            from treeflow.models.hybrid import HybridPlan
+            from treeflow.models.reference.hybrid import HybridPlan
 
             plan = HybridPlan.build_context_parallel(plan, parents_N, self.config, self.tuning)
         return plan
 
     def hidden_states(self, tokens_N, positions_N, plan, routes_NW=None, replay=True,
                       aux_weights_N=None):
-        """routes_NW: captured MoE expert ids per token (models/moe.py), or None; replay=False
+        """routes_NW: captured MoE expert ids per token (models/moe/block.py), or None; replay=False
         lets the routers choose and only counts their agreement with routes_NW; aux_weights_N:
         baseline rows per node for the router aux loss (train/router_aux.py)."""
         return self.module(tokens_N, positions_N, plan, self.tuning, routes_NW, replay,

@@ -13,8 +13,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from treeflow.models.attention import AttentionPlan
-from treeflow.models.config import ModelConfig
+from treeflow.models.attention.tree import AttentionPlan
+from treeflow.models.config.model import ModelConfig
 
 __all__ = ["Backend", "ModuleBackend", "check_tensor_parallel"]
 

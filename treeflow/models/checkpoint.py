@@ -23,21 +23,21 @@ from torch.overrides import TorchFunctionMode
 
 from treeflow.atomic import atomic_open, atomic_path
 
-from treeflow.models.config import ModelConfig
-from treeflow.models.decoder import Decoder
-from treeflow.models.deepseek import DeepseekDecoder
-from treeflow.models.deepseek_config import DeepseekConfig
-from treeflow.models.gdn_config import GdnConfig
-from treeflow.models.gemma3 import Gemma3Decoder
-from treeflow.models.gemma3_config import Gemma3Config
-from treeflow.models.gpt_oss import GptOssDecoder
-from treeflow.models.gpt_oss_config import GptOssConfig
-from treeflow.models.hybrid import HybridDecoder
-from treeflow.models.hybrid_config import HybridConfig
-from treeflow.models.moe import float32_router_names
-from treeflow.models.moe_disk import disk_name, fuse_experts, split_experts
-from treeflow.models.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
-from treeflow.models.qwen3_next import Qwen3NextDecoder
+from treeflow.models.config.model import ModelConfig
+from treeflow.models.reference.decoder import Decoder
+from treeflow.models.reference.deepseek import DeepseekDecoder
+from treeflow.models.config.deepseek import DeepseekConfig
+from treeflow.models.config.gdn import GdnConfig
+from treeflow.models.reference.gemma3 import Gemma3Decoder
+from treeflow.models.config.gemma3 import Gemma3Config
+from treeflow.models.reference.gpt_oss import GptOssDecoder
+from treeflow.models.config.gpt_oss import GptOssConfig
+from treeflow.models.reference.hybrid import HybridDecoder
+from treeflow.models.config.hybrid import HybridConfig
+from treeflow.models.moe.block import float32_router_names
+from treeflow.models.moe.disk import disk_name, fuse_experts, split_experts
+from treeflow.models.reference.mtp import bypassed, is_mtp_tensor, refuse_mtp, trailing_mtp_layer
+from treeflow.models.reference.qwen3_next import Qwen3NextDecoder
 
 __all__ = ["empty_decoder", "load_model", "save_model", "save_state", "seeded_decoder"]
 
@@ -101,7 +101,7 @@ def load_model(path_or_name: str | os.PathLike | ModelConfig, dtype: torch.dtype
 
 
 def _kept_float32(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
-    """The tensors that stay float32 in a model of a narrower dtype (float32 routers, moe.py)."""
+    """The tensors that stay float32 in a model of a narrower dtype (float32 routers, moe/block.py)."""
     narrower = dtype.is_floating_point and torch.finfo(dtype).bits < 32
     return float32_router_names(model) if narrower else set()
 

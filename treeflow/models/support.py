@@ -14,7 +14,7 @@ Rows marked `sharded` apply to training runs that shard parameters with FSDP2
 says so (`check(..., shard_params=True)`). Refusals that belong to the running layout rather
 than the model (--shard-params with context parallelism, an engine, a launcher) stay with the
 launch plan (train/launch_plan.py), and what a kernel supports on a device with Capabilities
-(models/attention.py).
+(models/attention/tree.py).
 
 Trade-off: a refusal here reads config.json once more (a small JSON file) to fail before a
 model load, a spawn or a sampled episode costs anything; the modules that run the
@@ -53,7 +53,7 @@ def _tp(d) -> int:
 
 
 def _cp_kernels() -> tuple:
-    from treeflow.models.context_parallel import CP_KERNELS
+    from treeflow.models.attention.context_parallel import CP_KERNELS
 
     return CP_KERNELS
 

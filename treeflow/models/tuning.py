@@ -18,18 +18,18 @@ in bench/results/ rather than assumed.
   CUDA only: elsewhere it warns once and runs eager.
 - `fused_loss`: the selected edges' log-softmax through a fused linear +
   online log-sum-exp over vocabulary chunks with a recomputing backward
-  (models/fused_loss.py): never edges x vocabulary float32 logits, for a
+  (models/heads/fused_loss.py): never edges x vocabulary float32 logits, for a
   second projection in backward (the checkpointed chunks pay that too).
-- `ssm_fork`, `ssm_state_dtype` (Mamba-2 hybrids, models/ssm_tree.py): where a
+- `ssm_fork`, `ssm_state_dtype` (Mamba-2 hybrids, models/ssm/tree.py): where a
   branch's recurrent state forks ("exact": at the branch token; "chunk": at the
   last scan-chunk boundary, replaying the tail) and the dtype the materialised
   inter-chunk states are held in (float32, or bfloat16 for half their memory).
   Both keep the mathematics; they move rounding. `ssm_kernel`: the scan's
   implementation ("torch": the reference einsums; "triton": the fused kernels of
-  models/ssm_triton.py, which recompute per chunk in backward; "auto": triton on
+  models/ssm/triton_scan.py, which recompute per chunk in backward; "auto": triton on
   CUDA when triton is installed, torch elsewhere).
 - `recompute`: activation recomputation per layer (torchtitan's names;
-  models/recompute.py): "full" checkpoints each decoder layer (keeps its input
+  models/compile/recompute.py): "full" checkpoints each decoder layer (keeps its input
   and the MoE route choices; backward reruns the layer, about +33% FLOPs);
   "selective" keeps the matmul and attention-kernel outputs and recomputes
   norms, RoPE, activations and the Mamba-2 scan's chunk tensors (a few percent
@@ -287,7 +287,7 @@ def resolve_auto(text: str, *, device: str, model, backend: str = "reference",
     """(the tuning text to run, why) with a leading `auto` replaced by auto_preset's choice for
     `device` (its CUDA capability read from torch) and `model` (a hybrid's directory refuses
     compiled layers); why is None when the text holds no `auto` (taken as given, "" = plain)."""
-    from treeflow.models.hybrid_config import is_hybrid_dir
+    from treeflow.models.config.hybrid import is_hybrid_dir
 
     head, sep, rest = (text or "").partition(",")
     if head.strip() != AUTO:

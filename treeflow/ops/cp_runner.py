@@ -1,7 +1,7 @@
 """ContextParallelRunner: a Forward stage run by C processes together, one bin at a time.
 
 Every rank of the context-parallel group gets the same bins. For each bin
-it computes the same cuts (models/context_parallel.py), keeps its own range
+it computes the same cuts (models/attention/context_parallel.py), keeps its own range
 of nodes (tokens, depths), and the loss edges whose source node it holds;
 the decoder runs unchanged on that range with a `ContextParallelPlan` in the
 place of the attention plan (one K/V exchange per layer inside it). Edge
@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from treeflow.models.context_parallel import cp_bounds
+from treeflow.models.attention.context_parallel import cp_bounds
 from treeflow.ops.runner import ForwardRunner, PreparedBin, PreparedBins
 
 

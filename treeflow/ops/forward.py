@@ -78,7 +78,7 @@ def build_forward(forward: Forward, *, device="cpu", model=None, max_tokens: int
         check(forward, backend.config, dims=dims)
     backend.train(False)
     if dims.cp > 1:
-        from treeflow.models.context_parallel import ContextParallelGroup
+        from treeflow.models.attention.context_parallel import ContextParallelGroup
         from treeflow.models.families import require
         from treeflow.ops.cp_runner import ContextParallelRunner
 

@@ -310,7 +310,7 @@ class ForwardRunner:
         tree_parents = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
         shapes = {"tree_bin": tree_parents}
         if grad:  # without grad it compiles nothing either, but importing varlen imports dynamo,
-            # which a replay that loads its graphs ahead of time (models/aoti.py) never needs
+            # which a replay that loads its graphs ahead of time (models/compile/aoti.py) never needs
             shapes["chain_bin"] = np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)
         self.warm_up_parts = {}  # seconds per dummy bin (what bench/compile_times_cli.py reports)
         for name, parents in shapes.items():
@@ -373,7 +373,7 @@ def _warn_no_agreement(width: int, model_width: int) -> None:
 
 def _routing(config, backend) -> tuple[int | None, str]:
     """(route width of the model or None if dense, the Forward's routing), checked."""
-    from treeflow.models.moe_config import route_width
+    from treeflow.models.config.moe import route_width
 
     width = route_width(backend.config)
     routing = getattr(config, "routing", "auto")

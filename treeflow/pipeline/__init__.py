@@ -1,4 +1,7 @@
-"""Declaring and running pipelines: sources, the physical plan, engines, sinks.
+"""Declaring and running pipelines: sources, the physical plan, the engines' loops, sinks.
+
+Whole runs (replay, stream, the gate, rollout) are programs (treeflow/programs/); synthetic
+data and the layout figures are tools (treeflow/tools/).
 
 Names load on first use (treeflow/_lazy.py): reading and planning never import torch or Ray.
 """
@@ -10,9 +13,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "plan": ("Plan", "WindowResult"),
     "queue_ranks": ("RankWindows",),
     "queue_source": ("QueueReader", "QueueSource", "put_files"),
-    "gate": ("Gate", "gate_address", "gate_reduce", "run_gate"),
-    "rollout": ("Rollout", "run_rollout", "sample_group", "Environment"),
     "sink": ("ArrowSink",),
     "source": ("Files", "FilesReader", "IterSource", "Source", "windows"),
-    "synth": ("routes_like", "synth_episodes", "write_episodes"),
 })

@@ -296,7 +296,7 @@ class WindowAccumulator:
         out = {"device_seconds": self._device_seconds} if self._device_seconds else {}
         if self._routes is not None:
             out.update(route_agree=self._routes[0], route_rows=self._routes[1])
-            if len(self._routes) == 4:  # rows whose top-k is no near-tie (models/route_ties.py)
+            if len(self._routes) == 4:  # rows whose top-k is no near-tie (models/moe/ties.py)
                 out.update(route_agree_decided=self._routes[2], route_decided=self._routes[3])
         return out
 

@@ -2,7 +2,7 @@
 
 A logical rank of the Ray engine is C actors, C being the engine's
 `ParallelDims.cp` (the processes that run each of the rank's bins together,
-models/context_parallel.py); actor a = r * C + c is context-parallel process
+models/attention/context_parallel.py); actor a = r * C + c is context-parallel process
 c of rank r, and all C of them read rank r's bins. The groups:
 
 - training: all R x C actors are one process group (gloo on CPU, NCCL on

@@ -4,7 +4,7 @@ and the summary of a logprobs run (its steady-state throughput, MoE route agreem
 Per episode we count calls, sampled tokens, exact-call tokens, chain tokens
 and episode-scope tree tokens (plus attention pairs, the sum over nodes of
 depth + 1); per window we add group-scope tree tokens and, given a budget,
-the bins and the repeated context that fragmentation costs (pipeline/inspect.py puts them
+the bins and the repeated context that fragmentation costs (tools/inspect.py puts them
 together for `treeflow inspect`, with the tree's bins from training's planner).
 
 One definition of saving (`saving`), used by inspect, plan and replay: exact-call tokens over

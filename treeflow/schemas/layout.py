@@ -130,7 +130,7 @@ STEP_METRICS_SCHEMA = pa.schema(
            "recomputed top-k expert set equals the captured route", nullable=True),
         _f("route_agreement_decided", pa.float64(), "MoE: the same over the rows whose "
            "recomputed top-k is no near-tie (k-th minus (k+1)-th router logit above the compute "
-           "dtype's resolution, models/route_ties.py)", nullable=True),
+           "dtype's resolution, models/moe/ties.py)", nullable=True),
         _f("route_near_ties", pa.int64(), "MoE: replayed rows whose top-k is a near-tie (left "
            "out of route_agreement_decided)", nullable=True),
         _f("context_parallel", pa.int64(), "processes that ran each bin together (--context-parallel)",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from treeflow.models.moe_config import ROUTINGS
+from treeflow.models.config.moe import ROUTINGS
 from treeflow.models.tuning import Tuning
 from treeflow.schemas.layout import BIN_SCHEMA, EDGE_VALUES_SCHEMA
 from treeflow.stages.flat import list_offsets
@@ -61,7 +61,7 @@ class Forward(Stage):
     backend: "reference" (treeflow's PyTorch decoder) or "megatron" (megatron-core GPTModel).
     kernel: tree-attention kernel, "auto" | "dense" | "flex" | "causal" | "runs".
     How many processes split one bin (tensor parallelism on the megatron backend, context
-    parallelism on the reference one: models/context_parallel.py) is not configuration: it
+    parallelism on the reference one: models/attention/context_parallel.py) is not configuration: it
     is the engine's ParallelDims (tp, cp), handed to `build_forward` with the group.
     context_overlap: under context parallelism, attend to a rank's own keys while the K/V
         exchange is in flight and merge the received part by log-sum-exp (default); False
@@ -102,7 +102,7 @@ class Forward(Stage):
     allow_nonfinite: bool = False
 
     def __post_init__(self):
-        from treeflow.models.config import BACKENDS
+        from treeflow.models.config.model import BACKENDS
 
         if not isinstance(self.tuning, Tuning):
             raise ValueError(f"Forward(tuning={self.tuning!r}): give a treeflow.models.Tuning")
@@ -155,7 +155,7 @@ class Forward(Stage):
     def route_width_hint(self) -> int | None:
         """The `routed_experts` width episodes must have when routes are replayed, else None."""
         from treeflow.models import ModelConfig
-        from treeflow.models.moe_config import route_width
+        from treeflow.models.config.moe import route_width
 
         if self.routing == "recompute" or self.model == "tiny":
             return None

@@ -80,12 +80,12 @@ class CostModel:
         """From a model's config: `from_shape` for attention decoders (Gemma 3's and gpt-oss's
         sliding-window layers pay `window_pair` per pair, min(depth + 1, window) pairs a node;
         an MoE decoder's expert layers their router and top_k experts, its dense layers their
-        MLP; DeepSeek-V3's MLA layers their latent projections, `_mla_macs`); for Mamba-2 hybrids (models/hybrid_config.py) each layer by its kind. A Mamba-2
+        MLP; DeepSeek-V3's MLA layers their latent projections, `_mla_macs`); for Mamba-2 hybrids (models/config/hybrid.py) each layer by its kind. A Mamba-2
         layer is linear in tokens: in/out projections, the depthwise conv and the chunked scan
         (C x heads x (state + head dim) for the intra-chunk products, 2 x heads x head dim x
         state for the chunk states and their outputs, per token); an MoE block its router,
         top_k active experts and shared expert (`_moe_macs`); only attention layers pay per
-        pair. Gated DeltaNet hybrids (models/gdn_config.py): `_gdn`."""
+        pair. Gated DeltaNet hybrids (models/config/gdn.py): `_gdn`."""
         windows = getattr(c, "windows", None)  # Gemma 3, gpt-oss: a window per layer or None
         if windows is not None:
             base = cls.from_shape(hidden=c.hidden_size, layers=c.num_hidden_layers,
@@ -169,7 +169,7 @@ class CostModel:
 
 
 def _mla_macs(c) -> tuple[float, float]:
-    """(multiply-adds per token, per attention pair) of one MLA layer (models/deepseek.py):
+    """(multiply-adds per token, per attention pair) of one MLA layer (models/reference/deepseek.py):
     q (through its latent or whole), the shared latent and rope key, its per-head expansion,
     o; per pair QK^T and P.V at the kernels' one head width max(nope + rope, v) (the narrower
     side zero-padded)."""

@@ -22,7 +22,7 @@ The process group's timeout bounds the wait on a rank that dies outright or hang
 Process groups come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT): NCCL on CUDA devices (one GPU per rank, cuda:LOCAL_RANK), gloo on CPU.
 
-Under context parallelism (models/context_parallel.py) C consecutive processes run the same
+Under context parallelism (models/attention/context_parallel.py) C consecutive processes run the same
 bins together, each holding part of every bin's nodes: the D x C processes are D replicas
 for Shard (`replicas`, `replica`), and the gradient sum still runs over all of them (each
 process's gradients are a partial sum over its nodes).
@@ -90,7 +90,7 @@ class DataParallel:
 
         dims: the run's ParallelDims (the engine's), of which the split of a replica is read:
         cp C > 1 splits the processes into groups of C consecutive ranks that run each bin
-        together (models/context_parallel.py); the replicas are the processes over the split.
+        together (models/attention/context_parallel.py); the replicas are the processes over the split.
         """
         from treeflow.parallel import ParallelDims
 
@@ -125,7 +125,7 @@ class DataParallel:
                              f"{dist.get_world_size()} but the environment says {rank} of {world}")
         cp = None
         if dims.cp > 1:
-            from treeflow.models.context_parallel import context_parallel_layout
+            from treeflow.models.attention.context_parallel import context_parallel_layout
 
             cp, _, _ = context_parallel_layout(dims.cp)
         return cls(rank=rank, world=world, device=device, group=dist.group.WORLD, cp=cp)

@@ -34,7 +34,7 @@ def shard_module(module, compute_dtype: torch.dtype) -> None:
         raise ValueError(f"--shard-params shards the reference decoder; {type(module).__name__} "
                          "is not one (use the reference backend, or the backend's own parallelism)")
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # float32 routers (models/moe.py "Router precision") gather their weight in float32, as the
+    # float32 routers (models/moe/block.py "Router precision") gather their weight in float32, as the
     # unsharded trainer and the sampler read it: a group of their own (a call unshards it),
     # left gathered after forward because the near-tie band reads the weight again
     routers = _float32_routers(module)
@@ -55,7 +55,7 @@ def shard_module(module, compute_dtype: torch.dtype) -> None:
 
 def _float32_routers(module) -> list:
     """The router modules whose weight stays float32 (moe.float32_router_names)."""
-    from treeflow.models.moe import float32_router_names
+    from treeflow.models.moe.block import float32_router_names
 
     paths = sorted({name.rpartition(".")[0] for name in float32_router_names(module)})
     return [module.get_submodule(p) for p in paths]

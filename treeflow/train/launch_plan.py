@@ -34,7 +34,7 @@ class Launch:
     ParallelDims' and these fields' names. `here()` says whether this process runs the work itself, `start(fn,
     *args)` starts the processes that do (spawned, or a Ray actor group with
     `launcher="ray"`). The split's rules live in models/ (`check_tensor_parallel`) and
-    models/context_parallel.py; this holds which engine and launcher can start them.
+    models/attention/context_parallel.py; this holds which engine and launcher can start them.
     """
 
     train: bool

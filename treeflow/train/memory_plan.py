@@ -6,7 +6,7 @@
   the compute dtype's under `pure`; / data-parallel ranks with `--shard-params` (FSDP2).
 - weight_casts: the compute-dtype copies of the layers' matmul weights that a mixed-precision
   forward makes and keeps for backward (autocast's casts; the experts' explicit casts in
-  models/moe.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
+  models/moe/block.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
   under `--recompute selective|full` (a checkpointed layer casts again in backward: one
   layer's casts go to temporaries). With
   `--shard-params` it is the all-gathered layer instead (2 layers: the one running and the
@@ -26,7 +26,7 @@
   `ssm_kernel="triton"`, the fused scan's x dt, decay, B, C and one state per chunk and
   segment start: CUDA's scan under `--ssm-kernel auto`); `full` counts the
   layer's input (and the kept route choices); `selective` the input plus the outputs of the
-  matmuls and attention kernels (models/recompute.py's policy). The loss head adds the
+  matmuls and attention kernels (models/compile/recompute.py's policy). The loss head adds the
   gathered edge rows (every token taken as an edge: an upper bound).
 - temporaries: the largest transient over a step, above what is held at that moment. Two
   moments compete: a bin's backward (the activations held, plus the larger of one layer's
@@ -235,7 +235,7 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
         # per chunk slot; a tree's short segments leave slots empty: / scan_fill
         scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
         if ssm_kernel == "triton":
-            # the fused scan (models/ssm_triton.py) keeps per chunk slot the gathered x dt
+            # the fused scan (models/ssm/triton_scan.py) keeps per chunk slot the gathered x dt
             # (h p), the cumulative decay (h), B and C (2 g n), the dt terms around it (6 h), and
             # one float32 state [h, p, n] per chunk and per segment start (a segment pads half
             # a chunk on average: 2 (1 - fill) / C of them per slot), not the chunk tensors

@@ -14,7 +14,7 @@ or plain dicts (EPISODE_SCHEMA's fields), validated once here.
 Data and context parallelism: `Policy(module, dp=DataParallel.from_env(dims=ParallelDims(dp=D,
 cp=C)))` on each of D x C processes (torchrun's environment; each with the same weights), the
 same logical batch on every process. A replica's C processes run its bins together, each
-holding its range of every bin's nodes (models/context_parallel.py, as `--context-parallel`);
+holding its range of every bin's nodes (models/attention/context_parallel.py, as `--context-parallel`);
 Shard deals the bins to the D replicas. `logprobs()` returns the whole table on EVERY process
 (each replica runs the whole batch, its group sums the edges each rank owns): a trainer reads
 old and reference logprobs on every rank it computes a loss on, so no rank waits for a gather.
@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from treeflow.models.moe_config import route_width
+from treeflow.models.config.moe import route_width
 from treeflow.ops.forward import build_forward
 from treeflow.schemas.episode import EPISODE_SCHEMA, validate_episodes
 from treeflow.stages import Forward, Fragment, Loss, Pack, Reassemble, Reduce, Shard

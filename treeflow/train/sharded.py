@@ -89,7 +89,7 @@ def sharded_writer(trainer, counters: dict, json_name: str, *, lead: bool | None
             if gathered is not None:
                 from treeflow.models.checkpoint import save_state
 
-                frozen = getattr(backend.module, "frozen_tensors", {})  # MTP layers (models/mtp.py)
+                frozen = getattr(backend.module, "frozen_tensors", {})  # MTP layers (models/reference/mtp.py)
                 save_state({**gathered, **frozen}, backend.module.config, path,
                            dtype_of=next(iter(gathered.values())))
             else:

@@ -89,7 +89,7 @@ def metrics_row(step, grad_norm: float, lr: float, *, gen,
 
 def route_agreement(trainer) -> dict:
     """Share of replayed (token, MoE layer) rows whose recomputed top-k equals the route; the
-    same over the rows whose top-k is no near-tie (models/route_ties.py); the near-ties."""
+    same over the rows whose top-k is no near-tie (models/moe/ties.py); the near-ties."""
     out = {"route_agreement": None, "route_agreement_decided": None, "route_near_ties": None}
     runner = trainer.runner
     if getattr(runner, "route_width", None) is None:  # the same on every rank

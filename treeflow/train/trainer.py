@@ -11,7 +11,7 @@ Data parallelism (train/distributed.py): a Trainer given `dp=DataParallel.from_e
 one rank of several; `train_step` runs this rank's bins, and `Step.finish` sums the gradients
 over ranks before clipping, so every rank steps alike. Mixed precision (train/precision.py):
 `Forward(dtype="bfloat16")` is the compute dtype; the parameters and AdamW stay float32.
-Context parallelism (models/context_parallel.py): with `dp.cp` set, the C processes of a group
+Context parallelism (models/attention/context_parallel.py): with `dp.cp` set, the C processes of a group
 run the same bins, each its range of nodes, and the gradient sum covers every process.
 A reference policy (`reference=Forward(model=REF_DIR)`, for `Loss(kl_coef > 0)`) is a second,
 frozen model on the same device that runs every bin the policy runs, under no_grad, so the KL

@@ -50,10 +50,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from treeflow.models.attention import AttentionPlan
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.backend_base import ModuleBackend, check_tensor_parallel
 from treeflow.models.checkpoint import load_model, save_state
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 from treeflow.models.families import require
 from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_part, restore_state
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
@@ -63,7 +63,7 @@ from treeflow.models.megatron.gpt import (build_gpt_model, load_exact, refuse_mo
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
 from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard
 from treeflow.models.megatron.parallel import init_parallel
-from treeflow.models.rope import Rotary
+from treeflow.models.reference.rope import Rotary
 
 __all__ = ["MegatronBackend", "build_gpt_model"]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 
 __all__ = ["hf_to_mcore", "mcore_to_hf", "shard", "tp_partition", "tp_view", "unshard",
            "unshard_tensor"]

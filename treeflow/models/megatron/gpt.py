@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 from treeflow.models.megatron.moe import moe_config
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 

@@ -15,7 +15,7 @@ The all-reduces are MCore's `reduce_from_tensor_model_parallel_region`
 enter through `copy_to_tensor_model_parallel_region` (all-reduce backward: each
 rank's vocabulary slice contributes to the hidden gradient). With TP=1 every
 collective is a no-op, so the single-process CPU path runs this same code.
-Chunks run under activation checkpointing through models/logprobs.py's shared
+Chunks run under activation checkpointing through models/heads/logprobs.py's shared
 loop (`chunked_selected`): memory grows with rows, not rows x vocabulary.
 
 Legend: E selected rows, H hidden, C rows in a chunk, W this rank's vocabulary slice.
@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from treeflow.models.logprobs import check_selected, chunked_selected
+from treeflow.models.heads.logprobs import check_selected, chunked_selected
 
 __all__ = ["vocab_parallel_logprobs"]
 

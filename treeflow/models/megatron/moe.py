@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from treeflow.models.config import ModelConfig
+from treeflow.models.config.model import ModelConfig
 
 __all__ = ["Routers", "TreeReplay", "TreeTopKRouter", "check_expert_parallel", "expert_shard", "moe_config",
            "moe_hf_to_mcore", "moe_mcore_to_hf", "tree_moe_spec"]
@@ -190,7 +190,7 @@ def moe_config(c: ModelConfig, *, expert_parallel: int = 1) -> dict:
 
 
 def moe_hf_to_mcore(hf: dict, c: ModelConfig, layer: int, take) -> dict:
-    """One MoE layer's HF tensors (fused experts, as models/moe.py holds them) -> MCore's."""
+    """One MoE layer's HF tensors (fused experts, as models/moe/block.py holds them) -> MCore's."""
     a, m = f"model.layers.{layer}.mlp.", f"decoder.layers.{layer}.mlp."
     out = {m + "router.weight": take(hf, a + "gate.weight")}
     gate_up, down = take(hf, a + "experts.gate_up_proj"), take(hf, a + "experts.down_proj")

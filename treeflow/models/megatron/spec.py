@@ -4,7 +4,7 @@ MCore builds every transformer layer from a `ModuleSpec`; its self-attention
 computes Q/K/V (fused, tensor-parallel), applies the rotary embedding it is
 given, calls the spec's `core_attention(query, key, value, attention_mask)`
 and projects the result. `TreeCoreAttention` is that core: it takes the bin's
-`AttentionPlan` (models/attention.py) as the `attention_mask` argument, which
+`AttentionPlan` (models/attention/tree.py) as the `attention_mask` argument, which
 MCore passes through untouched, and runs the same kernels as the reference
 backend (dense mask, flex block mask, ancestor runs, causal for chains). So
 nothing in MCore is forked or patched: the spec swaps one submodule.
@@ -42,8 +42,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.utils import divide
 
-from treeflow.models.attention import AttentionPlan
-from treeflow.models.decoder import RMSNorm
+from treeflow.models.attention.tree import AttentionPlan
+from treeflow.models.reference.decoder import RMSNorm
 from treeflow.models.megatron.submodules import mlp_submodules, with_mlp_submodules
 
 __all__ = ["TreeColumnParallelLinear", "TreeCoreAttention", "TreeRMSNorm", "TreeRowParallelLinear",

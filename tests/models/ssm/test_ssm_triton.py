@@ -1,0 +1,191 @@
+"""The Triton tree scan (models/ssm/triton_scan.py) under TRITON_INTERPRET=1 on CPU, float32.
+
+Oracles: a per-node float64 recurrence written here (state = exp(A dt) state_parent
++ dt x B^T along each node's own path: no chunks, no segments, no plan), the PyTorch
+tree scan (models/ssm/tree.py) and transformers' Nemotron-H call by call. Trees are
+random, with forks inside scan chunks and on chunk boundaries, nested forks and
+roots; outputs and every input / parameter gradient are compared. Skipped where
+triton is not installed (`pip install 'treeflow[triton]'`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # tests/conftest.py sets it first; this for a lone run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from treeflow.models.ssm.tree import SegmentPlan, depths, tree_ssd  # noqa: E402
+
+CHUNK = 4
+H, P, G, NS = 4, 8, 2, 8
+
+
+def _tree(seed: int, n: int = 44) -> np.ndarray:
+    """A random forest in DFS order: mostly chains, forks at random earlier nodes, a second
+    root; re-drawn until some branch starts on a chunk boundary and some inside a chunk."""
+    rng = np.random.default_rng(seed)
+    while True:
+        par = [-1]
+        for i in range(1, n):
+            r = rng.random()
+            par.append(i - 1 if r < 0.75 else (-1 if r > 0.97 else int(rng.integers(0, i))))
+        par = np.array(par)
+        d = depths(par)
+        kids = np.bincount(par[par >= 0], minlength=n)
+        fork_child = (par >= 0) & (kids[np.maximum(par, 0)] > 1)
+        at = d[fork_child] % CHUNK
+        if (at == 0).any() and (at != 0).any():
+            return par
+
+
+def _inputs(n: int, seed: int, p: int = P, ns: int = NS):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, H, p, generator=g, dtype=torch.float64),
+            torch.rand(n, H, generator=g, dtype=torch.float64) * 0.6 + 0.05,
+            -(torch.rand(H, generator=g, dtype=torch.float64) + 0.3),
+            torch.randn(n, G, ns, generator=g, dtype=torch.float64),
+            torch.randn(n, G, ns, generator=g, dtype=torch.float64),
+            torch.randn(H, generator=g, dtype=torch.float64)]
+
+
+def _path_recurrence(par, x, dt, A, B, C, D):
+    """The hand formula, node by node along parents (float64, no chunking)."""
+    rep = H // G
+    Bh, Ch = B.repeat_interleave(rep, 1), C.repeat_interleave(rep, 1)
+    states, ys = [], []
+    for i, p in enumerate(par.tolist()):
+        prev = states[p] if p >= 0 else x.new_zeros(H, x.shape[2], B.shape[2])
+        s = torch.exp(A * dt[i])[:, None, None] * prev + \
+            (dt[i][:, None] * x[i])[:, :, None] * Bh[i][:, None, :]
+        states.append(s)
+        ys.append((s * Ch[i][:, None, :]).sum(-1) + D[:, None] * x[i])
+    return torch.stack(ys)
+
+
+def _run(fn, leaves, weight):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y = fn(*leaves)
+    (y * weight).sum().backward()
+    return y.detach().double(), [t.grad.double() for t in leaves]
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("fork", ["exact", "chunk"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_scan_matches_path_recurrence_and_torch_scan(fork, seed):
+    par = _tree(seed)
+    ins = _inputs(len(par), seed)
+    weight = torch.randn(len(par), H, P, generator=torch.Generator().manual_seed(99),
+                         dtype=torch.float64)
+    want = _run(lambda *a: _path_recurrence(par, *a), ins, weight)
+    f32 = [t.float() for t in ins]
+    got = {}
+    for kernel in ("triton", "torch"):
+        plan = SegmentPlan(par, chunk_size=CHUNK, conv_kernel=4, fork=fork, kernel=kernel)
+        assert plan.kernel == kernel and plan.launches > 1
+        got[kernel] = _run(lambda *a: tree_ssd(*a, plan), f32, weight.float())
+    names = ("y", "dx", "ddt", "dA", "dB", "dC", "dD")
+    for kernel, (y, grads) in got.items():
+        # float32 against float64: relative 1e-5 (measured 1e-7, see the module docstring)
+        for name, a, b in zip(names, [y, *grads], [want[0], *want[1]]):
+            assert _rel(a, b) < 1e-5, (kernel, name, _rel(a, b))
+    for name, a, b in zip(names, [got["triton"][0], *got["triton"][1]],
+                          [got["torch"][0], *got["torch"][1]]):
+        assert _rel(a, b) < 1e-5, ("triton vs torch", name, _rel(a, b))
+
+
+def _multi_tile_tree() -> np.ndarray:
+    """A 50-token trunk; a branch at depth 32 (a chunk boundary of 32-token chunks), one at
+    depth 41 (inside a chunk) that forks again."""
+    par = list(range(-1, 49))
+
+    def chain(at, length):
+        start = len(par)
+        par.extend([at] + [start + i for i in range(length - 1)])
+        return start
+
+    chain(31, 12)
+    b = chain(40, 20)
+    chain(b + 5, 8)
+    return np.array(par)
+
+
+def test_triton_scan_with_several_tiles_per_dim(monkeypatch, fork="chunk"):
+    """Tiles of 16 over chunk 32, head dim 32 and state 32: every tile loop (over chunk
+    blocks, head-dim blocks, state blocks, the (p, n) tiles of the state passing and the
+    group's heads) runs more than once; a tile written to the wrong offset fails here and
+    nowhere in the one-tile tests above."""
+    from treeflow.models.ssm import triton_scan as ssm_triton
+
+    monkeypatch.setattr(ssm_triton, "BLOCKS", {"ieee": 16, "tf32x3": 16})
+    assert ssm_triton._blocks(32, 32, 32, "ieee") == (16, 16, 16)
+    par, chunk = _multi_tile_tree(), 32
+    ins = _inputs(len(par), 5, p=32, ns=32)
+    weight = torch.randn(len(par), H, 32, generator=torch.Generator().manual_seed(7),
+                         dtype=torch.float64)
+    want = _run(lambda *a: _path_recurrence(par, *a), ins, weight)
+    plan = SegmentPlan(par, chunk_size=chunk, conv_kernel=4, fork=fork, kernel="triton")
+    assert plan.launches >= 3 and max(lv.gather_KC.shape[0] for lv in plan.levels) > 1
+    y, grads = _run(lambda *a: tree_ssd(*a, plan), [t.float() for t in ins], weight.float())
+    for name, a, b in zip(("y", "dx", "ddt", "dA", "dB", "dC", "dD"), [y, *grads],
+                          [want[0], *want[1]]):
+        assert _rel(a, b) < 1e-5, (fork, name, _rel(a, b))
+
+
+def test_bfloat16_states_are_kept_in_bfloat16():
+    par = _tree(3)
+    ins = [t.float() for t in _inputs(len(par), 3)]
+    kept = set()
+
+    def pack(t):
+        kept.add(t.dtype)
+        return t
+
+    plan = SegmentPlan(par, chunk_size=CHUNK, conv_kernel=4, state_dtype="bfloat16",
+                       kernel="triton")
+    leaves = [t.clone().requires_grad_() for t in ins]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = tree_ssd(*leaves, plan)
+    y.sum().backward()
+    ref = _path_recurrence(par, *[t.double() for t in ins])
+    assert torch.bfloat16 in kept
+    assert 0 < _rel(y.detach().double(), ref) < 2e-2  # the states' rounding shows, and only it
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_tree_matches_transformers_per_call_with_triton(tmp_path):
+    """Logprobs and every parameter gradient of the whole model, tree layout, both forks,
+    whole trees and fragments, against transformers call by call."""
+    pytest.importorskip("transformers")
+    from tests.models.hybrid_helpers import (episodes, hf_values, save_hf, token_weights,
+                                             treeflow_values)
+    from treeflow.models import Tuning, load_backend
+
+    hf = save_hf("nemotron_h", tmp_path)
+    for fork, prompt, max_tokens in (("exact", 9, 512), ("chunk", 8, 24)):
+        eps = episodes(prompt, seed=prompt)
+        w = token_weights(eps)
+        ref, ref_grads = hf_values(hf, eps, w)
+        backend = load_backend("reference", str(tmp_path),
+                               tuning=Tuning(ssm_fork=fork, ssm_kernel="triton"))
+        plan = backend.attention_plan([-1, 0, 1, 1], np.array([4, 4, 3, 4]), kernel="dense")
+        assert plan.segments.kernel == "triton"
+        vals, grads, bins = treeflow_values(backend, eps, w, layout="tree",
+                                            max_tokens=max_tokens)
+        assert vals.keys() == ref.keys()
+        worst = max(abs(vals[k] - ref[k]) for k in ref)
+        assert worst < 1e-5, (fork, worst)
+        names = {n.replace("model.", "backbone.", 1) for n in ref_grads}
+        assert names == grads.keys()
+        for n, g in ref_grads.items():
+            rel = _rel(grads[n.replace("model.", "backbone.", 1)].double(), g.double())
+            assert rel < 1e-5, (fork, n, rel)
