@@ -43,6 +43,14 @@ captured routes forced), transformers in bf16 and under bf16 autocast, and treef
 trainer, each as the gate's k3 estimator against float32 (`kl_floor`): "gen_kl X vs the bf16
 floor Y", Y = transformers bf16 vs transformers autocast on the same tokens.
 
+The card's peak (`card_peak`): while the gate runs, `nvidia-smi --query-gpu=memory.used -lms
+100` is sampled, and the largest memory in use on each GPU is recorded (MiB, every process on
+the card: the sampler and the trainer together, their CUDA contexts and cached blocks), with the
+card's total; the gate's own `sampler` figures say what the sampler held (issue 44: its model
+is released while the trainer steps). Issue 44's run, the 4-layer Qwen3-30B-A3B shape on one
+80 GB card: `PYTHONUNBUFFERED=1 python bench/bench_gate_gpu.py --layers 4 --margin-groups 0`.
+Without nvidia-smi (or on CPU) `card_peak` says why it is absent.
+
 `--smoke` uses the built-in dense tiny model (no routes; `--routing` left
 out) at tiny sizes; `--queue-backend transferqueue` runs the gate through
 TransferQueue (Ray must be importable).
@@ -178,6 +186,58 @@ def kl_floor(model: str, kept: str, args) -> dict:
     return res
 
 
+class CardPeak:
+    """The largest memory.used per GPU that nvidia-smi reports while the block runs (sampled
+    every `interval_ms`); `result()` is those peaks in MiB with the cards' totals, or why not."""
+
+    def __init__(self, device: str, interval_ms: int = 100):
+        self.device, self.interval_ms = device, interval_ms
+        self.peak: dict = {}
+        self.total: dict = {}
+        self.samples, self.why, self.proc, self.thread = 0, None, None, None
+
+    def __enter__(self):
+        import shutil
+        import threading
+
+        if not self.device.startswith("cuda"):
+            self.why = f"device {self.device}: no card to watch"
+        elif shutil.which("nvidia-smi") is None:
+            self.why = "nvidia-smi is not on PATH"
+        else:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                 "--format=csv,noheader,nounits", f"--loop-ms={self.interval_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.thread = threading.Thread(target=self._read, daemon=True)
+            self.thread.start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 3 or not all(p.isdigit() for p in parts):
+                continue
+            gpu, used, total = (int(p) for p in parts)
+            self.peak[gpu] = max(self.peak.get(gpu, 0), used)
+            self.total[gpu] = total
+            self.samples += 1
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+            self.thread.join(timeout=30)
+        return False
+
+    def result(self) -> dict:
+        if self.why is not None:
+            return {"absent": self.why}
+        return {"used_mib_max": {str(k): v for k, v in sorted(self.peak.items())},
+                "total_mib": {str(k): v for k, v in sorted(self.total.items())},
+                "samples": self.samples, "interval_ms": self.interval_ms, "tool": "nvidia-smi"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a random MoE one)")
@@ -256,8 +316,11 @@ def main() -> int:
     res["command"] = " ".join(cmd[1:])
     print(res["command"], flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    with CardPeak(args.device) as card:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     res["process_seconds"] = round(time.perf_counter() - t0, 2)
+    res["card_peak"] = card.result()
+    print(f"card peak: {json.dumps(res['card_peak'])}", flush=True)
     res["exit_code"] = proc.returncode
     if proc.stdout.strip():
         res["gate"] = json.loads(proc.stdout.strip().splitlines()[-1])

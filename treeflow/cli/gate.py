@@ -80,6 +80,14 @@ def cmd_gate(args) -> int:
     figures.update(model=args.model, dtype=args.dtype, layout=args.layout,
                    queue_backend=args.queue_backend, routing=args.routing,
                    context_parallel=args.context_parallel, fault=args.fault)
+    held = figures.get("sampler")
+    if held and not args.quiet:   # what the sampler held next to the trainer (programs/gate.py)
+        gib = f"{held['weights_bytes'] / 2**30:.3f} GiB of --dtype {args.dtype} weights"
+        print(f"treeflow gate: the sampler held {gib} only while sampling: released while the "
+              f"trainer stepped ({held['releases']} release(s), {held['loads']} load(s))"
+              if held["held_while_waiting_bytes"] == 0 else
+              f"treeflow gate: the sampler kept {gib} while the trainer stepped (it released "
+              "nothing: no refit to wait for)", file=sys.stderr, flush=True)
     if args.output:
         with atomic_open(args.output, "w", what="gate figures") as f:
             json.dump(figures, f, indent=1)

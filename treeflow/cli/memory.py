@@ -5,7 +5,10 @@ with the run's knobs, so the plan printed is the plan checked. Given episode fil
 --memory` plans their bins as training does and reports the largest bin's plan, with its own
 token and edge counts and, for a Mamba-2 hybrid, its scan chunks' fill (a tree's short
 segments pad chunks); without files every bin is taken full, every token an edge, every
-chunk full. The check runs only where the
+chunk full. `--recompute auto` (the
+default) is resolved here too (`auto_recompute`): where the card's size is known, the cheapest
+mode whose plan fits it with the planner's margin (memory_plan.AUTO_MARGIN), said on stderr;
+elsewhere none, silently. The check runs only where the
 card's size is known: `--device-memory` given, or a CUDA device (its total memory); on CPU
 without the flag there is nothing to check against and it is skipped.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["check_fits", "cmd_memory", "memory_knobs"]
+__all__ = ["auto_recompute", "check_fits", "cmd_memory", "memory_knobs"]
 
 
 def memory_knobs(args, *, recompute: str) -> dict:
@@ -66,6 +69,16 @@ def cmd_memory(args) -> int:
         raise ValueError(f"plan --memory --recompute {args.recompute}: the planner models none, "
                          "selective and full")
     config = _config(args.model)
+    chosen = None
+    if args.recompute == "auto":   # as a training run resolves it (auto_recompute)
+        from treeflow.train.memory_plan import AUTO_ORDER, choose_recompute
+
+        args.recompute, chosen = "none", "none (no --device-memory to fit)"
+        if args.device_memory:
+            planned = {m: plan_memory(config, **memory_knobs(args, recompute=m)).total
+                       for m in AUTO_ORDER}
+            args.recompute, chosen = choose_recompute(planned, parse_bytes(args.device_memory))
+            chosen = f"{args.recompute} ({chosen})"
     knobs = memory_knobs(args, recompute=args.recompute or "none")
     if knobs["shard_params"]:
         from treeflow.models.support import check_sharded
@@ -80,6 +93,8 @@ def cmd_memory(args) -> int:
     else:
         out = plan_memory(config, **knobs).as_dict()
     out["model"] = args.model
+    if chosen is not None:
+        out["recompute_auto"] = chosen
     if args.device_memory:
         card = parse_bytes(args.device_memory)
         out["device_memory_bytes"] = card
@@ -174,3 +189,62 @@ def check_fits(args, *, recompute: str) -> dict | None:
                      f"({parts} GiB) at --max-tokens {args.max_tokens}, more than the card's "
                      f"{card / GIB:.2f} GiB (--device-memory or the CUDA device): use "
                      f"{' or '.join(fixes)}; `treeflow plan --memory` prints the plan")
+
+
+def auto_recompute(args, *, modes=None) -> str:
+    """Resolve `--recompute auto` on `args` (set to the mode chosen) and return the mode.
+
+    An explicit mode -- `--recompute X`, or a `recompute=` / preset setting in `--tuning` -- is
+    never overridden (args.recompute becomes None: the tuning's stands). Where the card's size
+    is unknown (CPU without --device-memory), for the megatron backend or a model without a
+    formula: none. Else the cheapest of memory_plan.AUTO_ORDER the run can use (`modes`, default
+    those models/support.py accepts for this model and split) whose plan x (1 + AUTO_MARGIN)
+    fits the card (memory_plan.choose_recompute), said on stderr."""
+    from treeflow.train.memory_plan import AUTO_ORDER, choose_recompute, plan_memory
+
+    if getattr(args, "recompute", None) != "auto":
+        return args.recompute
+    args.recompute = None
+    tuning = getattr(args, "tuning", "") or ""
+    from treeflow.cli import configs
+
+    given = configs.forward(args).tuning.recompute   # the preset's or --tuning's own
+    if "recompute=" in tuning or given != "none":
+        return given
+    card = _device_memory(args)
+    if card is None or getattr(args, "backend", "reference") != "reference":
+        args.recompute = "none"
+        return "none"
+    try:
+        config = _config(args.model)
+        usable = modes if modes is not None else _usable_modes(args)
+        planned = {m: plan_memory(config, **memory_knobs(args, recompute=m)).total
+                   for m in AUTO_ORDER if m in usable}
+    except ValueError as e:
+        print(f"treeflow: --recompute auto: none ({e})", file=sys.stderr, flush=True)
+        args.recompute = "none"
+        return "none"
+    mode, why = choose_recompute(planned, card)
+    print(f"treeflow: --recompute auto: {mode} ({why}); give --recompute to choose",
+          file=sys.stderr, flush=True)
+    args.recompute = mode
+    return mode
+
+
+def _usable_modes(args) -> list[str]:
+    """The modes of memory_plan.AUTO_ORDER that models/support.py accepts for this run."""
+    from treeflow.train.memory_plan import AUTO_ORDER
+
+    usable = []
+    for m in AUTO_ORDER:
+        args.recompute = m
+        try:
+            from treeflow.cli import configs
+
+            configs.forward(args)
+        except ValueError:
+            continue
+        finally:
+            args.recompute = None
+        usable.append(m)
+    return usable

@@ -59,13 +59,16 @@ def model_options(p) -> None:
                         "(combine weights from the current router), or let the router recompute "
                         "them; auto = replay when the episodes carry routes and the model has "
                         "experts")
-    s.add_argument("--recompute", choices=("none", "selective", "full", "mlp", "attention"),
-                   default=None,
+    s.add_argument("--recompute", choices=("auto", "none", "selective", "full", "mlp",
+                                           "attention"), default="auto",
                    help="activation recomputation in training (reference backend): full "
                         "checkpoints each layer (+~33%% FLOPs, activations ~ one [tokens, hidden] "
                         "per layer); selective keeps matmul and attention outputs, recomputes "
                         "norms, activations and the Mamba-2 scan's chunk tensors; mlp/attention: "
-                        "that part of each attention-decoder layer; default: --tuning's (none). "
+                        "that part of each attention-decoder layer; auto (default): --tuning's "
+                        "if it sets one, else where the card's size is known (CUDA, "
+                        "--device-memory) the cheapest of none/selective/full whose memory plan "
+                        "fits it with a 25%% margin (said on stderr), elsewhere none. "
                         "docs/how-to/memory.md")
     s.add_argument("--ssm-fork", choices=("exact", "chunk"), default=None,
                    help="Mamba-2 and Gated DeltaNet hybrids: fork a branch's recurrent state at "

@@ -30,8 +30,9 @@ def cmd_train(args) -> int:
     check_train_options(args, inputs=expand_paths(args.files))
     launch = configs.launch(args, train=True)
     check_device(args.device)
-    from treeflow.cli.memory import check_fits
+    from treeflow.cli.memory import auto_recompute, check_fits
 
+    auto_recompute(args)   # --recompute auto: the cheapest mode the plan fits (cli/memory.py)
     # the predicted per-rank peak against the card, before any model loads (cli/memory.py)
     check_fits(args, recompute=configs.forward(args).tuning.recompute)
     if launch.here():

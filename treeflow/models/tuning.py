@@ -186,7 +186,8 @@ class Tuning:
 def ssm_flags(args) -> dict:
     """The settings given by their own CLI options (--recompute, --ssm-fork,
     --ssm-state-dtype, --ssm-kernel) for `Tuning.parse`; None where not given."""
-    return {"recompute": getattr(args, "recompute", None),
+    recompute = getattr(args, "recompute", None)
+    return {"recompute": None if recompute == "auto" else recompute,   # cli/memory.py resolves
             "ssm_fork": getattr(args, "ssm_fork", None),
             "ssm_state_dtype": getattr(args, "ssm_state_dtype", None),
             "ssm_kernel": getattr(args, "ssm_kernel", None)}

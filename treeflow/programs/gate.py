@@ -27,6 +27,13 @@ context-parallel group that attach to the queue by its address; rank 0
 alone reads the queue and writes the weights (a second writer fails the
 gate).
 
+The sampler and the trainer share the card (on one GPU, and rank 0's under context
+parallelism): the sampler holds its model only while it samples. It releases it (and the
+process's cached device blocks) before the round's last put, while the trainer steps, and
+loads the published weights at the refit, which it does anyway (programs/rollout.py,
+Memory). `sampler` in the figures says what it held: `weights_bytes` while sampling,
+`held_while_waiting_bytes` (0) while the trainer stepped, `releases` and `loads`.
+
 The trade-off: the loop runs in lock-step (the producer waits for the
 weights of the round it samples, `max_lag=0`), so the gate checks fidelity
 and plumbing, not throughput; `treeflow rollout` + `treeflow stream` run the
@@ -194,6 +201,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
     sampled: list[dict] = []   # per put: its round, episode ids, version
     tables: list[pa.Table] = []   # what the producer put (kept for episodes_out)
     errors: list[BaseException] = []
+    rollout: dict = {}   # the producer's summary (programs/rollout.py): what the sampler held
 
     def log(group, table, version):
         sampled.append({"round": group // per_round, "ids": table.column("episode_id").to_pylist(),
@@ -203,10 +211,11 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
 
     def produce():
         try:
-            run_rollout(_Transport(queue, gate.fault, 2 * per_round), groups=2 * per_round,
-                        config=gate.rollout, model=forward.model, device=device,
-                        dtype=forward.dtype, producer="gate", refit=gate.fault != "skip-refit",
-                        groups_per_step=per_round, max_lag=0, wait_timeout=gate.timeout, log=log)
+            rollout.update(run_rollout(
+                _Transport(queue, gate.fault, 2 * per_round), groups=2 * per_round,
+                config=gate.rollout, model=forward.model, device=device, dtype=forward.dtype,
+                producer="gate", refit=gate.fault != "skip-refit", groups_per_step=per_round,
+                max_lag=0, wait_timeout=gate.timeout, log=log))
         except BaseException as e:  # noqa: BLE001 - reported with the figures
             errors.append(e)
             queue.close()
@@ -260,6 +269,7 @@ def run_gate(queue, *, forward, reduce, gate: Gate = Gate(), layout: str = "tree
         "trainer_version": trainer_version,
         "refit_version": refit_versions[0] if len(refit_versions) == 1 else refit_versions or None,
         "context_parallel": C, "weights_written_by_ranks": writers,
+        "sampler": rollout.get("sampler"),
         "seconds": round(time.perf_counter() - t0, 3),
     }
     if lost:

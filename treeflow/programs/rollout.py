@@ -28,6 +28,17 @@ producer wait, before group g, for weights of version >= g // G - K: with
 K = 0 every step is sampled from the weights it trains (on-policy, and the
 whole loop deterministic given the seeds).
 
+Memory: when the next group needs weights the trainer has not published yet (the
+last group of a step under `max_lag`), the producer releases its model before it
+puts the group -- the weights dropped, the process's cached device blocks
+returned (`torch.cuda.empty_cache`) -- and loads the published weights when they
+come, which a refit does anyway. So while the trainer steps on the group's step
+the sampler holds nothing on the device, and it never holds two copies (the old
+model goes before the new one loads); the summary's `sampler` says what it held
+(`weights_bytes`, `held_while_waiting_bytes`, `releases`, `loads`). The cost:
+one `empty_cache` per step, and a model loaded from the published files even
+where the wait would have been short (the load happens either way).
+
 Environments: prompts, tool outputs, rewards and advantages come from an
 `Environment` (subclass it for your task); the default is the synthetic one
 above (random prompts and tool outputs, GRPO advantages).
@@ -258,13 +269,9 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
     if max_lag is not None and (groups_per_step is None or groups_per_step < 1 or max_lag < 0):
         raise ValueError(f"run_rollout(max_lag={max_lag}, groups_per_step={groups_per_step}): "
                          "give max_lag >= 0 with groups_per_step >= 1 (groups in a step)")
-    import torch
-
-    from treeflow.models.backend import load_backend
-
     start = queue.open_producer(producer)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    backend = load_backend("reference", model, dtype=dtypes[dtype], device=device)
+    sampler = _Sampler(dtype=dtype, device=device)
+    sampler.load(model)
     version, refits, put = 0, 0, 0
     t0 = time.perf_counter()
     for group in range(start, groups):
@@ -272,10 +279,18 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
             _wait_for_version(queue, group // groups_per_step - max_lag, wait_timeout)
         published = queue.weights() if refit else None
         if published is not None and published[0] > version:
-            backend = load_backend("reference", published[1], dtype=dtypes[dtype], device=device)
+            sampler.load(published[1])
             version, refits = published[0], refits + 1
-        table = sample_group(backend, config, group, version=version, producer=producer,
+        elif sampler.backend is None:   # released at the last put, and no newer weights
+            sampler.load(sampler.source)
+        table = sample_group(sampler.backend, config, group, version=version, producer=producer,
                              index_base=index_base, env=env)
+        if max_lag is not None and refit and group + 1 < groups:
+            published = queue.weights()
+            if (group + 1) // groups_per_step - max_lag > (published[0] if published else 0):
+                sampler.release()   # the next group waits for the trainer's weights
+            if (group + 1) % groups_per_step == 0:   # a step's last put: the trainer steps now
+                sampler.note_wait()
         if rate:
             time.sleep(max(0.0, t0 + put / rate - time.perf_counter()))
         queue.put(table, producer=producer, seq=group, timeout=put_timeout)
@@ -285,7 +300,55 @@ def run_rollout(queue, *, groups: int, config: Rollout = Rollout(), model: str =
     if close:
         queue.close(producer=producer)
     return {"groups": groups - start, "episodes": put, "resumed_at": start, "refits": refits,
-            "weight_version": version, "seconds": round(time.perf_counter() - t0, 3)}
+            "weight_version": version, "seconds": round(time.perf_counter() - t0, 3),
+            "sampler": sampler.figures()}
+
+
+class _Sampler:
+    """The producer's model: loaded one copy at a time, released while the trainer steps
+    (see the module docstring's Memory), and what it held (`figures`)."""
+
+    def __init__(self, *, dtype: str, device: str):
+        self.dtype, self.device = dtype, device
+        self.backend, self.source = None, None
+        self.weights_bytes, self.held_while_waiting, self.releases, self.loads = 0, None, 0, 0
+
+    def load(self, source) -> None:
+        import torch
+
+        from treeflow.models.backend import load_backend
+
+        self.backend = None   # the old model goes before the new one loads
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        self.backend = load_backend("reference", source, dtype=dtypes[self.dtype],
+                                    device=self.device)
+        self.source, self.loads = source, self.loads + 1
+        module = self.backend.module
+        self.weights_bytes = int(sum(t.numel() * t.element_size()
+                                     for t in (*module.parameters(), *module.buffers())))
+
+    def release(self) -> None:
+        """Drop the model, collect it and hand the process's cached device blocks back (CUDA),
+        so the trainer (or another process on the card) can use them."""
+        import gc
+
+        self.backend = None
+        gc.collect()
+        if str(self.device).startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        self.releases += 1
+
+    def note_wait(self) -> None:
+        """The bytes held as the trainer takes the step just put (the largest over steps)."""
+        held = 0 if self.backend is None else self.weights_bytes
+        self.held_while_waiting = max(self.held_while_waiting or 0, held)
+
+    def figures(self) -> dict:
+        return {"weights_bytes": self.weights_bytes,
+                "held_while_waiting_bytes": self.held_while_waiting,
+                "releases": self.releases, "loads": self.loads}
 
 
 def _wait_for_version(queue, need: int, timeout: float) -> None:

@@ -346,3 +346,35 @@ def largest_max_tokens(config, device_memory: int, **knobs) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+# --recompute auto: a plan must fit the card with this share of it to spare. The planner has
+# missed low once: the 4-layer Qwen3-30B-A3B shape under `selective` planned 65.8 GiB and ran
+# out of memory on an H100 (79.2 GiB usable), a miss of at least 79.2 / 65.8 - 1 = 20.4%
+# (docs/how-to/memory.md); 25% covers it. What it costs: a run planned within 25% of the card
+# gets the next, slower mode (an explicit --recompute is taken as given).
+AUTO_MARGIN = 0.25
+AUTO_ORDER = ("none", "selective", "full")   # cheapest first; mlp/attention have no formula
+
+
+def choose_recompute(planned: dict, device_memory: int, *,
+                     margin: float = AUTO_MARGIN) -> tuple[str, str]:
+    """(mode, why): the first of AUTO_ORDER in `planned` (mode -> planned peak bytes; the modes
+    the run can use) whose plan x (1 + margin) fits `device_memory` bytes; where none does, the
+    one that plans least (the check before the run then decides whether it fits at all)."""
+    modes = [m for m in AUTO_ORDER if m in planned]
+    if not modes:
+        raise ValueError(f"choose_recompute: no plan for any of {AUTO_ORDER} (got "
+                         f"{sorted(planned)})")
+    card = device_memory / GIB
+    for m in modes:
+        if planned[m] * (1 + margin) <= device_memory:
+            cheaper = ", ".join(f"{c} plans {planned[c] / GIB:.1f}" for c in modes[:modes.index(m)])
+            return m, (f"planned {planned[m] / GIB:.1f} GiB, within the card's {card:.1f} GiB "
+                       f"with the {margin:.0%} margin" + (f" ({cheaper})" if cheaper else ""))
+    m = min(modes, key=lambda c: planned[c])
+    return m, (f"no mode fits the card's {card:.1f} GiB with the {margin:.0%} margin; {m} plans "
+               f"least ({planned[m] / GIB:.1f} GiB)")
+
+
+__all__ += ["AUTO_MARGIN", "AUTO_ORDER", "choose_recompute"]   # kept beside them: merges stay local
