@@ -63,18 +63,19 @@ def aux_step(dp, path: str, rows: list) -> dict:
 
 
 def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
-    """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing), the
-    attention kernel the name's sixth part (default dense); aux:
+    """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing[, model
+    dtype]), the attention kernel the name's sixth part (default dense); aux:
     (checkpoint with a router aux loss, routed rows) for one Trainer step (aux_step)."""
     dp = DataParallel.from_env("cpu", dims=ParallelDims(cp=size))
     out, backends = {}, {}
     if aux is not None:
         out["aux"] = aux_step(dp, *aux)
-    for name, path, fork, state, rows, weights, max_tokens, routing in configs:
-        key = (path, fork, state)
+    for name, path, fork, state, rows, weights, max_tokens, routing, *dtype in configs:
+        key = (path, fork, state, *dtype)
         if key not in backends:
             backends[key] = load_backend("reference", path,
-                                         tuning=Tuning(ssm_fork=fork, ssm_state_dtype=state))
+                                         tuning=Tuning(ssm_fork=fork, ssm_state_dtype=state),
+                                         dtype=getattr(torch, dtype[0]) if dtype else torch.float32)
         kernel = (name.split("/")[5:] or ["dense"])[0]
         keys, values, grads, tally = cp_values(backends[key], rows, weights, size=size,
                                                max_tokens=max_tokens, routing=routing,

@@ -70,3 +70,23 @@ def _drawn(model, seed):
             else:
                 p.copy_(SCALE * noise)
     return model.eval()
+
+
+def delta_rule64(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **_):
+    """The gated delta rule token by token in float64 (transformers' kernels cast to float32):
+    S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q; q, k l2-normalised, q / sqrt(d)."""
+    assert initial_state is None and use_qk_l2norm_in_kernel
+    r = value.shape[2] // key.shape[2]
+    q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(r, 2)
+            for x in (query.double(), key.double()))  # FLA's l2norm: eps 1e-6 inside the root
+    q = q / q.shape[-1] ** 0.5
+    b, t, h, e = value.shape
+    state = value.new_zeros(b, h, q.shape[-1], e, dtype=torch.float64)
+    out = []
+    for i in range(t):
+        state = state * g[:, i].double().exp()[..., None, None]
+        delta = (value[:, i].double() - (state * k[:, i, :, :, None]).sum(-2)) * beta[:, i, :, None]
+        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        out.append((state * q[:, i, :, :, None]).sum(-2))
+    return torch.stack(out, 1), (state if output_final_state else None)

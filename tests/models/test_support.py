@@ -83,7 +83,8 @@ def test_the_docs_list_every_row():
 _DENSE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
 _GDN = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2}
 _CP2 = ParallelDims(cp=2)
 # row.what: (model, Forward fields, dims, CLI command and flags, needles of the row's message,
 #            the flag the CLI's refusal names)
@@ -116,13 +117,11 @@ BEFORE_LOAD = {
     "Gated DeltaNet hybrid x tuning compile_layers or recompute": (
         "gdn", dict(tuning=Tuning(recompute="full")), None, ["gate", "--tuning", "recompute=full"],
         ["Gated DeltaNet hybrid Qwen3NextForCausalLM", "recompute='full'"], "recompute='full'"),
-    "Gated DeltaNet hybrid x context parallelism": (
-        "gdn", {}, _CP2, ["gate", "--context-parallel", "2"],
-        ["Gated DeltaNet layers", "--context-parallel 2", "use --context-parallel 1"],
-        "--context-parallel 2"),
-    "Mamba-2 hybrid x context parallelism above its Mamba heads": (
-        "hybrid", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
-        ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"], "--context-parallel 5"),
+    # the Mamba-2 side of this row: test_hybrid_rows_refuse_before_the_model_loads
+    "Mamba-2 / Gated DeltaNet hybrid x context parallelism above its recurrent heads": (
+        "gdn", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
+        ["--context-parallel 5", "Gated DeltaNet", "linear_num_value_heads=4", "4 or fewer"],
+        "--context-parallel 5"),
     "Mamba-2 / Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
         "hybrid", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
                              "2", "--shard-params"],

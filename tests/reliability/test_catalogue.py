@@ -319,13 +319,15 @@ def _file_case(kind):
                  "layers_block_type": ["linear_attention", "full_attention"]}))
             return ["replay", good, *TRAIN, "--model", tmp / "m", "--num-ranks", "2",
                     "--shard-params"], ["--shard-params", "NemotronHForCausalLM"]
-        if kind == "gdn-cp":  # Gated DeltaNet layers under context parallelism (support.py)
+        if kind == "gdn-cp":  # more context-parallel ranks than GDN value heads (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
                 {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
+                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                 "linear_num_value_heads": 4, "linear_num_key_heads": 2}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
-                    "--context-parallel", "2"], ["Gated DeltaNet", "--context-parallel 2"]
+                    "--context-parallel", "5"], ["Gated DeltaNet", "linear_num_value_heads=4",
+                                                 "--context-parallel 5"]
         if kind == "gdn-ssm-kernel-triton":  # Mamba-2's fused scan asked of a GDN model
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(

@@ -83,14 +83,14 @@ FAMILIES = (
            note="Mamba-2 tree state forks; Granite 4.0-H; recompute selective/full, no "
                 "compiled layers"),
     Family(name="Qwen3-Next", architectures=("Qwen3NextForCausalLM",), experts=True,
-           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           moe_replay=True, recompute=False, megatron=False,
            note="Gated DeltaNet tree state forks (as Mamba-2's), gated attention, MoE with a "
                 "shared expert; MTP refused"),
-    Family(name="Qwen3.5", architectures=("Qwen3_5ForCausalLM",), context_parallel=False,
-           recompute=False, megatron=False,
+    Family(name="Qwen3.5", architectures=("Qwen3_5ForCausalLM",), recompute=False,
+           megatron=False,
            note="text model; Gated DeltaNet tree state forks, gated attention; MTP refused"),
     Family(name="Qwen3.5-MoE", architectures=("Qwen3_5MoeForCausalLM",), experts=True,
-           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           moe_replay=True, recompute=False, megatron=False,
            note="text model; as Qwen3.5, experts in every layer with a shared expert"),
 )
 

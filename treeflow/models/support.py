@@ -67,6 +67,13 @@ def _recurrent(c) -> bool:
     return bool(getattr(c, "recurrent", False))
 
 
+def _heads(c):
+    """The head layout the context-parallel ranks split (models/ssm/cp.py)."""
+    from treeflow.models.ssm.cp import mixer_heads
+
+    return mixer_heads(c)
+
+
 def _gdn(c) -> bool:
     return "gdn" in (getattr(c, "layer_types", None) or ())
 
@@ -116,17 +123,13 @@ ROWS = (
                               f"for the Gated DeltaNet hybrid {c.architecture}: leave them off "
                               f"(got compile_layers={f.tuning.compile_layers}, recompute="
                               f"{f.tuning.recompute!r})")),
-    Row(what="Gated DeltaNet hybrid x context parallelism", needs_model=True,
-        applies=lambda f, c, d: _gdn(c) and _cp(d) > 1,
-        message=lambda f, c, d: (f"{f.model}: {c.architecture} has Gated DeltaNet layers, which "
-                              f"do not run under context parallelism yet (--context-parallel "
-                              f"{_cp(d)}): use --context-parallel 1")),
-    Row(what="Mamba-2 hybrid x context parallelism above its Mamba heads", needs_model=True,
-        applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and _cp(d) > c.mamba_num_heads,
-        message=lambda f, c, d: (f"{f.model}: --context-parallel {_cp(d)} splits each Mamba-2 "
-                              f"layer's heads over the ranks, and {c.architecture} has "
-                              f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "
-                              f"{c.mamba_num_heads} or fewer")),
+    Row(what="Mamba-2 / Gated DeltaNet hybrid x context parallelism above its recurrent heads",
+        needs_model=True,
+        applies=lambda f, c, d: _recurrent(c) and _cp(d) > _heads(c).heads,
+        message=lambda f, c, d: (f"{f.model}: --context-parallel {_cp(d)} splits each "
+                              f"{_heads(c).kind} layer's heads over the ranks, and "
+                              f"{c.architecture} has {_heads(c).field}={_heads(c).heads}: use "
+                              f"--context-parallel {_heads(c).heads} or fewer")),
     Row(what="Mamba-2 / Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
         applies=lambda f, c, d: _recurrent(c),
         message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "

@@ -24,7 +24,7 @@ import pyarrow as pa
 from family_checks import check_cli, check_training
 from hybrid_helpers import episodes, token_weights, treeflow_values
 from models_helpers import path_to, random_forest, tree_tensors
-from qwen3_next_helpers import CHUNK, VOCAB, hf_qwen3_next
+from qwen3_next_helpers import CHUNK, VOCAB, delta_rule64, hf_qwen3_next
 
 from tests.models.moe_helpers import episodes as moe_rows
 from tests.models.moe_helpers import hf_occurrence_logprobs, occurrence_logprobs, with_routes
@@ -46,33 +46,13 @@ def pair(tmp_path_factory):
     return hf, path
 
 
-def _delta_rule64(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, **_):
-    """The gated delta rule token by token in float64 (transformers' kernels cast to float32):
-    S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q; q, k l2-normalised, q / sqrt(d)."""
-    assert initial_state is None and use_qk_l2norm_in_kernel
-    r = value.shape[2] // key.shape[2]
-    q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(r, 2)
-            for x in (query.double(), key.double()))  # FLA's l2norm: eps 1e-6 inside the root
-    q = q / q.shape[-1] ** 0.5
-    b, t, h, e = value.shape
-    state = value.new_zeros(b, h, q.shape[-1], e, dtype=torch.float64)
-    out = []
-    for i in range(t):
-        state = state * g[:, i].double().exp()[..., None, None]
-        delta = (value[:, i].double() - (state * k[:, i, :, :, None]).sum(-2)) * beta[:, i, :, None]
-        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
-        out.append((state * q[:, i, :, :, None]).sum(-2))
-    return torch.stack(out, 1), (state if output_final_state else None)
-
-
 def _hf64_values(hf, eps, weights, monkeypatch):
     """hybrid_helpers.hf_values in float64 end to end (its log-softmax too, its delta rule the
     float64 recurrence above), experts eager."""
     import sys
 
     modeling = sys.modules[type(hf).__module__]  # the family's own modeling module
-    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", _delta_rule64)
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", delta_rule64)
     model = copy.deepcopy(hf).double()
     model.set_experts_implementation("eager")  # grouped_mm has no float64
     values = {}
@@ -281,11 +261,12 @@ def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
     _, path = pair
     with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): Tuning"):
         load_backend("reference", str(path), tuning=Tuning(recompute="full"))
-    with pytest.raises(ValueError, match=r"Gated DeltaNet .*context parallelism"):
-        Forward(model=str(path)).check_model(dims=ParallelDims(cp=2))
-    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has Gated DeltaNet layers"):
+    heads = r"--context-parallel 5 splits each Gated DeltaNet .*linear_num_value_heads=4"
+    with pytest.raises(ValueError, match=heads):  # 4 value heads: at most 4 ranks
+        Forward(model=str(path)).check_model(dims=ParallelDims(cp=5))
+    with pytest.raises(ValueError, match=heads):
         build_forward(Forward(), model=load_backend("reference", str(path)),
-                      dims=ParallelDims(cp=2))
+                      dims=ParallelDims(cp=5))
 
 
 def test_gdn_runs_the_torch_scan_where_auto_picks_the_fused_mamba_scan(pair, monkeypatch):

@@ -143,6 +143,24 @@ class Decoder(nn.Module):
         self.capabilities.check(kernel=kernel, device=device, requires_grad=requires_grad,
                                 branching=branching)
 
+    def check_windowed_forward(self, tokens_N, positions_N, attention, tuning, routes_NW) -> None:
+        """The checks a decoder with sliding-window layers (Gemma 3, gpt-oss) runs before its
+        forward: the tokens, no compile/recompute tuning (families.py refuses it first), a
+        plain AttentionPlan (its local layers restrict it to their window), the kernel's
+        capabilities and the routes."""
+        c = self.config
+        check_tokens(tokens_N, positions_N, attention)
+        if layer_ops(tuning, tokens_N.device) is not None:
+            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
+                             f"{c.architecture}; leave them off (got {tuning})")
+        if not isinstance(attention, AttentionPlan):
+            raise ValueError(f"{c.architecture} needs an AttentionPlan (its local layers "
+                             f"restrict it to their window), got {type(attention).__name__}")
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        self.check_supported(kernel=attention.kernel, device=attention.device,
+                             requires_grad=requires_grad, branching=attention.branching)
+        check_routes(c, routes_NW, tokens_N.shape[0])
+
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                 attention: AttentionPlan, tuning: Tuning | None = None,
                 routes_NW: torch.Tensor | None = None, replay: bool = True,

@@ -21,11 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention.tree import AttentionPlan, check_tokens
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.reference.decoder import Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
-from treeflow.models.compile.layer_ops import layer_ops
-from treeflow.models.moe.block import check_routes
 from treeflow.models.reference.rope import Rotary, apply_rotary
 
 __all__ = ["Gemma3Decoder"]
@@ -133,17 +131,7 @@ class Gemma3Decoder(Decoder):
                 aux_weights_N=None) -> torch.Tensor:
         """As Decoder.forward; local layers run `attention.windowed(sliding_window)`."""
         c = self.config
-        check_tokens(tokens_N, positions_N, attention)
-        if layer_ops(tuning, tokens_N.device) is not None:  # families.py refuses it first
-            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
-                             f"{c.architecture}; leave them off (got {tuning})")
-        if not isinstance(attention, AttentionPlan):
-            raise ValueError(f"{c.architecture} needs an AttentionPlan (its local layers "
-                             f"restrict it to their window), got {type(attention).__name__}")
-        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        self.check_supported(kernel=attention.kernel, device=attention.device,
-                             requires_grad=requires_grad, branching=attention.branching)
-        check_routes(c, routes_NW, tokens_N.shape[0])
+        self.check_windowed_forward(tokens_N, positions_N, attention, tuning, routes_NW)
         embed = self.model.embed_tokens
         x_NH = embed(tokens_N) * torch.tensor(c.hidden_size ** 0.5).to(embed.weight.dtype)
         tables = {None: self._rotary.cos_sin(positions_N, x_NH.dtype)}

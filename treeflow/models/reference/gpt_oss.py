@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflow.models.attention.tree import AttentionPlan, check_tokens
+from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.reference.decoder import Decoder, RMSNorm
 from treeflow.models.config.gpt_oss import GptOssConfig
-from treeflow.models.compile.layer_ops import layer_ops
-from treeflow.models.moe.block import block_args, check_routes, record_tally, replayed
+from treeflow.models.moe.block import block_args, record_tally, replayed
 from treeflow.models.moe.ties import compute_dtype, topk_margin
 from treeflow.models.reference.rope import Rotary, apply_rotary
 
@@ -179,17 +178,7 @@ class GptOssDecoder(Decoder):
         """As Decoder.forward (routes replayed or recomputed, agreement in `route_tally`);
         local layers run `attention.windowed(sliding_window)`."""
         c = self.config
-        check_tokens(tokens_N, positions_N, attention)
-        if layer_ops(tuning, tokens_N.device) is not None:  # families.py refuses it first
-            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
-                             f"{c.architecture}; leave them off (got {tuning})")
-        if not isinstance(attention, AttentionPlan):
-            raise ValueError(f"{c.architecture} needs an AttentionPlan (its local layers "
-                             f"restrict it to their window), got {type(attention).__name__}")
-        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        self.check_supported(kernel=attention.kernel, device=attention.device,
-                             requires_grad=requires_grad, branching=attention.branching)
-        check_routes(c, routes_NW, tokens_N.shape[0])
+        self.check_windowed_forward(tokens_N, positions_N, attention, tuning, routes_NW)
         x_NH = self.model.embed_tokens(tokens_N)
         cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
         plans = {None: attention}

@@ -11,10 +11,10 @@ gives [q | gate] per head), norm q and k per head ((1 + w)), rotate the first
 the output by sigmoid(gate) before o_proj. GDN layers run on the plan's Mamba-2 segment
 plan (`HybridPlan.segments`), so their state forks at branch points exactly as Mamba-2's.
 
-The trade-off: no compiled or recomputed layer variants and no context parallelism
-(a GDN layer needs whole paths; head parallelism around the mixer, as ssm/cp.py does for
-Mamba-2, is not written yet): declared in models/families.py and refused there and in
-models/support.py.
+Under context parallelism the plan's segments are the rank's SsmShard: each GDN layer scans
+the whole bin for its share of the value heads (ssm/cp.py, as Mamba-2's), attention layers
+take the tree split. The trade-off: no compiled or recomputed layer variants: declared in
+models/families.py and refused there and in models/support.py.
 
 Legend: N tokens, H hidden, Q query heads, K key/value heads, D head dim.
 """

@@ -1,4 +1,5 @@
-"""Mamba-2 layers under context parallelism: head parallelism around each mixer.
+"""Recurrent layers (Mamba-2, Gated DeltaNet) under context parallelism: head parallelism
+around each mixer.
 
 Attention layers split a bin by DFS ranges (attention/context_parallel.py); a Mamba-2
 layer cannot, because a node's state depends on every node of its path, and
@@ -13,6 +14,12 @@ single-process path hands it to the norm) to the rank that holds the node.
 The gated norm, the z gate and `out_proj` then run on the rank's own nodes.
 Every state fork stays inside one rank, so no state crosses a cut.
 
+A Gated DeltaNet mixer (ssm/gdn.py) takes the same exchange: its value heads are the heads,
+its key heads the groups (q and k channels travel as B/C do), its v channels the per-head
+conv channels and its b and a the per-head columns dt is for Mamba-2 (`mixer_heads` says
+where each mixer keeps them); its scan output (cast to the compute dtype, as its gated norm
+takes it) comes back the same way and its norm, z gate and `out_proj` run on the rank's nodes.
+
 The two exchanges are adjoint to each other: `_ToBin`'s backward is the
 `_ToTokens` exchange of the gradient and vice versa, so backward is exact
 (a B/C group read by several ranks -- fewer groups than ranks -- gets the sum
@@ -21,7 +28,8 @@ of their gradients through index_add).
 Heads are dealt as evenly as possible (rank r: [h r / C, h (r + 1) / C));
 when every rank's heads cover whole groups, the groups travel as groups,
 otherwise each head gets its group's B/C rows (more bytes, same result).
-Fewer heads than ranks is refused (a rank would scan nothing).
+Fewer heads than ranks is refused by name (a rank would scan nothing); heads, groups and
+conv channels need not divide by C.
 
 Trade-off: two all_to_alls per Mamba layer of about (conv channels + heads +
 heads x head dim in float32) x N / C per rank, independent of tree shape; the
@@ -34,13 +42,55 @@ columns one rank receives, h heads, p head dim, g groups, s state size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from treeflow.models.ssm.tree import SegmentPlan
 
-__all__ = ["SsmShard", "head_shares"]
+__all__ = ["HeadLayout", "SsmShard", "head_shares", "mixer_heads"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadLayout:
+    """Where a recurrent mixer's heads sit in the columns it sends (see the module docstring).
+
+    conv: the conv channels' parts in order, each ("head", width per head) or ("group", width
+    per group); offset: the column of the first conv channel; extras: blocks of one column per
+    head after the conv channels (Mamba-2's dt; GDN's b and a); head_dim: the scan output's
+    columns per head. field / kind name the heads in a refusal.
+    """
+
+    field: str
+    kind: str
+    heads: int
+    head_dim: int
+    groups: int
+    conv: tuple[tuple[str, int], ...]
+    offset: int
+    extras: int
+
+
+def mixer_heads(config) -> HeadLayout:
+    """The head layout of `config`'s recurrent mixer: Mamba-2 (HybridConfig) sends in_proj's
+    [z | x B C | dt] (x per head, B and C per group); Gated DeltaNet (GdnConfig) sends
+    [q k v | b | a] (q and k per key head, the groups of its value heads; v per value head)."""
+    if hasattr(config, "linear_num_value_heads"):
+        dk = config.linear_key_head_dim
+        return HeadLayout(field="linear_num_value_heads", kind="Gated DeltaNet",
+                          heads=config.linear_num_value_heads,
+                          head_dim=config.linear_value_head_dim,
+                          groups=config.linear_num_key_heads,
+                          conv=(("group", dk), ("group", dk),
+                                ("head", config.linear_value_head_dim)),
+                          offset=0, extras=2)
+    s = config.ssm_state_size
+    return HeadLayout(field="mamba_num_heads", kind="Mamba-2", heads=config.mamba_num_heads,
+                      head_dim=config.mamba_head_dim, groups=config.n_groups,
+                      conv=(("head", config.mamba_head_dim), ("group", s), ("group", s)),
+                      offset=config.mamba_intermediate, extras=1)
 
 
 def head_shares(heads: int, size: int) -> list[tuple[int, int]]:
@@ -49,40 +99,42 @@ def head_shares(heads: int, size: int) -> list[tuple[int, int]]:
 
 
 class SsmShard:
-    """This rank's share of a bin's Mamba-2 layers under context parallelism.
+    """This rank's share of a bin's recurrent layers under context parallelism.
 
-    Stands in for the bin's SegmentPlan in a Mamba2Mixer: `num_tokens` is this rank's node
-    count, `segments` the whole bin's SegmentPlan, `heads` this rank's [h0, h1).
+    Stands in for the bin's SegmentPlan in a Mamba2Mixer or a GatedDeltaNet: `num_tokens` is
+    this rank's node count, `segments` the whole bin's SegmentPlan, `heads` this rank's [h0, h1).
     """
 
     def __init__(self, parents_N: np.ndarray, bounds: np.ndarray, cp, config, *,
                  fork: str, state_dtype: str, device: torch.device | str = "cpu") -> None:
-        c, size = config, cp.size
-        h, p, g, s = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
+        lay, size = mixer_heads(config), cp.size
+        h, p, g, per = lay.heads, lay.head_dim, lay.groups, lay.heads // lay.groups
         if h < size:
-            raise ValueError(f"{c.architecture}: mamba_num_heads={h} < context_parallel={size}; "
-                             "Mamba-2 layers split their heads over the context-parallel ranks, "
-                             f"so use --context-parallel {h} or fewer")
+            raise ValueError(f"{config.architecture}: {lay.field}={h} < context_parallel={size}; "
+                             f"{lay.kind} layers split their heads over the context-parallel "
+                             f"ranks, so use --context-parallel {h} or fewer")
         self.cp, self.device = cp, torch.device(device)
         self.bounds = np.asarray(bounds, dtype=np.int64)
         self.rows = np.diff(self.bounds).tolist()  # nodes per rank
         self.num_tokens = self.rows[cp.rank]
-        self.segments = SegmentPlan(parents_N, chunk_size=c.chunk_size,
-                                    conv_kernel=c.conv_kernel, fork=fork,
+        self.segments = SegmentPlan(parents_N, chunk_size=config.chunk_size,
+                                    conv_kernel=config.conv_kernel, fork=fork,
                                     state_dtype=state_dtype, device=device)
         shares = head_shares(h, size)
-        per = h // g
-        inner = h * p
+        conv_dim = sum(w * (h if part == "head" else g) for part, w in lay.conv)
         self._cols, self._ycols, conv_cols, groups = [], [], [], []
         for h0, h1 in shares:
             g0, g1 = h0 // per, (h1 - 1) // per + 1
-            conv = np.concatenate([np.arange(h0 * p, h1 * p),
-                                   inner + np.arange(g0 * s, g1 * s),
-                                   inner + g * s + np.arange(g0 * s, g1 * s)])
+            conv, at = [], 0
+            for part, w in lay.conv:  # this share's channels of each part of the conv
+                a, b = (h0, h1) if part == "head" else (g0, g1)
+                conv.append(at + np.arange(a * w, b * w))
+                at += w * (h if part == "head" else g)
+            conv = np.concatenate(conv)
             conv_cols.append(conv)
-            # projection columns: [z (inner) | xBC (conv_dim) | dt (h)]
-            self._cols.append(np.concatenate([inner + conv,
-                                              inner + c.conv_dim + np.arange(h0, h1)]))
+            # sent columns: [... | conv channels at lay.offset | lay.extras blocks of h per head]
+            extras = [lay.offset + conv_dim + e * h + np.arange(h0, h1) for e in range(lay.extras)]
+            self._cols.append(np.concatenate([lay.offset + conv, *extras]))
             self._ycols.append(np.arange(h0 * p, h1 * p))
             groups.append((g0, g1))
         r = cp.rank
@@ -90,10 +142,11 @@ class SsmShard:
         self.groups = g1 - g0
         self.conv_width = len(conv_cols[r])
         self.conv_channels = torch.from_numpy(conv_cols[r]).to(self.device)
+        # each head's group among this rank's groups; None where the heads cover whole groups
+        self.group_of_head = torch.from_numpy(np.arange(self.h0, self.h1) // per - g0).to(
+            self.device)
         aligned = self.h0 % per == 0 and self.h1 % per == 0
-        # heads whose groups are not whole on this rank read their group's rows one by one
-        self.head_groups = (None if aligned else torch.from_numpy(
-            np.arange(self.h0, self.h1) // per - g0).to(self.device))
+        self.head_groups = None if aligned else self.group_of_head
         self._send_cols = [torch.from_numpy(x).to(self.device) for x in self._cols]
         self._recv_ycols = [torch.from_numpy(x).to(self.device) for x in self._ycols]
 
@@ -102,7 +155,8 @@ class SsmShard:
                 f"heads=[{self.h0}, {self.h1}), segments={self.segments.segments})")
 
     def to_bin(self, proj_nF: torch.Tensor) -> torch.Tensor:
-        """This rank's columns (its heads' xBC and dt) of every node of the bin: [N, f]."""
+        """This rank's columns (its heads' conv channels, then its heads' dt, or b and a) of
+        every node of the bin: [N, f]."""
         return _ToBin.apply(proj_nF, self)
 
     def to_tokens(self, y_NF: torch.Tensor, width: int) -> torch.Tensor:

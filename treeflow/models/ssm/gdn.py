@@ -19,7 +19,9 @@ segment still running (segments sorted by length, so those are a prefix). Launch
 grow with branching depth x chunks of the longest segment of a level, not with the
 number of segments. Padding slots (and a segment's tail padding) have k = beta = 0 and
 g = 0: they leave the state unchanged. Everything here is float32; the states handed
-to children are held in the plan's `state_dtype`.
+to children are held in the plan's `state_dtype`. Under context parallelism the mixer gets an
+SsmShard (ssm/cp.py) and runs the same conv and scan on the whole bin for its share of the
+value heads (their key heads' q/k channels), exchanged before and after.
 
 Legend: N tokens, H hidden, h value heads, j key heads, d key head dim, e value head
 dim, K chunks of a level, C chunk size, S segments of a level.
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.config.gdn import GdnConfig
+from treeflow.models.ssm.cp import SsmShard
 from treeflow.models.ssm.tree import SegmentPlan, tree_conv
 
 __all__ = ["GatedDeltaNet", "tree_gated_delta"]
@@ -165,13 +168,15 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x_NH: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        if not isinstance(plan, SegmentPlan):
-            raise ValueError(f"Gated DeltaNet layers run on a bin's SegmentPlan, got "
-                             f"{type(plan).__name__} (context parallelism is not supported)")
-        if plan.kernel != "torch":
+    def forward(self, x_NH: torch.Tensor, plan: SegmentPlan | SsmShard) -> torch.Tensor:
+        shard = plan if isinstance(plan, SsmShard) else None
+        segments = plan if shard is None else shard.segments
+        if not isinstance(segments, SegmentPlan):
+            raise ValueError(f"Gated DeltaNet layers run on a bin's SegmentPlan (or its SsmShard "
+                             f"under context parallelism), got {type(plan).__name__}")
+        if segments.kernel != "torch":
             raise ValueError(f"Gated DeltaNet layers run the torch scan; --ssm-kernel "
-                             f"{plan.kernel} is a Mamba-2 kernel: use --ssm-kernel torch/auto")
+                             f"{segments.kernel} is a Mamba-2 kernel: use --ssm-kernel torch/auto")
         n, r = x_NH.shape[0], self.vh // self.kh
         if self.split:
             mixed = self.in_proj_qkv(x_NH)
@@ -181,13 +186,37 @@ class GatedDeltaNet(nn.Module):
             q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
             b, a = self.in_proj_ba(x_NH).view(n, self.kh, 2 * r).split([r, r], -1)
             mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1)
-        mixed = tree_conv(mixed, self.conv1d.weight, None, plan)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
-        beta_Nh = b.reshape(n, self.vh).sigmoid()
-        g_Nh = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.vh).float() + self.dt_bias)
-        q_Nhd = q.reshape(n, self.kh, self.dk).repeat_interleave(r, dim=1)
-        k_Nhd = k.reshape(n, self.kh, self.dk).repeat_interleave(r, dim=1)
-        y_Nhe = tree_gated_delta(q_Nhd, k_Nhd, v.reshape(n, self.vh, self.dv), g_Nh, beta_Nh,
-                                 plan).to(x_NH.dtype)
-        y_Nhe = self.norm(y_Nhe, z.reshape(n, self.vh, self.dv))
+        b, a = b.reshape(n, self.vh), a.reshape(n, self.vh)
+        if shard is None:
+            y_Nhe = self._scan(mixed, b, a, segments, slice(None), self.kh, r)
+        else:  # the whole bin for this rank's heads (ssm/cp.py), then every head of its nodes
+            heads = shard.h1 - shard.h0
+            mixed, b, a = shard.to_bin(torch.cat([mixed, b, a], -1)).split(
+                [shard.conv_width, heads, heads], -1)
+            y_Bhe = self._scan(mixed, b, a, segments, slice(shard.h0, shard.h1), shard.groups,
+                               shard.group_of_head, shard.conv_channels)
+            y_Nhe = shard.to_tokens(y_Bhe.reshape(y_Bhe.shape[0], -1), self.value_dim)
+        y_Nhe = self.norm(y_Nhe.view(n, self.vh, self.dv), z.reshape(n, self.vh, self.dv))
         return self.out_proj(y_Nhe.reshape(n, self.value_dim))
+
+    def _scan(self, mixed_NC, b_Nh, a_Nh, plan: SegmentPlan, heads: slice, groups: int,
+              group_of_head, channels=None) -> torch.Tensor:
+        """Conv and delta rule of the value heads `heads` (their `groups` key heads, conv
+        `channels`) over every node of `plan`, in the compute dtype: [N, heads, e].
+        group_of_head: each head's key head among them, or the heads per key head (every key
+        head's heads all here)."""
+        n, weight = mixed_NC.shape[0], self.conv1d.weight
+        if channels is not None:
+            weight = weight.index_select(0, channels)
+        mixed_NC = tree_conv(mixed_NC, weight, None, plan)
+        width = groups * self.dk
+        q, k, v = mixed_NC.split([width, width, mixed_NC.shape[1] - 2 * width], -1)
+        beta_Nh = b_Nh.sigmoid()
+        g_Nh = -self.A_log[heads].float().exp() * F.softplus(a_Nh.float() + self.dt_bias[heads])
+        q_Njd, k_Njd = q.reshape(n, groups, self.dk), k.reshape(n, groups, self.dk)
+        if isinstance(group_of_head, int):
+            q_Nhd, k_Nhd = (t.repeat_interleave(group_of_head, dim=1) for t in (q_Njd, k_Njd))
+        else:
+            q_Nhd, k_Nhd = (t.index_select(1, group_of_head) for t in (q_Njd, k_Njd))
+        return tree_gated_delta(q_Nhd, k_Nhd, v.reshape(n, -1, self.dv), g_Nh, beta_Nh,
+                                plan).to(mixed_NC.dtype)
