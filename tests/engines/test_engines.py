@@ -30,9 +30,9 @@ class SerialEngine(Engine):
         super().__init__(**kw)
         self.windows = 0
 
-    def run(self, pipeline, source, *, device="cpu", trainer=None, prefetch=2, steps=None):
+    def run(self, pipeline, source, *, trainer=None, steps=None):
         plan = pipeline.plan
-        worker = plan.worker(device=device, trainer=trainer)
+        worker = plan.worker(device=self.device, trainer=trainer)
         worker.warm_up()
         it = iter(source)
         for step, episodes in enumerate(it):
@@ -93,6 +93,14 @@ def test_names_resolve_once_and_objects_carry_their_options():
         RayEngine(thread=2)
     with pytest.raises(TypeError, match="give a name"):
         engine_for(3)
+    # device and prefetch are the engine's, carried by every copy of it
+    placed = ray.with_options(device="cuda:1", prefetch=3)
+    assert (placed.device, placed.prefetch, placed.options, placed.dims) == \
+        ("cuda:1", 3, {"threads": 2}, ParallelDims(dp=3))
+    assert (ray.device, ray.prefetch) == ("cpu", 2)
+    assert engine_for("local", device="cuda", prefetch=4).prefetch == 4
+    with pytest.raises(ValueError, match=r"LocalEngine\(prefetch=0\) \(--prefetch\)"):
+        LocalEngine(prefetch=0)
 
 
 def test_idle_ranks_are_said_only_for_engines_that_start_them():

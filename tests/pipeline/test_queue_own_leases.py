@@ -46,12 +46,10 @@ def _rank(address, own, steps, ckpt, resume, ack):
     for rec in pipe.run(windows, trainer=trainer):
         losses.append(rec.output.column("loss")[0].as_py())
         trainer.position = rec.position
-        if reader is not None:
-            reader.handed(windows.own_step if own else rec.position["queue_step"])
     trainer.save(ckpt)
     skipped = reader.skipped if reader is not None else 0
     if ack and reader is not None:
-        reader.ack_finished()
+        reader.commit(trainer.position)   # the checkpoint holds every window's parts
         reader.close()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     dp.close()

@@ -71,10 +71,12 @@ def levers(args, tuning) -> dict:
 
 def engine(args):
     """The Engine object of --engine (treeflow.engines), owning the ParallelDims of the
-    parallel flags (--num-ranks, --context-parallel, --tensor-parallel: cli/parallel.py)."""
+    parallel flags (--num-ranks, --context-parallel, --tensor-parallel: cli/parallel.py), on
+    --device with --prefetch windows prepared ahead (where the command has it)."""
     from treeflow.engines import engine_for
 
-    return engine_for(args.engine, dims=_dims(args))
+    placed = {k: getattr(args, k) for k in ("device", "prefetch") if hasattr(args, k)}
+    return engine_for(args.engine, dims=_dims(args), **placed)
 
 
 def launch(args, *, train: bool):
@@ -163,8 +165,8 @@ def fit_options(args, *, run: dict | None, config: dict | None, title: str,
                 episodes_per_step: int | None = None) -> dict:
     """What fit() takes from the training flags every training command shares: the
     Checkpointer (--save, --save-every, --keep, --resume), the sinks (the step checks,
-    --metrics, --tensorboard, --logger, the console's progress unless --json or --quiet),
-    --prefetch and --device."""
+    --metrics, --tensorboard, --logger, the console's progress unless --json or --quiet);
+    --prefetch and --device are the engine's (`engine(args)`)."""
     from treeflow.cli.common import say
     from treeflow.cli.trackers import sinks_from_args
     from treeflow.ops import Checkpointing
@@ -179,8 +181,7 @@ def fit_options(args, *, run: dict | None, config: dict | None, title: str,
     console = [] if args.json or args.quiet else [ProgressSink(title, steps=args.steps)]
     return dict(checkpointer=checkpointer,
                 sinks=[StepChecks(loss=args.loss, episodes_per_step=episodes_per_step, log=say),
-                       *sinks_from_args(args), *console],
-                prefetch=args.prefetch, device=args.device)
+                       *sinks_from_args(args), *console])
 
 
 def rollout_config(args):

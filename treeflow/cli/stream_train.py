@@ -80,7 +80,8 @@ def _stream_train(args, queue, dp=None, exchange=None) -> dict | None:
     pipes = [stages.pipeline(ranks, r, exchange)
              for r in (range(ranks) if owned else [dp.replica if dp else 0])]
     summary = fit_queue(
-        pipes, queue, _training(args), dp=dp, publish=args.publish_weights, log=say,
+        pipes, queue, _training(args), engine=configs.engine(args), dp=dp,
+        publish=args.publish_weights, log=say,
         trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                              reference=configs.reference(args, pipes[0].plan.model)),
         **configs.fit_options(args, title="stream train",

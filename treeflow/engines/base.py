@@ -26,6 +26,8 @@ class Engine:
     """Runs a pipeline's plan; subclasses set `name` and implement `run`.
 
     dims: the run's parallel dimensions as this engine places them (default: one process).
+    device: where the model runs ("cpu", "cuda", "cuda:1"; the engine builds it there).
+    prefetch: windows prepared ahead of the model (>= 1).
     """
 
     name: ClassVar[str] = "engine"
@@ -34,19 +36,31 @@ class Engine:
     # several
     owns_processes: ClassVar[bool] = False
 
-    def __init__(self, *, dims: ParallelDims | None = None):
+    def __init__(self, *, dims: ParallelDims | None = None, device: str = "cpu",
+                 prefetch: int = 2):
+        name = type(self).__name__
         if dims is not None and not isinstance(dims, ParallelDims):
-            raise TypeError(f"{type(self).__name__}(dims={dims!r}): give a ParallelDims")
+            raise TypeError(f"{name}(dims={dims!r}): give a ParallelDims")
+        if not isinstance(device, str) or not device:
+            raise TypeError(f"{name}(device={device!r}): give a device name, e.g. 'cpu' or "
+                            "'cuda'")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"{name}(prefetch={prefetch!r}) (--prefetch): give an int >= 1 "
+                             "(windows prepared ahead of the model)")
         self.dims = dims or ParallelDims()
+        self.device, self.prefetch = device, prefetch
         self.options: dict = {}
 
     def with_options(self, **options) -> "Engine":
-        """A copy of this engine with `options` added (a training run's per-rank operators,
-        per-rank plans); an engine that takes no such option refuses it by name."""
-        return type(self)(dims=self.dims, **{**self.options, **options})
+        """A copy of this engine with `options` added or replaced (`device`, `prefetch`, a
+        training run's per-rank operators, per-rank plans); an engine that takes no such option
+        refuses it by name."""
+        placed = dict(dims=self.dims, device=self.device, prefetch=self.prefetch)
+        placed.update({k: options.pop(k) for k in tuple(placed) if k in options})
+        return type(self)(**placed, **{**self.options, **options})
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(dims={self.dims})"
+        return f"{type(self).__name__}(dims={self.dims}, device={self.device!r})"
 
     @property
     def ranks(self) -> int:
@@ -63,9 +77,9 @@ class Engine:
             return plan
         return plan.for_rank(ranks, shares=False)
 
-    def run(self, pipeline, source, *, device: str = "cpu", trainer=None, prefetch: int = 2,
-            steps: int | None = None) -> Iterator:
-        """One WindowResult per window of `source`, in order.
+    def run(self, pipeline, source, *, trainer=None, steps: int | None = None) -> Iterator:
+        """One WindowResult per window of `source`, in order, the model on `self.device` with
+        `self.prefetch` windows prepared ahead.
 
         source, as `Pipeline.run` normalised it: a `Files` or other `Source` (with a position),
         a queue reader, or an iterator of validated episode tables (`pipeline.windows(...)`).

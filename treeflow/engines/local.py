@@ -16,7 +16,8 @@ __all__ = ["LocalEngine"]
 
 
 class LocalEngine(Engine):
-    """Runs the plan here. ranks: the data-parallel ranks the run has (each its own process;
+    """Runs the plan here, the model on `device` with `prefetch` windows prepared ahead by a
+    thread. ranks: the data-parallel ranks the run has (each its own process;
     this is one of them), as Shard deals the bins (the plan bound to them, Engine.bind).
     dims: all of the run's dimensions (ParallelDims; its cp or tp processes split each bin,
     this process one of them)."""
@@ -25,18 +26,19 @@ class LocalEngine(Engine):
     owns_processes = False
 
     def __init__(self, *, dims: ParallelDims | None = None, ranks: int | None = None,
-                 **options):
+                 device: str = "cpu", prefetch: int = 2, **options):
         if options:
             raise ValueError(f"engine 'local' takes no {sorted(options)}")
         if ranks is not None:
             if dims is not None:
                 raise ValueError("LocalEngine: give dims= or ranks=, not both")
             dims = ParallelDims(dp=ranks)
-        super().__init__(dims=dims)
+        super().__init__(dims=dims, device=device, prefetch=prefetch)
 
-    def run(self, pipeline, source, *, device: str = "cpu", trainer=None, prefetch: int = 2,
-            steps: int | None = None):
+    def run(self, pipeline, source, *, trainer=None, steps: int | None = None):
         from treeflow.pipeline.local import run_local
+
+        device = self.device
 
         # a trainer given from outside is one of its process group's replicas (a runtime
         # handle): an unbound plan deals its bins to as many
@@ -53,7 +55,7 @@ class LocalEngine(Engine):
             trainer = Trainer(plan.model, plan.accumulate, device=device,
                               max_tokens=plan.max_tokens)
         worker = plan.worker(device=device, trainer=trainer) if trainer is not None else None
-        records = run_local(plan, source, device=device, worker=worker, prefetch=prefetch,
+        records = run_local(plan, source, device=device, worker=worker, prefetch=self.prefetch,
                             dims=self.dims)
         return records if steps is None else itertools.islice(records, steps)
 

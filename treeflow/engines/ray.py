@@ -17,7 +17,8 @@ _TRAINING = ("save", "save_every", "keep", "publish")
 
 
 class RayEngine(Engine):
-    """ranks: data-parallel ranks (rank actors; default 1). threads: torch threads per rank.
+    """ranks: data-parallel ranks (rank actors; default 1). device: where each rank actor runs
+    its model; prefetch: windows in flight. threads: torch threads per rank.
     plans: one plan per rank (per-rank planning). train: a `RemoteTraining` (train/remote.py)
     each rank builds its training operator from; or, for a training pipeline, save=DIR,
     save_every=N, keep=K, publish=DIR (the weights after every step). rank_cls: the rank
@@ -27,19 +28,18 @@ class RayEngine(Engine):
     owns_processes = True
 
     def __init__(self, *, dims: ParallelDims | None = None, ranks: int | None = None,
-                 **options):
+                 device: str = "cpu", prefetch: int = 2, **options):
         if ranks is not None:
             if dims is not None:
                 raise ValueError("RayEngine: give dims= or ranks=, not both")
             dims = ParallelDims(dp=ranks)
-        super().__init__(dims=dims)
+        super().__init__(dims=dims, device=device, prefetch=prefetch)
         known = {"threads", "plans", "train", "rank_cls", *_TRAINING}
         if unknown := sorted(set(options) - known):
             raise ValueError(f"RayEngine takes no {unknown}; its options are {sorted(known)}")
         self.options = options
 
-    def run(self, pipeline, source, *, device: str = "cpu", trainer=None, prefetch: int = 2,
-            steps: int | None = None):
+    def run(self, pipeline, source, *, trainer=None, steps: int | None = None):
         from treeflow.pipeline.ray import run_ray
 
         plan = self.bind(pipeline.plan)
@@ -62,5 +62,5 @@ class RayEngine(Engine):
                                             every=given.get("save_every", 0),
                                             keep=given.get("keep"), background=False),
                 publish=given.get("publish"))
-        return run_ray(plan, source, device=device, dims=self.dims, prefetch=prefetch,
+        return run_ray(plan, source, device=self.device, dims=self.dims, prefetch=self.prefetch,
                        steps=steps, **options)

@@ -77,7 +77,7 @@ class Pipeline:
         return self.stages[-1].output_schema
 
     def run(self, source, *, engine="local", episodes_per_step: int | None = None,
-            device: str = "cpu", trainer=None, prefetch: int = 2,
+            device: str | None = None, trainer=None, prefetch: int | None = None,
             ranks: int | None = None, steps: int | None = None, window: int | None = None,
             **engine_options) -> Iterator[WindowResult]:
         """Yield one `WindowResult` (step, episodes, output, stats, position) per window.
@@ -94,8 +94,10 @@ class Pipeline:
         step and the output is its metrics row; pass `trainer` (a Trainer, e.g.
         resumed, or a built training operator, `treeflow.ops.TrainOp`, with its
         checkpointing and hooks) to continue it; `treeflow.train.fit` is the
-        whole training loop around this. device: where the model runs (the engine builds
-        it there). steps: stop after this many windows (training on cycled data).
+        whole training loop around this. device, prefetch: the engine's (where the model
+        runs, windows prepared ahead; None: the engine object's own, for a name "cpu" and 2;
+        given with an Engine object, a copy of it with them). steps: stop after this many
+        windows (training on cycled data).
         engine: an Engine object (treeflow.engines: `LocalEngine()`, `RayEngine(ranks=2)`,
         or your own subclass) or the name of one, built with `ranks` and `engine_options`
         (ray: `ranks` rank actors fed by one Ray graph -- files read and streamed by Ray
@@ -107,7 +109,11 @@ class Pipeline:
 
         if ranks is not None:
             engine_options["ranks"] = ranks
+        placed = {k: v for k, v in (("device", device), ("prefetch", prefetch)) if v is not None}
         engine = engine_for(engine, **engine_options)
+        placed = {k: v for k, v in placed.items() if v != getattr(engine, k)}
+        if placed:  # a copy: the engine object given stays as it was built
+            engine = engine.with_options(**placed)
         if window is not None:
             raise TypeError(f"Pipeline.run(window={window}) is now Pipeline.run("
                             f"episodes_per_step={window}) (the old name was accepted for one "
@@ -118,7 +124,7 @@ class Pipeline:
         if isinstance(source, QueueSource):
             raise TypeError("a QueueSource is a configuration and holds no queue: pass its reader, "
                             "QueueSource(...).open(queue)")
-        options = dict(device=device, trainer=trainer, prefetch=prefetch)
+        options = dict(trainer=trainer)
         if isinstance(source, QueueReader):
             if window is not None:
                 raise ValueError("a QueueSource's windows are its queue steps; set "

@@ -57,8 +57,6 @@ class RankWindows(Source):
         self._group = dist.new_group(backend="gloo") if dp.distributed else None  # every rank calls
         # own: the windows' union starts from the reader's position (a resumed run's checkpoint)
         self._position = reader.get_state() if own else None
-        self.own_step = None  # own: the queue step this rank leased for the last window, or None
-        self._own_parts: dict[int, int | None] = {}  # own: window's queue_step -> own_step
 
     def next(self):
         if self.own:
@@ -105,20 +103,13 @@ class RankWindows(Source):
             raise RuntimeError(f"a rank stopped reading the queue ({'; '.join(failed)}); every "
                                "rank stops")
         parts = sorted((m[2], m[1]) for m in every if m[0] == "step")
-        self.own_step = mine[2]
         if not parts:
             raise StopIteration
         steps = [q for q, _ in parts]
         self.reader.applied(steps)
         window = concat_episodes([t for _, t in parts])
         self._position = _union(self._position, steps, window.num_rows)
-        self._own_parts[self._position["queue_step"]] = self.own_step
         return window
-
-    def own_part(self, position: dict) -> int | None:
-        """own: the queue step this rank leased for the window whose position is `position`
-        (None: it got none), once; the engine may have read windows ahead since."""
-        return self._own_parts.pop(position["queue_step"], None)
 
     def _all(self, mine) -> list:
         if self._group is None:
@@ -128,7 +119,9 @@ class RankWindows(Source):
         return all_gather(mine, group=self._group)  # JSON and Arrow, no pickle
 
     def commit(self, position: dict | None = None) -> None:
-        """A checkpoint holds `position`: this rank's reader (if any) acknowledges its steps."""
+        """`position` is durable (a checkpoint holds it, or its metrics are out): this rank's
+        reader (if any) acknowledges the steps it holds that the position names (own: its
+        part of each window, and other ranks' parts redelivered to it)."""
         if self.reader is not None:
             self.reader.commit(position)
 

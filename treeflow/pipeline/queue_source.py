@@ -282,8 +282,20 @@ class QueueReader(Source):
             self._ack([step])
 
     def commit(self, position: dict | None = None) -> None:
-        """A checkpoint holds `position`: acknowledge its steps (`ack_finished`)."""
-        self.ack_finished(position)
+        """What was read up to `position` (a `get_state()`) is durable now (a checkpoint holds
+        it, or, without a save cadence, its metrics are out): acknowledge every step this
+        reader holds that the position names -- its own, and other ranks' parts redelivered to
+        it (`applied`) -- and no step leased ahead of it. None: every step handed to the
+        caller (`ack_finished()`)."""
+        if position is None:
+            self.ack_finished()
+            return
+        through = int(position.get("queue_steps_through", -1))
+        extra = set(int(q) for q in position.get("queue_steps_extra", ()))
+        with self._lock:
+            steps = [q for q in self._held if q <= through or q in extra]
+            self._finished = [q for q in self._finished if q not in steps]
+        self._ack(steps)
 
     def ack_finished(self, position: dict | None = None) -> list[int]:
         """Acknowledge every step whose result was handed to the caller (now durable).

@@ -61,6 +61,8 @@ def feed(engine, source, *, steps: int | None = None) -> Prefetch:
     if isinstance(source, (Files, FilesReader)):  # here, not in the read-ahead thread, so
         import_ray_data()  # that thread starts Ray Data while the driver imports torch
     if isinstance(source, FilesReader):
+        if (left := source.left()) is not None:  # its end (Source.end_after), read here
+            steps = left if steps is None else min(steps, left)
         items = _files(engine, source.files, {"episodes": source._skip}, steps)
     elif isinstance(source, Files):
         items = _files(engine, source, None, steps)

@@ -8,7 +8,8 @@ ranks (`RankWindows`, pipeline/queue_ranks.py), a plain iterable of tables
 position after the last window (what a checkpoint saves), `reset(state)`
 back to a saved position, `commit(position)` that a checkpoint now holds
 what was read up to `position` (a queue acknowledges those steps then; a
-file has nothing to acknowledge), so a training loop treats every source alike. A config (frozen, pure) opens a reader with
+file has nothing to acknowledge), `end_after(n)` to end after n more windows
+(a training run's steps left), so a training loop treats every source alike. A config (frozen, pure) opens a reader with
 `open(state)`; engines read every reader through the one read-ahead wrapper
 (pipeline/prefetch.py).
 
@@ -56,6 +57,19 @@ class Source:
         durable now (a checkpoint holds it): a source with delivery guarantees acknowledges
         it (a queue reader), others have nothing to do."""
 
+    def end_after(self, windows: int) -> None:
+        """Hand at most `windows` more windows, then end (StopIteration, asking the reader for
+        nothing more): a training run's steps left (fit), for any source -- cycled files, a
+        queue, the windows of several ranks alike."""
+        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 0:
+            raise ValueError(f"{type(self).__name__}.end_after({windows!r}): give an int >= 0")
+        self._end = getattr(self, "_handed", 0) + windows
+
+    def left(self) -> int | None:
+        """Windows this source may still hand (`end_after`), None: until it ends."""
+        end = getattr(self, "_end", None)
+        return None if end is None else end - getattr(self, "_handed", 0)
+
     def state_dict(self) -> dict | None:
         return self.get_state()
 
@@ -63,7 +77,11 @@ class Source:
         return self
 
     def __next__(self) -> pa.Table:
-        return self.next()
+        if self.left() == 0:
+            raise StopIteration
+        window = self.next()
+        self._handed = getattr(self, "_handed", 0) + 1
+        return window
 
 
 class IterSource(Source):

@@ -117,6 +117,7 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
     from treeflow.ops.train import PublishWeights
     from treeflow.programs.fidelity import generation_kl
     from treeflow.pipeline.pipeline import Pipeline
+    from treeflow.engines import LocalEngine
     from treeflow.pipeline.queue_ranks import RankWindows
     from treeflow.pipeline.queue_source import QueueSource
     from treeflow.stages import Fragment, Pack, Reassemble
@@ -144,8 +145,9 @@ def train_and_score(side: GateTrainer, queue, dp=None) -> dict:
 
     try:
         report = fit(Pipeline(pack, fragment, side.forward, side.reduce), lambda *_: source,
-                     steps=1, cap_steps=False, trainer=trainer, publish=publish,
-                     on_result=on_result if lead else None, device=side.device,
+                     steps=1, trainer=trainer, publish=publish,
+                     on_result=on_result if lead else None,
+                     engine=LocalEngine(device=side.device),
                      checkpointer=Checkpointer(log=_quiet))
         step_row = report["last"]
         if step_row is None:

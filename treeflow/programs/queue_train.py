@@ -136,33 +136,6 @@ def merge_rank_summaries(results: list) -> dict:
     return summary
 
 
-class _OwnParts:
-    """Per-rank leases: the pipeline, with every rank handing its own part of each window to
-    its reader as the window's result comes out (fit's on_result runs on rank 0 alone) and,
-    without a save cadence, acknowledging it when fit comes back for the next (its row is out)."""
-
-    def __init__(self, pipe, opened: dict, hold: bool):
-        self._pipe, self._opened, self._hold = pipe, opened, hold
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-    def run(self, windows, **options):
-        records = self._pipe.run(windows, **options)
-        try:
-            for rec in records:
-                reader, part = self._opened["reader"], windows.own_part(rec.position)
-                if part is not None:
-                    reader.handed(part)
-                yield rec
-                if not self._hold:
-                    reader.ack_finished()
-        finally:
-            close = getattr(records, "close", None)
-            if close is not None:
-                close()
-
-
 def _announcer(queue, log):
     """queue.publish_weights, except for weights older than the queue's: a run killed after it
     published past its last checkpoint and resumed from it re-announces from the next step on."""
@@ -177,20 +150,25 @@ def _announcer(queue, log):
     return announce
 
 
-def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
+def fit_queue(pipelines: list, queue, training: QueueTraining, *, engine=None, dp=None,
               publish: str | None = None, trainer_options: dict | None = None,
-              checkpointer=None, sinks=(), log=_stderr, device: str = "cpu",
-              prefetch: int = 2) -> dict | None:
+              checkpointer=None, sinks=(), log=_stderr) -> dict | None:
     """Train on `queue`'s steps with fit(); the run's summary (on rank 0; per-rank leases: the
     other ranks return their reader's counts, for merge_rank_summaries; else None).
 
     pipelines: this rank's training pipeline (ending in Reduce), or with engine "ray" one per
     rank actor. queue: the queue, on every rank that reads it (rank 0; per-rank leases: each).
-    dp: this process's DataParallel, when it is one of several ranks. publish: the directory
-    of the published weights. trainer_options, checkpointer, sinks, device, prefetch: fit()'s
-    (the sinks are written and the checkpointer's notes said by rank 0 only); saves are
-    synchronous (the steps a checkpoint holds are acknowledged once it is written). log: the
-    weights' notes.
+    engine: the Engine object (its device, prefetch; the Ray engine's ranks), which must be
+    `training.engine`'s kind (None: that engine on the CPU). dp: this process's DataParallel,
+    when it is one of several ranks. publish: the directory of the published weights.
+    trainer_options, checkpointer, sinks: fit()'s (the sinks are written and the
+    checkpointer's notes said by rank 0 only); saves are synchronous (the steps a checkpoint
+    holds are acknowledged once it is written). log: the weights' notes.
+
+    The queue is fit()'s source like any other: a QueueReader (several ranks: the
+    RankWindows over it) that fit ends after the steps left and commits once a step is durable
+    (pipeline/source.py): the reader acknowledges the steps the position holds, so every rank
+    that leases acknowledges its own parts with no hook here.
     """
     from treeflow._clock import process_seconds
     from treeflow.ops import PublishWeights
@@ -209,22 +187,19 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
                        else tempfile.mkdtemp(prefix="treeflow-weights-"))
     if lead:
         os.makedirs(root, exist_ok=True)
-    hold = bool(checkpointing.dir and checkpointing.every)
     own = training.lease == "per-rank" and world > 1  # every rank leases its own part
     if own and training.num_ranks != world:
         raise ValueError(f"QueueTraining(num_ranks={training.num_ranks}) with lease='per-rank' "
                          f"but the data-parallel group has {world} ranks: each leases "
                          "episodes_per_step / num_ranks episodes, so give num_ranks=dp.world")
+    engine = _engine(engine, training, pipelines)
     reads = lead or own   # this rank has a reader
     opened: dict = {}   # the reader rank 0 (own: every rank) opens at the checkpoint's position
 
-    def source(position, done):
-        todo = None if training.steps is None else training.steps - done
-        # several ranks: every step is acknowledged here, once its result is out (or saved)
+    def source(position, done):   # fit ends it after the steps left (Source.end_after)
         reader = QueueSource(episodes_per_step=training.episodes_per_step // (world if own else 1),
-                             consumer=training.consumer, max_steps=todo,
-                             max_staleness=training.max_staleness, version=done,
-                             ack="manual" if hold or world > 1 else "auto",
+                             consumer=training.consumer,
+                             max_staleness=training.max_staleness, version=done, ack="manual",
                              idle_timeout=training.idle_timeout).open(queue, position) \
             if reads else None
         opened.update(reader=reader if reads else _NoReader(), dropped=0)
@@ -241,29 +216,18 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
                      version_lag_mean=float(lag.mean()) if len(lag) else None,
                      version_lag_max=float(lag.max()) if len(lag) else None)
         opened["dropped"] = shown.dropped_stale
-        if world > 1 and not own:   # own: every rank hands its part (_OwnParts)
-            shown.handed(rec.position["queue_step"])
-            if not hold:
-                shown.ack_finished()
         return extra
 
-    options = dict(trainer_options or {}, **({"dp": dp} if dp is not None else {}))
-    from treeflow.engines import engine_for
-
-    engine = engine_for(training.engine)
-    owned = engine.owns_processes  # its driver reads the queue and feeds the rank actors
-    pipe = pipelines[0]
     t0 = time.perf_counter()
     try:
-        report = fit(_OwnParts(pipe, opened, hold) if own else pipe, source, steps=training.steps,
-                     cap_steps=False, trainer_options=options,
+        report = fit(pipelines[0], source, steps=training.steps, engine=engine,
+                     trainer_options=dict(trainer_options or {},
+                                          **({"dp": dp} if dp is not None else {})),
                      checkpointer=checkpointer if lead else checkpointer.quiet(),
                      sinks=sinks if lead else (),
                      publish=PublishWeights(root, announce=_announcer(queue, log))
                      if lead else None,
-                     on_result=on_result if lead else None, device=device, prefetch=prefetch,
-                     engine=engine_for(training.engine, ranks=len(pipelines),
-                                       plans=[p.plan for p in pipelines]) if owned else engine)
+                     on_result=on_result if lead else None)
     finally:
         if reads and "reader" in opened:
             opened["reader"].close()
@@ -283,3 +247,24 @@ def fit_queue(pipelines: list, queue, training: QueueTraining, *, dp=None,
             "steady_seconds_per_step": report["steady_seconds_per_step"], "weights": root,
             "train_seconds": round(time.perf_counter() - t0, 3),
             "process_seconds": round(process_seconds(), 3)}
+
+
+def _engine(engine, training: QueueTraining, pipelines: list):
+    """The Engine fit_queue runs on: `engine` (of training.engine's kind) or that engine on the
+    CPU; one that owns its processes gets one plan per rank actor (the pipelines')."""
+    from treeflow.engines import ENGINES, engine_for
+
+    kind = ENGINES[training.engine]
+    if engine is None:
+        engine = engine_for(training.engine, **({"ranks": len(pipelines)}
+                                                if kind.owns_processes else {}))
+    elif not isinstance(engine, kind):
+        raise ValueError(f"fit_queue(engine={engine!r}) with QueueTraining(engine="
+                         f"{training.engine!r}) (--engine): give a {kind.__name__}, or the "
+                         "QueueTraining of the engine given")
+    if engine.owns_processes:
+        if engine.ranks != len(pipelines):
+            raise ValueError(f"fit_queue: {engine!r} runs {engine.ranks} rank(s) but "
+                             f"{len(pipelines)} pipeline(s) were given; give one per rank")
+        engine = engine.with_options(plans=[p.plan for p in pipelines])
+    return engine

@@ -42,12 +42,13 @@ __all__ = ["fit"]
 
 def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: dict | None = None,
         checkpointer=None, sinks: Sequence = (), engine=None, publish: PublishWeights | None = None,
-        on_result: Callable | None = None, device: str = "cpu", prefetch: int = 2,
-        cap_steps: bool = True) -> dict:
+        on_result: Callable | None = None) -> dict:
     """Train `pipeline` (ending in Reduce) for `steps` optimizer steps in all; the report.
 
-    source: `source(position, steps_done)` -> what `Pipeline.run` takes (a reader opened at
-    the checkpoint's position, or a config the engine reads itself).
+    source: `source(position, steps_done)` -> a Source (pipeline/source.py) opened at the
+    checkpoint's position (`Files(...).open(position)`, `QueueSource(...).open(queue,
+    position)`); fit ends it after the steps left (`Source.end_after`), so the engine asks it
+    for nothing more and never cuts a run short itself.
     trainer: train this Trainer, which the caller keeps using afterwards (the local engine, no
     resume), instead of building one from `trainer_options` (the Trainer's: precision, dp,
     grad_sum, shard_params; the bin budget comes from the plan); `steps` counts its steps too
@@ -55,21 +56,23 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
     restored.
     checkpointer: the run's checkpoints (train/checkpointer.py: the save cadence, the resume,
     the run fingerprint and configuration they record, its notes; default: no saves, a fresh
-    run). After each checkpoint fit commits the source (`Source.commit(position)`: a queue
-    reader acknowledges the steps the checkpoint holds; an engine that owns its processes:
-    once the driver hears of it, with the next step's result, at the position that checkpoint
-    saved), and once more at the end of a run that finished.
+    run). fit commits the source (`Source.commit(position)`: a queue reader acknowledges the
+    steps the position holds; a file has nothing to acknowledge) once a step is durable: with
+    a save cadence after each checkpoint, at the position it saved (an engine that owns its
+    processes: once the driver hears of it, with the next step's result); without one once the
+    step's row is written to the sinks; and at the last step's position at the end of a run
+    that finished.
     sinks: where each step's row goes (train/sinks.py: JSON lines, TensorBoard, wandb, MLflow,
     the console's ProgressSink and StepChecks); only the lead process is given any.
-    engine: the Engine object to run on (treeflow.engines; None: this process, the local
-    engine); one that owns its processes (the Ray engine) builds each rank's Trainer there
-    from `trainer_options`. publish: the weights to the producers after every step (the lead).
+    engine: the Engine object to run on (treeflow.engines; None: the local engine, this
+    process on the CPU); its `device` is where the Trainer is built (a rank of several: its
+    DataParallel's) and its `prefetch` the windows prepared ahead. One that owns its
+    processes (the Ray engine) builds each rank's Trainer there from `trainer_options`.
+    publish: the weights to the producers after every step (the lead).
     on_result(rec, row) -> extra fields of the step's metrics row (the lead's; called before
     the timing fields are added: `step_seconds`, this step's wall seconds (from the previous
     step's row, the first from the start of reading), verl's `perf/time_per_step`;
     `elapsed_seconds`, wall seconds since fit began reading).
-    cap_steps: stop after `steps` windows (False: the source stops itself, as a queue reader
-    after max_steps).
     Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
     "steady_seconds_per_step", "train_seconds" (wall seconds from the start of reading to
     the last step), "nothing_to_do", "checkpoint"}.
@@ -82,6 +85,8 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
     checkpointer = checkpointer or Checkpointer()
     checkpointing = checkpointer.checkpointing
     remote = engine is not None and engine.owns_processes
+    # a step is durable at its checkpoint under a save cadence, else once its row is out
+    cadence = bool(checkpointing.dir and checkpointing.every)
     position = None  # where a remote run's source starts (a local one: the trainer's)
     given = trainer is not None
     if not given:
@@ -111,7 +116,7 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
     else:
         options = dict(trainer_options or {})
         if "dp" not in options:  # a rank of several runs on its DataParallel's device
-            options["device"] = device
+            options["device"] = engine.device if engine is not None else "cpu"
         trainer = checkpointer.trainer(plan, options)
     if trainer is not None:
         done = trainer.steps
@@ -130,10 +135,17 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
     if trainer is not None:
         op = TrainOp(trainer, checkpointing=checkpointing,
                      on_step=[publish] if publish is not None else [],
-                     on_saved=[lambda op, path: checkpointer.commit(opened_src[0], None)])
+                     on_saved=[lambda op, path: checkpointer.commit(opened_src[0],
+                                                                     op.trainer.position)])
         if publish is not None and done:
             publish(op)  # the resumed weights, for the producers that refit
     src = source(position if trainer is None else trainer.position, done)
+    if not callable(getattr(src, "end_after", None)):  # a pipeline.source.Source
+        raise TypeError(f"fit(source=...): source(position, steps_done) gave {src!r}; give a "
+                        "Source opened at the position (Files(...).open(position), "
+                        "QueueSource(...).open(queue, position))")
+    if todo is not None:
+        src.end_after(todo)   # the source ends after the steps left; fit never cuts it short
     opened_src.append(src)
     rows, seconds0 = report["rows"], time.perf_counter()
     opened: list = []
@@ -145,12 +157,10 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
             opened.append(sink)
             if trainer is not None and hasattr(sink, "bins"):  # the bar moves by bins
                 trainer.on_bin = sink.bins
-        run_options = dict(device=device, prefetch=prefetch, engine=engine or "local")
-        if cap_steps and todo is not None:
-            run_options["steps"] = todo
-        if not remote:
-            run_options["trainer"] = op
-        for rec in pipeline.run(src, **run_options):
+        last_position = None
+        for rec in pipeline.run(src, engine=engine if engine is not None else "local",
+                                trainer=None if remote else op):
+            last_position = rec.position
             if remote and "saved" in rec.stats:  # the ranks wrote the step before's checkpoint
                 from treeflow.train.remote import saved_position
 
@@ -174,14 +184,16 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
             for sink in opened:
                 sink.write(row, rec.position)
             if (op.will_save(op.steps) if op is not None else
-                    bool(checkpointing.dir and checkpointing.every
-                         and row["step"] % checkpointing.every == 0)):
+                    cadence and row["step"] % checkpointing.every == 0):
                 for sink in opened:  # on disk before the checkpoint that holds this step
                     sink.flush(durable=True)
+            if not cadence:  # its row is out: nothing more makes this step durable
+                checkpointer.commit(src, rec.position)
         if op is not None:
             op.close()
             report["steps"] = op.steps
-        checkpointer.commit(src, None)   # the run finished: what it read is done with
+        # the run finished: what it read is done with
+        checkpointer.commit(src, last_position)
         failed = False
     finally:
         if trainer is not None:

@@ -34,8 +34,8 @@ __all__ = ["fit_files", "fit_summary"]
 
 
 def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=None,
-              device: str = "cpu", trainer_options: dict | None = None, checkpointer=None,
-              sinks=(), prefetch: int = 2) -> dict | None:
+              trainer_options: dict | None = None, checkpointer=None,
+              sinks=()) -> dict | None:
     """Train `stages` (a `pipeline.rank_plan.StepStages`) on `files` (a `Files`; cycled; every
     episode grouped when a stage before Pack computes group advantages) for `steps` optimizer
     steps in all.
@@ -45,8 +45,9 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=No
     driver of its rank actors; or one that does not (`LocalEngine(dims=...)`, whose
     ParallelDims split each replica over processes; None: one process per replica): this
     process is one rank. trainer_options: the Trainer's (precision,
-    grad_sum, shard_params, reference); checkpointer, sinks, prefetch: fit()'s (the sinks are
-    written and the checkpointer's notes said by the lead process only). Returns fit()'s
+    grad_sum, shard_params, reference); checkpointer, sinks: fit()'s (the sinks are
+    written and the checkpointer's notes said by the lead process only). The engine's
+    `device` and `prefetch` are the run's (None: the local engine on the CPU). Returns fit()'s
     report with `ranks` (the processes that trained) on the lead process, None on the others.
     """
     from treeflow.stages.advantage import Advantage
@@ -59,7 +60,6 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=No
     files = replace(files, cycle=True, require_groups=files.require_groups or (
         None if grouped is None else f"--advantage {grouped.estimator}"))
     checkpointer = checkpointer or Checkpointer()
-    options = dict(steps=steps, device=device, prefetch=prefetch)
     from treeflow.parallel import ParallelDims
 
     forward = stages.forward
@@ -68,19 +68,20 @@ def fit_files(stages, files, *, steps: int, distributed: bool = False, engine=No
         pipes = [stages.pipeline(engine.ranks, r, cp=dims.cp)
                  for r in range(engine.ranks)]
         report = fit(pipes[0], lambda position, done: files.open(position),
-                     trainer_options=dict(trainer_options or {}), checkpointer=checkpointer,
-                     sinks=sinks, engine=engine.with_options(plans=[p.plan for p in pipes]),
-                     **options)
+                     steps=steps, trainer_options=dict(trainer_options or {}),
+                     checkpointer=checkpointer, sinks=sinks,
+                     engine=engine.with_options(plans=[p.plan for p in pipes]))
         return {**report, "ranks": dims.world}
+    device = engine.device if engine is not None else "cpu"
     dp, lead, exchange = training_ranks(device, distributed=distributed, backend=forward.backend,
                                         dims=dims)
     try:  # several replicas: each reads the window's offsets and only its own trees' rows
         mapped = dp.replicas > 1
         report = fit(stages.pipeline(dp.replicas, dp.replica, exchange, cp=dims.cp),
                      lambda position, done: files.open(position, mapped=mapped),
-                     trainer_options={**(trainer_options or {}), "dp": dp},
+                     steps=steps, trainer_options={**(trainer_options or {}), "dp": dp},
                      checkpointer=checkpointer if lead else checkpointer.quiet(),
-                     sinks=sinks if lead else (), **options)
+                     sinks=sinks if lead else (), engine=engine)
     finally:
         dp.close()
     return {**report, "ranks": dp.world} if lead else None
