@@ -292,26 +292,23 @@ class ForwardRunner:
         return self.run_bin(item)
 
     # --------------------------------------------------------------- warm-up
-    def warm_up(self, *, grad: bool = False) -> float:
+    def warm_up(self, *, grad: bool = False, trees: bool = True) -> float:
         """Compile and initialise kernels on dummy bins of the budget's size; seconds spent.
 
         Only on CUDA (where flex attention is compiled); 0.0 elsewhere. With
-        grad, also runs backward once and clears the gradients it left.
+        grad, also runs backward once and clears the gradients it left. trees: whether the
+        run's bins may branch (False for the exact and chain layouts, `Plan.bins_branch`):
+        without trees no flex kernel is compiled, since no bin of the run would use it.
         """
-        if self.device.type != "cuda":
+        if not _warms(self.device):
             return 0.0
+        return self._warm(warm_up_bins(self.pad_to or 1024, grad=grad, trees=trees,
+                                       kernel=self.config.kernel), grad=grad)
+
+    def _warm(self, shapes: dict, *, grad: bool) -> float:
+        """Run the dummy bins `shapes` ({name: parents}) once each; seconds spent."""
+        cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
-        n = self.pad_to or 1024
-        half = n // 2
-        # a branching bin of the budget's size (two chains under one root: flex, compiled for
-        # that one padded length, and the layer graphs at the token count the run's bins come
-        # near) and a short chain bin (varlen, compiled for no length; the layer graphs are
-        # dynamic in the token count, so its other length compiles nothing new)
-        tree_parents = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
-        shapes = {"tree_bin": tree_parents}
-        if grad:  # without grad it compiles nothing either, but importing varlen imports dynamo,
-            # which a replay that loads its graphs ahead of time (models/compile/aoti.py) never needs
-            shapes["chain_bin"] = np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)
         self.warm_up_parts = {}  # seconds per dummy bin (what bench/compile_times_cli.py reports)
         for name, parents in shapes.items():
             t1 = time.perf_counter()
@@ -322,12 +319,43 @@ class ForwardRunner:
                 lp, _ = self.edge_logprobs(tokens, parents, positions, src, np.zeros_like(src))
                 if grad:
                     lp.sum().backward()
-            torch.cuda.synchronize(self.device)
+            if cuda:
+                torch.cuda.synchronize(self.device)
             self.warm_up_parts[name] = time.perf_counter() - t1
         if grad:
             self.model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+
+
+def _warms(device: torch.device) -> bool:
+    """Whether the warm-up runs on `device`: on CUDA, where its kernels are compiled."""
+    return device.type == "cuda"
+
+
+def warm_up_bins(n: int, *, grad: bool, trees: bool, kernel: str = "auto") -> dict:
+    """The warm-up's dummy bins, {name: parents}: those that compile what the run's bins will use.
+
+    - `tree_bin` (two chains under one root, `n` tokens): a branching bin, so flex is compiled
+      for the one padded length every flex bin has, and the layer graphs at the token count
+      the run's bins come near. Only where a bin can branch (`trees`, and the kernel is not
+      `causal`, which refuses a branching bin) or flex is forced: the exact and chain layouts
+      never run flex, and its first build is most of a cold start (the AOTInductor package and
+      its kernels; bench/bench_first_compile_gpu.py times it).
+    - `chain_bin` (one chain of min(n, 1024) tokens): varlen, compiled for no length; the layer
+      graphs are dynamic in the token count, so its length compiles nothing new. With grad, and
+      wherever the bins are all chains (their layer graphs compiled here, not in the first
+      window). A tree run without grad skips it: importing varlen imports dynamo, which a
+      replay that loads its graphs ahead of time (models/compile/aoti.py) never needs.
+    """
+    half = n // 2
+    shapes = {}
+    if kernel == "flex" or (trees and kernel != "causal"):
+        shapes["tree_bin"] = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
+    if grad or "tree_bin" not in shapes:
+        shapes["chain_bin"] = np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)
+    return shapes
 
 
 def _depths(parents: np.ndarray) -> np.ndarray:
@@ -349,7 +377,7 @@ def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
     return host
 
 
-__all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins"]
+__all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins", "warm_up_bins"]
 
 
 def _family_experts(architecture: str) -> bool:
