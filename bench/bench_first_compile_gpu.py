@@ -70,8 +70,11 @@ def episodes(path: str, ckpt: str, args, moe: bool, env: dict) -> None:
 def run(tree: str, data: str, ckpt: str, layout: str, cache: str, args, moe: bool) -> dict:
     """One `treeflow replay` through `tree`'s treeflow (its compile_times_cli.py when it has
     one) on the compile cache `cache`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+    # no cache shared between runs: Triton's goes under --compile-cache when unset
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    env.update(PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
     script = os.path.join(tree, "bench", "compile_times_cli.py")
     argv = ["replay", data, "--model", ckpt, "--layout", layout, "--device", args.device,
             "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--tuning",
