@@ -97,9 +97,9 @@ def main(argv: list[str]) -> int:
 
     _time_warm_up()
     if os.environ.get("TREEFLOW_BENCH_WARM_CPU") == "1":  # the CUDA warm-up run on CPU too
-        from treeflow.ops import runner
+        from treeflow.ops import warm_up
 
-        runner._warms = lambda device: True
+        warm_up.runs_on = lambda device: True
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli_main(argv)

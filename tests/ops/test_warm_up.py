@@ -6,7 +6,7 @@ built the flex kernel (its AOTInductor package and Triton kernels) that none of 
 runs: a chain bin takes varlen FlashAttention. The benches ran exact first on a fresh compile
 cache and tree second, which loaded the flex package the exact run had built: 0.6 s.
 
-On CPU the warm-up does not run (`_warms`: CUDA only); these tests let it run on CPU, through
+On CPU the warm-up does not run (`warm_up.runs_on`: CUDA only); these tests let it run on CPU, through
 the CLI as a user runs it, and count the dummy bins that branch (each one is a flex build on
 CUDA, where `kernel="auto"` picks flex for a branching bin) and dynamo's graphs.
 """
@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-import treeflow.ops.runner as runner_mod
+import treeflow.ops.warm_up as warm_up
 from treeflow.cli import main
 from treeflow.models.backend import ReferenceBackend
 from treeflow.stages import Forward
@@ -58,16 +58,16 @@ def test_bins_branch_says_what_the_layout_packs(episodes, layout, branches):
 def test_warm_up_bins_hold_a_branching_bin_only_where_one_can_run():
     n = 4096
     for grad in (False, True):
-        assert "tree_bin" not in runner_mod.warm_up_bins(n, grad=grad, trees=False)
-        assert "chain_bin" in runner_mod.warm_up_bins(n, grad=grad, trees=False)
-        tree = runner_mod.warm_up_bins(n, grad=grad, trees=True)
+        assert "tree_bin" not in warm_up.dummy_bins(n, grad=grad, trees=False)
+        assert "chain_bin" in warm_up.dummy_bins(n, grad=grad, trees=False)
+        tree = warm_up.dummy_bins(n, grad=grad, trees=True)
         assert _branching(tree["tree_bin"]) and len(tree["tree_bin"]) == n
         assert ("chain_bin" in tree) is grad  # no grad: varlen's import (dynamo) not paid
     # a forced flex kernel compiles flex on any layout; a forced causal one cannot take a tree
-    assert "tree_bin" in runner_mod.warm_up_bins(n, grad=False, trees=False, kernel="flex")
-    assert set(runner_mod.warm_up_bins(n, grad=False, trees=True, kernel="causal")) == {"chain_bin"}
+    assert "tree_bin" in warm_up.dummy_bins(n, grad=False, trees=False, kernel="flex")
+    assert set(warm_up.dummy_bins(n, grad=False, trees=True, kernel="causal")) == {"chain_bin"}
     # the chain bin is one chain
-    chain = runner_mod.warm_up_bins(n, grad=True, trees=True)["chain_bin"]
+    chain = warm_up.dummy_bins(n, grad=True, trees=True)["chain_bin"]
     assert not _branching(chain) and len(chain) == 1024
 
 
@@ -89,7 +89,7 @@ def test_the_cli_warm_up_builds_no_tree_kernel_for_chains(episodes, capsys, monk
         return plan
 
     monkeypatch.setattr(ReferenceBackend, "attention_plan", counted)
-    monkeypatch.setattr(runner_mod, "_warms", lambda device: True)
+    monkeypatch.setattr(warm_up, "runs_on", lambda device: True)
     torch._dynamo.reset()
     extra = (["--mode", "train", "--episodes-per-step", "6", "--steps", "2", "--lr", "1e-4",
               "--loss", "nll"] if mode == "train" else ["-o", str(tmp_path / "out.arrow")])
@@ -99,7 +99,7 @@ def test_the_cli_warm_up_builds_no_tree_kernel_for_chains(episodes, capsys, monk
     torch._dynamo.reset()
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["compile_seconds"] > 0  # the warm-up ran
-    warm = seen[:len(runner_mod.warm_up_bins(1024, grad=mode == "train", trees=layout == "tree"))]
+    warm = seen[:len(warm_up.dummy_bins(1024, grad=mode == "train", trees=layout == "tree"))]
     run = seen[len(warm):]
     assert sum(b for _, b in warm) == tree_bins
     assert len({n for n, _ in run}) >= 3  # the run's bins: several token counts

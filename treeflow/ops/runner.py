@@ -13,8 +13,9 @@ by their `PreparedBins` until its results were waited for, so no buffer is
 freed while a queued kernel may still read it.
 
 Flex bins are padded to `max_tokens` (the Fragment budget) so one compiled kernel
-serves every bin; `warm_up` compiles it on a dummy bin, so compile time can
-be reported apart from throughput.
+serves every bin; `warm_up` compiles it and the layer graphs on the dummy bins of
+ops/warm_up.py (by the run's layout), so compile time can be reported apart from
+throughput.
 
 Legend: N nodes of a bin, E its edges.
 """
@@ -31,12 +32,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from treeflow.ops import warm_up
 from treeflow.schemas.route_ids import route_ids
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.tree import subtree_end
 
 _COLUMNS = ("tokens", "parents", "positions", "edge_sources", "edge_targets")
-_CHAIN_WARM_UP = 1024  # tokens of warm-up's chain bin
 
 
 @dataclass
@@ -300,9 +301,9 @@ class ForwardRunner:
         run's bins may branch (False for the exact and chain layouts, `Plan.bins_branch`):
         without trees no flex kernel is compiled, since no bin of the run would use it.
         """
-        if not _warms(self.device):
+        if not warm_up.runs_on(self.device):
             return 0.0
-        return self._warm(warm_up_bins(self.pad_to or 1024, grad=grad, trees=trees,
+        return self._warm(warm_up.dummy_bins(self.pad_to or 1024, grad=grad, trees=trees,
                                        kernel=self.config.kernel), grad=grad)
 
     def _warm(self, shapes: dict, *, grad: bool) -> float:
@@ -312,7 +313,7 @@ class ForwardRunner:
         self.warm_up_parts = {}  # seconds per dummy bin (what bench/compile_times_cli.py reports)
         for name, parents in shapes.items():
             t1 = time.perf_counter()
-            positions = _depths(parents)
+            positions = warm_up.depths(parents)
             tokens = np.zeros(len(parents), dtype=np.int64)
             src = np.arange(min(len(parents), 64))
             with torch.set_grad_enabled(grad):
@@ -329,42 +330,6 @@ class ForwardRunner:
         return time.perf_counter() - t0
 
 
-def _warms(device: torch.device) -> bool:
-    """Whether the warm-up runs on `device`: on CUDA, where its kernels are compiled."""
-    return device.type == "cuda"
-
-
-def warm_up_bins(n: int, *, grad: bool, trees: bool, kernel: str = "auto") -> dict:
-    """The warm-up's dummy bins, {name: parents}: those that compile what the run's bins will use.
-
-    - `tree_bin` (two chains under one root, `n` tokens): a branching bin, so flex is compiled
-      for the one padded length every flex bin has, and the layer graphs at the token count
-      the run's bins come near. Only where a bin can branch (`trees`, and the kernel is not
-      `causal`, which refuses a branching bin) or flex is forced: the exact and chain layouts
-      never run flex, and its first build is most of a cold start (the AOTInductor package and
-      its kernels; bench/bench_first_compile_gpu.py times it).
-    - `chain_bin` (one chain of min(n, 1024) tokens): varlen, compiled for no length; the layer
-      graphs are dynamic in the token count, so its length compiles nothing new. With grad, and
-      wherever the bins are all chains (their layer graphs compiled here, not in the first
-      window). A tree run without grad skips it: importing varlen imports dynamo, which a
-      replay that loads its graphs ahead of time (models/compile/aoti.py) never needs.
-    """
-    half = n // 2
-    shapes = {}
-    if kernel == "flex" or (trees and kernel != "causal"):
-        shapes["tree_bin"] = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
-    if grad or "tree_bin" not in shapes:
-        shapes["chain_bin"] = np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)
-    return shapes
-
-
-def _depths(parents: np.ndarray) -> np.ndarray:
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for i, p in enumerate(parents):  # dummy bins only (warm-up), never a hot path
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    return depth
-
-
 def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
     """The bins' values concatenated as float32; on CUDA one asynchronous copy to pinned memory."""
     if not parts:
@@ -377,7 +342,7 @@ def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:
     return host
 
 
-__all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins", "warm_up_bins"]
+__all__ = ["ForwardRunner", "Pending", "PreparedBin", "PreparedBins"]
 
 
 def _family_experts(architecture: str) -> bool:
