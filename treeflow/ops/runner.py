@@ -303,8 +303,9 @@ class ForwardRunner:
         """
         if not warm_up.runs_on(self.device):
             return 0.0
-        return self._warm(warm_up.dummy_bins(self.pad_to or 1024, grad=grad, trees=trees,
-                                       kernel=self.config.kernel), grad=grad)
+        bins = warm_up.dummy_bins(self.pad_to or 1024, grad=grad, trees=trees,
+                                  kernel=self.config.kernel)
+        return self._warm(bins, grad=grad)
 
     def _warm(self, shapes: dict, *, grad: bool) -> float:
         """Run the dummy bins `shapes` ({name: parents}) once each; seconds spent."""

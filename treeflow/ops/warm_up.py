@@ -10,7 +10,7 @@ exact and chain layouts never run, since their bins are chains and take varlen.
 
 Trade-off: the choice trusts the plan's claim about its bins (`Plan.bins_branch`, from the
 Pack's layout). A bin the claim did not foresee still runs correctly; it only compiles its
-kernel in its window, which the run's `recompiles` reports.
+kernel in its window (in that window's seconds; a dynamo graph also in `recompiles`).
 """
 
 from __future__ import annotations
