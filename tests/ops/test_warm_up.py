@@ -55,6 +55,13 @@ def test_bins_branch_says_what_the_layout_packs(episodes, layout, branches):
     assert any(seen) is branches and len(seen) > 1
 
 
+def test_a_plan_without_pack_may_branch():
+    """Bins that come from elsewhere (no Pack in the plan) keep the tree bin's warm-up."""
+    from treeflow.pipeline.plan import Plan
+
+    assert Plan(maps=(), model=Forward(), accumulate=None).bins_branch is True
+
+
 def test_warm_up_bins_hold_a_branching_bin_only_where_one_can_run():
     n = 4096
     for grad in (False, True):
