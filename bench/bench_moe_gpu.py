@@ -10,6 +10,8 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   (wall - start-up - compile), the steady speedup tree over exact, the ideal
   token saving (exact-call tokens / executed tree tokens) and the share of it
   the speedup reaches; route_agreement (hashed synthetic routes, so low);
+  `compile_seconds` on one compile cache, exact first: the tree run loads what
+  exact built (bench_first_compile_gpu.py gives each layout a cache of its own);
 - `--mode train --steps S` per layout: steady seconds per optimizer step;
 - MFU on active parameters: 2 x active non-embedding parameters per token
   (attention + router + top_k experts; the vocabulary head runs only at loss

@@ -18,7 +18,12 @@ This wrapper runs the CLI in-process and appends to its JSON line:
 - `warm_up_parts`: seconds of the warm-up's imports of dynamo and inductor (counted in
   `compile_seconds`, as without this wrapper), its budget-sized tree bin and its chain bin;
 - `precompiled`: per layer graph, variants loaded from and captured into the compile
-  cache (treeflow/models/compile/precompiled.py), and whether it fell back to torch.compile.
+  cache (treeflow/models/compile/precompiled.py), whether it fell back to torch.compile,
+  and `build_seconds` (its captures and ahead-of-time builds).
+
+Environment, for probes: `TREEFLOW_BENCH_WARM_CPU=1` runs the warm-up on CPU as well (it is
+CUDA only), `TREEFLOW_BENCH_WARM_TREES=1` gives it the tree bin whatever the layout (the
+warm-up before issue 46: an exact run built the flex kernel it never uses).
 
     python bench/compile_times_cli.py replay EPISODES.arrow --model CKPT --device cuda ... --json
 """
@@ -71,13 +76,15 @@ def _time_warm_up() -> None:
 
     inner = runner.ForwardRunner.warm_up
 
-    def warm_up(self, *, grad: bool = False) -> float:
+    def warm_up(self, *, grad: bool = False, **kwargs) -> float:  # trees= where the tree has it
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # what compiling imports first (the seconds stay counted)
             import torch._dynamo  # noqa: F401
             import torch._inductor.compile_fx  # noqa: F401
         imports = time.perf_counter() - t0
-        seconds = inner(self, grad=grad)
+        if os.environ.get("TREEFLOW_BENCH_WARM_TREES") == "1":  # the warm-up before issue 46
+            kwargs["trees"] = True
+        seconds = inner(self, grad=grad, **kwargs)
         _WARM_UP["warm_up_parts"] = {"imports": round(imports, 3), **{
             k: round(v, 3) for k, v in getattr(self, "warm_up_parts", {}).items()}}
         return seconds + imports
@@ -89,6 +96,10 @@ def main(argv: list[str]) -> int:
     from treeflow.cli import main as cli_main
 
     _time_warm_up()
+    if os.environ.get("TREEFLOW_BENCH_WARM_CPU") == "1":  # the CUDA warm-up run on CPU too
+        from treeflow.ops import warm_up
+
+        warm_up.runs_on = lambda device: True
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli_main(argv)

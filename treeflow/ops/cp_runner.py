@@ -142,7 +142,7 @@ class ContextParallelRunner(ForwardRunner):
         raise ValueError("a context-parallel runner runs whole bins of its group (prepare, then "
                          "run_bin on every rank), not single-rank arrays")
 
-    def warm_up(self, *, grad: bool = False) -> float:
+    def warm_up(self, *, grad: bool = False, trees: bool = True) -> float:
         return 0.0
 
 

@@ -13,8 +13,9 @@ by their `PreparedBins` until its results were waited for, so no buffer is
 freed while a queued kernel may still read it.
 
 Flex bins are padded to `max_tokens` (the Fragment budget) so one compiled kernel
-serves every bin; `warm_up` compiles it on a dummy bin, so compile time can
-be reported apart from throughput.
+serves every bin; `warm_up` compiles it and the layer graphs on the dummy bins of
+ops/warm_up.py (by the run's layout), so compile time can be reported apart from
+throughput.
 
 Legend: N nodes of a bin, E its edges.
 """
@@ -31,12 +32,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from treeflow.ops import warm_up
 from treeflow.schemas.route_ids import route_ids
 from treeflow.stages.flat import list_offsets, list_values
 from treeflow.tree import subtree_end
 
 _COLUMNS = ("tokens", "parents", "positions", "edge_sources", "edge_targets")
-_CHAIN_WARM_UP = 1024  # tokens of warm-up's chain bin
 
 
 @dataclass
@@ -292,49 +293,42 @@ class ForwardRunner:
         return self.run_bin(item)
 
     # --------------------------------------------------------------- warm-up
-    def warm_up(self, *, grad: bool = False) -> float:
+    def warm_up(self, *, grad: bool = False, trees: bool = True) -> float:
         """Compile and initialise kernels on dummy bins of the budget's size; seconds spent.
 
         Only on CUDA (where flex attention is compiled); 0.0 elsewhere. With
-        grad, also runs backward once and clears the gradients it left.
+        grad, also runs backward once and clears the gradients it left. trees: whether the
+        run's bins may branch (False for the exact and chain layouts, `Plan.bins_branch`):
+        without trees no flex kernel is compiled, since no bin of the run would use it.
         """
-        if self.device.type != "cuda":
+        if not warm_up.runs_on(self.device):
             return 0.0
+        bins = warm_up.dummy_bins(self.pad_to or 1024, grad=grad, trees=trees,
+                                  kernel=self.config.kernel)
+        return self._warm(bins, grad=grad)
+
+    def _warm(self, shapes: dict, *, grad: bool) -> float:
+        """Run the dummy bins `shapes` ({name: parents}) once each; seconds spent."""
+        cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
-        n = self.pad_to or 1024
-        half = n // 2
-        # a branching bin of the budget's size (two chains under one root: flex, compiled for
-        # that one padded length, and the layer graphs at the token count the run's bins come
-        # near) and a short chain bin (varlen, compiled for no length; the layer graphs are
-        # dynamic in the token count, so its other length compiles nothing new)
-        tree_parents = np.concatenate([np.arange(-1, half - 1), [0], np.arange(half, n - 1)])
-        shapes = {"tree_bin": tree_parents}
-        if grad:  # without grad it compiles nothing either, but importing varlen imports dynamo,
-            # which a replay that loads its graphs ahead of time (models/compile/aoti.py) never needs
-            shapes["chain_bin"] = np.arange(-1, min(n, _CHAIN_WARM_UP) - 1)
         self.warm_up_parts = {}  # seconds per dummy bin (what bench/compile_times_cli.py reports)
         for name, parents in shapes.items():
             t1 = time.perf_counter()
-            positions = _depths(parents)
+            positions = warm_up.depths(parents)
             tokens = np.zeros(len(parents), dtype=np.int64)
             src = np.arange(min(len(parents), 64))
             with torch.set_grad_enabled(grad):
                 lp, _ = self.edge_logprobs(tokens, parents, positions, src, np.zeros_like(src))
                 if grad:
                     lp.sum().backward()
-            torch.cuda.synchronize(self.device)
+            if cuda:
+                torch.cuda.synchronize(self.device)
             self.warm_up_parts[name] = time.perf_counter() - t1
         if grad:
             self.model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
-
-
-def _depths(parents: np.ndarray) -> np.ndarray:
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for i, p in enumerate(parents):  # dummy bins only (warm-up), never a hot path
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    return depth
 
 
 def _to_host(parts: list[torch.Tensor], cuda: bool) -> torch.Tensor:

@@ -148,15 +148,16 @@ class TrainOp:
         """Data-parallel replicas the step is summed over (Shard must plan as many)."""
         return self.trainer.dp.replicas
 
-    def warm_up(self) -> float:
+    def warm_up(self, *, trees: bool = True) -> float:
         """Compile kernels in the trainer's compute context (autocast under mixed precision);
-        where the cadence saves, reserve the save's pinned chunks now, not during a step."""
+        where the cadence saves, reserve the save's pinned chunks now, not during a step.
+        trees: whether the bins may branch (ForwardRunner.warm_up)."""
         if self.checkpointing.dir and self.checkpointing.every:
             from treeflow.tensorfile import reserve_pinned
 
             reserve_pinned(self.trainer.runner.device)
         with self.trainer.compute():
-            return self.trainer.runner.warm_up(grad=True)
+            return self.trainer.runner.warm_up(grad=True, trees=trees)
 
     def prepare(self, bins: pa.Table):
         """Host half of this rank's share of the bins (background-thread safe)."""

@@ -148,6 +148,14 @@ class Plan:
         return [operator_for(s).on_episodes for s in self.maps]
 
     @property
+    def bins_branch(self) -> bool:
+        """Whether a bin of this plan can branch: False when the bins come from a Pack of the
+        exact or chain layout (every bin a set of chains: the model op's warm-up compiles no
+        tree kernel for them), else True."""
+        packs = [s for s in self.maps if isinstance(s, Pack)]
+        return not packs or any(s.layout == "tree" for s in packs)
+
+    @property
     def maps_make_bins(self) -> bool:
         """Whether the maps end in bins (so per-window bin counts can be taken)."""
         return bool(self.maps) and self.maps[-1].output_schema.metadata == BIN_SCHEMA.metadata
@@ -234,8 +242,8 @@ class Worker:
         if self.runner is None:
             return 0.0
         if self.plan.fused:
-            return self.accumulator.warm_up()
-        return self.runner.warm_up(grad=False)
+            return self.accumulator.warm_up(trees=self.plan.bins_branch)
+        return self.runner.warm_up(grad=False, trees=self.plan.bins_branch)
 
     def prepare(self, bins: pa.Table):
         """Host half of the model map for these bins (background-thread safe)."""

@@ -54,6 +54,7 @@ import json
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -110,6 +111,7 @@ class Precompiled:
         self._lock = threading.Lock()
         self.loaded = self.captured = 0  # variants this process loaded / captured and saved
         self.aoti_loaded = self.aoti_captured = 0  # the same for AOTInductor graphs
+        self.build_seconds = 0.0  # wall seconds spent capturing and building graphs (both routes)
         _ALL.add(self)
 
     def __repr__(self) -> str:
@@ -184,6 +186,7 @@ class Precompiled:
                           f"recorded beside {key_file}; delete that to try again); it runs "
                           "through dynamo")
             elif graph is None:
+                t0 = time.perf_counter()
                 try:
                     graph = aoti.capture(self.fn, args, kwargs, dynamic=set(self.dynamic or ()),
                                          package=package, key_file=key_file, key=key)
@@ -193,6 +196,7 @@ class Precompiled:
                     _say(f"precompiled {self.name}: compiling it ahead of time failed ({why}); "
                          f"it runs through dynamo (recorded in "
                          f"{aoti.record_failure(key_file, key, why)})")
+                self.build_seconds += time.perf_counter() - t0
             graphs[sig] = graph
         return graph
 
@@ -210,7 +214,9 @@ class Precompiled:
         with self._lock:
             variant = self._load(path, key, args, kwargs) if os.path.exists(path) else None
             if variant is None:
+                t0 = time.perf_counter()
                 variant = self._capture(path, key, args, kwargs)
+                self.build_seconds += time.perf_counter() - t0
             if variant is not None:
                 self._variants.setdefault(compile_cache._active, []).append(variant)
         return variant
@@ -299,16 +305,18 @@ _ALL: weakref.WeakSet = weakref.WeakSet()
 
 
 def stats() -> dict:
-    """{function: {"loaded", "captured", "torch_compile", "aoti_loaded", "aoti_captured"}} over
-    this process's Precompiled."""
+    """{function: {"loaded", "captured", "torch_compile", "aoti_loaded", "aoti_captured",
+    "build_seconds"}} over this process's Precompiled (build_seconds: wall seconds its captures
+    and ahead-of-time builds took; a torch.compile fallback's compiling is not in it)."""
     out: dict = {}
     for p in list(_ALL):
         row = out.setdefault(p.name, {"loaded": 0, "captured": 0, "torch_compile": False,
-                                      "aoti_loaded": 0, "aoti_captured": 0})
+                                      "aoti_loaded": 0, "aoti_captured": 0, "build_seconds": 0.0})
         row["loaded"] += p.loaded
         row["captured"] += p.captured
         row["aoti_loaded"] += p.aoti_loaded
         row["aoti_captured"] += p.aoti_captured
+        row["build_seconds"] = round(row["build_seconds"] + p.build_seconds, 3)
         row["torch_compile"] |= bool(p._off)
     return out
 

@@ -1,0 +1,155 @@
+"""A first run's compile, per layout, each on a fresh compile cache (issue 46).
+
+`treeflow replay` on one GPU, the way a user's first run meets it: `--tuning auto` (the fast
+preset on Hopper), an empty `--compile-cache` of its own for every run, so no run loads what
+another built (the benches that measured "exact 57-97 s, tree 0.6 s" ran exact first and tree
+second on one cache: the tree loaded the flex package the exact run's warm-up had built, a
+kernel no exact bin runs). Shapes: the 4-layer Qwen3-30B-A3B MoE shape of bench_moe_gpu.py
+(routed episodes, `--routing replay`) and Qwen2-0.5B dense (bench_cli_gpu.py's SHAPES).
+
+Per run (bench/compile_times_cli.py around the CLI): `compile_seconds` (the warm-up),
+`warm_up_parts` (its imports and each dummy bin), dynamo's `graphs`, `precompiled` (per graph:
+captured, ahead-of-time built, `build_seconds`), `recompiles` after the warm-up, steady and
+process seconds. With `--warm` each run is repeated on its now filled cache. With
+`--before DIR` (a treeflow source tree from before the change, e.g. `git worktree add DIR
+<commit>`) the same runs go through DIR's treeflow too, alternated with this tree's.
+
+    PYTHONUNBUFFERED=1 python bench/bench_first_compile_gpu.py [--before DIR] [--warm]
+    python bench/bench_first_compile_gpu.py --smoke --device cpu   # the logic, on CPU
+
+Prints the JSON and writes it to `$OUT/bench_first_compile_gpu.json` (else bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from bench_cli_gpu import SHAPES, SYNTH_VOCAB, cli  # noqa: E402
+from bench_moe_gpu import shape as moe_shape  # noqa: E402
+
+_KEEP = ("compile_seconds", "warm_up_parts", "graphs", "precompiled", "recompiles", "bins",
+         "executed_tokens", "steady_seconds", "wall_seconds", "process_seconds", "tuning")
+
+
+def checkpoint(name: str, path: str, device: str, smoke: bool) -> dict:
+    """Random weights of the shape `name`, saved as a HF checkpoint in a child process (a
+    parent holding CUDA memory would leave the runs less); the config's fields."""
+    config = (moe_shape(4, smoke) if name == "qwen3-30b-a3b-4l"
+              else SHAPES["smoke" if smoke else name])
+    code = ("import sys, json, torch; sys.path.insert(0, %r)\n"
+            "from treeflow.models import ModelConfig, save_model\n"
+            "from treeflow.models.checkpoint import seeded_decoder\n"
+            "dtype = torch.bfloat16 if %r == 'cuda' else torch.float32\n"
+            "save_model(seeded_decoder(ModelConfig.from_hf_dict(json.loads(%r)), device=%r, "
+            "dtype=dtype), %r)\n" % (ROOT, device, json.dumps(config), device, path))
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env={**os.environ, "PYTHONPATH": ROOT})
+    return config
+
+
+def episodes(path: str, ckpt: str, args, moe: bool, env: dict) -> None:
+    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", path, "--episodes",
+                    str(args.episodes), "--group-size", "8", "--vocab-size",
+                    str(512 if args.smoke else SYNTH_VOCAB), "--min-turns", "3", "--max-turns",
+                    "10", "--seed", "0", "--quiet", *(["--routes-from", ckpt] if moe else [])],
+                   check=True, env=env)
+
+
+def run(tree: str, data: str, ckpt: str, layout: str, cache: str, args, moe: bool) -> dict:
+    """One `treeflow replay` through `tree`'s treeflow (its compile_times_cli.py when it has
+    one) on the compile cache `cache`."""
+    # no cache shared between runs: Triton's goes under --compile-cache when unset
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    env.update(PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(tree, "bench", "compile_times_cli.py")
+    argv = ["replay", data, "--model", ckpt, "--layout", layout, "--device", args.device,
+            "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--tuning",
+            args.tuning, "--max-tokens", str(args.max_tokens), "--compile-cache", cache,
+            "--json", "-o", os.path.join(os.path.dirname(cache), f"{layout}.arrow"),
+            *(["--routing", "replay"] if moe else [])]
+    r = cli(argv, env, f"{layout} {tree}", script=script if os.path.exists(script) else None)
+    return {k: r[k] for k in (*_KEEP, "error") if k in r}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3-30b-a3b-4l,qwen2-0.5b")
+    ap.add_argument("--layouts", default="exact,tree")
+    ap.add_argument("--episodes", type=int, default=None,
+                    help="default 64 (--smoke 12); the compile does not depend on it")
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--tuning", default="auto")
+    ap.add_argument("--before", default=None, metavar="DIR",
+                    help="a treeflow source tree from before the change, run alternated")
+    ap.add_argument("--warm", action="store_true", help="repeat each run on its filled cache")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the logic, on CPU)")
+    ap.add_argument("--budget-seconds", type=float, default=560)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.episodes is None:
+        args.episodes = 12 if args.smoke else 64
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "--device cuda and no CUDA device (use --smoke --device "
+                                     "cpu for the logic check)"}))
+        return
+    t_start = time.perf_counter()
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    out_file = os.path.join(out_dir, args.out or ("bench_first_compile_smoke.json" if args.smoke
+                                                  else "bench_first_compile_gpu.json"))
+    trees = {"after": ROOT, **({"before": os.path.abspath(args.before)} if args.before else {})}
+    res: dict = {"settings": vars(args), "device": torch.cuda.get_device_name()
+                 if args.device == "cuda" else args.device, "runs": {}}
+
+    def save():
+        res["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        with open(out_file, "w") as f:
+            json.dump(res, f, indent=1)
+
+    work = tempfile.mkdtemp(prefix="treeflow-first-compile-")
+    try:
+        for name in args.shapes.split(","):
+            moe = name == "qwen3-30b-a3b-4l"
+            ckpt, data = os.path.join(work, name), os.path.join(work, f"{name}.arrow")
+            checkpoint(name, ckpt, args.device, args.smoke)
+            episodes(data, ckpt, args, moe, {**os.environ, "PYTHONPATH": ROOT})
+            for layout in args.layouts.split(","):
+                for which, tree in trees.items():  # alternated: before and after per layout
+                    key = f"{name}/{layout}/{which}"
+                    if time.perf_counter() - t_start > args.budget_seconds:
+                        res["runs"][key] = "skipped (time budget)"
+                        continue
+                    cache = os.path.join(work, key.replace("/", "-"), "cache")
+                    os.makedirs(os.path.dirname(cache))
+                    print(f"[{time.perf_counter() - t_start:.0f}s] {key}", flush=True)
+                    r = {"first": run(tree, data, ckpt, layout, cache, args, moe)}
+                    if args.warm:
+                        r["warm"] = run(tree, data, ckpt, layout, cache, args, moe)
+                    res["runs"][key] = r
+                    print("  " + json.dumps(r)[:600], flush=True)
+                    save()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    save()
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
