@@ -113,6 +113,10 @@ SUITES = {"issue44": [
          alloc="expandable_segments:True"),
     dict(kind="hybrid", layers=27, max_tokens=32768, layout="exact", recompute="selective"),
     dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="full"),
+], "defaults": [  # issue 44's "trains at the defaults": --recompute auto (the default) chooses
+    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="auto"),
+    dict(kind="moe", layers=4, max_tokens=32768, layout="exact", recompute="auto"),
+    dict(kind="hybrid", layers=27, max_tokens=32768, layout="tree", recompute="auto"),
 ]}
 
 
