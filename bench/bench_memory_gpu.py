@@ -233,7 +233,10 @@ def main() -> None:
         got = cli(["replay", data, "--mode", "train", "--layout", run["layout"], *knobs,
                    "--device", args.device, "--tuning", "plain", "--episodes-per-step",
                    str(args.episodes_per_step), "--steps", "2", "--loss", "nll",
-                   "--device-memory", "100000GiB", "--json"], run_env, f"{kind} {run}")
+                   # auto reads the card itself (the default a user runs); the others skip
+                   # the check before the run so an out-of-memory is measured, not refused
+                   *(() if run["recompute"] == "auto" else ("--device-memory", "100000GiB")),
+                   "--json"], run_env, f"{kind} {run}")
         row = {**run, "predicted_gib": plan.get("total_gib"), "predicted": plan.get("gib"),
                "bin_tokens": plan.get("max_tokens"), "scan_fill": plan.get("scan_fill"),
                "peak_at": plan.get("peak_at"), "transients": plan.get("transients"),
