@@ -71,7 +71,14 @@ COMMANDS = (
     ("h100_bench_cli_gpu_llama_train", "python3 bench/bench_cli_gpu.py --shapes llama-3.2-1b "
      "--no-kernel-bench --no-transformers --budget-seconds 290 --out bench_cli_gpu_llama.json"),
     ("h100_bench_scan_gpu", "python3 bench/bench_scan_gpu.py"),
-    ("h100_bench_families_gpu", "python3 bench/bench_families_gpu.py"),
+    ("h100_bench_families_gpu", "python3 bench/bench_families_gpu.py --budget-seconds 235"),
+    ("h100_bench_gate_gpu_design", "python3 bench/bench_gate_gpu.py --design --margin-groups 0"),
+    ("h100_bench_gate_gpu_moe4", "python3 bench/bench_gate_gpu.py --layers 4 --margin-groups 0"),
+    ("h100_hybrid_cp1_before_after", "python3 bench/bench_hybrid_cp1_before_after.py "
+                                     "(after --export here; carry .gpu/before43)"),
+    ("h100_bench_first_compile_gpu", "python3 bench/bench_first_compile_gpu.py --budget-seconds 110"),
+    ("h100_bench_memory_gpu_defaults", "python3 bench/bench_memory_gpu.py --suite defaults "
+                                       "--budget-seconds 245 --out h100_memory_defaults.json"),
     ("h100_bench_memory_gpu", "python3 bench/bench_memory_gpu.py --shapes moe,hybrid --layers "
      "moe=4/2,hybrid=27/9 --tokens 32768 --episodes 128 --budget-seconds 250"),
     ("h100_bench_cli_gpu", "python3 bench/bench_cli_gpu.py --no-kernel-bench --budget-seconds 540"),
