@@ -14,6 +14,13 @@ runs the same bf16-representable weights in float32):
   Qwen3_5ForCausalLM, the same shape runs as Qwen3NextForCausalLM with every MLP dense
   (`mlp_only_layers`), and the JSON says so (`class`, `note`).
 
+The float32 oracle and the bf16 bar are transformers' models as `from_pretrained` makes
+them: parameters in the dtype, RoPE frequencies in float32 (`as_loaded`). An earlier
+version cast the oracle with `model.to(bfloat16)`, which rounds those frequencies too,
+and measured treeflow's Qwen3 15x further from it than transformers' bf16 (0.394 against
+0.027 mean); treeflow was right and the oracle was not the checkpoint's model
+(tests/models/reference/test_qwen3_bf16.py).
+
 For each, on `treeflow synth` episodes in groups of 8 (`--episodes`, default 128 / 64):
 
 - fidelity: `treeflow replay --dtype bfloat16 --layout tree` and `--layout exact`, each
@@ -62,7 +69,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
-from bench_hybrid_gpu import distance, hf_logprobs, read_logprobs  # noqa: E402
+from bench_hybrid_gpu import as_loaded, distance, hf_logprobs, read_logprobs  # noqa: E402
 
 _GDN_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 6
 SHAPES = {  # transformers config class name -> kwargs; "episodes": default episodes
@@ -109,7 +116,8 @@ def model_class(shape: str) -> tuple[str, dict, str | None]:
 
 def make_checkpoint(name: str, config: dict, path: str, device: str):
     """transformers' own class with its own random init, saved in bfloat16; returned in float32
-    (the bf16-representable weights the CLI reads) for the oracle."""
+    (the bf16-representable weights the CLI reads, RoPE frequencies float32 as
+    `from_pretrained` makes them) for the oracle."""
     import torch
     import transformers
 
@@ -118,8 +126,9 @@ def make_checkpoint(name: str, config: dict, path: str, device: str):
     cfg.architectures = [name]
     with torch.device(device):
         model = getattr(transformers, name)(cfg)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return model.float().eval()
+    as_loaded(model, torch.bfloat16).save_pretrained(path)
+    # not model.to(): it would round the RoPE frequencies of the oracle too (see as_loaded)
+    return as_loaded(model, torch.float32).eval()
 
 
 def gdn_kernel_of_transformers() -> str:

@@ -93,6 +93,18 @@ def make_checkpoint(shape: str, path: str, device: str):
     return model.eval()
 
 
+def as_loaded(model, dtype):
+    """`model` with its parameters cast to `dtype` in place and its buffers left as they are:
+    what transformers' `from_pretrained(dir, dtype=dtype)` gives, whose RoPE inverse
+    frequencies (`rotary_emb.inv_freq`, the only float buffers of these classes) stay float32.
+    `model.to(dtype)` casts those too: in bfloat16 each frequency moves by up to 2^-9 of
+    itself, so at position p every angle moves by up to p * inv_freq * 2^-9 (radians at
+    thousands of positions), and an oracle cast so is no longer the checkpoint's model."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def hf_logprobs(model, eps, n: int, dtype, replay: bool = False) -> list[np.ndarray]:
     """transformers per call: the sampled tokens' logprobs of the first n episodes, flattened;
     replay: each call's routed_experts forced into transformers' routers."""
@@ -103,7 +115,7 @@ def hf_logprobs(model, eps, n: int, dtype, replay: bool = False) -> list[np.ndar
     out = []
     dev = next(model.parameters()).device
     with torch.no_grad(), torch.autocast(dev.type, enabled=False):
-        m = model.to(dtype)
+        m = as_loaded(model, dtype)
         for row in eps[:n]:
             for call in row["calls"]:
                 ids = torch.tensor([call["token_ids"]], device=dev)
