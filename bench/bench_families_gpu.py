@@ -70,7 +70,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
-from bench_hybrid_gpu import as_loaded, distance, hf_logprobs, read_logprobs  # noqa: E402
+from bench_hybrid_gpu import distance, hf_logprobs, read_logprobs  # noqa: E402
+from tests.weights import as_loaded  # noqa: E402
 
 _GDN_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 6
 SHAPES = {  # transformers config class name -> kwargs; "episodes": default episodes

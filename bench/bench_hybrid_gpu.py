@@ -50,6 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "models"))  # the MoE oracle
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
+from tests.weights import as_loaded  # noqa: E402  (cast as from_pretrained loads: RoPE in float32)
 
 SHAPES = {
     "nemotron-h-1b": dict(vocab_size=131072, hidden_size=2048, intermediate_size=8192,
@@ -91,18 +92,6 @@ def make_checkpoint(shape: str, path: str, device: str):
         model = transformers.NemotronHForCausalLM(cfg)
     model.save_pretrained(path)
     return model.eval()
-
-
-def as_loaded(model, dtype):
-    """`model` with its parameters cast to `dtype` in place and its buffers left as they are:
-    what transformers' `from_pretrained(dir, dtype=dtype)` gives, whose RoPE inverse
-    frequencies (`rotary_emb.inv_freq`, the only float buffers of these classes) stay float32.
-    `model.to(dtype)` casts those too: in bfloat16 each frequency moves by up to 2^-9 of
-    itself, so at position p every angle moves by up to p * inv_freq * 2^-9 (radians at
-    thousands of positions), and an oracle cast so is no longer the checkpoint's model."""
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    return model
 
 
 def hf_logprobs(model, eps, n: int, dtype, replay: bool = False) -> list[np.ndarray]:

@@ -33,6 +33,7 @@ import torch
 from models_helpers import tree_tensors, trie
 
 from tests.deps import require
+from tests.weights import as_loaded
 from treeflow.models import AttentionPlan, load_model, selected_logprobs
 
 transformers = require("transformers")
@@ -112,7 +113,7 @@ def test_bench_oracle_is_transformers_as_loaded(checkpoint):
         got = hf_logprobs(oracle, [row], 1, dtype)
         for g, want in zip(got, ref):
             torch.testing.assert_close(torch.as_tensor(g), want, rtol=0, atol=0)
-    families.as_loaded(oracle, torch.float32)  # the module fixture's model back in float32
+    as_loaded(oracle, torch.float32)  # the module fixture's model back in float32
 
 
 @pytest.mark.parametrize("seed", [0, 1])
