@@ -14,6 +14,13 @@ runs the same bf16-representable weights in float32):
   Qwen3_5ForCausalLM, the same shape runs as Qwen3NextForCausalLM with every MLP dense
   (`mlp_only_layers`), and the JSON says so (`class`, `note`).
 
+The float32 oracle and the bf16 bar are transformers' models as `from_pretrained` makes
+them: parameters in the dtype, RoPE frequencies in float32 (`as_loaded`). An earlier
+version cast the oracle with `model.to(bfloat16)`, which rounds those frequencies too,
+and measured treeflow's Qwen3 15x further from it than transformers' bf16 (0.394 against
+0.027 mean); treeflow was right and the oracle was not the checkpoint's model
+(tests/models/reference/test_qwen3_bf16.py).
+
 For each, on `treeflow synth` episodes in groups of 8 (`--episodes`, default 128 / 64):
 
 - fidelity: `treeflow replay --dtype bfloat16 --layout tree` and `--layout exact`, each
@@ -39,6 +46,7 @@ command or shape is recorded (its `error`), not raised, so one family's failure 
 other's numbers.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_families_gpu.py            # one H100, ~5 min
+    python3 bench/bench_families_gpu.py --shapes qwen3-1.7b --tunings auto,plain  # fast vs plain
     python3 bench/bench_families_gpu.py --tiny --device cpu           # logic check, tiny sizes
 
 Prints JSON lines as it goes; the result lands in $OUT/bench_families_gpu.json (or
@@ -63,6 +71,7 @@ sys.path.insert(0, HERE)
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
 from bench_hybrid_gpu import distance, hf_logprobs, read_logprobs  # noqa: E402
+from tests.weights import as_loaded  # noqa: E402
 
 _GDN_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 6
 SHAPES = {  # transformers config class name -> kwargs; "episodes": default episodes
@@ -109,7 +118,8 @@ def model_class(shape: str) -> tuple[str, dict, str | None]:
 
 def make_checkpoint(name: str, config: dict, path: str, device: str):
     """transformers' own class with its own random init, saved in bfloat16; returned in float32
-    (the bf16-representable weights the CLI reads) for the oracle."""
+    (the bf16-representable weights the CLI reads, RoPE frequencies float32 as
+    `from_pretrained` makes them) for the oracle."""
     import torch
     import transformers
 
@@ -118,8 +128,9 @@ def make_checkpoint(name: str, config: dict, path: str, device: str):
     cfg.architectures = [name]
     with torch.device(device):
         model = getattr(transformers, name)(cfg)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return model.float().eval()
+    as_loaded(model, torch.bfloat16).save_pretrained(path)
+    # not model.to(): it would round the RoPE frequencies of the oracle too (see as_loaded)
+    return as_loaded(model, torch.float32).eval()
 
 
 def gdn_kernel_of_transformers() -> str:
@@ -167,16 +178,19 @@ def run_shape(shape: str, args, env: dict, work: str, left, save, result: dict) 
     save()
     common = ["--model", ckpt, "--device", args.device, "--dtype", "bfloat16", "--max-tokens",
               str(args.max_tokens), "--json"]
-    for layout in ("tree", "exact"):
-        key = f"replay_{layout}"
+    for tuning, layout in [(t, layout) for t in args.tunings.split(",")
+                           for layout in ("tree", "exact")]:
+        tail = "" if tuning == "auto" else f"_{tuning}"  # auto keeps the keys it always had
+        key = f"replay_{layout}{tail}"
         if left() < 20:
             res[key] = "skipped (time budget)"
             continue
-        path = os.path.join(work, f"{shape}-{layout}.arrow")
-        r = cli(["replay", data, "--layout", layout, "-o", path, *common], env, f"{shape} {key}")
+        path = os.path.join(work, f"{shape}-{layout}{tail}.arrow")
+        r = cli(["replay", data, "--layout", layout, "--tuning", tuning, "-o", path, *common],
+                env, f"{shape} {key}")
         res[key] = r
         if "error" not in r:
-            fid["tree_bf16" if layout == "tree" else "exact_layout_bf16"] = distance(
+            fid[("tree_bf16" if layout == "tree" else "exact_layout_bf16") + tail] = distance(
                 read_logprobs(path, n_ref), ref)
         print(json.dumps({shape: {key: {k: r.get(k) for k in (
             "process_seconds", "steady_seconds", "compile_seconds", "error")}}}), flush=True)
@@ -186,10 +200,10 @@ def run_shape(shape: str, args, env: dict, work: str, left, save, result: dict) 
             and "error" not in exact:
         res["speedup_steady"] = round(exact["steady_seconds"] / tree["steady_seconds"], 3)
         res["speedup_process"] = round(exact["process_seconds"] / tree["process_seconds"], 3)
-    if "tree_bf16" in fid:
-        own = fid["transformers_bf16_per_call"]
-        res["tree_bf16_over_transformers_bf16"] = {  # <= 1: as close as transformers' own
-            k: round(fid["tree_bf16"][k] / own[k], 3) if own[k] else None for k in ("mean", "max")}
+    own = fid["transformers_bf16_per_call"]
+    for name in [k for k in fid if k.startswith("tree_bf16")]:  # one per --tunings value
+        res[f"{name}_over_transformers_bf16"] = {  # <= 1: as close as transformers' own
+            k: round(fid[name][k] / own[k], 3) if own[k] else None for k in ("mean", "max")}
     save()
 
 
@@ -206,6 +220,9 @@ def main() -> None:
                     help="episodes compared with transformers float32 per call")
     ap.add_argument("--max-turns", type=int, default=10, help="treeflow synth --max-turns")
     ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--tunings", default="auto",
+                    help="comma-separated --tuning values to replay with, each tree and exact "
+                         "(e.g. auto,plain: the compiled layers next to the plain path)")
     ap.add_argument("--budget-seconds", type=float, default=290,
                     help="skip the CLI runs left once this is spent (a device call is capped)")
     ap.add_argument("--out", default=None)
@@ -236,7 +253,8 @@ def main() -> None:
     result = {"settings": {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "max_tokens": args.max_tokens, "max_turns": args.max_turns, "group_size": 8,
+        "max_tokens": args.max_tokens, "tunings": args.tunings, "max_turns": args.max_turns,
+        "group_size": 8,
         "dtype": "bfloat16", "budget_seconds": args.budget_seconds,
         "treeflow_gdn_kernel": "torch chunked delta rule (models/ssm/gdn.py)",
         "transformers_gdn_kernel": gdn_kernel_of_transformers()}, "shapes": {}}

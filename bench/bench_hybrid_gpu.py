@@ -50,6 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "models"))  # the MoE oracle
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
+from tests.weights import as_loaded  # noqa: E402  (cast as from_pretrained loads: RoPE in float32)
 
 SHAPES = {
     "nemotron-h-1b": dict(vocab_size=131072, hidden_size=2048, intermediate_size=8192,
@@ -103,7 +104,7 @@ def hf_logprobs(model, eps, n: int, dtype, replay: bool = False) -> list[np.ndar
     out = []
     dev = next(model.parameters()).device
     with torch.no_grad(), torch.autocast(dev.type, enabled=False):
-        m = model.to(dtype)
+        m = as_loaded(model, dtype)
         for row in eps[:n]:
             for call in row["calls"]:
                 ids = torch.tensor([call["token_ids"]], device=dev)

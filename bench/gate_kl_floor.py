@@ -93,6 +93,7 @@ def floor(model: str, episodes, *, device: str = "cpu", max_episodes: int = 4) -
     import torch
     import transformers
 
+    from tests.weights import as_loaded
     from treeflow.stages.slots import Slots
 
     episodes = episodes.slice(0, max_episodes)
@@ -104,7 +105,7 @@ def floor(model: str, episodes, *, device: str = "cpu", max_episodes: int = 4) -
     hf = hf.to(device).eval()
     ref = hf_sampled_logprobs(hf, rows, autocast=False)
     got = {"hf_autocast": hf_sampled_logprobs(hf, rows, autocast=True)}
-    got["hf_bf16"] = hf_sampled_logprobs(hf.to(torch.bfloat16), rows, autocast=False)
+    got["hf_bf16"] = hf_sampled_logprobs(as_loaded(hf, torch.bfloat16), rows, autocast=False)
     del hf
     got["sampler"] = sampler
     got["trainer"] = treeflow_sampled_logprobs(model, episodes, "bfloat16", device)

@@ -78,6 +78,7 @@ def test_windowed_flex_and_chain_kernels_on_cuda():
 def test_gemma3_tree_and_exact_match_transformers_on_cuda(tmp_path, dtype):
     from tests.models.families_helpers import hf_gemma3
     from tests.models.moe_helpers import episodes, hf_occurrence_logprobs, occurrence_logprobs
+    from tests.weights import as_loaded
     from treeflow.models import load_model
 
     hf = hf_gemma3(hidden_size=128, head_dim=32, query_pre_attn_scalar=24)
@@ -94,7 +95,7 @@ def test_gemma3_tree_and_exact_match_transformers_on_cuda(tmp_path, dtype):
     bound = 2e-3  # float32 matmuls may use tf32 on the GPU
     if dtype == "bfloat16":  # no fixed bf16 bound on tiny random models: transformers' own
         with torch.no_grad():
-            own = hf_occurrence_logprobs(hf.to(torch.bfloat16), rows, replay=False)
+            own = hf_occurrence_logprobs(as_loaded(hf, torch.bfloat16), rows, replay=False)
         bound = 1.5 * error(own)
     for layout in ("tree", "exact"):
         with torch.no_grad():
