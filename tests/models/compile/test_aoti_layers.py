@@ -7,8 +7,9 @@ graph's inputs, so layers that differ only in their weights -- or in what the pa
 such as an MoE block's layer index -- select one graph. On CPU through inductor's C++: a
 three-layer Qwen3-MoE decoder (a dense first layer, two MoE layers) builds each part once, and
 its hidden states without grad equal the plain path's (eager layers) in float32 with the routes
-replayed, so each layer ran with its own weights. A part whose modules differ in a constant
-(an RMSNorm's eps) or a shape still selects another graph.
+replayed, so each layer ran with its own weights. The same on CUDA (marked gpu), through the
+default route (ahead of time on CUDA only). A part whose modules differ in a constant (an
+RMSNorm's eps) or a shape still selects another graph.
 """
 
 from __future__ import annotations
@@ -35,27 +36,34 @@ def _hidden(model, n: int, routes_NW):
 
     depth = np.arange(n)  # one chain: an exact bin
     plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1))
+    dev = routes_NW.device
     with torch.no_grad():
-        return model(torch.arange(n) % 256, torch.from_numpy(depth), plan, routes_NW=routes_NW)
+        return model(torch.arange(n, device=dev) % 256, torch.from_numpy(depth).to(dev), plan,
+                     routes_NW=routes_NW)
 
 
-def test_every_layer_shares_one_build_per_part_and_runs_with_its_own_weights(cache, monkeypatch):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_every_layer_shares_one_build_per_part_and_runs_with_its_own_weights(cache, monkeypatch,
+                                                                            device):
     from treeflow.models.checkpoint import seeded_decoder
     from treeflow.models.compile.layer_ops import LayerOps
     from treeflow.models.reference import decoder
 
     config = ModelConfig.from_hf_dict(_CONFIG)
     assert config.moe.moe_layers == (1, 2)
-    model = seeded_decoder(config, device="cpu", dtype=torch.float32)
+    model = seeded_decoder(config, device=device, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     routes = {n: torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(2 * n)])
-              .view(n, 4) for n in (40, 17)}  # two MoE layers x top_k 2, distinct per row
+              .view(n, 4).to(device) for n in (40, 17)}  # 2 MoE layers x top_k 2, distinct
     plain = {n: _hidden(model, n, r) for n, r in routes.items()}  # the reference: eager layers
-    ops = LayerOps(compile_backend="inductor", recompute="none", ahead_of_time=True)
+    ops = LayerOps(compile_backend="inductor", recompute="none",
+                   ahead_of_time=True if device == "cpu" else None)
     monkeypatch.setattr(decoder, "layer_ops", lambda tuning, device: ops)
-    for n, r in routes.items():  # two token counts: the count is dynamic, one graph each
+    for n, r in routes.items():  # two token counts: the count is dynamic, one graph for both
         got = _hidden(model, n, r)
-        # float32 against float32: fused C++ kernels reorder sums of 32-64 terms; measured 6e-7
+        # float32 against float32: fused kernels reorder sums of 32-64 terms; 6e-7 on CPU
         assert (got - plain[n]).abs().max().item() < 1e-5
     built = {p.name: p.aoti_captured for p in (ops._inputs, ops._output, ops._after)}
     # the old key (each part given the whole layer): attention_inputs 3, attention_output 2
