@@ -23,7 +23,10 @@ This wrapper runs the CLI in-process and appends to its JSON line:
 
 Environment, for probes: `TREEFLOW_BENCH_WARM_CPU=1` runs the warm-up on CPU as well (it is
 CUDA only), `TREEFLOW_BENCH_WARM_TREES=1` gives it the tree bin whatever the layout (the
-warm-up before issue 46: an exact run built the flex kernel it never uses).
+warm-up before issue 46: an exact run built the flex kernel it never uses),
+`TREEFLOW_BENCH_AOTI_CPU=1` runs the layers of `--tuning compile_layers=1` through inductor and
+AOTInductor on CPU too (C++ kernels; layer_ops() compiles with inductor on CUDA only): the
+GPU's compile path, with its builds per graph counted in `precompiled`, on a CPU machine.
 
     python bench/compile_times_cli.py replay EPISODES.arrow --model CKPT --device cuda ... --json
 """
@@ -92,6 +95,24 @@ def _time_warm_up() -> None:
     runner.ForwardRunner.warm_up = warm_up
 
 
+def _aoti_on_cpu() -> None:
+    """The decoder's layer_ops with inductor and ahead-of-time graphs on every device."""
+    from treeflow.models.compile.layer_ops import LayerOps, layer_ops
+    from treeflow.models.reference import decoder
+
+    made: dict = {}
+
+    def ops(tuning, device):
+        if tuning is None or not tuning.compile_layers or tuning.compile_backend != "inductor":
+            return layer_ops(tuning, device)
+        if tuning.recompute not in made:
+            made[tuning.recompute] = LayerOps(compile_backend="inductor",
+                                              recompute=tuning.recompute, ahead_of_time=True)
+        return made[tuning.recompute]
+
+    decoder.layer_ops = ops
+
+
 def main(argv: list[str]) -> int:
     from treeflow.cli import main as cli_main
 
@@ -100,6 +121,8 @@ def main(argv: list[str]) -> int:
         from treeflow.ops import warm_up
 
         warm_up.runs_on = lambda device: True
+    if os.environ.get("TREEFLOW_BENCH_AOTI_CPU") == "1":
+        _aoti_on_cpu()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli_main(argv)

@@ -11,6 +11,13 @@ caller says), `torch._inductor.aoti_compile_and_package` builds it into a shared
 with its kernels, and `torch._C._aoti.AOTIModelPackageLoader` (C++, in torch._C, imported
 with torch) loads and runs it.
 
+Weights as the graph's inputs, not constants: one package and one loader serve every layer
+whose part has the same code, shapes and constants (compile/layer_ops.py), each call passing its
+layer's tensors by pointer. The alternative, weights baked as constants and swapped per layer
+(the loader's load_constants / update_constant_buffer), needs a loader per layer or a swap per
+call; the kernels are the same either way (a matmul reads its weight through a pointer; no part
+has a weight-only op that folding constants would save).
+
 Precompiled uses this for a call with grad off and the inductor backend, outside autocast,
 while a compile cache is on. Files, in `<cache>/precompiled/`: `<name>-<digest>.aoti.pt2`
 (the package: a zip of the library, its kernels and JSON metadata; nothing in it is
