@@ -123,10 +123,11 @@ BEFORE_LOAD = {
     "Mamba-2 hybrid x context parallelism above its Mamba heads": (
         "hybrid", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
         ["--context-parallel 5", "mamba_num_heads=4", "4 or fewer"], "--context-parallel 5"),
-    "Mamba-2 / Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
-        "hybrid", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
-                             "2", "--shard-params"],
-        ["--shard-params", "NemotronHForCausalLM", "drop --shard-params"], "--shard-params"),
+    "Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
+        "gdn", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
+                          "2", "--shard-params"],
+        ["--shard-params", "Qwen3NextForCausalLM", "Gated DeltaNet", "drop --shard-params"],
+        "--shard-params"),
 }
 
 

@@ -331,18 +331,28 @@ def test_plan_memory_reads_a_config_file_alone(tmp_path, capsys):
     assert "bad.json: holds list" in capsys.readouterr().err
 
 
-def test_plan_memory_refuses_sharding_a_hybrid_as_training_would(tmp_path, capsys):
-    """`--shard-params` on a Mamba-2 hybrid is refused by the support table before training
-    loads a model; the plan refuses it the same way instead of answering for a run that cannot
-    start (the 8 x 80 GB question for a Nemotron-H-class model would otherwise look answered)."""
+def test_plan_memory_shards_a_mamba_hybrid_and_refuses_a_gdn_one_as_training_would(tmp_path,
+                                                                                     capsys):
+    """`--shard-params` on a Mamba-2 hybrid trains (train/fsdp.py's float32 mixer groups), so
+    the plan answers with the weights, gradients and AdamW state over the ranks; a Gated
+    DeltaNet hybrid is refused by the support table before training loads a model, and the
+    plan refuses it the same way instead of answering for a run that cannot start."""
     from tests.models import hybrid_helpers
 
     hf = hybrid_helpers.hf_model("nemotron_h")
     (tmp_path / "h.json").write_text(json.dumps(hf.config.to_dict()))
     knobs = ["--max-tokens", "4096", "--num-ranks", "8", "--recompute", "full", "--json"]
     assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), *knobs]) == 0
-    capsys.readouterr()
+    one = json.loads(capsys.readouterr().out)
     assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), "--shard-params",
+                 *knobs]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    for k in ("weights", "optimizer"):
+        assert eight["bytes"][k] == one["bytes"][k] // 8
+    (tmp_path / "g.json").write_text(json.dumps(
+        {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
+    assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), "--shard-params",
                  *knobs]) == 2
     err = capsys.readouterr().err
-    assert "h.json" in err and "--shard-params" in err and "drop" in err
+    assert "g.json" in err and "--shard-params" in err and "Gated DeltaNet" in err

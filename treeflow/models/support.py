@@ -127,13 +127,13 @@ ROWS = (
                               f"layer's heads over the ranks, and {c.architecture} has "
                               f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "
                               f"{c.mamba_num_heads} or fewer")),
-    Row(what="Mamba-2 / Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
-        applies=lambda f, c, d: _recurrent(c),
+    Row(what="Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
+        applies=lambda f, c, d: _gdn(c),
         message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "
-                              f"shards attention decoders only; {c.architecture} has recurrent "
-                              "(Mamba-2 / Gated DeltaNet) layers, whose float32 state "
-                              "parameters FSDP2 would gather in the compute dtype: drop "
-                              "--shard-params (--num-ranks N replicates the weights)")),
+                              f"shards attention and Mamba-2 decoders; {c.architecture} has "
+                              "Gated DeltaNet layers, whose float32 state parameters have no "
+                              "float32 FSDP2 group yet: drop --shard-params (--num-ranks N "
+                              "replicates the weights)")),
 )
 
 

@@ -14,18 +14,25 @@ are collectives, every rank must run the same number of them: a rank with fewer 
 empty one-token passes whose loss is zero. And a rank that raises mid-bin cannot tell the
 others (they wait inside a collective), so its error ends its process; the launcher
 (spawn or torchrun) then stops the others, and the process group's timeout bounds the wait.
-Only the reference backend (decoder.py) is sharded this way.
+Only the reference backend is sharded this way: attention decoders and the Mamba-2 hybrids
+(Nemotron-H, Bamba, GraniteMoeHybrid), whose mixers read A_log, D, dt_bias, the conv and the
+gated norm in float32: each mixer is a float32 group of its own (its projections groups of the
+compute dtype), as the float32 routers are. The cost: three more, small, all-gathers per Mamba
+layer; the gain: the scan reads the weights the unsharded trainer and the sampler read.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["clip_sharded_grad_norm", "full_state_dict", "shard_module"]
+__all__ = ["clip_sharded_grad_norm", "float32_groups", "full_state_dict", "shard_module"]
 
 
 def shard_module(module, compute_dtype: torch.dtype) -> None:
-    """fully_shard each decoder layer and the root, in place; compute in `compute_dtype`."""
+    """fully_shard each decoder layer and the root, in place; compute in `compute_dtype`.
+
+    Parameters the model reads in float32 whatever the compute dtype (`float32_groups`) are
+    FSDP2 groups of their own gathered in float32, inner groups before the layer's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     from treeflow.models import Decoder
@@ -34,23 +41,47 @@ def shard_module(module, compute_dtype: torch.dtype) -> None:
         raise ValueError(f"--shard-params shards the reference decoder; {type(module).__name__} "
                          "is not one (use the reference backend, or the backend's own parallelism)")
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # float32 routers (models/moe/block.py "Router precision") gather their weight in float32, as the
-    # unsharded trainer and the sampler read it: a group of their own (a call unshards it),
-    # left gathered after forward because the near-tie band reads the weight again
-    routers = _float32_routers(module)
-    for router in routers:
-        fully_shard(router, reshard_after_forward=False,
+    groups = []
+    for m, router, inner in float32_groups(module):
+        for child in inner:  # the compute-dtype projections inside a float32 group
+            fully_shard(child, mp_policy=policy)
+            groups.append(child)
+        # a router computes in float32 and stays gathered (its near-tie band reads the weight
+        # again); a mixer's or norm's inputs stay in the layer's compute dtype
+        fully_shard(m, reshard_after_forward=not router,
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                   reduce_dtype=torch.float32))
-    for layer in module.model.layers:
+                                                   reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=router))
+        groups.append(m)
+    for layer in module.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     # the vocabulary projection reads the root's weights: one gather per bin, not per edge
     # chunk (a chunk count that differs between ranks would misalign their collectives)
     register_fsdp_forward_method(module, "selected_logprobs")
-    for m in [*routers, *module.model.layers, module]:
+    for m in [*groups, *module.layers, module]:
         m.set_gradient_divide_factor(1.0)  # a SUM over ranks: the weights hold the normalisation
         m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+
+
+def float32_groups(module) -> list[tuple]:
+    """(module, is a router, its compute-dtype children) for every FSDP2 group
+    gathered in float32, as the unsharded mixed-precision trainer (float32 parameters under
+    autocast) and the sampler read them:
+    - float32 routers (models/moe/block.py "Router precision"), left gathered after forward
+      because the near-tie band reads the weight again; their inputs cast to float32 as the
+      router computes;
+    - each Mamba-2 mixer (models/ssm/mamba.py): A_log, D, dt_bias, the conv (tree_conv runs in
+      float32) and the gated norm, its in_proj and out_proj groups of the compute dtype.
+    The layer norms stay in their layer's group, as in attention decoders: Nemotron-H's block
+    casts its input to its norm weight's dtype, and the sharded path runs without autocast,
+    so a float32 norm would hand float32 activations to compute-dtype projections."""
+    from treeflow.models.ssm.mamba import Mamba2Mixer
+
+    out = [(m, True, ()) for m in _float32_routers(module)]
+    out += [(m, False, (m.in_proj, m.out_proj)) for m in module.modules()
+            if isinstance(m, Mamba2Mixer)]
+    return out
 
 
 def _float32_routers(module) -> list:

@@ -137,6 +137,11 @@ class Decoder(nn.Module):
     def output_weight_VH(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers in order (train/fsdp.py wraps each in an FSDP2 group)."""
+        return self.model.layers
+
     def check_supported(self, *, kernel: str, device: torch.device | str, requires_grad: bool,
                         branching: bool) -> None:
         """Raise a ValueError if this backend cannot run the combination."""
