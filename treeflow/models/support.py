@@ -127,6 +127,13 @@ ROWS = (
                               f"layer's heads over the ranks, and {c.architecture} has "
                               f"mamba_num_heads={c.mamba_num_heads}: use --context-parallel "
                               f"{c.mamba_num_heads} or fewer")),
+    Row(what="Mamba-2 hybrid x --shard-params x context parallelism", needs_model=True,
+        sharded=True, applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and _cp(d) > 1,
+        message=lambda f, c, d: (f"{f.model}: --shard-params with --context-parallel {_cp(d)} "
+                              f"on {c.architecture}: FSDP2's gathers and the Mamba-2 head "
+                              "exchange do not yet run in one order on every process (a "
+                              "deadlock on CPU); drop --shard-params, or use "
+                              "--context-parallel 1")),
     Row(what="Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
         applies=lambda f, c, d: _gdn(c),
         message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "

@@ -7,6 +7,12 @@ just before it runs; gradients are reduce-scattered in float32 after each bin's 
 accumulate, sharded, over the step's bins. The divide factor is 1: the loss weights already
 carry the logical batch's normalisation, so the reduction is a SUM, as in the unsharded path.
 
+Under context parallelism (--context-parallel C) the shards span all D x C processes, as
+torchtitan's dp_shard x cp mesh does: the reduce-scatter's SUM covers the context-parallel
+ranks' shares of each bin's gradient as the unsharded all-reduce does. A rank that owns no
+edge of a bin still reaches the output weight in backward (Decoder.selected_logprobs), and a
+replica's padding passes run as one small bin of the whole group (Step.pad_passes).
+
 Trade-offs against the unsharded path (train/distributed.py): memory per rank falls from 16 to
 16/N bytes per parameter (plus one layer gathered), for an all-gather per layer per bin
 forward and backward and a reduce-scatter per bin. Because every bin's forward and backward

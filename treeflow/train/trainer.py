@@ -99,14 +99,11 @@ class Trainer:
         self.max_tokens = max_tokens
         self.precision = precision
         self.compute_dtype = DTYPES[forward.dtype]
-        if self.dp.cp is not None and shard_params:
-            raise ValueError("shard_params=True (--shard-params) with context parallelism is not "
-                             "supported yet: drop --shard-params or --context-parallel")
         if shard_params:  # models/support.py's sharded rows, before the model loads
             from treeflow.models.support import check
 
             check(forward, forward.model_config() if model is None else model.config,
-                  shard_params=True)
+                  shard_params=True, dims=ParallelDims(cp=self.dp.cp.size if self.dp.cp else 1))
         # how a bin is split is the process group's: its context-parallel group (the size
         # read from it) and the tensor-parallel processes holding the model
         self.runner = build_forward(replace(forward, dtype=storage_dtype(forward.dtype, precision)),

@@ -203,4 +203,9 @@ class Decoder(nn.Module):
         """
         from treeflow.models.heads.logprobs import selected_logprobs
 
-        return selected_logprobs(self, hidden_EH, targets_E, **options)
+        lp_E, ent_E = selected_logprobs(self, hidden_EH, targets_E, **options)
+        if hidden_EH.requires_grad and not lp_E.requires_grad:  # no rows (a context-parallel
+            # rank owning no edge of its bin): still an output backward reaches, so FSDP
+            # gathers the weight in backward where the ranks with rows do
+            lp_E = lp_E + hidden_EH.sum() * 0.0
+        return lp_E, ent_E
