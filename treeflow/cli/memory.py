@@ -70,7 +70,7 @@ def cmd_memory(args) -> int:
     if knobs["shard_params"]:
         from treeflow.models.support import check_sharded
 
-        check_sharded(args.model, config)
+        check_sharded(args.model, config, context_parallel=knobs["context_parallel"])
     if args.files:  # the episodes' own bins: the largest plan over them, not a full budget
         worst = max((plan_memory(config, **{**knobs, **b}) for b in _bins(args, config)),
                     key=lambda p: p.total, default=None)

@@ -161,14 +161,15 @@ def check(forward, config=None, *, dims=None, shard_params: bool = False) -> Non
             raise ValueError(row.message(forward, config, dims))
 
 
-def check_sharded(model: str, config) -> None:
+def check_sharded(model: str, config, *, context_parallel: int = 1) -> None:
     """The `sharded` rows alone, for a caller that holds only a model's config.json (`plan
-    --memory --shard-params`): a plan must not answer for a run `check` would refuse."""
+    --memory --shard-params [--context-parallel C]`): a plan must not answer for a run
+    `check` would refuse."""
     from types import SimpleNamespace
 
     from treeflow.parallel import ParallelDims
 
-    forward, dims = SimpleNamespace(model=model), ParallelDims()
+    forward, dims = SimpleNamespace(model=model), ParallelDims(cp=context_parallel)
     for row in ROWS:
         if row.sharded and row.applies(forward, config, dims):
             raise ValueError(row.message(forward, config, dims))

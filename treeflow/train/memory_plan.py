@@ -3,14 +3,16 @@
 `plan_memory` adds six components, each a formula written from the code it counts:
 
 - weights: every parameter, 4 bytes under `--precision mixed` (float32 master weights),
-  the compute dtype's under `pure`; / data-parallel ranks with `--shard-params` (FSDP2).
+  the compute dtype's under `pure`; / the D x C processes with `--shard-params` (FSDP2 shards
+  over the data- and context-parallel ranks alike).
 - weight_casts: the compute-dtype copies of the layers' matmul weights that a mixed-precision
   forward makes and keeps for backward (autocast's casts; the experts' explicit casts in
   models/moe/block.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
   under `--recompute selective|full` (a checkpointed layer casts again in backward: one
   layer's casts go to temporaries). With
   `--shard-params` it is the all-gathered layer instead (2 layers: the one running and the
-  one prefetched), in the compute dtype.
+  one prefetched), in the compute dtype, but float32 for the groups train/fsdp.py gathers in
+  float32 (float32 routers, a Mamba-2 mixer's conv, A_log, D, dt_bias and gated norm).
 - gradients: one per parameter in the weights' dtype (/ ranks when sharded), plus the float64
   sums of `--grad-sum float64` (8 bytes per parameter of the rank's shard).
 - optimizer: AdamW's two moments (exp_avg, exp_avg_sq) in the weights' dtype (/ ranks when
@@ -139,6 +141,7 @@ def parameter_counts(c) -> dict:
     embed = V * H
     head = 0 if c.tie_word_embeddings else V * H
     total, matmul, router = embed + head + H, 0, 0  # the head's cast is transient (loss chunks)
+    float32_mixer = 0  # a Mamba-2 mixer's conv, A_log, D, dt_bias, gated norm (train/fsdp.py)
     hybrid = bool(getattr(c, "layer_types", None))
     attn_mm = H * (Hq + 2 * Hkv) + Hq * H
     attn_other = (Hq + 2 * Hkv if getattr(c, "attention_bias", False) else 0) + \
@@ -164,11 +167,14 @@ def parameter_counts(c) -> dict:
         if kind in ("mamba", "mamba+mlp"):
             h, inner, conv = c.mamba_num_heads, c.mamba_intermediate, c.conv_dim
             mm += H * (inner + conv + h) + inner * H
-            other += conv * c.conv_kernel + (conv if c.use_conv_bias else 0) + 3 * h + inner
+            state = conv * c.conv_kernel + (conv if c.use_conv_bias else 0) + 3 * h + inner
+            other += state
+            float32_mixer += state
         norms = 1 if kind in ("mamba", "attention_only", "mlp", "moe_only") else 2
         total += mm + other + norms * H
         matmul += mm
-    return {"total": total, "matmul": matmul, "embedding": embed, "float32_router": router}
+    return {"total": total, "matmul": matmul, "embedding": embed, "float32_router": router,
+            "float32_gathered": router + float32_mixer}
 
 
 def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
@@ -269,7 +275,8 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     mixed = precision == "mixed"
     wb = _F32 if mixed else cb
     counts = parameter_counts(config)
-    P, shards = counts["total"], (num_ranks if shard_params else 1)
+    # FSDP2 shards over every process: D data-parallel x C context-parallel (train/fsdp.py)
+    P, shards = counts["total"], (num_ranks * context_parallel if shard_params else 1)
     kinds = _layer_kinds(config)
     tokens = max_tokens
     g = _dims(config)
@@ -305,8 +312,10 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     mask = tokens * tokens if kernel == "dense" else 0  # the plan's boolean mask
     layer_temp = tokens * none_layer
     if shard_params:
-        per_layer_params = (counts["total"] - counts["embedding"]) / max(len(kinds), 1)
-        casts = 2 * per_layer_params * cb
+        per_layer = max(len(kinds), 1)
+        wide = counts["float32_gathered"] / per_layer  # float32 groups: gathered in float32
+        casts = 2 * ((counts["total"] - counts["embedding"]) / per_layer * cb
+                     + wide * (_F32 - cb))
     elif autocast and cb < _F32:  # kept for backward; a checkpointed layer casts again in it
         cast_params = counts["matmul"] - counts["float32_router"]
         casts = cast_params * cb if recompute == "none" else 0
