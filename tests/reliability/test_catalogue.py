@@ -309,6 +309,9 @@ def _file_case(kind):
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m"], \
                 ["config.json", "Qwen3.5 vision-language", "is not supported",
                  "Qwen3 (Qwen3ForCausalLM)"]
+        if kind == "offload-without-shard-params":  # CPUOffloadPolicy is FSDP2's (fsdp.py)
+            return ["replay", good, *TRAIN, "--model", "tiny", "--offload"], \
+                ["--offload", "add --shard-params"]
         if kind == "mamba-shard-params-cp":  # FSDP2 x Mamba-2 CP exchange (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -650,7 +653,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
          # issue 43/44: a Gated DeltaNet hybrid with FSDP2 (Mamba-2 hybrids are sharded)
-         "gdn-shard-params", "mamba-shard-params-cp"]
+         "gdn-shard-params", "mamba-shard-params-cp", "offload-without-shard-params"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

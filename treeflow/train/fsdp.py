@@ -34,18 +34,27 @@ import torch
 __all__ = ["clip_sharded_grad_norm", "float32_groups", "full_state_dict", "shard_module"]
 
 
-def shard_module(module, compute_dtype: torch.dtype) -> None:
+def shard_module(module, compute_dtype: torch.dtype, *, offload: bool = False) -> None:
     """fully_shard each decoder layer and the root, in place; compute in `compute_dtype`.
 
     Parameters the model reads in float32 whatever the compute dtype (`float32_groups`) are
-    FSDP2 groups of their own gathered in float32, inner groups before the layer's."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    FSDP2 groups of their own gathered in float32, inner groups before the layer's.
+    offload: FSDP2's CPUOffloadPolicy on every group (`--offload`): the float32 shards, their
+    gradients and so AdamW's moments live in host memory, and AdamW steps on the host; each
+    group is copied to the device for its all-gather (pinned host memory where CUDA is)."""
+    from functools import partial
+
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        register_fsdp_forward_method)
+    from torch.distributed.fsdp import fully_shard as _fully_shard
 
     from treeflow.models import Decoder
 
     if not isinstance(module, Decoder):
         raise ValueError(f"--shard-params shards the reference decoder; {type(module).__name__} "
                          "is not one (use the reference backend, or the backend's own parallelism)")
+    fully_shard = partial(_fully_shard, offload_policy=(
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     groups = []
     for m, router, inner in float32_groups(module):

@@ -16,7 +16,9 @@
 - gradients: one per parameter in the weights' dtype (/ ranks when sharded), plus the float64
   sums of `--grad-sum float64` (8 bytes per parameter of the rank's shard).
 - optimizer: AdamW's two moments (exp_avg, exp_avg_sq) in the weights' dtype (/ ranks when
-  sharded): 8 bytes per parameter under mixed.
+  sharded): 8 bytes per parameter under mixed. With `--offload` (FSDP2's CPUOffloadPolicy)
+  weights, gradients and moments are host memory (`host_bytes`), and AdamW's step with them:
+  none of the three, nor the step's transient, is on the device.
 - activations: what autograd holds after a bin's forward at the bin budget (`--max-tokens`
   tokens per rank; under context parallelism each rank holds 1/C of a C x budget bin, plus
   the ancestors' K/V it received), summed over layers by kind (attention decoder layer,
@@ -262,13 +264,16 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
 
 
 def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel: int = 1,
-                shard_params: bool = False, recompute: str = "none", precision: str = "mixed",
+                shard_params: bool = False, offload: bool = False, recompute: str = "none",
+                precision: str = "mixed",
                 dtype: str = "bfloat16", grad_sum: str = "float32", chunk_size: int = 1024,
                 kernel: str = "flex", edges: int | None = None,
                 scan_fill: float = 1.0, ssm_kernel: str = "torch") -> MemoryPlan:
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
+    if offload and not shard_params:
+        raise ValueError("--offload moves FSDP2's shards to the host: add --shard-params")
     if ssm_kernel not in ("torch", "triton"):
         raise ValueError(f"--ssm-kernel {ssm_kernel!r}: the planner models torch and triton")
     cb = _DTYPE_BYTES[dtype]
@@ -324,13 +329,19 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
         casts = 0
     backward = max(layer_temp, head_temp) + mask
     step = P * wb / shards  # foreach AdamW's denominator (torch._foreach_sqrt of exp_avg_sq)
-    temporaries = max(backward, step - activations - casts)
-    comps = {"weights": P * wb / shards, "weight_casts": casts,
+    state = {"weights": P * wb / shards,
              "gradients": P * wb / shards + (P * 8 / shards if grad_sum == "float64" else 0),
-             "optimizer": 2 * P * wb / shards, "activations": activations,
-             "temporaries": temporaries}
+             "optimizer": 2 * P * wb / shards}
+    host = 0
+    if offload:  # CPUOffloadPolicy: the shards, their gradients and AdamW (its step) on the host
+        host, state, step = sum(state.values()), dict.fromkeys(state, 0), 0
+    temporaries = max(backward, step - activations - casts)
+    comps = {"weights": state["weights"], "weight_casts": casts,
+             "gradients": state["gradients"], "optimizer": state["optimizer"],
+             "activations": activations, "temporaries": temporaries}
     knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
-                 shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
+                 shard_params=shard_params, offload=offload, host_bytes=int(host),
+                 recompute=recompute, precision=precision, dtype=dtype,
                  grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
                  scan_fill=scan_fill, ssm_kernel=ssm_kernel,
                  transients={"backward": int(backward), "optimizer_step": int(step)},
