@@ -69,10 +69,11 @@ def test_two_replicas_of_two_context_parallel_ranks_train_like_one_process(data,
 @pytest.mark.parametrize("extra,flag", [
     (["--backend", "megatron"], "--backend reference"),
     (["--kernel", "causal"], "--kernel causal"),
-    (["--shard-params", "--num-ranks", "2"], "--shard-params"),
     (["--launcher", "ray"], "--launcher ray: give --engine ray"),
-    # --engine ray runs C actors per rank, and refuses what the processes would
-    (["--engine", "ray", "--shard-params", "--num-ranks", "2"], "--shard-params"),
+    # --engine ray runs C actors per rank, and refuses what the processes would; FSDP2 shards
+    # over the D x C processes --engine local starts (tests/train/test_fsdp_context_parallel.py)
+    (["--engine", "ray", "--shard-params", "--num-ranks", "2"], "--shard-params runs with "
+                                                                "--engine local"),
     (["--engine", "ray", "--kernel", "causal"], "--kernel causal"),
     (["--engine", "ray", "--backend", "megatron"], "--backend reference"),
     # both splits at once: refused where the flags become the engine's ParallelDims

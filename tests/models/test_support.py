@@ -122,10 +122,16 @@ BEFORE_LOAD = {
         "gdn", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
         ["--context-parallel 5", "Gated DeltaNet", "linear_num_value_heads=4", "4 or fewer"],
         "--context-parallel 5"),
-    "Mamba-2 / Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
-        "hybrid", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
-                             "2", "--shard-params"],
-        ["--shard-params", "NemotronHForCausalLM", "drop --shard-params"], "--shard-params"),
+    "Mamba-2 hybrid x --shard-params x context parallelism": (
+        "hybrid", {}, _CP2, ["replay", "--mode", "train", "--episodes-per-step", "2",
+                             "--context-parallel", "2", "--shard-params"],
+        ["--shard-params with --context-parallel 2", "NemotronHForCausalLM",
+         "drop --shard-params"], "--shard-params"),
+    "Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
+        "gdn", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
+                          "2", "--shard-params"],
+        ["--shard-params", "Qwen3NextForCausalLM", "Gated DeltaNet", "drop --shard-params"],
+        "--shard-params"),
 }
 
 
@@ -178,8 +184,10 @@ def recorder(monkeypatch):
     # spawn) and training ranks (LAUNCHERS)
     for module in (treeflow.train.launch, treeflow.train.launch_plan):
         monkeypatch.setattr(module, "spawn", record("processes started"))
-    for name in list(treeflow.train.launch.LAUNCHERS):
-        monkeypatch.setitem(treeflow.train.launch.LAUNCHERS, name, record("processes started"))
+    for name, launcher in list(treeflow.train.launch.LAUNCHERS.items()):
+        fake = record("processes started")
+        fake.actors = launcher.actors  # what Launch asks of a launcher before it starts one
+        monkeypatch.setitem(treeflow.train.launch.LAUNCHERS, name, fake)
     return calls
 
 
@@ -194,7 +202,10 @@ def test_every_row_refuses_before_a_model_load_or_a_sampled_episode(what, models
             from treeflow.stages import Loss, Reduce
             from treeflow.train import Trainer
 
-            Trainer(forward, Reduce(loss=Loss(kind="nll")), shard_params=True)
+            if dims is None:
+                Trainer(forward, Reduce(loss=Loss(kind="nll")), shard_params=True)
+            else:  # a split the Trainer reads from its process group: the CLI's check
+                forward.check_model(dims, shard_params=True)
         else:
             build_forward(forward, dims=dims)
     assert all(n in str(err.value) for n in needles), str(err.value)

@@ -58,7 +58,8 @@ def test_under_torchrun(torchrun_two):
     (local(tp=2), {}, "--tensor-parallel 2 needs --backend megatron"),
     (local(cp=2), dict(backend="megatron"), "--context-parallel 2 needs --backend reference"),
     (local(cp=2), dict(kernel="causal"), "--context-parallel 2 with --kernel causal"),
-    (local(cp=2), dict(shard_params=True), "--context-parallel 2 with --shard-params"),
+    (ray(cp=2), dict(shard_params=True), "--context-parallel 2 with --shard-params runs with "
+                                         "--engine local"),
     (local(cp=2), dict(launcher="ray"), "--context-parallel 2 with --launcher ray: give "
                                         "--engine ray"),
     (ray(tp=2), dict(backend="megatron"), "--tensor-parallel 2 runs with --engine local only"),

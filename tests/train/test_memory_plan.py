@@ -121,6 +121,30 @@ def test_state_components_equal_a_real_step(grad_sum):
         assert sharded.components[k] == plan.components[k] // 4
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe", "bamba"])
+def test_sharded_terms_of_a_hybrid_follow_its_fsdp_groups(tmp_path, family):
+    """Under --shard-params the float32 groups train/fsdp.py builds (float32 routers, each
+    Mamba-2 mixer less its projections) gather in float32, the rest of a layer in the compute
+    dtype; the state is split over the D x C processes FSDP2 shards over."""
+    from treeflow.train.fsdp import float32_groups
+
+    model = _hybrid(tmp_path, family)[0]
+    wide = sum(p.numel() for m, _, inner in float32_groups(model) for p in m.parameters()
+               if not any(p is q for c in inner for q in c.parameters()))
+    counts = parameter_counts(model.config)
+    assert counts["float32_gathered"] == wide > 0
+    embedding = counts["embedding"]
+    layers = len(model.layers)
+    plan = plan_memory(model.config, max_tokens=64, num_ranks=2, context_parallel=2,
+                       shard_params=True, dtype="bfloat16")
+    # two layers gathered, the mean layer: bf16 for all but the float32 groups' 4 bytes
+    want = 2 * ((counts["total"] - embedding) * 2 + wide * 2) / layers
+    assert plan.components["weight_casts"] == int(want)
+    one = plan_memory(model.config, max_tokens=64, dtype="bfloat16")
+    for k in ("weights", "optimizer"):  # D x C = 4 processes hold a quarter each
+        assert plan.components[k] == int(one.components[k] / 4)
+
+
 def _check_activations(model, eps, max_tokens, *, dtype="float32", routing=None, rel=0.02):
     bins = Fragment(max_tokens=max_tokens)(Pack()(eps))
     for mode in MODES:
@@ -331,18 +355,32 @@ def test_plan_memory_reads_a_config_file_alone(tmp_path, capsys):
     assert "bad.json: holds list" in capsys.readouterr().err
 
 
-def test_plan_memory_refuses_sharding_a_hybrid_as_training_would(tmp_path, capsys):
-    """`--shard-params` on a Mamba-2 hybrid is refused by the support table before training
-    loads a model; the plan refuses it the same way instead of answering for a run that cannot
-    start (the 8 x 80 GB question for a Nemotron-H-class model would otherwise look answered)."""
+def test_plan_memory_shards_a_mamba_hybrid_and_refuses_a_gdn_one_as_training_would(tmp_path,
+                                                                                     capsys):
+    """`--shard-params` on a Mamba-2 hybrid trains (train/fsdp.py's float32 mixer groups), so
+    the plan answers with the weights, gradients and AdamW state over the ranks; a Gated
+    DeltaNet hybrid is refused by the support table before training loads a model, and the
+    plan refuses it the same way instead of answering for a run that cannot start."""
     from tests.models import hybrid_helpers
 
     hf = hybrid_helpers.hf_model("nemotron_h")
     (tmp_path / "h.json").write_text(json.dumps(hf.config.to_dict()))
     knobs = ["--max-tokens", "4096", "--num-ranks", "8", "--recompute", "full", "--json"]
     assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), *knobs]) == 0
-    capsys.readouterr()
+    one = json.loads(capsys.readouterr().out)
     assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), "--shard-params",
+                 *knobs]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    for k in ("weights", "optimizer"):
+        assert eight["bytes"][k] == one["bytes"][k] // 8
+    # under context parallelism training refuses it (support.py), and so does the plan
+    assert main(["plan", "--memory", "--model", str(tmp_path / "h.json"), "--shard-params",
+                 "--context-parallel", "2", *knobs]) == 2
+    assert "--shard-params with --context-parallel 2" in capsys.readouterr().err
+    (tmp_path / "g.json").write_text(json.dumps(
+        {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
+    assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), "--shard-params",
                  *knobs]) == 2
     err = capsys.readouterr().err
-    assert "h.json" in err and "--shard-params" in err and "drop" in err
+    assert "g.json" in err and "--shard-params" in err and "Gated DeltaNet" in err

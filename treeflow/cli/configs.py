@@ -85,6 +85,9 @@ def launch(args, *, train: bool):
     cannot run, starting nothing."""
     from treeflow.train.launch_plan import Launch
 
+    if getattr(args, "offload", False) and not args.shard_params:
+        raise ValueError("--offload moves FSDP2's float32 shards and AdamW state to the host: "
+                         "add --shard-params (with --num-ranks N > 1), or drop --offload")
     launch = Launch(train=train, backend=args.backend,
                     engine=engine(args), launcher=args.launcher, kernel=args.kernel,
                     shard_params=args.shard_params, device=args.device, model=args.model)

@@ -32,6 +32,7 @@ def memory_knobs(args, *, recompute: str) -> dict:
     return dict(max_tokens=args.max_tokens, num_ranks=args.num_ranks, ssm_kernel=scan,
                 context_parallel=getattr(args, "context_parallel", 1) or 1,
                 shard_params=bool(getattr(args, "shard_params", False)), recompute=recompute,
+                offload=bool(getattr(args, "offload", False)),
                 precision=args.precision, dtype=args.dtype,
                 grad_sum=getattr(args, "grad_sum", "float32"),
                 chunk_size=getattr(args, "chunk_size", 1024), kernel=kernel)
@@ -83,7 +84,7 @@ def cmd_memory(args) -> int:
     if knobs["shard_params"]:
         from treeflow.models.support import check_sharded
 
-        check_sharded(args.model, config)
+        check_sharded(args.model, config, context_parallel=knobs["context_parallel"])
     if args.files:  # the episodes' own bins: the largest plan over them, not a full budget
         worst = max((plan_memory(config, **{**knobs, **b}) for b in _bins(args, config)),
                     key=lambda p: p.total, default=None)
@@ -184,6 +185,7 @@ def check_fits(args, *, recompute: str) -> dict | None:
     if not knobs["shard_params"] and knobs["num_ranks"] > 1:
         fixes.append("--shard-params")
     fixes.append("more --num-ranks with --shard-params" if knobs["shard_params"] else None)
+    fixes.append("--offload" if knobs["shard_params"] and not knobs["offload"] else None)
     fixes = [f for f in fixes if f]
     raise ValueError(f"--mode train: the predicted peak of one rank is {plan.total / GIB:.2f} GiB "
                      f"({parts} GiB) at --max-tokens {args.max_tokens}, more than the card's "

@@ -156,6 +156,10 @@ def add_train_options(p) -> None:
                         "(one GPU per actor with --device cuda)")
     r.add_argument("--shard-params", action="store_true",
                    help="shard parameters, gradients and AdamW state over the ranks (FSDP2)")
+    r.add_argument("--offload", action="store_true",
+                   help="with --shard-params: keep the float32 shards, gradients and AdamW "
+                        "state in host memory, AdamW stepping on the host (FSDP2's "
+                        "CPUOffloadPolicy)")
     add_rl_options(p)
     add_logger_options(p)
 

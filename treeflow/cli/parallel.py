@@ -23,8 +23,9 @@ share); the Ray engine and launcher (one process per rank here); FSDP's
 with --engine local, where logprobs mode runs C and training D x C; or, with
 --engine ray, C Ray actors per rank (pipeline/ray_groups.py), --num-ranks D
 ranks in both modes. It refuses the megatron backend, --tensor-parallel,
---kernel causal, --shard-params, --launcher ray (use --engine ray) and, with
---engine local in logprobs mode, --num-ranks > 1.
+--kernel causal, --shard-params with --engine ray (with --engine local FSDP2 shards over
+the D x C processes), --launcher ray (use --engine ray) and, with --engine local in
+logprobs mode, --num-ranks > 1.
 
 Checkpoints (--save, --save-every, --resume) work under any D x T: every
 process writes its tensor-parallel shards of the weights and AdamW through

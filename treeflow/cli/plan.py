@@ -207,6 +207,9 @@ def add_plan_parsers(sub, common) -> None:
                           "a training run's --recompute auto picks for --device-memory")
     mem.add_argument("--shard-params", action="store_true",
                      help="FSDP2 shards weights, gradients and AdamW state over --num-ranks")
+    mem.add_argument("--offload", action="store_true",
+                     help="with --shard-params: the float32 shards, gradients and AdamW state "
+                          "in host memory (host_bytes), not on the device")
     mem.add_argument("--precision", choices=("mixed", "pure"), default="mixed",
                      help="mixed: float32 weights and AdamW, --dtype computes; pure: all in "
                           "--dtype")

@@ -55,6 +55,7 @@ def _train(args, *, distributed: bool) -> int:
                        distributed=distributed, engine=configs.engine(args),
                        trainer_options=dict(precision=args.precision, grad_sum=args.grad_sum,
                                             shard_params=args.shard_params,
+                                            offload=args.offload,
                                             reference=configs.reference(args, stages.forward)),
                        **configs.fit_options(
                            args, title="train", episodes_per_step=args.episodes_per_step,

@@ -147,10 +147,12 @@ class Launch:
             raise ValueError(f"--context-parallel {cp} with --kernel {self.kernel}: a rank "
                              "attends over its gathered keys with --kernel runs, dense or flex "
                              "(auto: runs)")
-        if self.train and self.shard_params:
-            raise ValueError(f"--context-parallel {cp} with --shard-params is not supported "
-                             "yet: drop one of them")
         if self._owned:  # C Ray actors per rank, --num-ranks ranks (pipeline/ray.py)
+            if self.train and self.shard_params:
+                raise ValueError(f"--context-parallel {cp} with --shard-params runs with "
+                                 "--engine local (FSDP2 shards over the D x C processes it "
+                                 "starts), not as Ray actors: drop --engine ray or "
+                                 "--shard-params")
             return
         if self.train and self._actors:
             raise ValueError(f"--context-parallel {cp} with --launcher ray: give --engine ray to "

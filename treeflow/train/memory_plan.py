@@ -3,18 +3,22 @@
 `plan_memory` adds six components, each a formula written from the code it counts:
 
 - weights: every parameter, 4 bytes under `--precision mixed` (float32 master weights),
-  the compute dtype's under `pure`; / data-parallel ranks with `--shard-params` (FSDP2).
+  the compute dtype's under `pure`; / the D x C processes with `--shard-params` (FSDP2 shards
+  over the data- and context-parallel ranks alike).
 - weight_casts: the compute-dtype copies of the layers' matmul weights that a mixed-precision
   forward makes and keeps for backward (autocast's casts; the experts' explicit casts in
   models/moe/block.py): 2 bytes per matmul parameter in bf16, none in float32 or `pure`, and none
   under `--recompute selective|full` (a checkpointed layer casts again in backward: one
   layer's casts go to temporaries). With
   `--shard-params` it is the all-gathered layer instead (2 layers: the one running and the
-  one prefetched), in the compute dtype.
+  one prefetched), in the compute dtype, but float32 for the groups train/fsdp.py gathers in
+  float32 (float32 routers, a Mamba-2 mixer's conv, A_log, D, dt_bias and gated norm).
 - gradients: one per parameter in the weights' dtype (/ ranks when sharded), plus the float64
   sums of `--grad-sum float64` (8 bytes per parameter of the rank's shard).
 - optimizer: AdamW's two moments (exp_avg, exp_avg_sq) in the weights' dtype (/ ranks when
-  sharded): 8 bytes per parameter under mixed.
+  sharded): 8 bytes per parameter under mixed. With `--offload` (FSDP2's CPUOffloadPolicy)
+  weights, gradients and moments are host memory (`host_bytes`), and AdamW's step with them:
+  none of the three, nor the step's transient, is on the device.
 - activations: what autograd holds after a bin's forward at the bin budget (`--max-tokens`
   tokens per rank; under context parallelism each rank holds 1/C of a C x budget bin, plus
   the ancestors' K/V it received), summed over layers by kind (attention decoder layer,
@@ -139,6 +143,7 @@ def parameter_counts(c) -> dict:
     embed = V * H
     head = 0 if c.tie_word_embeddings else V * H
     total, matmul, router = embed + head + H, 0, 0  # the head's cast is transient (loss chunks)
+    float32_mixer = 0  # a Mamba-2 mixer's conv, A_log, D, dt_bias, gated norm (train/fsdp.py)
     hybrid = bool(getattr(c, "layer_types", None))
     attn_mm = H * (Hq + 2 * Hkv) + Hq * H
     attn_other = (Hq + 2 * Hkv if getattr(c, "attention_bias", False) else 0) + \
@@ -164,11 +169,14 @@ def parameter_counts(c) -> dict:
         if kind in ("mamba", "mamba+mlp"):
             h, inner, conv = c.mamba_num_heads, c.mamba_intermediate, c.conv_dim
             mm += H * (inner + conv + h) + inner * H
-            other += conv * c.conv_kernel + (conv if c.use_conv_bias else 0) + 3 * h + inner
+            state = conv * c.conv_kernel + (conv if c.use_conv_bias else 0) + 3 * h + inner
+            other += state
+            float32_mixer += state
         norms = 1 if kind in ("mamba", "attention_only", "mlp", "moe_only") else 2
         total += mm + other + norms * H
         matmul += mm
-    return {"total": total, "matmul": matmul, "embedding": embed, "float32_router": router}
+    return {"total": total, "matmul": matmul, "embedding": embed, "float32_router": router,
+            "float32_gathered": router + float32_mixer}
 
 
 def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
@@ -256,20 +264,24 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
 
 
 def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel: int = 1,
-                shard_params: bool = False, recompute: str = "none", precision: str = "mixed",
+                shard_params: bool = False, offload: bool = False, recompute: str = "none",
+                precision: str = "mixed",
                 dtype: str = "bfloat16", grad_sum: str = "float32", chunk_size: int = 1024,
                 kernel: str = "flex", edges: int | None = None,
                 scan_fill: float = 1.0, ssm_kernel: str = "torch") -> MemoryPlan:
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
+    if offload and not shard_params:
+        raise ValueError("--offload moves FSDP2's shards to the host: add --shard-params")
     if ssm_kernel not in ("torch", "triton"):
         raise ValueError(f"--ssm-kernel {ssm_kernel!r}: the planner models torch and triton")
     cb = _DTYPE_BYTES[dtype]
     mixed = precision == "mixed"
     wb = _F32 if mixed else cb
     counts = parameter_counts(config)
-    P, shards = counts["total"], (num_ranks if shard_params else 1)
+    # FSDP2 shards over every process: D data-parallel x C context-parallel (train/fsdp.py)
+    P, shards = counts["total"], (num_ranks * context_parallel if shard_params else 1)
     kinds = _layer_kinds(config)
     tokens = max_tokens
     g = _dims(config)
@@ -305,8 +317,10 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     mask = tokens * tokens if kernel == "dense" else 0  # the plan's boolean mask
     layer_temp = tokens * none_layer
     if shard_params:
-        per_layer_params = (counts["total"] - counts["embedding"]) / max(len(kinds), 1)
-        casts = 2 * per_layer_params * cb
+        per_layer = max(len(kinds), 1)
+        wide = counts["float32_gathered"] / per_layer  # float32 groups: gathered in float32
+        casts = 2 * ((counts["total"] - counts["embedding"]) / per_layer * cb
+                     + wide * (_F32 - cb))
     elif autocast and cb < _F32:  # kept for backward; a checkpointed layer casts again in it
         cast_params = counts["matmul"] - counts["float32_router"]
         casts = cast_params * cb if recompute == "none" else 0
@@ -315,13 +329,19 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
         casts = 0
     backward = max(layer_temp, head_temp) + mask
     step = P * wb / shards  # foreach AdamW's denominator (torch._foreach_sqrt of exp_avg_sq)
-    temporaries = max(backward, step - activations - casts)
-    comps = {"weights": P * wb / shards, "weight_casts": casts,
+    state = {"weights": P * wb / shards,
              "gradients": P * wb / shards + (P * 8 / shards if grad_sum == "float64" else 0),
-             "optimizer": 2 * P * wb / shards, "activations": activations,
-             "temporaries": temporaries}
+             "optimizer": 2 * P * wb / shards}
+    host = 0
+    if offload:  # CPUOffloadPolicy: the shards, their gradients and AdamW (its step) on the host
+        host, state, step = sum(state.values()), dict.fromkeys(state, 0), 0
+    temporaries = max(backward, step - activations - casts)
+    comps = {"weights": state["weights"], "weight_casts": casts,
+             "gradients": state["gradients"], "optimizer": state["optimizer"],
+             "activations": activations, "temporaries": temporaries}
     knobs = dict(max_tokens=max_tokens, num_ranks=num_ranks, context_parallel=context_parallel,
-                 shard_params=shard_params, recompute=recompute, precision=precision, dtype=dtype,
+                 shard_params=shard_params, offload=offload, host_bytes=int(host),
+                 recompute=recompute, precision=precision, dtype=dtype,
                  grad_sum=grad_sum, parameters=P, layers=len(kinds), edges=edges,
                  scan_fill=scan_fill, ssm_kernel=ssm_kernel,
                  transients={"backward": int(backward), "optimizer_step": int(step)},

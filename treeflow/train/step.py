@@ -89,6 +89,7 @@ class Step:
                                  "episodes)")
         self.adv_S = calls.advantage_S
         self.bins = 0
+        self.passes = 0  # bins this process ran (forward and backward), counted on every rank
         self.executed_tokens = 0
         self.loss_sum = 0.0
         self.stats: dict = {}
@@ -214,6 +215,7 @@ class Step:
                     sums[k] = (torch.full((), start, dtype=v.dtype, device=v.device)
                                if torch.is_tensor(v) else start)
                 sums[k] = combine(k, sums[k], v)
+            self.passes += 1
             if getattr(self.trainer.runner, "counts_bins", True):  # once per context-parallel group
                 self.bins += 1
                 self.executed_tokens += int(off["tokens"][r + 1] - off["tokens"][r])
@@ -249,13 +251,22 @@ class Step:
                                 "abort() it and run the step again")
 
     def pad_passes(self, passes: int) -> None:
-        """Run empty one-token passes (zero loss) until this rank has run `passes` bins (FSDP)."""
-        runner = self.trainer.runner
+        """Run empty passes (zero loss) until this rank has run `passes` bins (FSDP). Under
+        context parallelism the whole group runs each: a chain of 2 tokens per process, so
+        every process holds tokens and an edge of it (the group's ranks pad alike: they ran
+        the same bins)."""
+        runner, cp = self.trainer.runner, self.trainer.dp.cp
         one = np.zeros(1, dtype=np.int64)
-        for _ in range(passes - self.bins):
+        pad = None if cp is None or passes <= self.passes else runner.prepare(_pad_bin(2 * cp.size))
+        for _ in range(passes - self.passes):
             with self.trainer.compute():
-                lp_E, _ = runner.edge_logprobs(one, one - 1, one, one, one)
+                if pad is None:
+                    lp_E, _ = runner.edge_logprobs(one, one - 1, one, one, one)
+                else:
+                    runner.wait_ready(pad)
+                    lp_E, _ = runner.run_bin(pad.items[0])
             (lp_E.sum() * 0.0).backward()
+            self.passes += 1
 
     def _sum_exactly(self) -> None:
         """Under grad_sum="float64": move this bin's gradients into float64 sums."""
@@ -363,3 +374,12 @@ def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 __all__ = ["Step", "StepOpenError"]
+
+
+def _pad_bin(tokens: int) -> pa.Table:
+    """One bin of a chain of `tokens` tokens (id 0), every token after the first an edge."""
+    from treeflow.stages import Fragment, Pack
+
+    episode = {"episode_id": "pad", "group_id": None, "advantage": 0.0,
+               "calls": [{"token_ids": [0] * tokens, "sampled_start": 1}]}
+    return Fragment(max_tokens=tokens)(Pack()(validate_episodes(pa.Table.from_pylist([episode]))))

@@ -63,6 +63,8 @@ class Trainer:
     8 bytes per parameter).
     shard_params: shard parameters, gradients and AdamW state over the ranks with FSDP2
     (train/fsdp.py); the compute dtype comes from FSDP's mixed-precision policy.
+    offload: with shard_params, keep the float32 shards, gradients and AdamW state in host
+    memory (FSDP2's CPUOffloadPolicy); AdamW steps on the host.
     overlap_reduce: on several ranks with float32 gradient sums, start the gradient all-reduce
     during the last bin's backward, bucket by bucket (train/overlap.py); False reduces after it.
     reference: the frozen reference policy whose logprobs of every bin's edges feed the KL
@@ -80,13 +82,16 @@ class Trainer:
     def __init__(self, forward: Forward, reduce: Reduce, model=None, *,
                  precision: str = "mixed", dp: DataParallel | None = None,
                  grad_sum: str = "float32", device: str | torch.device = "cpu",
-                 max_tokens: int | None = None, shard_params: bool = False,
+                 max_tokens: int | None = None, shard_params: bool = False, offload: bool = False,
                  overlap_reduce: bool = True, reference: Forward | None = None):
         if grad_sum not in ("float32", "float64"):
             raise ValueError(f"Trainer(grad_sum={grad_sum!r}): choose 'float32' or 'float64'")
         if shard_params and (grad_sum != "float32" or precision != "mixed"):
             raise ValueError("shard_params=True keeps float32 shards and reduces in float32: it "
                              "takes precision='mixed' and grad_sum='float32'")
+        if offload and not shard_params:
+            raise ValueError("offload=True (--offload) moves FSDP2's float32 shards and AdamW "
+                             "state to the host: add shard_params=True (--shard-params)")
         self.grad_sum = grad_sum
         self.sharded = shard_params
         self.on_bin = None  # on_bin(done, total) after each bin of a step (the progress bar)
@@ -99,14 +104,11 @@ class Trainer:
         self.max_tokens = max_tokens
         self.precision = precision
         self.compute_dtype = DTYPES[forward.dtype]
-        if self.dp.cp is not None and shard_params:
-            raise ValueError("shard_params=True (--shard-params) with context parallelism is not "
-                             "supported yet: drop --shard-params or --context-parallel")
         if shard_params:  # models/support.py's sharded rows, before the model loads
             from treeflow.models.support import check
 
             check(forward, forward.model_config() if model is None else model.config,
-                  shard_params=True)
+                  shard_params=True, dims=ParallelDims(cp=self.dp.cp.size if self.dp.cp else 1))
         # how a bin is split is the process group's: its context-parallel group (the size
         # read from it) and the tensor-parallel processes holding the model
         self.runner = build_forward(replace(forward, dtype=storage_dtype(forward.dtype, precision)),
@@ -121,7 +123,7 @@ class Trainer:
             if not self.dp.distributed:
                 raise ValueError("shard_params=True needs several ranks (a process group); "
                                  "train with --num-ranks N > 1")
-            shard_module(self.backend.module, self.compute_dtype)
+            shard_module(self.backend.module, self.compute_dtype, offload=offload)
         self.reducer: GradReducer | None = None
         # under context parallelism the exchanges run inside backward: no overlapped all-reduce
         if (overlap_reduce and self.dp.distributed and not shard_params and grad_sum == "float32"

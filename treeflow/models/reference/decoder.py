@@ -137,6 +137,11 @@ class Decoder(nn.Module):
     def output_weight_VH(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers in order (train/fsdp.py wraps each in an FSDP2 group)."""
+        return self.model.layers
+
     def check_supported(self, *, kernel: str, device: torch.device | str, requires_grad: bool,
                         branching: bool) -> None:
         """Raise a ValueError if this backend cannot run the combination."""
@@ -216,4 +221,9 @@ class Decoder(nn.Module):
         """
         from treeflow.models.heads.logprobs import selected_logprobs
 
-        return selected_logprobs(self, hidden_EH, targets_E, **options)
+        lp_E, ent_E = selected_logprobs(self, hidden_EH, targets_E, **options)
+        if hidden_EH.requires_grad and not lp_E.requires_grad:  # no rows (a context-parallel
+            # rank owning no edge of its bin): still an output backward reaches, so FSDP
+            # gathers the weight in backward where the ranks with rows do
+            lp_E = lp_E + hidden_EH.sum() * 0.0
+        return lp_E, ent_E

@@ -280,6 +280,10 @@ class HybridDecoder(Decoder):
         return self.backbone if hasattr(self, "backbone") else self.model
 
     @property
+    def layers(self) -> nn.ModuleList:
+        return self._body.layers
+
+    @property
     def _embed(self) -> nn.Embedding:
         body = self._body
         return body.embeddings if hasattr(body, "embeddings") else body.embed_tokens

@@ -1,0 +1,190 @@
+"""--shard-params (FSDP2, train/fsdp.py) on Mamba-2 hybrids, two gloo processes on CPU.
+
+float32: each rank runs every bin of a GRPO group and an agent episode (scan chunk 4, prompt 9:
+forks inside chunks, fragments of 24 tokens) through the sharded model; the gathered gradient
+is then the sum of two per-call gradients, and equals transformers per call (the oracle of
+tests/models/reference/test_hybrid.py, hybrid_helpers) times two, with the logprobs. A Trainer
+step sharded over two ranks (each its bins) equals one unsharded process: loss, gradient norm
+and the weights after AdamW.
+
+bfloat16: the parameters the mixer reads in float32 (fsdp.float32_groups: A_log, D, dt_bias,
+the conv, the gated norm) reach its forward as the checkpoint's float32 values bit for bit,
+through a Trainer step; its projections are groups of their own in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.deps import require
+from tests.models.hybrid_helpers import HF_MAMBA_SEMANTICS
+from treeflow.train.launch import spawn
+
+require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
+
+pytestmark = pytest.mark.multiprocess
+
+LR = 1e-3
+
+
+def _name(family, hf_name):
+    return hf_name.replace("model.", "backbone.", 1) if family == "nemotron_h" else hf_name
+
+
+def _values_rank(path):
+    """Logprobs and the gathered gradient of sum(w * logprob) over every bin, on each rank."""
+    from tests.models.hybrid_helpers import episodes, token_weights, treeflow_values
+    from treeflow.models import load_backend
+    from treeflow.train import DataParallel
+    from treeflow.train.fsdp import shard_module
+
+    dp = DataParallel.from_env("cpu")
+    backend = load_backend("reference", path)
+    shard_module(backend.module, torch.float32)
+    eps = episodes(9, seed=9)
+    vals, grads, bins = treeflow_values(backend, eps, token_weights(eps), layout="tree",
+                                        max_tokens=24)
+    full = {n: g.full_tensor() for n, g in grads.items()}
+    dp.close()
+    return {"values": vals, "grads": full, "bins": bins}
+
+
+def _trainer_rank(path, data, sharded):
+    import pyarrow.ipc as ipc
+
+    from treeflow.pipeline import Pipeline
+    from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
+    from treeflow.stages.reduce import EpisodeSchedule
+    from treeflow.train import DataParallel, Trainer
+    from treeflow.train.fsdp import full_state_dict
+
+    dp = DataParallel.from_env("cpu") if sharded else None
+    fwd = Forward(model=path)
+    red = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=LR))
+    tr = Trainer(fwd, red, dp=dp, shard_params=sharded)
+    with ipc.open_file(data) as f:
+        eps = f.read_all()
+    pipe = Pipeline(Pack(scope="group"), Fragment(max_tokens=24), Shard(), fwd, red)
+    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=len(eps),
+                                                      trainer=tr)]
+    state = full_state_dict(tr.backend.module) if sharded else {
+        n: p.detach().clone() for n, p in tr.backend.module.state_dict().items()}
+    if dp is not None:
+        dp.close()
+    return {"loss": rows[0]["loss"], "grad_norm": rows[0]["grad_norm"], "state": state}
+
+
+@pytest.fixture(scope="module", params=["nemotron_h", pytest.param("bamba",
+                                                                   marks=pytest.mark.slow),
+                                        "nemotron_h_moe"])
+def hybrid(request, tmp_path_factory):
+    from tests.models import hybrid_moe_helpers
+    from tests.models.hybrid_helpers import episodes, save_hf
+    from treeflow.tools import write_episodes
+
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "nemotron_h_moe":  # float32 routers and mixers, both float32 groups
+        hf = hybrid_moe_helpers.hf_model(request.param)
+        hf.save_pretrained(path / "m")
+    else:
+        hf = save_hf(request.param, path / "m")
+    write_episodes(episodes(9, seed=9), path / "e.arrow")
+    return request.param, str(path / "m"), str(path / "e.arrow"), hf
+
+
+def test_sharded_hybrid_gradients_equal_transformers_per_call(hybrid):
+    from tests.models.hybrid_helpers import episodes, hf_values, token_weights
+
+    family, path, _, hf = hybrid
+    if family == "nemotron_h_moe":
+        pytest.skip("the MoE oracle replays routes (hybrid_moe_helpers); its sharded step is "
+                    "checked against the unsharded one below")
+    eps = episodes(9, seed=9)
+    hf_vals, hf_grads = hf_values(hf, eps, token_weights(eps))
+    runs = spawn(_values_rank, 2, path, timeout_s=240, threads=1)
+    for run in runs:
+        assert run["bins"] > 3  # fragments: the trees were cut
+        assert run["values"].keys() == hf_vals.keys()
+        worst = max(abs(run["values"][k] - hf_vals[k]) for k in hf_vals)
+        assert worst < 1e-5, worst  # test_hybrid.py's bound, same computation
+        assert {_name(family, n) for n in hf_grads} == run["grads"].keys()
+        for n, g in hf_grads.items():
+            ours = run["grads"][_name(family, n)] / 2  # two ranks ran the same bins: a SUM
+            rel = float((ours - g).norm() / g.norm().clamp_min(1e-12))
+            assert rel < 1e-5, (n, rel)
+
+
+def test_sharded_hybrid_step_equals_one_unsharded_process(hybrid):
+    _, path, data, _ = hybrid
+    one = _trainer_rank(path, data, False)
+    runs = spawn(_trainer_rank, 2, path, data, True, timeout_s=240, threads=1)
+    two = runs[0]
+    assert runs[1]["loss"] == two["loss"]
+    # float32 sums of the same terms in another order (per-bin reduce-scatter)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["state"].keys() == one["state"].keys()
+    for n, want in one["state"].items():
+        got = two["state"][n]
+        # AdamW's first step moves each weight by lr * g / (|g| + eps): an element whose
+        # gradient is itself near rounding size can move by up to 2 lr when the two sums round
+        # differently, so the bound is measured, not derived: beyond the two float32 roundings of
+        # the stored weight the runs differ by at most 2.1e-10 (Nemotron-H), 3.4e-8 (Bamba) and
+        # 7.6e-8 (Nemotron-H MoE), i.e. 7.6e-5 lr; the bound is lr * 1e-3, 13x the largest
+        bound = LR * 1e-3 + 2 * want.abs() * 2.0 ** -24
+        assert bool(((got - want).abs() <= bound).all()), (n, float((got - want).abs().max()))
+
+
+def _bf16_rank(path, data):
+    import pyarrow.ipc as ipc
+    from safetensors.torch import load_file
+
+    from treeflow.pipeline import Pipeline
+    from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
+    from treeflow.train import DataParallel, Trainer
+    from treeflow.train.fsdp import float32_groups
+
+    dp = DataParallel.from_env("cpu")
+    fwd = Forward(model=path, dtype="bfloat16")
+    red = Reduce(loss=Loss(kind="nll"))
+    tr = Trainer(fwd, red, dp=dp, shard_params=True)
+    names = {m: n for n, m in tr.model.named_modules()}
+    seen = {}
+
+    def record(module, args):
+        for pn, p in module.named_parameters():
+            if type(p).__name__ != "DTensor":  # an inner group's, sharded until its own call
+                seen.setdefault(f"{names[module]}.{pn}", []).append(p.detach().clone())
+
+    for m, _, _ in float32_groups(tr.model):
+        m.register_forward_pre_hook(record)
+    with ipc.open_file(data) as f:
+        eps = f.read_all()
+    pipe = Pipeline(Pack(scope="group"), Fragment(max_tokens=512), Shard(), fwd, red)
+    rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=len(eps),
+                                                      trainer=tr)]
+    dp.close()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    ckpt = load_file(os.path.join(path, "model.safetensors"))
+    key = {n: n if n in ckpt else n.replace("backbone.", "model.", 1) for n in seen}
+    return {n: (sorted({str(t.dtype) for t in calls}),
+                max(float((t.double() - ckpt[key[n]].double()).abs().max()) for t in calls))
+            for n, calls in seen.items()}
+
+
+def test_bf16_sharded_hybrid_reads_its_float32_parameters_in_float32(hybrid):
+    family, path, data, _ = hybrid
+    runs = spawn(_bf16_rank, 2, path, data, timeout_s=240, threads=1)
+    for seen in runs:
+        kinds = {n.rpartition(".")[2] for n in seen}
+        assert {"A_log", "D", "dt_bias"} <= kinds, sorted(seen)
+        assert any(".conv1d." in n for n in seen) and any(".norm.weight" in n for n in seen)
+        # in_proj and out_proj are compute-dtype groups of their own, not read here
+        assert not any(".in_proj." in n or ".out_proj." in n for n in seen), sorted(seen)
+        # gathered in float32 and equal to the checkpoint's tensors bit for bit (in bf16 they
+        # would be ~2^-9 of their size off)
+        bad = {n: v for n, v in seen.items() if v != (["torch.float32"], 0.0)}
+        assert not bad, bad
