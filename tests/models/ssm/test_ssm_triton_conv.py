@@ -168,10 +168,11 @@ def test_triton_conv_float64_without_bias_and_many_blocks(monkeypatch):
         assert _rel(a, ref) < 1e-12, (name, _rel(a, ref))
 
 
-def test_triton_conv_bfloat16_accumulates_in_float32():
-    """bf16 inputs: the output and dx are one bf16 rounding from the float64 result on the
-    same (bf16) inputs, dweight and dbias (sums over all tokens) too: a bf16 accumulation
-    would be far off."""
+def test_triton_conv_bfloat16_accumulates_in_float32_and_rounds_to_nearest():
+    """bf16 inputs: the output, dx, dweight and dbias (sums over all tokens) are each one
+    bf16 rounding to nearest from the float64 result on the same (bf16) inputs: a bf16
+    accumulation, or a truncating cast (triton's interpreter's float32 -> bf16, about 2x
+    the error), would be off."""
     par = _random_tree(7, 200)
     x, w, b, weight = (t.to(torch.bfloat16) for t in _inputs(len(par), 4))
     want = _grads(lambda *a: _per_path(par, *a, weight.double()), x.double(), w.double(),
@@ -179,8 +180,10 @@ def test_triton_conv_bfloat16_accumulates_in_float32():
     plan = SegmentPlan(par, chunk_size=4, conv_kernel=K, kernel="triton")
     got = _grads(_tree_fn(plan, weight), x, w, b)
     for name, a, ref in zip(NAMES, got, want):
-        # one bf16 rounding of the result (2^-8 relative, 2^-9 on average), float32 sums
-        assert _rel(a, ref) < 2 ** -8, (name, _rel(a, ref))
+        # the error of rounding the exact result to bf16 (measured 1.0e-3 .. 1.7e-3 here),
+        # plus float32 sums' ~1e-7, which flip a rounding only within 1e-7 of a midpoint
+        rounding = _rel(ref.to(torch.bfloat16).double(), ref)
+        assert _rel(a, ref) < 1.25 * rounding, (name, _rel(a, ref), rounding)
 
 
 def test_conv_inverse_lists_every_window_once():

@@ -44,6 +44,19 @@ LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
+def _store(ptr, offs, v, mask):
+    """v (float32 / float64) stored in ptr's dtype, rounded to nearest even. By hand for
+    bfloat16: what the GPU's conversion does, while triton's interpreter truncates (a
+    one-sided error, 2x the rounding, which the CPU tests would see and the GPU not)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = tl.where(v != v, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+        tl.store(ptr + offs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _tap(x_ptr, sx, idx_ptr, w_ptr, t, c, N, CH, m, K: tl.constexpr, ACC: tl.constexpr):
     """Tap m of the window: the m-th ancestor's input ([BT, BC], 0 past a root) and the
     weight it meets (column K - 1 - m, [BC])."""
@@ -73,8 +86,8 @@ def _conv_fwd(x_ptr, sx, idx_ptr, w_ptr, b_ptr, y_ptr, N, CH, K: tl.constexpr,
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     u = _preact(x_ptr, sx, idx_ptr, w_ptr, b_ptr, t, c, N, CH, K, HAS_BIAS, BT, BC, ACC)
     y = u / (1.0 + tl.exp(-u))
-    tl.store(y_ptr + t[:, None].to(tl.int64) * CH + c[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(t < N)[:, None] & (c < CH)[None, :])
+    _store(y_ptr, t[:, None].to(tl.int64) * CH + c[None, :], y,
+           (t < N)[:, None] & (c < CH)[None, :])
 
 
 @triton.jit
@@ -117,7 +130,7 @@ def _conv_bwd_dx(du_ptr, w_ptr, ptr_ptr, src_ptr, tap_ptr, dx_ptr, CH, K: tl.con
         m = tl.load(tap_ptr + e)
         w = tl.load(w_ptr + c * K + (K - 1 - m), mask=cm, other=0.0).to(ACC)
         acc += tl.load(du_ptr + i * CH + c, mask=cm, other=0.0) * w
-    tl.store(dx_ptr + j * CH + c, acc.to(dx_ptr.dtype.element_ty), mask=cm)
+    _store(dx_ptr, j * CH + c, acc, cm)
 
 
 def _acc(dtype: torch.dtype):
