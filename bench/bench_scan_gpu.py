@@ -4,7 +4,9 @@ One Nemotron-H 1.3B-shaped Mamba-2 mixer (hidden 2048, 64 heads x 64, state 128,
 8 groups, conv 4, scan chunk 128), bf16 weights and activations, float32 states,
 run over the tree bins of synthetic agent episodes (Pack(layout="tree", scope="group")
 -> Fragment(max_tokens), by default 128 episodes in bins of up to 32768 tokens, the
-two largest timed, ~30k tokens each). Per kernel and fork mode: forward and
+two largest timed, ~30k tokens each). Per part (`--parts`: the whole mixer; the tree
+conv alone, SiLU(depthwise causal conv1d) over xBC, models/ssm/triton_conv.py for
+triton; conv + scan, the mixer less its projections and norm), kernel and fork mode: forward and
 forward+backward tokens/s (bin tokens / seconds, after warm-up), the first call's
 seconds (`*_first_seconds`; for triton the kernels' compilation, which happens in
 the first bin's first call of each pass; `first_call_seconds` in the summary),
@@ -46,6 +48,9 @@ def parse(argv=None):
     p.add_argument("--kernels", default=None, help="comma list of torch,triton "
                    "(default: both on CUDA, torch on CPU)")
     p.add_argument("--forks", default="chunk,exact")
+    p.add_argument("--parts", default="mixer,conv,conv_scan",
+                   help="comma list of mixer (the whole Mamba-2 mixer), conv (the tree conv "
+                   "alone), conv_scan (conv + scan, no projections)")
     p.add_argument("--max-tokens", type=int, default=None, help="bin budget (default 32768)")
     p.add_argument("--episodes", type=int, default=None, help="synthetic episodes (default 128)")
     p.add_argument("--bins", type=int, default=None, help="bins timed (default 2)")
@@ -124,67 +129,110 @@ def run(args) -> dict:
             n = len(par)
             x = torch.randn(n, cfg.hidden_size, device=device, dtype=dtype)
             dy = torch.randn(n, cfg.hidden_size, device=device, dtype=dtype)
-            outs = {}
-            for kernel in kernels:
-                plan = SegmentPlan(par, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
-                                   fork=fork, state_dtype=args.state_dtype, device=device,
-                                   kernel=kernel)
-                row = {"fork": fork, "bin": i, "tokens": n, "segments": plan.segments,
-                       "levels": plan.launches, "kernel": kernel}
-
-                def fwd():
-                    with torch.no_grad():
-                        return mixer(x, plan)
-
-                def fwd_bwd():
-                    xi = x.detach().requires_grad_()
-                    mixer(xi, plan).backward(dy)
-                    return xi.grad
-
-                for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
-                    mixer.zero_grad(set_to_none=True)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(device)
-                        base = torch.cuda.memory_allocated(device)
-                    first, sec = _time(fn, device, args.repeats)
-                    row[f"{name}_first_seconds"] = round(first, 3)
-                    row[f"{name}_seconds"] = round(sec, 5)
-                    row[f"{name}_tokens_per_s"] = round(n / sec, 1)
-                    if device.type == "cuda":
-                        row[f"{name}_peak_mib"] = round(
-                            (torch.cuda.max_memory_allocated(device) - base) / 2**20, 1)
-                mixer.zero_grad(set_to_none=True)
-                outs[kernel] = (fwd().float(), fwd_bwd().float())
-                result["runs"].append(row)
-            if len(outs) == 2:
-                (ya, ga), (yb, gb) = outs.values()
-                result["runs"][-1]["vs_torch"] = {
-                    "y_rel": float((ya - yb).norm() / ya.norm()),
-                    "dx_rel": float((ga - gb).norm() / ga.norm())}
+            xbc = torch.randn(n, mixer.conv_dim, device=device, dtype=dtype)
+            dt = torch.randn(n, mixer.heads, device=device, dtype=dtype)
+            for part in args.parts.split(","):
+                outs = {}
+                for kernel in kernels:
+                    plan = SegmentPlan(par, chunk_size=cfg.chunk_size,
+                                       conv_kernel=cfg.conv_kernel, fork=fork,
+                                       state_dtype=args.state_dtype, device=device, kernel=kernel)
+                    row = {"fork": fork, "bin": i, "tokens": n, "segments": plan.segments,
+                           "levels": plan.launches, "kernel": kernel, "part": part}
+                    call, inp, grad = _part(part, mixer, plan, x, xbc, dt, dy)
+                    _time_part(row, call, inp, grad, mixer, device, args.repeats, n)
+                    outs[kernel] = _values(call, inp, grad, mixer)
+                    result["runs"].append(row)
+                if len(outs) == 2:
+                    (ya, ga), (yb, gb) = outs.values()
+                    result["runs"][-1]["vs_torch"] = {
+                        "y_rel": float((ya - yb).norm() / ya.norm()),
+                        "dx_rel": float((ga - gb).norm() / ga.norm())}
     result["summary"] = _summary(result["runs"], kernels)
     return result
 
 
+def _part(part, mixer, plan, x, xbc, dt, dy):
+    """(the part as a function of one input, that input, the output gradient for backward)."""
+    import torch
+
+    from treeflow.models.ssm.tree import tree_conv
+
+    g = torch.Generator(device=x.device).manual_seed(1)
+    if part == "mixer":
+        return (lambda xi: mixer(xi, plan)), x, dy
+    if part == "conv":
+        return ((lambda xi: tree_conv(xi, mixer.conv1d.weight, mixer.conv1d.bias, plan)), xbc,
+                torch.randn(xbc.shape, generator=g, device=x.device, dtype=xbc.dtype))
+    if part == "conv_scan":
+        return ((lambda xi: mixer._scan(xi, dt, plan, slice(None), mixer.groups)), xbc,
+                torch.randn(x.shape[0], mixer.heads, mixer.head_dim, generator=g,
+                            device=x.device))
+    raise ValueError(f"bench_scan_gpu --parts {part!r}: choose from mixer, conv, conv_scan")
+
+
+def _time_part(row, call, inp, grad, mixer, device, repeats, n):
+    """Forward and forward+backward seconds, tokens/s and peak memory of one part into row."""
+    import torch
+
+    def fwd():
+        with torch.no_grad():
+            return call(inp)
+
+    def fwd_bwd():
+        xi = inp.detach().requires_grad_()
+        call(xi).backward(grad)
+        return xi.grad
+
+    for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
+        mixer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        first, sec = _time(fn, device, repeats)
+        row[f"{name}_first_seconds"] = round(first, 3)
+        row[f"{name}_seconds"] = round(sec, 5)
+        row[f"{name}_tokens_per_s"] = round(n / sec, 1)
+        if device.type == "cuda":
+            row[f"{name}_peak_mib"] = round(
+                (torch.cuda.max_memory_allocated(device) - base) / 2**20, 1)
+    mixer.zero_grad(set_to_none=True)
+
+
+def _values(call, inp, grad, mixer):
+    """The part's output and its input's gradient, float32, for the kernels' distance."""
+    import torch
+
+    with torch.no_grad():
+        y = call(inp).float()
+    xi = inp.detach().requires_grad_()
+    call(xi).backward(grad)
+    mixer.zero_grad(set_to_none=True)
+    return y, xi.grad.float()
+
+
 def _summary(runs, kernels) -> dict:
-    """Per fork: total tokens / total seconds per kernel, and triton over torch."""
+    """Per fork and part: total tokens / total seconds per kernel, and triton over torch."""
     out = {}
     for fork in sorted({r["fork"] for r in runs}):
-        per = {}
-        for k in kernels:
-            rs = [r for r in runs if r["fork"] == fork and r["kernel"] == k]
-            tok = sum(r["tokens"] for r in rs)
-            per[k] = {m: round(tok / sum(r[f"{m}_seconds"] for r in rs), 1)
-                      for m in ("forward", "forward_backward")}
-            per[k]["first_call_seconds"] = {m: rs[0][f"{m}_first_seconds"]
-                                            for m in ("forward", "forward_backward")}
-            peaks = [r.get("forward_backward_peak_mib") for r in rs]
-            if all(p is not None for p in peaks):
-                per[k]["max_forward_backward_peak_mib"] = max(peaks)
-        if {"torch", "triton"} <= per.keys():
-            per["speedup"] = {m: round(per["triton"][m] / per["torch"][m], 2)
-                              for m in ("forward", "forward_backward")}
-        out[fork] = per
+        out[fork] = {}
+        for part in dict.fromkeys(r["part"] for r in runs):
+            per = {}
+            for k in kernels:
+                rs = [r for r in runs if (r["fork"], r["part"], r["kernel"]) == (fork, part, k)]
+                tok = sum(r["tokens"] for r in rs)
+                per[k] = {m: round(tok / sum(r[f"{m}_seconds"] for r in rs), 1)
+                          for m in ("forward", "forward_backward")}
+                per[k]["first_call_seconds"] = {m: rs[0][f"{m}_first_seconds"]
+                                                for m in ("forward", "forward_backward")}
+                peaks = [r.get("forward_backward_peak_mib") for r in rs]
+                if all(p is not None for p in peaks):
+                    per[k]["max_forward_backward_peak_mib"] = max(peaks)
+            if {"torch", "triton"} <= per.keys():
+                per["speedup"] = {m: round(per["triton"][m] / per["torch"][m], 2)
+                                  for m in ("forward", "forward_backward")}
+            out[fork][part] = per
     return out
 
 

@@ -26,8 +26,9 @@ in bench/results/ rather than assumed.
   inter-chunk states are held in (float32, or bfloat16 for half their memory).
   Both keep the mathematics; they move rounding. `ssm_kernel`: the scan's
   implementation ("torch": the reference einsums; "triton": the fused kernels of
-  models/ssm/triton_scan.py, which recompute per chunk in backward; "auto": triton on
-  CUDA when triton is installed, torch elsewhere).
+  models/ssm/triton_scan.py, which recompute per chunk in backward, and the tree
+  conv of models/ssm/triton_conv.py; "auto": triton on CUDA when triton is
+  installed, torch elsewhere).
 - `recompute`: activation recomputation per layer (torchtitan's names;
   models/compile/recompute.py): "full" checkpoints each decoder layer (keeps its input
   and the MoE route choices; backward reruns the layer, about +33% FLOPs);

@@ -189,3 +189,39 @@ def test_tree_matches_transformers_per_call_with_triton(tmp_path):
         for n, g in ref_grads.items():
             rel = _rel(grads[n.replace("model.", "backbone.", 1)].double(), g.double())
             assert rel < 1e-5, (fork, n, rel)
+
+
+def test_triton_scan_keeps_nothing_of_tokens_x_heads_x_state():
+    """What backward keeps (saved tensors, counted by shape, not timed): the gathered inputs
+    (tokens x heads x head dim, tokens x groups x state), the per-chunk cumsums and one
+    state table per level (state rows x heads x head dim x state, rows = chunks + segments),
+    never a tokens x heads x state tensor. Head dim 6, state 10, 4 heads, 2 groups: every
+    dim tells itself apart."""
+    par = _tree(2)
+    n, p, ns = len(par), 6, 10
+    chunk = 8  # apart from the 4 heads
+    plan = SegmentPlan(par, chunk_size=chunk, conv_kernel=4, kernel="triton")
+    tokens = {n, n + 1} | {int(lv.gather_KC.numel()) for lv in plan.levels}
+    chunks = {int(lv.gather_KC.shape[0]) for lv in plan.levels}
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    leaves = [t.float().requires_grad_() for t in _inputs(n, 2, p=p, ns=ns)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = tree_ssd(*leaves, plan)
+    y.sum().backward()
+
+    def per_token(s):  # the dims after a tokens dim (flat, or as chunks x chunk)
+        if len(s) > 1 and s[0] in chunks and s[1] == chunk:
+            return s[2:]
+        return s[1:] if s and s[0] in tokens else ()
+
+    rows = sorted(lv.rows for lv in plan.levels)
+    tables = [s for s in shapes if len(s) == 4 and s[1:] == (H, p, ns) and s[0] in rows]
+    assert sorted(s[0] for s in tables) == rows
+    bad = [s for s in shapes if s not in tables and H in per_token(s) and ns in per_token(s)]
+    assert not bad, bad
+    assert all(r < n for r in (lv.rows for lv in plan.levels))

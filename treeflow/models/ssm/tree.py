@@ -27,8 +27,8 @@ recurrence (states, not tokens) is padded: segments are bucketed by chunk count
 
 Kernels (`kernel`): "torch" runs each level as the einsums below (the
 reference); "triton" runs the same plan through ssm/triton_scan.py's fused kernels
-(CUDA, or CPU under TRITON_INTERPRET=1 for tests); "auto" is triton on CUDA when
-triton is installed, torch elsewhere. Both give the same partition and the same
+and the conv through ssm/triton_conv.py's (CUDA, or CPU under TRITON_INTERPRET=1
+for tests); "auto" is triton on CUDA when triton is installed, torch elsewhere. Both give the same partition and the same
 mathematics; they differ in rounding order and in what backward keeps.
 
 Materialised inter-chunk states (the chunk states, the chunk-start states kept
@@ -47,8 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FORKS", "KERNELS", "STATE_DTYPES", "SegmentPlan", "depths", "resolve_kernel",
-           "tree_conv", "tree_ssd"]
+__all__ = ["FORKS", "KERNELS", "STATE_DTYPES", "SegmentPlan", "conv_inverse", "depths",
+           "resolve_kernel", "tree_conv", "tree_ssd"]
 
 FORKS = ("exact", "chunk")
 KERNELS = ("auto", "torch", "triton")
@@ -112,6 +112,18 @@ def depths(parents_N: np.ndarray) -> np.ndarray:
     return dist[:n]
 
 
+def conv_inverse(conv_kN: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tokens each token's input reaches through the conv: CSR by source token j
+    (rowptr [N + 1]) of (src: the token i whose window holds j, tap: m with j i's m-th
+    ancestor), in order of m then i. A fork's node has several descendants per tap."""
+    k, n = conv_kN.shape
+    tap_E, src_E = np.divmod(np.flatnonzero(conv_kN.ravel() < n), n)
+    dst_E = conv_kN[tap_E, src_E]
+    order = np.argsort(dst_E, kind="stable")
+    rowptr = np.concatenate([[0], np.cumsum(np.bincount(dst_E, minlength=n))])
+    return rowptr.astype(np.int64), src_E[order].astype(np.int64), tap_E[order].astype(np.int64)
+
+
 class _Level:
     """One batched scan: its slots (node per chunk position), outputs, state rows and buckets.
 
@@ -161,7 +173,11 @@ class SegmentPlan:
         conv = [np.arange(n + 1)]
         for _ in range(conv_kernel - 1):
             conv.append(par_pad[conv[-1]])
-        self.conv_index = torch.from_numpy(np.stack(conv)[:, :n].copy()).to(device)  # [k, N]
+        conv_kN = np.stack(conv)[:, :n]
+        self.conv_index = torch.from_numpy(conv_kN.copy()).to(device)  # [k, N]
+        if self.kernel == "triton":  # its inverse, for the Triton conv's backward
+            self.conv_rowptr, self.conv_src, self.conv_tap = (
+                torch.from_numpy(a).to(device) for a in conv_inverse(conv_kN))
         self.levels: list[_Level] = []
         self.segments = 0
         if n:
@@ -278,7 +294,12 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
 def tree_conv(xbc_NC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               plan: SegmentPlan) -> torch.Tensor:
     """SiLU(causal depthwise conv) along each token's path, in float32 (float64 for float64
-    inputs), cast back."""
+    inputs), cast back. A "triton" plan runs ssm/triton_conv.py's fused kernels."""
+    if plan.kernel == "triton":
+        from treeflow.models.ssm.triton_conv import tree_conv_triton
+
+        with torch.autocast(xbc_NC.device.type, enabled=False):
+            return tree_conv_triton(xbc_NC, weight, bias, plan)
     k = weight.shape[-1]
     work = torch.float64 if xbc_NC.dtype == torch.float64 else torch.float32
     with torch.autocast(xbc_NC.device.type, enabled=False):
