@@ -267,7 +267,12 @@ def _file_case(kind):
                  ["config.json", "n_shared_experts=2"])
         if kind == "train-over-device-memory":  # cli/memory.py, before the model loads
             return ["replay", good, *TRAIN[:-3], "--max-tokens", "4096", "--json",
-                    "--device-memory", "100MiB"], ["--max-tokens 4096", "--recompute selective"]
+                    "--recompute", "none", "--device-memory", "100MiB"], \
+                ["--max-tokens 4096", "--recompute selective"]
+        if kind == "train-over-device-memory-auto":  # --recompute auto found no mode that fits
+            return ["replay", good, *TRAIN[:-3], "--max-tokens", "4096", "--json",
+                    "--device-memory", "100MiB"], \
+                ["(--recompute full)", "--max-tokens 4096", "the largest that fits"]
         if kind == "device-memory-junk":
             return ["plan", "--memory", "--model", "tiny", "--max-tokens", "64",
                     "--device-memory", "lots"], ["--device-memory 'lots'", "80GiB"]
@@ -651,7 +656,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 45: the fused Mamba-2 scan
          "ssm-kernel-triton-cpu",
          # issue 44: memory
-         "train-over-device-memory", "device-memory-junk", "plan-memory-config-not-object",
+         "train-over-device-memory", "train-over-device-memory-auto", "device-memory-junk", "plan-memory-config-not-object",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
          # issue 43/44: a Gated DeltaNet hybrid with FSDP2 (Mamba-2 hybrids are sharded)

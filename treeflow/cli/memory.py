@@ -188,6 +188,7 @@ def check_fits(args, *, recompute: str) -> dict | None:
     fixes.append("--offload" if knobs["shard_params"] and not knobs["offload"] else None)
     fixes = [f for f in fixes if f]
     raise ValueError(f"--mode train: the predicted peak of one rank is {plan.total / GIB:.2f} GiB "
+                     f"(--recompute {knobs['recompute']}) "
                      f"({parts} GiB) at --max-tokens {args.max_tokens}, more than the card's "
                      f"{card / GIB:.2f} GiB (--device-memory or the CUDA device): use "
                      f"{' or '.join(fixes)}; `treeflow plan --memory` prints the plan")
@@ -227,8 +228,9 @@ def auto_recompute(args, *, modes=None) -> str:
         args.recompute = "none"
         return "none"
     mode, why = choose_recompute(planned, card)
-    print(f"treeflow: --recompute auto: {mode} ({why}); give --recompute to choose",
-          file=sys.stderr, flush=True)
+    if planned[mode] <= card:   # over the card: check_fits refuses next, in its one line
+        print(f"treeflow: --recompute auto: {mode} ({why}); give --recompute to choose",
+              file=sys.stderr, flush=True)
     args.recompute = mode
     return mode
 
