@@ -250,6 +250,10 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
             g = c.n_groups
             rows = (1 + 2 * (1 - scan_fill)) / C
             scan = (_F32 * (h * p + h + 2 * g * n + 6 * h) + _F32 * h * p * n * rows) / scan_fill
+            # and its conv (models/ssm/triton_conv.py) keeps its input, a view of in_proj's
+            # output (which it then keeps whole: counted below only where nothing else does),
+            # and its output; the SiLU input is recomputed, no path windows are kept
+            conv_b = cb * conv + (proj if cb != _F32 else 0)
         gated_norm = 5 * _F32 * inner + cast * inner  # float32 y, z, SiLU, normed; out_proj cast
         # in_proj's output is kept only in float32: below it every reader takes a float32 copy
         none += norm + cast * H + (proj if cb == _F32 else 0) + conv_b + scan + gated_norm
