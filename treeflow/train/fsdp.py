@@ -10,8 +10,11 @@ carry the logical batch's normalisation, so the reduction is a SUM, as in the un
 Under context parallelism (--context-parallel C) the shards span all D x C processes, as
 torchtitan's dp_shard x cp mesh does: the reduce-scatter's SUM covers the context-parallel
 ranks' shares of each bin's gradient as the unsharded all-reduce does. A rank that owns no
-edge of a bin still reaches the output weight in backward (Decoder.selected_logprobs), and a
-replica's padding passes run as one small bin of the whole group (Step.pad_passes).
+edge of a bin still reaches the output weight in backward, through the projection of its empty
+rows (Decoder.selected_logprobs): the root group post-backwards once per forward call, and an
+untied head's reduce-scatter at the projection's call must run on every rank or none (the
+Mamba-2 hybrids' deadlock under CP was this, not their exchange). A replica's padding passes
+run as one small bin of the whole group (Step.pad_passes).
 
 Trade-offs against the unsharded path (train/distributed.py): memory per rank falls from 16 to
 16/N bytes per parameter (plus one layer gathered), for an all-gather per layer per bin
