@@ -312,17 +312,6 @@ def _file_case(kind):
         if kind == "offload-without-shard-params":  # CPUOffloadPolicy is FSDP2's (fsdp.py)
             return ["replay", good, *TRAIN, "--model", "tiny", "--offload"], \
                 ["--offload", "add --shard-params"]
-        if kind == "mamba-shard-params-cp":  # FSDP2 x Mamba-2 CP exchange (support.py)
-            (tmp / "m").mkdir()
-            (tmp / "m" / "config.json").write_text(json.dumps(
-                {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                 "intermediate_size": 64, "mamba_num_heads": 4, "mamba_head_dim": 8,
-                 "n_groups": 2, "ssm_state_size": 8, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "head_dim": 8,
-                 "layers_block_type": ["linear_attention", "full_attention"]}))
-            return ["replay", good, *TRAIN, "--model", tmp / "m", "--context-parallel", "2",
-                    "--shard-params"], ["--shard-params with --context-parallel 2",
-                                        "NemotronHForCausalLM"]
         if kind == "gdn-shard-params":  # FSDP2 has no float32 group for GDN yet (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -654,8 +643,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "train-over-device-memory", "device-memory-junk", "plan-memory-config-not-object",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
-         # issue 43/44: a Gated DeltaNet hybrid with FSDP2 (Mamba-2 hybrids are sharded)
-         "gdn-shard-params", "mamba-shard-params-cp", "offload-without-shard-params"]
+         # issue 43/44: a Gated DeltaNet hybrid with FSDP2 (Mamba-2 hybrids are sharded, under
+         # context parallelism too)
+         "gdn-shard-params", "offload-without-shard-params"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]
