@@ -122,11 +122,6 @@ BEFORE_LOAD = {
         "gdn", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
         ["--context-parallel 5", "Gated DeltaNet", "linear_num_value_heads=4", "4 or fewer"],
         "--context-parallel 5"),
-    "Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
-        "gdn", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
-                          "2", "--shard-params"],
-        ["--shard-params", "Qwen3NextForCausalLM", "Gated DeltaNet", "drop --shard-params"],
-        "--shard-params"),
 }
 
 

@@ -312,13 +312,6 @@ def _file_case(kind):
         if kind == "offload-without-shard-params":  # CPUOffloadPolicy is FSDP2's (fsdp.py)
             return ["replay", good, *TRAIN, "--model", "tiny", "--offload"], \
                 ["--offload", "add --shard-params"]
-        if kind == "gdn-shard-params":  # FSDP2 has no float32 group for GDN yet (support.py)
-            (tmp / "m").mkdir()
-            (tmp / "m" / "config.json").write_text(json.dumps(
-                {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
-            return ["replay", good, *TRAIN, "--model", tmp / "m", "--num-ranks", "2",
-                    "--shard-params"], ["--shard-params", "Qwen3NextForCausalLM", "Gated DeltaNet"]
         if kind == "gdn-cp":  # more context-parallel ranks than GDN value heads (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -643,9 +636,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "train-over-device-memory", "device-memory-junk", "plan-memory-config-not-object",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
-         # issue 43/44: a Gated DeltaNet hybrid with FSDP2 (Mamba-2 hybrids are sharded, under
-         # context parallelism too)
-         "gdn-shard-params", "offload-without-shard-params"]
+         # issue 44: --offload is FSDP2's (every family shards, under context parallelism too)
+         "offload-without-shard-params"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

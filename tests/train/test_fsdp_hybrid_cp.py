@@ -1,5 +1,5 @@
-"""--shard-params (FSDP2, train/fsdp.py) on a Mamba-2 hybrid under context parallelism: two gloo
-processes on CPU (DP=1 x CP=2), float32.
+"""--shard-params (FSDP2, train/fsdp.py) on recurrent hybrids under context parallelism: two gloo
+processes on CPU (DP=1 x CP=2), float32; Nemotron-H (Mamba-2) and Qwen3.5 (Gated DeltaNet).
 
 The ranks used to deadlock here, and the cause was not the Mamba-2 exchange (models/ssm/cp.py):
 the root FSDP2 group runs two forward calls per bin (the decoder and the vocabulary projection,
@@ -9,18 +9,19 @@ no gradient there and its post-backward skipped the reduce-scatter that the rank
 the two then met in different collectives (one's reduce-scatter, the other's next all-gather).
 Nemotron-H's head is untied; the tiny attention decoder's is tied, so its gradient waits for the
 embedding's on every rank, which is why attention decoders sharded under CP already. The rows
-below (scan chunk 4, a GRPO group whose prompt ends inside a chunk, fragments of 24 tokens and
-whole trees of 512) include bins where one rank owns no edge (counted: the test fails if none).
+below (a GRPO group whose prompt ends inside a scan chunk -- 9 tokens, chunk 4; for GDN 65,
+chunk 64 -- fragments of 24 (80) tokens and whole trees of 512) include bins where one rank
+owns no edge (counted: the test fails if none).
 
 Each bin runs forward and backward on its own, as a training step does (one backward over every
 bin did not deadlock: the head's gradient then waited for the last bin on both ranks). Each
 sharded run's logprobs equal the unsharded CP=2 run's bit for bit (the same forward), every
 gathered parameter gradient to 1e-6 relative per tensor (a reduce-scatter per bin against one
 all-reduce of the accumulated sums: the same float32 terms added in another order; measured
-8.5e-8 at most), and both equal transformers call by call
-(test_fsdp_hybrid.py's bounds for the same models: 1e-5 absolute on logprobs, 1e-5 relative
-per gradient tensor). The process group's timeout is short, so a deadlock fails the test within
-TIMEOUT_S instead of gloo's default 600 s.
+8.5e-8 at most), and both equal transformers call by call (Nemotron-H: float32,
+test_fsdp_hybrid.py's bounds for the same model; Qwen3.5: float64, test_fsdp_gdn.py's). The
+process group's timeout is short, so a deadlock fails the test within TIMEOUT_S instead of
+gloo's default 600 s.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT_S = 60  # the process group's: a rank stuck in a collective fails within it
-BUDGETS = (24, 512)
 HF_ABS, HF_REL = 1e-5, 1e-5
 CP_REL = 1e-6  # test_hybrid_context_parallel.py's CP-vs-one-process bound; measured 8.5e-8
 OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_edge")
@@ -47,7 +47,7 @@ def _name(family, hf_name):
     return hf_name.replace("model.", "backbone.", 1) if family == "nemotron_h" else hf_name
 
 
-def _cp_rank(path, rows, weights, shard):
+def _cp_rank(path, rows, weights, shard, budgets):
     """Per budget: the group's occurrence logprobs and gradient of sum(w * logprob), and how
     many bins this rank ran without an edge."""
     import pyarrow as pa
@@ -77,7 +77,7 @@ def _cp_rank(path, rows, weights, shard):
     heads.selected_logprobs = counted
     table = validate_episodes(pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA))
     out = {}
-    for budget in BUDGETS:
+    for budget in budgets:
         backend.module.zero_grad(set_to_none=True)
         empty[0] = 0
         bins = Fragment(max_tokens=budget)(Pack(layout="tree", scope="group")(table))
@@ -108,36 +108,58 @@ def _cp_rank(path, rows, weights, shard):
     return out
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+def hybrid(request, tmp_path_factory, monkeypatch_module):
+    """(family, checkpoint, rows, weights, budgets, the oracle's values and gradients, its
+    logprob and gradient bounds). Nemotron-H: transformers in float32 (test_fsdp_hybrid.py's
+    bounds); Qwen3.5 (Gated DeltaNet): transformers in float64 (test_fsdp_gdn.py's oracle and
+    bounds: float32 GDN gradients sit up to 1.4e-5 from transformers' float32 ones)."""
     from tests.models.hybrid_helpers import episodes, hf_values, save_hf, token_weights
 
-    path = tmp_path_factory.mktemp("hybrid-cp") / "m"
-    hf = save_hf("nemotron_h", path)
-    eps = episodes(9, seed=9)
+    path = tmp_path_factory.mktemp(request.param) / "m"
+    if request.param == "nemotron_h":
+        hf = save_hf("nemotron_h", path)
+        eps = episodes(9, seed=9)
+        weights = token_weights(eps)
+        return (request.param, str(path), eps.to_pylist(), weights, (24, 512),
+                hf_values(hf, eps, weights), (HF_ABS, HF_REL))
+    from tests.models.qwen3_next_helpers import VOCAB, hf_qwen3_next
+    from tests.train.test_fsdp_gdn import GRAD64_REL, LP64_ABS, _hf64
+
+    hf = hf_qwen3_next(family=request.param)
+    hf.save_pretrained(path)
+    eps = episodes(65, seed=65, vocab=VOCAB)
     weights = token_weights(eps)
-    return str(path), eps.to_pylist(), weights, hf_values(hf, eps, weights)
+    return (request.param, str(path), eps.to_pylist(), weights, (80, 512),
+            _hf64(hf, eps, weights, monkeypatch_module), (LP64_ABS, GRAD64_REL))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 def test_sharded_hybrid_cp2_equals_unsharded_cp2_and_transformers(hybrid):
-    path, rows, weights, (hf_vals, hf_grads) = hybrid
-    plain = spawn(_cp_rank, 2, path, rows, weights, False, timeout_s=4 * TIMEOUT_S, threads=1)
-    sharded = spawn(_cp_rank, 2, path, rows, weights, True, timeout_s=4 * TIMEOUT_S, threads=1)
+    family, path, rows, weights, budgets, (hf_vals, hf_grads), (lp_abs, grad_rel) = hybrid
+    args = (path, rows, weights)
+    plain = spawn(_cp_rank, 2, *args, False, budgets, timeout_s=4 * TIMEOUT_S, threads=1)
+    sharded = spawn(_cp_rank, 2, *args, True, budgets, timeout_s=4 * TIMEOUT_S, threads=1)
     # the case of the deadlock: a bin where one rank owns no edge
-    assert sum(run[b]["empty"] for run in sharded for b in BUDGETS) > 0
+    assert sum(run[b]["empty"] for run in sharded for b in budgets) > 0
     for run, ref in zip(sharded, plain):
-        for b in BUDGETS:
+        for b in budgets:
             got, want = run[b], ref[b]
             assert got["keys"] == want["keys"] and set(got["keys"]) == set(hf_vals)
             assert torch.equal(got["values"], want["values"]), b
             worst = max(abs(float(v) - hf_vals[k]) for k, v in zip(got["keys"], got["values"]))
-            assert worst < HF_ABS, (b, worst)
+            assert worst < lp_abs, (b, worst)
             assert got["grads"].keys() == want["grads"].keys()
             for n, g in got["grads"].items():  # per-bin reduce-scatters vs one all-reduce
                 rel = float((g - want["grads"][n]).norm() / want["grads"][n].norm())
                 assert rel < CP_REL, (b, n, rel)
-            assert {_name("nemotron_h", n) for n in hf_grads} == got["grads"].keys()
+            assert {_name(family, n) for n in hf_grads} == got["grads"].keys()
             for n, g in hf_grads.items():
-                ours = got["grads"][_name("nemotron_h", n)]
-                rel = float((ours - g).norm() / g.norm().clamp_min(1e-12))
-                assert rel < HF_REL, (b, n, rel)
+                ours = got["grads"][_name(family, n)].double()
+                rel = float((ours - g.double()).norm() / g.norm().clamp_min(1e-12))
+                assert rel < grad_rel, (b, n, rel)

@@ -130,13 +130,6 @@ ROWS = (
                               f"{_heads(c).kind} layer's heads over the ranks, and "
                               f"{c.architecture} has {_heads(c).field}={_heads(c).heads}: use "
                               f"--context-parallel {_heads(c).heads} or fewer")),
-    Row(what="Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
-        applies=lambda f, c, d: _gdn(c),
-        message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "
-                              f"shards attention and Mamba-2 decoders; {c.architecture} has "
-                              "Gated DeltaNet layers, whose float32 state parameters have no "
-                              "float32 FSDP2 group yet: drop --shard-params (--num-ranks N "
-                              "replicates the weights)")),
 )
 
 
