@@ -8,7 +8,9 @@ no edge of a bin tied its empty logprobs to the hidden rows only, so its untied 
 no gradient there and its post-backward skipped the reduce-scatter that the rank with edges ran;
 the two then met in different collectives (one's reduce-scatter, the other's next all-gather).
 Nemotron-H's head is untied; the tiny attention decoder's is tied, so its gradient waits for the
-embedding's on every rank, which is why attention decoders sharded under CP already. The rows
+embedding's on every rank, which is why attention decoders seemed to shard under CP already: a
+Llama with an untied head deadlocked the same way (the third case here; gloo's timeout with
+the old code, tried). The rows
 below (a GRPO group whose prompt ends inside a scan chunk -- 9 tokens, chunk 4; for GDN 65,
 chunk 64 -- fragments of 24 (80) tokens and whole trees of 512) include bins where one rank
 owns no edge (counted: the test fails if none).
@@ -18,8 +20,8 @@ bin did not deadlock: the head's gradient then waited for the last bin on both r
 sharded run's logprobs equal the unsharded CP=2 run's bit for bit (the same forward), every
 gathered parameter gradient to 1e-6 relative per tensor (a reduce-scatter per bin against one
 all-reduce of the accumulated sums: the same float32 terms added in another order; measured
-8.5e-8 at most), and both equal transformers call by call (Nemotron-H: float32,
-test_fsdp_hybrid.py's bounds for the same model; Qwen3.5: float64, test_fsdp_gdn.py's). The
+8.5e-8 at most), and both equal transformers call by call (Nemotron-H and the Llama: float32,
+test_fsdp_hybrid.py's bounds; Qwen3.5: float64, test_fsdp_gdn.py's). The
 process group's timeout is short, so a deadlock fails the test within TIMEOUT_S instead of
 gloo's default 600 s.
 """
@@ -108,7 +110,7 @@ def _cp_rank(path, rows, weights, shard, budgets):
     return out
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5", "llama_untied"])
 def hybrid(request, tmp_path_factory, monkeypatch_module):
     """(family, checkpoint, rows, weights, budgets, the oracle's values and gradients, its
     logprob and gradient bounds). Nemotron-H: transformers in float32 (test_fsdp_hybrid.py's
@@ -117,6 +119,18 @@ def hybrid(request, tmp_path_factory, monkeypatch_module):
     from tests.models.hybrid_helpers import episodes, hf_values, save_hf, token_weights
 
     path = tmp_path_factory.mktemp(request.param) / "m"
+    if request.param == "llama_untied":  # the cause alone: an attention decoder, untied head
+        import transformers
+
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).eval()
+        hf.save_pretrained(path)
+        eps = episodes(9, seed=9)
+        weights = token_weights(eps)
+        return (request.param, str(path), eps.to_pylist(), weights, (24, 512),
+                hf_values(hf, eps, weights), (HF_ABS, HF_REL))
     if request.param == "nemotron_h":
         hf = save_hf("nemotron_h", path)
         eps = episodes(9, seed=9)

@@ -13,8 +13,8 @@ ranks' shares of each bin's gradient as the unsharded all-reduce does. A rank th
 edge of a bin still reaches the output weight in backward, through the projection of its empty
 rows (Decoder.selected_logprobs): the root group post-backwards once per forward call, and an
 untied head's reduce-scatter at the projection's call must run on every rank or none (the
-Mamba-2 hybrids' deadlock under CP was this, not their exchange). A replica's padding passes
-run as one small bin of the whole group (Step.pad_passes).
+Mamba-2 hybrids' deadlock under CP was this, not their exchange; any untied head's too). A
+replica's padding passes run as one small bin of the whole group (Step.pad_passes).
 
 Trade-offs against the unsharded path (train/distributed.py): memory per rank falls from 16 to
 16/N bytes per parameter (plus one layer gathered), for an all-gather per layer per bin
