@@ -122,16 +122,6 @@ BEFORE_LOAD = {
         "gdn", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],
         ["--context-parallel 5", "Gated DeltaNet", "linear_num_value_heads=4", "4 or fewer"],
         "--context-parallel 5"),
-    "Mamba-2 hybrid x --shard-params x context parallelism": (
-        "hybrid", {}, _CP2, ["replay", "--mode", "train", "--episodes-per-step", "2",
-                             "--context-parallel", "2", "--shard-params"],
-        ["--shard-params with --context-parallel 2", "NemotronHForCausalLM",
-         "drop --shard-params"], "--shard-params"),
-    "Gated DeltaNet hybrid x --shard-params": (  # a training run's (Trainer's) row
-        "gdn", {}, None, ["replay", "--mode", "train", "--episodes-per-step", "2", "--num-ranks",
-                          "2", "--shard-params"],
-        ["--shard-params", "Qwen3NextForCausalLM", "Gated DeltaNet", "drop --shard-params"],
-        "--shard-params"),
 }
 
 

@@ -317,24 +317,6 @@ def _file_case(kind):
         if kind == "offload-without-shard-params":  # CPUOffloadPolicy is FSDP2's (fsdp.py)
             return ["replay", good, *TRAIN, "--model", "tiny", "--offload"], \
                 ["--offload", "add --shard-params"]
-        if kind == "mamba-shard-params-cp":  # FSDP2 x Mamba-2 CP exchange (support.py)
-            (tmp / "m").mkdir()
-            (tmp / "m" / "config.json").write_text(json.dumps(
-                {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                 "intermediate_size": 64, "mamba_num_heads": 4, "mamba_head_dim": 8,
-                 "n_groups": 2, "ssm_state_size": 8, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "head_dim": 8,
-                 "layers_block_type": ["linear_attention", "full_attention"]}))
-            return ["replay", good, *TRAIN, "--model", tmp / "m", "--context-parallel", "2",
-                    "--shard-params"], ["--shard-params with --context-parallel 2",
-                                        "NemotronHForCausalLM"]
-        if kind == "gdn-shard-params":  # FSDP2 has no float32 group for GDN yet (support.py)
-            (tmp / "m").mkdir()
-            (tmp / "m" / "config.json").write_text(json.dumps(
-                {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
-            return ["replay", good, *TRAIN, "--model", tmp / "m", "--num-ranks", "2",
-                    "--shard-params"], ["--shard-params", "Qwen3NextForCausalLM", "Gated DeltaNet"]
         if kind == "gdn-cp":  # more context-parallel ranks than GDN value heads (support.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -659,8 +641,8 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "train-over-device-memory", "train-over-device-memory-auto", "device-memory-junk", "plan-memory-config-not-object",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
-         # issue 43/44: a Gated DeltaNet hybrid with FSDP2 (Mamba-2 hybrids are sharded)
-         "gdn-shard-params", "mamba-shard-params-cp", "offload-without-shard-params"]
+         # issue 44: --offload is FSDP2's (every family shards, under context parallelism too)
+         "offload-without-shard-params"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

@@ -12,15 +12,14 @@ as the unsharded context-parallel sum does. Two things had to line up for that:
   replicas leaves one replica without a bin.
 Each sharded run equals the same run unsharded and at CP=1: the loss to float32 rounding of
 the same sums (measured: equal to the last digit), the gradient norm within 1e-4 (the bound
-of test_sharded_cli.py's sharded-vs-one-rank check; measured 2e-5 at most).
+of test_sharded_cli.py's sharded-vs-one-rank check; measured 2e-5 at most). Mamba-2 hybrids
+(an untied head) under CP: test_fsdp_hybrid_cp.py.
 """
 
 import json
 
 import pytest
 
-from tests.deps import require
-from tests.models.hybrid_helpers import HF_MAMBA_SEMANTICS
 from treeflow.cli import main
 
 pytestmark = pytest.mark.multiprocess
@@ -63,19 +62,3 @@ def test_sharded_dp2_cp2_pads_a_replica_without_a_bin(data, capfd):
     sharded = _train(capfd, data / "one.arrow", *args, "--shard-params", per_step="1")
     assert sharded["perf/bins"] == 1  # one replica ran it, the other padded
     _same(sharded, plain)
-
-
-def test_sharded_hybrid_under_cp2_is_refused_before_it_starts(tmp_path, capfd):
-    """Mamba-2 hybrids shard at CP=1 (test_fsdp_hybrid.py); under CP=2 the ranks deadlocked
-    (gloo's 600 s timeout), so models/support.py refuses it before a process starts."""
-    require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
-    from tests.models.hybrid_helpers import save_hf
-
-    save_hf("nemotron_h", tmp_path / "m")
-    assert main(["synth", "-o", str(tmp_path / "e.arrow"), "--episodes", "4", "--group-size", "2",
-                 "--min-turns", "1", "--max-turns", "2", "--vocab-size", "61", "--quiet"]) == 0
-    assert main(["replay", str(tmp_path / "e.arrow"), "--model", str(tmp_path / "m"), "--mode",
-                 "train", "--episodes-per-step", "4", "--context-parallel", "2",
-                 "--shard-params"]) == 2
-    err = capfd.readouterr().err
-    assert "--shard-params with --context-parallel 2" in err and "drop --shard-params" in err

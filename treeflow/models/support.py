@@ -130,20 +130,6 @@ ROWS = (
                               f"{_heads(c).kind} layer's heads over the ranks, and "
                               f"{c.architecture} has {_heads(c).field}={_heads(c).heads}: use "
                               f"--context-parallel {_heads(c).heads} or fewer")),
-    Row(what="Mamba-2 hybrid x --shard-params x context parallelism", needs_model=True,
-        sharded=True, applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and _cp(d) > 1,
-        message=lambda f, c, d: (f"{f.model}: --shard-params with --context-parallel {_cp(d)} "
-                              f"on {c.architecture}: its processes deadlock (seen on CPU, "
-                              "gloo, with FSDP2 per layer as well as with the float32 mixer "
-                              "groups; the cause is not found yet); drop --shard-params, or "
-                              "use --context-parallel 1")),
-    Row(what="Gated DeltaNet hybrid x --shard-params", needs_model=True, sharded=True,
-        applies=lambda f, c, d: _gdn(c),
-        message=lambda f, c, d: (f"{f.model}: --shard-params (Trainer(shard_params=True), FSDP2) "
-                              f"shards attention and Mamba-2 decoders; {c.architecture} has "
-                              "Gated DeltaNet layers, whose float32 state parameters have no "
-                              "float32 FSDP2 group yet: drop --shard-params (--num-ranks N "
-                              "replicates the weights)")),
 )
 
 

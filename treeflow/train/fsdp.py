@@ -10,7 +10,10 @@ carry the logical batch's normalisation, so the reduction is a SUM, as in the un
 Under context parallelism (--context-parallel C) the shards span all D x C processes, as
 torchtitan's dp_shard x cp mesh does: the reduce-scatter's SUM covers the context-parallel
 ranks' shares of each bin's gradient as the unsharded all-reduce does. A rank that owns no
-edge of a bin still reaches the output weight in backward (Decoder.selected_logprobs), and a
+edge of a bin still reaches the output weight in backward, through the projection of its empty
+rows (Decoder.selected_logprobs): the root group post-backwards once per forward call, and an
+untied head's reduce-scatter at the projection's call must run on every rank or none (the
+Mamba-2 hybrids' deadlock under CP was this, not their exchange; any untied head's too). A
 replica's padding passes run as one small bin of the whole group (Step.pad_passes).
 
 Trade-offs against the unsharded path (train/distributed.py): memory per rank falls from 16 to
@@ -20,11 +23,13 @@ are collectives, every rank must run the same number of them: a rank with fewer 
 empty one-token passes whose loss is zero. And a rank that raises mid-bin cannot tell the
 others (they wait inside a collective), so its error ends its process; the launcher
 (spawn or torchrun) then stops the others, and the process group's timeout bounds the wait.
-Only the reference backend is sharded this way: attention decoders and the Mamba-2 hybrids
-(Nemotron-H, Bamba, GraniteMoeHybrid), whose mixers read A_log, D, dt_bias, the conv and the
-gated norm in float32: each mixer is a float32 group of its own (its projections groups of the
-compute dtype), as the float32 routers are. The cost: three more, small, all-gathers per Mamba
-layer; the gain: the scan reads the weights the unsharded trainer and the sampler read.
+Only the reference backend is sharded this way: attention decoders, the Mamba-2 hybrids
+(Nemotron-H, Bamba, GraniteMoeHybrid) and the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5),
+whose mixers read A_log, dt_bias, the conv and the gated norm (and Mamba-2's D) in float32:
+each mixer is a float32 group of its own (its projections groups of the compute dtype), as the
+float32 routers are. The cost: three (Mamba-2) to six (Qwen3.5's four input projections) more
+all-gathers per recurrent layer, the float32 ones small; the gain: the scan reads the weights
+the unsharded trainer and the sampler read.
 """
 
 from __future__ import annotations
@@ -87,15 +92,22 @@ def float32_groups(module) -> list[tuple]:
       because the near-tie band reads the weight again; their inputs cast to float32 as the
       router computes;
     - each Mamba-2 mixer (models/ssm/mamba.py): A_log, D, dt_bias, the conv (tree_conv runs in
-      float32) and the gated norm, its in_proj and out_proj groups of the compute dtype.
+      float32) and the gated norm, its in_proj and out_proj groups of the compute dtype;
+    - each Gated DeltaNet mixer (models/ssm/gdn.py) the same way: A_log and dt_bias (the decay
+      g is computed in float32), the conv and the gated norm (its float32 weight times the
+      normalised rows, then cast), each of its projections (Qwen3-Next's in_proj_qkvz and
+      in_proj_ba, Qwen3.5's four in_proj_*; out_proj) a group of the compute dtype.
     The layer norms stay in their layer's group, as in attention decoders: Nemotron-H's block
     casts its input to its norm weight's dtype, and the sharded path runs without autocast,
     so a float32 norm would hand float32 activations to compute-dtype projections."""
+    from treeflow.models.ssm.gdn import GatedDeltaNet
     from treeflow.models.ssm.mamba import Mamba2Mixer
 
     out = [(m, True, ()) for m in _float32_routers(module)]
     out += [(m, False, (m.in_proj, m.out_proj)) for m in module.modules()
             if isinstance(m, Mamba2Mixer)]
+    out += [(m, False, tuple(c for c in m.children() if isinstance(c, torch.nn.Linear)))
+            for m in module.modules() if isinstance(m, GatedDeltaNet)]
     return out
 
 

@@ -224,6 +224,10 @@ class Decoder(nn.Module):
         lp_E, ent_E = selected_logprobs(self, hidden_EH, targets_E, **options)
         if hidden_EH.requires_grad and not lp_E.requires_grad:  # no rows (a context-parallel
             # rank owning no edge of its bin): still an output backward reaches, so FSDP
-            # gathers the weight in backward where the ranks with rows do
-            lp_E = lp_E + hidden_EH.sum() * 0.0
+            # gathers the weight in backward where the ranks with rows do; and through the
+            # projection, so the output weight gets its (zero) gradient in the same backward
+            # node as there: an untied head's FSDP group then reduce-scatters at this call's
+            # post-backward on every rank (without it, only the ranks with rows did, and the
+            # group's next all-gather met a reduce-scatter: a deadlock)
+            lp_E = lp_E + self.project(hidden_EH).sum() * 0.0
         return lp_E, ent_E
