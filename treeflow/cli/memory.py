@@ -76,9 +76,8 @@ def cmd_memory(args) -> int:
 
         args.recompute, chosen = "none", "none (no --device-memory to fit)"
         if args.device_memory:
-            planned = {m: plan_memory(config, **memory_knobs(args, recompute=m)).total
-                       for m in AUTO_ORDER}
-            args.recompute, chosen = choose_recompute(planned, parse_bytes(args.device_memory))
+            args.recompute, chosen = choose_recompute(_planned(config, args, AUTO_ORDER),
+                                                      parse_bytes(args.device_memory))
             chosen = f"{args.recompute} ({chosen})"
     knobs = memory_knobs(args, recompute=args.recompute or "none")
     if knobs["shard_params"]:
@@ -203,7 +202,7 @@ def auto_recompute(args, *, modes=None) -> str:
     formula: none. Else the cheapest of memory_plan.AUTO_ORDER the run can use (`modes`, default
     those models/support.py accepts for this model and split) whose plan x (1 + AUTO_MARGIN)
     fits the card (memory_plan.choose_recompute), said on stderr."""
-    from treeflow.train.memory_plan import AUTO_ORDER, choose_recompute, plan_memory
+    from treeflow.train.memory_plan import AUTO_ORDER, choose_recompute
 
     if getattr(args, "recompute", None) != "auto":
         return args.recompute
@@ -221,8 +220,7 @@ def auto_recompute(args, *, modes=None) -> str:
     try:
         config = _config(args.model)
         usable = modes if modes is not None else _usable_modes(args)
-        planned = {m: plan_memory(config, **memory_knobs(args, recompute=m)).total
-                   for m in AUTO_ORDER if m in usable}
+        planned = _planned(config, args, [m for m in AUTO_ORDER if m in usable])
     except ValueError as e:
         print(f"treeflow: --recompute auto: none ({e})", file=sys.stderr, flush=True)
         args.recompute = "none"
@@ -233,6 +231,14 @@ def auto_recompute(args, *, modes=None) -> str:
               file=sys.stderr, flush=True)
     args.recompute = mode
     return mode
+
+
+def _planned(config, args, modes) -> dict[str, int]:
+    """Each recompute mode in `modes` -> the planned per-rank peak bytes of this run's knobs
+    (what --recompute auto chooses among, in a training run and in plan --memory alike)."""
+    from treeflow.train.memory_plan import plan_memory
+
+    return {m: plan_memory(config, **memory_knobs(args, recompute=m)).total for m in modes}
 
 
 def _usable_modes(args) -> list[str]:
