@@ -114,6 +114,45 @@ def _torch_threads_restored():
         torch.set_num_threads(n)
 
 
+_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
+              "TORCHINDUCTOR_AUTOGRAD_CACHE", "TRITON_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_restored():
+    """An in-process command turns the compile cache on (`--compile-cache`, else the user's
+    default directory): give every later test the cache it started with, its environment and
+    torch's flags. A leaked cache let a later test load graphs a command had saved instead of
+    tracing them (the one-graph-per-part count read 0 in CI)."""
+    env = {k: os.environ.get(k) for k in _CACHE_ENV}
+    cc = sys.modules.get("treeflow.compile_cache")
+    was = (cc._active, dict(cc._ours)) if cc is not None else (None, {})
+    flags = _torch_cache_flags()
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    cc = sys.modules.get("treeflow.compile_cache")
+    if cc is not None:
+        cc._active = was[0]
+        cc._ours.clear()
+        cc._ours.update(was[1])
+    if flags is not None:
+        inductor, functorch = (sys.modules.get("torch._inductor.config"),
+                               sys.modules.get("torch._functorch.config"))
+        inductor.fx_graph_cache, functorch.enable_autograd_cache = flags
+
+
+def _torch_cache_flags():
+    inductor, functorch = (sys.modules.get("torch._inductor.config"),
+                           sys.modules.get("torch._functorch.config"))
+    if inductor is None or functorch is None:
+        return None
+    return inductor.fx_graph_cache, functorch.enable_autograd_cache
+
+
 def _leaked_default_group() -> bool:
     """Whether a torch.distributed default process group is initialised in this process (read
     only where torch.distributed was imported: asking costs nothing then)."""

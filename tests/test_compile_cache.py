@@ -12,25 +12,7 @@ from treeflow import compile_cache
 from treeflow.cli import build_parser
 from treeflow.cli.main import _compile_cache
 
-ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-       "TRITON_CACHE_DIR")
-
-
-@pytest.fixture(autouse=True)
-def restored():
-    """Every test gets back the environment, torch's settings and the module's record."""
-    env = {k: os.environ.get(k) for k in ENV}
-    fx, autograd = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
-    ours = dict(compile_cache._ours)
-    yield
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = fx, autograd
-    compile_cache._ours.clear()
-    compile_cache._ours.update(ours)
+# tests/conftest.py gives every test back the cache, its environment and torch's flags
 
 
 def _replay_args(*extra):

@@ -249,9 +249,13 @@ def test_layer_levers_give_the_plain_hidden_states_and_gradients(tuning):
             torch.testing.assert_close(got_h[path], run_path(model, tokens, path), atol=1e-5, rtol=0)
 
 
-def test_compiled_layers_share_one_graph_per_part_across_layers_and_lengths():
+def test_compiled_layers_share_one_graph_per_part_across_layers_and_lengths(monkeypatch):
     from torch._dynamo.utils import counters
 
+    from treeflow import compile_cache
+
+    # the cache off: with it on, graphs another run saved would load instead of being traced
+    monkeypatch.setattr(compile_cache, "_active", None)
     torch._dynamo.reset()
     counters.clear()
     model = small_model()
