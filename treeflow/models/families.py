@@ -65,9 +65,10 @@ FAMILIES = (
            note="attention sinks, sliding-window layers, YaRN; dequantized (bf16/fp32) "
                 "weights, MXFP4 refused"),
     Family(name="GLM-4.5", architectures=("Glm4MoeForCausalLM",), experts=True,
-           moe_replay=True, megatron=False,
+           moe_replay=True,
            note="sigmoid group-limited router with bias correction, shared experts, dense "
-                "first layers; partial rotary, q/k norm; MTP layers frozen"),
+                "first layers; partial rotary, q/k norm; MTP layers frozen (megatron: "
+                "refused; TP/EP > 1 on CUDA only)"),
     Family(name="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",), experts=True,
            moe_replay=True, megatron=False,
            note="MLA (latent K/V expanded per head), YaRN, GLM-4.5's MoE; FP8 weights "

@@ -47,7 +47,8 @@ _GLOBAL_RENAMES = {
     "lm_head.weight": "output_layer.weight",
 }
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split along columns (dim 1)
-_REPLICATED = ("layernorm.weight", "router.weight", "shared_experts.gate_weight")
+_REPLICATED = ("layernorm.weight", "router.weight", "router.expert_bias",
+               "shared_experts.gate_weight")
 _QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
              "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
 
