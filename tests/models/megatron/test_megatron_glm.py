@@ -171,3 +171,12 @@ def test_cli_replay_and_train_with_the_megatron_backend(pair, tmp_path, capsys):
                  "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["last"]
     assert 0.0 <= last["route_agreement"] <= 1.0 and np.isfinite(last["loss"])
+
+
+def test_deepseek_v3_is_refused_with_what_mcore_lacks(tmp_path):
+    """MLA stays on the reference backend: the refusal names the family and MCore's reason."""
+    hf_deepseek("deepseek_v3").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"DeepSeek-V3 \(DeepseekV3ForCausalLM\): the megatron "
+                                         r"backend .*; why: megatron-core 0.16's multi-latent "
+                                         r"attention builds its own rotary embedding"):
+        load_backend("megatron", str(tmp_path))
