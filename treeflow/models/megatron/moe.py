@@ -1,8 +1,8 @@
 """MoE layers of the megatron backend: MCore's MoELayer with treeflow's routing replay.
 
 The MoE layer is megatron-core's own (`MoELayer`: `TopKRouter`, a token dispatcher,
-`SequentialMLP` experts, `SharedExpertMLP` with its sigmoid gate for Qwen2-MoE) from
-MCore's local spec; this module swaps two things in it:
+`SequentialMLP` experts, `SharedExpertMLP` with its sigmoid gate for Qwen2-MoE, ungated
+for GLM-4.5) from MCore's local spec; this module swaps two things in it:
 
 - the router is `TreeTopKRouter`, MCore's `TopKRouter` whose gate is a plain
   `F.linear` (MCore's gating moves a CPU weight to CUDA and its fp32 gating
@@ -18,6 +18,14 @@ MCore's local spec; this module swaps two things in it:
   renormalisation), so the router still learns. The hook also counts route agreement
   (the rows whose own top-k set equals the replayed one).
 - the experts' and shared expert's linears are the spec's CPU-autocast linears.
+
+GLM-4.5's router is MCore's sigmoid router as configured (`_sigmoid_router`): the
+`e_score_correction_bias` is MCore's `expert_bias` (added to the scores for the choice only;
+the replay hook sees the biased scores and MCore gathers the unbiased ones at its ids), the
+group limit is MCore's `group_limited_topk`, and the weights are renormalised and scaled by
+`routed_scaling_factor`. The trade-off: MCore's rules are used, not re-written, so a config
+where they differ from transformers' (a group scored by other than its top 2 experts,
+weights not renormalised) is refused by name instead of being routed differently.
 
 The experts run through MCore's `SequentialMLP` (a loop over the local experts):
 MCore's grouped GEMM (`TEGroupedMLP`) needs Transformer Engine, which is not
