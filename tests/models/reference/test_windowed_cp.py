@@ -23,7 +23,8 @@ import copy
 
 import numpy as np
 import pytest
-from cp_workers import CASES, KERNELS, VOCAB, WINDOWED_CASES, families_step, hf_reference, one_process
+from cp_workers import (CASES, KERNELS, VOCAB, WINDOWED_CASES, families_step, hf_reference,
+                        one_process)
 
 from tests.models.families_helpers import WINDOW, hf_gemma3, hf_gpt_oss
 from treeflow.train.launch import spawn

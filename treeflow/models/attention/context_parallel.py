@@ -274,9 +274,10 @@ class ContextParallelPlan:
         else:
             parents_G = np.where(parents_N[keys_G] >= 0,
                                  np.searchsorted(keys_G, parents_N[keys_G]), -1)
-            self._blocks = _local_blocks(AncestorRuns(parents_G, device=self.device, block=block,
-                                                      window=window), r)
-            self._split = [_split_block(blk, r) for blk in self._blocks] if self.overlap else []
+            runs = AncestorRuns(parents_G, device=self.device, block=block, window=window)
+            self._blocks = cp_kernels.local_blocks(runs, r)
+            self._split = ([cp_kernels.split_block(blk, r) for blk in self._blocks]
+                           if self.overlap else [])
 
     def __repr__(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
@@ -331,8 +332,8 @@ class ContextParallelPlan:
             out = cp_kernels.flex(q_nQD, k_GKD, v_GKD, self._flex_G, with_lse=sinks_Q is not None,
                                   kernel_options=self._kernel_options)
             return out if sinks_Q is None else cp_kernels.with_sinks(*out, sinks_Q)
-        return _attend_blocks(self._blocks, q_nQD, k_GKD, v_GKD, self._received, self.window,
-                              sinks_Q)
+        return cp_kernels.attend_blocks(self._blocks, q_nQD, k_GKD, v_GKD, self._received,
+                                        self.window, sinks_Q)
 
     def _attend_own(self, q_nQD, k_nKD, v_nKD):
         """The queries over their own keys, while the exchange is in flight: (out, lse) for
@@ -348,10 +349,10 @@ class ContextParallelPlan:
         outs = []
         for a, b, own_idx, seen, recv_idx in self._split:
             q_QLD = q_nQD[a - first:b - first]
-            mask = _run_mask(len(own_idx), b - a, seen, own_idx.device)
+            mask = cp_kernels.run_mask(len(own_idx), b - a, seen, own_idx.device)
             k_LKD, v_LKD = k_nKD.index_select(0, own_idx), v_nKD.index_select(0, own_idx)
             if recv_idx is None:
-                outs.append(_sdpa_masked(q_QLD, k_LKD, v_LKD, mask))
+                outs.append(cp_kernels.sdpa_masked(q_QLD, k_LKD, v_LKD, mask))
             else:
                 merged = cp_kernels.MergedAttention(self.device)
                 outs.append((merged, merged.part(q_QLD, k_LKD, v_LKD, mask)))
@@ -383,22 +384,6 @@ class ContextParallelPlan:
         return torch.cat(outs)
 
 
-def _local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.Tensor, int]]:
-    """The query blocks of `runs` cut to queries >= `first` (this rank's own rows of G).
-
-    Within a run query j sees keys [0, seen + j] of its index list, so a block cut at its
-    front keeps its keys and moves `seen` by the queries it lost.
-    """
-    out = []
-    for (qa, qb), idx, seen in zip(runs.bounds, runs.keys, runs.seen):
-        if qb <= first:
-            continue
-        start = max(qa, first)
-        seen2 = seen + (start - qa)
-        out.append((start, qb, idx[: seen2 + qb - start], seen2))
-    return out
-
-
 @functools.cache
 def _warn_blocking(kernel: str, device_type: str) -> None:
     warnings.warn(f"context parallelism with kernel {kernel!r} on {device_type} waits for the "
@@ -406,48 +391,3 @@ def _warn_blocking(kernel: str, device_type: str) -> None:
                   "their scores there (the fused kernels with a log-sum-exp are CPU's); use "
                   "kernel 'flex' to overlap, or context_overlap=False to silence this",
                   stacklevel=3)
-
-
-def _split_block(block, first: int):
-    """A block of _local_blocks as (a, b, own key rows, seen among them, received key rows).
-
-    A block's keys are its run's ancestor path, then the run: ascending in G, so the
-    received rows (G index < first) come first, and every query of the block sees all of
-    them. Received rows None: the block reads only its own rows.
-    """
-    a, b, idx, seen = block
-    m = int(torch.searchsorted(idx, torch.tensor(first, device=idx.device)))
-    return a, b, idx[m:] - first, seen - m, (idx[:m] if m else None)
-
-
-def _run_mask(keys: int, queries: int, seen: int, device, window: int | None = None):
-    """Within a run, query j sees keys [0, seen + j] of its key list; under a window only the
-    last `window` of them (key p of the list is one level below key p - 1)."""
-    key_1P = torch.arange(keys, device=device)[None, :]
-    last_L1 = torch.arange(queries, device=device)[:, None] + seen
-    mask = key_1P <= last_L1
-    return mask if window is None else mask & (key_1P > last_L1 - window)
-
-
-def _sdpa_masked(q_LQD, k_PKD, v_PKD, mask_LP) -> torch.Tensor:
-    heads, kv_heads = q_LQD.shape[1], k_PKD.shape[1]
-    k_KPD, v_KPD = k_PKD.transpose(0, 1), v_PKD.transpose(0, 1)
-    if kv_heads != heads:
-        k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
-        v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
-    return F.scaled_dot_product_attention(q_LQD.transpose(0, 1), k_KPD, v_KPD,
-                                          attn_mask=mask_LP).transpose(0, 1)
-
-
-def _attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int, window: int | None = None,
-                   sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
-    """Ancestor-run attention for this rank's queries (attention/runs.py's scheme, offset by
-    `first`), under a sliding `window` and with `sinks_Q` (sink_attention) where given."""
-    outs = []
-    for a, b, idx, seen in blocks:
-        q_LQD = q_nQD[a - first:b - first]
-        k_PKD, v_PKD = k_GKD.index_select(0, idx), v_GKD.index_select(0, idx)
-        mask = _run_mask(len(idx), b - a, seen, idx.device, window)
-        outs.append(_sdpa_masked(q_LQD, k_PKD, v_PKD, mask) if sinks_Q is None
-                    else sink_attention(q_LQD, k_PKD, v_PKD, mask, sinks_Q))
-    return torch.cat(outs)

@@ -26,6 +26,9 @@ what the plan (models/attention/context_parallel.py) runs over those keys:
   softmax result from its log-sum-exp: out x sigmoid(lse - sink).
 - `merge_lse(...)`: the exact combination of two partial softmax results over
   disjoint key sets, weighted by sigmoid of the log-sum-exps' difference.
+- `local_blocks`, `split_block`, `run_mask`, `attend_blocks`: the ancestor-run
+  kernel (attention/runs.py) cut to a rank's own queries, split into its own and received
+  keys, under a sliding window and with sinks where given.
 - `MergedAttention`: the dense and ancestor-run kernels' two parts and their
   merge; on CPU through torch's fused flash kernel per part, with backward
   per part from the merged output and log-sum-exp (ring attention's scheme),
@@ -48,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeflow.models.attention.runs import AncestorRuns, sink_attention
 from treeflow.models.attention.tree import bucket
 from treeflow.models.attention.flex import (FLEX_RECOMPILE_LIMIT, block_tables_of, compiled_flex,
                                        to_device)
@@ -62,8 +66,9 @@ try:
 except ImportError:  # older torch: the log-sum-exp comes from return_lse
     AuxRequest = None
 
-__all__ = ["MergedAttention", "OffsetBlockMask", "attend_lse", "flex", "flex_available",
-           "merge_lse", "with_sinks"]
+__all__ = ["MergedAttention", "OffsetBlockMask", "attend_blocks", "attend_lse", "flex",
+           "flex_available", "local_blocks", "merge_lse", "run_mask", "sdpa_masked",
+           "split_block", "with_sinks"]
 
 
 def flex_available() -> bool:
@@ -296,3 +301,64 @@ class _FusedMerge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out, None, grad_out[: ctx.m], None, None
+
+
+def local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.Tensor, int]]:
+    """The query blocks of `runs` cut to queries >= `first` (this rank's own rows of G).
+
+    Within a run query j sees keys [0, seen + j] of its index list, so a block cut at its
+    front keeps its keys and moves `seen` by the queries it lost.
+    """
+    out = []
+    for (qa, qb), idx, seen in zip(runs.bounds, runs.keys, runs.seen):
+        if qb <= first:
+            continue
+        start = max(qa, first)
+        seen2 = seen + (start - qa)
+        out.append((start, qb, idx[: seen2 + qb - start], seen2))
+    return out
+
+
+def split_block(block, first: int):
+    """A block of _local_blocks as (a, b, own key rows, seen among them, received key rows).
+
+    A block's keys are its run's ancestor path, then the run: ascending in G, so the
+    received rows (G index < first) come first, and every query of the block sees all of
+    them. Received rows None: the block reads only its own rows.
+    """
+    a, b, idx, seen = block
+    m = int(torch.searchsorted(idx, torch.tensor(first, device=idx.device)))
+    return a, b, idx[m:] - first, seen - m, (idx[:m] if m else None)
+
+
+def run_mask(keys: int, queries: int, seen: int, device, window: int | None = None):
+    """Within a run, query j sees keys [0, seen + j] of its key list; under a window only the
+    last `window` of them (key p of the list is one level below key p - 1)."""
+    key_1P = torch.arange(keys, device=device)[None, :]
+    last_L1 = torch.arange(queries, device=device)[:, None] + seen
+    mask = key_1P <= last_L1
+    return mask if window is None else mask & (key_1P > last_L1 - window)
+
+
+def sdpa_masked(q_LQD, k_PKD, v_PKD, mask_LP) -> torch.Tensor:
+    heads, kv_heads = q_LQD.shape[1], k_PKD.shape[1]
+    k_KPD, v_KPD = k_PKD.transpose(0, 1), v_PKD.transpose(0, 1)
+    if kv_heads != heads:
+        k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
+        v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
+    return F.scaled_dot_product_attention(q_LQD.transpose(0, 1), k_KPD, v_KPD,
+                                          attn_mask=mask_LP).transpose(0, 1)
+
+
+def attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int, window: int | None = None,
+                   sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+    """Ancestor-run attention for this rank's queries (attention/runs.py's scheme, offset by
+    `first`), under a sliding `window` and with `sinks_Q` (sink_attention) where given."""
+    outs = []
+    for a, b, idx, seen in blocks:
+        q_LQD = q_nQD[a - first:b - first]
+        k_PKD, v_PKD = k_GKD.index_select(0, idx), v_GKD.index_select(0, idx)
+        mask = run_mask(len(idx), b - a, seen, idx.device, window)
+        outs.append(sdpa_masked(q_LQD, k_PKD, v_PKD, mask) if sinks_Q is None
+                    else sink_attention(q_LQD, k_PKD, v_PKD, mask, sinks_Q))
+    return torch.cat(outs)
