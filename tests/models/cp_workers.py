@@ -102,35 +102,40 @@ def bin_step(path: str, size: int, device: str = "cpu") -> dict:
         tr = Trainer(fwd, reduce_nll(), dp=dp)
         for name, make in CASES.items():
             eps = make()
-            bins = bins_of(eps)
-            values = tr.logprobs(bins)
-            step = tr.open_step(eps)
-            step.add(bins)
-            # a rank that owns no edge leaves the output head without a gradient
-            grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-                     for n, p in tr.model.named_parameters()}
-            for g in grads.values():
-                dist.all_reduce(g, group=dp.cp.group)
-            grads = {n: g.cpu() for n, g in grads.items()}
-            loss = dp.sum_array(np.array([step.loss_sum]))[0]
-            seen = dp.sum_array(step._seen)  # how many ranks counted each sampled token
-            items = [it for it in step._prepared.items if it is not None]
-            out[name, kernel] = {
-                "logprobs": per_call(values, eps), "grads": grads, "loss": float(loss),
-                "seen": (int(seen.min()), int(seen.max())),
-                "owned_edges": [len(it.owned_E) for it in items],
-                "recv_splits": [it.plan.recv_splits for it in items],
-                "bounds": [it.plan.bounds for it in items],
-                "metrics": tr.runner.take_stats()}
-            step.abort()
+            out[name, kernel] = group_step(tr, dp, eps, bins_of(eps))
     dist.destroy_process_group()
     return plain(out)
 
 
-def one_process(path: str, case: str, kernel: str = "auto"):
+def group_step(tr, dp, eps, bins) -> dict:
+    """One logprob phase and one (aborted) training step of `bins` on this rank: the edge
+    values per call, the group's summed gradients, the loss and what each rank held."""
+    values = tr.logprobs(bins)
+    step = tr.open_step(eps)
+    step.add(bins)
+    # a rank that owns no edge leaves the output head without a gradient
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+             for n, p in tr.model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=dp.cp.group)
+    grads = {n: g.cpu() for n, g in grads.items()}
+    loss = dp.sum_array(np.array([step.loss_sum]))[0]
+    seen = dp.sum_array(step._seen)  # how many ranks counted each sampled token
+    items = [it for it in step._prepared.items if it is not None]
+    res = {"logprobs": per_call(values, eps), "grads": grads, "loss": float(loss),
+           "seen": (int(seen.min()), int(seen.max())),
+           "owned_edges": [len(it.owned_E) for it in items],
+           "recv_splits": [it.plan.recv_splits for it in items],
+           "bounds": [it.plan.bounds for it in items],
+           "metrics": tr.runner.take_stats()}
+    step.abort()
+    return res
+
+
+def one_process(path: str, case: str, kernel: str = "auto", max_tokens: int = 4096):
     """The same step in this process without context parallelism: edge values and gradients."""
     eps = CASES[case]()
-    bins = bins_of(eps)
+    bins = bins_of(eps, max_tokens)
     tr = Trainer(Forward(model=path, kernel=kernel), reduce_nll())
     values = tr.logprobs(bins)
     step = tr.open_step(eps)
@@ -175,3 +180,25 @@ def train_steps(path: str, size: int, eps, budget: int, steps: int = 2) -> dict:
     weights = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     dp.close()
     return plain({"rows": rows, "weights": weights})
+
+
+# the windowed families' cases (tests/models/reference/test_windowed_cp.py): (case, Fragment
+# budget): GRPO groups cut into fragments, and one long prompt whose last rank receives rows
+# mostly outside a window
+WINDOWED_CASES = (("branching", 64), ("late", 4096))
+
+
+def families_step(paths: dict, size: int) -> dict:
+    """Per family (name -> checkpoint), WINDOWED_CASES case and kernel: `group_step`'s results."""
+    dp = DataParallel.from_env("cpu", dims=ParallelDims(cp=size))
+    out = {}
+    for family, path in paths.items():
+        for kernel in KERNELS:
+            name, _, blocking = kernel.partition("/")
+            fwd = Forward(model=path, kernel=name, context_overlap=not blocking)
+            tr = Trainer(fwd, reduce_nll(), dp=dp)
+            for case, budget in WINDOWED_CASES:
+                eps = CASES[case]()
+                out[family, case, kernel] = group_step(tr, dp, eps, bins_of(eps, budget))
+    dist.destroy_process_group()
+    return plain(out)

@@ -65,12 +65,12 @@ FAMILIES = (
            moe_replay=True, note="shared expert; megatron: TP/EP > 1 on CUDA only"),
     Family(name="Mixtral", architectures=("MixtralForCausalLM",), experts=True,
            moe_replay=True, note="megatron: TP/EP > 1 on CUDA only"),
-    Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), context_parallel=False,
-           recompute=False, megatron=False,
+    Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), recompute=False,
+           megatron=False,
            note="text only; sliding-window layers (depth distance on trees), (1+w) norms; "
                 "logit softcapping refused"),
     Family(name="gpt-oss", architectures=("GptOssForCausalLM",), experts=True,
-           moe_replay=True, context_parallel=False, recompute=False, megatron=False,
+           moe_replay=True, recompute=False, megatron=False,
            note="attention sinks, sliding-window layers, YaRN; dequantized (bf16/fp32) "
                 "weights, MXFP4 refused"),
     Family(name="GLM-4.5", architectures=("Glm4MoeForCausalLM",), experts=True,

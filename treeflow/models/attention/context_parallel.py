@@ -22,6 +22,17 @@ path, for the range's queries only) or `flex` (a FlexAttention block mask for
 the range's queries against G, models/attention/cp_kernels.py). The chain-only kernel
 is refused under context parallelism.
 
+Sliding windows (Gemma 3's and gpt-oss's local layers; `windowed(w)`) and attention
+sinks (gpt-oss; `plan(q, k, v, sinks_Q)`) run as the one-process kernels run them. G's
+received rows are the whole root path of the range's first node, so a key's depth in G
+is its depth in the bin: every kernel's mask adds depth[q] - depth[kv] < window (depth
+distance along the path, never DFS index distance), and a sink enters each query's
+softmax (an explicit float32 softmax for dense and runs, flex's log-sum-exp). A windowed
+or sink layer waits for the exchange and attends over [received, own] in one call (no
+overlap): a query deeper than the window sees no received row, which the log-sum-exp
+merge of the overlapped path cannot take, and a sink must enter the whole softmax once.
+The exchange itself is the unwindowed one (every ancestor of the range's first node).
+
 With `overlap` (the default) the exchange is issued asynchronously and the
 queries first attend to their own rows, which need nothing received; then
 the queries that see received rows (those inside the subtree of a_r's root:
@@ -56,7 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from treeflow.models.attention import cp_exchange, cp_kernels
-from treeflow.models.attention.runs import AncestorRuns
+from treeflow.models.attention.runs import AncestorRuns, sink_attention
 from treeflow.tree import subtree_end
 
 __all__ = ["CP_KERNELS", "ContextParallelGroup", "ContextParallelPlan", "context_parallel_layout",
@@ -179,13 +190,16 @@ class ContextParallelPlan:
     Per rank r (every rank knows all of them): `recv_rows[r]` rows received per layer,
     `allgather_rows[r]` what an all-gather of the bin's K/V would deliver (N - n_r), and
     `pairs[r]` its attention cost (sum of depth + 1 over its nodes).
+    `window` (or `windowed(w)`): a sliding window in depth distance (see the module docstring).
     """
 
     def __init__(self, parents_N: np.ndarray, depths_N: np.ndarray, bounds: np.ndarray,
                  cp: ContextParallelGroup, *, kernel: str = "auto",
                  device: torch.device | str = "cpu", block: int = 1024,
                  overlap: bool = True, flex_block: int = 128,
-                 kernel_options: dict | None = None) -> None:
+                 kernel_options: dict | None = None, window: int | None = None) -> None:
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r}: give a sliding window of >= 1 tokens, or None")
         parents_N = np.asarray(parents_N, dtype=np.int64)
         depths_N = np.asarray(depths_N, dtype=np.int64)
         n = len(parents_N)
@@ -199,6 +213,14 @@ class ContextParallelPlan:
         if kernel == "flex" and not cp_kernels.flex_available():
             raise ValueError(f"torch {torch.__version__} has no flex_attention operator; use "
                              "kernel 'runs' or 'dense'")
+        # what `windowed` needs to build this bin's plan again under a window
+        self._build = dict(parents_N=parents_N, depths_N=depths_N, bounds=bounds, cp=cp,
+                           kernel=kernel, device=device, block=block, overlap=overlap,
+                           flex_block=flex_block, kernel_options=kernel_options)
+        self._windows: dict[int, ContextParallelPlan] = {}
+        self.window = window
+        if window is not None:  # a windowed layer attends over [received, own] in one call
+            overlap = False
         if overlap and device.type != "cpu" and kernel != "flex":
             _warn_blocking(kernel, device.type)
             overlap = False
@@ -224,7 +246,8 @@ class ContextParallelPlan:
         self._send_idx = torch.from_numpy(np.concatenate(send).astype(np.int64)).to(self.device)
         keys_G = np.concatenate((need[cp.rank], np.arange(a, b)))  # ascending: a DFS sub-forest
         self._received = r = len(need[cp.rank])
-        end_G = subtree_end(depths_N[keys_G])  # the tree mask over G: g <= i < end_G[g]
+        depths_G = depths_N[keys_G]  # = the bin's depths: G holds a's whole root path
+        end_G = subtree_end(depths_G)  # the tree mask over G: g <= i < end_G[g]
         # own queries that see a received key: those inside the subtree of the first ancestor
         self._mixed = min(int(end_G[0]), len(keys_G)) - r if r else 0
         self.row_bytes = 0  # bytes of one exchanged row, set by the last call
@@ -232,30 +255,49 @@ class ContextParallelPlan:
         if kernel == "dense":
             g_G, i_n = np.arange(len(keys_G)), np.arange(r, len(keys_G))
             mask = (g_G[None, :] <= i_n[:, None]) & (i_n[:, None] < end_G[None, :])
+            if window is not None:  # depth distance along the path, not DFS index distance
+                mask &= depths_G[i_n][:, None] - depths_G[None, :] < window
             self._mask_nG = torch.from_numpy(mask).to(self.device)
             self._mask_own_nn = self._mask_nG[:, r:]
             self._mask_recv_mR = self._mask_nG[: self._mixed, :r]
         elif kernel == "flex":
             masks = functools.partial(cp_kernels.OffsetBlockMask, device=self.device,
                                       block=flex_block, pad=self.device.type == "cuda")
+            # the whole of G in one call: a windowed plan's, or a sink layer's (made on use)
+            self._flex_G_of = functools.partial(masks, end_G, r, b - a, depths_K=depths_G,
+                                                window=window)
             if self.overlap:
                 self._flex_own = masks(end_G[r:] - r, 0, b - a)
                 self._flex_recv = masks(end_G[:r], r, self._mixed) if self._mixed else None
             else:
-                self._flex_G = masks(end_G, r, b - a)
+                self._flex_G = self._flex_G_of()
         else:
             parents_G = np.where(parents_N[keys_G] >= 0,
                                  np.searchsorted(keys_G, parents_N[keys_G]), -1)
-            self._blocks = _local_blocks(AncestorRuns(parents_G, device=self.device, block=block),
-                                         r)
-            self._split = [_split_block(blk, r) for blk in self._blocks] if self.overlap else []
+            runs = AncestorRuns(parents_G, device=self.device, block=block, window=window)
+            self._blocks = cp_kernels.local_blocks(runs, r)
+            self._split = ([cp_kernels.split_block(blk, r) for blk in self._blocks]
+                           if self.overlap else [])
 
     def __repr__(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
         return (f"ContextParallelPlan(kernel={self.kernel!r}, rank={self.cp.rank}/{self.cp.size}, "
-                f"nodes={self.local}, received={self._received}, overlap={self.overlap})")
+                f"nodes={self.local}, received={self._received}, overlap={self.overlap}{window})")
 
-    def __call__(self, q_nQD: torch.Tensor, k_nKD: torch.Tensor,
-                 v_nKD: torch.Tensor) -> torch.Tensor:
+    def windowed(self, window: int) -> ContextParallelPlan:
+        """This rank's plan of the bin (same cuts, exchange and kernel) under a sliding window:
+        a query sees the keys on its path at most `window` - 1 levels above it, as
+        AttentionPlan.windowed. Built once per window and kept with this plan."""
+        if self.window is not None:
+            raise ValueError(f"this plan already has window={self.window}")
+        plan = self._windows.get(window)
+        if plan is None:
+            plan = self._windows[window] = ContextParallelPlan(**self._build, window=window)
+        return plan
+
+    def __call__(self, q_nQD: torch.Tensor, k_nKD: torch.Tensor, v_nKD: torch.Tensor,
+                 sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+        """sinks_Q: an attention sink per query head (gpt-oss), as AttentionPlan's."""
         if q_nQD.shape[0] != self.num_tokens:
             raise ValueError(f"plan is for this rank's {self.num_tokens} tokens, "
                              f"got {q_nQD.shape[0]}")
@@ -263,7 +305,8 @@ class ContextParallelPlan:
         kv_n2KD = torch.cat((k_nKD, v_nKD), dim=1)
         self.row_bytes = kv_n2KD.shape[1] * kv_n2KD.shape[2] * kv_n2KD.element_size()
         args = (self._send_idx, self.send_splits, self.recv_splits, self.cp.group)
-        if self.overlap:
+        overlap = self.overlap and sinks_Q is None  # a sink enters the whole softmax once
+        if overlap:
             recv, pending = cp_exchange.start(kv_n2KD, *args)
             local = self._attend_own(q_nQD, k_nKD, v_nKD) if self.num_tokens else None
             recv = cp_exchange.finish(recv, pending, *args[1:])
@@ -271,20 +314,26 @@ class ContextParallelPlan:
             recv = cp_exchange.exchange(kv_n2KD, *args)
         if self.num_tokens == 0:  # no queries; keep the exchange in the graph for backward
             return q_nQD.new_zeros(q_nQD.shape) + 0 * recv.sum() + 0 * kv_n2KD.sum()
-        if self.overlap:
+        if overlap:
             out = self._add_received(q_nQD, recv[:, :kv_heads], recv[:, kv_heads:], local)
             return out if self._mixed else out + 0 * recv.sum()  # backward must reach it
         kv_G2KD = torch.cat((recv, kv_n2KD))
         k_GKD, v_GKD = kv_G2KD[:, :kv_heads], kv_G2KD[:, kv_heads:]
         if self.kernel == "dense":
+            if sinks_Q is not None:
+                return sink_attention(q_nQD, k_GKD, v_GKD, self._mask_nG, sinks_Q)
             out = F.scaled_dot_product_attention(q_nQD.transpose(0, 1), k_GKD.transpose(0, 1),
                                                  v_GKD.transpose(0, 1), attn_mask=self._mask_nG,
                                                  enable_gqa=True)
             return out.transpose(0, 1)
         if self.kernel == "flex":
-            return cp_kernels.flex(q_nQD, k_GKD, v_GKD, self._flex_G,
-                                   kernel_options=self._kernel_options)
-        return _attend_blocks(self._blocks, q_nQD, k_GKD, v_GKD, self._received)
+            if not hasattr(self, "_flex_G"):  # a sink layer of an overlapping plan
+                self._flex_G = self._flex_G_of()
+            out = cp_kernels.flex(q_nQD, k_GKD, v_GKD, self._flex_G, with_lse=sinks_Q is not None,
+                                  kernel_options=self._kernel_options)
+            return out if sinks_Q is None else cp_kernels.with_sinks(*out, sinks_Q)
+        return cp_kernels.attend_blocks(self._blocks, q_nQD, k_GKD, v_GKD, self._received,
+                                        self.window, sinks_Q)
 
     def _attend_own(self, q_nQD, k_nKD, v_nKD):
         """The queries over their own keys, while the exchange is in flight: (out, lse) for
@@ -300,10 +349,10 @@ class ContextParallelPlan:
         outs = []
         for a, b, own_idx, seen, recv_idx in self._split:
             q_QLD = q_nQD[a - first:b - first]
-            mask = _run_mask(len(own_idx), b - a, seen, own_idx.device)
+            mask = cp_kernels.run_mask(len(own_idx), b - a, seen, own_idx.device)
             k_LKD, v_LKD = k_nKD.index_select(0, own_idx), v_nKD.index_select(0, own_idx)
             if recv_idx is None:
-                outs.append(_sdpa_masked(q_QLD, k_LKD, v_LKD, mask))
+                outs.append(cp_kernels.sdpa_masked(q_QLD, k_LKD, v_LKD, mask))
             else:
                 merged = cp_kernels.MergedAttention(self.device)
                 outs.append((merged, merged.part(q_QLD, k_LKD, v_LKD, mask)))
@@ -335,22 +384,6 @@ class ContextParallelPlan:
         return torch.cat(outs)
 
 
-def _local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.Tensor, int]]:
-    """The query blocks of `runs` cut to queries >= `first` (this rank's own rows of G).
-
-    Within a run query j sees keys [0, seen + j] of its index list, so a block cut at its
-    front keeps its keys and moves `seen` by the queries it lost.
-    """
-    out = []
-    for (qa, qb), idx, seen in zip(runs.bounds, runs.keys, runs.seen):
-        if qb <= first:
-            continue
-        start = max(qa, first)
-        seen2 = seen + (start - qa)
-        out.append((start, qb, idx[: seen2 + qb - start], seen2))
-    return out
-
-
 @functools.cache
 def _warn_blocking(kernel: str, device_type: str) -> None:
     warnings.warn(f"context parallelism with kernel {kernel!r} on {device_type} waits for the "
@@ -358,39 +391,3 @@ def _warn_blocking(kernel: str, device_type: str) -> None:
                   "their scores there (the fused kernels with a log-sum-exp are CPU's); use "
                   "kernel 'flex' to overlap, or context_overlap=False to silence this",
                   stacklevel=3)
-
-
-def _split_block(block, first: int):
-    """A block of _local_blocks as (a, b, own key rows, seen among them, received key rows).
-
-    A block's keys are its run's ancestor path, then the run: ascending in G, so the
-    received rows (G index < first) come first, and every query of the block sees all of
-    them. Received rows None: the block reads only its own rows.
-    """
-    a, b, idx, seen = block
-    m = int(torch.searchsorted(idx, torch.tensor(first, device=idx.device)))
-    return a, b, idx[m:] - first, seen - m, (idx[:m] if m else None)
-
-
-def _run_mask(keys: int, queries: int, seen: int, device) -> torch.Tensor:
-    """Within a run, query j sees keys [0, seen + j] of its key list."""
-    return (torch.arange(keys, device=device)[None, :]
-            <= torch.arange(queries, device=device)[:, None] + seen)
-
-
-def _sdpa_masked(q_LQD, k_PKD, v_PKD, mask_LP) -> torch.Tensor:
-    heads, kv_heads = q_LQD.shape[1], k_PKD.shape[1]
-    k_KPD, v_KPD = k_PKD.transpose(0, 1), v_PKD.transpose(0, 1)
-    if kv_heads != heads:
-        k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
-        v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
-    return F.scaled_dot_product_attention(q_LQD.transpose(0, 1), k_KPD, v_KPD,
-                                          attn_mask=mask_LP).transpose(0, 1)
-
-
-def _attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int) -> torch.Tensor:
-    """Ancestor-run attention for this rank's queries (attention/runs.py's scheme, offset by `first`)."""
-    outs = [_sdpa_masked(q_nQD[a - first:b - first], k_GKD.index_select(0, idx),
-                         v_GKD.index_select(0, idx), _run_mask(len(idx), b - a, seen, idx.device))
-            for a, b, idx, seen in blocks]
-    return torch.cat(outs)

@@ -11,7 +11,9 @@ what the plan (models/attention/context_parallel.py) runs over those keys:
   numpy from per-block key statistics (a superset of the visible blocks is
   partial, an exact test finds the full ones), never by evaluating the mask
   per pair. The same object serves the whole of G, the own rows alone, or the
-  received rows alone.
+  received rows alone. Under a sliding window (`depths_K`, `window`) a key also
+  needs depth[q] - depth[kv] < window (depth distance along the path, as
+  attention/flex.py's tree mask), and every visible block is partial.
 - `flex(...)`: flex_attention with that mask. On CUDA the compiled kernel
   (lengths padded to power-of-two buckets, one compile per bucket); on CPU
   torch's own math implementation of the flex operator, called directly so
@@ -20,8 +22,13 @@ what the plan (models/attention/context_parallel.py) runs over those keys:
   and ignores the block tables). Optionally returns the log-sum-exp.
 - `attend_lse(...)`: masked softmax attention that also returns the log-sum-exp
   (the dense and ancestor-run kernels' partial results).
+- `with_sinks(...)`: an attention sink per query head (gpt-oss) applied to a
+  softmax result from its log-sum-exp: out x sigmoid(lse - sink).
 - `merge_lse(...)`: the exact combination of two partial softmax results over
   disjoint key sets, weighted by sigmoid of the log-sum-exps' difference.
+- `local_blocks`, `split_block`, `run_mask`, `attend_blocks`: the ancestor-run
+  kernel (attention/runs.py) cut to a rank's own queries, split into its own and received
+  keys, under a sliding window and with sinks where given.
 - `MergedAttention`: the dense and ancestor-run kernels' two parts and their
   merge; on CPU through torch's fused flash kernel per part, with backward
   per part from the merged output and log-sum-exp (ring attention's scheme),
@@ -44,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeflow.models.attention.runs import AncestorRuns, sink_attention
 from treeflow.models.attention.tree import bucket
 from treeflow.models.attention.flex import (FLEX_RECOMPILE_LIMIT, block_tables_of, compiled_flex,
                                        to_device)
@@ -58,8 +66,9 @@ try:
 except ImportError:  # older torch: the log-sum-exp comes from return_lse
     AuxRequest = None
 
-__all__ = ["MergedAttention", "OffsetBlockMask", "attend_lse", "flex", "flex_available",
-           "merge_lse"]
+__all__ = ["MergedAttention", "OffsetBlockMask", "attend_blocks", "attend_lse", "flex",
+           "flex_available", "local_blocks", "merge_lse", "run_mask", "sdpa_masked",
+           "split_block", "with_sinks"]
 
 
 def flex_available() -> bool:
@@ -73,10 +82,13 @@ class OffsetBlockMask:
     lengths are padded to power-of-two buckets of `block` (padded keys have end 0 and
     are never visible; padded query rows see key 0 only, so that no row is fully masked,
     and are cut off after the call: their zero output gradient adds nothing to key 0's).
+    With a sliding `window` (and the keys' `depths_K`) key kv is visible to query i only if
+    also depth[q_offset + i] - depth[kv] < window.
     """
 
     def __init__(self, end_K: np.ndarray, q_offset: int, n_q: int, *, device: torch.device,
-                 block: int = 128, pad: bool = True) -> None:
+                 block: int = 128, pad: bool = True, depths_K: np.ndarray | None = None,
+                 window: int | None = None) -> None:
         end_K = np.asarray(end_K, dtype=np.int64)
         k = len(end_K)
         self.n_q, self.n_k, self.q_offset = n_q, k, q_offset
@@ -86,15 +98,27 @@ class OffsetBlockMask:
         end_L = np.zeros(bk * block, dtype=np.int64)
         end_L[:k] = end_K
         partial_QK, full_QK = block_tables(end_L, q_offset, bq, block)
+        if window is not None:  # the window cuts pairs inside a block: no block is full
+            partial_QK, full_QK = partial_QK | full_QK, np.zeros_like(full_QK)
         if self.len_q > n_q:  # the blocks holding padded query rows also read key block 0
             partial_QK[n_q // block:, 0] |= ~full_QK[n_q // block:, 0]
         parts = (end_L.astype(np.int32), *block_tables_of(partial_QK), *block_tables_of(full_QK),
                  *block_tables_of(partial_QK.T), *block_tables_of(full_QK.T))
         end_t, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i = to_device(parts, device)
 
-        def mask_mod(b, h, q, kv):
-            qq = q + q_offset
-            return ((kv <= qq) & (qq < end_t[kv])) | ((q >= n_q) & (kv == 0))
+        if window is None:
+            def mask_mod(b, h, q, kv):
+                qq = q + q_offset
+                return ((kv <= qq) & (qq < end_t[kv])) | ((q >= n_q) & (kv == 0))
+        else:  # depths over every coordinate a (padded) query or key can take
+            depth_L = np.zeros(max(self.len_k, q_offset + self.len_q), dtype=np.int32)
+            depth_L[:k] = depths_K
+            (depth_t,) = to_device([depth_L], device)
+
+            def mask_mod(b, h, q, kv):
+                qq = q + q_offset
+                near = depth_t[qq] - depth_t[kv] < window
+                return ((kv <= qq) & (qq < end_t[kv]) & near) | ((q >= n_q) & (kv == 0))
 
         self.mask = BlockMask(seq_lengths=(self.len_q, self.len_k), kv_num_blocks=kv_n,
                               kv_indices=kv_i, full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i,
@@ -167,6 +191,13 @@ def attend_lse(q_nQD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor,
     lse_Qn = torch.logsumexp(s_QnK, dim=-1)
     out_QnD = torch.exp(s_QnK - lse_Qn[..., None]) @ v_QKD
     return out_QnD.transpose(0, 1).to(q_nQD.dtype), lse_Qn
+
+
+def with_sinks(out_nQD: torch.Tensor, lse_Qn: torch.Tensor, sinks_Q: torch.Tensor) -> torch.Tensor:
+    """Softmax attention `out_nQD` (log-sum-exp `lse_Qn`) with a sink logit per query head in
+    each softmax: the weights over the keys scaled by e^lse / (e^lse + e^sink)."""
+    keep_nQ = torch.sigmoid(lse_Qn.float().transpose(0, 1) - sinks_Q.float()[None, :])
+    return (out_nQD.float() * keep_nQ[..., None]).to(out_nQD.dtype)
 
 
 def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -270,3 +301,64 @@ class _FusedMerge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out, None, grad_out[: ctx.m], None, None
+
+
+def local_blocks(runs: AncestorRuns, first: int) -> list[tuple[int, int, torch.Tensor, int]]:
+    """The query blocks of `runs` cut to queries >= `first` (this rank's own rows of G).
+
+    Within a run query j sees keys [0, seen + j] of its index list, so a block cut at its
+    front keeps its keys and moves `seen` by the queries it lost.
+    """
+    out = []
+    for (qa, qb), idx, seen in zip(runs.bounds, runs.keys, runs.seen):
+        if qb <= first:
+            continue
+        start = max(qa, first)
+        seen2 = seen + (start - qa)
+        out.append((start, qb, idx[: seen2 + qb - start], seen2))
+    return out
+
+
+def split_block(block, first: int):
+    """A block of _local_blocks as (a, b, own key rows, seen among them, received key rows).
+
+    A block's keys are its run's ancestor path, then the run: ascending in G, so the
+    received rows (G index < first) come first, and every query of the block sees all of
+    them. Received rows None: the block reads only its own rows.
+    """
+    a, b, idx, seen = block
+    m = int(torch.searchsorted(idx, torch.tensor(first, device=idx.device)))
+    return a, b, idx[m:] - first, seen - m, (idx[:m] if m else None)
+
+
+def run_mask(keys: int, queries: int, seen: int, device, window: int | None = None):
+    """Within a run, query j sees keys [0, seen + j] of its key list; under a window only the
+    last `window` of them (key p of the list is one level below key p - 1)."""
+    key_1P = torch.arange(keys, device=device)[None, :]
+    last_L1 = torch.arange(queries, device=device)[:, None] + seen
+    mask = key_1P <= last_L1
+    return mask if window is None else mask & (key_1P > last_L1 - window)
+
+
+def sdpa_masked(q_LQD, k_PKD, v_PKD, mask_LP) -> torch.Tensor:
+    heads, kv_heads = q_LQD.shape[1], k_PKD.shape[1]
+    k_KPD, v_KPD = k_PKD.transpose(0, 1), v_PKD.transpose(0, 1)
+    if kv_heads != heads:
+        k_KPD = k_KPD.repeat_interleave(heads // kv_heads, dim=0)
+        v_KPD = v_KPD.repeat_interleave(heads // kv_heads, dim=0)
+    return F.scaled_dot_product_attention(q_LQD.transpose(0, 1), k_KPD, v_KPD,
+                                          attn_mask=mask_LP).transpose(0, 1)
+
+
+def attend_blocks(blocks, q_nQD, k_GKD, v_GKD, first: int, window: int | None = None,
+                   sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+    """Ancestor-run attention for this rank's queries (attention/runs.py's scheme, offset by
+    `first`), under a sliding `window` and with `sinks_Q` (sink_attention) where given."""
+    outs = []
+    for a, b, idx, seen in blocks:
+        q_LQD = q_nQD[a - first:b - first]
+        k_PKD, v_PKD = k_GKD.index_select(0, idx), v_GKD.index_select(0, idx)
+        mask = run_mask(len(idx), b - a, seen, idx.device, window)
+        outs.append(sdpa_masked(q_LQD, k_PKD, v_PKD, mask) if sinks_Q is None
+                    else sink_attention(q_LQD, k_PKD, v_PKD, mask, sinks_Q))
+    return torch.cat(outs)

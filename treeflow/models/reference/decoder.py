@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeflow.models.attention.context_parallel import ContextParallelPlan
 from treeflow.models.attention.tree import TORCH_KERNELS, AttentionPlan, Capabilities, check_tokens
 from treeflow.models.config.model import ModelConfig
 from treeflow.models.compile.layer_ops import LayerOps, layer_ops
@@ -150,20 +151,23 @@ class Decoder(nn.Module):
 
     def check_windowed_forward(self, tokens_N, positions_N, attention, tuning, routes_NW) -> None:
         """The checks a decoder with sliding-window layers (Gemma 3, gpt-oss) runs before its
-        forward: the tokens, no compile/recompute tuning (families.py refuses it first), a
-        plain AttentionPlan (its local layers restrict it to their window), the kernel's
-        capabilities and the routes."""
+        forward: the tokens, no compile/recompute tuning (families.py refuses it first), an
+        AttentionPlan or a rank's ContextParallelPlan (its local layers restrict it to their
+        window), the kernel's capabilities and the routes."""
         c = self.config
         check_tokens(tokens_N, positions_N, attention)
         if layer_ops(tuning, tokens_N.device) is not None:
             raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
                              f"{c.architecture}; leave them off (got {tuning})")
-        if not isinstance(attention, AttentionPlan):
-            raise ValueError(f"{c.architecture} needs an AttentionPlan (its local layers "
-                             f"restrict it to their window), got {type(attention).__name__}")
+        if not isinstance(attention, (AttentionPlan, ContextParallelPlan)):
+            raise ValueError(f"{c.architecture} needs an AttentionPlan or a ContextParallelPlan "
+                             f"(its local layers restrict it to their window), got "
+                             f"{type(attention).__name__}")
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        # a context-parallel plan runs flex backward on CPU through the operator's math path
+        checked_grad = requires_grad and not getattr(attention, "cpu_flex_backward", False)
         self.check_supported(kernel=attention.kernel, device=attention.device,
-                             requires_grad=requires_grad, branching=attention.branching)
+                             requires_grad=checked_grad, branching=attention.branching)
         check_routes(c, routes_NW, tokens_N.shape[0])
 
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
