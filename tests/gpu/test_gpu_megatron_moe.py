@@ -45,6 +45,33 @@ def test_megatron_moe_matches_transformers_on_cuda(tmp_path, family, dtype, mega
         assert total > 0 and agree < total  # perturbed routes: the routers disagree
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_glm_matches_transformers_on_cuda(tmp_path, dtype, megatron_group):
+    """GLM-4.5 (sigmoid group-limited router with the correction bias, shared experts, a dense
+    first layer, partial rotary) as tests/models/megatron/test_megatron_glm.py runs it on CPU:
+    replayed and recomputed routes, tree and exact, against float32 transformers on the CPU."""
+    pytest.importorskip("megatron.core")
+    from tests.models.families_helpers import hf_deepseek
+    from tests.models.hybrid_moe_helpers import forced_routes, with_routes
+    from tests.models.moe_helpers import episodes, gpu_error_bound
+    from tests.models.megatron.test_megatron_glm import GLM
+    from tests.models.megatron.test_megatron_moe import _logprobs
+    from treeflow.models import load_backend
+
+    hf = hf_deepseek("glm4_moe", **GLM, hidden_size=128, head_dim=32)  # flex needs >= 16
+    hf.save_pretrained(tmp_path)
+    meg = load_backend("megatron", str(tmp_path), dtype=getattr(torch, dtype), device="cuda")
+    rows = with_routes(hf, episodes(np.random.default_rng(5)), shift=1)
+    _, error, bound = gpu_error_bound(hf, rows, dtype, TOL["float32"], BF16_SLACK,
+                                      forced=forced_routes)
+    for layout in ("tree", "exact"):
+        with torch.no_grad():
+            got, runner = _logprobs(meg, rows, layout=layout, routing="replay")
+        assert error(got) < bound, (layout, error(got), bound)
+        agree, total = runner.take_route_tally()
+        assert total > 0 and agree < total  # perturbed routes: the routers disagree
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])

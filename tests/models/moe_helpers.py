@@ -190,11 +190,12 @@ def hf_occurrence_logprobs(model, rows, *, replay: bool = True, forced=forced_ro
     return out
 
 
-def occurrence_oracle(model, rows) -> dict:
+def occurrence_oracle(model, rows, *, forced=forced_routes) -> dict:
     """{(episode, call, token): logprob} of every sampled token, transformers call by call with
-    the rows' routes forced into its routers."""
+    the rows' routes forced into its routers by `forced`."""
     with torch.no_grad():
-        return {key: float(v) for key, v in hf_occurrence_logprobs(model, rows).items()}
+        return {key: float(v) for key, v in hf_occurrence_logprobs(model, rows,
+                                                                   forced=forced).items()}
 
 
 _OCC = ("occ_sample_index", "occ_call", "occ_offset", "occ_edge")
@@ -250,11 +251,12 @@ def hf_aux_and_nll(hf, rows, *, routers=router_modules, forced=forced_routes):
     return nll / n_tok + coef * experts * (counts * mass).sum() / w ** 2
 
 
-def gpu_error_bound(hf, rows, dtype: str, tol32: float, bf16_slack: float):
+def gpu_error_bound(hf, rows, dtype: str, tol32: float, bf16_slack: float, *,
+                    forced=forced_routes):
     """(want, error, bound) for a GPU run against float32 transformers on the CPU: error is the
     max over tokens in float32 and the mean in bf16, where the bound is `bf16_slack` times
     transformers' own bf16 error on the same calls (tiny random models have no fixed bf16 bound)."""
-    want = occurrence_oracle(hf, rows)
+    want = occurrence_oracle(hf, rows, forced=forced)
 
     def error(got: dict) -> float:
         d = [abs(float(got[key]) - want[key]) for key in want]
@@ -262,6 +264,7 @@ def gpu_error_bound(hf, rows, dtype: str, tol32: float, bf16_slack: float):
 
     if dtype == "float32":
         return want, error, tol32
-    bound = bf16_slack * error(occurrence_oracle(as_loaded(hf, torch.bfloat16), rows))
+    bound = bf16_slack * error(occurrence_oracle(as_loaded(hf, torch.bfloat16), rows,
+                                                 forced=forced))
     as_loaded(hf, torch.float32)  # RoPE frequencies were never cast: the oracle is intact
     return want, error, bound

@@ -341,6 +341,16 @@ def _file_case(kind):
                  "sliding_window": 4}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m", "--backend",
                     "megatron"], ["Gemma 3 (Gemma3ForCausalLM)", "--backend reference"]
+        if kind == "megatron-glm-group-rule":  # a group limit MCore scores otherwise (issue 51)
+            (tmp / "m").mkdir()
+            (tmp / "m" / "config.json").write_text(json.dumps(
+                {"architectures": ["Glm4MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 8, "n_shared_experts": 1, "n_group": 4,
+                 "topk_group": 2}))
+            return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m", "--backend",
+                    "megatron"], ["Glm4MoeForCausalLM", "topk_group=2", "--backend reference"]
         if kind == "model-gpt-oss-mxfp4":  # the released gpt-oss checkpoints' MXFP4 experts
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -642,7 +652,9 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
          # issue 44: --offload is FSDP2's (every family shards, under context parallelism too)
-         "offload-without-shard-params"]
+         "offload-without-shard-params",
+         # issue 51: GLM-4.5 on the megatron backend
+         "megatron-glm-group-rule"]
 
 CASES = [pytest.param(_data_case(name, edit, needles), id=name) for name, edit, needles in DATA] + \
         [pytest.param(_file_case(kind), id=kind) for kind in FILES]

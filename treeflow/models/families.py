@@ -43,7 +43,16 @@ class Family:
     recompute: bool = True
     megatron: bool = True
     note: str = ""
+    # {feature: why the family lacks it}, said in the refusal where the reason is not just "not
+    # built yet" (what the underlying library lacks)
+    why_not: dict = dataclasses.field(default_factory=dict, compare=False)
 
+
+_MLA_ON_MCORE = (
+    "megatron-core 0.16's multi-latent attention builds its own rotary embedding (RotaryEmbedding / "
+    "YarnRotaryEmbedding on torch.cuda.current_device(), so it cannot even be built with a CPU "
+    "torch) and applies it to positions 0..S-1 of the token stream, refusing the "
+    "rotary_pos_emb a caller passes, so a tree's depth positions cannot reach it")
 
 FAMILIES = (
     Family(name="Llama", architectures=("LlamaForCausalLM",)),
@@ -65,13 +74,15 @@ FAMILIES = (
            note="attention sinks, sliding-window layers, YaRN; dequantized (bf16/fp32) "
                 "weights, MXFP4 refused"),
     Family(name="GLM-4.5", architectures=("Glm4MoeForCausalLM",), experts=True,
-           moe_replay=True, megatron=False,
+           moe_replay=True,
            note="sigmoid group-limited router with bias correction, shared experts, dense "
-                "first layers; partial rotary, q/k norm; MTP layers frozen"),
+                "first layers; partial rotary, q/k norm; MTP layers frozen; megatron: MTP "
+                "checkpoints refused, TP/EP > 1 on CUDA only"),
     Family(name="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",), experts=True,
            moe_replay=True, megatron=False,
            note="MLA (latent K/V expanded per head), YaRN, GLM-4.5's MoE; FP8 weights "
-                "refused; MTP layers frozen"),
+                "refused; MTP layers frozen; megatron: MCore's MLA computes its own RoPE",
+           why_not={"megatron": _MLA_ON_MCORE}),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
            moe_replay=True, megatron=False,
            note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen); "
@@ -130,8 +141,9 @@ def lacks(architecture: str, feature: str) -> str | None:
     if getattr(family, feature):
         return None
     having = [f.name for f in FAMILIES if getattr(f, feature)]
+    why = family.why_not.get(feature)
     return (f"{family.name} ({architecture}): {FEATURES[feature][1]} is not supported yet; "
-            f"families that have it: {', '.join(having)}")
+            f"families that have it: {', '.join(having)}" + (f"; why: {why}" if why else ""))
 
 
 def require(architecture: str, feature: str) -> None:

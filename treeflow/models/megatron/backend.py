@@ -59,7 +59,7 @@ from treeflow.models.megatron.checkpoint import LAYOUT, checkpoint_state, local_
 from treeflow.models.megatron.convert import (hf_to_mcore, mcore_to_hf, shard, tp_partition,
                                               unshard_tensor)
 from treeflow.models.megatron.gpt import (build_gpt_model, load_exact, refuse_moe,
-                                          refuse_unsupported)
+                                          refuse_unsupported, rotary_dim)
 from treeflow.models.megatron.logprobs import vocab_parallel_logprobs
 from treeflow.models.megatron.moe import Routers, check_expert_parallel, expert_shard
 from treeflow.models.megatron.parallel import init_parallel
@@ -80,7 +80,7 @@ class MegatronBackend(ModuleBackend):
         self.device = next(model.parameters()).device
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.sequence_parallel = bool(model.config.sequence_parallel)
-        self._rotary = Rotary(config.head_dim, config.rope_theta)
+        self._rotary = Rotary(rotary_dim(config), config.rope_theta)  # partial: GLM-4.5
         self._routers = Routers(model, config, self.sequence_parallel)
         self.ep = parallel_state.get_expert_model_parallel_world_size()
         if self._routers.routers:

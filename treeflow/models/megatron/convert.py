@@ -16,8 +16,9 @@ on export, and gradients in tests. MCore's layouts:
   columns; norms, routers and the shared expert's gate are replicated.
 - an MoE layer (megatron/moe.py) holds `mlp.router.weight`, one MLP per expert
   (`mlp.experts.local_experts.E.linear_fc1/fc2`, fc1 = `[gate; up]` like the
-  dense MLP) and Qwen2-MoE's `mlp.shared_experts.*`; Qwen3-MoE's q/k norms are
-  `self_attention.q_layernorm` / `k_layernorm`.
+  dense MLP) and Qwen2-MoE's `mlp.shared_experts.*` (GLM-4.5's too, without the gate, and
+  its `gate.e_score_correction_bias` as the router's `expert_bias` buffer, replicated);
+  Qwen3-MoE's and GLM-4.5's q/k norms are `self_attention.q_layernorm` / `k_layernorm`.
 
 A tied model has no `output_layer.weight`: the output layer reads the word
 embedding. Tensors are named as in `GPTModel.state_dict()` built from
@@ -47,7 +48,8 @@ _GLOBAL_RENAMES = {
     "lm_head.weight": "output_layer.weight",
 }
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split along columns (dim 1)
-_REPLICATED = ("layernorm.weight", "router.weight", "shared_experts.gate_weight")
+_REPLICATED = ("layernorm.weight", "router.weight", "router.expert_bias",
+               "shared_experts.gate_weight")
 _QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
              "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
 

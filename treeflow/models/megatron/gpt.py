@@ -29,12 +29,16 @@ from treeflow.models.config.model import ModelConfig
 from treeflow.models.megatron.moe import moe_config
 from treeflow.models.megatron.spec import tree_block_spec, uses_tree_attention
 
-__all__ = ["build_gpt_model", "load_exact", "refuse_moe", "refuse_unsupported"]
+__all__ = ["build_gpt_model", "load_exact", "refuse_moe", "refuse_unsupported", "rotary_dim"]
 
 
 def refuse_moe(c: ModelConfig) -> None:  # before the whole checkpoint is loaded
-    """What the megatron backend's MoE layers (megatron/moe.py) cannot honour, by name."""
-    moe_config(c)  # refuses the router aux loss
+    """What the megatron backend's MoE layers (megatron/moe.py) and RoPE cannot honour, by name."""
+    moe_config(c)  # refuses the router aux loss, and sigmoid routers MCore routes otherwise
+    if getattr(c, "yarn", None) is not None:
+        raise ValueError(f"{c.architecture} config uses YaRN RoPE (rope_type='yarn'), which the "
+                         "megatron backend does not apply (its angles are plain RoPE of the tree "
+                         "depths); use --backend reference")
 
 
 def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
@@ -68,10 +72,17 @@ def build_gpt_model(c: ModelConfig, *, dtype: torch.dtype = torch.float32,
     model = GPTModel(config, spec, vocab_size=c.vocab_size,
                      max_sequence_length=int(c.hf_extras.get("max_position_embeddings", 4096)),
                      position_embedding_type="rope", rotary_base=int(c.rope_theta),
+                     rotary_percent=rotary_dim(c) / c.head_dim,
                      share_embeddings_and_output_weights=c.tie_word_embeddings,
                      parallel_output=True)
     _mark_tensor_parallel(model)
     return model
+
+
+def rotary_dim(c: ModelConfig) -> int:
+    """The width of each head that RoPE turns (GLM-4.5: partial_rotary_factor of it); the
+    backend's angles have this width, and MCore's rotary passes the rest of the head through."""
+    return getattr(c, "rotary_dim", 0) or c.head_dim
 
 
 def _mark_tensor_parallel(model: GPTModel) -> None:
@@ -105,8 +116,9 @@ def load_exact(model: GPTModel, state: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{name}: converted shape {tuple(t.shape)} but the GPTModel "
                              f"needs {tuple(want[name].shape)}")
     with torch.no_grad():
-        for name, p in list(model.named_parameters()):
-            p.copy_(state[name])
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name in state:  # buffers outside the state dict (non-persistent) stay as built
+                p.copy_(state[name])
 
 
 def refuse_unsupported(model) -> None:

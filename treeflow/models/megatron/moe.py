@@ -1,8 +1,8 @@
 """MoE layers of the megatron backend: MCore's MoELayer with treeflow's routing replay.
 
 The MoE layer is megatron-core's own (`MoELayer`: `TopKRouter`, a token dispatcher,
-`SequentialMLP` experts, `SharedExpertMLP` with its sigmoid gate for Qwen2-MoE) from
-MCore's local spec; this module swaps two things in it:
+`SequentialMLP` experts, `SharedExpertMLP` with its sigmoid gate for Qwen2-MoE, ungated
+for GLM-4.5) from MCore's local spec; this module swaps two things in it:
 
 - the router is `TreeTopKRouter`, MCore's `TopKRouter` whose gate is a plain
   `F.linear` (MCore's gating moves a CPU weight to CUDA and its fp32 gating
@@ -19,6 +19,14 @@ MCore's local spec; this module swaps two things in it:
   (the rows whose own top-k set equals the replayed one).
 - the experts' and shared expert's linears are the spec's CPU-autocast linears.
 
+GLM-4.5's router is MCore's sigmoid router as configured (`_sigmoid_router`): the
+`e_score_correction_bias` is MCore's `expert_bias` (added to the scores for the choice only;
+the replay hook sees the biased scores and MCore gathers the unbiased ones at its ids), the
+group limit is MCore's `group_limited_topk`, and the weights are renormalised and scaled by
+`routed_scaling_factor`. The trade-off: MCore's rules are used, not re-written, so a config
+where they differ from transformers' (a group scored by other than its top 2 experts,
+weights not renormalised) is refused by name instead of being routed differently.
+
 The experts run through MCore's `SequentialMLP` (a loop over the local experts):
 MCore's grouped GEMM (`TEGroupedMLP`) needs Transformer Engine, which is not
 installed (see spec.py), so grouped expert GEMMs are not used on either device.
@@ -28,6 +36,7 @@ Legend: N tokens, X experts, K top-k.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -39,6 +48,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from treeflow.models.config.model import ModelConfig
+from treeflow.models.config.moe import SIGMOID_ROUTED
 
 __all__ = ["Routers", "TreeReplay", "TreeTopKRouter", "check_expert_parallel", "expert_shard", "moe_config",
            "moe_hf_to_mcore", "moe_mcore_to_hf", "tree_moe_spec"]
@@ -74,10 +84,27 @@ class TreeReplay:
 
 
 class TreeTopKRouter(TopKRouter):
-    """MCore's TopKRouter with a device-agnostic gate and a per-router TreeReplay hook."""
+    """MCore's TopKRouter with a device-agnostic gate and a per-router TreeReplay hook.
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    With `moe_router_enable_expert_bias` (the sigmoid routers' `e_score_correction_bias`)
+    MCore allocates the bias and its token counter on the current CUDA device; this router
+    holds the bias as a float32 CPU buffer instead (moved with the model) and no counter:
+    the bias is a loaded constant, as in transformers, and never updated here (MCore's
+    aux-loss-free update is a training-loop step that treeflow does not run).
+    """
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        bias = config.moe_router_enable_expert_bias
+        if bias:
+            plain = copy.copy(config)  # the same config without the CUDA-allocated buffers
+            plain.moe_router_enable_expert_bias = False
+            super().__init__(plain, *args, **kwargs)
+            self.config = config
+            del self.expert_bias  # MCore's None placeholder, replaced by the buffer
+            self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts,
+                                                            dtype=torch.float32))
+        else:
+            super().__init__(config, *args, **kwargs)
         self.router_replay = TreeReplay()
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
@@ -174,7 +201,9 @@ def moe_config(c: ModelConfig, *, expert_parallel: int = 1) -> dict:
                          "(output_router_logits=true, router_aux_loss_coef="
                          f"{moe.router_aux_loss_coef}), which the megatron backend does not "
                          "compute; use --backend reference, or set output_router_logits to false")
+    layers = [int(i in moe.moe_layers) for i in range(c.num_hidden_layers)]
     out = dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k,
+               moe_layer_freq=1 if all(layers) else layers,
                moe_ffn_hidden_size=moe.moe_intermediate_size,
                moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
@@ -183,10 +212,37 @@ def moe_config(c: ModelConfig, *, expert_parallel: int = 1) -> dict:
                moe_token_dispatcher_type="allgather",
                moe_expert_capacity_factor=None, expert_model_parallel_size=expert_parallel,
                moe_permute_fusion=False, moe_router_fusion=False)
+    if moe.family in SIGMOID_ROUTED:
+        out.update(_sigmoid_router(c))
     if moe.shared_expert_intermediate_size:
         out.update(moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
-                   moe_shared_expert_gate=True)
+                   moe_shared_expert_gate=moe.family == "qwen2_moe")
     return out
+
+
+def _sigmoid_router(c: ModelConfig) -> dict:
+    """MCore's router fields for the sigmoid routers (GLM-4.5, DeepSeek-V3): sigmoid scores,
+    the correction bias added for the choice only, the group limit, renormalised weights
+    scaled by routed_scaling_factor; refused by name where MCore's rule is not transformers'."""
+    moe = c.moe
+    if not moe.norm_topk_prob and moe.top_k > 1:
+        raise ValueError(f"{c.architecture} config sets norm_topk_prob=false: megatron-core's "
+                         "sigmoid router always renormalises its top-k weights; use --backend "
+                         "reference")
+    grouped = moe.topk_group < moe.n_group
+    if grouped and moe.top_k // moe.topk_group != 2:
+        raise ValueError(f"{c.architecture} config has num_experts_per_tok={moe.top_k}, "
+                         f"topk_group={moe.topk_group}: megatron-core scores an expert group by "
+                         f"its top num_experts_per_tok // topk_group = "
+                         f"{moe.top_k // moe.topk_group} experts, transformers by its top 2, so "
+                         "the group limit would choose other experts; use --backend reference "
+                         "(the released DeepSeek-V3 and GLM-4.5 configs fit: 8 // 4 = 2, or "
+                         "n_group=1)")
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_pre_softmax=False,
+                moe_router_topk_scaling_factor=moe.routed_scaling_factor,
+                moe_router_num_groups=moe.n_group if grouped else None,
+                moe_router_group_topk=moe.topk_group if grouped else None)
 
 
 def moe_hf_to_mcore(hf: dict, c: ModelConfig, layer: int, take) -> dict:
@@ -197,13 +253,22 @@ def moe_hf_to_mcore(hf: dict, c: ModelConfig, layer: int, take) -> dict:
     for e in range(c.moe.num_experts):
         out[f"{m}experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
         out[f"{m}experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+    if c.moe.family in SIGMOID_ROUTED:
+        out[m + "router.expert_bias"] = take(hf, a + "gate.e_score_correction_bias")
     if c.moe.shared_expert_intermediate_size:
+        s = _shared_name(c.moe)
         out[m + "shared_experts.linear_fc1.weight"] = torch.cat(
-            [take(hf, a + "shared_expert.gate_proj.weight"),
-             take(hf, a + "shared_expert.up_proj.weight")])
-        out[m + "shared_experts.linear_fc2.weight"] = take(hf, a + "shared_expert.down_proj.weight")
-        out[m + "shared_experts.gate_weight"] = take(hf, a + "shared_expert_gate.weight")
+            [take(hf, a + s + "gate_proj.weight"), take(hf, a + s + "up_proj.weight")])
+        out[m + "shared_experts.linear_fc2.weight"] = take(hf, a + s + "down_proj.weight")
+        if c.moe.family == "qwen2_moe":
+            out[m + "shared_experts.gate_weight"] = take(hf, a + "shared_expert_gate.weight")
     return out
+
+
+def _shared_name(moe) -> str:
+    """The HF prefix of the shared expert(s): Qwen2-MoE's one, or the sigmoid families' fused
+    n_shared_experts (one MLP of their summed width)."""
+    return "shared_expert." if moe.family == "qwen2_moe" else "shared_experts."
 
 
 def moe_mcore_to_hf(mc: dict, c: ModelConfig, layer: int, take) -> dict:
@@ -215,12 +280,15 @@ def moe_mcore_to_hf(mc: dict, c: ModelConfig, layer: int, take) -> dict:
                [take(mc, f"{m}experts.local_experts.{e}.linear_fc1.weight") for e in range(x)]),
            a + "experts.down_proj": torch.stack(
                [take(mc, f"{m}experts.local_experts.{e}.linear_fc2.weight") for e in range(x)])}
+    if c.moe.family in SIGMOID_ROUTED:
+        out[a + "gate.e_score_correction_bias"] = take(mc, m + "router.expert_bias")
     if c.moe.shared_expert_intermediate_size:
+        s = _shared_name(c.moe)
         gate, up = take(mc, m + "shared_experts.linear_fc1.weight").chunk(2)
-        out.update({a + "shared_expert.gate_proj.weight": gate,
-                    a + "shared_expert.up_proj.weight": up,
-                    a + "shared_expert.down_proj.weight": take(mc, m + "shared_experts.linear_fc2.weight"),
-                    a + "shared_expert_gate.weight": take(mc, m + "shared_experts.gate_weight")})
+        out.update({a + s + "gate_proj.weight": gate, a + s + "up_proj.weight": up,
+                    a + s + "down_proj.weight": take(mc, m + "shared_experts.linear_fc2.weight")})
+        if c.moe.family == "qwen2_moe":
+            out[a + "shared_expert_gate.weight"] = take(mc, m + "shared_experts.gate_weight")
     return out
 
 
