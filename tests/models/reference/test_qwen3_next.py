@@ -68,10 +68,11 @@ def _hf64_values(hf, eps, weights, monkeypatch):
     return values, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _ours64_values(path, eps, weights, *, fork, layout, max_tokens):
+def _ours64_values(path, eps, weights, *, fork, layout, max_tokens, recompute="none"):
     """The same through Pack, Fragment and the float64 model, bin by bin (the log-softmax in
-    float64 too: the runner's is float32 by design)."""
-    backend = load_backend("reference", str(path), tuning=Tuning(ssm_fork=fork),
+    float64 too: the runner's is float32 by design), its layers recomputed as `recompute`."""
+    backend = load_backend("reference", str(path), tuning=Tuning(ssm_fork=fork,
+                                                                 recompute=recompute),
                            dtype=torch.float64)
     model = backend.module
     scope = "group" if layout == "tree" else None
@@ -83,7 +84,7 @@ def _ours64_values(path, eps, weights, *, fork, layout, max_tokens):
         parents, pos, src, tgt = (np.asarray(b[k], dtype=np.int64) for k in (
             "parents", "positions", "edge_sources", "edge_targets"))
         plan = backend.attention_plan(parents, subtree_end(pos), kernel="dense")
-        h = model(torch.as_tensor(b["tokens"]), torch.as_tensor(pos), plan)
+        h = model(torch.as_tensor(b["tokens"]), torch.as_tensor(pos), plan, backend.tuning)
         lp = torch.log_softmax(model.project(h[src]), -1).gather(-1, torch.as_tensor(tgt)[:, None])
         occ = torch.as_tensor(b["occ_edge"])
         keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
