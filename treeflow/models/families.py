@@ -2,8 +2,9 @@
 
 Each `Family` names the Hugging Face classes it reads and what it supports beyond the reference
 backend's tree / chain / exact layouts (which every family has): MoE routing replay, context
-parallelism, the reference backend's compile / recompute levers (`Tuning`), and the megatron
-backend. The checks that refuse a combination (`require`) read these declarations, and
+parallelism, the reference backend's compile / recompute levers (`Tuning`; a family may
+recompute without compiled layers: `no_compiled_layers` says why, the table "recompute only"),
+and the megatron backend. The checks that refuse a combination (`require`) read these declarations, and
 README's compatibility table is generated from them (`markdown_table`;
 tests/models/test_families.py fails when README's copy is stale), so the table cannot claim
 what the code refuses. Families the field trains but treeflow does not read yet are listed by

@@ -260,8 +260,8 @@ def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
     from treeflow.stages import Forward
 
     _, path = pair
-    with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): Tuning"):
-        load_backend("reference", str(path), tuning=Tuning(recompute="full"))
+    with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): compiled layers"):
+        load_backend("reference", str(path), tuning=Tuning(compile_layers=True))
     heads = r"--context-parallel 5 splits each Gated DeltaNet .*linear_num_value_heads=4"
     with pytest.raises(ValueError, match=heads):  # 4 value heads: at most 4 ranks
         Forward(model=str(path)).check_model(dims=ParallelDims(cp=5))
