@@ -12,8 +12,10 @@ budget, GRPO groups; MoE families replay routes shifted off the routers' own cho
 into transformers' routers), so a route re-decided in backward would move the expert
 gradients. Each run also counts the calls of every layer's two norms that open its halves:
 a recomputed half runs twice, so a mode that silently ran the plain path fails here. Planted
-by hand (see the report of issue 51): a rerun that drops the local layers' window, one that
-drops gpt-oss's sinks, each failed every recompute case of its family.
+by hand (see the report of issue 51): a rerun in backward that drops Gemma 3's window failed
+selective, full and attention (the MLP half holds no attention); one that drops gpt-oss's
+sinks failed those and the compiled layers under selective; "attention" run plainly failed
+the norm counts.
 """
 
 from __future__ import annotations
@@ -159,3 +161,20 @@ def test_compiled_layers_are_refused_in_one_line_saying_why(maker, tmp_path):
             refuse()
         assert "\n" not in str(e.value)
     load_backend("reference", str(tmp_path), tuning=Tuning(recompute="full"))  # accepted
+
+
+def test_recompute_auto_runs_what_it_picks_for_gemma3(tmp_path, capsys):
+    """`--recompute auto` (training's default) picks a recompute mode where the plan does not
+    fit the card without one; for Gemma 3 it picked full and the backend then refused it (the
+    run died). A 40 MiB card makes it pick; the step runs."""
+    from treeflow.cli import main
+    from treeflow.tools import synth_episodes, write_episodes
+
+    hf_gemma3().save_pretrained(tmp_path / "m")
+    write_episodes(synth_episodes(episodes=4, group_size=2, vocab_size=61, seed=0),
+                   tmp_path / "e.arrow")
+    assert main(["replay", str(tmp_path / "e.arrow"), "--model", str(tmp_path / "m"),
+                 "--mode", "train", "--loss", "nll", "--episodes-per-step", "2", "--steps", "1",
+                 "--max-tokens", "4096", "--device-memory", "40MiB", "--quiet",
+                 "-o", str(tmp_path / "o.arrow")]) == 0
+    assert "--recompute auto: full" in capsys.readouterr().err
