@@ -31,7 +31,9 @@ def test_readme_table_is_generated_from_the_declarations():
     for f in families.FAMILIES:  # every family has its row, every flag its cell
         row = next(line for line in text.splitlines() if line.startswith(f"| {f.name} |"))
         cells = [c.strip() for c in row.split("|")[1:-1]]
-        assert cells[3:7] == ["yes" if getattr(f, k) else "no" for k in families.FEATURES]
+        only = "recompute only" if f.no_compiled_layers else "yes"  # recompute, not compiled
+        assert cells[3:7] == [(only if k == "recompute" else "yes") if getattr(f, k) else "no"
+                              for k in families.FEATURES]
 
 
 def test_declarations_cover_exactly_what_the_configs_read():
@@ -187,6 +189,7 @@ def test_auto_tuning_on_a_hopper_gpu_picks_what_the_family_runs(family, tmp_path
     arch = family.architectures[0]
     _tiny_checkpoint(arch, tmp_path)
     chosen, why = resolve_auto("auto", device="cuda", model=tmp_path)
-    levers = family.recompute and not is_hybrid_dir(tmp_path)  # Mamba-2: no compiled layers
+    levers = family.recompute and not family.no_compiled_layers
+    assert levers or is_hybrid_dir(tmp_path) or family.name == "Gemma 3"
     assert chosen == ("fast" if levers else "plain"), (chosen, why)
     load_backend("reference", str(tmp_path), tuning=Tuning.parse(chosen))  # accepted

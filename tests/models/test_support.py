@@ -110,13 +110,15 @@ BEFORE_LOAD = {
         "hybrid", dict(backend="megatron"), None, ["replay", "--backend", "megatron"],
         ["NemotronHForCausalLM", "(--backend megatron) is not supported yet",
          "--backend reference"], "--backend reference"),
-    "Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention": (
+    "Mamba-2 hybrid x tuning recompute mlp/attention": (
         "hybrid", dict(tuning=Tuning(recompute="mlp")), None,
         ["gate", "--tuning", "recompute=mlp"],
         ["NemotronHForCausalLM", "recompute='mlp'", "--recompute selective"], "recompute='mlp'"),
-    "Gated DeltaNet hybrid x tuning compile_layers or recompute": (
-        "gdn", dict(tuning=Tuning(recompute="full")), None, ["gate", "--tuning", "recompute=full"],
-        ["Gated DeltaNet hybrid Qwen3NextForCausalLM", "recompute='full'"], "recompute='full'"),
+    "a family without compiled layers x tuning compile_layers": (
+        "gdn", dict(tuning=Tuning(compile_layers=True)), None,
+        ["gate", "--tuning", "compile_layers=1"],
+        ["Qwen3-Next (Qwen3NextForCausalLM): compiled layers", "Gated DeltaNet layers",
+         "leave compile_layers off"], "compile_layers=1"),
     # the Mamba-2 side of this row: test_hybrid_rows_refuse_before_the_model_loads
     "Mamba-2 / Gated DeltaNet hybrid x context parallelism above its recurrent heads": (
         "gdn", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],

@@ -37,7 +37,7 @@ from treeflow.models.attention.tree import AttentionPlan
 from treeflow.models.backend_base import Backend, ModuleBackend
 from treeflow.models.checkpoint import load_model, save_model
 from treeflow.models.config.model import BACKENDS, ModelConfig
-from treeflow.models.reference.decoder import Decoder
+from treeflow.models.reference.decoder import Decoder, check_compiled_layers
 from treeflow.models.families import require
 from treeflow.models.tuning import Tuning
 
@@ -65,12 +65,14 @@ class ReferenceBackend(ModuleBackend):
         t, plain = self.tuning, Tuning()
         if t.compile_layers or t.recompute != plain.recompute:
             require(self.config.architecture, "recompute")  # models/families.py
-        if getattr(self.config, "recurrent", False) and (t.compile_layers or t.recompute in
-                                                         ("mlp", "attention")):
+        mamba2 = getattr(self.config, "recurrent", False) and "gdn" not in (
+            getattr(self.config, "layer_types", None) or ())
+        if mamba2 and t.recompute in ("mlp", "attention"):
             raise ValueError(f"{self.config.architecture}: Tuning(compile_layers="
                              f"{t.compile_layers}, recompute={t.recompute!r}) is not implemented "
                              "for a Mamba-2 hybrid: leave compile_layers off and use --recompute "
                              "selective, full or none")
+        check_compiled_layers(self.config.architecture, t)  # models/families.py
         changed = [f"{n}={getattr(t, n)!r}" for n in ("ssm_fork", "ssm_state_dtype", "ssm_kernel")
                    if getattr(t, n) != getattr(plain, n)]
         if changed and not getattr(self.config, "recurrent", False):

@@ -2,8 +2,9 @@
 
 Each `Family` names the Hugging Face classes it reads and what it supports beyond the reference
 backend's tree / chain / exact layouts (which every family has): MoE routing replay, context
-parallelism, the reference backend's compile / recompute levers (`Tuning`), and the megatron
-backend. The checks that refuse a combination (`require`) read these declarations, and
+parallelism, the reference backend's compile / recompute levers (`Tuning`; a family may
+recompute without compiled layers: `no_compiled_layers` says why, the table "recompute only"),
+and the megatron backend. The checks that refuse a combination (`require`) read these declarations, and
 README's compatibility table is generated from them (`markdown_table`;
 tests/models/test_families.py fails when README's copy is stale), so the table cannot claim
 what the code refuses. Families the field trains but treeflow does not read yet are listed by
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FAMILIES", "NOT_YET", "Family", "family_of", "lacks", "markdown_table", "require",
-           "unsupported", "write_readme"]
+__all__ = ["FAMILIES", "NOT_YET", "Family", "family_of", "lacks", "lacks_compiled_layers",
+           "markdown_table", "require", "unsupported", "write_readme"]
 
 LAYOUTS = ("tree", "chain", "exact")
 FEATURES = {  # feature -> (table header, what a refusal calls it)
@@ -42,6 +43,9 @@ class Family:
     context_parallel: bool = True
     recompute: bool = True
     megatron: bool = True
+    # why the family's layers are not cut into compiled parts (compile/layer_ops.py), so that
+    # Tuning(compile_layers) is refused; "" where they are. Recompute runs without them.
+    no_compiled_layers: str = ""
     note: str = ""
     # {feature: why the family lacks it}, said in the refusal where the reason is not just "not
     # built yet" (what the underlying library lacks)
@@ -53,6 +57,8 @@ _MLA_ON_MCORE = (
     "YarnRotaryEmbedding on torch.cuda.current_device(), so it cannot even be built with a CPU "
     "torch) and applies it to positions 0..S-1 of the token stream, refusing the "
     "rotary_pos_emb a caller passes, so a tree's depth positions cannot reach it")
+_MAMBA2 = "its Mamba-2 blocks are not cut into compiled parts"
+_GDN = "its Gated DeltaNet layers are not cut into compiled parts"
 
 FAMILIES = (
     Family(name="Llama", architectures=("LlamaForCausalLM",)),
@@ -65,12 +71,14 @@ FAMILIES = (
            moe_replay=True, note="shared expert; megatron: TP/EP > 1 on CUDA only"),
     Family(name="Mixtral", architectures=("MixtralForCausalLM",), experts=True,
            moe_replay=True, note="megatron: TP/EP > 1 on CUDA only"),
-    Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), recompute=False,
-           megatron=False,
+    Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), megatron=False,
+           no_compiled_layers="its layers norm the attention and MLP outputs too ((1 + w) "
+                              "post-norms), which the compiled parts (norm + q/k/v, o_proj + "
+                              "residual, norm + MLP + residual) do not cut",
            note="text only; sliding-window layers (depth distance on trees), (1+w) norms; "
                 "logit softcapping refused"),
     Family(name="gpt-oss", architectures=("GptOssForCausalLM",), experts=True,
-           moe_replay=True, recompute=False, megatron=False,
+           moe_replay=True, megatron=False,
            note="attention sinks, sliding-window layers, YaRN; dequantized (bf16/fp32) "
                 "weights, MXFP4 refused"),
     Family(name="GLM-4.5", architectures=("Glm4MoeForCausalLM",), experts=True,
@@ -84,24 +92,24 @@ FAMILIES = (
                 "refused; MTP layers frozen; megatron: MCore's MLA computes its own RoPE",
            why_not={"megatron": _MLA_ON_MCORE}),
     Family(name="Nemotron-H", architectures=("NemotronHForCausalLM",), experts=True,
-           moe_replay=True, megatron=False,
+           moe_replay=True, megatron=False, no_compiled_layers=_MAMBA2,
            note="Mamba-2 tree state forks; MoE and MTP checkpoints (MTP frozen); "
-                "recompute selective/full, no compiled layers"),
+                "recompute selective/full"),
     Family(name="Bamba", architectures=("BambaForCausalLM",), megatron=False,
-           note="Mamba-2 tree state forks; recompute selective/full, no compiled layers"),
+           no_compiled_layers=_MAMBA2,
+           note="Mamba-2 tree state forks; recompute selective/full"),
     Family(name="GraniteMoeHybrid", architectures=("GraniteMoeHybridForCausalLM",),
-           experts=True, moe_replay=True, megatron=False,
-           note="Mamba-2 tree state forks; Granite 4.0-H; recompute selective/full, no "
-                "compiled layers"),
+           experts=True, moe_replay=True, megatron=False, no_compiled_layers=_MAMBA2,
+           note="Mamba-2 tree state forks; Granite 4.0-H; recompute selective/full"),
     Family(name="Qwen3-Next", architectures=("Qwen3NextForCausalLM",), experts=True,
-           moe_replay=True, recompute=False, megatron=False,
+           moe_replay=True, megatron=False, no_compiled_layers=_GDN,
            note="Gated DeltaNet tree state forks (as Mamba-2's), gated attention, MoE with a "
                 "shared expert; MTP refused"),
-    Family(name="Qwen3.5", architectures=("Qwen3_5ForCausalLM",), recompute=False,
-           megatron=False,
+    Family(name="Qwen3.5", architectures=("Qwen3_5ForCausalLM",), megatron=False,
+           no_compiled_layers=_GDN,
            note="text model; Gated DeltaNet tree state forks, gated attention; MTP refused"),
     Family(name="Qwen3.5-MoE", architectures=("Qwen3_5MoeForCausalLM",), experts=True,
-           moe_replay=True, recompute=False, megatron=False,
+           moe_replay=True, megatron=False, no_compiled_layers=_GDN,
            note="text model; as Qwen3.5, experts in every layer with a shared expert"),
 )
 
@@ -153,6 +161,25 @@ def require(architecture: str, feature: str) -> None:
         raise ValueError(refusal)
 
 
+def lacks_compiled_layers(architecture: str) -> str | None:
+    """None when the family of `architecture` has compiled layers (Tuning(compile_layers)),
+    else the refusal: one line naming the family, why, and what runs instead."""
+    family = family_of(architecture)
+    if not family.no_compiled_layers:
+        return None
+    having = [f.name for f in FAMILIES if f.recompute and not f.no_compiled_layers]
+    return (f"{family.name} ({architecture}): compiled layers (Tuning(compile_layers), --tuning "
+            f"compile_layers=1) are not supported: {family.no_compiled_layers}; leave "
+            f"compile_layers off (recompute runs without it); families that have them: "
+            f"{', '.join(having)}")
+
+
+def _cell(f: Family, feature: str) -> str:
+    if not getattr(f, feature):
+        return "no"
+    return "recompute only" if feature == "recompute" and f.no_compiled_layers else "yes"
+
+
 def markdown_table() -> str:
     """README's compatibility table, one row per family, from the declarations above."""
     head = ["family", "HF class", "layouts (reference)", *(h for h, _ in FEATURES.values()),
@@ -160,7 +187,7 @@ def markdown_table() -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for f in FAMILIES:
         cells = [f.name, ", ".join(f"`{a}`" for a in f.architectures), " / ".join(LAYOUTS),
-                 *("yes" if getattr(f, k) else "no" for k in FEATURES), f.note]
+                 *(_cell(f, k) for k in FEATURES), f.note]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Not read yet (refused with this list): "

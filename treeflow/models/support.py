@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from treeflow.models.families import lacks
+from treeflow.models.families import lacks, lacks_compiled_layers
 
 __all__ = ["ROWS", "Row", "check", "check_sharded"]
 
@@ -107,22 +107,17 @@ ROWS = (
         applies=lambda f, c, d: f.backend == "megatron" and _lacks(c, "megatron") is not None,
         message=lambda f, c, d: (f"{f.model}: {_lacks(c, 'megatron')}: use --backend "
                                  "reference")),
-    Row(what="Mamba-2 hybrid x tuning compile_layers or recompute mlp/attention",
-        needs_model=True,
-        applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and (
-            f.tuning.compile_layers or f.tuning.recompute in ("mlp", "attention")),
-        message=lambda f, c, d: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
-                              f"for the hybrid {c.architecture}: leave compile_layers off and "
-                              "use --recompute selective, full or none (got "
-                              f"compile_layers={f.tuning.compile_layers}, recompute="
-                              f"{f.tuning.recompute!r})")),
-    Row(what="Gated DeltaNet hybrid x tuning compile_layers or recompute", needs_model=True,
-        applies=lambda f, c, d: _gdn(c) and (f.tuning.compile_layers
-                                              or f.tuning.recompute != "none"),
-        message=lambda f, c, d: (f"{f.model}: Tuning(compile_layers/recompute) is not implemented "
-                              f"for the Gated DeltaNet hybrid {c.architecture}: leave them off "
-                              f"(got compile_layers={f.tuning.compile_layers}, recompute="
-                              f"{f.tuning.recompute!r})")),
+    Row(what="Mamba-2 hybrid x tuning recompute mlp/attention", needs_model=True,
+        applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and f.tuning.recompute in (
+            "mlp", "attention"),
+        message=lambda f, c, d: (f"{f.model}: Tuning(recompute={f.tuning.recompute!r}) is not "
+                              f"implemented for the hybrid {c.architecture} (its blocks have "
+                              "no attention / MLP halves): use --recompute selective, full or "
+                              "none")),
+    Row(what="a family without compiled layers x tuning compile_layers", needs_model=True,
+        applies=lambda f, c, d: bool(f.tuning.compile_layers
+                                     and lacks_compiled_layers(c.architecture)),
+        message=lambda f, c, d: f"{f.model}: {lacks_compiled_layers(c.architecture)}"),
     Row(what="Mamba-2 / Gated DeltaNet hybrid x context parallelism above its recurrent heads",
         needs_model=True,
         applies=lambda f, c, d: _recurrent(c) and _cp(d) > _heads(c).heads,

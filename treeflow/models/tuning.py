@@ -264,9 +264,8 @@ def auto_preset(*, device_type: str, capability: tuple[int, int] | None = None,
     compiles once per run (layer parts dynamic in the token count, flex padded to the
     budget). Everywhere else "plain": on CPU inductor does not compile the layers; on
     other GPUs the tiles are unmeasured; the megatron backend has its own kernels; hybrid
-    models refuse compiled layers; a family declared without the compile / recompute levers
-    (`no_levers`: its name; models/families.py: Gemma 3, gpt-oss, Gated DeltaNet hybrids)
-    refuses them; FSDP shards (--shard-params) refuse the fused loss; and tensor/context
+    models refuse compiled layers; a family declared without compiled layers (`no_levers`: its
+    name; models/families.py: Gemma 3, the Gated DeltaNet hybrids) refuses them; FSDP shards (--shard-params) refuse the fused loss; and tensor/context
     parallel runs are not measured with it.
     """
     if device_type != "cuda":
@@ -308,8 +307,8 @@ def resolve_auto(text: str, *, device: str, model, backend: str = "reference",
 
 
 def _family_without_levers(model) -> str | None:
-    """The family name when `model`'s config.json names a family declared without the compile
-    / recompute levers (models/families.py), else None (`tiny`, no readable config, a family
+    """The family name when `model`'s config.json names a family declared without compiled
+    layers (models/families.py's `no_compiled_layers`), else None (`tiny`, no readable config, a family
     that has them, a class no family reads: the load reports on that itself)."""
     import os
 
@@ -327,4 +326,4 @@ def _family_without_levers(model) -> str | None:
         family = family_of(archs[0])
     except ValueError:
         return None
-    return None if family.recompute else family.name
+    return family.name if family.no_compiled_layers or not family.recompute else None

@@ -125,8 +125,8 @@ def test_what_gemma3_does_not_run_is_refused_by_name(pair):
     from treeflow.models import Tuning, load_backend
 
     _, _, path = pair
-    with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): Tuning"):
-        load_backend("reference", str(path), tuning=Tuning(recompute="full"))
+    with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): compiled layers"):
+        load_backend("reference", str(path), tuning=Tuning(compile_layers=True))
     pytest.importorskip("megatron.core")
     with pytest.raises(ValueError, match=r"Gemma 3 \(Gemma3ForCausalLM\): the megatron backend"):
         load_backend("megatron", str(path))

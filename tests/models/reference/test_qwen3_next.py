@@ -68,10 +68,11 @@ def _hf64_values(hf, eps, weights, monkeypatch):
     return values, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _ours64_values(path, eps, weights, *, fork, layout, max_tokens):
+def _ours64_values(path, eps, weights, *, fork, layout, max_tokens, recompute="none"):
     """The same through Pack, Fragment and the float64 model, bin by bin (the log-softmax in
-    float64 too: the runner's is float32 by design)."""
-    backend = load_backend("reference", str(path), tuning=Tuning(ssm_fork=fork),
+    float64 too: the runner's is float32 by design), its layers recomputed as `recompute`."""
+    backend = load_backend("reference", str(path), tuning=Tuning(ssm_fork=fork,
+                                                                 recompute=recompute),
                            dtype=torch.float64)
     model = backend.module
     scope = "group" if layout == "tree" else None
@@ -83,7 +84,7 @@ def _ours64_values(path, eps, weights, *, fork, layout, max_tokens):
         parents, pos, src, tgt = (np.asarray(b[k], dtype=np.int64) for k in (
             "parents", "positions", "edge_sources", "edge_targets"))
         plan = backend.attention_plan(parents, subtree_end(pos), kernel="dense")
-        h = model(torch.as_tensor(b["tokens"]), torch.as_tensor(pos), plan)
+        h = model(torch.as_tensor(b["tokens"]), torch.as_tensor(pos), plan, backend.tuning)
         lp = torch.log_softmax(model.project(h[src]), -1).gather(-1, torch.as_tensor(tgt)[:, None])
         occ = torch.as_tensor(b["occ_edge"])
         keys = list(zip(b["occ_sample_index"], b["occ_call"], b["occ_offset"]))
@@ -259,8 +260,8 @@ def test_what_qwen3_next_does_not_run_is_refused_by_name(pair):
     from treeflow.stages import Forward
 
     _, path = pair
-    with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): Tuning"):
-        load_backend("reference", str(path), tuning=Tuning(recompute="full"))
+    with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\): compiled layers"):
+        load_backend("reference", str(path), tuning=Tuning(compile_layers=True))
     heads = r"--context-parallel 5 splits each Gated DeltaNet .*linear_num_value_heads=4"
     with pytest.raises(ValueError, match=heads):  # 4 value heads: at most 4 ranks
         Forward(model=str(path)).check_model(dims=ParallelDims(cp=5))

@@ -31,6 +31,12 @@ chose itself (route -1) come back in backward exactly as forward used them, what
 rerun's rounding. Randomness: no layer draws random numbers (no dropout), so the RNG state
 is not stashed (`preserve_rng_state=False`).
 
+Families whose layers are not cut into compiled parts (compile/layer_ops.py) -- Gemma 3, the
+Mamba-2 and Gated DeltaNet hybrids -- recompute through `run_layer`: the whole layer as above,
+or ("attention", "mlp") one of its two halves, `layer.attention_half` (norm, token mixer,
+residual) or `layer.mlp_half` (norm, MLP or experts, residual), under the `full` policy, so a
+half's routes are kept as well.
+
 Legend: N tokens, H hidden, I intermediate.
 """
 
@@ -42,7 +48,7 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-__all__ = ["LAYER_MODES", "checkpoint_layer"]
+__all__ = ["LAYER_MODES", "checkpoint_layer", "run_layer"]
 
 LAYER_MODES = ("selective", "full")  # the modes that wrap a whole layer (models/tuning.py)
 
@@ -83,3 +89,23 @@ def checkpoint_layer(fn, *args, mode: str):
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
                       context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                    _policy(mode)))
+
+
+def run_layer(layer, x_NH, cos_ND, sin_ND, attention, moe, *, recompute: str):
+    """layer(x_NH, cos_ND, sin_ND, attention, moe) with `recompute` (Tuning's) while grad is on:
+    "selective" / "full" checkpoint the whole layer; "attention" / "mlp" checkpoint the half
+    `layer.attention_half(x_NH, cos_ND, sin_ND, attention)` / `layer.mlp_half(x_NH, moe)`;
+    "none" (or no grad) runs it plainly."""
+    if recompute == "none" or not torch.is_grad_enabled():
+        return layer(x_NH, cos_ND, sin_ND, attention, moe)
+    if recompute in LAYER_MODES:
+        return checkpoint_layer(layer, x_NH, cos_ND, sin_ND, attention, moe, mode=recompute)
+    if recompute not in ("attention", "mlp"):
+        raise ValueError(f"run_layer(recompute={recompute!r}): choose none, attention, mlp or "
+                         f"one of {LAYER_MODES}")
+    if recompute == "attention":
+        x_NH = checkpoint_layer(layer.attention_half, x_NH, cos_ND, sin_ND, attention,
+                                mode="full")
+        return layer.mlp_half(x_NH, moe)
+    x_NH = layer.attention_half(x_NH, cos_ND, sin_ND, attention)
+    return checkpoint_layer(layer.mlp_half, x_NH, moe, mode="full")

@@ -27,7 +27,18 @@ from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record
 from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.tuning import Tuning
 
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "check_compiled_layers"]
+
+
+def check_compiled_layers(architecture: str, tuning: Tuning | None) -> None:
+    """ValueError (models/families.py's line) when `tuning` compiles the layers of a family
+    that has no compiled layers."""
+    from treeflow.models.families import lacks_compiled_layers
+
+    refusal = tuning is not None and tuning.compile_layers and lacks_compiled_layers(
+        architecture)
+    if refusal:
+        raise ValueError(refusal)
 
 
 class RMSNorm(nn.Module):
@@ -151,14 +162,12 @@ class Decoder(nn.Module):
 
     def check_windowed_forward(self, tokens_N, positions_N, attention, tuning, routes_NW) -> None:
         """The checks a decoder with sliding-window layers (Gemma 3, gpt-oss) runs before its
-        forward: the tokens, no compile/recompute tuning (families.py refuses it first), an
-        AttentionPlan or a rank's ContextParallelPlan (its local layers restrict it to their
-        window), the kernel's capabilities and the routes."""
+        forward: the tokens, no compiled layers where its family has none (families.py refuses
+        it first), an AttentionPlan or a rank's ContextParallelPlan (its local layers restrict
+        it to their window), the kernel's capabilities and the routes."""
         c = self.config
         check_tokens(tokens_N, positions_N, attention)
-        if layer_ops(tuning, tokens_N.device) is not None:
-            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
-                             f"{c.architecture}; leave them off (got {tuning})")
+        check_compiled_layers(c.architecture, tuning)
         if not isinstance(attention, (AttentionPlan, ContextParallelPlan)):
             raise ValueError(f"{c.architecture} needs an AttentionPlan or a ContextParallelPlan "
                              f"(its local layers restrict it to their window), got "

@@ -9,8 +9,10 @@ scaling q before the kernel, so every tree kernel serves unchanged. Local layers
 the bin's plan restricted to the window (`AttentionPlan.windowed`): on a tree a window is a
 limit on depth distance along a query's ancestor path, never on DFS index distance (a
 sibling subtree lying between a query and its ancestor in DFS order is not in its context).
-The trade-off: no compiled or recomputed layer variants (compile/layer_ops.py cuts the Llama layer's
-shape), declared in models/families.py and refused there.
+Recompute (Tuning's recompute, every mode) reruns a layer or one of its halves in backward
+(compile/recompute.py's `run_layer`), with the same windowed plan. The trade-off: no compiled
+layers -- compile/layer_ops.py's parts cut the Llama layer's shape, which has no post-norms --
+declared in models/families.py and refused there.
 
 Legend: N tokens, H hidden, Q query heads, K key/value heads, D head dim.
 """
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.attention.tree import AttentionPlan
+from treeflow.models.compile.recompute import run_layer
 from treeflow.models.reference.decoder import Decoder
 from treeflow.models.config.gemma3 import Gemma3Config
 from treeflow.models.reference.rope import Rotary, apply_rotary
@@ -93,9 +96,14 @@ class Gemma3Layer(nn.Module):
         self.mlp = Gemma3MLP(c)
         self.post_feedforward_layernorm = Gemma3Norm(c.hidden_size, eps)
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention):
+    def forward(self, x_NH, cos_ND, sin_ND, attention, moe=None):
+        return self.mlp_half(self.attention_half(x_NH, cos_ND, sin_ND, attention), moe)
+
+    def attention_half(self, x_NH, cos_ND, sin_ND, attention):
         h_NH = self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
-        x_NH = x_NH + self.post_attention_layernorm(h_NH)
+        return x_NH + self.post_attention_layernorm(h_NH)
+
+    def mlp_half(self, x_NH, moe=None):
         h_NH = self.mlp(self.pre_feedforward_layernorm(x_NH))
         return x_NH + self.post_feedforward_layernorm(h_NH)
 
@@ -129,7 +137,8 @@ class Gemma3Decoder(Decoder):
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor,
                 attention: AttentionPlan, tuning=None, routes_NW=None, replay: bool = True,
                 aux_weights_N=None) -> torch.Tensor:
-        """As Decoder.forward; local layers run `attention.windowed(sliding_window)`."""
+        """As Decoder.forward; local layers run `attention.windowed(sliding_window)`; `tuning`'s
+        recompute reruns layers in backward (compile/recompute.py)."""
         c = self.config
         self.check_windowed_forward(tokens_N, positions_N, attention, tuning, routes_NW)
         embed = self.model.embed_tokens
@@ -139,6 +148,8 @@ class Gemma3Decoder(Decoder):
         for window in set(c.windows) - {None}:
             tables[window] = self._local_rotary.cos_sin(positions_N, x_NH.dtype)
             plans[window] = attention.windowed(window)
+        recompute = "none" if tuning is None else tuning.recompute
         for layer, window in zip(self.model.layers, c.windows):
-            x_NH = layer(x_NH, *tables[window], plans[window])
+            x_NH = run_layer(layer, x_NH, *tables[window], plans[window], None,
+                             recompute=recompute)
         return self.model.norm(x_NH)

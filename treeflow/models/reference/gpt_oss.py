@@ -11,19 +11,26 @@ sigmoid(alpha * gate)` over clamped, interleaved gate/up columns, with biases. A
 has one hidden state, so one routing, whichever calls share it. Routing replay as every MoE
 family has it (models/moe/block.py's `replayed`): replayed ids where given, weighted by the softmax
 of the current router's logits at them, so the router still gets gradients; agreement and
-near-ties counted as for a softmax router (moe/ties.py). The trade-off: the experts run one
-matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of moe/experts.py).
+near-ties counted as for a softmax router (moe/ties.py). A layer has the Llama layer's shape
+(input norm, attention `inputs` / `output`, post-attention norm, experts), so Tuning's compiled
+layers and recompute run it through compile/layer_ops.py as every Decoder layer: the sinks
+enter at the attention call, which stays outside the compiled parts. The trade-off: the experts
+run one matmul pair per expert hit (transformers' loop; clear, not the grouped kernel of
+moe/experts.py).
 
 Legend: N tokens, H hidden, I expert width, X experts, K top_k, Q query heads, D head dim.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from treeflow.models.attention.tree import AttentionPlan
+from treeflow.models.compile.layer_ops import LayerOps, layer_ops
 from treeflow.models.reference.decoder import Decoder, RMSNorm
 from treeflow.models.config.gpt_oss import GptOssConfig
 from treeflow.models.moe.block import block_args, record_tally, replayed
@@ -45,14 +52,21 @@ class GptOssAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
+    def inputs(self, x_NH, cos_ND, sin_ND):
+        """q, k (rotated) and v of the tokens, in the projections' dtype."""
         n = x_NH.shape[0]
         q_NQD = self.q_proj(x_NH).view(n, self.heads, self.head_dim)
         k_NKD = self.k_proj(x_NH).view(n, self.kv_heads, self.head_dim)
         v_NKD = self.v_proj(x_NH).view(n, self.kv_heads, self.head_dim)
         q_NQD, k_NKD = apply_rotary(q_NQD, cos_ND, sin_ND), apply_rotary(k_NKD, cos_ND, sin_ND)
-        out_NQD = attention(q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD, self.sinks)
-        return self.o_proj(out_NQD.reshape(n, self.heads * self.head_dim))
+        return q_NQD.to(v_NKD.dtype), k_NKD.to(v_NKD.dtype), v_NKD
+
+    def output(self, out_NQD):
+        """o_proj of the attention's per-head output."""
+        return self.o_proj(out_NQD.flatten(1))
+
+    def forward(self, x_NH, cos_ND, sin_ND, attention: AttentionPlan):
+        return self.output(attention(*self.inputs(x_NH, cos_ND, sin_ND), self.sinks))
 
 
 class GptOssRouter(nn.Module):
@@ -144,7 +158,13 @@ class GptOssLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GptOssMLP(c, index)
 
-    def forward(self, x_NH, cos_ND, sin_ND, attention, moe=()):
+    def forward(self, x_NH, cos_ND, sin_ND, attention, ops: LayerOps | None = None, moe=None):
+        """One layer; `ops` (compile/layer_ops.py) compiles and/or recomputes its parts, with
+        this layer's sinks bound to the attention call."""
+        moe = () if moe is None else moe
+        if ops is not None:
+            return ops(self, x_NH, cos_ND, sin_ND,
+                       functools.partial(attention, sinks_Q=self.self_attn.sinks), moe)
         x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attention)
         return x_NH + self.mlp(self.post_attention_layernorm(x_NH), *moe)
 
@@ -176,7 +196,8 @@ class GptOssDecoder(Decoder):
                 attention: AttentionPlan, tuning=None, routes_NW=None, replay: bool = True,
                 aux_weights_N=None) -> torch.Tensor:
         """As Decoder.forward (routes replayed or recomputed, agreement in `route_tally`);
-        local layers run `attention.windowed(sliding_window)`."""
+        local layers run `attention.windowed(sliding_window)`; `tuning` picks compile /
+        recompute (compile/layer_ops.py)."""
         c = self.config
         self.check_windowed_forward(tokens_N, positions_N, attention, tuning, routes_NW)
         x_NH = self.model.embed_tokens(tokens_N)
@@ -184,9 +205,10 @@ class GptOssDecoder(Decoder):
         plans = {None: attention}
         for window in set(c.windows) - {None}:
             plans[window] = attention.windowed(window)
+        ops = layer_ops(tuning, x_NH.device)
         tally: dict = {}
         for i, (layer, window) in enumerate(zip(self.model.layers, c.windows)):
             moe = block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N)
-            x_NH = layer(x_NH, cos_ND, sin_ND, plans[window], moe)
+            x_NH = layer(x_NH, cos_ND, sin_ND, plans[window], ops, moe)
         record_tally(self, tally)
         return self.model.norm(x_NH)

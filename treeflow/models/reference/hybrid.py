@@ -34,7 +34,7 @@ from treeflow.models.config.gdn import scan_kernel
 from treeflow.models.config.hybrid import HybridConfig
 from treeflow.models.ssm.mamba import Mamba2Mixer
 from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
-from treeflow.models.compile.recompute import checkpoint_layer
+from treeflow.models.compile.recompute import run_layer
 from treeflow.models.reference.rope import Rotary, apply_rotary
 from treeflow.models.ssm.cp import SsmShard
 from treeflow.models.ssm.tree import SegmentPlan
@@ -325,11 +325,8 @@ class HybridDecoder(Decoder):
         recompute = recompute if requires_grad else "none"
         for i, layer in enumerate(self._body.layers):
             block = block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N)
-            if recompute == "none":
-                x_NH = layer(x_NH, cos_ND, sin_ND, attention, block)
-            else:  # models/compile/recompute.py: the block reruns in backward, its routes kept
-                x_NH = checkpoint_layer(layer, x_NH, cos_ND, sin_ND, attention, block,
-                                        mode=recompute)
+            # models/compile/recompute.py: the block reruns in backward, its routes kept
+            x_NH = run_layer(layer, x_NH, cos_ND, sin_ND, attention, block, recompute=recompute)
         record_tally(self, tally)
         body = self._body
         norm = next(getattr(body, n) for n in ("norm_f", "norm", "final_layernorm")

@@ -13,8 +13,11 @@ plan (`HybridPlan.segments`), so their state forks at branch points exactly as M
 
 Under context parallelism the plan's segments are the rank's SsmShard: each GDN layer scans
 the whole bin for its share of the value heads (ssm/cp.py, as Mamba-2's), attention layers
-take the tree split. The trade-off: no compiled or recomputed layer variants: declared in
-models/families.py and refused there and in models/support.py.
+take the tree split. Recompute (Tuning's recompute, every mode) reruns a layer or one of its
+halves in backward (compile/recompute.py's `run_layer`): the GDN scan reruns from the same
+segment plan, so its states fork from the same nodes. The trade-off: no compiled layers (the
+GDN layers are not cut into compiled parts): declared in models/families.py and refused there
+and in models/support.py.
 
 Legend: N tokens, H hidden, Q query heads, K key/value heads, D head dim.
 """
@@ -25,12 +28,12 @@ import torch
 from torch import nn
 
 from treeflow.models.attention.tree import check_tokens
-from treeflow.models.reference.decoder import MLP, Decoder
+from treeflow.models.reference.decoder import MLP, Decoder, check_compiled_layers
 from treeflow.models.ssm.gdn import GatedDeltaNet
 from treeflow.models.config.gdn import GdnConfig
 from treeflow.models.reference.gemma3 import Gemma3Norm
 from treeflow.models.reference.hybrid import HybridPlan
-from treeflow.models.compile.layer_ops import layer_ops
+from treeflow.models.compile.recompute import run_layer
 from treeflow.models.moe.block import MoeBlock, block_args, check_routes, record_tally
 from treeflow.models.reference.rope import Rotary, apply_rotary
 
@@ -79,11 +82,16 @@ class Qwen3NextLayer(nn.Module):
         self.mlp = MoeBlock(c, c.moe, index) if sparse else MLP(c)
 
     def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan, moe=None):
+        return self.mlp_half(self.attention_half(x_NH, cos_ND, sin_ND, plan), moe)
+
+    def attention_half(self, x_NH, cos_ND, sin_ND, plan: HybridPlan):
+        """Norm, the token mixer (GDN or gated attention), residual."""
         h_NH = self.input_layernorm(x_NH)
         if self.kind == "gdn":
-            x_NH = x_NH + self.linear_attn(h_NH, plan.segments)
-        else:
-            x_NH = x_NH + self.self_attn(h_NH, cos_ND, sin_ND, plan)
+            return x_NH + self.linear_attn(h_NH, plan.segments)
+        return x_NH + self.self_attn(h_NH, cos_ND, sin_ND, plan)
+
+    def mlp_half(self, x_NH, moe=None):
         h_NH = self.post_attention_layernorm(x_NH)
         return x_NH + (self.mlp(h_NH) if moe is None else self.mlp(h_NH, *moe))
 
@@ -118,7 +126,8 @@ class Qwen3NextDecoder(Decoder):
     def forward(self, tokens_N: torch.Tensor, positions_N: torch.Tensor, attention: HybridPlan,
                 tuning=None, routes_NW: torch.Tensor | None = None, replay: bool = True,
                 aux_weights_N: torch.Tensor | None = None) -> torch.Tensor:
-        """As Decoder.forward: routes_NW replays MoE layers x top_k expert ids per node."""
+        """As Decoder.forward: routes_NW replays MoE layers x top_k expert ids per node;
+        `tuning`'s recompute reruns layers in backward (compile/recompute.py)."""
         c = self.config
         if not isinstance(attention, HybridPlan):
             raise ValueError(f"{c.architecture} has Gated DeltaNet layers and needs a HybridPlan "
@@ -126,9 +135,7 @@ class Qwen3NextDecoder(Decoder):
                              "with ReferenceBackend.attention_plan, got "
                              f"{type(attention).__name__}")
         check_tokens(tokens_N, positions_N, attention)
-        if layer_ops(tuning, tokens_N.device) is not None:  # families.py refuses it first
-            raise ValueError(f"Tuning(compile_layers/recompute) is not implemented for "
-                             f"{c.architecture}; leave them off (got {tuning})")
+        check_compiled_layers(c.architecture, tuning)  # families.py refuses it first
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         self.check_supported(kernel=attention.kernel, device=attention.device,
                              requires_grad=requires_grad and not attention.cpu_flex_backward,
@@ -136,9 +143,11 @@ class Qwen3NextDecoder(Decoder):
         check_routes(c, routes_NW, tokens_N.shape[0])
         x_NH = self.model.embed_tokens(tokens_N)
         cos_ND, sin_ND = self._rotary.cos_sin(positions_N, x_NH.dtype)
+        recompute = "none" if tuning is None else tuning.recompute
         tally: dict = {}
         for i, layer in enumerate(self.model.layers):
-            x_NH = layer(x_NH, cos_ND, sin_ND, attention,
-                         block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N))
+            x_NH = run_layer(layer, x_NH, cos_ND, sin_ND, attention,
+                             block_args(c.moe, i, routes_NW, tally, replay, aux_weights_N),
+                             recompute=recompute)
         record_tally(self, tally)
         return self.model.norm(x_NH)
