@@ -359,8 +359,7 @@ def test_plan_memory_shards_mamba_and_gdn_hybrids_as_training_does(tmp_path, cap
     """`--shard-params` on a Mamba-2 hybrid trains (train/fsdp.py's float32 mixer groups), also
     under context parallelism, so the plan answers with the weights, gradients and AdamW state
     over the D x C ranks; a Gated DeltaNet hybrid shards the same way (its mixers are float32
-    groups too), so the plan's refusal of it is the planner's own (no GDN formula yet), not
-    the support table's."""
+    groups too)."""
     from tests.models import hybrid_helpers
 
     hf = hybrid_helpers.hf_model("nemotron_h")
@@ -382,10 +381,18 @@ def test_plan_memory_shards_mamba_and_gdn_hybrids_as_training_does(tmp_path, cap
     (tmp_path / "g.json").write_text(json.dumps(
         {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
          "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
-    # sharding no longer refuses it (support.py has no such row); the planner has no GDN
-    # formula yet, and says so whether sharded or not
+    # a Gated DeltaNet hybrid is planned (train/memory_gdn.py) and sharded the same way; its
+    # layers run no recompute, so --recompute full is refused naming the family, not sharding
+    gdn = ["--max-tokens", "4096", "--num-ranks", "8", "--json"]
+    assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), *gdn]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), "--shard-params",
+                 *gdn]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    for k in ("weights", "optimizer"):
+        assert eight["bytes"][k] == one["bytes"][k] // 8
     for extra in ([], ["--shard-params"]):
         assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), *extra,
                      *knobs]) == 2
         err = capsys.readouterr().err
-        assert "no formula for Qwen3NextForCausalLM" in err and "shard" not in err
+        assert "--recompute full" in err and "Qwen3-Next" in err and "shard" not in err
