@@ -207,3 +207,27 @@ def test_train_refusal_names_no_recompute_the_family_cannot_run(tmp_path, capsys
     err = capsys.readouterr().err
     assert "predicted peak of one rank is" in err and "(--recompute none)" in err, err
     assert "--max-tokens" in err and "--recompute selective" not in err, err
+
+
+def test_plan_memory_of_episode_files_plans_a_gdn_bin_at_its_fill(tmp_path, capsys):
+    """Given episodes, a Qwen3.5 checkpoint's plan is its largest bin's, with the fill of that
+    bin's 64-token scan chunks (the tiny episodes' segments fill a few percent of them)."""
+    from treeflow.tools import synth_episodes, write_episodes
+
+    _, model = _saved(tmp_path, "qwen3_5")
+    write_episodes(synth_episodes(episodes=8, group_size=4, turns=(2, 3), system_tokens=20,
+                                  user_tokens=(3, 6), completion_tokens=(3, 6),
+                                  tool_tokens=(3, 6), vocab_size=61, seed=2), tmp_path / "e.arrow")
+    assert main(["plan", str(tmp_path / "e.arrow"), "--memory", "--model", str(model),
+                 "--max-tokens", "4096", "--episodes-per-step", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["from_bins"] and 0 < out["scan_fill"] < 0.5
+    bins = Fragment(max_tokens=4096)(Pack(scope="group")(validate_episodes(
+        pa.ipc.open_file(str(tmp_path / "e.arrow")).read_all())))
+    biggest = max(len(p) for p in bins.column("parents").to_pylist())
+    config = load_model(model).config
+    want = plan_memory(config, max_tokens=biggest, edges=out["edges"],
+                       scan_fill=out["scan_fill"], ssm_kernel=out["ssm_kernel"])
+    assert out["bytes"] == want.components
+    full_chunks = plan_memory(config, max_tokens=biggest, edges=out["edges"])
+    assert want.components["activations"] > 2 * full_chunks.components["activations"]

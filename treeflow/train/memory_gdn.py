@@ -23,10 +23,12 @@ chunks: `scan_fill` < 1, as for Mamba-2). Under context parallelism each rank sc
 whole bin for 1/C of the value heads (models/ssm/cp.py): per token of the rank's share it
 holds what one rank holds without the split (the exchange's buffers are not counted).
 
-The trade-off: formulas over the eager path, exact where measured (tests/train/
-test_memory_plan.py: parameter counts against transformers' numel, activations against the
-storages a CPU forward keeps); the `selective` and `full` rows are the policy's reading of
-the same ops, measured with the layers checkpointed by that policy.
+The trade-off: formulas over the eager path, checked where a run exists (tests/train/
+test_memory_plan_gdn.py: parameter counts against transformers' numel, `none` activations
+against the storages a CPU forward keeps). These families' layers run no recompute yet
+(models/families.py), so plan_memory refuses `selective` and `full` for them: the
+`selective` bytes below are the policy's reading of the ops, written for when they do, and
+not measured.
 
 Legend: H hidden, I intermediate, Hq query heads x head dim, Hkv kv heads x head dim,
 vh / kh value / key heads, d / e key / value head dim, kd = kh d, vd = vh e, conv = 2 kd + vd
@@ -58,13 +60,13 @@ def gdn_parameters(c, kind: str) -> tuple[int, int, int]:
     raise ValueError(f"gdn_parameters: kind {kind!r} is not one of {GDN_KINDS}")
 
 
-def gdn_per_token(c, kind: str, *, cb: int, cast: int, r: int, norm: float,
+def gdn_per_token(c, kind: str, *, cb: int, cast: int, norm: float,
                   scan_fill: float = 1.0) -> tuple[float, float]:
     """(none, selective-less-input) bytes one `kind` mixer keeps per token: cb the compute
-    dtype's bytes, cast autocast's input copy (0 without autocast), r the residual's bytes,
-    norm the (1 + w) RMSNorm before it (memory_plan's)."""
+    dtype's bytes, cast autocast's input copy (0 without autocast), norm the bytes of the
+    (1 + w) RMSNorm before it (memory_plan's)."""
     if kind == "gdn":
-        return _gdn(c, cb=cb, cast=cast, r=r, norm=norm, scan_fill=scan_fill)
+        return _gdn(c, cb=cb, cast=cast, norm=norm, scan_fill=scan_fill)
     if kind == "gated_attention":
         return _gated_attention(c, cb=cb, cast=cast, norm=norm)
     raise ValueError(f"gdn_per_token: kind {kind!r} is not one of {GDN_KINDS}")
@@ -86,7 +88,7 @@ def _gated_attention(c, *, cb: int, cast: int, norm: float) -> tuple[float, floa
     return none, sel
 
 
-def _gdn(c, *, cb: int, cast: int, r: int, norm: float, scan_fill: float) -> tuple[float, float]:
+def _gdn(c, *, cb: int, cast: int, norm: float, scan_fill: float) -> tuple[float, float]:
     H, vh, d, e, C = (c.hidden_size, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim, c.chunk_size)
     vd, conv = c.value_dim, c.conv_dim

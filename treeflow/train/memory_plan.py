@@ -209,8 +209,7 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
     mixer = kind.split("+")[0]
     if mixer in GDN_KINDS:  # train/memory_gdn.py; (1 + w) norms keep their normed rows float32
         norm = 2 * _F32 * H + _F32 + (0 if cast else r * H)
-        g_none, g_sel = gdn_per_token(c, mixer, cb=cb, cast=cast, r=r, norm=norm,
-                                      scan_fill=scan_fill)
+        g_none, g_sel = gdn_per_token(c, mixer, cb=cb, cast=cast, norm=norm, scan_fill=scan_fill)
         recv = (cp - 1) * cb * 2 * Hkv if mixer == "gated_attention" else 0  # as attention's
         none, sel = g_none + recv, g_sel + recv
     if kind in ("attention", "moe", "attention_only"):
@@ -433,4 +432,5 @@ def choose_recompute(planned: dict, device_memory: int, *,
                f"least ({planned[m] / GIB:.1f} GiB)")
 
 
-__all__ += ["AUTO_MARGIN", "AUTO_ORDER", "choose_recompute", "recompute_modes"]   # kept beside them: merges stay local
+__all__ += ["AUTO_MARGIN", "AUTO_ORDER", "choose_recompute"]   # kept beside them: merges stay local
+__all__ += ["recompute_modes"]
