@@ -27,8 +27,10 @@ The trade-off: formulas over the eager path, checked where a run exists (tests/t
 test_memory_plan_gdn.py: parameter counts against transformers' numel, `none` activations
 against the storages a CPU forward keeps). These families' layers run no recompute yet
 (models/families.py), so plan_memory refuses `selective` and `full` for them: the
-`selective` bytes below are the policy's reading of the ops, written for when they do, and
-not measured.
+`selective` and `full` bytes are the policy's reading of the ops, written for when they do
+(not under test: one run with each layer wrapped in compile/recompute.py's checkpoint_layer
+by hand held within 1% of them for Qwen3.5; the MoE block's `selective` planned 3-4% above
+what Qwen3-Next / Qwen3.5-MoE held).
 
 Legend: H hidden, I intermediate, Hq query heads x head dim, Hkv kv heads x head dim,
 vh / kh value / key heads, d / e key / value head dim, kd = kh d, vd = vh e, conv = 2 kd + vd
