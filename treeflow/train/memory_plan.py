@@ -297,7 +297,7 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
-    if recompute not in recompute_modes(config):  # a plan of a run that cannot run
+    if recompute in AUTO_ORDER and recompute not in recompute_modes(config):  # cannot run
         raise ValueError(f"--recompute {recompute}: {lacks(config.architecture, 'recompute')}; "
                          "plan --recompute none")
     if offload and not shard_params:
