@@ -192,7 +192,8 @@ def test_sharded_and_context_parallel_plans_of_a_gdn_hybrid(tmp_path, capsys):
 def test_train_refusal_names_no_recompute_the_family_cannot_run(tmp_path, capsys):
     """`replay --mode train` over the card on a Qwen3.5 checkpoint: --recompute auto resolves to
     none (its layers run no recompute), the check refuses before the model loads, and the fixes
-    it names are --max-tokens, not a --recompute mode the run would refuse."""
+    it names are --max-tokens, not a --recompute mode the run would refuse; on a card it fits,
+    auto plans none and the run trains."""
     from treeflow.tools import synth_episodes, write_episodes
 
     _, model = _saved(tmp_path, "qwen3_5")
@@ -207,6 +208,13 @@ def test_train_refusal_names_no_recompute_the_family_cannot_run(tmp_path, capsys
     err = capsys.readouterr().err
     assert "predicted peak of one rank is" in err and "(--recompute none)" in err, err
     assert "--max-tokens" in err and "--recompute selective" not in err, err
+    # on a card it fits: auto says it planned none, and the run trains with none
+    fit = [a if a != "1MiB" else "4GiB" for a in args]
+    assert main([*fit[:fit.index("--max-tokens") + 1], "256",
+                 *fit[fit.index("--max-tokens") + 2:]]) == 0
+    captured = capsys.readouterr()
+    assert "--recompute auto: none (planned" in captured.err, captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["recompute"] == "none"
 
 
 def test_plan_memory_of_episode_files_plans_a_gdn_bin_at_its_fill(tmp_path, capsys):
