@@ -5,8 +5,9 @@
   mixed precision; and with float64 gradient sums);
 - activations (+ the weight casts autocast keeps) equal the storages a bin's forward leaves
   alive for backward (tests/train/memory_helpers.py: a dispatch mode with weak references),
-  for the dense decoder in float32 and under bf16 autocast, Qwen3-MoE and Mixtral with
-  replayed routes, and Mamba-2 hybrids, under recompute none, selective and full;
+  for the dense decoder in float32 and under bf16 autocast, Qwen3-MoE, Mixtral and Qwen2-MoE
+  (its shared expert) with replayed routes, and Mamba-2 hybrids, under recompute none,
+  selective and full;
 - the largest --max-tokens is the largest whose plan fits, and `replay --mode train` refuses
   a run over the card, naming the flags to change.
 """
@@ -162,7 +163,7 @@ def test_dense_activations_equal_what_the_forward_holds(dtype):
     _check_activations(model, eps, 256, dtype=dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_activations_equal_what_the_forward_holds(tmp_path, family):
     model, eps = _moe(tmp_path, family)
     _check_activations(model, eps, 256, routing="replay")

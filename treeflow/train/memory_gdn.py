@@ -29,8 +29,7 @@ against the storages a CPU forward keeps). These families' layers run no recompu
 (models/families.py), so plan_memory refuses `selective` and `full` for them: the
 `selective` and `full` bytes are the policy's reading of the ops, written for when they do
 (not under test: one run with each layer wrapped in compile/recompute.py's checkpoint_layer
-by hand held within 1% of them for Qwen3.5; the MoE block's `selective` planned 3-4% above
-what Qwen3-Next / Qwen3.5-MoE held).
+by hand held within 1% of them for the three families, in float32 and bf16).
 
 Legend: H hidden, I intermediate, Hq query heads x head dim, Hkv kv heads x head dim,
 vh / kh value / key heads, d / e key / value head dim, kd = kh d, vd = vh e, conv = 2 kd + vd

@@ -245,7 +245,7 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
             sel += cb * s + cb * H
         elif s:
             none += 3 * cast * H + 4 * cb * s + cb
-            sel += 3 * cb * s + cb * H + cb
+            sel += 2 * cb * s + cb * H + cb  # gate, up, down and the shared gate's outputs
         if m.latent_size:
             none += cast * H + 2 * cb * m.latent_size
             sel += cb * m.latent_size + cb * H
