@@ -5,8 +5,9 @@
   mixed precision; and with float64 gradient sums);
 - activations (+ the weight casts autocast keeps) equal the storages a bin's forward leaves
   alive for backward (tests/train/memory_helpers.py: a dispatch mode with weak references),
-  for the dense decoder in float32 and under bf16 autocast, Qwen3-MoE and Mixtral with
-  replayed routes, and Mamba-2 hybrids, under recompute none, selective and full;
+  for the dense decoder in float32 and under bf16 autocast, Qwen3-MoE, Mixtral and Qwen2-MoE
+  (its shared expert) with replayed routes, and Mamba-2 hybrids, under recompute none,
+  selective and full;
 - the largest --max-tokens is the largest whose plan fits, and `replay --mode train` refuses
   a run over the card, naming the flags to change.
 """
@@ -162,7 +163,7 @@ def test_dense_activations_equal_what_the_forward_holds(dtype):
     _check_activations(model, eps, 256, dtype=dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_activations_equal_what_the_forward_holds(tmp_path, family):
     model, eps = _moe(tmp_path, family)
     _check_activations(model, eps, 256, routing="replay")
@@ -359,8 +360,7 @@ def test_plan_memory_shards_mamba_and_gdn_hybrids_as_training_does(tmp_path, cap
     """`--shard-params` on a Mamba-2 hybrid trains (train/fsdp.py's float32 mixer groups), also
     under context parallelism, so the plan answers with the weights, gradients and AdamW state
     over the D x C ranks; a Gated DeltaNet hybrid shards the same way (its mixers are float32
-    groups too), so the plan's refusal of it is the planner's own (no GDN formula yet), not
-    the support table's."""
+    groups too)."""
     from tests.models import hybrid_helpers
 
     hf = hybrid_helpers.hf_model("nemotron_h")
@@ -382,10 +382,18 @@ def test_plan_memory_shards_mamba_and_gdn_hybrids_as_training_does(tmp_path, cap
     (tmp_path / "g.json").write_text(json.dumps(
         {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
          "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
-    # sharding no longer refuses it (support.py has no such row); the planner has no GDN
-    # formula yet, and says so whether sharded or not
+    # a Gated DeltaNet hybrid is planned (train/memory_gdn.py) and sharded the same way; its
+    # layers run no recompute, so --recompute full is refused naming the family, not sharding
+    gdn = ["--max-tokens", "4096", "--num-ranks", "8", "--json"]
+    assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), *gdn]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), "--shard-params",
+                 *gdn]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    for k in ("weights", "optimizer"):
+        assert eight["bytes"][k] == one["bytes"][k] // 8
     for extra in ([], ["--shard-params"]):
         assert main(["plan", "--memory", "--model", str(tmp_path / "g.json"), *extra,
                      *knobs]) == 2
         err = capsys.readouterr().err
-        assert "no formula for Qwen3NextForCausalLM" in err and "shard" not in err
+        assert "--recompute full" in err and "Qwen3-Next" in err and "shard" not in err

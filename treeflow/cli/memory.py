@@ -72,12 +72,12 @@ def cmd_memory(args) -> int:
     config = _config(args.model)
     chosen = None
     if args.recompute == "auto":   # as a training run resolves it (auto_recompute)
-        from treeflow.train.memory_plan import AUTO_ORDER, choose_recompute
+        from treeflow.train.memory_plan import choose_recompute, recompute_modes
 
         args.recompute, chosen = "none", "none (no --device-memory to fit)"
-        if args.device_memory:
-            args.recompute, chosen = choose_recompute(_planned(config, args, AUTO_ORDER),
-                                                      parse_bytes(args.device_memory))
+        if args.device_memory:  # among the modes the model's family runs
+            args.recompute, chosen = choose_recompute(
+                _planned(config, args, recompute_modes(config)), parse_bytes(args.device_memory))
             chosen = f"{args.recompute} ({chosen})"
     knobs = memory_knobs(args, recompute=args.recompute or "none")
     if knobs["shard_params"]:
@@ -159,7 +159,7 @@ def check_fits(args, *, recompute: str) -> dict | None:
     """Refuse a training run whose predicted per-rank peak exceeds the card (ValueError naming
     the flags to change); the plan's dict, or None where the card's size is unknown or the
     model has no formula (said on stderr)."""
-    from treeflow.train.memory_plan import GIB, largest_max_tokens, plan_memory
+    from treeflow.train.memory_plan import GIB, largest_max_tokens, plan_memory, recompute_modes
 
     card = _device_memory(args)
     if card is None or getattr(args, "backend", "reference") != "reference":
@@ -178,7 +178,7 @@ def check_fits(args, *, recompute: str) -> dict | None:
     gib = plan.as_dict()["gib"]
     parts = ", ".join(f"{k} {v:.2f}" for k, v in gib.items())
     fixes = [f"--max-tokens {best} (the largest that fits)" if best else None]
-    if knobs["recompute"] != "full":
+    if knobs["recompute"] != "full" and len(recompute_modes(config)) > 1:
         other = "selective" if knobs["recompute"] == "none" else "full"
         fixes.append(f"--recompute {other}")
     if not knobs["shard_params"] and knobs["num_ranks"] > 1:

@@ -31,7 +31,10 @@
   segment start: CUDA's scan under `--ssm-kernel auto`); `full` counts the
   layer's input (and the kept route choices); `selective` the input plus the outputs of the
   matmuls and attention kernels (models/compile/recompute.py's policy). The loss head adds the
-  gathered edge rows (every token taken as an edge: an upper bound).
+  gathered edge rows (every token taken as an edge: an upper bound). Gated DeltaNet hybrids
+  (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): their GDN mixers and gated attention layers are
+  train/memory_gdn.py's formulas; their layers run no recompute yet (models/families.py), so
+  only `none` is planned for them (`recompute_modes`).
 - temporaries: the largest transient over a step, above what is held at that moment. Two
   moments compete: a bin's backward (the activations held, plus the larger of one layer's
   `none` activations -- the layer being recomputed, or the gradients of the layer in backward
@@ -58,6 +61,10 @@ X experts, K top-k, h Mamba heads, p head dim, n state size, C chunk size, V voc
 from __future__ import annotations
 
 import dataclasses
+
+from treeflow.models.config.gdn import GDN_ARCHITECTURES
+from treeflow.models.families import lacks
+from treeflow.train.memory_gdn import GDN_KINDS, gdn_parameters, gdn_per_token
 
 __all__ = ["GIB", "MemoryPlan", "largest_max_tokens", "parameter_counts", "plan_memory",
            "parse_bytes"]
@@ -117,8 +124,13 @@ def _layer_kinds(c) -> list[str]:
                  "moe": "moe_only"}[t] for t in layer_types]
     if c.architecture == "BambaForCausalLM":
         return ["mamba+mlp" if t == "mamba" else "attention" for t in layer_types]
+    if c.architecture in GDN_ARCHITECTURES:  # Qwen3-Next / Qwen3.5: mixer + MLP or MoE block
+        moe = c.moe.moe_layers if c.moe is not None else ()
+        return [("gdn" if t == "gdn" else "gated_attention") + ("+moe" if i in moe else "+mlp")
+                for i, t in enumerate(layer_types)]
     raise ValueError(f"the memory planner has no formula for {c.architecture} yet (it models "
-                     "Llama/Qwen2/Qwen3, Qwen3-MoE/Qwen2-MoE/Mixtral, Nemotron-H and Bamba)")
+                     "Llama/Qwen2/Qwen3, Qwen3-MoE/Qwen2-MoE/Mixtral, Nemotron-H, Bamba, "
+                     "Qwen3-Next and Qwen3.5)")
 
 
 def _dims(c) -> dict:
@@ -153,9 +165,12 @@ def parameter_counts(c) -> dict:
         mm = other = 0
         if kind in ("attention", "moe", "attention_only"):
             mm, other = mm + attn_mm, other + attn_other
-        if kind in ("attention", "mlp", "mamba+mlp"):
+        if kind in ("attention", "mlp", "mamba+mlp") or kind.endswith("+mlp"):
             mm += gated * H * I
-        if kind in ("moe", "moe_only"):
+        if kind.split("+")[0] in GDN_KINDS:
+            g_mm, g_other, g_wide = gdn_parameters(c, kind.split("+")[0])
+            mm, other, float32_mixer = mm + g_mm, other + g_other, float32_mixer + g_wide
+        if kind in ("moe", "moe_only") or kind.endswith("+moe"):
             m = c.moe
             inner = m.latent_size or H
             per = (2 if m.family == "nemotron_h" else 3) * inner * m.moe_intermediate_size
@@ -191,6 +206,12 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
     norm = _F32 * H + r * H + _F32 + (0 if cast else r * H)
     kept = r * H  # the layer's input: what full recompute keeps
     none = sel = 0.0
+    mixer = kind.split("+")[0]
+    if mixer in GDN_KINDS:  # train/memory_gdn.py; (1 + w) norms keep their normed rows float32
+        norm = 2 * _F32 * H + _F32 + (0 if cast else r * H)
+        g_none, g_sel = gdn_per_token(c, mixer, cb=cb, cast=cast, norm=norm, scan_fill=scan_fill)
+        recv = (cp - 1) * cb * 2 * Hkv if mixer == "gated_attention" else 0  # as attention's
+        none, sel = g_none + recv, g_sel + recv
     if kind in ("attention", "moe", "attention_only"):
         q_k_v_out = cb * (2 * Hq + 2 * Hkv)
         qk = ((_F32 + cb) * (Hq + Hkv) + _F32 * (heads + c.num_key_value_heads)
@@ -198,13 +219,13 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
         recv = (cp - 1) * cb * 2 * Hkv  # ancestors' K/V from the other context ranks (bound)
         none += norm + 3 * cast * H + qk + q_k_v_out + _F32 * heads + recv
         sel += cb * (Hq + 2 * Hkv) + cb * H + cb * Hq + _F32 * heads + recv
-    if kind in ("attention", "mamba+mlp"):  # SwiGLU
+    if kind in ("attention", "mamba+mlp") or kind.endswith("+mlp"):  # SwiGLU
         none += norm + 2 * cast * H + 4 * cb * I
         sel += 2 * cb * I + cb * H  # gate, up, down outputs
     if kind == "mlp":  # Nemotron-H relu^2 block
         none += norm + cast * H + 2 * cb * I
         sel += cb * I + cb * H
-    if kind in ("moe", "moe_only"):
+    if kind in ("moe", "moe_only") or kind.endswith("+moe"):
         m = c.moe
         k, x, ie, inner = m.top_k, m.num_experts, m.moe_intermediate_size, m.latent_size or H
         # per routed row: its input (the token's row gathered, cast before the gather),
@@ -224,7 +245,7 @@ def _per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
             sel += cb * s + cb * H
         elif s:
             none += 3 * cast * H + 4 * cb * s + cb
-            sel += 3 * cb * s + cb * H + cb
+            sel += 2 * cb * s + cb * H + cb  # gate, up, down and the shared gate's outputs
         if m.latent_size:
             none += cast * H + 2 * cb * m.latent_size
             sel += cb * m.latent_size + cb * H
@@ -276,6 +297,9 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     """Peak bytes of one training rank by component (see the module docstring)."""
     if recompute in ("mlp", "attention"):
         raise ValueError(f"--recompute {recompute}: the planner models none, selective and full")
+    if recompute in AUTO_ORDER and recompute not in recompute_modes(config):  # cannot run
+        raise ValueError(f"--recompute {recompute}: {lacks(config.architecture, 'recompute')}; "
+                         "plan --recompute none")
     if offload and not shard_params:
         raise ValueError("--offload moves FSDP2's shards to the host: add --shard-params")
     if ssm_kernel not in ("torch", "triton"):
@@ -304,7 +328,8 @@ def plan_memory(config, *, max_tokens: int, num_ranks: int = 1, context_parallel
     moe = getattr(config, "moe", None)
     routes = 8 * moe.route_width if moe is not None else 0  # the bin's replayed routes (int64)
     around = _F32 * g["H"] + r * g["H"] + _F32 + rotary + routes
-    attention_layers = sum(k in ("attention", "moe", "attention_only") for k in kinds)
+    attention_layers = sum(k in ("attention", "moe", "attention_only")
+                           or k.startswith("gated_attention") for k in kinds)
     # (kept by SDPA's math path in forward; inside a checkpointed layer it is rebuilt in backward)
     dense = (cb * tokens * tokens * attention_layers
              if kernel == "dense" and recompute == "none" else 0)
@@ -381,6 +406,12 @@ AUTO_MARGIN = 0.25
 AUTO_ORDER = ("none", "selective", "full")   # cheapest first; mlp/attention have no formula
 
 
+def recompute_modes(config) -> tuple[str, ...]:
+    """The modes of AUTO_ORDER a run of `config` can use, by its family (models/families.py):
+    all three, or only none where its layers run no recompute (Qwen3-Next, Qwen3.5)."""
+    return AUTO_ORDER if lacks(config.architecture, "recompute") is None else ("none",)
+
+
 def choose_recompute(planned: dict, device_memory: int, *,
                      margin: float = AUTO_MARGIN) -> tuple[str, str]:
     """(mode, why): the first of AUTO_ORDER in `planned` (mode -> planned peak bytes; the modes
@@ -402,3 +433,4 @@ def choose_recompute(planned: dict, device_memory: int, *,
 
 
 __all__ += ["AUTO_MARGIN", "AUTO_ORDER", "choose_recompute"]   # kept beside them: merges stay local
+__all__ += ["recompute_modes"]
