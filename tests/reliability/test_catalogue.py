@@ -333,13 +333,6 @@ def _file_case(kind):
                  "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
             return ["replay", good, "-o", tmp / "o.arrow", "--model", tmp / "m",
                     "--ssm-kernel", "triton"], ["Qwen3NextForCausalLM", "--ssm-kernel torch"]
-        if kind == "plan-memory-gdn-recompute":  # GDN layers run no recompute (memory_plan.py)
-            (tmp / "g.json").write_text(json.dumps(
-                {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-                 "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}))
-            return ["plan", "--memory", "--model", tmp / "g.json", "--max-tokens", "64",
-                    "--recompute", "selective"], ["--recompute selective", "Qwen3-Next",
-                                                  "--recompute none"]
         if kind == "megatron-family":  # a family MCore has no model of (families.py)
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -656,7 +649,6 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "ssm-kernel-triton-cpu",
          # issue 44: memory
          "train-over-device-memory", "train-over-device-memory-auto", "device-memory-junk", "plan-memory-config-not-object",
-         "plan-memory-gdn-recompute",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
          # issue 44: --offload is FSDP2's (every family shards, under context parallelism too)

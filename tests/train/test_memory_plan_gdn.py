@@ -5,15 +5,19 @@
   groups FSDP2 gathers (train/fsdp.py) are the planner's float32_gathered;
 - activations equal the storages a bin's forward leaves alive for backward (tests/train/
   memory_helpers.py) within the 2% the other families' checks use, for the three families, in
-  float32 and under bf16 autocast, on bins whose segments fit one chunk and span several; and
-  the layers' share alone (the difference of two models that differ by layers of one kind),
-  so a missing term of one mixer cannot hide under the rest of the model;
-- `plan --memory` answers for these families, `--recompute auto` picks among the modes they
-  run (none), and a mode they cannot run is refused naming the family.
+  float32 and under bf16 autocast, on bins whose segments fit one chunk and span several,
+  under --recompute none, selective and full (the real checkpointing of models/compile/
+  recompute.py); and the layers' share alone (the difference of two models that differ by
+  layers of one kind), so a missing term of one mixer cannot hide under the rest of the model;
+- `plan --memory` answers for these families in the three modes, `--recompute auto` picks
+  among them, the check before a training run names the mode it planned; a family declared
+  without recompute (models/families.py) is planned only none, and a mode it cannot run is
+  refused naming the family.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -31,6 +35,7 @@ from treeflow.train.memory_plan import parameter_counts, plan_memory
 require("transformers")
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+MODES = ("none", "selective", "full")
 # d != e and 3 value heads per key head, so a key-dim term cannot pass for a value-dim one
 SHAPE = dict(linear_key_head_dim=6, linear_value_head_dim=12, linear_num_value_heads=6,
              head_dim=24)
@@ -83,12 +88,14 @@ def test_parameter_counts_equal_transformers(tmp_path, family, tied):
     assert counts["float32_gathered"] == wide > 0
 
 
-def _held_and_plan(model, eps, dtype, routing, max_tokens=512):
+def _held_and_plan(model, eps, dtype, routing, mode="none", max_tokens=512):
+    """What a bin's forward holds under `--recompute mode` (models/compile/recompute.py's
+    run_layer: the real checkpointing), and what the plan says it holds."""
     bins = Fragment(max_tokens=max_tokens)(Pack()(eps))
-    held, n, e, fill = held_by_forward(model, bins, recompute="none", dtype=dtype,
+    held, n, e, fill = held_by_forward(model, bins, recompute=mode, dtype=dtype,
                                        routing=routing)
-    plan = plan_memory(model.config, max_tokens=n, edges=e, dtype=dtype, kernel="dense",
-                       scan_fill=fill).components
+    plan = plan_memory(model.config, max_tokens=n, edges=e, recompute=mode, dtype=dtype,
+                       kernel="dense", scan_fill=fill).components
     return held, plan["activations"] + plan["weight_casts"], fill
 
 
@@ -96,19 +103,23 @@ def _held_and_plan(model, eps, dtype, routing, max_tokens=512):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_activations_equal_what_the_forward_holds(tmp_path, family, dtype):
     """Prompts of 9 tokens (every segment inside one 64-token chunk) and of 70 (the shared
-    prompt spans two chunks): the scan's tensors per chunk slot, at the bin's fill."""
+    prompt spans two chunks): the scan's tensors per chunk slot, at the bin's fill; under
+    selective and full recompute, the tensors the checkpointed layers keep."""
     hf, path = _saved(tmp_path, family, **SHAPE)
     model = load_model(path)
     routing = None if family == "qwen3_5" else "replay"
     for prompt in (9, 70):
-        held, got, fill = _held_and_plan(model, _episodes(hf, family, prompt), dtype, routing)
-        assert fill < 0.5  # short tree segments pad their chunks: the fill is honoured
-        assert abs(got - held) <= 0.02 * held, (prompt, got, held)
+        eps = _episodes(hf, family, prompt)
+        for mode in MODES:
+            held, got, fill = _held_and_plan(model, eps, dtype, routing, mode)
+            assert fill < 0.5  # short tree segments pad their chunks: the fill is honoured
+            assert abs(got - held) <= 0.02 * held, (prompt, mode, got, held)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
-def test_one_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype):
+def test_one_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype, mode):
     """Two Qwen3.5 models that differ only by two layers of `kind` (each with its MLP), on the
     same bins: the difference of what their forwards hold is those two layers' activations
     (and casts), which the plan's difference matches to 2% -- one mixer's terms alone, not
@@ -118,11 +129,12 @@ def test_one_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype):
     for types in (base, base + [kind] * 2):
         hf, path = _saved(tmp_path, "qwen3_5", num_hidden_layers=len(types), layer_types=types,
                           **SHAPE)
-        h, g, _ = _held_and_plan(load_model(path), _episodes(hf, "qwen3_5", 70), dtype, None)
+        h, g, _ = _held_and_plan(load_model(path), _episodes(hf, "qwen3_5", 70), dtype, None,
+                                 mode)
         held.append(h)
         got.append(g)
     layers, planned = held[1] - held[0], got[1] - got[0]
-    assert abs(planned - layers) <= 0.02 * layers, (kind, planned, layers)
+    assert abs(planned - layers) <= 0.02 * layers, (kind, mode, planned, layers)
 
 
 def _config_file(tmp_path, **over) -> str:
@@ -141,31 +153,64 @@ def _config_file(tmp_path, **over) -> str:
 
 
 def test_plan_memory_answers_and_auto_runs_what_the_family_runs(tmp_path, capsys):
-    """`plan --memory` plans a Qwen3-Next config; --recompute auto takes none (the only mode
-    its layers run) even where a recomputing mode would be cheaper, and says when none fits;
-    --recompute full is refused naming the family; the check before a training run names
-    no recompute flag it cannot take."""
+    """`plan --memory` plans a Qwen3-Next config in every mode its layers now run
+    (models/compile/recompute.py); --recompute auto takes the cheapest that fits the card
+    with the margin (at 8192 tokens: none 50.4, selective 33.0, full 30.0 GiB), and the one
+    that plans least where none does."""
     from treeflow.models import ModelConfig
 
     config = _config_file(tmp_path)
     knobs = ["--max-tokens", "8192", "--json"]
     assert main(["plan", "--memory", "--model", config, *knobs]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    want = plan_memory(ModelConfig.from_hf_dict(json.loads(open(config).read())),
-                       max_tokens=8192, ssm_kernel="triton")
-    assert out["bytes"] == want.components and out["layers"] == 4
-    assert main(["plan", "--memory", "--model", config, "--recompute", "auto",
-                 "--device-memory", "80GiB", *knobs]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["recompute"] == "none" and out["recompute_auto"].startswith("none (planned")
+    c = ModelConfig.from_hf_dict(json.loads(open(config).read()))
+    want = {m: plan_memory(c, max_tokens=8192, ssm_kernel="triton", recompute=m)
+            for m in MODES}
+    assert out["bytes"] == want["none"].components and out["layers"] == 4
+    for m in ("selective", "full"):
+        assert main(["plan", "--memory", "--model", config, "--recompute", m, *knobs]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bytes"] == \
+            want[m].components
+    assert want["none"].total > want["selective"].total > want["full"].total
+    for card, mode in (("80GiB", "none"), ("45GiB", "selective"), ("38GiB", "full")):
+        assert main(["plan", "--memory", "--model", config, "--recompute", "auto",
+                     "--device-memory", card, *knobs]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["recompute"] == mode and out["recompute_auto"].startswith(f"{mode} (planned")
     assert main(["plan", "--memory", "--model", config, "--recompute", "auto",
                  "--device-memory", "4GiB", *knobs]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["recompute"] == "none" and "no mode fits" in out["recompute_auto"]
+    assert out["recompute"] == "full" and "no mode fits" in out["recompute_auto"]
     assert out["fits"] is False
-    assert main(["plan", "--memory", "--model", config, "--recompute", "full", *knobs]) == 2
-    err = capsys.readouterr().err
-    assert "--recompute full" in err and "Qwen3-Next" in err and "--recompute none" in err
+
+
+def _declared_without_recompute(monkeypatch):
+    """The family table with Qwen3-Next declared recompute=False (as a family whose layers
+    cannot recompute is declared in models/families.py); the planner is untouched."""
+    from treeflow.models import families
+
+    flipped = tuple(dataclasses.replace(f, recompute=False) if f.name == "Qwen3-Next" else f
+                    for f in families.FAMILIES)
+    monkeypatch.setattr(families, "_BY_ARCH", {a: f for f in flipped for a in f.architectures})
+
+
+def test_a_family_declared_without_recompute_is_planned_only_none(tmp_path, capsys,
+                                                                  monkeypatch):
+    """recompute_modes reads the family's declaration: a family declared without recompute
+    gets none from --recompute auto even where a recomputing mode would be cheaper, and an
+    explicit selective or full is refused naming the family and the fix."""
+    _declared_without_recompute(monkeypatch)
+    config = _config_file(tmp_path)
+    knobs = ["--max-tokens", "8192", "--json"]
+    for card in ("45GiB", "4GiB"):
+        assert main(["plan", "--memory", "--model", config, "--recompute", "auto",
+                     "--device-memory", card, *knobs]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["recompute"] == "none", (card, out["recompute_auto"])
+    for mode in ("selective", "full"):
+        assert main(["plan", "--memory", "--model", config, "--recompute", mode, *knobs]) == 2
+        err = capsys.readouterr().err
+        assert f"--recompute {mode}" in err and "Qwen3-Next" in err and "--recompute none" in err
 
 
 def test_sharded_and_context_parallel_plans_of_a_gdn_hybrid(tmp_path, capsys):
@@ -189,11 +234,12 @@ def test_sharded_and_context_parallel_plans_of_a_gdn_hybrid(tmp_path, capsys):
     assert received == 4096 * kv  # one gated attention layer, (C - 1) = 1 rank's K/V
 
 
-def test_train_refusal_names_no_recompute_the_family_cannot_run(tmp_path, capsys):
-    """`replay --mode train` over the card on a Qwen3.5 checkpoint: --recompute auto resolves to
-    none (its layers run no recompute), the check refuses before the model loads, and the fixes
-    it names are --max-tokens, not a --recompute mode the run would refuse; on a card it fits,
-    auto plans none and the run trains."""
+def test_train_refusal_names_the_recompute_it_planned(tmp_path, capsys):
+    """`replay --mode train` over the card on a Qwen3.5 checkpoint: --recompute auto plans the
+    three modes, none fits, so it takes full (the least) and the check refuses before the
+    model loads naming full and --max-tokens; with --recompute none the fixes name
+    --recompute selective, as for any family that recomputes; on a card it fits, auto plans
+    none and the run trains."""
     from treeflow.tools import synth_episodes, write_episodes
 
     _, model = _saved(tmp_path, "qwen3_5")
@@ -206,8 +252,11 @@ def test_train_refusal_names_no_recompute_the_family_cannot_run(tmp_path, capsys
             "--device-memory", "1MiB", "--json"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "predicted peak of one rank is" in err and "(--recompute none)" in err, err
+    assert "predicted peak of one rank is" in err and "(--recompute full)" in err, err
     assert "--max-tokens" in err and "--recompute selective" not in err, err
+    assert main([*args, "--recompute", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "(--recompute none)" in err and "--recompute selective" in err, err
     # on a card it fits: auto says it planned none, and the run trains with none
     fit = [a if a != "1MiB" else "4GiB" for a in args]
     assert main([*fit[:fit.index("--max-tokens") + 1], "256",

@@ -24,12 +24,10 @@ whole bin for 1/C of the value heads (models/ssm/cp.py): per token of the rank's
 holds what one rank holds without the split (the exchange's buffers are not counted).
 
 The trade-off: formulas over the eager path, checked where a run exists (tests/train/
-test_memory_plan_gdn.py: parameter counts against transformers' numel, `none` activations
-against the storages a CPU forward keeps). These families' layers run no recompute yet
-(models/families.py), so plan_memory refuses `selective` and `full` for them: the
-`selective` and `full` bytes are the policy's reading of the ops, written for when they do
-(not under test: one run with each layer wrapped in compile/recompute.py's checkpoint_layer
-by hand held within 1% of them for the three families, in float32 and bf16).
+test_memory_plan_gdn.py: parameter counts against transformers' numel, activations in each
+of none, selective and full against the storages a CPU forward keeps under the real
+recompute of models/compile/recompute.py, the three families in float32 and bf16, and
+each mixer's share alone); mlp and attention recompute run but have no formula.
 
 Legend: H hidden, I intermediate, Hq query heads x head dim, Hkv kv heads x head dim,
 vh / kh value / key heads, d / e key / value head dim, kd = kh d, vd = vh e, conv = 2 kd + vd

@@ -33,8 +33,8 @@
   matmuls and attention kernels (models/compile/recompute.py's policy). The loss head adds the
   gathered edge rows (every token taken as an edge: an upper bound). Gated DeltaNet hybrids
   (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): their GDN mixers and gated attention layers are
-  train/memory_gdn.py's formulas; their layers run no recompute yet (models/families.py), so
-  only `none` is planned for them (`recompute_modes`).
+  train/memory_gdn.py's formulas, in the three modes. A family declared without recompute
+  (models/families.py) is planned only `none` (`recompute_modes`).
 - temporaries: the largest transient over a step, above what is held at that moment. Two
   moments compete: a bin's backward (the activations held, plus the larger of one layer's
   `none` activations -- the layer being recomputed, or the gradients of the layer in backward
@@ -408,7 +408,7 @@ AUTO_ORDER = ("none", "selective", "full")   # cheapest first; mlp/attention hav
 
 def recompute_modes(config) -> tuple[str, ...]:
     """The modes of AUTO_ORDER a run of `config` can use, by its family (models/families.py):
-    all three, or only none where its layers run no recompute (Qwen3-Next, Qwen3.5)."""
+    all three, or only none where it is declared without recompute (none is, at present)."""
     return AUTO_ORDER if lacks(config.architecture, "recompute") is None else ("none",)
 
 
