@@ -90,6 +90,8 @@ def _time_warm_up() -> None:
         seconds = inner(self, grad=grad, **kwargs)
         _WARM_UP["warm_up_parts"] = {"imports": round(imports, 3), **{
             k: round(v, 3) for k, v in getattr(self, "warm_up_parts", {}).items()}}
+        if hasattr(self, "warm_up_builds"):  # the ahead-of-time builds' pool (build_pool.py)
+            _WARM_UP["warm_up_builds"] = {k: round(v, 3) for k, v in self.warm_up_builds.items()}
         return seconds + imports
 
     runner.ForwardRunner.warm_up = warm_up
