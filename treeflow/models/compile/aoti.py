@@ -52,6 +52,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from treeflow import atomic, compile_cache
+from treeflow.models.compile import vec_isa
 
 __all__ = ["Graph", "build", "capture", "device_index", "export", "failure", "flat_inputs", "load",
            "paths", "record_failure", "signature"]
@@ -205,6 +206,7 @@ def build(program, *, package: str, key_file: str, key: dict) -> None:
     torch >= 2.13, and g++ runs as a subprocess, outside the GIL."""
     import torch._inductor
 
+    vec_isa.probe()  # the CPU's vector ISAs: from this machine's record (a no-op once known)
     # built in a temporary directory (a killed run's is removed by the next writer: atomic's
     # .partial name), as a file named .pt2 as the packager asks, renamed into place when whole
     atomic.remove_stale(os.path.dirname(package))

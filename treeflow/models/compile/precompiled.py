@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from treeflow import atomic, compile_cache
-from treeflow.models.compile import aoti, build_pool, graph_key
+from treeflow.models.compile import aoti, build_pool, graph_key, vec_isa
 
 __all__ = ["Precompiled", "api_present", "available", "stats"]
 
@@ -210,6 +210,7 @@ class Precompiled:
     def _submit(self, pool, graphs, sig, args, kwargs, *, package, key_file, key, device):
         """Export here, build in `pool` (compile/build_pool.py); the Pending, kept for `sig`."""
         t0 = time.perf_counter()
+        vec_isa.probe()  # here, before the pool's builds ask for it at once
         try:
             program = aoti.export(self.fn, args, kwargs, dynamic=set(self.dynamic or ()))
         except Exception as e:  # export could not take it: dynamo's route, as a serial build
