@@ -65,6 +65,9 @@ def compile_report() -> dict:
               "inductor": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
               "aot_autograd": {k: int(v) for k, v in counters["aot_autograd"].items()
                                if "cache" in k}, **_WARM_UP}
+    isa = sys.modules.get("treeflow.models.compile.vec_isa")
+    if isa is not None and isa.done:  # the CPU vector-ISA probe: checks answered from the record
+        report["vec_isa"] = dict(isa.done)
     pre = sys.modules.get("treeflow.models.compile.precompiled")
     if pre is not None:
         report["precompiled"] = pre.stats()

@@ -36,10 +36,11 @@ import time
 
 from treeflow import atomic, compile_cache
 
-__all__ = ["RECORD", "probe", "record_path"]
+__all__ = ["RECORD", "done", "probe", "record_path"]
 
 RECORD = "cpu_vec_isa.json"
 _FORMAT = 1
+done: dict = {}  # what this process's probe did (probe()'s answer; bench/compile_times_cli.py)
 
 
 def record_path() -> str:
@@ -86,8 +87,9 @@ def probe() -> dict:
     if path is not None and recorded < len(rows):
         with atomic.atomic_open(path, "w", what="CPU vector-ISA probe record") as f:
             json.dump({"key": key, "checks": [r[:4] for r in rows]}, f, sort_keys=True, indent=1)
-    return {"checks": len(rows), "recorded": recorded,
-            "seconds": round(time.perf_counter() - t0, 3)}
+    done.update(checks=len(rows), recorded=recorded,
+                seconds=round(time.perf_counter() - t0, 3))
+    return dict(done)
 
 
 def _key(cpu_vec_isa) -> dict | None:
