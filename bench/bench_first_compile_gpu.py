@@ -25,7 +25,8 @@ alternated runs, each on a fresh compile cache; per run also the CPU seconds of 
 its compilers (`cpu_seconds`), the load, the warm-up's build pool (`warm_up_builds`), the vector-ISA
 probe (`vec_isa`: checks answered from the machine's record) and a hash of the logprobs (equal
 bit for bit across trees and runs). Each tree's runs share one cache home (`XDG_CACHE_HOME`,
-where the ISA record lives), new per bench run: a tree's first run probes, later ones may not.
+where the ISA record lives), new per bench run (`--home DIR`: that one for all): a tree's first
+run probes, later ones may not.
 
     python bench/bench_first_compile_gpu.py --smoke --device cpu --aoti-cpu --shapes \
         qwen3-30b-a3b-4l --layouts exact --before DIR --repeats 2 --out cpu_first_compile_aoti.json
@@ -138,6 +139,9 @@ def main() -> None:
     ap.add_argument("--aoti-cpu", action="store_true",
                     help="with --smoke --device cpu: the layers through AOTInductor's C++ on CPU")
     ap.add_argument("--repeats", type=int, default=1, help="alternated runs per tree")
+    ap.add_argument("--home", default=None, metavar="DIR",
+                    help="XDG_CACHE_HOME of every run (where the ISA record lives; default: a "
+                         "new one per tree)")
     ap.add_argument("--budget-seconds", type=float, default=560)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -184,7 +188,8 @@ def main() -> None:
                             continue
                         cache = os.path.join(work, key.replace("/", "-"), "cache")
                         os.makedirs(os.path.dirname(cache))
-                        home = os.path.join(work, f"home-{which}")  # one per tree: ISA record
+                        # one per tree unless given: where the ISA record lives
+                        home = args.home or os.path.join(work, f"home-{which}")
                         os.makedirs(home, exist_ok=True)
                         print(f"[{time.perf_counter() - t_start:.0f}s] {key}", flush=True)
                         r = {"first": run(tree, data, ckpt, layout, cache, args, moe, home)}

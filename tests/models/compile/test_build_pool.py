@@ -26,7 +26,7 @@ from treeflow import compile_cache
 from treeflow.models import ModelConfig
 from treeflow.models.compile import aoti, build_pool
 
-HANG_S = 300.0  # bounds a hang only: the barrier opens as soon as both builds reach it
+HANG_S = 300.0  # bounds a hang only: a wait below ends as soon as what it waits for happens
 _CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
 
