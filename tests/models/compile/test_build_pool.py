@@ -37,15 +37,18 @@ def _hidden(model, n: int):
 
     depth = np.arange(n)  # one chain: an exact bin
     plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1))
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        return model(torch.arange(n) % 512, torch.from_numpy(depth), plan)
+        return model(torch.arange(n, device=dev) % 512, torch.from_numpy(depth).to(dev), plan)
 
 
-def _ops(monkeypatch):
+def _ops(monkeypatch, device: str = "cpu"):
     from treeflow.models.compile.layer_ops import LayerOps
     from treeflow.models.reference import decoder
 
-    ops = LayerOps(compile_backend="inductor", recompute="none", ahead_of_time=True)
+    # ahead of time on CPU forced (C++ kernels); on CUDA the default route (Triton kernels)
+    ops = LayerOps(compile_backend="inductor", recompute="none",
+                   ahead_of_time=True if device == "cpu" else None)
     monkeypatch.setattr(decoder, "layer_ops", lambda tuning, device: ops)
     return ops
 
@@ -55,21 +58,24 @@ def _built(ops) -> dict:
             if p.aoti_captured}
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_warm_up_builds_run_side_by_side_and_equal_the_serial_builds_bit_for_bit(
-        cache, tmp_path, monkeypatch):
+        cache, tmp_path, monkeypatch, device):
     from treeflow.models.checkpoint import seeded_decoder
 
-    model = seeded_decoder(_CFG, device="cpu", dtype=torch.float32)
+    model = seeded_decoder(_CFG, device=device, dtype=torch.float32)
     counts = (64, 23)  # two token counts: one graph per part serves both
     plain = {n: _hidden(model, n) for n in counts}  # the reference: eager layers
 
     compile_cache.configure(tmp_path / "serial")
-    serial_ops = _ops(monkeypatch)
+    serial_ops = _ops(monkeypatch, device)
     serial = {n: _hidden(model, n) for n in counts}  # each part built in its first call
     assert _built(serial_ops) == {"attention_inputs": 1, "after_attention": 1}
 
     compile_cache.configure(tmp_path / "pool")
-    pool_ops = _ops(monkeypatch)
+    pool_ops = _ops(monkeypatch, device)
     # the first C++ compile of a build waits (the trace lock let go) until another build's
     # compiler starts too: builds run one after another would never get there, so the wait
     # times out and that build fails, whatever the timing
