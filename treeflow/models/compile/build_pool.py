@@ -33,6 +33,10 @@ Trade-off: the warm-up's own outputs, for the calls that ran eager, are eager's 
 discards them); every call after it runs the built graph, the same graph a serial build makes
 (`tests/models/compile/test_build_pool.py` checks outputs bit for bit). The builds' seconds
 overlap, so the parts' `build_seconds` can sum to more than the warm-up's `compile_seconds`.
+Builds trace only after the warm-up's forward ends or waits. The hook replaces a private torch
+function (`cpp_builder._run_compile_cmd`) for the process once the first build is handed over; it
+calls through unchanged in any thread that runs no pool build, and a torch without it builds one
+at a time (said once).
 """
 
 from __future__ import annotations
