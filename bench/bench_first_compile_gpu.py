@@ -17,14 +17,30 @@ process seconds. With `--warm` each run is repeated on its now filled cache. Wit
     PYTHONUNBUFFERED=1 python bench/bench_first_compile_gpu.py [--before DIR] [--warm]
     python bench/bench_first_compile_gpu.py --smoke --device cpu   # the logic, on CPU
 
+`--aoti-cpu` (with `--smoke --device cpu`): the GPU's compile path on a CPU machine, as the
+layer-sharing measurement ran it: the 4-layer tiny Qwen3-MoE, `--tuning compile_layers=1`, the
+layers through inductor and AOTInductor's C++ and the warm-up let run on CPU
+(`TREEFLOW_BENCH_AOTI_CPU=1 TREEFLOW_BENCH_WARM_CPU=1`, bench/compile_times_cli.py), `--repeats`
+alternated runs, each on a fresh compile cache; per run also the CPU seconds of the process and
+its compilers (`cpu_seconds`), the load, the warm-up's build pool (`warm_up_builds`), the vector-ISA
+probe (`vec_isa`: checks answered from the machine's record) and a hash of the logprobs (equal
+bit for bit across trees and runs). Each tree's runs share one cache home (`XDG_CACHE_HOME`,
+where the ISA record lives), new per bench run (`--home DIR`: that one for all): a tree's first
+run probes, later ones may not.
+
+    python bench/bench_first_compile_gpu.py --smoke --device cpu --aoti-cpu --shapes \
+        qwen3-30b-a3b-4l --layouts exact --before DIR --repeats 2 --out cpu_first_compile_aoti.json
+
 Prints the JSON and writes it to `$OUT/bench_first_compile_gpu.json` (else bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,15 +55,18 @@ sys.path.insert(0, HERE)
 from bench_cli_gpu import SHAPES, SYNTH_VOCAB, cli  # noqa: E402
 from bench_moe_gpu import shape as moe_shape  # noqa: E402
 
-_KEEP = ("compile_seconds", "warm_up_parts", "graphs", "precompiled", "recompiles", "bins",
+_KEEP = ("compile_seconds", "warm_up_parts", "warm_up_builds", "vec_isa", "graphs",
+         "precompiled", "recompiles", "bins",
          "executed_tokens", "steady_seconds", "wall_seconds", "process_seconds", "tuning")
 
 
-def checkpoint(name: str, path: str, device: str, smoke: bool) -> dict:
+def checkpoint(name: str, path: str, device: str, smoke: bool, aoti_cpu: bool = False) -> dict:
     """Random weights of the shape `name`, saved as a HF checkpoint in a child process (a
     parent holding CUDA memory would leave the runs less); the config's fields."""
     config = (moe_shape(4, smoke) if name == "qwen3-30b-a3b-4l"
               else SHAPES["smoke" if smoke else name])
+    if aoti_cpu and name == "qwen3-30b-a3b-4l":
+        config = {**config, "num_hidden_layers": 4}  # the layer-sharing measurement's 4 layers
     code = ("import sys, json, torch; sys.path.insert(0, %r)\n"
             "from treeflow.models import ModelConfig, save_model\n"
             "from treeflow.models.checkpoint import seeded_decoder\n"
@@ -67,22 +86,41 @@ def episodes(path: str, ckpt: str, args, moe: bool, env: dict) -> None:
                    check=True, env=env)
 
 
-def run(tree: str, data: str, ckpt: str, layout: str, cache: str, args, moe: bool) -> dict:
+def run(tree: str, data: str, ckpt: str, layout: str, cache: str, args, moe: bool,
+        home: str | None = None) -> dict:
     """One `treeflow replay` through `tree`'s treeflow (its compile_times_cli.py when it has
-    one) on the compile cache `cache`."""
+    one) on the compile cache `cache` (and, with `home`, that XDG_CACHE_HOME)."""
     # no cache shared between runs: Triton's goes under --compile-cache when unset
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     env.update(PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    if home is not None:
+        env["XDG_CACHE_HOME"] = home
+    if args.aoti_cpu:  # the GPU's compile path on CPU (bench/compile_times_cli.py)
+        env.update(TREEFLOW_BENCH_AOTI_CPU="1", TREEFLOW_BENCH_WARM_CPU="1")
     script = os.path.join(tree, "bench", "compile_times_cli.py")
     argv = ["replay", data, "--model", ckpt, "--layout", layout, "--device", args.device,
             "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--tuning",
             args.tuning, "--max-tokens", str(args.max_tokens), "--compile-cache", cache,
             "--json", "-o", os.path.join(os.path.dirname(cache), f"{layout}.arrow"),
             *(["--routing", "replay"] if moe else [])]
+    before, load = resource.getrusage(resource.RUSAGE_CHILDREN), os.getloadavg()
     r = cli(argv, env, f"{layout} {tree}", script=script if os.path.exists(script) else None)
-    return {k: r[k] for k in (*_KEEP, "error") if k in r}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = {k: r[k] for k in (*_KEEP, "error") if k in r}
+    # the process and every compiler it ran (waited-for children count when they end)
+    out["cpu_seconds"] = round(after.ru_utime + after.ru_stime - before.ru_utime
+                               - before.ru_stime, 1)
+    out["loadavg"] = [round(x, 1) for x in (*load, *os.getloadavg())]  # before, after
+    result = os.path.join(os.path.dirname(cache), f"{layout}.arrow")
+    if "error" not in out and os.path.exists(result):
+        import pyarrow as pa
+
+        col = pa.ipc.open_file(result).read_all().column("logprobs").combine_chunks()
+        values = col.flatten().flatten().to_numpy(zero_copy_only=False)
+        out["logprobs_sha256"] = hashlib.sha256(values.tobytes()).hexdigest()[:16]
+    return out
 
 
 def main() -> None:
@@ -98,11 +136,22 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="repeat each run on its filled cache")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the logic, on CPU)")
+    ap.add_argument("--aoti-cpu", action="store_true",
+                    help="with --smoke --device cpu: the layers through AOTInductor's C++ on CPU")
+    ap.add_argument("--repeats", type=int, default=1, help="alternated runs per tree")
+    ap.add_argument("--home", default=None, metavar="DIR",
+                    help="XDG_CACHE_HOME of every run (where the ISA record lives; default: a "
+                         "new one per tree)")
     ap.add_argument("--budget-seconds", type=float, default=560)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.episodes is None:
         args.episodes = 12 if args.smoke else 64
+    if args.aoti_cpu:
+        if not (args.smoke and args.device == "cpu"):
+            ap.error("--aoti-cpu runs the tiny shapes on CPU: add --smoke --device cpu")
+        if args.tuning == "auto":
+            args.tuning = "compile_layers=1"  # auto is the plain path on CPU
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -128,23 +177,27 @@ def main() -> None:
         for name in args.shapes.split(","):
             moe = name == "qwen3-30b-a3b-4l"
             ckpt, data = os.path.join(work, name), os.path.join(work, f"{name}.arrow")
-            checkpoint(name, ckpt, args.device, args.smoke)
+            checkpoint(name, ckpt, args.device, args.smoke, args.aoti_cpu)
             episodes(data, ckpt, args, moe, {**os.environ, "PYTHONPATH": ROOT})
             for layout in args.layouts.split(","):
-                for which, tree in trees.items():  # alternated: before and after per layout
-                    key = f"{name}/{layout}/{which}"
-                    if time.perf_counter() - t_start > args.budget_seconds:
-                        res["runs"][key] = "skipped (time budget)"
-                        continue
-                    cache = os.path.join(work, key.replace("/", "-"), "cache")
-                    os.makedirs(os.path.dirname(cache))
-                    print(f"[{time.perf_counter() - t_start:.0f}s] {key}", flush=True)
-                    r = {"first": run(tree, data, ckpt, layout, cache, args, moe)}
-                    if args.warm:
-                        r["warm"] = run(tree, data, ckpt, layout, cache, args, moe)
-                    res["runs"][key] = r
-                    print("  " + json.dumps(r)[:600], flush=True)
-                    save()
+                for rep in range(args.repeats):
+                    for which, tree in trees.items():  # alternated: before and after per layout
+                        key = f"{name}/{layout}/{which}" + (f"/{rep}" if args.repeats > 1 else "")
+                        if time.perf_counter() - t_start > args.budget_seconds:
+                            res["runs"][key] = "skipped (time budget)"
+                            continue
+                        cache = os.path.join(work, key.replace("/", "-"), "cache")
+                        os.makedirs(os.path.dirname(cache))
+                        # one per tree unless given: where the ISA record lives
+                        home = args.home or os.path.join(work, f"home-{which}")
+                        os.makedirs(home, exist_ok=True)
+                        print(f"[{time.perf_counter() - t_start:.0f}s] {key}", flush=True)
+                        r = {"first": run(tree, data, ckpt, layout, cache, args, moe, home)}
+                        if args.warm:
+                            r["warm"] = run(tree, data, ckpt, layout, cache, args, moe, home)
+                        res["runs"][key] = r
+                        print("  " + json.dumps(r)[:600], flush=True)
+                        save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     save()

@@ -65,6 +65,9 @@ def compile_report() -> dict:
               "inductor": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
               "aot_autograd": {k: int(v) for k, v in counters["aot_autograd"].items()
                                if "cache" in k}, **_WARM_UP}
+    isa = sys.modules.get("treeflow.models.compile.vec_isa")
+    if isa is not None and isa.done:  # the CPU vector-ISA probe: checks answered from the record
+        report["vec_isa"] = dict(isa.done)
     pre = sys.modules.get("treeflow.models.compile.precompiled")
     if pre is not None:
         report["precompiled"] = pre.stats()
@@ -90,6 +93,8 @@ def _time_warm_up() -> None:
         seconds = inner(self, grad=grad, **kwargs)
         _WARM_UP["warm_up_parts"] = {"imports": round(imports, 3), **{
             k: round(v, 3) for k, v in getattr(self, "warm_up_parts", {}).items()}}
+        if hasattr(self, "warm_up_builds"):  # the ahead-of-time builds' pool (build_pool.py)
+            _WARM_UP["warm_up_builds"] = {k: round(v, 3) for k, v in self.warm_up_builds.items()}
         return seconds + imports
 
     runner.ForwardRunner.warm_up = warm_up

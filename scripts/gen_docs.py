@@ -41,6 +41,13 @@ COMMANDS = (
     ("cpu_cli_walltime", "python bench/bench_cli_walltime.py --phases --smoke --device cpu"),
     ("cpu_compile_cache_probe", "python bench/bench_compile_cache.py --smoke --device cpu --cpu-probe"),
     ("cpu_convert", "python bench/bench_convert.py --episodes 1000"),
+    ("cpu_first_compile_aoti_pool", "python bench/bench_first_compile_gpu.py --smoke --device cpu "
+     "--aoti-cpu --shapes qwen3-30b-a3b-4l --layouts exact --before SERIAL --home HOME "
+     "--repeats 2 --out cpu_first_compile_aoti_pool.json (SERIAL: this tree with "
+     "build_pool.MAX_WORKERS = 1; HOME: holding this machine's ISA record)"),
+    ("cpu_first_compile_aoti", "python bench/bench_first_compile_gpu.py --smoke --device cpu "
+     "--aoti-cpu --shapes qwen3-30b-a3b-4l --layouts exact --before DIR --repeats 2 "
+     "--out cpu_first_compile_aoti.json"),
     ("cpu_cp_plan", "python bench/bench_cp.py"),
     ("cpu_cp_run", "python bench/bench_cp.py --scale 0.03 --run"),
     ("cpu_cp_overlap", "python bench/bench_cp.py --scale 0.01 --cp 2 --overlap --chain 2048 "

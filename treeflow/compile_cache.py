@@ -31,7 +31,7 @@ import os
 import stat
 import sys
 
-__all__ = ["OFF", "active_dir", "add_option", "configure", "default_dir", "open_own"]
+__all__ = ["OFF", "active_dir", "add_option", "configure", "default_dir", "home_dir", "open_own"]
 
 OFF = "off"
 _ENV_DIR = "TORCHINDUCTOR_CACHE_DIR"
@@ -56,6 +56,12 @@ def default_dir() -> str:
     """`$XDG_CACHE_HOME/treeflow/inductor`, else `~/.cache/treeflow/inductor`."""
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(home, "treeflow", "inductor")
+
+
+def home_dir() -> str:
+    """treeflow's cache home, `default_dir()`'s parent: records that belong to the machine, not
+    to one compile cache (models/compile/vec_isa.py); made mode 0700 and checked as a cache is."""
+    return _own_dir(os.path.dirname(default_dir()))
 
 
 def configure(where: str | os.PathLike | None = None) -> str | None:

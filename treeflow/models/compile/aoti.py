@@ -52,9 +52,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from treeflow import atomic, compile_cache
+from treeflow.models.compile import vec_isa
 
-__all__ = ["Graph", "capture", "device_index", "failure", "flat_inputs", "load", "paths",
-           "record_failure", "signature"]
+__all__ = ["Graph", "build", "capture", "device_index", "export", "failure", "flat_inputs", "load",
+           "paths", "record_failure", "signature"]
 
 _ALIGN = 16
 
@@ -170,7 +171,15 @@ def _holds_tensor(value) -> bool:
 
 def capture(fn, args, kwargs, *, dynamic, package: str, key_file: str, key: dict) -> Graph:
     """Export `fn` at these arguments, build its package and key file, and load it."""
-    import torch._inductor
+    program = export(fn, args, kwargs, dynamic=dynamic)
+    build(program, package=package, key_file=key_file, key=key)
+    return load(package, key_file, key, device_index(args, kwargs))
+
+
+def export(fn, args, kwargs, *, dynamic):
+    """`fn` at these arguments as an ExportedProgram of flat tensor inputs (what `build` takes).
+
+    In the caller's thread: export reads the caller's modules (swapped parameters) and tensors."""
     import torch.export
 
     flat = flat_inputs(args, kwargs)
@@ -185,8 +194,19 @@ def capture(fn, args, kwargs, *, dynamic, package: str, key_file: str, key: dict
     # (flex's block tables are views into one buffer: export made their offsets symbolic)
     flat = [_copy(t) if t.storage_offset() else t.detach() for t in flat]
     with torch.no_grad():
-        program = torch.export.export(_Exported(fn, args, kwargs), tuple(flat),
-                                      dynamic_shapes=(tuple(specs),), strict=False)
+        return torch.export.export(_Exported(fn, args, kwargs), tuple(flat),
+                                   dynamic_shapes=(tuple(specs),), strict=False)
+
+
+def build(program, *, package: str, key_file: str, key: dict) -> None:
+    """Build `program` (from `export`) into `package` and write its key file, package first.
+
+    Touches no module or tensor of the caller, so it may run in a worker thread beside other
+    builds (compile/build_pool.py): inductor's config patches and graph state are per thread in
+    torch >= 2.13, and g++ runs as a subprocess, outside the GIL."""
+    import torch._inductor
+
+    vec_isa.probe()  # the CPU's vector ISAs: from this machine's record (a no-op once known)
     # built in a temporary directory (a killed run's is removed by the next writer: atomic's
     # .partial name), as a file named .pt2 as the packager asks, renamed into place when whole
     atomic.remove_stale(os.path.dirname(package))
@@ -201,7 +221,6 @@ def capture(fn, args, kwargs, *, dynamic, package: str, key_file: str, key: dict
     out_spec = pytree.treespec_dumps(program.call_spec.out_spec)
     with atomic.atomic_open(key_file, "w", what="compiled graph's key") as f:
         json.dump({"key": key, "outputs": out_spec}, f, sort_keys=True)
-    return load(package, key_file, key, _device_index(flat))
 
 
 def load(package: str, key_file: str, key: dict, device_index: int) -> Graph:

@@ -68,7 +68,8 @@ class LayerOps:
         if self.precompiled:  # saved whole in the compile cache: a later process loads them
             parts = tuple(precompiled.Precompiled(f, backend=compile_backend, name=f.__name__[1:],
                                                   dynamic=d, recompile_limit=_RECOMPILE_LIMIT,
-                                                  ahead_of_time=ahead_of_time)
+                                                  ahead_of_time=ahead_of_time,
+                                                  eager_while_building=True)
                           for f, d in zip(parts, tokens))
         elif compile_backend is not None:
             parts = tuple(torch.compile(f, backend=compile_backend, dynamic=None, fullgraph=True)

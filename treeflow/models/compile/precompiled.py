@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from treeflow import atomic, compile_cache
-from treeflow.models.compile import aoti, graph_key
+from treeflow.models.compile import aoti, build_pool, graph_key, vec_isa
 
 __all__ = ["Precompiled", "api_present", "available", "stats"]
 
@@ -98,12 +98,15 @@ class Precompiled:
 
     def __init__(self, fn, *, backend: str, name: str,
                  dynamic: tuple[int, ...] | None = None, recompile_limit: int | None = None,
-                 ahead_of_time: bool | None = None) -> None:
+                 ahead_of_time: bool | None = None, eager_while_building: bool = False) -> None:
         self.fn, self.backend, self.name, self.dynamic = fn, backend, name, dynamic
         self.recompile_limit = recompile_limit  # dynamo's, for the torch.compile fallback
         # calls without grad as AOTInductor graphs (compile/aoti.py): None = on CUDA (where inductor
         # compiles treeflow's graphs), True = on any device (the CPU tests), False = never
         self.ahead_of_time = ahead_of_time
+        # inside build_pool.together(): a call whose graph is still building runs fn eagerly
+        # (True) or waits for the build (False: where eager is no cheap stand-in, as flex's)
+        self.eager_while_building = eager_while_building
         self._fallback = None  # the torch.compile'd fn, made on first need
         self._variants: dict = {}  # compile cache directory -> the variants from it
         self._graphs: dict = {}  # compile cache directory -> {call signature: aoti graph | None}
@@ -121,6 +124,10 @@ class Precompiled:
         if self.backend == "inductor" and self.ahead_of_time is not False \
                 and not torch.is_grad_enabled():
             graph = self._graph(args, kwargs)
+            if isinstance(graph, build_pool.Pending):  # built in the warm-up's pool
+                if self.eager_while_building:
+                    return self.fn(*args, **kwargs)
+                graph = graph.wait()
             if graph is not None:
                 return graph(args, kwargs)
         # a variant serves the cache it came from (a command of its own in this process, as
@@ -185,6 +192,9 @@ class Precompiled:
                 _say_once(f"precompiled {self.name}: not compiled ahead of time ({failed}, "
                           f"recorded beside {key_file}; delete that to try again); it runs "
                           "through dynamo")
+            elif graph is None and build_pool.active() is not None:
+                return self._submit(build_pool.active(), graphs, sig, args, kwargs,
+                                    package=package, key_file=key_file, key=key, device=device)
             elif graph is None:
                 t0 = time.perf_counter()
                 try:
@@ -192,13 +202,61 @@ class Precompiled:
                                          package=package, key_file=key_file, key=key)
                     self.aoti_captured += 1
                 except Exception as e:  # export or AOTInductor could not take it: say so
-                    why = f"{type(e).__name__}: {str(e)[:200]}"
-                    _say(f"precompiled {self.name}: compiling it ahead of time failed ({why}); "
-                         f"it runs through dynamo (recorded in "
-                         f"{aoti.record_failure(key_file, key, why)})")
+                    self._failed(e, key_file, key)
                 self.build_seconds += time.perf_counter() - t0
             graphs[sig] = graph
         return graph
+
+    def _submit(self, pool, graphs, sig, args, kwargs, *, package, key_file, key, device):
+        """Export here, build in `pool` (compile/build_pool.py); the Pending, kept for `sig`."""
+        t0 = time.perf_counter()
+        vec_isa.probe()  # here, before the pool's builds ask for it at once
+        try:
+            program = aoti.export(self.fn, args, kwargs, dynamic=set(self.dynamic or ()))
+        except Exception as e:  # export could not take it: dynamo's route, as a serial build
+            self._failed(e, key_file, key)
+            self.build_seconds += time.perf_counter() - t0
+            graphs[sig] = None
+            return None
+        spent = [time.perf_counter() - t0]  # export, then each try of the build
+
+        def run():
+            t1 = time.perf_counter()
+            try:
+                aoti.build(program, package=package, key_file=key_file, key=key)
+            finally:
+                spent.append(time.perf_counter() - t1)
+
+        def done(error):  # in the waiting thread: load, count and say, as a serial build
+            graph = None
+            if error is not None:  # built again alone: a failure the pool caused is not kept
+                _say(f"precompiled {self.name}: building it beside others failed "
+                     f"({type(error).__name__}: {str(error)[:200]}); building it alone")
+                try:
+                    build_pool.build_alone(run)
+                    error = None
+                except Exception as e:
+                    error = e
+            t1 = time.perf_counter()
+            if error is None:
+                try:
+                    graph = aoti.load(package, key_file, key, device)
+                    self.aoti_captured += 1
+                except Exception as e:
+                    error = e
+            if error is not None:
+                self._failed(error, key_file, key)
+            self.build_seconds += sum(spent) + time.perf_counter() - t1
+            graphs[sig] = graph
+            return graph
+
+        graphs[sig] = pool.submit(self.name, run, done)
+        return graphs[sig]
+
+    def _failed(self, error: BaseException, key_file: str, key: dict) -> None:
+        why = f"{type(error).__name__}: {str(error)[:200]}"
+        _say(f"precompiled {self.name}: compiling it ahead of time failed ({why}); it runs "
+             f"through dynamo (recorded in {aoti.record_failure(key_file, key, why)})")
 
     def _variant(self, args, kwargs):
         """The variant for these arguments, loaded or captured and saved; None: torch.compile."""

@@ -1,0 +1,174 @@
+"""A warm-up's AOTInductor builds run side by side (compile/build_pool.py, issue 46).
+
+On CPU through inductor's C++ (ahead of time forced, as tests/models/compile/test_aoti.py): a
+2-layer decoder's two parts (attention_inputs, after_attention) are built once in a serial run
+and once inside `build_pool.together()`. Their C++ compilers must run at once -- the first
+compile waits until another build's compiler starts, so a pool that runs them one after another
+fails that build instead of passing by luck of timing -- and the graphs built side by side give
+the serial builds' hidden states bit for bit, both within float32 rounding of the plain (eager)
+path. A failing build is said by name, built again alone and recorded while the other still
+builds; the caller's inductor config holds in the pool's threads; leaving the pool waits for
+every build even when the warm-up raised.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_compile_cache_precompiled import cache  # noqa: F401 (the fixture)
+from treeflow import compile_cache
+from treeflow.models import ModelConfig
+from treeflow.models.compile import aoti, build_pool
+
+HANG_S = 300.0  # bounds a hang only: a wait below ends as soon as what it waits for happens
+_CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+def _hidden(model, n: int):
+    from treeflow.models.attention.tree import AttentionPlan
+    from treeflow.tree import subtree_end
+
+    depth = np.arange(n)  # one chain: an exact bin
+    plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1))
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        return model(torch.arange(n, device=dev) % 512, torch.from_numpy(depth).to(dev), plan)
+
+
+def _ops(monkeypatch, device: str = "cpu"):
+    from treeflow.models.compile.layer_ops import LayerOps
+    from treeflow.models.reference import decoder
+
+    # ahead of time on CPU forced (C++ kernels); on CUDA the default route (Triton kernels)
+    ops = LayerOps(compile_backend="inductor", recompute="none",
+                   ahead_of_time=True if device == "cpu" else None)
+    monkeypatch.setattr(decoder, "layer_ops", lambda tuning, device: ops)
+    return ops
+
+
+def _built(ops) -> dict:
+    return {p.name: p.aoti_captured for p in (ops._inputs, ops._output, ops._mlp, ops._after)
+            if p.aoti_captured}
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_warm_up_builds_run_side_by_side_and_equal_the_serial_builds_bit_for_bit(
+        cache, tmp_path, monkeypatch, device):
+    from treeflow.models.checkpoint import seeded_decoder
+
+    model = seeded_decoder(_CFG, device=device, dtype=torch.float32)
+    counts = (64, 23)  # two token counts: one graph per part serves both
+    plain = {n: _hidden(model, n) for n in counts}  # the reference: eager layers
+
+    compile_cache.configure(tmp_path / "serial")
+    serial_ops = _ops(monkeypatch, device)
+    serial = {n: _hidden(model, n) for n in counts}  # each part built in its first call
+    assert _built(serial_ops) == {"attention_inputs": 1, "after_attention": 1}
+
+    compile_cache.configure(tmp_path / "pool")
+    pool_ops = _ops(monkeypatch, device)
+    # the first C++ compile of a build waits (the trace lock let go) until another build's
+    # compiler starts too: builds run one after another would never get there, so the wait
+    # times out and that build fails, whatever the timing
+    build_pool._compiler_hook()
+    real_compile, met, first, lock = build_pool._compile, threading.Event(), [], threading.Lock()
+
+    def compile_when_another_compiles(cmd_line, cwd):
+        with lock:
+            me = threading.current_thread()
+            waits = not first
+            if waits:
+                first.append(me)
+            elif me is not first[0]:
+                met.set()
+        if waits and not met.wait(HANG_S):
+            raise RuntimeError("no other build's compiler started while this one waited")
+        return real_compile(cmd_line, cwd)
+
+    monkeypatch.setattr(build_pool, "_compile", compile_when_another_compiles)
+    with build_pool.together(2) as pool:  # what ForwardRunner's warm-up does
+        _hidden(model, counts[0])  # the parts run eager while their graphs build
+    assert met.is_set()
+    assert pool.submitted == 2 and pool.in_flight_max == 2 and pool.compiling_max == 2
+    assert _built(pool_ops) == {"attention_inputs": 1, "after_attention": 1}  # as the serial
+    assert all(p.build_seconds > 0 for p in (pool_ops._inputs, pool_ops._after))
+    for n in counts:
+        got = _hidden(model, n)  # the built graphs
+        assert torch.equal(got, serial[n])  # the same graphs, bit for bit
+        # float32 against float32: fused kernels reorder sums of 64-128 terms (~1e-6 measured)
+        assert (got - plain[n]).abs().max().item() < 1e-5
+    assert _built(pool_ops) == {"attention_inputs": 1, "after_attention": 1}  # nothing rebuilt
+
+
+def test_a_failing_build_is_named_and_recorded_while_the_other_builds(cache, monkeypatch, capfd):
+    from treeflow.models.compile import precompiled
+
+    real_build, tries = aoti.build, []
+
+    def build(program, *, package, **kwargs):
+        if "fails_in_pool" in os.path.basename(package):
+            tries.append(package)
+            raise RuntimeError("planted build failure")
+        real_build(program, package=package, **kwargs)
+
+    monkeypatch.setattr(aoti, "build", build)
+    parts = []
+    # exact in any implementation, so the built graph equals eager bit for bit
+    for name, fn in (("fails_in_pool", torch.abs), ("builds_in_pool", torch.relu)):
+        p = precompiled.Precompiled(fn, backend="inductor", name=name, dynamic=(0,),
+                                    ahead_of_time=True, eager_while_building=True)
+        monkeypatch.setattr(p, "_variant", lambda args, kwargs: None)  # no dynamo capture
+        monkeypatch.setattr(p, "fallback", lambda fn=fn: fn)
+        parts.append(p)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        with build_pool.together(2) as pool:
+            assert all(torch.equal(p(x), p.fn(x)) for p in parts)  # eager while building
+        assert pool.submitted == 2
+        failed, built = parts
+        assert (failed.aoti_captured, built.aoti_captured) == (0, 1)
+        assert torch.equal(built(x), torch.relu(x))  # the built graph
+        assert torch.equal(failed(x), torch.abs(x))  # dynamo's route (here eager)
+    assert len(tries) == 2  # in the pool, then alone before it is recorded
+    err = capfd.readouterr().err
+    assert ("precompiled fails_in_pool: building it beside others failed (RuntimeError: "
+            "planted build failure); building it alone") in err
+    assert ("precompiled fails_in_pool: compiling it ahead of time failed (RuntimeError: "
+            "planted build failure)") in err
+    assert "builds_in_pool" not in err
+    assert len(glob.glob(os.path.join(cache, "precompiled", "fails_in_pool-*.aoti.failed"))) == 1
+
+
+def test_the_callers_inductor_config_holds_in_the_pools_threads():
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    with inductor_config.patch({"aot_inductor.debug_compile": True}):
+        with build_pool.together(2) as pool:
+            pool.submit("probe", lambda: seen.append(
+                (inductor_config.aot_inductor.debug_compile, threading.current_thread().name)),
+                lambda error: error)
+    assert len(seen) == 1 and seen[0][0] is True
+    assert seen[0][1].startswith("treeflow-aoti-build")  # it ran in the pool, not the caller
+
+
+def test_leaving_together_waits_for_every_build_even_when_the_body_raised():
+    done, results = threading.Event(), []
+    with pytest.raises(KeyError):
+        with build_pool.together(2) as pool:
+            pool.submit("slow", lambda: done.wait(HANG_S), lambda error: results.append(error))
+            pool.submit("fails", lambda: 1 / 0, lambda error: results.append(error))
+            assert build_pool.active() is pool
+            done.set()
+            raise KeyError("the warm-up failed")
+    assert build_pool.active() is None
+    assert results[0] is None and isinstance(results[1], ZeroDivisionError)  # submission order

@@ -1,0 +1,133 @@
+"""inductor's CPU vector-instruction probe paid once per machine, not once per compile cache.
+
+Before its first C++ build a process asks inductor which vector ISAs (AVX2, AVX-512, AMX, ...)
+it may compile for (`torch._inductor.cpu_vec_isa.valid_vec_isa_list`): each ISA the CPU's flags
+name, and each extension it then tries (AVX-512 BF16 and VNNI, AMX and AMX-FP16), is checked by
+`VecISA.check_build`: a small program built with that ISA's flags into the inductor cache and
+loaded in a child Python. On a fresh compile cache that was ten g++ builds and children on this
+AVX-512/AMX host (57 s at load 20 on the shared 2-core machine; 20-30 s at other loads), for
+CUDA builds too: the AOTInductor wrapper is compiled for the ISA picked, with the extensions found.
+The answers depend on the machine, not on the cache, so the first probe's answers are recorded,
+as JSON, in treeflow's cache home (`$XDG_CACHE_HOME/treeflow/cpu_vec_isa.json`, beside the
+default compile cache and checked to be the user's own like it): one row per check (the ISA, its
+compiler flags at that check, a hash of the program, the answer), keyed by what decides them: the
+CPU's model name and flags, the C++ compiler's version, the machine and torch's version. A later
+process whose key matches answers each check from its row while inductor makes its list (the
+method swapped for that call only, in the thread that makes it, before any build runs), so the
+list, and every ISA's state (which extensions it compiles with), is what the probe found; a
+check with no row (another torch's program) still builds and loads.
+
+Trade-off: a change the key does not see (another libc, a library path that stops the probe's
+child loading) is not noticed until the record is deleted; the key holds what torch's own probe
+cache keys on (compiler version, flags, torch version) plus the CPU. It reads inductor internals
+(`VecISA.check_build`, `valid_vec_isa_list`, `x86_isa_checker`); where they are missing torch
+probes as before. x86-64 Linux only; a user's TORCHINDUCTOR_VEC_ISA_OK still answers the base
+checks first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+
+from treeflow import atomic, compile_cache
+
+__all__ = ["RECORD", "done", "probe", "record_path"]
+
+RECORD = "cpu_vec_isa.json"
+_FORMAT = 1
+done: dict = {}  # what this process's probe did (probe()'s answer; bench/compile_times_cli.py)
+
+
+def record_path() -> str:
+    """Where this user's record lives (the directory made, mode 0700, and checked)."""
+    return os.path.join(compile_cache.home_dir(), RECORD)
+
+
+def probe() -> dict:
+    """inductor's usable ISAs made known to this process, from the record where it matches,
+    else by probing (and recorded). Call it before builds run side by side. What it did:
+    {"checks": n, "recorded": answered from the record, "seconds"}."""
+    from torch._inductor import cpu_vec_isa
+
+    t0 = time.perf_counter()
+    lister = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    real = getattr(getattr(cpu_vec_isa, "VecISA", None), "check_build", None)
+    if lister is None or real is None or lister.cache_info().currsize \
+            or sys.platform != "linux" or platform.machine() != "x86_64":
+        return {"checks": 0, "recorded": 0, "seconds": 0.0}  # known, or not where it builds
+    key = _key(cpu_vec_isa)
+    try:
+        path = record_path() if key is not None else None
+    except ValueError as e:  # the cache home is not the user's own: probed, not recorded
+        print(f"treeflow: {e}; the CPU's vector ISAs are probed and not recorded",
+              file=sys.stderr, flush=True)
+        path = None
+    record = _read(path) if path is not None else None
+    known = {tuple(row[:3]): row[3] for row in record["checks"]} \
+        if record is not None and record.get("key") == key else {}
+    rows = []
+
+    def check_build(isa, code: str) -> bool:
+        row = (str(isa), isa.build_arch_flags(), hashlib.sha256(code.encode()).hexdigest())
+        ok = known[row] if row in known else bool(real(isa, code))
+        rows.append([*row, ok, row in known])
+        return ok
+
+    cpu_vec_isa.VecISA.check_build = check_build
+    try:
+        lister()
+    finally:
+        cpu_vec_isa.VecISA.check_build = real
+    recorded = sum(r[4] for r in rows)
+    if path is not None and recorded < len(rows):
+        with atomic.atomic_open(path, "w", what="CPU vector-ISA probe record") as f:
+            json.dump({"key": key, "checks": [r[:4] for r in rows]}, f, sort_keys=True, indent=1)
+    done.update(checks=len(rows), recorded=recorded,
+                seconds=round(time.perf_counter() - t0, 3))
+    return dict(done)
+
+
+def _key(cpu_vec_isa) -> dict | None:
+    """What decides the probe's answers; None where this torch lacks what it reads."""
+    import torch
+
+    try:
+        from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+        flags = cpu_vec_isa.x86_isa_checker()
+        compiler = get_compiler_version_info(get_cpp_compiler())
+    except (AttributeError, ImportError, OSError, RuntimeError):  # torch decides, as before
+        return None
+    return {"format": _FORMAT, "torch": torch.__version__, "machine": platform.machine(),
+            "cpu": _model_name(), "flags": sorted(flags), "compiler": compiler}
+
+
+def _model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _read(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with compile_cache.open_own(path) as f:
+            record = json.loads(f.read())
+        if not all(len(row) == 4 for row in record.get("checks", [])):
+            raise ValueError("a row is not [isa, flags, code hash, answer]")
+        return record
+    except (OSError, ValueError, TypeError) as e:  # not the user's own, or unreadable
+        print(f"treeflow: {path} not used ({e}); probing the CPU's vector ISAs again",
+              file=sys.stderr, flush=True)
+        return None
