@@ -44,9 +44,33 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
 
 
+_CACHE_HOME = "TREEFLOW_TEST_CACHE_HOME"  # the run's cache home, made by the first process
+
+
+def _own_cache_home() -> None:
+    """The run's $XDG_CACHE_HOME: a temporary directory, made once (xdist workers inherit it),
+    so that no test or command it runs writes the user's ~/.cache/treeflow (compile caches, the
+    machine's vector-ISA answers) or reads what an earlier run left there."""
+    if _CACHE_HOME not in os.environ:
+        import tempfile
+
+        os.environ[_CACHE_HOME] = tempfile.mkdtemp(prefix="treeflow-test-cache-")
+        os.environ["TREEFLOW_TEST_CACHE_HOME_OWNER"] = str(os.getpid())
+    os.environ["XDG_CACHE_HOME"] = os.environ[_CACHE_HOME]
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("TREEFLOW_TEST_CACHE_HOME_OWNER") == str(os.getpid()):
+        import shutil
+
+        shutil.rmtree(os.environ.get(_CACHE_HOME, ""), ignore_errors=True)
+
+
 def pytest_configure(config):
-    """An xdist worker takes its share of the cores: N workers each at the host's threads would
-    contend (a tiny model's matmuls run many times slower over busy threads)."""
+    """The run's own cache home (`_own_cache_home`); an xdist worker takes its share of the
+    cores: N workers each at the host's threads would contend (a tiny model's matmuls run many
+    times slower over busy threads)."""
+    _own_cache_home()
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None:
         return
