@@ -28,6 +28,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from tests import isolation
+
 # Without CUDA, Triton kernels (models/ssm/triton_scan.py) run in triton's interpreter, which
 # triton picks as it decorates a kernel -- its own library's too, at `import triton` -- so it
 # is set before anything imports triton (torch.utils._triton.has_triton does). The CLI's
@@ -103,7 +105,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _torch_threads_restored():
+def _process_state_unchanged(request):
+    """A test leaves the process-global state as it found it (tests/isolation.py says what is
+    checked): what an in-process command sets for its process is put back, anything else fails
+    the test, naming the state and where to fix it. The fixtures that put back threads and the
+    compile cache take this one, so they run before its check."""
+    before = isolation.snapshot()
+    yield
+    leaks = isolation.check(before)
+    if leaks:
+        pytest.fail(f"test {request.node.nodeid} left process-global state changed, which a "
+                    "later test in the same xdist worker would see (put back now):\n  "
+                    + "\n  ".join(leaks), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored(_process_state_unchanged):
     """In-process commands may set torch's thread count (`rollout --threads` defaults to 1):
     give every later test the count it started with, as a child process would have it."""
     torch = sys.modules.get("torch")
@@ -119,7 +136,7 @@ _CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
 
 
 @pytest.fixture(autouse=True)
-def _compile_cache_restored():
+def _compile_cache_restored(_process_state_unchanged):
     """An in-process command turns the compile cache on (`--compile-cache`, else the user's
     default directory): give every later test the cache it started with, its environment and
     torch's flags. A leaked cache let a later test load graphs a command had saved instead of
