@@ -31,15 +31,23 @@ import threading
 # it in-process gets the values back as a child process would have left them
 RESTORED_ENV = ("RAY_LOGGER_LEVEL", "RAY_DATA_DISABLE_PROGRESS_BARS", "RAY_DEDUP_LOGS",
                 "TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS",
-                "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE", "TREEFLOW_QUIET_LIBRARIES")
+                "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE", "TREEFLOW_QUIET_LIBRARIES",
+                # the compile cache's (treeflow/compile_cache.py; conftest's
+                # `_compile_cache_restored`), which inductor also sets to its default the
+                # first time it asks for its cache directory
+                "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
+                "TORCHINDUCTOR_AUTOGRAD_CACHE", "TRITON_CACHE_DIR")
 RESTORED = ("the environment keys of RESTORED_ENV", "warnings.formatwarning (the CLI's format)",
             "treeflow's warn-once caches (functools.cache'd `_warn*` / `*_once` functions)")
 SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2",
                                              "SIGCHLD", "SIGPIPE", "SIGALRM")
                 if hasattr(signal, s))
 _COMPILE_CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+# handlers not compared: pytest's (it adds and removes them around each phase) and torch's
+# structured-trace handler (it removes itself from `torch.__trace` on its first record, a
+# one-time step like an import's)
 _PYTEST_HANDLERS = ("LogCaptureHandler", "_LiveLoggingNullHandler", "_FileHandler",
-                    "_LiveLoggingStreamHandler")
+                    "_LiveLoggingStreamHandler", "LazyTraceHandler")
 
 
 class Leak(Exception):
@@ -111,8 +119,8 @@ def _compile_configs() -> dict:
 
 
 def _loggers() -> dict:
-    """(level, disabled, propagate, handlers) of every logger made so far (pytest's capture
-    handlers left out: pytest adds and removes them around each phase)."""
+    """(level, disabled, propagate, handlers) of every logger made so far (the handlers of
+    _PYTEST_HANDLERS left out)."""
     manager = logging.Logger.manager
     out = {}
     for name, logger in [("", logging.getLogger())] + list(manager.loggerDict.items()):
@@ -149,7 +157,9 @@ def _hooks() -> dict:
     return {"sys.excepthook": sys.excepthook, "threading.excepthook": threading.excepthook,
             "sys.unraisablehook": sys.unraisablehook,
             "faulthandler.is_enabled()": faulthandler.is_enabled(),
-            "multiprocessing start method": multiprocessing.get_start_method(allow_none=True),
+            # unset reads as the platform's default (asking for it sets it, to the same)
+            "multiprocessing start method": (multiprocessing.get_start_method(allow_none=True)
+                                             or multiprocessing.get_all_start_methods()[0]),
             "sys.getrecursionlimit()": sys.getrecursionlimit()}
 
 
