@@ -20,6 +20,7 @@ host's cores over the workers), and so do the processes it starts (OMP_NUM_THREA
 `-n` none of this applies and a run is as it was.
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -141,6 +142,12 @@ def _compile_cache_restored(_process_state_unchanged):
     default directory): give every later test the cache it started with, its environment and
     torch's flags. A leaked cache let a later test load graphs a command had saved instead of
     tracing them (the one-graph-per-part count read 0 in CI)."""
+    with _compile_cache_kept():
+        yield
+
+
+@contextlib.contextmanager
+def _compile_cache_kept():
     env = {k: os.environ.get(k) for k in _CACHE_ENV}
     cc = sys.modules.get("treeflow.compile_cache")
     was = (cc._active, dict(cc._ours)) if cc is not None else (None, {})
@@ -160,6 +167,21 @@ def _compile_cache_restored(_process_state_unchanged):
         inductor, functorch = (sys.modules.get("torch._inductor.config"),
                                sys.modules.get("torch._functorch.config"))
         inductor.fx_graph_cache, functorch.enable_autograd_cache = flags
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _process_state_unchanged_by_module(request):
+    """`_process_state_unchanged` for a module's module-scoped fixtures (episodes made by an
+    in-process `synth`, a backend loaded once): the compile cache and what a command sets for
+    its process are put back after the module, other leaks fail it."""
+    before = isolation.snapshot()
+    with _compile_cache_kept():
+        yield
+    leaks = isolation.check(before, module=True)
+    if leaks:
+        pytest.fail(f"module {request.node.nodeid} (its module-scoped fixtures) left "
+                    "process-global state changed, which a later module in the same xdist "
+                    "worker would see (put back now):\n  " + "\n  ".join(leaks), pytrace=False)
 
 
 def _torch_cache_flags():

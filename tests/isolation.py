@@ -194,8 +194,12 @@ def _changed(before: dict, after: dict) -> dict:
             for k in set(before) | set(after) if before.get(k, "<unset>") != after.get(k, "<unset>")}
 
 
-def check(before: dict) -> list[str]:
-    """Put back what changed since `before`; the leaks (messages naming state and fix) among it."""
+def check(before: dict, *, module: bool = False) -> list[str]:
+    """Put back what changed since `before`; the leaks (messages naming state and fix) among it.
+
+    `module`: `before` was taken as a module started, and session fixtures (the Ray cluster)
+    may have started since: what they set (RAY_ variables, loggers, signal handlers, hooks,
+    Ray itself) is not compared."""
     import warnings
 
     leaks = []
@@ -211,7 +215,8 @@ def check(before: dict) -> list[str]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = was
-    env = {k: v for k, v in env.items() if k not in RESTORED_ENV}
+    env = {k: v for k, v in env.items()
+           if k not in RESTORED_ENV and not (module and k.startswith("RAY_"))}
     if env:
         leaks.append(f"os.environ {_show(env)}: set it with monkeypatch.setenv, or restore it where "
                      "the code sets it (a command's child processes inherit a value passed as "
@@ -225,6 +230,8 @@ def check(before: dict) -> list[str]:
         os.chdir(before["cwd"])
         leaks.append(f"cwd {before['cwd']} -> {now}: use monkeypatch.chdir")
     leaks += _check_torch(before)
+    if module:
+        return leaks + _check_treeflow(before["treeflow"], ray=False)
     leaks += _check_loggers(before["loggers"])
     signals = _changed(before["signals"], {s: signal.getsignal(s) for s in SIGNALS})
     for s, (was, _) in signals.items():
@@ -308,7 +315,7 @@ def _restore_hooks(hooks: dict) -> None:
             sys.setrecursionlimit(was)
 
 
-def _check_treeflow(before: dict) -> list[str]:
+def _check_treeflow(before: dict, *, ray: bool = True) -> list[str]:
     after, leaks = _treeflow_globals(), []
     held = set(after.get("treeflow.lock._held", ())) - set(before.get("treeflow.lock._held", ()))
     if held:
@@ -324,7 +331,7 @@ def _check_treeflow(before: dict) -> list[str]:
         leaks.append(f"tensor queue server(s) {sorted(lines)} still running "
                      "(treeflow.tq.embedded._LIFELINES): stop() the queue the test started")
     was, now = (before.get("ray.is_initialized()"), after.get("ray.is_initialized()"))
-    if was is not None and now is not None and was != now or was is None and now:
+    if ray and (was is not None and now is not None and was != now or was is None and now):
         leaks.append(f"ray.is_initialized() {was} -> {now}: take the session's cluster "
                      "(the `ray_cluster` fixture) and leave it running")
     return leaks
