@@ -190,8 +190,8 @@ def snapshot() -> dict:
 
 
 def _changed(before: dict, after: dict) -> dict:
-    return {k: (before.get(k, "<unset>"), after.get(k, "<unset>"))
-            for k in set(before) | set(after) if before.get(k, "<unset>") != after.get(k, "<unset>")}
+    pairs = {k: (before.get(k, "<unset>"), after.get(k, "<unset>")) for k in {*before, *after}}
+    return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
 
 
 def check(before: dict, *, module: bool = False) -> list[str]:
@@ -218,9 +218,9 @@ def check(before: dict, *, module: bool = False) -> list[str]:
     env = {k: v for k, v in env.items()
            if k not in RESTORED_ENV and not (module and k.startswith("RAY_"))}
     if env:
-        leaks.append(f"os.environ {_show(env)}: set it with monkeypatch.setenv, or restore it where "
-                     "the code sets it (a command's child processes inherit a value passed as "
-                     "their env, not this process's)")
+        leaks.append(f"os.environ {_show(env)}: set it with monkeypatch.setenv, or restore it "
+                     "where the code sets it (a command's child processes inherit a value "
+                     "passed as their env, not this process's)")
     if list(sys.path) != before["sys.path"]:
         added = [p for p in sys.path if p not in before["sys.path"]]
         sys.path[:] = before["sys.path"]
@@ -238,9 +238,9 @@ def check(before: dict, *, module: bool = False) -> list[str]:
         if was is not None:
             signal.signal(s, was)
     if signals:
-        leaks.append(f"signal handlers {_show({signal.Signals(s).name: v for s, v in signals.items()})}"
-                     ": give the handler back where it is installed (treeflow.sigterm.keep_sigterm, "
-                     "treeflow._errors.run)")
+        named = {signal.Signals(s).name: v for s, v in signals.items()}
+        leaks.append(f"signal handlers {_show(named)}: give the handler back where it is "
+                     "installed (treeflow.sigterm.keep_sigterm, treeflow._errors.run)")
     hooks = _changed(before["hooks"], _hooks())
     if hooks:
         _restore_hooks(hooks)
