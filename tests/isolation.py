@@ -37,6 +37,9 @@ RESTORED_ENV = ("RAY_LOGGER_LEVEL", "RAY_DATA_DISABLE_PROGRESS_BARS", "RAY_DEDUP
                 # first time it asks for its cache directory
                 "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                 "TORCHINDUCTOR_AUTOGRAD_CACHE", "TRITON_CACHE_DIR")
+# what a library sets once, as it is first imported (polars: its allocator's settings): neither
+# put back nor a leak (the import is not undone; a process that imports it again sets it again)
+IMPORT_ENV = ("_RJEM_MALLOC_CONF",)
 RESTORED = ("the environment keys of RESTORED_ENV", "warnings.formatwarning (the CLI's format)",
             "treeflow's warn-once caches (functools.cache'd `_warn*` / `*_once` functions)")
 SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2",
@@ -209,7 +212,7 @@ def check(before: dict, *, module: bool = False) -> list[str]:
 
     now = dict(os.environ)
     now.pop("PYTEST_CURRENT_TEST", None)
-    env = _changed(before["env"], now)
+    env = {k: v for k, v in _changed(before["env"], now).items() if k not in IMPORT_ENV}
     for key, (was, _) in env.items():
         if was == "<unset>":
             os.environ.pop(key, None)
