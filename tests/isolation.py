@@ -37,9 +37,12 @@ RESTORED_ENV = ("RAY_LOGGER_LEVEL", "RAY_DATA_DISABLE_PROGRESS_BARS", "RAY_DEDUP
                 # first time it asks for its cache directory
                 "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                 "TORCHINDUCTOR_AUTOGRAD_CACHE", "TRITON_CACHE_DIR")
-# what a library sets once, as it is first imported (polars: its allocator's settings): neither
-# put back nor a leak (the import is not undone; a process that imports it again sets it again)
-IMPORT_ENV = ("_RJEM_MALLOC_CONF",)
+# what a library sets once, as it is first imported or started (polars: its allocator's
+# settings; ray.init: its debugger), and the sys.path entries a library adds inside its own
+# install (`import ray`: its vendored packages, which it imports from later): neither put back
+# nor a leak (the import is not undone; a process that imports it again sets them again)
+IMPORT_ENV = ("_RJEM_MALLOC_CONF", "PYTHONBREAKPOINT")
+_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 RESTORED = ("the environment keys of RESTORED_ENV", "warnings.formatwarning (the CLI's format)",
             "treeflow's warn-once caches (functools.cache'd `_warn*` / `*_once` functions)")
 SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2",
@@ -225,9 +228,15 @@ def check(before: dict, *, module: bool = False) -> list[str]:
                      "where the code sets it (a command's child processes inherit a value "
                      "passed as their env, not this process's)")
     if list(sys.path) != before["sys.path"]:
-        added = [p for p in sys.path if p not in before["sys.path"]]
-        sys.path[:] = before["sys.path"]
-        leaks.append(f"sys.path (added {added}): use monkeypatch.syspath_prepend")
+        ours = [p for p in sys.path
+                if p in before["sys.path"] or not any(d in p for d in _LIBRARY_DIRS)]
+        if ours != before["sys.path"]:
+            added = [p for p in ours if p not in before["sys.path"]]
+            sys.path[:] = [p for p in sys.path if p not in added]
+            if [p for p in sys.path if p in before["sys.path"]] != before["sys.path"]:
+                sys.path[:] = before["sys.path"]  # reordered or removed: the whole list back
+            leaks.append(f"sys.path (added {added}, was {len(before['sys.path'])} entries): "
+                         "use monkeypatch.syspath_prepend")
     if os.getcwd() != before["cwd"]:
         now = os.getcwd()
         os.chdir(before["cwd"])

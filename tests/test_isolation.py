@@ -116,3 +116,21 @@ def test_what_a_command_sets_for_its_process_is_put_back_silently():
     assert context_parallel._warn_blocking.cache_info().currsize == 0
     assert {k: os.environ.get(k) for k in isolation.RESTORED_ENV} \
         == {k: before["env"].get(k) for k in isolation.RESTORED_ENV}
+
+
+def test_what_a_library_sets_as_it_is_imported_is_no_leak():
+    """`import ray` puts its vendored packages on sys.path and polars its allocator's settings
+    in the environment: not undone by a later import, so neither put back nor a leak."""
+    vendored = os.path.join(os.path.dirname(os.__file__), "site-packages", "probe", "vendored")
+    before = isolation.snapshot()
+    sys.path.append(vendored)
+    os.environ["_RJEM_MALLOC_CONF"] = "probe"
+    try:
+        assert isolation.check(before) == []
+        assert vendored in sys.path
+    finally:
+        sys.path.remove(vendored)
+        if before["env"].get("_RJEM_MALLOC_CONF") is None:
+            del os.environ["_RJEM_MALLOC_CONF"]
+        else:
+            os.environ["_RJEM_MALLOC_CONF"] = before["env"]["_RJEM_MALLOC_CONF"]
