@@ -119,9 +119,17 @@ def _overrides(module) -> dict:
     return out
 
 
+# torch's own scratch in its config: AOTInductor writes each build's device facts into it
+_TORCH_SCRATCH = {"torch._inductor.config": ("aot_inductor.metadata",)}
+
+
 def _compile_configs() -> dict:
-    return {name: _overrides(sys.modules[name]) for name in _COMPILE_CONFIGS
-            if name in sys.modules}
+    out = {name: _overrides(sys.modules[name]) for name in _COMPILE_CONFIGS
+           if name in sys.modules}
+    for name, keys in _TORCH_SCRATCH.items():
+        for key in keys:
+            out.get(name, {}).pop(key, None)
+    return out
 
 
 def _loggers() -> dict:
@@ -167,6 +175,13 @@ def _hooks() -> dict:
             "multiprocessing start method": (multiprocessing.get_start_method(allow_none=True)
                                              or multiprocessing.get_all_start_methods()[0]),
             "sys.getrecursionlimit()": sys.getrecursionlimit()}
+
+
+def _raised_recursion_limit(hooks: dict) -> dict:
+    """A raised recursion limit is no leak (inductor's compile raises it to 2000 and keeps it:
+    torch/_inductor/compile_fx.py); a lowered one is."""
+    was, now = hooks.get("sys.getrecursionlimit()", (0, 0))
+    return {k: v for k, v in hooks.items() if k != "sys.getrecursionlimit()" or now < was}
 
 
 def _treeflow_globals() -> dict:
@@ -253,7 +268,7 @@ def check(before: dict, *, module: bool = False) -> list[str]:
         named = {signal.Signals(s).name: v for s, v in signals.items()}
         leaks.append(f"signal handlers {_show(named)}: give the handler back where it is "
                      "installed (treeflow.sigterm.keep_sigterm, treeflow._errors.run)")
-    hooks = _changed(before["hooks"], _hooks())
+    hooks = _raised_recursion_limit(_changed(before["hooks"], _hooks()))
     if hooks:
         _restore_hooks(hooks)
         leaks.append(f"{_show(hooks)}: restore it where it is set (or monkeypatch.setattr)")

@@ -70,7 +70,7 @@ LEAKS = {  # what a test does -> what the detector must name
     "excepthook": (lambda: setattr(sys, "excepthook", lambda *a: None), "sys.excepthook"),
     "thread hook": (lambda: setattr(threading, "excepthook", lambda *a: None),
                     "threading.excepthook"),
-    "recursion": (lambda: sys.setrecursionlimit(sys.getrecursionlimit() + 7),
+    "recursion": (lambda: sys.setrecursionlimit(sys.getrecursionlimit() - 7),
                   "sys.getrecursionlimit()"),
     "start method": (lambda: multiprocessing.set_start_method("spawn", force=True),
                      "multiprocessing start method"),
