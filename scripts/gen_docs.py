@@ -290,8 +290,15 @@ PAGES = {
 
 
 def generate() -> dict[str, str]:
+    was = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "88"  # argparse wraps usage lines at the terminal's width
-    return {page: make() for page, make in PAGES.items()}
+    try:
+        return {page: make() for page, make in PAGES.items()}
+    finally:  # a caller in this process (tests/test_docs.py) gets its terminal width back
+        if was is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = was
 
 
 def stale(pages: dict[str, str]) -> list[str]:
