@@ -14,7 +14,9 @@ from treeflow.stages import Forward, Fragment, Pack, Shard
 from treeflow.train import DataParallel, Trainer
 from treeflow.train.launch import spawn
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_background_dcp")]
 
 
 def _slow_dcp_writes():

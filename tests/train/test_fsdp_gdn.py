@@ -36,7 +36,9 @@ from treeflow.train.launch import spawn
 
 require("transformers")
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_fsdp_gdn")]
 
 BUDGETS = (512, 80)
 LP64_ABS, GRAD64_REL = 1e-6, 5e-5

@@ -28,7 +28,9 @@ from treeflow.train.launch import spawn
 
 require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_fsdp_hybrid")]
 
 LR = 1e-3
 

@@ -28,7 +28,9 @@ from treeflow.train import DataParallel, Policy
 from treeflow.train.launch import spawn
 
 transformers = require("transformers")
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_policy_cp")]
 
 MAX_TOKENS = 24  # two bins: the group's tree (19 nodes) and the agent episode (19)
 
