@@ -155,10 +155,11 @@ def test_killed_rank_is_restarted_and_its_bins_rerun(ray_cluster, data, tmp_path
 
 @pytest.mark.ray
 def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
-    # per-token routes make the file big while the tree keeps the model's work small
-    eps = synth_episodes(episodes=320, group_size=16, turns=(8, 10), system_tokens=400,
+    # per-token routes make the file big while the tree keeps the model's work small: two
+    # route layers of 128 ids per token, so half the episodes (and the model's work) fill it
+    eps = synth_episodes(episodes=160, group_size=16, turns=(8, 10), system_tokens=400,
                          user_tokens=(4, 8), completion_tokens=(4, 8), tool_tokens=(4, 8),
-                         routes=128, seed=1)
+                         routes=128, route_layers=2, seed=1)
     path = tmp_path / "big.arrow"
     write_episodes(eps, path)
     size = os.path.getsize(path)
@@ -169,7 +170,7 @@ def test_a_file_larger_than_the_object_store_streams(ray_cluster, tmp_path):
     n = 0
     for rec in pipe.run(files, engine="ray"):
         n += rec.output.num_rows
-    assert n == 320
+    assert n == 160
     # backpressure kept the store from holding (or spilling) the whole file
     # the session's cluster by address: another Ray instance on the machine must not confuse it
     summary = ray_cluster._private.internal_api.memory_summary(

@@ -14,7 +14,9 @@ from treeflow.stages import Forward, Fragment, Pack, Shard
 from treeflow.train import DataParallel, Trainer
 from treeflow.train.launch import spawn
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_background_dcp")]
 
 
 def _slow_dcp_writes():
@@ -35,9 +37,24 @@ def _step(tr, dp, eps, budget):
     tr.train_step(eps, bins)
 
 
-def _sync_then_background(root):
-    """In every rank: one step, a synchronous save, a background save, the next step at once."""
+def _rank(root):
+    """Both tests' rank side in one process group (a spawn of two ranks costs their start --
+    torch, the group -- as much as either run): the good saves first, then the failing one."""
     dp = DataParallel.from_env("cpu")
+    out = {"sync_then_background": _sync_then_background(root, dp),
+           "failing": _failing_background_write(root, dp)}
+    dp.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bgdcp")
+    return root, spawn(_rank, 2, str(root), timeout_s=2 * TIMEOUT_S, threads=1)
+
+
+def _sync_then_background(root, dp):
+    """In every rank: one step, a synchronous save, a background save, the next step at once."""
     _slow_dcp_writes()
     eps, budget = data()
     tr = Trainer(Forward(), reduce_for("pg", "seq-mean"), model=small_model(), dp=dp,
@@ -49,7 +66,6 @@ def _sync_then_background(root):
     _step(tr, dp, eps.slice(4), budget)  # its AdamW step must wait for this rank's writer
     waited = tr.last_timing["save_wait_s"]
     left = tr.wait_for_save()
-    dp.close()
     return {"path": path, "running": running, "waited": waited, "left": left}
 
 
@@ -70,8 +86,8 @@ def _metadata(step_dir):
     return meta.state_dict_metadata, meta.storage_data
 
 
-def test_background_sharded_save_writes_what_a_synchronous_save_writes(tmp_path):
-    runs = spawn(_sync_then_background, 2, str(tmp_path), timeout_s=TIMEOUT_S, threads=1)
+def test_background_sharded_save_writes_what_a_synchronous_save_writes(ranks):
+    tmp_path, runs = ranks[0], [r["sync_then_background"] for r in ranks[1]]
     assert all(r["running"] for r in runs)  # save returned on every rank before its write ended
     assert all(r["waited"] > 0 for r in runs)  # and the next AdamW step waited for it
     assert all(r["left"] == 0.0 for r in runs)
@@ -90,11 +106,10 @@ def test_background_sharded_save_writes_what_a_synchronous_save_writes(tmp_path)
     assert (tmp_path / "bg" / "latest.txt").read_text().strip() == "step-000001"
 
 
-def _failing_background_write(root):
+def _failing_background_write(root, dp):
     """In every rank: a background save whose DCP writes fail (a full disk), then the next step."""
     import torch.distributed.checkpoint.filesystem as fs
 
-    dp = DataParallel.from_env("cpu")
     eps, budget = data()
     tr = Trainer(Forward(), reduce_for("pg", "seq-mean"), model=small_model(), dp=dp,
                  shard_params=True)
@@ -112,12 +127,11 @@ def _failing_background_write(root):
         error = None
     except RuntimeError as e:
         error = str(e)
-    dp.close()
     return {"error": error}
 
 
-def test_a_failed_background_sharded_write_is_every_rank_s_error(tmp_path):
-    runs = spawn(_failing_background_write, 2, str(tmp_path), timeout_s=TIMEOUT_S, threads=1)
+def test_a_failed_background_sharded_write_is_every_rank_s_error(ranks):
+    tmp_path, runs = ranks[0], [r["failing"] for r in ranks[1]]
     for r in runs:
         assert r["error"] and "background checkpoint save failed" in r["error"], r
     ck = tmp_path / "ck"

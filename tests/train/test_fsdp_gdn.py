@@ -18,6 +18,9 @@ in_proj_ba, MoE blocks whose float32 routers are groups too).
 
 bfloat16: the parameters the mixer reads in float32 reach its forward as the checkpoint's
 float32 values bit for bit, through a Trainer step; its projections are groups of their own.
+
+One spawn of two ranks per family runs the rank side of both (`ranks`): a spawn's start
+(torch, transformers, the process group) cost as much as the work it ran.
 """
 
 from __future__ import annotations
@@ -33,22 +36,33 @@ from treeflow.train.launch import spawn
 
 require("transformers")
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_fsdp_gdn")]
 
 BUDGETS = (512, 80)
 LP64_ABS, GRAD64_REL = 1e-6, 5e-5
 TIMEOUT_S = 120  # the process group's: a rank stuck in a collective fails within it
 
 
-def _values_rank(path):
+def _rank(path, data):
+    """Each rank's side of both tests below, in one process group: a spawn of two ranks costs
+    their start (torch, transformers, the group) each time, so the family's checks share one."""
+    from treeflow.train import DataParallel
+
+    dp = DataParallel.from_env("cpu", timeout_s=TIMEOUT_S)
+    out = {"float32": _values(path), "bf16": _bf16(path, data, dp)}
+    dp.close()
+    return out
+
+
+def _values(path):
     """Per budget, on each rank: logprobs and the gathered gradient of sum(w * logprob)."""
     from tests.models.hybrid_helpers import episodes, token_weights, treeflow_values
     from tests.models.qwen3_next_helpers import VOCAB
     from treeflow.models import load_backend
-    from treeflow.train import DataParallel
     from treeflow.train.fsdp import shard_module
 
-    dp = DataParallel.from_env("cpu", timeout_s=TIMEOUT_S)
     backend = load_backend("reference", path)
     shard_module(backend.module, torch.float32)
     eps = episodes(65, seed=65, vocab=VOCAB)
@@ -58,7 +72,6 @@ def _values_rank(path):
                                             max_tokens=budget)
         out[budget] = {"values": vals, "grads": {n: g.full_tensor() for n, g in grads.items()},
                        "bins": bins}
-    dp.close()
     return out
 
 
@@ -99,7 +112,14 @@ def gdn(request, tmp_path_factory):
     return request.param, str(path / "m"), str(path / "e.arrow"), hf
 
 
-def test_sharded_gdn_equals_unsharded_and_transformers_float64(gdn, monkeypatch):
+@pytest.fixture(scope="module")
+def ranks(gdn):
+    """The two ranks' results of _rank, for the family's tests below."""
+    _, path, data, _ = gdn
+    return spawn(_rank, 2, path, data, timeout_s=8 * TIMEOUT_S, threads=1)
+
+
+def test_sharded_gdn_equals_unsharded_and_transformers_float64(gdn, ranks, monkeypatch):
     from tests.models.hybrid_helpers import episodes, token_weights, treeflow_values
     from tests.models.qwen3_next_helpers import VOCAB
     from treeflow.models import load_backend
@@ -109,7 +129,7 @@ def test_sharded_gdn_equals_unsharded_and_transformers_float64(gdn, monkeypatch)
     w = token_weights(eps)
     hf_vals, hf_grads = _hf64(hf, eps, w, monkeypatch)
     one = load_backend("reference", path)
-    runs = spawn(_values_rank, 2, path, timeout_s=4 * TIMEOUT_S, threads=1)
+    runs = [r["float32"] for r in ranks]
     for budget in BUDGETS:
         vals, grads, bins = treeflow_values(one, eps, w, layout="tree", max_tokens=budget)
         if budget == 80:
@@ -127,16 +147,15 @@ def test_sharded_gdn_equals_unsharded_and_transformers_float64(gdn, monkeypatch)
             assert rel < GRAD64_REL, (budget, n, rel)
 
 
-def _bf16_rank(path, data):
+def _bf16(path, data, dp):
     import pyarrow.ipc as ipc
     from safetensors.torch import load_file
 
     from treeflow.pipeline import Pipeline
     from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
-    from treeflow.train import DataParallel, Trainer
+    from treeflow.train import Trainer
     from treeflow.train.fsdp import float32_groups
 
-    dp = DataParallel.from_env("cpu", timeout_s=TIMEOUT_S)
     fwd = Forward(model=path, dtype="bfloat16")
     red = Reduce(loss=Loss(kind="nll"))
     tr = Trainer(fwd, red, dp=dp, shard_params=True)
@@ -156,7 +175,6 @@ def _bf16_rank(path, data):
     pipe = Pipeline(Pack(scope="group"), Fragment(max_tokens=512), Shard(), fwd, red)
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=len(eps),
                                                       trainer=tr)]
-    dp.close()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     ckpt = load_file(os.path.join(path, "model.safetensors"))
     return {n: (sorted({str(t.dtype) for t in calls}),
@@ -164,10 +182,8 @@ def _bf16_rank(path, data):
             for n, calls in seen.items()}
 
 
-def test_bf16_sharded_gdn_reads_its_float32_parameters_in_float32(gdn):
-    _, path, data, _ = gdn
-    runs = spawn(_bf16_rank, 2, path, data, timeout_s=4 * TIMEOUT_S, threads=1)
-    for seen in runs:
+def test_bf16_sharded_gdn_reads_its_float32_parameters_in_float32(ranks):
+    for seen in (r["bf16"] for r in ranks):
         kinds = {n.rpartition(".")[2] for n in seen}
         assert {"A_log", "dt_bias"} <= kinds, sorted(seen)
         assert any(".conv1d." in n for n in seen) and any(".norm.weight" in n for n in seen)

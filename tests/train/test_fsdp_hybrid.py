@@ -10,6 +10,9 @@ and the weights after AdamW.
 bfloat16: the parameters the mixer reads in float32 (fsdp.float32_groups: A_log, D, dt_bias,
 the conv, the gated norm) reach its forward as the checkpoint's float32 values bit for bit,
 through a Trainer step; its projections are groups of their own in bf16.
+
+One spawn of two ranks per family runs the rank side of all three (`ranks`): a spawn's start
+(torch, transformers, the process group) cost as much as the work it ran.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from treeflow.train.launch import spawn
 
 require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_fsdp_hybrid")]
 
 LR = 1e-3
 
@@ -34,34 +39,45 @@ def _name(family, hf_name):
     return hf_name.replace("model.", "backbone.", 1) if family == "nemotron_h" else hf_name
 
 
-def _values_rank(path):
+def _rank(path, data, values):
+    """Each rank's side of every test below, in one process group: a spawn of two ranks costs
+    their start (torch, transformers, the group) each time, so the family's checks share one.
+    values: also the float32 logprobs and gradients (not for the MoE family, see below)."""
+    from treeflow.train import DataParallel
+
+    dp = DataParallel.from_env("cpu")
+    out = {"values": _values(path) if values else None,
+           "step": _trainer_rank(path, data, dp), "bf16": _bf16(path, data, dp)}
+    dp.close()
+    return out
+
+
+def _values(path):
     """Logprobs and the gathered gradient of sum(w * logprob) over every bin, on each rank."""
     from tests.models.hybrid_helpers import episodes, token_weights, treeflow_values
     from treeflow.models import load_backend
-    from treeflow.train import DataParallel
     from treeflow.train.fsdp import shard_module
 
-    dp = DataParallel.from_env("cpu")
     backend = load_backend("reference", path)
     shard_module(backend.module, torch.float32)
     eps = episodes(9, seed=9)
     vals, grads, bins = treeflow_values(backend, eps, token_weights(eps), layout="tree",
                                         max_tokens=24)
     full = {n: g.full_tensor() for n, g in grads.items()}
-    dp.close()
     return {"values": vals, "grads": full, "bins": bins}
 
 
-def _trainer_rank(path, data, sharded):
+def _trainer_rank(path, data, dp):
+    """A Trainer step: sharded over `dp`'s ranks, or unsharded in this process (dp None)."""
     import pyarrow.ipc as ipc
 
     from treeflow.pipeline import Pipeline
     from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
     from treeflow.stages.reduce import EpisodeSchedule
-    from treeflow.train import DataParallel, Trainer
+    from treeflow.train import Trainer
     from treeflow.train.fsdp import full_state_dict
 
-    dp = DataParallel.from_env("cpu") if sharded else None
+    sharded = dp is not None
     fwd = Forward(model=path)
     red = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=LR))
     tr = Trainer(fwd, red, dp=dp, shard_params=sharded)
@@ -72,8 +88,6 @@ def _trainer_rank(path, data, sharded):
                                                       trainer=tr)]
     state = full_state_dict(tr.backend.module) if sharded else {
         n: p.detach().clone() for n, p in tr.backend.module.state_dict().items()}
-    if dp is not None:
-        dp.close()
     return {"loss": rows[0]["loss"], "grad_norm": rows[0]["grad_norm"], "state": state}
 
 
@@ -95,17 +109,23 @@ def hybrid(request, tmp_path_factory):
     return request.param, str(path / "m"), str(path / "e.arrow"), hf
 
 
-def test_sharded_hybrid_gradients_equal_transformers_per_call(hybrid):
+@pytest.fixture(scope="module")
+def ranks(hybrid):
+    """The two ranks' results of _rank, for the family's tests below."""
+    family, path, data, _ = hybrid
+    return spawn(_rank, 2, path, data, family != "nemotron_h_moe", timeout_s=480, threads=1)
+
+
+def test_sharded_hybrid_gradients_equal_transformers_per_call(hybrid, ranks):
     from tests.models.hybrid_helpers import episodes, hf_values, token_weights
 
-    family, path, _, hf = hybrid
+    family, _, _, hf = hybrid
     if family == "nemotron_h_moe":
         pytest.skip("the MoE oracle replays routes (hybrid_moe_helpers); its sharded step is "
                     "checked against the unsharded one below")
     eps = episodes(9, seed=9)
     hf_vals, hf_grads = hf_values(hf, eps, token_weights(eps))
-    runs = spawn(_values_rank, 2, path, timeout_s=240, threads=1)
-    for run in runs:
+    for run in (r["values"] for r in ranks):
         assert run["bins"] > 3  # fragments: the trees were cut
         assert run["values"].keys() == hf_vals.keys()
         worst = max(abs(run["values"][k] - hf_vals[k]) for k in hf_vals)
@@ -117,10 +137,10 @@ def test_sharded_hybrid_gradients_equal_transformers_per_call(hybrid):
             assert rel < 1e-5, (n, rel)
 
 
-def test_sharded_hybrid_step_equals_one_unsharded_process(hybrid):
+def test_sharded_hybrid_step_equals_one_unsharded_process(hybrid, ranks):
     _, path, data, _ = hybrid
-    one = _trainer_rank(path, data, False)
-    runs = spawn(_trainer_rank, 2, path, data, True, timeout_s=240, threads=1)
+    one = _trainer_rank(path, data, None)
+    runs = [r["step"] for r in ranks]
     two = runs[0]
     assert runs[1]["loss"] == two["loss"]
     # float32 sums of the same terms in another order (per-bin reduce-scatter)
@@ -138,16 +158,15 @@ def test_sharded_hybrid_step_equals_one_unsharded_process(hybrid):
         assert bool(((got - want).abs() <= bound).all()), (n, float((got - want).abs().max()))
 
 
-def _bf16_rank(path, data):
+def _bf16(path, data, dp):
     import pyarrow.ipc as ipc
     from safetensors.torch import load_file
 
     from treeflow.pipeline import Pipeline
     from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
-    from treeflow.train import DataParallel, Trainer
+    from treeflow.train import Trainer
     from treeflow.train.fsdp import float32_groups
 
-    dp = DataParallel.from_env("cpu")
     fwd = Forward(model=path, dtype="bfloat16")
     red = Reduce(loss=Loss(kind="nll"))
     tr = Trainer(fwd, red, dp=dp, shard_params=True)
@@ -166,7 +185,6 @@ def _bf16_rank(path, data):
     pipe = Pipeline(Pack(scope="group"), Fragment(max_tokens=512), Shard(), fwd, red)
     rows = [r.output.to_pylist()[0] for r in pipe.run(eps, episodes_per_step=len(eps),
                                                       trainer=tr)]
-    dp.close()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     ckpt = load_file(os.path.join(path, "model.safetensors"))
     key = {n: n if n in ckpt else n.replace("backbone.", "model.", 1) for n in seen}
@@ -175,10 +193,8 @@ def _bf16_rank(path, data):
             for n, calls in seen.items()}
 
 
-def test_bf16_sharded_hybrid_reads_its_float32_parameters_in_float32(hybrid):
-    family, path, data, _ = hybrid
-    runs = spawn(_bf16_rank, 2, path, data, timeout_s=240, threads=1)
-    for seen in runs:
+def test_bf16_sharded_hybrid_reads_its_float32_parameters_in_float32(ranks):
+    for seen in (r["bf16"] for r in ranks):
         kinds = {n.rpartition(".")[2] for n in seen}
         assert {"A_log", "D", "dt_bias"} <= kinds, sorted(seen)
         assert any(".conv1d." in n for n in seen) and any(".norm.weight" in n for n in seen)

@@ -49,7 +49,26 @@ def _name(family, hf_name):
     return hf_name.replace("model.", "backbone.", 1) if family == "nemotron_h" else hf_name
 
 
-def _cp_rank(path, rows, weights, shard, budgets):
+def _cp_rank(path, rows, weights, budgets):
+    """The unsharded run, then the sharded one, in one process group (a spawn of two ranks
+    costs their start -- torch, transformers, the group -- as much as a run)."""
+    import treeflow.models.heads.logprobs as heads
+    from treeflow.parallel import ParallelDims
+    from treeflow.train import DataParallel
+
+    dims = ParallelDims(cp=2)
+    dp = DataParallel.from_env("cpu", dims=dims, timeout_s=TIMEOUT_S)
+    inner = heads.selected_logprobs
+    try:
+        out = {shard: _cp_run(path, rows, weights, shard, budgets, dims)
+               for shard in (False, True)}
+    finally:
+        heads.selected_logprobs = inner
+    dp.close()
+    return out
+
+
+def _cp_run(path, rows, weights, shard, budgets, dims):
     """Per budget: the group's occurrence logprobs and gradient of sum(w * logprob), and how
     many bins this rank ran without an edge."""
     import pyarrow as pa
@@ -60,13 +79,9 @@ def _cp_rank(path, rows, weights, shard, budgets):
     from treeflow.ops import build_forward
     from treeflow.schemas import EPISODE_SCHEMA, validate_episodes
     from treeflow.stages import Forward, Fragment, Pack
-    from treeflow.parallel import ParallelDims
     from treeflow.stages.flat import list_offsets, list_values
-    from treeflow.train import DataParallel
     from treeflow.train.fsdp import shard_module
 
-    dims = ParallelDims(cp=2)
-    dp = DataParallel.from_env("cpu", dims=dims, timeout_s=TIMEOUT_S)
     backend = load_backend("reference", path)
     if shard:
         shard_module(backend.module, torch.float32)
@@ -106,7 +121,7 @@ def _cp_rank(path, rows, weights, shard, budgets):
                 grads[n] = p.grad.detach().clone()
                 dist.all_reduce(grads[n])
         out[budget] = {"keys": keys, "values": values, "grads": grads, "empty": empty[0]}
-    dp.close()
+    heads.selected_logprobs = inner
     return out
 
 
@@ -157,8 +172,8 @@ def monkeypatch_module():
 def test_sharded_hybrid_cp2_equals_unsharded_cp2_and_transformers(hybrid):
     family, path, rows, weights, budgets, (hf_vals, hf_grads), (lp_abs, grad_rel) = hybrid
     args = (path, rows, weights)
-    plain = spawn(_cp_rank, 2, *args, False, budgets, timeout_s=4 * TIMEOUT_S, threads=1)
-    sharded = spawn(_cp_rank, 2, *args, True, budgets, timeout_s=4 * TIMEOUT_S, threads=1)
+    runs = spawn(_cp_rank, 2, *args, budgets, timeout_s=8 * TIMEOUT_S, threads=1)
+    plain, sharded = [r[False] for r in runs], [r[True] for r in runs]
     # the case of the deadlock: a bin where one rank owns no edge
     assert sum(run[b]["empty"] for run in sharded for b in budgets) > 0
     for run, ref in zip(sharded, plain):

@@ -20,17 +20,27 @@ from treeflow.train.launch import spawn
 pytestmark = pytest.mark.multiprocess
 
 
-def _rank(data, offload):
+def _rank(data):
+    """The step without offload, then with it, in one process group (a second spawn of two
+    ranks cost their start again: torch, the group)."""
+    from treeflow.train import DataParallel
+
+    dp = DataParallel.from_env("cpu")
+    out = {"plain": _step(data, dp, False), "offload": _step(data, dp, True)}
+    dp.close()
+    return out
+
+
+def _step(data, dp, offload):
     import pyarrow.ipc as ipc
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from treeflow.pipeline import Pipeline
     from treeflow.stages import Forward, Fragment, Loss, Pack, Reduce, Shard
     from treeflow.stages.reduce import EpisodeSchedule
-    from treeflow.train import DataParallel, Trainer
+    from treeflow.train import Trainer
     from treeflow.train.fsdp import full_state_dict
 
-    dp = DataParallel.from_env("cpu")
     fwd = Forward(model="tiny")
     red = Reduce(loss=Loss(kind="nll"), schedule=EpisodeSchedule(lr=1e-3))
     tr = Trainer(fwd, red, dp=dp, shard_params=True, offload=offload)
@@ -46,7 +56,6 @@ def _rank(data, offload):
                if k in ("exp_avg", "exp_avg_sq")}
     params = {p.device.type for p in tr.model.parameters()}
     state = full_state_dict(tr.model)
-    dp.close()
     return {"policies": sorted(policies), "offload_policy": CPUOffloadPolicy.__name__,
             "moments": sorted(moments), "params": sorted(params), "loss": rows[0]["loss"],
             "state": state}
@@ -61,8 +70,8 @@ def data(tmp_path_factory):
 
 
 def test_offloaded_step_equals_the_step_without_it(data):
-    plain = spawn(_rank, 2, str(data), False, timeout_s=240, threads=1)
-    off = spawn(_rank, 2, str(data), True, timeout_s=240, threads=1)
+    runs = spawn(_rank, 2, str(data), timeout_s=480, threads=1)
+    plain, off = [r["plain"] for r in runs], [r["offload"] for r in runs]
     assert plain[0]["policies"] == ["OffloadPolicy"]
     assert off[0]["policies"] == [off[0]["offload_policy"]]  # every group: CPUOffloadPolicy
     assert off[0]["moments"] == off[0]["params"] == ["cpu"]

@@ -28,7 +28,9 @@ from treeflow.train import DataParallel, Policy
 from treeflow.train.launch import spawn
 
 transformers = require("transformers")
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its tests share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_policy_cp")]
 
 MAX_TOKENS = 24  # two bins: the group's tree (19 nodes) and the agent episode (19)
 
@@ -66,11 +68,15 @@ def _policy(model, max_norm, dp=None) -> Policy:
                   reduce=replace(reduce_for(max_norm), loss=Loss(kind="pg", norm="token")))
 
 
-def _rank(family: str, max_norm: float) -> dict:
+def _rank(max_norms: dict) -> dict:
+    """Every family's cp=2 run in one process group: a spawn of two processes costs their
+    start (torch, transformers, the group) as much as a family's run."""
     dp = DataParallel.from_env(dims=ParallelDims(cp=2))
-    model = _model(family)
-    out = _run(_policy(model, max_norm, dp), model)
-    out["cp"] = (dp.cp.rank, dp.cp.size, dp.replicas)
+    out = {}
+    for family, max_norm in max_norms.items():
+        model = _model(family)
+        out[family] = _run(_policy(model, max_norm, dp), model)
+        out[family]["cp"] = (dp.cp.rank, dp.cp.size, dp.replicas)
     return out
 
 
@@ -93,8 +99,31 @@ def _check(got: dict, model, family: str, want_lp, gspo_loss, gspo_grads, step) 
     check_step(got["params"], dict(model.named_parameters()), want, lr)
 
 
-@pytest.mark.parametrize("family", ["dense", "hybrid"])
-def test_cp2_equals_cp1_and_transformers_per_call(family):
+FAMILIES = ("dense", "hybrid")
+
+
+def _max_norm(family: str) -> float:
+    """The gradient clip of the family's hand step (hand_step's third value)."""
+    model = _model(family)
+    return hand_step(model, _rows(), hand_pg_token)[2]
+
+
+@pytest.fixture(scope="module")
+def cp2_ranks():
+    """({family: the two processes' results}, {family: the max_norm they ran}): both families
+    from one spawn, their clip computed as the test computes it (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        norms = {f: _max_norm(f) for f in FAMILIES}
+    finally:
+        torch.set_num_threads(threads)
+    ranks = spawn(_rank, 2, norms, timeout_s=600, threads=1)
+    return {f: [r[f] for r in ranks] for f in FAMILIES}, norms
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp2_equals_cp1_and_transformers_per_call(family, cp2_ranks):
     torch.set_num_threads(1)
     rows = _rows()
     model = _model(family)
@@ -107,7 +136,8 @@ def test_cp2_equals_cp1_and_transformers_per_call(family):
     step = hand_step(model, rows, hand_pg_token)
     one = copy.deepcopy(model)
     results = {"cp=1": _run(_policy(one, step[2]), one)}
-    ranks = spawn(_rank, 2, family, step[2], timeout_s=300, threads=1)
+    ranks, norms = cp2_ranks[0][family], cp2_ranks[1]
+    assert norms[family] == step[2]  # the processes clipped as this step does
     assert [r["cp"] for r in ranks] == [(0, 2, 1), (1, 2, 1)]
     results.update({f"cp=2 rank {r}": got for r, got in enumerate(ranks)})
     for got in results.values():

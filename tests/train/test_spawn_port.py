@@ -34,9 +34,13 @@ def test_a_port_taken_before_rank_0_listens_is_tried_again(monkeypatch, capsys):
 
 
 def test_a_port_taken_every_time_fails_naming_it(monkeypatch):
+    # started again once, then refused: each attempt starts both ranks (torch, the group), so
+    # two attempts stand for the default three, which only repeat the second
+    assert launch._PORT_ATTEMPTS == 3
+    monkeypatch.setattr(launch, "_PORT_ATTEMPTS", 2)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
-        with pytest.raises(RuntimeError, match="could not listen on a free port 3 times"):
+        with pytest.raises(RuntimeError, match="could not listen on a free port 2 times"):
             launch.spawn(_group_rank, 2, timeout_s=120, threads=1)
