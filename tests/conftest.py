@@ -94,9 +94,18 @@ def _slow_asked(config) -> bool:
 
 
 def _xdist_group(item) -> str | None:
-    """The xdist group of a test: "ray" for every test that uses Ray (one worker, one cluster)."""
+    """The xdist group of a test: "ray" for every test that uses Ray (one worker, one cluster);
+    its module's path where the test takes a module- or class-scoped fixture of its module (a
+    shared run, a checkpoint, a spawn): without a group xdist hands a module's tests to both
+    workers and each builds that fixture again."""
     if item.get_closest_marker("ray") or "ray_cluster" in getattr(item, "fixturenames", ()):
         return "ray"
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        scope = getattr(defs[-1].scope, "value", defs[-1].scope)
+        if scope in ("module", "class") and defs[-1].baseid.startswith(module):
+            return module
     return None
 
 
