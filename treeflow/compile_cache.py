@@ -31,7 +31,8 @@ import os
 import stat
 import sys
 
-__all__ = ["OFF", "active_dir", "add_option", "configure", "default_dir", "home_dir", "open_own"]
+__all__ = ["OFF", "active_dir", "add_option", "configure", "default_dir", "home_dir", "is_off",
+           "open_own"]
 
 OFF = "off"
 _ENV_DIR = "TORCHINDUCTOR_CACHE_DIR"
@@ -60,8 +61,16 @@ def default_dir() -> str:
 
 def home_dir() -> str:
     """treeflow's cache home, `default_dir()`'s parent: records that belong to the machine, not
-    to one compile cache (models/compile/vec_isa.py); made mode 0700 and checked as a cache is."""
-    return _own_dir(os.path.dirname(default_dir()))
+    to one compile cache (models/compile/vec_isa.py); made mode 0700 and checked as a cache is.
+    Raises ValueError (not the user's own, naming XDG_CACHE_HOME) or OSError (cannot be made)."""
+    return _own_dir(os.path.dirname(default_dir()), what="treeflow cache home",
+                    fix="point XDG_CACHE_HOME at a directory of your own (it holds the CPU "
+                        "vector-ISA record cpu_vec_isa.json)")
+
+
+def is_off() -> bool:
+    """Whether `configure("off")` (`--compile-cache off`) is in force: nothing is recorded."""
+    return _off
 
 
 def configure(where: str | os.PathLike | None = None) -> str | None:
@@ -71,20 +80,21 @@ def configure(where: str | os.PathLike | None = None) -> str | None:
     Raises ValueError naming the directory when it is not the caller's own: owned by another
     user, writable by group or others, or not a directory.
     """
-    global _active
+    global _active, _off
     if where is not None and os.fspath(where) == OFF:
         _set(fx=False, directory=None)
-        _active = None
+        _active, _off = None, True
         return None
     if where is None:
         where = os.environ.get(_ENV_DIR) or default_dir()
     directory = _own_dir(os.path.abspath(os.path.expanduser(os.fspath(where))))
     _set(fx=True, directory=directory)
-    _active = directory
+    _active, _off = directory, False
     return directory
 
 
 _active: str | None = None  # the directory configure() last turned on; None: off or never called
+_off = False  # configure("off") was the last call
 
 
 def active_dir(sub: str) -> str | None:
@@ -115,9 +125,11 @@ def open_own(path: str):
     return f
 
 
-def _own_dir(path: str) -> str:
-    """`path` made if absent (mode 0700) and checked to be this user's alone; its real path."""
-    _check_parents(os.path.realpath(path))
+def _own_dir(path: str, *, what: str = "compile cache",
+             fix: str = "give --compile-cache a directory of your own (or off)") -> str:
+    """`path` made if absent (mode 0700) and checked to be this user's alone; its real path.
+    `what` names it and `fix` is the way out in the ValueError."""
+    _check_parents(os.path.realpath(path), what, fix)
     if not os.path.lexists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
@@ -126,22 +138,19 @@ def _own_dir(path: str) -> str:
             pass
     real = os.path.realpath(path)
     st = os.stat(real)
-    fix = "chmod 700 it, or give --compile-cache another directory (or off)"
     if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"compile cache {path} is not a directory; give --compile-cache a "
-                         "directory (or off)")
+        raise ValueError(f"{what} {path} is not a directory; {fix}")
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise ValueError(f"compile cache {real} is owned by uid {st.st_uid}, not by you (uid "
-                         f"{os.getuid()}): a compile cache holds code this process runs; give "
-                         "--compile-cache a directory of your own (or off)")
+        raise ValueError(f"{what} {real} is owned by uid {st.st_uid}, not by you (uid "
+                         f"{os.getuid()}): a compile cache holds code this process runs; {fix}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"compile cache {real} is writable by group or others (mode "
+        raise ValueError(f"{what} {real} is writable by group or others (mode "
                          f"{stat.S_IMODE(st.st_mode):o}): a compile cache holds code this "
-                         f"process runs; {fix}")
+                         f"process runs; chmod 700 it, or {fix}")
     return real
 
 
-def _check_parents(real: str) -> None:
+def _check_parents(real: str, what: str, fix: str) -> None:
     """Every directory above the cache is root's or this user's, and not writable by group or
     others unless sticky (/tmp): whoever can write a parent can rename the cache away and put
     a directory of their own code in its place."""
@@ -153,14 +162,14 @@ def _check_parents(real: str) -> None:
     while True:
         st = os.stat(parent)
         if st.st_uid not in (0, os.getuid()):
-            raise ValueError(f"compile cache {real}: its parent {parent} is owned by uid "
+            raise ValueError(f"{what} {real}: its parent {parent} is owned by uid "
                              f"{st.st_uid}, who could replace the cache with code this process "
-                             "runs; give --compile-cache a directory under your own (or off)")
+                             f"runs; {fix}")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            raise ValueError(f"compile cache {real}: its parent {parent} is writable by group or "
+            raise ValueError(f"{what} {real}: its parent {parent} is writable by group or "
                              f"others (mode {stat.S_IMODE(st.st_mode):o}, not sticky), who could "
-                             "replace the cache with code this process runs; chmod go-w "
-                             f"{parent}, or give --compile-cache another directory (or off)")
+                             f"replace the cache with code this process runs; chmod go-w "
+                             f"{parent}, or {fix}")
         if parent == os.path.dirname(parent):
             return
         parent = os.path.dirname(parent)

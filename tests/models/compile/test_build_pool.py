@@ -8,7 +8,9 @@ fails that build instead of passing by luck of timing -- and the graphs built si
 the serial builds' hidden states bit for bit, both within float32 rounding of the plain (eager)
 path. A failing build is said by name, built again alone and recorded while the other still
 builds; the caller's inductor config holds in the pool's threads; leaving the pool waits for
-every build even when the warm-up raised.
+every build even when the warm-up raised, and every owner even when one fails (the first error
+raised, from the body's); a call with no pool in force waits for its graph; warm-ups in two
+threads keep their own pools; builds run on the submitting thread's CUDA device (two GPUs).
 """
 
 from __future__ import annotations
@@ -172,3 +174,75 @@ def test_leaving_together_waits_for_every_build_even_when_the_body_raised():
             raise KeyError("the warm-up failed")
     assert build_pool.active() is None
     assert results[0] is None and isinstance(results[1], ZeroDivisionError)  # submission order
+
+
+def test_finish_takes_every_build_when_an_owner_fails_and_raises_the_first_from_the_bodys():
+    taken = []
+
+    def owner(name):
+        def on_done(error):
+            taken.append(name)
+            if name != "ok":
+                raise OSError(f"{name}: disk full")
+        return on_done
+
+    with pytest.raises(OSError, match="first: disk full") as raised:
+        with build_pool.together(2) as pool:
+            for name in ("first", "ok", "second"):
+                pool.submit(name, lambda: None, owner(name))
+            raise KeyError("the warm-up failed")
+    assert taken == ["first", "ok", "second"]  # every owner took its build
+    assert isinstance(raised.value.__cause__, KeyError)  # the body's error, kept
+
+
+def test_a_call_with_no_pool_in_force_waits_for_its_graph_instead_of_running_eager(
+        cache, monkeypatch):
+    from treeflow.models.compile import precompiled
+
+    p = precompiled.Precompiled(torch.relu, backend="inductor", name="waits", dynamic=(0,),
+                                ahead_of_time=True, eager_while_building=True)
+    monkeypatch.setattr(p, "_variant", lambda args, kwargs: None)  # no dynamo capture
+    x = torch.randn(8, 4)
+    with torch.no_grad(), build_pool.together(2):
+        assert torch.equal(p(x), torch.relu(x)) and p.aoti_captured == 0  # eager: building
+        # a Pending left with no pool in force (a finish cut short): the call waits for it
+        monkeypatch.setattr(build_pool, "active", lambda: None)
+        assert torch.equal(p(x), torch.relu(x)) and p.aoti_captured == 1
+
+
+def test_warm_ups_in_two_threads_do_not_share_a_pool():
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def warm_up():
+        with build_pool.together(1) as pool:
+            seen["own"] = build_pool.active() is pool
+            pool.submit("sees", lambda: seen.update(worker=build_pool.active() is pool),
+                        lambda error: error)
+            inside.set()
+            leave.wait(HANG_S)
+
+    t = threading.Thread(target=warm_up)
+    t.start()
+    try:
+        assert inside.wait(HANG_S)
+        seen["other"] = build_pool.active()  # this thread is in no together()
+    finally:
+        leave.set()
+        t.join(HANG_S)
+    assert seen == {"own": True, "worker": True, "other": None}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_builds_run_on_the_submitting_threads_cuda_device():
+    seen = []
+    torch.cuda.init()
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(1)  # a rank whose device is not 0
+    try:
+        with build_pool.together(2) as pool:
+            pool.submit("device", lambda: seen.append(torch.cuda.current_device()),
+                        lambda error: error)
+    finally:
+        torch.cuda.set_device(before)
+    assert seen == [1]

@@ -54,7 +54,8 @@ __all__ = ["BuildPool", "Pending", "active", "build_alone", "together", "workers
 
 MAX_WORKERS = 8
 
-_ACTIVE: list = []  # the pool of the `together()` in force (the warm-up's thread), innermost last
+_ACTIVE = threading.local()  # .pools: this thread's `together()` pools, innermost last (a worker:
+# the pool it builds for), so warm-ups in two threads never mix pools
 _TRACING = threading.Lock()  # held by whoever traces or generates code while a pool is active
 _HOLDS = threading.local()  # .held: this thread holds _TRACING
 
@@ -69,8 +70,16 @@ def workers() -> int:
 
 
 def active():
-    """The BuildPool of the `together()` in force, or None (a build then runs in its call)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The BuildPool of this thread's `together()` in force (a worker: its pool), or None (a
+    build then runs in its call)."""
+    pools = getattr(_ACTIVE, "pools", None)
+    return pools[-1] if pools else None
+
+
+def _pools() -> list:
+    if not hasattr(_ACTIVE, "pools"):
+        _ACTIVE.pools = []
+    return _ACTIVE.pools
 
 
 @contextlib.contextmanager
@@ -150,8 +159,14 @@ class Pending:
         if not self._taken:
             with _released():  # a warm-up waiting for one build lets the others trace
                 error = self._future.exception()  # a build's error is its owner's to say
-            self._taken = True
-            self._result = self._on_done(error)
+            self._taken, self._error = True, None
+            try:
+                self._result = self._on_done(error)
+            except BaseException as e:  # said again to a later waiter, not an AttributeError
+                self._error = e
+                raise
+        if self._error is not None:
+            raise self._error
         return self._result
 
 
@@ -178,7 +193,12 @@ class BuildPool:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=self.workers, thread_name_prefix="treeflow-aoti-build")
         context = contextvars.copy_context()  # the caller's config patches, in the worker too
-        pending = Pending(name, self._executor.submit(context.run, self._run, build), on_done)
+        # the current CUDA device is per thread, not in the context: a rank's, not device 0
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        pending = Pending(name, self._executor.submit(context.run, self._run, build, device),
+                          on_done)
         self._pending.append(pending)
         self.submitted += 1
         return pending
@@ -189,26 +209,40 @@ class BuildPool:
             setattr(self, what, now)
             setattr(self, what + "_max", max(getattr(self, what + "_max"), now))
 
-    def _run(self, build) -> None:
+    def _run(self, build, device: int | None) -> None:
         self._count("in_flight", +1)
         _HOLDS.pool = self
+        _pools().append(self)
         try:
+            if device is not None:
+                import torch
+
+                torch.cuda.set_device(device)
             with _holding():
                 build()
         finally:
+            _pools().remove(self)
             _HOLDS.pool = None
             self._count("in_flight", -1)
 
-    def finish(self) -> None:
-        """Wait for every build in the order they were handed over; each owner takes its own."""
+    def finish(self, cause: BaseException | None = None) -> None:
+        """Wait for every build in the order they were handed over; each owner takes its own.
+        An owner's error does not stop the others being taken; the first is raised after
+        them all (from `cause`, the body's error, if any)."""
         t0 = time.perf_counter()
+        first = None
         try:
             for pending in self._pending:
-                pending.wait()
+                try:
+                    pending.wait()
+                except Exception as e:
+                    first = first or e
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self.wait_seconds = time.perf_counter() - t0
+        if first is not None:
+            raise first from cause
 
 
 def build_alone(build) -> None:
@@ -224,10 +258,14 @@ def together(workers_: int | None = None):
     and this thread holds the trace lock; leaving it waits for them all (also when the body
     raised). Yields the BuildPool."""
     pool = BuildPool(workers_ or workers())
-    _ACTIVE.append(pool)
+    _pools().append(pool)
+    cause = None
     try:
         with _holding():
             yield pool
+    except BaseException as e:
+        cause = e
+        raise
     finally:
-        _ACTIVE.remove(pool)
-        pool.finish()
+        _pools().remove(pool)
+        pool.finish(cause)

@@ -125,9 +125,9 @@ class Precompiled:
                 and not torch.is_grad_enabled():
             graph = self._graph(args, kwargs)
             if isinstance(graph, build_pool.Pending):  # built in the warm-up's pool
-                if self.eager_while_building:
+                if self.eager_while_building and build_pool.active() is not None:
                     return self.fn(*args, **kwargs)
-                graph = graph.wait()
+                graph = graph.wait()  # no pool in force (its finish cut short): the graph
             if graph is not None:
                 return graph(args, kwargs)
         # a variant serves the cache it came from (a command of its own in this process, as
@@ -244,6 +244,7 @@ class Precompiled:
                     self.aoti_captured += 1
                 except Exception as e:
                     error = e
+            graphs[sig] = None  # dynamo's route if saying the failure fails (disk full)
             if error is not None:
                 self._failed(error, key_file, key)
             self.build_seconds += sum(spent) + time.perf_counter() - t1

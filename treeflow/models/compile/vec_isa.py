@@ -9,13 +9,16 @@ AVX-512/AMX host (57 s at load 20 on the shared 2-core machine; 20-30 s at other
 CUDA builds too: the AOTInductor wrapper is compiled for the ISA picked, with the extensions found.
 The answers depend on the machine, not on the cache, so the first probe's answers are recorded,
 as JSON, in treeflow's cache home (`$XDG_CACHE_HOME/treeflow/cpu_vec_isa.json`, beside the
-default compile cache and checked to be the user's own like it): one row per check (the ISA, its
-compiler flags at that check, a hash of the program, the answer), keyed by what decides them: the
+default compile cache and checked to be the user's own like it; nothing with `--compile-cache
+off`): one row per check allowed (the ISA, its compiler flags at that check, a hash of the
+program, True; a refusal is not kept, as it may be passing: torch's check also fails on a 60 s
+load timeout, and a kept one would demote AVX-512 to AVX2 for good), keyed by what decides them: the
 CPU's model name and flags, the C++ compiler's version, the machine and torch's version. A later
 process whose key matches answers each check from its row while inductor makes its list (the
 method swapped for that call only, in the thread that makes it, before any build runs), so the
 list, and every ISA's state (which extensions it compiles with), is what the probe found; a
-check with no row (another torch's program) still builds and loads.
+check with no row (refused, or another torch's program) still builds and loads. A cache home
+that cannot be made or written (read-only HOME, disk full) is said once; the probe goes on.
 
 Trade-off: a change the key does not see (another libc, a library path that stops the probe's
 child loading) is not noticed until the record is deleted; the key holds what torch's own probe
@@ -27,6 +30,7 @@ checks first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,7 +43,7 @@ from treeflow import atomic, compile_cache
 __all__ = ["RECORD", "done", "probe", "record_path"]
 
 RECORD = "cpu_vec_isa.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: refusals are not recorded
 done: dict = {}  # what this process's probe did (probe()'s answer; bench/compile_times_cli.py)
 
 
@@ -61,20 +65,21 @@ def probe() -> dict:
             or sys.platform != "linux" or platform.machine() != "x86_64":
         return {"checks": 0, "recorded": 0, "seconds": 0.0}  # known, or not where it builds
     key = _key(cpu_vec_isa)
-    try:
-        path = record_path() if key is not None else None
-    except ValueError as e:  # the cache home is not the user's own: probed, not recorded
-        print(f"treeflow: {e}; the CPU's vector ISAs are probed and not recorded",
-              file=sys.stderr, flush=True)
-        path = None
+    path = None
+    if key is not None and not compile_cache.is_off():  # off: nothing recorded, as asked
+        try:
+            path = record_path()
+        except (OSError, ValueError) as e:  # not the user's own, or cannot be made (read-only)
+            _say_once(f"{e}; the CPU's vector ISAs are probed and not recorded")
     record = _read(path) if path is not None else None
-    known = {tuple(row[:3]): row[3] for row in record["checks"]} \
-        if record is not None and record.get("key") == key else {}
+    # only what was allowed is kept: a refusal may be passing (a timeout on a loaded machine)
+    known = {tuple(row[:3]) for row in record["checks"] if row[3] is True} \
+        if record is not None and record.get("key") == key else set()
     rows = []
 
     def check_build(isa, code: str) -> bool:
         row = (str(isa), isa.build_arch_flags(), hashlib.sha256(code.encode()).hexdigest())
-        ok = known[row] if row in known else bool(real(isa, code))
+        ok = True if row in known else bool(real(isa, code))
         rows.append([*row, ok, row in known])
         return ok
 
@@ -84,9 +89,14 @@ def probe() -> dict:
     finally:
         cpu_vec_isa.VecISA.check_build = real
     recorded = sum(r[4] for r in rows)
-    if path is not None and recorded < len(rows):
-        with atomic.atomic_open(path, "w", what="CPU vector-ISA probe record") as f:
-            json.dump({"key": key, "checks": [r[:4] for r in rows]}, f, sort_keys=True, indent=1)
+    if path is not None and any(r[3] and not r[4] for r in rows):
+        try:
+            with atomic.atomic_open(path, "w", what="CPU vector-ISA probe record") as f:
+                json.dump({"key": key, "checks": [r[:4] for r in rows if r[3]]}, f,
+                          sort_keys=True, indent=1)
+        except (OSError, ValueError) as e:  # disk full, read-only: the answers stand unrecorded
+            _say_once(f"{path} not written ({e}); the CPU's vector ISAs are probed again by "
+                      "the next process")
     done.update(checks=len(rows), recorded=recorded,
                 seconds=round(time.perf_counter() - t0, 3))
     return dict(done)
@@ -124,10 +134,22 @@ def _read(path: str) -> dict | None:
     try:
         with compile_cache.open_own(path) as f:
             record = json.loads(f.read())
-        if not all(len(row) == 4 for row in record.get("checks", [])):
-            raise ValueError("a row is not [isa, flags, code hash, answer]")
+        if not isinstance(record, dict) or not isinstance(record.get("checks", []), list):
+            raise ValueError(f"not an object with a list of checks: {str(record)[:80]}")
+        for row in record.setdefault("checks", []):
+            if not (isinstance(row, list) and len(row) == 4
+                    and all(isinstance(v, str) for v in row[:3]) and isinstance(row[3], bool)):
+                raise ValueError(f"a row is not [isa, flags, code hash, answer]: {str(row)[:80]}")
         return record
-    except (OSError, ValueError, TypeError) as e:  # not the user's own, or unreadable
-        print(f"treeflow: {path} not used ({e}); probing the CPU's vector ISAs again",
-              file=sys.stderr, flush=True)
+    except (OSError, ValueError) as e:  # not the user's own, unreadable, or not the format
+        _say(f"{path} not used ({e}); probing the CPU's vector ISAs again")
         return None
+
+
+def _say(message: str) -> None:
+    print(f"treeflow: {message}", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    _say(message)
