@@ -20,7 +20,6 @@ host's cores over the workers), and so do the processes it starts (OMP_NUM_THREA
 `-n` none of this applies and a run is as it was.
 """
 
-import contextlib
 import os
 import re
 import sys
@@ -28,8 +27,6 @@ import sys
 import pytest
 import torch
 from hypothesis import settings
-
-from tests import isolation
 
 # Without CUDA, Triton kernels (models/ssm/triton_scan.py) run in triton's interpreter, which
 # triton picks as it decorates a kernel -- its own library's too, at `import triton` -- so it
@@ -139,22 +136,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _process_state_unchanged(request):
-    """A test leaves the process-global state as it found it (tests/isolation.py says what is
-    checked): what an in-process command sets for its process is put back, anything else fails
-    the test, naming the state and where to fix it. The fixtures that put back threads and the
-    compile cache take this one, so they run before its check."""
-    before = isolation.snapshot()
-    yield
-    leaks = isolation.check(before)
-    if leaks:
-        pytest.fail(f"test {request.node.nodeid} left process-global state changed, which a "
-                    "later test in the same xdist worker would see (put back now):\n  "
-                    + "\n  ".join(leaks), pytrace=False)
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads_restored(_process_state_unchanged):
+def _torch_threads_restored():
     """In-process commands may set torch's thread count (`rollout --threads` defaults to 1):
     give every later test the count it started with, as a child process would have it."""
     torch = sys.modules.get("torch")
@@ -170,17 +152,11 @@ _CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
 
 
 @pytest.fixture(autouse=True)
-def _compile_cache_restored(_process_state_unchanged):
+def _compile_cache_restored():
     """An in-process command turns the compile cache on (`--compile-cache`, else the user's
     default directory): give every later test the cache it started with, its environment and
     torch's flags. A leaked cache let a later test load graphs a command had saved instead of
     tracing them (the one-graph-per-part count read 0 in CI)."""
-    with _compile_cache_kept():
-        yield
-
-
-@contextlib.contextmanager
-def _compile_cache_kept():
     env = {k: os.environ.get(k) for k in _CACHE_ENV}
     cc = sys.modules.get("treeflow.compile_cache")
     was = (cc._active, dict(cc._ours)) if cc is not None else (None, {})
@@ -200,21 +176,6 @@ def _compile_cache_kept():
         inductor, functorch = (sys.modules.get("torch._inductor.config"),
                                sys.modules.get("torch._functorch.config"))
         inductor.fx_graph_cache, functorch.enable_autograd_cache = flags
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _process_state_unchanged_by_module(request):
-    """`_process_state_unchanged` for a module's module-scoped fixtures (episodes made by an
-    in-process `synth`, a backend loaded once): the compile cache and what a command sets for
-    its process are put back after the module, other leaks fail it."""
-    before = isolation.snapshot()
-    with _compile_cache_kept():
-        yield
-    leaks = isolation.check(before, module=True)
-    if leaks:
-        pytest.fail(f"module {request.node.nodeid} (its module-scoped fixtures) left "
-                    "process-global state changed, which a later module in the same xdist "
-                    "worker would see (put back now):\n  " + "\n  ".join(leaks), pytrace=False)
 
 
 def _torch_cache_flags():
