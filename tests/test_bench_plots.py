@@ -25,8 +25,8 @@ def test_plot_bench_writes_pngs(tmp_path):
     assert [p["speedup"] for p in tree] == [raw["layouts"]["tree"]["forward"]["speedup_vs_exact"]]
 
 
-def test_profiled_cli_counts_overlapping_device_intervals_once(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+def test_profiled_cli_counts_overlapping_device_intervals_once(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     from profiled_cli import busy_seconds
 
     events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10},

@@ -12,11 +12,20 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from treeflow.lock import release_all
 from treeflow.pipeline import Files, Pipeline, QueueSource, put_files
 from treeflow.tools import synth_episodes, write_episodes
 from treeflow.programs.logprobs import claim_stream_output, run_logprobs, score_queue
 from treeflow.stages import Forward, Fragment, Pack, Reassemble
 from treeflow.tq import open_queue
+
+
+@pytest.fixture(autouse=True)
+def _locks_released():
+    """claim_stream_output locks the output for the run, which a command's end releases
+    (treeflow/_errors.py run): these tests are the command, so they release it."""
+    yield
+    release_all()
 
 
 @pytest.fixture(scope="module")

@@ -43,15 +43,23 @@ def stream_train(args, queue) -> dict:
     from treeflow.programs.queue_train import merge_rank_summaries
     from treeflow.train.launch_plan import Launch
 
-    if args.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS"):
+    joined = args.queue_backend == "transferqueue" and not os.environ.get("RAY_ADDRESS")
+    if joined:
         import ray  # the ranks join this process's cluster, where the queue lives
 
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     if args.publish_weights is None and not args.save:  # one directory for every rank
         args.publish_weights = tempfile.mkdtemp(prefix="treeflow-weights-")
     # spawned: every rank attaches to the queue (--launcher has no say in stream)
-    return merge_rank_summaries(Launch(train=True, engine=configs.engine(args)).start(_stream_rank,
-                                                                                   args))
+    # the ranks inherit RAY_ADDRESS as they start; dropped after them, so that a later ray.init
+    # in this process (main() called from Python) does not attach to a cluster shut down by then
+    # (as programs/gate_train.py does)
+    try:
+        return merge_rank_summaries(Launch(train=True, engine=configs.engine(args)).start(
+            _stream_rank, args))
+    finally:
+        if joined:
+            del os.environ["RAY_ADDRESS"]
 
 
 def _stream_rank(args):
