@@ -63,8 +63,14 @@ def server_address(q):
 
 
 def _run(code: str, **env) -> subprocess.Popen:
+    """`code` in a child process at this process's torch thread count: its steps are compared
+    bit for bit with steps run here, and a float32 sum's order follows the thread count (the
+    environment's OMP_NUM_THREADS need not be what this worker's torch runs at)."""
+    import torch
+
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
-                            env={**os.environ, **env}, cwd=os.getcwd())
+                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),
+                                 **env}, cwd=os.getcwd())
 
 
 CONSUMER = """

@@ -81,10 +81,14 @@ def held_by_forward(model, bins, *, recompute: str, dtype: str = "float32", rout
 def _allocated_peak(fn) -> int:
     """fn()'s peak bytes allocated and not yet freed, counted from its start (the profiler's
     CPU allocator report: every allocation and free inside fn, kernels' scratch included;
-    what was allocated before fn is not counted, freed or not)."""
+    what was allocated before fn is not counted, freed or not). Only this thread's: the
+    report's running total counts every thread of the process, and a thread an earlier test
+    left running in the worker (a queue's, a background save's) allocated into it (CI read 12
+    bytes over an exact bound)."""
     import json
     import os
     import tempfile
+    import threading
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,8 +102,12 @@ def _allocated_peak(fn) -> int:
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"),
-               default=0)
+    tid, total, peak = threading.get_native_id(), 0, 0
+    for e in events:
+        if e.get("name") == "[memory]" and e.get("tid") == tid:
+            total += e["args"]["Bytes"]
+            peak = max(peak, total)
+    return peak
 
 
 def peak_of_bin(model, bins, *, recompute: str, dtype: str = "float32", routing=None,
