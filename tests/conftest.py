@@ -135,16 +135,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _torch_threads_restored():
-    """In-process commands may set torch's thread count (`rollout --threads` defaults to 1):
-    give every later test the count it started with, as a child process would have it."""
-    torch = sys.modules.get("torch")
-    n = torch.get_num_threads() if torch is not None else None
-    yield
+def _worker_threads() -> int | None:
+    """The torch thread count an xdist worker runs at (pytest_configure's OMP_NUM_THREADS, which
+    the processes a test starts inherit); None without xdist."""
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT") is None:
+        return None
+    return int(os.environ.get("OMP_NUM_THREADS", "0")) or None
+
+
+def _set_threads(n: int | None) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and n is not None and torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads_at_module_start():
+    """A module's own module-scoped fixtures (autouse ones run first) compute at the worker's
+    thread count, the count the ranks and children they are compared with bit for bit run at."""
+    _set_threads(_worker_threads())
+    yield
+    _set_threads(_worker_threads())
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """In-process commands may set torch's thread count (`rollout --threads` defaults to 1):
+    give every later test the count it started with (under xdist: the worker's), as a child
+    process would have it."""
+    torch = sys.modules.get("torch")
+    n = torch.get_num_threads() if torch is not None else None
+    yield
+    _set_threads(_worker_threads() or n)
 
 
 _CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
