@@ -59,6 +59,9 @@ def parse(argv=None):
                    "products; float32: their ieee products)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, one forward and one forward+backward of each part under "
+                   "torch.profiler: the top device ops by time into each row's 'profile'")
     return p.parse_args(argv)
 
 
@@ -141,6 +144,8 @@ def run(args) -> dict:
                            "levels": plan.launches, "kernel": kernel, "part": part}
                     call, inp, grad = _part(part, mixer, plan, x, xbc, dt, dy)
                     _time_part(row, call, inp, grad, mixer, device, args.repeats, n)
+                    if args.profile:
+                        row["profile"] = _profile(call, inp, grad, mixer, device)
                     outs[kernel] = _values(call, inp, grad, mixer)
                     result["runs"].append(row)
                 if len(outs) == 2:
@@ -198,6 +203,33 @@ def _time_part(row, call, inp, grad, mixer, device, repeats, n):
             row[f"{name}_peak_mib"] = round(
                 (torch.cuda.max_memory_allocated(device) - base) / 2**20, 1)
     mixer.zero_grad(set_to_none=True)
+
+
+def _profile(call, inp, grad, mixer, device, top=25):
+    """{forward, forward_backward: [[op name, device ms, calls], ...]}: the top ops by device
+    time (self time, so nested ops are not counted twice) of one call after warm-up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out = {}
+    for name in ("forward", "forward_backward"):
+        mixer.zero_grad(set_to_none=True)
+        with profile(activities=acts) as prof:
+            if name == "forward":
+                with torch.no_grad():
+                    call(inp)
+            else:
+                xi = inp.detach().requires_grad_()
+                call(xi).backward(grad)
+            _sync(device)
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))[:top]
+        out[name] = [[e.key[:80], round(getattr(e, key, 0) / 1000, 3), e.count] for e in rows]
+        out[name + "_total_ms"] = round(sum(getattr(e, key, 0) for e in prof.key_averages())
+                                        / 1000, 3)
+    mixer.zero_grad(set_to_none=True)
+    return out
 
 
 def _values(call, inp, grad, mixer):
