@@ -35,8 +35,9 @@ def _hidden(model, n: int, routes_NW):
     from treeflow.tree import subtree_end
 
     depth = np.arange(n)  # one chain: an exact bin
-    plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1))
     dev = routes_NW.device
+    plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1),
+                         device=dev)
     with torch.no_grad():
         return model(torch.arange(n, device=dev) % 256, torch.from_numpy(depth).to(dev), plan,
                      routes_NW=routes_NW)

@@ -38,8 +38,9 @@ def _hidden(model, n: int):
     from treeflow.tree import subtree_end
 
     depth = np.arange(n)  # one chain: an exact bin
-    plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1))
     dev = next(model.parameters()).device
+    plan = AttentionPlan(subtree_end(depth), kernel="runs", parents_N=np.arange(-1, n - 1),
+                         device=dev)
     with torch.no_grad():
         return model(torch.arange(n, device=dev) % 512, torch.from_numpy(depth).to(dev), plan)
 
