@@ -115,7 +115,8 @@ def _halves(c, kind: str, *, cb: int, mixed: bool, cp: int, scan_fill: float,
             m_none += cast * H + 2 * cb * s
             m_sel += cb * s + cb * H
         elif s:
-            m_none += 3 * cast * H + 4 * cb * s + cb
+            # and the shared gate's sigmoid and the shared output it scales (kept by the product)
+            m_none += 3 * cast * H + 4 * cb * s + cb + cb * H
             m_sel += 2 * cb * s + cb * H + cb  # gate, up, down and the shared gate's outputs
         if m.latent_size:
             m_none += cast * H + 2 * cb * m.latent_size
