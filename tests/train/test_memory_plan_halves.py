@@ -138,7 +138,8 @@ def test_two_more_layers_hold_what_their_formula_says(tmp_path, what, dtype):
 def test_one_gdn_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype):
     """As tests/train/test_memory_plan_gdn.py's test of one kind alone, in the half modes, on
     Qwen3.5-MoE (experts in every layer: the MLP half is the expert block, whose route choices
-    run_layer's `full` policy keeps under mlp)."""
+    run_layer's `full` policy keeps under mlp: top-6 of 8 experts, so that a plan without
+    them misses a gated attention layer's share by more than the 2%)."""
     from tests.train.test_memory_plan_gdn import SHAPE, _episodes, _saved
     from treeflow.models import load_model
 
@@ -147,7 +148,7 @@ def test_one_gdn_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype
         held, got = [], []
         for types in (base, base + [kind] * 2):
             hf, path = _saved(tmp_path, "qwen3_5_moe", num_hidden_layers=len(types),
-                              layer_types=types, **SHAPE)
+                              layer_types=types, num_experts=8, num_experts_per_tok=6, **SHAPE)
             bins = Fragment(max_tokens=512)(Pack()(_episodes(hf, "qwen3_5_moe", 70)))
             h, g = _held_and_plan(load_model(path), bins, mode, dtype, "replay")
             held.append(h)
