@@ -229,7 +229,7 @@ def largest_max_tokens(config, device_memory: int, **knobs) -> int:
 # gets the next, slower mode (an explicit --recompute is taken as given).
 AUTO_MARGIN = 0.25
 # cheapest in time first; mlp and attention are planned but never picked: each reruns a
-# half's matmuls (more time than selective) and neither keeps less than full
+# half's matmuls in backward (selective reruns none) and neither keeps less than full
 AUTO_ORDER = ("none", "selective", "full")
 
 
