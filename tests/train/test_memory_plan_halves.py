@@ -11,7 +11,8 @@ DeltaNet hybrids) against what a CPU forward really keeps under that recompute.
 - a Mamba-2 hybrid (no halves: its runs refuse these modes) is refused by `plan --memory`
   naming the mode and the modes it can plan, and `replay --mode train` says on stderr that it
   skipped the check; a family declared without recompute is refused these modes too;
-- under context parallelism `mlp` keeps the ancestors' K/V each attention layer received.
+- under context parallelism `mlp` keeps the ancestors' K/V each attention layer received;
+- `replay --mode train` checks the half mode it will run, not another mode's plan.
 """
 
 from __future__ import annotations
@@ -259,3 +260,28 @@ def test_mlp_under_context_parallelism_keeps_the_received_kv():
                     for cp in (1, 2))
         received = two.components["activations"] - one.components["activations"]
         assert received == 512 * c.num_hidden_layers * kv, mode
+
+
+def test_train_checks_the_half_mode_it_runs(tmp_path, capsys):
+    """`replay --mode train --recompute mlp` over the card is refused naming mlp and mlp's
+    planned peak (the check planned none in its place before, silently)."""
+    from treeflow.cli.main import build_parser
+    from treeflow.cli.memory import memory_knobs
+    from treeflow.models import ModelConfig
+    from treeflow.tools import synth_episodes, write_episodes
+
+    path = tmp_path / "e.arrow"
+    write_episodes(synth_episodes(episodes=4, group_size=2, turns=(2, 3), system_tokens=20,
+                                  user_tokens=(3, 6), completion_tokens=(3, 6),
+                                  tool_tokens=(3, 6), seed=1), path)
+    argv = ["replay", str(path), "--mode", "train", "--episodes-per-step", "2", "--loss", "nll",
+            "--max-tokens", "4096", "--device-memory", "200MiB", "--json"]
+    args = build_parser().parse_args(argv)
+    planned = {m: plan_memory(ModelConfig.tiny(), **memory_knobs(args, recompute=m)).total
+               for m in ("none", "mlp", "attention")}
+    for mode in HALVES:
+        assert main([*argv, "--recompute", mode]) == 2
+        err = capsys.readouterr().err
+        said = f"predicted peak of one rank is {planned[mode] / 2 ** 30:.2f} GiB " \
+               f"(--recompute {mode})"
+        assert said in err and f"{planned['none'] / 2 ** 30:.2f} GiB" not in err, err
