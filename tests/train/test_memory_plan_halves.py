@@ -115,19 +115,18 @@ def test_two_more_layers_hold_what_their_formula_says(tmp_path, what, dtype):
     from tests.train.test_training import VOCAB, episodes
     from treeflow.models import ModelConfig, load_model
 
+    runs = []
+    for layers in (2, 4) if what == "dense" else (3, 5):
+        if what == "dense":
+            model = load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB,
+                                                   num_hidden_layers=layers))
+            eps, routing = episodes(seed=5, n=8, group_size=4), None
+        else:
+            (model, eps), routing = _moe_layers(tmp_path, what, layers), "replay"
+        runs.append((model, Fragment(max_tokens=256)(Pack()(eps)), routing))
     for mode in HALVES:
-        held, got = [], []
-        for layers in (2, 4) if what == "dense" else (3, 5):
-            if what == "dense":
-                model = load_model(dataclasses.replace(ModelConfig.tiny(), vocab_size=VOCAB,
-                                                       num_hidden_layers=layers))
-                eps, routing = episodes(seed=5, n=8, group_size=4), None
-            else:
-                (model, eps), routing = _moe_layers(tmp_path, what, layers), "replay"
-            h, g = _held_and_plan(model, Fragment(max_tokens=256)(Pack()(eps)), mode, dtype,
-                                  routing)
-            held.append(h)
-            got.append(g)
+        held, got = zip(*(_held_and_plan(m, bins, mode, dtype, routing)
+                          for m, bins, routing in runs))
         layers, planned = held[1] - held[0], got[1] - got[0]
         print(f"{what} layers alone {dtype} {mode}: plan {planned} held {layers} "
               f"err {planned / layers - 1:+.4f}")
@@ -145,15 +144,14 @@ def test_one_gdn_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype
     from treeflow.models import load_model
 
     base = ["linear_attention", "full_attention"]
+    runs = []
+    for types in (base, base + [kind] * 2):
+        hf, path = _saved(tmp_path, "qwen3_5_moe", num_hidden_layers=len(types),
+                          layer_types=types, num_experts=8, num_experts_per_tok=6, **SHAPE)
+        runs.append((load_model(path),
+                     Fragment(max_tokens=512)(Pack()(_episodes(hf, "qwen3_5_moe", 70)))))
     for mode in HALVES:
-        held, got = [], []
-        for types in (base, base + [kind] * 2):
-            hf, path = _saved(tmp_path, "qwen3_5_moe", num_hidden_layers=len(types),
-                              layer_types=types, num_experts=8, num_experts_per_tok=6, **SHAPE)
-            bins = Fragment(max_tokens=512)(Pack()(_episodes(hf, "qwen3_5_moe", 70)))
-            h, g = _held_and_plan(load_model(path), bins, mode, dtype, "replay")
-            held.append(h)
-            got.append(g)
+        held, got = zip(*(_held_and_plan(m, bins, mode, dtype, "replay") for m, bins in runs))
         layers, planned = held[1] - held[0], got[1] - got[0]
         print(f"{kind} alone {dtype} {mode}: plan {planned} held {layers} "
               f"err {planned / layers - 1:+.4f}")
