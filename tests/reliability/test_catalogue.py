@@ -280,6 +280,16 @@ def _file_case(kind):
             (tmp / "bad.json").write_text("[1, 2]")
             return ["plan", "--memory", "--model", tmp / "bad.json", "--max-tokens", "64"], \
                 ["bad.json", "holds list", "config.json"]
+        if kind == "plan-memory-half-mode-mamba2":  # train/memory_activations.py: no halves
+            (tmp / "h.json").write_text(json.dumps(
+                {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 64, "num_hidden_layers": 2,
+                 "hybrid_override_pattern": "M*", "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                 "ssm_state_size": 8, "n_groups": 1, "chunk_size": 4}))
+            return ["plan", "--memory", "--model", tmp / "h.json", "--max-tokens", "64",
+                    "--recompute", "mlp"], \
+                ["--recompute mlp", "Mamba-2 hybrid", "none, selective or full"]
         if kind == "ssm-kernel-triton-cpu":  # the fused scan runs on CUDA only
             (tmp / "m").mkdir()
             (tmp / "m" / "config.json").write_text(json.dumps(
@@ -649,6 +659,7 @@ FILES = ["dup-id", "no-calls-column", "reward-string", "unknown-call-field", "sc
          "ssm-kernel-triton-cpu",
          # issue 44: memory
          "train-over-device-memory", "train-over-device-memory-auto", "device-memory-junk", "plan-memory-config-not-object",
+         "plan-memory-half-mode-mamba2",
          # issue 47: the command line's groups and removed names
          "old-flag", "old-config-key", "config-wrong-group", "config-twice",
          # issue 44: --offload is FSDP2's (every family shards, under context parallelism too)

@@ -155,7 +155,7 @@ def _config_file(tmp_path, **over) -> str:
 def test_plan_memory_answers_and_auto_runs_what_the_family_runs(tmp_path, capsys):
     """`plan --memory` plans a Qwen3-Next config in every mode its layers now run
     (models/compile/recompute.py); --recompute auto takes the cheapest that fits the card
-    with the margin (at 8192 tokens: none 50.4, selective 33.0, full 30.0 GiB), and the one
+    with the margin (at 8192 tokens: none 50.6, selective 33.0, full 30.1 GiB), and the one
     that plans least where none does."""
     from treeflow.models import ModelConfig
 

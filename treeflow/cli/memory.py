@@ -66,9 +66,6 @@ def cmd_memory(args) -> int:
     if args.model is None:
         raise ValueError("plan --memory needs --model ('tiny', a local HF checkpoint dir or its "
                          "config.json alone)")
-    if args.recompute in ("mlp", "attention"):
-        raise ValueError(f"plan --memory --recompute {args.recompute}: the planner models none, "
-                         "selective and full")
     config = _config(args.model)
     chosen = None
     if args.recompute == "auto":   # as a training run resolves it (auto_recompute)
@@ -166,8 +163,7 @@ def check_fits(args, *, recompute: str) -> dict | None:
         return None
     try:
         config = _config(args.model)
-        knobs = memory_knobs(args, recompute=recompute if recompute in ("none", "selective",
-                                                                         "full") else "none")
+        knobs = memory_knobs(args, recompute=recompute)
         plan = plan_memory(config, **knobs)
     except ValueError as e:
         print(f"treeflow: memory check skipped: {e}", file=sys.stderr, flush=True)

@@ -202,8 +202,10 @@ def add_plan_parsers(sub, common) -> None:
                           "chunk fill, with episode files); default chunk")
     mem.add_argument("--device-memory", default=None, metavar="SIZE",
                      help="the card's memory, e.g. 80GiB (H100 80GB: 79.2GiB usable)")
-    mem.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default=None,
-                     help="activation recomputation the run will use (default none); auto: what "
+    mem.add_argument("--recompute", choices=("auto", "none", "selective", "full", "mlp",
+                                             "attention"), default=None,
+                     help="activation recomputation the run will use (default none; mlp and "
+                          "attention: attention decoders and Gated DeltaNet hybrids); auto: what "
                           "a training run's --recompute auto picks for --device-memory")
     mem.add_argument("--shard-params", action="store_true",
                      help="FSDP2 shards weights, gradients and AdamW state over --num-ranks")

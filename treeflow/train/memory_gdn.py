@@ -1,6 +1,6 @@
 """The memory planner's formulas for Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE).
 
-train/memory_plan.py plans a run by layer kind; this module holds the two kinds these
+train/memory_activations.py plans a layer by kind; this module holds the two kinds these
 families add, read from their GdnConfig (models/config/gdn.py), each written from the code it
 counts (models/ssm/gdn.py, models/reference/qwen3_next.py):
 
@@ -11,12 +11,11 @@ counts (models/ssm/gdn.py, models/reference/qwen3_next.py):
 - "gated_attention": Qwen3-Next's full attention: q_proj gives q and its output gate
   (2 Hq), (1 + w) q/k norms per head, partial RoPE, sigmoid(gate) times the kernel's output.
 
-The MLP or MoE block after either mixer is memory_plan's own ("qwen2_moe": shared expert and
-its sigmoid gate). Per-token activation bytes follow memory_plan's conventions: `none`
-counts every tensor the layer's ops keep for backward, `full` the layer's input (plus the
-route choices, memory_plan's), `selective` the input plus the outputs of the matmuls and
-attention kernels (models/compile/recompute.py's policy). The delta rule keeps per chunk
-slot (chunk C = 64) its float32 q, k, v, k beta, v beta and decay products, the two
+The MLP or MoE block after either mixer is memory_activations.py's ("qwen2_moe": shared
+expert and its sigmoid gate), and so are the modes: `none` counts every tensor the layer's
+ops keep for backward, `full` the layer's input (plus the route choices), `selective` the
+input plus the outputs of the matmuls and attention kernels (models/compile/recompute.py's
+policy), `mlp` / `attention` one half checkpointed. The delta rule keeps per chunk slot (chunk C = 64) its float32 q, k, v, k beta, v beta and decay products, the two
 [C, C] chunk matrices and their exp, the UT solves' outputs, and one [d, e] state per
 chunk of each value head: the scan's tensors are taken full (a tree's short segments pad
 chunks: `scan_fill` < 1, as for Mamba-2). Under context parallelism each rank scans the
@@ -27,7 +26,8 @@ The trade-off: formulas over the eager path, checked where a run exists (tests/t
 test_memory_plan_gdn.py: parameter counts against transformers' numel, activations in each
 of none, selective and full against the storages a CPU forward keeps under the real
 recompute of models/compile/recompute.py, the three families in float32 and bf16, and
-each mixer's share alone); mlp and attention recompute run but have no formula.
+each mixer's share alone); mlp and attention recompute (one half of a layer checkpointed)
+are memory_activations.py's, from these same halves.
 
 Legend: H hidden, I intermediate, Hq query heads x head dim, Hkv kv heads x head dim,
 vh / kh value / key heads, d / e key / value head dim, kd = kh d, vd = vh e, conv = 2 kd + vd
@@ -38,13 +38,13 @@ from __future__ import annotations
 
 __all__ = ["GDN_KINDS", "gdn_parameters", "gdn_per_token"]
 
-GDN_KINDS = ("gdn", "gated_attention")  # each followed by memory_plan's MLP or MoE block
+GDN_KINDS = ("gdn", "gated_attention")  # each followed by an MLP or MoE block
 _F32 = 4
 
 
 def gdn_parameters(c, kind: str) -> tuple[int, int, int]:
     """(matmul parameters, other parameters, float32-gathered parameters) of one `kind`
-    mixer, its norms excluded (memory_plan counts a layer's two norms)."""
+    mixer, its norms excluded (memory_shape counts a layer's two norms)."""
     H = c.hidden_size
     if kind == "gdn":
         vh, e = c.linear_num_value_heads, c.linear_value_head_dim
@@ -63,7 +63,7 @@ def gdn_per_token(c, kind: str, *, cb: int, cast: int, norm: float,
                   scan_fill: float = 1.0) -> tuple[float, float]:
     """(none, selective-less-input) bytes one `kind` mixer keeps per token: cb the compute
     dtype's bytes, cast autocast's input copy (0 without autocast), norm the bytes of the
-    (1 + w) RMSNorm before it (memory_plan's)."""
+    (1 + w) RMSNorm before it (memory_activations')."""
     if kind == "gdn":
         return _gdn(c, cb=cb, cast=cast, norm=norm, scan_fill=scan_fill)
     if kind == "gated_attention":
