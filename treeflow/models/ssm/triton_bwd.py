@@ -18,10 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from treeflow.models.ssm.triton_conv import _store
+from treeflow.models.ssm.triton_conv import store
 
-__all__ = ["acs_bwd", "db_bwd", "dc_bwd", "decay", "dx_bwd", "mm", "rows", "slot_dt", "state_pass_bwd",
-           "tile", "token_sum", "token_x_bwd"]
+__all__ = ["acs_bwd", "db_bwd", "dc_bwd", "decay", "dx_bwd", "mm", "rows", "slot_dt",
+           "state_pass_bwd", "tile", "token_sum", "token_x_bwd"]
 
 
 @triton.jit
@@ -115,7 +115,8 @@ def state_pass_bwd(dstart_ptr, dinit_next_ptr, kptr_ptr, kids_ptr, table_ptr, ac
         before = tl.load(table_ptr + ((r0 + c) * H + h) * P * NS + pn, mask=m,
                          other=0.0).to(tl.float32)
         tl.store(dlast_ptr + (k * H + h) * nt + t, e * tl.sum(tl.sum(g * before, axis=1), axis=0))
-        g = (e * g + _kids(dinit_next_ptr, kptr_ptr, kids_ptr, r0 + c, h, H, P * NS, pn, m, BP, BN)
+        g = (e * g + _kids(dinit_next_ptr, kptr_ptr, kids_ptr, r0 + c, h, H, P * NS, pn, m, BP,
+                           BN)
              + tl.load(dstart_ptr + (k * H + h) * P * NS + pn, mask=m, other=0.0))
     tl.store(dinit_ptr + (j * H + h) * P * NS + pn, g, mask=m)
 
@@ -255,7 +256,8 @@ def db_bwd(src_ptr, dst_ptr, x_ptr, sx, dt_ptr, b_ptr, sb, c_ptr, sc, acs_ptr, d
                 dy = rows(dst_ptr, dy_ptr + h * P, H * P, k, l, C, N, p, pm)
                 gram += mm(x, tl.trans(dy), PREC, INTERPRET)
             cm = rows(src_ptr, c_ptr + g * NS, sc, k, l, C, N, n, nm)
-            db += mm(gram * dts[:, None] * tl.trans(decay(acs_ptr, row, l, s, C)), cm, PREC, INTERPRET)
+            db += mm(gram * dts[:, None] * tl.trans(decay(acs_ptr, row, l, s, C)), cm, PREC,
+                     INTERPRET)
         bm = rows(src_ptr, b_ptr + g * NS, sb, k, s, C, N, n, nm)
         tl.store(dacs_ptr + ((k * H + h) * nnb + nb) * C + s, -tl.sum(bm * db, axis=1), mask=sm)
         total += db
@@ -315,8 +317,8 @@ def token_x_bwd(rowptr_ptr, slots_ptr, dxs_ptr, dadts_ptr, x_ptr, sx, dt_ptr, dy
     dt = tl.load(dt_ptr + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
     dd = tl.load(d_ptr + h).to(tl.float32)
-    _store(dx_ptr, (t64[:, None] * H + h) * P + p[None, :], dt[:, None] * g + dd * dy, tp)
-    _store(ddt_ptr, t64 * H + h, tl.sum(x * g, axis=1) + a * ga, tm)
+    store(dx_ptr, (t64[:, None] * H + h) * P + p[None, :], dt[:, None] * g + dd * dy, tp)
+    store(ddt_ptr, t64 * H + h, tl.sum(x * g, axis=1) + a * ga, tm)
     tl.store(da_ptr + t64 * H + h, dt * ga, mask=tm)
     tl.store(dd_ptr + t64 * H + h, tl.sum(dy * x, axis=1), mask=tm)
 
@@ -334,4 +336,4 @@ def token_sum(rowptr_ptr, slots_ptr, vs_ptr, out_ptr, N, W, BT: tl.constexpr, BW
         sl = tl.load(slots_ptr + lo + q, mask=q < cnt, other=0).to(tl.int64)
         acc += tl.load(vs_ptr + sl[:, None] * W + w[None, :],
                        mask=(q < cnt)[:, None] & wm[None, :], other=0.0)
-    _store(out_ptr, t.to(tl.int64)[:, None] * W + w[None, :], acc, tm[:, None] & wm[None, :])
+    store(out_ptr, t.to(tl.int64)[:, None] * W + w[None, :], acc, tm[:, None] & wm[None, :])
