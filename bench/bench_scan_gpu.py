@@ -15,6 +15,7 @@ between the two kernels (a sanity line, not the correctness test: tests/models/s
 and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200
+    python3 bench/bench_scan_gpu.py --precision bf16 --kernels torch,triton   # bf16 products
     python bench/bench_scan_gpu.py --smoke --device cpu            # checks the logic (torch only)
 
 Without CUDA (and without --device cpu) it prints {"skipped": ...} and exits 0. On CPU

@@ -151,7 +151,9 @@ class _Level:
 
 class SegmentPlan:
     """The segments of one bin and their batched scans, built once (host numpy), used by
-    every Mamba layer. `launches` is the number of scans per layer (the levels)."""
+    every Mamba layer. `launches` is the number of scans per layer (the levels).
+    `scan_precision` (triton only): the kernels' products, one of triton_scan.PRECISIONS;
+    None: precision_for the model's dtype."""
 
     def __init__(self, parents_N: np.ndarray, *, chunk_size: int, conv_kernel: int,
                  fork: str = "chunk", state_dtype: str = "float32",
