@@ -8,8 +8,9 @@ accepts (dense: attention, mlp, selective, full; the Mamba-2 hybrid: selective, 
 backward reruns each checkpointed layer and with it the layer's K/V exchange (attention) and
 head-parallel all_to_alls (Mamba-2): its loss and gradients equal the run without recompute's
 bit for bit (the rerun is the same ops on the same inputs; the exchanges copy bytes).
-The references are independent of treeflow's layout and loss code: transformers call by call (float32 forward, the loss in float64, AdamW by its formula:
-tests/train/test_policy_step.py's hand step); the one-process Policy (cp=1) is checked
+The references are independent of treeflow's layout and loss code: transformers call by call
+(float32 forward, the loss in float64, AdamW by its formula: tests/train/test_policy_step.py's
+hand step); the one-process Policy (cp=1) is checked
 against the same references, so cp=2 equals cp=1 through them.
 """
 
