@@ -64,17 +64,21 @@ def aux_step(dp, path: str, rows: list) -> dict:
 
 def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
     """configs: (name, path, fork, state dtype, rows, weights, max_tokens, routing[, model
-    dtype]), the attention kernel the name's sixth part (default dense); aux:
+    dtype]), the attention kernel the name's sixth part (default dense), the activation
+    recompute mode a part `recompute=MODE` (default none); aux:
     (checkpoint with a router aux loss, routed rows) for one Trainer step (aux_step)."""
     dp = DataParallel.from_env("cpu", dims=ParallelDims(cp=size))
     out, backends = {}, {}
     if aux is not None:
         out["aux"] = aux_step(dp, *aux)
     for name, path, fork, state, rows, weights, max_tokens, routing, *dtype in configs:
-        key = (path, fork, state, *dtype)
+        recompute = next((p.split("=", 1)[1] for p in name.split("/")
+                          if p.startswith("recompute=")), "none")
+        key = (path, fork, state, recompute, *dtype)
         if key not in backends:
             backends[key] = load_backend("reference", path,
-                                         tuning=Tuning(ssm_fork=fork, ssm_state_dtype=state),
+                                         tuning=Tuning(ssm_fork=fork, ssm_state_dtype=state,
+                                                       recompute=recompute),
                                          dtype=getattr(torch, dtype[0]) if dtype else torch.float32)
         kernel = (name.split("/")[5:] or ["dense"])[0]
         keys, values, grads, tally = cp_values(backends[key], rows, weights, size=size,

@@ -97,11 +97,6 @@ BEFORE_LOAD = {
         "dense", {}, ParallelDims(tp=2), ["replay", "--tensor-parallel", "2"],
         ["tensor parallelism 2", "--tensor-parallel", "needs backend='megatron'"],
         "--tensor-parallel 2"),
-    "context parallelism x recompute attention, selective or full": (
-        "dense", dict(tuning=Tuning(recompute="selective")), _CP2,
-        ["gate", "--tuning", "recompute=selective", "--context-parallel", "2"],
-        ["--context-parallel", "recompute='selective'", "recompute='mlp' or 'none'"],
-        "recompute='selective'"),
     "context parallelism x kernel causal": (
         "dense", dict(kernel="causal"), _CP2, ["gate", "--kernel", "causal",
                                                "--context-parallel", "2"],

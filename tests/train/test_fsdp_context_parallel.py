@@ -12,7 +12,8 @@ as the unsharded context-parallel sum does. Two things had to line up for that:
   replicas leaves one replica without a bin.
 Each sharded run equals the same run unsharded and at CP=1: the loss to float32 rounding of
 the same sums (measured: equal to the last digit), the gradient norm within 1e-4 (the bound
-of test_sharded_cli.py's sharded-vs-one-rank check; measured 2e-5 at most). Mamba-2 hybrids
+of test_sharded_cli.py's sharded-vs-one-rank check; measured 2e-5 at most). With `--recompute full`
+the sharded CP=2 run's loss and gradient norm are the same bits. Mamba-2 hybrids
 (an untied head) under CP: test_fsdp_hybrid_cp.py.
 """
 
@@ -54,6 +55,12 @@ def test_sharded_cp2_equals_unsharded_cp2_and_cp1(data, capfd):
     assert sharded["perf/bins"] == cp["perf/bins"] > 1  # several bins: ranks without edges
     _same(sharded, cp)
     _same(sharded, one)
+    # docs/how-to/memory.md's 30B layout: backward reruns each layer, its K/V exchange and
+    # FSDP2's all-gather of the layer with it; the same sums in the same order, the same bits
+    full = _train(capfd, data / "e.arrow", "--context-parallel", "2", "--shard-params",
+                  "--recompute", "full")
+    assert (full["train/loss"], full["train/grad_norm"]) == (sharded["train/loss"],
+                                                             sharded["train/grad_norm"])
 
 
 def test_sharded_dp2_cp2_pads_a_replica_without_a_bin(data, capfd):

@@ -245,19 +245,29 @@ def test_a_family_declared_without_recompute_is_refused_the_half_modes(tmp_path,
             plan_memory(config, max_tokens=1024, recompute=mode)
 
 
-def test_mlp_under_context_parallelism_keeps_the_received_kv():
-    """mlp is the recompute context parallelism runs (the K/V exchange stays outside the
-    checkpoint): each attention layer keeps the ancestors' K/V the C - 1 other ranks sent,
-    bf16 K and V per token, as without recompute; the MLP half's terms do not change."""
+@pytest.mark.parametrize("mode,held", [("none", True), ("mlp", True), ("attention", False),
+                                       ("selective", False), ("full", False)])
+def test_received_kv_is_held_only_where_the_token_mixer_is_not_checkpointed(mode, held):
+    """none and mlp keep the attention half's tensors, the ancestors' K/V the C - 1 other
+    ranks sent included (bf16 K and V per token); attention, selective and full checkpoint it,
+    and backward reruns the exchange (compile/recompute.py; the same bits, checked by
+    tests/train/test_policy_cp.py), so CP=2 holds what CP=1 holds per token of the rank.
+    Arithmetic against the formula: a CPU forward under context parallelism runs in spawned
+    processes, where the storage count of memory_helpers does not reach."""
     from treeflow.models import ModelConfig
 
     c = ModelConfig.tiny()
     kv = 2 * c.num_key_value_heads * c.head_dim * 2
-    for mode in ("none", "mlp"):
-        one, two = (plan_memory(c, max_tokens=512, recompute=mode, context_parallel=cp)
-                    for cp in (1, 2))
-        received = two.components["activations"] - one.components["activations"]
-        assert received == 512 * c.num_hidden_layers * kv, mode
+    one, two = (plan_memory(c, max_tokens=512, recompute=mode, context_parallel=cp)
+                for cp in (1, 2))
+    received = two.components["activations"] - one.components["activations"]
+    assert received == (512 * c.num_hidden_layers * kv if held else 0), mode
+    # the rerun's received rows are one layer's transient: its none terms, which the
+    # backward's temporaries take (the larger of that layer and the loss head's chunk)
+    from treeflow.train.memory_activations import per_token
+
+    layer = [per_token(c, "attention", "none", cb=2, mixed=True, cp=cp) for cp in (1, 2)]
+    assert layer[1] - layer[0] == kv
 
 
 def test_train_checks_the_half_mode_it_runs(tmp_path, capsys):

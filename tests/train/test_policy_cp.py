@@ -3,9 +3,14 @@
 Each of two spawned processes builds the caller's module (a dense Llama and a Nemotron-H
 hybrid, seeded alike), joins `DataParallel.from_env(dims=ParallelDims(cp=2))` and runs
 `logprobs`, a custom loss (`loss(loss_fn=)` + `reduce_gradients()`) and a built-in
-`train_step`. The references are independent of treeflow's layout and loss code: transformers
-call by call (float32 forward, the loss in float64, AdamW by its formula:
-tests/train/test_policy_step.py's hand step); the one-process Policy (cp=1) is checked
+`train_step`; then the custom loss again under every activation recompute mode the family
+accepts (dense: attention, mlp, selective, full; the Mamba-2 hybrid: selective, full), whose
+backward reruns each checkpointed layer and with it the layer's K/V exchange (attention) and
+head-parallel all_to_alls (Mamba-2): its loss and gradients equal the run without recompute's
+bit for bit (the rerun is the same ops on the same inputs; the exchanges copy bytes).
+The references are independent of treeflow's layout and loss code: transformers call by call
+(float32 forward, the loss in float64, AdamW by its formula: tests/train/test_policy_step.py's
+hand step); the one-process Policy (cp=1) is checked
 against the same references, so cp=2 equals cp=1 through them.
 """
 
@@ -22,8 +27,9 @@ from tests.deps import require
 from tests.train.test_policy import _oracle, _rows
 from tests.train.test_policy_step import (check_step, gspo, hand_gspo, hand_pg_token, hand_step,
                                           reduce_for)
+from treeflow.models import Tuning
 from treeflow.parallel import ParallelDims
-from treeflow.stages import Fragment, Loss
+from treeflow.stages import Forward, Fragment, Loss
 from treeflow.train import DataParallel, Policy
 from treeflow.train.launch import spawn
 
@@ -63,9 +69,23 @@ def _run(policy: Policy, model) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _policy(model, max_norm, dp=None) -> Policy:
+def _policy(model, max_norm, dp=None, recompute: str = "none") -> Policy:
     return Policy(model, fragment=Fragment(max_tokens=MAX_TOKENS), dp=dp,
+                  forward=Forward(tuning=Tuning(recompute=recompute)),
                   reduce=replace(reduce_for(max_norm), loss=Loss(kind="pg", norm="token")))
+
+
+# the recompute modes each family runs (a Mamba-2 hybrid's blocks have no halves)
+RECOMPUTE = {"dense": ("attention", "mlp", "selective", "full"), "hybrid": ("selective", "full")}
+
+
+def _recomputed(policy: Policy, model) -> dict:
+    """The custom loss and its reduced gradients, as `_run` takes them."""
+    loss = policy.loss(_rows(), loss_fn=gspo)
+    loss.backward()
+    policy.reduce_gradients()
+    return {"loss": float(loss),
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
 
 
 def _rank(max_norms: dict) -> dict:
@@ -77,6 +97,9 @@ def _rank(max_norms: dict) -> dict:
         model = _model(family)
         out[family] = _run(_policy(model, max_norm, dp), model)
         out[family]["cp"] = (dp.cp.rank, dp.cp.size, dp.replicas)
+        for mode in RECOMPUTE[family]:
+            model = _model(family)
+            out[family][mode] = _recomputed(_policy(model, max_norm, dp, mode), model)
     return out
 
 
@@ -144,3 +167,10 @@ def test_cp2_equals_cp1_and_transformers_per_call(family, cp2_ranks):
         _check(got, model, family, want_lp, float(gspo_total), gspo_grads, step)
     for n, p in ranks[0]["params"].items():  # both processes stepped alike
         assert torch.equal(p, ranks[1]["params"][n]), n
+    for r, got in enumerate(ranks):  # recompute reruns the exchanges: the same bits
+        for mode in RECOMPUTE[family]:
+            again = got[mode]
+            assert again["loss"] == got["loss"], (family, mode, r)
+            assert again["grads"].keys() == got["grads"].keys()
+            for n, g in got["grads"].items():
+                assert torch.equal(again["grads"][n], g), (family, mode, r, n)

@@ -9,7 +9,10 @@ choice, or replayed another rank's nodes' routes, would differ. Two spawned proc
 routing and loss code: transformers call by call with each call's routes forced into its
 routers (moe_helpers.forced_routes, written from transformers' router), the loss summed in
 float64. The one-process Policy (cp=1) is checked against the same reference, so cp=2 equals
-cp=1 through it.
+cp=1 through it. The same spawn runs the custom loss again under each activation recompute
+mode (attention, mlp, selective, full): backward reruns the checkpointed layers, their K/V
+exchange included, with the replayed routes kept (never re-decided), so the loss and every
+gradient equal the run without recompute's bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from tests.deps import require
 from tests.models.moe_helpers import episodes, hf_model, hf_occurrence_logprobs, with_routes
+from treeflow.models import Tuning
 from treeflow.parallel import ParallelDims
 from treeflow.stages import Forward, Fragment
 from treeflow.train import DataParallel, Policy
@@ -68,9 +72,12 @@ def _grads(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _policy(model, dp=None) -> Policy:
-    return Policy(model, forward=Forward(routing="replay"),
+def _policy(model, dp=None, recompute: str = "none") -> Policy:
+    return Policy(model, forward=Forward(routing="replay", tuning=Tuning(recompute=recompute)),
                   fragment=Fragment(max_tokens=MAX_TOKENS), dp=dp)
+
+
+RECOMPUTE = ("attention", "mlp", "selective", "full")
 
 
 def _rank(rows) -> dict:
@@ -78,6 +85,13 @@ def _rank(rows) -> dict:
     model = hf_model("qwen3_moe")
     out = _run(_policy(model, dp), model, rows)
     out["cp"] = (dp.cp.rank, dp.cp.size, dp.replicas)
+    for mode in RECOMPUTE:
+        model = hf_model("qwen3_moe")
+        policy = _policy(model, dp, mode)
+        loss = policy.loss(rows, loss_fn=custom_loss)
+        loss.backward()
+        policy.reduce_gradients()
+        out[mode] = {"loss": float(loss), "grads": _grads(model)}
     return out
 
 
@@ -114,3 +128,8 @@ def test_moe_replay_cp2_equals_cp1_and_transformers_with_routes_forced():
             scale = float(w.abs().max())
             err = float((got["grads"][n].double() - w).abs().max())
             assert err <= 1e-4 * scale + 1e-7, (name, n, err, scale)
+    for r, got in enumerate(ranks):  # recompute: the same routes, the same bits
+        for mode in RECOMPUTE:
+            assert got[mode]["loss"] == got["loss"], (mode, r)
+            for n, g in got["grads"].items():
+                assert torch.equal(got[mode]["grads"][n], g), (mode, r, n)

@@ -91,13 +91,6 @@ ROWS = (
                                  f"ParallelDims(tp=)) needs backend='megatron'; the "
                                  f"{f.backend!r} backend runs whole on one device (use "
                                  "data-parallel ranks instead)")),
-    Row(what="context parallelism x recompute attention, selective or full", needs_model=False,
-        applies=lambda f, c, d: _cp(d) > 1 and f.tuning.recompute in ("attention", "selective",
-                                                                       "full"),
-        message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "
-                                 f"tuning recompute={f.tuning.recompute!r} is not supported "
-                                 "yet (it would rerun the K/V exchange in backward): use "
-                                 "recompute='mlp' or 'none'")),
     Row(what="context parallelism x kernel causal", needs_model=False,
         applies=lambda f, c, d: _cp(d) > 1 and f.kernel not in ("auto", *_cp_kernels()),
         message=lambda f, c, d: (f"context parallelism {_cp(d)} (--context-parallel) with "

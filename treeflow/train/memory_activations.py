@@ -9,8 +9,12 @@ norm, SwiGLU or experts, residual). The modes (models/compile/recompute.py, laye
 - `none`: both halves' every saved tensor.
 - `full`: the layer's input, and the route choices the checkpoint policy keeps (`aten.topk`).
 - `selective`: `full` plus the outputs of the matmuls and attention kernels.
+  Under context parallelism neither keeps the ancestors' K/V received: backward reruns the
+  checkpointed layer's exchange with it (compile/recompute.py), so the received rows are
+  one layer's transient (its `none` terms, which temporaries take), not held per layer.
 - `attention`: the mixer half is checkpointed: its input (the layer's input) plus the MLP
-  half's `none` tensors. Its casts of the mixer's weights are redone in backward.
+  half's `none` tensors (no received K/V: the half reruns its exchange). Its casts of the
+  mixer's weights are redone in backward.
 - `mlp`: the MLP half is checkpointed: the mixer half's `none` tensors (the ancestors' K/V
   received under context parallelism included: the exchange runs once, outside the
   checkpoint) plus the MLP half's input, and the route choices where the half runs under the
@@ -81,7 +85,7 @@ def _halves(c, kind: str, *, cb: int, mixed: bool, cp: int, scan_fill: float,
         gnorm = 2 * _F32 * H + _F32 + (0 if cast else r * H)
         g_none, g_sel = gdn_per_token(c, mixer, cb=cb, cast=cast, norm=gnorm, scan_fill=scan_fill)
         recv = (cp - 1) * cb * 2 * Hkv if mixer == "gated_attention" else 0  # as attention's
-        a_none, a_sel = g_none + recv, g_sel + recv
+        a_none, a_sel = g_none + recv, g_sel  # selective reruns the exchange, as attention's
         norm = gnorm  # the MLP half's post-attention norm is a (1 + w) norm as well
     if kind in ("attention", "moe", "attention_only"):
         q_k_v_out = cb * (2 * Hq + 2 * Hkv)
@@ -89,7 +93,8 @@ def _halves(c, kind: str, *, cb: int, mixed: bool, cp: int, scan_fill: float,
               if getattr(c, "qk_norm", False) else 0)
         recv = (cp - 1) * cb * 2 * Hkv  # ancestors' K/V from the other context ranks (bound)
         a_none += norm + 3 * cast * H + qk + q_k_v_out + _F32 * heads + recv
-        a_sel += cb * (Hq + 2 * Hkv) + cb * H + cb * Hq + _F32 * heads + recv
+        # a checkpointed layer keeps no received row: backward reruns its exchange
+        a_sel += cb * (Hq + 2 * Hkv) + cb * H + cb * Hq + _F32 * heads
     if kind in ("attention", "mamba+mlp") or kind.endswith("+mlp"):  # SwiGLU
         m_none += norm + 2 * cast * H + 4 * cb * I
         m_sel += 2 * cb * I + cb * H  # gate, up, down outputs

@@ -221,8 +221,8 @@ def test_refused_combinations_name_the_option():
         Forward(backend="megatron").check_model(cp2)
     with pytest.raises(ValueError, match="kernel 'auto' or one of"):
         Forward(kernel="causal").check_model(cp2)
-    with pytest.raises(ValueError, match="recompute='full' is not supported"):
-        Forward(tuning=Tuning(recompute="full")).check_model(cp2)
+    for mode in ("attention", "selective", "full"):  # recompute reruns the exchange
+        Forward(tuning=Tuning(recompute=mode)).check_model(cp2)
     with pytest.raises(ValueError, match=r"ParallelDims\(cp=0\)"):
         ParallelDims(cp=0)
     with pytest.raises(ValueError, match="process group of 2 ranks"):

@@ -28,7 +28,9 @@ state taken from anywhere else moves them by far more.
 
 Each group size is spawned once per module: 2 (each rank two whole key heads) by default, 3
 (value heads [0, 1), [1, 2), [2, 4): ranks 0 and 1 read the same key head, whose gradient is
-the sum of theirs) marked slow.
+the sum of theirs) marked slow. The spawn also runs one fragmented Qwen3.5-MoE case under
+every recompute mode (`RECOMPUTED`), checked equal to the same case without recompute bit
+for bit.
 """
 
 from __future__ import annotations
@@ -122,6 +124,18 @@ def _configs(setup) -> list:
     return out
 
 
+# activation recompute under context parallelism (every mode a GDN hybrid takes): each layer
+# or half reruns in backward, its K/V exchange and head-parallel all_to_alls with it
+RECOMPUTED = ("qwen3_5_moe/chunk/float32/prompt65/80/dense/float32",
+              ("attention", "mlp", "selective", "full"))
+
+
+def _recomputed(configs: list) -> list:
+    base, modes = RECOMPUTED
+    cfg = next(c for c in configs if c[0] == base)
+    return [(f"{base}/recompute={m}", *cfg[1:]) for m in modes]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     return _setup(str(tmp_path_factory.mktemp("gdn-cp")))
@@ -133,7 +147,9 @@ def _root(setup) -> str:
 
 @functools.cache
 def _group(root: str, size: int):
-    return spawn(group_run, size, size, _configs(_setup(root)), timeout_s=TIMEOUT_S, threads=1)
+    configs = _configs(_setup(root))
+    return spawn(group_run, size, size, configs + _recomputed(configs), timeout_s=TIMEOUT_S,
+                 threads=1)
 
 
 @functools.cache
@@ -227,6 +243,23 @@ def test_gdn_context_parallel_equals_one_process_and_transformers(setup, size):
             worst["hf64_grad"] = max(worst["hf64_grad"], rel)
             assert rel < HF_GRAD_REL, (name, n, rel)
     print(f"CP={size} worst: {worst}")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_recompute_under_context_parallel_equals_none_bit_for_bit(setup, size):
+    """Qwen3.5-MoE (replayed routes) cut into fragments, float32: every recompute mode's group
+    logprobs, gradients and route tallies equal the run without recompute's exactly (the
+    checked run above)."""
+    ranks = _group(_root(setup), size)
+    base, _ = RECOMPUTED
+    for name, *_ in _recomputed(_configs(setup)):
+        for r, got in enumerate(ranks):
+            want, again = got[base], got[name]
+            assert torch.equal(again["values"], want["values"]), (name, r)
+            assert torch.equal(again["tally"], want["tally"]), (name, r)
+            assert again["grads"].keys() == want["grads"].keys()
+            for n, g in want["grads"].items():
+                assert torch.equal(again["grads"][n], g), (name, r, n)
 
 
 def test_fewer_value_heads_than_ranks_is_refused_by_name(setup):

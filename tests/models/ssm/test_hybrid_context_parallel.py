@@ -13,7 +13,9 @@ Both --ssm-fork modes; bfloat16 states against one process; attention kernel den
 flex once); two nodes, so that at CP=3 a rank holds none and still joins every exchange.
 
 Each group size is spawned once per module: 2 by default, 3 (heads 4 over 3 ranks: a rank
-holds one head of a B/C group another rank also reads) marked slow.
+holds one head of a B/C group another rank also reads) marked slow. The spawn also runs one
+fragmented Nemotron-H MoE case under recompute selective and full (`RECOMPUTED`), checked
+equal to the same case without recompute bit for bit.
 
 Tolerances, measured against float64 transformers (a copy of the oracle): logprobs CP vs one
 process 1e-6 of the largest. Gradients: a Mamba layer's A_log gradient is a sum with heavy
@@ -112,6 +114,17 @@ def _configs(setup) -> list:
     return out
 
 
+# activation recompute under context parallelism: the block reruns in backward, its K/V
+# exchange and head-parallel all_to_alls with it, its replayed routes kept
+RECOMPUTED = ("nemotron_h_moe/chunk/float32/prompt9/24", ("selective", "full"))
+
+
+def _recomputed(configs: list) -> list:
+    base, modes = RECOMPUTED
+    cfg = next(c for c in configs if c[0] == base)
+    return [(f"{base}/dense/recompute={m}", *cfg[1:]) for m in modes]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     return _setup(str(tmp_path_factory.mktemp("hybrid-cp")))
@@ -135,7 +148,8 @@ def _aux_setup(root: str):
 def _group(root: str, size: int):
     configs = _configs(_setup(root))
     aux = _aux_setup(root)[0]
-    return spawn(group_run, size, size, configs, aux, timeout_s=TIMEOUT_S, threads=1)
+    return spawn(group_run, size, size, configs + _recomputed(configs), aux,
+                 timeout_s=TIMEOUT_S, threads=1)
 
 
 @functools.cache
@@ -215,6 +229,23 @@ def test_hybrid_context_parallel_equals_one_process_and_transformers(setup, size
         worst["hf_lp"] = max(worst["hf_lp"], lp_err)
         assert lp_err < HF_ABS, (name, lp_err)
     print(f"CP={size} worst: {worst}")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_recompute_under_context_parallel_equals_none_bit_for_bit(setup, size):
+    """Nemotron-H MoE (Mamba-2, attention and MoE blocks, replayed routes) cut into fragments:
+    recompute selective / full rerun each block in backward; the group's logprobs, gradients
+    and route tallies equal the run without recompute's exactly (the checked run above)."""
+    ranks = _group(_root(setup), size)
+    base, _ = RECOMPUTED
+    for name, *_ in _recomputed(_configs(setup)):
+        for r, got in enumerate(ranks):
+            want, again = got[base], got[name]
+            assert torch.equal(again["values"], want["values"]), (name, r)
+            assert torch.equal(again["tally"], want["tally"]), (name, r)
+            assert again["grads"].keys() == want["grads"].keys()
+            for n, g in want["grads"].items():
+                assert torch.equal(again["grads"][n], g), (name, r, n)
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -31,6 +31,19 @@ chose itself (route -1) come back in backward exactly as forward used them, what
 rerun's rounding. Randomness: no layer draws random numbers (no dropout), so the RNG state
 is not stashed (`preserve_rng_state=False`).
 
+Under context parallelism the checkpointed region holds communication: a layer's K/V exchange
+(attention/cp_exchange.py, overlapped or blocking) and a Mamba-2 / Gated DeltaNet mixer's two
+head-parallel all_to_alls (ssm/cp.py). Backward reruns them with the layer (Megatron's CP
+recompute does the same) rather than keeping the received rows as checkpoint inputs: every
+rank recomputes the same layers in the same order, each layer's rerun forward collectives
+(an overlapped exchange is started and waited inside the rerun) complete before that layer's
+backward ones (the reverse exchanges of the original graph, which run once), so the
+collectives pair up across ranks; the exchanges copy bytes, so values and gradients stay
+bit-identical. The cost is one more forward exchange per layer in backward and no memory:
+keeping the received rows would hold, per layer, the ancestors' K/V and, for a recurrent
+mixer, the whole bin's columns of its heads and its scan outputs -- about what selective
+keeps of in_proj -- which is what recompute exists to drop.
+
 Families whose layers are not cut into compiled parts (compile/layer_ops.py) -- Gemma 3, the
 Mamba-2 and Gated DeltaNet hybrids -- recompute through `run_layer`: the whole layer as above,
 or ("attention", "mlp") one of its two halves, `layer.attention_half` (norm, token mixer,
