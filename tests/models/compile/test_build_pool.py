@@ -10,7 +10,8 @@ path. A failing build is said by name, built again alone and recorded while the 
 builds; the caller's inductor config holds in the pool's threads; leaving the pool waits for
 every build even when the warm-up raised, and every owner even when one fails (the first error
 raised, from the body's); a call with no pool in force waits for its graph; warm-ups in two
-threads keep their own pools; builds run on the submitting thread's CUDA device (two GPUs).
+threads keep their own pools; builds run on the submitting thread's CUDA device (two GPUs);
+builds whose compile sessions end out of order leave torch.compiler.is_compiling() as found.
 """
 
 from __future__ import annotations
