@@ -68,7 +68,7 @@ _TRACING = threading.Lock()  # held by whoever traces or generates code while a 
 _HOLDS = threading.local()  # .held: this thread holds _TRACING
 # torch.compiler's process-global flags that its export and compile sessions set and put back
 _TORCH_FLAGS = ("_is_compiling_flag", "_is_exporting_flag", "_is_non_strict_tracing_flag")
-_KEPT = {"open": 0, "flags": {}}  # together() blocks open in this process, the flags the first found
+_KEPT = {"open": 0, "flags": {}}  # together() blocks open now; the flags the first one found
 _KEPT_LOCK = threading.Lock()
 
 
@@ -267,7 +267,8 @@ def build_alone(build) -> None:
 @contextlib.contextmanager
 def _torch_flags_kept():
     """torch.compiler's flags as the first open `together()` found them, put back when the last
-    one closes (its builds all done): overlapping sessions can leave them set (module docstring)."""
+    one closes (its builds all done): overlapping sessions can leave them set (module
+    docstring)."""
     import torch.compiler
 
     with _KEPT_LOCK:
