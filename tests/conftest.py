@@ -273,6 +273,50 @@ def _no_process_group_left_by_test(request):
     _fail_on_leaked_group(f"test {request.node.nodeid}", was)
 
 
+# torch.compiler's process-global flags (torch.compiler.is_compiling()): each export and compile
+# session sets them and puts back what it found, so sessions that end out of order in two threads
+# leave them set (treeflow/models/compile/build_pool.py's docstring)
+_COMPILER_FLAGS = ("_is_compiling_flag", "_is_exporting_flag", "_is_non_strict_tracing_flag")
+
+
+def _compiler_flags() -> dict:
+    compiler = sys.modules.get("torch.compiler")
+    return {n: getattr(compiler, n) for n in _COMPILER_FLAGS if hasattr(compiler, n)}
+
+
+def _fail_on_compiler_flags(what: str, before: dict) -> None:
+    changed = {n: (before.get(n), v) for n, v in _compiler_flags().items() if v != before.get(n)}
+    if not changed:
+        return
+    for name, (was, _) in changed.items():  # later tests start clean even after a report
+        setattr(sys.modules["torch.compiler"], name, was)
+    said = ", ".join(f"{n} {a} -> {b}" for n, (a, b) in changed.items())
+    pytest.fail(f"{what} left torch.compiler's flags set outside any compile ({said}): every "
+                "later eager AdamW step of this process takes its compiled path (bias "
+                "corrections in float32 tensors), so a later test that compares training here "
+                "with a child process's or ranks' bit for bit fails at rounding level. Put them "
+                "back where the overlapping export or compile sessions run (as "
+                "treeflow/models/compile/build_pool.py's together() does for its builds).",
+                pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_compiler_flag_left_by_module(request):
+    """A module (its module-scoped fixtures included) leaves torch.compiler's flags as it found
+    them."""
+    before = _compiler_flags()
+    yield
+    _fail_on_compiler_flags(f"module {request.node.nodeid}", before)
+
+
+@pytest.fixture(autouse=True)
+def _no_compiler_flag_left_by_test(request):
+    """A test leaves torch.compiler's flags as it found them (is_compiling() False after it)."""
+    before = _compiler_flags()
+    yield
+    _fail_on_compiler_flags(f"test {request.node.nodeid}", before)
+
+
 RAY_CPUS = 4  # TransferQueue's controller and storage unit reserve one logical CPU each
 RAY_OBJECT_STORE = 100 * 2**20  # small, so that a streaming test can outgrow it
 

@@ -10,7 +10,8 @@ path. A failing build is said by name, built again alone and recorded while the 
 builds; the caller's inductor config holds in the pool's threads; leaving the pool waits for
 every build even when the warm-up raised, and every owner even when one fails (the first error
 raised, from the body's); a call with no pool in force waits for its graph; warm-ups in two
-threads keep their own pools; builds run on the submitting thread's CUDA device (two GPUs).
+threads keep their own pools; builds run on the submitting thread's CUDA device (two GPUs);
+builds whose compile sessions end out of order leave torch.compiler.is_compiling() as found.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def test_warm_up_builds_run_side_by_side_and_equal_the_serial_builds_bit_for_bit
     with build_pool.together(2) as pool:  # what ForwardRunner's warm-up does
         _hidden(model, counts[0])  # the parts run eager while their graphs build
     assert met.is_set()
+    assert not torch.compiler.is_compiling()  # the overlapping builds' sessions left no flag set
     assert pool.submitted == 2 and pool.in_flight_max == 2 and pool.compiling_max == 2
     assert _built(pool_ops) == {"attention_inputs": 1, "after_attention": 1}  # as the serial
     assert all(p.build_seconds > 0 for p in (pool_ops._inputs, pool_ops._after))
@@ -162,6 +164,49 @@ def test_the_callers_inductor_config_holds_in_the_pools_threads():
                 lambda error: error)
     assert len(seen) == 1 and seen[0][0] is True
     assert seen[0][1].startswith("treeflow-aoti-build")  # it ran in the pool, not the caller
+
+
+def test_builds_whose_sessions_end_out_of_order_leave_torchs_compiling_flag_as_found(
+        monkeypatch):
+    """torch's compile session sets the process-global "compiling" flag and puts back the value it
+    found: the first build's session begins (flag found unset), its compiler runs with the trace
+    lock let go, the second build's session begins (found set), the first ends (unset), the second
+    ends (set, for good). A later eager AdamW step then takes its compiled path: a worker's
+    training ran 1e-7 off its child processes' (tests/tq/test_embedded_stream.py's killed
+    consumer, after this module's warm-up test in the same worker)."""
+    from torch._inductor import cpp_builder
+
+    build_pool._compiler_hook()
+    first_compiles, second_compiles, first_done = (threading.Event(), threading.Event(),
+                                                   threading.Event())
+
+    def gxx(cmd_line, cwd):  # a build's C++ compiler: the trace lock is let go around it
+        if cmd_line == "first":
+            first_compiles.set()
+            assert second_compiles.wait(HANG_S)
+        else:
+            second_compiles.set()
+            assert first_done.wait(HANG_S)
+
+    def build(name):
+        def run():
+            if name == "second":  # begins its session while the first one's compiler runs
+                with build_pool._released():
+                    assert first_compiles.wait(HANG_S)
+            with torch.compiler._compile_session_context():
+                cpp_builder._run_compile_cmd(name, ".")
+            if name == "first":
+                first_done.set()
+        return run
+
+    monkeypatch.setattr(build_pool, "_compile", gxx)
+    errors = []
+    assert not torch.compiler.is_compiling()
+    with build_pool.together(2) as pool:
+        for name in ("first", "second"):
+            pool.submit(name, build(name), errors.append)
+    assert errors == [None, None] and first_done.is_set()
+    assert not torch.compiler.is_compiling()
 
 
 def test_leaving_together_waits_for_every_build_even_when_the_body_raised():

@@ -37,6 +37,14 @@ Builds trace only after the warm-up's forward ends or waits. The hook replaces a
 function (`cpp_builder._run_compile_cmd`) for the process once the first build is handed over; it
 calls through unchanged in any thread that runs no pool build, and a torch without it builds one
 at a time (said once).
+
+torch's "compiling" and "exporting" flags (`torch.compiler.is_compiling()`) are process-global,
+set around each export and compile session and put back to the value they had when it began: two
+builds whose sessions overlap (one in g++ with the lock let go, the other tracing) put them back
+out of order and can leave them set for the rest of the process, and every later eager AdamW step
+then takes its compiled path (its bias corrections in float32 tensors, not Python floats: weights
+1e-7 apart from a process that never built). Leaving the last open `together()` puts back the
+flags it found (`_torch_flags_kept`).
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ _ACTIVE = threading.local()  # .pools: this thread's `together()` pools, innermo
 # the pool it builds for), so warm-ups in two threads never mix pools
 _TRACING = threading.Lock()  # held by whoever traces or generates code while a pool is active
 _HOLDS = threading.local()  # .held: this thread holds _TRACING
+# torch.compiler's process-global flags that its export and compile sessions set and put back
+_TORCH_FLAGS = ("_is_compiling_flag", "_is_exporting_flag", "_is_non_strict_tracing_flag")
+_KEPT = {"open": 0, "flags": {}}  # together() blocks open now; the flags the first one found
+_KEPT_LOCK = threading.Lock()
 
 
 def workers() -> int:
@@ -253,6 +265,28 @@ def build_alone(build) -> None:
 
 
 @contextlib.contextmanager
+def _torch_flags_kept():
+    """torch.compiler's flags as the first open `together()` found them, put back when the last
+    one closes (its builds all done): overlapping sessions can leave them set (module
+    docstring)."""
+    import torch.compiler
+
+    with _KEPT_LOCK:
+        if _KEPT["open"] == 0:
+            _KEPT["flags"] = {n: getattr(torch.compiler, n) for n in _TORCH_FLAGS
+                              if hasattr(torch.compiler, n)}
+        _KEPT["open"] += 1
+    try:
+        yield
+    finally:
+        with _KEPT_LOCK:
+            _KEPT["open"] -= 1
+            if _KEPT["open"] == 0:
+                for name, value in _KEPT["flags"].items():
+                    setattr(torch.compiler, name, value)
+
+
+@contextlib.contextmanager
 def together(workers_: int | None = None):
     """Inside it, AOTInductor builds run in a pool of `workers_` (default `workers()`) threads,
     and this thread holds the trace lock; leaving it waits for them all (also when the body
@@ -260,12 +294,13 @@ def together(workers_: int | None = None):
     pool = BuildPool(workers_ or workers())
     _pools().append(pool)
     cause = None
-    try:
-        with _holding():
-            yield pool
-    except BaseException as e:
-        cause = e
-        raise
-    finally:
-        _pools().remove(pool)
-        pool.finish(cause)
+    with _torch_flags_kept():  # outermost: put back once every build of the pool is done
+        try:
+            with _holding():
+                yield pool
+        except BaseException as e:
+            cause = e
+            raise
+        finally:
+            _pools().remove(pool)
+            pool.finish(cause)
