@@ -75,14 +75,25 @@ def data(tmp_path_factory):
     return Files(paths=(str(path),), episodes_per_step=4)
 
 
+@pytest.fixture(scope="module")
+def back_to_back(ray_cluster, data):
+    """Two identical one-rank engines, the second started as the first closes: the CPUs free
+    before them, and each engine with its records (the first serves two tests)."""
+    free = wait_for_free_cpus(ray_cluster)
+    runs = []
+    for _ in range(2):
+        engine = RayRanks(one_rank_pipe().plan)
+        try:
+            runs.append((engine, list(engine.run(data))))
+        finally:
+            engine.close()
+    return free, runs
+
+
 @pytest.mark.ray
-def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(ray_cluster, data):
+def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(back_to_back, data):
     pipe = one_rank_pipe()
-    engine = RayRanks(pipe.plan)
-    try:
-        records = list(engine.run(data))
-    finally:
-        engine.close()
+    engine, records = back_to_back[1][0]
     assert pa.concat_tables([r.output for r in records]).equals(
         pa.concat_tables([r.output for r in pipe.run(data)]))
     got = records[0].stats["threads"]
@@ -183,21 +194,14 @@ def _physical_cores() -> int:
 
 @pytest.mark.ray
 def test_an_engine_started_as_the_last_one_closes_plans_on_the_cpus_the_last_one_found(
-        ray_cluster, data):
+        back_to_back):
     """Ray frees a killed rank actor's CPUs a moment after ray.kill returns: an engine started
     at once planned on one CPU less (3 of the test cluster's 4, every time), so two identical
     runs in one process ran their ranks differently. It waits for them now."""
-    free = wait_for_free_cpus(ray_cluster)
+    free, runs = back_to_back
     pipe = one_rank_pipe()
-    chosen = []
-    for _ in range(2):
-        engine = RayRanks(pipe.plan)
-        try:
-            list(engine.run(data))
-        finally:
-            engine.close()
-        chosen.append((engine.threads, engine.rank_cpus, engine.threads_set_by))
-    want = rule(free, engine, pipe)
+    chosen = [(engine.threads, engine.rank_cpus, engine.threads_set_by) for engine, _ in runs]
+    want = rule(free, runs[-1][0], pipe)
     assert chosen == [want[:3]] * 2, (free, chosen)
 
 

@@ -41,21 +41,29 @@ def rows(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_two_ray_ranks_saved_stopped_and_resumed_equal_one_local_run(ray_cluster, data, tmp_path,
-                                                                     capsys):
-    local, ray_ck = tmp_path / "local", tmp_path / "ray"
-    train(data, "--steps", "3", "--save", str(local), "--metrics", str(tmp_path / "local.jsonl"))
+@pytest.fixture(scope="module")
+def runs(ray_cluster, data, tmp_path_factory):
+    """One local run of 3 steps; a Ray run of 2 (saved every step), then resumed to step 3:
+    its checkpoints also serve the refused resume below (one Ray training run fewer)."""
+    tmp = tmp_path_factory.mktemp("raytrain_runs")
+    local, ray_ck = tmp / "local", tmp / "ray"
+    train(data, "--steps", "3", "--save", str(local), "--metrics", str(tmp / "local.jsonl"))
     train(data, "--steps", "2", "--engine", "ray", "--save-every", "1", "--keep", "2",
-          "--save", str(ray_ck), "--metrics", str(tmp_path / "ray.jsonl"))
-    # --save-every 1 wrote steps 1 and 2; --keep 2 keeps both
-    assert sorted(n for n in os.listdir(ray_ck) if n.startswith("step-")) == [
-        "step-000001", "step-000002"]
-    assert (ray_ck / "latest.txt").read_text() == "step-000002\n"
-    state = json.load(open(ray_ck / "step-000002" / "trainer.json"))
-    assert state["position"] == {"episodes": 8, "passes": 0}
+          "--save", str(ray_ck), "--metrics", str(tmp / "ray.jsonl"))
+    stopped = {"steps": sorted(n for n in os.listdir(ray_ck) if n.startswith("step-")),
+               "latest": (ray_ck / "latest.txt").read_text(),
+               "state": json.load(open(ray_ck / "step-000002" / "trainer.json"))}
     train(data, "--steps", "3", "--engine", "ray", "--resume", str(ray_ck), "--save", str(ray_ck),
-          "--keep", "2", "--metrics", str(tmp_path / "ray.jsonl"))
-    capsys.readouterr()
+          "--keep", "2", "--metrics", str(tmp / "ray.jsonl"))
+    return {"tmp": tmp, "local": local, "ray": ray_ck, "stopped": stopped}
+
+
+def test_two_ray_ranks_saved_stopped_and_resumed_equal_one_local_run(runs):
+    tmp_path, local, ray_ck, stopped = runs["tmp"], runs["local"], runs["ray"], runs["stopped"]
+    # --save-every 1 wrote steps 1 and 2; --keep 2 keeps both
+    assert stopped["steps"] == ["step-000001", "step-000002"]
+    assert stopped["latest"] == "step-000002\n"
+    assert stopped["state"]["position"] == {"episodes": 8, "passes": 0}
     got, want = rows(tmp_path / "ray.jsonl"), rows(tmp_path / "local.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3]
     for key in ("loss", "grad_norm", "lr", "scheduler_episodes", "episodes", "executed_tokens",
@@ -73,11 +81,10 @@ def test_two_ray_ranks_saved_stopped_and_resumed_equal_one_local_run(ray_cluster
             {"episodes": 12, "passes": 1}
 
 
-def test_ray_resume_refuses_another_run(ray_cluster, data, tmp_path, capsys):
-    ck = tmp_path / "ck"
-    train(data, "--steps", "1", "--engine", "ray", "--save", str(ck))
+def test_ray_resume_refuses_another_run(runs, data, capsys):
+    ck = runs["ray"]   # a Ray run's checkpoints at --lr 1e-2 (latest: step 3)
     capsys.readouterr()
     assert main(["replay", data, "--mode", "train", "--episodes-per-step", "4", "--lr", "2e-2",
                  "--loss", "pg", "--norm", "seq-mean", "--max-tokens", "256", "--num-ranks", "2",
-                 "--engine", "ray", "--steps", "2", "--resume", str(ck), "--json"]) == 2
+                 "--engine", "ray", "--steps", "4", "--resume", str(ck), "--json"]) == 2
     assert "this is not the same run: --lr was 0.01, now 0.02" in capsys.readouterr().err

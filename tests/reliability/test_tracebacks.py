@@ -282,17 +282,17 @@ def test_ray_engine_reads_relative_paths_and_arrow_streams(ray_cluster, tmp_path
     from treeflow.models import load_model, save_model
 
     monkeypatch.chdir(tmp_path)  # the cluster's workers started elsewhere
-    t = small_episodes(6)
+    t = small_episodes(12)   # 6 episodes (3 whole groups) per file: ids unique over both
     with pa.ipc.new_stream("s.arrow", t.schema) as w:  # stream format, as a logger writes it
-        for b in t.to_batches(max_chunksize=2):
+        for b in t.slice(6).to_batches(max_chunksize=2):
             w.write_batch(b)
-    write_episodes(t, "e.arrow")
+    write_episodes(t.slice(0, 6), "e.arrow")
     save_model(load_model("tiny"), "m")  # a relative model directory too
-    for name in ("e.arrow", "s.arrow"):  # relative paths; an IPC file and a stream
-        results = {}
-        for engine in ("local", "ray"):
-            rc, _, err = cli(capsys, "replay", name, "--model", "m", "--engine", engine,
-                             "--episodes-per-step", "2", "-o", f"{engine}.arrow", "--quiet")
-            assert rc == 0, (name, err)
-            results[engine] = pa.ipc.open_file(f"{engine}.arrow").read_all()
-        assert results["ray"].equals(results["local"]), name
+    results = {}
+    for engine in ("local", "ray"):  # relative paths, an IPC file and a stream, in one run each
+        rc, _, err = cli(capsys, "replay", "e.arrow", "s.arrow", "--model", "m", "--engine",
+                         engine, "--episodes-per-step", "2", "-o", f"{engine}.arrow", "--quiet")
+        assert rc == 0, (engine, err)
+        results[engine] = pa.ipc.open_file(f"{engine}.arrow").read_all()
+    assert results["local"].num_rows == t.num_rows   # every episode of both files
+    assert results["ray"].equals(results["local"])

@@ -259,6 +259,9 @@ def _calls_array(rng, tokens_N, lens_C, starts_C, calls_E, advantage_E, dup_call
     return pa.StructArray.from_arrays(children, fields=list(CALL_TYPE))
 
 
+_ROUTE_ROWS = 1 << 14  # token rows per chunk of _routes_array's products
+
+
 def _routes_array(rng, tokens_N, lens_C, starts_C, routes, layers=1, experts=_EXPERTS) -> pa.Array:
     """list<list<int16>> per call: per token and layer `routes` distinct expert ids in
     [0, experts), hashed from (token, depth, layer)."""
@@ -275,13 +278,20 @@ def _routes_array(rng, tokens_N, lens_C, starts_C, routes, layers=1, experts=_EX
                          "ask for fewer episodes, turns or routes")
     routes_NR = np.empty((len(tokens_N), width), dtype=np.int16)
     pow2 = experts & (experts - 1) == 0
+    # int32 is exact: base + k*step < (routes + 1) * experts <= 129 * 32767
+    k_R = np.arange(routes, dtype=np.int32)
     for layer in range(layers):
         hl = h if layer == 0 else _mix(h ^ np.uint64(0xA24BAED4963EE407 * layer % 2**64))
-        base = (hl % np.uint64(experts)).astype(np.int64)
+        base = (hl % np.uint64(experts)).astype(np.int32)
         # a power of two: an odd step makes k -> base + k*step distinct mod experts
-        step = (((hl >> np.uint64(32)) % np.uint64(experts)).astype(np.int64) | 1) if pow2 else 1
-        for k in range(routes):  # a loop over route slots, vectorised over tokens
-            routes_NR[:, layer * routes + k] = (base + k * step) % experts
+        step = (((hl >> np.uint64(32)) % np.uint64(experts)).astype(np.int32) | 1) if pow2 \
+            else np.ones_like(base)
+        # tokens x route slots at once, a chunk of rows at a time (the products stay ~8 MB)
+        for a in range(0, len(base), _ROUTE_ROWS):
+            b = a + _ROUTE_ROWS
+            slots = base[a:b, None] + k_R * step[a:b, None]
+            slots = slots & (experts - 1) if pow2 else slots % experts   # & is % for a power of 2
+            routes_NR[a:b, layer * routes:(layer + 1) * routes] = slots
     # perturb one prompt token of a few calls: sharing with other calls must stop there
     hit = np.flatnonzero(rng.random(len(lens_C)) < _PERTURB_PROB)
     rows = call_off[hit] + rng.integers(0, starts_C[hit])
