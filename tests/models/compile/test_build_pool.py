@@ -209,6 +209,16 @@ def test_builds_whose_sessions_end_out_of_order_leave_torchs_compiling_flag_as_f
     assert not torch.compiler.is_compiling()
 
 
+def test_a_session_of_another_thread_open_when_the_pool_began_is_not_written_back(monkeypatch):
+    """Another thread's compile session is open when the warm-up's pool begins (the flag found
+    set) and ends, putting back what it found, before the pool closes: the pool must not write
+    the flag it found back over that (a warm-up never runs inside a session of its own)."""
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # the other session, open
+    with build_pool.together(1):
+        torch.compiler._is_compiling_flag = False  # ... and ended, while the pool was open
+    assert not torch.compiler.is_compiling()
+
+
 def test_leaving_together_waits_for_every_build_even_when_the_body_raised():
     done, results = threading.Event(), []
     with pytest.raises(KeyError):

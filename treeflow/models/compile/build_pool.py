@@ -43,8 +43,8 @@ set around each export and compile session and put back to the value they had wh
 builds whose sessions overlap (one in g++ with the lock let go, the other tracing) put them back
 out of order and can leave them set for the rest of the process, and every later eager AdamW step
 then takes its compiled path (its bias corrections in float32 tensors, not Python floats: weights
-1e-7 apart from a process that never built). Leaving the last open `together()` puts back the
-flags it found (`_torch_flags_kept`).
+1e-7 apart from a process that never built). Leaving the last open `together()` clears them
+(`_torch_flags_kept`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ _TRACING = threading.Lock()  # held by whoever traces or generates code while a 
 _HOLDS = threading.local()  # .held: this thread holds _TRACING
 # torch.compiler's process-global flags that its export and compile sessions set and put back
 _TORCH_FLAGS = ("_is_compiling_flag", "_is_exporting_flag", "_is_non_strict_tracing_flag")
-_KEPT = {"open": 0, "flags": {}}  # together() blocks open now; the flags the first one found
+_KEPT = {"open": 0}  # together() blocks open now
 _KEPT_LOCK = threading.Lock()
 
 
@@ -266,15 +266,14 @@ def build_alone(build) -> None:
 
 @contextlib.contextmanager
 def _torch_flags_kept():
-    """torch.compiler's flags as the first open `together()` found them, put back when the last
-    one closes (its builds all done): overlapping sessions can leave them set (module
-    docstring)."""
+    """torch.compiler's flags cleared when the last open `together()` closes (its builds all
+    done): overlapping sessions can leave them set (module docstring). Cleared, not put back as
+    the first `together()` found them: a warm-up never runs inside a compile or export session,
+    so a flag found set there was another thread's session then open, and writing it back after
+    that session ended would leave it set for the rest of the process."""
     import torch.compiler
 
     with _KEPT_LOCK:
-        if _KEPT["open"] == 0:
-            _KEPT["flags"] = {n: getattr(torch.compiler, n) for n in _TORCH_FLAGS
-                              if hasattr(torch.compiler, n)}
         _KEPT["open"] += 1
     try:
         yield
@@ -282,8 +281,9 @@ def _torch_flags_kept():
         with _KEPT_LOCK:
             _KEPT["open"] -= 1
             if _KEPT["open"] == 0:
-                for name, value in _KEPT["flags"].items():
-                    setattr(torch.compiler, name, value)
+                for name in _TORCH_FLAGS:
+                    if hasattr(torch.compiler, name):
+                        setattr(torch.compiler, name, False)
 
 
 @contextlib.contextmanager
