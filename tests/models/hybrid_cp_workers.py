@@ -89,3 +89,16 @@ def group_run(size: int, configs: list, aux: tuple | None = None) -> dict:
                      torch.tensor(np.asarray(tally[:2], dtype=np.int64))}
     dist.destroy_process_group()
     return out
+
+
+def assert_recomputed_equal(ranks: list, base: str, names) -> None:
+    """Every rank's runs `names` (a recompute mode each) gave the `base` run's group logprobs,
+    route tallies and gradients exactly (recompute reruns the same ops in the same order)."""
+    for name in names:
+        for r, got in enumerate(ranks):
+            want, again = got[base], got[name]
+            assert torch.equal(again["values"], want["values"]), (name, r)
+            assert torch.equal(again["tally"], want["tally"]), (name, r)
+            assert again["grads"].keys() == want["grads"].keys()
+            for n, g in want["grads"].items():
+                assert torch.equal(again["grads"][n], g), (name, r, n)

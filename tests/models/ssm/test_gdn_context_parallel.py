@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hybrid_cp_workers import group_run
+from hybrid_cp_workers import assert_recomputed_equal, group_run
 from hybrid_helpers import episodes, token_weights
 from qwen3_next_helpers import VOCAB, delta_rule64, hf_qwen3_next
 
@@ -252,14 +252,7 @@ def test_recompute_under_context_parallel_equals_none_bit_for_bit(setup, size):
     checked run above)."""
     ranks = _group(_root(setup), size)
     base, _ = RECOMPUTED
-    for name, *_ in _recomputed(_configs(setup)):
-        for r, got in enumerate(ranks):
-            want, again = got[base], got[name]
-            assert torch.equal(again["values"], want["values"]), (name, r)
-            assert torch.equal(again["tally"], want["tally"]), (name, r)
-            assert again["grads"].keys() == want["grads"].keys()
-            for n, g in want["grads"].items():
-                assert torch.equal(again["grads"][n], g), (name, r, n)
+    assert_recomputed_equal(ranks, base, [name for name, *_ in _recomputed(_configs(setup))])
 
 
 def test_fewer_value_heads_than_ranks_is_refused_by_name(setup):

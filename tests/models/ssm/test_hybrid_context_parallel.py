@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hybrid_cp_workers import group_run
+from hybrid_cp_workers import assert_recomputed_equal, group_run
 from hybrid_helpers import episodes, token_weights
 from hybrid_helpers import hf_model as dense_hf_model
 from hybrid_moe_helpers import (forced_routes, hf_model, hf_values, routers, tf_values,
@@ -238,14 +238,7 @@ def test_recompute_under_context_parallel_equals_none_bit_for_bit(setup, size):
     and route tallies equal the run without recompute's exactly (the checked run above)."""
     ranks = _group(_root(setup), size)
     base, _ = RECOMPUTED
-    for name, *_ in _recomputed(_configs(setup)):
-        for r, got in enumerate(ranks):
-            want, again = got[base], got[name]
-            assert torch.equal(again["values"], want["values"]), (name, r)
-            assert torch.equal(again["tally"], want["tally"]), (name, r)
-            assert again["grads"].keys() == want["grads"].keys()
-            for n, g in want["grads"].items():
-                assert torch.equal(again["grads"][n], g), (name, r, n)
+    assert_recomputed_equal(ranks, base, [name for name, *_ in _recomputed(_configs(setup))])
 
 
 @pytest.mark.parametrize("size", SIZES)
