@@ -47,6 +47,9 @@ def test_ray_training_run_prints_no_ray_banner(tmp_path):
                                   tool_tokens=(2, 3), seed=3), path)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RAY_", "TQDM", "TRANSFORMERS_", "TREEFLOW_QUIET"))}
+    # the host's disk fill is not under test: a raylet on a disk Ray counts 95% full prints an
+    # error line every 10 s (tests/conftest.py)
+    env["RAY_local_fs_capacity_threshold"] = os.environ["RAY_local_fs_capacity_threshold"]
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-m", "treeflow.cli", "replay", str(path), "--engine",
                           "ray", "--mode", "train", "--episodes-per-step", "8", "--steps", "1",
