@@ -10,8 +10,9 @@ that the driver's loop never waits on a source while results come back:
   exactly as the local engine does (`Files.spans`, from the group_id column
   only) and Ray Data reads them (one read task and one Arrow block per
   run of consecutive windows, up to BLOCK_EPISODES episodes: the stages'
-  per-call overhead is paid per block) and streams them through one map operator per stage
-  (pipeline/ray_maps.py), in order and with its backpressure. Each stage
+  per-call overhead is paid per block, READ_AHEAD read tasks at once) and streams them
+  through one map operator per stage (pipeline/ray_maps.py), in order and with its
+  backpressure. Each stage
   runs in an actor pool of its own (one actor): Ray Data fuses neighbouring
   task-pool maps into one task, never an actor-pool map with the next, so
   the executed plan is read -> one operator per stage -> the rank actors. Cycled files
@@ -36,6 +37,13 @@ from treeflow.pipeline.source import Files, FilesReader
 # window at least): few enough that the first block is planned at once, small enough to stream
 BLOCK_EPISODES = 256
 BLOCK_BYTES = 4 << 20
+# read tasks at once: the one the first stage waits on and one ahead. Ray Data's budget holds
+# back a read only once finished reads told it a block's size: unbounded, it started one read
+# per free fractional CPU (ten on 4 CPUs), put 320 MB of blocks into a 100 MB store and spilled
+# most of a 330 MB file, which a host whose disk Ray counts 95% full refuses (OutOfDiskError).
+# A read costs far less than the stages and the forward after it, so two keep them fed.
+READ_AHEAD = 2
+
 
 def import_ray_data() -> None:
     """Ray Data, imported (0.4 s) once the rank actors are asked for (pipeline/ray.py); quiet
@@ -141,7 +149,8 @@ def _files(engine, files: Files, position, steps):
     groups = [[(w, wins[w][0]) for w in range(g, min(g + k, len(wins)))]
               for g in range(0, len(wins), k)]
     ds = ray.data.read_datasource(WindowRead(groups, files.vocab_size, files.route_width),
-                                  override_num_blocks=len(groups), num_cpus=cpus)
+                                  override_num_blocks=len(groups), num_cpus=cpus,
+                                  concurrency=READ_AHEAD)
     # Ray Data's OperatorFusionRule fuses a task-pool map into the map after it when their
     # compute and resources agree, which made read and every CPU stage one task; a map run by
     # an actor pool is never fused with the map after it. So each stage is its own operator:
