@@ -56,6 +56,8 @@ _NAMESPACE = "treeflow"
 TQ_CONFIG = {"backend": {"SimpleStorage": {"num_data_storage_units": 1}},
              "controller": {"polling_mode": True}}
 _HOST = "treeflow-tq-host"
+START_TIMEOUT = 300.0  # seconds a first start of TransferQueue may take (init_transferqueue)
+SLOW_START = 30.0  # past this, the start says on stderr what it waits for
 _MIN_STORE_S = 15.0  # the least deadline of a TransferQueue call (a loaded machine is slow)
 
 
@@ -171,17 +173,36 @@ class _Host:
         return True
 
 
-def init_transferqueue(tq, timeout: float = 120.0) -> None:
-    """Start TransferQueue in the detached host actor unless it runs, then attach this process."""
+def init_transferqueue(tq, timeout: float = START_TIMEOUT) -> None:
+    """Start TransferQueue in the detached host actor unless it runs, then attach this process.
+
+    A first start spawns the host, the controller and a storage unit, each importing
+    TransferQueue's stack: seconds on a quiet machine, more than 120 s on a loaded 2-core one
+    (a CI run at load 60). So the wait is long, says on stderr what it waits for once it passes
+    SLOW_START seconds, and on timeout stops the host: a detached host left half-started made
+    every later start on the cluster wait on it and time out too (four tests in one run).
+    """
+    import sys
+
     import ray
 
     host = ray.remote(num_cpus=0)(_Host).options(
         name=_HOST, namespace=_NAMESPACE, lifetime="detached", get_if_exists=True).remote(TQ_CONFIG)
-    try:
-        ray.get(host.ready.remote(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"TransferQueue did not start within {timeout:g} s (its controller and "
-                           "storage unit need one free CPU each on the Ray cluster)") from None
+    ready = host.ready.remote()
+    if not ray.wait([ready], timeout=min(SLOW_START, timeout))[0]:
+        free = ray.available_resources().get("CPU", 0.0)
+        print(f"treeflow: TransferQueue is still starting after {min(SLOW_START, timeout):g} s "
+              f"({free:g} CPUs free on the Ray cluster; its controller and storage unit need one "
+              f"each); waiting up to {timeout:g} s", file=sys.stderr, flush=True)
+        try:
+            ray.get(ready, timeout=max(0.0, timeout - SLOW_START))
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0.0)
+            ray.kill(host)  # and with it what it started: a retry starts afresh
+            raise TimeoutError(
+                f"TransferQueue did not start within {timeout:g} s ({free:g} CPUs free on the "
+                "Ray cluster; its controller and storage unit need one free CPU each); its "
+                "half-started host actor was stopped, so a retry starts afresh") from None
     tq.init(TQ_CONFIG)  # attaches to the host's controller
 
 
@@ -229,7 +250,7 @@ def open_transferqueue(name: str = "default", *, attach: bool = False, timeout: 
         with keep_sigterm():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                      logging_level="ERROR", log_to_driver=False)
-    init_transferqueue(tq, timeout=max(timeout, 120.0))
+    init_transferqueue(tq, timeout=max(timeout, START_TIMEOUT))
     actor_name = f"treeflow-tq-{name}"
     created = False
     deadline = time.monotonic() + timeout
