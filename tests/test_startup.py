@@ -118,6 +118,23 @@ def test_cpu_replay_imports_nothing_it_does_not_run(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "HEAVY="
 
 
+def test_finding_a_checkpoint_to_resume_imports_no_distributed_checkpoint(tmp_path):
+    """A resume's driver (the Ray engine's, a refused resume's) finds and checks its checkpoint
+    without torch.distributed.checkpoint, which only a sharded checkpoint's load needs: its
+    import cost each resuming process 2-5 s on the shared machine."""
+    from treeflow.stages import Forward, Loss, Reduce
+    from treeflow.train import Trainer
+
+    Trainer(Forward(model="tiny"), Reduce(loss=Loss(kind="nll"))).save(str(tmp_path / "ck"))
+    code = ("import sys; from treeflow.train.remote import resumed_state; "
+            "state = resumed_state(sys.argv[1]); "
+            "print(state['steps'], 'torch.distributed.checkpoint' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "False"], out.stdout
+
+
 def _fills(monkeypatch) -> list:
     """Every in-place fill of a tensor (what an initialisation does), by method name."""
     import torch
