@@ -35,8 +35,33 @@ def _gate(capsys, *extra):
     return rc, json.loads(out.strip().splitlines()[-1]), err
 
 
-def test_gate_passes_on_the_tiny_model_and_writes_its_figures(capsys, tmp_path):
-    rc, fig, err = _gate(capsys, "-o", str(tmp_path / "gate.json"))
+def _gate_once(*extra):
+    """_gate for a module fixture (one gate run that several tests check): its own capture,
+    and the torch threads the run set (`--threads 1`) restored after."""
+    import contextlib
+    import io
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["gate", *SMALL, *extra])
+    finally:
+        torch.set_num_threads(threads)
+    return rc, json.loads(out.getvalue().strip().splitlines()[-1]), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_gate(tmp_path_factory):
+    """One passing gate run on the tiny model that writes its figures (-o) and keeps its
+    sampled episodes (--episodes-out): the passing test and the kept-episodes test check it."""
+    tmp = tmp_path_factory.mktemp("gate")
+    rc, fig, err = _gate_once("-o", str(tmp / "gate.json"), "--episodes-out",
+                              str(tmp / "kept.arrow"))
+    return rc, fig, err, tmp
+
+
+def test_gate_passes_on_the_tiny_model_and_writes_its_figures(tiny_gate):
+    rc, fig, err, tmp_path = tiny_gate
     assert rc == 0 and fig["passed"] and fig["failures"] == [], err
     assert json.loads((tmp_path / "gate.json").read_text()) == fig
     assert fig["episodes_sampled"] == fig["episodes_retained"] == 32   # two rounds of 16
@@ -114,8 +139,26 @@ def moe_model(tmp_path_factory):
     return str(path)
 
 
-def test_gate_replays_captured_routes_and_fails_on_a_corrupted_one(moe_model, capsys):
-    rc, fig, err = _gate(capsys, "--model", moe_model, "--routing", "replay")
+@pytest.fixture(scope="module")
+def moe_replay(moe_model):
+    """One CP=1 gate run on the MoE model with routing replay, and the tables its producer put:
+    the route test checks it passes, the CP=2 test that CP=2 gives its episodes and step."""
+    from treeflow.programs import gate as gate_module
+
+    seen, put = [], gate_module._Transport.put
+
+    def spy(self, table, **kw):
+        seen.append(table)
+        return put(self, table, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gate_module._Transport, "put", spy)
+        rc, fig, err = _gate_once("--model", moe_model, "--routing", "replay")
+    return rc, fig, err, seen
+
+
+def test_gate_replays_captured_routes_and_fails_on_a_corrupted_one(moe_model, moe_replay, capsys):
+    rc, fig, err, _ = moe_replay
     assert rc == 0 and fig["passed"] and fig["route_agreement"] == 1.0, err
     assert fig["route_agreement_decided"] == 1.0 and fig["route_near_ties"] == 0  # float32
     rc, fig, err = _gate(capsys, "--model", moe_model, "--routing", "replay",
@@ -203,15 +246,13 @@ def _puts(monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_gate_at_context_parallel_2_replays_routes_and_steps_as_one_process(moe_model, capsys,
-                                                                           monkeypatch):
+def test_gate_at_context_parallel_2_replays_routes_and_steps_as_one_process(moe_model, moe_replay,
+                                                                           capsys, monkeypatch):
     """CP=2 (two gloo processes) trains the same sampled episodes to the CP=1 step's loss and
     gradient norm, replays every captured route, and only rank 0 writes the weights."""
-    puts = _puts(monkeypatch)
-    rc, one, err = _gate(capsys, "--model", moe_model, "--routing", "replay")
+    rc, one, err, first = moe_replay   # the CP=1 run
     assert rc == 0 and one["passed"], err
-    first = list(puts)
-    puts.clear()
+    puts = _puts(monkeypatch)
     rc, two, err = _gate(capsys, "--model", moe_model, "--routing", "replay",
                          "--context-parallel", "2")
     assert rc == 0 and two["passed"] and two["failures"] == [], err
@@ -289,7 +330,7 @@ def test_the_designs_gate_configuration_is_one_file(capsys):
     assert {k: flat.get(k) for k in want} == want
 
 
-def test_gate_keeps_its_sampled_episodes_for_a_later_look(capsys, tmp_path):
+def test_gate_keeps_its_sampled_episodes_for_a_later_look(tiny_gate):
     """--episodes-out: both rounds, as sampled (bench/gate_kl_floor.py scores them again)."""
     from treeflow.programs.fidelity import generation_kl
     from treeflow.programs.gate import gate_reduce
@@ -297,8 +338,8 @@ def test_gate_keeps_its_sampled_episodes_for_a_later_look(capsys, tmp_path):
     from treeflow.stages import Forward, Fragment, Pack, Reassemble
     from treeflow.train import Trainer
 
+    rc, fig, err, tmp_path = tiny_gate
     kept = tmp_path / "kept.arrow"
-    rc, fig, err = _gate(capsys, "--episodes-out", str(kept))
     assert rc == 0, err
     eps = read_episodes(str(kept))
     assert eps.num_rows == fig["episodes_sampled"] == 32

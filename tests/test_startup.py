@@ -65,8 +65,11 @@ def test_process_seconds_counts_interpreter_start(tmp_path):
 
 
 def _synth(path, episodes=4):
-    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", str(path), "--episodes",
-                    str(episodes), "--group-size", "2", "--quiet"], check=True, timeout=120)
+    """The tests' data, by `treeflow synth` run here (a process of its own only added a start)."""
+    from treeflow.cli import main
+
+    assert main(["synth", "-o", str(path), "--episodes", str(episodes), "--group-size", "2",
+                 "--quiet"]) == 0
 
 
 def test_replay_wall_seconds_count_from_the_process_start(tmp_path):
@@ -116,6 +119,23 @@ def test_cpu_replay_imports_nothing_it_does_not_run(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "HEAVY="
+
+
+def test_finding_a_checkpoint_to_resume_imports_no_distributed_checkpoint(tmp_path):
+    """A resume's driver (the Ray engine's, a refused resume's) finds and checks its checkpoint
+    without torch.distributed.checkpoint, which only a sharded checkpoint's load needs: its
+    import cost each resuming process 2-5 s on the shared machine."""
+    from treeflow.stages import Forward, Loss, Reduce
+    from treeflow.train import Trainer
+
+    Trainer(Forward(model="tiny"), Reduce(loss=Loss(kind="nll"))).save(str(tmp_path / "ck"))
+    code = ("import sys; from treeflow.train.remote import resumed_state; "
+            "state = resumed_state(sys.argv[1]); "
+            "print(state['steps'], 'torch.distributed.checkpoint' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "False"], out.stdout
 
 
 def _fills(monkeypatch) -> list:

@@ -77,23 +77,32 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def back_to_back(ray_cluster, data):
-    """Two identical one-rank engines, the second started as the first closes: the CPUs free
-    before them, and each engine with its records (the first serves two tests)."""
-    free = wait_for_free_cpus(ray_cluster)
+    """Two one-rank engines, the second started as the first closes: the CPUs free before
+    them, and each engine with its records. The first is asked for on a wrong guess of
+    torch's threads (`torch_threads_guess` + 7, so its actors are asked for again), the
+    second on the right one: both must end on what `rank_threads` gives for the CPUs free
+    before them (one engine run serves the wrong-guess test and the back-to-back one)."""
+    import treeflow.pipeline.ray as ray_engine
+
+    free = wait_for_free_cpus(ray_cluster)  # what the engine will find (an earlier test's
+    # actors' CPUs come back a moment after their engine closed)
     runs = []
-    for _ in range(2):
-        engine = RayRanks(one_rank_pipe().plan)
-        try:
-            runs.append((engine, list(engine.run(data))))
-        finally:
-            engine.close()
+    for wrong in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if wrong:
+                mp.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
+            engine = RayRanks(one_rank_pipe().plan)
+            try:
+                runs.append((engine, list(engine.run(data))))
+            finally:
+                engine.close()
     return free, runs
 
 
 @pytest.mark.ray
 def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(back_to_back, data):
     pipe = one_rank_pipe()
-    engine, records = back_to_back[1][0]
+    engine, records = back_to_back[1][1]  # the engine asked for on the right guess
     assert pa.concat_tables([r.output for r in records]).equals(
         pa.concat_tables([r.output for r in pipe.run(data)]))
     got = records[0].stats["threads"]
@@ -105,30 +114,22 @@ def test_a_rank_actor_runs_the_threads_of_the_cpus_ray_gave_it(back_to_back, dat
 
 
 @pytest.mark.ray
-def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(ray_cluster, data,
-                                                                       monkeypatch):
+def test_a_wrong_guess_of_torchs_threads_asks_for_the_rank_actors_again(back_to_back, data):
     """The rank actors are asked for before the driver imports torch, on a guess of its thread
     count (pipeline/ray.py `torch_threads_guess`); where torch counts otherwise (a
-    hyperthreaded host) they are asked for again, so a rank runs what it ran before."""
-    import treeflow.pipeline.ray as ray_engine
-
-    monkeypatch.setattr(ray_engine, "torch_threads_guess", lambda: torch.get_num_threads() + 7)
+    hyperthreaded host) they are asked for again, so a rank runs what it ran before.
+    back_to_back's first engine was asked for on a guess 7 threads too many."""
     pipe = one_rank_pipe()
-    free = wait_for_free_cpus(ray_cluster)  # what the engine will find (the last test's
-    # actors' CPUs come back a moment after their engine closed)
-    engine = RayRanks(pipe.plan)
-    try:
-        records = list(engine.run(data))
-    finally:
-        engine.close()
+    free, ((engine, records), _) = back_to_back
     want = rule(free, engine, pipe)
     got = records[0].stats["threads"]
     assert (engine.threads, engine.rank_cpus, engine.threads_set_by) == want[:3]
     assert got["torch"] == engine.threads and got["set_by"] == want[2], got
+    assert pa.concat_tables([r.output for r in records]).equals(
+        pa.concat_tables([r.output for r in pipe.run(data)]))
 
 
-def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluster, data,
-                                                                       monkeypatch):
+def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluster, monkeypatch):
     """Asked for again only for other threads or CPUs: a reason worded otherwise (as on CUDA
     with several ranks, where it names torch's count) keeps the actors, and says the exact one."""
     import treeflow.pipeline.ray as ray_engine
@@ -149,7 +150,9 @@ def test_a_guess_that_differs_in_its_words_only_keeps_the_rank_actors(ray_cluste
     pipe = one_rank_pipe()
     engine = RayRanks(pipe.plan)
     try:
-        list(engine.run(data))
+        # start() alone: the actors are asked for and checked against torch's count there
+        # (`_check_threads`); running windows through them would add nothing to what is asked
+        engine.start()
     finally:
         engine.close()
     assert len(asks) == 1
@@ -169,13 +172,22 @@ def test_the_guess_of_torchs_threads_is_torchs_count_here(tmp_path):
     cases = [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "1"}]
     if _physical_cores() == len(os.sched_getaffinity(0)):  # else torch counts fewer: a guess
         cases += [{}, {"OMP_NUM_THREADS": "999"}]  # known wrong there (RayRanks asks again)
-    for env in cases:
-        base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
-                                                                 "MKL_NUM_THREADS")}
-        out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        guess, torch_count = json.loads(out.stdout.strip().splitlines()[-1])
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                             "MKL_NUM_THREADS")}
+    # one fresh process per case (torch reads the variables as it starts), all started at
+    # once: each spends most of its time importing torch, and none waits for another's
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**base, **env}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for env in cases]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for env, p, (stdout, stderr) in zip(cases, procs, outs):
+        assert p.returncode == 0, (env, stderr)
+        guess, torch_count = json.loads(stdout.strip().splitlines()[-1])
         assert guess == torch_count, (env, guess, torch_count)
 
 

@@ -26,6 +26,7 @@ OPTIMIZER_STEM = "optimizer"      # optimizer.safetensors, or its shards and ind
 OPTIMIZER = f"{OPTIMIZER_STEM}.safetensors"
 TRAINER_JSON = "trainer.json"
 LEGACY_STATE = "trainer_state.pt"
+DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint files (train/sharded.py)
 FORMAT = "treeflow-checkpoint/2"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
@@ -112,9 +113,16 @@ def layout_of(trainer) -> dict:
             "data_parallel": dp.world if dp is not None else 1}
 
 
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a sharded (DCP) checkpoint; told by its files alone, so that finding
+    a checkpoint to resume never imports torch.distributed.checkpoint (seconds per process)."""
+    return os.path.isfile(os.path.join(path, DCP_DIR, ".metadata"))
+
+
 def note_stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-__all__ = ["CONFIG_JSON", "FORMAT", "LATEST", "LATEST_RECORD", "LEGACY_STATE", "MANIFEST",
-           "MODEL_FILES", "OPTIMIZER", "OPTIMIZER_STEM", "TRAINER_JSON", "step_dir_name"]
+__all__ = ["CONFIG_JSON", "DCP_DIR", "FORMAT", "LATEST", "LATEST_RECORD", "LEGACY_STATE",
+           "MANIFEST", "MODEL_FILES", "OPTIMIZER", "OPTIMIZER_STEM", "TRAINER_JSON",
+           "is_sharded_checkpoint", "step_dir_name"]

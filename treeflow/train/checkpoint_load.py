@@ -29,7 +29,8 @@ from treeflow.train.checkpoint_layout import (LATEST, LEGACY_STATE, MANIFEST, OP
                                               OPTIMIZER_STEM,
                                               TRAINER_JSON, latest_step, layout_of, sha256_of,
                                               note_stderr, step_dirs, tensor_parallel_of, writers_of,
-                                              step_dir_name, is_checkpoint_root)
+                                              step_dir_name, is_checkpoint_root,
+                                              is_sharded_checkpoint)
 
 
 def verify(step_path: str) -> str | None:
@@ -111,7 +112,7 @@ def find_checkpoint(path: str | os.PathLike, *, log: Callable[[str], None] = not
         if problem:
             raise ValueError(f"{path}: checkpoint is incomplete or corrupted: {problem}")
         return path
-    if os.path.isfile(os.path.join(path, LEGACY_STATE)) or _is_sharded(path):
+    if os.path.isfile(os.path.join(path, LEGACY_STATE)) or is_sharded_checkpoint(path):
         if not trust_checkpoint:
             what = LEGACY_STATE if os.path.isfile(os.path.join(path, LEGACY_STATE)) else "dcp/"
             raise ValueError(f"{path}: holds {what} but no {MANIFEST}, so it cannot be verified "
@@ -161,12 +162,6 @@ def model_dir(path: str) -> str:
     return find_checkpoint(path) if is_checkpoint_root(path) else path
 
 
-def _is_sharded(path: str) -> bool:
-    from treeflow.train.sharded import is_sharded_checkpoint
-
-    return is_sharded_checkpoint(path)
-
-
 def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
                     log: Callable[[str], None] = note_stderr, trust_checkpoint: bool = False,
                     **options):
@@ -176,7 +171,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
     options go to `cls` (precision, dp, ...)."""
     step_path = find_checkpoint(path, log=log, trust_checkpoint=trust_checkpoint)
     if not os.path.isfile(os.path.join(step_path, MANIFEST)):
-        if _is_sharded(step_path):
+        if is_sharded_checkpoint(step_path):
             return _load_sharded(cls, step_path, forward, reduce, options, log)
         return _load_legacy(cls, step_path, forward, reduce, log, options)
     state = load_json(os.path.join(step_path, TRAINER_JSON))
@@ -187,7 +182,7 @@ def load_checkpoint(cls, path: str | os.PathLike, forward, reduce, *,
                          f"reads {FORMAT!r}")
     _check_state(os.path.join(step_path, TRAINER_JSON), state)
     _check_layout(step_path, state, forward)
-    if _is_sharded(step_path):
+    if is_sharded_checkpoint(step_path):
         return _load_sharded(cls, step_path, forward, reduce, options, log, state)
     trainer = cls(replace(forward, model=step_path), reduce, **options)
     _note_layout(step_path, state, trainer, log)

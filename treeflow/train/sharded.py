@@ -31,15 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from treeflow.train import dcp_safe
+# where the shards go and how a checkpoint tells it holds them: the layout's, which a resume
+# asks without importing this module (train/checkpoint_layout.py)
+from treeflow.train.checkpoint_layout import DCP_DIR, is_sharded_checkpoint
 
 __all__ = ["DCP_DIR", "is_sharded_checkpoint", "load_sharded", "save_sharded",
            "sharded_writer"]
-
-DCP_DIR = "dcp"
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    return os.path.isfile(os.path.join(path, DCP_DIR, ".metadata"))
 
 
 def save_sharded(trainer, path: str | os.PathLike, counters: dict, json_name: str, *,
