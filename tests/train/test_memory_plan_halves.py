@@ -161,6 +161,7 @@ def test_one_gdn_kind_of_layer_holds_what_its_formula_says(gdn_built, kind, dtyp
     for mode in HALVES:
         held, got = zip(*(_held_and_plan(m, bins, mode, dtype, "replay") for m, bins in runs))
         layers, planned = held[1] - held[0], got[1] - got[0]
+        assert layers > 0, (kind, mode, held)  # two models from the cache, not one twice
         print(f"{kind} alone {dtype} {mode}: plan {planned} held {layers} "
               f"err {planned / layers - 1:+.4f}")
         assert abs(planned - layers) <= 0.02 * layers, (kind, mode, planned, layers)
