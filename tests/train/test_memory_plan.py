@@ -77,15 +77,35 @@ def _dense():
     return small_model(), episodes(seed=5, n=8, group_size=4)
 
 
+def family_cache(tmp_path_factory):
+    """`get(family)`: (model, episodes) of `_dense`, `_moe` or `_hybrid`, each built once for
+    the module that holds the cache, for the tests that only measure or read it (a measured
+    forward or backward leaves the model as it found it: no step, gradients set to None); a
+    test that steps an optimizer builds its own."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            if family == "dense":
+                cache[family] = _dense()
+            elif family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+                cache[family] = _moe(tmp_path_factory.mktemp(family), family)
+            else:
+                cache[family] = _hybrid(tmp_path_factory.mktemp(family), family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return family_cache(tmp_path_factory)
+
+
 @pytest.mark.parametrize("family", ["dense", "qwen3_moe", "qwen2_moe", "mixtral", "nemotron_h",
                                     "bamba", "nemotron_h_moe"])
-def test_parameter_counts_equal_the_loaded_model(tmp_path, family):
-    if family == "dense":
-        model = _dense()[0]
-    elif family in ("qwen3_moe", "qwen2_moe", "mixtral"):
-        model = _moe(tmp_path, family)[0]
-    else:
-        model = _hybrid(tmp_path, family)[0]
+def test_parameter_counts_equal_the_loaded_model(built, family):
+    model = built(family)[0]
     counts = parameter_counts(model.config)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     # the matmul weights: every 2-D and 3-D weight but the embedding and the head
@@ -123,13 +143,13 @@ def test_state_components_equal_a_real_step(grad_sum):
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe", "bamba"])
-def test_sharded_terms_of_a_hybrid_follow_its_fsdp_groups(tmp_path, family):
+def test_sharded_terms_of_a_hybrid_follow_its_fsdp_groups(built, family):
     """Under --shard-params the float32 groups train/fsdp.py builds (float32 routers, each
     Mamba-2 mixer less its projections) gather in float32, the rest of a layer in the compute
     dtype; the state is split over the D x C processes FSDP2 shards over."""
     from treeflow.train.fsdp import float32_groups
 
-    model = _hybrid(tmp_path, family)[0]
+    model = built(family)[0]
     wide = sum(p.numel() for m, _, inner in float32_groups(model) for p in m.parameters()
                if not any(p is q for c in inner for q in c.parameters()))
     counts = parameter_counts(model.config)
@@ -158,24 +178,24 @@ def _check_activations(model, eps, max_tokens, *, dtype="float32", routing=None,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_activations_equal_what_the_forward_holds(dtype):
-    model, eps = _dense()
+def test_dense_activations_equal_what_the_forward_holds(built, dtype):
+    model, eps = built("dense")
     _check_activations(model, eps, 256, dtype=dtype)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
-def test_moe_activations_equal_what_the_forward_holds(tmp_path, family):
-    model, eps = _moe(tmp_path, family)
+def test_moe_activations_equal_what_the_forward_holds(built, family):
+    model, eps = built(family)
     _check_activations(model, eps, 256, routing="replay")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["nemotron_h", "bamba", "nemotron_h_moe"])
-def test_hybrid_activations_equal_what_the_forward_holds(tmp_path, family, dtype):
+def test_hybrid_activations_equal_what_the_forward_holds(built, family, dtype):
     """The scan's tensors are per chunk slot: given the bin's fill (its short tree segments
     leave slots of the chunk size 4 empty) the plan holds to 2% in every mode; at fill 1.0
     (the planner's default: full chunks) `none` falls short by the empty slots."""
-    model, eps = _hybrid(tmp_path, family)
+    model, eps = built(family)
     bins = Fragment(max_tokens=128)(Pack()(eps))
     routing = "replay" if family == "nemotron_h_moe" else None
     for mode in MODES:
@@ -188,13 +208,13 @@ def test_hybrid_activations_equal_what_the_forward_holds(tmp_path, family, dtype
         assert abs(got - held) <= 0.02 * held, (mode, got, held)
 
 
-def test_fused_scan_activations_equal_what_the_forward_holds(tmp_path):
+def test_fused_scan_activations_equal_what_the_forward_holds(built):
     """CUDA runs the fused Mamba-2 scan (models/ssm/triton_scan.py; here in triton's interpreter):
     it keeps x dt, the cumulative decay, B, C and one state per chunk and per segment start
     instead of the torch scan's chunk tensors. Without recompute (the mode that keeps the scan)
     the plan with ssm_kernel="triton" holds to 2% of the storages its forward leaves alive."""
     pytest.importorskip("triton")
-    model, eps = _hybrid(tmp_path, "nemotron_h")
+    model, eps = built("nemotron_h")
     bins = Fragment(max_tokens=128)(Pack()(eps))
     held, n, e, fill = held_by_forward(model, bins, recompute="none", ssm_kernel="triton",
                                        backward=False)
@@ -292,14 +312,14 @@ def test_optimizer_step_transient_is_one_parameter_sized_copy():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_backward_peak_of_a_bin_where_the_loss_head_sets_it(dtype):
+def test_backward_peak_of_a_bin_where_the_loss_head_sets_it(built, dtype):
     """Measured: the bytes a bin's forward and backward allocate above the held state, the
     peak of the CPU allocator (kernels' scratch included). In the small dense model the loss
     head's vocabulary chunk is the largest transient under none and selective; the plan's
     activations + casts + backward transient holds to 2% there."""
     from tests.train.memory_helpers import peak_of_bin
 
-    model, eps = _dense()
+    model, eps = built("dense")
     bins = Fragment(max_tokens=256)(Pack()(eps))
     for mode in ("none", "selective"):
         peak, n, e, _ = peak_of_bin(model, bins, recompute=mode, dtype=dtype)

@@ -58,6 +58,31 @@ def _saved(tmp_path, family, **over):
     return hf, path
 
 
+def model_cache(tmp_path_factory):
+    """`get(family, prompt=None, **over)`: the model `_saved(family, **over)` loads and, given a
+    prompt, its `_episodes`, each made once for the module that holds the cache: the dtype and
+    mode cases of one model share it (a measured forward leaves the model as it found it: no
+    step, its gradients set to None), so a test pays its forwards, not the builds again."""
+    cache = {}
+
+    def get(family, prompt=None, **over):
+        key = (family, json.dumps(over, sort_keys=True))
+        if key not in cache:
+            hf, path = _saved(tmp_path_factory.mktemp(family), family, **over)
+            cache[key] = (hf, load_model(path), {})
+        hf, model, eps = cache[key]
+        if prompt is not None and prompt not in eps:
+            eps[prompt] = _episodes(hf, family, prompt)
+        return model, eps.get(prompt)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return model_cache(tmp_path_factory)
+
+
 def _episodes(hf, family, prompt):
     from tests.models import hybrid_helpers
 
@@ -101,15 +126,14 @@ def _held_and_plan(model, eps, dtype, routing, mode="none", max_tokens=512):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_activations_equal_what_the_forward_holds(tmp_path, family, dtype):
+def test_activations_equal_what_the_forward_holds(built, family, dtype):
     """Prompts of 9 tokens (every segment inside one 64-token chunk) and of 70 (the shared
     prompt spans two chunks): the scan's tensors per chunk slot, at the bin's fill; under
     selective and full recompute, the tensors the checkpointed layers keep."""
-    hf, path = _saved(tmp_path, family, **SHAPE)
-    model = load_model(path)
+    model, _ = built(family, **SHAPE)
     routing = None if family == "qwen3_5" else "replay"
     for prompt in (9, 70):
-        eps = _episodes(hf, family, prompt)
+        eps = built(family, prompt, **SHAPE)[1]
         for mode in MODES:
             held, got, fill = _held_and_plan(model, eps, dtype, routing, mode)
             assert fill < 0.5  # short tree segments pad their chunks: the fill is honoured
@@ -119,7 +143,7 @@ def test_activations_equal_what_the_forward_holds(tmp_path, family, dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
-def test_one_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype, mode):
+def test_one_kind_of_layer_holds_what_its_formula_says(built, kind, dtype, mode):
     """Two Qwen3.5 models that differ only by two layers of `kind` (each with its MLP), on the
     same bins: the difference of what their forwards hold is those two layers' activations
     (and casts), which the plan's difference matches to 2% -- one mixer's terms alone, not
@@ -127,13 +151,13 @@ def test_one_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype, mo
     base = ["linear_attention", "full_attention"]
     held, got = [], []
     for types in (base, base + [kind] * 2):
-        hf, path = _saved(tmp_path, "qwen3_5", num_hidden_layers=len(types), layer_types=types,
-                          **SHAPE)
-        h, g, _ = _held_and_plan(load_model(path), _episodes(hf, "qwen3_5", 70), dtype, None,
-                                 mode)
+        model, eps = built("qwen3_5", 70, num_hidden_layers=len(types), layer_types=types,
+                           **SHAPE)
+        h, g, _ = _held_and_plan(model, eps, dtype, None, mode)
         held.append(h)
         got.append(g)
     layers, planned = held[1] - held[0], got[1] - got[0]
+    assert layers > 0, (kind, mode, held)  # two models from the cache, not one twice
     assert abs(planned - layers) <= 0.02 * layers, (kind, mode, planned, layers)
 
 

@@ -41,6 +41,22 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """test_memory_plan.py's dense and MoE models, each built once for this module."""
+    from tests.train.test_memory_plan import family_cache
+
+    return family_cache(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gdn_built(tmp_path_factory):
+    """test_memory_plan_gdn.py's Gated DeltaNet models and episodes, each built once here."""
+    from tests.train.test_memory_plan_gdn import model_cache
+
+    return model_cache(tmp_path_factory)
+
+
 def _held_and_plan(model, bins, mode, dtype, routing=None):
     held, n, e, fill = held_by_forward(model, bins, recompute=mode, dtype=dtype,
                                        routing=routing)
@@ -57,33 +73,27 @@ def _check(model, bins, dtype, routing=None, what=""):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_half_modes_equal_what_the_forward_holds(dtype):
-    from tests.train.test_memory_plan import _dense
-
-    model, eps = _dense()
+def test_dense_half_modes_equal_what_the_forward_holds(built, dtype):
+    model, eps = built("dense")
     _check(model, Fragment(max_tokens=256)(Pack()(eps)), dtype, what="dense")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
-def test_moe_half_modes_equal_what_the_forward_holds(tmp_path, family, dtype):
-    from tests.train.test_memory_plan import _moe
-
-    model, eps = _moe(tmp_path, family)
+def test_moe_half_modes_equal_what_the_forward_holds(built, family, dtype):
+    model, eps = built(family)
     _check(model, Fragment(max_tokens=256)(Pack()(eps)), dtype, "replay", what=family)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
-def test_gdn_half_modes_equal_what_the_forward_holds(tmp_path, family, dtype):
-    from tests.train.test_memory_plan_gdn import SHAPE, _episodes, _saved
-    from treeflow.models import load_model
+def test_gdn_half_modes_equal_what_the_forward_holds(gdn_built, family, dtype):
+    from tests.train.test_memory_plan_gdn import SHAPE
 
-    hf, path = _saved(tmp_path, family, **SHAPE)
-    model = load_model(path)
+    model, _ = gdn_built(family, **SHAPE)
     routing = None if family == "qwen3_5" else "replay"
     for prompt in (9, 70):
-        bins = Fragment(max_tokens=512)(Pack()(_episodes(hf, family, prompt)))
+        bins = Fragment(max_tokens=512)(Pack()(gdn_built(family, prompt, **SHAPE)[1]))
         _check(model, bins, dtype, routing, what=f"{family} prompt {prompt}")
 
 
@@ -135,37 +145,34 @@ def test_two_more_layers_hold_what_their_formula_says(tmp_path, what, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
-def test_one_gdn_kind_of_layer_holds_what_its_formula_says(tmp_path, kind, dtype):
+def test_one_gdn_kind_of_layer_holds_what_its_formula_says(gdn_built, kind, dtype):
     """As tests/train/test_memory_plan_gdn.py's test of one kind alone, in the half modes, on
     Qwen3.5-MoE (experts in every layer: the MLP half is the expert block, whose route choices
     run_layer's `full` policy keeps under mlp: top-6 of 8 experts, so that a plan without
     them misses a gated attention layer's share by more than the 2%)."""
-    from tests.train.test_memory_plan_gdn import SHAPE, _episodes, _saved
-    from treeflow.models import load_model
+    from tests.train.test_memory_plan_gdn import SHAPE
 
     base = ["linear_attention", "full_attention"]
     runs = []
     for types in (base, base + [kind] * 2):
-        hf, path = _saved(tmp_path, "qwen3_5_moe", num_hidden_layers=len(types),
-                          layer_types=types, num_experts=8, num_experts_per_tok=6, **SHAPE)
-        runs.append((load_model(path),
-                     Fragment(max_tokens=512)(Pack()(_episodes(hf, "qwen3_5_moe", 70)))))
+        model, eps = gdn_built("qwen3_5_moe", 70, num_hidden_layers=len(types),
+                               layer_types=types, num_experts=8, num_experts_per_tok=6, **SHAPE)
+        runs.append((model, Fragment(max_tokens=512)(Pack()(eps))))
     for mode in HALVES:
         held, got = zip(*(_held_and_plan(m, bins, mode, dtype, "replay") for m, bins in runs))
         layers, planned = held[1] - held[0], got[1] - got[0]
+        assert layers > 0, (kind, mode, held)  # two models from the cache, not one twice
         print(f"{kind} alone {dtype} {mode}: plan {planned} held {layers} "
               f"err {planned / layers - 1:+.4f}")
         assert abs(planned - layers) <= 0.02 * layers, (kind, mode, planned, layers)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_backward_peak_of_a_bin_in_the_half_modes(dtype):
+def test_backward_peak_of_a_bin_in_the_half_modes(built, dtype):
     """As test_memory_plan.py's backward peak: the CPU allocator's peak over a bin's forward
     and backward above the held state, against activations + casts + the backward transient
     (the loss head's chunk sets it in the small dense model), to 2%."""
-    from tests.train.test_memory_plan import _dense
-
-    model, eps = _dense()
+    model, eps = built("dense")
     bins = Fragment(max_tokens=256)(Pack()(eps))
     for mode in HALVES:
         peak, n, e, _ = peak_of_bin(model, bins, recompute=mode, dtype=dtype)
