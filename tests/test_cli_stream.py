@@ -13,6 +13,10 @@ from treeflow.cli import main
 from treeflow.tools import synth_episodes, write_episodes
 from treeflow.tq import open_queue
 
+# a queue a --from run starts has no producer but its own file feed: the 1 s it keeps serving
+# after the stream ends, so that attached producers see the close, would only be waited out
+NO_LINGER = ["--linger", "0"]
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -31,7 +35,7 @@ def test_stream_from_file_equals_replay(data, tmp_path, capsys):
     opts = ["--layout", "tree", "--max-tokens", "512", "--episodes-per-step", "4", "--json"]
     assert main(["replay", data, "-o", str(tmp_path / "r.arrow"), *opts]) == 0
     assert main(["stream", "--from", data, "-o", str(tmp_path / "s.arrow"), "--chunk", "2",
-                 *opts]) == 0
+                 *opts, *NO_LINGER]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["queue"]["steps_acked"] == 2
     assert summary["queue"]["held_episodes"] == 0 and summary["episodes"] == 8
@@ -39,7 +43,7 @@ def test_stream_from_file_equals_replay(data, tmp_path, capsys):
     assert _read(tmp_path / "s.arrow").equals(replayed)
     # one file per step into a directory: the same rows, step by step
     assert main(["stream", "--from", data, "-o", str(tmp_path / "steps"), "--chunk", "2",
-                 *opts]) == 0
+                 *opts, *NO_LINGER]) == 0
     names = sorted(os.listdir(tmp_path / "steps"))
     assert names == ["step-000000.arrow", "step-000001.arrow"]
     got = pa.concat_tables([_read(tmp_path / "steps" / n) for n in names])
@@ -117,7 +121,8 @@ def test_stream_trains_from_a_live_rollout_process(tmp_path, capsys, transport, 
 
 def test_stream_resume_skips_steps_already_written(data, tmp_path, capsys):
     out = str(tmp_path / "steps")
-    opts = ["--from", data, "-o", out, "--episodes-per-step", "4", "--chunk", "2", "--json"]
+    opts = ["--from", data, "-o", out, "--episodes-per-step", "4", "--chunk", "2", "--json",
+            *NO_LINGER]
     assert main(["stream", *opts]) == 0
     capsys.readouterr()
     before = {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
@@ -153,7 +158,7 @@ def test_stream_trains_on_two_ranks_like_one(data, tmp_path, capsys):
 
     opts = ["--mode", "train", "--episodes-per-step", "4", "--loss", "nll", "--lr", "1e-3", "--json"]
     for ranks in (1, 2):
-        assert main(["stream", "--from", data, *opts, "--num-ranks", str(ranks),
+        assert main(["stream", "--from", data, *opts, *NO_LINGER, "--num-ranks", str(ranks),
                      "--save", str(tmp_path / f"ck{ranks}"),
                      "--metrics", str(tmp_path / f"m{ranks}.jsonl")]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -217,7 +222,8 @@ def test_stream_ranks_leasing_their_own_parts_train_as_rank_0_leasing_and_surviv
             "--lr", "1e-3", "--save-every", "2", "--json"]
     runs = {}
     for lease in ("lead", "per-rank"):
-        assert main(["stream", "--from", data, "--chunk", "2", *opts, "--lease", lease,
+        assert main(["stream", "--from", data, "--chunk", "2", *opts, *NO_LINGER,
+                     "--lease", lease,
                      "--save", str(tmp_path / lease),
                      "--metrics", str(tmp_path / f"{lease}.jsonl")]) == 0
         runs[lease] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -276,7 +282,7 @@ def test_stream_that_cannot_train_its_steps_says_so_when_it_happens(tmp_path, ca
     eps = eps.set_column(i, eps.schema.field(i), pa.array([0] * 16, pa.int64()))
     path = str(tmp_path / "v0.arrow")
     write_episodes(eps, path)
-    assert main(["stream", "--from", path, "--chunk", "4", "--mode", "train",
+    assert main(["stream", "--from", path, *NO_LINGER, "--chunk", "4", "--mode", "train",
                  "--episodes-per-step", "4", "--steps", "3", "--max-staleness", "0",
                  "--loss", "nll", "--max-tokens", "512", "--json"]) == 0
     out, err = capsys.readouterr()

@@ -18,14 +18,16 @@ Without learning (lr=0) the gain over 20 seeds at STEPS=30 was -0.12..0.11
 learning gain seen and 4 standard deviations above the frozen runs' mean.
 """
 
+import gc
 import importlib.util
 import os
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
-from treeflow.programs import Rollout
+from treeflow.programs import Rollout, rollout
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "grpo_toy.py")
 _spec = importlib.util.spec_from_file_location("grpo_toy", _PATH)
@@ -36,6 +38,10 @@ SMALL = Rollout(group_size=4, turns=(2, 2), prompt_tokens=(4, 6), completion_tok
                 tool_tokens=(2, 3), seed=0)
 MARGIN = 0.25   # first-5 vs last-5 step means (the docstring says where it sits)
 STEPS = 30      # long enough that every seed measured had learned the task (docstring)
+LAYOUT_STEPS = 6  # the layouts' step-by-step check: the curve moves within them
+
+# one xdist worker runs the module: its tests share the learning run (`learned`)
+pytestmark = pytest.mark.xdist_group("test_grpo_toy")
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +57,21 @@ def _rewards(**kw):
                                                               **kw)])
 
 
-def test_the_toy_policy_learns_and_fails_to_without_a_learning_rate():
-    learned = _rewards(steps=STEPS, lr=5e-2)
+@pytest.fixture(scope="module")
+def learned():
+    """The learning run (tree layout), shared by both tests: the first's curve, and the
+    tree side of the layouts' check. Its first steps are those of a shorter run: each group
+    is sampled from its own seed by the weights of the step before, and the schedule is
+    constant (the layouts' check fails if that ever stops being so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _rewards(steps=STEPS, lr=5e-2, layout="tree")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_toy_policy_learns_and_fails_to_without_a_learning_rate(learned):
     frozen = _rewards(steps=STEPS, lr=0.0)
     gain = learned[-5:].mean() - learned[:5].mean()
     assert gain > MARGIN, learned.round(3).tolist()
@@ -60,8 +79,29 @@ def test_the_toy_policy_learns_and_fails_to_without_a_learning_rate():
     assert abs(learned[:5].mean() - 0.5) < 0.15     # it starts from chance
 
 
-def test_tree_and_exact_layouts_give_the_same_rewards_step_by_step():
-    tree = _rewards(steps=6, lr=5e-2, layout="tree")
-    exact = _rewards(steps=6, lr=5e-2, layout="exact")
+def test_tree_and_exact_layouts_give_the_same_rewards_step_by_step(learned):
+    tree = learned[:LAYOUT_STEPS]
+    exact = _rewards(steps=LAYOUT_STEPS, lr=5e-2, layout="exact")
     np.testing.assert_allclose(tree, exact, atol=1e-6)
     assert len(set(tree.round(6))) > 1                # the curve moves: not a constant
+
+
+def test_the_sampler_frees_its_model_at_release_with_or_without_a_reference_cycle():
+    # the loop above releases the producer's model every step: a full gc pass there cost
+    # seconds a step on a loaded machine (it holds the GIL the trainer's thread needs), so
+    # release collects only when a cycle keeps the model alive; either way it is gone after
+    sampler = rollout._Sampler(dtype="float32", device="cpu")
+    gc.disable()             # only release itself may free the model
+    try:
+        sampler.load("tiny")
+        model = weakref.ref(sampler.backend.module)
+        sampler.release()
+        assert model() is None, "an acyclic model outlived release"
+        sampler.load("tiny")
+        sampler.backend.module.held_by = sampler.backend        # backend -> module -> backend
+        model = weakref.ref(sampler.backend.module)
+        sampler.release()
+        assert model() is None, "a model held by a reference cycle outlived release"
+    finally:
+        gc.enable()
+    assert sampler.releases == 2 and sampler.loads == 2

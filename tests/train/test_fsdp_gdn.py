@@ -19,8 +19,9 @@ in_proj_ba, MoE blocks whose float32 routers are groups too).
 bfloat16: the parameters the mixer reads in float32 reach its forward as the checkpoint's
 float32 values bit for bit, through a Trainer step; its projections are groups of their own.
 
-One spawn of two ranks per family runs the rank side of both (`ranks`): a spawn's start
-(torch, transformers, the process group) cost as much as the work it ran.
+One spawn of two ranks runs the rank side of both tests for both families (`spawned`, one
+process group; each family's results are its own entry, so a failure names the family): a
+spawn's start (torch, transformers, the process group) cost as much as a family's work.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ LP64_ABS, GRAD64_REL = 1e-6, 5e-5
 TIMEOUT_S = 120  # the process group's: a rank stuck in a collective fails within it
 
 
-def _rank(path, data):
-    """Each rank's side of both tests below, in one process group: a spawn of two ranks costs
-    their start (torch, transformers, the group) each time, so the family's checks share one."""
+def _rank(cases):
+    """Each rank's side of both tests below for every family of `cases` ({family: (checkpoint,
+    data)}), in one process group: a spawn of two ranks costs their start (torch,
+    transformers, the group) each time, so the families' checks share one."""
     from treeflow.train import DataParallel
 
     dp = DataParallel.from_env("cpu", timeout_s=TIMEOUT_S)
-    out = {"float32": _values(path), "bf16": _bf16(path, data, dp)}
+    out = {family: {"float32": _values(path), "bf16": _bf16(path, data, dp)}
+           for family, (path, data) in cases.items()}
     dp.close()
     return out
 
@@ -99,24 +102,42 @@ def _hf64(hf, eps, weights, monkeypatch):
     return values, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
-def gdn(request, tmp_path_factory):
+FAMILIES = ("qwen3_5", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every family's (family, checkpoint, data, transformers model)."""
     from tests.models.hybrid_helpers import episodes
     from tests.models.qwen3_next_helpers import VOCAB, hf_qwen3_next
     from treeflow.tools import write_episodes
 
-    path = tmp_path_factory.mktemp(request.param)
-    hf = hf_qwen3_next(family=request.param)
-    hf.save_pretrained(path / "m")
-    write_episodes(episodes(65, seed=65, vocab=VOCAB), path / "e.arrow")
-    return request.param, str(path / "m"), str(path / "e.arrow"), hf
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        hf = hf_qwen3_next(family=family)
+        hf.save_pretrained(path / "m")
+        write_episodes(episodes(65, seed=65, vocab=VOCAB), path / "e.arrow")
+        out[family] = family, str(path / "m"), str(path / "e.arrow"), hf
+    return out
 
 
 @pytest.fixture(scope="module")
-def ranks(gdn):
-    """The two ranks' results of _rank, for the family's tests below."""
-    _, path, data, _ = gdn
-    return spawn(_rank, 2, path, data, timeout_s=8 * TIMEOUT_S, threads=1)
+def spawned(built):
+    """The two ranks' results of _rank for every family: one spawn."""
+    cases = {family: (path, data) for family, path, data, _ in built.values()}
+    return spawn(_rank, 2, cases, timeout_s=8 * TIMEOUT_S * len(cases), threads=1)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def gdn(request, built):
+    return built[request.param]
+
+
+@pytest.fixture
+def ranks(gdn, spawned):
+    """The two ranks' results for the family's tests below."""
+    return [rank[gdn[0]] for rank in spawned]
 
 
 def test_sharded_gdn_equals_unsharded_and_transformers_float64(gdn, ranks, monkeypatch):

@@ -11,8 +11,10 @@ bfloat16: the parameters the mixer reads in float32 (fsdp.float32_groups: A_log,
 the conv, the gated norm) reach its forward as the checkpoint's float32 values bit for bit,
 through a Trainer step; its projections are groups of their own in bf16.
 
-One spawn of two ranks per family runs the rank side of all three (`ranks`): a spawn's start
-(torch, transformers, the process group) cost as much as the work it ran.
+One spawn of two ranks runs the rank side of all three tests for the default run's families
+(`spawned`, one process group; each family's results are its own entry, so a failure names the
+family): a spawn's start (torch, transformers, the process group) cost as much as a family's
+work. The slow-marked family (bamba) spawns its own.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ def _name(family, hf_name):
     return hf_name.replace("model.", "backbone.", 1) if family == "nemotron_h" else hf_name
 
 
-def _rank(path, data, values):
-    """Each rank's side of every test below, in one process group: a spawn of two ranks costs
-    their start (torch, transformers, the group) each time, so the family's checks share one.
+def _rank(cases):
+    """Each rank's side of every test below for every family of `cases` ({family: (checkpoint,
+    data, values)}), in one process group: a spawn of two ranks costs their start (torch,
+    transformers, the group) each time, so the families' checks share one.
     values: also the float32 logprobs and gradients (not for the MoE family, see below)."""
     from treeflow.train import DataParallel
 
     dp = DataParallel.from_env("cpu")
-    out = {"values": _values(path) if values else None,
-           "step": _trainer_rank(path, data, dp), "bf16": _bf16(path, data, dp)}
+    out = {family: {"values": _values(path) if values else None,
+                    "step": _trainer_rank(path, data, dp), "bf16": _bf16(path, data, dp)}
+           for family, (path, data, values) in cases.items()}
     dp.close()
     return out
 
@@ -91,29 +95,57 @@ def _trainer_rank(path, data, dp):
     return {"loss": rows[0]["loss"], "grad_norm": rows[0]["grad_norm"], "state": state}
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", pytest.param("bamba",
-                                                                   marks=pytest.mark.slow),
-                                        "nemotron_h_moe"])
-def hybrid(request, tmp_path_factory):
+SHARED = ("nemotron_h", "nemotron_h_moe")  # the default run's families: one spawn
+
+
+def _build(family, tmp_path_factory):
+    """(family, checkpoint, data, transformers model)."""
     from tests.models import hybrid_moe_helpers
     from tests.models.hybrid_helpers import episodes, save_hf
     from treeflow.tools import write_episodes
 
-    path = tmp_path_factory.mktemp(request.param)
-    if request.param == "nemotron_h_moe":  # float32 routers and mixers, both float32 groups
-        hf = hybrid_moe_helpers.hf_model(request.param)
+    path = tmp_path_factory.mktemp(family)
+    if family == "nemotron_h_moe":  # float32 routers and mixers, both float32 groups
+        hf = hybrid_moe_helpers.hf_model(family)
         hf.save_pretrained(path / "m")
     else:
-        hf = save_hf(request.param, path / "m")
+        hf = save_hf(family, path / "m")
     write_episodes(episodes(9, seed=9), path / "e.arrow")
-    return request.param, str(path / "m"), str(path / "e.arrow"), hf
+    return family, str(path / "m"), str(path / "e.arrow"), hf
+
+
+def _spawn(built):
+    cases = {family: (path, data, family != "nemotron_h_moe")
+             for family, path, data, _ in built}
+    return spawn(_rank, 2, cases, timeout_s=480 * len(cases), threads=1)
 
 
 @pytest.fixture(scope="module")
-def ranks(hybrid):
+def built(tmp_path_factory):
+    return {family: _build(family, tmp_path_factory) for family in SHARED}
+
+
+@pytest.fixture(scope="module")
+def spawned(built):
+    """The two ranks' results of _rank for the SHARED families: one spawn."""
+    return _spawn(built.values())
+
+
+@pytest.fixture(scope="module", params=["nemotron_h", pytest.param("bamba",
+                                                                   marks=pytest.mark.slow),
+                                        "nemotron_h_moe"])
+def hybrid(request, tmp_path_factory):
+    if request.param in SHARED:
+        return request.getfixturevalue("built")[request.param]
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ranks(hybrid, request):
     """The two ranks' results of _rank, for the family's tests below."""
-    family, path, data, _ = hybrid
-    return spawn(_rank, 2, path, data, family != "nemotron_h_moe", timeout_s=480, threads=1)
+    family = hybrid[0]
+    runs = request.getfixturevalue("spawned") if family in SHARED else _spawn([hybrid])
+    return [rank[family] for rank in runs]
 
 
 def test_sharded_hybrid_gradients_equal_transformers_per_call(hybrid, ranks):

@@ -24,6 +24,10 @@ all-reduce of the accumulated sums: the same float32 terms added in another orde
 test_fsdp_hybrid.py's bounds; Qwen3.5: float64, test_fsdp_gdn.py's). The
 process group's timeout is short, so a deadlock fails the test within TIMEOUT_S instead of
 gloo's default 600 s.
+
+One spawn of two ranks runs every family (`spawned`, one process group; each family's results are
+its own entry, so a failure names the family): a spawn's start (torch, transformers, the process
+group) cost as much as a family's runs.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from treeflow.train.launch import spawn
 
 require("transformers", min_version="5.25", why=HF_MAMBA_SEMANTICS)
 
-pytestmark = pytest.mark.multiprocess
+# one xdist worker runs the module: its cases share one spawn (a module fixture), which a
+# second worker would start again
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_fsdp_hybrid_cp")]
 
 TIMEOUT_S = 60  # the process group's: a rank stuck in a collective fails within it
 HF_ABS, HF_REL = 1e-5, 1e-5
@@ -49,9 +55,10 @@ def _name(family, hf_name):
     return hf_name.replace("model.", "backbone.", 1) if family == "nemotron_h" else hf_name
 
 
-def _cp_rank(path, rows, weights, budgets):
-    """The unsharded run, then the sharded one, in one process group (a spawn of two ranks
-    costs their start -- torch, transformers, the group -- as much as a run)."""
+def _cp_rank(cases):
+    """For every family of `cases` ({family: (checkpoint, rows, weights, budgets)}): the
+    unsharded run, then the sharded one, all in one process group (a spawn of two ranks
+    costs their start -- torch, transformers, the group -- as much as a family's runs)."""
     import treeflow.models.heads.logprobs as heads
     from treeflow.parallel import ParallelDims
     from treeflow.train import DataParallel
@@ -60,8 +67,9 @@ def _cp_rank(path, rows, weights, budgets):
     dp = DataParallel.from_env("cpu", dims=dims, timeout_s=TIMEOUT_S)
     inner = heads.selected_logprobs
     try:
-        out = {shard: _cp_run(path, rows, weights, shard, budgets, dims)
-               for shard in (False, True)}
+        out = {family: {shard: _cp_run(path, rows, weights, shard, budgets, dims)
+                        for shard in (False, True)}
+               for family, (path, rows, weights, budgets) in cases.items()}
     finally:
         heads.selected_logprobs = inner
     dp.close()
@@ -125,16 +133,15 @@ def _cp_run(path, rows, weights, shard, budgets, dims):
     return out
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5", "llama_untied"])
-def hybrid(request, tmp_path_factory, monkeypatch_module):
-    """(family, checkpoint, rows, weights, budgets, the oracle's values and gradients, its
-    logprob and gradient bounds). Nemotron-H: transformers in float32 (test_fsdp_hybrid.py's
-    bounds); Qwen3.5 (Gated DeltaNet): transformers in float64 (test_fsdp_gdn.py's oracle and
-    bounds: float32 GDN gradients sit up to 1.4e-5 from transformers' float32 ones)."""
-    from tests.models.hybrid_helpers import episodes, hf_values, save_hf, token_weights
+FAMILIES = ("nemotron_h", "qwen3_5", "llama_untied")
 
-    path = tmp_path_factory.mktemp(request.param) / "m"
-    if request.param == "llama_untied":  # the cause alone: an attention decoder, untied head
+
+def _build(family, tmp_path_factory):
+    """(transformers model, checkpoint, episodes, token weights, budgets)."""
+    from tests.models.hybrid_helpers import episodes, save_hf, token_weights
+
+    path = tmp_path_factory.mktemp(family) / "m"
+    if family == "llama_untied":  # the cause alone: an attention decoder, untied head
         import transformers
 
         torch.manual_seed(0)
@@ -143,23 +150,48 @@ def hybrid(request, tmp_path_factory, monkeypatch_module):
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).eval()
         hf.save_pretrained(path)
         eps = episodes(9, seed=9)
-        weights = token_weights(eps)
-        return (request.param, str(path), eps.to_pylist(), weights, (24, 512),
-                hf_values(hf, eps, weights), (HF_ABS, HF_REL))
-    if request.param == "nemotron_h":
+        return hf, str(path), eps, token_weights(eps), (24, 512)
+    if family == "nemotron_h":
         hf = save_hf("nemotron_h", path)
         eps = episodes(9, seed=9)
-        weights = token_weights(eps)
-        return (request.param, str(path), eps.to_pylist(), weights, (24, 512),
-                hf_values(hf, eps, weights), (HF_ABS, HF_REL))
+        return hf, str(path), eps, token_weights(eps), (24, 512)
     from tests.models.qwen3_next_helpers import VOCAB, hf_qwen3_next
-    from tests.train.test_fsdp_gdn import GRAD64_REL, LP64_ABS, _hf64
 
-    hf = hf_qwen3_next(family=request.param)
+    hf = hf_qwen3_next(family=family)
     hf.save_pretrained(path)
     eps = episodes(65, seed=65, vocab=VOCAB)
-    weights = token_weights(eps)
-    return (request.param, str(path), eps.to_pylist(), weights, (80, 512),
+    return hf, str(path), eps, token_weights(eps), (80, 512)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return {family: _build(family, tmp_path_factory) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def spawned(built):
+    """The two ranks' results of _cp_rank for every family: one spawn."""
+    cases = {family: (path, eps.to_pylist(), weights, budgets)
+             for family, (_, path, eps, weights, budgets) in built.items()}
+    return spawn(_cp_rank, 2, cases, timeout_s=8 * TIMEOUT_S * len(cases), threads=1)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hybrid(request, built, monkeypatch_module):
+    """(family, checkpoint, rows, weights, budgets, the oracle's values and gradients, its
+    logprob and gradient bounds). Nemotron-H: transformers in float32 (test_fsdp_hybrid.py's
+    bounds); Qwen3.5 (Gated DeltaNet): transformers in float64 (test_fsdp_gdn.py's oracle and
+    bounds: float32 GDN gradients sit up to 1.4e-5 from transformers' float32 ones)."""
+    from tests.models.hybrid_helpers import hf_values
+
+    family = request.param
+    hf, path, eps, weights, budgets = built[family]
+    if family != "qwen3_5":
+        return (family, path, eps.to_pylist(), weights, budgets, hf_values(hf, eps, weights),
+                (HF_ABS, HF_REL))
+    from tests.train.test_fsdp_gdn import GRAD64_REL, LP64_ABS, _hf64
+
+    return (family, path, eps.to_pylist(), weights, budgets,
             _hf64(hf, eps, weights, monkeypatch_module), (LP64_ABS, GRAD64_REL))
 
 
@@ -169,10 +201,9 @@ def monkeypatch_module():
         yield mp
 
 
-def test_sharded_hybrid_cp2_equals_unsharded_cp2_and_transformers(hybrid):
+def test_sharded_hybrid_cp2_equals_unsharded_cp2_and_transformers(hybrid, spawned):
     family, path, rows, weights, budgets, (hf_vals, hf_grads), (lp_abs, grad_rel) = hybrid
-    args = (path, rows, weights)
-    runs = spawn(_cp_rank, 2, *args, budgets, timeout_s=8 * TIMEOUT_S, threads=1)
+    runs = [rank[family] for rank in spawned]
     plain, sharded = [r[False] for r in runs], [r[True] for r in runs]
     # the case of the deadlock: a bin where one rank owns no edge
     assert sum(run[b]["empty"] for run in sharded for b in budgets) > 0

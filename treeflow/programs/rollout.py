@@ -328,12 +328,19 @@ class _Sampler:
                                      for t in (*module.parameters(), *module.buffers())))
 
     def release(self) -> None:
-        """Drop the model, collect it and hand the process's cached device blocks back (CUDA),
-        so the trainer (or another process on the card) can use them."""
+        """Drop the model (collected at once if a reference cycle holds it) and hand the
+        process's cached device blocks back (CUDA), so the trainer (or another process on the
+        card) can use them."""
         import gc
+        import weakref
 
+        model = None if self.backend is None else weakref.ref(self.backend.module)
         self.backend = None
-        gc.collect()
+        # dropping the last reference frees an acyclic model at once; a full collection (seconds
+        # on a large heap, and it holds the GIL the trainer's thread needs) only when a reference
+        # cycle keeps it alive
+        if model is not None and model() is not None:
+            gc.collect()
         if str(self.device).startswith("cuda"):
             import torch
 
