@@ -229,10 +229,11 @@ def test_a_second_cli_replay_with_flex_traces_no_frame(tmp_path):
     --layout tree --kernel flex` on a warm compile cache traces nothing, and writes the same
     logprobs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    episodes = tmp_path / "e.arrow"
-    subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o", str(episodes),
-                    "--episodes", "2", "--group-size", "2", "--min-turns", "1", "--max-turns", "1",
-                    "--seed", "0", "--quiet"], env=env, check=True, timeout=120)
+    from treeflow.cli import main
+
+    episodes = tmp_path / "e.arrow"  # made in this process: only the replays need their own
+    assert main(["synth", "-o", str(episodes), "--episodes", "2", "--group-size", "2",
+                 "--min-turns", "1", "--max-turns", "1", "--seed", "0", "--quiet"]) == 0
     runs = []
     for i in range(2):
         out = tmp_path / f"lp{i}.arrow"

@@ -158,8 +158,22 @@ def test_two_data_parallel_ranks_train_the_same_weights():
             assert all(torch.equal(w[n], w0[n]) for n in w0), mode
 
 
+@pytest.fixture(scope="module")
+def synth_episodes(tmp_path_factory):
+    """The episodes both modes replay: one synth (in this process, as tests/ops/test_warm_up.py
+    makes its own) instead of a synth process per mode; what runs with the cache below stays a
+    process per run."""
+    from treeflow.cli import main
+
+    data = tmp_path_factory.mktemp("recompute_cli") / "e.arrow"
+    assert main(["synth", "-o", str(data), "--episodes", "4", "--group-size", "2",
+                 "--quiet"]) == 0
+    return data
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_compiled_layers_under_whole_layer_recompute_run_with_the_compile_cache(tmp_path, mode):
+def test_compiled_layers_under_whole_layer_recompute_run_with_the_compile_cache(
+        tmp_path, synth_episodes, mode):
     """The CLI turns the compile cache on, and with it the precompiled capture of the compiled
     layers; inside a whole-layer checkpoint torch's capture and AOTAutograd cache failed
     (BackendCompilerFailed: '>' between None and None in cleanup_recompute_tags), so a run of
@@ -168,10 +182,8 @@ def test_compiled_layers_under_whole_layer_recompute_run_with_the_compile_cache(
     import subprocess
     import sys
 
-    data = tmp_path / "e.arrow"
+    data = synth_episodes
     cli = [sys.executable, "-m", "treeflow.cli"]
-    subprocess.run([*cli, "synth", "-o", str(data), "--episodes", "4", "--group-size", "2"],
-                   check=True, capture_output=True)
     for _ in range(2):
         proc = subprocess.run(
             [*cli, "replay", str(data), "--mode", "train", "--loss", "nll",
