@@ -192,7 +192,16 @@ def _compile_cache_restored():
     cc = sys.modules.get("treeflow.compile_cache")
     was = (cc._active, dict(cc._ours)) if cc is not None else (None, {})
     flags = _torch_cache_flags()
+    headers = _torch_headers()
+    headers_off = getattr(cc, "_headers_off", False)
     yield
+    if headers is not None:  # where torch's precompiled headers go (compile_cache.point_headers)
+        codecache, config = (sys.modules["torch._inductor.codecache"],
+                             sys.modules["torch._inductor.config"])
+        (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR, config.cpp_cache_precompile_headers,
+         config.aot_inductor.precompile_headers) = headers
+        if cc is not None:
+            cc._headers_off = headers_off
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
@@ -207,6 +216,15 @@ def _compile_cache_restored():
         inductor, functorch = (sys.modules.get("torch._inductor.config"),
                                sys.modules.get("torch._functorch.config"))
         inductor.fx_graph_cache, functorch.enable_autograd_cache = flags
+
+
+def _torch_headers():
+    codecache, config = (sys.modules.get("torch._inductor.codecache"),
+                         sys.modules.get("torch._inductor.config"))
+    if codecache is None or config is None:
+        return None
+    return (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR,
+            config.cpp_cache_precompile_headers, config.aot_inductor.precompile_headers)
 
 
 def _torch_cache_flags():

@@ -73,3 +73,52 @@ def test_a_file_is_not_a_cache(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         compile_cache.configure(tmp_path / "f")
+
+
+_HEADERS_PROBE = """
+import os, sys
+from treeflow import compile_cache
+compile_cache.configure(sys.argv[1])
+assert "torch" not in sys.modules  # the CLI configures before torch is imported
+import torch
+f = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="inductor")
+f(torch.randn(64))
+import torch._inductor.codecache as codecache
+print(codecache._HEADER_DIR)
+"""
+
+
+def test_precompiled_headers_go_into_the_cache_not_tmp(tmp_path):
+    """torch 2.13 writes the precompiled C++ headers every CPU kernel build includes under
+    /tmp/torchinductor_$USER whatever TORCHINDUCTOR_CACHE_DIR says (a name any local user can
+    create first and fill): a CLI-configured process, torch imported after, builds a kernel and
+    its headers are in the cache. Without the import hook they are in /tmp."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _HEADERS_PROBE, str(cache)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    headers = cache / "precompiled_headers"
+    assert out.stdout.split()[-1] == str(headers)
+    assert any(p.suffix == ".gch" for p in headers.iterdir()), sorted(headers.iterdir())
+    assert stat.S_IMODE(os.stat(headers).st_mode) == 0o700
+
+
+def test_precompiled_headers_follow_configure_once_torch_is_imported(tmp_path):
+    """The library case: codecache imported already; off turns header precompiling off (no
+    shared directory is written), on again turns it back on in the new cache."""
+    import torch._inductor.codecache as codecache
+
+    compile_cache.configure(str(tmp_path / "a"))
+    assert codecache._HEADER_DIR == str(tmp_path / "a" / "precompiled_headers")
+    compile_cache.configure("off")
+    assert not inductor_config.cpp_cache_precompile_headers
+    assert not inductor_config.aot_inductor.precompile_headers
+    compile_cache.configure(str(tmp_path / "b"))
+    assert inductor_config.cpp_cache_precompile_headers
+    assert inductor_config.aot_inductor.precompile_headers
+    assert codecache._HEADER_LOCK_DIR == str(tmp_path / "b" / "precompiled_headers" / "locks")

@@ -23,10 +23,18 @@ compiled layer graphs are therefore also saved whole, dynamo's output included,
 in `precompiled/` under the directory (models/compile/precompiled.py), which
 `active_dir` checks again before every load and `open_own` checks file by file;
 FlexAttention's call (block mask built inside it) is saved there the same way.
+
+torch's precompiled C++ headers (`.gch` files every CPU kernel and AOTInductor wrapper build
+includes) ignore `TORCHINDUCTOR_CACHE_DIR`: torch 2.13 puts them in
+`/tmp/torchinductor_$USER/precompiled_headers`, fixed when `torch._inductor.codecache` is
+imported. `configure` moves them into `precompiled_headers/` of the cache (or turns header
+precompiling off with the cache): at once when that module is imported already, else through a
+one-shot import hook that runs when it is (importing it here would cost a second at startup).
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import stat
 import sys
@@ -39,6 +47,8 @@ _ENV_DIR = "TORCHINDUCTOR_CACHE_DIR"
 _ENV_FX = "TORCHINDUCTOR_FX_GRAPH_CACHE"
 _ENV_AUTOGRAD = "TORCHINDUCTOR_AUTOGRAD_CACHE"
 _ENV_TRITON = "TRITON_CACHE_DIR"
+_CODECACHE = "torch._inductor.codecache"
+_HEADERS = "precompiled_headers"
 
 
 def add_option(parser) -> None:
@@ -84,12 +94,14 @@ def configure(where: str | os.PathLike | None = None) -> str | None:
     if where is not None and os.fspath(where) == OFF:
         _set(fx=False, directory=None)
         _active, _off = None, True
+        _headers_on_import()
         return None
     if where is None:
         where = os.environ.get(_ENV_DIR) or default_dir()
     directory = _own_dir(os.path.abspath(os.path.expanduser(os.fspath(where))))
     _set(fx=True, directory=directory)
     _active, _off = directory, False
+    _headers_on_import()
     return directory
 
 
@@ -202,3 +214,63 @@ def _set(*, fx: bool, directory: str | None) -> None:
     functorch = sys.modules.get("torch._functorch.config")
     if functorch is not None:
         functorch.enable_autograd_cache = fx
+
+
+def point_headers(codecache) -> None:
+    """torch's precompiled headers into the active cache's `precompiled_headers/`, or header
+    precompiling off when the cache is off; untouched if `configure` was never called."""
+    global _headers_off
+    config = sys.modules["torch._inductor.config"]
+    if _off:
+        config.cpp_cache_precompile_headers = config.aot_inductor.precompile_headers = False
+        _headers_off = True
+        return
+    if _headers_off:  # turned off by an earlier configure("off"): on again with the cache
+        config.cpp_cache_precompile_headers = config.aot_inductor.precompile_headers = True
+        _headers_off = False
+    directory = active_dir(_HEADERS)
+    if directory is not None:
+        codecache._HEADER_DIR = directory
+        codecache._HEADER_LOCK_DIR = os.path.join(directory, "locks")
+
+
+_headers_off = False  # point_headers turned torch's header precompiling off (configure("off"))
+
+
+def _headers_on_import() -> None:
+    codecache = sys.modules.get(_CODECACHE)
+    if codecache is not None:
+        point_headers(codecache)
+    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport())
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Finds torch._inductor.codecache as the other finders do, and has its loader call
+    `point_headers` once the module has run; then leaves sys.meta_path."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _CODECACHE:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None:
+                spec.loader = _ThenPoint(spec.loader)
+                return spec
+        return None
+
+
+class _ThenPoint(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        point_headers(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ... of the real loader
+        return getattr(self._loader, name)
