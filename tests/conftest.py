@@ -284,20 +284,24 @@ def megatron_module_group():
         _release_default_group()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_process_group_left_by_module(request):
-    """A module (its module-scoped fixtures included) leaves no default process group."""
-    was = _leaked_default_group()
-    yield
-    _fail_on_leaked_group(f"module {request.node.nodeid}", was)
+def _left_behind_guard(scope: str, state, fail, doc: str):
+    """An autouse fixture of `scope` ("module": its module-scoped fixtures included, or
+    "function") that reads `state()` before and calls `fail(what, before)` after."""
+    def guard(request):
+        before = state()
+        yield
+        fail(f"{'module' if scope == 'module' else 'test'} {request.node.nodeid}", before)
+
+    guard.__doc__ = doc
+    return pytest.fixture(autouse=True, scope=scope)(guard)
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group_left_by_test(request):
-    """A test leaves no default process group behind (one an xdist worker's later tests see)."""
-    was = _leaked_default_group()
-    yield
-    _fail_on_leaked_group(f"test {request.node.nodeid}", was)
+_no_process_group_left_by_module = _left_behind_guard(
+    "module", _leaked_default_group, _fail_on_leaked_group,
+    "A module (its module-scoped fixtures included) leaves no default process group.")
+_no_process_group_left_by_test = _left_behind_guard(
+    "function", _leaked_default_group, _fail_on_leaked_group,
+    "A test leaves no default process group behind (one an xdist worker's later tests see).")
 
 
 # torch.compiler's process-global flags (torch.compiler.is_compiling()): each export and compile
@@ -327,21 +331,12 @@ def _fail_on_compiler_flags(what: str, before: dict) -> None:
                 pytrace=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_compiler_flag_left_by_module(request):
-    """A module (its module-scoped fixtures included) leaves torch.compiler's flags as it found
-    them."""
-    before = _compiler_flags()
-    yield
-    _fail_on_compiler_flags(f"module {request.node.nodeid}", before)
-
-
-@pytest.fixture(autouse=True)
-def _no_compiler_flag_left_by_test(request):
-    """A test leaves torch.compiler's flags as it found them (is_compiling() False after it)."""
-    before = _compiler_flags()
-    yield
-    _fail_on_compiler_flags(f"test {request.node.nodeid}", before)
+_no_compiler_flag_left_by_module = _left_behind_guard(
+    "module", _compiler_flags, _fail_on_compiler_flags,
+    "A module (its module-scoped fixtures included) leaves torch.compiler's flags as it found them.")
+_no_compiler_flag_left_by_test = _left_behind_guard(
+    "function", _compiler_flags, _fail_on_compiler_flags,
+    "A test leaves torch.compiler's flags as it found them (is_compiling() False after it).")
 
 
 RAY_CPUS = 4  # TransferQueue's controller and storage unit reserve one logical CPU each

@@ -188,14 +188,14 @@ def init_transferqueue(tq, timeout: float = START_TIMEOUT) -> None:
 
     host = ray.remote(num_cpus=0)(_Host).options(
         name=_HOST, namespace=_NAMESPACE, lifetime="detached", get_if_exists=True).remote(TQ_CONFIG)
-    ready = host.ready.remote()
-    if not ray.wait([ready], timeout=min(SLOW_START, timeout))[0]:
+    ready, first = host.ready.remote(), min(SLOW_START, timeout)
+    if not ray.wait([ready], timeout=first)[0]:
         free = ray.available_resources().get("CPU", 0.0)
-        print(f"treeflow: TransferQueue is still starting after {min(SLOW_START, timeout):g} s "
+        print(f"treeflow: TransferQueue is still starting after {first:g} s "
               f"({free:g} CPUs free on the Ray cluster; its controller and storage unit need one "
               f"each); waiting up to {timeout:g} s", file=sys.stderr, flush=True)
         try:
-            ray.get(ready, timeout=max(0.0, timeout - SLOW_START))
+            ray.get(ready, timeout=timeout - first)
         except ray.exceptions.GetTimeoutError:
             free = ray.available_resources().get("CPU", 0.0)
             ray.kill(host)  # and with it what it started: a retry starts afresh
