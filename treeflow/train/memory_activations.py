@@ -17,10 +17,9 @@ norm, SwiGLU or experts, residual). The modes (models/compile/recompute.py, laye
   mixer's weights are redone in backward.
 - `mlp`: the MLP half is checkpointed: the mixer half's `none` tensors (the ancestors' K/V
   received under context parallelism included: the exchange runs once, outside the
-  checkpoint) plus the MLP half's input, and the route choices where the half runs under the
-  `full` policy (compile/recompute.py's `run_layer`: Gated DeltaNet hybrids); an attention
-  decoder's half runs under plain checkpointing (compile/layer_ops.py), which keeps only its
-  input, so its router's top-k reruns in backward (replayed routes are the same inputs).
+  checkpoint) plus the MLP half's input and the route choices: an MoE half runs under the
+  `full` policy (compile/recompute.py's `run_layer`, compile/layer_ops.py), so its router's
+  top-k is kept, never rerun in backward.
 
 Mamba-2 hybrid blocks have no such halves (models/support.py refuses `mlp` / `attention`
 for them), so `per_token` refuses those modes for their kinds rather than plan another.
@@ -64,8 +63,7 @@ def per_token(c, kind: str, mode: str, *, cb: int, mixed: bool, cp: int,
         return kept + routes + mixer_sel + mlp_sel
     if mode == "attention":
         return kept + mlp_none
-    full_policy = kind.split("+")[0] in GDN_KINDS  # run_layer's halves keep the top-k
-    return mixer_none + kept + (routes if full_policy else 0)
+    return mixer_none + kept + routes
 
 
 def _halves(c, kind: str, *, cb: int, mixed: bool, cp: int, scan_fill: float,

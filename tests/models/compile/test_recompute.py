@@ -87,6 +87,45 @@ def test_moe_step_with_replayed_routes_is_bit_identical(tmp_path, mode):
                  list(model.parameters()))
 
 
+class _TopkCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the routers' top-k decisions (aten.topk) run while it is on, forward and backward
+    (the CPU backward runs in the calling thread, under the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten.topk.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [*MODES, "mlp", "attention"])
+def test_a_router_that_chooses_decides_once_per_layer_and_bin(tmp_path, mode):
+    """Without replayed routes the router decides (route -1). Recomputation must not decide
+    again in backward: a rerun's rounding may pick other experts than the forward whose
+    outputs the loss saw (CUDA kernels need not be bitwise the same on a rerun). So every
+    mode runs exactly as many top-k as the step without recompute, and its gradients are
+    the same bits. Plant: the `mlp` half under plain checkpointing (re-deciding in backward),
+    as it was: 2x the decisions."""
+    from tests.models.moe_helpers import episodes, hf_model
+
+    hf = hf_model("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    table = validate_episodes(pa.Table.from_pylist(episodes(np.random.default_rng(3)),
+                                                   schema=EPISODE_SCHEMA))
+    counts = {}
+    for m in ("none", mode):
+        with _TopkCount() as count:
+            got = _step(model, table, mode=m, max_tokens=24)
+        counts[m] = count.n
+        if m == "none":
+            want = got
+    assert counts["none"] > 0 and counts[mode] == counts["none"], counts
+    _assert_same(got, want, list(model.parameters()))
+
+
 @pytest.mark.parametrize("fork", ["exact", "chunk"])
 @pytest.mark.parametrize("prompt", [8, 9])  # CHUNK=4: the group forks on a boundary / inside
 def test_hybrid_moe_step_is_bit_identical(tmp_path, prompt, fork):

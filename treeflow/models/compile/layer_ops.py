@@ -109,8 +109,9 @@ class LayerOps:
             x_NH = self._attention(layer, x_NH, cos_ND, sin_ND, attention)
         mlp = self._mlp if moe is None else _moe_block  # expert routing is data-dependent: eager
         parts = (layer.post_attention_layernorm, layer.mlp, x_NH, *(() if moe is None else (moe,)))
-        if grad and self.recompute == "mlp":
-            return _checkpoint(mlp, *parts)
+        if grad and self.recompute == "mlp":  # an MoE block keeps its top-k: never re-decided
+            return _checkpoint(mlp, *parts) if moe is None else checkpoint_layer(
+                mlp, *parts, mode="full")
         return mlp(*parts)
 
     def _attention(self, layer, x_NH, cos_ND, sin_ND, attention):
