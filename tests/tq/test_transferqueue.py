@@ -1,7 +1,13 @@
-"""The TransferQueue backend: same results as legacy runs, same guarantees, a producer in another process.
+"""The TransferQueue backend: its start, same results as legacy runs, same guarantees, a
+producer in another process, the gate through it.
 
-The session's Ray cluster (tests/conftest.py) and one TransferQueue for the whole
-module (each costs seconds).
+The session's Ray cluster (tests/conftest.py) and one TransferQueue for the whole module: a
+start costs three actor processes that each import TransferQueue's stack (~8 s on a quiet
+machine, ~37 s at load 8), so the tests that only use it share one. The start test goes first
+(it stops whatever runs and starts afresh), and leaves its TransferQueue to the rest; every
+test's queue has a name of its own (its ledger actor and partition), so none sees another's
+items and any of them also runs alone (a queue's open starts TransferQueue where none runs).
+Tests that kill part of TransferQueue have their own in tests/tq/test_tq_faults.py.
 """
 
 import os
@@ -12,6 +18,7 @@ import time
 import pyarrow as pa
 import pytest
 
+from tests.ray_helpers import wait_for_free_cpus
 from tests.tq.queue_helpers import (B, assert_same_weights, close_transferqueue, fill,
                                     queued_logprobs, queued_training)
 
@@ -24,6 +31,43 @@ HANG_S = 120.0   # bounds a hang only: a get returns as soon as its step is ther
 def cluster(ray_cluster):
     yield ray_cluster.get_runtime_context().gcs_address
     close_transferqueue(ray_cluster)
+
+
+def test_a_start_without_cpus_times_out_says_why_and_stops_its_host(cluster, ray_cluster, capsys,
+                                                                     monkeypatch):
+    """In a CI run at load 60 a first start took longer than its deadline; the detached host
+    actor it left half-started made every later start on the cluster wait on it and fail as
+    well. Every free CPU of the session's cluster is held so that the controller cannot start:
+    the start says what it waits for, stops its host on timeout, and a start once the CPUs are
+    back succeeds (and serves the module's other tests)."""
+    import ray
+
+    from treeflow.tq import transferqueue
+
+    close_transferqueue(ray_cluster)  # no host from an earlier test: this test starts one
+    free = wait_for_free_cpus(ray_cluster)
+
+    @ray.remote
+    class Hold:
+        def ready(self):
+            return True
+
+    hold = Hold.options(num_cpus=free).remote()  # every CPU: the controller cannot be placed
+    ray.get(hold.ready.remote())
+    monkeypatch.setattr(transferqueue, "SLOW_START", 1.0)
+    try:
+        with pytest.raises(TimeoutError, match=r"did not start within 4 s \(0 CPUs free.*"
+                                               r"host actor was stopped"):
+            transferqueue.init_transferqueue(tq, timeout=4.0)
+        assert "TransferQueue is still starting after 1 s (0 CPUs free" in capsys.readouterr().err
+        with pytest.raises(ValueError):  # the half-started host is gone
+            ray.get_actor(transferqueue._HOST, namespace=transferqueue._NAMESPACE)
+    finally:
+        ray.kill(hold)
+    wait_for_free_cpus(ray_cluster)
+    transferqueue.init_transferqueue(tq, timeout=transferqueue.START_TIMEOUT)  # afresh, and up
+    assert ray.get(ray.get_actor(transferqueue._HOST,
+                                 namespace=transferqueue._NAMESPACE).ready.remote())
 
 
 def _queue(name, **options):
@@ -96,3 +140,16 @@ def test_stream_trains_from_a_rollout_process(cluster, tmp_path, capsys):
     assert rows[0]["gen_kl"] <= 1e-6 and abs(rows[0]["ratio_mean"] - 1) < 1e-4
     assert tq.kv_list("treeflow-live").get("treeflow-live", {}) == {}   # nothing left behind
     q.shutdown()
+
+
+def test_gate_passes_through_transferqueue(cluster, capsys):
+    import json
+
+    from tests.test_cli_gate import SMALL
+    from treeflow.cli import main
+
+    rc = main(["gate", *SMALL, "--queue-backend", "transferqueue", "--queue", "gate"])
+    out, err = capsys.readouterr()
+    fig = json.loads(out.strip().splitlines()[-1])
+    assert rc == 0 and fig["passed"], err
+    assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
