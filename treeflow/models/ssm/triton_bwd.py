@@ -37,12 +37,18 @@ def _bf16(v):
 def mm(a, b, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """a @ b accumulated in float32. "bf16": both operands rounded to bfloat16 first (the
     tensor cores' bf16 products; exact in float32, so the interpreter's float32 dot of the
-    rounded values is the same sum); "ieee" / "tf32x3": tl.dot's input precision."""
+    rounded values is the same sum); "ieee" / "tf32x3": tl.dot's input precision.
+    One return, each branch in an else: compiled Triton generates the statements after an
+    early return in a constexpr branch too (the interpreter does not), and `input_precision=
+    "bf16"` does not compile (tests/models/ssm/test_triton_compiles.py)."""
     if PREC == "bf16":
         if INTERPRET:
-            return tl.dot(_bf16(a), _bf16(b), input_precision="ieee")
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision=PREC)
+            r = tl.dot(_bf16(a), _bf16(b), input_precision="ieee")
+        else:
+            r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
 
 
 @triton.jit
