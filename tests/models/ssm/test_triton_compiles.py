@@ -5,13 +5,17 @@ them as Python: it cannot show what only the compiler rejects. One such bug ship
 `return` inside a constexpr `if` ends the interpreter's function, while compiled Triton also
 generates the statements after it, so `scan_precision="bf16"` built `tl.dot(...,
 input_precision="bf16")`, which does not compile; every bf16 kernel failed on a GPU and the
-interpreter tests passed. Here each kernel is compiled with Triton's own compiler for
+interpreter tests passed. Here every launched kernel of the three modules (found by
+inspection, so a new kernel is covered) is compiled with Triton's own compiler for
 `GPUTarget("cuda", 90, 32)` (Triton IR to PTX to a cubin with its bundled ptxas; no GPU is
-needed), in every product precision and in the dtypes the launches use, at the smallest tiles
-(16: the tile size does not change which statements are generated). It runs in a subprocess
-without TRITON_INTERPRET, which turns `triton.jit` into the interpreter at import.
+needed) in every combination of its constexprs (each product precision, both scan
+directions, float32 and float64 conv accumulation) with float32 and with bf16 inputs, at the
+smallest tiles (16: the tile size does not change which statements are generated); 57
+compiles, ~20 s. It runs in a subprocess without TRITON_INTERPRET, which turns `triton.jit`
+into the interpreter at import.
 
-Plant: `mm`'s bf16 branch as an early return (the shipped form): the bf16 case fails.
+Plant: `mm`'s bf16 branch as an early return (the shipped form): 12 bf16 compiles fail, each
+named with the compiler's reason.
 Not covered: wrong numbers at run time (tests/gpu/test_gpu_scan.py on a GPU).
 """
 
@@ -32,37 +36,66 @@ INT64 = {"src_ptr", "dst_ptr", "a_map", "seg_ptr", "rows_ptr", "kptr_ptr", "kids
          "rowptr_ptr", "slots_ptr", "idx_ptr", "ptr_ptr", "tap_ptr", "map_ptr"}
 
 
-def _cases():
-    """(kernel, constexprs, pointer dtypes that are not float32) for each compile."""
-    import triton.language as tl
+# constexpr name -> the values compiled (each kernel: every combination of its own)
+# (and PREC: every product precision of triton_scan.BLOCKS)
+CONSTEXPRS = {"INTERPRET": (False,), "FROM_END": (True, False),
+              "BL": (16,), "BP": (16,), "BN": (16,), "BC": (128,), "BT": (32,), "BW": (256,),
+              "K": (4,), "KP": (4,), "HAS_BIAS": (True,), "ACC": ("float32", "float64")}
+# pointers that are bf16 where the model runs in bf16 (the launches' inputs, outputs and state
+# tables; accumulators stay float32); with ACC=float64 every float pointer is float64
+BF16 = {"x_ptr", "b_ptr", "c_ptr", "dt_ptr", "y_ptr", "dy_ptr", "dx_ptr", "ddt_ptr", "out_ptr",
+        "table_ptr", "prev_ptr", "init_ptr"}
 
-    from treeflow.models.ssm import triton_bwd as B
-    from treeflow.models.ssm import triton_conv as CV
-    from treeflow.models.ssm import triton_scan as S
+
+def _kernels():
+    """The launched kernels of the three modules: their @triton.jit functions with no return
+    (helpers return values; the conv's store helper writes through a pointer it is given)."""
+    import ast
+
+    from treeflow.models.ssm import triton_bwd, triton_conv, triton_scan
 
     out = []
-    for prec in ("ieee", "tf32x3", "bf16"):
-        mk = dict(PREC=prec, INTERPRET=False, BL=16, BP=16, BN=16)
-        out += [(S._chunk_outer, dict(FROM_END=True, **mk), {}),
-                (S._chunk_outer, dict(FROM_END=False, **mk), {}),
-                (S._chunk_scan_fwd, mk, {}), (B.dx_bwd, mk, {}), (B.dc_bwd, mk, {}),
-                (B.db_bwd, mk, {})]
-    bf16_in = {"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "dt_ptr": "*bf16"}
-    out += [(S._chunk_scan_fwd, dict(PREC="tf32x3", INTERPRET=False, BL=16, BP=16, BN=16),
-             {**bf16_in, "table_ptr": "*bf16"}),
-            (S._state_pass_fwd, dict(BP=16, BN=16), {}),
-            (S._state_pass_fwd, dict(BP=16, BN=16), {"table_ptr": "*bf16", "prev_ptr": "*bf16"}),
-            (B.state_pass_bwd, dict(BP=16, BN=16), {}),
-            (S._acs_fwd, dict(BC=128), {}), (B.acs_bwd, dict(BC=128), {}),
-            (B.token_x_bwd, dict(BT=32, BP=64), {"dx_ptr": "*bf16", "ddt_ptr": "*bf16",
-                                                  "x_ptr": "*bf16"}),
-            (B.token_sum, dict(BT=32, BW=256), {"out_ptr": "*bf16"})]
-    for acc, io, grad in ((tl.float32, "*bf16", "*fp32"), (tl.float64, "*fp64", "*fp64")):
-        out += [(CV._conv_fwd, dict(K=4, HAS_BIAS=True, BT=32, BC=128, ACC=acc),
-                 {"x_ptr": io, "y_ptr": io}),
-                (CV._conv_bwd_du, dict(K=4, KP=4, HAS_BIAS=True, BT=32, BC=128, ACC=acc),
-                 {"x_ptr": io, "dy_ptr": io, "du_ptr": grad, "dw_ptr": grad, "db_ptr": grad}),
-                (CV._conv_bwd_dx, dict(K=4, BC=512, ACC=acc), {"dx_ptr": io, "du_ptr": grad})]
+    for mod in (triton_scan, triton_bwd, triton_conv):
+        for name, fn in vars(mod).items():
+            src = getattr(fn, "src", None)
+            if src is None or getattr(fn, "__module__", None) != mod.__name__ or \
+                    name.lstrip("_") == "store" or \
+                    any(isinstance(node, ast.Return) for node in ast.walk(ast.parse(src))):
+                continue
+            out.append(fn)
+    assert len(out) >= 10, [f.__name__ for f in out]  # a discovery gone wrong fails here
+    return out
+
+
+def _cases():
+    """(kernel, constexprs, signature) for each compile: every kernel in every combination
+    of its constexprs' values, float32 pointers, and again with bf16 ones."""
+    import itertools
+
+    import triton.language as tl
+
+    from treeflow.models.ssm.triton_scan import BLOCKS
+
+    choices, out = {**CONSTEXPRS, "PREC": tuple(BLOCKS)}, []
+    for fn in _kernels():
+        names = [a for a in fn.arg_names if a in choices]
+        for values in itertools.product(*(choices[a] for a in names)):
+            const = dict(zip(names, values))
+            f64 = const.get("ACC") == "float64"
+            if "ACC" in const:
+                const["ACC"] = getattr(tl, const["ACC"])
+            for bf16 in ((False,) if f64 else (False, True)):
+                sig = {}
+                for a in fn.arg_names:
+                    if a in const:
+                        sig[a] = "constexpr"
+                    elif not (a.endswith("_ptr") or a == "a_map"):
+                        sig[a] = "i32"
+                    elif a in INT64:
+                        sig[a] = "*i64"
+                    else:
+                        sig[a] = "*fp64" if f64 else "*bf16" if bf16 and a in BF16 else "*fp32"
+                out.append((fn, const, sig))
     return out
 
 
@@ -73,17 +106,14 @@ def compile_all() -> None:
     from triton.compiler import ASTSource
 
     target, failed, n = GPUTarget("cuda", 90, 32), [], 0
-    for fn, const, dtypes in _cases():
-        sig = {a: "constexpr" if a in const else
-               ("*i64" if a in INT64 else dtypes.get(a, "*fp32"))
-               if a.endswith("_ptr") or a == "a_map" else "i32" for a in fn.arg_names}
+    for fn, const, sig in _cases():
         n += 1
         try:
             triton.compile(ASTSource(fn, sig, const), target=target,
                            options=dict(num_warps=4, num_stages=2))
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the test fails
             why = str(e.__cause__ or e).strip().splitlines()  # the compiler's own reason
-            failed.append(f"{fn.__name__} {const}: {type(e).__name__}: "
+            failed.append(f"{fn.__name__} {const} {sig}: {type(e).__name__}: "
                           f"{why[-1] if why else ''}")
     print(f"compiled {n - len(failed)} of {n}")
     for line in failed:
