@@ -113,11 +113,12 @@ def compile_all() -> None:
                            options=dict(num_warps=4, num_stages=2))
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the test fails
             why = str(e.__cause__ or e).strip().splitlines()  # the compiler's own reason
-            failed.append(f"{fn.__name__} {const} {sig}: {type(e).__name__}: "
+            io = next((t[1:] for t in ("*bf16", "*fp64") if t in sig.values()), "fp32")
+            failed.append(f"{fn.__name__} {const} {io} inputs: {type(e).__name__}: "
                           f"{why[-1] if why else ''}")
-    print(f"compiled {n - len(failed)} of {n}")
     for line in failed:
         print("FAILED", line)
+    print(f"compiled {n - len(failed)} of {n}")
     sys.exit(1 if failed else 0)
 
 
