@@ -143,13 +143,8 @@ def test_stream_trains_from_a_rollout_process(cluster, tmp_path, capsys):
 
 
 def test_gate_passes_through_transferqueue(cluster, capsys):
-    import json
+    from tests.test_cli_gate import _gate
 
-    from tests.test_cli_gate import SMALL
-    from treeflow.cli import main
-
-    rc = main(["gate", *SMALL, "--queue-backend", "transferqueue", "--queue", "gate"])
-    out, err = capsys.readouterr()
-    fig = json.loads(out.strip().splitlines()[-1])
+    rc, fig, err = _gate(capsys, "--queue-backend", "transferqueue", "--queue", "gate")
     assert rc == 0 and fig["passed"], err
     assert fig["episodes_retained"] == 32 and fig["refit_version"] == 1
