@@ -20,9 +20,17 @@ equal to the same case without recompute bit for bit.
 Tolerances, measured against float64 transformers (a copy of the oracle): logprobs CP vs one
 process 1e-6 of the largest. Gradients: a Mamba layer's A_log gradient is a sum with heavy
 cancellation, so float32 alone puts one process up to 1e-5 and transformers' float32 4e-6 of
-its largest entry off float64 (one process vs CP differ by up to 4e-6 there): each CP gradient
-must be within twice the larger of those two float32 distances (+1e-6) of float64, per
-tensor. Logprobs against float32 transformers: 1e-5 absolute, test_hybrid_moe.py's bound for
+its largest entry off float64 (one process vs CP differ by up to 4e-6 there). Each CP
+gradient must be within 1e-5 of the parameter's gradient scale of float64 (the project's
+float32 gradient bound; the scale is the parameter's largest float64 entry over the family's
+cases), or within twice the larger of those two float32 distances where that is wider (A_log).
+The scale, not this case's largest entry: where a case's terms cancel, its gradient is far
+smaller than the terms whose rounding it carries (layer 0's dt_bias on the short case: largest
+entry 3.4e-3 against 0.66 on prompt9; CP and one process 1.8e-8 apart). CP's extra float32
+roundings (partial sums added across ranks) put it 1.5-2.3x one process's distance from
+float64 on most tensors: the earlier bound, twice that distance plus 1e-6 of this case's
+largest entry, failed on an AMD EPYC (5e-6 of 3.4e-3 on that dt_bias) and left 15% on others.
+Logprobs against float32 transformers: 1e-5 absolute, test_hybrid_moe.py's bound for
 the same models in one process. bfloat16 states: CP vs
 one process 1e-5 of the largest entry (measured 1.5e-6; the bf16 states themselves move
 A_log's gradient 1.5e-2 from float64, so a state taken from anywhere else would show).
@@ -56,6 +64,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("one_thread")]
 SIZES = [2, pytest.param(3, marks=pytest.mark.slow)]
 FAMILIES = ("nemotron_h_moe", "granitemoehybrid", "bamba")
 REL = 1e-6
+GRAD_REL = 1e-5  # float32 gradients against float64, of the parameter's gradient scale
 BF16_STATES_REL = 1e-5
 HF_ABS = 1e-5
 TIMEOUT_S = 600
@@ -163,6 +172,7 @@ def _one_process(name: str, root: str):
 
 
 @functools.cache
+@functools.cache
 def _oracle(root: str, family: str, case: str, double: bool = False):
     """transformers call by call (float64: a copy, its experts on the eager path, which takes
     float64)."""
@@ -171,6 +181,16 @@ def _oracle(root: str, family: str, case: str, double: bool = False):
         hf = copy.deepcopy(hf).double()
         hf.config._experts_implementation = "eager"
     return hf_values(hf, cases[case], weights[case], replay=family != "bamba")
+
+
+def _gradient_scale(root: str, family: str) -> dict:
+    """Each parameter's largest float64 gradient entry over the family's cases (the oracle's
+    names): the size of its gradient where its terms do not cancel."""
+    out: dict = {}
+    for case in _setup(root)[family][2]:
+        for n, g in _oracle(root, family, case, True)[1].items():
+            out[n] = max(out.get(n, 0.0), float(g.abs().max()))
+    return out
 
 
 def _root(setup) -> str:
@@ -218,10 +238,12 @@ def test_hybrid_context_parallel_equals_one_process_and_transformers(setup, size
             continue
         want, want_grads = _oracle(root, family, case)
         _, want64 = _oracle(root, family, case, True)
+        scale = _gradient_scale(root, family)
         for n, g in grads.items():
             hf_n = _hf_name_back(family, n)
             g64 = want64[hf_n].double()
-            bound = 2 * max(_max_rel(g, g64), _max_rel(want_grads[hf_n], g64)) + REL
+            floor = GRAD_REL * scale[hf_n] / max(float(g64.abs().max()), 1e-30)
+            bound = max(2 * max(_max_rel(g, g64), _max_rel(want_grads[hf_n], g64)), floor)
             err = _max_rel(got["grads"][n], g64)
             worst["cp_vs_f64_over_bound"] = max(worst["cp_vs_f64_over_bound"], err / bound)
             assert err <= bound, (name, n, err, bound)
