@@ -10,8 +10,9 @@ first step). The MTP tensors are never run nor trained: the CP run's checkpoint 
 byte for byte. The data-parallel x context-parallel run (4 processes) is marked slow.
 
 Tolerances: logprobs 1e-6 of the largest (measured against the single-process run, whose own
-parity with transformers is tests/models/ssm/test_hybrid_context_parallel.py's); loss and
-gradient norm 1e-6 relative (float64 gradient sums, as tests/test_cli_context_parallel.py).
+parity with transformers is tests/models/ssm/test_hybrid_context_parallel.py's); gradient
+norm 1e-6 relative (float64 gradient sums, as tests/test_cli_context_parallel.py); the gate's
+policy-gradient loss, a sum that cancels, 1e-6 of its terms' size (the test says why).
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def _gate(capsys, model, *extra):
 def test_gate_on_the_hybrid_moe_with_mtp_at_context_parallel_2_steps_as_one_process(setup,
                                                                                     capsys):
     """The design's gate configuration (embedded queue): CP=2 trains the same sampled
-    episodes to CP=1's loss and gradient norm (1e-6 relative; measured 2e-8 and 2e-7), every
-    captured route replayed on the rank holding its node."""
+    episodes to CP=1's loss and gradient norm (gradient norm 1e-6 relative, measured 2e-8 and
+    1.1e-7; the loss below), every captured route replayed on the rank holding its node."""
     model = setup[0]
     rc, one, err = _gate(capsys, model)
     assert rc == 0 and one["passed"], err
@@ -151,8 +152,16 @@ def test_gate_on_the_hybrid_moe_with_mtp_at_context_parallel_2_steps_as_one_proc
     assert two["infrastructure_losses"] == 0 and two["route_agreement"] == 1.0
     for name in ("calls", "generated_tokens", "masked_tokens"):  # the same sampled episodes
         assert two[name] == one[name], name
-    for name in ("loss", "grad_norm"):
-        assert two[name] == pytest.approx(one[name], rel=1e-6, abs=0), name
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6, abs=0)
+    # the policy-gradient loss is -mean(A x ratio) over tokens: its terms are of the size of
+    # the advantages (ratios ~1), which are z-scored per group and so cancel to a sum far
+    # smaller than its terms (-0.057 here), so its rounding is relative to the terms: each
+    # token's ratio 1e-6 apart at most (the logprobs' bound) times the largest advantage a
+    # z-scored group of 16 can hold, sqrt(15). 1e-6 of the loss itself failed on every run on
+    # an AMD EPYC (1.8e-6 of it, 1.0e-7 absolute) while the gradient norm agreed to 1.1e-7.
+    # The gradient norm is the sharp check: CP's Mamba output x (1 + 1e-4) moves it 2.3e-5
+    # and the loss 6.7e-8 (an on-policy loss hardly sees its logprobs)
+    assert two["loss"] == pytest.approx(one["loss"], rel=0, abs=1e-6 * 15 ** 0.5)
 
 
 @pytest.mark.slow
