@@ -301,45 +301,48 @@ def token_x_bwd(rowptr_ptr, slots_ptr, dxs_ptr, dadts_ptr, x_ptr, sx, dt_ptr, dy
                 BP: tl.constexpr):
     """Per token: its slots' d(x dt) and d(A dt) summed (CSR, fixed order), then dx = dt
     d(x dt) + D dy, ddt = x . d(x dt) + A d(A dt); per-token partials of dA (dt d(A dt)) and
-    dD (dy . x) that torch sums over tokens."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    dD (dy . x) that torch sums over tokens. Every per-token value is a [BT, 1] column, never
+    a [BT] vector beside the [BT, BP] tiles: in a launch whose arguments are 16-divisible,
+    Triton 3.6 and 3.7 give the two different layouts in the slot loop and a slot load's mask
+    no longer matches its pointers ('tt.load' op failed to verify; test_triton_compiles.py)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
     h = tl.program_id(1)
-    p = tl.arange(0, BP)
+    p = tl.arange(0, BP)[None, :]
     tm, pm = t < N, p < P
-    tp = tm[:, None] & pm[None, :]
+    tp = tm & pm
     lo = tl.load(rowptr_ptr + t, mask=tm, other=0)
     cnt = tl.load(rowptr_ptr + t + 1, mask=tm, other=0) - lo
     g = tl.zeros((BT, BP), dtype=tl.float32)
-    ga = tl.zeros((BT,), dtype=tl.float32)
-    for q in range(0, tl.max(cnt, axis=0)):
-        sl = tl.load(slots_ptr + lo + q, mask=q < cnt, other=0).to(tl.int64)
+    ga = tl.zeros((BT, 1), dtype=tl.float32)
+    for q in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
         ok = q < cnt
-        g += tl.load(dxs_ptr + (sl[:, None] * H + h) * P + p[None, :],
-                     mask=ok[:, None] & pm[None, :], other=0.0)
+        sl = tl.load(slots_ptr + lo + q, mask=ok, other=0).to(tl.int64)
+        g += tl.load(dxs_ptr + (sl * H + h) * P + p, mask=ok & pm, other=0.0)
         ga += tl.load(dadts_ptr + sl * H + h, mask=ok, other=0.0)
     t64 = t.to(tl.int64)
-    x = tl.load(x_ptr + t64[:, None] * sx + h * P + p[None, :], mask=tp, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + (t64[:, None] * H + h) * P + p[None, :], mask=tp, other=0.0)
+    x = tl.load(x_ptr + t64 * sx + h * P + p, mask=tp, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + (t64 * H + h) * P + p, mask=tp, other=0.0)
     dt = tl.load(dt_ptr + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
     dd = tl.load(d_ptr + h).to(tl.float32)
-    store(dx_ptr, (t64[:, None] * H + h) * P + p[None, :], dt[:, None] * g + dd * dy, tp)
-    store(ddt_ptr, t64 * H + h, tl.sum(x * g, axis=1) + a * ga, tm)
+    store(dx_ptr, (t64 * H + h) * P + p, dt * g + dd * dy, tp)
+    store(ddt_ptr, t64 * H + h, tl.sum(x * g, axis=1, keep_dims=True) + a * ga, tm)
     tl.store(da_ptr + t64 * H + h, dt * ga, mask=tm)
-    tl.store(dd_ptr + t64 * H + h, tl.sum(dy * x, axis=1), mask=tm)
+    tl.store(dd_ptr + t64 * H + h, tl.sum(dy * x, axis=1, keep_dims=True), mask=tm)
 
 
 @triton.jit
 def token_sum(rowptr_ptr, slots_ptr, vs_ptr, out_ptr, N, W, BT: tl.constexpr, BW: tl.constexpr):
-    """out[t] = the sum of vs over token t's slots (CSR, fixed order), in out's dtype."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    w = tl.program_id(1) * BW + tl.arange(0, BW)
+    """out[t] = the sum of vs over token t's slots (CSR, fixed order), in out's dtype. Per-token
+    values are [BT, 1] columns, as in `token_x_bwd` (why there)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
+    w = tl.program_id(1) * BW + tl.arange(0, BW)[None, :]
     tm, wm = t < N, w < W
     lo = tl.load(rowptr_ptr + t, mask=tm, other=0)
     cnt = tl.load(rowptr_ptr + t + 1, mask=tm, other=0) - lo
     acc = tl.zeros((BT, BW), dtype=tl.float32)
-    for q in range(0, tl.max(cnt, axis=0)):
-        sl = tl.load(slots_ptr + lo + q, mask=q < cnt, other=0).to(tl.int64)
-        acc += tl.load(vs_ptr + sl[:, None] * W + w[None, :],
-                       mask=(q < cnt)[:, None] & wm[None, :], other=0.0)
-    store(out_ptr, t.to(tl.int64)[:, None] * W + w[None, :], acc, tm[:, None] & wm[None, :])
+    for q in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
+        ok = q < cnt
+        sl = tl.load(slots_ptr + lo + q, mask=ok, other=0).to(tl.int64)
+        acc += tl.load(vs_ptr + sl * W + w, mask=ok & wm, other=0.0)
+    store(out_ptr, t.to(tl.int64) * W + w, acc, tm & wm)
