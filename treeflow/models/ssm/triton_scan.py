@@ -144,8 +144,10 @@ def _state_pass_fwd(s_ptr, acs_ptr, prev_ptr, table_ptr, seg_ptr, C, H, P, NS,
     r0 = tl.load(seg_ptr + 4 * j + 2)
     ir = tl.load(seg_ptr + 4 * j + 3)  # the parent level's row it starts from, -1: zero
     pn, m = tile(P, NS, BP, BN)
-    st = tl.load(prev_ptr + (tl.maximum(ir, 0) * H + h) * P * NS + pn, mask=m & (ir >= 0),
-                 other=0.0).to(tl.float32)
+    # the scalar condition broadcast to the tile first: Triton 3.9's interpreter refuses a
+    # tensor mask combined with a scalar one
+    st = tl.load(prev_ptr + (tl.maximum(ir, 0) * H + h) * P * NS + pn,
+                 mask=m & ((pn * 0 + ir) >= 0), other=0.0).to(tl.float32)
     tl.store(table_ptr + (r0 * H + h) * P * NS + pn, st.to(table_ptr.dtype.element_ty), mask=m)
     for c in range(0, nk):
         k = k0 + c
