@@ -178,24 +178,33 @@ def test_triton_scan_on_a_grpo_star_and_a_deep_tree():
             assert _rel(a, b) < 1e-5, (i, name, _rel(a, b))
 
 
-def test_bfloat16_states_are_kept_in_bfloat16():
+def _record_tables(monkeypatch):
+    """Every state table the scan builds, cloned as returned, in call order."""
+    from treeflow.models.ssm import triton_scan as ssm_triton
+
+    built, level_states = [], ssm_triton._level_states
+
+    def record(*args, **kwargs):
+        table = level_states(*args, **kwargs)
+        built.append(table.clone())
+        return table
+
+    monkeypatch.setattr(ssm_triton, "_level_states", record)
+    return built
+
+
+def test_bfloat16_states_are_held_in_bfloat16(monkeypatch):
     par = _tree(3)
     ins = [t.float() for t in _inputs(len(par), 3)]
-    kept = set()
-
-    def pack(t):
-        kept.add(t.dtype)
-        return t
-
+    built = _record_tables(monkeypatch)
     plan = SegmentPlan(par, chunk_size=CHUNK, conv_kernel=4, state_dtype="bfloat16",
                        kernel="triton")
     leaves = [t.clone().requires_grad_() for t in ins]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = tree_ssd(*leaves, plan)
+    y = tree_ssd(*leaves, plan)
     y.sum().backward()
     ref = _path_recurrence(par, *[t.double() for t in ins])
-    assert torch.bfloat16 in kept
-    assert 0 < _rel(y.detach().double(), ref) < 2e-2  # the states' rounding shows, and only it
+    assert len(built) == 2 * plan.launches and {t.dtype for t in built} == {torch.bfloat16}
+    assert 1e-4 < _rel(y.detach().double(), ref) < 2e-2  # the states' rounding shows, and only it
     assert all(torch.isfinite(t.grad).all() for t in leaves)
 
 
@@ -232,40 +241,48 @@ def test_tree_matches_transformers_per_call_with_triton(tmp_path):
             assert rel < 1e-5, (fork, n, rel)
 
 
-def test_triton_scan_keeps_nothing_of_tokens_x_heads_x_state():
-    """What backward keeps (saved tensors, counted by shape, not timed): the inputs as given
-    (tokens x heads x head dim, tokens x groups x state), the per-chunk cumsums and one
-    state table per level (state rows x heads x head dim x state, rows = chunks + segments),
-    never a tokens x heads x state tensor. Head dim 6, state 10, 4 heads, 2 groups: every
-    dim tells itself apart."""
-    par = _tree(2)
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_triton_scan_keeps_no_state_table(monkeypatch, state_dtype):
+    """What backward keeps (saved tensors, counted by shape and bytes, not timed): the inputs
+    as given and the per-chunk cumsums (chunks x heads x chunk size, float32), nothing else;
+    no state table (state rows x heads x head dim x state), which backward rebuilds level by
+    level from the kept inputs, bit for bit the tables forward built (so the gradients are
+    those of keeping them). Head dim 6, state 10, 4 heads, 2 groups, chunk 8: every dim
+    tells itself apart."""
+    par = _tree(2)  # three levels
     n, p, ns = len(par), 6, 10
-    chunk = 8  # apart from the 4 heads
-    plan = SegmentPlan(par, chunk_size=chunk, conv_kernel=4, kernel="triton")
-    tokens = {n, n + 1} | {int(lv.gather_KC.numel()) for lv in plan.levels}
-    chunks = {int(lv.gather_KC.shape[0]) for lv in plan.levels}
-    shapes = []
+    chunk = 8
+    plan = SegmentPlan(par, chunk_size=chunk, conv_kernel=4, fork="exact", kernel="triton",
+                       state_dtype=state_dtype)
+    built = _record_tables(monkeypatch)
+    saved = []
 
     def pack(t):
-        shapes.append(tuple(t.shape))
+        saved.append(t)
         return t
 
     leaves = [t.float().requires_grad_() for t in _inputs(n, 2, p=p, ns=ns)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = tree_ssd(*leaves, plan)
+    forward_tables = len(built)
     y.sum().backward()
 
-    def per_token(s):  # the dims after a tokens dim (flat, or as chunks x chunk)
-        if len(s) > 1 and s[0] in chunks and s[1] == chunk:
-            return s[2:]
-        return s[1:] if s and s[0] in tokens else ()
-
-    rows = sorted(lv.rows for lv in plan.levels)
-    tables = [s for s in shapes if len(s) == 4 and s[1:] == (H, p, ns) and s[0] in rows]
-    assert sorted(s[0] for s in tables) == rows
-    bad = [s for s in shapes if s not in tables and H in per_token(s) and ns in per_token(s)]
-    assert not bad, bad
-    assert all(r < n for r in (lv.rows for lv in plan.levels))
+    inputs = {t.data_ptr() for t in leaves}
+    own = [t for t in saved if t.data_ptr() not in inputs]
+    acs = sorted((int(lv.gather_KC.shape[0]), H, chunk) for lv in plan.levels)
+    assert sorted(tuple(t.shape) for t in own) == acs
+    assert {t.dtype for t in own} == {torch.float32}
+    assert sum(t.numel() * t.element_size() for t in own) < n * H * ns * 4
+    assert not [t for t in saved if t.dim() == 4 and tuple(t.shape[1:]) == (H, p, ns)]
+    # backward's tables are forward's, every level, bit for bit
+    assert forward_tables == plan.launches and len(built) == 2 * plan.launches
+    for i, (fwd, bwd) in enumerate(zip(built[:forward_tables], built[forward_tables:])):
+        assert fwd.dtype == bwd.dtype == plan.state_dtype and torch.equal(fwd, bwd), i
+        assert fwd.shape == (plan.levels[i].rows, H, p, ns) and fwd.abs().sum() > 0
+    # exact forks: every child segment starts from its parent's final state, never zero, so a
+    # level rebuilt from the wrong parent rows shows
+    for lm, table in zip(plan.scan_maps.levels[1:], built[1:forward_tables]):
+        assert (table[lm.seg[:, 2]].flatten(1).abs().amax(1) > 0).all()
 
 
 def test_bf16_products_round_only_the_operands():

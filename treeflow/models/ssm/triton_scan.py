@@ -50,12 +50,23 @@ holds more than about five such tiles at once. The grids:
 
 Recomputed, not kept: C B^T, the decays and x dy^T are recomputed in every
 backward kernel that needs them (a [64, 64] block costs 2 x 64^3 flops, cheaper
-than its round trip through memory). Kept across the layer: the inputs as given
-(the mixer holds them anyway), the per-chunk cumsums (slots x heads) and one state
-table per level (one row per chunk and per segment: tokens / C x heads x p x n).
-Transient within a level's backward: the start- and end-of-chunk state gradients
-(chunks x heads x p x n, float32); across the backward: the per-slot gradients
-(slots x heads x p, slots x groups x n, float32) until the per-token gathers.
+than its round trip through memory), and so are the state tables: backward
+rebuilds them level by level, root level first (a level's segments start from
+its parent level's rows), with forward's own two kernels on the same inputs
+(`_level_states`: `_chunk_outer`, `_state_pass_fwd`), so they are forward's bit
+for bit and so are the gradients. Kept across the layer, from forward to
+backward: the inputs as given (the mixer holds them anyway) and the per-chunk
+cumsums (slots x heads, float32), nothing of size tokens x heads x state: the
+tables (one row per chunk and per segment, about tokens / C x heads x p x n,
+0.5-1.5x of a tokens x heads x n tensor at C 128, p 64) cost one more
+`_chunk_outer` and state pass per level in backward (about a fifth of the
+forward's flops) instead of their bytes in every Mamba layer until its backward.
+Transient within forward: the current and the parent level's tables and one
+level's chunk states (chunks x heads x p x n); within backward: every level's
+table (rebuilt before the first level's gradient, each freed once its level is
+done), and within a level the start- and end-of-chunk state gradients (chunks x
+heads x p x n, float32); across the backward: the per-slot gradients (slots x
+heads x p, slots x groups x n, float32) until the per-token gathers.
 
 Precision (`precision`, PRECISIONS): states and every accumulation are float32.
 "ieee": float32 products, no TF32 (float32 models, the exactness tests).
@@ -266,10 +277,26 @@ def _inner(t):
     return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
 
 
+def _level_states(lv, x, dt, B, acs, prev, state_dtype, C, BL, kw, mk):
+    """A level's state table [R, h, p, n] in state_dtype: every segment's initial state (its
+    parent row in `prev`, the parent level's table; zero for roots) and the state after each
+    of its chunks. Forward builds it for the output; backward rebuilds it, not kept between."""
+    N, H, P = x.shape
+    G, NS = B.shape[1], B.shape[2]
+    tiles = triton.cdiv(P, kw["BP"]) * triton.cdiv(NS, kw["BN"])
+    own = torch.empty(lv.K, H, P, NS, dtype=torch.float32, device=x.device)
+    _chunk_outer[(lv.K, H, tiles)](lv.src, x, x.stride(0), lv.src, B, B.stride(0), dt, acs, own,
+                                   C, N, H, P, G, NS, H // G, FROM_END=True, BL=BL, **kw, **mk)
+    table = torch.zeros(lv.rows, H, P, NS, dtype=state_dtype, device=x.device)
+    _state_pass_fwd[(lv.S, H, tiles)](own, acs, table if prev is None else prev, table, lv.seg,
+                                      C, H, P, NS, **kw)
+    return table
+
+
 class _TreeScan(torch.autograd.Function):
     """All levels of a plan: (x [N,h,p], dt [N,h], A [h], B [N,g,n], C [N,g,n], D [h]) -> y
-    [N,h,p] float32 (D skip included). Saves the inputs as given and one state table and
-    one acs per level."""
+    [N,h,p] float32 (D skip included). Saves the inputs as given and one acs per level;
+    backward rebuilds the state tables (module docstring)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, Cm, D, maps, state_dtype, precision):
@@ -277,40 +304,28 @@ class _TreeScan(torch.autograd.Function):
         G, NS, C = B.shape[1], B.shape[2], maps.chunk
         hpg = H // G
         BL, BP, BN = _blocks(C, P, NS, precision)
-        tiles = triton.cdiv(P, BP) * triton.cdiv(NS, BN)
         kw = dict(BP=BP, BN=BN, **LAUNCH)
         mk = dict(PREC=precision, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
-        f32 = dict(dtype=torch.float32, device=x.device)
-        sx, sb, sc = x.stride(0), B.stride(0), Cm.stride(0)
-        y = torch.empty(N, H, P, **f32)
-        tables, acss, prev = [], [], None
+        y = torch.empty(N, H, P, dtype=torch.float32, device=x.device)
+        acss, prev = [], None
         for lv in maps.levels:
-            K = lv.K
-            acs = torch.empty(K, H, C, **f32)
-            _acs_fwd[(K, H)](lv.src, dt, A, acs, C, N, H, BC=triton.next_power_of_2(C))
-            own = torch.empty(K, H, P, NS, **f32)
-            _chunk_outer[(K, H, tiles)](lv.src, x, sx, lv.src, B, sb, dt, acs, own, C, N, H, P,
-                                        G, NS, hpg, FROM_END=True, BL=BL, **kw, **mk)
-            table = torch.zeros(lv.rows, H, P, NS, dtype=state_dtype, device=x.device)
-            _state_pass_fwd[(lv.S, H, tiles)](own, acs, table if prev is None else prev, table,
-                                              lv.seg, C, H, P, NS, **kw)
-            del own
-            _chunk_scan_fwd[(K, H, triton.cdiv(C, BL) * triton.cdiv(P, BP))](
-                lv.src, lv.dst, x, sx, dt, B, sb, Cm, sc, acs, table, lv.start_rows, D, y, C, N,
-                H, P, G, NS, hpg, BL=BL, **kw, **mk)
-            tables.append(table)
+            acs = torch.empty(lv.K, H, C, dtype=torch.float32, device=x.device)
+            _acs_fwd[(lv.K, H)](lv.src, dt, A, acs, C, N, H, BC=triton.next_power_of_2(C))
+            table = _level_states(lv, x, dt, B, acs, prev, state_dtype, C, BL, kw, mk)
+            _chunk_scan_fwd[(lv.K, H, triton.cdiv(C, BL) * triton.cdiv(P, BP))](
+                lv.src, lv.dst, x, x.stride(0), dt, B, B.stride(0), Cm, Cm.stride(0), acs, table,
+                lv.start_rows, D, y, C, N, H, P, G, NS, hpg, BL=BL, **kw, **mk)
             acss.append(acs)
             prev = table
-        ctx.save_for_backward(x, dt, A, B, Cm, D, *tables, *acss)
-        ctx.maps, ctx.precision = maps, precision
+        ctx.save_for_backward(x, dt, A, B, Cm, D, *acss)
+        ctx.maps, ctx.state_dtype, ctx.precision = maps, state_dtype, precision
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, dt, A, B, Cm, D, *kept = ctx.saved_tensors
+        x, dt, A, B, Cm, D, *acss = ctx.saved_tensors
         maps, prec = ctx.maps, ctx.precision
         L = len(maps.levels)
-        tables, acss = kept[:L], kept[L:]
         N, H, P = x.shape
         G, NS, C = B.shape[1], B.shape[2], maps.chunk
         hpg, M = H // G, maps.slots_total
@@ -321,13 +336,19 @@ class _TreeScan(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=x.device)
         sx, sb, sc = x.stride(0), B.stride(0), Cm.stride(0)
         dy = dy.float().contiguous()
+        # the state tables, recomputed as forward computed them (same kernels, same inputs:
+        # bit for bit), level after level since a level starts from its parent level's rows
+        tables = []
+        for lv, acs in zip(maps.levels, acss):
+            tables.append(_level_states(lv, x, dt, B, acs, tables[-1] if tables else None,
+                                        ctx.state_dtype, C, BL, kw, mk))
         # per slot, every level's slots one after another (all written: every slot is some
         # level's), gathered per token at the end
         dxs, dadts = torch.empty(M, H, P, **f32), torch.empty(M, H, **f32)
         dbs, dcs = torch.empty(M, G, NS, **f32), torch.empty(M, G, NS, **f32)
         dnext = dxs  # no next level: its CSR is empty, the pointer never read
         for i in reversed(range(L)):
-            lv, table, acs = maps.levels[i], tables[i], acss[i]
+            lv, table, acs = maps.levels[i], tables.pop(), acss[i]
             K, S, o = lv.K, lv.S, slice(lv.offset, lv.offset + lv.K * C)
             dstart = torch.empty(K, H, P, NS, **f32)
             _chunk_outer[(K, H, npb * nnb)](lv.dst, dy, H * P, lv.src, Cm, sc, dt, acs, dstart,
