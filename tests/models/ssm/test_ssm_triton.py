@@ -15,6 +15,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():  # tests/conftest.py sets it first; this for a lone run
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -171,6 +173,11 @@ def test_triton_scan_on_a_grpo_star_and_a_deep_tree():
         want = _run(lambda *a: _path_recurrence(par, *a), ins, weight)
         plan = SegmentPlan(par, chunk_size=CHUNK, conv_kernel=4, fork="chunk", kernel="triton")
         assert plan.launches == (2 if i == 0 else 7), plan.launches
+        if i == 0:  # the star's children: 2, 3, 1, 2, 2 chunks, whose buckets pad 3 rows and
+            # put the third first; the kernels' rows do neither
+            assert [lm.rows for lm in plan.scan_maps.levels] == [3, 15]
+            assert [lv.rows for lv in plan.levels] == [3, 18]
+            assert plan.levels[1].seg[2, 2] == 0
         y, grads = _run(lambda *a: tree_ssd(*a, plan), [t.float() for t in ins],
                         weight.float())
         for name, a, b in zip(("y", "dx", "ddt", "dA", "dB", "dC", "dD"), [y, *grads],
@@ -206,6 +213,46 @@ def test_bfloat16_states_are_held_in_bfloat16(monkeypatch):
     assert len(built) == 2 * plan.launches and {t.dtype for t in built} == {torch.bfloat16}
     assert 1e-4 < _rel(y.detach().double(), ref) < 2e-2  # the states' rounding shows, and only it
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_triton_state_rows_are_the_plans_without_its_padding(data):
+    """The kernels' compact rows (_LevelMaps) against the plan's bucketed ones (tree._Level):
+    segment j's chunks + 1 rows follow segment j - 1's, R = K + S; `compact` is one to one
+    from the plan's rows a segment uses onto them, -1 on bucket padding only; every chunk's
+    start row, every segment's parent row and the next level's CSR are the plan's, moved."""
+    n = data.draw(st.integers(1, 40))
+    # mostly chains (two draws in three), so segments of several chunks share buckets
+    par = np.array([data.draw(st.one_of(st.just(i - 1), st.just(i - 1), st.integers(-1, i - 1)))
+                    for i in range(n)])
+    chunk = data.draw(st.integers(1, 5))
+    fork = data.draw(st.sampled_from(["exact", "chunk"]))
+    plan = SegmentPlan(par, chunk_size=chunk, conv_kernel=2, fork=fork, kernel="triton")
+    maps = plan.scan_maps.levels
+    for i, (lv, lm) in enumerate(zip(plan.levels, maps)):
+        k0, nk, r0, ir = lm.seg.T
+        assert lm.rows == lm.K + lm.S and torch.equal(k0, lv.seg[:, 0])
+        assert torch.equal(r0, torch.cumsum(nk + 1, 0) - nk - 1)
+        used = torch.cat([torch.arange(int(a), int(a + b) + 1) for a, b in lv.seg[:, [2, 1]]])
+        assert torch.equal(lm.compact[used], torch.arange(lm.rows))
+        assert (lm.compact >= 0).sum() == lm.rows <= lv.rows
+        assert torch.equal(lm.start_rows, lm.compact[lv.start_rows])
+        assert torch.equal(lm.compact[lv.chunk_rows], lm.start_rows + 1)
+        if i == 0:
+            assert (ir == -1).all()
+        else:
+            want = torch.full_like(ir, -1)
+            if lv.has_init:
+                want[lv.init_local] = maps[i - 1].compact[lv.init_from]
+            assert torch.equal(ir, want)
+            parent = maps[i - 1]
+            counts = parent.kptr.diff()
+            assert torch.equal(counts, torch.bincount(ir[ir >= 0], minlength=parent.rows))
+            assert torch.equal(torch.sort(parent.kids).values,
+                               torch.nonzero(ir >= 0).flatten())
+            assert (ir[parent.kids] == torch.repeat_interleave(
+                torch.arange(parent.rows), counts)).all()
 
 
 def test_tree_matches_transformers_per_call_with_triton(tmp_path):
@@ -278,7 +325,8 @@ def test_triton_scan_keeps_no_state_table(monkeypatch, state_dtype):
     assert forward_tables == plan.launches and len(built) == 2 * plan.launches
     for i, (fwd, bwd) in enumerate(zip(built[:forward_tables], built[forward_tables:])):
         assert fwd.dtype == bwd.dtype == plan.state_dtype and torch.equal(fwd, bwd), i
-        assert fwd.shape == (plan.levels[i].rows, H, p, ns) and fwd.abs().sum() > 0
+        lm = plan.scan_maps.levels[i]  # compact: a row per chunk and per segment
+        assert fwd.shape == (lm.K + lm.S, H, p, ns) and fwd.abs().sum() > 0
     # exact forks: every child segment starts from its parent's final state, never zero, so a
     # level rebuilt from the wrong parent rows shows
     for lm, table in zip(plan.scan_maps.levels[1:], built[1:forward_tables]):

@@ -16,8 +16,11 @@ through `dst`. The elementwise prep is fused: x dt is never formed (dt scales th
 other operand, B exp(..) dt and the decayed C B^T, as mamba_ssm does), the
 per-chunk cumsum of A dt is one small kernel (`_acs_fwd`), the D skip is added
 where y is stored. A child segment reads its initial state from the parent
-level's table row (`seg`'s fourth column) inside `_state_pass_fwd`. Backward
-writes per slot (d(x dt), dB, dC, d(A dt), every level's slots in one buffer) and
+level's table row (`seg`'s fourth column) inside `_state_pass_fwd`. A level's
+table has compact rows, a segment's chunks + 1 after the one before (R = K + S):
+the plan's rows pad segments to their bucket's longest, which only the PyTorch
+path's batched recurrence needs (`_LevelMaps.compact` maps one to the other).
+Backward writes per slot (d(x dt), dB, dC, d(A dt), every level's slots in one buffer) and
 gathers per token at the end (`token_x_bwd`, `token_sum`: a token's slots by the
 plan's CSR, its own and the replays that read it, in a fixed order); a parent row's
 gradient is the sum of its children's initial-state gradients, gathered by
@@ -57,10 +60,11 @@ its parent level's rows), with forward's own two kernels on the same inputs
 for bit and so are the gradients. Kept across the layer, from forward to
 backward: the inputs as given (the mixer holds them anyway) and the per-chunk
 cumsums (slots x heads, float32), nothing of size tokens x heads x state: the
-tables (one row per chunk and per segment, about tokens / C x heads x p x n,
-0.5-1.5x of a tokens x heads x n tensor at C 128, p 64) cost one more
-`_chunk_outer` and state pass per level in backward (about a fifth of the
-forward's flops) instead of their bytes in every Mamba layer until its backward.
+tables (K + S rows x heads x p x n per level: p / C of a tokens x heads x n
+tensor, 0.5 at C 128, p 64, more by the chunks' empty slots and a row per
+segment) cost one more `_chunk_outer` and state pass per level in backward
+(about a fifth of the forward's flops at that shape) instead of their bytes in
+every Mamba layer until its backward.
 Transient within forward: the current and the parent level's tables and one
 level's chunk states (chunks x heads x p x n); within backward: every level's
 table (rebuilt before the first level's gradient, each freed once its level is
@@ -228,21 +232,35 @@ def _blocks(C, P, NS, precision):
 
 class _LevelMaps:
     """One level's index maps: src / dst [K C] (a slot's token, its output's token; N where
-    none), seg [S, 4] (first chunk, chunks, first row, parent row or -1), the rows' CSR of
-    the next level's segments that start from them (kptr [R + 1], kids)."""
+    none), seg [S, 4] (first chunk, chunks, first row, parent row or -1), start_rows [K] (a
+    chunk's start-state row), the rows' CSR of the next level's segments that start from
+    them (kptr [R + 1], kids).
+
+    Rows are compact: segment j owns chunks_j + 1 rows right after segment j - 1's, R = K +
+    S, where the plan's rows (ssm/tree._Level) pad segments to their bucket's longest for the
+    torch path's batched recurrence; `compact` maps a plan row to its row here (-1: padding).
+    """
 
     def __init__(self, lv, n, offset, nxt):
         K, C = lv.gather_KC.shape
-        self.K, self.S, self.rows, self.start_rows, self.offset = K, lv.seg.shape[0], lv.rows, \
-            lv.start_rows, offset
+        self.K, self.S, self.offset = K, lv.seg.shape[0], offset
         self.src = lv.gather_KC.reshape(-1)
         self.dst = torch.full_like(self.src, n).index_put_((lv.out_slots,), lv.out_nodes)
+        size = lv.seg[:, 1] + 1
+        first = torch.cumsum(size, 0) - size
+        self.rows = int(size.sum())
+        seg_of = torch.repeat_interleave(torch.arange(self.S, device=self.src.device), size)
+        within = torch.arange(self.rows, device=self.src.device) - first[seg_of]
+        self.compact = torch.full((lv.rows,), -1, dtype=torch.int64, device=self.src.device)
+        self.compact[lv.seg[seg_of, 2] + within] = torch.arange(self.rows, device=self.src.device)
+        self.start_rows = self.compact[lv.start_rows]
         init_row = torch.full((self.S,), -1, dtype=torch.int64, device=self.src.device)
-        self.seg = torch.cat([lv.seg, init_row[:, None]], 1)
-        frm = nxt.init_from if nxt is not None and nxt.has_init else self.src[:0]
-        kid = nxt.init_local if nxt is not None and nxt.has_init else self.src[:0]
+        self.seg = torch.stack([lv.seg[:, 0], lv.seg[:, 1], first, init_row], 1)
+        has = nxt is not None and nxt.has_init
+        frm = self.compact[nxt.init_from] if has else self.src[:0]
+        kid = nxt.init_local if has else self.src[:0]
         order = torch.argsort(frm, stable=True)
-        self.kptr = _rowptr(frm, lv.rows)
+        self.kptr = _rowptr(frm, self.rows)
         self.kids = kid[order].contiguous()
 
 
@@ -263,9 +281,9 @@ class ScanMaps:
             nxt = levels[i + 1] if i + 1 < len(levels) else None
             self.levels.append(_LevelMaps(lv, n, offset, nxt))
             offset += lv.gather_KC.numel()
-        for lm, lv in zip(self.levels[1:], levels[1:]):
+        for parent, lm, lv in zip(self.levels, self.levels[1:], levels[1:]):
             if lv.has_init:
-                lm.seg[lv.init_local, 3] = lv.init_from
+                lm.seg[lv.init_local, 3] = parent.compact[lv.init_from]
         self.slots_total = offset
         if self.levels:  # pad slots (token N) sort last, past rowptr[N]
             src = torch.cat([lm.src for lm in self.levels])
@@ -278,9 +296,10 @@ def _inner(t):
 
 
 def _level_states(lv, x, dt, B, acs, prev, state_dtype, C, BL, kw, mk):
-    """A level's state table [R, h, p, n] in state_dtype: every segment's initial state (its
-    parent row in `prev`, the parent level's table; zero for roots) and the state after each
-    of its chunks. Forward builds it for the output; backward rebuilds it, not kept between."""
+    """A level's state table [R, h, p, n] in state_dtype, compact rows (`_LevelMaps`): every
+    segment's initial state (its parent row in `prev`, the parent level's table; zero for
+    roots) and the state after each of its chunks. Forward builds it for the output;
+    backward rebuilds it, not kept between."""
     N, H, P = x.shape
     G, NS = B.shape[1], B.shape[2]
     tiles = triton.cdiv(P, kw["BP"]) * triton.cdiv(NS, kw["BN"])
