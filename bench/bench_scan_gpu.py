@@ -15,6 +15,7 @@ between the two kernels (a sanity line, not the correctness test: tests/models/s
 and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200
+    python3 bench/bench_scan_gpu.py --precision bf16 --kernels torch,triton   # bf16 products
     python bench/bench_scan_gpu.py --smoke --device cpu            # checks the logic (torch only)
 
 Without CUDA (and without --device cpu) it prints {"skipped": ...} and exits 0. On CPU
@@ -57,6 +58,10 @@ def parse(argv=None):
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                    help="compute dtype (default bfloat16 on CUDA: the triton kernels' tf32x3 "
                    "products; float32: their ieee products)")
+    p.add_argument("--precision", default="auto", choices=("auto", "ieee", "tf32x3", "bf16"),
+                   help="the triton kernels' products (SegmentPlan scan_precision; default auto: "
+                   "ieee for float32, tf32x3 for bfloat16; bf16: bf16 operands, float32 "
+                   "accumulate and states)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--profile", action="store_true",
@@ -123,6 +128,7 @@ def run(args) -> dict:
     mixer = Mamba2Mixer(cfg).to(device=device, dtype=dtype)
     kernels = (args.kernels or ("torch,triton" if device.type == "cuda" else "torch")).split(",")
     parents = _bins(args)
+    precision = None if args.precision == "auto" else args.precision
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": shape, "dtype": str(dtype), "state_dtype": args.state_dtype,
               "bins": [len(p) for p in parents], "kernels": kernels, "runs": []}
@@ -139,9 +145,14 @@ def run(args) -> dict:
                 for kernel in kernels:
                     plan = SegmentPlan(par, chunk_size=cfg.chunk_size,
                                        conv_kernel=cfg.conv_kernel, fork=fork,
-                                       state_dtype=args.state_dtype, device=device, kernel=kernel)
+                                       state_dtype=args.state_dtype, device=device, kernel=kernel,
+                                       scan_precision=precision if kernel == "triton" else None)
                     row = {"fork": fork, "bin": i, "tokens": n, "segments": plan.segments,
                            "levels": plan.launches, "kernel": kernel, "part": part}
+                    if kernel == "triton":
+                        from treeflow.models.ssm.triton_scan import precision_for
+
+                        row["precision"] = precision or precision_for(dtype)
                     call, inp, grad = _part(part, mixer, plan, x, xbc, dt, dy)
                     _time_part(row, call, inp, grad, mixer, device, args.repeats, n)
                     if args.profile:

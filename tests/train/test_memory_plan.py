@@ -210,9 +210,10 @@ def test_hybrid_activations_equal_what_the_forward_holds(built, family, dtype):
 
 def test_fused_scan_activations_equal_what_the_forward_holds(built):
     """CUDA runs the fused Mamba-2 scan (models/ssm/triton_scan.py; here in triton's interpreter):
-    it keeps x dt, the cumulative decay, B, C and one state per chunk and per segment start
-    instead of the torch scan's chunk tensors. Without recompute (the mode that keeps the scan)
-    the plan with ssm_kernel="triton" holds to 2% of the storages its forward leaves alive."""
+    it keeps the cumulative decay (x, B and C are the conv output's, read in place; the state
+    tables are rebuilt in backward) instead of the torch scan's chunk tensors and states.
+    Without recompute (the mode that keeps the scan) the plan with ssm_kernel="triton" holds
+    to 2% of the storages its forward leaves alive."""
     pytest.importorskip("triton")
     model, eps = built("nemotron_h")
     bins = Fragment(max_tokens=128)(Pack()(eps))

@@ -148,13 +148,11 @@ def _mamba(c, *, norm: float, cast: int, cb: int, scan_fill: float,
     # per chunk slot; a tree's short segments leave slots empty: / scan_fill
     scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
     if ssm_kernel == "triton":
-        # the fused scan (models/ssm/triton_scan.py) keeps per chunk slot the gathered x dt
-        # (h p), the cumulative decay (h), B and C (2 g n), the dt terms around it (6 h), and
-        # one float32 state [h, p, n] per chunk and per segment start (a segment pads half
-        # a chunk on average: 2 (1 - fill) / C of them per slot), not the chunk tensors
-        g = c.n_groups
-        rows = (1 + 2 * (1 - scan_fill)) / C
-        scan = (_F32 * (h * p + h + 2 * g * n + 6 * h) + _F32 * h * p * n * rows) / scan_fill
+        # the fused scan (models/ssm/triton_scan.py) reads x, B and C where the conv left them
+        # (through index maps: no copies) and keeps per chunk slot the cumulative decay (h)
+        # and the dt terms around it (6 h); no chunk tensors and no states: its backward
+        # rebuilds each level's state table from the inputs
+        scan = _F32 * 7 * h / scan_fill
         # and its conv (models/ssm/triton_conv.py) keeps its input, a view of in_proj's
         # output (which it then keeps whole: counted below only where nothing else does),
         # and its output; the SiLU input is recomputed, no path windows are kept

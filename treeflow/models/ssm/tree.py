@@ -151,11 +151,14 @@ class _Level:
 
 class SegmentPlan:
     """The segments of one bin and their batched scans, built once (host numpy), used by
-    every Mamba layer. `launches` is the number of scans per layer (the levels)."""
+    every Mamba layer. `launches` is the number of scans per layer (the levels).
+    `scan_precision` (triton only): the kernels' products, one of triton_scan.PRECISIONS;
+    None: precision_for the model's dtype."""
 
     def __init__(self, parents_N: np.ndarray, *, chunk_size: int, conv_kernel: int,
                  fork: str = "chunk", state_dtype: str = "float32",
-                 device: torch.device | str = "cpu", kernel: str = "torch") -> None:
+                 device: torch.device | str = "cpu", kernel: str = "torch",
+                 scan_precision: str | None = None) -> None:
         if fork not in FORKS:
             raise ValueError(f"ssm fork {fork!r}: choose one of {FORKS}")
         if state_dtype not in STATE_DTYPES:
@@ -182,6 +185,17 @@ class SegmentPlan:
         self.segments = 0
         if n:
             self._build(parents_N, par_pad, device)
+        self.scan_precision = scan_precision  # the kernels' products; None: the model's dtype's
+        if self.kernel == "triton":  # index maps for the kernels (ssm/triton_scan.py)
+            from treeflow.models.ssm.triton_scan import PRECISIONS, ScanMaps
+
+            if scan_precision not in (None, *PRECISIONS):
+                raise ValueError(f"SegmentPlan scan_precision {scan_precision!r}: choose one of "
+                                 f"{PRECISIONS} or None (the model dtype's)")
+            self.scan_maps = ScanMaps(self.levels, n, chunk_size)
+        elif scan_precision is not None:
+            raise ValueError(f"SegmentPlan scan_precision {scan_precision!r} applies to the "
+                             f"triton kernel only; this plan runs {self.kernel!r}: drop it")
 
     @property
     def launches(self) -> int:
@@ -316,29 +330,25 @@ def tree_ssd(x_Nhp: torch.Tensor, dt_Nh: torch.Tensor, A_h: torch.Tensor, B_Ngn:
              C_Ngn: torch.Tensor, D_h: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
     """y = SSM(x) + D x per node, float32, every segment seeded with its parent's state."""
     n, h, p = x_Nhp.shape
+    if plan.kernel == "triton":  # inputs as given, read through the plan's index maps
+        from treeflow.models.ssm.triton_scan import tree_scan
+
+        with torch.autocast(x_Nhp.device.type, enabled=False):
+            return tree_scan(plan, x_Nhp, dt_Nh, A_h, B_Ngn, C_Ngn, D_h)
     with torch.autocast(x_Nhp.device.type, enabled=False):
         x = x_Nhp.float()
         B, Cm = B_Ngn.float(), C_Ngn.float()
         dt = dt_Nh.float()
         xdt = torch.cat([x * dt[..., None], x.new_zeros(1, h, p)])
         adt = torch.cat([A_h.float() * dt, dt.new_zeros(1, h)])
-        if plan.kernel == "triton":  # groups stay groups: the kernels pick a head's group
-            import functools
-
-            from treeflow.models.ssm.triton_scan import level_scan, precision_for
-
-            # float32 products for a float32 model, tf32x3 tensor cores for bf16 / fp16 ones
-            scan = functools.partial(level_scan, precision=precision_for(x_Nhp.dtype))
-        else:
-            scan = _level_scan
-            B = B.repeat_interleave(h // B.shape[1], dim=1)
-            Cm = Cm.repeat_interleave(h // Cm.shape[1], dim=1)
+        B = B.repeat_interleave(h // B.shape[1], dim=1)
+        Cm = Cm.repeat_interleave(h // Cm.shape[1], dim=1)
         B = torch.cat([B, B.new_zeros(1, *B.shape[1:])])
         Cm = torch.cat([Cm, Cm.new_zeros(1, *Cm.shape[1:])])
         outs, nodes = [], []
         prev = None
         for lv in plan.levels:
-            y, prev = scan(lv, xdt, adt, B, Cm, prev, plan.state_dtype)
+            y, prev = _level_scan(lv, xdt, adt, B, Cm, prev, plan.state_dtype)
             outs.append(y)
             nodes.append(lv.out_nodes)
         order = torch.cat(nodes)

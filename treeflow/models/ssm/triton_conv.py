@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tree_conv_triton"]
+__all__ = ["store", "tree_conv_triton"]
 
 # block edges: forward / du tiles (tokens x channels), the span of tokens one backward
 # partial sum covers, the channel block of the dx gather
@@ -44,7 +44,7 @@ LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
-def _store(ptr, offs, v, mask):
+def store(ptr, offs, v, mask):
     """v (float32 / float64) stored in ptr's dtype, rounded to nearest even. By hand for
     bfloat16: what the GPU's conversion does, while triton's interpreter truncates (a
     one-sided error, 2x the rounding, which the CPU tests would see and the GPU not)."""
@@ -86,7 +86,7 @@ def _conv_fwd(x_ptr, sx, idx_ptr, w_ptr, b_ptr, y_ptr, N, CH, K: tl.constexpr,
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     u = _preact(x_ptr, sx, idx_ptr, w_ptr, b_ptr, t, c, N, CH, K, HAS_BIAS, BT, BC, ACC)
     y = u / (1.0 + tl.exp(-u))
-    _store(y_ptr, t[:, None].to(tl.int64) * CH + c[None, :], y,
+    store(y_ptr, t[:, None].to(tl.int64) * CH + c[None, :], y,
            (t < N)[:, None] & (c < CH)[None, :])
 
 
@@ -130,7 +130,7 @@ def _conv_bwd_dx(du_ptr, w_ptr, ptr_ptr, src_ptr, tap_ptr, dx_ptr, CH, K: tl.con
         m = tl.load(tap_ptr + e)
         w = tl.load(w_ptr + c * K + (K - 1 - m), mask=cm, other=0.0).to(ACC)
         acc += tl.load(du_ptr + i * CH + c, mask=cm, other=0.0) * w
-    _store(dx_ptr, j * CH + c, acc, cm)
+    store(dx_ptr, j * CH + c, acc, cm)
 
 
 def _acc(dtype: torch.dtype):
