@@ -53,9 +53,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,20 +99,57 @@ def make_checkpoint(shape: str, path: str, device: str) -> None:
 
 
 def cli(args: list[str], env: dict, log: str, script: str | None = None,
-        stderr_with: str | None = None) -> dict:
+        stderr_with: str | None = None, timeout: float | None = None) -> dict:
     """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time
-    (and, with `stderr_with`, its stderr lines holding that text as `stderr_lines`)."""
+    (and, with `stderr_with`, its stderr lines holding that text as `stderr_lines`).
+
+    The child's stderr is echoed as it comes, each line led by `[log +seconds]`, so a device
+    call's log shows where a run spent its time. Past `timeout` seconds the child gets SIGABRT
+    (faulthandler, on in the child, prints every thread's Python stack), then SIGKILL; the
+    result is an error holding the stderr tail with those stacks."""
     t0 = time.perf_counter()
     run = [script] if script else ["-m", "treeflow.cli"]
-    proc = subprocess.run([sys.executable, *run, *args], capture_output=True, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, *run, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**env, "PYTHONFAULTHANDLER": "1"})
+    lines: list[str] = []
+    chunks: list[str] = []
+
+    def echo() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            print(f"[{log} +{time.perf_counter() - t0:.0f}s] {line}", end="", file=sys.stderr,
+                  flush=True)
+
+    readers = [threading.Thread(target=echo, daemon=True),
+               threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)]
+    for reader in readers:
+        reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for reader in readers:
+        reader.join(timeout=15)
+    stdout = "".join(chunks)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(f"  FAILED ({log}): {proc.stderr[-2000:]}", flush=True)
-        return {"error": proc.stderr[-2000:], "process_seconds": round(wall, 2)}
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    stderr = "".join(lines)
+    if timed_out or proc.returncode != 0:
+        why = f"timed out after {timeout:.0f} s; " if timed_out else ""
+        print(f"  FAILED ({log}): {why}{stderr[-2000:]}", flush=True)
+        return {"error": why + stderr[-6000 if timed_out else -2000:],
+                "process_seconds": round(wall, 2)}
+    out = json.loads(stdout.strip().splitlines()[-1])
     out["process_seconds"] = round(wall, 2)
     if stderr_with is not None:
-        out["stderr_lines"] = [line for line in proc.stderr.splitlines() if stderr_with in line]
+        out["stderr_lines"] = [line for line in stderr.splitlines() if stderr_with in line]
     return out
 
 

@@ -187,7 +187,7 @@ def run_shape(shape: str, args, env: dict, work: str, left, save, result: dict) 
             continue
         path = os.path.join(work, f"{shape}-{layout}{tail}.arrow")
         r = cli(["replay", data, "--layout", layout, "--tuning", tuning, "-o", path, *common],
-                env, f"{shape} {key}")
+                env, f"{shape} {key}", timeout=left())
         res[key] = r
         if "error" not in r:
             fid[("tree_bf16" if layout == "tree" else "exact_layout_bf16") + tail] = distance(

@@ -156,6 +156,9 @@ def main() -> None:
                     help="the Hybrid MoE shape, routed episodes, --routing replay")
     ap.add_argument("--ssm-kernel", default=None, choices=("auto", "torch", "triton"),
                     help="the CLI runs' --ssm-kernel (default: theirs, auto)")
+    ap.add_argument("--budget-seconds", type=float, default=None,
+                    help="stop each CLI run (stacks printed) once this is spent since start, and "
+                         "skip the runs left (a device call is capped)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shape = ("smoke" if args.smoke else "nemotron-h-1b") + ("-moe" if args.moe else "")
@@ -194,6 +197,11 @@ def main() -> None:
     result = {"shape": shape, "episodes": episodes, "ref_episodes": n_ref, "max_tokens": max_tokens,
               "device": args.device, "fidelity": {}, "replay": {}, "train": {}}
 
+    def left() -> float | None:
+        if args.budget_seconds is None:
+            return None
+        return args.budget_seconds - (time.perf_counter() - t_start)
+
     def save():
         result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
         os.makedirs(os.path.dirname(out_file), exist_ok=True)
@@ -231,8 +239,11 @@ def main() -> None:
         for name, flags in runs.items():
             key = name if state == "float32" else f"{name}_bf16_states"
             path = os.path.join(work, f"{key}.arrow")
+            if left() is not None and left() < 20:
+                result["replay"][key] = "skipped (time budget)"
+                continue
             r = cli(["replay", data, *flags, "--ssm-state-dtype", state, "-o", path, *common],
-                    env, key)
+                    env, key, timeout=left())
             result["replay"][key] = r
             if "error" not in r and fidelity:
                 result["fidelity"][key] = distance(read_logprobs(path, n_ref), ref)
@@ -243,7 +254,7 @@ def main() -> None:
         key, path = "exact_layout_recompute", os.path.join(work, "recompute.arrow")
         r = cli(["replay", data, "--layout", "exact", "-o", path,
                  *[a for a in common if a not in ("--routing", "replay")], "--routing",
-                 "recompute"], env, key)
+                 "recompute"], env, key, timeout=left())
         result["replay"][key] = r
         if "error" not in r:
             result["fidelity"][key] = distance(read_logprobs(path, n_ref), own_ref)
@@ -261,16 +272,20 @@ def main() -> None:
                for k in ("tree_exact_fork", "tree_chunk_fork")}
         result["closer_to_exact_layout"] = min(gap, key=gap.get)
     for name, flags in ({} if args.no_train else runs).items():
+        if left() is not None and left() < 20:
+            result["train"][name] = "skipped (time budget)"
+            continue
         r = cli(["replay", data, "--mode", "train", *flags, "--episodes-per-step", str(train_batch),
-                 "--steps", str(args.train_steps), "--lr", "1e-6", *common], env, f"train {name}")
+                 "--steps", str(args.train_steps), "--lr", "1e-6", *common], env, f"train {name}",
+                timeout=left())
         result["train"][name] = r
         print(json.dumps({f"train_{name}": r.get("steady_seconds_per_step", r.get("error"))}),
               flush=True)
         save()
     tr = result["train"]
     for name in ("tree_exact_fork", "tree_chunk_fork"):
-        a, b = tr.get("exact_layout", {}), tr.get(name, {})
-        if a.get("steady_seconds_per_step") and b.get("steady_seconds_per_step"):
+        a, b = tr.get("exact_layout"), tr.get(name)
+        if isinstance(a, dict) and isinstance(b, dict) and a.get("steady_seconds_per_step") and b.get("steady_seconds_per_step"):
             result[f"train_speedup_{name}"] = round(
                 a["steady_seconds_per_step"] / b["steady_seconds_per_step"], 3)
     save()
