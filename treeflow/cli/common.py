@@ -1,11 +1,13 @@
-"""What every command checks the same way: counts by their flag, the device, a line on stderr."""
+"""What every command checks the same way: counts by their flag, the device, a line on stderr;
+the CUDA allocator's configuration a run on a GPU starts with."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-__all__ = ["check_device", "positive", "say", "show"]
+__all__ = ["alloc_conf", "check_device", "cuda_allocator", "positive", "say", "show"]
 
 
 def say(message: str) -> None:
@@ -46,3 +48,38 @@ def check_device(device: str) -> None:
     from treeflow.stages.forward import resolve_device
 
     resolve_device(device, what="--device")
+
+
+ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch >= 2.9's name, the older
+ALLOC_DEFAULT = "expandable_segments:True"
+
+
+def cuda_allocator(args) -> None:
+    """A run on a CUDA device gets the caching allocator's expandable segments unless the user
+    configured the allocator (either variable set, even empty) or this process's allocator
+    already started (main() called from Python after CUDA work): fixed-size cached blocks
+    fragment under a training step's mix of activation and optimizer sizes; on an H100 the
+    4-layer Qwen3-30B-A3B shape with --recompute selective at 32768 tokens, planned at 65.3 GiB,
+    ran out of memory on the 80 GB card without it and peaked at 64.7 GiB with it
+    (bench/results/h100_bench_memory_gpu_issue44.json). NeMo RL and Megatron's recipes run with
+    it too. Said once on stderr; the run JSON's `cuda_alloc_conf` says what ran."""
+    if not str(getattr(args, "device", "cpu")).startswith("cuda"):
+        return
+    if any(name in os.environ for name in ALLOC_ENV):
+        return
+    torch = sys.modules.get("torch")  # main() called in a process whose allocator is set up
+    if torch is not None and torch.cuda.is_initialized():
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_DEFAULT
+    print(f"treeflow: PYTORCH_CUDA_ALLOC_CONF={ALLOC_DEFAULT} (treeflow's default on CUDA: "
+          "cached blocks fragment in training); set PYTORCH_CUDA_ALLOC_CONF to choose",
+          file=sys.stderr, flush=True)
+
+
+def alloc_conf() -> str | None:
+    """The CUDA allocator's configuration this process runs with (the run JSON's
+    `cuda_alloc_conf`), or None where neither variable is set."""
+    for name in ALLOC_ENV:
+        if name in os.environ:
+            return f"{name}={os.environ[name]}"
+    return None

@@ -64,9 +64,14 @@ def _dims(args):
 
 
 def levers(args, tuning) -> dict:
-    """What the run JSON says of how the model ran: {"recompute": the recompute mode that ran}
-    and, for a hybrid model, the Mamba-2 scan (ssm_kernel)."""
-    return {"recompute": tuning.recompute, **ssm_kernel(args, tuning)}
+    """What the run JSON says of how the model ran: {"recompute": the recompute mode that ran},
+    for a hybrid model the Mamba-2 scan (ssm_kernel), on CUDA the allocator's configuration
+    (cuda_alloc_conf)."""
+    from treeflow.cli.common import alloc_conf
+
+    cuda = str(getattr(args, "device", "cpu")).startswith("cuda")
+    return {"recompute": tuning.recompute, **ssm_kernel(args, tuning),
+            **({"cuda_alloc_conf": alloc_conf()} if cuda else {})}
 
 
 def engine(args):
