@@ -107,8 +107,9 @@ SUITES = {"issue44": [
     dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="none"),
     dict(kind="moe", layers=2, max_tokens=8192, layout="tree", recompute="selective"),
     dict(kind="moe", layers=4, max_tokens=32768, layout="exact", recompute="full"),
-    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective"),
-    # the same with the allocator's expandable segments: fits where the miss is fragmentation
+    # torch's fixed cached blocks (alloc=""), then the allocator's expandable segments (the
+    # CLI's default on CUDA): the second fits where the first's miss is fragmentation
+    dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective", alloc=""),
     dict(kind="moe", layers=4, max_tokens=32768, layout="tree", recompute="selective",
          alloc="expandable_segments:True"),
     dict(kind="hybrid", layers=27, max_tokens=32768, layout="exact", recompute="selective"),
