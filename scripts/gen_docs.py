@@ -78,7 +78,19 @@ COMMANDS = (
     ("h100_bench_cli_gpu_llama_train", "python3 bench/bench_cli_gpu.py --shapes llama-3.2-1b "
      "--no-kernel-bench --no-transformers --budget-seconds 290 --out bench_cli_gpu_llama.json"),
     ("h100_bench_scan_gpu", "python3 bench/bench_scan_gpu.py"),
-    ("h100_bench_families_gpu", "python3 bench/bench_families_gpu.py --budget-seconds 235"),
+    ("h100_bench_families_gpu", "python3 bench/bench_families_gpu.py --budget-seconds 235 (qwen3-1.7b: "
+     "--shapes qwen3-1.7b --tunings plain,auto --budget-seconds 310)"),
+    ("h100_bench_memory_gpu_issue44", "python3 bench/bench_memory_gpu.py --suite issue44 "
+                                      "--budget-seconds 540"),
+    ("h100_bench_hybrid_triton", "python3 bench/bench_hybrid_gpu.py --episodes 128 --ref-episodes 8 "
+     "--runs tree_chunk_fork,exact_layout --state-dtypes float32 --train-steps 2 --ssm-kernel triton "
+     "--budget-seconds 420"),
+    ("h100_bench_hybrid_triton_cold", "python3 bench/bench_hybrid_gpu.py --episodes 128 --runs "
+     "tree_chunk_fork,exact_layout --state-dtypes float32 --no-fidelity --no-train --ssm-kernel "
+     "triton --budget-seconds 235"),
+    ("h100_bench_hybrid_torch", "python3 bench/bench_hybrid_gpu.py --episodes 128 --runs "
+     "tree_chunk_fork --state-dtypes float32 --no-fidelity --train-steps 2 --ssm-kernel torch "
+     "--budget-seconds 235"),
     ("h100_bench_gate_gpu_design", "python3 bench/bench_gate_gpu.py --design --margin-groups 0"),
     ("h100_bench_gate_gpu_moe4", "python3 bench/bench_gate_gpu.py --layers 4 --margin-groups 0"),
     ("h100_hybrid_cp1_before_after", "python3 bench/bench_hybrid_cp1_before_after.py "
