@@ -183,3 +183,24 @@ def test_every_scan_and_conv_kernel_compiles_for_sm90(tmp_path):
     assert not failed and all(proc.returncode == 0 for proc in procs), \
         "\n".join([*dict.fromkeys(why), *failed, count])
     assert n > 100, n  # every case ran (114 today: 57 unaligned, 57 aligned)
+
+
+def test_the_bin_size_is_not_specialized():
+    """Every launched kernel taking the bin's token count N leaves it unspecialized, so one
+    compile serves bins of every size: a warm-up on the budget's 16-divisible size and a
+    run's first odd-sized bin would otherwise compile each kernel twice on a GPU (inside the
+    first windows, where a user waits). Read in a process without TRITON_INTERPRET (the
+    interpreter's functions carry no launcher parameters). Plant: drop it from one kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+    code = ("from tests.models.ssm.test_triton_compiles import _kernels\n"
+            "for fn in _kernels():\n"
+            "    if 'N' in fn.arg_names:\n"
+            "        p = fn.params[fn.arg_names.index('N')]\n"
+            "        print(fn.__name__, p.do_not_specialize)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = dict(line.split() for line in out.stdout.splitlines())
+    assert len(seen) >= 10, seen  # the scan's, the backward's and the conv's
+    assert all(v == "True" for v in seen.values()), seen

@@ -127,7 +127,7 @@ def state_pass_bwd(dstart_ptr, dinit_next_ptr, kptr_ptr, kids_ptr, table_ptr, ac
     tl.store(dinit_ptr + (j * H + h) * P * NS + pn, g, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def dx_bwd(src_ptr, dst_ptr, b_ptr, sb, c_ptr, sc, acs_ptr, dy_ptr, dchunk_ptr, dx_ptr, C, N, H,
             P, G, NS, HPG, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
             PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -168,7 +168,7 @@ def dx_bwd(src_ptr, dst_ptr, b_ptr, sb, c_ptr, sc, acs_ptr, dy_ptr, dchunk_ptr, 
              mask=sm[:, None] & pm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def dc_bwd(src_ptr, dst_ptr, x_ptr, sx, dt_ptr, b_ptr, sb, c_ptr, sc, acs_ptr, table_ptr,
             rows_ptr, dy_ptr, dc_ptr, dacs_ptr, C, N, H, P, G, NS, HPG, BL: tl.constexpr,
             BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -218,7 +218,7 @@ def dc_bwd(src_ptr, dst_ptr, x_ptr, sx, dt_ptr, b_ptr, sb, c_ptr, sc, acs_ptr, t
              mask=lm[:, None] & nm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def db_bwd(src_ptr, dst_ptr, x_ptr, sx, dt_ptr, b_ptr, sb, c_ptr, sc, acs_ptr, dy_ptr,
             dchunk_ptr, db_ptr, dacs_ptr, dw_ptr, C, N, H, P, G, NS, HPG, BL: tl.constexpr,
             BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -295,7 +295,7 @@ def acs_bwd(dacs_c_ptr, dacs_b_ptr, dw_ptr, dlast_ptr, dadt_ptr, C, H, NNB, NW, 
     tl.store(dadt_ptr + (k * C + l) * H + h, tl.cumsum(d, 0, reverse=True), mask=lm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def token_x_bwd(rowptr_ptr, slots_ptr, dxs_ptr, dadts_ptr, x_ptr, sx, dt_ptr, dy_ptr, a_ptr,
                 d_ptr, dx_ptr, ddt_ptr, da_ptr, dd_ptr, N, H, P, BT: tl.constexpr,
                 BP: tl.constexpr):
@@ -331,7 +331,7 @@ def token_x_bwd(rowptr_ptr, slots_ptr, dxs_ptr, dadts_ptr, x_ptr, sx, dt_ptr, dy
     tl.store(dd_ptr + t64 * H + h, tl.sum(dy * x, axis=1, keep_dims=True), mask=tm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def token_sum(rowptr_ptr, slots_ptr, vs_ptr, out_ptr, N, W, BT: tl.constexpr, BW: tl.constexpr):
     """out[t] = the sum of vs over token t's slots (CSR, fixed order), in out's dtype. Per-token
     values are [BT, 1] columns, as in `token_x_bwd` (why there)."""

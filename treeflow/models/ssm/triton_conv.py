@@ -79,7 +79,7 @@ def _preact(x_ptr, sx, idx_ptr, w_ptr, b_ptr, t, c, N, CH, K: tl.constexpr,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def _conv_fwd(x_ptr, sx, idx_ptr, w_ptr, b_ptr, y_ptr, N, CH, K: tl.constexpr,
               HAS_BIAS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -90,7 +90,7 @@ def _conv_fwd(x_ptr, sx, idx_ptr, w_ptr, b_ptr, y_ptr, N, CH, K: tl.constexpr,
            (t < N)[:, None] & (c < CH)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def _conv_bwd_du(x_ptr, sx, idx_ptr, w_ptr, b_ptr, dy_ptr, du_ptr, dw_ptr, db_ptr, N, CH,
                  SPAN, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):

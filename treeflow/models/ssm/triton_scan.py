@@ -82,7 +82,12 @@ dt, the decayed C B^T and the state rounded where they meet a product): one
 tensor-core pass instead of three, the rounding of a product's operands added to
 the model's own. Chosen by SegmentPlan(scan_precision=...), not a CLI setting yet.
 Launches pass num_warps=4, num_stages=2: one fixed configuration per (precision,
-block) pair, no autotuning, so the first call compiles each kernel once.
+block) pair, no autotuning, so the first call compiles each kernel once. The bin's
+token count N is not specialized (`do_not_specialize`, here and in the conv):
+Triton's launcher otherwise keys a compile on whether each int argument is a
+multiple of 16, and the warm-up's dummy bins (the budget, 32768) are while most
+real bins are not, so every kernel compiled again inside the run's first windows.
+N only bounds masks and fills; the model's strides and sizes stay specialized.
 
 Legend: K chunks of a level, C chunk size, h heads, p head dim, g groups, n state
 size, S segments of a level, R state rows of a level, T (p, n) tiles, M slots of
@@ -109,7 +114,7 @@ LAUNCH = {"num_warps": 4, "num_stages": 2}
 TOKENS = 32  # token block of the per-token gathers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def _acs_fwd(src_ptr, dt_ptr, a_ptr, acs_ptr, C, N, H, BC: tl.constexpr):
     """acs[k, h, l] = sum_{i <= l} A_h dt at chunk k's slot i (pad slots: dt 0)."""
     k = tl.program_id(0).to(tl.int64)
@@ -120,7 +125,7 @@ def _acs_fwd(src_ptr, dt_ptr, a_ptr, acs_ptr, C, N, H, BC: tl.constexpr):
     tl.store(acs_ptr + (k * H + h) * C + l, tl.cumsum(a * dt, 0), mask=l < C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def _chunk_outer(a_map, a_ptr, sa, src_ptr, b_ptr, sb, dt_ptr, acs_ptr, out_ptr, C, N, H, P, G,
                  NS, HPG, FROM_END: tl.constexpr, BL: tl.constexpr, BP: tl.constexpr,
                  BN: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -172,7 +177,7 @@ def _state_pass_fwd(s_ptr, acs_ptr, prev_ptr, table_ptr, seg_ptr, C, H, P, NS,
                  st.to(table_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every bin size
 def _chunk_scan_fwd(src_ptr, dst_ptr, x_ptr, sx, dt_ptr, b_ptr, sb, c_ptr, sc, acs_ptr,
                     table_ptr, rows_ptr, d_ptr, y_ptr, C, N, H, P, G, NS, HPG,
                     BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
