@@ -98,6 +98,14 @@ def make_checkpoint(shape: str, path: str, device: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
+def _no_core_files() -> None:
+    """In the child before exec: SIGABRT (the timeout's stack dump) writes no core file of a
+    process holding a GPU context."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def cli(args: list[str], env: dict, log: str, script: str | None = None,
         stderr_with: str | None = None, timeout: float | None = None) -> dict:
     """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time
@@ -111,7 +119,8 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None,
     run = [script] if script else ["-m", "treeflow.cli"]
     proc = subprocess.Popen([sys.executable, *run, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**env, "PYTHONFAULTHANDLER": "1"})
+                            env={**env, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=_no_core_files)
     lines: list[str] = []
     chunks: list[str] = []
 
@@ -141,8 +150,9 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None,
     stdout = "".join(chunks)
     wall = time.perf_counter() - t0
     stderr = "".join(lines)
-    if timed_out or proc.returncode != 0:
-        why = f"timed out after {timeout:.0f} s; " if timed_out else ""
+    if timed_out or proc.returncode != 0 or not stdout.strip():
+        why = (f"timed out after {timeout:.0f} s; " if timed_out else "" if proc.returncode
+               else "exited 0 with no --json line (a process holding its stdout?); ")
         print(f"  FAILED ({log}): {why}{stderr[-2000:]}", flush=True)
         return {"error": why + stderr[-6000 if timed_out else -2000:],
                 "process_seconds": round(wall, 2)}

@@ -250,7 +250,10 @@ def main() -> None:
             print(json.dumps({key: result["fidelity"].get(key), "steady_seconds":
                               r.get("steady_seconds")}), flush=True)
             save()
-    if args.moe and fidelity:  # the bf16 routers choose: distance from transformers' own float32 routing
+    if args.moe and fidelity and left() is not None and left() < 20:
+        result["replay"]["exact_layout_recompute"] = "skipped (time budget)"
+    elif args.moe and fidelity:  # the bf16 routers choose: distance from transformers' own
+        # float32 routing
         key, path = "exact_layout_recompute", os.path.join(work, "recompute.arrow")
         r = cli(["replay", data, "--layout", "exact", "-o", path,
                  *[a for a in common if a not in ("--routing", "replay")], "--routing",

@@ -53,6 +53,30 @@ def _hybrid_config(layers: int, smoke: bool) -> dict:
     return cfg
 
 
+def _card_name() -> str:
+    """The GPU's name from nvidia-smi: torch.cuda.get_device_name() would make a CUDA context
+    in this process (half a GiB of the card) for the whole bench."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "cuda"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "cuda"
+
+
+def make_checkpoint_in_child(kind: str, layers: int, path: str, device: str, smoke: bool) -> None:
+    """make_checkpoint in a process of its own: built here, the models' blocks stay cached in
+    this process's CUDA allocator (its context too) through every training run it measures,
+    and those runs find that much less of the card (one run here ran out of memory beside
+    ~13 GiB this process held: the 4-layer MoE, the 2-layer MoE and the float32 hybrid built
+    on the GPU)."""
+    code = ("import sys; sys.path[:0] = [%r, %r]\n"
+            "from bench_memory_gpu import make_checkpoint\n"
+            "make_checkpoint(%r, %d, %r, %r, %r)\n" % (HERE, os.path.dirname(HERE), kind, layers,
+                                                      path, device, smoke))
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def make_checkpoint(kind: str, layers: int, path: str, device: str, smoke: bool) -> None:
     import torch
 
@@ -173,12 +197,13 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.smoke:  # the logic only: short episodes, one budget, tree with none and full
         tokens = [4096]
-    res: dict = {"settings": vars(args), "device": (torch.cuda.get_device_name()
-                                                    if args.device == "cuda" else "cpu"),
-                 "runs": []}
+    res: dict = {"settings": vars(args),
+                 "device": _card_name() if args.device == "cuda" else "cpu", "runs": []}
 
     def save():
         res["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        # this process never holds the card: its runs are children (make_checkpoint_in_child)
+        res["bench_process_cuda_initialized"] = torch.cuda.is_initialized()
         with open(out_file, "w") as f:
             json.dump(res, f, indent=1)
 
@@ -212,7 +237,7 @@ def main() -> None:
         ckpt = made.get((kind, run["layers"]))
         if ckpt is None:
             ckpt = os.path.join(work, f"{kind}-{run['layers']}")
-            make_checkpoint(kind, run["layers"], ckpt, args.device, args.smoke)
+            make_checkpoint_in_child(kind, run["layers"], ckpt, args.device, args.smoke)
             routes = ["--routes-from", ckpt] if kind == "moe" else []
             subprocess.run([sys.executable, "-m", "treeflow.cli", "synth", "-o",
                             os.path.join(ckpt, "episodes.arrow"), "--episodes",
@@ -230,14 +255,17 @@ def main() -> None:
                    "plan --memory")
         card = cli(["plan", "--memory", *knobs, "--device-memory", "80GiB", "--json"], env,
                    "plan --memory")
-        run_env = env if "alloc" not in run else {**env, "PYTORCH_CUDA_ALLOC_CONF": run["alloc"]}
+        run_env = dict(env)
+        if "alloc" in run:  # this allocator setting alone (torch reads PYTORCH_ALLOC_CONF first)
+            run_env.pop("PYTORCH_ALLOC_CONF", None)
+            run_env["PYTORCH_CUDA_ALLOC_CONF"] = run["alloc"]
         got = cli(["replay", data, "--mode", "train", "--layout", run["layout"], *knobs,
                    "--device", args.device, "--tuning", "plain", "--episodes-per-step",
                    str(args.episodes_per_step), "--steps", "2", "--loss", "nll",
                    # auto reads the card itself (the default a user runs); the others skip
                    # the check before the run so an out-of-memory is measured, not refused
                    *(() if run["recompute"] == "auto" else ("--device-memory", "100000GiB")),
-                   "--json"], run_env, f"{kind} {run}")
+                   "--json"], run_env, f"{kind} {run}", timeout=max(left(), 30))
         row = {**run, "predicted_gib": plan.get("total_gib"), "predicted": plan.get("gib"),
                "bin_tokens": plan.get("max_tokens"), "scan_fill": plan.get("scan_fill"),
                "peak_at": plan.get("peak_at"), "transients": plan.get("transients"),
@@ -252,6 +280,7 @@ def main() -> None:
             row.update(measured_gib=None if peak is None else round(peak / 1024, 3),
                        steady_seconds_per_step=got.get("steady_seconds_per_step"),
                        recompute_ran=got.get("recompute"),
+                       cuda_alloc_conf=got.get("cuda_alloc_conf"),
                        process_seconds=got.get("process_seconds"))
             if peak:
                 row["ratio"] = round(plan["total_gib"] / (peak / 1024), 3)
@@ -272,7 +301,7 @@ def compare(runs: list[dict]) -> dict:
     def key(r, **over):
         r = {**r, **over}
         return (r["kind"], r["layers"], r["max_tokens"], r["layout"], r["recompute"],
-                r.get("alloc", ""))
+                r.get("alloc"))  # None: the CLI's default (expandable segments on CUDA)
 
     done = {key(r): r for r in runs if r.get("measured_gib")}
     out = {}

@@ -12,12 +12,21 @@ import pytest
 from treeflow.cli.common import ALLOC_DEFAULT, alloc_conf, cuda_allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORIGINAL = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # the session's, at import
 
 
 @pytest.fixture
 def no_alloc_env(monkeypatch):
+    """Neither variable set, and both put back as they were after the test (set first, so
+    that monkeypatch records them even where they were absent: cuda_allocator writes
+    os.environ itself); this process's CUDA counted as not started (on a GPU runner an
+    earlier test may have started it)."""
+    import treeflow.cli.common as common
+
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(common, "_cuda_started", lambda: False)
     return monkeypatch
 
 
@@ -46,6 +55,23 @@ def test_the_users_allocator_setting_wins(no_alloc_env, capsys, name, value):
 def test_cpu_runs_and_deviceless_commands_are_left_alone(no_alloc_env, capsys, args):
     cuda_allocator(args)
     assert alloc_conf() is None and capsys.readouterr().err == ""
+
+
+def test_a_process_whose_cuda_started_is_left_alone(no_alloc_env, capsys):
+    """Set after the allocator started, the variable would change nothing but the JSON."""
+    import treeflow.cli.common as common
+
+    no_alloc_env.setattr(common, "_cuda_started", lambda: True)
+    cuda_allocator(argparse.Namespace(device="cuda"))
+    assert alloc_conf() is None and capsys.readouterr().err == ""
+
+
+def test_the_fixture_puts_the_environment_back():
+    """The test above this one set the variable through cuda_allocator; nothing of it is left
+    (a leak would reach every later CLI subprocess of the session). Order-dependent on
+    purpose: pytest runs a module's tests in file order."""
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ or os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF") == ORIGINAL
 
 
 def test_the_command_says_it(tmp_path):

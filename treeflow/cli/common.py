@@ -57,23 +57,31 @@ ALLOC_DEFAULT = "expandable_segments:True"
 def cuda_allocator(args) -> None:
     """A run on a CUDA device gets the caching allocator's expandable segments unless the user
     configured the allocator (either variable set, even empty) or this process's allocator
-    already started (main() called from Python after CUDA work): fixed-size cached blocks
-    fragment under a training step's mix of activation and optimizer sizes; on an H100 the
-    4-layer Qwen3-30B-A3B shape with --recompute selective at 32768 tokens, planned at 65.3 GiB,
-    ran out of memory on the 80 GB card without it and peaked at 64.7 GiB with it
-    (bench/results/h100_bench_memory_gpu_issue44.json). NeMo RL and Megatron's recipes run with
-    it too. Said once on stderr; the run JSON's `cuda_alloc_conf` says what ran."""
+    already started (main() called from Python after CUDA work). Fixed-size cached blocks
+    fragment under a training step's mix of activation and optimizer sizes: on an H100 the
+    4-layer Qwen3-30B-A3B shape with --recompute selective at 32768 tokens ran out of memory
+    with 2.0 GiB of its process's reservation cached but unusable (another ~13 GiB of the card
+    held by the bench's own process), and peaked at 64.7 GiB with expandable segments beside
+    the same load (bench/results/h100_bench_memory_gpu_issue44.json). NeMo RL's and
+    Megatron's recipes run with it too. Said once on stderr; replay's and train's run JSON
+    (`cuda_alloc_conf`) say what ran. Set in this process's environment: ranks it spawns and
+    a Ray cluster it starts inherit it, workers of a cluster it attaches to do not."""
     if not str(getattr(args, "device", "cpu")).startswith("cuda"):
         return
     if any(name in os.environ for name in ALLOC_ENV):
         return
-    torch = sys.modules.get("torch")  # main() called in a process whose allocator is set up
-    if torch is not None and torch.cuda.is_initialized():
+    if _cuda_started():  # main() called in a process whose allocator is set up already
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_DEFAULT
     print(f"treeflow: PYTORCH_CUDA_ALLOC_CONF={ALLOC_DEFAULT} (treeflow's default on CUDA: "
           "cached blocks fragment in training); set PYTORCH_CUDA_ALLOC_CONF to choose",
           file=sys.stderr, flush=True)
+
+
+def _cuda_started() -> bool:
+    """Whether this process has made its CUDA context (and so its allocator) already."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def alloc_conf() -> str | None:

@@ -87,7 +87,10 @@ token count N is not specialized (`do_not_specialize`, here and in the conv):
 Triton's launcher otherwise keys a compile on whether each int argument is a
 multiple of 16, and the warm-up's dummy bins (the budget, 32768) are while most
 real bins are not, so every kernel compiled again inside the run's first windows.
-N only bounds masks and fills; the model's strides and sizes stay specialized.
+In the scan N only bounds masks and fills; in the conv it is also the row stride of
+the tap index table, whose int64 loads lose a 16-alignment hint (four rows of a
+token block per tile, against a compile per bin size). The model's strides and
+sizes stay specialized.
 
 Legend: K chunks of a level, C chunk size, h heads, p head dim, g groups, n state
 size, S segments of a level, R state rows of a level, T (p, n) tiles, M slots of
