@@ -16,6 +16,8 @@ and tests/gpu/test_gpu_scan.py are). Prints one JSON object.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_scan_gpu.py            # H100/H200
     python3 bench/bench_scan_gpu.py --precision bf16 --kernels torch,triton   # bf16 products
+    python3 bench/bench_scan_gpu.py --kernels triton --num-warps 8    # launch settings, timed
+    python3 bench/bench_scan_gpu.py --kernels triton --tile 32        #   (recorded as "launch")
     python bench/bench_scan_gpu.py --smoke --device cpu            # checks the logic (torch only)
 
 Without CUDA (and without --device cpu) it prints {"skipped": ...} and exits 0. On CPU
@@ -62,6 +64,12 @@ def parse(argv=None):
                    help="the triton kernels' products (SegmentPlan scan_precision; default auto: "
                    "ieee for float32, tf32x3 for bfloat16; bf16: bf16 operands, float32 "
                    "accumulate and states)")
+    p.add_argument("--num-warps", type=int, default=None,
+                   help="the scan kernels' num_warps (default: triton_scan.LAUNCH's); e.g. 8 to "
+                   "time the 64-wide tf32x3 tiles that spill registers at 4")
+    p.add_argument("--tile", type=int, default=None, choices=(16, 32, 64, 128),
+                   help="the scan kernels' largest tile edge, every precision (default: "
+                   "triton_scan.BLOCKS)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--profile", action="store_true",
@@ -118,6 +126,7 @@ def run(args) -> dict:
     from treeflow.models.ssm.tree import SegmentPlan
 
     device = torch.device(args.device)
+    launch = _launch(args)
     shape = SHAPES["smoke" if args.smoke else "nemotron-h-1b"]
     cfg = HybridConfig.from_hf_dict({"architectures": ["NemotronHForCausalLM"], "vocab_size": 512,
                                      "intermediate_size": 96, "hybrid_override_pattern": "M",
@@ -131,7 +140,8 @@ def run(args) -> dict:
     precision = None if args.precision == "auto" else args.precision
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": shape, "dtype": str(dtype), "state_dtype": args.state_dtype,
-              "bins": [len(p) for p in parents], "kernels": kernels, "runs": []}
+              "bins": [len(p) for p in parents], "kernels": kernels, "launch": launch,
+              "runs": []}
     for fork in args.forks.split(","):
         for i, par in enumerate(parents):
             par = np.asarray(par, dtype=np.int64)
@@ -166,6 +176,18 @@ def run(args) -> dict:
                         "dx_rel": float((ga - gb).norm() / ga.norm())}
     result["summary"] = _summary(result["runs"], kernels)
     return result
+
+
+def _launch(args) -> dict:
+    """The scan kernels' launch settings this run times (--num-warps, --tile set them for the
+    process), as recorded in the result."""
+    from treeflow.models.ssm import triton_scan
+
+    if args.num_warps:
+        triton_scan.LAUNCH["num_warps"] = args.num_warps
+    if args.tile:
+        triton_scan.BLOCKS.update({k: args.tile for k in triton_scan.BLOCKS})
+    return {**triton_scan.LAUNCH, "largest_tile": dict(triton_scan.BLOCKS)}
 
 
 def _part(part, mixer, plan, x, xbc, dt, dy):
