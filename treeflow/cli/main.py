@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     warning_lines(False)  # treeflow's own warnings as one `warning: ...` line, even --verbose
     from treeflow.cli.common import cuda_allocator
 
-    cuda_allocator(args)  # before any CUDA allocation: the ranks and Ray cluster it starts inherit it
+    cuda_allocator(args)  # before any CUDA work: the ranks and Ray cluster it starts inherit it
     if hasattr(args, "compile_cache"):  # before torch is imported: spawned ranks inherit it
         code = run(_compile_cache, args, debug=debug_wanted(getattr(args, "debug", False)))
         if code:
