@@ -13,6 +13,16 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   `compile_seconds` on one compile cache, exact first: the tree run loads what
   exact built (bench_first_compile_gpu.py gives each layout a cache of its own);
 - `--mode train --steps S` per layout: steady seconds per optimizer step;
+- the work ideal: what the tree saves in FLOPs, not tokens. Both layouts' bins (Pack +
+  Fragment at the run's --max-tokens, here in the bench process) counted with the cost model
+  Shard balances by (stages/shard.py `CostModel.from_config`, exact pairs): per token the
+  projections, router and top_k experts, per attention pair QK^T and PV, per loss edge the
+  vocabulary projection. The token ideal (exact-call tokens / executed tree tokens) assumes
+  all work shrinks with the tokens; the loss edges do not shrink at all (each sampled token's
+  logprob is computed once in either layout) and the pairs shrink less, so at 4 layers and a
+  151936-word vocabulary the work ideal is well under the token ideal. `share_of_work_ideal`
+  is the measured speedup over it; `mfu_model` the model FLOPs (x3 in training, no
+  recompute counted) per steady second over `--peak-tflops`;
 - MFU on active parameters: 2 x active non-embedding parameters per token
   (attention + router + top_k experts; the vocabulary head runs only at loss
   edges and attention scores are not counted) x tokens / steady seconds /
@@ -138,14 +148,46 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
             "fwd_bwd_seconds": round(fb, 6), "fwd_bwd_tflops": round(3 * flops / fb / 1e12, 2)}
 
 
-def profile_run(tree: str, ckpt: str, data: str, work: str, args, env: dict) -> dict:
+def work_flops(config, data: str, max_tokens: int, start: int = 0, stop: int | None = None) -> dict:
+    """Forward FLOPs of episodes[start:stop] per layout as the CLI bins them (module docstring:
+    the work ideal): tokens, exact attention pairs (sum of depth + 1), loss edges, and their
+    FLOPs from stages/shard.py's cost model."""
+    import numpy as np
+
+    from treeflow.schemas import read_episodes
+    from treeflow.stages import Fragment, Pack
+    from treeflow.stages.flat import list_offsets
+    from treeflow.stages.shard import CostModel, bin_costs
+
+    episodes = read_episodes(data)
+    episodes = episodes.slice(start, (stop or episodes.num_rows) - start)
+    cost = CostModel.from_config(config, training=False, block=1)
+    out = {}
+    for layout in ("exact", "tree"):
+        bins = Fragment(max_tokens=max_tokens)(Pack(layout=layout)(episodes))
+        tokens = int(np.diff(list_offsets(bins.column("positions").combine_chunks())).sum())
+        edges = int(np.diff(list_offsets(bins.column("edge_sources").combine_chunks())).sum())
+        flops = float(bin_costs(bins, cost).sum())
+        pairs = round((flops - cost.token * tokens - cost.edge * edges) / cost.pair)
+        out[layout] = {"bins": bins.num_rows, "tokens": tokens, "pairs": pairs, "edges": edges,
+                       "forward_flops": flops, "forward_tflop": round(flops / 1e12, 2),
+                       "tflop_shares": {"tokens": round(cost.token * tokens / flops, 3),
+                                        "pairs": round(cost.pair * pairs / flops, 3),
+                                        "edges": round(cost.edge * edges / flops, 3)}}
+    out["work_ideal"] = round(out["exact"]["forward_flops"] / out["tree"]["forward_flops"], 3)
+    out["token_ideal"] = round(out["exact"]["tokens"] / out["tree"]["tokens"], 3)
+    return out
+
+
+def profile_run(tree: str, ckpt: str, data: str, work: str, args, env: dict,
+                timeout: float) -> dict:
     """bench/moe_profile.py in a subprocess with `tree`'s treeflow first on the path."""
     out = os.path.join(work, "profile.json")
     run_env = {**env, "PYTHONPATH": os.pathsep.join([tree, env["PYTHONPATH"]])}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_profile.py"), ckpt, data,
                            "--window", str(args.window), "--max-tokens", str(args.max_tokens),
                            "--device", args.device, "--out", out],
-                          capture_output=True, text=True, env=run_env)
+                          capture_output=True, text=True, env=run_env, timeout=timeout)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     with open(out) as f:
@@ -219,6 +261,12 @@ def main() -> None:
                     str(min(config.vocab_size, 32000)), "--min-turns", str(min(3, args.max_turns)),
                     "--max-turns", str(args.max_turns), "--routes-from", ckpt, "--seed", "0",
                     "--quiet"], check=True, env=env)
+    train_tokens = args.train_max_tokens or args.max_tokens
+    res["work"] = {"replay": work_flops(config, data, args.max_tokens),
+                   # the steady steps: the second to the last (train/fit.py)
+                   "train_steady": work_flops(config, data, train_tokens, args.train_batch,
+                                        args.train_batch * args.train_steps)}
+    print(f"  work: {json.dumps(res['work'])}", flush=True)
     print(f"[{time.perf_counter() - t_start:.0f}s] expert matmuls", flush=True)
     res["expert_matmul"] = expert_tflops(config, args.expert_tokens, args.device, 3 if args.smoke
                                          else 10)
@@ -249,6 +297,11 @@ def main() -> None:
                 s = r["steady_seconds"]
                 r["mfu_executed"] = round(2 * n_active * r["executed_tokens"] / s / peak, 4)
                 r["mfu_exact_equivalent"] = round(2 * n_active * r["exact_tokens"] / s / peak, 4)
+                r["mfu_model"] = round(res["work"]["replay"][layout]["forward_flops"] / s / peak, 4)
+            if mode == "train" and r.get("steady_seconds_per_step"):
+                r["mfu_model"] = round(3 * res["work"]["train_steady"][layout]["forward_flops"]
+                                       / (args.train_steps - 1)
+                                       / r["steady_seconds_per_step"] / peak, 4)
             print(f"  {json.dumps(r)[:500]}", flush=True)
             save()
         for key, tree in profiles if mode == "replay" else ():  # after the replay numbers
@@ -256,7 +309,10 @@ def main() -> None:
                 res[key] = "skipped (time budget)"
                 continue
             print(f"[{time.perf_counter() - t_start:.0f}s] {key} ({tree})", flush=True)
-            res[key] = profile_run(tree, ckpt, data, work, args, env)
+            try:
+                res[key] = profile_run(tree, ckpt, data, work, args, env, timeout=left() - 30)
+            except subprocess.TimeoutExpired as e:
+                res[key] = {"error": f"timed out after {e.timeout:.0f} s"}
             print(f"  {json.dumps(res[key])[:800]}", flush=True)
             save()
     ex, tr = res.get("replay_exact"), res.get("replay_tree")
@@ -264,11 +320,18 @@ def main() -> None:
         res["replay_speedup_steady"] = round(ex["steady_seconds"] / tr["steady_seconds"], 3)
         res["ideal_saving"] = round(tr["exact_tokens"] / tr["executed_tokens"], 3)
         res["share_of_ideal"] = round(res["replay_speedup_steady"] / res["ideal_saving"], 3)
+        res["work_ideal"] = res["work"]["replay"]["work_ideal"]
+        res["share_of_work_ideal"] = round(res["replay_speedup_steady"] / res["work_ideal"], 3)
     ex, tr = res.get("train_exact"), res.get("train_tree")
     if (isinstance(ex, dict) and isinstance(tr, dict) and ex.get("steady_seconds_per_step")
             and tr.get("steady_seconds_per_step")):
         res["train_step_speedup_steady"] = round(
             ex["steady_seconds_per_step"] / tr["steady_seconds_per_step"], 3)
+        steady = res["work"]["train_steady"]
+        res["train_token_ideal"], res["train_work_ideal"] = steady["token_ideal"], steady["work_ideal"]
+        res["train_share_of_ideal"] = round(res["train_step_speedup_steady"] / steady["token_ideal"], 3)
+        res["train_share_of_work_ideal"] = round(res["train_step_speedup_steady"]
+                                                 / steady["work_ideal"], 3)
         last = tr.get("last") or {}
         if last.get("perf/executed_tokens"):
             res["train_tree_mfu_executed"] = round(

@@ -3,18 +3,25 @@
 In the bench's own process (not through the CLI, whose process cannot be profiled from
 outside): the checkpoint loaded as `treeflow replay` loads it, the first `--window` episodes
 packed per layout (tree, exact) and fragmented at the bench's `--max-tokens`, and the
-largest bin of each layout run once through the replay runner (routes replayed). Then:
+largest bin of each layout run once through the replay runner (routes replayed) under the
+tuning `--tuning auto` picks for the device (on Hopper "fast": compiled layers, fused loss,
+tuned flex tiles; `tuning` in the JSON). Then:
 
 - `bin_forward`: that whole bin's forward (no grad), top ops by device time: how the MoE
   layers' ops weigh against attention and the rest;
-- `moe_forward`: the first MoE layer alone, at the input and routes it saw in that bin
+- `bin_forward`'s `kernel_groups`: its device time by kind of kernel (expert grouped matmuls,
+  attention, other matmuls, compiled Triton kernels, copies and indexing, the rest), the
+  table that says what of a bin is not the grouped matmuls;
+- `moe_forward`: the first MoE layer alone (eager, not compiled), at the input and routes it saw in that bin
   (replayed, agreement counted, as in the run), forward in the bin's dtype;
 - `moe_train`: the same layer as training runs it (float32 weights under bf16 autocast),
   forward + backward.
 
-Each table lists the top ops by self device time per call of the profiled region, with
-their share of its total; `grouped_mm_share` is the expert grouped matmuls' share (what
-the issue wants to be most of the MoE layer). Per-token numbers make tree and exact bins
+Each table lists the top aten ops (each op's own kernels) and the top device kernels (the
+Triton kernels of compiled regions too) per call of the profiled region, with their share
+of the total device time (the sum over kernels); `grouped_mm_share` is the expert grouped
+matmuls' share (what the issue wants to be most of the MoE layer), `aten_share` the part
+eager aten ops launched. Per-token numbers make tree and exact bins
 (which differ in size) comparable. The trade-off: ops, not kernels, are named, so an op
 that launches several kernels counts them together.
 
@@ -45,17 +52,62 @@ def _device_us(evt, device: str) -> float:
 
 
 def _table(prof, repeats: int, tokens: int, device: str) -> dict:
-    rows = [(e.key, e.count, _device_us(e, device)) for e in prof.key_averages()]
-    rows = [r for r in rows if r[2] > 0 and r[0].startswith("aten::")]
-    total = sum(r[2] for r in rows)
-    rows.sort(key=lambda r: -r[2])
-    grouped = sum(r[2] for r in rows if "grouped_mm" in r[0])
+    """Ops (aten rows: each op's own kernels) and kernels (every device kernel, compiled
+    regions' Triton kernels and library kernels included: the total device time)."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    ops = [(e.key, e.count, _device_us(e, device)) for e in events]
+    ops = [r for r in ops if r[2] > 0 and r[0].startswith("aten::")]
+    ops.sort(key=lambda r: -r[2])
+    if device == "cpu":
+        kernels, total = [], sum(r[2] for r in ops)
+    else:
+        kernels = [(e.key, e.count, _device_us(e, device)) for e in events
+                   if e.device_type == DeviceType.CUDA]
+        kernels = [r for r in kernels if r[2] > 0]
+        kernels.sort(key=lambda r: -r[2])
+        total = sum(r[2] for r in kernels) or sum(r[2] for r in ops)
+    grouped = sum(r[2] for r in ops if "grouped_mm" in r[0])
+
+    def rows(rs):
+        return [{"name": k[:120], "calls": c // repeats, "ms": round(us / 1e3 / repeats, 3),
+                 "share": round(us / total, 3)} for k, c, us in rs[:TOP]]
+
     return {"device_ms": round(total / 1e3 / repeats, 3),
             "device_us_per_token": round(total / repeats / max(tokens, 1), 4),
             "tokens": tokens,
             "grouped_mm_share": round(grouped / total, 3) if total else None,
-            "top_ops": [{"op": k, "calls": c // repeats, "ms": round(us / 1e3 / repeats, 3),
-                         "share": round(us / total, 3)} for k, c, us in rows[:TOP]]}
+            "aten_share": round(sum(r[2] for r in ops) / total, 3) if total else None,
+            "top_ops": rows(ops), "top_kernels": rows(kernels)}
+
+
+# kernel name fragments -> group (first match wins); names are CUDA kernels' as the profiler
+# reports them: CUTLASS grouped GEMMs, FlexAttention's and FlashAttention's kernels, cuBLAS
+# GEMMs, inductor's generated Triton kernels, torch's own gather/copy/sort kernels
+_GROUPS = (("grouped_mm", ("grouped", "Grouped")),
+           ("attention", ("flex", "flash", "fmha", "attention", "triton_tem")),
+           ("matmul", ("gemm", "Gemm", "nvjet", "xmma", "cutlass", "sm90")),
+           ("compiled_triton", ("triton_",)),
+           ("sort_index_copy", ("sort", "Sort", "index", "Index", "gather", "scatter", "copy",
+                                "Copy", "cat", "radix", "Radix", "cub")),
+           )
+
+
+def _kernel_groups(prof, repeats: int) -> dict:
+    """Device ms per call of the region by kernel group (_GROUPS; "other" for the rest)."""
+    from torch.autograd import DeviceType
+
+    groups: dict = {}
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = _device_us(e, "cuda")
+        name = next((g for g, keys in _GROUPS if any(k in e.key for k in keys)), "other")
+        groups[name] = groups.get(name, 0.0) + us
+    total = sum(groups.values()) or 1.0
+    return {g: {"ms": round(us / 1e3 / repeats, 3), "share": round(us / total, 3)}
+            for g, us in sorted(groups.items(), key=lambda kv: -kv[1])}
 
 
 def _profiled(fn, repeats: int, tokens: int, device: str) -> dict:
@@ -72,7 +124,10 @@ def _profiled(fn, repeats: int, tokens: int, device: str) -> dict:
             fn()
         if cuda:
             torch.cuda.synchronize()
-    return _table(prof, repeats, tokens, device)
+    table = _table(prof, repeats, tokens, device)
+    if cuda:
+        table["kernel_groups"] = _kernel_groups(prof, repeats)
+    return table
 
 
 def _largest_bin(runner, episodes, layout: str, max_tokens: int):
@@ -93,6 +148,7 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
 
     from treeflow.models import load_model
     from treeflow.models.moe.block import MoeBlock
+    from treeflow.models.tuning import Tuning, resolve_auto
     from treeflow.ops import build_forward
     from treeflow.schemas import read_episodes
     from treeflow.stages import Forward
@@ -101,8 +157,9 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     episodes = read_episodes(data).slice(0, window)
     cuda = device == "cuda"
     model = load_model(ckpt, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-    runner = build_forward(Forward(routing="replay"), device=device, model=model,
-                           max_tokens=max_tokens)
+    tuning, why = resolve_auto("auto", device=device, model=ckpt)
+    runner = build_forward(Forward(routing="replay", tuning=Tuning.parse(tuning)), device=device,
+                           model=model, max_tokens=max_tokens)
     block = next(m for m in model.modules() if isinstance(m, MoeBlock))
     seen: dict = {}
 
@@ -110,7 +167,7 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
         seen["x"], seen["route"] = args[0].detach(), args[1]
 
     train_block = copy.deepcopy(block).float()  # training's float32 master weights
-    out: dict = {}
+    out: dict = {"tuning": tuning, "tuning_why": why}
     for layout in ("tree", "exact"):
         item = _largest_bin(runner, episodes, layout, max_tokens)
         hook = block.register_forward_pre_hook(keep_input)
