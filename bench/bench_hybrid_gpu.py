@@ -25,6 +25,10 @@ call with the same routes forced into its routers (tests/models/
 hybrid_moe_helpers.py); `exact_layout_recompute` shows the distance when the
 bf16 routers choose for themselves against transformers' own float32 routing.
 
+`--profile`: bench/bin_profile.py on the largest tree and exact bin of the first window
+(torch.profiler, device time by kernel group: scan and conv, attention, matmuls, the rest),
+in a subprocess after the replays, with the run's `--ssm-kernel`; `profile` in the JSON.
+
     PYTHONUNBUFFERED=1 python3 bench/bench_hybrid_gpu.py          # one H200
     PYTHONUNBUFFERED=1 python3 bench/bench_hybrid_gpu.py --moe    # one H200, Hybrid MoE
     python3 bench/bench_hybrid_gpu.py --smoke --device cpu [--moe]  # logic check, tiny sizes
@@ -159,6 +163,8 @@ def main() -> None:
     ap.add_argument("--budget-seconds", type=float, default=None,
                     help="stop each CLI run (stacks printed) once this is spent since start, and "
                          "skip the runs left (a device call is capped)")
+    ap.add_argument("--profile", action="store_true",
+                    help="bench/bin_profile.py on the first window's largest tree and exact bin")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shape = ("smoke" if args.smoke else "nemotron-h-1b") + ("-moe" if args.moe else "")
@@ -250,6 +256,26 @@ def main() -> None:
             print(json.dumps({key: result["fidelity"].get(key), "steady_seconds":
                               r.get("steady_seconds")}), flush=True)
             save()
+    if args.profile and left() is not None and left() < 60:
+        result["profile"] = "skipped (time budget)"
+    elif args.profile:
+        prof = os.path.join(work, "profile.json")
+        try:
+            proc = subprocess.run(
+                [sys.executable, os.path.join(HERE, "bin_profile.py"), ckpt, data, "--window", "64",
+                 "--max-tokens", str(max_tokens), "--device", args.device, "--out", prof,
+                 *(["--ssm-kernel", args.ssm_kernel] if args.ssm_kernel else [])],
+                capture_output=True, text=True, env=env,
+                timeout=None if left() is None else left() - 20)
+            if proc.returncode == 0:
+                with open(prof) as f:
+                    result["profile"] = json.load(f)
+            else:
+                result["profile"] = {"error": proc.stderr[-2000:]}
+        except subprocess.TimeoutExpired as e:
+            result["profile"] = {"error": f"timed out after {e.timeout:.0f} s"}
+        print(json.dumps(result["profile"])[:1500], flush=True)
+        save()
     if args.moe and fidelity and left() is not None and left() < 20:
         result["replay"]["exact_layout_recompute"] = "skipped (time budget)"
     elif args.moe and fidelity:  # the bf16 routers choose: distance from transformers' own

@@ -32,7 +32,7 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
 - expert matmuls' achieved TFLOP/s: `models/moe/block.py`'s `expert_mix` (sort by
   expert, two grouped matmuls) alone on `--expert-tokens` tokens with random
   routes, forward and forward+backward, timed with CUDA events;
-- `profile` (bench/moe_profile.py, unless --no-profile): torch.profiler tables of the
+- `profile` (bench/bin_profile.py, unless --no-profile): torch.profiler tables of the
   largest tree and exact bin of the first window: the whole bin's forward, its first MoE
   layer forward, and that layer forward+backward as training runs it; top ops by device
   time, per token, and the grouped matmuls' share (a subprocess after the replay runs;
@@ -181,10 +181,10 @@ def work_flops(config, data: str, max_tokens: int, start: int = 0, stop: int | N
 
 def profile_run(tree: str, ckpt: str, data: str, work: str, args, env: dict,
                 timeout: float) -> dict:
-    """bench/moe_profile.py in a subprocess with `tree`'s treeflow first on the path."""
+    """bench/bin_profile.py in a subprocess with `tree`'s treeflow first on the path."""
     out = os.path.join(work, "profile.json")
     run_env = {**env, "PYTHONPATH": os.pathsep.join([tree, env["PYTHONPATH"]])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_profile.py"), ckpt, data,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "bin_profile.py"), ckpt, data,
                            "--window", str(args.window), "--max-tokens", str(args.max_tokens),
                            "--device", args.device, "--out", out],
                           capture_output=True, text=True, env=run_env, timeout=timeout)
@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--train-max-tokens", type=int, default=None,
                     help="--max-tokens of the --mode train runs (default: --max-tokens)")
-    ap.add_argument("--no-profile", action="store_true", help="skip bench/moe_profile.py")
+    ap.add_argument("--no-profile", action="store_true", help="skip bench/bin_profile.py")
     ap.add_argument("--profile-before", default=None, metavar="DIR",
                     help="also profile with DIR's treeflow (a source tree from before a change)")
     ap.add_argument("--window", type=int, default=64)

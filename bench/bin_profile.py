@@ -1,18 +1,21 @@
-"""Where a bin's MoE layer spends its device time: torch.profiler tables for bench_moe_gpu.py.
+"""Where a bin spends its device time: torch.profiler tables for bench_moe_gpu.py and
+bench_hybrid_gpu.py (any checkpoint; the MoE tables where the model has MoE blocks).
 
 In the bench's own process (not through the CLI, whose process cannot be profiled from
 outside): the checkpoint loaded as `treeflow replay` loads it, the first `--window` episodes
 packed per layout (tree, exact) and fragmented at the bench's `--max-tokens`, and the
-largest bin of each layout run once through the replay runner (routes replayed) under the
+largest bin of each layout run once through the replay runner (routes replayed where the
+model has experts; `--ssm-kernel` for a Mamba-2 hybrid's scan) under the
 tuning `--tuning auto` picks for the device (on Hopper "fast": compiled layers, fused loss,
 tuned flex tiles; `tuning` in the JSON). Then:
 
 - `bin_forward`: that whole bin's forward (no grad), top ops by device time: how the MoE
   layers' ops weigh against attention and the rest;
 - `bin_forward`'s `kernel_groups`: its device time by kind of kernel (expert grouped matmuls,
-  attention, other matmuls, compiled Triton kernels, copies and indexing, the rest), the
-  table that says what of a bin is not the grouped matmuls;
-- `moe_forward`: the first MoE layer alone (eager, not compiled), at the input and routes it saw in that bin
+  attention, the Mamba-2 scan and conv kernels, other matmuls, compiled Triton kernels, copies
+  and indexing, the rest), the table that says what of a bin is not the grouped matmuls or
+  the scan;
+- MoE models only: `moe_forward`: the first MoE layer alone (eager, not compiled), at the input and routes it saw in that bin
   (replayed, agreement counted, as in the run), forward in the bin's dtype;
 - `moe_train`: the same layer as training runs it (float32 weights under bf16 autocast),
   forward + backward.
@@ -29,7 +32,8 @@ bench_moe_gpu.py runs it as a subprocess (its GPU memory is given back before th
 and with --profile-before DIR once more with DIR's treeflow first on PYTHONPATH (a source
 tree of the code before a change: the before/after table):
 
-    python bench/moe_profile.py CKPT EPISODES --window 64 --max-tokens 32768 --out FILE
+    python bench/bin_profile.py CKPT EPISODES --window 64 --max-tokens 32768 --out FILE \
+        [--layouts tree,exact] [--ssm-kernel triton]
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def _table(prof, repeats: int, tokens: int, device: str) -> dict:
 # reports them: CUTLASS grouped GEMMs, FlexAttention's and FlashAttention's kernels, cuBLAS
 # GEMMs, inductor's generated Triton kernels, torch's own gather/copy/sort kernels
 _GROUPS = (("grouped_mm", ("grouped", "Grouped")),
+           ("ssm_scan_conv", ("chunk_scan", "chunk_outer", "state_pass", "acs_", "_conv_", "conv1d",
+                              "dx_bwd", "dc_bwd", "db_bwd", "token_x_bwd", "token_sum")),
            ("attention", ("flex", "flash", "fmha", "attention", "triton_tem")),
            ("matmul", ("gemm", "Gemm", "nvjet", "xmma", "cutlass", "sm90")),
            ("compiled_triton", ("triton_",)),
@@ -140,9 +146,10 @@ def _largest_bin(runner, episodes, layout: str, max_tokens: int):
     return max(items, key=lambda i: i.num_tokens)
 
 
-def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: str = "cuda",
-                repeats: int = 5) -> dict:
-    """{layout: {bin_forward, moe_forward, moe_train}} tables (module docstring); on CPU
+def bin_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: str = "cuda",
+                repeats: int = 5, layouts: tuple[str, ...] = ("tree", "exact"),
+                ssm_kernel: str | None = None) -> dict:
+    """{layout: {bin_forward[, moe_forward, moe_train]}} tables (module docstring); on CPU
     (the bench's --smoke check) host time stands in for device time."""
     import torch
 
@@ -158,9 +165,13 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     cuda = device == "cuda"
     model = load_model(ckpt, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     tuning, why = resolve_auto("auto", device=device, model=ckpt)
-    runner = build_forward(Forward(routing="replay", tuning=Tuning.parse(tuning)), device=device,
-                           model=model, max_tokens=max_tokens)
-    block = next(m for m in model.modules() if isinstance(m, MoeBlock))
+    block = next((m for m in model.modules() if isinstance(m, MoeBlock)), None)
+    routing = {"routing": "replay"} if block is not None else {}
+    runner = build_forward(Forward(**routing, tuning=Tuning.parse(tuning, ssm_kernel=ssm_kernel)),
+                           device=device, model=model, max_tokens=max_tokens)
+    if block is None:
+        return _bins_only(runner, episodes, layouts, max_tokens, device, repeats,
+                          {"tuning": tuning, "tuning_why": why, "ssm_kernel": ssm_kernel}, t0)
     seen: dict = {}
 
     def keep_input(module, args):
@@ -168,7 +179,7 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
 
     train_block = copy.deepcopy(block).float()  # training's float32 master weights
     out: dict = {"tuning": tuning, "tuning_why": why}
-    for layout in ("tree", "exact"):
+    for layout in layouts:
         item = _largest_bin(runner, episodes, layout, max_tokens)
         hook = block.register_forward_pre_hook(keep_input)
         with torch.no_grad():
@@ -202,6 +213,23 @@ def moe_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     return out
 
 
+def _bins_only(runner, episodes, layouts, max_tokens, device, repeats, out, t0) -> dict:
+    """A model without experts: each layout's largest bin forward."""
+    import torch
+
+    for layout in layouts:
+        item = _largest_bin(runner, episodes, layout, max_tokens)
+
+        def bin_forward():
+            with torch.no_grad():
+                runner.run_bin(item)
+
+        out[layout] = {"bin_tokens": item.num_tokens,
+                       "bin_forward": _profiled(bin_forward, repeats, item.num_tokens, device)}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -210,12 +238,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layouts", default="tree,exact")
+    ap.add_argument("--ssm-kernel", default=None, choices=("auto", "torch", "triton"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import treeflow
 
-    res = moe_profile(args.model, args.episodes, window=args.window, max_tokens=args.max_tokens,
-                      device=args.device, repeats=args.repeats)
+    res = bin_profile(args.model, args.episodes, window=args.window, max_tokens=args.max_tokens,
+                      device=args.device, repeats=args.repeats,
+                      layouts=tuple(args.layouts.split(",")), ssm_kernel=args.ssm_kernel)
     res["treeflow"] = treeflow.__file__
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
