@@ -292,7 +292,8 @@ def main() -> None:
                       str(args.train_steps), "--lr", "1e-6"])
             extra += ["--max-tokens", str(args.max_tokens if mode == "replay"
                                           else args.train_max_tokens or args.max_tokens)]
-            r = res[key] = cli(["replay", data, "--layout", layout, *extra, *common], env, key)
+            r = res[key] = cli(["replay", data, "--layout", layout, *extra, *common], env, key,
+                               timeout=left() - 10)
             if mode == "replay" and "error" not in r:
                 s = r["steady_seconds"]
                 r["mfu_executed"] = round(2 * n_active * r["executed_tokens"] / s / peak, 4)

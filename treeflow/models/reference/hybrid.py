@@ -58,6 +58,9 @@ class HybridPlan:
         self.num_tokens, self.kernel = attention.num_tokens, attention.kernel
         self.device, self.branching = attention.device, attention.branching
         self.cpu_flex_backward = getattr(attention, "cpu_flex_backward", False)
+        # the Mamba-2 kernels' choice, which the hybrid's norms follow (ssm/triton_norm.py)
+        self.ssm_kernel = (segments.segments if isinstance(segments, SsmShard)
+                           else segments).kernel
 
     @classmethod
     def build(cls, attention: AttentionPlan, parents_N, config: HybridConfig,
@@ -92,7 +95,14 @@ class HybridPlan:
 class NemotronHNorm(RMSNorm):
     """Nemotron-H's RMSNorm: the weight multiply stays in float32, then the cast."""
 
-    def forward(self, x_NH):
+    def forward(self, x_NH, fused: bool = False):
+        """fused: the Triton kernel (ssm/triton_norm.py) where grad is off and it serves."""
+        if fused and not torch.is_grad_enabled():
+            from treeflow.models.ssm.triton_norm import rms_norm_rows
+
+            out = rms_norm_rows(x_NH, self.weight, self.eps, group_size=x_NH.shape[-1])
+            if out is not None:
+                return out
         dtype = x_NH.dtype
         x = x_NH.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -151,7 +161,7 @@ class NemotronHBlock(nn.Module):
                       "moe": lambda: MoeBlock(c, c.moe, index)}[kind]()
 
     def forward(self, x_NH, cos_ND, sin_ND, plan: HybridPlan, moe=None):
-        h_NH = self.norm(x_NH.to(self.norm.weight.dtype))
+        h_NH = self.norm(x_NH.to(self.norm.weight.dtype), fused=plan.ssm_kernel == "triton")
         if self.kind == "mamba":
             return x_NH + self.mixer(h_NH, plan.segments)
         if self.kind == "attention":
@@ -331,5 +341,6 @@ class HybridDecoder(Decoder):
         body = self._body
         norm = next(getattr(body, n) for n in ("norm_f", "norm", "final_layernorm")
                     if hasattr(body, n))
-        h_NH = norm(x_NH)
+        h_NH = (norm(x_NH, fused=attention.ssm_kernel == "triton")
+                if isinstance(norm, NemotronHNorm) else norm(x_NH))
         return h_NH if c.logits_scaling == 1.0 else h_NH / c.logits_scaling

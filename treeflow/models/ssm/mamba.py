@@ -33,12 +33,26 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.group_size, self.eps = group_size, eps
 
-    def forward(self, y_NI: torch.Tensor, z_NI: torch.Tensor) -> torch.Tensor:
+    def forward(self, y_NI: torch.Tensor, z_NI: torch.Tensor, *, fused: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: the dtype the caller casts the result to (one rounding either way: the
+        product is float32 or already rounded to it). fused: the Triton kernel
+        (ssm/triton_norm.py) where grad is off and it serves the call."""
         dtype = y_NI.dtype
+        product = torch.promote_types(self.weight.dtype, dtype)
+        out_dtype = out_dtype or product
+        if (fused and not torch.is_grad_enabled()
+                and product in (torch.float32, out_dtype)):
+            from treeflow.models.ssm.triton_norm import rms_norm_rows
+
+            out = rms_norm_rows(y_NI, self.weight, self.eps, group_size=self.group_size,
+                                gate_NW=z_NI, round_normed=True, out_dtype=out_dtype)
+            if out is not None:
+                return out
         x = y_NI.float() * F.silu(z_NI.float())
         x_NGS = x.view(*x.shape[:-1], x.shape[-1] // self.group_size, self.group_size)
         x_NGS = x_NGS * torch.rsqrt(x_NGS.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_NGS.reshape(x.shape).to(dtype)
+        return (self.weight * x_NGS.reshape(x.shape).to(dtype)).to(out_dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -71,8 +85,9 @@ class Mamba2Mixer(nn.Module):
         else:
             xbc_NC, dt_Nh = proj_NF[:, self.inner:].split([self.conv_dim, self.heads], -1)
             y_NI = self._scan(xbc_NC, dt_Nh, plan, slice(None), self.groups).reshape(n, -1)
-        y_NI = self.norm(y_NI, z_NI)
-        return self.out_proj(y_NI.to(x_NH.dtype))
+        kernel = (plan.segments if isinstance(plan, SsmShard) else plan).kernel
+        y_NI = self.norm(y_NI, z_NI, fused=kernel == "triton", out_dtype=x_NH.dtype)
+        return self.out_proj(y_NI)
 
     def _scan(self, xbc_NC, dt_Nh, plan: SegmentPlan, heads: slice, groups: int,
               channels=None, head_groups=None) -> torch.Tensor:
