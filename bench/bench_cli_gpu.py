@@ -106,27 +106,44 @@ def _no_core_files() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+# the child: faulthandler prints every thread's stack on SIGUSR1 (cli's quiet-run watch), then
+# the CLI (or a script) runs as `python -m` / `python script` would run it
+_LAUNCH = ("import faulthandler, os, runpy, signal, sys; "
+           "faulthandler.register(signal.SIGUSR1, all_threads=True); "
+           "target = sys.argv.pop(1); script = target.endswith('.py'); "
+           "sys.argv[0] = target if script else sys.argv[0]; "
+           "script and sys.path.insert(0, os.path.dirname(os.path.abspath(target))); "
+           "runpy.run_path(target, run_name='__main__') if script "
+           "else runpy.run_module(target, run_name='__main__', alter_sys=True)")
+
+
 def cli(args: list[str], env: dict, log: str, script: str | None = None,
-        stderr_with: str | None = None, timeout: float | None = None) -> dict:
+        stderr_with: str | None = None, timeout: float | None = None,
+        quiet_stacks: float = 60.0) -> dict:
     """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time
     (and, with `stderr_with`, its stderr lines holding that text as `stderr_lines`).
 
     The child's stderr is echoed as it comes, each line led by `[log +seconds]`, so a device
     call's log shows where a run spent its time. Past `timeout` seconds the child gets SIGABRT
     (faulthandler, on in the child, prints every thread's Python stack), then SIGKILL; the
-    result is an error holding the stderr tail with those stacks."""
+    result is an error holding the stderr tail with those stacks. A child that writes nothing
+    to stderr for `quiet_stacks` seconds gets SIGUSR1 (its stacks, printed; it runs on), again
+    after each further quiet spell: a run slow for reasons no log line names (a first compile
+    on a fresh machine) shows where it is while it still can finish."""
     t0 = time.perf_counter()
-    run = [script] if script else ["-m", "treeflow.cli"]
+    run = ["-c", _LAUNCH, script or "treeflow.cli"]
     proc = subprocess.Popen([sys.executable, *run, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONFAULTHANDLER": "1"},
                             preexec_fn=_no_core_files)
     lines: list[str] = []
     chunks: list[str] = []
+    last = [time.perf_counter()]
 
     def echo() -> None:
         for line in proc.stderr:
             lines.append(line)
+            last[0] = time.perf_counter()
             print(f"[{log} +{time.perf_counter() - t0:.0f}s] {line}", end="", file=sys.stderr,
                   flush=True)
 
@@ -136,7 +153,20 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None,
         reader.start()
     timed_out = False
     try:
-        proc.wait(timeout=timeout)
+        while True:
+            step = quiet_stacks if timeout is None else min(
+                quiet_stacks, max(0.0, timeout - (time.perf_counter() - t0)))
+            try:
+                proc.wait(timeout=step)
+                break
+            except subprocess.TimeoutExpired:
+                if timeout is not None and time.perf_counter() - t0 >= timeout:
+                    raise
+                if time.perf_counter() - last[0] >= quiet_stacks:
+                    last[0] = time.perf_counter()
+                    print(f"[{log} +{last[0] - t0:.0f}s] quiet for {quiet_stacks:.0f} s: its "
+                          "stacks (SIGUSR1)", file=sys.stderr, flush=True)
+                    proc.send_signal(signal.SIGUSR1)
     except subprocess.TimeoutExpired:
         timed_out = True
         proc.send_signal(signal.SIGABRT)
