@@ -1,23 +1,24 @@
-"""Every Triton kernel of the Mamba-2 tree scan and conv compiles for an H100 (sm_90), on CPU.
+"""Every Triton kernel of the Mamba-2 tree scan, conv and norms compiles for an H100 (sm_90), on CPU.
 
 The CPU tests run the kernels in Triton's interpreter (test_ssm_triton.py), which executes
 them as Python: it cannot show what only the compiler rejects. One such bug shipped there: a
 `return` inside a constexpr `if` ends the interpreter's function, while compiled Triton also
 generates the statements after it, so `scan_precision="bf16"` built `tl.dot(...,
 input_precision="bf16")`, which does not compile; every bf16 kernel failed on a GPU and the
-interpreter tests passed. Here every launched kernel of the three modules (found by
+interpreter tests passed. Here every launched kernel of the four modules (scan, backward, conv, the hybrids' norms) (found by
 inspection, so a new kernel is covered) is compiled with Triton's own compiler for
 `GPUTarget("cuda", 90, 32)` (Triton IR to PTX to a cubin with its bundled ptxas; no GPU is
 needed) in every combination of its constexprs (each product precision, both scan
 directions, float32 and float64 conv accumulation) with float32 and with bf16 inputs, at the
-smallest tiles (16: the tile size does not change which statements are generated): 57 cases,
+smallest tiles (16: the tile size does not change which statements are generated; the norms'
+row block 512, both gate and rounding settings): 65 cases,
 each compiled twice. Once unaligned, and once aligned: every pointer and int argument marked
 16-divisible, the `tt.divisibility` attrs Triton's launcher gives a real launch (torch's
 allocations, sizes like 4096), which change the layouts the compiler picks. Only the aligned
 compile showed the second shipped bug: under Triton 3.6 (torch 2.11's) and 3.7, the CSR slot
 loops of `token_x_bwd` and `token_sum` held a [BT] slot vector beside a [BT, W] tile, and
 the two got different layouts ("'tt.load' op failed to verify that mask type matches ptr
-type", then TritonGPURemoveLayoutConversions failed); unaligned they compiled. 114 compiles,
+type", then TritonGPURemoveLayoutConversions failed); unaligned they compiled. 130 compiles,
 split over up to 4 processes (~35 s of CPU in all). They run without TRITON_INTERPRET, which
 turns `triton.jit` into the interpreter at import, and with the test's PYTHONPATH after the
 repo: a Triton installed aside (`pip install --target`) put first on it is the one compiled
@@ -52,11 +53,13 @@ INT64 = {"src_ptr", "dst_ptr", "a_map", "seg_ptr", "rows_ptr", "kptr_ptr", "kids
 # (and PREC: every product precision of triton_scan.BLOCKS)
 CONSTEXPRS = {"INTERPRET": (False,), "FROM_END": (True, False),
               "BL": (16,), "BP": (16,), "BN": (16,), "BC": (128,), "BT": (32,), "BW": (256,),
-              "K": (4,), "KP": (4,), "HAS_BIAS": (True,), "ACC": ("float32", "float64")}
+              "K": (4,), "KP": (4,), "HAS_BIAS": (True,), "ACC": ("float32", "float64"),
+              "GATED": (True, False), "ROUND": (True, False), "BS": (512,)}
 # pointers that are bf16 where the model runs in bf16 (the launches' inputs, outputs and state
 # tables; accumulators stay float32); with ACC=float64 every float pointer is float64
 BF16 = {"x_ptr", "b_ptr", "c_ptr", "dt_ptr", "y_ptr", "dy_ptr", "dx_ptr", "ddt_ptr", "out_ptr",
-        "table_ptr", "prev_ptr", "init_ptr"}
+        "table_ptr", "prev_ptr", "init_ptr", "z_ptr", "w_ptr"}
+FLOAT_ARGS = {"eps"}  # float scalars (every other non-pointer argument is an int)
 
 
 def _kernels():
@@ -64,10 +67,10 @@ def _kernels():
     (helpers return values; the conv's store helper writes through a pointer it is given)."""
     import ast
 
-    from treeflow.models.ssm import triton_bwd, triton_conv, triton_scan
+    from treeflow.models.ssm import triton_bwd, triton_conv, triton_norm, triton_scan
 
     out = []
-    for mod in (triton_scan, triton_bwd, triton_conv):
+    for mod in (triton_scan, triton_bwd, triton_conv, triton_norm):
         for name, fn in vars(mod).items():
             src = getattr(fn, "src", None)
             if src is None or getattr(fn, "__module__", None) != mod.__name__ or \
@@ -101,6 +104,8 @@ def _cases():
                 for a in fn.arg_names:
                     if a in const:
                         sig[a] = "constexpr"
+                    elif a in FLOAT_ARGS:
+                        sig[a] = "fp32"
                     elif not (a.endswith("_ptr") or a == "a_map"):
                         sig[a] = "i32"
                     elif a in INT64:
@@ -182,7 +187,7 @@ def test_every_scan_and_conv_kernel_compiles_for_sm90(tmp_path):
     count = f"compiled {ok} of {n} (triton {triton.__version__})"
     assert not failed and all(proc.returncode == 0 for proc in procs), \
         "\n".join([*dict.fromkeys(why), *failed, count])
-    assert n > 100, n  # every case ran (114 today: 57 unaligned, 57 aligned)
+    assert n > 100, n  # every case ran (130 today: 65 unaligned, 65 aligned)
 
 
 def test_the_bin_size_is_not_specialized():
