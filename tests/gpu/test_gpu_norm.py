@@ -39,3 +39,23 @@ def test_fused_norms_at_the_nemotron_h_shape():
         _close(gated(y, zb, fused=True, out_dtype=torch.bfloat16),
                gated(y, zb, out_dtype=torch.bfloat16), torch.bfloat16)
         _close(block(xb, fused=True), block(xb), torch.bfloat16)
+
+
+def test_fused_norm_gradients_at_the_nemotron_h_shape():
+    """Training's dtypes (float32 input and weight, the gate bf16 as in_proj gives it under
+    autocast): every gradient against autograd through the float64 formula."""
+    from tests.models.ssm.test_ssm_triton_norm import _by_hand
+    from treeflow.models.ssm.triton_norm import rms_norm_rows
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n = 1000
+    y = torch.randn(n, 4096, device="cuda", generator=g).requires_grad_()
+    proj = torch.randn(n, 4096 + 64, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = torch.randn(4096, device="cuda", generator=g).requires_grad_()
+    seed = torch.randn(n, 4096, device="cuda", generator=g)
+    z = proj[:, :4096]
+    out = rms_norm_rows(y, w, 1e-5, group_size=512, gate_NW=z)
+    got = torch.autograd.grad((out * seed).sum(), [y, w, proj])
+    ref = torch.autograd.grad((_by_hand(y, w, 1e-5, 512, z) * seed.double()).sum(), [y, w, proj])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)

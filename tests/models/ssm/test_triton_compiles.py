@@ -11,14 +11,14 @@ inspection, so a new kernel is covered) is compiled with Triton's own compiler f
 needed) in every combination of its constexprs (each product precision, both scan
 directions, float32 and float64 conv accumulation) with float32 and with bf16 inputs, at the
 smallest tiles (16: the tile size does not change which statements are generated; the norms'
-row block 512, both gate and rounding settings): 65 cases,
+row block 512, both gate and rounding settings, forward and backward): 81 cases,
 each compiled twice. Once unaligned, and once aligned: every pointer and int argument marked
 16-divisible, the `tt.divisibility` attrs Triton's launcher gives a real launch (torch's
 allocations, sizes like 4096), which change the layouts the compiler picks. Only the aligned
 compile showed the second shipped bug: under Triton 3.6 (torch 2.11's) and 3.7, the CSR slot
 loops of `token_x_bwd` and `token_sum` held a [BT] slot vector beside a [BT, W] tile, and
 the two got different layouts ("'tt.load' op failed to verify that mask type matches ptr
-type", then TritonGPURemoveLayoutConversions failed); unaligned they compiled. 130 compiles,
+type", then TritonGPURemoveLayoutConversions failed); unaligned they compiled. 162 compiles,
 split over up to 4 processes (~35 s of CPU in all). They run without TRITON_INTERPRET, which
 turns `triton.jit` into the interpreter at import, and with the test's PYTHONPATH after the
 repo: a Triton installed aside (`pip install --target`) put first on it is the one compiled
@@ -54,11 +54,12 @@ INT64 = {"src_ptr", "dst_ptr", "a_map", "seg_ptr", "rows_ptr", "kptr_ptr", "kids
 CONSTEXPRS = {"INTERPRET": (False,), "FROM_END": (True, False),
               "BL": (16,), "BP": (16,), "BN": (16,), "BC": (128,), "BT": (32,), "BW": (256,),
               "K": (4,), "KP": (4,), "HAS_BIAS": (True,), "ACC": ("float32", "float64"),
-              "GATED": (True, False), "ROUND": (True, False), "BS": (512,)}
+              "GATED": (True, False), "ROUND": (True, False), "BS": (512,),
+              "KEEP": (True, False), "BR": (64,)}
 # pointers that are bf16 where the model runs in bf16 (the launches' inputs, outputs and state
 # tables; accumulators stay float32); with ACC=float64 every float pointer is float64
 BF16 = {"x_ptr", "b_ptr", "c_ptr", "dt_ptr", "y_ptr", "dy_ptr", "dx_ptr", "ddt_ptr", "out_ptr",
-        "table_ptr", "prev_ptr", "init_ptr", "z_ptr", "w_ptr"}
+        "table_ptr", "prev_ptr", "init_ptr", "z_ptr", "w_ptr", "dz_ptr"}
 FLOAT_ARGS = {"eps"}  # float scalars (every other non-pointer argument is an int)
 
 
@@ -187,7 +188,7 @@ def test_every_scan_and_conv_kernel_compiles_for_sm90(tmp_path):
     count = f"compiled {ok} of {n} (triton {triton.__version__})"
     assert not failed and all(proc.returncode == 0 for proc in procs), \
         "\n".join([*dict.fromkeys(why), *failed, count])
-    assert n > 100, n  # every case ran (130 today: 65 unaligned, 65 aligned)
+    assert n > 100, n  # every case ran (162 today: 81 unaligned, 81 aligned)
 
 
 def test_the_bin_size_is_not_specialized():

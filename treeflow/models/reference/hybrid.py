@@ -96,8 +96,9 @@ class NemotronHNorm(RMSNorm):
     """Nemotron-H's RMSNorm: the weight multiply stays in float32, then the cast."""
 
     def forward(self, x_NH, fused: bool = False):
-        """fused: the Triton kernel (ssm/triton_norm.py) where grad is off and it serves."""
-        if fused and not torch.is_grad_enabled():
+        """fused: the Triton kernels (ssm/triton_norm.py, forward and backward) where they
+        serve the call."""
+        if fused:
             from treeflow.models.ssm.triton_norm import rms_norm_rows
 
             out = rms_norm_rows(x_NH, self.weight, self.eps, group_size=x_NH.shape[-1])

@@ -36,13 +36,12 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y_NI: torch.Tensor, z_NI: torch.Tensor, *, fused: bool = False,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """out_dtype: the dtype the caller casts the result to (one rounding either way: the
-        product is float32 or already rounded to it). fused: the Triton kernel
-        (ssm/triton_norm.py) where grad is off and it serves the call."""
+        product is float32 or already rounded to it). fused: the Triton kernels
+        (ssm/triton_norm.py, forward and backward) where they serve the call."""
         dtype = y_NI.dtype
         product = torch.promote_types(self.weight.dtype, dtype)
         out_dtype = out_dtype or product
-        if (fused and not torch.is_grad_enabled()
-                and product in (torch.float32, out_dtype)):
+        if fused and product in (torch.float32, out_dtype):
             from treeflow.models.ssm.triton_norm import rms_norm_rows
 
             out = rms_norm_rows(y_NI, self.weight, self.eps, group_size=self.group_size,
