@@ -77,6 +77,10 @@ def _halves(c, kind: str, *, cb: int, mixed: bool, cp: int, scan_fill: float,
     # an RMSNorm keeps its float32 input (pow), normed rows in the residual's dtype (weight *) and
     # rsqrt; its output is kept by the projection after it unless autocast keeps a cast instead
     norm = _F32 * H + r * H + _F32 + (0 if cast else r * H)
+    if ssm_kernel == "triton" and c.architecture == "NemotronHForCausalLM":
+        # its block norms fused (models/ssm/triton_norm.py): the input as given and 1/rms,
+        # no float32 copy or normed rows (their backward recomputes them)
+        norm -= _F32 * H
     a_none = a_sel = m_none = m_sel = routes = 0.0
     mixer = kind.split("+")[0]
     if mixer in GDN_KINDS:  # train/memory_gdn.py; (1 + w) norms keep their normed rows float32
@@ -132,12 +136,12 @@ def _halves(c, kind: str, *, cb: int, mixed: bool, cp: int, scan_fill: float,
             # with the route choices in every mode (measured: tests/train/test_memory_plan.py)
             routes += 12 * (2 * 2 * m.n_group + m.topk_group + 1)
     if kind in ("mamba", "mamba+mlp"):
-        a_none, a_sel = _mamba(c, norm=norm, cast=cast, cb=cb, scan_fill=scan_fill,
+        a_none, a_sel = _mamba(c, norm=norm, cast=cast, cb=cb, r=r, scan_fill=scan_fill,
                                ssm_kernel=ssm_kernel)
     return a_none, a_sel, m_none, m_sel, routes
 
 
-def _mamba(c, *, norm: float, cast: int, cb: int, scan_fill: float,
+def _mamba(c, *, norm: float, cast: int, cb: int, r: int, scan_fill: float,
            ssm_kernel: str) -> tuple[float, float]:
     """(none, selective less the input) of a Mamba-2 mixer after its norm."""
     H = c.hidden_size
@@ -149,15 +153,20 @@ def _mamba(c, *, norm: float, cast: int, cb: int, scan_fill: float,
     scan = _F32 * (3 * h * p + 4 * h * n + 4 * h * C + 3 * h * p * n / C + 6 * h) / scan_fill
     if ssm_kernel == "triton":
         # the fused scan (models/ssm/triton_scan.py) reads x, B and C where the conv left them
-        # (through index maps: no copies) and keeps per chunk slot the cumulative decay (h)
-        # and the dt terms around it (6 h); no chunk tensors and no states: its backward
-        # rebuilds each level's state table from the inputs
-        scan = _F32 * 7 * h / scan_fill
+        # (through index maps: no copies) and keeps per chunk slot the cumulative decay (h);
+        # per token the dt chain (dt + bias, softplus, clamp: 3 h in the compute dtype); no
+        # chunk tensors and no states: its backward rebuilds each level's state table from
+        # the inputs
+        scan = _F32 * h / scan_fill + 3 * cb * h
         # and its conv (models/ssm/triton_conv.py) keeps its input, a view of in_proj's
         # output (which it then keeps whole: counted below only where nothing else does),
         # and its output; the SiLU input is recomputed, no path windows are kept
         conv_b = cb * conv + (proj if cb != _F32 else 0)
     gated_norm = 5 * _F32 * inner + cast * inner  # float32 y, z, SiLU, normed; out_proj cast
+    if ssm_kernel == "triton":  # fused (models/ssm/triton_norm.py): the scan's float32 y, 1/rms
+        # per group (z is in_proj's output, counted above); out_proj keeps the output in the
+        # residual's dtype, or autocast's copy of it
+        gated_norm = _F32 * inner + _F32 * c.n_groups + (cast if cast else r) * inner
     # in_proj's output is kept only in float32: below it every reader takes a float32 copy
     none = norm + cast * H + (proj if cb == _F32 else 0) + conv_b + scan + gated_norm
     return none, proj + cb * H
