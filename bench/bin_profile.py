@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 
 TOP = 15
@@ -247,7 +248,7 @@ def main() -> None:
     res = bin_profile(args.model, args.episodes, window=args.window, max_tokens=args.max_tokens,
                       device=args.device, repeats=args.repeats,
                       layouts=tuple(args.layouts.split(",")), ssm_kernel=args.ssm_kernel)
-    res["treeflow"] = treeflow.__file__
+    res["treeflow"] = os.path.relpath(treeflow.__file__)  # which tree ran (--profile-before)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 
