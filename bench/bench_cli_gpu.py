@@ -119,7 +119,7 @@ _LAUNCH = ("import faulthandler, os, runpy, signal, sys; "
 
 def cli(args: list[str], env: dict, log: str, script: str | None = None,
         stderr_with: str | None = None, timeout: float | None = None,
-        quiet_stacks: float = 60.0) -> dict:
+        quiet_stacks: float | None = 60.0) -> dict:
     """Run `python -m treeflow.cli ...` (or `script ...`); its --json object and process time
     (and, with `stderr_with`, its stderr lines holding that text as `stderr_lines`).
 
@@ -129,7 +129,8 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None,
     result is an error holding the stderr tail with those stacks. A child that writes nothing
     to stderr for `quiet_stacks` seconds gets SIGUSR1 (its stacks, printed; it runs on), again
     after each further quiet spell: a run slow for reasons no log line names (a first compile
-    on a fresh machine) shows where it is while it still can finish."""
+    on a fresh machine) shows where it is while it still can finish. quiet_stacks=None: no
+    watch."""
     t0 = time.perf_counter()
     run = ["-c", _LAUNCH, script or "treeflow.cli"]
     proc = subprocess.Popen([sys.executable, *run, *args], stdout=subprocess.PIPE,
@@ -154,15 +155,17 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None,
     timed_out = False
     try:
         while True:
-            step = quiet_stacks if timeout is None else min(
-                quiet_stacks, max(0.0, timeout - (time.perf_counter() - t0)))
+            now = time.perf_counter()
+            waits = [] if quiet_stacks is None else [max(0.5, quiet_stacks - (now - last[0]))]
+            if timeout is not None:
+                waits.append(max(0.0, timeout - (now - t0)))
             try:
-                proc.wait(timeout=step)
+                proc.wait(timeout=min(waits) if waits else None)
                 break
             except subprocess.TimeoutExpired:
                 if timeout is not None and time.perf_counter() - t0 >= timeout:
                     raise
-                if time.perf_counter() - last[0] >= quiet_stacks:
+                if quiet_stacks is not None and time.perf_counter() - last[0] >= quiet_stacks:
                     last[0] = time.perf_counter()
                     print(f"[{log} +{last[0] - t0:.0f}s] quiet for {quiet_stacks:.0f} s: its "
                           "stacks (SIGUSR1)", file=sys.stderr, flush=True)

@@ -18,8 +18,9 @@ shape (`treeflow synth --routes-from`). Every run is a subprocess of the CLI:
   Shard balances by (stages/shard.py `CostModel.from_config`, exact pairs): per token the
   projections, router and top_k experts, per attention pair QK^T and PV, per loss edge the
   vocabulary projection. The token ideal (exact-call tokens / executed tree tokens) assumes
-  all work shrinks with the tokens; the loss edges do not shrink at all (each sampled token's
-  logprob is computed once in either layout) and the pairs shrink less, so at 4 layers and a
+  all work shrinks with the tokens; the loss edges hardly shrink (each sampled token's
+  logprob is computed once in either layout; the tree merges only duplicate samples) and the
+  pairs shrink less, so at 4 layers and a
   151936-word vocabulary the work ideal is well under the token ideal. `share_of_work_ideal`
   is the measured speedup over it; `mfu_model` the model FLOPs (x3 in training, no
   recompute counted) per steady second over `--peak-tflops`;
@@ -173,9 +174,11 @@ def work_flops(config, data: str, max_tokens: int, start: int = 0, stop: int | N
                        "forward_flops": flops, "forward_tflop": round(flops / 1e12, 2),
                        "tflop_shares": {"tokens": round(cost.token * tokens / flops, 3),
                                         "pairs": round(cost.pair * pairs / flops, 3),
-                                        "edges": round(cost.edge * edges / flops, 3)}}
-    out["work_ideal"] = round(out["exact"]["forward_flops"] / out["tree"]["forward_flops"], 3)
-    out["token_ideal"] = round(out["exact"]["tokens"] / out["tree"]["tokens"], 3)
+                                        "edges": round(cost.edge * edges / flops, 3)}
+                       if flops else None}
+    ex, tr = out["exact"], out["tree"]
+    out["work_ideal"] = round(ex["forward_flops"] / tr["forward_flops"], 3) if tr["tokens"] else None
+    out["token_ideal"] = round(ex["tokens"] / tr["tokens"], 3) if tr["tokens"] else None
     return out
 
 
@@ -262,10 +265,10 @@ def main() -> None:
                     "--max-turns", str(args.max_turns), "--routes-from", ckpt, "--seed", "0",
                     "--quiet"], check=True, env=env)
     train_tokens = args.train_max_tokens or args.max_tokens
-    res["work"] = {"replay": work_flops(config, data, args.max_tokens),
-                   # the steady steps: the second to the last (train/fit.py)
-                   "train_steady": work_flops(config, data, train_tokens, args.train_batch,
-                                        args.train_batch * args.train_steps)}
+    res["work"] = {"replay": work_flops(config, data, args.max_tokens)}
+    if not args.no_train and args.train_steps > 1:  # the steady steps: the second to the last
+        res["work"]["train_steady"] = work_flops(config, data, train_tokens, args.train_batch,
+                                                 args.train_batch * args.train_steps)
     print(f"  work: {json.dumps(res['work'])}", flush=True)
     print(f"[{time.perf_counter() - t_start:.0f}s] expert matmuls", flush=True)
     res["expert_matmul"] = expert_tflops(config, args.expert_tokens, args.device, 3 if args.smoke
@@ -299,7 +302,8 @@ def main() -> None:
                 r["mfu_executed"] = round(2 * n_active * r["executed_tokens"] / s / peak, 4)
                 r["mfu_exact_equivalent"] = round(2 * n_active * r["exact_tokens"] / s / peak, 4)
                 r["mfu_model"] = round(res["work"]["replay"][layout]["forward_flops"] / s / peak, 4)
-            if mode == "train" and r.get("steady_seconds_per_step"):
+            if mode == "train" and r.get("steady_seconds_per_step") and \
+                    "train_steady" in res["work"]:
                 r["mfu_model"] = round(3 * res["work"]["train_steady"][layout]["forward_flops"]
                                        / (args.train_steps - 1)
                                        / r["steady_seconds_per_step"] / peak, 4)
@@ -328,11 +332,14 @@ def main() -> None:
             and tr.get("steady_seconds_per_step")):
         res["train_step_speedup_steady"] = round(
             ex["steady_seconds_per_step"] / tr["steady_seconds_per_step"], 3)
-        steady = res["work"]["train_steady"]
-        res["train_token_ideal"], res["train_work_ideal"] = steady["token_ideal"], steady["work_ideal"]
-        res["train_share_of_ideal"] = round(res["train_step_speedup_steady"] / steady["token_ideal"], 3)
-        res["train_share_of_work_ideal"] = round(res["train_step_speedup_steady"]
-                                                 / steady["work_ideal"], 3)
+        steady = res["work"].get("train_steady")
+        if steady:
+            res["train_token_ideal"] = steady["token_ideal"]
+            res["train_work_ideal"] = steady["work_ideal"]
+            res["train_share_of_ideal"] = round(res["train_step_speedup_steady"]
+                                                / steady["token_ideal"], 3)
+            res["train_share_of_work_ideal"] = round(res["train_step_speedup_steady"]
+                                                     / steady["work_ideal"], 3)
         last = tr.get("last") or {}
         if last.get("perf/executed_tokens"):
             res["train_tree_mfu_executed"] = round(

@@ -90,7 +90,8 @@ def _table(prof, repeats: int, tokens: int, device: str) -> dict:
 # kernel name fragments -> group (first match wins); names are CUDA kernels' as the profiler
 # reports them: CUTLASS grouped GEMMs, FlexAttention's and FlashAttention's kernels, cuBLAS
 # GEMMs, inductor's generated Triton kernels, torch's own gather/copy/sort kernels
-_GROUPS = (("grouped_mm", ("grouped", "Grouped")),
+_GROUPS = (("grouped_mm", ("grouped", "Grouped", "GroupProblem")),
+           ("norms", ("_rms_norm",)),
            ("ssm_scan_conv", ("chunk_scan", "chunk_outer", "state_pass", "acs_", "_conv_", "conv1d",
                               "dx_bwd", "dc_bwd", "db_bwd", "token_x_bwd", "token_sum")),
            ("attention", ("flex", "flash", "fmha", "attention", "triton_tem")),

@@ -154,10 +154,10 @@ def _mamba(c, *, norm: float, cast: int, cb: int, r: int, scan_fill: float,
     if ssm_kernel == "triton":
         # the fused scan (models/ssm/triton_scan.py) reads x, B and C where the conv left them
         # (through index maps: no copies) and keeps per chunk slot the cumulative decay (h);
-        # per token the dt chain (dt + bias, softplus, clamp: 3 h in the compute dtype); no
-        # chunk tensors and no states: its backward rebuilds each level's state table from
-        # the inputs
-        scan = _F32 * h / scan_fill + 3 * cb * h
+        # per token the dt chain: dt + bias in the compute dtype, softplus and clamp in it too,
+        # or in float32 under autocast (CUDA's autocast runs softplus in float32); no chunk
+        # tensors and no states: its backward rebuilds each level's state table from the inputs
+        scan = _F32 * h / scan_fill + (cb + 2 * (_F32 if cast else cb)) * h
         # and its conv (models/ssm/triton_conv.py) keeps its input, a view of in_proj's
         # output (which it then keeps whole: counted below only where nothing else does),
         # and its output; the SiLU input is recomputed, no path windows are kept

@@ -11,7 +11,8 @@ inspection, so a new kernel is covered) is compiled with Triton's own compiler f
 needed) in every combination of its constexprs (each product precision, both scan
 directions, float32 and float64 conv accumulation) with float32 and with bf16 inputs, at the
 smallest tiles (16: the tile size does not change which statements are generated; the norms'
-row block 512, both gate and rounding settings, forward and backward): 81 cases,
+group tile 512 and backward row block 64, both gate and rounding settings, forward and
+backward): 81 cases,
 each compiled twice. Once unaligned, and once aligned: every pointer and int argument marked
 16-divisible, the `tt.divisibility` attrs Triton's launcher gives a real launch (torch's
 allocations, sizes like 4096), which change the layouts the compiler picks. Only the aligned

@@ -21,8 +21,10 @@ x_hat from the kept input and the forward's per-(row, group) 1/rms (N x groups f
 only thing kept beside the inputs), then dx_hat = dout * w, dx = (dx_hat - x_hat *
 mean(dx_hat * x_hat)) / rms, through the gate dy = dx SiLU(z) and dz = dx y SiLU'(z); the
 weight's gradient as one partial sum per row block (a fixed loop over its rows), which torch
-sums: no atomics, deterministic. The bf16 rounding of x_hat (the gated norm's cast) passes the
-gradient straight through, as the cast's own backward does.
+sums: no atomics, deterministic. The bf16 rounding of x_hat (the gated norm's cast, only where
+its y is bf16: the models hand it the scan's float32 y) passes the gradient straight through in
+float32, where torch's backward rounds dout * w to bf16 first; that case's backward is not
+tested, its forward is.
 
 Legend: N tokens, W row width, S group width (W = groups x S), BR rows a backward program takes.
 """
