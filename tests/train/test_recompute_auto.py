@@ -99,3 +99,22 @@ def test_plan_memory_says_what_auto_picks(capsys):
                  "float32", "--recompute", "auto", "--device-memory", "1200MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["recompute"] == "selective" and out["recompute_auto"].startswith("selective (")
+
+
+def test_a_context_parallel_hybrid_is_planned_with_the_scan_it_runs():
+    """Under context parallelism a rank's Mamba-2 heads run the torch scan (ssm/cp.py's
+    SsmShard), so the plan on CUDA takes the torch scan's kept tensors there and the fused
+    scan's without it (on CPU the torch scan's). Plant: plan the fused scan under CP (the
+    planner did until a review found it): fails."""
+    import argparse
+
+    from treeflow.cli.memory import memory_knobs
+
+    base = dict(max_tokens=8192, num_ranks=1, device="cuda", precision="mixed", dtype="bfloat16")
+    one = memory_knobs(argparse.Namespace(**base, context_parallel=1), recompute="full")
+    two = memory_knobs(argparse.Namespace(**base, context_parallel=2), recompute="full")
+    assert one["ssm_kernel"] == "triton"
+    assert two["ssm_kernel"] == "torch"
+    cpu = memory_knobs(argparse.Namespace(**{**base, "device": "cpu"}, context_parallel=1),
+                       recompute="full")
+    assert cpu["ssm_kernel"] == "torch"

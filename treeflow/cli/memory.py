@@ -29,6 +29,10 @@ def memory_knobs(args, *, recompute: str) -> dict:
     scan = getattr(args, "ssm_kernel", None) or "auto"
     if scan == "auto":  # models/ssm_tree.resolve_kernel's choice: the fused scan on CUDA
         scan = "triton" if device.startswith("cuda") else "torch"
+    if (getattr(args, "context_parallel", 1) or 1) > 1:
+        # a context-parallel rank's Mamba-2 heads run the torch scan (ssm/cp.py's SsmShard
+        # builds its segment plan so), and the norms follow the scan's kernel
+        scan = "torch"
     return dict(max_tokens=args.max_tokens, num_ranks=args.num_ranks, ssm_kernel=scan,
                 context_parallel=getattr(args, "context_parallel", 1) or 1,
                 shard_params=bool(getattr(args, "shard_params", False)), recompute=recompute,
