@@ -54,6 +54,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "models"))  # the MoE oracle
 
 from bench_cli_gpu import cli  # noqa: E402  (runs `python -m treeflow.cli ...`, parses --json)
+import bin_profile  # noqa: E402  (bench/bin_profile.py: a bin's device time by kernel)
 from tests.weights import as_loaded  # noqa: E402  (cast as from_pretrained loads: RoPE in float32)
 
 SHAPES = {
@@ -259,21 +260,10 @@ def main() -> None:
     if args.profile and left() is not None and left() < 60:
         result["profile"] = "skipped (time budget)"
     elif args.profile:
-        prof = os.path.join(work, "profile.json")
-        try:
-            proc = subprocess.run(
-                [sys.executable, os.path.join(HERE, "bin_profile.py"), ckpt, data, "--window", "64",
-                 "--max-tokens", str(max_tokens), "--device", args.device, "--out", prof,
-                 *(["--ssm-kernel", args.ssm_kernel] if args.ssm_kernel else [])],
-                capture_output=True, text=True, env=env,
-                timeout=None if left() is None else left() - 20)
-            if proc.returncode == 0:
-                with open(prof) as f:
-                    result["profile"] = json.load(f)
-            else:
-                result["profile"] = {"error": proc.stderr[-2000:]}
-        except subprocess.TimeoutExpired as e:
-            result["profile"] = {"error": f"timed out after {e.timeout:.0f} s"}
+        result["profile"] = bin_profile.run(
+            ckpt, data, os.path.join(work, "profile.json"), window=64, max_tokens=max_tokens,
+            device=args.device, env=env, timeout=None if left() is None else left() - 20,
+            ssm_kernel=args.ssm_kernel)
         print(json.dumps(result["profile"])[:1500], flush=True)
         save()
     if args.moe and fidelity and left() is not None and left() < 20:

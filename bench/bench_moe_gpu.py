@@ -66,6 +66,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench_cli_gpu import cli  # noqa: E402  (one way to run the CLI and read its JSON)
+import bin_profile  # noqa: E402  (bench/bin_profile.py: a bin's device time by kernel)
 
 
 def shape(layers: int, smoke: bool) -> dict:
@@ -180,21 +181,6 @@ def work_flops(config, data: str, max_tokens: int, start: int = 0, stop: int | N
     out["work_ideal"] = round(ex["forward_flops"] / tr["forward_flops"], 3) if tr["tokens"] else None
     out["token_ideal"] = round(ex["tokens"] / tr["tokens"], 3) if tr["tokens"] else None
     return out
-
-
-def profile_run(tree: str, ckpt: str, data: str, work: str, args, env: dict,
-                timeout: float) -> dict:
-    """bench/bin_profile.py in a subprocess with `tree`'s treeflow first on the path."""
-    out = os.path.join(work, "profile.json")
-    run_env = {**env, "PYTHONPATH": os.pathsep.join([tree, env["PYTHONPATH"]])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "bin_profile.py"), ckpt, data,
-                           "--window", str(args.window), "--max-tokens", str(args.max_tokens),
-                           "--device", args.device, "--out", out],
-                          capture_output=True, text=True, env=run_env, timeout=timeout)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-2000:]}
-    with open(out) as f:
-        return json.load(f)
 
 
 def main() -> None:
@@ -314,10 +300,10 @@ def main() -> None:
                 res[key] = "skipped (time budget)"
                 continue
             print(f"[{time.perf_counter() - t_start:.0f}s] {key} ({tree})", flush=True)
-            try:
-                res[key] = profile_run(tree, ckpt, data, work, args, env, timeout=left() - 30)
-            except subprocess.TimeoutExpired as e:
-                res[key] = {"error": f"timed out after {e.timeout:.0f} s"}
+            res[key] = bin_profile.run(ckpt, data, os.path.join(work, f"{key}.json"),
+                                       window=args.window, max_tokens=args.max_tokens,
+                                       device=args.device, env=env, timeout=left() - 30,
+                                       tree=tree)
             print(f"  {json.dumps(res[key])[:800]}", flush=True)
             save()
     ex, tr = res.get("replay_exact"), res.get("replay_tree")

@@ -171,27 +171,30 @@ def bin_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     routing = {"routing": "replay"} if block is not None else {}
     runner = build_forward(Forward(**routing, tuning=Tuning.parse(tuning, ssm_kernel=ssm_kernel)),
                            device=device, model=model, max_tokens=max_tokens)
-    if block is None:
-        return _bins_only(runner, episodes, layouts, max_tokens, device, repeats,
-                          {"tuning": tuning, "tuning_why": why, "ssm_kernel": ssm_kernel}, t0)
+    out: dict = {"tuning": tuning, "tuning_why": why, "ssm_kernel": ssm_kernel}
     seen: dict = {}
 
     def keep_input(module, args):
         seen["x"], seen["route"] = args[0].detach(), args[1]
 
-    train_block = copy.deepcopy(block).float()  # training's float32 master weights
-    out: dict = {"tuning": tuning, "tuning_why": why}
+    # training's float32 master weights of the first MoE layer
+    train_block = None if block is None else copy.deepcopy(block).float()
     for layout in layouts:
         item = _largest_bin(runner, episodes, layout, max_tokens)
-        hook = block.register_forward_pre_hook(keep_input)
-        with torch.no_grad():
-            runner.run_bin(item)  # compiles this layout's kernels, captures the layer's input
-        hook.remove()
-        x_NH, route_NK, n = seen["x"], seen["route"], item.num_tokens
+        n = item.num_tokens
 
         def bin_forward():
             with torch.no_grad():
                 runner.run_bin(item)
+
+        if block is None:
+            out[layout] = {"bin_tokens": n,
+                           "bin_forward": _profiled(bin_forward, repeats, n, device)}
+            continue
+        hook = block.register_forward_pre_hook(keep_input)
+        bin_forward()  # compiles this layout's kernels, captures the MoE layer's input
+        hook.remove()
+        x_NH, route_NK = seen["x"], seen["route"]
 
         def moe_forward():
             with torch.no_grad():
@@ -215,21 +218,29 @@ def bin_profile(ckpt: str, data: str, *, window: int, max_tokens: int, device: s
     return out
 
 
-def _bins_only(runner, episodes, layouts, max_tokens, device, repeats, out, t0) -> dict:
-    """A model without experts: each layout's largest bin forward."""
-    import torch
+def run(ckpt: str, data: str, out: str, *, window: int, max_tokens: int, device: str,
+        env: dict, timeout: float | None, tree: str | None = None,
+        ssm_kernel: str | None = None) -> dict:
+    """This script in a subprocess (the benches' way: its GPU memory is given back when it ends),
+    with `tree`'s treeflow first on the path when given; its JSON, or {"error": ...}."""
+    import os
+    import subprocess
+    import sys
 
-    for layout in layouts:
-        item = _largest_bin(runner, episodes, layout, max_tokens)
-
-        def bin_forward():
-            with torch.no_grad():
-                runner.run_bin(item)
-
-        out[layout] = {"bin_tokens": item.num_tokens,
-                       "bin_forward": _profiled(bin_forward, repeats, item.num_tokens, device)}
-    out["seconds"] = round(time.perf_counter() - t0, 1)
-    return out
+    if tree is not None:
+        env = {**env, "PYTHONPATH": os.pathsep.join([tree, env.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), ckpt, data, "--window", str(window),
+             "--max-tokens", str(max_tokens), "--device", device, "--out", out,
+             *(["--ssm-kernel", ssm_kernel] if ssm_kernel else [])],
+            capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"timed out after {e.timeout:.0f} s"}
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    with open(out) as f:
+        return json.load(f)
 
 
 def main() -> None:

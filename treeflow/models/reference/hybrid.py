@@ -59,8 +59,7 @@ class HybridPlan:
         self.device, self.branching = attention.device, attention.branching
         self.cpu_flex_backward = getattr(attention, "cpu_flex_backward", False)
         # the Mamba-2 kernels' choice, which the hybrid's norms follow (ssm/triton_norm.py)
-        self.ssm_kernel = (segments.segments if isinstance(segments, SsmShard)
-                           else segments).kernel
+        self.ssm_kernel = segments.kernel
 
     @classmethod
     def build(cls, attention: AttentionPlan, parents_N, config: HybridConfig,

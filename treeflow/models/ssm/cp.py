@@ -150,6 +150,11 @@ class SsmShard:
         self._send_cols = [torch.from_numpy(x).to(self.device) for x in self._cols]
         self._recv_ycols = [torch.from_numpy(x).to(self.device) for x in self._ycols]
 
+    @property
+    def kernel(self) -> str:
+        """The Mamba-2 kernels its heads run: its segment plan's (the torch scan)."""
+        return self.segments.kernel
+
     def __repr__(self) -> str:
         return (f"SsmShard(rank={self.cp.rank}/{self.cp.size}, nodes={self.num_tokens}, "
                 f"heads=[{self.h0}, {self.h1}), segments={self.segments.segments})")

@@ -84,8 +84,7 @@ class Mamba2Mixer(nn.Module):
         else:
             xbc_NC, dt_Nh = proj_NF[:, self.inner:].split([self.conv_dim, self.heads], -1)
             y_NI = self._scan(xbc_NC, dt_Nh, plan, slice(None), self.groups).reshape(n, -1)
-        kernel = (plan.segments if isinstance(plan, SsmShard) else plan).kernel
-        y_NI = self.norm(y_NI, z_NI, fused=kernel == "triton", out_dtype=x_NH.dtype)
+        y_NI = self.norm(y_NI, z_NI, fused=plan.kernel == "triton", out_dtype=x_NH.dtype)
         return self.out_proj(y_NI)
 
     def _scan(self, xbc_NC, dt_Nh, plan: SegmentPlan, heads: slice, groups: int,

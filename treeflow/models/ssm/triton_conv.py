@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["store", "tree_conv_triton"]
+__all__ = ["bf16_bits", "store", "tree_conv_triton"]
 
 # block edges: forward / du tiles (tokens x channels), the span of tokens one backward
 # partial sum covers, the channel block of the dx gather
@@ -44,13 +44,19 @@ LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
+def bf16_bits(v):
+    """v's float32 bits rounded to bfloat16 (nearest even, NaN kept) in their top 16 bits."""
+    bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+    return tl.where(v != v, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+
+
+@triton.jit
 def store(ptr, offs, v, mask):
     """v (float32 / float64) stored in ptr's dtype, rounded to nearest even. By hand for
     bfloat16: what the GPU's conversion does, while triton's interpreter truncates (a
     one-sided error, 2x the rounding, which the CPU tests would see and the GPU not)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = tl.where(v != v, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+        bits = bf16_bits(v)
         tl.store(ptr + offs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=mask)

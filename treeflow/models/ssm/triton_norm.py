@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflow.models.ssm.triton_conv import store
+from treeflow.models.ssm.triton_conv import bf16_bits, store
 
 __all__ = ["rms_norm_rows"]
 
@@ -47,9 +47,7 @@ def _round_to(v, DT: tl.constexpr):
     """v (float32) rounded to DT and back, to nearest even (by hand for bfloat16, as `store`:
     triton's interpreter truncates)."""
     if DT == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = tl.where(v != v, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
-        return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return (bf16_bits(v) & 0xFFFF0000).to(tl.float32, bitcast=True)
     elif DT == tl.float16:
         return v.to(tl.float16).to(tl.float32)
     else:
