@@ -15,6 +15,7 @@ engine must match bit for bit.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from treeflow._clock import process_seconds
+from treeflow.models.compile import jit_watch
 from treeflow.ops.train import Window
 from treeflow.pipeline.plan import Plan, WindowResult
 from treeflow.pipeline.prefetch import Prefetch
@@ -116,11 +118,19 @@ def run_local(plan: Plan, windows: Iterator[pa.Table], *, device="cpu", worker=N
 def _finish(step, position, episodes, acc, stats, graphs) -> WindowResult:
     out = acc.finish()
     stats.update(acc.stats(), recompiles=graphs.since_last())
+    kernels = graphs.kernels_since_last()
+    if kernels:
+        stats["kernel_builds"] = sum(kernels.values())
+        names = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(kernels.items()))
+        print(f"treeflow: window at step {step} built {sum(kernels.values())} Triton kernel "
+              f"specialization(s) the warm-up did not meet ({names}); their build is in this "
+              "window's seconds", file=sys.stderr, flush=True)
     return WindowResult(step=step, episodes=episodes, output=out, stats=stats, position=position)
 
 
 class _GraphCounter:
-    """Graphs torch.compile built after warm-up: in steady state each one costs seconds.
+    """Graphs torch.compile built after warm-up, and Triton kernels built after it
+    (models/compile/jit_watch.py): in steady state each one costs seconds.
 
     Where warm-up compiled nothing (the CPU runs no warm-up), the first window is
     the warm-up: what it compiles is not counted. Ray actors count their own.
@@ -128,11 +138,21 @@ class _GraphCounter:
 
     def __init__(self, *, warmed: bool) -> None:
         self._last = _compiled_graphs() if warmed else None
+        self._warmed = warmed
+        if warmed:
+            jit_watch.install()
+        self._kernels = jit_watch.met()
 
     def since_last(self) -> int:
         now = _compiled_graphs()
         new = 0 if self._last is None else now - self._last
         self._last = now
+        return new
+
+    def kernels_since_last(self):
+        """{kernel name: builds} since the last call (empty without a warm-up)."""
+        new = jit_watch.since(self._kernels) if self._warmed else {}
+        self._kernels = jit_watch.met()
         return new
 
 

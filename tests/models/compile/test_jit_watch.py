@@ -1,0 +1,64 @@
+"""Triton kernels built after the warm-up are counted by name (models/compile/jit_watch.py).
+
+Triton calls its `jit_cache_hook` before each build of a kernel specialization; on CPU (the
+interpreter builds nothing) the hook is called here as Triton calls it, with keyword arguments
+and the kernel as a JitFunctionInfo.
+"""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton import knobs  # noqa: E402
+from triton.runtime.jit import JitFunctionInfo  # noqa: E402
+
+from treeflow.models.compile import jit_watch  # noqa: E402
+from treeflow.pipeline.local import _GraphCounter  # noqa: E402
+
+
+def _build(name, answer=None):
+    """What Triton does before building `name`: call the hook; True would skip the build."""
+    return knobs.runtime.jit_cache_hook(key=(name,), repr=name,
+                                        fn=JitFunctionInfo(None, name, None), compile={},
+                                        is_manual_warmup=False, already_compiled=False)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """An uninstalled watcher and Triton's hook slot as a test left it: restored after."""
+    monkeypatch.setattr(jit_watch, "_installed", False)
+    monkeypatch.setattr(jit_watch, "_names", [])
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+
+
+def test_builds_after_the_mark_are_counted_by_name(fresh):
+    jit_watch.install()
+    jit_watch.install()  # twice: one hook, not two (each build counted once)
+    _build("_warm")
+    mark = jit_watch.met()
+    for name in ("_chunk_scan_fwd", "_conv_fwd", "_chunk_scan_fwd"):
+        assert _build(name) is None  # never skips a build
+    assert jit_watch.since(mark) == {"_chunk_scan_fwd": 2, "_conv_fwd": 1}
+
+
+def test_a_hook_set_before_is_called_and_its_answer_kept(fresh):
+    seen = []
+
+    def before(**kwargs):
+        seen.append(kwargs["fn"].name)
+        return True  # e.g. a cache that serves the kernel: Triton skips its build
+    knobs.runtime.jit_cache_hook = before
+    jit_watch.install()
+    assert _build("_acs_fwd") is True
+    assert seen == ["_acs_fwd"] and jit_watch.since(0) == {"_acs_fwd": 1}
+
+
+def test_the_pipeline_counts_only_after_a_warm_up(fresh):
+    """The counter's windows: what a warmed run builds per window; nothing without a warm-up
+    (CPU runs, whose first window is their warm-up)."""
+    warmed = _GraphCounter(warmed=True)
+    _build("_rms_norm_fwd")
+    assert warmed.kernels_since_last() == {"_rms_norm_fwd": 1}
+    assert warmed.kernels_since_last() == {}  # counted once, in the window that built it
+    cold = _GraphCounter(warmed=False)
+    _build("_rms_norm_bwd")
+    assert cold.kernels_since_last() == {}
