@@ -161,6 +161,9 @@ def main() -> None:
                     help="the Hybrid MoE shape, routed episodes, --routing replay")
     ap.add_argument("--ssm-kernel", default=None, choices=("auto", "torch", "triton"),
                     help="the CLI runs' --ssm-kernel (default: theirs, auto)")
+    ap.add_argument("--ssm-precisions", default="auto",
+                    help="comma list of --ssm-precision values, each a replay and train run of "
+                    "its own (auto: the CLI's default; others keyed _<precision>_products)")
     ap.add_argument("--budget-seconds", type=float, default=None,
                     help="stop each CLI run (stacks printed) once this is spent since start, and "
                          "skip the runs left (a device call is capped)")
@@ -242,6 +245,9 @@ def main() -> None:
     if unknown:
         ap.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(runs)}")
     runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
+    runs = {k + ("" if p == "auto" else f"_{p}_products"):
+            v + ([] if p == "auto" else ["--ssm-precision", p])
+            for p in args.ssm_precisions.split(",") for k, v in runs.items()}
     for state in ([] if args.no_replay else args.state_dtypes.split(",")):
         for name, flags in runs.items():
             key = name if state == "float32" else f"{name}_bf16_states"

@@ -54,3 +54,55 @@ def test_train_with_bfloat16_states(setup, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ssm_kernel"] == "torch"
     with pytest.raises(SystemExit):
         main(["replay", str(tmp / "e.arrow"), "--ssm-fork", "sideways"])
+
+
+def test_scan_precision_reaches_the_kernels(setup, capsys):
+    """`--tuning ssm_precision=...` sets the Triton scan's products (under Triton's interpreter
+    here): ieee equals transformers' float32 per call, bf16 operands move the logprobs by
+    bf16 rounding (so the setting reached the kernels), and the run JSON says which ran."""
+    tmp, hf, eps = setup
+    worst = {}
+    for precision in ("ieee", "bf16"):
+        out = tmp / f"p{precision}.arrow"
+        assert main(["replay", str(tmp / "e.arrow"), "--model", str(tmp / "nh"),
+                     "--max-tokens", "48", "--ssm-kernel", "triton", "--tuning",
+                     f"ssm_precision={precision}", "--json", "-o", str(out)]) == 0
+        run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (run["ssm_kernel"], run["ssm_precision"]) == ("triton", precision)
+        got = pa.ipc.open_file(out).read_all().to_pylist()
+        worst[precision] = 0.0
+        with torch.no_grad():
+            for ep, row in zip(eps.to_pylist(), got):
+                for call, lp in zip(ep["calls"], row["logprobs"]):
+                    ids = torch.tensor([call["token_ids"]])
+                    s = call["sampled_start"]
+                    want = torch.log_softmax(hf(ids).logits[0].float(), -1)[s - 1:-1]
+                    want = want.gather(-1, ids[0, s:, None])[:, 0]
+                    worst[precision] = max(worst[precision],
+                                           float((torch.tensor(lp) - want).abs().max()))
+    assert worst["ieee"] < 1e-5
+    assert 1e-5 < worst["bf16"] < 0.05, worst
+
+
+def test_scan_precision_is_refused_where_no_triton_scan_runs(setup):
+    """A precision for a run whose scan is the torch one (asked for, or under context
+    parallelism, whose head split runs torch) is refused before any work, by name."""
+    import argparse
+
+    from treeflow.cli.configs import ssm_kernel
+    from treeflow.models.tuning import Tuning
+
+    tmp, _, _ = setup
+    with pytest.raises(ValueError, match="the torch scan computes in float32"):
+        Tuning.parse("ssm_precision=bf16", ssm_kernel="torch")
+    args = argparse.Namespace(model=str(tmp / "nh"), device="cpu", dtype="float32",
+                              context_parallel=1)
+    with pytest.raises(ValueError, match="this run's scan is torch"):
+        ssm_kernel(args, Tuning.parse("ssm_precision=bf16"))  # auto on CPU: torch
+    assert ssm_kernel(args, Tuning.parse("")) == {"ssm_kernel": "torch"}
+    cuda = argparse.Namespace(**{**vars(args), "device": "cuda", "context_parallel": 2})
+    with pytest.raises(ValueError, match="--context-parallel splits"):
+        ssm_kernel(cuda, Tuning.parse("ssm_kernel=triton"))
+    # auto under context parallelism: the torch scan that runs, not the fused one auto would
+    # pick on CUDA without it
+    assert ssm_kernel(cuda, Tuning.parse("")) == {"ssm_kernel": "torch"}

@@ -43,8 +43,11 @@ def forward(args, *, entropy: bool = False):
 
 
 def ssm_kernel(args, tuning) -> dict:
-    """{"ssm_kernel": the recurrent scan that runs} for the run JSON of a hybrid model (Mamba-2's
-    as --ssm-kernel resolves on the device; Gated DeltaNet's torch scan), else {}."""
+    """{"ssm_kernel": the recurrent scan that runs, "ssm_precision": the triton scan's products}
+    for the run JSON of a hybrid model (Mamba-2's as --ssm-kernel resolves on the device;
+    Gated DeltaNet's torch scan; under --context-parallel the torch scan, which ssm/cp.py's
+    head split runs), else {}. Refuses, before any work, a kernel that cannot run here and a
+    precision for a scan that has none to set."""
     from treeflow.models.config.hybrid import recurrent_architecture
 
     architecture = recurrent_architecture(args.model)
@@ -53,8 +56,28 @@ def ssm_kernel(args, tuning) -> dict:
     from treeflow.models.config.gdn import scan_kernel
     from treeflow.models.ssm.tree import resolve_kernel  # torch: a hybrid's run imports it anyway
 
-    kernel = scan_kernel(architecture, tuning.ssm_kernel)
-    return {"ssm_kernel": resolve_kernel(kernel, getattr(args, "device", "cpu"))}
+    kernel = resolve_kernel(scan_kernel(architecture, tuning.ssm_kernel),
+                            getattr(args, "device", "cpu"))
+    if (getattr(args, "context_parallel", 1) or 1) > 1 and kernel == "triton":
+        if tuning.ssm_kernel == "triton" or tuning.ssm_precision != "auto":
+            raise ValueError("--context-parallel splits each Mamba-2 layer's heads over the "
+                             "processes with the torch scan (ssm/cp.py); the fused Triton scan "
+                             "does not run there: use --ssm-kernel auto or torch and leave "
+                             "ssm_precision at auto")
+        kernel = "torch"
+    if kernel != "triton":
+        if tuning.ssm_precision != "auto":
+            raise ValueError(f"Tuning ssm_precision={tuning.ssm_precision!r} sets the triton "
+                             f"scan's products; this run's scan is {kernel} (float32): drop it")
+        return {"ssm_kernel": kernel}
+    if tuning.ssm_precision != "auto":
+        return {"ssm_kernel": kernel, "ssm_precision": tuning.ssm_precision}
+    import torch
+
+    from treeflow.models.ssm.triton_scan import precision_for
+
+    return {"ssm_kernel": kernel,
+            "ssm_precision": precision_for(getattr(torch, getattr(args, "dtype", "float32")))}
 
 
 def _dims(args):

@@ -28,7 +28,11 @@ in bench/results/ rather than assumed.
   implementation ("torch": the reference einsums; "triton": the fused kernels of
   models/ssm/triton_scan.py, which recompute per chunk in backward, and the tree
   conv of models/ssm/triton_conv.py; "auto": triton on CUDA when triton is
-  installed, torch elsewhere).
+  installed, torch elsewhere). `ssm_precision` (the triton kernels only): their
+  products' precision, models/ssm/triton_scan.py's PRECISIONS ("ieee": float32;
+  "tf32x3": three TF32 passes, about float32; "bf16": bf16 operands, float32
+  accumulate and states, as mamba_ssm runs a bf16 model); "auto": ieee for a
+  float32 model, tf32x3 for bf16 / fp16.
 - `recompute`: activation recomputation per layer (torchtitan's names;
   models/compile/recompute.py): "full" checkpoints each decoder layer (keeps its input
   and the MoE route choices; backward reruns the layer, about +33% FLOPs);
@@ -51,6 +55,7 @@ RECOMPUTE = ("none", "selective", "full", "mlp", "attention")
 SSM_FORKS = ("exact", "chunk")
 SSM_STATE_DTYPES = ("float32", "bfloat16")
 SSM_KERNELS = ("auto", "torch", "triton")
+SSM_PRECISIONS = ("auto", "ieee", "tf32x3", "bf16")  # "auto": triton_scan.precision_for
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 # FlexAttention (Triton) kernel options treeflow passes through; `fwd_`/`bwd_` prefixes
@@ -86,6 +91,7 @@ class Tuning:
     ssm_fork: "exact" | "chunk" (hybrid models only).
     ssm_state_dtype: "float32" | "bfloat16" (hybrid models only).
     ssm_kernel: "auto" | "torch" | "triton" (hybrid models only).
+    ssm_precision: "auto" | "ieee" | "tf32x3" | "bf16" (the triton scan's products).
     """
 
     flex_block_size: int = 128
@@ -98,6 +104,7 @@ class Tuning:
     ssm_fork: str = "chunk"  # measured closer to the exact-call layout (bench_hybrid_forks_cpu.py)
     ssm_state_dtype: str = "float32"
     ssm_kernel: str = "auto"
+    ssm_precision: str = "auto"
 
     def __post_init__(self) -> None:
         b = self.flex_block_size
@@ -136,6 +143,13 @@ class Tuning:
         if self.ssm_kernel not in SSM_KERNELS:
             raise ValueError(f"Tuning(ssm_kernel={self.ssm_kernel!r}): choose one of "
                              f"{SSM_KERNELS}")
+        if self.ssm_precision not in SSM_PRECISIONS:
+            raise ValueError(f"Tuning(ssm_precision={self.ssm_precision!r}): choose one of "
+                             f"{SSM_PRECISIONS}")
+        if self.ssm_precision != "auto" and self.ssm_kernel == "torch":
+            raise ValueError(f"Tuning(ssm_precision={self.ssm_precision!r}) sets the triton "
+                             "scan's products; the torch scan computes in float32: drop it or "
+                             "use ssm_kernel triton / auto")
 
     @property
     def kernel_options(self) -> dict | None:
@@ -149,7 +163,8 @@ class Tuning:
         Example: `compile_layers=1,fused_loss=1,recompute=mlp,flex_block_size=128,flex.BLOCK_N=64`.
         A preset name may come first and the settings after it override it: `fast`,
         `fast,recompute=mlp` (see PRESETS). `flags`: settings given by their own CLI
-        options (`--recompute`, `--ssm-fork`, `--ssm-state-dtype`, `--ssm-kernel`); None leaves the
+        options (`--recompute`, `--ssm-fork`, `--ssm-state-dtype`, `--ssm-kernel`,
+        `--ssm-precision`); None leaves the
         setting alone.
         """
         fields, kernel = {}, {}
@@ -173,25 +188,27 @@ class Tuning:
             elif name in ("flex_block_size", "loss_vocab_chunk"):
                 fields[name] = _scalar(value)
             elif name in ("recompute", "compile_backend", "ssm_fork", "ssm_state_dtype",
-                          "ssm_kernel"):
+                          "ssm_kernel", "ssm_precision"):
                 fields[name] = value
             else:
                 raise ValueError(f"tuning {name!r} is not a setting; use flex_block_size, "
                                  "flex.<KERNEL_OPTION>, compile_layers, compile_backend, "
                                  "fused_loss, loss_vocab_chunk, recompute, ssm_fork, "
-                                 "ssm_state_dtype or ssm_kernel")
+                                 "ssm_state_dtype, ssm_kernel or ssm_precision")
         fields.update({k: v for k, v in flags.items() if v is not None})
         return cls(**fields, flex_kernel_options=kernel)
 
 
 def ssm_flags(args) -> dict:
     """The settings given by their own CLI options (--recompute, --ssm-fork,
-    --ssm-state-dtype, --ssm-kernel) for `Tuning.parse`; None where not given."""
+    --ssm-state-dtype, --ssm-kernel, --ssm-precision) for `Tuning.parse`; None where not
+    given."""
     recompute = getattr(args, "recompute", None)
     return {"recompute": None if recompute == "auto" else recompute,   # cli/memory.py resolves
             "ssm_fork": getattr(args, "ssm_fork", None),
             "ssm_state_dtype": getattr(args, "ssm_state_dtype", None),
-            "ssm_kernel": getattr(args, "ssm_kernel", None)}
+            "ssm_kernel": getattr(args, "ssm_kernel", None),
+            "ssm_precision": getattr(args, "ssm_precision", None)}
 
 
 def _scalar(text: str) -> int | bool | str:

@@ -69,13 +69,20 @@ class HybridPlan:
                                           state_dtype=tuning.ssm_state_dtype,
                                           device=attention.device,
                                           kernel=scan_kernel(config.architecture,
-                                                             tuning.ssm_kernel)))
+                                                             tuning.ssm_kernel),
+                                          scan_precision=None if tuning.ssm_precision == "auto"
+                                          else tuning.ssm_precision))
 
     @classmethod
     def build_context_parallel(cls, attention: ContextParallelPlan, parents_N,
                                config: HybridConfig, tuning: Tuning) -> HybridPlan:
         """This rank's plan of a bin under context parallelism: its attention range and its
-        heads of every Mamba-2 layer over the whole bin."""
+        heads of every Mamba-2 layer over the whole bin (the torch scan: a triton kernel or
+        precision asked for is refused, cli/configs.py's ssm_kernel)."""
+        if tuning.ssm_kernel == "triton" or tuning.ssm_precision != "auto":
+            raise ValueError("under context parallelism each Mamba-2 layer's heads run the torch "
+                             f"scan (ssm/cp.py); {tuning} asks for the triton kernels: use "
+                             "ssm_kernel auto or torch and ssm_precision auto")
         return cls(attention, SsmShard(parents_N, attention.bounds, attention.cp, config,
                                        fork=tuning.ssm_fork, state_dtype=tuning.ssm_state_dtype,
                                        device=attention.device))
