@@ -58,11 +58,11 @@ def parse(argv=None):
     p.add_argument("--episodes", type=int, default=None, help="synthetic episodes (default 128)")
     p.add_argument("--bins", type=int, default=None, help="bins timed (default 2)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                   help="compute dtype (default bfloat16 on CUDA: the triton kernels' tf32x3 "
+                   help="compute dtype (default bfloat16 on CUDA: the triton kernels' bf16 "
                    "products; float32: their ieee products)")
     p.add_argument("--precision", default="auto", choices=("auto", "ieee", "tf32x3", "bf16"),
                    help="the triton kernels' products (SegmentPlan scan_precision; default auto: "
-                   "ieee for float32, tf32x3 for bfloat16; bf16: bf16 operands, float32 "
+                   "ieee for float32, bf16 for bfloat16: bf16 operands, float32 "
                    "accumulate and states)")
     p.add_argument("--num-warps", type=int, default=None,
                    help="the scan kernels' num_warps (default: triton_scan.LAUNCH's); e.g. 8 to "

@@ -100,6 +100,12 @@ def test_scan_precision_is_refused_where_no_triton_scan_runs(setup):
     with pytest.raises(ValueError, match="this run's scan is torch"):
         ssm_kernel(args, Tuning.parse("ssm_precision=bf16"))  # auto on CPU: torch
     assert ssm_kernel(args, Tuning.parse("")) == {"ssm_kernel": "torch"}
+    # on CUDA (not run here: the choice is read, nothing launched) auto is mamba_ssm's bf16
+    # products for a bf16 model, float32 ones for a float32 model
+    gpu = argparse.Namespace(**{**vars(args), "device": "cuda", "dtype": "bfloat16"})
+    assert ssm_kernel(gpu, Tuning.parse("")) == {"ssm_kernel": "triton", "ssm_precision": "bf16"}
+    gpu.dtype = "float32"
+    assert ssm_kernel(gpu, Tuning.parse("")) == {"ssm_kernel": "triton", "ssm_precision": "ieee"}
     cuda = argparse.Namespace(**{**vars(args), "device": "cuda", "context_parallel": 2})
     with pytest.raises(ValueError, match="--context-parallel splits"):
         ssm_kernel(cuda, Tuning.parse("ssm_kernel=triton"))
