@@ -149,7 +149,9 @@ def test_a_failing_build_is_named_and_recorded_while_the_other_builds(cache, mon
             "planted build failure); building it alone") in err
     assert ("precompiled fails_in_pool: compiling it ahead of time failed (RuntimeError: "
             "planted build failure)") in err
-    assert "builds_in_pool" not in err
+    # the build that worked is named only where the pool says what it builds
+    assert all(line.startswith(("treeflow: compiling ", "treeflow: 2 ahead-of-time build(s)"))
+               for line in err.splitlines() if "builds_in_pool" in line), err
     assert len(glob.glob(os.path.join(cache, "precompiled", "fails_in_pool-*.aoti.failed"))) == 1
 
 
@@ -302,3 +304,20 @@ def test_builds_run_on_the_submitting_threads_cuda_device():
     finally:
         torch.cuda.set_device(before)
     assert seen == [1]
+
+
+def test_a_first_runs_builds_are_said_on_stderr(capsys):
+    """A build (a first run with this compile cache: a minute or more on a GPU) is said when it
+    starts and when the warm-up has waited for them all; a warm-up that loads every graph says
+    nothing."""
+    with build_pool.together(2) as pool:
+        pool.submit("flex_attention", lambda: None, lambda error: None)
+        pool.submit("attention_inputs", lambda: None, lambda error: None)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("treeflow: compiling flex_attention ahead of time")
+    assert err[1].startswith("treeflow: 2 ahead-of-time build(s) done (attention_inputs, "
+                             "flex_attention;")
+    with build_pool.together(2):
+        pass
+    assert capsys.readouterr().err == ""

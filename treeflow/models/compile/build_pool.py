@@ -213,6 +213,10 @@ class BuildPool:
                           on_done)
         self._pending.append(pending)
         self.submitted += 1
+        if self.submitted == 1:  # a first run with this compile cache: minutes, and no log line
+            print(f"treeflow: compiling {name} ahead of time (its package is not in the compile "
+                  "cache: a first run on this machine or after a torch or treeflow change); "
+                  "this takes a minute or more, later runs load it", file=sys.stderr, flush=True)
         return pending
 
     def _count(self, what: str, step: int) -> None:
@@ -253,6 +257,11 @@ class BuildPool:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self.wait_seconds = time.perf_counter() - t0
+        if self.submitted:
+            names = ", ".join(sorted({p.name for p in self._pending}))
+            print(f"treeflow: {self.submitted} ahead-of-time build(s) done ({names}; a failed "
+                  f"one is said on its own line); the warm-up waited {self.wait_seconds:.1f} s "
+                  "for them at its end", file=sys.stderr, flush=True)
         if first is not None:
             raise first from cause
 
