@@ -117,6 +117,34 @@ _LAUNCH = ("import faulthandler, os, runpy, signal, sys; "
            "else runpy.run_module(target, run_name='__main__', alter_sys=True)")
 
 
+def _where(pid: int) -> str:
+    """Where a quiet process is, read from outside (the SIGUSR1 stacks came out empty on two
+    fresh GPU machines): its threads by kernel wait channel, its child processes (inductor's
+    compile workers), and the GPUs' utilization."""
+    import collections
+    import glob
+
+    waits = collections.Counter()
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/wchan") as f:
+                waits[f.read().strip() or "running"] += 1
+        except OSError:
+            continue
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = len(f.read().split())
+    except OSError:
+        children = "?"
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        gpu = []
+    return (f"threads by wait {dict(waits.most_common(6))}, child processes {children}, GPU "
+            f"utilization {' '.join(gpu) or '?'}")
+
+
 def cli(args: list[str], env: dict, log: str, script: str | None = None,
         stderr_with: str | None = None, timeout: float | None = None,
         quiet_stacks: float | None = 60.0) -> dict:
@@ -168,7 +196,7 @@ def cli(args: list[str], env: dict, log: str, script: str | None = None,
                 if quiet_stacks is not None and time.perf_counter() - last[0] >= quiet_stacks:
                     last[0] = time.perf_counter()
                     print(f"[{log} +{last[0] - t0:.0f}s] quiet for {quiet_stacks:.0f} s: its "
-                          "stacks (SIGUSR1)", file=sys.stderr, flush=True)
+                          f"stacks (SIGUSR1); {_where(proc.pid)}", file=sys.stderr, flush=True)
                     proc.send_signal(signal.SIGUSR1)
     except subprocess.TimeoutExpired:
         timed_out = True

@@ -94,6 +94,9 @@ COMMANDS = (
     ("h100_bench_hybrid_profile", "python3 bench/bench_hybrid_gpu.py --episodes 128 --runs "
      "tree_chunk_fork,exact_layout --state-dtypes float32 --no-fidelity --no-train --ssm-kernel "
      "triton --profile --budget-seconds 275"),
+    ("h100_bench_hybrid_precision", "python3 bench/bench_hybrid_gpu.py --episodes 128 --runs "
+     "tree_chunk_fork --state-dtypes float32 --ref-episodes 8 --train-steps 2 --ssm-kernel triton "
+     "--ssm-precisions auto,bf16 (and the torch scan; bench_scan_gpu.py --precision bf16)"),
     ("h100_bench_moe_gpu", "python3 bench/bench_moe_gpu.py --train-steps 2 --budget-seconds 380"),
     ("h100_bench_gate_gpu_design", "python3 bench/bench_gate_gpu.py --design --margin-groups 0"),
     ("h100_bench_gate_gpu_moe4", "python3 bench/bench_gate_gpu.py --layers 4 --margin-groups 0"),
