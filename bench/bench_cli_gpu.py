@@ -131,11 +131,13 @@ def _where(pid: int) -> str:
                 waits[f.read().strip() or "running"] += 1
         except OSError:
             continue
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = len(f.read().split())
-    except OSError:
-        children = "?"
+    children = 0  # forked by any of its threads (the ahead-of-time builds' threads run g++)
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/children") as f:
+                children += len(f.read().split())
+        except OSError:
+            continue
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10).stdout.split()

@@ -245,6 +245,9 @@ def main() -> None:
     if unknown:
         ap.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(runs)}")
     runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
+    bad = set(args.ssm_precisions.split(",")) - {"auto", "ieee", "tf32x3", "bf16"}
+    if bad:
+        ap.error(f"--ssm-precisions: unknown {sorted(bad)}; choose from auto, ieee, tf32x3, bf16")
     runs = {k + ("" if p == "auto" else f"_{p}_products"):
             v + ([] if p == "auto" else ["--ssm-precision", p])
             for p in args.ssm_precisions.split(",") for k, v in runs.items()}

@@ -106,9 +106,13 @@ def test_scan_precision_is_refused_where_no_triton_scan_runs(setup):
     assert ssm_kernel(gpu, Tuning.parse("")) == {"ssm_kernel": "triton", "ssm_precision": "bf16"}
     gpu.dtype = "float32"
     assert ssm_kernel(gpu, Tuning.parse("")) == {"ssm_kernel": "triton", "ssm_precision": "ieee"}
-    cuda = argparse.Namespace(**{**vars(args), "device": "cuda", "context_parallel": 2})
-    with pytest.raises(ValueError, match="--context-parallel splits"):
-        ssm_kernel(cuda, Tuning.parse("ssm_kernel=triton"))
     # auto under context parallelism: the torch scan that runs, not the fused one auto would
-    # pick on CUDA without it
+    # pick on CUDA without it (a Triton kernel or precision asked for there is refused by
+    # models/support.py's table: tests/models/test_support.py)
+    cuda = argparse.Namespace(**{**vars(args), "device": "cuda", "context_parallel": 2})
     assert ssm_kernel(cuda, Tuning.parse("")) == {"ssm_kernel": "torch"}
+    # the Python API's last line: the backend refuses before a bin is planned
+    from treeflow.models import load_backend
+
+    with pytest.raises(ValueError, match="on cpu the scan is torch's"):
+        load_backend("reference", str(tmp / "nh"), tuning=Tuning(ssm_precision="bf16"))

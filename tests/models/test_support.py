@@ -114,6 +114,16 @@ BEFORE_LOAD = {
         ["gate", "--tuning", "compile_layers=1"],
         ["Qwen3-Next (Qwen3NextForCausalLM): compiled layers", "Gated DeltaNet layers",
          "leave compile_layers off"], "compile_layers=1"),
+    "Mamba-2 hybrid x context parallelism x the Triton scan or a scan precision": (
+        "hybrid", dict(tuning=Tuning(ssm_precision="bf16")), _CP2,
+        ["gate", "--tuning", "ssm_precision=bf16", "--context-parallel", "2"],
+        ["--context-parallel 2", "the torch scan", "ssm_precision='bf16'",
+         "--ssm-precision auto"], "--context-parallel 2"),
+    "Gated DeltaNet hybrid x a scan precision": (
+        "gdn", dict(tuning=Tuning(ssm_precision="tf32x3")), None,
+        ["gate", "--tuning", "ssm_precision=tf32x3"],
+        ["--ssm-precision tf32x3", "Gated DeltaNet", "leave --ssm-precision auto"],
+        "--ssm-precision"),
     # the Mamba-2 side of this row: test_hybrid_rows_refuse_before_the_model_loads
     "Mamba-2 / Gated DeltaNet hybrid x context parallelism above its recurrent heads": (
         "gdn", {}, ParallelDims(cp=5), ["gate", "--context-parallel", "5"],

@@ -51,8 +51,8 @@ def test_fit_files_trains_the_steps_asked_and_summarises(tmp_path):
     assert [r["step"] for r in report["rows"]] == [1, 2, 3] and report["ranks"] == 1
     assert sum(r["episodes"] for r in report["rows"]) == 6 + 2 + 6
     out = fit_summary(report, tuning="plain")
-    assert list(out)[:6] == ["steps", "last", "compile_seconds", "steady_seconds_per_step",
-                             "recompiles", "tuning"]
+    assert list(out)[:7] == ["steps", "last", "compile_seconds", "steady_seconds_per_step",
+                             "recompiles", "kernel_builds", "tuning"]
     assert out["steps"] == 3 and out["last"]["train/loss"] == report["rows"][-1]["loss"]
     assert out["process_seconds"] > 0 and out["peak_rss_mib"] > 0
 

@@ -56,19 +56,17 @@ def ssm_kernel(args, tuning) -> dict:
     from treeflow.models.config.gdn import scan_kernel
     from treeflow.models.ssm.tree import resolve_kernel  # torch: a hybrid's run imports it anyway
 
-    kernel = resolve_kernel(scan_kernel(architecture, tuning.ssm_kernel),
-                            getattr(args, "device", "cpu"))
-    if (getattr(args, "context_parallel", 1) or 1) > 1 and kernel == "triton":
-        if tuning.ssm_kernel == "triton" or tuning.ssm_precision != "auto":
-            raise ValueError("--context-parallel splits each Mamba-2 layer's heads over the "
-                             "processes with the torch scan (ssm/cp.py); the fused Triton scan "
-                             "does not run there: use --ssm-kernel auto or torch and leave "
-                             "ssm_precision at auto")
-        kernel = "torch"
+    kernel = scan_kernel(architecture, tuning.ssm_kernel)  # refuses GDN's triton by name
+    if (getattr(args, "context_parallel", 1) or 1) > 1:
+        # the head split runs the torch scan (ssm/cp.py); a Triton kernel or a precision asked
+        # for there is refused by models/support.py's table
+        return {"ssm_kernel": "torch"}
+    kernel = resolve_kernel(kernel, getattr(args, "device", "cpu"))
     if kernel != "triton":
         if tuning.ssm_precision != "auto":
-            raise ValueError(f"Tuning ssm_precision={tuning.ssm_precision!r} sets the triton "
-                             f"scan's products; this run's scan is {kernel} (float32): drop it")
+            raise ValueError(f"--ssm-precision {tuning.ssm_precision} sets the Triton scan's "
+                             f"products; this run's scan is {kernel} (float32 on "
+                             f"{getattr(args, 'device', 'cpu')}): leave --ssm-precision auto")
         return {"ssm_kernel": kernel}
     if tuning.ssm_precision != "auto":
         return {"ssm_kernel": kernel, "ssm_precision": tuning.ssm_precision}

@@ -87,7 +87,7 @@ def model_options(p) -> None:
                    help="Mamba-2 hybrids, triton scan: its products' precision: ieee (float32), "
                         "tf32x3 (three TF32 passes, about float32) or bf16 (bf16 operands, "
                         "float32 accumulate and states, as mamba_ssm); default auto: ieee for "
-                        "--dtype float32, bf16 for bfloat16")
+                        "--dtype float32, bf16 for bfloat16 (docs/how-to/hybrid.md)")
     s.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     s.add_argument("--allow-nonfinite", action="store_true",
                    help="write (train on) NaN/inf logprobs and losses with a warning instead of "

@@ -73,7 +73,17 @@ class ReferenceBackend(ModuleBackend):
                              "for a Mamba-2 hybrid: leave compile_layers off and use --recompute "
                              "selective, full or none")
         check_compiled_layers(self.config.architecture, t)  # models/families.py
-        changed = [f"{n}={getattr(t, n)!r}" for n in ("ssm_fork", "ssm_state_dtype", "ssm_kernel")
+        if mamba2 and t.ssm_precision != plain.ssm_precision:  # before the first bin's plan
+            from treeflow.models.config.gdn import scan_kernel
+            from treeflow.models.ssm.tree import resolve_kernel
+
+            if resolve_kernel(scan_kernel(self.config.architecture, t.ssm_kernel),
+                              self.device) != "triton":
+                raise ValueError(f"Tuning(ssm_precision={t.ssm_precision!r}) sets the Triton "
+                                 f"scan's products; on {self.device.type} the scan is torch's "
+                                 "(float32): leave ssm_precision 'auto'")
+        changed = [f"{n}={getattr(t, n)!r}" for n in ("ssm_fork", "ssm_state_dtype", "ssm_kernel",
+                                                        "ssm_precision")
                    if getattr(t, n) != getattr(plain, n)]
         if changed and not getattr(self.config, "recurrent", False):
             warnings.warn(f"{' / '.join(changed)} have "

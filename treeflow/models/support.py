@@ -111,6 +111,22 @@ ROWS = (
         applies=lambda f, c, d: bool(f.tuning.compile_layers
                                      and lacks_compiled_layers(c.architecture)),
         message=lambda f, c, d: f"{f.model}: {lacks_compiled_layers(c.architecture)}"),
+    Row(what="Mamba-2 hybrid x context parallelism x the Triton scan or a scan precision",
+        needs_model=True,
+        applies=lambda f, c, d: _recurrent(c) and not _gdn(c) and _cp(d) > 1 and (
+            f.tuning.ssm_kernel == "triton" or f.tuning.ssm_precision != "auto"),
+        message=lambda f, c, d: (f"{f.model}: --context-parallel {_cp(d)} splits each Mamba-2 "
+                              "layer's heads over the ranks and runs them through the torch "
+                              f"scan (models/ssm/cp.py); ssm_kernel={f.tuning.ssm_kernel!r} / "
+                              f"ssm_precision={f.tuning.ssm_precision!r} ask for the fused "
+                              "Triton scan: use --ssm-kernel auto or torch and --ssm-precision "
+                              "auto")),
+    Row(what="Gated DeltaNet hybrid x a scan precision", needs_model=True,
+        applies=lambda f, c, d: _gdn(c) and f.tuning.ssm_precision != "auto",
+        message=lambda f, c, d: (f"{f.model}: --ssm-precision {f.tuning.ssm_precision} sets "
+                              f"the Mamba-2 Triton scan's products; {c.architecture}'s Gated "
+                              "DeltaNet layers run the torch scan in float32: leave "
+                              "--ssm-precision auto")),
     Row(what="Mamba-2 / Gated DeltaNet hybrid x context parallelism above its recurrent heads",
         needs_model=True,
         applies=lambda f, c, d: _recurrent(c) and _cp(d) > _heads(c).heads,

@@ -32,8 +32,8 @@ in bench/results/ rather than assumed.
   products' precision, models/ssm/triton_scan.py's PRECISIONS ("ieee": float32;
   "tf32x3": three TF32 passes, about float32; "bf16": bf16 operands, float32
   accumulate and states, as mamba_ssm runs a bf16 model); "auto": ieee for a
-  float32 model, bf16 for bf16 / fp16 (as near float32 transformers as transformers'
-  own bf16, 1.75x tf32x3's scan: models/ssm/triton_scan.py).
+  float32 model, bf16 for a bf16 one, tf32x3 for fp16 (models/ssm/triton_scan.py's
+  precision_for; docs/how-to/hybrid.md has the measurements).
 - `recompute`: activation recomputation per layer (torchtitan's names;
   models/compile/recompute.py): "full" checkpoints each decoder layer (keeps its input
   and the MoE route choices; backward reruns the layer, about +33% FLOPs);

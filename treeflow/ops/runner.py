@@ -318,7 +318,8 @@ class ForwardRunner:
             self._warm_bins(shapes, grad=grad)
         # the builds handed to the pool, the most at once, and what the end waited for them
         self.warm_up_builds = {"builds": pool.submitted, "in_flight_max": pool.in_flight_max,
-                               "workers": pool.workers, "wait_seconds": pool.wait_seconds}
+                               "workers": pool.workers, "wait_seconds": pool.wait_seconds,
+                               "compiler_seconds": pool.compiler_seconds}
         if grad:
             self.model.zero_grad(set_to_none=True)
         if cuda:

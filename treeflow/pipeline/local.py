@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -119,8 +120,9 @@ def _finish(step, position, episodes, acc, stats, graphs) -> WindowResult:
     out = acc.finish()
     stats.update(acc.stats(), recompiles=graphs.since_last())
     kernels = graphs.kernels_since_last()
-    if kernels:
+    if graphs.warmed:  # 0 said too: the warm-up met every kernel this window ran
         stats["kernel_builds"] = sum(kernels.values())
+    if kernels:
         names = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(kernels.items()))
         print(f"treeflow: window at step {step} built {sum(kernels.values())} Triton kernel "
               f"specialization(s) the warm-up did not meet ({names}); their build is in this "
@@ -133,12 +135,13 @@ class _GraphCounter:
     (models/compile/jit_watch.py): in steady state each one costs seconds.
 
     Where warm-up compiled nothing (the CPU runs no warm-up), the first window is
-    the warm-up: what it compiles is not counted. Ray actors count their own.
+    the warm-up: what it compiles is not counted. The Ray engine's windows count neither (their
+    stats come from the ranks, pipeline/ray_rank.py).
     """
 
     def __init__(self, *, warmed: bool) -> None:
         self._last = _compiled_graphs() if warmed else None
-        self._warmed = warmed
+        self.warmed = warmed
         if warmed:
             jit_watch.install()
         self._kernels = jit_watch.met()
@@ -149,9 +152,9 @@ class _GraphCounter:
         self._last = now
         return new
 
-    def kernels_since_last(self):
+    def kernels_since_last(self) -> Counter:
         """{kernel name: builds} since the last call (empty without a warm-up)."""
-        new = jit_watch.since(self._kernels) if self._warmed else {}
+        new = jit_watch.since(self._kernels) if self.warmed else Counter()
         self._kernels = jit_watch.met()
         return new
 

@@ -73,7 +73,7 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
     the timing fields are added: `step_seconds`, this step's wall seconds (from the previous
     step's row, the first from the start of reading), verl's `perf/time_per_step`;
     `elapsed_seconds`, wall seconds since fit began reading).
-    Returns {"steps", "rows", "last", "compile_seconds", "recompiles",
+    Returns {"steps", "rows", "last", "compile_seconds", "recompiles", "kernel_builds",
     "steady_seconds_per_step", "train_seconds" (wall seconds from the start of reading to
     the last step), "nothing_to_do", "checkpoint"}.
     """
@@ -121,6 +121,7 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
     if trainer is not None:
         done = trainer.steps
     report = {"steps": done, "rows": [], "last": None, "compile_seconds": 0.0, "recompiles": None,
+              "kernel_builds": None,
               "steady_seconds_per_step": None, "train_seconds": 0.0, "nothing_to_do": False,
               "checkpoint": trainer.checkpoint_path if trainer is not None else
               (resumed or {}).get("checkpoint")}
@@ -166,8 +167,9 @@ def fit(pipeline, source, *, steps: int | None, trainer=None, trainer_options: d
 
                 checkpointer.commit(src, saved_position(rec.stats["saved"]))
             report["compile_seconds"] += rec.stats.get("compile_seconds", 0.0)
-            if "recompiles" in rec.stats:
-                report["recompiles"] = (report["recompiles"] or 0) + rec.stats["recompiles"]
+            for key in ("recompiles", "kernel_builds"):
+                if key in rec.stats:
+                    report[key] = (report[key] or 0) + rec.stats[key]
             row = rec.output.to_pylist()[0]
             if on_result is not None:
                 row.update(on_result(rec, row))

@@ -103,7 +103,8 @@ def fit_summary(report: dict, **fields) -> dict:
            "last": None if report["last"] is None else logged_with_flat(report["last"]),
            "compile_seconds": round(report["compile_seconds"], 3),
            "steady_seconds_per_step": report["steady_seconds_per_step"],
-           "recompiles": report["recompiles"], **fields,
+           "recompiles": report["recompiles"], "kernel_builds": report["kernel_builds"],
+           **fields,
            "process_seconds": round(process_seconds(), 3),
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if torch.cuda.is_initialized():  # this process trained on a GPU (one rank, no spawn)

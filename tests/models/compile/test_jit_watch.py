@@ -12,10 +12,10 @@ from triton import knobs  # noqa: E402
 from triton.runtime.jit import JitFunctionInfo  # noqa: E402
 
 from treeflow.models.compile import jit_watch  # noqa: E402
-from treeflow.pipeline.local import _GraphCounter  # noqa: E402
+from treeflow.pipeline.local import _finish, _GraphCounter  # noqa: E402
 
 
-def _build(name, answer=None):
+def _build(name):
     """What Triton does before building `name`: call the hook; True would skip the build."""
     return knobs.runtime.jit_cache_hook(key=(name,), repr=name,
                                         fn=JitFunctionInfo(None, name, None), compile={},
@@ -62,3 +62,32 @@ def test_the_pipeline_counts_only_after_a_warm_up(fresh):
     cold = _GraphCounter(warmed=False)
     _build("_rms_norm_bwd")
     assert cold.kernels_since_last() == {}
+
+
+class _Window:
+    """What `_finish` reads of a window's accumulator."""
+
+    def finish(self):
+        return "output"
+
+    def stats(self):
+        return {"bins": 1}
+
+
+def test_a_window_says_the_kernels_it_built(fresh, capsys):
+    """Each window's stats hold its builds (0 too, after a warm-up), and stderr names them in
+    one line for a window that built any, none for one that did not."""
+    graphs = _GraphCounter(warmed=True)
+    _build("_conv_fwd")
+    _build("_chunk_scan_fwd")
+    _build("_conv_fwd")
+    first = _finish(1, 0, 4, _Window(), {}, graphs)
+    assert first.stats["kernel_builds"] == 3 and first.output == "output"
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["treeflow: window at step 1 built 3 Triton kernel specialization(s) the "
+                   "warm-up did not meet (_chunk_scan_fwd, _conv_fwd x2); their build is in "
+                   "this window's seconds"], err
+    second = _finish(2, 4, 4, _Window(), {}, graphs)
+    assert second.stats["kernel_builds"] == 0 and capsys.readouterr().err == ""
+    cold = _finish(1, 0, 4, _Window(), {}, _GraphCounter(warmed=False))
+    assert "kernel_builds" not in cold.stats  # no warm-up: the first window is the warm-up

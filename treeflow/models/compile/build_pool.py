@@ -146,10 +146,13 @@ def _compiler_hook() -> bool:
             return _compile(cmd_line, cwd)
         with _released():
             pool._count("compiling", +1)
+            t0 = time.perf_counter()
             try:
                 return _compile(cmd_line, cwd)
             finally:
                 pool._count("compiling", -1)
+                with pool._lock:
+                    pool.compiler_seconds += time.perf_counter() - t0
 
     cpp_builder._run_compile_cmd = run_compile_cmd
     return True
@@ -195,6 +198,9 @@ class BuildPool:
         self.in_flight = self.in_flight_max = self.compiling = self.compiling_max = 0
         self.submitted = 0
         self.wait_seconds = 0.0  # what `finish` waited for builds still running
+        # the C++ compilers' wall seconds, summed over builds (they overlap): what of a first
+        # run's build time is g++ and not code generation or Triton's kernel compiles
+        self.compiler_seconds = 0.0
 
     def submit(self, name: str, build, on_done) -> Pending:
         """Run `build()` in a worker, holding the trace lock but while its compiler runs;
@@ -257,11 +263,12 @@ class BuildPool:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self.wait_seconds = time.perf_counter() - t0
-        if self.submitted:
+        if self.submitted and cause is None:  # (a warm-up that failed says its own error)
             names = ", ".join(sorted({p.name for p in self._pending}))
-            print(f"treeflow: {self.submitted} ahead-of-time build(s) done ({names}; a failed "
-                  f"one is said on its own line); the warm-up waited {self.wait_seconds:.1f} s "
-                  "for them at its end", file=sys.stderr, flush=True)
+            print(f"treeflow: {self.submitted} ahead-of-time build(s) finished ({names}; one "
+                  f"that failed is said on its own line); the warm-up waited "
+                  f"{self.wait_seconds:.1f} s for them at its end; their C++ compiler ran "
+                  f"{self.compiler_seconds:.1f} s", file=sys.stderr, flush=True)
         if first is not None:
             raise first from cause
 

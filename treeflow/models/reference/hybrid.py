@@ -79,10 +79,11 @@ class HybridPlan:
         """This rank's plan of a bin under context parallelism: its attention range and its
         heads of every Mamba-2 layer over the whole bin (the torch scan: a triton kernel or
         precision asked for is refused, cli/configs.py's ssm_kernel)."""
-        if tuning.ssm_kernel == "triton" or tuning.ssm_precision != "auto":
+        if tuning.ssm_kernel == "triton" or tuning.ssm_precision != "auto":  # support.py's row
             raise ValueError("under context parallelism each Mamba-2 layer's heads run the torch "
-                             f"scan (ssm/cp.py); {tuning} asks for the triton kernels: use "
-                             "ssm_kernel auto or torch and ssm_precision auto")
+                             f"scan (ssm/cp.py); ssm_kernel={tuning.ssm_kernel!r} / "
+                             f"ssm_precision={tuning.ssm_precision!r} ask for the Triton scan: "
+                             "use --ssm-kernel auto or torch and --ssm-precision auto")
         return cls(attention, SsmShard(parents_N, attention.bounds, attention.cp, config,
                                        fork=tuning.ssm_fork, state_dtype=tuning.ssm_state_dtype,
                                        device=attention.device))

@@ -74,17 +74,14 @@ heads x p, slots x groups x n, float32) until the per-token gathers.
 
 Precision (`precision`, PRECISIONS): states and every accumulation are float32.
 "ieee": float32 products, no TF32 (float32 models, the exactness tests).
-"bf16" (the default for bf16 / fp16 models, precision_for): both operands of every
+"bf16" (the default for bf16 models, precision_for): both operands of every
 product rounded to bfloat16 (nearest even), float32 accumulate and float32 states, as
 mamba_ssm runs a bf16 model (its raw bf16 x, B, C; B exp() dt, the decayed C B^T and
 the state rounded where they meet a product): one tensor-core pass, the rounding of a
-product's operands added to the model's own. "tf32x3": three TF32 tensor-core
-products, about float32 accuracy (~1e-6 relative), at three passes. Why bf16 by
-default: on an H100 (Nemotron-H 1.3B shape, bench/results/h100_bench_hybrid_precision.json)
-conv + scan run 1.75x faster with bf16 products than with tf32x3 (8.1M tokens/s forward
-against 4.6M, 1.67M forward+backward against 0.95M), tree replay 1.21x and a training
-step 1.26x; and the logprobs stay as near float32 transformers as transformers' own bf16
-run (0.0132 mean nats with bf16 products, 0.0131 with tf32x3, 0.0132 transformers' bf16).
+product's operands added to the model's own. "tf32x3" (fp16 models' default): three TF32
+tensor-core products, about float32 accuracy (~1e-6 relative), at three passes. Why bf16
+by default for bf16: about 1.75x tf32x3's speed for as near float32 transformers as
+transformers' own bf16 (docs/how-to/hybrid.md, bench/results/h100_bench_hybrid_precision.json).
 Chosen by SegmentPlan(scan_precision=...); the CLI's --ssm-precision (Tuning.ssm_precision).
 Launches pass num_warps=4, num_stages=2: one fixed configuration per (precision,
 block) pair, no autotuning, so the first call compiles each kernel once. The bin's
@@ -230,8 +227,11 @@ def _chunk_scan_fwd(src_ptr, dst_ptr, x_ptr, sx, dt_ptr, b_ptr, sb, c_ptr, sc, a
 
 def precision_for(dtype: torch.dtype) -> str:
     """The products' precision for a model computing in `dtype` (module docstring): ieee for
-    float32 / float64, bf16 (mamba_ssm's) for bf16 / fp16."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "bf16"
+    float32 / float64, bf16 (mamba_ssm's) for bf16, tf32x3 for fp16 (rounding fp16 operands to
+    bf16 would drop three of their bits: not measured, so not the default)."""
+    if dtype in (torch.float32, torch.float64):
+        return "ieee"
+    return "bf16" if dtype == torch.bfloat16 else "tf32x3"
 
 
 def _blocks(C, P, NS, precision):
