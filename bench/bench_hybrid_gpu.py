@@ -171,6 +171,11 @@ def main() -> None:
                     help="bench/bin_profile.py on the first window's largest tree and exact bin")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from treeflow.models.tuning import SSM_PRECISIONS
+
+    bad = set(args.ssm_precisions.split(",")) - set(SSM_PRECISIONS)
+    if bad:
+        ap.error(f"--ssm-precisions: unknown {sorted(bad)}; choose from {SSM_PRECISIONS}")
     shape = ("smoke" if args.smoke else "nemotron-h-1b") + ("-moe" if args.moe else "")
     if args.moe and not args.smoke:
         shape = "nemotron-h-moe"
@@ -245,9 +250,6 @@ def main() -> None:
     if unknown:
         ap.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(runs)}")
     runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
-    bad = set(args.ssm_precisions.split(",")) - {"auto", "ieee", "tf32x3", "bf16"}
-    if bad:
-        ap.error(f"--ssm-precisions: unknown {sorted(bad)}; choose from auto, ieee, tf32x3, bf16")
     runs = {k + ("" if p == "auto" else f"_{p}_products"):
             v + ([] if p == "auto" else ["--ssm-precision", p])
             for p in args.ssm_precisions.split(",") for k, v in runs.items()}

@@ -33,6 +33,12 @@ def test_replay_matches_transformers(setup, flags, capsys):
     out = tmp / f"o{flags[1]}.arrow"
     assert main(["replay", str(tmp / "e.arrow"), "--model", str(tmp / "nh"), "--max-tokens", "48",
                  "--quiet", "-o", str(out), *flags]) == 0
+    assert _worst_gap(hf, eps, out) < 1e-5
+
+
+def _worst_gap(hf, eps, out) -> float:
+    """The largest |logprob - transformers' float32 logprob| of the replay written to `out`,
+    transformers running each call on its own."""
     got = pa.ipc.open_file(out).read_all().to_pylist()
     worst = 0.0
     with torch.no_grad():
@@ -43,7 +49,7 @@ def test_replay_matches_transformers(setup, flags, capsys):
                 want = torch.log_softmax(hf(ids).logits[0].float(), -1)[s - 1:-1]
                 want = want.gather(-1, ids[0, s:, None])[:, 0]
                 worst = max(worst, float((torch.tensor(lp) - want).abs().max()))
-    assert worst < 1e-5
+    return worst
 
 
 def test_train_with_bfloat16_states(setup, capsys):
@@ -57,7 +63,7 @@ def test_train_with_bfloat16_states(setup, capsys):
 
 
 def test_scan_precision_reaches_the_kernels(setup, capsys):
-    """`--tuning ssm_precision=...` sets the Triton scan's products (under Triton's interpreter
+    """`--tuning ssm_precision=...` (`--ssm-precision`) sets the Triton scan's products (under Triton's interpreter
     here): ieee equals transformers' float32 per call, bf16 operands move the logprobs by
     bf16 rounding (so the setting reached the kernels), and the run JSON says which ran."""
     tmp, hf, eps = setup
@@ -69,19 +75,12 @@ def test_scan_precision_reaches_the_kernels(setup, capsys):
                      f"ssm_precision={precision}", "--json", "-o", str(out)]) == 0
         run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert (run["ssm_kernel"], run["ssm_precision"]) == ("triton", precision)
-        got = pa.ipc.open_file(out).read_all().to_pylist()
-        worst[precision] = 0.0
-        with torch.no_grad():
-            for ep, row in zip(eps.to_pylist(), got):
-                for call, lp in zip(ep["calls"], row["logprobs"]):
-                    ids = torch.tensor([call["token_ids"]])
-                    s = call["sampled_start"]
-                    want = torch.log_softmax(hf(ids).logits[0].float(), -1)[s - 1:-1]
-                    want = want.gather(-1, ids[0, s:, None])[:, 0]
-                    worst[precision] = max(worst[precision],
-                                           float((torch.tensor(lp) - want).abs().max()))
+        worst[precision] = _worst_gap(hf, eps, out)
     assert worst["ieee"] < 1e-5
-    assert 1e-5 < worst["bf16"] < 0.05, worst
+    # bf16 operands: each rounded by at most 2^-9 relative, so a product moves by about 2^-8 of
+    # itself, and the scan's output and the logprobs it feeds by no more at this depth (two
+    # Mamba layers; measured 3.3e-4 here, deterministic on CPU); above ieee's 1e-6 by far
+    assert 1e-5 < worst["bf16"] < 2.0 ** -8, worst
 
 
 def test_scan_precision_is_refused_where_no_triton_scan_runs(setup):
