@@ -100,8 +100,11 @@ def active_params(c) -> int:
     return sum(per_layer)
 
 
-def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
-    """Achieved TFLOP/s of the expert matmuls (expert_mix) on random routes."""
+def expert_tflops(config, tokens: int, device: str, repeats: int, fused: bool | None = None
+                  ) -> dict:
+    """Achieved TFLOP/s of the expert matmuls (expert_mix, with the whole layer's memory passes)
+    on random routes; fused: models/moe/triton_moe.py's SwiGLU and combine (None: as a run
+    takes them, on CUDA)."""
     import torch
 
     from treeflow.models.moe.experts import expert_mix
@@ -136,10 +139,10 @@ def expert_tflops(config, tokens: int, device: str, repeats: int) -> dict:
 
     def fwd():
         with torch.no_grad():
-            expert_mix(x, idx, w, gate_up, down)
+            expert_mix(x, idx, w, gate_up, down, fused=fused)
 
     def fwd_bwd():
-        expert_mix(x, idx, w, gate_up, down).float().square().mean().backward()
+        expert_mix(x, idx, w, gate_up, down, fused=fused).float().square().mean().backward()
 
     from treeflow.models.moe.experts import _grouped_ok
 
@@ -257,9 +260,13 @@ def main() -> None:
                                                  args.train_batch * args.train_steps)
     print(f"  work: {json.dumps(res['work'])}", flush=True)
     print(f"[{time.perf_counter() - t_start:.0f}s] expert matmuls", flush=True)
-    res["expert_matmul"] = expert_tflops(config, args.expert_tokens, args.device, 3 if args.smoke
-                                         else 10)
-    print(f"  {json.dumps(res['expert_matmul'])}", flush=True)
+    repeats = 3 if args.smoke else 10
+    res["expert_matmul"] = expert_tflops(config, args.expert_tokens, args.device, repeats)
+    # the same layer with experts.py's eager SwiGLU and combine: what the fused kernels save
+    res["expert_matmul_eager"] = expert_tflops(config, args.expert_tokens, args.device, repeats,
+                                               fused=False)
+    print(f"  {json.dumps(res['expert_matmul'])}\n  eager: "
+          f"{json.dumps(res['expert_matmul_eager'])}", flush=True)
     save()
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the CLI subprocesses get the memory this process held

@@ -65,13 +65,19 @@ def test_dispatch_equals_a_per_expert_loop():
 # sum of at most 8 float32 products of magnitude <= ~20 (rounding <= 8 * 20 * 2^-24 ~ 1e-5;
 # measured 3e-6);
 # the padded path runs in float64 itself (where torch._grouped_mm refuses), as the loop
+# (grouped_fused: the grouped path with models/moe/triton_moe.py's SwiGLU and combine, under
+# TRITON_INTERPRET=1 on CPU)
 _TOL = {"grouped": dict(rtol=1e-5, atol=1e-5), "padded": dict(rtol=1e-12, atol=1e-12)}
 
 
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("path", ["grouped", "padded"])
+@pytest.mark.parametrize("path", ["grouped", "padded", "grouped_fused"])
 def test_expert_mix_and_its_gradients_equal_a_per_expert_loop(monkeypatch, gated, path):
     x_NH, idx_NK, w_NK, in_XIH, down_XHI = _case(gated=gated)
+    fused = path.endswith("_fused")
+    if fused:
+        pytest.importorskip("triton")
+        path = path[:-len("_fused")]
     if path == "grouped":
         x_NH, w_NK, in_XIH, down_XHI = (t.float() for t in (x_NH, w_NK, in_XIH, down_XHI))
         assert moe._grouped_ok(x_NH, in_XIH, down_XHI)
@@ -81,7 +87,7 @@ def test_expert_mix_and_its_gradients_equal_a_per_expert_loop(monkeypatch, gated
     wide = [t.detach().double().requires_grad_() for t in leaves]
     probe_NH = torch.randn(x_NH.shape, generator=torch.Generator().manual_seed(9),
                            dtype=torch.float64)
-    got = moe.expert_mix(x_NH, idx_NK, w_NK, in_XIH, down_XHI, gated=gated)
+    got = moe.expert_mix(x_NH, idx_NK, w_NK, in_XIH, down_XHI, gated=gated, fused=fused)
     want = _loop_mix(wide[0], idx_NK, *wide[1:], gated)
     assert got.dtype == x_NH.dtype
     torch.testing.assert_close(got.double(), want, **_TOL[path])

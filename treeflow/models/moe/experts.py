@@ -124,10 +124,13 @@ def combine(out_RH: torch.Tensor, w_R: torch.Tensor, order_R: torch.Tensor,
     return _Unpermute.apply(out_RH * w_R[:, None], order_R, inverse_R, k)
 
 
-def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True) -> torch.Tensor:
+def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True,
+               fused: bool | None = None) -> torch.Tensor:
     """sum_k w[n,k] * expert_{idx[n,k]}(x[n]), grouped by expert; SwiGLU experts
     (gate_up [X, 2I, H]) or, gated=False, relu^2 experts (up [X, I, H]). On the grouped path
-    (CUDA bf16, CPU) nothing here reads a device value on the host, forward or backward."""
+    (CUDA bf16, CPU) nothing here reads a device value on the host, forward or backward.
+    fused: the SwiGLU and the weighted combine as Triton kernels (models/moe/triton_moe.py, the
+    same arithmetic in one memory pass each); None: on CUDA."""
     n, k = idx_NK.shape
     order_R, inverse_R, counts_X = dispatch(idx_NK, gate_up_XIH.shape[0])
     device, h_NH = x_NH.device.type, x_NH
@@ -135,9 +138,12 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
         compute = torch.get_autocast_dtype(device)  # (the N token rows, before they become R)
         h_NH, gate_up_XIH, down_XHI = (t.to(compute) for t in (x_NH, gate_up_XIH, down_XHI))
     xs_RH = permute(h_NH, order_R, inverse_R, k)
+    fused = _fused(x_NH.device) if fused is None else fused
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
-        h_RI = _act(_grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X), gated)
+        h_RI = _grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X)
+        a_RI = triton_moe().swiglu(h_RI) if fused and gated else None
+        h_RI = _act(h_RI, gated) if a_RI is None else a_RI
         # the activation may leave the compute dtype (CUDA autocast runs relu^2's pow in
         # float32): the second matmul takes it in its weight's dtype, as autocast casts a
         # matmul's inputs
@@ -145,8 +151,22 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True)
     else:  # float32 on CUDA, odd shapes: reads the busiest expert's count on the host
         out_RH = _padded_bmm(xs_RH, idx_NK.reshape(-1)[order_R], counts_X, gate_up_XIH,
                              down_XHI, gated=gated)
-    w_R = w_NK.reshape(-1).index_select(0, order_R)
-    return combine(out_RH, w_R, order_R, inverse_R, k).to(x_NH.dtype)
+    y_NH = triton_moe().combine(out_RH, w_NK, inverse_R) if fused else None
+    if y_NH is None:
+        y_NH = combine(out_RH, w_NK.reshape(-1).index_select(0, order_R), order_R, inverse_R, k)
+    return y_NH.to(x_NH.dtype)
+
+
+def _fused(device: torch.device) -> bool:
+    """The Triton kernels (models/moe/triton_moe.py) by default where they compile: on CUDA."""
+    return device.type == "cuda"
+
+
+def triton_moe():
+    """models/moe/triton_moe.py, imported at first use (Triton's import is a second or more)."""
+    from treeflow.models.moe import triton_moe
+
+    return triton_moe
 
 
 def _grouped(a_RK, b_XKM, offs_X):

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_bits", "store", "tree_conv_triton"]
+__all__ = ["bf16_bits", "round_to", "store", "tree_conv_triton"]
 
 # block edges: forward / du tiles (tokens x channels), the span of tokens one backward
 # partial sum covers, the channel block of the dx gather
@@ -60,6 +60,18 @@ def store(ptr, offs, v, mask):
         tl.store(ptr + offs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def round_to(v, DT: tl.constexpr):
+    """v (float32) rounded to DT and back, to nearest even (by hand for bfloat16, as `store`:
+    triton's interpreter truncates)."""
+    if DT == tl.bfloat16:
+        return (bf16_bits(v) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
 
 
 @triton.jit

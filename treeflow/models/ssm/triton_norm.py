@@ -35,23 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflow.models.ssm.triton_conv import bf16_bits, store
+from treeflow.models.ssm.triton_conv import round_to, store
 
 __all__ = ["rms_norm_rows"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _round_to(v, DT: tl.constexpr):
-    """v (float32) rounded to DT and back, to nearest even (by hand for bfloat16, as `store`:
-    triton's interpreter truncates)."""
-    if DT == tl.bfloat16:
-        return (bf16_bits(v) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    elif DT == tl.float16:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
 
 
 @triton.jit
@@ -70,7 +58,7 @@ def _rms_norm_fwd(x_ptr, sx, z_ptr, sz, w_ptr, y_ptr, sy, rstd_ptr, S, G, eps,
     if KEEP:
         tl.store(rstd_ptr + row * G + tl.program_id(1), rstd)
     x_hat = x * rstd
-    x_hat = _round_to(x_hat, x_ptr.dtype.element_ty) if ROUND else x_hat
+    x_hat = round_to(x_hat, x_ptr.dtype.element_ty) if ROUND else x_hat
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     store(y_ptr, row * sy + col, w * x_hat, mask)
 
@@ -97,7 +85,7 @@ def _rms_norm_bwd(x_ptr, sx, z_ptr, sz, w_ptr, rstd_ptr, dy_ptr, sdy, dx_ptr, dz
             rstd = tl.load(rstd_ptr + row * G + g)
             x_hat = x * rstd
             dout = tl.load(dy_ptr + row * sdy + col, mask=mask, other=0.0).to(tl.float32)
-            dw += dout * (_round_to(x_hat, x_ptr.dtype.element_ty) if ROUND else x_hat)
+            dw += dout * (round_to(x_hat, x_ptr.dtype.element_ty) if ROUND else x_hat)
             dxh = dout * w
             c = tl.sum(dxh * x_hat, axis=0) / S
             dx = (dxh - x_hat * c) * rstd
