@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -324,3 +325,52 @@ def test_a_first_runs_builds_are_said_on_stderr(capsys):
     with build_pool.together(2):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_build_waiting_for_the_shared_header_lock_lets_the_trace_lock_go(monkeypatch):
+    """inductor precompiles its wrapper header under a file lock every build shares, around g++.
+    The first build takes it and runs its compiler (trace lock let go); the second, holding the
+    trace lock, waits for the file lock; the first's compiler returns and wants the trace lock
+    back. Holding it there, the two waited for each other until the file lock's 600 s timeout (a
+    4-layer Qwen3-30B-A3B exact layout's first run on an H100, py-spy). The header precompile now
+    runs with the trace lock let go (build_pool._header_hook)."""
+    from torch._inductor import codecache, cpp_builder
+
+    build_pool._compiler_hook()
+    file_lock = threading.Lock()  # the header's file lock
+    compiling, second_waits = threading.Event(), threading.Event()
+
+    def gxx(cmd_line, cwd):  # the first build's compiler returns once the second waits
+        compiling.set()
+        assert second_waits.wait(HANG_S)
+        time.sleep(0.2)  # (the second is in file_lock.acquire by now)
+
+    def header(name):  # inductor's _precompile_header, as far as locks go
+        with file_lock:
+            cpp_builder._run_compile_cmd(name, ".")
+        return name
+
+    monkeypatch.setattr(codecache, "_precompile_header", header)
+    build_pool._header_hook()
+    monkeypatch.setattr(build_pool, "_compile", gxx)
+
+    def build(name):
+        def run():
+            if name == "second":
+                with build_pool._released():
+                    assert compiling.wait(HANG_S)
+                second_waits.set()
+            codecache._precompile_header(name)
+        return run
+
+    errors, done = [], threading.Event()
+
+    def warm_up():
+        with build_pool.together(2) as pool:
+            for name in ("first", "second"):
+                pool.submit(name, build(name), errors.append)
+        done.set()
+
+    threading.Thread(target=warm_up, daemon=True).start()
+    assert done.wait(HANG_S), "the two builds wait on each other"
+    assert errors == [None, None]

@@ -140,3 +140,32 @@ def test_the_cache_homes_ownership_error_names_xdg_cache_home(tmp_path, monkeypa
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
     with pytest.raises(ValueError, match="treeflow cache home .*XDG_CACHE_HOME.*cpu_vec_isa.json"):
         compile_cache.home_dir()
+
+
+def test_a_cuda_graphs_build_probes_no_isa_and_compiles_for_none(tmp_path, monkeypatch):
+    """aoti.build for a CUDA program: no probe (57 s of a fresh H100 host's first hybrid run), and
+    inductor compiles its wrapper with every vector ISA refused unbuilt (cpp.vec_isa_ok False);
+    a CPU program is probed as before. The builder is a stand-in (no CUDA here) that reads the
+    config inductor would."""
+    import torch
+    import torch._inductor
+    from torch._inductor import config
+
+    from treeflow.models.compile import aoti, vec_isa
+
+    probes, seen = [], []
+    monkeypatch.setattr(vec_isa, "probe", lambda: probes.append(1))
+
+    def compile_and_package(program, package_path):
+        seen.append(config.cpp.vec_isa_ok)
+        open(package_path, "wb").close()
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    program = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    for cuda in (True, False):
+        monkeypatch.setattr(aoti, "on_cuda", lambda p, cuda=cuda: cuda)
+        aoti.build(program, package=str(tmp_path / f"{cuda}.aoti.pt2"),
+                   key_file=str(tmp_path / f"{cuda}.aoti.json"), key={})
+    assert seen == [False, config.cpp.vec_isa_ok] and config.cpp.vec_isa_ok is not False
+    assert probes == [1]  # the CPU build's only
+    assert not aoti.on_cuda(program)

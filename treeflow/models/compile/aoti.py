@@ -55,7 +55,7 @@ from treeflow import atomic, compile_cache
 from treeflow.models.compile import vec_isa
 
 __all__ = ["Graph", "build", "capture", "device_index", "export", "failure", "flat_inputs", "load",
-           "paths", "record_failure", "signature"]
+           "on_cuda", "paths", "record_failure", "signature"]
 
 _ALIGN = 16
 
@@ -206,7 +206,9 @@ def build(program, *, package: str, key_file: str, key: dict) -> None:
     torch >= 2.13, and g++ runs as a subprocess, outside the GIL."""
     import torch._inductor
 
-    vec_isa.probe()  # the CPU's vector ISAs: from this machine's record (a no-op once known)
+    cuda = on_cuda(program)
+    if not cuda:
+        vec_isa.probe()  # the CPU's vector ISAs: from this machine's record (a no-op once known)
     # built in a temporary directory (a killed run's is removed by the next writer: atomic's
     # .partial name), as a file named .pt2 as the packager asks, renamed into place when whole
     atomic.remove_stale(os.path.dirname(package))
@@ -214,7 +216,8 @@ def build(program, *, package: str, key_file: str, key: dict) -> None:
     os.mkdir(tmp, 0o700)
     try:
         built = os.path.join(tmp, "package.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=built)
+        with vec_isa.none_for_cuda() if cuda else contextlib.nullcontext():
+            torch._inductor.aoti_compile_and_package(program, package_path=built)
         atomic.commit(built, package)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -235,6 +238,12 @@ def load(package: str, key_file: str, key: dict, device_index: int) -> Graph:
     _libstdcxx_global()
     loader = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, device_index)
     return Graph(loader, pytree.treespec_loads(header["outputs"]))
+
+
+def on_cuda(program) -> bool:
+    """Whether an exported program's inputs are on a CUDA device."""
+    leaves = pytree.tree_leaves(getattr(program, "example_inputs", None) or ())
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in leaves)
 
 
 def device_index(args, kwargs) -> int:

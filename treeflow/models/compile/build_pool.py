@@ -142,9 +142,9 @@ def _compiler_hook() -> bool:
     @functools.wraps(inner)
     def run_compile_cmd(cmd_line, cwd):
         pool = getattr(_HOLDS, "pool", None)  # the pool whose build this thread runs
-        if pool is None or not getattr(_HOLDS, "held", False):
+        if pool is None:
             return _compile(cmd_line, cwd)
-        with _released():
+        with _released():  # (held already let go inside the header precompile: _header_hook)
             pool._count("compiling", +1)
             t0 = time.perf_counter()
             try:
@@ -155,7 +155,30 @@ def _compiler_hook() -> bool:
                     pool.compiler_seconds += time.perf_counter() - t0
 
     cpp_builder._run_compile_cmd = run_compile_cmd
+    _header_hook()
     return True
+
+
+def _header_hook() -> None:
+    """inductor's header precompile (`codecache._precompile_header`) run with the trace lock let
+    go. It holds a file lock, shared by every build, around its g++; a build that waited for that
+    file lock holding the trace lock, while the build inside it wanted the trace lock back when
+    its compiler returned, waited on each other until the file lock's 600 s timeout (py-spy, a
+    4-layer Qwen3-30B-A3B exact layout's first run on an H100). It only preprocesses, hashes and
+    compiles the header: nothing of the tracing state the lock guards."""
+    from torch._inductor import codecache
+
+    inner = getattr(codecache, "_precompile_header", None)
+    if inner is None or getattr(inner, "_treeflow_released", False):
+        return
+
+    @functools.wraps(inner)
+    def precompile_header(*args, **kwargs):
+        with _released():
+            return inner(*args, **kwargs)
+
+    precompile_header._treeflow_released = True
+    codecache._precompile_header = precompile_header
 
 
 _compile = None  # inductor's own C++ compile call, once hooked

@@ -210,7 +210,8 @@ class Precompiled:
     def _submit(self, pool, graphs, sig, args, kwargs, *, package, key_file, key, device):
         """Export here, build in `pool` (compile/build_pool.py); the Pending, kept for `sig`."""
         t0 = time.perf_counter()
-        vec_isa.probe()  # here, before the pool's builds ask for it at once
+        if device < 0:  # here, before the pool's builds ask for it at once (CUDA: none, aoti.py)
+            vec_isa.probe()
         try:
             program = aoti.export(self.fn, args, kwargs, dynamic=set(self.dynamic or ()))
         except Exception as e:  # export could not take it: dynamo's route, as a serial build

@@ -20,6 +20,11 @@ list, and every ISA's state (which extensions it compiles with), is what the pro
 check with no row (refused, or another torch's program) still builds and loads. A cache home
 that cannot be made or written (read-only HOME, disk full) is said once; the probe goes on.
 
+A CUDA graph's wrapper is compiled for no vector ISA (`none_for_cuda`, compile/aoti.py): it
+launches kernels and does no vector arithmetic of its own, and on a fresh H100 host the probe was
+57 s of a first hybrid run's 93 s of compiling (py-spy, bench/results/h100_cold_start.json), all
+before the flex attention build began.
+
 Trade-off: a change the key does not see (another libc, a library path that stops the probe's
 child loading) is not noticed until the record is deleted; the key holds what torch's own probe
 cache keys on (compiler version, flags, torch version) plus the CPU. It reads inductor internals
@@ -30,6 +35,7 @@ checks first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -40,7 +46,7 @@ import time
 
 from treeflow import atomic, compile_cache
 
-__all__ = ["RECORD", "done", "probe", "record_path"]
+__all__ = ["RECORD", "done", "none_for_cuda", "probe", "record_path"]
 
 RECORD = "cpu_vec_isa.json"
 _FORMAT = 2  # 2: refusals are not recorded
@@ -100,6 +106,17 @@ def probe() -> dict:
     done.update(checks=len(rows), recorded=recorded,
                 seconds=round(time.perf_counter() - t0, 3))
     return dict(done)
+
+
+@contextlib.contextmanager
+def none_for_cuda():
+    """Inside, inductor compiles C++ for no vector ISA and probes none (`cpp.vec_isa_ok` False:
+    every ISA refused without a build): for a CUDA graph's AOTInductor wrapper. inductor keeps
+    its ISA list for the process once made, so a CUDA run's later C++ builds take none either."""
+    from torch._inductor import config
+
+    with config.patch({"cpp.vec_isa_ok": False}):
+        yield
 
 
 def _key(cpu_vec_isa) -> dict | None:
