@@ -37,8 +37,11 @@ def test_fused_expert_mix_is_as_close_to_float32_as_eager_at_the_qwen3_moe_shape
         return [y.float(), *(t.float() for t in torch.autograd.grad(y, leaves, dy.to(dtype)))]
 
     ref = run(torch.float32, False)
-    for name, a, b, r in zip(("y", "x", "w", "gate_up", "down"), run(torch.bfloat16, True),
-                             run(torch.bfloat16, False), ref):
+    fused, eager = run(torch.bfloat16, True), run(torch.bfloat16, False)
+    from tests.models.moe.test_moe_triton import _same_to_an_ulp
+
+    _same_to_an_ulp(fused[0], eager[0])  # forward: one unit apart at most (measured 0.0068)
+    for name, a, b, r in zip(("y", "x", "w", "gate_up", "down"), fused, eager, ref):
         fused, eager = (float((t - r).norm() / r.norm()) for t in (a, b))
         assert fused <= 1.05 * eager + 1e-6, (name, fused, eager)
 

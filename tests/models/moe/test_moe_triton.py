@@ -84,8 +84,9 @@ def test_combine_and_its_gradients_match_the_formula():
 def test_bf16_rounds_as_the_eager_path_does():
     """bfloat16: the kernels against experts.py's eager SwiGLU and combine, forward and
     backward. Each rounds where eager rounds (SiLU's output, each weighted row, the sum once;
-    backward the product's gradient before SiLU's), so they agree to one bf16 rounding of the
-    result (2^-8 relative) and not merely to the accumulated rounding of unrounded sums."""
+    backward the product's gradient before SiLU's), so they agree to one bf16 unit on rare entries
+    and not merely to the accumulated rounding of unrounded sums (planted: products summed
+    unrounded fail here)."""
     g = torch.Generator().manual_seed(4)
     h = (torch.randn(150, 48, generator=g) * 3).bfloat16().requires_grad_()
     d = torch.randn(150, 24, generator=g).bfloat16()
@@ -108,9 +109,11 @@ def test_bf16_rounds_as_the_eager_path_does():
 
 
 def _same_to_an_ulp(a, b):
-    """Equal but for entries one bf16 rounding apart (a sum's order), and those rare."""
-    a, b = a.float(), b.float()
-    close = (a - b).abs() <= b.abs() * 2.0 ** -8 + 1e-30
+    """Equal but for entries one bf16 unit apart (a sum's order), and those rare. A unit is 2^-7
+    of a value at the bottom of its binade (bf16 keeps 7 fraction bits): the H100's fused
+    expert mix was 0.0068 relative from eager at most, one unit, where 2^-8 refused it."""
+    a, b = a.detach().float(), b.detach().float()
+    close = (a - b).abs() <= b.abs() * 2.0 ** -7 + 1e-30
     assert bool(close.all()), float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
     assert float((a != b).float().mean()) < 0.01
 
