@@ -5,7 +5,10 @@ Expert compute is one sort by expert (`dispatch`: order, inverse and counts on t
 two grouped matmuls (`torch._grouped_mm`: CUDA in bf16, CPU in 16/32-bit floats, rows
 16-byte aligned, offsets from the device counts) and one gather back to token order summed
 over the top-k (`combine`); nothing reads a device value on the host, forward or backward
-(tests/models/moe/test_moe_host_sync.py), so a layer never makes CUDA wait.
+(tests/models/moe/test_moe_host_sync.py), so a layer never makes CUDA wait. On CUDA the
+SwiGLU between the matmuls and the weighted combine are one Triton pass each
+(models/moe/triton_moe.py: the same arithmetic and rounding as the eager code here, which
+stays the reference and the CPU path).
 Else a padded batched matmul over experts ([X, max rows per expert, H]) -- never a
 loop over tokens or experts. The trade-offs of the padded path: memory proportional
 to the busiest expert times the number of experts, and one host read of that count
