@@ -92,6 +92,7 @@ def _table(prof, repeats: int, tokens: int, device: str) -> dict:
 # GEMMs, inductor's generated Triton kernels, torch's own gather/copy/sort kernels
 _GROUPS = (("grouped_mm", ("grouped", "Grouped", "GroupProblem")),
            ("norms", ("_rms_norm",)),
+           ("moe_fused", ("_swiglu_", "_combine_")),  # models/moe/triton_moe.py
            ("ssm_scan_conv", ("chunk_scan", "chunk_outer", "state_pass", "acs_", "_conv_", "conv1d",
                               "dx_bwd", "dc_bwd", "db_bwd", "token_x_bwd", "token_sum")),
            ("attention", ("flex", "flash", "fmha", "attention", "triton_tem")),
