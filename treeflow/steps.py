@@ -170,6 +170,9 @@ def assemble(tables: Iterable[pa.Table], episodes_per_step: int, *,
     yield from cut(True)
 
 
+_MAX_RUNS = 64  # more runs than this: one copy (take) instead of a table of many small chunks
+
+
 def _rows_of(table: pa.Table, at: np.ndarray) -> pa.Table:
     """table's rows `at` (ascending or not), as zero-copy slices where they form a few
     ascending runs (a file sorted by group: a step's rows and the rest are one run each), else
@@ -185,7 +188,3 @@ def _rows_of(table: pa.Table, at: np.ndarray) -> pa.Table:
     ends = np.concatenate([breaks, [len(at)]])
     pieces = [table.slice(int(at[a]), int(b - a)) for a, b in zip(starts, ends)]
     return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
-
-
-_MAX_RUNS = 64  # more runs than this: one copy (take) instead of a table of many small chunks
-

@@ -42,8 +42,8 @@ def test_fused_expert_mix_is_as_close_to_float32_as_eager_at_the_qwen3_moe_shape
 
     _same_to_an_ulp(fused[0], eager[0])  # forward: one unit apart at most (measured 0.0068)
     for name, a, b, r in zip(("y", "x", "w", "gate_up", "down"), fused, eager, ref):
-        fused, eager = (float((t - r).norm() / r.norm()) for t in (a, b))
-        assert fused <= 1.05 * eager + 1e-6, (name, fused, eager)
+        d_fused, d_eager = (float((t - r).norm() / r.norm()) for t in (a, b))
+        assert d_fused <= 1.05 * d_eager + 1e-6, (name, d_fused, d_eager)
 
 
 def test_fused_kernels_match_the_formulas_in_float32():

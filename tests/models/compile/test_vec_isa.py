@@ -144,20 +144,31 @@ def test_the_cache_homes_ownership_error_names_xdg_cache_home(tmp_path, monkeypa
 
 def test_a_cuda_graphs_build_probes_no_isa_and_compiles_for_none(tmp_path, monkeypatch):
     """aoti.build for a CUDA program: no probe (57 s of a fresh H100 host's first hybrid run), and
-    inductor compiles its wrapper with every vector ISA refused unbuilt (cpp.vec_isa_ok False);
-    a CPU program is probed as before. The builder is a stand-in (no CUDA here) that reads the
-    config inductor would."""
+    inductor's pick_vec_isa, as codecache calls it, answers no ISA in the building thread only
+    (another thread, and the build of a CPU program, call through); inductor's cached ISA list is
+    not made by it. The builder is a stand-in (no CUDA here) that asks what inductor would."""
+    import threading
+
     import torch
     import torch._inductor
-    from torch._inductor import config
+    from torch._inductor import codecache, cpu_vec_isa
 
     from treeflow.models.compile import aoti, vec_isa
 
-    probes, seen = [], []
+    probes, seen, elsewhere = [], [], []
     monkeypatch.setattr(vec_isa, "probe", lambda: probes.append(1))
+    vec_isa._wrap_pick()  # (once per process)
+    listed = []  # inductor's ISA list (the probe) asked for: the real pick's first step
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: listed.append(1) or [])
 
     def compile_and_package(program, package_path):
-        seen.append(config.cpp.vec_isa_ok)
+        seen.append(vec_isa.building_for_cuda())
+        if vec_isa.building_for_cuda():
+            seen.append(codecache.pick_vec_isa() is cpu_vec_isa.invalid_vec_isa
+                        and cpu_vec_isa.pick_vec_isa() is cpu_vec_isa.invalid_vec_isa)
+            other = threading.Thread(target=lambda: elsewhere.append(vec_isa.building_for_cuda()))
+            other.start()
+            other.join()
         open(package_path, "wb").close()
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
@@ -166,6 +177,8 @@ def test_a_cuda_graphs_build_probes_no_isa_and_compiles_for_none(tmp_path, monke
         monkeypatch.setattr(aoti, "on_cuda", lambda p, cuda=cuda: cuda)
         aoti.build(program, package=str(tmp_path / f"{cuda}.aoti.pt2"),
                    key_file=str(tmp_path / f"{cuda}.aoti.json"), key={})
-    assert seen == [False, config.cpp.vec_isa_ok] and config.cpp.vec_isa_ok is not False
+    assert seen == [True, True, False] and elsewhere == [False]
     assert probes == [1]  # the CPU build's only
-    assert not aoti.on_cuda(program)
+    assert not listed and not vec_isa.building_for_cuda() and not aoti.on_cuda(program)
+    codecache.pick_vec_isa()  # outside a CUDA build: through to inductor's own
+    assert listed == [1]

@@ -20,8 +20,9 @@ node metadata of torch.fx.traceback, dynamo's metrics and event log), and two ex
 export beside AOTAutograd, broke each other ("RuntimeError: custom" from fx.traceback.annotate,
 seen here). So one lock (`_TRACING`) is held by whoever traces or generates code: the warm-up's
 thread while its forward runs (it exports), else one build; a build lets it go only while its C++
-compiler runs (inductor's cpp_builder runs g++ as a subprocess, outside the GIL; the one hook
-here wraps that call), so builds overlap in what is most of their time: g++ beside g++, and
+compiler runs (inductor's cpp_builder runs g++ as a subprocess, outside the GIL; a hook here
+wraps that call, and another the precompile of inductor's wrapper header, which holds a file lock
+every build shares: `_header_hook`), so builds overlap in what is most of their time: g++ beside g++, and
 beside the next build's code generation. Each worker runs in a copy of the submitting thread's
 context (inductor's config patches are per thread in torch >= 2.13; without the copy a worker
 saw none of the caller's). A process pool would pay a torch and inductor import per worker
@@ -161,11 +162,14 @@ def _compiler_hook() -> bool:
 
 def _header_hook() -> None:
     """inductor's header precompile (`codecache._precompile_header`) run with the trace lock let
-    go. It holds a file lock, shared by every build, around its g++; a build that waited for that
+    go in a pool build's thread. It holds a file lock, shared by every build, around its g++; a
+    build that waited for that
     file lock holding the trace lock, while the build inside it wanted the trace lock back when
     its compiler returned, waited on each other until the file lock's 600 s timeout (py-spy, a
-    4-layer Qwen3-30B-A3B exact layout's first run on an H100). It only preprocesses, hashes and
-    compiles the header: nothing of the tracing state the lock guards."""
+    4-layer Qwen3-30B-A3B exact layout's first run on an H100). It preprocesses, hashes and
+    compiles the header: no FX tracing, export or AOTAutograd state (what the lock guards);
+    inductor's timing counters around its compiler run unlocked, as they do around the wrapper's
+    own g++ (`run_compile_cmd` below)."""
     from torch._inductor import codecache
 
     inner = getattr(codecache, "_precompile_header", None)
@@ -174,6 +178,8 @@ def _header_hook() -> None:
 
     @functools.wraps(inner)
     def precompile_header(*args, **kwargs):
+        if getattr(_HOLDS, "pool", None) is None:  # not a pool build: as before (build_alone's
+            return inner(*args, **kwargs)  # thread keeps the lock, as its compiler does)
         with _released():
             return inner(*args, **kwargs)
 

@@ -42,11 +42,12 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 
 from treeflow import atomic, compile_cache
 
-__all__ = ["RECORD", "done", "none_for_cuda", "probe", "record_path"]
+__all__ = ["RECORD", "building_for_cuda", "done", "none_for_cuda", "probe", "record_path"]
 
 RECORD = "cpu_vec_isa.json"
 _FORMAT = 2  # 2: refusals are not recorded
@@ -110,13 +111,46 @@ def probe() -> dict:
 
 @contextlib.contextmanager
 def none_for_cuda():
-    """Inside, inductor compiles C++ for no vector ISA and probes none (`cpp.vec_isa_ok` False:
-    every ISA refused without a build): for a CUDA graph's AOTInductor wrapper. inductor keeps
-    its ISA list for the process once made, so a CUDA run's later C++ builds take none either."""
-    from torch._inductor import config
-
-    with config.patch({"cpp.vec_isa_ok": False}):
+    """Inside, in this thread, inductor picks no vector ISA for its C++ and probes none: for a
+    CUDA graph's AOTInductor wrapper (compile/aoti.py). inductor's `pick_vec_isa` (as codecache
+    and cpu_vec_isa name it) is wrapped once to answer `invalid_vec_isa` in a thread inside this
+    block and to call through elsewhere: a thread-local switch, not a config patch, because
+    inductor keeps its ISA list for the process once made (a list made under a patch would be
+    empty for every later CPU build) and torch < 2.13's config patches are process-global (two
+    overlapping builds restore them out of order). Where inductor has no such function, the
+    probe runs as before."""
+    _wrap_pick()
+    _CUDA_BUILD.depth = getattr(_CUDA_BUILD, "depth", 0) + 1
+    try:
         yield
+    finally:
+        _CUDA_BUILD.depth -= 1
+
+
+def building_for_cuda() -> bool:
+    """Whether this thread is inside `none_for_cuda`."""
+    return getattr(_CUDA_BUILD, "depth", 0) > 0
+
+
+_CUDA_BUILD = threading.local()
+
+
+@functools.cache
+def _wrap_pick() -> None:
+    from torch._inductor import codecache, cpu_vec_isa
+
+    inner, none = getattr(cpu_vec_isa, "pick_vec_isa", None), \
+        getattr(cpu_vec_isa, "invalid_vec_isa", None)
+    if inner is None or none is None:
+        return
+
+    @functools.wraps(inner)
+    def pick_vec_isa():
+        return none if building_for_cuda() else inner()
+
+    for module in (cpu_vec_isa, codecache):
+        if getattr(module, "pick_vec_isa", None) is inner:
+            module.pick_vec_isa = pick_vec_isa
 
 
 def _key(cpu_vec_isa) -> dict | None:

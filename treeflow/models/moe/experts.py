@@ -145,7 +145,7 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True,
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI = _grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X)
-        a_RI = triton_moe().swiglu(h_RI) if fused and gated else None
+        a_RI = _triton_moe().swiglu(h_RI) if fused and gated else None
         h_RI = _act(h_RI, gated) if a_RI is None else a_RI
         # the activation may leave the compute dtype (CUDA autocast runs relu^2's pow in
         # float32): the second matmul takes it in its weight's dtype, as autocast casts a
@@ -154,7 +154,7 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True,
     else:  # float32 on CUDA, odd shapes: reads the busiest expert's count on the host
         out_RH = _padded_bmm(xs_RH, idx_NK.reshape(-1)[order_R], counts_X, gate_up_XIH,
                              down_XHI, gated=gated)
-    y_NH = triton_moe().combine(out_RH, w_NK, inverse_R) if fused else None
+    y_NH = _triton_moe().combine(out_RH, w_NK, inverse_R) if fused else None
     if y_NH is None:
         y_NH = combine(out_RH, w_NK.reshape(-1).index_select(0, order_R), order_R, inverse_R, k)
     return y_NH.to(x_NH.dtype)
@@ -165,11 +165,11 @@ def _fused(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def triton_moe():
+def _triton_moe():
     """models/moe/triton_moe.py, imported at first use (Triton's import is a second or more)."""
-    from treeflow.models.moe import triton_moe
+    from treeflow.models.moe import triton_moe as module
 
-    return triton_moe
+    return module
 
 
 def _grouped(a_RK, b_XKM, offs_X):

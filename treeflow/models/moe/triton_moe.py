@@ -19,7 +19,8 @@ Same arithmetic as experts.py's eager code, rounding included, so the two agree 
 rounding in float32 and nearly bit for bit in bf16: SiLU(g) rounded to h's dtype before the
 product with u (F.silu returns h's dtype); each product out * w rounded to their promoted
 dtype before the sum over k (eager multiplies, then sums), the sum once. Backward as eager's
-autograd rounds: SiLU's gradient from the rounded dout * u; the weight's gradient a float32
+autograd rounds: the up projection's gradient from the forward's rounded SiLU(g) (recomputed by
+the same expression), SiLU's gradient from the rounded dout * u; the weight's gradient a float32
 sum of the rounded products dout * out. Kept for backward: the SwiGLU input (eager keeps it
 and SiLU(g) too) and, for the combine, what eager keeps (the expert outputs and the weights).
 tests/models/moe/test_moe_triton.py holds them to the formulas and to experts.py's eager path
@@ -62,7 +63,8 @@ def _swiglu_bwd(h_ptr, sh, d_ptr, sd, dh_ptr, R, I, BR: tl.constexpr, BC: tl.con
     u = tl.load(h_ptr + row * sh + I + col, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + row * sd + col, mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    store(dh_ptr, row * 2 * I + I + col, d * round_to(g * sig, h_ptr.dtype.element_ty), mask)
+    s = round_to(g / (1.0 + tl.exp(-g)), h_ptr.dtype.element_ty)  # the forward's SiLU(g), exactly
+    store(dh_ptr, row * 2 * I + I + col, d * s, mask)
     ds = round_to(d * u, h_ptr.dtype.element_ty)  # the product's gradient, rounded, then SiLU's
     store(dh_ptr, row * 2 * I + col, ds * sig * (1.0 + g * (1.0 - sig)), mask)
 
@@ -110,7 +112,7 @@ def _tile(width: int) -> tuple[int, int]:
 
 
 def _serves(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype in _FLOATS and t.stride(-1) == 1 and t.ndim == 2 for t in tensors)
+    return all(t.ndim == 2 and t.dtype in _FLOATS and t.stride(-1) == 1 for t in tensors)
 
 
 def swiglu(h_RI: torch.Tensor) -> torch.Tensor | None:
@@ -159,9 +161,15 @@ def combine(out_RH: torch.Tensor, w_NK: torch.Tensor, inverse_R: torch.Tensor
     """y[n] = sum_j w[n, j] * out[inverse[n*K + j]] ([N, H], in the promoted dtype of out and w):
     the expert outputs, sorted by expert, back in token order, weighted and summed over each
     token's K experts, as experts.py's `combine` (each product rounded to that dtype, the sum
-    once). Differentiable in out and w. None where the kernel does not serve the call."""
+    once). inverse must be a permutation of range(N*K) (experts.dispatch's): the kernels gather
+    and scatter through it unchecked, as a device read would make the host wait. Differentiable
+    in out and w. None where the kernel does not serve the call."""
     if not _serves(out_RH) or w_NK.ndim != 2 or w_NK.dtype not in _FLOATS:
         return None
+    if not out_RH.shape[0] == inverse_R.numel() == w_NK.numel():
+        raise ValueError(f"combine: {out_RH.shape[0]} expert rows, {inverse_R.numel()} inverse "
+                         f"positions and {w_NK.numel()} weights ({tuple(w_NK.shape)}); each is "
+                         "N*K, one per routed row")
     dtype = torch.promote_types(out_RH.dtype, w_NK.dtype)
     w_NK, inverse_R = w_NK.contiguous(), inverse_R.contiguous()
     if torch.is_grad_enabled() and (out_RH.requires_grad or w_NK.requires_grad):
@@ -197,9 +205,9 @@ class _Combine(torch.autograd.Function):
         blocks = triton.cdiv(h, bc)
         dout_RH = torch.empty_like(out_RH, memory_format=torch.contiguous_format)
         dw_CNK = torch.empty(blocks, n, k, dtype=torch.float32, device=out_RH.device)
-        if n and h:
+        if n and h:  # (both gradients in one pass: the second read is of rows already loaded)
             _combine_bwd[(triton.cdiv(n, br), blocks)](
                 dy_NH, dy_NH.stride(0), out_RH, out_RH.stride(0), w_NK, inverse_R, dout_RH,
                 dw_CNK, n, h, K=k, ROUND=ctx.dtype != torch.float32, BR=br, BC=bc)
-        dw_NK = dw_CNK.sum(0).to(w_NK.dtype)
-        return dout_RH, dw_NK, None, None
+        dw_NK = dw_CNK.sum(0).to(w_NK.dtype) if ctx.needs_input_grad[1] else None
+        return (dout_RH if ctx.needs_input_grad[0] else None), dw_NK, None, None
