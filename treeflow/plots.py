@@ -121,7 +121,7 @@ def plot_savings(episodes: pl.DataFrame, path: str, *, totals: dict | None = Non
 
 def call_growth_data(calls: pl.DataFrame) -> dict:
     """The numbers behind call_growth.png: per call turn, call lengths and tokens run so far."""
-    per = calls.sort(["episode", "turn"]).with_columns(
+    per = calls.sort(["episode", "turn"], maintain_order=True).with_columns(
         cum_exact=pl.col("tokens").cum_sum().over("episode"),
         cum_chain=pl.col("tokens").cum_max().over("episode"))
     g = per.group_by("turn").agg(

@@ -203,8 +203,9 @@ def episode_distributions(frame: pl.DataFrame) -> dict:
     return dist
 
 
-def call_stats(episodes: pa.Table) -> pl.DataFrame:
-    """One row per call: episode row, call turn, call length and sampled tokens."""
+def call_stats(episodes: pa.Table, first_row: int = 0) -> pl.DataFrame:
+    """One row per call: episode row (counted from `first_row`: a window's offset in the data,
+    so that rows of several windows stay apart), call turn, call length and sampled tokens."""
     import polars as pl
 
     calls = episodes.column("calls").combine_chunks()
@@ -213,7 +214,7 @@ def call_stats(episodes: pa.Table) -> pl.DataFrame:
     lens = pc.list_value_length(flat.field("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
     starts = flat.field("sampled_start").to_numpy(zero_copy_only=False).astype(np.int64)
     first = np.repeat(np.cumsum(n_calls) - n_calls, n_calls)
-    return pl.DataFrame({"episode": np.repeat(np.arange(episodes.num_rows), n_calls),
+    return pl.DataFrame({"episode": np.repeat(first_row + np.arange(episodes.num_rows), n_calls),
                          "turn": np.arange(len(lens)) - first, "tokens": lens,
                          "sampled_tokens": lens - starts})
 

@@ -32,14 +32,17 @@ def inspect_windows(windows, *, max_tokens: int | None = None, plot: str | None 
     import polars as pl
 
     frames, parts, call_frames, bins = [], [], [], []
+    seen = [0]  # episodes of the windows before this one
 
     def counted():
         for window in windows:
             frame, totals = window_stats(window, max_tokens=max_tokens)
             frames.append(frame)
             parts.append(totals)
-            if plot:
-                call_frames.append(call_stats(window))
+            if plot:  # episodes numbered over the whole data: each window's starting at 0 made
+                # calls of different episodes one "episode" in call_growth's per-episode sums
+                call_frames.append(call_stats(window, seen[0]))
+            seen[0] += window.num_rows
             if advance is not None:
                 advance(window.num_rows, tokens=totals["exact_tokens"])
             yield window
