@@ -93,6 +93,7 @@ def _table(prof, repeats: int, tokens: int, device: str) -> dict:
 _GROUPS = (("grouped_mm", ("grouped", "Grouped", "GroupProblem")),
            ("norms", ("_rms_norm",)),
            ("moe_fused", ("_swiglu_", "_combine_")),  # models/moe/triton_moe.py
+           ("loss_fused", ("_loss_tile_",)),  # models/heads/triton_loss.py
            ("ssm_scan_conv", ("chunk_scan", "chunk_outer", "state_pass", "acs_", "_conv_", "conv1d",
                               "dx_bwd", "dc_bwd", "db_bwd", "token_x_bwd", "token_sum")),
            ("attention", ("flex", "flash", "fmha", "attention", "triton_tem")),

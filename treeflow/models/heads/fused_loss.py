@@ -10,7 +10,10 @@ s = sum exp(x - m) (the log-sum-exp is m + log s), t = sum exp(x - m) * x (for
 the entropy lse - t / s) and the target's logit. A custom backward recomputes
 each logits tile and turns it at once into its share of the gradients:
 d logprob / dx = onehot(target) - p, d entropy / dx = -p (x - lse + entropy),
-with p = exp(x - lse). Peak memory is a few rows x vocab-chunk tiles.
+with p = exp(x - lse). Peak memory is a few rows x vocab-chunk tiles. On CUDA each tile's
+passes (forward: upcast, maximum, exp, sums, the target's pick; backward: the tile's gradient)
+are one Triton kernel each (models/heads/triton_loss.py, same arithmetic; `kernels=False` runs
+them eagerly, as on CPU).
 
 Exactness: every tile's logits are the model dtype's product upcast to
 float32, as in the plain path; with one vocabulary chunk the forward is the
@@ -36,26 +39,34 @@ __all__ = ["fused_selected_logprobs"]
 
 def fused_selected_logprobs(weight_VH: torch.Tensor, hidden_EH: torch.Tensor,
                             targets_E: torch.Tensor, *, row_chunk: int, vocab_chunk: int,
-                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`log softmax(hidden @ weight.T)[target]` per row in float32 (and the entropy)."""
+                            with_entropy: bool, kernels: bool | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`log softmax(hidden @ weight.T)[target]` per row in float32 (and the entropy).
+
+    kernels: each logits tile's passes as Triton kernels (models/heads/triton_loss.py), the
+    same arithmetic in one pass; None = on CUDA.
+    """
     if type(weight_VH) not in (torch.Tensor, torch.nn.Parameter):
         raise ValueError(f"fused_loss reads the output weight directly, but it is a "
                          f"{type(weight_VH).__name__} (sharded by FSDP, --shard-params?); turn "
                          "off Tuning(fused_loss) or the parameter sharding")
     if row_chunk < 1 or vocab_chunk < 1:
         raise ValueError(f"row_chunk and vocab_chunk must be >= 1, got {row_chunk}, {vocab_chunk}")
+    kernels = _kernels(hidden_EH.device) if kernels is None else kernels
     lp_E, ent_E = _FusedSelected.apply(hidden_EH, weight_VH, targets_E, row_chunk, vocab_chunk,
-                                       with_entropy)
+                                       with_entropy, kernels)
     return lp_E, (ent_E if with_entropy else None)
 
 
 class _FusedSelected(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_EH, weight_VH, targets_E, row_chunk, vocab_chunk, with_entropy):
+    def forward(ctx, hidden_EH, weight_VH, targets_E, row_chunk, vocab_chunk, with_entropy,
+                kernels):
         device_type = hidden_EH.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type),
                         torch.get_autocast_dtype(device_type))
         ctx.chunks = (row_chunk, vocab_chunk)
+        ctx.kernels = kernels
         ctx.set_materialize_grads(False)
         e = hidden_EH.shape[0]
         lp_E = hidden_EH.new_empty(e, dtype=torch.float32)
@@ -65,7 +76,7 @@ class _FusedSelected(torch.autograd.Function):
         for r0 in range(0, e, row_chunk):
             r1 = min(r0 + row_chunk, e)
             lse_C, lp_C, ent_C = _row_stats(hidden_EH[r0:r1], w_VH, targets_E[r0:r1],
-                                             vocab_chunk, with_entropy)
+                                             vocab_chunk, with_entropy, kernels)
             lse_E[r0:r1] = lse_C
             lp_E[r0:r1] = lp_C
             if with_entropy:
@@ -80,8 +91,9 @@ class _FusedSelected(torch.autograd.Function):
         hidden_EH, weight_VH, targets_E, lse_E, ent_E = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         if grad_lp_E is None and grad_ent_E is None or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         row_chunk, vocab_chunk = ctx.chunks
+        kernels = ctx.kernels
         device_type, enabled, dtype = ctx.autocast
         grad_h = torch.zeros(hidden_EH.shape, dtype=torch.float32, device=hidden_EH.device) \
             if need_h else None
@@ -98,23 +110,51 @@ class _FusedSelected(torch.autograd.Function):
                     v1 = min(v0 + vocab_chunk, v)
                     w_WH = w_VH[v0:v1]
                     raw_CW = F.linear(h_CH, w_WH)
-                    x_CW = raw_CW.float()
-                    p_CW = torch.exp(x_CW - lse_C1)
-                    gx_CW = torch.zeros_like(x_CW)
-                    if g_C1 is not None:
-                        gx_CW = -g_C1 * p_CW
-                        local_C = t_C - v0  # the target's column, where it is in this chunk
-                        inside_C1 = ((local_C >= 0) & (local_C < v1 - v0))[:, None]
-                        gx_CW.scatter_add_(1, local_C.clamp(0, v1 - v0 - 1)[:, None],
-                                           torch.where(inside_C1, g_C1, 0.0))
-                    if ge_C1 is not None:
-                        gx_CW = gx_CW - ge_C1 * (p_CW * (x_CW - lse_C1 + ent_E[r0:r1, None]))
-                    gx_CW = gx_CW.to(raw_CW.dtype)
+                    local_C = t_C - v0  # the target's column, where it is in this chunk
+                    if kernels and _triton_loss().serves(raw_CW):
+                        gx_CW = _triton_loss().tile_grad(
+                            raw_CW, lse_C1[:, 0], local_C,
+                            None if g_C1 is None else g_C1[:, 0].float().contiguous(),
+                            None if ge_C1 is None else ge_C1[:, 0].float().contiguous(),
+                            None if ge_C1 is None else ent_E[r0:r1])
+                    else:
+                        gx_CW = _tile_grad(raw_CW, lse_C1, local_C, g_C1, ge_C1,
+                                           None if ge_C1 is None else ent_E[r0:r1, None])
                     if need_h:
                         grad_h[r0:r1] += (gx_CW @ w_WH.to(gx_CW.dtype)).float()
                     if need_w:
                         grad_w[v0:v1] += (gx_CW.t() @ h_CH.to(gx_CW.dtype)).to(grad_w.dtype)
-        return (grad_h.to(hidden_EH.dtype) if need_h else None, grad_w, None, None, None, None)
+        return (grad_h.to(hidden_EH.dtype) if need_h else None, grad_w, None, None, None, None,
+                None)
+
+
+def _tile_grad(raw_CW, lse_C1, local_C, g_C1, ge_C1, ent_C1):
+    """The logits tile's gradient in its dtype (eager; models/heads/triton_loss.py's `tile_grad`
+    is the same arithmetic in one kernel)."""
+    x_CW = raw_CW.float()
+    p_CW = torch.exp(x_CW - lse_C1)
+    gx_CW = torch.zeros_like(x_CW)
+    w = x_CW.shape[1]
+    if g_C1 is not None:
+        gx_CW = -g_C1 * p_CW
+        inside_C1 = ((local_C >= 0) & (local_C < w))[:, None]
+        gx_CW.scatter_add_(1, local_C.clamp(0, w - 1)[:, None], torch.where(inside_C1, g_C1, 0.0))
+    if ge_C1 is not None:
+        gx_CW = gx_CW - ge_C1 * (p_CW * (x_CW - lse_C1 + ent_C1))
+    return gx_CW.to(raw_CW.dtype)
+
+
+def _triton_loss():
+    """models/heads/triton_loss.py, imported at first use (Triton's import is a second or more)."""
+    from treeflow.models.heads import triton_loss as module
+
+    return module
+
+
+def _kernels(device: torch.device) -> bool:
+    """The Triton tile kernels (models/heads/triton_loss.py) by default where they compile: on
+    CUDA."""
+    return device.type == "cuda"
 
 
 def _compute_weight(weight_VH, device_type):
@@ -126,7 +166,7 @@ def _compute_weight(weight_VH, device_type):
     return weight_VH.detach()
 
 
-def _row_stats(h_CH, weight_VH, t_C, vocab_chunk, with_entropy):
+def _row_stats(h_CH, weight_VH, t_C, vocab_chunk, with_entropy, kernels=False):
     """(log-sum-exp, logprob of the target, entropy or None) of one chunk of rows.
 
     The per-chunk sums are float32 (as torch.logsumexp's); they are combined
@@ -141,18 +181,26 @@ def _row_stats(h_CH, weight_VH, t_C, vocab_chunk, with_entropy):
     tgt_C = torch.zeros(c, dtype=torch.float32, device=h_CH.device)
     for v0 in range(0, v, vocab_chunk):
         v1 = min(v0 + vocab_chunk, v)
-        x_CW = F.linear(h_CH, weight_VH[v0:v1]).float()
-        m_new_C = torch.maximum(m_C, x_CW.amax(1))
-        scale_C = torch.exp((m_C - m_new_C).double())
-        e_CW = torch.exp(x_CW - m_new_C[:, None])
-        s_C = s_C * scale_C + e_CW.sum(1).double()
-        if with_entropy:
-            x_sum_C = x_sum_C * scale_C + (e_CW * x_CW).sum(1).double()
-        m_C = m_new_C
+        raw_CW = F.linear(h_CH, weight_VH[v0:v1])
         local_C = t_C - v0
-        inside_C = (local_C >= 0) & (local_C < v1 - v0)
-        picked_C = x_CW.gather(1, local_C.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-        tgt_C = torch.where(inside_C, picked_C, tgt_C)
+        if kernels and _triton_loss().serves(raw_CW):
+            m_new_C = m_C.clone()
+            e_sum_C, ex_sum_C = _triton_loss().tile_stats(raw_CW, m_new_C, local_C, tgt_C,
+                                                          with_entropy)
+        else:
+            x_CW = raw_CW.float()
+            m_new_C = torch.maximum(m_C, x_CW.amax(1))
+            e_CW = torch.exp(x_CW - m_new_C[:, None])
+            e_sum_C = e_CW.sum(1)
+            ex_sum_C = (e_CW * x_CW).sum(1) if with_entropy else None
+            inside_C = (local_C >= 0) & (local_C < v1 - v0)
+            picked_C = x_CW.gather(1, local_C.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+            tgt_C = torch.where(inside_C, picked_C, tgt_C)
+        scale_C = torch.exp((m_C - m_new_C).double())
+        s_C = s_C * scale_C + e_sum_C.double()
+        if with_entropy:
+            x_sum_C = x_sum_C * scale_C + ex_sum_C.double()
+        m_C = m_new_C
     if v <= vocab_chunk:  # s_C holds one float32 sum exactly
         lse_C = torch.log(s_C.float()) + m_C
         lp_C = tgt_C - lse_C

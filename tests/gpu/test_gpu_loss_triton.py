@@ -1,0 +1,75 @@
+"""On CUDA, the fused loss's tile kernels (models/heads/triton_loss.py), compiled.
+
+At the Qwen3 vocabulary (151,936) and hidden size 2048, 1024 loss edges in bf16 under autocast,
+the way `--tuning fast` runs them: the whole fused loss with the kernels and eagerly, values and
+the gradients of hidden states and output weight, against a float64 log-softmax (the kernels no
+farther than eager); and the tile kernels against the float64 formulas in float32. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_fused_loss_with_kernels_is_as_close_to_float64_as_eager_at_the_qwen3_vocabulary():
+    from treeflow.models.heads.fused_loss import fused_selected_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, hdim, vocab = 1024, 2048, 151936
+    hidden = torch.randn(e, hdim, device="cuda", generator=g)
+    weight = 0.05 * torch.randn(vocab, hdim, device="cuda", generator=g)
+    targets = torch.randint(0, vocab, (e,), device="cuda", generator=g)
+    coef = torch.randn(2, e, device="cuda", generator=g)
+
+    def run(kernels):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, ent = fused_selected_logprobs(w, h, targets, row_chunk=512, vocab_chunk=32768,
+                                              with_entropy=True, kernels=kernels)
+        ((lp * coef[0]).sum() + (ent * coef[1]).sum()).backward()
+        return [lp.detach().double(), ent.detach().double(), h.grad.double(), w.grad.double()]
+
+    fused, eager = run(True), run(False)
+    # the bf16 products' logits upcast, in float64: what both paths compute up to float32 sums
+    h64 = hidden.bfloat16().double().requires_grad_()
+    w64 = weight.bfloat16().double().requires_grad_()
+    logp = torch.log_softmax((h64 @ w64.T).bfloat16().double(), -1)
+    lp64, ent64 = logp[torch.arange(e, device="cuda"), targets], -(logp.exp() * logp).sum(-1)
+    ((lp64 * coef[0].double()).sum() + (ent64 * coef[1].double()).sum()).backward()
+    ref = [lp64.detach(), ent64.detach(), h64.grad, w64.grad]
+    # the same bf16 logits tiles (one cuBLAS product) reduced in another order: float32 apart
+    torch.testing.assert_close(fused[0], eager[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(fused[1], eager[1], rtol=0, atol=1e-4)
+    for name, a, b, r in zip(("logprob", "entropy", "hidden", "weight"), fused, eager, ref):
+        d_fused, d_eager = (float((t - r).norm() / r.norm()) for t in (a, b))
+        assert d_fused <= 1.05 * d_eager + 1e-7, (name, d_fused, d_eager)
+
+
+def test_tile_kernels_match_the_formulas_in_float32():
+    from tests.models.heads.test_triton_loss import _grad_by_hand
+    from treeflow.models.heads import triton_loss
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    c, w = 1024, 32768
+    x = torch.randn(c, w, device="cuda", generator=g) * 6
+    local = torch.randint(-1000, w + 1000, (c,), device="cuda", generator=g)
+    m, tgt = torch.full((c,), float("-inf"), device="cuda"), torch.zeros(c, device="cuda")
+    s, xs = triton_loss.tile_stats(x, m, local, tgt, True)
+    x64 = x.double()
+    assert torch.equal(m.double(), x64.amax(1))
+    e = torch.exp(x64 - m.double()[:, None])
+    torch.testing.assert_close(s.double(), e.sum(1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(xs.double(), (e * x64).sum(1), rtol=1e-5, atol=0)
+    inside = (local >= 0) & (local < w)
+    picked = x.gather(1, local.clamp(0, w - 1)[:, None])[:, 0]
+    assert torch.equal(tgt[inside], picked[inside]) and bool((tgt[~inside] == 0).all())
+    lse = torch.logsumexp(x64, 1)
+    ent = lse - (torch.softmax(x64, 1) * x64).sum(1)
+    gl, ge = torch.randn(c, device="cuda", generator=g), torch.randn(c, device="cuda", generator=g)
+    gx = triton_loss.tile_grad(x, lse.float(), local, gl, ge, ent.float())
+    want = _grad_by_hand(x64, lse, local, gl.double(), ge.double(), ent)
+    torch.testing.assert_close(gx.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
