@@ -43,6 +43,20 @@ def test_vocab_limit_names_the_fix():
         validate_episodes(table(ep("v", token_ids=[1, 9, 2])), vocab_size=8)
 
 
+def test_a_bad_token_names_its_own_episode_and_call():
+    """The owner of the first bad token, found only once one is bad: the third call of the second
+    episode (the calls before it of other lengths)."""
+    calls = [{"token_ids": [1, 2, 3, 4, 5], "sampled_start": 2},
+             {"token_ids": [1, 2], "sampled_start": 1},
+             {"token_ids": [1, 2, 9, 3], "sampled_start": 2}]
+    rows = [ep("ok"), {"episode_id": "v", "calls": calls}]
+    with pytest.raises(ValueError, match=r"episode 'v', call 2: field 'token_ids' holds id 9 >="):
+        validate_episodes(table(*rows), vocab_size=8)
+    calls[1]["token_ids"] = [1, -4]
+    with pytest.raises(ValueError, match=r"episode 'v', call 1: field 'token_ids' holds negative"):
+        validate_episodes(table(*rows), vocab_size=8)
+
+
 def test_empty_calls_missing_columns_duplicates():
     with pytest.raises(ValueError, match=r"episode 'x': field 'calls' is empty"):
         validate_episodes(pa.Table.from_pylist([{"episode_id": "x", "calls": []}],

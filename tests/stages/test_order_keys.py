@@ -28,3 +28,15 @@ def test_keys_are_the_layout_written_out_and_compare_as_the_routes_do():
     one = np.zeros((1, 1), np.int16)
     keys = [_keys_bytes(np.array([5]), one + v) for v in (-2, 0, 1, 300)]
     assert keys == sorted(keys)
+
+
+def test_only_the_given_ends_are_looked_at_for_a_sentinel():
+    """Pack passes each call's last token (the one place validation lets a sentinel be)."""
+    tok = np.arange(4)
+    r = np.full((4, 3), -1, np.int16)
+    r[1] = [4, 5, 6]
+    keys = _keys_bytes(tok, r, ends=np.array([1, 3]))
+    rows = [keys[i * 10:(i + 1) * 10] for i in range(4)]
+    assert rows[0][4:] == bytes.fromhex("7fff7fff7fff")  # not an end: its ids, written out
+    assert rows[3][4:] == bytes(6) and rows[1][4:] == bytes.fromhex("800480058006")
+    assert _keys_bytes(tok, r)[4:10] == bytes(6)

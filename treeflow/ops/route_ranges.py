@@ -24,20 +24,30 @@ def check_route_ranges(ids_NW: np.ndarray, *, top_k: int, num_experts: int, bin_
     if not ids_NW.size:
         return
     ids_NLK = ids_NW.reshape(len(ids_NW), -1, top_k)
-    sentinel_N = (ids_NW == -1).all(axis=1)
-    big_NL = ((ids_NLK >= num_experts) | (ids_NLK < 0)).any(axis=2) & ~sentinel_N[:, None]
-    ordered = np.sort(ids_NLK, axis=2)
-    twice_NL = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2) & ~sentinel_N[:, None]
-    for bad_NL, what in ((big_NL, "big"), (twice_NL, "twice")):
-        hit = np.argwhere(bad_NL)
-        if len(hit):
-            n, layer = int(hit[0][0]), int(hit[0][1])
-            route = ids_NLK[n, layer].tolist()
-            where = (f"bin {bin_of(n)}, the token at position {position_of(n)}, MoE layer "
-                     f"{layer}: routed_experts {route}")
-            if what == "big":
-                raise ValueError(f"{where} holds an expert id outside [0, {num_experts}) (the "
-                                 f"model's {num_experts} experts); capture the routes with this "
-                                 "model (or run --routing recompute)")
-            raise ValueError(f"{where} names one expert twice in a top-{top_k}; a router picks "
-                             f"{top_k} different experts: the routes are corrupted")
+    # a route's ids as unsigned: a negative id is then past every expert, one comparison
+    unsigned = np.dtype(ids_NW.dtype.str.replace("i", "u")) if ids_NW.dtype.kind == "i" else None
+    out_NL = ((ids_NLK.view(unsigned) if unsigned else ids_NLK) >= num_experts).any(axis=2)
+    # an expert twice: each pair of top-k slots compared (k(k-1)/2 passes over [N, L]; sorting
+    # every token's k ids cost a routed replay's feeding thread ~0.3 s a window)
+    twice_NL = np.zeros(ids_NLK.shape[:2], dtype=bool)
+    for i in range(top_k - 1):
+        for j in range(i + 1, top_k):
+            twice_NL |= ids_NLK[:, :, i] == ids_NLK[:, :, j]
+    if not (out_NL.any() or twice_NL.any()):
+        return
+    sentinel_N = (ids_NW == -1).all(axis=1)  # -1 everywhere: a wildcard, as said above
+    big_NL = out_NL & ~sentinel_N[:, None]
+    twice_NL &= ~sentinel_N[:, None]
+    hit = np.argwhere(big_NL | twice_NL)
+    if not len(hit):
+        return
+    n, layer = int(hit[0][0]), int(hit[0][1])  # the first offence in node order
+    route = ids_NLK[n, layer].tolist()
+    where = (f"bin {bin_of(n)}, the token at position {position_of(n)}, MoE layer "
+             f"{layer}: routed_experts {route}")
+    if big_NL[n, layer]:
+        raise ValueError(f"{where} holds an expert id outside [0, {num_experts}) (the "
+                         f"model's {num_experts} experts); capture the routes with this "
+                         "model (or run --routing recompute)")
+    raise ValueError(f"{where} names one expert twice in a top-{top_k}; a router picks "
+                     f"{top_k} different experts: the routes are corrupted")

@@ -26,25 +26,32 @@ from treeflow.stages.flat import Calls
 __all__ = ["order_and_lcp"]
 
 
-def _keys_bytes(tokens_T: np.ndarray, routes_TW: np.ndarray | None) -> bytes:
+def _keys_bytes(tokens_T: np.ndarray, routes_TW: np.ndarray | None,
+                ends: np.ndarray | None = None) -> bytes:
     """One big-endian byte string per token that compares like (token, route).
 
     A sentinel route (every id -1: NeMo Gym's final sampled token, which the engine never ran
     as an input) is written as all zero bytes, so it sorts before every real route of the
-    same token: a call ending in one sorts right before the calls that continue it.
+    same token: a call ending in one sorts right before the calls that continue it. ends: the
+    rows that may hold one (each call's last token: validation refuses a -1 anywhere else,
+    schemas/route_check.py); None: every row is looked at.
     """
     tok = tokens_T.astype(">u4").view(np.uint8).reshape(-1, 4)
     if routes_TW is None:
         return tok.tobytes()
-    # the int16 ids (route_ids' type) written big-endian into their place, then the sign bit
-    # flipped (x + 32768 as unsigned): one pass each, no int32 copies (a 4-layer, top-8 replay's
+    # each int16 id + 32768 (its sign bit flipped, as unsigned) written big-endian into its
+    # place: a flip and a byte-swapping copy, no int32 copies (a 4-layer, top-8 replay's
     # windows spent seconds of the GPU's feeding thread here)
+    if routes_TW.dtype != np.int16:
+        raise TypeError(f"route ids must be int16 (schemas/route_ids.py route_ids), got "
+                        f"{routes_TW.dtype}")
     t, w = routes_TW.shape
     out = np.empty((t, 4 + 2 * w), np.uint8)
     out[:, :4] = tok
-    np.copyto(out[:, 4:].view(">i2"), routes_TW, casting="same_kind")
-    out[:, 4::2] ^= 0x80
-    out[(routes_TW == -1).all(axis=1), 4:] = 0
+    np.copyto(out[:, 4:].view(">u2"), routes_TW.view(np.uint16) ^ np.uint16(0x8000),
+              casting="same_kind")
+    rows = np.arange(t) if ends is None else ends
+    out[rows[(routes_TW[rows] == -1).all(axis=1)], 4:] = 0
     return out.tobytes()
 
 
@@ -61,7 +68,7 @@ def order_and_lcp(calls: Calls, call_scope: np.ndarray, layout: str
     if layout == "exact":
         return np.argsort(call_scope, kind="stable"), np.zeros(n, dtype=np.int64), routes_TW
     width = 4 + (0 if routes_TW is None else 2 * routes_TW.shape[1])
-    blob = _keys_bytes(calls.tokens_T, routes_TW)
+    blob = _keys_bytes(calls.tokens_T, routes_TW, calls.tok_off_C1[1:] - 1)
     off = calls.tok_off_C1 * width
     keys = [blob[off[c]:off[c + 1]] for c in range(n)]
     order = np.array(sorted(range(n), key=lambda c: (call_scope[c], keys[c], c)), dtype=np.int64)
