@@ -5,8 +5,9 @@ the target's logit; the tile's gradient -g p + g onehot - g_ent p (x - lse + ent
 bfloat16, fused_loss.py's eager tile code, whose rounding the kernels follow; and the whole
 fused loss with the kernels against a float64 log-softmax with autograd (values and the
 gradients of hidden states and weight). Bugs planted and seen failing: the running maximum not
-carried (m_new = the tile's maximum alone), the target's +g one column off, the entropy term
-with x + lse, the second pass reading the first block only.
+carried (m_new = the tile's maximum alone), the running sums not rescaled to the new maximum,
+the target's +g one column off, the entropy term with x + lse, the second pass reading the
+first block only.
 """
 
 from __future__ import annotations
@@ -34,35 +35,50 @@ def _tile(c=7, w=4500, seed=0, dtype=torch.float32):
     return x_CW, local_C
 
 
-def test_tile_stats_match_the_formula():
+def _running(c, m_prev, with_entropy=True, seed=9):
+    """Running statistics as a previous tile left them: m (float32), s and xs (float64), the
+    target's logit (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(c, generator=g, dtype=torch.float64) * 50
+    xs = torch.randn(c, generator=g, dtype=torch.float64) * 50 if with_entropy else None
+    s[torch.isinf(m_prev)] = 0.0  # no tile yet
+    if xs is not None:
+        xs[torch.isinf(m_prev)] = 0.0
+    return m_prev.clone(), s, xs, torch.full((c,), -7.0)
+
+
+def test_tile_stats_fold_a_tile_into_the_running_statistics_as_the_formula_does():
     x_CW, local_C = _tile()
-    c = x_CW.shape[0]
+    c, w = x_CW.shape
+    v0 = 1000  # the tile's first vocabulary row: targets are vocabulary ids
     m_prev = torch.full((c,), float("-inf"))
     m_prev[3] = 1e3  # above the tile: m_new is the carried maximum, every term tiny
     m_prev[4] = float(x_CW[4].max()) - 2.0  # below it
-    m_C, tgt_C = m_prev.clone(), torch.full((c,), -7.0)
-    s_C, xs_C = triton_loss.tile_stats(x_CW, m_C, local_C, tgt_C, True)
+    m_prev[5] = float(x_CW[5].max()) + 3.0  # above it
+    m_C, s_C, xs_C, tgt_C = _running(c, m_prev)
+    s0, xs0 = s_C.clone(), xs_C.clone()
+    triton_loss.tile_stats(x_CW, v0, local_C + v0, m_C, s_C, xs_C, tgt_C)
     x = x_CW.double()
     m_want = torch.maximum(m_prev.double(), x.amax(1))
     assert torch.equal(m_C.double(), m_want)
     e = torch.exp(x - m_want[:, None])
-    torch.testing.assert_close(s_C.double(), e.sum(1), rtol=2e-6, atol=0)
-    torch.testing.assert_close(xs_C.double(), (e * x).sum(1), rtol=2e-6, atol=1e-300)
-    inside = (local_C >= 0) & (local_C < x.shape[1])
+    scale = torch.exp(m_prev.double() - m_want)
+    torch.testing.assert_close(s_C, s0 * scale + e.sum(1), rtol=2e-6, atol=0)
+    torch.testing.assert_close(xs_C, xs0 * scale + (e * x).sum(1), rtol=2e-6, atol=1e-300)
+    inside = (local_C >= 0) & (local_C < w)
     assert 0 < int(inside.sum()) < c
-    picked = x.gather(1, local_C.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
+    picked = x.gather(1, local_C.clamp(0, w - 1)[:, None])[:, 0]
     assert torch.equal(tgt_C.double(), torch.where(inside, picked, -7.0))
 
 
 def test_tile_stats_in_bf16_follow_the_eager_tile():
     x_CW, local_C = _tile(c=5, w=3000, seed=1, dtype=torch.bfloat16)
     c = x_CW.shape[0]
-    m_C, tgt_C = torch.full((c,), float("-inf")), torch.zeros(c)
-    s_C, xs_C = triton_loss.tile_stats(x_CW, m_C, local_C, tgt_C, False)
-    assert xs_C is None
+    m_C, s_C, xs_C, tgt_C = _running(c, torch.full((c,), float("-inf")), with_entropy=False)
+    triton_loss.tile_stats(x_CW, 0, local_C, m_C, s_C, None, tgt_C)
     x = x_CW.float()  # the eager code's tile
     assert torch.equal(m_C, x.amax(1))
-    torch.testing.assert_close(s_C, torch.exp(x - m_C[:, None]).sum(1), rtol=2e-6, atol=0)
+    torch.testing.assert_close(s_C.float(), torch.exp(x - m_C[:, None]).sum(1), rtol=2e-6, atol=0)
 
 
 def _grad_by_hand(x, lse, local, g, ge, ent):
@@ -83,7 +99,7 @@ def test_tile_grad_matches_the_formula(which):
     gen = torch.Generator().manual_seed(5)
     g, ge = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
     use_g, use_ge = which in ("both", "logprob"), which in ("both", "entropy")
-    gx_CW = triton_loss.tile_grad(x_CW, lse.float(), local_C, g if use_g else None,
+    gx_CW = triton_loss.tile_grad(x_CW, 500, local_C + 500, lse.float(), g if use_g else None,
                                   ge if use_ge else None, ent.float() if use_ge else None)
     want = _grad_by_hand(x, lse, local_C, g.double() * use_g, ge.double() * use_ge, ent)
     assert float(want.abs().max()) > 0.5
@@ -97,7 +113,7 @@ def test_tile_grad_in_bf16_follows_the_eager_tile():
     ent = lse - (torch.softmax(x, 1) * x).sum(1)
     gen = torch.Generator().manual_seed(6)
     g, ge = torch.randn(4, generator=gen) * 3, torch.randn(4, generator=gen) * 3
-    got = triton_loss.tile_grad(x_CW, lse, local_C, g, ge, ent)
+    got = triton_loss.tile_grad(x_CW, 0, local_C, lse, g, ge, ent)
     want = fused_loss._tile_grad(x_CW, lse[:, None], local_C, g[:, None], ge[:, None], ent[:, None])
     assert got.dtype == want.dtype == torch.bfloat16
     # the same float32 values rounded once to bf16: equal but for an ulp where float32 rounding
@@ -136,12 +152,12 @@ def test_fused_loss_with_the_kernels_against_float64_log_softmax(vocab_chunk):
 
 def test_tile_kernels_refuse_what_they_do_not_take():
     x_CW, local_C = _tile(c=4, w=10)
+    m_C, s_C, xs_C, tgt_C = _running(4, torch.zeros(4))
     with pytest.raises(ValueError, match="row-contiguous"):
-        triton_loss.tile_stats(x_CW.t(), torch.zeros(10), torch.zeros(10, dtype=torch.long),
-                               torch.zeros(10), False)
-    with pytest.raises(ValueError, match="m_C must be a contiguous torch.float32"):
-        triton_loss.tile_stats(x_CW, torch.zeros(4, dtype=torch.float64), local_C,
-                               torch.zeros(4), False)
+        triton_loss.tile_stats(x_CW.t(), 0, torch.zeros(10, dtype=torch.long), torch.zeros(10),
+                               torch.zeros(10, dtype=torch.float64), None, torch.zeros(10))
+    with pytest.raises(ValueError, match="s_C must be a contiguous torch.float64"):
+        triton_loss.tile_stats(x_CW, 0, local_C, m_C, s_C.float(), xs_C, tgt_C)
     with pytest.raises(ValueError, match="needs the entropy"):
-        triton_loss.tile_grad(x_CW, torch.zeros(4), local_C, None, torch.zeros(4), None)
+        triton_loss.tile_grad(x_CW, 0, local_C, torch.zeros(4), None, torch.zeros(4), None)
     assert not triton_loss.serves(x_CW.double())

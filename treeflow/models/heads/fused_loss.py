@@ -104,21 +104,20 @@ class _FusedSelected(torch.autograd.Function):
             for r0 in range(0, e, row_chunk):
                 r1 = min(r0 + row_chunk, e)
                 h_CH, t_C, lse_C1 = hidden_EH[r0:r1], targets_E[r0:r1], lse_E[r0:r1, None]
-                g_C1 = None if grad_lp_E is None else grad_lp_E[r0:r1, None]
-                ge_C1 = None if grad_ent_E is None else grad_ent_E[r0:r1, None]
+                g_C1 = None if grad_lp_E is None else grad_lp_E[r0:r1, None].float()
+                ge_C1 = None if grad_ent_E is None else grad_ent_E[r0:r1, None].float()
                 for v0 in range(0, v, vocab_chunk):
                     v1 = min(v0 + vocab_chunk, v)
                     w_WH = w_VH[v0:v1]
                     raw_CW = F.linear(h_CH, w_WH)
-                    local_C = t_C - v0  # the target's column, where it is in this chunk
-                    if kernels and _triton_loss().serves(raw_CW):
+                    if kernels and _triton_loss().serves(raw_CW):  # one kernel, no launch more
                         gx_CW = _triton_loss().tile_grad(
-                            raw_CW, lse_C1[:, 0], local_C,
-                            None if g_C1 is None else g_C1[:, 0].float().contiguous(),
-                            None if ge_C1 is None else ge_C1[:, 0].float().contiguous(),
+                            raw_CW, v0, t_C, lse_E[r0:r1],
+                            None if g_C1 is None else g_C1[:, 0].contiguous(),
+                            None if ge_C1 is None else ge_C1[:, 0].contiguous(),
                             None if ge_C1 is None else ent_E[r0:r1])
                     else:
-                        gx_CW = _tile_grad(raw_CW, lse_C1, local_C, g_C1, ge_C1,
+                        gx_CW = _tile_grad(raw_CW, lse_C1, t_C - v0, g_C1, ge_C1,
                                            None if ge_C1 is None else ent_E[r0:r1, None])
                     if need_h:
                         grad_h[r0:r1] += (gx_CW @ w_WH.to(gx_CW.dtype)).float()
@@ -182,25 +181,21 @@ def _row_stats(h_CH, weight_VH, t_C, vocab_chunk, with_entropy, kernels=False):
     for v0 in range(0, v, vocab_chunk):
         v1 = min(v0 + vocab_chunk, v)
         raw_CW = F.linear(h_CH, weight_VH[v0:v1])
-        local_C = t_C - v0
-        if kernels and _triton_loss().serves(raw_CW):
-            m_new_C = m_C.clone()
-            e_sum_C, ex_sum_C = _triton_loss().tile_stats(raw_CW, m_new_C, local_C, tgt_C,
-                                                          with_entropy)
-        else:
-            x_CW = raw_CW.float()
-            m_new_C = torch.maximum(m_C, x_CW.amax(1))
-            e_CW = torch.exp(x_CW - m_new_C[:, None])
-            e_sum_C = e_CW.sum(1)
-            ex_sum_C = (e_CW * x_CW).sum(1) if with_entropy else None
-            inside_C = (local_C >= 0) & (local_C < v1 - v0)
-            picked_C = x_CW.gather(1, local_C.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-            tgt_C = torch.where(inside_C, picked_C, tgt_C)
+        if kernels and _triton_loss().serves(raw_CW):  # the rest of the step in one kernel
+            _triton_loss().tile_stats(raw_CW, v0, t_C, m_C, s_C, x_sum_C, tgt_C)
+            continue
+        x_CW = raw_CW.float()
+        m_new_C = torch.maximum(m_C, x_CW.amax(1))
         scale_C = torch.exp((m_C - m_new_C).double())
-        s_C = s_C * scale_C + e_sum_C.double()
+        e_CW = torch.exp(x_CW - m_new_C[:, None])
+        s_C = s_C * scale_C + e_CW.sum(1).double()
         if with_entropy:
-            x_sum_C = x_sum_C * scale_C + ex_sum_C.double()
+            x_sum_C = x_sum_C * scale_C + (e_CW * x_CW).sum(1).double()
         m_C = m_new_C
+        local_C = t_C - v0
+        inside_C = (local_C >= 0) & (local_C < v1 - v0)
+        picked_C = x_CW.gather(1, local_C.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+        tgt_C = torch.where(inside_C, picked_C, tgt_C)
     if v <= vocab_chunk:  # s_C holds one float32 sum exactly
         lse_C = torch.log(s_C.float()) + m_C
         lp_C = tgt_C - lse_C

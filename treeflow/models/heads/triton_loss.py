@@ -38,8 +38,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _loss_tile_stats(x_ptr, sx, m_ptr, t_ptr, tgt_ptr, s_ptr, xs_ptr, W, ENT: tl.constexpr,
-           BW: tl.constexpr):
+def _loss_tile_stats(x_ptr, sx, v0, t_ptr, m_ptr, s_ptr, xs_ptr, tgt_ptr, W, ENT: tl.constexpr,
+                     BW: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     row = x_ptr + r * sx
     top = tl.full([BW], float("-inf"), tl.float32)
@@ -47,7 +47,8 @@ def _loss_tile_stats(x_ptr, sx, m_ptr, t_ptr, tgt_ptr, s_ptr, xs_ptr, W, ENT: tl
         col = c0 + tl.arange(0, BW)
         x = tl.load(row + col, mask=col < W, other=float("-inf")).to(tl.float32)
         top = tl.maximum(top, x)
-    m_new = tl.maximum(tl.load(m_ptr + r), tl.max(top, axis=0))
+    m_old = tl.load(m_ptr + r)
+    m_new = tl.maximum(m_old, tl.max(top, axis=0))
     s = tl.zeros([BW], tl.float32)
     xs = tl.zeros([BW], tl.float32)
     for c0 in range(0, W, BW):
@@ -58,18 +59,20 @@ def _loss_tile_stats(x_ptr, sx, m_ptr, t_ptr, tgt_ptr, s_ptr, xs_ptr, W, ENT: tl
         s += e
         if ENT:
             xs += e * tl.where(inside, x, 0.0)  # e is 0 past the end, x -inf
+    # the running sums rescaled to the new maximum and the tile's added, in float64
+    scale = tl.exp((m_old - m_new).to(tl.float64))
     tl.store(m_ptr + r, m_new)
-    tl.store(s_ptr + r, tl.sum(s, axis=0))
+    tl.store(s_ptr + r, tl.load(s_ptr + r) * scale + tl.sum(s, axis=0).to(tl.float64))
     if ENT:
-        tl.store(xs_ptr + r, tl.sum(xs, axis=0))
-    t = tl.load(t_ptr + r)
+        tl.store(xs_ptr + r, tl.load(xs_ptr + r) * scale + tl.sum(xs, axis=0).to(tl.float64))
+    t = tl.load(t_ptr + r) - v0
     if (t >= 0) & (t < W):
         tl.store(tgt_ptr + r, tl.load(row + t).to(tl.float32))
 
 
 @triton.jit
-def _loss_tile_grad(x_ptr, sx, gx_ptr, sg, lse_ptr, t_ptr, g_ptr, ge_ptr, ent_ptr, W,
-          HAS_G: tl.constexpr, HAS_GE: tl.constexpr, BW: tl.constexpr):
+def _loss_tile_grad(x_ptr, sx, gx_ptr, sg, v0, lse_ptr, t_ptr, g_ptr, ge_ptr, ent_ptr, W,
+                    HAS_G: tl.constexpr, HAS_GE: tl.constexpr, BW: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BW + tl.arange(0, BW)
     inside = col < W
@@ -80,7 +83,7 @@ def _loss_tile_grad(x_ptr, sx, gx_ptr, sg, lse_ptr, t_ptr, g_ptr, ge_ptr, ent_pt
     if HAS_G:
         g = tl.load(g_ptr + r)
         gx = -g * p
-        gx = tl.where(col == tl.load(t_ptr + r), gx + g, gx)
+        gx = tl.where(col == tl.load(t_ptr + r) - v0, gx + g, gx)
     if HAS_GE:
         ge = tl.load(ge_ptr + r)
         gx = gx - ge * (p * (x - lse + tl.load(ent_ptr + r)))
@@ -96,63 +99,60 @@ def _width(w: int) -> int:
     return min(triton.next_power_of_2(max(w, 1)), 2048)
 
 
-def tile_stats(x_CW: torch.Tensor, m_C: torch.Tensor, local_C: torch.Tensor,
-               tgt_C: torch.Tensor, with_entropy: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One logits tile's row statistics, in one kernel.
+def tile_stats(x_CW: torch.Tensor, v0: int, t_C: torch.Tensor, m_C: torch.Tensor,
+               s_C: torch.Tensor, xs_C: torch.Tensor | None, tgt_C: torch.Tensor) -> None:
+    """Fold one logits tile (vocabulary rows v0 .. v0 + W) into its rows' running statistics,
+    in place, in one kernel:
 
-    Updates in place m_C (float32: the running maximum, now max(m_C, the tile's row maximum))
-    and tgt_C (float32: the target's logit, where local_C, the target's column in this tile,
-    lies in [0, W)). Returns s_C = sum_j exp(x_j - m_new) and, with the entropy,
-    xs_C = sum_j exp(x_j - m_new) * x_j, both float32.
+    m_C (float32): the running maximum, now m_new = max(m_C, the tile's row maximum);
+    s_C (float64): s_C * exp(m_C - m_new) + sum_j exp(x_j - m_new) (the tile's sum in float32);
+    xs_C (float64, or None without the entropy): likewise with sum_j exp(x_j - m_new) * x_j;
+    tgt_C (float32): the target's logit, where the target t_C (int64, a vocabulary id) lies in
+    this tile.
     """
     c, w = x_CW.shape
     if not serves(x_CW):
         raise ValueError(f"tile_stats takes a row-contiguous float32/bf16/fp16 [C, W] tile, "
                          f"got {x_CW.dtype} of shape {tuple(x_CW.shape)} and strides "
                          f"{x_CW.stride()}")
-    for name, v, dtype in (("m_C", m_C, torch.float32), ("tgt_C", tgt_C, torch.float32),
-                           ("local_C", local_C, torch.int64)):
-        if v.shape != (c,) or v.dtype != dtype or not v.is_contiguous():
-            raise ValueError(f"tile_stats: {name} must be a contiguous {dtype} [{c}], got "
-                             f"{v.dtype} of shape {tuple(v.shape)}")
-    s_C = torch.empty(c, dtype=torch.float32, device=x_CW.device)
-    xs_C = torch.empty(c if with_entropy else 1, dtype=torch.float32, device=x_CW.device)
+    _vectors("tile_stats", c, t_C=(t_C, torch.int64), m_C=(m_C, torch.float32),
+             s_C=(s_C, torch.float64), xs_C=(xs_C, torch.float64), tgt_C=(tgt_C, torch.float32))
     if c and w:
-        _loss_tile_stats[(c,)](x_CW, x_CW.stride(0), m_C, local_C, tgt_C, s_C, xs_C, w,
-                     ENT=with_entropy, BW=_width(w), num_warps=8)
-    elif c:  # an empty tile adds nothing
-        s_C.zero_()
-        xs_C.zero_()
-    return s_C, (xs_C if with_entropy else None)
+        _loss_tile_stats[(c,)](x_CW, x_CW.stride(0), v0, t_C, m_C, s_C,
+                               s_C if xs_C is None else xs_C, tgt_C, w,
+                               ENT=xs_C is not None, BW=_width(w), num_warps=8)
 
 
-def tile_grad(x_CW: torch.Tensor, lse_C: torch.Tensor, local_C: torch.Tensor,
+def tile_grad(x_CW: torch.Tensor, v0: int, t_C: torch.Tensor, lse_C: torch.Tensor,
               g_C: torch.Tensor | None, ge_C: torch.Tensor | None,
               ent_C: torch.Tensor | None) -> torch.Tensor:
-    """The logits tile's gradient in its own dtype, in one kernel:
-    d/dx of sum g * logprob(target) + ge * entropy, with p = exp(x - lse):
-    -g * p (+ g at the target's column local_C) - ge * p * (x - lse + entropy).
-    lse_C, g_C, ge_C, ent_C: float32 [C]; g_C or ge_C may be None (no such gradient)."""
+    """The gradient of a logits tile (vocabulary rows v0 .. v0 + W) in its own dtype, in one
+    kernel: d/dx of sum g * logprob(target) + ge * entropy, with p = exp(x - lse):
+    -g * p (+ g at the target t_C's column) - ge * p * (x - lse + entropy).
+    t_C int64, lse_C, g_C, ge_C, ent_C float32 [C]; g_C or ge_C may be None (no such
+    gradient)."""
     c, w = x_CW.shape
     if not serves(x_CW):
         raise ValueError(f"tile_grad takes a row-contiguous float32/bf16/fp16 [C, W] tile, "
                          f"got {x_CW.dtype} of shape {tuple(x_CW.shape)}")
     if ge_C is not None and ent_C is None:
         raise ValueError("tile_grad: the entropy's gradient needs the entropy (ent_C)")
-    vectors = [("lse_C", lse_C, torch.float32), ("local_C", local_C, torch.int64)]
-    vectors += [(n, v, torch.float32) for n, v in (("g_C", g_C), ("ge_C", ge_C), ("ent_C", ent_C))
-                if v is not None]
-    for name, v, dtype in vectors:
-        if v.shape != (c,) or v.dtype != dtype or not v.is_contiguous():
-            raise ValueError(f"tile_grad: {name} must be a contiguous {dtype} [{c}], got "
-                             f"{v.dtype} of shape {tuple(v.shape)}")
+    _vectors("tile_grad", c, t_C=(t_C, torch.int64), lse_C=(lse_C, torch.float32),
+             g_C=(g_C, torch.float32), ge_C=(ge_C, torch.float32), ent_C=(ent_C, torch.float32))
     gx_CW = torch.empty_like(x_CW, memory_format=torch.contiguous_format)
     if c and w:
         bw = min(_width(w), 1024)
         _loss_tile_grad[(c, triton.cdiv(w, bw))](
-            x_CW, x_CW.stride(0), gx_CW, gx_CW.stride(0), lse_C, local_C,
+            x_CW, x_CW.stride(0), gx_CW, gx_CW.stride(0), v0, lse_C, t_C,
             lse_C if g_C is None else g_C, lse_C if ge_C is None else ge_C,
             lse_C if ent_C is None else ent_C, w,
             HAS_G=g_C is not None, HAS_GE=ge_C is not None, BW=bw, num_warps=4)
     return gx_CW
+
+
+def _vectors(where: str, c: int, **vectors) -> None:
+    """ValueError unless each given (tensor, dtype) is a contiguous [c] vector of that dtype."""
+    for name, (v, dtype) in vectors.items():
+        if v is not None and (v.shape != (c,) or v.dtype != dtype or not v.is_contiguous()):
+            raise ValueError(f"{where}: {name} must be a contiguous {dtype} [{c}], got "
+                             f"{v.dtype} of shape {tuple(v.shape)}")
