@@ -198,6 +198,9 @@ def _compile_cache_restored():
     if headers is not None:  # where torch's precompiled headers go (compile_cache.point_headers)
         codecache, config = (sys.modules["torch._inductor.codecache"],
                              sys.modules["torch._inductor.config"])
+        from treeflow.compile_cache import headers_to
+
+        headers_to(codecache, headers[0])  # the memo of headers made elsewhere dropped too
         (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR, config.cpp_cache_precompile_headers,
          config.aot_inductor.precompile_headers) = headers
         if cc is not None:

@@ -122,3 +122,30 @@ def test_precompiled_headers_follow_configure_once_torch_is_imported(tmp_path):
     assert inductor_config.cpp_cache_precompile_headers
     assert inductor_config.aot_inductor.precompile_headers
     assert codecache._HEADER_LOCK_DIR == str(tmp_path / "b" / "precompiled_headers" / "locks")
+
+
+def test_a_move_forgets_the_headers_made_in_the_old_cache(tmp_path):
+    """torch memoizes each precompiled header's path: after a move (and under build_pool's hook
+    around it) the memo is dropped, so no build includes a header from a deleted cache (CI: a
+    test's cache removed at its teardown, the next test's g++ failed on its -include)."""
+    import functools
+    import types
+
+    made = []
+
+    @functools.cache
+    def precompile(header):
+        made.append(header)
+        return os.path.join(fake._HEADER_DIR, header)
+
+    fake = types.SimpleNamespace(_HEADER_DIR=str(tmp_path / "a"), _precompile_header=precompile)
+    assert fake._precompile_header("h") == str(tmp_path / "a" / "h")
+    compile_cache.headers_to(fake, str(tmp_path / "a"))  # no move: the memo stays
+    assert fake._precompile_header("h") == str(tmp_path / "a" / "h") and made == ["h"]
+    compile_cache.headers_to(fake, str(tmp_path / "b"))
+    assert fake._precompile_header("h") == str(tmp_path / "b" / "h") and made == ["h", "h"]
+    assert fake._HEADER_LOCK_DIR == str(tmp_path / "b" / "locks")
+    # build_pool's hook wraps the memoized function: the move reaches through the wrapper
+    fake._precompile_header = functools.wraps(precompile)(lambda *a: precompile(*a))
+    compile_cache.headers_to(fake, str(tmp_path / "c"))
+    assert fake._precompile_header("h") == str(tmp_path / "c" / "h") and len(made) == 3

@@ -230,8 +230,22 @@ def point_headers(codecache) -> None:
         _headers_off = False
     directory = active_dir(_HEADERS)
     if directory is not None:
-        codecache._HEADER_DIR = directory
-        codecache._HEADER_LOCK_DIR = os.path.join(directory, "locks")
+        headers_to(codecache, directory)
+
+
+def headers_to(codecache, directory: str) -> None:
+    """torch's precompiled headers into `directory`, forgetting the headers it made elsewhere:
+    torch memoizes each header's path (`_precompile_header` is a functools.cache), so a build
+    after a move would still include the old directory's header, and fail once that directory
+    is gone (a command's cache deleted, in one process that goes on)."""
+    if codecache._HEADER_DIR != directory:
+        fn = codecache._precompile_header
+        while fn is not None and not hasattr(fn, "cache_clear"):  # under build_pool's hook
+            fn = getattr(fn, "__wrapped__", None)
+        if fn is not None:
+            fn.cache_clear()
+    codecache._HEADER_DIR = directory
+    codecache._HEADER_LOCK_DIR = os.path.join(directory, "locks")
 
 
 _headers_off = False  # point_headers turned torch's header precompiling off (configure("off"))
