@@ -26,9 +26,12 @@ Two measurements per layout (exact, tree):
   window in flight) with the no-op model and an Arrow sink, as the CLI runs
   it: wall time, the process's CPU time and the main thread's CPU time, per bin.
 Each is compared with the H200's device seconds per bin of the same run
-(`bench/results/h200_bench_cli_gpu.json`: device_seconds / bins).
+(`bench/results/h200_bench_cli_gpu.json`: device_seconds / bins). `--moe`: the MoE bench's
+data instead (bench_moe_gpu.py: routes of 4 MoE layers x top-8 of 128 experts on every token,
+replayed), where the routes are most of the host's bytes.
 
     python bench/bench_host_cpu.py            # ~1 minute on 2 cores; JSON to bench/results/
+    python bench/bench_host_cpu.py --moe --repeats 2   # ~3 minutes
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class NoopBackend:
             return AttentionPlan(subtree_end_N, kernel="flex", pad_to=self.max_tokens)
         return AttentionPlan(subtree_end_N, kernel="causal")
 
-    def hidden_states(self, tokens_N, positions_N, plan):
+    def hidden_states(self, tokens_N, positions_N, plan, **routes):
         return torch.zeros(len(tokens_N), 0)  # [N, 0]: selecting edge rows costs nothing
 
     def edge_logprobs(self, hidden_EH, targets_E, *, chunk_size, with_entropy,
@@ -138,7 +141,7 @@ def _engine(path, layout, max_tokens, window, runner, out_dir) -> dict:
                     Forward(), Reassemble())
     from treeflow.pipeline.plan import Worker
 
-    worker = Worker(pipe.plan, runner=runner, trainer=None)
+    worker = Worker(pipe.plan, runner=runner)
     source = Files(paths=(path,), episodes_per_step=window, vocab_size=runner.vocab_size)
     bins = 0
     wall0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -174,15 +177,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-results", default=os.path.join(HERE, "results", "h200_bench_cli_gpu.json"))
     ap.add_argument("--label", default="after", help="a name for this code version in the JSON")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_host_per_bin.json"))
+    ap.add_argument("--out", default=None, help="default: results/cpu_host_per_bin.json, "
+                    "with --moe results/cpu_host_per_bin_moe.json")
+    ap.add_argument("--moe", action="store_true",
+                    help="bench_moe_gpu.py's data: the 4-layer Qwen3-30B-A3B shape's routes "
+                         "(4 MoE layers x top-8 of 128 experts a token) replayed, --routing replay")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(HERE, "results", "cpu_host_per_bin_moe.json" if args.moe
+                                        else "cpu_host_per_bin.json")
     torch.set_num_threads(1)  # the host's work, not torch's intra-op threads
     work = tempfile.mkdtemp(prefix="treeflow-host-")
     path = os.path.join(work, "episodes.arrow")
+    if args.moe:  # = treeflow synth --routes-from the checkpoint, bench_moe_gpu.py
+        sys.path.insert(0, HERE)
+        from bench_moe_gpu import shape
+
+        config = ModelConfig.from_hf_dict(shape(4, False))
+        routes = dict(routes=config.moe.top_k, route_layers=len(config.moe.moe_layers),
+                      num_experts=config.moe.num_experts)
+    else:  # = treeflow synth, bench_cli_gpu.py
+        config, routes = ModelConfig(**QWEN2_05B), {}
     write_episodes(synth_episodes(episodes=args.episodes, group_size=8, turns=(3, 10),
-                                  vocab_size=32000, seed=0), path)  # = treeflow synth, bench_cli_gpu.py
-    config = ModelConfig(**QWEN2_05B)
-    runner = ForwardRunner(Forward(), NoopBackend(config, args.max_tokens))
+                                  vocab_size=32000, seed=0, **routes), path)
+    runner = ForwardRunner(Forward(routing="replay" if args.moe else "auto"),
+                           NoopBackend(config, args.max_tokens))
     gpu = {}
     if os.path.exists(args.gpu_results):
         for shape, res in json.load(open(args.gpu_results))["shapes"].items():
@@ -190,7 +208,9 @@ def main() -> None:
                 r = res.get(f"replay_{layout}")
                 if isinstance(r, dict) and r.get("device_seconds"):
                     gpu.setdefault(layout, {})[shape] = round(1000 * r["device_seconds"] / r["bins"], 1)
-    result = {"label": args.label, "settings": vars(args), "torch_threads": 1,
+    settings = {k: (os.path.relpath(v, ROOT) if k in ("gpu_results", "out") else v)
+                for k, v in vars(args).items()}  # no machine paths in results
+    result = {"label": args.label, "settings": settings, "torch_threads": 1,
               "loadavg_before": os.getloadavg(), "layouts": {}}
     for layout in ("exact", "tree"):
         passes = [_stages(path, layout, args.max_tokens, args.window, runner, work)

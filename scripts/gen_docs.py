@@ -55,6 +55,7 @@ COMMANDS = (
     ("cpu_engines", "python bench/bench_engines_cpu.py"),
     ("h200host_cpu_engines", "python bench/bench_engines_cpu.py"),
     ("cpu_grpo_toy", "python examples/grpo_toy.py --steps 40 --plot docs/plots/grpo_toy.png"),
+    ("cpu_host_per_bin_moe", "python bench/bench_host_cpu.py --moe --repeats 2"),
     ("cpu_host_per_bin", "python bench/bench_host_cpu.py"),
     ("cpu_hybrid_forks", "python bench/bench_hybrid_forks_cpu.py"),
     ("cpu_plan_scale", "python bench/bench_plan_scale.py --episodes 1000,8000,64000 "
