@@ -2,8 +2,9 @@
 and no expert twice in a layer's top-k, the first offence named by bin, position and MoE layer.
 
 Oracle: a per-route loop in Python (`len(set(route)) < k`, `min < 0 or max >= E`). Planted and
-seen failing: the pair loop stopping one slot short (slot k-1 never compared), the unsigned view
-dropped (a negative id passing), sentinel routes not exempted.
+seen failing: the pair loop stopping one slot short (slot k-1 never compared), the range check
+skipping the last slot, the unsigned view dropped (a negative id passing), sentinel routes not
+exempted.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def test_an_expert_twice_is_named_wherever_its_two_slots_are(i, j):
         _check(ids_NW)
 
 
-@pytest.mark.parametrize("bad", [E, 4000, -2, -1])
-def test_an_id_outside_the_experts_is_named(bad):
+@pytest.mark.parametrize("bad,slot", [(E, 3), (4000, 0), (-2, K - 1), (-1, 3), (E, K - 1)])
+def test_an_id_outside_the_experts_is_named(bad, slot):
     ids_NW = _routes()
-    ids_NW[42, 2 * K + 3] = bad  # one id of layer 2 (a lone -1 is no sentinel)
+    ids_NW[42, 2 * K + slot] = bad  # one id of layer 2 (a lone -1 is no sentinel)
     assert _by_loop(ids_NW) == (42, 2)
     with pytest.raises(ValueError, match=r"bin 0, the token at position 42, MoE layer 2: "
                                          r"routed_experts .* outside \[0, 128\)"):

@@ -219,9 +219,9 @@ class ForwardRunner:
         """int64 ids on the device in one copy; compact=np.int16 copies them at that width and
         widens them on the device (routes: a quarter of the bytes to pin and copy, no int64
         array built on the host)."""
+        if self.device.type != "cuda":  # one copy at most, widening as it goes
+            return torch.from_numpy(np.require(values, np.int64, ["C", "W"]))
         host = torch.from_numpy(np.require(values, compact or np.int64, ["C", "W"]))
-        if self.device.type != "cuda":
-            return host.long()
         return host.pin_memory().to(self.device, non_blocking=True).long()
 
     def _check_vocab(self, bins, off, val) -> None:
