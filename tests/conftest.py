@@ -219,6 +219,28 @@ def _compile_cache_restored():
         inductor, functorch = (sys.modules.get("torch._inductor.config"),
                                sys.modules.get("torch._functorch.config"))
         inductor.fx_graph_cache, functorch.enable_autograd_cache = flags
+    if headers is None and "torch._inductor.codecache" in sys.modules:
+        _torch_headers_to_default()  # imported during the test, maybe into its tmp_path
+
+
+def _torch_headers_to_default():
+    """Where torch's import puts its precompiled headers (its cache directory, from the
+    environment just restored) and its header flags' defaults: for a test during which torch's
+    codecache was first imported, so no header in that test's deleted tmp_path is used later."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from treeflow.compile_cache import headers_to
+
+    codecache, config = (sys.modules["torch._inductor.codecache"],
+                         sys.modules["torch._inductor.config"])
+    headers_to(codecache, os.path.join(default_cache_dir(), "precompiled_headers"))
+    for name in ("cpp_cache_precompile_headers", "aot_inductor.precompile_headers"):
+        entry = config._config[name]
+        section, _, flag = name.rpartition(".")
+        setattr(getattr(config, section) if section else config, flag, entry.default)
+    cc = sys.modules.get("treeflow.compile_cache")
+    if cc is not None:
+        cc._headers_off = False
 
 
 def _torch_headers():

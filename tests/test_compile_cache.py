@@ -139,6 +139,7 @@ def test_a_move_forgets_the_headers_made_in_the_old_cache(tmp_path):
         return os.path.join(fake._HEADER_DIR, header)
 
     fake = types.SimpleNamespace(_HEADER_DIR=str(tmp_path / "a"), _precompile_header=precompile)
+    (tmp_path / "a").mkdir()
     assert fake._precompile_header("h") == str(tmp_path / "a" / "h")
     compile_cache.headers_to(fake, str(tmp_path / "a"))  # no move: the memo stays
     assert fake._precompile_header("h") == str(tmp_path / "a" / "h") and made == ["h"]
@@ -149,3 +150,5 @@ def test_a_move_forgets_the_headers_made_in_the_old_cache(tmp_path):
     fake._precompile_header = functools.wraps(precompile)(lambda *a: precompile(*a))
     compile_cache.headers_to(fake, str(tmp_path / "c"))
     assert fake._precompile_header("h") == str(tmp_path / "c" / "h") and len(made) == 3
+    compile_cache.headers_to(fake, str(tmp_path / "c"))  # the same, but gone: forgotten too
+    assert fake._precompile_header("h") == str(tmp_path / "c" / "h") and len(made) == 4

@@ -238,8 +238,8 @@ def headers_to(codecache, directory: str) -> None:
     torch memoizes each header's path (`_precompile_header` is a functools.cache), so a build
     after a move would still include the old directory's header, and fail once that directory
     is gone (a command's cache deleted, in one process that goes on)."""
-    if codecache._HEADER_DIR != directory:
-        fn = codecache._precompile_header
+    if getattr(codecache, "_HEADER_DIR", None) != directory or not os.path.isdir(directory):
+        fn = getattr(codecache, "_precompile_header", None)  # absent from older torch
         while fn is not None and not hasattr(fn, "cache_clear"):  # under build_pool's hook
             fn = getattr(fn, "__wrapped__", None)
         if fn is not None:

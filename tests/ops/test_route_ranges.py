@@ -75,3 +75,12 @@ def test_the_first_offence_in_node_order_is_named():
     assert _by_loop(ids_NW) == (60, 2)
     with pytest.raises(ValueError, match=r"position 60, MoE layer 2"):
         _check(ids_NW[:, :])
+
+
+def test_a_negative_id_is_caught_where_the_experts_outnumber_int16():
+    """With more experts than an int16 holds, a negative id viewed unsigned lies among them."""
+    ids_NW = _routes()
+    ids_NW[9, 4] = -30000  # 35536 unsigned, below 40000
+    with pytest.raises(ValueError, match=r"position 9, MoE layer 0: .* outside \[0, 40000\)"):
+        check_route_ranges(ids_NW, top_k=K, num_experts=40000, bin_of=lambda n: 0,
+                           position_of=lambda n: n)

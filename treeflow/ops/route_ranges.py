@@ -33,6 +33,8 @@ def check_route_ranges(ids_NW: np.ndarray, *, top_k: int, num_experts: int, bin_
     out_NL = as_unsigned[0] >= num_experts
     for i in range(1, top_k):
         out_NL |= as_unsigned[i] >= num_experts
+    if unsigned and num_experts > np.iinfo(ids_NW.dtype).max:  # a negative id could pass as big
+        out_NL |= (ids_KNL < 0).any(axis=0)
     # an expert twice: each pair of top-k slots compared (k(k-1)/2 passes over [N, L]; sorting
     # every token's k ids cost a routed replay's feeding thread ~0.3 s a window)
     twice_NL = np.zeros(ids_NLK.shape[:2], dtype=bool)

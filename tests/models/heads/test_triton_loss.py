@@ -161,3 +161,15 @@ def test_tile_kernels_refuse_what_they_do_not_take():
     with pytest.raises(ValueError, match="needs the entropy"):
         triton_loss.tile_grad(x_CW, 0, local_C, torch.zeros(4), None, torch.zeros(4), None)
     assert not triton_loss.serves(x_CW.double())
+
+
+def test_strided_targets_reach_the_kernels_as_the_eager_path_takes_them():
+    """A column of a wider table arrives strided; the kernels take it as eager does."""
+    gen = torch.Generator().manual_seed(8)
+    h, w = torch.randn(12, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    table = torch.randint(0, 50, (12, 3), generator=gen)
+    got = fused_loss.fused_selected_logprobs(w, h, table[:, 1], row_chunk=4, vocab_chunk=16,
+                                             with_entropy=False, kernels=True)[0]
+    want = fused_loss.fused_selected_logprobs(w, h, table[:, 1].clone(), row_chunk=4,
+                                              vocab_chunk=16, with_entropy=False, kernels=False)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -20,6 +20,8 @@ R = N*K routed rows.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -161,8 +163,9 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True,
 
 
 def _fused(device: torch.device) -> bool:
-    """The Triton kernels (models/moe/triton_moe.py) by default where they compile: on CUDA."""
-    return device.type == "cuda"
+    """The Triton kernels (models/moe/triton_moe.py) by default where they compile: on CUDA, with
+    Triton installed (an optional extra)."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _triton_moe():
