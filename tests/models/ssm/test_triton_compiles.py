@@ -1,4 +1,6 @@
-"""Every Triton kernel of the Mamba-2 tree scan, conv and norms compiles for an H100 (sm_90), on CPU.
+"""Every Triton kernel of treeflow compiles for an H100 (sm_90), on CPU: the Mamba-2 tree scan, conv and
+norms, the MoE experts' SwiGLU and combine (models/moe/triton_moe.py) and the fused loss's
+tiles (models/heads/triton_loss.py).
 
 The CPU tests run the kernels in Triton's interpreter (test_ssm_triton.py), which executes
 them as Python: it cannot show what only the compiler rejects. One such bug shipped there: a
@@ -26,7 +28,8 @@ repo: a Triton installed aside (`pip install --target`) put first on it is the o
 with.
 
 Plants: `mm`'s bf16 branch as an early return (the shipped form): 24 bf16 compiles (12
-cases, each both ways) fail, each named with the compiler's reason; the CSR loops' slot
+cases, each both ways) fail, each named with the compiler's reason; the loss tile's float32
+running sum made float64 inside its loop (a loop-carried type change the interpreter runs); the CSR loops' slot
 vectors 1-D again, under Triton 3.6.0 or 3.7.1: the 4 aligned compiles of `token_x_bwd` and
 `token_sum` fail, the unaligned pass.
 Not covered: wrong numbers at run time (tests/gpu/test_gpu_scan.py on a GPU).
@@ -47,7 +50,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 # pointer arguments that hold int64 ids or maps; every other pointer is a float tensor
 INT64 = {"src_ptr", "dst_ptr", "a_map", "seg_ptr", "rows_ptr", "kptr_ptr", "kids_ptr",
-         "rowptr_ptr", "slots_ptr", "idx_ptr", "ptr_ptr", "tap_ptr", "map_ptr"}
+         "rowptr_ptr", "slots_ptr", "idx_ptr", "ptr_ptr", "tap_ptr", "map_ptr",
+         "inv_ptr", "t_ptr"}  # the MoE combine's inverse permutation, the loss's target ids
+# (kernel, pointer) that are float64 whatever the model's dtype: the fused loss's running sums
+# (the scan's s_ptr is a float32 state)
+F64 = {("_loss_tile_stats", "s_ptr"), ("_loss_tile_stats", "xs_ptr")}
 
 
 # constexpr name -> the values compiled (each kernel: every combination of its own)
@@ -56,11 +63,13 @@ CONSTEXPRS = {"INTERPRET": (False,), "FROM_END": (True, False),
               "BL": (16,), "BP": (16,), "BN": (16,), "BC": (128,), "BT": (32,), "BW": (256,),
               "K": (4,), "KP": (4,), "HAS_BIAS": (True,), "ACC": ("float32", "float64"),
               "GATED": (True, False), "ROUND": (True, False), "BS": (512,),
-              "KEEP": (True, False), "BR": (64,)}
+              "KEEP": (True, False), "BR": (64,),
+              "ENT": (True, False), "HAS_G": (True, False), "HAS_GE": (True, False)}
 # pointers that are bf16 where the model runs in bf16 (the launches' inputs, outputs and state
 # tables; accumulators stay float32); with ACC=float64 every float pointer is float64
 BF16 = {"x_ptr", "b_ptr", "c_ptr", "dt_ptr", "y_ptr", "dy_ptr", "dx_ptr", "ddt_ptr", "out_ptr",
-        "table_ptr", "prev_ptr", "init_ptr", "z_ptr", "w_ptr", "dz_ptr"}
+        "table_ptr", "prev_ptr", "init_ptr", "z_ptr", "w_ptr", "dz_ptr",
+        "h_ptr", "d_ptr", "dh_ptr", "dout_ptr", "gx_ptr"}  # the MoE and loss kernels' rows
 FLOAT_ARGS = {"eps"}  # float scalars (every other non-pointer argument is an int)
 
 
@@ -69,10 +78,12 @@ def _kernels():
     (helpers return values; the conv's store helper writes through a pointer it is given)."""
     import ast
 
+    from treeflow.models.heads import triton_loss
+    from treeflow.models.moe import triton_moe
     from treeflow.models.ssm import triton_bwd, triton_conv, triton_norm, triton_scan
 
     out = []
-    for mod in (triton_scan, triton_bwd, triton_conv, triton_norm):
+    for mod in (triton_scan, triton_bwd, triton_conv, triton_norm, triton_moe, triton_loss):
         for name, fn in vars(mod).items():
             src = getattr(fn, "src", None)
             if src is None or getattr(fn, "__module__", None) != mod.__name__ or \
@@ -112,6 +123,8 @@ def _cases():
                         sig[a] = "i32"
                     elif a in INT64:
                         sig[a] = "*i64"
+                    elif (fn.__name__, a) in F64:
+                        sig[a] = "*fp64"
                     else:
                         sig[a] = "*fp64" if f64 else "*bf16" if bf16 and a in BF16 else "*fp32"
                 out.append((fn, const, sig))
@@ -193,8 +206,8 @@ def test_every_scan_and_conv_kernel_compiles_for_sm90(tmp_path):
 
 
 def test_the_bin_size_is_not_specialized():
-    """Every launched kernel taking the bin's token count N leaves it unspecialized, so one
-    compile serves bins of every size: a warm-up on the budget's 16-divisible size and a
+    """Every launched kernel taking the bin's token count N (or its routed row count R) leaves
+    it unspecialized, so one compile serves bins of every size: a warm-up on the budget's 16-divisible size and a
     run's first odd-sized bin would otherwise compile each kernel twice on a GPU (inside the
     first windows, where a user waits). Read in a process without TRITON_INTERPRET (the
     interpreter's functions carry no launcher parameters). Plant: drop it from one kernel."""
@@ -202,12 +215,13 @@ def test_the_bin_size_is_not_specialized():
     env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
     code = ("from tests.models.ssm.test_triton_compiles import _kernels\n"
             "for fn in _kernels():\n"
-            "    if 'N' in fn.arg_names:\n"
-            "        p = fn.params[fn.arg_names.index('N')]\n"
-            "        print(fn.__name__, p.do_not_specialize)\n")
+            "    for a in ('N', 'R'):\n"
+            "        if a in fn.arg_names:\n"
+            "            p = fn.params[fn.arg_names.index(a)]\n"
+            "            print(fn.__name__, p.do_not_specialize)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = dict(line.split() for line in out.stdout.splitlines())
-    assert len(seen) >= 10, seen  # the scan's, the backward's and the conv's
+    assert len(seen) >= 14, seen  # the scan's, the backward's, the conv's, the MoE's
     assert all(v == "True" for v in seen.values()), seen

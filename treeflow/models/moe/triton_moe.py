@@ -43,7 +43,7 @@ __all__ = ["combine", "swiglu"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one compile for every bin size
 def _swiglu_fwd(h_ptr, sh, out_ptr, so, R, I, BR: tl.constexpr, BC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
     col = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
@@ -54,7 +54,7 @@ def _swiglu_fwd(h_ptr, sh, out_ptr, so, R, I, BR: tl.constexpr, BC: tl.constexpr
     store(out_ptr, row * so + col, s * u, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _swiglu_bwd(h_ptr, sh, d_ptr, sd, dh_ptr, R, I, BR: tl.constexpr, BC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
     col = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
@@ -69,7 +69,7 @@ def _swiglu_bwd(h_ptr, sh, d_ptr, sd, dh_ptr, R, I, BR: tl.constexpr, BC: tl.con
     store(dh_ptr, row * 2 * I + col, ds * sig * (1.0 + g * (1.0 - sig)), mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _combine_fwd(out_ptr, so, w_ptr, inv_ptr, y_ptr, N, H, K: tl.constexpr,
                  ROUND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     n = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -86,7 +86,7 @@ def _combine_fwd(out_ptr, so, w_ptr, inv_ptr, y_ptr, N, H, K: tl.constexpr,
     store(y_ptr, n[:, None] * H + col[None, :], acc, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _combine_bwd(dy_ptr, sdy, out_ptr, so, w_ptr, inv_ptr, dout_ptr, dw_ptr, N, H,
                  K: tl.constexpr, ROUND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     n = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
