@@ -80,3 +80,31 @@ def test_tile_kernels_match_the_formulas_in_float32():
     gx = triton_loss.tile_grad(x, 0, local, lse.float(), gl, ge, ent.float())
     want = _grad_by_hand(x64, lse, local, gl.double(), ge.double(), ent)
     torch.testing.assert_close(gx.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_window_s_unaligned_target_slice_builds_no_second_kernel():
+    """A bin's targets are a slice of the window's transfer, 8 bytes off a 16-byte boundary as
+    often as not; Triton compiles one kernel per pointer alignment, so without the copy in
+    `_aligned` the first window built `_loss_tile_stats` again after the warm-up (H100)."""
+    from treeflow.models.compile import jit_watch
+    from treeflow.models.heads import triton_loss
+
+    jit_watch.install()
+    c, w = 64, 4096
+    x = torch.randn(c, w, device="cuda")
+    buffer = torch.randint(0, w, (c + 1,), device="cuda")
+
+    def both(t):
+        m, tgt = torch.full((c,), float("-inf"), device="cuda"), torch.zeros(c, device="cuda")
+        triton_loss.tile_stats(x, 0, t, m, torch.zeros(c, device="cuda", dtype=torch.float64),
+                               None, tgt)
+        triton_loss.tile_grad(x, 0, t, m, tgt, None, None)
+        return tgt
+
+    both(buffer[:c].clone())
+    mark = jit_watch.met()
+    unaligned = buffer[1:]
+    assert unaligned.data_ptr() % 16 == 8
+    got = both(unaligned)
+    assert not jit_watch.since(mark), jit_watch.since(mark)
+    assert torch.equal(got, x.gather(1, unaligned[:, None])[:, 0])

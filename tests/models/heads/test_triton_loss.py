@@ -173,3 +173,16 @@ def test_strided_targets_reach_the_kernels_as_the_eager_path_takes_them():
     want = fused_loss.fused_selected_logprobs(w, h, table[:, 1].clone(), row_chunk=4,
                                               vocab_chunk=16, with_entropy=False, kernels=False)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_vectors_off_a_16_byte_boundary_reach_the_kernels_as_aligned_copies():
+    """Triton compiles a kernel per pointer alignment: a window's target slice 8 bytes off a
+    boundary would build a second kernel after the warm-up's aligned one (tests/gpu checks the
+    builds)."""
+    buffer = torch.arange(9, dtype=torch.int64)
+    aligned, unaligned = buffer[:8], buffer[1:]
+    assert aligned.data_ptr() % 16 == 0 and unaligned.data_ptr() % 16 == 8
+    assert triton_loss._aligned(aligned) is aligned
+    copy = triton_loss._aligned(unaligned)
+    assert copy.data_ptr() % 16 == 0 and torch.equal(copy, unaligned)
+    assert triton_loss._aligned(None) is None

@@ -118,6 +118,7 @@ def tile_stats(x_CW: torch.Tensor, v0: int, t_C: torch.Tensor, m_C: torch.Tensor
     _vectors("tile_stats", c, t_C=(t_C, torch.int64), m_C=(m_C, torch.float32),
              s_C=(s_C, torch.float64), xs_C=(xs_C, torch.float64), tgt_C=(tgt_C, torch.float32))
     if c and w:
+        t_C = _aligned(t_C)
         _loss_tile_stats[(c,)](x_CW, x_CW.stride(0), v0, t_C, m_C, s_C,
                                s_C if xs_C is None else xs_C, tgt_C, w,
                                ENT=xs_C is not None, BW=_width(w), num_warps=8)
@@ -141,6 +142,7 @@ def tile_grad(x_CW: torch.Tensor, v0: int, t_C: torch.Tensor, lse_C: torch.Tenso
              g_C=(g_C, torch.float32), ge_C=(ge_C, torch.float32), ent_C=(ent_C, torch.float32))
     gx_CW = torch.empty_like(x_CW, memory_format=torch.contiguous_format)
     if c and w:
+        t_C, lse_C, g_C, ge_C, ent_C = map(_aligned, (t_C, lse_C, g_C, ge_C, ent_C))
         bw = min(_width(w), 1024)
         _loss_tile_grad[(c, triton.cdiv(w, bw))](
             x_CW, x_CW.stride(0), gx_CW, gx_CW.stride(0), v0, lse_C, t_C,
@@ -148,6 +150,14 @@ def tile_grad(x_CW: torch.Tensor, v0: int, t_C: torch.Tensor, lse_C: torch.Tenso
             lse_C if ent_C is None else ent_C, w,
             HAS_G=g_C is not None, HAS_GE=ge_C is not None, BW=bw, num_warps=4)
     return gx_CW
+
+
+def _aligned(v: torch.Tensor | None) -> torch.Tensor | None:
+    """`v`, copied if it starts off a 16-byte boundary (a slice of the bin's targets). Triton
+    compiles a kernel per pointer alignment; the warm-up's fresh vectors are aligned, and a
+    window's unaligned slice would build a second specialization inside that window (seen on an
+    H100: `_loss_tile_stats` built at step 0). The copy is C elements."""
+    return v if v is None or v.data_ptr() % 16 == 0 else v.clone()
 
 
 def _vectors(where: str, c: int, **vectors) -> None:
