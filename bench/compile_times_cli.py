@@ -95,6 +95,8 @@ def _time_warm_up() -> None:
             k: round(v, 3) for k, v in getattr(self, "warm_up_parts", {}).items()}}
         if hasattr(self, "warm_up_builds"):  # the ahead-of-time builds' pool (build_pool.py)
             _WARM_UP["warm_up_builds"] = {k: round(v, 3) for k, v in self.warm_up_builds.items()}
+        if hasattr(self, "warm_up_ahead"):  # the first pass's Triton builds (jit_watch.py)
+            _WARM_UP["warm_up_ahead"] = dict(self.warm_up_ahead)
         return seconds + imports
 
     runner.ForwardRunner.warm_up = warm_up

@@ -113,3 +113,23 @@ def test_block_tables_of_many_random_small_block_trees_match_a_walked_ancestor_m
         full_seen += int(full.sum())
         partial_seen += int((seen & ~full).sum())
     assert full_seen > 100 and partial_seen > 100  # both kinds of block were exercised
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_the_warm_up_stand_in_has_flex_attentions_output_shapes_and_dtypes(return_lse):
+    """While the flex graph builds, the warm-up's first pass takes `_flex_shaped`'s unwritten
+    outputs (Precompiled's stand_in, models/compile/jit_watch.py); the pass goes on to layers
+    that must see flex's own shapes and dtypes: grouped queries, a value width unlike the
+    keys', bf16 values with a float32 log-sum-exp."""
+    n, padded, block = 20, 32, 16
+    end = np.arange(1, n + 1)  # a chain
+    entry = flex_mask.mask_entry(end, padded, block, torch.device("cpu"))
+    q = torch.randn(1, 4, padded, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, padded, 16, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, padded, 8, dtype=torch.bfloat16)
+    args = (q, k, v, *entry.tables, block, None, return_lse, None)
+    want = flex_mask._flex_call(*args)
+    got = flex_mask._flex_shaped(*args)
+    want, got = (t if isinstance(t, tuple) else (t,) for t in (want, got))
+    assert [(t.shape, t.dtype, t.device) for t in got] == \
+        [(t.shape, t.dtype, t.device) for t in want]

@@ -374,3 +374,33 @@ def test_a_build_waiting_for_the_shared_header_lock_lets_the_trace_lock_go(monke
     threading.Thread(target=warm_up, daemon=True).start()
     assert done.wait(HANG_S), "the two builds wait on each other"
     assert errors == [None, None]
+
+
+def test_in_the_warm_ups_first_pass_a_building_graph_answers_with_its_stand_in(
+        cache, monkeypatch):
+    """jit_watch.compile_ahead(): a part whose graph builds and that may not run eager (flex)
+    answers with its stand-in, so the pass goes on; after the pass the call waits for the
+    build and runs the graph."""
+    pytest.importorskip("triton")
+    import concurrent.futures
+
+    from treeflow.models.compile import jit_watch, precompiled
+
+    p = precompiled.Precompiled(torch.relu, backend="inductor", name="stands_in", dynamic=(0,),
+                                ahead_of_time=True, stand_in=lambda x: "stand-in")
+    future = concurrent.futures.Future()
+    pending = build_pool.Pending("stands_in", future, lambda error: lambda a, k: "built")
+    monkeypatch.setattr(p, "_graph", lambda args, kwargs: pending)
+    x = torch.randn(8, 4)
+    # a pass that waited instead would hang: the build ends after 5 s and the pass sees "built"
+    timer = threading.Timer(5.0, lambda: future.done() or future.set_result(None))
+    timer.start()
+    with torch.no_grad(), build_pool.together(2):
+        with jit_watch.compile_ahead(1):
+            assert jit_watch.ahead()
+            assert p(x) == "stand-in"
+        assert not jit_watch.ahead()
+        timer.cancel()
+        if not future.done():
+            future.set_result(None)
+        assert p(x) == "built"

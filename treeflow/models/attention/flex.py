@@ -90,7 +90,20 @@ def precompiled_flex(backend: str):
     """`_flex_call` compiled with `backend` (inductor on CUDA; eager on CPU, as flex's own eager
     path), one variant per padded length, saved whole in the compile cache."""
     return precompiled.Precompiled(_flex_call, backend=backend, name=f"flex_attention_{backend}",
-                                   recompile_limit=FLEX_RECOMPILE_LIMIT)
+                                   recompile_limit=FLEX_RECOMPILE_LIMIT, stand_in=_flex_shaped)
+
+
+def _flex_shaped(q_1QLD, k_1KLD, v_1KLD, end_L, depth_L, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i,
+                 fq_n, fq_i, block_size: int, window: int | None, return_lse: bool,
+                 kernel_options: dict | None):
+    """`_flex_call`'s outputs, unwritten: the warm-up's first pass answers with these while the
+    flex graph builds (Precompiled's stand_in), where flex's eager form would materialise every
+    score. Shapes and dtypes as flex_attention's: q's with v's last dimension, and the
+    log-sum-exp in float32 when asked for."""
+    out = q_1QLD.new_empty(*q_1QLD.shape[:-1], v_1KLD.shape[-1])
+    if not return_lse:
+        return out
+    return out, q_1QLD.new_empty(q_1QLD.shape[:-1], dtype=torch.float32)
 
 
 class _LRU:

@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from treeflow import atomic, compile_cache
-from treeflow.models.compile import aoti, build_pool, graph_key, vec_isa
+from treeflow.models.compile import aoti, build_pool, graph_key, jit_watch, vec_isa
 
 __all__ = ["Precompiled", "api_present", "available", "stats"]
 
@@ -98,7 +98,8 @@ class Precompiled:
 
     def __init__(self, fn, *, backend: str, name: str,
                  dynamic: tuple[int, ...] | None = None, recompile_limit: int | None = None,
-                 ahead_of_time: bool | None = None, eager_while_building: bool = False) -> None:
+                 ahead_of_time: bool | None = None, eager_while_building: bool = False,
+                 stand_in=None) -> None:
         self.fn, self.backend, self.name, self.dynamic = fn, backend, name, dynamic
         self.recompile_limit = recompile_limit  # dynamo's, for the torch.compile fallback
         # calls without grad as AOTInductor graphs (compile/aoti.py): None = on CUDA (where inductor
@@ -107,6 +108,10 @@ class Precompiled:
         # inside build_pool.together(): a call whose graph is still building runs fn eagerly
         # (True) or waits for the build (False: where eager is no cheap stand-in, as flex's)
         self.eager_while_building = eager_while_building
+        # what a call answers while its graph builds in the warm-up's first pass, whose values
+        # nothing reads (jit_watch.compile_ahead): outputs of the right shapes, unwritten, so
+        # the pass goes on and the build overlaps the rest of its builds; None: wait for it
+        self.stand_in = stand_in
         self._fallback = None  # the torch.compile'd fn, made on first need
         self._variants: dict = {}  # compile cache directory -> the variants from it
         self._graphs: dict = {}  # compile cache directory -> {call signature: aoti graph | None}
@@ -127,6 +132,8 @@ class Precompiled:
             if isinstance(graph, build_pool.Pending):  # built in the warm-up's pool
                 if self.eager_while_building and build_pool.active() is not None:
                     return self.fn(*args, **kwargs)
+                if self.stand_in is not None and jit_watch.ahead():
+                    return self.stand_in(*args, **kwargs)
                 graph = graph.wait()  # no pool in force (its finish cut short): the graph
             if graph is not None:
                 return graph(args, kwargs)
