@@ -1,4 +1,5 @@
-"""Triton kernels built after the warm-up are counted by name (models/compile/jit_watch.py).
+"""Triton kernels built after the warm-up are counted by name, and the warm-up's first pass hands
+builds to threads (models/compile/jit_watch.py).
 
 Triton calls its `jit_cache_hook` before each build of a kernel specialization; on CPU (the
 interpreter builds nothing) the hook is called here as Triton calls it, with keyword arguments
@@ -9,7 +10,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 from triton import knobs  # noqa: E402
-from triton.runtime.jit import JitFunctionInfo  # noqa: E402
+from triton.runtime.jit import JITFunction, JitFunctionInfo  # noqa: E402
 
 from treeflow.models.compile import jit_watch  # noqa: E402
 from treeflow.pipeline.local import _finish, _GraphCounter  # noqa: E402
@@ -91,3 +92,40 @@ def test_a_window_says_the_kernels_it_built(fresh, capsys):
     assert second.stats["kernel_builds"] == 0 and capsys.readouterr().err == ""
     cold = _finish(1, 0, 4, _Window(), {}, _GraphCounter(warmed=False))
     assert "kernel_builds" not in cold.stats  # no warm-up: the first window is the warm-up
+
+
+def test_a_first_pass_hook_without_a_specialization_lets_the_launch_build_it(fresh, capsys):
+    """compile_ahead on a Triton whose hook says too little to build elsewhere: the launch
+    builds as before (counted), and stderr says so once."""
+    jit_watch._say_once.cache_clear()
+    with jit_watch.compile_ahead(1) as ahead:
+        assert _build("_loss_tile_stats") is None and _build("_loss_tile_grad") is None
+    assert ahead.submitted == 0 and jit_watch.since(0) == {"_loss_tile_stats": 1,
+                                                           "_loss_tile_grad": 1}
+    assert capsys.readouterr().err.count("builds its kernels one after another") == 1
+
+
+def _never_built(x_ptr):
+    pass
+
+
+def test_a_build_that_fails_ahead_is_named_and_left_to_the_real_pass(fresh, capsys):
+    """A first-pass launch is skipped and its build handed to a thread, once per
+    specialization; a build that fails there (here: no GPU to build for) is named on leaving,
+    and the real pass builds it where its error surfaces."""
+    jit = JITFunction(_never_built)  # a compiled kernel's object (tests interpret ours)
+    info = JitFunctionInfo(jit.module, "_loss_tile_stats", jit)
+
+    def launch():
+        return knobs.runtime.jit_cache_hook(
+            key=("spec",), repr="", fn=info, compile={"specialization_data": "{}", "device": 0},
+            is_manual_warmup=False, already_compiled=False)
+
+    with jit_watch.compile_ahead(2) as ahead:
+        assert jit_watch.ahead()
+        assert launch() is True and launch() is True  # skipped, one build handed over
+    assert not jit_watch.ahead()
+    assert ahead.submitted == 1 and list(ahead.failed) == ["_loss_tile_stats"]
+    assert "1 Triton kernel(s) failed to build ahead (_loss_tile_stats:" in capsys.readouterr().err
+    assert launch() is None  # after the pass: the launch builds it, counted
+    assert jit_watch.since(0) == {"_loss_tile_stats": 1}
