@@ -89,21 +89,22 @@ def test_scan_kernel_choice_and_refusals(monkeypatch, capsys):
     """auto is triton on CUDA and torch elsewhere (and torch, said on stderr, on CUDA without
     triton); triton where it cannot run is refused by name with the fix."""
     import treeflow.models.ssm.tree as ssm_tree
+    from treeflow.models import triton_kernels
 
     par = _star(5, 2, 3)
     assert SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="auto").kernel == "torch"
     assert ssm_tree.resolve_kernel("auto", "cpu") == "torch"
-    monkeypatch.setattr(ssm_tree, "_has_triton", lambda: True)
+    monkeypatch.setattr(triton_kernels, "installed", lambda: True)
     assert ssm_tree.resolve_kernel("auto", "cuda") == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(ssm_tree, "_has_triton", lambda: False)
+    monkeypatch.setattr(triton_kernels, "installed", lambda: False)
     capsys.readouterr()
     assert ssm_tree.resolve_kernel("auto", "cuda") == "torch"
     err = capsys.readouterr().err
     assert "--ssm-kernel auto runs the torch scan: triton is not installed" in err
     with pytest.raises(ValueError, match=r"needs triton.*pip install 'treeflow\[triton\]'"):
         SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="triton")
-    monkeypatch.setattr(ssm_tree, "_has_triton", lambda: True)
+    monkeypatch.setattr(triton_kernels, "installed", lambda: True)
     with pytest.raises(ValueError, match="runs on CUDA, not on cpu"):
         SegmentPlan(par, chunk_size=4, conv_kernel=4, kernel="triton")
     with pytest.raises(ValueError, match="choose one of"):

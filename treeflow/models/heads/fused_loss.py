@@ -31,10 +31,10 @@ a chunk.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
+
+from treeflow.models import triton_kernels
 
 __all__ = ["fused_selected_logprobs"]
 
@@ -54,7 +54,7 @@ def fused_selected_logprobs(weight_VH: torch.Tensor, hidden_EH: torch.Tensor,
                          "off Tuning(fused_loss) or the parameter sharding")
     if row_chunk < 1 or vocab_chunk < 1:
         raise ValueError(f"row_chunk and vocab_chunk must be >= 1, got {row_chunk}, {vocab_chunk}")
-    kernels = _kernels(hidden_EH.device) if kernels is None else kernels
+    kernels = triton_kernels.by_default(hidden_EH.device) if kernels is None else kernels
     targets_E = targets_E.contiguous()  # a column of a wider table arrives strided
     lp_E, ent_E = _FusedSelected.apply(hidden_EH, weight_VH, targets_E, row_chunk, vocab_chunk,
                                        with_entropy, kernels)
@@ -151,12 +151,6 @@ def _triton_loss():
     from treeflow.models.heads import triton_loss as module
 
     return module
-
-
-def _kernels(device: torch.device) -> bool:
-    """The Triton tile kernels (models/heads/triton_loss.py) by default where they compile: on
-    CUDA, with Triton installed (an optional extra)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _compute_weight(weight_VH, device_type):

@@ -20,10 +20,10 @@ R = N*K routed rows.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
+
+from treeflow.models import triton_kernels
 
 __all__ = ["combine", "dispatch", "expert_mix", "permute"]
 
@@ -143,7 +143,7 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True,
         compute = torch.get_autocast_dtype(device)  # (the N token rows, before they become R)
         h_NH, gate_up_XIH, down_XHI = (t.to(compute) for t in (x_NH, gate_up_XIH, down_XHI))
     xs_RH = permute(h_NH, order_R, inverse_R, k)
-    fused = _fused(x_NH.device) if fused is None else fused
+    fused = triton_kernels.by_default(x_NH.device) if fused is None else fused
     if _grouped_ok(xs_RH, gate_up_XIH, down_XHI):
         offs_X = counts_X.cumsum(0).to(torch.int32)
         h_RI = _grouped(xs_RH, gate_up_XIH.transpose(1, 2), offs_X)
@@ -160,12 +160,6 @@ def expert_mix(x_NH, idx_NK, w_NK, gate_up_XIH, down_XHI, *, gated: bool = True,
     if y_NH is None:
         y_NH = combine(out_RH, w_NK.reshape(-1).index_select(0, order_R), order_R, inverse_R, k)
     return y_NH.to(x_NH.dtype)
-
-
-def _fused(device: torch.device) -> bool:
-    """The Triton kernels (models/moe/triton_moe.py) by default where they compile: on CUDA, with
-    Triton installed (an optional extra)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _triton_moe():

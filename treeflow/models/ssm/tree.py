@@ -47,18 +47,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeflow.models import triton_kernels
+
 __all__ = ["FORKS", "KERNELS", "STATE_DTYPES", "SegmentPlan", "conv_inverse", "depths",
            "resolve_kernel", "tree_conv", "tree_ssd"]
 
 FORKS = ("exact", "chunk")
 KERNELS = ("auto", "torch", "triton")
-TRITON_INSTALL = "pip install 'treeflow[triton]' (or pip install triton)"
-
-
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_kernel(kernel: str, device: torch.device | str) -> str:
@@ -82,14 +77,14 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> str:
     if kernel == "auto":
         if dev != "cuda":
             return "torch"
-        if not _has_triton():
+        if not triton_kernels.installed():
             print(f"note: --ssm-kernel auto runs the torch scan: triton is not installed "
-                  f"({TRITON_INSTALL})", file=sys.stderr)
+                  f"({triton_kernels.INSTALL})", file=sys.stderr)
             return "torch"
         return "triton"
-    if not _has_triton():
+    if not triton_kernels.installed():
         raise ValueError(f"--ssm-kernel triton (Tuning.ssm_kernel) needs triton, which is not "
-                         f"installed: {TRITON_INSTALL}, or use --ssm-kernel torch")
+                         f"installed: {triton_kernels.INSTALL}, or use --ssm-kernel torch")
     if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"--ssm-kernel triton runs on CUDA, not on {dev}: use --ssm-kernel "
                          "torch (or auto) there; TRITON_INTERPRET=1 runs the kernels on CPU "
