@@ -100,6 +100,8 @@ COMMANDS = (
      "--ssm-precisions auto,bf16 (and the torch scan; bench_scan_gpu.py --precision bf16)"),
     ("h100_bench_moe_gpu", "python3 bench/bench_moe_gpu.py --train-steps 2 --budget-seconds 380"),
     ("h100_bench_moe_fused", "python3 bench/bench_moe_gpu.py --no-train --budget-seconds 440"),
+    ("h100_bench_moe_kernels", "python3 bench/bench_moe_gpu.py --train-steps 2 --budget-seconds 450 "
+     "--profile-before DIR (fresh compile cache)"),
     ("h100_cold_start", "bench_hybrid_gpu.py and treeflow replay on fresh compile caches, under "
      "py-spy (the file's recorded block)"),
     ("h100_bench_gate_gpu_design", "python3 bench/bench_gate_gpu.py --design --margin-groups 0"),
