@@ -113,12 +113,17 @@ def test_a_build_that_fails_ahead_is_named_and_left_to_the_real_pass(fresh, caps
     """A first-pass launch is skipped and its build handed to a thread, once per
     specialization; a build that fails there (here: no GPU to build for) is named on leaving,
     and the real pass builds it where its error surfaces."""
+    from triton.compiler import ASTSource, compile
+
     jit = JITFunction(_never_built)  # a compiled kernel's object (tests interpret ours)
+    jit.ASTSource, jit.compile = ASTSource, compile  # what its first launch would have set
     info = JitFunctionInfo(jit.module, "_loss_tile_stats", jit)
 
     def launch():
         return knobs.runtime.jit_cache_hook(
-            key=("spec",), repr="", fn=info, compile={"specialization_data": "{}", "device": 0},
+            key=("spec",), repr="", fn=info,
+            compile={"signature": {"x_ptr": "*fp32"}, "device": 0, "constants": {},
+                     "configs": [{}], "specialization_data": '{"options": {}}'},
             is_manual_warmup=False, already_compiled=False)
 
     with jit_watch.compile_ahead(2) as ahead:

@@ -8,8 +8,8 @@ warm-up (ops/warm_up.py) runs dummy bins so that this happens before the first w
 Ahead (`compile_ahead()`, the warm-up's first pass): a forward meets its kernels one after
 another, each launch waiting for its build, so a first run's compiles add up (a hybrid's scan
 kernels were ~14 s of an H100's cold start, one after another). Inside `compile_ahead()` a
-launch whose kernel this process does not hold is not run: its build (Triton's own
-`JITFunction.preload` of the specialization the launch asked for) goes to a thread, and the
+launch whose kernel this process does not hold is not run: its build (the specialization the
+launch asked for) goes to a thread, and the
 forward goes on with that kernel's outputs unwritten. The pass runs on to the end, so every
 kernel of the dummy bins is building at once (Triton's compile spends most of its time outside
 the GIL, in MLIR and ptxas); leaving waits for them all. The warm-up then runs its bins for real,
@@ -27,13 +27,16 @@ its answer kept (it may skip the build). inductor's own kernels are built throug
 
 Trade-off: the first pass costs one more dummy forward (and backward) when every kernel is
 already in Triton's cache (tens of milliseconds on an H100); a Triton without the hook's
-`specialization_data` or `preload` builds in turn, as before, and stderr says so once.
+specialization (Triton < 3.4) builds in turn, as before, and stderr says so once. The build
+reads Triton's internals (`device_caches`, `ASTSource`, `compile`), which a Triton release may
+change: a build that fails is named on stderr and the real pass builds it as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import sys
 import threading
 import time
@@ -62,7 +65,7 @@ def install() -> bool:
     def hook(**kwargs):
         builds = getattr(_AHEAD, "builds", None)
         if builds is not None and builds.take(kwargs):
-            return True  # not launched: built in a thread (its preload comes back here)
+            return True  # not launched: built in a thread
         _names.append(kwargs["fn"].name)
         return before(**kwargs) if before is not None else None
 
@@ -105,14 +108,14 @@ class Ahead:
         fn = hook_kwargs.get("fn")
         jit = getattr(fn, "jit_function", None)
         spec = hook_kwargs.get("compile") or {}
-        data, device = spec.get("specialization_data"), spec.get("device")
-        if data is None or device is None or not callable(getattr(jit, "preload", None)):
+        if not (_FIELDS <= spec.keys() and spec["configs"] and hook_kwargs.get("key") is not None
+                and all(callable(getattr(jit, a, None)) for a in ("ASTSource", "compile"))):
             _say_once("this Triton's build hook gives no specialization to build elsewhere "
                       "(Triton >= 3.4 does): the warm-up builds its kernels one after another")
             return False
-        key = (fn.name, str(hook_kwargs.get("key")))
-        if key not in self._futures:
-            self._futures[key] = self._pool.submit(_preload, jit, data, device)
+        key = hook_kwargs["key"]
+        if (fn.name, str(key)) not in self._futures:
+            self._futures[(fn.name, str(key))] = self._pool.submit(_build, jit, key, spec)
             self.submitted += 1
         return True
 
@@ -136,11 +139,23 @@ class Ahead:
                   "warm-up builds them in turn", file=sys.stderr, flush=True)
 
 
-def _preload(jit, data: str, device: int) -> None:
+_FIELDS = {"signature", "device", "constants", "configs", "specialization_data"}
+
+
+def _build(jit, key, spec: dict) -> None:
+    """What Triton's own `_do_compile` does for the launch the hook was called for: the kernel
+    from its signature, constants and attributes (the launch's own objects, not their JSON: a
+    round trip through `preload`'s decoding failed to compile two scan kernels on Triton 3.6),
+    with the launch's options, kept in the kernel's cache under the launch's key."""
     import torch
 
-    torch.cuda.set_device(device)  # Triton builds for the thread's current device
-    jit.preload(data)
+    torch.cuda.set_device(spec["device"])  # Triton builds for the thread's current device
+    kernel_cache, _, target, backend, _ = jit.device_caches[spec["device"]]
+    raw = json.loads(spec["specialization_data"])["options"]  # plain values: a safe round trip
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
+                                     for k, v in raw.items()})
+    src = jit.ASTSource(jit, spec["signature"], spec["constants"], spec["configs"][0])
+    kernel_cache[key] = jit.compile(src, target=target, options=options.__dict__)
 
 
 @contextlib.contextmanager
