@@ -112,11 +112,12 @@ def test_a_second_process_traces_nothing_with_flex_attention_either(tmp_path):
     assert first["outs"] == off["outs"] and second["outs"] == off["outs"]
 
 
-@pytest.fixture
-def cache(tmp_path):
+def configured(where):
+    """compile_cache turned on in `where` for one test, the process's cache settings put back
+    after it (the body of `cache` and of fixtures that keep one directory for a module)."""
     env = {k: os.environ.get(k) for k in ENV}
     ours, active = dict(compile_cache._ours), compile_cache._active
-    yield compile_cache.configure(tmp_path / "cache")
+    yield compile_cache.configure(where)
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
@@ -125,6 +126,11 @@ def cache(tmp_path):
     compile_cache._ours.clear()
     compile_cache._ours.update(ours)
     compile_cache._active = active
+
+
+@pytest.fixture
+def cache(tmp_path):
+    yield from configured(tmp_path / "cache")
 
 
 def _scale(x, w):
