@@ -128,9 +128,17 @@ def configured(where):
     compile_cache._active = active
 
 
+def with_headers(where, headers):
+    """`where` made a new cache directory (mode 0700) whose precompiled_headers/ links to
+    `headers` (compile_cache follows the link and checks the directory it names)."""
+    os.makedirs(where, mode=0o700)
+    os.symlink(headers, os.path.join(where, "precompiled_headers"))
+    return where
+
+
 @pytest.fixture
-def cache(tmp_path):
-    yield from configured(tmp_path / "cache")
+def cache(tmp_path, shared_headers):
+    yield from configured(with_headers(tmp_path / "cache", shared_headers))
 
 
 def _scale(x, w):

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_compile_cache_precompiled import configured
+from tests.test_compile_cache_precompiled import configured, with_headers
 from treeflow import compile_cache
 from treeflow.models import ModelConfig
 from treeflow.models.compile import aoti, build_pool
@@ -36,18 +36,17 @@ _CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
 
 
 @pytest.fixture(scope="module")
-def _module_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("build_pool_cache")
+def _module_cache(tmp_path_factory, shared_headers):
+    return with_headers(tmp_path_factory.mktemp("build_pool") / "cache", shared_headers)
 
 
 @pytest.fixture
 def cache(_module_cache):
     """One compile cache for the module's builds outside a pool of their own making, as a
-    user's cache is kept: inductor's two precompiled headers (two g++ runs, ~13 s of CPU per
-    directory) are built by the first build and reused by the later ones (3 directories of
-    headers built before, 1 now). The packages are each test's own (the serial decoder parts,
+    user's cache is kept, its precompiled headers the session's (`shared_headers`: two g++
+    runs, ~13 s of CPU, made once). The packages are each test's own (the serial decoder parts,
     fails_in_pool and builds_in_pool, waits), so no test loads another's build; the side-by-side
-    builds still make their headers in a directory of their own, inside the pool."""
+    builds still make their headers in a new directory of their own, inside the pool."""
     yield from configured(_module_cache)
 
 
