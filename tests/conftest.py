@@ -288,6 +288,17 @@ def _fail_on_leaked_group(what: str, was: bool) -> None:
                     pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def shared_headers(tmp_path_factory):
+    """One directory of inductor's precompiled headers for the ahead-of-time C++ builds of a
+    test process (tests/test_compile_cache_precompiled.py's `with_headers` links it into a new
+    cache): two g++ runs (~13 s of CPU) that every new cache directory would pay again in its
+    first build, the same .gch files each time (their names hash the compile command and the
+    preprocessed header, not the directory). Tests that check where headers go or that they are
+    made (tests/test_compile_cache.py) use caches of their own."""
+    return tmp_path_factory.mktemp("precompiled_headers")
+
+
 @pytest.fixture
 def megatron_group():
     """For a test that loads the megatron backend in this process: the one-process group and

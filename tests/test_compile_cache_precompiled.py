@@ -112,11 +112,12 @@ def test_a_second_process_traces_nothing_with_flex_attention_either(tmp_path):
     assert first["outs"] == off["outs"] and second["outs"] == off["outs"]
 
 
-@pytest.fixture
-def cache(tmp_path):
+def configured(where):
+    """compile_cache turned on in `where` for one test, the process's cache settings put back
+    after it (the body of `cache` and of fixtures that keep one directory for a module)."""
     env = {k: os.environ.get(k) for k in ENV}
     ours, active = dict(compile_cache._ours), compile_cache._active
-    yield compile_cache.configure(tmp_path / "cache")
+    yield compile_cache.configure(where)
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
@@ -125,6 +126,19 @@ def cache(tmp_path):
     compile_cache._ours.clear()
     compile_cache._ours.update(ours)
     compile_cache._active = active
+
+
+def with_headers(where, headers):
+    """`where` made a new cache directory (mode 0700) whose precompiled_headers/ links to
+    `headers` (compile_cache follows the link and checks the directory it names)."""
+    os.makedirs(where, mode=0o700)
+    os.symlink(headers, os.path.join(where, "precompiled_headers"))
+    return where
+
+
+@pytest.fixture
+def cache(tmp_path, shared_headers):
+    yield from configured(with_headers(tmp_path / "cache", shared_headers))
 
 
 def _scale(x, w):

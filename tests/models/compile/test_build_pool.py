@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_compile_cache_precompiled import cache  # noqa: F401 (the fixture)
+from tests.test_compile_cache_precompiled import configured, with_headers
 from treeflow import compile_cache
 from treeflow.models import ModelConfig
 from treeflow.models.compile import aoti, build_pool
@@ -33,6 +33,21 @@ from treeflow.models.compile import aoti, build_pool
 HANG_S = 300.0  # bounds a hang only: a wait below ends as soon as what it waits for happens
 _CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def _module_cache(tmp_path_factory, shared_headers):
+    return with_headers(tmp_path_factory.mktemp("build_pool") / "cache", shared_headers)
+
+
+@pytest.fixture
+def cache(_module_cache):
+    """One compile cache for the module's builds outside a pool of their own making, as a
+    user's cache is kept, its precompiled headers the session's (`shared_headers`: two g++
+    runs, ~13 s of CPU, made once). The packages are each test's own (the serial decoder parts,
+    fails_in_pool and builds_in_pool, waits), so no test loads another's build; the side-by-side
+    builds still make their headers in a new directory of their own, inside the pool."""
+    yield from configured(_module_cache)
 
 
 def _hidden(model, n: int):
@@ -74,8 +89,7 @@ def test_warm_up_builds_run_side_by_side_and_equal_the_serial_builds_bit_for_bit
     counts = (64, 23)  # two token counts: one graph per part serves both
     plain = {n: _hidden(model, n) for n in counts}  # the reference: eager layers
 
-    compile_cache.configure(tmp_path / "serial")
-    serial_ops = _ops(monkeypatch, device)
+    serial_ops = _ops(monkeypatch, device)  # in the module's cache (the fixture's)
     serial = {n: _hidden(model, n) for n in counts}  # each part built in its first call
     assert _built(serial_ops) == {"attention_inputs": 1, "after_attention": 1}
 

@@ -22,7 +22,8 @@ compile showed the second shipped bug: under Triton 3.6 (torch 2.11's) and 3.7, 
 loops of `token_x_bwd` and `token_sum` held a [BT] slot vector beside a [BT, W] tile, and
 the two got different layouts ("'tt.load' op failed to verify that mask type matches ptr
 type", then TritonGPURemoveLayoutConversions failed); unaligned they compiled. 162 compiles,
-split over up to 4 processes (~35 s of CPU in all). They run without TRITON_INTERPRET, which
+split over up to 4 processes (~35 s of CPU in all), the first of which also reads the kernels'
+specialization for the bin-size test. They run without TRITON_INTERPRET, which
 turns `triton.jit` into the interpreter at import, and with the test's PYTHONPATH after the
 repo: a Triton installed aside (`pip install --target`) put first on it is the one compiled
 with.
@@ -141,9 +142,19 @@ def _aligned(fn, sig, backend) -> dict:
             and not param.do_not_specialize_on_alignment}
 
 
-def compile_all(part: int = 0, parts: int = 1) -> None:
-    """Compile every case for sm_90, unaligned and aligned (or every parts-th from part on);
-    print one line per failure and the count, exit 1 if any failed."""
+def compile_all(part: int = 0, parts: int = 1, compile: bool = True) -> None:
+    """Part 0 first prints each launched kernel's bin-size parameters' `do_not_specialize`
+    (SPECIALIZED lines). Then (with `compile`) compile every case for sm_90, unaligned and
+    aligned (or every parts-th from part on); print one line per failure and the count, exit 1
+    if any failed."""
+    if part == 0:
+        for fn in _kernels():
+            for a in ("N", "R"):
+                if a in fn.arg_names:
+                    p = fn.params[fn.arg_names.index(a)]
+                    print("SPECIALIZED", fn.__name__, p.do_not_specialize, flush=True)
+    if not compile:
+        return
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -168,60 +179,70 @@ def compile_all(part: int = 0, parts: int = 1) -> None:
     sys.exit(1 if failed else 0)
 
 
-def test_every_scan_and_conv_kernel_compiles_for_sm90(tmp_path):
+def _has_ptxas() -> bool:
     import triton
 
     nvidia = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia")
-    if not os.path.exists(os.path.join(nvidia, "bin", "ptxas")):
-        pytest.skip("this triton has no CUDA backend with its ptxas")
+    return os.path.exists(os.path.join(nvidia, "bin", "ptxas"))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The compiling processes, run once for both tests below (one start of torch, triton and
+    the kernels' modules fewer): [(returncode, stdout, stderr)], the first one's stdout with the
+    SPECIALIZED lines. Without a ptxas, one process that only reads the kernels."""
+    tmp_path = tmp_path_factory.mktemp("triton_compiles")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
                TRITON_CACHE_DIR=str(tmp_path / "triton"))  # compile, never read a cache
-    parts = min(4, os.cpu_count() or 1)  # compiles are independent: split them over processes
+    compile = _has_ptxas()
+    # compiles are independent: split them over processes
+    parts = min(4, os.cpu_count() or 1) if compile else 1
     procs, logs = [], [(tmp_path / f"out{i}", tmp_path / f"err{i}") for i in range(parts)]
     for i, (out, err) in enumerate(logs):
         with open(out, "w") as fo, open(err, "w") as fe:
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from tests.models.ssm.test_triton_compiles import "
-                 f"compile_all; compile_all({i}, {parts})"], cwd=ROOT, env=env, stdout=fo,
-                stderr=fe))
+                 f"compile_all; compile_all({i}, {parts}, {compile})"], cwd=ROOT, env=env,
+                stdout=fo, stderr=fe))
     for proc in procs:
         proc.wait(timeout=600)
+    return [(proc.returncode, out.read_text(), err.read_text())
+            for proc, (out, err) in zip(procs, logs)]
+
+
+def test_every_scan_and_conv_kernel_compiles_for_sm90(compiled):
+    import triton
+
+    if not _has_ptxas():
+        pytest.skip("this triton has no CUDA backend with its ptxas")
     ok = n = 0
     failed, why = [], []
-    for proc, (out, err) in zip(procs, logs):
-        text = out.read_text()
+    for returncode, text, err in compiled:
         counts = re.findall(r"^compiled (\d+) of (\d+)$", text, re.M)
-        assert counts, text + err.read_text()[-3000:]  # a process that died before its count
+        assert counts, text + err[-3000:]  # a process that died before its count
         ok, n = ok + int(counts[-1][0]), n + int(counts[-1][1])
         failed += [line for line in text.splitlines() if line.startswith("FAILED")]
-        if proc.returncode:  # the compiler's diagnostics (its IR dumps left out)
-            lines = err.read_text().splitlines()
+        if returncode:  # the compiler's diagnostics (its IR dumps left out)
+            lines = err.splitlines()
             why += [line for line in lines if "error:" in line] or lines[-20:]
     # the count last: a long report cut from the front keeps it
     count = f"compiled {ok} of {n} (triton {triton.__version__})"
-    assert not failed and all(proc.returncode == 0 for proc in procs), \
+    assert not failed and all(returncode == 0 for returncode, _, _ in compiled), \
         "\n".join([*dict.fromkeys(why), *failed, count])
     assert n > 100, n  # every case ran (162 today: 81 unaligned, 81 aligned)
 
 
-def test_the_bin_size_is_not_specialized():
+def test_the_bin_size_is_not_specialized(compiled):
     """Every launched kernel taking the bin's token count N (or its routed row count R) leaves
     it unspecialized, so one compile serves bins of every size: a warm-up on the budget's 16-divisible size and a
     run's first odd-sized bin would otherwise compile each kernel twice on a GPU (inside the
-    first windows, where a user waits). Read in a process without TRITON_INTERPRET (the
-    interpreter's functions carry no launcher parameters). Plant: drop it from one kernel."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
-    code = ("from tests.models.ssm.test_triton_compiles import _kernels\n"
-            "for fn in _kernels():\n"
-            "    for a in ('N', 'R'):\n"
-            "        if a in fn.arg_names:\n"
-            "            p = fn.params[fn.arg_names.index(a)]\n"
-            "            print(fn.__name__, p.do_not_specialize)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    seen = dict(line.split() for line in out.stdout.splitlines())
+    first windows, where a user waits). Read in the first compiling process, before its
+    compiles, without TRITON_INTERPRET (the interpreter's functions carry no launcher
+    parameters). Plant: drop it from one kernel."""
+    _, text, err = compiled[0]
+    lines = [line.split()[1:] for line in text.splitlines() if line.startswith("SPECIALIZED ")]
+    assert lines, err[-3000:]  # a process that died before reading the kernels
+    seen = dict(lines)
     assert len(seen) >= 14, seen  # the scan's, the backward's, the conv's, the MoE's
     assert all(v == "True" for v in seen.values()), seen
