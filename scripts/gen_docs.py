@@ -104,6 +104,8 @@ COMMANDS = (
      "--profile-before DIR (fresh compile cache)"),
     ("h100_cold_start", "bench_hybrid_gpu.py and treeflow replay on fresh compile caches, under "
      "py-spy (the file's recorded block)"),
+    ("h100_cold_start_first_pass", "bench_hybrid_gpu.py and bench_moe_gpu.py on fresh compile "
+     "caches, then warm (the file's recorded block)"),
     ("h100_bench_gate_gpu_design", "python3 bench/bench_gate_gpu.py --design --margin-groups 0"),
     ("h100_bench_gate_gpu_moe4", "python3 bench/bench_gate_gpu.py --layers 4 --margin-groups 0"),
     ("h100_hybrid_cp1_before_after", "python3 bench/bench_hybrid_cp1_before_after.py "
