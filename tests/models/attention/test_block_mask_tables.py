@@ -120,16 +120,20 @@ def test_the_warm_up_stand_in_has_flex_attentions_output_shapes_and_dtypes(retur
     """While the flex graph builds, the warm-up's first pass takes `_flex_shaped`'s unwritten
     outputs (Precompiled's stand_in, models/compile/jit_watch.py); the pass goes on to layers
     that must see flex's own shapes and dtypes: grouped queries, a value width unlike the
-    keys', bf16 values with a float32 log-sum-exp."""
+    keys', bf16 values with a float32 log-sum-exp; and flex's strides, for q transposed as
+    tree.py hands it over ([tokens, heads, dim] -> [1, heads, tokens, dim]): a later graph's key
+    tells a strided output from a contiguous one."""
     n, padded, block = 20, 32, 16
     end = np.arange(1, n + 1)  # a chain
     entry = flex_mask.mask_entry(end, padded, block, torch.device("cpu"))
-    q = torch.randn(1, 4, padded, 16, dtype=torch.bfloat16)
-    k = torch.randn(1, 2, padded, 16, dtype=torch.bfloat16)
-    v = torch.randn(1, 2, padded, 8, dtype=torch.bfloat16)
+
+    def as_tree_py(heads, dim):
+        return torch.randn(padded, heads, dim, dtype=torch.bfloat16).transpose(0, 1)[None]
+
+    q, k, v = as_tree_py(4, 16), as_tree_py(2, 16), as_tree_py(2, 8)
     args = (q, k, v, *entry.tables, block, None, return_lse, None)
     want = flex_mask._flex_call(*args)
     got = flex_mask._flex_shaped(*args)
     want, got = (t if isinstance(t, tuple) else (t,) for t in (want, got))
-    assert [(t.shape, t.dtype, t.device) for t in got] == \
-        [(t.shape, t.dtype, t.device) for t in want]
+    assert [(t.shape, t.stride(), t.dtype, t.device) for t in got] == \
+        [(t.shape, t.stride(), t.dtype, t.device) for t in want]

@@ -98,9 +98,13 @@ def _flex_shaped(q_1QLD, k_1KLD, v_1KLD, end_L, depth_L, kv_n, kv_i, fkv_n, fkv_
                  kernel_options: dict | None):
     """`_flex_call`'s outputs, unwritten: the warm-up's first pass answers with these while the
     flex graph builds (Precompiled's stand_in), where flex's eager form would materialise every
-    score. Shapes and dtypes as flex_attention's: q's with v's last dimension, and the
-    log-sum-exp in float32 when asked for."""
-    out = q_1QLD.new_empty(*q_1QLD.shape[:-1], v_1KLD.shape[-1])
+    score. Shapes, dtypes and strides as flex_attention's: q's shape with v's last dimension,
+    laid out in q's stride order (tree.py hands flex a transposed q, and a caller's graph key
+    tells a strided output from a contiguous one), and the log-sum-exp in float32 when asked
+    for."""
+    order = sorted(range(q_1QLD.dim()), key=lambda d: (-q_1QLD.stride(d), d))
+    out = torch.empty_permuted((*q_1QLD.shape[:-1], v_1KLD.shape[-1]), order,
+                               dtype=q_1QLD.dtype, device=q_1QLD.device)
     if not return_lse:
         return out
     return out, q_1QLD.new_empty(q_1QLD.shape[:-1], dtype=torch.float32)
