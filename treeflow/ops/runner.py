@@ -319,7 +319,8 @@ class ForwardRunner:
             # none waited for until it ends (jit_watch.compile_ahead); the second runs the bins
             t1 = time.perf_counter()
             with jit_watch.compile_ahead() as ahead:
-                self._warm_bins(shapes, grad=grad, timed=False)
+                if ahead is not None:  # no Triton: no first pass (it would only run twice)
+                    self._warm_bins(shapes, grad=grad, timed=False)
             self.warm_up_ahead = {"seconds": round(time.perf_counter() - t1, 3),
                                   "kernels": 0 if ahead is None else ahead.submitted,
                                   "wait_seconds": 0.0 if ahead is None

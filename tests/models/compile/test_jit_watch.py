@@ -111,12 +111,16 @@ def _never_built(x_ptr):
 
 def test_a_build_that_fails_ahead_is_named_and_left_to_the_real_pass(fresh, capsys):
     """A first-pass launch is skipped and its build handed to a thread, once per
-    specialization; a build that fails there (here: no GPU to build for) is named on leaving,
+    specialization; a build that fails there (no GPU to build for here, a failing compile on a
+    GPU machine) is named on leaving,
     and the real pass builds it where its error surfaces."""
-    from triton.compiler import ASTSource, compile
+    from triton.compiler import ASTSource
+
+    def fails(src, target=None, options=None):
+        raise RuntimeError("this build fails")
 
     jit = JITFunction(_never_built)  # a compiled kernel's object (tests interpret ours)
-    jit.ASTSource, jit.compile = ASTSource, compile  # what its first launch would have set
+    jit.ASTSource, jit.compile = ASTSource, fails  # as its first launch sets them; fails anywhere
     info = JitFunctionInfo(jit.module, "_loss_tile_stats", jit)
 
     def launch():

@@ -26,7 +26,8 @@ its answer kept (it may skip the build). inductor's own kernels are built throug
 (its compile workers) and are neither counted nor sent ahead here.
 
 Trade-off: the first pass costs one more dummy forward (and backward) when every kernel is
-already in Triton's cache (tens of milliseconds on an H100); a Triton without the hook's
+already in Triton's cache (tens of milliseconds on an H100); a `@triton.autotune` kernel would
+be timed on skipped launches (treeflow has none); a Triton without the hook's
 specialization (Triton < 3.4) builds in turn, as before, and stderr says so once. The build
 reads Triton's internals (`device_caches`, `ASTSource`, `compile`), which a Triton release may
 change: a build that fails is named on stderr and the real pass builds it as before.
@@ -114,18 +115,21 @@ class Ahead:
                       "(Triton >= 3.4 does): the warm-up builds its kernels one after another")
             return False
         key = hook_kwargs["key"]
-        if (fn.name, str(key)) not in self._futures:
-            self._futures[(fn.name, str(key))] = self._pool.submit(_build, jit, key, spec)
+        if (id(jit), str(key)) not in self._futures:  # by kernel object: names can repeat
+            self._futures[(id(jit), str(key))] = (fn.name,
+                                                  self._pool.submit(_build, jit, key, spec))
             self.submitted += 1
         return True
 
     def finish(self) -> None:
         t0 = time.perf_counter()
-        for (name, _), future in self._futures.items():
-            error = future.exception()
-            if error is not None:  # built again by the real pass, where its error surfaces
-                self.failed.setdefault(name, f"{type(error).__name__}: {str(error)[:200]}")
-        self._pool.shutdown(wait=True)
+        try:
+            for name, future in self._futures.values():
+                error = future.exception()
+                if error is not None:  # built again by the real pass, where its error surfaces
+                    self.failed.setdefault(name, f"{type(error).__name__}: {str(error)[:200]}")
+        finally:  # interrupted: the builds not started are dropped, not left to run at exit
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self.wait_seconds = time.perf_counter() - t0
         if self.wait_seconds >= 1.0:  # a first run's compiles (a warm cache loads in ms)
             print(f"treeflow: the warm-up built {self.submitted} Triton kernel "
@@ -162,7 +166,8 @@ def _build(jit, key, spec: dict) -> None:
 def compile_ahead(workers: int | None = None):
     """A pass in which launches of kernels this process does not hold only start their builds,
     in `workers` threads (build_pool's count: the cores, at most 8); leaving waits for every
-    build. Yields the `Ahead`, or None without Triton (nothing is skipped then)."""
+    build. Backward runs in the calling thread inside it (the flag is this thread's). Yields the
+    `Ahead`, or None without Triton (nothing is skipped then: a caller may skip its pass)."""
     if getattr(_AHEAD, "builds", None) is not None:
         raise RuntimeError("compile_ahead() is already open in this thread")
     if not install():
@@ -172,10 +177,15 @@ def compile_ahead(workers: int | None = None):
         from treeflow.models.compile import build_pool
 
         workers = build_pool.workers()
+    import torch
+
     builds = Ahead(workers)
     _AHEAD.builds = builds
     try:
-        yield builds
+        # backward in this thread: autograd runs a CUDA graph's backward on a thread of its own
+        # per device, where this thread's flag is not set (its kernels would build in turn)
+        with torch.autograd.set_multithreading_enabled(False):
+            yield builds
     finally:
         _AHEAD.builds = None
         builds.finish()
