@@ -109,16 +109,19 @@ class _FusedSelected(torch.autograd.Function):
                 h_CH, t_C, lse_C1 = hidden_EH[r0:r1], targets_E[r0:r1], lse_E[r0:r1, None]
                 g_C1 = None if grad_lp_E is None else grad_lp_E[r0:r1, None].float()
                 ge_C1 = None if grad_ent_E is None else grad_ent_E[r0:r1, None].float()
+                if kernels:  # the kernels' vectors on 16-byte boundaries once, not per tile
+                    aligned = _triton_loss()._aligned
+                    kt_C, klse_C = aligned(t_C), aligned(lse_E[r0:r1])
+                    kg_C = None if g_C1 is None else g_C1[:, 0].contiguous()
+                    kge_C = None if ge_C1 is None else ge_C1[:, 0].contiguous()
+                    kent_C = None if ge_C1 is None else aligned(ent_E[r0:r1])
                 for v0 in range(0, v, vocab_chunk):
                     v1 = min(v0 + vocab_chunk, v)
                     w_WH = w_VH[v0:v1]
                     raw_CW = F.linear(h_CH, w_WH)
                     if kernels and _triton_loss().serves(raw_CW):  # one kernel, no launch more
-                        gx_CW = _triton_loss().tile_grad(
-                            raw_CW, v0, t_C, lse_E[r0:r1],
-                            None if g_C1 is None else g_C1[:, 0].contiguous(),
-                            None if ge_C1 is None else ge_C1[:, 0].contiguous(),
-                            None if ge_C1 is None else ent_E[r0:r1])
+                        gx_CW = _triton_loss().tile_grad(raw_CW, v0, kt_C, klse_C, kg_C, kge_C,
+                                                         kent_C)
                     else:
                         gx_CW = _tile_grad(raw_CW, lse_C1, t_C - v0, g_C1, ge_C1,
                                            None if ge_C1 is None else ent_E[r0:r1, None])
@@ -175,11 +178,12 @@ def _row_stats(h_CH, weight_VH, t_C, vocab_chunk, with_entropy, kernels=False):
     s_C = torch.zeros(c, dtype=torch.float64, device=h_CH.device)
     x_sum_C = torch.zeros_like(s_C) if with_entropy else None
     tgt_C = torch.zeros(c, dtype=torch.float32, device=h_CH.device)
+    kt_C = _triton_loss()._aligned(t_C) if kernels else t_C  # once, not per tile
     for v0 in range(0, v, vocab_chunk):
         v1 = min(v0 + vocab_chunk, v)
         raw_CW = F.linear(h_CH, weight_VH[v0:v1])
         if kernels and _triton_loss().serves(raw_CW):  # the rest of the step in one kernel
-            _triton_loss().tile_stats(raw_CW, v0, t_C, m_C, s_C, x_sum_C, tgt_C)
+            _triton_loss().tile_stats(raw_CW, v0, kt_C, m_C, s_C, x_sum_C, tgt_C)
             continue
         x_CW = raw_CW.float()
         m_new_C = torch.maximum(m_C, x_CW.amax(1))
