@@ -97,7 +97,7 @@ class Ahead:
 
     def __init__(self, workers: int) -> None:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="treeflow-triton-build")
-        self._futures: dict = {}  # (kernel name, specialization key) -> Future
+        self._futures: dict = {}  # (id of the kernel, its key) -> (kernel name, Future)
         self.workers = workers
         self.submitted = 0
         self.failed: dict[str, str] = {}
